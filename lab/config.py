@@ -1,0 +1,182 @@
+"""Experiment YAML: reading, validation with one-line errors, defaults.
+
+Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
+
+    name: quickstart
+    backend: sim                 # sim | engine
+    trace: {format: azure2023, path: ..., rate_scale: 2.0 or [1, 2, 3], ...}   # traces/
+    model: llama-3.1-8b          # lab/models.py preset (sim)
+    hardware: h200-sxm           # lab/hardware.py preset (sim)
+    cost_model: {flops_efficiency: 0.7, bandwidth_efficiency: 0.85, step_overhead_s: 0.002}
+    kv_cache: {block_size: 16, gpu_memory_utilization: 0.9, num_gpu_blocks: null,
+               swap_space_gib: 4, watermark: 0.01}
+    scheduler: {max_num_seqs: 256, max_num_batched_tokens: null, max_model_len: null}
+    policies: [fcfs, swap, {name: chunked_prefill, max_num_batched_tokens: 512}]
+    slo: {ttft_s: null, tpot_s: null, e2e_s: null}
+    engine: {...}                # backend: engine only (backend/README.md)
+
+YAML is read with ``yaml.safe_load`` only; policies are looked up by registered name.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lab.errors import ConfigError
+from lab.hardware import HARDWARE
+from lab.models import MODELS
+
+DEFAULTS: dict[str, Any] = {
+    "name": None,
+    "backend": "sim",
+    "seed": 0,
+    "trace": None,
+    "model": "llama-3.1-8b",
+    "hardware": "h200-sxm",
+    "cost_model": {"flops_efficiency": 0.7, "bandwidth_efficiency": 0.85, "step_overhead_s": 0.002},
+    "kv_cache": {"block_size": 16, "gpu_memory_utilization": 0.9, "num_gpu_blocks": None,
+                 "swap_space_gib": 4.0, "watermark": 0.01},
+    "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": None, "max_model_len": None},
+    "policies": ["fcfs", "swap", "chunked_prefill"],
+    "slo": {"ttft_s": None, "tpot_s": None, "e2e_s": None},
+    "engine": None,
+    "check_invariants": False,
+}
+SCHEDULER_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")
+
+
+def _fail(where: str, key: str, expected: str, value: Any) -> ConfigError:
+    return ConfigError(f"{where}: {key}: expected {expected}, got {value!r}")
+
+
+def _int(where, key, v, lo=1, optional=False):
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise _fail(where, key, f"an integer >= {lo}" + (" or null" if optional else ""), v)
+    return v
+
+
+def _num(where, key, v, lo=0.0, hi=float("inf"), lo_open=False, optional=False):
+    if v is None and optional:
+        return None
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if not ok or not ((lo < v) if lo_open else (lo <= v)) or v > hi:
+        rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise _fail(where, key, f"a number in {rng}" + (" or null" if optional else ""), v)
+    return float(v)
+
+
+def _choice(where, key, v, choices):
+    if v not in choices:
+        raise _fail(where, key, "one of " + ", ".join(sorted(choices)), v)
+    return v
+
+
+def _mapping(where, key, v, allowed) -> dict:
+    if not isinstance(v, dict):
+        raise _fail(where, key, "a mapping", v)
+    for k in v:
+        if k not in allowed:
+            raise ConfigError(f"{where}: unknown key {key}.{k}; allowed: {', '.join(allowed)}")
+    return v
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """Read and validate an experiment YAML; returns the config with defaults filled in.
+
+    Raises:
+        ConfigError: missing file, bad YAML, unknown key, wrong type (naming the key path).
+    """
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{line} is not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys at the top level")
+    cfg = validate(raw, str(path))
+    if cfg["name"] is None:
+        cfg["name"] = path.stem
+    return cfg
+
+
+def validate(raw: dict[str, Any], where: str = "config") -> dict[str, Any]:
+    """Validate a config mapping and fill in defaults (see the module docstring)."""
+    for k in raw:
+        if k not in DEFAULTS:
+            raise ConfigError(f"{where}: unknown key {k}; allowed: {', '.join(DEFAULTS)}")
+    cfg = copy.deepcopy(DEFAULTS)
+    for k, v in raw.items():
+        if isinstance(DEFAULTS[k], dict):
+            cfg[k].update(_mapping(where, k, v, DEFAULTS[k]))
+        else:
+            cfg[k] = v
+    if cfg["name"] is not None and not isinstance(cfg["name"], str):
+        raise _fail(where, "name", "a string", cfg["name"])
+    _choice(where, "backend", cfg["backend"], {"sim", "engine"})
+    _int(where, "seed", cfg["seed"], lo=0)
+    if not isinstance(cfg["trace"], dict):
+        raise _fail(where, "trace", "a mapping with at least 'format'", cfg["trace"])
+    rs = cfg["trace"].get("rate_scale", 1.0)
+    for v in rs if isinstance(rs, list) else [rs]:
+        _num(where, "trace.rate_scale", v, lo=0.0, lo_open=True)
+    if cfg["backend"] == "sim":
+        _choice(where, "model", cfg["model"], MODELS)
+        _choice(where, "hardware", cfg["hardware"], HARDWARE)
+    cm = cfg["cost_model"]
+    _num(where, "cost_model.flops_efficiency", cm["flops_efficiency"], 0.0, 1.0, lo_open=True)
+    _num(where, "cost_model.bandwidth_efficiency", cm["bandwidth_efficiency"], 0.0, 1.0, lo_open=True)
+    _num(where, "cost_model.step_overhead_s", cm["step_overhead_s"], 0.0)
+    kv = cfg["kv_cache"]
+    _int(where, "kv_cache.block_size", kv["block_size"])
+    _num(where, "kv_cache.gpu_memory_utilization", kv["gpu_memory_utilization"], 0.0, 1.0, lo_open=True)
+    _int(where, "kv_cache.num_gpu_blocks", kv["num_gpu_blocks"], optional=True)
+    _num(where, "kv_cache.swap_space_gib", kv["swap_space_gib"], 0.0)
+    _num(where, "kv_cache.watermark", kv["watermark"], 0.0, 0.5)
+    _check_limits(where, "scheduler", cfg["scheduler"])
+    pols = cfg["policies"]
+    if not isinstance(pols, list) or not pols:
+        raise _fail(where, "policies", "a non-empty list of policy names or mappings", pols)
+    from lab.scheduler import get_policy
+
+    resolved = []
+    for i, p in enumerate(pols):
+        key = f"policies[{i}]"
+        if isinstance(p, str):
+            p = {"name": p}
+        if not isinstance(p, dict) or not isinstance(p.get("name"), str):
+            raise _fail(where, key, "a policy name or a mapping with 'name'", p)
+        cls = get_policy(p["name"])
+        allowed = ("name", "label", *SCHEDULER_KEYS, *cls.options)
+        _mapping(where, key, p, allowed)
+        _check_limits(where, key, p)
+        resolved.append({"label": p.get("label", p["name"]), **p})
+    labels = [p["label"] for p in resolved]
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"{where}: policies: labels must be unique (give 'label:'), got {labels}")
+    cfg["policies"] = resolved
+    for k in ("ttft_s", "tpot_s", "e2e_s"):
+        _num(where, f"slo.{k}", cfg["slo"][k], 0.0, lo_open=True, optional=True)
+    if not isinstance(cfg["check_invariants"], bool):
+        raise _fail(where, "check_invariants", "true or false", cfg["check_invariants"])
+    return cfg
+
+
+def _check_limits(where: str, key: str, d: dict) -> None:
+    _int(where, f"{key}.max_num_seqs", d.get("max_num_seqs"), optional=True)
+    _int(where, f"{key}.max_num_batched_tokens", d.get("max_num_batched_tokens"), optional=True)
+    _int(where, f"{key}.max_model_len", d.get("max_model_len"), optional=True)
+
+
+def rate_scales(cfg: dict[str, Any]) -> list[float]:
+    rs = cfg["trace"].get("rate_scale", 1.0)
+    return [float(v) for v in rs] if isinstance(rs, list) else [float(rs)]

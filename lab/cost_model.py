@@ -1,0 +1,121 @@
+"""Analytic step-time model (roofline) and the KV capacity rule; the simulator's executor.
+
+Step time = max(FLOPs / achieved FLOP/s, bytes / achieved bytes/s) + step overhead
+          + swap bytes / host-link bytes/s.
+
+* FLOPs: 2 per weight per token for the decoder layers (Kaplan et al. 2020, "Scaling Laws",
+  §2.1), 2 per LM-head weight per sampled token, and attention 4 * layers * heads * head_dim
+  per (query, key) pair (QK^T and PV), causal within a prefill chunk.
+* Bytes: all weights once per step, the KV each decode or chunk reads, the KV it writes.
+* Achieved = preset peak * efficiency. The defaults (0.7 of peak FLOP/s, 0.85 of HBM
+  bandwidth, 2 ms per step) are assumptions, not measurements; the calibrated model of a
+  later issue replaces them with a fit to the real engine's profile.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lab.hardware import Hardware
+from lab.models import ModelSpec
+from lab.plan import SchedulerOutput, StepResult
+
+GIB = 1 << 30
+
+
+class AnalyticCostModel:
+    """Predicts step durations in seconds from a plan.
+
+    Args:
+        model: the model's shape.
+        hardware: the accelerator preset.
+        flops_efficiency: fraction of ``hardware.peak_flops`` reached (0 < x <= 1).
+        bandwidth_efficiency: fraction of ``hardware.mem_bandwidth`` reached (0 < x <= 1).
+        step_overhead_s: fixed seconds per step (scheduling, input prep, kernel launches).
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        hardware: Hardware,
+        flops_efficiency: float = 0.7,
+        bandwidth_efficiency: float = 0.85,
+        step_overhead_s: float = 0.002,
+    ) -> None:
+        self.model, self.hardware = model, hardware
+        self.step_overhead_s = step_overhead_s
+        self._s_per_flop = 1.0 / (hardware.peak_flops * flops_efficiency)
+        self._s_per_byte = 1.0 / (hardware.mem_bandwidth * bandwidth_efficiency)
+        self._s_per_swap_byte = 1.0 / hardware.host_link_bandwidth
+        m = model
+        self._flops_per_token = 2.0 * m.matmul_params_per_token
+        self._flops_per_sample = 2.0 * m.vocab_size * m.hidden_size
+        self._attn_flops_per_pair = 4.0 * m.num_hidden_layers * m.num_attention_heads * m.head_dim
+        self._kv_bytes_per_token = float(m.kv_bytes_per_token)
+        self._weight_bytes = float(m.weight_bytes)
+
+    def step_time(self, plan: SchedulerOutput, block_size: int) -> float:
+        """Seconds to run ``plan`` (prefill chunks, decodes, swaps)."""
+        num_decodes = len(plan.decodes)
+        tokens = num_decodes
+        samples = num_decodes
+        pairs = float(plan.decode_context_tokens)  # each decode attends to its context
+        kv_read = float(plan.decode_context_tokens)
+        for r, n in plan.prefills.items():
+            c = r.num_computed_tokens
+            tokens += n
+            samples += c + n == r.num_tokens
+            pairs += n * c + n * (n + 1) / 2
+            kv_read += c
+        flops = (self._flops_per_token * tokens + self._flops_per_sample * samples
+                 + self._attn_flops_per_pair * pairs)
+        nbytes = self._weight_bytes + self._kv_bytes_per_token * (kv_read + tokens)
+        t = max(flops * self._s_per_flop, nbytes * self._s_per_byte) + self.step_overhead_s
+        if plan.swap_in or plan.swap_out:
+            moved = (len(plan.swap_in) + len(plan.swap_out)) * block_size
+            t += moved * self._kv_bytes_per_token * self._s_per_swap_byte
+        return t
+
+
+class CostModelExecutor:
+    """The simulator's executor: a step takes the cost model's predicted time."""
+
+    def __init__(self, cost_model: AnalyticCostModel, block_size: int) -> None:
+        self.cost_model, self.block_size = cost_model, block_size
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        return StepResult(self.cost_model.step_time(plan, self.block_size))
+
+
+def activation_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """Estimated peak activation memory of one step, in bytes.
+
+    A forward pass of ``max_num_batched_tokens`` tokens keeps a few hidden-size buffers and
+    the gated MLP's two intermediate-size buffers live, plus fp32 logits for the sampled
+    rows. vLLM measures this peak with a profiling run; this is an estimate of the same.
+    """
+    per_token = (4 * model.hidden_size + 2 * model.intermediate_size) * model.dtype_bytes
+    return max_num_batched_tokens * per_token + max_num_seqs * model.vocab_size * 4
+
+
+def num_gpu_blocks(
+    model: ModelSpec,
+    hardware: Hardware,
+    block_size: int,
+    gpu_memory_utilization: float,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+) -> int:
+    """KV blocks that fit in device memory, as vLLM sizes its cache:
+    (memory * gpu_memory_utilization - weights - peak activations) / bytes per block."""
+    budget = hardware.memory_bytes * gpu_memory_utilization
+    free = budget - model.weight_bytes - activation_bytes(model, max_num_batched_tokens,
+                                                          max_num_seqs)
+    return max(0, math.floor(free / (model.kv_bytes_per_token * block_size)))
+
+
+def num_cpu_blocks(model: ModelSpec, block_size: int, swap_space_gib: float) -> int:
+    """Swap-space blocks in ``swap_space_gib`` GiB of host memory (vLLM's swap_space)."""
+    return math.floor(swap_space_gib * GIB / (model.kv_bytes_per_token * block_size))
+
+

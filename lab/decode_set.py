@@ -1,0 +1,101 @@
+"""The decode batch in closed form: running requests past their prefill.
+
+Every member feeds its latest token and samples one more on each *decode tick* (a step
+that runs the decode batch). So a member that joined at tick ``t0`` with ``n0`` output
+tokens has ``n0 + (tick - t0)`` output tokens now, and nothing needs updating per token:
+
+* the tokens of all members: ``sum(num_tokens) = offset_sum + len * tick``;
+* who needs a new KV block this tick: a member holding L tokens (the latest sampled one
+  included) holds ceil(L / block_size) blocks and needs one more exactly when
+  L % block_size == 0; L changes by one per tick, so members are bucketed by
+  ``(L - tick) % block_size`` and the bucket ``(-tick) % block_size`` is the answer;
+* who finishes: a heap keyed by the tick that samples each member's last token.
+
+A step's cost is then O(1) in Python plus O(changes), not O(batch size); the replay of an
+hour-long trace takes seconds. A member's state is written back to its ``Request``
+("materialized") when it leaves the set: on finish, preemption or abort.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from lab.request import Request
+
+
+class DecodeSet:
+    """Running requests whose prompt is fully computed.
+
+    Invariant: a member holding L tokens has KV for L - 1 of them (the latest sampled
+    token is fed by the next tick) and holds ceil(L / block_size) blocks.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.tick = 0  # decode ticks so far
+        self._members: dict[Request, None] = {}  # insertion-ordered set
+        self._buckets: list[dict[Request, None]] = [{} for _ in range(block_size)]
+        self._finish_heap: list[tuple[int, int, Request]] = []
+        self._offset_sum = 0  # sum over members of (num_tokens at join - join tick)
+        self._seq = 0  # tie-breaker for the heap, keeps finishing order deterministic
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __contains__(self, request: Request) -> bool:
+        return request in self._members
+
+    def requests(self) -> list[Request]:
+        """Members in the order they joined."""
+        return list(self._members)
+
+    def num_tokens(self, request: Request) -> int:
+        """Prompt + output tokens of a member now (the latest sampled token included)."""
+        return request.prompt_len + request.join_num_output + self.tick - request.join_tick
+
+    @property
+    def context_tokens(self) -> int:
+        """Sum of ``num_tokens`` over members: the KV positions one decode tick reads."""
+        return self._offset_sum + len(self._members) * self.tick
+
+    def needing_block(self) -> dict[Request, None]:
+        """Members that need one more KV block to run the next tick (do not mutate)."""
+        return self._buckets[-self.tick % self.block_size]
+
+    def add(self, request: Request) -> None:
+        """Add a request that has just sampled a token (or was swapped back in)."""
+        r = request
+        num_tokens = r.prompt_len + r.num_output_tokens
+        r.join_tick, r.join_num_output = self.tick, r.num_output_tokens
+        self._members[r] = None
+        self._buckets[(num_tokens - self.tick) % self.block_size][r] = None
+        self._offset_sum += num_tokens - self.tick
+        # The tick whose step samples the last output token.
+        last_tick = self.tick + r.output_len - r.num_output_tokens - 1
+        heapq.heappush(self._finish_heap, (last_tick, self._seq, r))
+        self._seq += 1
+
+    def remove(self, request: Request) -> None:
+        """Remove a member and write its state back to the ``Request``."""
+        r = request
+        del self._members[r]
+        num_tokens = self.num_tokens(r)
+        del self._buckets[(num_tokens - self.tick) % self.block_size][r]
+        self._offset_sum -= num_tokens - self.tick
+        if self.tick > r.join_tick:
+            r.decode_segments.append((r.join_tick, self.tick))
+        r.num_output_tokens = num_tokens - r.prompt_len
+        r.num_computed_tokens = num_tokens - 1
+        r.join_tick = -1  # marks heap entries of this membership as stale
+
+    def advance(self) -> list[Request]:
+        """Run one tick: every member gains a token. Returns (and removes) those done."""
+        self.tick += 1
+        done = []
+        heap = self._finish_heap
+        while heap and heap[0][0] < self.tick:
+            last_tick, _, r = heapq.heappop(heap)
+            if r in self._members and r.join_tick + r.output_len - r.join_num_output - 1 == last_tick:
+                self.remove(r)
+                done.append(r)
+        return done

@@ -1,0 +1,159 @@
+"""One experiment: a trace, each policy (and each load when ``rate_scale`` is a list),
+replayed through the simulator or the real engine, with metrics per run."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from lab import metrics
+from lab.config import rate_scales
+from lab.cost_model import AnalyticCostModel, CostModelExecutor, num_cpu_blocks, num_gpu_blocks
+from lab.errors import ConfigError
+from lab.hardware import HARDWARE
+from lab.kv import BlockManager
+from lab.models import MODELS
+from lab.replay import ReplayResult, replay
+from lab.request import Request
+from lab.scheduler import SchedulerLimits, get_policy
+
+log = logging.getLogger("lab.experiment")
+
+
+@dataclass
+class Run:
+    """One policy at one load."""
+
+    label: str
+    policy: str
+    rate_scale: float
+    result: ReplayResult
+    requests: pd.DataFrame
+    itl_s: np.ndarray
+    summary: dict[str, Any]
+
+
+def resolve_limits(cfg: dict, policy: dict, capacity_tokens: int, max_position: int,
+                   chunked: bool) -> SchedulerLimits:
+    """A policy's limits: its own keys, else the ``scheduler`` section, else defaults.
+
+    Defaults as vLLM: max_model_len = the model's context length, clamped to the KV
+    capacity (vLLM refuses to start instead); max_num_batched_tokens = 2048 with chunked
+    prefill, else max(max_model_len, 2048).
+
+    Raises:
+        ConfigError: a budget below max_num_seqs, or (without chunked prefill) below
+            max_model_len, so that some request could never be scheduled.
+    """
+    sched = cfg["scheduler"]
+
+    def pick(key):
+        return policy.get(key) if policy.get(key) is not None else sched.get(key)
+
+    max_len = pick("max_model_len") or min(max_position, capacity_tokens)
+    budget = pick("max_num_batched_tokens") or (2048 if chunked else max(max_len, 2048))
+    seqs = pick("max_num_seqs")
+    where = f"policies[{policy['label']}]"
+    if budget < seqs:
+        raise ConfigError(f"{where}: max_num_batched_tokens {budget} must be >= max_num_seqs {seqs}")
+    if not chunked and budget < max_len:
+        raise ConfigError(
+            f"{where}: max_num_batched_tokens {budget} is below max_model_len {max_len}: "
+            f"without chunked prefill a long prompt could never be scheduled")
+    return SchedulerLimits(seqs, budget, max_len)
+
+
+def sim_parts(cfg: dict) -> tuple[AnalyticCostModel, int, int]:
+    """The simulator's cost model and its KV capacity (GPU blocks, CPU blocks)."""
+    model, hw, kv = MODELS[cfg["model"]], HARDWARE[cfg["hardware"]], cfg["kv_cache"]
+    gpu = kv["num_gpu_blocks"] or num_gpu_blocks(
+        model, hw, kv["block_size"], kv["gpu_memory_utilization"],
+        cfg["scheduler"]["max_num_batched_tokens"] or 2048, cfg["scheduler"]["max_num_seqs"])
+    if gpu < 1:
+        raise ConfigError(
+            f"kv_cache.gpu_memory_utilization: {kv['gpu_memory_utilization']} of "
+            f"{hw.memory_bytes / 1e9:.0f} GB leaves no room for KV after "
+            f"{model.weight_bytes / 1e9:.1f} GB of weights")
+    cpu = num_cpu_blocks(model, kv["block_size"], kv["swap_space_gib"])
+    return AnalyticCostModel(model, hw, **cfg["cost_model"]), gpu, cpu
+
+
+def fresh(requests: list[Request]) -> list[Request]:
+    """Copies of trace requests with runtime state reset (each run mutates its own)."""
+    return [Request(r.request_id, r.arrival_s, r.prompt_len, r.output_len,
+                    r.prompt_token_ids, r.hash_ids, r.priority) for r in requests]
+
+
+def run_experiment(cfg: dict, base_dir: Path, progress: bool = True) -> list[Run]:
+    """Replay the config's trace through every policy at every rate_scale."""
+    from traces import load_trace
+
+    if cfg["backend"] == "engine":
+        from backend.engine import engine_parts  # torch is imported only here
+
+        make_executor, gpu, cpu, max_position = engine_parts(cfg, base_dir)
+    else:
+        cost_model, gpu, cpu = sim_parts(cfg)
+        max_position = MODELS[cfg["model"]].max_position_embeddings
+    bs = cfg["kv_cache"]["block_size"]
+    scales = rate_scales(cfg)
+    runs = []
+    for scale in scales:
+        spec = {**cfg["trace"], "rate_scale": scale}
+        spec.setdefault("seed", cfg["seed"])
+        trace = load_trace(spec, base_dir)
+        for pol in cfg["policies"]:
+            cls = get_policy(pol["name"])
+            limits = resolve_limits(cfg, pol, gpu * bs, max_position, cls.chunked_prefill)
+            options = {k: v for k, v in pol.items() if k in cls.options}
+            scheduler = cls(limits, BlockManager(gpu, cpu, bs, cfg["kv_cache"]["watermark"]),
+                            **options)
+            if cfg["backend"] == "engine":
+                executor = make_executor(scheduler)
+            else:
+                executor = CostModelExecutor(cost_model, bs)
+            label = pol["label"] if len(scales) == 1 else f"{pol['label']}@x{scale:g}"
+            requests = fresh(trace)
+            with _progress_bar(progress, label, len(requests)) as bar:
+                result = replay(requests, scheduler, executor,
+                                check_invariants=cfg["check_invariants"], progress=bar)
+            df, itl = metrics.request_table(result, pol["label"], scale)
+            summary = {"policy": pol["label"], "rate_scale": scale,
+                       "limits": dataclasses.asdict(limits),
+                       **metrics.summarize(df, itl, result, cfg["slo"])}
+            runs.append(Run(label, pol["label"], scale, result, df, itl, summary))
+            log.info("%s: %d steps in %.2f s", label, summary["num_steps"], result.wall_s)
+    return runs
+
+
+class _progress_bar:
+    """A tqdm bar of ended requests (only on a terminal), used as a replay callback."""
+
+    def __init__(self, enabled: bool, label: str, total: int) -> None:
+        self.enabled, self.label, self.total, self.bar = enabled, label, total, None
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=self.total, desc=self.label, unit="req", leave=True,
+                        disable=None, mininterval=0.5)
+        return self
+
+    def __call__(self, num_ended: int, sim_time_s: float) -> None:
+        self.bar.n = num_ended
+        self.bar.set_postfix_str(f"t={sim_time_s:.0f}s", refresh=False)
+        self.bar.refresh()
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            if exc[0] is None:
+                self.bar.n = self.total
+            self.bar.close()

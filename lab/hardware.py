@@ -1,0 +1,45 @@
+"""Accelerator presets for the analytic cost model.
+
+``kind`` says what the figures are: "datasheet" (vendor peak, dense, no sparsity) or
+"measured" (timed on a real device with PyTorch). Datasheet peaks are not reached in
+practice; the cost model scales them by its efficiency factors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Attributes: peak_flops (bf16 FLOP/s), mem_bandwidth (HBM bytes/s),
+    host_link_bandwidth (host<->device bytes/s, one direction), memory_bytes (device)."""
+
+    name: str
+    peak_flops: float
+    mem_bandwidth: float
+    host_link_bandwidth: float
+    memory_bytes: float
+    kind: str
+    source: str
+
+
+HARDWARE: dict[str, Hardware] = {
+    h.name: h
+    for h in [
+        Hardware("h100-sxm", 989e12, 3.35e12, 64 * GB, 80 * GB, "datasheet",
+                 "NVIDIA H100 Tensor Core GPU datasheet: 989 TFLOPS dense BF16, 3.35 TB/s "
+                 "HBM3, 80 GB; PCIe Gen5 x16 64 GB/s per direction"),
+        Hardware("h200-sxm", 989e12, 4.8e12, 64 * GB, 141 * GB, "datasheet",
+                 "NVIDIA H200 Tensor Core GPU datasheet: 989 TFLOPS dense BF16, 4.8 TB/s "
+                 "HBM3e, 141 GB; PCIe Gen5 x16 64 GB/s per direction"),
+        Hardware("h200-sxm-measured", 796e12, 4.27e12, 55.5 * GB, 141 * GB, "measured",
+                 "this lab's H200, PyTorch, 2026-11 (shared/DESIGN.md): bf16 8192^3 matmul "
+                 "796 TFLOP/s, device copy 4.27 TB/s (read + write), pinned H2D/D2H 55.5 GB/s"),
+        Hardware("a100-80gb", 312e12, 2.039e12, 32 * GB, 80 * GB, "datasheet",
+                 "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 312 TFLOPS dense BF16, "
+                 "2,039 GB/s HBM2e; PCIe Gen4 x16 32 GB/s per direction"),
+    ]
+}

@@ -1,0 +1,124 @@
+"""Per-request metrics and per-policy aggregates, with vLLM's serving-benchmark definitions
+(vllm/benchmarks/serve.py):
+
+* TTFT: arrival to first output token. E2E: arrival to last output token.
+* TPOT per request: (E2E - TTFT) / (n - 1), only for requests with n > 1 output tokens.
+* ITL: every gap between consecutive output tokens, pooled over requests.
+* Throughput over the run's duration (t = 0 to the last request's end): requests/s, output
+  tokens/s and prompt + output tokens/s, counting finished requests only.
+* Goodput (DistServe, OSDI'24 §2): finished requests per second that meet every SLO given;
+  a 1-token request meets any TPOT SLO, as in vLLM. SLO attainment: the fraction of all
+  trace requests (rejected and aborted ones count as misses) that meet every SLO.
+* Queueing delay: arrival to first scheduled; preemptions per request by mode.
+
+Percentiles use numpy's default (linear interpolation), as vLLM does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from lab.replay import ReplayResult
+from lab.request import RequestStatus
+
+PERCENTILES = (50, 90, 99)
+REQUEST_COLUMNS = [
+    "policy", "rate_scale", "request_id", "status", "reason", "arrival_s", "prompt_tokens",
+    "output_tokens", "num_generated_tokens", "first_token_s", "finish_s", "ttft_s", "tpot_s",
+    "e2e_s", "queue_s", "num_preemptions", "num_preemptions_recompute", "num_preemptions_swap",
+]  # fmt: skip
+
+
+def request_table(result: ReplayResult, policy: str, rate_scale: float) -> tuple[pd.DataFrame, np.ndarray]:
+    """One row per trace request, and the pooled ITL gaps (seconds) of finished requests.
+
+    Latency columns are NaN where undefined (not finished; TPOT of 1-token outputs).
+    """
+    rows, gaps = [], []
+    for r in result.requests:
+        finished = r.status is RequestStatus.FINISHED
+        first = last = np.nan
+        if finished:
+            times = result.token_times(r)
+            first, last = times[0], times[-1]
+            gaps.append(np.diff(times))
+        queue = r.first_scheduled_s - r.arrival_s if r.first_scheduled_s >= 0 else np.nan
+        rows.append((
+            policy, rate_scale, r.request_id, r.status.value, r.reason, r.arrival_s,
+            r.prompt_len, r.output_len, r.num_output_tokens if finished else np.nan,
+            first, r.finish_s if r.finish_s >= 0 else np.nan, first - r.arrival_s, np.nan,
+            last - r.arrival_s, queue, r.num_preemptions, r.num_preemptions_recompute,
+            r.num_preemptions_swap,
+        ))
+    itl = np.concatenate(gaps) if gaps else np.zeros(0)
+    df = pd.DataFrame(rows, columns=REQUEST_COLUMNS)
+    df["tpot_s"] = tpot_s(df["ttft_s"], df["e2e_s"], df["num_generated_tokens"])
+    return df, itl
+
+
+def tpot_s(ttft_s, e2e_s, num_tokens) -> np.ndarray:
+    """Per-request TPOT = (E2E - TTFT) / (n - 1); NaN where n <= 1 (vLLM's definition)."""
+    n = np.asarray(num_tokens, dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = (np.asarray(e2e_s, dtype=np.float64) - np.asarray(ttft_s, dtype=np.float64)) / (n - 1)
+    return np.where(n > 1, out, np.nan)
+
+
+def stats(values) -> dict[str, float]:
+    """mean and P50/P90/P99 of the finite values (NaN when there are none)."""
+    v = np.asarray(values, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    if len(v) == 0:
+        return {"mean": float("nan"), **{f"p{p}": float("nan") for p in PERCENTILES}}
+    return {"mean": float(v.mean()), **{f"p{p}": float(np.percentile(v, p)) for p in PERCENTILES}}
+
+
+def meets_slo(df: pd.DataFrame, slo: dict[str, float | None]) -> np.ndarray:
+    """Boolean per row: finished and within every SLO given (keys ttft_s, tpot_s, e2e_s)."""
+    ok = (df["status"] == "finished").to_numpy().copy()
+    for key in ("ttft_s", "tpot_s", "e2e_s"):
+        limit = slo.get(key)
+        if limit is not None:
+            ok &= df[key].fillna(0.0).to_numpy() <= limit  # NaN TPOT: 1-token output
+    return ok
+
+
+def summarize(df: pd.DataFrame, itl: np.ndarray, result: ReplayResult,
+              slo: dict[str, float | None]) -> dict:
+    """The aggregates of one policy's run (JSON-ready)."""
+    fin = df[df["status"] == "finished"]
+    steps = result.steps
+    end = max(float(df["finish_s"].max(skipna=True) or 0.0), float(result.step_end_s.max(initial=0.0)))
+    duration = end if end > 0 else float("nan")
+    counts = df["status"].value_counts()
+    good = meets_slo(df, slo)
+    kv_frac = steps["kv_used_blocks"] / max(result.num_gpu_blocks, 1)
+    return {
+        "num_requests": len(df),
+        **{s: int(counts.get(s, 0)) for s in ("finished", "rejected", "aborted")},
+        "duration_s": duration,
+        "request_throughput": len(fin) / duration,
+        "output_throughput": float(fin["num_generated_tokens"].sum()) / duration,
+        "total_token_throughput": float((fin["prompt_tokens"] + fin["num_generated_tokens"]).sum()) / duration,
+        "ttft_s": stats(fin["ttft_s"]),
+        "tpot_s": stats(fin["tpot_s"]),
+        "itl_s": stats(itl),
+        "e2e_s": stats(fin["e2e_s"]),
+        "queue_s": stats(fin["queue_s"]),
+        "slo": {k: v for k, v in slo.items() if v is not None},
+        "goodput": float(good.sum()) / duration,
+        "slo_attainment": float(good.mean()) if len(df) else float("nan"),
+        "preemptions": {
+            "recompute": int(df["num_preemptions_recompute"].sum()),
+            "swap": int(df["num_preemptions_swap"].sum()),
+            "requests_preempted": int((df["num_preemptions"] > 0).sum()),
+        },
+        # Time-weighted: a 50 ms step counts five times a 10 ms one.
+        "kv_used_fraction": {"mean": float(np.average(kv_frac, weights=steps["duration_s"]))
+                             if len(kv_frac) and steps["duration_s"].sum() > 0 else 0.0,
+                             "max": float(kv_frac.max(initial=0.0))},
+        "num_gpu_blocks": result.num_gpu_blocks,
+        "num_steps": int(len(steps["time_s"])),
+        "replay_wall_s": result.wall_s,
+    }

@@ -1,0 +1,72 @@
+"""Model shapes (from each model's public Hugging Face ``config.json``) and the sizes the
+cost model and the KV-capacity rule derive from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-family decoder's shape.
+
+    Attributes follow config.json names; ``dtype_bytes`` is 2 for bf16/fp16 weights and KV.
+    """
+
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    dtype_bytes: int = 2
+
+    @property
+    def params_per_layer(self) -> int:
+        """Weights of one decoder layer (attention projections, gated MLP, norms)."""
+        h, d = self.hidden_size, self.head_dim
+        q_o = 2 * h * self.num_attention_heads * d
+        k_v = 2 * h * self.num_key_value_heads * d
+        return q_o + k_v + 3 * h * self.intermediate_size + 2 * h
+
+    @property
+    def num_params(self) -> int:
+        """All weights, embedding and LM head included (the head once if tied)."""
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else embed
+        return self.num_hidden_layers * self.params_per_layer + embed + head + self.hidden_size
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.dtype_bytes
+
+    @property
+    def matmul_params_per_token(self) -> int:
+        """Weights every token multiplies (layers; the LM head is counted per sample)."""
+        return self.num_hidden_layers * self.params_per_layer
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers: 2 * layers * kv_heads * head_dim * bytes."""
+        return (2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+                * self.dtype_bytes)
+
+
+# Values copied from each model's config.json on the Hugging Face hub.
+MODELS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in [
+        # meta-llama/Llama-3.1-8B: 8.03 B parameters.
+        ModelSpec("llama-3.1-8b", 4096, 32, 32, 8, 128, 14336, 128256, 131072),
+        # meta-llama/Llama-2-7b-hf: 6.74 B parameters, multi-head attention (32 KV heads).
+        ModelSpec("llama-2-7b", 4096, 32, 32, 32, 128, 11008, 32000, 4096),
+        # Qwen/Qwen3-0.6B: head_dim 128 (> hidden/heads), tied embeddings.
+        ModelSpec("qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, 151936, 40960, True),
+        # Qwen/Qwen3-8B.
+        ModelSpec("qwen3-8b", 4096, 36, 32, 8, 128, 12288, 151936, 40960),
+    ]
+}

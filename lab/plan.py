@@ -1,0 +1,78 @@
+"""The plan of one engine step (``SchedulerOutput``) and the executor's answer (``StepResult``).
+
+A policy writes a plan; an executor (the cost model, or the real engine in backend/) reads
+only the plan to run the step. As in vLLM V1 the plan is a plain dataclass.
+
+Departure from the DESIGN sketch: decodes are not entries of ``prefills`` but a list of
+their own, because the decode batch is kept in closed form (lab/decode_set.py) and its
+aggregate ``decode_context_tokens`` is all the cost model needs.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from lab.request import Request
+
+
+class PreemptionMode(enum.Enum):
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step computes.
+
+    Attributes:
+        prefills: request -> new tokens this step (a whole prompt or a chunk). The chunk
+            covers tokens [r.num_computed_tokens, r.num_computed_tokens + n) as of the
+            plan; the step samples a token for r when the chunk reaches r.num_tokens.
+        decodes: requests that each feed their latest token and sample one more.
+        decode_context_tokens: sum over ``decodes`` of their token count (prompt +
+            output so far), i.e. the KV positions the decode attention reads.
+        preempted: (request, mode) pairs preempted while planning this step.
+        swap_out: (gpu_block, cpu_block) copies to do before the step runs.
+        swap_in: (cpu_block, gpu_block) copies to do before the step runs.
+        aborted: requests dropped while planning (reason set on the request).
+    """
+
+    prefills: dict[Request, int] = field(default_factory=dict)
+    decodes: list[Request] = field(default_factory=list)
+    decode_context_tokens: int = 0
+    preempted: list[tuple[Request, PreemptionMode]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    aborted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.prefills.values())
+
+    @property
+    def is_empty(self) -> bool:
+        """True if the step would compute and move nothing."""
+        return not (self.prefills or self.decodes or self.swap_out or self.swap_in)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the executor reports back.
+
+    Attributes:
+        duration_s: step duration in seconds (predicted by the cost model, or measured
+            wall time on the engine).
+        sampled_token_ids: request -> token id sampled this step (engine only; the
+            simulator leaves it empty).
+    """
+
+    duration_s: float
+    sampled_token_ids: dict[Request, int] = field(default_factory=dict)
+
+
+class Executor(Protocol):
+    """Runs a plan. Never makes a scheduling decision."""
+
+    def execute(self, plan: SchedulerOutput) -> StepResult: ...

@@ -1,0 +1,212 @@
+"""The replay loop: SimPy processes that own time (shared/DESIGN.md, "One scheduler, two
+executors").
+
+* ``arrival_process`` puts each trace request into the scheduler's waiting queue at its
+  arrival time, or rejects it at once with a reason if it can never run.
+* ``engine_process`` loops: ask the policy for a plan, hand it to the executor, wait the
+  step's duration, then apply the step's results at the new time.
+
+Idle gaps cost nothing: with no work, the engine waits for the next arrival. Simultaneous
+events resolve in SimPy's order (scheduled time, then creation order), so a replay is
+deterministic. Per-step records are kept in plain lists and turned into arrays once.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import simpy
+
+from lab.errors import SchedulerStuckError
+from lab.plan import Executor
+from lab.request import Request, RequestStatus
+from lab.scheduler import Scheduler
+
+STEP_COLUMNS = (
+    "time_s", "duration_s", "num_prefill_tokens", "num_decode_tokens", "num_seqs",
+    "kv_used_blocks", "cpu_used_blocks", "num_waiting", "num_running", "num_swapped",
+    "num_preempted", "num_swap_out_blocks", "num_swap_in_blocks",
+)  # fmt: skip
+
+
+@dataclass
+class ReplayResult:
+    """What one replay produced.
+
+    Attributes:
+        requests: every trace request in its final state (finished, rejected, aborted).
+        steps: per-step columns (``STEP_COLUMNS``), one array each; ``time_s`` is the
+            step's start and ``kv_used_blocks`` the GPU blocks held while it runs.
+        tick_steps: for each decode tick, the index of the step that ran it.
+        wall_s: wall-clock seconds the replay took.
+    """
+
+    requests: list[Request]
+    steps: dict[str, np.ndarray]
+    tick_steps: np.ndarray
+    wall_s: float
+    num_gpu_blocks: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @functools.cached_property
+    def step_end_s(self) -> np.ndarray:
+        """End time (seconds) of each step: when its sampled tokens exist."""
+        return self.steps["time_s"] + self.steps["duration_s"]
+
+    def token_times(self, r: Request) -> np.ndarray:
+        """Times (seconds) at which ``r`` received each of its output tokens."""
+        end = self.step_end_s
+        parts = [end[np.asarray(r.prefill_token_steps, dtype=np.int64)]]
+        parts += [end[self.tick_steps[a:b]] for a, b in r.decode_segments]
+        return np.sort(np.concatenate(parts))
+
+
+class _Wakeup:
+    """An event the idle engine waits on; arrivals trigger it."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.env, self.event = env, env.event()
+
+    def fire(self) -> None:
+        if not self.event.triggered:
+            self.event.succeed()
+
+    def wait(self) -> simpy.Event:
+        if self.event.triggered:
+            self.event = self.env.event()
+        return self.event
+
+
+def arrival_process(
+    env: simpy.Environment, requests: list[Request], scheduler: Scheduler, wakeup: _Wakeup,
+    arrived: list[int],
+) -> Iterator[simpy.Event]:
+    """Inject ``requests`` (sorted by arrival) into the scheduler at their arrival times."""
+    for r in requests:
+        if r.arrival_s > env.now:
+            yield env.timeout(r.arrival_s - env.now)
+        arrived[0] += 1
+        reason = scheduler.rejection_reason(r)
+        if reason:
+            r.status, r.reason, r.finish_s = RequestStatus.REJECTED, reason, env.now
+            continue
+        scheduler.waiting.append(r)
+        wakeup.fire()
+
+
+def engine_process(
+    env: simpy.Environment, scheduler: Scheduler, executor: Executor, num_requests: int,
+    wakeup: _Wakeup, arrived: list[int], rec: dict[str, list], tick_steps: list[int],
+    check_invariants: bool = False, progress=None,
+) -> Iterator[simpy.Event]:
+    """Run steps until every request has arrived and none is unfinished."""
+    bm = scheduler.block_manager
+    columns = [rec[c] for c in STEP_COLUMNS]
+    step = 0
+    while True:
+        if not scheduler.has_unfinished():
+            if arrived[0] == num_requests:
+                return
+            yield wakeup.wait()
+            continue
+        scheduler.now_s = env.now
+        plan = scheduler.schedule()
+        if plan.is_empty:
+            if plan.aborted:
+                continue  # dropping a request is progress
+            raise SchedulerStuckError(_stuck_message(scheduler, env.now))
+        if check_invariants:
+            _check_plan(scheduler, plan)
+        result = executor.execute(plan)
+        row = (
+            env.now, result.duration_s, plan.num_prefill_tokens, len(plan.decodes),
+            len(plan.prefills) + len(plan.decodes), bm.num_used_gpu_blocks,
+            bm.num_used_cpu_blocks, len(scheduler.waiting), len(scheduler.running),
+            len(scheduler.swapped), len(plan.preempted), len(plan.swap_out), len(plan.swap_in),
+        )
+        yield env.timeout(result.duration_s)
+        for col, value in zip(columns, row):
+            col.append(value)
+        if plan.decodes:
+            tick_steps.append(step)
+        for r, token in result.sampled_token_ids.items():
+            r.output_token_ids.append(token)
+        scheduler.update_from_output(plan, step, env.now)
+        step += 1
+        if progress is not None and step % 4096 == 0:
+            progress(arrived[0] - _num_unfinished(scheduler), env.now)
+
+
+def replay(
+    requests: list[Request], scheduler: Scheduler, executor: Executor,
+    check_invariants: bool = False, progress=None,
+) -> ReplayResult:
+    """Replay ``requests`` (mutated in place) through ``scheduler`` and ``executor``.
+
+    Args:
+        requests: fresh requests (status WAITING), any order.
+        check_invariants: check blocks and limits after every plan (slow; for tests).
+        progress: optional callable(num_ended_requests, sim_time_s), called now and then.
+
+    Raises:
+        SchedulerStuckError: a plan was empty while requests were pending.
+    """
+    t0 = time.perf_counter()
+    requests = sorted(requests, key=lambda r: r.arrival_s)
+    env = simpy.Environment()
+    wakeup, arrived = _Wakeup(env), [0]
+    rec: dict[str, list] = {c: [] for c in STEP_COLUMNS}
+    tick_steps: list[int] = []
+    env.process(arrival_process(env, requests, scheduler, wakeup, arrived))
+    env.process(engine_process(env, scheduler, executor, len(requests), wakeup, arrived, rec,
+                               tick_steps, check_invariants, progress))
+    env.run()
+    if check_invariants:
+        scheduler.block_manager.check_integrity([])
+    lost = [r.request_id for r in requests if r.status not in _ENDED]
+    if lost:
+        raise SchedulerStuckError(f"replay ended with {len(lost)} requests unfinished: {lost[:10]}")
+    steps = {c: np.asarray(v, dtype=np.float64 if c.endswith("_s") else np.int64)
+             for c, v in rec.items()}
+    return ReplayResult(requests, steps, np.asarray(tick_steps, dtype=np.int64),
+                        time.perf_counter() - t0, scheduler.block_manager.num_gpu_blocks)
+
+
+_ENDED = (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED)
+
+
+def _num_unfinished(s: Scheduler) -> int:
+    return len(s.waiting) + len(s.running) + len(s.swapped)
+
+
+def _stuck_message(s: Scheduler, now: float) -> str:
+    def ids(q) -> str:
+        return ", ".join(r.request_id for r in list(q)[:5]) or "-"
+
+    bm = s.block_manager
+    return (
+        f"policy {s.name!r} made no progress at t={now:.6f}s: waiting [{ids(s.waiting)}], "
+        f"running [{ids(s.running)}], swapped [{ids(s.swapped)}]; free GPU blocks "
+        f"{bm.num_free_gpu_blocks}/{bm.num_gpu_blocks}, free CPU blocks "
+        f"{bm.num_free_cpu_blocks}/{bm.num_cpu_blocks}"
+    )
+
+
+def _check_plan(s: Scheduler, plan) -> None:
+    """Invariants of every plan: limits respected, blocks owned once, no double role."""
+    lim = s.limits
+    tokens = plan.num_prefill_tokens + len(plan.decodes)
+    assert tokens <= lim.max_num_batched_tokens, f"{tokens} tokens > budget"
+    assert len(s.running) <= lim.max_num_seqs, f"{len(s.running)} running > max_num_seqs"
+    scheduled = set(plan.prefills) | set(plan.decodes)
+    assert len(scheduled) == len(plan.prefills) + len(plan.decodes), "request scheduled twice"
+    assert not scheduled & {r for r, _ in plan.preempted}, "request scheduled and preempted"
+    assert all(r.status is RequestStatus.RUNNING for r in scheduled)
+    for r in plan.decodes:
+        need = -(-(s.decode_set.num_tokens(r) + 1) // s.block_size)
+        assert len(r.block_table) == need, f"{r.request_id}: {len(r.block_table)} != {need}"
+    s.block_manager.check_integrity(list(s.running) + list(s.swapped))

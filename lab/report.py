@@ -1,0 +1,210 @@
+"""The results folder: config.yaml, requests.csv, steps.csv, summary.json, report.md + PNGs.
+
+The folder is written under a temporary name next to its destination and renamed into
+place at the end, so a crashed or interrupted run never leaves a folder that looks
+complete, and a rerun replaces the old folder whole.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from lab.experiment import Run
+from lab.replay import STEP_COLUMNS
+
+LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
+TIME_BINS = 120
+
+
+def write_results(out_dir: Path, cfg: dict[str, Any], runs: list[Run]) -> Path:
+    """Write every file of the run folder ``out_dir`` atomically; returns ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        (tmp / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        pd.concat([r.requests for r in runs]).to_csv(tmp / "requests.csv", index=False)
+        _steps_frame(runs).to_csv(tmp / "steps.csv", index=False, float_format="%.9g")
+        summary = {r.label: r.summary for r in runs}
+        (tmp / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2))
+        plots = _plots(tmp, runs)
+        (tmp / "report.md").write_text(_markdown(cfg, runs, plots))
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _steps_frame(runs: list[Run]) -> pd.DataFrame:
+    frames = []
+    for r in runs:
+        cols = {"policy": r.policy, "rate_scale": r.rate_scale}
+        cols.update({c: r.result.steps[c] for c in STEP_COLUMNS})
+        frames.append(pd.DataFrame(cols))
+    return pd.concat(frames, ignore_index=True)
+
+
+def _json_safe(x):
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+# ---------------------------------------------------------------------------- plots
+def _plots(folder: Path, runs: list[Run]) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = []
+    scales = sorted({r.rate_scale for r in runs})
+    top = [r for r in runs if r.rate_scale == scales[-1]]  # CDFs at the highest load
+    load = "" if len(scales) == 1 else f" (rate_scale {scales[-1]:g})"
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    for ax, (key, title) in zip(axes.flat, LATENCIES):
+        for r in top:
+            v = r.itl_s if key == "itl_s" else r.requests[key].to_numpy(dtype=float)
+            v = np.sort(v[np.isfinite(v)])
+            if len(v):
+                q = np.linspace(0, 1, min(len(v), 2000))
+                ax.plot(np.quantile(v, q), q, label=r.policy)
+        ax.set_xscale("log")
+        if key == "itl_s":  # most gaps are plain decode steps; the tail is the story
+            ax.set_ylim(0.9, 1.0005)
+            title += " tail"
+        ax.set_xlabel(f"{title} (s, log scale)")
+        ax.set_ylabel("fraction of " + ("gaps" if key == "itl_s" else "requests"))
+        ax.set_title(f"{title} CDF{load}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    plots.append(_save(fig, folder, "latency_cdf.png", "Latency CDFs per policy"))
+
+    fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
+    for r in top:
+        t, tput, kv, queue = _over_time(r)
+        axes[0].plot(t, tput, label=r.policy)
+        axes[1].plot(t, kv * 100, label=r.policy)
+        axes[2].plot(t, queue, label=r.policy)
+    axes[0].set_ylabel("output tokens / s")
+    axes[0].set_title(f"Throughput, KV usage and queue over time{load}")
+    axes[1].set_ylabel("GPU KV blocks used (%)")
+    axes[2].set_ylabel("waiting + swapped requests")
+    axes[2].set_xlabel("time (s)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    plots.append(_save(fig, folder, "over_time.png", "Throughput, KV usage and queue length over time"))
+
+    if len(scales) > 1:
+        fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+        for ax, (key, title) in zip(axes, (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E"))):
+            for policy in dict.fromkeys(r.policy for r in runs):
+                rs = sorted((r for r in runs if r.policy == policy), key=lambda r: r.rate_scale)
+                x = [r.summary["request_throughput"] for r in rs]
+                for p, style in (("p50", "-o"), ("p99", "--^")):
+                    ax.plot(x, [r.summary[key][p] for r in rs], style, label=f"{policy} {p}")
+            ax.set_yscale("log")
+            ax.set_xlabel("request throughput (req/s)")
+            ax.set_ylabel(f"{title} (s)")
+            ax.set_title(f"{title} vs load")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=7)
+        plots.append(_save(fig, folder, "latency_vs_load.png", "Latency percentiles vs offered load"))
+    return plots
+
+
+def _over_time(r: Run):
+    """Binned series: output tokens/s, KV fraction used, queue length (time-weighted)."""
+    s = r.result.steps
+    end = s["time_s"] + s["duration_s"]
+    horizon = float(end.max(initial=1.0))
+    edges = np.linspace(0.0, horizon, TIME_BINS + 1)
+    idx = np.clip(np.searchsorted(edges, end, side="right") - 1, 0, TIME_BINS - 1)
+    width = edges[1] - edges[0]
+    # Output tokens of decodes; first tokens (sampled by prefills) are left out here.
+    tokens = np.bincount(idx, s["num_decode_tokens"], TIME_BINS) / width
+    dur = np.bincount(idx, s["duration_s"], TIME_BINS)
+    safe = np.where(dur > 0, dur, 1.0)
+    kv = np.bincount(idx, s["kv_used_blocks"] * s["duration_s"], TIME_BINS) / safe
+    queue = np.bincount(idx, (s["num_waiting"] + s["num_swapped"]) * s["duration_s"], TIME_BINS) / safe
+    kv /= max(r.result.num_gpu_blocks, 1)
+    return (edges[:-1] + edges[1:]) / 2, tokens, kv, queue
+
+
+def _save(fig, folder: Path, name: str, caption: str) -> tuple[str, str]:
+    fig.tight_layout()
+    fig.savefig(folder / name, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return name, caption
+
+
+# ---------------------------------------------------------------------------- markdown
+def summary_table(runs: list[Run]) -> str:
+    """A markdown table of the headline numbers of every run."""
+    head = ("| run | finished | rejected | aborted | req/s | out tok/s | TTFT p50 / p99 (s) "
+            "| TPOT p50 / p99 (ms) | ITL p99 (ms) | E2E p50 / p99 (s) | preempt (rec / swap) "
+            "| KV mean % |")
+    lines = [head, "|" + "---|" * 12]
+    for r in runs:
+        s = r.summary
+        lines.append(
+            f"| {r.label} | {s['finished']} | {s['rejected']} | {s['aborted']} "
+            f"| {s['request_throughput']:.2f} | {s['output_throughput']:.0f} "
+            f"| {s['ttft_s']['p50']:.3f} / {s['ttft_s']['p99']:.3f} "
+            f"| {s['tpot_s']['p50'] * 1e3:.1f} / {s['tpot_s']['p99'] * 1e3:.1f} "
+            f"| {s['itl_s']['p99'] * 1e3:.1f} "
+            f"| {s['e2e_s']['p50']:.2f} / {s['e2e_s']['p99']:.2f} "
+            f"| {s['preemptions']['recompute']} / {s['preemptions']['swap']} "
+            f"| {s['kv_used_fraction']['mean'] * 100:.0f} |")
+    return "\n".join(lines)
+
+
+def _markdown(cfg: dict, runs: list[Run], plots: list[tuple[str, str]]) -> str:
+    trace = cfg["trace"]
+    lines = [
+        f"# {cfg['name']}",
+        "",
+        f"Backend `{cfg['backend']}`; trace `{trace.get('format')}` "
+        f"{trace.get('path', '')}; model `{cfg.get('model')}` on `{cfg.get('hardware')}`; "
+        f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg['kv_cache']['block_size']} tokens.",
+        "",
+        summary_table(runs),
+        "",
+    ]
+    slo = runs[0].summary["slo"]
+    if slo:
+        lines += ["SLOs: " + ", ".join(f"{k} <= {v}" for k, v in slo.items()), "",
+                  "| run | goodput (req/s) | SLO attainment |", "|---|---|---|"]
+        lines += [f"| {r.label} | {r.summary['goodput']:.2f} | {r.summary['slo_attainment']:.1%} |"
+                  for r in runs]
+        lines.append("")
+    for name, caption in plots:
+        lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
+    lines += ["Files: `requests.csv` (one row per trace request per run), `steps.csv` "
+              "(one row per engine step), `summary.json` (aggregates per run), "
+              "`config.yaml` (the resolved config).", ""]
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""A request of a trace and its runtime state.
+
+Token counts follow vLLM: ``num_tokens`` = prompt + output tokens generated so far, and
+``num_computed_tokens`` = tokens whose KV is in the cache. A step that feeds the last
+uncomputed token samples one new output token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+    REJECTED = "rejected"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One trace request.
+
+    Args:
+        request_id: unique within a trace (the loaders use the row index as a string).
+        arrival_s: arrival time, seconds from the trace start (>= 0).
+        prompt_len: prompt tokens (>= 1).
+        output_len: output tokens to generate (>= 1); honoured exactly (as with ignore_eos).
+        prompt_token_ids: real prompt tokens, only for the engine backend (None in traces).
+        hash_ids: prefix-block hashes (Mooncake traces, 512 tokens per block), kept for
+            prefix-cache work; unused by the current policies.
+        priority: lower runs first for priority policies; unused by FCFS.
+    """
+
+    request_id: str
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    prompt_token_ids: list[int] | None = None
+    hash_ids: list[int] | None = None
+    priority: int = 0
+
+    # Runtime state, owned by the scheduler (lab/scheduler.py).
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    reason: str = ""
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+    # When the request first entered a running batch (seconds); -1 = never.
+    first_scheduled_s: float = -1.0
+    finish_s: float = -1.0
+    # Output token times, stored without per-token work (see lab/scheduler.py DecodeSet):
+    # ``prefill_token_steps``: step indices whose end produced a token by finishing a prefill;
+    # ``decode_segments``: half-open ranges [start, end) of decode ticks, one token per tick.
+    prefill_token_steps: list[int] = field(default_factory=list)
+    decode_segments: list[tuple[int, int]] = field(default_factory=list)
+    # Decode-set bookkeeping (valid while status is RUNNING and the prefill is done).
+    join_tick: int = -1
+    join_num_output: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens so far (materialized state; see DecodeSet for live ones)."""
+        return self.prompt_len + self.num_output_tokens
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_preemptions_recompute + self.num_preemptions_swap

@@ -1,0 +1,58 @@
+"""Run an experiment YAML and write its results folder.
+
+    python run_experiment.py experiments/quickstart.yaml [--out results/quickstart]
+
+User errors (bad YAML, malformed trace, unknown policy, impossible limits) print one line,
+``error: ...``, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_CONFIG = ROOT / "experiments" / "quickstart.yaml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG),
+                    help="experiment YAML (default: experiments/quickstart.yaml)")
+    ap.add_argument("--out", help="results folder (default: results/<name>)")
+    ap.add_argument("--limit", type=int, help="replay only the first N requests of the trace")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+    from lab.config import load_config
+    from lab.errors import UserError
+
+    try:
+        cfg = load_config(args.config)
+        if args.limit is not None:
+            if args.limit < 1:
+                raise UserError(f"--limit: expected an integer >= 1, got {args.limit}")
+            cfg["trace"]["limit"] = args.limit
+        out = Path(args.out) if args.out else ROOT / "results" / cfg["name"]
+        t0 = time.perf_counter()
+        from lab.experiment import run_experiment
+        from lab.report import summary_table, write_results
+
+        runs = run_experiment(cfg, ROOT, progress=not args.no_progress)
+        write_results(out, cfg, runs)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(summary_table(runs))
+    print(f"\nwrote {out}/ (report.md) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Small builders shared by the tests: a fixed-cost executor and a one-call replay."""
+
+from __future__ import annotations
+
+from lab.kv import BlockManager
+from lab.plan import SchedulerOutput, StepResult
+from lab.replay import ReplayResult, replay
+from lab.request import Request
+from lab.scheduler import SchedulerLimits, get_policy
+
+STEP_S = 0.01  # every step of the toy cost model takes 10 ms
+
+
+class FixedCost:
+    """Toy executor: every step takes ``step_s`` seconds, whatever it computes."""
+
+    def __init__(self, step_s: float = STEP_S) -> None:
+        self.step_s = step_s
+        self.plans: list[SchedulerOutput] = []
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        return StepResult(self.step_s)
+
+
+def run(policy: str, requests: list[tuple], *, gpu_blocks=8, cpu_blocks=8, block_size=16,
+        max_model_len=1_000_000, budget=None, max_num_seqs=256, watermark=0.0,
+        step_s=STEP_S) -> ReplayResult:
+    """Replay (request_id, arrival_s, prompt, output) tuples with invariants checked."""
+    cls = get_policy(policy)
+    if budget is None:
+        budget = 64 if cls.chunked_prefill else max_model_len
+    bm = BlockManager(gpu_blocks, cpu_blocks, block_size, watermark)
+    scheduler = cls(SchedulerLimits(max_num_seqs, budget, max_model_len), bm)
+    reqs = [Request(*t) for t in requests]
+    return replay(reqs, scheduler, FixedCost(step_s), check_invariants=True)
+
+
+def by_id(result: ReplayResult) -> dict[str, Request]:
+    return {r.request_id: r for r in result.requests}

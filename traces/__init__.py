@@ -1,0 +1,75 @@
+"""Request traces: read the ``trace:`` block of an experiment into a list of Requests.
+
+Example (YAML)::
+
+    trace:
+      format: azure2023            # azure2023 | burstgpt | mooncake | lengths | synthetic
+      path: traces/data/azure2023_conv.csv   # relative to the project root
+      start_s: 0                   # window [start_s, end_s) on the trace's own clock
+      end_s: 600
+      limit: 1000                  # first N requests after the window
+      rate_scale: 2.0              # offered-load multiplier: inter-arrival times / 2
+      seed: 0                      # for generated arrivals, lengths and shuffles
+
+Formats and their keys are documented in :mod:`traces.loaders`; arrival processes in
+:mod:`traces.arrivals`; synthetic length distributions in :mod:`traces.distributions`.
+Every mistake in the spec or the file raises :class:`lab.errors.TraceError` with one line
+naming the key, or the file, row and column.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import traces.loaders  # noqa: F401  (registers the formats)
+from lab.errors import TraceError
+from lab.request import Request
+from traces.registry import FORMATS, get_format
+from traces.spec import WHERE, check_keys, check_mapping, get_float, get_int, require
+from traces.table import apply_rate_scale, apply_window
+
+__all__ = ["COMMON_KEYS", "FORMATS", "load_trace"]
+
+# Spec keys every format accepts; each format adds its own (see FORMATS[name].keys).
+COMMON_KEYS = ("format", "start_s", "end_s", "limit", "rate_scale", "seed")
+
+
+def load_trace(spec: Mapping[str, Any], base_dir: Path) -> list[Request]:
+    """Load the requests a trace spec describes, in arrival order.
+
+    Args:
+        spec: the ``trace:`` block of an experiment (a mapping, as parsed from YAML).
+        base_dir: the project root; a relative ``path`` is resolved against it.
+
+    Returns:
+        New Requests, ``arrival_s`` non-decreasing from 0.0, ``request_id`` the 0-based
+        source row (data row of a CSV, record of a JSONL file, or generation index), so
+        ids stay the same under any window or limit. The same spec and seed always give
+        identical requests.
+
+    Raises:
+        TraceError: unknown format or key, a value of the wrong type or range, a missing,
+            empty or malformed file, or a window/filter that keeps no request.
+    """
+    spec = check_mapping(spec, WHERE)
+    trace_format = get_format(require(spec, "format", WHERE))
+    check_keys(spec, COMMON_KEYS + trace_format.keys, WHERE)
+    start_s = get_float(spec, "start_s", WHERE, default=0.0)
+    end_s = get_float(spec, "end_s", WHERE, default=math.inf, strict=True, allow_inf=True)
+    if end_s <= start_s:
+        raise TraceError(
+            f"{WHERE}.end_s: must be greater than start_s ({start_s:g}), got {end_s:g}"
+        )
+    limit = get_int(spec, "limit", WHERE, default=None, minimum=1)
+    rate_scale = get_float(spec, "rate_scale", WHERE, default=1.0, strict=True)
+    seed = get_int(spec, "seed", WHERE, default=0, minimum=0)
+
+    table = trace_format.load(spec, Path(base_dir), seed)
+    table = apply_window(table, start_s, end_s)
+    if limit is not None:
+        table = table.take(slice(0, limit))
+    table = apply_rate_scale(table, rate_scale)
+    return table.to_requests()

@@ -1,0 +1,110 @@
+"""Token-length distributions for the ``synthetic`` format (``prompt_len`` / ``output_len``).
+
+Accepted YAML forms (all lengths in tokens, every sample >= 1):
+
+- ``512``: every request has exactly 512 tokens;
+- ``{uniform: [lo, hi]}``: integers drawn uniformly from lo..hi, both ends included;
+- ``{lognormal: {mean: 1000, sigma: 0.5}}``: a log-normal whose *mean in tokens* is ``mean``
+  (numpy's mu is derived: mu = ln(mean) - sigma^2 / 2) and whose log has standard deviation
+  ``sigma``; samples are rounded to the nearest integer and raised to at least 1;
+- ``{choice: [128, 512, 2048]}``: one of the listed values, each equally likely.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from lab.errors import TraceError
+from traces.spec import check_keys, check_mapping, get_float
+
+FORMS = (
+    "an integer",
+    "{uniform: [lo, hi]}",
+    "{lognormal: {mean:, sigma:}}",
+    "{choice: [...]}",
+)
+
+
+class LengthDistribution(Protocol):
+    def sample(self, num_requests: int, rng: np.random.Generator) -> np.ndarray:
+        """Token counts, shape (num_requests,), int64, each >= 1."""
+        ...
+
+
+@dataclass(frozen=True)
+class Fixed:
+    tokens: int
+
+    def sample(self, num_requests: int, rng: np.random.Generator) -> np.ndarray:
+        return np.full(num_requests, self.tokens, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Uniform:
+    lo: int
+    hi: int
+
+    def sample(self, num_requests: int, rng: np.random.Generator) -> np.ndarray:
+        return rng.integers(self.lo, self.hi, size=num_requests, endpoint=True, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class LogNormal:
+    mean: float
+    sigma: float
+
+    def sample(self, num_requests: int, rng: np.random.Generator) -> np.ndarray:
+        mu = math.log(self.mean) - self.sigma**2 / 2
+        tokens = np.rint(rng.lognormal(mu, self.sigma, size=num_requests))
+        return np.maximum(tokens, 1).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Choice:
+    values: tuple[int, ...]
+
+    def sample(self, num_requests: int, rng: np.random.Generator) -> np.ndarray:
+        return rng.choice(np.asarray(self.values, dtype=np.int64), size=num_requests)
+
+
+def parse_length(value: Any, where: str) -> LengthDistribution:
+    """Read one of the forms listed in the module docstring.
+
+    Raises:
+        TraceError: naming ``where`` and the accepted forms.
+    """
+    if _is_count(value):
+        return Fixed(value)
+    if not isinstance(value, dict) or len(value) != 1:
+        raise _bad(where, value)
+    ((kind, params),) = value.items()
+    if kind == "uniform":
+        if not (isinstance(params, list) and len(params) == 2 and all(map(_is_count, params))):
+            raise _bad(f"{where}.uniform", params, "expected [lo, hi], integers >= 1")
+        if params[0] > params[1]:
+            raise _bad(f"{where}.uniform", params, "expected lo <= hi")
+        return Uniform(params[0], params[1])
+    if kind == "lognormal":
+        params = check_mapping(params, f"{where}.lognormal")
+        check_keys(params, ("mean", "sigma"), f"{where}.lognormal")
+        mean = get_float(params, "mean", f"{where}.lognormal", minimum=1.0)
+        sigma = get_float(params, "sigma", f"{where}.lognormal", minimum=0.0)
+        return LogNormal(mean, sigma)
+    if kind == "choice":
+        if not (isinstance(params, list) and params and all(map(_is_count, params))):
+            raise _bad(f"{where}.choice", params, "expected a non-empty list of integers >= 1")
+        return Choice(tuple(params))
+    raise _bad(where, value)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _bad(where: str, value: Any, expected: str = "") -> TraceError:
+    expected = expected or f"expected one of: {'; '.join(FORMS)} (token counts >= 1)"
+    return TraceError(f"{where}: {expected}, got {value!r}")

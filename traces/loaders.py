@@ -1,0 +1,240 @@
+"""The trace formats: each loader reads one source into a :class:`TraceTable`.
+
+Times are on the trace's own clock: seconds since the first data row of the file (kept or
+dropped), so that a ``start_s``/``end_s`` window means the same thing with or without
+filters. ``load_trace`` re-bases them so the first request it returns arrives at 0.
+
+Drop rules (each logged as one INFO line on the ``traces.loaders`` logger, with the count):
+
+- every format: a request needs at least 1 output token, so rows with 0 output tokens are
+  dropped (none in the shipped Azure, Mooncake or Sarathi files);
+- ``burstgpt``: rows with ``Response tokens == 0`` are failed requests in the source and are
+  dropped; rows with ``Request tokens == 0`` are dropped too (a prompt needs >= 1 token).
+  Elsewhere a prompt of 0 tokens is an error, not a drop.
+
+Negative, fractional or non-numeric token counts are always errors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from lab.errors import TraceError
+from traces.arrivals import parse_arrival
+from traces.distributions import parse_length
+from traces.readers import read_csv, read_jsonl
+from traces.registry import register_format
+from traces.spec import WHERE, get_choice, get_int, get_str_list, require, resolve_path
+from traces.table import TraceTable
+from traces.validate import (
+    Source,
+    check_sorted,
+    datetime_times,
+    numeric_times,
+    token_counts,
+)
+
+logger = logging.getLogger(__name__)
+
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+BURSTGPT_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
+MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
+LENGTHS_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
+SAMPLE_ORDERS = ("sequential", "shuffle")
+
+
+@register_format("azure2023", keys=("path",))
+def load_azure2023(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
+    """Azure LLM inference trace 2023 (Splitwise): ``TIMESTAMP,ContextTokens,GeneratedTokens``.
+
+    TIMESTAMP is wall-clock text with 100-ns ticks (``2023-11-16 18:17:03.9799600``), no zone;
+    arrivals are seconds since the first row. Rows must be sorted by time.
+    """
+    path = resolve_path(spec, base_dir, WHERE)
+    frame = read_csv(path, AZURE_COLUMNS)
+    src = Source(path.name)
+    stamps = frame["TIMESTAMP"]
+    arrival_s = datetime_times(stamps, src, "TIMESTAMP")
+    check_sorted(arrival_s, stamps, src, "TIMESTAMP")
+    table = TraceTable(
+        row=np.arange(len(frame)),
+        arrival_s=arrival_s,
+        prompt_len=token_counts(frame["ContextTokens"], src, "ContextTokens", minimum=1),
+        output_len=token_counts(frame["GeneratedTokens"], src, "GeneratedTokens", minimum=0),
+    )
+    return _drop(table, table.output_len == 0, src.file, "'GeneratedTokens' == 0", _NO_OUTPUT)
+
+
+@register_format("burstgpt", keys=("path", "models", "log_types"))
+def load_burstgpt(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
+    """BurstGPT CSV, both layouts (``BurstGPT_1``; ``_3`` adds Session ID and Elapsed time).
+
+    ``Timestamp`` is in seconds (any origin); arrivals are seconds since the first row.
+    Optional spec keys ``models: [ChatGPT, GPT-4]`` and ``log_types: [Conversation log,
+    API log]`` keep only rows whose ``Model`` / ``Log Type`` is listed (exact match).
+    """
+    filters = {
+        "Model": get_str_list(spec, "models", WHERE),
+        "Log Type": get_str_list(spec, "log_types", WHERE),
+    }
+    path = resolve_path(spec, base_dir, WHERE)
+    frame = read_csv(path, (*BURSTGPT_COLUMNS, *(c for c, v in filters.items() if v)))
+    src = Source(path.name)
+    stamps = frame["Timestamp"]
+    times_s = numeric_times(stamps, src, "Timestamp", ticks_per_s=1)
+    check_sorted(times_s, stamps, src, "Timestamp")
+    table = TraceTable(
+        row=np.arange(len(frame)),
+        arrival_s=times_s - times_s[0],
+        prompt_len=token_counts(frame["Request tokens"], src, "Request tokens", minimum=0),
+        output_len=token_counts(frame["Response tokens"], src, "Response tokens", minimum=0),
+    )
+    table = _drop(table, table.output_len == 0, src.file, "'Response tokens' == 0", _FAILED)
+    table = _drop(table, table.prompt_len == 0, src.file, "'Request tokens' == 0", _NO_PROMPT)
+    for column, wanted in filters.items():
+        if wanted:
+            table = _filter(table, frame[column], wanted, src.file, column)
+    return table
+
+
+@register_format("mooncake", keys=("path",))
+def load_mooncake(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
+    """Mooncake JSONL: ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``.
+
+    ``hash_ids`` (optional per line) are prefix-block hashes, 512 tokens per block, kept on
+    ``Request.hash_ids``. Arrivals are seconds since the first record.
+    """
+    path = resolve_path(spec, base_dir, WHERE)
+    frame, line_numbers = read_jsonl(path, MOONCAKE_KEYS, optional=("hash_ids",))
+    src = Source(path.name, line_numbers)
+    stamps = frame["timestamp"]
+    times_s = numeric_times(stamps, src, "timestamp", ticks_per_s=1000)  # ms
+    check_sorted(times_s, stamps, src, "timestamp")
+    table = TraceTable(
+        row=np.arange(len(frame)),
+        arrival_s=times_s - times_s[0],
+        prompt_len=token_counts(frame["input_length"], src, "input_length", minimum=1),
+        output_len=token_counts(frame["output_length"], src, "output_length", minimum=0),
+        hash_ids=_hash_ids(frame["hash_ids"], src),
+    )
+    return _drop(table, table.output_len == 0, src.file, "'output_length' == 0", _NO_OUTPUT)
+
+
+@register_format("lengths", keys=("path", "arrival", "num_requests", "sample"))
+def load_lengths(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
+    """Length-only CSV (Vidur / Sarathi-Serve ``num_prefill_tokens,num_decode_tokens``).
+
+    Arrivals come from ``arrival`` (see :mod:`traces.arrivals`). ``num_requests`` rows
+    (default: all usable rows) are taken in file order (``sample: sequential``, default) or
+    in a random order drawn from ``seed`` (``sample: shuffle``), each row at most once.
+    """
+    arrival = parse_arrival(require(spec, "arrival", WHERE), f"{WHERE}.arrival")
+    order = get_choice(spec, "sample", WHERE, SAMPLE_ORDERS, default="sequential")
+    num_requests = get_int(spec, "num_requests", WHERE, default=None, minimum=1)
+    path = resolve_path(spec, base_dir, WHERE)
+    frame = read_csv(path, LENGTHS_COLUMNS)
+    src = Source(path.name)
+    table = TraceTable(
+        row=np.arange(len(frame)),
+        arrival_s=np.zeros(len(frame)),
+        prompt_len=token_counts(frame["num_prefill_tokens"], src, "num_prefill_tokens", minimum=1),
+        output_len=token_counts(frame["num_decode_tokens"], src, "num_decode_tokens", minimum=0),
+    )
+    table = _drop(table, table.output_len == 0, src.file, "'num_decode_tokens' == 0", _NO_OUTPUT)
+    if num_requests is None:
+        num_requests = len(table)
+    if num_requests > len(table):
+        raise TraceError(
+            f"{WHERE}.num_requests: {num_requests} is more than the {len(table)} usable rows "
+            f"of {src.file}"
+        )
+    arrival_rng, sample_rng = np.random.default_rng(seed).spawn(2)
+    if order == "shuffle":
+        table = table.take(sample_rng.permutation(len(table))[:num_requests])
+    else:
+        table = table.take(slice(0, num_requests))
+    return table.with_arrivals(arrival.sample(num_requests, arrival_rng))
+
+
+@register_format("synthetic", keys=("num_requests", "arrival", "prompt_len", "output_len"))
+def load_synthetic(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
+    """No file: ``num_requests`` requests with ``arrival`` times and sampled lengths.
+
+    ``prompt_len`` / ``output_len`` take the forms of :mod:`traces.distributions`.
+    Arrivals, prompt and output lengths use independent random streams spawned from
+    ``seed``, so changing one distribution leaves the others' samples unchanged.
+    """
+    num_requests = get_int(spec, "num_requests", WHERE, minimum=1)
+    arrival = parse_arrival(require(spec, "arrival", WHERE), f"{WHERE}.arrival")
+    prompt = parse_length(require(spec, "prompt_len", WHERE), f"{WHERE}.prompt_len")
+    output = parse_length(require(spec, "output_len", WHERE), f"{WHERE}.output_len")
+    arrival_rng, prompt_rng, output_rng = np.random.default_rng(seed).spawn(3)
+    return TraceTable(
+        row=np.arange(num_requests),
+        arrival_s=arrival.sample(num_requests, arrival_rng),
+        prompt_len=prompt.sample(num_requests, prompt_rng),
+        output_len=output.sample(num_requests, output_rng),
+    )
+
+
+_NO_OUTPUT = "a request needs >= 1 output token"
+_FAILED = "failed requests in the source"
+_NO_PROMPT = "a prompt needs >= 1 token"
+
+
+def _drop(table: TraceTable, drop: np.ndarray, file: str, rule: str, why: str) -> TraceTable:
+    """Remove the rows where ``drop`` is True, logging how many; error if none is left."""
+    count = int(drop.sum())
+    if count == 0:
+        return table
+    logger.info("%s: dropped %d of %d rows with %s (%s)", file, count, len(table), rule, why)
+    if count == len(table):
+        raise TraceError(f"{file}: no request left after dropping rows with {rule} ({why})")
+    return table.take(~drop)
+
+
+def _filter(
+    table: TraceTable, values: pd.Series, wanted: list[str], file: str, column: str
+) -> TraceTable:
+    """Keep rows whose ``column`` (indexed by source row) is one of ``wanted``.
+
+    A wanted value absent from the file is an error: a typo would otherwise select nothing.
+    """
+    key = "models" if column == "Model" else "log_types"
+    present = set(values.unique())
+    for value in wanted:
+        if value not in present:
+            raise TraceError(
+                f"{WHERE}.{key}: {value!r} does not occur in column {column!r} of {file}; "
+                f"values present: {', '.join(sorted(present))}"
+            )
+    match = values.isin(wanted).to_numpy()[table.row]
+    logger.info(
+        "%s: %s in %s keeps %d of %d rows",
+        file,
+        column,
+        wanted,
+        match.sum(),
+        len(table),
+    )
+    if not match.any():
+        raise TraceError(f"{file}: no request left after {WHERE}.{key} = {wanted}")
+    return table.take(match)
+
+
+def _hash_ids(values: pd.Series, src: Source) -> list[list[int]] | None:
+    """Each entry a list of ints or None (key absent); None when no line has the key."""
+    if values.isna().all():
+        return None
+    for i, ids in enumerate(values):
+        if ids is not None and not (isinstance(ids, list) and all(type(h) is int for h in ids)):
+            raise TraceError(
+                f"{src.at(i, 'hash_ids')}: expected a list of integers, got {ids!r:.60}"
+            )
+    return values.tolist()

@@ -1,0 +1,135 @@
+"""Typed access to the ``trace:`` block of an experiment YAML.
+
+Every getter names the key path (``trace.limit``) and what was expected when a value is
+wrong, so a typo in a YAML file reads as one line instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from lab.errors import TraceError
+
+# Key path of the trace block in an experiment YAML, the prefix of every spec message.
+WHERE = "trace"
+
+_MISSING = object()
+
+
+def check_mapping(value: Any, where: str) -> Mapping[str, Any]:
+    """Return ``value`` if it is a mapping with string keys, else raise TraceError."""
+    if not isinstance(value, Mapping):
+        raise TraceError(f"{where}: expected a mapping, got {_show(value)}")
+    return value
+
+
+def check_keys(spec: Mapping[str, Any], allowed: Iterable[str], where: str) -> None:
+    """Reject any key of ``spec`` not in ``allowed`` (typos would otherwise be ignored)."""
+    allowed = sorted(allowed)
+    for key in spec:
+        if key not in allowed:
+            raise TraceError(f"{where}: unknown key {key!r}; allowed keys: {', '.join(allowed)}")
+
+
+def get_int(
+    spec: Mapping[str, Any],
+    key: str,
+    where: str,
+    *,
+    default: Any = _MISSING,
+    minimum: int,
+) -> int:
+    """An integer >= ``minimum`` (bools are not integers here); ``default`` if absent."""
+    if key not in spec and default is not _MISSING:
+        return default
+    value = require(spec, key, where)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise TraceError(f"{where}.{key}: expected an integer >= {minimum}, got {_show(value)}")
+    return value
+
+
+def get_float(
+    spec: Mapping[str, Any],
+    key: str,
+    where: str,
+    *,
+    default: Any = _MISSING,
+    minimum: float = 0.0,
+    strict: bool = False,
+    allow_inf: bool = False,
+) -> float:
+    """A real number >= ``minimum`` (> ``minimum`` when ``strict``); ``inf`` only if allowed.
+
+    ``default`` is returned unchecked when the key is absent.
+    """
+    if key not in spec and default is not _MISSING:
+        return default
+    value = require(spec, key, where)
+    bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+    if not allow_inf:
+        bound += " (finite)"
+    number = (
+        float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    )
+    ok = number is not None and not math.isnan(number) and (allow_inf or math.isfinite(number))
+    if not ok or not (number > minimum if strict else number >= minimum):
+        raise TraceError(f"{where}.{key}: expected a number {bound}, got {_show(value)}")
+    return number
+
+
+def get_choice(
+    spec: Mapping[str, Any],
+    key: str,
+    where: str,
+    choices: Iterable[str],
+    *,
+    default: Any,
+) -> str:
+    """One of ``choices`` (a string)."""
+    choices = list(choices)
+    value = spec.get(key, default)
+    if value not in choices:
+        raise TraceError(f"{where}.{key}: expected one of {', '.join(choices)}; got {_show(value)}")
+    return value
+
+
+def get_str_list(spec: Mapping[str, Any], key: str, where: str) -> list[str] | None:
+    """A non-empty list of strings, or None when the key is absent."""
+    if key not in spec:
+        return None
+    value = spec[key]
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise TraceError(f"{where}.{key}: expected a non-empty list of strings, got {_show(value)}")
+    return value
+
+
+def resolve_path(spec: Mapping[str, Any], base_dir: Path, where: str) -> Path:
+    """The trace file: ``path`` relative to ``base_dir`` (the project root) unless absolute.
+
+    Raises:
+        TraceError: the key is missing or not a string, or no file exists there.
+    """
+    value = require(spec, "path", where)
+    if not isinstance(value, str) or not value:
+        raise TraceError(f"{where}.path: expected a file path (string), got {_show(value)}")
+    path = Path(value)
+    if not path.is_absolute():
+        path = Path(base_dir) / path
+    if not path.is_file():
+        raise TraceError(f"trace file not found: {path} ({where}.path = {value!r})")
+    return path
+
+
+def require(spec: Mapping[str, Any], key: str, where: str) -> Any:
+    """The value of a required key, or TraceError naming it."""
+    if key not in spec:
+        raise TraceError(f"{where}: missing required key {key!r}")
+    return spec[key]
+
+
+def _show(value: Any) -> str:
+    """``'ten' (str)``: the value and its YAML-visible type, for error messages."""
+    return f"{value!r} ({type(value).__name__})"

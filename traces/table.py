@@ -1,0 +1,103 @@
+"""A loaded trace as columns, and the options common to every format.
+
+The options are applied by :func:`traces.load_trace` in this order:
+
+1. time window ``[start_s, end_s)`` on the trace's own clock (seconds since the first data
+   row of the file, or since the first generated request), then re-based so the first kept
+   request arrives at 0;
+2. ``limit``: the first N requests left;
+3. ``rate_scale``: inter-arrival times divided by it (2.0 = twice the request rate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lab.errors import TraceError
+from lab.request import Request
+
+
+@dataclass(frozen=True)
+class TraceTable:
+    """One entry per request, in arrival order (all arrays of shape (n,)).
+
+    Args:
+        row: int64, 0-based index of the request's source row (data rows of a CSV, records
+            of a JSONL file, or the generation index); becomes ``Request.request_id``.
+        arrival_s: float64, arrival time in seconds on the trace's own clock.
+        prompt_len: int64, prompt tokens (>= 1).
+        output_len: int64, output tokens (>= 1).
+        hash_ids: Mooncake prefix-block hashes per request, or None.
+    """
+
+    row: np.ndarray
+    arrival_s: np.ndarray
+    prompt_len: np.ndarray
+    output_len: np.ndarray
+    hash_ids: list[list[int]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.row)
+
+    def take(self, index: np.ndarray | slice) -> TraceTable:
+        """A new table with the entries selected by a boolean mask, index array or slice."""
+        hash_ids = None
+        if self.hash_ids is not None:
+            positions = np.arange(len(self))[index]
+            hash_ids = [self.hash_ids[i] for i in positions]
+        return TraceTable(
+            row=self.row[index],
+            arrival_s=self.arrival_s[index],
+            prompt_len=self.prompt_len[index],
+            output_len=self.output_len[index],
+            hash_ids=hash_ids,
+        )
+
+    def with_arrivals(self, arrival_s: np.ndarray) -> TraceTable:
+        """The same requests with new arrival times."""
+        return TraceTable(self.row, arrival_s, self.prompt_len, self.output_len, self.hash_ids)
+
+    def to_requests(self) -> list[Request]:
+        """Fresh :class:`Request` objects (runtime state at its defaults)."""
+        hash_ids = self.hash_ids or [None] * len(self)
+        return [
+            Request(
+                request_id=str(row),
+                arrival_s=arrival_s,
+                prompt_len=prompt_len,
+                output_len=output_len,
+                hash_ids=None if ids is None else list(ids),
+            )
+            for row, arrival_s, prompt_len, output_len, ids in zip(
+                self.row.tolist(),
+                self.arrival_s.tolist(),
+                self.prompt_len.tolist(),
+                self.output_len.tolist(),
+                hash_ids,
+                strict=True,
+            )
+        ]
+
+
+def apply_window(table: TraceTable, start_s: float, end_s: float) -> TraceTable:
+    """Keep requests with ``start_s <= arrival_s < end_s``, re-based to start at 0.
+
+    Raises:
+        TraceError: no request arrives inside the window.
+    """
+    kept = table.take((table.arrival_s >= start_s) & (table.arrival_s < end_s))
+    if len(kept) == 0:
+        raise TraceError(
+            f"trace window start_s={start_s:g}, end_s={end_s:g} keeps no request; the trace's "
+            f"requests arrive from {table.arrival_s[0]:g} s to {table.arrival_s[-1]:g} s"
+        )
+    return kept.with_arrivals(kept.arrival_s - kept.arrival_s[0])
+
+
+def apply_rate_scale(table: TraceTable, rate_scale: float) -> TraceTable:
+    """Divide every inter-arrival time by ``rate_scale`` (arrivals start at 0 already)."""
+    if rate_scale == 1.0:
+        return table
+    return table.with_arrivals(table.arrival_s / rate_scale)

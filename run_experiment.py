@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = run_experiment(cfg, ROOT, progress=not args.no_progress)
         write_results(out, cfg, runs)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        msg = str(e)
+        if not msg.startswith(args.config):  # name the experiment file once
+            msg = f"{args.config}: {msg}"
+        print(f"error: {msg}", file=sys.stderr)
         return 2
     print(summary_table(runs))
     print(f"\nwrote {out}/ (report.md) in {time.perf_counter() - t0:.1f} s")

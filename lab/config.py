@@ -155,7 +155,10 @@ def validate(raw: dict[str, Any], where: str = "config") -> dict[str, Any]:
             p = {"name": p}
         if not isinstance(p, dict) or not isinstance(p.get("name"), str):
             raise _fail(where, key, "a policy name or a mapping with 'name'", p)
-        cls = get_policy(p["name"])
+        try:
+            cls = get_policy(p["name"])
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {key}: {e}") from None
         allowed = ("name", "label", *SCHEDULER_KEYS, *cls.options)
         _mapping(where, key, p, allowed)
         _check_limits(where, key, p)

@@ -31,6 +31,9 @@ def write_results(out_dir: Path, cfg: dict[str, Any], runs: list[Run]) -> Path:
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; results are for sharing
     try:
         (tmp / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
         pd.concat([r.requests for r in runs]).to_csv(tmp / "requests.csv", index=False)

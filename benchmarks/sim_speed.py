@@ -1,0 +1,62 @@
+"""Simulator speed on the quickstart: wall time of the three replays and of the whole run.
+
+    python benchmarks/sim_speed.py [experiments/quickstart.yaml] [--repeat 3]
+
+Prints, per policy, engine steps and replay wall seconds (best of --repeat), then the sum,
+the steps per second, and the wall time of the metrics + report stage, measured in the same
+process. Target (issue 2): the quickstart's three replays together <= 20 s on the 2-core
+development machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lab.config import load_config  # noqa: E402
+from lab.experiment import run_experiment  # noqa: E402
+from lab.report import write_results  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config", nargs="?", default=str(ROOT / "experiments/quickstart.yaml"))
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    cfg = load_config(args.config)
+    best: dict[str, tuple[int, float]] = {}
+    totals = []
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        runs = run_experiment(cfg, ROOT, progress=False)
+        totals.append(time.perf_counter() - t0)
+        for r in runs:
+            prev = best.get(r.label)
+            if prev is None or r.result.wall_s < prev[1]:
+                best[r.label] = (r.summary["num_steps"], r.result.wall_s)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as d:
+        write_results(Path(d) / "out", cfg, runs)
+    report_s = time.perf_counter() - t0
+    print(f"# {cfg['name']} on {platform.processor() or platform.machine()}, "
+          f"python {platform.python_version()}")
+    print("| policy | steps | replay wall (s) | steps/s |")
+    print("|---|---|---|---|")
+    for label, (steps, wall) in best.items():
+        print(f"| {label} | {steps} | {wall:.2f} | {steps / wall:,.0f} |")
+    steps = sum(s for s, _ in best.values())
+    wall = sum(w for _, w in best.values())
+    print(f"| all | {steps} | {wall:.2f} | {steps / wall:,.0f} |")
+    print(f"\nreplays + trace loading + metrics (best of {args.repeat}): {min(totals):.2f} s; "
+          f"writing the results folder (CSVs, JSON, plots): {report_s:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Every example YAML runs (small limit); configs and the CLI fail with one clear line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+import run_experiment
+from lab.config import load_config
+from lab.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "experiments").glob("*.yaml"))
+
+
+def sim_examples():
+    return [p for p in EXAMPLES if yaml.safe_load(p.read_text()).get("backend", "sim") == "sim"]
+
+
+@pytest.mark.parametrize("path", sim_examples(), ids=lambda p: p.stem)
+def test_example_runs(path, tmp_path):
+    out = tmp_path / "run"
+    assert run_experiment.main([str(path), "--limit", "60", "--out", str(out), "--no-progress"]) == 0
+    cfg = load_config(path)
+    policies = [p["label"] for p in cfg["policies"]]
+    scales = cfg["trace"].get("rate_scale", 1.0)
+    num_runs = len(policies) * (len(scales) if isinstance(scales, list) else 1)
+    req = pd.read_csv(out / "requests.csv")
+    for col in ("policy", "request_id", "status", "arrival_s", "prompt_tokens", "output_tokens",
+                "ttft_s", "tpot_s", "e2e_s", "queue_s", "num_preemptions"):
+        assert col in req.columns
+    # Nothing lost: every trace request once per run, ended with a reason if not finished.
+    assert len(req) == 60 * num_runs or (len(req) % num_runs == 0 and len(req) < 60 * num_runs)
+    assert set(req["status"]) <= {"finished", "rejected", "aborted"}
+    assert req.loc[req.status != "finished", "reason"].notna().all()
+    steps = pd.read_csv(out / "steps.csv")
+    for col in ("policy", "time_s", "duration_s", "num_prefill_tokens", "num_decode_tokens",
+                "num_seqs", "kv_used_blocks", "num_waiting", "num_swapped"):
+        assert col in steps.columns
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary) == num_runs
+    first = next(iter(summary.values()))
+    assert set(first["ttft_s"]) == {"mean", "p50", "p90", "p99"}
+    report = (out / "report.md").read_text()
+    assert "latency_cdf.png" in report and (out / "latency_cdf.png").stat().st_size > 10_000
+    assert (out / "over_time.png").exists() and (out / "config.yaml").exists()
+    if num_runs > len(policies):
+        assert (out / "latency_vs_load.png").exists()
+
+
+def test_rerun_replaces_results_whole(tmp_path):
+    out = tmp_path / "run"
+    args = [str(ROOT / "experiments/quickstart.yaml"), "--limit", "20", "--out", str(out),
+            "--no-progress"]
+    assert run_experiment.main(args) == 0
+    (out / "stale.txt").write_text("from an older run")
+    assert run_experiment.main(args) == 0
+    assert not (out / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no temp folders left
+
+
+def write(tmp_path, text: str) -> Path:
+    p = tmp_path / "exp.yaml"
+    p.write_text(text)
+    return p
+
+
+BASE = "trace: {format: synthetic, num_requests: 5, arrival: {process: poisson, rate: 1}, prompt_len: 10, output_len: 5}\n"
+
+
+@pytest.mark.parametrize("text, message", [
+    (BASE + "polices: [fcfs]\n", "unknown key polices; allowed: name, backend"),
+    (BASE + "policies: [lifo]\n", "unknown policy 'lifo'; known policies: chunked_prefill, fcfs, swap"),
+    (BASE + "kv_cache: {block_size: sixteen}\n", "kv_cache.block_size: expected an integer >= 1, got 'sixteen'"),
+    (BASE + "kv_cache: {blocksize: 16}\n", "unknown key kv_cache.blocksize"),
+    (BASE + "model: llama-4\n", "model: expected one of llama-2-7b, llama-3.1-8b, qwen3-0.6b, qwen3-8b, got 'llama-4'"),
+    (BASE + "kv_cache: {gpu_memory_utilization: 1.5}\n", "kv_cache.gpu_memory_utilization: expected a number in (0.0, 1.0], got 1.5"),
+    (BASE + "policies: [{name: fcfs, max_num_seqs: 0}]\n", "policies[0].max_num_seqs: expected an integer >= 1 or null, got 0"),
+    (BASE + "policies: [fcfs, fcfs]\n", "labels must be unique"),
+    ("trace: [1, 2]\n", "trace: expected a mapping"),
+    (BASE + "trace_x: 1\n", "unknown key trace_x"),
+    (BASE + "slo: {ttft_s: -1}\n", "slo.ttft_s: expected a number in (0.0, inf] or null, got -1"),
+    ("a: [1, 2\n", "is not valid YAML"),
+])
+def test_bad_config_one_line(tmp_path, text, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text))
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert str(tmp_path / "exp.yaml") in str(e.value)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("policies: [{name: fcfs, max_num_batched_tokens: 100}]\nscheduler: {max_num_seqs: 8, max_model_len: 512}\n",
+     "max_num_batched_tokens 100 is below max_model_len 512"),
+    ("policies: [{name: chunked_prefill, max_num_batched_tokens: 16}]\n",
+     "max_num_batched_tokens 16 must be >= max_num_seqs 256"),
+    ("kv_cache: {gpu_memory_utilization: 0.05}\n", "leaves no room for KV"),
+])
+def test_impossible_limits_are_user_errors(tmp_path, capsys, extra, message):
+    assert run_experiment.main([str(write(tmp_path, BASE + extra)), "--out",
+                                str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_prints_one_line_and_no_traceback(tmp_path):
+    bad = write(tmp_path, "trace: {format: azure2023, path: nowhere.csv}\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "run_experiment.py"), str(bad),
+                           "--no-progress"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if not ln.startswith("INFO")]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "nowhere.csv" in lines[0]

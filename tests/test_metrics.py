@@ -1,0 +1,58 @@
+"""Metric definitions on hand-computed values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from helpers import run
+from lab import metrics
+
+
+def test_tpot_excludes_first_token_and_single_token_outputs():
+    # (ttft, e2e, tokens) = (0.2, 0.2, 1), (0.1, 1.1, 11), (0.3, 1.1, 3):
+    # TPOT = none, (1.1 - 0.1) / 10 = 0.1, (1.1 - 0.3) / 2 = 0.4 -> mean 0.25.
+    tpot = metrics.tpot_s([0.2, 0.1, 0.3], [0.2, 1.1, 1.1], [1, 11, 3])
+    assert np.isnan(tpot[0])
+    np.testing.assert_allclose(tpot[1:], [0.1, 0.4])
+    assert metrics.stats(tpot)["mean"] == pytest.approx(0.25)
+
+
+def test_single_token_request_has_ttft_equal_e2e():
+    res = run("fcfs", [("one", 0.0, 10, 1)])
+    df, itl = metrics.request_table(res, "fcfs", 1.0)
+    row = df.iloc[0]
+    assert row.ttft_s == pytest.approx(0.01) and row.e2e_s == pytest.approx(0.01)
+    assert np.isnan(row.tpot_s) and len(itl) == 0
+
+
+def test_request_table_and_summary_on_a_replay():
+    # a (0.0, prompt 4, out 3): tokens 0.01, 0.02, 0.03. b (0.015, prompt 4, out 2): arrives
+    # during step 2 (0.01-0.02); step 3 prefills it alone (prefill-first, 0.02-0.03), so a's
+    # third token waits: a gets 0.01, 0.02, 0.04 and b gets 0.03, 0.04.
+    res = run("fcfs", [("a", 0.0, 4, 3), ("b", 0.015, 4, 2)])
+    df, itl = metrics.request_table(res, "fcfs", 1.0)
+    a, b = df.set_index("request_id").loc["a"], df.set_index("request_id").loc["b"]
+    assert (a.ttft_s, a.e2e_s, a.tpot_s) == pytest.approx((0.01, 0.04, 0.015))
+    assert (b.ttft_s, b.e2e_s, b.tpot_s, b.queue_s) == pytest.approx((0.015, 0.025, 0.01, 0.005))
+    np.testing.assert_allclose(np.sort(itl), [0.01, 0.01, 0.02])
+    s = metrics.summarize(df, itl, res, {"ttft_s": 0.012, "tpot_s": None, "e2e_s": None})
+    assert s["duration_s"] == pytest.approx(0.04)
+    assert s["request_throughput"] == pytest.approx(2 / 0.04)
+    assert s["output_throughput"] == pytest.approx(5 / 0.04)
+    assert s["total_token_throughput"] == pytest.approx(13 / 0.04)
+    assert s["itl_s"]["mean"] == pytest.approx(0.04 / 3)
+    # Only a meets TTFT <= 12 ms.
+    assert s["goodput"] == pytest.approx(1 / 0.04) and s["slo_attainment"] == 0.5
+
+
+def test_slo_counts_rejected_as_miss():
+    df = pd.DataFrame({"status": ["finished", "rejected"], "ttft_s": [0.1, np.nan],
+                       "tpot_s": [np.nan, np.nan], "e2e_s": [0.1, np.nan]})
+    assert metrics.meets_slo(df, {"ttft_s": 1.0, "tpot_s": 0.01}).tolist() == [True, False]
+
+
+def test_stats_percentiles_linear_interpolation():
+    s = metrics.stats([1.0, 2.0, 3.0, 4.0, np.nan])
+    assert s == {"mean": 2.5, "p50": 2.5, "p90": pytest.approx(3.7), "p99": pytest.approx(3.97)}

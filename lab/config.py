@@ -10,7 +10,8 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     cost_model: {flops_efficiency: 0.7, bandwidth_efficiency: 0.85, step_overhead_s: 0.002}
     kv_cache: {block_size: 16, gpu_memory_utilization: 0.9, num_gpu_blocks: null,
                swap_space_gib: 4, watermark: 0.01}
-    scheduler: {max_num_seqs: 256, max_num_batched_tokens: null, max_model_len: null}
+    scheduler: {max_num_seqs: 256, max_num_batched_tokens: null, max_model_len: null,
+                max_preemptions: 1000}
     policies: [fcfs, swap, {name: chunked_prefill, max_num_batched_tokens: 512}]
     slo: {ttft_s: null, tpot_s: null, e2e_s: null}
     engine: {...}                # backend: engine only (backend/README.md)
@@ -40,7 +41,8 @@ DEFAULTS: dict[str, Any] = {
     "cost_model": {"flops_efficiency": 0.7, "bandwidth_efficiency": 0.85, "step_overhead_s": 0.002},
     "kv_cache": {"block_size": 16, "gpu_memory_utilization": 0.9, "num_gpu_blocks": None,
                  "swap_space_gib": 4.0, "watermark": 0.01},
-    "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": None, "max_model_len": None},
+    "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": None, "max_model_len": None,
+                  "max_preemptions": 1000},
     "policies": ["fcfs", "swap", "chunked_prefill"],
     "slo": {"ttft_s": None, "tpot_s": None, "e2e_s": None},
     "engine": None,
@@ -143,6 +145,7 @@ def validate(raw: dict[str, Any], where: str = "config") -> dict[str, Any]:
     _num(where, "kv_cache.swap_space_gib", kv["swap_space_gib"], 0.0)
     _num(where, "kv_cache.watermark", kv["watermark"], 0.0, 0.5)
     _check_limits(where, "scheduler", cfg["scheduler"])
+    _int(where, "scheduler.max_preemptions", cfg["scheduler"]["max_preemptions"])
     pols = cfg["policies"]
     if not isinstance(pols, list) or not pols:
         raise _fail(where, "policies", "a non-empty list of policy names or mappings", pols)

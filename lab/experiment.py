@@ -66,7 +66,7 @@ def resolve_limits(cfg: dict, policy: dict, capacity_tokens: int, max_position: 
         raise ConfigError(
             f"{where}: max_num_batched_tokens {budget} is below max_model_len {max_len}: "
             f"without chunked prefill a long prompt could never be scheduled")
-    return SchedulerLimits(seqs, budget, max_len)
+    return SchedulerLimits(seqs, budget, max_len, sched["max_preemptions"])
 
 
 def sim_parts(cfg: dict) -> tuple[AnalyticCostModel, int, int]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from lab.decode_set import DecodeSet
-from lab.errors import ConfigError
+from lab.errors import ConfigError, SchedulerStuckError
 from lab.kv import BlockManager, blocks_for
 from lab.plan import PreemptionMode, SchedulerOutput
 from lab.request import Request, RequestStatus
@@ -44,11 +44,14 @@ class SchedulerLimits:
         max_num_seqs: requests in the running batch at once.
         max_num_batched_tokens: token budget of one step (prefill + decode tokens).
         max_model_len: prompt + output tokens of one request; longer ones are rejected.
+        max_preemptions: preemptions of one request after which the run fails as
+            thrashing (a livelock guard; no policy here comes near it in practice).
     """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    max_preemptions: int = 1000
 
 
 class Scheduler:
@@ -183,6 +186,11 @@ class Scheduler:
             victim.num_preemptions_recompute += 1
             self.waiting.appendleft(victim)
         plan.preempted.append((victim, mode))
+        if victim.num_preemptions > self.limits.max_preemptions:
+            raise SchedulerStuckError(
+                f"policy {self.name!r} is thrashing: request {victim.request_id} was preempted "
+                f"{victim.num_preemptions} times (scheduler.max_preemptions = "
+                f"{self.limits.max_preemptions}) at t={self.now_s:.6f}s")
 
     def swap_in_swapped(self, plan: SchedulerOutput) -> None:
         """Bring swapped requests back, oldest first, while blocks and max_num_seqs allow.

@@ -45,7 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         from lab.report import summary_table, write_results
 
         runs = run_experiment(cfg, ROOT, progress=not args.no_progress)
-        write_results(out, cfg, runs)
+        decode = None
+        if cfg["backend"] == "engine":
+            from backend.engine import text_decoder
+
+            decode = text_decoder(cfg, ROOT)
+        write_results(out, cfg, runs, decode)
     except UserError as e:
         msg = str(e)
         if not msg.startswith(args.config):  # name the experiment file once
@@ -53,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {msg}", file=sys.stderr)
         return 2
     print(summary_table(runs))
+    if decode is not None:  # a taste of the real text, first policy only
+        for r in runs[0].result.requests[:3]:
+            print(f"\n[{runs[0].label} request {r.request_id}] {decode(r.output_token_ids)!r}")
     print(f"\nwrote {out}/ (report.md) in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -14,7 +14,8 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
                 max_preemptions: 1000}
     policies: [fcfs, swap, {name: chunked_prefill, max_num_batched_tokens: 512}]
     slo: {ttft_s: null, tpot_s: null, e2e_s: null}
-    engine: {...}                # backend: engine only (backend/README.md)
+    engine: {model_path: DIR, device: cpu, dtype: auto, attention_backend: torch,
+             temperature: 0.0}   # backend: engine only (backend/README.md)
 
 YAML is read with ``yaml.safe_load`` only; policies are looked up by registered name.
 """
@@ -45,7 +46,8 @@ DEFAULTS: dict[str, Any] = {
                   "max_preemptions": 1000},
     "policies": ["fcfs", "swap", "chunked_prefill"],
     "slo": {"ttft_s": None, "tpot_s": None, "e2e_s": None},
-    "engine": None,
+    "engine": {"model_path": None, "device": "cpu", "dtype": "auto", "attention_backend": "torch",
+               "temperature": 0.0},
     "check_invariants": False,
 }
 SCHEDULER_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")
@@ -172,6 +174,18 @@ def validate(raw: dict[str, Any], where: str = "config") -> dict[str, Any]:
     cfg["policies"] = resolved
     for k in ("ttft_s", "tpot_s", "e2e_s"):
         _num(where, f"slo.{k}", cfg["slo"][k], 0.0, lo_open=True, optional=True)
+    if cfg["backend"] == "engine":
+        eng = cfg["engine"]
+        if not isinstance(eng["model_path"], str):
+            raise _fail(where, "engine.model_path", "a model directory (config.json + safetensors)",
+                        eng["model_path"])
+        if not isinstance(eng["device"], str):
+            raise _fail(where, "engine.device", "a device such as cpu or cuda", eng["device"])
+        _choice(where, "engine.dtype", eng["dtype"],
+                {"auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"})
+        _choice(where, "engine.attention_backend", eng["attention_backend"],
+                {"torch", "triton", "flash_attn"})
+        _num(where, "engine.temperature", eng["temperature"], 0.0)
     if not isinstance(cfg["check_invariants"], bool):
         raise _fail(where, "check_invariants", "true or false", cfg["check_invariants"])
     return cfg

@@ -80,6 +80,8 @@ class AnalyticCostModel:
 class CostModelExecutor:
     """The simulator's executor: a step takes the cost model's predicted time."""
 
+    wall_clock = False
+
     def __init__(self, cost_model: AnalyticCostModel, block_size: int) -> None:
         self.cost_model, self.block_size = cost_model, block_size
 

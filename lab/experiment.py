@@ -95,9 +95,9 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True) -> list[Run
     from traces import load_trace
 
     if cfg["backend"] == "engine":
-        from backend.engine import engine_parts  # torch is imported only here
+        from backend.engine import assign_prompt_tokens, engine_parts  # imports torch
 
-        make_executor, gpu, cpu, max_position = engine_parts(cfg, base_dir)
+        make_executor, gpu, cpu, max_position, vocab_size = engine_parts(cfg, base_dir)
     else:
         cost_model, gpu, cpu = sim_parts(cfg)
         max_position = MODELS[cfg["model"]].max_position_embeddings
@@ -108,6 +108,8 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True) -> list[Run
         spec = {**cfg["trace"], "rate_scale": scale}
         spec.setdefault("seed", cfg["seed"])
         trace = load_trace(spec, base_dir)
+        if cfg["backend"] == "engine":
+            assign_prompt_tokens(trace, vocab_size, cfg["seed"])
         for pol in cfg["policies"]:
             cls = get_policy(pol["name"])
             limits = resolve_limits(cfg, pol, gpu * bs, max_position, cls.chunked_prefill)

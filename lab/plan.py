@@ -73,6 +73,12 @@ class StepResult:
 
 
 class Executor(Protocol):
-    """Runs a plan. Never makes a scheduling decision."""
+    """Runs a plan. Never makes a scheduling decision.
+
+    ``wall_clock``: True if durations are measured wall time; the replay loop then adds the
+    wall time the policy spent planning the step, so a step costs what it cost for real.
+    """
+
+    wall_clock: bool
 
     def execute(self, plan: SchedulerOutput) -> StepResult: ...

@@ -106,6 +106,7 @@ def engine_process(
     """Run steps until every request has arrived and none is unfinished."""
     bm = scheduler.block_manager
     columns = [rec[c] for c in STEP_COLUMNS]
+    wall_clock = getattr(executor, "wall_clock", False)
     step = 0
     while True:
         if not scheduler.has_unfinished():
@@ -114,6 +115,7 @@ def engine_process(
             yield wakeup.wait()
             continue
         scheduler.now_s = env.now
+        t_plan = time.perf_counter() if wall_clock else 0.0
         plan = scheduler.schedule()
         if plan.is_empty:
             if plan.aborted:
@@ -121,7 +123,12 @@ def engine_process(
             raise SchedulerStuckError(_stuck_message(scheduler, env.now))
         if check_invariants:
             _check_plan(scheduler, plan)
-        result = executor.execute(plan)
+        if wall_clock:
+            plan_s = time.perf_counter() - t_plan
+            result = executor.execute(plan)
+            result.duration_s += plan_s
+        else:
+            result = executor.execute(plan)
         row = (
             env.now, result.duration_s, plan.num_prefill_tokens, len(plan.decodes),
             len(plan.prefills) + len(plan.decodes), bm.num_used_gpu_blocks,

@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,13 @@ LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s",
 TIME_BINS = 120
 
 
-def write_results(out_dir: Path, cfg: dict[str, Any], runs: list[Run]) -> Path:
-    """Write every file of the run folder ``out_dir`` atomically; returns ``out_dir``."""
+def write_results(out_dir: Path, cfg: dict[str, Any], runs: list[Run],
+                  decode: Callable[[list[int]], str] | None = None) -> Path:
+    """Write every file of the run folder ``out_dir`` atomically; returns ``out_dir``.
+
+    Engine runs also get ``tokens.jsonl``: the generated token ids of every request (and
+    their text when ``decode`` is given).
+    """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
@@ -40,6 +46,8 @@ def write_results(out_dir: Path, cfg: dict[str, Any], runs: list[Run]) -> Path:
         _steps_frame(runs).to_csv(tmp / "steps.csv", index=False, float_format="%.9g")
         summary = {r.label: r.summary for r in runs}
         (tmp / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2))
+        if any(r.output_token_ids for run in runs for r in run.result.requests):
+            _write_tokens(tmp / "tokens.jsonl", runs, decode)
         plots = _plots(tmp, runs)
         (tmp / "report.md").write_text(_markdown(cfg, runs, plots))
         if out_dir.exists():
@@ -54,6 +62,18 @@ def write_results(out_dir: Path, cfg: dict[str, Any], runs: list[Run]) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _write_tokens(path: Path, runs: list[Run], decode) -> None:
+    with path.open("w") as f:
+        for run in runs:
+            for r in run.result.requests:
+                row = {"policy": run.policy, "rate_scale": run.rate_scale,
+                       "request_id": r.request_id, "status": r.status.value,
+                       "output_token_ids": r.output_token_ids}
+                if decode is not None:
+                    row["text"] = decode(r.output_token_ids)
+                f.write(json.dumps(row) + "\n")
 
 
 def _steps_frame(runs: list[Run]) -> pd.DataFrame:

@@ -554,7 +554,7 @@ BAD_SPECS = [
         {"format": "azure"},
         (
             "trace.format: unknown format 'azure'; known formats: azure2023, burstgpt, lengths, "
-            "mooncake, synthetic"
+            "mooncake, prompts, synthetic"
         ),
     ),
     (

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import traces.loaders  # noqa: F401  (registers the formats)
+import traces.prompts  # noqa: F401
 from lab.errors import TraceError
 from lab.request import Request
 from traces.registry import FORMATS, get_format

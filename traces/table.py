@@ -11,6 +11,7 @@ The options are applied by :func:`traces.load_trace` in this order:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,7 @@ class TraceTable:
         prompt_len: int64, prompt tokens (>= 1).
         output_len: int64, output tokens (>= 1).
         hash_ids: Mooncake prefix-block hashes per request, or None.
+        prompt_token_ids: real prompt tokens per request (the ``prompts`` format), or None.
     """
 
     row: np.ndarray
@@ -37,31 +39,35 @@ class TraceTable:
     prompt_len: np.ndarray
     output_len: np.ndarray
     hash_ids: list[list[int]] | None = None
+    prompt_token_ids: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.row)
 
     def take(self, index: np.ndarray | slice) -> TraceTable:
         """A new table with the entries selected by a boolean mask, index array or slice."""
-        hash_ids = None
-        if self.hash_ids is not None:
-            positions = np.arange(len(self))[index]
-            hash_ids = [self.hash_ids[i] for i in positions]
+        positions = np.arange(len(self))[index]
+
+        def pick(lists: list[list[int]] | None) -> list[list[int]] | None:
+            return None if lists is None else [lists[i] for i in positions]
+
         return TraceTable(
             row=self.row[index],
             arrival_s=self.arrival_s[index],
             prompt_len=self.prompt_len[index],
             output_len=self.output_len[index],
-            hash_ids=hash_ids,
+            hash_ids=pick(self.hash_ids),
+            prompt_token_ids=pick(self.prompt_token_ids),
         )
 
     def with_arrivals(self, arrival_s: np.ndarray) -> TraceTable:
         """The same requests with new arrival times."""
-        return TraceTable(self.row, arrival_s, self.prompt_len, self.output_len, self.hash_ids)
+        return dataclasses.replace(self, arrival_s=arrival_s)
 
     def to_requests(self) -> list[Request]:
         """Fresh :class:`Request` objects (runtime state at its defaults)."""
         hash_ids = self.hash_ids or [None] * len(self)
+        token_ids = self.prompt_token_ids or [None] * len(self)
         return [
             Request(
                 request_id=str(row),
@@ -69,13 +75,15 @@ class TraceTable:
                 prompt_len=prompt_len,
                 output_len=output_len,
                 hash_ids=None if ids is None else list(ids),
+                prompt_token_ids=None if tokens is None else list(tokens),
             )
-            for row, arrival_s, prompt_len, output_len, ids in zip(
+            for row, arrival_s, prompt_len, output_len, ids, tokens in zip(
                 self.row.tolist(),
                 self.arrival_s.tolist(),
                 self.prompt_len.tolist(),
                 self.output_len.tolist(),
                 hash_ids,
+                token_ids,
                 strict=True,
             )
         ]

@@ -1,0 +1,80 @@
+"""The ``prompts`` format: real text prompts, tokenized with a model's tokenizer.
+
+A YAML file holding a list of ``{prompt: str, output_len: int, arrival_s: float}``
+(``arrival_s`` defaults to 0, and must not decrease). Spec keys: ``path``, ``tokenizer`` (a
+model directory with Hugging Face tokenizer files, e.g. the converted SmolLM2) and ``chat``
+(true: wrap each prompt as a user turn with the tokenizer's chat template). Needs
+``transformers``, imported only when this format is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from lab.errors import TraceError
+from traces.registry import register_format
+from traces.spec import WHERE, require, resolve_path
+from traces.table import TraceTable
+
+
+@register_format("prompts", keys=("path", "tokenizer", "chat"))
+def load_prompts(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
+    path = resolve_path(spec, base_dir, WHERE)
+    try:
+        items = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise TraceError(f"{path}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(items, list) or not items:
+        raise TraceError(f"{path}: expected a non-empty list of {{prompt, output_len, arrival_s}}")
+    tokenizer = _tokenizer(Path(str(require(spec, "tokenizer", WHERE))).expanduser(), base_dir)
+    chat = spec.get("chat", False)
+    if not isinstance(chat, bool):
+        raise TraceError(f"{WHERE}.chat: expected true or false, got {chat!r}")
+    ids, outputs, arrivals = [], [], []
+    for i, item in enumerate(items):
+        where = f"{path}: item {i + 1}"
+        if not isinstance(item, dict) or set(item) - {"prompt", "output_len", "arrival_s"}:
+            raise TraceError(f"{where}: expected keys prompt, output_len, arrival_s; got {item!r}")
+        prompt, out, t = item.get("prompt"), item.get("output_len"), item.get("arrival_s", 0.0)
+        if not isinstance(prompt, str) or not prompt:
+            raise TraceError(f"{where}: prompt: expected a non-empty string, got {prompt!r}")
+        if isinstance(out, bool) or not isinstance(out, int) or out < 1:
+            raise TraceError(f"{where}: output_len: expected an integer >= 1, got {out!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
+            raise TraceError(f"{where}: arrival_s: expected a number >= 0, got {t!r}")
+        if arrivals and t < arrivals[-1]:
+            raise TraceError(f"{where}: arrival_s {t} is before the previous item's {arrivals[-1]}")
+        if chat:
+            tokens = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                   add_generation_prompt=True, tokenize=True)
+            tokens = list(tokens["input_ids"] if isinstance(tokens, Mapping) else tokens)
+        else:
+            tokens = tokenizer(prompt)["input_ids"]
+        ids.append(list(tokens))
+        outputs.append(out)
+        arrivals.append(float(t))
+    return TraceTable(
+        row=np.arange(len(items)),
+        arrival_s=np.asarray(arrivals),
+        prompt_len=np.asarray([len(t) for t in ids]),
+        output_len=np.asarray(outputs),
+        prompt_token_ids=ids,
+    )
+
+
+def _tokenizer(path: Path, base_dir: Path):
+    if not path.is_absolute():
+        path = base_dir / path
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise TraceError("the prompts format needs transformers: pip install transformers") from None
+    if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
+        raise TraceError(f"{WHERE}.tokenizer: no tokenizer files in {path} (for SmolLM2 run "
+                         f"`python -m backend.tools convert-smollm2`)")
+    return AutoTokenizer.from_pretrained(path)

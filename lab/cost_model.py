@@ -18,7 +18,7 @@ import math
 
 from lab.hardware import Hardware
 from lab.models import ModelSpec
-from lab.plan import SchedulerOutput, StepResult
+from lab.plan import SchedulerOutput, StepFeatures, StepResult
 
 GIB = 1 << 30
 
@@ -54,26 +54,17 @@ class AnalyticCostModel:
         self._kv_bytes_per_token = float(m.kv_bytes_per_token)
         self._weight_bytes = float(m.weight_bytes)
 
-    def step_time(self, plan: SchedulerOutput, block_size: int) -> float:
-        """Seconds to run ``plan`` (prefill chunks, decodes, swaps)."""
-        num_decodes = len(plan.decodes)
-        tokens = num_decodes
-        samples = num_decodes
-        pairs = float(plan.decode_context_tokens)  # each decode attends to its context
-        kv_read = float(plan.decode_context_tokens)
-        for r, n in plan.prefills.items():
-            c = r.num_computed_tokens
-            tokens += n
-            samples += c + n == r.num_tokens
-            pairs += n * c + n * (n + 1) / 2
-            kv_read += c
-        flops = (self._flops_per_token * tokens + self._flops_per_sample * samples
+    def step_time(self, f: StepFeatures, block_size: int) -> float:
+        """Seconds to run a step with features ``f`` (prefill chunks, decodes, swaps)."""
+        tokens = f.num_tokens
+        pairs = f.prefill_attention_pairs + f.decode_context_tokens  # a decode: 1 query
+        flops = (self._flops_per_token * tokens + self._flops_per_sample * f.num_samples
                  + self._attn_flops_per_pair * pairs)
+        kv_read = f.prefill_context_tokens + f.decode_context_tokens
         nbytes = self._weight_bytes + self._kv_bytes_per_token * (kv_read + tokens)
         t = max(flops * self._s_per_flop, nbytes * self._s_per_byte) + self.step_overhead_s
-        if plan.swap_in or plan.swap_out:
-            moved = (len(plan.swap_in) + len(plan.swap_out)) * block_size
-            t += moved * self._kv_bytes_per_token * self._s_per_swap_byte
+        if f.num_swap_blocks:
+            t += f.num_swap_blocks * block_size * self._kv_bytes_per_token * self._s_per_swap_byte
         return t
 
 
@@ -86,7 +77,7 @@ class CostModelExecutor:
         self.cost_model, self.block_size = cost_model, block_size
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
-        return StepResult(self.cost_model.step_time(plan, self.block_size))
+        return StepResult(self.cost_model.step_time(plan.features(), self.block_size))
 
 
 def activation_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int) -> int:

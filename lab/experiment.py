@@ -90,8 +90,12 @@ def fresh(requests: list[Request]) -> list[Request]:
                     r.prompt_token_ids, r.hash_ids, r.priority) for r in requests]
 
 
-def run_experiment(cfg: dict, base_dir: Path, progress: bool = True) -> list[Run]:
-    """Replay the config's trace through every policy at every rate_scale."""
+def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
+                   requests: list[Request] | None = None) -> list[Run]:
+    """Replay the config's trace through every policy at every rate_scale.
+
+    ``requests``, when given, replaces the trace file (benchmarks build their own workload).
+    """
     from traces import load_trace
 
     if cfg["backend"] == "engine":
@@ -107,7 +111,7 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True) -> list[Run
     for scale in scales:
         spec = {**cfg["trace"], "rate_scale": scale}
         spec.setdefault("seed", cfg["seed"])
-        trace = load_trace(spec, base_dir)
+        trace = requests if requests is not None else load_trace(spec, base_dir)
         if cfg["backend"] == "engine":
             assign_prompt_tokens(trace, vocab_size, cfg["seed"])
         for pol in cfg["policies"]:

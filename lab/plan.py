@@ -23,6 +23,41 @@ class PreemptionMode(enum.Enum):
 
 
 @dataclass(slots=True)
+class StepFeatures:
+    """What a step computes, in the terms a cost model needs (all counts are tokens unless
+    named otherwise).
+
+    Attributes:
+        num_prefill_tokens: prompt tokens fed (all chunks).
+        num_prefills: prefill chunks in the step.
+        prefill_context_tokens: sum over chunks of the cached prefix they attend to (KV read).
+        prefill_attention_pairs: sum over chunks of (query, key) pairs, causal within the
+            chunk: n * c + n * (n + 1) / 2 for a chunk of n tokens over c cached ones.
+        num_decodes: decodes (one token each).
+        decode_context_tokens: sum over decodes of the positions they attend to.
+        num_samples: tokens sampled (decodes + chunks that finish their prompt).
+        num_swap_blocks: blocks copied between host and device (out + in).
+    """
+
+    num_prefill_tokens: int
+    num_prefills: int
+    prefill_context_tokens: int
+    prefill_attention_pairs: float
+    num_decodes: int
+    decode_context_tokens: int
+    num_samples: int
+    num_swap_blocks: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decodes
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_prefills + self.num_decodes
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     """What one step computes.
 
@@ -46,6 +81,26 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     aborted: list[Request] = field(default_factory=list)
+
+    _features: StepFeatures | None = None
+
+    def features(self) -> StepFeatures:
+        """The step's :class:`StepFeatures`, computed once (call before the step's results
+        are applied: it reads each chunk's ``num_computed_tokens``)."""
+        if self._features is None:
+            tokens = context = samples = 0
+            pairs = 0.0
+            for r, n in self.prefills.items():
+                c = r.num_computed_tokens
+                tokens += n
+                context += c
+                pairs += n * c + n * (n + 1) / 2
+                samples += c + n == r.num_tokens
+            self._features = StepFeatures(
+                tokens, len(self.prefills), context, pairs, len(self.decodes),
+                self.decode_context_tokens, samples + len(self.decodes),
+                len(self.swap_in) + len(self.swap_out))
+        return self._features
 
     @property
     def num_prefill_tokens(self) -> int:

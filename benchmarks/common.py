@@ -1,0 +1,74 @@
+"""Shared pieces of the engine benchmarks: device bandwidth/FLOP probes, checkpoints, timing.
+
+Every ratio a benchmark prints divides a measured engine figure by a device figure measured
+in the same process, so the numbers hold on a shared, noisy machine (DEVELOPERS.md).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+GIB = 1 << 30
+
+
+def checkpoint(preset: str, cache: Path = Path("/tmp/lab-ckpt")) -> Path:
+    """A random-weight bf16 checkpoint of ``preset`` (written once, then reused)."""
+    from backend.tools.presets import PRESETS
+    from backend.tools.random_checkpoint import write_random_checkpoint
+
+    out = cache / preset
+    if not (out / "config.json").exists():
+        write_random_checkpoint(PRESETS[preset], out, "bfloat16", name=preset)
+    return out
+
+
+def cuda_time(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Median seconds of ``fn()`` on the GPU (synchronized around each call)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(nbytes: int = 2 * GIB) -> float:
+    """Device-to-device copy rate in bytes/s, read + write counted (as shared/DESIGN.md)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t = cuda_time(lambda: b.copy_(a))
+    return 2 * nbytes / t
+
+
+def matmul_flops(n: int = 8192) -> float:
+    """bf16 n x n x n matmul rate in FLOP/s."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t = cuda_time(lambda: a @ b)
+    return 2 * n**3 / t
+
+
+def host_link_bandwidth(nbytes: int = GIB) -> tuple[float, float]:
+    """Pinned host->device and device->host rates in bytes/s."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    h2d = nbytes / cuda_time(lambda: dev.copy_(host, non_blocking=True))
+    d2h = nbytes / cuda_time(lambda: host.copy_(dev, non_blocking=True))
+    return h2d, d2h
+
+
+def device_line() -> str:
+    p = torch.cuda.get_device_properties(0)
+    return (f"{p.name}, {p.total_memory / GIB:.0f} GiB, torch {torch.__version__}, "
+            f"{time.strftime('%Y-%m-%d')}")

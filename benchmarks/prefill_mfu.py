@@ -1,0 +1,49 @@
+"""Prefill compute efficiency (issue 4, target 3).
+
+    python benchmarks/prefill_mfu.py [--preset llama-3.1-8b] [--tokens 8192]
+
+Times prefill batches of ``--tokens`` tokens (1 x 8k, 2 x 4k, 8 x 1k prompts) on the engine
+and divides the achieved FLOP/s by a bf16 8192^3 matmul's FLOP/s measured in the same run.
+FLOPs = 2 * layer weights * tokens + causal attention 4 * layers * heads * head_dim * pairs
++ the LM head for the sampled rows. Target: >= 60%.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from common import checkpoint, cuda_time, device_line, matmul_flops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama-3.1-8b")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--attention", default="triton")
+    args = ap.parse_args()
+    from backend.runner import ModelRunner, SeqInput
+
+    peak = matmul_flops()
+    runner = ModelRunner(checkpoint(args.preset), device="cuda", dtype="bfloat16",
+                         attention_backend=args.attention, block_size=16,
+                         gpu_memory_utilization=0.9, max_num_batched_tokens=args.tokens)
+    c = runner.config
+    layer_params = sum(p.numel() for n, p in runner.model.named_parameters() if ".layers." in n)
+    print(f"# prefill MFU, {args.preset}, {device_line()}; matmul {peak / 1e12:.0f} TFLOP/s")
+    print("| prompts x tokens | step (ms) | TFLOP/s | / matmul |")
+    print("|---|---|---|---|")
+    for n in (1, 2, 8):
+        length = args.tokens // n
+        blocks = -(-(length + 1) // 16)
+        seqs = [SeqInput(list(range(1, length + 1)), 0, list(range(i * blocks, (i + 1) * blocks)),
+                         True) for i in range(n)]
+        t = cuda_time(lambda s=seqs: runner.execute(s), warmup=2, iters=5)
+        pairs = n * length * (length + 1) / 2
+        flops = (2 * layer_params * n * length
+                 + 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * pairs
+                 + 2 * c.hidden_size * c.vocab_size * n)
+        print(f"| {n} x {length} | {t * 1e3:.2f} | {flops / t / 1e12:.0f} | {flops / t / peak:.0%} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The paged KV cache: layout, swap round trips, capacity arithmetic, and step input building."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.config import ModelConfig
+from backend.errors import KVCacheCapacityError
+from backend.inputs import SeqInput, prepare_inputs
+from backend.kv_cache import KVCache, blocks_in, bytes_per_block
+
+RAW = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+}
+CONFIG = ModelConfig.from_dict(RAW)
+
+
+def filled_cache(dtype=torch.float32, device: str = "cpu") -> KVCache:
+    cache = KVCache(
+        CONFIG,
+        block_size=4,
+        num_gpu_blocks=8,
+        num_cpu_blocks=6,
+        dtype=dtype,
+        device=torch.device(device),
+    )
+    cache.gpu.copy_(
+        torch.randn(cache.gpu.shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    )
+    return cache
+
+
+def test_layer_views_have_the_backend_layout():
+    cache = filled_cache()
+    k, v = cache.layers[1]
+    assert k.shape == (8, 4, 2, 16) and k.is_contiguous() and v.is_contiguous()
+    assert k.data_ptr() == cache.gpu[0, 1].data_ptr()
+
+
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swap_round_trip_restores_bytes_exactly(dtype, device):
+    # On CUDA: pinned staging, non-blocking copies, swap-outs finished by flush().
+    cache = filled_cache(dtype, device)
+    before = cache.gpu.clone()
+    cache.swap_out([(5, 0), (2, 3), (7, 1)])
+    cache.gpu[:, :, [5, 2, 7]] = 0  # reused meanwhile; queued after the copies
+    cache.swap_in([(3, 6), (0, 0), (1, 4)])  # back into different device blocks
+    for old, new in ((2, 6), (5, 0), (7, 4)):
+        assert torch.equal(
+            cache.gpu[:, :, new].view(torch.uint8), before[:, :, old].view(torch.uint8)
+        )
+    untouched = [1, 3]
+    assert torch.equal(cache.gpu[:, :, untouched], before[:, :, untouched])
+
+
+def test_swap_rejects_out_of_range_ids():
+    cache = filled_cache()
+    with pytest.raises(ValueError, match="destination block ids out of range"):
+        cache.swap_out([(0, 6)])
+    with pytest.raises(ValueError, match="source block ids out of range"):
+        cache.swap_in([(-1, 0)])
+
+
+def test_capacity_arithmetic():
+    # 2 (K and V) x 3 layers x 4 tokens x (2 heads x 16 dims) x 4 bytes = 3072 bytes per block.
+    assert bytes_per_block(CONFIG, 4, torch.float32) == 3072
+    assert filled_cache().block_bytes == 3072
+    assert blocks_in(10_000, 3072, "test") == 3
+    with pytest.raises(KVCacheCapacityError, match="does not fit"):
+        blocks_in(3000, 3072, "a tiny budget")
+    with pytest.raises(KVCacheCapacityError):
+        KVCache(CONFIG, 4, 0, 0, torch.float32, torch.device("cpu"))
+
+
+def test_prepare_inputs_slots_positions_and_metadata():
+    seqs = [
+        SeqInput(
+            [11, 12, 13], start_pos=5, block_table=[7, 2], sample=False
+        ),  # a chunk over a prefix
+        SeqInput([21], start_pos=4, block_table=[3, 0], sample=True, temperature=0.5),  # a decode
+    ]
+    inp = prepare_inputs(
+        seqs,
+        block_size=4,
+        num_gpu_blocks=8,
+        max_model_len=64,
+        vocab_size=100,
+        device=torch.device("cpu"),
+    )
+    assert inp.input_ids.tolist() == [11, 12, 13, 21]
+    assert inp.positions.tolist() == [5, 6, 7, 4]
+    # position 5 -> block_table[1] = 2 -> slot 2*4 + 1; position 4 of seq 1 -> block 0, slot 0
+    assert inp.attn.slot_mapping.tolist() == [9, 10, 11, 0]
+    assert inp.attn.query_start_loc.tolist() == [0, 3, 4]
+    assert inp.attn.seq_lens.tolist() == [8, 5]
+    assert inp.attn.seq_start_loc.tolist() == [0, 8, 13]
+    assert inp.attn.decode_seq_idx.tolist() == [1] and inp.attn.prefill_seq_idx.tolist() == [0]
+    assert inp.logits_indices.tolist() == [3]
+    assert inp.sampled_seqs == [1] and inp.temperatures == [0.5]
+
+
+@pytest.mark.parametrize(
+    ("seq", "message"),
+    [
+        (SeqInput([], 0, [0], True), "no token_ids"),
+        (SeqInput([1] * 5, 0, [0], True), "block_table has 1 blocks, 2 needed"),
+        (SeqInput([1], 0, [9], True), r"block ids must be in \[0, 8\)"),
+        (SeqInput([100], 0, [0], True), r"token ids must be in \[0, 100\)"),
+        (SeqInput([1], 63, [0] * 16, True), "exceed max_model_len 63"),
+    ],
+)
+def test_prepare_inputs_rejects_bad_sequences(seq, message):
+    with pytest.raises(ValueError, match=message):
+        prepare_inputs(
+            [seq],
+            block_size=4,
+            num_gpu_blocks=8,
+            max_model_len=63,
+            vocab_size=100,
+            device=torch.device("cpu"),
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_capacity_from_free_memory_on_cuda(tmp_path, capsys):
+    from backend.runner import ModelRunner
+    from backend.tools.random_checkpoint import write_random_checkpoint
+
+    write_random_checkpoint({**RAW, "max_position_embeddings": 2048}, tmp_path, dtype="bf16")
+    runner = ModelRunner(tmp_path, device="cuda", dtype="bfloat16", attention_backend="triton",
+                         gpu_memory_utilization=0.2, max_num_batched_tokens=4096,
+                         swap_space_bytes=1 << 30)  # fmt: skip
+    _, total = torch.cuda.mem_get_info()
+    used = runner.num_gpu_blocks * runner.kv_cache.block_bytes
+    assert 0 < used <= 0.2 * total
+    assert f"KV cache: {runner.num_gpu_blocks} blocks" in capsys.readouterr().out
+    assert runner.num_cpu_blocks == (1 << 30) // runner.kv_cache.block_bytes

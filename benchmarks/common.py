@@ -18,7 +18,7 @@ import torch  # noqa: E402
 GIB = 1 << 30
 
 
-def checkpoint(preset: str, cache: Path = Path("/tmp/lab-ckpt")) -> Path:
+def checkpoint(preset: str, cache: Path = ROOT / "checkpoints") -> Path:
     """A random-weight bf16 checkpoint of ``preset`` (written once, then reused)."""
     from backend.tools.presets import PRESETS
     from backend.tools.random_checkpoint import write_random_checkpoint

@@ -40,7 +40,7 @@ def main() -> None:
                                          attention_backend=args.attention, block_size=block,
                                          gpu_memory_utilization=0.9)
                 cfg = runner.config
-                kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+                kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
                 if batch * blocks_per_seq > runner.num_gpu_blocks:
                     print(f"| {preset} | {batch} | {ctx} | - | - | KV does not fit |")
                     continue

@@ -40,7 +40,7 @@ def main() -> None:
         t = cuda_time(lambda s=seqs: runner.execute(s), warmup=2, iters=5)
         pairs = n * length * (length + 1) / 2
         flops = (2 * layer_params * n * length
-                 + 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * pairs
+                 + 4 * c.num_layers * c.num_heads * c.head_dim * pairs
                  + 2 * c.hidden_size * c.vocab_size * n)
         print(f"| {n} x {length} | {t * 1e3:.2f} | {flops / t / 1e12:.0f} | {flops / t / peak:.0%} |")
 

@@ -69,8 +69,9 @@ def resolve_limits(cfg: dict, policy: dict, capacity_tokens: int, max_position: 
     return SchedulerLimits(seqs, budget, max_len, sched["max_preemptions"])
 
 
-def sim_parts(cfg: dict) -> tuple[AnalyticCostModel, int, int]:
-    """The simulator's cost model and its KV capacity (GPU blocks, CPU blocks)."""
+def sim_parts(cfg: dict, base_dir: Path = Path(".")) -> tuple[AnalyticCostModel, int, int]:
+    """The simulator's cost model (analytic, or calibrated from ``cost_model.profile``) and
+    its KV capacity (GPU blocks, CPU blocks)."""
     model, hw, kv = MODELS[cfg["model"]], HARDWARE[cfg["hardware"]], cfg["kv_cache"]
     gpu = kv["num_gpu_blocks"] or num_gpu_blocks(
         model, hw, kv["block_size"], kv["gpu_memory_utilization"],
@@ -81,7 +82,13 @@ def sim_parts(cfg: dict) -> tuple[AnalyticCostModel, int, int]:
             f"{hw.memory_bytes / 1e9:.0f} GB leaves no room for KV after "
             f"{model.weight_bytes / 1e9:.1f} GB of weights")
     cpu = num_cpu_blocks(model, kv["block_size"], kv["swap_space_gib"])
-    return AnalyticCostModel(model, hw, **cfg["cost_model"]), gpu, cpu
+    cm = dict(cfg["cost_model"])
+    profile = cm.pop("profile")
+    if profile is not None:
+        from lab.calibrated import CalibratedCostModel
+
+        return CalibratedCostModel(base_dir / profile), gpu, cpu
+    return AnalyticCostModel(model, hw, **cm), gpu, cpu
 
 
 def fresh(requests: list[Request]) -> list[Request]:
@@ -103,7 +110,7 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
 
         make_executor, gpu, cpu, max_position, vocab_size = engine_parts(cfg, base_dir)
     else:
-        cost_model, gpu, cpu = sim_parts(cfg)
+        cost_model, gpu, cpu = sim_parts(cfg, base_dir)
         max_position = MODELS[cfg["model"]].max_position_embeddings
     bs = cfg["kv_cache"]["block_size"]
     scales = rate_scales(cfg)

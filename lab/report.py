@@ -206,13 +206,21 @@ def summary_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def _model_line(cfg: dict) -> str:
+    if cfg["backend"] == "engine":
+        e = cfg["engine"]
+        return (f"real engine: model `{e['model_path']}` on `{e['device']}` ({e['dtype']}, "
+                f"{e['attention_backend']} attention), measured step times")
+    return f"simulated `{cfg['model']}` on `{cfg['hardware']}` (cost model step times)"
+
+
 def _markdown(cfg: dict, runs: list[Run], plots: list[tuple[str, str]]) -> str:
     trace = cfg["trace"]
     lines = [
         f"# {cfg['name']}",
         "",
         f"Backend `{cfg['backend']}`; trace `{trace.get('format')}` "
-        f"{trace.get('path', '')}; model `{cfg.get('model')}` on `{cfg.get('hardware')}`; "
+        f"{trace.get('path', '')}; {_model_line(cfg)}; "
         f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg['kv_cache']['block_size']} tokens.",
         "",
         summary_table(runs),

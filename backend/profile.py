@@ -1,0 +1,145 @@
+"""Profile the engine over a grid of step shapes; the data the calibrated cost model fits.
+
+    python -m backend.profile --model-dir checkpoints/qwen3-0.6b --out profiles/h200_qwen3-0.6b.csv
+
+Each row is one step shape, timed as the engine executor times a step (input preparation,
+forward, sampling, device sync; swaps for the swap rows), median of ``--repeat`` runs after
+a warm-up. Columns are the :class:`lab.plan.StepFeatures` fields plus ``duration_s``; the
+header lines (``#``) record the date, device, engine commit and model shape.
+
+Grid: decode-only batches (1-256 sequences, contexts 128-4096), prefill chunks (16-8192
+tokens over cached prefixes of 0-4096), several prompts at once, prefill chunks mixed with
+decodes, and swap-out + swap-in of 1-256 blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import subprocess
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import torch
+
+from backend.runner import ModelRunner, SeqInput
+from lab.plan import StepFeatures
+
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DECODE_CONTEXTS = (128, 512, 1024, 2048, 4096)
+PREFILL_LENGTHS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+PREFILL_PREFIXES = (0, 1024, 4096)
+MIXED = [(d, n) for d in (8, 32, 128) for n in (256, 512, 1024, 2048)]
+SWAP_BLOCKS = (1, 4, 16, 64, 256)
+
+
+def shapes() -> list[tuple[str, list[tuple[int, int]], list[int], int]]:
+    """(kind, prefill chunks as (cached, new), decode contexts, swap blocks) per grid point."""
+    grid = []
+    for b in DECODE_BATCHES:
+        for ctx in DECODE_CONTEXTS:
+            grid.append(("decode", [], [ctx] * b, 0))
+    for n in PREFILL_LENGTHS:
+        for c in PREFILL_PREFIXES:
+            grid.append(("prefill", [(c, n)], [], 0))
+    for k in (2, 4, 8):
+        for n in (256, 1024):
+            grid.append(("prefill", [(0, n)] * k, [], 0))
+    for d, n in MIXED:
+        grid.append(("mixed", [(512, n)], [1024] * d, 0))
+    for s in SWAP_BLOCKS:
+        grid.append(("swap", [], [1024] * 8, s))
+    return grid
+
+
+def features(chunks, decodes, swap_blocks) -> StepFeatures:
+    return StepFeatures(
+        num_prefill_tokens=sum(n for _, n in chunks), num_prefills=len(chunks),
+        prefill_context_tokens=sum(c for c, _ in chunks),
+        prefill_attention_pairs=float(sum(n * c + n * (n + 1) / 2 for c, n in chunks)),
+        num_decodes=len(decodes), decode_context_tokens=sum(decodes),
+        num_samples=len(chunks) + len(decodes), num_swap_blocks=2 * swap_blocks)
+
+
+def step_inputs(chunks, decodes, block_size) -> list[SeqInput]:
+    seqs, next_block = [], 0
+    for c, n in chunks:
+        blocks = -(-(c + n + 1) // block_size)
+        seqs.append(SeqInput([7] * n, c, list(range(next_block, next_block + blocks)), True))
+        next_block += blocks
+    for ctx in decodes:
+        blocks = -(-(ctx + 1) // block_size)
+        seqs.append(SeqInput([7], ctx - 1, list(range(next_block, next_block + blocks)), True))
+        next_block += blocks
+    return seqs
+
+
+def time_step(runner: ModelRunner, seqs, swap_blocks: int, repeat: int) -> float:
+    mapping_out = [(i, i) for i in range(swap_blocks)]
+    mapping_in = [(i, i) for i in range(swap_blocks)]
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        if swap_blocks:
+            runner.swap_out(mapping_out)
+            runner.swap_in(mapping_in)
+        runner.execute(seqs)
+        return time.perf_counter() - t0
+
+    once()
+    once()
+    return sorted(once() for _ in range(repeat))[repeat // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--attention", default="triton")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    runner = ModelRunner(args.model_dir, device=device, dtype=args.dtype,
+                         attention_backend=args.attention, block_size=args.block_size,
+                         gpu_memory_utilization=0.9)
+    rows = []
+    for kind, chunks, decodes, swap in shapes():
+        seqs = step_inputs(chunks, decodes, args.block_size)
+        if sum(len(s.block_table) for s in seqs) > runner.num_gpu_blocks:
+            continue
+        t = time_step(runner, seqs, swap, args.repeat)
+        rows.append({"kind": kind, **asdict(features(chunks, decodes, swap)), "duration_s": t})
+        print(f"{kind:8s} prefill {rows[-1]['num_prefill_tokens']:5d} decodes "
+              f"{len(decodes):3d} ctx {sum(decodes):7d} swap {2 * swap:3d}: {t * 1e3:8.3f} ms",
+              flush=True)
+    write(Path(args.out), rows, runner, args)
+
+
+def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
+    c = runner.config
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    device = (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        f.write(f"# engine profile, {time.strftime('%Y-%m-%d')}, {device}, torch {torch.__version__}, "
+                f"engine commit {commit}\n")
+        f.write(f"# model {Path(args.model_dir).name}: {c.architecture}, {c.num_layers} layers, "
+                f"hidden {c.hidden_size}, heads {c.num_heads}/{c.num_kv_heads}, head_dim "
+                f"{c.head_dim}, {args.dtype}, {args.attention} attention, block_size "
+                f"{args.block_size}\n")
+        names = ["kind", *(fl.name for fl in fields(StepFeatures)), "duration_s"]
+        w = csv.DictWriter(f, fieldnames=names)
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {len(rows)} rows to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Sim-vs-real fidelity (issue 5): one command per side.
+
+    python benchmarks/fidelity.py --engine   # on the GPU: writes docs/fidelity/engine/
+    python benchmarks/fidelity.py --sim      # on any CPU: simulator side, docs/fidelity.md
+
+Engine side: for each trace slice (Azure 2023 conversation and code, first 600 requests),
+measure the engine's capacity (all requests at t = 0, fcfs: requests / makespan), then
+replay the slice at 50%, 80% and 95% of it (rate_scale = load * capacity / the slice's own
+rate) through fcfs, swap and chunked_prefill; each run's results folder goes to
+docs/fidelity/engine/<trace>_<load>/.
+Simulator side: the same configs with backend sim and the cost model calibrated from
+profiles/h200_qwen3-0.6b.csv; relative errors of P50/P90/P99 TTFT, TPOT, E2E and of
+throughput per policy and load, a per-step duration error plot (the calibrated model's
+prediction for each real engine step) and overlaid TTFT CDFs, into docs/fidelity.md.
+Targets: P50/P90 <= 5%, P99 <= 10%, throughput <= 3%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from lab.config import load_config  # noqa: E402
+
+TRACES = {"conv": "traces/data/azure2023_conv.csv", "code": "traces/data/azure2023_code.csv"}
+LOADS = (0.5, 0.8, 0.95)
+OUT = ROOT / "docs" / "fidelity"
+METRICS = ("ttft_s", "tpot_s", "e2e_s")
+
+
+def slice_config(base: dict, trace: str) -> dict:
+    cfg = copy.deepcopy(base)
+    cfg["trace"]["path"] = TRACES[trace]
+    return cfg
+
+
+def engine_side() -> None:
+    from lab.experiment import run_experiment
+    from lab.report import write_results
+    from traces import load_trace
+
+    base = load_config(ROOT / "experiments/sim_vs_real.yaml")
+    capacities = {}
+    for trace in TRACES:
+        cfg = slice_config(base, trace)
+        reqs = load_trace(cfg["trace"], ROOT)
+        native = (len(reqs) - 1) / reqs[-1].arrival_s
+        for r in reqs:
+            r.arrival_s = 0.0
+        offline = copy.deepcopy(cfg)
+        offline["policies"] = [p for p in cfg["policies"] if p["name"] == "fcfs"]
+        run = run_experiment(offline, ROOT, progress=False, requests=reqs)[0]
+        capacity = run.summary["finished"] / run.summary["duration_s"]
+        capacities[trace] = {"capacity_req_s": capacity, "native_req_s": native}
+        print(f"{trace}: capacity {capacity:.2f} req/s, slice's own rate {native:.2f} req/s",
+              flush=True)
+        for load in LOADS:
+            cfg_l = copy.deepcopy(cfg)
+            cfg_l["trace"]["rate_scale"] = load * capacity / native
+            cfg_l["name"] = f"{trace}_{load:g}"
+            runs = run_experiment(cfg_l, ROOT, progress=False)
+            write_results(OUT / "engine" / cfg_l["name"], cfg_l, runs)
+            print(f"  load {load:g}: rate_scale {cfg_l['trace']['rate_scale']:.3f}; " + ", ".join(
+                f"{r.label} {r.summary['request_throughput']:.2f} req/s" for r in runs), flush=True)
+    (OUT / "engine" / "capacity.json").write_text(json.dumps(capacities, indent=2) + "\n")
+
+
+def sim_side() -> None:
+    from lab.calibrated import CalibratedCostModel
+    from lab.experiment import run_experiment
+
+    rows, step_errors, cdfs = [], {}, {}
+    for folder in sorted((OUT / "engine").iterdir()):
+        if not folder.is_dir():
+            continue
+        import yaml
+
+        cfg = yaml.safe_load((folder / "config.yaml").read_text())
+        sim = copy.deepcopy(cfg)
+        sim["backend"] = "sim"
+        runs = run_experiment(sim, ROOT, progress=False)
+        real_sum = json.loads((folder / "summary.json").read_text())
+        real_req = pd.read_csv(folder / "requests.csv")
+        real_steps = pd.read_csv(folder / "steps.csv")
+        model = CalibratedCostModel(ROOT / cfg["cost_model"]["profile"])
+        for run in runs:
+            real = real_sum[run.label]
+            row = {"slice": folder.name, "policy": run.label}
+            for m in METRICS:
+                for p in ("p50", "p90", "p99"):
+                    row[f"{m}_{p}"] = _rel(run.summary[m][p], real[m][p])
+            row["throughput"] = _rel(run.summary["output_throughput"], real["output_throughput"])
+            row["real_preemptions"] = real["preemptions"]["recompute"] + real["preemptions"]["swap"]
+            row["sim_preemptions"] = (run.summary["preemptions"]["recompute"]
+                                      + run.summary["preemptions"]["swap"])
+            rows.append(row)
+            steps = real_steps[real_steps.policy == run.label]
+            step_errors[(folder.name, run.label)] = _step_errors(model, steps)
+            cdfs[(folder.name, run.label)] = (
+                real_req[real_req.policy == run.label]["ttft_s"].dropna().to_numpy(),
+                run.requests["ttft_s"].dropna().to_numpy())
+    table = pd.DataFrame(rows)
+    table.to_csv(OUT / "fidelity.csv", index=False)
+    _plots(step_errors, cdfs)
+    _markdown(table, step_errors)
+
+
+def _rel(sim: float, real: float) -> float:
+    return abs(sim - real) / real if real else float("nan")
+
+
+def _step_errors(model, steps: pd.DataFrame) -> np.ndarray:
+    from lab.plan import StepFeatures
+
+    pred = np.array([model.step_time(StepFeatures(
+        int(s.num_prefill_tokens), int(s.num_prefills), int(s.prefill_context_tokens),
+        float(s.prefill_attention_pairs), int(s.num_decode_tokens), int(s.decode_context_tokens),
+        0, int(s.num_swap_out_blocks + s.num_swap_in_blocks)), 16)
+        for s in steps.itertuples()])
+    return (pred - steps["duration_s"].to_numpy()) / steps["duration_s"].to_numpy()
+
+
+def _plots(step_errors, cdfs) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for key, err in step_errors.items():
+        q = np.linspace(0, 1, min(len(err), 1000))
+        ax.plot(np.quantile(err * 100, q), q, label=f"{key[0]} {key[1]}", lw=0.8)
+    ax.set_xlim(-50, 50)
+    ax.set_xlabel("per-step duration error, calibrated prediction vs measured (%)")
+    ax.set_ylabel("fraction of engine steps")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=3)
+    fig.tight_layout()
+    fig.savefig(OUT / "step_error.png", dpi=110)
+    plt.close(fig)
+    slices = sorted({k[0] for k in cdfs})
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for ax, sl in zip(axes.flat, slices):
+        for (s, policy), (real, sim) in cdfs.items():
+            if s != sl:
+                continue
+            line, = ax.plot(np.sort(real), np.linspace(0, 1, len(real)), label=f"{policy} real")
+            ax.plot(np.sort(sim), np.linspace(0, 1, len(sim)), "--", color=line.get_color(),
+                    label=f"{policy} sim")
+        ax.set_xscale("log")
+        ax.set_title(sl)
+        ax.set_xlabel("TTFT (s)")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(OUT / "ttft_cdf.png", dpi=110)
+    plt.close(fig)
+
+
+def _markdown(table: pd.DataFrame, step_errors) -> None:
+    def pct(v: float, limit: float) -> str:
+        return f"{v * 100:.1f}%" + ("" if v <= limit else " ✗")
+
+    head = ["slice", "policy"] + [f"{m[:-2].upper()} {p}" for m in METRICS for p in ("p50", "p90", "p99")]
+    lines = ["| " + " | ".join(head + ["throughput", "preemptions real / sim"]) + " |",
+             "|" + "---|" * (len(head) + 2)]
+    for r in table.itertuples():
+        cells = [r.slice, r.policy]
+        for m in METRICS:
+            for p in ("p50", "p90", "p99"):
+                cells.append(pct(getattr(r, f"{m}_{p}"), 0.10 if p == "p99" else 0.05))
+        cells += [pct(r.throughput, 0.03), f"{r.real_preemptions} / {r.sim_preemptions}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    all_err = np.concatenate(list(step_errors.values()))
+    capacity = json.loads((OUT / "engine" / "capacity.json").read_text())
+    met = {
+        "P50/P90 <= 5%": int(sum((table[[f"{m}_{p}" for m in METRICS for p in ("p50", "p90")]] <= 0.05).all(axis=1))),
+        "P99 <= 10%": int(sum((table[[f"{m}_p99" for m in METRICS]] <= 0.10).all(axis=1))),
+        "throughput <= 3%": int(sum(table["throughput"] <= 0.03)),
+    }
+    text = FIDELITY_TEMPLATE.format(
+        table="\n".join(lines), n=len(table),
+        met=", ".join(f"{k}: {v} of {len(table)} runs" for k, v in met.items()),
+        step_p50=np.median(np.abs(all_err)) * 100, step_p90=np.percentile(np.abs(all_err), 90) * 100,
+        capacity=", ".join(f"{k} {v['capacity_req_s']:.1f} req/s (slice's own rate "
+                           f"{v['native_req_s']:.2f})" for k, v in capacity.items()))
+    (ROOT / "docs" / "fidelity.md").write_text(text)
+    print(text)
+
+
+FIDELITY_TEMPLATE = """# Simulator fidelity: calibrated simulator vs the real engine
+
+Generated by `python benchmarks/fidelity.py --sim` from the engine runs in
+`docs/fidelity/engine/` (made on the H200 by `python benchmarks/fidelity.py --engine`).
+Model: Qwen3-0.6B shape, random bf16 weights, triton attention, 2,048 KV blocks of 16
+tokens. Engine capacity on each slice: {capacity}. Loads are 50%, 80% and 95% of it.
+
+Relative error |sim - real| / real per percentile (✗ marks a missed target: P50/P90 5%,
+P99 10%, throughput 3%). Targets met: {met}.
+
+{table}
+
+Per-step duration error (the calibrated model's prediction for each real engine step, with
+that step's exact batch): median {step_p50:.1f}%, P90 {step_p90:.1f}% (absolute).
+
+![per-step error](fidelity/step_error.png)
+
+![TTFT CDFs, real vs simulated](fidelity/ttft_cdf.png)
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    side = ap.add_mutually_exclusive_group(required=True)
+    side.add_argument("--engine", action="store_true", help="GPU side: engine runs")
+    side.add_argument("--sim", action="store_true", help="CPU side: simulator + report")
+    args = ap.parse_args()
+    (OUT / "engine").mkdir(parents=True, exist_ok=True)
+    engine_side() if args.engine else sim_side()
+
+
+if __name__ == "__main__":
+    main()

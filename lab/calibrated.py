@@ -1,0 +1,155 @@
+"""A cost model fitted to the real engine's profile (backend/profile.py).
+
+    python -m lab.calibrated profiles/h200_qwen3-0.6b.csv     # fit, print error, write .fit.json
+
+Step time is linear in features with a physical meaning (lab.plan.StepFeatures):
+
+    t = c0                                  fixed cost of a step (launches, host work)
+      + c1 * sequences                      per-sequence input preparation and sampling
+      + c2 * tokens + hinges of tokens      linear layers: flat while weight-read bound,
+                                            then growing with tokens (compute bound)
+      + c3 * decode context tokens          KV bytes the decodes read
+      + c4 * prefill cached tokens          KV bytes the prompt chunks read
+      + c5 * prefill (query, key) pairs     attention work of prompt chunks
+      + c6 * swapped blocks                 host-link copies
+
+The hinges (max(0, tokens - k) for k in ``TOKEN_KNOTS``) make the token term piecewise
+linear, the shape of a roofline's transition from memory- to compute-bound. Coefficients
+are non-negative and fitted by least squares on relative error (each row divided by its
+duration), so short decode steps weigh as much as long prefills. The profile is the data;
+the fit is redone on load, deterministic, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from lab.errors import ConfigError
+from lab.plan import StepFeatures
+
+TOKEN_KNOTS = (128, 512, 2048)
+FEATURES = ("const", "num_seqs", "num_tokens", *(f"tokens_over_{k}" for k in TOKEN_KNOTS),
+            "decode_context_tokens", "prefill_context_tokens", "prefill_attention_pairs",
+            "num_swap_blocks")  # fmt: skip
+PROFILE_COLUMNS = ("num_prefill_tokens", "num_prefills", "prefill_context_tokens",
+                   "prefill_attention_pairs", "num_decodes", "decode_context_tokens",
+                   "num_swap_blocks", "duration_s")  # fmt: skip
+
+
+def design(df: pd.DataFrame) -> np.ndarray:
+    """Feature matrix (rows, len(FEATURES)) of a frame with StepFeatures columns."""
+    tokens = (df["num_prefill_tokens"] + df["num_decodes"]).to_numpy(float)
+    cols = [np.ones(len(df)), (df["num_prefills"] + df["num_decodes"]).to_numpy(float), tokens]
+    cols += [np.maximum(tokens - k, 0.0) for k in TOKEN_KNOTS]
+    cols += [df[c].to_numpy(float) for c in ("decode_context_tokens", "prefill_context_tokens",
+                                             "prefill_attention_pairs", "num_swap_blocks")]
+    return np.stack(cols, axis=1)
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares by active-set elimination: solve, drop the most negative
+    coefficient, repeat (small problems; exact enough for a handful of features)."""
+    active = list(range(a.shape[1]))
+    while True:
+        coef = np.zeros(a.shape[1])
+        coef[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
+        if coef[active].min() >= 0 or len(active) == 1:
+            return np.maximum(coef, 0.0)
+        active.remove(active[int(np.argmin(coef[active]))])
+
+
+def fit(df: pd.DataFrame) -> np.ndarray:
+    """Coefficients minimizing the relative error of predicted step durations."""
+    x, y = design(df), df["duration_s"].to_numpy(float)
+    scale = x.max(axis=0)
+    scale[scale == 0] = 1.0
+    coef = nnls(x / scale / y[:, None], np.ones(len(y)))
+    return coef / scale
+
+
+def cross_validated_errors(df: pd.DataFrame, folds: int = 5, seed: int = 0) -> np.ndarray:
+    """Relative error |predicted - measured| / measured of every row, each predicted by a fit
+    on the other folds (held-out error)."""
+    order = np.random.default_rng(seed).permutation(len(df))
+    err = np.empty(len(df))
+    for k in range(folds):
+        test = order[k::folds]
+        train = np.setdiff1d(order, test)
+        coef = fit(df.iloc[train])
+        pred = design(df.iloc[test]) @ coef
+        y = df["duration_s"].to_numpy(float)[test]
+        err[test] = np.abs(pred - y) / y
+    return err
+
+
+def read_profile(path: str | Path) -> pd.DataFrame:
+    """A profile CSV (``#`` header lines allowed).
+
+    Raises:
+        ConfigError: missing file or columns.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"cost_model.profile: {path} does not exist (make one with "
+                          f"`python -m backend.profile` on the GPU)")
+    df = pd.read_csv(path, comment="#")
+    missing = [c for c in PROFILE_COLUMNS if c not in df.columns]
+    if missing or len(df) < len(FEATURES):
+        raise ConfigError(f"{path}: expected columns {', '.join(PROFILE_COLUMNS)} and at least "
+                          f"{len(FEATURES)} rows; missing {missing}, {len(df)} rows")
+    return df
+
+
+class CalibratedCostModel:
+    """Step durations from coefficients fitted to an engine profile (see module docstring)."""
+
+    def __init__(self, profile: str | Path) -> None:
+        self.profile = Path(profile)
+        self.coef = fit(read_profile(self.profile))
+        (self._c0, self._seq, self._tok, *hinges, self._dctx, self._pctx, self._pairs,
+         self._swap) = self.coef.tolist()
+        self._hinges = list(zip(TOKEN_KNOTS, hinges))
+
+    def step_time(self, f: StepFeatures, block_size: int) -> float:
+        """Predicted seconds of a step with features ``f`` (block_size: unused, the profile
+        was taken at one block size)."""
+        tokens = f.num_prefill_tokens + f.num_decodes
+        t = (self._c0 + self._seq * (f.num_prefills + f.num_decodes) + self._tok * tokens
+             + self._dctx * f.decode_context_tokens + self._pctx * f.prefill_context_tokens
+             + self._pairs * f.prefill_attention_pairs + self._swap * f.num_swap_blocks)
+        for knot, c in self._hinges:
+            if tokens > knot:
+                t += c * (tokens - knot)
+        return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m lab.calibrated PROFILE.csv", file=sys.stderr)
+        return 2
+    df = read_profile(argv[0])
+    coef = fit(df)
+    err = cross_validated_errors(df)
+    by_kind = {k: float(np.median(err[(df["kind"] == k).to_numpy()]))
+               for k in df.get("kind", pd.Series(["all"] * len(df))).unique()}
+    summary = {
+        "profile": argv[0], "rows": len(df),
+        "coefficients": dict(zip(FEATURES, coef.tolist())),
+        "held_out_relative_error": {"median": float(np.median(err)),
+                                    "p90": float(np.percentile(err, 90)),
+                                    "max": float(err.max()), "median_by_kind": by_kind},
+    }
+    out = Path(argv[0]).with_suffix(".fit.json")
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -62,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in runs[0].result.requests[:3]:
             print(f"\n[{runs[0].label} request {r.request_id}] {decode(r.output_token_ids)!r}")
     print(f"\nwrote {out}/ (report.md) in {time.perf_counter() - t0:.1f} s")
+    failed = [r for r in runs if r.result.failure]
+    if failed:
+        print(f"error: run {failed[0].label} stopped early: {failed[0].result.failure} "
+              f"(partial results in {out})", file=sys.stderr)
+        return 1
     return 0
 
 

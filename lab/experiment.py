@@ -140,8 +140,13 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
             summary = {"policy": pol["label"], "rate_scale": scale,
                        "limits": dataclasses.asdict(limits),
                        **metrics.summarize(df, itl, result, cfg["slo"])}
+            if result.failure:
+                summary["failure"] = result.failure
             runs.append(Run(label, pol["label"], scale, result, df, itl, summary))
             log.info("%s: %d steps in %.2f s", label, summary["num_steps"], result.wall_s)
+            if result.failure:
+                log.error("%s stopped: %s; the remaining runs are skipped", label, result.failure)
+                return runs
     return runs
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import simpy
@@ -44,6 +44,8 @@ class ReplayResult:
             step's start and ``kv_used_blocks`` the GPU blocks held while it runs.
         tick_steps: for each decode tick, the index of the step that ran it.
         wall_s: wall-clock seconds the replay took.
+        num_gpu_blocks: size of the GPU KV cache, for usage fractions.
+        failure: None, or why the run stopped early (see ``replay``).
     """
 
     requests: list[Request]
@@ -51,7 +53,7 @@ class ReplayResult:
     tick_steps: np.ndarray
     wall_s: float
     num_gpu_blocks: int = 0
-    extra: dict = field(default_factory=dict)
+    failure: str | None = None
 
     @functools.cached_property
     def step_end_s(self) -> np.ndarray:
@@ -162,8 +164,11 @@ def replay(
         check_invariants: check blocks and limits after every plan (slow; for tests).
         progress: optional callable(num_ended_requests, sim_time_s), called now and then.
 
-    Raises:
-        SchedulerStuckError: a plan was empty while requests were pending.
+    Returns:
+        The result. If a step fails (the executor raises, e.g. device out of memory, or the
+        policy gets stuck or thrashes: SchedulerStuckError), the replay stops there, every
+        request not ended yet is aborted with a reason naming the failure, and
+        ``failure`` holds the one-line message; nothing is lost and nothing hangs.
     """
     t0 = time.perf_counter()
     requests = sorted(requests, key=lambda r: r.arrival_s)
@@ -174,16 +179,29 @@ def replay(
     env.process(arrival_process(env, requests, scheduler, wakeup, arrived))
     env.process(engine_process(env, scheduler, executor, len(requests), wakeup, arrived, rec,
                                tick_steps, check_invariants, progress))
-    env.run()
-    if check_invariants:
-        scheduler.block_manager.check_integrity([])
-    lost = [r.request_id for r in requests if r.status not in _ENDED]
-    if lost:
-        raise SchedulerStuckError(f"replay ended with {len(lost)} requests unfinished: {lost[:10]}")
+    failure = None
+    try:
+        env.run()
+        lost = [r.request_id for r in requests if r.status not in _ENDED]
+        if lost:
+            raise SchedulerStuckError(f"replay ended with {len(lost)} requests unfinished: "
+                                      f"{', '.join(lost[:10])}")
+        if check_invariants:
+            scheduler.block_manager.check_integrity([])
+    except Exception as e:  # a failed step ends the run, accounted for request by request
+        failure = f"{type(e).__name__}: {e}".splitlines()[0]
+        for r in requests:
+            if r.status not in _ENDED:
+                r.status, r.finish_s = RequestStatus.ABORTED, env.now
+                r.reason = f"not finished: the run stopped at t={env.now:.3f}s ({failure})"
+        n = min(len(v) for v in rec.values())  # a step that failed midway has no row
+        rec = {c: v[:n] for c, v in rec.items()}
+        tick_steps = [t for t in tick_steps if t < n]
     steps = {c: np.asarray(v, dtype=np.float64 if c in _FLOAT_COLUMNS else np.int64)
              for c, v in rec.items()}
     return ReplayResult(requests, steps, np.asarray(tick_steps, dtype=np.int64),
-                        time.perf_counter() - t0, scheduler.block_manager.num_gpu_blocks)
+                        time.perf_counter() - t0, scheduler.block_manager.num_gpu_blocks,
+                        failure)
 
 
 _FLOAT_COLUMNS = ("time_s", "duration_s", "prefill_attention_pairs")

@@ -121,7 +121,8 @@ def _plots(folder: Path, runs: list[Run]) -> list[tuple[str, str]]:
         ax.set_ylabel("fraction of " + ("gaps" if key == "itl_s" else "requests"))
         ax.set_title(f"{title} CDF{load}")
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     plots.append(_save(fig, folder, "latency_cdf.png", "Latency CDFs per policy"))
 
     fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
@@ -226,6 +227,11 @@ def _markdown(cfg: dict, runs: list[Run], plots: list[tuple[str, str]]) -> str:
         summary_table(runs),
         "",
     ]
+    for r in runs:
+        if r.result.failure:
+            lines += [f"**Run {r.label} stopped early**: {r.result.failure}. Its unfinished "
+                      "requests are listed as aborted with this reason; later runs were skipped.",
+                      ""]
     slo = runs[0].summary["slo"]
     if slo:
         lines += ["SLOs: " + ", ".join(f"{k} <= {v}" for k, v in slo.items()), "",

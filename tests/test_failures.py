@@ -1,0 +1,71 @@
+"""Faults during a run: the run stops with a clear message and nothing is lost."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+import run_experiment
+from helpers import FixedCost
+from lab.kv import BlockManager
+from lab.plan import StepResult
+from lab.replay import replay
+from lab.request import Request
+from lab.scheduler import SchedulerLimits, get_policy
+
+
+class FailingExecutor(FixedCost):
+    """Fails like a device out of memory on its ``fail_at``-th step."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at, self.calls = fail_at, 0
+
+    def execute(self, plan) -> StepResult:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+        return super().execute(plan)
+
+
+def test_failed_step_stops_run_and_accounts_for_every_request():
+    reqs = [Request("a", 0.0, 4, 3), Request("b", 0.0, 4, 10), Request("c", 5.0, 4, 2)]
+    scheduler = get_policy("fcfs")(SchedulerLimits(8, 64, 64), BlockManager(16, 0, 4, 0.0))
+    res = replay(reqs, scheduler, FailingExecutor(fail_at=4))
+    # Steps 1-3 ran (prefill of a and b at 0.01, decodes at 0.02, 0.03): a finished.
+    assert len(res.steps["time_s"]) == 3
+    assert res.failure == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    status = {r.request_id: (r.status.value, r.reason) for r in res.requests}
+    assert status["a"] == ("finished", "")
+    for rid in ("b", "c"):  # b was running, c had not even arrived
+        assert status[rid][0] == "aborted"
+        assert "the run stopped at t=0.030s (RuntimeError: CUDA out of memory" in status[rid][1]
+
+
+def test_cli_writes_partial_results_and_exits_1(tmp_path, monkeypatch, capsys):
+    import lab.experiment
+
+    real = lab.experiment.CostModelExecutor
+
+    class Flaky(real):
+        def execute(self, plan):
+            if plan.decodes and len(plan.decodes) >= 3:
+                raise RuntimeError("device lost")
+            return super().execute(plan)
+
+    monkeypatch.setattr(lab.experiment, "CostModelExecutor", Flaky)
+    cfg = tmp_path / "exp.yaml"
+    cfg.write_text("trace: {format: synthetic, num_requests: 20, arrival: {process: poisson, "
+                   "rate: 100}, prompt_len: 50, output_len: 20}\npolicies: [fcfs, swap]\n")
+    out = tmp_path / "out"
+    assert run_experiment.main([str(cfg), "--out", str(out), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "error: run fcfs stopped early: RuntimeError: device lost" in err
+    req = pd.read_csv(out / "requests.csv")
+    assert len(req) == 20 and set(req.policy) == {"fcfs"}  # swap was skipped
+    assert (req.status == "aborted").sum() > 0
+    assert req.loc[req.status == "aborted", "reason"].str.contains("device lost").all()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["fcfs"]["failure"] == "RuntimeError: device lost"
+    assert "stopped early" in (out / "report.md").read_text()

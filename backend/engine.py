@@ -108,6 +108,8 @@ def engine_parts(cfg: dict[str, Any], base_dir: Path):
         swap_space_bytes=int(kv["swap_space_gib"] * GIB), seed=cfg["seed"],
         max_model_len=cfg["scheduler"]["max_model_len"],
         max_num_batched_tokens=cfg["scheduler"]["max_num_batched_tokens"] or 8192,
+        max_num_seqs=cfg["scheduler"].get("max_num_seqs") or 256,
+        cuda_graphs=eng.get("cuda_graphs"),  # None: on with CUDA + triton (LAB_CUDA_GRAPHS=0: off)
     )
 
     def make_executor(scheduler: Scheduler) -> EngineExecutor:

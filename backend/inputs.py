@@ -67,7 +67,7 @@ def prepare_inputs(
 ) -> StepInputs:
     """Validate ``seqs`` (ValueError naming the sequence) and build the step's tensors."""
     for i, seq in enumerate(seqs):
-        _check(i, seq, block_size, num_gpu_blocks, max_model_len, vocab_size)
+        check_seq(i, seq, block_size, num_gpu_blocks, max_model_len, vocab_size)
     query_lens = [len(s.token_ids) for s in seqs]
     seq_lens = [s.start_pos + n for s, n in zip(seqs, query_lens, strict=True)]
     query_start = _cumsum(query_lens)
@@ -127,9 +127,10 @@ def _cumsum(values: list[int]) -> list[int]:
     return out
 
 
-def _check(
+def check_seq(
     i: int, seq: SeqInput, block_size: int, num_gpu_blocks: int, max_model_len: int, vocab_size: int
 ) -> None:
+    """ValueError naming sequence ``i`` if it cannot run (see :class:`SeqInput`)."""
     where = f"seq {i}"
     if not seq.token_ids:
         raise ValueError(f"{where}: no token_ids to feed")
@@ -144,7 +145,8 @@ def _check(
             f"{where}: block_table has {len(seq.block_table)} blocks, {needed} needed for {end} tokens "
             f"at block_size {block_size}"
         )
-    if any(not 0 <= b < num_gpu_blocks for b in seq.block_table[:needed]):
+    used = seq.block_table[:needed]
+    if min(used) < 0 or max(used) >= num_gpu_blocks:
         raise ValueError(
             f"{where}: block ids must be in [0, {num_gpu_blocks}): {seq.block_table[:needed]}"
         )

@@ -14,19 +14,27 @@ KV cache capacity (``num_gpu_blocks``), when not given:
 * CPU: a fixed budget of ``CPU_KV_CACHE_BYTES`` (1 GiB); tests pass ``num_gpu_blocks``.
 
 Swap space: ``swap_space_bytes`` of host memory (pinned when CUDA is available).
+
+CUDA graphs (``cuda_graphs``, default on with CUDA + the triton backend; ``LAB_CUDA_GRAPHS=0``
+turns the default off): decode-only steps replay a graph captured per batch size, padded up
+to the next size (see :mod:`backend.cuda_graphs`); other steps run eagerly.
 """
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from backend.attention import get_attention_backend
 from backend.config import ModelConfig
+from backend.cuda_graphs import DEFAULT_GRAPH_SIZES, DecodeGraphs, graph_sizes
 from backend.dtypes import check_dtype_supported, resolve_device, resolve_dtype
 from backend.errors import UnsupportedModelError
-from backend.inputs import SeqInput, StepInputs, prepare_inputs
+from backend.inputs import SeqInput, prepare_inputs
 from backend.kv_cache import GiB, KVCache, blocks_in, bytes_per_block
 from backend.loader import load_model
 from backend.sampler import sample
@@ -55,6 +63,12 @@ class ModelRunner:
             max_position_embeddings. Sizes the RoPE table.
         max_num_batched_tokens: tokens of the warm-up forward that measures the activation
             peak (use the scheduler's token budget).
+        max_num_seqs: most sequences in a step (the scheduler's); the largest CUDA graph size.
+        cuda_graphs: replay CUDA graphs for decode-only steps. None = on when the device is
+            CUDA and the backend is triton, unless the environment has LAB_CUDA_GRAPHS=0.
+            True on a non-CUDA device runs the same padded path without capture (tests).
+        cuda_graph_sizes: candidate batch sizes (default DEFAULT_GRAPH_SIZES), cut at
+            max_num_seqs; all are captured at start, largest first.
     """
 
     def __init__(
@@ -70,6 +84,9 @@ class ModelRunner:
         seed: int = 0,
         max_model_len: int | None = None,
         max_num_batched_tokens: int = 8192,
+        max_num_seqs: int = 256,
+        cuda_graphs: bool | None = None,
+        cuda_graph_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
     ) -> None:
         self.config = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(device)
@@ -79,9 +96,21 @@ class ModelRunner:
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         _check_max_model_len(self.config, self.max_model_len, model_dir)
         backend = get_attention_backend(attention_backend, self.device, self.dtype, block_size)
+        if cuda_graphs is None:
+            cuda_graphs = (
+                self.device.type == "cuda"
+                and backend.name == "triton"
+                and os.environ.get("LAB_CUDA_GRAPHS", "1") != "0"
+            )
+        elif cuda_graphs and backend.name != "triton":
+            raise ConfigError(
+                f"cuda_graphs needs the triton attention backend (got {backend.name!r})"
+            )
         self.model = load_model(
             model_dir, self.config, backend, self.device, self.dtype, self.max_model_len
         )
+        self.generator = torch.Generator(self.device).manual_seed(seed)  # the warm-up samples
+        self.graphs: DecodeGraphs | None = None  # set once the KV cache exists
         block_bytes = bytes_per_block(self.config, block_size, self.dtype)
         if num_gpu_blocks is None:
             budget, what = self._kv_budget_bytes(gpu_memory_utilization, max_num_batched_tokens)
@@ -94,8 +123,36 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        self.generator = torch.Generator(self.device).manual_seed(seed)
         print(self.capacity_line(), flush=True)
+        if cuda_graphs:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_cache,
+                block_size,
+                self.max_model_len,
+                self.config.vocab_size,
+                graph_sizes(max_num_seqs, cuda_graph_sizes),
+                capture=self.device.type == "cuda",
+            )
+            if self.graphs.capture:
+                self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """Capture every decode size; on failure, say so and run decodes eagerly."""
+        assert self.graphs is not None
+        t0 = time.perf_counter()
+        sizes = self.graphs.sizes
+        try:
+            self.graphs.capture_all()
+        except Exception as e:  # noqa: BLE001 - a capture failure must not stop the engine
+            self.graphs = None
+            print(f"CUDA graphs: capture failed, decode steps run eagerly: {e!r}", flush=True)
+            return
+        print(
+            f"CUDA graphs: {len(sizes)} decode batch sizes {sizes[0]}..{sizes[-1]} captured "
+            f"in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -123,11 +180,11 @@ class ModelRunner:
         """
         if not seqs:
             return []
-        inputs, logits = self._forward(seqs, self.kv_cache)
+        sampled_seqs, temperatures, logits = self._forward(seqs, self.kv_cache)
         tokens: list[int | None] = [None] * len(seqs)
-        if inputs.sampled_seqs:
-            sampled = sample(logits, inputs.temperatures, self.generator).tolist()  # syncs
-            for i, token in zip(inputs.sampled_seqs, sampled, strict=True):
+        if sampled_seqs:
+            sampled = sample(logits, temperatures, self.generator).tolist()  # syncs
+            for i, token in zip(sampled_seqs, sampled, strict=True):
                 tokens[i] = token
         self.synchronize()
         return tokens
@@ -136,10 +193,10 @@ class ModelRunner:
     def execute_logits(self, seqs: list[SeqInput]) -> list[torch.Tensor | None]:
         """Like :meth:`execute` but returns the logits (vocab_size,) float32 of each sampled
         sequence instead of a token (None where not sampled). For tests and debugging."""
-        inputs, logits = self._forward(seqs, self.kv_cache)
+        sampled_seqs, _, logits = self._forward(seqs, self.kv_cache)
         out: list[torch.Tensor | None] = [None] * len(seqs)
-        for row, i in enumerate(inputs.sampled_seqs):
-            out[i] = logits[row]
+        for row, i in enumerate(sampled_seqs):
+            out[i] = logits[row].clone()  # a graph's output is overwritten by its next replay
         self.synchronize()
         return out
 
@@ -157,8 +214,16 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.kv_cache.flush()
 
-    def _forward(self, seqs: list[SeqInput], kv_cache: KVCache) -> tuple[StepInputs, torch.Tensor]:
-        """Prepare inputs, run the model; logits (num_sampled, vocab_size) float32."""
+    def _forward(
+        self, seqs: list[SeqInput], kv_cache: KVCache
+    ) -> tuple[list[int], list[float], torch.Tensor]:
+        """Prepare inputs, run the model: (indices of the sampled seqs, their temperatures,
+        their logits (num_sampled, vocab_size) float32). Decode-only steps replay a CUDA graph
+        when there is one for their size."""
+        if self.graphs is not None and kv_cache is self.kv_cache:
+            out = self.graphs.run(seqs)
+            if out is not None:
+                return out
         inputs = prepare_inputs(
             seqs,
             self.block_size,
@@ -168,7 +233,8 @@ class ModelRunner:
             self.device,
         )
         hidden = self.model(inputs.input_ids, inputs.positions, kv_cache.layers, inputs.attn)
-        return inputs, self.model.compute_logits(hidden[inputs.logits_indices])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return inputs.sampled_seqs, inputs.temperatures, logits
 
     @torch.inference_mode()
     def _kv_budget_bytes(self, utilization: float, max_num_batched_tokens: int) -> tuple[int, str]:
@@ -212,11 +278,11 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         resident = torch.cuda.memory_allocated(self.device)
-        inputs, logits = self._forward(seqs, scratch)
-        sample(logits, inputs.temperatures, self.generator)
+        _, temperatures, logits = self._forward(seqs, scratch)
+        sample(logits, temperatures, self.generator)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - resident
-        del scratch, inputs, logits
+        del scratch, logits
         return peak
 
 

@@ -30,12 +30,14 @@ def _store_kv_kernel(
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr,
 ):  # fmt: skip
-    """One program per fed token: copy its (num_kv_heads, head_dim) k and v into its slot."""
+    """One program per fed token: copy its (num_kv_heads, head_dim) k and v into its slot.
+
+    A negative slot (a CUDA-graph padding row) writes nothing."""
     t = tl.program_id(0)
     slot = tl.load(SlotMapping + t).to(tl.int64)
     heads = tl.arange(0, HEADS_P)[:, None]
     dims = tl.arange(0, HEAD_DIM_P)[None, :]
-    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM) & (slot >= 0)
     dst = slot * NUM_KV_HEADS * HEAD_DIM + heads * HEAD_DIM + dims  # the caches are contiguous
     k = tl.load(K + t * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(V + t * stride_vt + heads * stride_vh + dims, mask=mask)
@@ -164,7 +166,9 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write k/v (num_tokens, num_kv_heads, head_dim), strided rows allowed, into their slots."""
+    """Write k/v (num_tokens, num_kv_heads, head_dim), strided rows allowed, into their slots.
+
+    Tokens whose slot is negative are skipped (CUDA-graph padding rows)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return

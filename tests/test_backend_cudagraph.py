@@ -1,0 +1,283 @@
+"""CUDA graphs for decode-only steps (backend/cuda_graphs.py).
+
+Without CUDA: the size choice, the padded staging of the static buffers, the store kernel's
+skipping of negative slots, and the whole padded static-buffer forward (``cuda_graphs=True``
+on CPU runs it without capture) against the eager path, all under ``TRITON_INTERPRET=1``.
+With CUDA (``-m gpu``): captured graphs against eager, tokens and logits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from backend.attention import triton_kernels  # noqa: E402
+from backend.attention.triton_backend import interpreting  # noqa: E402
+from backend.cuda_graphs import DEFAULT_GRAPH_SIZES, graph_sizes, pick_size  # noqa: E402
+from backend.inputs import SeqInput  # noqa: E402
+from backend.runner import ModelRunner  # noqa: E402
+from backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
+from lab.errors import ConfigError  # noqa: E402
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def _patch_interpreter_for_numpy_2_4() -> None:
+    """Same one-line interpreter patch as tests/test_backend_triton.py (triton-lang/triton#9171)."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreting():
+    _patch_interpreter_for_numpy_2_4()
+needs_triton = pytest.mark.skipif(
+    not HAS_CUDA and not interpreting(), reason="triton was imported without TRITON_INTERPRET=1"
+)
+
+QWEN3_TINY = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+SMOLLM2_TINY = {  # SmolLM2's architecture (Llama, tied embeddings, GQA 3:1), tiny
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 96,
+    "intermediate_size": 192,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "vocab_size": 300,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+}
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+
+
+# -- sizes -------------------------------------------------------------------------------------
+
+
+def test_graph_sizes_cut_at_max_num_seqs():
+    assert graph_sizes(256) == list(DEFAULT_GRAPH_SIZES)
+    assert graph_sizes(8) == [1, 2, 4, 8]
+    assert graph_sizes(100) == [1, 2, 4, 8, 16, 32, 48, 64, 96, 100]
+    assert graph_sizes(1) == [1]
+    assert graph_sizes(1000) == list(DEFAULT_GRAPH_SIZES)  # larger batches run eagerly
+    assert graph_sizes(6, [4, 2]) == [2, 4]
+    assert graph_sizes(3, [4, 2]) == [2, 3]
+    with pytest.raises(ValueError):
+        graph_sizes(0)
+
+
+def test_pick_size_is_the_smallest_that_fits():
+    sizes = [1, 2, 4, 8, 16, 32]
+    assert [pick_size(n, sizes) for n in (1, 2, 3, 4, 5, 9, 17, 32)] == [1, 2, 4, 4, 8, 16, 32, 32]
+    assert pick_size(33, sizes) is None
+
+
+# -- the store kernel --------------------------------------------------------------------------
+
+
+@needs_triton
+def test_store_kv_skips_negative_slots():
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(4, 2, 16, generator=gen).to(DEVICE)
+    v = torch.randn(4, 2, 16, generator=gen).to(DEVICE)
+    k_cache = torch.zeros(3, 4, 2, 16, device=DEVICE)
+    v_cache = torch.zeros(3, 4, 2, 16, device=DEVICE)
+    slots = torch.tensor([5, -1, 0, -1], dtype=torch.long, device=DEVICE)
+    triton_kernels.store_kv(k, v, k_cache, v_cache, slots)
+    expect_k = torch.zeros(12, 2, 16, device=DEVICE)
+    expect_v = torch.zeros(12, 2, 16, device=DEVICE)
+    expect_k[5], expect_k[0] = k[0], k[2]
+    expect_v[5], expect_v[0] = v[0], v[2]
+    assert torch.equal(k_cache.view(12, 2, 16), expect_k)
+    assert torch.equal(v_cache.view(12, 2, 16), expect_v)
+
+
+# -- staging and the padded forward --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_tiny")
+    write_random_checkpoint(QWEN3_TINY, path, dtype="float32", std=0.2)
+    return path
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("smollm2_tiny")
+    write_random_checkpoint(SMOLLM2_TINY, path, dtype="float32", std=0.2)
+    return path
+
+
+def make_runner(model_dir, cuda_graphs, dtype="float32", max_num_seqs=8):
+    return ModelRunner(model_dir, device=str(DEVICE), dtype=dtype, attention_backend="triton",
+                       block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS, swap_space_bytes=0,
+                       max_num_seqs=max_num_seqs, cuda_graphs=cuda_graphs)  # fmt: skip
+
+
+@needs_triton
+def test_stage_pads_to_the_size(qwen3_dir):
+    runner = make_runner(qwen3_dir, cuda_graphs=True)
+    graphs = runner.graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
+    assert graphs.max_blocks == 256 // BLOCK_SIZE
+    seqs = [
+        SeqInput([7], 0, [3], True),
+        SeqInput([8], 9, [5, 6, 9, 1], True),  # table longer than needed (3 blocks)
+        SeqInput([9], 4, [2, 4], False),
+    ]
+    assert graphs.size_for(seqs) == 4
+    assert graphs.size_for(seqs + [SeqInput([1, 2], 0, [0], True)]) is None  # a prefill chunk
+    assert graphs.size_for([SeqInput([1], 0, [0], True)] * 9) is None  # larger than 8
+    graphs.stage(seqs, 4)
+    assert graphs.input_ids[:4].tolist() == [7, 8, 9, 0]
+    assert graphs.positions[:4].tolist() == [0, 9, 4, 0]
+    assert graphs.slot_mapping[:4].tolist() == [12, 9 * 4 + 1, 4 * 4 + 0, -1]
+    assert graphs.seq_lens[:4].tolist() == [1, 10, 5, 1]
+    assert graphs.seq_start_loc[:5].tolist() == [0, 1, 11, 16, 17]
+    assert graphs.block_tables[:4, :3].tolist() == [[3, 0, 0], [5, 6, 9], [2, 4, 0], [0, 0, 0]]
+    meta = graphs.metadata(4)
+    assert meta.decode_seq_idx.tolist() == [0, 1, 2, 3] and meta.prefill_seq_idx.numel() == 0
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_cuda_graphs_need_the_triton_backend(qwen3_dir):
+    with pytest.raises(ConfigError, match="triton"):
+        ModelRunner(qwen3_dir, attention_backend="torch", block_size=BLOCK_SIZE,
+                    num_gpu_blocks=NUM_BLOCKS, swap_space_bytes=0, cuda_graphs=True)  # fmt: skip
+
+
+def test_cuda_graphs_default_off_on_cpu(qwen3_dir):
+    runner = ModelRunner(qwen3_dir, attention_backend="torch", block_size=BLOCK_SIZE,
+                         num_gpu_blocks=NUM_BLOCKS, swap_space_bytes=0)  # fmt: skip
+    assert runner.graphs is None
+
+
+# Tables: a = 9 blocks, b = 6, c = 3 (lengths differ); decode steps of 3 seqs pad to 4, of 1
+# stay at 1, of 2 at 2; one decode is not sampled.
+A = [5, 60, 7, 33, 2, 41, 19, 50, 55]
+B = [8, 1, 63, 12, 30, 44]
+C = [10, 11, 13]
+USED = set(A) | set(B) | set(C)
+STEPS = [
+    [SeqInput(list(range(30)), 0, A, True), SeqInput(list(range(9, 20)), 0, B, False)],
+    [SeqInput([5], 30, A, True), SeqInput(list(range(40, 50)), 11, B, True),
+     SeqInput([1, 2, 3, 4], 0, C, True)],
+    [SeqInput([6], 31, A, True), SeqInput([7], 21, B, True), SeqInput([8], 4, C, True)],
+    [SeqInput([9], 32, A, True), SeqInput([10], 22, B, False), SeqInput([11], 5, C, True)],
+    [SeqInput([12], 33, A, True)],
+    [SeqInput([13], 23, B, True), SeqInput([14], 6, C, True)],
+]  # fmt: skip
+
+
+def run_steps(runner):
+    """Logits of every sampled sequence of every step, and greedy tokens from them."""
+    logits = [x for step in STEPS for x in runner.execute_logits(step) if x is not None]
+    return logits, [int(x.argmax()) for x in logits]
+
+
+def assert_padding_wrote_nothing(runner):
+    """Blocks no sequence owns are still all zeros (padding rows write nowhere)."""
+    free = [b for b in range(NUM_BLOCKS) if b not in USED]
+    assert not runner.kv_cache.gpu[:, :, free].any()
+
+
+@needs_triton
+@pytest.mark.parametrize("which", ["qwen3", "smollm2"])
+def test_padded_decode_path_matches_eager(which, qwen3_dir, smollm2_dir):
+    # On CPU cuda_graphs=True runs the padded static-buffer forward without capture.
+    model_dir = qwen3_dir if which == "qwen3" else smollm2_dir
+    eager_logits, eager_tokens = run_steps(make_runner(model_dir, cuda_graphs=False))
+    padded = make_runner(model_dir, cuda_graphs=True)
+    sizes, stage = [], padded.graphs.stage
+    padded.graphs.stage = lambda seqs, size: (sizes.append(size), stage(seqs, size))
+    padded_logits, padded_tokens = run_steps(padded)
+    assert sizes == [4, 4, 1, 2]  # the decode-only steps took the padded path
+    assert padded_tokens == eager_tokens
+    for got, ref in zip(padded_logits, eager_logits, strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert_padding_wrote_nothing(padded)
+
+
+@needs_triton
+def test_execute_tokens_match_with_padding(qwen3_dir):
+    steps = STEPS[:3]
+    eager = make_runner(qwen3_dir, cuda_graphs=False)
+    padded = make_runner(qwen3_dir, cuda_graphs=True)
+    assert [eager.execute(s) for s in steps] == [padded.execute(s) for s in steps]
+
+
+# -- GPU: captured graphs ------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("which", ["qwen3", "smollm2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_captured_graphs_match_eager_on_gpu(which, dtype, qwen3_dir, smollm2_dir):
+    model_dir = qwen3_dir if which == "qwen3" else smollm2_dir
+    eager = make_runner(model_dir, cuda_graphs=False, dtype=dtype)
+    assert eager.graphs is None
+    eager_logits, eager_tokens = run_steps(eager)
+    graphed = make_runner(model_dir, cuda_graphs=True, dtype=dtype)
+    assert graphed.graphs is not None, "capture failed (see the printed line)"
+    assert sorted(graphed.graphs.graphs) == [1, 2, 4, 8]  # captured, not a silent fallback
+    graphed_logits, graphed_tokens = run_steps(graphed)
+    assert_padding_wrote_nothing(graphed)
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    for got, ref in zip(graphed_logits, eager_logits, strict=True):
+        torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
+    if dtype == "float32":
+        assert graphed_tokens == eager_tokens
+    else:  # bf16: a different GEMM for a padded batch may flip a near tie only
+        pairs = zip(eager_logits, graphed_tokens, eager_tokens, strict=True)
+        for ref, g, e in pairs:
+            top2 = ref.topk(2).values
+            if top2[0] - top2[1] > 2 * tol:
+                assert g == e
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_captured_graphs_with_default_sizes_on_gpu(qwen3_dir):
+    # All default sizes up to 64 captured; a 33-seq decode batch pads to 48 and matches eager.
+    runner = make_runner(qwen3_dir, cuda_graphs=True, max_num_seqs=64)
+    assert runner.graphs is not None
+    assert sorted(runner.graphs.graphs) == [1, 2, 4, 8, 16, 32, 48, 64]
+    eager = make_runner(qwen3_dir, cuda_graphs=False, max_num_seqs=64)
+    seqs = [SeqInput([i % 200], i % 4, [i], True) for i in range(33)]  # block i, position < 4
+    prefill = [SeqInput(list(range(s.start_pos)) or [0], 0, s.block_table, False) for s in seqs]
+    prefill = [p for p, s in zip(prefill, seqs, strict=True) if s.start_pos > 0]
+    for r in (runner, eager):
+        r.execute(prefill)
+    got = runner.execute_logits(seqs)
+    ref = eager.execute_logits(seqs)
+    for g, e in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+    assert runner.execute(seqs[:1]) == eager.execute(seqs[:1])

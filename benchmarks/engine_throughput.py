@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--attention", default="triton")
     ap.add_argument("--policy", default="chunked_prefill")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--hf-max-new-tokens", type=int, default=512)
+    ap.add_argument("--hf-max-new-tokens", type=int, default=128)
     args = ap.parse_args()
     model_dir = checkpoint(args.preset)
     prompts, outputs = workload(args.num_requests)

@@ -7,8 +7,8 @@
 context) with the H200 preset. The KV cache is 8,192 blocks of 16 tokens = 131,072 tokens,
 exactly the model's context, so ``max_model_len`` = 131,072 and every request of the trace
 (longest: 126,527 tokens) fits the cache alone: none may be rejected or aborted. That is
-16 GiB of KV, about a seventh of what vLLM would allocate at gpu_memory_utilization 0.9,
-so long prompts crowd each other out and policies must preempt.
+16 GiB of KV, a sixth of what sizing by gpu_memory_utilization 0.9 (as vLLM does) gives,
+so long prompts queue for blocks and growing decodes force preemptions now and then.
 
 Each policy runs in a fresh child process, so its peak RSS (``ru_maxrss``) is its own. The
 child checks what must hold at the end: every request ended, all KV blocks free (GPU and

@@ -9,7 +9,9 @@ replay the slice at 50%, 80% and 95% of it (rate_scale = load * capacity / the s
 rate) through fcfs, swap and chunked_prefill; each run's results folder goes to
 docs/fidelity/engine/<trace>_<load>/.
 Simulator side: the same configs with backend sim and the cost model calibrated from
-profiles/h200_qwen3-0.6b.csv; relative errors of P50/P90/P99 TTFT, TPOT, E2E and of
+profiles/h200_qwen3-0.6b.csv plus the steps of the other engine runs (held out: never the
+run being predicted; the grid profile times the model runner alone, replay steps also
+carry the policy's planning and input building); relative errors of P50/P90/P99 TTFT, TPOT, E2E and of
 throughput per policy and load, a per-step duration error plot (the calibrated model's
 prediction for each real engine step) and overlaid TTFT CDFs, into docs/fidelity.md.
 Targets: P50/P90 <= 5%, P99 <= 10%, throughput <= 3%.
@@ -78,20 +80,26 @@ def sim_side() -> None:
     from lab.calibrated import CalibratedCostModel
     from lab.experiment import run_experiment
 
+    import yaml
+
     rows, step_errors, cdfs = [], {}, {}
-    for folder in sorted((OUT / "engine").iterdir()):
-        if not folder.is_dir():
-            continue
-        import yaml
+    engine_folders = sorted(f for f in (OUT / "engine").iterdir() if f.is_dir())
+    for folder in engine_folders:
 
         cfg = yaml.safe_load((folder / "config.yaml").read_text())
         sim = copy.deepcopy(cfg)
         sim["backend"] = "sim"
+        # Held out: the model is fitted to the profile plus the steps of the *other* engine
+        # runs, never to the run it predicts.
+        others = [str((f / "steps.csv").relative_to(ROOT)) for f in engine_folders
+                  if f != folder]
+        sim["cost_model"]["replay_steps"] = others
         runs = run_experiment(sim, ROOT, progress=False)
         real_sum = json.loads((folder / "summary.json").read_text())
         real_req = pd.read_csv(folder / "requests.csv")
         real_steps = pd.read_csv(folder / "steps.csv")
-        model = CalibratedCostModel(ROOT / cfg["cost_model"]["profile"])
+        model = CalibratedCostModel(ROOT / cfg["cost_model"]["profile"],
+                                    tuple(ROOT / p for p in others))
         for run in runs:
             real = real_sum[run.label]
             row = {"slice": folder.name, "policy": run.label}

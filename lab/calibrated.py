@@ -4,20 +4,25 @@
 
 Step time is linear in features with a physical meaning (lab.plan.StepFeatures):
 
-    t = c0                                  fixed cost of a step (launches, host work)
-      + c1 * sequences                      per-sequence input preparation and sampling
-      + c2 * tokens + hinges of tokens      linear layers: flat while weight-read bound,
+    t = c0 * [decode-only step]             fixed cost of a CUDA-graph decode step
+      + c1 * [step with prompt tokens]      fixed cost of an eager step (kernel launches)
+      + c2 * sequences                      per-sequence input preparation and sampling
+      + c3 * tokens + c4 * max(0, tokens - 2048)
+                                            linear layers: flat while weight-read bound,
                                             then growing with tokens (compute bound)
-      + c3 * decode context tokens          KV bytes the decodes read
-      + c4 * prefill cached tokens          KV bytes the prompt chunks read
-      + c5 * prefill (query, key) pairs     attention work of prompt chunks
-      + c6 * swapped blocks                 host-link copies
+      + c5 * mean decode context            decode attention latency: one kernel program
+                                            walks one sequence's whole context
+      + c6 * decode context tokens          KV bytes all decodes read
+      + c7 * prefill cached tokens          KV bytes the prompt chunks read
+      + c8 * prefill (query, key) pairs     attention work of prompt chunks
+      + c9 * swapped blocks                 host-link copies
 
-The hinges (max(0, tokens - k) for k in ``TOKEN_KNOTS``) make the token term piecewise
-linear, the shape of a roofline's transition from memory- to compute-bound. Coefficients
-are non-negative and fitted by least squares on relative error (each row divided by its
-duration), so short decode steps weigh as much as long prefills. The profile is the data;
-the fit is redone on load, deterministic, in milliseconds.
+The two intercepts are the engine's two launch regimes (decode-only steps replay a CUDA
+graph, steps with prompt tokens run eagerly); the hinge makes the token term piecewise
+linear, a roofline's turn from memory- to compute-bound. Coefficients are non-negative and
+fitted by least squares on relative error (each row divided by its duration), so short
+decode steps weigh as much as long prefills. The profile is the data; the fit is redone on
+load, deterministic, in milliseconds.
 """
 
 from __future__ import annotations
@@ -32,10 +37,10 @@ import pandas as pd
 from lab.errors import ConfigError
 from lab.plan import StepFeatures
 
-TOKEN_KNOTS = (128, 512, 2048)
-FEATURES = ("const", "num_seqs", "num_tokens", *(f"tokens_over_{k}" for k in TOKEN_KNOTS),
-            "decode_context_tokens", "prefill_context_tokens", "prefill_attention_pairs",
-            "num_swap_blocks")  # fmt: skip
+TOKEN_KNOT = 2048
+FEATURES = ("decode_only_step", "prefill_step", "num_seqs", "num_tokens",
+            f"tokens_over_{TOKEN_KNOT}", "mean_decode_context", "decode_context_tokens",
+            "prefill_context_tokens", "prefill_attention_pairs", "num_swap_blocks")  # fmt: skip
 PROFILE_COLUMNS = ("num_prefill_tokens", "num_prefills", "prefill_context_tokens",
                    "prefill_attention_pairs", "num_decodes", "decode_context_tokens",
                    "num_swap_blocks", "duration_s")  # fmt: skip
@@ -43,11 +48,14 @@ PROFILE_COLUMNS = ("num_prefill_tokens", "num_prefills", "prefill_context_tokens
 
 def design(df: pd.DataFrame) -> np.ndarray:
     """Feature matrix (rows, len(FEATURES)) of a frame with StepFeatures columns."""
-    tokens = (df["num_prefill_tokens"] + df["num_decodes"]).to_numpy(float)
-    cols = [np.ones(len(df)), (df["num_prefills"] + df["num_decodes"]).to_numpy(float), tokens]
-    cols += [np.maximum(tokens - k, 0.0) for k in TOKEN_KNOTS]
-    cols += [df[c].to_numpy(float) for c in ("decode_context_tokens", "prefill_context_tokens",
-                                             "prefill_attention_pairs", "num_swap_blocks")]
+    prefills = df["num_prefills"].to_numpy(float)
+    decodes = df["num_decodes"].to_numpy(float)
+    tokens = df["num_prefill_tokens"].to_numpy(float) + decodes
+    ctx = df["decode_context_tokens"].to_numpy(float)
+    cols = [(prefills == 0).astype(float), (prefills > 0).astype(float), prefills + decodes,
+            tokens, np.maximum(tokens - TOKEN_KNOT, 0.0), ctx / np.maximum(decodes, 1.0), ctx]
+    cols += [df[c].to_numpy(float) for c in ("prefill_context_tokens", "prefill_attention_pairs",
+                                             "num_swap_blocks")]
     return np.stack(cols, axis=1)
 
 
@@ -105,26 +113,48 @@ def read_profile(path: str | Path) -> pd.DataFrame:
     return df
 
 
-class CalibratedCostModel:
-    """Step durations from coefficients fitted to an engine profile (see module docstring)."""
+def read_replay_steps(path: str | Path) -> pd.DataFrame:
+    """The steps.csv of an engine run as profile rows (its measured durations include what
+    a grid profile misses: the policy's planning and the executor's input building).
 
-    def __init__(self, profile: str | Path) -> None:
+    Raises:
+        ConfigError: missing file or not a steps.csv.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"cost_model.replay_steps: {path} does not exist")
+    df = pd.read_csv(path)
+    if "num_decode_tokens" not in df.columns or "duration_s" not in df.columns:
+        raise ConfigError(f"cost_model.replay_steps: {path} is not a steps.csv of a run")
+    out = df.rename(columns={"num_decode_tokens": "num_decodes"})
+    out["num_swap_blocks"] = df["num_swap_out_blocks"] + df["num_swap_in_blocks"]
+    out["kind"] = "replay"
+    return out[["kind", *PROFILE_COLUMNS]]
+
+
+class CalibratedCostModel:
+    """Step durations from coefficients fitted to an engine profile (see module docstring),
+    optionally together with the steps of earlier engine replays (``replay_steps``)."""
+
+    def __init__(self, profile: str | Path, replay_steps: tuple[str | Path, ...] = ()) -> None:
         self.profile = Path(profile)
-        self.coef = fit(read_profile(self.profile))
-        (self._c0, self._seq, self._tok, *hinges, self._dctx, self._pctx, self._pairs,
-         self._swap) = self.coef.tolist()
-        self._hinges = list(zip(TOKEN_KNOTS, hinges))
+        data = [read_profile(self.profile)] + [read_replay_steps(p) for p in replay_steps]
+        self.coef = fit(pd.concat(data, ignore_index=True))
+        (self._decode_step, self._prefill_step, self._seq, self._tok, self._hinge,
+         self._mean_ctx, self._dctx, self._pctx, self._pairs, self._swap) = self.coef.tolist()
 
     def step_time(self, f: StepFeatures, block_size: int) -> float:
         """Predicted seconds of a step with features ``f`` (block_size: unused, the profile
         was taken at one block size)."""
         tokens = f.num_prefill_tokens + f.num_decodes
-        t = (self._c0 + self._seq * (f.num_prefills + f.num_decodes) + self._tok * tokens
-             + self._dctx * f.decode_context_tokens + self._pctx * f.prefill_context_tokens
-             + self._pairs * f.prefill_attention_pairs + self._swap * f.num_swap_blocks)
-        for knot, c in self._hinges:
-            if tokens > knot:
-                t += c * (tokens - knot)
+        t = (self._prefill_step if f.num_prefills else self._decode_step)
+        t += (self._seq * (f.num_prefills + f.num_decodes) + self._tok * tokens
+              + self._dctx * f.decode_context_tokens + self._pctx * f.prefill_context_tokens
+              + self._pairs * f.prefill_attention_pairs + self._swap * f.num_swap_blocks)
+        if f.num_decodes:
+            t += self._mean_ctx * f.decode_context_tokens / f.num_decodes
+        if tokens > TOKEN_KNOT:
+            t += self._hinge * (tokens - TOKEN_KNOT)
         return t
 
 

@@ -8,7 +8,8 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     model: llama-3.1-8b          # lab/models.py preset (sim)
     hardware: h200-sxm           # lab/hardware.py preset (sim)
     cost_model: {flops_efficiency: 0.7, bandwidth_efficiency: 0.85, step_overhead_s: 0.002,
-                 profile: null}  # profile: an engine profile CSV -> lab/calibrated.py
+                 profile: null, replay_steps: []}  # profile: engine profile CSV, and
+                 # replay_steps: steps.csv of engine runs to fit with it (lab/calibrated.py)
     kv_cache: {block_size: 16, gpu_memory_utilization: 0.9, num_gpu_blocks: null,
                swap_space_gib: 4, watermark: 0.01}
     scheduler: {max_num_seqs: 256, max_num_batched_tokens: null, max_model_len: null,
@@ -41,7 +42,7 @@ DEFAULTS: dict[str, Any] = {
     "model": "llama-3.1-8b",
     "hardware": "h200-sxm",
     "cost_model": {"flops_efficiency": 0.7, "bandwidth_efficiency": 0.85, "step_overhead_s": 0.002,
-                   "profile": None},
+                   "profile": None, "replay_steps": []},
     "kv_cache": {"block_size": 16, "gpu_memory_utilization": 0.9, "num_gpu_blocks": None,
                  "swap_space_gib": 4.0, "watermark": 0.01},
     "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": None, "max_model_len": None,
@@ -144,6 +145,12 @@ def validate(raw: dict[str, Any], where: str = "config") -> dict[str, Any]:
     _num(where, "cost_model.step_overhead_s", cm["step_overhead_s"], 0.0)
     if cm["profile"] is not None and not isinstance(cm["profile"], str):
         raise _fail(where, "cost_model.profile", "a path to an engine profile CSV", cm["profile"])
+    if not isinstance(cm["replay_steps"], list) or not all(
+            isinstance(p, str) for p in cm["replay_steps"]):
+        raise _fail(where, "cost_model.replay_steps", "a list of steps.csv paths",
+                    cm["replay_steps"])
+    if cm["replay_steps"] and cm["profile"] is None:
+        raise ConfigError(f"{where}: cost_model.replay_steps needs cost_model.profile")
     kv = cfg["kv_cache"]
     _int(where, "kv_cache.block_size", kv["block_size"])
     _num(where, "kv_cache.gpu_memory_utilization", kv["gpu_memory_utilization"], 0.0, 1.0, lo_open=True)

@@ -83,11 +83,12 @@ def sim_parts(cfg: dict, base_dir: Path = Path(".")) -> tuple[AnalyticCostModel,
             f"{model.weight_bytes / 1e9:.1f} GB of weights")
     cpu = num_cpu_blocks(model, kv["block_size"], kv["swap_space_gib"])
     cm = dict(cfg["cost_model"])
-    profile = cm.pop("profile")
+    profile, replay_steps = cm.pop("profile"), cm.pop("replay_steps")
     if profile is not None:
         from lab.calibrated import CalibratedCostModel
 
-        return CalibratedCostModel(base_dir / profile), gpu, cpu
+        steps = tuple(base_dir / p for p in replay_steps)
+        return CalibratedCostModel(base_dir / profile, steps), gpu, cpu
     return AnalyticCostModel(model, hw, **cm), gpu, cpu
 
 

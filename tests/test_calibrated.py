@@ -9,11 +9,13 @@ import pytest
 from lab.calibrated import FEATURES, CalibratedCostModel, cross_validated_errors, design, fit
 from lab.plan import StepFeatures
 
-# A made-up engine: 1 ms per step, 20 us per sequence, 2 us per token above 512 tokens,
-# 1 ns per decode context token, 0.5 ns per (query, key) pair of prefill attention.
+# A made-up engine: 1 ms per decode-only step, 5 ms per step with prompt tokens, 20 us per
+# sequence, 2 us per token above 2048 tokens, 1 us per token of mean decode context, 1 ns
+# per decode context token, 0.5 ns per (query, key) pair of prefill attention.
 TRUE = dict.fromkeys(FEATURES, 0.0) | {
-    "const": 1e-3, "num_seqs": 2e-5, "tokens_over_512": 2e-6,
-    "decode_context_tokens": 1e-9, "prefill_attention_pairs": 5e-10}
+    "decode_only_step": 1e-3, "prefill_step": 5e-3, "num_seqs": 2e-5,
+    "tokens_over_2048": 2e-6, "mean_decode_context": 1e-6, "decode_context_tokens": 1e-9,
+    "prefill_attention_pairs": 5e-10}
 
 
 def profile_frame() -> pd.DataFrame:
@@ -45,7 +47,11 @@ def test_step_time_matches_formula(tmp_path):
     path = tmp_path / "p.csv"
     path.write_text("# header line\n" + profile_frame().to_csv(index=False))
     model = CalibratedCostModel(path)
-    # 32 decodes over 32 * 1000 context tokens plus a 1000-token chunk over 0 cached:
-    f = StepFeatures(1000, 1, 0, 1000 * 1001 / 2, 32, 32_000, 33, 0)
-    expected = 1e-3 + 33 * 2e-5 + (1032 - 512) * 2e-6 + 32_000 * 1e-9 + 500_500 * 5e-10
+    # 32 decodes over 32 * 1000 context tokens plus a 3000-token chunk over 0 cached:
+    f = StepFeatures(3000, 1, 0, 3000 * 3001 / 2, 32, 32_000, 33, 0)
+    expected = (5e-3 + 33 * 2e-5 + (3032 - 2048) * 2e-6 + 1000 * 1e-6 + 32_000 * 1e-9
+                + 4_501_500 * 5e-10)
+    assert model.step_time(f, 16) == pytest.approx(expected, rel=1e-6)
+    f = StepFeatures(0, 0, 0, 0.0, 4, 4 * 500, 4, 0)  # decode-only: the graph intercept
+    expected = 1e-3 + 4 * 2e-5 + 500 * 1e-6 + 2000 * 1e-9
     assert model.step_time(f, 16) == pytest.approx(expected, rel=1e-6)

@@ -25,6 +25,8 @@ YAML is read with ``yaml.safe_load`` only; policies are looked up by registered 
 from __future__ import annotations
 
 import copy
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +73,23 @@ def _int(where, key, v, lo=1, optional=False):
 def _num(where, key, v, lo=0.0, hi=float("inf"), lo_open=False, optional=False):
     if v is None and optional:
         return None
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     if not ok or not ((lo < v) if lo_open else (lo <= v)) or v > hi:
         rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
         raise _fail(where, key, f"a number in {rng}" + (" or null" if optional else ""), v)
     return float(v)
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_name(where: str, key: str, name) -> str:
+    """An experiment name: it becomes a folder under results/, so letters, digits, '.', '_'
+    and '-' only, starting with a letter or digit (no '', '.', '..' or paths)."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
+        raise _fail(where, key, "a name of letters, digits, '.', '_' and '-' starting with a "
+                    "letter or digit (it names the results folder)", name)
+    return name
 
 
 def _choice(where, key, v, choices):
@@ -112,7 +126,7 @@ def load_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: expected a mapping of keys at the top level")
     cfg = validate(raw, str(path))
     if cfg["name"] is None:
-        cfg["name"] = path.stem
+        cfg["name"] = check_name(str(path), "name (from the file name)", path.stem)
     return cfg
 
 
@@ -127,13 +141,15 @@ def validate(raw: dict[str, Any], where: str = "config") -> dict[str, Any]:
             cfg[k].update(_mapping(where, k, v, DEFAULTS[k]))
         else:
             cfg[k] = v
-    if cfg["name"] is not None and not isinstance(cfg["name"], str):
-        raise _fail(where, "name", "a string", cfg["name"])
+    if cfg["name"] is not None:
+        check_name(where, "name", cfg["name"])
     _choice(where, "backend", cfg["backend"], {"sim", "engine"})
     _int(where, "seed", cfg["seed"], lo=0)
     if not isinstance(cfg["trace"], dict):
         raise _fail(where, "trace", "a mapping with at least 'format'", cfg["trace"])
     rs = cfg["trace"].get("rate_scale", 1.0)
+    if rs == []:
+        raise _fail(where, "trace.rate_scale", "a number > 0 or a non-empty list of them", rs)
     for v in rs if isinstance(rs, list) else [rs]:
         _num(where, "trace.rate_scale", v, lo=0.0, lo_open=True)
     if cfg["backend"] == "sim":

@@ -81,6 +81,12 @@ def sim_parts(cfg: dict, base_dir: Path = Path(".")) -> tuple[AnalyticCostModel,
             f"kv_cache.gpu_memory_utilization: {kv['gpu_memory_utilization']} of "
             f"{hw.memory_bytes / 1e9:.0f} GB leaves no room for KV after "
             f"{model.weight_bytes / 1e9:.1f} GB of weights")
+    kv_bytes = gpu * model.kv_bytes_per_token * kv["block_size"]
+    if kv_bytes > hw.memory_bytes:
+        raise ConfigError(
+            f"kv_cache.num_gpu_blocks: {gpu} blocks of {kv['block_size']} tokens need "
+            f"{kv_bytes / 1e9:.1f} GB of KV cache for {model.name}, more than the "
+            f"{hw.memory_bytes / 1e9:.0f} GB of a {hw.name}")
     cpu = num_cpu_blocks(model, kv["block_size"], kv["swap_space_gib"])
     cm = dict(cfg["cost_model"])
     profile, replay_steps = cm.pop("profile"), cm.pop("replay_steps")

@@ -120,5 +120,4 @@ def summarize(df: pd.DataFrame, itl: np.ndarray, result: ReplayResult,
                              "max": float(kv_frac.max(initial=0.0))},
         "num_gpu_blocks": result.num_gpu_blocks,
         "num_steps": int(len(steps["time_s"])),
-        "replay_wall_s": result.wall_s,
     }

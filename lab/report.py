@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from lab.errors import UserError
 from lab.experiment import Run
 from lab.replay import STEP_COLUMNS
 
@@ -46,11 +47,17 @@ def write_results(out_dir: Path, cfg: dict[str, Any], runs: list[Run],
         _steps_frame(runs).to_csv(tmp / "steps.csv", index=False, float_format="%.9g")
         summary = {r.label: r.summary for r in runs}
         (tmp / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2))
+        # Wall-clock seconds live apart, so the other files depend on the inputs alone.
+        timing = {r.label: {"replay_wall_s": r.result.wall_s} for r in runs}
+        (tmp / "timing.json").write_text(json.dumps(timing, indent=2))
         if any(r.output_token_ids for run in runs for r in run.result.requests):
             _write_tokens(tmp / "tokens.jsonl", runs, decode)
         plots = _plots(tmp, runs)
         (tmp / "report.md").write_text(_markdown(cfg, runs, plots))
         if out_dir.exists():
+            if any(out_dir.iterdir()) and not (out_dir / "summary.json").exists():
+                raise UserError(f"--out {out_dir}: the folder exists and is not a results "
+                                "folder (no summary.json); refusing to replace it")
             old = out_dir.with_name(f".{out_dir.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             os.rename(out_dir, old)
@@ -243,5 +250,6 @@ def _markdown(cfg: dict, runs: list[Run], plots: list[tuple[str, str]]) -> str:
         lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
     lines += ["Files: `requests.csv` (one row per trace request per run), `steps.csv` "
               "(one row per engine step), `summary.json` (aggregates per run), "
-              "`config.yaml` (the resolved config).", ""]
+              "`timing.json` (wall time of each replay), `config.yaml` (the resolved config).",
+              ""]
     return "\n".join(lines)

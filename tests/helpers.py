@@ -32,7 +32,9 @@ def run(policy: str, requests: list[tuple], *, gpu_blocks=8, cpu_blocks=8, block
     bm = BlockManager(gpu_blocks, cpu_blocks, block_size, watermark)
     scheduler = cls(SchedulerLimits(max_num_seqs, budget, max_model_len), bm)
     reqs = [Request(*t) for t in requests]
-    return replay(reqs, scheduler, FixedCost(step_s), check_invariants=True)
+    result = replay(reqs, scheduler, FixedCost(step_s), check_invariants=True)
+    assert result.failure is None, result.failure  # a broken invariant stops the replay
+    return result
 
 
 def by_id(result: ReplayResult) -> dict[str, Request]:

@@ -47,13 +47,26 @@ def token_counts(values: pd.Series, src: Source, column: str, *, minimum: int) -
     Raises:
         TraceError: a cell that is empty, not a number, not a whole number, or < ``minimum``.
     """
-    numbers = pd.to_numeric(values, errors="coerce").to_numpy(dtype=np.float64)
+    numbers = _numbers(values)
     finite = np.isfinite(numbers)
     whole = np.zeros_like(finite)
     whole[finite] = numbers[finite] == np.floor(numbers[finite])
     _raise_first(~whole, values, src, column, "expected an integer token count")
     _raise_first(numbers < minimum, values, src, column, f"expected a token count >= {minimum}")
+    _raise_first(numbers > MAX_TOKENS, values, src, column,
+                 f"expected a token count <= {MAX_TOKENS:,}")
     return numbers.astype(np.int64)
+
+
+# No model here has a context near this; it keeps int64 arithmetic far from overflow.
+MAX_TOKENS = 1 << 40
+
+
+def _numbers(values: pd.Series) -> np.ndarray:
+    """Cells as float64; NaN where not a number. Booleans (JSON true/false) are not numbers."""
+    if values.dtype == bool or values.map(lambda v: isinstance(v, bool)).any():
+        values = values.map(lambda v: np.nan if isinstance(v, bool) else v)
+    return pd.to_numeric(values, errors="coerce").to_numpy(dtype=np.float64)
 
 
 def numeric_times(values: pd.Series, src: Source, column: str, *, ticks_per_s: float) -> np.ndarray:
@@ -62,7 +75,7 @@ def numeric_times(values: pd.Series, src: Source, column: str, *, ticks_per_s: f
     Raises:
         TraceError: a cell that is empty, NaN, infinite or not a number.
     """
-    numbers = pd.to_numeric(values, errors="coerce").to_numpy(dtype=np.float64)
+    numbers = _numbers(values)
     _raise_first(~np.isfinite(numbers), values, src, column, "expected a finite number")
     return numbers / ticks_per_s
 

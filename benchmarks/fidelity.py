@@ -77,10 +77,10 @@ def engine_side() -> None:
 
 
 def sim_side() -> None:
+    import yaml
+
     from lab.calibrated import CalibratedCostModel
     from lab.experiment import run_experiment
-
-    import yaml
 
     rows, step_errors, cdfs = [], {}, {}
     engine_folders = sorted(f for f in (OUT / "engine").iterdir() if f.is_dir())

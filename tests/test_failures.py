@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pandas as pd
+from helpers import FixedCost
 
 import run_experiment
-from helpers import FixedCost
 from lab.kv import BlockManager
 from lab.plan import StepResult
 from lab.replay import replay

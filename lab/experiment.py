@@ -140,7 +140,7 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
                 executor = CostModelExecutor(cost_model, bs)
             label = pol["label"] if len(scales) == 1 else f"{pol['label']}@x{scale:g}"
             requests = fresh(trace)
-            with _progress_bar(progress, label, len(requests)) as bar:
+            with _ProgressBar(progress, label, len(requests)) as bar:
                 result = replay(requests, scheduler, executor,
                                 check_invariants=cfg["check_invariants"], progress=bar)
             df, itl = metrics.request_table(result, pol["label"], scale)
@@ -157,7 +157,7 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
     return runs
 
 
-class _progress_bar:
+class _ProgressBar:
     """A tqdm bar of ended requests (only on a terminal), used as a replay callback."""
 
     def __init__(self, enabled: bool, label: str, total: int) -> None:

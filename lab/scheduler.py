@@ -66,6 +66,8 @@ class Scheduler:
     name: ClassVar[str] = ""
     #: True if prompts may be split into chunks across steps.
     chunked_prefill: ClassVar[bool] = False
+    #: How victims are preempted; the swap policy overrides it.
+    preemption_mode: ClassVar[PreemptionMode] = PreemptionMode.RECOMPUTE
     #: Options a policy accepts in its YAML block, with defaults.
     options: ClassVar[dict[str, Any]] = {}
 
@@ -262,8 +264,6 @@ class Scheduler:
         elif r in self.prefilling:
             self.prefilling.remove(r)
 
-    #: How victims are preempted; the swap policy overrides it.
-    preemption_mode: ClassVar[PreemptionMode] = PreemptionMode.RECOMPUTE
 
 
 # ---------------------------------------------------------------------- registry

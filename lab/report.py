@@ -120,11 +120,16 @@ def _plots(folder: Path, runs: list[Run]) -> list[tuple[str, str]]:
             if len(v):
                 q = np.linspace(0, 1, min(len(v), 2000))
                 ax.plot(np.quantile(v, q), q, label=r.policy)
-        ax.set_xscale("log")
+        lo_hi = [ln.get_xdata() for ln in ax.get_lines()]
+        if lo_hi and max(x.max() for x in lo_hi) > 10 * min(max(x.min(), 1e-9) for x in lo_hi):
+            ax.set_xscale("log")  # a log axis only pays (and labels well) over a decade
+            title_scale = ", log scale"
+        else:
+            title_scale = ""
         if key == "itl_s":  # most gaps are plain decode steps; the tail is the story
             ax.set_ylim(0.9, 1.0005)
             title += " tail"
-        ax.set_xlabel(f"{title} (s, log scale)")
+        ax.set_xlabel(f"{title} (s{title_scale})")
         ax.set_ylabel("fraction of " + ("gaps" if key == "itl_s" else "requests"))
         ax.set_title(f"{title} CDF{load}")
         ax.grid(alpha=0.3)
@@ -141,7 +146,7 @@ def _plots(folder: Path, runs: list[Run]) -> list[tuple[str, str]]:
     axes[0].set_ylabel("output tokens / s")
     axes[0].set_title(f"Throughput, KV usage and queue over time{load}")
     axes[1].set_ylabel("GPU KV blocks used (%)")
-    axes[2].set_ylabel("waiting + swapped requests")
+    axes[2].set_ylabel("waiting + swapped\nrequests (bin mean)")
     axes[2].set_xlabel("time (s)")
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -214,6 +219,12 @@ def summary_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def _trace_options(trace: dict) -> str:
+    keys = ("limit", "start_s", "end_s", "rate_scale", "num_requests")
+    opts = ", ".join(f"{k} {trace[k]}" for k in keys if trace.get(k) is not None)
+    return f" ({opts})" if opts else ""
+
+
 def _model_line(cfg: dict) -> str:
     if cfg["backend"] == "engine":
         e = cfg["engine"]
@@ -228,7 +239,7 @@ def _markdown(cfg: dict, runs: list[Run], plots: list[tuple[str, str]]) -> str:
         f"# {cfg['name']}",
         "",
         f"Backend `{cfg['backend']}`; trace `{trace.get('format')}` "
-        f"{trace.get('path', '')}; {_model_line(cfg)}; "
+        f"{trace.get('path', '')}{_trace_options(trace)}; {_model_line(cfg)}; "
         f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg['kv_cache']['block_size']} tokens.",
         "",
         summary_table(runs),
@@ -248,8 +259,10 @@ def _markdown(cfg: dict, runs: list[Run], plots: list[tuple[str, str]]) -> str:
         lines.append("")
     for name, caption in plots:
         lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
+    tokens = ("`tokens.jsonl` (generated token ids, and text), "
+              if any(r.output_token_ids for run in runs for r in run.result.requests) else "")
     lines += ["Files: `requests.csv` (one row per trace request per run), `steps.csv` "
               "(one row per engine step), `summary.json` (aggregates per run), "
-              "`timing.json` (wall time of each replay), `config.yaml` (the resolved config).",
-              ""]
+              f"{tokens}`timing.json` (wall time of each replay), `config.yaml` (the resolved "
+              "config).", ""]
     return "\n".join(lines)

@@ -29,7 +29,9 @@ def experiment(tmp_path, model_dir, policies="[fcfs, swap]", swap_gib=0.001) -> 
     path = tmp_path / "exp.yaml"
     path.write_text(
         "backend: engine\n"
-        "trace: {format: synthetic, num_requests: 12, arrival: {process: poisson, rate: 50},"
+        # All requests arrive at t = 0, so the schedule (and its preemptions) does not
+        # depend on the measured step times.
+        "trace: {format: synthetic, num_requests: 12, arrival: {process: poisson, rate: .inf},"
         " prompt_len: {uniform: [8, 40]}, output_len: {uniform: [4, 12]}}\n"
         f"engine: {{model_path: {model_dir}, device: cpu, dtype: float32}}\n"
         f"kv_cache: {{block_size: 8, num_gpu_blocks: 24, swap_space_gib: {swap_gib:.7f}}}\n"

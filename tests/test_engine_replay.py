@@ -22,12 +22,13 @@ import run_experiment  # noqa: E402
 from lab.config import validate  # noqa: E402
 from lab.experiment import run_experiment as run_runs  # noqa: E402
 
+# All at t = 0: the schedule, and so the preemptions, must not depend on measured step times.
 PROMPTS = [
     {"prompt": "What is the capital of France?", "output_len": 14, "arrival_s": 0.0},
     {"prompt": "Write a haiku about autumn leaves.", "output_len": 16, "arrival_s": 0.0},
     {"prompt": "Explain what a KV cache is.", "output_len": 16, "arrival_s": 0.0},
-    {"prompt": "List three primary colors.", "output_len": 12, "arrival_s": 0.01},
-    {"prompt": "Name a planet.", "output_len": 10, "arrival_s": 0.02},
+    {"prompt": "List three primary colors.", "output_len": 12, "arrival_s": 0.0},
+    {"prompt": "Name a planet.", "output_len": 10, "arrival_s": 0.0},
 ]
 
 
@@ -92,3 +93,38 @@ def test_results_folder_has_tokens_and_text(model_dir, tmp_path, capsys):
                                   for r, p in zip(rows, PROMPTS))
     assert "Paris" in rows[0]["text"]
     assert "Paris" in capsys.readouterr().out
+
+
+def test_smollm2_cpu_example_runs(model_dir, tmp_path):
+    """experiments/smollm2_cpu.yaml as written (its model path is convert-smollm2's default)."""
+    from pathlib import Path
+
+    import pandas as pd
+
+    example = Path(run_experiment.__file__).resolve().parent / "experiments/smollm2_cpu.yaml"
+    out = tmp_path / "out"
+    assert run_experiment.main([str(example), "--limit", "2", "--out", str(out),
+                                "--no-progress"]) == 0
+    req = pd.read_csv(out / "requests.csv")
+    assert len(req) == 6 and (req.status == "finished").all()  # 2 requests x 3 policies
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["azure_gpu", "sim_vs_real"])
+def test_gpu_examples_run(name, tmp_path):
+    """The GPU examples with a few requests (needs CUDA and their random checkpoint)."""
+    from pathlib import Path
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    root = Path(run_experiment.__file__).resolve().parent
+    ckpt = root / "checkpoints/qwen3-0.6b"
+    if not (ckpt / "config.json").exists():
+        from backend.tools.presets import PRESETS
+        from backend.tools.random_checkpoint import write_random_checkpoint
+
+        write_random_checkpoint(PRESETS["qwen3-0.6b"], ckpt, "bfloat16", name="qwen3-0.6b")
+    out = tmp_path / "out"
+    assert run_experiment.main([str(root / f"experiments/{name}.yaml"), "--limit", "20",
+                                "--out", str(out), "--no-progress"]) == 0

@@ -8,45 +8,16 @@ With CUDA (``-m gpu``): captured graphs against eager, tokens and logits.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+from triton_setup import DEVICE, HAS_CUDA, interpreting, needs_triton, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
 
 from backend.attention import triton_kernels  # noqa: E402
-from backend.attention.triton_backend import interpreting  # noqa: E402
 from backend.cuda_graphs import DEFAULT_GRAPH_SIZES, graph_sizes, pick_size  # noqa: E402
 from backend.inputs import SeqInput  # noqa: E402
 from backend.runner import ModelRunner  # noqa: E402
 from backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
 from lab.errors import ConfigError  # noqa: E402
-
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-
-
-def _patch_interpreter_for_numpy_2_4() -> None:
-    """Same one-line interpreter patch as tests/test_backend_triton.py (triton-lang/triton#9171)."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
-if interpreting():
-    _patch_interpreter_for_numpy_2_4()
-needs_triton = pytest.mark.skipif(
-    not HAS_CUDA and not interpreting(), reason="triton was imported without TRITON_INTERPRET=1"
-)
 
 QWEN3_TINY = {
     "architectures": ["Qwen3ForCausalLM"],

@@ -1,7 +1,7 @@
 """The Triton paged-attention backend against the torch reference.
 
-Without CUDA the kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET=1`` is set below,
-before triton is first imported (Triton reads it when a kernel is decorated). With CUDA the
+Without CUDA the kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET=1`` is set by
+tests/triton_setup.py before triton is first imported. With CUDA the
 same small cases run compiled on the GPU, and the ``gpu``-marked cases add realistic shapes.
 """
 
@@ -14,41 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+from triton_setup import DEVICE, HAS_CUDA, interpreting, needs_triton, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
 
 from backend.attention import get_attention_backend  # noqa: E402
-from backend.attention.triton_backend import interpreting  # noqa: E402
 from backend.inputs import SeqInput, prepare_inputs  # noqa: E402
 from backend.runner import ModelRunner  # noqa: E402
 from backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
 
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-
-
-def _patch_interpreter_for_numpy_2_4() -> None:
-    """Triton 3.6's interpreter turns a scalar (a shape-(1,) array) into a loop bound with
-    ``int(array)``, which numpy >= 2.4 rejects (triton-lang/triton#9171, fixed after 3.6).
-    Re-patch that one conversion so kernels with runtime loop bounds interpret."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
-if interpreting():
-    _patch_interpreter_for_numpy_2_4()
-pytestmark = pytest.mark.skipif(
-    not HAS_CUDA and not interpreting(), reason="triton was imported without TRITON_INTERPRET=1"
-)
+pytestmark = needs_triton
 
 
 def run_both(seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, dtype, seed=0):

@@ -1,0 +1,46 @@
+"""Shared setup of the Triton tests: on a machine without CUDA, run kernels in Triton's CPU
+interpreter (``TRITON_INTERPRET=1``, set before triton is first imported, since Triton reads
+it when a kernel is decorated) and patch one numpy incompatibility of that interpreter.
+
+Import this module before anything that imports triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from backend.attention.triton_backend import interpreting  # noqa: E402
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+def _patch_interpreter_for_numpy_2_4() -> None:
+    """Triton 3.6's interpreter turns a scalar (a shape-(1,) array) into a loop bound with
+    ``int(array)``, which numpy >= 2.4 rejects (triton-lang/triton#9171, fixed after 3.6).
+    Re-patch that one conversion so kernels with runtime loop bounds interpret."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreting():
+    _patch_interpreter_for_numpy_2_4()
+
+#: Skip a test module when triton was imported elsewhere first without the interpreter.
+needs_triton = pytest.mark.skipif(
+    not HAS_CUDA and not interpreting(), reason="triton was imported without TRITON_INTERPRET=1"
+)

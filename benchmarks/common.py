@@ -20,8 +20,8 @@ GIB = 1 << 30
 
 def checkpoint(preset: str, cache: Path = ROOT / "checkpoints") -> Path:
     """A random-weight bf16 checkpoint of ``preset`` (written once, then reused)."""
-    from backend.tools.presets import PRESETS
     from backend.tools.random_checkpoint import write_random_checkpoint
+    from lab.model_presets import PRESETS
 
     out = cache / preset
     if not (out / "config.json").exists():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lab.model_presets import PRESETS
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -56,17 +58,19 @@ class ModelSpec:
                 * self.dtype_bytes)
 
 
-# Values copied from each model's config.json on the Hugging Face hub.
-MODELS: dict[str, ModelSpec] = {
-    m.name: m
-    for m in [
-        # meta-llama/Llama-3.1-8B: 8.03 B parameters.
-        ModelSpec("llama-3.1-8b", 4096, 32, 32, 8, 128, 14336, 128256, 131072),
-        # meta-llama/Llama-2-7b-hf: 6.74 B parameters, multi-head attention (32 KV heads).
-        ModelSpec("llama-2-7b", 4096, 32, 32, 32, 128, 11008, 32000, 4096),
-        # Qwen/Qwen3-0.6B: head_dim 128 (> hidden/heads), tied embeddings.
-        ModelSpec("qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, 151936, 40960, True),
-        # Qwen/Qwen3-8B.
-        ModelSpec("qwen3-8b", 4096, 36, 32, 8, 128, 12288, 151936, 40960),
-    ]
-}
+    @classmethod
+    def from_config(cls, name: str, config: dict) -> ModelSpec:
+        """The shape of a Hugging Face ``config.json`` (head_dim defaults to hidden / heads)."""
+        heads = config["num_attention_heads"]
+        return cls(
+            name, config["hidden_size"], config["num_hidden_layers"], heads,
+            config.get("num_key_value_heads", heads),
+            config.get("head_dim") or config["hidden_size"] // heads,
+            config["intermediate_size"], config["vocab_size"],
+            config["max_position_embeddings"], config.get("tie_word_embeddings", False))
+
+
+#: The simulator's model presets, from the public config.json values in lab/model_presets.py
+#: (e.g. llama-3.1-8b: 8.03 B parameters; qwen3-0.6b: head_dim 128 > hidden / heads, tied
+#: embeddings).
+MODELS: dict[str, ModelSpec] = {n: ModelSpec.from_config(n, c) for n, c in PRESETS.items()}

@@ -121,8 +121,8 @@ def test_gpu_examples_run(name, tmp_path):
     root = Path(run_experiment.__file__).resolve().parent
     ckpt = root / "checkpoints/qwen3-0.6b"
     if not (ckpt / "config.json").exists():
-        from backend.tools.presets import PRESETS
         from backend.tools.random_checkpoint import write_random_checkpoint
+        from lab.model_presets import PRESETS
 
         write_random_checkpoint(PRESETS["qwen3-0.6b"], ckpt, "bfloat16", name="qwen3-0.6b")
     out = tmp_path / "out"

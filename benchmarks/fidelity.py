@@ -127,14 +127,11 @@ def _rel(sim: float, real: float) -> float:
 
 
 def _step_errors(model, steps: pd.DataFrame) -> np.ndarray:
-    from lab.plan import StepFeatures
+    """Relative error of the model's prediction for each real engine step."""
+    from lab.calibrated import design, steps_as_profile
 
-    pred = np.array([model.step_time(StepFeatures(
-        int(s.num_prefill_tokens), int(s.num_prefills), int(s.prefill_context_tokens),
-        float(s.prefill_attention_pairs), int(s.num_decode_tokens), int(s.decode_context_tokens),
-        0, int(s.num_swap_out_blocks + s.num_swap_in_blocks)), 16)
-        for s in steps.itertuples()])
-    return (pred - steps["duration_s"].to_numpy()) / steps["duration_s"].to_numpy()
+    measured = steps["duration_s"].to_numpy()
+    return (design(steps_as_profile(steps)) @ model.coef - measured) / measured
 
 
 def _plots(step_errors, cdfs) -> None:

@@ -126,6 +126,11 @@ def read_replay_steps(path: str | Path) -> pd.DataFrame:
     df = pd.read_csv(path)
     if "num_decode_tokens" not in df.columns or "duration_s" not in df.columns:
         raise ConfigError(f"cost_model.replay_steps: {path} is not a steps.csv of a run")
+    return steps_as_profile(df)
+
+
+def steps_as_profile(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows of a steps.csv frame in the profile's columns."""
     out = df.rename(columns={"num_decode_tokens": "num_decodes"})
     out["num_swap_blocks"] = df["num_swap_out_blocks"] + df["num_swap_in_blocks"]
     out["kind"] = "replay"

@@ -103,10 +103,6 @@ class SchedulerOutput:
         return self._features
 
     @property
-    def num_prefill_tokens(self) -> int:
-        return sum(self.prefills.values())
-
-    @property
     def is_empty(self) -> bool:
         """True if the step would compute and move nothing."""
         return not (self.prefills or self.decodes or self.swap_out or self.swap_in)

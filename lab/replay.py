@@ -228,7 +228,7 @@ def _stuck_message(s: Scheduler, now: float) -> str:
 def _check_plan(s: Scheduler, plan) -> None:
     """Invariants of every plan: limits respected, blocks owned once, no double role."""
     lim = s.limits
-    tokens = plan.num_prefill_tokens + len(plan.decodes)
+    tokens = plan.features().num_tokens
     assert tokens <= lim.max_num_batched_tokens, f"{tokens} tokens > budget"
     assert len(s.running) <= lim.max_num_seqs, f"{len(s.running)} running > max_num_seqs"
     scheduled = set(plan.prefills) | set(plan.decodes)

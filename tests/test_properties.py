@@ -144,7 +144,7 @@ class RecordingExecutor:
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
         s, bm, lim = self.s, self.s.block_manager, self.s.limits
-        tokens = plan.num_prefill_tokens + len(plan.decodes)
+        tokens = plan.features().num_tokens
         assert tokens <= lim.max_num_batched_tokens
         assert len(s.running) <= lim.max_num_seqs
         assert len(plan.prefills) + len(plan.decodes) <= lim.max_num_seqs

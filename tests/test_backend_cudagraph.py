@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_setup import DEVICE, HAS_CUDA, interpreting, needs_triton, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
+from triton_setup import DEVICE, HAS_CUDA, QWEN3_TINY, interpreting, needs_triton, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
 
 from backend.attention import triton_kernels  # noqa: E402
 from backend.cuda_graphs import DEFAULT_GRAPH_SIZES, graph_sizes, pick_size  # noqa: E402
@@ -19,18 +19,6 @@ from backend.runner import ModelRunner  # noqa: E402
 from backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
 from lab.errors import ConfigError  # noqa: E402
 
-QWEN3_TINY = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": True,
-}
 SMOLLM2_TINY = {  # SmolLM2's architecture (Llama, tied embeddings, GQA 3:1), tiny
     "architectures": ["LlamaForCausalLM"],
     "hidden_size": 96,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from triton_setup import DEVICE, HAS_CUDA, interpreting, needs_triton, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
+from triton_setup import DEVICE, HAS_CUDA, QWEN3_TINY, interpreting, needs_triton, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
 
 from backend.attention import get_attention_backend  # noqa: E402
 from backend.inputs import SeqInput, prepare_inputs  # noqa: E402
@@ -93,19 +93,7 @@ def test_block_size_16_decode_only():
 
 
 def test_runner_tokens_match_torch_backend(tmp_path):
-    config = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "vocab_size": 256,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": True,
-    }
-    write_random_checkpoint(config, tmp_path, dtype="float32", std=0.2)
+    write_random_checkpoint(QWEN3_TINY, tmp_path, dtype="float32", std=0.2)
     a, b = [5, 60, 7, 33, 2, 41, 19, 50], [8, 1, 63, 12, 30, 44, 9, 27]  # block tables
     steps = [
         [SeqInput(list(range(30)), 0, a, True), SeqInput(list(range(9, 20)), 0, b, False)],

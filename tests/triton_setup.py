@@ -44,3 +44,17 @@ if interpreting():
 needs_triton = pytest.mark.skipif(
     not HAS_CUDA and not interpreting(), reason="triton was imported without TRITON_INTERPRET=1"
 )
+
+#: A tiny Qwen3 (q/k norm, GQA 2:1, tied embeddings) for runner-level kernel tests.
+QWEN3_TINY = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}

@@ -120,12 +120,7 @@ class DecodeGraphs:
         """The graph size for this step, or None when it must run eagerly."""
         if not seqs or any(len(s.token_ids) != 1 for s in seqs):
             return None
-        size = pick_size(len(seqs), self.sizes)
-        if size is None:
-            return None
-        if any(s.start_pos // self.block_size >= self.max_blocks for s in seqs):
-            return None  # cannot happen after validation (start_pos < max_model_len); guard
-        return size
+        return pick_size(len(seqs), self.sizes)
 
     def run(self, seqs: list[SeqInput]) -> tuple[list[int], list[float], torch.Tensor] | None:
         """Run a decode-only step padded to its size: (sampled seq indices, their
@@ -136,9 +131,6 @@ class DecodeGraphs:
         size = self.size_for(seqs)
         if size is None:
             return None
-        for i, s in enumerate(seqs):
-            check_seq(i, s, self.block_size, self.kv_cache.num_gpu_blocks, self.max_model_len,
-                      self.vocab_size)  # fmt: skip
         self.stage(seqs, size)
         logits = self._replay(size)
         sampled = [i for i, s in enumerate(seqs) if s.sample]
@@ -150,31 +142,48 @@ class DecodeGraphs:
         return sampled, temps, rows
 
     def stage(self, seqs: list[SeqInput], size: int) -> None:
-        """Write a decode-only step, padded to ``size`` rows, into the static buffers."""
+        """Validate a decode-only step (ValueError naming the first bad sequence, as
+        :func:`backend.inputs.check_seq`) and write it, padded to ``size`` rows, into the
+        static buffers. Host work: one pass over the sequences plus numpy."""
         n, bs = len(seqs), self.block_size
-        positions = [s.start_pos for s in seqs]
-        nblocks = [p // bs + 1 for p in positions]
-        width = max(nblocks)
         tokens = self._host((3, size), torch.long)  # ids, positions, slots
         t = tokens.numpy()
         t[:, n:] = 0
         t[2, n:] = -1  # padding rows write nowhere
         t[0, :n] = [s.token_ids[0] for s in seqs]
-        t[1, :n] = positions
-        t[2, :n] = [
-            s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)
-        ]
-        lens = self._host((2 * size + 1,), torch.int32)  # seq lens, then seq_start_loc
-        ln = lens.numpy()
-        ln[:size] = 1
-        ln[:n] = [p + 1 for p in positions]
-        ln[size] = 0
-        np.cumsum(ln[:size], out=ln[size + 1 :])
+        positions = t[1, :n]
+        positions[:] = [s.start_pos for s in seqs]
+        nblocks = positions // bs + 1
+        width = int(nblocks.max())
         tables = self._host((size, width), torch.int32)
         tb = tables.numpy()
         tb[:] = 0
-        for i, (s, nb) in enumerate(zip(seqs, nblocks, strict=True)):
-            tb[i, :nb] = s.block_table[:nb]
+        short = False
+        for i, s in enumerate(seqs):
+            bt = s.block_table
+            if len(bt) < width:
+                short |= len(bt) < nblocks[i]
+                tb[i, : len(bt)] = bt
+            else:
+                tb[i] = bt[:width]
+        tb[:n][np.arange(width)[None, :] >= nblocks[:, None]] = 0  # unused columns: never read
+        if (
+            short
+            or tb.min() < 0
+            or tb.max() >= self.kv_cache.num_gpu_blocks
+            or t[0, :n].min() < 0
+            or t[0, :n].max() >= self.vocab_size
+            or positions.min() < 0
+            or positions.max() >= self.max_model_len
+        ):
+            self._raise_invalid(seqs)
+        t[2, :n] = tb[np.arange(n), positions // bs] * bs + positions % bs
+        lens = self._host((2 * size + 1,), torch.int32)  # seq lens, then seq_start_loc
+        ln = lens.numpy()
+        ln[:size] = 1
+        ln[:n] = positions + 1
+        ln[size] = 0
+        np.cumsum(ln[:size], out=ln[size + 1 :])
         # Columns >= width keep older values: never read (each row reads < nblocks columns).
         tokens_d = tokens.to(self.device, non_blocking=True)
         lens_d = lens.to(self.device, non_blocking=True)
@@ -185,6 +194,12 @@ class DecodeGraphs:
         self.seq_lens[:size].copy_(lens_d[:size])
         self.seq_start_loc[: size + 1].copy_(lens_d[size:])
         self.block_tables[:size, :width].copy_(tables_d)
+
+    def _raise_invalid(self, seqs: list[SeqInput]) -> None:
+        for i, s in enumerate(seqs):
+            check_seq(i, s, self.block_size, self.kv_cache.num_gpu_blocks, self.max_model_len,
+                      self.vocab_size)  # fmt: skip
+        raise AssertionError("a decode step failed validation but no sequence is invalid")
 
     def _host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # Fresh pinned memory each step: the caching host allocator does not hand a block

@@ -17,7 +17,7 @@ import torch
 from backend.attention import AttentionMetadata
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqInput:
     """What one sequence feeds in one step.
 

@@ -1,20 +1,19 @@
 """The paged KV cache on the device and its swap space in host memory.
 
-Layout: one tensor per side, ``(2, num_layers, num_blocks, block_size, num_kv_heads,
+Layout: the device side is one tensor ``(2, num_layers, num_blocks, block_size, num_kv_heads,
 head_dim)`` (index 0 = K, 1 = V), so each layer's K or V is the contiguous
-``(num_blocks, block_size, num_kv_heads, head_dim)`` the attention backends expect, and one
-index op over dim 2 moves a set of blocks for all layers at once. The host side has the same
-layout, in pinned memory when CUDA is available (pinned pages make the transfers asynchronous;
-torch's pinned allocator rounds the request up to a power of two, so size the swap space
-accordingly: 4 GiB costs 4 GiB, 5 GiB costs 8).
+``(num_blocks, block_size, num_kv_heads, head_dim)`` the attention backends expect. The host
+swap space is block-major, ``(num_blocks, 2, num_layers, block_size, num_kv_heads,
+head_dim)``: one swapped block is one contiguous run of ``block_bytes``, in pinned memory when
+CUDA is available (pinned pages make the transfers asynchronous; torch's pinned allocator
+rounds the request up to a power of two, so size the swap space accordingly: 4 GiB costs 4
+GiB, 5 GiB costs 8).
 
-Swapping is batched: one gather on the source, one transfer, one scatter on the destination.
-``swap_in`` is fully asynchronous on CUDA (host gather into pinned staging, non-blocking copy,
-device scatter queued on the stream). ``swap_out`` queues the device gather and a
-non-blocking device-to-host copy into pinned staging; the host-side scatter into the swap
-space must wait for that copy, so it is deferred to :meth:`KVCache.flush`, which the runner
-calls after each step's sync and ``swap_in`` calls first. The copies are stream-ordered before
-the step's kernels, so a block swapped out may be overwritten by the same step.
+Swapping moves the blocks of a mapping with one device gather or scatter and one copy per
+run of consecutive host blocks, straight between device memory and the swap space: no
+host-side staging or scatter, so the transfers run at the link's rate and are fully
+asynchronous on CUDA, stream-ordered before the step's kernels (a block swapped out may be
+overwritten by the same step; a block swapped back in is ready for it).
 
 Capacity (``num_gpu_blocks``) is decided by the runner (see ``ModelRunner``); this module only
 turns bytes into blocks.
@@ -83,11 +82,9 @@ class KVCache:
         )
         pin = torch.cuda.is_available()
         self.cpu = torch.empty(
-            (2, config.num_layers, num_cpu_blocks, *per_block), dtype=dtype, pin_memory=pin
+            (num_cpu_blocks, 2, config.num_layers, *per_block), dtype=dtype, pin_memory=pin
         )
         self.layers = [(self.gpu[0, i], self.gpu[1, i]) for i in range(config.num_layers)]
-        # swap-outs whose host-side scatter waits for their copy: (event, cpu block ids, staged)
-        self._pending: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []
 
     @property
     def block_bytes(self) -> int:
@@ -97,48 +94,44 @@ class KVCache:
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks: ``mapping`` is [(gpu_block, cpu_block), ...].
 
-        Mutates the swap space (on CUDA, once the copy lands: see :meth:`flush`).
+        Mutates the swap space (on CUDA once the stream reaches the copies; read it after a
+        sync). Device scratch: the gathered blocks, ``len(mapping) * block_bytes``.
         """
         if not mapping:
             return
-        gpu_ids, cpu_ids = _checked(mapping, self.num_gpu_blocks, self.num_cpu_blocks)
-        src = torch.tensor(gpu_ids, dtype=torch.long, device=self.device)
-        dst = torch.tensor(cpu_ids, dtype=torch.long)
-        gathered = self.gpu.index_select(2, src)  # (2, layers, n, block_size, kv_heads, head_dim)
-        if self.device.type != "cuda":
-            self.cpu.index_copy_(2, dst, gathered)
-            return
-        staged = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-        staged.copy_(gathered, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        self._pending.append((done, dst, staged))
+        gpu_ids, cpu_ids = _checked(sorted(mapping, key=lambda m: m[1]), self.num_gpu_blocks,
+                                    self.num_cpu_blocks)  # fmt: skip
+        src = torch.tensor(gpu_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        # (n, 2, layers, block_size, kv_heads, head_dim): the host layout, on the device
+        gathered = self.gpu.index_select(2, src).permute(2, 0, 1, 3, 4, 5).contiguous()
+        for first, start, stop in _runs(cpu_ids):
+            self.cpu[first : first + stop - start].copy_(gathered[start:stop], non_blocking=True)
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         """Copy host blocks to device blocks: ``mapping`` is [(cpu_block, gpu_block), ...].
 
         Mutates the device cache (asynchronously on CUDA, ordered before later kernels).
+        Device scratch: ``len(mapping) * block_bytes``.
         """
         if not mapping:
             return
-        self.flush()
-        cpu_ids, gpu_ids = _checked(mapping, self.num_cpu_blocks, self.num_gpu_blocks)
-        src = torch.tensor(cpu_ids, dtype=torch.long)
-        dst = torch.tensor(gpu_ids, dtype=torch.long, device=self.device)
-        if self.device.type != "cuda":
-            self.gpu.index_copy_(2, dst, self.cpu.index_select(2, src))
-            return
-        shape = (*self.cpu.shape[:2], len(mapping), *self.cpu.shape[3:])
-        staged = torch.empty(shape, dtype=self.cpu.dtype, pin_memory=True)
-        torch.index_select(self.cpu, 2, src, out=staged)
-        self.gpu.index_copy_(2, dst, staged.to(self.device, non_blocking=True))
+        cpu_ids, gpu_ids = _checked(sorted(mapping), self.num_cpu_blocks, self.num_gpu_blocks)
+        staged = torch.empty((len(cpu_ids), *self.cpu.shape[1:]), dtype=self.cpu.dtype,
+                             device=self.device)  # fmt: skip
+        for first, start, stop in _runs(cpu_ids):
+            staged[start:stop].copy_(self.cpu[first : first + stop - start], non_blocking=True)
+        dst = torch.tensor(gpu_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        self.gpu.index_copy_(2, dst, staged.permute(1, 2, 0, 3, 4, 5))
 
-    def flush(self) -> None:
-        """Finish pending swap-outs: wait for each copy, then scatter it into the swap space."""
-        for done, dst, staged in self._pending:
-            done.synchronize()
-            self.cpu.index_copy_(2, dst, staged)
-        self._pending.clear()
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive ids in a sorted list: (first id, start index, stop index)."""
+    runs, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((ids[start], start, i))
+            start = i
+    return runs
 
 
 def _checked(

@@ -3,7 +3,10 @@
 There is no batch dimension: a step's tokens from all sequences are concatenated, (num_tokens,
 ...), and the attention backend uses the step's :class:`AttentionMetadata` to keep sequences
 apart. q/k/v and gate/up projections are fused into one matmul each (the loader concatenates
-the checkpoint's weights). Parameter names follow the Hugging Face checkpoints' names, less the
+the checkpoint's weights). With the triton attention backend the elementwise work is fused
+too (:mod:`backend.triton_ops`: residual add + RMSNorm, q/k norm + RoPE + K/V store, SiLU *
+up); the plain torch ops below are the reference path and run everywhere. Parameter names
+follow the Hugging Face checkpoints' names, less the
 ``model.`` prefix, so the loader's mapping stays a few string substitutions.
 """
 
@@ -17,26 +20,53 @@ from backend.attention import AttentionBackend, AttentionMetadata
 from backend.config import ModelConfig
 from backend.rope import apply_rope
 
+
+def fused_ops(fused: bool):
+    """:mod:`backend.triton_ops` when ``fused``, else None. Imported on demand: triton must not
+    be imported before a test has had the chance to set ``TRITON_INTERPRET``."""
+    if not fused:
+        return None
+    from backend import triton_ops
+
+    return triton_ops
+
+
 # Per-layer (k_cache, v_cache), each (num_blocks, block_size, num_kv_heads, head_dim).
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, fused: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.ops = fused_ops(fused)
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dim in float32, scale in x's dtype (as transformers does)."""
+        if self.ops is not None and x.dim() == 2:
+            return self.ops.rms_norm(x, self.weight, self.eps)[0]
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm."""
+        if self.ops is not None:
+            out, summed = self.ops.rms_norm(x, self.weight, self.eps, residual)
+            assert summed is not None
+            return out, summed
+        summed = x + residual
+        return self.forward(summed), summed
+
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool) -> None:
         super().__init__()
+        self.ops = fused_ops(fused)
+        self.eps = config.rms_norm_eps
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -58,6 +88,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x: (num_tokens, hidden_size) -> (num_tokens, hidden_size); writes this layer's KV."""
         num_tokens = x.shape[0]
+        if self.ops is not None:
+            q = self.ops.qkv_prepare(
+                self.qkv_proj(x), cos, sin, *kv_cache, meta.slot_mapping, self.num_heads,
+                self.num_kv_heads, self.head_dim,
+                None if self.q_norm is None else self.q_norm.weight,
+                None if self.k_norm is None else self.k_norm.weight, self.eps,
+            )  # fmt: skip
+            out = self.backend.attend(q, *kv_cache, meta, self.scale)  # type: ignore[attr-defined]
+            return self.o_proj(out.view(num_tokens, -1))
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -72,49 +111,69 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, fused: bool) -> None:
         super().__init__()
+        self.ops = fused_ops(fused)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, fused: bool) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, fused)
+        self.self_attn = Attention(config, backend, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
+        self.mlp = MLP(config, fused)
 
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output, the residual stream before it).
+
+        The residual add of the previous layer's MLP output happens in this layer's first
+        norm (the first layer has no residual yet), as vLLM does, so adds fuse into norms."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class Transformer(nn.Module):
     """The decoder stack plus embedding and LM head.
 
     ``rope_cos`` / ``rope_sin`` (max_model_len, head_dim // 2) float32 are set by the loader
-    once the module is on its device (see :func:`backend.rope.rope_table`).
+    once the module is on its device (see :func:`backend.rope.rope_table`). ``fused`` (default:
+    on with the triton backend) selects the Triton kernels for the elementwise work.
     """
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, fused: bool | None = None
+    ) -> None:
         super().__init__()
         self.config = config
+        self.fused = backend.name == "triton" if fused is None else fused
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, self.fused) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.fused)
         self.lm_head = (
             None
             if config.tie_word_embeddings
@@ -132,10 +191,10 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: (num_tokens,) int64 -> final hidden states (num_tokens, hidden_size)."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (num_tokens, head_dim // 2)
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return self.norm.add_and_norm(x, residual)[0] if residual is not None else self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (n, hidden_size) -> logits (n, vocab_size) float32."""

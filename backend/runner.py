@@ -124,6 +124,11 @@ class ModelRunner:
             self.device,
         )
         print(self.capacity_line(), flush=True)
+        if self.device.type == "cuda" and backend.name == "triton":
+            from backend.attention import triton_kernels
+
+            k_cache, v_cache = self.kv_cache.layers[0]
+            triton_kernels.warm_up(k_cache, v_cache, self.config.num_heads, 1.0)
         if cuda_graphs:
             self.graphs = DecodeGraphs(
                 self.model,
@@ -209,10 +214,9 @@ class ModelRunner:
         self.kv_cache.swap_in(mapping)
 
     def synchronize(self) -> None:
-        """Wait for the device, then finish pending swap-outs."""
+        """Wait for the device (its kernels and swap copies)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.kv_cache.flush()
 
     def _forward(
         self, seqs: list[SeqInput], kv_cache: KVCache

@@ -50,7 +50,24 @@ def run_ours(model_dir, prompts, outputs, attention: str, policy: str) -> tuple[
     runs = run_experiment(cfg, ROOT, progress=False, requests=reqs)
     run = runs[0]
     tokens = int(run.requests["num_generated_tokens"].sum())
+    print_phases(run.result.steps, run.result.wall_s)
     return run.result.wall_s, tokens
+
+
+def print_phases(steps: dict, wall_s: float) -> None:
+    """Where the wall time went: steps with prefill tokens vs decode-only steps (by batch),
+    and the replay loop's own time (wall minus the steps' measured durations)."""
+    dur, prefill = steps["duration_s"], steps["num_prefill_tokens"]
+    decodes = steps["num_decode_tokens"]
+    mixed = prefill > 0
+    print(f"steps: {len(dur)}; with prefill: {int(mixed.sum())} steps, {dur[mixed].sum():.2f} s "
+          f"for {int(prefill.sum())} prompt tokens")
+    for lo, hi in ((1, 32), (32, 128), (128, 257)):
+        sel = ~mixed & (decodes >= lo) & (decodes < hi)
+        if sel.any():
+            print(f"  decode-only, batch {lo}-{hi - 1}: {int(sel.sum())} steps, "
+                  f"{dur[sel].sum():.2f} s, median {np.median(dur[sel]) * 1e3:.2f} ms/step")
+    print(f"  replay loop outside the steps: {wall_s - dur.sum():.2f} s")
 
 
 def run_hf(model_dir, prompts, max_new_tokens: int) -> tuple[float, int]:

@@ -28,7 +28,8 @@ def main() -> None:
                          attention_backend=args.attention, block_size=16,
                          gpu_memory_utilization=0.9, max_num_batched_tokens=args.tokens)
     c = runner.config
-    layer_params = sum(p.numel() for n, p in runner.model.named_parameters() if ".layers." in n)
+    layer_params = sum(p.numel() for n, p in runner.model.named_parameters()
+                       if n.startswith("layers."))
     print(f"# prefill MFU, {args.preset}, {device_line()}; matmul {peak / 1e12:.0f} TFLOP/s")
     print("| prompts x tokens | step (ms) | TFLOP/s | / matmul |")
     print("|---|---|---|---|")

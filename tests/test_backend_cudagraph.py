@@ -126,6 +126,20 @@ def test_stage_pads_to_the_size(qwen3_dir):
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
 
 
+@needs_triton
+@pytest.mark.parametrize(("bad", "message"), [
+    (SeqInput([8], 9, [5, 6], True), "seq 1: block_table has 2 blocks, 3 needed"),
+    (SeqInput([8], 9, [5, 6, NUM_BLOCKS], True), "seq 1: block ids must be in"),
+    (SeqInput([8], 256, [5] * 65, True), "seq 1: positions up to 257 exceed max_model_len 256"),
+    (SeqInput([300], 9, [5, 6, 9], True), r"seq 1: token ids must be in \[0, 256\)"),
+])  # fmt: skip
+def test_stage_validates_like_check_seq(qwen3_dir, bad, message):
+    graphs = make_runner(qwen3_dir, cuda_graphs=True).graphs
+    seqs = [SeqInput([7], 0, [3], True), bad, SeqInput([9], 4, [2, 4], True)]
+    with pytest.raises(ValueError, match=message):
+        graphs.stage(seqs, 4)
+
+
 def test_cuda_graphs_need_the_triton_backend(qwen3_dir):
     with pytest.raises(ConfigError, match="triton"):
         ModelRunner(qwen3_dir, attention_backend="torch", block_size=BLOCK_SIZE,

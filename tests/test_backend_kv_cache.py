@@ -150,3 +150,12 @@ def test_capacity_from_free_memory_on_cuda(tmp_path, capsys):
     assert 0 < used <= 0.2 * total
     assert f"KV cache: {runner.num_gpu_blocks} blocks" in capsys.readouterr().out
     assert runner.num_cpu_blocks == (1 << 30) // runner.kv_cache.block_bytes
+
+
+def test_runs_of_consecutive_host_blocks():
+    from backend.kv_cache import _runs
+
+    # ids 3,4,5 are one copy, 9 another, 11,12 a third: (first id, start index, stop index)
+    assert _runs([3, 4, 5, 9, 11, 12]) == [(3, 0, 3), (9, 3, 4), (11, 4, 6)]
+    assert _runs([7]) == [(7, 0, 1)]
+    assert _runs([]) == []

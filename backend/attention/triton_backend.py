@@ -1,8 +1,9 @@
 """Paged attention with the Triton kernels of :mod:`backend.attention.triton_kernels`.
 
 The fast path on the H200 (flash-attn is not installed there). One step launches at most
-three kernels per layer: store k/v, prefill over the sequences fed several tokens, decode over
-the sequences fed one.
+four kernels per layer: store k/v, prefill over the sequences fed several tokens, decode over
+the sequences fed one (and its split merge). The model's fused path stores k/v itself
+(:func:`backend.triton_ops.qkv_prepare`) and calls :meth:`TritonAttention.attend`.
 """
 
 from __future__ import annotations
@@ -42,11 +43,22 @@ class TritonAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         triton_kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        q = q.contiguous()
+        return self.attend(q.contiguous(), k_cache, v_cache, meta, scale)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of q (num_tokens, num_heads, head_dim), contiguous, over caches that
+        already hold this step's k/v (the fused path of :mod:`backend.triton_ops` stores them)."""
         out = torch.empty_like(q)
         common = (k_cache, v_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens)
         triton_kernels.prefill_attention(
             q, *common, meta.prefill_seq_idx, meta.max_query_len, scale
         )
-        triton_kernels.decode_attention(q, *common, meta.decode_seq_idx, scale)
+        triton_kernels.decode_attention(q, *common, meta.decode_seq_idx, scale, meta.max_seq_len)
         return out

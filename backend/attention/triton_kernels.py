@@ -5,9 +5,12 @@ All three read the cache through the block table: position p of sequence s lives
 token inside a tile (``BLOCK_N`` positions may span several cache blocks), so any block size
 works. Softmax is the online (flash) form in float32.
 
-Kept simple on purpose: one program per (query tile, sequence, head) for prefill and per
-(sequence, head) for decode; GQA heads re-read their kv head (from L2). Split-K over long
-decode contexts and a GQA-packed decode are later optimisations.
+Prefill: one program per (query tile, sequence, head); GQA heads re-read their kv head (from
+L2). Decode: one program per (sequence, kv head, context split): the query heads of a kv head
+are packed into one tile so K/V is read once per group, and long contexts are split across
+programs whose partial results a second kernel merges by log-sum-exp (flash-decoding, Dao et
+al. 2023, "Flash-Decoding for long-context inference"), so batch 1 at 4k tokens still runs
+on every SM.
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU
 tensors through Triton's interpreter; the tests use that on small shapes.
@@ -21,6 +24,11 @@ import triton.language as tl
 
 BLOCK_M = 64  # query rows per prefill program
 BLOCK_N = 64  # key positions per inner-loop tile
+DECODE_BLOCK_N = 64  # key positions per decode tile
+DECODE_NUM_WARPS = 4  # warps per decode program (benchmarks/decode_attention_sweep.py)
+DECODE_NUM_STAGES = 2  # software-pipelining stages of the decode loop
+MAX_SPLITS = 16  # most context splits of one decode
+DECODE_TARGET_PROGRAMS = 4 * 132  # H100/H200: 132 SMs; a few programs each
 
 
 @triton.jit
@@ -45,7 +53,7 @@ def _store_kv_kernel(
     tl.store(VCache + dst, v, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width varies step to step
 def _prefill_kernel(
     Q, KCache, VCache, Out, BlockTables, QueryStartLoc, SeqLens, SeqIdx, scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
@@ -106,57 +114,103 @@ def _prefill_kernel(
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
-    Q, KCache, VCache, Out, BlockTables, QueryStartLoc, SeqLens, SeqIdx, scale,
+    Q, KCache, VCache, Out, PartialOut, PartialLse, BlockTables, QueryStartLoc, SeqLens, SeqIdx,
+    scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_cs, stride_ch,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Grid (decode seqs, heads): one query token over its whole cached context."""
+    """Grid (decode seqs, kv heads, splits): the GROUP query heads that share a kv head attend
+    over one contiguous share of the context (split-K, "flash-decoding"), so each K/V tile
+    is read once for the whole group and short batches still fill the GPU.
+
+    With one split the result goes straight to Out; otherwise each split writes its
+    normalised partial output and log-sum-exp, and :func:`_decode_reduce_kernel` merges them.
+    """
     seq = tl.load(SeqIdx + tl.program_id(0))
-    head = tl.program_id(1)
-    kv_head = head // GROUP
-    token = tl.load(QueryStartLoc + seq)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    token = tl.load(QueryStartLoc + seq).to(tl.int64)
     seq_len = tl.load(SeqLens + seq)
+    # Each split covers a whole number of BLOCK_N tiles; trailing splits may be empty.
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(seq_len, lo + per_split)
+
+    g = tl.arange(0, GROUP_P)  # query heads of this kv head (padded to a tl.dot size)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
     dims = tl.arange(0, HEAD_DIM_P)
     dim_mask = dims < HEAD_DIM
-    q = tl.load(Q + token * stride_qt + head * stride_qh + dims, mask=dim_mask, other=0.0).to(
-        tl.float32
-    )
+    q = tl.load(
+        Q + token * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+        mask=g_mask[:, None] & dim_mask[None, :], other=0.0,
+    )  # (GROUP_P, D)  # fmt: skip
 
-    m_i = tl.max(tl.full([BLOCK_N], float("-inf"), tl.float32), axis=0)  # scalar running max
-    l_i = tl.sum(tl.zeros([BLOCK_N], tl.float32), axis=0)  # scalar denominator
-    acc = tl.zeros([HEAD_DIM_P], tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
+    m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_P], tl.float32)
+    acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        col_mask = cols < seq_len
+        col_mask = cols < hi
         blocks = tl.load(BlockTables + seq * stride_bt + cols // BLOCK_SIZE, mask=col_mask, other=0)
         kv_off = (
             blocks.to(tl.int64) * stride_cb + (cols % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         )
         kv_mask = col_mask[:, None] & dim_mask[None, :]
-        k = tl.load(KCache + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(
-            tl.float32
-        )
-        v = tl.load(VCache + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(
-            tl.float32
-        )
-        scores = tl.sum(k * q[None, :], axis=1) * scale  # (BLOCK_N,)
-        scores = tl.where(col_mask, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
-        p = tl.exp(scores - m_new)
+        k = tl.load(KCache + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(VCache + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (GROUP_P, N)
+        scores = tl.where(col_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    out = acc / l_i
-    tl.store(
-        Out + token * stride_ot + head * stride_oh + dims,
-        out.to(Out.dtype.element_ty),
-        mask=dim_mask,
-    )
+    out_mask = g_mask[:, None] & dim_mask[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        o_ptrs = Out + token * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=out_mask)
+    else:
+        # Partial buffers: (num_decodes, num_heads, NUM_SPLITS, HEAD_DIM_P) and (.., NUM_SPLITS).
+        row = (tl.program_id(0) * (tl.num_programs(1) * GROUP) + heads).to(tl.int64)
+        nonempty = lo < hi
+        out = tl.where(nonempty, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+        lse = tl.where(nonempty, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
+        p_ptrs = PartialOut + (row[:, None] * NUM_SPLITS + split) * HEAD_DIM_P + dims[None, :]
+        tl.store(p_ptrs, out, mask=out_mask)
+        tl.store(PartialLse + row * NUM_SPLITS + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    PartialOut, PartialLse, Out, QueryStartLoc, SeqIdx, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Grid (decode seqs, heads): out = sum_s exp(lse_s - lse) * out_s over the splits."""
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    token = tl.load(QueryStartLoc + tl.load(SeqIdx + i)).to(tl.int64)
+    row = (i * tl.num_programs(1) + head).to(tl.int64)
+    splits = tl.arange(0, NUM_SPLITS)
+    lse = tl.load(PartialLse + row * NUM_SPLITS + splits)  # split 0 is never empty
+    weights = tl.exp(lse - tl.max(lse, axis=0))
+    weights = weights / tl.sum(weights, axis=0)
+    dims = tl.arange(0, HEAD_DIM_P)
+    dim_mask = dims < HEAD_DIM
+    parts = tl.load(
+        PartialOut + (row * NUM_SPLITS + splits[:, None]) * HEAD_DIM_P + dims[None, :],
+        mask=dim_mask[None, :], other=0.0,
+    )  # fmt: skip
+    out = tl.sum(parts * weights[:, None], axis=0)
+    tl.store(Out + token * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty),
+             mask=dim_mask)  # fmt: skip
 
 
 def store_kv(
@@ -232,18 +286,74 @@ def decode_attention(
     seq_lens: torch.Tensor,
     seq_idx: torch.Tensor,
     scale: float,
+    max_seq_len: int | None = None,
+    splits: int | None = None,
 ) -> None:
-    """Fill ``out`` rows of the one-token sequences in ``seq_idx``; shapes as in prefill."""
-    if seq_idx.numel() == 0:
+    """Fill ``out`` rows of the one-token sequences in ``seq_idx``; shapes as in prefill.
+
+    ``max_seq_len`` (host int, optional) caps the number of splits (see :func:`num_splits`);
+    ``splits`` (a power of two <= MAX_SPLITS) overrides the choice (warm-up, tests).
+    """
+    num_decodes = seq_idx.numel()
+    if num_decodes == 0:
         return
     num_heads, head_dim = q.shape[1:]
-    _decode_kernel[(seq_idx.numel(), num_heads)](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, seq_idx, scale,
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if splits is None:
+        splits = num_splits(num_decodes, num_kv_heads, max_seq_len)
+    head_dim_p = _head_dim_p(head_dim)
+    if splits > 1:
+        partial = torch.empty(num_decodes, num_heads, splits, head_dim_p, dtype=torch.float32,
+                              device=q.device)  # fmt: skip
+        lse = torch.empty(num_decodes, num_heads, splits, dtype=torch.float32, device=q.device)
+    else:
+        partial = lse = out  # unused
+    _decode_kernel[(num_decodes, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, partial, lse, block_tables, query_start_loc, seq_lens, seq_idx,
+        scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=num_heads // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        HEAD_DIM_P=_head_dim_p(head_dim), BLOCK_N=BLOCK_N,
+        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=k_cache.shape[1],
+        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
     )  # fmt: skip
+    if splits > 1:
+        _decode_reduce_kernel[(num_decodes, num_heads)](
+            partial, lse, out, query_start_loc, seq_idx, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=splits,
+        )  # fmt: skip
+
+
+def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float) -> None:
+    """Compile the prefill kernel and every decode split variant for these caches' strides
+    and dtype, so no step of a measured run pays for a Triton compile (~1 s each). Reads
+    block 0 of the caches, writes only scratch tensors."""
+    dev, head_dim = k_cache.device, k_cache.shape[3]
+    q = torch.zeros(2, num_heads, head_dim, dtype=k_cache.dtype, device=dev)
+    out = torch.empty_like(q)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    starts = torch.tensor([0, 2], dtype=torch.int32, device=dev)
+    seq = torch.zeros(1, dtype=torch.int32, device=dev)
+    prefill_attention(q, k_cache, v_cache, out, tables, starts, starts[1:].clone(), seq, 2, scale)
+    ones = torch.ones(1, dtype=torch.int32, device=dev)
+    for splits in (1 << i for i in range(MAX_SPLITS.bit_length())):
+        decode_attention(q, k_cache, v_cache, out, tables, starts, ones, seq, scale,
+                         splits=splits)  # fmt: skip
+
+
+def num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int | None = None) -> int:
+    """Splits of each decode's context: enough (seq, kv head, split) programs to give every
+    SM several (``DECODE_TARGET_PROGRAMS``), at most ``MAX_SPLITS``, a power of two, and no
+    more than the longest context has ``DECODE_BLOCK_N`` tiles."""
+    want = -(-DECODE_TARGET_PROGRAMS // (num_decodes * num_kv_heads))
+    splits = min(MAX_SPLITS, triton.next_power_of_2(max(1, want)))
+    if max_seq_len is not None:
+        tiles = -(-max_seq_len // DECODE_BLOCK_N)
+        while splits > 1 and splits // 2 >= tiles:
+            splits //= 2
+    return splits
 
 
 def _head_dim_p(head_dim: int) -> int:

@@ -4,7 +4,9 @@ Output: the preset's config.json (plus ``torch_dtype``), safetensors shards of a
 ``max_shard_bytes`` (with ``model.safetensors.index.json`` when there are several), and
 ``random_weights.json``, a marker saying the weights are random and there is no tokenizer
 (feed token ids directly). Weights ~ N(0, std) with std 0.02 (the usual init), norms 1, so
-activations stay finite through every layer in bf16.
+activations stay finite through every layer in bf16. The numbers are drawn on the GPU when
+there is one (an 8B checkpoint in seconds instead of minutes), so the same seed gives other
+weights on a machine with CUDA than without: they only set timing, never a result.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def write_random_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     torch_dtype = DTYPES[dtype]
     shapes = checkpoint_shapes(ModelConfig.from_dict(config, source=f"preset {name}"))
-    generator = torch.Generator().manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device).manual_seed(seed)
     shards = _split_into_shards(shapes, torch_dtype.itemsize, max_shard_bytes)
     weight_map = {}
     for i, names in enumerate(shards):
@@ -87,4 +90,4 @@ def _random_tensor(
 ) -> torch.Tensor:
     if name.endswith("norm.weight"):  # input/post-attention/final/q/k norms
         return torch.ones(shape, dtype=dtype)
-    return (torch.randn(shape, generator=gen) * std).to(dtype)
+    return (torch.randn(shape, generator=gen, device=gen.device) * std).to(dtype).cpu()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import subprocess
 import time
 from dataclasses import asdict, fields
@@ -105,6 +106,8 @@ def main() -> None:
     runner = ModelRunner(args.model_dir, device=device, dtype=args.dtype,
                          attention_backend=args.attention, block_size=args.block_size,
                          gpu_memory_utilization=0.9)
+    gc.collect()
+    gc.freeze()  # as the replay loop does (lab/replay.py): full collections skip the model
     rows = []
     for kind, chunks, decodes, swap in shapes():
         seqs = step_inputs(chunks, decodes, args.block_size)

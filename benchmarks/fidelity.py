@@ -241,20 +241,27 @@ that step's exact batch): median {step_p50:.1f}%, P90 {step_p90:.1f}% (absolute)
 ## Why targets are missed (engine runs of 2026-11-29)
 
 The last column sums the model's predictions over a run's real steps and divides by their
-measured sum: it is the bias the simulator carries into that run, before any queueing.
-Where it is near 1.00 (the code slice, and the conv slice at 50% load) throughput is
-within 3% and most latency errors come from a handful of steps or a different schedule;
-where steps with prompt tokens are under-predicted (0.58-0.70: conv at 80% and 95% load under
-swap and chunked_prefill) the simulated engine drains its queue faster than the real one
-and the latency errors grow with load. Those steps run eagerly (no CUDA graph); in these
-replays they measured ~20-28 ms whatever their size, about twice what the profile grid
-measures for the same shapes in a tight loop (~12 ms): the eager path is bound by Python
-dispatch of ~300 kernel launches, whose cost depends on what else the process did between
-steps, a variable the step features do not carry. Preemption counts also differ (real vs
-sim columns): under KV pressure one early difference in step time changes which request is
-evicted, after which the two schedules are different schedules. Remedies not yet done: a
-CUDA graph (or fewer launches) for mixed steps, so their time stops depending on the host;
-more requests per slice (200 here, to fit the device time), so P99 is not two requests.
+measured sum: the bias the simulator carries into that run before any queueing. Where it is
+within a few percent of 1.00, throughput is within 3%; the two throughput misses are the
+runs with the largest bias (conv 50% chunked_prefill, whose steps with prompt tokens the
+model puts at 0.65 of their measured time, and code 80% swap, whose every step, decode-only
+ones included, ran ~13% slower than the model fitted to the other runs predicts: a slowdown
+of the machine during that run rather than a missing feature). Latency percentiles
+are harder: at these loads TTFT is queueing, and under KV pressure (the conversation slice:
+2,048 blocks, 6-12 preemptions per run) one early difference in a step's time changes
+which request is evicted, after which the simulated and the real schedules differ (compare
+the preemption counts); with 200 requests a run's P99 is its two slowest requests.
+
+Found and fixed on the way (benchmarks/eager_step_drift.py): Python's garbage collector
+rescanning the engine's objects in full collections made eager steps (steps with prompt
+tokens, no CUDA graph) take 13-20 ms instead of 11 ms, varying run to run; the replay loop
+now freezes the objects that exist before it starts (lab/replay.py). Before that fix,
+throughput was within 3% in 12 of 18 runs and P99 within 10% in 2 of 18.
+
+Not done: eager steps still cost ~10 ms of Python dispatch whatever their size, and in the
+50%-load conversation runs they measured slower than the profile predicts for reasons not
+found; a CUDA graph (or fewer launches) for mixed steps would take the host out of them.
+More requests per slice (200 here, to fit the device time) would steady the P99s.
 """
 
 

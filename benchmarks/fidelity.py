@@ -3,7 +3,7 @@
     python benchmarks/fidelity.py --engine   # on the GPU: writes docs/fidelity/engine/
     python benchmarks/fidelity.py --sim      # on any CPU: simulator side, docs/fidelity.md
 
-Engine side: for each trace slice (Azure 2023 conversation and code, first 400 requests),
+Engine side: for each trace slice (Azure 2023 conversation and code, first 200 requests (trace.limit; --limit overrides)),
 measure the engine's capacity (all requests at t = 0, fcfs: requests / makespan), then
 replay the slice at 50%, 80% and 95% of it (rate_scale = load * capacity / the slice's own
 rate) through fcfs, swap and chunked_prefill; each run's results folder goes to

@@ -6,8 +6,8 @@ apart. q/k/v and gate/up projections are fused into one matmul each (the loader 
 the checkpoint's weights). With the triton attention backend the elementwise work is fused
 too (:mod:`backend.triton_ops`: residual add + RMSNorm, q/k norm + RoPE + K/V store, SiLU *
 up); the plain torch ops below are the reference path and run everywhere. Parameter names
-follow the Hugging Face checkpoints' names, less the
-``model.`` prefix, so the loader's mapping stays a few string substitutions.
+follow the Hugging Face checkpoints' names, less the ``model.`` prefix, so the loader's
+mapping stays a few string substitutions.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ works. Softmax is the online (flash) form in float32.
 Prefill: one program per (query tile, sequence, head); GQA heads re-read their kv head (from
 L2). Decode: one program per (sequence, kv head, context split): the query heads of a kv head
 are packed into one tile so K/V is read once per group, and long contexts are split across
-programs whose partial results a second kernel merges by log-sum-exp (flash-decoding, Dao et
-al. 2023, "Flash-Decoding for long-context inference"), so batch 1 at 4k tokens still runs
-on every SM.
+programs whose partial results a second kernel merges by log-sum-exp (flash-decoding: Dao,
+Haziza, Massa and Sizov, "Flash-Decoding for long-context inference", PyTorch blog, 2023), so
+batch 1 at 4k tokens still runs on every SM.
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU
 tensors through Triton's interpreter; the tests use that on small shapes.
@@ -28,7 +28,7 @@ DECODE_BLOCK_N = 64  # key positions per decode tile
 DECODE_NUM_WARPS = 4  # warps per decode program (benchmarks/decode_attention_sweep.py)
 DECODE_NUM_STAGES = 2  # software-pipelining stages of the decode loop
 MAX_SPLITS = 16  # most context splits of one decode
-DECODE_TARGET_PROGRAMS = 4 * 132  # H100/H200: 132 SMs; a few programs each
+DECODE_TARGET_PROGRAMS = 4 * 132  # H100/H200 SXM: 132 SMs (NVIDIA H100 datasheet); 4 each
 
 
 @triton.jit

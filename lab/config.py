@@ -19,7 +19,8 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     engine: {model_path: DIR, device: cpu, dtype: auto, attention_backend: torch,
              temperature: 0.0}   # backend: engine only (backend/README.md)
 
-YAML is read with ``yaml.safe_load`` only; policies are looked up by registered name.
+YAML is read with a ``yaml.SafeLoader`` that also rejects a key given twice in one mapping
+(plain YAML keeps the last silently); policies are looked up by registered name.
 """
 
 from __future__ import annotations
@@ -107,6 +108,26 @@ def _mapping(where, key, v, allowed) -> dict:
     return v
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping with a repeated key (a likely typo: the
+    first value would be dropped without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str):
+    """Parse YAML safely, refusing repeated keys (see :class:`UniqueKeyLoader`)."""
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_config(path: str | Path) -> dict[str, Any]:
     """Read and validate an experiment YAML; returns the config with defaults filled in.
 
@@ -115,7 +136,7 @@ def load_config(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
     except yaml.YAMLError as e:

@@ -48,18 +48,23 @@ def resolve_limits(cfg: dict, policy: dict, capacity_tokens: int, max_position: 
     prefill, else max(max_model_len, 2048).
 
     Raises:
-        ConfigError: a budget below max_num_seqs, or (without chunked prefill) below
-            max_model_len, so that some request could never be scheduled.
+        ConfigError: max_model_len beyond the model's context (vLLM refuses it too: the
+            positions past it were never trained); a budget below max_num_seqs, or (without
+            chunked prefill) below max_model_len, so that some request could never be
+            scheduled.
     """
     sched = cfg["scheduler"]
 
     def pick(key):
         return policy.get(key) if policy.get(key) is not None else sched.get(key)
 
+    where = f"policies[{policy['label']}]"
+    if pick("max_model_len") is not None and pick("max_model_len") > max_position:
+        raise ConfigError(f"{where}: max_model_len {pick('max_model_len')} exceeds the model's "
+                          f"context length (max_position_embeddings {max_position})")
     max_len = pick("max_model_len") or min(max_position, capacity_tokens)
     budget = pick("max_num_batched_tokens") or (2048 if chunked else max(max_len, 2048))
     seqs = pick("max_num_seqs")
-    where = f"policies[{policy['label']}]"
     if budget < seqs:
         raise ConfigError(f"{where}: max_num_batched_tokens {budget} must be >= max_num_seqs {seqs}")
     if not chunked and budget < max_len:

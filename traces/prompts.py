@@ -17,6 +17,7 @@ import numpy as np
 import yaml
 
 from lab.errors import TraceError
+from lab.config import load_yaml
 from traces.registry import register_format
 from traces.spec import WHERE, require, resolve_path
 from traces.table import TraceTable
@@ -26,7 +27,7 @@ from traces.table import TraceTable
 def load_prompts(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
     path = resolve_path(spec, base_dir, WHERE)
     try:
-        items = yaml.safe_load(path.read_text())
+        items = load_yaml(path.read_text())
     except yaml.YAMLError as e:
         raise TraceError(f"{path}: not valid YAML ({getattr(e, 'problem', e)})") from None
     if not isinstance(items, list) or not items:

@@ -150,32 +150,38 @@ class DecodeGraphs:
         t = tokens.numpy()
         t[:, n:] = 0
         t[2, n:] = -1  # padding rows write nowhere
-        t[0, :n] = [s.token_ids[0] for s in seqs]
         positions = t[1, :n]
-        positions[:] = [s.start_pos for s in seqs]
+        try:
+            t[0, :n] = [s.token_ids[0] for s in seqs]
+            positions[:] = [s.start_pos for s in seqs]
+        except OverflowError:  # an id beyond int64: out of range, say which sequence
+            self._raise_invalid(seqs)
+        if (  # before sizing the tables by the positions
+            positions.min() < 0
+            or positions.max() >= self.max_model_len
+            or t[0, :n].min() < 0
+            or t[0, :n].max() >= self.vocab_size
+            or min(s.temperature for s in seqs) < 0
+        ):
+            self._raise_invalid(seqs)
         nblocks = positions // bs + 1
         width = int(nblocks.max())
         tables = self._host((size, width), torch.int32)
         tb = tables.numpy()
         tb[:] = 0
         short = False
-        for i, s in enumerate(seqs):
-            bt = s.block_table
-            if len(bt) < width:
-                short |= len(bt) < nblocks[i]
-                tb[i, : len(bt)] = bt
-            else:
-                tb[i] = bt[:width]
+        try:
+            for i, s in enumerate(seqs):
+                bt = s.block_table
+                if len(bt) < width:
+                    short |= len(bt) < nblocks[i]
+                    tb[i, : len(bt)] = bt
+                else:
+                    tb[i] = bt[:width]
+        except OverflowError:  # a block id beyond int32
+            self._raise_invalid(seqs)
         tb[:n][np.arange(width)[None, :] >= nblocks[:, None]] = 0  # unused columns: never read
-        if (
-            short
-            or tb.min() < 0
-            or tb.max() >= self.kv_cache.num_gpu_blocks
-            or t[0, :n].min() < 0
-            or t[0, :n].max() >= self.vocab_size
-            or positions.min() < 0
-            or positions.max() >= self.max_model_len
-        ):
+        if short or tb.min() < 0 or tb.max() >= self.kv_cache.num_gpu_blocks:
             self._raise_invalid(seqs)
         t[2, :n] = tb[np.arange(n), positions // bs] * bs + positions % bs
         lens = self._host((2 * size + 1,), torch.int32)  # seq lens, then seq_start_loc
@@ -199,7 +205,9 @@ class DecodeGraphs:
         for i, s in enumerate(seqs):
             check_seq(i, s, self.block_size, self.kv_cache.num_gpu_blocks, self.max_model_len,
                       self.vocab_size)  # fmt: skip
-        raise AssertionError("a decode step failed validation but no sequence is invalid")
+        # Only ids in a table's unused entries are left: beyond int32 they cannot be staged.
+        raise ValueError("decode step: a block table holds an id beyond int32 in its unused "
+                         "entries")
 
     def _host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # Fresh pinned memory each step: the caching host allocator does not hand a block

@@ -177,11 +177,13 @@ def replay(
     # varying run to run (benchmarks/eager_step_drift.py). Frozen, they are skipped. (No
     # gc.collect() first: at ~0.1 s with torch loaded it would cost more than it saves on
     # short replays; garbage frozen here is collected after the unfreeze.)
+    frozen_by_caller = gc.get_freeze_count() > 0
     gc.freeze()
     try:
         return _replay(requests, scheduler, executor, check_invariants, progress)
     finally:
-        gc.unfreeze()
+        if not frozen_by_caller:  # a caller's own freeze stays (unfreeze is all or nothing)
+            gc.unfreeze()
 
 
 def _replay(requests, scheduler, executor, check_invariants, progress) -> ReplayResult:

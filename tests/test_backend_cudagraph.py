@@ -132,12 +132,22 @@ def test_stage_pads_to_the_size(qwen3_dir):
     (SeqInput([8], 9, [5, 6, NUM_BLOCKS], True), "seq 1: block ids must be in"),
     (SeqInput([8], 256, [5] * 65, True), "seq 1: positions up to 257 exceed max_model_len 256"),
     (SeqInput([300], 9, [5, 6, 9], True), r"seq 1: token ids must be in \[0, 256\)"),
+    (SeqInput([2**63], 9, [5, 6, 9], True), r"seq 1: token ids must be in \[0, 256\)"),
+    (SeqInput([8], 9, [5, 2**31, 9], True), r"seq 1: block ids must be in \[0, 64\)"),
+    (SeqInput([8], 9, [5, 6, 9], True, temperature=-1.0), "seq 1: temperature -1.0 < 0"),
+    (SeqInput([8], -100, [5], True), "seq 1: start_pos -100 < 0"),
+    (SeqInput([8], 10**11, [5], True), "seq 1: positions up to 100000000001 exceed"),
 ])  # fmt: skip
 def test_stage_validates_like_check_seq(qwen3_dir, bad, message):
+    # The padded path raises what the eager path's check_seq raises, naming the sequence,
+    # before it sizes anything by a bad value (found by a reviewer: a negative temperature
+    # ran greedy, a huge position allocated its block table first).
     graphs = make_runner(qwen3_dir, cuda_graphs=True).graphs
     seqs = [SeqInput([7], 0, [3], True), bad, SeqInput([9], 4, [2, 4], True)]
     with pytest.raises(ValueError, match=message):
         graphs.stage(seqs, 4)
+    with pytest.raises(ValueError, match=message.replace("seq 1", "seq 0")):
+        graphs.stage([bad], 1)  # alone: no valid row to size the tables by
 
 
 def test_cuda_graphs_need_the_triton_backend(qwen3_dir):

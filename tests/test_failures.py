@@ -69,3 +69,30 @@ def test_cli_writes_partial_results_and_exits_1(tmp_path, monkeypatch, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["fcfs"]["failure"] == "RuntimeError: device lost"
     assert "stopped early" in (out / "report.md").read_text()
+
+
+def test_replay_freezes_the_collector_and_restores_it_even_after_a_failure():
+    import gc
+
+    class Spy(FailingExecutor):
+        def execute(self, plan):
+            self.frozen_during = gc.get_freeze_count()
+            return super().execute(plan)
+
+    def run():
+        reqs = [Request("a", 0.0, 4, 3), Request("b", 0.0, 4, 10)]
+        scheduler = get_policy("fcfs")(SchedulerLimits(8, 64, 64), BlockManager(16, 0, 4, 0.0))
+        spy = Spy(fail_at=3)
+        assert replay(reqs, scheduler, spy).failure is not None
+        return spy.frozen_during
+
+    assert gc.get_freeze_count() == 0
+    assert run() > 0  # objects that existed before the replay are frozen while it runs
+    assert gc.get_freeze_count() == 0  # ...and unfrozen after it, though a step failed
+    gc.freeze()  # a caller's own freeze is left as it was
+    try:
+        before = gc.get_freeze_count()
+        run()
+        assert gc.get_freeze_count() >= before > 0
+    finally:
+        gc.unfreeze()

@@ -129,3 +129,11 @@ def test_split_decode_matches_reference_over_long_contexts():
     seqs = batch([(700, 1), (5, 1), (64, 1), (300, 1)], block_size=16, num_blocks=128)
     results = run_both(seqs, 4, 1, 32, block_size=16, num_blocks=128, dtype=torch.float32)
     assert_backends_agree(results, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_warm_up_only_reads_the_caches(block_size):
+    caches = rand(2, 3, block_size, 2, 32)
+    before = caches.clone()
+    triton_kernels.warm_up(caches[0], caches[1], num_heads=4, scale=0.1)
+    assert torch.equal(caches, before)

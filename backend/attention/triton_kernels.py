@@ -333,7 +333,7 @@ def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale:
     dev, head_dim = k_cache.device, k_cache.shape[3]
     q = torch.zeros(2, num_heads, head_dim, dtype=k_cache.dtype, device=dev)
     out = torch.empty_like(q)
-    tables = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    tables = torch.zeros(1, 2, dtype=torch.int32, device=dev)  # 2 positions: 2 blocks at most
     starts = torch.tensor([0, 2], dtype=torch.int32, device=dev)
     seq = torch.zeros(1, dtype=torch.int32, device=dev)
     prefill_attention(q, k_cache, v_cache, out, tables, starts, starts[1:].clone(), seq, 2, scale)

@@ -124,7 +124,9 @@ def main() -> None:
 def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
     c = runner.config
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+        # --dirty: a tree copied onto an older checkout (as the device tool does) says so
+        # instead of naming a commit it does not match
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                                 text=True).stdout.strip() or "unknown"
     except OSError:
         commit = "unknown"

@@ -44,7 +44,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dim in float32, scale in x's dtype (as transformers does)."""
-        if self.ops is not None and x.dim() == 2:
+        if self.ops is not None:
             return self.ops.rms_norm(x, self.weight, self.eps)[0]
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

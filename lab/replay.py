@@ -186,7 +186,10 @@ def replay(
             gc.unfreeze()
 
 
-def _replay(requests, scheduler, executor, check_invariants, progress) -> ReplayResult:
+def _replay(
+    requests: list[Request], scheduler: Scheduler, executor: Executor,
+    check_invariants: bool, progress,
+) -> ReplayResult:
     t0 = time.perf_counter()
     requests = sorted(requests, key=lambda r: r.arrival_s)
     env = simpy.Environment()

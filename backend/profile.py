@@ -3,8 +3,11 @@
     python -m backend.profile --model-dir checkpoints/qwen3-0.6b --out profiles/h200_qwen3-0.6b.csv
 
 Each row is one step shape, timed as the engine executor times a step (input preparation,
-forward, sampling, device sync; swaps for the swap rows), median of ``--repeat`` runs after
-a warm-up. Columns are the :class:`lab.plan.StepFeatures` fields plus ``duration_s``; the
+forward, sampling, device sync; swaps for the swap rows): the median of ``--passes`` passes
+over the whole grid, ``--repeat`` runs per row each after a warm-up run. Passes, not
+back-to-back repeats, because the host slows down now and then for a second or more (eager
+steps are host-bound): on one profile of 2026-11-29, 11 consecutive rows ran 1.5x slow, so
+a slow spell must fall in one pass, not on every run of a row. Columns are the :class:`lab.plan.StepFeatures` fields plus ``duration_s``; the
 header lines (``#``) record the date, device, engine commit and model shape.
 
 Grid: decode-only batches (1-256 sequences, contexts 128-4096), prefill chunks (16-8192
@@ -22,6 +25,7 @@ import time
 from dataclasses import asdict, fields
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from backend.runner import ModelRunner, SeqInput
@@ -77,7 +81,8 @@ def step_inputs(chunks, decodes, block_size) -> list[SeqInput]:
     return seqs
 
 
-def time_step(runner: ModelRunner, seqs, swap_blocks: int, repeat: int) -> float:
+def time_step(runner: ModelRunner, seqs, swap_blocks: int, repeat: int) -> list[float]:
+    """Seconds of ``repeat`` runs of one step shape, after one warm-up run."""
     mapping_out = [(i, i) for i in range(swap_blocks)]
     mapping_in = [(i, i) for i in range(swap_blocks)]
 
@@ -90,8 +95,7 @@ def time_step(runner: ModelRunner, seqs, swap_blocks: int, repeat: int) -> float
         return time.perf_counter() - t0
 
     once()
-    once()
-    return sorted(once() for _ in range(repeat))[repeat // 2]
+    return [once() for _ in range(repeat)]
 
 
 def main() -> None:
@@ -101,7 +105,8 @@ def main() -> None:
     ap.add_argument("--attention", default="triton")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=2, help="timed runs per row and pass")
+    ap.add_argument("--passes", type=int, default=3, help="passes over the whole grid")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     runner = ModelRunner(args.model_dir, device=device, dtype=args.dtype,
@@ -109,16 +114,21 @@ def main() -> None:
                          gpu_memory_utilization=0.9)
     gc.collect()
     gc.freeze()  # as the replay loop does (lab/replay.py): full collections skip the model
+    grid = [(kind, chunks, decodes, swap, step_inputs(chunks, decodes, args.block_size))
+            for kind, chunks, decodes, swap in shapes()]
+    grid = [g for g in grid if sum(len(s.block_table) for s in g[4]) <= runner.num_gpu_blocks]
+    samples: list[list[float]] = [[] for _ in grid]
+    for p in range(args.passes):
+        for times, (_, _, _, swap, seqs) in zip(samples, grid, strict=True):
+            times += time_step(runner, seqs, swap, args.repeat)
+        print(f"pass {p + 1}/{args.passes} done", flush=True)
     rows = []
-    for kind, chunks, decodes, swap in shapes():
-        seqs = step_inputs(chunks, decodes, args.block_size)
-        if sum(len(s.block_table) for s in seqs) > runner.num_gpu_blocks:
-            continue
-        t = time_step(runner, seqs, swap, args.repeat)
+    for times, (kind, chunks, decodes, swap, _) in zip(samples, grid, strict=True):
+        t = float(np.median(times))
         rows.append({"kind": kind, **asdict(features(chunks, decodes, swap)), "duration_s": t})
         print(f"{kind:8s} prefill {rows[-1]['num_prefill_tokens']:5d} decodes "
-              f"{len(decodes):3d} ctx {sum(decodes):7d} swap {2 * swap:3d}: {t * 1e3:8.3f} ms",
-              flush=True)
+              f"{len(decodes):3d} ctx {sum(decodes):7d} swap {2 * swap:3d}: {t * 1e3:8.3f} ms "
+              f"(spread {min(times) * 1e3:.3f}-{max(times) * 1e3:.3f})", flush=True)
     write(Path(args.out), rows, runner, args)
 
 

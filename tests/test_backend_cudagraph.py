@@ -127,6 +127,36 @@ def test_stage_pads_to_the_size(qwen3_dir):
 
 
 @needs_triton
+def test_stage_converts_only_what_changed(qwen3_dir):
+    # Block tables are staged incrementally (a host mirror keyed by the list objects of the
+    # last step): whatever the rows did in between, the device tables must hold every
+    # sequence's current entries.
+    graphs = make_runner(qwen3_dir, cuda_graphs=True).graphs
+    a, b, c = [1, 2], [3], [4, 5, 6]
+
+    def stage_and_check(seqs):
+        graphs.stage(seqs, 2)
+        for row, s in enumerate(seqs):
+            need = s.start_pos // BLOCK_SIZE + 1
+            assert graphs.block_tables[row, :need].tolist() == s.block_table[:need]
+            slot = s.block_table[s.start_pos // BLOCK_SIZE] * BLOCK_SIZE + s.start_pos % BLOCK_SIZE
+            assert graphs.slot_mapping[row].item() == slot
+
+    stage_and_check([SeqInput([1], 5, a, True), SeqInput([1], 2, b, True)])
+    a.append(7)  # a gains its third block (position 8)
+    stage_and_check([SeqInput([1], 8, a, True), SeqInput([1], 3, b, True)])
+    assert graphs._row_lens[:2].tolist() == [3, 1]
+    stage_and_check([SeqInput([1], 9, c, True), SeqInput([1], 9, a, True)])  # b left, c joined
+    c[:] = [8, 9]  # rewritten in place and shorter: converted whole, not trusted
+    stage_and_check([SeqInput([1], 4, c, True), SeqInput([1], 9, a, True)])
+    with pytest.raises(ValueError, match="seq 0: block ids must be in"):
+        graphs.stage([SeqInput([1], 9, [1, NUM_BLOCKS, 2], True)], 1)
+    assert graphs._row_lists == []  # a failed step forgets the mirror
+    stage_and_check([SeqInput([1], 9, a, True), SeqInput([1], 4, c, True)])
+    assert graphs.block_tables[0, :3].tolist() == [1, 2, 7]
+
+
+@needs_triton
 @pytest.mark.parametrize(("bad", "message"), [
     (SeqInput([8], 9, [5, 6], True), "seq 1: block_table has 2 blocks, 3 needed"),
     (SeqInput([8], 9, [5, 6, NUM_BLOCKS], True), "seq 1: block ids must be in"),

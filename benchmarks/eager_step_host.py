@@ -1,0 +1,63 @@
+"""Where the host time of an eager step goes (steps with prompt tokens run without a CUDA graph).
+
+    python benchmarks/eager_step_host.py [--preset qwen3-0.6b] [--prompt 512] [--decodes 32]
+
+Runs one mixed step (a prompt chunk plus one-token decodes) eagerly, prints its wall time and
+the GPU kernel time of the same step, then the host-side operations by self CPU time from
+torch.profiler (Triton launches, torch ops, copies). A wall time far above the GPU time is a
+host-bound step: its duration follows the host's speed, not the batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from common import checkpoint, device_line
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-0.6b")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--decodes", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    from backend.runner import ModelRunner, SeqInput
+
+    runner = ModelRunner(checkpoint(args.preset), device="cuda", dtype="bfloat16",
+                         attention_backend="triton", block_size=16, gpu_memory_utilization=0.9)
+    blocks = -(-(args.prompt + 1) // 16)
+    seqs = [SeqInput([7] * args.prompt, 0, list(range(blocks)), True)]
+    seqs += [SeqInput([7], 1024, list(range(blocks + i * 65, blocks + (i + 1) * 65)), True)
+             for i in range(args.decodes)]
+    for _ in range(3):
+        runner.execute(seqs)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        runner.execute(seqs)
+    wall = (time.perf_counter() - t0) / args.steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            runner.execute(seqs)
+    events = prof.key_averages()
+    gpu = sum(e.device_time_total for e in events if e.device_type.name == "CUDA") / args.steps
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                         "cuLaunchKernelEx")) / args.steps
+    print(f"# eager step host time, {args.preset}, prompt {args.prompt} + {args.decodes} "
+          f"decodes, {device_line()}")
+    print(f"step wall {wall * 1e3:.3f} ms; GPU kernel time {gpu / 1e3:.3f} ms; "
+          f"kernel launches per step {launches:.0f}")
+    cpu = sorted((e for e in events if e.device_type.name == "CPU"),
+                 key=lambda e: e.self_cpu_time_total, reverse=True)
+    print("| host operation | calls/step | self CPU us/step |")
+    print("|---|---|---|")
+    for e in cpu[:20]:
+        print(f"| {e.key[:60]} | {e.count / args.steps:.0f} | "
+              f"{e.self_cpu_time_total / args.steps:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -18,8 +18,8 @@ How it works here:
   list it came from. A sequence whose ``block_table`` is the same list object as a row of
   the previous step (lists are only appended to between steps, see ``SeqInput``) gets that
   row moved to its place and only its new entries converted; other rows are converted
-  whole. At batch 256 with 1k-token contexts this takes the host's table staging from
-  ~0.9 ms to ~0.1 ms per step (Python int -> int32 conversion is the cost).
+  whole. Python int -> int32 conversion is the cost this saves: staging a batch of 256
+  with 1k-token contexts took 1.17 ms of host time, now 0.30 ms (2-core dev box).
 * Padding rows: token 0 at position 0, slot -1 (the Triton store kernel skips negative slots,
   so they write nothing), seq len 1 over block table row ``[0, ...]`` (they read one cached
   position of block 0 and the result is thrown away). Real blocks are never written.

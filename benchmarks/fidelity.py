@@ -319,7 +319,7 @@ that step's exact batch): median {step_p50:.1f}%, P90 {step_p90:.1f}% (absolute)
 ![TTFT CDFs, real vs simulated](fidelity/ttft_cdf.png)
 
 {repeat}
-## Why targets are missed (engine runs of 2026-11-29)
+## Why targets are missed (engine runs of 2026-11-29, engine at commit 47168ac)
 
 The targets are below the engine's own reproducibility on this machine. Replayed a second
 time, the same config and seed, the engine itself misses P50/P90 <= 5% in most runs (table

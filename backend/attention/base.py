@@ -25,7 +25,9 @@ class AttentionMetadata:
             (cu_seqlens of the fed tokens).
         seq_lens: (num_seqs,) int32; context length after this step (start_pos + fed tokens).
         seq_start_loc: (num_seqs + 1,) int32; cumulative ``seq_lens`` (cu_seqlens of keys).
-        block_tables: (num_seqs, max_blocks) int32; rows padded with block 0 (never read).
+        block_tables: (num_seqs, max_blocks) int32; a row's entries beyond the blocks its
+            sequence uses are never read (block 0 in eager steps, older values in CUDA-graph
+            steps).
         decode_seq_idx: (num_decodes,) int32; sequences fed exactly one token.
         prefill_seq_idx: (num_prefills,) int32; sequences fed more than one token.
 

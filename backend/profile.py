@@ -7,12 +7,13 @@ forward, sampling, device sync; swaps for the swap rows): the median of ``--pass
 over the whole grid, ``--repeat`` runs per row each after a warm-up run. Passes, not
 back-to-back repeats, because the host slows down now and then for a second or more (eager
 steps are host-bound): on one profile of 2026-11-29, 11 consecutive rows ran 1.5x slow, so
-a slow spell must fall in one pass, not on every run of a row. Columns are the :class:`lab.plan.StepFeatures` fields plus ``duration_s``; the
-header lines (``#``) record the date, device, engine commit and model shape.
+a slow spell must fall in one pass, not on every run of a row. Columns are the
+:class:`lab.plan.StepFeatures` fields plus ``duration_s``; the header lines (``#``) record
+the date, device, engine commit and model shape.
 
 Grid: decode-only batches (1-256 sequences, contexts 128-4096), prefill chunks (16-8192
 tokens over cached prefixes of 0-4096), several prompts at once, prefill chunks mixed with
-decodes, and swap-out + swap-in of 1-256 blocks.
+decodes, and swap-out + swap-in of 1-256 blocks alongside 8 or 64 decodes.
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=2, help="timed runs per row and pass")
     ap.add_argument("--passes", type=int, default=3, help="passes over the whole grid")
+    ap.add_argument("--engine-commit", help="what the header names as the engine's commit "
+                    "(default: `git describe --always --dirty` of the working tree; name it "
+                    "when the tree is a copy whose .git is not its own)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     runner = ModelRunner(args.model_dir, device=device, dtype=args.dtype,
@@ -134,13 +138,15 @@ def main() -> None:
 
 def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
     c = runner.config
-    try:
-        # --dirty: a tree copied onto an older checkout (as the device tool does) says so
-        # instead of naming a commit it does not match
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                                text=True).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
+    commit = args.engine_commit
+    if commit is None:
+        try:
+            # --dirty: a tree copied onto an older checkout (as the device tool does) says so
+            # instead of naming a commit it does not match
+            commit = subprocess.run(["git", "describe", "--always", "--dirty"],
+                                    capture_output=True, text=True).stdout.strip() or "unknown"
+        except OSError:
+            commit = "unknown"
     device = (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:

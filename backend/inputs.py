@@ -28,7 +28,8 @@ class SeqInput:
             Position p lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
             Between steps a list may only be appended to (the lab's BlockManager assigns a
             new list when it frees or swaps): CUDA-graph decode steps restage only the
-            entries a known list gained (backend/cuda_graphs.py).
+            entries a known list gained (backend/cuda_graphs.py); a list rewritten in place
+            is noticed only if its last staged entry changed.
         sample: sample a next token from the last fed position.
         temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
     """

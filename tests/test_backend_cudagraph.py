@@ -149,6 +149,12 @@ def test_stage_converts_only_what_changed(qwen3_dir):
     stage_and_check([SeqInput([1], 9, c, True), SeqInput([1], 9, a, True)])  # b left, c joined
     c[:] = [8, 9]  # rewritten in place and shorter: converted whole, not trusted
     stage_and_check([SeqInput([1], 4, c, True), SeqInput([1], 9, a, True)])
+    c[:] = [10, 11]  # rewritten in place, same length (outside the contract): last entry moved
+    stage_and_check([SeqInput([1], 4, c, True), SeqInput([1], 9, a, True)])
+    c[1] = NUM_BLOCKS  # and an id rewritten out of range is still refused
+    with pytest.raises(ValueError, match="seq 0: block ids must be in"):
+        graphs.stage([SeqInput([1], 4, c, True), SeqInput([1], 9, a, True)], 2)
+    c[1] = 11
     with pytest.raises(ValueError, match="seq 0: block ids must be in"):
         graphs.stage([SeqInput([1], 9, [1, NUM_BLOCKS, 2], True)], 1)
     assert graphs._row_lists == []  # a failed step forgets the mirror

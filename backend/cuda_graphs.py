@@ -209,43 +209,39 @@ class DecodeGraphs:
     def _stage_tables(self, seqs: list[SeqInput], nblocks: np.ndarray, width: int) -> np.ndarray:
         """Bring the host mirror's first ``len(seqs)`` rows up to date (first ``width``
         columns) and validate the entries the step reads; returns the mirror. On any error
-        the mirror is forgotten, so the next step converts every row."""
+        the mirror is forgotten (no row is known), so the next step converts every row."""
         n, tb = len(seqs), self._tables
         tables = [s.block_table for s in seqs]
         lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
         ids, old = list(map(id, tables)), list(map(id, self._row_lists))
-        self._row_lists = []  # forgotten until this staging succeeds
-        try:
-            if ids == old[:n]:  # the same lists in the same rows (the common decode step)
-                have = self._row_lens[:n].copy()
-            else:  # rows moved, left or joined: gather the known rows to their new places
-                row_of = dict(zip(old, range(len(old))))
-                src = np.fromiter(map(row_of.get, ids, itertools.repeat(-1)), dtype=np.int64,
-                                  count=n)  # fmt: skip
-                have = np.where(src >= 0, self._row_lens[np.maximum(src, 0)], 0)
-                tb[:n, :width] = tb[np.maximum(src, 0), :width]
-            np.minimum(have, width, out=have)  # only the first width columns were moved
-            have[have > lens] = 0  # shrank in place: not the list it was; convert it whole
-            # Outside the contract, but cheap to catch in most cases: a list rewritten in
-            # place whose last converted entry changed is converted whole.
-            known = np.flatnonzero(have)
-            if known.size:
-                at = have[known] - 1
-                rows = map(tables.__getitem__, known.tolist())
-                last = np.fromiter(map(operator.getitem, rows, at.tolist()), dtype=np.int64,
-                                   count=known.size)  # fmt: skip
-                have[known[last != tb[known, at]]] = 0
-            want = np.minimum(lens, width)
-            for i in np.flatnonzero(have < want).tolist():
-                lo, hi, table = int(have[i]), int(want[i]), tables[i]
-                tb[i, lo:hi] = table if lo == 0 and hi == len(table) else table[lo:hi]
-            used = np.arange(width)[None, :] < nblocks[:, None]
-            values = tb[:n, :width][used]
-            if (lens < nblocks).any() or values.min() < 0 or values.max() >= self.kv_cache.num_gpu_blocks:
-                self._raise_invalid(seqs)
-        except BaseException:
-            self._row_lens[:] = 0
-            raise
+        self._row_lists = []  # forgotten until this staging succeeds: no row is known
+        if ids == old[:n]:  # the same lists in the same rows (the common decode step)
+            have = self._row_lens[:n].copy()
+        else:  # rows moved, left or joined: gather the known rows to their new places
+            row_of = dict(zip(old, range(len(old))))
+            src = np.fromiter(map(row_of.get, ids, itertools.repeat(-1)), dtype=np.int64,
+                              count=n)  # fmt: skip
+            have = np.where(src >= 0, self._row_lens[np.maximum(src, 0)], 0)
+            tb[:n, :width] = tb[np.maximum(src, 0), :width]
+        np.minimum(have, width, out=have)  # only the first width columns were moved
+        have[have > lens] = 0  # shrank in place: not the list it was; convert it whole
+        # Outside the contract, but cheap to catch in most cases: a list rewritten in
+        # place whose last converted entry changed is converted whole.
+        known = np.flatnonzero(have)
+        if known.size:
+            at = have[known] - 1
+            rows = map(tables.__getitem__, known.tolist())
+            last = np.fromiter(map(operator.getitem, rows, at.tolist()), dtype=np.int64,
+                               count=known.size)  # fmt: skip
+            have[known[last != tb[known, at]]] = 0
+        want = np.minimum(lens, width)
+        for i in np.flatnonzero(have < want).tolist():
+            lo, hi, table = int(have[i]), int(want[i]), tables[i]
+            tb[i, lo:hi] = table if lo == 0 and hi == len(table) else table[lo:hi]
+        used = np.arange(width)[None, :] < nblocks[:, None]
+        values = tb[:n, :width][used]
+        if (lens < nblocks).any() or values.min() < 0 or values.max() >= self.kv_cache.num_gpu_blocks:
+            self._raise_invalid(seqs)
         self._row_lists = tables
         self._row_lens[:n] = want
         return tb

@@ -29,6 +29,38 @@ def checkpoint(preset: str, cache: Path = ROOT / "checkpoints") -> Path:
     return out
 
 
+def engine_runner(preset: str, **kwargs):
+    """A ModelRunner on the GPU as the engine benchmarks use it: ``preset``'s random bf16
+    checkpoint, triton attention, block size 16 (``kwargs`` go to ModelRunner)."""
+    from backend.runner import ModelRunner
+
+    return ModelRunner(checkpoint(preset), device="cuda", dtype="bfloat16",
+                       attention_backend="triton", block_size=16, gpu_memory_utilization=0.9,
+                       **kwargs)  # fmt: skip
+
+
+def decode_inputs(batch: int, context: int, first_block: int = 0, token: int = 1) -> list:
+    """``batch`` one-token decodes at position ``context`` (block size 16), each over its own
+    consecutive blocks starting at ``first_block``."""
+    from backend.runner import SeqInput
+
+    per_seq = -(-(context + 1) // 16)
+    return [SeqInput([token], context, list(range(first_block + i * per_seq,
+                                                  first_block + (i + 1) * per_seq)), True)
+            for i in range(batch)]  # fmt: skip
+
+
+def step_wall(runner, seqs, steps: int, warmup: int) -> float:
+    """Mean wall seconds of ``runner.execute(seqs)`` (which syncs) over ``steps`` runs."""
+    for _ in range(warmup):
+        runner.execute(seqs)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        runner.execute(seqs)
+    return (time.perf_counter() - t0) / steps
+
+
 def cuda_time(fn, warmup: int = 3, iters: int = 10) -> float:
     """Median seconds of ``fn()`` on the GPU (synchronized around each call)."""
     for _ in range(warmup):

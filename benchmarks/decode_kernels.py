@@ -10,10 +10,8 @@ them (host work: staging inputs, sampling, the sync) is visible.
 from __future__ import annotations
 
 import argparse
-import time
 
-import torch
-from common import checkpoint, device_line
+from common import decode_inputs, device_line, engine_runner, step_wall
 
 
 def main() -> None:
@@ -25,21 +23,9 @@ def main() -> None:
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
-    from backend.runner import ModelRunner, SeqInput
-
-    runner = ModelRunner(checkpoint(args.preset), device="cuda", dtype="bfloat16",
-                         attention_backend="triton", block_size=16, gpu_memory_utilization=0.9,
-                         max_num_seqs=max(args.batch, 1))
-    per_seq = -(-(args.context + 1) // 16)
-    seqs = [SeqInput([1], args.context, list(range(i * per_seq, (i + 1) * per_seq)), True)
-            for i in range(args.batch)]
-    for _ in range(5):
-        runner.execute(seqs)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        runner.execute(seqs)
-    wall = (time.perf_counter() - t0) / args.steps
+    runner = engine_runner(args.preset, max_num_seqs=max(args.batch, 1))
+    seqs = decode_inputs(args.batch, args.context)
+    wall = step_wall(runner, seqs, args.steps, warmup=5)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             runner.execute(seqs)

@@ -11,9 +11,8 @@ host-bound step: its duration follows the host's speed, not the batch.
 from __future__ import annotations
 
 import argparse
-import time
 
-from common import checkpoint, device_line
+from common import decode_inputs, device_line, engine_runner, step_wall
 
 
 def main() -> None:
@@ -25,20 +24,13 @@ def main() -> None:
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
-    from backend.runner import ModelRunner, SeqInput
+    from backend.runner import SeqInput
 
-    runner = ModelRunner(checkpoint(args.preset), device="cuda", dtype="bfloat16",
-                         attention_backend="triton", block_size=16, gpu_memory_utilization=0.9)
+    runner = engine_runner(args.preset)
     blocks = -(-(args.prompt + 1) // 16)
     seqs = [SeqInput([7] * args.prompt, 0, list(range(blocks)), True)]
-    seqs += [SeqInput([7], 1024, list(range(blocks + i * 65, blocks + (i + 1) * 65)), True)
-             for i in range(args.decodes)]
-    for _ in range(3):
-        runner.execute(seqs)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        runner.execute(seqs)
-    wall = (time.perf_counter() - t0) / args.steps
+    seqs += decode_inputs(args.decodes, 1024, first_block=blocks, token=7)
+    wall = step_wall(runner, seqs, args.steps, warmup=3)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             runner.execute(seqs)

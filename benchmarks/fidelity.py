@@ -129,9 +129,8 @@ def sim_side() -> None:
                 for p in ("p50", "p90", "p99"):
                     row[f"{m}_{p}"] = _rel(run.summary[m][p], real[m][p])
             row["throughput"] = _rel(run.summary["output_throughput"], real["output_throughput"])
-            row["real_preemptions"] = real["preemptions"]["recompute"] + real["preemptions"]["swap"]
-            row["sim_preemptions"] = (run.summary["preemptions"]["recompute"]
-                                      + run.summary["preemptions"]["swap"])
+            row["real_preemptions"] = _preemptions(real)
+            row["sim_preemptions"] = _preemptions(run.summary)
             if folder.name in repeats:  # the engine against itself: the same run again
                 again = json.loads((repeats[folder.name] / "summary.json").read_text())
                 for m in METRICS:
@@ -139,8 +138,7 @@ def sim_side() -> None:
                         row[f"again_{m}_{p}"] = _rel(again[run.label][m][p], real[m][p])
                 row["again_throughput"] = _rel(again[run.label]["output_throughput"],
                                                real["output_throughput"])
-                row["again_preemptions"] = (again[run.label]["preemptions"]["recompute"]
-                                            + again[run.label]["preemptions"]["swap"])
+                row["again_preemptions"] = _preemptions(again[run.label])
             rows.append(row)
             steps = real_steps[real_steps.policy == run.label]
             step_errors[(folder.name, run.label)] = _step_errors(model, steps)
@@ -155,6 +153,11 @@ def sim_side() -> None:
     table.to_csv(OUT / "fidelity.csv", index=False)
     _plots(step_errors, cdfs)
     _markdown(table, step_errors, cfg["trace"]["limit"])  # the same for every slice
+
+
+def _preemptions(summary: dict) -> int:
+    """Preemptions of a run's summary, by recompute and by swap."""
+    return summary["preemptions"]["recompute"] + summary["preemptions"]["swap"]
 
 
 def _rel(sim: float, real: float) -> float:

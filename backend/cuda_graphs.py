@@ -1,38 +1,54 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for every step of a bounded size: decode-only steps and mixed steps.
 
-A decode step of a small model is launch-bound: ~50 small kernels per layer, each a few
-microseconds of GPU work behind tens of microseconds of Python and launcher overhead. A CUDA
-graph records the whole forward (embedding -> layers -> norm -> logits) once per batch size
-and replays it with one launch.
+A step of a small model is launch-bound: ~10 kernels per layer, each a few microseconds of
+GPU work behind tens of microseconds of Python and launcher overhead (a 512-token chunk plus
+32 decodes on Qwen3-0.6B: 12.6 ms of host time for 3.5 ms of GPU work, BENCHMARKS.md). A
+CUDA graph records the forward once per size and replays it with one launch. Two families
+share one set of static buffers and one memory pool:
 
-How it works here:
+* Decode graphs, one per batch size (``sizes``): a step of ``n`` one-token decodes runs in
+  the graph of the smallest size ``>= n`` (:func:`pick_size`); rows ``n..size-1`` are
+  padding. The whole forward, logits included, is in the graph.
+* Mixed graphs, one per token count (``token_sizes``): any other step of ``N`` tokens over at
+  most ``max_num_seqs`` sequences runs in the graph of the smallest token size ``>= N``
+  (prefill chunks, decodes, or both). The attention kernels' grids are fixed by the size:
+  prefill runs over a padded tile table (``ceil(T / 64) + min(max_num_seqs, T // 2)``
+  rows, enough for any step of ``T`` tokens, see
+  :func:`backend.attention.base.prefill_tiles`), decode over ``min(T, max_num_seqs)``
+  padded rows with a fixed split count (:func:`mixed_splits`). Padding entries are -1 and
+  the kernels skip them. The graph ends at the final norm; the logits of the sampled rows
+  are computed after it (their number varies).
 
-* Sizes: a step of ``n`` one-token decodes runs in the graph of the smallest captured size
-  ``>= n`` (:func:`pick_size`); rows ``n..size-1`` are padding.
-* Static buffers, allocated once for the largest size: input ids, positions, slot mapping,
-  seq lens, ``seq_start_loc``, block tables ``(max size, ceil(max_model_len / block_size))``,
-  plus constants (``query_start_loc = arange``, ``decode_seq_idx = arange``, an empty
-  ``prefill_seq_idx``). Each step writes its values into them (host staging + ``copy_``);
-  each size's graph reads the first ``size`` rows.
+Static buffers, allocated once: token rows (input ids, positions, slot mapping) for the
+largest size of either family; sequence rows (seq lens, ``seq_start_loc``, block tables
+``(rows, ceil(max_model_len / block_size))``); the decode graphs' constants
+(``query_start_loc = arange``, ``decode_seq_idx = arange``); the mixed graphs'
+``query_start_loc``, decode index and tile table. Each step writes its values into them
+(host staging + ``copy_``).
+
 * Block tables are staged incrementally: a host mirror keeps what each row holds and the
   list it came from. A sequence whose ``block_table`` is the same list object as a row of
   the previous step (lists are only appended to between steps, see ``SeqInput``) gets that
   row moved to its place and only its new entries converted; other rows are converted
   whole, and so is a known list whose last converted entry changed (a rewrite in place,
-  outside the contract, is caught that way unless it keeps that entry). Python int -> int32 conversion is the cost this saves: staging a batch of 256
-  with 1k-token contexts took 1.17 ms of host time, now 0.30 ms (2-core dev box).
-* Padding rows: token 0 at position 0, slot -1 (the Triton store kernel skips negative slots,
-  so they write nothing), seq len 1 over block table row ``[0, ...]`` (they read one cached
-  position of block 0 and the result is thrown away). Real blocks are never written.
-* Capture (CUDA): after the KV cache exists, largest size first, one shared memory pool;
-  each size runs once eagerly on a side stream first (Triton compiles, cuBLAS warms up), with
-  every row padding, so neither warm-up nor capture touches the cache.
-* Sampling stays outside the graph, on the logits rows of the real sequences.
+  outside the contract, is caught that way unless it keeps that entry). Python int -> int32
+  conversion is the cost this saves: staging a decode batch of 256 with 1k-token contexts
+  took 1.17 ms of host time, now 0.30 ms (2-core dev box).
+* Padding token rows: token 0 at position 0, slot -1 (the Triton store kernel skips negative
+  slots, so they write nothing). Decode padding rows: seq len 1 over block table row
+  ``[0, ...]`` (they read one cached position of block 0 and the result is thrown away).
+  Mixed padding rows belong to no sequence: no attention program reads or writes for them.
+  Real blocks are never written.
+* Capture (CUDA): after the KV cache exists, mixed sizes then decode sizes, each family
+  largest first, one shared memory pool; each size runs once eagerly on a side stream
+  first (Triton compiles, cuBLAS warms up), with every row padding, so neither warm-up nor
+  capture touches the cache.
+* Sampling stays outside the graphs, on the logits rows of the real sequences.
 
 Only the ``triton`` attention backend is graph-safe (``torch`` reads host lists per step;
-``flash_attn`` is untested). Mixed prefill/decode steps, batches larger than the largest size
-and non-CUDA devices run eagerly. On a non-CUDA device the same padded static-buffer path can
-run without capture (``capture=False``), which is how the CPU tests check the padding.
+``flash_attn`` is untested). Steps beyond the largest sizes and non-CUDA devices run
+eagerly. On a non-CUDA device the same padded static-buffer path can run without capture
+(``capture=False``), which is how the CPU tests check the padding.
 """
 
 from __future__ import annotations
@@ -45,20 +61,28 @@ import numpy as np
 import torch
 
 from backend.attention import AttentionMetadata
+from backend.attention.base import PREFILL_TILE_M, prefill_tiles
 from backend.inputs import SeqInput, check_seq
 from backend.kv_cache import KVCache
 from backend.model import Transformer
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# Token counts of the mixed graphs: padding costs at most 1/3 of a step's tokens above 256.
+DEFAULT_TOKEN_SIZES = (64, 128, 192, 256, 384, 512, 768, 1024, 1280, 1536, 2048, 2560, 3072,
+                       4096, 5120, 6144, 8192)  # fmt: skip
+MIXED_DECODE_PROGRAMS = 4096  # most (decode row, kv head, split) programs of a mixed graph
 
 
 def graph_sizes(max_num_seqs: int, sizes: Sequence[int] = DEFAULT_GRAPH_SIZES) -> list[int]:
-    """The batch sizes to capture, ascending: ``sizes`` up to ``max_num_seqs``, plus
+    """The sizes to capture, ascending: ``sizes`` up to ``max_num_seqs``, plus
     ``max_num_seqs`` itself when it falls between two of them (so every batch the scheduler
-    can form fits, unless it is larger than the largest of ``sizes``)."""
+    can form fits, unless it is larger than the largest of ``sizes``). Also used for the
+    token sizes, with ``max_num_batched_tokens`` as the limit. An empty ``sizes`` gives []."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    if not sizes or min(sizes) < 1:
+    if not sizes:
+        return []
+    if min(sizes) < 1:
         raise ValueError(f"CUDA graph sizes must be >= 1, got {list(sizes)}")
     out = sorted({s for s in sizes if s <= max_num_seqs})
     if max_num_seqs <= max(sizes) and (not out or out[-1] < max_num_seqs):
@@ -74,15 +98,29 @@ def pick_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
     return None
 
 
-class DecodeGraphs:
-    """Static buffers and (on CUDA) one captured graph per batch size for decode-only steps.
+def mixed_splits(decode_rows: int, num_kv_heads: int, max_splits: int) -> int:
+    """Context splits of a mixed graph's decode kernel: the largest power of two, at most
+    ``max_splits``, that keeps ``decode_rows * num_kv_heads * splits`` within
+    ``MIXED_DECODE_PROGRAMS`` (the grid is fixed, and padded rows are most of it when a
+    step has few decodes). Example: 256 rows, 8 kv heads -> 2; 32 rows -> 16 (of 16)."""
+    splits = 1
+    while splits < max_splits and decode_rows * num_kv_heads * splits * 2 <= MIXED_DECODE_PROGRAMS:
+        splits *= 2
+    return splits
+
+
+class StepGraphs:
+    """Static buffers and (on CUDA) one captured graph per size, for decode-only steps
+    (``sizes``, batch sizes) and mixed steps (``token_sizes``, token counts).
 
     Args:
         model: the loaded model; its attention backend must be ``triton``.
         kv_cache: the runner's cache; graphs bake in its per-layer tensors.
         block_size: tokens per block. max_model_len: sizes the static block-table width.
-        vocab_size, num_gpu_blocks: for validating each step's inputs.
-        sizes: the batch sizes (see :func:`graph_sizes`).
+        vocab_size: for validating each step's inputs.
+        sizes: decode batch sizes (see :func:`graph_sizes`).
+        token_sizes: mixed-step token counts (may be empty: no mixed graphs).
+        max_num_seqs: most sequences of a mixed step (sizes the sequence rows).
         capture: record CUDA graphs (CUDA only); False runs the same padded static-buffer
             forward eagerly (CPU tests).
     """
@@ -95,6 +133,8 @@ class DecodeGraphs:
         max_model_len: int,
         vocab_size: int,
         sizes: Sequence[int],
+        token_sizes: Sequence[int],
+        max_num_seqs: int,
         capture: bool,
     ) -> None:
         self.model = model
@@ -103,58 +143,95 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.sizes = sorted(sizes)
+        self.token_sizes = sorted(token_sizes)
         self.capture = capture
         self.device = kv_cache.gpu.device
         self.pin = self.device.type == "cuda"
-        self.max_size = self.sizes[-1]
+        self.max_size = self.sizes[-1] if self.sizes else 0
+        self.max_seqs = max(self.max_size, max_num_seqs if self.token_sizes else 0)
         self.max_blocks = -(-max_model_len // block_size)  # static block-table width
-        n, dev = self.max_size, self.device
+        tokens = max(self.max_size, self.token_sizes[-1] if self.token_sizes else 0)
+        rows, dev = self.max_seqs, self.device
         # Normal (not inference-mode) tensors, so they may be updated in and out of it.
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.seq_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)  # constant
-        self.seq_idx = torch.arange(n, dtype=torch.int32, device=dev)  # constant
-        self.no_prefill = torch.zeros(0, dtype=torch.int32, device=dev)  # constant
+        self.input_ids = torch.zeros(tokens, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(tokens, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.long, device=dev)
+        self.seq_lens = torch.ones(rows, dtype=torch.int32, device=dev)
+        self.seq_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(rows, self.max_blocks, dtype=torch.int32, device=dev)
+        # Decode graphs' constants.
+        self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=dev)
+        self.seq_idx = torch.arange(rows, dtype=torch.int32, device=dev)
+        self.no_prefill = torch.zeros(0, dtype=torch.int32, device=dev)
+        # Mixed graphs' per-step buffers (sized for the largest token size).
+        big = self.token_sizes[-1] if self.token_sizes else 0
+        self.mixed_query_start_loc = torch.zeros(rows + 1, dtype=torch.int32, device=dev)
+        self.mixed_decode_idx = torch.full((self.decode_rows(big),), -1, dtype=torch.int32,
+                                           device=dev)  # fmt: skip
+        self.mixed_tiles = torch.full((self.tile_rows(big), 2), -1, dtype=torch.int32,
+                                      device=dev)  # fmt: skip
         # Host mirror of the block tables staged last step (see the module doc): the rows,
         # the list each row was converted from (kept referenced, so ids stay unique) and
         # how many of its entries the row holds.
-        self._tables = np.zeros((n, self.max_blocks), dtype=np.int32)
+        self._tables = np.zeros((rows, self.max_blocks), dtype=np.int32)
         self._row_lists: list[list[int]] = []
-        self._row_lens = np.zeros(n, dtype=np.int64)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # size -> static logits (size, vocab)
+        self._row_lens = np.zeros(rows, dtype=np.int64)
+        # ("decode", size) or ("mixed", tokens) -> graph, and its static output: logits
+        # (size, vocab) float32 for decode graphs, final hidden states (tokens, hidden) for
+        # mixed graphs.
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def decode_rows(self, tokens: int) -> int:
+        """Decode rows of the mixed graph of ``tokens`` tokens: one per token, at most one
+        per sequence."""
+        return min(tokens, self.max_seqs)
+
+    def tile_rows(self, tokens: int) -> int:
+        """Prefill tile rows of the mixed graph of ``tokens`` tokens: chunks of ``q_i >= 2``
+        tokens summing to at most ``tokens`` have at most ``tokens / 64 + (number of chunks)``
+        tiles of 64 rows, and there are at most ``min(max_seqs, tokens // 2)`` chunks."""
+        return -(-tokens // PREFILL_TILE_M) + min(self.max_seqs, tokens // 2)
 
     # -- per step ---------------------------------------------------------------------------
 
     def size_for(self, seqs: list[SeqInput]) -> int | None:
-        """The graph size for this step, or None when it must run eagerly."""
+        """The decode graph size for this step, or None when it is not decode-only or is
+        larger than the largest decode size."""
         if not seqs or any(len(s.token_ids) != 1 for s in seqs):
             return None
         return pick_size(len(seqs), self.sizes)
 
-    def run(self, seqs: list[SeqInput]) -> tuple[list[int], list[float], torch.Tensor] | None:
-        """Run a decode-only step padded to its size: (sampled seq indices, their
-        temperatures, their logits (num_sampled, vocab) float32); None if not graph-able.
-
-        The logits may be a view of the graph's static output: use them before the next step.
-        """
-        size = self.size_for(seqs)
-        if size is None:
+    def token_size_for(self, seqs: list[SeqInput]) -> int | None:
+        """The mixed graph size (tokens) for this step, or None when it has more tokens than
+        the largest token size or more sequences than the sequence rows."""
+        if not seqs or len(seqs) > self.max_seqs:
             return None
-        self.stage(seqs, size)
-        logits = self._replay(size)
+        return pick_size(sum(len(s.token_ids) for s in seqs), self.token_sizes)
+
+    def run(self, seqs: list[SeqInput]) -> tuple[list[int], list[float], torch.Tensor] | None:
+        """Run a step in a graph: (sampled seq indices, their temperatures, their logits
+        (num_sampled, vocab) float32); None when no graph fits (run it eagerly).
+
+        The logits may be a view of a graph's static output: use them before the next step.
+        """
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         temps = [seqs[i].temperature for i in sampled]
-        if len(sampled) == len(seqs):
-            rows = logits[: len(seqs)]
-        else:
-            rows = logits[torch.tensor(sampled, dtype=torch.long).to(self.device)]
-        return sampled, temps, rows
+        size = self.size_for(seqs)
+        if size is not None:
+            self.stage(seqs, size)
+            logits = self._replay(("decode", size))
+            if len(sampled) == len(seqs):
+                return sampled, temps, logits[: len(seqs)]
+            index = torch.tensor(sampled, dtype=torch.long).to(self.device)
+            return sampled, temps, logits[index]
+        tokens = self.token_size_for(seqs)
+        if tokens is None:
+            return None
+        last_rows = self.stage_mixed(seqs, tokens)
+        hidden = self._replay(("mixed", tokens))
+        return sampled, temps, self.model.compute_logits(hidden[last_rows])
 
     def stage(self, seqs: list[SeqInput], size: int) -> None:
         """Validate a decode-only step (ValueError naming the first bad sequence, as
@@ -171,20 +248,10 @@ class DecodeGraphs:
             positions[:] = [s.start_pos for s in seqs]
         except OverflowError:  # an id beyond int64: out of range, say which sequence
             self._raise_invalid(seqs)
-        if (  # before sizing the tables by the positions
-            positions.min() < 0
-            or positions.max() >= self.max_model_len
-            or t[0, :n].min() < 0
-            or t[0, :n].max() >= self.vocab_size
-            or min(s.temperature for s in seqs) < 0
-        ):
-            self._raise_invalid(seqs)
+        self._check_ranges(seqs, t[0, :n], positions, positions + 1)
         nblocks = positions // bs + 1
         width = int(nblocks.max())
-        try:
-            tb = self._stage_tables(seqs, nblocks, width)
-        except OverflowError:  # a block id beyond int32
-            self._raise_invalid(seqs)
+        tb = self._stage_tables(seqs, nblocks, width)
         tb[n:size, 0] = 0  # padding rows read block 0
         t[2, :n] = tb[np.arange(n), positions // bs] * bs + positions % bs
         lens = self._host((2 * size + 1,), torch.int32)  # seq lens, then seq_start_loc
@@ -205,6 +272,87 @@ class DecodeGraphs:
         self.seq_lens[:size].copy_(lens_d[:size])
         self.seq_start_loc[: size + 1].copy_(lens_d[size:])
         self.block_tables[:size, :width].copy_(tables_d)
+
+    def stage_mixed(self, seqs: list[SeqInput], tokens: int) -> torch.Tensor:
+        """Validate any step (ValueError as :meth:`stage`) and write it, padded to
+        ``tokens`` token rows, into the static buffers of the mixed graphs. Returns the
+        device rows (num_sampled,) int64 of the sampled sequences' last fed tokens."""
+        n, bs = len(seqs), self.block_size
+        q = np.fromiter(map(len, (s.token_ids for s in seqs)), dtype=np.int64, count=n)
+        total = int(q.sum())
+        host = self._host((3, tokens), torch.long)  # ids, positions, slots
+        t = host.numpy()
+        t[:, total:] = 0
+        t[2, total:] = -1  # padding rows write nowhere
+        ids, positions = t[0, :total], t[1, :total]
+        try:
+            ids[:] = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs),
+                                 dtype=np.int64, count=total)  # fmt: skip
+            start = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=n)
+        except OverflowError:
+            self._raise_invalid(seqs)
+        self._check_ranges(seqs, ids, start, start + q)
+        qsl = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(q, out=qsl[1:])
+        row = np.repeat(np.arange(n), q)
+        positions[:] = np.arange(total) - qsl[row] + start[row]
+        nblocks = (start + q - 1) // bs + 1
+        width = int(nblocks.max())
+        tb = self._stage_tables(seqs, nblocks, width)
+        t[2, :total] = tb[row, positions // bs] * bs + positions % bs
+        # Sequence-level int32 values, packed for one copy: seq lens (max_seqs),
+        # seq_start_loc and query_start_loc (max_seqs + 1 each), decode rows, tile table.
+        rows, dec, nt = self.max_seqs, self.decode_rows(tokens), self.tile_rows(tokens)
+        sampled = np.fromiter((i for i, s in enumerate(seqs) if s.sample), dtype=np.int64)
+        packed = self._host((3 * rows + 2 + dec + 2 * nt + len(sampled),), torch.int32)
+        p = packed.numpy()
+        lens, seq_start, qstart = p[:rows], p[rows : 2 * rows + 1], p[2 * rows + 1 : 3 * rows + 2]
+        decodes = p[3 * rows + 2 : 3 * rows + 2 + dec]
+        tiles = p[3 * rows + 2 + dec : 3 * rows + 2 + dec + 2 * nt].reshape(nt, 2)
+        lens[:] = 1
+        lens[:n] = start + q
+        seq_start[0] = 0
+        np.cumsum(lens, out=seq_start[1:])
+        qstart[: n + 1] = qsl
+        qstart[n + 1 :] = total  # rows of no sequence: empty
+        decode_idx = np.flatnonzero(q == 1)
+        decodes[:] = -1
+        decodes[: len(decode_idx)] = decode_idx
+        step_tiles = prefill_tiles(q)
+        tiles[:] = -1
+        tiles[: len(step_tiles)] = step_tiles
+        assert len(decode_idx) <= dec and len(step_tiles) <= nt, "mixed graph rows too few"
+        p[3 * rows + 2 + dec + 2 * nt :] = qsl[1:][sampled] - 1
+        table = self._host((n, width), torch.int32)
+        table.numpy()[:] = tb[:n, :width]
+        host_d = host.to(self.device, non_blocking=True)
+        packed_d = packed.to(self.device, non_blocking=True)
+        table_d = table.to(self.device, non_blocking=True)
+        self.input_ids[:tokens].copy_(host_d[0])
+        self.positions[:tokens].copy_(host_d[1])
+        self.slot_mapping[:tokens].copy_(host_d[2])
+        self.seq_lens.copy_(packed_d[:rows])
+        self.seq_start_loc.copy_(packed_d[rows : 2 * rows + 1])
+        self.mixed_query_start_loc.copy_(packed_d[2 * rows + 1 : 3 * rows + 2])
+        self.mixed_decode_idx[:dec].copy_(packed_d[3 * rows + 2 : 3 * rows + 2 + dec])
+        self.mixed_tiles[:nt].copy_(packed_d[3 * rows + 2 + dec : 3 * rows + 2 + dec + 2 * nt]
+                                    .view(nt, 2))  # fmt: skip
+        self.block_tables[:n, :width].copy_(table_d)
+        return packed_d[3 * rows + 2 + dec + 2 * nt :].long()
+
+    def _check_ranges(self, seqs: list[SeqInput], ids: np.ndarray, start: np.ndarray,
+                      end: np.ndarray) -> None:  # fmt: skip
+        """Token ids, positions and temperatures in range, before the positions size the
+        block tables (ValueError naming the first bad sequence otherwise)."""
+        if (
+            start.min() < 0
+            or (end <= start).any()  # a sequence with no tokens to feed
+            or end.max() > self.max_model_len
+            or ids.min() < 0
+            or ids.max() >= self.vocab_size
+            or min(s.temperature for s in seqs) < 0
+        ):
+            self._raise_invalid(seqs)
 
     def _stage_tables(self, seqs: list[SeqInput], nblocks: np.ndarray, width: int) -> np.ndarray:
         """Bring the host mirror's first ``len(seqs)`` rows up to date (first ``width``
@@ -235,9 +383,12 @@ class DecodeGraphs:
                                count=known.size)  # fmt: skip
             have[known[last != tb[known, at]]] = 0
         want = np.minimum(lens, width)
-        for i in np.flatnonzero(have < want).tolist():
-            lo, hi, table = int(have[i]), int(want[i]), tables[i]
-            tb[i, lo:hi] = table if lo == 0 and hi == len(table) else table[lo:hi]
+        try:
+            for i in np.flatnonzero(have < want).tolist():
+                lo, hi, table = int(have[i]), int(want[i]), tables[i]
+                tb[i, lo:hi] = table if lo == 0 and hi == len(table) else table[lo:hi]
+        except OverflowError:  # a block id beyond int32
+            self._raise_invalid(seqs)
         used = np.arange(width)[None, :] < nblocks[:, None]
         values = tb[:n, :width][used]
         if (lens < nblocks).any() or values.min() < 0 or values.max() >= self.kv_cache.num_gpu_blocks:
@@ -251,8 +402,7 @@ class DecodeGraphs:
             check_seq(i, s, self.block_size, self.kv_cache.num_gpu_blocks, self.max_model_len,
                       self.vocab_size)  # fmt: skip
         # Only ids in a table's unused entries are left: beyond int32 they cannot be staged.
-        raise ValueError("decode step: a block table holds an id beyond int32 in its unused "
-                         "entries")
+        raise ValueError("step: a block table holds an id beyond int32 in its unused entries")
 
     def _host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # Fresh pinned memory each step: the caching host allocator does not hand a block
@@ -262,7 +412,7 @@ class DecodeGraphs:
     # -- the forward --------------------------------------------------------------------------
 
     def metadata(self, size: int) -> AttentionMetadata:
-        """Attention metadata over the static buffers' first ``size`` rows (all decodes)."""
+        """Attention metadata of the decode graph of ``size`` rows (all decodes)."""
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size],
             query_start_loc=self.query_start_loc[: size + 1],
@@ -280,49 +430,85 @@ class DecodeGraphs:
             max_seq_len=self.max_model_len,
         )
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def mixed_metadata(self, tokens: int) -> AttentionMetadata:
+        """Attention metadata of the mixed graph of ``tokens`` tokens: every sequence row,
+        padded decode rows and tile table (-1 entries are skipped)."""
+        rows, dec, nt = self.max_seqs, self.decode_rows(tokens), self.tile_rows(tokens)
+        from backend.attention.triton_kernels import MAX_SPLITS  # triton: graphs need it
+
+        tiles = self.mixed_tiles[:nt]
+        num_kv_heads = self.kv_cache.layers[0][0].shape[2]
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:tokens],
+            query_start_loc=self.mixed_query_start_loc,
+            seq_lens=self.seq_lens,
+            seq_start_loc=self.seq_start_loc,
+            block_tables=self.block_tables,
+            decode_seq_idx=self.mixed_decode_idx[:dec],
+            prefill_seq_idx=tiles[:, 0],  # padded, with repeats: only its length is read
+            block_size=self.block_size,
+            query_lens=[1] * rows,  # host values: not read by the triton backend
+            seq_lens_host=[1] * rows,
+            block_tables_host=[[0]] * rows,
+            max_query_len=tokens,
+            max_seq_len=self.max_model_len,
+            prefill_tiles=tiles,
+            decode_splits=mixed_splits(dec, num_kv_heads, MAX_SPLITS),
+        )
+
+    def _forward(self, key: tuple[str, int]) -> torch.Tensor:
+        kind, size = key
+        meta = self.metadata(size) if kind == "decode" else self.mixed_metadata(size)
         hidden = self.model(
-            self.input_ids[:size], self.positions[:size], self.kv_cache.layers,
-            self.metadata(size),
+            self.input_ids[:size], self.positions[:size], self.kv_cache.layers, meta
         )  # fmt: skip
+        if kind == "mixed":
+            return hidden  # (tokens, hidden); the sampled rows' logits follow the replay
         return self.model.compute_logits(hidden)  # (size, vocab) float32
 
-    def _replay(self, size: int) -> torch.Tensor:
+    def _replay(self, key: tuple[str, int]) -> torch.Tensor:
         if not self.capture:
-            return self._forward(size)
-        if size not in self.graphs:
-            self.capture_size(size)
-        self.graphs[size].replay()
-        return self.outputs[size]
+            return self._forward(key)
+        if key not in self.graphs:
+            self.capture_one(key)
+        self.graphs[key].replay()
+        return self.outputs[key]
 
-    def _set_padding(self, size: int) -> None:
-        """Make the first ``size`` rows padding (used before warm-up and capture)."""
+    def _set_padding(self, key: tuple[str, int]) -> None:
+        """Make every row the graph ``key`` reads padding (used before warm-up and capture)."""
+        size = key[1]
         self.input_ids[:size].zero_()
         self.positions[:size].zero_()
         self.slot_mapping[:size].fill_(-1)
-        self.seq_lens[:size].fill_(1)
-        self.seq_start_loc[: size + 1].copy_(self.query_start_loc[: size + 1])
-        self.block_tables[:size].zero_()
+        self.seq_lens.fill_(1)
+        self.seq_start_loc.copy_(self.query_start_loc)
+        self.block_tables.zero_()
+        self.mixed_query_start_loc.zero_()
+        self.mixed_decode_idx.fill_(-1)
+        self.mixed_tiles.fill_(-1)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture every size, largest first (smaller graphs reuse the pool's memory)."""
-        for size in reversed(self.sizes):
-            if size not in self.graphs:
-                self.capture_size(size)
+        """Capture every size: mixed then decode, largest first (smaller graphs reuse the
+        pool's memory)."""
+        keys = [("mixed", t) for t in reversed(self.token_sizes)]
+        keys += [("decode", s) for s in reversed(self.sizes)]
+        for key in keys:
+            if key not in self.graphs:
+                self.capture_one(key)
 
     @torch.inference_mode()
-    def capture_size(self, size: int) -> None:
-        self._set_padding(size)
+    def capture_one(self, key: tuple[str, int]) -> None:
+        self._set_padding(key)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward(size)  # warm-up: compiles Triton kernels, picks cuBLAS kernels
+            self._forward(key)  # warm-up: compiles Triton kernels, picks cuBLAS kernels
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(size)
+            out = self._forward(key)
         torch.cuda.synchronize(self.device)
-        self.graphs[size] = graph
-        self.outputs[size] = out
+        self.graphs[key] = graph
+        self.outputs[key] = out

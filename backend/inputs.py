@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.attention import AttentionMetadata
+from backend.attention.base import prefill_tiles
 
 
 @dataclass(slots=True)
@@ -113,6 +114,7 @@ def prepare_inputs(
         block_tables_host=block_tables_host,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
+        prefill_tiles=torch.from_numpy(prefill_tiles(query_lens)).to(device),
     )
     return StepInputs(
         input_ids=input_ids,

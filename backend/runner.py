@@ -16,8 +16,10 @@ KV cache capacity (``num_gpu_blocks``), when not given:
 Swap space: ``swap_space_bytes`` of host memory (pinned when CUDA is available).
 
 CUDA graphs (``cuda_graphs``, default on with CUDA + the triton backend; ``LAB_CUDA_GRAPHS=0``
-turns the default off): decode-only steps replay a graph captured per batch size, padded up
-to the next size (see :mod:`backend.cuda_graphs`); other steps run eagerly.
+turns the default off): decode-only steps replay a graph captured per batch size, other
+steps one captured per token count, each padded up to the next size (see
+:mod:`backend.cuda_graphs`; ``LAB_MIXED_GRAPHS=0`` leaves out the token-count graphs, for A/B
+runs); steps larger than the largest size run eagerly.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 from backend.attention import get_attention_backend
 from backend.config import ModelConfig
-from backend.cuda_graphs import DEFAULT_GRAPH_SIZES, DecodeGraphs, graph_sizes
+from backend.cuda_graphs import DEFAULT_GRAPH_SIZES, DEFAULT_TOKEN_SIZES, StepGraphs, graph_sizes
 from backend.dtypes import check_dtype_supported, resolve_device, resolve_dtype
 from backend.errors import UnsupportedModelError
 from backend.inputs import SeqInput, prepare_inputs
@@ -62,13 +64,16 @@ class ModelRunner:
         max_model_len: longest sequence (prompt + output); default the model's
             max_position_embeddings. Sizes the RoPE table.
         max_num_batched_tokens: tokens of the warm-up forward that measures the activation
-            peak (use the scheduler's token budget).
+            peak (use the scheduler's token budget); the largest mixed-step graph size.
         max_num_seqs: most sequences in a step (the scheduler's); the largest CUDA graph size.
         cuda_graphs: replay CUDA graphs for decode-only steps. None = on when the device is
             CUDA and the backend is triton, unless the environment has LAB_CUDA_GRAPHS=0.
             True on a non-CUDA device runs the same padded path without capture (tests).
-        cuda_graph_sizes: candidate batch sizes (default DEFAULT_GRAPH_SIZES), cut at
-            max_num_seqs; all are captured at start, largest first.
+        cuda_graph_sizes: candidate batch sizes of decode-only graphs (default
+            DEFAULT_GRAPH_SIZES), cut at max_num_seqs.
+        cuda_graph_token_sizes: candidate token counts of mixed-step graphs (default
+            DEFAULT_TOKEN_SIZES; empty: none), cut at max_num_batched_tokens. All sizes are
+            captured at start.
     """
 
     def __init__(
@@ -87,6 +92,7 @@ class ModelRunner:
         max_num_seqs: int = 256,
         cuda_graphs: bool | None = None,
         cuda_graph_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
+        cuda_graph_token_sizes: Sequence[int] = DEFAULT_TOKEN_SIZES,
     ) -> None:
         self.config = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(device)
@@ -110,7 +116,7 @@ class ModelRunner:
             model_dir, self.config, backend, self.device, self.dtype, self.max_model_len
         )
         self.generator = torch.Generator(self.device).manual_seed(seed)  # the warm-up samples
-        self.graphs: DecodeGraphs | None = None  # set once the KV cache exists
+        self.graphs: StepGraphs | None = None  # set once the KV cache exists
         block_bytes = bytes_per_block(self.config, block_size, self.dtype)
         if num_gpu_blocks is None:
             budget, what = self._kv_budget_bytes(gpu_memory_utilization, max_num_batched_tokens)
@@ -130,32 +136,37 @@ class ModelRunner:
             k_cache, v_cache = self.kv_cache.layers[0]
             triton_kernels.warm_up(k_cache, v_cache, self.config.num_heads, 1.0)
         if cuda_graphs:
-            self.graphs = DecodeGraphs(
+            if os.environ.get("LAB_MIXED_GRAPHS", "1") == "0":
+                cuda_graph_token_sizes = ()
+            self.graphs = StepGraphs(
                 self.model,
                 self.kv_cache,
                 block_size,
                 self.max_model_len,
                 self.config.vocab_size,
                 graph_sizes(max_num_seqs, cuda_graph_sizes),
+                graph_sizes(max_num_batched_tokens, cuda_graph_token_sizes),
+                max_num_seqs,
                 capture=self.device.type == "cuda",
             )
             if self.graphs.capture:
                 self._capture_graphs()
 
     def _capture_graphs(self) -> None:
-        """Capture every decode size; on failure, say so and run decodes eagerly."""
+        """Capture every size; on failure, say so and run every step eagerly."""
         assert self.graphs is not None
         t0 = time.perf_counter()
-        sizes = self.graphs.sizes
+        sizes, tokens = self.graphs.sizes, self.graphs.token_sizes
         try:
             self.graphs.capture_all()
         except Exception as e:  # noqa: BLE001 - a capture failure must not stop the engine
             self.graphs = None
-            print(f"CUDA graphs: capture failed, decode steps run eagerly: {e!r}", flush=True)
+            print(f"CUDA graphs: capture failed, steps run eagerly: {e!r}", flush=True)
             return
+        mixed = f", {len(tokens)} token counts {tokens[0]}..{tokens[-1]}" if tokens else ""
         print(
-            f"CUDA graphs: {len(sizes)} decode batch sizes {sizes[0]}..{sizes[-1]} captured "
-            f"in {time.perf_counter() - t0:.1f} s",
+            f"CUDA graphs: {len(sizes)} decode batch sizes {sizes[0]}..{sizes[-1]}{mixed} "
+            f"captured in {time.perf_counter() - t0:.1f} s",
             flush=True,
         )
 
@@ -222,8 +233,8 @@ class ModelRunner:
         self, seqs: list[SeqInput], kv_cache: KVCache
     ) -> tuple[list[int], list[float], torch.Tensor]:
         """Prepare inputs, run the model: (indices of the sampled seqs, their temperatures,
-        their logits (num_sampled, vocab_size) float32). Decode-only steps replay a CUDA graph
-        when there is one for their size."""
+        their logits (num_sampled, vocab_size) float32). Steps replay a CUDA graph when one
+        fits them."""
         if self.graphs is not None and kv_cache is self.kv_cache:
             out = self.graphs.run(seqs)
             if out is not None:

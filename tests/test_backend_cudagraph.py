@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps (backend/cuda_graphs.py).
+"""CUDA graphs for decode-only and mixed steps (backend/cuda_graphs.py).
 
 Without CUDA: the size choice, the padded staging of the static buffers, the store kernel's
 skipping of negative slots, and the whole padded static-buffer forward (``cuda_graphs=True``
@@ -13,7 +13,13 @@ import torch
 from triton_setup import DEVICE, HAS_CUDA, QWEN3_TINY, interpreting, needs_triton, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
 
 from backend.attention import triton_kernels  # noqa: E402
-from backend.cuda_graphs import DEFAULT_GRAPH_SIZES, graph_sizes, pick_size  # noqa: E402
+from backend.cuda_graphs import (  # noqa: E402
+    DEFAULT_GRAPH_SIZES,
+    DEFAULT_TOKEN_SIZES,
+    graph_sizes,
+    mixed_splits,
+    pick_size,
+)
 from backend.inputs import SeqInput  # noqa: E402
 from backend.runner import ModelRunner  # noqa: E402
 from backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
@@ -49,6 +55,17 @@ def test_graph_sizes_cut_at_max_num_seqs():
     assert graph_sizes(3, [4, 2]) == [2, 3]
     with pytest.raises(ValueError):
         graph_sizes(0)
+    assert graph_sizes(8192, DEFAULT_TOKEN_SIZES) == list(DEFAULT_TOKEN_SIZES)
+    assert graph_sizes(2000, DEFAULT_TOKEN_SIZES)[-3:] == [1280, 1536, 2000]  # budget 2000 fits
+    assert graph_sizes(16384, DEFAULT_TOKEN_SIZES)[-1] == 8192  # larger steps run eagerly
+    assert graph_sizes(100, ()) == []  # no mixed graphs
+
+
+def test_mixed_splits_bound_the_decode_grid():
+    # The largest power of two with rows * kv heads * splits <= 4096, at most 16.
+    assert [mixed_splits(rows, 8, 16) for rows in (1, 32, 64, 256, 512, 600)] == [16, 16, 8, 2,
+                                                                                  1, 1]
+    assert mixed_splits(1, 8, 4) == 4
 
 
 def test_pick_size_is_the_smallest_that_fits():
@@ -94,10 +111,11 @@ def smollm2_dir(tmp_path_factory):
     return path
 
 
-def make_runner(model_dir, cuda_graphs, dtype="float32", max_num_seqs=8):
+def make_runner(model_dir, cuda_graphs, dtype="float32", max_num_seqs=8, max_tokens=128):
     return ModelRunner(model_dir, device=str(DEVICE), dtype=dtype, attention_backend="triton",
                        block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS, swap_space_bytes=0,
-                       max_num_seqs=max_num_seqs, cuda_graphs=cuda_graphs)  # fmt: skip
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
+                       cuda_graphs=cuda_graphs)  # fmt: skip
 
 
 @needs_triton
@@ -124,6 +142,36 @@ def test_stage_pads_to_the_size(qwen3_dir):
     meta = graphs.metadata(4)
     assert meta.decode_seq_idx.tolist() == [0, 1, 2, 3] and meta.prefill_seq_idx.numel() == 0
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+
+
+@needs_triton
+def test_stage_mixed_pads_to_the_token_size(qwen3_dir):
+    graphs = make_runner(qwen3_dir, cuda_graphs=True).graphs
+    assert graphs.token_sizes == [64, 128] and graphs.max_seqs == 8
+    seqs = [
+        SeqInput([1, 2, 3], 5, [7, 2], True),  # a chunk over a 5-token prefix
+        SeqInput([21], 4, [3, 0], False),  # a decode, not sampled
+        SeqInput([5, 6], 0, [9], True),  # a new prompt
+    ]
+    assert graphs.token_size_for(seqs) == 64 and graphs.size_for(seqs) is None
+    assert graphs.token_size_for([SeqInput([1] * 65, 0, [0] * 17, True)]) == 128
+    assert graphs.token_size_for([SeqInput([1] * 129, 0, [0] * 33, True)]) is None
+    assert graphs.token_size_for([SeqInput([1], 0, [0], True)] * 9) is None  # 9 > 8 seqs
+    last_rows = graphs.stage_mixed(seqs, 64)
+    assert last_rows.tolist() == [2, 5]  # last fed rows of seqs 0 and 2
+    assert graphs.input_ids[:8].tolist() == [1, 2, 3, 21, 5, 6, 0, 0]
+    assert graphs.positions[:8].tolist() == [5, 6, 7, 4, 0, 1, 0, 0]
+    # seq 0: positions 5-7 in block 2 (slots 9-11); seq 1: position 4 in block 0 (slot 0);
+    # seq 2: positions 0-1 in block 9 (slots 36-37); padding rows write nowhere.
+    assert graphs.slot_mapping[:64].tolist() == [9, 10, 11, 0, 36, 37] + [-1] * 58
+    assert graphs.mixed_query_start_loc.tolist() == [0, 3, 4, 6, 6, 6, 6, 6, 6]
+    assert graphs.seq_lens[:3].tolist() == [8, 5, 2]
+    assert graphs.block_tables[:2, :2].tolist() == [[7, 2], [3, 0]]
+    assert graphs.block_tables[2, 0].item() == 9  # one block; the next column is never read
+    meta = graphs.mixed_metadata(64)
+    assert meta.decode_seq_idx.tolist() == [1] + [-1] * 7  # min(64 tokens, 8 seqs) rows
+    assert meta.prefill_tiles.tolist() == [[0, 0], [2, 0]] + [[-1, -1]] * 7  # 64 / 64 + 8 rows
+    assert meta.decode_splits == 16  # 8 rows x 2 kv heads: the cap
 
 
 @needs_triton
@@ -184,6 +232,21 @@ def test_stage_validates_like_check_seq(qwen3_dir, bad, message):
         graphs.stage(seqs, 4)
     with pytest.raises(ValueError, match=message.replace("seq 1", "seq 0")):
         graphs.stage([bad], 1)  # alone: no valid row to size the tables by
+    # The mixed path, with a prompt in the step, the same.
+    seqs.append(SeqInput([1, 2, 3], 0, [11], True))
+    with pytest.raises(ValueError, match=message):
+        graphs.stage_mixed(seqs, 64)
+    bad_chunk = SeqInput([1] + bad.token_ids, bad.start_pos - 1, bad.block_table, True,
+                         bad.temperature)  # fmt: skip
+    with pytest.raises(ValueError):
+        graphs.stage_mixed([bad_chunk], 64)
+
+
+@needs_triton
+def test_stage_mixed_refuses_an_empty_chunk(qwen3_dir):
+    graphs = make_runner(qwen3_dir, cuda_graphs=True).graphs
+    with pytest.raises(ValueError, match="seq 1: no token_ids to feed"):
+        graphs.stage_mixed([SeqInput([1, 2], 0, [3], True), SeqInput([], 4, [2, 4], True)], 64)
 
 
 def test_cuda_graphs_need_the_triton_backend(qwen3_dir):
@@ -229,15 +292,18 @@ def assert_padding_wrote_nothing(runner):
 
 @needs_triton
 @pytest.mark.parametrize("which", ["qwen3", "smollm2"])
-def test_padded_decode_path_matches_eager(which, qwen3_dir, smollm2_dir):
+def test_padded_paths_match_eager(which, qwen3_dir, smollm2_dir):
     # On CPU cuda_graphs=True runs the padded static-buffer forward without capture.
     model_dir = qwen3_dir if which == "qwen3" else smollm2_dir
     eager_logits, eager_tokens = run_steps(make_runner(model_dir, cuda_graphs=False))
     padded = make_runner(model_dir, cuda_graphs=True)
     sizes, stage = [], padded.graphs.stage
     padded.graphs.stage = lambda seqs, size: (sizes.append(size), stage(seqs, size))
+    tokens, stage_mixed = [], padded.graphs.stage_mixed
+    padded.graphs.stage_mixed = lambda seqs, n: (tokens.append(n), stage_mixed(seqs, n))[1]
     padded_logits, padded_tokens = run_steps(padded)
-    assert sizes == [4, 4, 1, 2]  # the decode-only steps took the padded path
+    assert sizes == [4, 4, 1, 2]  # the decode-only steps took the padded decode path
+    assert tokens == [64, 64]  # the steps with prompt tokens (41 and 15) the mixed one
     assert padded_tokens == eager_tokens
     for got, ref in zip(padded_logits, eager_logits, strict=True):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
@@ -266,7 +332,8 @@ def test_captured_graphs_match_eager_on_gpu(which, dtype, qwen3_dir, smollm2_dir
     eager_logits, eager_tokens = run_steps(eager)
     graphed = make_runner(model_dir, cuda_graphs=True, dtype=dtype)
     assert graphed.graphs is not None, "capture failed (see the printed line)"
-    assert sorted(graphed.graphs.graphs) == [1, 2, 4, 8]  # captured, not a silent fallback
+    assert sorted(graphed.graphs.graphs) == [("decode", 1), ("decode", 2), ("decode", 4),
+                                             ("decode", 8), ("mixed", 64), ("mixed", 128)]
     graphed_logits, graphed_tokens = run_steps(graphed)
     assert_padding_wrote_nothing(graphed)
     tol = 1e-4 if dtype == "float32" else 5e-2
@@ -288,7 +355,8 @@ def test_captured_graphs_with_default_sizes_on_gpu(qwen3_dir):
     # All default sizes up to 64 captured; a 33-seq decode batch pads to 48 and matches eager.
     runner = make_runner(qwen3_dir, cuda_graphs=True, max_num_seqs=64)
     assert runner.graphs is not None
-    assert sorted(runner.graphs.graphs) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert sorted(k[1] for k in runner.graphs.graphs if k[0] == "decode") == [1, 2, 4, 8, 16,
+                                                                              32, 48, 64]
     eager = make_runner(qwen3_dir, cuda_graphs=False, max_num_seqs=64)
     seqs = [SeqInput([i % 200], i % 4, [i], True) for i in range(33)]  # block i, position < 4
     prefill = [SeqInput(list(range(s.start_pos)) or [0], 0, s.block_table, False) for s in seqs]

@@ -7,6 +7,7 @@ import torch
 
 from backend.config import ModelConfig
 from backend.errors import KVCacheCapacityError
+from backend.attention.base import prefill_tiles
 from backend.inputs import SeqInput, prepare_inputs
 from backend.kv_cache import KVCache, blocks_in, bytes_per_block
 
@@ -109,8 +110,16 @@ def test_prepare_inputs_slots_positions_and_metadata():
     assert inp.attn.seq_lens.tolist() == [8, 5]
     assert inp.attn.seq_start_loc.tolist() == [0, 8, 13]
     assert inp.attn.decode_seq_idx.tolist() == [1] and inp.attn.prefill_seq_idx.tolist() == [0]
+    assert inp.attn.prefill_tiles.tolist() == [[0, 0]]  # 3 rows: one 64-row tile of seq 0
     assert inp.logits_indices.tolist() == [3]
     assert inp.sampled_seqs == [1] and inp.temperatures == [0.5]
+
+
+def test_prefill_tiles_cover_every_chunk_row():
+    # 64-row tiles: 130 rows -> tiles 0, 1, 2; a decode (1 row) has none; 64 rows -> one.
+    assert prefill_tiles([130, 1, 64]).tolist() == [[0, 0], [0, 1], [0, 2], [2, 0]]
+    assert prefill_tiles([1, 1]).shape == (0, 2)
+    assert prefill_tiles([5, 9], tile=4).tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [1, 2]]
 
 
 @pytest.mark.parametrize(

@@ -123,7 +123,8 @@ dtype = sys.argv[1]
 ptr = "*" + dtype
 precision = "ieee" if dtype == "fp32" else "tf32"
 attn = dict(Q=ptr, KCache=ptr, VCache=ptr, Out=ptr, BlockTables="*i32", QueryStartLoc="*i32",
-            SeqLens="*i32", SeqIdx="*i32", scale="fp32", PartialOut="*fp32", PartialLse="*fp32")
+            SeqLens="*i32", SeqIdx="*i32", Tiles="*i32", scale="fp32", PartialOut="*fp32",
+            PartialLse="*fp32")
 dims = dict(GROUP=4, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_P=128, BLOCK_N=64)
 kernels = [
     (tk._store_kv_kernel, dict(K=ptr, V=ptr, KCache=ptr, VCache=ptr, SlotMapping="*i64"),

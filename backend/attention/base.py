@@ -11,7 +11,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
+
+PREFILL_TILE_M = 64  # query rows of one prefill attention tile (the Triton kernel's BLOCK_M)
 
 
 @dataclass(frozen=True)
@@ -30,11 +33,17 @@ class AttentionMetadata:
             steps).
         decode_seq_idx: (num_decodes,) int32; sequences fed exactly one token.
         prefill_seq_idx: (num_prefills,) int32; sequences fed more than one token.
+            CUDA-graph metadata pads both to a fixed length with -1 entries.
+        prefill_tiles: (num_tiles, 2) int32; (sequence, tile) for every ``PREFILL_TILE_M``
+            rows of every prefill chunk (:func:`prefill_tiles`); rows with sequence -1 are
+            padding (CUDA graphs). Read by the triton backend.
 
     Host values:
         block_size: tokens per KV block.
         query_lens, seq_lens_host, block_tables_host: per-sequence Python lists.
         max_query_len, max_seq_len: maxima over the batch (kernel grid sizes).
+        decode_splits: context splits of the triton decode kernel; None picks them from the
+            batch (:func:`backend.attention.triton_kernels.num_splits`). CUDA graphs fix it.
     """
 
     slot_mapping: torch.Tensor
@@ -50,6 +59,8 @@ class AttentionMetadata:
     block_tables_host: list[list[int]]
     max_query_len: int
     max_seq_len: int
+    prefill_tiles: torch.Tensor | None = None
+    decode_splits: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -62,6 +73,21 @@ class AttentionMetadata:
     @property
     def num_prefills(self) -> int:
         return int(self.prefill_seq_idx.numel())
+
+
+def prefill_tiles(query_lens: np.ndarray, tile: int = PREFILL_TILE_M) -> np.ndarray:
+    """(num_tiles, 2) int32: (sequence index, tile index) of each ``tile``-row tile of the
+    sequences fed more than one token, in order. query_lens: (num_seqs,) ints.
+
+    Example: query_lens [130, 1, 64], tile 64 -> [[0, 0], [0, 1], [0, 2], [2, 0]].
+    """
+    q = np.asarray(query_lens, dtype=np.int64)
+    seqs = np.flatnonzero(q > 1)
+    per_seq = -(-q[seqs] // tile)
+    out = np.empty((int(per_seq.sum()), 2), dtype=np.int32)
+    out[:, 0] = np.repeat(seqs, per_seq)
+    out[:, 1] = np.arange(len(out)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+    return out
 
 
 class AttentionBackend(ABC):

@@ -57,8 +57,10 @@ class TritonAttention(AttentionBackend):
         already hold this step's k/v (the fused path of :mod:`backend.triton_ops` stores them)."""
         out = torch.empty_like(q)
         common = (k_cache, v_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens)
-        triton_kernels.prefill_attention(
-            q, *common, meta.prefill_seq_idx, meta.max_query_len, scale
+        if meta.num_prefills:
+            assert meta.prefill_tiles is not None, "prefill steps need meta.prefill_tiles"
+            triton_kernels.prefill_attention(q, *common, meta.prefill_tiles, scale)
+        triton_kernels.decode_attention(
+            q, *common, meta.decode_seq_idx, scale, meta.max_seq_len, meta.decode_splits
         )
-        triton_kernels.decode_attention(q, *common, meta.decode_seq_idx, scale, meta.max_seq_len)
         return out

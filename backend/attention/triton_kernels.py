@@ -5,8 +5,9 @@ All three read the cache through the block table: position p of sequence s lives
 token inside a tile (``BLOCK_N`` positions may span several cache blocks), so any block size
 works. Softmax is the online (flash) form in float32.
 
-Prefill: one program per (query tile, sequence, head); GQA heads re-read their kv head (from
-L2). Decode: one program per (sequence, kv head, context split): the query heads of a kv head
+Prefill: one program per (query tile, head), the tiles of all chunks listed in a tile table
+so the grid depends only on its length (CUDA graphs pad it); GQA heads re-read their kv head
+(from L2). Decode: one program per (sequence, kv head, context split): the query heads of a kv head
 are packed into one tile so K/V is read once per group, and long contexts are split across
 programs whose partial results a second kernel merges by log-sum-exp (flash-decoding: Dao,
 Haziza, Massa and Sizov, "Flash-Decoding for long-context inference", PyTorch blog, 2023), so
@@ -22,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 64  # query rows per prefill program
+from backend.attention.base import PREFILL_TILE_M
+
+BLOCK_M = PREFILL_TILE_M  # query rows per prefill program
 BLOCK_N = 64  # key positions per inner-loop tile
 DECODE_BLOCK_N = 64  # key positions per decode tile
 DECODE_NUM_WARPS = 4  # warps per decode program (benchmarks/decode_attention_sweep.py)
@@ -55,22 +58,24 @@ def _store_kv_kernel(
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the block-table width varies step to step
 def _prefill_kernel(
-    Q, KCache, VCache, Out, BlockTables, QueryStartLoc, SeqLens, SeqIdx, scale,
+    Q, KCache, VCache, Out, BlockTables, QueryStartLoc, SeqLens, Tiles, scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_cs, stride_ch,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Grid (query tiles, prefill seqs, heads): causal attention of a chunk over prefix + chunk."""
-    tile = tl.program_id(0)
-    seq = tl.load(SeqIdx + tl.program_id(1))
-    head = tl.program_id(2)
+    """Grid (tile table rows, heads): causal attention of one BLOCK_M-row tile of a chunk
+    over prefix + chunk. Tiles (n, 2) int32 holds (sequence, tile index in its chunk); a
+    row whose sequence is negative (CUDA-graph padding) does nothing."""
+    seq = tl.load(Tiles + 2 * tl.program_id(0))
+    if seq < 0:
+        return
+    tile = tl.load(Tiles + 2 * tl.program_id(0) + 1)
+    head = tl.program_id(1)
     kv_head = head // GROUP
     q_start = tl.load(QueryStartLoc + seq)
     query_len = tl.load(QueryStartLoc + seq + 1) - q_start
-    if tile * BLOCK_M >= query_len:
-        return
     seq_len = tl.load(SeqLens + seq)
     prefix_len = seq_len - query_len  # positions cached before this step
 
@@ -132,6 +137,8 @@ def _decode_kernel(
     normalised partial output and log-sum-exp, and :func:`_decode_reduce_kernel` merges them.
     """
     seq = tl.load(SeqIdx + tl.program_id(0))
+    if seq < 0:  # a CUDA-graph padding row
+        return
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     token = tl.load(QueryStartLoc + seq).to(tl.int64)
@@ -196,7 +203,10 @@ def _decode_reduce_kernel(
     """Grid (decode seqs, heads): out = sum_s exp(lse_s - lse) * out_s over the splits."""
     i = tl.program_id(0)
     head = tl.program_id(1)
-    token = tl.load(QueryStartLoc + tl.load(SeqIdx + i)).to(tl.int64)
+    seq = tl.load(SeqIdx + i)
+    if seq < 0:  # a CUDA-graph padding row
+        return
+    token = tl.load(QueryStartLoc + seq).to(tl.int64)
     row = (i * tl.num_programs(1) + head).to(tl.int64)
     splits = tl.arange(0, NUM_SPLITS)
     lse = tl.load(PartialLse + row * NUM_SPLITS + splits)  # split 0 is never empty
@@ -248,11 +258,11 @@ def prefill_attention(
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
-    seq_idx: torch.Tensor,
-    max_query_len: int,
+    tiles: torch.Tensor,
     scale: float,
 ) -> None:
-    """Fill ``out`` rows of the sequences in ``seq_idx`` (chunks over a cached prefix).
+    """Fill ``out`` rows of the prefill chunks (chunks over a cached prefix), one program per
+    (row of ``tiles``, head).
 
     Args:
         q, out: (num_tokens, num_heads, head_dim), last dim contiguous.
@@ -260,14 +270,14 @@ def prefill_attention(
             this step's k/v.
         block_tables: (num_seqs, max_blocks) int32.
         query_start_loc: (num_seqs + 1,) int32. seq_lens: (num_seqs,) int32.
-        seq_idx: (n,) int32, the sequences to compute. max_query_len: largest chunk among them.
+        tiles: (num_tiles, 2) int32 from :func:`backend.attention.base.prefill_tiles`
+            (``BLOCK_M`` rows a tile); rows with sequence -1 are skipped.
     """
-    if seq_idx.numel() == 0:
+    if tiles.shape[0] == 0:
         return
     num_heads, head_dim = q.shape[1:]
-    grid = (triton.cdiv(max_query_len, BLOCK_M), seq_idx.numel(), num_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, seq_idx, scale,
+    _prefill_kernel[(tiles.shape[0], num_heads)](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, tiles, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=num_heads // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
@@ -289,7 +299,8 @@ def decode_attention(
     max_seq_len: int | None = None,
     splits: int | None = None,
 ) -> None:
-    """Fill ``out`` rows of the one-token sequences in ``seq_idx``; shapes as in prefill.
+    """Fill ``out`` rows of the one-token sequences in ``seq_idx`` (entries -1, CUDA-graph
+    padding, are skipped); shapes as in prefill.
 
     ``max_seq_len`` (host int, optional) caps the number of splits (see :func:`num_splits`);
     ``splits`` (a power of two <= MAX_SPLITS) overrides the choice (warm-up, tests).
@@ -336,7 +347,8 @@ def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale:
     tables = torch.zeros(1, 2, dtype=torch.int32, device=dev)  # 2 positions: 2 blocks at most
     starts = torch.tensor([0, 2], dtype=torch.int32, device=dev)
     seq = torch.zeros(1, dtype=torch.int32, device=dev)
-    prefill_attention(q, k_cache, v_cache, out, tables, starts, starts[1:].clone(), seq, 2, scale)
+    tiles = torch.zeros(1, 2, dtype=torch.int32, device=dev)  # sequence 0, tile 0
+    prefill_attention(q, k_cache, v_cache, out, tables, starts, starts[1:].clone(), tiles, scale)
     ones = torch.ones(1, dtype=torch.int32, device=dev)
     for splits in (1 << i for i in range(MAX_SPLITS.bit_length())):
         decode_attention(q, k_cache, v_cache, out, tables, starts, ones, seq, scale,

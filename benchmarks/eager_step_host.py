@@ -1,16 +1,20 @@
-"""Where the host time of an eager step goes (steps with prompt tokens run without a CUDA graph).
+"""Where the host time of a step with prompt tokens goes, in a CUDA graph or eagerly.
 
     python benchmarks/eager_step_host.py [--preset qwen3-0.6b] [--prompt 512] [--decodes 32]
+    LAB_MIXED_GRAPHS=0 python benchmarks/eager_step_host.py     # the same step run eagerly
 
-Runs one mixed step (a prompt chunk plus one-token decodes) eagerly, prints its wall time and
-the GPU kernel time of the same step, then the host-side operations by self CPU time from
+Runs one mixed step (a prompt chunk plus one-token decodes), prints its wall time and the GPU
+kernel time of the same step, then the host-side operations by self CPU time from
 torch.profiler (Triton launches, torch ops, copies). A wall time far above the GPU time is a
-host-bound step: its duration follows the host's speed, not the batch.
+host-bound step: its duration follows the host's speed, not the batch. Such steps ran
+eagerly until the mixed-step graphs (backend/cuda_graphs.py); LAB_MIXED_GRAPHS=0 runs them
+that way again, for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from common import decode_inputs, device_line, engine_runner, step_wall
 
@@ -38,7 +42,8 @@ def main() -> None:
     gpu = sum(e.device_time_total for e in events if e.device_type.name == "CUDA") / args.steps
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
                                                          "cuLaunchKernelEx")) / args.steps
-    print(f"# eager step host time, {args.preset}, prompt {args.prompt} + {args.decodes} "
+    how = "eager" if os.environ.get("LAB_MIXED_GRAPHS") == "0" else "graphed"
+    print(f"# {how} step host time, {args.preset}, prompt {args.prompt} + {args.decodes} "
           f"decodes, {device_line()}")
     print(f"step wall {wall * 1e3:.3f} ms; GPU kernel time {gpu / 1e3:.3f} ms; "
           f"kernel launches per step {launches:.0f}")

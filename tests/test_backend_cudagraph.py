@@ -56,7 +56,9 @@ def test_graph_sizes_cut_at_max_num_seqs():
     with pytest.raises(ValueError):
         graph_sizes(0)
     assert graph_sizes(8192, DEFAULT_TOKEN_SIZES) == list(DEFAULT_TOKEN_SIZES)
-    assert graph_sizes(2000, DEFAULT_TOKEN_SIZES)[-3:] == [1280, 1536, 2000]  # budget 2000 fits
+    assert graph_sizes(2000, DEFAULT_TOKEN_SIZES)[-3:] == [1920, 1984, 2000]  # budget 2000 fits
+    assert graph_sizes(128, DEFAULT_TOKEN_SIZES) == [16, 32, 64, 96, 128]
+    assert graph_sizes(1200, DEFAULT_TOKEN_SIZES)[16:21] == [512, 544, 576, 608, 640]
     assert graph_sizes(16384, DEFAULT_TOKEN_SIZES)[-1] == 8192  # larger steps run eagerly
     assert graph_sizes(100, ()) == []  # no mixed graphs
 
@@ -147,30 +149,30 @@ def test_stage_pads_to_the_size(qwen3_dir):
 @needs_triton
 def test_stage_mixed_pads_to_the_token_size(qwen3_dir):
     graphs = make_runner(qwen3_dir, cuda_graphs=True).graphs
-    assert graphs.token_sizes == [64, 128] and graphs.max_seqs == 8
+    assert graphs.token_sizes == [16, 32, 64, 96, 128] and graphs.max_seqs == 8
     seqs = [
         SeqInput([1, 2, 3], 5, [7, 2], True),  # a chunk over a 5-token prefix
         SeqInput([21], 4, [3, 0], False),  # a decode, not sampled
         SeqInput([5, 6], 0, [9], True),  # a new prompt
     ]
-    assert graphs.token_size_for(seqs) == 64 and graphs.size_for(seqs) is None
-    assert graphs.token_size_for([SeqInput([1] * 65, 0, [0] * 17, True)]) == 128
+    assert graphs.token_size_for(seqs) == 16 and graphs.size_for(seqs) is None
+    assert graphs.token_size_for([SeqInput([1] * 65, 0, [0] * 17, True)]) == 96
     assert graphs.token_size_for([SeqInput([1] * 129, 0, [0] * 33, True)]) is None
     assert graphs.token_size_for([SeqInput([1], 0, [0], True)] * 9) is None  # 9 > 8 seqs
-    last_rows = graphs.stage_mixed(seqs, 64)
+    last_rows = graphs.stage_mixed(seqs, 16)
     assert last_rows.tolist() == [2, 5]  # last fed rows of seqs 0 and 2
     assert graphs.input_ids[:8].tolist() == [1, 2, 3, 21, 5, 6, 0, 0]
     assert graphs.positions[:8].tolist() == [5, 6, 7, 4, 0, 1, 0, 0]
     # seq 0: positions 5-7 in block 2 (slots 9-11); seq 1: position 4 in block 0 (slot 0);
     # seq 2: positions 0-1 in block 9 (slots 36-37); padding rows write nowhere.
-    assert graphs.slot_mapping[:64].tolist() == [9, 10, 11, 0, 36, 37] + [-1] * 58
+    assert graphs.slot_mapping[:16].tolist() == [9, 10, 11, 0, 36, 37] + [-1] * 10
     assert graphs.mixed_query_start_loc.tolist() == [0, 3, 4, 6, 6, 6, 6, 6, 6]
     assert graphs.seq_lens[:3].tolist() == [8, 5, 2]
     assert graphs.block_tables[:2, :2].tolist() == [[7, 2], [3, 0]]
     assert graphs.block_tables[2, 0].item() == 9  # one block; the next column is never read
-    meta = graphs.mixed_metadata(64)
-    assert meta.decode_seq_idx.tolist() == [1] + [-1] * 7  # min(64 tokens, 8 seqs) rows
-    assert meta.prefill_tiles.tolist() == [[0, 0], [2, 0]] + [[-1, -1]] * 7  # 64 / 64 + 8 rows
+    meta = graphs.mixed_metadata(16)
+    assert meta.decode_seq_idx.tolist() == [1] + [-1] * 7  # min(16 tokens, 8 seqs) rows
+    assert meta.prefill_tiles.tolist() == [[0, 0], [2, 0]] + [[-1, -1]] * 7  # 1 + min(8, 16 // 2)
     assert meta.decode_splits == 16  # 8 rows x 2 kv heads: the cap
 
 
@@ -303,7 +305,7 @@ def test_padded_paths_match_eager(which, qwen3_dir, smollm2_dir):
     padded.graphs.stage_mixed = lambda seqs, n: (tokens.append(n), stage_mixed(seqs, n))[1]
     padded_logits, padded_tokens = run_steps(padded)
     assert sizes == [4, 4, 1, 2]  # the decode-only steps took the padded decode path
-    assert tokens == [64, 64]  # the steps with prompt tokens (41 and 15) the mixed one
+    assert tokens == [64, 16]  # the steps with prompt tokens (41 and 15) the mixed one
     assert padded_tokens == eager_tokens
     for got, ref in zip(padded_logits, eager_logits, strict=True):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
@@ -333,7 +335,8 @@ def test_captured_graphs_match_eager_on_gpu(which, dtype, qwen3_dir, smollm2_dir
     graphed = make_runner(model_dir, cuda_graphs=True, dtype=dtype)
     assert graphed.graphs is not None, "capture failed (see the printed line)"
     assert sorted(graphed.graphs.graphs) == [("decode", 1), ("decode", 2), ("decode", 4),
-                                             ("decode", 8), ("mixed", 64), ("mixed", 128)]
+                                             ("decode", 8), ("mixed", 16), ("mixed", 32),
+                                             ("mixed", 64), ("mixed", 96), ("mixed", 128)]
     graphed_logits, graphed_tokens = run_steps(graphed)
     assert_padding_wrote_nothing(graphed)
     tol = 1e-4 if dtype == "float32" else 5e-2

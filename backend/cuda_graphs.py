@@ -14,10 +14,14 @@ share one set of static buffers and one memory pool:
   (prefill chunks, decodes, or both). The attention kernels' grids are fixed by the size:
   prefill runs over a padded tile table (``ceil(T / 64) + min(max_num_seqs, T // 2)``
   rows, enough for any step of ``T`` tokens, see
-  :func:`backend.attention.base.prefill_tiles`), decode over ``min(T, max_num_seqs)``
-  padded rows with a fixed split count (:func:`mixed_splits`). Padding entries are -1 and
-  the kernels skip them. The graph ends at the final norm; the logits of the sampled rows
-  are computed after it (their number varies).
+  :func:`backend.attention.base.prefill_tiles`), decode over a fixed number of padded rows
+  with a split count fixed by it (:func:`mixed_splits`). Each token count has two
+  variants: ``min(T, 32)`` decode rows with 16 splits, for steps with few decodes, and
+  ``min(T, max_num_seqs)`` rows with fewer (2 at 256 rows, 8 kv heads). With one variant
+  only, a few decodes ran in 2 splits each, so one long context set the kernel's time: on
+  the Azure code trace, 2k-token chunks with ~11 decodes took 13.1 ms where the profile
+  (uniform contexts) predicted 11.7 ms. Padding entries are -1 and the kernels skip them. The graph ends at the final norm; the logits of the sampled
+  rows are computed after it (their number varies).
 
 Static buffers, allocated once: token rows (input ids, positions, slot mapping) for the
 largest size of either family; sequence rows (seq lens, ``seq_start_loc``, block tables
@@ -76,6 +80,7 @@ DEFAULT_TOKEN_SIZES = (16,) + tuple(range(32, 512, 32)) + tuple(
     (1 << k) + i * (1 << k) // 16 for k in range(9, 13) for i in range(16)
 ) + (8192,)  # fmt: skip
 MIXED_DECODE_PROGRAMS = 4096  # most (decode row, kv head, split) programs of a mixed graph
+FEW_DECODES = 32  # decode rows of the mixed graphs' variant for steps with few decodes
 
 
 def graph_sizes(max_num_seqs: int, sizes: Sequence[int] = DEFAULT_GRAPH_SIZES) -> list[int]:
@@ -171,7 +176,7 @@ class StepGraphs:
         # Mixed graphs' per-step buffers (sized for the largest token size).
         big = self.token_sizes[-1] if self.token_sizes else 0
         self.mixed_query_start_loc = torch.zeros(rows + 1, dtype=torch.int32, device=dev)
-        self.mixed_decode_idx = torch.full((self.decode_rows(big),), -1, dtype=torch.int32,
+        self.mixed_decode_idx = torch.full((self.decode_rows(big)[-1],), -1, dtype=torch.int32,
                                            device=dev)  # fmt: skip
         self.mixed_tiles = torch.full((self.tile_rows(big), 2), -1, dtype=torch.int32,
                                       device=dev)  # fmt: skip
@@ -185,16 +190,18 @@ class StepGraphs:
         self._tables = np.zeros((rows, self.max_blocks), dtype=np.int32)
         self._row_lists: list[list[int]] = []
         self._row_lens = np.zeros(rows, dtype=np.int64)
-        # ("decode", size) or ("mixed", tokens) -> graph, and its static output: logits
-        # (size, vocab) float32 for decode graphs, a view of ``hidden`` for mixed graphs.
-        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        # ("decode", size, size) or ("mixed", tokens, decode rows) -> graph, and its static
+        # output: logits (size, vocab) float32 for decode graphs, a view of ``hidden`` for
+        # mixed graphs.
+        self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[str, int, int], torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
-    def decode_rows(self, tokens: int) -> int:
-        """Decode rows of the mixed graph of ``tokens`` tokens: one per token, at most one
-        per sequence."""
-        return min(tokens, self.max_seqs)
+    def decode_rows(self, tokens: int) -> list[int]:
+        """Decode rows of the mixed graphs of ``tokens`` tokens, ascending: one variant for
+        few decodes (``FEW_DECODES``), one for any number (one per token, at most one per
+        sequence); a single entry when the two coincide."""
+        return sorted({min(tokens, FEW_DECODES, self.max_seqs), min(tokens, self.max_seqs)})
 
     def tile_rows(self, tokens: int) -> int:
         """Prefill tile rows of the mixed graph of ``tokens`` tokens: chunks of ``q_i >= 2``
@@ -229,7 +236,7 @@ class StepGraphs:
         size = self.size_for(seqs)
         if size is not None:
             self.stage(seqs, size)
-            logits = self._replay(("decode", size))
+            logits = self._replay(("decode", size, size))
             if len(sampled) == len(seqs):
                 return sampled, temps, logits[: len(seqs)]
             index = torch.tensor(sampled, dtype=torch.long).to(self.device)
@@ -237,8 +244,10 @@ class StepGraphs:
         tokens = self.token_size_for(seqs)
         if tokens is None:
             return None
-        last_rows = self.stage_mixed(seqs, tokens)
-        hidden = self._replay(("mixed", tokens))
+        decodes = sum(len(s.token_ids) == 1 for s in seqs)
+        rows = next(r for r in self.decode_rows(tokens) if r >= decodes)
+        last_rows = self.stage_mixed(seqs, tokens, rows)
+        hidden = self._replay(("mixed", tokens, rows))
         return sampled, temps, self.model.compute_logits(hidden[last_rows])
 
     def stage(self, seqs: list[SeqInput], size: int) -> None:
@@ -281,10 +290,12 @@ class StepGraphs:
         self.seq_start_loc[: size + 1].copy_(lens_d[size:])
         self.block_tables[:size, :width].copy_(tables_d)
 
-    def stage_mixed(self, seqs: list[SeqInput], tokens: int) -> torch.Tensor:
+    def stage_mixed(self, seqs: list[SeqInput], tokens: int,
+                    decode_rows: int | None = None) -> torch.Tensor:  # fmt: skip
         """Validate any step (ValueError as :meth:`stage`) and write it, padded to
-        ``tokens`` token rows, into the static buffers of the mixed graphs. Returns the
-        device rows (num_sampled,) int64 of the sampled sequences' last fed tokens."""
+        ``tokens`` token rows and ``decode_rows`` (default: the most of that size),
+        into the static buffers of the mixed graphs. Returns the device rows (num_sampled,)
+        int64 of the sampled sequences' last fed tokens."""
         n, bs = len(seqs), self.block_size
         q = np.fromiter(map(len, (s.token_ids for s in seqs)), dtype=np.int64, count=n)
         total = int(q.sum())
@@ -310,7 +321,8 @@ class StepGraphs:
         t[2, :total] = tb[row, positions // bs] * bs + positions % bs
         # Sequence-level int32 values, packed for one copy: seq lens (max_seqs),
         # seq_start_loc and query_start_loc (max_seqs + 1 each), decode rows, tile table.
-        rows, dec, nt = self.max_seqs, self.decode_rows(tokens), self.tile_rows(tokens)
+        rows, nt = self.max_seqs, self.tile_rows(tokens)
+        dec = decode_rows or self.decode_rows(tokens)[-1]
         sampled = np.fromiter((i for i, s in enumerate(seqs) if s.sample), dtype=np.int64)
         packed = self._host((3 * rows + 2 + dec + 2 * nt + len(sampled),), torch.int32)
         p = packed.numpy()
@@ -438,12 +450,14 @@ class StepGraphs:
             max_seq_len=self.max_model_len,
         )
 
-    def mixed_metadata(self, tokens: int) -> AttentionMetadata:
-        """Attention metadata of the mixed graph of ``tokens`` tokens: every sequence row,
-        padded decode rows and tile table (-1 entries are skipped)."""
-        rows, dec, nt = self.max_seqs, self.decode_rows(tokens), self.tile_rows(tokens)
+    def mixed_metadata(self, tokens: int, decode_rows: int | None = None) -> AttentionMetadata:
+        """Attention metadata of the mixed graph of ``tokens`` tokens and ``decode_rows``
+        (default: the most of that size): every sequence row, padded decode rows and tile
+        table (-1 entries are skipped)."""
         from backend.attention.triton_kernels import MAX_SPLITS  # triton: graphs need it
 
+        rows, nt = self.max_seqs, self.tile_rows(tokens)
+        dec = decode_rows or self.decode_rows(tokens)[-1]
         tiles = self.mixed_tiles[:nt]
         num_kv_heads = self.kv_cache.layers[0][0].shape[2]
         return AttentionMetadata(
@@ -464,9 +478,9 @@ class StepGraphs:
             decode_splits=mixed_splits(dec, num_kv_heads, MAX_SPLITS),
         )
 
-    def _forward(self, key: tuple[str, int]) -> torch.Tensor:
-        kind, size = key
-        meta = self.metadata(size) if kind == "decode" else self.mixed_metadata(size)
+    def _forward(self, key: tuple[str, int, int]) -> torch.Tensor:
+        kind, size, rows = key
+        meta = self.metadata(size) if kind == "decode" else self.mixed_metadata(size, rows)
         hidden = self.model(
             self.input_ids[:size], self.positions[:size], self.kv_cache.layers, meta
         )  # fmt: skip
@@ -474,7 +488,7 @@ class StepGraphs:
             return self.hidden[:size].copy_(hidden)  # (tokens, hidden)
         return self.model.compute_logits(hidden)  # (size, vocab) float32
 
-    def _replay(self, key: tuple[str, int]) -> torch.Tensor:
+    def _replay(self, key: tuple[str, int, int]) -> torch.Tensor:
         if not self.capture:
             return self._forward(key)
         if key not in self.graphs:
@@ -482,7 +496,7 @@ class StepGraphs:
         self.graphs[key].replay()
         return self.outputs[key]
 
-    def _set_padding(self, key: tuple[str, int]) -> None:
+    def _set_padding(self, key: tuple[str, int, int]) -> None:
         """Make every row the graph ``key`` reads padding (used before warm-up and capture)."""
         size = key[1]
         self.input_ids[:size].zero_()
@@ -499,14 +513,15 @@ class StepGraphs:
     def capture_all(self) -> None:
         """Capture every size: mixed then decode, largest first (smaller graphs reuse the
         pool's memory)."""
-        keys = [("mixed", t) for t in reversed(self.token_sizes)]
-        keys += [("decode", s) for s in reversed(self.sizes)]
+        keys = [("mixed", t, r) for t in reversed(self.token_sizes)
+                for r in reversed(self.decode_rows(t))]  # fmt: skip
+        keys += [("decode", s, s) for s in reversed(self.sizes)]
         for key in keys:
             if key not in self.graphs:
                 self.capture_one(key)
 
     @torch.inference_mode()
-    def capture_one(self, key: tuple[str, int]) -> None:
+    def capture_one(self, key: tuple[str, int, int]) -> None:
         self._set_padding(key)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))

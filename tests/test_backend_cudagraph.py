@@ -177,6 +177,22 @@ def test_stage_mixed_pads_to_the_token_size(qwen3_dir):
 
 
 @needs_triton
+def test_mixed_steps_with_few_decodes_take_the_many_split_variant(qwen3_dir):
+    runner = make_runner(qwen3_dir, cuda_graphs=True, max_num_seqs=64, max_tokens=96)
+    graphs = runner.graphs
+    assert graphs.decode_rows(16) == [16] and graphs.decode_rows(96) == [32, 64]
+    assert graphs.mixed_metadata(96, 32).decode_splits == 16  # 32 rows x 2 kv heads x 16
+    assert graphs.mixed_metadata(96, 64).decode_splits == 16  # 64 x 2 x 16 = 2048 <= 4096
+    assert mixed_splits(64, 8, 16) == 8  # with Qwen3-0.6B's 8 kv heads: fewer
+    rows, stage_mixed = [], graphs.stage_mixed
+    graphs.stage_mixed = lambda seqs, n, r: (rows.append((n, r)), stage_mixed(seqs, n, r))[1]
+    prompt = SeqInput(list(range(20)), 0, [63, 62, 61, 60, 59], True)
+    for decodes in (3, 32, 33):  # one token at position 0 of block i each
+        runner.execute([prompt] + [SeqInput([i], 0, [i], True) for i in range(decodes)])
+    assert rows == [(32, 32), (64, 32), (64, 64)]  # 23 tokens (3 decodes), 52 (32), 53 (33)
+
+
+@needs_triton
 def test_stage_converts_only_what_changed(qwen3_dir):
     # Block tables are staged incrementally (a host mirror keyed by the list objects of the
     # last step): whatever the rows did in between, the device tables must hold every
@@ -302,7 +318,7 @@ def test_padded_paths_match_eager(which, qwen3_dir, smollm2_dir):
     sizes, stage = [], padded.graphs.stage
     padded.graphs.stage = lambda seqs, size: (sizes.append(size), stage(seqs, size))
     tokens, stage_mixed = [], padded.graphs.stage_mixed
-    padded.graphs.stage_mixed = lambda seqs, n: (tokens.append(n), stage_mixed(seqs, n))[1]
+    padded.graphs.stage_mixed = lambda seqs, n, r: (tokens.append(n), stage_mixed(seqs, n, r))[1]
     padded_logits, padded_tokens = run_steps(padded)
     assert sizes == [4, 4, 1, 2]  # the decode-only steps took the padded decode path
     assert tokens == [64, 16]  # the steps with prompt tokens (41 and 15) the mixed one
@@ -334,9 +350,10 @@ def test_captured_graphs_match_eager_on_gpu(which, dtype, qwen3_dir, smollm2_dir
     eager_logits, eager_tokens = run_steps(eager)
     graphed = make_runner(model_dir, cuda_graphs=True, dtype=dtype)
     assert graphed.graphs is not None, "capture failed (see the printed line)"
-    assert sorted(graphed.graphs.graphs) == [("decode", 1), ("decode", 2), ("decode", 4),
-                                             ("decode", 8), ("mixed", 16), ("mixed", 32),
-                                             ("mixed", 64), ("mixed", 96), ("mixed", 128)]
+    assert sorted(graphed.graphs.graphs) == [
+        ("decode", 1, 1), ("decode", 2, 2), ("decode", 4, 4), ("decode", 8, 8),
+        ("mixed", 16, 8), ("mixed", 32, 8), ("mixed", 64, 8), ("mixed", 96, 8), ("mixed", 128, 8),
+    ]  # fmt: skip
     graphed_logits, graphed_tokens = run_steps(graphed)
     assert_padding_wrote_nothing(graphed)
     tol = 1e-4 if dtype == "float32" else 5e-2
@@ -360,6 +377,9 @@ def test_captured_graphs_with_default_sizes_on_gpu(qwen3_dir):
     assert runner.graphs is not None
     assert sorted(k[1] for k in runner.graphs.graphs if k[0] == "decode") == [1, 2, 4, 8, 16,
                                                                               32, 48, 64]
+    # Mixed graphs: up to 32 decode rows (16 splits) and up to 64 (fewer), from 64 tokens.
+    assert {k[1:] for k in runner.graphs.graphs if k[0] == "mixed" and k[1] <= 96} == {
+        (16, 16), (32, 32), (64, 32), (64, 64), (96, 32), (96, 64)}
     eager = make_runner(qwen3_dir, cuda_graphs=False, max_num_seqs=64)
     seqs = [SeqInput([i % 200], i % 4, [i], True) for i in range(33)]  # block i, position < 4
     prefill = [SeqInput(list(range(s.start_pos)) or [0], 0, s.block_table, False) for s in seqs]

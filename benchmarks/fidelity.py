@@ -322,43 +322,52 @@ that step's exact batch): median {step_p50:.1f}%, P90 {step_p90:.1f}% (absolute)
 ![TTFT CDFs, real vs simulated](fidelity/ttft_cdf.png)
 
 {repeat}
-## Why targets are missed (engine runs of 2026-11-29, engine at commit 47168ac)
+## Why targets are missed (engine runs of 2026-11-30, engine at commit da8fab5)
 
-The targets are below the engine's own reproducibility on this machine. Replayed a second
-time, the same config and seed, the engine itself misses P50/P90 <= 5% in most runs (table
-above): the median of its own error is 6-20% depending on the metric, up to 75% for one
-TTFT P90. Across starts of the device machine it moves more: the conversation slice's
-measured capacity was 29.1 req/s in the previous session's runs and 25.3 req/s in these.
-The simulator's median errors are of the same size as the engine's own spread for most
-metrics.
+Since da8fab5 every step of up to 8,192 tokens replays a CUDA graph: decode-only steps one
+per batch size, steps with prompt tokens one per token count (`backend/cuda_graphs.py`).
+Before, steps with prompt tokens ran eagerly and were host-bound: a 512-token chunk plus 32
+decodes took 12.5 ms of wall time for 3.5 ms of GPU time, now 4.3 ms for 3.6 ms
+(`python benchmarks/eager_step_host.py`, with and without `LAB_MIXED_GRAPHS=0`), and their
+duration followed the host's load (1.7x between two passes of one run). The previous
+report (engine 47168ac, all else the same) met P50/P90 <= 5% in 1 of 18 runs, P99 <= 10% in
+4 and throughput <= 3% in 13, with median errors of 17% (TTFT P50), 7.6% (TPOT P50), 13%
+(E2E P50) and 1.8% (throughput); the tables above are the same comparison on the graphed
+engine.
 
-Where the spread comes from: steps with prompt tokens run eagerly (no CUDA graph), and an
-eager step is host-bound. `python benchmarks/eager_step_host.py` on the H200: a step of a
-512-token prompt chunk plus 32 decodes takes 12.6 ms of wall time for 3.5 ms of GPU kernel
-time, 333 kernel launches, about 2 ms of it in the host side of `aten::mm` alone. Its
-duration therefore follows the host's load: in the two passes above the median step with
-prompt tokens differs by up to 1.7x for the same run (conv_0.95 fcfs: 17.1 ms vs 10.5 ms),
-and two profiles of the same grid on two starts of the device machine put a 16-token
-prefill step at 9.8 ms and at 12.0-12.8 ms (`profiles/h200_qwen3-0.6b.csv` and
-`docs/fidelity/profile_second_start.csv`). Decode-only steps replay a CUDA graph and
-vary less: their medians moved by 0-20% between the passes. The last column of the first
-table sums the model's predictions over a run's real steps and divides by their measured
-sum: where it is far from 1.00, the machine ran that run slower or faster than the rest.
+What is left is mostly the engine's own spread: the simulator's median errors are now
+within a few points of the engine's error against itself (second table), and the engine
+itself meets P50/P90 <= 5% in only a few runs. Identical decode-only steps vary between
+runs: on the code slice (on average 4 decodes over 4.1k-token contexts) their median is
+2.13, 2.41, 2.45 and 2.24 ms in the first and repeated runs at 50% and 95% load, a 15%
+spread the workload does not explain. The last column of the first table sums the model's
+predictions over a run's real steps and divides by their measured sum: where it is far
+from 1.00 (0.88 for code_0.95 fcfs and swap), the machine ran that run slower than the
+runs the model was fitted to.
 
-Under KV pressure (the conversation slice: 2,048 blocks, 1-12 preemptions per run) one
-early difference in a step's time changes which request is evicted, after which the two
-schedules differ (compare the preemption counts, also between the engine's own two runs);
-and with 200 requests per slice a run's P99 is its two slowest requests.
+Errors the simulator itself makes:
 
-Found and fixed on the way (benchmarks/eager_step_drift.py): Python's garbage collector
-rescanning the engine's objects in full collections made eager steps take 13-20 ms instead
-of 11 ms; the replay loop now freezes the objects that exist before it starts
-(lab/replay.py).
+* Decode-only steps of 17-64 sequences with long, uneven contexts (the code slice) take
+  about 4.0 ms where the model predicts 3.0 (40 steps per run). The decode graph fixes its
+  split count by the batch size (4 splits at 32 rows), so the longest context divided by 4
+  sets the kernel's time, while the profile's decode rows have uniform contexts and the
+  cost model sees the sum of the contexts only. The same effect in mixed steps is why
+  da8fab5 gives each token count a variant with 16 splits for up to 32 decodes: on
+  code_0.8 chunked_prefill, predicted over measured time of the steps with prompt tokens
+  went from 0.92 to 1.02. Left: a maximum-context feature (recorded by the engine, computed
+  by the simulator, profiled with uneven batches) or more splits for short batches with
+  long contexts.
+* Under KV pressure (the conversation slice: 2,048 blocks, 3-12 preemptions per engine
+  run) one early difference in a step's time changes which request is evicted, after which
+  the two schedules differ (compare the preemption counts, also between the engine's own
+  two runs); and with 200 requests per slice a run's P99 is its two slowest requests.
 
-Not done: CUDA graphs for steps with prompt tokens (a static tile schedule for the prefill
-kernel, or graphs of the pieces between attention calls, as vLLM's piecewise graphs),
-which would take the host out of those steps and most of the spread with it; more
-requests per slice; a fidelity run for the Llama-3.1-8B shape (profiled, not replayed).
+Found and fixed on the way: Python's garbage collector rescanning the engine's objects in
+full collections made eager steps take 13-20 ms instead of 11 ms; the replay loop freezes
+the objects that exist before it starts (lab/replay.py, benchmarks/eager_step_drift.py).
+
+Not done: more requests per slice; a fidelity run for the Llama-3.1-8B shape (profiled
+before the mixed-step graphs, not replayed).
 """
 
 

@@ -5,7 +5,7 @@
 Step time is linear in features with a physical meaning (lab.plan.StepFeatures):
 
     t = c0 * [decode-only step]             fixed cost of a CUDA-graph decode step
-      + c1 * [step with prompt tokens]      fixed cost of an eager step (kernel launches)
+      + c1 * [step with prompt tokens]      fixed cost of a step with prompt tokens
       + c2 * sequences                      per-sequence input preparation and sampling
       + c3 * tokens + c4 * max(0, tokens - 2048)
                                             linear layers: flat while weight-read bound,
@@ -17,8 +17,10 @@ Step time is linear in features with a physical meaning (lab.plan.StepFeatures):
       + c8 * prefill (query, key) pairs     attention work of prompt chunks
       + c9 * swapped blocks                 host-link copies
 
-The two intercepts are the engine's two launch regimes (decode-only steps replay a CUDA
-graph, steps with prompt tokens run eagerly); the hinge makes the token term piecewise
+The two intercepts are the engine's two kinds of step: decode-only steps replay a CUDA
+graph per batch size; steps with prompt tokens replay one per token count (eagerly above
+8,192 tokens, backend/cuda_graphs.py), with a prefill kernel and the sampled rows' logits
+after the graph; the hinge makes the token term piecewise
 linear, a roofline's turn from memory- to compute-bound. Coefficients are non-negative and
 fitted by least squares on relative error (each row divided by its duration), so short
 decode steps weigh as much as long prefills. The profile is the data; the fit is redone on

@@ -2,7 +2,8 @@
 
 A step of a small model is launch-bound: ~10 kernels per layer, each a few microseconds of
 GPU work behind tens of microseconds of Python and launcher overhead (a 512-token chunk plus
-32 decodes on Qwen3-0.6B: 12.6 ms of host time for 3.5 ms of GPU work, BENCHMARKS.md). A
+32 decodes on Qwen3-0.6B, eagerly: 12.5 ms of wall time for 3.5 ms of GPU work; in a graph
+4.3 ms, BENCHMARKS.md). A
 CUDA graph records the forward once per size and replays it with one launch. Two families
 share one set of static buffers and one memory pool:
 
@@ -20,8 +21,9 @@ share one set of static buffers and one memory pool:
   ``min(T, max_num_seqs)`` rows with fewer (2 at 256 rows, 8 kv heads). With one variant
   only, a few decodes ran in 2 splits each, so one long context set the kernel's time: on
   the Azure code trace, 2k-token chunks with ~11 decodes took 13.1 ms where the profile
-  (uniform contexts) predicted 11.7 ms. Padding entries are -1 and the kernels skip them. The graph ends at the final norm; the logits of the sampled
-  rows are computed after it (their number varies).
+  (uniform contexts) predicted 11.7 ms. Padding entries are -1 and the kernels skip them.
+  The graph ends at the final norm; the logits of the sampled rows are computed after it
+  (their number varies).
 
 Static buffers, allocated once: token rows (input ids, positions, slot mapping) for the
 largest size of either family; sequence rows (seq lens, ``seq_start_loc``, block tables
@@ -182,8 +184,8 @@ class StepGraphs:
                                       device=dev)  # fmt: skip
         # The mixed graphs' output: final hidden states, copied here at each graph's end so
         # the graphs' own activations (pool memory) are not kept per graph.
-        self.hidden = torch.zeros(big, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype,
-                                  device=dev)  # fmt: skip
+        self.hidden = torch.zeros(big, model.config.hidden_size,
+                                  dtype=model.embed_tokens.weight.dtype, device=dev)  # fmt: skip
         # Host mirror of the block tables staged last step (see the module doc): the rows,
         # the list each row was converted from (kept referenced, so ids stay unique) and
         # how many of its entries the row holds.
@@ -319,16 +321,15 @@ class StepGraphs:
         width = int(nblocks.max())
         tb = self._stage_tables(seqs, nblocks, width)
         t[2, :total] = tb[row, positions // bs] * bs + positions % bs
-        # Sequence-level int32 values, packed for one copy: seq lens (max_seqs),
-        # seq_start_loc and query_start_loc (max_seqs + 1 each), decode rows, tile table.
+        # Sequence-level int32 values, packed for one copy: seq lens, seq_start_loc,
+        # query_start_loc, decode rows, tile table, the sampled sequences' last rows.
         rows, nt = self.max_seqs, self.tile_rows(tokens)
         dec = decode_rows or self.decode_rows(tokens)[-1]
         sampled = np.fromiter((i for i, s in enumerate(seqs) if s.sample), dtype=np.int64)
-        packed = self._host((3 * rows + 2 + dec + 2 * nt + len(sampled),), torch.int32)
-        p = packed.numpy()
-        lens, seq_start, qstart = p[:rows], p[rows : 2 * rows + 1], p[2 * rows + 1 : 3 * rows + 2]
-        decodes = p[3 * rows + 2 : 3 * rows + 2 + dec]
-        tiles = p[3 * rows + 2 + dec : 3 * rows + 2 + dec + 2 * nt].reshape(nt, 2)
+        sizes = [rows, rows + 1, rows + 1, dec, 2 * nt, len(sampled)]
+        packed = self._host((sum(sizes),), torch.int32)
+        lens, seq_start, qstart, decodes, tiles, last = np.split(packed.numpy(),
+                                                                 np.cumsum(sizes)[:-1])
         lens[:] = 1
         lens[:n] = start + q
         seq_start[0] = 0
@@ -336,29 +337,28 @@ class StepGraphs:
         qstart[: n + 1] = qsl
         qstart[n + 1 :] = total  # rows of no sequence: empty
         decode_idx = np.flatnonzero(q == 1)
+        step_tiles = prefill_tiles(q)
+        assert len(decode_idx) <= dec and len(step_tiles) <= nt, "mixed graph rows too few"
         decodes[:] = -1
         decodes[: len(decode_idx)] = decode_idx
-        step_tiles = prefill_tiles(q)
         tiles[:] = -1
-        tiles[: len(step_tiles)] = step_tiles
-        assert len(decode_idx) <= dec and len(step_tiles) <= nt, "mixed graph rows too few"
-        p[3 * rows + 2 + dec + 2 * nt :] = qsl[1:][sampled] - 1
+        tiles.reshape(nt, 2)[: len(step_tiles)] = step_tiles
+        last[:] = qsl[1:][sampled] - 1
         table = self._host((n, width), torch.int32)
         table.numpy()[:] = tb[:n, :width]
         host_d = host.to(self.device, non_blocking=True)
-        packed_d = packed.to(self.device, non_blocking=True)
+        parts = packed.to(self.device, non_blocking=True).split(sizes)
         table_d = table.to(self.device, non_blocking=True)
         self.input_ids[:tokens].copy_(host_d[0])
         self.positions[:tokens].copy_(host_d[1])
         self.slot_mapping[:tokens].copy_(host_d[2])
-        self.seq_lens.copy_(packed_d[:rows])
-        self.seq_start_loc.copy_(packed_d[rows : 2 * rows + 1])
-        self.mixed_query_start_loc.copy_(packed_d[2 * rows + 1 : 3 * rows + 2])
-        self.mixed_decode_idx[:dec].copy_(packed_d[3 * rows + 2 : 3 * rows + 2 + dec])
-        self.mixed_tiles[:nt].copy_(packed_d[3 * rows + 2 + dec : 3 * rows + 2 + dec + 2 * nt]
-                                    .view(nt, 2))  # fmt: skip
+        self.seq_lens.copy_(parts[0])
+        self.seq_start_loc.copy_(parts[1])
+        self.mixed_query_start_loc.copy_(parts[2])
+        self.mixed_decode_idx[:dec].copy_(parts[3])
+        self.mixed_tiles[:nt].copy_(parts[4].view(nt, 2))
         self.block_tables[:n, :width].copy_(table_d)
-        return packed_d[3 * rows + 2 + dec + 2 * nt :].long()
+        return parts[5].long()
 
     def _check_ranges(self, seqs: list[SeqInput], ids: np.ndarray, start: np.ndarray,
                       end: np.ndarray) -> None:  # fmt: skip

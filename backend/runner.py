@@ -66,8 +66,9 @@ class ModelRunner:
         max_num_batched_tokens: tokens of the warm-up forward that measures the activation
             peak (use the scheduler's token budget); the largest mixed-step graph size.
         max_num_seqs: most sequences in a step (the scheduler's); the largest CUDA graph size.
-        cuda_graphs: replay CUDA graphs for decode-only steps. None = on when the device is
-            CUDA and the backend is triton, unless the environment has LAB_CUDA_GRAPHS=0.
+        cuda_graphs: replay CUDA graphs for steps up to the largest sizes. None = on when
+            the device is CUDA and the backend is triton, unless the environment has
+            LAB_CUDA_GRAPHS=0 (LAB_MIXED_GRAPHS=0 keeps only the decode-only graphs).
             True on a non-CUDA device runs the same padded path without capture (tests).
         cuda_graph_sizes: candidate batch sizes of decode-only graphs (default
             DEFAULT_GRAPH_SIZES), cut at max_num_seqs.

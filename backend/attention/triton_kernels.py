@@ -7,11 +7,12 @@ works. Softmax is the online (flash) form in float32.
 
 Prefill: one program per (query tile, head), the tiles of all chunks listed in a tile table
 so the grid depends only on its length (CUDA graphs pad it); GQA heads re-read their kv head
-(from L2). Decode: one program per (sequence, kv head, context split): the query heads of a kv head
-are packed into one tile so K/V is read once per group, and long contexts are split across
-programs whose partial results a second kernel merges by log-sum-exp (flash-decoding: Dao,
-Haziza, Massa and Sizov, "Flash-Decoding for long-context inference", PyTorch blog, 2023), so
-batch 1 at 4k tokens still runs on every SM.
+(from L2). Decode: one program per (sequence, kv head, context split): the query heads of a
+kv head are packed into one tile so K/V is read once per group, and long contexts are split
+across programs whose partial results a second kernel merges by log-sum-exp
+(flash-decoding: Dao, Haziza, Massa and Sizov, "Flash-Decoding for long-context inference",
+PyTorch blog, 2023), so batch 1 at 4k tokens still runs on every SM. Sequence index -1 in
+either kernel's table is CUDA-graph padding: its programs return at once.
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU
 tensors through Triton's interpreter; the tests use that on small shapes.

@@ -237,6 +237,7 @@ class StepGraphs:
         temps = [seqs[i].temperature for i in sampled]
         size = self.size_for(seqs)
         if size is not None:
+            self._ensure_captured(("decode", size, size))
             self.stage(seqs, size)
             logits = self._replay(("decode", size, size))
             if len(sampled) == len(seqs):
@@ -248,6 +249,7 @@ class StepGraphs:
             return None
         decodes = sum(len(s.token_ids) == 1 for s in seqs)
         rows = next(r for r in self.decode_rows(tokens) if r >= decodes)
+        self._ensure_captured(("mixed", tokens, rows))
         last_rows = self.stage_mixed(seqs, tokens, rows)
         hidden = self._replay(("mixed", tokens, rows))
         return sampled, temps, self.model.compute_logits(hidden[last_rows])
@@ -272,7 +274,8 @@ class StepGraphs:
         width = int(nblocks.max())
         tb = self._stage_tables(seqs, nblocks, width)
         tb[n:size, 0] = 0  # padding rows read block 0
-        t[2, :n] = tb[np.arange(n), positions // bs] * bs + positions % bs
+        # int64 before the multiply: slots reach 2**31 in caches of 2**31 / block_size blocks
+        t[2, :n] = tb[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
         lens = self._host((2 * size + 1,), torch.int32)  # seq lens, then seq_start_loc
         ln = lens.numpy()
         ln[:size] = 1
@@ -320,7 +323,7 @@ class StepGraphs:
         nblocks = (start + q - 1) // bs + 1
         width = int(nblocks.max())
         tb = self._stage_tables(seqs, nblocks, width)
-        t[2, :total] = tb[row, positions // bs] * bs + positions % bs
+        t[2, :total] = tb[row, positions // bs].astype(np.int64) * bs + positions % bs
         # Sequence-level int32 values, packed for one copy: seq lens, seq_start_loc,
         # query_start_loc, decode rows, tile table, the sampled sequences' last rows.
         rows, nt = self.max_seqs, self.tile_rows(tokens)
@@ -399,8 +402,11 @@ class StepGraphs:
         if known.size:
             at = have[known] - 1
             rows = map(tables.__getitem__, known.tolist())
-            last = np.fromiter(map(operator.getitem, rows, at.tolist()), dtype=np.int64,
-                               count=known.size)  # fmt: skip
+            try:
+                last = np.fromiter(map(operator.getitem, rows, at.tolist()), dtype=np.int64,
+                                   count=known.size)  # fmt: skip
+            except OverflowError:  # rewritten in place to an id beyond int64
+                self._raise_invalid(seqs)
             have[known[last != tb[known, at]]] = 0
         want = np.minimum(lens, width)
         try:
@@ -488,11 +494,15 @@ class StepGraphs:
             return self.hidden[:size].copy_(hidden)  # (tokens, hidden)
         return self.model.compute_logits(hidden)  # (size, vocab) float32
 
+    def _ensure_captured(self, key: tuple[str, int, int]) -> None:
+        """Capture ``key`` if :meth:`capture_all` has not (before staging: a capture pads
+        every row)."""
+        if self.capture and key not in self.graphs:
+            self.capture_one(key)
+
     def _replay(self, key: tuple[str, int, int]) -> torch.Tensor:
         if not self.capture:
             return self._forward(key)
-        if key not in self.graphs:
-            self.capture_one(key)
         self.graphs[key].replay()
         return self.outputs[key]
 

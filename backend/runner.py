@@ -164,10 +164,11 @@ class ModelRunner:
             self.graphs = None
             print(f"CUDA graphs: capture failed, steps run eagerly: {e!r}", flush=True)
             return
-        mixed = f", {len(tokens)} token counts {tokens[0]}..{tokens[-1]}" if tokens else ""
+        families = [f"{len(v)} {what} {v[0]}..{v[-1]}"
+                    for what, v in (("decode batch sizes", sizes), ("token counts", tokens)) if v]
         print(
-            f"CUDA graphs: {len(sizes)} decode batch sizes {sizes[0]}..{sizes[-1]}{mixed} "
-            f"captured in {time.perf_counter() - t0:.1f} s",
+            f"CUDA graphs: {', '.join(families) or 'no sizes'} captured in "
+            f"{time.perf_counter() - t0:.1f} s",
             flush=True,
         )
 

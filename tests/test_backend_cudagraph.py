@@ -16,6 +16,7 @@ from backend.attention import triton_kernels  # noqa: E402
 from backend.cuda_graphs import (  # noqa: E402
     DEFAULT_GRAPH_SIZES,
     DEFAULT_TOKEN_SIZES,
+    StepGraphs,
     graph_sizes,
     mixed_splits,
     pick_size,
@@ -193,6 +194,37 @@ def test_mixed_steps_with_few_decodes_take_the_many_split_variant(qwen3_dir):
 
 
 @needs_triton
+def test_slots_beyond_int32(qwen3_dir):
+    # Block ids fit int32 but block * block_size may not (found by a reviewer: the slot
+    # wrapped negative, so the store kernel skipped the token). A cache object with 2**28
+    # blocks of 16: block 2**27 starts at slot 2**31.
+    runner = make_runner(qwen3_dir, cuda_graphs=True)
+
+    class BigCache:
+        gpu, layers, num_gpu_blocks = runner.kv_cache.gpu, runner.kv_cache.layers, 2**28
+
+    graphs = StepGraphs(runner.model, BigCache(), 16, 256, 256, [1], [16], 1, capture=False)
+    graphs.stage([SeqInput([1], 0, [2**27], True)], 1)
+    assert graphs.slot_mapping[0].item() == 2**31
+    graphs.stage_mixed([SeqInput([1, 2], 0, [2**27], True)], 16)
+    assert graphs.slot_mapping[:3].tolist() == [2**31, 2**31 + 1, -1]
+
+
+@needs_triton
+def test_capture_line_without_decode_sizes(qwen3_dir, capsys):
+    # Only mixed graphs (found by a reviewer: the start-up line indexed the decode sizes).
+    runner = ModelRunner(qwen3_dir, device=str(DEVICE), attention_backend="triton",
+                         block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS, swap_space_bytes=0,
+                         max_num_seqs=8, max_num_batched_tokens=64, cuda_graphs=True,
+                         cuda_graph_sizes=())  # fmt: skip
+    assert runner.graphs.sizes == [] and runner.graphs.token_sizes == [16, 32, 64]
+    runner.graphs.capture_all = lambda: None  # what a capture that succeeded returns
+    runner._capture_graphs()
+    assert "CUDA graphs: 3 token counts 16..64 captured in" in capsys.readouterr().out
+    assert runner.execute([SeqInput([5], 0, [1], True)])[0] is not None  # a mixed graph runs it
+
+
+@needs_triton
 def test_stage_converts_only_what_changed(qwen3_dir):
     # Block tables are staged incrementally (a host mirror keyed by the list objects of the
     # last step): whatever the rows did in between, the device tables must hold every
@@ -218,6 +250,9 @@ def test_stage_converts_only_what_changed(qwen3_dir):
     c[:] = [10, 11]  # rewritten in place, same length (outside the contract): last entry moved
     stage_and_check([SeqInput([1], 4, c, True), SeqInput([1], 9, a, True)])
     c[1] = NUM_BLOCKS  # and an id rewritten out of range is still refused
+    with pytest.raises(ValueError, match="seq 0: block ids must be in"):
+        graphs.stage([SeqInput([1], 4, c, True), SeqInput([1], 9, a, True)], 2)
+    c[1] = 2**63  # beyond int64, in the entry the last-entry check reads
     with pytest.raises(ValueError, match="seq 0: block ids must be in"):
         graphs.stage([SeqInput([1], 4, c, True), SeqInput([1], 9, a, True)], 2)
     c[1] = 11

@@ -52,7 +52,8 @@ class ModelRunner:
     """A model, its paged KV cache and swap space, driven one step at a time.
 
     Args:
-        model_dir: Hugging Face layout: config.json + *.safetensors (or a sharded index).
+        model_dir: Hugging Face layout: config.json + *.safetensors (or a sharded index);
+            ``~`` is expanded.
         device: "cpu" or "cuda[:N]".
         dtype: "float32", "bfloat16", "float16" (CUDA only), or "auto" (the checkpoint's).
         attention_backend: "torch" (reference), "triton" or "flash_attn".
@@ -95,6 +96,7 @@ class ModelRunner:
         cuda_graph_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
         cuda_graph_token_sizes: Sequence[int] = DEFAULT_TOKEN_SIZES,
     ) -> None:
+        model_dir = Path(model_dir).expanduser()
         self.config = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.config)

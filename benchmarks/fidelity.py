@@ -324,8 +324,9 @@ that step's exact batch): median {step_p50:.1f}%, P90 {step_p90:.1f}% (absolute)
 {repeat}
 ## Why targets are missed (engine runs of 2026-11-30, engine at commit da8fab5)
 
-Since da8fab5 every step of up to 8,192 tokens replays a CUDA graph: decode-only steps one
-per batch size, steps with prompt tokens one per token count (`backend/cuda_graphs.py`).
+Since 4572d25 every step of up to 8,192 tokens replays a CUDA graph: decode-only steps one
+per batch size, steps with prompt tokens one per token count (`backend/cuda_graphs.py`; two
+variants per token count since da8fab5).
 Before, steps with prompt tokens ran eagerly and were host-bound: a 512-token chunk plus 32
 decodes took 12.5 ms of wall time for 3.5 ms of GPU time, now 4.3 ms for 3.6 ms
 (`python benchmarks/eager_step_host.py`, with and without `LAB_MIXED_GRAPHS=0`), and their

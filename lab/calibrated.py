@@ -18,9 +18,9 @@ Step time is linear in features with a physical meaning (lab.plan.StepFeatures):
       + c9 * swapped blocks                 host-link copies
 
 The two intercepts are the engine's two kinds of step: decode-only steps replay a CUDA
-graph per batch size; steps with prompt tokens replay one per token count (eagerly above
-8,192 tokens, backend/cuda_graphs.py), with a prefill kernel and the sampled rows' logits
-after the graph; the hinge makes the token term piecewise
+graph per batch size, logits included; steps with prompt tokens replay one per token count
+(eagerly above 8,192 tokens, backend/cuda_graphs.py), which also runs the prefill kernel,
+and compute the sampled rows' logits after it; the hinge makes the token term piecewise
 linear, a roofline's turn from memory- to compute-bound. Coefficients are non-negative and
 fitted by least squares on relative error (each row divided by its duration), so short
 decode steps weigh as much as long prefills. The profile is the data; the fit is redone on

@@ -40,6 +40,9 @@ SMOLLM2_TINY = {  # SmolLM2's architecture (Llama, tied embeddings, GQA 3:1), ti
     "tie_word_embeddings": True,
 }
 BLOCK_SIZE = 4
+# Mixed-graph padding rows compute on whatever memory held (backend/cuda_graphs.py); under
+# the interpreter numpy may warn about an overflow there. Real rows are checked against eager.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 NUM_BLOCKS = 64
 
 
@@ -187,6 +190,7 @@ def test_mixed_steps_with_few_decodes_take_the_many_split_variant(qwen3_dir):
     assert mixed_splits(64, 8, 16) == 8  # with Qwen3-0.6B's 8 kv heads: fewer
     rows, stage_mixed = [], graphs.stage_mixed
     graphs.stage_mixed = lambda seqs, n, r: (rows.append((n, r)), stage_mixed(seqs, n, r))[1]
+    graphs._replay = lambda key: graphs.hidden[: key[1]]  # no forward: only the choice counts
     prompt = SeqInput(list(range(20)), 0, [63, 62, 61, 60, 59], True)
     for decodes in (3, 32, 33):  # one token at position 0 of block i each
         runner.execute([prompt] + [SeqInput([i], 0, [i], True) for i in range(decodes)])

@@ -16,12 +16,14 @@ share one set of static buffers and one memory pool:
   prefill runs over a padded tile table (``ceil(T / 64) + min(max_num_seqs, T // 2)``
   rows, enough for any step of ``T`` tokens, see
   :func:`backend.attention.base.prefill_tiles`), decode over a fixed number of padded rows
-  with a split count fixed by it (:func:`mixed_splits`). Each token count has two
-  variants: ``min(T, 32)`` decode rows with 16 splits, for steps with few decodes, and
-  ``min(T, max_num_seqs)`` rows with fewer (2 at 256 rows, 8 kv heads). With one variant
-  only, a few decodes ran in 2 splits each, so one long context set the kernel's time: on
-  the Azure code trace, 2k-token chunks with ~11 decodes took 13.1 ms where the profile
-  (uniform contexts) predicted 11.7 ms. Padding entries are -1 and the kernels skip them.
+  and work items (:meth:`StepGraphs.decode_items`, from :func:`mixed_splits` items a
+  row). Each token count has two variants: ``min(T, 32)`` decode rows with 16 items a row,
+  for steps with few decodes, and ``min(T, max_num_seqs)`` rows with fewer (2 at 256 rows,
+  8 kv heads). (With one variant and a fixed split count per decode, a few decodes ran in
+  2 splits each, so one long context set the kernel's time: on the Azure code trace,
+  2k-token chunks with ~11 decodes took 13.1 ms where the profile predicted 11.7 ms; the
+  work items now share any step's contexts evenly.) Padding entries are -1 and the kernels
+  skip them.
   The graph ends at the final norm; the logits of the sampled rows are computed after it
   (their number varies).
 
@@ -29,8 +31,9 @@ Static buffers, allocated once: token rows (input ids, positions, slot mapping) 
 largest size of either family; sequence rows (seq lens, ``seq_start_loc``, block tables
 ``(rows, ceil(max_model_len / block_size))``); the decode graphs' constants
 (``query_start_loc = arange``, ``decode_seq_idx = arange``); the mixed graphs'
-``query_start_loc``, decode index and tile table. Each step writes its values into them
-(host staging + ``copy_``).
+``query_start_loc``, decode index and tile table; the decode work items of either family
+(:func:`backend.attention.base.decode_work`, made on the host from the step's context
+lengths). Each step writes its values into them (host staging + ``copy_``).
 
 * Block tables are staged incrementally: a host mirror keeps what each row holds and the
   list it came from. A sequence whose ``block_table`` is the same list object as a row of
@@ -41,11 +44,10 @@ largest size of either family; sequence rows (seq lens, ``seq_start_loc``, block
   conversion is the cost this saves: staging a decode batch of 256 with 1k-token contexts
   took 1.17 ms of host time, now 0.30 ms (2-core dev box).
 * Padding token rows: token 0 at position 0, slot -1 (the Triton store kernel skips negative
-  slots, so they write nothing). Decode padding rows: seq len 1 over block table row
-  ``[0, ...]`` (they read one cached position of block 0 and the result is thrown away).
-  Mixed padding rows belong to no sequence: no attention program reads or writes for them,
-  so their outputs are whatever the memory held (row-wise ops keep that out of real rows).
-  Real blocks are never written.
+  slots, so they write nothing). Padding rows of either family get no decode work items
+  (decode padding rows keep seq len 1 over block table row ``[0, ...]``, never read), so
+  no attention program reads or writes for them and their outputs are whatever the memory
+  held (row-wise ops keep that out of real rows). Real blocks are never written.
 * Capture (CUDA): after the KV cache exists, mixed sizes then decode sizes, each family
   largest first, one shared memory pool; each size runs once eagerly on a side stream
   first (Triton compiles, cuBLAS warms up), with every row padding, so neither warm-up nor
@@ -68,7 +70,13 @@ import numpy as np
 import torch
 
 from backend.attention import AttentionMetadata
-from backend.attention.base import PREFILL_TILE_M, prefill_tiles
+from backend.attention.base import (
+    MAX_SPLITS,
+    PREFILL_TILE_M,
+    decode_items,
+    decode_work,
+    prefill_tiles,
+)
 from backend.inputs import SeqInput, check_seq
 from backend.kv_cache import KVCache
 from backend.model import Transformer
@@ -182,6 +190,14 @@ class StepGraphs:
                                            device=dev)  # fmt: skip
         self.mixed_tiles = torch.full((self.tile_rows(big), 2), -1, dtype=torch.int32,
                                       device=dev)  # fmt: skip
+        # Decode work items of either family (backend.attention.base.decode_work).
+        self.num_kv_heads = kv_cache.layers[0][0].shape[2] if kv_cache.layers else 1
+        items = [self.decode_items(s) for s in self.sizes]
+        items += [self.decode_items(r, mixed=True) for t in self.token_sizes
+                  for r in self.decode_rows(t)]  # fmt: skip
+        self.decode_work = torch.full((max(items, default=0), 3), -1, dtype=torch.int32,
+                                      device=dev)  # fmt: skip
+        self.decode_work_loc = torch.zeros(rows + 1, dtype=torch.int32, device=dev)
         # The mixed graphs' output: final hidden states, copied here at each graph's end so
         # the graphs' own activations (pool memory) are not kept per graph.
         self.hidden = torch.zeros(big, model.config.hidden_size,
@@ -204,6 +220,12 @@ class StepGraphs:
         few decodes (``FEW_DECODES``), one for any number (one per token, at most one per
         sequence); a single entry when the two coincide."""
         return sorted({min(tokens, FEW_DECODES, self.max_seqs), min(tokens, self.max_seqs)})
+
+    def decode_items(self, rows: int, mixed: bool = False) -> int:
+        """Decode work items of a graph with ``rows`` decode rows: as an eager step of that
+        many decodes for decode graphs; ``mixed_splits`` per row for mixed graphs."""
+        splits = mixed_splits(rows, self.num_kv_heads, MAX_SPLITS) if mixed else None
+        return decode_items(rows, self.num_kv_heads, splits)
 
     def tile_rows(self, tokens: int) -> int:
         """Prefill tile rows of the mixed graph of ``tokens`` tokens: chunks of ``q_i >= 2``
@@ -276,23 +298,31 @@ class StepGraphs:
         tb[n:size, 0] = 0  # padding rows read block 0
         # int64 before the multiply: slots reach 2**31 in caches of 2**31 / block_size blocks
         t[2, :n] = tb[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
-        lens = self._host((2 * size + 1,), torch.int32)  # seq lens, then seq_start_loc
-        ln = lens.numpy()
-        ln[:size] = 1
+        # seq lens, seq_start_loc, decode work items, their row offsets: one copy
+        items = self.decode_items(size)
+        sizes = [size, size + 1, 3 * items, size + 1]
+        lens = self._host((sum(sizes),), torch.int32)
+        ln, seq_start, work, loc = np.split(lens.numpy(), np.cumsum(sizes)[:-1])
+        ln[:] = 1
         ln[:n] = positions + 1
-        ln[size] = 0
-        np.cumsum(ln[:size], out=ln[size + 1 :])
+        seq_start[0] = 0
+        np.cumsum(ln, out=seq_start[1:])
+        rows = np.arange(size)
+        rows[n:] = -1  # padding rows: no work items
+        work.reshape(items, 3)[:], loc[:] = decode_work(ln, rows, items)
         # Columns >= nblocks of a row hold older values: never read.
         tables = self._host((size, width), torch.int32)
         tables.numpy()[:] = tb[:size, :width]
         tokens_d = tokens.to(self.device, non_blocking=True)
-        lens_d = lens.to(self.device, non_blocking=True)
+        parts = lens.to(self.device, non_blocking=True).split(sizes)
         tables_d = tables.to(self.device, non_blocking=True)
         self.input_ids[:size].copy_(tokens_d[0])
         self.positions[:size].copy_(tokens_d[1])
         self.slot_mapping[:size].copy_(tokens_d[2])
-        self.seq_lens[:size].copy_(lens_d[:size])
-        self.seq_start_loc[: size + 1].copy_(lens_d[size:])
+        self.seq_lens[:size].copy_(parts[0])
+        self.seq_start_loc[: size + 1].copy_(parts[1])
+        self.decode_work[:items].copy_(parts[2].view(items, 3))
+        self.decode_work_loc[: size + 1].copy_(parts[3])
         self.block_tables[:size, :width].copy_(tables_d)
 
     def stage_mixed(self, seqs: list[SeqInput], tokens: int,
@@ -325,14 +355,16 @@ class StepGraphs:
         tb = self._stage_tables(seqs, nblocks, width)
         t[2, :total] = tb[row, positions // bs].astype(np.int64) * bs + positions % bs
         # Sequence-level int32 values, packed for one copy: seq lens, seq_start_loc,
-        # query_start_loc, decode rows, tile table, the sampled sequences' last rows.
+        # query_start_loc, decode rows, tile table, decode work items and their row
+        # offsets, the sampled sequences' last rows.
         rows, nt = self.max_seqs, self.tile_rows(tokens)
         dec = decode_rows or self.decode_rows(tokens)[-1]
+        items = self.decode_items(dec, mixed=True)
         sampled = np.fromiter((i for i, s in enumerate(seqs) if s.sample), dtype=np.int64)
-        sizes = [rows, rows + 1, rows + 1, dec, 2 * nt, len(sampled)]
+        sizes = [rows, rows + 1, rows + 1, dec, 2 * nt, 3 * items, dec + 1, len(sampled)]
         packed = self._host((sum(sizes),), torch.int32)
-        lens, seq_start, qstart, decodes, tiles, last = np.split(packed.numpy(),
-                                                                 np.cumsum(sizes)[:-1])
+        lens, seq_start, qstart, decodes, tiles, work, loc, last = np.split(
+            packed.numpy(), np.cumsum(sizes)[:-1])  # fmt: skip
         lens[:] = 1
         lens[:n] = start + q
         seq_start[0] = 0
@@ -344,6 +376,8 @@ class StepGraphs:
         assert len(decode_idx) <= dec and len(step_tiles) <= nt, "mixed graph rows too few"
         decodes[:] = -1
         decodes[: len(decode_idx)] = decode_idx
+        work.reshape(items, 3)[:], loc[:] = decode_work(lens[np.maximum(decodes, 0)], decodes,
+                                                         items)  # fmt: skip
         tiles[:] = -1
         tiles.reshape(nt, 2)[: len(step_tiles)] = step_tiles
         last[:] = qsl[1:][sampled] - 1
@@ -360,8 +394,10 @@ class StepGraphs:
         self.mixed_query_start_loc.copy_(parts[2])
         self.mixed_decode_idx[:dec].copy_(parts[3])
         self.mixed_tiles[:nt].copy_(parts[4].view(nt, 2))
+        self.decode_work[:items].copy_(parts[5].view(items, 3))
+        self.decode_work_loc[: dec + 1].copy_(parts[6])
         self.block_tables[:n, :width].copy_(table_d)
-        return parts[5].long()
+        return parts[7].long()
 
     def _check_ranges(self, seqs: list[SeqInput], ids: np.ndarray, start: np.ndarray,
                       end: np.ndarray) -> None:  # fmt: skip
@@ -454,18 +490,17 @@ class StepGraphs:
             block_tables_host=[[0]] * size,
             max_query_len=1,
             max_seq_len=self.max_model_len,
+            decode_work=self.decode_work[: self.decode_items(size)],
+            decode_work_loc=self.decode_work_loc[: size + 1],
         )
 
     def mixed_metadata(self, tokens: int, decode_rows: int | None = None) -> AttentionMetadata:
         """Attention metadata of the mixed graph of ``tokens`` tokens and ``decode_rows``
         (default: the most of that size): every sequence row, padded decode rows and tile
         table (-1 entries are skipped)."""
-        from backend.attention.triton_kernels import MAX_SPLITS  # triton: graphs need it
-
         rows, nt = self.max_seqs, self.tile_rows(tokens)
         dec = decode_rows or self.decode_rows(tokens)[-1]
         tiles = self.mixed_tiles[:nt]
-        num_kv_heads = self.kv_cache.layers[0][0].shape[2]
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:tokens],
             query_start_loc=self.mixed_query_start_loc,
@@ -481,7 +516,8 @@ class StepGraphs:
             max_query_len=tokens,
             max_seq_len=self.max_model_len,
             prefill_tiles=tiles,
-            decode_splits=mixed_splits(dec, num_kv_heads, MAX_SPLITS),
+            decode_work=self.decode_work[: self.decode_items(dec, mixed=True)],
+            decode_work_loc=self.decode_work_loc[: dec + 1],
         )
 
     def _forward(self, key: tuple[str, int, int]) -> torch.Tensor:
@@ -518,6 +554,8 @@ class StepGraphs:
         self.mixed_query_start_loc.zero_()
         self.mixed_decode_idx.fill_(-1)
         self.mixed_tiles.fill_(-1)
+        self.decode_work.fill_(-1)
+        self.decode_work_loc.zero_()
 
     @torch.inference_mode()
     def capture_all(self) -> None:

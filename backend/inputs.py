@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.attention import AttentionMetadata
-from backend.attention.base import prefill_tiles
+from backend.attention.base import prefill_tiles, step_decode_work
 
 
 @dataclass(slots=True)
@@ -69,8 +69,12 @@ def prepare_inputs(
     max_model_len: int,
     vocab_size: int,
     device: torch.device,
+    num_kv_heads: int | None = None,
 ) -> StepInputs:
-    """Validate ``seqs`` (ValueError naming the sequence) and build the step's tensors."""
+    """Validate ``seqs`` (ValueError naming the sequence) and build the step's tensors.
+
+    With ``num_kv_heads`` the metadata also carries the triton decode kernel's work items
+    (:func:`backend.attention.base.step_decode_work`); without, that backend builds them."""
     for i, seq in enumerate(seqs):
         check_seq(i, seq, block_size, num_gpu_blocks, max_model_len, vocab_size)
     query_lens = [len(s.token_ids) for s in seqs]
@@ -100,6 +104,11 @@ def prepare_inputs(
     blocks = block_tables[seq_of_token, positions // block_size].long()
     slot_mapping = blocks * block_size + positions % block_size
 
+    work = loc = None
+    merge = True
+    if num_kv_heads is not None and 1 in query_lens:
+        w, lc, merge = step_decode_work(query_lens, seq_lens, num_kv_heads)
+        work, loc = to_device(w.tolist(), torch.int32), to_device(lc.tolist(), torch.int32)
     attn = AttentionMetadata(
         slot_mapping=slot_mapping,
         query_start_loc=query_start_loc,
@@ -115,6 +124,9 @@ def prepare_inputs(
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         prefill_tiles=torch.from_numpy(prefill_tiles(query_lens)).to(device),
+        decode_work=work,
+        decode_work_loc=loc,
+        decode_merge=merge,
     )
     return StepInputs(
         input_ids=input_ids,

@@ -12,9 +12,10 @@ a row. Columns are the
 :class:`lab.plan.StepFeatures` fields plus ``duration_s``; the header lines (``#``) record
 the date, device, engine commit and model shape.
 
-Grid: decode-only batches (1-256 sequences, contexts 128-4096), prefill chunks (16-8192
-tokens over cached prefixes of 0-4096), several prompts at once, prefill chunks mixed with
-decodes, and swap-out + swap-in of 1-256 blocks alongside 8 or 64 decodes.
+Grid: decode-only batches (1-256 sequences, contexts 128-4096; and 8-64 sequences of uneven,
+log-normal contexts), prefill chunks (16-8192 tokens over cached prefixes of 0-4096),
+several prompts at once, prefill chunks mixed with decodes, and swap-out + swap-in of 1-256
+blocks alongside 8 or 64 decodes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ PREFILL_LENGTHS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 PREFILL_PREFIXES = (0, 1024, 4096)
 MIXED = [(d, n) for d in (8, 32, 128) for n in (256, 512, 1024, 2048)]
 SWAP_BLOCKS = (1, 4, 16, 64, 256)
+UNEVEN_BATCHES = (8, 32, 64)  # decode batches of log-normal contexts (median 1k, sigma 1)
 
 
 def shapes() -> list[tuple[str, list[tuple[int, int]], list[int], int]]:
@@ -47,6 +49,9 @@ def shapes() -> list[tuple[str, list[tuple[int, int]], list[int], int]]:
     for b in DECODE_BATCHES:
         for ctx in DECODE_CONTEXTS:
             grid.append(("decode", [], [ctx] * b, 0))
+    for b in UNEVEN_BATCHES:  # the decode kernel's time should follow the sum of contexts
+        ctx = np.random.default_rng(b).lognormal(np.log(1024), 1.0, b)
+        grid.append(("decode_uneven", [], np.clip(ctx, 64, 8192).astype(int).tolist(), 0))
     for n in PREFILL_LENGTHS:
         for c in PREFILL_PREFIXES:
             grid.append(("prefill", [(c, n)], [], 0))

@@ -250,6 +250,7 @@ class ModelRunner:
             self.max_model_len,
             self.config.vocab_size,
             self.device,
+            self.config.num_kv_heads,
         )
         hidden = self.model(inputs.input_ids, inputs.positions, kv_cache.layers, inputs.attn)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])

@@ -40,9 +40,11 @@ SMOLLM2_TINY = {  # SmolLM2's architecture (Llama, tied embeddings, GQA 3:1), ti
     "tie_word_embeddings": True,
 }
 BLOCK_SIZE = 4
-# Mixed-graph padding rows compute on whatever memory held (backend/cuda_graphs.py); under
-# the interpreter numpy may warn about an overflow there. Real rows are checked against eager.
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+# Padding rows of both graph families compute on whatever memory held (backend/cuda_graphs.py);
+# under the interpreter numpy may warn about overflows and NaNs there. Real rows are checked
+# against eager.
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 NUM_BLOCKS = 64
 
 
@@ -148,6 +150,12 @@ def test_stage_pads_to_the_size(qwen3_dir):
     meta = graphs.metadata(4)
     assert meta.decode_seq_idx.tolist() == [0, 1, 2, 3] and meta.prefill_seq_idx.numel() == 0
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    # Work items: 4 rows x 2 kv heads want 66 splits a row, 16 at most: 4 x 16 + 1 items.
+    # Each context fits one 64-position tile: one item a sequence; the padding row none.
+    assert meta.decode_work.shape == (65, 3)
+    assert meta.decode_work[:4].tolist() == [[0, 0, 1], [1, 0, 10], [2, 0, 5], [-1, 0, 0]]
+    assert (meta.decode_work[3:] == -1).sum() == 62 and meta.decode_work[3:, 1:].eq(0).all()
+    assert meta.decode_work_loc.tolist() == [0, 1, 2, 3, 3]
 
 
 @needs_triton
@@ -177,7 +185,10 @@ def test_stage_mixed_pads_to_the_token_size(qwen3_dir):
     meta = graphs.mixed_metadata(16)
     assert meta.decode_seq_idx.tolist() == [1] + [-1] * 7  # min(16 tokens, 8 seqs) rows
     assert meta.prefill_tiles.tolist() == [[0, 0], [2, 0]] + [[-1, -1]] * 7  # 1 + min(8, 16 // 2)
-    assert meta.decode_splits == 16  # 8 rows x 2 kv heads: the cap
+    # 8 decode rows x 2 kv heads x 16 splits (the cap) + 8 // 4: 130 items; one is used.
+    assert meta.decode_work.shape == (130, 3)
+    assert meta.decode_work[:2].tolist() == [[1, 0, 5], [-1, 0, 0]]
+    assert meta.decode_work_loc.tolist() == [0, 1, 1, 1, 1, 1, 1, 1, 1]
 
 
 @needs_triton
@@ -185,8 +196,9 @@ def test_mixed_steps_with_few_decodes_take_the_many_split_variant(qwen3_dir):
     runner = make_runner(qwen3_dir, cuda_graphs=True, max_num_seqs=64, max_tokens=96)
     graphs = runner.graphs
     assert graphs.decode_rows(16) == [16] and graphs.decode_rows(96) == [32, 64]
-    assert graphs.mixed_metadata(96, 32).decode_splits == 16  # 32 rows x 2 kv heads x 16
-    assert graphs.mixed_metadata(96, 64).decode_splits == 16  # 64 x 2 x 16 = 2048 <= 4096
+    # Work items: rows x 16 splits (32 or 64 rows x 2 kv heads x 16 <= 4096) + rows // 4.
+    assert graphs.mixed_metadata(96, 32).decode_work.shape == (32 * 16 + 8, 3)
+    assert graphs.mixed_metadata(96, 64).decode_work.shape == (64 * 16 + 16, 3)
     assert mixed_splits(64, 8, 16) == 8  # with Qwen3-0.6B's 8 kv heads: fewer
     rows, stage_mixed = [], graphs.stage_mixed
     graphs.stage_mixed = lambda seqs, n, r: (rows.append((n, r)), stage_mixed(seqs, n, r))[1]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from triton_setup import QWEN3_TINY, needs_triton  # first: sets TRITON_INTERPRET
 
-from backend.attention.base import prefill_tiles  # noqa: E402
+from backend.attention.base import decode_work, prefill_tiles  # noqa: E402
 from backend.inputs import SeqInput, prepare_inputs  # noqa: E402
 from backend.runner import ModelRunner  # noqa: E402
 from backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
@@ -111,15 +111,27 @@ def check_staged(g, seqs, kind, size, rows=None, last_rows=None):
         meta = g.metadata(size)  # the constants: one query row per sequence row
         assert meta.query_start_loc.tolist() == list(range(size + 1))
         assert meta.decode_seq_idx.tolist() == list(range(size))
+        check_work(g, meta, a.seq_lens.tolist(), list(range(n)) + [-1] * (size - n),
+                   g.decode_items(size))  # fmt: skip
         return
     qsl = g.mixed_query_start_loc.tolist()
     assert qsl == a.query_start_loc.tolist() + [total] * (g.max_seqs - n)
     meta = g.mixed_metadata(size, rows)
     decodes = a.decode_seq_idx.tolist()
     assert meta.decode_seq_idx.tolist() == decodes + [-1] * (rows - len(decodes))
+    check_work(g, meta, a.seq_lens.tolist(), decodes + [-1] * (rows - len(decodes)),
+               g.decode_items(rows, mixed=True))  # fmt: skip
     tiles = prefill_tiles([len(s.token_ids) for s in seqs]).tolist()
     assert meta.prefill_tiles.tolist() == tiles + [[-1, -1]] * (g.tile_rows(size) - len(tiles))
     assert last_rows.tolist() == ref.logits_indices.tolist()
+
+
+def check_work(g, meta, seq_lens, decode_rows, items):
+    """The staged decode work items: ``decode_work`` of the decode rows (-1: padding)."""
+    lens = [seq_lens[i] if i >= 0 else 0 for i in decode_rows]
+    work, loc = decode_work(lens, decode_rows, items)
+    assert meta.decode_work.tolist() == work.tolist()
+    assert meta.decode_work_loc.tolist() == loc.tolist()
 
 
 def make_invalid(rng, g, seqs):

@@ -123,7 +123,7 @@ dtype = sys.argv[1]
 ptr = "*" + dtype
 precision = "ieee" if dtype == "fp32" else "tf32"
 attn = dict(Q=ptr, KCache=ptr, VCache=ptr, Out=ptr, BlockTables="*i32", QueryStartLoc="*i32",
-            SeqLens="*i32", SeqIdx="*i32", Tiles="*i32", scale="fp32", PartialOut="*fp32",
+            SeqLens="*i32", Work="*i32", Tiles="*i32", scale="fp32", PartialOut="*fp32",
             PartialLse="*fp32")
 dims = dict(GROUP=4, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_P=128, BLOCK_N=64)
 kernels = [
@@ -131,15 +131,13 @@ kernels = [
      dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_P=8, HEAD_DIM_P=128)),
     (tk._prefill_kernel, attn, dict(dims, BLOCK_M=64, DOT_PRECISION=precision)),
     (tk._decode_reduce_kernel, dict(PartialOut="*fp32", PartialLse="*fp32", Out=ptr,
-                                    QueryStartLoc="*i32", SeqIdx="*i32"),
-     dict(HEAD_DIM=128, HEAD_DIM_P=128, NUM_SPLITS=8)),
+                                    QueryStartLoc="*i32", Work="*i32", WorkLoc="*i32"),
+     dict(HEAD_DIM=128, HEAD_DIM_P=128, MERGE_BLOCK=16)),
+    (tk._decode_kernel, attn, dict(dims, GROUP_P=16, DOT_PRECISION=precision)),
     (ops._rms_norm_kernel, dict(X=ptr, Residual=ptr, ResidualOut=ptr, W=ptr, Out=ptr, eps="fp32"),
      dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True)),
     (ops._silu_and_mul_kernel, dict(X=ptr, Out=ptr), dict(INTER=14336, BLOCK=1024)),
 ]
-for splits in (1, 8):
-    kernels.append((tk._decode_kernel, attn,
-                    dict(dims, GROUP_P=16, NUM_SPLITS=splits, DOT_PRECISION=precision)))
 for qk_norm in (True, False):
     kernels.append((ops._qkv_prepare_kernel,
                     dict(QKV=ptr, QOut=ptr, KCache=ptr, VCache=ptr, SlotMapping="*i64",

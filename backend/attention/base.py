@@ -15,6 +15,9 @@ import numpy as np
 import torch
 
 PREFILL_TILE_M = 64  # query rows of one prefill attention tile (the Triton kernel's BLOCK_M)
+DECODE_TILE = 64  # key positions of one decode attention tile (the Triton kernel's BLOCK_N)
+MAX_SPLITS = 16  # work items per decode row in the default item count (decode_items)
+DECODE_TARGET_PROGRAMS = 4 * 132  # H100/H200 SXM: 132 SMs (NVIDIA H100 datasheet); 4 each
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,15 @@ class AttentionMetadata:
         block_size: tokens per KV block.
         query_lens, seq_lens_host, block_tables_host: per-sequence Python lists.
         max_query_len, max_seq_len: maxima over the batch (kernel grid sizes).
-        decode_splits: context splits of the triton decode kernel; None picks them from the
-            batch (:func:`backend.attention.triton_kernels.num_splits`). CUDA graphs fix it.
+
+    Read by the triton backend only (None: it builds them from the host values):
+        decode_work: (num_items, 3) int32 device tensor; the decode kernel's work items,
+            (sequence, first key position, end key position), from :func:`decode_work`;
+            rows with sequence -1 are padding (CUDA graphs).
+        decode_work_loc: (num_decode_rows + 1,) int32 device tensor; decode row ``r`` (an
+            entry of ``decode_seq_idx``) owns items ``[loc[r], loc[r + 1])``.
+        decode_merge: False when no decode row has more than one item (the merge kernel is
+            then not launched); CUDA graphs keep it True.
     """
 
     slot_mapping: torch.Tensor
@@ -60,7 +70,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     prefill_tiles: torch.Tensor | None = None
-    decode_splits: int | None = None
+    decode_work: torch.Tensor | None = None
+    decode_work_loc: torch.Tensor | None = None
+    decode_merge: bool = True
 
     @property
     def num_seqs(self) -> int:
@@ -88,6 +100,94 @@ def prefill_tiles(query_lens: np.ndarray, tile: int = PREFILL_TILE_M) -> np.ndar
     out[:, 0] = np.repeat(seqs, per_seq)
     out[:, 1] = np.arange(len(out)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
     return out
+
+
+def decode_items(rows: int, num_kv_heads: int, splits: int | None = None) -> int:
+    """How many work items the decode kernel gets for ``rows`` decode rows (its grid is
+    items x kv heads): ``splits`` per row, plus ``rows // 4`` so that one long context can
+    take more than an even share (:func:`decode_work`).
+
+    ``splits`` defaults to the smallest power of two, at most ``MAX_SPLITS``, that gives
+    ``DECODE_TARGET_PROGRAMS`` programs (several per SM): batch 1 with 8 kv heads -> 16 items,
+    batch 32 -> 32 x 4 + 8 = 136, batch 256 -> 256 + 64 = 320.
+    """
+    if splits is None:
+        want = -(-DECODE_TARGET_PROGRAMS // max(1, rows * num_kv_heads))
+        splits = 1
+        while splits < min(want, MAX_SPLITS):
+            splits *= 2
+    return rows * splits + rows // 4
+
+
+def decode_work(
+    seq_lens: np.ndarray, seq_idx: np.ndarray, num_items: int, tile: int = DECODE_TILE
+) -> tuple[np.ndarray, np.ndarray]:
+    """Split the decodes' contexts into at most ``num_items`` work items of near-equal length
+    (balanced split-K: the longest context no longer sets the decode kernel's time).
+
+    Every item covers ``k`` whole tiles of ``tile`` key positions (the last item of a
+    context fewer), with ``k`` the smallest that needs at most ``num_items`` items in all;
+    a context of L positions gets ``ceil(L / (k * tile))`` items.
+
+    Args:
+        seq_lens: (R,) ints; context length of each decode row (cached positions plus the
+            fed token).
+        seq_idx: (R,) ints; each row's sequence index in the step; -1 marks a padding row,
+            which gets no items.
+        num_items: items of the kernel grid (:func:`decode_items`); unused ones are padding.
+    Returns:
+        work: (num_items, 3) int32 rows (sequence, first position, end position), in row
+            order; padding rows (-1, 0, 0).
+        loc: (R + 1,) int32; row ``r`` owns items ``[loc[r], loc[r + 1])``.
+    Raises:
+        ValueError: fewer items than real rows.
+
+    Example: lengths [300, 40], 4 items, tile 64 -> k = 2 tiles (1 tile needs 5 + 1 items):
+    work [[0, 0, 128], [0, 128, 256], [0, 256, 300], [1, 0, 40]], loc [0, 3, 4].
+    """
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    idx = np.asarray(seq_idx, dtype=np.int64)
+    real = idx >= 0
+    if int(real.sum()) > num_items:
+        raise ValueError(f"decode_work: {int(real.sum())} decode rows need at least as many "
+                         f"items, got {num_items}")  # fmt: skip
+    tiles = np.where(real, -(-lens // tile), 0)
+    k = max(1, -(-int(tiles.sum()) // max(1, num_items)))
+    hi = max(k, int(tiles.max(initial=1)))  # one item a row: always fits
+
+    def fits(k: int) -> bool:
+        return int((-(-tiles // k)).sum()) <= num_items
+
+    if not fits(k):  # bisect for the smallest k that fits, in (k, hi]
+        lo = k
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        k = hi
+    counts = -(-tiles // k)
+    loc = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(counts, out=loc[1:])
+    total = int(loc[-1])
+    row = np.repeat(np.arange(len(lens)), counts)
+    work = np.empty((num_items, 3), dtype=np.int32)
+    work[total:] = (-1, 0, 0)
+    first = (np.arange(total) - loc[row]) * (k * tile)
+    work[:total, 0] = idx[row]
+    work[:total, 1] = first
+    work[:total, 2] = np.minimum(first + k * tile, lens[row])
+    return work, loc.astype(np.int32)
+
+
+def step_decode_work(
+    query_lens: list[int], seq_lens: list[int], num_kv_heads: int
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Decode work items of an eager step from its host values: :func:`decode_work` of the
+    sequences fed one token over :func:`decode_items` items; also whether any decode has
+    several items (the merge kernel is needed)."""
+    rows = np.flatnonzero(np.asarray(query_lens) == 1)
+    lens = np.asarray(seq_lens, dtype=np.int64)[rows]
+    work, loc = decode_work(lens, rows, decode_items(len(rows), num_kv_heads))
+    return work, loc, bool((np.diff(loc) > 1).any())
 
 
 class AttentionBackend(ABC):

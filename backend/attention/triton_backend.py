@@ -12,7 +12,7 @@ import torch
 import triton
 
 from backend.attention import triton_kernels
-from backend.attention.base import AttentionBackend, AttentionMetadata
+from backend.attention.base import AttentionBackend, AttentionMetadata, step_decode_work
 from backend.errors import DeviceError
 
 
@@ -60,7 +60,12 @@ class TritonAttention(AttentionBackend):
         if meta.num_prefills:
             assert meta.prefill_tiles is not None, "prefill steps need meta.prefill_tiles"
             triton_kernels.prefill_attention(q, *common, meta.prefill_tiles, scale)
-        triton_kernels.decode_attention(
-            q, *common, meta.decode_seq_idx, scale, meta.max_seq_len, meta.decode_splits
-        )
+        if meta.num_decodes:
+            work, loc, merge = meta.decode_work, meta.decode_work_loc, meta.decode_merge
+            if work is None or loc is None:  # built here in every layer (tests)
+                w, lc, merge = step_decode_work(meta.query_lens, meta.seq_lens_host,
+                                                k_cache.shape[2])  # fmt: skip
+                work, loc = torch.from_numpy(w).to(q.device), torch.from_numpy(lc).to(q.device)
+            triton_kernels.decode_attention(q, *common, work, loc, scale, merge)
         return out
+

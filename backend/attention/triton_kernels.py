@@ -7,12 +7,15 @@ works. Softmax is the online (flash) form in float32.
 
 Prefill: one program per (query tile, head), the tiles of all chunks listed in a tile table
 so the grid depends only on its length (CUDA graphs pad it); GQA heads re-read their kv head
-(from L2). Decode: one program per (sequence, kv head, context split): the query heads of a
-kv head are packed into one tile so K/V is read once per group, and long contexts are split
-across programs whose partial results a second kernel merges by log-sum-exp
-(flash-decoding: Dao, Haziza, Massa and Sizov, "Flash-Decoding for long-context inference",
-PyTorch blog, 2023), so batch 1 at 4k tokens still runs on every SM. Sequence index -1 in
-either kernel's table is CUDA-graph padding: its programs return at once.
+(from L2). Decode: one program per (work item, kv head): the query heads of a kv head are
+packed into one tile so K/V is read once per group, and contexts are split across programs
+whose partial results a second kernel merges by log-sum-exp (flash-decoding: Dao, Haziza,
+Massa and Sizov, "Flash-Decoding for long-context inference", PyTorch blog, 2023), so batch
+1 at 4k tokens still runs on every SM. The work items are near-equal shares of all the
+step's contexts (:func:`backend.attention.base.decode_work`), not a fixed split count per
+sequence: with a fixed count, one 16k context among 63 of 1k made a decode step 2.5x
+slower than the same total spread evenly (benchmarks/decode_uneven.py). Sequence index -1
+in either kernel's table is CUDA-graph padding: its programs return at once.
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU
 tensors through Triton's interpreter; the tests use that on small shapes.
@@ -24,15 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.attention.base import PREFILL_TILE_M
+from backend.attention.base import DECODE_TILE, PREFILL_TILE_M
 
 BLOCK_M = PREFILL_TILE_M  # query rows per prefill program
 BLOCK_N = 64  # key positions per inner-loop tile
-DECODE_BLOCK_N = 64  # key positions per decode tile
+DECODE_BLOCK_N = DECODE_TILE  # key positions per decode tile (work items cover whole tiles)
 DECODE_NUM_WARPS = 4  # warps per decode program (benchmarks/decode_attention_sweep.py)
 DECODE_NUM_STAGES = 2  # software-pipelining stages of the decode loop
-MAX_SPLITS = 16  # most context splits of one decode
-DECODE_TARGET_PROGRAMS = 4 * 132  # H100/H200 SXM: 132 SMs (NVIDIA H100 datasheet); 4 each
+MERGE_BLOCK = 16  # work items the merge kernel reads at a time
 
 
 @triton.jit
@@ -122,32 +124,32 @@ def _prefill_kernel(
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
-    Q, KCache, VCache, Out, PartialOut, PartialLse, BlockTables, QueryStartLoc, SeqLens, SeqIdx,
+    Q, KCache, VCache, Out, PartialOut, PartialLse, BlockTables, QueryStartLoc, SeqLens, Work,
     scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_cs, stride_ch,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Grid (decode seqs, kv heads, splits): the GROUP query heads that share a kv head attend
-    over one contiguous share of the context (split-K, "flash-decoding"), so each K/V tile
-    is read once for the whole group and short batches still fill the GPU.
+    """Grid (work items, kv heads): the GROUP query heads that share a kv head attend over
+    one item's share [lo, hi) of a decode's context (split-K, "flash-decoding"), so each K/V
+    tile is read once for the whole group and short batches still fill the GPU. Work (n, 3)
+    int32 holds (sequence, lo, hi) per item; sequence -1 is padding.
 
-    With one split the result goes straight to Out; otherwise each split writes its
-    normalised partial output and log-sum-exp, and :func:`_decode_reduce_kernel` merges them.
+    An item covering the whole context writes the result to Out; otherwise it writes its
+    normalised partial output and log-sum-exp at its item row, and
+    :func:`_decode_reduce_kernel` merges the items of each decode.
     """
-    seq = tl.load(SeqIdx + tl.program_id(0))
-    if seq < 0:  # a CUDA-graph padding row
+    item = tl.program_id(0)
+    seq = tl.load(Work + 3 * item)
+    if seq < 0:  # a padding item
         return
+    lo = tl.load(Work + 3 * item + 1)
+    hi = tl.load(Work + 3 * item + 2)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     token = tl.load(QueryStartLoc + seq).to(tl.int64)
     seq_len = tl.load(SeqLens + seq)
-    # Each split covers a whole number of BLOCK_N tiles; trailing splits may be empty.
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(seq_len, lo + per_split)
 
     g = tl.arange(0, GROUP_P)  # query heads of this kv head (padded to a tl.dot size)
     heads = kv_head * GROUP + g
@@ -181,46 +183,53 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out_mask = g_mask[:, None] & dim_mask[None, :]
-    if NUM_SPLITS == 1:
-        out = acc / l_i[:, None]
+    out = acc / l_i[:, None]  # items are never empty
+    if (lo == 0) & (hi == seq_len):  # the only item of this decode
         o_ptrs = Out + token * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=out_mask)
     else:
-        # Partial buffers: (num_decodes, num_heads, NUM_SPLITS, HEAD_DIM_P) and (.., NUM_SPLITS).
-        row = (tl.program_id(0) * (tl.num_programs(1) * GROUP) + heads).to(tl.int64)
-        nonempty = lo < hi
-        out = tl.where(nonempty, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
-        lse = tl.where(nonempty, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
-        p_ptrs = PartialOut + (row[:, None] * NUM_SPLITS + split) * HEAD_DIM_P + dims[None, :]
-        tl.store(p_ptrs, out, mask=out_mask)
-        tl.store(PartialLse + row * NUM_SPLITS + split, lse, mask=g_mask)
+        # Partial buffers: (num_items, num_heads, HEAD_DIM_P) and (num_items, num_heads).
+        row = item.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads
+        tl.store(PartialOut + row[:, None] * HEAD_DIM_P + dims[None, :], out, mask=out_mask)
+        tl.store(PartialLse + row, m_i + tl.log(l_i), mask=g_mask)
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    PartialOut, PartialLse, Out, QueryStartLoc, SeqIdx, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PartialOut, PartialLse, Out, QueryStartLoc, Work, WorkLoc, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, MERGE_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Grid (decode seqs, heads): out = sum_s exp(lse_s - lse) * out_s over the splits."""
-    i = tl.program_id(0)
+    """Grid (decode rows, heads): out = sum_i exp(lse_i - lse) * out_i over the row's items
+    ``[WorkLoc[r], WorkLoc[r + 1])``, MERGE_BLOCK at a time (online log-sum-exp). Rows of
+    fewer than two items (their item wrote Out, or padding) do nothing."""
+    r = tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.load(SeqIdx + i)
-    if seq < 0:  # a CUDA-graph padding row
+    first = tl.load(WorkLoc + r)
+    n = tl.load(WorkLoc + r + 1) - first
+    if n < 2:
         return
+    seq = tl.load(Work + 3 * first)
     token = tl.load(QueryStartLoc + seq).to(tl.int64)
-    row = (i * tl.num_programs(1) + head).to(tl.int64)
-    splits = tl.arange(0, NUM_SPLITS)
-    lse = tl.load(PartialLse + row * NUM_SPLITS + splits)  # split 0 is never empty
-    weights = tl.exp(lse - tl.max(lse, axis=0))
-    weights = weights / tl.sum(weights, axis=0)
+    num_heads = tl.num_programs(1)
     dims = tl.arange(0, HEAD_DIM_P)
     dim_mask = dims < HEAD_DIM
-    parts = tl.load(
-        PartialOut + (row * NUM_SPLITS + splits[:, None]) * HEAD_DIM_P + dims[None, :],
-        mask=dim_mask[None, :], other=0.0,
-    )  # fmt: skip
-    out = tl.sum(parts * weights[:, None], axis=0)
-    tl.store(Out + token * stride_ot + head * stride_oh + dims, out.to(Out.dtype.element_ty),
+    m = tl.max(tl.full([MERGE_BLOCK], float("-inf"), tl.float32), axis=0)
+    denom = tl.sum(tl.zeros([MERGE_BLOCK], tl.float32), axis=0)
+    acc = tl.zeros([HEAD_DIM_P], tl.float32)
+    for c in range(0, n, MERGE_BLOCK):
+        s = c + tl.arange(0, MERGE_BLOCK)
+        mask = s < n
+        rows = (first + s).to(tl.int64) * num_heads + head
+        lse = tl.load(PartialLse + rows, mask=mask, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, axis=0))  # finite: the first block has 2+ items
+        w = tl.exp(lse - m_new)
+        alpha = tl.exp(m - m_new)
+        parts = tl.load(PartialOut + rows[:, None] * HEAD_DIM_P + dims[None, :],
+                        mask=mask[:, None] & dim_mask[None, :], other=0.0)  # fmt: skip
+        acc = acc * alpha + tl.sum(parts * w[:, None], axis=0)
+        denom = denom * alpha + tl.sum(w, axis=0)
+        m = m_new
+    tl.store(Out + token * stride_ot + head * stride_oh + dims, (acc / denom).to(Out.dtype.element_ty),
              mask=dim_mask)  # fmt: skip
 
 
@@ -295,78 +304,60 @@ def decode_attention(
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
-    seq_idx: torch.Tensor,
+    work: torch.Tensor,
+    work_loc: torch.Tensor,
     scale: float,
-    max_seq_len: int | None = None,
-    splits: int | None = None,
+    merge: bool = True,
 ) -> None:
-    """Fill ``out`` rows of the one-token sequences in ``seq_idx`` (entries -1, CUDA-graph
-    padding, are skipped); shapes as in prefill.
+    """Fill ``out`` rows of the one-token sequences; shapes as in prefill.
 
-    ``max_seq_len`` (host int, optional) caps the number of splits (see :func:`num_splits`);
-    ``splits`` (a power of two <= MAX_SPLITS) overrides the choice (warm-up, tests).
+    Args:
+        work: (num_items, 3) int32 work items (sequence, lo, hi) from
+            :func:`backend.attention.base.decode_work`; sequence -1 is padding.
+        work_loc: (num_decode_rows + 1,) int32; the items of each decode row.
+        merge: launch the merge kernel (False only when every row has at most one item).
     """
-    num_decodes = seq_idx.numel()
-    if num_decodes == 0:
+    num_items = work.shape[0]
+    if num_items == 0:
         return
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    if splits is None:
-        splits = num_splits(num_decodes, num_kv_heads, max_seq_len)
     head_dim_p = _head_dim_p(head_dim)
-    if splits > 1:
-        partial = torch.empty(num_decodes, num_heads, splits, head_dim_p, dtype=torch.float32,
-                              device=q.device)  # fmt: skip
-        lse = torch.empty(num_decodes, num_heads, splits, dtype=torch.float32, device=q.device)
-    else:
-        partial = lse = out  # unused
-    _decode_kernel[(num_decodes, num_kv_heads, splits)](
-        q, k_cache, v_cache, out, partial, lse, block_tables, query_start_loc, seq_lens, seq_idx,
+    partial = torch.empty(num_items, num_heads, head_dim_p, dtype=torch.float32, device=q.device)
+    lse = torch.empty(num_items, num_heads, dtype=torch.float32, device=q.device)
+    _decode_kernel[(num_items, num_kv_heads)](
+        q, k_cache, v_cache, out, partial, lse, block_tables, query_start_loc, seq_lens, work,
         scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        GROUP=num_heads // num_kv_heads,
+        GROUP_P=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+        BLOCK_N=DECODE_BLOCK_N, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
     )  # fmt: skip
-    if splits > 1:
-        _decode_reduce_kernel[(num_decodes, num_heads)](
-            partial, lse, out, query_start_loc, seq_idx, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, NUM_SPLITS=splits,
+    if merge and work_loc.numel() > 1:
+        _decode_reduce_kernel[(work_loc.numel() - 1, num_heads)](
+            partial, lse, out, query_start_loc, work, work_loc, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, MERGE_BLOCK=MERGE_BLOCK,
         )  # fmt: skip
 
 
 def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float) -> None:
-    """Compile the prefill kernel and every decode split variant for these caches' strides
-    and dtype, so no step of a measured run pays for a Triton compile (~1 s each). Reads
-    block 0 of the caches, writes only scratch tensors."""
+    """Compile the prefill, decode and merge kernels for these caches' strides and dtype, so
+    no step of a measured run pays for a Triton compile (~1 s each). Reads block 0 of the
+    caches, writes only scratch tensors."""
     dev, head_dim = k_cache.device, k_cache.shape[3]
     q = torch.zeros(2, num_heads, head_dim, dtype=k_cache.dtype, device=dev)
     out = torch.empty_like(q)
     tables = torch.zeros(1, 2, dtype=torch.int32, device=dev)  # 2 positions: 2 blocks at most
     starts = torch.tensor([0, 2], dtype=torch.int32, device=dev)
-    seq = torch.zeros(1, dtype=torch.int32, device=dev)
     tiles = torch.zeros(1, 2, dtype=torch.int32, device=dev)  # sequence 0, tile 0
     prefill_attention(q, k_cache, v_cache, out, tables, starts, starts[1:].clone(), tiles, scale)
     ones = torch.ones(1, dtype=torch.int32, device=dev)
-    for splits in (1 << i for i in range(MAX_SPLITS.bit_length())):
-        decode_attention(q, k_cache, v_cache, out, tables, starts, ones, seq, scale,
-                         splits=splits)  # fmt: skip
-
-
-def num_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int | None = None) -> int:
-    """Splits of each decode's context: enough (seq, kv head, split) programs to give every
-    SM several (``DECODE_TARGET_PROGRAMS``), at most ``MAX_SPLITS``, a power of two, and no
-    more than the longest context has ``DECODE_BLOCK_N`` tiles."""
-    want = -(-DECODE_TARGET_PROGRAMS // (num_decodes * num_kv_heads))
-    splits = min(MAX_SPLITS, triton.next_power_of_2(max(1, want)))
-    if max_seq_len is not None:
-        tiles = -(-max_seq_len // DECODE_BLOCK_N)
-        while splits > 1 and splits // 2 >= tiles:
-            splits //= 2
-    return splits
+    work = torch.tensor([[0, 0, 1]], dtype=torch.int32, device=dev)  # one item: no merging
+    loc = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+    decode_attention(q, k_cache, v_cache, out, tables, starts, ones, work, loc, scale)
 
 
 def _head_dim_p(head_dim: int) -> int:

@@ -32,8 +32,10 @@ largest size of either family; sequence rows (seq lens, ``seq_start_loc``, block
 ``(rows, ceil(max_model_len / block_size))``); the decode graphs' constants
 (``query_start_loc = arange``, ``decode_seq_idx = arange``); the mixed graphs'
 ``query_start_loc``, decode index and tile table; the decode work items of either family
-(:func:`backend.attention.base.decode_work`, made on the host from the step's context
-lengths). Each step writes its values into them (host staging + ``copy_``).
+(:func:`backend.attention.base.decode_work`). Each step writes its values into them (host
+staging + ``copy_``), except the work items: each graph starts with a kernel that cuts them
+from the staged lengths (:func:`backend.attention.triton_kernels.decode_work_device`; on
+the host they cost ~50 us of numpy per step, which made uniform decode steps 5-8% slower).
 
 * Block tables are staged incrementally: a host mirror keeps what each row holds and the
   list it came from. A sequence whose ``block_table`` is the same list object as a row of
@@ -45,9 +47,9 @@ lengths). Each step writes its values into them (host staging + ``copy_``).
   took 1.17 ms of host time, now 0.30 ms (2-core dev box).
 * Padding token rows: token 0 at position 0, slot -1 (the Triton store kernel skips negative
   slots, so they write nothing). Padding rows of either family get no decode work items
-  (decode padding rows keep seq len 1 over block table row ``[0, ...]``, never read), so
-  no attention program reads or writes for them and their outputs are whatever the memory
-  held (row-wise ops keep that out of real rows). Real blocks are never written.
+  (decode padding rows have seq len 0, mixed ones decode index -1), so no attention
+  program reads or writes for them and their outputs are whatever the memory held
+  (row-wise ops keep that out of real rows). Real blocks are never written.
 * Capture (CUDA): after the KV cache exists, mixed sizes then decode sizes, each family
   largest first, one shared memory pool; each size runs once eagerly on a side stream
   first (Triton compiles, cuBLAS warms up), with every row padding, so neither warm-up nor
@@ -70,13 +72,7 @@ import numpy as np
 import torch
 
 from backend.attention import AttentionMetadata
-from backend.attention.base import (
-    MAX_SPLITS,
-    PREFILL_TILE_M,
-    decode_items,
-    decode_work,
-    prefill_tiles,
-)
+from backend.attention.base import MAX_SPLITS, PREFILL_TILE_M, decode_items, prefill_tiles
 from backend.inputs import SeqInput, check_seq
 from backend.kv_cache import KVCache
 from backend.model import Transformer
@@ -298,31 +294,23 @@ class StepGraphs:
         tb[n:size, 0] = 0  # padding rows read block 0
         # int64 before the multiply: slots reach 2**31 in caches of 2**31 / block_size blocks
         t[2, :n] = tb[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
-        # seq lens, seq_start_loc, decode work items, their row offsets: one copy
-        items = self.decode_items(size)
-        sizes = [size, size + 1, 3 * items, size + 1]
-        lens = self._host((sum(sizes),), torch.int32)
-        ln, seq_start, work, loc = np.split(lens.numpy(), np.cumsum(sizes)[:-1])
-        ln[:] = 1
+        lens = self._host((2 * size + 1,), torch.int32)  # seq lens, then seq_start_loc
+        ln = lens.numpy()
+        ln[:size] = 0  # padding rows: no context, so no decode work items
         ln[:n] = positions + 1
-        seq_start[0] = 0
-        np.cumsum(ln, out=seq_start[1:])
-        rows = np.arange(size)
-        rows[n:] = -1  # padding rows: no work items
-        work.reshape(items, 3)[:], loc[:] = decode_work(ln, rows, items)
+        ln[size] = 0
+        np.cumsum(ln[:size], out=ln[size + 1 :])
         # Columns >= nblocks of a row hold older values: never read.
         tables = self._host((size, width), torch.int32)
         tables.numpy()[:] = tb[:size, :width]
         tokens_d = tokens.to(self.device, non_blocking=True)
-        parts = lens.to(self.device, non_blocking=True).split(sizes)
+        lens_d = lens.to(self.device, non_blocking=True)
         tables_d = tables.to(self.device, non_blocking=True)
         self.input_ids[:size].copy_(tokens_d[0])
         self.positions[:size].copy_(tokens_d[1])
         self.slot_mapping[:size].copy_(tokens_d[2])
-        self.seq_lens[:size].copy_(parts[0])
-        self.seq_start_loc[: size + 1].copy_(parts[1])
-        self.decode_work[:items].copy_(parts[2].view(items, 3))
-        self.decode_work_loc[: size + 1].copy_(parts[3])
+        self.seq_lens[:size].copy_(lens_d[:size])
+        self.seq_start_loc[: size + 1].copy_(lens_d[size:])
         self.block_tables[:size, :width].copy_(tables_d)
 
     def stage_mixed(self, seqs: list[SeqInput], tokens: int,
@@ -355,16 +343,14 @@ class StepGraphs:
         tb = self._stage_tables(seqs, nblocks, width)
         t[2, :total] = tb[row, positions // bs].astype(np.int64) * bs + positions % bs
         # Sequence-level int32 values, packed for one copy: seq lens, seq_start_loc,
-        # query_start_loc, decode rows, tile table, decode work items and their row
-        # offsets, the sampled sequences' last rows.
+        # query_start_loc, decode rows, tile table, the sampled sequences' last rows.
         rows, nt = self.max_seqs, self.tile_rows(tokens)
         dec = decode_rows or self.decode_rows(tokens)[-1]
-        items = self.decode_items(dec, mixed=True)
         sampled = np.fromiter((i for i, s in enumerate(seqs) if s.sample), dtype=np.int64)
-        sizes = [rows, rows + 1, rows + 1, dec, 2 * nt, 3 * items, dec + 1, len(sampled)]
+        sizes = [rows, rows + 1, rows + 1, dec, 2 * nt, len(sampled)]
         packed = self._host((sum(sizes),), torch.int32)
-        lens, seq_start, qstart, decodes, tiles, work, loc, last = np.split(
-            packed.numpy(), np.cumsum(sizes)[:-1])  # fmt: skip
+        lens, seq_start, qstart, decodes, tiles, last = np.split(packed.numpy(),
+                                                                 np.cumsum(sizes)[:-1])
         lens[:] = 1
         lens[:n] = start + q
         seq_start[0] = 0
@@ -376,8 +362,6 @@ class StepGraphs:
         assert len(decode_idx) <= dec and len(step_tiles) <= nt, "mixed graph rows too few"
         decodes[:] = -1
         decodes[: len(decode_idx)] = decode_idx
-        work.reshape(items, 3)[:], loc[:] = decode_work(lens[np.maximum(decodes, 0)], decodes,
-                                                         items)  # fmt: skip
         tiles[:] = -1
         tiles.reshape(nt, 2)[: len(step_tiles)] = step_tiles
         last[:] = qsl[1:][sampled] - 1
@@ -394,10 +378,8 @@ class StepGraphs:
         self.mixed_query_start_loc.copy_(parts[2])
         self.mixed_decode_idx[:dec].copy_(parts[3])
         self.mixed_tiles[:nt].copy_(parts[4].view(nt, 2))
-        self.decode_work[:items].copy_(parts[5].view(items, 3))
-        self.decode_work_loc[: dec + 1].copy_(parts[6])
         self.block_tables[:n, :width].copy_(table_d)
-        return parts[7].long()
+        return parts[5].long()
 
     def _check_ranges(self, seqs: list[SeqInput], ids: np.ndarray, start: np.ndarray,
                       end: np.ndarray) -> None:  # fmt: skip
@@ -521,8 +503,13 @@ class StepGraphs:
         )
 
     def _forward(self, key: tuple[str, int, int]) -> torch.Tensor:
+        from backend.attention.triton_kernels import decode_work_device  # graphs need triton
+
         kind, size, rows = key
         meta = self.metadata(size) if kind == "decode" else self.mixed_metadata(size, rows)
+        # The decode work items, cut on the device from the staged lengths (no host work).
+        decode_work_device(meta.seq_lens, meta.decode_seq_idx, meta.decode_work,
+                           meta.decode_work_loc)  # fmt: skip
         hidden = self.model(
             self.input_ids[:size], self.positions[:size], self.kv_cache.layers, meta
         )  # fmt: skip
@@ -548,7 +535,7 @@ class StepGraphs:
         self.input_ids[:size].zero_()
         self.positions[:size].zero_()
         self.slot_mapping[:size].fill_(-1)
-        self.seq_lens.fill_(1)
+        self.seq_lens.fill_(0)  # no decode work items
         self.seq_start_loc.copy_(self.query_start_loc)
         self.block_tables.zero_()
         self.mixed_query_start_loc.zero_()

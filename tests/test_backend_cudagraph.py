@@ -144,15 +144,18 @@ def test_stage_pads_to_the_size(qwen3_dir):
     assert graphs.input_ids[:4].tolist() == [7, 8, 9, 0]
     assert graphs.positions[:4].tolist() == [0, 9, 4, 0]
     assert graphs.slot_mapping[:4].tolist() == [12, 9 * 4 + 1, 4 * 4 + 0, -1]
-    assert graphs.seq_lens[:4].tolist() == [1, 10, 5, 1]
-    assert graphs.seq_start_loc[:5].tolist() == [0, 1, 11, 16, 17]
+    assert graphs.seq_lens[:4].tolist() == [1, 10, 5, 0]  # padding: no context, no work
+    assert graphs.seq_start_loc[:5].tolist() == [0, 1, 11, 16, 16]
     assert graphs.block_tables[:4, :3].tolist() == [[3, 0, 0], [5, 6, 9], [2, 4, 0], [0, 0, 0]]
     meta = graphs.metadata(4)
     assert meta.decode_seq_idx.tolist() == [0, 1, 2, 3] and meta.prefill_seq_idx.numel() == 0
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
-    # Work items: 4 rows x 2 kv heads want 66 splits a row, 16 at most: 4 x 16 + 1 items.
-    # Each context fits one 64-position tile: one item a sequence; the padding row none.
+    # Work items (cut on the device at replay): 4 rows x 2 kv heads want 66 splits a row,
+    # 16 at most: 4 x 16 + 1 items. Each context fits one 64-position tile: one item a
+    # sequence; the padding row none.
     assert meta.decode_work.shape == (65, 3)
+    triton_kernels.decode_work_device(meta.seq_lens, meta.decode_seq_idx, meta.decode_work,
+                                      meta.decode_work_loc)
     assert meta.decode_work[:4].tolist() == [[0, 0, 1], [1, 0, 10], [2, 0, 5], [-1, 0, 0]]
     assert (meta.decode_work[3:] == -1).sum() == 62 and meta.decode_work[3:, 1:].eq(0).all()
     assert meta.decode_work_loc.tolist() == [0, 1, 2, 3, 3]
@@ -187,6 +190,8 @@ def test_stage_mixed_pads_to_the_token_size(qwen3_dir):
     assert meta.prefill_tiles.tolist() == [[0, 0], [2, 0]] + [[-1, -1]] * 7  # 1 + min(8, 16 // 2)
     # 8 decode rows x 2 kv heads x 16 splits (the cap) + 8 // 4: 130 items; one is used.
     assert meta.decode_work.shape == (130, 3)
+    triton_kernels.decode_work_device(meta.seq_lens, meta.decode_seq_idx, meta.decode_work,
+                                      meta.decode_work_loc)
     assert meta.decode_work[:2].tolist() == [[1, 0, 5], [-1, 0, 0]]
     assert meta.decode_work_loc.tolist() == [0, 1, 1, 1, 1, 1, 1, 1, 1]
 

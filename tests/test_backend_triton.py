@@ -134,6 +134,8 @@ kernels = [
                                     QueryStartLoc="*i32", Work="*i32", WorkLoc="*i32"),
      dict(HEAD_DIM=128, HEAD_DIM_P=128, MERGE_BLOCK=16)),
     (tk._decode_kernel, attn, dict(dims, GROUP_P=16, DOT_PRECISION=precision)),
+    (tk._decode_work_kernel, dict(SeqLens="*i32", DecodeIdx="*i32", Work="*i32",
+                                  WorkLoc="*i32"), dict(TILE=64, ROWS_P=256, BLOCK=32)),
     (ops._rms_norm_kernel, dict(X=ptr, Residual=ptr, ResidualOut=ptr, W=ptr, Out=ptr, eps="fp32"),
      dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True)),
     (ops._silu_and_mul_kernel, dict(X=ptr, Out=ptr), dict(INTER=14336, BLOCK=1024)),

@@ -147,25 +147,29 @@ def decode_work(
     """
     lens = np.asarray(seq_lens, dtype=np.int64)
     idx = np.asarray(seq_idx, dtype=np.int64)
-    real = idx >= 0
-    if int(real.sum()) > num_items:
-        raise ValueError(f"decode_work: {int(real.sum())} decode rows need at least as many "
-                         f"items, got {num_items}")  # fmt: skip
-    tiles = np.where(real, -(-lens // tile), 0)
-    k = max(1, -(-int(tiles.sum()) // max(1, num_items)))
-    hi = max(k, int(tiles.max(initial=1)))  # one item a row: always fits
-
-    def fits(k: int) -> bool:
-        return int((-(-tiles // k)).sum()) <= num_items
-
-    if not fits(k):  # bisect for the smallest k that fits, in (k, hi]
-        lo = k
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-        k = hi
-    counts = -(-tiles // k)
-    loc = np.zeros(len(lens) + 1, dtype=np.int64)
+    tiles = (lens + (tile - 1)) // tile
+    tiles[idx < 0] = 0
+    real = int(np.count_nonzero(tiles))  # real rows: at least one position, one tile
+    total = int(tiles.sum())
+    if real > num_items:
+        raise ValueError(f"decode_work: {real} decode rows need at least as many items, "
+                         f"got {num_items}")  # fmt: skip
+    # The smallest k with sum(ceil(tiles / k)) <= num_items lies in [lo, hi]: below lo even
+    # exact division needs too many; hi fits, since ceil(t / k) <= t / k + 1 per row (or
+    # it is the longest context: one item a row).
+    lo = max(1, -(-total // max(1, num_items)))
+    hi = int(tiles.max(initial=1))
+    if num_items > real:
+        hi = max(lo, min(hi, -(-total // (num_items - real))))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if int(((tiles + (mid - 1)) // mid).sum()) <= num_items:
+            hi = mid
+        else:
+            lo = mid + 1
+    k = lo
+    counts = (tiles + (k - 1)) // k
+    loc = np.zeros(len(lens) + 1, dtype=np.int32)
     np.cumsum(counts, out=loc[1:])
     total = int(loc[-1])
     row = np.repeat(np.arange(len(lens)), counts)
@@ -175,7 +179,7 @@ def decode_work(
     work[:total, 0] = idx[row]
     work[:total, 1] = first
     work[:total, 2] = np.minimum(first + k * tile, lens[row])
-    return work, loc.astype(np.int32)
+    return work, loc
 
 
 def step_decode_work(

@@ -35,6 +35,7 @@ DECODE_BLOCK_N = DECODE_TILE  # key positions per decode tile (work items cover 
 DECODE_NUM_WARPS = 4  # warps per decode program (benchmarks/decode_attention_sweep.py)
 DECODE_NUM_STAGES = 2  # software-pipelining stages of the decode loop
 MERGE_BLOCK = 16  # work items the merge kernel reads at a time
+WORK_BLOCK = 32  # work items one program of the device work-table kernel writes
 
 
 @triton.jit
@@ -233,6 +234,52 @@ def _decode_reduce_kernel(
              mask=dim_mask)  # fmt: skip
 
 
+@triton.jit
+def _decode_work_kernel(
+    SeqLens, DecodeIdx, Work, WorkLoc, num_rows, num_items,
+    TILE: tl.constexpr, ROWS_P: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Grid (cdiv(num_items, BLOCK),): the device twin of
+    :func:`backend.attention.base.decode_work`, so CUDA graphs cut the work items from the
+    staged sequence lengths without host work. Every program finds the same tile count k
+    per item (bisection over the rows' tile counts), then writes its BLOCK items: (sequence,
+    first, end) or padding (-1, 0, 0); program 0 writes WorkLoc. Rows whose sequence is -1
+    or whose length is 0 get no items."""
+    rows = tl.arange(0, ROWS_P)
+    seq = tl.load(DecodeIdx + rows, mask=rows < num_rows, other=-1)
+    lens = tl.load(SeqLens + tl.maximum(seq, 0), mask=seq >= 0, other=0)
+    tiles = (lens + (TILE - 1)) // TILE
+    total = tl.sum(tiles, axis=0)
+    real = tl.sum((tiles > 0).to(tl.int32), axis=0)
+    lo = tl.maximum((total + num_items - 1) // num_items, 1)
+    hi = tl.maximum(tl.max(tiles, axis=0), lo)
+    if num_items > real:  # ceil(t / k) <= t / k + 1: this k always fits
+        spare = tl.maximum(num_items - real, 1)
+        hi = tl.maximum(lo, tl.minimum(hi, (total + spare - 1) // spare))
+    while lo < hi:  # the smallest k with sum(ceil(tiles / k)) <= num_items
+        mid = (lo + hi) // 2
+        if tl.sum((tiles + mid - 1) // mid, axis=0) <= num_items:
+            hi = mid
+        else:
+            lo = mid + 1
+    counts = (tiles + lo - 1) // lo
+    ends = tl.cumsum(counts, axis=0)  # inclusive: row r owns items [ends - counts, ends)
+    if tl.program_id(0) == 0:
+        tl.store(WorkLoc + 1 + rows, ends, mask=rows < num_rows)
+        tl.store(WorkLoc, 0)
+    items = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.sum((ends[None, :] <= items[:, None]).to(tl.int32), axis=1)  # (BLOCK,)
+    row = tl.minimum(row, ROWS_P - 1)  # items beyond the last are padding anyway
+    first = (items - tl.gather(ends - counts, row, 0)) * (lo * TILE)
+    end = tl.minimum(first + lo * TILE, tl.gather(lens, row, 0))
+    used = items < tl.sum(counts, axis=0)
+    keep = items < num_items
+    base = Work + 3 * items
+    tl.store(base, tl.where(used, tl.gather(seq, row, 0), -1), mask=keep)
+    tl.store(base + 1, tl.where(used, first, 0), mask=keep)
+    tl.store(base + 2, tl.where(used, end, 0), mask=keep)
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -341,6 +388,22 @@ def decode_attention(
             partial, lse, out, query_start_loc, work, work_loc, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, MERGE_BLOCK=MERGE_BLOCK,
         )  # fmt: skip
+
+
+def decode_work_device(
+    seq_lens: torch.Tensor, decode_idx: torch.Tensor, work: torch.Tensor, work_loc: torch.Tensor
+) -> None:
+    """Fill ``work`` (num_items, 3) int32 and ``work_loc`` (rows + 1,) int32 on the device as
+    :func:`backend.attention.base.decode_work` does on the host, from ``seq_lens`` (int32,
+    indexed by sequence) and ``decode_idx`` (rows,) int32 (-1: padding). One launch; the
+    CUDA graphs run it at the start of each replay."""
+    rows, num_items = decode_idx.numel(), work.shape[0]
+    if num_items == 0:
+        return
+    _decode_work_kernel[(triton.cdiv(num_items, WORK_BLOCK),)](
+        seq_lens, decode_idx, work, work_loc, rows, num_items,
+        TILE=DECODE_BLOCK_N, ROWS_P=max(16, triton.next_power_of_2(rows)), BLOCK=WORK_BLOCK,
+    )  # fmt: skip
 
 
 def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float) -> None:

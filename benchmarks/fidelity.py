@@ -322,53 +322,56 @@ that step's exact batch): median {step_p50:.1f}%, P90 {step_p90:.1f}% (absolute)
 ![TTFT CDFs, real vs simulated](fidelity/ttft_cdf.png)
 
 {repeat}
-## Why targets are missed (engine runs of 2026-11-30, engine at commit da8fab5)
+## Why targets are missed (engine runs of 2026-11-30, engine at commit 195d7ca)
 
-Since 4572d25 every step of up to 8,192 tokens replays a CUDA graph: decode-only steps one
-per batch size, steps with prompt tokens one per token count (`backend/cuda_graphs.py`; two
-variants per token count since da8fab5).
-Before, steps with prompt tokens ran eagerly and were host-bound: a 512-token chunk plus 32
-decodes took 12.5 ms of wall time for 3.5 ms of GPU time, now 4.3 ms for 3.6 ms
-(`python benchmarks/eager_step_host.py`, with and without `LAB_MIXED_GRAPHS=0`), and their
-duration followed the host's load (1.7x between two passes of one run). The previous
-report (engine 47168ac, all else the same) met P50/P90 <= 5% in 1 of 18 runs, P99 <= 10% in
-4 and throughput <= 3% in 13, with median errors of 17% (TTFT P50), 7.6% (TPOT P50), 13%
-(E2E P50) and 1.8% (throughput); the tables above are the same comparison on the graphed
-engine.
+The engine runs above are from commit 195d7ca; the profile the model is fitted to
+(`profiles/h200_qwen3-0.6b.csv`) was made on the same machine, minutes before. What changed
+since the previous report (engine da8fab5, all else the same):
 
-What is left is mostly the engine's own spread: the simulator's median errors are now
-within a few points of the engine's error against itself (second table), and the engine
-itself meets P50/P90 <= 5% in only a few runs. Identical decode-only steps vary between
-runs: on the code slice (on average 4 decodes over 4.1k-token contexts) their median is
-2.13, 2.41, 2.45 and 2.24 ms in the first and repeated runs at 50% and 95% load, a 15%
-spread the workload does not explain. The last column of the first table sums the model's
-predictions over a run's real steps and divides by their measured sum: where it is far
-from 1.00 (0.88 for code_0.95 fcfs and swap), the machine ran that run slower than the
-runs the model was fitted to.
+* The decode attention splits the step's contexts into near-equal work items instead of a
+  fixed number of splits per sequence (`backend.attention.base.decode_work`). With fixed
+  splits, the longest context of a batch set the kernel's time, and the cost model, which
+  sees the sum of the contexts, could not know it: on the code slice, decode-only steps of
+  17-64 sequences took 3.74-4.02 ms (median per run) where the model predicted 2.97-2.98.
+  Now they take 3.09-3.26 ms and the model predicts 3.08-3.10 ms. In
+  `python benchmarks/decode_uneven.py`, one 16k context among 63 of 1k: 10.3 -> 4.6 ms.
+* The profile gained three decode batches of uneven (log-normal) contexts; its held-out
+  step error is 3.5% (median), 13.7% (P90).
 
-Errors the simulator itself makes:
+The previous report met P50/P90 <= 5% in 4 of 18 runs, P99 <= 10% in 12 and throughput
+<= 3% in 15, with median errors of 4.2% (TTFT P50), 6.4% (TPOT P50), 5.3% (E2E P50) and
+1.1% (throughput). Now: 9, 15 and 18 runs, and 3.2%, 1.2%, 2.9% and 0.6%. On the code
+slice every target is met in 8 of 9 runs (code_0.5 chunked_prefill: TTFT P50 5.3%).
 
-* Decode-only steps of 17-64 sequences with long, uneven contexts (the code slice) take
-  about 4.0 ms where the model predicts 3.0 (40 steps per run). The decode graph fixes its
-  split count by the batch size (4 splits at 32 rows), so the longest context divided by 4
-  sets the kernel's time, while the profile's decode rows have uniform contexts and the
-  cost model sees the sum of the contexts only. The same effect in mixed steps is why
-  da8fab5 gives each token count a variant with 16 splits for up to 32 decodes: on
-  code_0.8 chunked_prefill, predicted over measured time of the steps with prompt tokens
-  went from 0.92 to 1.02. Left: a maximum-context feature (recorded by the engine, computed
-  by the simulator, profiled with uneven batches) or more splits for short batches with
-  long contexts.
-* Under KV pressure (the conversation slice: 2,048 blocks, 3-12 preemptions per engine
-  run) one early difference in a step's time changes which request is evicted, after which
-  the two schedules differ (compare the preemption counts, also between the engine's own
-  two runs); and with 200 requests per slice a run's P99 is its two slowest requests.
+The final engine (796f2cb) cuts the work items on the GPU at the start of each CUDA graph
+instead of on the host (~50 us of numpy per step on the 2-core dev box), so its steps are
+up to a few percent shorter than those measured here (BENCHMARKS.md); it was not replayed
+(the session's device time was spent).
 
-Found and fixed on the way: Python's garbage collector rescanning the engine's objects in
-full collections made eager steps take 13-20 ms instead of 11 ms; the replay loop freezes
-the objects that exist before it starts (lab/replay.py, benchmarks/eager_step_drift.py).
+What is left is the conversation slice under KV pressure, where the engine does not
+repeat itself either (second table):
 
-Not done: more requests per slice; a fidelity run for the Llama-3.1-8B shape (profiled
-before the mixed-step graphs, not replayed).
+* With 2,048 KV blocks, 5-15 requests per run are preempted. One early difference in a
+  step's time changes which request is evicted, after which the two schedules differ:
+  compare the preemption counts, real against simulated (8 of 9 conv runs differ, by 1-3)
+  and the engine's first run against its second (6 of 9 differ, by 1-4).
+* At 50% load most requests wait for nothing, so TTFT P90 is set by the few requests
+  queued behind a preemption: 24-33% error for the simulator, 6-36% for the engine
+  against itself. With 200 requests per slice, a run's P99 is its two slowest requests.
+
+The engine against itself also drifts between runs: on the code slice at 80% and 95%
+load, fcfs and swap ran 3-5% slower the second time (throughput column of the second
+table), though identical in configuration; the simulator's errors there are 0.1-3.5%,
+below the engine's own.
+
+Found and fixed on the way (earlier reports): Python's garbage collector rescanning the
+engine's objects made eager steps take 13-20 ms instead of 11 ms (the replay loop freezes
+the objects that exist before it starts); steps with prompt tokens ran eagerly and
+host-bound (every step of up to 8,192 tokens now replays a CUDA graph).
+
+Not done: more requests per slice; a fidelity run for the Llama-3.1-8B shape (profiled at
+195d7ca, `profiles/h200_llama-3.1-8b.csv`, held-out step error 3.5% median, 14.5% P90; not
+replayed).
 """
 
 

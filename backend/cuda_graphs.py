@@ -36,8 +36,8 @@ largest size of either family; sequence rows (seq lens, ``seq_start_loc``, block
 staging + ``copy_``), except the work items: each graph starts with a kernel that cuts them
 from the staged lengths (:func:`backend.attention.triton_kernels.decode_work_device`).
 Made on the host, they cost ~50 us of numpy and two more copies per step, and decode steps
-of uniform contexts took 4-9% longer than with the earlier fixed splits; cut on the device,
-0-4% (same-machine A/B runs, BENCHMARKS.md).
+of uniform contexts took 4-9% longer than with the earlier fixed splits at most batch
+sizes; cut on the device, 0-4% (same-machine A/B runs, BENCHMARKS.md).
 
 * Block tables are staged incrementally: a host mirror keeps what each row holds and the
   list it came from. A sequence whose ``block_table`` is the same list object as a row of

@@ -68,4 +68,3 @@ class TritonAttention(AttentionBackend):
                 work, loc = torch.from_numpy(w).to(q.device), torch.from_numpy(lc).to(q.device)
             triton_kernels.decode_attention(q, *common, work, loc, scale, merge)
         return out
-

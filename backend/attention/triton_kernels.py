@@ -230,8 +230,8 @@ def _decode_reduce_kernel(
         acc = acc * alpha + tl.sum(parts * w[:, None], axis=0)
         denom = denom * alpha + tl.sum(w, axis=0)
         m = m_new
-    tl.store(Out + token * stride_ot + head * stride_oh + dims, (acc / denom).to(Out.dtype.element_ty),
-             mask=dim_mask)  # fmt: skip
+    out = (acc / denom).to(Out.dtype.element_ty)
+    tl.store(Out + token * stride_ot + head * stride_oh + dims, out, mask=dim_mask)
 
 
 @triton.jit

@@ -17,9 +17,9 @@ share one set of static buffers and one memory pool:
   rows, enough for any step of ``T`` tokens, see
   :func:`backend.attention.base.prefill_tiles`), decode over a fixed number of padded rows
   and work items (:meth:`StepGraphs.decode_items`, from :func:`mixed_splits` items a
-  row). Each token count has two variants: ``min(T, 32)`` decode rows with 16 items a row,
-  for steps with few decodes, and ``min(T, max_num_seqs)`` rows with fewer (2 at 256 rows,
-  8 kv heads). (With one variant and a fixed split count per decode, a few decodes ran in
+  row, plus ``rows // 4`` to spare). Each token count has two variants: ``min(T, 32)``
+  decode rows with 16 items a row (at most 8 kv heads), for steps with few decodes, and
+  ``min(T, max_num_seqs)`` rows with fewer (2 at 256 rows, 8 kv heads). (With one variant and a fixed split count per decode, a few decodes ran in
   2 splits each, so one long context set the kernel's time: on the Azure code trace,
   2k-token chunks with ~11 decodes took 13.1 ms where the profile predicted 11.7 ms; the
   work items now share any step's contexts evenly.) Padding entries are -1 and the kernels

@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--tiles", default="all", choices=["all", "default"])
     args = ap.parse_args()
     from backend.attention import triton_kernels as tk
+    from backend.attention.base import decode_items, decode_work
 
     h, kvh, d = args.heads, args.kv_heads, args.head_dim
     default = (tk.DECODE_BLOCK_N, tk.DECODE_NUM_WARPS, tk.DECODE_NUM_STAGES)
@@ -56,13 +57,16 @@ def main() -> None:
             tables = tables.view(batch, per_seq)
             qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
             lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
-            idx = torch.arange(batch, device="cuda", dtype=torch.int32)
+            items = decode_items(batch, kvh)
             nbytes = 2 * batch * ctx * kvh * d * 2
             best = None
             for block_n, warps, stages in tiles:
                 tk.DECODE_BLOCK_N, tk.DECODE_NUM_WARPS, tk.DECODE_NUM_STAGES = block_n, warps, stages
+                # work items of whole block_n tiles, as decode_work_device cuts them
+                work, loc = (torch.from_numpy(a).cuda() for a in decode_work(
+                    [ctx] * batch, range(batch), items, tile=block_n))  # fmt: skip
                 try:
-                    call = (q, cache[0], cache[1], out, tables, qsl, lens, idx, d**-0.5, None)
+                    call = (q, cache[0], cache[1], out, tables, qsl, lens, work, loc, d**-0.5)
                     us = 1e3 * do_bench(lambda a=call: tk.decode_attention(*a))
                 except Exception as e:  # noqa: BLE001 - a config may not fit shared memory
                     print(f"| {layout} | {bs} | {batch} | {ctx} | {block_n} | {warps} | {stages} "

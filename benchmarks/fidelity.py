@@ -332,8 +332,9 @@ since the previous report (engine da8fab5, all else the same):
   fixed number of splits per sequence (`backend.attention.base.decode_work`). With fixed
   splits, the longest context of a batch set the kernel's time, and the cost model, which
   sees the sum of the contexts, could not know it: on the code slice, decode-only steps of
-  17-64 sequences took 3.74-4.02 ms (median per run) where the model predicted 2.97-2.98.
-  Now they take 3.09-3.26 ms and the model predicts 3.08-3.10 ms. In
+  17-64 sequences took 3.74-4.02 ms (median per run, all three policies' steps in the run's
+  steps.csv) where the model predicted 2.97-2.98. Now they take 3.09-3.26 ms and the model
+  predicts 3.08-3.10 ms. In
   `python benchmarks/decode_uneven.py`, one 16k context among 63 of 1k: 10.3 -> 4.6 ms.
 * The profile gained three decode batches of uneven (log-normal) contexts; its held-out
   step error is 3.5% (median), 13.7% (P90).
@@ -361,8 +362,8 @@ repeat itself either (second table):
 
 The engine against itself also drifts between runs: on the code slice at 80% and 95%
 load, fcfs and swap ran 3-5% slower the second time (throughput column of the second
-table), though identical in configuration; the simulator's errors there are 0.1-3.5%,
-below the engine's own.
+table), though identical in configuration; the simulator's errors there are 0.1-3.5%, all
+but one (code_0.95 fcfs TPOT P90: 3.5% vs 3.3%) below the engine's own.
 
 Found and fixed on the way (earlier reports): Python's garbage collector rescanning the
 engine's objects made eager steps take 13-20 ms instead of 11 ms (the replay loop freezes

@@ -191,6 +191,12 @@ def test_device_work_items_match_the_host_function():
                                           torch.from_numpy(idx).to(DEVICE), got_work, got_loc)
         assert got_work.cpu().numpy().tolist() == work.tolist(), f"case {case}"
         assert got_loc.cpu().numpy().tolist() == loc.tolist(), f"case {case}"
+    # Fewer items than rows: refused before launch (the kernel cannot count real rows).
+    lens = torch.ones(3, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="3 decode rows need at least as many items, got 2"):
+        triton_kernels.decode_work_device(lens, torch.arange(3, dtype=torch.int32, device=DEVICE),
+                                          torch.empty(2, 3, dtype=torch.int32, device=DEVICE),
+                                          torch.empty(4, dtype=torch.int32, device=DEVICE))
 
 
 # bf16 tl.dot is wrong under the interpreter (before and after the work items: values of

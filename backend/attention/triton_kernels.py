@@ -396,8 +396,16 @@ def decode_work_device(
     """Fill ``work`` (num_items, 3) int32 and ``work_loc`` (rows + 1,) int32 on the device as
     :func:`backend.attention.base.decode_work` does on the host, from ``seq_lens`` (int32,
     indexed by sequence) and ``decode_idx`` (rows,) int32 (-1: padding). One launch; the
-    CUDA graphs run it at the start of each replay."""
+    CUDA graphs run it at the start of each replay.
+
+    Raises:
+        ValueError: fewer items than rows (the host version raises when fewer than the real
+            rows; the device cannot say, so every row, padding included, must have one).
+    """
     rows, num_items = decode_idx.numel(), work.shape[0]
+    if num_items < rows:
+        raise ValueError(f"decode_work_device: {rows} decode rows need at least as many "
+                         f"items, got {num_items}")  # fmt: skip
     if num_items == 0:
         return
     _decode_work_kernel[(triton.cdiv(num_items, WORK_BLOCK),)](

@@ -42,12 +42,20 @@ def engine_runner(preset: str, **kwargs):
 def decode_inputs(batch: int, context: int, first_block: int = 0, token: int = 1) -> list:
     """``batch`` one-token decodes at position ``context`` (block size 16), each over its own
     consecutive blocks starting at ``first_block``."""
+    return decodes_at([context] * batch, first_block, token)
+
+
+def decodes_at(contexts: list[int], first_block: int = 0, token: int = 1) -> list:
+    """One-token decodes at the given positions (block size 16), each over its own
+    consecutive blocks, the first starting at ``first_block``."""
     from backend.runner import SeqInput
 
-    per_seq = -(-(context + 1) // 16)
-    return [SeqInput([token], context, list(range(first_block + i * per_seq,
-                                                  first_block + (i + 1) * per_seq)), True)
-            for i in range(batch)]  # fmt: skip
+    seqs = []
+    for ctx in contexts:
+        n = -(-(ctx + 1) // 16)
+        seqs.append(SeqInput([token], ctx, list(range(first_block, first_block + n)), True))
+        first_block += n
+    return seqs
 
 
 def step_wall(runner, seqs, steps: int, warmup: int) -> float:

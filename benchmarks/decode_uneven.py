@@ -14,19 +14,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from common import cuda_time, device_line, engine_runner
-
-
-def inputs(contexts: list[int]) -> list:
-    """One-token decodes at the given positions, each over its own blocks (block size 16)."""
-    from backend.runner import SeqInput
-
-    seqs, first = [], 0
-    for ctx in contexts:
-        n = -(-(ctx + 1) // 16)
-        seqs.append(SeqInput([1], ctx, list(range(first, first + n)), True))
-        first += n
-    return seqs
+from common import cuda_time, decodes_at, device_line, engine_runner
 
 
 def cases(rng: np.random.Generator) -> list[tuple[str, list[int]]]:
@@ -49,7 +37,7 @@ def main() -> None:
     print("| batch | contexts | max | total | uneven (ms) | uniform, same total (ms) | ratio |")
     print("|---|---|---|---|---|---|---|")
     for name, ctx in cases(np.random.default_rng(0)):
-        uneven, uniform = inputs(ctx), inputs([round(sum(ctx) / len(ctx))] * len(ctx))
+        uneven, uniform = decodes_at(ctx), decodes_at([round(sum(ctx) / len(ctx))] * len(ctx))
         t_uneven = cuda_time(lambda s=uneven: runner.execute(s), warmup=5, iters=30)
         t_uniform = cuda_time(lambda s=uniform: runner.execute(s), warmup=5, iters=30)
         batch, what = name.split(": ")

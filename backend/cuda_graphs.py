@@ -189,7 +189,7 @@ class StepGraphs:
         self.mixed_tiles = torch.full((self.tile_rows(big), 2), -1, dtype=torch.int32,
                                       device=dev)  # fmt: skip
         # Decode work items of either family (backend.attention.base.decode_work).
-        self.num_kv_heads = kv_cache.layers[0][0].shape[2] if kv_cache.layers else 1
+        self.num_kv_heads = model.config.num_kv_heads
         items = [self.decode_items(s) for s in self.sizes]
         items += [self.decode_items(r, mixed=True) for t in self.token_sizes
                   for r in self.decode_rows(t)]  # fmt: skip

@@ -4,7 +4,9 @@
 
 Prints the kernels by total GPU time over ``--steps`` steps (each step replays the graph of
 its batch size), the summed GPU time per step and the step's wall time, so the gap between
-them (host work: staging inputs, sampling, the sync) is visible.
+them (host work: staging inputs, sampling, the sync) is visible; then where a step's wall
+time goes, part by part (host time of staging, of the graph launch call, of sampling and
+the token copy; the graph's span on the GPU between two events).
 """
 
 from __future__ import annotations
@@ -40,6 +42,56 @@ def main() -> None:
     for e in events[:25]:
         us = e.device_time_total / args.steps
         print(f"| {e.key[:70]} | {e.count / args.steps:.0f} | {us:.1f} | {us / total:.0%} |")
+    step_parts(runner, seqs, args.steps)
+
+
+def step_parts(runner, seqs, steps: int) -> None:
+    """Medians over ``steps`` decode steps, each part timed on its own (the runner's
+    execute() does the same parts in this order)."""
+    import time
+
+    import numpy as np
+    import torch
+
+    from backend.sampler import sample
+
+    graphs = runner.graphs
+    size = graphs.size_for(seqs) if graphs is not None and graphs.capture else None
+    if size is None:
+        print("\n(no captured decode graph for this batch: no breakdown)")
+        return
+    key = ("decode", size, size)
+    graph, logits = graphs.graphs[key], graphs.outputs[key]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rows = {k: [] for k in ("stage (host)", "graph launch call (host)", "graph span (GPU)",
+                            "sample + token copy (host, waits for the GPU)", "whole step")}  # fmt: skip
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graphs.stage(seqs, size)
+        t1 = time.perf_counter()
+        start.record()
+        graph.replay()
+        t2 = time.perf_counter()
+        end.record()
+        sample(logits[: len(seqs)], [0.0] * len(seqs), runner.generator).tolist()
+        t3 = time.perf_counter()
+        torch.cuda.synchronize()
+        rows["stage (host)"].append(t1 - t0)
+        rows["graph launch call (host)"].append(t2 - t1)
+        rows["graph span (GPU)"].append(start.elapsed_time(end) / 1e3)
+        rows["sample + token copy (host, waits for the GPU)"].append(t3 - t2)
+        rows["whole step"].append(t3 - t0)
+    # Back to back, staged once: the graph alone, launches queued ahead of the GPU.
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        graph.replay()
+    torch.cuda.synchronize()
+    rows["graph replays back to back, per replay"] = [(time.perf_counter() - t0) / steps]
+    print("\n| part of a step | median (us) |\n|---|---|")
+    for name, v in rows.items():
+        print(f"| {name} | {np.median(v) * 1e6:.1f} |")
 
 
 if __name__ == "__main__":

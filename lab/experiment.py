@@ -113,9 +113,17 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
                    requests: list[Request] | None = None) -> list[Run]:
     """Replay the config's trace through every policy at every rate_scale.
 
-    ``requests``, when given, replaces the trace file (benchmarks build their own workload).
+    ``requests``, when given, replaces the trace file (benchmarks build their own workload);
+    their arrival times are used as they are, so ``rate_scale`` must then be 1.
+
+    Raises:
+        ValueError: ``requests`` given with a rate_scale other than 1.
     """
     from traces import load_trace
+
+    if requests is not None and rate_scales(cfg) != [1.0]:
+        raise ValueError("run_experiment: requests= takes arrival times as they are; "
+                         f"rate_scale must be 1, got {cfg['trace'].get('rate_scale')}")
 
     if cfg["backend"] == "engine":
         from backend.engine import assign_prompt_tokens, engine_parts  # imports torch
@@ -144,9 +152,9 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
             else:
                 executor = CostModelExecutor(cost_model, bs)
             label = pol["label"] if len(scales) == 1 else f"{pol['label']}@x{scale:g}"
-            requests = fresh(trace)
-            with _ProgressBar(progress, label, len(requests)) as bar:
-                result = replay(requests, scheduler, executor,
+            run_requests = fresh(trace)  # not ``requests``: each load reloads the trace
+            with _ProgressBar(progress, label, len(run_requests)) as bar:
+                result = replay(run_requests, scheduler, executor,
                                 check_invariants=cfg["check_invariants"], progress=bar)
             df, itl = metrics.request_table(result, pol["label"], scale)
             summary = {"policy": pol["label"], "rate_scale": scale,

@@ -65,6 +65,26 @@ def test_rerun_replaces_results_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no temp folders left
 
 
+def test_rate_scale_list_replays_each_load(tmp_path):
+    # Each load reloads the trace at its own scale (a bug once replayed the first load's
+    # requests at every later load: identical rows for x1, x2, x3).
+    cfg = write(tmp_path, "trace: {format: synthetic, num_requests: 6, arrival: {process: "
+                          "poisson, rate: 2}, prompt_len: 8, output_len: 3, "
+                          "rate_scale: [1, 2, 4]}\npolicies: [fcfs]\n"
+                          "kv_cache: {num_gpu_blocks: 64}\n")
+    out = tmp_path / "out"
+    assert run_experiment.main([str(cfg), "--out", str(out), "--no-progress"]) == 0
+    req = pd.read_csv(out / "requests.csv")
+    by_scale = {s: g.sort_values("request_id").arrival_s.to_numpy()
+                for s, g in req.groupby("rate_scale")}
+    assert sorted(by_scale) == [1.0, 2.0, 4.0] and by_scale[1.0][-1] > 0
+    assert by_scale[2.0] == pytest.approx(by_scale[1.0] / 2)
+    assert by_scale[4.0] == pytest.approx(by_scale[1.0] / 4)
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(summary) == ["fcfs@x1", "fcfs@x2", "fcfs@x4"]
+    assert summary["fcfs@x4"]["duration_s"] < summary["fcfs@x1"]["duration_s"]
+
+
 def write(tmp_path, text: str) -> Path:
     p = tmp_path / "exp.yaml"
     p.write_text(text)

@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) if args.out else ROOT / "results" / cfg["name"]
         t0 = time.perf_counter()
         from lab.experiment import run_experiment
-        from lab.report import summary_table, write_results
+        from lab.report import check_out_dir, summary_table, write_results
+
+        check_out_dir(out)  # before the replays, so a folder in the way costs no run
 
         runs = run_experiment(cfg, ROOT, progress=not args.no_progress)
         decode = None
@@ -64,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {out}/ (report.md) in {time.perf_counter() - t0:.1f} s")
     failed = [r for r in runs if r.result.failure]
     if failed:
-        print(f"error: run {failed[0].label} stopped early: {failed[0].result.failure} "
-              f"(partial results in {out})", file=sys.stderr)
+        which = ", ".join(f"{r.label} ({r.result.failure})" for r in failed)
+        print(f"error: {len(failed)} of {len(runs)} runs stopped early: {which} "
+              f"(their requests are in {out} with the reason)", file=sys.stderr)
         return 1
     return 0
 

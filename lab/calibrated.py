@@ -107,7 +107,7 @@ def read_profile(path: str | Path) -> pd.DataFrame:
     if not path.exists():
         raise ConfigError(f"cost_model.profile: {path} does not exist (make one with "
                           f"`python -m backend.profile` on the GPU)")
-    df = pd.read_csv(path, comment="#")
+    df = _read_csv(path, "cost_model.profile", comment="#")
     missing = [c for c in PROFILE_COLUMNS if c not in df.columns]
     if missing or len(df) < len(FEATURES):
         raise ConfigError(f"{path}: expected columns {', '.join(PROFILE_COLUMNS)} and at least "
@@ -125,10 +125,21 @@ def read_replay_steps(path: str | Path) -> pd.DataFrame:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"cost_model.replay_steps: {path} does not exist")
-    df = pd.read_csv(path)
+    df = _read_csv(path, "cost_model.replay_steps")
     if "num_decode_tokens" not in df.columns or "duration_s" not in df.columns:
         raise ConfigError(f"cost_model.replay_steps: {path} is not a steps.csv of a run")
     return steps_as_profile(df)
+
+
+def _read_csv(path: Path, key: str, **kwargs) -> pd.DataFrame:
+    """``pd.read_csv`` with one-line errors naming ``key`` and the file."""
+    if not path.is_file():
+        raise ConfigError(f"{key}: {path} is not a file (expected a CSV)")
+    try:
+        return pd.read_csv(path, **kwargs)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{key}: {path} is not a readable CSV "
+                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
 
 def steps_as_profile(df: pd.DataFrame) -> pd.DataFrame:

@@ -71,17 +71,23 @@ def _int(where, key, v, lo=1, optional=False):
     return v
 
 
-def _num(where, key, v, lo=0.0, hi=float("inf"), lo_open=False, optional=False):
+def _num(where, key, v, lo=0.0, hi=math.inf, lo_open=False, optional=False):
     if v is None and optional:
         return None
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     if not ok or not ((lo < v) if lo_open else (lo <= v)) or v > hi:
-        rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
-        raise _fail(where, key, f"a number in {rng}" + (" or null" if optional else ""), v)
+        if math.isinf(hi):
+            rng = f"a finite number {'>' if lo_open else '>='} {lo:g}"
+        else:
+            rng = f"a number in {'(' if lo_open else '['}{lo}, {hi}]"
+        raise _fail(where, key, rng + (" or null" if optional else ""), v)
     return float(v)
 
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
+MAX_SWAP_SPACE_GIB = 4096.0  # host memory for swapped-out KV blocks (4 TiB: beyond any host)
+MAX_STEP_OVERHEAD_S = 60.0  # a fixed cost per step; a minute is already far beyond any engine
 
 
 def check_name(where: str, key: str, name) -> str:
@@ -94,7 +100,7 @@ def check_name(where: str, key: str, name) -> str:
 
 
 def _choice(where, key, v, choices):
-    if v not in choices:
+    if not isinstance(v, str) or v not in choices:
         raise _fail(where, key, "one of " + ", ".join(sorted(choices)), v)
     return v
 
@@ -115,6 +121,10 @@ class UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a mapping key must be a plain value, not a list or mapping",
+                    key_node.start_mark)
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -136,9 +146,17 @@ def load_config(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     try:
-        raw = load_yaml(path.read_text())
+        raw = load_yaml(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, expected an experiment YAML file") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be an experiment YAML") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""
@@ -173,13 +191,17 @@ def validate(raw: dict[str, Any], where: str = "config") -> dict[str, Any]:
         raise _fail(where, "trace.rate_scale", "a number > 0 or a non-empty list of them", rs)
     for v in rs if isinstance(rs, list) else [rs]:
         _num(where, "trace.rate_scale", v, lo=0.0, lo_open=True)
+    names = [scale_label(v) for v in (rs if isinstance(rs, list) else [rs])]
+    if len(set(names)) != len(names):
+        raise _fail(where, "trace.rate_scale", "distinct values (to 6 significant digits: "
+                    "they name the runs, as 'fcfs@x2')", rs)
     if cfg["backend"] == "sim":
         _choice(where, "model", cfg["model"], MODELS)
         _choice(where, "hardware", cfg["hardware"], HARDWARE)
     cm = cfg["cost_model"]
     _num(where, "cost_model.flops_efficiency", cm["flops_efficiency"], 0.0, 1.0, lo_open=True)
     _num(where, "cost_model.bandwidth_efficiency", cm["bandwidth_efficiency"], 0.0, 1.0, lo_open=True)
-    _num(where, "cost_model.step_overhead_s", cm["step_overhead_s"], 0.0)
+    _num(where, "cost_model.step_overhead_s", cm["step_overhead_s"], 0.0, MAX_STEP_OVERHEAD_S)
     if cm["profile"] is not None and not isinstance(cm["profile"], str):
         raise _fail(where, "cost_model.profile", "a path to an engine profile CSV", cm["profile"])
     if not isinstance(cm["replay_steps"], list) or not all(
@@ -192,8 +214,9 @@ def validate(raw: dict[str, Any], where: str = "config") -> dict[str, Any]:
     _int(where, "kv_cache.block_size", kv["block_size"])
     _num(where, "kv_cache.gpu_memory_utilization", kv["gpu_memory_utilization"], 0.0, 1.0, lo_open=True)
     _int(where, "kv_cache.num_gpu_blocks", kv["num_gpu_blocks"], optional=True)
-    _num(where, "kv_cache.swap_space_gib", kv["swap_space_gib"], 0.0)
+    _num(where, "kv_cache.swap_space_gib", kv["swap_space_gib"], 0.0, MAX_SWAP_SPACE_GIB)
     _num(where, "kv_cache.watermark", kv["watermark"], 0.0, 0.5)
+    _int(where, "scheduler.max_num_seqs", cfg["scheduler"]["max_num_seqs"])
     _check_limits(where, "scheduler", cfg["scheduler"])
     _int(where, "scheduler.max_preemptions", cfg["scheduler"]["max_preemptions"])
     pols = cfg["policies"]
@@ -215,6 +238,8 @@ def validate(raw: dict[str, Any], where: str = "config") -> dict[str, Any]:
         allowed = ("name", "label", *SCHEDULER_KEYS, *cls.options)
         _mapping(where, key, p, allowed)
         _check_limits(where, key, p)
+        if "label" in p and (not isinstance(p["label"], str) or not p["label"].strip()):
+            raise _fail(where, f"{key}.label", "a non-empty string", p["label"])
         resolved.append({"label": p.get("label", p["name"]), **p})
     labels = [p["label"] for p in resolved]
     if len(set(labels)) != len(labels):
@@ -227,8 +252,8 @@ def validate(raw: dict[str, Any], where: str = "config") -> dict[str, Any]:
         if not isinstance(eng["model_path"], str):
             raise _fail(where, "engine.model_path", "a model directory (config.json + safetensors)",
                         eng["model_path"])
-        if not isinstance(eng["device"], str):
-            raise _fail(where, "engine.device", "a device such as cpu or cuda", eng["device"])
+        if not isinstance(eng["device"], str) or not _DEVICE.fullmatch(eng["device"]):
+            raise _fail(where, "engine.device", "cpu, cuda or cuda:N", eng["device"])
         _choice(where, "engine.dtype", eng["dtype"],
                 {"auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"})
         _choice(where, "engine.attention_backend", eng["attention_backend"],
@@ -243,6 +268,11 @@ def _check_limits(where: str, key: str, d: dict) -> None:
     _int(where, f"{key}.max_num_seqs", d.get("max_num_seqs"), optional=True)
     _int(where, f"{key}.max_num_batched_tokens", d.get("max_num_batched_tokens"), optional=True)
     _int(where, f"{key}.max_model_len", d.get("max_model_len"), optional=True)
+
+
+def scale_label(scale: float) -> str:
+    """How a rate_scale names its runs when there are several: ``{label}@x{scale_label}``."""
+    return f"{scale:g}"
 
 
 def rate_scales(cfg: dict[str, Any]) -> list[float]:

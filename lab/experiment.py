@@ -13,14 +13,14 @@ import numpy as np
 import pandas as pd
 
 from lab import metrics
-from lab.config import rate_scales
+from lab.config import rate_scales, scale_label
 from lab.cost_model import AnalyticCostModel, CostModelExecutor, num_cpu_blocks, num_gpu_blocks
 from lab.errors import ConfigError
 from lab.hardware import HARDWARE
 from lab.kv import BlockManager
 from lab.models import MODELS
 from lab.replay import ReplayResult, replay
-from lab.request import Request
+from lab.request import Request, RequestStatus
 from lab.scheduler import SchedulerLimits, get_policy
 
 log = logging.getLogger("lab.experiment")
@@ -82,10 +82,19 @@ def sim_parts(cfg: dict, base_dir: Path = Path(".")) -> tuple[AnalyticCostModel,
         model, hw, kv["block_size"], kv["gpu_memory_utilization"],
         cfg["scheduler"]["max_num_batched_tokens"] or 2048, cfg["scheduler"]["max_num_seqs"])
     if gpu < 1:
+        block_bytes = model.kv_bytes_per_token * kv["block_size"]
+        tokens = num_gpu_blocks(model, hw, 1, kv["gpu_memory_utilization"],
+                                cfg["scheduler"]["max_num_batched_tokens"] or 2048,
+                                cfg["scheduler"]["max_num_seqs"])
+        if tokens >= 1:  # room for some KV, not for one block
+            raise ConfigError(
+                f"kv_cache.block_size: one block of {kv['block_size']} tokens needs "
+                f"{block_bytes / 1e9:.1f} GB of KV cache for {model.name}; a {hw.name} has "
+                f"room for {tokens} tokens")
         raise ConfigError(
             f"kv_cache.gpu_memory_utilization: {kv['gpu_memory_utilization']} of "
             f"{hw.memory_bytes / 1e9:.0f} GB leaves no room for KV after "
-            f"{model.weight_bytes / 1e9:.1f} GB of weights")
+            f"{model.weight_bytes / 1e9:.1f} GB of weights and the activations")
     kv_bytes = gpu * model.kv_bytes_per_token * kv["block_size"]
     if kv_bytes > hw.memory_bytes:
         raise ConfigError(
@@ -104,9 +113,16 @@ def sim_parts(cfg: dict, base_dir: Path = Path(".")) -> tuple[AnalyticCostModel,
 
 
 def fresh(requests: list[Request]) -> list[Request]:
-    """Copies of trace requests with runtime state reset (each run mutates its own)."""
-    return [Request(r.request_id, r.arrival_s, r.prompt_len, r.output_len,
-                    r.prompt_token_ids, r.hash_ids, r.priority) for r in requests]
+    """Copies of trace requests with runtime state reset (each run mutates its own); dropped
+    trace rows keep their status and reason."""
+    out = []
+    for r in requests:
+        c = Request(r.request_id, r.arrival_s, r.prompt_len, r.output_len,
+                    r.prompt_token_ids, r.hash_ids, r.priority)
+        if r.status is RequestStatus.DROPPED:
+            c.status, c.reason = r.status, r.reason
+        out.append(c)
+    return out
 
 
 def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
@@ -151,7 +167,7 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
                 executor = make_executor(scheduler)
             else:
                 executor = CostModelExecutor(cost_model, bs)
-            label = pol["label"] if len(scales) == 1 else f"{pol['label']}@x{scale:g}"
+            label = pol["label"] if len(scales) == 1 else f"{pol['label']}@x{scale_label(scale)}"
             run_requests = fresh(trace)  # not ``requests``: each load reloads the trace
             with _ProgressBar(progress, label, len(run_requests)) as bar:
                 result = replay(run_requests, scheduler, executor,
@@ -165,8 +181,7 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
             runs.append(Run(label, pol["label"], scale, result, df, itl, summary))
             log.info("%s: %d steps in %.2f s", label, summary["num_steps"], result.wall_s)
             if result.failure:
-                log.error("%s stopped: %s; the remaining runs are skipped", label, result.failure)
-                return runs
+                log.error("%s stopped: %s", label, result.failure)
     return runs
 
 

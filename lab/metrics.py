@@ -8,7 +8,10 @@
   tokens/s and prompt + output tokens/s, counting finished requests only.
 * Goodput (DistServe, OSDI'24 §2): finished requests per second that meet every SLO given;
   a 1-token request meets any TPOT SLO, as in vLLM. SLO attainment: the fraction of all
-  trace requests (rejected and aborted ones count as misses) that meet every SLO.
+  replayed trace requests (rejected and aborted ones count as misses) that meet every SLO.
+* Trace rows that are not replayed (status ``dropped``, e.g. failed requests of BurstGPT)
+  are listed with their reason and counted apart (``dropped``); no metric includes them,
+  and ``num_requests`` counts the replayed requests.
 * Queueing delay: arrival to first scheduled; preemptions per request by mode.
 
 Percentiles use numpy's default (linear interpolation), as vLLM does.
@@ -92,11 +95,12 @@ def summarize(df: pd.DataFrame, itl: np.ndarray, result: ReplayResult,
     end = max(float(df["finish_s"].max(skipna=True) or 0.0), float(result.step_end_s.max(initial=0.0)))
     duration = end if end > 0 else float("nan")
     counts = df["status"].value_counts()
+    replayed = (df["status"] != "dropped").to_numpy()
     good = meets_slo(df, slo)
     kv_frac = steps["kv_used_blocks"] / max(result.num_gpu_blocks, 1)
     return {
-        "num_requests": len(df),
-        **{s: int(counts.get(s, 0)) for s in ("finished", "rejected", "aborted")},
+        "num_requests": int(replayed.sum()),
+        **{s: int(counts.get(s, 0)) for s in ("finished", "rejected", "aborted", "dropped")},
         "duration_s": duration,
         "request_throughput": len(fin) / duration,
         "output_throughput": float(fin["num_generated_tokens"].sum()) / duration,
@@ -108,7 +112,7 @@ def summarize(df: pd.DataFrame, itl: np.ndarray, result: ReplayResult,
         "queue_s": stats(fin["queue_s"]),
         "slo": {k: v for k, v in slo.items() if v is not None},
         "goodput": float(good.sum()) / duration,
-        "slo_attainment": float(good.mean()) if len(df) else float("nan"),
+        "slo_attainment": float(good[replayed].mean()) if replayed.any() else float("nan"),
         "preemptions": {
             "recompute": int(df["num_preemptions_recompute"].sum()),
             "swap": int(df["num_preemptions_swap"].sum()),

@@ -161,7 +161,8 @@ def replay(
     """Replay ``requests`` (mutated in place) through ``scheduler`` and ``executor``.
 
     Args:
-        requests: fresh requests (status WAITING), any order.
+        requests: fresh requests (status WAITING), any order; requests with status DROPPED
+            (trace rows that are not replayed) are kept in the result, in their place.
         check_invariants: check blocks and limits after every plan (slow; for tests).
         progress: optional callable(num_ended_requests, sim_time_s), called now and then.
 
@@ -191,7 +192,9 @@ def _replay(
     check_invariants: bool, progress,
 ) -> ReplayResult:
     t0 = time.perf_counter()
-    requests = sorted(requests, key=lambda r: r.arrival_s)
+    every = requests
+    requests = sorted((r for r in every if r.status is not RequestStatus.DROPPED),
+                      key=lambda r: r.arrival_s)  # dropped trace rows are not replayed
     env = simpy.Environment()
     wakeup, arrived = _Wakeup(env), [0]
     rec: dict[str, list] = {c: [] for c in STEP_COLUMNS}
@@ -210,22 +213,48 @@ def _replay(
             scheduler.block_manager.check_integrity([])
     except Exception as e:  # a failed step ends the run, accounted for request by request
         failure = f"{type(e).__name__}: {e}".splitlines()[0]
-        for r in requests:
-            if r.status not in _ENDED:
-                r.status, r.finish_s = RequestStatus.ABORTED, env.now
+        for i, r in enumerate(requests):  # sorted by arrival: the first arrived[0] arrived
+            if r.status in _ENDED:
+                continue
+            r.status = RequestStatus.ABORTED
+            if i >= arrived[0]:  # never arrived: no finish time
+                r.reason = (f"not replayed: the run stopped at t={env.now:.3f}s, before its "
+                            f"arrival ({failure})")
+            else:
+                r.finish_s = env.now
                 r.reason = f"not finished: the run stopped at t={env.now:.3f}s ({failure})"
         n = min(len(v) for v in rec.values())  # a step that failed midway has no row
         rec = {c: v[:n] for c, v in rec.items()}
         tick_steps = [t for t in tick_steps if t < n]
     steps = {c: np.asarray(v, dtype=np.float64 if c in _FLOAT_COLUMNS else np.int64)
              for c, v in rec.items()}
+    if len(requests) < len(every):  # the dropped rows, in their places of the input order
+        requests = _with_dropped(every, requests)
     return ReplayResult(requests, steps, np.asarray(tick_steps, dtype=np.int64),
                         time.perf_counter() - t0, scheduler.block_manager.num_gpu_blocks,
                         failure)
 
 
+def _with_dropped(every: list[Request], replayed: list[Request]) -> list[Request]:
+    """``replayed`` (sorted by arrival) with each dropped request of ``every`` placed after
+    the replayed request that precedes it in ``every``."""
+    after: dict[int, list[Request]] = {}
+    prev = -1  # id() of the replayed request before, -1 = none yet
+    for r in every:
+        if r.status is RequestStatus.DROPPED:
+            after.setdefault(prev, []).append(r)
+        else:
+            prev = id(r)
+    out = list(after.get(-1, ()))
+    for r in replayed:
+        out.append(r)
+        out.extend(after.get(id(r), ()))
+    return out
+
+
 _FLOAT_COLUMNS = ("time_s", "duration_s", "prefill_attention_pairs")
-_ENDED = (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED)
+_ENDED = (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED,
+          RequestStatus.DROPPED)
 
 
 def _num_unfinished(s: Scheduler) -> int:

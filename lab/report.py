@@ -35,8 +35,7 @@ def write_results(out_dir: Path, cfg: dict[str, Any], runs: list[Run],
     Engine runs also get ``tokens.jsonl``: the generated token ids of every request (and
     their text when ``decode`` is given).
     """
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    out_dir = check_out_dir(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     umask = os.umask(0)
     os.umask(umask)
@@ -55,9 +54,7 @@ def write_results(out_dir: Path, cfg: dict[str, Any], runs: list[Run],
         plots = _plots(tmp, runs)
         (tmp / "report.md").write_text(_markdown(cfg, runs, plots))
         if out_dir.exists():
-            if any(out_dir.iterdir()) and not (out_dir / "summary.json").exists():
-                raise UserError(f"--out {out_dir}: the folder exists and is not a results "
-                                "folder (no summary.json); refusing to replace it")
+            check_out_dir(out_dir)  # again: it may have changed during the runs
             old = out_dir.with_name(f".{out_dir.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             os.rename(out_dir, old)
@@ -68,6 +65,29 @@ def write_results(out_dir: Path, cfg: dict[str, Any], runs: list[Run],
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return out_dir
+
+
+def check_out_dir(out_dir: Path) -> Path:
+    """Make sure ``out_dir`` can become a results folder: its parent exists or can be made,
+    and ``out_dir`` is absent, empty, or an earlier results folder (it will be replaced).
+
+    Raises:
+        UserError: one line naming ``out_dir`` and what is in the way.
+    """
+    out_dir = Path(out_dir)
+    above = next((p for p in out_dir.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise UserError(f"--out {out_dir}: {above} is a file, not a folder")
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out_dir}: cannot make its parent folder ({e.strerror})") from None
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out {out_dir}: exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "summary.json").exists():
+        raise UserError(f"--out {out_dir}: the folder exists and is not a results folder "
+                        "(no summary.json); refusing to replace it")
     return out_dir
 
 
@@ -245,10 +265,16 @@ def _markdown(cfg: dict, runs: list[Run], plots: list[tuple[str, str]]) -> str:
         summary_table(runs),
         "",
     ]
+    dropped = runs[0].summary.get("dropped", 0)  # the same trace rows in every run
+    if dropped:
+        reasons = runs[0].requests.loc[runs[0].requests["status"] == "dropped", "reason"]
+        why = "; ".join(sorted({x.removeprefix("not replayed: ") for x in reasons}))
+        lines += [f"Trace rows not replayed: {dropped} (status `dropped` in requests.csv): "
+                  f"{why}.", ""]
     for r in runs:
         if r.result.failure:
             lines += [f"**Run {r.label} stopped early**: {r.result.failure}. Its unfinished "
-                      "requests are listed as aborted with this reason; later runs were skipped.",
+                      "requests are listed as aborted with this reason.",
                       ""]
     slo = runs[0].summary["slo"]
     if slo:

@@ -18,6 +18,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
     REJECTED = "rejected"
     ABORTED = "aborted"
+    DROPPED = "dropped"  # a trace row that is not replayed (see traces/table.py), with a reason
 
 
 @dataclass(eq=False, slots=True)
@@ -26,7 +27,8 @@ class Request:
 
     Args:
         request_id: unique within a trace (the loaders use the row index as a string).
-        arrival_s: arrival time, seconds from the trace start (>= 0).
+        arrival_s: arrival time, seconds from the trace start (>= 0; NaN for a dropped
+            trace row, which is never replayed).
         prompt_len: prompt tokens (>= 1).
         output_len: output tokens to generate (>= 1); honoured exactly (as with ignore_eos).
         prompt_token_ids: real prompt tokens, only for the engine backend (None in traces).

@@ -66,11 +66,13 @@ def test_out_of_memory_mid_run_stops_with_partial_results(tiny_model, tmp_path, 
     assert run_experiment.main([experiment(tmp_path, tiny_model), "--out", str(out),
                                 "--no-progress"]) == 1
     err = capsys.readouterr().err
-    assert "error: run fcfs stopped early: OutOfMemoryError: CUDA out of memory" in err
+    assert "error: 1 of 2 runs stopped early: fcfs (OutOfMemoryError: CUDA out of memory" in err
     req = pd.read_csv(out / "requests.csv")
-    assert len(req) == 12 and set(req.policy) == {"fcfs"}  # every request, swap skipped
-    stopped = req[req.status == "aborted"]
+    assert len(req) == 24  # every request of both runs: the swap run ran after fcfs failed
+    fcfs, swap = req[req.policy == "fcfs"], req[req.policy == "swap"]
+    stopped = fcfs[fcfs.status == "aborted"]
     assert len(stopped) > 0 and stopped.reason.str.contains("OutOfMemoryError").all()
+    assert (swap.status == "finished").all()
 
 
 def test_truncated_checkpoint_is_one_line(tiny_model, tmp_path, capsys):

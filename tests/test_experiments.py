@@ -35,9 +35,11 @@ def test_example_runs(path, tmp_path):
     for col in ("policy", "request_id", "status", "arrival_s", "prompt_tokens", "output_tokens",
                 "ttft_s", "tpot_s", "e2e_s", "queue_s", "num_preemptions"):
         assert col in req.columns
-    # Nothing lost: every trace request once per run, ended with a reason if not finished.
-    assert len(req) == 60 * num_runs or (len(req) % num_runs == 0 and len(req) < 60 * num_runs)
-    assert set(req["status"]) <= {"finished", "rejected", "aborted"}
+    # Nothing lost: every trace request once per run, ended with a reason if not finished;
+    # --limit counts replayed requests (dropped trace rows among them are listed too).
+    n = (req.status != "dropped").sum()
+    assert len(req) % num_runs == 0 and n <= 60 * num_runs
+    assert set(req["status"]) <= {"finished", "rejected", "aborted", "dropped"}
     assert req.loc[req.status != "finished", "reason"].notna().all()
     steps = pd.read_csv(out / "steps.csv")
     for col in ("policy", "time_s", "duration_s", "num_prefill_tokens", "num_decode_tokens",
@@ -85,6 +87,51 @@ def test_rate_scale_list_replays_each_load(tmp_path):
     assert summary["fcfs@x4"]["duration_s"] < summary["fcfs@x1"]["duration_s"]
 
 
+def test_dropped_trace_rows_are_in_the_results_and_in_no_metric(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:00,5,0\n"
+                     "2023-11-16 18:17:01,5,3\n2023-11-16 18:17:02,6,2\n")
+    cfg = write(tmp_path, f"trace: {{format: azure2023, path: {trace}}}\npolicies: [fcfs]\n"
+                          "kv_cache: {num_gpu_blocks: 64}\nslo: {ttft_s: 10}\n")
+    out = tmp_path / "out"
+    assert run_experiment.main([str(cfg), "--out", str(out), "--no-progress"]) == 0
+    req = pd.read_csv(out / "requests.csv")
+    assert list(req.request_id) == [0, 1, 2] and list(req.status) == ["dropped", "finished",
+                                                                      "finished"]
+    assert req.reason[0] == ("not replayed: 'GeneratedTokens' == 0 in t.csv (a request needs "
+                             ">= 1 output token)")
+    assert req.loc[0, ["arrival_s", "finish_s", "ttft_s", "e2e_s"]].isna().all()
+    s = json.loads((out / "summary.json").read_text())["fcfs"]
+    assert (s["num_requests"], s["finished"], s["dropped"]) == (2, 2, 0 + 1)
+    assert s["slo_attainment"] == 1.0  # over the 2 replayed requests
+    assert "Trace rows not replayed: 1 (status `dropped` in requests.csv): 'GeneratedTokens'" \
+        in (out / "report.md").read_text()
+
+
+def test_out_in_the_way_is_refused_before_any_run(tmp_path, capsys, monkeypatch):
+    import lab.experiment
+
+    monkeypatch.setattr(lab.experiment, "run_experiment", None)  # a run would raise TypeError
+    cfg = str(ROOT / "experiments/quickstart.yaml")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("keep me")
+    cases = [(tmp_path / "file", "exists and is not a folder"),
+             (tmp_path / "file" / "sub", f"{tmp_path / 'file'} is a file, not a folder"),
+             (tmp_path / "other", "the folder exists and is not a results folder")]
+    for out, message in cases:
+        assert run_experiment.main([cfg, "--out", str(out), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert (tmp_path / "other" / "notes.txt").read_text() == "keep me"
+
+
+def test_config_path_that_is_a_folder(tmp_path, capsys):
+    assert run_experiment.main([str(tmp_path), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {tmp_path}: is a directory, expected an experiment YAML file")
+
+
 def write(tmp_path, text: str) -> Path:
     p = tmp_path / "exp.yaml"
     p.write_text(text)
@@ -105,7 +152,7 @@ BASE = "trace: {format: synthetic, num_requests: 5, arrival: {process: poisson, 
     (BASE + "policies: [fcfs, fcfs]\n", "labels must be unique"),
     ("trace: [1, 2]\n", "trace: expected a mapping"),
     (BASE + "trace_x: 1\n", "unknown key trace_x"),
-    (BASE + "slo: {ttft_s: -1}\n", "slo.ttft_s: expected a number in (0.0, inf] or null, got -1"),
+    (BASE + "slo: {ttft_s: -1}\n", "slo.ttft_s: expected a finite number > 0 or null, got -1"),
     ("a: [1, 2\n", "is not valid YAML"),
 ])
 def test_bad_config_one_line(tmp_path, text, message):

@@ -38,9 +38,14 @@ def test_failed_step_stops_run_and_accounts_for_every_request():
     assert res.failure == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
     status = {r.request_id: (r.status.value, r.reason) for r in res.requests}
     assert status["a"] == ("finished", "")
-    for rid in ("b", "c"):  # b was running, c had not even arrived
-        assert status[rid][0] == "aborted"
-        assert "the run stopped at t=0.030s (RuntimeError: CUDA out of memory" in status[rid][1]
+    assert status["b"][0] == "aborted"  # b was running
+    assert status["b"][1].startswith("not finished: the run stopped at t=0.030s (RuntimeError: "
+                                     "CUDA out of memory")
+    assert status["c"][0] == "aborted"  # c had not arrived (t=5): no finish time
+    assert status["c"][1].startswith("not replayed: the run stopped at t=0.030s, before its "
+                                     "arrival (RuntimeError: CUDA out of memory")
+    finish = {r.request_id: r.finish_s for r in res.requests}
+    assert finish["b"] == 0.03 and finish["c"] == -1.0
 
 
 def test_cli_writes_partial_results_and_exits_1(tmp_path, monkeypatch, capsys):
@@ -61,13 +66,14 @@ def test_cli_writes_partial_results_and_exits_1(tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     assert run_experiment.main([str(cfg), "--out", str(out), "--no-progress"]) == 1
     err = capsys.readouterr().err
-    assert "error: run fcfs stopped early: RuntimeError: device lost" in err
+    assert "error: 2 of 2 runs stopped early: fcfs (RuntimeError: device lost), swap " in err
     req = pd.read_csv(out / "requests.csv")
-    assert len(req) == 20 and set(req.policy) == {"fcfs"}  # swap was skipped
+    assert len(req) == 40 and list(req.policy.value_counts()) == [20, 20]  # every run ran
     assert (req.status == "aborted").sum() > 0
     assert req.loc[req.status == "aborted", "reason"].str.contains("device lost").all()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["fcfs"]["failure"] == "RuntimeError: device lost"
+    assert summary["swap"]["failure"] == "RuntimeError: device lost"
     assert "stopped early" in (out / "report.md").read_text()
 
 

@@ -50,6 +50,17 @@ def arrivals(requests: list) -> list[float]:
     return [r.arrival_s for r in requests]
 
 
+def replayed(requests: list) -> list:
+    return [r for r in requests if r.status.value != "dropped"]
+
+
+def dropped_rows(requests: list) -> dict[str, str]:
+    """request id -> reason of the dropped rows (checking they have no arrival time)."""
+    out = {r.request_id: r.reason for r in requests if r.status.value == "dropped"}
+    assert all(math.isnan(r.arrival_s) for r in requests if r.request_id in out)
+    return out
+
+
 # --- the shipped files ---------------------------------------------------------------------
 
 SHA256 = {  # from traces/data/ATTRIBUTION.md (and the lab's SOURCES.md)
@@ -112,21 +123,27 @@ def test_burstgpt_real_files_drop_failed_rows(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.INFO, logger="traces"):
-        requests = load(format="burstgpt", path=f"traces/data/{name}")
-    assert len(requests) == kept
+        every = load(format="burstgpt", path=f"traces/data/{name}")
+    requests = replayed(every)
+    assert len(every) == 400 and len(requests) == kept
     assert dropped_id not in ids(requests)
     assert f"{name}: dropped {dropped} of 400 rows with 'Response tokens' == 0" in caplog.text
     assert all(r.prompt_len >= 1 and r.output_len >= 1 for r in requests)
+    reasons = dropped_rows(every)
+    assert len(reasons) == dropped
+    assert reasons[dropped_id] == (f"not replayed: 'Response tokens' == 0 in {name} "
+                                   "(failed requests in the source)")
 
 
 def test_burstgpt_model_filter_real_file() -> None:
     # burstgpt1 has 80 GPT-4 rows, 3 of them failed.
-    requests = load(
+    every = load(
         format="burstgpt",
         path="traces/data/burstgpt1_first400rows.csv",
         models=["GPT-4"],
     )
-    assert len(requests) == 77
+    requests = replayed(every)
+    assert len(every) == 80 and len(requests) == 77 and len(dropped_rows(every)) == 3
     assert requests[0].request_id == "2" and requests[0].arrival_s == 0.0
 
 
@@ -163,10 +180,14 @@ def test_azure_zero_output_rows_dropped_and_logged(
         "2023-11-16 18:17:02,6,3\n2023-11-16 18:17:05,7,0\n",
     )
     with caplog.at_level(logging.INFO, logger="traces"):
-        requests = load(format="azure2023", path=path)
+        every = load(format="azure2023", path=path)
+    assert ids(every) == ["0", "1", "2"]  # every row, in source order
+    requests = replayed(every)
     assert ids(requests) == ["1"]
-    assert requests[0].arrival_s == 0.0  # re-based to the first kept request
+    assert requests[0].arrival_s == 0.0  # re-based to the first replayed request
     assert "z.csv: dropped 2 of 3 rows with 'GeneratedTokens' == 0" in caplog.text
+    why = "not replayed: 'GeneratedTokens' == 0 in z.csv (a request needs >= 1 output token)"
+    assert dropped_rows(every) == {"0": why, "2": why}
 
 
 def test_burstgpt_zero_request_tokens_dropped(
@@ -179,10 +200,15 @@ def test_burstgpt_zero_request_tokens_dropped(
         "12,GPT-4,0,7,7,API log\n13,GPT-4,0,0,0,API log\n20,GPT-4,3,4,7,API log\n",
     )
     with caplog.at_level(logging.INFO, logger="traces"):
-        requests = load(format="burstgpt", path=path)
+        every = load(format="burstgpt", path=path)
+    requests = replayed(every)
     assert ids(requests) == ["0", "3"] and arrivals(requests) == [0.0, 10.0]
     assert "dropped 1 of 4 rows with 'Response tokens' == 0" in caplog.text
     assert "dropped 1 of 3 rows with 'Request tokens' == 0" in caplog.text
+    assert dropped_rows(every) == {  # the first rule that applies names the row's reason
+        "1": "not replayed: 'Request tokens' == 0 in b.csv (a prompt needs >= 1 token)",
+        "2": "not replayed: 'Response tokens' == 0 in b.csv (failed requests in the source)",
+    }
 
 
 def test_burstgpt3_layout_and_filters(tmp_path: Path) -> None:
@@ -212,7 +238,7 @@ def test_mooncake_exact_values(tmp_path: Path, caplog: pytest.LogCaptureFixture)
         '{"timestamp": 3000, "input_length": 20, "output_length": 2}\n',
     )
     with caplog.at_level(logging.INFO, logger="traces"):
-        requests = load(format="mooncake", path=path)
+        requests = replayed(load(format="mooncake", path=path))
     assert ids(requests) == ["0", "2"] and arrivals(requests) == [0.0, 3.0]
     assert requests[0].hash_ids == [7, 8] and requests[1].hash_ids is None
     assert "m.jsonl: dropped 1 of 3 rows with 'output_length' == 0" in caplog.text
@@ -233,6 +259,23 @@ def test_window_then_limit_then_rate_scale(tmp_path: Path) -> None:
     requests = load(format="azure2023", path=path, start_s=1, limit=3, rate_scale=2.0)
     assert ids(requests) == ["1", "2", "3"]
     assert arrivals(requests) == [0.0, 1.0, 2.5]  # gaps 2 s and 3 s halved
+
+
+def test_dropped_rows_follow_the_window_and_limit(tmp_path: Path) -> None:
+    # Rows at 0..5 s; rows 1, 2 and 4 have 0 output tokens (dropped, not replayed).
+    rows = [(0, 3), (1, 0), (2, 0), (3, 4), (4, 0), (5, 6)]
+    text = "".join(f"2023-11-16 18:17:0{t}.0000000,10,{out}\n" for t, out in rows)
+    path = write(tmp_path, "d.csv", AZURE_HEADER + text)
+    # Window [1, 6): the first replayed request (row 3, at 3 s) arrives at 0.
+    every = load(format="azure2023", path=path, start_s=1)
+    assert ids(every) == ["1", "2", "3", "4", "5"]
+    assert ids(replayed(every)) == ["3", "5"] and arrivals(replayed(every)) == [0.0, 2.0]
+    assert set(dropped_rows(every)) == {"1", "2", "4"}
+    # limit: the first N replayed requests and the dropped rows among them.
+    every = load(format="azure2023", path=path, limit=2)
+    assert ids(every) == ["0", "1", "2", "3"] and ids(replayed(every)) == ["0", "3"]
+    with pytest.raises(TraceError, match="keeps no request"):  # only dropped rows in it
+        load(format="azure2023", path=path, start_s=1, end_s=3)
 
 
 def test_rate_scale_divides_interarrival_times(tmp_path: Path) -> None:
@@ -431,6 +474,11 @@ BAD_FILES = [
         "azure2023",
         "azure_extra_field.csv",
         "azure_extra_field.csv: cannot parse as CSV",
+    ),
+    (  # pandas would rename the second one and the first would be used without a word
+        "azure2023",
+        "azure_repeated_column.csv",
+        "azure_repeated_column.csv: column 'ContextTokens' appears more than once in the header",
     ),
     (
         "azure2023",
@@ -664,7 +712,28 @@ BAD_SPECS = [
     ),
     (
         {**SMALL_SYNTHETIC, "prompt_len": {"choice": []}},
-        "trace.prompt_len.choice: expected a non-empty list of integers >= 1, got []",
+        "trace.prompt_len.choice: expected a non-empty list of integers in "
+        "1..1,099,511,627,776, got []",
+    ),
+    (  # lengths beyond MAX_TOKENS (2**40) would overflow int64 sums downstream
+        {**SMALL_SYNTHETIC, "prompt_len": 10**23},
+        "(token counts in 1..1,099,511,627,776), got 100000000000000000000000",
+    ),
+    (
+        {**SMALL_SYNTHETIC, "prompt_len": {"uniform": [1, 2**41]}},
+        "trace.prompt_len.uniform: expected [lo, hi], integers in 1..1,099,511,627,776, got",
+    ),
+    (
+        {**SMALL_SYNTHETIC, "prompt_len": {"lognormal": {"mean": 1e19, "sigma": 0}}},
+        "trace.prompt_len.lognormal.mean: expected at most 1,099,511,627,776, got 1e+19",
+    ),
+    (  # 1e-310 req/s: the second arrival overflows to inf
+        {**SMALL_SYNTHETIC, "arrival": {"rate": 1e-310}},
+        "trace: request 1 would arrive at inf s: the arrival rate is too small",
+    ),
+    (
+        {**SMALL_SYNTHETIC, "rate_scale": 1e-320},
+        "trace: request 1 would arrive at inf s: rate_scale 9.99989e-321 is too small",
     ),
     (
         {key: v for key, v in SMALL_SYNTHETIC.items() if key != "num_requests"},

@@ -3,7 +3,7 @@
 Example (YAML)::
 
     trace:
-      format: azure2023            # azure2023 | burstgpt | mooncake | lengths | synthetic
+      format: azure2023            # azure2023 | burstgpt | mooncake | lengths | synthetic | prompts
       path: traces/data/azure2023_conv.csv   # relative to the project root
       start_s: 0                   # window [start_s, end_s) on the trace's own clock
       end_s: 600
@@ -24,13 +24,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import traces.loaders  # noqa: F401  (registers the formats)
 import traces.prompts  # noqa: F401
 from lab.errors import TraceError
 from lab.request import Request
 from traces.registry import FORMATS, get_format
 from traces.spec import WHERE, check_keys, check_mapping, get_float, get_int, require
-from traces.table import apply_rate_scale, apply_window
+from traces.table import apply_limit, apply_rate_scale, apply_window
 
 __all__ = ["COMMON_KEYS", "FORMATS", "load_trace"]
 
@@ -46,10 +48,12 @@ def load_trace(spec: Mapping[str, Any], base_dir: Path) -> list[Request]:
         base_dir: the project root; a relative ``path`` is resolved against it.
 
     Returns:
-        New Requests, ``arrival_s`` non-decreasing from 0.0, ``request_id`` the 0-based
-        source row (data row of a CSV, record of a JSONL file, or generation index), so
-        ids stay the same under any window or limit. The same spec and seed always give
-        identical requests.
+        New Requests in source order, ``arrival_s`` non-decreasing from 0.0, ``request_id``
+        the 0-based source row (data row of a CSV, record of a JSONL file, or generation
+        index), so ids stay the same under any window or limit; rows the format does not
+        replay (see :mod:`traces.loaders`) come as Requests with status ``dropped``, their
+        reason and a NaN ``arrival_s``. The same spec and seed always give identical
+        requests.
 
     Raises:
         TraceError: unknown format or key, a value of the wrong type or range, a missing,
@@ -69,8 +73,19 @@ def load_trace(spec: Mapping[str, Any], base_dir: Path) -> list[Request]:
     seed = get_int(spec, "seed", WHERE, default=0, minimum=0)
 
     table = trace_format.load(spec, Path(base_dir), seed)
+    _check_finite(table, "the arrival rate is too small")
     table = apply_window(table, start_s, end_s)
     if limit is not None:
-        table = table.take(slice(0, limit))
+        table = apply_limit(table, limit)
     table = apply_rate_scale(table, rate_scale)
+    _check_finite(table, f"rate_scale {rate_scale:g} is too small")
     return table.to_requests()
+
+
+def _check_finite(table, why: str) -> None:
+    """TraceError naming the first request whose arrival time overflowed to inf (or NaN)."""
+    finite = np.isfinite(table.arrival_s) | ~table.replayed
+    if not finite.all():
+        i = int(np.argmin(finite))
+        raise TraceError(f"{WHERE}: request {table.row[i]} would arrive at "
+                         f"{table.arrival_s[i]} s: {why}")

@@ -1,12 +1,13 @@
 """Token-length distributions for the ``synthetic`` format (``prompt_len`` / ``output_len``).
 
-Accepted YAML forms (all lengths in tokens, every sample >= 1):
+Accepted YAML forms (all lengths in tokens, every sample in 1..MAX_TOKENS, the bound the
+file loaders check too):
 
 - ``512``: every request has exactly 512 tokens;
 - ``{uniform: [lo, hi]}``: integers drawn uniformly from lo..hi, both ends included;
 - ``{lognormal: {mean: 1000, sigma: 0.5}}``: a log-normal whose *mean in tokens* is ``mean``
   (numpy's mu is derived: mu = ln(mean) - sigma^2 / 2) and whose log has standard deviation
-  ``sigma``; samples are rounded to the nearest integer and raised to at least 1;
+  ``sigma``; samples are rounded to the nearest integer and clipped to 1..MAX_TOKENS;
 - ``{choice: [128, 512, 2048]}``: one of the listed values, each equally likely.
 """
 
@@ -20,6 +21,7 @@ import numpy as np
 
 from lab.errors import TraceError
 from traces.spec import check_keys, check_mapping, get_float
+from traces.validate import MAX_TOKENS
 
 FORMS = (
     "an integer",
@@ -60,7 +62,7 @@ class LogNormal:
     def sample(self, num_requests: int, rng: np.random.Generator) -> np.ndarray:
         mu = math.log(self.mean) - self.sigma**2 / 2
         tokens = np.rint(rng.lognormal(mu, self.sigma, size=num_requests))
-        return np.maximum(tokens, 1).astype(np.int64)
+        return np.clip(tokens, 1, MAX_TOKENS).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ def parse_length(value: Any, where: str) -> LengthDistribution:
     ((kind, params),) = value.items()
     if kind == "uniform":
         if not (isinstance(params, list) and len(params) == 2 and all(map(_is_count, params))):
-            raise _bad(f"{where}.uniform", params, "expected [lo, hi], integers >= 1")
+            raise _bad(f"{where}.uniform", params, f"expected [lo, hi], integers in 1..{MAX_TOKENS:,}")
         if params[0] > params[1]:
             raise _bad(f"{where}.uniform", params, "expected lo <= hi")
         return Uniform(params[0], params[1])
@@ -92,19 +94,22 @@ def parse_length(value: Any, where: str) -> LengthDistribution:
         params = check_mapping(params, f"{where}.lognormal")
         check_keys(params, ("mean", "sigma"), f"{where}.lognormal")
         mean = get_float(params, "mean", f"{where}.lognormal", minimum=1.0)
+        if mean > MAX_TOKENS:
+            raise _bad(f"{where}.lognormal.mean", mean, f"expected at most {MAX_TOKENS:,}")
         sigma = get_float(params, "sigma", f"{where}.lognormal", minimum=0.0)
         return LogNormal(mean, sigma)
     if kind == "choice":
         if not (isinstance(params, list) and params and all(map(_is_count, params))):
-            raise _bad(f"{where}.choice", params, "expected a non-empty list of integers >= 1")
+            raise _bad(f"{where}.choice", params,
+                       f"expected a non-empty list of integers in 1..{MAX_TOKENS:,}")
         return Choice(tuple(params))
     raise _bad(where, value)
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_TOKENS
 
 
 def _bad(where: str, value: Any, expected: str = "") -> TraceError:
-    expected = expected or f"expected one of: {'; '.join(FORMS)} (token counts >= 1)"
+    expected = expected or f"expected one of: {'; '.join(FORMS)} (token counts in 1..{MAX_TOKENS:,})"
     return TraceError(f"{where}: {expected}, got {value!r}")

@@ -4,19 +4,24 @@ Times are on the trace's own clock: seconds since the first data row of the file
 dropped), so that a ``start_s``/``end_s`` window means the same thing with or without
 filters. ``load_trace`` re-bases them so the first request it returns arrives at 0.
 
-Drop rules (each logged as one INFO line on the ``traces.loaders`` logger, with the count):
+Drop rules (each logged as one INFO line on the ``traces.loaders`` logger, with the count).
+A dropped row of a trace is not replayed, but it is not lost: it stays in the table with
+its reason and appears in the results (``requests.csv``) with status ``dropped``:
 
 - every format: a request needs at least 1 output token, so rows with 0 output tokens are
   dropped (none in the shipped Azure, Mooncake or Sarathi files);
 - ``burstgpt``: rows with ``Response tokens == 0`` are failed requests in the source and are
   dropped; rows with ``Request tokens == 0`` are dropped too (a prompt needs >= 1 token).
-  Elsewhere a prompt of 0 tokens is an error, not a drop.
+  Elsewhere a prompt of 0 tokens is an error.
+- ``lengths`` files are a pool of lengths, not requests: rows with 0 output tokens are
+  removed from the pool (and logged).
 
 Negative, fractional or non-numeric token counts are always errors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -147,6 +152,7 @@ def load_lengths(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTab
         output_len=token_counts(frame["num_decode_tokens"], src, "num_decode_tokens", minimum=0),
     )
     table = _drop(table, table.output_len == 0, src.file, "'num_decode_tokens' == 0", _NO_OUTPUT)
+    table = table.take(table.replayed)  # a pool of lengths: dropped rows are not requests
     if num_requests is None:
         num_requests = len(table)
     if num_requests > len(table):
@@ -189,14 +195,19 @@ _NO_PROMPT = "a prompt needs >= 1 token"
 
 
 def _drop(table: TraceTable, drop: np.ndarray, file: str, rule: str, why: str) -> TraceTable:
-    """Remove the rows where ``drop`` is True, logging how many; error if none is left."""
-    count = int(drop.sum())
+    """Mark the replayed rows where ``drop`` is True as dropped (reason: ``rule``, ``why``),
+    logging how many; error if no replayed row is left."""
+    drop = drop & table.replayed
+    count, left = int(drop.sum()), int(table.replayed.sum())
     if count == 0:
         return table
-    logger.info("%s: dropped %d of %d rows with %s (%s)", file, count, len(table), rule, why)
-    if count == len(table):
+    logger.info("%s: dropped %d of %d rows with %s (%s)", file, count, left, rule, why)
+    if count == left:
         raise TraceError(f"{file}: no request left after dropping rows with {rule} ({why})")
-    return table.take(~drop)
+    reason = table.drop_reason
+    reason = np.full(len(table), "", dtype=object) if reason is None else reason.copy()
+    reason[drop] = f"not replayed: {rule} in {file} ({why})"
+    return dataclasses.replace(table, drop_reason=reason)
 
 
 def _filter(
@@ -220,10 +231,10 @@ def _filter(
         file,
         column,
         wanted,
-        match.sum(),
-        len(table),
+        (match & table.replayed).sum(),
+        table.replayed.sum(),
     )
-    if not match.any():
+    if not (match & table.replayed).any():
         raise TraceError(f"{file}: no request left after {WHERE}.{key} = {wanted}")
     return table.take(match)
 

@@ -9,6 +9,7 @@ model directory with Hugging Face tokenizer files, e.g. the converted SmolLM2) a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from lab.errors import TraceError
 from traces.registry import register_format
 from traces.spec import WHERE, require, resolve_path
 from traces.table import TraceTable
+from traces.validate import MAX_TOKENS
 
 
 @register_format("prompts", keys=("path", "tokenizer", "chat"))
@@ -44,10 +46,11 @@ def load_prompts(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTab
         prompt, out, t = item.get("prompt"), item.get("output_len"), item.get("arrival_s", 0.0)
         if not isinstance(prompt, str) or not prompt:
             raise TraceError(f"{where}: prompt: expected a non-empty string, got {prompt!r}")
-        if isinstance(out, bool) or not isinstance(out, int) or out < 1:
-            raise TraceError(f"{where}: output_len: expected an integer >= 1, got {out!r}")
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
-            raise TraceError(f"{where}: arrival_s: expected a number >= 0, got {t!r}")
+        if isinstance(out, bool) or not isinstance(out, int) or not 1 <= out <= MAX_TOKENS:
+            raise TraceError(f"{where}: output_len: expected an integer in 1..{MAX_TOKENS:,}, "
+                             f"got {out!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
+            raise TraceError(f"{where}: arrival_s: expected a finite number >= 0, got {t!r}")
         if arrivals and t < arrivals[-1]:
             raise TraceError(f"{where}: arrival_s {t} is before the previous item's {arrivals[-1]}")
         if chat:

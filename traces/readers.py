@@ -43,6 +43,10 @@ def read_csv(path: Path, required: Sequence[str]) -> pd.DataFrame:
         raise TraceError(f"{path.name}: cannot parse as CSV: {_one_line(exc)}") from None
     frame = frame.fillna("")  # a row with fewer fields than the header: empty cells
     frame.columns = [str(c).strip() for c in frame.columns]
+    for column in required:  # pandas renames a repeated header "X" to "X.1", "X.2", ...
+        if f"{column}.1" in frame.columns:
+            raise TraceError(f"{path.name}: column {column!r} appears more than once in the "
+                             "header")
     if len(frame) == 0:
         raise TraceError(f"{path.name}: empty file (no data rows)")
     require_columns(frame, required, path.name)

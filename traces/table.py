@@ -7,17 +7,23 @@ The options are applied by :func:`traces.load_trace` in this order:
    request arrives at 0;
 2. ``limit``: the first N requests left;
 3. ``rate_scale``: inter-arrival times divided by it (2.0 = twice the request rate).
+
+Rows a loader cannot replay (0 output tokens, failed requests of the source: see
+:mod:`traces.loaders`) stay in the table with a ``drop_reason``: the window selects them
+like the others, ``limit`` keeps those among the first N replayed requests, and they become
+Requests with status ``dropped`` (no arrival time), so that the results list every row.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from lab.errors import TraceError
-from lab.request import Request
+from lab.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)
@@ -28,10 +34,12 @@ class TraceTable:
         row: int64, 0-based index of the request's source row (data rows of a CSV, records
             of a JSONL file, or the generation index); becomes ``Request.request_id``.
         arrival_s: float64, arrival time in seconds on the trace's own clock.
-        prompt_len: int64, prompt tokens (>= 1).
-        output_len: int64, output tokens (>= 1).
+        prompt_len: int64, prompt tokens (>= 1 where replayed).
+        output_len: int64, output tokens (>= 1 where replayed).
         hash_ids: Mooncake prefix-block hashes per request, or None.
         prompt_token_ids: real prompt tokens per request (the ``prompts`` format), or None.
+        drop_reason: object array of str, why each entry is not replayed ("" = replayed),
+            or None when every entry is replayed.
     """
 
     row: np.ndarray
@@ -40,6 +48,7 @@ class TraceTable:
     output_len: np.ndarray
     hash_ids: list[list[int]] | None = None
     prompt_token_ids: list[list[int]] | None = None
+    drop_reason: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.row)
@@ -58,35 +67,49 @@ class TraceTable:
             output_len=self.output_len[index],
             hash_ids=pick(self.hash_ids),
             prompt_token_ids=pick(self.prompt_token_ids),
+            drop_reason=None if self.drop_reason is None else self.drop_reason[index],
         )
+
+    @property
+    def replayed(self) -> np.ndarray:
+        """Boolean (n,): the entries that are replayed (not dropped)."""
+        if self.drop_reason is None:
+            return np.ones(len(self), dtype=bool)
+        return self.drop_reason == ""
 
     def with_arrivals(self, arrival_s: np.ndarray) -> TraceTable:
         """The same requests with new arrival times."""
         return dataclasses.replace(self, arrival_s=arrival_s)
 
     def to_requests(self) -> list[Request]:
-        """Fresh :class:`Request` objects (runtime state at its defaults)."""
+        """Fresh :class:`Request` objects (runtime state at its defaults); dropped entries
+        get status ``dropped``, their reason and a NaN arrival time."""
         hash_ids = self.hash_ids or [None] * len(self)
         token_ids = self.prompt_token_ids or [None] * len(self)
-        return [
-            Request(
+        reasons = [""] * len(self) if self.drop_reason is None else self.drop_reason.tolist()
+        requests = []
+        for row, arrival_s, prompt_len, output_len, ids, tokens, reason in zip(
+            self.row.tolist(),
+            self.arrival_s.tolist(),
+            self.prompt_len.tolist(),
+            self.output_len.tolist(),
+            hash_ids,
+            token_ids,
+            reasons,
+            strict=True,
+        ):
+            r = Request(
                 request_id=str(row),
-                arrival_s=arrival_s,
+                arrival_s=math.nan if reason else arrival_s,
                 prompt_len=prompt_len,
                 output_len=output_len,
                 hash_ids=None if ids is None else list(ids),
                 prompt_token_ids=None if tokens is None else list(tokens),
             )
-            for row, arrival_s, prompt_len, output_len, ids, tokens in zip(
-                self.row.tolist(),
-                self.arrival_s.tolist(),
-                self.prompt_len.tolist(),
-                self.output_len.tolist(),
-                hash_ids,
-                token_ids,
-                strict=True,
-            )
-        ]
+            if reason:
+                r.status, r.reason = RequestStatus.DROPPED, reason
+            requests.append(r)
+        return requests
 
 
 def apply_window(table: TraceTable, start_s: float, end_s: float) -> TraceTable:
@@ -96,16 +119,24 @@ def apply_window(table: TraceTable, start_s: float, end_s: float) -> TraceTable:
         TraceError: no request arrives inside the window.
     """
     kept = table.take((table.arrival_s >= start_s) & (table.arrival_s < end_s))
-    if len(kept) == 0:
+    if not kept.replayed.any():
+        times = table.arrival_s[table.replayed]
         raise TraceError(
             f"trace window start_s={start_s:g}, end_s={end_s:g} keeps no request; the trace's "
-            f"requests arrive from {table.arrival_s[0]:g} s to {table.arrival_s[-1]:g} s"
+            f"requests arrive from {times[0]:g} s to {times[-1]:g} s"
         )
-    return kept.with_arrivals(kept.arrival_s - kept.arrival_s[0])
+    return kept.with_arrivals(kept.arrival_s - kept.arrival_s[kept.replayed][0])
+
+
+def apply_limit(table: TraceTable, limit: int) -> TraceTable:
+    """The first ``limit`` replayed requests, with the dropped entries among them."""
+    last = np.flatnonzero(table.replayed)[:limit][-1]
+    return table.take(slice(0, last + 1))
 
 
 def apply_rate_scale(table: TraceTable, rate_scale: float) -> TraceTable:
     """Divide every inter-arrival time by ``rate_scale`` (arrivals start at 0 already)."""
     if rate_scale == 1.0:
         return table
-    return table.with_arrivals(table.arrival_s / rate_scale)
+    with np.errstate(over="ignore"):  # inf arrivals are reported by load_trace
+        return table.with_arrivals(table.arrival_s / rate_scale)

@@ -18,8 +18,16 @@ ROOT = Path(__file__).resolve().parent
 DEFAULT_CONFIG = ROOT / "experiments" / "quickstart.yaml"
 
 
+class _Parser(argparse.ArgumentParser):
+    """Command-line mistakes in one line too (argparse prints its usage first)."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = _Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG),
                     help="experiment YAML (default: experiments/quickstart.yaml)")
     ap.add_argument("--out", help="results folder (default: results/<name>)")
@@ -39,12 +47,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.limit < 1:
                 raise UserError(f"--limit: expected an integer >= 1, got {args.limit}")
             cfg["trace"]["limit"] = args.limit
-        out = Path(args.out) if args.out else ROOT / "results" / cfg["name"]
+        if args.out is not None and not args.out.strip():
+            raise UserError("--out: expected a folder, got an empty string")
+        out = Path(args.out) if args.out is not None else ROOT / "results" / cfg["name"]
         t0 = time.perf_counter()
         from lab.experiment import run_experiment
         from lab.report import check_out_dir, summary_table, write_results
 
-        check_out_dir(out)  # before the replays, so a folder in the way costs no run
+        out = check_out_dir(out)  # before the replays, so a folder in the way costs no run
 
         runs = run_experiment(cfg, ROOT, progress=not args.no_progress)
         decode = None
@@ -61,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(summary_table(runs))
     if decode is not None:  # a taste of the real text, first policy only
-        for r in runs[0].result.requests[:3]:
+        finished = [r for r in runs[0].result.requests if r.status.value == "finished"]
+        for r in finished[:3]:
             print(f"\n[{runs[0].label} request {r.request_id}] {decode(r.output_token_ids)!r}")
     print(f"\nwrote {out}/ (report.md) in {time.perf_counter() - t0:.1f} s")
     failed = [r for r in runs if r.result.failure]

@@ -86,6 +86,7 @@ def _num(where, key, v, lo=0.0, hi=math.inf, lo_open=False, optional=False):
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
+_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+ -]*")  # it names runs in tables and plots
 MAX_SWAP_SPACE_GIB = 4096.0  # host memory for swapped-out KV blocks (4 TiB: beyond any host)
 MAX_STEP_OVERHEAD_S = 60.0  # a fixed cost per step; a minute is already far beyond any engine
 
@@ -145,6 +146,8 @@ def load_config(path: str | Path) -> dict[str, Any]:
         ConfigError: missing file, bad YAML, unknown key, wrong type (naming the key path).
     """
     path = Path(path)
+    if path.exists() and not path.is_dir() and not path.is_file():  # a FIFO would block
+        raise ConfigError(f"{path}: not a regular file, expected an experiment YAML file")
     try:
         raw = load_yaml(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -238,8 +241,9 @@ def validate(raw: dict[str, Any], where: str = "config") -> dict[str, Any]:
         allowed = ("name", "label", *SCHEDULER_KEYS, *cls.options)
         _mapping(where, key, p, allowed)
         _check_limits(where, key, p)
-        if "label" in p and (not isinstance(p["label"], str) or not p["label"].strip()):
-            raise _fail(where, f"{key}.label", "a non-empty string", p["label"])
+        if "label" in p and (not isinstance(p["label"], str) or not _LABEL.fullmatch(p["label"])):
+            raise _fail(where, f"{key}.label", "a label of letters, digits, '.', '_', '-', '+' "
+                        "and spaces, starting with a letter or digit", p["label"])
         resolved.append({"label": p.get("label", p["name"]), **p})
     labels = [p["label"] for p in resolved]
     if len(set(labels)) != len(labels):

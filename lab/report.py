@@ -36,7 +36,11 @@ def write_results(out_dir: Path, cfg: dict[str, Any], runs: list[Run],
     their text when ``decode`` is given).
     """
     out_dir = check_out_dir(out_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as e:
+        raise UserError(f"--out {out_dir}: cannot write the results ({e})") from None
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; results are for sharing
@@ -62,6 +66,9 @@ def write_results(out_dir: Path, cfg: dict[str, Any], runs: list[Run],
             shutil.rmtree(old)
         else:
             os.rename(tmp, out_dir)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"--out {out_dir}: cannot write the results ({e})") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -69,26 +76,40 @@ def write_results(out_dir: Path, cfg: dict[str, Any], runs: list[Run],
 
 
 def check_out_dir(out_dir: Path) -> Path:
-    """Make sure ``out_dir`` can become a results folder: its parent exists or can be made,
-    and ``out_dir`` is absent, empty, or an earlier results folder (it will be replaced).
+    """Make sure ``out_dir`` can become a results folder, before any run: a folder can be
+    made where it goes, and ``out_dir`` is absent, empty, or an earlier results folder (it
+    will be replaced). Creates nothing.
+
+    Returns:
+        ``out_dir`` made absolute, with symlinks and ``..`` resolved (a link to a results
+        folder updates the folder it points to).
 
     Raises:
         UserError: one line naming ``out_dir`` and what is in the way.
     """
-    out_dir = Path(out_dir)
-    above = next((p for p in out_dir.parents if p.exists()), None)
-    if above is not None and not above.is_dir():
+    out_dir = Path(out_dir).resolve()
+    if out_dir == out_dir.parent:
+        raise UserError(f"--out {out_dir}: the file-system root cannot be a results folder")
+    above = next(p for p in out_dir.parents if p.exists())  # the root always exists
+    if not above.is_dir():
         raise UserError(f"--out {out_dir}: {above} is a file, not a folder")
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:  # what write_results will do there: make a folder
+        os.rmdir(tempfile.mkdtemp(prefix=".write-test.", dir=above))
     except OSError as e:
-        raise UserError(f"--out {out_dir}: cannot make its parent folder ({e.strerror})") from None
+        raise UserError(f"--out {out_dir}: cannot make a folder in {above} ({e.strerror})") from None
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out {out_dir}: exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "summary.json").exists():
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not is_results_folder(out_dir):
         raise UserError(f"--out {out_dir}: the folder exists and is not a results folder "
-                        "(no summary.json); refusing to replace it")
+                        "(summary.json and report.md, no subfolders); refusing to replace it")
     return out_dir
+
+
+def is_results_folder(folder: Path) -> bool:
+    """Whether ``folder`` looks like what write_results makes: summary.json and report.md,
+    and no subfolders (a project folder that happens to hold a summary.json is not one)."""
+    return ((folder / "summary.json").is_file() and (folder / "report.md").is_file()
+            and not any(p.is_dir() for p in folder.iterdir()))
 
 
 def _write_tokens(path: Path, runs: list[Run], decode) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +125,60 @@ def test_out_in_the_way_is_refused_before_any_run(tmp_path, capsys, monkeypatch)
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert (tmp_path / "other" / "notes.txt").read_text() == "keep me"
+
+
+def test_out_through_links_and_dots_replaces_the_results_folder(tmp_path, monkeypatch):
+    args = [str(ROOT / "experiments/quickstart.yaml"), "--limit", "5", "--no-progress"]
+    real = tmp_path / "res"
+    assert run_experiment.main([*args, "--out", str(real)]) == 0
+    (real / "stale.txt").write_text("from an older run")
+    (tmp_path / "link").symlink_to(real)  # a link to a results folder updates that folder
+    assert run_experiment.main([*args, "--out", str(tmp_path / "link")]) == 0
+    assert (tmp_path / "link").is_symlink() and not (real / "stale.txt").exists()
+    monkeypatch.chdir(real)  # "." and "x/.." name the folder itself
+    (real / "stale.txt").write_text("again")
+    assert run_experiment.main([*args, "--out", "."]) == 0
+    assert not (real / "stale.txt").exists() and (real / "summary.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "res"]  # nothing left over
+
+
+def test_out_in_the_way_of_a_project_folder(tmp_path, capsys, monkeypatch):
+    import lab.experiment
+
+    monkeypatch.setattr(lab.experiment, "run_experiment", None)  # a run would raise TypeError
+    cfg = str(ROOT / "experiments/quickstart.yaml")
+    project = tmp_path / "proj"
+    (project / "src").mkdir(parents=True)
+    for name in ("summary.json", "report.md"):
+        (project / name).write_text("{}")
+    (tmp_path / "dangling").symlink_to(tmp_path / "missing" / "x" / "y")
+    cases = [(project, "the folder exists and is not a results folder (summary.json and "
+                       "report.md, no subfolders)"),
+             (Path("/proc/lab-out"), "cannot make a folder in /proc"),
+             ("", "--out: expected a folder, got an empty string")]
+    for out, message in cases:
+        assert run_experiment.main([cfg, "--out", str(out), "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert (project / "src").is_dir()
+    # A dangling link is followed to where it points; nothing is made before the run.
+    from lab.report import check_out_dir
+
+    assert check_out_dir(tmp_path / "dangling") == tmp_path / "missing" / "x" / "y"
+    assert not (tmp_path / "missing").exists()
+
+
+def test_command_line_mistakes_are_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_experiment.main(["--limit", "abc"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: argument --limit: invalid int value: 'abc' (see --help)"]
+    fifo = tmp_path / "exp.fifo"
+    os.mkfifo(fifo)  # reading it would block forever
+    assert run_experiment.main([str(fifo), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {fifo}: not a regular file, expected an experiment YAML file")
 
 
 def test_config_path_that_is_a_folder(tmp_path, capsys):

@@ -274,6 +274,8 @@ def test_dropped_rows_follow_the_window_and_limit(tmp_path: Path) -> None:
     # limit: the first N replayed requests and the dropped rows among them.
     every = load(format="azure2023", path=path, limit=2)
     assert ids(every) == ["0", "1", "2", "3"] and ids(replayed(every)) == ["0", "3"]
+    for limit in (3, 100):  # no fewer replayed requests than there are: every row
+        assert ids(load(format="azure2023", path=path, limit=limit)) == [str(i) for i in range(6)]
     with pytest.raises(TraceError, match="keeps no request"):  # only dropped rows in it
         load(format="azure2023", path=path, start_s=1, end_s=3)
 

@@ -129,9 +129,12 @@ def apply_window(table: TraceTable, start_s: float, end_s: float) -> TraceTable:
 
 
 def apply_limit(table: TraceTable, limit: int) -> TraceTable:
-    """The first ``limit`` replayed requests, with the dropped entries among them."""
-    last = np.flatnonzero(table.replayed)[:limit][-1]
-    return table.take(slice(0, last + 1))
+    """The first ``limit`` replayed requests, with the dropped entries among them (all
+    entries when there are no more than ``limit`` replayed requests)."""
+    replayed = np.flatnonzero(table.replayed)
+    if len(replayed) <= limit:
+        return table
+    return table.take(slice(0, replayed[limit - 1] + 1))
 
 
 def apply_rate_scale(table: TraceTable, rate_scale: float) -> TraceTable:

@@ -13,6 +13,7 @@ projections here.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,8 +56,20 @@ def load_model(
             param.data.copy_(
                 _read_parameter(name, tuple(param.shape), config, index, reader, Path(model_dir))
             )
+    if device.type == "cuda" and os.environ.get("LAB_KN_WEIGHTS", "0") == "1":
+        _store_layer_weights_kn(model)
     model.rope_cos, model.rope_sin = rope_table(config, max_model_len, device)
     return model.eval()
+
+
+def _store_layer_weights_kn(model: Transformer) -> None:
+    """Keep each layer projection's (N, K) weight in (K, N) memory order (the same logical
+    tensor, transposed strides); F.linear then hands cuBLAS the other operand layout.
+    Opt-in (``LAB_KN_WEIGHTS=1``): faster for Qwen3-0.6B's small-batch decode, mixed for the
+    8B shape (BENCHMARKS.md, run Q). The embedding and the LM head keep their row order."""
+    for module in model.layers.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.data = module.weight.data.t().contiguous().t()
 
 
 def checkpoint_index(model_dir: Path) -> dict[str, TensorInfo]:

@@ -447,3 +447,21 @@ def test_captured_graphs_with_default_sizes_on_gpu(qwen3_dir):
     for g, e in zip(got, ref, strict=True):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
     assert runner.execute(seqs[:1]) == eager.execute(seqs[:1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_kn_weight_layout_matches_on_gpu(qwen3_dir, monkeypatch):
+    # LAB_KN_WEIGHTS=1 keeps the layers' projection weights in (K, N) memory order: the same
+    # logical weights, another cuBLAS operand layout (BENCHMARKS.md, run Q).
+    ref_logits, ref_tokens = run_steps(make_runner(qwen3_dir, cuda_graphs=True))
+    monkeypatch.setenv("LAB_KN_WEIGHTS", "1")
+    runner = make_runner(qwen3_dir, cuda_graphs=True)
+    assert runner.graphs is not None, "capture failed (see the printed line)"
+    w = runner.model.layers[0].mlp.gate_up_proj.weight
+    assert w.stride() == (1, w.shape[0])  # column-major storage of the (N, K) weight
+    assert runner.model.embed_tokens.weight.is_contiguous()  # embedding / LM head untouched
+    logits, tokens = run_steps(runner)
+    for got, ref in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert tokens == ref_tokens

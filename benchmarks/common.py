@@ -83,6 +83,27 @@ def cuda_time(fn, warmup: int = 3, iters: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_time(fn, replays: int = 20) -> float:
+    """Seconds per back-to-back replay of a CUDA graph of ``fn()`` (run once eagerly on a
+    side stream first, as a warm-up; three replays before the timed ones)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / replays
+
+
 def copy_bandwidth(nbytes: int = 2 * GIB) -> float:
     """Device-to-device copy rate in bytes/s, read + write counted (as shared/DESIGN.md)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")

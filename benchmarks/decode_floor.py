@@ -26,7 +26,15 @@ import argparse
 import time
 
 import torch
-from common import checkpoint, copy_bandwidth, decode_inputs, device_line, engine_runner, step_wall
+from common import (
+    checkpoint,
+    copy_bandwidth,
+    decode_inputs,
+    device_line,
+    engine_runner,
+    graph_time,
+    step_wall,
+)
 
 
 def step_kernels(cfg, batch: int, context: int) -> list[tuple[str, int]]:
@@ -68,22 +76,7 @@ def chain_time(sizes: list[int], replays: int = 20) -> float:
         for off, n in zip(offsets, elems, strict=True):
             torch.mul(src[off : off + n], 1, out=dst[:n])
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / replays
+    return graph_time(run, replays)
 
 
 def pipelined_step(graphs, graph, logits, seqs, steps: int = 50) -> float:

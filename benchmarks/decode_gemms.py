@@ -17,32 +17,11 @@ of the same kernels (decode_floor.py's elementwise chain of the same byte counts
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
-from common import checkpoint, device_line
+from common import checkpoint, device_line, graph_time
 from decode_floor import chain_time
-
-
-def graph_time(fn, replays: int = 20) -> float:
-    """Seconds per back-to-back replay of a CUDA graph of ``fn()``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / replays
 
 
 def main() -> None:

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
 
     from lab.config import load_config
-    from lab.errors import UserError
+    from lab.core.errors import UserError
 
     try:
         cfg = load_config(args.config)

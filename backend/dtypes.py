@@ -16,7 +16,7 @@ import torch
 
 from backend.config import ModelConfig
 from backend.errors import DeviceError
-from lab.errors import ConfigError
+from lab.core.errors import ConfigError
 
 DTYPES = {
     "float32": torch.float32,

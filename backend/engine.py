@@ -16,9 +16,9 @@ import numpy as np
 
 from backend.errors import CheckpointError
 from backend.runner import ModelRunner, SeqInput
-from lab.plan import SchedulerOutput, StepResult
-from lab.request import Request
-from lab.scheduler import Scheduler
+from lab.core.plan import SchedulerOutput, StepResult
+from lab.core.request import Request
+from lab.core.scheduler import Scheduler
 
 GIB = 1 << 30
 

@@ -1,13 +1,13 @@
 """Errors the engine reports to a user as one line.
 
-They subclass :class:`lab.errors.UserError`, so ``run_experiment.py`` prints them without a
+They subclass :class:`lab.core.errors.UserError`, so ``run_experiment.py`` prints them without a
 traceback. Mistakes in the inputs the engine glue builds (a block table too short, a token id
 out of range) are programming errors and raise ``ValueError`` instead.
 """
 
 from __future__ import annotations
 
-from lab.errors import UserError
+from lab.core.errors import UserError
 
 
 class CheckpointError(UserError):

@@ -9,7 +9,7 @@ back-to-back repeats, because the host slows down now and then for a second or m
 one profile of 2026-11-29 (steps with prompt tokens then ran eagerly, host-bound), 11
 consecutive rows ran 1.5x slow, so a slow spell must fall in one pass, not on every run of
 a row. Columns are the
-:class:`lab.plan.StepFeatures` fields plus ``duration_s``; the header lines (``#``) record
+:class:`lab.core.plan.StepFeatures` fields plus ``duration_s``; the header lines (``#``) record
 the date, device, engine commit and model shape.
 
 Grid: decode-only batches (1-256 sequences, contexts 128-4096; and 8-64 sequences of uneven,
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from backend.runner import ModelRunner, SeqInput
-from lab.plan import StepFeatures
+from lab.core.plan import StepFeatures
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DECODE_CONTEXTS = (128, 512, 1024, 2048, 4096)
@@ -123,7 +123,7 @@ def main() -> None:
                          attention_backend=args.attention, block_size=args.block_size,
                          gpu_memory_utilization=0.9)
     gc.collect()
-    gc.freeze()  # as the replay loop does (lab/replay.py): full collections skip the model
+    gc.freeze()  # as the replay loop does (lab/sim/replay.py): full collections skip the model
     grid = [(kind, chunks, decodes, swap, step_inputs(chunks, decodes, args.block_size))
             for kind, chunks, decodes, swap in shapes()]
     grid = [g for g in grid if sum(len(s.block_table) for s in g[4]) <= runner.num_gpu_blocks]

@@ -40,7 +40,7 @@ from backend.inputs import SeqInput, prepare_inputs
 from backend.kv_cache import GiB, KVCache, blocks_in, bytes_per_block
 from backend.loader import load_model
 from backend.sampler import sample
-from lab.errors import ConfigError
+from lab.core.errors import ConfigError
 
 __all__ = ["ModelRunner", "SeqInput"]
 

@@ -21,7 +21,7 @@ GIB = 1 << 30
 def checkpoint(preset: str, cache: Path = ROOT / "checkpoints") -> Path:
     """A random-weight bf16 checkpoint of ``preset`` (written once, then reused)."""
     from backend.tools.random_checkpoint import write_random_checkpoint
-    from lab.model_presets import PRESETS
+    from lab.core.model_presets import PRESETS
 
     out = cache / preset
     if not (out / "config.json").exists():

@@ -43,7 +43,7 @@ def run_ours(model_dir, prompts, outputs, attention: str, policy: str) -> tuple[
         "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": 8192},
         "policies": [policy],
     })
-    from lab.request import Request
+    from lab.core.request import Request
 
     reqs = [Request(str(i), 0.0, len(p), o, prompt_token_ids=p)
             for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))]

@@ -101,7 +101,7 @@ def engine_repeat() -> None:
 def sim_side() -> None:
     import yaml
 
-    from lab.calibrated import CalibratedCostModel
+    from lab.sim.calibrated import CalibratedCostModel
     from lab.experiment import run_experiment
 
     rows, step_errors, cdfs = [], {}, {}
@@ -166,7 +166,7 @@ def _rel(sim: float, real: float) -> float:
 
 def _predict(model, steps: pd.DataFrame) -> np.ndarray:
     """The calibrated model's duration (s) for each real engine step."""
-    from lab.calibrated import design, steps_as_profile
+    from lab.sim.calibrated import design, steps_as_profile
 
     return design(steps_as_profile(steps)) @ model.coef
 

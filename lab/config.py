@@ -5,11 +5,11 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     name: quickstart
     backend: sim                 # sim | engine
     trace: {format: azure2023, path: ..., rate_scale: 2.0 or [1, 2, 3], ...}   # traces/
-    model: llama-3.1-8b          # lab/models.py preset (sim)
-    hardware: h200-sxm           # lab/hardware.py preset (sim)
+    model: llama-3.1-8b          # lab/sim/models.py preset (sim)
+    hardware: h200-sxm           # lab/sim/hardware.py preset (sim)
     cost_model: {flops_efficiency: 0.7, bandwidth_efficiency: 0.85, step_overhead_s: 0.002,
                  profile: null, replay_steps: []}  # profile: engine profile CSV, and
-                 # replay_steps: steps.csv of engine runs to fit with it (lab/calibrated.py)
+                 # replay_steps: steps.csv of engine runs to fit with it (lab/sim/calibrated.py)
     kv_cache: {block_size: 16, gpu_memory_utilization: 0.9, num_gpu_blocks: null,
                swap_space_gib: 4, watermark: 0.01}
     scheduler: {max_num_seqs: 256, max_num_batched_tokens: null, max_model_len: null,
@@ -33,9 +33,9 @@ from typing import Any
 
 import yaml
 
-from lab.errors import ConfigError
-from lab.hardware import HARDWARE
-from lab.models import MODELS
+from lab.core.errors import ConfigError
+from lab.sim.hardware import HARDWARE
+from lab.sim.models import MODELS
 
 DEFAULTS: dict[str, Any] = {
     "name": None,
@@ -225,7 +225,7 @@ def validate(raw: dict[str, Any], where: str = "config") -> dict[str, Any]:
     pols = cfg["policies"]
     if not isinstance(pols, list) or not pols:
         raise _fail(where, "policies", "a non-empty list of policy names or mappings", pols)
-    from lab.scheduler import get_policy
+    from lab.core.scheduler import get_policy
 
     resolved = []
     for i, p in enumerate(pols):

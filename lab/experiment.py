@@ -14,14 +14,14 @@ import pandas as pd
 
 from lab import metrics
 from lab.config import rate_scales, scale_label
-from lab.cost_model import AnalyticCostModel, CostModelExecutor, num_cpu_blocks, num_gpu_blocks
-from lab.errors import ConfigError
-from lab.hardware import HARDWARE
-from lab.kv import BlockManager
-from lab.models import MODELS
-from lab.replay import ReplayResult, replay
-from lab.request import Request, RequestStatus
-from lab.scheduler import SchedulerLimits, get_policy
+from lab.sim.cost_model import AnalyticCostModel, CostModelExecutor, num_cpu_blocks, num_gpu_blocks
+from lab.core.errors import ConfigError
+from lab.sim.hardware import HARDWARE
+from lab.core.kv import BlockManager
+from lab.sim.models import MODELS
+from lab.sim.replay import ReplayResult, replay
+from lab.core.request import Request, RequestStatus
+from lab.core.scheduler import SchedulerLimits, get_policy
 
 log = logging.getLogger("lab.experiment")
 
@@ -105,7 +105,7 @@ def sim_parts(cfg: dict, base_dir: Path = Path(".")) -> tuple[AnalyticCostModel,
     cm = dict(cfg["cost_model"])
     profile, replay_steps = cm.pop("profile"), cm.pop("replay_steps")
     if profile is not None:
-        from lab.calibrated import CalibratedCostModel
+        from lab.sim.calibrated import CalibratedCostModel
 
         steps = tuple(base_dir / p for p in replay_steps)
         return CalibratedCostModel(base_dir / profile, steps), gpu, cpu

@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from lab.replay import ReplayResult
-from lab.request import RequestStatus
+from lab.sim.replay import ReplayResult
+from lab.core.request import RequestStatus
 
 PERCENTILES = (50, 90, 99)
 REQUEST_COLUMNS = [

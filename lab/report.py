@@ -20,9 +20,9 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from lab.errors import UserError
+from lab.core.errors import UserError
 from lab.experiment import Run
-from lab.replay import STEP_COLUMNS
+from lab.sim.replay import STEP_COLUMNS
 
 LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
 TIME_BINS = 120

@@ -10,8 +10,8 @@ decodes grow; when they cannot, the newest running request is recomputed.
 
 from __future__ import annotations
 
-from lab.plan import SchedulerOutput
-from lab.scheduler import Scheduler, register_policy
+from lab.core.plan import SchedulerOutput
+from lab.core.scheduler import Scheduler, register_policy
 
 
 @register_policy("chunked_prefill")

@@ -8,8 +8,8 @@ running request is preempted and recomputed later from scratch.
 
 from __future__ import annotations
 
-from lab.plan import SchedulerOutput
-from lab.scheduler import Scheduler, register_policy
+from lab.core.plan import SchedulerOutput
+from lab.core.scheduler import Scheduler, register_policy
 
 
 @register_policy("fcfs")

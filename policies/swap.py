@@ -8,8 +8,8 @@ instead (logged at debug level; counted as a recompute preemption).
 
 from __future__ import annotations
 
-from lab.plan import PreemptionMode
-from lab.scheduler import register_policy
+from lab.core.plan import PreemptionMode
+from lab.core.scheduler import register_policy
 from policies.fcfs import FCFS
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from lab.kv import BlockManager
-from lab.plan import SchedulerOutput, StepResult
-from lab.replay import ReplayResult, replay
-from lab.request import Request
-from lab.scheduler import SchedulerLimits, get_policy
+from lab.core.kv import BlockManager
+from lab.core.plan import SchedulerOutput, StepResult
+from lab.sim.replay import ReplayResult, replay
+from lab.core.request import Request
+from lab.core.scheduler import SchedulerLimits, get_policy
 
 STEP_S = 0.01  # every step of the toy cost model takes 10 ms
 

@@ -24,7 +24,7 @@ from backend.cuda_graphs import (  # noqa: E402
 from backend.inputs import SeqInput  # noqa: E402
 from backend.runner import ModelRunner  # noqa: E402
 from backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
-from lab.errors import ConfigError  # noqa: E402
+from lab.core.errors import ConfigError  # noqa: E402
 
 SMOLLM2_TINY = {  # SmolLM2's architecture (Llama, tied embeddings, GQA 3:1), tiny
     "architectures": ["LlamaForCausalLM"],

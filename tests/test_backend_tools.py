@@ -13,7 +13,7 @@ from backend.loader import INDEX_FILE, checkpoint_shapes
 from backend.runner import ModelRunner, SeqInput
 from backend.tools.__main__ import main
 from backend.tools.random_checkpoint import MARKER_FILE, write_random_checkpoint
-from lab.model_presets import PRESETS
+from lab.core.model_presets import PRESETS
 
 # Parameter counts published for the real checkpoints (the model cards / safetensors totals).
 PUBLISHED_PARAMS = {

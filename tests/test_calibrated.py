@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lab.calibrated import FEATURES, CalibratedCostModel, cross_validated_errors, design, fit
-from lab.plan import StepFeatures
+from lab.sim.calibrated import FEATURES, CalibratedCostModel, cross_validated_errors, design, fit
+from lab.core.plan import StepFeatures
 
 # A made-up engine: 1 ms per decode-only step, 5 ms per step with prompt tokens, 20 us per
 # sequence, 2 us per token above 2048 tokens, 1 us per token of mean decode context, 1 ns

@@ -122,7 +122,7 @@ def test_gpu_examples_run(name, tmp_path):
     ckpt = root / "checkpoints/qwen3-0.6b"
     if not (ckpt / "config.json").exists():
         from backend.tools.random_checkpoint import write_random_checkpoint
-        from lab.model_presets import PRESETS
+        from lab.core.model_presets import PRESETS
 
         write_random_checkpoint(PRESETS["qwen3-0.6b"], ckpt, "bfloat16", name="qwen3-0.6b")
     out = tmp_path / "out"

@@ -14,7 +14,7 @@ import yaml
 
 import run_experiment
 from lab.config import load_config
-from lab.errors import ConfigError
+from lab.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "experiments").glob("*.yaml"))

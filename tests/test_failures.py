@@ -8,11 +8,11 @@ import pandas as pd
 from helpers import FixedCost
 
 import run_experiment
-from lab.kv import BlockManager
-from lab.plan import StepResult
-from lab.replay import replay
-from lab.request import Request
-from lab.scheduler import SchedulerLimits, get_policy
+from lab.core.kv import BlockManager
+from lab.core.plan import StepResult
+from lab.sim.replay import replay
+from lab.core.request import Request
+from lab.core.scheduler import SchedulerLimits, get_policy
 
 
 class FailingExecutor(FixedCost):

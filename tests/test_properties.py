@@ -4,7 +4,7 @@ Hypothesis draws KV limits (block size, GPU and CPU blocks, watermark), schedule
 (max_num_seqs, token budget, max_model_len) and a trace (arrival bursts, zero gaps, arrivals
 landing exactly on step ends, 1-token outputs, prompts at block-size boundaries and at and
 beyond the KV capacity), replays it with the toy executor of tests/helpers.py (every step
-takes ``STEP_S``) and ``check_invariants=True`` (lab/replay.py ``_check_plan`` after every
+takes ``STEP_S``) and ``check_invariants=True`` (lab/sim/replay.py ``_check_plan`` after every
 plan), then checks what must hold whatever the policy decides:
 
 * every request ends finished, rejected or aborted, and *which* of the three is fixed by the
@@ -37,11 +37,11 @@ from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 
 import run_experiment
-from lab.kv import BlockManager, blocks_for
-from lab.plan import PreemptionMode, SchedulerOutput, StepResult
-from lab.replay import ReplayResult, replay
-from lab.request import Request, RequestStatus
-from lab.scheduler import Scheduler, SchedulerLimits, get_policy, policy_names
+from lab.core.kv import BlockManager, blocks_for
+from lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
+from lab.sim.replay import ReplayResult, replay
+from lab.core.request import Request, RequestStatus
+from lab.core.scheduler import Scheduler, SchedulerLimits, get_policy, policy_names
 
 # Every step of the toy cost model takes 1/4 s and arrival gaps are multiples of 1/8 s: all
 # times are then exact binary fractions, so arrivals that land exactly on a step's end (a
@@ -183,7 +183,7 @@ def expected_status(sc: Scenario, prompt: int, output: int) -> RequestStatus:
       of its first sampled token needs more blocks than the GPU has
       (``Scheduler.rejection_reason``).
     * Otherwise it finishes iff its last state fits the GPU: a request holds
-      ceil(num_tokens / block_size) blocks after every step (lab/scheduler.py), at most
+      ceil(num_tokens / block_size) blocks after every step (lab/core/scheduler.py), at most
       ceil((prompt + output) / block_size). If that fits, neither abort path can fire:
       "outgrew the KV cache" needs one block more than the whole cache while running
       alone, "needs N KV blocks to resume" needs more blocks than the whole (then empty)

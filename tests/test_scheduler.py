@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from helpers import by_id, run
 
-from lab.errors import ConfigError
-from lab.scheduler import get_policy, register_policy
+from lab.core.errors import ConfigError
+from lab.core.scheduler import get_policy, register_policy
 
 POLICIES = ["fcfs", "swap", "chunked_prefill"]
 

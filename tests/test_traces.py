@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from lab.errors import TraceError, UserError
+from lab.core.errors import TraceError, UserError
 from traces import load_trace
 from traces.arrivals import ArrivalProcess
 

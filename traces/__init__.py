@@ -13,7 +13,7 @@ Example (YAML)::
 
 Formats and their keys are documented in :mod:`traces.loaders`; arrival processes in
 :mod:`traces.arrivals`; synthetic length distributions in :mod:`traces.distributions`.
-Every mistake in the spec or the file raises :class:`lab.errors.TraceError` with one line
+Every mistake in the spec or the file raises :class:`lab.core.errors.TraceError` with one line
 naming the key, or the file, row and column.
 """
 
@@ -28,8 +28,8 @@ import numpy as np
 
 import traces.loaders  # noqa: F401  (registers the formats)
 import traces.prompts  # noqa: F401
-from lab.errors import TraceError
-from lab.request import Request
+from lab.core.errors import TraceError
+from lab.core.request import Request
 from traces.registry import FORMATS, get_format
 from traces.spec import WHERE, check_keys, check_mapping, get_float, get_int, require
 from traces.table import apply_limit, apply_rate_scale, apply_window

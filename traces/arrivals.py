@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from lab.errors import TraceError
+from lab.core.errors import TraceError
 from traces.spec import check_keys, check_mapping, get_choice, get_float
 
 PROCESSES = ("poisson", "gamma")

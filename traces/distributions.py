@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lab.errors import TraceError
+from lab.core.errors import TraceError
 from traces.spec import check_keys, check_mapping, get_float
 from traces.validate import MAX_TOKENS
 

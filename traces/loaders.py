@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab.errors import TraceError
+from lab.core.errors import TraceError
 from traces.arrivals import parse_arrival
 from traces.distributions import parse_length
 from traces.readers import read_csv, read_jsonl

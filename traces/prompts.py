@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 
 from lab.config import load_yaml
-from lab.errors import TraceError
+from lab.core.errors import TraceError
 from traces.registry import register_format
 from traces.spec import WHERE, require, resolve_path
 from traces.table import TraceTable

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from lab.errors import TraceError
+from lab.core.errors import TraceError
 
 
 def read_csv(path: Path, required: Sequence[str]) -> pd.DataFrame:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lab.errors import TraceError
+from lab.core.errors import TraceError
 from traces.spec import WHERE
 from traces.table import TraceTable
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from lab.errors import TraceError
+from lab.core.errors import TraceError
 
 # Key path of the trace block in an experiment YAML, the prefix of every spec message.
 WHERE = "trace"

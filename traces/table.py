@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lab.errors import TraceError
-from lab.request import Request, RequestStatus
+from lab.core.errors import TraceError
+from lab.core.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab.errors import TraceError
+from lab.core.errors import TraceError
 
 # Wall-clock timestamps as in the Azure 2023 trace: ``2023-11-16 18:17:03.9799600``.
 # No time zone (the trace has none); up to 9 fractional digits (ns); the fraction is optional.

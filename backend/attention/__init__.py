@@ -24,7 +24,7 @@ import torch
 
 from backend.attention.base import AttentionBackend, AttentionMetadata
 from backend.errors import DeviceError
-from lab.errors import ConfigError
+from lab.core.errors import ConfigError
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "get_attention_backend"]
 

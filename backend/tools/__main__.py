@@ -13,7 +13,7 @@ import sys
 from backend.dtypes import DTYPES
 from backend.tools.convert_smollm2 import convert_smollm2, default_dir
 from backend.tools.random_checkpoint import write_random_checkpoint
-from lab.model_presets import PRESETS
+from lab.core.model_presets import PRESETS
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,8 @@
 """A cost model fitted to the real engine's profile (backend/profile.py).
 
-    python -m lab.calibrated profiles/h200_qwen3-0.6b.csv     # fit, print error, write .fit.json
+    python -m lab.sim.calibrated profiles/h200_qwen3-0.6b.csv     # fit, print error, write .fit.json
 
-Step time is linear in features with a physical meaning (lab.plan.StepFeatures):
+Step time is linear in features with a physical meaning (lab.core.plan.StepFeatures):
 
     t = c0 * [decode-only step]             fixed cost of a CUDA-graph decode step
       + c1 * [step with prompt tokens]      fixed cost of a step with prompt tokens
@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from lab.errors import ConfigError
-from lab.plan import StepFeatures
+from lab.core.errors import ConfigError
+from lab.core.plan import StepFeatures
 
 TOKEN_KNOT = 2048
 FEATURES = ("decode_only_step", "prefill_step", "num_seqs", "num_tokens",
@@ -179,7 +179,7 @@ class CalibratedCostModel:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m lab.calibrated PROFILE.csv", file=sys.stderr)
+        print("usage: python -m lab.sim.calibrated PROFILE.csv", file=sys.stderr)
         return 2
     df = read_profile(argv[0])
     coef = fit(df)

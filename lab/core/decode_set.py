@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 
-from lab.request import Request
+from lab.core.request import Request
 
 
 class DecodeSet:

@@ -27,13 +27,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from lab.decode_set import DecodeSet
-from lab.errors import ConfigError, SchedulerStuckError
-from lab.kv import BlockManager, blocks_for
-from lab.plan import PreemptionMode, SchedulerOutput
-from lab.request import Request, RequestStatus
+from lab.core.decode_set import DecodeSet
+from lab.core.errors import ConfigError, SchedulerStuckError
+from lab.core.kv import BlockManager, blocks_for
+from lab.core.plan import PreemptionMode, SchedulerOutput
+from lab.core.request import Request, RequestStatus
 
-log = logging.getLogger("lab.scheduler")
+log = logging.getLogger("lab.core.scheduler")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Paged KV cache bookkeeping: GPU and CPU block pools and per-request block tables.
 
 The block manager counts blocks, never tokens: how many tokens a request needs is the
-scheduler's business (lab/scheduler.py). Each block has exactly one owner. A request's
+scheduler's business (lab/core/scheduler.py). Each block has exactly one owner. A request's
 ``block_table`` lists GPU block ids while it runs and CPU block ids while it is swapped out
 (``Request.status`` tells which pool).
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from lab.request import Request, RequestStatus
+from lab.core.request import Request, RequestStatus
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

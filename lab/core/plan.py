@@ -4,7 +4,7 @@ A policy writes a plan; an executor (the cost model, or the real engine in backe
 only the plan to run the step. As in vLLM V1 the plan is a plain dataclass.
 
 Departure from the DESIGN sketch: decodes are not entries of ``prefills`` but a list of
-their own, because the decode batch is kept in closed form (lab/decode_set.py) and its
+their own, because the decode batch is kept in closed form (lab/core/decode_set.py) and its
 aggregate ``decode_context_tokens`` is all the cost model needs.
 """
 
@@ -14,7 +14,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from lab.request import Request
+from lab.core.request import Request
 
 
 class PreemptionMode(enum.Enum):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lab.model_presets import PRESETS
+from lab.core.model_presets import PRESETS
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class ModelSpec:
             config["max_position_embeddings"], config.get("tie_word_embeddings", False))
 
 
-#: The simulator's model presets, from the public config.json values in lab/model_presets.py
+#: The simulator's model presets, from the public config.json values in lab/core/model_presets.py
 #: (e.g. llama-3.1-8b: 8.03 B parameters; qwen3-0.6b: head_dim 128 > hidden / heads, tied
 #: embeddings).
 MODELS: dict[str, ModelSpec] = {n: ModelSpec.from_config(n, c) for n, c in PRESETS.items()}

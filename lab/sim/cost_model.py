@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 
-from lab.hardware import Hardware
-from lab.models import ModelSpec
-from lab.plan import SchedulerOutput, StepFeatures, StepResult
+from lab.sim.hardware import Hardware
+from lab.sim.models import ModelSpec
+from lab.core.plan import SchedulerOutput, StepFeatures, StepResult
 
 GIB = 1 << 30
 

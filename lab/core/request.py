@@ -45,7 +45,7 @@ class Request:
     hash_ids: list[int] | None = None
     priority: int = 0
 
-    # Runtime state, owned by the scheduler (lab/scheduler.py).
+    # Runtime state, owned by the scheduler (lab/core/scheduler.py).
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_output_tokens: int = 0
@@ -56,7 +56,7 @@ class Request:
     # When the request first entered a running batch (seconds); -1 = never.
     first_scheduled_s: float = -1.0
     finish_s: float = -1.0
-    # Output token times, stored without per-token work (see lab/scheduler.py DecodeSet):
+    # Output token times, stored without per-token work (see lab/core/scheduler.py DecodeSet):
     # ``prefill_token_steps``: step indices whose end produced a token by finishing a prefill;
     # ``decode_segments``: half-open ranges [start, end) of decode ticks, one token per tick.
     prefill_token_steps: list[int] = field(default_factory=list)

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import simpy
 
-from lab.errors import SchedulerStuckError
-from lab.plan import Executor
-from lab.request import Request, RequestStatus
-from lab.scheduler import Scheduler
+from lab.core.errors import SchedulerStuckError
+from lab.core.plan import Executor
+from lab.core.request import Request, RequestStatus
+from lab.core.scheduler import Scheduler
 
 STEP_COLUMNS = (
     "time_s", "duration_s", "num_prefill_tokens", "num_decode_tokens", "num_seqs",

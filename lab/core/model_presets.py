@@ -1,7 +1,7 @@
 """Model presets: the public config.json values of real checkpoints.
 
 One source for both backends: the simulator derives its model shapes from them
-(lab/models.py) and the engine writes random-weight checkpoints of them for timing
+(lab/sim/models.py) and the engine writes random-weight checkpoints of them for timing
 (``python -m backend.tools make-random-checkpoint``). Transcribed from the models' published
 ``config.json`` files (the fields the engine and transformers read); the token-id fields are
 kept so a checkpoint looks like the real one. Plain data: no torch.

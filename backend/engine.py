@@ -16,26 +16,25 @@ import numpy as np
 
 from backend.errors import CheckpointError
 from backend.runner import ModelRunner, SeqInput
-from lab.core.plan import SchedulerOutput, StepResult
+from lab.core.plan import ScheduledSeq, SchedulerOutput, StepResult
 from lab.core.request import Request
-from lab.core.scheduler import Scheduler
 
 GIB = 1 << 30
 
 
 class EngineExecutor:
-    """Executes plans on a :class:`ModelRunner`; never makes a scheduling decision.
+    """Executes plans on a :class:`ModelRunner`; reads nothing but the plan and never makes
+    a scheduling decision.
 
     Args:
         runner: the model, its paged KV cache and swap space.
-        scheduler: read-only here: the decode batch's live token counts.
         temperature: 0 = greedy.
     """
 
     wall_clock = True  # durations are measured, so the replay adds planning time
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, temperature: float = 0.0):
-        self.runner, self.scheduler, self.temperature = runner, scheduler, temperature
+    def __init__(self, runner: ModelRunner, temperature: float = 0.0):
+        self.runner, self.temperature = runner, temperature
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
         t0 = time.perf_counter()
@@ -43,32 +42,15 @@ class EngineExecutor:
             self.runner.swap_out(plan.swap_out)
         if plan.swap_in:
             self.runner.swap_in(plan.swap_in)
-        seqs, owners = self.step_inputs(plan)
-        sampled = self.runner.execute(seqs)  # returns after the device is done
-        tokens = {r: t for r, t in zip(owners, sampled) if t is not None}
+        seqs = plan.seqs()
+        sampled = self.runner.execute(self.step_inputs(seqs))  # returns after the device is done
+        tokens = {s.request: t for s, t in zip(seqs, sampled) if t is not None}
         return StepResult(time.perf_counter() - t0, tokens)
 
-    def step_inputs(self, plan: SchedulerOutput) -> tuple[list[SeqInput], list[Request]]:
-        """One SeqInput per scheduled request: prefill chunks first, then decodes."""
-        seqs, owners = [], []
-        for r, n in plan.prefills.items():
-            ids = all_token_ids(r)
-            c = r.num_computed_tokens
-            seqs.append(SeqInput(ids[c:c + n], c, r.block_table, c + n == r.num_tokens,
-                                 self.temperature))
-            owners.append(r)
-        ds = self.scheduler.decode_set
-        for r in plan.decodes:
-            # The latest sampled token is fed at position num_tokens - 1.
-            seqs.append(SeqInput([r.output_token_ids[-1]], ds.num_tokens(r) - 1, r.block_table,
-                                 True, self.temperature))
-            owners.append(r)
-        return seqs, owners
-
-
-def all_token_ids(r: Request) -> list[int]:
-    """Prompt + generated token ids (the sequence a recompute re-prefills)."""
-    return r.prompt_token_ids + r.output_token_ids
+    def step_inputs(self, seqs: list[ScheduledSeq]) -> list[SeqInput]:
+        """One SeqInput per scheduled sequence of the plan, in the plan's order."""
+        return [SeqInput(s.token_ids(), s.start_pos, s.block_table, s.sample, self.temperature)
+                for s in seqs]
 
 
 def assign_prompt_tokens(requests: list[Request], vocab_size: int, seed: int) -> None:
@@ -87,7 +69,7 @@ def engine_parts(cfg: dict[str, Any], base_dir: Path):
     """Load the model once for all runs of an experiment.
 
     Returns:
-        (make_executor(scheduler) -> EngineExecutor, num_gpu_blocks, num_cpu_blocks,
+        (make_executor() -> EngineExecutor, num_gpu_blocks, num_cpu_blocks,
         max_position_embeddings, vocab_size, tokenizer dir or None).
 
     Raises:
@@ -112,9 +94,9 @@ def engine_parts(cfg: dict[str, Any], base_dir: Path):
         cuda_graphs=eng.get("cuda_graphs"),  # None: on with CUDA + triton (LAB_CUDA_GRAPHS=0: off)
     )
 
-    def make_executor(scheduler: Scheduler) -> EngineExecutor:
+    def make_executor() -> EngineExecutor:
         runner.generator.manual_seed(cfg["seed"])  # each run samples the same way
-        return EngineExecutor(runner, scheduler, eng["temperature"])
+        return EngineExecutor(runner, eng["temperature"])
 
     return (make_executor, runner.num_gpu_blocks, runner.num_cpu_blocks,
             runner.max_model_len, runner.config.vocab_size)

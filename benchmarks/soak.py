@@ -66,7 +66,7 @@ def worker(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | Non
     from lab.core.kv import BlockManager
     from lab.sim.models import MODELS
     from lab.sim.replay import replay
-    from lab.core.scheduler import get_policy
+    from policies import get_policy
     from traces import load_trace
 
     cfg = config(policy, rate_scale, num_gpu_blocks, limit)
@@ -131,7 +131,7 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.rate_scale, args.num_gpu_blocks, args.limit)))
         return
     sys.path.insert(0, str(ROOT))
-    from lab.core.scheduler import policy_names
+    from policies import policy_names
 
     policies = args.policies or policy_names()
     print(f"# soak: {TRACE}, {MODEL} on {HARDWARE}, {args.num_gpu_blocks} GPU blocks of "

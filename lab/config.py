@@ -225,7 +225,7 @@ def validate(raw: dict[str, Any], where: str = "config") -> dict[str, Any]:
     pols = cfg["policies"]
     if not isinstance(pols, list) or not pols:
         raise _fail(where, "policies", "a non-empty list of policy names or mappings", pols)
-    from lab.core.scheduler import get_policy
+    from policies import get_policy
 
     resolved = []
     for i, p in enumerate(pols):

@@ -21,7 +21,8 @@ from lab.core.kv import BlockManager
 from lab.sim.models import MODELS
 from lab.sim.replay import ReplayResult, replay
 from lab.core.request import Request, RequestStatus
-from lab.core.scheduler import SchedulerLimits, get_policy
+from lab.core.scheduler import SchedulerLimits
+from policies import get_policy
 
 log = logging.getLogger("lab.experiment")
 
@@ -164,7 +165,7 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
             scheduler = cls(limits, BlockManager(gpu, cpu, bs, cfg["kv_cache"]["watermark"]),
                             **options)
             if cfg["backend"] == "engine":
-                executor = make_executor(scheduler)
+                executor = make_executor()
             else:
                 executor = CostModelExecutor(cost_model, bs)
             label = pol["label"] if len(scales) == 1 else f"{pol['label']}@x{scale_label(scale)}"

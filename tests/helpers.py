@@ -6,7 +6,8 @@ from lab.core.kv import BlockManager
 from lab.core.plan import SchedulerOutput, StepResult
 from lab.sim.replay import ReplayResult, replay
 from lab.core.request import Request
-from lab.core.scheduler import SchedulerLimits, get_policy
+from lab.core.scheduler import SchedulerLimits
+from policies import get_policy
 
 STEP_S = 0.01  # every step of the toy cost model takes 10 ms
 

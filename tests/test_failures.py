@@ -12,7 +12,8 @@ from lab.core.kv import BlockManager
 from lab.core.plan import StepResult
 from lab.sim.replay import replay
 from lab.core.request import Request
-from lab.core.scheduler import SchedulerLimits, get_policy
+from lab.core.scheduler import SchedulerLimits
+from policies import get_policy
 
 
 class FailingExecutor(FixedCost):

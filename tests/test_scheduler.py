@@ -7,9 +7,10 @@ import pytest
 from helpers import by_id, run
 
 from lab.core.errors import ConfigError
-from lab.core.scheduler import get_policy, register_policy
+from lab.core.scheduler import register_policy
+from policies import get_policy, policy_names
 
-POLICIES = ["fcfs", "swap", "chunked_prefill"]
+POLICIES = policy_names()
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -23,6 +23,12 @@ import heapq
 from lab.core.request import Request
 
 
+def num_tokens_at(request: Request, tick: int) -> int:
+    """Prompt + output tokens at decode tick ``tick`` of a decode-set member that joined at
+    ``request.join_tick`` with ``request.join_num_output`` output tokens."""
+    return request.prompt_len + request.join_num_output + tick - request.join_tick
+
+
 class DecodeSet:
     """Running requests whose prompt is fully computed.
 
@@ -51,7 +57,7 @@ class DecodeSet:
 
     def num_tokens(self, request: Request) -> int:
         """Prompt + output tokens of a member now (the latest sampled token included)."""
-        return request.prompt_len + request.join_num_output + self.tick - request.join_tick
+        return num_tokens_at(request, self.tick)
 
     @property
     def context_tokens(self) -> int:

@@ -6,7 +6,9 @@ scheduler's business (lab/core/scheduler.py). Each block has exactly one owner. 
 (``Request.status`` tells which pool).
 
 Free blocks are kept on a stack: the block freed last is reused first (LIFO), which keeps a
-small working set of blocks hot, as vLLM's free-block queue does.
+small working set of blocks hot, as vLLM's free-block queue does. Blocks never used yet are
+handed out in id order after the freed ones, without a list of them (a pool of millions of
+blocks costs nothing until its blocks are used).
 """
 
 from __future__ import annotations
@@ -19,6 +21,42 @@ from lab.core.request import Request, RequestStatus
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
     return -(-num_tokens // block_size)
+
+
+class BlockPool:
+    """Free block ids ``[0, size)`` of one pool: a LIFO stack of freed blocks, then the
+    blocks never used yet in ascending order (``next_unused`` onwards)."""
+
+    __slots__ = ("size", "freed", "next_unused")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.freed: list[int] = []
+        self.next_unused = 0
+
+    def __len__(self) -> int:
+        return len(self.freed) + self.size - self.next_unused
+
+    def take(self, n: int) -> list[int]:
+        """``n`` free ids, the most recently freed first (the caller checks ``len``)."""
+        freed = self.freed
+        k = min(n, len(freed))
+        out = freed[: -k - 1 : -1] if k else []
+        if k:
+            del freed[-k:]
+        if n > k:
+            start = self.next_unused
+            out.extend(range(start, start + n - k))
+            self.next_unused = start + n - k
+        return out
+
+    def put(self, blocks: list[int]) -> None:
+        """Free ``blocks``; the first of them is handed out first again."""
+        self.freed.extend(reversed(blocks))
+
+    def free_ids(self) -> list[int]:
+        """Every free id (for integrity checks; O(pool size))."""
+        return self.freed + list(range(self.next_unused, self.size))
 
 
 class BlockManager:
@@ -41,9 +79,9 @@ class BlockManager:
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.watermark_blocks = math.floor(watermark * num_gpu_blocks)
-        # Reversed so that block 0 is handed out first (readable block tables in tests).
-        self._free_gpu: list[int] = list(range(num_gpu_blocks - 1, -1, -1))
-        self._free_cpu: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        # Block 0 is handed out first (readable block tables in tests).
+        self._free_gpu = BlockPool(num_gpu_blocks)
+        self._free_cpu = BlockPool(num_cpu_blocks)
 
     # ----------------------------------------------------------------------- queries
     @property
@@ -79,14 +117,12 @@ class BlockManager:
                 f"request {request.request_id}: {num_blocks} blocks asked, "
                 f"{len(self._free_gpu)} free"
             )
-        table, free = request.block_table, self._free_gpu
-        for _ in range(num_blocks):
-            table.append(free.pop())
+        request.block_table.extend(self._free_gpu.take(num_blocks))
 
     def free(self, request: Request) -> None:
         """Return all blocks of ``request`` to the pool it is in (GPU, or CPU if swapped)."""
         pool = self._free_cpu if request.status is RequestStatus.SWAPPED else self._free_gpu
-        pool.extend(reversed(request.block_table))
+        pool.put(request.block_table)
         request.block_table = []
 
     def can_swap_out(self, request: Request) -> bool:
@@ -99,16 +135,18 @@ class BlockManager:
             (gpu_block, cpu_block) pairs to copy, in block-table order. The caller sets the
             request's status to SWAPPED.
         """
-        mapping = [(g, self._free_cpu.pop()) for g in request.block_table]
-        self._free_gpu.extend(reversed(request.block_table))
-        request.block_table = [c for _, c in mapping]
+        cpu = self._free_cpu.take(len(request.block_table))
+        mapping = list(zip(request.block_table, cpu))
+        self._free_gpu.put(request.block_table)
+        request.block_table = cpu
         return mapping
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """Move the request's blocks back to the GPU; returns (cpu_block, gpu_block) pairs."""
-        mapping = [(c, self._free_gpu.pop()) for c in request.block_table]
-        self._free_cpu.extend(reversed(request.block_table))
-        request.block_table = [g for _, g in mapping]
+        gpu = self._free_gpu.take(len(request.block_table))
+        mapping = list(zip(request.block_table, gpu))
+        self._free_cpu.put(request.block_table)
+        request.block_table = gpu
         return mapping
 
     # ----------------------------------------------------------------------- invariants
@@ -123,7 +161,7 @@ class BlockManager:
         """
         owners: dict[tuple[str, int], str] = {}
         for pool, free in (("gpu", self._free_gpu), ("cpu", self._free_cpu)):
-            for b in free:
+            for b in free.free_ids():
                 key = (pool, b)
                 assert key not in owners, f"{pool} block {b} is free twice"
                 owners[key] = "free"

@@ -3,9 +3,11 @@
 A policy writes a plan; an executor (the cost model, or the real engine in backend/) reads
 only the plan to run the step. As in vLLM V1 the plan is a plain dataclass.
 
-Departure from the DESIGN sketch: decodes are not entries of ``prefills`` but a list of
-their own, because the decode batch is kept in closed form (lab/core/decode_set.py) and its
-aggregate ``decode_context_tokens`` is all the cost model needs.
+Decodes are not entries of ``prefills`` but a list of their own, because the decode batch is
+kept in closed form (lab/core/decode_set.py): the cost model needs only the aggregates
+(:meth:`SchedulerOutput.features`), and an executor that runs a real model asks for the
+per-sequence inputs (:meth:`SchedulerOutput.seqs`: tokens to feed, their positions, block
+table), computed from the plan on demand so the simulator never pays for them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from lab.core.decode_set import num_tokens_at
 from lab.core.request import Request
 
 
@@ -57,6 +60,36 @@ class StepFeatures:
         return self.num_prefills + self.num_decodes
 
 
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One sequence of a step, as an executor that runs a model needs it.
+
+    Attributes:
+        request: the request (read-only for executors).
+        start_pos: tokens whose KV is cached already (num_computed_tokens); the step feeds
+            positions ``[start_pos, start_pos + num_new_tokens)``.
+        num_new_tokens: tokens fed this step (a prompt chunk, or 1 for a decode).
+        block_table: GPU block ids, covering at least ``start_pos + num_new_tokens``
+            positions; position p lives in slot
+            ``block_table[p // block_size] * block_size + p % block_size``.
+        sample: whether the step samples a token after the last fed one.
+    """
+
+    request: Request
+    start_pos: int
+    num_new_tokens: int
+    block_table: list[int]
+    sample: bool
+
+    def token_ids(self) -> list[int]:
+        """The token ids fed (prompt then generated tokens; needs ``prompt_token_ids``)."""
+        r, lo = self.request, self.start_pos
+        hi = lo + self.num_new_tokens
+        if lo >= r.prompt_len:  # a decode, or a chunk of generated tokens only
+            return r.output_token_ids[lo - r.prompt_len : hi - r.prompt_len]
+        return (r.prompt_token_ids + r.output_token_ids)[lo:hi]
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """What one step computes.
@@ -72,6 +105,8 @@ class SchedulerOutput:
         swap_out: (gpu_block, cpu_block) copies to do before the step runs.
         swap_in: (cpu_block, gpu_block) copies to do before the step runs.
         aborted: requests dropped while planning (reason set on the request).
+        decode_tick: the decode set's tick when planned (the decodes' token counts follow
+            from it, see :func:`lab.core.decode_set.num_tokens_at`).
     """
 
     prefills: dict[Request, int] = field(default_factory=dict)
@@ -81,6 +116,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     aborted: list[Request] = field(default_factory=list)
+    decode_tick: int = 0
 
     _features: StepFeatures | None = None
 
@@ -101,6 +137,19 @@ class SchedulerOutput:
                 self.decode_context_tokens, samples + len(self.decodes),
                 len(self.swap_in) + len(self.swap_out))
         return self._features
+
+    def seqs(self) -> list[ScheduledSeq]:
+        """Per-sequence inputs of the step: prefill chunks in plan order, then decodes (each
+        feeds its latest token). Valid until the step's results are applied
+        (``Scheduler.update``); O(sequences), so the simulator never calls it."""
+        out = []
+        for r, n in self.prefills.items():
+            c = r.num_computed_tokens
+            out.append(ScheduledSeq(r, c, n, r.block_table, c + n == r.num_tokens))
+        tick = self.decode_tick
+        for r in self.decodes:
+            out.append(ScheduledSeq(r, num_tokens_at(r, tick) - 1, 1, r.block_table, True))
+        return out
 
     @property
     def is_empty(self) -> bool:

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from lab.core.decode_set import DecodeSet
 from lab.core.errors import ConfigError, SchedulerStuckError
 from lab.core.kv import BlockManager, blocks_for
-from lab.core.plan import PreemptionMode, SchedulerOutput
+from lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
 from lab.core.request import Request, RequestStatus
 
 log = logging.getLogger("lab.core.scheduler")
@@ -57,10 +58,24 @@ class SchedulerLimits:
 class Scheduler:
     """Queues, block manager and limits, plus the shared moves of every policy.
 
-    Queues: ``waiting`` (FIFO; recompute victims return at the front), ``running`` (in
-    admission order; the last one is the newest and the first preemption victim),
-    ``swapped`` (FIFO). Running requests are either in ``decode_set`` or in ``prefilling``
-    (a chunked prompt not yet fully computed).
+    The contract with the replay loop (which owns time and nothing else):
+
+    * :meth:`add` (request, now): an arrived request joins ``waiting``, or is rejected
+      with a reason if it can never run;
+    * :meth:`schedule`: the policy plans the next step (a :class:`SchedulerOutput`, all an
+      executor reads);
+    * :meth:`update` (plan, result, now): the executed step's results are applied: sampled
+      tokens, finished requests, freed blocks.
+
+    The scheduler is the sole owner of request state. Queues: ``waiting`` (FIFO; recompute
+    victims return at the front), ``running`` (in admission order; the last one is the
+    newest), ``swapped`` (FIFO). Running requests are either in ``decode_set`` or in
+    ``prefilling`` (a chunked prompt not yet fully computed).
+
+    A policy subclasses this class, registers it with :func:`register_policy` and writes
+    :meth:`schedule` from the shared moves; it may override the hooks
+    :meth:`admission_order` (default FCFS) and :meth:`pick_victim` (default the newest
+    running request).
     """
 
     name: ClassVar[str] = ""
@@ -80,18 +95,91 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.decode_set = DecodeSet(block_manager.block_size)
-        self.now_s = 0.0
+        self.now_s = 0.0  # time of the latest add() or update(): when the next plan is made
+        self.num_steps = 0  # steps applied by update()
         for key, value in {**self.options, **options}.items():
             setattr(self, key, value)
 
-    # ------------------------------------------------------------------ the policy's part
+    # ------------------------------------------------------------------ the contract
+    def add(self, request: Request, now_s: float) -> bool:
+        """Take a request that arrives at ``now_s``. Mutates ``request`` and the queues.
+
+        Returns:
+            True if it joined ``waiting``; False if it was rejected (it can never run under
+            these limits: status REJECTED, ``reason`` set, ``finish_s = now_s``).
+        """
+        self.now_s = now_s
+        reason = self.rejection_reason(request)
+        if reason:
+            request.status, request.reason, request.finish_s = (
+                RequestStatus.REJECTED, reason, now_s)
+            return False
+        self.waiting.append(request)
+        return True
+
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step. Mutates the queues and the block manager."""
+        """Plan the next step (the policy's part). Mutates the queues and the block manager;
+        the plan records every preemption, swap and abort it made."""
         raise NotImplementedError
+
+    def update(self, plan: SchedulerOutput, result: StepResult, now_s: float) -> None:
+        """Apply the executed step ``plan`` at its end time ``now_s``: append the sampled
+        token ids (engine runs), advance decodes and prompt chunks, finish requests whose
+        last token was sampled and free their blocks. Mutates requests and queues."""
+        self.now_s = now_s
+        for r, token in result.sampled_token_ids.items():
+            r.output_token_ids.append(token)
+        step_index = self.num_steps
+        self.num_steps += 1
+        if plan.decodes:
+            for r in self.decode_set.advance():
+                self._finish(r, now_s)
+        for r, num_new in plan.prefills.items():
+            r.num_computed_tokens += num_new
+            if r.num_computed_tokens < r.num_tokens:
+                continue  # a partial chunk: no token yet
+            if r in self.prefilling:
+                self.prefilling.remove(r)
+            r.num_output_tokens += 1
+            r.prefill_token_steps.append(step_index)
+            if r.num_output_tokens >= r.output_len:
+                r.num_computed_tokens = r.num_tokens - 1
+                self.running.remove(r)
+                self._finish(r, now_s)
+            else:
+                self.decode_set.add(r)
+
+    def abort_unfinished(self, reason: str, now_s: float) -> list[Request]:
+        """End every queued request as aborted with ``reason`` (a run that stopped); their
+        blocks are freed. Returns them."""
+        out = [*self.waiting, *self.running, *self.swapped]
+        for r in out:
+            self.block_manager.free(r)
+            r.status, r.reason, r.finish_s = RequestStatus.ABORTED, reason, now_s
+        self.waiting.clear(), self.running.clear(), self.swapped.clear()
+        self.prefilling.clear()
+        self.decode_set = DecodeSet(self.block_size)
+        return out
+
+    # ------------------------------------------------------------------ hooks
+    def admission_order(self) -> Iterable[Request]:
+        """Waiting requests in the order :meth:`admit_waiting` tries them; it stops at the
+        first that does not fit. Default: the ``waiting`` queue itself (FCFS, recompute
+        victims first). Must not mutate; return ``self.waiting`` for the default order."""
+        return self.waiting
+
+    def pick_victim(self) -> Request:
+        """The running request to preempt next when KV blocks are short (called with at
+        least two running). Default: the newest (vLLM's rule)."""
+        return self.running[-1]
 
     # ------------------------------------------------------------------ queries
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def rejection_reason(self, r: Request) -> str | None:
         """Why a request can never run under these limits, or None if it can."""
@@ -115,14 +203,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ shared moves
     def admit_waiting(self, plan: SchedulerOutput, budget: int) -> int:
-        """Admit waiting requests in FCFS order while limits and free blocks allow.
+        """Admit waiting requests in :meth:`admission_order` while limits and free blocks
+        allow; stops at the first that does not fit.
 
         Whole prompts unless the policy is chunked, in which case the last admitted one
         may get a partial chunk (its blocks are allocated whole). Returns the budget left.
         """
-        bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            r = self.waiting[0]
+        bm, queue = self.block_manager, self.waiting
+        order = self.admission_order()
+        custom = iter(list(order)) if order is not queue else None
+        while queue and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            r = queue[0] if custom is None else next(custom, None)
+            if r is None:
+                break
             num_new = r.num_tokens - r.num_computed_tokens
             if num_new > budget:
                 if not self.chunked_prefill:
@@ -131,11 +224,12 @@ class Scheduler:
             need = self.blocks_to_admit(r)
             if not bm.can_allocate(need, use_watermark=bool(self.running)):
                 if not self.running and need > bm.num_free_gpu_blocks and not self.swapped:
-                    self.abort(plan, self.waiting.popleft(), f"needs {need} KV blocks to "
-                               f"resume, the GPU cache has {bm.num_gpu_blocks}")
+                    self._take_waiting(r, custom is None)
+                    self.abort(plan, r, f"needs {need} KV blocks to resume, the GPU cache "
+                               f"has {bm.num_gpu_blocks}")
                     continue
                 break
-            self.waiting.popleft()
+            self._take_waiting(r, custom is None)
             bm.allocate(r, need)
             r.status = RequestStatus.RUNNING
             if r.first_scheduled_s < 0:
@@ -148,23 +242,27 @@ class Scheduler:
         return budget
 
     def reserve_decode_blocks(self, plan: SchedulerOutput) -> None:
-        """Give each decode a block if its next token starts one, preempting the newest
-        running requests while blocks are short. A request that needs a block while
+        """Give each decode a block if its next token starts one, preempting
+        :meth:`pick_victim` while blocks are short. A request that needs a block while
         holding the whole cache alone is aborted."""
         bm, ds = self.block_manager, self.decode_set
         while len(ds.needing_block()) > bm.num_free_gpu_blocks:
-            victim = self.running[-1]
             if len(self.running) == 1:
-                self.abort(plan, victim, f"outgrew the KV cache: needs more than the "
-                           f"{bm.num_gpu_blocks} GPU blocks while running alone")
+                self.abort(plan, self.running[0], f"outgrew the KV cache: needs more than "
+                           f"the {bm.num_gpu_blocks} GPU blocks while running alone")
             else:
-                self.preempt(plan, victim)
+                self.preempt(plan, self.pick_victim())
         for r in ds.needing_block():
             bm.allocate(r, 1)
 
     def preempt(self, plan: SchedulerOutput, victim: Request) -> None:
         """Preempt ``victim`` by swap if the policy swaps and CPU space allows, else by
-        recompute. Mutates queues and blocks; records the preemption in ``plan``."""
+        recompute. Mutates queues and blocks; records the preemption in ``plan``.
+
+        Raises:
+            SchedulerStuckError: the victim was preempted more than
+                ``limits.max_preemptions`` times (thrashing).
+        """
         assert victim not in plan.prefills, "a request is never scheduled and preempted"
         self._leave_running(victim)
         mode = PreemptionMode.RECOMPUTE
@@ -212,7 +310,8 @@ class Scheduler:
                 bm.allocate(r, 1)
 
     def abort(self, plan: SchedulerOutput, r: Request, reason: str) -> None:
-        """Drop ``r`` for good with ``reason``; its blocks are freed."""
+        """Drop ``r`` (running, or already taken from ``waiting``) for good with ``reason``;
+        its blocks are freed and the plan lists it."""
         if r.status is RequestStatus.RUNNING:
             self._leave_running(r)
         self.block_manager.free(r)
@@ -224,32 +323,37 @@ class Scheduler:
         if self.decode_set:
             plan.decodes = self.decode_set.requests()
             plan.decode_context_tokens = self.decode_set.context_tokens
+            plan.decode_tick = self.decode_set.tick
         return plan
 
-    # ------------------------------------------------------------------ step results
-    def update_from_output(self, plan: SchedulerOutput, step_index: int, now_s: float) -> None:
-        """Apply a finished step at time ``now_s``: tokens sampled, requests finished.
+    # ------------------------------------------------------------------ invariants
+    def check_plan(self, plan: SchedulerOutput) -> None:
+        """Invariants of every plan (slow; tests and ``check_invariants`` runs): limits
+        respected, no request scheduled twice or both scheduled and preempted, decodes
+        holding exactly their blocks, every block owned once.
 
-        Decodes advance the decode set's tick (``plan.decodes`` non-empty); prefill chunks
-        that reach the end of their tokens sample a token and join the decode set.
+        Raises:
+            AssertionError: naming the broken invariant.
         """
-        if plan.decodes:
-            for r in self.decode_set.advance():
-                self._finish(r, now_s)
-        for r, num_new in plan.prefills.items():
-            r.num_computed_tokens += num_new
-            if r.num_computed_tokens < r.num_tokens:
-                continue  # a partial chunk: no token yet
-            if r in self.prefilling:
-                self.prefilling.remove(r)
-            r.num_output_tokens += 1
-            r.prefill_token_steps.append(step_index)
-            if r.num_output_tokens >= r.output_len:
-                r.num_computed_tokens = r.num_tokens - 1
-                self.running.remove(r)
-                self._finish(r, now_s)
-            else:
-                self.decode_set.add(r)
+        lim = self.limits
+        tokens = plan.features().num_tokens
+        assert tokens <= lim.max_num_batched_tokens, f"{tokens} tokens > budget"
+        assert len(self.running) <= lim.max_num_seqs, f"{len(self.running)} running > max_num_seqs"
+        scheduled = set(plan.prefills) | set(plan.decodes)
+        assert len(scheduled) == len(plan.prefills) + len(plan.decodes), "request scheduled twice"
+        assert not scheduled & {r for r, _ in plan.preempted}, "request scheduled and preempted"
+        assert all(r.status is RequestStatus.RUNNING for r in scheduled)
+        for r in plan.decodes:
+            need = blocks_for(self.decode_set.num_tokens(r) + 1, self.block_size)
+            assert len(r.block_table) == need, f"{r.request_id}: {len(r.block_table)} != {need}"
+        self.block_manager.check_integrity(list(self.running) + list(self.swapped))
+
+    # ------------------------------------------------------------------ internals
+    def _take_waiting(self, r: Request, head: bool) -> None:
+        if head:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(r)
 
     def _finish(self, r: Request, now_s: float) -> None:
         if r in self.running:
@@ -263,7 +367,6 @@ class Scheduler:
             self.decode_set.remove(r)
         elif r in self.prefilling:
             self.prefilling.remove(r)
-
 
 
 # ---------------------------------------------------------------------- registry
@@ -284,8 +387,8 @@ def register_policy(name: str):
 
 
 def policy_names() -> list[str]:
-    import policies  # noqa: F401  (registers the built-in policies)
-
+    """Names of the registered policies, sorted (importing ``policies`` registers the
+    built-in ones)."""
     return sorted(_POLICIES)
 
 
@@ -295,7 +398,7 @@ def get_policy(name: str) -> type[Scheduler]:
     Raises:
         ConfigError: unknown name (the message lists the known ones).
     """
-    known = policy_names()
     if name not in _POLICIES:
-        raise ConfigError(f"unknown policy {name!r}; known policies: {', '.join(known)}")
+        raise ConfigError(f"unknown policy {name!r}; known policies: "
+                          f"{', '.join(policy_names()) or '(none registered)'}")
     return _POLICIES[name]

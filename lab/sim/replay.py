@@ -1,10 +1,12 @@
 """The replay loop: SimPy processes that own time (shared/DESIGN.md, "One scheduler, two
 executors").
 
-* ``arrival_process`` puts each trace request into the scheduler's waiting queue at its
-  arrival time, or rejects it at once with a reason if it can never run.
-* ``engine_process`` loops: ask the policy for a plan, hand it to the executor, wait the
-  step's duration, then apply the step's results at the new time.
+* ``arrival_process`` hands each trace request to the scheduler at its arrival time
+  (``Scheduler.add``: queued, or rejected at once with a reason if it can never run).
+* ``engine_process`` loops: ask the policy for a plan (``Scheduler.schedule``), hand it to
+  the executor, wait the step's duration, then let the scheduler apply the step's results
+  at the new time (``Scheduler.update``). The loop owns time and the per-step records; all
+  request state belongs to the scheduler.
 
 Idle gaps cost nothing: with no work, the engine waits for the next arrival. Simultaneous
 events resolve in SimPy's order (scheduled time, then creation order), so a replay is
@@ -94,12 +96,8 @@ def arrival_process(
         if r.arrival_s > env.now:
             yield env.timeout(r.arrival_s - env.now)
         arrived[0] += 1
-        reason = scheduler.rejection_reason(r)
-        if reason:
-            r.status, r.reason, r.finish_s = RequestStatus.REJECTED, reason, env.now
-            continue
-        scheduler.waiting.append(r)
-        wakeup.fire()
+        if scheduler.add(r, env.now):
+            wakeup.fire()
 
 
 def engine_process(
@@ -118,7 +116,6 @@ def engine_process(
                 return
             yield wakeup.wait()
             continue
-        scheduler.now_s = env.now
         t_plan = time.perf_counter() if wall_clock else 0.0
         plan = scheduler.schedule()
         if plan.is_empty:
@@ -126,7 +123,7 @@ def engine_process(
                 continue  # dropping a request is progress
             raise SchedulerStuckError(_stuck_message(scheduler, env.now))
         if check_invariants:
-            _check_plan(scheduler, plan)
+            scheduler.check_plan(plan)
         if wall_clock:
             plan_s = time.perf_counter() - t_plan
             result = executor.execute(plan)
@@ -146,12 +143,10 @@ def engine_process(
             col.append(value)
         if plan.decodes:
             tick_steps.append(step)
-        for r, token in result.sampled_token_ids.items():
-            r.output_token_ids.append(token)
-        scheduler.update_from_output(plan, step, env.now)
+        scheduler.update(plan, result, env.now)
         step += 1
         if progress is not None and step % 4096 == 0:
-            progress(arrived[0] - _num_unfinished(scheduler), env.now)
+            progress(arrived[0] - scheduler.num_unfinished, env.now)
 
 
 def replay(
@@ -213,6 +208,8 @@ def _replay(
             scheduler.block_manager.check_integrity([])
     except Exception as e:  # a failed step ends the run, accounted for request by request
         failure = f"{type(e).__name__}: {e}".splitlines()[0]
+        unfinished = f"not finished: the run stopped at t={env.now:.3f}s ({failure})"
+        scheduler.abort_unfinished(unfinished, env.now)
         for i, r in enumerate(requests):  # sorted by arrival: the first arrived[0] arrived
             if r.status in _ENDED:
                 continue
@@ -220,9 +217,8 @@ def _replay(
             if i >= arrived[0]:  # never arrived: no finish time
                 r.reason = (f"not replayed: the run stopped at t={env.now:.3f}s, before its "
                             f"arrival ({failure})")
-            else:
-                r.finish_s = env.now
-                r.reason = f"not finished: the run stopped at t={env.now:.3f}s ({failure})"
+            else:  # caught by the step that failed outside every queue
+                r.finish_s, r.reason = env.now, unfinished
         n = min(len(v) for v in rec.values())  # a step that failed midway has no row
         rec = {c: v[:n] for c, v in rec.items()}
         tick_steps = [t for t in tick_steps if t < n]
@@ -257,10 +253,6 @@ _ENDED = (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED,
           RequestStatus.DROPPED)
 
 
-def _num_unfinished(s: Scheduler) -> int:
-    return len(s.waiting) + len(s.running) + len(s.swapped)
-
-
 def _stuck_message(s: Scheduler, now: float) -> str:
     def ids(q) -> str:
         return ", ".join(r.request_id for r in list(q)[:5]) or "-"
@@ -272,19 +264,3 @@ def _stuck_message(s: Scheduler, now: float) -> str:
         f"{bm.num_free_gpu_blocks}/{bm.num_gpu_blocks}, free CPU blocks "
         f"{bm.num_free_cpu_blocks}/{bm.num_cpu_blocks}"
     )
-
-
-def _check_plan(s: Scheduler, plan) -> None:
-    """Invariants of every plan: limits respected, blocks owned once, no double role."""
-    lim = s.limits
-    tokens = plan.features().num_tokens
-    assert tokens <= lim.max_num_batched_tokens, f"{tokens} tokens > budget"
-    assert len(s.running) <= lim.max_num_seqs, f"{len(s.running)} running > max_num_seqs"
-    scheduled = set(plan.prefills) | set(plan.decodes)
-    assert len(scheduled) == len(plan.prefills) + len(plan.decodes), "request scheduled twice"
-    assert not scheduled & {r for r, _ in plan.preempted}, "request scheduled and preempted"
-    assert all(r.status is RequestStatus.RUNNING for r in scheduled)
-    for r in plan.decodes:
-        need = -(-(s.decode_set.num_tokens(r) + 1) // s.block_size)
-        assert len(r.block_table) == need, f"{r.request_id}: {len(r.block_table)} != {need}"
-    s.block_manager.check_integrity(list(s.running) + list(s.swapped))

@@ -1,0 +1,157 @@
+"""The import layers (docs/ARCHITECTURE.md): core <- policies; core <- simulator; core <-
+engine; config, traces, metrics, report and the CLI on top. Read from the source with ast,
+function-level (lazy) imports included, so a lazy import cannot hide a wrong edge or a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import policies
+from lab.core.scheduler import policy_names
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("lab", "policies", "backend", "traces")
+
+# layer -> the layers it may import from (itself included)
+ALLOWED = {
+    "core": {"core"},
+    "policies": {"core", "policies"},
+    "sim": {"core", "sim"},
+    "engine": {"core", "engine"},
+    "top": {"core", "policies", "sim", "engine", "top"},
+}
+
+
+def layer(module: str) -> str:
+    if module == "lab.core" or module.startswith("lab.core."):
+        return "core"
+    if module == "lab.sim" or module.startswith("lab.sim."):
+        return "sim"
+    if module.split(".")[0] == "policies":
+        return "policies"
+    if module.split(".")[0] == "backend":
+        return "engine"
+    return "top"  # lab.* (config, experiment, metrics, report, cli, ...) and traces.*
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def project_imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules that ``name`` imports anywhere in its source."""
+    out = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                       for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:  # a name inside a module: the module itself
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: project_imports(name, path, known) for name, path in mods.items()}
+
+
+def test_imports_point_one_way():
+    bad = [f"{m} ({layer(m)}) imports {t} ({layer(t)})"
+           for m, targets in graph().items() for t in sorted(targets)
+           if layer(t) not in ALLOWED[layer(m)]]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    g = graph()
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(g[m]):
+            if state.get(t) == 1:
+                return stack[stack.index(t):] + [t]
+            if t not in state and (cycle := visit(t)):
+                return cycle
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(g):
+        if m not in state and (cycle := visit(m)):
+            # A package __init__ importing its own modules is not a cycle of layers.
+            assert False, "import cycle: " + " -> ".join(cycle)
+
+
+def test_core_imports_no_third_party_io():
+    """The core is pure Python: the standard library only (no numpy, pandas, torch, yaml)."""
+    import sys
+
+    stdlib = set(sys.stdlib_module_names)
+    for name, path in modules().items():
+        if layer(name) != "core":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                roots = [(node.module or "").split(".")[0]]
+            else:
+                continue
+            for root in roots:
+                assert root in stdlib or root in ("lab", "__future__"), f"{name} imports {root}"
+
+
+def test_every_policy_module_is_discovered():
+    """Every module in policies/ registers a policy when the package is imported."""
+    files = {p.stem for p in Path(policies.__file__).parent.glob("*.py") if p.stem != "__init__"}
+    registered_modules = {
+        policies.get_policy(n).__module__.rpartition(".")[2] for n in policy_names()
+        if policies.get_policy(n).__module__.startswith("policies.")
+    }
+    assert files <= registered_modules, files - registered_modules
+
+
+def test_new_policy_file_is_discovered(tmp_path, monkeypatch):
+    """A new file in policies/ is a new policy: no list to edit."""
+    import sys
+
+    from lab.core import scheduler
+
+    (tmp_path / "zz_test_discovered.py").write_text(
+        "from lab.core.scheduler import register_policy\n"
+        "from policies.fcfs import FCFS\n\n\n"
+        "@register_policy('zz_test_discovered')\n"
+        "class Discovered(FCFS):\n    pass\n")
+    monkeypatch.setattr(policies, "__path__", [*policies.__path__, str(tmp_path)])
+    try:
+        policies.discover()
+        assert "zz_test_discovered" in policy_names()
+        assert policies.get_policy("zz_test_discovered").__name__ == "Discovered"
+    finally:
+        scheduler._POLICIES.pop("zz_test_discovered", None)
+        sys.modules.pop("policies.zz_test_discovered", None)

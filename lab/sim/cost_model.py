@@ -8,8 +8,8 @@ Step time = max(FLOPs / achieved FLOP/s, bytes / achieved bytes/s) + step overhe
   per (query, key) pair (QK^T and PV), causal within a prefill chunk.
 * Bytes: all weights once per step, the KV each decode or chunk reads, the KV it writes.
 * Achieved = preset peak * efficiency. The defaults (0.7 of peak FLOP/s, 0.85 of HBM
-  bandwidth, 2 ms per step) are assumptions, not measurements; the calibrated model of a
-  later issue replaces them with a fit to the real engine's profile.
+  bandwidth, 2 ms per step) are assumptions, not measurements;
+  :class:`lab.sim.calibrated.CalibratedCostModel` is fitted to the real engine's profile.
 """
 
 from __future__ import annotations

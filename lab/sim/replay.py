@@ -169,10 +169,10 @@ def replay(
     """
     # Python's cyclic garbage collector would otherwise rescan every object that exists before
     # the replay (the engine's model and libraries, the trace, earlier runs' results) in its
-    # full collections: on the H200 that made eager engine steps 13-20 ms instead of 11 ms,
-    # varying run to run (benchmarks/eager_step_drift.py). Frozen, they are skipped. (No
-    # gc.collect() first: at ~0.1 s with torch loaded it would cost more than it saves on
-    # short replays; garbage frozen here is collected after the unfreeze.)
+    # full collections, which slows engine steps unevenly (benchmarks/eager_step_drift.py
+    # measures it). Frozen, they are skipped. No gc.collect() first: with torch loaded it
+    # costs more than it saves on short replays; garbage frozen here is collected after the
+    # unfreeze.
     frozen_by_caller = gc.get_freeze_count() > 0
     gc.freeze()
     try:

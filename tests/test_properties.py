@@ -4,7 +4,7 @@ Hypothesis draws KV limits (block size, GPU and CPU blocks, watermark), schedule
 (max_num_seqs, token budget, max_model_len) and a trace (arrival bursts, zero gaps, arrivals
 landing exactly on step ends, 1-token outputs, prompts at block-size boundaries and at and
 beyond the KV capacity), replays it with the toy executor of tests/helpers.py (every step
-takes ``STEP_S``) and ``check_invariants=True`` (lab/sim/replay.py ``_check_plan`` after every
+takes ``STEP_S``) and ``check_invariants=True`` (``Scheduler.check_plan`` after every
 plan), then checks what must hold whatever the policy decides:
 
 * every request ends finished, rejected or aborted, and *which* of the three is fixed by the

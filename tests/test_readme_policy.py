@@ -33,5 +33,14 @@ def test_readme_policy_example_works(monkeypatch):
                   max_model_len=64)
         r = by_id(res)
         assert (r["mid"].first_scheduled_s, r["big"].first_scheduled_s) == (0.0, 0.01)
+        # Victim: 4 blocks of 4 tokens. Step 1 prefills a (2 + 1 sampled = 3 tokens, 1 block)
+        # and b (6 + 1 = 7 tokens, 2 blocks). Planning step 2, a (holding 4 slots' worth: its
+        # next token is the 4th) and b (8th) both need a block and 1 is free: the default
+        # would preempt b (newest); this policy preempts a (2 computed tokens vs b's 6). The
+        # freed block goes to b, and a is never preempted again nor b at all.
+        res = run("shortest_prompt", [("a", 0.0, 2, 6), ("b", 0.0, 6, 6)], gpu_blocks=4,
+                  block_size=4, budget=64, max_model_len=64)
+        r = by_id(res)
+        assert (r["a"].num_preemptions, r["b"].num_preemptions) == (1, 0)
     finally:
         scheduler._POLICIES.pop("shortest_prompt", None)

@@ -177,6 +177,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def num_computed_tokens(self, r: Request) -> int:
+        """Tokens of ``r`` whose KV is cached, now. Use this, not
+        ``r.num_computed_tokens``, for running decodes: the decode set keeps their counts in
+        closed form and writes them back to the request only when it leaves the set."""
+        if r in self.decode_set:
+            return self.decode_set.num_tokens(r) - 1
+        return r.num_computed_tokens
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)

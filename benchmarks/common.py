@@ -105,7 +105,7 @@ def graph_time(fn, replays: int = 20) -> float:
 
 
 def copy_bandwidth(nbytes: int = 2 * GIB) -> float:
-    """Device-to-device copy rate in bytes/s, read + write counted (as shared/DESIGN.md)."""
+    """Device-to-device copy rate in bytes/s, read + write counted."""
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     t = cuda_time(lambda: b.copy_(a))

@@ -36,7 +36,7 @@ HARDWARE: dict[str, Hardware] = {
                  "NVIDIA H200 Tensor Core GPU datasheet: 989 TFLOPS dense BF16, 4.8 TB/s "
                  "HBM3e, 141 GB; PCIe Gen5 x16 64 GB/s per direction"),
         Hardware("h200-sxm-measured", 796e12, 4.27e12, 55.5 * GB, 141 * GB, "measured",
-                 "this lab's H200, PyTorch, 2026-11 (shared/DESIGN.md): bf16 8192^3 matmul "
+                 "this lab's H200 with PyTorch, 2026-11: bf16 8192^3 matmul "
                  "796 TFLOP/s, device copy 4.27 TB/s (read + write), pinned H2D/D2H 55.5 GB/s"),
         Hardware("a100-80gb", 312e12, 2.039e12, 32 * GB, 80 * GB, "datasheet",
                  "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 312 TFLOPS dense BF16, "

@@ -1,5 +1,4 @@
-"""The replay loop: SimPy processes that own time (shared/DESIGN.md, "One scheduler, two
-executors").
+"""The replay loop: SimPy processes that own time (docs/ARCHITECTURE.md, "The contract").
 
 * ``arrival_process`` hands each trace request to the scheduler at its arrival time
   (``Scheduler.add``: queued, or rejected at once with a reason if it can never run).

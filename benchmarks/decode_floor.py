@@ -1,4 +1,4 @@
-"""The copy-rate floor of a decode step's kernel sequence (issue 4, target 2).
+"""The copy-rate floor of a decode step's kernel sequence.
 
     python benchmarks/decode_floor.py [--preset qwen3-0.6b] [--batch 32] [--context 1024]
 

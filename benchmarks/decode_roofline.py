@@ -1,4 +1,4 @@
-"""Decode step time vs the HBM roofline (issue 4, target 2).
+"""Decode step time vs the HBM roofline.
 
     python benchmarks/decode_roofline.py [--presets qwen3-0.6b llama-3.1-8b]
 

@@ -1,4 +1,4 @@
-"""Decode steps whose contexts are uneven vs uniform ones of the same total (issue 5).
+"""Decode steps whose contexts are uneven vs uniform ones of the same total.
 
     python benchmarks/decode_uneven.py [--preset qwen3-0.6b]
 

@@ -1,4 +1,4 @@
-"""Offline throughput vs Hugging Face transformers' continuous batching (issue 4, target 1).
+"""Offline throughput vs Hugging Face transformers' continuous batching.
 
     python benchmarks/engine_throughput.py [--preset qwen3-0.6b] [--num-requests 256] [--skip-hf]
 

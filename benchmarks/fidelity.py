@@ -1,4 +1,4 @@
-"""Sim-vs-real fidelity (issue 5): one command per side.
+"""Sim-vs-real fidelity: one command per side.
 
     python benchmarks/fidelity.py --engine   # on the GPU: writes docs/fidelity/engine/
     python benchmarks/fidelity.py --engine --repeat   # GPU: the same runs again, engine_repeat/

@@ -1,4 +1,4 @@
-"""Prefill compute efficiency (issue 4, target 3).
+"""Prefill compute efficiency.
 
     python benchmarks/prefill_mfu.py [--preset llama-3.1-8b] [--tokens 8192]
 

@@ -4,7 +4,7 @@
 
 Prints, per policy, engine steps and replay wall seconds (best of --repeat), then the sum,
 the steps per second, and the wall time of the metrics + report stage, measured in the same
-process. Target (issue 2): the quickstart's three replays together <= 20 s on the 2-core
+process. Target: the quickstart's three replays together <= 20 s on the 2-core
 development machine.
 """
 

@@ -1,4 +1,4 @@
-"""Swap speed (issue 4, target 4).
+"""Swap speed.
 
     python benchmarks/swap_bandwidth.py [--preset llama-3.1-8b] [--blocks 256 1024 4096]
 

@@ -9,8 +9,7 @@ loop adds the wall time the policy took to plan the step (``Executor.wall_clock`
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,6 +18,9 @@ from backend.runner import ModelRunner, SeqInput
 from lab.core.plan import SchedulerOutput, StepResult
 from lab.core.request import Request
 from lab.core.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from lab.config import ExperimentConfig
 
 GIB = 1 << 30
 
@@ -83,49 +85,44 @@ def assign_prompt_tokens(requests: list[Request], vocab_size: int, seed: int) ->
             r.prompt_token_ids = rng.integers(0, vocab_size, r.prompt_len).tolist()
 
 
-def engine_parts(cfg: dict[str, Any], base_dir: Path):
+def engine_parts(cfg: ExperimentConfig):
     """Load the model once for all runs of an experiment.
 
     Returns:
         (make_executor(scheduler) -> EngineExecutor, num_gpu_blocks, num_cpu_blocks,
-        max_position_embeddings, vocab_size, tokenizer dir or None).
+        max_model_len, vocab_size).
 
     Raises:
         CheckpointError, DeviceError, KVCacheCapacityError: one line each (user errors).
     """
-    eng, kv = cfg["engine"], cfg["kv_cache"]
-    model_dir = Path(eng["model_path"]).expanduser()
-    if not model_dir.is_absolute():
-        model_dir = base_dir / model_dir
-    if not model_dir.is_dir():
+    eng, kv = cfg.engine, cfg.kv_cache
+    if eng.model_path is None or not eng.model_path.is_dir():
         raise CheckpointError(
-            f"engine.model_path: {model_dir} is not a directory (make one with "
+            f"engine.model_path: {eng.model_path} is not a directory (make one with "
             f"`python -m backend.tools convert-smollm2` or `make-random-checkpoint`)")
     runner = ModelRunner(
-        model_dir, device=eng["device"], dtype=eng["dtype"],
-        attention_backend=eng["attention_backend"], block_size=kv["block_size"],
-        num_gpu_blocks=kv["num_gpu_blocks"], gpu_memory_utilization=kv["gpu_memory_utilization"],
-        swap_space_bytes=int(kv["swap_space_gib"] * GIB), seed=cfg["seed"],
-        max_model_len=cfg["scheduler"]["max_model_len"],
-        max_num_batched_tokens=cfg["scheduler"]["max_num_batched_tokens"] or 8192,
-        max_num_seqs=cfg["scheduler"].get("max_num_seqs") or 256,
-        cuda_graphs=eng.get("cuda_graphs"),  # None: on with CUDA + triton (LAB_CUDA_GRAPHS=0: off)
+        eng.model_path, device=eng.device, dtype=eng.dtype,
+        attention_backend=eng.attention_backend, block_size=kv.block_size,
+        num_gpu_blocks=kv.num_gpu_blocks, gpu_memory_utilization=kv.gpu_memory_utilization,
+        swap_space_bytes=kv.swap_space_bytes, seed=cfg.seed,
+        max_model_len=cfg.scheduler.max_model_len,
+        max_num_batched_tokens=cfg.profile_num_batched_tokens,
+        max_num_seqs=cfg.scheduler.max_num_seqs,
+        cuda_graphs=eng.cuda_graphs, mixed_graphs=eng.mixed_graphs, kn_weights=eng.kn_weights,
     )
 
     def make_executor(scheduler: Scheduler) -> EngineExecutor:
-        runner.generator.manual_seed(cfg["seed"])  # each run samples the same way
-        return EngineExecutor(runner, scheduler, eng["temperature"])
+        runner.generator.manual_seed(cfg.seed)  # each run samples the same way
+        return EngineExecutor(runner, scheduler, eng.temperature)
 
     return (make_executor, runner.num_gpu_blocks, runner.num_cpu_blocks,
             runner.max_model_len, runner.config.vocab_size)
 
 
-def text_decoder(cfg: dict[str, Any], base_dir: Path):
+def text_decoder(cfg: ExperimentConfig):
     """A token-ids -> text function from the model directory's tokenizer, or None if the
     directory has no tokenizer files (random-weight checkpoints)."""
-    model_dir = Path(cfg["engine"]["model_path"]).expanduser()
-    if not model_dir.is_absolute():
-        model_dir = base_dir / model_dir
+    model_dir = cfg.engine.model_path
     if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer_config.json").exists():
         return None
     from transformers import AutoTokenizer

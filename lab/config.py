@@ -381,8 +381,7 @@ def _trace(where: str, raw: Mapping[str, Any], base_dir: Path,
         raise _fail(where, "trace.rate_scale", "distinct values (to 6 significant digits: "
                     "they name the runs, as 'fcfs@x2')", rs)
     if isinstance(spec.get("path"), str) and spec["path"]:
-        spec["path"] = str(_existing(where, "trace.path", spec["path"], base_dir, "file",
-                                     "trace file not found"))
+        spec["path"] = str(_existing(where, "trace.path", spec["path"], base_dir, "file"))
     if isinstance(spec.get("tokenizer"), str) and spec["tokenizer"]:
         spec["tokenizer"] = str(paths.resolve(spec["tokenizer"], base_dir))
     return TraceConfig(MappingProxyType(spec), scales, expected)
@@ -397,13 +396,14 @@ def _trace_file(where: str, raw: Any) -> Mapping[str, Any]:
     return MappingProxyType(dict(d))
 
 
-def _existing(where: str, key: str, value: str, base_dir: Path, kind: str, missing: str) -> Path:
+def _existing(where: str, key: str, value: str, base_dir: Path, kind: str, hint: str = ""
+              ) -> Path:
     """``value`` resolved (:mod:`lab.paths`); ConfigError naming the key and the value as
     written when no ``kind`` ("file", "directory") exists there."""
     path = paths.resolve(value, base_dir)
     if not (path.is_file() if kind == "file" else path.is_dir()):
-        raise ConfigError(f"{where}: {key}: {missing}: {short_repr(value)} (looked for "
-                          f"{paths.looked_in(value, base_dir)})")
+        raise ConfigError(f"{where}: {key}: {short_repr(value)}: no such {kind} (looked for "
+                          f"{paths.looked_in(value, base_dir)}){hint}")
     return path
 
 
@@ -422,7 +422,7 @@ def _cost_model(where: str, raw: Any, base_dir: Path, used: bool) -> CostModelCo
 
     def resolve(key: str, value: str) -> Path:
         if used:
-            return _existing(where, key, value, base_dir, "file", "no such file")
+            return _existing(where, key, value, base_dir, "file")
         return paths.resolve(value, base_dir)
 
     return CostModelConfig(
@@ -509,8 +509,8 @@ def _engine(where: str, raw: Any, base_dir: Path, used: bool) -> EngineConfig:
                 raise _fail(where, f"engine.{key}", "true or false", e[key])
         e["model_path"] = _existing(
             where, "engine.model_path", path, base_dir, "directory",
-            "not a model directory (make one with `python -m backend.tools convert-smollm2` "
-            "or `make-random-checkpoint`)")
+            "; make a model directory with `python -m backend.tools convert-smollm2` or "
+            "`make-random-checkpoint`")
     elif isinstance(path, str) and path:
         e["model_path"] = paths.resolve(path, base_dir)
     return EngineConfig(**e)

@@ -101,6 +101,8 @@ class _Loader(yaml.SafeLoader):
 
     def refusal(self, mark, message: str) -> yaml.MarkedYAMLError:
         where = ".".join(self.key_path).replace(".[", "[")
+        if len(where) > MAX_SHOWN_CHARS:
+            where = where[: MAX_SHOWN_CHARS - 3] + "..."
         return yaml.constructor.ConstructorError(
             None, None, f"{where}: {message}" if where else message, mark)
 
@@ -181,5 +183,5 @@ def load_yaml_file(path: str | Path, what: str = "an experiment YAML",
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""
-        problem = (getattr(e, "problem", None) or str(e)).splitlines()[0][:200]
+        problem = (getattr(e, "problem", None) or str(e)).splitlines()[0][:300]
         raise error(f"{path}:{line} is not valid YAML ({problem})") from None

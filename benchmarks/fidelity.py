@@ -97,8 +97,8 @@ def engine_repeat() -> None:
 def sim_side() -> None:
     import yaml
 
-    from lab.sim.calibrated import CalibratedCostModel
     from lab.experiment import run_experiment
+    from lab.sim.calibrated import CalibratedCostModel
 
     rows, step_errors, cdfs = [], {}, {}
     engine_folders = sorted(f for f in (OUT / "engine").iterdir() if f.is_dir())

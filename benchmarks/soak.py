@@ -60,13 +60,13 @@ def worker(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | Non
     import numpy as np
 
     from lab import metrics
-    from lab.sim.cost_model import CostModelExecutor
     from lab.core.errors import SchedulerStuckError
-    from lab.experiment import resolve_limits, sim_parts
     from lab.core.kv import BlockManager
+    from lab.core.scheduler import get_policy
+    from lab.experiment import resolve_limits, sim_parts
+    from lab.sim.cost_model import CostModelExecutor
     from lab.sim.models import MODELS
     from lab.sim.replay import replay
-    from lab.core.scheduler import get_policy
     from traces import load_trace
 
     cfg = config(policy, rate_scale, num_gpu_blocks, limit)

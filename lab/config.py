@@ -70,8 +70,7 @@ _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+ -]*")  # it names runs in tables 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
-LIMIT_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")
-SCHEDULER_KEYS = LIMIT_KEYS  # the limits a policy entry may override
+LIMIT_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")  # a policy's own
 
 
 # ---------------------------------------------------------------------------- sections
@@ -241,9 +240,11 @@ class ExperimentConfig:
 
     def with_trace(self, **keys: Any) -> ExperimentConfig:
         """A copy with trace keys replaced (``limit=100``, ``rate_scale=2.0``, ``path=``),
-        validated as in a YAML file (a new relative path resolves against ``base_dir``)."""
+        validated as in a YAML file (a new relative path resolves against ``base_dir``);
+        a new ``path`` or ``format`` drops the expected ``trace_file``."""
         raw = {**self.trace.spec, **keys}
-        trace = _trace(self.source, raw, self.base_dir, self.trace.expected, self.backend)
+        expected = None if {"path", "format"} & set(keys) else self.trace.expected
+        trace = _trace(self.source, raw, self.base_dir, expected)
         return dataclasses.replace(self, trace=trace)
 
     def to_dict(self) -> dict[str, Any]:
@@ -275,10 +276,6 @@ def _plain(v: Any) -> Any:
 def scale_label(scale: float) -> str:
     """How a rate_scale names its runs when there are several: ``{label}@x{scale_label}``."""
     return f"{scale:g}"
-
-
-def rate_scales(cfg: ExperimentConfig) -> list[float]:
-    return list(cfg.rate_scales)
 
 
 # ---------------------------------------------------------------------------- loading
@@ -326,7 +323,7 @@ def validate(raw: Mapping[str, Any], where: str = "config",
     if "trace" not in raw or not isinstance(raw["trace"], Mapping):
         raise _fail(where, "trace", "a mapping with at least 'format'", raw.get("trace"))
     expected = _trace_file(where, raw["trace_file"]) if "trace_file" in raw else None
-    trace = _trace(where, raw["trace"], base_dir, expected, backend)
+    trace = _trace(where, raw["trace"], base_dir, expected)
     if backend == "sim":
         _choice(where, "model", top["model"], MODELS)
         _choice(where, "hardware", top["hardware"], HARDWARE)
@@ -364,7 +361,7 @@ def _section(where: str, key: str, raw: Any, cls: type, allowed: tuple[str, ...]
 
 
 def _trace(where: str, raw: Mapping[str, Any], base_dir: Path,
-           expected: Mapping[str, Any] | None, backend: str) -> TraceConfig:
+           expected: Mapping[str, Any] | None) -> TraceConfig:
     spec = copy.deepcopy(dict(raw))
     rs = spec.get("rate_scale", 1.0)
     if rs == []:

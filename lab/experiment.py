@@ -16,14 +16,14 @@ import pandas as pd
 
 from lab import metrics
 from lab.config import ExperimentConfig, PolicyConfig
-from lab.sim.cost_model import AnalyticCostModel, CostModelExecutor, num_cpu_blocks, num_gpu_blocks
 from lab.core.errors import ConfigError
-from lab.sim.hardware import HARDWARE
 from lab.core.kv import BlockManager
-from lab.sim.models import MODELS
-from lab.sim.replay import ReplayResult, replay
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import SchedulerLimits, get_policy
+from lab.sim.cost_model import AnalyticCostModel, CostModelExecutor, num_cpu_blocks, num_gpu_blocks
+from lab.sim.hardware import HARDWARE
+from lab.sim.models import MODELS
+from lab.sim.replay import ReplayResult, replay
 
 log = logging.getLogger("lab.experiment")
 

@@ -140,8 +140,8 @@ def test_resolve_limits_keeps_vllm_defaults(policy, chunked, capacity, expected)
 
 # ---------------------------------------------------------------------------- paths
 def test_yaml_next_to_its_own_trace_runs_from_anywhere(tmp_path, monkeypatch):
-    exp = write(tmp_path / "x", "trace: {format: azure2023, path: mytrace.csv}\n"
-                                "policies: [fcfs]\nkv_cache: {num_gpu_blocks: 64}\n")
+    write(tmp_path / "x", "trace: {format: azure2023, path: mytrace.csv}\n"
+          "policies: [fcfs]\nkv_cache: {num_gpu_blocks: 64}\n")
     (tmp_path / "x" / "mytrace.csv").write_text(AZURE_ROWS)
     monkeypatch.chdir(tmp_path)  # not the YAML's folder, not the checkout
     assert load_config("x/exp.yaml").trace.path == tmp_path / "x" / "mytrace.csv"

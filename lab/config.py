@@ -59,9 +59,10 @@ MIN_EFFICIENCY = 1e-6
 # Outside this, arrival times lose float precision (an hour-long trace at 1e-12 spans
 # 3.6e15 s, where doubles are 0.5 s apart) or the trace collapses into one instant.
 RATE_SCALE_RANGE = (1e-6, 1e6)
-# The step size the KV sizing reserves activation memory for (and the engine sizes its
-# buffers for) when scheduler.max_num_batched_tokens is null: vLLM's chunked-prefill
-# budget in the simulator; the engine's largest graphed step on the engine.
+# The step size the KV sizing reserves activation memory for when
+# scheduler.max_num_batched_tokens is null: vLLM's chunked-prefill budget in the
+# simulator; on the engine, the tokens of its warm-up forward (which measures the
+# activation peak) and the cut of its token-count CUDA graphs (backend/runner.py).
 SIM_PROFILE_TOKENS, ENGINE_PROFILE_TOKENS = 2048, 8192
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -309,6 +310,8 @@ def validate(raw: Mapping[str, Any], where: str = "config",
     Args:
         where: the file it came from, prefixing every message.
         base_dir: the folder relative paths resolve against (default: the current one).
+
+    ``name`` defaults to "experiment" here (:func:`load_config`: the file name).
     """
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: expected a mapping of keys at the top level")
@@ -316,8 +319,7 @@ def validate(raw: Mapping[str, Any], where: str = "config",
     base_dir = Path(base_dir if base_dir is not None else ".").absolute()
     top = {f.name: f.default for f in dataclasses.fields(ExperimentConfig)}
     top.update(raw)
-    name = raw.get("name", "experiment")
-    check_name(where, "name", name)
+    name = check_name(where, "name", raw["name"] if raw.get("name") is not None else "experiment")
     backend = _choice(where, "backend", top["backend"], ("sim", "engine"))
     seed = _int(where, "seed", top["seed"], lo=0)
     if "trace" not in raw or not isinstance(raw["trace"], Mapping):
@@ -350,11 +352,9 @@ def check_name(where: str, key: str, name) -> str:
     return name
 
 
-def _section(where: str, key: str, raw: Any, cls: type, allowed: tuple[str, ...] | None = None
-             ) -> dict[str, Any]:
+def _section(where: str, key: str, raw: Any, cls: type) -> dict[str, Any]:
     """A section's mapping checked for unknown keys, over the dataclass's defaults."""
-    allowed = allowed or tuple(f.name for f in dataclasses.fields(cls))
-    _mapping(where, key, raw, allowed)
+    _mapping(where, key, raw, tuple(f.name for f in dataclasses.fields(cls)))
     defaults = {f.name: f.default for f in dataclasses.fields(cls)
                 if f.default is not dataclasses.MISSING}
     return {**defaults, **raw}

@@ -16,7 +16,7 @@ import pandas as pd
 
 from lab import metrics
 from lab.config import ExperimentConfig, PolicyConfig
-from lab.core.errors import ConfigError
+from lab.core.errors import ConfigError, TraceError
 from lab.core.kv import BlockManager
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import SchedulerLimits, get_policy
@@ -121,18 +121,24 @@ def fresh(requests: list[Request]) -> list[Request]:
     return out
 
 
-def trace_info(cfg: ExperimentConfig, rows: int) -> dict[str, Any]:
+def trace_info(cfg: ExperimentConfig, rows: int, sha256_before: str | None) -> dict[str, Any]:
     """What identifies the trace a run replayed: its file (absolute path or None for a
     generated trace), the file's sha256 (None without a file) and ``rows``, the entries
     the format read (:func:`traces.load_table`).
 
+    Args:
+        sha256_before: the file's sha256 taken before it was read.
+
     Raises:
+        TraceError: the file changed while it was read.
         ConfigError: the config's ``trace_file`` names another sha256 or row count (a
             results' config.yaml replayed after its trace file changed).
     """
     path = cfg.trace.path
     info = {"path": None if path is None else str(path),
             "sha256": None if path is None else sha256_of(path), "rows": rows}
+    if info["sha256"] != sha256_before:
+        raise TraceError(f"trace.path: {path} changed while it was read; run again")
     expected = cfg.trace.expected or {}
     for key in ("sha256", "rows"):
         if expected.get(key) is not None and expected[key] != info[key]:
@@ -142,11 +148,17 @@ def trace_info(cfg: ExperimentConfig, rows: int) -> dict[str, Any]:
     return info
 
 
-def sha256_of(path: Path) -> str:
+def sha256_of(path: Path | None) -> str | None:
+    """The sha256 of a file's bytes (hex), or None for no file."""
+    if path is None:
+        return None
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError as e:
+        raise TraceError(f"trace.path: {path}: cannot be read ({e.strerror})") from None
     return digest.hexdigest()
 
 
@@ -174,9 +186,10 @@ def run_experiment(cfg: ExperimentConfig, progress: bool = True,
         raise ConfigError('backend: engine needs torch, which is not installed: '
                           'pip install -e ".[engine]"')
     if requests is None:
+        before = sha256_of(cfg.trace.path)
         table, rows = load_table({"seed": cfg.seed, **cfg.trace.spec}, cfg.base_dir)
         tables = {scale: scale_table(table, scale) for scale in cfg.rate_scales}
-        info = trace_info(cfg, rows)
+        info = trace_info(cfg, rows, before)
     else:
         info = {"path": None, "sha256": None, "rows": len(requests)}
     if cfg.backend == "engine":

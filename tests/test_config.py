@@ -204,6 +204,25 @@ def test_the_trace_is_read_once_for_a_sweep(tmp_path, monkeypatch):
     assert runs[5].summary["trace"] == {"path": None, "sha256": None, "rows": 4}
 
 
+def test_a_trace_file_changed_while_read_is_refused(tmp_path, monkeypatch):
+    import traces
+    from lab.core.errors import TraceError
+    from lab.experiment import run_experiment as run
+
+    real = traces.load_table
+
+    def load_then_change(*args):
+        out = real(*args)
+        (tmp_path / "t.csv").write_text(AZURE_ROWS + "2023-11-16 18:17:03,6,2\n")
+        return out
+
+    monkeypatch.setattr(traces, "load_table", load_then_change)
+    (tmp_path / "t.csv").write_text(AZURE_ROWS)
+    cfg = load_config(write(tmp_path, "trace: {format: azure2023, path: t.csv}\n"))
+    with pytest.raises(TraceError, match=r"^trace.path: .*t.csv changed while it was read"):
+        run(cfg, progress=False)
+
+
 def test_replaying_a_config_yaml_checks_its_trace_file(tmp_path, capsys):
     exp = write(tmp_path, "trace: {format: azure2023, path: t.csv}\npolicies: [fcfs]\n"
                           "kv_cache: {num_gpu_blocks: 64}\n")

@@ -46,22 +46,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.limit is not None:
             if args.limit < 1:
                 raise UserError(f"--limit: expected an integer >= 1, got {args.limit}")
-            cfg["trace"]["limit"] = args.limit
+            cfg = cfg.with_trace(limit=args.limit)
         if args.out is not None and not args.out.strip():
             raise UserError("--out: expected a folder, got an empty string")
-        out = Path(args.out) if args.out is not None else ROOT / "results" / cfg["name"]
+        out = Path(args.out) if args.out is not None else ROOT / "results" / cfg.name
         t0 = time.perf_counter()
         from lab.experiment import run_experiment
         from lab.report import check_out_dir, summary_table, write_results
 
         out = check_out_dir(out)  # before the replays, so a folder in the way costs no run
 
-        runs = run_experiment(cfg, ROOT, progress=not args.no_progress)
+        runs = run_experiment(cfg, progress=not args.no_progress)
         decode = None
-        if cfg["backend"] == "engine":
-            from backend.engine import text_decoder
+        if cfg.backend == "engine":
+            from lab.engine_setup import text_decoder
 
-            decode = text_decoder(cfg, ROOT)
+            decode = text_decoder(cfg)
         write_results(out, cfg, runs, decode)
     except UserError as e:
         msg = str(e)

@@ -9,18 +9,11 @@ loop adds the wall time the policy took to plan the step (``Executor.wall_clock`
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import Any
-
 import numpy as np
 
-from backend.errors import CheckpointError
 from backend.runner import ModelRunner, SeqInput
 from lab.core.plan import ScheduledSeq, SchedulerOutput, StepResult
 from lab.core.request import Request
-
-GIB = 1 << 30
-
 
 class EngineExecutor:
     """Executes plans on a :class:`ModelRunner`; reads nothing but the plan and never makes
@@ -63,54 +56,3 @@ def assign_prompt_tokens(requests: list[Request], vocab_size: int, seed: int) ->
         if r.prompt_token_ids is None:
             rng = np.random.default_rng([seed, int.from_bytes(r.request_id.encode()[:8], "little")])
             r.prompt_token_ids = rng.integers(0, vocab_size, r.prompt_len).tolist()
-
-
-def engine_parts(cfg: dict[str, Any], base_dir: Path):
-    """Load the model once for all runs of an experiment.
-
-    Returns:
-        (make_executor() -> EngineExecutor, num_gpu_blocks, num_cpu_blocks,
-        max_position_embeddings, vocab_size, tokenizer dir or None).
-
-    Raises:
-        CheckpointError, DeviceError, KVCacheCapacityError: one line each (user errors).
-    """
-    eng, kv = cfg["engine"], cfg["kv_cache"]
-    model_dir = Path(eng["model_path"]).expanduser()
-    if not model_dir.is_absolute():
-        model_dir = base_dir / model_dir
-    if not model_dir.is_dir():
-        raise CheckpointError(
-            f"engine.model_path: {model_dir} is not a directory (make one with "
-            f"`python -m backend.tools convert-smollm2` or `make-random-checkpoint`)")
-    runner = ModelRunner(
-        model_dir, device=eng["device"], dtype=eng["dtype"],
-        attention_backend=eng["attention_backend"], block_size=kv["block_size"],
-        num_gpu_blocks=kv["num_gpu_blocks"], gpu_memory_utilization=kv["gpu_memory_utilization"],
-        swap_space_bytes=int(kv["swap_space_gib"] * GIB), seed=cfg["seed"],
-        max_model_len=cfg["scheduler"]["max_model_len"],
-        max_num_batched_tokens=cfg["scheduler"]["max_num_batched_tokens"] or 8192,
-        max_num_seqs=cfg["scheduler"].get("max_num_seqs") or 256,
-        cuda_graphs=eng.get("cuda_graphs"),  # None: on with CUDA + triton (LAB_CUDA_GRAPHS=0: off)
-    )
-
-    def make_executor() -> EngineExecutor:
-        runner.generator.manual_seed(cfg["seed"])  # each run samples the same way
-        return EngineExecutor(runner, eng["temperature"])
-
-    return (make_executor, runner.num_gpu_blocks, runner.num_cpu_blocks,
-            runner.max_model_len, runner.config.vocab_size)
-
-
-def text_decoder(cfg: dict[str, Any], base_dir: Path):
-    """A token-ids -> text function from the model directory's tokenizer, or None if the
-    directory has no tokenizer files (random-weight checkpoints)."""
-    model_dir = Path(cfg["engine"]["model_path"]).expanduser()
-    if not model_dir.is_absolute():
-        model_dir = base_dir / model_dir
-    if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer_config.json").exists():
-        return None
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)

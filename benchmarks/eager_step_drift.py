@@ -13,7 +13,7 @@ be pinned on the policy, on the process's history, or on the collector.
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import gc
 import json
 import sys
@@ -34,19 +34,18 @@ def main() -> None:
     from lab.experiment import run_experiment
 
     base = load_config(ROOT / "experiments/sim_vs_real.yaml")
-    base["trace"]["limit"] = args.limit
     capacity = json.loads((ROOT / "docs/fidelity/engine/capacity.json").read_text())["conv"]
-    base["trace"]["rate_scale"] = args.load * capacity["capacity_req_s"] / capacity["native_req_s"]
-    policies = {p["name"]: p for p in base["policies"]}
+    base = base.with_trace(limit=args.limit, rate_scale=args.load * capacity["capacity_req_s"]
+                           / capacity["native_req_s"])
+    policies = {p.name: p for p in base.policies}
     orders = [["fcfs", "swap", "chunked_prefill"], ["chunked_prefill", "swap", "fcfs"]]
     for label, order, freeze in [("order A", orders[0], False), ("order B", orders[1], False),
                                  ("order A, gc frozen", orders[0], True)]:
-        cfg = copy.deepcopy(base)
-        cfg["policies"] = [policies[n] for n in order]
+        cfg = dataclasses.replace(base, policies=tuple(policies[n] for n in order))
         if freeze:
             gc.collect()
             gc.freeze()
-        runs = run_experiment(cfg, ROOT, progress=False)
+        runs = run_experiment(cfg, progress=False)
         if freeze:
             gc.unfreeze()
         cells = []

@@ -42,12 +42,12 @@ def run_ours(model_dir, prompts, outputs, attention: str, policy: str) -> tuple[
         "kv_cache": {"block_size": 16, "gpu_memory_utilization": 0.9},
         "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": 8192},
         "policies": [policy],
-    })
+    }, "engine_throughput", ROOT)
     from lab.core.request import Request
 
     reqs = [Request(str(i), 0.0, len(p), o, prompt_token_ids=p)
             for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))]
-    runs = run_experiment(cfg, ROOT, progress=False, requests=reqs)
+    runs = run_experiment(cfg, progress=False, requests=reqs)
     run = runs[0]
     tokens = int(run.requests["num_generated_tokens"].sum())
     print_phases(run.result.steps, run.result.wall_s)

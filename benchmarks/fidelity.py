@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -34,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from lab.config import load_config  # noqa: E402
+from lab.config import ExperimentConfig, load_config, validate  # noqa: E402
 
 TRACES = {"conv": "traces/data/azure2023_conv.csv", "code": "traces/data/azure2023_code.csv"}
 LOADS = (0.5, 0.8, 0.95)
@@ -42,10 +43,8 @@ OUT = ROOT / "docs" / "fidelity"
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 
 
-def slice_config(base: dict, trace: str) -> dict:
-    cfg = copy.deepcopy(base)
-    cfg["trace"]["path"] = TRACES[trace]
-    return cfg
+def slice_config(base: ExperimentConfig, trace: str) -> ExperimentConfig:
+    return base.with_trace(path=TRACES[trace])  # a bundled trace (lab/paths.py)
 
 
 def engine_side(limit: int | None = None) -> None:
@@ -56,27 +55,26 @@ def engine_side(limit: int | None = None) -> None:
     base = load_config(ROOT / "experiments/sim_vs_real.yaml")
     capacities = {}
     if limit is not None:
-        base["trace"]["limit"] = limit
+        base = base.with_trace(limit=limit)
     for trace in TRACES:
         cfg = slice_config(base, trace)
-        reqs = load_trace(cfg["trace"], ROOT)
+        reqs = load_trace(cfg.trace.spec, ROOT)
         native = (len(reqs) - 1) / reqs[-1].arrival_s
         for r in reqs:
             r.arrival_s = 0.0
-        offline = copy.deepcopy(cfg)
-        offline["policies"] = [p for p in cfg["policies"] if p["name"] == "fcfs"]
-        run = run_experiment(offline, ROOT, progress=False, requests=reqs)[0]
+        offline = dataclasses.replace(cfg, policies=tuple(p for p in cfg.policies
+                                                          if p.name == "fcfs"))
+        run = run_experiment(offline, progress=False, requests=reqs)[0]
         capacity = run.summary["finished"] / run.summary["duration_s"]
         capacities[trace] = {"capacity_req_s": capacity, "native_req_s": native}
         print(f"{trace}: capacity {capacity:.2f} req/s, slice's own rate {native:.2f} req/s",
               flush=True)
         for load in LOADS:
-            cfg_l = copy.deepcopy(cfg)
-            cfg_l["trace"]["rate_scale"] = load * capacity / native
-            cfg_l["name"] = f"{trace}_{load:g}"
-            runs = run_experiment(cfg_l, ROOT, progress=False)
-            write_results(OUT / "engine" / cfg_l["name"], cfg_l, runs)
-            print(f"  load {load:g}: rate_scale {cfg_l['trace']['rate_scale']:.3f}; " + ", ".join(
+            cfg_l = dataclasses.replace(cfg.with_trace(rate_scale=load * capacity / native),
+                                        name=f"{trace}_{load:g}")
+            runs = run_experiment(cfg_l, progress=False)
+            write_results(OUT / "engine" / cfg_l.name, cfg_l, runs)
+            print(f"  load {load:g}: rate_scale {cfg_l.rate_scales[0]:.3f}; " + ", ".join(
                 f"{r.label} {r.summary['request_throughput']:.2f} req/s" for r in runs), flush=True)
         # written after each slice, so a run cut short keeps what it measured
         (OUT / "engine" / "capacity.json").write_text(json.dumps(capacities, indent=2) + "\n")
@@ -85,14 +83,12 @@ def engine_side(limit: int | None = None) -> None:
 def engine_repeat() -> None:
     """Replay every engine run's own config.yaml again, last slice first (so a drift with
     the position in the sequence shows as a difference), into docs/fidelity/engine_repeat/."""
-    import yaml
-
     from lab.experiment import run_experiment
     from lab.report import write_results
 
     for folder in sorted((f for f in (OUT / "engine").iterdir() if f.is_dir()), reverse=True):
-        cfg = yaml.safe_load((folder / "config.yaml").read_text())
-        runs = run_experiment(cfg, ROOT, progress=False)
+        cfg = load_config(folder / "config.yaml")
+        runs = run_experiment(cfg, progress=False)
         write_results(OUT / "engine_repeat" / folder.name, cfg, runs)
         print(f"  {folder.name} again: " + ", ".join(
             f"{r.label} {r.summary['request_throughput']:.2f} req/s" for r in runs), flush=True)
@@ -101,27 +97,27 @@ def engine_repeat() -> None:
 def sim_side() -> None:
     import yaml
 
-    from lab.sim.calibrated import CalibratedCostModel
     from lab.experiment import run_experiment
+    from lab.sim.calibrated import CalibratedCostModel
 
     rows, step_errors, cdfs = [], {}, {}
     engine_folders = sorted(f for f in (OUT / "engine").iterdir() if f.is_dir())
     repeats = {f.name: f for f in (OUT / "engine_repeat").glob("*") if f.is_dir()}
     for folder in engine_folders:
         cfg = yaml.safe_load((folder / "config.yaml").read_text())
-        sim = copy.deepcopy(cfg)
-        sim["backend"] = "sim"
+        raw = copy.deepcopy(cfg)
+        raw["backend"] = "sim"
         # Held out: the model is fitted to the profile plus the steps of the *other* engine
         # runs, never to the run it predicts.
         others = [str((f / "steps.csv").relative_to(ROOT))
                   for f in [*engine_folders, *repeats.values()] if f.name != folder.name]
-        sim["cost_model"]["replay_steps"] = others
-        runs = run_experiment(sim, ROOT, progress=False)
+        raw["cost_model"]["replay_steps"] = others
+        sim = validate(raw, str(folder / "config.yaml"), ROOT)  # paths relative to ROOT
+        runs = run_experiment(sim, progress=False)
         real_sum = json.loads((folder / "summary.json").read_text())
         real_req = pd.read_csv(folder / "requests.csv")
         real_steps = pd.read_csv(folder / "steps.csv")
-        model = CalibratedCostModel(ROOT / cfg["cost_model"]["profile"],
-                                    tuple(ROOT / p for p in others))
+        model = CalibratedCostModel(sim.cost_model.profile, sim.cost_model.replay_steps)
         for run in runs:
             real = real_sum[run.label]
             row = {"slice": folder.name, "policy": run.label}

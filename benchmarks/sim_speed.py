@@ -4,8 +4,7 @@
 
 Prints, per policy, engine steps and replay wall seconds (best of --repeat), then the sum,
 the steps per second, and the wall time of the metrics + report stage, measured in the same
-process. Target: the quickstart's three replays together <= 20 s on the 2-core
-development machine.
+process.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ def main() -> None:
     totals = []
     for _ in range(args.repeat):
         t0 = time.perf_counter()
-        runs = run_experiment(cfg, ROOT, progress=False)
+        runs = run_experiment(cfg, progress=False)
         totals.append(time.perf_counter() - t0)
         for r in runs:
             prev = best.get(r.label)
@@ -45,7 +44,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         write_results(Path(d) / "out", cfg, runs)
     report_s = time.perf_counter() - t0
-    print(f"# {cfg['name']} on {platform.processor() or platform.machine()}, "
+    print(f"# {cfg.name} on {platform.processor() or platform.machine()}, "
           f"python {platform.python_version()}")
     print("| policy | steps | replay wall (s) | steps/s |")
     print("|---|---|---|---|")

@@ -41,7 +41,7 @@ NUM_GPU_BLOCKS = 8192  # 131,072 tokens = Llama-3.1-8B's context (16 GiB of KV)
 RATE_SCALE = 0.3  # see BENCHMARKS.md: the engine is busy ~90% of the time, not saturated
 
 
-def config(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | None) -> dict:
+def config(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | None):
     from lab.config import validate
 
     trace = {"format": "mooncake", "path": TRACE, "rate_scale": rate_scale}
@@ -51,7 +51,7 @@ def config(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | Non
         "name": "soak", "trace": trace, "model": MODEL, "hardware": HARDWARE,
         "kv_cache": {"block_size": BLOCK_SIZE, "num_gpu_blocks": num_gpu_blocks},
         "policies": [policy],
-    }, "soak")
+    }, "soak", ROOT)
 
 
 def worker(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | None) -> dict:
@@ -60,10 +60,10 @@ def worker(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | Non
     import numpy as np
 
     from lab import metrics
-    from lab.sim.cost_model import CostModelExecutor
     from lab.core.errors import SchedulerStuckError
-    from lab.experiment import resolve_limits, sim_parts
     from lab.core.kv import BlockManager
+    from lab.experiment import resolve_limits, sim_parts
+    from lab.sim.cost_model import CostModelExecutor
     from lab.sim.models import MODELS
     from lab.sim.replay import replay
     from policies import get_policy
@@ -71,12 +71,12 @@ def worker(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | Non
 
     cfg = config(policy, rate_scale, num_gpu_blocks, limit)
     cost_model, gpu, cpu = sim_parts(cfg)
-    pol, bs = cfg["policies"][0], cfg["kv_cache"]["block_size"]
-    cls = get_policy(pol["name"])
+    pol, bs = cfg.policies[0], cfg.kv_cache.block_size
+    cls = get_policy(pol.name)
     limits = resolve_limits(cfg, pol, gpu * bs, MODELS[MODEL].max_position_embeddings,
                             cls.chunked_prefill)
-    requests = load_trace({**cfg["trace"], "seed": cfg["seed"]}, ROOT)
-    bm = BlockManager(gpu, cpu, bs, cfg["kv_cache"]["watermark"])
+    requests = load_trace({**cfg.trace.spec, "seed": cfg.seed}, ROOT)
+    bm = BlockManager(gpu, cpu, bs, cfg.kv_cache.watermark)
     scheduler = cls(limits, bm)
     row = {"policy": policy, "requests": len(requests), "gpu_blocks": gpu, "cpu_blocks": cpu,
            "max_model_len": limits.max_model_len,
@@ -100,7 +100,7 @@ def worker(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | Non
     assert np.all(s["num_prefill_tokens"] + s["num_decode_tokens"] <= limits.max_num_batched_tokens)
     assert np.all(s["num_running"] <= limits.max_num_seqs)
     df, itl = metrics.request_table(result, policy, rate_scale)
-    summary = metrics.summarize(df, itl, result, cfg["slo"])
+    summary = metrics.summarize(df, itl, result, cfg.slo.to_dict())
     busy_s = float(s["duration_s"].sum())
     row.update(
         steps=summary["num_steps"], finished=summary["finished"], rejected=summary["rejected"],

@@ -1,9 +1,10 @@
-"""Experiment YAML: reading, validation with one-line errors, defaults.
+"""Experiment YAML: a typed, frozen config with every default in one place.
 
 Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
 
-    name: quickstart
+    name: quickstart             # default: the file name; it names results/<name>
     backend: sim                 # sim | engine
+    seed: 0
     trace: {format: azure2023, path: ..., rate_scale: 2.0 or [1, 2, 3], ...}   # traces/
     model: llama-3.1-8b          # lab/sim/models.py preset (sim)
     hardware: h200-sxm           # lab/sim/hardware.py preset (sim)
@@ -17,78 +18,330 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     policies: [fcfs, swap, {name: chunked_prefill, max_num_batched_tokens: 512}]
     slo: {ttft_s: null, tpot_s: null, e2e_s: null}
     engine: {model_path: DIR, device: cpu, dtype: auto, attention_backend: torch,
-             temperature: 0.0}   # backend: engine only (backend/README.md)
+             temperature: 0.0, cuda_graphs: null, mixed_graphs: true, kn_weights: false}
+             # backend: engine only (backend/README.md)
+    check_invariants: false
+    trace_file: {path: ..., sha256: ..., rows: ...}   # written into results' config.yaml;
+             # when given, the trace file must still be that file
 
-YAML is read with a ``yaml.SafeLoader`` that also rejects a key given twice in one mapping
-(plain YAML keeps the last silently); policies are looked up by registered name.
+Load a file with :func:`load_config` (YAML rules: :mod:`lab.yamlio`; path rules:
+:mod:`lab.paths`), or a mapping built in code with :func:`validate`. Read values as
+attributes: ``cfg.kv_cache.block_size``, ``cfg.policies[0].label``, ``cfg.rate_scales``.
+:meth:`ExperimentConfig.to_dict` gives the resolved config (the layout above, paths
+absolute) that results/<name>/config.yaml holds. Every mistake raises
+:class:`~lab.core.errors.ConfigError` with one line naming the file and the key path.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
-import yaml
-
+from lab import paths
 from lab.core.errors import ConfigError
 from lab.sim.hardware import HARDWARE
 from lab.sim.models import MODELS
+from lab.yamlio import load_yaml_file, short_repr
+from policies import get_policy
 
-DEFAULTS: dict[str, Any] = {
-    "name": None,
-    "backend": "sim",
-    "seed": 0,
-    "trace": None,
-    "model": "llama-3.1-8b",
-    "hardware": "h200-sxm",
-    "cost_model": {"flops_efficiency": 0.7, "bandwidth_efficiency": 0.85, "step_overhead_s": 0.002,
-                   "profile": None, "replay_steps": []},
-    "kv_cache": {"block_size": 16, "gpu_memory_utilization": 0.9, "num_gpu_blocks": None,
-                 "swap_space_gib": 4.0, "watermark": 0.01},
-    "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": None, "max_model_len": None,
-                  "max_preemptions": 1000},
-    "policies": ["fcfs", "swap", "chunked_prefill"],
-    "slo": {"ttft_s": None, "tpot_s": None, "e2e_s": None},
-    "engine": {"model_path": None, "device": "cpu", "dtype": "auto", "attention_backend": "torch",
-               "temperature": 0.0},
-    "check_invariants": False,
-}
-SCHEDULER_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")
-
-
-def _fail(where: str, key: str, expected: str, value: Any) -> ConfigError:
-    return ConfigError(f"{where}: {key}: expected {expected}, got {value!r}")
-
-
-def _int(where, key, v, lo=1, optional=False):
-    if v is None and optional:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise _fail(where, key, f"an integer >= {lo}" + (" or null" if optional else ""), v)
-    return v
-
-
-def _num(where, key, v, lo=0.0, hi=math.inf, lo_open=False, optional=False):
-    if v is None and optional:
-        return None
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if not ok or not ((lo < v) if lo_open else (lo <= v)) or v > hi:
-        if math.isinf(hi):
-            rng = f"a finite number {'>' if lo_open else '>='} {lo:g}"
-        else:
-            rng = f"a number in {'(' if lo_open else '['}{lo}, {hi}]"
-        raise _fail(where, key, rng + (" or null" if optional else ""), v)
-    return float(v)
-
+GIB = 1 << 30
+MAX_SWAP_SPACE_GIB = 4096.0  # host memory for swapped-out KV blocks (4 TiB: beyond any host)
+MAX_STEP_OVERHEAD_S = 60.0  # a fixed cost per step; a minute is already far beyond any engine
+# Below this a roofline efficiency means step times a million times the hardware's: no
+# real engine, and 5e-324 gives infinite ones.
+MIN_EFFICIENCY = 1e-6
+# Outside this, arrival times lose float precision (an hour-long trace at 1e-12 spans
+# 3.6e15 s, where doubles are 0.5 s apart) or the trace collapses into one instant.
+RATE_SCALE_RANGE = (1e-6, 1e6)
+# The step size the KV sizing reserves activation memory for when
+# scheduler.max_num_batched_tokens is null: vLLM's chunked-prefill budget in the
+# simulator; on the engine, the tokens of its warm-up forward (which measures the
+# activation peak) and the cut of its token-count CUDA graphs (backend/runner.py).
+SIM_PROFILE_TOKENS, ENGINE_PROFILE_TOKENS = 2048, 8192
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+ -]*")  # it names runs in tables and plots
-MAX_SWAP_SPACE_GIB = 4096.0  # host memory for swapped-out KV blocks (4 TiB: beyond any host)
-MAX_STEP_OVERHEAD_S = 60.0  # a fixed cost per step; a minute is already far beyond any engine
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
+LIMIT_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")  # a policy's own
+
+
+# ---------------------------------------------------------------------------- sections
+@dataclass(frozen=True)
+class TraceConfig:
+    """The ``trace:`` block. ``spec`` is handed to :mod:`traces` as it is (traces/spec.py
+    validates it when the trace is loaded), with its paths made absolute.
+
+    Args:
+        spec: the block as written, paths absolute (``rate_scale`` included).
+        rate_scales: the offered-load multipliers, one run per policy each (>= 1 entry).
+        expected: ``trace_file`` of a results' config.yaml (path, sha256, rows), or None.
+    """
+
+    spec: Mapping[str, Any]
+    rate_scales: tuple[float, ...] = (1.0,)
+    expected: Mapping[str, Any] | None = None
+
+    @property
+    def format(self) -> str | None:
+        return self.spec.get("format")
+
+    @property
+    def path(self) -> Path | None:
+        """The trace file (absolute), or None for generated traces."""
+        p = self.spec.get("path")
+        return Path(p) if isinstance(p, str) else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(dict(self.spec))
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Paged KV cache: blocks of ``block_size`` tokens on the GPU, swap space on the host."""
+
+    block_size: int = 16  # tokens per block (vLLM's default)
+    gpu_memory_utilization: float = 0.9  # share of device memory for weights + activations + KV
+    num_gpu_blocks: int | None = None  # fixed GPU blocks; null: sized by the utilization
+    swap_space_gib: float = 4.0  # host swap space (vLLM's default)
+    watermark: float = 0.01  # share of GPU blocks kept free at admission
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space_gib * GIB)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits shared by every policy (a policy entry may override the first three); null
+    limits are resolved as vLLM does once the KV capacity is known
+    (:func:`lab.experiment.resolve_limits`)."""
+
+    max_num_seqs: int = 256  # running requests per step
+    max_num_batched_tokens: int | None = None  # token budget per step
+    max_model_len: int | None = None  # prompt + output tokens of one request
+    max_preemptions: int = 1000  # of one request, before the run stops as stuck
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """One entry of ``policies:``: a registered policy, its label, its own limits (None:
+    the ``scheduler`` section's) and its options (``options`` of the policy class)."""
+
+    name: str
+    label: str
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def limit(self, key: str, scheduler: SchedulerConfig) -> int | None:
+        """This policy's value of a limit in :data:`LIMIT_KEYS`, else the scheduler's."""
+        own = getattr(self, key)
+        return own if own is not None else getattr(scheduler, key)
+
+    def to_dict(self) -> dict[str, Any]:
+        limits = {k: getattr(self, k) for k in LIMIT_KEYS if getattr(self, k) is not None}
+        return {"label": self.label, "name": self.name, **limits, **copy.deepcopy(dict(self.options))}
+
+
+@dataclass(frozen=True)
+class CostModelConfig:
+    """The simulator's step times: an analytic roofline, or a model calibrated from an
+    engine profile (``profile``, plus ``replay_steps``)."""
+
+    flops_efficiency: float = 0.7  # achieved share of peak FLOP/s
+    bandwidth_efficiency: float = 0.85  # achieved share of peak memory bandwidth
+    step_overhead_s: float = 0.002  # fixed cost per step
+    profile: Path | None = None  # engine profile CSV (absolute)
+    replay_steps: tuple[Path, ...] = ()  # steps.csv of engine runs (absolute)
+
+    @property
+    def analytic(self) -> dict[str, float]:
+        """The analytic model's keyword arguments."""
+        return {"flops_efficiency": self.flops_efficiency,
+                "bandwidth_efficiency": self.bandwidth_efficiency,
+                "step_overhead_s": self.step_overhead_s}
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    """Latency targets (seconds, None: no target) for goodput and SLO attainment."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+
+    def to_dict(self) -> dict[str, float | None]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The real engine (``backend: engine``; backend/README.md)."""
+
+    model_path: Path | None = None  # model directory: config.json + safetensors (absolute)
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto: the checkpoint's
+    attention_backend: str = "torch"  # torch | triton | flash_attn
+    temperature: float = 0.0  # 0: greedy
+    cuda_graphs: bool | None = None  # None: on with CUDA and the triton backend
+    mixed_graphs: bool = True  # false: only decode-only steps replay graphs
+    kn_weights: bool = False  # projection weights in (K, N) memory order
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """A whole experiment: one trace, replayed through every policy at every rate_scale.
+
+    ``source`` (the YAML file, or "config") prefixes messages; ``base_dir`` is the folder
+    relative paths were resolved against (:mod:`lab.paths`); neither is in :meth:`to_dict`.
+    """
+
+    name: str
+    trace: TraceConfig
+    backend: str = "sim"
+    seed: int = 0
+    model: str = "llama-3.1-8b"
+    hardware: str = "h200-sxm"
+    cost_model: CostModelConfig = CostModelConfig()
+    kv_cache: KVCacheConfig = KVCacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    policies: tuple[PolicyConfig, ...] = ()
+    slo: SLOConfig = SLOConfig()
+    engine: EngineConfig = EngineConfig()
+    check_invariants: bool = False
+    source: str = field(default="config", compare=False)
+    base_dir: Path = field(default=Path("."), compare=False)
+
+    @property
+    def rate_scales(self) -> tuple[float, ...]:
+        return self.trace.rate_scales
+
+    @property
+    def profile_num_batched_tokens(self) -> int:
+        """The largest step KV sizing reserves activations for: max_num_batched_tokens, or
+        :data:`SIM_PROFILE_TOKENS` / :data:`ENGINE_PROFILE_TOKENS` when it is null."""
+        default = ENGINE_PROFILE_TOKENS if self.backend == "engine" else SIM_PROFILE_TOKENS
+        return self.scheduler.max_num_batched_tokens or default
+
+    def run_label(self, policy: PolicyConfig, rate_scale: float) -> str:
+        """A run's name: the policy's label, with ``@x{scale}`` when there are several loads."""
+        if len(self.rate_scales) == 1:
+            return policy.label
+        return f"{policy.label}@x{scale_label(rate_scale)}"
+
+    def with_trace(self, **keys: Any) -> ExperimentConfig:
+        """A copy with trace keys replaced (``limit=100``, ``rate_scale=2.0``, ``path=``),
+        validated as in a YAML file (a new relative path resolves against ``base_dir``);
+        a new ``path`` or ``format`` drops the expected ``trace_file``."""
+        raw = {**self.trace.spec, **keys}
+        expected = None if {"path", "format"} & set(keys) else self.trace.expected
+        trace = _trace(self.source, raw, self.base_dir, expected)
+        return dataclasses.replace(self, trace=trace)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config, as results/<name>/config.yaml holds it (plain types)."""
+
+        def plain(section) -> dict[str, Any]:
+            d = dataclasses.asdict(section)
+            return {k: _plain(v) for k, v in d.items()}
+
+        out = {"name": self.name, "backend": self.backend, "seed": self.seed,
+               "trace": self.trace.to_dict(), "model": self.model, "hardware": self.hardware,
+               "cost_model": plain(self.cost_model), "kv_cache": plain(self.kv_cache),
+               "scheduler": plain(self.scheduler),
+               "policies": [p.to_dict() for p in self.policies], "slo": self.slo.to_dict(),
+               "engine": plain(self.engine), "check_invariants": self.check_invariants}
+        if self.trace.expected is not None:
+            out["trace_file"] = dict(self.trace.expected)
+        return out
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, Path):
+        return str(v)
+    if isinstance(v, (tuple, list)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def scale_label(scale: float) -> str:
+    """How a rate_scale names its runs when there are several: ``{label}@x{scale_label}``."""
+    return f"{scale:g}"
+
+
+# ---------------------------------------------------------------------------- loading
+TOP_KEYS = ("name", "backend", "seed", "trace", "model", "hardware", "cost_model", "kv_cache",
+            "scheduler", "policies", "slo", "engine", "check_invariants", "trace_file")
+DEFAULT_POLICIES = ("fcfs", "swap", "chunked_prefill")
+
+
+def load_config(path: str | Path) -> ExperimentConfig:
+    """Read and validate an experiment YAML; its relative paths resolve against its folder
+    (then the bundled data: :mod:`lab.paths`); ``name`` defaults to the file name.
+
+    Raises:
+        ConfigError: missing file, bad YAML, unknown key, wrong type, a missing file named
+            in it (naming the key path and the value as written).
+    """
+    path = Path(path)
+    raw = load_yaml_file(path)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys at the top level")
+    name = raw.get("name")
+    if name is None:
+        name = check_name(str(path), "name (from the file name)", path.stem)
+    return validate({**raw, "name": name}, str(path), path.absolute().parent)
+
+
+def validate(raw: Mapping[str, Any], where: str = "config",
+             base_dir: Path | None = None) -> ExperimentConfig:
+    """Validate a config mapping (as parsed from YAML) into an :class:`ExperimentConfig`.
+
+    Args:
+        where: the file it came from, prefixing every message.
+        base_dir: the folder relative paths resolve against (default: the current one).
+
+    ``name`` defaults to "experiment" here (:func:`load_config`: the file name).
+    """
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of keys at the top level")
+    _mapping(where, "", raw, TOP_KEYS)
+    base_dir = Path(base_dir if base_dir is not None else ".").absolute()
+    top = {f.name: f.default for f in dataclasses.fields(ExperimentConfig)}
+    top.update(raw)
+    name = check_name(where, "name", raw["name"] if raw.get("name") is not None else "experiment")
+    backend = _choice(where, "backend", top["backend"], ("sim", "engine"))
+    seed = _int(where, "seed", top["seed"], lo=0)
+    if "trace" not in raw or not isinstance(raw["trace"], Mapping):
+        raise _fail(where, "trace", "a mapping with at least 'format'", raw.get("trace"))
+    expected = _trace_file(where, raw["trace_file"]) if "trace_file" in raw else None
+    trace = _trace(where, raw["trace"], base_dir, expected)
+    if backend == "sim":
+        _choice(where, "model", top["model"], MODELS)
+        _choice(where, "hardware", top["hardware"], HARDWARE)
+    if not isinstance(top["check_invariants"], bool):
+        raise _fail(where, "check_invariants", "true or false", top["check_invariants"])
+    scheduler = _scheduler(where, raw.get("scheduler", {}))
+    return ExperimentConfig(
+        name=name, trace=trace, backend=backend, seed=seed, model=top["model"],
+        hardware=top["hardware"],
+        cost_model=_cost_model(where, raw.get("cost_model", {}), base_dir, backend == "sim"),
+        kv_cache=_kv_cache(where, raw.get("kv_cache", {})), scheduler=scheduler,
+        policies=_policies(where, raw.get("policies", list(DEFAULT_POLICIES))),
+        slo=_slo(where, raw.get("slo", {})),
+        engine=_engine(where, raw.get("engine", {}), base_dir, backend == "engine"),
+        check_invariants=top["check_invariants"], source=where, base_dir=base_dir)
 
 
 def check_name(where: str, key: str, name) -> str:
@@ -100,185 +353,210 @@ def check_name(where: str, key: str, name) -> str:
     return name
 
 
-def _choice(where, key, v, choices):
-    if not isinstance(v, str) or v not in choices:
-        raise _fail(where, key, "one of " + ", ".join(sorted(choices)), v)
-    return v
+def _section(where: str, key: str, raw: Any, cls: type) -> dict[str, Any]:
+    """A section's mapping checked for unknown keys, over the dataclass's defaults."""
+    _mapping(where, key, raw, tuple(f.name for f in dataclasses.fields(cls)))
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)
+                if f.default is not dataclasses.MISSING}
+    return {**defaults, **raw}
 
 
-def _mapping(where, key, v, allowed) -> dict:
-    if not isinstance(v, dict):
-        raise _fail(where, key, "a mapping", v)
-    for k in v:
-        if k not in allowed:
-            raise ConfigError(f"{where}: unknown key {key}.{k}; allowed: {', '.join(allowed)}")
-    return v
-
-
-class UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a mapping with a repeated key (a likely typo: the
-    first value would be dropped without a word)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if not isinstance(key_node, yaml.ScalarNode):
-                raise yaml.constructor.ConstructorError(
-                    None, None, "a mapping key must be a plain value, not a list or mapping",
-                    key_node.start_mark)
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def load_yaml(text: str):
-    """Parse YAML safely, refusing repeated keys (see :class:`UniqueKeyLoader`)."""
-    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-
-
-def load_config(path: str | Path) -> dict[str, Any]:
-    """Read and validate an experiment YAML; returns the config with defaults filled in.
-
-    Raises:
-        ConfigError: missing file, bad YAML, unknown key, wrong type (naming the key path).
-    """
-    path = Path(path)
-    if path.exists() and not path.is_dir() and not path.is_file():  # a FIFO would block
-        raise ConfigError(f"{path}: not a regular file, expected an experiment YAML file")
-    try:
-        raw = load_yaml(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path}: is a directory, expected an experiment YAML file") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: nested too deeply to be an experiment YAML") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}:{line} is not valid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping of keys at the top level")
-    cfg = validate(raw, str(path))
-    if cfg["name"] is None:
-        cfg["name"] = check_name(str(path), "name (from the file name)", path.stem)
-    return cfg
-
-
-def validate(raw: dict[str, Any], where: str = "config") -> dict[str, Any]:
-    """Validate a config mapping and fill in defaults (see the module docstring)."""
-    for k in raw:
-        if k not in DEFAULTS:
-            raise ConfigError(f"{where}: unknown key {k}; allowed: {', '.join(DEFAULTS)}")
-    cfg = copy.deepcopy(DEFAULTS)
-    for k, v in raw.items():
-        if isinstance(DEFAULTS[k], dict):
-            cfg[k].update(_mapping(where, k, v, DEFAULTS[k]))
-        else:
-            cfg[k] = v
-    if cfg["name"] is not None:
-        check_name(where, "name", cfg["name"])
-    _choice(where, "backend", cfg["backend"], {"sim", "engine"})
-    _int(where, "seed", cfg["seed"], lo=0)
-    if not isinstance(cfg["trace"], dict):
-        raise _fail(where, "trace", "a mapping with at least 'format'", cfg["trace"])
-    rs = cfg["trace"].get("rate_scale", 1.0)
+def _trace(where: str, raw: Mapping[str, Any], base_dir: Path,
+           expected: Mapping[str, Any] | None) -> TraceConfig:
+    spec = copy.deepcopy(dict(raw))
+    rs = spec.get("rate_scale", 1.0)
     if rs == []:
         raise _fail(where, "trace.rate_scale", "a number > 0 or a non-empty list of them", rs)
+    lo, hi = RATE_SCALE_RANGE
     for v in rs if isinstance(rs, list) else [rs]:
         _num(where, "trace.rate_scale", v, lo=0.0, lo_open=True)
-    names = [scale_label(v) for v in (rs if isinstance(rs, list) else [rs])]
+        if not lo <= v <= hi:
+            raise _fail(where, "trace.rate_scale", f"a number in [{lo:g}, {hi:g}] (outside it "
+                        "arrival times lose float precision)", v)
+    scales = tuple(float(v) for v in (rs if isinstance(rs, list) else [rs]))
+    names = [scale_label(v) for v in scales]
     if len(set(names)) != len(names):
         raise _fail(where, "trace.rate_scale", "distinct values (to 6 significant digits: "
                     "they name the runs, as 'fcfs@x2')", rs)
-    if cfg["backend"] == "sim":
-        _choice(where, "model", cfg["model"], MODELS)
-        _choice(where, "hardware", cfg["hardware"], HARDWARE)
-    cm = cfg["cost_model"]
-    _num(where, "cost_model.flops_efficiency", cm["flops_efficiency"], 0.0, 1.0, lo_open=True)
-    _num(where, "cost_model.bandwidth_efficiency", cm["bandwidth_efficiency"], 0.0, 1.0, lo_open=True)
+    if isinstance(spec.get("path"), str) and spec["path"]:
+        spec["path"] = str(_existing(where, "trace.path", spec["path"], base_dir, "file"))
+    if isinstance(spec.get("tokenizer"), str) and spec["tokenizer"]:
+        spec["tokenizer"] = str(paths.resolve(spec["tokenizer"], base_dir))
+    return TraceConfig(MappingProxyType(spec), scales, expected)
+
+
+def _trace_file(where: str, raw: Any) -> Mapping[str, Any]:
+    d = _mapping(where, "trace_file", raw, ("path", "sha256", "rows"))
+    sha = d.get("sha256")
+    if sha is not None and (not isinstance(sha, str) or not _SHA256.fullmatch(sha)):
+        raise _fail(where, "trace_file.sha256", "64 hexadecimal digits or null", sha)
+    _int(where, "trace_file.rows", d.get("rows"), lo=0, optional=True)
+    return MappingProxyType(dict(d))
+
+
+def _existing(where: str, key: str, value: str, base_dir: Path, kind: str, hint: str = ""
+              ) -> Path:
+    """``value`` resolved (:mod:`lab.paths`); ConfigError naming the key and the value as
+    written when no ``kind`` ("file", "directory") exists there."""
+    path = paths.resolve(value, base_dir)
+    if not (path.is_file() if kind == "file" else path.is_dir()):
+        raise ConfigError(f"{where}: {key}: {short_repr(value)}: no such {kind} (looked for "
+                          f"{paths.looked_in(value, base_dir)}){hint}")
+    return path
+
+
+def _cost_model(where: str, raw: Any, base_dir: Path, used: bool) -> CostModelConfig:
+    cm = _section(where, "cost_model", raw, CostModelConfig)
+    for key in ("flops_efficiency", "bandwidth_efficiency"):
+        _num(where, f"cost_model.{key}", cm[key], MIN_EFFICIENCY, 1.0)
     _num(where, "cost_model.step_overhead_s", cm["step_overhead_s"], 0.0, MAX_STEP_OVERHEAD_S)
-    if cm["profile"] is not None and not isinstance(cm["profile"], str):
-        raise _fail(where, "cost_model.profile", "a path to an engine profile CSV", cm["profile"])
-    if not isinstance(cm["replay_steps"], list) or not all(
-            isinstance(p, str) for p in cm["replay_steps"]):
-        raise _fail(where, "cost_model.replay_steps", "a list of steps.csv paths",
-                    cm["replay_steps"])
-    if cm["replay_steps"] and cm["profile"] is None:
+    profile, steps = cm["profile"], cm["replay_steps"]
+    if profile is not None and (not isinstance(profile, str) or not profile):
+        raise _fail(where, "cost_model.profile", "a path to an engine profile CSV", profile)
+    if not isinstance(steps, (list, tuple)) or not all(isinstance(p, str) and p for p in steps):
+        raise _fail(where, "cost_model.replay_steps", "a list of steps.csv paths", steps)
+    if steps and profile is None:
         raise ConfigError(f"{where}: cost_model.replay_steps needs cost_model.profile")
-    kv = cfg["kv_cache"]
+
+    def resolve(key: str, value: str) -> Path:
+        if used:
+            return _existing(where, key, value, base_dir, "file")
+        return paths.resolve(value, base_dir)
+
+    return CostModelConfig(
+        cm["flops_efficiency"], cm["bandwidth_efficiency"], cm["step_overhead_s"],
+        None if profile is None else resolve("cost_model.profile", profile),
+        tuple(resolve(f"cost_model.replay_steps[{i}]", p) for i, p in enumerate(steps)))
+
+
+def _kv_cache(where: str, raw: Any) -> KVCacheConfig:
+    kv = _section(where, "kv_cache", raw, KVCacheConfig)
     _int(where, "kv_cache.block_size", kv["block_size"])
-    _num(where, "kv_cache.gpu_memory_utilization", kv["gpu_memory_utilization"], 0.0, 1.0, lo_open=True)
+    _num(where, "kv_cache.gpu_memory_utilization", kv["gpu_memory_utilization"], 0.0, 1.0,
+         lo_open=True)
     _int(where, "kv_cache.num_gpu_blocks", kv["num_gpu_blocks"], optional=True)
     _num(where, "kv_cache.swap_space_gib", kv["swap_space_gib"], 0.0, MAX_SWAP_SPACE_GIB)
     _num(where, "kv_cache.watermark", kv["watermark"], 0.0, 0.5)
-    _int(where, "scheduler.max_num_seqs", cfg["scheduler"]["max_num_seqs"])
-    _check_limits(where, "scheduler", cfg["scheduler"])
-    _int(where, "scheduler.max_preemptions", cfg["scheduler"]["max_preemptions"])
-    pols = cfg["policies"]
+    return KVCacheConfig(**kv)
+
+
+def _scheduler(where: str, raw: Any) -> SchedulerConfig:
+    s = _section(where, "scheduler", raw, SchedulerConfig)
+    _int(where, "scheduler.max_num_seqs", s["max_num_seqs"])
+    _check_limits(where, "scheduler", s)
+    _int(where, "scheduler.max_preemptions", s["max_preemptions"])
+    return SchedulerConfig(**s)
+
+
+def _policies(where: str, pols: Any) -> tuple[PolicyConfig, ...]:
     if not isinstance(pols, list) or not pols:
         raise _fail(where, "policies", "a non-empty list of policy names or mappings", pols)
-    from policies import get_policy
 
     resolved = []
     for i, p in enumerate(pols):
         key = f"policies[{i}]"
         if isinstance(p, str):
             p = {"name": p}
-        if not isinstance(p, dict) or not isinstance(p.get("name"), str):
+        if not isinstance(p, Mapping) or not isinstance(p.get("name"), str):
             raise _fail(where, key, "a policy name or a mapping with 'name'", p)
         try:
             cls = get_policy(p["name"])
         except ConfigError as e:
             raise ConfigError(f"{where}: {key}: {e}") from None
-        allowed = ("name", "label", *SCHEDULER_KEYS, *cls.options)
-        _mapping(where, key, p, allowed)
+        _mapping(where, key, p, ("name", "label", *LIMIT_KEYS, *cls.options))
         _check_limits(where, key, p)
-        if "label" in p and (not isinstance(p["label"], str) or not _LABEL.fullmatch(p["label"])):
+        label = p.get("label", p["name"])
+        if not isinstance(label, str) or not _LABEL.fullmatch(label):
             raise _fail(where, f"{key}.label", "a label of letters, digits, '.', '_', '-', '+' "
-                        "and spaces, starting with a letter or digit", p["label"])
-        resolved.append({"label": p.get("label", p["name"]), **p})
-    labels = [p["label"] for p in resolved]
+                        "and spaces, starting with a letter or digit", label)
+        options = {k: copy.deepcopy(v) for k, v in p.items() if k in cls.options}
+        resolved.append(PolicyConfig(p["name"], label, *(p.get(k) for k in LIMIT_KEYS),
+                                     options=MappingProxyType(options)))
+    labels = [p.label for p in resolved]
     if len(set(labels)) != len(labels):
-        raise ConfigError(f"{where}: policies: labels must be unique (give 'label:'), got {labels}")
-    cfg["policies"] = resolved
-    for k in ("ttft_s", "tpot_s", "e2e_s"):
-        _num(where, f"slo.{k}", cfg["slo"][k], 0.0, lo_open=True, optional=True)
-    if cfg["backend"] == "engine":
-        eng = cfg["engine"]
-        if not isinstance(eng["model_path"], str):
-            raise _fail(where, "engine.model_path", "a model directory (config.json + safetensors)",
-                        eng["model_path"])
-        if not isinstance(eng["device"], str) or not _DEVICE.fullmatch(eng["device"]):
-            raise _fail(where, "engine.device", "cpu, cuda or cuda:N", eng["device"])
-        _choice(where, "engine.dtype", eng["dtype"],
-                {"auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"})
-        _choice(where, "engine.attention_backend", eng["attention_backend"],
-                {"torch", "triton", "flash_attn"})
-        _num(where, "engine.temperature", eng["temperature"], 0.0)
-    if not isinstance(cfg["check_invariants"], bool):
-        raise _fail(where, "check_invariants", "true or false", cfg["check_invariants"])
-    return cfg
+        raise ConfigError(f"{where}: policies: labels must be unique (give 'label:'), got "
+                          f"{short_repr(labels)}")
+    return tuple(resolved)
 
 
-def _check_limits(where: str, key: str, d: dict) -> None:
-    _int(where, f"{key}.max_num_seqs", d.get("max_num_seqs"), optional=True)
-    _int(where, f"{key}.max_num_batched_tokens", d.get("max_num_batched_tokens"), optional=True)
-    _int(where, f"{key}.max_model_len", d.get("max_model_len"), optional=True)
+def _slo(where: str, raw: Any) -> SLOConfig:
+    s = _section(where, "slo", raw, SLOConfig)
+    for k, v in s.items():
+        _num(where, f"slo.{k}", v, 0.0, lo_open=True, optional=True)
+    return SLOConfig(**s)
 
 
-def scale_label(scale: float) -> str:
-    """How a rate_scale names its runs when there are several: ``{label}@x{scale_label}``."""
-    return f"{scale:g}"
+def _engine(where: str, raw: Any, base_dir: Path, used: bool) -> EngineConfig:
+    e = _section(where, "engine", raw, EngineConfig)
+    path = e["model_path"]
+    if used and not isinstance(path, str):
+        raise _fail(where, "engine.model_path", "a model directory (config.json + safetensors)",
+                    path)
+    if used:
+        if not isinstance(e["device"], str) or not _DEVICE.fullmatch(e["device"]):
+            raise _fail(where, "engine.device", "cpu, cuda or cuda:N", e["device"])
+        _choice(where, "engine.dtype", e["dtype"], DTYPES)
+        _choice(where, "engine.attention_backend", e["attention_backend"], ATTENTION_BACKENDS)
+        _num(where, "engine.temperature", e["temperature"], 0.0)
+        if e["cuda_graphs"] is not None and not isinstance(e["cuda_graphs"], bool):
+            raise _fail(where, "engine.cuda_graphs", "true, false or null (on with CUDA and "
+                        "triton)", e["cuda_graphs"])
+        for key in ("mixed_graphs", "kn_weights"):
+            if not isinstance(e[key], bool):
+                raise _fail(where, f"engine.{key}", "true or false", e[key])
+        e["model_path"] = _existing(
+            where, "engine.model_path", path, base_dir, "directory",
+            "; make a model directory with `python -m backend.tools convert-smollm2` or "
+            "`make-random-checkpoint`")
+    elif isinstance(path, str) and path:
+        e["model_path"] = paths.resolve(path, base_dir)
+    return EngineConfig(**e)
 
 
-def rate_scales(cfg: dict[str, Any]) -> list[float]:
-    rs = cfg["trace"].get("rate_scale", 1.0)
-    return [float(v) for v in rs] if isinstance(rs, list) else [float(rs)]
+# ---------------------------------------------------------------------------- checks
+def _fail(where: str, key: str, expected: str, value: Any) -> ConfigError:
+    return ConfigError(f"{where}: {key}: expected {expected}, got {short_repr(value)}")
+
+
+def _int(where, key, v, lo=1, optional=False):
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise _fail(where, key, f"an integer >= {lo}" + (" or null" if optional else ""), v)
+    return v
+
+
+def _num(where, key, v, lo=0.0, hi=math.inf, lo_open=False, optional=False):
+    """A finite number in the range, returned as written (an int stays an int)."""
+    if v is None and optional:
+        return None
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if not ok or not ((lo < v) if lo_open else (lo <= v)) or v > hi:
+        if math.isinf(hi):
+            rng = f"a finite number {'>' if lo_open else '>='} {lo:g}"
+        else:
+            rng = f"a number in {'(' if lo_open else '['}{lo}, {hi}]"
+        raise _fail(where, key, rng + (" or null" if optional else ""), v)
+    return v
+
+
+def _choice(where, key, v, choices):
+    if not isinstance(v, str) or v not in choices:
+        raise _fail(where, key, "one of " + ", ".join(sorted(choices)), v)
+    return v
+
+
+def _mapping(where, key, v, allowed) -> Mapping:
+    if not isinstance(v, Mapping):
+        raise _fail(where, key, "a mapping", v)
+    for k in v:
+        if k not in allowed:
+            shown = k if isinstance(k, str) and len(k) <= 80 else short_repr(k)
+            raise ConfigError(f"{where}: unknown key {key + '.' if key else ''}{shown}; "
+                              f"allowed: {', '.join(allowed)}")
+    return v
+
+
+def _check_limits(where: str, key: str, d: Mapping) -> None:
+    for k in LIMIT_KEYS:
+        _int(where, f"{key}.{k}", d.get(k), optional=True)

@@ -4,6 +4,8 @@ replayed through the simulator or the real engine, with metrics per run."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,15 +15,15 @@ import numpy as np
 import pandas as pd
 
 from lab import metrics
-from lab.config import rate_scales, scale_label
-from lab.sim.cost_model import AnalyticCostModel, CostModelExecutor, num_cpu_blocks, num_gpu_blocks
-from lab.core.errors import ConfigError
-from lab.sim.hardware import HARDWARE
+from lab.config import ExperimentConfig, PolicyConfig
+from lab.core.errors import ConfigError, TraceError
 from lab.core.kv import BlockManager
-from lab.sim.models import MODELS
-from lab.sim.replay import ReplayResult, replay
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import SchedulerLimits
+from lab.sim.cost_model import AnalyticCostModel, CostModelExecutor, num_cpu_blocks, num_gpu_blocks
+from lab.sim.hardware import HARDWARE
+from lab.sim.models import MODELS
+from lab.sim.replay import ReplayResult, replay
 from policies import get_policy
 
 log = logging.getLogger("lab.experiment")
@@ -40,8 +42,8 @@ class Run:
     summary: dict[str, Any]
 
 
-def resolve_limits(cfg: dict, policy: dict, capacity_tokens: int, max_position: int,
-                   chunked: bool) -> SchedulerLimits:
+def resolve_limits(cfg: ExperimentConfig, policy: PolicyConfig, capacity_tokens: int,
+                   max_position: int, chunked: bool) -> SchedulerLimits:
     """A policy's limits: its own keys, else the ``scheduler`` section, else defaults.
 
     Defaults as vLLM: max_model_len = the model's context length, clamped to the KV
@@ -54,12 +56,10 @@ def resolve_limits(cfg: dict, policy: dict, capacity_tokens: int, max_position: 
             chunked prefill) below max_model_len, so that some request could never be
             scheduled.
     """
-    sched = cfg["scheduler"]
+    def pick(key: str) -> int | None:
+        return policy.limit(key, cfg.scheduler)
 
-    def pick(key):
-        return policy.get(key) if policy.get(key) is not None else sched.get(key)
-
-    where = f"policies[{policy['label']}]"
+    where = f"policies[{policy.label}]"
     if pick("max_model_len") is not None and pick("max_model_len") > max_position:
         raise ConfigError(f"{where}: max_model_len {pick('max_model_len')} exceeds the model's "
                           f"context length (max_position_embeddings {max_position})")
@@ -72,45 +72,41 @@ def resolve_limits(cfg: dict, policy: dict, capacity_tokens: int, max_position: 
         raise ConfigError(
             f"{where}: max_num_batched_tokens {budget} is below max_model_len {max_len}: "
             f"without chunked prefill a long prompt could never be scheduled")
-    return SchedulerLimits(seqs, budget, max_len, sched["max_preemptions"])
+    return SchedulerLimits(seqs, budget, max_len, cfg.scheduler.max_preemptions)
 
 
-def sim_parts(cfg: dict, base_dir: Path = Path(".")) -> tuple[AnalyticCostModel, int, int]:
+def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
     """The simulator's cost model (analytic, or calibrated from ``cost_model.profile``) and
     its KV capacity (GPU blocks, CPU blocks)."""
-    model, hw, kv = MODELS[cfg["model"]], HARDWARE[cfg["hardware"]], cfg["kv_cache"]
-    gpu = kv["num_gpu_blocks"] or num_gpu_blocks(
-        model, hw, kv["block_size"], kv["gpu_memory_utilization"],
-        cfg["scheduler"]["max_num_batched_tokens"] or 2048, cfg["scheduler"]["max_num_seqs"])
+    model, hw, kv = MODELS[cfg.model], HARDWARE[cfg.hardware], cfg.kv_cache
+    tokens_per_step, seqs = cfg.profile_num_batched_tokens, cfg.scheduler.max_num_seqs
+    gpu = kv.num_gpu_blocks or num_gpu_blocks(
+        model, hw, kv.block_size, kv.gpu_memory_utilization, tokens_per_step, seqs)
     if gpu < 1:
-        block_bytes = model.kv_bytes_per_token * kv["block_size"]
-        tokens = num_gpu_blocks(model, hw, 1, kv["gpu_memory_utilization"],
-                                cfg["scheduler"]["max_num_batched_tokens"] or 2048,
-                                cfg["scheduler"]["max_num_seqs"])
+        block_bytes = model.kv_bytes_per_token * kv.block_size
+        tokens = num_gpu_blocks(model, hw, 1, kv.gpu_memory_utilization, tokens_per_step, seqs)
         if tokens >= 1:  # room for some KV, not for one block
             raise ConfigError(
-                f"kv_cache.block_size: one block of {kv['block_size']} tokens needs "
+                f"kv_cache.block_size: one block of {kv.block_size} tokens needs "
                 f"{block_bytes / 1e9:.1f} GB of KV cache for {model.name}; a {hw.name} has "
                 f"room for {tokens} tokens")
         raise ConfigError(
-            f"kv_cache.gpu_memory_utilization: {kv['gpu_memory_utilization']} of "
+            f"kv_cache.gpu_memory_utilization: {kv.gpu_memory_utilization} of "
             f"{hw.memory_bytes / 1e9:.0f} GB leaves no room for KV after "
             f"{model.weight_bytes / 1e9:.1f} GB of weights and the activations")
-    kv_bytes = gpu * model.kv_bytes_per_token * kv["block_size"]
+    kv_bytes = gpu * model.kv_bytes_per_token * kv.block_size
     if kv_bytes > hw.memory_bytes:
         raise ConfigError(
-            f"kv_cache.num_gpu_blocks: {gpu} blocks of {kv['block_size']} tokens need "
+            f"kv_cache.num_gpu_blocks: {gpu} blocks of {kv.block_size} tokens need "
             f"{kv_bytes / 1e9:.1f} GB of KV cache for {model.name}, more than the "
             f"{hw.memory_bytes / 1e9:.0f} GB of a {hw.name}")
-    cpu = num_cpu_blocks(model, kv["block_size"], kv["swap_space_gib"])
-    cm = dict(cfg["cost_model"])
-    profile, replay_steps = cm.pop("profile"), cm.pop("replay_steps")
-    if profile is not None:
+    cpu = num_cpu_blocks(model, kv.block_size, kv.swap_space_gib)
+    cm = cfg.cost_model
+    if cm.profile is not None:
         from lab.sim.calibrated import CalibratedCostModel
 
-        steps = tuple(base_dir / p for p in replay_steps)
-        return CalibratedCostModel(base_dir / profile, steps), gpu, cpu
-    return AnalyticCostModel(model, hw, **cm), gpu, cpu
+        return CalibratedCostModel(cm.profile, cm.replay_steps), gpu, cpu
+    return AnalyticCostModel(model, hw, **cm.analytic), gpu, cpu
 
 
 def fresh(requests: list[Request]) -> list[Request]:
@@ -126,60 +122,115 @@ def fresh(requests: list[Request]) -> list[Request]:
     return out
 
 
-def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
+def trace_info(cfg: ExperimentConfig, rows: int, sha256_before: str | None) -> dict[str, Any]:
+    """What identifies the trace a run replayed: its file (absolute path or None for a
+    generated trace), the file's sha256 (None without a file) and ``rows``, the entries
+    the format read (:func:`traces.load_table`).
+
+    Args:
+        sha256_before: the file's sha256 taken before it was read.
+
+    Raises:
+        TraceError: the file changed while it was read.
+        ConfigError: the config's ``trace_file`` names another sha256 or row count (a
+            results' config.yaml replayed after its trace file changed).
+    """
+    path = cfg.trace.path
+    info = {"path": None if path is None else str(path),
+            "sha256": None if path is None else sha256_of(path), "rows": rows}
+    if info["sha256"] != sha256_before:
+        raise TraceError(f"trace.path: {path} changed while it was read; run again")
+    expected = cfg.trace.expected or {}
+    for key in ("sha256", "rows"):
+        if expected.get(key) is not None and expected[key] != info[key]:
+            raise ConfigError(f"trace_file.{key}: the trace has {key} {info[key]}, not the "
+                              f"{expected[key]} this config was written with (the file "
+                              "changed)")
+    return info
+
+
+def sha256_of(path: Path | None) -> str | None:
+    """The sha256 of a file's bytes (hex), or None for no file."""
+    if path is None:
+        return None
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError as e:
+        raise TraceError(f"trace.path: {path}: cannot be read ({e.strerror})") from None
+    return digest.hexdigest()
+
+
+def run_experiment(cfg: ExperimentConfig, progress: bool = True,
                    requests: list[Request] | None = None) -> list[Run]:
     """Replay the config's trace through every policy at every rate_scale.
 
-    ``requests``, when given, replaces the trace file (benchmarks build their own workload);
-    their arrival times are used as they are, so ``rate_scale`` must then be 1.
+    The trace is read once (every load derives from the same table); everything that can
+    fail (each policy's limits, each load's arrival times, the engine's model) fails
+    before the first replay starts. ``requests``, when given, replaces the trace file
+    (benchmarks build their own workload); their arrival times are used as they are, so
+    ``rate_scale`` must then be 1.
 
     Raises:
         ValueError: ``requests`` given with a rate_scale other than 1.
+        UserError: a bad config or trace (one line).
     """
-    from traces import load_trace
+    from traces import load_table, scale_table
 
-    if requests is not None and rate_scales(cfg) != [1.0]:
+    if requests is not None and cfg.rate_scales != (1.0,):
         raise ValueError("run_experiment: requests= takes arrival times as they are; "
-                         f"rate_scale must be 1, got {cfg['trace'].get('rate_scale')}")
+                         f"rate_scale must be 1, got {cfg.trace.spec.get('rate_scale')}")
 
-    if cfg["backend"] == "engine":
-        from backend.engine import assign_prompt_tokens, engine_parts  # imports torch
-
-        make_executor, gpu, cpu, max_position, vocab_size = engine_parts(cfg, base_dir)
+    if cfg.backend == "engine" and importlib.util.find_spec("torch") is None:
+        raise ConfigError('backend: engine needs torch, which is not installed: '
+                          'pip install -e ".[engine]"')
+    if requests is None:
+        before = sha256_of(cfg.trace.path)
+        table, rows = load_table({"seed": cfg.seed, **cfg.trace.spec}, cfg.base_dir)
+        tables = {scale: scale_table(table, scale) for scale in cfg.rate_scales}
+        info = trace_info(cfg, rows, before)
     else:
-        cost_model, gpu, cpu = sim_parts(cfg, base_dir)
-        max_position = MODELS[cfg["model"]].max_position_embeddings
-    bs = cfg["kv_cache"]["block_size"]
-    scales = rate_scales(cfg)
+        info = {"path": None, "sha256": None, "rows": len(requests)}
+    if cfg.backend == "engine":
+        from backend.engine import assign_prompt_tokens  # imports torch
+        from lab.engine_setup import engine_parts
+
+        make_executor, gpu, cpu, max_position, vocab_size = engine_parts(cfg)
+    else:
+        cost_model, gpu, cpu = sim_parts(cfg)
+        max_position = MODELS[cfg.model].max_position_embeddings
+    bs = cfg.kv_cache.block_size
+    policies = []
+    for pol in cfg.policies:
+        cls = get_policy(pol.name)
+        policies.append((pol, cls, resolve_limits(cfg, pol, gpu * bs, max_position,
+                                                  cls.chunked_prefill)))
     runs = []
-    for scale in scales:
-        spec = {**cfg["trace"], "rate_scale": scale}
-        spec.setdefault("seed", cfg["seed"])
-        trace = requests if requests is not None else load_trace(spec, base_dir)
-        if cfg["backend"] == "engine":
-            assign_prompt_tokens(trace, vocab_size, cfg["seed"])
-        for pol in cfg["policies"]:
-            cls = get_policy(pol["name"])
-            limits = resolve_limits(cfg, pol, gpu * bs, max_position, cls.chunked_prefill)
-            options = {k: v for k, v in pol.items() if k in cls.options}
-            scheduler = cls(limits, BlockManager(gpu, cpu, bs, cfg["kv_cache"]["watermark"]),
-                            **options)
-            if cfg["backend"] == "engine":
+    for scale in cfg.rate_scales:
+        trace = requests if requests is not None else tables.pop(scale).to_requests()
+        if cfg.backend == "engine":
+            assign_prompt_tokens(trace, vocab_size, cfg.seed)
+        for pol, cls, limits in policies:
+            scheduler = cls(limits, BlockManager(gpu, cpu, bs, cfg.kv_cache.watermark),
+                            **pol.options)
+            if cfg.backend == "engine":
                 executor = make_executor()
             else:
                 executor = CostModelExecutor(cost_model, bs)
-            label = pol["label"] if len(scales) == 1 else f"{pol['label']}@x{scale_label(scale)}"
-            run_requests = fresh(trace)  # not ``requests``: each load reloads the trace
+            label = cfg.run_label(pol, scale)
+            run_requests = fresh(trace)
             with _ProgressBar(progress, label, len(run_requests)) as bar:
                 result = replay(run_requests, scheduler, executor,
-                                check_invariants=cfg["check_invariants"], progress=bar)
-            df, itl = metrics.request_table(result, pol["label"], scale)
-            summary = {"policy": pol["label"], "rate_scale": scale,
-                       "limits": dataclasses.asdict(limits),
-                       **metrics.summarize(df, itl, result, cfg["slo"])}
+                                check_invariants=cfg.check_invariants, progress=bar)
+            df, itl = metrics.request_table(result, pol.label, scale)
+            summary = {"policy": pol.label, "rate_scale": scale,
+                       "limits": dataclasses.asdict(limits), "trace": info,
+                       **metrics.summarize(df, itl, result, cfg.slo.to_dict())}
             if result.failure:
                 summary["failure"] = result.failure
-            runs.append(Run(label, pol["label"], scale, result, df, itl, summary))
+            runs.append(Run(label, pol.label, scale, result, df, itl, summary))
             log.info("%s: %d steps in %.2f s", label, summary["num_steps"], result.wall_s)
             if result.failure:
                 log.error("%s stopped: %s", label, result.failure)

@@ -12,7 +12,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from lab.config import ExperimentConfig
 from lab.core.errors import UserError
 from lab.experiment import Run
 from lab.sim.replay import STEP_COLUMNS
@@ -28,7 +29,7 @@ LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s",
 TIME_BINS = 120
 
 
-def write_results(out_dir: Path, cfg: dict[str, Any], runs: list[Run],
+def write_results(out_dir: Path, cfg: ExperimentConfig, runs: list[Run],
                   decode: Callable[[list[int]], str] | None = None) -> Path:
     """Write every file of the run folder ``out_dir`` atomically; returns ``out_dir``.
 
@@ -45,7 +46,7 @@ def write_results(out_dir: Path, cfg: dict[str, Any], runs: list[Run],
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; results are for sharing
     try:
-        (tmp / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+        (tmp / "config.yaml").write_text(config_yaml(cfg, runs))
         pd.concat([r.requests for r in runs]).to_csv(tmp / "requests.csv", index=False)
         _steps_frame(runs).to_csv(tmp / "steps.csv", index=False, float_format="%.9g")
         summary = {r.label: r.summary for r in runs}
@@ -260,28 +261,38 @@ def summary_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-def _trace_options(trace: dict) -> str:
+def _trace_options(trace: Mapping[str, Any]) -> str:
     keys = ("limit", "start_s", "end_s", "rate_scale", "num_requests")
     opts = ", ".join(f"{k} {trace[k]}" for k in keys if trace.get(k) is not None)
     return f" ({opts})" if opts else ""
 
 
-def _model_line(cfg: dict) -> str:
-    if cfg["backend"] == "engine":
-        e = cfg["engine"]
-        return (f"real engine: model `{e['model_path']}` on `{e['device']}` ({e['dtype']}, "
-                f"{e['attention_backend']} attention), measured step times")
-    return f"simulated `{cfg['model']}` on `{cfg['hardware']}` (cost model step times)"
+def _model_line(cfg: ExperimentConfig) -> str:
+    if cfg.backend == "engine":
+        e = cfg.engine
+        return (f"real engine: model `{e.model_path}` on `{e.device}` ({e.dtype}, "
+                f"{e.attention_backend} attention), measured step times")
+    return f"simulated `{cfg.model}` on `{cfg.hardware}` (cost model step times)"
 
 
-def _markdown(cfg: dict, runs: list[Run], plots: list[tuple[str, str]]) -> str:
-    trace = cfg["trace"]
+def config_yaml(cfg: ExperimentConfig, runs: list[Run]) -> str:
+    """config.yaml: the resolved config, with ``trace_file`` (path, sha256, rows) of the
+    trace the runs replayed, so that replaying this file checks the trace is the same."""
+    d = cfg.to_dict()
+    info = runs[0].summary.get("trace") if runs else None
+    if info is not None and info.get("path") is not None:
+        d["trace_file"] = dict(info)
+    return yaml.safe_dump(d, sort_keys=False)
+
+
+def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str]]) -> str:
+    trace = cfg.trace.spec
     lines = [
-        f"# {cfg['name']}",
+        f"# {cfg.name}",
         "",
-        f"Backend `{cfg['backend']}`; trace `{trace.get('format')}` "
+        f"Backend `{cfg.backend}`; trace `{trace.get('format')}` "
         f"{trace.get('path', '')}{_trace_options(trace)}; {_model_line(cfg)}; "
-        f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg['kv_cache']['block_size']} tokens.",
+        f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg.kv_cache.block_size} tokens.",
         "",
         summary_table(runs),
         "",

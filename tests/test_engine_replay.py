@@ -44,7 +44,11 @@ def config(model_dir, tmp_path, num_gpu_blocks, policies):
 
     prompts = tmp_path / "prompts.yaml"
     prompts.write_text(yaml.safe_dump(PROMPTS))
-    return validate({
+    return validate(raw_config(model_dir, prompts, num_gpu_blocks, policies))
+
+
+def raw_config(model_dir, prompts, num_gpu_blocks, policies) -> dict:
+    return {
         "name": "engine_test", "backend": "engine",
         "trace": {"format": "prompts", "path": str(prompts), "tokenizer": str(model_dir),
                   "chat": True},
@@ -52,7 +56,7 @@ def config(model_dir, tmp_path, num_gpu_blocks, policies):
         "kv_cache": {"block_size": 16, "num_gpu_blocks": num_gpu_blocks, "swap_space_gib": 0.01},
         "scheduler": {"max_num_seqs": 8, "max_model_len": 1024},
         "policies": policies,
-    })
+    }
 
 
 def tokens_by_request(run) -> dict[str, list[int]]:
@@ -60,7 +64,7 @@ def tokens_by_request(run) -> dict[str, list[int]]:
 
 
 def test_tokens_identical_across_policies_and_preemption(model_dir, tmp_path):
-    reference = run_runs(config(model_dir, tmp_path, 200, ["fcfs"]), tmp_path, progress=False)[0]
+    reference = run_runs(config(model_dir, tmp_path, 200, ["fcfs"]), progress=False)[0]
     assert reference.summary["preemptions"] == {"recompute": 0, "swap": 0, "requests_preempted": 0}
     expected = tokens_by_request(reference)
     assert [len(expected[str(i)]) for i in range(5)] == [p["output_len"] for p in PROMPTS]
@@ -69,7 +73,7 @@ def test_tokens_identical_across_policies_and_preemption(model_dir, tmp_path):
                 {"name": "chunked_prefill", "label": "chunked_16", "max_num_batched_tokens": 16},
                 {"name": "chunked_prefill", "label": "chunked_64", "max_num_batched_tokens": 64}]
     # 10 blocks of 16 tokens: the five chat prompts (~35-40 tokens each) cannot all grow.
-    runs = run_runs(config(model_dir, tmp_path, 10, policies), tmp_path, progress=False)
+    runs = run_runs(config(model_dir, tmp_path, 10, policies), progress=False)
     for run in runs:
         pre = run.summary["preemptions"]
         assert pre["recompute"] + pre["swap"] > 0, f"{run.label} never preempted"
@@ -81,11 +85,10 @@ def test_tokens_identical_across_policies_and_preemption(model_dir, tmp_path):
 def test_results_folder_has_tokens_and_text(model_dir, tmp_path, capsys):
     import yaml
 
-    cfg = config(model_dir, tmp_path, 200, ["fcfs"])
+    prompts = tmp_path / "prompts.yaml"
+    prompts.write_text(yaml.safe_dump(PROMPTS))
     path = tmp_path / "exp.yaml"
-    path.write_text(yaml.safe_dump({k: cfg[k] for k in ("name", "backend", "trace", "engine",
-                                                       "kv_cache", "scheduler")}
-                                   | {"policies": ["fcfs"]}))
+    path.write_text(yaml.safe_dump(raw_config(model_dir, "prompts.yaml", 200, ["fcfs"])))
     out = tmp_path / "out"
     assert run_experiment.main([str(path), "--out", str(out), "--no-progress"]) == 0
     rows = [json.loads(line) for line in (out / "tokens.jsonl").read_text().splitlines()]

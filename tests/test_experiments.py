@@ -29,9 +29,8 @@ def test_example_runs(path, tmp_path):
     out = tmp_path / "run"
     assert run_experiment.main([str(path), "--limit", "60", "--out", str(out), "--no-progress"]) == 0
     cfg = load_config(path)
-    policies = [p["label"] for p in cfg["policies"]]
-    scales = cfg["trace"].get("rate_scale", 1.0)
-    num_runs = len(policies) * (len(scales) if isinstance(scales, list) else 1)
+    policies = [p.label for p in cfg.policies]
+    num_runs = len(policies) * len(cfg.rate_scales)
     req = pd.read_csv(out / "requests.csv")
     for col in ("policy", "request_id", "status", "arrival_s", "prompt_tokens", "output_tokens",
                 "ttft_s", "tpot_s", "e2e_s", "queue_s", "num_preemptions"):
@@ -69,8 +68,8 @@ def test_rerun_replaces_results_whole(tmp_path):
 
 
 def test_rate_scale_list_replays_each_load(tmp_path):
-    # Each load reloads the trace at its own scale (a bug once replayed the first load's
-    # requests at every later load: identical rows for x1, x2, x3).
+    # Each load is the one loaded trace at its own scale (a bug once replayed the first
+    # load's requests at every later load: identical rows for x1, x2, x3).
     cfg = write(tmp_path, "trace: {format: synthetic, num_requests: 6, arrival: {process: "
                           "poisson, rate: 2}, prompt_len: 8, output_len: 3, "
                           "rate_scale: [1, 2, 4]}\npolicies: [fcfs]\n"

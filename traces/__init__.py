@@ -4,7 +4,7 @@ Example (YAML)::
 
     trace:
       format: azure2023            # azure2023 | burstgpt | mooncake | lengths | synthetic | prompts
-      path: traces/data/azure2023_conv.csv   # relative to the project root
+      path: traces/data/azure2023_conv.csv   # see lab/paths.py
       start_s: 0                   # window [start_s, end_s) on the trace's own clock
       end_s: 600
       limit: 1000                  # first N requests after the window
@@ -32,9 +32,9 @@ from lab.core.errors import TraceError
 from lab.core.request import Request
 from traces.registry import FORMATS, get_format
 from traces.spec import WHERE, check_keys, check_mapping, get_float, get_int, require
-from traces.table import apply_limit, apply_rate_scale, apply_window
+from traces.table import TraceTable, apply_limit, apply_rate_scale, apply_window
 
-__all__ = ["COMMON_KEYS", "FORMATS", "load_trace"]
+__all__ = ["COMMON_KEYS", "FORMATS", "load_table", "load_trace", "scale_table"]
 
 # Spec keys every format accepts; each format adds its own (see FORMATS[name].keys).
 COMMON_KEYS = ("format", "start_s", "end_s", "limit", "rate_scale", "seed")
@@ -45,7 +45,8 @@ def load_trace(spec: Mapping[str, Any], base_dir: Path) -> list[Request]:
 
     Args:
         spec: the ``trace:`` block of an experiment (a mapping, as parsed from YAML).
-        base_dir: the project root; a relative ``path`` is resolved against it.
+        base_dir: a relative ``path`` is resolved against it (an experiment's config has
+            made its paths absolute already: :mod:`lab.paths`).
 
     Returns:
         New Requests in source order, ``arrival_s`` non-decreasing from 0.0, ``request_id``
@@ -59,6 +60,24 @@ def load_trace(spec: Mapping[str, Any], base_dir: Path) -> list[Request]:
         TraceError: unknown format or key, a value of the wrong type or range, a missing,
             empty or malformed file, or a window/filter that keeps no request.
     """
+    rate_scale = get_float(check_mapping(spec, WHERE), "rate_scale", WHERE, default=1.0,
+                           strict=True)
+    table, _ = load_table(spec, base_dir)
+    return scale_table(table, rate_scale).to_requests()
+
+
+def load_table(spec: Mapping[str, Any], base_dir: Path) -> tuple[TraceTable, int]:
+    """Read the trace once, with the window and limit applied and no ``rate_scale`` (the
+    spec's ``rate_scale`` is not read here: apply each load with :func:`scale_table`).
+
+    Returns:
+        (the table, arrivals re-based to start at 0; the number of entries the format
+        produced before the window and limit: the data rows of the file for azure2023,
+        burstgpt, mooncake and prompts).
+
+    Raises:
+        TraceError: as :func:`load_trace`.
+    """
     spec = check_mapping(spec, WHERE)
     trace_format = get_format(require(spec, "format", WHERE))
     check_keys(spec, COMMON_KEYS + trace_format.keys, WHERE)
@@ -69,17 +88,26 @@ def load_trace(spec: Mapping[str, Any], base_dir: Path) -> list[Request]:
             f"{WHERE}.end_s: must be greater than start_s ({start_s:g}), got {end_s:g}"
         )
     limit = get_int(spec, "limit", WHERE, default=None, minimum=1)
-    rate_scale = get_float(spec, "rate_scale", WHERE, default=1.0, strict=True)
     seed = get_int(spec, "seed", WHERE, default=0, minimum=0)
 
     table = trace_format.load(spec, Path(base_dir), seed)
+    rows = len(table)
     _check_finite(table, "the arrival rate is too small")
     table = apply_window(table, start_s, end_s)
     if limit is not None:
         table = apply_limit(table, limit)
+    return table, rows
+
+
+def scale_table(table: TraceTable, rate_scale: float) -> TraceTable:
+    """``table`` at ``rate_scale`` times its request rate (:func:`traces.table.apply_rate_scale`).
+
+    Raises:
+        TraceError: an arrival time overflows (``rate_scale`` too small).
+    """
     table = apply_rate_scale(table, rate_scale)
     _check_finite(table, f"rate_scale {rate_scale:g} is too small")
-    return table.to_requests()
+    return table
 
 
 def _check_finite(table, why: str) -> None:

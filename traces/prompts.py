@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-from lab.config import load_yaml
 from lab.core.errors import TraceError
+from lab.yamlio import load_yaml_file
 from traces.registry import register_format
 from traces.spec import WHERE, require, resolve_path
 from traces.table import TraceTable
@@ -28,10 +27,7 @@ from traces.validate import MAX_TOKENS
 @register_format("prompts", keys=("path", "tokenizer", "chat"))
 def load_prompts(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
     path = resolve_path(spec, base_dir, WHERE)
-    try:
-        items = load_yaml(path.read_text())
-    except yaml.YAMLError as e:
-        raise TraceError(f"{path}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    items = load_yaml_file(path, "a prompts file", TraceError)
     if not isinstance(items, list) or not items:
         raise TraceError(f"{path}: expected a non-empty list of {{prompt, output_len, arrival_s}}")
     tokenizer = _tokenizer(Path(str(require(spec, "tokenizer", WHERE))).expanduser(), base_dir)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.core.errors import TraceError
+from lab.yamlio import short_repr
 
 # Key path of the trace block in an experiment YAML, the prefix of every spec message.
 WHERE = "trace"
@@ -107,7 +108,8 @@ def get_str_list(spec: Mapping[str, Any], key: str, where: str) -> list[str] | N
 
 
 def resolve_path(spec: Mapping[str, Any], base_dir: Path, where: str) -> Path:
-    """The trace file: ``path`` relative to ``base_dir`` (the project root) unless absolute.
+    """The trace file: ``path`` relative to ``base_dir`` unless absolute (an experiment's
+    config hands over absolute paths: :mod:`lab.paths`).
 
     Raises:
         TraceError: the key is missing or not a string, or no file exists there.
@@ -131,5 +133,6 @@ def require(spec: Mapping[str, Any], key: str, where: str) -> Any:
 
 
 def _show(value: Any) -> str:
-    """``'ten' (str)``: the value and its YAML-visible type, for error messages."""
-    return f"{value!r} ({type(value).__name__})"
+    """``'ten' (str)``: the value (cut to ~80 characters) and its YAML-visible type, for
+    error messages."""
+    return f"{short_repr(value)} ({type(value).__name__})"

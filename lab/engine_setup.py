@@ -1,0 +1,57 @@
+"""The engine backend set up from an experiment config: the model loaded once for all runs,
+an executor per run, and the tokenizer's decoder. Imports torch (through backend/); the
+simulator path never imports this module.
+"""
+
+from __future__ import annotations
+
+from backend.engine import EngineExecutor
+from backend.errors import CheckpointError
+from backend.runner import ModelRunner
+from lab.config import ExperimentConfig
+
+
+def engine_parts(cfg: ExperimentConfig):
+    """Load the model once for all runs of an experiment.
+
+    Returns:
+        (make_executor() -> EngineExecutor, num_gpu_blocks, num_cpu_blocks,
+        max_model_len, vocab_size).
+
+    Raises:
+        CheckpointError, DeviceError, KVCacheCapacityError: one line each (user errors).
+    """
+    eng, kv = cfg.engine, cfg.kv_cache
+    if eng.model_path is None or not eng.model_path.is_dir():
+        raise CheckpointError(
+            f"engine.model_path: {eng.model_path} is not a directory (make one with "
+            f"`python -m backend.tools convert-smollm2` or `make-random-checkpoint`)")
+    runner = ModelRunner(
+        eng.model_path, device=eng.device, dtype=eng.dtype,
+        attention_backend=eng.attention_backend, block_size=kv.block_size,
+        num_gpu_blocks=kv.num_gpu_blocks, gpu_memory_utilization=kv.gpu_memory_utilization,
+        swap_space_bytes=kv.swap_space_bytes, seed=cfg.seed,
+        max_model_len=cfg.scheduler.max_model_len,
+        max_num_batched_tokens=cfg.profile_num_batched_tokens,
+        max_num_seqs=cfg.scheduler.max_num_seqs,
+        cuda_graphs=eng.cuda_graphs, mixed_graphs=eng.mixed_graphs, kn_weights=eng.kn_weights,
+    )
+
+    def make_executor() -> EngineExecutor:
+        runner.generator.manual_seed(cfg.seed)  # each run samples the same way
+        return EngineExecutor(runner, eng.temperature)
+
+    return (make_executor, runner.num_gpu_blocks, runner.num_cpu_blocks,
+            runner.max_model_len, runner.config.vocab_size)
+
+
+def text_decoder(cfg: ExperimentConfig):
+    """A token-ids -> text function from the model directory's tokenizer, or None if the
+    directory has no tokenizer files (random-weight checkpoints)."""
+    model_dir = cfg.engine.model_path
+    if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer_config.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)

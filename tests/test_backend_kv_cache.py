@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -146,18 +148,19 @@ def test_prepare_inputs_rejects_bad_sequences(seq, message):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_capacity_from_free_memory_on_cuda(tmp_path, capsys):
+def test_capacity_from_free_memory_on_cuda(tmp_path, caplog):
     from backend.runner import ModelRunner
     from backend.tools.random_checkpoint import write_random_checkpoint
 
     write_random_checkpoint({**RAW, "max_position_embeddings": 2048}, tmp_path, dtype="bf16")
-    runner = ModelRunner(tmp_path, device="cuda", dtype="bfloat16", attention_backend="triton",
-                         gpu_memory_utilization=0.2, max_num_batched_tokens=4096,
-                         swap_space_bytes=1 << 30)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="backend.runner"):
+        runner = ModelRunner(tmp_path, device="cuda", dtype="bfloat16",
+                             attention_backend="triton", gpu_memory_utilization=0.2,
+                             max_num_batched_tokens=4096, swap_space_bytes=1 << 30)  # fmt: skip
     _, total = torch.cuda.mem_get_info()
     used = runner.num_gpu_blocks * runner.kv_cache.block_bytes
     assert 0 < used <= 0.2 * total
-    assert f"KV cache: {runner.num_gpu_blocks} blocks" in capsys.readouterr().out
+    assert f"KV cache: {runner.num_gpu_blocks} blocks" in caplog.text
     assert runner.num_cpu_blocks == (1 << 30) // runner.kv_cache.block_bytes
 
 

@@ -183,6 +183,7 @@ def stage_step(
     seqs: list[SeqInput],
     limits: StepLimits,
     tables: BlockTables | None = None,
+    *,
     pad_to: int | None = None,
     logits: bool = True,
     pin: bool = False,

@@ -178,8 +178,11 @@ class ModelRunner:
             self.graphs = None
             log.warning("CUDA graphs: capture failed, steps run eagerly: %r", e)
             return
-        families = [f"{len(v)} {what} {v[0]}..{v[-1]}"
-                    for what, v in (("decode batch sizes", sizes), ("token counts", tokens)) if v]
+        families = [
+            f"{len(v)} {what} {v[0]}..{v[-1]}"
+            for what, v in (("decode batch sizes", sizes), ("token counts", tokens))
+            if v
+        ]
         log.info("CUDA graphs: %s captured in %.1f s", ", ".join(families) or "no sizes",
                  time.perf_counter() - t0)  # fmt: skip
 

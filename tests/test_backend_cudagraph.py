@@ -333,6 +333,16 @@ def test_cuda_graphs_need_the_triton_backend(qwen3_dir):
                     num_gpu_blocks=NUM_BLOCKS, swap_space_bytes=0, cuda_graphs=True)  # fmt: skip
 
 
+@needs_triton
+def test_mixed_graphs_off_keeps_only_decode_graphs(qwen3_dir):
+    graphs = make_runner(qwen3_dir, cuda_graphs=True, mixed_graphs=False).graphs
+    assert graphs.sizes == [1, 2, 4, 8] and graphs.token_sizes == []
+    assert graphs.keys() == [("decode", 8, 8), ("decode", 4, 4), ("decode", 2, 2),
+                             ("decode", 1, 1)]  # fmt: skip
+    prompt = SeqInput([1, 2], 0, [3], True)
+    assert graphs.run([prompt]) is None  # a step with prompt tokens runs eagerly
+
+
 def test_cuda_graphs_default_off_on_cpu(qwen3_dir):
     runner = ModelRunner(qwen3_dir, attention_backend="torch", block_size=BLOCK_SIZE,
                          num_gpu_blocks=NUM_BLOCKS, swap_space_bytes=0)  # fmt: skip

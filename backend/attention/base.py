@@ -123,7 +123,7 @@ def decode_work(
     seq_lens: np.ndarray, seq_idx: np.ndarray, num_items: int, tile: int = DECODE_TILE
 ) -> tuple[np.ndarray, np.ndarray]:
     """Split the decodes' contexts into at most ``num_items`` work items of near-equal length
-    (balanced split-K: the longest context no longer sets the decode kernel's time).
+    (balanced split-K, so that the longest context does not set the decode kernel's time).
 
     Every item covers ``k`` whole tiles of ``tile`` key positions (the last item of a
     context fewer), with ``k`` the smallest that needs at most ``num_items`` items in all;

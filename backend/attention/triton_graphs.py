@@ -89,7 +89,9 @@ class TritonGraphMetadata(GraphMetadata):
         self.mixed_tiles = torch.full((self.tile_rows(big), 2), -1, dtype=i32, device=dev)
         # Decode work items of either family.
         items = [self.decode_items(s) for s in sizes]
-        items += [self.decode_items(r, mixed=True) for t in token_sizes for r in self.decode_rows(t)]
+        items += [
+            self.decode_items(r, mixed=True) for t in token_sizes for r in self.decode_rows(t)
+        ]
         self.decode_work = torch.full((max(items, default=0), 3), -1, dtype=i32, device=dev)
         self.decode_work_loc = torch.zeros(rows + 1, dtype=i32, device=dev)
 

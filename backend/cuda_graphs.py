@@ -14,11 +14,12 @@ per size and replays it with one launch. Two families share one memory pool:
   are computed after it (their number varies).
 
 Who does what: :func:`backend.inputs.stage_step` computes a step's host arrays (the same
-arithmetic as the eager path), into the block-table mirror this class keeps (incremental
-conversion, see :class:`backend.inputs.BlockTables`); this class copies the token rows
-(input ids, positions) into its static buffers; the attention backend's
+arithmetic as the eager path) into the block-table mirror that :class:`StepGraphs` keeps
+(incremental conversion, :class:`backend.inputs.BlockTables`); :class:`StepGraphs` copies
+the token rows (input ids, positions) into its static buffers; the attention backend's
 :class:`backend.attention.base.GraphMetadata` owns the attention buffers (slots, sequence
-rows, its kernels' work tables), fills them and pads them; this class captures and replays.
+rows, its kernels' work tables), fills them and pads them; :class:`StepGraphs` captures and
+replays.
 
 * Padding token rows: token 0 at position 0, slot -1 (the store kernel skips negative
   slots, so they write nothing); padding sequence rows get no attention work, so their

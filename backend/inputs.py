@@ -250,7 +250,8 @@ def stage_step(
         row = np.repeat(np.arange(n), q)
         positions[:total] = np.arange(total) - qsl[row] + start[row]
     nblocks = (end - 1) // bs + 1
-    tb = (tables or BlockTables()).stage(seqs, nblocks, int(nblocks.max()), limits)
+    tables = BlockTables() if tables is None else tables
+    tb = tables.stage(seqs, nblocks, int(nblocks.max()), limits)
     pos = positions[:total]
     # int64 before the multiply: slots reach 2**31 in caches of 2**31 / block_size blocks
     slots[:total] = tb[row, pos // bs].astype(np.int64) * bs + pos % bs

@@ -1,21 +1,29 @@
-"""Turn one step's per-sequence inputs into the flat tensors the model reads.
+"""Turn one step's per-sequence inputs into the arrays the model reads: written once.
 
 A step mixes prefill chunks (several tokens over a cached prefix) and decodes (one token).
-Everything is derived from the :class:`SeqInput` list alone: token ids, positions, the slot of
-every fed token, block tables, cu_seqlens, and which rows to compute logits for. The
-per-token arithmetic runs on the device (positions and slots are gathered from small
-per-sequence tensors), so host work is linear in the number of sequences plus one copy of the
-token ids.
+Everything is derived from the :class:`SeqInput` list alone: token ids, positions, the slot
+of every fed token, block tables, cu_seqlens, and which rows to compute logits for.
+
+:func:`stage_step` does the host arithmetic (numpy, vectorized over tokens and sequences)
+and the validation, optionally padding the token rows to a size; both execution paths use
+it. :func:`prepare_inputs` (eager steps) copies its arrays to the device as they are; the
+CUDA-graph path (:mod:`backend.cuda_graphs`) copies them into padded static buffers. Block
+tables are converted into a host mirror (:class:`BlockTables`); a persistent mirror converts
+only the entries a known list gained since the previous step.
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass
+from typing import NoReturn
 
+import numpy as np
 import torch
 
 from backend.attention import AttentionMetadata
-from backend.attention.base import prefill_tiles, step_decode_work
+from backend.attention.base import prefill_tiles
 
 
 @dataclass(slots=True)
@@ -28,9 +36,9 @@ class SeqInput:
         block_table: device block ids; must cover start_pos + len(token_ids) positions.
             Position p lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
             Between steps a list may only be appended to (the lab's BlockManager assigns a
-            new list when it frees or swaps): CUDA-graph decode steps restage only the
-            entries a known list gained (backend/cuda_graphs.py); a list rewritten in place
-            is noticed only if its last staged entry changed.
+            new list when it frees or swaps): a persistent :class:`BlockTables` mirror
+            converts only the entries a known list gained; a list rewritten in place is
+            noticed only if its last converted entry changed.
         sample: sample a next token from the last fed position.
         temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
     """
@@ -40,6 +48,215 @@ class SeqInput:
     block_table: list[int]
     sample: bool
     temperature: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepLimits:
+    """What a step is validated against: tokens per block, device blocks, the longest
+    sequence (tokens) and the vocabulary size."""
+
+    block_size: int
+    num_gpu_blocks: int
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class HostStep:
+    """The host arrays of one step of ``n`` sequences and ``num_tokens`` fed tokens.
+
+    Attributes:
+        tokens: (3 * T + num_sampled,) int64, pinned when staged for CUDA: input ids,
+            positions and slots, each padded to ``T`` rows (token 0, position 0, slot -1),
+            then the logits rows (empty unless staged with ``logits=True``). One copy
+            brings it to the device; :meth:`rows` cuts it there.
+        num_tokens: real token rows (the rest of ``T`` is padding).
+        query_lens: (n,) int64; tokens fed per sequence.
+        query_start_loc: (n + 1,) int64; cumulative ``query_lens``.
+        seq_lens: (n,) int64; context length after the step (start_pos + fed tokens).
+        block_tables: (n, width) int32, width = the most blocks any sequence uses; entries
+            beyond a sequence's used blocks hold any value. A view of the mirror: valid
+            until the next staging with it.
+        sampled: (num_sampled,) int64; the sampled sequences (empty unless ``logits``).
+    """
+
+    tokens: torch.Tensor
+    num_tokens: int
+    query_lens: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    sampled: np.ndarray
+
+    @property
+    def padded_tokens(self) -> int:
+        """T: token rows including padding."""
+        return (self.tokens.numel() - len(self.sampled)) // 3
+
+    def rows(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(input_ids, positions, slot_mapping, logits_indices) views of ``tokens`` (this
+        step's ``tokens`` after the copy to the device)."""
+        t = self.padded_tokens
+        return tokens[:t], tokens[t : 2 * t], tokens[2 * t : 3 * t], tokens[3 * t :]
+
+
+class BlockTables:
+    """Host mirror of a step's block tables, converted from the SeqInputs' lists.
+
+    It keeps the rows, the list each row was converted from (kept referenced, so ids stay
+    unique) and how many of its entries the row holds. A sequence whose ``block_table`` is
+    the same list object as a row of the previous staging gets that row moved to its place
+    and only its new entries converted; other rows are converted whole, and so is a known
+    list whose last converted entry changed. Python int -> int32 conversion is the cost this
+    saves on long contexts. Grows to the rows and width a step needs.
+    """
+
+    def __init__(self, rows: int = 0, width: int = 0) -> None:
+        self.table = np.zeros((rows, width), dtype=np.int32)
+        self.row_lists: list[list[int]] = []
+        self.row_lens = np.zeros(rows, dtype=np.int64)
+
+    def _reserve(self, rows: int, width: int) -> None:
+        have_rows, have_width = self.table.shape
+        if rows <= have_rows and width <= have_width:
+            return
+        table = np.zeros((max(rows, have_rows), max(width, have_width)), dtype=np.int32)
+        table[:have_rows, :have_width] = self.table
+        lens = np.zeros(table.shape[0], dtype=np.int64)
+        lens[:have_rows] = self.row_lens
+        self.table, self.row_lens = table, lens
+
+    def stage(self, seqs: list[SeqInput], nblocks: np.ndarray, width: int,
+              limits: StepLimits) -> np.ndarray:  # fmt: skip
+        """Bring the first ``len(seqs)`` rows up to date (first ``width`` columns) and
+        validate the entries the step reads (``nblocks`` (n,) per sequence); returns the
+        (n, width) view. On any error the mirror is forgotten (no row is known), so the
+        next staging converts every row."""
+        n = len(seqs)
+        self._reserve(n, width)
+        tb = self.table
+        tables = [s.block_table for s in seqs]
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+        ids, old = list(map(id, tables)), list(map(id, self.row_lists))
+        self.row_lists = []  # forgotten until this staging succeeds: no row is known
+        if not old:
+            have = np.zeros(n, dtype=np.int64)
+        elif ids == old[:n]:  # the same lists in the same rows (the common decode step)
+            have = self.row_lens[:n].copy()
+        else:  # rows moved, left or joined: gather the known rows to their new places
+            row_of = dict(zip(old, range(len(old))))
+            src = np.fromiter(map(row_of.get, ids, itertools.repeat(-1)), dtype=np.int64,
+                              count=n)  # fmt: skip
+            have = np.where(src >= 0, self.row_lens[np.maximum(src, 0)], 0)
+            tb[:n, :width] = tb[np.maximum(src, 0), :width]
+        np.minimum(have, width, out=have)  # only the first width columns were moved
+        have[have > lens] = 0  # shrank in place: not the list it was; convert it whole
+        # Outside the contract, but cheap to catch in most cases: a list rewritten in
+        # place whose last converted entry changed is converted whole.
+        known = np.flatnonzero(have)
+        if known.size:
+            at = have[known] - 1
+            rows = map(tables.__getitem__, known.tolist())
+            try:
+                last = np.fromiter(map(operator.getitem, rows, at.tolist()), dtype=np.int64,
+                                   count=known.size)  # fmt: skip
+            except OverflowError:  # rewritten in place to an id beyond int64
+                raise_invalid(seqs, limits)
+            have[known[last != tb[known, at]]] = 0
+        want = np.minimum(lens, width)
+        try:
+            for i in np.flatnonzero(have < want).tolist():
+                lo, hi, table = int(have[i]), int(want[i]), tables[i]
+                tb[i, lo:hi] = table if lo == 0 and hi == len(table) else table[lo:hi]
+        except OverflowError:  # a block id beyond int32
+            raise_invalid(seqs, limits)
+        used = np.arange(width)[None, :] < nblocks[:, None]
+        values = tb[:n, :width][used]
+        if (lens < nblocks).any() or values.min() < 0 or values.max() >= limits.num_gpu_blocks:
+            raise_invalid(seqs, limits)
+        self.row_lists = tables
+        self.row_lens[:n] = want
+        return tb[:n, :width]
+
+
+def stage_step(
+    seqs: list[SeqInput],
+    limits: StepLimits,
+    tables: BlockTables | None = None,
+    *,
+    pad_to: int | None = None,
+    logits: bool = True,
+    pin: bool = False,
+    decode_only: bool = False,
+) -> HostStep:
+    """Validate ``seqs`` (ValueError naming the first bad sequence, as :func:`check_seq`)
+    and compute the step's host arrays.
+
+    Args:
+        tables: the block-table mirror to stage into (None: a fresh one, every row
+            converted whole).
+        pad_to: token rows T (>= the step's tokens); default the step's tokens.
+        logits: also compute the sampled sequences and their logits rows.
+        pin: allocate ``tokens`` in pinned memory (for a non-blocking copy to CUDA).
+        decode_only: the caller checked that every sequence feeds exactly one token (saves
+            a pass over the sequences).
+    """
+    n, bs = len(seqs), limits.block_size
+    if n == 0:
+        raise ValueError("step: no sequences to run")
+    if decode_only:
+        q, total = np.ones(n, dtype=np.int64), n
+    else:
+        q = np.fromiter(map(len, (s.token_ids for s in seqs)), dtype=np.int64, count=n)
+        total = int(q.sum())
+        if q.min() < 1:
+            raise_invalid(seqs, limits)
+        decode_only = total == n
+    size = total if pad_to is None else pad_to
+    assert size >= total, f"stage_step: {total} tokens do not fit {size} rows"
+    sampled = (np.fromiter((i for i, s in enumerate(seqs) if s.sample), dtype=np.int64)
+               if logits else np.zeros(0, dtype=np.int64))  # fmt: skip
+    host = torch.empty(3 * size + len(sampled), dtype=torch.long, pin_memory=pin)
+    flat = host.numpy()
+    ids, positions, slots = flat[:size], flat[size : 2 * size], flat[2 * size : 3 * size]
+    ids[total:] = 0
+    positions[total:] = 0
+    slots[total:] = -1  # padding rows write nowhere
+    try:
+        if decode_only:
+            ids[:n] = [s.token_ids[0] for s in seqs]
+            positions[:n] = [s.start_pos for s in seqs]
+            start = positions[:n]
+        else:
+            ids[:total] = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs),
+                                      dtype=np.int64, count=total)  # fmt: skip
+            start = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=n)
+    except OverflowError:  # a value beyond int64: out of range, say which sequence
+        raise_invalid(seqs, limits)
+    end = start + q
+    if (
+        start.min() < 0
+        or end.max() > limits.max_model_len
+        or ids[:total].min() < 0
+        or ids[:total].max() >= limits.vocab_size
+        or min(s.temperature for s in seqs) < 0
+    ):  # before the positions size the block tables
+        raise_invalid(seqs, limits)
+    qsl = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(q, out=qsl[1:])
+    if decode_only:
+        row = np.arange(n)
+    else:
+        row = np.repeat(np.arange(n), q)
+        positions[:total] = np.arange(total) - qsl[row] + start[row]
+    nblocks = (end - 1) // bs + 1
+    tables = BlockTables() if tables is None else tables
+    tb = tables.stage(seqs, nblocks, int(nblocks.max()), limits)
+    pos = positions[:total]
+    # int64 before the multiply: slots reach 2**31 in caches of 2**31 / block_size blocks
+    slots[:total] = tb[row, pos // bs].astype(np.int64) * bs + pos % bs
+    flat[3 * size :] = qsl[1:][sampled] - 1
+    return HostStep(host, total, q, qsl, end, tb, sampled)
 
 
 @dataclass(frozen=True)
@@ -69,80 +286,66 @@ def prepare_inputs(
     max_model_len: int,
     vocab_size: int,
     device: torch.device,
-    num_kv_heads: int | None = None,
+    tables: BlockTables | None = None,
 ) -> StepInputs:
-    """Validate ``seqs`` (ValueError naming the sequence) and build the step's tensors.
-
-    With ``num_kv_heads`` the metadata also carries the triton decode kernel's work items
-    (:func:`backend.attention.base.step_decode_work`); without, that backend builds them."""
-    for i, seq in enumerate(seqs):
-        check_seq(i, seq, block_size, num_gpu_blocks, max_model_len, vocab_size)
-    query_lens = [len(s.token_ids) for s in seqs]
-    seq_lens = [s.start_pos + n for s, n in zip(seqs, query_lens, strict=True)]
-    query_start = _cumsum(query_lens)
-    max_blocks = max(len(s.block_table) for s in seqs)
-    block_tables_host = [list(s.block_table) for s in seqs]
-    padded = [bt + [0] * (max_blocks - len(bt)) for bt in block_tables_host]
-    sampled = [i for i, s in enumerate(seqs) if s.sample]
-
-    def to_device(data: list, dtype: torch.dtype) -> torch.Tensor:
-        host = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
-        return host.to(device, non_blocking=True)
-
-    input_ids = to_device([t for s in seqs for t in s.token_ids], torch.long)
-    query_start_loc = to_device(query_start, torch.int32)
-    block_tables = to_device(padded, torch.int32)  # (num_seqs, max_blocks)
-    query_lens_t = to_device(query_lens, torch.long)
-    start_pos = to_device([s.start_pos for s in seqs], torch.long)
-
-    num_tokens = query_start[-1]
-    seq_of_token = torch.repeat_interleave(
-        torch.arange(len(seqs), device=device), query_lens_t, output_size=num_tokens
-    )
-    offset_in_chunk = torch.arange(num_tokens, device=device) - query_start_loc[seq_of_token].long()
-    positions = start_pos[seq_of_token] + offset_in_chunk  # (num_tokens,)
-    blocks = block_tables[seq_of_token, positions // block_size].long()
-    slot_mapping = blocks * block_size + positions % block_size
-
-    work = loc = None
-    merge = True
-    if num_kv_heads is not None and 1 in query_lens:
-        w, lc, merge = step_decode_work(query_lens, seq_lens, num_kv_heads)
-        work, loc = to_device(w.tolist(), torch.int32), to_device(lc.tolist(), torch.int32)
+    """Validate ``seqs`` (ValueError naming the sequence) and build the step's device
+    tensors from :func:`stage_step`'s arrays: two copies (int64 token rows, packed int32
+    sequence rows). Backend-specific metadata is added by
+    :meth:`backend.attention.AttentionBackend.prepare_metadata`."""
+    pin = device.type == "cuda"
+    limits = StepLimits(block_size, num_gpu_blocks, max_model_len, vocab_size)
+    step = stage_step(seqs, limits, tables, pin=pin)
+    ids, positions, slots, logits_indices = step.rows(step.tokens.to(device, non_blocking=True))
+    q = step.query_lens
+    decodes, prefills = np.flatnonzero(q == 1), np.flatnonzero(q > 1)
+    tiles = prefill_tiles(q)
+    n, width = step.block_tables.shape
+    parts = [step.query_start_loc, step.seq_lens, np.zeros(n + 1, dtype=np.int64), decodes,
+             prefills, tiles, step.block_tables]  # fmt: skip
+    sizes = [p.size for p in parts]
+    packed = torch.empty(sum(sizes), dtype=torch.int32, pin_memory=pin)
+    views = np.split(packed.numpy(), np.cumsum(sizes)[:-1])
+    for view, part in zip(views, parts, strict=True):
+        view[:] = part.reshape(-1)
+    np.cumsum(step.seq_lens, out=views[2][1:])  # seq_start_loc
+    qsl_d, lens_d, ssl_d, dec_d, pre_d, tiles_d, tables_d = packed.to(
+        device, non_blocking=True
+    ).split(sizes)
+    sampled = step.sampled.tolist()
     attn = AttentionMetadata(
-        slot_mapping=slot_mapping,
-        query_start_loc=query_start_loc,
-        seq_lens=to_device(seq_lens, torch.int32),
-        seq_start_loc=to_device(_cumsum(seq_lens), torch.int32),
-        block_tables=block_tables,
-        decode_seq_idx=to_device([i for i, n in enumerate(query_lens) if n == 1], torch.int32),
-        prefill_seq_idx=to_device([i for i, n in enumerate(query_lens) if n > 1], torch.int32),
+        slot_mapping=slots,
+        query_start_loc=qsl_d,
+        seq_lens=lens_d,
+        seq_start_loc=ssl_d,
+        block_tables=tables_d.view(n, width),
+        decode_seq_idx=dec_d,
+        prefill_seq_idx=pre_d,
         block_size=block_size,
-        query_lens=query_lens,
-        seq_lens_host=seq_lens,
-        block_tables_host=block_tables_host,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        prefill_tiles=torch.from_numpy(prefill_tiles(query_lens)).to(device),
-        decode_work=work,
-        decode_work_loc=loc,
-        decode_merge=merge,
+        query_lens=q.tolist(),
+        seq_lens_host=step.seq_lens.tolist(),
+        block_tables_host=[s.block_table for s in seqs],
+        max_query_len=int(q.max()),
+        max_seq_len=int(step.seq_lens.max()),
+        prefill_tiles=tiles_d.view(-1, 2),
     )
     return StepInputs(
-        input_ids=input_ids,
+        input_ids=ids,
         positions=positions,
         attn=attn,
-        logits_indices=to_device([query_start[i + 1] - 1 for i in sampled], torch.long),
+        logits_indices=logits_indices,
         sampled_seqs=sampled,
         temperatures=[seqs[i].temperature for i in sampled],
     )
 
 
-def _cumsum(values: list[int]) -> list[int]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
+def raise_invalid(seqs: list[SeqInput], limits: StepLimits) -> NoReturn:
+    """Raise :func:`check_seq`'s error for the first bad sequence of a step that failed a
+    vectorized check."""
+    for i, s in enumerate(seqs):
+        check_seq(i, s, limits.block_size, limits.num_gpu_blocks, limits.max_model_len,
+                  limits.vocab_size)  # fmt: skip
+    # Only ids in a table's unused entries are left: beyond int32 they cannot be staged.
+    raise ValueError("step: a block table holds an id beyond int32 in its unused entries")
 
 
 def check_seq(

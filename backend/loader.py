@@ -13,7 +13,6 @@ projections here.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,8 +44,12 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     max_model_len: int,
+    kn_weights: bool = False,
 ) -> Transformer:
-    """Build the model for ``config`` on ``device`` in ``dtype`` and fill it from the checkpoint."""
+    """Build the model for ``config`` on ``device`` in ``dtype`` and fill it from the checkpoint.
+
+    ``kn_weights`` (CUDA only; ignored elsewhere): keep the layers' projection weights in
+    (K, N) memory order (:func:`_store_layer_weights_kn`)."""
     index = checkpoint_index(Path(model_dir))
     with torch.device("meta"):
         model = Transformer(config, backend)
@@ -56,7 +59,7 @@ def load_model(
             param.data.copy_(
                 _read_parameter(name, tuple(param.shape), config, index, reader, Path(model_dir))
             )
-    if device.type == "cuda" and os.environ.get("LAB_KN_WEIGHTS", "0") == "1":
+    if kn_weights and device.type == "cuda":
         _store_layer_weights_kn(model)
     model.rope_cos, model.rope_sin = rope_table(config, max_model_len, device)
     return model.eval()
@@ -64,9 +67,9 @@ def load_model(
 
 def _store_layer_weights_kn(model: Transformer) -> None:
     """Keep each layer projection's (N, K) weight in (K, N) memory order (the same logical
-    tensor, transposed strides); F.linear then hands cuBLAS the other operand layout.
-    Opt-in (``LAB_KN_WEIGHTS=1``): faster for Qwen3-0.6B's small-batch decode, mixed for the
-    8B shape (BENCHMARKS.md, run Q). The embedding and the LM head keep their row order."""
+    tensor, transposed strides); F.linear then hands cuBLAS the other operand layout, which
+    is faster for some shapes and slower for others (BENCHMARKS.md). The embedding and the
+    LM head keep their row order."""
     for module in model.layers.modules():
         if isinstance(module, torch.nn.Linear):
             module.weight.data = module.weight.data.t().contiguous().t()

@@ -95,7 +95,7 @@ class Attention(nn.Module):
                 None if self.q_norm is None else self.q_norm.weight,
                 None if self.k_norm is None else self.k_norm.weight, self.eps,
             )  # fmt: skip
-            out = self.backend.attend(q, *kv_cache, meta, self.scale)  # type: ignore[attr-defined]
+            out = self.backend.attend(q, *kv_cache, meta, self.scale)
             return self.o_proj(out.view(num_tokens, -1))
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -161,6 +161,7 @@ class Transformer(nn.Module):
     ``rope_cos`` / ``rope_sin`` (max_model_len, head_dim // 2) float32 are set by the loader
     once the module is on its device (see :func:`backend.rope.rope_table`). ``fused`` (default:
     on with the triton backend) selects the Triton kernels for the elementwise work.
+    ``attn_backend`` is the attention backend every layer uses.
     """
 
     def __init__(
@@ -168,6 +169,7 @@ class Transformer(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
+        self.attn_backend = backend  # shared by every layer
         self.fused = backend.name == "triton" if fused is None else fused
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(

@@ -15,15 +15,23 @@ KV cache capacity (``num_gpu_blocks``), when not given:
 
 Swap space: ``swap_space_bytes`` of host memory (pinned when CUDA is available).
 
-CUDA graphs (``cuda_graphs``, default on with CUDA + the triton backend; ``LAB_CUDA_GRAPHS=0``
-turns the default off): decode-only steps replay a graph captured per batch size, other
-steps one captured per token count, each padded up to the next size (see
-:mod:`backend.cuda_graphs`; ``LAB_MIXED_GRAPHS=0`` leaves out the token-count graphs, for A/B
-runs); steps larger than the largest size run eagerly.
+CUDA graphs (``cuda_graphs``, default on with CUDA + a graph-safe backend, i.e. triton):
+decode-only steps replay a graph captured per batch size, other steps one captured per token
+count (``mixed_graphs``), each padded up to the next size (:mod:`backend.cuda_graphs`);
+larger steps run eagerly (:func:`backend.inputs.prepare_inputs`). Both paths stage a step's
+host arrays with :func:`backend.inputs.stage_step`.
+
+CPU threads: on a CPU device the runner sets torch's intra-op threads to ``num_threads``;
+by default to ``min(4, cores)``, unless ``OMP_NUM_THREADS`` is set (then torch's own choice
+stands). More threads than cores, or many threads on a loaded machine, slow small steps.
+
+Logs (logger ``backend.runner``): the KV capacity line and the CUDA-graph capture line at
+INFO, a capture failure at WARNING.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -46,6 +54,9 @@ __all__ = ["ModelRunner", "SeqInput"]
 
 DEFAULT_SWAP_SPACE_BYTES = 4 * GiB  # vLLM's default swap space
 CPU_KV_CACHE_BYTES = 1 * GiB  # KV budget on the CPU when num_gpu_blocks is not given
+CPU_THREADS = 4  # most torch threads on a CPU device by default
+
+log = logging.getLogger("backend.runner")
 
 
 class ModelRunner:
@@ -68,14 +79,20 @@ class ModelRunner:
             peak (use the scheduler's token budget); the largest mixed-step graph size.
         max_num_seqs: most sequences in a step (the scheduler's); the largest CUDA graph size.
         cuda_graphs: replay CUDA graphs for steps up to the largest sizes. None = on when
-            the device is CUDA and the backend is triton, unless the environment has
-            LAB_CUDA_GRAPHS=0 (LAB_MIXED_GRAPHS=0 keeps only the decode-only graphs).
-            True on a non-CUDA device runs the same padded path without capture (tests).
+            the device is CUDA and the backend supports graphs (triton); True on a backend
+            that does not is a ConfigError; True on a non-CUDA device runs the same padded
+            path without capture (tests).
+        mixed_graphs: also capture the mixed-step graphs (per token count); False keeps
+            only the decode-only graphs.
+        kn_weights: keep the layers' projection weights in (K, N) memory order (CUDA only;
+            see :func:`backend.loader.load_model`).
         cuda_graph_sizes: candidate batch sizes of decode-only graphs (default
             DEFAULT_GRAPH_SIZES), cut at max_num_seqs.
         cuda_graph_token_sizes: candidate token counts of mixed-step graphs (default
             DEFAULT_TOKEN_SIZES; empty: none), cut at max_num_batched_tokens. All sizes are
             captured at start.
+        num_threads: torch intra-op threads on a CPU device (process-wide); None = the
+            default of the module doc. Ignored on CUDA.
     """
 
     def __init__(
@@ -93,31 +110,32 @@ class ModelRunner:
         max_num_batched_tokens: int = 8192,
         max_num_seqs: int = 256,
         cuda_graphs: bool | None = None,
+        mixed_graphs: bool = True,
+        kn_weights: bool = False,
         cuda_graph_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
         cuda_graph_token_sizes: Sequence[int] = DEFAULT_TOKEN_SIZES,
+        num_threads: int | None = None,
     ) -> None:
         model_dir = Path(model_dir).expanduser()
         self.config = ModelConfig.from_dir(model_dir)
         self.device = resolve_device(device)
+        if self.device.type == "cpu":
+            set_cpu_threads(num_threads)
         self.dtype = resolve_dtype(dtype, self.config)
         check_dtype_supported(self.device, self.dtype)
         self.block_size = block_size
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         _check_max_model_len(self.config, self.max_model_len, model_dir)
         backend = get_attention_backend(attention_backend, self.device, self.dtype, block_size)
+        self.attn_backend = backend
         if cuda_graphs is None:
-            cuda_graphs = (
-                self.device.type == "cuda"
-                and backend.name == "triton"
-                and os.environ.get("LAB_CUDA_GRAPHS", "1") != "0"
-            )
-        elif cuda_graphs and backend.name != "triton":
+            cuda_graphs = self.device.type == "cuda" and backend.supports_graphs
+        elif cuda_graphs and not backend.supports_graphs:
             raise ConfigError(
-                f"cuda_graphs needs the triton attention backend (got {backend.name!r})"
+                f"cuda_graphs needs a graph-safe attention backend (triton); got {backend.name!r}"
             )
-        self.model = load_model(
-            model_dir, self.config, backend, self.device, self.dtype, self.max_model_len
-        )
+        self.model = load_model(model_dir, self.config, backend, self.device, self.dtype,
+                                self.max_model_len, kn_weights)  # fmt: skip
         self.generator = torch.Generator(self.device).manual_seed(seed)  # the warm-up samples
         self.graphs: StepGraphs | None = None  # set once the KV cache exists
         block_bytes = bytes_per_block(self.config, block_size, self.dtype)
@@ -132,15 +150,9 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
-        print(self.capacity_line(), flush=True)
-        if self.device.type == "cuda" and backend.name == "triton":
-            from backend.attention import triton_kernels
-
-            k_cache, v_cache = self.kv_cache.layers[0]
-            triton_kernels.warm_up(k_cache, v_cache, self.config.num_heads, 1.0)
+        log.info(self.capacity_line())
+        backend.warm_up(*self.kv_cache.layers[0], self.config.num_heads)
         if cuda_graphs:
-            if os.environ.get("LAB_MIXED_GRAPHS", "1") == "0":
-                cuda_graph_token_sizes = ()
             self.graphs = StepGraphs(
                 self.model,
                 self.kv_cache,
@@ -148,7 +160,7 @@ class ModelRunner:
                 self.max_model_len,
                 self.config.vocab_size,
                 graph_sizes(max_num_seqs, cuda_graph_sizes),
-                graph_sizes(max_num_batched_tokens, cuda_graph_token_sizes),
+                graph_sizes(max_num_batched_tokens, cuda_graph_token_sizes if mixed_graphs else ()),
                 max_num_seqs,
                 capture=self.device.type == "cuda",
             )
@@ -164,15 +176,15 @@ class ModelRunner:
             self.graphs.capture_all()
         except Exception as e:  # noqa: BLE001 - a capture failure must not stop the engine
             self.graphs = None
-            print(f"CUDA graphs: capture failed, steps run eagerly: {e!r}", flush=True)
+            log.warning("CUDA graphs: capture failed, steps run eagerly: %r", e)
             return
-        families = [f"{len(v)} {what} {v[0]}..{v[-1]}"
-                    for what, v in (("decode batch sizes", sizes), ("token counts", tokens)) if v]
-        print(
-            f"CUDA graphs: {', '.join(families) or 'no sizes'} captured in "
-            f"{time.perf_counter() - t0:.1f} s",
-            flush=True,
-        )
+        families = [
+            f"{len(v)} {what} {v[0]}..{v[-1]}"
+            for what, v in (("decode batch sizes", sizes), ("token counts", tokens))
+            if v
+        ]
+        log.info("CUDA graphs: %s captured in %.1f s", ", ".join(families) or "no sizes",
+                 time.perf_counter() - t0)  # fmt: skip
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -243,16 +255,10 @@ class ModelRunner:
             out = self.graphs.run(seqs)
             if out is not None:
                 return out
-        inputs = prepare_inputs(
-            seqs,
-            self.block_size,
-            kv_cache.num_gpu_blocks,
-            self.max_model_len,
-            self.config.vocab_size,
-            self.device,
-            self.config.num_kv_heads,
-        )
-        hidden = self.model(inputs.input_ids, inputs.positions, kv_cache.layers, inputs.attn)
+        inputs = prepare_inputs(seqs, self.block_size, kv_cache.num_gpu_blocks,
+                                self.max_model_len, self.config.vocab_size, self.device)  # fmt: skip
+        attn = self.attn_backend.prepare_metadata(inputs.attn, self.config.num_kv_heads)
+        hidden = self.model(inputs.input_ids, inputs.positions, kv_cache.layers, attn)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return inputs.sampled_seqs, inputs.temperatures, logits
 
@@ -318,3 +324,15 @@ def _check_max_model_len(config: ModelConfig, max_model_len: int, model_dir: str
             f"{model_dir}: sliding-window attention (window {window} tokens) is not implemented; "
             f"pass max_model_len <= {window} so the window never cuts the context"
         )
+
+
+def set_cpu_threads(num_threads: int | None) -> None:
+    """Set torch's intra-op threads for CPU steps: ``num_threads``, or with None
+    ``min(CPU_THREADS, cores)`` unless ``OMP_NUM_THREADS`` is set (process-wide)."""
+    if num_threads is None:
+        if "OMP_NUM_THREADS" in os.environ:
+            return
+        num_threads = min(CPU_THREADS, os.cpu_count() or 1)
+    if num_threads < 1:
+        raise ConfigError(f"num_threads must be >= 1, got {num_threads}")
+    torch.set_num_threads(num_threads)

@@ -1,6 +1,6 @@
 """Decode step time vs the HBM roofline.
 
-    python benchmarks/decode_roofline.py [--presets qwen3-0.6b llama-3.1-8b]
+    python benchmarks/decode_roofline.py [--presets qwen3-0.6b llama-3.1-8b] [--kn-weights]
 
 For each model shape, batch 1 / 32 / 256 and context 1k / 4k: the engine's decode step time
 (ModelRunner.execute on decode-only inputs, device sync included) divided by the time the
@@ -21,11 +21,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
     ap.add_argument("--attention", default="triton")
+    ap.add_argument("--kn-weights", action="store_true",
+                    help="projection weights in (K, N) memory order (ModelRunner kn_weights)")
     args = ap.parse_args()
     from backend.runner import ModelRunner, SeqInput
 
     bw = copy_bandwidth()
-    print(f"# decode roofline, {device_line()}; device copy {bw / 1e12:.2f} TB/s")
+    kn = ", (K, N) weights" if args.kn_weights else ""
+    print(f"# decode roofline{kn}, {device_line()}; device copy {bw / 1e12:.2f} TB/s")
     print("| model | batch | context | step (ms) | roofline (ms) | ratio |")
     print("|---|---|---|---|---|---|")
     for preset in args.presets:
@@ -38,7 +41,8 @@ def main() -> None:
                 if runner is None:
                     runner = ModelRunner(model_dir, device="cuda", dtype="bfloat16",
                                          attention_backend=args.attention, block_size=block,
-                                         gpu_memory_utilization=0.9)
+                                         gpu_memory_utilization=0.9,
+                                         kn_weights=args.kn_weights)  # fmt: skip
                 cfg = runner.config
                 kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
                 if batch * blocks_per_seq > runner.num_gpu_blocks:

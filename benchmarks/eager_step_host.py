@@ -1,20 +1,18 @@
 """Where the host time of a step with prompt tokens goes, in a CUDA graph or eagerly.
 
     python benchmarks/eager_step_host.py [--preset qwen3-0.6b] [--prompt 512] [--decodes 32]
-    LAB_MIXED_GRAPHS=0 python benchmarks/eager_step_host.py     # the same step run eagerly
+    python benchmarks/eager_step_host.py --eager     # the same step without mixed graphs
 
 Runs one mixed step (a prompt chunk plus one-token decodes), prints its wall time and the GPU
 kernel time of the same step, then the host-side operations by self CPU time from
 torch.profiler (Triton launches, torch ops, copies). A wall time far above the GPU time is a
-host-bound step: its duration follows the host's speed, not the batch. Such steps ran
-eagerly until the mixed-step graphs (backend/cuda_graphs.py); LAB_MIXED_GRAPHS=0 runs them
-that way again, for comparison.
+host-bound step: its duration follows the host's speed, not the batch. ``--eager`` builds the
+runner with ``mixed_graphs=False``, so the step runs eagerly, for comparison.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 
 from common import decode_inputs, device_line, engine_runner, step_wall
 
@@ -25,12 +23,13 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--decodes", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--eager", action="store_true", help="no mixed-step graphs")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
     from backend.runner import SeqInput
 
-    runner = engine_runner(args.preset)
+    runner = engine_runner(args.preset, mixed_graphs=not args.eager)
     blocks = -(-(args.prompt + 1) // 16)
     seqs = [SeqInput([7] * args.prompt, 0, list(range(blocks)), True)]
     seqs += decode_inputs(args.decodes, 1024, first_block=blocks, token=7)
@@ -42,7 +41,7 @@ def main() -> None:
     gpu = sum(e.device_time_total for e in events if e.device_type.name == "CUDA") / args.steps
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
                                                          "cuLaunchKernelEx")) / args.steps
-    how = "eager" if os.environ.get("LAB_MIXED_GRAPHS") == "0" else "graphed"
+    how = "eager" if args.eager else "graphed"
     print(f"# {how} step host time, {args.preset}, prompt {args.prompt} + {args.decodes} "
           f"decodes, {device_line()}")
     print(f"step wall {wall * 1e3:.3f} ms; GPU kernel time {gpu / 1e3:.3f} ms; "

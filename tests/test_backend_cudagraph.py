@@ -1,4 +1,5 @@
-"""CUDA graphs for decode-only and mixed steps (backend/cuda_graphs.py).
+"""CUDA graphs for decode-only and mixed steps (backend/cuda_graphs.py, with the triton
+backend's graph metadata, backend/attention/triton_graphs.py).
 
 Without CUDA: the size choice, the padded staging of the static buffers, the store kernel's
 skipping of negative slots, and the whole padded static-buffer forward (``cuda_graphs=True``
@@ -8,17 +9,19 @@ With CUDA (``-m gpu``): captured graphs against eager, tokens and logits.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from triton_setup import DEVICE, HAS_CUDA, QWEN3_TINY, interpreting, needs_triton, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
 
 from backend.attention import triton_kernels  # noqa: E402
+from backend.attention.triton_graphs import mixed_splits  # noqa: E402
 from backend.cuda_graphs import (  # noqa: E402
     DEFAULT_GRAPH_SIZES,
     DEFAULT_TOKEN_SIZES,
     StepGraphs,
     graph_sizes,
-    mixed_splits,
     pick_size,
 )
 from backend.inputs import SeqInput  # noqa: E402
@@ -119,11 +122,11 @@ def smollm2_dir(tmp_path_factory):
     return path
 
 
-def make_runner(model_dir, cuda_graphs, dtype="float32", max_num_seqs=8, max_tokens=128):
+def make_runner(model_dir, cuda_graphs, dtype="float32", max_num_seqs=8, max_tokens=128, **kw):
     return ModelRunner(model_dir, device=str(DEVICE), dtype=dtype, attention_backend="triton",
                        block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS, swap_space_bytes=0,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
-                       cuda_graphs=cuda_graphs)  # fmt: skip
+                       cuda_graphs=cuda_graphs, **kw)  # fmt: skip
 
 
 @needs_triton
@@ -143,11 +146,11 @@ def test_stage_pads_to_the_size(qwen3_dir):
     graphs.stage(seqs, 4)
     assert graphs.input_ids[:4].tolist() == [7, 8, 9, 0]
     assert graphs.positions[:4].tolist() == [0, 9, 4, 0]
-    assert graphs.slot_mapping[:4].tolist() == [12, 9 * 4 + 1, 4 * 4 + 0, -1]
-    assert graphs.seq_lens[:4].tolist() == [1, 10, 5, 0]  # padding: no context, no work
-    assert graphs.seq_start_loc[:5].tolist() == [0, 1, 11, 16, 16]
-    assert graphs.block_tables[:4, :3].tolist() == [[3, 0, 0], [5, 6, 9], [2, 4, 0], [0, 0, 0]]
-    meta = graphs.metadata(4)
+    assert graphs.attn.slot_mapping[:4].tolist() == [12, 9 * 4 + 1, 4 * 4 + 0, -1]
+    assert graphs.attn.seq_lens[:4].tolist() == [1, 10, 5, 0]  # padding: no context, no work
+    assert graphs.attn.seq_start_loc[:5].tolist() == [0, 1, 11, 16, 16]
+    assert graphs.attn.block_tables[:4, :3].tolist() == [[3, 0, 0], [5, 6, 9], [2, 4, 0], [0, 0, 0]]
+    meta = graphs.attn.decode_metadata(4)
     assert meta.decode_seq_idx.tolist() == [0, 1, 2, 3] and meta.prefill_seq_idx.numel() == 0
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     # Work items (cut on the device at replay): 4 rows x 2 kv heads want 66 splits a row,
@@ -180,12 +183,12 @@ def test_stage_mixed_pads_to_the_token_size(qwen3_dir):
     assert graphs.positions[:8].tolist() == [5, 6, 7, 4, 0, 1, 0, 0]
     # seq 0: positions 5-7 in block 2 (slots 9-11); seq 1: position 4 in block 0 (slot 0);
     # seq 2: positions 0-1 in block 9 (slots 36-37); padding rows write nowhere.
-    assert graphs.slot_mapping[:16].tolist() == [9, 10, 11, 0, 36, 37] + [-1] * 10
-    assert graphs.mixed_query_start_loc.tolist() == [0, 3, 4, 6, 6, 6, 6, 6, 6]
-    assert graphs.seq_lens[:3].tolist() == [8, 5, 2]
-    assert graphs.block_tables[:2, :2].tolist() == [[7, 2], [3, 0]]
-    assert graphs.block_tables[2, 0].item() == 9  # one block; the next column is never read
-    meta = graphs.mixed_metadata(16)
+    assert graphs.attn.slot_mapping[:16].tolist() == [9, 10, 11, 0, 36, 37] + [-1] * 10
+    assert graphs.attn.mixed_query_start_loc.tolist() == [0, 3, 4, 6, 6, 6, 6, 6, 6]
+    assert graphs.attn.seq_lens[:3].tolist() == [8, 5, 2]
+    assert graphs.attn.block_tables[:2, :2].tolist() == [[7, 2], [3, 0]]
+    assert graphs.attn.block_tables[2, 0].item() == 9  # one block; the next column is never read
+    meta = graphs.attn.mixed_metadata(16)
     assert meta.decode_seq_idx.tolist() == [1] + [-1] * 7  # min(16 tokens, 8 seqs) rows
     assert meta.prefill_tiles.tolist() == [[0, 0], [2, 0]] + [[-1, -1]] * 7  # 1 + min(8, 16 // 2)
     # 8 decode rows x 2 kv heads x 16 splits (the cap) + 8 // 4: 130 items; one is used.
@@ -200,10 +203,10 @@ def test_stage_mixed_pads_to_the_token_size(qwen3_dir):
 def test_mixed_steps_with_few_decodes_take_the_many_split_variant(qwen3_dir):
     runner = make_runner(qwen3_dir, cuda_graphs=True, max_num_seqs=64, max_tokens=96)
     graphs = runner.graphs
-    assert graphs.decode_rows(16) == [16] and graphs.decode_rows(96) == [32, 64]
+    assert graphs.attn.decode_rows(16) == [16] and graphs.attn.decode_rows(96) == [32, 64]
     # Work items: rows x 16 splits (32 or 64 rows x 2 kv heads x 16 <= 4096) + rows // 4.
-    assert graphs.mixed_metadata(96, 32).decode_work.shape == (32 * 16 + 8, 3)
-    assert graphs.mixed_metadata(96, 64).decode_work.shape == (64 * 16 + 16, 3)
+    assert graphs.attn.mixed_metadata(96, 32).decode_work.shape == (32 * 16 + 8, 3)
+    assert graphs.attn.mixed_metadata(96, 64).decode_work.shape == (64 * 16 + 16, 3)
     assert mixed_splits(64, 8, 16) == 8  # with Qwen3-0.6B's 8 kv heads: fewer
     rows, stage_mixed = [], graphs.stage_mixed
     graphs.stage_mixed = lambda seqs, n, r: (rows.append((n, r)), stage_mixed(seqs, n, r))[1]
@@ -226,13 +229,13 @@ def test_slots_beyond_int32(qwen3_dir):
 
     graphs = StepGraphs(runner.model, BigCache(), 16, 256, 256, [1], [16], 1, capture=False)
     graphs.stage([SeqInput([1], 0, [2**27], True)], 1)
-    assert graphs.slot_mapping[0].item() == 2**31
+    assert graphs.attn.slot_mapping[0].item() == 2**31
     graphs.stage_mixed([SeqInput([1, 2], 0, [2**27], True)], 16)
-    assert graphs.slot_mapping[:3].tolist() == [2**31, 2**31 + 1, -1]
+    assert graphs.attn.slot_mapping[:3].tolist() == [2**31, 2**31 + 1, -1]
 
 
 @needs_triton
-def test_capture_line_without_decode_sizes(qwen3_dir, capsys):
+def test_capture_line_without_decode_sizes(qwen3_dir, caplog):
     # Only mixed graphs (found by a reviewer: the start-up line indexed the decode sizes).
     runner = ModelRunner(qwen3_dir, device=str(DEVICE), attention_backend="triton",
                          block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS, swap_space_bytes=0,
@@ -240,8 +243,9 @@ def test_capture_line_without_decode_sizes(qwen3_dir, capsys):
                          cuda_graph_sizes=())  # fmt: skip
     assert runner.graphs.sizes == [] and runner.graphs.token_sizes == [16, 32, 64]
     runner.graphs.capture_all = lambda: None  # what a capture that succeeded returns
-    runner._capture_graphs()
-    assert "CUDA graphs: 3 token counts 16..64 captured in" in capsys.readouterr().out
+    with caplog.at_level(logging.INFO, logger="backend.runner"):
+        runner._capture_graphs()
+    assert "CUDA graphs: 3 token counts 16..64 captured in" in caplog.text
     assert runner.execute([SeqInput([5], 0, [1], True)])[0] is not None  # a mixed graph runs it
 
 
@@ -257,14 +261,14 @@ def test_stage_converts_only_what_changed(qwen3_dir):
         graphs.stage(seqs, 2)
         for row, s in enumerate(seqs):
             need = s.start_pos // BLOCK_SIZE + 1
-            assert graphs.block_tables[row, :need].tolist() == s.block_table[:need]
+            assert graphs.attn.block_tables[row, :need].tolist() == s.block_table[:need]
             slot = s.block_table[s.start_pos // BLOCK_SIZE] * BLOCK_SIZE + s.start_pos % BLOCK_SIZE
-            assert graphs.slot_mapping[row].item() == slot
+            assert graphs.attn.slot_mapping[row].item() == slot
 
     stage_and_check([SeqInput([1], 5, a, True), SeqInput([1], 2, b, True)])
     a.append(7)  # a gains its third block (position 8)
     stage_and_check([SeqInput([1], 8, a, True), SeqInput([1], 3, b, True)])
-    assert graphs._row_lens[:2].tolist() == [3, 1]
+    assert graphs.tables.row_lens[:2].tolist() == [3, 1]
     stage_and_check([SeqInput([1], 9, c, True), SeqInput([1], 9, a, True)])  # b left, c joined
     c[:] = [8, 9]  # rewritten in place and shorter: converted whole, not trusted
     stage_and_check([SeqInput([1], 4, c, True), SeqInput([1], 9, a, True)])
@@ -279,9 +283,9 @@ def test_stage_converts_only_what_changed(qwen3_dir):
     c[1] = 11
     with pytest.raises(ValueError, match="seq 0: block ids must be in"):
         graphs.stage([SeqInput([1], 9, [1, NUM_BLOCKS, 2], True)], 1)
-    assert graphs._row_lists == []  # a failed step forgets the mirror
+    assert graphs.tables.row_lists == []  # a failed step forgets the mirror
     stage_and_check([SeqInput([1], 9, a, True), SeqInput([1], 4, c, True)])
-    assert graphs.block_tables[0, :3].tolist() == [1, 2, 7]
+    assert graphs.attn.block_tables[0, :3].tolist() == [1, 2, 7]
 
 
 @needs_triton
@@ -327,6 +331,16 @@ def test_cuda_graphs_need_the_triton_backend(qwen3_dir):
     with pytest.raises(ConfigError, match="triton"):
         ModelRunner(qwen3_dir, attention_backend="torch", block_size=BLOCK_SIZE,
                     num_gpu_blocks=NUM_BLOCKS, swap_space_bytes=0, cuda_graphs=True)  # fmt: skip
+
+
+@needs_triton
+def test_mixed_graphs_off_keeps_only_decode_graphs(qwen3_dir):
+    graphs = make_runner(qwen3_dir, cuda_graphs=True, mixed_graphs=False).graphs
+    assert graphs.sizes == [1, 2, 4, 8] and graphs.token_sizes == []
+    assert graphs.keys() == [("decode", 8, 8), ("decode", 4, 4), ("decode", 2, 2),
+                             ("decode", 1, 1)]  # fmt: skip
+    prompt = SeqInput([1, 2], 0, [3], True)
+    assert graphs.run([prompt]) is None  # a step with prompt tokens runs eagerly
 
 
 def test_cuda_graphs_default_off_on_cpu(qwen3_dir):
@@ -405,7 +419,7 @@ def test_captured_graphs_match_eager_on_gpu(which, dtype, qwen3_dir, smollm2_dir
     assert eager.graphs is None
     eager_logits, eager_tokens = run_steps(eager)
     graphed = make_runner(model_dir, cuda_graphs=True, dtype=dtype)
-    assert graphed.graphs is not None, "capture failed (see the printed line)"
+    assert graphed.graphs is not None, "capture failed (see the logged warning)"
     assert sorted(graphed.graphs.graphs) == [
         ("decode", 1, 1), ("decode", 2, 2), ("decode", 4, 4), ("decode", 8, 8),
         ("mixed", 16, 8), ("mixed", 32, 8), ("mixed", 64, 8), ("mixed", 96, 8), ("mixed", 128, 8),
@@ -451,13 +465,12 @@ def test_captured_graphs_with_default_sizes_on_gpu(qwen3_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_kn_weight_layout_matches_on_gpu(qwen3_dir, monkeypatch):
-    # LAB_KN_WEIGHTS=1 keeps the layers' projection weights in (K, N) memory order: the same
-    # logical weights, another cuBLAS operand layout (BENCHMARKS.md, run Q).
+def test_kn_weight_layout_matches_on_gpu(qwen3_dir):
+    # kn_weights=True keeps the layers' projection weights in (K, N) memory order: the same
+    # logical weights, another cuBLAS operand layout.
     ref_logits, ref_tokens = run_steps(make_runner(qwen3_dir, cuda_graphs=True))
-    monkeypatch.setenv("LAB_KN_WEIGHTS", "1")
-    runner = make_runner(qwen3_dir, cuda_graphs=True)
-    assert runner.graphs is not None, "capture failed (see the printed line)"
+    runner = make_runner(qwen3_dir, cuda_graphs=True, kn_weights=True)
+    assert runner.graphs is not None, "capture failed (see the logged warning)"
     w = runner.model.layers[0].mlp.gate_up_proj.weight
     assert w.stride() == (1, w.shape[0])  # column-major storage of the (N, K) weight
     assert runner.model.embed_tokens.weight.is_contiguous()  # embedding / LM head untouched

@@ -90,7 +90,7 @@ def dispatch(g, seqs):
     tokens = [t for t in g.token_sizes if t >= sum(q)]
     if not tokens or len(seqs) > g.max_seqs:
         return None
-    return ("mixed", tokens[0], min(r for r in g.decode_rows(tokens[0]) if r >= q.count(1)))
+    return ("mixed", tokens[0], min(r for r in g.attn.decode_rows(tokens[0]) if r >= q.count(1)))
 
 
 def check_staged(g, seqs, kind, size, rows=None, last_rows=None, work=True):
@@ -101,33 +101,33 @@ def check_staged(g, seqs, kind, size, rows=None, last_rows=None, work=True):
     pad = size - total  # token rows beyond the step's
     assert g.input_ids[:size].tolist() == ref.input_ids.tolist() + [0] * pad
     assert g.positions[:size].tolist() == ref.positions.tolist() + [0] * pad
-    assert g.slot_mapping[:size].tolist() == a.slot_mapping.tolist() + [-1] * pad
+    assert g.attn.slot_mapping[:size].tolist() == a.slot_mapping.tolist() + [-1] * pad
     for i, s in enumerate(seqs):
         used = -(-(s.start_pos + len(s.token_ids)) // g.block_size)
-        assert g.block_tables[i, :used].tolist() == s.block_table[:used], f"row {i}"
+        assert g.attn.block_tables[i, :used].tolist() == s.block_table[:used], f"row {i}"
     rows_read = size if kind == "decode" else n  # decode padding rows: length 0 (no work)
     lens = a.seq_lens.tolist() + [0] * (rows_read - n)
-    assert g.seq_lens[:rows_read].tolist() == lens
-    assert g.seq_start_loc[: rows_read + 1].tolist() == [0, *np.cumsum(lens).tolist()]
+    assert g.attn.seq_lens[:rows_read].tolist() == lens
+    assert g.attn.seq_start_loc[: rows_read + 1].tolist() == [0, *np.cumsum(lens).tolist()]
     if kind == "decode":
-        assert g.block_tables[n:size, 0].tolist() == [0] * pad
-        meta = g.metadata(size)  # the constants: one query row per sequence row
+        assert g.attn.block_tables[n:size, 0].tolist() == [0] * pad
+        meta = g.attn.decode_metadata(size)  # the constants: one query row per sequence row
         assert meta.query_start_loc.tolist() == list(range(size + 1))
         assert meta.decode_seq_idx.tolist() == list(range(size))
         if work:
             check_work(g, meta, a.seq_lens.tolist(), list(range(n)) + [-1] * (size - n),
-                       g.decode_items(size))  # fmt: skip
+                       g.attn.decode_items(size))  # fmt: skip
         return
-    qsl = g.mixed_query_start_loc.tolist()
+    qsl = g.attn.mixed_query_start_loc.tolist()
     assert qsl == a.query_start_loc.tolist() + [total] * (g.max_seqs - n)
-    meta = g.mixed_metadata(size, rows)
+    meta = g.attn.mixed_metadata(size, rows)
     decodes = a.decode_seq_idx.tolist()
     assert meta.decode_seq_idx.tolist() == decodes + [-1] * (rows - len(decodes))
     if work:
         check_work(g, meta, a.seq_lens.tolist(), decodes + [-1] * (rows - len(decodes)),
-                   g.decode_items(rows, mixed=True))  # fmt: skip
+                   g.attn.decode_items(rows, mixed=True))  # fmt: skip
     tiles = prefill_tiles([len(s.token_ids) for s in seqs]).tolist()
-    assert meta.prefill_tiles.tolist() == tiles + [[-1, -1]] * (g.tile_rows(size) - len(tiles))
+    assert meta.prefill_tiles.tolist() == tiles + [[-1, -1]] * (g.attn.tile_rows(size) - len(tiles))
     assert last_rows.tolist() == ref.logits_indices.tolist()
 
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 import pytest
 import torch
+import torch_threads  # noqa: F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
 
+from backend.attention.base import prefill_tiles
 from backend.config import ModelConfig
 from backend.errors import KVCacheCapacityError
-from backend.attention.base import prefill_tiles
-from backend.inputs import SeqInput, prepare_inputs
+from backend.inputs import BlockTables, SeqInput, StepLimits, prepare_inputs, stage_step
 from backend.kv_cache import KVCache, blocks_in, bytes_per_block
+from lab.core.errors import ConfigError
 
 RAW = {
     "architectures": ["LlamaForCausalLM"],
@@ -115,6 +120,61 @@ def test_prepare_inputs_slots_positions_and_metadata():
     assert inp.sampled_seqs == [1] and inp.temperatures == [0.5]
 
 
+def test_stage_step_pads_token_rows_and_finds_logits_rows():
+    # The host arithmetic both paths share: the step of the test above, padded to 6 rows.
+    seqs = [SeqInput([11, 12, 13], 5, [7, 2], False), SeqInput([21], 4, [3, 0, 5], True)]
+    tables = BlockTables()  # grows to the step: 2 rows, 2 blocks used at most
+    step = stage_step(seqs, StepLimits(4, 8, 64, 100), tables, pad_to=6)
+    ids, positions, slots, last = step.rows(step.tokens)
+    assert ids.tolist() == [11, 12, 13, 21, 0, 0]
+    assert positions.tolist() == [5, 6, 7, 4, 0, 0]
+    assert slots.tolist() == [9, 10, 11, 0, -1, -1]  # padding rows write nowhere
+    assert last.tolist() == [3]  # the sampled seq 1's only row
+    assert step.num_tokens == 4 and step.padded_tokens == 6
+    assert step.query_start_loc.tolist() == [0, 3, 4] and step.seq_lens.tolist() == [8, 5]
+    assert step.block_tables.tolist() == [[7, 2], [3, 0]] and tables.table.shape == (2, 2)
+    assert tables.row_lens.tolist() == [2, 2]
+    with pytest.raises(ValueError, match="seq 1: block ids must be in"):
+        stage_step([seqs[0], SeqInput([1], 4, [3, 8], True)], StepLimits(4, 8, 64, 100), tables)
+    assert tables.row_lists == []  # a failed step forgets what the mirror held
+    with pytest.raises(ValueError, match="step: no sequences"):
+        stage_step([], StepLimits(4, 8, 64, 100))
+
+
+def test_cpu_threads_rule(monkeypatch):
+    from backend.runner import set_cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        set_cpu_threads(1)
+        assert torch.get_num_threads() == 1
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        set_cpu_threads(None)  # the default: min(4, cores)
+        assert torch.get_num_threads() == min(4, os.cpu_count())
+        torch.set_num_threads(max(1, min(4, os.cpu_count()) - 1))
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        set_cpu_threads(None)  # the user set OMP_NUM_THREADS: torch's setting stands
+        assert torch.get_num_threads() == max(1, min(4, os.cpu_count()) - 1)
+        with pytest.raises(ConfigError, match="num_threads must be >= 1"):
+            set_cpu_threads(0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_runner_logs_its_capacity_line(tmp_path, caplog):
+    from backend.runner import ModelRunner
+    from backend.tools.random_checkpoint import write_random_checkpoint
+
+    write_random_checkpoint({**RAW, "max_position_embeddings": 64}, tmp_path, dtype="float32")
+    with caplog.at_level(logging.INFO, logger="backend.runner"):
+        runner = ModelRunner(tmp_path, block_size=4, num_gpu_blocks=8, swap_space_bytes=3072)
+    assert caplog.messages == [
+        "KV cache: 8 blocks x 4 tokens = 32 tokens, 0.00 GiB on cpu (torch.float32); "
+        "swap space: 1 blocks, 0.00 GiB"
+    ]
+    assert runner.graphs is None  # no CUDA graphs on the CPU by default
+
+
 def test_prefill_tiles_cover_every_chunk_row():
     # 64-row tiles: 130 rows -> tiles 0, 1, 2; a decode (1 row) has none; 64 rows -> one.
     assert prefill_tiles([130, 1, 64]).tolist() == [[0, 0], [0, 1], [0, 2], [2, 0]]
@@ -146,18 +206,19 @@ def test_prepare_inputs_rejects_bad_sequences(seq, message):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_capacity_from_free_memory_on_cuda(tmp_path, capsys):
+def test_capacity_from_free_memory_on_cuda(tmp_path, caplog):
     from backend.runner import ModelRunner
     from backend.tools.random_checkpoint import write_random_checkpoint
 
     write_random_checkpoint({**RAW, "max_position_embeddings": 2048}, tmp_path, dtype="bf16")
-    runner = ModelRunner(tmp_path, device="cuda", dtype="bfloat16", attention_backend="triton",
-                         gpu_memory_utilization=0.2, max_num_batched_tokens=4096,
-                         swap_space_bytes=1 << 30)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="backend.runner"):
+        runner = ModelRunner(tmp_path, device="cuda", dtype="bfloat16",
+                             attention_backend="triton", gpu_memory_utilization=0.2,
+                             max_num_batched_tokens=4096, swap_space_bytes=1 << 30)  # fmt: skip
     _, total = torch.cuda.mem_get_info()
     used = runner.num_gpu_blocks * runner.kv_cache.block_bytes
     assert 0 < used <= 0.2 * total
-    assert f"KV cache: {runner.num_gpu_blocks} blocks" in capsys.readouterr().out
+    assert f"KV cache: {runner.num_gpu_blocks} blocks" in caplog.text
     assert runner.num_cpu_blocks == (1 << 30) // runner.kv_cache.block_bytes
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch_threads  # noqa: F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
 
 from backend.sampler import sample
 

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch_threads  # noqa: F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
 
 from backend.config import ModelConfig
 from backend.loader import INDEX_FILE, checkpoint_shapes

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+import torch_threads  # noqa: F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

@@ -22,11 +22,17 @@ import importlib
 
 import torch
 
-from backend.attention.base import AttentionBackend, AttentionMetadata
+from backend.attention.base import AttentionBackend, AttentionMetadata, GraphMetadata
 from backend.errors import DeviceError
 from lab.core.errors import ConfigError
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "BACKENDS", "get_attention_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "BACKENDS",
+    "GraphMetadata",
+    "get_attention_backend",
+]
 
 # name -> (module, class, pip requirement)
 BACKENDS: dict[str, tuple[str, str, str]] = {

@@ -32,8 +32,7 @@ class AttentionMetadata:
         seq_lens: (num_seqs,) int32; context length after this step (start_pos + fed tokens).
         seq_start_loc: (num_seqs + 1,) int32; cumulative ``seq_lens`` (cu_seqlens of keys).
         block_tables: (num_seqs, max_blocks) int32; a row's entries beyond the blocks its
-            sequence uses are never read (block 0 in eager steps, older values in CUDA-graph
-            steps).
+            sequence uses are never read and may hold any value.
         decode_seq_idx: (num_decodes,) int32; sequences fed exactly one token.
         prefill_seq_idx: (num_prefills,) int32; sequences fed more than one token.
             CUDA-graph metadata pads both to a fixed length with -1 entries.
@@ -46,7 +45,8 @@ class AttentionMetadata:
         query_lens, seq_lens_host, block_tables_host: per-sequence Python lists.
         max_query_len, max_seq_len: maxima over the batch (kernel grid sizes).
 
-    Read by the triton backend only (None: it builds them from the host values):
+    Read by the triton backend only (set by its ``prepare_metadata`` and graph metadata;
+    None: it builds them from the host values in every layer):
         decode_work: (num_items, 3) int32 device tensor; the decode kernel's work items,
             (sequence, first key position, end key position), from :func:`decode_work`;
             rows with sequence -1 are padding (CUDA graphs).
@@ -123,7 +123,7 @@ def decode_work(
     seq_lens: np.ndarray, seq_idx: np.ndarray, num_items: int, tile: int = DECODE_TILE
 ) -> tuple[np.ndarray, np.ndarray]:
     """Split the decodes' contexts into at most ``num_items`` work items of near-equal length
-    (balanced split-K: the longest context no longer sets the decode kernel's time).
+    (balanced split-K, so that the longest context does not set the decode kernel's time).
 
     Every item covers ``k`` whole tiles of ``tile`` key positions (the last item of a
     context fewer), with ``k`` the smallest that needs at most ``num_items`` items in all;
@@ -194,8 +194,62 @@ def step_decode_work(
     return work, loc, bool((np.diff(loc) > 1).any())
 
 
+GraphKey = tuple[str, int, int]  # ("decode", size, size) or ("mixed", tokens, decode rows)
+
+
+class GraphMetadata(ABC):
+    """A backend's CUDA-graph attention metadata: static device buffers sized for the
+    largest graph, the :class:`AttentionMetadata` each graph reads from them, and how a
+    step fills them. The graph runner (:mod:`backend.cuda_graphs`) stages the host arrays
+    (:func:`backend.inputs.stage_step`), calls :meth:`prepare_for_replay`, and replays.
+
+    Graph keys: ``("decode", size, size)``: ``size`` one-token rows; ``("mixed", tokens,
+    rows)``: any step of at most ``tokens`` tokens over at most ``max_seqs`` sequences, with
+    at most ``rows`` decodes (a variant of :meth:`decode_rows`).
+    """
+
+    @abstractmethod
+    def decode_rows(self, tokens: int) -> list[int]:
+        """The decode-row variants of the mixed graphs of ``tokens`` tokens, ascending."""
+
+    @abstractmethod
+    def metadata(self, key: GraphKey) -> AttentionMetadata:
+        """The metadata graph ``key`` reads: views of the static buffers (no copies)."""
+
+    @abstractmethod
+    def prepare_for_capture(self, key: GraphKey) -> None:
+        """Make every row graph ``key`` reads padding (before its warm-up and capture), so
+        neither writes the KV cache."""
+
+    @abstractmethod
+    def prepare_for_replay(
+        self,
+        key: GraphKey,
+        query_lens: np.ndarray,
+        query_start_loc: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write one step into the static buffers of graph ``key``, padded (issues the
+        copies; returns without waiting for them).
+
+        Args:
+            query_lens, seq_lens: (n,) ints; query_start_loc: (n + 1,) ints.
+            block_tables: (n, width) int32; entries beyond a sequence's blocks are not read.
+            slot_mapping: (T,) int64 on the device, T = the graph's token rows, padding -1.
+        """
+
+    def graph_prologue(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
+        """Device work each graph records before its forward (default: none)."""
+
+
 class AttentionBackend(ABC):
     """Paged attention for one step. Subclasses check at construction that they can run.
+
+    A step is :meth:`store` (write the fed tokens' k/v into their slots) then :meth:`attend`;
+    the model's fused path (:mod:`backend.triton_ops`) stores k/v itself and calls
+    :meth:`attend` alone.
 
     Args:
         device: where the model and the KV cache live.
@@ -204,13 +258,13 @@ class AttentionBackend(ABC):
     """
 
     name: ClassVar[str]
+    supports_graphs: ClassVar[bool] = False  # whether graph_metadata() is implemented
 
     def __init__(self, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
 
-    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -234,6 +288,54 @@ class AttentionBackend(ABC):
         Returns:
             (num_tokens, num_heads, head_dim) in q's dtype.
         """
+        self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def store(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write k/v (num_tokens, num_kv_heads, head_dim) into the caches at
+        ``slot_mapping`` (num_tokens,) int64."""
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    @abstractmethod
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of q (num_tokens, num_heads, head_dim) over caches that already
+        hold this step's k/v. Returns (num_tokens, num_heads, head_dim) in q's dtype; does
+        not mutate the caches."""
+
+    def prepare_metadata(self, meta: AttentionMetadata, num_kv_heads: int) -> AttentionMetadata:
+        """An eager step's metadata with what this backend adds, built once per step rather
+        than in every layer (default: ``meta`` unchanged)."""
+        return meta
+
+    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> None:  # noqa: B027
+        """Compile or load this backend's kernels for these caches (default: nothing)."""
+
+    def graph_metadata(
+        self,
+        num_kv_heads: int,
+        max_model_len: int,
+        sizes: list[int],
+        token_sizes: list[int],
+        max_seqs: int,
+    ) -> GraphMetadata:
+        """The static CUDA-graph metadata for decode graphs of ``sizes`` rows and mixed
+        graphs of ``token_sizes`` tokens over ``max_seqs`` sequence rows (block tables
+        ``ceil(max_model_len / block_size)`` wide). Only backends with ``supports_graphs``."""
+        raise NotImplementedError(f"attention backend {self.name!r} has no CUDA-graph metadata")
 
 
 def store_kv(

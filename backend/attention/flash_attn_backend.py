@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-from backend.attention.base import AttentionBackend, AttentionMetadata, store_kv
+from backend.attention.base import AttentionBackend, AttentionMetadata
 from backend.errors import DeviceError
 
 
@@ -42,17 +42,14 @@ class FlashAttention(AttentionBackend):
                 f"KV cache (got {block_size}); use 'triton' for smaller blocks"
             )
 
-    def forward(
+    def attend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.num_prefills == 0:  # every sequence feeds one token
             out = flash_attn_with_kvcache(
                 q.unsqueeze(1),  # (num_seqs, 1, num_heads, head_dim)

@@ -9,23 +9,20 @@ from __future__ import annotations
 
 import torch
 
-from backend.attention.base import AttentionBackend, AttentionMetadata, store_kv
+from backend.attention.base import AttentionBackend, AttentionMetadata
 
 
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def forward(
+    def attend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         start = 0
         for query_len, seq_len, blocks in zip(

@@ -3,16 +3,20 @@
 The fast path on the H200 (flash-attn is not installed there). One step launches at most
 four kernels per layer: store k/v, prefill over the sequences fed several tokens, decode over
 the sequences fed one (and its split merge). The model's fused path stores k/v itself
-(:func:`backend.triton_ops.qkv_prepare`) and calls :meth:`TritonAttention.attend`.
+(:func:`backend.triton_ops.qkv_prepare`) and calls :meth:`TritonAttention.attend`. The only
+graph-safe backend: its CUDA-graph metadata is :class:`TritonGraphMetadata`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
 
 from backend.attention import triton_kernels
 from backend.attention.base import AttentionBackend, AttentionMetadata, step_decode_work
+from backend.attention.triton_graphs import TritonGraphMetadata
 from backend.errors import DeviceError
 
 
@@ -23,6 +27,7 @@ def interpreting() -> bool:
 
 class TritonAttention(AttentionBackend):
     name = "triton"
+    supports_graphs = True
 
     def __init__(self, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
         super().__init__(device, dtype, block_size)
@@ -32,18 +37,15 @@ class TritonAttention(AttentionBackend):
                 "use 'torch' on CPU, or set TRITON_INTERPRET=1 before importing triton to test"
             )
 
-    def forward(
+    def store(
         self,
-        q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        triton_kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q.contiguous(), k_cache, v_cache, meta, scale)
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        triton_kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def attend(
         self,
@@ -53,8 +55,7 @@ class TritonAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Attention of q (num_tokens, num_heads, head_dim), contiguous, over caches that
-        already hold this step's k/v (the fused path of :mod:`backend.triton_ops` stores them)."""
+        q = q.contiguous()
         out = torch.empty_like(q)
         common = (k_cache, v_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens)
         if meta.num_prefills:
@@ -68,3 +69,34 @@ class TritonAttention(AttentionBackend):
                 work, loc = torch.from_numpy(w).to(q.device), torch.from_numpy(lc).to(q.device)
             triton_kernels.decode_attention(q, *common, work, loc, scale, merge)
         return out
+
+    def prepare_metadata(self, meta: AttentionMetadata, num_kv_heads: int) -> AttentionMetadata:
+        """Adds the decode kernel's work items (:func:`step_decode_work`) when the step has
+        decodes."""
+        if not meta.num_decodes:
+            return meta
+        work, loc, merge = step_decode_work(meta.query_lens, meta.seq_lens_host, num_kv_heads)
+        pin = self.device.type == "cuda"
+        work_d = torch.from_numpy(work).pin_memory() if pin else torch.from_numpy(work)
+        loc_d = torch.from_numpy(loc).pin_memory() if pin else torch.from_numpy(loc)
+        return dataclasses.replace(
+            meta,
+            decode_work=work_d.to(self.device, non_blocking=True),
+            decode_work_loc=loc_d.to(self.device, non_blocking=True),
+            decode_merge=merge,
+        )
+
+    def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> None:
+        if k_cache.device.type == "cuda":  # the interpreter compiles nothing
+            triton_kernels.warm_up(k_cache, v_cache, num_heads, 1.0)
+
+    def graph_metadata(
+        self,
+        num_kv_heads: int,
+        max_model_len: int,
+        sizes: list[int],
+        token_sizes: list[int],
+        max_seqs: int,
+    ) -> TritonGraphMetadata:
+        return TritonGraphMetadata(self.device, self.block_size, max_model_len, num_kv_heads,
+                                   sizes, token_sizes, max_seqs)  # fmt: skip

@@ -18,7 +18,8 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     policies: [fcfs, swap, {name: chunked_prefill, max_num_batched_tokens: 512}]
     slo: {ttft_s: null, tpot_s: null, e2e_s: null}
     engine: {model_path: DIR, device: cpu, dtype: auto, attention_backend: torch,
-             temperature: 0.0, cuda_graphs: null, mixed_graphs: true, kn_weights: false}
+             temperature: 0.0, cuda_graphs: null, mixed_graphs: true, kn_weights: false,
+             num_threads: null}
              # backend: engine only (backend/README.md)
     check_invariants: false
     trace_file: {path: ..., sha256: ..., rows: ...}   # written into results' config.yaml;
@@ -197,6 +198,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # None: on with CUDA and the triton backend
     mixed_graphs: bool = True  # false: only decode-only steps replay graphs
     kn_weights: bool = False  # projection weights in (K, N) memory order
+    num_threads: int | None = None  # CPU device: torch threads (None: min(4, cores), or OMP_NUM_THREADS)
 
 
 @dataclass(frozen=True)
@@ -504,6 +506,7 @@ def _engine(where: str, raw: Any, base_dir: Path, used: bool) -> EngineConfig:
         for key in ("mixed_graphs", "kn_weights"):
             if not isinstance(e[key], bool):
                 raise _fail(where, f"engine.{key}", "true or false", e[key])
+        _int(where, "engine.num_threads", e["num_threads"], optional=True)
         e["model_path"] = _existing(
             where, "engine.model_path", path, base_dir, "directory",
             "; make a model directory with `python -m backend.tools convert-smollm2` or "

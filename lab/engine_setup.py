@@ -35,6 +35,7 @@ def engine_parts(cfg: ExperimentConfig):
         max_num_batched_tokens=cfg.profile_num_batched_tokens,
         max_num_seqs=cfg.scheduler.max_num_seqs,
         cuda_graphs=eng.cuda_graphs, mixed_graphs=eng.mixed_graphs, kn_weights=eng.kn_weights,
+        num_threads=eng.num_threads,
     )
 
     def make_executor() -> EngineExecutor:

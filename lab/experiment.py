@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from lab import metrics
+from lab.progress import Phase
 from lab.config import rate_scales, scale_label
 from lab.sim.cost_model import AnalyticCostModel, CostModelExecutor, num_cpu_blocks, num_gpu_blocks
 from lab.core.errors import ConfigError
@@ -35,7 +36,7 @@ class Run:
     rate_scale: float
     result: ReplayResult
     requests: pd.DataFrame
-    itl_s: np.ndarray
+    itl_cdf_s: np.ndarray  # ITL at CDF levels linspace(0, 1, len): metrics.cdf_points
     summary: dict[str, Any]
 
 
@@ -154,7 +155,11 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
     for scale in scales:
         spec = {**cfg["trace"], "rate_scale": scale}
         spec.setdefault("seed", cfg["seed"])
-        trace = requests if requests is not None else load_trace(spec, base_dir)
+        if requests is None:
+            with Phase(f"loading trace ({spec.get('format')})", bars=progress):
+                trace = load_trace(spec, base_dir)
+        else:
+            trace = requests
         if cfg["backend"] == "engine":
             assign_prompt_tokens(trace, vocab_size, cfg["seed"])
         for pol in cfg["policies"]:
@@ -169,13 +174,17 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
                 executor = CostModelExecutor(cost_model, bs)
             label = pol["label"] if len(scales) == 1 else f"{pol['label']}@x{scale_label(scale)}"
             run_requests = fresh(trace)  # not ``requests``: each load reloads the trace
-            with _ProgressBar(progress, label, len(run_requests)) as bar:
+            n = len(run_requests)
+            with Phase(f"{label}: replay {n:,} requests", n, "req", progress) as phase:
                 result = replay(run_requests, scheduler, executor,
-                                check_invariants=cfg["check_invariants"], progress=bar)
-            df, itl = metrics.request_table(result, pol["label"], scale)
-            summary = {"policy": pol["label"], "rate_scale": scale,
-                       "limits": dataclasses.asdict(limits),
-                       **metrics.summarize(df, itl, result, cfg["slo"])}
+                                check_invariants=cfg["check_invariants"],
+                                progress=phase.replay_callback)
+            with Phase(f"{label}: metrics", n, "req", progress) as phase:
+                df, itl = metrics.request_table(result, pol["label"], scale, phase.set)
+                summary = {"policy": pol["label"], "rate_scale": scale,
+                           "limits": dataclasses.asdict(limits),
+                           **metrics.summarize(df, itl, result, cfg["slo"])}
+                itl = metrics.cdf_points(itl, overwrite=True)  # all gaps: a run's largest array
             if result.failure:
                 summary["failure"] = result.failure
             runs.append(Run(label, pol["label"], scale, result, df, itl, summary))
@@ -184,29 +193,3 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
                 log.error("%s stopped: %s", label, result.failure)
     return runs
 
-
-class _ProgressBar:
-    """A tqdm bar of ended requests (only on a terminal), used as a replay callback."""
-
-    def __init__(self, enabled: bool, label: str, total: int) -> None:
-        self.enabled, self.label, self.total, self.bar = enabled, label, total, None
-
-    def __enter__(self):
-        if not self.enabled:
-            return None
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=self.total, desc=self.label, unit="req", leave=True,
-                        disable=None, mininterval=0.5)
-        return self
-
-    def __call__(self, num_ended: int, sim_time_s: float) -> None:
-        self.bar.n = num_ended
-        self.bar.set_postfix_str(f"t={sim_time_s:.0f}s", refresh=False)
-        self.bar.refresh()
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            if exc[0] is None:
-                self.bar.n = self.total
-            self.bar.close()

@@ -10,6 +10,7 @@ model directory with Hugging Face tokenizer files, e.g. the converted SmolLM2) a
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,31 +29,32 @@ from traces.validate import MAX_TOKENS
 @register_format("prompts", keys=("path", "tokenizer", "chat"))
 def load_prompts(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
     path = resolve_path(spec, base_dir, WHERE)
-    try:
-        items = load_yaml(path.read_text())
-    except yaml.YAMLError as e:
-        raise TraceError(f"{path}: not valid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(items, list) or not items:
-        raise TraceError(f"{path}: expected a non-empty list of {{prompt, output_len, arrival_s}}")
-    tokenizer = _tokenizer(Path(str(require(spec, "tokenizer", WHERE))).expanduser(), base_dir)
+    items = _read_items(path)
     chat = spec.get("chat", False)
     if not isinstance(chat, bool):
-        raise TraceError(f"{WHERE}.chat: expected true or false, got {chat!r}")
-    ids, outputs, arrivals = [], [], []
-    for i, item in enumerate(items):
+        raise TraceError(f"{WHERE}.chat: expected true or false, got {_short(chat)}")
+    prompts, outputs, arrivals = [], [], []
+    for i, item in enumerate(items):  # every item checked before the tokenizer loads
         where = f"{path}: item {i + 1}"
         if not isinstance(item, dict) or set(item) - {"prompt", "output_len", "arrival_s"}:
-            raise TraceError(f"{where}: expected keys prompt, output_len, arrival_s; got {item!r}")
+            raise TraceError(f"{where}: expected keys prompt, output_len, arrival_s; "
+                             f"got {_short(item)}")
         prompt, out, t = item.get("prompt"), item.get("output_len"), item.get("arrival_s", 0.0)
         if not isinstance(prompt, str) or not prompt:
-            raise TraceError(f"{where}: prompt: expected a non-empty string, got {prompt!r}")
+            raise TraceError(f"{where}: prompt: expected a non-empty string, got {_short(prompt)}")
         if isinstance(out, bool) or not isinstance(out, int) or not 1 <= out <= MAX_TOKENS:
             raise TraceError(f"{where}: output_len: expected an integer in 1..{MAX_TOKENS:,}, "
-                             f"got {out!r}")
+                             f"got {_short(out)}")
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
-            raise TraceError(f"{where}: arrival_s: expected a finite number >= 0, got {t!r}")
+            raise TraceError(f"{where}: arrival_s: expected a finite number >= 0, got {_short(t)}")
         if arrivals and t < arrivals[-1]:
             raise TraceError(f"{where}: arrival_s {t} is before the previous item's {arrivals[-1]}")
+        prompts.append(prompt)
+        outputs.append(out)
+        arrivals.append(float(t))
+    tokenizer = _tokenizer(Path(str(require(spec, "tokenizer", WHERE))).expanduser(), base_dir)
+    ids = []
+    for prompt in prompts:
         if chat:
             tokens = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                    add_generation_prompt=True, tokenize=True)
@@ -60,8 +62,6 @@ def load_prompts(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTab
         else:
             tokens = tokenizer(prompt)["input_ids"]
         ids.append(list(tokens))
-        outputs.append(out)
-        arrivals.append(float(t))
     return TraceTable(
         row=np.arange(len(items)),
         arrival_s=np.asarray(arrivals),
@@ -69,6 +69,49 @@ def load_prompts(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTab
         output_len=np.asarray(outputs),
         prompt_token_ids=ids,
     )
+
+
+def _read_items(path: Path) -> list:
+    """The file's YAML list, with the experiment YAML's protections (lab/config.py
+    ``load_config``): every failure is one TraceError line naming the file.
+
+    Raises:
+        TraceError: not a regular file (a FIFO would block), unreadable, not UTF-8, nested
+            too deeply, not valid YAML (aliases included, where the loader refuses them),
+            or not a non-empty list.
+    """
+    if not path.is_file():
+        raise TraceError(f"{path}: not a regular file, expected a prompts YAML file")
+    try:
+        items = load_yaml(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise TraceError(f"{path}: cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except RecursionError:
+        raise TraceError(f"{path}: nested too deeply to be a prompts YAML file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        raise TraceError(f"{path}:{line} is not valid YAML "
+                         f"({_cut(str(getattr(e, 'problem', None) or e))})") from None
+    if not isinstance(items, list) or not items:
+        raise TraceError(f"{path}: expected a non-empty list of {{prompt, output_len, arrival_s}}")
+    return items
+
+
+# Bounded reprs: a YAML alias bomb is a small file whose full repr would not fit in memory.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxstring, _REPR.maxother = 3, 4, 4, 60, 60
+
+
+def _short(value: Any) -> str:
+    return _cut(_REPR.repr(value))
+
+
+def _cut(text: str, limit: int = 80) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _tokenizer(path: Path, base_dir: Path):

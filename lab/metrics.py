@@ -24,8 +24,8 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 
-from lab.sim.replay import ReplayResult
 from lab.core.request import RequestStatus
+from lab.sim.replay import ReplayResult
 
 PERCENTILES = (50, 90, 99)
 CDF_POINTS = 2000  # points of a latency CDF kept for the plots
@@ -89,7 +89,7 @@ def cdf_points(values, max_points: int = CDF_POINTS, overwrite: bool = False) ->
     ``max_points``): a bounded sample that draws the CDF of the values, for plots.
 
     Up to ``CDF_SAMPLE`` values the quantiles are exact; beyond, they are those of every
-    j-th value (j = ceil(count / CDF_SAMPLE)), which draws the same curve to the pixel and
+    j-th value (j = ceil(count / CDF_SAMPLE)), the same curve at a plot's resolution, which
     costs a partition of at most ``CDF_SAMPLE`` values instead of all of them.
     ``overwrite``: as in :func:`stats`, ``values`` may be reordered in place.
     """

@@ -23,6 +23,7 @@ from lab.core.scheduler import SchedulerLimits
 from lab.sim.cost_model import AnalyticCostModel, CostModelExecutor, num_cpu_blocks, num_gpu_blocks
 from lab.sim.hardware import HARDWARE
 from lab.sim.models import MODELS
+from lab.progress import Phase
 from lab.sim.replay import ReplayResult, replay
 from policies import get_policy
 
@@ -38,7 +39,7 @@ class Run:
     rate_scale: float
     result: ReplayResult
     requests: pd.DataFrame
-    itl_s: np.ndarray
+    itl_cdf_s: np.ndarray  # ITL at CDF levels linspace(0, 1, len): metrics.cdf_points
     summary: dict[str, Any]
 
 
@@ -188,7 +189,8 @@ def run_experiment(cfg: ExperimentConfig, progress: bool = True,
                           'pip install -e ".[engine]"')
     if requests is None:
         before = sha256_of(cfg.trace.path)
-        table, rows = load_table({"seed": cfg.seed, **cfg.trace.spec}, cfg.base_dir)
+        with Phase(f"loading trace ({cfg.trace.format})", bars=progress):
+            table, rows = load_table({"seed": cfg.seed, **cfg.trace.spec}, cfg.base_dir)
         tables = {scale: scale_table(table, scale) for scale in cfg.rate_scales}
         info = trace_info(cfg, rows, before)
     else:
@@ -221,13 +223,17 @@ def run_experiment(cfg: ExperimentConfig, progress: bool = True,
                 executor = CostModelExecutor(cost_model, bs)
             label = cfg.run_label(pol, scale)
             run_requests = fresh(trace)
-            with _ProgressBar(progress, label, len(run_requests)) as bar:
+            n = len(run_requests)
+            with Phase(f"{label}: replay {n:,} requests", n, "req", progress) as phase:
                 result = replay(run_requests, scheduler, executor,
-                                check_invariants=cfg.check_invariants, progress=bar)
-            df, itl = metrics.request_table(result, pol.label, scale)
-            summary = {"policy": pol.label, "rate_scale": scale,
-                       "limits": dataclasses.asdict(limits), "trace": info,
-                       **metrics.summarize(df, itl, result, cfg.slo.to_dict())}
+                                check_invariants=cfg.check_invariants,
+                                progress=phase.replay_callback)
+            with Phase(f"{label}: metrics", n, "req", progress) as phase:
+                df, itl = metrics.request_table(result, pol.label, scale, phase.set)
+                summary = {"policy": pol.label, "rate_scale": scale,
+                           "limits": dataclasses.asdict(limits), "trace": info,
+                           **metrics.summarize(df, itl, result, cfg.slo.to_dict())}
+                itl = metrics.cdf_points(itl, overwrite=True)  # all gaps: a run's largest array
             if result.failure:
                 summary["failure"] = result.failure
             runs.append(Run(label, pol.label, scale, result, df, itl, summary))
@@ -235,30 +241,3 @@ def run_experiment(cfg: ExperimentConfig, progress: bool = True,
             if result.failure:
                 log.error("%s stopped: %s", label, result.failure)
     return runs
-
-
-class _ProgressBar:
-    """A tqdm bar of ended requests (only on a terminal), used as a replay callback."""
-
-    def __init__(self, enabled: bool, label: str, total: int) -> None:
-        self.enabled, self.label, self.total, self.bar = enabled, label, total, None
-
-    def __enter__(self):
-        if not self.enabled:
-            return None
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=self.total, desc=self.label, unit="req", leave=True,
-                        disable=None, mininterval=0.5)
-        return self
-
-    def __call__(self, num_ended: int, sim_time_s: float) -> None:
-        self.bar.n = num_ended
-        self.bar.set_postfix_str(f"t={sim_time_s:.0f}s", refresh=False)
-        self.bar.refresh()
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            if exc[0] is None:
-                self.bar.n = self.total
-            self.bar.close()

@@ -19,13 +19,17 @@ Percentiles use numpy's default (linear interpolation), as vLLM does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pandas as pd
 
-from lab.sim.replay import ReplayResult
 from lab.core.request import RequestStatus
+from lab.sim.replay import ReplayResult
 
 PERCENTILES = (50, 90, 99)
+CDF_POINTS = 2000  # points of a latency CDF kept for the plots
+CDF_SAMPLE = 1 << 20  # values a CDF's quantiles are taken from, at most
 REQUEST_COLUMNS = [
     "policy", "rate_scale", "request_id", "status", "reason", "arrival_s", "prompt_tokens",
     "output_tokens", "num_generated_tokens", "first_token_s", "finish_s", "ttft_s", "tpot_s",
@@ -33,31 +37,71 @@ REQUEST_COLUMNS = [
 ]  # fmt: skip
 
 
-def request_table(result: ReplayResult, policy: str, rate_scale: float) -> tuple[pd.DataFrame, np.ndarray]:
+def request_table(result: ReplayResult, policy: str, rate_scale: float,
+                  progress: Callable[[int], None] | None = None) -> tuple[pd.DataFrame, np.ndarray]:
     """One row per trace request, and the pooled ITL gaps (seconds) of finished requests.
 
-    Latency columns are NaN where undefined (not finished; TPOT of 1-token outputs).
+    Latency columns are NaN where undefined (not finished; TPOT of 1-token outputs). The
+    gaps come request by request (in ``result.requests`` order), each request's in token
+    order, in one float64 array: 8 bytes per output token of the run.
+
+    Args:
+        progress: optional callable(num_requests_done), called every 4,096 requests.
     """
-    rows, gaps = [], []
-    for r in result.requests:
+    requests = result.requests
+    num_gaps = sum(_num_tokens(r) - 1 for r in requests if r.status is RequestStatus.FINISHED)
+    itl = np.empty(max(num_gaps, 0))
+    cols: dict[str, list] = {c: [] for c in REQUEST_COLUMNS}
+    pos = 0
+    for i, r in enumerate(requests):
         finished = r.status is RequestStatus.FINISHED
         first = last = np.nan
         if finished:
             times = result.token_times(r)
             first, last = times[0], times[-1]
-            gaps.append(np.diff(times))
+            n = len(times) - 1
+            np.subtract(times[1:], times[:-1], out=itl[pos:pos + n])  # np.diff, in place
+            pos += n
         queue = r.first_scheduled_s - r.arrival_s if r.first_scheduled_s >= 0 else np.nan
-        rows.append((
+        for c, v in zip(cols.values(), (
             policy, rate_scale, r.request_id, r.status.value, r.reason, r.arrival_s,
             r.prompt_len, r.output_len, r.num_output_tokens if finished else np.nan,
             first, r.finish_s if r.finish_s >= 0 else np.nan, first - r.arrival_s, np.nan,
             last - r.arrival_s, queue, r.num_preemptions, r.num_preemptions_recompute,
             r.num_preemptions_swap,
-        ))
-    itl = np.concatenate(gaps) if gaps else np.zeros(0)
-    df = pd.DataFrame(rows, columns=REQUEST_COLUMNS)
+        )):
+            c.append(v)
+        if progress is not None and (i + 1) % 4096 == 0:
+            progress(i + 1)
+    df = pd.DataFrame(cols)
+    del cols
     df["tpot_s"] = tpot_s(df["ttft_s"], df["e2e_s"], df["num_generated_tokens"])
     return df, itl
+
+
+def _num_tokens(r) -> int:
+    """Output tokens ``ReplayResult.token_times`` gives for ``r``."""
+    return len(r.prefill_token_steps) + sum(b - a for a, b in r.decode_segments)
+
+
+def cdf_points(values, max_points: int = CDF_POINTS, overwrite: bool = False) -> np.ndarray:
+    """The finite values' quantiles at levels ``np.linspace(0, 1, k)``, k = min(count,
+    ``max_points``): a bounded sample that draws the CDF of the values, for plots.
+
+    Up to ``CDF_SAMPLE`` values the quantiles are exact; beyond, they are those of every
+    j-th value (j = ceil(count / CDF_SAMPLE)), the same curve at a plot's resolution, which
+    costs a partition of at most ``CDF_SAMPLE`` values instead of all of them.
+    ``overwrite``: as in :func:`stats`, ``values`` may be reordered in place.
+    """
+    v = np.asarray(values, dtype=np.float64)
+    finite = np.isfinite(v)
+    if not finite.all():
+        v, overwrite = v[finite], True
+    if len(v) > CDF_SAMPLE:
+        v, overwrite = v[::-(-len(v) // CDF_SAMPLE)].copy(), True
+    if len(v) == 0:
+        return np.zeros(0)
+    return np.quantile(v, np.linspace(0, 1, min(len(v), max_points)), overwrite_input=overwrite)
 
 
 def tpot_s(ttft_s, e2e_s, num_tokens) -> np.ndarray:
@@ -68,13 +112,28 @@ def tpot_s(ttft_s, e2e_s, num_tokens) -> np.ndarray:
     return np.where(n > 1, out, np.nan)
 
 
-def stats(values) -> dict[str, float]:
-    """mean and P50/P90/P99 of the finite values (NaN when there are none)."""
+def stats(values, overwrite: bool = False) -> dict[str, float]:
+    """mean and P50/P90/P99 of the finite values (NaN when there are none).
+
+    ``overwrite``: ``values`` is a float64 array the caller lets be reordered in place
+    (its values stay), which saves a copy of it per percentile. Whatever the layout of
+    ``values``, the mean is taken over a contiguous array in the values' order, so the
+    result is the same to the bit.
+    """
     v = np.asarray(values, dtype=np.float64)
-    v = v[np.isfinite(v)]
+    finite = np.isfinite(v)
+    if finite.all():
+        contiguous = np.ascontiguousarray(v)
+        overwrite = overwrite or contiguous is not v
+        v = contiguous
+    else:
+        v, overwrite = v[finite], True  # a copy of our own
+    del finite
     if len(v) == 0:
         return {"mean": float("nan"), **{f"p{p}": float("nan") for p in PERCENTILES}}
-    return {"mean": float(v.mean()), **{f"p{p}": float(np.percentile(v, p)) for p in PERCENTILES}}
+    mean = float(v.mean())  # before any percentile reorders v
+    return {"mean": mean, **{f"p{p}": float(np.percentile(v, p, overwrite_input=overwrite))
+                             for p in PERCENTILES}}
 
 
 def meets_slo(df: pd.DataFrame, slo: dict[str, float | None]) -> np.ndarray:
@@ -89,7 +148,8 @@ def meets_slo(df: pd.DataFrame, slo: dict[str, float | None]) -> np.ndarray:
 
 def summarize(df: pd.DataFrame, itl: np.ndarray, result: ReplayResult,
               slo: dict[str, float | None]) -> dict:
-    """The aggregates of one policy's run (JSON-ready)."""
+    """The aggregates of one policy's run (JSON-ready). ``itl`` (from ``request_table``) is
+    reordered in place: its values stay, for ``cdf_points``, not their order."""
     fin = df[df["status"] == "finished"]
     steps = result.steps
     end = max(float(df["finish_s"].max(skipna=True) or 0.0), float(result.step_end_s.max(initial=0.0)))
@@ -107,7 +167,7 @@ def summarize(df: pd.DataFrame, itl: np.ndarray, result: ReplayResult,
         "total_token_throughput": float((fin["prompt_tokens"] + fin["num_generated_tokens"]).sum()) / duration,
         "ttft_s": stats(fin["ttft_s"]),
         "tpot_s": stats(fin["tpot_s"]),
-        "itl_s": stats(itl),
+        "itl_s": stats(itl, overwrite=True),
         "e2e_s": stats(fin["e2e_s"]),
         "queue_s": stats(fin["queue_s"]),
         "slo": {k: v for k, v in slo.items() if v is not None},

@@ -23,6 +23,8 @@ import yaml
 from lab.config import ExperimentConfig
 from lab.core.errors import UserError
 from lab.experiment import Run
+from lab.metrics import cdf_points
+from lab.progress import Phase
 from lab.sim.replay import STEP_COLUMNS
 
 LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
@@ -45,18 +47,24 @@ def write_results(out_dir: Path, cfg: ExperimentConfig, runs: list[Run],
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; results are for sharing
+    phase = Phase("writing results", 5, "file").start()  # 5 advances below
     try:
         (tmp / "config.yaml").write_text(config_yaml(cfg, runs))
+        phase.advance()
         pd.concat([r.requests for r in runs]).to_csv(tmp / "requests.csv", index=False)
+        phase.advance()
         _steps_frame(runs).to_csv(tmp / "steps.csv", index=False, float_format="%.9g")
+        phase.advance()
         summary = {r.label: r.summary for r in runs}
         (tmp / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2))
         # Wall-clock seconds live apart, so the other files depend on the inputs alone.
         timing = {r.label: {"replay_wall_s": r.result.wall_s} for r in runs}
         (tmp / "timing.json").write_text(json.dumps(timing, indent=2))
+        phase.advance()
         if any(r.output_token_ids for run in runs for r in run.result.requests):
             _write_tokens(tmp / "tokens.jsonl", runs, decode)
         plots = _plots(tmp, runs)
+        phase.advance()
         (tmp / "report.md").write_text(_markdown(cfg, runs, plots))
         if out_dir.exists():
             check_out_dir(out_dir)  # again: it may have changed during the runs
@@ -67,12 +75,15 @@ def write_results(out_dir: Path, cfg: ExperimentConfig, runs: list[Run],
             shutil.rmtree(old)
         else:
             os.rename(tmp, out_dir)
+        phase.close()
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"--out {out_dir}: cannot write the results ({e})") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        phase.close(ok=False)  # no-op after the close above
     return out_dir
 
 
@@ -157,11 +168,9 @@ def _plots(folder: Path, runs: list[Run]) -> list[tuple[str, str]]:
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     for ax, (key, title) in zip(axes.flat, LATENCIES):
         for r in top:
-            v = r.itl_s if key == "itl_s" else r.requests[key].to_numpy(dtype=float)
-            v = np.sort(v[np.isfinite(v)])
-            if len(v):
-                q = np.linspace(0, 1, min(len(v), 2000))
-                ax.plot(np.quantile(v, q), q, label=r.policy)
+            x = r.itl_cdf_s if key == "itl_s" else cdf_points(r.requests[key].to_numpy(dtype=float))
+            if len(x):
+                ax.plot(x, np.linspace(0, 1, len(x)), label=r.policy)
         lo_hi = [ln.get_xdata() for ln in ax.get_lines()]
         if lo_hi and max(x.max() for x in lo_hi) > 10 * min(max(x.min(), 1e-9) for x in lo_hi):
             ax.set_xscale("log")  # a log axis only pays (and labels well) over a decade

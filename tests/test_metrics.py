@@ -36,7 +36,7 @@ def test_request_table_and_summary_on_a_replay():
     a, b = df.set_index("request_id").loc["a"], df.set_index("request_id").loc["b"]
     assert (a.ttft_s, a.e2e_s, a.tpot_s) == pytest.approx((0.01, 0.04, 0.015))
     assert (b.ttft_s, b.e2e_s, b.tpot_s, b.queue_s) == pytest.approx((0.015, 0.025, 0.01, 0.005))
-    np.testing.assert_allclose(np.sort(itl), [0.01, 0.01, 0.02])
+    np.testing.assert_allclose(itl, [0.01, 0.02, 0.01])  # a's gaps, then b's, in token order
     s = metrics.summarize(df, itl, res, {"ttft_s": 0.012, "tpot_s": None, "e2e_s": None})
     assert s["duration_s"] == pytest.approx(0.04)
     assert s["request_throughput"] == pytest.approx(2 / 0.04)
@@ -56,3 +56,29 @@ def test_slo_counts_rejected_as_miss():
 def test_stats_percentiles_linear_interpolation():
     s = metrics.stats([1.0, 2.0, 3.0, 4.0, np.nan])
     assert s == {"mean": 2.5, "p50": 2.5, "p90": pytest.approx(3.7), "p99": pytest.approx(3.97)}
+
+
+def test_stats_is_bitwise_the_same_with_overwrite_and_any_layout():
+    rng = np.random.default_rng(0)
+    values = rng.lognormal(0, 2, 100_003)  # pairwise summation: the order and layout matter
+    want = {"mean": float(values.mean()),
+            **{f"p{p}": float(np.percentile(values, p)) for p in metrics.PERCENTILES}}
+    strided = np.repeat(values, 2)[::2]  # the same values, not contiguous
+    assert metrics.stats(strided) == want and metrics.stats(values) == want
+    copy = values.copy()
+    assert metrics.stats(copy, overwrite=True) == want
+    assert sorted(copy) == sorted(values)  # reordered in place, same values
+    with_nan = np.concatenate([values[:10], [np.nan, np.inf], values[10:]])
+    assert metrics.stats(with_nan) == want and np.isnan(with_nan[10])  # caller's copy kept
+
+
+def test_cdf_points(monkeypatch):
+    # Levels linspace(0, 1, 3) = 0, 0.5, 1 of {1, 2, 3} (NaN left out); 2 points: 0 and 1.
+    assert metrics.cdf_points([3.0, np.nan, 1.0, 2.0]).tolist() == [1.0, 2.0, 3.0]
+    assert metrics.cdf_points([3.0, 1.0, 2.0], max_points=2).tolist() == [1.0, 3.0]
+    assert len(metrics.cdf_points([np.nan])) == 0
+    # Beyond CDF_SAMPLE values, every ceil(10 / 4) = 3rd one: 0, 3, 6, 9.
+    monkeypatch.setattr(metrics, "CDF_SAMPLE", 4)
+    values = np.arange(10.0)[::-1].copy()
+    assert metrics.cdf_points(values).tolist() == [0.0, 3.0, 6.0, 9.0]
+    assert values.tolist() == list(range(9, -1, -1))  # not overwritten

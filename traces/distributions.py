@@ -7,7 +7,10 @@ file loaders check too):
 - ``{uniform: [lo, hi]}``: integers drawn uniformly from lo..hi, both ends included;
 - ``{lognormal: {mean: 1000, sigma: 0.5}}``: a log-normal whose *mean in tokens* is ``mean``
   (numpy's mu is derived: mu = ln(mean) - sigma^2 / 2) and whose log has standard deviation
-  ``sigma``; samples are rounded to the nearest integer and clipped to 1..MAX_TOKENS;
+  ``sigma``; samples are rounded to the nearest integer and clipped to 1..MAX_TOKENS. A
+  ``sigma`` that would put most samples at the clips (below 0.5 or above MAX_TOKENS tokens)
+  is refused: the lengths would no longer have that mean (e.g. mean 1000 allows sigma up
+  to about 3.9);
 - ``{choice: [128, 512, 2048]}``: one of the listed values, each equally likely.
 """
 
@@ -97,6 +100,12 @@ def parse_length(value: Any, where: str) -> LengthDistribution:
         if mean > MAX_TOKENS:
             raise _bad(f"{where}.lognormal.mean", mean, f"expected at most {MAX_TOKENS:,}")
         sigma = get_float(params, "sigma", f"{where}.lognormal", minimum=0.0)
+        clipped = _clipped_fraction(mean, sigma)
+        if clipped > 0.5:
+            raise TraceError(
+                f"{where}.lognormal: sigma {sigma:g} with mean {mean:g} puts {clipped:.0%} of "
+                f"the samples outside 1..{MAX_TOKENS:,} tokens (clipped there, so the lengths "
+                f"would not have mean {mean:g}); expected a sigma that keeps most samples inside")
         return LogNormal(mean, sigma)
     if kind == "choice":
         if not (isinstance(params, list) and params and all(map(_is_count, params))):
@@ -104,6 +113,19 @@ def parse_length(value: Any, where: str) -> LengthDistribution:
                        f"expected a non-empty list of integers in 1..{MAX_TOKENS:,}")
         return Choice(tuple(params))
     raise _bad(where, value)
+
+
+def _clipped_fraction(mean: float, sigma: float) -> float:
+    """Probability that a LogNormal(mean, sigma) sample rounds to below 1 or lands above
+    MAX_TOKENS (sigma huge: ``sigma * sigma`` is inf, mu -inf, and the answer 1)."""
+    if sigma == 0:
+        return 0.0
+    mu = math.log(mean) - sigma * sigma / 2
+
+    def below(x: float) -> float:  # P(sample < x), the normal CDF of ln(x)
+        return 0.5 * math.erfc(-(math.log(x) - mu) / sigma / math.sqrt(2))
+
+    return below(0.5) + (1.0 - below(MAX_TOKENS + 0.5))
 
 
 def _is_count(value: Any) -> bool:

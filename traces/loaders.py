@@ -36,7 +36,7 @@ from traces.distributions import parse_length
 from traces.readers import read_csv, read_jsonl
 from traces.registry import register_format
 from traces.spec import WHERE, get_choice, get_int, get_str_list, require, resolve_path
-from traces.table import TraceTable
+from traces.table import TraceTable, check_clock
 from traces.validate import (
     Source,
     check_sorted,
@@ -52,14 +52,18 @@ BURSTGPT_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
 LENGTHS_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
 SAMPLE_ORDERS = ("sequential", "shuffle")
+# A replay holds its requests in memory (the trace, plus one copy per policy run): 10M is
+# already ~10 GB per policy; more would fail late, after minutes of generation.
+MAX_SYNTHETIC_REQUESTS = 10_000_000
 
 
 @register_format("azure2023", keys=("path",))
 def load_azure2023(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
     """Azure LLM inference trace 2023 (Splitwise): ``TIMESTAMP,ContextTokens,GeneratedTokens``.
 
-    TIMESTAMP is wall-clock text with 100-ns ticks (``2023-11-16 18:17:03.9799600``), no zone;
-    arrivals are seconds since the first row. Rows must be sorted by time.
+    TIMESTAMP is wall-clock text with 100-ns ticks (``2023-11-16 18:17:03.9799600``), no zone,
+    or, as in the 2024 trace, with an offset from UTC (``2024-05-10 00:00:00.011+00:00``),
+    converted to UTC; arrivals are seconds since the first row. Rows must be sorted by time.
     """
     path = resolve_path(spec, base_dir, WHERE)
     frame = read_csv(path, AZURE_COLUMNS)
@@ -165,7 +169,9 @@ def load_lengths(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTab
         table = table.take(sample_rng.permutation(len(table))[:num_requests])
     else:
         table = table.take(slice(0, num_requests))
-    return table.with_arrivals(arrival.sample(num_requests, arrival_rng))
+    arrival_s = arrival.sample(num_requests, arrival_rng)
+    check_clock(arrival_s, f"{WHERE}.arrival.rate", f"{arrival.rate:g} req/s")
+    return table.with_arrivals(arrival_s)
 
 
 @register_format("synthetic", keys=("num_requests", "arrival", "prompt_len", "output_len"))
@@ -177,13 +183,20 @@ def load_synthetic(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceT
     ``seed``, so changing one distribution leaves the others' samples unchanged.
     """
     num_requests = get_int(spec, "num_requests", WHERE, minimum=1)
+    if num_requests > MAX_SYNTHETIC_REQUESTS:
+        raise TraceError(
+            f"{WHERE}.num_requests: expected at most {MAX_SYNTHETIC_REQUESTS:,}, got "
+            f"{num_requests:,} (each request is replayed from memory, ~1 KB per policy; "
+            "split the workload into several runs)")
     arrival = parse_arrival(require(spec, "arrival", WHERE), f"{WHERE}.arrival")
     prompt = parse_length(require(spec, "prompt_len", WHERE), f"{WHERE}.prompt_len")
     output = parse_length(require(spec, "output_len", WHERE), f"{WHERE}.output_len")
     arrival_rng, prompt_rng, output_rng = np.random.default_rng(seed).spawn(3)
+    arrival_s = arrival.sample(num_requests, arrival_rng)
+    check_clock(arrival_s, f"{WHERE}.arrival.rate", f"{arrival.rate:g} req/s")
     return TraceTable(
         row=np.arange(num_requests),
-        arrival_s=arrival.sample(num_requests, arrival_rng),
+        arrival_s=arrival_s,
         prompt_len=prompt.sample(num_requests, prompt_rng),
         output_len=output.sample(num_requests, output_rng),
     )

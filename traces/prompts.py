@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from lab.core.errors import TraceError
-from lab.yamlio import load_yaml_file
+from lab.yamlio import load_yaml_file, short_repr
 from traces.registry import register_format
 from traces.spec import WHERE, require, resolve_path
 from traces.table import TraceTable
@@ -30,25 +30,31 @@ def load_prompts(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTab
     items = load_yaml_file(path, "a prompts file", TraceError)
     if not isinstance(items, list) or not items:
         raise TraceError(f"{path}: expected a non-empty list of {{prompt, output_len, arrival_s}}")
-    tokenizer = _tokenizer(Path(str(require(spec, "tokenizer", WHERE))).expanduser(), base_dir)
     chat = spec.get("chat", False)
     if not isinstance(chat, bool):
-        raise TraceError(f"{WHERE}.chat: expected true or false, got {chat!r}")
-    ids, outputs, arrivals = [], [], []
-    for i, item in enumerate(items):
+        raise TraceError(f"{WHERE}.chat: expected true or false, got {short_repr(chat)}")
+    prompts, outputs, arrivals = [], [], []
+    for i, item in enumerate(items):  # every item checked before the tokenizer loads
         where = f"{path}: item {i + 1}"
         if not isinstance(item, dict) or set(item) - {"prompt", "output_len", "arrival_s"}:
-            raise TraceError(f"{where}: expected keys prompt, output_len, arrival_s; got {item!r}")
+            raise TraceError(f"{where}: expected keys prompt, output_len, arrival_s; "
+                             f"got {short_repr(item)}")
         prompt, out, t = item.get("prompt"), item.get("output_len"), item.get("arrival_s", 0.0)
         if not isinstance(prompt, str) or not prompt:
-            raise TraceError(f"{where}: prompt: expected a non-empty string, got {prompt!r}")
+            raise TraceError(f"{where}: prompt: expected a non-empty string, got {short_repr(prompt)}")
         if isinstance(out, bool) or not isinstance(out, int) or not 1 <= out <= MAX_TOKENS:
             raise TraceError(f"{where}: output_len: expected an integer in 1..{MAX_TOKENS:,}, "
-                             f"got {out!r}")
+                             f"got {short_repr(out)}")
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
-            raise TraceError(f"{where}: arrival_s: expected a finite number >= 0, got {t!r}")
+            raise TraceError(f"{where}: arrival_s: expected a finite number >= 0, got {short_repr(t)}")
         if arrivals and t < arrivals[-1]:
             raise TraceError(f"{where}: arrival_s {t} is before the previous item's {arrivals[-1]}")
+        prompts.append(prompt)
+        outputs.append(out)
+        arrivals.append(float(t))
+    tokenizer = _tokenizer(Path(str(require(spec, "tokenizer", WHERE))).expanduser(), base_dir)
+    ids = []
+    for prompt in prompts:
         if chat:
             tokens = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                    add_generation_prompt=True, tokenize=True)
@@ -56,8 +62,6 @@ def load_prompts(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTab
         else:
             tokens = tokenizer(prompt)["input_ids"]
         ids.append(list(tokens))
-        outputs.append(out)
-        arrivals.append(float(t))
     return TraceTable(
         row=np.arange(len(items)),
         arrival_s=np.asarray(arrivals),

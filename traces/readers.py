@@ -8,6 +8,7 @@ after the header); JSONL messages give the line number in the file.
 
 from __future__ import annotations
 
+import codecs
 import json
 import warnings
 from collections.abc import Sequence
@@ -24,9 +25,10 @@ def read_csv(path: Path, required: Sequence[str]) -> pd.DataFrame:
     Header names are stripped of surrounding spaces (``Timestamp, Model`` is accepted).
 
     Raises:
-        TraceError: empty file, unparsable CSV (wrong field count, bad encoding) or a
-            missing column.
+        TraceError: not a text file, empty file, unparsable CSV (wrong field count, bad
+            encoding) or a missing column.
     """
+    check_text(path, "CSV")
     try:
         with warnings.catch_warnings():
             # A row with more fields than the header would silently lose data: an error here.
@@ -63,9 +65,10 @@ def read_jsonl(
         key absent from a line is None) and the 1-based file line number of each row.
 
     Raises:
-        TraceError: empty file, a line that is not a JSON object, or a line without one of
-            the ``required`` keys.
+        TraceError: not a text file, empty file, a line that is not a JSON object, or a line
+            without one of the ``required`` keys.
     """
+    check_text(path, "JSONL")
     keys = [*required, *optional]
     records: list[dict] = []
     line_numbers: list[int] = []
@@ -89,6 +92,40 @@ def read_jsonl(
         raise TraceError(f"{path.name}: empty file (no data rows)")
     columns = {key: pd.Series([r.get(key) for r in records], dtype=object) for key in keys}
     return pd.DataFrame(columns), line_numbers
+
+
+_MAGIC = {b"\x1f\x8b": "gzip-compressed: decompress it first",
+          b"PK\x03\x04": "zip-compressed: decompress it first",
+          b"\x28\xb5\x2f\xfd": "zstd-compressed: decompress it first",
+          b"BZh": "bzip2-compressed: decompress it first",
+          b"\xfd7zXZ\x00": "xz-compressed: decompress it first",
+          b"PAR1": "a Parquet file"}
+_SNIFF_BYTES = 1 << 16
+
+
+def check_text(path: Path, kind: str) -> None:
+    """Refuse a file whose first 64 KiB are not UTF-8 text (compressed, binary, or text in
+    another encoding), which pandas would otherwise read as an empty or garbled table.
+
+    Raises:
+        TraceError: ``<file>: not a text <kind> file (...)``, saying what was found.
+    """
+    try:
+        with path.open("rb") as f:
+            head = f.read(_SNIFF_BYTES)
+    except OSError as exc:
+        raise TraceError(f"{path.name}: cannot be read ({exc.strerror})") from None
+    for magic, what in _MAGIC.items():
+        if head.startswith(magic):
+            raise TraceError(f"{path.name}: not a text {kind} file ({what})")
+    nul = head.find(b"\x00")
+    if nul >= 0:
+        raise TraceError(f"{path.name}: not a text {kind} file (byte {nul} is NUL: binary data)")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < _SNIFF_BYTES)
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{path.name}: not a text {kind} file (byte {exc.start} is not UTF-8: "
+                         "binary data, or text in another encoding)") from None
 
 
 def require_columns(frame: pd.DataFrame, required: Sequence[str], file: str) -> None:

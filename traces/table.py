@@ -24,6 +24,7 @@ import numpy as np
 
 from lab.core.errors import TraceError
 from lab.core.request import Request, RequestStatus
+from traces.spec import WHERE
 
 
 @dataclass(frozen=True)
@@ -138,8 +139,48 @@ def apply_limit(table: TraceTable, limit: int) -> TraceTable:
 
 
 def apply_rate_scale(table: TraceTable, rate_scale: float) -> TraceTable:
-    """Divide every inter-arrival time by ``rate_scale`` (arrivals start at 0 already)."""
+    """Divide every inter-arrival time by ``rate_scale`` (arrivals start at 0 already).
+
+    Raises:
+        TraceError: the scaled times lose what the replay needs: two requests that arrive
+            apart would arrive together (a gap below float64's smallest normal number), or
+            the last arrival lies beyond MAX_CLOCK_S (see ``check_clock``). Times that
+            overflow to inf are left to ``load_trace``, which names the request.
+    """
     if rate_scale == 1.0:
         return table
-    with np.errstate(over="ignore"):  # inf arrivals are reported by load_trace
-        return table.with_arrivals(table.arrival_s / rate_scale)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        scaled = table.arrival_s / rate_scale
+        kept = table.replayed & np.isfinite(table.arrival_s)
+        before, after = np.diff(table.arrival_s[kept]), np.diff(scaled[kept])
+    where = f"{WHERE}.rate_scale"
+    lost = np.flatnonzero((before > 0) & ~(after >= np.finfo(np.float64).tiny))
+    if len(lost) and np.isfinite(after[lost[0]]):
+        rows = table.row[kept]
+        i = int(lost[0])
+        raise TraceError(
+            f"{where}: {rate_scale:g} shrinks the {before[i]:.3g} s gap between requests "
+            f"{rows[i]} and {rows[i + 1]} to {after[i]:.3g} s, below float64's smallest "
+            "normal number: the arrival times cannot be kept")
+    check_clock(scaled, where, f"{rate_scale:g}")
+    return table.with_arrivals(scaled)
+
+
+# Arrival times stay below 2**32 s (136 years), where float64 seconds still resolve a
+# microsecond (spacing 2**-20 s): beyond, the replay clock would round away step durations.
+MAX_CLOCK_S = float(2**32)
+
+
+def check_clock(arrival_s: np.ndarray, where: str, value: str) -> None:
+    """Refuse arrivals beyond MAX_CLOCK_S (non-finite ones are left to ``load_trace``).
+
+    Raises:
+        TraceError: naming ``where`` = ``value``, the last arrival and the clock's spacing.
+    """
+    finite = arrival_s[np.isfinite(arrival_s)]
+    last = float(finite.max(initial=0.0))
+    if last > MAX_CLOCK_S:
+        raise TraceError(
+            f"{where}: {value} puts the last arrival at {last:.3g} s; expected arrivals "
+            f"within {MAX_CLOCK_S:.3g} s, where float64 seconds still resolve 1 us (at "
+            f"{last:.3g} s the spacing is {np.spacing(last):.2g} s, longer than a step)")

@@ -17,9 +17,12 @@ import pandas as pd
 
 from lab.core.errors import TraceError
 
-# Wall-clock timestamps as in the Azure 2023 trace: ``2023-11-16 18:17:03.9799600``.
-# No time zone (the trace has none); up to 9 fractional digits (ns); the fraction is optional.
-_DATETIME_PATTERN = r"\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(\.\d{1,9})?"
+# Wall-clock timestamps as in the Azure 2023 trace, ``2023-11-16 18:17:03.9799600`` (no time
+# zone), or the Azure 2024 trace, ``2024-05-10 00:00:00.011+00:00`` (an offset from UTC; ``Z``
+# and ``+0000`` too); up to 9 fractional digits (ns); the fraction is optional.
+_OFFSET_PATTERN = r"(?:Z|[+-]\d{2}:?\d{2})"
+_DATETIME_PATTERN = r"\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(\.\d{1,9})?" + _OFFSET_PATTERN + "?"
+_NS_PER = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}
 
 
 @dataclass(frozen=True)
@@ -81,21 +84,38 @@ def numeric_times(values: pd.Series, src: Source, column: str, *, ticks_per_s: f
 
 
 def datetime_times(values: pd.Series, src: Source, column: str) -> np.ndarray:
-    """``YYYY-MM-DD HH:MM:SS.fffffff`` strings to seconds since the first row, float64.
+    """``YYYY-MM-DD HH:MM:SS.fffffff[+HH:MM]`` strings to seconds since the first row, float64.
 
-    Differences are taken in integer nanoseconds, so two timestamps 0.052 s apart give
-    arrival times exactly 0.052 apart (up to float64 rounding of the final division).
+    Timestamps with an offset are converted to UTC first (so rows in two offsets compare
+    as instants); either every row has an offset or none has. Differences are taken in
+    integer nanoseconds, so two timestamps 0.052 s apart give arrival times exactly 0.052
+    apart (up to float64 rounding of the final division).
 
     Raises:
-        TraceError: a cell that does not match the pattern or is not a real date/time.
+        TraceError: a cell that does not match the pattern, is not a real date/time, lies
+            outside the nanosecond clock (UTC 1677-09-21 to 2262-04-11), has an offset when
+            the first row has none (or none when it has one), or is more than 292 years
+            (2**63 ns) after the first row.
     """
-    expected = "expected a timestamp like '2023-11-16 18:17:03.9799600'"
+    expected = "expected a timestamp like '2023-11-16 18:17:03.9799600'"  # or with +00:00
     matches = values.str.fullmatch(_DATETIME_PATTERN).to_numpy(dtype=bool)
     _raise_first(~matches, values, src, column, expected)
-    stamps = pd.to_datetime(values, format="ISO8601", errors="coerce")
+    zoned = values.str.contains(_OFFSET_PATTERN + "$").to_numpy(dtype=bool)
+    what = "an offset from UTC" if zoned[0] else "no offset from UTC"
+    _raise_first(zoned != zoned[0], values, src, column, f"expected {what}, as in row 1")
+    stamps = pd.to_datetime(values, format="ISO8601", errors="coerce", utc=bool(zoned[0]))
     _raise_first(stamps.isna().to_numpy(), values, src, column, expected)
-    ns = stamps.to_numpy(dtype="datetime64[ns]").astype(np.int64)
-    return (ns - ns[0]) / 1e9
+    unit = stamps.dt.unit  # pandas picks the unit from the digits given
+    ticks = stamps.to_numpy(dtype=f"datetime64[{unit}]").astype(np.int64)  # UTC if zoned
+    limit = np.iinfo(np.int64).max // _NS_PER[unit]
+    _raise_first(np.abs(ticks) > limit, values, src, column,
+                 "expected a time from 1677-09-21 to 2262-04-11 UTC (the nanosecond clock)")
+    ns = ticks * _NS_PER[unit]
+    with np.errstate(over="ignore"):
+        since = ns - ns[0]
+    _raise_first((ns >= ns[0]) != (since >= 0), values, src, column,
+                 f"expected a time within 292 years (2**63 ns) of row 1 ({_show(values.iloc[0])})")
+    return since / 1e9
 
 
 def check_sorted(times_s: np.ndarray, values: pd.Series, src: Source, column: str) -> None:

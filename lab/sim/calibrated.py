@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,13 @@ FEATURES = ("decode_only_step", "prefill_step", "num_seqs", "num_tokens",
 PROFILE_COLUMNS = ("num_prefill_tokens", "num_prefills", "prefill_context_tokens",
                    "prefill_attention_pairs", "num_decodes", "decode_context_tokens",
                    "num_swap_blocks", "duration_s")  # fmt: skip
+# Columns of a steps.csv that replay_steps reads (steps_as_profile renames and sums them).
+STEPS_COLUMNS = ("num_prefill_tokens", "num_prefills", "prefill_context_tokens",
+                 "prefill_attention_pairs", "num_decode_tokens", "decode_context_tokens",
+                 "num_swap_out_blocks", "num_swap_in_blocks", "duration_s")  # fmt: skip
+# No engine step is shorter than a kernel launch (microseconds): a shorter measured or
+# fitted step time is a broken profile, and it would weigh ~1e6 times a real row in the fit.
+MIN_STEP_S = 1e-6
 
 
 def design(df: pd.DataFrame) -> np.ndarray:
@@ -98,21 +106,24 @@ def cross_validated_errors(df: pd.DataFrame, folds: int = 5, seed: int = 0) -> n
 
 
 def read_profile(path: str | Path) -> pd.DataFrame:
-    """A profile CSV (``#`` header lines allowed).
+    """A profile CSV (``#`` header lines allowed), its ``PROFILE_COLUMNS`` as float64.
 
     Raises:
-        ConfigError: missing file or columns.
+        ConfigError: one line naming the file (and row and column): missing file or
+            columns, fewer rows than features, or a bad cell (see :func:`check_cells`).
     """
     path = Path(path)
+    key = "cost_model.profile"
     if not path.exists():
-        raise ConfigError(f"cost_model.profile: {path} does not exist (make one with "
+        raise ConfigError(f"{key}: {path} does not exist (make one with "
                           f"`python -m backend.profile` on the GPU)")
-    df = _read_csv(path, "cost_model.profile", comment="#")
-    missing = [c for c in PROFILE_COLUMNS if c not in df.columns]
-    if missing or len(df) < len(FEATURES):
-        raise ConfigError(f"{path}: expected columns {', '.join(PROFILE_COLUMNS)} and at least "
-                          f"{len(FEATURES)} rows; missing {missing}, {len(df)} rows")
-    return df
+    df = _read_csv(path, key, comment="#")
+    where = f"{key}: {path}"
+    _require_columns(df, PROFILE_COLUMNS, where)
+    if len(df) < len(FEATURES):
+        raise ConfigError(f"{where}: expected at least {len(FEATURES)} rows (one per "
+                          f"fitted coefficient), got {len(df)}")
+    return check_cells(df, PROFILE_COLUMNS, where, lambda: _read_text(path, comment="#"))
 
 
 def read_replay_steps(path: str | Path) -> pd.DataFrame:
@@ -120,15 +131,82 @@ def read_replay_steps(path: str | Path) -> pd.DataFrame:
     a grid profile misses: the policy's planning and the executor's input building).
 
     Raises:
-        ConfigError: missing file or not a steps.csv.
+        ConfigError: one line naming the file: missing file, not a steps.csv (a column
+            of ``STEPS_COLUMNS`` missing, no rows), or a bad cell (see :func:`check_cells`).
     """
     path = Path(path)
+    key = "cost_model.replay_steps"
     if not path.exists():
-        raise ConfigError(f"cost_model.replay_steps: {path} does not exist")
-    df = _read_csv(path, "cost_model.replay_steps")
-    if "num_decode_tokens" not in df.columns or "duration_s" not in df.columns:
-        raise ConfigError(f"cost_model.replay_steps: {path} is not a steps.csv of a run")
-    return steps_as_profile(df)
+        raise ConfigError(f"{key}: {path} does not exist")
+    df = _read_csv(path, key)
+    where = f"{key}: {path}"
+    _require_columns(df, STEPS_COLUMNS, where, "not a steps.csv of a run: ")
+    if len(df) == 0:
+        raise ConfigError(f"{where}: no steps (a header without rows)")
+    return steps_as_profile(check_cells(df, STEPS_COLUMNS, where, lambda: _read_text(path)))
+
+
+def check_cells(df: pd.DataFrame, columns: tuple[str, ...], where: str,
+                text: Callable[[], pd.DataFrame]) -> pd.DataFrame:
+    """``df`` with ``columns`` converted to float64, every cell checked: a finite number;
+    counts (every column but ``prefill_attention_pairs`` and ``duration_s``) whole and
+    >= 0; pairs >= 0; ``duration_s`` >= ``MIN_STEP_S``.
+
+    Args:
+        text: reads the same file with every cell as its text, to quote a bad cell.
+
+    Raises:
+        ConfigError: ``{where}: row N, column 'c': expected ..., got 'v'`` for the first bad
+            cell (rows are data rows from 1, header and ``#`` lines not counted).
+    """
+    df = df.copy()
+    for c in columns:
+        col = df[c]
+        if pd.api.types.is_numeric_dtype(col) and not pd.api.types.is_bool_dtype(col):
+            x = col.to_numpy(dtype=np.float64)  # as read_csv parsed it
+        else:  # some cell is not a number: NaN there
+            x = np.full(len(col), np.nan)
+            if not pd.api.types.is_bool_dtype(col):
+                x = pd.to_numeric(col, errors="coerce").to_numpy(np.float64, na_value=np.nan)
+        checks = [(~np.isfinite(x), "expected a finite number")]
+        if c == "duration_s":
+            checks.append((x < MIN_STEP_S, f"expected a step duration >= {MIN_STEP_S:g} s"))
+        elif c == "prefill_attention_pairs":
+            checks.append((x < 0, "expected a number >= 0"))
+        else:
+            checks.append(((x < 0) | (x != np.floor(x)), "expected a whole count >= 0"))
+        for bad, expected in checks:
+            if bad.any():
+                i = int(np.argmax(bad))
+                raise ConfigError(f"{where}: row {i + 1}, column {c!r}: {expected}, "
+                                  f"got {_show(text()[c].iloc[i])}")
+        df[c] = x
+    return df
+
+
+def _read_text(path: Path, **kwargs) -> pd.DataFrame:
+    return pd.read_csv(path, dtype=str, keep_default_na=False, **kwargs)
+
+
+def _show(cell: str) -> str:
+    return "'' (empty)" if cell == "" else _cut(cell)
+
+
+def _cut(value: str, limit: int = 80) -> str:
+    """``repr`` of a text, cut to ``limit`` characters for a one-line message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _require_columns(df: pd.DataFrame, columns: tuple[str, ...], where: str,
+                     what: str = "") -> None:
+    missing = [c for c in columns if c not in df.columns]
+    if missing:
+        found = ", ".join(map(str, df.columns))
+        found = found if len(found) <= 120 else found[:117] + "..."
+        raise ConfigError(f"{where}: {what}missing column{'s' if len(missing) > 1 else ''} "
+                          f"{', '.join(missing)}; expected columns: {', '.join(columns)} "
+                          f"(found: {found})")
 
 
 def _read_csv(path: Path, key: str, **kwargs) -> pd.DataFrame:
@@ -137,9 +215,13 @@ def _read_csv(path: Path, key: str, **kwargs) -> pd.DataFrame:
         raise ConfigError(f"{key}: {path} is not a file (expected a CSV)")
     try:
         return pd.read_csv(path, **kwargs)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{key}: {path} is not a readable CSV "
-                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    except OSError as e:
+        raise ConfigError(f"{key}: {path} cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{key}: {path} is not a text CSV (not UTF-8: byte {e.start})") from None
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, ValueError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"{key}: {path} is not a readable CSV ({_cut(why, 120)[1:-1]})") from None
 
 
 def steps_as_profile(df: pd.DataFrame) -> pd.DataFrame:
@@ -155,11 +237,34 @@ class CalibratedCostModel:
     optionally together with the steps of earlier engine replays (``replay_steps``)."""
 
     def __init__(self, profile: str | Path, replay_steps: tuple[str | Path, ...] = ()) -> None:
+        """Raises:
+            ConfigError: a bad profile or steps.csv (see ``read_profile``), data without a
+                decode-only step or without a step with prompt tokens (an intercept the fit
+                cannot know), or a fit that predicts less than ``MIN_STEP_S`` for a 1-token
+                decode or a 1-token prefill: the least any step costs, since every
+                coefficient is >= 0.
+        """
         self.profile = Path(profile)
-        data = [read_profile(self.profile)] + [read_replay_steps(p) for p in replay_steps]
-        self.coef = fit(pd.concat(data, ignore_index=True))
+        where = f"cost_model.profile: {self.profile}"
+        if replay_steps:
+            where += f" (with replay_steps {', '.join(map(str, replay_steps))})"
+        data = pd.concat([read_profile(self.profile)] + [read_replay_steps(p) for p in replay_steps],
+                         ignore_index=True)
+        prefills, decodes = data["num_prefills"].to_numpy(), data["num_decodes"].to_numpy()
+        for kind, rows in (("decode-only steps (num_prefills 0, num_decodes > 0)",
+                            (prefills == 0) & (decodes > 0)),
+                           ("steps with prompt tokens (num_prefills > 0)", prefills > 0)):
+            if not rows.any():
+                raise ConfigError(f"{where}: no {kind}: the fit cannot predict their time")
+        self.coef = fit(data)
         (self._decode_step, self._prefill_step, self._seq, self._tok, self._hinge,
          self._mean_ctx, self._dctx, self._pctx, self._pairs, self._swap) = self.coef.tolist()
+        for kind, f in (("decode", StepFeatures(0, 0, 0, 0.0, 1, 1, 1, 0)),
+                        ("prefill", StepFeatures(1, 1, 0, 1.0, 0, 0, 1, 0))):
+            t = self.step_time(f, 0)
+            if not t >= MIN_STEP_S:  # NaN too
+                raise ConfigError(f"{where}: the fitted model predicts {t:.3g} s for a 1-token "
+                                  f"{kind}, expected >= {MIN_STEP_S:g} s")
 
     def step_time(self, f: StepFeatures, block_size: int) -> float:
         """Predicted seconds of a step with features ``f`` (block_size: unused, the profile

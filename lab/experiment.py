@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,13 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
     Raises:
         ValueError: ``requests`` given with a rate_scale other than 1.
     """
+    return list(iter_runs(cfg, base_dir, progress, requests))
+
+
+def iter_runs(cfg: dict, base_dir: Path, progress: bool = True,
+              requests: list[Request] | None = None) -> Iterator[Run]:
+    """:func:`run_experiment` one run at a time: each run is yielded when its replay and
+    metrics are done (the CLI keeps the completed ones when it is interrupted)."""
     from traces import load_trace
 
     if requests is not None and rate_scales(cfg) != [1.0]:
@@ -150,7 +158,6 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
         max_position = MODELS[cfg["model"]].max_position_embeddings
     bs = cfg["kv_cache"]["block_size"]
     scales = rate_scales(cfg)
-    runs = []
     for scale in scales:
         spec = {**cfg["trace"], "rate_scale": scale}
         spec.setdefault("seed", cfg["seed"])
@@ -178,11 +185,10 @@ def run_experiment(cfg: dict, base_dir: Path, progress: bool = True,
                        **metrics.summarize(df, itl, result, cfg["slo"])}
             if result.failure:
                 summary["failure"] = result.failure
-            runs.append(Run(label, pol["label"], scale, result, df, itl, summary))
             log.info("%s: %d steps in %.2f s", label, summary["num_steps"], result.wall_s)
             if result.failure:
                 log.error("%s stopped: %s", label, result.failure)
-    return runs
+            yield Run(label, pol["label"], scale, result, df, itl, summary)
 
 
 class _ProgressBar:

@@ -1,0 +1,264 @@
+"""The ``sched-lab`` command: run an experiment, fit a cost model, profile the engine, tools.
+
+    sched-lab run experiments/quickstart.yaml [--out DIR] [--limit N] [--format parquet]
+    sched-lab fit profiles/h200_qwen3-0.6b.csv
+    sched-lab profile --model-dir checkpoints/qwen3-0.6b --out profiles/h200_qwen3-0.6b.csv
+    sched-lab tools make-random-checkpoint --preset qwen3-0.6b --out checkpoints/qwen3-0.6b
+
+``fit``, ``profile`` and ``tools`` hand their arguments to ``lab.sim.calibrated``,
+``backend.profile`` and ``backend.tools`` (``python -m`` of those still works). User errors
+print one line, ``error: ...``, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from lab import __version__
+
+# Where bundled data lives, in a checkout and in an installed copy alike: experiments/,
+# traces/data/ and profiles/ are installed beside lab/ (pyproject.toml).
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = "experiments/quickstart.yaml"
+EXIT_CODES = """exit status:
+  0    ok
+  1    a run stopped early (its partial results are written), or the results could not
+       be put in place (the message says where they are)
+  2    bad input: one line, error: ..., naming the file, row or key
+  130  interrupted by SIGINT (Ctrl-C), 143 by SIGTERM: completed runs kept as partial results"""
+RUN_EXAMPLE = """example:
+  sched-lab run experiments/quickstart.yaml --limit 500 --out /tmp/quick
+
+A config path that does not exist is looked up among the bundled ones, so the example
+experiments run from any folder. Results go to ./results/<name> unless --out; an existing
+folder there is replaced only if the lab wrote everything in it (.sched-lab-manifest.json)."""
+DELEGATED = {  # subcommand: (module, what it does)
+    "fit": ("lab.sim.calibrated", "fit the calibrated step-time model to an engine profile"),
+    "profile": ("backend.profile", "time the engine over a grid of step shapes (needs torch)"),
+    "tools": ("backend.tools.__main__", "engine tools: convert-smollm2, make-random-checkpoint, "
+              "list-presets (needs torch)"),
+}
+ENGINE_MODULES = {"torch", "triton", "transformers", "safetensors", "gguf", "accelerate"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """Command-line mistakes in one line too (argparse prints its usage first)."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return argparse.RawDescriptionHelpFormatter(prog, max_help_position=30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``sched-lab``'s entry point; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:
+        return _delegate(argv[0], argv[1:])
+    ap = _Parser(prog="sched-lab", description="An LLM-serving scheduler lab: run an experiment, "
+                 "fit a cost model, profile the engine, engine tools.",
+                 formatter_class=_formatter,
+                 epilog="examples:\n" + "\n".join(__doc__.split("\n\n")[1].splitlines())
+                 + "\n\n" + EXIT_CODES)
+    ap.add_argument("--version", action="version", version=f"sched-lab {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = sub.add_parser("run", help="run an experiment YAML and write its results folder",
+                         description="Run an experiment YAML and write its results folder.",
+                         formatter_class=_formatter, epilog=f"{RUN_EXAMPLE}\n\n{EXIT_CODES}")
+    _add_run_args(run)
+    for name, (_, what) in DELEGATED.items():
+        sub.add_parser(name, help=what, add_help=False)  # listed here, parsed by the module
+    args = ap.parse_args(argv)
+    return _run(args)
+
+
+def run_main(argv: list[str] | None = None, prog: str = "sched-lab run") -> int:
+    """``sched-lab run`` alone (``run_experiment.py`` calls it); returns the exit status."""
+    ap = _Parser(prog=prog, description="Run an experiment YAML and write its results folder.",
+                 formatter_class=_formatter, epilog=f"{RUN_EXAMPLE}\n\n{EXIT_CODES}")
+    _add_run_args(ap)
+    return _run(ap.parse_args(argv))
+
+
+def _add_run_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("config", nargs="?", default=DEFAULT_CONFIG,
+                    help=f"experiment YAML (default: {DEFAULT_CONFIG})")
+    ap.add_argument("--out", help="results folder (default: ./results/<name>)")
+    ap.add_argument("--limit", type=int, help="replay only the first N requests of the trace")
+    ap.add_argument("--format", choices=("csv", "parquet"), default="csv",
+                    help="file format of requests and steps (parquet needs pyarrow)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+
+
+def _delegate(command: str, argv: list[str]) -> int:
+    module_name = DELEGATED[command][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in ENGINE_MODULES:
+            raise
+        print(f"error: sched-lab {command} needs the engine's packages (no module {e.name}): "
+              "pip install 'sched-lab[engine]' (README, Install)", file=sys.stderr)
+        return 2
+    return module.main(argv, prog=f"sched-lab {command}") or 0
+
+
+def find_config(path: str) -> Path:
+    """``path`` as given when it exists, else the bundled file of that relative path (so
+    ``experiments/quickstart.yaml`` works from any folder), else ``path`` (the loader then
+    says it is missing)."""
+    given = Path(path)
+    bundled = ROOT / given
+    if not given.exists() and not given.is_absolute() and bundled.is_file():
+        return bundled
+    return given
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised where the program was, so that cleanup code runs."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGINT and SIGTERM raise :class:`Interrupted` (a signal ignored by the caller, as for
+    a background job, stays ignored)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    old = {}
+    for s in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(s) is not signal.SIG_IGN:
+            old[s] = signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    from lab.config import load_config
+    from lab.core.errors import UserError
+    from lab.report import ResultsNotPlaced
+
+    runs: list = []
+    cfg = out = None
+    writing = False
+    with _signals_raise():
+        try:
+            cfg = load_config(find_config(args.config))
+            if args.limit is not None:
+                if args.limit < 1:
+                    raise UserError(f"--limit: expected an integer >= 1, got {args.limit}")
+                cfg["trace"]["limit"] = args.limit
+            if args.out is not None and not args.out.strip():
+                raise UserError("--out: expected a folder, got an empty string")
+            if args.format == "parquet" and importlib.util.find_spec("pyarrow") is None:
+                raise UserError("--format parquet needs pyarrow: pip install 'sched-lab[parquet]'")
+            out = Path(args.out) if args.out is not None else Path.cwd() / "results" / cfg["name"]
+            t0 = time.perf_counter()
+            from lab.experiment import iter_runs
+            from lab.report import check_out_dir, write_results
+
+            out = check_out_dir(out)  # before the replays, so a folder in the way costs no run
+            for run in iter_runs(cfg, ROOT, progress=not args.no_progress):
+                runs.append(run)
+            decode = _decoder(cfg)
+            writing = True
+            write_results(out, cfg, runs, decode, fmt=args.format)
+        except UserError as e:
+            msg = str(e)
+            if not msg.startswith(args.config):  # name the experiment file once
+                msg = f"{args.config}: {msg}"
+            print(f"error: {msg}", file=sys.stderr)
+            return 2
+        except ResultsNotPlaced as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt as e:
+            return _interrupted(e, cfg, runs, out, args.format, writing)
+    return _report(runs, decode, out, time.perf_counter() - t0)
+
+
+def _decoder(cfg):
+    if cfg["backend"] != "engine":
+        return None
+    from backend.engine import text_decoder
+
+    return text_decoder(cfg, ROOT)
+
+
+def _report(runs: list, decode, out: Path, wall_s: float) -> int:
+    from lab.report import summary_table
+
+    print(summary_table(runs))
+    if decode is not None:  # a taste of the real text, first policy only
+        finished = [r for r in runs[0].result.requests if r.status.value == "finished"]
+        for r in finished[:3]:
+            print(f"\n[{runs[0].label} request {r.request_id}] {decode(r.output_token_ids)!r}")
+    print(f"\nwrote {out}/ (report.md) in {wall_s:.1f} s")
+    failed = [r for r in runs if r.result.failure]
+    if failed:
+        which = ", ".join(f"{r.label} ({r.result.failure})" for r in failed)
+        print(f"error: {len(failed)} of {len(runs)} runs stopped early: {which} "
+              f"(their requests are in {out} with the reason)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _interrupted(e: KeyboardInterrupt, cfg, runs: list, out: Path | None, fmt: str,
+                 writing: bool) -> int:
+    """Keep the completed runs as partial results; one line; 128 + the signal number."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    name = signal.Signals(signum).name
+    code = 128 + signum
+    if writing or not runs:
+        when = "while writing the results" if writing else "before any run finished"
+        print(f"error: interrupted by {name} {when}; nothing written", file=sys.stderr)
+        return code
+    from lab.config import rate_scales
+    from lab.core.errors import UserError
+    from lab.report import ResultsNotPlaced, write_results
+
+    total = len(rate_scales(cfg)) * len(cfg["policies"])
+    partial = f"interrupted by {name} after {len(runs)} of {total} runs"
+    with _signals_raise():
+        try:
+            write_results(out, cfg, runs, _decoder(cfg), partial=partial, fmt=fmt)
+        except KeyboardInterrupt:
+            print(f"error: {partial}, and again while writing them; nothing written",
+                  file=sys.stderr)
+            return code
+        except (UserError, ResultsNotPlaced) as e2:
+            print(f"error: {partial}; {e2}", file=sys.stderr)
+            return code
+    print(f"error: {partial}; wrote them to {out}/ as partial results", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

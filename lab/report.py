@@ -192,7 +192,8 @@ def _check_out_dir(out_dir: Path) -> None:
         raise UserError(f"--out {out_dir}: exists and is not a folder")
     foreign = _foreign_entries(out_dir) if any(out_dir.iterdir()) else []
     if foreign is None:
-        if (out_dir / "summary.json").is_file() and (out_dir / "report.md").is_file():
+        if ((out_dir / "summary.json").is_file() and (out_dir / "report.md").is_file()
+                and not any(p.is_dir() for p in out_dir.iterdir())):  # made before manifests
             raise UserError(f"--out {out_dir}: a results folder without {MANIFEST} (from "
                             "before manifests, or made by hand); refusing to replace it: delete "
                             "it yourself, or choose another --out")

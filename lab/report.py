@@ -176,12 +176,11 @@ def _check_out_dir(out_dir: Path) -> None:
         name_max = os.pathconf(above, "PC_NAME_MAX")
     except (OSError, ValueError):
         name_max = 255
-    for part in out_dir.relative_to(above).parts:
-        extra = _TEMP_SUFFIX_BYTES if part == out_dir.name else 0
-        if len(os.fsencode(part)) + extra > name_max:
-            raise UserError(f"--out {out_dir}: the name {part[:40]}... is "
-                            f"{len(os.fsencode(part))} bytes long; at most {name_max - extra} "
-                            f"fit{' (its temporary name adds 14)' if extra else ''}")
+    size = len(os.fsencode(out_dir.name))  # longer than name_max: resolve() said so already
+    if size + _TEMP_SUFFIX_BYTES > name_max:
+        raise UserError(f"--out {out_dir}: the name is {size} bytes long; at most "
+                        f"{name_max - _TEMP_SUFFIX_BYTES} fit (its temporary name adds "
+                        f"{_TEMP_SUFFIX_BYTES})")
     try:  # what write_results will do there: make a folder
         os.rmdir(tempfile.mkdtemp(prefix=".write-test.", dir=above))
     except OSError as e:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
 
 from backend.config import ModelConfig
 from backend.errors import KVCacheCapacityError

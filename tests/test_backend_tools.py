@@ -6,7 +6,8 @@ import json
 import math
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
 
 from backend.config import ModelConfig
 from backend.loader import INDEX_FILE, checkpoint_shapes

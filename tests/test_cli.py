@@ -148,7 +148,7 @@ def test_out_through_a_symlink_loop_or_too_long_a_name(tmp_path, capsys, monkeyp
     assert one_error_line(capsys).endswith("/x: File name too long")
     assert main(["run", *QUICK, "--out", str(tmp_path / ("r" * 242))]) == 2  # 242 + 14 > 255
     assert one_error_line(capsys).endswith(
-        "is 242 bytes long; at most 241 fit (its temporary name adds 14)")
+        "the name is 242 bytes long; at most 241 fit (its temporary name adds 14)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
 
 

@@ -1,16 +1,13 @@
 """Run an experiment YAML and write its results folder: ``sched-lab run`` under its old name.
 
-    python run_experiment.py experiments/quickstart.yaml [--out DIR] [--limit N]
+python run_experiment.py experiments/quickstart.yaml [--out DIR] [--limit N]
 """
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from lab.cli import run_main
-
-ROOT = Path(__file__).resolve().parent  # the checkout
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,8 +45,10 @@ folder there is replaced only if the lab wrote everything in it (.sched-lab-mani
 DELEGATED = {  # subcommand: (module, what it does)
     "fit": ("lab.sim.calibrated", "fit the calibrated step-time model to an engine profile"),
     "profile": ("backend.profile", "time the engine over a grid of step shapes (needs torch)"),
-    "tools": ("backend.tools.__main__", "engine tools: convert-smollm2, make-random-checkpoint, "
-              "list-presets (needs torch)"),
+    "tools": (
+        "backend.tools.__main__",
+        "engine tools: convert-smollm2, make-random-checkpoint, list-presets (needs torch)",
+    ),
 }
 ENGINE_MODULES = {"torch", "triton", "transformers", "safetensors", "gguf", "accelerate"}
 
@@ -68,16 +70,25 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in DELEGATED:
         return _delegate(argv[0], argv[1:])
-    ap = _Parser(prog="sched-lab", description="An LLM-serving scheduler lab: run an experiment, "
-                 "fit a cost model, profile the engine, engine tools.",
-                 formatter_class=_formatter,
-                 epilog="examples:\n" + "\n".join(__doc__.split("\n\n")[1].splitlines())
-                 + "\n\n" + EXIT_CODES)
+    ap = _Parser(
+        prog="sched-lab",
+        description="An LLM-serving scheduler lab: run an experiment, "
+        "fit a cost model, profile the engine, engine tools.",
+        formatter_class=_formatter,
+        epilog="examples:\n"
+        + "\n".join(__doc__.split("\n\n")[1].splitlines())
+        + "\n\n"
+        + EXIT_CODES,
+    )
     ap.add_argument("--version", action="version", version=f"sched-lab {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    run = sub.add_parser("run", help="run an experiment YAML and write its results folder",
-                         description="Run an experiment YAML and write its results folder.",
-                         formatter_class=_formatter, epilog=f"{RUN_EXAMPLE}\n\n{EXIT_CODES}")
+    run = sub.add_parser(
+        "run",
+        help="run an experiment YAML and write its results folder",
+        description="Run an experiment YAML and write its results folder.",
+        formatter_class=_formatter,
+        epilog=f"{RUN_EXAMPLE}\n\n{EXIT_CODES}",
+    )
     _add_run_args(run)
     for name, (_, what) in DELEGATED.items():
         sub.add_parser(name, help=what, add_help=False)  # listed here, parsed by the module
@@ -87,19 +98,31 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_main(argv: list[str] | None = None, prog: str = "sched-lab run") -> int:
     """``sched-lab run`` alone (``run_experiment.py`` calls it); returns the exit status."""
-    ap = _Parser(prog=prog, description="Run an experiment YAML and write its results folder.",
-                 formatter_class=_formatter, epilog=f"{RUN_EXAMPLE}\n\n{EXIT_CODES}")
+    ap = _Parser(
+        prog=prog,
+        description="Run an experiment YAML and write its results folder.",
+        formatter_class=_formatter,
+        epilog=f"{RUN_EXAMPLE}\n\n{EXIT_CODES}",
+    )
     _add_run_args(ap)
     return _run(ap.parse_args(argv))
 
 
 def _add_run_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("config", nargs="?", default=DEFAULT_CONFIG,
-                    help=f"experiment YAML (default: {DEFAULT_CONFIG})")
+    ap.add_argument(
+        "config",
+        nargs="?",
+        default=DEFAULT_CONFIG,
+        help=f"experiment YAML (default: {DEFAULT_CONFIG})",
+    )
     ap.add_argument("--out", help="results folder (default: ./results/<name>)")
     ap.add_argument("--limit", type=int, help="replay only the first N requests of the trace")
-    ap.add_argument("--format", choices=("csv", "parquet"), default="csv",
-                    help="file format of requests and steps (parquet needs pyarrow)")
+    ap.add_argument(
+        "--format",
+        choices=("csv", "parquet"),
+        default="csv",
+        help="file format of requests and steps (parquet needs pyarrow)",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
 
@@ -111,8 +134,11 @@ def _delegate(command: str, argv: list[str]) -> int:
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] not in ENGINE_MODULES:
             raise
-        print(f"error: sched-lab {command} needs the engine's packages (no module {e.name}): "
-              "pip install 'sched-lab[engine]' (README, Install)", file=sys.stderr)
+        print(
+            f"error: sched-lab {command} needs the engine's packages (no module {e.name}): "
+            "pip install 'sched-lab[engine]' (README, Install)",
+            file=sys.stderr,
+        )
         return 2
     return module.main(argv, prog=f"sched-lab {command}") or 0
 
@@ -159,8 +185,10 @@ def _signals_raise() -> Iterator[None]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     from lab.config import load_config
     from lab.core.errors import UserError
     from lab.report import ResultsNotPlaced
@@ -224,14 +252,18 @@ def _report(runs: list, decode, out: Path, wall_s: float) -> int:
     failed = [r for r in runs if r.result.failure]
     if failed:
         which = ", ".join(f"{r.label} ({r.result.failure})" for r in failed)
-        print(f"error: {len(failed)} of {len(runs)} runs stopped early: {which} "
-              f"(their requests are in {out} with the reason)", file=sys.stderr)
+        print(
+            f"error: {len(failed)} of {len(runs)} runs stopped early: {which} "
+            f"(their requests are in {out} with the reason)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
 
-def _interrupted(e: KeyboardInterrupt, cfg, runs: list, out: Path | None, fmt: str,
-                 writing: bool) -> int:
+def _interrupted(
+    e: KeyboardInterrupt, cfg, runs: list, out: Path | None, fmt: str, writing: bool
+) -> int:
     """Keep the completed runs as partial results; one line; 128 + the signal number."""
     signum = getattr(e, "signum", signal.SIGINT)
     name = signal.Signals(signum).name
@@ -250,8 +282,9 @@ def _interrupted(e: KeyboardInterrupt, cfg, runs: list, out: Path | None, fmt: s
         try:
             write_results(out, cfg, runs, _decoder(cfg), partial=partial, fmt=fmt)
         except KeyboardInterrupt:
-            print(f"error: {partial}, and again while writing them; nothing written",
-                  file=sys.stderr)
+            print(
+                f"error: {partial}, and again while writing them; nothing written", file=sys.stderr
+            )
             return code
         except (UserError, ResultsNotPlaced) as e2:
             print(f"error: {partial}; {e2}", file=sys.stderr)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +19,11 @@ from lab.cli import ROOT, main
 from lab.report import MANIFEST
 
 QUICK = ["experiments/quickstart.yaml", "--no-progress"]
-SYNTHETIC = ("trace: {format: synthetic, num_requests: 8, arrival: {process: poisson, rate: 4}, "
-             "prompt_len: 16, output_len: 4}\npolicies: [fcfs, swap, chunked_prefill]\n"
-             "kv_cache: {num_gpu_blocks: 64}\n")
+SYNTHETIC = (
+    "trace: {format: synthetic, num_requests: 8, arrival: {process: poisson, rate: 4}, "
+    "prompt_len: 16, output_len: 4}\npolicies: [fcfs, swap, chunked_prefill]\n"
+    "kv_cache: {num_gpu_blocks: 64}\n"
+)
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
@@ -32,8 +33,10 @@ def one_error_line(capsys) -> str:
     return err[0]
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["fit", "--help"],
-                                  ["tools", "--help"], ["profile", "--help"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["run", "--help"], ["fit", "--help"], ["tools", "--help"], ["profile", "--help"]],
+)
 def test_every_help_shows_an_example_and_the_exit_codes(argv, capsys):
     if argv[0] in ("tools", "profile") and not HAS_TORCH:
         pytest.skip("sched-lab tools/profile need torch (the engine extra)")
@@ -53,8 +56,9 @@ def test_version_and_missing_command(capsys):
     with pytest.raises(SystemExit) as e:
         main([])
     assert e.value.code == 2
-    assert one_error_line(capsys) == ("error: the following arguments are required: COMMAND "
-                                      "(see --help)")
+    assert one_error_line(capsys) == (
+        "error: the following arguments are required: COMMAND (see --help)"
+    )
 
 
 def test_bundled_config_from_any_folder_writes_results_under_the_cwd(tmp_path, monkeypatch):
@@ -108,13 +112,28 @@ sys.exit(main(sys.argv[2:]))
 def test_interrupt_keeps_the_completed_runs_as_partial_results(tmp_path, sig, code):
     (tmp_path / "exp.yaml").write_text(SYNTHETIC)
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-c", INTERRUPT.format(sig=sig), "1", "run",
-                           str(tmp_path / "exp.yaml"), "--out", str(out), "--no-progress"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            INTERRUPT.format(sig=sig),
+            "1",
+            "run",
+            str(tmp_path / "exp.yaml"),
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == code, proc.stderr
     err = [ln for ln in proc.stderr.splitlines() if not ln.startswith("INFO")]
-    assert err == [f"error: interrupted by {sig} after 1 of 3 runs; wrote them to {out}/ as "
-                   "partial results"]
+    assert err == [
+        f"error: interrupted by {sig} after 1 of 3 runs; wrote them to {out}/ as partial results"
+    ]
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary) == ["fcfs"] and summary["fcfs"]["finished"] == 8
     assert summary["fcfs"]["partial"] == f"interrupted by {sig} after 1 of 3 runs"
@@ -125,13 +144,27 @@ def test_interrupt_keeps_the_completed_runs_as_partial_results(tmp_path, sig, co
 
 def test_interrupt_before_any_run_writes_nothing(tmp_path):
     (tmp_path / "exp.yaml").write_text(SYNTHETIC)
-    proc = subprocess.run([sys.executable, "-c", INTERRUPT.format(sig="SIGTERM"), "0", "run",
-                           str(tmp_path / "exp.yaml"), "--out", str(tmp_path / "out"),
-                           "--no-progress"], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            INTERRUPT.format(sig="SIGTERM"),
+            "0",
+            "run",
+            str(tmp_path / "exp.yaml"),
+            "--out",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 143
-    assert proc.stderr.strip().splitlines()[-1] == ("error: interrupted by SIGTERM before any "
-                                                   "run finished; nothing written")
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: interrupted by SIGTERM before any run finished; nothing written"
+    )
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exp.yaml"]
 
@@ -148,7 +181,8 @@ def test_out_through_a_symlink_loop_or_too_long_a_name(tmp_path, capsys, monkeyp
     assert one_error_line(capsys).endswith("/x: File name too long")
     assert main(["run", *QUICK, "--out", str(tmp_path / ("r" * 242))]) == 2  # 242 + 14 > 255
     assert one_error_line(capsys).endswith(
-        "the name is 242 bytes long; at most 241 fit (its temporary name adds 14)")
+        "the name is 242 bytes long; at most 241 fit (its temporary name adds 14)"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
 
 
@@ -170,7 +204,8 @@ def test_unreplaceable_results_are_refused_before_any_run(tmp_path, capsys, monk
     assert main(["run", *QUICK, "--out", str(out)]) == 2
     assert one_error_line(capsys).endswith(
         f"--out {out}: the earlier results cannot be replaced: cannot delete its files "
-        "(Permission denied)")
+        "(Permission denied)"
+    )
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write a read-only folder")
@@ -202,8 +237,10 @@ def test_failed_final_rename_keeps_the_results_and_says_where(tmp_path, capsys, 
     assert main(["run", *QUICK, "--limit", "4", "--out", str(out)]) == 1
     line = one_error_line(capsys)
     kept = Path(line.rsplit("they are in ", 1)[1])
-    assert line == (f"error: --out {out}: cannot put the results in place (Device or resource "
-                    f"busy); they are in {kept}")
+    assert line == (
+        f"error: --out {out}: cannot put the results in place (Device or resource "
+        f"busy); they are in {kept}"
+    )
     assert kept.parent == tmp_path and kept.name.startswith("res.unplaced-")
     assert json.loads((kept / "summary.json").read_text())["fcfs"]["num_requests"] == 4
     assert (out / "summary.json").read_text() == before  # the earlier results are untouched
@@ -216,7 +253,8 @@ def test_parquet_output(tmp_path, capsys):
     if importlib.util.find_spec("pyarrow") is None:
         assert main(args) == 2
         assert one_error_line(capsys).endswith(
-            "--format parquet needs pyarrow: pip install 'sched-lab[parquet]'")
+            "--format parquet needs pyarrow: pip install 'sched-lab[parquet]'"
+        )
         assert not out.exists()
         return
     import pandas as pd
@@ -230,28 +268,58 @@ def test_parquet_output(tmp_path, capsys):
 
 
 def test_a_simulator_run_never_imports_torch(tmp_path):
-    code = ("import sys\nfrom lab.cli import main\n"
-            f"assert main(['run', 'experiments/quickstart.yaml', '--limit', '20', '--out', "
-            f"{str(tmp_path / 'out')!r}, '--no-progress']) == 0\n"
-            "engine = sorted(m for m in ('torch', 'triton', 'transformers', 'safetensors') "
-            "if m in sys.modules)\nprint('engine modules:', engine)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    code = (
+        "import sys\nfrom lab.cli import main\n"
+        f"assert main(['run', 'experiments/quickstart.yaml', '--limit', '20', '--out', "
+        f"{str(tmp_path / 'out')!r}, '--no-progress']) == 0\n"
+        "engine = sorted(m for m in ('torch', 'triton', 'transformers', 'safetensors') "
+        "if m in sys.modules)\nprint('engine modules:', engine)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "engine modules: []"
 
 
 def test_old_entry_points_still_work(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(ROOT / "run_experiment.py"), *QUICK, "--limit",
-                           "3", "--out", str(out)], capture_output=True, text=True, cwd=tmp_path,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "run_experiment.py"),
+            *QUICK,
+            "--limit",
+            "3",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / MANIFEST).is_file()
-    proc = subprocess.run([sys.executable, "-m", "lab.sim.calibrated", "--help"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lab.sim.calibrated", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0 and "sched-lab fit" in proc.stdout
     if HAS_TORCH:
-        proc = subprocess.run([sys.executable, "-m", "backend.tools", "list-presets"],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "backend.tools", "list-presets"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0 and "qwen3-0.6b" in proc.stdout.split()

@@ -18,7 +18,6 @@ from backend.tools.random_checkpoint import write_random_checkpoint
 from lab.core.errors import UserError
 from lab.core.model_presets import PRESETS
 
-
 EXIT_CODES = "exit status: 0 ok, 2 bad input (one line: error: ...)"
 
 

@@ -13,7 +13,6 @@ print one line, ``error: ...``, never a traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import importlib.util
 import logging
@@ -21,7 +20,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from lab import __version__
@@ -155,32 +153,42 @@ def find_config(path: str) -> Path:
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM, raised where the program was, so that cleanup code runs."""
+    """SIGINT or SIGTERM, raised where the program was, so that cleanup code runs. Its only
+    argument is the signal number (SimPy re-creates an exception from its arguments)."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
+        super().__init__(signum)
         self.signum = signum
 
+    def __str__(self) -> str:
+        return signal.Signals(self.signum).name
 
-@contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
-    """SIGINT and SIGTERM raise :class:`Interrupted` (a signal ignored by the caller, as for
-    a background job, stays ignored)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
-    def handler(signum, frame):
+class _Signals:
+    """While active, SIGINT and SIGTERM raise :class:`Interrupted`; while ``deferring`` (the
+    results are being written), the first one is only recorded in ``pending`` and a second
+    one raises. A signal the caller ignores (as for a background job) stays ignored."""
+
+    def __init__(self) -> None:
+        self.deferring = False
+        self.pending: int | None = None
+        self._old: dict = {}
+
+    def _handler(self, signum, frame) -> None:
+        if self.deferring and self.pending is None:
+            self.pending = signum
+            return
         raise Interrupted(signum)
 
-    old = {}
-    for s in (signal.SIGINT, signal.SIGTERM):
-        if signal.getsignal(s) is not signal.SIG_IGN:
-            old[s] = signal.signal(s, handler)
-    try:
-        yield
-    finally:
-        for s, h in old.items():
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(s) is not signal.SIG_IGN:
+                    self._old[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
             signal.signal(s, h)
 
 
@@ -195,8 +203,7 @@ def _run(args: argparse.Namespace) -> int:
 
     runs: list = []
     cfg = out = None
-    writing = False
-    with _signals_raise():
+    with _Signals() as signals:
         try:
             cfg = load_config(find_config(args.config))
             if args.limit is not None:
@@ -216,7 +223,7 @@ def _run(args: argparse.Namespace) -> int:
             for run in iter_runs(cfg, ROOT, progress=not args.no_progress):
                 runs.append(run)
             decode = _decoder(cfg)
-            writing = True
+            signals.deferring = True  # every run is done: a first signal lets the writing end
             write_results(out, cfg, runs, decode, fmt=args.format)
         except UserError as e:
             msg = str(e)
@@ -228,8 +235,63 @@ def _run(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
         except KeyboardInterrupt as e:
-            return _interrupted(e, cfg, runs, out, args.format, writing)
+            if signals.deferring:  # the second signal while writing
+                print(
+                    f"error: interrupted by {_name(e)} twice while writing the results; "
+                    "nothing written",
+                    file=sys.stderr,
+                )
+                return _code(e)
+            return _keep_partial(e, signals, cfg, runs, out, args.format)
+    if signals.pending is not None:
+        name = signal.Signals(signals.pending).name
+        print(
+            f"error: interrupted by {name} while writing the results; all runs had "
+            f"finished and {out}/ holds them in full",
+            file=sys.stderr,
+        )
+        return 128 + signals.pending
     return _report(runs, decode, out, time.perf_counter() - t0)
+
+
+def _name(e: KeyboardInterrupt) -> str:
+    return signal.Signals(getattr(e, "signum", signal.SIGINT)).name
+
+
+def _code(e: KeyboardInterrupt) -> int:
+    return 128 + getattr(e, "signum", signal.SIGINT)
+
+
+def _keep_partial(
+    e: KeyboardInterrupt, signals: _Signals, cfg, runs: list, out: Path | None, fmt: str
+) -> int:
+    """Write the completed runs as partial results; one line; 128 + the signal number."""
+    if not runs:
+        print(
+            f"error: interrupted by {_name(e)} before any run finished; nothing written",
+            file=sys.stderr,
+        )
+        return _code(e)
+    from lab.config import rate_scales
+    from lab.core.errors import UserError
+    from lab.report import ResultsNotPlaced, write_results
+
+    total = len(rate_scales(cfg)) * len(cfg["policies"])
+    partial = f"interrupted by {_name(e)} after {len(runs)} of {total} runs"
+    signals.deferring, signals.pending = True, None
+    try:
+        write_results(out, cfg, runs, _decoder(cfg), partial=partial, fmt=fmt)
+    except KeyboardInterrupt:
+        print(
+            f"error: {partial}, and twice again while writing them; nothing written",
+            file=sys.stderr,
+        )
+        return _code(e)
+    except (UserError, ResultsNotPlaced) as e2:
+        print(f"error: {partial}; {e2}", file=sys.stderr)
+        return _code(e)
+    print(f"error: {partial}; wrote them to {out}/ as partial results", file=sys.stderr)
+    return _code(e)
 
 
 def _decoder(cfg):
@@ -259,38 +321,6 @@ def _report(runs: list, decode, out: Path, wall_s: float) -> int:
         )
         return 1
     return 0
-
-
-def _interrupted(
-    e: KeyboardInterrupt, cfg, runs: list, out: Path | None, fmt: str, writing: bool
-) -> int:
-    """Keep the completed runs as partial results; one line; 128 + the signal number."""
-    signum = getattr(e, "signum", signal.SIGINT)
-    name = signal.Signals(signum).name
-    code = 128 + signum
-    if writing or not runs:
-        when = "while writing the results" if writing else "before any run finished"
-        print(f"error: interrupted by {name} {when}; nothing written", file=sys.stderr)
-        return code
-    from lab.config import rate_scales
-    from lab.core.errors import UserError
-    from lab.report import ResultsNotPlaced, write_results
-
-    total = len(rate_scales(cfg)) * len(cfg["policies"])
-    partial = f"interrupted by {name} after {len(runs)} of {total} runs"
-    with _signals_raise():
-        try:
-            write_results(out, cfg, runs, _decoder(cfg), partial=partial, fmt=fmt)
-        except KeyboardInterrupt:
-            print(
-                f"error: {partial}, and again while writing them; nothing written", file=sys.stderr
-            )
-            return code
-        except (UserError, ResultsNotPlaced) as e2:
-            print(f"error: {partial}; {e2}", file=sys.stderr)
-            return code
-    print(f"error: {partial}; wrote them to {out}/ as partial results", file=sys.stderr)
-    return code
 
 
 if __name__ == "__main__":

@@ -323,3 +323,57 @@ def test_old_entry_points_still_work(tmp_path):
             timeout=120,
         )
         assert proc.returncode == 0 and "qwen3-0.6b" in proc.stdout.split()
+
+
+WHILE_WRITING = """
+import os, signal, sys
+import lab.report as report
+real, times = report._plots, int(sys.argv[1])
+def plots(*a, **k):
+    for _ in range(times):
+        os.kill(os.getpid(), signal.SIGINT)
+    return real(*a, **k)
+report._plots = plots
+from lab.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_interrupt_while_writing_finishes_the_writing_once(tmp_path, times):
+    # All runs are done: a first signal lets the writing end (the results are complete); a
+    # second one stops it, and nothing is left.
+    (tmp_path / "exp.yaml").write_text(SYNTHETIC)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            WHILE_WRITING,
+            str(times),
+            "run",
+            str(tmp_path / "exp.yaml"),
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 130, proc.stderr
+    err = [ln for ln in proc.stderr.splitlines() if not ln.startswith("INFO")]
+    if times == 1:
+        assert err == [
+            f"error: interrupted by SIGINT while writing the results; all runs had "
+            f"finished and {out}/ holds them in full"
+        ]
+        summary = json.loads((out / "summary.json").read_text())
+        assert list(summary) == ["fcfs", "swap", "chunked_prefill"]
+        assert "partial" not in summary["fcfs"]
+    else:
+        assert err == [
+            "error: interrupted by SIGINT twice while writing the results; nothing written"
+        ]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["exp.yaml"]

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from lab import __version__
 from lab.core.errors import UserError
 from lab.experiment import Run
 from lab.sim.replay import STEP_COLUMNS
@@ -108,8 +109,6 @@ def _write_files(tmp: Path, cfg: dict[str, Any], runs: list[Run], decode,
         title, _, rest = report.partition("\n")
         report = f"{title}\n\n**Partial results**: {partial}.\n{rest}"
     (tmp / "report.md").write_text(report)
-    from lab import __version__
-
     files = sorted(p.name for p in tmp.iterdir())
     (tmp / MANIFEST).write_text(json.dumps({"written_by": f"sched-lab {__version__}",
                                             "files": files}, indent=2) + "\n")

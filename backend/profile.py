@@ -24,6 +24,7 @@ import argparse
 import csv
 import gc
 import subprocess
+import sys
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from backend.runner import ModelRunner, SeqInput
+from lab.core.errors import UserError
 from lab.core.plan import StepFeatures
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -105,11 +107,19 @@ def time_step(runner: ModelRunner, seqs, swap_blocks: int, repeat: int) -> list[
     return [once() for _ in range(repeat)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-dir", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--attention", default="triton")
+def main(argv: list[str] | None = None, prog: str = "python -m backend.profile") -> int:
+    """Profile the grid and write the CSV (``sched-lab profile``); returns the exit status."""
+    ap = argparse.ArgumentParser(
+        prog=prog, description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example (on the GPU):\n  sched-lab profile "
+               "--model-dir checkpoints/qwen3-0.6b --out profiles/h200_qwen3-0.6b.csv\n"
+               "  sched-lab fit profiles/h200_qwen3-0.6b.csv\n\nexit status: 0 ok, 2 bad input "
+               "(one line: error: ...)")
+    ap.add_argument("--model-dir", required=True, help="checkpoint folder (config.json + "
+                    "safetensors), e.g. from `sched-lab tools make-random-checkpoint`")
+    ap.add_argument("--out", required=True, help="profile CSV to write")
+    ap.add_argument("--attention", default="triton", help="attention backend (default: triton)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=2, help="timed runs per row and pass")
@@ -117,7 +127,16 @@ def main() -> None:
     ap.add_argument("--engine-commit", help="what the header names as the engine's commit "
                     "(default: `git describe --always --dirty` of the working tree; name it "
                     "when the tree is a copy whose .git is not its own)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    try:
+        _profile(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     runner = ModelRunner(args.model_dir, device=device, dtype=args.dtype,
                          attention_backend=args.attention, block_size=args.block_size,
@@ -170,4 +189,4 @@ def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,6 +4,7 @@ replayed through the simulator or the real engine, with metrics per run."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 import hashlib
 import importlib.util
 import logging
@@ -178,6 +179,14 @@ def run_experiment(cfg: ExperimentConfig, progress: bool = True,
         ValueError: ``requests`` given with a rate_scale other than 1.
         UserError: a bad config or trace (one line).
     """
+    return list(iter_runs(cfg, progress, requests))
+
+
+def iter_runs(cfg: ExperimentConfig, progress: bool = True,
+              requests: list[Request] | None = None) -> Iterator[Run]:
+    """:func:`run_experiment` one run at a time: each run is yielded when its replay and
+    metrics are done (the CLI keeps the completed ones when it is interrupted). Everything
+    that can fail before a replay fails before the first one starts."""
     from traces import load_table, scale_table
 
     if requests is not None and cfg.rate_scales != (1.0,):
@@ -209,7 +218,6 @@ def run_experiment(cfg: ExperimentConfig, progress: bool = True,
         cls = get_policy(pol.name)
         policies.append((pol, cls, resolve_limits(cfg, pol, gpu * bs, max_position,
                                                   cls.chunked_prefill)))
-    runs = []
     for scale in cfg.rate_scales:
         trace = requests if requests is not None else tables.pop(scale).to_requests()
         if cfg.backend == "engine":
@@ -236,8 +244,7 @@ def run_experiment(cfg: ExperimentConfig, progress: bool = True,
                 itl = metrics.cdf_points(itl, overwrite=True)  # all gaps: a run's largest array
             if result.failure:
                 summary["failure"] = result.failure
-            runs.append(Run(label, pol.label, scale, result, df, itl, summary))
             log.info("%s: %d steps in %.2f s", label, summary["num_steps"], result.wall_s)
             if result.failure:
                 log.error("%s stopped: %s", label, result.failure)
-    return runs
+            yield Run(label, pol.label, scale, result, df, itl, summary)

@@ -2,7 +2,8 @@
 
 The folder is written under a temporary name next to its destination and renamed into
 place at the end, so a crashed or interrupted run never leaves a folder that looks
-complete, and a rerun replaces the old folder whole.
+complete. Its manifest (``.sched-lab-manifest.json``) names the files the lab wrote; a rerun
+replaces a folder whole only when it holds nothing else.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -20,6 +22,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from lab import __version__
 from lab.config import ExperimentConfig
 from lab.core.errors import UserError
 from lab.experiment import Run
@@ -31,13 +34,39 @@ LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s",
 TIME_BINS = 120
 
 
+MANIFEST = ".sched-lab-manifest.json"  # the names of the files the lab wrote in a folder
+FORMATS = ("csv", "parquet")  # of requests and steps
+_TEMP_SUFFIX_BYTES = 14  # ".{name}.XXXXXXXX" then ".old": what a temporary name adds
+
+
+class ResultsNotPlaced(Exception):
+    """The results were written but could not be renamed into place; the message says where
+    they are."""
+
+
 def write_results(out_dir: Path, cfg: ExperimentConfig, runs: list[Run],
-                  decode: Callable[[list[int]], str] | None = None) -> Path:
+                  decode: Callable[[list[int]], str] | None = None, *,
+                  partial: str | None = None, fmt: str = "csv") -> Path:
     """Write every file of the run folder ``out_dir`` atomically; returns ``out_dir``.
 
+    The files go into a temporary folder next to ``out_dir``, with a manifest
+    (:data:`MANIFEST`) naming them, which is then renamed into place; an earlier results
+    folder there is replaced only if it holds nothing but the files its manifest names.
     Engine runs also get ``tokens.jsonl``: the generated token ids of every request (and
     their text when ``decode`` is given).
+
+    Args:
+        partial: why only some of the experiment's runs are here (e.g. interrupted); said
+            in report.md and in every run's summary (key ``partial``).
+        fmt: ``csv`` or ``parquet`` (needs pyarrow) for requests and steps.
+
+    Raises:
+        UserError: ``out_dir`` cannot become a results folder (nothing is written).
+        ResultsNotPlaced: the final rename failed; the results are kept in another folder,
+            named in the message.
     """
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
     out_dir = check_out_dir(out_dir)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -49,48 +78,87 @@ def write_results(out_dir: Path, cfg: ExperimentConfig, runs: list[Run],
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; results are for sharing
     phase = Phase("writing results", 5, "file").start()  # 5 advances below
     try:
-        (tmp / "config.yaml").write_text(config_yaml(cfg, runs))
-        phase.advance()
-        pd.concat([r.requests for r in runs]).to_csv(tmp / "requests.csv", index=False)
-        phase.advance()
-        _steps_frame(runs).to_csv(tmp / "steps.csv", index=False, float_format="%.9g")
-        phase.advance()
-        summary = {r.label: r.summary for r in runs}
-        (tmp / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2))
-        # Wall-clock seconds live apart, so the other files depend on the inputs alone.
-        timing = {r.label: {"replay_wall_s": r.result.wall_s} for r in runs}
-        (tmp / "timing.json").write_text(json.dumps(timing, indent=2))
-        phase.advance()
-        if any(r.output_token_ids for run in runs for r in run.result.requests):
-            _write_tokens(tmp / "tokens.jsonl", runs, decode)
-        plots = _plots(tmp, runs)
-        phase.advance()
-        (tmp / "report.md").write_text(_markdown(cfg, runs, plots))
-        if out_dir.exists():
-            check_out_dir(out_dir)  # again: it may have changed during the runs
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, out_dir)
-        phase.close()
+        _write_files(tmp, cfg, runs, decode, partial, fmt, phase)
     except OSError as e:
+        phase.close(ok=False)
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"--out {out_dir}: cannot write the results ({e})") from None
-    except BaseException:
+    except BaseException:  # interrupted too: no temporary folder left behind
+        phase.close(ok=False)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    try:
+        _put_in_place(tmp, out_dir)
     finally:
-        phase.close(ok=False)  # no-op after the close above
+        phase.close()
     return out_dir
+
+
+def _write_files(tmp: Path, cfg: ExperimentConfig, runs: list[Run], decode,
+                 partial: str | None, fmt: str, phase: Phase) -> None:
+    (tmp / "config.yaml").write_text(config_yaml(cfg, runs))
+    phase.advance()
+    requests, steps = pd.concat([r.requests for r in runs]), _steps_frame(runs)
+    if fmt == "parquet":
+        requests.to_parquet(tmp / "requests.parquet", index=False)
+        steps.to_parquet(tmp / "steps.parquet", index=False)
+    else:
+        requests.to_csv(tmp / "requests.csv", index=False)
+        steps.to_csv(tmp / "steps.csv", index=False, float_format="%.9g")
+    phase.advance()
+    extra = {"partial": partial} if partial else {}
+    summary = {r.label: {**r.summary, **extra} for r in runs}
+    (tmp / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2))
+    # Wall-clock seconds live apart, so the other files depend on the inputs alone.
+    timing = {r.label: {"replay_wall_s": r.result.wall_s} for r in runs}
+    (tmp / "timing.json").write_text(json.dumps(timing, indent=2))
+    phase.advance()
+    if any(r.output_token_ids for run in runs for r in run.result.requests):
+        _write_tokens(tmp / "tokens.jsonl", runs, decode)
+    plots = _plots(tmp, runs)
+    phase.advance()
+    report = _markdown(cfg, runs, plots)
+    if partial:  # right under the title
+        title, _, rest = report.partition("\n")
+        report = f"{title}\n\n**Partial results**: {partial}.\n{rest}"
+    (tmp / "report.md").write_text(report)
+    files = sorted(p.name for p in tmp.iterdir())
+    (tmp / MANIFEST).write_text(json.dumps({"written_by": f"sched-lab {__version__}",
+                                            "files": files}, indent=2) + "\n")
+
+
+def _put_in_place(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``out_dir``, replacing an earlier results folder
+    there (checked again: it may have changed during the runs)."""
+    try:
+        if out_dir.exists():
+            check_out_dir(out_dir)
+            old = tmp.with_name(tmp.name + ".old")
+            os.rename(out_dir, old)
+            try:
+                os.rename(tmp, out_dir)
+            except OSError:
+                os.rename(old, out_dir)  # the earlier results back where they were
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    except (OSError, UserError) as e:
+        why = e.strerror if isinstance(e, OSError) else str(e).removeprefix(f"--out {out_dir}: ")
+        kept = out_dir.with_name(f"{out_dir.name}.unplaced-{tmp.name.rsplit('.', 1)[-1]}")
+        try:
+            os.rename(tmp, kept)
+        except OSError:
+            kept = tmp
+        raise ResultsNotPlaced(f"--out {out_dir}: cannot put the results in place ({why}); "
+                               f"they are in {kept}") from None
 
 
 def check_out_dir(out_dir: Path) -> Path:
     """Make sure ``out_dir`` can become a results folder, before any run: a folder can be
-    made where it goes, and ``out_dir`` is absent, empty, or an earlier results folder (it
-    will be replaced). Creates nothing.
+    made where it goes, its temporary name fits, and ``out_dir`` is absent, empty, or an
+    earlier results folder that can be replaced (it holds only the files of its manifest,
+    and its entries can be deleted). Creates nothing.
 
     Returns:
         ``out_dir`` made absolute, with symlinks and ``..`` resolved (a link to a results
@@ -99,29 +167,91 @@ def check_out_dir(out_dir: Path) -> Path:
     Raises:
         UserError: one line naming ``out_dir`` and what is in the way.
     """
-    out_dir = Path(out_dir).resolve()
+    given = out_dir
+    try:
+        out_dir = Path(out_dir).resolve()
+        _check_out_dir(out_dir)
+    except RuntimeError as e:  # Python < 3.13: a symlink loop
+        raise UserError(f"--out {given}: {e}") from None
+    except OSError as e:  # a loop (ELOOP), a name too long for the file system...
+        raise UserError(f"--out {given}: {e.strerror or e}") from None
+    return out_dir
+
+
+def _check_out_dir(out_dir: Path) -> None:
     if out_dir == out_dir.parent:
         raise UserError(f"--out {out_dir}: the file-system root cannot be a results folder")
     above = next(p for p in out_dir.parents if p.exists())  # the root always exists
     if not above.is_dir():
         raise UserError(f"--out {out_dir}: {above} is a file, not a folder")
+    try:
+        name_max = os.pathconf(above, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    size = len(os.fsencode(out_dir.name))  # longer than name_max: resolve() said so already
+    if size + _TEMP_SUFFIX_BYTES > name_max:
+        raise UserError(f"--out {out_dir}: the name is {size} bytes long; at most "
+                        f"{name_max - _TEMP_SUFFIX_BYTES} fit (its temporary name adds "
+                        f"{_TEMP_SUFFIX_BYTES})")
     try:  # what write_results will do there: make a folder
         os.rmdir(tempfile.mkdtemp(prefix=".write-test.", dir=above))
     except OSError as e:
         raise UserError(f"--out {out_dir}: cannot make a folder in {above} ({e.strerror})") from None
-    if out_dir.exists() and not out_dir.is_dir():
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
         raise UserError(f"--out {out_dir}: exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not is_results_folder(out_dir):
-        raise UserError(f"--out {out_dir}: the folder exists and is not a results folder "
-                        "(summary.json and report.md, no subfolders); refusing to replace it")
-    return out_dir
+    foreign = _foreign_entries(out_dir) if any(out_dir.iterdir()) else []
+    if foreign is None:
+        if ((out_dir / "summary.json").is_file() and (out_dir / "report.md").is_file()
+                and not any(p.is_dir() for p in out_dir.iterdir())):  # made before manifests
+            raise UserError(f"--out {out_dir}: a results folder without {MANIFEST} (from "
+                            "before manifests, or made by hand); refusing to replace it: delete "
+                            "it yourself, or choose another --out")
+        raise UserError(f"--out {out_dir}: the folder exists and is not a results folder (no "
+                        f"{MANIFEST}); refusing to replace it")
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise UserError(f"--out {out_dir}: holds {foreign[0]}{more}, not written by sched-lab "
+                        f"(not in {MANIFEST}); refusing to replace it (move it out, or choose "
+                        "another --out)")
+    _check_replaceable(out_dir)
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """What replacing ``out_dir`` needs: renaming it in its parent and deleting its files."""
+    parent = out_dir.parent
+    if os.path.ismount(out_dir):
+        raise UserError(f"--out {out_dir}: is a mount point; it cannot be replaced (use a "
+                        "folder inside it)")
+    st, parent_st, uid = out_dir.stat(), parent.stat(), os.geteuid()
+    if parent_st.st_mode & stat.S_ISVTX and uid not in (0, st.st_uid, parent_st.st_uid):
+        raise UserError(f"--out {out_dir}: {parent} is sticky and the folder is not yours; "
+                        "it cannot be replaced")
+    for folder, why in ((parent, "rename it"), (out_dir, "delete its files")):
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".write-test.", dir=folder))
+        except OSError as e:
+            raise UserError(f"--out {out_dir}: the earlier results cannot be replaced: cannot "
+                            f"{why} ({e.strerror})") from None
 
 
 def is_results_folder(folder: Path) -> bool:
-    """Whether ``folder`` looks like what write_results makes: summary.json and report.md,
-    and no subfolders (a project folder that happens to hold a summary.json is not one)."""
-    return ((folder / "summary.json").is_file() and (folder / "report.md").is_file()
-            and not any(p.is_dir() for p in folder.iterdir()))
+    """Whether ``folder`` is what write_results makes: a manifest, and no entry beyond the
+    files it names (so a hand-written note or a kept trace file is never replaced)."""
+    return _foreign_entries(folder) == []
+
+
+def _foreign_entries(folder: Path) -> list[str] | None:
+    """The entries of ``folder`` its manifest does not name as files (sorted); None without
+    a readable manifest."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        files = set(manifest["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return sorted(p.name for p in folder.iterdir() if p.name != MANIFEST and (
+        p.name not in files or p.is_symlink() or not p.is_file()))
 
 
 def _write_tokens(path: Path, runs: list[Run], decode) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
+
 from triton_setup import DEVICE, HAS_CUDA, QWEN3_TINY, interpreting, needs_triton, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
 
 from backend.attention import triton_kernels  # noqa: E402

@@ -11,7 +11,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
+
 from triton_setup import QWEN3_TINY, needs_triton  # first: sets TRITON_INTERPRET
 
 from backend.attention.base import decode_work, prefill_tiles  # noqa: E402

@@ -6,8 +6,9 @@ import logging
 import os
 
 import pytest
-import torch
-import torch_threads  # noqa: F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
+
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
+import torch_threads  # noqa: E402, F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
 
 from backend.attention.base import prefill_tiles
 from backend.config import ModelConfig

@@ -16,8 +16,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-import torch_threads  # noqa: F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
+
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
+import torch_threads  # noqa: E402, F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

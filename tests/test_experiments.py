@@ -15,6 +15,7 @@ import yaml
 import run_experiment
 from lab.config import load_config
 from lab.core.errors import ConfigError
+from lab.report import MANIFEST
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "experiments").glob("*.yaml"))
@@ -56,15 +57,51 @@ def test_example_runs(path, tmp_path):
         assert (out / "latency_vs_load.png").exists()
 
 
+def lab_wrote(folder: Path, name: str, text: str = "from an older run") -> None:
+    """A file in ``folder`` as if an earlier sched-lab had written it (named in the manifest)."""
+    (folder / name).write_text(text)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    (folder / MANIFEST).write_text(json.dumps({**manifest, "files": manifest["files"] + [name]}))
+
+
 def test_rerun_replaces_results_whole(tmp_path):
     out = tmp_path / "run"
     args = [str(ROOT / "experiments/quickstart.yaml"), "--limit", "20", "--out", str(out),
             "--no-progress"]
     assert run_experiment.main(args) == 0
-    (out / "stale.txt").write_text("from an older run")
+    assert json.loads((out / MANIFEST).read_text())["files"] == [
+        "config.yaml", "latency_cdf.png", "over_time.png", "report.md", "requests.csv",
+        "steps.csv", "summary.json", "timing.json"]
+    lab_wrote(out, "stale.txt")
     assert run_experiment.main(args) == 0
     assert not (out / "stale.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no temp folders left
+
+
+def test_rerun_never_deletes_a_file_the_lab_did_not_write(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = [str(ROOT / "experiments/quickstart.yaml"), "--limit", "5", "--out", str(out),
+            "--no-progress"]
+    assert run_experiment.main(args) == 0
+    capsys.readouterr()
+    (out / "my_trace.csv").write_text("kept by hand")
+    assert run_experiment.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {args[0]}: --out {out}: holds my_trace.csv, not written by "
+                   f"sched-lab (not in {MANIFEST}); refusing to replace it (move it out, or "
+                   "choose another --out)"]
+    assert (out / "my_trace.csv").read_text() == "kept by hand"
+    # A folder of the lab's files without a manifest (an older version's, or docs/azure_gpu
+    # with its hand-written RUN.md) is refused too, with what to do.
+    (out / "my_trace.csv").unlink()
+    (out / MANIFEST).unlink()
+    assert run_experiment.main(args) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"--out {out}: a results folder without {MANIFEST} (from before manifests, or made by "
+        "hand); refusing to replace it: delete it yourself, or choose another --out")
+    assert run_experiment.main([*args[:-3], "--out", str(ROOT / "docs/azure_gpu"),
+                                "--no-progress"]) == 2
+    assert (ROOT / "docs/azure_gpu/RUN.md").is_file()
 
 
 def test_rate_scale_list_replays_each_load(tmp_path):
@@ -111,7 +148,7 @@ def test_dropped_trace_rows_are_in_the_results_and_in_no_metric(tmp_path):
 def test_out_in_the_way_is_refused_before_any_run(tmp_path, capsys, monkeypatch):
     import lab.experiment
 
-    monkeypatch.setattr(lab.experiment, "run_experiment", None)  # a run would raise TypeError
+    monkeypatch.setattr(lab.experiment, "iter_runs", None)  # a run would raise TypeError
     cfg = str(ROOT / "experiments/quickstart.yaml")
     (tmp_path / "file").write_text("x")
     (tmp_path / "other").mkdir()
@@ -130,12 +167,12 @@ def test_out_through_links_and_dots_replaces_the_results_folder(tmp_path, monkey
     args = [str(ROOT / "experiments/quickstart.yaml"), "--limit", "5", "--no-progress"]
     real = tmp_path / "res"
     assert run_experiment.main([*args, "--out", str(real)]) == 0
-    (real / "stale.txt").write_text("from an older run")
+    lab_wrote(real, "stale.txt")
     (tmp_path / "link").symlink_to(real)  # a link to a results folder updates that folder
     assert run_experiment.main([*args, "--out", str(tmp_path / "link")]) == 0
     assert (tmp_path / "link").is_symlink() and not (real / "stale.txt").exists()
     monkeypatch.chdir(real)  # "." and "x/.." name the folder itself
-    (real / "stale.txt").write_text("again")
+    lab_wrote(real, "stale.txt", "again")
     assert run_experiment.main([*args, "--out", "."]) == 0
     assert not (real / "stale.txt").exists() and (real / "summary.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "res"]  # nothing left over
@@ -144,15 +181,15 @@ def test_out_through_links_and_dots_replaces_the_results_folder(tmp_path, monkey
 def test_out_in_the_way_of_a_project_folder(tmp_path, capsys, monkeypatch):
     import lab.experiment
 
-    monkeypatch.setattr(lab.experiment, "run_experiment", None)  # a run would raise TypeError
+    monkeypatch.setattr(lab.experiment, "iter_runs", None)  # a run would raise TypeError
     cfg = str(ROOT / "experiments/quickstart.yaml")
     project = tmp_path / "proj"
     (project / "src").mkdir(parents=True)
     for name in ("summary.json", "report.md"):
         (project / name).write_text("{}")
     (tmp_path / "dangling").symlink_to(tmp_path / "missing" / "x" / "y")
-    cases = [(project, "the folder exists and is not a results folder (summary.json and "
-                       "report.md, no subfolders)"),
+    cases = [(project, "the folder exists and is not a results folder (no "
+                       ".sched-lab-manifest.json); refusing to replace it"),
              (Path("/proc/lab-out"), "cannot make a folder in /proc"),
              ("", "--out: expected a folder, got an empty string")]
     for out, message in cases:

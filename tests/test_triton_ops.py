@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
+
 import torch.nn.functional as F
 from triton_setup import DEVICE, HAS_CUDA, needs_triton, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
 

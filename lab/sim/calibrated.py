@@ -281,25 +281,44 @@ class CalibratedCostModel:
         return t
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m lab.sim.calibrated PROFILE.csv", file=sys.stderr)
+def main(argv: list[str] | None = None, prog: str = "python -m lab.sim.calibrated") -> int:
+    """Fit a profile and write PROFILE.fit.json (``sched-lab fit``); returns the exit status."""
+    import argparse
+
+    from lab.core.errors import UserError
+
+    ap = argparse.ArgumentParser(
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Fit the calibrated step-time model to an engine profile; print and write "
+                    "the coefficients and their held-out (5-fold) relative errors.",
+        epilog="example:\n  sched-lab fit profiles/h200_qwen3-0.6b.csv   # writes "
+               "profiles/h200_qwen3-0.6b.fit.json\n\nexit status: 0 ok, 2 bad input (one line: "
+               "error: ...)")
+    ap.add_argument("profile", help="profile CSV made by `sched-lab profile`")
+    ap.add_argument("--out", help="fit summary JSON (default: PROFILE with suffix .fit.json)")
+    args = ap.parse_args(argv)
+    try:
+        df = read_profile(args.profile)
+        coef = fit(df)
+        err = cross_validated_errors(df)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    df = read_profile(argv[0])
-    coef = fit(df)
-    err = cross_validated_errors(df)
     by_kind = {k: float(np.median(err[(df["kind"] == k).to_numpy()]))
                for k in df.get("kind", pd.Series(["all"] * len(df))).unique()}
     summary = {
-        "profile": argv[0], "rows": len(df),
+        "profile": args.profile, "rows": len(df),
         "coefficients": dict(zip(FEATURES, coef.tolist())),
         "held_out_relative_error": {"median": float(np.median(err)),
                                     "p90": float(np.percentile(err, 90)),
                                     "max": float(err.max()), "median_by_kind": by_kind},
     }
-    out = Path(argv[0]).with_suffix(".fit.json")
-    out.write_text(json.dumps(summary, indent=2) + "\n")
+    out = Path(args.out) if args.out else Path(args.profile).with_suffix(".fit.json")
+    try:
+        out.write_text(json.dumps(summary, indent=2) + "\n")
+    except OSError as e:
+        print(f"error: {out}: cannot write the fit ({e.strerror})", file=sys.stderr)
+        return 2
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -1,0 +1,326 @@
+"""The ``sched-lab`` command: run an experiment, fit a cost model, profile the engine, tools.
+
+    sched-lab run experiments/quickstart.yaml [--out DIR] [--limit N] [--format parquet]
+    sched-lab fit profiles/h200_qwen3-0.6b.csv
+    sched-lab profile --model-dir checkpoints/qwen3-0.6b --out profiles/h200_qwen3-0.6b.csv
+    sched-lab tools make-random-checkpoint --preset qwen3-0.6b --out checkpoints/qwen3-0.6b
+
+``fit``, ``profile`` and ``tools`` hand their arguments to ``lab.sim.calibrated``,
+``backend.profile`` and ``backend.tools`` (``python -m`` of those still works). User errors
+print one line, ``error: ...``, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from lab import __version__
+
+# Where bundled data lives, in a checkout and in an installed copy alike: experiments/,
+# traces/data/ and profiles/ are installed beside lab/ (pyproject.toml).
+DEFAULT_CONFIG = "experiments/quickstart.yaml"
+EXIT_CODES = """exit status:
+  0    ok
+  1    a run stopped early (its partial results are written), or the results could not
+       be put in place (the message says where they are)
+  2    bad input: one line, error: ..., naming the file, row or key
+  130  interrupted by SIGINT (Ctrl-C), 143 by SIGTERM: completed runs kept as partial results"""
+RUN_EXAMPLE = """example:
+  sched-lab run experiments/quickstart.yaml --limit 500 --out /tmp/quick
+
+A config path that does not exist is looked up among the bundled ones, so the example
+experiments run from any folder. Results go to ./results/<name> unless --out; an existing
+folder there is replaced only if the lab wrote everything in it (.sched-lab-manifest.json)."""
+DELEGATED = {  # subcommand: (module, what it does)
+    "fit": ("lab.sim.calibrated", "fit the calibrated step-time model to an engine profile"),
+    "profile": ("backend.profile", "time the engine over a grid of step shapes (needs torch)"),
+    "tools": (
+        "backend.tools.__main__",
+        "engine tools: convert-smollm2, make-random-checkpoint, list-presets (needs torch)",
+    ),
+}
+ENGINE_MODULES = {"torch", "triton", "transformers", "safetensors", "gguf", "accelerate"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """Command-line mistakes in one line too (argparse prints its usage first)."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return argparse.RawDescriptionHelpFormatter(prog, max_help_position=30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``sched-lab``'s entry point; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:
+        return _delegate(argv[0], argv[1:])
+    ap = _Parser(
+        prog="sched-lab",
+        description="An LLM-serving scheduler lab: run an experiment, "
+        "fit a cost model, profile the engine, engine tools.",
+        formatter_class=_formatter,
+        epilog="examples:\n"
+        + "\n".join(__doc__.split("\n\n")[1].splitlines())
+        + "\n\n"
+        + EXIT_CODES,
+    )
+    ap.add_argument("--version", action="version", version=f"sched-lab {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = sub.add_parser(
+        "run",
+        help="run an experiment YAML and write its results folder",
+        description="Run an experiment YAML and write its results folder.",
+        formatter_class=_formatter,
+        epilog=f"{RUN_EXAMPLE}\n\n{EXIT_CODES}",
+    )
+    _add_run_args(run)
+    for name, (_, what) in DELEGATED.items():
+        sub.add_parser(name, help=what, add_help=False)  # listed here, parsed by the module
+    args = ap.parse_args(argv)
+    return _run(args)
+
+
+def run_main(argv: list[str] | None = None, prog: str = "sched-lab run") -> int:
+    """``sched-lab run`` alone (``run_experiment.py`` calls it); returns the exit status."""
+    ap = _Parser(
+        prog=prog,
+        description="Run an experiment YAML and write its results folder.",
+        formatter_class=_formatter,
+        epilog=f"{RUN_EXAMPLE}\n\n{EXIT_CODES}",
+    )
+    _add_run_args(ap)
+    return _run(ap.parse_args(argv))
+
+
+def _add_run_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "config",
+        nargs="?",
+        default=DEFAULT_CONFIG,
+        help=f"experiment YAML (default: {DEFAULT_CONFIG})",
+    )
+    ap.add_argument("--out", help="results folder (default: ./results/<name>)")
+    ap.add_argument("--limit", type=int, help="replay only the first N requests of the trace")
+    ap.add_argument(
+        "--format",
+        choices=("csv", "parquet"),
+        default="csv",
+        help="file format of requests and steps (parquet needs pyarrow)",
+    )
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ap.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+
+
+def _delegate(command: str, argv: list[str]) -> int:
+    module_name = DELEGATED[command][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in ENGINE_MODULES:
+            raise
+        print(
+            f"error: sched-lab {command} needs the engine's packages (no module {e.name}): "
+            "pip install 'sched-lab[engine]' (README, Install)",
+            file=sys.stderr,
+        )
+        return 2
+    return module.main(argv, prog=f"sched-lab {command}") or 0
+
+
+def find_config(path: str) -> Path:
+    """The experiment YAML ``path`` names, by :mod:`lab.paths`' rule with the current
+    folder as the base: as given when it exists, else the bundled file of that relative
+    path (so ``experiments/quickstart.yaml`` works from any folder), else ``path`` (the
+    loader then says it is missing)."""
+    from lab import paths
+
+    given = Path(path)
+    found = paths.resolve(given, Path.cwd())
+    return found if found.is_file() else given
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised where the program was, so that cleanup code runs. Its only
+    argument is the signal number (SimPy re-creates an exception from its arguments)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+class _Signals:
+    """While active, SIGINT and SIGTERM raise :class:`Interrupted`; while ``deferring`` (the
+    results are being written), the first one is only recorded in ``pending`` and a second
+    one raises. A signal the caller ignores (as for a background job) stays ignored."""
+
+    def __init__(self) -> None:
+        self.deferring = False
+        self.pending: int | None = None
+        self._old: dict = {}
+
+    def _handler(self, signum, frame) -> None:
+        if self.deferring and self.pending is None:
+            self.pending = signum
+            return
+        raise Interrupted(signum)
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(s) is not signal.SIG_IGN:
+                    self._old[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def _run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    from lab.config import load_config
+    from lab.core.errors import UserError
+    from lab.report import ResultsNotPlaced
+
+    runs: list = []
+    cfg = out = None
+    with _Signals() as signals:
+        try:
+            cfg = load_config(find_config(args.config))
+            if args.limit is not None:
+                if args.limit < 1:
+                    raise UserError(f"--limit: expected an integer >= 1, got {args.limit}")
+                cfg = cfg.with_trace(limit=args.limit)
+            if args.out is not None and not args.out.strip():
+                raise UserError("--out: expected a folder, got an empty string")
+            if args.format == "parquet" and importlib.util.find_spec("pyarrow") is None:
+                raise UserError("--format parquet needs pyarrow: pip install 'sched-lab[parquet]'")
+            out = Path(args.out) if args.out is not None else Path.cwd() / "results" / cfg.name
+            t0 = time.perf_counter()
+            from lab.experiment import iter_runs
+            from lab.report import check_out_dir, write_results
+
+            out = check_out_dir(out)  # before the replays, so a folder in the way costs no run
+            for run in iter_runs(cfg, progress=not args.no_progress):
+                runs.append(run)
+            decode = _decoder(cfg)
+            signals.deferring = True  # every run is done: a first signal lets the writing end
+            write_results(out, cfg, runs, decode, fmt=args.format)
+        except UserError as e:
+            msg = str(e)
+            if not msg.startswith(args.config):  # name the experiment file once
+                msg = f"{args.config}: {msg}"
+            print(f"error: {msg}", file=sys.stderr)
+            return 2
+        except ResultsNotPlaced as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt as e:
+            if signals.deferring:  # the second signal while writing
+                print(
+                    f"error: interrupted by {_name(e)} twice while writing the results; "
+                    "nothing written",
+                    file=sys.stderr,
+                )
+                return _code(e)
+            return _keep_partial(e, signals, cfg, runs, out, args.format)
+    if signals.pending is not None:
+        name = signal.Signals(signals.pending).name
+        print(
+            f"error: interrupted by {name} while writing the results; all runs had "
+            f"finished and {out}/ holds them in full",
+            file=sys.stderr,
+        )
+        return 128 + signals.pending
+    return _report(runs, decode, out, time.perf_counter() - t0)
+
+
+def _name(e: KeyboardInterrupt) -> str:
+    return signal.Signals(getattr(e, "signum", signal.SIGINT)).name
+
+
+def _code(e: KeyboardInterrupt) -> int:
+    return 128 + getattr(e, "signum", signal.SIGINT)
+
+
+def _keep_partial(
+    e: KeyboardInterrupt, signals: _Signals, cfg, runs: list, out: Path | None, fmt: str
+) -> int:
+    """Write the completed runs as partial results; one line; 128 + the signal number."""
+    if not runs:
+        print(
+            f"error: interrupted by {_name(e)} before any run finished; nothing written",
+            file=sys.stderr,
+        )
+        return _code(e)
+    from lab.core.errors import UserError
+    from lab.report import ResultsNotPlaced, write_results
+
+    total = len(cfg.rate_scales) * len(cfg.policies)
+    partial = f"interrupted by {_name(e)} after {len(runs)} of {total} runs"
+    signals.deferring, signals.pending = True, None
+    try:
+        write_results(out, cfg, runs, _decoder(cfg), partial=partial, fmt=fmt)
+    except KeyboardInterrupt:
+        print(
+            f"error: {partial}, and twice again while writing them; nothing written",
+            file=sys.stderr,
+        )
+        return _code(e)
+    except (UserError, ResultsNotPlaced) as e2:
+        print(f"error: {partial}; {e2}", file=sys.stderr)
+        return _code(e)
+    print(f"error: {partial}; wrote them to {out}/ as partial results", file=sys.stderr)
+    return _code(e)
+
+
+def _decoder(cfg):
+    if cfg.backend != "engine":
+        return None
+    from lab.engine_setup import text_decoder
+
+    return text_decoder(cfg)
+
+
+def _report(runs: list, decode, out: Path, wall_s: float) -> int:
+    from lab.report import summary_table
+
+    print(summary_table(runs))
+    if decode is not None:  # a taste of the real text, first policy only
+        finished = [r for r in runs[0].result.requests if r.status.value == "finished"]
+        for r in finished[:3]:
+            print(f"\n[{runs[0].label} request {r.request_id}] {decode(r.output_token_ids)!r}")
+    print(f"\nwrote {out}/ (report.md) in {wall_s:.1f} s")
+    failed = [r for r in runs if r.result.failure]
+    if failed:
+        which = ", ".join(f"{r.label} ({r.result.failure})" for r in failed)
+        print(
+            f"error: {len(failed)} of {len(runs)} runs stopped early: {which} "
+            f"(their requests are in {out} with the reason)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

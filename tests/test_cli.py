@@ -1,0 +1,380 @@
+"""The sched-lab command (lab/cli.py): help and exit codes, bundled configs from any folder,
+results under the cwd, interrupts keep completed runs, results folders that cannot be
+replaced or named, and a simulator run that never imports torch."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import lab.report
+from lab import __version__
+from lab.cli import main
+from lab.paths import DATA_ROOT as ROOT
+from lab.report import MANIFEST
+
+QUICK = ["experiments/quickstart.yaml", "--no-progress"]
+SYNTHETIC = (
+    "trace: {format: synthetic, num_requests: 8, arrival: {process: poisson, rate: 4}, "
+    "prompt_len: 16, output_len: 4}\npolicies: [fcfs, swap, chunked_prefill]\n"
+    "kv_cache: {num_gpu_blocks: 64}\n"
+)
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["run", "--help"], ["fit", "--help"], ["tools", "--help"], ["profile", "--help"]],
+)
+def test_every_help_shows_an_example_and_the_exit_codes(argv, capsys):
+    if argv[0] in ("tools", "profile") and not HAS_TORCH:
+        pytest.skip("sched-lab tools/profile need torch (the engine extra)")
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "example" in out and "exit status" in out and "bad input" in out
+    if argv[0] in ("--help", "run"):
+        assert "130" in out and "143" in out and "1    a run stopped early" in out
+
+
+def test_version_and_missing_command(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"sched-lab {__version__}"
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2
+    assert one_error_line(capsys) == (
+        "error: the following arguments are required: COMMAND (see --help)"
+    )
+
+
+def test_bundled_config_from_any_folder_writes_results_under_the_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", *QUICK, "--limit", "5"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results"]
+    out = tmp_path / "results" / "quickstart"
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(summary) == ["chunked_prefill", "fcfs", "swap"]
+    assert summary["fcfs"]["num_requests"] == 5 and "partial" not in summary["fcfs"]
+
+
+def test_a_missing_config_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "experiments/nothing.yaml", "--no-progress"]) == 2
+    assert "experiments/nothing.yaml" in one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fit_refits_a_profile_and_bad_input_is_one_line(tmp_path, capsys):
+    out = tmp_path / "fit.json"
+    profile = ROOT / "profiles" / "h200_qwen3-0.6b.csv"
+    assert main(["fit", str(profile), "--out", str(out)]) == 0
+    capsys.readouterr()
+    fitted = json.loads(out.read_text())
+    recorded = json.loads(profile.with_suffix(".fit.json").read_text())
+    assert fitted["coefficients"] == recorded["coefficients"]
+    assert fitted["rows"] == 103
+    assert main(["fit", str(tmp_path / "none.csv")]) == 2
+    assert "none.csv does not exist" in one_error_line(capsys)
+
+
+INTERRUPT = """
+import os, signal, sys
+import lab.experiment as ex
+real, at = ex.iter_runs, int(sys.argv[1])
+def iter_runs(*a, **k):
+    if at == 0:
+        os.kill(os.getpid(), signal.{sig})
+    for i, run in enumerate(real(*a, **k), 1):
+        yield run
+        if i == at:
+            os.kill(os.getpid(), signal.{sig})  # raised here, as from a user's kill or Ctrl-C
+ex.iter_runs = iter_runs
+from lab.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_interrupt_keeps_the_completed_runs_as_partial_results(tmp_path, sig, code):
+    (tmp_path / "exp.yaml").write_text(SYNTHETIC)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            INTERRUPT.format(sig=sig),
+            "1",
+            "run",
+            str(tmp_path / "exp.yaml"),
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == code, proc.stderr
+    err = [ln for ln in proc.stderr.splitlines() if not ln.startswith("INFO")]
+    assert err == [
+        f"error: interrupted by {sig} after 1 of 3 runs; wrote them to {out}/ as partial results"
+    ]
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary) == ["fcfs"] and summary["fcfs"]["finished"] == 8
+    assert summary["fcfs"]["partial"] == f"interrupted by {sig} after 1 of 3 runs"
+    report = (out / "report.md").read_text().splitlines()
+    assert report[2] == f"**Partial results**: interrupted by {sig} after 1 of 3 runs."
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp.yaml", "out"]  # no temp folder
+
+
+def test_interrupt_before_any_run_writes_nothing(tmp_path):
+    (tmp_path / "exp.yaml").write_text(SYNTHETIC)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            INTERRUPT.format(sig="SIGTERM"),
+            "0",
+            "run",
+            str(tmp_path / "exp.yaml"),
+            "--out",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 143
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: interrupted by SIGTERM before any run finished; nothing written"
+    )
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp.yaml"]
+
+
+def test_out_through_a_symlink_loop_or_too_long_a_name(tmp_path, capsys, monkeypatch):
+    import lab.experiment
+
+    monkeypatch.setattr(lab.experiment, "iter_runs", None)  # a run would raise TypeError
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    assert main(["run", *QUICK, "--out", str(tmp_path / "a" / "x")]) == 2
+    assert f"--out {tmp_path / 'a' / 'x'}: Symlink loop" in one_error_line(capsys)
+    assert main(["run", *QUICK, "--out", str(tmp_path / ("r" * 256) / "x")]) == 2
+    assert one_error_line(capsys).endswith("/x: File name too long")
+    assert main(["run", *QUICK, "--out", str(tmp_path / ("r" * 242))]) == 2  # 242 + 14 > 255
+    assert one_error_line(capsys).endswith(
+        "the name is 242 bytes long; at most 241 fit (its temporary name adds 14)"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+def test_unreplaceable_results_are_refused_before_any_run(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "res"
+    assert main(["run", *QUICK, "--limit", "3", "--out", str(out)]) == 0
+    capsys.readouterr()
+    import lab.experiment
+
+    monkeypatch.setattr(lab.experiment, "iter_runs", None)  # a run would raise TypeError
+    real = lab.report.tempfile.mkdtemp
+
+    def read_only(prefix=None, dir=None):  # what a folder without write permission gives
+        if Path(dir) == out:
+            raise PermissionError(13, "Permission denied")
+        return real(prefix=prefix, dir=dir)
+
+    monkeypatch.setattr(lab.report.tempfile, "mkdtemp", read_only)
+    assert main(["run", *QUICK, "--out", str(out)]) == 2
+    assert one_error_line(capsys).endswith(
+        f"--out {out}: the earlier results cannot be replaced: cannot delete its files "
+        "(Permission denied)"
+    )
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write a read-only folder")
+def test_read_only_results_folder_is_refused_before_any_run(tmp_path, capsys):
+    out = tmp_path / "res"
+    assert main(["run", *QUICK, "--limit", "3", "--out", str(out)]) == 0
+    capsys.readouterr()
+    out.chmod(0o555)
+    try:
+        assert main(["run", *QUICK, "--limit", "3", "--out", str(out)]) == 2
+        assert "cannot be replaced" in one_error_line(capsys)
+    finally:
+        out.chmod(0o755)
+
+
+def test_failed_final_rename_keeps_the_results_and_says_where(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "res"
+    assert main(["run", *QUICK, "--limit", "3", "--out", str(out)]) == 0
+    before = (out / "summary.json").read_text()
+    capsys.readouterr()
+    real = os.rename
+
+    def rename(src, dst):  # the earlier results move aside, the new ones cannot follow
+        if Path(dst) == out and not str(src).endswith(".old"):
+            raise OSError(16, "Device or resource busy")
+        return real(src, dst)
+
+    monkeypatch.setattr(lab.report.os, "rename", rename)
+    assert main(["run", *QUICK, "--limit", "4", "--out", str(out)]) == 1
+    line = one_error_line(capsys)
+    kept = Path(line.rsplit("they are in ", 1)[1])
+    assert line == (
+        f"error: --out {out}: cannot put the results in place (Device or resource "
+        f"busy); they are in {kept}"
+    )
+    assert kept.parent == tmp_path and kept.name.startswith("res.unplaced-")
+    assert json.loads((kept / "summary.json").read_text())["fcfs"]["num_requests"] == 4
+    assert (out / "summary.json").read_text() == before  # the earlier results are untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["res", kept.name]
+
+
+def test_parquet_output(tmp_path, capsys):
+    out = tmp_path / "res"
+    args = ["run", *QUICK, "--limit", "5", "--out", str(out), "--format", "parquet"]
+    if importlib.util.find_spec("pyarrow") is None:
+        assert main(args) == 2
+        assert one_error_line(capsys).endswith(
+            "--format parquet needs pyarrow: pip install 'sched-lab[parquet]'"
+        )
+        assert not out.exists()
+        return
+    import pandas as pd
+
+    assert main(args) == 0
+    requests = pd.read_parquet(out / "requests.parquet")
+    assert len(requests) == 15 and set(requests.policy) == {"fcfs", "swap", "chunked_prefill"}
+    assert "duration_s" in pd.read_parquet(out / "steps.parquet").columns
+    assert not (out / "requests.csv").exists()
+    assert "requests.parquet" in json.loads((out / MANIFEST).read_text())["files"]
+
+
+def test_a_simulator_run_never_imports_torch(tmp_path):
+    code = (
+        "import sys\nfrom lab.cli import main\n"
+        f"assert main(['run', 'experiments/quickstart.yaml', '--limit', '20', '--out', "
+        f"{str(tmp_path / 'out')!r}, '--no-progress']) == 0\n"
+        "engine = sorted(m for m in ('torch', 'triton', 'transformers', 'safetensors') "
+        "if m in sys.modules)\nprint('engine modules:', engine)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "engine modules: []"
+
+
+def test_old_entry_points_still_work(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "run_experiment.py"),
+            *QUICK,
+            "--limit",
+            "3",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / MANIFEST).is_file()
+    proc = subprocess.run(
+        [sys.executable, "-m", "lab.sim.calibrated", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and "sched-lab fit" in proc.stdout
+    if HAS_TORCH:
+        proc = subprocess.run(
+            [sys.executable, "-m", "backend.tools", "list-presets"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0 and "qwen3-0.6b" in proc.stdout.split()
+
+
+WHILE_WRITING = """
+import os, signal, sys
+import lab.report as report
+real, times = report._plots, int(sys.argv[1])
+def plots(*a, **k):
+    for _ in range(times):
+        os.kill(os.getpid(), signal.SIGINT)
+    return real(*a, **k)
+report._plots = plots
+from lab.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_interrupt_while_writing_finishes_the_writing_once(tmp_path, times):
+    # All runs are done: a first signal lets the writing end (the results are complete); a
+    # second one stops it, and nothing is left.
+    (tmp_path / "exp.yaml").write_text(SYNTHETIC)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            WHILE_WRITING,
+            str(times),
+            "run",
+            str(tmp_path / "exp.yaml"),
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 130, proc.stderr
+    err = [ln for ln in proc.stderr.splitlines() if not ln.startswith("INFO")]
+    if times == 1:
+        assert err == [
+            f"error: interrupted by SIGINT while writing the results; all runs had "
+            f"finished and {out}/ holds them in full"
+        ]
+        summary = json.loads((out / "summary.json").read_text())
+        assert list(summary) == ["fcfs", "swap", "chunked_prefill"]
+        assert "partial" not in summary["fcfs"]
+    else:
+        assert err == [
+            "error: interrupted by SIGINT twice while writing the results; nothing written"
+        ]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["exp.yaml"]

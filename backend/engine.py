@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from backend.runner import ModelRunner, SeqInput
-from lab.core.plan import ScheduledSeq, SchedulerOutput, StepResult
+from lab.core.plan import SchedulerOutput, StepResult
 from lab.core.request import Request
 
 class EngineExecutor:
@@ -35,15 +35,21 @@ class EngineExecutor:
             self.runner.swap_out(plan.swap_out)
         if plan.swap_in:
             self.runner.swap_in(plan.swap_in)
-        seqs = plan.seqs()
-        sampled = self.runner.execute(self.step_inputs(seqs))  # returns after the device is done
-        tokens = {s.request: t for s, t in zip(seqs, sampled) if t is not None}
+        owners = [*plan.prefills, *plan.decodes]
+        sampled = self.runner.execute(self.step_inputs(plan))  # returns after the device is done
+        tokens = {r: t for r, t in zip(owners, sampled) if t is not None}
         return StepResult(time.perf_counter() - t0, tokens)
 
-    def step_inputs(self, seqs: list[ScheduledSeq]) -> list[SeqInput]:
-        """One SeqInput per scheduled sequence of the plan, in the plan's order."""
-        return [SeqInput(s.token_ids(), s.start_pos, s.block_table, s.sample, self.temperature)
-                for s in seqs]
+    def step_inputs(self, plan: SchedulerOutput) -> list[SeqInput]:
+        """One SeqInput per scheduled sequence, in the order of ``plan.seqs()``:
+        prefill chunks, then decodes, each feeding its latest sampled token (built directly
+        from ``plan.decode_positions()``: a decode batch of hundreds is the common step)."""
+        temp = self.temperature
+        seqs = [SeqInput(s.token_ids(), s.start_pos, s.block_table, s.sample, temp)
+                for s in plan.prefill_seqs()]
+        seqs += [SeqInput([r.output_token_ids[-1]], pos, r.block_table, True, temp)
+                 for r, pos in zip(plan.decodes, plan.decode_positions())]
+        return seqs
 
 
 def assign_prompt_tokens(requests: list[Request], vocab_size: int, seed: int) -> None:

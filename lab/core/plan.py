@@ -16,7 +16,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from lab.core.decode_set import num_tokens_at
 from lab.core.request import Request
 
 
@@ -60,7 +59,7 @@ class StepFeatures:
         return self.num_prefills + self.num_decodes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledSeq:
     """One sequence of a step, as an executor that runs a model needs it.
 
@@ -140,16 +139,24 @@ class SchedulerOutput:
 
     def seqs(self) -> list[ScheduledSeq]:
         """Per-sequence inputs of the step: prefill chunks in plan order, then decodes (each
-        feeds its latest token). Valid until the step's results are applied
-        (``Scheduler.update``); O(sequences), so the simulator never calls it."""
-        out = []
-        for r, n in self.prefills.items():
-            c = r.num_computed_tokens
-            out.append(ScheduledSeq(r, c, n, r.block_table, c + n == r.num_tokens))
-        tick = self.decode_tick
-        for r in self.decodes:
-            out.append(ScheduledSeq(r, num_tokens_at(r, tick) - 1, 1, r.block_table, True))
+        feeds its latest token at :meth:`decode_positions`). Valid until the step's results
+        are applied (``Scheduler.update``); O(sequences), so the simulator never calls it."""
+        out = self.prefill_seqs()
+        out += [ScheduledSeq(r, pos, 1, r.block_table, True)
+                for r, pos in zip(self.decodes, self.decode_positions())]
         return out
+
+    def prefill_seqs(self) -> list[ScheduledSeq]:
+        """The prefill chunks of :meth:`seqs` alone."""
+        return [ScheduledSeq(r, r.num_computed_tokens, n, r.block_table,
+                             r.num_computed_tokens + n == r.num_tokens)
+                for r, n in self.prefills.items()]
+
+    def decode_positions(self) -> list[int]:
+        """The position each decode feeds (its latest token), in ``decodes`` order: one
+        list comprehension, for executors that build their own per-sequence inputs."""
+        tick = self.decode_tick - 1  # num_tokens_at(r, tick) - 1, inlined: hundreds a step
+        return [r.prompt_len + r.join_num_output + tick - r.join_tick for r in self.decodes]
 
     @property
     def is_empty(self) -> bool:

@@ -27,19 +27,23 @@ class BlockPool:
     """Free block ids ``[0, size)`` of one pool: a LIFO stack of freed blocks, then the
     blocks never used yet in ascending order (``next_unused`` onwards)."""
 
-    __slots__ = ("size", "freed", "next_unused")
+    __slots__ = ("size", "freed", "next_unused", "num_free")
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.freed: list[int] = []
         self.next_unused = 0
+        self.num_free = size  # len(freed) + size - next_unused, kept as a plain attribute
 
     def __len__(self) -> int:
-        return len(self.freed) + self.size - self.next_unused
+        return self.num_free
 
     def take(self, n: int) -> list[int]:
-        """``n`` free ids, the most recently freed first (the caller checks ``len``)."""
+        """``n`` free ids, the most recently freed first (the caller checks ``num_free``)."""
         freed = self.freed
+        self.num_free -= n
+        if n == 1 and freed:  # the common case: one block for a decode
+            return [freed.pop()]
         k = min(n, len(freed))
         out = freed[: -k - 1 : -1] if k else []
         if k:
@@ -53,6 +57,7 @@ class BlockPool:
     def put(self, blocks: list[int]) -> None:
         """Free ``blocks``; the first of them is handed out first again."""
         self.freed.extend(reversed(blocks))
+        self.num_free += len(blocks)
 
     def free_ids(self) -> list[int]:
         """Every free id (for integrity checks; O(pool size))."""
@@ -86,24 +91,24 @@ class BlockManager:
     # ----------------------------------------------------------------------- queries
     @property
     def num_free_gpu_blocks(self) -> int:
-        return len(self._free_gpu)
+        return self._free_gpu.num_free
 
     @property
     def num_free_cpu_blocks(self) -> int:
-        return len(self._free_cpu)
+        return self._free_cpu.num_free
 
     @property
     def num_used_gpu_blocks(self) -> int:
-        return self.num_gpu_blocks - len(self._free_gpu)
+        return self.num_gpu_blocks - self._free_gpu.num_free
 
     @property
     def num_used_cpu_blocks(self) -> int:
-        return self.num_cpu_blocks - len(self._free_cpu)
+        return self.num_cpu_blocks - self._free_cpu.num_free
 
     def can_allocate(self, num_blocks: int, use_watermark: bool = True) -> bool:
         """True if ``num_blocks`` GPU blocks can be handed out (keeping the watermark free)."""
         reserve = self.watermark_blocks if use_watermark else 0
-        return len(self._free_gpu) - num_blocks >= reserve
+        return self._free_gpu.num_free - num_blocks >= reserve
 
     # ----------------------------------------------------------------------- mutations
     def allocate(self, request: Request, num_blocks: int) -> None:
@@ -112,10 +117,10 @@ class BlockManager:
         Raises:
             RuntimeError: not enough free GPU blocks (callers check first).
         """
-        if num_blocks > len(self._free_gpu):
+        if num_blocks > self._free_gpu.num_free:
             raise RuntimeError(
                 f"request {request.request_id}: {num_blocks} blocks asked, "
-                f"{len(self._free_gpu)} free"
+                f"{self._free_gpu.num_free} free"
             )
         request.block_table.extend(self._free_gpu.take(num_blocks))
 
@@ -126,7 +131,7 @@ class BlockManager:
         request.block_table = []
 
     def can_swap_out(self, request: Request) -> bool:
-        return len(request.block_table) <= len(self._free_cpu)
+        return len(request.block_table) <= self._free_cpu.num_free
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move the request's blocks to CPU swap space.

@@ -218,6 +218,8 @@ class Scheduler:
         may get a partial chunk (its blocks are allocated whole). Returns the budget left.
         """
         bm, queue = self.block_manager, self.waiting
+        if not queue:
+            return budget
         order = self.admission_order()
         custom = iter(list(order)) if order is not queue else None
         while queue and budget > 0 and len(self.running) < self.limits.max_num_seqs:

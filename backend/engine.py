@@ -9,11 +9,13 @@ loop adds the wall time the policy took to plan the step (``Executor.wall_clock`
 from __future__ import annotations
 
 import time
+
 import numpy as np
 
 from backend.runner import ModelRunner, SeqInput
 from lab.core.plan import SchedulerOutput, StepResult
 from lab.core.request import Request
+
 
 class EngineExecutor:
     """Executes plans on a :class:`ModelRunner`; reads nothing but the plan and never makes
@@ -45,10 +47,14 @@ class EngineExecutor:
         prefill chunks, then decodes, each feeding its latest sampled token (built directly
         from ``plan.decode_positions()``: a decode batch of hundreds is the common step)."""
         temp = self.temperature
-        seqs = [SeqInput(s.token_ids(), s.start_pos, s.block_table, s.sample, temp)
-                for s in plan.prefill_seqs()]
-        seqs += [SeqInput([r.output_token_ids[-1]], pos, r.block_table, True, temp)
-                 for r, pos in zip(plan.decodes, plan.decode_positions())]
+        seqs = [
+            SeqInput(s.token_ids(), s.start_pos, s.block_table, s.sample, temp)
+            for s in plan.prefill_seqs()
+        ]
+        seqs += [
+            SeqInput([r.output_token_ids[-1]], pos, r.block_table, True, temp)
+            for r, pos in zip(plan.decodes, plan.decode_positions())
+        ]
         return seqs
 
 

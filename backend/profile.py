@@ -70,11 +70,15 @@ def shapes() -> list[tuple[str, list[tuple[int, int]], list[int], int]]:
 
 def features(chunks, decodes, swap_blocks) -> StepFeatures:
     return StepFeatures(
-        num_prefill_tokens=sum(n for _, n in chunks), num_prefills=len(chunks),
+        num_prefill_tokens=sum(n for _, n in chunks),
+        num_prefills=len(chunks),
         prefill_context_tokens=sum(c for c, _ in chunks),
         prefill_attention_pairs=float(sum(n * c + n * (n + 1) / 2 for c, n in chunks)),
-        num_decodes=len(decodes), decode_context_tokens=sum(decodes),
-        num_samples=len(chunks) + len(decodes), num_swap_blocks=2 * swap_blocks)
+        num_decodes=len(decodes),
+        decode_context_tokens=sum(decodes),
+        num_samples=len(chunks) + len(decodes),
+        num_swap_blocks=2 * swap_blocks,
+    )
 
 
 def step_inputs(chunks, decodes, block_size) -> list[SeqInput]:
@@ -110,23 +114,32 @@ def time_step(runner: ModelRunner, seqs, swap_blocks: int, repeat: int) -> list[
 def main(argv: list[str] | None = None, prog: str = "python -m backend.profile") -> int:
     """Profile the grid and write the CSV (``sched-lab profile``); returns the exit status."""
     ap = argparse.ArgumentParser(
-        prog=prog, description=__doc__.split("\n\n")[0],
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example (on the GPU):\n  sched-lab profile "
-               "--model-dir checkpoints/qwen3-0.6b --out profiles/h200_qwen3-0.6b.csv\n"
-               "  sched-lab fit profiles/h200_qwen3-0.6b.csv\n\nexit status: 0 ok, 2 bad input "
-               "(one line: error: ...)")
-    ap.add_argument("--model-dir", required=True, help="checkpoint folder (config.json + "
-                    "safetensors), e.g. from `sched-lab tools make-random-checkpoint`")
+        "--model-dir checkpoints/qwen3-0.6b --out profiles/h200_qwen3-0.6b.csv\n"
+        "  sched-lab fit profiles/h200_qwen3-0.6b.csv\n\nexit status: 0 ok, 2 bad input "
+        "(one line: error: ...)",
+    )
+    ap.add_argument(
+        "--model-dir",
+        required=True,
+        help="checkpoint folder (config.json + "
+        "safetensors), e.g. from `sched-lab tools make-random-checkpoint`",
+    )
     ap.add_argument("--out", required=True, help="profile CSV to write")
     ap.add_argument("--attention", default="triton", help="attention backend (default: triton)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=2, help="timed runs per row and pass")
     ap.add_argument("--passes", type=int, default=3, help="passes over the whole grid")
-    ap.add_argument("--engine-commit", help="what the header names as the engine's commit "
-                    "(default: `git describe --always --dirty` of the working tree; name it "
-                    "when the tree is a copy whose .git is not its own)")
+    ap.add_argument(
+        "--engine-commit",
+        help="what the header names as the engine's commit "
+        "(default: `git describe --always --dirty` of the working tree; name it "
+        "when the tree is a copy whose .git is not its own)",
+    )
     args = ap.parse_args(argv)
     try:
         _profile(args)
@@ -138,13 +151,20 @@ def main(argv: list[str] | None = None, prog: str = "python -m backend.profile")
 
 def _profile(args: argparse.Namespace) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    runner = ModelRunner(args.model_dir, device=device, dtype=args.dtype,
-                         attention_backend=args.attention, block_size=args.block_size,
-                         gpu_memory_utilization=0.9)
+    runner = ModelRunner(
+        args.model_dir,
+        device=device,
+        dtype=args.dtype,
+        attention_backend=args.attention,
+        block_size=args.block_size,
+        gpu_memory_utilization=0.9,
+    )
     gc.collect()
     gc.freeze()  # as the replay loop does (lab/sim/replay.py): full collections skip the model
-    grid = [(kind, chunks, decodes, swap, step_inputs(chunks, decodes, args.block_size))
-            for kind, chunks, decodes, swap in shapes()]
+    grid = [
+        (kind, chunks, decodes, swap, step_inputs(chunks, decodes, args.block_size))
+        for kind, chunks, decodes, swap in shapes()
+    ]
     grid = [g for g in grid if sum(len(s.block_table) for s in g[4]) <= runner.num_gpu_blocks]
     samples: list[list[float]] = [[] for _ in grid]
     for p in range(args.passes):
@@ -155,9 +175,12 @@ def _profile(args: argparse.Namespace) -> None:
     for times, (kind, chunks, decodes, swap, _) in zip(samples, grid, strict=True):
         t = float(np.median(times))
         rows.append({"kind": kind, **asdict(features(chunks, decodes, swap)), "duration_s": t})
-        print(f"{kind:8s} prefill {rows[-1]['num_prefill_tokens']:5d} decodes "
-              f"{len(decodes):3d} ctx {sum(decodes):7d} swap {2 * swap:3d}: {t * 1e3:8.3f} ms "
-              f"(spread {min(times) * 1e3:.3f}-{max(times) * 1e3:.3f})", flush=True)
+        print(
+            f"{kind:8s} prefill {rows[-1]['num_prefill_tokens']:5d} decodes "
+            f"{len(decodes):3d} ctx {sum(decodes):7d} swap {2 * swap:3d}: {t * 1e3:8.3f} ms "
+            f"(spread {min(times) * 1e3:.3f}-{max(times) * 1e3:.3f})",
+            flush=True,
+        )
     write(Path(args.out), rows, runner, args)
 
 
@@ -168,19 +191,27 @@ def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
         try:
             # --dirty: a tree copied onto an older checkout (as the device tool does) says so
             # instead of naming a commit it does not match
-            commit = subprocess.run(["git", "describe", "--always", "--dirty"],
-                                    capture_output=True, text=True).stdout.strip() or "unknown"
+            commit = (
+                subprocess.run(
+                    ["git", "describe", "--always", "--dirty"], capture_output=True, text=True
+                ).stdout.strip()
+                or "unknown"
+            )
         except OSError:
             commit = "unknown"
-    device = (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
-        f.write(f"# engine profile, {time.strftime('%Y-%m-%d')}, {device}, torch {torch.__version__}, "
-                f"engine commit {commit}\n")
-        f.write(f"# model {Path(args.model_dir).name}: {c.architecture}, {c.num_layers} layers, "
-                f"hidden {c.hidden_size}, heads {c.num_heads}/{c.num_kv_heads}, head_dim "
-                f"{c.head_dim}, {args.dtype}, {args.attention} attention, block_size "
-                f"{args.block_size}\n")
+        f.write(
+            f"# engine profile, {time.strftime('%Y-%m-%d')}, {device}, torch {torch.__version__}, "
+            f"engine commit {commit}\n"
+        )
+        f.write(
+            f"# model {Path(args.model_dir).name}: {c.architecture}, {c.num_layers} layers, "
+            f"hidden {c.hidden_size}, heads {c.num_heads}/{c.num_kv_heads}, head_dim "
+            f"{c.head_dim}, {args.dtype}, {args.attention} attention, block_size "
+            f"{args.block_size}\n"
+        )
         names = ["kind", *(fl.name for fl in fields(StepFeatures)), "duration_s"]
         w = csv.DictWriter(f, fieldnames=names)
         w.writeheader()

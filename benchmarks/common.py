@@ -131,5 +131,7 @@ def host_link_bandwidth(nbytes: int = GIB) -> tuple[float, float]:
 
 def device_line() -> str:
     p = torch.cuda.get_device_properties(0)
-    return (f"{p.name}, {p.total_memory / GIB:.0f} GiB, torch {torch.__version__}, "
-            f"{time.strftime('%Y-%m-%d')}")
+    return (
+        f"{p.name}, {p.total_memory / GIB:.0f} GiB, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d')}"
+    )

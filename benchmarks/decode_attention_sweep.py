@@ -42,8 +42,11 @@ def main() -> None:
 
     h, kvh, d = args.heads, args.kv_heads, args.head_dim
     default = (tk.DECODE_BLOCK_N, tk.DECODE_NUM_WARPS, tk.DECODE_NUM_STAGES)
-    tiles = (list(itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)))
-             if args.tiles == "all" else [default])
+    tiles = (
+        list(itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)))
+        if args.tiles == "all"
+        else [default]
+    )
     print(f"# decode attention sweep, {h} heads / {kvh} kv heads x {d}, {device_line()}")
     print("| layout | block size | batch | context | block_n | warps | stages | us | K/V TB/s |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -61,7 +64,11 @@ def main() -> None:
             nbytes = 2 * batch * ctx * kvh * d * 2
             best = None
             for block_n, warps, stages in tiles:
-                tk.DECODE_BLOCK_N, tk.DECODE_NUM_WARPS, tk.DECODE_NUM_STAGES = block_n, warps, stages
+                tk.DECODE_BLOCK_N, tk.DECODE_NUM_WARPS, tk.DECODE_NUM_STAGES = (
+                    block_n,
+                    warps,
+                    stages,
+                )
                 # work items of whole block_n tiles, as decode_work_device cuts them
                 work, loc = (torch.from_numpy(a).cuda() for a in decode_work(
                     [ctx] * batch, range(batch), items, tile=block_n))  # fmt: skip
@@ -69,11 +76,15 @@ def main() -> None:
                     call = (q, cache[0], cache[1], out, tables, qsl, lens, work, loc, d**-0.5)
                     us = 1e3 * do_bench(lambda a=call: tk.decode_attention(*a))
                 except Exception as e:  # noqa: BLE001 - a config may not fit shared memory
-                    print(f"| {layout} | {bs} | {batch} | {ctx} | {block_n} | {warps} | {stages} "
-                          f"| failed: {e!r:.60} | |")
+                    print(
+                        f"| {layout} | {bs} | {batch} | {ctx} | {block_n} | {warps} | {stages} "
+                        f"| failed: {e!r:.60} | |"
+                    )
                     continue
-                print(f"| {layout} | {bs} | {batch} | {ctx} | {block_n} | {warps} | {stages} "
-                      f"| {us:.1f} | {nbytes / us / 1e6:.2f} |")
+                print(
+                    f"| {layout} | {bs} | {batch} | {ctx} | {block_n} | {warps} | {stages} "
+                    f"| {us:.1f} | {nbytes / us / 1e6:.2f} |"
+                )
                 if best is None or us < best[0]:
                     best = (us, block_n, warps, stages)
             if len(tiles) > 1:

@@ -34,8 +34,10 @@ def main() -> None:
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     events.sort(key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.device_time_total for e in events) / args.steps
-    print(f"# decode kernels, {args.preset}, batch {args.batch}, context {args.context}, "
-          f"{device_line()}")
+    print(
+        f"# decode kernels, {args.preset}, batch {args.batch}, context {args.context}, "
+        f"{device_line()}"
+    )
     print(f"step wall {wall * 1e3:.3f} ms; GPU kernel time {total / 1e3:.3f} ms per step")
     print("| kernel | calls/step | us/step | share |")
     print("|---|---|---|---|")

@@ -21,8 +21,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
     ap.add_argument("--attention", default="triton")
-    ap.add_argument("--kn-weights", action="store_true",
-                    help="projection weights in (K, N) memory order (ModelRunner kn_weights)")
+    ap.add_argument(
+        "--kn-weights",
+        action="store_true",
+        help="projection weights in (K, N) memory order (ModelRunner kn_weights)",
+    )
     args = ap.parse_args()
     from backend.runner import ModelRunner, SeqInput
 
@@ -48,14 +51,20 @@ def main() -> None:
                 if batch * blocks_per_seq > runner.num_gpu_blocks:
                     print(f"| {preset} | {batch} | {ctx} | - | - | KV does not fit |")
                     continue
-                seqs = [SeqInput([1], ctx, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
-                                 True) for i in range(batch)]
+                seqs = [
+                    SeqInput(
+                        [1], ctx, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), True
+                    )
+                    for i in range(batch)
+                ]
                 step = cuda_time(lambda s=seqs, r=runner: r.execute(s), warmup=5, iters=20)
                 weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
                 nbytes = weight_bytes + batch * ctx * kv_per_token
                 roof = nbytes / bw  # copy rate counts read + write traffic, as a read does
-                print(f"| {preset} | {batch} | {ctx} | {step * 1e3:.3f} | {roof * 1e3:.3f} "
-                      f"| {step / roof:.2f} |")
+                print(
+                    f"| {preset} | {batch} | {ctx} | {step * 1e3:.3f} | {roof * 1e3:.3f} "
+                    f"| {step / roof:.2f} |"
+                )
         del runner
         torch.cuda.empty_cache()
     print("\n(roofline = (weights + KV bytes read) / device copy rate, read + write counted)")

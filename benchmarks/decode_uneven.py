@@ -41,8 +41,10 @@ def main() -> None:
         t_uneven = cuda_time(lambda s=uneven: runner.execute(s), warmup=5, iters=30)
         t_uniform = cuda_time(lambda s=uniform: runner.execute(s), warmup=5, iters=30)
         batch, what = name.split(": ")
-        print(f"| {batch} | {what} | {max(ctx)} | {sum(ctx)} | {t_uneven * 1e3:.3f} "
-              f"| {t_uniform * 1e3:.3f} | {t_uneven / t_uniform:.2f} |")
+        print(
+            f"| {batch} | {what} | {max(ctx)} | {sum(ctx)} | {t_uneven * 1e3:.3f} "
+            f"| {t_uniform * 1e3:.3f} | {t_uneven / t_uniform:.2f} |"
+        )
 
 
 if __name__ == "__main__":

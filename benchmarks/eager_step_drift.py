@@ -35,12 +35,17 @@ def main() -> None:
 
     base = load_config(ROOT / "experiments/sim_vs_real.yaml")
     capacity = json.loads((ROOT / "docs/fidelity/engine/capacity.json").read_text())["conv"]
-    base = base.with_trace(limit=args.limit, rate_scale=args.load * capacity["capacity_req_s"]
-                           / capacity["native_req_s"])
+    base = base.with_trace(
+        limit=args.limit,
+        rate_scale=args.load * capacity["capacity_req_s"] / capacity["native_req_s"],
+    )
     policies = {p.name: p for p in base.policies}
     orders = [["fcfs", "swap", "chunked_prefill"], ["chunked_prefill", "swap", "fcfs"]]
-    for label, order, freeze in [("order A", orders[0], False), ("order B", orders[1], False),
-                                 ("order A, gc frozen", orders[0], True)]:
+    for label, order, freeze in [
+        ("order A", orders[0], False),
+        ("order B", orders[1], False),
+        ("order A, gc frozen", orders[0], True),
+    ]:
         cfg = dataclasses.replace(base, policies=tuple(policies[n] for n in order))
         if freeze:
             gc.collect()
@@ -53,9 +58,11 @@ def main() -> None:
             s = run.result.steps
             small = (s["num_prefill_tokens"] > 0) & (s["num_prefill_tokens"] < 600)
             dec = s["num_prefill_tokens"] == 0
-            cells.append(f"{run.label}: small prefill steps {np.median(s['duration_s'][small]) * 1e3:.1f} ms "
-                         f"(n={int(small.sum())}), decode {np.median(s['duration_s'][dec]) * 1e3:.2f} ms, "
-                         f"preemptions {int(s['num_preempted'].sum())}")
+            cells.append(
+                f"{run.label}: small prefill steps {np.median(s['duration_s'][small]) * 1e3:.1f} ms "
+                f"(n={int(small.sum())}), decode {np.median(s['duration_s'][dec]) * 1e3:.2f} ms, "
+                f"preemptions {int(s['num_preempted'].sum())}"
+            )
         print(f"{label}: " + " | ".join(cells), flush=True)
 
 

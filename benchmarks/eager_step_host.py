@@ -39,20 +39,35 @@ def main() -> None:
             runner.execute(seqs)
     events = prof.key_averages()
     gpu = sum(e.device_time_total for e in events if e.device_type.name == "CUDA") / args.steps
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
-                                                         "cuLaunchKernelEx")) / args.steps
+    launches = (
+        sum(
+            e.count
+            for e in events
+            if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
+        )
+        / args.steps
+    )
     how = "eager" if args.eager else "graphed"
-    print(f"# {how} step host time, {args.preset}, prompt {args.prompt} + {args.decodes} "
-          f"decodes, {device_line()}")
-    print(f"step wall {wall * 1e3:.3f} ms; GPU kernel time {gpu / 1e3:.3f} ms; "
-          f"kernel launches per step {launches:.0f}")
-    cpu = sorted((e for e in events if e.device_type.name == "CPU"),
-                 key=lambda e: e.self_cpu_time_total, reverse=True)
+    print(
+        f"# {how} step host time, {args.preset}, prompt {args.prompt} + {args.decodes} "
+        f"decodes, {device_line()}"
+    )
+    print(
+        f"step wall {wall * 1e3:.3f} ms; GPU kernel time {gpu / 1e3:.3f} ms; "
+        f"kernel launches per step {launches:.0f}"
+    )
+    cpu = sorted(
+        (e for e in events if e.device_type.name == "CPU"),
+        key=lambda e: e.self_cpu_time_total,
+        reverse=True,
+    )
     print("| host operation | calls/step | self CPU us/step |")
     print("|---|---|---|")
     for e in cpu[:20]:
-        print(f"| {e.key[:60]} | {e.count / args.steps:.0f} | "
-              f"{e.self_cpu_time_total / args.steps:.0f} |")
+        print(
+            f"| {e.key[:60]} | {e.count / args.steps:.0f} | "
+            f"{e.self_cpu_time_total / args.steps:.0f} |"
+        )
 
 
 if __name__ == "__main__":

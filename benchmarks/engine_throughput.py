@@ -32,21 +32,36 @@ def run_ours(model_dir, prompts, outputs, attention: str, policy: str) -> tuple[
     from lab.config import validate
     from lab.experiment import run_experiment
 
-    cfg = validate({
-        "name": "throughput", "backend": "engine",
-        "trace": {"format": "synthetic", "num_requests": 1,
-                  "arrival": {"process": "poisson", "rate": 1.0},
-                  "prompt_len": 1, "output_len": 1},
-        "engine": {"model_path": str(model_dir), "device": "cuda", "dtype": "bfloat16",
-                   "attention_backend": attention},
-        "kv_cache": {"block_size": 16, "gpu_memory_utilization": 0.9},
-        "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": 8192},
-        "policies": [policy],
-    }, "engine_throughput", ROOT)
+    cfg = validate(
+        {
+            "name": "throughput",
+            "backend": "engine",
+            "trace": {
+                "format": "synthetic",
+                "num_requests": 1,
+                "arrival": {"process": "poisson", "rate": 1.0},
+                "prompt_len": 1,
+                "output_len": 1,
+            },
+            "engine": {
+                "model_path": str(model_dir),
+                "device": "cuda",
+                "dtype": "bfloat16",
+                "attention_backend": attention,
+            },
+            "kv_cache": {"block_size": 16, "gpu_memory_utilization": 0.9},
+            "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": 8192},
+            "policies": [policy],
+        },
+        "engine_throughput",
+        ROOT,
+    )
     from lab.core.request import Request
 
-    reqs = [Request(str(i), 0.0, len(p), o, prompt_token_ids=p)
-            for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))]
+    reqs = [
+        Request(str(i), 0.0, len(p), o, prompt_token_ids=p)
+        for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))
+    ]
     runs = run_experiment(cfg, progress=False, requests=reqs)
     run = runs[0]
     tokens = int(run.requests["num_generated_tokens"].sum())
@@ -60,13 +75,17 @@ def print_phases(steps: dict, wall_s: float) -> None:
     dur, prefill = steps["duration_s"], steps["num_prefill_tokens"]
     decodes = steps["num_decode_tokens"]
     mixed = prefill > 0
-    print(f"steps: {len(dur)}; with prefill: {int(mixed.sum())} steps, {dur[mixed].sum():.2f} s "
-          f"for {int(prefill.sum())} prompt tokens")
+    print(
+        f"steps: {len(dur)}; with prefill: {int(mixed.sum())} steps, {dur[mixed].sum():.2f} s "
+        f"for {int(prefill.sum())} prompt tokens"
+    )
     for lo, hi in ((1, 32), (32, 128), (128, 257)):
         sel = ~mixed & (decodes >= lo) & (decodes < hi)
         if sel.any():
-            print(f"  decode-only, batch {lo}-{hi - 1}: {int(sel.sum())} steps, "
-                  f"{dur[sel].sum():.2f} s, median {np.median(dur[sel]) * 1e3:.2f} ms/step")
+            print(
+                f"  decode-only, batch {lo}-{hi - 1}: {int(sel.sum())} steps, "
+                f"{dur[sel].sum():.2f} s, median {np.median(dur[sel]) * 1e3:.2f} ms/step"
+            )
     print(f"  replay loop outside the steps: {wall_s - dur.sum():.2f} s")
 
 
@@ -77,15 +96,17 @@ def run_hf(model_dir, prompts, max_new_tokens: int) -> tuple[float, int]:
     last = None
     for impl in ("paged|sdpa", "sdpa_paged"):
         try:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=impl,
-                                                         dtype=torch.bfloat16, device_map="cuda")
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, attn_implementation=impl, dtype=torch.bfloat16, device_map="cuda"
+            )
             break
         except Exception as e:  # older/newer spellings of the paged SDPA implementation
             last = e
     else:
         raise RuntimeError(f"no paged attention implementation: {last}")
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)
+    gen = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     model.generate_batch(inputs=prompts[:8], generation_config=gen, progress_bar=False)  # warm-up
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -110,13 +131,17 @@ def main() -> None:
     print(f"# offline throughput, {args.preset} random bf16, {device_line()}")
     wall, tokens = run_ours(model_dir, prompts, outputs, args.attention, args.policy)
     ours = tokens / wall
-    print(f"ours ({args.policy}, {args.attention}): {tokens} output tokens in {wall:.2f} s "
-          f"= {ours:,.0f} tok/s")
+    print(
+        f"ours ({args.policy}, {args.attention}): {tokens} output tokens in {wall:.2f} s "
+        f"= {ours:,.0f} tok/s"
+    )
     if not args.skip_hf:
         hf_wall, hf_tokens = run_hf(model_dir, prompts, args.hf_max_new_tokens)
         hf = hf_tokens / hf_wall
-        print(f"transformers generate_batch (paged sdpa, {args.hf_max_new_tokens} new tokens "
-              f"each): {hf_tokens} tokens in {hf_wall:.2f} s = {hf:,.0f} tok/s")
+        print(
+            f"transformers generate_batch (paged sdpa, {args.hf_max_new_tokens} new tokens "
+            f"each): {hf_tokens} tokens in {hf_wall:.2f} s = {hf:,.0f} tok/s"
+        )
         print(f"ratio ours / transformers: {ours / hf:.1f}x")
 
 

@@ -62,20 +62,27 @@ def engine_side(limit: int | None = None) -> None:
         native = (len(reqs) - 1) / reqs[-1].arrival_s
         for r in reqs:
             r.arrival_s = 0.0
-        offline = dataclasses.replace(cfg, policies=tuple(p for p in cfg.policies
-                                                          if p.name == "fcfs"))
+        offline = dataclasses.replace(
+            cfg, policies=tuple(p for p in cfg.policies if p.name == "fcfs")
+        )
         run = run_experiment(offline, progress=False, requests=reqs)[0]
         capacity = run.summary["finished"] / run.summary["duration_s"]
         capacities[trace] = {"capacity_req_s": capacity, "native_req_s": native}
-        print(f"{trace}: capacity {capacity:.2f} req/s, slice's own rate {native:.2f} req/s",
-              flush=True)
+        print(
+            f"{trace}: capacity {capacity:.2f} req/s, slice's own rate {native:.2f} req/s",
+            flush=True,
+        )
         for load in LOADS:
-            cfg_l = dataclasses.replace(cfg.with_trace(rate_scale=load * capacity / native),
-                                        name=f"{trace}_{load:g}")
+            cfg_l = dataclasses.replace(
+                cfg.with_trace(rate_scale=load * capacity / native), name=f"{trace}_{load:g}"
+            )
             runs = run_experiment(cfg_l, progress=False)
             write_results(OUT / "engine" / cfg_l.name, cfg_l, runs)
-            print(f"  load {load:g}: rate_scale {cfg_l.rate_scales[0]:.3f}; " + ", ".join(
-                f"{r.label} {r.summary['request_throughput']:.2f} req/s" for r in runs), flush=True)
+            print(
+                f"  load {load:g}: rate_scale {cfg_l.rate_scales[0]:.3f}; "
+                + ", ".join(f"{r.label} {r.summary['request_throughput']:.2f} req/s" for r in runs),
+                flush=True,
+            )
         # written after each slice, so a run cut short keeps what it measured
         (OUT / "engine" / "capacity.json").write_text(json.dumps(capacities, indent=2) + "\n")
 
@@ -90,8 +97,11 @@ def engine_repeat() -> None:
         cfg = load_config(folder / "config.yaml")
         runs = run_experiment(cfg, progress=False)
         write_results(OUT / "engine_repeat" / folder.name, cfg, runs)
-        print(f"  {folder.name} again: " + ", ".join(
-            f"{r.label} {r.summary['request_throughput']:.2f} req/s" for r in runs), flush=True)
+        print(
+            f"  {folder.name} again: "
+            + ", ".join(f"{r.label} {r.summary['request_throughput']:.2f} req/s" for r in runs),
+            flush=True,
+        )
 
 
 def sim_side() -> None:
@@ -109,8 +119,11 @@ def sim_side() -> None:
         raw["backend"] = "sim"
         # Held out: the model is fitted to the profile plus the steps of the *other* engine
         # runs, never to the run it predicts.
-        others = [str((f / "steps.csv").relative_to(ROOT))
-                  for f in [*engine_folders, *repeats.values()] if f.name != folder.name]
+        others = [
+            str((f / "steps.csv").relative_to(ROOT))
+            for f in [*engine_folders, *repeats.values()]
+            if f.name != folder.name
+        ]
         raw["cost_model"]["replay_steps"] = others
         sim = validate(raw, str(folder / "config.yaml"), ROOT)  # paths relative to ROOT
         runs = run_experiment(sim, progress=False)
@@ -132,8 +145,9 @@ def sim_side() -> None:
                 for m in METRICS:
                     for p in ("p50", "p90", "p99"):
                         row[f"again_{m}_{p}"] = _rel(again[run.label][m][p], real[m][p])
-                row["again_throughput"] = _rel(again[run.label]["output_throughput"],
-                                               real["output_throughput"])
+                row["again_throughput"] = _rel(
+                    again[run.label]["output_throughput"], real["output_throughput"]
+                )
                 row["again_preemptions"] = _preemptions(again[run.label])
             rows.append(row)
             steps = real_steps[real_steps.policy == run.label]
@@ -144,7 +158,8 @@ def sim_side() -> None:
                 row[f"{name}_pred_over_real"] = pred.sum() / steps["duration_s"][sel].sum()
             cdfs[(folder.name, run.label)] = (
                 real_req[real_req.policy == run.label]["ttft_s"].dropna().to_numpy(),
-                run.requests["ttft_s"].dropna().to_numpy())
+                run.requests["ttft_s"].dropna().to_numpy(),
+            )
     table = pd.DataFrame(rows)
     table.to_csv(OUT / "fidelity.csv", index=False)
     _plots(step_errors, cdfs)
@@ -197,9 +212,14 @@ def _plots(step_errors, cdfs) -> None:
         for (s, policy), (real, sim) in cdfs.items():
             if s != sl:
                 continue
-            line, = ax.plot(np.sort(real), np.linspace(0, 1, len(real)), label=f"{policy} real")
-            ax.plot(np.sort(sim), np.linspace(0, 1, len(sim)), "--", color=line.get_color(),
-                    label=f"{policy} sim")
+            (line,) = ax.plot(np.sort(real), np.linspace(0, 1, len(real)), label=f"{policy} real")
+            ax.plot(
+                np.sort(sim),
+                np.linspace(0, 1, len(sim)),
+                "--",
+                color=line.get_color(),
+                label=f"{policy} sim",
+            )
         ax.set_xscale("log")
         ax.set_title(sl)
         ax.set_xlabel("TTFT (s)")
@@ -217,7 +237,9 @@ def _pct(v: float, limit: float) -> str:
 def _error_lines(table: pd.DataFrame, prefix: str, extra: dict) -> list[str]:
     """Markdown rows of relative errors (columns ``prefix + metric_pNN``), ✗ where a
     target is missed, plus the ``extra`` columns (header -> row -> cell)."""
-    head = ["slice", "policy"] + [f"{m[:-2].upper()} {p}" for m in METRICS for p in ("p50", "p90", "p99")]
+    head = ["slice", "policy"] + [
+        f"{m[:-2].upper()} {p}" for m in METRICS for p in ("p50", "p90", "p99")
+    ]
     lines = ["| " + " | ".join(head + list(extra)) + " |", "|" + "---|" * (len(head) + len(extra))]
     for r in table.itertuples():
         cells = [r.slice, r.policy]
@@ -242,38 +264,67 @@ def _met(table: pd.DataFrame, prefix: str) -> str:
 
 
 def _markdown(table: pd.DataFrame, step_errors, limit: int) -> None:
-    lines = _error_lines(table, "", {
-        "throughput": lambda r: _pct(r.throughput, 0.03),
-        "preemptions real / sim": lambda r: f"{r.real_preemptions} / {r.sim_preemptions}",
-        "step time pred / real: decode-only, with prefill":
-            lambda r: f"{r.decode_only_pred_over_real:.2f}, {r.with_prefill_pred_over_real:.2f}",
-    })
+    lines = _error_lines(
+        table,
+        "",
+        {
+            "throughput": lambda r: _pct(r.throughput, 0.03),
+            "preemptions real / sim": lambda r: f"{r.real_preemptions} / {r.sim_preemptions}",
+            "step time pred / real: decode-only, with prefill": lambda r: (
+                f"{r.decode_only_pred_over_real:.2f}, {r.with_prefill_pred_over_real:.2f}"
+            ),
+        },
+    )
     if "again_throughput" in table:
         again = table.dropna(subset=["again_throughput"])
         cols = [f"{m}_{p}" for m in METRICS for p in ("p50", "p90", "p99")] + ["throughput"]
-        medians = ["| median error over the runs | " + " | ".join(
-            c.replace("_s_", " ").upper() if c != "throughput" else c for c in cols) + " |",
-            "|" + "---|" * (len(cols) + 1)]
+        medians = [
+            "| median error over the runs | "
+            + " | ".join(c.replace("_s_", " ").upper() if c != "throughput" else c for c in cols)
+            + " |",
+            "|" + "---|" * (len(cols) + 1),
+        ]
         for label, prefix in (("simulator vs engine", ""), ("engine vs itself", "again_")):
-            medians.append(f"| {label} | " + " | ".join(
-                f"{again[prefix + c].median() * 100:.1f}%" for c in cols) + " |")
-        repeat = REPEAT_TEMPLATE.format(met=_met(again, "again_"), medians="\n".join(medians),
-                                        table="\n".join(
-            _error_lines(again, "again_", {
-                "throughput": lambda r: _pct(r.again_throughput, 0.03),
-                "preemptions first / again": lambda r: f"{r.real_preemptions} / "
-                                                       f"{int(r.again_preemptions)}",
-            })))
+            medians.append(
+                f"| {label} | "
+                + " | ".join(f"{again[prefix + c].median() * 100:.1f}%" for c in cols)
+                + " |"
+            )
+        repeat = REPEAT_TEMPLATE.format(
+            met=_met(again, "again_"),
+            medians="\n".join(medians),
+            table="\n".join(
+                _error_lines(
+                    again,
+                    "again_",
+                    {
+                        "throughput": lambda r: _pct(r.again_throughput, 0.03),
+                        "preemptions first / again": lambda r: (
+                            f"{r.real_preemptions} / {int(r.again_preemptions)}"
+                        ),
+                    },
+                )
+            ),
+        )
     else:
-        repeat = ("No repeat runs (`python benchmarks/fidelity.py --engine --repeat` makes "
-                  "them): the engine's own run-to-run spread is not measured.\n")
+        repeat = (
+            "No repeat runs (`python benchmarks/fidelity.py --engine --repeat` makes "
+            "them): the engine's own run-to-run spread is not measured.\n"
+        )
     all_err = np.concatenate(list(step_errors.values()))
     capacity = json.loads((OUT / "engine" / "capacity.json").read_text())
     text = FIDELITY_TEMPLATE.format(
-        table="\n".join(lines), met=_met(table, ""), limit=limit, repeat=repeat,
-        step_p50=np.median(np.abs(all_err)) * 100, step_p90=np.percentile(np.abs(all_err), 90) * 100,
-        capacity=", ".join(f"{k} {v['capacity_req_s']:.1f} req/s (slice's own rate "
-                           f"{v['native_req_s']:.2f})" for k, v in capacity.items()))
+        table="\n".join(lines),
+        met=_met(table, ""),
+        limit=limit,
+        repeat=repeat,
+        step_p50=np.median(np.abs(all_err)) * 100,
+        step_p90=np.percentile(np.abs(all_err), 90) * 100,
+        capacity=", ".join(
+            f"{k} {v['capacity_req_s']:.1f} req/s (slice's own rate {v['native_req_s']:.2f})"
+            for k, v in capacity.items()
+        ),
+    )
     (ROOT / "docs" / "fidelity.md").write_text(text)
     print(text)
 
@@ -377,10 +428,17 @@ def main() -> None:
     side = ap.add_mutually_exclusive_group(required=True)
     side.add_argument("--engine", action="store_true", help="GPU side: engine runs")
     side.add_argument("--sim", action="store_true", help="CPU side: simulator + report")
-    ap.add_argument("--limit", type=int, help="engine side: requests per slice (default: "
-                    "the YAML's trace.limit)")
-    ap.add_argument("--repeat", action="store_true", help="engine side: replay the runs "
-                    "already in docs/fidelity/engine/ again, into engine_repeat/")
+    ap.add_argument(
+        "--limit",
+        type=int,
+        help="engine side: requests per slice (default: the YAML's trace.limit)",
+    )
+    ap.add_argument(
+        "--repeat",
+        action="store_true",
+        help="engine side: replay the runs "
+        "already in docs/fidelity/engine/ again, into engine_repeat/",
+    )
     args = ap.parse_args()
     (OUT / "engine").mkdir(parents=True, exist_ok=True)
     if args.engine:

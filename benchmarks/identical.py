@@ -39,8 +39,14 @@ def sim_experiments() -> list[Path]:
 
 
 def digests(path: Path, out: Path) -> dict[str, str]:
-    cmd = [sys.executable, str(ROOT / "run_experiment.py"), str(path), "--out", str(out),
-           "--no-progress"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "run_experiment.py"),
+        str(path),
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return {f: hashlib.sha256(comparable(out / f)).hexdigest() for f in FILES}
 
@@ -73,12 +79,20 @@ def main(argv: list[str] | None = None) -> int:
                 same = want is not None and want.get(f) == got[path.stem][f]
                 if not args.write and not same:
                     bad.append(f"{path.stem}/{f}")
-            print(f"{path.stem}: " + ("recorded" if args.write else
-                                      "identical" if not any(b.startswith(path.stem + "/")
-                                                             for b in bad) else "DIFFERENT"))
+            print(
+                f"{path.stem}: "
+                + (
+                    "recorded"
+                    if args.write
+                    else "identical"
+                    if not any(b.startswith(path.stem + "/") for b in bad)
+                    else "DIFFERENT"
+                )
+            )
     if args.write:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
         REF.write_text(json.dumps({"commit": commit, "experiments": got}, indent=2) + "\n")
         return 0
     if bad:

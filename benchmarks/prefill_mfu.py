@@ -24,26 +24,39 @@ def main() -> None:
     from backend.runner import ModelRunner, SeqInput
 
     peak = matmul_flops()
-    runner = ModelRunner(checkpoint(args.preset), device="cuda", dtype="bfloat16",
-                         attention_backend=args.attention, block_size=16,
-                         gpu_memory_utilization=0.9, max_num_batched_tokens=args.tokens)
+    runner = ModelRunner(
+        checkpoint(args.preset),
+        device="cuda",
+        dtype="bfloat16",
+        attention_backend=args.attention,
+        block_size=16,
+        gpu_memory_utilization=0.9,
+        max_num_batched_tokens=args.tokens,
+    )
     c = runner.config
-    layer_params = sum(p.numel() for n, p in runner.model.named_parameters()
-                       if n.startswith("layers."))
+    layer_params = sum(
+        p.numel() for n, p in runner.model.named_parameters() if n.startswith("layers.")
+    )
     print(f"# prefill MFU, {args.preset}, {device_line()}; matmul {peak / 1e12:.0f} TFLOP/s")
     print("| prompts x tokens | step (ms) | TFLOP/s | / matmul |")
     print("|---|---|---|---|")
     for n in (1, 2, 8):
         length = args.tokens // n
         blocks = -(-(length + 1) // 16)
-        seqs = [SeqInput(list(range(1, length + 1)), 0, list(range(i * blocks, (i + 1) * blocks)),
-                         True) for i in range(n)]
+        seqs = [
+            SeqInput(list(range(1, length + 1)), 0, list(range(i * blocks, (i + 1) * blocks)), True)
+            for i in range(n)
+        ]
         t = cuda_time(lambda s=seqs: runner.execute(s), warmup=2, iters=5)
         pairs = n * length * (length + 1) / 2
-        flops = (2 * layer_params * n * length
-                 + 4 * c.num_layers * c.num_heads * c.head_dim * pairs
-                 + 2 * c.hidden_size * c.vocab_size * n)
-        print(f"| {n} x {length} | {t * 1e3:.2f} | {flops / t / 1e12:.0f} | {flops / t / peak:.0%} |")
+        flops = (
+            2 * layer_params * n * length
+            + 4 * c.num_layers * c.num_heads * c.head_dim * pairs
+            + 2 * c.hidden_size * c.vocab_size * n
+        )
+        print(
+            f"| {n} x {length} | {t * 1e3:.2f} | {flops / t / 1e12:.0f} | {flops / t / peak:.0%} |"
+        )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         write_results(Path(d) / "out", cfg, runs)
     report_s = time.perf_counter() - t0
-    print(f"# {cfg.name} on {platform.processor() or platform.machine()}, "
-          f"python {platform.python_version()}")
+    print(
+        f"# {cfg.name} on {platform.processor() or platform.machine()}, "
+        f"python {platform.python_version()}"
+    )
     print("| policy | steps | replay wall (s) | steps/s |")
     print("|---|---|---|---|")
     for label, (steps, wall) in best.items():
@@ -53,8 +55,10 @@ def main() -> None:
     steps = sum(s for s, _ in best.values())
     wall = sum(w for _, w in best.values())
     print(f"| all | {steps} | {wall:.2f} | {steps / wall:,.0f} |")
-    print(f"\nreplays + trace loading + metrics (best of {args.repeat}): {min(totals):.2f} s; "
-          f"writing the results folder (CSVs, JSON, plots): {report_s:.2f} s")
+    print(
+        f"\nreplays + trace loading + metrics (best of {args.repeat}): {min(totals):.2f} s; "
+        f"writing the results folder (CSVs, JSON, plots): {report_s:.2f} s"
+    )
 
 
 if __name__ == "__main__":

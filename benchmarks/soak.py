@@ -47,11 +47,18 @@ def config(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | Non
     trace = {"format": "mooncake", "path": TRACE, "rate_scale": rate_scale}
     if limit:
         trace["limit"] = limit
-    return validate({
-        "name": "soak", "trace": trace, "model": MODEL, "hardware": HARDWARE,
-        "kv_cache": {"block_size": BLOCK_SIZE, "num_gpu_blocks": num_gpu_blocks},
-        "policies": [policy],
-    }, "soak", ROOT)
+    return validate(
+        {
+            "name": "soak",
+            "trace": trace,
+            "model": MODEL,
+            "hardware": HARDWARE,
+            "kv_cache": {"block_size": BLOCK_SIZE, "num_gpu_blocks": num_gpu_blocks},
+            "policies": [policy],
+        },
+        "soak",
+        ROOT,
+    )
 
 
 def worker(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | None) -> dict:
@@ -73,22 +80,32 @@ def worker(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | Non
     cost_model, gpu, cpu = sim_parts(cfg)
     pol, bs = cfg.policies[0], cfg.kv_cache.block_size
     cls = get_policy(pol.name)
-    limits = resolve_limits(cfg, pol, gpu * bs, MODELS[MODEL].max_position_embeddings,
-                            cls.chunked_prefill)
+    limits = resolve_limits(
+        cfg, pol, gpu * bs, MODELS[MODEL].max_position_embeddings, cls.chunked_prefill
+    )
     requests = load_trace({**cfg.trace.spec, "seed": cfg.seed}, ROOT)
     bm = BlockManager(gpu, cpu, bs, cfg.kv_cache.watermark)
     scheduler = cls(limits, bm)
-    row = {"policy": policy, "requests": len(requests), "gpu_blocks": gpu, "cpu_blocks": cpu,
-           "max_model_len": limits.max_model_len,
-           "max_num_batched_tokens": limits.max_num_batched_tokens,
-           "rss_before_replay_mib": _max_rss_mib()}
+    row = {
+        "policy": policy,
+        "requests": len(requests),
+        "gpu_blocks": gpu,
+        "cpu_blocks": cpu,
+        "max_model_len": limits.max_model_len,
+        "max_num_batched_tokens": limits.max_num_batched_tokens,
+        "rss_before_replay_mib": _max_rss_mib(),
+    }
     t0 = time.perf_counter()
     try:
         result = replay(requests, scheduler, CostModelExecutor(cost_model, bs))
     except SchedulerStuckError as e:
         preempted = max(requests, key=lambda r: r.num_preemptions)
-        row.update(stuck=str(e), wall_s=time.perf_counter() - t0, peak_rss_mib=_max_rss_mib(),
-                   most_preempted=f"{preempted.request_id} ({preempted.num_preemptions})")
+        row.update(
+            stuck=str(e),
+            wall_s=time.perf_counter() - t0,
+            peak_rss_mib=_max_rss_mib(),
+            most_preempted=f"{preempted.request_id} ({preempted.num_preemptions})",
+        )
         return row
     row["wall_s"] = result.wall_s
     row["peak_rss_mib"] = _max_rss_mib()
@@ -103,13 +120,18 @@ def worker(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | Non
     summary = metrics.summarize(df, itl, result, cfg.slo.to_dict())
     busy_s = float(s["duration_s"].sum())
     row.update(
-        steps=summary["num_steps"], finished=summary["finished"], rejected=summary["rejected"],
-        aborted=summary["aborted"], preempt_recompute=summary["preemptions"]["recompute"],
+        steps=summary["num_steps"],
+        finished=summary["finished"],
+        rejected=summary["rejected"],
+        aborted=summary["aborted"],
+        preempt_recompute=summary["preemptions"]["recompute"],
         preempt_swap=summary["preemptions"]["swap"],
         max_preemptions_one_request=int(df["num_preemptions"].max()),
         prefill_tokens=int(s["num_prefill_tokens"].sum()),
-        sim_s=summary["duration_s"], busy_fraction=busy_s / summary["duration_s"],
-        ttft_p50_s=summary["ttft_s"]["p50"], ttft_p99_s=summary["ttft_s"]["p99"],
+        sim_s=summary["duration_s"],
+        busy_fraction=busy_s / summary["duration_s"],
+        ttft_p50_s=summary["ttft_s"]["p50"],
+        ttft_p99_s=summary["ttft_s"]["p99"],
         reasons=sorted(set(df.loc[df.status != "finished", "reason"]))[:3],
     )
     return row
@@ -134,19 +156,32 @@ def main() -> None:
     from policies import policy_names
 
     policies = args.policies or policy_names()
-    print(f"# soak: {TRACE}, {MODEL} on {HARDWARE}, {args.num_gpu_blocks} GPU blocks of "
-          f"{BLOCK_SIZE} tokens, rate_scale {args.rate_scale:g}"
-          + (f", first {args.limit} requests" if args.limit else ""))
-    print(f"# {platform.machine()}, python {platform.python_version()}, one child process "
-          f"per policy")
-    print("| policy | replay wall (s) | peak RSS (MiB) (before replay) | steps "
-          "| finished / rejected / aborted | preemptions rec / swap (max of one request) "
-          "| prefill tokens | sim time (s) | busy | TTFT p50 / p99 (s) |")
+    print(
+        f"# soak: {TRACE}, {MODEL} on {HARDWARE}, {args.num_gpu_blocks} GPU blocks of "
+        f"{BLOCK_SIZE} tokens, rate_scale {args.rate_scale:g}"
+        + (f", first {args.limit} requests" if args.limit else "")
+    )
+    print(
+        f"# {platform.machine()}, python {platform.python_version()}, one child process per policy"
+    )
+    print(
+        "| policy | replay wall (s) | peak RSS (MiB) (before replay) | steps "
+        "| finished / rejected / aborted | preemptions rec / swap (max of one request) "
+        "| prefill tokens | sim time (s) | busy | TTFT p50 / p99 (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     failed = False
     for policy in policies:
-        cmd = [sys.executable, __file__, "--worker", policy, "--rate-scale",
-               str(args.rate_scale), "--num-gpu-blocks", str(args.num_gpu_blocks)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            policy,
+            "--rate-scale",
+            str(args.rate_scale),
+            "--num-gpu-blocks",
+            str(args.num_gpu_blocks),
+        ]
         if args.limit:
             cmd += ["--limit", str(args.limit)]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -157,16 +192,22 @@ def main() -> None:
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         if "stuck" in r:
             failed = True
-            print(f"| {policy} | {r['wall_s']:.1f} | {r['peak_rss_mib']:.0f} | STUCK: "
-                  f"{r['stuck']} (most preempted: {r['most_preempted']}) |", flush=True)
+            print(
+                f"| {policy} | {r['wall_s']:.1f} | {r['peak_rss_mib']:.0f} | STUCK: "
+                f"{r['stuck']} (most preempted: {r['most_preempted']}) |",
+                flush=True,
+            )
             continue
-        print(f"| {policy} | {r['wall_s']:.1f} | {r['peak_rss_mib']:.0f} "
-              f"({r['rss_before_replay_mib']:.0f}) | {r['steps']:,} "
-              f"| {r['finished']} / {r['rejected']} / {r['aborted']} "
-              f"| {r['preempt_recompute']} / {r['preempt_swap']} "
-              f"({r['max_preemptions_one_request']}) | {r['prefill_tokens'] / 1e6:.1f} M "
-              f"| {r['sim_s']:,.0f} | {r['busy_fraction']:.0%} "
-              f"| {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} |", flush=True)
+        print(
+            f"| {policy} | {r['wall_s']:.1f} | {r['peak_rss_mib']:.0f} "
+            f"({r['rss_before_replay_mib']:.0f}) | {r['steps']:,} "
+            f"| {r['finished']} / {r['rejected']} / {r['aborted']} "
+            f"| {r['preempt_recompute']} / {r['preempt_swap']} "
+            f"({r['max_preemptions_one_request']}) | {r['prefill_tokens'] / 1e6:.1f} M "
+            f"| {r['sim_s']:,.0f} | {r['busy_fraction']:.0%} "
+            f"| {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} |",
+            flush=True,
+        )
         if r["reasons"]:
             print(f"<!-- {policy}: not finished because: {r['reasons']} -->")
     if failed:

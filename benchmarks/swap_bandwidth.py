@@ -26,12 +26,20 @@ def main() -> None:
 
     h2d, d2h = host_link_bandwidth()
     link = 2 / (1 / h2d + 1 / d2h)  # one out + one in of the same bytes
-    runner = ModelRunner(checkpoint(args.preset), device="cuda", dtype="bfloat16",
-                         attention_backend="torch", block_size=16, num_gpu_blocks=8192,
-                         swap_space_bytes=16 * GIB)
+    runner = ModelRunner(
+        checkpoint(args.preset),
+        device="cuda",
+        dtype="bfloat16",
+        attention_backend="torch",
+        block_size=16,
+        num_gpu_blocks=8192,
+        swap_space_bytes=16 * GIB,
+    )
     block_bytes = runner.kv_cache.block_bytes
-    print(f"# swap, {args.preset} ({block_bytes / 2**20:.1f} MiB per block over all layers), "
-          f"{device_line()}; pinned H2D {h2d / 1e9:.1f} GB/s, D2H {d2h / 1e9:.1f} GB/s")
+    print(
+        f"# swap, {args.preset} ({block_bytes / 2**20:.1f} MiB per block over all layers), "
+        f"{device_line()}; pinned H2D {h2d / 1e9:.1f} GB/s, D2H {d2h / 1e9:.1f} GB/s"
+    )
     print("| blocks | MiB | out + in (ms) | GB/s | / pinned copy |")
     print("|---|---|---|---|---|")
     rng = random.Random(0)
@@ -50,8 +58,10 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         t = sorted(times)[2]
         nbytes = 2 * n * block_bytes
-        print(f"| {n} | {n * block_bytes / 2**20:.0f} | {t * 1e3:.1f} | {nbytes / t / 1e9:.1f} "
-              f"| {nbytes / t / link:.0%} |")
+        print(
+            f"| {n} | {n * block_bytes / 2**20:.0f} | {t * 1e3:.1f} | {nbytes / t / 1e9:.1f} "
+            f"| {nbytes / t / link:.0%} |"
+        )
 
 
 if __name__ == "__main__":

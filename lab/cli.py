@@ -140,18 +140,6 @@ def _delegate(command: str, argv: list[str]) -> int:
     return module.main(argv, prog=f"sched-lab {command}") or 0
 
 
-def find_config(path: str) -> Path:
-    """The experiment YAML ``path`` names, by :mod:`lab.paths`' rule with the current
-    folder as the base: as given when it exists, else the bundled file of that relative
-    path (so ``experiments/quickstart.yaml`` works from any folder), else ``path`` (the
-    loader then says it is missing)."""
-    from lab import paths
-
-    given = Path(path)
-    found = paths.resolve(given, Path.cwd())
-    return found if found.is_file() else given
-
-
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM, raised where the program was, so that cleanup code runs. Its only
     argument is the signal number (SimPy re-creates an exception from its arguments)."""
@@ -205,7 +193,7 @@ def _run(args: argparse.Namespace) -> int:
     cfg = out = None
     with _Signals() as signals:
         try:
-            cfg = load_config(find_config(args.config))
+            cfg = load_config(args.config)
             if args.limit is not None:
                 if args.limit < 1:
                     raise UserError(f"--limit: expected an integer >= 1, got {args.limit}")

@@ -152,7 +152,12 @@ class PolicyConfig:
 
     def to_dict(self) -> dict[str, Any]:
         limits = {k: getattr(self, k) for k in LIMIT_KEYS if getattr(self, k) is not None}
-        return {"label": self.label, "name": self.name, **limits, **copy.deepcopy(dict(self.options))}
+        return {
+            "label": self.label,
+            "name": self.name,
+            **limits,
+            **copy.deepcopy(dict(self.options)),
+        }
 
 
 @dataclass(frozen=True)
@@ -169,9 +174,11 @@ class CostModelConfig:
     @property
     def analytic(self) -> dict[str, float]:
         """The analytic model's keyword arguments."""
-        return {"flops_efficiency": self.flops_efficiency,
-                "bandwidth_efficiency": self.bandwidth_efficiency,
-                "step_overhead_s": self.step_overhead_s}
+        return {
+            "flops_efficiency": self.flops_efficiency,
+            "bandwidth_efficiency": self.bandwidth_efficiency,
+            "step_overhead_s": self.step_overhead_s,
+        }
 
 
 @dataclass(frozen=True)
@@ -198,7 +205,9 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # None: on with CUDA and the triton backend
     mixed_graphs: bool = True  # false: only decode-only steps replay graphs
     kn_weights: bool = False  # projection weights in (K, N) memory order
-    num_threads: int | None = None  # CPU device: torch threads (None: min(4, cores), or OMP_NUM_THREADS)
+    num_threads: int | None = (
+        None  # CPU device: torch threads (None: min(4, cores), or OMP_NUM_THREADS)
+    )
 
 
 @dataclass(frozen=True)
@@ -258,12 +267,21 @@ class ExperimentConfig:
             d = dataclasses.asdict(section)
             return {k: _plain(v) for k, v in d.items()}
 
-        out = {"name": self.name, "backend": self.backend, "seed": self.seed,
-               "trace": self.trace.to_dict(), "model": self.model, "hardware": self.hardware,
-               "cost_model": plain(self.cost_model), "kv_cache": plain(self.kv_cache),
-               "scheduler": plain(self.scheduler),
-               "policies": [p.to_dict() for p in self.policies], "slo": self.slo.to_dict(),
-               "engine": plain(self.engine), "check_invariants": self.check_invariants}
+        out = {
+            "name": self.name,
+            "backend": self.backend,
+            "seed": self.seed,
+            "trace": self.trace.to_dict(),
+            "model": self.model,
+            "hardware": self.hardware,
+            "cost_model": plain(self.cost_model),
+            "kv_cache": plain(self.kv_cache),
+            "scheduler": plain(self.scheduler),
+            "policies": [p.to_dict() for p in self.policies],
+            "slo": self.slo.to_dict(),
+            "engine": plain(self.engine),
+            "check_invariants": self.check_invariants,
+        }
         if self.trace.expected is not None:
             out["trace_file"] = dict(self.trace.expected)
         return out
@@ -283,8 +301,22 @@ def scale_label(scale: float) -> str:
 
 
 # ---------------------------------------------------------------------------- loading
-TOP_KEYS = ("name", "backend", "seed", "trace", "model", "hardware", "cost_model", "kv_cache",
-            "scheduler", "policies", "slo", "engine", "check_invariants", "trace_file")
+TOP_KEYS = (
+    "name",
+    "backend",
+    "seed",
+    "trace",
+    "model",
+    "hardware",
+    "cost_model",
+    "kv_cache",
+    "scheduler",
+    "policies",
+    "slo",
+    "engine",
+    "check_invariants",
+    "trace_file",
+)
 DEFAULT_POLICIES = ("fcfs", "swap", "chunked_prefill")
 
 
@@ -292,11 +324,16 @@ def load_config(path: str | Path) -> ExperimentConfig:
     """Read and validate an experiment YAML; its relative paths resolve against its folder
     (then the bundled data: :mod:`lab.paths`); ``name`` defaults to the file name.
 
+    ``path`` itself follows the same rule from the current folder: a relative path that
+    names no file here names the bundled one (``experiments/quickstart.yaml`` from anywhere).
+
     Raises:
         ConfigError: missing file, bad YAML, unknown key, wrong type, a missing file named
             in it (naming the key path and the value as written).
     """
-    path = Path(path)
+    path = Path(path).expanduser()
+    if not path.exists() and paths.resolve(path, Path.cwd()).is_file():
+        path = paths.resolve(path, Path.cwd())
     raw = load_yaml_file(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of keys at the top level")
@@ -306,8 +343,9 @@ def load_config(path: str | Path) -> ExperimentConfig:
     return validate({**raw, "name": name}, str(path), path.absolute().parent)
 
 
-def validate(raw: Mapping[str, Any], where: str = "config",
-             base_dir: Path | None = None) -> ExperimentConfig:
+def validate(
+    raw: Mapping[str, Any], where: str = "config", base_dir: Path | None = None
+) -> ExperimentConfig:
     """Validate a config mapping (as parsed from YAML) into an :class:`ExperimentConfig`.
 
     Args:
@@ -336,35 +374,50 @@ def validate(raw: Mapping[str, Any], where: str = "config",
         raise _fail(where, "check_invariants", "true or false", top["check_invariants"])
     scheduler = _scheduler(where, raw.get("scheduler", {}))
     return ExperimentConfig(
-        name=name, trace=trace, backend=backend, seed=seed, model=top["model"],
+        name=name,
+        trace=trace,
+        backend=backend,
+        seed=seed,
+        model=top["model"],
         hardware=top["hardware"],
         cost_model=_cost_model(where, raw.get("cost_model", {}), base_dir, backend == "sim"),
-        kv_cache=_kv_cache(where, raw.get("kv_cache", {})), scheduler=scheduler,
+        kv_cache=_kv_cache(where, raw.get("kv_cache", {})),
+        scheduler=scheduler,
         policies=_policies(where, raw.get("policies", list(DEFAULT_POLICIES))),
         slo=_slo(where, raw.get("slo", {})),
         engine=_engine(where, raw.get("engine", {}), base_dir, backend == "engine"),
-        check_invariants=top["check_invariants"], source=where, base_dir=base_dir)
+        check_invariants=top["check_invariants"],
+        source=where,
+        base_dir=base_dir,
+    )
 
 
 def check_name(where: str, key: str, name) -> str:
     """An experiment name: it becomes a folder under results/, so letters, digits, '.', '_'
     and '-' only, starting with a letter or digit (no '', '.', '..' or paths)."""
     if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
-        raise _fail(where, key, "a name of letters, digits, '.', '_' and '-' starting with a "
-                    "letter or digit (it names the results folder)", name)
+        raise _fail(
+            where,
+            key,
+            "a name of letters, digits, '.', '_' and '-' starting with a "
+            "letter or digit (it names the results folder)",
+            name,
+        )
     return name
 
 
 def _section(where: str, key: str, raw: Any, cls: type) -> dict[str, Any]:
     """A section's mapping checked for unknown keys, over the dataclass's defaults."""
     _mapping(where, key, raw, tuple(f.name for f in dataclasses.fields(cls)))
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)
-                if f.default is not dataclasses.MISSING}
+    defaults = {
+        f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
+    }
     return {**defaults, **raw}
 
 
-def _trace(where: str, raw: Mapping[str, Any], base_dir: Path,
-           expected: Mapping[str, Any] | None) -> TraceConfig:
+def _trace(
+    where: str, raw: Mapping[str, Any], base_dir: Path, expected: Mapping[str, Any] | None
+) -> TraceConfig:
     spec = copy.deepcopy(dict(raw))
     rs = spec.get("rate_scale", 1.0)
     if rs == []:
@@ -373,13 +426,21 @@ def _trace(where: str, raw: Mapping[str, Any], base_dir: Path,
     for v in rs if isinstance(rs, list) else [rs]:
         _num(where, "trace.rate_scale", v, lo=0.0, lo_open=True)
         if not lo <= v <= hi:
-            raise _fail(where, "trace.rate_scale", f"a number in [{lo:g}, {hi:g}] (outside it "
-                        "arrival times lose float precision)", v)
+            raise _fail(
+                where,
+                "trace.rate_scale",
+                f"a number in [{lo:g}, {hi:g}] (outside it arrival times lose float precision)",
+                v,
+            )
     scales = tuple(float(v) for v in (rs if isinstance(rs, list) else [rs]))
     names = [scale_label(v) for v in scales]
     if len(set(names)) != len(names):
-        raise _fail(where, "trace.rate_scale", "distinct values (to 6 significant digits: "
-                    "they name the runs, as 'fcfs@x2')", rs)
+        raise _fail(
+            where,
+            "trace.rate_scale",
+            "distinct values (to 6 significant digits: they name the runs, as 'fcfs@x2')",
+            rs,
+        )
     if isinstance(spec.get("path"), str) and spec["path"]:
         spec["path"] = str(_existing(where, "trace.path", spec["path"], base_dir, "file"))
     if isinstance(spec.get("tokenizer"), str) and spec["tokenizer"]:
@@ -396,14 +457,15 @@ def _trace_file(where: str, raw: Any) -> Mapping[str, Any]:
     return MappingProxyType(dict(d))
 
 
-def _existing(where: str, key: str, value: str, base_dir: Path, kind: str, hint: str = ""
-              ) -> Path:
+def _existing(where: str, key: str, value: str, base_dir: Path, kind: str, hint: str = "") -> Path:
     """``value`` resolved (:mod:`lab.paths`); ConfigError naming the key and the value as
     written when no ``kind`` ("file", "directory") exists there."""
     path = paths.resolve(value, base_dir)
     if not (path.is_file() if kind == "file" else path.is_dir()):
-        raise ConfigError(f"{where}: {key}: {short_repr(value)}: no such {kind} (looked for "
-                          f"{paths.looked_in(value, base_dir)}){hint}")
+        raise ConfigError(
+            f"{where}: {key}: {short_repr(value)}: no such {kind} (looked for "
+            f"{paths.looked_in(value, base_dir)}){hint}"
+        )
     return path
 
 
@@ -426,16 +488,25 @@ def _cost_model(where: str, raw: Any, base_dir: Path, used: bool) -> CostModelCo
         return paths.resolve(value, base_dir)
 
     return CostModelConfig(
-        cm["flops_efficiency"], cm["bandwidth_efficiency"], cm["step_overhead_s"],
+        cm["flops_efficiency"],
+        cm["bandwidth_efficiency"],
+        cm["step_overhead_s"],
         None if profile is None else resolve("cost_model.profile", profile),
-        tuple(resolve(f"cost_model.replay_steps[{i}]", p) for i, p in enumerate(steps)))
+        tuple(resolve(f"cost_model.replay_steps[{i}]", p) for i, p in enumerate(steps)),
+    )
 
 
 def _kv_cache(where: str, raw: Any) -> KVCacheConfig:
     kv = _section(where, "kv_cache", raw, KVCacheConfig)
     _int(where, "kv_cache.block_size", kv["block_size"])
-    _num(where, "kv_cache.gpu_memory_utilization", kv["gpu_memory_utilization"], 0.0, 1.0,
-         lo_open=True)
+    _num(
+        where,
+        "kv_cache.gpu_memory_utilization",
+        kv["gpu_memory_utilization"],
+        0.0,
+        1.0,
+        lo_open=True,
+    )
     _int(where, "kv_cache.num_gpu_blocks", kv["num_gpu_blocks"], optional=True)
     _num(where, "kv_cache.swap_space_gib", kv["swap_space_gib"], 0.0, MAX_SWAP_SPACE_GIB)
     _num(where, "kv_cache.watermark", kv["watermark"], 0.0, 0.5)
@@ -469,15 +540,24 @@ def _policies(where: str, pols: Any) -> tuple[PolicyConfig, ...]:
         _check_limits(where, key, p)
         label = p.get("label", p["name"])
         if not isinstance(label, str) or not _LABEL.fullmatch(label):
-            raise _fail(where, f"{key}.label", "a label of letters, digits, '.', '_', '-', '+' "
-                        "and spaces, starting with a letter or digit", label)
+            raise _fail(
+                where,
+                f"{key}.label",
+                "a label of letters, digits, '.', '_', '-', '+' "
+                "and spaces, starting with a letter or digit",
+                label,
+            )
         options = {k: copy.deepcopy(v) for k, v in p.items() if k in cls.options}
-        resolved.append(PolicyConfig(p["name"], label, *(p.get(k) for k in LIMIT_KEYS),
-                                     options=MappingProxyType(options)))
+        resolved.append(
+            PolicyConfig(
+                p["name"], label, *(p.get(k) for k in LIMIT_KEYS), options=MappingProxyType(options)
+            )
+        )
     labels = [p.label for p in resolved]
     if len(set(labels)) != len(labels):
-        raise ConfigError(f"{where}: policies: labels must be unique (give 'label:'), got "
-                          f"{short_repr(labels)}")
+        raise ConfigError(
+            f"{where}: policies: labels must be unique (give 'label:'), got {short_repr(labels)}"
+        )
     return tuple(resolved)
 
 
@@ -492,8 +572,9 @@ def _engine(where: str, raw: Any, base_dir: Path, used: bool) -> EngineConfig:
     e = _section(where, "engine", raw, EngineConfig)
     path = e["model_path"]
     if used and not isinstance(path, str):
-        raise _fail(where, "engine.model_path", "a model directory (config.json + safetensors)",
-                    path)
+        raise _fail(
+            where, "engine.model_path", "a model directory (config.json + safetensors)", path
+        )
     if used:
         if not isinstance(e["device"], str) or not _DEVICE.fullmatch(e["device"]):
             raise _fail(where, "engine.device", "cpu, cuda or cuda:N", e["device"])
@@ -501,16 +582,25 @@ def _engine(where: str, raw: Any, base_dir: Path, used: bool) -> EngineConfig:
         _choice(where, "engine.attention_backend", e["attention_backend"], ATTENTION_BACKENDS)
         _num(where, "engine.temperature", e["temperature"], 0.0)
         if e["cuda_graphs"] is not None and not isinstance(e["cuda_graphs"], bool):
-            raise _fail(where, "engine.cuda_graphs", "true, false or null (on with CUDA and "
-                        "triton)", e["cuda_graphs"])
+            raise _fail(
+                where,
+                "engine.cuda_graphs",
+                "true, false or null (on with CUDA and triton)",
+                e["cuda_graphs"],
+            )
         for key in ("mixed_graphs", "kn_weights"):
             if not isinstance(e[key], bool):
                 raise _fail(where, f"engine.{key}", "true or false", e[key])
         _int(where, "engine.num_threads", e["num_threads"], optional=True)
         e["model_path"] = _existing(
-            where, "engine.model_path", path, base_dir, "directory",
+            where,
+            "engine.model_path",
+            path,
+            base_dir,
+            "directory",
             "; make a model directory with `python -m backend.tools convert-smollm2` or "
-            "`make-random-checkpoint`")
+            "`make-random-checkpoint`",
+        )
     elif isinstance(path, str) and path:
         e["model_path"] = paths.resolve(path, base_dir)
     return EngineConfig(**e)
@@ -555,8 +645,10 @@ def _mapping(where, key, v, allowed) -> Mapping:
     for k in v:
         if k not in allowed:
             shown = k if isinstance(k, str) and len(k) <= 80 else short_repr(k)
-            raise ConfigError(f"{where}: unknown key {key + '.' if key else ''}{shown}; "
-                              f"allowed: {', '.join(allowed)}")
+            raise ConfigError(
+                f"{where}: unknown key {key + '.' if key else ''}{shown}; "
+                f"allowed: {', '.join(allowed)}"
+            )
     return v
 
 

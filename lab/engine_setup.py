@@ -25,16 +25,24 @@ def engine_parts(cfg: ExperimentConfig):
     if eng.model_path is None or not eng.model_path.is_dir():
         raise CheckpointError(
             f"engine.model_path: {eng.model_path} is not a directory (make one with "
-            f"`python -m backend.tools convert-smollm2` or `make-random-checkpoint`)")
+            f"`python -m backend.tools convert-smollm2` or `make-random-checkpoint`)"
+        )
     runner = ModelRunner(
-        eng.model_path, device=eng.device, dtype=eng.dtype,
-        attention_backend=eng.attention_backend, block_size=kv.block_size,
-        num_gpu_blocks=kv.num_gpu_blocks, gpu_memory_utilization=kv.gpu_memory_utilization,
-        swap_space_bytes=kv.swap_space_bytes, seed=cfg.seed,
+        eng.model_path,
+        device=eng.device,
+        dtype=eng.dtype,
+        attention_backend=eng.attention_backend,
+        block_size=kv.block_size,
+        num_gpu_blocks=kv.num_gpu_blocks,
+        gpu_memory_utilization=kv.gpu_memory_utilization,
+        swap_space_bytes=kv.swap_space_bytes,
+        seed=cfg.seed,
         max_model_len=cfg.scheduler.max_model_len,
         max_num_batched_tokens=cfg.profile_num_batched_tokens,
         max_num_seqs=cfg.scheduler.max_num_seqs,
-        cuda_graphs=eng.cuda_graphs, mixed_graphs=eng.mixed_graphs, kn_weights=eng.kn_weights,
+        cuda_graphs=eng.cuda_graphs,
+        mixed_graphs=eng.mixed_graphs,
+        kn_weights=eng.kn_weights,
         num_threads=eng.num_threads,
     )
 
@@ -42,15 +50,23 @@ def engine_parts(cfg: ExperimentConfig):
         runner.generator.manual_seed(cfg.seed)  # each run samples the same way
         return EngineExecutor(runner, eng.temperature)
 
-    return (make_executor, runner.num_gpu_blocks, runner.num_cpu_blocks,
-            runner.max_model_len, runner.config.vocab_size)
+    return (
+        make_executor,
+        runner.num_gpu_blocks,
+        runner.num_cpu_blocks,
+        runner.max_model_len,
+        runner.config.vocab_size,
+    )
 
 
 def text_decoder(cfg: ExperimentConfig):
     """A token-ids -> text function from the model directory's tokenizer, or None if the
     directory has no tokenizer files (random-weight checkpoints)."""
     model_dir = cfg.engine.model_path
-    if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer_config.json").exists():
+    if (
+        not (model_dir / "tokenizer.json").exists()
+        and not (model_dir / "tokenizer_config.json").exists()
+    ):
         return None
     from transformers import AutoTokenizer
 

@@ -4,10 +4,10 @@ replayed through the simulator or the real engine, with metrics per run."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 import hashlib
 import importlib.util
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +21,10 @@ from lab.core.errors import ConfigError, TraceError
 from lab.core.kv import BlockManager
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import SchedulerLimits
+from lab.progress import Phase
 from lab.sim.cost_model import AnalyticCostModel, CostModelExecutor, num_cpu_blocks, num_gpu_blocks
 from lab.sim.hardware import HARDWARE
 from lab.sim.models import MODELS
-from lab.progress import Phase
 from lab.sim.replay import ReplayResult, replay
 from policies import get_policy
 
@@ -44,8 +44,13 @@ class Run:
     summary: dict[str, Any]
 
 
-def resolve_limits(cfg: ExperimentConfig, policy: PolicyConfig, capacity_tokens: int,
-                   max_position: int, chunked: bool) -> SchedulerLimits:
+def resolve_limits(
+    cfg: ExperimentConfig,
+    policy: PolicyConfig,
+    capacity_tokens: int,
+    max_position: int,
+    chunked: bool,
+) -> SchedulerLimits:
     """A policy's limits: its own keys, else the ``scheduler`` section, else defaults.
 
     Defaults as vLLM: max_model_len = the model's context length, clamped to the KV
@@ -58,22 +63,28 @@ def resolve_limits(cfg: ExperimentConfig, policy: PolicyConfig, capacity_tokens:
             chunked prefill) below max_model_len, so that some request could never be
             scheduled.
     """
+
     def pick(key: str) -> int | None:
         return policy.limit(key, cfg.scheduler)
 
     where = f"policies[{policy.label}]"
     if pick("max_model_len") is not None and pick("max_model_len") > max_position:
-        raise ConfigError(f"{where}: max_model_len {pick('max_model_len')} exceeds the model's "
-                          f"context length (max_position_embeddings {max_position})")
+        raise ConfigError(
+            f"{where}: max_model_len {pick('max_model_len')} exceeds the model's "
+            f"context length (max_position_embeddings {max_position})"
+        )
     max_len = pick("max_model_len") or min(max_position, capacity_tokens)
     budget = pick("max_num_batched_tokens") or (2048 if chunked else max(max_len, 2048))
     seqs = pick("max_num_seqs")
     if budget < seqs:
-        raise ConfigError(f"{where}: max_num_batched_tokens {budget} must be >= max_num_seqs {seqs}")
+        raise ConfigError(
+            f"{where}: max_num_batched_tokens {budget} must be >= max_num_seqs {seqs}"
+        )
     if not chunked and budget < max_len:
         raise ConfigError(
             f"{where}: max_num_batched_tokens {budget} is below max_model_len {max_len}: "
-            f"without chunked prefill a long prompt could never be scheduled")
+            f"without chunked prefill a long prompt could never be scheduled"
+        )
     return SchedulerLimits(seqs, budget, max_len, cfg.scheduler.max_preemptions)
 
 
@@ -83,7 +94,8 @@ def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
     model, hw, kv = MODELS[cfg.model], HARDWARE[cfg.hardware], cfg.kv_cache
     tokens_per_step, seqs = cfg.profile_num_batched_tokens, cfg.scheduler.max_num_seqs
     gpu = kv.num_gpu_blocks or num_gpu_blocks(
-        model, hw, kv.block_size, kv.gpu_memory_utilization, tokens_per_step, seqs)
+        model, hw, kv.block_size, kv.gpu_memory_utilization, tokens_per_step, seqs
+    )
     if gpu < 1:
         block_bytes = model.kv_bytes_per_token * kv.block_size
         tokens = num_gpu_blocks(model, hw, 1, kv.gpu_memory_utilization, tokens_per_step, seqs)
@@ -91,17 +103,20 @@ def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
             raise ConfigError(
                 f"kv_cache.block_size: one block of {kv.block_size} tokens needs "
                 f"{block_bytes / 1e9:.1f} GB of KV cache for {model.name}; a {hw.name} has "
-                f"room for {tokens} tokens")
+                f"room for {tokens} tokens"
+            )
         raise ConfigError(
             f"kv_cache.gpu_memory_utilization: {kv.gpu_memory_utilization} of "
             f"{hw.memory_bytes / 1e9:.0f} GB leaves no room for KV after "
-            f"{model.weight_bytes / 1e9:.1f} GB of weights and the activations")
+            f"{model.weight_bytes / 1e9:.1f} GB of weights and the activations"
+        )
     kv_bytes = gpu * model.kv_bytes_per_token * kv.block_size
     if kv_bytes > hw.memory_bytes:
         raise ConfigError(
             f"kv_cache.num_gpu_blocks: {gpu} blocks of {kv.block_size} tokens need "
             f"{kv_bytes / 1e9:.1f} GB of KV cache for {model.name}, more than the "
-            f"{hw.memory_bytes / 1e9:.0f} GB of a {hw.name}")
+            f"{hw.memory_bytes / 1e9:.0f} GB of a {hw.name}"
+        )
     cpu = num_cpu_blocks(model, kv.block_size, kv.swap_space_gib)
     cm = cfg.cost_model
     if cm.profile is not None:
@@ -116,8 +131,15 @@ def fresh(requests: list[Request]) -> list[Request]:
     trace rows keep their status and reason."""
     out = []
     for r in requests:
-        c = Request(r.request_id, r.arrival_s, r.prompt_len, r.output_len,
-                    r.prompt_token_ids, r.hash_ids, r.priority)
+        c = Request(
+            r.request_id,
+            r.arrival_s,
+            r.prompt_len,
+            r.output_len,
+            r.prompt_token_ids,
+            r.hash_ids,
+            r.priority,
+        )
         if r.status is RequestStatus.DROPPED:
             c.status, c.reason = r.status, r.reason
         out.append(c)
@@ -138,16 +160,21 @@ def trace_info(cfg: ExperimentConfig, rows: int, sha256_before: str | None) -> d
             results' config.yaml replayed after its trace file changed).
     """
     path = cfg.trace.path
-    info = {"path": None if path is None else str(path),
-            "sha256": None if path is None else sha256_of(path), "rows": rows}
+    info = {
+        "path": None if path is None else str(path),
+        "sha256": None if path is None else sha256_of(path),
+        "rows": rows,
+    }
     if info["sha256"] != sha256_before:
         raise TraceError(f"trace.path: {path} changed while it was read; run again")
     expected = cfg.trace.expected or {}
     for key in ("sha256", "rows"):
         if expected.get(key) is not None and expected[key] != info[key]:
-            raise ConfigError(f"trace_file.{key}: the trace has {key} {info[key]}, not the "
-                              f"{expected[key]} this config was written with (the file "
-                              "changed)")
+            raise ConfigError(
+                f"trace_file.{key}: the trace has {key} {info[key]}, not the "
+                f"{expected[key]} this config was written with (the file "
+                "changed)"
+            )
     return info
 
 
@@ -165,8 +192,9 @@ def sha256_of(path: Path | None) -> str | None:
     return digest.hexdigest()
 
 
-def run_experiment(cfg: ExperimentConfig, progress: bool = True,
-                   requests: list[Request] | None = None) -> list[Run]:
+def run_experiment(
+    cfg: ExperimentConfig, progress: bool = True, requests: list[Request] | None = None
+) -> list[Run]:
     """Replay the config's trace through every policy at every rate_scale.
 
     The trace is read once (every load derives from the same table); everything that can
@@ -182,20 +210,24 @@ def run_experiment(cfg: ExperimentConfig, progress: bool = True,
     return list(iter_runs(cfg, progress, requests))
 
 
-def iter_runs(cfg: ExperimentConfig, progress: bool = True,
-              requests: list[Request] | None = None) -> Iterator[Run]:
+def iter_runs(
+    cfg: ExperimentConfig, progress: bool = True, requests: list[Request] | None = None
+) -> Iterator[Run]:
     """:func:`run_experiment` one run at a time: each run is yielded when its replay and
     metrics are done (the CLI keeps the completed ones when it is interrupted). Everything
     that can fail before a replay fails before the first one starts."""
     from traces import load_table, scale_table
 
     if requests is not None and cfg.rate_scales != (1.0,):
-        raise ValueError("run_experiment: requests= takes arrival times as they are; "
-                         f"rate_scale must be 1, got {cfg.trace.spec.get('rate_scale')}")
+        raise ValueError(
+            "run_experiment: requests= takes arrival times as they are; "
+            f"rate_scale must be 1, got {cfg.trace.spec.get('rate_scale')}"
+        )
 
     if cfg.backend == "engine" and importlib.util.find_spec("torch") is None:
-        raise ConfigError('backend: engine needs torch, which is not installed: '
-                          'pip install -e ".[engine]"')
+        raise ConfigError(
+            'backend: engine needs torch, which is not installed: pip install -e ".[engine]"'
+        )
     if requests is None:
         before = sha256_of(cfg.trace.path)
         with Phase(f"loading trace ({cfg.trace.format})", bars=progress):
@@ -216,15 +248,17 @@ def iter_runs(cfg: ExperimentConfig, progress: bool = True,
     policies = []
     for pol in cfg.policies:
         cls = get_policy(pol.name)
-        policies.append((pol, cls, resolve_limits(cfg, pol, gpu * bs, max_position,
-                                                  cls.chunked_prefill)))
+        policies.append(
+            (pol, cls, resolve_limits(cfg, pol, gpu * bs, max_position, cls.chunked_prefill))
+        )
     for scale in cfg.rate_scales:
         trace = requests if requests is not None else tables.pop(scale).to_requests()
         if cfg.backend == "engine":
             assign_prompt_tokens(trace, vocab_size, cfg.seed)
         for pol, cls, limits in policies:
-            scheduler = cls(limits, BlockManager(gpu, cpu, bs, cfg.kv_cache.watermark),
-                            **pol.options)
+            scheduler = cls(
+                limits, BlockManager(gpu, cpu, bs, cfg.kv_cache.watermark), **pol.options
+            )
             if cfg.backend == "engine":
                 executor = make_executor()
             else:
@@ -233,14 +267,22 @@ def iter_runs(cfg: ExperimentConfig, progress: bool = True,
             run_requests = fresh(trace)
             n = len(run_requests)
             with Phase(f"{label}: replay {n:,} requests", n, "req", progress) as phase:
-                result = replay(run_requests, scheduler, executor,
-                                check_invariants=cfg.check_invariants,
-                                progress=phase.replay_callback)
+                result = replay(
+                    run_requests,
+                    scheduler,
+                    executor,
+                    check_invariants=cfg.check_invariants,
+                    progress=phase.replay_callback,
+                )
             with Phase(f"{label}: metrics", n, "req", progress) as phase:
                 df, itl = metrics.request_table(result, pol.label, scale, phase.set)
-                summary = {"policy": pol.label, "rate_scale": scale,
-                           "limits": dataclasses.asdict(limits), "trace": info,
-                           **metrics.summarize(df, itl, result, cfg.slo.to_dict())}
+                summary = {
+                    "policy": pol.label,
+                    "rate_scale": scale,
+                    "limits": dataclasses.asdict(limits),
+                    "trace": info,
+                    **metrics.summarize(df, itl, result, cfg.slo.to_dict()),
+                }
                 itl = metrics.cdf_points(itl, overwrite=True)  # all gaps: a run's largest array
             if result.failure:
                 summary["failure"] = result.failure

@@ -37,8 +37,12 @@ REQUEST_COLUMNS = [
 ]  # fmt: skip
 
 
-def request_table(result: ReplayResult, policy: str, rate_scale: float,
-                  progress: Callable[[int], None] | None = None) -> tuple[pd.DataFrame, np.ndarray]:
+def request_table(
+    result: ReplayResult,
+    policy: str,
+    rate_scale: float,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[pd.DataFrame, np.ndarray]:
     """One row per trace request, and the pooled ITL gaps (seconds) of finished requests.
 
     Latency columns are NaN where undefined (not finished; TPOT of 1-token outputs). The
@@ -60,16 +64,32 @@ def request_table(result: ReplayResult, policy: str, rate_scale: float,
             times = result.token_times(r)
             first, last = times[0], times[-1]
             n = len(times) - 1
-            np.subtract(times[1:], times[:-1], out=itl[pos:pos + n])  # np.diff, in place
+            np.subtract(times[1:], times[:-1], out=itl[pos : pos + n])  # np.diff, in place
             pos += n
         queue = r.first_scheduled_s - r.arrival_s if r.first_scheduled_s >= 0 else np.nan
-        for c, v in zip(cols.values(), (
-            policy, rate_scale, r.request_id, r.status.value, r.reason, r.arrival_s,
-            r.prompt_len, r.output_len, r.num_output_tokens if finished else np.nan,
-            first, r.finish_s if r.finish_s >= 0 else np.nan, first - r.arrival_s, np.nan,
-            last - r.arrival_s, queue, r.num_preemptions, r.num_preemptions_recompute,
-            r.num_preemptions_swap,
-        )):
+        for c, v in zip(
+            cols.values(),
+            (
+                policy,
+                rate_scale,
+                r.request_id,
+                r.status.value,
+                r.reason,
+                r.arrival_s,
+                r.prompt_len,
+                r.output_len,
+                r.num_output_tokens if finished else np.nan,
+                first,
+                r.finish_s if r.finish_s >= 0 else np.nan,
+                first - r.arrival_s,
+                np.nan,
+                last - r.arrival_s,
+                queue,
+                r.num_preemptions,
+                r.num_preemptions_recompute,
+                r.num_preemptions_swap,
+            ),
+        ):
             c.append(v)
         if progress is not None and (i + 1) % 4096 == 0:
             progress(i + 1)
@@ -98,7 +118,7 @@ def cdf_points(values, max_points: int = CDF_POINTS, overwrite: bool = False) ->
     if not finite.all():
         v, overwrite = v[finite], True
     if len(v) > CDF_SAMPLE:
-        v, overwrite = v[::-(-len(v) // CDF_SAMPLE)].copy(), True
+        v, overwrite = v[:: -(-len(v) // CDF_SAMPLE)].copy(), True
     if len(v) == 0:
         return np.zeros(0)
     return np.quantile(v, np.linspace(0, 1, min(len(v), max_points)), overwrite_input=overwrite)
@@ -132,8 +152,10 @@ def stats(values, overwrite: bool = False) -> dict[str, float]:
     if len(v) == 0:
         return {"mean": float("nan"), **{f"p{p}": float("nan") for p in PERCENTILES}}
     mean = float(v.mean())  # before any percentile reorders v
-    return {"mean": mean, **{f"p{p}": float(np.percentile(v, p, overwrite_input=overwrite))
-                             for p in PERCENTILES}}
+    return {
+        "mean": mean,
+        **{f"p{p}": float(np.percentile(v, p, overwrite_input=overwrite)) for p in PERCENTILES},
+    }
 
 
 def meets_slo(df: pd.DataFrame, slo: dict[str, float | None]) -> np.ndarray:
@@ -146,13 +168,16 @@ def meets_slo(df: pd.DataFrame, slo: dict[str, float | None]) -> np.ndarray:
     return ok
 
 
-def summarize(df: pd.DataFrame, itl: np.ndarray, result: ReplayResult,
-              slo: dict[str, float | None]) -> dict:
+def summarize(
+    df: pd.DataFrame, itl: np.ndarray, result: ReplayResult, slo: dict[str, float | None]
+) -> dict:
     """The aggregates of one policy's run (JSON-ready). ``itl`` (from ``request_table``) is
     reordered in place: its values stay, for ``cdf_points``, not their order."""
     fin = df[df["status"] == "finished"]
     steps = result.steps
-    end = max(float(df["finish_s"].max(skipna=True) or 0.0), float(result.step_end_s.max(initial=0.0)))
+    end = max(
+        float(df["finish_s"].max(skipna=True) or 0.0), float(result.step_end_s.max(initial=0.0))
+    )
     duration = end if end > 0 else float("nan")
     counts = df["status"].value_counts()
     replayed = (df["status"] != "dropped").to_numpy()
@@ -164,7 +189,8 @@ def summarize(df: pd.DataFrame, itl: np.ndarray, result: ReplayResult,
         "duration_s": duration,
         "request_throughput": len(fin) / duration,
         "output_throughput": float(fin["num_generated_tokens"].sum()) / duration,
-        "total_token_throughput": float((fin["prompt_tokens"] + fin["num_generated_tokens"]).sum()) / duration,
+        "total_token_throughput": float((fin["prompt_tokens"] + fin["num_generated_tokens"]).sum())
+        / duration,
         "ttft_s": stats(fin["ttft_s"]),
         "tpot_s": stats(fin["tpot_s"]),
         "itl_s": stats(itl, overwrite=True),
@@ -179,9 +205,12 @@ def summarize(df: pd.DataFrame, itl: np.ndarray, result: ReplayResult,
             "requests_preempted": int((df["num_preemptions"] > 0).sum()),
         },
         # Time-weighted: a 50 ms step counts five times a 10 ms one.
-        "kv_used_fraction": {"mean": float(np.average(kv_frac, weights=steps["duration_s"]))
-                             if len(kv_frac) and steps["duration_s"].sum() > 0 else 0.0,
-                             "max": float(kv_frac.max(initial=0.0))},
+        "kv_used_fraction": {
+            "mean": float(np.average(kv_frac, weights=steps["duration_s"]))
+            if len(kv_frac) and steps["duration_s"].sum() > 0
+            else 0.0,
+            "max": float(kv_frac.max(initial=0.0)),
+        },
         "num_gpu_blocks": result.num_gpu_blocks,
         "num_steps": int(len(steps["time_s"])),
     }

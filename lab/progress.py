@@ -32,8 +32,9 @@ class Phase:
         bars: False: never a bar (``--no-progress``), only the log line.
     """
 
-    def __init__(self, name: str, total: int | None = None, unit: str = "it",
-                 bars: bool = True) -> None:
+    def __init__(
+        self, name: str, total: int | None = None, unit: str = "it", bars: bool = True
+    ) -> None:
         self.name, self.total, self.unit = name, total, unit
         self.show_bar = bars and sys.stderr.isatty()
         self.bar = None
@@ -44,8 +45,14 @@ class Phase:
         if self.show_bar:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.total, desc=self.name, unit=self.unit, leave=True,
-                            mininterval=0.5, file=sys.stderr)
+            self.bar = tqdm(
+                total=self.total,
+                desc=self.name,
+                unit=self.unit,
+                leave=True,
+                mininterval=0.5,
+                file=sys.stderr,
+            )
         return self
 
     def set(self, done: int, note: str = "") -> None:

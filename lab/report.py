@@ -44,9 +44,15 @@ class ResultsNotPlaced(Exception):
     they are."""
 
 
-def write_results(out_dir: Path, cfg: ExperimentConfig, runs: list[Run],
-                  decode: Callable[[list[int]], str] | None = None, *,
-                  partial: str | None = None, fmt: str = "csv") -> Path:
+def write_results(
+    out_dir: Path,
+    cfg: ExperimentConfig,
+    runs: list[Run],
+    decode: Callable[[list[int]], str] | None = None,
+    *,
+    partial: str | None = None,
+    fmt: str = "csv",
+) -> Path:
     """Write every file of the run folder ``out_dir`` atomically; returns ``out_dir``.
 
     The files go into a temporary folder next to ``out_dir``, with a manifest
@@ -94,8 +100,15 @@ def write_results(out_dir: Path, cfg: ExperimentConfig, runs: list[Run],
     return out_dir
 
 
-def _write_files(tmp: Path, cfg: ExperimentConfig, runs: list[Run], decode,
-                 partial: str | None, fmt: str, phase: Phase) -> None:
+def _write_files(
+    tmp: Path,
+    cfg: ExperimentConfig,
+    runs: list[Run],
+    decode,
+    partial: str | None,
+    fmt: str,
+    phase: Phase,
+) -> None:
     (tmp / "config.yaml").write_text(config_yaml(cfg, runs))
     phase.advance()
     requests, steps = pd.concat([r.requests for r in runs]), _steps_frame(runs)
@@ -123,8 +136,9 @@ def _write_files(tmp: Path, cfg: ExperimentConfig, runs: list[Run], decode,
         report = f"{title}\n\n**Partial results**: {partial}.\n{rest}"
     (tmp / "report.md").write_text(report)
     files = sorted(p.name for p in tmp.iterdir())
-    (tmp / MANIFEST).write_text(json.dumps({"written_by": f"sched-lab {__version__}",
-                                            "files": files}, indent=2) + "\n")
+    (tmp / MANIFEST).write_text(
+        json.dumps({"written_by": f"sched-lab {__version__}", "files": files}, indent=2) + "\n"
+    )
 
 
 def _put_in_place(tmp: Path, out_dir: Path) -> None:
@@ -150,8 +164,9 @@ def _put_in_place(tmp: Path, out_dir: Path) -> None:
             os.rename(tmp, kept)
         except OSError:
             kept = tmp
-        raise ResultsNotPlaced(f"--out {out_dir}: cannot put the results in place ({why}); "
-                               f"they are in {kept}") from None
+        raise ResultsNotPlaced(
+            f"--out {out_dir}: cannot put the results in place ({why}); they are in {kept}"
+        ) from None
 
 
 def check_out_dir(out_dir: Path) -> Path:
@@ -190,31 +205,44 @@ def _check_out_dir(out_dir: Path) -> None:
         name_max = 255
     size = len(os.fsencode(out_dir.name))  # longer than name_max: resolve() said so already
     if size + _TEMP_SUFFIX_BYTES > name_max:
-        raise UserError(f"--out {out_dir}: the name is {size} bytes long; at most "
-                        f"{name_max - _TEMP_SUFFIX_BYTES} fit (its temporary name adds "
-                        f"{_TEMP_SUFFIX_BYTES})")
+        raise UserError(
+            f"--out {out_dir}: the name is {size} bytes long; at most "
+            f"{name_max - _TEMP_SUFFIX_BYTES} fit (its temporary name adds "
+            f"{_TEMP_SUFFIX_BYTES})"
+        )
     try:  # what write_results will do there: make a folder
         os.rmdir(tempfile.mkdtemp(prefix=".write-test.", dir=above))
     except OSError as e:
-        raise UserError(f"--out {out_dir}: cannot make a folder in {above} ({e.strerror})") from None
+        raise UserError(
+            f"--out {out_dir}: cannot make a folder in {above} ({e.strerror})"
+        ) from None
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
         raise UserError(f"--out {out_dir}: exists and is not a folder")
     foreign = _foreign_entries(out_dir) if any(out_dir.iterdir()) else []
     if foreign is None:
-        if ((out_dir / "summary.json").is_file() and (out_dir / "report.md").is_file()
-                and not any(p.is_dir() for p in out_dir.iterdir())):  # made before manifests
-            raise UserError(f"--out {out_dir}: a results folder without {MANIFEST} (from "
-                            "before manifests, or made by hand); refusing to replace it: delete "
-                            "it yourself, or choose another --out")
-        raise UserError(f"--out {out_dir}: the folder exists and is not a results folder (no "
-                        f"{MANIFEST}); refusing to replace it")
+        if (
+            (out_dir / "summary.json").is_file()
+            and (out_dir / "report.md").is_file()
+            and not any(p.is_dir() for p in out_dir.iterdir())
+        ):  # made before manifests
+            raise UserError(
+                f"--out {out_dir}: a results folder without {MANIFEST} (from "
+                "before manifests, or made by hand); refusing to replace it: delete "
+                "it yourself, or choose another --out"
+            )
+        raise UserError(
+            f"--out {out_dir}: the folder exists and is not a results folder (no "
+            f"{MANIFEST}); refusing to replace it"
+        )
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-        raise UserError(f"--out {out_dir}: holds {foreign[0]}{more}, not written by sched-lab "
-                        f"(not in {MANIFEST}); refusing to replace it (move it out, or choose "
-                        "another --out)")
+        raise UserError(
+            f"--out {out_dir}: holds {foreign[0]}{more}, not written by sched-lab "
+            f"(not in {MANIFEST}); refusing to replace it (move it out, or choose "
+            "another --out)"
+        )
     _check_replaceable(out_dir)
 
 
@@ -222,18 +250,23 @@ def _check_replaceable(out_dir: Path) -> None:
     """What replacing ``out_dir`` needs: renaming it in its parent and deleting its files."""
     parent = out_dir.parent
     if os.path.ismount(out_dir):
-        raise UserError(f"--out {out_dir}: is a mount point; it cannot be replaced (use a "
-                        "folder inside it)")
+        raise UserError(
+            f"--out {out_dir}: is a mount point; it cannot be replaced (use a folder inside it)"
+        )
     st, parent_st, uid = out_dir.stat(), parent.stat(), os.geteuid()
     if parent_st.st_mode & stat.S_ISVTX and uid not in (0, st.st_uid, parent_st.st_uid):
-        raise UserError(f"--out {out_dir}: {parent} is sticky and the folder is not yours; "
-                        "it cannot be replaced")
+        raise UserError(
+            f"--out {out_dir}: {parent} is sticky and the folder is not yours; "
+            "it cannot be replaced"
+        )
     for folder, why in ((parent, "rename it"), (out_dir, "delete its files")):
         try:
             os.rmdir(tempfile.mkdtemp(prefix=".write-test.", dir=folder))
         except OSError as e:
-            raise UserError(f"--out {out_dir}: the earlier results cannot be replaced: cannot "
-                            f"{why} ({e.strerror})") from None
+            raise UserError(
+                f"--out {out_dir}: the earlier results cannot be replaced: cannot "
+                f"{why} ({e.strerror})"
+            ) from None
 
 
 def is_results_folder(folder: Path) -> bool:
@@ -250,17 +283,24 @@ def _foreign_entries(folder: Path) -> list[str] | None:
         files = set(manifest["files"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return sorted(p.name for p in folder.iterdir() if p.name != MANIFEST and (
-        p.name not in files or p.is_symlink() or not p.is_file()))
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.name != MANIFEST and (p.name not in files or p.is_symlink() or not p.is_file())
+    )
 
 
 def _write_tokens(path: Path, runs: list[Run], decode) -> None:
     with path.open("w") as f:
         for run in runs:
             for r in run.result.requests:
-                row = {"policy": run.policy, "rate_scale": run.rate_scale,
-                       "request_id": r.request_id, "status": r.status.value,
-                       "output_token_ids": r.output_token_ids}
+                row = {
+                    "policy": run.policy,
+                    "rate_scale": run.rate_scale,
+                    "request_id": r.request_id,
+                    "status": r.status.value,
+                    "output_token_ids": r.output_token_ids,
+                }
                 if decode is not None:
                     row["text"] = decode(r.output_token_ids)
                 f.write(json.dumps(row) + "\n")
@@ -332,11 +372,15 @@ def _plots(folder: Path, runs: list[Run]) -> list[tuple[str, str]]:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
-    plots.append(_save(fig, folder, "over_time.png", "Throughput, KV usage and queue length over time"))
+    plots.append(
+        _save(fig, folder, "over_time.png", "Throughput, KV usage and queue length over time")
+    )
 
     if len(scales) > 1:
         fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
-        for ax, (key, title) in zip(axes, (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E"))):
+        for ax, (key, title) in zip(
+            axes, (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E"))
+        ):
             for policy in dict.fromkeys(r.policy for r in runs):
                 rs = sorted((r for r in runs if r.policy == policy), key=lambda r: r.rate_scale)
                 x = [r.summary["request_throughput"] for r in rs]
@@ -348,7 +392,9 @@ def _plots(folder: Path, runs: list[Run]) -> list[tuple[str, str]]:
             ax.set_title(f"{title} vs load")
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=7)
-        plots.append(_save(fig, folder, "latency_vs_load.png", "Latency percentiles vs offered load"))
+        plots.append(
+            _save(fig, folder, "latency_vs_load.png", "Latency percentiles vs offered load")
+        )
     return plots
 
 
@@ -365,7 +411,9 @@ def _over_time(r: Run):
     dur = np.bincount(idx, s["duration_s"], TIME_BINS)
     safe = np.where(dur > 0, dur, 1.0)
     kv = np.bincount(idx, s["kv_used_blocks"] * s["duration_s"], TIME_BINS) / safe
-    queue = np.bincount(idx, (s["num_waiting"] + s["num_swapped"]) * s["duration_s"], TIME_BINS) / safe
+    queue = (
+        np.bincount(idx, (s["num_waiting"] + s["num_swapped"]) * s["duration_s"], TIME_BINS) / safe
+    )
     kv /= max(r.result.num_gpu_blocks, 1)
     return (edges[:-1] + edges[1:]) / 2, tokens, kv, queue
 
@@ -382,9 +430,11 @@ def _save(fig, folder: Path, name: str, caption: str) -> tuple[str, str]:
 # ---------------------------------------------------------------------------- markdown
 def summary_table(runs: list[Run]) -> str:
     """A markdown table of the headline numbers of every run."""
-    head = ("| run | finished | rejected | aborted | req/s | out tok/s | TTFT p50 / p99 (s) "
-            "| TPOT p50 / p99 (ms) | ITL p99 (ms) | E2E p50 / p99 (s) | preempt (rec / swap) "
-            "| KV mean % |")
+    head = (
+        "| run | finished | rejected | aborted | req/s | out tok/s | TTFT p50 / p99 (s) "
+        "| TPOT p50 / p99 (ms) | ITL p99 (ms) | E2E p50 / p99 (s) | preempt (rec / swap) "
+        "| KV mean % |"
+    )
     lines = [head, "|" + "---|" * 12]
     for r in runs:
         s = r.summary
@@ -396,7 +446,8 @@ def summary_table(runs: list[Run]) -> str:
             f"| {s['itl_s']['p99'] * 1e3:.1f} "
             f"| {s['e2e_s']['p50']:.2f} / {s['e2e_s']['p99']:.2f} "
             f"| {s['preemptions']['recompute']} / {s['preemptions']['swap']} "
-            f"| {s['kv_used_fraction']['mean'] * 100:.0f} |")
+            f"| {s['kv_used_fraction']['mean'] * 100:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -409,8 +460,10 @@ def _trace_options(trace: Mapping[str, Any]) -> str:
 def _model_line(cfg: ExperimentConfig) -> str:
     if cfg.backend == "engine":
         e = cfg.engine
-        return (f"real engine: model `{e.model_path}` on `{e.device}` ({e.dtype}, "
-                f"{e.attention_backend} attention), measured step times")
+        return (
+            f"real engine: model `{e.model_path}` on `{e.device}` ({e.dtype}, "
+            f"{e.attention_backend} attention), measured step times"
+        )
     return f"simulated `{cfg.model}` on `{cfg.hardware}` (cost model step times)"
 
 
@@ -440,26 +493,42 @@ def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str
     if dropped:
         reasons = runs[0].requests.loc[runs[0].requests["status"] == "dropped", "reason"]
         why = "; ".join(sorted({x.removeprefix("not replayed: ") for x in reasons}))
-        lines += [f"Trace rows not replayed: {dropped} (status `dropped` in requests.csv): "
-                  f"{why}.", ""]
+        lines += [
+            f"Trace rows not replayed: {dropped} (status `dropped` in requests.csv): {why}.",
+            "",
+        ]
     for r in runs:
         if r.result.failure:
-            lines += [f"**Run {r.label} stopped early**: {r.result.failure}. Its unfinished "
-                      "requests are listed as aborted with this reason.",
-                      ""]
+            lines += [
+                f"**Run {r.label} stopped early**: {r.result.failure}. Its unfinished "
+                "requests are listed as aborted with this reason.",
+                "",
+            ]
     slo = runs[0].summary["slo"]
     if slo:
-        lines += ["SLOs: " + ", ".join(f"{k} <= {v}" for k, v in slo.items()), "",
-                  "| run | goodput (req/s) | SLO attainment |", "|---|---|---|"]
-        lines += [f"| {r.label} | {r.summary['goodput']:.2f} | {r.summary['slo_attainment']:.1%} |"
-                  for r in runs]
+        lines += [
+            "SLOs: " + ", ".join(f"{k} <= {v}" for k, v in slo.items()),
+            "",
+            "| run | goodput (req/s) | SLO attainment |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {r.label} | {r.summary['goodput']:.2f} | {r.summary['slo_attainment']:.1%} |"
+            for r in runs
+        ]
         lines.append("")
     for name, caption in plots:
         lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
-    tokens = ("`tokens.jsonl` (generated token ids, and text), "
-              if any(r.output_token_ids for run in runs for r in run.result.requests) else "")
-    lines += ["Files: `requests.csv` (one row per trace request per run), `steps.csv` "
-              "(one row per engine step), `summary.json` (aggregates per run), "
-              f"{tokens}`timing.json` (wall time of each replay), `config.yaml` (the resolved "
-              "config).", ""]
+    tokens = (
+        "`tokens.jsonl` (generated token ids, and text), "
+        if any(r.output_token_ids for run in runs for r in run.result.requests)
+        else ""
+    )
+    lines += [
+        "Files: `requests.csv` (one row per trace request per run), `steps.csv` "
+        "(one row per engine step), `summary.json` (aggregates per run), "
+        f"{tokens}`timing.json` (wall time of each replay), `config.yaml` (the resolved "
+        "config).",
+        "",
+    ]
     return "\n".join(lines)

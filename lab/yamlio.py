@@ -55,8 +55,10 @@ _NULL = re.compile(r"^(?:~|null|Null|NULL|)$")
 _OCTAL_LOOKING = re.compile(r"^[-+]?0[0-9_]+$")
 _BASE_60 = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
 _INT = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
-_FLOAT = re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
-                    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+_FLOAT = re.compile(
+    r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+)
 
 
 class _Loader(yaml.SafeLoader):
@@ -74,8 +76,9 @@ class _Loader(yaml.SafeLoader):
             self.key_path.append(index.value if isinstance(index, yaml.Node) else f"[{index}]")
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-            raise self.refusal(event.start_mark, "anchors and aliases (&, *) are not accepted; "
-                                                 "write the value out")
+            raise self.refusal(
+                event.start_mark, "anchors and aliases (&, *) are not accepted; write the value out"
+            )
         if len(self.key_path) > MAX_DEPTH:
             raise self.refusal(event.start_mark, f"nested more than {MAX_DEPTH} levels deep")
         node = super().compose_node(parent, index)
@@ -91,12 +94,17 @@ class _Loader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             if not isinstance(key_node, yaml.ScalarNode):
-                raise self.refusal(key_node.start_mark,
-                                   "a mapping key must be a plain value, not a list or mapping")
+                raise self.refusal(
+                    key_node.start_mark,
+                    "a mapping key must be a plain value, not a list or mapping",
+                )
             if key_node.value in seen:
                 self.key_path.append(key_node.value)
-                raise self.refusal(key_node.start_mark, f"key {short_repr(key_node.value)} "
-                                   "appears twice in one mapping (the first value would be lost)")
+                raise self.refusal(
+                    key_node.start_mark,
+                    f"key {short_repr(key_node.value)} "
+                    "appears twice in one mapping (the first value would be lost)",
+                )
             seen.add(key_node.value)
 
     def refusal(self, mark, message: str) -> yaml.MarkedYAMLError:
@@ -104,15 +112,20 @@ class _Loader(yaml.SafeLoader):
         if len(where) > MAX_SHOWN_CHARS:
             where = where[: MAX_SHOWN_CHARS - 3] + "..."
         return yaml.constructor.ConstructorError(
-            None, None, f"{where}: {message}" if where else message, mark)
+            None, None, f"{where}: {message}" if where else message, mark
+        )
 
 
 def _ambiguity(value: str) -> str:
     if ":" in value:
-        return (f"{short_repr(value)} is a base-60 number in YAML 1.1 and a string in "
-                "YAML 1.2; write the number in one unit, or quote the string")
-    return (f"{short_repr(value)} is an octal number in YAML 1.1 and a decimal one in "
-            "YAML 1.2; write it without the leading zero, or quote it")
+        return (
+            f"{short_repr(value)} is a base-60 number in YAML 1.1 and a string in "
+            "YAML 1.2; write the number in one unit, or quote the string"
+        )
+    return (
+        f"{short_repr(value)} is an octal number in YAML 1.1 and a decimal one in "
+        "YAML 1.2; write it without the leading zero, or quote it"
+    )
 
 
 def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
@@ -151,8 +164,9 @@ def parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
-def load_yaml_file(path: str | Path, what: str = "an experiment YAML",
-                   error: type[UserError] = ConfigError) -> Any:
+def load_yaml_file(
+    path: str | Path, what: str = "an experiment YAML", error: type[UserError] = ConfigError
+) -> Any:
     """Read and parse a YAML file; every failure is one ``error`` naming ``path``.
 
     Args:

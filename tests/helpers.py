@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from lab.core.kv import BlockManager
 from lab.core.plan import SchedulerOutput, StepResult
-from lab.sim.replay import ReplayResult, replay
 from lab.core.request import Request
 from lab.core.scheduler import SchedulerLimits
+from lab.sim.replay import ReplayResult, replay
 from policies import get_policy
 
 STEP_S = 0.01  # every step of the toy cost model takes 10 ms
@@ -23,9 +23,19 @@ class FixedCost:
         return StepResult(self.step_s)
 
 
-def run(policy: str, requests: list[tuple], *, gpu_blocks=8, cpu_blocks=8, block_size=16,
-        max_model_len=1_000_000, budget=None, max_num_seqs=256, watermark=0.0,
-        step_s=STEP_S) -> ReplayResult:
+def run(
+    policy: str,
+    requests: list[tuple],
+    *,
+    gpu_blocks=8,
+    cpu_blocks=8,
+    block_size=16,
+    max_model_len=1_000_000,
+    budget=None,
+    max_num_seqs=256,
+    watermark=0.0,
+    step_s=STEP_S,
+) -> ReplayResult:
     """Replay (request_id, arrival_s, prompt, output) tuples with invariants checked."""
     cls = get_policy(policy)
     if budget is None:

@@ -48,8 +48,10 @@ BLOCK_SIZE = 4
 # Padding rows of both graph families compute on whatever memory held (backend/cuda_graphs.py);
 # under the interpreter numpy may warn about overflows and NaNs there. Real rows are checked
 # against eager.
-pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+]
 NUM_BLOCKS = 64
 
 
@@ -76,8 +78,14 @@ def test_graph_sizes_cut_at_max_num_seqs():
 
 def test_mixed_splits_bound_the_decode_grid():
     # The largest power of two with rows * kv heads * splits <= 4096, at most 16.
-    assert [mixed_splits(rows, 8, 16) for rows in (1, 32, 64, 256, 512, 600)] == [16, 16, 8, 2,
-                                                                                  1, 1]
+    assert [mixed_splits(rows, 8, 16) for rows in (1, 32, 64, 256, 512, 600)] == [
+        16,
+        16,
+        8,
+        2,
+        1,
+        1,
+    ]
     assert mixed_splits(1, 8, 4) == 4
 
 
@@ -159,8 +167,9 @@ def test_stage_pads_to_the_size(qwen3_dir):
     # 16 at most: 4 x 16 + 1 items. Each context fits one 64-position tile: one item a
     # sequence; the padding row none.
     assert meta.decode_work.shape == (65, 3)
-    triton_kernels.decode_work_device(meta.seq_lens, meta.decode_seq_idx, meta.decode_work,
-                                      meta.decode_work_loc)
+    triton_kernels.decode_work_device(
+        meta.seq_lens, meta.decode_seq_idx, meta.decode_work, meta.decode_work_loc
+    )
     assert meta.decode_work[:4].tolist() == [[0, 0, 1], [1, 0, 10], [2, 0, 5], [-1, 0, 0]]
     assert (meta.decode_work[3:] == -1).sum() == 62 and meta.decode_work[3:, 1:].eq(0).all()
     assert meta.decode_work_loc.tolist() == [0, 1, 2, 3, 3]
@@ -195,8 +204,9 @@ def test_stage_mixed_pads_to_the_token_size(qwen3_dir):
     assert meta.prefill_tiles.tolist() == [[0, 0], [2, 0]] + [[-1, -1]] * 7  # 1 + min(8, 16 // 2)
     # 8 decode rows x 2 kv heads x 16 splits (the cap) + 8 // 4: 130 items; one is used.
     assert meta.decode_work.shape == (130, 3)
-    triton_kernels.decode_work_device(meta.seq_lens, meta.decode_seq_idx, meta.decode_work,
-                                      meta.decode_work_loc)
+    triton_kernels.decode_work_device(
+        meta.seq_lens, meta.decode_seq_idx, meta.decode_work, meta.decode_work_loc
+    )
     assert meta.decode_work[:2].tolist() == [[1, 0, 5], [-1, 0, 0]]
     assert meta.decode_work_loc.tolist() == [0, 1, 1, 1, 1, 1, 1, 1, 1]
 
@@ -447,11 +457,25 @@ def test_captured_graphs_with_default_sizes_on_gpu(qwen3_dir):
     # All default sizes up to 64 captured; a 33-seq decode batch pads to 48 and matches eager.
     runner = make_runner(qwen3_dir, cuda_graphs=True, max_num_seqs=64)
     assert runner.graphs is not None
-    assert sorted(k[1] for k in runner.graphs.graphs if k[0] == "decode") == [1, 2, 4, 8, 16,
-                                                                              32, 48, 64]
+    assert sorted(k[1] for k in runner.graphs.graphs if k[0] == "decode") == [
+        1,
+        2,
+        4,
+        8,
+        16,
+        32,
+        48,
+        64,
+    ]
     # Mixed graphs: up to 32 decode rows (16 splits) and up to 64 (fewer), from 64 tokens.
     assert {k[1:] for k in runner.graphs.graphs if k[0] == "mixed" and k[1] <= 96} == {
-        (16, 16), (32, 32), (64, 32), (64, 64), (96, 32), (96, 64)}
+        (16, 16),
+        (32, 32),
+        (64, 32),
+        (64, 64),
+        (96, 32),
+        (96, 64),
+    }
     eager = make_runner(qwen3_dir, cuda_graphs=False, max_num_seqs=64)
     seqs = [SeqInput([i % 200], i % 4, [i], True) for i in range(33)]  # block i, position < 4
     prefill = [SeqInput(list(range(s.start_pos)) or [0], 0, s.block_table, False) for s in seqs]

@@ -72,9 +72,14 @@ def test_bad_input_is_one_line_error(case, tmp_path, capsys, monkeypatch):
         args += ["--out", str(tmp_path / "out")]
         before = []
     if s.get("subprocess"):
-        proc = subprocess.run([sys.executable, str(ROOT / "run_experiment.py"), path, *args],
-                              capture_output=True, text=True, cwd=tmp_path, timeout=120,
-                              preexec_fn=_limit_address_space)
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "run_experiment.py"), path, *args],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=120,
+            preexec_fn=_limit_address_space,
+        )
         rc, stderr = proc.returncode, proc.stderr
     else:
         try:
@@ -90,8 +95,9 @@ def test_bad_input_is_one_line_error(case, tmp_path, capsys, monkeypatch):
 
 def test_manifest_covers_the_corpus():
     files = {p.name for p in CORPUS.glob("*.yaml")} - {"cases.yaml"}
-    assert files == set(CASES), f"not in cases.yaml: {files - set(CASES)}; " \
-                                f"missing files: {set(CASES) - files}"
+    assert files == set(CASES), (
+        f"not in cases.yaml: {files - set(CASES)}; missing files: {set(CASES) - files}"
+    )
     # Every trace file of the corpus is used by some case.
     texts = "".join((CORPUS / c).read_text(errors="replace") for c in CASES)  # not_utf8.yaml
     unused = [p.name for p in (CORPUS / "traces").iterdir() if p.name not in texts]

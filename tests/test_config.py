@@ -20,10 +20,14 @@ from lab.core.errors import ConfigError
 from lab.experiment import resolve_limits
 from lab.yamlio import parse_yaml, short_repr
 
-SYNTHETIC = ("{format: synthetic, num_requests: 4, arrival: {process: poisson, rate: 2}, "
-             "prompt_len: 8, output_len: 3}")
-AZURE_ROWS = ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:00,5,2\n"
-              "2023-11-16 18:17:01,5,3\n2023-11-16 18:17:02,6,2\n")
+SYNTHETIC = (
+    "{format: synthetic, num_requests: 4, arrival: {process: poisson, rate: 2}, "
+    "prompt_len: 8, output_len: 3}"
+)
+AZURE_ROWS = (
+    "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:00,5,2\n"
+    "2023-11-16 18:17:01,5,3\n2023-11-16 18:17:02,6,2\n"
+)
 
 
 def write(folder, text: str, name: str = "exp.yaml"):
@@ -33,23 +37,45 @@ def write(folder, text: str, name: str = "exp.yaml"):
 
 
 # ---------------------------------------------------------------------------- YAML
-@pytest.mark.parametrize("text, value", [
-    ("1e9", 1e9), ("1.0e9", 1e9), ("5e-1", 0.5), (".5", 0.5), ("-7", -7), ("0", 0),
-    ("0x1f", 31), ("0o17", 15), (".inf", float("inf")), ("true", True), ("False", False),
-    ("yes", "yes"), ("no", "no"), ("on", "on"), ("~", None), ("null", None),
-    ("2024-01-01", "2024-01-01"), ("1_000", "1_000"), ("'0100'", "0100"), ('"1:30"', "1:30"),
-])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("1e9", 1e9),
+        ("1.0e9", 1e9),
+        ("5e-1", 0.5),
+        (".5", 0.5),
+        ("-7", -7),
+        ("0", 0),
+        ("0x1f", 31),
+        ("0o17", 15),
+        (".inf", float("inf")),
+        ("true", True),
+        ("False", False),
+        ("yes", "yes"),
+        ("no", "no"),
+        ("on", "on"),
+        ("~", None),
+        ("null", None),
+        ("2024-01-01", "2024-01-01"),
+        ("1_000", "1_000"),
+        ("'0100'", "0100"),
+        ('"1:30"', "1:30"),
+    ],
+)
 def test_scalars_read_as_yaml_1_2(text, value):
     assert parse_yaml(f"a: {text}") == {"a": value}
     assert type(parse_yaml(f"a: {text}")["a"]) is type(value)
 
 
-@pytest.mark.parametrize("text, line, message", [
-    ("a: 1\nb: {c: 0100}\n", 2, "b.c: '0100' is an octal number in YAML 1.1"),
-    ("a: [1, 1:30]\n", 1, "a[1]: '1:30' is a base-60 number in YAML 1.1"),
-    ("a: &x 1\nb: *x\n", 1, "a: anchors and aliases (&, *) are not accepted"),
-    ("a: 1\nb:\n  c: 1\n  c: 2\n", 4, "b.c: key 'c' appears twice in one mapping"),
-])
+@pytest.mark.parametrize(
+    "text, line, message",
+    [
+        ("a: 1\nb: {c: 0100}\n", 2, "b.c: '0100' is an octal number in YAML 1.1"),
+        ("a: [1, 1:30]\n", 1, "a[1]: '1:30' is a base-60 number in YAML 1.1"),
+        ("a: &x 1\nb: *x\n", 1, "a: anchors and aliases (&, *) are not accepted"),
+        ("a: 1\nb:\n  c: 1\n  c: 2\n", 4, "b.c: key 'c' appears twice in one mapping"),
+    ],
+)
 def test_yaml_1_1_surprises_are_refused(text, line, message):
     with pytest.raises(yaml.YAMLError) as e:
         parse_yaml(text)
@@ -57,14 +83,22 @@ def test_yaml_1_1_surprises_are_refused(text, line, message):
 
 
 def test_alias_bomb_is_refused_at_once(tmp_path):
-    bomb = "seed:\n  - &a [" + ",".join(["lol"] * 10) + "]\n" + "".join(
-        f"  - &{n} [" + ",".join([f"*{p}"] * 10) + "]\n" for p, n in zip("abcdefgh", "bcdefghi"))
+    bomb = (
+        "seed:\n  - &a ["
+        + ",".join(["lol"] * 10)
+        + "]\n"
+        + "".join(
+            f"  - &{n} [" + ",".join([f"*{p}"] * 10) + "]\n" for p, n in zip("abcdefgh", "bcdefghi")
+        )
+    )
     t0 = time.perf_counter()
     with pytest.raises(ConfigError) as e:
         load_config(write(tmp_path, f"trace: {SYNTHETIC}\n" + bomb))
     assert time.perf_counter() - t0 < 1.0
-    assert str(e.value) == (f"{tmp_path / 'exp.yaml'}: line 3 is not valid YAML (seed[0]: "
-                            "anchors and aliases (&, *) are not accepted; write the value out)")
+    assert str(e.value) == (
+        f"{tmp_path / 'exp.yaml'}: line 3 is not valid YAML (seed[0]: "
+        "anchors and aliases (&, *) are not accepted; write the value out)"
+    )
 
 
 def test_values_in_messages_are_cut():
@@ -87,21 +121,43 @@ def test_defaults_come_from_the_dataclasses(tmp_path):
     assert cfg.scheduler.max_num_seqs == 256 and cfg.scheduler.max_num_batched_tokens is None
     assert [p.label for p in cfg.policies] == ["fcfs", "swap", "chunked_prefill"]
     assert (cfg.engine.cuda_graphs, cfg.engine.mixed_graphs, cfg.engine.kn_weights) == (
-        None, True, False)
+        None,
+        True,
+        False,
+    )
     assert cfg.rate_scales == (1.0,) and cfg.profile_num_batched_tokens == 2048
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.seed = 1
 
 
 def test_to_dict_is_the_config_yaml_layout_and_round_trips(tmp_path):
-    cfg = load_config(write(tmp_path, f"trace: {SYNTHETIC[:-1]}, rate_scale: [1, 2]}}\n"
-                                      "policies: [{name: chunked_prefill, label: c512, "
-                                      "max_num_batched_tokens: 512}]\nslo: {ttft_s: 2}\n"))
+    cfg = load_config(
+        write(
+            tmp_path,
+            f"trace: {SYNTHETIC[:-1]}, rate_scale: [1, 2]}}\n"
+            "policies: [{name: chunked_prefill, label: c512, "
+            "max_num_batched_tokens: 512}]\nslo: {ttft_s: 2}\n",
+        )
+    )
     d = cfg.to_dict()
-    assert list(d) == ["name", "backend", "seed", "trace", "model", "hardware", "cost_model",
-                       "kv_cache", "scheduler", "policies", "slo", "engine", "check_invariants"]
-    assert d["policies"] == [{"label": "c512", "name": "chunked_prefill",
-                              "max_num_batched_tokens": 512}]
+    assert list(d) == [
+        "name",
+        "backend",
+        "seed",
+        "trace",
+        "model",
+        "hardware",
+        "cost_model",
+        "kv_cache",
+        "scheduler",
+        "policies",
+        "slo",
+        "engine",
+        "check_invariants",
+    ]
+    assert d["policies"] == [
+        {"label": "c512", "name": "chunked_prefill", "max_num_batched_tokens": 512}
+    ]
     assert d["slo"] == {"ttft_s": 2, "tpot_s": None, "e2e_s": None}
     assert list(d["engine"])[-4:] == ["cuda_graphs", "mixed_graphs", "kn_weights", "num_threads"]
     assert cfg.run_label(cfg.policies[0], 2.0) == "c512@x2"
@@ -118,20 +174,27 @@ def test_with_trace_validates():
 def test_profile_tokens_resolved_once():
     sim = validate({"trace": yaml.safe_load(SYNTHETIC)})
     engine = dataclasses.replace(sim, backend="engine")
-    fixed = validate({"trace": yaml.safe_load(SYNTHETIC),
-                      "scheduler": {"max_num_batched_tokens": 4096}})
-    assert (sim.profile_num_batched_tokens, engine.profile_num_batched_tokens,
-            fixed.profile_num_batched_tokens) == (2048, 8192, 4096)
+    fixed = validate(
+        {"trace": yaml.safe_load(SYNTHETIC), "scheduler": {"max_num_batched_tokens": 4096}}
+    )
+    assert (
+        sim.profile_num_batched_tokens,
+        engine.profile_num_batched_tokens,
+        fixed.profile_num_batched_tokens,
+    ) == (2048, 8192, 4096)
 
 
-@pytest.mark.parametrize("policy, chunked, capacity, expected", [
-    # vLLM's rules: max_model_len = the context clamped to the KV capacity; the budget is
-    # 2048 with chunked prefill, else max(max_model_len, 2048).
-    ({"name": "chunked_prefill"}, True, 100_000, (256, 2048, 100_000)),
-    ({"name": "fcfs"}, False, 1000, (256, 2048, 1000)),
-    ({"name": "fcfs"}, False, 10**6, (256, 131072, 131072)),
-    ({"name": "fcfs", "max_model_len": 4096, "max_num_seqs": 4}, False, 10**6, (4, 4096, 4096)),
-])
+@pytest.mark.parametrize(
+    "policy, chunked, capacity, expected",
+    [
+        # vLLM's rules: max_model_len = the context clamped to the KV capacity; the budget is
+        # 2048 with chunked prefill, else max(max_model_len, 2048).
+        ({"name": "chunked_prefill"}, True, 100_000, (256, 2048, 100_000)),
+        ({"name": "fcfs"}, False, 1000, (256, 2048, 1000)),
+        ({"name": "fcfs"}, False, 10**6, (256, 131072, 131072)),
+        ({"name": "fcfs", "max_model_len": 4096, "max_num_seqs": 4}, False, 10**6, (4, 4096, 4096)),
+    ],
+)
 def test_resolve_limits_keeps_vllm_defaults(policy, chunked, capacity, expected):
     cfg = validate({"trace": yaml.safe_load(SYNTHETIC), "policies": [policy]})
     limits = resolve_limits(cfg, cfg.policies[0], capacity, 131072, chunked)
@@ -140,8 +203,11 @@ def test_resolve_limits_keeps_vllm_defaults(policy, chunked, capacity, expected)
 
 # ---------------------------------------------------------------------------- paths
 def test_yaml_next_to_its_own_trace_runs_from_anywhere(tmp_path, monkeypatch):
-    write(tmp_path / "x", "trace: {format: azure2023, path: mytrace.csv}\n"
-          "policies: [fcfs]\nkv_cache: {num_gpu_blocks: 64}\n")
+    write(
+        tmp_path / "x",
+        "trace: {format: azure2023, path: mytrace.csv}\n"
+        "policies: [fcfs]\nkv_cache: {num_gpu_blocks: 64}\n",
+    )
     (tmp_path / "x" / "mytrace.csv").write_text(AZURE_ROWS)
     monkeypatch.chdir(tmp_path)  # not the YAML's folder, not the checkout
     assert load_config("x/exp.yaml").trace.path == tmp_path / "x" / "mytrace.csv"
@@ -149,7 +215,9 @@ def test_yaml_next_to_its_own_trace_runs_from_anywhere(tmp_path, monkeypatch):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["fcfs"]["trace"] == {
         "path": str(tmp_path / "x" / "mytrace.csv"),
-        "sha256": hashlib.sha256(AZURE_ROWS.encode()).hexdigest(), "rows": 3}
+        "sha256": hashlib.sha256(AZURE_ROWS.encode()).hexdigest(),
+        "rows": 3,
+    }
     written = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())
     assert written["trace_file"] == summary["fcfs"]["trace"]
     assert written["engine"]["kn_weights"] is False
@@ -159,8 +227,9 @@ def test_bundled_trace_and_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "t.csv").write_text(AZURE_ROWS)
-    bundled = load_config(write(tmp_path, "trace: {format: azure2023, path: "
-                                          "traces/data/azure2023_conv.csv}\n"))
+    bundled = load_config(
+        write(tmp_path, "trace: {format: azure2023, path: traces/data/azure2023_conv.csv}\n")
+    )
     assert bundled.trace.path == paths.DATA_ROOT / "traces/data/azure2023_conv.csv"
     home = load_config(write(tmp_path, "trace: {format: azure2023, path: ~/t.csv}\n"))
     assert home.trace.path == tmp_path / "home" / "t.csv"
@@ -171,7 +240,8 @@ def test_missing_path_names_the_key_and_the_value_as_written(tmp_path):
         load_config(write(tmp_path, "trace: {format: azure2023, path: nowhere.csv}\n"))
     assert str(e.value) == (
         f"{tmp_path / 'exp.yaml'}: trace.path: 'nowhere.csv': no such file (looked for "
-        f"{tmp_path / 'nowhere.csv'} or {paths.DATA_ROOT / 'nowhere.csv'})")
+        f"{tmp_path / 'nowhere.csv'} or {paths.DATA_ROOT / 'nowhere.csv'})"
+    )
     with pytest.raises(ConfigError, match=r"cost_model.profile: 'p.csv': no such file"):
         load_config(write(tmp_path, f"trace: {SYNTHETIC}\ncost_model: {{profile: p.csv}}\n"))
 
@@ -181,11 +251,19 @@ def test_a_later_policy_fails_before_the_first_replay(tmp_path, monkeypatch):
     import lab.experiment
 
     monkeypatch.setattr(lab.experiment, "replay", None)  # a replay would raise TypeError
-    cfg = load_config(write(tmp_path, f"trace: {SYNTHETIC}\nkv_cache: {{num_gpu_blocks: 64}}\n"
-                                      "policies: [fcfs, {name: chunked_prefill, label: tiny, "
-                                      "max_num_batched_tokens: 16}]\n"))
-    with pytest.raises(ConfigError, match=r"policies\[tiny\]: max_num_batched_tokens 16 must "
-                                          r"be >= max_num_seqs 256"):
+    cfg = load_config(
+        write(
+            tmp_path,
+            f"trace: {SYNTHETIC}\nkv_cache: {{num_gpu_blocks: 64}}\n"
+            "policies: [fcfs, {name: chunked_prefill, label: tiny, "
+            "max_num_batched_tokens: 16}]\n",
+        )
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"policies\[tiny\]: max_num_batched_tokens 16 must "
+        r"be >= max_num_seqs 256",
+    ):
         lab.experiment.run_experiment(cfg, progress=False)
 
 
@@ -195,8 +273,13 @@ def test_the_trace_is_read_once_for_a_sweep(tmp_path, monkeypatch):
     calls = []
     real = traces.load_table
     monkeypatch.setattr(traces, "load_table", lambda *a: calls.append(a) or real(*a))
-    cfg = load_config(write(tmp_path, f"trace: {SYNTHETIC[:-1]}, rate_scale: [1, 2, 3]}}\n"
-                                      "policies: [fcfs, swap]\nkv_cache: {num_gpu_blocks: 64}\n"))
+    cfg = load_config(
+        write(
+            tmp_path,
+            f"trace: {SYNTHETIC[:-1]}, rate_scale: [1, 2, 3]}}\n"
+            "policies: [fcfs, swap]\nkv_cache: {num_gpu_blocks: 64}\n",
+        )
+    )
     from lab.experiment import run_experiment as run
 
     runs = run(cfg, progress=False)
@@ -224,8 +307,11 @@ def test_a_trace_file_changed_while_read_is_refused(tmp_path, monkeypatch):
 
 
 def test_replaying_a_config_yaml_checks_its_trace_file(tmp_path, capsys):
-    exp = write(tmp_path, "trace: {format: azure2023, path: t.csv}\npolicies: [fcfs]\n"
-                          "kv_cache: {num_gpu_blocks: 64}\n")
+    exp = write(
+        tmp_path,
+        "trace: {format: azure2023, path: t.csv}\npolicies: [fcfs]\n"
+        "kv_cache: {num_gpu_blocks: 64}\n",
+    )
     (tmp_path / "t.csv").write_text(AZURE_ROWS)
     assert run_experiment.main([str(exp), "--out", str(tmp_path / "a"), "--no-progress"]) == 0
     again = str(tmp_path / "a" / "config.yaml")
@@ -240,14 +326,16 @@ def test_replaying_a_config_yaml_checks_its_trace_file(tmp_path, capsys):
 
 def test_engine_without_torch_is_one_line(tmp_path, monkeypatch, capsys):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "torch" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a)
+    )
     (tmp_path / "model").mkdir()
     exp = write(tmp_path, f"backend: engine\ntrace: {SYNTHETIC}\nengine: {{model_path: model}}\n")
     assert run_experiment.main([str(exp), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
     assert capsys.readouterr().err.strip() == (
-        f'error: {exp}: backend: engine needs torch, which is not installed: '
-        f'pip install -e ".[engine]"')
+        f"error: {exp}: backend: engine needs torch, which is not installed: "
+        f'pip install -e ".[engine]"'
+    )
 
 
 def test_engine_keys_reach_the_model_runner(tmp_path, monkeypatch):
@@ -265,9 +353,14 @@ def test_engine_keys_reach_the_model_runner(tmp_path, monkeypatch):
 
     monkeypatch.setattr(lab.engine_setup, "ModelRunner", fake_runner)
     (tmp_path / "model").mkdir()
-    cfg = load_config(write(tmp_path, f"backend: engine\ntrace: {SYNTHETIC}\n"
-                                      "engine: {model_path: model, cuda_graphs: false, "
-                                      "mixed_graphs: false, kn_weights: true}\n"))
+    cfg = load_config(
+        write(
+            tmp_path,
+            f"backend: engine\ntrace: {SYNTHETIC}\n"
+            "engine: {model_path: model, cuda_graphs: false, "
+            "mixed_graphs: false, kn_weights: true}\n",
+        )
+    )
     with pytest.raises(Stop):
         lab.engine_setup.engine_parts(cfg)
     assert seen["model_dir"] == tmp_path / "model"

@@ -14,8 +14,9 @@ from policies.fcfs import FCFS
 
 
 def make(policy: str = "fcfs", gpu_blocks: int = 8, block_size: int = 4, **limits) -> Scheduler:
-    lim = SchedulerLimits(limits.get("max_num_seqs", 8), limits.get("budget", 64),
-                          limits.get("max_model_len", 64))
+    lim = SchedulerLimits(
+        limits.get("max_num_seqs", 8), limits.get("budget", 64), limits.get("max_model_len", 64)
+    )
     return get_policy(policy)(lim, BlockManager(gpu_blocks, 4, block_size, 0.0))
 
 
@@ -135,8 +136,10 @@ def test_abort_unfinished_frees_everything():
     s.update(s.schedule(), StepResult(0.01), 0.01)
     ended = s.abort_unfinished("stopped", 0.5)
     assert sorted(r.request_id for r in ended) == ["0", "1", "2"]
-    assert all(r.status is RequestStatus.ABORTED and r.reason == "stopped" and r.finish_s == 0.5
-               for r in reqs)
+    assert all(
+        r.status is RequestStatus.ABORTED and r.reason == "stopped" and r.finish_s == 0.5
+        for r in reqs
+    )
     assert s.block_manager.num_free_gpu_blocks == 4 and not s.has_unfinished()
     s.block_manager.check_integrity([])
 

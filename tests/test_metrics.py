@@ -48,8 +48,14 @@ def test_request_table_and_summary_on_a_replay():
 
 
 def test_slo_counts_rejected_as_miss():
-    df = pd.DataFrame({"status": ["finished", "rejected"], "ttft_s": [0.1, np.nan],
-                       "tpot_s": [np.nan, np.nan], "e2e_s": [0.1, np.nan]})
+    df = pd.DataFrame(
+        {
+            "status": ["finished", "rejected"],
+            "ttft_s": [0.1, np.nan],
+            "tpot_s": [np.nan, np.nan],
+            "e2e_s": [0.1, np.nan],
+        }
+    )
     assert metrics.meets_slo(df, {"ttft_s": 1.0, "tpot_s": 0.01}).tolist() == [True, False]
 
 
@@ -61,8 +67,10 @@ def test_stats_percentiles_linear_interpolation():
 def test_stats_is_bitwise_the_same_with_overwrite_and_any_layout():
     rng = np.random.default_rng(0)
     values = rng.lognormal(0, 2, 100_003)  # pairwise summation: the order and layout matter
-    want = {"mean": float(values.mean()),
-            **{f"p{p}": float(np.percentile(values, p)) for p in metrics.PERCENTILES}}
+    want = {
+        "mean": float(values.mean()),
+        **{f"p{p}": float(np.percentile(values, p)) for p in metrics.PERCENTILES},
+    }
     strided = np.repeat(values, 2)[::2]  # the same values, not contiguous
     assert metrics.stats(strided) == want and metrics.stats(values) == want
     copy = values.copy()

@@ -39,9 +39,9 @@ from hypothesis import strategies as st
 import run_experiment
 from lab.core.kv import BlockManager, blocks_for
 from lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
-from lab.sim.replay import ReplayResult, replay
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import Scheduler, SchedulerLimits
+from lab.sim.replay import ReplayResult, replay
 from policies import get_policy, policy_names
 
 # Every step of the toy cost model takes 1/4 s and arrival gaps are multiples of 1/8 s: all
@@ -107,14 +107,23 @@ def scenarios(draw, chunked: bool) -> Scenario:
     # 1-token outputs, short ones, and long ones that grow into a full cache.
     long_output = st.integers(bs, cap + bs)
     output = st.one_of(st.just(1), st.integers(1, 3 * bs), long_output, long_output)
-    rows = draw(st.lists(st.tuples(st.sampled_from(GAPS_S), prompt, output),
-                         min_size=1, max_size=MAX_REQUESTS))
+    rows = draw(
+        st.lists(
+            st.tuples(st.sampled_from(GAPS_S), prompt, output), min_size=1, max_size=MAX_REQUESTS
+        )
+    )
     t, reqs = 0.0, []
     for gap, p, o in rows:
         t += gap
         reqs.append((t, p, o))
-    return Scenario(bs, gpu, draw(st.integers(0, 16)),
-                    draw(st.sampled_from([0.0, 0.01, 0.1, 0.25, 0.5])), limits, tuple(reqs))
+    return Scenario(
+        bs,
+        gpu,
+        draw(st.integers(0, 16)),
+        draw(st.sampled_from([0.0, 0.01, 0.1, 0.25, 0.5])),
+        limits,
+        tuple(reqs),
+    )
 
 
 def scenarios_for(policy: str):
@@ -203,8 +212,10 @@ def check_requests(sc: Scenario, res: ReplayResult) -> None:
     arrivals = {r.request_id: r.arrival_s for r in res.requests}
     for r in res.requests:
         want = expected_status(sc, r.prompt_len, r.output_len)
-        assert r.status is want, f"{r.request_id} (p={r.prompt_len}, o={r.output_len}): " \
-                                 f"{r.status.value}, expected {want.value} ({r.reason})"
+        assert r.status is want, (
+            f"{r.request_id} (p={r.prompt_len}, o={r.output_len}): "
+            f"{r.status.value}, expected {want.value} ({r.reason})"
+        )
         assert r.block_table == []
         times = res.token_times(r)
         if r.status is RequestStatus.FINISHED:
@@ -216,8 +227,11 @@ def check_requests(sc: Scenario, res: ReplayResult) -> None:
             assert times[-1] == r.finish_s
         elif r.status is RequestStatus.REJECTED:
             assert r.reason, f"{r.request_id}: rejected without a reason"
-            key = "exceeds max_model_len" if r.prompt_len + r.output_len > \
-                sc.limits.max_model_len else "KV blocks"
+            key = (
+                "exceeds max_model_len"
+                if r.prompt_len + r.output_len > sc.limits.max_model_len
+                else "KV blocks"
+            )
             assert key in r.reason, r.reason
             assert len(times) == 0 and r.first_scheduled_s == -1.0 and r.num_preemptions == 0
             assert r.finish_s == r.arrival_s  # rejected on arrival
@@ -226,12 +240,14 @@ def check_requests(sc: Scenario, res: ReplayResult) -> None:
             assert len(times) < r.output_len
 
 
-def check_steps(sc: Scenario, res: ReplayResult, scheduler: Scheduler,
-                ex: RecordingExecutor) -> None:
+def check_steps(
+    sc: Scenario, res: ReplayResult, scheduler: Scheduler, ex: RecordingExecutor
+) -> None:
     s, lim = res.steps, sc.limits
     # The per-step record (steps.csv) says what the plans said.
-    assert [rec.tokens for rec in ex.steps] == \
-        (s["num_prefill_tokens"] + s["num_decode_tokens"]).tolist()
+    assert [rec.tokens for rec in ex.steps] == (
+        s["num_prefill_tokens"] + s["num_decode_tokens"]
+    ).tolist()
     assert np.all(s["kv_used_blocks"] <= sc.gpu_blocks)
     assert np.all(s["cpu_used_blocks"] <= sc.cpu_blocks)
     assert np.all(s["num_prefill_tokens"] + s["num_decode_tokens"] <= lim.max_num_batched_tokens)
@@ -243,7 +259,9 @@ def check_steps(sc: Scenario, res: ReplayResult, scheduler: Scheduler,
     end = res.step_end_s
     assert np.all(s["time_s"][1:] >= end[:-1])
     arrivals = {r.arrival_s for r in res.requests}
-    idle_starts = s["time_s"][:1].tolist() + [t for t, e in zip(s["time_s"][1:], end[:-1], strict=True) if t > e]
+    idle_starts = s["time_s"][:1].tolist() + [
+        t for t, e in zip(s["time_s"][1:], end[:-1], strict=True) if t > e
+    ]
     assert all(t in arrivals for t in idle_starts), "engine idled while work was pending"
     # Nothing left anywhere: every block back in its pool, every queue empty.
     bm = scheduler.block_manager
@@ -290,10 +308,13 @@ def check_termination(res: ReplayResult, scheduler: Scheduler, ex: RecordingExec
     assert sum(rec.sampled for rec in ex.steps) == received
     assert received <= sum(r.output_len for r in res.requests)
     silent_tokens = sum(rec.prefill_tokens_no_sample for rec in ex.steps)
-    assert silent_tokens <= sum((r.prompt_len + r.output_len - 1) * (1 + r.num_preemptions_recompute)
-                                for r in res.requests)
-    bound = sum(r.output_len + (r.prompt_len + r.output_len) * (1 + r.num_preemptions_recompute)
-                for r in res.requests)
+    assert silent_tokens <= sum(
+        (r.prompt_len + r.output_len - 1) * (1 + r.num_preemptions_recompute) for r in res.requests
+    )
+    bound = sum(
+        r.output_len + (r.prompt_len + r.output_len) * (1 + r.num_preemptions_recompute)
+        for r in res.requests
+    )
     assert n <= bound, f"{n} steps > bound {bound}"
     if not scheduler.chunked_prefill:
         assert silent_tokens == 0 and n <= received
@@ -332,16 +353,34 @@ BOUNDARY_CASES = {
     # at admission (finishes); prompt 16 needs a 5th block for its sampled token
     # (rejected); 15 + 2 tokens outgrow it (aborted); a burst of three at t=0, then two
     # arriving exactly at the end of the first step.
-    "capacity": Scenario(4, 4, 2, 0.0, SchedulerLimits(2, 64, 64), (
-        (0.0, 15, 1), (0.0, 16, 1), (0.0, 15, 2), (0.25, 3, 5), (0.25, 1, 1))),
+    "capacity": Scenario(
+        4,
+        4,
+        2,
+        0.0,
+        SchedulerLimits(2, 64, 64),
+        ((0.0, 15, 1), (0.0, 16, 1), (0.0, 15, 2), (0.25, 3, 5), (0.25, 1, 1)),
+    ),
     # Block size 1, 3 blocks, watermark floor(0.5 * 3) = 1 block, one sequence at a time,
     # budget 3 = max_model_len: 2 + 1 and 1 + 2 fill the cache exactly, 3 + 1 exceeds
     # max_model_len.
-    "one_token_blocks": Scenario(1, 3, 0, 0.5, SchedulerLimits(1, 3, 3), (
-        (0.0, 2, 1), (0.0, 1, 2), (0.0, 3, 1), (0.125, 1, 1))),
+    "one_token_blocks": Scenario(
+        1,
+        3,
+        0,
+        0.5,
+        SchedulerLimits(1, 3, 3),
+        ((0.0, 2, 1), (0.0, 1, 2), (0.0, 3, 1), (0.125, 1, 1)),
+    ),
     # Block size 8, 3 blocks: prompts 7, 15, 23 (prompt + 1 == k * 8) under pressure.
-    "prompt_plus_one_on_block_boundary": Scenario(8, 3, 3, 0.0, SchedulerLimits(3, 24, 24), (
-        (0.0, 7, 9), (0.0, 15, 1), (0.0, 7, 17), (0.0, 23, 1), (0.5, 7, 8))),
+    "prompt_plus_one_on_block_boundary": Scenario(
+        8,
+        3,
+        3,
+        0.0,
+        SchedulerLimits(3, 24, 24),
+        ((0.0, 7, 9), (0.0, 15, 1), (0.0, 7, 17), (0.0, 23, 1), (0.5, 7, 8)),
+    ),
 }
 
 
@@ -362,7 +401,11 @@ def test_replay_is_deterministic(policy, data):
         assert np.array_equal(a.steps[col], b.steps[col]), col
     assert np.array_equal(a.tick_steps, b.tick_steps)
     for ra, rb in zip(a.requests, b.requests, strict=True):
-        assert (ra.status, ra.reason, ra.num_preemptions) == (rb.status, rb.reason, rb.num_preemptions)
+        assert (ra.status, ra.reason, ra.num_preemptions) == (
+            rb.status,
+            rb.reason,
+            rb.num_preemptions,
+        )
         assert np.array_equal(a.token_times(ra), b.token_times(rb))
 
 
@@ -394,8 +437,9 @@ def test_livelock_guard_names_the_thrashing_request():
     reqs = [Request("a", 0.0, 8, 100), Request("b", 0.0, 8, 100)]
     res = replay(reqs, scheduler, RecordingExecutor(scheduler), check_invariants=True)
     msg = res.failure  # the run stops; every request is accounted for
-    assert msg.startswith("SchedulerStuckError: policy 'test_thrash' is thrashing: request b "
-                          "was preempted 4 times")
+    assert msg.startswith(
+        "SchedulerStuckError: policy 'test_thrash' is thrashing: request b was preempted 4 times"
+    )
     assert "scheduler.max_preemptions = 3" in msg and "t=1.750000s" in msg
     assert reqs[0].num_preemptions == 0
     assert all(r.status is RequestStatus.ABORTED and msg in r.reason for r in res.requests)
@@ -406,8 +450,9 @@ def test_livelock_guard_allows_max_preemptions():
     # and 2, 4, ..., 12 (a decode every other step); b is preempted in steps 2, 4, ..., 12
     # (6 times) and re-prefilled in between, then runs alone from step 13. The guard fires
     # only above max_preemptions, so with 6 the run completes.
-    scheduler = Thrash(SchedulerLimits(4, 1024, 1024, max_preemptions=6),
-                       BlockManager(64, 0, 4, 0.0))
+    scheduler = Thrash(
+        SchedulerLimits(4, 1024, 1024, max_preemptions=6), BlockManager(64, 0, 4, 0.0)
+    )
     reqs = [Request("a", 0.0, 8, 7), Request("b", 0.0, 8, 20)]
     res = replay(reqs, scheduler, RecordingExecutor(scheduler), check_invariants=True)
     a, b = res.requests
@@ -433,6 +478,8 @@ kv_cache: {block_size: 16, num_gpu_blocks: 400, swap_space_gib: 0.05}
 scheduler: {max_num_seqs: 32}
 policies: [fcfs, swap, {name: chunked_prefill, max_num_batched_tokens: 512}]
 """
+
+
 def test_results_files_are_byte_identical(tmp_path):
     exp = tmp_path / "exp.yaml"
     exp.write_text(SYNTHETIC_YAML)
@@ -446,8 +493,7 @@ def test_results_files_are_byte_identical(tmp_path):
     # Only timing.json holds wall-clock seconds.
     assert set(json.loads((a / "timing.json").read_text())) == set(sa)
     # The runs are not trivial: KV pressure makes every policy preempt.
-    assert all(s["preemptions"]["recompute"] + s["preemptions"]["swap"] > 0
-               for s in sa.values())
+    assert all(s["preemptions"]["recompute"] + s["preemptions"]["swap"] > 0 for s in sa.values())
 
 
 def test_results_files_same_across_fresh_interpreters(tmp_path):
@@ -460,9 +506,20 @@ def test_results_files_same_across_fresh_interpreters(tmp_path):
     root = Path(run_experiment.__file__).resolve().parent
     for i, seed in enumerate(("1", "2")):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        proc = subprocess.run([sys.executable, str(root / "run_experiment.py"), str(exp),
-                               "--out", str(tmp_path / f"o{i}"), "--no-progress"],
-                              capture_output=True, text=True, env=env, cwd=tmp_path)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(root / "run_experiment.py"),
+                str(exp),
+                "--out",
+                str(tmp_path / f"o{i}"),
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
         assert proc.returncode == 0, proc.stderr
     for name in ("requests.csv", "steps.csv"):
         assert (tmp_path / "o0" / name).read_bytes() == (tmp_path / "o1" / name).read_bytes()

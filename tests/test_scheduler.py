@@ -92,8 +92,9 @@ def test_swap_moves_victim_to_cpu_and_back():
 
 
 def test_swap_falls_back_to_recompute_without_cpu_space():
-    res = run("swap", [("a", 0.0, 4, 6), ("b", 0.0, 4, 6)], gpu_blocks=4, block_size=4,
-              cpu_blocks=1)
+    res = run(
+        "swap", [("a", 0.0, 4, 6), ("b", 0.0, 4, 6)], gpu_blocks=4, block_size=4, cpu_blocks=1
+    )
     assert by_id(res)["b"].num_preemptions_recompute == 1
     assert by_id(res)["b"].num_preemptions_swap == 0
 
@@ -112,8 +113,13 @@ def test_swap_invariants_under_pressure():
 def test_chunked_prefill_splits_prompt_and_keeps_decodes_going():
     # Budget 8 tokens: "long" (prompt 20) needs chunks 7, 7, 6 while "short" (prompt 2)
     # decodes in every step (decode-first).
-    res = run("chunked_prefill", [("short", 0.0, 2, 6), ("long", 0.0, 20, 2)], budget=8,
-              block_size=4, gpu_blocks=16)
+    res = run(
+        "chunked_prefill",
+        [("short", 0.0, 2, 6), ("long", 0.0, 20, 2)],
+        budget=8,
+        block_size=4,
+        gpu_blocks=16,
+    )
     r = by_id(res)
     # Step 1: short prefill 2 + long chunk 6; steps 2-3: 1 decode + 7 chunk; step 4:
     # 1 decode + the last 0 ... long's 20 tokens = 6 + 7 + 7: first token at step 3 (0.03).

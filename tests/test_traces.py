@@ -131,8 +131,9 @@ def test_burstgpt_real_files_drop_failed_rows(
     assert all(r.prompt_len >= 1 and r.output_len >= 1 for r in requests)
     reasons = dropped_rows(every)
     assert len(reasons) == dropped
-    assert reasons[dropped_id] == (f"not replayed: 'Response tokens' == 0 in {name} "
-                                   "(failed requests in the source)")
+    assert reasons[dropped_id] == (
+        f"not replayed: 'Response tokens' == 0 in {name} (failed requests in the source)"
+    )
 
 
 def test_burstgpt_model_filter_real_file() -> None:

@@ -162,13 +162,13 @@ def test_decode_work_covers_each_context_with_the_fewest_tiles():
         k = max(int(work[i, 2] - work[i, 1]) for i in range(loc[-1])) if loc[-1] else 0
         k = -(-k // 64)  # tiles an item
         for r in range(rows):
-            mine = work[loc[r]:loc[r + 1]]
+            mine = work[loc[r] : loc[r + 1]]
             if idx[r] < 0:
                 assert len(mine) == 0
                 continue
             assert (mine[:, 0] == idx[r]).all() and mine[0, 1] == 0 and mine[-1, 2] == lens[r]
             assert (mine[1:, 1] == mine[:-1, 2]).all() and (mine[:, 1] % (64 * k) == 0).all()
-        assert (work[loc[-1]:] == [-1, 0, 0]).all()
+        assert (work[loc[-1] :] == [-1, 0, 0]).all()
         tiles = -(-lens[idx >= 0] // 64)
         if k > 1:  # the smallest item size that fits
             assert (-(-tiles // (k - 1))).sum() > items
@@ -189,16 +189,20 @@ def test_device_work_items_match_the_host_function():
         work, loc = decode_work(row_lens, np.where(row_lens > 0, idx, -1), items)
         got_work = torch.full((items, 3), 7, dtype=torch.int32, device=DEVICE)
         got_loc = torch.full((rows + 1,), 7, dtype=torch.int32, device=DEVICE)
-        triton_kernels.decode_work_device(torch.from_numpy(lens).to(DEVICE),
-                                          torch.from_numpy(idx).to(DEVICE), got_work, got_loc)
+        triton_kernels.decode_work_device(
+            torch.from_numpy(lens).to(DEVICE), torch.from_numpy(idx).to(DEVICE), got_work, got_loc
+        )
         assert got_work.cpu().numpy().tolist() == work.tolist(), f"case {case}"
         assert got_loc.cpu().numpy().tolist() == loc.tolist(), f"case {case}"
     # Fewer items than rows: refused before launch (the kernel cannot count real rows).
     lens = torch.ones(3, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="3 decode rows need at least as many items, got 2"):
-        triton_kernels.decode_work_device(lens, torch.arange(3, dtype=torch.int32, device=DEVICE),
-                                          torch.empty(2, 3, dtype=torch.int32, device=DEVICE),
-                                          torch.empty(4, dtype=torch.int32, device=DEVICE))
+        triton_kernels.decode_work_device(
+            lens,
+            torch.arange(3, dtype=torch.int32, device=DEVICE),
+            torch.empty(2, 3, dtype=torch.int32, device=DEVICE),
+            torch.empty(4, dtype=torch.int32, device=DEVICE),
+        )
 
 
 # bf16 tl.dot is wrong under the interpreter (before and after the work items: values of

@@ -60,8 +60,9 @@ def load_trace(spec: Mapping[str, Any], base_dir: Path) -> list[Request]:
         TraceError: unknown format or key, a value of the wrong type or range, a missing,
             empty or malformed file, or a window/filter that keeps no request.
     """
-    rate_scale = get_float(check_mapping(spec, WHERE), "rate_scale", WHERE, default=1.0,
-                           strict=True)
+    rate_scale = get_float(
+        check_mapping(spec, WHERE), "rate_scale", WHERE, default=1.0, strict=True
+    )
     table, _ = load_table(spec, base_dir)
     return scale_table(table, rate_scale).to_requests()
 
@@ -115,5 +116,6 @@ def _check_finite(table, why: str) -> None:
     finite = np.isfinite(table.arrival_s) | ~table.replayed
     if not finite.all():
         i = int(np.argmin(finite))
-        raise TraceError(f"{WHERE}: request {table.row[i]} would arrive at "
-                         f"{table.arrival_s[i]} s: {why}")
+        raise TraceError(
+            f"{WHERE}: request {table.row[i]} would arrive at {table.arrival_s[i]} s: {why}"
+        )

@@ -89,7 +89,9 @@ def parse_length(value: Any, where: str) -> LengthDistribution:
     ((kind, params),) = value.items()
     if kind == "uniform":
         if not (isinstance(params, list) and len(params) == 2 and all(map(_is_count, params))):
-            raise _bad(f"{where}.uniform", params, f"expected [lo, hi], integers in 1..{MAX_TOKENS:,}")
+            raise _bad(
+                f"{where}.uniform", params, f"expected [lo, hi], integers in 1..{MAX_TOKENS:,}"
+            )
         if params[0] > params[1]:
             raise _bad(f"{where}.uniform", params, "expected lo <= hi")
         return Uniform(params[0], params[1])
@@ -105,12 +107,16 @@ def parse_length(value: Any, where: str) -> LengthDistribution:
             raise TraceError(
                 f"{where}.lognormal: sigma {sigma:g} with mean {mean:g} puts {clipped:.0%} of "
                 f"the samples outside 1..{MAX_TOKENS:,} tokens (clipped there, so the lengths "
-                f"would not have mean {mean:g}); expected a sigma that keeps most samples inside")
+                f"would not have mean {mean:g}); expected a sigma that keeps most samples inside"
+            )
         return LogNormal(mean, sigma)
     if kind == "choice":
         if not (isinstance(params, list) and params and all(map(_is_count, params))):
-            raise _bad(f"{where}.choice", params,
-                       f"expected a non-empty list of integers in 1..{MAX_TOKENS:,}")
+            raise _bad(
+                f"{where}.choice",
+                params,
+                f"expected a non-empty list of integers in 1..{MAX_TOKENS:,}",
+            )
         return Choice(tuple(params))
     raise _bad(where, value)
 
@@ -133,5 +139,7 @@ def _is_count(value: Any) -> bool:
 
 
 def _bad(where: str, value: Any, expected: str = "") -> TraceError:
-    expected = expected or f"expected one of: {'; '.join(FORMS)} (token counts in 1..{MAX_TOKENS:,})"
+    expected = (
+        expected or f"expected one of: {'; '.join(FORMS)} (token counts in 1..{MAX_TOKENS:,})"
+    )
     return TraceError(f"{where}: {expected}, got {value!r}")

@@ -187,7 +187,8 @@ def load_synthetic(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceT
         raise TraceError(
             f"{WHERE}.num_requests: expected at most {MAX_SYNTHETIC_REQUESTS:,}, got "
             f"{num_requests:,} (each request is replayed from memory, ~1 KB per policy; "
-            "split the workload into several runs)")
+            "split the workload into several runs)"
+        )
     arrival = parse_arrival(require(spec, "arrival", WHERE), f"{WHERE}.arrival")
     prompt = parse_length(require(spec, "prompt_len", WHERE), f"{WHERE}.prompt_len")
     output = parse_length(require(spec, "output_len", WHERE), f"{WHERE}.output_len")

@@ -37,16 +37,23 @@ def load_prompts(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTab
     for i, item in enumerate(items):  # every item checked before the tokenizer loads
         where = f"{path}: item {i + 1}"
         if not isinstance(item, dict) or set(item) - {"prompt", "output_len", "arrival_s"}:
-            raise TraceError(f"{where}: expected keys prompt, output_len, arrival_s; "
-                             f"got {short_repr(item)}")
+            raise TraceError(
+                f"{where}: expected keys prompt, output_len, arrival_s; got {short_repr(item)}"
+            )
         prompt, out, t = item.get("prompt"), item.get("output_len"), item.get("arrival_s", 0.0)
         if not isinstance(prompt, str) or not prompt:
-            raise TraceError(f"{where}: prompt: expected a non-empty string, got {short_repr(prompt)}")
+            raise TraceError(
+                f"{where}: prompt: expected a non-empty string, got {short_repr(prompt)}"
+            )
         if isinstance(out, bool) or not isinstance(out, int) or not 1 <= out <= MAX_TOKENS:
-            raise TraceError(f"{where}: output_len: expected an integer in 1..{MAX_TOKENS:,}, "
-                             f"got {short_repr(out)}")
+            raise TraceError(
+                f"{where}: output_len: expected an integer in 1..{MAX_TOKENS:,}, "
+                f"got {short_repr(out)}"
+            )
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
-            raise TraceError(f"{where}: arrival_s: expected a finite number >= 0, got {short_repr(t)}")
+            raise TraceError(
+                f"{where}: arrival_s: expected a finite number >= 0, got {short_repr(t)}"
+            )
         if arrivals and t < arrivals[-1]:
             raise TraceError(f"{where}: arrival_s {t} is before the previous item's {arrivals[-1]}")
         prompts.append(prompt)
@@ -56,8 +63,9 @@ def load_prompts(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTab
     ids = []
     for prompt in prompts:
         if chat:
-            tokens = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                   add_generation_prompt=True, tokenize=True)
+            tokens = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
             tokens = list(tokens["input_ids"] if isinstance(tokens, Mapping) else tokens)
         else:
             tokens = tokenizer(prompt)["input_ids"]
@@ -77,8 +85,12 @@ def _tokenizer(path: Path, base_dir: Path):
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise TraceError("the prompts format needs transformers: pip install transformers") from None
+        raise TraceError(
+            "the prompts format needs transformers: pip install transformers"
+        ) from None
     if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
-        raise TraceError(f"{WHERE}.tokenizer: no tokenizer files in {path} (for SmolLM2 run "
-                         f"`python -m backend.tools convert-smollm2`)")
+        raise TraceError(
+            f"{WHERE}.tokenizer: no tokenizer files in {path} (for SmolLM2 run "
+            f"`python -m backend.tools convert-smollm2`)"
+        )
     return AutoTokenizer.from_pretrained(path)

@@ -47,8 +47,7 @@ def read_csv(path: Path, required: Sequence[str]) -> pd.DataFrame:
     frame.columns = [str(c).strip() for c in frame.columns]
     for column in required:  # pandas renames a repeated header "X" to "X.1", "X.2", ...
         if f"{column}.1" in frame.columns:
-            raise TraceError(f"{path.name}: column {column!r} appears more than once in the "
-                             "header")
+            raise TraceError(f"{path.name}: column {column!r} appears more than once in the header")
     if len(frame) == 0:
         raise TraceError(f"{path.name}: empty file (no data rows)")
     require_columns(frame, required, path.name)
@@ -94,12 +93,14 @@ def read_jsonl(
     return pd.DataFrame(columns), line_numbers
 
 
-_MAGIC = {b"\x1f\x8b": "gzip-compressed: decompress it first",
-          b"PK\x03\x04": "zip-compressed: decompress it first",
-          b"\x28\xb5\x2f\xfd": "zstd-compressed: decompress it first",
-          b"BZh": "bzip2-compressed: decompress it first",
-          b"\xfd7zXZ\x00": "xz-compressed: decompress it first",
-          b"PAR1": "a Parquet file"}
+_MAGIC = {
+    b"\x1f\x8b": "gzip-compressed: decompress it first",
+    b"PK\x03\x04": "zip-compressed: decompress it first",
+    b"\x28\xb5\x2f\xfd": "zstd-compressed: decompress it first",
+    b"BZh": "bzip2-compressed: decompress it first",
+    b"\xfd7zXZ\x00": "xz-compressed: decompress it first",
+    b"PAR1": "a Parquet file",
+}
 _SNIFF_BYTES = 1 << 16
 
 
@@ -124,8 +125,10 @@ def check_text(path: Path, kind: str) -> None:
     try:
         codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < _SNIFF_BYTES)
     except UnicodeDecodeError as exc:
-        raise TraceError(f"{path.name}: not a text {kind} file (byte {exc.start} is not UTF-8: "
-                         "binary data, or text in another encoding)") from None
+        raise TraceError(
+            f"{path.name}: not a text {kind} file (byte {exc.start} is not UTF-8: "
+            "binary data, or text in another encoding)"
+        ) from None
 
 
 def require_columns(frame: pd.DataFrame, required: Sequence[str], file: str) -> None:

@@ -121,9 +121,13 @@ def resolve_path(spec: Mapping[str, Any], base_dir: Path, where: str) -> Path:
     if not path.is_absolute():
         path = Path(base_dir) / path
     if not path.is_file():
-        what = ("is a directory" if path.is_dir() else
-                "is not a regular file (a FIFO or device would block or never end)"
-                if path.exists() else "not found")
+        what = (
+            "is a directory"
+            if path.is_dir()
+            else "is not a regular file (a FIFO or device would block or never end)"
+            if path.exists()
+            else "not found"
+        )
         shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         if what == "not found":
             raise TraceError(f"trace file not found: {path} ({where}.path = {shown})")

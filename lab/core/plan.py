@@ -132,9 +132,15 @@ class SchedulerOutput:
                 pairs += n * c + n * (n + 1) / 2
                 samples += c + n == r.num_tokens
             self._features = StepFeatures(
-                tokens, len(self.prefills), context, pairs, len(self.decodes),
-                self.decode_context_tokens, samples + len(self.decodes),
-                len(self.swap_in) + len(self.swap_out))
+                tokens,
+                len(self.prefills),
+                context,
+                pairs,
+                len(self.decodes),
+                self.decode_context_tokens,
+                samples + len(self.decodes),
+                len(self.swap_in) + len(self.swap_out),
+            )
         return self._features
 
     def seqs(self) -> list[ScheduledSeq]:
@@ -142,15 +148,24 @@ class SchedulerOutput:
         feeds its latest token at :meth:`decode_positions`). Valid until the step's results
         are applied (``Scheduler.update``); O(sequences), so the simulator never calls it."""
         out = self.prefill_seqs()
-        out += [ScheduledSeq(r, pos, 1, r.block_table, True)
-                for r, pos in zip(self.decodes, self.decode_positions())]
+        out += [
+            ScheduledSeq(r, pos, 1, r.block_table, True)
+            for r, pos in zip(self.decodes, self.decode_positions())
+        ]
         return out
 
     def prefill_seqs(self) -> list[ScheduledSeq]:
         """The prefill chunks of :meth:`seqs` alone."""
-        return [ScheduledSeq(r, r.num_computed_tokens, n, r.block_table,
-                             r.num_computed_tokens + n == r.num_tokens)
-                for r, n in self.prefills.items()]
+        return [
+            ScheduledSeq(
+                r,
+                r.num_computed_tokens,
+                n,
+                r.block_table,
+                r.num_computed_tokens + n == r.num_tokens,
+            )
+            for r, n in self.prefills.items()
+        ]
 
     def decode_positions(self) -> list[int]:
         """The position each decode feeds (its latest token), in ``decodes`` order: one

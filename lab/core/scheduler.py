@@ -112,7 +112,10 @@ class Scheduler:
         reason = self.rejection_reason(request)
         if reason:
             request.status, request.reason, request.finish_s = (
-                RequestStatus.REJECTED, reason, now_s)
+                RequestStatus.REJECTED,
+                reason,
+                now_s,
+            )
             return False
         self.waiting.append(request)
         return True
@@ -235,8 +238,11 @@ class Scheduler:
             if not bm.can_allocate(need, use_watermark=bool(self.running)):
                 if not self.running and need > bm.num_free_gpu_blocks and not self.swapped:
                     self._take_waiting(r, custom is None)
-                    self.abort(plan, r, f"needs {need} KV blocks to resume, the GPU cache "
-                               f"has {bm.num_gpu_blocks}")
+                    self.abort(
+                        plan,
+                        r,
+                        f"needs {need} KV blocks to resume, the GPU cache has {bm.num_gpu_blocks}",
+                    )
                     continue
                 break
             self._take_waiting(r, custom is None)
@@ -258,8 +264,12 @@ class Scheduler:
         bm, ds = self.block_manager, self.decode_set
         while len(ds.needing_block()) > bm.num_free_gpu_blocks:
             if len(self.running) == 1:
-                self.abort(plan, self.running[0], f"outgrew the KV cache: needs more than "
-                           f"the {bm.num_gpu_blocks} GPU blocks while running alone")
+                self.abort(
+                    plan,
+                    self.running[0],
+                    f"outgrew the KV cache: needs more than "
+                    f"the {bm.num_gpu_blocks} GPU blocks while running alone",
+                )
             else:
                 self.preempt(plan, self.pick_victim())
         for r in ds.needing_block():
@@ -282,8 +292,12 @@ class Scheduler:
             else:
                 log.debug(
                     "%s: CPU swap space full (%d free blocks, %d needed): request %s is "
-                    "recomputed instead", self.name, self.block_manager.num_free_cpu_blocks,
-                    len(victim.block_table), victim.request_id)
+                    "recomputed instead",
+                    self.name,
+                    self.block_manager.num_free_cpu_blocks,
+                    len(victim.block_table),
+                    victim.request_id,
+                )
         if mode is PreemptionMode.SWAP:
             plan.swap_out.extend(self.block_manager.swap_out(victim))
             victim.status = RequestStatus.SWAPPED
@@ -300,7 +314,8 @@ class Scheduler:
             raise SchedulerStuckError(
                 f"policy {self.name!r} is thrashing: request {victim.request_id} was preempted "
                 f"{victim.num_preemptions} times (scheduler.max_preemptions = "
-                f"{self.limits.max_preemptions}) at t={self.now_s:.6f}s")
+                f"{self.limits.max_preemptions}) at t={self.now_s:.6f}s"
+            )
 
     def swap_in_swapped(self, plan: SchedulerOutput) -> None:
         """Bring swapped requests back, oldest first, while blocks and max_num_seqs allow.
@@ -409,6 +424,8 @@ def get_policy(name: str) -> type[Scheduler]:
         ConfigError: unknown name (the message lists the known ones).
     """
     if name not in _POLICIES:
-        raise ConfigError(f"unknown policy {name!r}; known policies: "
-                          f"{', '.join(policy_names()) or '(none registered)'}")
+        raise ConfigError(
+            f"unknown policy {name!r}; known policies: "
+            f"{', '.join(policy_names()) or '(none registered)'}"
+        )
     return _POLICIES[name]

@@ -62,10 +62,19 @@ def design(df: pd.DataFrame) -> np.ndarray:
     decodes = df["num_decodes"].to_numpy(float)
     tokens = df["num_prefill_tokens"].to_numpy(float) + decodes
     ctx = df["decode_context_tokens"].to_numpy(float)
-    cols = [(prefills == 0).astype(float), (prefills > 0).astype(float), prefills + decodes,
-            tokens, np.maximum(tokens - TOKEN_KNOT, 0.0), ctx / np.maximum(decodes, 1.0), ctx]
-    cols += [df[c].to_numpy(float) for c in ("prefill_context_tokens", "prefill_attention_pairs",
-                                             "num_swap_blocks")]
+    cols = [
+        (prefills == 0).astype(float),
+        (prefills > 0).astype(float),
+        prefills + decodes,
+        tokens,
+        np.maximum(tokens - TOKEN_KNOT, 0.0),
+        ctx / np.maximum(decodes, 1.0),
+        ctx,
+    ]
+    cols += [
+        df[c].to_numpy(float)
+        for c in ("prefill_context_tokens", "prefill_attention_pairs", "num_swap_blocks")
+    ]
     return np.stack(cols, axis=1)
 
 
@@ -115,14 +124,17 @@ def read_profile(path: str | Path) -> pd.DataFrame:
     path = Path(path)
     key = "cost_model.profile"
     if not path.exists():
-        raise ConfigError(f"{key}: {path} does not exist (make one with "
-                          f"`python -m backend.profile` on the GPU)")
+        raise ConfigError(
+            f"{key}: {path} does not exist (make one with `python -m backend.profile` on the GPU)"
+        )
     df = _read_csv(path, key, comment="#")
     where = f"{key}: {path}"
     _require_columns(df, PROFILE_COLUMNS, where)
     if len(df) < len(FEATURES):
-        raise ConfigError(f"{where}: expected at least {len(FEATURES)} rows (one per "
-                          f"fitted coefficient), got {len(df)}")
+        raise ConfigError(
+            f"{where}: expected at least {len(FEATURES)} rows (one per "
+            f"fitted coefficient), got {len(df)}"
+        )
     return check_cells(df, PROFILE_COLUMNS, where, lambda: _read_text(path, comment="#"))
 
 
@@ -146,8 +158,9 @@ def read_replay_steps(path: str | Path) -> pd.DataFrame:
     return steps_as_profile(check_cells(df, STEPS_COLUMNS, where, lambda: _read_text(path)))
 
 
-def check_cells(df: pd.DataFrame, columns: tuple[str, ...], where: str,
-                text: Callable[[], pd.DataFrame]) -> pd.DataFrame:
+def check_cells(
+    df: pd.DataFrame, columns: tuple[str, ...], where: str, text: Callable[[], pd.DataFrame]
+) -> pd.DataFrame:
     """``df`` with ``columns`` converted to float64, every cell checked: a finite number;
     counts (every column but ``prefill_attention_pairs`` and ``duration_s``) whole and
     >= 0; pairs >= 0; ``duration_s`` >= ``MIN_STEP_S``.
@@ -178,8 +191,10 @@ def check_cells(df: pd.DataFrame, columns: tuple[str, ...], where: str,
         for bad, expected in checks:
             if bad.any():
                 i = int(np.argmax(bad))
-                raise ConfigError(f"{where}: row {i + 1}, column {c!r}: {expected}, "
-                                  f"got {_show(text()[c].iloc[i])}")
+                raise ConfigError(
+                    f"{where}: row {i + 1}, column {c!r}: {expected}, "
+                    f"got {_show(text()[c].iloc[i])}"
+                )
         df[c] = x
     return df
 
@@ -195,18 +210,21 @@ def _show(cell: str) -> str:
 def _cut(value: str, limit: int = 80) -> str:
     """``repr`` of a text, cut to ``limit`` characters for a one-line message."""
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _require_columns(df: pd.DataFrame, columns: tuple[str, ...], where: str,
-                     what: str = "") -> None:
+def _require_columns(
+    df: pd.DataFrame, columns: tuple[str, ...], where: str, what: str = ""
+) -> None:
     missing = [c for c in columns if c not in df.columns]
     if missing:
         found = ", ".join(map(str, df.columns))
         found = found if len(found) <= 120 else found[:117] + "..."
-        raise ConfigError(f"{where}: {what}missing column{'s' if len(missing) > 1 else ''} "
-                          f"{', '.join(missing)}; expected columns: {', '.join(columns)} "
-                          f"(found: {found})")
+        raise ConfigError(
+            f"{where}: {what}missing column{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(missing)}; expected columns: {', '.join(columns)} "
+            f"(found: {found})"
+        )
 
 
 def _read_csv(path: Path, key: str, **kwargs) -> pd.DataFrame:
@@ -238,42 +256,67 @@ class CalibratedCostModel:
 
     def __init__(self, profile: str | Path, replay_steps: tuple[str | Path, ...] = ()) -> None:
         """Raises:
-            ConfigError: a bad profile or steps.csv (see ``read_profile``), data without a
-                decode-only step or without a step with prompt tokens (an intercept the fit
-                cannot know), or a fit that predicts less than ``MIN_STEP_S`` for a 1-token
-                decode or a 1-token prefill: the least any step costs, since every
-                coefficient is >= 0.
+        ConfigError: a bad profile or steps.csv (see ``read_profile``), data without a
+            decode-only step or without a step with prompt tokens (an intercept the fit
+            cannot know), or a fit that predicts less than ``MIN_STEP_S`` for a 1-token
+            decode or a 1-token prefill: the least any step costs, since every
+            coefficient is >= 0.
         """
         self.profile = Path(profile)
         where = f"cost_model.profile: {self.profile}"
         if replay_steps:
             where += f" (with replay_steps {', '.join(map(str, replay_steps))})"
-        data = pd.concat([read_profile(self.profile)] + [read_replay_steps(p) for p in replay_steps],
-                         ignore_index=True)
+        data = pd.concat(
+            [read_profile(self.profile)] + [read_replay_steps(p) for p in replay_steps],
+            ignore_index=True,
+        )
         prefills, decodes = data["num_prefills"].to_numpy(), data["num_decodes"].to_numpy()
-        for kind, rows in (("decode-only steps (num_prefills 0, num_decodes > 0)",
-                            (prefills == 0) & (decodes > 0)),
-                           ("steps with prompt tokens (num_prefills > 0)", prefills > 0)):
+        for kind, rows in (
+            (
+                "decode-only steps (num_prefills 0, num_decodes > 0)",
+                (prefills == 0) & (decodes > 0),
+            ),
+            ("steps with prompt tokens (num_prefills > 0)", prefills > 0),
+        ):
             if not rows.any():
                 raise ConfigError(f"{where}: no {kind}: the fit cannot predict their time")
         self.coef = fit(data)
-        (self._decode_step, self._prefill_step, self._seq, self._tok, self._hinge,
-         self._mean_ctx, self._dctx, self._pctx, self._pairs, self._swap) = self.coef.tolist()
-        for kind, f in (("decode", StepFeatures(0, 0, 0, 0.0, 1, 1, 1, 0)),
-                        ("prefill", StepFeatures(1, 1, 0, 1.0, 0, 0, 1, 0))):
+        (
+            self._decode_step,
+            self._prefill_step,
+            self._seq,
+            self._tok,
+            self._hinge,
+            self._mean_ctx,
+            self._dctx,
+            self._pctx,
+            self._pairs,
+            self._swap,
+        ) = self.coef.tolist()
+        for kind, f in (
+            ("decode", StepFeatures(0, 0, 0, 0.0, 1, 1, 1, 0)),
+            ("prefill", StepFeatures(1, 1, 0, 1.0, 0, 0, 1, 0)),
+        ):
             t = self.step_time(f, 0)
             if not t >= MIN_STEP_S:  # NaN too
-                raise ConfigError(f"{where}: the fitted model predicts {t:.3g} s for a 1-token "
-                                  f"{kind}, expected >= {MIN_STEP_S:g} s")
+                raise ConfigError(
+                    f"{where}: the fitted model predicts {t:.3g} s for a 1-token "
+                    f"{kind}, expected >= {MIN_STEP_S:g} s"
+                )
 
     def step_time(self, f: StepFeatures, block_size: int) -> float:
         """Predicted seconds of a step with features ``f`` (block_size: unused, the profile
         was taken at one block size)."""
         tokens = f.num_prefill_tokens + f.num_decodes
-        t = (self._prefill_step if f.num_prefills else self._decode_step)
-        t += (self._seq * (f.num_prefills + f.num_decodes) + self._tok * tokens
-              + self._dctx * f.decode_context_tokens + self._pctx * f.prefill_context_tokens
-              + self._pairs * f.prefill_attention_pairs + self._swap * f.num_swap_blocks)
+        t = self._prefill_step if f.num_prefills else self._decode_step
+        t += (
+            self._seq * (f.num_prefills + f.num_decodes)
+            + self._tok * tokens
+            + self._dctx * f.decode_context_tokens
+            + self._pctx * f.prefill_context_tokens
+            + self._pairs * f.prefill_attention_pairs
+            + self._swap * f.num_swap_blocks
+        )
         if f.num_decodes:
             t += self._mean_ctx * f.decode_context_tokens / f.num_decodes
         if tokens > TOKEN_KNOT:
@@ -288,12 +331,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab.sim.calibrate
     from lab.core.errors import UserError
 
     ap = argparse.ArgumentParser(
-        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Fit the calibrated step-time model to an engine profile; print and write "
-                    "the coefficients and their held-out (5-fold) relative errors.",
+        "the coefficients and their held-out (5-fold) relative errors.",
         epilog="example:\n  sched-lab fit profiles/h200_qwen3-0.6b.csv   # writes "
-               "profiles/h200_qwen3-0.6b.fit.json\n\nexit status: 0 ok, 2 bad input (one line: "
-               "error: ...)")
+        "profiles/h200_qwen3-0.6b.fit.json\n\nexit status: 0 ok, 2 bad input (one line: "
+        "error: ...)",
+    )
     ap.add_argument("profile", help="profile CSV made by `sched-lab profile`")
     ap.add_argument("--out", help="fit summary JSON (default: PROFILE with suffix .fit.json)")
     args = ap.parse_args(argv)
@@ -304,14 +349,20 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab.sim.calibrate
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    by_kind = {k: float(np.median(err[(df["kind"] == k).to_numpy()]))
-               for k in df.get("kind", pd.Series(["all"] * len(df))).unique()}
+    by_kind = {
+        k: float(np.median(err[(df["kind"] == k).to_numpy()]))
+        for k in df.get("kind", pd.Series(["all"] * len(df))).unique()
+    }
     summary = {
-        "profile": args.profile, "rows": len(df),
+        "profile": args.profile,
+        "rows": len(df),
         "coefficients": dict(zip(FEATURES, coef.tolist())),
-        "held_out_relative_error": {"median": float(np.median(err)),
-                                    "p90": float(np.percentile(err, 90)),
-                                    "max": float(err.max()), "median_by_kind": by_kind},
+        "held_out_relative_error": {
+            "median": float(np.median(err)),
+            "p90": float(np.percentile(err, 90)),
+            "max": float(err.max()),
+            "median_by_kind": by_kind,
+        },
     }
     out = Path(args.out) if args.out else Path(args.profile).with_suffix(".fit.json")
     try:

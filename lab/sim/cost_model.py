@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 
+from lab.core.plan import SchedulerOutput, StepFeatures, StepResult
 from lab.sim.hardware import Hardware
 from lab.sim.models import ModelSpec
-from lab.core.plan import SchedulerOutput, StepFeatures, StepResult
 
 GIB = 1 << 30
 
@@ -58,8 +58,11 @@ class AnalyticCostModel:
         """Seconds to run a step with features ``f`` (prefill chunks, decodes, swaps)."""
         tokens = f.num_tokens
         pairs = f.prefill_attention_pairs + f.decode_context_tokens  # a decode: 1 query
-        flops = (self._flops_per_token * tokens + self._flops_per_sample * f.num_samples
-                 + self._attn_flops_per_pair * pairs)
+        flops = (
+            self._flops_per_token * tokens
+            + self._flops_per_sample * f.num_samples
+            + self._attn_flops_per_pair * pairs
+        )
         kv_read = f.prefill_context_tokens + f.decode_context_tokens
         nbytes = self._weight_bytes + self._kv_bytes_per_token * (kv_read + tokens)
         t = max(flops * self._s_per_flop, nbytes * self._s_per_byte) + self.step_overhead_s
@@ -102,13 +105,12 @@ def num_gpu_blocks(
     """KV blocks that fit in device memory, as vLLM sizes its cache:
     (memory * gpu_memory_utilization - weights - peak activations) / bytes per block."""
     budget = hardware.memory_bytes * gpu_memory_utilization
-    free = budget - model.weight_bytes - activation_bytes(model, max_num_batched_tokens,
-                                                          max_num_seqs)
+    free = (
+        budget - model.weight_bytes - activation_bytes(model, max_num_batched_tokens, max_num_seqs)
+    )
     return max(0, math.floor(free / (model.kv_bytes_per_token * block_size)))
 
 
 def num_cpu_blocks(model: ModelSpec, block_size: int, swap_space_gib: float) -> int:
     """Swap-space blocks in ``swap_space_gib`` GiB of host memory (vLLM's swap_space)."""
     return math.floor(swap_space_gib * GIB / (model.kv_bytes_per_token * block_size))
-
-

@@ -29,17 +29,45 @@ class Hardware:
 HARDWARE: dict[str, Hardware] = {
     h.name: h
     for h in [
-        Hardware("h100-sxm", 989e12, 3.35e12, 64 * GB, 80 * GB, "datasheet",
-                 "NVIDIA H100 Tensor Core GPU datasheet: 989 TFLOPS dense BF16, 3.35 TB/s "
-                 "HBM3, 80 GB; PCIe Gen5 x16 64 GB/s per direction"),
-        Hardware("h200-sxm", 989e12, 4.8e12, 64 * GB, 141 * GB, "datasheet",
-                 "NVIDIA H200 Tensor Core GPU datasheet: 989 TFLOPS dense BF16, 4.8 TB/s "
-                 "HBM3e, 141 GB; PCIe Gen5 x16 64 GB/s per direction"),
-        Hardware("h200-sxm-measured", 796e12, 4.27e12, 55.5 * GB, 141 * GB, "measured",
-                 "this lab's H200 with PyTorch, 2026-11: bf16 8192^3 matmul "
-                 "796 TFLOP/s, device copy 4.27 TB/s (read + write), pinned H2D/D2H 55.5 GB/s"),
-        Hardware("a100-80gb", 312e12, 2.039e12, 32 * GB, 80 * GB, "datasheet",
-                 "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 312 TFLOPS dense BF16, "
-                 "2,039 GB/s HBM2e; PCIe Gen4 x16 32 GB/s per direction"),
+        Hardware(
+            "h100-sxm",
+            989e12,
+            3.35e12,
+            64 * GB,
+            80 * GB,
+            "datasheet",
+            "NVIDIA H100 Tensor Core GPU datasheet: 989 TFLOPS dense BF16, 3.35 TB/s "
+            "HBM3, 80 GB; PCIe Gen5 x16 64 GB/s per direction",
+        ),
+        Hardware(
+            "h200-sxm",
+            989e12,
+            4.8e12,
+            64 * GB,
+            141 * GB,
+            "datasheet",
+            "NVIDIA H200 Tensor Core GPU datasheet: 989 TFLOPS dense BF16, 4.8 TB/s "
+            "HBM3e, 141 GB; PCIe Gen5 x16 64 GB/s per direction",
+        ),
+        Hardware(
+            "h200-sxm-measured",
+            796e12,
+            4.27e12,
+            55.5 * GB,
+            141 * GB,
+            "measured",
+            "this lab's H200 with PyTorch, 2026-11: bf16 8192^3 matmul "
+            "796 TFLOP/s, device copy 4.27 TB/s (read + write), pinned H2D/D2H 55.5 GB/s",
+        ),
+        Hardware(
+            "a100-80gb",
+            312e12,
+            2.039e12,
+            32 * GB,
+            80 * GB,
+            "datasheet",
+            "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 312 TFLOPS dense BF16, "
+            "2,039 GB/s HBM2e; PCIe Gen4 x16 32 GB/s per direction",
+        ),
     ]
 }

@@ -54,20 +54,26 @@ class ModelSpec:
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token over all layers: 2 * layers * kv_heads * head_dim * bytes."""
-        return (2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
-                * self.dtype_bytes)
-
+        return (
+            2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * self.dtype_bytes
+        )
 
     @classmethod
     def from_config(cls, name: str, config: dict) -> ModelSpec:
         """The shape of a Hugging Face ``config.json`` (head_dim defaults to hidden / heads)."""
         heads = config["num_attention_heads"]
         return cls(
-            name, config["hidden_size"], config["num_hidden_layers"], heads,
+            name,
+            config["hidden_size"],
+            config["num_hidden_layers"],
+            heads,
             config.get("num_key_value_heads", heads),
             config.get("head_dim") or config["hidden_size"] // heads,
-            config["intermediate_size"], config["vocab_size"],
-            config["max_position_embeddings"], config.get("tie_word_embeddings", False))
+            config["intermediate_size"],
+            config["vocab_size"],
+            config["max_position_embeddings"],
+            config.get("tie_word_embeddings", False),
+        )
 
 
 #: The simulator's model presets, from the public config.json values in lab/core/model_presets.py

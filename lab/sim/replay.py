@@ -87,7 +87,10 @@ class _Wakeup:
 
 
 def arrival_process(
-    env: simpy.Environment, requests: list[Request], scheduler: Scheduler, wakeup: _Wakeup,
+    env: simpy.Environment,
+    requests: list[Request],
+    scheduler: Scheduler,
+    wakeup: _Wakeup,
     arrived: list[int],
 ) -> Iterator[simpy.Event]:
     """Inject ``requests`` (sorted by arrival) into the scheduler at their arrival times."""
@@ -100,9 +103,16 @@ def arrival_process(
 
 
 def engine_process(
-    env: simpy.Environment, scheduler: Scheduler, executor: Executor, num_requests: int,
-    wakeup: _Wakeup, arrived: list[int], rec: dict[str, list], tick_steps: list[int],
-    check_invariants: bool = False, progress=None,
+    env: simpy.Environment,
+    scheduler: Scheduler,
+    executor: Executor,
+    num_requests: int,
+    wakeup: _Wakeup,
+    arrived: list[int],
+    rec: dict[str, list],
+    tick_steps: list[int],
+    check_invariants: bool = False,
+    progress=None,
 ) -> Iterator[simpy.Event]:
     """Run steps until every request has arrived and none is unfinished."""
     bm = scheduler.block_manager
@@ -131,11 +141,23 @@ def engine_process(
             result = executor.execute(plan)
         f = plan.features()
         row = (
-            env.now, result.duration_s, f.num_prefill_tokens, f.num_decodes, f.num_seqs,
-            bm.num_used_gpu_blocks, bm.num_used_cpu_blocks, len(scheduler.waiting),
-            len(scheduler.running), len(scheduler.swapped), len(plan.preempted),
-            len(plan.swap_out), len(plan.swap_in), f.num_prefills, f.prefill_context_tokens,
-            f.prefill_attention_pairs, f.decode_context_tokens,
+            env.now,
+            result.duration_s,
+            f.num_prefill_tokens,
+            f.num_decodes,
+            f.num_seqs,
+            bm.num_used_gpu_blocks,
+            bm.num_used_cpu_blocks,
+            len(scheduler.waiting),
+            len(scheduler.running),
+            len(scheduler.swapped),
+            len(plan.preempted),
+            len(plan.swap_out),
+            len(plan.swap_in),
+            f.num_prefills,
+            f.prefill_context_tokens,
+            f.prefill_attention_pairs,
+            f.decode_context_tokens,
         )
         yield env.timeout(result.duration_s)
         for col, value in zip(columns, row):
@@ -149,8 +171,11 @@ def engine_process(
 
 
 def replay(
-    requests: list[Request], scheduler: Scheduler, executor: Executor,
-    check_invariants: bool = False, progress=None,
+    requests: list[Request],
+    scheduler: Scheduler,
+    executor: Executor,
+    check_invariants: bool = False,
+    progress=None,
 ) -> ReplayResult:
     """Replay ``requests`` (mutated in place) through ``scheduler`` and ``executor``.
 
@@ -182,27 +207,44 @@ def replay(
 
 
 def _replay(
-    requests: list[Request], scheduler: Scheduler, executor: Executor,
-    check_invariants: bool, progress,
+    requests: list[Request],
+    scheduler: Scheduler,
+    executor: Executor,
+    check_invariants: bool,
+    progress,
 ) -> ReplayResult:
     t0 = time.perf_counter()
     every = requests
-    requests = sorted((r for r in every if r.status is not RequestStatus.DROPPED),
-                      key=lambda r: r.arrival_s)  # dropped trace rows are not replayed
+    requests = sorted(
+        (r for r in every if r.status is not RequestStatus.DROPPED), key=lambda r: r.arrival_s
+    )  # dropped trace rows are not replayed
     env = simpy.Environment()
     wakeup, arrived = _Wakeup(env), [0]
     rec: dict[str, list] = {c: [] for c in STEP_COLUMNS}
     tick_steps: list[int] = []
     env.process(arrival_process(env, requests, scheduler, wakeup, arrived))
-    env.process(engine_process(env, scheduler, executor, len(requests), wakeup, arrived, rec,
-                               tick_steps, check_invariants, progress))
+    env.process(
+        engine_process(
+            env,
+            scheduler,
+            executor,
+            len(requests),
+            wakeup,
+            arrived,
+            rec,
+            tick_steps,
+            check_invariants,
+            progress,
+        )
+    )
     failure = None
     try:
         env.run()
         lost = [r.request_id for r in requests if r.status not in _ENDED]
         if lost:
-            raise SchedulerStuckError(f"replay ended with {len(lost)} requests unfinished: "
-                                      f"{', '.join(lost[:10])}")
+            raise SchedulerStuckError(
+                f"replay ended with {len(lost)} requests unfinished: {', '.join(lost[:10])}"
+            )
         if check_invariants:
             scheduler.block_manager.check_integrity([])
     except Exception as e:  # a failed step ends the run, accounted for request by request
@@ -214,20 +256,29 @@ def _replay(
                 continue
             r.status = RequestStatus.ABORTED
             if i >= arrived[0]:  # never arrived: no finish time
-                r.reason = (f"not replayed: the run stopped at t={env.now:.3f}s, before its "
-                            f"arrival ({failure})")
+                r.reason = (
+                    f"not replayed: the run stopped at t={env.now:.3f}s, before its "
+                    f"arrival ({failure})"
+                )
             else:  # caught by the step that failed outside every queue
                 r.finish_s, r.reason = env.now, unfinished
         n = min(len(v) for v in rec.values())  # a step that failed midway has no row
         rec = {c: v[:n] for c, v in rec.items()}
         tick_steps = [t for t in tick_steps if t < n]
-    steps = {c: np.asarray(v, dtype=np.float64 if c in _FLOAT_COLUMNS else np.int64)
-             for c, v in rec.items()}
+    steps = {
+        c: np.asarray(v, dtype=np.float64 if c in _FLOAT_COLUMNS else np.int64)
+        for c, v in rec.items()
+    }
     if len(requests) < len(every):  # the dropped rows, in their places of the input order
         requests = _with_dropped(every, requests)
-    return ReplayResult(requests, steps, np.asarray(tick_steps, dtype=np.int64),
-                        time.perf_counter() - t0, scheduler.block_manager.num_gpu_blocks,
-                        failure)
+    return ReplayResult(
+        requests,
+        steps,
+        np.asarray(tick_steps, dtype=np.int64),
+        time.perf_counter() - t0,
+        scheduler.block_manager.num_gpu_blocks,
+        failure,
+    )
 
 
 def _with_dropped(every: list[Request], replayed: list[Request]) -> list[Request]:
@@ -248,8 +299,12 @@ def _with_dropped(every: list[Request], replayed: list[Request]) -> list[Request
 
 
 _FLOAT_COLUMNS = ("time_s", "duration_s", "prefill_attention_pairs")
-_ENDED = (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED,
-          RequestStatus.DROPPED)
+_ENDED = (
+    RequestStatus.FINISHED,
+    RequestStatus.REJECTED,
+    RequestStatus.ABORTED,
+    RequestStatus.DROPPED,
+)
 
 
 def _stuck_message(s: Scheduler, now: float) -> str:

@@ -1,4 +1,4 @@
-"""The README's example policy, run as written (so the example cannot rot)."""
+"""The README's examples, run as written (so they cannot rot)."""
 
 from __future__ import annotations
 
@@ -23,14 +23,22 @@ def test_readme_policy_example_works(monkeypatch):
         exec(compile(code, "README.md", "exec"), module.__dict__)  # noqa: S102 - our README
         # Budget 64 tokens, no chunking: "short" (4) is tried before "long" (60); both fit
         # the budget (64) and the 8 blocks of 16 tokens (1 + 4), so both start at once.
-        res = run("shortest_prompt", [("long", 0.0, 60, 2), ("short", 0.0, 4, 2)], budget=64,
-                  max_model_len=64)
+        res = run(
+            "shortest_prompt",
+            [("long", 0.0, 60, 2), ("short", 0.0, 4, 2)],
+            budget=64,
+            max_model_len=64,
+        )
         r = by_id(res)
         assert r["short"].first_scheduled_s == r["long"].first_scheduled_s == 0.0
         # "big" (60) arrives as early as "mid" (40) and is listed first, but mid is admitted
         # first; big does not fit the 24 tokens left and waits for the next step (10 ms).
-        res = run("shortest_prompt", [("big", 0.0, 60, 1), ("mid", 0.0, 40, 1)], budget=64,
-                  max_model_len=64)
+        res = run(
+            "shortest_prompt",
+            [("big", 0.0, 60, 1), ("mid", 0.0, 40, 1)],
+            budget=64,
+            max_model_len=64,
+        )
         r = by_id(res)
         assert (r["mid"].first_scheduled_s, r["big"].first_scheduled_s) == (0.0, 0.01)
         # Victim: 4 blocks of 4 tokens. Step 1 prefills a (2 + 1 sampled = 3 tokens, 1 block)
@@ -38,9 +46,32 @@ def test_readme_policy_example_works(monkeypatch):
         # next token is the 4th) and b (8th) both need a block and 1 is free: the default
         # would preempt b (newest); this policy preempts a (2 computed tokens vs b's 6). The
         # freed block goes to b, and a is never preempted again nor b at all.
-        res = run("shortest_prompt", [("a", 0.0, 2, 6), ("b", 0.0, 6, 6)], gpu_blocks=4,
-                  block_size=4, budget=64, max_model_len=64)
+        res = run(
+            "shortest_prompt",
+            [("a", 0.0, 2, 6), ("b", 0.0, 6, 6)],
+            gpu_blocks=4,
+            block_size=4,
+            budget=64,
+            max_model_len=64,
+        )
         r = by_id(res)
         assert (r["a"].num_preemptions, r["b"].num_preemptions) == (1, 0)
     finally:
         scheduler._POLICIES.pop("shortest_prompt", None)
+
+
+def test_readme_python_api_example_works(tmp_path, monkeypatch, capsys):
+    """The "Python API" block as written, from a folder outside the checkout."""
+    code = re.search(r"## Python API.*?```python\n(.*?)```", README.read_text(), re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - our README
+    out = capsys.readouterr().out
+    assert "chunked_prefill" in out and "fcfs" in out and "'p50':" in out
+    folder = tmp_path / "results" / "api_example"
+    assert {"requests.csv", "steps.csv", "summary.json", "report.md"} <= {
+        p.name for p in folder.iterdir()
+    }
+    import pandas as pd
+
+    requests = pd.read_csv(folder / "requests.csv")
+    assert len(requests) == 3 * 2000  # three policies, the first 2,000 requests each

@@ -111,13 +111,13 @@ def _write_files(
 ) -> None:
     (tmp / "config.yaml").write_text(config_yaml(cfg, runs))
     phase.advance()
-    requests, steps = pd.concat([r.requests for r in runs]), _steps_frame(runs)
+    requests = pd.concat([r.requests for r in runs])
     if fmt == "parquet":
         requests.to_parquet(tmp / "requests.parquet", index=False)
-        steps.to_parquet(tmp / "steps.parquet", index=False)
+        _steps_frame(runs).to_parquet(tmp / "steps.parquet", index=False)
     else:
         requests.to_csv(tmp / "requests.csv", index=False)
-        steps.to_csv(tmp / "steps.csv", index=False, float_format="%.9g")
+        _write_steps_csv(tmp / "steps.csv", runs)
     phase.advance()
     extra = {"partial": partial} if partial else {}
     summary = {r.label: {**r.summary, **extra} for r in runs}
@@ -304,6 +304,22 @@ def _write_tokens(path: Path, runs: list[Run], decode) -> None:
                 if decode is not None:
                     row["text"] = decode(r.output_token_ids)
                 f.write(json.dumps(row) + "\n")
+
+
+def _write_steps_csv(path: Path, runs: list[Run], rows: int = 1 << 20) -> None:
+    """steps.csv run by run, ``rows`` at a time: the same text as one concatenated frame
+    (:func:`_steps_frame`), without a copy of every run's steps in memory at once."""
+    with path.open("w") as f:
+        header = True
+        for r in runs:
+            n = len(r.result.steps["time_s"])
+            for start in range(0, n, rows):
+                cols = {"policy": r.policy, "rate_scale": r.rate_scale}
+                cols.update({c: r.result.steps[c][start : start + rows] for c in STEP_COLUMNS})
+                pd.DataFrame(cols).to_csv(f, index=False, header=header, float_format="%.9g")
+                header = False
+        if header:  # no run has a step: the header alone, as the concatenated frame writes
+            f.write(",".join(["policy", "rate_scale", *STEP_COLUMNS]) + "\n")
 
 
 def _steps_frame(runs: list[Run]) -> pd.DataFrame:

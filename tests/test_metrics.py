@@ -90,3 +90,28 @@ def test_cdf_points(monkeypatch):
     values = np.arange(10.0)[::-1].copy()
     assert metrics.cdf_points(values).tolist() == [0.0, 3.0, 6.0, 9.0]
     assert values.tolist() == list(range(9, -1, -1))  # not overwritten
+
+
+def test_steps_csv_in_chunks_is_the_concatenated_frame(tmp_path):
+    """report._write_steps_csv writes the text of _steps_frame(...).to_csv, chunk by chunk,
+    and the header alone when no run has a step."""
+    from helpers import run
+
+    from lab.experiment import Run
+    from lab.report import _steps_frame, _write_steps_csv
+
+    def as_run(label, result):
+        return Run(label, label, 1.0, result, None, None, {})
+
+    runs = [
+        as_run("fcfs", run("fcfs", [("a", 0.0, 4, 5), ("b", 0.01, 3, 4)])),
+        as_run("swap", run("swap", [("c", 0.0, 2, 7)])),
+    ]
+    for rows in (1, 3, 1 << 20):
+        _write_steps_csv(tmp_path / "chunked.csv", runs, rows=rows)
+        _steps_frame(runs).to_csv(tmp_path / "whole.csv", index=False, float_format="%.9g")
+        assert (tmp_path / "chunked.csv").read_text() == (tmp_path / "whole.csv").read_text()
+    empty = [as_run("fcfs", run("fcfs", [("big", 0.0, 500, 5)]))]  # rejected: no step
+    _write_steps_csv(tmp_path / "chunked.csv", empty)
+    _steps_frame(empty).to_csv(tmp_path / "whole.csv", index=False, float_format="%.9g")
+    assert (tmp_path / "chunked.csv").read_text() == (tmp_path / "whole.csv").read_text()

@@ -83,7 +83,11 @@ def worker(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | Non
     limits = resolve_limits(
         cfg, pol, gpu * bs, MODELS[MODEL].max_position_embeddings, cls.chunked_prefill
     )
-    requests = load_trace({**cfg.trace.spec, "seed": cfg.seed}, ROOT)
+    requests = [
+        r
+        for r in load_trace({**cfg.trace.spec, "seed": cfg.seed}, ROOT)
+        if r.status.value != "dropped"
+    ]  # trace rows that are never replayed
     bm = BlockManager(gpu, cpu, bs, cfg.kv_cache.watermark)
     scheduler = cls(limits, bm)
     row = {

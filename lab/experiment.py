@@ -265,17 +265,19 @@ def iter_runs(
                 executor = CostModelExecutor(cost_model, bs)
             label = cfg.run_label(pol, scale)
             run_requests = fresh(trace)
-            n = len(run_requests)
+            replayed = [r for r in run_requests if r.status is not RequestStatus.DROPPED]
+            n = len(replayed)
             with Phase(f"{label}: replay {n:,} requests", n, "req", progress) as phase:
                 result = replay(
-                    run_requests,
+                    replayed,
                     scheduler,
                     executor,
                     check_invariants=cfg.check_invariants,
                     progress=phase.replay_callback,
                 )
-            with Phase(f"{label}: metrics", n, "req", progress) as phase:
-                df, itl = metrics.request_table(result, pol.label, scale, phase.set)
+            rows = metrics.in_trace_order(run_requests, result.requests)  # dropped rows too
+            with Phase(f"{label}: metrics", len(rows), "req", progress) as phase:
+                df, itl = metrics.request_table(result, pol.label, scale, phase.set, rows)
                 summary = {
                     "policy": pol.label,
                     "rate_scale": scale,

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 
-from lab.core.request import RequestStatus
+from lab.core.request import Request, RequestStatus
 from lab.sim.replay import ReplayResult
 
 PERCENTILES = (50, 90, 99)
@@ -37,11 +37,32 @@ REQUEST_COLUMNS = [
 ]  # fmt: skip
 
 
+def in_trace_order(trace: list[Request], replayed: list[Request]) -> list[Request]:
+    """Every request of ``trace`` for the results: ``replayed`` (in replay order, sorted by
+    arrival) with each dropped trace row (status DROPPED, never replayed) placed after the
+    replayed request that precedes it in ``trace``."""
+    after: dict[int, list[Request]] = {}
+    prev = -1  # id() of the replayed request before, -1 = none yet
+    for r in trace:
+        if r.status is RequestStatus.DROPPED:
+            after.setdefault(prev, []).append(r)
+        else:
+            prev = id(r)
+    if not after:
+        return replayed
+    out = list(after.get(-1, ()))
+    for r in replayed:
+        out.append(r)
+        out.extend(after.get(id(r), ()))
+    return out
+
+
 def request_table(
     result: ReplayResult,
     policy: str,
     rate_scale: float,
     progress: Callable[[int], None] | None = None,
+    requests: list[Request] | None = None,
 ) -> tuple[pd.DataFrame, np.ndarray]:
     """One row per trace request, and the pooled ITL gaps (seconds) of finished requests.
 
@@ -51,8 +72,10 @@ def request_table(
 
     Args:
         progress: optional callable(num_requests_done), called every 4,096 requests.
+        requests: the rows, in order (default ``result.requests``; :func:`in_trace_order`
+            adds the trace rows that were not replayed).
     """
-    requests = result.requests
+    requests = result.requests if requests is None else requests
     num_gaps = sum(_num_tokens(r) - 1 for r in requests if r.status is RequestStatus.FINISHED)
     itl = np.empty(max(num_gaps, 0))
     cols: dict[str, list] = {c: [] for c in REQUEST_COLUMNS}

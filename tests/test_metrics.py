@@ -115,3 +115,31 @@ def test_steps_csv_in_chunks_is_the_concatenated_frame(tmp_path):
     _write_steps_csv(tmp_path / "chunked.csv", empty)
     _steps_frame(empty).to_csv(tmp_path / "whole.csv", index=False, float_format="%.9g")
     assert (tmp_path / "chunked.csv").read_text() == (tmp_path / "whole.csv").read_text()
+
+
+def test_dropped_rows_are_a_reporting_matter():
+    """replay() refuses dropped trace rows; in_trace_order puts them back after the replayed
+    request that precedes them in the trace."""
+    import pytest
+    from helpers import FixedCost
+
+    from lab.core.kv import BlockManager
+    from lab.core.request import Request, RequestStatus
+    from lab.core.scheduler import SchedulerLimits
+    from lab.metrics import in_trace_order
+    from lab.sim.replay import replay
+    from policies import get_policy
+
+    def dropped(i):
+        r = Request(i, float("nan"), 1, 0)
+        r.status, r.reason = RequestStatus.DROPPED, "not replayed: 0 output tokens"
+        return r
+
+    trace = [dropped("d0"), Request("a", 0.5, 4, 2), dropped("d1"), Request("b", 0.1, 4, 2)]
+    scheduler = get_policy("fcfs")(SchedulerLimits(8, 64, 64), BlockManager(8, 0, 4, 0.0))
+    with pytest.raises(ValueError, match="requests d0, d1 are dropped trace rows"):
+        replay(trace, scheduler, FixedCost())
+    result = replay(trace[1::2], scheduler, FixedCost())
+    assert [r.request_id for r in result.requests] == ["b", "a"]  # by arrival
+    assert [r.request_id for r in in_trace_order(trace, result.requests)] == [
+        "d0", "b", "a", "d1"]  # fmt: skip

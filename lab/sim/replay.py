@@ -182,13 +182,14 @@ def replay(
     """Replay ``requests`` (mutated in place) through ``scheduler`` and ``executor``.
 
     Args:
-        requests: fresh requests (status WAITING), any order; requests with status DROPPED
-            (trace rows that are not replayed) are kept in the result, in their place.
+        requests: fresh requests (status WAITING), any order. Trace rows that are not
+            replayed (status DROPPED) are a reporting matter (:func:`lab.metrics.in_trace_order`)
+            and are refused here.
         check_invariants: check blocks and limits after every plan (slow; for tests).
         progress: optional callable(num_ended_requests, sim_time_s), called now and then.
 
     Returns:
-        The result. If a step fails (the executor raises, e.g. device out of memory, or the
+        The result, its requests sorted by arrival. If a step fails (the executor raises, e.g. device out of memory, or the
         policy gets stuck or thrashes: SchedulerStuckError), the replay stops there, every
         request not ended yet is aborted with a reason naming the failure, and
         ``failure`` holds the one-line message; nothing is lost and nothing hangs.
@@ -216,10 +217,13 @@ def _replay(
     progress,
 ) -> ReplayResult:
     t0 = time.perf_counter()
-    every = requests
-    requests = sorted(
-        (r for r in every if r.status is not RequestStatus.DROPPED), key=lambda r: r.arrival_s
-    )  # dropped trace rows are not replayed
+    dropped = [r.request_id for r in requests if r.status is RequestStatus.DROPPED]
+    if dropped:
+        raise ValueError(
+            f"replay: requests {', '.join(dropped[:5])} are dropped trace rows "
+            "(not replayed; see lab.metrics.in_trace_order)"
+        )
+    requests = sorted(requests, key=lambda r: r.arrival_s)
     env = simpy.Environment()
     wakeup, arrived = _Wakeup(env), [0]
     # array.array: 8 bytes a value while the replay runs (a list holds a Python object each)
@@ -272,8 +276,6 @@ def _replay(
         c: np.frombuffer(v, dtype=np.float64 if c in _FLOAT_COLUMNS else np.int64)
         for c, v in rec.items()
     }
-    if len(requests) < len(every):  # the dropped rows, in their places of the input order
-        requests = _with_dropped(every, requests)
     return ReplayResult(
         requests,
         steps,
@@ -282,23 +284,6 @@ def _replay(
         scheduler.block_manager.num_gpu_blocks,
         failure,
     )
-
-
-def _with_dropped(every: list[Request], replayed: list[Request]) -> list[Request]:
-    """``replayed`` (sorted by arrival) with each dropped request of ``every`` placed after
-    the replayed request that precedes it in ``every``."""
-    after: dict[int, list[Request]] = {}
-    prev = -1  # id() of the replayed request before, -1 = none yet
-    for r in every:
-        if r.status is RequestStatus.DROPPED:
-            after.setdefault(prev, []).append(r)
-        else:
-            prev = id(r)
-    out = list(after.get(-1, ()))
-    for r in replayed:
-        out.append(r)
-        out.extend(after.get(id(r), ()))
-    return out
 
 
 _FLOAT_COLUMNS = ("time_s", "duration_s", "prefill_attention_pairs")

@@ -5,10 +5,9 @@
 Each row is one step shape, timed as the engine executor times a step (input preparation,
 forward, sampling, device sync; swaps for the swap rows): the median of ``--passes`` passes
 over the whole grid, ``--repeat`` runs per row each after a warm-up run. Passes, not
-back-to-back repeats, because the host slows down now and then for a second or more: on
-one profile of 2026-11-29 (steps with prompt tokens then ran eagerly, host-bound), 11
-consecutive rows ran 1.5x slow, so a slow spell must fall in one pass, not on every run of
-a row. Columns are the
+back-to-back repeats, because the host slows down now and then for a second or more, over
+several consecutive rows: a slow spell must fall in one pass, not on every run of a row.
+Columns are the
 :class:`lab.core.plan.StepFeatures` fields plus ``duration_s``; the header lines (``#``) record
 the date, device, engine commit and model shape.
 

@@ -13,8 +13,8 @@ whose partial results a second kernel merges by log-sum-exp (flash-decoding: Dao
 Massa and Sizov, "Flash-Decoding for long-context inference", PyTorch blog, 2023), so batch
 1 at 4k tokens still runs on every SM. The work items are near-equal shares of all the
 step's contexts (:func:`backend.attention.base.decode_work`), not a fixed split count per
-sequence: with a fixed count, one 16k context among 63 of 1k made a decode step 2.5x
-slower than the same total spread evenly (benchmarks/decode_uneven.py). Sequence index -1
+sequence, so one long context does not set the kernel's time (benchmarks/decode_uneven.py
+measures it). Sequence index -1
 in either kernel's table is CUDA-graph padding: its programs return at once.
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU

@@ -16,6 +16,7 @@ import run_experiment
 from lab.config import load_config
 from lab.core.errors import ConfigError
 from lab.report import MANIFEST
+from policies import policy_names
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "experiments").glob("*.yaml"))
@@ -311,8 +312,8 @@ BASE = "trace: {format: synthetic, num_requests: 5, arrival: {process: poisson, 
     [
         (BASE + "polices: [fcfs]\n", "unknown key polices; allowed: name, backend"),
         (
-            BASE + "policies: [lifo]\n",
-            "unknown policy 'lifo'; known policies: chunked_prefill, fcfs, swap",
+            BASE + "policies: [no_such_policy]\n",
+            "unknown policy 'no_such_policy'; known policies: " + ", ".join(policy_names()),
         ),
         (
             BASE + "kv_cache: {block_size: sixteen}\n",

@@ -12,19 +12,24 @@ from helpers import by_id, run
 from lab.core import scheduler
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+NAME = "test_readme_shortest_prompt"
 
 
 def test_readme_policy_example_works(monkeypatch):
     text = README.read_text()
     code = re.search(r"```python\n(# policies/shortest_prompt\.py\n.*?)```", text, re.S).group(1)
-    module = types.ModuleType("policies.shortest_prompt")
-    monkeypatch.setitem(sys.modules, "policies.shortest_prompt", module)
+    # Under a name of its own: a user who saved the example as policies/shortest_prompt.py
+    # has registered "shortest_prompt" already.
+    assert '@register_policy("shortest_prompt")' in code
+    code = code.replace('"shortest_prompt"', f'"{NAME}"')
+    module = types.ModuleType(f"readme_{NAME}")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
     try:
         exec(compile(code, "README.md", "exec"), module.__dict__)  # noqa: S102 - our README
         # Budget 64 tokens, no chunking: "short" (4) is tried before "long" (60); both fit
         # the budget (64) and the 8 blocks of 16 tokens (1 + 4), so both start at once.
         res = run(
-            "shortest_prompt",
+            NAME,
             [("long", 0.0, 60, 2), ("short", 0.0, 4, 2)],
             budget=64,
             max_model_len=64,
@@ -34,7 +39,7 @@ def test_readme_policy_example_works(monkeypatch):
         # "big" (60) arrives as early as "mid" (40) and is listed first, but mid is admitted
         # first; big does not fit the 24 tokens left and waits for the next step (10 ms).
         res = run(
-            "shortest_prompt",
+            NAME,
             [("big", 0.0, 60, 1), ("mid", 0.0, 40, 1)],
             budget=64,
             max_model_len=64,
@@ -47,7 +52,7 @@ def test_readme_policy_example_works(monkeypatch):
         # would preempt b (newest); this policy preempts a (2 computed tokens vs b's 6). The
         # freed block goes to b, and a is never preempted again nor b at all.
         res = run(
-            "shortest_prompt",
+            NAME,
             [("a", 0.0, 2, 6), ("b", 0.0, 6, 6)],
             gpu_blocks=4,
             block_size=4,
@@ -57,7 +62,7 @@ def test_readme_policy_example_works(monkeypatch):
         r = by_id(res)
         assert (r["a"].num_preemptions, r["b"].num_preemptions) == (1, 0)
     finally:
-        scheduler._POLICIES.pop("shortest_prompt", None)
+        scheduler._POLICIES.pop(NAME, None)
 
 
 def test_readme_python_api_example_works(tmp_path, monkeypatch, capsys):

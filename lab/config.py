@@ -45,6 +45,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import policies
 from lab import paths
 from lab.core.errors import ConfigError
 from lab.sim.hardware import HARDWARE
@@ -522,6 +523,9 @@ def _scheduler(where: str, raw: Any) -> SchedulerConfig:
 
 
 def _policies(where: str, pols: Any) -> tuple[PolicyConfig, ...]:
+    if policies.BROKEN:  # a policy file that cannot be imported: say which, run nothing
+        path, why = next(iter(policies.BROKEN.items()))
+        raise ConfigError(f"{path}: the policy module cannot be imported ({why}); fix or remove it")
     if not isinstance(pols, list) or not pols:
         raise _fail(where, "policies", "a non-empty list of policy names or mappings", pols)
 

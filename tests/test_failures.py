@@ -108,3 +108,49 @@ def test_replay_freezes_the_collector_and_restores_it_even_after_a_failure():
         assert gc.get_freeze_count() >= before > 0
     finally:
         gc.unfreeze()
+
+
+def test_plans_that_feed_no_token_stop_the_run():
+    """A plan that is not empty but advances no request (a 0-token chunk, a swap of nothing)
+    is no progress either: the run stops instead of looping forever."""
+    import pytest
+
+    from lab.core.plan import SchedulerOutput
+    from lab.core.scheduler import _POLICIES, register_policy
+    from policies.fcfs import FCFS
+
+    class ZeroChunk(FCFS):
+        def schedule(self):
+            if self.num_steps >= 2 and self.running:
+                plan = SchedulerOutput()
+                plan.prefills[self.running[0]] = 0
+                return plan
+            return super().schedule()
+
+    class SwapNothing(FCFS):
+        def schedule(self):
+            if self.num_steps >= 2:
+                plan = SchedulerOutput()
+                plan.swap_in.append((0, 0))
+                return plan
+            return super().schedule()
+
+    for name, cls in (("test_zero_chunk", ZeroChunk), ("test_swap_nothing", SwapNothing)):
+        register_policy(name)(cls)
+        try:
+            reqs = [Request("a", 0.0, 4, 8)]
+            scheduler = cls(SchedulerLimits(8, 64, 64), BlockManager(16, 4, 4, 0.0))
+            res = replay(reqs, scheduler, FixedCost())
+            assert res.failure.startswith(
+                f"SchedulerStuckError: policy '{name}' made no progress at t=0.020000s"
+            ), res.failure
+            assert len(res.steps["time_s"]) == 2
+            assert reqs[0].status.value == "aborted"
+        finally:
+            _POLICIES.pop(name, None)
+    with pytest.raises(AssertionError, match="prefill chunks of no token"):
+        s = ZeroChunk(SchedulerLimits(8, 64, 64), BlockManager(16, 4, 4, 0.0))
+        s.add(Request("b", 0.0, 4, 8), 0.0)
+        plan = s.schedule()
+        plan.prefills[next(iter(plan.prefills))] = 0
+        s.check_plan(plan)

@@ -160,3 +160,23 @@ def test_new_policy_file_is_discovered(tmp_path, monkeypatch):
     finally:
         scheduler._POLICIES.pop("zz_test_discovered", None)
         sys.modules.pop("policies.zz_test_discovered", None)
+
+
+def test_broken_policy_file_is_one_line(tmp_path, monkeypatch):
+    """A policy file that cannot be imported (here: a syntax error) stops every run with one
+    line naming it, not a traceback at import."""
+    import pytest
+
+    from lab.config import validate
+    from lab.core.errors import ConfigError
+
+    (tmp_path / "zz_test_broken.py").write_text("def oops(:\n    pass\n")
+    monkeypatch.setattr(policies, "__path__", [*policies.__path__, str(tmp_path)])
+    monkeypatch.setattr(policies, "BROKEN", {})
+    policies.discover()
+    assert list(policies.BROKEN) == [f"{tmp_path}/zz_test_broken.py"]
+    trace = {"format": "synthetic", "num_requests": 2, "arrival": {"process": "poisson",
+             "rate": 1.0}, "prompt_len": 4, "output_len": 2}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"zz_test_broken\.py: the policy module cannot be "
+                       r"imported \(SyntaxError: "):  # fmt: skip
+        validate({"name": "x", "trace": trace})

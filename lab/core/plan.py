@@ -174,6 +174,11 @@ class SchedulerOutput:
         return [r.prompt_len + r.join_num_output + tick - r.join_tick for r in self.decodes]
 
     @property
+    def feeds_tokens(self) -> bool:
+        """True if some request advances: a decode, or a prefill chunk of >= 1 token."""
+        return bool(self.decodes) or any(n > 0 for n in self.prefills.values())
+
+    @property
     def is_empty(self) -> bool:
         """True if the step would compute and move nothing."""
         return not (self.prefills or self.decodes or self.swap_out or self.swap_in)

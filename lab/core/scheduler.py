@@ -364,6 +364,8 @@ class Scheduler:
         tokens = plan.features().num_tokens
         assert tokens <= lim.max_num_batched_tokens, f"{tokens} tokens > budget"
         assert len(self.running) <= lim.max_num_seqs, f"{len(self.running)} running > max_num_seqs"
+        bad = [r.request_id for r, n in plan.prefills.items() if n < 1]
+        assert not bad, f"prefill chunks of no token: {bad[:5]}"
         scheduled = set(plan.prefills) | set(plan.decodes)
         assert len(scheduled) == len(plan.prefills) + len(plan.decodes), "request scheduled twice"
         assert not scheduled & {r for r, _ in plan.preempted}, "request scheduled and preempted"

@@ -129,10 +129,11 @@ def engine_process(
             continue
         t_plan = time.perf_counter() if wall_clock else 0.0
         plan = scheduler.schedule()
-        if plan.is_empty:
-            if plan.aborted:
-                continue  # dropping a request is progress
-            raise SchedulerStuckError(_stuck_message(scheduler, env.now))
+        if not plan.feeds_tokens:  # no request advances: only an abort is progress
+            if not plan.aborted:
+                raise SchedulerStuckError(_stuck_message(scheduler, env.now))
+            if plan.is_empty:
+                continue  # nothing to execute (swaps planned with the abort still run)
         if check_invariants:
             scheduler.check_plan(plan)
         if wall_clock:

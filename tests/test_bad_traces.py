@@ -275,3 +275,33 @@ def test_sigma_that_keeps_most_samples_is_accepted() -> None:
 def test_rate_scale_that_keeps_the_clock_is_accepted() -> None:
     requests = load_trace({**SYNTHETIC, "rate_scale": 1e-6}, ROOT)  # last arrival 4.06e6 s
     assert [round(r.arrival_s) for r in requests] == [0, 3293528, 4056659]
+
+
+# --- found by a break-it pass -----------------------------------------------------------
+
+
+def test_gamma_rate_times_burstiness_underflow() -> None:
+    spec = {"format": "synthetic", "num_requests": 5, "prompt_len": 10, "output_len": 5,
+            "arrival": {"process": "gamma", "rate": 1e-200, "burstiness": 1e-200}}  # fmt: skip
+    assert error(spec) == (
+        "trace.arrival: rate 1e-200 x burstiness 1e-200 is too small: the mean inter-arrival "
+        "time 1 / (rate x burstiness) overflows float64"
+    )
+
+
+def test_deeply_nested_jsonl_line(tmp_path: Path) -> None:
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 100, "output_length": 5, "x": '
+                    + "[" * 3000 + "]" * 3000 + "}\n")  # fmt: skip
+    assert error({"format": "mooncake", "path": str(path)}) == (
+        "deep.jsonl: line 1: JSON nested too deeply"
+    )
+
+
+def test_arrivals_beyond_the_clock_at_rate_scale_1(tmp_path: Path) -> None:
+    path = tmp_path / "far.csv"
+    path.write_text("Timestamp,Request tokens,Response tokens\n0,100,50\n1e17,100,50\n")
+    assert error({"format": "burstgpt", "path": str(path)}).startswith(
+        "trace: the trace's own clock puts the last arrival at 1e+17 s; expected arrivals "
+        "within 4.29e+09 s"
+    )

@@ -730,9 +730,9 @@ BAD_SPECS = [
         {**SMALL_SYNTHETIC, "prompt_len": {"lognormal": {"mean": 1e19, "sigma": 0}}},
         "trace.prompt_len.lognormal.mean: expected at most 1,099,511,627,776, got 1e+19",
     ),
-    (  # 1e-310 req/s: the second arrival overflows to inf
+    (  # 1e-310 req/s: the mean gap overflows to inf
         {**SMALL_SYNTHETIC, "arrival": {"rate": 1e-310}},
-        "trace: request 1 would arrive at inf s: the arrival rate is too small",
+        "trace.arrival: rate 1e-310 x burstiness 1 is too small: the mean inter-arrival time 1 / (rate x burstiness) overflows float64",
     ),
     (
         {**SMALL_SYNTHETIC, "rate_scale": 1e-320},

@@ -32,7 +32,7 @@ from lab.core.errors import TraceError
 from lab.core.request import Request
 from traces.registry import FORMATS, get_format
 from traces.spec import WHERE, check_keys, check_mapping, get_float, get_int, require
-from traces.table import TraceTable, apply_limit, apply_rate_scale, apply_window
+from traces.table import TraceTable, apply_limit, apply_rate_scale, apply_window, check_clock
 
 __all__ = ["COMMON_KEYS", "FORMATS", "load_table", "load_trace", "scale_table"]
 
@@ -97,6 +97,7 @@ def load_table(spec: Mapping[str, Any], base_dir: Path) -> tuple[TraceTable, int
     table = apply_window(table, start_s, end_s)
     if limit is not None:
         table = apply_limit(table, limit)
+    check_clock(table.arrival_s[table.replayed], WHERE, "the trace's own clock")
     return table, rows
 
 

@@ -63,4 +63,11 @@ def parse_arrival(spec: Any, where: str) -> ArrivalProcess:
             f"{where}.burstiness: a poisson process has burstiness 1, got {burstiness:g} "
             "(use process: gamma)"
         )
+    if not math.isinf(rate) and not (
+        rate * burstiness > 0 and math.isfinite(1.0 / (rate * burstiness))
+    ):
+        raise TraceError(
+            f"{where}: rate {rate:g} x burstiness {burstiness:g} is too small: the mean "
+            "inter-arrival time 1 / (rate x burstiness) overflows float64"
+        )
     return ArrivalProcess(rate=rate, burstiness=burstiness)

@@ -146,6 +146,8 @@ def _parse_json_line(line: str, file: str, number: int) -> dict:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         raise TraceError(f"{file}: line {number}: not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise TraceError(f"{file}: line {number}: JSON nested too deeply") from None
     if not isinstance(record, dict):
         raise TraceError(f"{file}: line {number}: expected a JSON object, got {line.strip()[:40]}")
     return record

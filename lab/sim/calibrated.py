@@ -349,10 +349,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab.sim.calibrate
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    by_kind = {
-        k: float(np.median(err[(df["kind"] == k).to_numpy()]))
-        for k in df.get("kind", pd.Series(["all"] * len(df))).unique()
-    }
+    kinds = df["kind"].fillna("unlabelled") if "kind" in df else pd.Series(["all"] * len(df))
+    by_kind = {str(k): float(np.median(err[(kinds == k).to_numpy()])) for k in kinds.unique()}
     summary = {
         "profile": args.profile,
         "rows": len(df),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 import time
 from array import array
 from collections.abc import Iterator
@@ -162,6 +163,11 @@ def engine_process(
             f.prefill_attention_pairs,
             f.decode_context_tokens,
         )
+        if not 0.0 <= result.duration_s < math.inf or math.isinf(env.now + result.duration_s):
+            raise ValueError(
+                f"step {step}: duration {result.duration_s!r} s leaves the clock "
+                f"at t={env.now:.6g}s without a finite end"
+            )
         yield env.timeout(result.duration_s)
         for col, value in zip(columns, row):
             col.append(value)

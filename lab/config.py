@@ -393,15 +393,23 @@ def validate(
     )
 
 
+MAX_NAME_CHARS = 128  # a folder name: file systems allow 255 bytes, the temporary name adds 14
+
+
 def check_name(where: str, key: str, name) -> str:
     """An experiment name: it becomes a folder under results/, so letters, digits, '.', '_'
     and '-' only, starting with a letter or digit (no '', '.', '..' or paths)."""
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
+    if (
+        not isinstance(name, str)
+        or not _NAME.fullmatch(name)
+        or name in (".", "..")
+        or len(name) > MAX_NAME_CHARS
+    ):
         raise _fail(
             where,
             key,
-            "a name of letters, digits, '.', '_' and '-' starting with a "
-            "letter or digit (it names the results folder)",
+            f"a name of at most {MAX_NAME_CHARS} letters, digits, '.', '_' and '-' starting "
+            "with a letter or digit (it names the results folder)",
             name,
         )
     return name

@@ -22,7 +22,13 @@ from lab.core.kv import BlockManager
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import SchedulerLimits
 from lab.progress import Phase
-from lab.sim.cost_model import AnalyticCostModel, CostModelExecutor, num_cpu_blocks, num_gpu_blocks
+from lab.sim.cost_model import (
+    AnalyticCostModel,
+    CostModelExecutor,
+    activation_bytes,
+    num_cpu_blocks,
+    num_gpu_blocks,
+)
 from lab.sim.hardware import HARDWARE
 from lab.sim.models import MODELS
 from lab.sim.replay import ReplayResult, replay
@@ -105,10 +111,13 @@ def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
                 f"{block_bytes / 1e9:.1f} GB of KV cache for {model.name}; a {hw.name} has "
                 f"room for {tokens} tokens"
             )
+        act = activation_bytes(model, tokens_per_step, seqs)
         raise ConfigError(
             f"kv_cache.gpu_memory_utilization: {kv.gpu_memory_utilization} of "
             f"{hw.memory_bytes / 1e9:.0f} GB leaves no room for KV after "
-            f"{model.weight_bytes / 1e9:.1f} GB of weights and the activations"
+            f"{model.weight_bytes / 1e9:.1f} GB of weights and {act / 1e9:.1f} GB of "
+            f"activations (scheduler.max_num_batched_tokens {tokens_per_step}, "
+            f"scheduler.max_num_seqs {seqs})"
         )
     kv_bytes = gpu * model.kv_bytes_per_token * kv.block_size
     if kv_bytes > hw.memory_bytes:

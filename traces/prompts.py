@@ -93,4 +93,8 @@ def _tokenizer(path: Path, base_dir: Path):
             f"{WHERE}.tokenizer: no tokenizer files in {path} (for SmolLM2 run "
             f"`python -m backend.tools convert-smollm2`)"
         )
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - a corrupt or foreign tokenizer folder
+        why = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise TraceError(f"{WHERE}.tokenizer: {path} cannot be loaded ({why})") from None

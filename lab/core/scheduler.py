@@ -159,8 +159,8 @@ class Scheduler:
         for r in out:
             self.block_manager.free(r)
             r.status, r.reason, r.finish_s = RequestStatus.ABORTED, reason, now_s
-        self.waiting.clear(), self.running.clear(), self.swapped.clear()
-        self.prefilling.clear()
+        for queue in (self.waiting, self.running, self.swapped, self.prefilling):
+            queue.clear()
         self.decode_set = DecodeSet(self.block_size)
         return out
 

@@ -333,8 +333,9 @@ def load_config(path: str | Path) -> ExperimentConfig:
             in it (naming the key path and the value as written).
     """
     path = Path(path).expanduser()
-    if not path.exists() and paths.resolve(path, Path.cwd()).is_file():
-        path = paths.resolve(path, Path.cwd())
+    if not path.exists():
+        bundled = paths.resolve(path, Path.cwd())
+        path = bundled if bundled.is_file() else path
     raw = load_yaml_file(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of keys at the top level")

@@ -294,12 +294,7 @@ def _replay(
 
 
 _FLOAT_COLUMNS = ("time_s", "duration_s", "prefill_attention_pairs")
-_ENDED = (
-    RequestStatus.FINISHED,
-    RequestStatus.REJECTED,
-    RequestStatus.ABORTED,
-    RequestStatus.DROPPED,
-)
+_ENDED = (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED)
 
 
 def _stuck_message(s: Scheduler, now: float) -> str:

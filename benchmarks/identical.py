@@ -2,6 +2,7 @@
 
     python benchmarks/identical.py                 # compare with benchmarks/identical_ref.json
     python benchmarks/identical.py --write         # record the current results as the reference
+    python benchmarks/identical.py --base main     # compare with another commit, additively
 
 Runs each ``backend: sim`` YAML of experiments/ into a temporary folder and compares the
 sha256 of its ``requests.csv``, ``steps.csv`` and ``summary.json`` with the reference (made
@@ -11,11 +12,18 @@ at the commit named in it). Exit status 1 on any difference, naming the file.
 path, sha256 and row count, added after the reference was made; the path depends on the
 checkout): the rest is re-serialized as the lab writes it (``json.dumps(indent=2)``), so
 the comparison still proves every other byte identical.
+
+``--base REV`` runs the same experiments at commit REV (in a temporary git worktree) and
+compares additively, for changes that add columns or keys but must not change any result:
+every CSV column of REV's files must exist with the same values in the same rows, and every
+key of REV's ``summary.json`` must hold the same value (new columns and keys are listed, not
+refused). Experiments that exist on one side only are skipped with a note.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import hashlib
 import json
 import subprocess
@@ -38,17 +46,99 @@ def sim_experiments() -> list[Path]:
     return out
 
 
-def digests(path: Path, out: Path) -> dict[str, str]:
+def run(root: Path, path: Path, out: Path) -> None:
     cmd = [
         sys.executable,
-        str(ROOT / "run_experiment.py"),
+        str(root / "run_experiment.py"),
         str(path),
         "--out",
         str(out),
         "--no-progress",
     ]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, cwd=root, stdout=subprocess.DEVNULL)
+
+
+def digests(path: Path, out: Path) -> dict[str, str]:
+    run(ROOT, path, out)
     return {f: hashlib.sha256(comparable(out / f)).hexdigest() for f in FILES}
+
+
+def csv_subset(old: Path, new: Path) -> tuple[list[str], list[str]]:
+    """(problems, added columns): every column of ``old`` must be in ``new``, row for row."""
+    with old.open(newline="") as f:
+        a = list(csv.reader(f))
+    with new.open(newline="") as f:
+        b = list(csv.reader(f))
+    if len(a) != len(b):
+        return [f"{len(a) - 1} rows before, {len(b) - 1} now"], []
+    if not a:
+        return [], []
+    where = {name: i for i, name in enumerate(b[0])}
+    missing = [c for c in a[0] if c not in where]
+    if missing:
+        return [f"columns gone: {missing[:5]}"], []
+    idx = [where[c] for c in a[0]]
+    for n, (ra, rb) in enumerate(zip(a[1:], b[1:]), start=1):
+        got = [rb[i] for i in idx]
+        if got != ra:
+            col = next(c for c, x, y in zip(a[0], ra, got) if x != y)
+            return [f"row {n}, column {col!r} differs"], []
+    return [], [c for c in b[0] if c not in set(a[0])]
+
+
+def json_subset(old, new, where: str = "") -> tuple[list[str], list[str]]:
+    """(problems, added keys): every key of ``old`` must hold the same value in ``new``."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        problems, added = [], [f"{where}/{k}" for k in new if k not in old]
+        for k, v in old.items():
+            if k not in new:
+                problems.append(f"{where}/{k} gone")
+                continue
+            p, a = json_subset(v, new[k], f"{where}/{k}")
+            problems += p
+            added += a
+        return problems, added
+    return ([] if old == new else [f"{where} differs"]), []
+
+
+def compare_with_base(rev: str, only: list[str] | None) -> int:
+    bad = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "base"
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", "-q", str(base), rev], cwd=ROOT, check=True
+        )
+        try:
+            base_names = {p.stem for p in (base / "experiments").glob("*.yaml")}
+            for path in sim_experiments():
+                if only and path.stem not in only:
+                    continue
+                if path.stem not in base_names:
+                    print(f"{path.stem}: new (not at {rev}), skipped")
+                    continue
+                a, b = Path(tmp) / "a" / path.stem, Path(tmp) / "b" / path.stem
+                run(base, base / "experiments" / path.name, a)
+                run(ROOT, path, b)
+                problems, added = [], []
+                for f in ("requests.csv", "steps.csv"):
+                    p, c = csv_subset(a / f, b / f)
+                    problems += [f"{f}: {x}" for x in p]
+                    added += [f"{f}:{x}" for x in c]
+                old, new = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+                for run_ in (*old.values(), *new.values()):
+                    run_.pop("trace", None)
+                p, c = json_subset(old, new)
+                problems += [f"summary.json: {x}" for x in p]
+                added += [f"summary.json:{x}" for x in c]
+                bad += bool(problems)
+                verdict = "DIFFERENT: " + "; ".join(problems[:5]) if problems else "identical"
+                extra = f" (added: {', '.join(sorted(set(added))[:8])})" if added else ""
+                print(f"{path.stem}: {verdict}{extra}")
+        finally:
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=False
+            )
+    return 1 if bad else 0
 
 
 def comparable(path: Path) -> bytes:
@@ -66,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--write", action="store_true", help="record the reference")
     ap.add_argument("--only", nargs="*", help="experiment names (default: all sim ones)")
+    ap.add_argument("--base", metavar="REV", help="compare additively with commit REV")
     args = ap.parse_args(argv)
+    if args.base:
+        return compare_with_base(args.base, args.only)
     ref = json.loads(REF.read_text()) if REF.exists() else {"experiments": {}}
     got, bad = {}, []
     with tempfile.TemporaryDirectory() as tmp:

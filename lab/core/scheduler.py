@@ -504,6 +504,17 @@ class Scheduler:
             self.prefilling.remove(r)
 
 
+def bad_number(options: Mapping[str, Any], key: str, *, null: bool = False) -> str | None:
+    """For :meth:`Scheduler.check_options`: ``key: expected ...`` unless ``options[key]`` is a
+    finite number >= 0 (or null, when ``null``); None when it is, or when the key is absent."""
+    v = options.get(key)
+    if key not in options or (v is None and null):
+        return None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf"):
+        return None
+    return f"{key}: expected a finite number >= 0{' or null' if null else ''}, got {v!r}"
+
+
 # ---------------------------------------------------------------------- registry
 _POLICIES: dict[str, type[Scheduler]] = {}
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab import metrics
+from lab import fairness, metrics
 from lab.config import ExperimentConfig, PolicyConfig
 from lab.core.errors import ConfigError, TraceError
 from lab.core.kv import BlockManager
@@ -240,7 +240,13 @@ def iter_runs(
         raise ConfigError(
             'backend: engine needs torch, which is not installed: pip install -e ".[engine]"'
         )
-    if requests is None:
+    if requests is None and cfg.trace.classes:
+        from traces.classes import load_classes
+
+        with Phase(f"loading {len(cfg.trace.classes)} workload classes", bars=progress):
+            requests, rows = load_classes(cfg.trace.classes, cfg.base_dir, cfg.seed, cfg.slo.ttft_s)
+        info = {"path": None, "sha256": None, "rows": rows}
+    elif requests is None:
         before = sha256_of(cfg.trace.path)
         with Phase(f"loading trace ({cfg.trace.format})", bars=progress):
             table, rows = load_table({"seed": cfg.seed, **cfg.trace.spec}, cfg.base_dir)
@@ -265,6 +271,9 @@ def iter_runs(
         )
     for scale in cfg.rate_scales:
         trace = requests if requests is not None else tables.pop(scale).to_requests()
+        for r in trace:  # EDF's deadline for a single trace: the top-level TTFT SLO
+            if r.ttft_slo_s is None:
+                r.ttft_slo_s = cfg.slo.ttft_s
         if cfg.backend == "engine":
             assign_prompt_tokens(trace, vocab_size, cfg.seed)
         for pol, cls, limits in policies:
@@ -299,6 +308,10 @@ def iter_runs(
                     "trace": info,
                     **metrics.summarize(df, itl, result, cfg.slo.to_dict()),
                 }
+                if cfg.trace.classes:  # per class and per tenant (lab/fairness.py)
+                    slos = fairness.class_slos(cfg.trace.classes, cfg.slo.to_dict())
+                    duration = summary["duration_s"]
+                    summary.update(fairness.summarize_classes(df, rows, result, slos, duration))
                 itl = metrics.cdf_points(itl, overwrite=True)  # all gaps: a run's largest array
             if result.failure:
                 summary["failure"] = result.failure

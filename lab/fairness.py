@@ -10,14 +10,14 @@ summary.json, so a single trace's results are unchanged.
 * ``tenants``: per tenant its requests, served tokens and TTFT.
 * ``fairness``: service between tenants over time, in windows of ``window_s`` (the run's
   duration / :data:`NUM_WINDOWS`). Service is weighted tokens as VTC counts them (Sheng et
-  al., "Fairness in Serving Large Language Models", OSDI'24, §3: ``INPUT_WEIGHT`` per prompt
+  al., "Fairness in Serving Large Language Models", OSDI'24, its cost function: ``INPUT_WEIGHT`` per prompt
   token, counted when the first token comes out, and ``OUTPUT_WEIGHT`` per output token, at
   its time). A tenant is *backlogged* in a window when it has a request waiting (arrived,
   not yet scheduled the first time) throughout the window. ``jain_index``: Jain's index
   (sum x)^2 / (n sum x^2) of the service of the n >= 2 backlogged tenants, mean and min
   over the windows that have them (1 = equal service). ``max_service_difference``: the
   largest |W_f - W_g| over intervals (whole windows) where tenants f and g are both
-  backlogged, the quantity VTC bounds (its §4.2); under FCFS it grows with the interval.
+  backlogged, the quantity VTC bounds (the paper's §4); under FCFS it grows with time.
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ def _group(df: pd.DataFrame, good: np.ndarray | None, duration_s: float) -> dict
         v = fin[key].to_numpy(dtype=float)
         out[key] = stats(v) | {"max": float(np.nanmax(v)) if np.isfinite(v).any() else np.nan}
     out["preemptions_recompute"] = int(df["num_preemptions_recompute"].sum())
+    out["recomputed_tokens"] = int(df["recomputed_tokens"].sum())
     if good is not None:
         ok = good[(df["status"] != "dropped").to_numpy()]
         out["goodput"] = float(ok.sum()) / duration_s
@@ -197,8 +198,9 @@ def markdown(runs) -> list[str]:
         "## Per class",
         "",
         "| run | class | finished | TTFT p50 / p99 / max (s) | E2E p50 / p99 / max (s) "
-        "| queue max (s) | out tok/s | goodput (req/s) | SLO attainment |",
-        "|" + "---|" * 9,
+        "| queue max (s) | out tok/s | preempt / recomputed tok | goodput (req/s) "
+        "| SLO attainment |",
+        "|" + "---|" * 10,
     ]
     for r in runs:
         for name, c in r.summary["classes"].items():
@@ -208,8 +210,12 @@ def markdown(runs) -> list[str]:
                 f"| {t['p50']:.3f} / {t['p99']:.3f} / {t['max']:.3f} "
                 f"| {e['p50']:.2f} / {e['p99']:.2f} / {e['max']:.2f} "
                 f"| {c['queue_s']['max']:.2f} | {c['output_throughput']:.0f} "
+                f"| {c['preemptions_recompute']} / {c['recomputed_tokens']} "
                 f"| {c['goodput']:.2f} | {c['slo_attainment']:.1%} |"
             )
+    runs = [r for r in runs if len(r.summary["tenants"]) >= 2]
+    if not runs:
+        return lines + [""]
     lines += [
         "",
         "## Fairness between tenants",

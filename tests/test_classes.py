@@ -136,7 +136,7 @@ def test_results_per_class_and_single_trace_unchanged(tmp_path):
         run_experiment.main([str(tmp_path / "exp.yaml"), "--out", str(out), "--no-progress"]) == 0
     )
     req = pd.read_csv(out / "requests.csv")
-    assert list(req.columns[-3:]) == ["class", "tenant", "priority"]
+    assert list(req.columns[-4:]) == ["class", "tenant", "priority", "recomputed_tokens"]
     assert set(req.loc[req.request_id.str.startswith("batch"), "priority"]) == {2}
     summary = json.loads((out / "summary.json").read_text())["fcfs"]
     assert set(summary["classes"]) == {"chat", "batch"}
@@ -186,3 +186,17 @@ def test_backlogged_means_waiting_through_the_whole_window():
     a.first_scheduled_s, b.first_scheduled_s = 2.5, 3.2
     got = fairness._backlogged([a, b], np.array([0.0, 1.0, 2.0, 3.0, 4.0]))
     assert got.tolist() == [False, True, True, False]
+
+
+def test_readme_policy_zoo_yaml_is_valid():
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    zoo = text[text.index("## Policy zoo") :]
+    block = re.search(r"```yaml\n(.*?)```", zoo, re.S).group(1)
+    cfg = validate({"name": "readme", **yaml.safe_load(block)}, "README.md")
+    assert [c["name"] for c in cfg.trace.classes] == ["chat", "batch"]
+    assert [p.name for p in cfg.policies] == ["fcfs", "priority", "sjf", "vtc"]

@@ -148,6 +148,7 @@ def fresh(requests: list[Request]) -> list[Request]:
             r.prompt_token_ids,
             r.hash_ids,
             r.priority,
+            hash_block_size=r.hash_block_size,
         )
         if r.status is RequestStatus.DROPPED:
             c.status, c.reason = r.status, r.reason

@@ -35,6 +35,8 @@ class Request:
         hash_ids: prefix-block hashes (Mooncake traces, 512 tokens per block), kept for
             prefix-cache work; unused by the current policies.
         priority: lower runs first for priority policies; unused by FCFS.
+        hash_block_size: tokens each hash id stands for (Mooncake: 512); the ids may extend
+            past the prompt, over tokens the request will generate.
     """
 
     request_id: str
@@ -44,6 +46,7 @@ class Request:
     prompt_token_ids: list[int] | None = None
     hash_ids: list[int] | None = None
     priority: int = 0
+    hash_block_size: int = 512
 
     # Runtime state, owned by the scheduler (lab/core/scheduler.py).
     status: RequestStatus = RequestStatus.WAITING

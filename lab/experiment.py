@@ -249,6 +249,7 @@ def iter_runs(
     if cfg.backend == "engine":
         from backend.engine import assign_prompt_tokens  # imports torch
         from lab.engine_setup import engine_parts
+        from traces.hash_tokens import assign_hash_prompt_tokens
 
         make_executor, gpu, cpu, max_position, vocab_size = engine_parts(cfg)
     else:
@@ -263,7 +264,8 @@ def iter_runs(
         )
     for scale in cfg.rate_scales:
         trace = requests if requests is not None else tables.pop(scale).to_requests()
-        if cfg.backend == "engine":
+        if cfg.backend == "engine":  # hash ids make shared prefixes real tokens
+            assign_hash_prompt_tokens(trace, vocab_size, cfg.seed)
             assign_prompt_tokens(trace, vocab_size, cfg.seed)
         for pol, cls, limits in policies:
             scheduler = cls(

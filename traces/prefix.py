@@ -150,8 +150,11 @@ def parse_prefix(spec: Any, where: str) -> PrefixOptions:
                 raise TraceError(
                     f"{where}.{key}: there is no system prompt to share (set prefix_len > 0)"
                 )
-    turns = parse_length(spec.get("num_turns", 1), f"{where}.num_turns")
-    most = _most(turns)
+    try:
+        turns = parse_length(spec.get("num_turns", 1), f"{where}.num_turns")
+    except TraceError:
+        turns = None
+    most = None if turns is None else _most(turns)
     if most is None or most > MAX_TURNS:
         raise TraceError(
             f"{where}.num_turns: expected an integer, {{uniform: [lo, hi]}} or "

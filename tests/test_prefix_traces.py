@@ -434,3 +434,42 @@ def test_prefix_bound_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     )
     assert cli_main(["prefix-bound", str(exp), "--limit", "0"]) == 2
     assert capsys.readouterr().err == f"error: {exp}: --limit: expected an integer >= 1, got 0\n"
+
+
+def test_readme_bound_figures_are_the_commands() -> None:
+    """The hit rates README ("Traces with shared prefixes") quotes, recomputed."""
+    import re
+
+    from lab.config import load_config
+
+    text = (ROOT / "README.md").read_text()
+    found = re.search(
+        r"the first 2,000\s+Mooncake requests of `mooncake.yaml` reach a hit rate of\s+"
+        r"(0\.\d{4}) \(([\d,]+) of ([\d,]+) prompt tokens; (0\.\d{4}) for the ([\d,]+) of "
+        r"them.*?`--max-model-len 40960`\), the whole trace \(`--limit 12031`\)\s+(0\.\d{4}); "
+        r"`synthetic_prefix.yaml` \(([\d,]+) requests from 1,000 conversations\) (0\.\d{4})",
+        text,
+        re.S,
+    )
+    assert found, "README figures not found"
+    quoted = [float(v) if "." in v else int(v.replace(",", "")) for v in found.groups()]
+
+    def bound(name: str, **keys: Any):
+        cfg = load_config(ROOT / "experiments" / name).with_trace(rate_scale=1.0, **keys)
+        return load_trace({"seed": cfg.seed, **cfg.trace.spec}, cfg.base_dir), cfg
+
+    mooncake, cfg = bound("mooncake.yaml")
+    first = prefix_hit_bound(mooncake, cfg.kv_cache.block_size)
+    capped = prefix_hit_bound(mooncake, cfg.kv_cache.block_size, max_model_len=40960)
+    whole = prefix_hit_bound(bound("mooncake.yaml", limit=12031)[0], 16)
+    synthetic = prefix_hit_bound(bound("synthetic_prefix.yaml")[0], 16)
+    assert quoted == [
+        round(first.hit_rate, 4),
+        first.total_cached_tokens,
+        first.prompt_tokens,
+        round(capped.hit_rate, 4),
+        len(capped.request_ids),
+        round(whole.hit_rate, 4),
+        len(synthetic.request_ids),
+        round(synthetic.hit_rate, 4),
+    ]

@@ -259,6 +259,7 @@ class ExperimentConfig:
         raw = {**self.trace.spec, **keys}
         expected = None if {"path", "format"} & set(keys) else self.trace.expected
         trace = _trace(self.source, raw, self.base_dir, expected)
+        _hash_block_size(self.source, trace, self.kv_cache)
         return dataclasses.replace(self, trace=trace)
 
     def to_dict(self) -> dict[str, Any]:

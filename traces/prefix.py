@@ -51,10 +51,11 @@ seed give identical requests, and the format's own draws are unchanged):
   prompt shares floor(S / H) blocks.
 - **Order and ids.** The requests are sorted by arrival (a turn after the one before it);
   the format's rows keep their row number as request id, follow-up turns are numbered
-  after the format's last row, in arrival order. ``start_s`` / ``end_s`` and ``limit``
+  from the largest row number + 1, in arrival order. ``start_s`` / ``end_s`` and ``limit``
   apply afterwards, to the requests with their turns (``limit: 100`` = the first 100
-  requests), so a window can cut a session. Prompts that outgrow ``max_model_len`` are
-  rejected by the replay with their reason, as any other.
+  requests), so a window can cut a session; ``rate_scale`` divides every inter-arrival
+  time, think times included. Prompts that outgrow ``max_model_len`` are rejected by the
+  replay with their reason, as any other.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ PREFIX_HASH_BLOCK_SIZE = 16  # tokens per generated hash id: vLLM's default KV b
 MAX_TURNS = 1000
 MAX_PREFIXES = 1_000_000
 # Every turn holds the ids of its whole history: a cap keeps a mistyped spec from
-# filling memory (50M ids are ~400 MB of list slots).
+# filling memory (an id costs ~80 bytes with the requests made from the table: 50M, 4 GB).
 MAX_HASH_IDS = 50_000_000
 _SALT = 0x70726566  # "pref": this module's random streams, apart from the format's
 

@@ -26,7 +26,10 @@ Rules (vLLM V1's automatic prefix caching, with unlimited blocks):
 - Hit rate = cached tokens / prompt tokens of the requests counted (vLLM's prefix cache hit
   rate). Dropped rows are skipped; so are requests with prompt + output above
   ``max_model_len`` when it is given (the replay rejects them); requests without hash ids
-  count their prompt tokens and reuse nothing.
+  count their prompt tokens and reuse nothing. Sharing between requests only: a request
+  that is preempted and re-finds its own blocks (self-reuse) is not in the bound.
+
+Cost: one dict look-up per hash id of every request, O(total hash ids).
 
 Command: ``sched-lab prefix-bound EXPERIMENT.yaml [--limit N] [--max-model-len N]``
 prints the bound for an experiment's trace at its ``kv_cache.block_size``.
@@ -98,39 +101,37 @@ def prefix_hit_bound(
                 f"request {r.request_id}: hash_block_size {H} is not a multiple of block_size {B}"
             )
         per = H // B  # KV blocks per hash block
-        cached_out.append(B * _lookup(chain, filled, r.hash_ids, per, (P - 1) // B))
-        written_blocks = min(P + out - 1, len(r.hash_ids) * H) // B
-        _insert(chain, filled, r.hash_ids, per, written_blocks)
+        written = min(P + out - 1, len(r.hash_ids) * H) // B  # full KV blocks it writes
+        cached_out.append(B * _walk(chain, filled, r.hash_ids, per, (P - 1) // B, written))
     return PrefixBound(B, ids_out, prompt_tokens, cached_out, with_ids)
 
 
-def _lookup(chain: dict, filled: list[int], ids: list[int], per: int, limit: int) -> int:
-    """Leading KV blocks seen, at most ``limit``."""
-    hits, parent = 0, -1
-    for h in ids:
-        key = chain.get((parent, h))
-        if key is None or hits >= limit:
-            break
-        hits += min(filled[key], per, limit - hits)
-        if filled[key] < per:  # the rest of this hash block was never seen
-            break
-        parent = key
-    return hits
-
-
-def _insert(chain: dict, filled: list[int], ids: list[int], per: int, blocks: int) -> None:
-    """Mark the first ``blocks`` KV blocks of this id chain as seen."""
-    parent = -1
+def _walk(
+    chain: dict, filled: list[int], ids: list[int], per: int, limit: int, written: int
+) -> int:
+    """One pass along a request's id chain: count the leading KV blocks already seen (at
+    most ``limit``), and mark its first ``written`` KV blocks as seen. Each chain key is
+    met once per request, so the count reads what earlier requests left."""
+    hits, matching, parent = 0, True, -1
     for j, h in enumerate(ids):
-        here = min(per, blocks - j * per)
-        if here <= 0:
+        here = min(per, written - j * per)  # blocks of this hash block the request writes
+        if not matching and here <= 0:
             break
         key = chain.get((parent, h))
         if key is None:
+            matching = False
+            if here <= 0:
+                break
             key = chain[(parent, h)] = len(filled)
             filled.append(0)
-        filled[key] = max(filled[key], here)
+        elif matching:
+            got = min(filled[key], per, limit - hits)
+            hits += got
+            matching = filled[key] == per and hits < limit
+        if here > filled[key]:
+            filled[key] = here
         parent = key
+    return hits
 
 
 def main(argv: list[str] | None = None, prog: str = "sched-lab prefix-bound") -> int:

@@ -338,6 +338,45 @@ def test_assign_hash_prompt_tokens_leaves_text_and_plain_requests() -> None:
     assert text.prompt_token_ids == [7, 8] and plain.prompt_token_ids is None
 
 
+def test_engine_replays_prompts_made_from_hash_ids(tmp_path: Path) -> None:
+    """The engine path (lab/experiment.py) gives requests with hash ids and no text their
+    tokens from the ids: two requests behind one 32-token system prompt share 32 tokens."""
+    pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
+    import torch_threads  # noqa: F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
+
+    from backend.tools.random_checkpoint import write_random_checkpoint
+    from lab.experiment import run_experiment
+
+    model = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "max_position_embeddings": 128,
+    }
+    write_random_checkpoint(model, tmp_path, dtype="float32")
+    trace = {**SYNTHETIC, "num_requests": 2, "prompt_len": 8, "output_len": 2}
+    cfg = validate({
+        "backend": "engine",
+        "seed": 3,
+        "trace": {**trace, "prefix": {"prefix_len": 32}},
+        "engine": {"model_path": str(tmp_path), "device": "cpu", "dtype": "float32"},
+        "kv_cache": {"block_size": 16, "num_gpu_blocks": 16, "swap_space_gib": 0.001},
+        "scheduler": {"max_model_len": 64},
+        "policies": ["fcfs"],
+    })  # fmt: skip
+    (run,) = run_experiment(cfg, progress=False)
+    a, b = sorted(run.result.requests, key=lambda r: r.request_id)
+    assert (a.hash_ids, b.hash_ids) == ([0, 1, 2], [0, 1, 3])  # 40 + 2 tokens: 3 ids each
+    assert a.prompt_token_ids == prompt_tokens_from_hash_ids([0, 1, 2], 40, 16, 100, seed=3)
+    assert a.prompt_token_ids[:32] == b.prompt_token_ids[:32]
+    assert a.prompt_token_ids[32:] != b.prompt_token_ids[32:]
+    assert [len(r.output_token_ids) for r in (a, b)] == [2, 2]
+
+
 def test_too_few_ids_for_tokens() -> None:
     with pytest.raises(ValueError, match="1 hash ids of 16 tokens cannot make a prompt of 17"):
         prompt_tokens_from_hash_ids([1], 17, 16, 100, seed=0)

@@ -148,6 +148,9 @@ def fresh(requests: list[Request]) -> list[Request]:
             r.prompt_token_ids,
             r.hash_ids,
             r.priority,
+            r.class_name,
+            r.tenant,
+            r.ttft_slo_s,
             hash_block_size=r.hash_block_size,
         )
         if r.status is RequestStatus.DROPPED:
@@ -269,7 +272,9 @@ def iter_runs(
             assign_prompt_tokens(trace, vocab_size, cfg.seed)
         for pol, cls, limits in policies:
             scheduler = cls(
-                limits, BlockManager(gpu, cpu, bs, cfg.kv_cache.watermark), **pol.options
+                limits,
+                BlockManager(gpu, cpu, bs, cfg.kv_cache.watermark),
+                **{"preemption_victim": cfg.scheduler.preemption_victim, **pol.options},
             )
             if cfg.backend == "engine":
                 executor = make_executor()

@@ -284,6 +284,7 @@ class ExperimentConfig:
             return dataclasses.replace(self, trace=_classes(self.source, raw, self.base_dir))
         raw = {**self.trace.spec, **keys}
         trace = _trace(self.source, raw, self.base_dir, expected)
+        _hash_block_size(self.source, trace, self.kv_cache)
         return dataclasses.replace(self, trace=trace)
 
     def to_dict(self) -> dict[str, Any]:
@@ -416,7 +417,7 @@ def validate(
         model=top["model"],
         hardware=top["hardware"],
         cost_model=_cost_model(where, raw.get("cost_model", {}), base_dir, backend == "sim"),
-        kv_cache=_kv_cache(where, raw.get("kv_cache", {})),
+        kv_cache=_hash_block_size(where, trace, _kv_cache(where, raw.get("kv_cache", {}))),
         scheduler=scheduler,
         policies=_policies(where, raw.get("policies", list(DEFAULT_POLICIES)), trace.tenants),
         slo=_slo(where, raw.get("slo", {})),
@@ -598,6 +599,34 @@ def _kv_cache(where: str, raw: Any) -> KVCacheConfig:
     _num(where, "kv_cache.swap_space_gib", kv["swap_space_gib"], 0.0, MAX_SWAP_SPACE_GIB)
     _num(where, "kv_cache.watermark", kv["watermark"], 0.0, 0.5)
     return KVCacheConfig(**kv)
+
+
+def _hash_block_size(where: str, trace: TraceConfig, kv: KVCacheConfig) -> KVCacheConfig:
+    """Check ``trace.hash_block_size`` (tokens per hash id, :mod:`traces.prefix`) against
+    the KV block size: a multiple of it, so that every full KV block lies inside one hash
+    block. Checked when given, when ``trace.prefix`` makes hash ids (default 16), and for
+    Mooncake's default of 512 when prefix caching is on. Returns ``kv`` unchanged."""
+    spec = trace.spec
+    if "hash_block_size" in spec:
+        size, why = _int(where, "trace.hash_block_size", spec["hash_block_size"]), ""
+    elif "prefix" in spec:
+        from traces.prefix import PREFIX_HASH_BLOCK_SIZE
+
+        size, why = PREFIX_HASH_BLOCK_SIZE, " (the default for trace.prefix)"
+    elif trace.format == "mooncake" and getattr(kv, "enable_prefix_caching", False):
+        # ``enable_prefix_caching`` is the prefix cache's key (issue 16, core)
+        from traces.loaders import MOONCAKE_HASH_BLOCK_SIZE
+
+        size, why = MOONCAKE_HASH_BLOCK_SIZE, " (Mooncake's default)"
+    else:
+        return kv
+    if size % kv.block_size:
+        raise ConfigError(
+            f"{where}: trace.hash_block_size: {size}{why} is not a multiple of "
+            f"kv_cache.block_size {kv.block_size}; expected a multiple, so that every KV "
+            "block lies inside one hash block"
+        )
+    return kv
 
 
 def _scheduler(where: str, raw: Any) -> SchedulerConfig:

@@ -151,6 +151,7 @@ def fresh(requests: list[Request]) -> list[Request]:
             r.class_name,
             r.tenant,
             r.ttft_slo_s,
+            hash_block_size=r.hash_block_size,
         )
         if r.status is RequestStatus.DROPPED:
             c.status, c.reason = r.status, r.reason
@@ -257,6 +258,7 @@ def iter_runs(
     if cfg.backend == "engine":
         from backend.engine import assign_prompt_tokens  # imports torch
         from lab.engine_setup import engine_parts
+        from traces.hash_tokens import assign_hash_prompt_tokens
 
         make_executor, gpu, cpu, max_position, vocab_size = engine_parts(cfg)
     else:
@@ -274,7 +276,8 @@ def iter_runs(
         for r in trace:  # EDF's deadline for a single trace: the top-level TTFT SLO
             if r.ttft_slo_s is None:
                 r.ttft_slo_s = cfg.slo.ttft_s
-        if cfg.backend == "engine":
+        if cfg.backend == "engine":  # hash ids make shared prefixes real tokens
+            assign_hash_prompt_tokens(trace, vocab_size, cfg.seed)
             assign_prompt_tokens(trace, vocab_size, cfg.seed)
         for pol, cls, limits in policies:
             scheduler = cls(

@@ -39,6 +39,8 @@ class Request:
             traces/classes.py); "" for a single trace.
         tenant: who sent it (fairness policies and metrics); "" = no tenant.
         ttft_slo_s: the TTFT target of its class in seconds (EDF's deadline), or None.
+        hash_block_size: tokens each hash id stands for (Mooncake: 512); the ids may extend
+            past the prompt, over tokens the request will generate.
     """
 
     request_id: str
@@ -51,6 +53,7 @@ class Request:
     class_name: str = ""
     tenant: str = ""
     ttft_slo_s: float | None = None
+    hash_block_size: int = 512
 
     # Runtime state, owned by the scheduler (lab/core/scheduler.py).
     status: RequestStatus = RequestStatus.WAITING

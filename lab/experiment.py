@@ -18,7 +18,7 @@ import pandas as pd
 from lab import metrics
 from lab.config import ExperimentConfig, PolicyConfig
 from lab.core.errors import ConfigError, TraceError
-from lab.core.kv import BlockManager
+from lab.core.kv import has_prefix_identity, make_block_manager
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import SchedulerLimits
 from lab.progress import Phase
@@ -135,6 +135,29 @@ def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
     return AnalyticCostModel(model, hw, **cm.analytic), gpu, cpu
 
 
+def check_prefix_identity(requests: list[Request], cfg: ExperimentConfig) -> None:
+    """With the prefix cache on: some request must carry prefix identity (hash ids or
+    prompt token ids), and every hash block size must be a multiple of the KV block size.
+
+    Raises:
+        ConfigError: one line naming the trace, the request and the key.
+    """
+    where = f"{cfg.name}: kv_cache.enable_prefix_caching"
+    bs = cfg.kv_cache.block_size
+    live = [r for r in requests if r.status is not RequestStatus.DROPPED]
+    if live and not any(has_prefix_identity(r) for r in live):
+        raise ConfigError(
+            f"{where}: trace format {cfg.trace.format!r} gives its requests no prefix identity "
+            "(no hash_ids, no prompt token ids): nothing could ever be cached"
+        )
+    for r in live:
+        if r.hash_ids is not None and (r.hash_block_size < bs or r.hash_block_size % bs):
+            raise ConfigError(
+                f"{where}: request {r.request_id}: hash_block_size {r.hash_block_size} is not "
+                f"a multiple of kv_cache.block_size {bs}"
+            )
+
+
 def fresh(requests: list[Request]) -> list[Request]:
     """Copies of trace requests with runtime state reset (each run mutates its own); dropped
     trace rows keep their status and reason."""
@@ -148,6 +171,7 @@ def fresh(requests: list[Request]) -> list[Request]:
             r.prompt_token_ids,
             r.hash_ids,
             r.priority,
+            hash_block_size=r.hash_block_size,
         )
         if r.status is RequestStatus.DROPPED:
             c.status, c.reason = r.status, r.reason
@@ -262,12 +286,14 @@ def iter_runs(
         )
     for scale in cfg.rate_scales:
         trace = requests if requests is not None else tables.pop(scale).to_requests()
+        if any(pol.prefix_caching(cfg.kv_cache) for pol in cfg.policies):
+            check_prefix_identity(trace, cfg)
         if cfg.backend == "engine":
             assign_prompt_tokens(trace, vocab_size, cfg.seed)
         for pol, cls, limits in policies:
-            scheduler = cls(
-                limits, BlockManager(gpu, cpu, bs, cfg.kv_cache.watermark), **pol.options
-            )
+            kv = cfg.kv_cache
+            bm = make_block_manager(gpu, cpu, bs, kv.watermark, pol.prefix_caching(kv))
+            scheduler = cls(limits, bm, **pol.options)
             if cfg.backend == "engine":
                 executor = make_executor()
             else:

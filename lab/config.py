@@ -12,7 +12,7 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
                  profile: null, replay_steps: []}  # profile: engine profile CSV, and
                  # replay_steps: steps.csv of engine runs to fit with it (lab/sim/calibrated.py)
     kv_cache: {block_size: 16, gpu_memory_utilization: 0.9, num_gpu_blocks: null,
-               swap_space_gib: 4, watermark: 0.01}
+               swap_space_gib: 4, watermark: 0.01, enable_prefix_caching: false}
     scheduler: {max_num_seqs: 256, max_num_batched_tokens: null, max_model_len: null,
                 max_preemptions: 1000, preemption_victim: null}
     policies: [fcfs, swap, {name: chunked_prefill, max_num_batched_tokens: 512},
@@ -125,6 +125,10 @@ class KVCacheConfig:
     num_gpu_blocks: int | None = None  # fixed GPU blocks; null: sized by the utilization
     swap_space_gib: float = 4.0  # host swap space (vLLM's default)
     watermark: float = 0.01  # share of GPU blocks kept free at admission
+    # Automatic prefix caching (lab/core/kv.py PrefixCachingBlockManager). Off by default:
+    # results of existing experiments stay as they were, and most trace formats carry no
+    # prefix identity (hash ids or token ids) to key blocks by.
+    enable_prefix_caching: bool = False
 
     @property
     def swap_space_bytes(self) -> int:
@@ -150,7 +154,9 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class PolicyConfig:
     """One entry of ``policies:``: a registered policy, its label, its own limits (None:
-    the ``scheduler`` section's) and its options (``options`` of the policy class)."""
+    the ``scheduler`` section's), its options (``options`` of the policy class) and its own
+    ``enable_prefix_caching`` (None: ``kv_cache``'s), so one experiment compares caching off
+    and on."""
 
     name: str
     label: str
@@ -158,6 +164,12 @@ class PolicyConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    enable_prefix_caching: bool | None = None
+
+    def prefix_caching(self, kv: KVCacheConfig) -> bool:
+        """Whether this policy's runs cache prefixes (its own key, else ``kv_cache``'s)."""
+        own = self.enable_prefix_caching
+        return own if own is not None else kv.enable_prefix_caching
 
     def limit(self, key: str, scheduler: SchedulerConfig) -> int | None:
         """This policy's value of a limit in :data:`LIMIT_KEYS`, else the scheduler's."""
@@ -166,10 +178,16 @@ class PolicyConfig:
 
     def to_dict(self) -> dict[str, Any]:
         limits = {k: getattr(self, k) for k in LIMIT_KEYS if getattr(self, k) is not None}
+        own = (
+            {}
+            if self.enable_prefix_caching is None
+            else {"enable_prefix_caching": self.enable_prefix_caching}
+        )
         return {
             "label": self.label,
             "name": self.name,
             **limits,
+            **own,
             **copy.deepcopy(dict(self.options)),
         }
 
@@ -534,6 +552,10 @@ def _kv_cache(where: str, raw: Any) -> KVCacheConfig:
     _int(where, "kv_cache.num_gpu_blocks", kv["num_gpu_blocks"], optional=True)
     _num(where, "kv_cache.swap_space_gib", kv["swap_space_gib"], 0.0, MAX_SWAP_SPACE_GIB)
     _num(where, "kv_cache.watermark", kv["watermark"], 0.0, 0.5)
+    if not isinstance(kv["enable_prefix_caching"], bool):
+        raise _fail(
+            where, "kv_cache.enable_prefix_caching", "true or false", kv["enable_prefix_caching"]
+        )
     return KVCacheConfig(**kv)
 
 
@@ -549,8 +571,7 @@ def _hash_block_size(where: str, trace: TraceConfig, kv: KVCacheConfig) -> KVCac
         from traces.prefix import PREFIX_HASH_BLOCK_SIZE
 
         size, why = PREFIX_HASH_BLOCK_SIZE, " (the default for trace.prefix)"
-    elif trace.format == "mooncake" and getattr(kv, "enable_prefix_caching", False):
-        # ``enable_prefix_caching`` is the prefix cache's key (issue 16, core)
+    elif trace.format == "mooncake" and kv.enable_prefix_caching:
         from traces.loaders import MOONCAKE_HASH_BLOCK_SIZE
 
         size, why = MOONCAKE_HASH_BLOCK_SIZE, " (Mooncake's default)"
@@ -595,13 +616,21 @@ def _policies(
             cls = get_policy(p["name"])
         except ConfigError as e:
             raise ConfigError(f"{where}: {key}: {e}") from None
-        _mapping(where, key, p, ("name", "label", *LIMIT_KEYS, VICTIM_KEY, *cls.options))
+        _mapping(
+            where,
+            key,
+            p,
+            ("name", "label", *LIMIT_KEYS, VICTIM_KEY, "enable_prefix_caching", *cls.options),
+        )
         _check_limits(where, key, p)
         if VICTIM_KEY in p:
             _choice(where, f"{key}.{VICTIM_KEY}", p[VICTIM_KEY], VICTIM_RULES)
         why = cls.check_options({k: v for k, v in p.items() if k in cls.options}, tenants)
         if why:
             raise ConfigError(f"{where}: {key}.{why}")
+        caching = p.get("enable_prefix_caching")
+        if caching is not None and not isinstance(caching, bool):
+            raise _fail(where, f"{key}.enable_prefix_caching", "true or false", caching)
         label = p.get("label", p["name"])
         if not isinstance(label, str) or not _LABEL.fullmatch(label):
             raise _fail(
@@ -614,7 +643,11 @@ def _policies(
         options = {k: copy.deepcopy(v) for k, v in p.items() if k in (*cls.options, VICTIM_KEY)}
         resolved.append(
             PolicyConfig(
-                p["name"], label, *(p.get(k) for k in LIMIT_KEYS), options=MappingProxyType(options)
+                p["name"],
+                label,
+                *(p.get(k) for k in LIMIT_KEYS),
+                options=MappingProxyType(options),
+                enable_prefix_caching=caching,
             )
         )
     labels = [p.label for p in resolved]

@@ -392,6 +392,9 @@ def _plots(folder: Path, runs: list[Run]) -> list[tuple[str, str]]:
         _save(fig, folder, "over_time.png", "Throughput, KV usage and queue length over time")
     )
 
+    if any(r.result.prefix_caching for r in top):
+        plots.append(_prefix_cache_plot(plt, folder, top, load))
+
     if len(scales) > 1:
         fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
         for ax, (key, title) in zip(
@@ -412,6 +415,43 @@ def _plots(folder: Path, runs: list[Run]) -> list[tuple[str, str]]:
             _save(fig, folder, "latency_vs_load.png", "Latency percentiles vs offered load")
         )
     return plots
+
+
+def _prefix_cache_plot(plt, folder: Path, runs: list[Run], load: str) -> tuple[str, str]:
+    """Prefix cache over time (runs with caching on): the share of prompt tokens served
+    from the cache, cached / (cached + prefill tokens fed), per time bin, and the GPU
+    blocks holding a key (time-weighted)."""
+    fig, axes = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    for r in runs:
+        if not r.result.prefix_caching:
+            continue
+        s = r.result.steps
+        centers, idx, safe = _bins(s)
+        cached = np.bincount(idx, s["num_cached_tokens"], TIME_BINS)
+        fed = np.bincount(idx, s["num_prefill_tokens"], TIME_BINS)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            axes[0].plot(centers, 100 * cached / (cached + fed), label=r.policy)
+        held = np.bincount(idx, s["kv_cached_blocks"] * s["duration_s"], TIME_BINS) / safe
+        axes[1].plot(centers, 100 * held / max(r.result.num_gpu_blocks, 1), label=r.policy)
+    axes[0].set_ylabel("prompt tokens cached (%)")
+    axes[0].set_title(f"Prefix cache: hit rate and cached blocks over time{load}")
+    axes[1].set_ylabel("GPU KV blocks\nholding a key (%)")
+    axes[1].set_xlabel("time (s)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return _save(
+        fig, folder, "prefix_cache.png", "Prefix cache hit rate and cached blocks over time"
+    )
+
+
+def _bins(s: dict[str, np.ndarray]):
+    """Time bins of the steps: bin centers, each step's bin, summed step time per bin."""
+    end = s["time_s"] + s["duration_s"]
+    edges = np.linspace(0.0, float(end.max(initial=1.0)), TIME_BINS + 1)
+    idx = np.clip(np.searchsorted(edges, end, side="right") - 1, 0, TIME_BINS - 1)
+    dur = np.bincount(idx, s["duration_s"], TIME_BINS)
+    return (edges[:-1] + edges[1:]) / 2, idx, np.where(dur > 0, dur, 1.0)
 
 
 def _over_time(r: Run):
@@ -493,6 +533,33 @@ def config_yaml(cfg: ExperimentConfig, runs: list[Run]) -> str:
     return yaml.safe_dump(d, sort_keys=False)
 
 
+def _prefix_cache_lines(runs: list[Run]) -> list[str]:
+    """Whether runs cached prefixes; with caching on, a table of its numbers."""
+    if not any(r.summary.get("prefix_caching") for r in runs):
+        return ["Prefix caching: off.", ""]
+    out = [
+        "Prefix caching (`kv_cache.enable_prefix_caching`; hit rate = prompt tokens found "
+        "cached at first admission / prompt tokens admitted):",
+        "",
+        "| run | caching | hit rate | cached tokens | found again after preemption "
+        "| blocks evicted |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        s = r.summary
+        on = s.get("prefix_caching")
+        out.append(
+            f"| {r.label} | {'on' if on else 'off'} | "
+            + (
+                f"{s['prefix_cache_hit_rate']:.1%} | {s['prefix_cache_cached_tokens']:,} "
+                f"| {s['prefix_cache_resumed_tokens']:,} | {s['prefix_cache_evicted_blocks']:,} |"
+                if on
+                else "- | - | - | - |"
+            )
+        )
+    return [*out, ""]
+
+
 def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str]]) -> str:
     trace = cfg.trace.spec
     lines = [
@@ -505,6 +572,7 @@ def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str
         summary_table(runs),
         "",
     ]
+    lines += _prefix_cache_lines(runs)
     dropped = runs[0].summary.get("dropped", 0)  # the same trace rows in every run
     if dropped:
         reasons = runs[0].requests.loc[runs[0].requests["status"] == "dropped", "reason"]

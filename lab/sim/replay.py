@@ -36,6 +36,7 @@ STEP_COLUMNS = (
     "kv_used_blocks", "cpu_used_blocks", "num_waiting", "num_running", "num_swapped",
     "num_preempted", "num_swap_out_blocks", "num_swap_in_blocks", "num_prefills",
     "prefill_context_tokens", "prefill_attention_pairs", "decode_context_tokens",
+    "num_cached_tokens", "num_cached_blocks", "kv_cached_blocks",
 )  # fmt: skip
 
 
@@ -46,11 +47,16 @@ class ReplayResult:
     Attributes:
         requests: every trace request in its final state (finished, rejected, aborted).
         steps: per-step columns (``STEP_COLUMNS``), one array each; ``time_s`` is the
-            step's start and ``kv_used_blocks`` the GPU blocks held while it runs.
+            step's start and ``kv_used_blocks`` the GPU blocks held while it runs (a
+            block shared by several requests once). Prefix cache: ``num_cached_tokens``
+            and ``num_cached_blocks`` found cached by the step's admissions,
+            ``kv_cached_blocks`` the GPU blocks holding a key (used or cached free).
         tick_steps: for each decode tick, the index of the step that ran it.
         wall_s: wall-clock seconds the replay took.
         num_gpu_blocks: size of the GPU KV cache, for usage fractions.
         failure: None, or why the run stopped early (see ``replay``).
+        prefix_caching: whether the block manager cached prefixes.
+        num_evicted_blocks: blocks evicted from the prefix cache.
     """
 
     requests: list[Request]
@@ -59,6 +65,8 @@ class ReplayResult:
     wall_s: float
     num_gpu_blocks: int = 0
     failure: str | None = None
+    prefix_caching: bool = False
+    num_evicted_blocks: int = 0
 
     @functools.cached_property
     def step_end_s(self) -> np.ndarray:
@@ -162,6 +170,9 @@ def engine_process(
             f.prefill_context_tokens,
             f.prefill_attention_pairs,
             f.decode_context_tokens,
+            plan.num_cached_tokens,
+            plan.num_cached_blocks,
+            bm.num_cached_blocks,
         )
         if not 0.0 <= result.duration_s < math.inf or math.isinf(env.now + result.duration_s):
             raise ValueError(
@@ -290,6 +301,8 @@ def _replay(
         time.perf_counter() - t0,
         scheduler.block_manager.num_gpu_blocks,
         failure,
+        scheduler.block_manager.enable_prefix_caching,
+        scheduler.block_manager.num_evicted_blocks,
     )
 
 

@@ -15,13 +15,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab import metrics
+from lab import cluster_metrics, metrics
 from lab.config import ExperimentConfig, PolicyConfig
 from lab.core.errors import ConfigError, TraceError
 from lab.core.kv import BlockManager
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import SchedulerLimits
 from lab.progress import Phase
+from lab.sim.cluster import ClusterResult, replay_cluster
 from lab.sim.cost_model import (
     AnalyticCostModel,
     CostModelExecutor,
@@ -265,25 +266,37 @@ def iter_runs(
         if cfg.backend == "engine":
             assign_prompt_tokens(trace, vocab_size, cfg.seed)
         for pol, cls, limits in policies:
-            scheduler = cls(
-                limits, BlockManager(gpu, cpu, bs, cfg.kv_cache.watermark), **pol.options
-            )
-            if cfg.backend == "engine":
-                executor = make_executor()
-            else:
-                executor = CostModelExecutor(cost_model, bs)
+
+            def make_replica(cls=cls, limits=limits, pol=pol):
+                scheduler = cls(
+                    limits, BlockManager(gpu, cpu, bs, cfg.kv_cache.watermark), **pol.options
+                )
+                if cfg.backend == "engine":
+                    return scheduler, make_executor()
+                return scheduler, CostModelExecutor(cost_model, bs)
+
             label = cfg.run_label(pol, scale)
             run_requests = fresh(trace)
             replayed = [r for r in run_requests if r.status is not RequestStatus.DROPPED]
             n = len(replayed)
             with Phase(f"{label}: replay {n:,} requests", n, "req", progress) as phase:
-                result = replay(
-                    replayed,
-                    scheduler,
-                    executor,
-                    check_invariants=cfg.check_invariants,
-                    progress=phase.replay_callback,
-                )
+                if cfg.cluster is None:
+                    result = replay(
+                        replayed,
+                        *make_replica(),
+                        check_invariants=cfg.check_invariants,
+                        progress=phase.replay_callback,
+                    )
+                else:
+                    result = replay_cluster(
+                        replayed,
+                        cfg.cluster,
+                        make_replica,
+                        MODELS[cfg.model].kv_bytes_per_token,
+                        cfg.seed,
+                        cfg.check_invariants,
+                        phase.replay_callback,
+                    )
             rows = metrics.in_trace_order(run_requests, result.requests)  # dropped rows too
             with Phase(f"{label}: metrics", len(rows), "req", progress) as phase:
                 df, itl = metrics.request_table(result, pol.label, scale, phase.set, rows)
@@ -295,6 +308,8 @@ def iter_runs(
                     **metrics.summarize(df, itl, result, cfg.slo.to_dict()),
                 }
                 itl = metrics.cdf_points(itl, overwrite=True)  # all gaps: a run's largest array
+                if isinstance(result, ClusterResult):
+                    df, summary["cluster"] = cluster_metrics.add_cluster(df, result, rows, summary)
             if result.failure:
                 summary["failure"] = result.failure
             log.info("%s: %d steps in %.2f s", label, summary["num_steps"], result.wall_s)

@@ -315,20 +315,27 @@ def _write_steps_csv(path: Path, runs: list[Run], rows: int = 1 << 20) -> None:
             n = len(r.result.steps["time_s"])
             for start in range(0, n, rows):
                 cols = {"policy": r.policy, "rate_scale": r.rate_scale}
-                cols.update({c: r.result.steps[c][start : start + rows] for c in STEP_COLUMNS})
+                cols.update({c: r.result.steps[c][start : start + rows] for c in _columns(r)})
                 pd.DataFrame(cols).to_csv(f, index=False, header=header, float_format="%.9g")
                 header = False
         if header:  # no run has a step: the header alone, as the concatenated frame writes
-            f.write(",".join(["policy", "rate_scale", *STEP_COLUMNS]) + "\n")
+            extra = _columns(runs[0])[len(STEP_COLUMNS) :] if runs else []
+            f.write(",".join(["policy", "rate_scale", *STEP_COLUMNS, *extra]) + "\n")
 
 
 def _steps_frame(runs: list[Run]) -> pd.DataFrame:
     frames = []
     for r in runs:
         cols = {"policy": r.policy, "rate_scale": r.rate_scale}
-        cols.update({c: r.result.steps[c] for c in STEP_COLUMNS})
+        cols.update({c: r.result.steps[c] for c in _columns(r)})
         frames.append(pd.DataFrame(cols))
     return pd.concat(frames, ignore_index=True)
+
+
+def _columns(run: Run) -> list[str]:
+    """A run's step columns: STEP_COLUMNS, then any its result adds (a cluster's
+    ``replica``)."""
+    return [*STEP_COLUMNS, *(c for c in run.result.steps if c not in STEP_COLUMNS)]
 
 
 def _json_safe(x):

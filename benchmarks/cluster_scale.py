@@ -62,7 +62,9 @@ def main() -> None:
                 best[case] = out
     print(f"{platform.processor() or platform.machine()}, python {platform.python_version()}")
     base = best[cases[0]]
-    print("| replicas | router | rate_scale | steps | replay wall s | us/step | x 1-replica wall | peak RSS MB | TTFT p99 s |")
+    print(
+        "| replicas | router | rate_scale | steps | replay wall s | us/step | x 1-replica wall | peak RSS MB | TTFT p99 s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for (n, router, scale), b in best.items():
         print(

@@ -31,32 +31,29 @@ def add_cluster(
     df = df.assign(**request_columns(result, rows))
     finished = df["status"] == "finished"
     duration = summary["duration_s"]
-    replicas = []
+    replicas = {}
     for i, (rr, role) in enumerate(zip(result.replica_results, result.roles)):
         s = rr.steps
         busy = float(s["duration_s"].sum())
         kv = s["kv_used_blocks"] / max(rr.num_gpu_blocks, 1)
         first_here = df["prefill_replica"] == i if "prefill_replica" in df else df["replica"] == i
         decoded_here = df["replica"] == i
-        replicas.append(
-            {
-                "replica": i,
-                "role": role,
-                "num_requests": len(rr.requests),
-                "num_steps": int(len(s["time_s"])),
-                "busy_s": busy,
-                "busy_fraction": busy / duration if duration > 0 else float("nan"),
-                "prefill_tokens": int(s["num_prefill_tokens"].sum()),
-                "decode_tokens": int(s["num_decode_tokens"].sum()),
-                "preemptions": int(s["num_preempted"].sum()),
-                "kv_used_fraction": {
-                    "mean": float(np.average(kv, weights=s["duration_s"])) if busy > 0 else 0.0,
-                    "max": float(kv.max(initial=0.0)),
-                },
-                "ttft_s": stats(df.loc[finished & first_here.fillna(False), "ttft_s"]),
-                "tpot_s": stats(df.loc[finished & decoded_here.fillna(False), "tpot_s"]),
-            }
-        )
+        replicas[str(i)] = {  # keyed by index: JSON-safe like every other section
+            "role": role,
+            "num_requests": len(rr.requests),
+            "num_steps": int(len(s["time_s"])),
+            "busy_s": busy,
+            "busy_fraction": busy / duration if duration > 0 else float("nan"),
+            "prefill_tokens": int(s["num_prefill_tokens"].sum()),
+            "decode_tokens": int(s["num_decode_tokens"].sum()),
+            "preemptions": int(s["num_preempted"].sum()),
+            "kv_used_fraction": {
+                "mean": float(np.average(kv, weights=s["duration_s"])) if busy > 0 else 0.0,
+                "max": float(kv.max(initial=0.0)),
+            },
+            "ttft_s": stats(df.loc[finished & first_here.fillna(False), "ttft_s"]),
+            "tpot_s": stats(df.loc[finished & decoded_here.fillna(False), "tpot_s"]),
+        }
     spec = result.roles
     out: dict[str, Any] = {
         "mode": "disaggregated" if "prefill" in spec else "aggregated",

@@ -382,6 +382,7 @@ def validate(
     if not isinstance(top["check_invariants"], bool):
         raise _fail(where, "check_invariants", "true or false", top["check_invariants"])
     scheduler = _scheduler(where, raw.get("scheduler", {}))
+    cluster = None if raw.get("cluster") is None else _cluster(where, raw["cluster"], backend)
     return ExperimentConfig(
         name=name,
         trace=trace,
@@ -396,9 +397,7 @@ def validate(
         slo=_slo(where, raw.get("slo", {})),
         engine=_engine(where, raw.get("engine", {}), base_dir, backend == "engine"),
         check_invariants=top["check_invariants"],
-        cluster=_cluster(where, raw["cluster"], backend)
-        if raw.get("cluster") is not None
-        else None,
+        cluster=cluster,
         source=where,
         base_dir=base_dir,
     )

@@ -8,6 +8,7 @@ import random
 from types import MappingProxyType
 
 import numpy as np
+import pandas as pd
 import pytest
 from helpers import FixedCost
 
@@ -164,7 +165,9 @@ def test_disaggregated_metrics_ttft_excludes_the_transfer(tmp_path):
     assert by.loc["one", "status"] == "finished" and np.isnan(by.loc["one", "transfer_s"])
     assert by.loc["one", "replica"] == 0 and by.loc["one", "ttft_s"] == pytest.approx(0.01)
     assert cluster["kv_transfer"]["num_transfers"] == 2
-    assert [r["num_requests"] for r in cluster["replicas"]] == [3, 2]
+    assert [r["num_requests"] for r in cluster["replicas"].values()] == [3, 2]
+    assert list(cluster["replicas"]) == ["0", "1"]
+    assert np.isnan(cluster["replicas"]["0"]["tpot_s"]["p50"])  # it decodes nothing
 
 
 def test_decode_replica_without_room_keeps_the_request_waiting():
@@ -237,6 +240,32 @@ def test_one_replica_cluster_equals_no_cluster():
         assert p.summary == {k: v for k, v in c.summary.items() if k != "cluster"}
 
 
+def test_results_folder_of_a_disaggregated_run(tmp_path):
+    import json
+
+    from lab.config import load_config
+    from lab.report import write_results
+
+    cfg = load_config(ROOT / "experiments/cluster_pd.yaml").with_trace(limit=200)
+    runs = run_experiment(cfg, progress=False)
+    out = write_results(tmp_path / "pd", cfg, runs)
+
+    def no_nan(name):
+        raise AssertionError(f"{name} in summary.json")
+
+    summary = json.loads((out / "summary.json").read_text(), parse_constant=no_nan)
+    replicas = summary["fcfs"]["cluster"]["replicas"]
+    assert [replicas[k]["role"] for k in "0123"] == ["prefill"] * 2 + ["decode"] * 2
+    assert sum(replicas[k]["num_requests"] for k in "01") == 200
+    req = pd.read_csv(out / "requests.csv")
+    assert set(req["prefill_replica"]) <= {0, 1} and set(req["replica"]) <= {0, 1, 2, 3}
+    moved = req.dropna(subset=["transfer_s"])
+    assert len(moved) > 150 and (moved["transfer_s"] > moved["transfer_queue_s"]).all()
+    steps = pd.read_csv(out / "steps.csv")
+    assert set(steps["replica"]) == {0, 1, 2, 3}
+    assert load_config(out / "config.yaml").cluster == cfg.cluster
+
+
 @pytest.mark.parametrize(
     "cluster, message",
     [
@@ -272,8 +301,9 @@ def test_bad_cluster_is_one_line(cluster, message):
 
 def test_cluster_with_the_engine_is_one_line(tmp_path):
     raw = {"trace": {"format": "azure2023"}, "backend": "engine", "cluster": {"replicas": 2}}
-    with pytest.raises(ConfigError, match=r"^x.yaml: cluster: the cluster is simulated only"):
-        validate({**raw, "engine": {"model_path": str(tmp_path)}}, "x.yaml")
+    for engine in ({"model_path": str(tmp_path)}, {}):  # before any engine key is checked
+        with pytest.raises(ConfigError, match=r"^x.yaml: cluster: the cluster is simulated only"):
+            validate({**raw, "engine": engine}, "x.yaml")
 
 
 def test_cluster_config_round_trips():

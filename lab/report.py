@@ -487,7 +487,17 @@ def _model_line(cfg: ExperimentConfig) -> str:
             f"real engine: model `{e.model_path}` on `{e.device}` ({e.dtype}, "
             f"{e.attention_backend} attention), measured step times"
         )
-    return f"simulated `{cfg.model}` on `{cfg.hardware}` (cost model step times)"
+    line = f"simulated `{cfg.model}` on `{cfg.hardware}` (cost model step times)"
+    c = cfg.cluster
+    if c is None:
+        return line
+    if c.pool is not None:
+        return f"{line}, {c.pool.replicas} replicas behind router `{c.pool.router}`"
+    return (
+        f"{line}, {c.prefill.replicas} prefill replicas (router `{c.prefill.router}`) and "
+        f"{c.decode.replicas} decode replicas (router `{c.decode.router}`), KV over "
+        f"`{c.link.name}` ({c.link.bandwidth * 8 / 1e9:g} Gb/s)"
+    )
 
 
 def config_yaml(cfg: ExperimentConfig, runs: list[Run]) -> str:
@@ -507,7 +517,8 @@ def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str
         "",
         f"Backend `{cfg.backend}`; trace `{trace.get('format')}` "
         f"{trace.get('path', '')}{_trace_options(trace)}; {_model_line(cfg)}; "
-        f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg.kv_cache.block_size} tokens.",
+        f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg.kv_cache.block_size} tokens"
+        f"{' per replica' if cfg.cluster is not None else ''}.",
         "",
         summary_table(runs),
         "",

@@ -5,12 +5,15 @@ cluster against no cluster."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from types import MappingProxyType
 
 import numpy as np
 import pandas as pd
 import pytest
 from helpers import FixedCost
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lab.config import validate
 from lab.core.errors import ConfigError
@@ -23,7 +26,7 @@ from lab.sim.hardware import LINKS, Link
 from lab.sim.replay import STEP_COLUMNS
 from policies import get_policy
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def aggregated(n: int, router: str = "round_robin", **options) -> ClusterSpec:
@@ -336,3 +339,51 @@ def test_link_presets_in_bytes_per_second():
         }
     )
     assert cfg.cluster.link.bandwidth == 1e9 and cfg.cluster.link.latency_s == 0.0
+
+
+# ---------------------------------------------------------------------------- properties
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.floats(0.0, 0.3),
+            st.integers(1, 120),
+            st.integers(1, 30),
+            st.lists(st.integers(0, 3), max_size=3),
+        ),
+        min_size=1,
+        max_size=25,
+    ),
+    router=st.sampled_from(
+        ["round_robin", "least_outstanding_tokens", "least_kv", "power_of_two", "prefix_affinity"]
+    ),
+    layout=st.sampled_from([(3, 0), (1, 1), (2, 1), (1, 3)]),
+    policy=st.sampled_from(["fcfs", "swap", "chunked_prefill"]),
+)
+def test_every_request_ends_with_its_tokens(rows, router, layout, policy):
+    # Small caches (12 blocks of 16 tokens) force queueing and preemption on every side.
+    p, d = layout
+    if d == 0:
+        spec = aggregated(p, router)
+    else:
+        spec = ClusterSpec(
+            prefill=PoolSpec(p, router), decode=PoolSpec(d, router), link=Link("t", 1e7, 1e-3, "")
+        )
+    reqs = [(f"r{i}", t, n, o, None, ids or None) for i, (t, n, o, ids) in enumerate(rows)]
+    res, by = run_cluster(spec, reqs, gpu_blocks=12, kv_bytes=100, policy=policy)
+    assert res.failure is None, res.failure
+    for r in res.requests:
+        assert r.status.value in ("finished", "rejected", "aborted") and r.finish_s >= r.arrival_s
+        if r.status.value != "finished":
+            assert r.reason
+            continue
+        times = res.token_times(r)
+        assert len(times) == r.output_len == res.num_token_times(r)
+        assert np.all(np.diff(times) >= 0) and times[0] > r.arrival_s
+        assert times[-1] == pytest.approx(r.finish_s)
+        if r in res.transfers:  # the second token comes after the KV landed
+            ready, start, landed, nbytes = res.transfers[r]
+            assert times[0] == pytest.approx(ready) and ready <= start < landed <= times[1]
+            assert nbytes == 100 * r.prompt_len
+    for rr in res.replica_results:  # every block back in its pool
+        assert rr.steps["kv_used_blocks"].min(initial=0) >= 0

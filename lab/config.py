@@ -14,8 +14,9 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     kv_cache: {block_size: 16, gpu_memory_utilization: 0.9, num_gpu_blocks: null,
                swap_space_gib: 4, watermark: 0.01}
     scheduler: {max_num_seqs: 256, max_num_batched_tokens: null, max_model_len: null,
-                max_preemptions: 1000}
-    policies: [fcfs, swap, {name: chunked_prefill, max_num_batched_tokens: 512}]
+                max_preemptions: 1000, preemption_victim: null}
+    policies: [fcfs, swap, {name: chunked_prefill, max_num_batched_tokens: 512},
+               {name: priority, priority_preemption: true, preemption_victim: most_blocks}]
     slo: {ttft_s: null, tpot_s: null, e2e_s: null}
     engine: {model_path: DIR, device: cpu, dtype: auto, attention_backend: torch,
              temperature: 0.0, cuda_graphs: null, mixed_graphs: true, kn_weights: false,
@@ -50,6 +51,7 @@ from typing import Any
 import policies
 from lab import paths
 from lab.core.errors import ConfigError
+from lab.core.scheduler import VICTIM_RULES
 from lab.sim.cluster import ClusterSpec, PoolSpec
 from lab.sim.hardware import HARDWARE, LINKS, Link
 from lab.sim.models import MODELS
@@ -78,6 +80,7 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
 LIMIT_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")  # a policy's own
+VICTIM_KEY = "preemption_victim"  # every policy's option (lab/core/scheduler.py VICTIM_RULES)
 
 
 # ---------------------------------------------------------------------------- sections
@@ -95,6 +98,12 @@ class TraceConfig:
     spec: Mapping[str, Any]
     rate_scales: tuple[float, ...] = (1.0,)
     expected: Mapping[str, Any] | None = None
+    classes: tuple[Mapping[str, Any], ...] = ()  # workload classes (traces/classes.py)
+
+    @property
+    def tenants(self) -> frozenset[str]:
+        """The tenants the workload classes name (empty for a single trace)."""
+        return frozenset(c.get("tenant", "") for c in self.classes) - {""}
 
     @property
     def format(self) -> str | None:
@@ -135,6 +144,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # token budget per step
     max_model_len: int | None = None  # prompt + output tokens of one request
     max_preemptions: int = 1000  # of one request, before the run stops as stuck
+    # Which running request a policy preempts when KV blocks are short (VICTIM_RULES of
+    # lab/core/scheduler.py); null: each policy's own rule (newest for most). A policy
+    # entry's own ``preemption_victim`` wins.
+    preemption_victim: str | None = None
 
 
 @dataclass(frozen=True)
@@ -263,6 +276,7 @@ class ExperimentConfig:
         raw = {**self.trace.spec, **keys}
         expected = None if {"path", "format"} & set(keys) else self.trace.expected
         trace = _trace(self.source, raw, self.base_dir, expected)
+        _hash_block_size(self.source, trace, self.kv_cache)
         return dataclasses.replace(self, trace=trace)
 
     def to_dict(self) -> dict[str, Any]:
@@ -391,9 +405,9 @@ def validate(
         model=top["model"],
         hardware=top["hardware"],
         cost_model=_cost_model(where, raw.get("cost_model", {}), base_dir, backend == "sim"),
-        kv_cache=_kv_cache(where, raw.get("kv_cache", {})),
+        kv_cache=_hash_block_size(where, trace, _kv_cache(where, raw.get("kv_cache", {}))),
         scheduler=scheduler,
-        policies=_policies(where, raw.get("policies", list(DEFAULT_POLICIES))),
+        policies=_policies(where, raw.get("policies", list(DEFAULT_POLICIES)), trace.tenants),
         slo=_slo(where, raw.get("slo", {})),
         engine=_engine(where, raw.get("engine", {}), base_dir, backend == "engine"),
         check_invariants=top["check_invariants"],
@@ -532,15 +546,47 @@ def _kv_cache(where: str, raw: Any) -> KVCacheConfig:
     return KVCacheConfig(**kv)
 
 
+def _hash_block_size(where: str, trace: TraceConfig, kv: KVCacheConfig) -> KVCacheConfig:
+    """Check ``trace.hash_block_size`` (tokens per hash id, :mod:`traces.prefix`) against
+    the KV block size: a multiple of it, so that every full KV block lies inside one hash
+    block. Checked when given, when ``trace.prefix`` makes hash ids (default 16), and for
+    Mooncake's default of 512 when prefix caching is on. Returns ``kv`` unchanged."""
+    spec = trace.spec
+    if "hash_block_size" in spec:
+        size, why = _int(where, "trace.hash_block_size", spec["hash_block_size"]), ""
+    elif "prefix" in spec:
+        from traces.prefix import PREFIX_HASH_BLOCK_SIZE
+
+        size, why = PREFIX_HASH_BLOCK_SIZE, " (the default for trace.prefix)"
+    elif trace.format == "mooncake" and getattr(kv, "enable_prefix_caching", False):
+        # ``enable_prefix_caching`` is the prefix cache's key (issue 16, core)
+        from traces.loaders import MOONCAKE_HASH_BLOCK_SIZE
+
+        size, why = MOONCAKE_HASH_BLOCK_SIZE, " (Mooncake's default)"
+    else:
+        return kv
+    if size % kv.block_size:
+        raise ConfigError(
+            f"{where}: trace.hash_block_size: {size}{why} is not a multiple of "
+            f"kv_cache.block_size {kv.block_size}; expected a multiple, so that every KV "
+            "block lies inside one hash block"
+        )
+    return kv
+
+
 def _scheduler(where: str, raw: Any) -> SchedulerConfig:
     s = _section(where, "scheduler", raw, SchedulerConfig)
     _int(where, "scheduler.max_num_seqs", s["max_num_seqs"])
     _check_limits(where, "scheduler", s)
     _int(where, "scheduler.max_preemptions", s["max_preemptions"])
+    if s[VICTIM_KEY] is not None:
+        _choice(where, f"scheduler.{VICTIM_KEY}", s[VICTIM_KEY], VICTIM_RULES)
     return SchedulerConfig(**s)
 
 
-def _policies(where: str, pols: Any) -> tuple[PolicyConfig, ...]:
+def _policies(
+    where: str, pols: Any, tenants: frozenset[str] = frozenset()
+) -> tuple[PolicyConfig, ...]:
     if policies.BROKEN:  # a policy file that cannot be imported: say which, run nothing
         path, why = next(iter(policies.BROKEN.items()))
         raise ConfigError(f"{path}: the policy module cannot be imported ({why}); fix or remove it")
@@ -558,8 +604,13 @@ def _policies(where: str, pols: Any) -> tuple[PolicyConfig, ...]:
             cls = get_policy(p["name"])
         except ConfigError as e:
             raise ConfigError(f"{where}: {key}: {e}") from None
-        _mapping(where, key, p, ("name", "label", *LIMIT_KEYS, *cls.options))
+        _mapping(where, key, p, ("name", "label", *LIMIT_KEYS, VICTIM_KEY, *cls.options))
         _check_limits(where, key, p)
+        if VICTIM_KEY in p:
+            _choice(where, f"{key}.{VICTIM_KEY}", p[VICTIM_KEY], VICTIM_RULES)
+        why = cls.check_options({k: v for k, v in p.items() if k in cls.options}, tenants)
+        if why:
+            raise ConfigError(f"{where}: {key}.{why}")
         label = p.get("label", p["name"])
         if not isinstance(label, str) or not _LABEL.fullmatch(label):
             raise _fail(
@@ -569,7 +620,7 @@ def _policies(where: str, pols: Any) -> tuple[PolicyConfig, ...]:
                 "and spaces, starting with a letter or digit",
                 label,
             )
-        options = {k: copy.deepcopy(v) for k, v in p.items() if k in cls.options}
+        options = {k: copy.deepcopy(v) for k, v in p.items() if k in (*cls.options, VICTIM_KEY)}
         resolved.append(
             PolicyConfig(
                 p["name"], label, *(p.get(k) for k in LIMIT_KEYS), options=MappingProxyType(options)

@@ -149,6 +149,10 @@ def fresh(requests: list[Request]) -> list[Request]:
             r.prompt_token_ids,
             r.hash_ids,
             r.priority,
+            r.class_name,
+            r.tenant,
+            r.ttft_slo_s,
+            hash_block_size=r.hash_block_size,
         )
         if r.status is RequestStatus.DROPPED:
             c.status, c.reason = r.status, r.reason
@@ -249,6 +253,7 @@ def iter_runs(
     if cfg.backend == "engine":
         from backend.engine import assign_prompt_tokens  # imports torch
         from lab.engine_setup import engine_parts
+        from traces.hash_tokens import assign_hash_prompt_tokens
 
         make_executor, gpu, cpu, max_position, vocab_size = engine_parts(cfg)
     else:
@@ -263,13 +268,16 @@ def iter_runs(
         )
     for scale in cfg.rate_scales:
         trace = requests if requests is not None else tables.pop(scale).to_requests()
-        if cfg.backend == "engine":
+        if cfg.backend == "engine":  # hash ids make shared prefixes real tokens
+            assign_hash_prompt_tokens(trace, vocab_size, cfg.seed)
             assign_prompt_tokens(trace, vocab_size, cfg.seed)
         for pol, cls, limits in policies:
 
             def make_replica(cls=cls, limits=limits, pol=pol):
                 scheduler = cls(
-                    limits, BlockManager(gpu, cpu, bs, cfg.kv_cache.watermark), **pol.options
+                    limits,
+                    BlockManager(gpu, cpu, bs, cfg.kv_cache.watermark),
+                    **{"preemption_victim": cfg.scheduler.preemption_victim, **pol.options},
                 )
                 if cfg.backend == "engine":
                     return scheduler, make_executor()

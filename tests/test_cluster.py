@@ -24,7 +24,7 @@ from lab.experiment import run_experiment
 from lab.sim.cluster import ClusterSpec, PoolSpec, replay_cluster
 from lab.sim.hardware import LINKS, Link
 from lab.sim.replay import STEP_COLUMNS
-from policies import get_policy
+from policies import get_policy, policy_names
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -342,7 +342,7 @@ def test_link_presets_in_bytes_per_second():
 
 
 # ---------------------------------------------------------------------------- properties
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     rows=st.lists(
         st.tuples(
@@ -358,7 +358,7 @@ def test_link_presets_in_bytes_per_second():
         ["round_robin", "least_outstanding_tokens", "least_kv", "power_of_two", "prefix_affinity"]
     ),
     layout=st.sampled_from([(3, 0), (1, 1), (2, 1), (1, 3)]),
-    policy=st.sampled_from(["fcfs", "swap", "chunked_prefill"]),
+    policy=st.sampled_from(policy_names()),
 )
 def test_every_request_ends_with_its_tokens(rows, router, layout, policy):
     # Small caches (12 blocks of 16 tokens) force queueing and preemption on every side.

@@ -34,7 +34,13 @@ class Request:
         prompt_token_ids: real prompt tokens, only for the engine backend (None in traces).
         hash_ids: prefix-block hashes (Mooncake traces, 512 tokens per block), kept for
             prefix-cache work; unused by the current policies.
-        priority: lower runs first for priority policies; unused by FCFS.
+        priority: lower runs first for priority policies (vLLM's convention); unused by FCFS.
+        class_name: the workload class of the request (``trace:`` as a list of classes,
+            traces/classes.py); "" for a single trace.
+        tenant: who sent it (fairness policies and metrics); "" = no tenant.
+        ttft_slo_s: the TTFT target of its class in seconds (EDF's deadline), or None.
+        hash_block_size: tokens each hash id stands for (Mooncake: 512); the ids may extend
+            past the prompt, over tokens the request will generate.
     """
 
     request_id: str
@@ -44,6 +50,10 @@ class Request:
     prompt_token_ids: list[int] | None = None
     hash_ids: list[int] | None = None
     priority: int = 0
+    class_name: str = ""
+    tenant: str = ""
+    ttft_slo_s: float | None = None
+    hash_block_size: int = 512
 
     # Runtime state, owned by the scheduler (lab/core/scheduler.py).
     status: RequestStatus = RequestStatus.WAITING

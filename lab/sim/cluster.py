@@ -14,8 +14,9 @@ P..P+D-1 decode. The rules:
 
 * A request is checked against the decode replicas' limits at arrival (rejected there with
   their reason), then routed to a prefill replica, which runs its prompt and samples its
-  first token (it holds a copy of the request with one output token). A request of one
-  output token ends there.
+  first token (it holds a copy of the request with one output token: its policy sees a
+  one-token job, so length-aware policies such as sjf order prefills by that). A request
+  of one output token ends there.
 * At the end of that step the decode router picks a decode replica and the prompt's KV
   (prompt_len x the model's K+V bytes per token) goes over the prefill replica's link:
   one link per prefill replica, transfers FIFO on it, each occupying it for bytes /

@@ -23,6 +23,8 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
              num_threads: null}
              # backend: engine only (backend/README.md)
     check_invariants: false
+    cluster: {replicas: 4, router: least_kv}      # simulator only (lab/sim/cluster.py); or
+             # {prefill: {replicas: 2, router: ...}, decode: {replicas: 2}, kv_transfer: ib-ndr}
     trace_file: {path: ..., sha256: ..., rows: ...}   # written into results' config.yaml;
              # when given, the trace file must still be that file
 
@@ -50,7 +52,8 @@ import policies
 from lab import paths
 from lab.core.errors import ConfigError
 from lab.core.scheduler import VICTIM_RULES
-from lab.sim.hardware import HARDWARE
+from lab.sim.cluster import ClusterSpec, PoolSpec
+from lab.sim.hardware import HARDWARE, LINKS, Link
 from lab.sim.models import MODELS
 from lab.yamlio import load_yaml_file, short_repr
 from policies import get_policy
@@ -263,6 +266,7 @@ class ExperimentConfig:
     slo: SLOConfig = SLOConfig()
     engine: EngineConfig = EngineConfig()
     check_invariants: bool = False
+    cluster: ClusterSpec | None = None  # None: one replica (lab/sim/cluster.py)
     source: str = field(default="config", compare=False)
     base_dir: Path = field(default=Path("."), compare=False)
 
@@ -315,6 +319,8 @@ class ExperimentConfig:
             "engine": plain(self.engine),
             "check_invariants": self.check_invariants,
         }
+        if self.cluster is not None:
+            out["cluster"] = cluster_to_dict(self.cluster)
         if self.trace.expected is not None:
             out["trace_file"] = dict(self.trace.expected)
         return out
@@ -349,6 +355,7 @@ TOP_KEYS = (
     "engine",
     "check_invariants",
     "trace_file",
+    "cluster",
 )
 DEFAULT_POLICIES = ("fcfs", "swap", "chunked_prefill")
 
@@ -407,6 +414,7 @@ def validate(
     if not isinstance(top["check_invariants"], bool):
         raise _fail(where, "check_invariants", "true or false", top["check_invariants"])
     scheduler = _scheduler(where, raw.get("scheduler", {}))
+    cluster = None if raw.get("cluster") is None else _cluster(where, raw["cluster"], backend)
     return ExperimentConfig(
         name=name,
         trace=trace,
@@ -421,6 +429,7 @@ def validate(
         slo=_slo(where, raw.get("slo", {})),
         engine=_engine(where, raw.get("engine", {}), base_dir, backend == "engine"),
         check_invariants=top["check_invariants"],
+        cluster=cluster,
         source=where,
         base_dir=base_dir,
     )
@@ -701,6 +710,92 @@ def _engine(where: str, raw: Any, base_dir: Path, used: bool) -> EngineConfig:
     elif isinstance(path, str) and path:
         e["model_path"] = paths.resolve(path, base_dir)
     return EngineConfig(**e)
+
+
+# ---------------------------------------------------------------------------- cluster
+CLUSTER_KEYS = ("replicas", "router", "prefill", "decode", "kv_transfer")
+_DISAGGREGATED_KEYS = ("prefill", "decode", "kv_transfer")
+
+
+def _cluster(where: str, raw: Any, backend: str) -> ClusterSpec:
+    """``cluster:``: aggregated ``{replicas, router}`` or disaggregated ``{prefill: {replicas,
+    router}, decode: {replicas, router}, kv_transfer: LINK | {bandwidth_gbps, latency_s}}``."""
+    if backend == "engine":
+        raise ConfigError(
+            f"{where}: cluster: the cluster is simulated only (backend: sim); backend: engine "
+            "runs one replica on one device: remove cluster: or set backend: sim"
+        )
+    d = _mapping(where, "cluster", raw, CLUSTER_KEYS)
+    disaggregated = [k for k in _DISAGGREGATED_KEYS if k in d]
+    if not disaggregated:
+        return ClusterSpec(pool=_pool(where, "cluster", d, ("replicas", "router")))
+    if "replicas" in d or "router" in d:
+        raise ConfigError(
+            f"{where}: cluster: give replicas and router (aggregated) or prefill, decode and "
+            f"kv_transfer (disaggregated), not both"
+        )
+    missing = [k for k in _DISAGGREGATED_KEYS if k not in d]
+    if missing:
+        raise ConfigError(
+            f"{where}: cluster: a disaggregated cluster needs prefill, decode and kv_transfer; "
+            f"missing {', '.join(missing)}"
+        )
+    return ClusterSpec(
+        prefill=_pool(where, "cluster.prefill", d["prefill"], ("replicas", "router")),
+        decode=_pool(where, "cluster.decode", d["decode"], ("replicas", "router")),
+        link=_link(where, "cluster.kv_transfer", d["kv_transfer"]),
+    )
+
+
+def _pool(where: str, key: str, raw: Any, allowed: tuple[str, ...]) -> PoolSpec:
+    from lab.sim.router import get_router
+
+    d = _mapping(where, key, raw, allowed)
+    replicas = _int(where, f"{key}.replicas", d.get("replicas", 1))
+    router = d.get("router", "round_robin")
+    spec = {"name": router} if isinstance(router, str) else router
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+        raise _fail(where, f"{key}.router", "a router name or a mapping with 'name'", router)
+    try:
+        cls = get_router(spec["name"])
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {key}.router: {e}") from None
+    _mapping(where, f"{key}.router", spec, ("name", *cls.options))
+    options = {}
+    for k, v in spec.items():
+        if k == "name":
+            continue
+        if isinstance(cls.options[k], int):
+            options[k] = _int(where, f"{key}.router.{k}", v)
+        else:
+            options[k] = _num(where, f"{key}.router.{k}", v, lo=1.0)
+    return PoolSpec(replicas, spec["name"], MappingProxyType(options))
+
+
+def _link(where: str, key: str, raw: Any) -> Link:
+    if isinstance(raw, str):
+        return LINKS[_choice(where, key, raw, LINKS)]
+    d = _mapping(where, key, raw, ("bandwidth_gbps", "latency_s"))
+    if "bandwidth_gbps" not in d:
+        raise _fail(where, key, "a link preset name or {bandwidth_gbps, latency_s}", raw)
+    gbps = _num(where, f"{key}.bandwidth_gbps", d["bandwidth_gbps"], 0.0, lo_open=True)
+    latency = _num(where, f"{key}.latency_s", d.get("latency_s", 0.0), 0.0)
+    return Link("custom", gbps * 1e9 / 8, float(latency), f"{gbps} Gb/s, {latency} s")
+
+
+def cluster_to_dict(c: ClusterSpec) -> dict[str, Any]:
+    """A cluster spec as written in YAML (presets by name)."""
+
+    def pool(p: PoolSpec) -> dict[str, Any]:
+        router = {"name": p.router, **p.router_options} if p.router_options else p.router
+        return {"replicas": p.replicas, "router": router}
+
+    if c.pool is not None:
+        return pool(c.pool)
+    link: Any = c.link.name
+    if c.link.name not in LINKS:
+        link = {"bandwidth_gbps": c.link.bandwidth * 8 / 1e9, "latency_s": c.link.latency_s}
+    return {"prefill": pool(c.prefill), "decode": pool(c.decode), "kv_transfer": link}
 
 
 # ---------------------------------------------------------------------------- checks

@@ -15,13 +15,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab import metrics
+from lab import cluster_metrics, metrics
 from lab.config import ExperimentConfig, PolicyConfig
 from lab.core.errors import ConfigError, TraceError
 from lab.core.kv import has_prefix_identity, make_block_manager
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import SchedulerLimits
 from lab.progress import Phase
+from lab.sim.cluster import ClusterResult, replay_cluster
 from lab.sim.cost_model import (
     AnalyticCostModel,
     CostModelExecutor,
@@ -310,27 +311,40 @@ def iter_runs(
             assign_hash_prompt_tokens(trace, vocab_size, cfg.seed)
             assign_prompt_tokens(trace, vocab_size, cfg.seed)
         for pol, cls, limits in policies:
-            kv = cfg.kv_cache
-            bm = make_block_manager(gpu, cpu, bs, kv.watermark, pol.prefix_caching(kv))
-            scheduler = cls(
-                limits, bm, **{"preemption_victim": cfg.scheduler.preemption_victim, **pol.options}
-            )
-            if cfg.backend == "engine":
-                executor = make_executor()
-            else:
-                executor = CostModelExecutor(cost_model, bs)
+
+            def make_replica(cls=cls, limits=limits, pol=pol):
+                kv = cfg.kv_cache
+                scheduler = cls(
+                    limits,
+                    make_block_manager(gpu, cpu, bs, kv.watermark, pol.prefix_caching(kv)),
+                    **{"preemption_victim": cfg.scheduler.preemption_victim, **pol.options},
+                )
+                if cfg.backend == "engine":
+                    return scheduler, make_executor()
+                return scheduler, CostModelExecutor(cost_model, bs)
+
             label = cfg.run_label(pol, scale)
             run_requests = fresh(trace)
             replayed = [r for r in run_requests if r.status is not RequestStatus.DROPPED]
             n = len(replayed)
             with Phase(f"{label}: replay {n:,} requests", n, "req", progress) as phase:
-                result = replay(
-                    replayed,
-                    scheduler,
-                    executor,
-                    check_invariants=cfg.check_invariants,
-                    progress=phase.replay_callback,
-                )
+                if cfg.cluster is None:
+                    result = replay(
+                        replayed,
+                        *make_replica(),
+                        check_invariants=cfg.check_invariants,
+                        progress=phase.replay_callback,
+                    )
+                else:
+                    result = replay_cluster(
+                        replayed,
+                        cfg.cluster,
+                        make_replica,
+                        MODELS[cfg.model].kv_bytes_per_token,
+                        cfg.seed,
+                        cfg.check_invariants,
+                        phase.replay_callback,
+                    )
             rows = metrics.in_trace_order(run_requests, result.requests)  # dropped rows too
             with Phase(f"{label}: metrics", len(rows), "req", progress) as phase:
                 df, itl = metrics.request_table(result, pol.label, scale, phase.set, rows)
@@ -342,6 +356,8 @@ def iter_runs(
                     **metrics.summarize(df, itl, result, cfg.slo.to_dict()),
                 }
                 itl = metrics.cdf_points(itl, overwrite=True)  # all gaps: a run's largest array
+                if isinstance(result, ClusterResult):
+                    df, summary["cluster"] = cluster_metrics.add_cluster(df, result, rows, summary)
             if result.failure:
                 summary["failure"] = result.failure
             log.info("%s: %d steps in %.2f s", label, summary["num_steps"], result.wall_s)

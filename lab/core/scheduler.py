@@ -292,7 +292,9 @@ class Scheduler:
             r = queue[0] if custom is None else next(custom, None)
             if r is None:
                 break
-            hits = bm.lookup(r) if caching else ()  # now, at every admission attempt
+            # Looked up now, at every admission attempt; a request whose prompt is already
+            # computed elsewhere (its KV moved in from a prefill replica) looks nothing up.
+            hits = bm.lookup(r) if caching and not r.num_computed_tokens else ()
             num_new = r.num_tokens - r.num_computed_tokens - len(hits) * self.block_size
             if num_new > budget:
                 if not self.chunked_prefill:
@@ -325,7 +327,7 @@ class Scheduler:
                     continue
                 break
             self._take_waiting(r, custom is None and queue[0] is r)
-            if caching:
+            if caching and not r.num_computed_tokens:
                 self._admit_cached(plan, r, hits, need)
             else:
                 bm.allocate(r, need)

@@ -12,7 +12,7 @@ Columns are the
 the date, device, engine commit and model shape.
 
 Grid: decode-only batches (1-256 sequences, contexts 128-4096; and 8-64 sequences of uneven,
-log-normal contexts), prefill chunks (16-8192 tokens over cached prefixes of 0-4096),
+log-normal contexts), prefill chunks (16-8192 tokens over cached prefixes of 0-4096; 16-1024 over 16k-32k),
 several prompts at once, prefill chunks mixed with decodes, and swap-out + swap-in of 1-256
 blocks alongside 8 or 64 decodes.
 """
@@ -39,6 +39,10 @@ DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DECODE_CONTEXTS = (128, 512, 1024, 2048, 4096)
 PREFILL_LENGTHS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 PREFILL_PREFIXES = (0, 1024, 4096)
+# Short chunks over long cached prefixes: the shapes prefix caching makes (a prompt whose
+# first 16k-32k tokens are cached prefills only its tail); rows whose blocks do not fit
+# the device cache are left out.
+LONG_PREFIX_CHUNKS = [(c, n) for c in (16384, 32768) for n in (16, 256, 1024)]
 MIXED = [(d, n) for d in (8, 32, 128) for n in (256, 512, 1024, 2048)]
 SWAP_BLOCKS = (1, 4, 16, 64, 256)
 UNEVEN_BATCHES = (8, 32, 64)  # decode batches of log-normal contexts (median 1k, sigma 1)
@@ -56,6 +60,8 @@ def shapes() -> list[tuple[str, list[tuple[int, int]], list[int], int]]:
     for n in PREFILL_LENGTHS:
         for c in PREFILL_PREFIXES:
             grid.append(("prefill", [(c, n)], [], 0))
+    for c, n in LONG_PREFIX_CHUNKS:
+        grid.append(("prefill_long_prefix", [(c, n)], [], 0))
     for k in (2, 4, 8):
         for n in (256, 1024):
             grid.append(("prefill", [(0, n)] * k, [], 0))
@@ -164,7 +170,12 @@ def _profile(args: argparse.Namespace) -> None:
         (kind, chunks, decodes, swap, step_inputs(chunks, decodes, args.block_size))
         for kind, chunks, decodes, swap in shapes()
     ]
-    grid = [g for g in grid if sum(len(s.block_table) for s in g[4]) <= runner.num_gpu_blocks]
+    grid = [
+        g
+        for g in grid
+        if sum(len(s.block_table) for s in g[4]) <= runner.num_gpu_blocks
+        and max(s.start_pos + len(s.token_ids) for s in g[4]) <= runner.max_model_len
+    ]
     samples: list[list[float]] = [[] for _ in grid]
     for p in range(args.passes):
         for times, (_, _, _, swap, seqs) in zip(samples, grid, strict=True):

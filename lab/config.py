@@ -15,7 +15,7 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
                  profile: null, replay_steps: []}  # profile: engine profile CSV, and
                  # replay_steps: steps.csv of engine runs to fit with it (lab/sim/calibrated.py)
     kv_cache: {block_size: 16, gpu_memory_utilization: 0.9, num_gpu_blocks: null,
-               swap_space_gib: 4, watermark: 0.01}
+               swap_space_gib: 4, watermark: 0.01, enable_prefix_caching: false}
     scheduler: {max_num_seqs: 256, max_num_batched_tokens: null, max_model_len: null,
                 max_preemptions: 1000, preemption_victim: null}
     policies: [fcfs, swap, {name: chunked_prefill, max_num_batched_tokens: 512},
@@ -26,6 +26,8 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
              num_threads: null}
              # backend: engine only (backend/README.md)
     check_invariants: false
+    cluster: {replicas: 4, router: least_kv}      # simulator only (lab/sim/cluster.py); or
+             # {prefill: {replicas: 2, router: ...}, decode: {replicas: 2}, kv_transfer: ib-ndr}
     trace_file: {path: ..., sha256: ..., rows: ...}   # written into results' config.yaml;
              # when given, the trace file must still be that file
 
@@ -53,7 +55,8 @@ import policies
 from lab import paths
 from lab.core.errors import ConfigError
 from lab.core.scheduler import VICTIM_RULES
-from lab.sim.hardware import HARDWARE
+from lab.sim.cluster import ClusterSpec, PoolSpec
+from lab.sim.hardware import HARDWARE, LINKS, Link
 from lab.sim.models import MODELS
 from lab.yamlio import load_yaml_file, short_repr
 from policies import get_policy
@@ -131,6 +134,10 @@ class KVCacheConfig:
     num_gpu_blocks: int | None = None  # fixed GPU blocks; null: sized by the utilization
     swap_space_gib: float = 4.0  # host swap space (vLLM's default)
     watermark: float = 0.01  # share of GPU blocks kept free at admission
+    # Automatic prefix caching (lab/core/kv.py PrefixCachingBlockManager). Off by default:
+    # results of existing experiments stay as they were, and most trace formats carry no
+    # prefix identity (hash ids or token ids) to key blocks by.
+    enable_prefix_caching: bool = False
 
     @property
     def swap_space_bytes(self) -> int:
@@ -156,7 +163,9 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class PolicyConfig:
     """One entry of ``policies:``: a registered policy, its label, its own limits (None:
-    the ``scheduler`` section's) and its options (``options`` of the policy class)."""
+    the ``scheduler`` section's), its options (``options`` of the policy class) and its own
+    ``enable_prefix_caching`` (None: ``kv_cache``'s), so one experiment compares caching off
+    and on."""
 
     name: str
     label: str
@@ -164,6 +173,12 @@ class PolicyConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    enable_prefix_caching: bool | None = None
+
+    def prefix_caching(self, kv: KVCacheConfig) -> bool:
+        """Whether this policy's runs cache prefixes (its own key, else ``kv_cache``'s)."""
+        own = self.enable_prefix_caching
+        return own if own is not None else kv.enable_prefix_caching
 
     def limit(self, key: str, scheduler: SchedulerConfig) -> int | None:
         """This policy's value of a limit in :data:`LIMIT_KEYS`, else the scheduler's."""
@@ -172,10 +187,16 @@ class PolicyConfig:
 
     def to_dict(self) -> dict[str, Any]:
         limits = {k: getattr(self, k) for k in LIMIT_KEYS if getattr(self, k) is not None}
+        own = (
+            {}
+            if self.enable_prefix_caching is None
+            else {"enable_prefix_caching": self.enable_prefix_caching}
+        )
         return {
             "label": self.label,
             "name": self.name,
             **limits,
+            **own,
             **copy.deepcopy(dict(self.options)),
         }
 
@@ -251,6 +272,7 @@ class ExperimentConfig:
     slo: SLOConfig = SLOConfig()
     engine: EngineConfig = EngineConfig()
     check_invariants: bool = False
+    cluster: ClusterSpec | None = None  # None: one replica (lab/sim/cluster.py)
     source: str = field(default="config", compare=False)
     base_dir: Path = field(default=Path("."), compare=False)
 
@@ -309,6 +331,8 @@ class ExperimentConfig:
             "engine": plain(self.engine),
             "check_invariants": self.check_invariants,
         }
+        if self.cluster is not None:
+            out["cluster"] = cluster_to_dict(self.cluster)
         if self.trace.expected is not None:
             out["trace_file"] = dict(self.trace.expected)
         return out
@@ -343,6 +367,7 @@ TOP_KEYS = (
     "engine",
     "check_invariants",
     "trace_file",
+    "cluster",
 )
 DEFAULT_POLICIES = ("fcfs", "swap", "chunked_prefill")
 
@@ -409,6 +434,7 @@ def validate(
     if not isinstance(top["check_invariants"], bool):
         raise _fail(where, "check_invariants", "true or false", top["check_invariants"])
     scheduler = _scheduler(where, raw.get("scheduler", {}))
+    cluster = None if raw.get("cluster") is None else _cluster(where, raw["cluster"], backend)
     return ExperimentConfig(
         name=name,
         trace=trace,
@@ -423,6 +449,7 @@ def validate(
         slo=_slo(where, raw.get("slo", {})),
         engine=_engine(where, raw.get("engine", {}), base_dir, backend == "engine"),
         check_invariants=top["check_invariants"],
+        cluster=cluster,
         source=where,
         base_dir=base_dir,
     )
@@ -598,6 +625,10 @@ def _kv_cache(where: str, raw: Any) -> KVCacheConfig:
     _int(where, "kv_cache.num_gpu_blocks", kv["num_gpu_blocks"], optional=True)
     _num(where, "kv_cache.swap_space_gib", kv["swap_space_gib"], 0.0, MAX_SWAP_SPACE_GIB)
     _num(where, "kv_cache.watermark", kv["watermark"], 0.0, 0.5)
+    if not isinstance(kv["enable_prefix_caching"], bool):
+        raise _fail(
+            where, "kv_cache.enable_prefix_caching", "true or false", kv["enable_prefix_caching"]
+        )
     return KVCacheConfig(**kv)
 
 
@@ -613,8 +644,7 @@ def _hash_block_size(where: str, trace: TraceConfig, kv: KVCacheConfig) -> KVCac
         from traces.prefix import PREFIX_HASH_BLOCK_SIZE
 
         size, why = PREFIX_HASH_BLOCK_SIZE, " (the default for trace.prefix)"
-    elif trace.format == "mooncake" and getattr(kv, "enable_prefix_caching", False):
-        # ``enable_prefix_caching`` is the prefix cache's key (issue 16, core)
+    elif trace.format == "mooncake" and kv.enable_prefix_caching:
         from traces.loaders import MOONCAKE_HASH_BLOCK_SIZE
 
         size, why = MOONCAKE_HASH_BLOCK_SIZE, " (Mooncake's default)"
@@ -659,13 +689,21 @@ def _policies(
             cls = get_policy(p["name"])
         except ConfigError as e:
             raise ConfigError(f"{where}: {key}: {e}") from None
-        _mapping(where, key, p, ("name", "label", *LIMIT_KEYS, VICTIM_KEY, *cls.options))
+        _mapping(
+            where,
+            key,
+            p,
+            ("name", "label", *LIMIT_KEYS, VICTIM_KEY, "enable_prefix_caching", *cls.options),
+        )
         _check_limits(where, key, p)
         if VICTIM_KEY in p:
             _choice(where, f"{key}.{VICTIM_KEY}", p[VICTIM_KEY], VICTIM_RULES)
         why = cls.check_options({k: v for k, v in p.items() if k in cls.options}, tenants)
         if why:
             raise ConfigError(f"{where}: {key}.{why}")
+        caching = p.get("enable_prefix_caching")
+        if caching is not None and not isinstance(caching, bool):
+            raise _fail(where, f"{key}.enable_prefix_caching", "true or false", caching)
         label = p.get("label", p["name"])
         if not isinstance(label, str) or not _LABEL.fullmatch(label):
             raise _fail(
@@ -678,7 +716,11 @@ def _policies(
         options = {k: copy.deepcopy(v) for k, v in p.items() if k in (*cls.options, VICTIM_KEY)}
         resolved.append(
             PolicyConfig(
-                p["name"], label, *(p.get(k) for k in LIMIT_KEYS), options=MappingProxyType(options)
+                p["name"],
+                label,
+                *(p.get(k) for k in LIMIT_KEYS),
+                options=MappingProxyType(options),
+                enable_prefix_caching=caching,
             )
         )
     labels = [p.label for p in resolved]
@@ -732,6 +774,92 @@ def _engine(where: str, raw: Any, base_dir: Path, used: bool) -> EngineConfig:
     elif isinstance(path, str) and path:
         e["model_path"] = paths.resolve(path, base_dir)
     return EngineConfig(**e)
+
+
+# ---------------------------------------------------------------------------- cluster
+CLUSTER_KEYS = ("replicas", "router", "prefill", "decode", "kv_transfer")
+_DISAGGREGATED_KEYS = ("prefill", "decode", "kv_transfer")
+
+
+def _cluster(where: str, raw: Any, backend: str) -> ClusterSpec:
+    """``cluster:``: aggregated ``{replicas, router}`` or disaggregated ``{prefill: {replicas,
+    router}, decode: {replicas, router}, kv_transfer: LINK | {bandwidth_gbps, latency_s}}``."""
+    if backend == "engine":
+        raise ConfigError(
+            f"{where}: cluster: the cluster is simulated only (backend: sim); backend: engine "
+            "runs one replica on one device: remove cluster: or set backend: sim"
+        )
+    d = _mapping(where, "cluster", raw, CLUSTER_KEYS)
+    disaggregated = [k for k in _DISAGGREGATED_KEYS if k in d]
+    if not disaggregated:
+        return ClusterSpec(pool=_pool(where, "cluster", d, ("replicas", "router")))
+    if "replicas" in d or "router" in d:
+        raise ConfigError(
+            f"{where}: cluster: give replicas and router (aggregated) or prefill, decode and "
+            f"kv_transfer (disaggregated), not both"
+        )
+    missing = [k for k in _DISAGGREGATED_KEYS if k not in d]
+    if missing:
+        raise ConfigError(
+            f"{where}: cluster: a disaggregated cluster needs prefill, decode and kv_transfer; "
+            f"missing {', '.join(missing)}"
+        )
+    return ClusterSpec(
+        prefill=_pool(where, "cluster.prefill", d["prefill"], ("replicas", "router")),
+        decode=_pool(where, "cluster.decode", d["decode"], ("replicas", "router")),
+        link=_link(where, "cluster.kv_transfer", d["kv_transfer"]),
+    )
+
+
+def _pool(where: str, key: str, raw: Any, allowed: tuple[str, ...]) -> PoolSpec:
+    from lab.sim.router import get_router
+
+    d = _mapping(where, key, raw, allowed)
+    replicas = _int(where, f"{key}.replicas", d.get("replicas", 1))
+    router = d.get("router", "round_robin")
+    spec = {"name": router} if isinstance(router, str) else router
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+        raise _fail(where, f"{key}.router", "a router name or a mapping with 'name'", router)
+    try:
+        cls = get_router(spec["name"])
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {key}.router: {e}") from None
+    _mapping(where, f"{key}.router", spec, ("name", *cls.options))
+    options = {}
+    for k, v in spec.items():
+        if k == "name":
+            continue
+        if isinstance(cls.options[k], int):
+            options[k] = _int(where, f"{key}.router.{k}", v)
+        else:
+            options[k] = _num(where, f"{key}.router.{k}", v, lo=1.0)
+    return PoolSpec(replicas, spec["name"], MappingProxyType(options))
+
+
+def _link(where: str, key: str, raw: Any) -> Link:
+    if isinstance(raw, str):
+        return LINKS[_choice(where, key, raw, LINKS)]
+    d = _mapping(where, key, raw, ("bandwidth_gbps", "latency_s"))
+    if "bandwidth_gbps" not in d:
+        raise _fail(where, key, "a link preset name or {bandwidth_gbps, latency_s}", raw)
+    gbps = _num(where, f"{key}.bandwidth_gbps", d["bandwidth_gbps"], 0.0, lo_open=True)
+    latency = _num(where, f"{key}.latency_s", d.get("latency_s", 0.0), 0.0)
+    return Link("custom", gbps * 1e9 / 8, float(latency), f"{gbps} Gb/s, {latency} s")
+
+
+def cluster_to_dict(c: ClusterSpec) -> dict[str, Any]:
+    """A cluster spec as written in YAML (presets by name)."""
+
+    def pool(p: PoolSpec) -> dict[str, Any]:
+        router = {"name": p.router, **p.router_options} if p.router_options else p.router
+        return {"replicas": p.replicas, "router": router}
+
+    if c.pool is not None:
+        return pool(c.pool)
+    link: Any = c.link.name
+    if c.link.name not in LINKS:
+        link = {"bandwidth_gbps": c.link.bandwidth * 8 / 1e9, "latency_s": c.link.latency_s}
+    return {"prefill": pool(c.prefill), "decode": pool(c.decode), "kv_transfer": link}
 
 
 # ---------------------------------------------------------------------------- checks

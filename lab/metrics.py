@@ -37,6 +37,7 @@ REQUEST_COLUMNS = [
     "policy", "rate_scale", "request_id", "status", "reason", "arrival_s", "prompt_tokens",
     "output_tokens", "num_generated_tokens", "first_token_s", "finish_s", "ttft_s", "tpot_s",
     "e2e_s", "queue_s", "num_preemptions", "num_preemptions_recompute", "num_preemptions_swap",
+    "num_cached_tokens", "num_resumed_cached_tokens",
 ]  # fmt: skip
 
 
@@ -79,7 +80,8 @@ def request_table(
             adds the trace rows that were not replayed).
     """
     requests = result.requests if requests is None else requests
-    num_gaps = sum(_num_tokens(r) - 1 for r in requests if r.status is RequestStatus.FINISHED)
+    finished = (r for r in requests if r.status is RequestStatus.FINISHED)
+    num_gaps = sum(result.num_token_times(r) - 1 for r in finished)
     itl = np.empty(max(num_gaps, 0))
     cols: dict[str, list] = {c: [] for c in REQUEST_COLUMNS}
     pos = 0
@@ -114,6 +116,8 @@ def request_table(
                 r.num_preemptions,
                 r.num_preemptions_recompute,
                 r.num_preemptions_swap,
+                r.num_cached_tokens,
+                r.num_resumed_cached_tokens,
             ),
         ):
             c.append(v)
@@ -128,11 +132,6 @@ def request_table(
         df["priority"] = [r.priority for r in requests]
         df["recomputed_tokens"] = [r.num_recomputed_tokens for r in requests]
     return df, itl
-
-
-def _num_tokens(r) -> int:
-    """Output tokens ``ReplayResult.token_times`` gives for ``r``."""
-    return len(r.prefill_token_steps) + sum(b - a for a, b in r.decode_segments)
 
 
 def cdf_points(values, max_points: int = CDF_POINTS, overwrite: bool = False) -> np.ndarray:
@@ -244,4 +243,23 @@ def summarize(
         },
         "num_gpu_blocks": result.num_gpu_blocks,
         "num_steps": int(len(steps["time_s"])),
+        **prefix_cache_summary(df, result),
+    }
+
+
+def prefix_cache_summary(df: pd.DataFrame, result: ReplayResult) -> dict:
+    """Prefix-cache keys of summary.json: ``prefix_caching`` (on/off),
+    ``prefix_cache_hit_rate`` (vLLM's name: prompt tokens found cached at first admission /
+    prompt tokens of the requests admitted), ``prefix_cache_resumed_tokens`` (tokens found
+    again at re-admissions after recompute preemptions: self-reuse, not in the hit rate) and
+    ``prefix_cache_evicted_blocks``."""
+    admitted = df["queue_s"].notna()
+    prompt = int(df.loc[admitted, "prompt_tokens"].sum())
+    cached = int(df["num_cached_tokens"].sum())
+    return {
+        "prefix_caching": result.prefix_caching,
+        "prefix_cache_hit_rate": cached / prompt if prompt else float("nan"),
+        "prefix_cache_cached_tokens": cached,
+        "prefix_cache_resumed_tokens": int(df["num_resumed_cached_tokens"].sum()),
+        "prefix_cache_evicted_blocks": result.num_evicted_blocks,
     }

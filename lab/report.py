@@ -315,20 +315,27 @@ def _write_steps_csv(path: Path, runs: list[Run], rows: int = 1 << 20) -> None:
             n = len(r.result.steps["time_s"])
             for start in range(0, n, rows):
                 cols = {"policy": r.policy, "rate_scale": r.rate_scale}
-                cols.update({c: r.result.steps[c][start : start + rows] for c in STEP_COLUMNS})
+                cols.update({c: r.result.steps[c][start : start + rows] for c in _columns(r)})
                 pd.DataFrame(cols).to_csv(f, index=False, header=header, float_format="%.9g")
                 header = False
         if header:  # no run has a step: the header alone, as the concatenated frame writes
-            f.write(",".join(["policy", "rate_scale", *STEP_COLUMNS]) + "\n")
+            extra = _columns(runs[0])[len(STEP_COLUMNS) :] if runs else []
+            f.write(",".join(["policy", "rate_scale", *STEP_COLUMNS, *extra]) + "\n")
 
 
 def _steps_frame(runs: list[Run]) -> pd.DataFrame:
     frames = []
     for r in runs:
         cols = {"policy": r.policy, "rate_scale": r.rate_scale}
-        cols.update({c: r.result.steps[c] for c in STEP_COLUMNS})
+        cols.update({c: r.result.steps[c] for c in _columns(r)})
         frames.append(pd.DataFrame(cols))
     return pd.concat(frames, ignore_index=True)
+
+
+def _columns(run: Run) -> list[str]:
+    """A run's step columns: STEP_COLUMNS, then any its result adds (a cluster's
+    ``replica``)."""
+    return [*STEP_COLUMNS, *(c for c in run.result.steps if c not in STEP_COLUMNS)]
 
 
 def _json_safe(x):
@@ -392,6 +399,9 @@ def _plots(folder: Path, runs: list[Run]) -> list[tuple[str, str]]:
         _save(fig, folder, "over_time.png", "Throughput, KV usage and queue length over time")
     )
 
+    if any(r.result.prefix_caching for r in top):
+        plots.append(_prefix_cache_plot(plt, folder, top, load))
+
     if len(scales) > 1:
         fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
         for ax, (key, title) in zip(
@@ -412,6 +422,43 @@ def _plots(folder: Path, runs: list[Run]) -> list[tuple[str, str]]:
             _save(fig, folder, "latency_vs_load.png", "Latency percentiles vs offered load")
         )
     return plots
+
+
+def _prefix_cache_plot(plt, folder: Path, runs: list[Run], load: str) -> tuple[str, str]:
+    """Prefix cache over time (runs with caching on): the share of prompt tokens served
+    from the cache, cached / (cached + prefill tokens fed), per time bin, and the GPU
+    blocks holding a key (time-weighted)."""
+    fig, axes = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    for r in runs:
+        if not r.result.prefix_caching:
+            continue
+        s = r.result.steps
+        centers, idx, safe = _bins(s)
+        cached = np.bincount(idx, s["num_cached_tokens"], TIME_BINS)
+        fed = np.bincount(idx, s["num_prefill_tokens"], TIME_BINS)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            axes[0].plot(centers, 100 * cached / (cached + fed), label=r.policy)
+        held = np.bincount(idx, s["kv_cached_blocks"] * s["duration_s"], TIME_BINS) / safe
+        axes[1].plot(centers, 100 * held / max(r.result.num_gpu_blocks, 1), label=r.policy)
+    axes[0].set_ylabel("prompt tokens cached (%)")
+    axes[0].set_title(f"Prefix cache: hit rate and cached blocks over time{load}")
+    axes[1].set_ylabel("GPU KV blocks\nholding a key (%)")
+    axes[1].set_xlabel("time (s)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return _save(
+        fig, folder, "prefix_cache.png", "Prefix cache hit rate and cached blocks over time"
+    )
+
+
+def _bins(s: dict[str, np.ndarray]):
+    """Time bins of the steps: bin centers, each step's bin, summed step time per bin."""
+    end = s["time_s"] + s["duration_s"]
+    edges = np.linspace(0.0, float(end.max(initial=1.0)), TIME_BINS + 1)
+    idx = np.clip(np.searchsorted(edges, end, side="right") - 1, 0, TIME_BINS - 1)
+    dur = np.bincount(idx, s["duration_s"], TIME_BINS)
+    return (edges[:-1] + edges[1:]) / 2, idx, np.where(dur > 0, dur, 1.0)
 
 
 def _over_time(r: Run):
@@ -480,7 +527,17 @@ def _model_line(cfg: ExperimentConfig) -> str:
             f"real engine: model `{e.model_path}` on `{e.device}` ({e.dtype}, "
             f"{e.attention_backend} attention), measured step times"
         )
-    return f"simulated `{cfg.model}` on `{cfg.hardware}` (cost model step times)"
+    line = f"simulated `{cfg.model}` on `{cfg.hardware}` (cost model step times)"
+    c = cfg.cluster
+    if c is None:
+        return line
+    if c.pool is not None:
+        return f"{line}, {c.pool.replicas} replicas behind router `{c.pool.router}`"
+    return (
+        f"{line}, {c.prefill.replicas} prefill replicas (router `{c.prefill.router}`) and "
+        f"{c.decode.replicas} decode replicas (router `{c.decode.router}`), KV over "
+        f"`{c.link.name}` ({c.link.bandwidth * 8 / 1e9:g} Gb/s)"
+    )
 
 
 def config_yaml(cfg: ExperimentConfig, runs: list[Run]) -> str:
@@ -491,6 +548,33 @@ def config_yaml(cfg: ExperimentConfig, runs: list[Run]) -> str:
     if info is not None and info.get("path") is not None:
         d["trace_file"] = dict(info)
     return yaml.safe_dump(d, sort_keys=False)
+
+
+def _prefix_cache_lines(runs: list[Run]) -> list[str]:
+    """Whether runs cached prefixes; with caching on, a table of its numbers."""
+    if not any(r.summary.get("prefix_caching") for r in runs):
+        return ["Prefix caching: off.", ""]
+    out = [
+        "Prefix caching (`kv_cache.enable_prefix_caching`; hit rate = prompt tokens found "
+        "cached at first admission / prompt tokens admitted):",
+        "",
+        "| run | caching | hit rate | cached tokens | found again after preemption "
+        "| blocks evicted |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        s = r.summary
+        on = s.get("prefix_caching")
+        out.append(
+            f"| {r.label} | {'on' if on else 'off'} | "
+            + (
+                f"{s['prefix_cache_hit_rate']:.1%} | {s['prefix_cache_cached_tokens']:,} "
+                f"| {s['prefix_cache_resumed_tokens']:,} | {s['prefix_cache_evicted_blocks']:,} |"
+                if on
+                else "- | - | - | - |"
+            )
+        )
+    return [*out, ""]
 
 
 def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str]]) -> str:
@@ -504,11 +588,13 @@ def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str
         f"# {cfg.name}",
         "",
         f"Backend `{cfg.backend}`; {what}; {_model_line(cfg)}; "
-        f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg.kv_cache.block_size} tokens.",
+        f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg.kv_cache.block_size} tokens"
+        f"{' per replica' if cfg.cluster is not None else ''}.",
         "",
         summary_table(runs),
         "",
     ]
+    lines += _prefix_cache_lines(runs)
     dropped = runs[0].summary.get("dropped", 0)  # the same trace rows in every run
     if dropped:
         reasons = runs[0].requests.loc[runs[0].requests["status"] == "dropped", "reason"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lab.core.kv import BlockManager
+from lab.core.kv import make_block_manager
 from lab.core.plan import SchedulerOutput, StepResult
 from lab.core.request import Request
 from lab.core.scheduler import SchedulerLimits
@@ -35,14 +35,19 @@ def run(
     max_num_seqs=256,
     watermark=0.0,
     step_s=STEP_S,
+    enable_prefix_caching=False,
+    hash_block_size=None,
 ) -> ReplayResult:
     """Replay (request_id, arrival_s, prompt, output) tuples with invariants checked."""
     cls = get_policy(policy)
     if budget is None:
         budget = 64 if cls.chunked_prefill else max_model_len
-    bm = BlockManager(gpu_blocks, cpu_blocks, block_size, watermark)
+    bm = make_block_manager(gpu_blocks, cpu_blocks, block_size, watermark, enable_prefix_caching)
     scheduler = cls(SchedulerLimits(max_num_seqs, budget, max_model_len), bm)
     reqs = [Request(*t) for t in requests]
+    if hash_block_size is not None:
+        for r in reqs:
+            r.hash_block_size = hash_block_size
     result = replay(reqs, scheduler, FixedCost(step_s), check_invariants=True)
     assert result.failure is None, result.failure  # a broken invariant stops the replay
     return result

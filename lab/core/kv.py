@@ -9,11 +9,17 @@ Free blocks are kept on a stack: the block freed last is reused first (LIFO), wh
 small working set of blocks hot, as vLLM's free-block queue does. Blocks never used yet are
 handed out in id order after the freed ones, without a list of them (a pool of millions of
 blocks costs nothing until its blocks are used).
+
+With the prefix cache on (:class:`PrefixCachingBlockManager`, ``kv_cache:
+{enable_prefix_caching: true}``) full blocks are keyed by their content and shared between
+requests; the rules are in that class's docstring.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter, OrderedDict, deque
+from itertools import repeat
 
 from lab.core.request import Request, RequestStatus
 
@@ -65,7 +71,7 @@ class BlockPool:
 
 
 class BlockManager:
-    """GPU and CPU (swap space) block pools.
+    """GPU and CPU (swap space) block pools; every block has one owner (no prefix cache).
 
     Args:
         num_gpu_blocks: blocks of KV cache on the accelerator (>= 1).
@@ -74,6 +80,13 @@ class BlockManager:
         watermark: fraction of GPU blocks kept free when admitting new work, so running
             requests can grow without immediate preemption (vLLM V0's default is 0.01).
     """
+
+    #: True in :class:`PrefixCachingBlockManager`: the scheduler then looks cached prefixes up.
+    enable_prefix_caching = False
+    #: GPU blocks evicted from the prefix cache so far (always 0 here).
+    num_evicted_blocks = 0
+    #: GPU blocks that hold a key now (always 0 here).
+    num_cached_blocks = 0
 
     def __init__(
         self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, watermark: float = 0.01
@@ -146,6 +159,10 @@ class BlockManager:
         request.block_table = cpu
         return mapping
 
+    def blocks_to_swap_in(self, request: Request) -> int:
+        """Free GPU blocks that :meth:`swap_in` of a swapped ``request`` takes."""
+        return len(request.block_table)
+
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """Move the request's blocks back to the GPU; returns (cpu_block, gpu_block) pairs."""
         gpu = self._free_gpu.take(len(request.block_table))
@@ -183,3 +200,348 @@ class BlockManager:
             assert n == total, f"{pool}: used + free = {n}, total = {total}"
             bad = [b for p, b in owners if p == pool and not 0 <= b < total]
             assert not bad, f"{pool}: block ids out of range: {bad[:5]}"
+
+
+#: Parent key of a request's first block.
+ROOT_KEY = 0
+_LOOKUP_CHUNK = 32  # blocks looked up per C-level map() call
+
+
+def make_block_manager(
+    num_gpu_blocks: int,
+    num_cpu_blocks: int,
+    block_size: int,
+    watermark: float = 0.01,
+    enable_prefix_caching: bool = False,
+) -> BlockManager:
+    """A :class:`PrefixCachingBlockManager` if ``enable_prefix_caching``, else a plain
+    :class:`BlockManager` (whose fast paths stay untouched)."""
+    cls = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
+    return cls(num_gpu_blocks, num_cpu_blocks, block_size, watermark)
+
+
+def has_prefix_identity(r: Request) -> bool:
+    """True if ``r`` has content the prefix cache can key: hash ids or prompt token ids."""
+    return r.hash_ids is not None or r.prompt_token_ids is not None
+
+
+class PrefixCachingBlockManager(BlockManager):
+    """Block pools plus an automatic prefix cache (vLLM V1's design: hashed full blocks,
+    reference counts, an LRU queue of cached free blocks).
+
+    Keys. Only full blocks are cached. Block j's key chains its parent's, so equal keys
+    mean equal prefixes (64-bit hashes of ints, as vLLM's builtin-hash option: a collision
+    is a ~n^2 / 2^64 event). ``extra`` is ``()``: the slot for a tenant salt or an adapter
+    id. Content, per request:
+
+    * with ``hash_ids``: block j lies in hash block ``h = (j * block_size) // hash_block_size``
+      at index ``i = j - h * hash_block_size // block_size`` inside it; its key is
+      ``H_h + i`` with ``H_h = hash((H_{h-1}, hash_ids[h], extra))``, ``H_{-1} = ROOT_KEY``
+      (one hash per hash id; the blocks of a hash block take consecutive keys).
+      ``hash_block_size`` must be a multiple of ``block_size``; blocks past the ids have none;
+    * else with ``prompt_token_ids``: ``key_j = hash((key_{j-1}, tokens_j, extra))`` over the
+      block's tokens from prompt + ``output_token_ids``;
+    * else none: the request has no cacheable blocks.
+
+    Keys are computed once per block and request (``Request.block_hashes``, dropped when the
+    request finishes), never per token; the per-block moves run as bulk dict and list
+    operations.
+
+    States of a GPU block, counted apart: *used* (ref count >= 1, held by that many requests),
+    *cached free* (ref count 0, keyed, in the eviction queue) and *free* (ref count 0,
+    unkeyed, in the pool); used + cached free + free = total. ``num_free_gpu_blocks``
+    counts cached free + free: both can be handed out. Allocation takes free blocks first
+    (freed-uncached LIFO, then never used), then evicts the head of the eviction queue and
+    drops its key (``num_evicted_blocks``). The queue is LRU by last use (when its last
+    reference was dropped); a request drops its blocks tail first, so among blocks freed
+    together the tail of a prefix is evicted first.
+
+    Which blocks get keys, and when (``register``): prompt blocks once computed, i.e. after
+    the step whose chunk fills them (so later admissions share a prompt still being
+    prefilled); blocks of generated tokens when the request finishes, is preempted
+    (recompute or swap) or aborted, if their content is known (hash ids that cover them, or
+    output token ids on the engine). A key already held by another block is not taken
+    again: the duplicate stays unkeyed and goes back to the pool when released.
+
+    Lookup (``lookup``, at every admission): the longest run of leading blocks whose keys
+    are cached, at most ``(num_tokens - 1) // block_size`` blocks so at least one token is
+    computed and the step samples. A prompt of exactly m full blocks (nothing generated yet)
+    all cached hits m - 1 blocks: its last block is allocated anew and recomputed whole
+    (block_size tokens, vLLM V1's rule); its key is cached already, so that copy stays
+    unkeyed.
+
+    Swap (``swap_out`` / ``swap_in``): every block of the request is copied to CPU, shared
+    ones too, so a swapped request is self-contained whatever happens on the GPU. On the GPU
+    the request's references are dropped: a block others still reference stays used; its
+    own keyed blocks become cached free (reusable by others, evictable). Swap in
+    re-references each keyed block whose key is still cached on the GPU (no copy) and copies
+    the others into new blocks, keying them again; all its CPU blocks are freed.
+    """
+
+    enable_prefix_caching = True
+
+    def __init__(
+        self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, watermark: float = 0.01
+    ) -> None:
+        super().__init__(num_gpu_blocks, num_cpu_blocks, block_size, watermark)
+        self._ref = [0] * num_gpu_blocks  # GPU block -> requests holding it
+        self._key_of: dict[int, int] = {}  # keyed GPU block -> key
+        self._block_of: dict[int, int] = {}  # key -> GPU block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached free, LRU first
+        self.num_evicted_blocks = 0
+
+    # ----------------------------------------------------------------------- queries
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        return self._free_gpu.num_free + len(self._evictable)
+
+    @property
+    def num_used_gpu_blocks(self) -> int:
+        return self.num_gpu_blocks - self._free_gpu.num_free - len(self._evictable)
+
+    @property
+    def num_cached_free_gpu_blocks(self) -> int:
+        """Keyed blocks that no request holds (the eviction queue)."""
+        return len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:  # type: ignore[override]
+        """GPU blocks holding a key (used or cached free)."""
+        return len(self._key_of)
+
+    def can_allocate(self, num_blocks: int, use_watermark: bool = True) -> bool:
+        reserve = self.watermark_blocks if use_watermark else 0
+        return self.num_free_gpu_blocks - num_blocks >= reserve
+
+    def block_hashes(self, r: Request, num_blocks: int) -> list[int]:
+        """``r.block_hashes``, extended to ``num_blocks`` keys where the content is known
+        (fewer where it is not). Mutates ``r.block_hashes``.
+
+        Raises:
+            ValueError: ``r.hash_block_size`` is not a positive multiple of the block size.
+        """
+        hs, bs = r.block_hashes, self.block_size
+        if len(hs) >= num_blocks:
+            return hs
+        parent = hs[-1] if hs else ROOT_KEY
+        if r.hash_ids is not None:
+            per, rem = divmod(r.hash_block_size, bs)
+            if per < 1 or rem:
+                raise ValueError(
+                    f"request {r.request_id}: hash_block_size {r.hash_block_size} is not a "
+                    f"multiple of the KV block size {bs} (prefix caching)"
+                )
+            ids = r.hash_ids  # whole hash blocks at a time: hs holds a multiple of per keys
+            parent = hs[-per] if hs else ROOT_KEY
+            for h in range(len(hs) // per, min(-(-num_blocks // per), len(ids))):
+                parent = hash((parent, ids[h], ()))
+                hs.extend(range(parent, parent + per))
+        elif r.prompt_token_ids is not None:
+            known = len(r.prompt_token_ids) + len(r.output_token_ids)
+            end = min(num_blocks, known // bs)
+            if end > len(hs):
+                tokens = r.prompt_token_ids
+                if end * bs > len(tokens):
+                    tokens = tokens + r.output_token_ids
+                for j in range(len(hs), end):
+                    parent = hash((parent, tuple(tokens[j * bs : (j + 1) * bs]), ()))
+                    hs.append(parent)
+        return hs
+
+    def lookup(self, r: Request) -> list[int]:
+        """GPU blocks of the longest cached prefix of a waiting ``r`` (no blocks held), at
+        most ``(r.num_tokens - 1) // block_size`` of them. Mutates nothing but
+        ``r.block_hashes``."""
+        limit = (r.num_tokens - 1) // self.block_size
+        hs = self.block_hashes(r, limit)
+        get, out = self._block_of.get, []
+        for lo in range(0, min(limit, len(hs)), _LOOKUP_CHUNK):  # C-speed gets, chunk by chunk
+            got = list(map(get, hs[lo : min(lo + _LOOKUP_CHUNK, limit)]))
+            if None in got:
+                return out + got[: got.index(None)]
+            out += got
+        return out
+
+    def num_evictable(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` are cached free: referencing them takes them from the
+        free count."""
+        ref = self._ref
+        return sum(1 for b in blocks if ref[b] == 0)
+
+    # ----------------------------------------------------------------------- mutations
+    def allocate_cached(self, r: Request, hits: list[int], num_new_blocks: int) -> None:
+        """Give a waiting ``r`` (no blocks held) the cached blocks ``hits`` (from
+        :meth:`lookup`) plus ``num_new_blocks`` new ones. The caller checked
+        ``can_allocate(num_new_blocks + num_evictable(hits))``."""
+        ref, evictable = self._ref, self._evictable
+        for b in hits:
+            if ref[b] == 0:
+                del evictable[b]
+            ref[b] += 1
+        r.block_table = list(hits)
+        r.num_registered_blocks = len(hits)
+        self.allocate(r, num_new_blocks)
+
+    def allocate(self, request: Request, num_blocks: int) -> None:
+        """Append ``num_blocks`` GPU blocks: free ones first, then evicted cached ones."""
+        if num_blocks > self.num_free_gpu_blocks:
+            raise RuntimeError(
+                f"request {request.request_id}: {num_blocks} blocks asked, "
+                f"{self.num_free_gpu_blocks} free"
+            )
+        request.block_table.extend(self._take(num_blocks))
+
+    def register(self, r: Request) -> None:
+        """Key the full computed blocks of a running ``r`` not offered yet (see the class
+        docstring for when this is called). Mutates the key maps and
+        ``r.num_registered_blocks``."""
+        n = min(r.num_computed_tokens // self.block_size, len(r.block_table))
+        start = r.num_registered_blocks
+        if n <= start:
+            return
+        hs = self.block_hashes(r, n)
+        end = min(n, len(hs))
+        if end > start:
+            block_of = self._block_of
+            new = [
+                (h, b) for h, b in zip(hs[start:end], r.block_table[start:end]) if h not in block_of
+            ]
+            block_of.update(new)
+            self._key_of.update((b, h) for h, b in new)
+            r.num_registered_blocks = end
+
+    def free(self, request: Request) -> None:
+        """Release every block of ``request``: GPU blocks after keying its computed ones
+        (:meth:`register`), CPU blocks if it is swapped."""
+        if request.status is RequestStatus.SWAPPED:
+            self._free_cpu.put(request.block_table)
+        else:
+            self.register(request)
+            self._release(request.block_table)
+        request.block_table = []
+        request.num_registered_blocks = 0
+        if request.num_output_tokens >= request.output_len:  # finished: keys not needed
+            request.block_hashes = []
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Copy every block to CPU (see the class docstring) and drop the GPU references.
+        Returns the (gpu_block, cpu_block) copies in block-table order."""
+        self.register(request)
+        table = request.block_table
+        cpu = self._free_cpu.take(len(table))
+        self._release(table)
+        request.block_table = cpu
+        request.num_registered_blocks = 0
+        return list(zip(table, cpu))
+
+    def blocks_to_swap_in(self, request: Request) -> int:
+        """Free GPU blocks :meth:`swap_in` takes: copies, plus cached free blocks it
+        re-references."""
+        found = [b for b in self._swap_in_hits(request) if b >= 0]
+        return len(request.block_table) - len(found) + self.num_evictable(found)
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring a swapped request back; returns the (cpu_block, gpu_block) copies, for its
+        blocks not found cached on the GPU."""
+        hits = self._swap_in_hits(request)
+        ref, evictable = self._ref, self._evictable
+        for b in hits:
+            if b >= 0:
+                if ref[b] == 0:
+                    del evictable[b]
+                ref[b] += 1
+        cpu = request.block_table
+        new = iter(self._take(sum(1 for b in hits if b < 0)))
+        gpu = [b if b >= 0 else next(new) for b in hits]
+        mapping = [(c, g) for c, g, b in zip(cpu, gpu, hits) if b < 0]
+        self._free_cpu.put(cpu)
+        request.block_table = gpu
+        request.num_registered_blocks = 0
+        self.register(request)
+        return mapping
+
+    # ----------------------------------------------------------------------- internals
+    def _swap_in_hits(self, r: Request) -> list[int]:
+        """Per block of a swapped ``r``: the GPU block holding its key, or -1 (copy it)."""
+        n = min(r.num_computed_tokens // self.block_size, len(r.block_table))
+        hs = self.block_hashes(r, n)
+        block_of = self._block_of
+        hits = [block_of.get(h, -1) for h in hs[: min(n, len(hs))]]
+        return hits + [-1] * (len(r.block_table) - len(hits))
+
+    def _take(self, n: int) -> list[int]:
+        """``n`` blocks with ref count 1: free ones first, then evicted LRU cached ones."""
+        pool = self._free_gpu
+        k = min(n, pool.num_free)
+        out = pool.take(k) if k else []
+        if n > k:
+            pop = self._evictable.popitem
+            victims = [pop(False)[0] for _ in range(n - k)]
+            deque(map(self._block_of.__delitem__, map(self._key_of.pop, victims)), 0)
+            out += victims
+            self.num_evicted_blocks += n - k
+        deque(map(self._ref.__setitem__, out, repeat(1)), 0)  # ref[b] = 1 for each, in C
+        return out
+
+    def _release(self, blocks: list[int]) -> None:
+        """Drop one reference to each of ``blocks``, tail first: keyed blocks reaching ref
+        count 0 join the eviction queue, unkeyed ones the pool."""
+        ref, key_of = self._ref, self._key_of
+        tail_first = blocks[::-1]
+        counts = [ref[b] - 1 for b in tail_first]
+        deque(map(ref.__setitem__, tail_first, counts), 0)
+        zero = [b for b, c in zip(tail_first, counts) if not c]
+        self._evictable.update(zip([b for b in zero if b in key_of], repeat(None)))
+        uncached = [b for b in reversed(zero) if b not in key_of]
+        if uncached:
+            self._free_gpu.put(uncached)
+
+    # ----------------------------------------------------------------------- invariants
+    def check_integrity(self, requests: list[Request]) -> None:
+        """Check ref counts, the eviction queue and the key maps on the GPU, and one owner
+        per CPU block; used + cached free + free = total per pool.
+
+        Args:
+            requests: every request that may hold blocks (running and swapped ones).
+
+        Raises:
+            AssertionError: naming the broken invariant.
+        """
+        held: Counter[int] = Counter()
+        cpu_owner: dict[int, str] = {b: "free" for b in self._free_cpu.free_ids()}
+        assert len(cpu_owner) == self._free_cpu.num_free, "cpu: a block is free twice"
+        for r in requests:
+            if r.status is RequestStatus.SWAPPED:
+                for b in r.block_table:
+                    assert b not in cpu_owner, (
+                        f"cpu block {b} of {r.request_id}: also {cpu_owner[b]}"
+                    )
+                    cpu_owner[b] = r.request_id
+                continue
+            assert len(set(r.block_table)) == len(r.block_table), f"{r.request_id}: block twice"
+            held.update(r.block_table)
+            for j, b in enumerate(r.block_table):
+                if b in self._key_of:
+                    assert j < len(r.block_hashes) and r.block_hashes[j] == self._key_of[b], (
+                        f"gpu block {b} (index {j} of {r.request_id}) holds another key"
+                    )
+        assert len(cpu_owner) == self.num_cpu_blocks, (
+            f"cpu: used + free = {len(cpu_owner)}, total = {self.num_cpu_blocks}"
+        )
+        assert all(0 <= b < self.num_cpu_blocks for b in cpu_owner), "cpu: ids out of range"
+        n = self.num_gpu_blocks
+        assert all(0 <= b < n for b in held), "gpu: held block ids out of range"
+        bad = [b for b in range(n) if self._ref[b] != held.get(b, 0)]
+        assert not bad, f"gpu blocks {bad[:5]}: ref count != requests holding them"
+        free = self._free_gpu.free_ids()
+        assert len(set(free)) == len(free) == self._free_gpu.num_free, "gpu: pool broken"
+        assert not [b for b in free if self._ref[b] or b in self._key_of], "gpu: pool block used"
+        for b in self._evictable:
+            assert self._ref[b] == 0 and b in self._key_of, f"gpu block {b}: queued, not free"
+        assert len(self._key_of) == len(self._block_of), "key maps differ in size"
+        for b, h in self._key_of.items():
+            assert self._block_of.get(h) == b, f"gpu block {b}: key map broken"
+        used = sum(1 for b in range(n) if self._ref[b])
+        assert used + len(self._evictable) + len(free) == n, (
+            f"gpu: used {used} + cached free {len(self._evictable)} + free {len(free)} != {n}"
+        )

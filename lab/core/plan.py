@@ -106,6 +106,9 @@ class SchedulerOutput:
         aborted: requests dropped while planning (reason set on the request).
         decode_tick: the decode set's tick when planned (the decodes' token counts follow
             from it, see :func:`lab.core.decode_set.num_tokens_at`).
+        num_cached_tokens: tokens the admissions of this step found in the prefix cache
+            (not fed: each such chunk starts after them and attends to them as context).
+        num_cached_blocks: the blocks holding them.
     """
 
     prefills: dict[Request, int] = field(default_factory=dict)
@@ -116,6 +119,8 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     aborted: list[Request] = field(default_factory=list)
     decode_tick: int = 0
+    num_cached_tokens: int = 0
+    num_cached_blocks: int = 0
 
     _features: StepFeatures | None = None
 

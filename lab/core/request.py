@@ -32,15 +32,18 @@ class Request:
         prompt_len: prompt tokens (>= 1).
         output_len: output tokens to generate (>= 1); honoured exactly (as with ignore_eos).
         prompt_token_ids: real prompt tokens, only for the engine backend (None in traces).
-        hash_ids: prefix-block hashes (Mooncake traces, 512 tokens per block), kept for
-            prefix-cache work; unused by the current policies.
+        hash_ids: prefix identity: hash id i names tokens
+            ``[i * hash_block_size, (i + 1) * hash_block_size)`` of prompt + output, and equal
+            ids at equal positions mean equal content up to there (Mooncake traces). The ids
+            may extend past the prompt (tokens the request will generate). The prefix cache
+            keys KV blocks by them (lab/core/kv.py); with None it falls back to the token ids.
         priority: lower runs first for priority policies (vLLM's convention); unused by FCFS.
         class_name: the workload class of the request (``trace:`` as a list of classes,
             traces/classes.py); "" for a single trace.
         tenant: who sent it (fairness policies and metrics); "" = no tenant.
         ttft_slo_s: the TTFT target of its class in seconds (EDF's deadline), or None.
-        hash_block_size: tokens each hash id stands for (Mooncake: 512); the ids may extend
-            past the prompt, over tokens the request will generate.
+        hash_block_size: tokens each hash id stands for (Mooncake's: 512); a multiple of
+            the KV block size when the prefix cache is on.
     """
 
     request_id: str
@@ -76,6 +79,18 @@ class Request:
     join_tick: int = -1
     join_num_output: int = 0
     output_token_ids: list[int] = field(default_factory=list)
+    # Prefix cache (lab/core/kv.py PrefixCachingBlockManager; zero when it is off).
+    # ``num_cached_tokens``: tokens found in the cache at the first admission (KV computed by
+    # other requests or earlier turns: true sharing; vLLM's name). ``num_resumed_cached_tokens``:
+    # tokens found at re-admissions after recompute preemptions, summed (mostly the request's
+    # own blocks, kept by key when it was preempted: self-reuse, not sharing).
+    num_cached_tokens: int = 0
+    num_resumed_cached_tokens: int = 0
+    # Chained keys of the blocks whose content is known, computed on demand
+    # (``block_hashes[j]`` keys block j), and how many leading blocks of ``block_table`` have
+    # been offered to the cache (hits, or registered after being computed).
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:

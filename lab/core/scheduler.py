@@ -18,6 +18,10 @@ Token and block conventions (vLLM V0's block manager):
   and over). After admission only decodes need new blocks.
 * Recompute preemption drops all KV; the request re-enters ``waiting`` at the front and its
   re-prefill feeds prompt + output tokens so far, sampling the next token.
+* Prefix cache (lab/core/kv.py PrefixCachingBlockManager, rules there): admission looks
+  the cached prefix up at that moment and the prefill starts after it; a recompute victim
+  drops its references but its blocks keep their keys, so its re-admission finds what is
+  still cached (counted apart, ``Request.num_resumed_cached_tokens``).
 """
 
 from __future__ import annotations
@@ -173,8 +177,11 @@ class Scheduler:
         if plan.decodes:
             for r in self.decode_set.advance():
                 self._finish(r, now_s)
+        caching = self.block_manager.enable_prefix_caching
         for r, num_new in plan.prefills.items():
             r.num_computed_tokens += num_new
+            if caching:  # key the prompt blocks this chunk filled
+                self.block_manager.register(r)
             if r.num_computed_tokens < r.num_tokens:
                 continue  # a partial chunk: no token yet
             if r in self.prefilling:
@@ -269,34 +276,48 @@ class Scheduler:
         Whole prompts unless the policy is chunked, in which case the last admitted one
         may get a partial chunk (its blocks are allocated whole). A request that does not
         fit goes to :meth:`make_room` first. Returns the budget left.
+
+        With the prefix cache on, each candidate's cached prefix is looked up now, whether
+        it is new or a recompute victim (never a count kept from before): its cached blocks
+        are referenced, only the rest is allocated (and counted against free blocks), and
+        its chunk starts after the cached tokens (at least one token is computed).
         """
         bm, queue, max_seqs = self.block_manager, self.waiting, self.limits.max_num_seqs
         if not queue:
             return budget
+        caching = bm.enable_prefix_caching
         order = self.admission_order()
         custom = iter(order) if order is not queue else None
         while queue and budget > 0:
             r = queue[0] if custom is None else next(custom, None)
             if r is None:
                 break
-            num_new = r.num_tokens - r.num_computed_tokens
+            # Looked up now, at every admission attempt; a request whose prompt is already
+            # computed elsewhere (its KV moved in from a prefill replica) looks nothing up.
+            hits = bm.lookup(r) if caching and not r.num_computed_tokens else ()
+            num_new = r.num_tokens - r.num_computed_tokens - len(hits) * self.block_size
             if num_new > budget:
                 if not self.chunked_prefill:
                     break
                 num_new = budget
             need = self.blocks_to_admit(r)
+            if caching:
+                need -= len(hits)
+            taken = need + bm.num_evictable(hits) if caching else need  # hits leave the LRU
             if len(self.running) >= max_seqs or not bm.can_allocate(
-                need, use_watermark=bool(self.running)
+                taken, use_watermark=bool(self.running)
             ):
-                regained = self.make_room(plan, r, need)
+                regained = self.make_room(plan, r, taken)
                 if regained is not None:
                     budget += regained
-                    num_new = min(r.num_tokens - r.num_computed_tokens, budget)
-                    need = self.blocks_to_admit(r)
+                    cached = len(hits) * self.block_size
+                    num_new = min(r.num_tokens - r.num_computed_tokens - cached, budget)
+                    need = self.blocks_to_admit(r) - len(hits)
+                    taken = need + bm.num_evictable(hits) if caching else need
                 if len(self.running) >= max_seqs:
                     break
-            if not bm.can_allocate(need, use_watermark=bool(self.running)):
-                if not self.running and need > bm.num_free_gpu_blocks and not self.swapped:
+            if not bm.can_allocate(taken, use_watermark=bool(self.running)):
+                if not self.running and taken > bm.num_free_gpu_blocks and not self.swapped:
                     self._take_waiting(r, custom is None and queue[0] is r)
                     self.abort(
                         plan,
@@ -306,7 +327,10 @@ class Scheduler:
                     continue
                 break
             self._take_waiting(r, custom is None and queue[0] is r)
-            bm.allocate(r, need)
+            if caching and not r.num_computed_tokens:
+                self._admit_cached(plan, r, hits, need)
+            else:
+                bm.allocate(r, need)
             r.status = RequestStatus.RUNNING
             if r.first_scheduled_s < 0:
                 r.first_scheduled_s = self.now_s
@@ -316,6 +340,21 @@ class Scheduler:
             plan.prefills[r] = num_new
             budget -= num_new
         return budget
+
+    def _admit_cached(self, plan: SchedulerOutput, r: Request, hits, num_new_blocks: int) -> None:
+        """Admission with the prefix cache: reference the cached ``hits``, allocate the rest,
+        jump ``num_computed_tokens`` past the cached tokens and count them: at the first
+        admission in ``num_cached_tokens``, at a re-admission after a recompute preemption
+        in ``num_resumed_cached_tokens``; both in the plan's ``num_cached_tokens``."""
+        self.block_manager.allocate_cached(r, hits, num_new_blocks)
+        cached = len(hits) * self.block_size
+        r.num_computed_tokens = cached
+        if r.first_scheduled_s < 0:
+            r.num_cached_tokens = cached
+        else:
+            r.num_resumed_cached_tokens += cached
+        plan.num_cached_tokens += cached
+        plan.num_cached_blocks += len(hits)
 
     def reserve_decode_blocks(self, plan: SchedulerOutput) -> None:
         """Give each decode a block if its next token starts one, preempting
@@ -433,14 +472,15 @@ class Scheduler:
             # Its blocks plus the slot of the token it samples next (a victim rolled back
             # by preempt_lower_ranked may have taken that block out with it).
             need = max(blocks_for(r.num_tokens + 1, self.block_size), len(r.block_table))
-            if not bm.can_allocate(need, use_watermark=bool(self.running)):
+            extra = need - len(r.block_table)
+            if not bm.can_allocate(bm.blocks_to_swap_in(r) + extra, bool(self.running)):
                 break
             self.swapped.popleft()
             plan.swap_in.extend(bm.swap_in(r))
             r.status = RequestStatus.RUNNING
             self.running.append(r)
             self.decode_set.add(r)
-            if need > len(r.block_table):
+            if extra:
                 bm.allocate(r, 1)
 
     def abort(self, plan: SchedulerOutput, r: Request, reason: str) -> None:

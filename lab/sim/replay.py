@@ -36,6 +36,7 @@ STEP_COLUMNS = (
     "kv_used_blocks", "cpu_used_blocks", "num_waiting", "num_running", "num_swapped",
     "num_preempted", "num_swap_out_blocks", "num_swap_in_blocks", "num_prefills",
     "prefill_context_tokens", "prefill_attention_pairs", "decode_context_tokens",
+    "num_cached_tokens", "num_cached_blocks", "kv_cached_blocks",
 )  # fmt: skip
 
 
@@ -46,11 +47,16 @@ class ReplayResult:
     Attributes:
         requests: every trace request in its final state (finished, rejected, aborted).
         steps: per-step columns (``STEP_COLUMNS``), one array each; ``time_s`` is the
-            step's start and ``kv_used_blocks`` the GPU blocks held while it runs.
+            step's start and ``kv_used_blocks`` the GPU blocks held while it runs (a
+            block shared by several requests once). Prefix cache: ``num_cached_tokens``
+            and ``num_cached_blocks`` found cached by the step's admissions,
+            ``kv_cached_blocks`` the GPU blocks holding a key (used or cached free).
         tick_steps: for each decode tick, the index of the step that ran it.
         wall_s: wall-clock seconds the replay took.
         num_gpu_blocks: size of the GPU KV cache, for usage fractions.
         failure: None, or why the run stopped early (see ``replay``).
+        prefix_caching: whether the block manager cached prefixes.
+        num_evicted_blocks: blocks evicted from the prefix cache.
     """
 
     requests: list[Request]
@@ -59,6 +65,8 @@ class ReplayResult:
     wall_s: float
     num_gpu_blocks: int = 0
     failure: str | None = None
+    prefix_caching: bool = False
+    num_evicted_blocks: int = 0
 
     @functools.cached_property
     def step_end_s(self) -> np.ndarray:
@@ -71,6 +79,10 @@ class ReplayResult:
         parts = [end[np.asarray(r.prefill_token_steps, dtype=np.int64)]]
         parts += [end[self.tick_steps[a:b]] for a, b in r.decode_segments]
         return np.sort(np.concatenate(parts))
+
+    def num_token_times(self, r: Request) -> int:
+        """``len(self.token_times(r))``, without computing them."""
+        return len(r.prefill_token_steps) + sum(b - a for a, b in r.decode_segments)
 
 
 class _Wakeup:
@@ -116,8 +128,13 @@ def engine_process(
     tick_steps: array,
     check_invariants: bool = False,
     progress=None,
+    on_step=None,
 ) -> Iterator[simpy.Event]:
-    """Run steps until every request has arrived and none is unfinished."""
+    """Run steps until every request has arrived and none is unfinished.
+
+    ``on_step``: optional callable(plan, now_s) called after each step's ``update`` (the
+    cluster simulator hands finished prefills to their decode replica there).
+    """
     bm = scheduler.block_manager
     columns = [rec[c] for c in STEP_COLUMNS]
     wall_clock = getattr(executor, "wall_clock", False)
@@ -162,6 +179,9 @@ def engine_process(
             f.prefill_context_tokens,
             f.prefill_attention_pairs,
             f.decode_context_tokens,
+            plan.num_cached_tokens,
+            plan.num_cached_blocks,
+            bm.num_cached_blocks,
         )
         if not 0.0 <= result.duration_s < math.inf or math.isinf(env.now + result.duration_s):
             raise ValueError(
@@ -174,6 +194,8 @@ def engine_process(
         if plan.decodes:
             tick_steps.append(step)
         scheduler.update(plan, result, env.now)
+        if on_step is not None:
+            on_step(plan, env.now)
         step += 1
         if progress is not None and step % 4096 == 0:
             progress(arrived[0] - scheduler.num_unfinished, env.now)
@@ -233,9 +255,7 @@ def _replay(
     requests = sorted(requests, key=lambda r: r.arrival_s)
     env = simpy.Environment()
     wakeup, arrived = _Wakeup(env), [0]
-    # array.array: 8 bytes a value while the replay runs (a list holds a Python object each)
-    rec = {c: array("d" if c in _FLOAT_COLUMNS else "q") for c in STEP_COLUMNS}
-    tick_steps = array("q")
+    rec, tick_steps = step_records()
     env.process(arrival_process(env, requests, scheduler, wakeup, arrived))
     env.process(
         engine_process(
@@ -276,24 +296,43 @@ def _replay(
                 )
             else:  # caught by the step that failed outside every queue
                 r.finish_s, r.reason = env.now, unfinished
-        n = min(len(v) for v in rec.values())  # a step that failed midway has no row
+    steps, ticks = step_arrays(rec, tick_steps)
+    return ReplayResult(
+        requests,
+        steps,
+        ticks,
+        time.perf_counter() - t0,
+        scheduler.block_manager.num_gpu_blocks,
+        failure,
+        scheduler.block_manager.enable_prefix_caching,
+        scheduler.block_manager.num_evicted_blocks,
+    )
+
+
+_FLOAT_COLUMNS = ("time_s", "duration_s", "prefill_attention_pairs")
+
+
+def step_records() -> tuple[dict[str, array], array]:
+    """Empty per-step records (one typed array per ``STEP_COLUMNS`` entry, 8 bytes a value
+    while the replay runs: a list would hold a Python object each) and decode-tick steps."""
+    return {c: array("d" if c in _FLOAT_COLUMNS else "q") for c in STEP_COLUMNS}, array("q")
+
+
+def step_arrays(
+    rec: dict[str, array], tick_steps: array
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The records as numpy views; a step that failed midway (a shorter column) is cut."""
+    n = min(len(v) for v in rec.values())
+    if any(len(v) != n for v in rec.values()):
         rec = {c: v[:n] for c, v in rec.items()}
         tick_steps = array("q", [t for t in tick_steps if t < n])
     steps = {
         c: np.frombuffer(v, dtype=np.float64 if c in _FLOAT_COLUMNS else np.int64)
         for c, v in rec.items()
     }
-    return ReplayResult(
-        requests,
-        steps,
-        np.frombuffer(tick_steps, dtype=np.int64),
-        time.perf_counter() - t0,
-        scheduler.block_manager.num_gpu_blocks,
-        failure,
-    )
+    return steps, np.frombuffer(tick_steps, dtype=np.int64)
 
 
-_FLOAT_COLUMNS = ("time_s", "duration_s", "prefill_attention_pairs")
 _ENDED = (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED)
 
 

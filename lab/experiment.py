@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab import cluster_metrics, metrics
+from lab import cluster_metrics, fairness, metrics
 from lab.config import ExperimentConfig, PolicyConfig
 from lab.core.errors import ConfigError, TraceError
 from lab.core.kv import has_prefix_identity, make_block_manager
@@ -279,7 +279,13 @@ def iter_runs(
         raise ConfigError(
             'backend: engine needs torch, which is not installed: pip install -e ".[engine]"'
         )
-    if requests is None:
+    if requests is None and cfg.trace.classes:
+        from traces.classes import load_classes
+
+        with Phase(f"loading {len(cfg.trace.classes)} workload classes", bars=progress):
+            requests, rows = load_classes(cfg.trace.classes, cfg.base_dir, cfg.seed, cfg.slo.ttft_s)
+        info = {"path": None, "sha256": None, "rows": rows}
+    elif requests is None:
         before = sha256_of(cfg.trace.path)
         with Phase(f"loading trace ({cfg.trace.format})", bars=progress):
             table, rows = load_table({"seed": cfg.seed, **cfg.trace.spec}, cfg.base_dir)
@@ -305,6 +311,9 @@ def iter_runs(
         )
     for scale in cfg.rate_scales:
         trace = requests if requests is not None else tables.pop(scale).to_requests()
+        for r in trace:  # EDF's deadline for a single trace: the top-level TTFT SLO
+            if r.ttft_slo_s is None:
+                r.ttft_slo_s = cfg.slo.ttft_s
         if any(pol.prefix_caching(cfg.kv_cache) for pol in cfg.policies):
             check_prefix_identity(trace, cfg)
         if cfg.backend == "engine":  # hash ids make shared prefixes real tokens
@@ -355,6 +364,10 @@ def iter_runs(
                     "trace": info,
                     **metrics.summarize(df, itl, result, cfg.slo.to_dict()),
                 }
+                if cfg.trace.classes:  # per class and per tenant (lab/fairness.py)
+                    slos = fairness.class_slos(cfg.trace.classes, cfg.slo.to_dict())
+                    duration = summary["duration_s"]
+                    summary.update(fairness.summarize_classes(df, rows, result, slos, duration))
                 itl = metrics.cdf_points(itl, overwrite=True)  # all gaps: a run's largest array
                 if isinstance(result, ClusterResult):
                     df, summary["cluster"] = cluster_metrics.add_cluster(df, result, rows, summary)

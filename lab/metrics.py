@@ -13,6 +13,9 @@
   are listed with their reason and counted apart (``dropped``); no metric includes them,
   and ``num_requests`` counts the replayed requests.
 * Queueing delay: arrival to first scheduled; preemptions per request by mode.
+* Workload classes (``trace:`` as a list): requests.csv gains ``class``, ``tenant``,
+  ``priority`` and ``recomputed_tokens`` (KV tokens its recompute preemptions dropped);
+  every metric per class, fairness between tenants: :mod:`lab.fairness`.
 
 Percentiles use numpy's default (linear interpolation), as vLLM does.
 """
@@ -123,6 +126,11 @@ def request_table(
     df = pd.DataFrame(cols)
     del cols
     df["tpot_s"] = tpot_s(df["ttft_s"], df["e2e_s"], df["num_generated_tokens"])
+    if any(r.class_name for r in requests):  # workload classes (traces/classes.py)
+        df["class"] = [r.class_name for r in requests]
+        df["tenant"] = [r.tenant for r in requests]
+        df["priority"] = [r.priority for r in requests]
+        df["recomputed_tokens"] = [r.num_recomputed_tokens for r in requests]
     return df, itl
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from lab import __version__
+from lab import __version__, fairness
 from lab.config import ExperimentConfig
 from lab.core.errors import UserError
 from lab.experiment import Run
@@ -128,7 +128,7 @@ def _write_files(
     phase.advance()
     if any(r.output_token_ids for run in runs for r in run.result.requests):
         _write_tokens(tmp / "tokens.jsonl", runs, decode)
-    plots = _plots(tmp, runs)
+    plots = _plots(tmp, runs) + fairness.plots(tmp, runs, _save)  # per class / tenant
     phase.advance()
     report = _markdown(cfg, runs, plots)
     if partial:  # right under the title
@@ -579,11 +579,15 @@ def _prefix_cache_lines(runs: list[Run]) -> list[str]:
 
 def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str]]) -> str:
     trace = cfg.trace.spec
+    what = f"trace `{trace.get('format')}` {trace.get('path', '')}{_trace_options(trace)}"
+    if cfg.trace.classes:
+        what = "workload classes " + ", ".join(
+            f"`{c['name']}` ({c['format']}{_trace_options(c)})" for c in cfg.trace.classes
+        )
     lines = [
         f"# {cfg.name}",
         "",
-        f"Backend `{cfg.backend}`; trace `{trace.get('format')}` "
-        f"{trace.get('path', '')}{_trace_options(trace)}; {_model_line(cfg)}; "
+        f"Backend `{cfg.backend}`; {what}; {_model_line(cfg)}; "
         f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg.kv_cache.block_size} tokens"
         f"{' per replica' if cfg.cluster is not None else ''}.",
         "",
@@ -619,6 +623,7 @@ def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str
             for r in runs
         ]
         lines.append("")
+    lines += fairness.markdown(runs)  # workload classes only
     for name, caption in plots:
         lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
     tokens = (

@@ -1,5 +1,5 @@
 """Virtual Token Counter: fair sharing between tenants (Sheng et al., "Fairness in Serving
-Large Language Models", OSDI'24, §4.1 the VTC algorithm); fcfs's prefill-first step.
+Large Language Models", OSDI'24, §4, the VTC algorithm); fcfs's prefill-first step.
 
 Each tenant has a counter of the service it received: ``input_weight`` per prompt token when
 its request is admitted, ``output_weight`` per generated token (the paper's cost function,
@@ -16,12 +16,12 @@ recomputed request is charged its prompt once (the recompute is the server's los
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict, deque
+from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from lab.core.plan import SchedulerOutput, StepResult
-from lab.core.request import Request
+from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import bad_number, register_policy
 from policies.fcfs import FCFS
 
@@ -64,29 +64,39 @@ class VTC(FCFS):
         return True
 
     def admission_order(self) -> Iterator[Request]:
-        queues: dict[str, deque[Request]] = {}
-        for r in self.waiting:
-            queues.setdefault(r.tenant, deque()).append(r)
+        waiting = list(self.waiting)  # each tenant's requests in queue order, read lazily
+
+        def of(t: str) -> Iterator[Request]:
+            return (r for r in waiting if r.tenant == t)
+
+        queues = {t: of(t) for t, n in self._queued.items() if n}
+        heads = {t: r for t, q in queues.items() if (r := next(q, None)) is not None}
         c = dict(self.counters)
-        while queues:
-            t = min(queues, key=lambda u: (c.get(u, 0.0), u))
-            r = queues[t].popleft()
-            if not queues[t]:
-                del queues[t]
+        while heads:
+            t = min(heads, key=lambda u: (c.get(u, 0.0), u))
+            r = heads[t]
             if r.num_preemptions == 0:
                 c[t] = c.get(t, 0.0) + self.cost(r, r.prompt_len, self.input_weight)
             yield r
+            nxt = next(queues[t], None)
+            if nxt is None:
+                del heads[t]
+            else:
+                heads[t] = nxt
 
     def schedule(self) -> SchedulerOutput:
         plan = super().schedule()
-        for r in plan.prefills:  # whole prompts, all admitted in this plan
+        before = self._queued.copy()
+        for r in plan.prefills:  # whole prompts, all admitted in this plan, in order
+            self._queued[r.tenant] -= 1
             if r.num_preemptions == 0:
                 self.counters[r.tenant] += self.cost(r, r.prompt_len, self.input_weight)
-        queued = Counter(r.tenant for r in self.waiting)
-        for r in plan.prefills:  # in admission order: the last tenant to leave wins
-            if self._queued[r.tenant] and not queued[r.tenant]:
+            if before[r.tenant] and not self._queued[r.tenant]:  # the last to leave wins
                 self._last_left = self.counters[r.tenant]
-        self._queued = queued
+        for r, _ in plan.preempted:  # recompute victims are back in the queue
+            self._queued[r.tenant] += r.status is RequestStatus.WAITING
+        if plan.aborted:  # some left the queue for good: count again
+            self._queued = Counter(r.tenant for r in self.waiting)
         return plan
 
     def update(self, plan: SchedulerOutput, result: StepResult, now_s: float) -> None:

@@ -153,3 +153,40 @@ def test_gpu_examples_run(name, tmp_path):
         )
         == 0
     )
+
+
+ZOO_POLICIES = [
+    {"name": "priority", "label": "priority+preempt", "priority_preemption": True},
+    {"name": "sjf", "predictor": "noisy", "sigma": 1.0},
+    {"name": "srpt", "preempt_longer": True},
+    {"name": "edf", "ttft_s": 1.0},
+    {"name": "vtc"},
+    {"name": "fcfs", "label": "fcfs-most_blocks", "preemption_victim": "most_blocks"},
+]
+
+
+def test_zoo_policies_tokens_identical_to_an_unconstrained_run(model_dir, tmp_path):
+    """The policy zoo on the engine, with two workload classes (priorities 1 and 0, two
+    tenants): every request's greedy tokens equal those of fcfs with room for everything."""
+    import yaml
+
+    for name, items in (("a.yaml", PROMPTS[:3]), ("b.yaml", PROMPTS[3:])):
+        (tmp_path / name).write_text(yaml.safe_dump(items))
+
+    def classes_config(num_gpu_blocks, policies):
+        raw = raw_config(model_dir, "unused", num_gpu_blocks, policies)
+        spec = {k: v for k, v in raw["trace"].items() if k != "path"}
+        raw["trace"] = [
+            {"name": "a", "priority": 1, "tenant": "x", **spec, "path": str(tmp_path / "a.yaml")},
+            {"name": "b", "priority": 0, "tenant": "y", **spec, "path": str(tmp_path / "b.yaml")},
+        ]
+        return validate(raw)
+
+    reference = run_runs(classes_config(200, ["fcfs"]), progress=False)[0]
+    expected = tokens_by_request(reference)
+    assert sorted(expected) == ["a:0", "a:1", "a:2", "b:0", "b:1"]
+    runs = run_runs(classes_config(10, ZOO_POLICIES), progress=False)
+    for run in runs:
+        assert run.summary["finished"] == 5, run.label
+        assert tokens_by_request(run) == expected, run.label
+    assert sum(r.summary["preemptions"]["recompute"] for r in runs) > 0

@@ -326,3 +326,9 @@ def test_policy_options_on_random_traces(policy, options, data):
     tp.check_steps(sc, res, scheduler, ex)
     tp.check_preemptions(res, scheduler)
     tp.check_termination(res, scheduler, ex)
+
+
+def test_recompute_counts_the_dropped_kv_tokens():
+    # The rollback case: low had 12 tokens, 11 with KV (the 12th is fed by the next step).
+    res = replay_requests("priority", rollback_trace(), gpu=4, bs=4, priority_preemption=True)
+    assert by_id(res)["low"].num_recomputed_tokens == 11

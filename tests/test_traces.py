@@ -74,6 +74,9 @@ SHA256 = {  # from traces/data/ATTRIBUTION.md (and the lab's SOURCES.md)
     "sarathi_sharegpt_8k_filtered_stats_llama2_tokenizer.csv": (
         "6d6c296302a853e2669a674a96f269283e60c57e60363bd450588a1066919f9f"
     ),
+    "vidur_arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv": (
+        "9d3580538d915ca75e4aaaa54590b42dbb17abc6d74c8913310cf07c232adcdc"
+    ),
 }
 
 

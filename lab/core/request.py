@@ -66,6 +66,7 @@ class Request:
     reason: str = ""
     num_preemptions_recompute: int = 0
     num_preemptions_swap: int = 0
+    num_recomputed_tokens: int = 0  # KV tokens dropped by recompute preemptions (redone)
     # When the request first entered a running batch (seconds); -1 = never.
     first_scheduled_s: float = -1.0
     finish_s: float = -1.0

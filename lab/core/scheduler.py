@@ -450,6 +450,7 @@ class Scheduler:
             self.swapped.append(victim)
         else:
             self.block_manager.free(victim)
+            victim.num_recomputed_tokens += victim.num_computed_tokens
             victim.num_computed_tokens = 0
             victim.status = RequestStatus.WAITING
             victim.num_preemptions_recompute += 1

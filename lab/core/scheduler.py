@@ -30,6 +30,14 @@ from typing import Any, ClassVar
 
 from lab.core.decode_set import DecodeSet
 from lab.core.errors import ConfigError, SchedulerStuckError
+from lab.core.events import (
+    ABORTED,
+    ADMITTED,
+    PREEMPTED,
+    PREFILL,
+    SWAPPED_IN,
+    EventLog,
+)
 from lab.core.kv import BlockManager, blocks_for
 from lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
 from lab.core.request import Request, RequestStatus
@@ -70,7 +78,9 @@ class Scheduler:
     The scheduler is the sole owner of request state. Queues: ``waiting`` (FIFO; recompute
     victims return at the front), ``running`` (in admission order; the last one is the
     newest), ``swapped`` (FIFO). Running requests are either in ``decode_set`` or in
-    ``prefilling`` (a chunked prompt not yet fully computed).
+    ``prefilling`` (a chunked prompt not yet fully computed). The shared moves record what
+    they do to each request, and why a waiting one was not admitted, in ``events``
+    (:class:`lab.core.events.EventLog`, O(1) per move).
 
     A policy subclasses this class, registers it with :func:`register_policy` and writes
     :meth:`schedule` from the shared moves; it may override the hooks
@@ -85,6 +95,8 @@ class Scheduler:
     preemption_mode: ClassVar[PreemptionMode] = PreemptionMode.RECOMPUTE
     #: Options a policy accepts in its YAML block, with defaults.
     options: ClassVar[dict[str, Any]] = {}
+    #: How :meth:`pick_victim` chooses, for the explanation of a preemption.
+    victim_rule: ClassVar[str] = "the newest running request"
 
     def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, **options: Any):
         self.limits = limits
@@ -96,9 +108,17 @@ class Scheduler:
         self.prefilling: list[Request] = []
         self.decode_set = DecodeSet(block_manager.block_size)
         self.now_s = 0.0  # time of the latest add() or update(): when the next plan is made
-        self.num_steps = 0  # steps applied by update()
+        self.num_steps = 0  # steps applied by update(); the index of the step being planned
+        self.events = EventLog()
+        self._admit_step = -1  # the step whose plan last tried admission
         for key, value in {**self.options, **options}.items():
             setattr(self, key, value)
+        cls = type(self)
+        if (
+            cls.pick_victim is not Scheduler.pick_victim
+            and cls.victim_rule == Scheduler.victim_rule
+        ):
+            self.victim_rule = f"the victim {cls.__name__}.pick_victim chose"
 
     # ------------------------------------------------------------------ the contract
     def add(self, request: Request, now_s: float) -> bool:
@@ -138,6 +158,8 @@ class Scheduler:
             for r in self.decode_set.advance():
                 self._finish(r, now_s)
         for r, num_new in plan.prefills.items():
+            if r.num_computed_tokens:  # a later chunk (admit_waiting records the first)
+                self.events.record((step_index, PREFILL, id(r), num_new, r.num_computed_tokens))
             r.num_computed_tokens += num_new
             if r.num_computed_tokens < r.num_tokens:
                 continue  # a partial chunk: no token yet
@@ -219,19 +241,24 @@ class Scheduler:
 
         Whole prompts unless the policy is chunked, in which case the last admitted one
         may get a partial chunk (its blocks are allocated whole). Returns the budget left.
+        The request it stops at is recorded as waiting, with the reason (``events``).
         """
         bm, queue = self.block_manager, self.waiting
+        self._admit_step = step = self.num_steps
         if not queue:
             return budget
+        events = self.events
         order = self.admission_order()
         custom = iter(list(order)) if order is not queue else None
-        while queue and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+        max_seqs = self.limits.max_num_seqs
+        while queue and budget > 0 and len(self.running) < max_seqs:
             r = queue[0] if custom is None else next(custom, None)
             if r is None:
                 break
             num_new = r.num_tokens - r.num_computed_tokens
             if num_new > budget:
                 if not self.chunked_prefill:
+                    events.wait(step, r, "token_budget", num_new, budget)
                     break
                 num_new = budget
             need = self.blocks_to_admit(r)
@@ -244,8 +271,13 @@ class Scheduler:
                         f"needs {need} KV blocks to resume, the GPU cache has {bm.num_gpu_blocks}",
                     )
                     continue
+                if not events.extend(step, r, "kv_blocks"):
+                    free = bm.num_free_gpu_blocks - (bm.watermark_blocks if self.running else 0)
+                    events.wait(step, r, "kv_blocks", need, max(free, 0))
                 break
             self._take_waiting(r, custom is None)
+            events.end_wait(r)
+            events.record((step, ADMITTED, id(r), need, num_new))
             bm.allocate(r, need)
             r.status = RequestStatus.RUNNING
             if r.first_scheduled_s < 0:
@@ -255,6 +287,13 @@ class Scheduler:
                 self.prefilling.append(r)
             plan.prefills[r] = num_new
             budget -= num_new
+        else:  # stopped by the loop's condition: a budget or max_num_seqs
+            r = (queue[0] if custom is None else next(custom, None)) if queue else None
+            if r is not None:
+                if budget <= 0:
+                    events.wait(step, r, "budget_spent")
+                else:
+                    events.wait(step, r, "max_num_seqs", max_seqs)
         return budget
 
     def reserve_decode_blocks(self, plan: SchedulerOutput) -> None:
@@ -271,13 +310,15 @@ class Scheduler:
                     f"the {bm.num_gpu_blocks} GPU blocks while running alone",
                 )
             else:
-                self.preempt(plan, self.pick_victim())
+                self.preempt(plan, self.pick_victim(), self.victim_rule)
         for r in ds.needing_block():
             bm.allocate(r, 1)
 
-    def preempt(self, plan: SchedulerOutput, victim: Request) -> None:
+    def preempt(self, plan: SchedulerOutput, victim: Request, why: str = "") -> None:
         """Preempt ``victim`` by swap if the policy swaps and CPU space allows, else by
-        recompute. Mutates queues and blocks; records the preemption in ``plan``.
+        recompute. Mutates queues and blocks; records the preemption in ``plan`` and in
+        ``events`` with ``why`` (how the victim was chosen, e.g. "the newest running
+        request").
 
         Raises:
             SchedulerStuckError: the victim was preempted more than
@@ -298,6 +339,12 @@ class Scheduler:
                     len(victim.block_table),
                     victim.request_id,
                 )
+        # PREEMPT_MODES: 0 recompute, 1 swap, 2 recompute because CPU swap space is full
+        fallback = self.preemption_mode is PreemptionMode.SWAP
+        mode_index = 1 if mode is PreemptionMode.SWAP else 2 if fallback else 0
+        self.events.record(
+            (self.num_steps, PREEMPTED, id(victim), mode_index, self.events.text(why))
+        )
         if mode is PreemptionMode.SWAP:
             plan.swap_out.extend(self.block_manager.swap_out(victim))
             victim.status = RequestStatus.SWAPPED
@@ -320,13 +367,21 @@ class Scheduler:
     def swap_in_swapped(self, plan: SchedulerOutput) -> None:
         """Bring swapped requests back, oldest first, while blocks and max_num_seqs allow.
         They rejoin the decode batch in this step."""
-        bm = self.block_manager
-        while self.swapped and len(self.running) < self.limits.max_num_seqs:
+        bm, step, events = self.block_manager, self.num_steps, self.events
+        while self.swapped:
             r = self.swapped[0]
+            if len(self.running) >= self.limits.max_num_seqs:
+                events.wait(step, r, "swap_in_max_num_seqs", self.limits.max_num_seqs)
+                break
             need = len(r.block_table) + (1 if r.num_tokens % self.block_size == 0 else 0)
             if not bm.can_allocate(need, use_watermark=bool(self.running)):
+                if not events.extend(step, r, "swap_in_blocks"):
+                    free = bm.num_free_gpu_blocks - (bm.watermark_blocks if self.running else 0)
+                    events.wait(step, r, "swap_in_blocks", need, max(free, 0))
                 break
             self.swapped.popleft()
+            events.end_wait(r)
+            events.record((step, SWAPPED_IN, id(r), need, 0))
             plan.swap_in.extend(bm.swap_in(r))
             r.status = RequestStatus.RUNNING
             self.running.append(r)
@@ -342,9 +397,18 @@ class Scheduler:
         self.block_manager.free(r)
         r.status, r.reason, r.finish_s = RequestStatus.ABORTED, reason, self.now_s
         plan.aborted.append(r)
+        self.events.record((self.num_steps, ABORTED, id(r), 0, 0))
 
     def add_decodes(self, plan: SchedulerOutput) -> SchedulerOutput:
-        """Put the whole decode batch in the plan (after ``reserve_decode_blocks``)."""
+        """Put the whole decode batch in the plan (after ``reserve_decode_blocks``). The
+        last move of a plan: if the plan did not try admission, the waiting queue is
+        recorded as held, with the reason (swapped requests first, a preemption)."""
+        if self._admit_step != self.num_steps and self.waiting:
+            if self.swapped or plan.swap_in:
+                why = "swapped_first"
+            else:
+                why = "preempted_step" if plan.preempted else "not_tried"
+            self.events.wait_all(self.num_steps, why)
         if self.decode_set:
             plan.decodes = self.decode_set.requests()
             plan.decode_context_tokens = self.decode_set.context_tokens

@@ -27,6 +27,7 @@ import numpy as np
 import simpy
 
 from lab.core.errors import SchedulerStuckError
+from lab.core.events import EventLog
 from lab.core.plan import Executor
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import Scheduler
@@ -51,6 +52,8 @@ class ReplayResult:
         wall_s: wall-clock seconds the replay took.
         num_gpu_blocks: size of the GPU KV cache, for usage fractions.
         failure: None, or why the run stopped early (see ``replay``).
+        events: what the scheduler's shared moves did to each request, and why requests
+            waited (:class:`lab.core.events.EventLog`; step indices are rows of ``steps``).
     """
 
     requests: list[Request]
@@ -59,6 +62,7 @@ class ReplayResult:
     wall_s: float
     num_gpu_blocks: int = 0
     failure: str | None = None
+    events: EventLog | None = None
 
     @functools.cached_property
     def step_end_s(self) -> np.ndarray:
@@ -290,6 +294,7 @@ def _replay(
         time.perf_counter() - t0,
         scheduler.block_manager.num_gpu_blocks,
         failure,
+        scheduler.events,
     )
 
 

@@ -482,6 +482,8 @@ def config_yaml(cfg: ExperimentConfig, runs: list[Run]) -> str:
 
 
 def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str]]) -> str:
+    from lab.terminal import slo_text
+
     trace = cfg.trace.spec
     lines = [
         f"# {cfg.name}",
@@ -511,7 +513,7 @@ def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str
     slo = runs[0].summary["slo"]
     if slo:
         lines += [
-            "SLOs: " + ", ".join(f"{k} <= {v}" for k, v in slo.items()),
+            "SLOs: " + slo_text(slo),
             "",
             "| run | goodput (req/s) | SLO attainment |",
             "|---|---|---|",
@@ -532,7 +534,13 @@ def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str
         "Files: `requests.csv` (one row per trace request per run), `steps.csv` "
         "(one row per engine step), `summary.json` (aggregates per run), "
         f"{tokens}`timing.json` (wall time of each replay), `config.yaml` (the resolved "
-        "config).",
+        "config), `events.csv` (what the scheduler did to each request and why it waited), "
+        "one `{run}-{rate}qps-{model}.json` per run (the format of `vllm bench serve "
+        "--save-result`), `report.html` (this report with interactive timelines).",
+        "",
+        "A request's life: `sched-lab explain RESULTS --run "
+        f"{runs[0].label} --request ID`; a timeline of chosen requests: `sched-lab timeline "
+        "RESULTS --run RUN --requests ID,ID`.",
         "",
     ]
     return "\n".join(lines)

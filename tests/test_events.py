@@ -3,10 +3,15 @@ replays: every step takes 10 ms (tests/helpers.py), so step k runs over [10k, 10
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from helpers import by_id, run
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_properties import POLICIES, PROFILE, replay_scenario, scenarios_for
 
-from lab.core.events import ADMITTED, PREEMPTED, PREFILL, SWAPPED_IN
+from lab.core.events import ABORTED, ADMITTED, PREEMPTED, PREFILL, SWAPPED_IN, WAIT_REASONS
 
 
 def _events(result, request_id):
@@ -96,3 +101,34 @@ def test_chunked_prefill_records_each_chunk_and_a_spent_budget():
     assert _events(res, "a") == [(0, ADMITTED, 7, 64), (1, PREFILL, 36, 64)]
     assert _events(res, "b") == [(1, ADMITTED, 4, 28), (2, PREFILL, 22, 28)]
     assert _waits(res) == [("budget_spent", "b", 0, 0, 1, 0, 0)]
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(PROFILE, max_examples=max(10, PROFILE.max_examples // 3))
+@given(data=st.data())
+def test_events_account_for_every_move_on_random_traces(policy, data):
+    # tests/test_properties.py's random traces and limits: the events must agree with the
+    # requests' counters and the steps' columns, whatever the policy decides.
+    res, _, _ = replay_scenario(policy, data.draw(scenarios_for(policy), label="scenario"))
+    rows = list(res.events.rows(res.requests))
+    n_steps = len(res.steps["time_s"])
+    assert [s for s, *_ in rows] == sorted(s for s, *_ in rows)  # recorded in step order
+    assert all(0 <= s <= n_steps for s, *_ in rows)  # n_steps: a plan that only aborted
+    kinds = Counter((r.request_id, k) for _, k, r, _, _ in rows)
+    for r in res.requests:
+        admitted = kinds[r.request_id, ADMITTED]
+        assert kinds[r.request_id, PREEMPTED] == r.num_preemptions
+        assert kinds[r.request_id, SWAPPED_IN] <= r.num_preemptions_swap
+        if r.status.value == "finished":
+            assert admitted == 1 + r.num_preemptions_recompute
+            assert kinds[r.request_id, SWAPPED_IN] == r.num_preemptions_swap
+        assert kinds[r.request_id, ABORTED] <= 1
+    # every prefill token of steps.csv is in an admission's first chunk or a later chunk
+    fed = sum(b if k == ADMITTED else a for _, k, _, a, b in rows if k in (ADMITTED, PREFILL))
+    assert fed == int(res.steps["num_prefill_tokens"].sum())
+    for reason, r, first, last, count, _, _ in res.events.waits:
+        assert reason in WAIT_REASONS and 0 <= first <= last and 1 <= count <= last - first + 1
+        assert (r is None) == (reason in ("swapped_first", "preempted_step", "not_tried"))

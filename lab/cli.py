@@ -1,6 +1,7 @@
 """The ``sched-lab`` command: run an experiment, fit a cost model, profile the engine, tools.
 
     sched-lab run experiments/quickstart.yaml [--out DIR] [--limit N] [--format parquet]
+    sched-lab explain results/quickstart --run fcfs --request 4711
     sched-lab fit profiles/h200_qwen3-0.6b.csv
     sched-lab profile --model-dir checkpoints/qwen3-0.6b --out profiles/h200_qwen3-0.6b.csv
     sched-lab tools make-random-checkpoint --preset qwen3-0.6b --out checkpoints/qwen3-0.6b
@@ -93,10 +94,59 @@ def main(argv: list[str] | None = None) -> int:
         epilog=f"{RUN_EXAMPLE}\n\n{EXIT_CODES}",
     )
     _add_run_args(run)
+    explain = sub.add_parser(
+        "explain",
+        help="tell one request's life in a results folder: waits and why, chunks, preemptions",
+        description="Print a request's life from a results folder's events.csv: when it "
+        "waited and why, its admission and prefill chunks, decode spans, preemptions, "
+        "swaps and its end.",
+        formatter_class=_formatter,
+    )
+    explain.add_argument("results", help="a results folder (sched-lab run --out)")
+    explain.add_argument("--request", required=True, help="the request id (requests.csv)")
+    explain.add_argument("--run", help="the run's label (summary.json); needed with several")
+    tl = sub.add_parser(
+        "timeline",
+        help="draw a Gantt picture of chosen requests of a results folder",
+        description="Draw the timeline of chosen requests of a run (waiting, prefill chunks, "
+        "decode, preempted, swapped out; step boundaries above) as a PNG.",
+        formatter_class=_formatter,
+    )
+    tl.add_argument("results", help="a results folder (sched-lab run --out)")
+    tl.add_argument("--run", help="the run's label (summary.json); needed with several")
+    tl.add_argument("--requests", help="comma-separated request ids")
+    tl.add_argument("--slowest", type=int, default=12, help="the N slowest (default 12)")
+    tl.add_argument("--by", choices=("e2e", "ttft"), default="e2e", help="slowest by")
+    tl.add_argument(
+        "--window", type=float, nargs=2, metavar=("T0", "T1"), help="requests in flight then (s)"
+    )
+    tl.add_argument("--out", default="timeline.png", help="the PNG (default timeline.png)")
     for name, (_, what) in DELEGATED.items():
         sub.add_parser(name, help=what, add_help=False)  # listed here, parsed by the module
     args = ap.parse_args(argv)
+    if args.command in ("explain", "timeline"):
+        return _explain(args)
     return _run(args)
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from lab.core.errors import UserError
+    from lab.timeline import explain, picture
+
+    try:
+        if args.command == "explain":
+            print(explain(Path(args.results), args.request, args.run))
+        else:
+            ids = [x for x in (args.requests or "").split(",") if x]
+            window = tuple(args.window) if args.window else None
+            if window is not None and window[1] <= window[0]:
+                raise UserError(f"--window: expected T0 < T1, got {window[0]:g} {window[1]:g}")
+            print(picture(Path(args.results), Path(args.out), args.run, ids, args.slowest,
+                          args.by, window))  # fmt: skip
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def run_main(argv: list[str] | None = None, prog: str = "sched-lab run") -> int:
@@ -125,6 +175,11 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         choices=("csv", "parquet"),
         default="csv",
         help="file format of requests and steps (parquet needs pyarrow)",
+    )
+    ap.add_argument(
+        "--metric-percentiles",
+        help="comma-separated percentiles of the vLLM-format results and the summary, as "
+        "vLLM's option (default: the YAML's report.metric_percentiles, 50,90,99,99.9)",
     )
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -204,6 +259,8 @@ def _run(args: argparse.Namespace) -> int:
                 if args.limit < 1:
                     raise UserError(f"--limit: expected an integer >= 1, got {args.limit}")
                 cfg = cfg.with_trace(limit=args.limit)
+            if args.metric_percentiles is not None:
+                cfg = _with_percentiles(cfg, args.metric_percentiles)
             if args.out is not None and not args.out.strip():
                 raise UserError("--out: expected a folder, got an empty string")
             if args.format == "parquet" and importlib.util.find_spec("pyarrow") is None:
@@ -245,7 +302,24 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 128 + signals.pending
-    return _report(runs, decode, out, time.perf_counter() - t0)
+    return _report(runs, decode, out, time.perf_counter() - t0, cfg)
+
+
+def _with_percentiles(cfg, text: str):
+    import dataclasses
+
+    from lab.core.errors import UserError
+
+    try:
+        pcts = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        pcts = ()
+    if not pcts or not all(0 < p <= 100 for p in pcts):
+        raise UserError(
+            f"--metric-percentiles: expected numbers in (0, 100] separated by commas, "
+            f"got {text[:80]!r}"
+        )
+    return dataclasses.replace(cfg, report=dataclasses.replace(cfg.report, metric_percentiles=pcts))
 
 
 def _name(e: KeyboardInterrupt) -> str:
@@ -295,15 +369,15 @@ def _decoder(cfg):
     return text_decoder(cfg)
 
 
-def _report(runs: list, decode, out: Path, wall_s: float) -> int:
-    from lab.report import summary_table
+def _report(runs: list, decode, out: Path, wall_s: float, cfg) -> int:
+    from lab.terminal import summary_text
 
-    print(summary_table(runs))
+    print(summary_text(runs, cfg.report.metric_percentiles))
     if decode is not None:  # a taste of the real text, first policy only
         finished = [r for r in runs[0].result.requests if r.status.value == "finished"]
         for r in finished[:3]:
             print(f"\n[{runs[0].label} request {r.request_id}] {decode(r.output_token_ids)!r}")
-    print(f"\nwrote {out}/ (report.md) in {wall_s:.1f} s")
+    print(f"\nwrote {out}/ (report.md, report.html) in {wall_s:.1f} s")
     failed = [r for r in runs if r.result.failure]
     if failed:
         which = ", ".join(f"{r.label} ({r.result.failure})" for r in failed)

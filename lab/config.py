@@ -235,6 +235,24 @@ class SLOConfig:
 
 
 @dataclass(frozen=True)
+class ReportConfig:
+    """What the results folder shows beyond the metrics (lab/report.py, lab/timeline.py).
+
+    metric_percentiles: the percentiles of the vLLM-format result files (vLLM's
+        ``--metric-percentiles``; keys ``p50_ttft_ms`` ... ``p99.9_ttft_ms``).
+    timeline_slowest / timeline_by: the timeline picture shows the slowest N requests of
+        each run by ``e2e`` or ``ttft``, unless ``timeline_ids`` (request ids) or
+        ``timeline_window_s`` ([start, end] seconds: the requests in flight then) is given.
+    """
+
+    metric_percentiles: tuple[float, ...] = (50.0, 90.0, 99.0, 99.9)
+    timeline_slowest: int = 12
+    timeline_by: str = "e2e"  # e2e | ttft
+    timeline_ids: tuple[str, ...] = ()
+    timeline_window_s: tuple[float, float] | None = None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The real engine (``backend: engine``; backend/README.md)."""
 
@@ -273,6 +291,7 @@ class ExperimentConfig:
     engine: EngineConfig = EngineConfig()
     check_invariants: bool = False
     cluster: ClusterSpec | None = None  # None: one replica (lab/sim/cluster.py)
+    report: ReportConfig = ReportConfig()
     source: str = field(default="config", compare=False)
     base_dir: Path = field(default=Path("."), compare=False)
 
@@ -330,6 +349,7 @@ class ExperimentConfig:
             "slo": self.slo.to_dict(),
             "engine": plain(self.engine),
             "check_invariants": self.check_invariants,
+            "report": plain(self.report),
         }
         if self.cluster is not None:
             out["cluster"] = cluster_to_dict(self.cluster)
@@ -368,6 +388,7 @@ TOP_KEYS = (
     "check_invariants",
     "trace_file",
     "cluster",
+    "report",
 )
 DEFAULT_POLICIES = ("fcfs", "swap", "chunked_prefill")
 
@@ -450,6 +471,7 @@ def validate(
         engine=_engine(where, raw.get("engine", {}), base_dir, backend == "engine"),
         check_invariants=top["check_invariants"],
         cluster=cluster,
+        report=_report(where, raw.get("report", {})),
         source=where,
         base_dir=base_dir,
     )
@@ -736,6 +758,34 @@ def _slo(where: str, raw: Any, key: str = "slo") -> SLOConfig:
     for k, v in s.items():
         _num(where, f"{key}.{k}", v, 0.0, lo_open=True, optional=True)
     return SLOConfig(**s)
+
+
+def _report(where: str, raw: Any) -> ReportConfig:
+    r = _section(where, "report", raw, ReportConfig)
+    pcts = r.get("metric_percentiles", ReportConfig.metric_percentiles)
+    if not isinstance(pcts, (list, tuple)) or not pcts:
+        raise _fail(where, "report.metric_percentiles", "a list of numbers in (0, 100]", pcts)
+    for i, p in enumerate(pcts):
+        _num(where, f"report.metric_percentiles[{i}]", p, 0.0, 100.0, lo_open=True)
+    r["metric_percentiles"] = tuple(float(p) for p in pcts)
+    if "timeline_slowest" in r:
+        _int(where, "report.timeline_slowest", r["timeline_slowest"], lo=1)
+    if "timeline_by" in r:
+        _choice(where, "report.timeline_by", r["timeline_by"], ("e2e", "ttft"))
+    ids = r.get("timeline_ids", ())
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(x, (str, int)) for x in ids):
+        raise _fail(where, "report.timeline_ids", "a list of request ids", ids)
+    r["timeline_ids"] = tuple(str(x) for x in ids)
+    window = r.get("timeline_window_s")
+    if window is not None:
+        if not isinstance(window, (list, tuple)) or len(window) != 2:
+            raise _fail(where, "report.timeline_window_s", "[start, end] in seconds", window)
+        lo = _num(where, "report.timeline_window_s[0]", window[0])
+        hi = _num(where, "report.timeline_window_s[1]", window[1])
+        if hi <= lo:
+            raise _fail(where, "report.timeline_window_s", "[start, end] with end > start", window)
+        r["timeline_window_s"] = (float(lo), float(hi))
+    return ReportConfig(**r)
 
 
 def _engine(where: str, raw: Any, base_dir: Path, used: bool) -> EngineConfig:

@@ -8,14 +8,14 @@ import hashlib
 import importlib.util
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from lab import cluster_metrics, fairness, metrics
+from lab import cluster_metrics, fairness, metrics, vllm_result
 from lab.config import ExperimentConfig, PolicyConfig
 from lab.core.errors import ConfigError, TraceError
 from lab.core.kv import has_prefix_identity, make_block_manager
@@ -49,6 +49,10 @@ class Run:
     requests: pd.DataFrame
     itl_cdf_s: np.ndarray  # ITL at CDF levels linspace(0, 1, len): metrics.cdf_points
     summary: dict[str, Any]
+    # The run in the format of vLLM's `vllm bench serve --save-result` (lab/vllm_result.py)
+    vllm: dict[str, Any] = field(default_factory=dict)
+    # ITL tail: (fraction of gaps above, gap in s), shape (2, n): vllm_result.tail_points
+    itl_tail_s: np.ndarray | None = None
 
 
 def resolve_limits(
@@ -368,6 +372,18 @@ def iter_runs(
                     slos = fairness.class_slos(cfg.trace.classes, cfg.slo.to_dict())
                     duration = summary["duration_s"]
                     summary.update(fairness.summarize_classes(df, rows, result, slos, duration))
+                vllm = vllm_result.vllm_result(
+                    df,
+                    itl,
+                    summary,
+                    result.step_end_s,
+                    result.steps["num_decode_tokens"],
+                    label=label,
+                    model=_model_id(cfg),
+                    backend=f"sched-lab-{cfg.backend}",
+                    percentiles=cfg.report.metric_percentiles,
+                )
+                itl_tail = vllm_result.tail_points(itl)
                 itl = metrics.cdf_points(itl, overwrite=True)  # all gaps: a run's largest array
                 if isinstance(result, ClusterResult):
                     df, summary["cluster"] = cluster_metrics.add_cluster(df, result, rows, summary)
@@ -376,4 +392,11 @@ def iter_runs(
             log.info("%s: %d steps in %.2f s", label, summary["num_steps"], result.wall_s)
             if result.failure:
                 log.error("%s stopped: %s", label, result.failure)
-            yield Run(label, pol.label, scale, result, df, itl, summary)
+            yield Run(label, pol.label, scale, result, df, itl, summary, vllm, itl_tail)
+
+
+def _model_id(cfg: ExperimentConfig) -> str:
+    """The model as vLLM's ``model_id`` names it: the preset, or the engine's model folder."""
+    if cfg.backend == "engine" and cfg.engine.model_path is not None:
+        return Path(cfg.engine.model_path).name
+    return cfg.model

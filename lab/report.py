@@ -1,4 +1,6 @@
-"""The results folder: config.yaml, requests.csv, steps.csv, summary.json, report.md + PNGs.
+"""The results folder: config.yaml, requests.csv, steps.csv, summary.json, report.md + PNGs,
+events.csv (what the scheduler did to each request: lab/timeline.py), one vLLM-format result
+JSON per run (lab/vllm_result.py), report.html (lab/html_report.py).
 
 The folder is written under a temporary name next to its destination and renamed into
 place at the end, so a crashed or interrupted run never leaves a folder that looks
@@ -8,31 +10,27 @@ replaces a folder whole only when it holds nothing else.
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import os
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import yaml
 
-from lab import __version__, fairness
+from lab import __version__, fairness, html_report, plots, timeline, vllm_result
 from lab.config import ExperimentConfig
 from lab.core.errors import UserError
 from lab.experiment import Run
-from lab.metrics import cdf_points
 from lab.progress import Phase
 from lab.sim.replay import STEP_COLUMNS
-
-LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
-TIME_BINS = 120
-
 
 MANIFEST = ".sched-lab-manifest.json"  # the names of the files the lab wrote in a folder
 FORMATS = ("csv", "parquet")  # of requests and steps
@@ -128,13 +126,19 @@ def _write_files(
     phase.advance()
     if any(r.output_token_ids for run in runs for r in run.result.requests):
         _write_tokens(tmp / "tokens.jsonl", runs, decode)
-    plots = _plots(tmp, runs) + fairness.plots(tmp, runs, _save)  # per class / tenant
+    for r in runs:  # vLLM's `--save-result` file of each run, with the date it was written
+        vllm = {**r.vllm, "date": time.strftime("%Y%m%d-%H%M%S")}
+        name = vllm_result.result_filename(r.label, vllm["request_rate"], vllm["model_id"])
+        (tmp / name).write_text(json.dumps(_json_safe(vllm), indent=2))
+    plots = _plots(tmp, runs, cfg) + fairness.plots(tmp, runs, _save)  # per class / tenant
+    stories, figures = _timelines(tmp, cfg, runs, fmt)
     phase.advance()
-    report = _markdown(cfg, runs, plots)
+    report = _markdown(cfg, runs, plots + stories)
     if partial:  # right under the title
         title, _, rest = report.partition("\n")
         report = f"{title}\n\n**Partial results**: {partial}.\n{rest}"
     (tmp / "report.md").write_text(report)
+    _html(tmp, cfg, runs, plots + stories, figures, partial)
     files = sorted(p.name for p in tmp.iterdir())
     (tmp / MANIFEST).write_text(
         json.dumps({"written_by": f"sched-lab {__version__}", "files": files}, indent=2) + "\n"
@@ -347,138 +351,76 @@ def _json_safe(x):
 
 
 # ---------------------------------------------------------------------------- plots
-def _plots(folder: Path, runs: list[Run]) -> list[tuple[str, str]]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plots = []
-    scales = sorted({r.rate_scale for r in runs})
-    top = [r for r in runs if r.rate_scale == scales[-1]]  # CDFs at the highest load
-    load = "" if len(scales) == 1 else f" (rate_scale {scales[-1]:g})"
-
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
-    for ax, (key, title) in zip(axes.flat, LATENCIES):
-        for r in top:
-            x = r.itl_cdf_s if key == "itl_s" else cdf_points(r.requests[key].to_numpy(dtype=float))
-            if len(x):
-                ax.plot(x, np.linspace(0, 1, len(x)), label=r.policy)
-        lo_hi = [ln.get_xdata() for ln in ax.get_lines()]
-        if lo_hi and max(x.max() for x in lo_hi) > 10 * min(max(x.min(), 1e-9) for x in lo_hi):
-            ax.set_xscale("log")  # a log axis only pays (and labels well) over a decade
-            title_scale = ", log scale"
-        else:
-            title_scale = ""
-        if key == "itl_s":  # most gaps are plain decode steps; the tail is the story
-            ax.set_ylim(0.9, 1.0005)
-            title += " tail"
-        ax.set_xlabel(f"{title} (s{title_scale})")
-        ax.set_ylabel("fraction of " + ("gaps" if key == "itl_s" else "requests"))
-        ax.set_title(f"{title} CDF{load}")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
-    plots.append(_save(fig, folder, "latency_cdf.png", "Latency CDFs per policy"))
-
-    fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
-    for r in top:
-        t, tput, kv, queue = _over_time(r)
-        axes[0].plot(t, tput, label=r.policy)
-        axes[1].plot(t, kv * 100, label=r.policy)
-        axes[2].plot(t, queue, label=r.policy)
-    axes[0].set_ylabel("output tokens / s")
-    axes[0].set_title(f"Throughput, KV usage and queue over time{load}")
-    axes[1].set_ylabel("GPU KV blocks used (%)")
-    axes[2].set_ylabel("waiting + swapped\nrequests (bin mean)")
-    axes[2].set_xlabel("time (s)")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend()
-    plots.append(
-        _save(fig, folder, "over_time.png", "Throughput, KV usage and queue length over time")
-    )
-
-    if any(r.result.prefix_caching for r in top):
-        plots.append(_prefix_cache_plot(plt, folder, top, load))
-
-    if len(scales) > 1:
-        fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
-        for ax, (key, title) in zip(
-            axes, (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E"))
-        ):
-            for policy in dict.fromkeys(r.policy for r in runs):
-                rs = sorted((r for r in runs if r.policy == policy), key=lambda r: r.rate_scale)
-                x = [r.summary["request_throughput"] for r in rs]
-                for p, style in (("p50", "-o"), ("p99", "--^")):
-                    ax.plot(x, [r.summary[key][p] for r in rs], style, label=f"{policy} {p}")
-            ax.set_yscale("log")
-            ax.set_xlabel("request throughput (req/s)")
-            ax.set_ylabel(f"{title} (s)")
-            ax.set_title(f"{title} vs load")
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=7)
-        plots.append(
-            _save(fig, folder, "latency_vs_load.png", "Latency percentiles vs offered load")
-        )
-    return plots
+def _plots(folder: Path, runs: list[Run], cfg: ExperimentConfig) -> list[tuple[str, str]]:
+    """The PNG plots (lab/plots.py); returns (file name, caption) pairs."""
+    return plots.plots(folder, runs, cfg)
 
 
-def _prefix_cache_plot(plt, folder: Path, runs: list[Run], load: str) -> tuple[str, str]:
-    """Prefix cache over time (runs with caching on): the share of prompt tokens served
-    from the cache, cached / (cached + prefill tokens fed), per time bin, and the GPU
-    blocks holding a key (time-weighted)."""
-    fig, axes = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+def _timelines(folder: Path, cfg: ExperimentConfig, runs: list[Run], fmt: str):
+    """events.csv (or .parquet) of every run, and per run a Gantt PNG of its chosen requests
+    (``report:`` keys) and the same as a plotly figure for report.html (None without
+    plotly). Returns ([(png, caption)], [figures])."""
+    frames, pngs, figures = [], [], []
+    with_plotly = html_report.plotly_available()
     for r in runs:
-        if not r.result.prefix_caching:
+        events = timeline.events_frame(r)
+        frames.append(events)
+        steps = pd.DataFrame(
+            {k: r.result.steps[k] for k in ("time_s", "duration_s", "num_decode_tokens")}
+        )
+        ids = timeline.choose(r.requests, cfg.report)
+        stories = timeline.stories_for(ids, r.requests, events, steps)
+        if not stories:
             continue
-        s = r.result.steps
-        centers, idx, safe = _bins(s)
-        cached = np.bincount(idx, s["num_cached_tokens"], TIME_BINS)
-        fed = np.bincount(idx, s["num_prefill_tokens"], TIME_BINS)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            axes[0].plot(centers, 100 * cached / (cached + fed), label=r.policy)
-        held = np.bincount(idx, s["kv_cached_blocks"] * s["duration_s"], TIME_BINS) / safe
-        axes[1].plot(centers, 100 * held / max(r.result.num_gpu_blocks, 1), label=r.policy)
-    axes[0].set_ylabel("prompt tokens cached (%)")
-    axes[0].set_title(f"Prefix cache: hit rate and cached blocks over time{load}")
-    axes[1].set_ylabel("GPU KV blocks\nholding a key (%)")
-    axes[1].set_xlabel("time (s)")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend()
-    return _save(
-        fig, folder, "prefix_cache.png", "Prefix cache hit rate and cached blocks over time"
+        which = _which(cfg.report)
+        name = f"timeline_{_safe(r.label)}.png"
+        title = f"{r.label}: {which}"
+        timeline.gantt_png(folder / name, stories, steps, title)
+        pngs.append((name, f"Timeline of {r.label}: {which}"))
+        if with_plotly:
+            figures.append(html_report.timeline_figure(stories, steps, title))
+    events = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if fmt == "parquet":
+        events.to_parquet(folder / "events.parquet", index=False)
+    else:
+        events.to_csv(folder / "events.csv", index=False)
+    return pngs, figures
+
+
+def _which(rc) -> str:
+    if rc.timeline_ids:
+        return f"requests {', '.join(rc.timeline_ids[:8])}"
+    if rc.timeline_window_s is not None:
+        return f"requests in flight in {rc.timeline_window_s[0]:g}-{rc.timeline_window_s[1]:g} s"
+    return f"the {rc.timeline_slowest} slowest finished requests by {rc.timeline_by.upper()}"
+
+
+def _safe(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
+
+
+def _html(folder: Path, cfg, runs, pictures, figures, partial) -> None:
+    from lab.terminal import rows, slo_text
+
+    intro = html.escape(
+        f"Backend {cfg.backend}; {_model_line(cfg)}; "
+        f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg.kv_cache.block_size} "
+        "tokens." + (f" Partial results: {partial}." if partial else "")
     )
-
-
-def _bins(s: dict[str, np.ndarray]):
-    """Time bins of the steps: bin centers, each step's bin, summed step time per bin."""
-    end = s["time_s"] + s["duration_s"]
-    edges = np.linspace(0.0, float(end.max(initial=1.0)), TIME_BINS + 1)
-    idx = np.clip(np.searchsorted(edges, end, side="right") - 1, 0, TIME_BINS - 1)
-    dur = np.bincount(idx, s["duration_s"], TIME_BINS)
-    return (edges[:-1] + edges[1:]) / 2, idx, np.where(dur > 0, dur, 1.0)
-
-
-def _over_time(r: Run):
-    """Binned series: output tokens/s, KV fraction used, queue length (time-weighted)."""
-    s = r.result.steps
-    end = s["time_s"] + s["duration_s"]
-    horizon = float(end.max(initial=1.0))
-    edges = np.linspace(0.0, horizon, TIME_BINS + 1)
-    idx = np.clip(np.searchsorted(edges, end, side="right") - 1, 0, TIME_BINS - 1)
-    width = edges[1] - edges[0]
-    # Output tokens of decodes; first tokens (sampled by prefills) are left out here.
-    tokens = np.bincount(idx, s["num_decode_tokens"], TIME_BINS) / width
-    dur = np.bincount(idx, s["duration_s"], TIME_BINS)
-    safe = np.where(dur > 0, dur, 1.0)
-    kv = np.bincount(idx, s["kv_used_blocks"] * s["duration_s"], TIME_BINS) / safe
-    queue = (
-        np.bincount(idx, (s["num_waiting"] + s["num_swapped"]) * s["duration_s"], TIME_BINS) / safe
+    table = pd.DataFrame(
+        dict(rows(runs, cfg.report.metric_percentiles)), index=[r.label for r in runs]
+    ).T
+    slo = runs[0].summary.get("slo") or {}
+    caption = "Summary" + (f" (SLOs: {slo_text(slo)})" if slo else "")
+    tables = [(caption, table.to_html(border=0))]
+    html_report.write_html(
+        folder / "report.html",
+        cfg.name,
+        intro,
+        tables,
+        [(folder / name, caption) for name, caption in pictures],
+        figures,
     )
-    kv /= max(r.result.num_gpu_blocks, 1)
-    return (edges[:-1] + edges[1:]) / 2, tokens, kv, queue
 
 
 def _save(fig, folder: Path, name: str, caption: str) -> tuple[str, str]:
@@ -495,8 +437,8 @@ def summary_table(runs: list[Run]) -> str:
     """A markdown table of the headline numbers of every run."""
     head = (
         "| run | finished | rejected | aborted | req/s | out tok/s | TTFT p50 / p99 (s) "
-        "| TPOT p50 / p99 (ms) | ITL p99 (ms) | E2E p50 / p99 (s) | preempt (rec / swap) "
-        "| KV mean % |"
+        "| TPOT p50 / p99 (ms) | ITL p99 / p99.9 / max (ms) | E2E p50 / p99 (s) "
+        "| preempt (rec / swap) | KV mean % |"
     )
     lines = [head, "|" + "---|" * 12]
     for r in runs:
@@ -506,12 +448,18 @@ def summary_table(runs: list[Run]) -> str:
             f"| {s['request_throughput']:.2f} | {s['output_throughput']:.0f} "
             f"| {s['ttft_s']['p50']:.3f} / {s['ttft_s']['p99']:.3f} "
             f"| {s['tpot_s']['p50'] * 1e3:.1f} / {s['tpot_s']['p99'] * 1e3:.1f} "
-            f"| {s['itl_s']['p99'] * 1e3:.1f} "
+            f"| {s['itl_s']['p99'] * 1e3:.1f} / {_ms(r.vllm, 'p99.9_itl_ms')} "
+            f"/ {_ms(r.vllm, 'max_itl_ms')} "
             f"| {s['e2e_s']['p50']:.2f} / {s['e2e_s']['p99']:.2f} "
             f"| {s['preemptions']['recompute']} / {s['preemptions']['swap']} "
             f"| {s['kv_used_fraction']['mean'] * 100:.0f} |"
         )
     return "\n".join(lines)
+
+
+def _ms(vllm: dict, key: str) -> str:
+    v = vllm.get(key)
+    return "-" if v is None else f"{v:.1f}"
 
 
 def _trace_options(trace: Mapping[str, Any]) -> str:
@@ -578,6 +526,8 @@ def _prefix_cache_lines(runs: list[Run]) -> list[str]:
 
 
 def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str]]) -> str:
+    from lab.terminal import slo_text
+
     trace = cfg.trace.spec
     what = f"trace `{trace.get('format')}` {trace.get('path', '')}{_trace_options(trace)}"
     if cfg.trace.classes:
@@ -613,7 +563,7 @@ def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str
     slo = runs[0].summary["slo"]
     if slo:
         lines += [
-            "SLOs: " + ", ".join(f"{k} <= {v}" for k, v in slo.items()),
+            "SLOs: " + slo_text(slo),
             "",
             "| run | goodput (req/s) | SLO attainment |",
             "|---|---|---|",
@@ -635,7 +585,13 @@ def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str
         "Files: `requests.csv` (one row per trace request per run), `steps.csv` "
         "(one row per engine step), `summary.json` (aggregates per run), "
         f"{tokens}`timing.json` (wall time of each replay), `config.yaml` (the resolved "
-        "config).",
+        "config), `events.csv` (what the scheduler did to each request and why it waited), "
+        "one `{run}-{rate}qps-{model}.json` per run (the format of `vllm bench serve "
+        "--save-result`), `report.html` (this report with interactive timelines).",
+        "",
+        "A request's life: `sched-lab explain RESULTS --run "
+        f"{runs[0].label} --request ID`; a timeline of chosen requests: `sched-lab timeline "
+        "RESULTS --run RUN --requests ID,ID`.",
         "",
     ]
     return "\n".join(lines)

@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import re
 import time
 
 import pytest
@@ -154,6 +155,7 @@ def test_to_dict_is_the_config_yaml_layout_and_round_trips(tmp_path):
         "slo",
         "engine",
         "check_invariants",
+        "report",
     ]
     assert d["policies"] == [
         {"label": "c512", "name": "chunked_prefill", "max_num_batched_tokens": 512}
@@ -367,3 +369,34 @@ def test_engine_keys_reach_the_model_runner(tmp_path, monkeypatch):
     assert (seen["cuda_graphs"], seen["mixed_graphs"], seen["kn_weights"]) == (False, False, True)
     assert (seen["max_num_batched_tokens"], seen["max_num_seqs"]) == (8192, 256)
     assert isinstance(cfg, ExperimentConfig)
+
+
+def test_report_keys(tmp_path):
+    base = f"trace: {SYNTHETIC}\n"
+    cfg = load_config(write(tmp_path, base))
+    assert cfg.report.metric_percentiles == (50.0, 90.0, 99.0, 99.9)
+    cfg = load_config(
+        write(
+            tmp_path,
+            base + "report: {metric_percentiles: [50, 99.9], timeline_window_s: [10, 20.5], "
+            "timeline_ids: [7, '8']}\n",
+        )
+    )
+    assert cfg.report.metric_percentiles == (50.0, 99.9)
+    assert cfg.report.timeline_window_s == (10.0, 20.5)
+    assert cfg.report.timeline_ids == ("7", "8")
+    for bad, msg in (
+        (
+            "{metric_percentiles: [0]}",
+            "report.metric_percentiles[0]: expected a number in (0.0, 100.0]",
+        ),
+        ("{metric_percentiles: []}", "report.metric_percentiles: expected a list of numbers"),
+        ("{timeline_by: tpot}", "report.timeline_by: expected one of e2e, ttft, got 'tpot'"),
+        (
+            "{timeline_window_s: [5, 1]}",
+            "report.timeline_window_s: expected [start, end] with end > start",
+        ),
+        ("{timeline_slowest: 0}", "report.timeline_slowest: expected an integer >= 1, got 0"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(msg)):
+            load_config(write(tmp_path, base + f"report: {bad}\n"))

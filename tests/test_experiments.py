@@ -98,14 +98,22 @@ def test_rerun_replaces_results_whole(tmp_path):
         "--no-progress",
     ]
     assert run_experiment.main(args) == 0
-    assert json.loads((out / MANIFEST).read_text())["files"] == [
+    files = json.loads((out / MANIFEST).read_text())["files"]
+    vllm = [f for f in files if f.endswith("qps-llama-3.1-8b.json")]  # one per run
+    assert [f.split("-")[0] for f in vllm] == ["chunked_prefill", "fcfs", "swap"]
+    assert [f for f in files if f not in vllm] == [
         "config.yaml",
+        "events.csv",
         "latency_cdf.png",
         "over_time.png",
+        "report.html",
         "report.md",
         "requests.csv",
         "steps.csv",
         "summary.json",
+        "timeline_chunked_prefill.png",
+        "timeline_fcfs.png",
+        "timeline_swap.png",
         "timing.json",
     ]
     lab_wrote(out, "stale.txt")

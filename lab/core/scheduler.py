@@ -34,6 +34,14 @@ from typing import Any, ClassVar
 
 from lab.core.decode_set import DecodeSet
 from lab.core.errors import ConfigError, SchedulerStuckError
+from lab.core.events import (
+    ABORTED,
+    ADMITTED,
+    PREEMPTED,
+    PREFILL,
+    SWAPPED_IN,
+    EventLog,
+)
 from lab.core.kv import BlockManager, blocks_for
 from lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
 from lab.core.request import Request, RequestStatus
@@ -50,6 +58,13 @@ VICTIM_RULES: dict[str, Callable[[Scheduler, Request], Any]] = {
     "fewest_computed": lambda s, r: -s.num_computed_tokens(r),
     "most_blocks": lambda s, r: len(r.block_table),
     "lowest_priority": lambda s, r: (r.priority, r.arrival_s),
+}
+#: How each rule of :data:`VICTIM_RULES` chose its victim, for the request timeline.
+VICTIM_WHY = {
+    "newest": "the newest running request",
+    "fewest_computed": "the running request with the fewest computed tokens",
+    "most_blocks": "the running request holding the most KV blocks",
+    "lowest_priority": "the running request of the lowest priority",
 }
 
 
@@ -86,7 +101,9 @@ class Scheduler:
     The scheduler is the sole owner of request state. Queues: ``waiting`` (FIFO; recompute
     victims return at the front), ``running`` (in admission order; the last one is the
     newest), ``swapped`` (FIFO). Running requests are either in ``decode_set`` or in
-    ``prefilling`` (a chunked prompt not yet fully computed).
+    ``prefilling`` (a chunked prompt not yet fully computed). The shared moves record what
+    they do to each request, and why a waiting one was not admitted, in ``events``
+    (:class:`lab.core.events.EventLog`, O(1) per move).
 
     A policy subclasses this class, registers it with :func:`register_policy` and writes
     :meth:`schedule` from the shared moves; it may override the hooks
@@ -104,6 +121,9 @@ class Scheduler:
     options: ClassVar[dict[str, Any]] = {}
     #: The policy's victim rule when its ``preemption_victim`` option is not given.
     preemption_victim: str = "newest"
+    #: How :meth:`pick_victim` chooses, for the explanation of a preemption (set from
+    #: ``preemption_victim`` unless a policy overrides it).
+    victim_rule: ClassVar[str] = ""
 
     def __init__(
         self,
@@ -128,10 +148,19 @@ class Scheduler:
         self.prefilling: list[Request] = []
         self.decode_set = DecodeSet(block_manager.block_size)
         self.now_s = 0.0  # time of the latest add() or update(): when the next plan is made
-        self.num_steps = 0  # steps applied by update()
+        self.num_steps = 0  # steps applied by update(); the index of the step being planned
+        self.events = EventLog()
+        self._admit_step = -1  # the step whose plan last tried admission
         for key, value in {**self.options, **options}.items():
             setattr(self, key, value)
         self._slots_planned_for: SchedulerOutput | None = None  # see reserve_decode_blocks
+        self._admitted: set[Request] = set()  # admitted by the latest admit_waiting
+        cls = type(self)
+        if not cls.victim_rule:
+            if cls.pick_victim is not Scheduler.pick_victim:
+                self.victim_rule = f"the victim {cls.__name__}.pick_victim chose"
+            else:
+                self.victim_rule = VICTIM_WHY[self.preemption_victim]
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any], tenants: frozenset[str]) -> str | None:
@@ -179,6 +208,10 @@ class Scheduler:
                 self._finish(r, now_s)
         caching = self.block_manager.enable_prefix_caching
         for r, num_new in plan.prefills.items():
+            if r.num_computed_tokens and not (  # a later chunk (admit_waiting records the first)
+                r in self._admitted and self._admit_step == step_index
+            ):
+                self.events.record((step_index, PREFILL, id(r), num_new, r.num_computed_tokens))
             r.num_computed_tokens += num_new
             if caching:  # key the prompt blocks this chunk filled
                 self.block_manager.register(r)
@@ -275,7 +308,8 @@ class Scheduler:
 
         Whole prompts unless the policy is chunked, in which case the last admitted one
         may get a partial chunk (its blocks are allocated whole). A request that does not
-        fit goes to :meth:`make_room` first. Returns the budget left.
+        fit goes to :meth:`make_room` first. Returns the budget left. The request it stops at
+        is recorded as waiting, with the reason (``events``).
 
         With the prefix cache on, each candidate's cached prefix is looked up now, whether
         it is new or a recompute victim (never a count kept from before): its cached blocks
@@ -283,8 +317,11 @@ class Scheduler:
         its chunk starts after the cached tokens (at least one token is computed).
         """
         bm, queue, max_seqs = self.block_manager, self.waiting, self.limits.max_num_seqs
+        self._admit_step = step = self.num_steps
+        self._admitted = admitted = set()
         if not queue:
             return budget
+        events = self.events
         caching = bm.enable_prefix_caching
         order = self.admission_order()
         custom = iter(order) if order is not queue else None
@@ -298,6 +335,7 @@ class Scheduler:
             num_new = r.num_tokens - r.num_computed_tokens - len(hits) * self.block_size
             if num_new > budget:
                 if not self.chunked_prefill:
+                    events.wait(step, r, "token_budget", num_new, budget)
                     break
                 num_new = budget
             need = self.blocks_to_admit(r)
@@ -315,6 +353,7 @@ class Scheduler:
                     need = self.blocks_to_admit(r) - len(hits)
                     taken = need + bm.num_evictable(hits) if caching else need
                 if len(self.running) >= max_seqs:
+                    events.wait(step, r, "max_num_seqs", max_seqs)
                     break
             if not bm.can_allocate(taken, use_watermark=bool(self.running)):
                 if not self.running and taken > bm.num_free_gpu_blocks and not self.swapped:
@@ -325,8 +364,14 @@ class Scheduler:
                         f"needs {need} KV blocks to resume, the GPU cache has {bm.num_gpu_blocks}",
                     )
                     continue
+                if not events.extend(step, r, "kv_blocks"):
+                    free = bm.num_free_gpu_blocks - (bm.watermark_blocks if self.running else 0)
+                    events.wait(step, r, "kv_blocks", need, max(free, 0))
                 break
             self._take_waiting(r, custom is None and queue[0] is r)
+            events.end_wait(r)
+            events.record((step, ADMITTED, id(r), need, num_new))
+            admitted.add(r)
             if caching and not r.num_computed_tokens:
                 self._admit_cached(plan, r, hits, need)
             else:
@@ -339,6 +384,10 @@ class Scheduler:
                 self.prefilling.append(r)
             plan.prefills[r] = num_new
             budget -= num_new
+        else:  # stopped by the loop's condition: the budget is spent
+            r = (queue[0] if custom is None else next(custom, None)) if queue else None
+            if r is not None:
+                events.wait(step, r, "budget_spent")
         return budget
 
     def _admit_cached(self, plan: SchedulerOutput, r: Request, hits, num_new_blocks: int) -> None:
@@ -371,7 +420,7 @@ class Scheduler:
                     f"the {bm.num_gpu_blocks} GPU blocks while running alone",
                 )
             else:
-                self.preempt(plan, self.pick_victim())
+                self.preempt(plan, self.pick_victim(), self.victim_rule)
         for r in ds.needing_block():
             bm.allocate(r, 1)
 
@@ -417,12 +466,14 @@ class Scheduler:
             regained += plan.prefills.pop(v, 0)
             if v in self.decode_set and self._slots_planned_for is plan:
                 regained += 1
-            self.preempt(plan, v)
+            self.preempt(plan, v, f"ranked below waiting request {r.request_id}")
         return regained
 
-    def preempt(self, plan: SchedulerOutput, victim: Request) -> None:
+    def preempt(self, plan: SchedulerOutput, victim: Request, why: str = "") -> None:
         """Preempt ``victim`` by swap if the policy swaps and CPU space allows, else by
-        recompute. Mutates queues and blocks; records the preemption in ``plan``.
+        recompute. Mutates queues and blocks; records the preemption in ``plan`` and in
+        ``events`` with ``why`` (how the victim was chosen, e.g. "the newest running
+        request").
 
         Raises:
             SchedulerStuckError: the victim was preempted more than
@@ -443,6 +494,12 @@ class Scheduler:
                     len(victim.block_table),
                     victim.request_id,
                 )
+        # PREEMPT_MODES: 0 recompute, 1 swap, 2 recompute because CPU swap space is full
+        fallback = self.preemption_mode is PreemptionMode.SWAP
+        mode_index = 1 if mode is PreemptionMode.SWAP else 2 if fallback else 0
+        self.events.record(
+            (self.num_steps, PREEMPTED, id(victim), mode_index, self.events.text(why))
+        )
         if mode is PreemptionMode.SWAP:
             plan.swap_out.extend(self.block_manager.swap_out(victim))
             victim.status = RequestStatus.SWAPPED
@@ -466,16 +523,24 @@ class Scheduler:
     def swap_in_swapped(self, plan: SchedulerOutput) -> None:
         """Bring swapped requests back, oldest first, while blocks and max_num_seqs allow.
         They rejoin the decode batch in this step."""
-        bm = self.block_manager
-        while self.swapped and len(self.running) < self.limits.max_num_seqs:
+        bm, step, events = self.block_manager, self.num_steps, self.events
+        while self.swapped:
             r = self.swapped[0]
+            if len(self.running) >= self.limits.max_num_seqs:
+                events.wait(step, r, "swap_in_max_num_seqs", self.limits.max_num_seqs)
+                break
             # Its blocks plus the slot of the token it samples next (a victim rolled back
             # by preempt_lower_ranked may have taken that block out with it).
             need = max(blocks_for(r.num_tokens + 1, self.block_size), len(r.block_table))
             extra = need - len(r.block_table)
             if not bm.can_allocate(bm.blocks_to_swap_in(r) + extra, bool(self.running)):
+                if not events.extend(step, r, "swap_in_blocks"):
+                    free = bm.num_free_gpu_blocks - (bm.watermark_blocks if self.running else 0)
+                    events.wait(step, r, "swap_in_blocks", need, max(free, 0))
                 break
             self.swapped.popleft()
+            events.end_wait(r)
+            events.record((step, SWAPPED_IN, id(r), need, 0))
             plan.swap_in.extend(bm.swap_in(r))
             r.status = RequestStatus.RUNNING
             self.running.append(r)
@@ -491,9 +556,18 @@ class Scheduler:
         self.block_manager.free(r)
         r.status, r.reason, r.finish_s = RequestStatus.ABORTED, reason, self.now_s
         plan.aborted.append(r)
+        self.events.record((self.num_steps, ABORTED, id(r), 0, 0))
 
     def add_decodes(self, plan: SchedulerOutput) -> SchedulerOutput:
-        """Put the whole decode batch in the plan (after ``reserve_decode_blocks``)."""
+        """Put the whole decode batch in the plan (after ``reserve_decode_blocks``). The
+        last move of a plan: if the plan did not try admission, the waiting queue is
+        recorded as held, with the reason (swapped requests first, a preemption)."""
+        if self._admit_step != self.num_steps and self.waiting:
+            if self.swapped or plan.swap_in:
+                why = "swapped_first"
+            else:
+                why = "preempted_step" if plan.preempted else "not_tried"
+            self.events.wait_all(self.num_steps, why)
         if self.decode_set:
             plan.decodes = self.decode_set.requests()
             plan.decode_context_tokens = self.decode_set.context_tokens

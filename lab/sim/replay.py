@@ -27,6 +27,7 @@ import numpy as np
 import simpy
 
 from lab.core.errors import SchedulerStuckError
+from lab.core.events import EventLog
 from lab.core.plan import Executor
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import Scheduler
@@ -57,6 +58,8 @@ class ReplayResult:
         failure: None, or why the run stopped early (see ``replay``).
         prefix_caching: whether the block manager cached prefixes.
         num_evicted_blocks: blocks evicted from the prefix cache.
+        events: what the scheduler's shared moves did to each request, and why requests
+            waited (:class:`lab.core.events.EventLog`; step indices are rows of ``steps``).
     """
 
     requests: list[Request]
@@ -67,6 +70,7 @@ class ReplayResult:
     failure: str | None = None
     prefix_caching: bool = False
     num_evicted_blocks: int = 0
+    events: EventLog | None = None
 
     @functools.cached_property
     def step_end_s(self) -> np.ndarray:
@@ -306,6 +310,7 @@ def _replay(
         failure,
         scheduler.block_manager.enable_prefix_caching,
         scheduler.block_manager.num_evicted_blocks,
+        scheduler.events,
     )
 
 

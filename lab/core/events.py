@@ -1,0 +1,137 @@
+"""What the scheduler's shared moves did to each request, and why a request waited.
+
+The moves of :class:`lab.core.scheduler.Scheduler` record here, at O(1) per move, so that a
+request's life can be told afterwards (``sched-lab explain``, the timeline plots) without a
+second run:
+
+* events: transitions, five integers each, ``(step, kind, id(request), a, b)``: admitted
+  (a = blocks allocated, b = tokens of its first prefill chunk), a later prefill chunk
+  (a = tokens fed, b = tokens computed before), preempted (a = :data:`PREEMPT_MODES`
+  index, b = why, an index into ``texts``), swapped in (a = blocks), aborted. ``step`` is
+  the index of the step being planned (its row in steps.csv). They live in one
+  ``array.array`` (no Python object per event, so the garbage collector never scans
+  them); :meth:`EventLog.rows` gives them back as tuples.
+* ``waits``: why a waiting (or swapped) request was not admitted, as streaks, never one row
+  per step and request: ``[reason, request, first_step, last_step, count, a, b]`` with
+  ``count`` the steps in which it was blocked for that reason during one waiting spell
+  (from joining the queue to its admission). Only the request admission stopped at is
+  blocked for a reason (the head of the queue for FCFS); the ones behind it wait for it.
+  Reasons that hold the whole queue (the policy did not try admission in a step) have
+  ``request`` None and one streak per run of consecutive steps.
+
+Decode spans and finishes need no events: ``Request.decode_segments`` and
+``Request.finish_s`` hold them already.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+# Event kinds (the ``kind`` of an event tuple).
+ADMITTED, PREFILL, PREEMPTED, SWAPPED_IN, FINISHED, ABORTED = range(6)
+EVENT_NAMES = ("admitted", "prefill", "preempted", "swapped_in", "finished", "aborted")
+PREEMPT_MODES = ("recompute", "swap", "recompute (CPU swap space full)")
+
+# Wait reasons: code -> what the explanation says, with a and b of the streak.
+WAIT_REASONS: dict[str, str] = {
+    "kv_blocks": "needs {a} KV blocks, {b} free above the watermark (at its first step)",
+    "token_budget": "{a} tokens to prefill, {b} left of the step's token budget",
+    "budget_spent": "the step's token budget was spent on decodes and running chunks",
+    "max_num_seqs": "max_num_seqs ({a}) requests running",
+    "swapped_first": "swapped requests come back first (admission not tried)",
+    "preempted_step": "a request was preempted in this step (admission not tried)",
+    "not_tried": "the policy did not try admission",
+    "swap_in_blocks": "swap-in needs {a} KV blocks, {b} free above the watermark (at first)",
+    "swap_in_max_num_seqs": "swap-in held by max_num_seqs ({a}) requests running",
+}
+
+
+class EventLog:
+    """Events and wait streaks of one scheduler (see the module docstring). Append-only."""
+
+    __slots__ = ("data", "record", "texts", "_text_index", "waits", "_open", "_last")
+    __slots__ += ("_last_global",)
+
+    def __init__(self) -> None:
+        self.data = array("q")  # the events, five integers each
+        #: ``record((step, kind, id(request), a, b))`` appends an event (``data.extend``:
+        #: the moves call it on hot paths, so no Python-level wrapper).
+        self.record = self.data.extend
+        self.texts: list[str] = []  # the ``b`` of preemptions points here
+        self._text_index: dict[str, int] = {}
+        self.waits: list[list] = []
+        self._open: dict[Any, dict[str, list]] = {}  # request -> reason -> its open streak
+        self._last: list = [None, None, -1, -1, 0, 0, 0]  # the streak extended last
+        self._last_global: list | None = None
+
+    def text(self, value: str) -> int:
+        """The index of ``value`` in ``texts`` (added once)."""
+        index = self._text_index.get(value)
+        if index is None:
+            index = self._text_index[value] = len(self.texts)
+            self.texts.append(value)
+        return index
+
+    def rows(self, requests: Iterable[Any]) -> Iterator[tuple[int, int, Any, int, Any]]:
+        """The events as ``(step, kind, request, a, b)``, in the order recorded, ``request``
+        looked up among ``requests`` (the replay's) and a preemption's ``b`` as its text."""
+        by_id = {id(r): r for r in requests}
+        d = self.data
+        for i in range(0, len(d), 5):
+            step, kind, rid, a, b = d[i : i + 5]
+            yield step, kind, by_id[rid], a, self.texts[b] if kind == PREEMPTED else b
+
+    def __len__(self) -> int:
+        return len(self.data) // 5
+
+    def extend(self, step: int, request: Any, reason: str) -> bool:
+        """If the streak extended last is ``request``'s for ``reason``, count ``step`` in it
+        (once) and return True; else False (then call :meth:`wait`). The moves' fast path:
+        most blocked steps block the same request for the same reason as the step before."""
+        row = self._last
+        if row[1] is request and row[0] is reason:
+            if row[3] != step:
+                row[3] = step
+                row[4] += 1
+            return True
+        return False
+
+    def wait(self, step: int, request: Any, reason: str, a: int = 0, b: int = 0) -> None:
+        """``request`` was blocked for ``reason`` in ``step`` (idempotent within a step);
+        ``a`` and ``b`` describe the streak's first step."""
+        row = self._last
+        if row[1] is request and row[0] is reason:
+            if row[3] != step:
+                row[3] = step
+                row[4] += 1
+            return
+        spells = self._open.get(request)
+        if spells is None:
+            spells = self._open[request] = {}
+        row = spells.get(reason)
+        if row is None:
+            row = spells[reason] = [reason, request, step, step, 1, a, b]
+            self.waits.append(row)
+        elif row[3] != step:
+            row[3] = step
+            row[4] += 1
+        self._last = row
+
+    def end_wait(self, request: Any) -> None:
+        """``request`` left the queue it waited in: its next wait starts new streaks."""
+        if self._open.pop(request, None) is not None and self._last[1] is request:
+            self._last = [None, None, -1, -1, 0, 0, 0]
+
+    def wait_all(self, step: int, reason: str, a: int = 0) -> None:
+        """The whole queue waited in ``step`` for ``reason``; consecutive steps extend one
+        streak."""
+        row = self._last_global
+        if row is not None and row[0] == reason and row[3] >= step - 1:
+            if row[3] != step:
+                row[3] = step
+                row[4] += 1
+            return
+        row = self._last_global = [reason, None, step, step, 1, a, 0]
+        self.waits.append(row)

@@ -1,0 +1,335 @@
+"""The results folder's plots (PNG, matplotlib), drawn so that they read right:
+
+* one colour per policy in every plot (p50 solid, p99 dashed, p99.9 dotted, max dash-dot),
+  distinct markers and nested line widths so that identical policies do not hide each other;
+* latency against the offered load (req/s of the trace as replayed), with the achieved
+  throughput, goodput and SLO attainment in panels of their own;
+* CDFs and over-time plots for every load of a sweep, one row or column per load, each
+  titled with its load;
+* over-time bins hold the time average of the state of the steps covering them (the state of
+  the step running at each instant; 0 only while the engine idles, with nothing queued),
+  never a 0 for a bin no step ends in; throughput spreads each step's tokens over its
+  duration;
+* units: seconds for TTFT and E2E, milliseconds for TPOT and ITL, everywhere; the KV cache
+  is named by its device (the hardware preset, or the engine's device).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from lab.metrics import cdf_points
+
+TIME_BINS = 120
+COLOURS = ("#0072b2", "#d55e00", "#009e73", "#cc79a7", "#e69f00", "#56b4e9", "#f0e442", "#000")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+STYLES = {"p50": "-", "p99": "--", "p99.9": ":", "max": "-."}
+# (summary key, title, unit, scale from seconds)
+LATENCIES = (
+    ("ttft_s", "TTFT", "s", 1.0),
+    ("tpot_s", "TPOT", "ms", 1e3),
+    ("itl_s", "ITL", "ms", 1e3),
+    ("e2e_s", "E2E", "s", 1.0),
+)
+VLLM_NAMES = {"ttft_s": "ttft", "tpot_s": "tpot", "itl_s": "itl", "e2e_s": "e2el"}
+
+
+def policy_styles(runs) -> dict[str, dict]:
+    """policy -> colour, marker, line width, marker size and legend label, in first-seen
+    order. Widths and sizes shrink policy by policy, so that a series drawn over an equal
+    one leaves it visible around it; a policy whose results equal an earlier one's at every
+    load says so in its label."""
+    out: dict[str, dict] = {}
+    seen: dict[tuple, str] = {}
+    for i, policy in enumerate(dict.fromkeys(r.policy for r in runs)):
+        key = tuple(_fingerprint(r) for r in runs if r.policy == policy)
+        label = policy if key not in seen else f"{policy} (= {seen[key]}: same results)"
+        seen.setdefault(key, policy)
+        out[policy] = {
+            "color": COLOURS[i % len(COLOURS)],
+            "marker": MARKERS[i % len(MARKERS)],
+            "lw": max(3.6 - 1.1 * i, 1.0),
+            "ms": max(9.0 - 2.5 * i, 3.5),
+            "label": label,
+        }
+    return out
+
+
+def _fingerprint(run) -> tuple:
+    """What two runs at the same load must share to be drawn as the same results."""
+    v = run.vllm or {}
+    keys = [k for k in sorted(v) if k.endswith(("_ms", "throughput"))]
+    return (run.rate_scale, *(v[k] for k in keys if isinstance(v[k], (int, float))))
+
+
+def load_title(run) -> str:
+    """``rate_scale 2 (11.04 req/s offered)``: a run's load."""
+    rate = run.vllm.get("request_rate") if run.vllm else None
+    offered = f" ({rate:.2f} req/s offered)" if rate else ""
+    return f"rate_scale {run.rate_scale:g}{offered}"
+
+
+def kv_device(cfg) -> str:
+    """Where the KV cache lives, for axis labels: the engine's device or the simulated
+    hardware preset."""
+    if cfg.backend == "engine":
+        return f"{cfg.engine.device} (engine)"
+    return f"{cfg.hardware} (simulated)"
+
+
+def plots(folder: Path, runs, cfg) -> list[tuple[str, str]]:
+    """Write the PNGs into ``folder``; returns (file name, caption) pairs for report.md."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = policy_styles(runs)
+    scales = sorted({r.rate_scale for r in runs})
+    by_scale = {s: [r for r in runs if r.rate_scale == s] for s in scales}
+    out = []
+
+    # ---- CDFs: one row per load
+    fig, axes = plt.subplots(len(scales), 4, figsize=(15, 3.4 * len(scales)), squeeze=False)
+    for row, s in zip(axes, scales):
+        for ax, (key, title, unit, k) in zip(row, LATENCIES):
+            for r in by_scale[s]:
+                kw = {"color": styles[r.policy]["color"], "lw": styles[r.policy]["lw"] * 0.6}
+                if key == "itl_s":  # the tail is the story: 1 - CDF on a log scale
+                    if r.itl_tail_s is not None and r.itl_tail_s.shape[1]:
+                        above, x = r.itl_tail_s
+                        ax.plot(x * k, above, **kw)
+                        ax.plot([x[-1] * k], [above[-1]], marker="x", ms=7, ls="", **kw)  # max
+                    continue
+                x = cdf_points(r.requests[key].to_numpy(float))
+                if len(x):
+                    ax.plot(x * k, np.linspace(0, 1, len(x)), **kw)
+            _log_if_wide(ax)
+            load = load_title(by_scale[s][0])
+            if key == "itl_s" and ax.get_lines():
+                ax.set_yscale("log")
+                for q, name in ((1e-2, "p99"), (1e-3, "p99.9")):
+                    ax.axhline(q, color="grey", lw=0.6, ls=":")
+                    ax.text(ax.get_xlim()[0], q, f" {name}", va="bottom", fontsize=7, color="grey")
+            if key == "itl_s":
+                ax.set_title(f"ITL tail (x: max), {load}", fontsize=9)
+                ax.set_ylabel("fraction of gaps longer")
+            else:
+                ax.set_title(f"{title} CDF, {load}", fontsize=9)
+                ax.set_ylabel("fraction of finished requests")
+            ax.set_xlabel(f"{title} ({unit}{', log scale' if ax.get_xscale() == 'log' else ''})")
+            ax.grid(alpha=0.3)
+    _legend(fig, styles, lines=False)
+    out.append(_save(fig, folder, "latency_cdf.png", "Latency CDFs per policy, one row per load"))
+
+    # ---- over time: one column per load
+    device = kv_device(cfg)
+    fig, axes = plt.subplots(
+        3, len(scales), figsize=(max(11, 5.5 * len(scales)), 9), sharex="col", squeeze=False
+    )
+    for col, s in enumerate(scales):
+        for r in by_scale[s]:
+            t, tput, kv, queue = over_time(r)
+            kw = {"color": styles[r.policy]["color"], "lw": styles[r.policy]["lw"] * 0.5}
+            axes[0, col].plot(t, tput, **kw)
+            axes[1, col].plot(t, kv * 100, **kw)
+            axes[2, col].plot(t, queue, **kw)
+        axes[0, col].set_title(load_title(by_scale[s][0]), fontsize=10)
+        axes[2, col].set_xlabel("time (s)")
+        blocks = by_scale[s][0].result.num_gpu_blocks
+        axes[1, col].set_ylabel(f"KV blocks used (% of {blocks:,})\non {device}")
+        axes[1, col].set_ylim(0, 105)
+        axes[0, col].set_ylabel("output tokens / s")
+        axes[2, col].set_ylabel("waiting + swapped\nrequests")
+        for ax in axes[:, col]:
+            ax.grid(alpha=0.3)
+    fig.suptitle(
+        f"Throughput, KV use and queue over time ({TIME_BINS} bins per load; each bin the "
+        "time average of the steps covering it)",
+        fontsize=10,
+    )
+    _legend(fig, styles, lines=False)
+    out.append(
+        _save(fig, folder, "over_time.png", "Throughput, KV usage and queue length over time")
+    )
+
+    if any(r.result.prefix_caching for r in runs):
+        out.append(_prefix_cache(folder, by_scale, styles, plt))
+    if len(scales) > 1:
+        out.append(_vs_load(folder, runs, styles, plt))
+    return out
+
+
+def _prefix_cache(folder, by_scale, styles, plt) -> tuple[str, str]:
+    """Prefix cache over time, one column per load (runs with caching on): the share of
+    prompt tokens served from the cache, cached / (cached + prefill tokens fed), per time
+    bin, and the GPU blocks holding a key (time average of the steps covering the bin)."""
+    scales = list(by_scale)
+    fig, axes = plt.subplots(
+        2, len(scales), figsize=(max(11, 5.5 * len(scales)), 6), sharex="col", squeeze=False
+    )
+    for col, scale in enumerate(scales):
+        for r in by_scale[scale]:
+            if not r.result.prefix_caching:
+                continue
+            s = r.result.steps
+            start, end = s["time_s"], s["time_s"] + s["duration_s"]
+            edges = np.linspace(0.0, float(end.max(initial=1.0)), TIME_BINS + 1)
+            centres = (edges[:-1] + edges[1:]) / 2
+            cached = _spread(start, end, s["num_cached_tokens"].astype(float), edges)
+            fed = _spread(start, end, s["num_prefill_tokens"].astype(float), edges)
+            kw = {"color": styles[r.policy]["color"], "lw": styles[r.policy]["lw"] * 0.5}
+            with np.errstate(invalid="ignore", divide="ignore"):
+                axes[0, col].plot(centres, 100 * cached / (cached + fed), **kw)
+            keyed = s["kv_cached_blocks"] / max(r.result.num_gpu_blocks, 1)
+            axes[1, col].plot(centres, 100 * _bin_mean(start, end, keyed, edges), **kw)
+        axes[0, col].set_title(load_title(by_scale[scale][0]), fontsize=10)
+        axes[0, col].set_ylabel("prompt tokens cached (%)")
+        axes[1, col].set_ylabel("KV blocks holding a key (%)")
+        axes[1, col].set_xlabel("time (s)")
+        for ax in axes[:, col]:
+            ax.grid(alpha=0.3)
+    fig.suptitle(f"Prefix cache: hit rate and keyed blocks over time ({TIME_BINS} bins)")
+    _legend(fig, styles, lines=False)
+    return _save(
+        fig, folder, "prefix_cache.png", "Prefix cache hit rate and cached blocks over time"
+    )
+
+
+def _vs_load(folder, runs, styles, plt) -> tuple[str, str]:
+    slo = bool(runs[0].summary.get("slo"))
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7.6))
+    panels = list(axes.flat)
+    for policy, st in styles.items():
+        rs = sorted((r for r in runs if r.policy == policy), key=lambda r: r.rate_scale)
+        x = [_offered(r) for r in rs]
+        kw = {"color": st["color"], "marker": st["marker"], "ms": st["ms"], "lw": st["lw"]}
+        for ax, (key, title, unit, _) in zip(panels, LATENCIES):
+            name = VLLM_NAMES[key]
+            shown = ("p50", "p99", "p99.9", "max") if key == "itl_s" else ("p50", "p99")
+            for p in shown:
+                y = [
+                    r.vllm.get(f"{p}_{name}_ms", np.nan) / (1e3 if unit == "s" else 1.0) for r in rs
+                ]
+                ax.plot(x, y, ls=STYLES[p], alpha=0.85, **kw)
+            ax.set_title(f"{title} ({', '.join(shown)})", fontsize=10)
+            ax.set_ylabel(f"{title} ({unit}, log scale)")
+            ax.set_yscale("log")
+        panels[4].plot(x, [r.summary["request_throughput"] for r in rs], **kw)
+        panels[5].plot(x, [r.summary["output_throughput"] for r in rs], **kw)
+        if slo:
+            panels[6].plot(x, [r.summary["goodput"] for r in rs], **kw)
+            panels[7].plot(x, [100 * r.summary["slo_attainment"] for r in rs], **kw)
+    top = max(_offered(r) for r in runs)
+    panels[4].plot([0, top], [0, top], color="grey", lw=0.8, ls=":", label="= offered")
+    panels[4].legend(fontsize=8, loc="upper left")
+    panels[4].set(title="Achieved request throughput", ylabel="finished requests / s")
+    panels[5].set(title="Output token throughput", ylabel="output tokens / s")
+    if slo:
+        from lab.terminal import slo_text
+
+        panels[6].set(
+            title=f"Goodput ({slo_text(runs[0].summary['slo'])})",
+            ylabel="requests / s meeting every SLO",
+        )
+        panels[7].set(
+            title="SLO attainment", ylabel="% of requests meeting every SLO", ylim=(0, 102)
+        )
+    else:
+        for ax in panels[6:]:
+            ax.text(0.5, 0.5, "no SLOs set\n(slo: in the YAML)", ha="center", va="center",
+                    transform=ax.transAxes, color="grey")  # fmt: skip
+            ax.set_xticks([])
+            ax.set_yticks([])
+    for ax in panels:
+        ax.set_xlabel("offered load (req/s)")
+        ax.grid(alpha=0.3)
+    _legend(fig, styles, lines=True)
+    return _save(
+        fig, folder, "latency_vs_load.png", "Latency, throughput and goodput vs offered load"
+    )
+
+
+def _offered(run) -> float:
+    rate = run.vllm.get("request_rate") if run.vllm else None
+    return float(rate) if rate else float(run.rate_scale)
+
+
+def _log_if_wide(ax) -> None:
+    lines = [ln.get_xdata() for ln in ax.get_lines() if len(ln.get_xdata())]
+    if lines:
+        lo = min(max(float(np.min(x)), 1e-9) for x in lines)
+        if max(float(np.max(x)) for x in lines) > 10 * lo:
+            ax.set_xscale("log")  # a log axis only pays (and labels well) over a decade
+
+
+def _legend(fig, styles, lines: bool) -> None:
+    from matplotlib.lines import Line2D
+
+    handles = [
+        Line2D([], [], color=s["color"], marker=s["marker"] if lines else None, lw=2,
+               label=s["label"])
+        for s in styles.values()
+    ]  # fmt: skip
+    if lines:
+        handles += [Line2D([], [], color="black", ls=ls, label=p) for p, ls in STYLES.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=9, frameon=False)
+    bottom = 0.45 / fig.get_figheight()  # inches for the legend row, whatever the height
+    fig.tight_layout(rect=(0, bottom, 1, 0.97))
+
+
+def over_time(run) -> tuple[np.ndarray, ...]:
+    """Binned series of a run: bin centres (s), output tokens/s, KV fraction used, waiting +
+    swapped requests. KV use and the queue hold a step's value while it runs (0 while the
+    engine idles), averaged exactly over each bin; output tokens (decodes, and each
+    request's first token) are spread evenly over their step."""
+    s = run.result.steps
+    start, dur = s["time_s"], s["duration_s"]
+    end = start + dur
+    horizon = float(end.max(initial=1.0))
+    edges = np.linspace(0.0, horizon, TIME_BINS + 1)
+    width = edges[1] - edges[0]
+    kv = _bin_mean(start, end, s["kv_used_blocks"] / max(run.result.num_gpu_blocks, 1), edges)
+    queue = _bin_mean(start, end, (s["num_waiting"] + s["num_swapped"]).astype(float), edges)
+    # decode tokens spread over each step; first tokens at their times
+    tokens = _spread(start, end, s["num_decode_tokens"].astype(float), edges)
+    first = run.requests["first_token_s"].to_numpy(float)
+    first = first[np.isfinite(first)]
+    tokens += np.histogram(first, edges)[0]
+    return (edges[:-1] + edges[1:]) / 2, tokens / width, kv, queue
+
+
+def _bin_mean(start: np.ndarray, end: np.ndarray, value: np.ndarray, edges) -> np.ndarray:
+    """Mean over each bin of the function equal to ``value[i]`` while step i runs, over
+    [start[i], end[i]), and 0 between steps: the engine idles only when no request is
+    queued or running, so nothing is held then."""
+    return _spread(start, end, value * (end - start), edges) / np.diff(edges)
+
+
+def _spread(start, end, amount, edges) -> np.ndarray:
+    """``amount[i]`` spread evenly over [start[i], end[i]), summed per bin."""
+    if len(start) == 0:
+        return np.zeros(len(edges) - 1)
+    dur = np.maximum(end - start, 1e-12)
+    rate = amount / dur
+    # cumulative amount delivered by time x: sum over steps of rate * overlap([start, end), [0, x))
+    order_s, order_e = np.argsort(start), np.argsort(end)
+    cs = np.concatenate([[0.0], np.cumsum((rate * start)[order_s])])
+    cr_s = np.concatenate([[0.0], np.cumsum(rate[order_s])])
+    ce = np.concatenate([[0.0], np.cumsum((rate * end)[order_e])])
+    cr_e = np.concatenate([[0.0], np.cumsum(rate[order_e])])
+    i = np.searchsorted(start[order_s], edges, "right")  # steps started by x
+    j = np.searchsorted(end[order_e], edges, "right")  # steps ended by x
+    # started: rate * (x - start); minus for the ended: rate * (x - end)
+    delivered = (edges * cr_s[i] - cs[i]) - (edges * cr_e[j] - ce[j])
+    return np.diff(delivered)
+
+
+def _save(fig, folder: Path, name: str, caption: str) -> tuple[str, str]:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(folder / name, dpi=100)
+    plt.close(fig)
+    return name, caption

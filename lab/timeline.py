@@ -1,0 +1,438 @@
+"""A request's life from the events the scheduler recorded during the replay (no second run):
+``events.csv`` in the results folder, the Gantt picture of chosen requests, and the text of
+``sched-lab explain RESULTS --request ID``.
+
+events.csv has one row per event (columns :data:`EVENT_COLUMNS`; ``step`` is the row of the
+step in the run's part of steps.csv, counted from 0):
+
+* ``waited``: a streak of steps in which the request was blocked for ``reason`` (its head
+  of queue; request id ``*``: the whole queue, admission not tried), ``step`` / ``last_step``
+  the first and last, ``steps`` how many; ``detail`` says it in words;
+* ``admitted`` (``blocks`` allocated), ``prefill`` (a chunk of ``tokens``), ``decode`` (a
+  span of decode steps, ``tokens`` generated), ``preempted`` (``reason`` the mode, ``detail``
+  how the victim was chosen), ``swapped_in`` (``blocks``), ``finished``, ``aborted``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from lab.core.events import EVENT_NAMES, PREEMPT_MODES, PREEMPTED, WAIT_REASONS
+from lab.core.request import RequestStatus
+
+EVENT_COLUMNS = [
+    "policy", "rate_scale", "request_id", "event", "step", "last_step", "steps", "tokens",
+    "blocks", "reason", "detail",
+]  # fmt: skip
+QUEUE = "*"  # request id of waits that hold the whole queue
+
+# Lane colours of the pictures (colour-blind safe: Okabe-Ito).
+LANES = {
+    "waiting": "#bbbbbb",
+    "prefill": "#0072b2",
+    "decode": "#009e73",
+    "decode stalled": "#a6dcc8",
+    "preempted (recompute)": "#d55e00",
+    "swapped out": "#e69f00",
+}
+
+
+def events_frame(run) -> pd.DataFrame:
+    """The events of one :class:`lab.experiment.Run` as rows of events.csv (see the module
+    docstring), in step order; steps past the last recorded step (a failed one) are cut."""
+    res = run.result
+    n_steps = len(res.steps["time_s"])
+    rows: list[tuple] = []
+    log = res.events
+    if log is not None:
+        for step, kind, r, a, b in log.rows(res.requests):
+            name = EVENT_NAMES[kind]
+            if kind == PREEMPTED:
+                rows.append((r.request_id, name, step, step, 1, 0, 0, PREEMPT_MODES[a], b))
+            elif name == "prefill":
+                rows.append((r.request_id, name, step, step, 1, a, 0, "", ""))
+            elif name == "admitted":  # with its first prefill chunk
+                rows.append((r.request_id, name, step, step, 1, 0, a, "", ""))
+                rows.append((r.request_id, "prefill", step, step, 1, b, 0, "", ""))
+            elif name == "swapped_in":
+                rows.append((r.request_id, name, step, step, 1, 0, a, "", ""))
+            else:
+                detail = r.reason if name == "aborted" else ""
+                rows.append((r.request_id, name, step, step, 1, 0, 0, "", detail))
+        for reason, r, first, last, count, a, b in log.waits:
+            rid = QUEUE if r is None else r.request_id
+            text = WAIT_REASONS[reason].format(a=a, b=b)
+            blocks = a if reason in ("kv_blocks", "swap_in_blocks") else 0
+            tokens = a if reason == "token_budget" else 0
+            rows.append((rid, "waited", first, last, count, tokens, blocks, reason, text))
+    ticks, end = res.tick_steps, res.step_end_s
+    for r in res.requests:
+        if r.status is RequestStatus.FINISHED:  # the step whose end is its finish time
+            step = int(np.searchsorted(end, r.finish_s))
+            rows.append((r.request_id, "finished", step, step, 1, 0, 0, "", ""))
+        for a, b in r.decode_segments:
+            if a < len(ticks) and b > a:
+                first, last = int(ticks[a]), int(ticks[min(b, len(ticks)) - 1])
+                rows.append(
+                    (r.request_id, "decode", first, last, last - first + 1, b - a, 0, "", "")
+                )
+    df = pd.DataFrame(rows, columns=EVENT_COLUMNS[2:])
+    df = df[df["step"] < max(n_steps, 1)]
+    rank = df["event"].map(_ORDER)  # within a step: waits, admission, chunk, decode, end
+    df = df.iloc[np.lexsort((rank.to_numpy(), df["step"].to_numpy()))]
+    df.insert(0, "rate_scale", run.rate_scale)
+    df.insert(0, "policy", run.policy)
+    return df.reset_index(drop=True)
+
+
+_ORDER = {
+    "waited": 0, "admitted": 1, "swapped_in": 1, "prefill": 2, "decode": 3, "preempted": 4,
+    "finished": 5, "aborted": 5,
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- segments
+@dataclass
+class Story:
+    """One request's life in one run: coloured segments (lane, start_s, end_s, text) and
+    the lines of its explanation."""
+
+    request_id: str
+    segments: list[tuple[str, float, float, str]] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    first_token_s: float = float("nan")
+    finish_s: float = float("nan")
+    arrival_s: float = 0.0
+    e2e_s: float = float("nan")
+
+    @property
+    def label(self) -> str:
+        """The request's row name in the pictures: its id and E2E."""
+        e2e = f"  E2E {self.e2e_s:.1f} s" if np.isfinite(self.e2e_s) else ""
+        return f"{self.request_id}{e2e}"
+
+
+def story(request: pd.Series, events: pd.DataFrame, steps: pd.DataFrame) -> Story:
+    """The segments and explanation of ``request`` (a requests.csv row) from its run's
+    ``events`` (events.csv rows of the run) and ``steps`` (its steps.csv rows: time_s,
+    duration_s, num_decode_tokens)."""
+    start = steps["time_s"].to_numpy(dtype=float)
+    end = start + steps["duration_s"].to_numpy(dtype=float)
+    decodes = steps["num_decode_tokens"].to_numpy()
+    rid = str(request["request_id"])
+    mine = events[events["request_id"].astype(str) == rid]
+    queue = events[events["request_id"].astype(str) == QUEUE]
+    arrival, prompt = float(request["arrival_s"]), int(request["prompt_tokens"])
+    st = Story(
+        rid, [], [], request["first_token_s"], request["finish_s"], arrival, request["e2e_s"]
+    )
+
+    def at(step: int) -> str:
+        return (
+            f"step {step:,} (t={start[step]:.3f} s)" if 0 <= step < len(start) else f"step {step:,}"
+        )
+
+    reason = request["reason"] if isinstance(request["reason"], str) else ""
+    st.lines.append(
+        f"request {rid}: prompt {prompt:,} tokens, output {int(request['output_tokens']):,} "
+        f"tokens; {request['status']}" + (f" ({reason})" if reason else "")
+    )
+    st.lines.append(f"arrived at t={arrival:.3f} s")
+    if request["status"] == "rejected":
+        return st
+    # A spell out of the running batch lasts from arrival (or a preemption) to the next
+    # admission (or swap-in); `state` names it.
+    since_s, since_step, state = arrival, int(np.searchsorted(start, arrival, "left")), "waiting"
+    computed = generated = 0  # tokens with KV now; output tokens so far
+    for ev in mine[mine["event"] != "waited"].itertuples(index=False):
+        s = int(ev.step)
+        if ev.event in ("admitted", "swapped_in"):
+            if start[s] > since_s:
+                st.segments.append((state, since_s, start[s], f"{state} until {at(s)}"))
+            held = queue if ev.event == "admitted" else queue.iloc[:0]  # the waiting queue's
+            st.lines += _wait_lines(mine, held, since_step, s - 1, start[s] - since_s)
+            if ev.event == "admitted":
+                again = f" (recomputed: the prompt and {_n(generated, 'generated token')})"
+                again = again if generated else ""
+                st.lines.append(f"{at(s)}: admitted with {_n(int(ev.blocks), 'KV block')}{again}")
+            else:
+                blocks = _n(int(ev.blocks), "KV block")
+                st.lines.append(f"{at(s)}: swapped in ({blocks} back on the GPU)")
+            state = "running"
+        elif ev.event == "prefill":
+            n = int(ev.tokens)
+            whole = prompt + generated
+            st.segments.append(("prefill", start[s], end[s], f"prefill of {n:,} tokens, {at(s)}"))
+            what = (
+                f"prefill of all {n:,} tokens"
+                if computed == 0 and n == whole
+                else f"prefill chunk of {n:,} tokens ({computed:,}-{computed + n:,} of {whole:,})"
+            )
+            computed += n
+            if computed >= whole:
+                generated += 1
+                what += f"; token {generated:,} at t={end[s]:.3f} s"
+            st.lines.append(f"{at(s)}: {what}")
+        elif ev.event == "decode":
+            s1, n = int(ev.last_step), int(ev.tokens)
+            st.segments.append(
+                ("decode", start[s], end[s1], f"decoded {n:,} tokens, steps {s:,}-{s1:,}")
+            )
+            idle = np.flatnonzero(decodes[s : s1 + 1] == 0) + s
+            for k in idle:
+                st.segments.append(("decode stalled", start[k], end[k], f"no decode in step {k:,}"))
+            more = f"; {_n(len(idle), 'prefill-only step')} in between, without decodes"
+            more = more if len(idle) else ""
+            generated += n
+            st.lines.append(
+                f"steps {s:,}-{s1:,}: decoded {n:,} tokens (to {generated:,}), "
+                f"t={start[s]:.3f}-{end[s1]:.3f} s{more}"
+            )
+        elif ev.event == "preempted":
+            swap = ev.reason == "swap"
+            state = "swapped out" if swap else "preempted (recompute)"
+            what = (
+                "swapped out to CPU swap space"
+                if swap
+                else f"preempted by {ev.reason}: its KV dropped"
+            )
+            why = f", chosen as {ev.detail}" if isinstance(ev.detail, str) and ev.detail else ""
+            st.lines.append(f"{at(s)}: {what}{why}")
+            since_s, since_step, computed = start[s], s + 1, computed if swap else 0
+        elif ev.event == "finished":
+            tpot = request["tpot_s"]
+            st.lines.append(
+                f"{at(s)}: finished, last token at t={end[s]:.3f} s: TTFT "
+                f"{request['ttft_s']:.3f} s, E2E {request['e2e_s']:.3f} s"
+                + (f", TPOT {tpot * 1e3:.1f} ms" if np.isfinite(tpot) else "")
+            )
+        elif ev.event == "aborted":
+            st.lines.append(f"{at(s)}: aborted: {ev.detail}")
+            return st
+    if state != "running":  # never admitted again (the run stopped)
+        last = float(request["finish_s"]) if np.isfinite(request["finish_s"]) else end[-1]
+        st.segments.append((state, since_s, last, state))
+        st.lines += _wait_lines(mine, queue, since_step, len(start) - 1, last - since_s)
+    return st
+
+
+def _wait_lines(mine, queue, s0: int, s1: int, wait_s: float) -> list[str]:
+    """Why the request waited over steps [s0, s1]: its own streaks (at the head of its
+    queue), the steps the whole queue was held, and the rest: behind other requests."""
+    if s1 < s0:
+        return []
+    out, blocked = [], 0
+    own = mine[(mine["event"] == "waited") & (mine["step"] >= s0) & (mine["step"] <= s1)]
+    for w in own.itertuples(index=False):
+        n, a, b = int(w.steps), int(w.step), int(w.last_step)
+        blocked += n
+        span = f"steps {a:,}-{b:,}" if b > a else f"step {a:,}"
+        out.append(f"{span}: blocked {_steps(n)} at the head of the queue: {w.detail}")
+    by_reason: dict[str, int] = {}
+    for w in queue[(queue["last_step"] >= s0) & (queue["step"] <= s1)].itertuples(index=False):
+        n = min(int(w.last_step), s1) - max(int(w.step), s0) + 1
+        by_reason[w.detail] = by_reason.get(w.detail, 0) + n
+    for text, n in by_reason.items():
+        blocked += n
+        out.append(f"the whole queue was held {_steps(n)}: {text}")
+    total = s1 - s0 + 1
+    behind = total - blocked
+    rest = f"; {_steps(behind)} behind other requests" if blocked and behind > 0 else ""
+    rest = ", behind other requests" if not blocked else rest
+    span = f"steps {s0:,}-{s1:,}" if s1 > s0 else f"step {s0:,}"
+    return [f"{span}: waited {_steps(total)} ({wait_s:.3f} s){rest}", *out]
+
+
+def _steps(n: int) -> str:
+    return _n(n, "step")
+
+
+def _n(n: int, what: str) -> str:
+    return f"{n:,} {what}" + ("" if n == 1 else "s")
+
+
+# ---------------------------------------------------------------------------- choosing
+def choose(requests: pd.DataFrame, report_cfg) -> list[str]:
+    """Ids of the requests a run's timeline shows: ``timeline_ids``, else the requests in
+    flight during ``timeline_window_s`` (at most 40, the earliest first), else the slowest
+    ``timeline_slowest`` finished ones by ``timeline_by`` (slowest first)."""
+    if report_cfg.timeline_ids:
+        have = set(requests["request_id"].astype(str))
+        return [i for i in report_cfg.timeline_ids if i in have]
+    if report_cfg.timeline_window_s is not None:
+        lo, hi = report_cfg.timeline_window_s
+        end = requests["finish_s"].fillna(np.inf)
+        inside = requests[(requests["arrival_s"] <= hi) & (end >= lo)]
+        return inside.sort_values("arrival_s")["request_id"].astype(str).head(40).tolist()
+    key = "e2e_s" if report_cfg.timeline_by == "e2e" else "ttft_s"
+    fin = requests[requests["status"] == "finished"]
+    return fin.nlargest(report_cfg.timeline_slowest, key)["request_id"].astype(str).tolist()
+
+
+# ---------------------------------------------------------------------------- pictures
+def gantt_png(
+    path: Path,
+    stories: Sequence[Story],
+    steps: pd.DataFrame,
+    title: str,
+    window: tuple[float, float] | None = None,
+) -> None:
+    """The Gantt picture: one row per request (lanes by colour), step boundaries above;
+    ``window`` (seconds) limits the time axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    n = max(len(stories), 1)
+    fig, (top, ax) = plt.subplots(
+        2, 1, figsize=(11, 1.2 + 0.36 * n), sharex=True, height_ratios=[0.35, n * 0.36],
+        gridspec_kw={"hspace": 0.05},
+    )  # fmt: skip
+    lo = min((s[1] for st in stories for s in st.segments), default=0.0)
+    hi = max((s[2] for st in stories for s in st.segments), default=1.0)
+    if window is not None:
+        lo, hi = window
+    least = (hi - lo) * 1e-4  # a segment shorter than this is drawn this wide
+    for i, st in enumerate(stories):
+        for lane, colour in LANES.items():
+            spans = [(t0, max(t1 - t0, least)) for k, t0, t1, _ in st.segments if k == lane]
+            if spans:
+                ax.broken_barh(spans, (i - 0.35, 0.7), color=colour, lw=0)
+        if np.isfinite(st.first_token_s):
+            ax.plot([st.first_token_s], [i], marker="|", color="black", ms=9, mew=1.5)
+        if np.isfinite(st.finish_s):
+            ax.plot([st.finish_s], [i], marker="o", color="black", ms=3)
+    ax.set_yticks(range(len(stories)), [st.label for st in stories], fontsize=8)
+    ax.set_ylim(len(stories) - 0.5, -0.5)
+    ax.set_ylabel("request id")
+    ax.set_xlabel("time (s)")
+    ax.grid(axis="x", alpha=0.3)
+    # Step boundaries: alternating shades, one band per step, for the steps in view.
+    t = steps["time_s"].to_numpy(dtype=float)
+    d = steps["duration_s"].to_numpy(dtype=float)
+    sel = np.flatnonzero((t + d >= lo) & (t <= hi))
+    for parity, colour in ((0, "#cccccc"), (1, "#555555")):
+        k = sel[sel % 2 == parity]
+        top.broken_barh(list(zip(t[k], d[k])), (0, 1), color=colour, lw=0)
+    top.set_yticks([])
+    top.set_ylabel("steps", rotation=0, ha="right", va="center", fontsize=8)
+    top.set_title(f"{title}: {len(sel):,} steps (alternating shades)", fontsize=10)
+    ax.set_xlim(lo - (hi - lo) * 0.01, hi + (hi - lo) * 0.01)
+    handles = [Patch(color=c, label=k) for k, c in LANES.items()]
+    handles.append(plt.Line2D([], [], marker="|", color="black", ls="", ms=9, label="first token"))
+    handles.append(plt.Line2D([], [], marker="o", color="black", ls="", ms=3, label="finished"))
+    ax.legend(
+        handles=handles,
+        fontsize=7,
+        ncol=8,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.5 / n - 0.12),
+    )
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def stories_for(
+    ids: Iterable[str], requests: pd.DataFrame, events: pd.DataFrame, steps: pd.DataFrame
+) -> list[Story]:
+    """:func:`story` of each id (one run's requests, events and steps)."""
+    wanted = requests[requests["request_id"].astype(str).isin(set(ids))]
+    rows = {str(r["request_id"]): r for _, r in wanted.iterrows()}
+    ev = events[events["request_id"].astype(str).isin(set(ids) | {QUEUE})]
+    out = [story(rows[i], ev, steps) for i in ids if i in rows]
+    return sorted(out, key=lambda st: st.arrival_s)  # a staircase reads better than a ranking
+
+
+# ---------------------------------------------------------------------------- explain
+def load_run(folder: Path, run: str | None):
+    """(label, requests, events, steps) of one run of a results folder: ``run`` is its
+    label (summary.json's keys), or None for the only run.
+
+    Raises:
+        UserError: no such folder, files or run.
+    """
+    import json
+
+    from lab.core.errors import UserError
+
+    folder = Path(folder)
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{folder}: not a results folder (summary.json: {e})") from None
+    labels = list(summary)
+    if run is None:
+        if len(labels) != 1:
+            raise UserError(
+                f"{folder}: {len(labels)} runs; choose one with --run: {', '.join(labels)}"
+            )
+        run = labels[0]
+    if run not in summary:
+        raise UserError(f"{folder}: no run {run!r}; runs: {', '.join(labels)}")
+    policy, scale = summary[run]["policy"], summary[run]["rate_scale"]
+
+    def read(name: str, **kw) -> pd.DataFrame:
+        for ext in ("csv", "parquet"):
+            p = folder / f"{name}.{ext}"
+            if p.is_file():
+                df = pd.read_csv(p, **kw) if ext == "csv" else pd.read_parquet(p)
+                return df[(df["policy"] == policy) & (df["rate_scale"] == scale)]
+        raise UserError(f"{folder}: no {name}.csv (results written before request events?)")
+
+    requests = read("requests", dtype={"request_id": str, "reason": str})
+    events = read(
+        "events", dtype={"request_id": str, "reason": str, "detail": str}, keep_default_na=False
+    )
+    steps = read(
+        "steps", usecols=["policy", "rate_scale", "time_s", "duration_s", "num_decode_tokens"]
+    )
+    return run, requests, events, steps.reset_index(drop=True)
+
+
+def picture(
+    folder: Path,
+    out: Path,
+    run: str | None = None,
+    ids: Sequence[str] = (),
+    slowest: int = 12,
+    by: str = "e2e",
+    window: tuple[float, float] | None = None,
+) -> str:
+    """``sched-lab timeline``: the Gantt PNG of chosen requests of a results folder's run
+    (``ids``, else those in flight in ``window``, else the ``slowest`` by ``by``). Returns
+    a line saying what was drawn."""
+    from types import SimpleNamespace
+
+    from lab.core.errors import UserError
+
+    label, requests, events, steps = load_run(folder, run)
+    chosen = SimpleNamespace(
+        timeline_ids=tuple(ids), timeline_window_s=window, timeline_slowest=slowest,
+        timeline_by=by,
+    )  # fmt: skip
+    wanted = choose(requests, chosen)
+    if not wanted:
+        raise UserError(f"{folder}: run {label} has none of the requests asked for")
+    stories = stories_for(wanted, requests, events, steps)
+    what = f"requests {', '.join(wanted[:6])}{'...' if len(wanted) > 6 else ''}"
+    gantt_png(out, stories, steps, f"{label}: {what}", window)
+    return f"wrote {out}: {len(stories)} requests of run {label}"
+
+
+def explain(folder: Path, request_id: str, run: str | None = None) -> str:
+    """The text of ``sched-lab explain``: the request's life, one event a line."""
+    from lab.core.errors import UserError
+
+    label, requests, events, steps = load_run(folder, run)
+    row = requests[requests["request_id"] == str(request_id)]
+    if row.empty:
+        raise UserError(f"{folder}: run {label} has no request {request_id!r}")
+    st = story(row.iloc[0], events[events["request_id"].isin([str(request_id), QUEUE])], steps)
+    return "\n".join([f"{st.lines[0]} [run {label}]", *("  " + x for x in st.lines[1:])])

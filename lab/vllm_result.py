@@ -1,0 +1,187 @@
+"""A run's results in the format of vLLM's serving benchmark (``vllm bench serve
+--save-result``), so that scripts written for its JSON files read ours.
+
+Source of the names, units and definitions: ``vllm/benchmarks/serve.py`` (vLLM's repository,
+``calculate_metrics``, ``benchmark`` and ``main_async``): flat keys, latencies in
+milliseconds, ``mean_`` / ``median_`` / ``std_`` (population, ``np.std``) and ``p{P}_``
+for each of ``--metric-percentiles`` (``p99``, ``p99.9``: the integer when P is whole),
+for ``ttft``, ``tpot``, ``itl`` and ``e2el``; ``completed`` and ``failed`` requests;
+``request_throughput``, ``request_goodput`` (None without SLOs, as vLLM writes it when
+``--goodput`` is not given), ``output_throughput`` and ``total_token_throughput`` per second
+of ``duration``; ``max_output_tokens_per_s`` (output tokens in the busiest whole second
+after the first request's start) and ``max_concurrent_requests`` (the most completed
+requests in flight at once).
+
+What the lab adds, in vLLM's naming style: ``max_{metric}_ms`` (the largest value: an ITL
+p99 can hide a 10 s stall that only the max shows), ``metric_percentiles``,
+``percentile_metrics``, ``goodput_slo_ms`` (vLLM's ``--goodput`` pairs), ``rate_scale``,
+``policy``, ``slo_attainment``. ``request_rate`` is the offered load of the trace as
+replayed (requests / arrival span, req/s): vLLM's own is the configured Poisson rate,
+``"inf"`` for a trace it replays on its timestamps.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pandas as pd
+
+DEFAULT_PERCENTILES = (50.0, 90.0, 99.0, 99.9)
+METRICS = (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("itl", None), ("e2el", "e2e_s"))
+
+
+def percentile_word(p: float) -> str:
+    """vLLM's spelling of a percentile in a key: ``99`` for 99.0, ``99.9`` for 99.9."""
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def offered_rate(arrival_s: np.ndarray) -> float:
+    """Requests per second of arrivals: (n - 1) / (last - first); NaN for < 2 or one instant."""
+    a = np.asarray(arrival_s, dtype=float)
+    a = a[np.isfinite(a)]
+    if len(a) < 2 or a.max() <= a.min():
+        return float("nan")
+    return (len(a) - 1) / float(a.max() - a.min())
+
+
+def latency_stats(name: str, values_s, percentiles) -> dict[str, float]:
+    """``mean_/median_/std_/p{P}_/max_{name}_ms`` of the finite values (seconds in, ms out).
+    No values: 0.0 for each, as vLLM's ``np.mean(values or 0)`` gives."""
+    v = np.asarray(values_s, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    if len(v) == 0:
+        v = np.zeros(1)
+    out = {
+        f"mean_{name}_ms": float(v.mean()) * 1e3,
+        f"median_{name}_ms": float(np.median(v)) * 1e3,
+        f"std_{name}_ms": float(v.std()) * 1e3,
+    }
+    qs = np.percentile(v, list(percentiles)) if percentiles else []
+    for p, q in zip(percentiles, qs):
+        out[f"p{percentile_word(p)}_{name}_ms"] = float(q) * 1e3
+    out[f"max_{name}_ms"] = float(v.max()) * 1e3
+    return out
+
+
+def tail_points(values_s, decades: float = 6.0, points: int = 240) -> np.ndarray:
+    """(fraction of values above, value) pairs, shape (2, n), for a log-scale tail plot:
+    quantiles at 1 - 10**-x for x evenly spaced from 1 to ``decades`` (those finer than one
+    value left out), then the max at 1 / count."""
+    v = np.asarray(values_s, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    if len(v) == 0:
+        return np.zeros((2, 0))
+    above = 10.0 ** -np.linspace(1.0, decades, points)
+    above = above[above >= 1.0 / len(v)]
+    q = np.quantile(v, 1.0 - above)
+    return np.array([np.append(above, 1.0 / len(v)), np.append(q, v.max())])
+
+
+def peak_output_rate(df: pd.DataFrame, step_end_s, num_decode_tokens) -> float:
+    """Output tokens in the busiest whole second, counted from the first arrival (vLLM's
+    1-second buckets): decode tokens at their steps' ends plus each first token."""
+    start = float(np.nanmin(df["arrival_s"])) if len(df) else 0.0
+    ends = np.asarray(step_end_s, dtype=float) - start
+    first = df["first_token_s"].to_numpy(dtype=float) - start
+    first = first[np.isfinite(first)]
+    if not len(ends) and not len(first):
+        return 0.0
+    size = int(max(ends.max(initial=0.0), first.max(initial=0.0))) + 1
+    tokens = np.bincount(ends.astype(np.int64).clip(0), num_decode_tokens, size)
+    tokens += np.bincount(first.astype(np.int64).clip(0), minlength=size)
+    return float(tokens.max())
+
+
+def peak_concurrency(df: pd.DataFrame) -> int:
+    """The most finished requests in flight at once, over half-open [arrival, arrival + E2E)."""
+    fin = df[df["status"] == "finished"]
+    start = fin["arrival_s"].to_numpy(dtype=float)
+    end = start + fin["e2e_s"].to_numpy(dtype=float)
+    times = np.concatenate([start, end])
+    delta = np.concatenate([np.ones(len(start)), -np.ones(len(end))])
+    order = np.lexsort((delta, times))  # an end before a start at the same time
+    return int(np.cumsum(delta[order]).max(initial=0))
+
+
+def vllm_result(
+    df: pd.DataFrame,
+    itl_s: np.ndarray,
+    summary: dict,
+    step_end_s: np.ndarray,
+    num_decode_tokens: np.ndarray,
+    *,
+    label: str,
+    model: str,
+    backend: str,
+    percentiles=DEFAULT_PERCENTILES,
+    date: str = "",
+) -> dict:
+    """The run's ``vllm bench serve --save-result`` dict (see the module docstring).
+
+    Args:
+        df: the run's request table (lab.metrics.request_table).
+        itl_s: every inter-token gap of the finished requests (seconds).
+        summary: the run's summary (lab.metrics.summarize) for duration, SLOs, goodput.
+        step_end_s, num_decode_tokens: per step, for the peak output token rate.
+    """
+    replayed = df[df["status"] != "dropped"]
+    fin = replayed[replayed["status"] == "finished"]
+    duration = summary["duration_s"]
+    slo = summary.get("slo") or {}
+    out_tokens = int(fin["num_generated_tokens"].sum())
+    in_tokens = int(fin["prompt_tokens"].sum())
+    result = {
+        "date": date,
+        "endpoint_type": backend,
+        "backend": backend,
+        "label": label,
+        "model_id": model,
+        "tokenizer_id": None,
+        "num_prompts": len(replayed),
+        "request_rate": _finite(offered_rate(replayed["arrival_s"].to_numpy())),
+        "burstiness": None,
+        "max_concurrency": None,
+        "duration": _finite(duration),
+        "completed": len(fin),
+        "failed": len(replayed) - len(fin),
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "request_throughput": _finite(summary["request_throughput"]),
+        "request_goodput": _finite(summary["goodput"]) if slo else None,
+        "output_throughput": _finite(summary["output_throughput"]),
+        "total_token_throughput": _finite(summary["total_token_throughput"]),
+        "max_output_tokens_per_s": peak_output_rate(fin, step_end_s, num_decode_tokens),
+        "max_concurrent_requests": peak_concurrency(fin),
+    }
+    values = {"itl": itl_s}
+    for name, column in METRICS:
+        v = values[name] if column is None else fin[column].to_numpy(dtype=float)
+        result.update(latency_stats(name, v, percentiles))
+    result.update(
+        {
+            "percentile_metrics": ",".join(name for name, _ in METRICS),
+            "metric_percentiles": ",".join(percentile_word(p) for p in percentiles),
+            "goodput_slo_ms": {_SLO_NAMES[k]: v * 1e3 for k, v in slo.items()} or None,
+            "slo_attainment": _finite(summary["slo_attainment"]) if slo else None,
+            "policy": summary.get("policy"),
+            "rate_scale": summary.get("rate_scale"),
+        }
+    )
+    return result
+
+
+_SLO_NAMES = {"ttft_s": "ttft", "tpot_s": "tpot", "e2e_s": "e2el"}
+
+
+def result_filename(label: str, request_rate: float | None, model: str) -> str:
+    """vLLM's default name, ``{label}-{request_rate}qps-{model}.json``, without its date
+    (the lab's results are reproducible); characters a file name should not hold become _."""
+    rate = "inf" if request_rate is None else f"{request_rate:.2f}"
+    name = f"{label}-{rate}qps-{model.split('/')[-1]}.json"
+    return re.sub(r"[^A-Za-z0-9._+@-]", "_", name)
+
+
+def _finite(x) -> float | None:
+    return float(x) if x is not None and math.isfinite(x) else None

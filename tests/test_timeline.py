@@ -1,0 +1,161 @@
+"""A request's story from its events (lab/timeline.py), the over-time binning of the plots
+(lab/plots.py) and the width of the terminal summary (lab/terminal.py), on hand-computed
+replays with 10 ms steps (tests/helpers.py: step k runs over [10k, 10k + 10) ms)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+from helpers import run
+
+from lab import metrics, timeline
+from lab.plots import _bin_mean, _spread
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def story_of(policy: str, trace, request_id: str, **kw) -> timeline.Story:
+    res = run(policy, trace, **kw)
+    df, _ = metrics.request_table(res, policy, 1.0)
+    events = timeline.events_frame(SimpleNamespace(result=res, policy=policy, rate_scale=1.0))
+    steps = pd.DataFrame({k: res.steps[k] for k in ("time_s", "duration_s", "num_decode_tokens")})
+    (st,) = timeline.stories_for([request_id], df, events, steps)
+    return st
+
+
+def test_the_story_of_a_recomputed_request():
+    # As tests/test_events.py: 3 blocks of 4; a and b (3 + 6 tokens) run from step 0; at
+    # step 1 both need a second block, b (the newest) is recomputed; it waits for 2 blocks
+    # until a finishes (step 5), is re-prefilled at step 6 (3 + 1 tokens) and decodes 4
+    # tokens in steps 7-10.
+    st = story_of("fcfs", [("a", 0.0, 3, 6), ("b", 0.0, 3, 6)], "b", gpu_blocks=3, block_size=4)
+    assert st.lines == [
+        "request b: prompt 3 tokens, output 6 tokens; finished",
+        "arrived at t=0.000 s",
+        "step 0 (t=0.000 s): admitted with 1 KV block",
+        "step 0 (t=0.000 s): prefill of all 3 tokens; token 1 at t=0.010 s",
+        "step 1 (t=0.010 s): preempted by recompute: its KV dropped, chosen as the newest "
+        "running request",
+        "steps 2-5: waited 4 steps (0.050 s)",  # out of the batch from step 1 on
+        "steps 2-5: blocked 4 steps at the head of the queue: needs 2 KV blocks, 1 free above "
+        "the watermark (at its first step)",
+        "step 6 (t=0.060 s): admitted with 2 KV blocks (recomputed: the prompt and 1 "
+        "generated token)",
+        "step 6 (t=0.060 s): prefill of all 4 tokens; token 2 at t=0.070 s",
+        "steps 7-10: decoded 4 tokens (to 6), t=0.070-0.110 s",
+        "step 10 (t=0.100 s): finished, last token at t=0.110 s: TTFT 0.010 s, E2E 0.110 s, "
+        "TPOT 20.0 ms",
+    ]
+    lanes = [(k, round(t0, 3), round(t1, 3)) for k, t0, t1, _ in st.segments]
+    assert lanes == [
+        ("prefill", 0.0, 0.01),
+        ("preempted (recompute)", 0.01, 0.06),
+        ("prefill", 0.06, 0.07),
+        ("decode", 0.07, 0.11),
+    ]
+
+
+def test_a_swapped_request_and_stalled_decodes():
+    # tests/test_events.py's swap case: b swapped out at step 1, back at step 6; c (arrived
+    # during step 1, admitted at step 7) makes step 7 a prefill-only step: b's decode stalls.
+    st = story_of(
+        "swap",
+        [("a", 0.0, 3, 6), ("b", 0.0, 3, 6), ("c", 0.015, 3, 1)],
+        "b",
+        gpu_blocks=3,
+        block_size=4,
+    )
+    assert st.lines[4:9] == [
+        "step 1 (t=0.010 s): swapped out to CPU swap space, chosen as the newest running request",
+        "steps 2-5: waited 4 steps (0.050 s)",
+        "steps 2-5: blocked 4 steps at the head of the queue: swap-in needs 2 KV blocks, 1 free "
+        "above the watermark (at first)",
+        "step 6 (t=0.060 s): swapped in (2 KV blocks back on the GPU)",
+        "steps 6-11: decoded 5 tokens (to 6), t=0.060-0.120 s; 1 prefill-only step in between, "
+        "without decodes",
+    ]
+    assert ("decode stalled", 0.07, 0.08) in [
+        (k, round(t0, 3), round(t1, 3)) for k, t0, t1, _ in st.segments
+    ]
+    # c waited at the head while fcfs held the whole queue for the swapped request
+    st = story_of(
+        "swap",
+        [("a", 0.0, 3, 6), ("b", 0.0, 3, 6), ("c", 0.015, 3, 1)],
+        "c",
+        gpu_blocks=3,
+        block_size=4,
+    )
+    assert st.lines[2:4] == [
+        "steps 2-6: waited 5 steps (0.055 s)",
+        "the whole queue was held 5 steps: swapped requests come back first (admission not tried)",
+    ]
+
+
+def test_bins_hold_the_state_of_the_steps_covering_them():
+    # steps [0, 1) at 1.0, [1, 3) at 0.5, idle [3, 5), [5, 5.5) at 1.0; bins of 2 s
+    start, end = np.array([0.0, 1.0, 5.0]), np.array([1.0, 3.0, 5.5])
+    edges = np.array([0.0, 2.0, 4.0, 6.0])
+    assert _bin_mean(start, end, np.array([1.0, 0.5, 1.0]), edges) == pytest.approx(
+        [0.75, 0.25, 0.25]
+    )
+    # 10 tokens over [0, 1), 20 over [1, 3), 5 over [5, 5.5)
+    assert _spread(start, end, np.array([10.0, 20.0, 5.0]), edges) == pytest.approx([20, 10, 5])
+
+
+def test_terminal_summary_fits_100_columns(tmp_path):
+    from lab.terminal import summary_text
+
+    vllm = {
+        "completed": 19366, "num_prompts": 19366, "failed": 0, "duration": 1752.3,
+        "request_throughput": 11.05, "output_throughput": 3000.0, "request_rate": 11.04,
+        **{f"{w}_{m}_ms": 12345.678 for w in ("mean", "p50", "p99.9", "max")
+           for m in ("ttft", "tpot", "itl", "e2el")},
+    }  # fmt: skip
+    summary = {
+        "slo": {"ttft_s": 2.0, "tpot_s": 0.05}, "goodput": 4.58, "slo_attainment": 0.414,
+        "preemptions": {"recompute": 623, "swap": 0},
+        "kv_used_fraction": {"mean": 0.88, "max": 1.0},
+    }  # fmt: skip
+    runs = [
+        SimpleNamespace(label=f"{p}@x{s}", policy=p, rate_scale=s, vllm=vllm, summary=summary)
+        for s in (1.0, 2.0)
+        for p in ("fcfs", "swap", "chunked_prefill", "priority", "sjf")
+    ]
+    text = summary_text(runs, (50, 99.9))
+    lines = text.splitlines()
+    assert max(len(x) for x in lines) <= 100
+    assert lines[0].split() == ["rate_scale", "1,", "11.04", "req/s", "fcfs", "swap"] + [
+        "chunked_prefill",
+        "priority",
+    ]
+    assert sum(x.startswith("rate_scale 2,") for x in lines) == 2  # 5 policies: 4 + 1
+    assert "TTFT p99.9 (s)" in text and "ITL max (ms)" in text and "goodput (req/s)" in text
+    assert "SLOs: ttft <= 2 s, tpot <= 50 ms" in text
+
+
+def test_explain_and_timeline_commands(tmp_path, capsys):
+    import run_experiment
+    from lab.cli import main
+
+    out = tmp_path / "q"
+    args = [str(ROOT / "experiments/quickstart.yaml"), "--limit", "30", "--out", str(out)]
+    assert run_experiment.main([*args, "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["explain", str(out), "--request", "3"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {out}: 3 runs; choose one with --run: fcfs, swap, chunked_prefill\n"
+    )
+    assert main(["explain", str(out), "--run", "fcfs", "--request", "nope"]) == 2
+    assert capsys.readouterr().err == f"error: {out}: run fcfs has no request 'nope'\n"
+    assert main(["explain", str(out), "--run", "swap", "--request", "3"]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text[0].startswith("request 3: prompt ") and text[0].endswith("[run swap]")
+    assert text[-1].startswith("  step ") and ": finished, last token at t=" in text[-1]
+    png = tmp_path / "t.png"
+    assert main(["timeline", str(out), "--run", "fcfs", "--slowest", "3", "--out", str(png)]) == 0
+    assert capsys.readouterr().out == f"wrote {png}: 3 requests of run fcfs\n"
+    assert png.stat().st_size > 10_000

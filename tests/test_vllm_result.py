@@ -1,0 +1,115 @@
+"""The vLLM-format result files (lab/vllm_result.py): vLLM's documented field names, and
+values hand-computed on a replay with 10 ms steps (tests/helpers.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import run
+
+from lab import metrics
+from lab.vllm_result import percentile_word, vllm_result
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The keys `vllm bench serve --save-result` writes, from vLLM's source,
+# vllm/benchmarks/serve.py (vllm-project/vllm, read at commit 009e6d4a): `main_async` puts
+# date, endpoint_type, backend, label, model_id, tokenizer_id, num_prompts, request_rate,
+# burstiness, max_concurrency in `result_json`; `benchmark` returns duration, completed,
+# failed, total_input_tokens, total_output_tokens, request_throughput, request_goodput,
+# output_throughput, total_token_throughput, max_output_tokens_per_s,
+# max_concurrent_requests; `process_one_metric` adds mean_/median_/std_{m}_ms and
+# p{P}_{m}_ms for each of --percentile-metrics ("ttft", "tpot", "itl", "e2el") and
+# --metric-percentiles, P spelled str(int(p)) when whole, else str(p) ("p99.9").
+VLLM_KEYS = [
+    "date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
+    "request_rate", "burstiness", "max_concurrency", "duration", "completed", "failed",
+    "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
+    "output_throughput", "total_token_throughput", "max_output_tokens_per_s",
+    "max_concurrent_requests",
+]  # fmt: skip
+VLLM_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def vllm_keys(percentiles) -> list[str]:
+    out = list(VLLM_KEYS)
+    for m in VLLM_METRICS:
+        out += [f"mean_{m}_ms", f"median_{m}_ms", f"std_{m}_ms"]
+        out += [f"p{percentile_word(p)}_{m}_ms" for p in percentiles]
+    return out
+
+
+def test_percentile_words_are_vllms():
+    assert [percentile_word(p) for p in (50.0, 99.0, 99.9, 99.99)] == ["50", "99", "99.9", "99.99"]
+
+
+def test_values_by_hand():
+    # a (16 + 3) arrives at 0, b (16 + 2) at 4 ms. Step 0 [0, 10 ms) prefills a; step 1
+    # prefills b (fcfs: prefill-first, a waits); step 2 decodes both (b's last token);
+    # step 3 decodes a. Tokens: a at 10, 30, 40 ms; b at 20, 30 ms.
+    res = run("fcfs", [("a", 0.0, 16, 3), ("b", 0.004, 16, 2)], gpu_blocks=64)
+    df, itl = metrics.request_table(res, "fcfs", 1.0)
+    summary = metrics.summarize(df, itl, res, {"ttft_s": 0.012})
+    v = vllm_result(
+        df, itl, summary, res.step_end_s, res.steps["num_decode_tokens"],
+        label="fcfs", model="m", backend="sched-lab-sim", percentiles=(50, 90, 99, 99.9),
+    )  # fmt: skip
+    assert set(vllm_keys((50, 90, 99, 99.9))) <= set(v)
+    approx = pytest.approx
+    assert (v["completed"], v["failed"], v["num_prompts"]) == (2, 0, 2)
+    assert (v["total_input_tokens"], v["total_output_tokens"]) == (32, 5)
+    assert v["duration"] == approx(0.04)
+    assert v["request_throughput"] == approx(50.0)
+    assert v["output_throughput"] == approx(125.0)
+    assert v["total_token_throughput"] == approx(925.0)
+    assert v["request_rate"] == approx(250.0)  # (2 - 1) / 4 ms
+    # TTFT 10 and 16 ms
+    assert v["mean_ttft_ms"] == approx(13.0) and v["median_ttft_ms"] == approx(13.0)
+    assert v["std_ttft_ms"] == approx(3.0) and v["p90_ttft_ms"] == approx(15.4)
+    assert v["p99.9_ttft_ms"] == approx(15.994) and v["max_ttft_ms"] == approx(16.0)
+    # TPOT (40 - 10) / 2 = 15 and (30 - 20) / 1 = 10 ms
+    assert v["mean_tpot_ms"] == approx(12.5) and v["std_tpot_ms"] == approx(2.5)
+    # ITL: a's 20 and 10 ms, b's 10 ms
+    assert v["mean_itl_ms"] == approx(40 / 3) and v["median_itl_ms"] == approx(10.0)
+    assert v["std_itl_ms"] == approx((200 / 9) ** 0.5)
+    assert v["p99_itl_ms"] == approx(19.8) and v["max_itl_ms"] == approx(20.0)
+    # E2E 40 and 26 ms
+    assert v["mean_e2el_ms"] == approx(33.0) and v["std_e2el_ms"] == approx(7.0)
+    # SLO ttft <= 12 ms: a only, over 40 ms
+    assert v["request_goodput"] == approx(25.0) and v["slo_attainment"] == approx(0.5)
+    assert v["goodput_slo_ms"] == approx({"ttft": 12.0})
+    assert v["max_concurrent_requests"] == 2 and v["max_output_tokens_per_s"] == 5
+
+
+def test_no_slo_means_no_goodput_as_in_vllm():
+    res = run("fcfs", [("a", 0.0, 16, 3)], gpu_blocks=64)
+    df, itl = metrics.request_table(res, "fcfs", 1.0)
+    summary = metrics.summarize(df, itl, res, {})
+    v = vllm_result(
+        df, itl, summary, res.step_end_s, res.steps["num_decode_tokens"],
+        label="fcfs", model="m", backend="sched-lab-sim",
+    )  # fmt: skip
+    assert v["request_goodput"] is None and v["request_rate"] is None  # one arrival: no rate
+    assert v["metric_percentiles"] == "50,90,99,99.9"
+
+
+def test_results_folder_holds_one_vllm_file_per_run(tmp_path):
+    import run_experiment
+
+    out = tmp_path / "q"
+    args = [str(ROOT / "experiments/quickstart.yaml"), "--limit", "40", "--out", str(out)]
+    assert run_experiment.main([*args, "--no-progress", "--metric-percentiles", "50,99.9"]) == 0
+    files = sorted(p.name for p in out.glob("*qps-llama-3.1-8b.json"))
+    assert [f.split("-")[0] for f in files] == ["chunked_prefill", "fcfs", "swap"]
+    summary = json.loads((out / "summary.json").read_text())
+    for name in files:
+        v = json.loads((out / name).read_text())
+        assert set(vllm_keys((50, 99.9))) <= set(v)
+        assert "p90_ttft_ms" not in v
+        s = summary[v["label"]]
+        assert v["completed"] == s["finished"]
+        assert v["mean_ttft_ms"] == pytest.approx(s["ttft_s"]["mean"] * 1e3)
+        assert v["median_e2el_ms"] == pytest.approx(s["e2e_s"]["p50"] * 1e3)
+        assert name == f"{v['label']}-{v['request_rate']:.2f}qps-llama-3.1-8b.json"

@@ -288,3 +288,81 @@ def test_random_shared_traces_keep_every_invariant(policy, trace):
         assert r.num_cached_tokens <= best * bs
     cached = res.steps["num_cached_tokens"].sum()
     assert cached == sum(r.num_cached_tokens + r.num_resumed_cached_tokens for r in res.requests)
+
+
+# --------------------------------------------------------------------------- config
+def _config(**over):
+    from lab.config import validate
+
+    raw = {
+        "name": "pc",
+        "trace": {
+            "format": "synthetic",
+            "num_requests": 5,
+            "prompt_len": 40,
+            "output_len": 2,
+            "arrival": {"process": "poisson", "rate": 1.0},
+        },  # fmt: skip
+        "kv_cache": {"num_gpu_blocks": 64, "enable_prefix_caching": True},
+        "policies": ["fcfs"],
+    }
+    raw.update(over)
+    return validate(raw)
+
+
+def test_caching_with_no_prefix_identity_is_one_line():
+    from lab.core.errors import ConfigError
+    from lab.experiment import run_experiment
+
+    with pytest.raises(ConfigError) as e:
+        run_experiment(_config(), progress=False)
+    assert str(e.value) == (
+        "pc: kv_cache.enable_prefix_caching: trace format 'synthetic' gives its requests no "
+        "prefix identity (no hash_ids, no prompt token ids): nothing could ever be cached"
+    )
+
+
+def test_caching_flag_must_be_a_bool():
+    from lab.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"kv_cache.enable_prefix_caching: expected true or"):
+        _config(kv_cache={"enable_prefix_caching": "yes"})
+    with pytest.raises(ConfigError, match=r"policies\[0\].enable_prefix_caching: expected true"):
+        _config(policies=[{"name": "fcfs", "enable_prefix_caching": 1}])
+
+
+def test_hash_block_size_not_a_multiple_is_one_line():
+    from lab.core.errors import ConfigError
+    from lab.experiment import run_experiment
+
+    reqs = [Request("0", 0.0, 40, 2, None, [1, 2], hash_block_size=24)]
+    with pytest.raises(ConfigError) as e:
+        run_experiment(_config(), progress=False, requests=reqs)
+    assert str(e.value) == (
+        "pc: kv_cache.enable_prefix_caching: request 0: hash_block_size 24 is not a "
+        "multiple of kv_cache.block_size 16"
+    )
+
+
+def test_per_policy_flag_compares_caching_off_and_on():
+    from lab.experiment import run_experiment
+
+    cfg = _config(
+        policies=[{"name": "fcfs", "label": "off", "enable_prefix_caching": False}, "fcfs"]
+    )
+    reqs = lambda: [  # noqa: E731
+        Request(str(i), 0.05 * i, 40, 2, None, [7, 8, 9 + i], hash_block_size=16) for i in range(3)
+    ]
+    off, on = (run_experiment(dataclasses_replace(cfg, p), False, reqs())[0] for p in (0, 1))
+    assert off.summary["prefix_caching"] is False and off.summary["prefix_cache_hit_rate"] == 0
+    # Requests 1 and 2 find blocks 0, 1 (ids 7, 8: 32 tokens) cached: 64 of 120 prompt tokens.
+    assert on.summary["prefix_caching"] is True
+    assert on.summary["prefix_cache_hit_rate"] == 64 / 120
+    assert list(on.requests["num_cached_tokens"]) == [0, 32, 32]
+    assert on.result.steps["num_cached_tokens"].sum() == 64
+
+
+def dataclasses_replace(cfg, i):
+    import dataclasses
+
+    return dataclasses.replace(cfg, policies=(cfg.policies[i],))

@@ -91,7 +91,7 @@ def test_three_requests_and_the_exact_multiple_rule():
     assert b.block_table == [0, 1, 2, 4]  # blocks_for(14) = 4: 3 cached + 1 new
     assert c.block_table == [0, 1, 5, 6]  # blocks_for(13) = 4: 2 cached + 2 new
     assert d.bm._ref[:7] == [3, 3, 2, 1, 1, 1, 1]
-    assert 5 not in d.bm._key_of  # c's recomputed last block: a duplicate, unkeyed
+    assert d.bm._key_of[5] is None  # c's recomputed last block: a duplicate, unkeyed
     assert d.bm._key_of[2] == c.block_hashes[2]
     d.run_until_idle()
     # Everything ends cached free (keyed) or free: used + cached free + free = total.

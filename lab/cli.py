@@ -4,9 +4,11 @@
     sched-lab fit profiles/h200_qwen3-0.6b.csv
     sched-lab profile --model-dir checkpoints/qwen3-0.6b --out profiles/h200_qwen3-0.6b.csv
     sched-lab tools make-random-checkpoint --preset qwen3-0.6b --out checkpoints/qwen3-0.6b
+    sched-lab prefix-bound experiments/mooncake.yaml
 
-``fit``, ``profile`` and ``tools`` hand their arguments to ``lab.sim.calibrated``,
-``backend.profile`` and ``backend.tools`` (``python -m`` of those still works). User errors
+``fit``, ``profile``, ``tools`` and ``prefix-bound`` hand their arguments to
+``lab.sim.calibrated``, ``backend.profile``, ``backend.tools`` and ``traces.prefix_bound``
+(``python -m`` of those still works). User errors
 print one line, ``error: ...``, never a traceback.
 """
 
@@ -45,6 +47,10 @@ DELEGATED = {  # subcommand: (module, what it does)
     "tools": (
         "backend.tools.__main__",
         "engine tools: convert-smollm2, make-random-checkpoint, list-presets (needs torch)",
+    ),
+    "prefix-bound": (
+        "traces.prefix_bound",
+        "the infinite-cache upper bound of a trace's prefix hit rate, from its hash ids",
     ),
 }
 ENGINE_MODULES = {"torch", "triton", "transformers", "safetensors", "gguf", "accelerate"}

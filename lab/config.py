@@ -14,14 +14,17 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     kv_cache: {block_size: 16, gpu_memory_utilization: 0.9, num_gpu_blocks: null,
                swap_space_gib: 4, watermark: 0.01, enable_prefix_caching: false}
     scheduler: {max_num_seqs: 256, max_num_batched_tokens: null, max_model_len: null,
-                max_preemptions: 1000}
-    policies: [fcfs, swap, {name: chunked_prefill, max_num_batched_tokens: 512}]
+                max_preemptions: 1000, preemption_victim: null}
+    policies: [fcfs, swap, {name: chunked_prefill, max_num_batched_tokens: 512},
+               {name: priority, priority_preemption: true, preemption_victim: most_blocks}]
     slo: {ttft_s: null, tpot_s: null, e2e_s: null}
     engine: {model_path: DIR, device: cpu, dtype: auto, attention_backend: torch,
              temperature: 0.0, cuda_graphs: null, mixed_graphs: true, kn_weights: false,
              num_threads: null}
              # backend: engine only (backend/README.md)
     check_invariants: false
+    cluster: {replicas: 4, router: least_kv}      # simulator only (lab/sim/cluster.py); or
+             # {prefill: {replicas: 2, router: ...}, decode: {replicas: 2}, kv_transfer: ib-ndr}
     trace_file: {path: ..., sha256: ..., rows: ...}   # written into results' config.yaml;
              # when given, the trace file must still be that file
 
@@ -48,7 +51,9 @@ from typing import Any
 import policies
 from lab import paths
 from lab.core.errors import ConfigError
-from lab.sim.hardware import HARDWARE
+from lab.core.scheduler import VICTIM_RULES
+from lab.sim.cluster import ClusterSpec, PoolSpec
+from lab.sim.hardware import HARDWARE, LINKS, Link
 from lab.sim.models import MODELS
 from lab.yamlio import load_yaml_file, short_repr
 from policies import get_policy
@@ -75,6 +80,7 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
 LIMIT_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")  # a policy's own
+VICTIM_KEY = "preemption_victim"  # every policy's option (lab/core/scheduler.py VICTIM_RULES)
 
 
 # ---------------------------------------------------------------------------- sections
@@ -92,6 +98,12 @@ class TraceConfig:
     spec: Mapping[str, Any]
     rate_scales: tuple[float, ...] = (1.0,)
     expected: Mapping[str, Any] | None = None
+    classes: tuple[Mapping[str, Any], ...] = ()  # workload classes (traces/classes.py)
+
+    @property
+    def tenants(self) -> frozenset[str]:
+        """The tenants the workload classes name (empty for a single trace)."""
+        return frozenset(c.get("tenant", "") for c in self.classes) - {""}
 
     @property
     def format(self) -> str | None:
@@ -136,6 +148,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # token budget per step
     max_model_len: int | None = None  # prompt + output tokens of one request
     max_preemptions: int = 1000  # of one request, before the run stops as stuck
+    # Which running request a policy preempts when KV blocks are short (VICTIM_RULES of
+    # lab/core/scheduler.py); null: each policy's own rule (newest for most). A policy
+    # entry's own ``preemption_victim`` wins.
+    preemption_victim: str | None = None
 
 
 @dataclass(frozen=True)
@@ -250,6 +266,7 @@ class ExperimentConfig:
     slo: SLOConfig = SLOConfig()
     engine: EngineConfig = EngineConfig()
     check_invariants: bool = False
+    cluster: ClusterSpec | None = None  # None: one replica (lab/sim/cluster.py)
     source: str = field(default="config", compare=False)
     base_dir: Path = field(default=Path("."), compare=False)
 
@@ -277,6 +294,7 @@ class ExperimentConfig:
         raw = {**self.trace.spec, **keys}
         expected = None if {"path", "format"} & set(keys) else self.trace.expected
         trace = _trace(self.source, raw, self.base_dir, expected)
+        _hash_block_size(self.source, trace, self.kv_cache)
         return dataclasses.replace(self, trace=trace)
 
     def to_dict(self) -> dict[str, Any]:
@@ -301,6 +319,8 @@ class ExperimentConfig:
             "engine": plain(self.engine),
             "check_invariants": self.check_invariants,
         }
+        if self.cluster is not None:
+            out["cluster"] = cluster_to_dict(self.cluster)
         if self.trace.expected is not None:
             out["trace_file"] = dict(self.trace.expected)
         return out
@@ -335,6 +355,7 @@ TOP_KEYS = (
     "engine",
     "check_invariants",
     "trace_file",
+    "cluster",
 )
 DEFAULT_POLICIES = ("fcfs", "swap", "chunked_prefill")
 
@@ -393,6 +414,7 @@ def validate(
     if not isinstance(top["check_invariants"], bool):
         raise _fail(where, "check_invariants", "true or false", top["check_invariants"])
     scheduler = _scheduler(where, raw.get("scheduler", {}))
+    cluster = None if raw.get("cluster") is None else _cluster(where, raw["cluster"], backend)
     return ExperimentConfig(
         name=name,
         trace=trace,
@@ -401,12 +423,13 @@ def validate(
         model=top["model"],
         hardware=top["hardware"],
         cost_model=_cost_model(where, raw.get("cost_model", {}), base_dir, backend == "sim"),
-        kv_cache=_kv_cache(where, raw.get("kv_cache", {})),
+        kv_cache=_hash_block_size(where, trace, _kv_cache(where, raw.get("kv_cache", {}))),
         scheduler=scheduler,
-        policies=_policies(where, raw.get("policies", list(DEFAULT_POLICIES))),
+        policies=_policies(where, raw.get("policies", list(DEFAULT_POLICIES)), trace.tenants),
         slo=_slo(where, raw.get("slo", {})),
         engine=_engine(where, raw.get("engine", {}), base_dir, backend == "engine"),
         check_invariants=top["check_invariants"],
+        cluster=cluster,
         source=where,
         base_dir=base_dir,
     )
@@ -545,15 +568,46 @@ def _kv_cache(where: str, raw: Any) -> KVCacheConfig:
     return KVCacheConfig(**kv)
 
 
+def _hash_block_size(where: str, trace: TraceConfig, kv: KVCacheConfig) -> KVCacheConfig:
+    """Check ``trace.hash_block_size`` (tokens per hash id, :mod:`traces.prefix`) against
+    the KV block size: a multiple of it, so that every full KV block lies inside one hash
+    block. Checked when given, when ``trace.prefix`` makes hash ids (default 16), and for
+    Mooncake's default of 512 when prefix caching is on. Returns ``kv`` unchanged."""
+    spec = trace.spec
+    if "hash_block_size" in spec:
+        size, why = _int(where, "trace.hash_block_size", spec["hash_block_size"]), ""
+    elif "prefix" in spec:
+        from traces.prefix import PREFIX_HASH_BLOCK_SIZE
+
+        size, why = PREFIX_HASH_BLOCK_SIZE, " (the default for trace.prefix)"
+    elif trace.format == "mooncake" and kv.enable_prefix_caching:
+        from traces.loaders import MOONCAKE_HASH_BLOCK_SIZE
+
+        size, why = MOONCAKE_HASH_BLOCK_SIZE, " (Mooncake's default)"
+    else:
+        return kv
+    if size % kv.block_size:
+        raise ConfigError(
+            f"{where}: trace.hash_block_size: {size}{why} is not a multiple of "
+            f"kv_cache.block_size {kv.block_size}; expected a multiple, so that every KV "
+            "block lies inside one hash block"
+        )
+    return kv
+
+
 def _scheduler(where: str, raw: Any) -> SchedulerConfig:
     s = _section(where, "scheduler", raw, SchedulerConfig)
     _int(where, "scheduler.max_num_seqs", s["max_num_seqs"])
     _check_limits(where, "scheduler", s)
     _int(where, "scheduler.max_preemptions", s["max_preemptions"])
+    if s[VICTIM_KEY] is not None:
+        _choice(where, f"scheduler.{VICTIM_KEY}", s[VICTIM_KEY], VICTIM_RULES)
     return SchedulerConfig(**s)
 
 
-def _policies(where: str, pols: Any) -> tuple[PolicyConfig, ...]:
+def _policies(
+    where: str, pols: Any, tenants: frozenset[str] = frozenset()
+) -> tuple[PolicyConfig, ...]:
     if policies.BROKEN:  # a policy file that cannot be imported: say which, run nothing
         path, why = next(iter(policies.BROKEN.items()))
         raise ConfigError(f"{path}: the policy module cannot be imported ({why}); fix or remove it")
@@ -572,9 +626,17 @@ def _policies(where: str, pols: Any) -> tuple[PolicyConfig, ...]:
         except ConfigError as e:
             raise ConfigError(f"{where}: {key}: {e}") from None
         _mapping(
-            where, key, p, ("name", "label", *LIMIT_KEYS, "enable_prefix_caching", *cls.options)
+            where,
+            key,
+            p,
+            ("name", "label", *LIMIT_KEYS, VICTIM_KEY, "enable_prefix_caching", *cls.options),
         )
         _check_limits(where, key, p)
+        if VICTIM_KEY in p:
+            _choice(where, f"{key}.{VICTIM_KEY}", p[VICTIM_KEY], VICTIM_RULES)
+        why = cls.check_options({k: v for k, v in p.items() if k in cls.options}, tenants)
+        if why:
+            raise ConfigError(f"{where}: {key}.{why}")
         caching = p.get("enable_prefix_caching")
         if caching is not None and not isinstance(caching, bool):
             raise _fail(where, f"{key}.enable_prefix_caching", "true or false", caching)
@@ -587,7 +649,7 @@ def _policies(where: str, pols: Any) -> tuple[PolicyConfig, ...]:
                 "and spaces, starting with a letter or digit",
                 label,
             )
-        options = {k: copy.deepcopy(v) for k, v in p.items() if k in cls.options}
+        options = {k: copy.deepcopy(v) for k, v in p.items() if k in (*cls.options, VICTIM_KEY)}
         resolved.append(
             PolicyConfig(
                 p["name"],
@@ -648,6 +710,92 @@ def _engine(where: str, raw: Any, base_dir: Path, used: bool) -> EngineConfig:
     elif isinstance(path, str) and path:
         e["model_path"] = paths.resolve(path, base_dir)
     return EngineConfig(**e)
+
+
+# ---------------------------------------------------------------------------- cluster
+CLUSTER_KEYS = ("replicas", "router", "prefill", "decode", "kv_transfer")
+_DISAGGREGATED_KEYS = ("prefill", "decode", "kv_transfer")
+
+
+def _cluster(where: str, raw: Any, backend: str) -> ClusterSpec:
+    """``cluster:``: aggregated ``{replicas, router}`` or disaggregated ``{prefill: {replicas,
+    router}, decode: {replicas, router}, kv_transfer: LINK | {bandwidth_gbps, latency_s}}``."""
+    if backend == "engine":
+        raise ConfigError(
+            f"{where}: cluster: the cluster is simulated only (backend: sim); backend: engine "
+            "runs one replica on one device: remove cluster: or set backend: sim"
+        )
+    d = _mapping(where, "cluster", raw, CLUSTER_KEYS)
+    disaggregated = [k for k in _DISAGGREGATED_KEYS if k in d]
+    if not disaggregated:
+        return ClusterSpec(pool=_pool(where, "cluster", d, ("replicas", "router")))
+    if "replicas" in d or "router" in d:
+        raise ConfigError(
+            f"{where}: cluster: give replicas and router (aggregated) or prefill, decode and "
+            f"kv_transfer (disaggregated), not both"
+        )
+    missing = [k for k in _DISAGGREGATED_KEYS if k not in d]
+    if missing:
+        raise ConfigError(
+            f"{where}: cluster: a disaggregated cluster needs prefill, decode and kv_transfer; "
+            f"missing {', '.join(missing)}"
+        )
+    return ClusterSpec(
+        prefill=_pool(where, "cluster.prefill", d["prefill"], ("replicas", "router")),
+        decode=_pool(where, "cluster.decode", d["decode"], ("replicas", "router")),
+        link=_link(where, "cluster.kv_transfer", d["kv_transfer"]),
+    )
+
+
+def _pool(where: str, key: str, raw: Any, allowed: tuple[str, ...]) -> PoolSpec:
+    from lab.sim.router import get_router
+
+    d = _mapping(where, key, raw, allowed)
+    replicas = _int(where, f"{key}.replicas", d.get("replicas", 1))
+    router = d.get("router", "round_robin")
+    spec = {"name": router} if isinstance(router, str) else router
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+        raise _fail(where, f"{key}.router", "a router name or a mapping with 'name'", router)
+    try:
+        cls = get_router(spec["name"])
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {key}.router: {e}") from None
+    _mapping(where, f"{key}.router", spec, ("name", *cls.options))
+    options = {}
+    for k, v in spec.items():
+        if k == "name":
+            continue
+        if isinstance(cls.options[k], int):
+            options[k] = _int(where, f"{key}.router.{k}", v)
+        else:
+            options[k] = _num(where, f"{key}.router.{k}", v, lo=1.0)
+    return PoolSpec(replicas, spec["name"], MappingProxyType(options))
+
+
+def _link(where: str, key: str, raw: Any) -> Link:
+    if isinstance(raw, str):
+        return LINKS[_choice(where, key, raw, LINKS)]
+    d = _mapping(where, key, raw, ("bandwidth_gbps", "latency_s"))
+    if "bandwidth_gbps" not in d:
+        raise _fail(where, key, "a link preset name or {bandwidth_gbps, latency_s}", raw)
+    gbps = _num(where, f"{key}.bandwidth_gbps", d["bandwidth_gbps"], 0.0, lo_open=True)
+    latency = _num(where, f"{key}.latency_s", d.get("latency_s", 0.0), 0.0)
+    return Link("custom", gbps * 1e9 / 8, float(latency), f"{gbps} Gb/s, {latency} s")
+
+
+def cluster_to_dict(c: ClusterSpec) -> dict[str, Any]:
+    """A cluster spec as written in YAML (presets by name)."""
+
+    def pool(p: PoolSpec) -> dict[str, Any]:
+        router = {"name": p.router, **p.router_options} if p.router_options else p.router
+        return {"replicas": p.replicas, "router": router}
+
+    if c.pool is not None:
+        return pool(c.pool)
+    link: Any = c.link.name
+    if c.link.name not in LINKS:
+        link = {"bandwidth_gbps": c.link.bandwidth * 8 / 1e9, "latency_s": c.link.latency_s}
+    return {"prefill": pool(c.prefill), "decode": pool(c.decode), "kv_transfer": link}
 
 
 # ---------------------------------------------------------------------------- checks

@@ -15,13 +15,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab import metrics
+from lab import cluster_metrics, metrics
 from lab.config import ExperimentConfig, PolicyConfig
 from lab.core.errors import ConfigError, TraceError
 from lab.core.kv import has_prefix_identity, make_block_manager
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import SchedulerLimits
 from lab.progress import Phase
+from lab.sim.cluster import ClusterResult, replay_cluster
 from lab.sim.cost_model import (
     AnalyticCostModel,
     CostModelExecutor,
@@ -138,6 +139,9 @@ def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
 def check_prefix_identity(requests: list[Request], cfg: ExperimentConfig) -> None:
     """With the prefix cache on: some request must carry prefix identity (hash ids or
     prompt token ids), and every hash block size must be a multiple of the KV block size.
+    On the engine, hash ids must not go past the prompt's hash blocks (the engine keys
+    blocks by hash ids, as the simulator does, so both make the same decisions; tokens the
+    model generates are not the ids' tokens).
 
     Raises:
         ConfigError: one line naming the trace, the request and the key.
@@ -156,6 +160,17 @@ def check_prefix_identity(requests: list[Request], cfg: ExperimentConfig) -> Non
                 f"{where}: request {r.request_id}: hash_block_size {r.hash_block_size} is not "
                 f"a multiple of kv_cache.block_size {bs}"
             )
+        if (
+            cfg.backend == "engine"
+            and r.hash_ids is not None
+            and len(r.hash_ids) > -(-r.prompt_len // r.hash_block_size)
+        ):
+            raise ConfigError(
+                f"{where}: request {r.request_id}: its hash ids cover tokens it will generate "
+                "(multi-turn sessions of trace.prefix); on the engine those tokens are the "
+                "model's own, not the ids' tokens, so a later turn would reuse KV of other "
+                "tokens; run such traces with caching in the simulator"
+            )
 
 
 def fresh(requests: list[Request]) -> list[Request]:
@@ -171,6 +186,9 @@ def fresh(requests: list[Request]) -> list[Request]:
             r.prompt_token_ids,
             r.hash_ids,
             r.priority,
+            r.class_name,
+            r.tenant,
+            r.ttft_slo_s,
             hash_block_size=r.hash_block_size,
         )
         if r.status is RequestStatus.DROPPED:
@@ -272,6 +290,7 @@ def iter_runs(
     if cfg.backend == "engine":
         from backend.engine import assign_prompt_tokens  # imports torch
         from lab.engine_setup import engine_parts
+        from traces.hash_tokens import assign_hash_prompt_tokens
 
         make_executor, gpu, cpu, max_position, vocab_size = engine_parts(cfg)
     else:
@@ -288,28 +307,44 @@ def iter_runs(
         trace = requests if requests is not None else tables.pop(scale).to_requests()
         if any(pol.prefix_caching(cfg.kv_cache) for pol in cfg.policies):
             check_prefix_identity(trace, cfg)
-        if cfg.backend == "engine":
+        if cfg.backend == "engine":  # hash ids make shared prefixes real tokens
+            assign_hash_prompt_tokens(trace, vocab_size, cfg.seed)
             assign_prompt_tokens(trace, vocab_size, cfg.seed)
         for pol, cls, limits in policies:
-            kv = cfg.kv_cache
-            bm = make_block_manager(gpu, cpu, bs, kv.watermark, pol.prefix_caching(kv))
-            scheduler = cls(limits, bm, **pol.options)
-            if cfg.backend == "engine":
-                executor = make_executor()
-            else:
-                executor = CostModelExecutor(cost_model, bs)
+
+            def make_replica(cls=cls, limits=limits, pol=pol):
+                kv = cfg.kv_cache
+                scheduler = cls(
+                    limits,
+                    make_block_manager(gpu, cpu, bs, kv.watermark, pol.prefix_caching(kv)),
+                    **{"preemption_victim": cfg.scheduler.preemption_victim, **pol.options},
+                )
+                if cfg.backend == "engine":
+                    return scheduler, make_executor()
+                return scheduler, CostModelExecutor(cost_model, bs)
+
             label = cfg.run_label(pol, scale)
             run_requests = fresh(trace)
             replayed = [r for r in run_requests if r.status is not RequestStatus.DROPPED]
             n = len(replayed)
             with Phase(f"{label}: replay {n:,} requests", n, "req", progress) as phase:
-                result = replay(
-                    replayed,
-                    scheduler,
-                    executor,
-                    check_invariants=cfg.check_invariants,
-                    progress=phase.replay_callback,
-                )
+                if cfg.cluster is None:
+                    result = replay(
+                        replayed,
+                        *make_replica(),
+                        check_invariants=cfg.check_invariants,
+                        progress=phase.replay_callback,
+                    )
+                else:
+                    result = replay_cluster(
+                        replayed,
+                        cfg.cluster,
+                        make_replica,
+                        MODELS[cfg.model].kv_bytes_per_token,
+                        cfg.seed,
+                        cfg.check_invariants,
+                        phase.replay_callback,
+                    )
             rows = metrics.in_trace_order(run_requests, result.requests)  # dropped rows too
             with Phase(f"{label}: metrics", len(rows), "req", progress) as phase:
                 df, itl = metrics.request_table(result, pol.label, scale, phase.set, rows)
@@ -321,6 +356,8 @@ def iter_runs(
                     **metrics.summarize(df, itl, result, cfg.slo.to_dict()),
                 }
                 itl = metrics.cdf_points(itl, overwrite=True)  # all gaps: a run's largest array
+                if isinstance(result, ClusterResult):
+                    df, summary["cluster"] = cluster_metrics.add_cluster(df, result, rows, summary)
             if result.failure:
                 summary["failure"] = result.failure
             log.info("%s: %d steps in %.2f s", label, summary["num_steps"], result.wall_s)

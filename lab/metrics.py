@@ -77,7 +77,8 @@ def request_table(
             adds the trace rows that were not replayed).
     """
     requests = result.requests if requests is None else requests
-    num_gaps = sum(_num_tokens(r) - 1 for r in requests if r.status is RequestStatus.FINISHED)
+    finished = (r for r in requests if r.status is RequestStatus.FINISHED)
+    num_gaps = sum(result.num_token_times(r) - 1 for r in finished)
     itl = np.empty(max(num_gaps, 0))
     cols: dict[str, list] = {c: [] for c in REQUEST_COLUMNS}
     pos = 0
@@ -123,11 +124,6 @@ def request_table(
     del cols
     df["tpot_s"] = tpot_s(df["ttft_s"], df["e2e_s"], df["num_generated_tokens"])
     return df, itl
-
-
-def _num_tokens(r) -> int:
-    """Output tokens ``ReplayResult.token_times`` gives for ``r``."""
-    return len(r.prefill_token_steps) + sum(b - a for a, b in r.decode_segments)
 
 
 def cdf_points(values, max_points: int = CDF_POINTS, overwrite: bool = False) -> np.ndarray:

@@ -315,20 +315,27 @@ def _write_steps_csv(path: Path, runs: list[Run], rows: int = 1 << 20) -> None:
             n = len(r.result.steps["time_s"])
             for start in range(0, n, rows):
                 cols = {"policy": r.policy, "rate_scale": r.rate_scale}
-                cols.update({c: r.result.steps[c][start : start + rows] for c in STEP_COLUMNS})
+                cols.update({c: r.result.steps[c][start : start + rows] for c in _columns(r)})
                 pd.DataFrame(cols).to_csv(f, index=False, header=header, float_format="%.9g")
                 header = False
         if header:  # no run has a step: the header alone, as the concatenated frame writes
-            f.write(",".join(["policy", "rate_scale", *STEP_COLUMNS]) + "\n")
+            extra = _columns(runs[0])[len(STEP_COLUMNS) :] if runs else []
+            f.write(",".join(["policy", "rate_scale", *STEP_COLUMNS, *extra]) + "\n")
 
 
 def _steps_frame(runs: list[Run]) -> pd.DataFrame:
     frames = []
     for r in runs:
         cols = {"policy": r.policy, "rate_scale": r.rate_scale}
-        cols.update({c: r.result.steps[c] for c in STEP_COLUMNS})
+        cols.update({c: r.result.steps[c] for c in _columns(r)})
         frames.append(pd.DataFrame(cols))
     return pd.concat(frames, ignore_index=True)
+
+
+def _columns(run: Run) -> list[str]:
+    """A run's step columns: STEP_COLUMNS, then any its result adds (a cluster's
+    ``replica``)."""
+    return [*STEP_COLUMNS, *(c for c in run.result.steps if c not in STEP_COLUMNS)]
 
 
 def _json_safe(x):
@@ -520,7 +527,17 @@ def _model_line(cfg: ExperimentConfig) -> str:
             f"real engine: model `{e.model_path}` on `{e.device}` ({e.dtype}, "
             f"{e.attention_backend} attention), measured step times"
         )
-    return f"simulated `{cfg.model}` on `{cfg.hardware}` (cost model step times)"
+    line = f"simulated `{cfg.model}` on `{cfg.hardware}` (cost model step times)"
+    c = cfg.cluster
+    if c is None:
+        return line
+    if c.pool is not None:
+        return f"{line}, {c.pool.replicas} replicas behind router `{c.pool.router}`"
+    return (
+        f"{line}, {c.prefill.replicas} prefill replicas (router `{c.prefill.router}`) and "
+        f"{c.decode.replicas} decode replicas (router `{c.decode.router}`), KV over "
+        f"`{c.link.name}` ({c.link.bandwidth * 8 / 1e9:g} Gb/s)"
+    )
 
 
 def config_yaml(cfg: ExperimentConfig, runs: list[Run]) -> str:
@@ -567,7 +584,8 @@ def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str
         "",
         f"Backend `{cfg.backend}`; trace `{trace.get('format')}` "
         f"{trace.get('path', '')}{_trace_options(trace)}; {_model_line(cfg)}; "
-        f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg.kv_cache.block_size} tokens.",
+        f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg.kv_cache.block_size} tokens"
+        f"{' per replica' if cfg.cluster is not None else ''}.",
         "",
         summary_table(runs),
         "",

@@ -10,9 +10,14 @@ Example (YAML)::
       limit: 1000                  # first N requests after the window
       rate_scale: 2.0              # offered-load multiplier: inter-arrival times / 2
       seed: 0                      # for generated arrivals, lengths and shuffles
+      prefix: {prefix_len: 1024, num_prefixes: 4, num_turns: 3, think_time_s: 30}
+                                   # shared system prompts, multi-turn sessions, hash ids
+      hash_block_size: 16          # tokens per hash id (mooncake: 512; prefix: 16)
 
 Formats and their keys are documented in :mod:`traces.loaders`; arrival processes in
-:mod:`traces.arrivals`; synthetic length distributions in :mod:`traces.distributions`.
+:mod:`traces.arrivals`; synthetic length distributions in :mod:`traces.distributions`; ``prefix`` (any format
+without hash ids of its own) in :mod:`traces.prefix`. ``hash_block_size`` applies to a
+trace with hash ids: Mooncake's (default 512) or those ``prefix`` makes (default 16).
 Every mistake in the spec or the file raises :class:`lab.core.errors.TraceError` with one line
 naming the key, or the file, row and column.
 """
@@ -30,6 +35,7 @@ import traces.loaders  # noqa: F401  (registers the formats)
 import traces.prompts  # noqa: F401
 from lab.core.errors import TraceError
 from lab.core.request import Request
+from traces.prefix import PREFIX_HASH_BLOCK_SIZE, apply_prefix, parse_prefix
 from traces.registry import FORMATS, get_format
 from traces.spec import WHERE, check_keys, check_mapping, get_float, get_int, require
 from traces.table import TraceTable, apply_limit, apply_rate_scale, apply_window, check_clock
@@ -37,7 +43,9 @@ from traces.table import TraceTable, apply_limit, apply_rate_scale, apply_window
 __all__ = ["COMMON_KEYS", "FORMATS", "load_table", "load_trace", "scale_table"]
 
 # Spec keys every format accepts; each format adds its own (see FORMATS[name].keys).
-COMMON_KEYS = ("format", "start_s", "end_s", "limit", "rate_scale", "seed")
+COMMON_KEYS = ("format", "start_s", "end_s", "limit", "rate_scale", "seed", "prefix")
+# Formats whose rows carry a prefix identity of their own (``prefix:`` is refused there).
+OWN_PREFIX = {"mooncake": "its rows have hash_ids", "prompts": "its prompts are real token ids"}
 
 
 def load_trace(spec: Mapping[str, Any], base_dir: Path) -> list[Request]:
@@ -81,7 +89,7 @@ def load_table(spec: Mapping[str, Any], base_dir: Path) -> tuple[TraceTable, int
     """
     spec = check_mapping(spec, WHERE)
     trace_format = get_format(require(spec, "format", WHERE))
-    check_keys(spec, COMMON_KEYS + trace_format.keys, WHERE)
+    check_keys(spec, (*COMMON_KEYS, "hash_block_size", *trace_format.keys), WHERE)
     start_s = get_float(spec, "start_s", WHERE, default=0.0)
     end_s = get_float(spec, "end_s", WHERE, default=math.inf, strict=True, allow_inf=True)
     if end_s <= start_s:
@@ -90,15 +98,37 @@ def load_table(spec: Mapping[str, Any], base_dir: Path) -> tuple[TraceTable, int
         )
     limit = get_int(spec, "limit", WHERE, default=None, minimum=1)
     seed = get_int(spec, "seed", WHERE, default=0, minimum=0)
+    prefix = _prefix(spec, trace_format.name)
 
     table = trace_format.load(spec, Path(base_dir), seed)
     rows = len(table)
+    if prefix is not None:
+        block = get_int(spec, "hash_block_size", WHERE, default=PREFIX_HASH_BLOCK_SIZE, minimum=1)
+        table = apply_prefix(table, prefix, block, seed)
     _check_finite(table, "the arrival rate is too small")
     table = apply_window(table, start_s, end_s)
     if limit is not None:
         table = apply_limit(table, limit)
     check_clock(table.arrival_s[table.replayed], WHERE, "the trace's own clock")
     return table, rows
+
+
+def _prefix(spec: Mapping[str, Any], name: str):
+    """The checked ``prefix:`` block, or None; ``hash_block_size`` only where there are
+    hash ids (the format's own, or the block's)."""
+    where = f"{WHERE}.prefix"
+    if "prefix" not in spec:
+        if "hash_block_size" in spec and "hash_block_size" not in FORMATS[name].keys:
+            raise TraceError(
+                f"{WHERE}.hash_block_size: format {name} has no hash ids (give a prefix: "
+                "block to make them)"
+            )
+        return None
+    if name in OWN_PREFIX:
+        raise TraceError(
+            f"{where}: not with format {name}: {OWN_PREFIX[name]}, its own prefix identity"
+        )
+    return parse_prefix(spec["prefix"], where)
 
 
 def scale_table(table: TraceTable, rate_scale: float) -> TraceTable:

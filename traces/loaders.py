@@ -41,6 +41,7 @@ from traces.validate import (
     Source,
     check_sorted,
     datetime_times,
+    hash_id_lists,
     numeric_times,
     token_counts,
 )
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 BURSTGPT_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
+MOONCAKE_HASH_BLOCK_SIZE = 512  # tokens per hash id in the Mooncake traces (ATTRIBUTION.md)
 LENGTHS_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
 SAMPLE_ORDERS = ("sequential", "shuffle")
 # A replay holds its requests in memory (the trace, plus one copy per policy run): 10M is
@@ -112,25 +114,32 @@ def load_burstgpt(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTa
     return table
 
 
-@register_format("mooncake", keys=("path",))
+@register_format("mooncake", keys=("path", "hash_block_size"))
 def load_mooncake(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
     """Mooncake JSONL: ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``.
 
-    ``hash_ids`` (optional per line) are prefix-block hashes, 512 tokens per block, kept on
-    ``Request.hash_ids``. Arrivals are seconds since the first record.
+    ``hash_ids`` (optional per line) are prefix-block hashes, ``hash_block_size`` tokens per
+    block (spec key, default 512: the Mooncake trace's), kept on ``Request.hash_ids``; a
+    line needs ceil(input_length / hash_block_size) ids at least, and at most
+    ceil((input_length + output_length) / hash_block_size)
+    (:func:`traces.validate.hash_id_lists`). Arrivals are seconds since the first record.
     """
+    block = get_int(spec, "hash_block_size", WHERE, default=MOONCAKE_HASH_BLOCK_SIZE, minimum=1)
     path = resolve_path(spec, base_dir, WHERE)
     frame, line_numbers = read_jsonl(path, MOONCAKE_KEYS, optional=("hash_ids",))
     src = Source(path.name, line_numbers)
     stamps = frame["timestamp"]
     times_s = numeric_times(stamps, src, "timestamp", ticks_per_s=1000)  # ms
     check_sorted(times_s, stamps, src, "timestamp")
+    prompt_len = token_counts(frame["input_length"], src, "input_length", minimum=1)
+    output_len = token_counts(frame["output_length"], src, "output_length", minimum=0)
     table = TraceTable(
         row=np.arange(len(frame)),
         arrival_s=times_s - times_s[0],
-        prompt_len=token_counts(frame["input_length"], src, "input_length", minimum=1),
-        output_len=token_counts(frame["output_length"], src, "output_length", minimum=0),
-        hash_ids=_hash_ids(frame["hash_ids"], src),
+        prompt_len=prompt_len,
+        output_len=output_len,
+        hash_ids=hash_id_lists(frame["hash_ids"], prompt_len, output_len, block, src),
+        hash_block_size=block,
     )
     return _drop(table, table.output_len == 0, src.file, "'output_length' == 0", _NO_OUTPUT)
 
@@ -251,15 +260,3 @@ def _filter(
     if not (match & table.replayed).any():
         raise TraceError(f"{file}: no request left after {WHERE}.{key} = {wanted}")
     return table.take(match)
-
-
-def _hash_ids(values: pd.Series, src: Source) -> list[list[int]] | None:
-    """Each entry a list of ints or None (key absent); None when no line has the key."""
-    if values.isna().all():
-        return None
-    for i, ids in enumerate(values):
-        if ids is not None and not (isinstance(ids, list) and all(type(h) is int for h in ids)):
-            raise TraceError(
-                f"{src.at(i, 'hash_ids')}: expected a list of integers, got {ids!r:.60}"
-            )
-    return values.tolist()

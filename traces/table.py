@@ -37,10 +37,12 @@ class TraceTable:
         arrival_s: float64, arrival time in seconds on the trace's own clock.
         prompt_len: int64, prompt tokens (>= 1 where replayed).
         output_len: int64, output tokens (>= 1 where replayed).
-        hash_ids: Mooncake prefix-block hashes per request, or None.
+        hash_ids: prefix-block hashes per request (Mooncake's, or made by ``prefix:``,
+            :mod:`traces.prefix`), None where a request has none; or None.
         prompt_token_ids: real prompt tokens per request (the ``prompts`` format), or None.
         drop_reason: object array of str, why each entry is not replayed ("" = replayed),
             or None when every entry is replayed.
+        hash_block_size: tokens each hash id stands for (``Request.hash_block_size``).
     """
 
     row: np.ndarray
@@ -50,6 +52,7 @@ class TraceTable:
     hash_ids: list[list[int]] | None = None
     prompt_token_ids: list[list[int]] | None = None
     drop_reason: np.ndarray | None = None
+    hash_block_size: int = 512
 
     def __len__(self) -> int:
         return len(self.row)
@@ -69,6 +72,7 @@ class TraceTable:
             hash_ids=pick(self.hash_ids),
             prompt_token_ids=pick(self.prompt_token_ids),
             drop_reason=None if self.drop_reason is None else self.drop_reason[index],
+            hash_block_size=self.hash_block_size,
         )
 
     @property
@@ -106,6 +110,7 @@ class TraceTable:
                 output_len=output_len,
                 hash_ids=None if ids is None else list(ids),
                 prompt_token_ids=None if tokens is None else list(tokens),
+                hash_block_size=self.hash_block_size,
             )
             if reason:
                 r.status, r.reason = RequestStatus.DROPPED, reason

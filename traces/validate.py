@@ -156,3 +156,71 @@ def _show(value: Any) -> str:
     if isinstance(value, str):
         return "'' (empty)" if value == "" else repr(value)
     return json.dumps(value)
+
+
+# Hash ids are kept as Python ints; beyond int64 they could not become array keys.
+MAX_HASH_ID = (1 << 63) - 1
+
+
+def hash_id_lists(
+    values: pd.Series,
+    prompt_len: np.ndarray,
+    output_len: np.ndarray,
+    hash_block_size: int,
+    src: Source,
+    column: str = "hash_ids",
+) -> list[list[int] | None] | None:
+    """Prefix-block hash ids per row, checked against the row's token counts.
+
+    A row's ids stand for consecutive blocks of ``hash_block_size`` tokens of its prompt,
+    then of its output (ids may cover tokens the request will generate), so a row with
+    prompt P and output O needs ``ceil(P / hash_block_size)`` ids at least (every prompt
+    token belongs to a block; the Mooncake trace has exactly that many on every line) and
+    at most ``ceil((P + O) / hash_block_size)`` (more would stand for tokens the request
+    never holds: a sign of a wrong ``hash_block_size``).
+
+    Returns:
+        One list of ints per row, None for a row without the key; None if no row has it.
+
+    Raises:
+        TraceError: naming the file and row: a value that is not a list of integers, an id
+            outside 0..2**63-1, too few or too many ids for the row's tokens.
+    """
+    if values.isna().all():
+        return None
+    out: list[list[int] | None] = []
+    for i, ids in enumerate(values):
+        if ids is None:
+            out.append(None)
+            continue
+        where = src.at(i, column)
+        if not (isinstance(ids, list) and all(type(h) is int for h in ids)):
+            raise TraceError(f"{where}: expected a list of integers, got {_cut(ids)}")
+        bad = next((j for j, h in enumerate(ids) if not 0 <= h <= MAX_HASH_ID), None)
+        if bad is not None:
+            raise TraceError(
+                f"{where}: expected hash ids in 0..2**63-1, got {_cut(ids[bad])} at "
+                f"position {bad + 1}"
+            )
+        p, o = int(prompt_len[i]), int(output_len[i])
+        least, most = -(-p // hash_block_size), -(-(p + o) // hash_block_size)
+        if len(ids) < least:
+            raise TraceError(
+                f"{where}: expected at least ceil(prompt {p} / hash_block_size "
+                f"{hash_block_size}) = {least} hash ids (one per block of the prompt), "
+                f"got {len(ids)}"
+            )
+        if len(ids) > most:
+            raise TraceError(
+                f"{where}: expected at most ceil((prompt {p} + output {o}) / hash_block_size "
+                f"{hash_block_size}) = {most} hash ids (blocks of the prompt and the output), "
+                f"got {len(ids)}; is trace.hash_block_size right?"
+            )
+        out.append(ids)
+    return out
+
+
+def _cut(value: Any) -> str:
+    """A JSON value, cut to ~60 characters, for one-line messages."""
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

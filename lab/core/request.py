@@ -37,7 +37,11 @@ class Request:
             ids at equal positions mean equal content up to there (Mooncake traces). The ids
             may extend past the prompt (tokens the request will generate). The prefix cache
             keys KV blocks by them (lab/core/kv.py); with None it falls back to the token ids.
-        priority: lower runs first for priority policies; unused by FCFS.
+        priority: lower runs first for priority policies (vLLM's convention); unused by FCFS.
+        class_name: the workload class of the request (``trace:`` as a list of classes,
+            traces/classes.py); "" for a single trace.
+        tenant: who sent it (fairness policies and metrics); "" = no tenant.
+        ttft_slo_s: the TTFT target of its class in seconds (EDF's deadline), or None.
         hash_block_size: tokens each hash id stands for (Mooncake's: 512); a multiple of
             the KV block size when the prefix cache is on.
     """
@@ -49,6 +53,9 @@ class Request:
     prompt_token_ids: list[int] | None = None
     hash_ids: list[int] | None = None
     priority: int = 0
+    class_name: str = ""
+    tenant: str = ""
+    ttft_slo_s: float | None = None
     hash_block_size: int = 512
 
     # Runtime state, owned by the scheduler (lab/core/scheduler.py).

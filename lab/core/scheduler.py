@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -39,6 +39,18 @@ from lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
 from lab.core.request import Request, RequestStatus
 
 log = logging.getLogger("lab.core.scheduler")
+
+#: ``preemption_victim`` rules: the running request preempted when KV blocks are short is
+#: the one with the largest key (ties: the newest, i.e. the last admitted). ``newest`` is
+#: vLLM V0's rule; ``fewest_computed`` loses the least work to recompute;
+#: ``most_blocks`` frees the most blocks; ``lowest_priority`` is vLLM's priority rule:
+#: the largest (priority, arrival).
+VICTIM_RULES: dict[str, Callable[[Scheduler, Request], Any]] = {
+    "newest": lambda s, r: 0,
+    "fewest_computed": lambda s, r: -s.num_computed_tokens(r),
+    "most_blocks": lambda s, r: len(r.block_table),
+    "lowest_priority": lambda s, r: (r.priority, r.arrival_s),
+}
 
 
 @dataclass(frozen=True)
@@ -78,8 +90,9 @@ class Scheduler:
 
     A policy subclasses this class, registers it with :func:`register_policy` and writes
     :meth:`schedule` from the shared moves; it may override the hooks
-    :meth:`admission_order` (default FCFS) and :meth:`pick_victim` (default the newest
-    running request).
+    :meth:`admission_order` (default FCFS), :meth:`make_room` (default: never preempt to
+    admit) and :meth:`pick_victim` (default: the ``preemption_victim`` rule, an option every
+    policy takes, see :data:`VICTIM_RULES`).
     """
 
     name: ClassVar[str] = ""
@@ -89,8 +102,23 @@ class Scheduler:
     preemption_mode: ClassVar[PreemptionMode] = PreemptionMode.RECOMPUTE
     #: Options a policy accepts in its YAML block, with defaults.
     options: ClassVar[dict[str, Any]] = {}
+    #: The policy's victim rule when its ``preemption_victim`` option is not given.
+    preemption_victim: str = "newest"
 
-    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, **options: Any):
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        block_manager: BlockManager,
+        preemption_victim: str | None = None,
+        **options: Any,
+    ):
+        if preemption_victim is not None:
+            if preemption_victim not in VICTIM_RULES:
+                raise ConfigError(
+                    f"preemption_victim: expected one of {', '.join(VICTIM_RULES)}, got "
+                    f"{preemption_victim!r}"
+                )
+            self.preemption_victim = preemption_victim
         self.limits = limits
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
@@ -103,6 +131,14 @@ class Scheduler:
         self.num_steps = 0  # steps applied by update()
         for key, value in {**self.options, **options}.items():
             setattr(self, key, value)
+        self._slots_planned_for: SchedulerOutput | None = None  # see reserve_decode_blocks
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], tenants: frozenset[str]) -> str | None:
+        """Why the policy's YAML options cannot work, as ``key: expected ..., got ...``
+        (None if they can); checked by the config before any run. ``tenants``: the tenants
+        the trace's classes name (empty for a single trace). Default: no check."""
+        return None
 
     # ------------------------------------------------------------------ the contract
     def add(self, request: Request, now_s: float) -> bool:
@@ -175,13 +211,26 @@ class Scheduler:
     def admission_order(self) -> Iterable[Request]:
         """Waiting requests in the order :meth:`admit_waiting` tries them; it stops at the
         first that does not fit. Default: the ``waiting`` queue itself (FCFS, recompute
-        victims first). Must not mutate; return ``self.waiting`` for the default order."""
+        victims first). Must not mutate; return ``self.waiting`` for the default order, else
+        a list or a generator that does not iterate ``waiting`` itself (admission removes
+        from it while the order is read, lazily)."""
         return self.waiting
 
     def pick_victim(self) -> Request:
         """The running request to preempt next when KV blocks are short (called with at
-        least two running). Default: the newest (vLLM's rule)."""
-        return self.running[-1]
+        least two running): the largest key of the ``preemption_victim`` rule
+        (:data:`VICTIM_RULES`), ties to the newest. Default rule: the newest (vLLM V0's)."""
+        if self.preemption_victim == "newest":
+            return self.running[-1]
+        key = VICTIM_RULES[self.preemption_victim]
+        return max(enumerate(self.running), key=lambda ir: (key(self, ir[1]), ir[0]))[1]
+
+    def make_room(self, plan: SchedulerOutput, r: Request, need: int) -> int | None:
+        """Called by :meth:`admit_waiting` when waiting request ``r`` does not fit (``need``
+        blocks, or no free sequence slot): preempt running requests for it, or not.
+        Returns the token budget the victims held in ``plan`` (see
+        :meth:`preempt_lower_ranked`), or None to stop admitting. Default: None."""
+        return None
 
     # ------------------------------------------------------------------ queries
     def has_unfinished(self) -> bool:
@@ -225,24 +274,27 @@ class Scheduler:
         allow; stops at the first that does not fit.
 
         Whole prompts unless the policy is chunked, in which case the last admitted one
-        may get a partial chunk (its blocks are allocated whole). Returns the budget left.
+        may get a partial chunk (its blocks are allocated whole). A request that does not
+        fit goes to :meth:`make_room` first. Returns the budget left.
 
         With the prefix cache on, each candidate's cached prefix is looked up now, whether
         it is new or a recompute victim (never a count kept from before): its cached blocks
         are referenced, only the rest is allocated (and counted against free blocks), and
         its chunk starts after the cached tokens (at least one token is computed).
         """
-        bm, queue = self.block_manager, self.waiting
+        bm, queue, max_seqs = self.block_manager, self.waiting, self.limits.max_num_seqs
         if not queue:
             return budget
         caching = bm.enable_prefix_caching
         order = self.admission_order()
-        custom = iter(list(order)) if order is not queue else None
-        while queue and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+        custom = iter(order) if order is not queue else None
+        while queue and budget > 0:
             r = queue[0] if custom is None else next(custom, None)
             if r is None:
                 break
-            hits = bm.lookup(r) if caching else ()  # now, at every admission attempt
+            # Looked up now, at every admission attempt; a request whose prompt is already
+            # computed elsewhere (its KV moved in from a prefill replica) looks nothing up.
+            hits = bm.lookup(r) if caching and not r.num_computed_tokens else ()
             num_new = r.num_tokens - r.num_computed_tokens - len(hits) * self.block_size
             if num_new > budget:
                 if not self.chunked_prefill:
@@ -251,12 +303,22 @@ class Scheduler:
             need = self.blocks_to_admit(r)
             if caching:
                 need -= len(hits)
-                taken = need + bm.num_evictable(hits)  # hits in the LRU queue leave it
-            else:
-                taken = need
+            taken = need + bm.num_evictable(hits) if caching else need  # hits leave the LRU
+            if len(self.running) >= max_seqs or not bm.can_allocate(
+                taken, use_watermark=bool(self.running)
+            ):
+                regained = self.make_room(plan, r, taken)
+                if regained is not None:
+                    budget += regained
+                    cached = len(hits) * self.block_size
+                    num_new = min(r.num_tokens - r.num_computed_tokens - cached, budget)
+                    need = self.blocks_to_admit(r) - len(hits)
+                    taken = need + bm.num_evictable(hits) if caching else need
+                if len(self.running) >= max_seqs:
+                    break
             if not bm.can_allocate(taken, use_watermark=bool(self.running)):
                 if not self.running and taken > bm.num_free_gpu_blocks and not self.swapped:
-                    self._take_waiting(r, custom is None)
+                    self._take_waiting(r, custom is None and queue[0] is r)
                     self.abort(
                         plan,
                         r,
@@ -264,8 +326,8 @@ class Scheduler:
                     )
                     continue
                 break
-            self._take_waiting(r, custom is None)
-            if caching:
+            self._take_waiting(r, custom is None and queue[0] is r)
+            if caching and not r.num_computed_tokens:
                 self._admit_cached(plan, r, hits, need)
             else:
                 bm.allocate(r, need)
@@ -299,6 +361,7 @@ class Scheduler:
         :meth:`pick_victim` while blocks are short. A request that needs a block while
         holding the whole cache alone is aborted."""
         bm, ds = self.block_manager, self.decode_set
+        self._slots_planned_for = plan
         while len(ds.needing_block()) > bm.num_free_gpu_blocks:
             if len(self.running) == 1:
                 self.abort(
@@ -311,6 +374,51 @@ class Scheduler:
                 self.preempt(plan, self.pick_victim())
         for r in ds.needing_block():
             bm.allocate(r, 1)
+
+    def preempt_lower_ranked(
+        self, plan: SchedulerOutput, r: Request, need: int, rank: Callable[[Request], Any]
+    ) -> int | None:
+        """Preempt running requests that rank strictly below waiting request ``r``
+        (``rank(v) > rank(r)``; lower ranks run first), the lowest-ranked first (ties: the
+        newest), until ``r``'s ``need`` blocks and a sequence slot are free; none if that is
+        not enough. Requests admitted in this very plan are never victims.
+
+        A victim already planned in this step is rolled back: its prefill chunk leaves
+        ``plan``, and a decode gives back its block (all its blocks are freed) and, if
+        :meth:`reserve_decode_blocks` ran for ``plan``, its decode slot; it samples no token
+        in this step. The victims are chosen from the ranks alone, so the result does not
+        depend on the order of ``running``.
+
+        Returns:
+            The token budget the victims held in ``plan`` (chunks + decode slots), or None
+            if no set of victims makes room (then nothing is preempted).
+        """
+        bm, lim = self.block_manager, self.limits
+        order = sorted(enumerate(self.running), key=lambda iv: (rank(iv[1]), iv[0]), reverse=True)
+        top = rank(r)
+        free, running, victims = bm.num_free_gpu_blocks, len(self.running), []
+
+        def fits() -> bool:
+            reserve = bm.watermark_blocks if running else 0
+            return running < lim.max_num_seqs and free - need >= reserve
+
+        for _, v in order:
+            if fits() or not rank(v) > top:
+                break
+            if v in plan.prefills and v.num_computed_tokens == 0:
+                continue  # admitted in this plan
+            victims.append(v)
+            free += len(v.block_table)
+            running -= 1
+        if not fits():
+            return None
+        regained = 0
+        for v in victims:
+            regained += plan.prefills.pop(v, 0)
+            if v in self.decode_set and self._slots_planned_for is plan:
+                regained += 1
+            self.preempt(plan, v)
+        return regained
 
     def preempt(self, plan: SchedulerOutput, victim: Request) -> None:
         """Preempt ``victim`` by swap if the policy swaps and CPU space allows, else by
@@ -360,7 +468,10 @@ class Scheduler:
         bm = self.block_manager
         while self.swapped and len(self.running) < self.limits.max_num_seqs:
             r = self.swapped[0]
-            extra = 1 if r.num_tokens % self.block_size == 0 else 0  # the slot it samples into
+            # Its blocks plus the slot of the token it samples next (a victim rolled back
+            # by preempt_lower_ranked may have taken that block out with it).
+            need = max(blocks_for(r.num_tokens + 1, self.block_size), len(r.block_table))
+            extra = need - len(r.block_table)
             if not bm.can_allocate(bm.blocks_to_swap_in(r) + extra, bool(self.running)):
                 break
             self.swapped.popleft()
@@ -431,6 +542,17 @@ class Scheduler:
             self.decode_set.remove(r)
         elif r in self.prefilling:
             self.prefilling.remove(r)
+
+
+def bad_number(options: Mapping[str, Any], key: str, *, null: bool = False) -> str | None:
+    """For :meth:`Scheduler.check_options`: ``key: expected ...`` unless ``options[key]`` is a
+    finite number >= 0 (or null, when ``null``); None when it is, or when the key is absent."""
+    v = options.get(key)
+    if key not in options or (v is None and null):
+        return None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf"):
+        return None
+    return f"{key}: expected a finite number >= 0{' or null' if null else ''}, got {v!r}"
 
 
 # ---------------------------------------------------------------------- registry

@@ -71,3 +71,52 @@ HARDWARE: dict[str, Hardware] = {
         ),
     ]
 }
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link that carries KV caches from prefill to decode replicas (P/D disaggregation).
+
+    Attributes: bandwidth (bytes/s in one direction: a KV transfer goes one way),
+    latency_s (one-way; an assumed typical figure, not a datasheet one), source.
+    """
+
+    name: str
+    bandwidth: float
+    latency_s: float
+    source: str
+
+
+GBIT = 1e9 / 8  # bytes/s of one Gb/s
+
+LINKS: dict[str, Link] = {
+    link.name: link
+    for link in [
+        Link(
+            "nvlink4",
+            450 * GB,
+            2e-6,
+            "NVIDIA H100 / H200 Tensor Core GPU datasheets: NVLink 900 GB/s per GPU "
+            "(bidirectional), 450 GB/s per direction; latency assumed",
+        ),
+        Link(
+            "ib-ndr",
+            400 * GBIT,
+            5e-6,
+            "NVIDIA ConnectX-7 datasheet: InfiniBand NDR 400 Gb/s per port; latency assumed "
+            "(one-way RDMA)",
+        ),
+        Link(
+            "eth-400g",
+            400 * GBIT,
+            10e-6,
+            "IEEE 802.3bs 400 Gb/s Ethernet (NVIDIA ConnectX-7: 400GbE); latency assumed (RoCE)",
+        ),
+        Link(
+            "eth-100g",
+            100 * GBIT,
+            10e-6,
+            "IEEE 802.3ba / 802.3cd 100 Gb/s Ethernet; latency assumed (RoCE)",
+        ),
+    ]
+}

@@ -80,6 +80,10 @@ class ReplayResult:
         parts += [end[self.tick_steps[a:b]] for a, b in r.decode_segments]
         return np.sort(np.concatenate(parts))
 
+    def num_token_times(self, r: Request) -> int:
+        """``len(self.token_times(r))``, without computing them."""
+        return len(r.prefill_token_steps) + sum(b - a for a, b in r.decode_segments)
+
 
 class _Wakeup:
     """An event the idle engine waits on; arrivals trigger it."""
@@ -124,8 +128,13 @@ def engine_process(
     tick_steps: array,
     check_invariants: bool = False,
     progress=None,
+    on_step=None,
 ) -> Iterator[simpy.Event]:
-    """Run steps until every request has arrived and none is unfinished."""
+    """Run steps until every request has arrived and none is unfinished.
+
+    ``on_step``: optional callable(plan, now_s) called after each step's ``update`` (the
+    cluster simulator hands finished prefills to their decode replica there).
+    """
     bm = scheduler.block_manager
     columns = [rec[c] for c in STEP_COLUMNS]
     wall_clock = getattr(executor, "wall_clock", False)
@@ -185,6 +194,8 @@ def engine_process(
         if plan.decodes:
             tick_steps.append(step)
         scheduler.update(plan, result, env.now)
+        if on_step is not None:
+            on_step(plan, env.now)
         step += 1
         if progress is not None and step % 4096 == 0:
             progress(arrived[0] - scheduler.num_unfinished, env.now)
@@ -244,9 +255,7 @@ def _replay(
     requests = sorted(requests, key=lambda r: r.arrival_s)
     env = simpy.Environment()
     wakeup, arrived = _Wakeup(env), [0]
-    # array.array: 8 bytes a value while the replay runs (a list holds a Python object each)
-    rec = {c: array("d" if c in _FLOAT_COLUMNS else "q") for c in STEP_COLUMNS}
-    tick_steps = array("q")
+    rec, tick_steps = step_records()
     env.process(arrival_process(env, requests, scheduler, wakeup, arrived))
     env.process(
         engine_process(
@@ -287,17 +296,11 @@ def _replay(
                 )
             else:  # caught by the step that failed outside every queue
                 r.finish_s, r.reason = env.now, unfinished
-        n = min(len(v) for v in rec.values())  # a step that failed midway has no row
-        rec = {c: v[:n] for c, v in rec.items()}
-        tick_steps = array("q", [t for t in tick_steps if t < n])
-    steps = {
-        c: np.frombuffer(v, dtype=np.float64 if c in _FLOAT_COLUMNS else np.int64)
-        for c, v in rec.items()
-    }
+    steps, ticks = step_arrays(rec, tick_steps)
     return ReplayResult(
         requests,
         steps,
-        np.frombuffer(tick_steps, dtype=np.int64),
+        ticks,
         time.perf_counter() - t0,
         scheduler.block_manager.num_gpu_blocks,
         failure,
@@ -307,6 +310,29 @@ def _replay(
 
 
 _FLOAT_COLUMNS = ("time_s", "duration_s", "prefill_attention_pairs")
+
+
+def step_records() -> tuple[dict[str, array], array]:
+    """Empty per-step records (one typed array per ``STEP_COLUMNS`` entry, 8 bytes a value
+    while the replay runs: a list would hold a Python object each) and decode-tick steps."""
+    return {c: array("d" if c in _FLOAT_COLUMNS else "q") for c in STEP_COLUMNS}, array("q")
+
+
+def step_arrays(
+    rec: dict[str, array], tick_steps: array
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The records as numpy views; a step that failed midway (a shorter column) is cut."""
+    n = min(len(v) for v in rec.values())
+    if any(len(v) != n for v in rec.values()):
+        rec = {c: v[:n] for c, v in rec.items()}
+        tick_steps = array("q", [t for t in tick_steps if t < n])
+    steps = {
+        c: np.frombuffer(v, dtype=np.float64 if c in _FLOAT_COLUMNS else np.int64)
+        for c, v in rec.items()
+    }
+    return steps, np.frombuffer(tick_steps, dtype=np.int64)
+
+
 _ENDED = (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED)
 
 

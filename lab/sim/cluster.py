@@ -1,0 +1,426 @@
+"""A cluster of replicas in one SimPy environment: routers, and prefill/decode disaggregation.
+
+Every replica is a serving instance of its own: a scheduler (a fresh policy instance with
+its block manager, i.e. its KV cache) and an executor (its cost model), stepped by the
+replay loop's own ``engine_process`` (lab/sim/replay.py). One arrival process routes each
+request at its arrival (lab/sim/router.py); the replicas share nothing else.
+
+**Aggregated** (``cluster: {replicas: N, router: R}``): a request is served whole by the
+replica the router picks. One replica gives the same steps and requests as no cluster.
+
+**Disaggregated** (``cluster: {prefill: {replicas: P}, decode: {replicas: D}, kv_transfer:
+LINK}``; DistServe, OSDI'24; Splitwise, ISCA'24; Mooncake, FAST'25). Replicas 0..P-1 prefill,
+P..P+D-1 decode. The rules:
+
+* A request is checked against the decode replicas' limits at arrival (rejected there with
+  their reason), then routed to a prefill replica, which runs its prompt and samples its
+  first token (it holds a copy of the request with one output token: its policy sees a
+  one-token job, so length-aware policies such as sjf order prefills by that). A request
+  of one output token ends there.
+* At the end of that step the decode router picks a decode replica and the prompt's KV
+  (prompt_len x the model's K+V bytes per token) goes over the prefill replica's link:
+  one link per prefill replica, transfers FIFO on it, each occupying it for bytes /
+  bandwidth; the KV lands ``latency_s`` after its last byte leaves. The prefill replica's
+  blocks are freed when the prefill ends (its copy of the KV is the transfer's).
+* When the KV lands, the request joins the decode replica's ``waiting`` queue with its
+  prompt computed: its policy admits it like any request, allocating its blocks then
+  (prompt + 2 tokens' worth: the KV that landed, plus the first token's and the second's
+  slots) and feeding the first token, which samples the second. A decode replica without
+  room keeps it waiting, FIFO behind earlier arrivals, while the KV stays in the receiving
+  host's buffer (host memory is not a limit here); it is admitted when blocks free up.
+  Preempted on the decode replica, it is recomputed there (its KV is gone).
+* TTFT is the prefill's: the first token is produced by the prefill replica (DistServe,
+  Splitwise), so TTFT excludes the transfer; the gap to the second token (its ITL, part of
+  TPOT) includes the transfer and any wait for the decode replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import simpy
+
+from lab.core.errors import SchedulerStuckError
+from lab.core.plan import Executor, SchedulerOutput
+from lab.core.request import Request, RequestStatus
+from lab.core.scheduler import Scheduler
+from lab.sim.hardware import Link
+from lab.sim.replay import (
+    _ENDED,
+    ReplayResult,
+    _Wakeup,
+    engine_process,
+    step_arrays,
+    step_records,
+)
+from lab.sim.router import Router, get_router
+
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """Replicas of one role and the router that spreads requests over them."""
+
+    replicas: int
+    router: str = "round_robin"
+    router_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Aggregated (``pool``) or disaggregated (``prefill``, ``decode`` and ``link``)."""
+
+    pool: PoolSpec | None = None
+    prefill: PoolSpec | None = None
+    decode: PoolSpec | None = None
+    link: Link | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.pool is None
+
+    @property
+    def num_replicas(self) -> int:
+        if self.pool is not None:
+            return self.pool.replicas
+        return self.prefill.replicas + self.decode.replicas
+
+
+class Replica:
+    """One serving instance and what a router sees of it (:class:`lab.sim.router.ReplicaLoad`)."""
+
+    def __init__(
+        self, env: simpy.Environment, index: int, role: str, scheduler: Scheduler, executor
+    ) -> None:
+        self.index, self.role = index, role
+        self.scheduler, self.executor = scheduler, executor
+        self.wakeup = _Wakeup(env)
+        self.rec, self.tick_steps = step_records()
+        self.requests: list[Request] = []  # every request routed here, in routing order
+        self.num_incoming = 0  # KV transfers under way to it
+        self._open: list[Request] = []  # routed here, not ended (pruned when read)
+        self._open_tokens = 0
+
+    @property
+    def num_requests(self) -> int:
+        return self.scheduler.num_unfinished + self.num_incoming
+
+    @property
+    def outstanding_tokens(self) -> int:
+        if len(self._open) != self.num_requests:  # some ended since the last look
+            self._open = [r for r in self._open if r.status not in _ENDED]
+            self._open_tokens = sum(r.prompt_len for r in self._open)
+        return self._open_tokens
+
+    @property
+    def kv_used_fraction(self) -> float:
+        bm = self.scheduler.block_manager
+        return bm.num_used_gpu_blocks / bm.num_gpu_blocks
+
+    def take(self, r: Request) -> None:
+        """Count ``r`` as routed here (its KV may still be on the way)."""
+        self.requests.append(r)
+        self._open.append(r)
+        self._open_tokens += r.prompt_len
+
+
+@dataclass
+class ClusterResult(ReplayResult):
+    """A cluster replay: :class:`ReplayResult` over all replicas, plus each replica's own.
+
+    ``steps`` holds every replica's steps ordered by start time (stable: replica order on
+    ties), with a ``replica`` column; ``num_gpu_blocks`` is one replica's (they are equal)
+    and ``tick_steps`` is empty (each replica's are in ``replica_results``).
+
+    Attributes:
+        replica_results: per replica, its steps and the requests routed to it.
+        roles: per replica, "both", "prefill" or "decode".
+        replica_of: the replica that produced each request's last token.
+        first_token: disaggregated requests of 2+ tokens: (prefill replica, step index).
+        transfers: (KV ready s, transfer start s, KV landed s, bytes) per transferred request.
+    """
+
+    replica_results: list[ReplayResult] = field(default_factory=list)
+    roles: list[str] = field(default_factory=list)
+    replica_of: dict[Request, int] = field(default_factory=dict)
+    first_token: dict[Request, tuple[int, int]] = field(default_factory=dict)
+    transfers: dict[Request, tuple[float, float, float, int]] = field(default_factory=dict)
+
+    def token_times(self, r: Request) -> np.ndarray:
+        times = self.replica_results[self.replica_of[r]].token_times(r)
+        if r in self.first_token:
+            p, step = self.first_token[r]
+            times = np.concatenate(([self.replica_results[p].step_end_s[step]], times))
+        return times
+
+    def num_token_times(self, r: Request) -> int:
+        return super().num_token_times(r) + (r in self.first_token)
+
+
+class _Cluster:
+    """The replicas, routers and links of one replay, and the moves between them."""
+
+    def __init__(
+        self,
+        env: simpy.Environment,
+        spec: ClusterSpec,
+        make_replica: Callable[[], tuple[Scheduler, Executor]],
+        kv_bytes_per_token: int,
+        seed: int,
+    ) -> None:
+        self.env, self.spec, self.kv_bytes_per_token = env, spec, kv_bytes_per_token
+        pools = (
+            [("both", spec.pool)]
+            if spec.pool is not None
+            else [("prefill", spec.prefill), ("decode", spec.decode)]
+        )
+        self.replicas: list[Replica] = []
+        self.pools: list[list[Replica]] = []
+        self.routers: list[Router] = []
+        for role, pool in pools:
+            reps = []
+            for _ in range(pool.replicas):
+                reps.append(Replica(env, len(self.replicas), role, *make_replica()))
+                self.replicas.append(reps[-1])
+            self.pools.append(reps)
+            self.routers.append(get_router(pool.router)(reps, seed, **pool.router_options))
+        self.num_arrived = 0
+        self.replica_of: dict[Request, int] = {}
+        self.first_token: dict[Request, tuple[int, int]] = {}
+        self.transfers: dict[Request, tuple[float, float, float, int]] = {}
+        self._real: dict[Request, Request] = {}  # a prefill replica's copy -> the request
+        self._link_free_s = [0.0] * len(self.replicas)  # per prefill replica's link
+
+    def arrive(self, r: Request) -> None:
+        """Route an arriving request (aggregated: to its replica; else to a prefill one)."""
+        self.num_arrived += 1
+        if self.spec.pool is None:
+            reason = self.pools[1][0].scheduler.rejection_reason(r)
+            if reason:
+                r.status, r.reason, r.finish_s = RequestStatus.REJECTED, reason, self.env.now
+                return
+            if r.output_len > 1:
+                copy = _prefill_copy(r)
+                self._real[copy] = r
+                self._place(copy, self.pools[0][self.routers[0].route(r)])
+                return
+        self._place(r, self.pools[0][self.routers[0].route(r)])
+
+    def _place(self, r: Request, rep: Replica) -> None:
+        rep.take(r)
+        self.replica_of[self._real.get(r, r)] = rep.index
+        if rep.scheduler.add(r, self.env.now):
+            rep.wakeup.fire()
+
+    def prefill_step(self, rep: Replica, plan: SchedulerOutput, now: float) -> None:
+        """After a prefill replica's step: send each finished prefill's KV to a decode
+        replica; a copy aborted by the prefill replica aborts its request."""
+        for copy in plan.prefills:
+            if copy.status is RequestStatus.FINISHED and copy in self._real:
+                self._send(self._real.pop(copy), copy, rep, now)
+        for copy in plan.aborted:
+            r = self._real.pop(copy, None)
+            if r is not None:
+                r.status, r.reason, r.finish_s = copy.status, copy.reason, copy.finish_s
+
+    def _send(self, r: Request, copy: Request, p: Replica, now: float) -> None:
+        r.first_scheduled_s = copy.first_scheduled_s
+        r.num_preemptions_recompute += copy.num_preemptions_recompute
+        r.num_preemptions_swap += copy.num_preemptions_swap
+        r.num_cached_tokens = copy.num_cached_tokens  # the prefill replica's cache hits
+        r.num_resumed_cached_tokens += copy.num_resumed_cached_tokens
+        self.first_token[r] = (p.index, copy.prefill_token_steps[-1])
+        d = self.pools[1][self.routers[1].route(r)]
+        link = self.spec.link
+        nbytes = r.prompt_len * self.kv_bytes_per_token
+        start = max(now, self._link_free_s[p.index])  # FIFO on the prefill replica's link
+        self._link_free_s[p.index] = start + nbytes / link.bandwidth
+        landed = start + nbytes / link.bandwidth + link.latency_s
+        self.transfers[r] = (now, start, landed, nbytes)
+        d.num_incoming += 1
+        d.take(r)
+        self.replica_of[r] = d.index
+        event = self.env.timeout(landed - now)
+        event.callbacks.append(lambda _event: self._land(r, d))
+
+    def _land(self, r: Request, d: Replica) -> None:
+        """The KV of ``r`` is on decode replica ``d``: it waits there, prompt computed."""
+        d.num_incoming -= 1
+        r.num_computed_tokens, r.num_output_tokens = r.prompt_len, 1
+        if d.scheduler.add(r, self.env.now):
+            d.wakeup.fire()
+
+
+def _prefill_copy(r: Request) -> Request:
+    """A fresh copy of ``r`` with one output token, for its prefill replica (every
+    runtime list its own)."""
+    copy = dataclasses.replace(r, output_len=1)
+    for f in dataclasses.fields(Request):
+        if f.default_factory is not dataclasses.MISSING:
+            setattr(copy, f.name, f.default_factory())
+    return copy
+
+
+def arrival_process(
+    env: simpy.Environment, requests: list[Request], cluster: _Cluster, progress
+) -> Iterator[simpy.Event]:
+    """Route ``requests`` (sorted by arrival) at their arrival times."""
+    for i, r in enumerate(requests):
+        if r.arrival_s > env.now:
+            yield env.timeout(r.arrival_s - env.now)
+        cluster.arrive(r)
+        if progress is not None and i % 4096 == 4095:
+            unfinished = sum(rep.num_requests for rep in cluster.replicas)
+            progress(max(cluster.num_arrived - unfinished, 0), env.now)
+
+
+def replay_cluster(
+    requests: list[Request],
+    spec: ClusterSpec,
+    make_replica: Callable[[], tuple[Scheduler, Executor]],
+    kv_bytes_per_token: int = 0,
+    seed: int = 0,
+    check_invariants: bool = False,
+    progress=None,
+) -> ClusterResult:
+    """Replay ``requests`` (mutated in place) through a cluster; the contract of
+    :func:`lab.sim.replay.replay` (a failing step stops the run, every request not ended
+    is aborted with a reason naming the failure, ``failure`` holds it).
+
+    Args:
+        make_replica: a fresh (scheduler, executor) per call; every replica gets its own.
+        kv_bytes_per_token: K and V bytes of one token over all layers (disaggregated).
+        seed: for routers that sample.
+    """
+    frozen_by_caller = gc.get_freeze_count() > 0
+    gc.freeze()  # as replay() does: earlier objects are not rescanned by the collector
+    try:
+        return _replay(
+            requests, spec, make_replica, kv_bytes_per_token, seed, check_invariants, progress
+        )
+    finally:
+        if not frozen_by_caller:
+            gc.unfreeze()
+
+
+def _replay(requests, spec, make_replica, kv_bytes_per_token, seed, check_invariants, progress):
+    t0 = time.perf_counter()
+    if any(r.status is RequestStatus.DROPPED for r in requests):
+        raise ValueError("replay_cluster: dropped trace rows are not replayed")
+    requests = sorted(requests, key=lambda r: r.arrival_s)
+    env = simpy.Environment()
+    cluster = _Cluster(env, spec, make_replica, kv_bytes_per_token, seed)
+    env.process(arrival_process(env, requests, cluster, progress))
+    for rep in cluster.replicas:
+        on_step = None
+        if rep.role == "prefill":
+            on_step = functools.partial(cluster.prefill_step, rep)
+        # num_requests -1: a replica never stops on its own (KV may still come); the run
+        # ends when no event is left.
+        env.process(
+            engine_process(
+                env,
+                rep.scheduler,
+                rep.executor,
+                -1,
+                rep.wakeup,
+                [0],
+                rep.rec,
+                rep.tick_steps,
+                check_invariants,
+                None,
+                on_step,
+            )
+        )
+    failure = None
+    try:
+        env.run()
+        lost = [r.request_id for r in requests if r.status not in _ENDED]
+        if lost:
+            raise SchedulerStuckError(
+                f"replay ended with {len(lost)} requests unfinished: {', '.join(lost[:10])}"
+            )
+        if check_invariants:
+            for rep in cluster.replicas:
+                rep.scheduler.block_manager.check_integrity([])
+    except Exception as e:  # a failed step ends the run, accounted for request by request
+        failure = f"{type(e).__name__}: {e}".splitlines()[0]
+        unfinished = f"not finished: the run stopped at t={env.now:.3f}s ({failure})"
+        for rep in cluster.replicas:
+            rep.scheduler.abort_unfinished(unfinished, env.now)
+        for i, r in enumerate(requests):
+            if r.status in _ENDED:
+                continue
+            r.status = RequestStatus.ABORTED
+            if i >= cluster.num_arrived:
+                r.reason = (
+                    f"not replayed: the run stopped at t={env.now:.3f}s, before its "
+                    f"arrival ({failure})"
+                )
+            else:  # in a queue, in transfer, or caught by the step that failed
+                r.finish_s, r.reason = env.now, unfinished
+    wall = time.perf_counter() - t0
+    results = []
+    for rep in cluster.replicas:
+        steps, ticks = step_arrays(rep.rec, rep.tick_steps)
+        blocks = rep.scheduler.block_manager.num_gpu_blocks
+        results.append(ReplayResult(rep.requests, steps, ticks, wall, blocks, failure))
+    return ClusterResult(
+        requests,
+        _merged_steps(results),
+        np.zeros(0, dtype=np.int64),
+        wall,
+        results[0].num_gpu_blocks,
+        failure,
+        replica_results=results,
+        roles=[rep.role for rep in cluster.replicas],
+        replica_of=cluster.replica_of,
+        first_token=cluster.first_token,
+        transfers=cluster.transfers,
+    )
+
+
+def _merged_steps(results: Sequence[ReplayResult]) -> dict[str, np.ndarray]:
+    """Every replica's steps by start time (stable), with a ``replica`` column."""
+    lengths = [len(rr.steps["time_s"]) for rr in results]
+    replica = np.repeat(np.arange(len(results), dtype=np.int64), lengths)
+    merged = {c: np.concatenate([rr.steps[c] for rr in results]) for c in results[0].steps}
+    order = np.argsort(merged["time_s"], kind="stable")
+    out = {c: v[order] for c, v in merged.items()}
+    out["replica"] = replica[order]
+    return out
+
+
+def request_columns(result: ClusterResult, rows: Sequence[Request]) -> dict[str, Any]:
+    """Per-request cluster columns for ``rows`` (requests.csv): ``replica`` (that produced
+    the last token; empty when never placed); disaggregated also ``prefill_replica``,
+    ``kv_transfer_bytes``, ``transfer_queue_s`` (waiting for the link) and ``transfer_s``
+    (KV ready on the prefill replica to landed on the decode one, the wait included)."""
+    import pandas as pd
+
+    def ints(values) -> Any:
+        return pd.array(values, dtype="Int64")
+
+    cols = {"replica": ints([result.replica_of.get(r) for r in rows])}
+    if "prefill" in result.roles:
+        prefill = []
+        for r in rows:
+            first = result.first_token.get(r)
+            prefill.append(first[0] if first is not None else result.replica_of.get(r))
+        nan = (math.nan, math.nan, math.nan, None)
+        tr = [result.transfers.get(r, nan) for r in rows]
+        cols["prefill_replica"] = ints(prefill)
+        cols["kv_transfer_bytes"] = ints([t[3] for t in tr])
+        cols["transfer_queue_s"] = np.array([t[1] - t[0] for t in tr], dtype=np.float64)
+        cols["transfer_s"] = np.array([t[2] - t[0] for t in tr], dtype=np.float64)
+    return cols

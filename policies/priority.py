@@ -1,0 +1,43 @@
+"""Priority scheduling with vLLM's semantics (vLLM V1 ``--scheduling-policy priority``).
+
+Each request carries an integer ``priority``; lower runs first. Steps are planned as in
+chunked_prefill (decodes first, then prompt chunks): waiting requests are admitted in
+(priority, arrival) order, and when decodes need KV blocks the victim is the running request
+with the largest (priority, arrival) (``preemption_victim: lowest_priority``, vLLM's rule).
+
+``priority_preemption: true`` also preempts running requests of strictly lower priority
+(larger value) to admit a waiting one that does not fit, the lowest first (the shared move
+``Scheduler.preempt_lower_ranked``: a victim already planned in this step is rolled back).
+Without it a high-priority request waits until blocks free up, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lab.core.plan import SchedulerOutput
+from lab.core.request import Request
+from lab.core.scheduler import register_policy
+from policies.chunked_prefill import ChunkedPrefill
+
+
+@register_policy("priority")
+class Priority(ChunkedPrefill):
+    preemption_victim = "lowest_priority"
+    options = {"priority_preemption": False}
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], tenants: frozenset[str]) -> str | None:
+        if not isinstance(options.get("priority_preemption", False), bool):
+            got = options["priority_preemption"]
+            return f"priority_preemption: expected true or false, got {got!r}"
+        return None
+
+    def admission_order(self) -> list[Request]:
+        return sorted(self.waiting, key=lambda r: (r.priority, r.arrival_s))
+
+    def make_room(self, plan: SchedulerOutput, r: Request, need: int) -> int | None:
+        if not self.priority_preemption:
+            return None
+        return self.preempt_lower_ranked(plan, r, need, rank=lambda v: v.priority)

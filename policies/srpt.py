@@ -1,0 +1,41 @@
+"""Shortest remaining processing time: SJF (policies/sjf.py) ranked by the predicted output
+tokens still to generate, with the same predictors and aging.
+
+A waiting request that was preempted (recompute) ranks by what it has left, so it is
+finished first. ``preempt_longer: true`` makes SRPT preemptive: a waiting request that does
+not fit preempts running ones that rank strictly lower (more left; most first: the shared
+move ``Scheduler.preempt_lower_ranked``). Progress is read live from the decode set; a
+bucketed ranker knows no token counts, so it ranks by bucket alone, as SJF.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lab.core.plan import SchedulerOutput
+from lab.core.request import Request
+from lab.core.scheduler import register_policy
+from policies.sjf import SJF
+
+
+@register_policy("srpt")
+class SRPT(SJF):
+    options = {**SJF.options, "preempt_longer": False}
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], tenants: frozenset[str]) -> str | None:
+        if not isinstance(options.get("preempt_longer", False), bool):
+            return f"preempt_longer: expected true or false, got {options['preempt_longer']!r}"
+        return super().check_options(options, tenants)
+
+    def job_size(self, r: Request) -> float:
+        if self.predictor == "bucketed":
+            return self._predicted[r]
+        tokens = self.decode_set.num_tokens(r) if r in self.decode_set else r.num_tokens
+        return max(self._predicted[r] - (tokens - r.prompt_len), 0.0)
+
+    def make_room(self, plan: SchedulerOutput, r: Request, need: int) -> int | None:
+        if not self.preempt_longer:
+            return None
+        return self.preempt_lower_ranked(plan, r, need, rank=self.rank)

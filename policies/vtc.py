@@ -1,0 +1,96 @@
+"""Virtual Token Counter: fair sharing between tenants (Sheng et al., "Fairness in Serving
+Large Language Models", OSDI'24, §4.1 the VTC algorithm); fcfs's prefill-first step.
+
+Each tenant has a counter of the service it received: ``input_weight`` per prompt token when
+its request is admitted, ``output_weight`` per generated token (the paper's cost function,
+w_p = 1 and w_q = 2 in its evaluation), divided by the tenant's ``tenant_weights`` entry
+(weighted VTC; default 1). Admission always takes the earliest waiting request of the
+backlogged tenant (one with waiting requests) whose counter is the smallest (ties: tenant
+name), and charges it at once, so one step's admissions alternate between tenants.
+
+Counter lift: a tenant that arrives with nothing waiting has its counter raised to the
+smallest counter of the backlogged tenants, or, when none is backlogged, to the counter of
+the last tenant that left the queue; a tenant that was idle cannot bank service. A
+recomputed request is charged its prompt once (the recompute is the server's loss).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict, deque
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from lab.core.plan import SchedulerOutput, StepResult
+from lab.core.request import Request
+from lab.core.scheduler import bad_number, register_policy
+from policies.fcfs import FCFS
+
+
+@register_policy("vtc")
+class VTC(FCFS):
+    options = {"input_weight": 1.0, "output_weight": 2.0, "tenant_weights": {}}
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], tenants: frozenset[str]) -> str | None:
+        w = options.get("tenant_weights", {})
+        if not isinstance(w, Mapping):
+            return f"tenant_weights: expected a mapping of tenant -> weight, got {w!r}"
+        for t, v in w.items():
+            if t not in tenants:
+                known = ", ".join(sorted(tenants)) or "none (no trace class names a tenant)"
+                return f"tenant_weights: unknown tenant {t!r}; the trace's tenants: {known}"
+            if bad_number(w, t) or v == 0:
+                return f"tenant_weights.{t}: expected a number > 0, got {v!r}"
+        return bad_number(options, "input_weight") or bad_number(options, "output_weight")
+
+    def __init__(self, *args: Any, **options: Any) -> None:
+        super().__init__(*args, **options)
+        self.counters: defaultdict[str, float] = defaultdict(float)
+        self._queued: Counter[str] = Counter()  # waiting requests per tenant
+        self._last_left = 0.0  # counter of the last tenant whose queue emptied
+
+    def cost(self, r: Request, tokens: int, weight: float) -> float:
+        return tokens * weight / self.tenant_weights.get(r.tenant, 1.0)
+
+    def add(self, request: Request, now_s: float) -> bool:
+        t = request.tenant
+        if not self._queued[t]:  # the counter lift
+            backlogged = [self.counters[u] for u, n in self._queued.items() if n]
+            lift = min(backlogged) if backlogged else self._last_left
+            self.counters[t] = max(self.counters[t], lift)
+        if not super().add(request, now_s):
+            return False
+        self._queued[t] += 1
+        return True
+
+    def admission_order(self) -> Iterator[Request]:
+        queues: dict[str, deque[Request]] = {}
+        for r in self.waiting:
+            queues.setdefault(r.tenant, deque()).append(r)
+        c = dict(self.counters)
+        while queues:
+            t = min(queues, key=lambda u: (c.get(u, 0.0), u))
+            r = queues[t].popleft()
+            if not queues[t]:
+                del queues[t]
+            if r.num_preemptions == 0:
+                c[t] = c.get(t, 0.0) + self.cost(r, r.prompt_len, self.input_weight)
+            yield r
+
+    def schedule(self) -> SchedulerOutput:
+        plan = super().schedule()
+        for r in plan.prefills:  # whole prompts, all admitted in this plan
+            if r.num_preemptions == 0:
+                self.counters[r.tenant] += self.cost(r, r.prompt_len, self.input_weight)
+        queued = Counter(r.tenant for r in self.waiting)
+        for r in plan.prefills:  # in admission order: the last tenant to leave wins
+            if self._queued[r.tenant] and not queued[r.tenant]:
+                self._last_left = self.counters[r.tenant]
+        self._queued = queued
+        return plan
+
+    def update(self, plan: SchedulerOutput, result: StepResult, now_s: float) -> None:
+        done = [r for r, n in plan.prefills.items() if r.num_computed_tokens + n == r.num_tokens]
+        for r in (*done, *plan.decodes):  # every request that samples a token in the step
+            self.counters[r.tenant] += self.cost(r, 1, self.output_weight)
+        super().update(plan, result, now_s)

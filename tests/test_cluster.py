@@ -1,0 +1,389 @@
+"""The cluster simulator: routers on hand-computed arrivals, a disaggregated request's
+timeline with the fixed-cost toy executor (10 ms per step), bad inputs, and a 1-replica
+cluster against no cluster."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import MappingProxyType
+
+import numpy as np
+import pandas as pd
+import pytest
+from helpers import FixedCost
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lab.config import validate
+from lab.core.errors import ConfigError
+from lab.core.kv import BlockManager
+from lab.core.request import Request
+from lab.core.scheduler import SchedulerLimits
+from lab.experiment import run_experiment
+from lab.sim.cluster import ClusterSpec, PoolSpec, replay_cluster
+from lab.sim.hardware import LINKS, Link
+from lab.sim.replay import STEP_COLUMNS
+from policies import get_policy, policy_names
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def aggregated(n: int, router: str = "round_robin", **options) -> ClusterSpec:
+    return ClusterSpec(pool=PoolSpec(n, router, MappingProxyType(options)))
+
+
+def disaggregated(p: int, d: int, bandwidth: float, latency_s: float) -> ClusterSpec:
+    return ClusterSpec(
+        prefill=PoolSpec(p), decode=PoolSpec(d), link=Link("test", bandwidth, latency_s, "")
+    )
+
+
+def run_cluster(spec, rows, *, gpu_blocks=64, kv_bytes=0, seed=0, policy="fcfs", executor=None):
+    """Replay Request(*row) rows (block size 16, no watermark) with invariants checked."""
+    cls = get_policy(policy)
+
+    def make():
+        bm = BlockManager(gpu_blocks, 8, 16, 0.0)
+        return cls(SchedulerLimits(256, 4096, 4096), bm), (executor or FixedCost)()
+
+    reqs = [Request(*row) for row in rows]
+    res = replay_cluster(reqs, spec, make, kv_bytes, seed, check_invariants=True)
+    return res, {r.request_id: r for r in res.requests}
+
+
+def placed(res, reqs) -> list[int]:
+    return [res.replica_of[reqs[k]] for k in sorted(reqs)]
+
+
+# ---------------------------------------------------------------------------- routers
+def test_round_robin():
+    res, reqs = run_cluster(aggregated(3), [(f"r{i}", 0.001 * i, 10, 4) for i in range(5)])
+    assert placed(res, reqs) == [0, 1, 2, 0, 1]
+    assert all(r.status.value == "finished" for r in res.requests)
+
+
+def test_least_outstanding_tokens():
+    # a (100 prompt tokens) -> 0 (tie: lowest index); b (50) -> 1 (0 owes 100);
+    # c (10) -> 1 (50 < 100); d at 0.5 s: a, b, c have ended (10 steps each), all owe 0 -> 0.
+    rows = [("a", 0.0, 100, 10), ("b", 0.001, 50, 10), ("c", 0.002, 10, 10), ("d", 0.5, 10, 4)]
+    res, reqs = run_cluster(aggregated(2, "least_outstanding_tokens"), rows)
+    assert placed(res, reqs) == [0, 1, 1, 0]
+
+
+def test_least_kv_sees_only_allocated_blocks():
+    # a -> 0 (tie), admitted at once: ceil(41 / 16) = 3 of 8 blocks. b at 5 ms -> 1 (0 %),
+    # admitted at once: 1 block. c at 6 ms -> 1 (1/8 < 3/8), queued until replica 1's
+    # step ends at 15 ms, so d at 7 ms still sees 1/8 there and joins it.
+    rows = [("a", 0.0, 40, 20), ("b", 0.005, 10, 20), ("c", 0.006, 100, 5), ("d", 0.007, 10, 5)]
+    res, reqs = run_cluster(aggregated(2, "least_kv"), rows, gpu_blocks=8)
+    assert placed(res, reqs) == [0, 1, 1, 1]
+
+
+def test_power_of_two_picks_the_less_loaded_of_two_seeded_samples():
+    # Two replicas: both are always sampled; the order matters only on ties.
+    first = [random.Random(7).sample(range(2), 2)[0]]  # the first draw's first sample
+    rows = [("a", 0.0, 10, 50), ("b", 0.001, 10, 50), ("c", 0.002, 10, 50)]
+    res, reqs = run_cluster(aggregated(2, "power_of_two"), rows, seed=7)
+    got = placed(res, reqs)
+    assert got[0] == first[0]  # 0 vs 0 requests: the first sampled
+    assert got[1] == 1 - got[0]  # 1 vs 0: the idle one, whatever the order
+    rng = random.Random(7)
+    draws = [rng.sample(range(2), 2) for _ in range(3)]
+    assert got[2] == draws[2][0]  # 1 vs 1: the first sampled of the third draw
+
+
+def test_power_of_two_is_reproducible_and_seeded():
+    rows = [(f"r{i}", 0.0, 10, 8) for i in range(40)]
+    spec = aggregated(8, "power_of_two")
+    a = placed(*run_cluster(spec, rows, seed=1))
+    assert a == placed(*run_cluster(spec, rows, seed=1))
+    assert a != placed(*run_cluster(spec, rows, seed=2))
+
+
+def test_prefix_affinity_keeps_a_prefix_on_one_replica():
+    # Requests one second apart (each ends before the next): loads stay 0, so the bound
+    # never bites and the key (first two hash ids) alone decides.
+    rows = []
+    for k in range(8):  # 8 conversations x 3 turns; a turn extends the previous one
+        for turn in range(3):
+            ids = [0, 100 + k, *range(1000 * k, 1000 * k + turn)]
+            rows.append((f"{turn * 8 + k:02d}", float(turn * 8 + k), 10, 4, None, ids))
+    res, reqs = run_cluster(aggregated(4, "prefix_affinity"), rows)
+    where = {k: {res.replica_of[reqs[f"{t * 8 + k:02d}"]] for t in range(3)} for k in range(8)}
+    assert all(len(s) == 1 for s in where.values())  # every turn where the first went
+    assert len({next(iter(s)) for s in where.values()}) > 1  # 8 keys spread over replicas
+
+
+def test_prefix_affinity_load_bound_and_no_hash_ids():
+    # Four requests with one key at once, load_factor 1: the bound is ceil((m + 1) / 2)
+    # with m in the cluster: 1, 1, 2, 2 -> the owner takes the 1st, the other replica the
+    # 2nd, the owner the 3rd, the other the 4th. Then "x" without hash ids: the replica
+    # with fewer requests (tie: 0).
+    rows = [(f"r{i}", 0.0, 10, 50, None, [0, 5]) for i in range(4)] + [("x", 0.0, 10, 4)]
+    res, reqs = run_cluster(aggregated(2, "prefix_affinity", load_factor=1.0), rows)
+    got = [res.replica_of[reqs[f"r{i}"]] for i in range(4)]
+    owner = got[0]
+    assert got == [owner, 1 - owner, owner, 1 - owner]
+    assert res.replica_of[reqs["x"]] == 0
+
+
+# ---------------------------------------------------------------------------- P/D
+def test_disaggregated_timeline_exact():
+    # K+V = 1000 bytes a token; link 1e7 bytes/s, latency 5 ms. a and b (150 prompt
+    # tokens) prefill together on the prefill replica, 0-10 ms: first tokens at 10 ms.
+    # Link FIFO: a's 150 kB take 15 ms (10-25 ms), land at 30 ms; b's wait for the link
+    # (15 ms), go 25-40 ms, land at 45 ms. Decode replica (fcfs, prefill first): a fed at
+    # 30-40 (token 2), decoded 40-50 (3); b lands mid-step and is fed alone at 50-60
+    # (its token 2); both decode 60-70 (a's 4 and last, b's 3); b 70-80 (4).
+    rows = [("a", 0.0, 150, 4), ("b", 0.0, 150, 4)]
+    res, reqs = run_cluster(disaggregated(1, 1, 1e7, 0.005), rows, kv_bytes=1000)
+    a, b = reqs["a"], reqs["b"]
+    np.testing.assert_allclose(res.token_times(a), [0.01, 0.04, 0.05, 0.07])
+    np.testing.assert_allclose(res.token_times(b), [0.01, 0.06, 0.07, 0.08])
+    assert res.transfers[a] == pytest.approx((0.01, 0.01, 0.03, 150_000))
+    assert res.transfers[b] == pytest.approx((0.01, 0.025, 0.045, 150_000))
+    assert [res.replica_of[a], res.first_token[a][0]] == [1, 0]
+    assert res.roles == ["prefill", "decode"]
+    # The prefill replica ran one step; the decode replica's first feeds 1 token.
+    assert res.replica_results[0].steps["num_prefill_tokens"].tolist() == [300]
+    assert res.replica_results[1].steps["num_prefill_tokens"].tolist()[:3] == [1, 0, 1]
+
+
+def test_disaggregated_metrics_ttft_excludes_the_transfer(tmp_path):
+    from lab import metrics
+    from lab.cluster_metrics import add_cluster
+
+    rows = [("a", 0.0, 150, 4), ("b", 0.0, 150, 4), ("one", 0.2, 20, 1)]
+    res, reqs = run_cluster(disaggregated(1, 1, 1e7, 0.005), rows, kv_bytes=1000)
+    df, itl = metrics.request_table(res, "fcfs", 1.0)
+    summary = metrics.summarize(df, itl, res, {})
+    df, cluster = add_cluster(df, res, res.requests, summary)
+    by = df.set_index("request_id")
+    assert by.loc["a", "ttft_s"] == pytest.approx(0.01)
+    assert by.loc["b", "tpot_s"] == pytest.approx((0.08 - 0.01) / 3)
+    assert by.loc["b", "transfer_s"] == pytest.approx(0.045 - 0.01)
+    assert by.loc["b", "transfer_queue_s"] == pytest.approx(0.015)
+    # one output token: done by the prefill replica, nothing moves
+    assert by.loc["one", "status"] == "finished" and np.isnan(by.loc["one", "transfer_s"])
+    assert by.loc["one", "replica"] == 0 and by.loc["one", "ttft_s"] == pytest.approx(0.01)
+    assert cluster["kv_transfer"]["num_transfers"] == 2
+    assert [r["num_requests"] for r in cluster["replicas"].values()] == [3, 2]
+    assert list(cluster["replicas"]) == ["0", "1"]
+    assert np.isnan(cluster["replicas"]["0"]["tpot_s"]["p50"])  # it decodes nothing
+
+
+def test_decode_replica_without_room_keeps_the_request_waiting():
+    # 8 blocks of 16 tokens per replica. a (prompt 100, 20 tokens) is admitted on the
+    # decode replica with ceil(102 / 16) = 7 blocks; b's KV lands while a holds them and
+    # needs 7 more, so b waits until a's last token (its blocks free), then is fed.
+    # Transfers take the latency alone (0 bytes a token): 1 ms.
+    rows = [("a", 0.0, 100, 20), ("b", 0.02, 100, 4)]
+    res, reqs = run_cluster(disaggregated(1, 1, 1e9, 0.001), rows, gpu_blocks=8)
+    a, b = reqs["a"], reqs["b"]
+    ta, tb = res.token_times(a), res.token_times(b)
+    # a: prefill 0-10 ms, lands 11 ms, tokens 2..20 at 21, 31, ..., 201 ms
+    np.testing.assert_allclose(ta, [0.01, *(0.011 + 0.01 * np.arange(1, 20))])
+    # b: prefill 20-30 ms, lands at 31 ms, waits; fed 201-211 ms, then 221, 231
+    np.testing.assert_allclose(tb, [0.03, 0.211, 0.221, 0.231])
+    assert a.finish_s == pytest.approx(0.201) and b.status.value == "finished"
+
+
+def test_disaggregated_rejects_at_arrival_with_the_decode_limits():
+    # max_model_len 4096: prompt 4000 + 200 output tokens never fit a decode replica
+    rows = [("big", 0.0, 4000, 200), ("ok", 0.0, 10, 3)]
+    res, reqs = run_cluster(disaggregated(1, 1, 1e9, 0.0), rows, gpu_blocks=512)
+    assert reqs["big"].status.value == "rejected" and "max_model_len" in reqs["big"].reason
+    assert (
+        reqs["big"] not in res.replica_of and res.replica_results[0].requests[0].request_id == "ok"
+    )
+    assert reqs["ok"].status.value == "finished"
+
+
+def test_a_failing_step_ends_every_request_with_a_reason():
+    class Failing(FixedCost):
+        calls = 0
+
+        def execute(self, plan):
+            Failing.calls += 1
+            if Failing.calls == 5:
+                raise RuntimeError("device lost")
+            return super().execute(plan)
+
+    rows = [(f"r{i}", 0.001 * i, 10, 20) for i in range(6)] + [("late", 9.0, 10, 2)]
+    res, reqs = run_cluster(disaggregated(1, 2, 1e9, 0.0), rows, executor=Failing)
+    assert res.failure == "RuntimeError: device lost"
+    assert {r.status.value for r in res.requests} <= {"finished", "aborted"}
+    aborted = [r for r in res.requests if r.status.value == "aborted"]
+    assert all(r.reason.startswith("not finished") for r in aborted if r is not reqs["late"])
+    assert "before its arrival" in reqs["late"].reason
+
+
+# ---------------------------------------------------------------------------- config
+def test_one_replica_cluster_equals_no_cluster():
+    base = {
+        "trace": {
+            "format": "azure2023",
+            "path": str(ROOT / "traces/data/azure2023_conv.csv"),
+            "limit": 400,
+            "rate_scale": 6.0,
+        },
+        "kv_cache": {"num_gpu_blocks": 512},
+        "policies": ["fcfs", "swap", {"name": "chunked_prefill", "max_num_batched_tokens": 512}],
+        "slo": {"ttft_s": 2.0, "tpot_s": 0.05},
+    }
+    plain = run_experiment(validate(base), progress=False)
+    one = run_experiment(validate({**base, "cluster": {"replicas": 1}}), progress=False)
+    for p, c in zip(plain, one):
+        assert p.summary["preemptions"]["recompute"] + p.summary["preemptions"]["swap"] > 0
+        assert p.requests.to_csv() == c.requests.drop(columns="replica").to_csv()
+        assert (c.requests["replica"] == 0).all()
+        for col in STEP_COLUMNS:
+            assert np.array_equal(p.result.steps[col], c.result.steps[col]), col
+        assert p.summary == {k: v for k, v in c.summary.items() if k != "cluster"}
+
+
+def test_results_folder_of_a_disaggregated_run(tmp_path):
+    import json
+
+    from lab.config import load_config
+    from lab.report import write_results
+
+    cfg = load_config(ROOT / "experiments/cluster_pd.yaml").with_trace(limit=200)
+    runs = run_experiment(cfg, progress=False)
+    out = write_results(tmp_path / "pd", cfg, runs)
+
+    def no_nan(name):
+        raise AssertionError(f"{name} in summary.json")
+
+    summary = json.loads((out / "summary.json").read_text(), parse_constant=no_nan)
+    replicas = summary["fcfs"]["cluster"]["replicas"]
+    assert [replicas[k]["role"] for k in "0123"] == ["prefill"] * 2 + ["decode"] * 2
+    assert sum(replicas[k]["num_requests"] for k in "01") == 200
+    req = pd.read_csv(out / "requests.csv")
+    assert set(req["prefill_replica"]) <= {0, 1} and set(req["replica"]) <= {0, 1, 2, 3}
+    moved = req.dropna(subset=["transfer_s"])
+    assert len(moved) > 150 and (moved["transfer_s"] > moved["transfer_queue_s"]).all()
+    steps = pd.read_csv(out / "steps.csv")
+    assert set(steps["replica"]) == {0, 1, 2, 3}
+    assert load_config(out / "config.yaml").cluster == cfg.cluster
+
+
+@pytest.mark.parametrize(
+    "cluster, message",
+    [
+        ({"replicas": 2, "router": "fastest"}, "cluster.router: unknown router 'fastest'; known"),
+        ({"replicas": 0}, "cluster.replicas: expected an integer >= 1, got 0"),
+        ({"router": {"name": "prefix_affinity", "prefix_blocks": 0}}, "prefix_blocks: expected"),
+        ({"router": {"name": "least_kv", "k": 1}}, "unknown key cluster.router.k"),
+        (
+            {
+                "prefill": {"replicas": 1},
+                "decode": {"replicas": 1},
+                "kv_transfer": {"bandwidth_gbps": -1},
+            },
+            "cluster.kv_transfer.bandwidth_gbps: expected a finite number > 0, got -1",
+        ),
+        (
+            {
+                "prefill": {"replicas": 1},
+                "decode": {"replicas": 1},
+                "kv_transfer": "carrier-pigeon",
+            },
+            "cluster.kv_transfer: expected one of eth-100g, eth-400g, ib-ndr, nvlink4",
+        ),
+        ({"prefill": {"replicas": 1}, "kv_transfer": "ib-ndr"}, "missing decode"),
+        ({"replicas": 2, "decode": {"replicas": 1}}, "not both"),
+    ],
+)
+def test_bad_cluster_is_one_line(cluster, message):
+    with pytest.raises(ConfigError) as e:
+        validate({"trace": {"format": "azure2023"}, "cluster": cluster}, "x.yaml")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cluster_with_the_engine_is_one_line(tmp_path):
+    raw = {"trace": {"format": "azure2023"}, "backend": "engine", "cluster": {"replicas": 2}}
+    for engine in ({"model_path": str(tmp_path)}, {}):  # before any engine key is checked
+        with pytest.raises(ConfigError, match=r"^x.yaml: cluster: the cluster is simulated only"):
+            validate({**raw, "engine": engine}, "x.yaml")
+
+
+def test_cluster_config_round_trips():
+    for cluster in (
+        {"replicas": 3, "router": {"name": "prefix_affinity", "prefix_blocks": 3}},
+        {
+            "prefill": {"replicas": 1, "router": "round_robin"},
+            "decode": {"replicas": 2, "router": "least_kv"},
+            "kv_transfer": "nvlink4",
+        },
+        {
+            "prefill": {"replicas": 1, "router": "round_robin"},
+            "decode": {"replicas": 1, "router": "round_robin"},
+            "kv_transfer": {"bandwidth_gbps": 400.0, "latency_s": 1e-05},
+        },
+    ):
+        cfg = validate({"trace": {"format": "azure2023"}, "cluster": cluster})
+        assert cfg.to_dict()["cluster"] == cluster
+        assert validate({**cfg.to_dict(), "name": "x"}).cluster == cfg.cluster
+
+
+def test_link_presets_in_bytes_per_second():
+    assert LINKS["ib-ndr"].bandwidth == 50e9  # 400 Gb/s
+    assert LINKS["nvlink4"].bandwidth == 450e9  # 900 GB/s both directions
+    assert LINKS["eth-100g"].bandwidth == 12.5e9
+    cfg = validate(
+        {
+            "trace": {"format": "azure2023"},
+            "cluster": {"prefill": {}, "decode": {}, "kv_transfer": {"bandwidth_gbps": 8}},
+        }
+    )
+    assert cfg.cluster.link.bandwidth == 1e9 and cfg.cluster.link.latency_s == 0.0
+
+
+# ---------------------------------------------------------------------------- properties
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.floats(0.0, 0.3),
+            st.integers(1, 120),
+            st.integers(1, 30),
+            st.lists(st.integers(0, 3), max_size=3),
+        ),
+        min_size=1,
+        max_size=25,
+    ),
+    router=st.sampled_from(
+        ["round_robin", "least_outstanding_tokens", "least_kv", "power_of_two", "prefix_affinity"]
+    ),
+    layout=st.sampled_from([(3, 0), (1, 1), (2, 1), (1, 3)]),
+    policy=st.sampled_from(policy_names()),
+)
+def test_every_request_ends_with_its_tokens(rows, router, layout, policy):
+    # Small caches (12 blocks of 16 tokens) force queueing and preemption on every side.
+    p, d = layout
+    if d == 0:
+        spec = aggregated(p, router)
+    else:
+        spec = ClusterSpec(
+            prefill=PoolSpec(p, router), decode=PoolSpec(d, router), link=Link("t", 1e7, 1e-3, "")
+        )
+    reqs = [(f"r{i}", t, n, o, None, ids or None) for i, (t, n, o, ids) in enumerate(rows)]
+    res, by = run_cluster(spec, reqs, gpu_blocks=12, kv_bytes=100, policy=policy)
+    assert res.failure is None, res.failure
+    for r in res.requests:
+        assert r.status.value in ("finished", "rejected", "aborted") and r.finish_s >= r.arrival_s
+        if r.status.value != "finished":
+            assert r.reason
+            continue
+        times = res.token_times(r)
+        assert len(times) == r.output_len == res.num_token_times(r)
+        assert np.all(np.diff(times) >= 0) and times[0] > r.arrival_s
+        assert times[-1] == pytest.approx(r.finish_s)
+        if r in res.transfers:  # the second token comes after the KV landed
+            ready, start, landed, nbytes = res.transfers[r]
+            assert times[0] == pytest.approx(ready) and ready <= start < landed <= times[1]
+            assert nbytes == 100 * r.prompt_len
+    for rr in res.replica_results:  # every block back in its pool
+        assert rr.steps["kv_used_blocks"].min(initial=0) >= 0

@@ -185,7 +185,8 @@ def test_swap_of_a_request_holding_shared_blocks():
     # [0, 1, 3]. Decode blocks: b at t 3, 7 (blocks 4, 6), a at t 4, 8 (5, 7). At t 11 b
     # (L 20) needs a block, none is free: b is swapped out. All 5 of its blocks are copied
     # to CPU, shared ones included; on the GPU blocks 0, 1 stay used (a holds them), b's
-    # own keyed block 3 (id 5) becomes cached free, its unkeyed 4 and 6 free.
+    # own blocks 3, 4, 6 are free: unkeyed, since b's 3 ids = ceil(9 / 4) describe its
+    # 9-token prompt only (2 full blocks), while a's 4 ids > ceil(8 / 4) cover its outputs.
     d = Driver("swap", gpu=8, cpu=8)
     a = d.add("a", 8, 12, [1, 2, 3, 4])
     d.step()
@@ -199,17 +200,17 @@ def test_swap_of_a_request_holding_shared_blocks():
     assert [m.value for _, m in plan.preempted] == ["swap"]
     assert plan.swap_out == [(0, 0), (1, 1), (3, 2), (4, 3), (6, 4)]
     assert b.status is RequestStatus.SWAPPED and b.block_table == [0, 1, 2, 3, 4]
-    # a finished in that step: its keyed blocks (ids 1..4: 0, 1, 2, 5) join the queue
-    # after b's block 3, tail first; its unkeyed block 7 is free.
+    # a finished in that step: its keyed blocks (ids 1..4: 0, 1, 2, 5) join the queue,
+    # tail first; its unkeyed block 7 is free (pool, LIFO: 7, 3, 4, 6 handed out next).
     assert a.status is RequestStatus.FINISHED
-    assert list(d.bm._evictable) == [3, 5, 2, 1, 0]
+    assert list(d.bm._evictable) == [5, 2, 1, 0]
     assert d.bm.num_used_gpu_blocks == 0 and d.bm.num_used_cpu_blocks == 5
-    # Swap in: blocks 0, 1, 3 still hold b's keys: re-referenced, not copied. Blocks 3, 4
-    # of b (CPU 3, 4) are copied into free blocks 7, 4; b (20 tokens) takes one more (6).
-    assert d.bm.blocks_to_swap_in(b) == 5  # 2 copies + 3 cached free re-referenced
+    # Swap in: blocks 0, 1 still hold b's keys: re-referenced, not copied. b's blocks 2..4
+    # (CPU 2, 3, 4) are copied into free blocks 7, 3, 4; b (20 tokens) takes one more (6).
+    assert d.bm.blocks_to_swap_in(b) == 5  # 3 copies + 2 cached free re-referenced
     plan = d.step()
-    assert plan.swap_in == [(3, 7), (4, 4)]
-    assert b.block_table == [0, 1, 3, 7, 4, 6]
+    assert plan.swap_in == [(2, 7), (3, 3), (4, 4)]
+    assert b.block_table == [0, 1, 7, 3, 4, 6]
     assert d.bm.num_used_cpu_blocks == 0 and list(d.bm._evictable) == [5, 2]
     d.run_until_idle()
     assert b.num_output_tokens == 20 and b.num_preemptions_swap == 1

@@ -238,7 +238,11 @@ class PrefixCachingBlockManager(BlockManager):
       at index ``i = j - h * hash_block_size // block_size`` inside it; its key is
       ``H_h + i`` with ``H_h = hash((H_{h-1}, hash_ids[h], extra))``, ``H_{-1} = ROOT_KEY``
       (one hash per hash id; the blocks of a hash block take consecutive keys).
-      ``hash_block_size`` must be a multiple of ``block_size``; blocks past the ids have none;
+      ``hash_block_size`` must be a multiple of ``block_size``. The ids describe the prompt
+      only when there are ceil(prompt_len / hash_block_size) of them (Mooncake: the last id
+      names a partial prompt block, not the tokens generated after it), else every token
+      they cover, generated ones included (sessions whose next turn resends the reply);
+      blocks past what they describe have no key;
     * else with ``prompt_token_ids``: ``key_j = hash((key_{j-1}, tokens_j, extra))`` over the
       block's tokens from prompt + ``output_token_ids``;
     * else none: the request has no cacheable blocks.
@@ -331,11 +335,20 @@ class PrefixCachingBlockManager(BlockManager):
                     f"request {r.request_id}: hash_block_size {r.hash_block_size} is not a "
                     f"multiple of the KV block size {bs} (prefix caching)"
                 )
-            ids = r.hash_ids  # whole hash blocks at a time: hs holds a multiple of per keys
-            parent = hs[-per] if hs else ROOT_KEY
-            for h in range(len(hs) // per, min(-(-num_blocks // per), len(ids))):
+            ids = r.hash_ids
+            covered = (  # tokens the ids describe (class docstring)
+                len(ids) * r.hash_block_size
+                if len(ids) > -(-r.prompt_len // r.hash_block_size)
+                else r.prompt_len
+            )
+            cap = min(covered, len(ids) * r.hash_block_size) // bs  # hs is cut short only here
+            start = len(hs)  # a multiple of per below cap: whole hash blocks at a time
+            if start >= cap:
+                return hs
+            parent = hs[start - per] if start else ROOT_KEY  # H_{h-1} = its first key
+            for h in range(start // per, min(-(-num_blocks // per), -(-cap // per))):
                 parent = hash((parent, ids[h], ()))
-                hs.extend(range(parent, parent + per))
+                hs.extend(range(parent, parent + min(per, cap - h * per)))
         elif r.prompt_token_ids is not None:
             known = len(r.prompt_token_ids) + len(r.output_token_ids)
             end = min(num_blocks, known // bs)

@@ -9,7 +9,7 @@
 The first ``--requests`` requests of the Mooncake conversation trace (their arrival times
 times ``--rate-scale``) run on the engine through fcfs with the prefix cache off and on,
 and through the cache-aware prefix_aware policy. Prompt tokens come from the hash ids
-(each id a seeded block of ``hash_block_size`` random tokens), so equal ids carry equal
+(traces/hash_tokens.py: each id a seeded block of random tokens), so equal ids carry equal
 tokens and the engine really shares KV. ``--token-scale s`` divides prompt and output
 lengths and the 512-token hash block by s (the sharing structure stays; a tiny model's
 context fits). Per run: the prefix-cache hit rate, TTFT (mean, P50, P99), output
@@ -57,9 +57,9 @@ POLICIES = [
 ]
 
 
-def mooncake_slice(n: int, scale: int, rate_scale: float, vocab: int, seed: int) -> list[Request]:
+def mooncake_slice(n: int, scale: int, rate_scale: float) -> list[Request]:
     """The first ``n`` Mooncake requests, lengths divided by ``scale``, prompt tokens
-    drawn per hash id (``hash_block_size`` tokens each, seeded by ``(seed, id)``)."""
+    left to the engine path (traces/hash_tokens.py: a seeded token block per hash id)."""
     from traces import load_trace
 
     spec = {"format": "mooncake", "path": "traces/data/mooncake_conversation_trace.jsonl",
@@ -68,30 +68,10 @@ def mooncake_slice(n: int, scale: int, rate_scale: float, vocab: int, seed: int)
     out = []
     for r in load_trace(spec, ROOT):
         prompt = max(1, r.prompt_len // scale)
-        ids = r.hash_ids[: -(-prompt // hbs)]
-        blocks = [np.random.default_rng([seed, h]).integers(0, vocab, hbs) for h in ids]
-        tokens = np.concatenate(blocks)[:prompt].tolist()
+        ids = r.hash_ids[: -(-prompt // hbs)]  # the prompt's hash blocks (engine rule)
         out.append(Request(r.request_id, r.arrival_s / rate_scale, prompt,
-                           max(1, r.output_len // scale), tokens, ids, hash_block_size=hbs))  # fmt: skip
+                           max(1, r.output_len // scale), None, ids, hash_block_size=hbs))  # fmt: skip
     return out
-
-
-def infinite_cache_bound(requests: list[Request], block_size: int) -> float:
-    """Hit rate with a cache that never evicts: per request (in arrival order) the longest
-    run of leading hash ids some earlier request had at the same positions, in full KV
-    blocks, at most (prompt - 1) // block_size of them; over all prompt tokens. (The
-    prefixio branch brings the trace-level version of this bound.)"""
-    seen: set[tuple[int, ...]] = set()
-    cached = prompt = 0
-    for r in sorted(requests, key=lambda r: r.arrival_s):
-        per = r.hash_block_size // block_size
-        n = 0
-        while n < len(r.hash_ids) and tuple(r.hash_ids[: n + 1]) in seen:
-            n += 1
-        seen.update(tuple(r.hash_ids[: i + 1]) for i in range(len(r.hash_ids)))
-        cached += min(n * per, (r.prompt_len - 1) // block_size) * block_size
-        prompt += r.prompt_len
-    return cached / prompt
 
 
 class ReplayedDurations:
@@ -138,23 +118,22 @@ def main() -> int:
 
     from lab.config import validate
     from lab.experiment import run_experiment
+    from traces.prefix_bound import prefix_hit_bound
 
     if args.tiny:
         from backend.tools.random_checkpoint import write_random_checkpoint
 
         model = write_random_checkpoint(TINY, Path("/tmp/prefix_engine_tiny"), "float32", std=0.2)
         engine = {"model_path": str(model), "device": "cpu", "dtype": "float32"}
-        max_len, vocab, seqs, budget = 4096, TINY["vocab_size"], 16, 4096
+        max_len, seqs, budget = 4096, 16, 4096
     else:
         sys.path.insert(0, str(ROOT / "benchmarks"))
         from common import checkpoint
 
-        from lab.core.model_presets import PRESETS
-
         model = checkpoint(args.preset)
         engine = {"model_path": str(model), "device": "cuda", "dtype": "bfloat16",
                   "attention_backend": "triton"}  # fmt: skip
-        max_len, vocab, seqs, budget = 40960, PRESETS[args.preset]["vocab_size"], 256, 40960
+        max_len, seqs, budget = 40960, 256, 40960
     kv = {"block_size": args.block_size, "enable_prefix_caching": True, "swap_space_gib": 0.01}
     if args.num_gpu_blocks:
         kv["num_gpu_blocks"] = args.num_gpu_blocks
@@ -166,15 +145,15 @@ def main() -> int:
                       "max_num_batched_tokens": budget},
         "policies": POLICIES,
     })  # fmt: skip
-    requests = mooncake_slice(args.requests, args.token_scale, args.rate_scale, vocab, 0)
+    requests = mooncake_slice(args.requests, args.token_scale, args.rate_scale)
     t0 = time.perf_counter()
     runs = run_experiment(cfg, progress=False, requests=requests)
     out, ok = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "requests": len(requests), "token_scale": args.token_scale,
-               # over the requests admitted (the hit rate's denominator), not the rejected
-               "infinite_cache_bound": infinite_cache_bound(
+               # traces/prefix_bound.py, over the requests admitted (the hit rate's)
+               "infinite_cache_bound": prefix_hit_bound(
                    [r for r in runs[0].result.requests if r.first_scheduled_s >= 0],
-                   args.block_size),
+                   args.block_size).hit_rate,
                "engine_wall_s": time.perf_counter() - t0, "runs": {}}, True  # fmt: skip
     for run, pol in zip(runs, cfg.policies):
         s = run.summary

@@ -91,7 +91,7 @@ def test_three_requests_and_the_exact_multiple_rule():
     assert b.block_table == [0, 1, 2, 4]  # blocks_for(14) = 4: 3 cached + 1 new
     assert c.block_table == [0, 1, 5, 6]  # blocks_for(13) = 4: 2 cached + 2 new
     assert d.bm._ref[:7] == [3, 3, 2, 1, 1, 1, 1]
-    assert 5 not in d.bm._key_of  # c's recomputed last block: a duplicate, unkeyed
+    assert d.bm._key_of[5] is None  # c's recomputed last block: a duplicate, unkeyed
     assert d.bm._key_of[2] == c.block_hashes[2]
     d.run_until_idle()
     # Everything ends cached free (keyed) or free: used + cached free + free = total.
@@ -185,7 +185,8 @@ def test_swap_of_a_request_holding_shared_blocks():
     # [0, 1, 3]. Decode blocks: b at t 3, 7 (blocks 4, 6), a at t 4, 8 (5, 7). At t 11 b
     # (L 20) needs a block, none is free: b is swapped out. All 5 of its blocks are copied
     # to CPU, shared ones included; on the GPU blocks 0, 1 stay used (a holds them), b's
-    # own keyed block 3 (id 5) becomes cached free, its unkeyed 4 and 6 free.
+    # own blocks 3, 4, 6 are free: unkeyed, since b's 3 ids = ceil(9 / 4) describe its
+    # 9-token prompt only (2 full blocks), while a's 4 ids > ceil(8 / 4) cover its outputs.
     d = Driver("swap", gpu=8, cpu=8)
     a = d.add("a", 8, 12, [1, 2, 3, 4])
     d.step()
@@ -199,17 +200,17 @@ def test_swap_of_a_request_holding_shared_blocks():
     assert [m.value for _, m in plan.preempted] == ["swap"]
     assert plan.swap_out == [(0, 0), (1, 1), (3, 2), (4, 3), (6, 4)]
     assert b.status is RequestStatus.SWAPPED and b.block_table == [0, 1, 2, 3, 4]
-    # a finished in that step: its keyed blocks (ids 1..4: 0, 1, 2, 5) join the queue
-    # after b's block 3, tail first; its unkeyed block 7 is free.
+    # a finished in that step: its keyed blocks (ids 1..4: 0, 1, 2, 5) join the queue,
+    # tail first; its unkeyed block 7 is free (pool, LIFO: 7, 3, 4, 6 handed out next).
     assert a.status is RequestStatus.FINISHED
-    assert list(d.bm._evictable) == [3, 5, 2, 1, 0]
+    assert list(d.bm._evictable) == [5, 2, 1, 0]
     assert d.bm.num_used_gpu_blocks == 0 and d.bm.num_used_cpu_blocks == 5
-    # Swap in: blocks 0, 1, 3 still hold b's keys: re-referenced, not copied. Blocks 3, 4
-    # of b (CPU 3, 4) are copied into free blocks 7, 4; b (20 tokens) takes one more (6).
-    assert d.bm.blocks_to_swap_in(b) == 5  # 2 copies + 3 cached free re-referenced
+    # Swap in: blocks 0, 1 still hold b's keys: re-referenced, not copied. b's blocks 2..4
+    # (CPU 2, 3, 4) are copied into free blocks 7, 3, 4; b (20 tokens) takes one more (6).
+    assert d.bm.blocks_to_swap_in(b) == 5  # 3 copies + 2 cached free re-referenced
     plan = d.step()
-    assert plan.swap_in == [(3, 7), (4, 4)]
-    assert b.block_table == [0, 1, 3, 7, 4, 6]
+    assert plan.swap_in == [(2, 7), (3, 3), (4, 4)]
+    assert b.block_table == [0, 1, 7, 3, 4, 6]
     assert d.bm.num_used_cpu_blocks == 0 and list(d.bm._evictable) == [5, 2]
     d.run_until_idle()
     assert b.num_output_tokens == 20 and b.num_preemptions_swap == 1
@@ -288,3 +289,81 @@ def test_random_shared_traces_keep_every_invariant(policy, trace):
         assert r.num_cached_tokens <= best * bs
     cached = res.steps["num_cached_tokens"].sum()
     assert cached == sum(r.num_cached_tokens + r.num_resumed_cached_tokens for r in res.requests)
+
+
+# --------------------------------------------------------------------------- config
+def _config(**over):
+    from lab.config import validate
+
+    raw = {
+        "name": "pc",
+        "trace": {
+            "format": "synthetic",
+            "num_requests": 5,
+            "prompt_len": 40,
+            "output_len": 2,
+            "arrival": {"process": "poisson", "rate": 1.0},
+        },  # fmt: skip
+        "kv_cache": {"num_gpu_blocks": 64, "enable_prefix_caching": True},
+        "policies": ["fcfs"],
+    }
+    raw.update(over)
+    return validate(raw)
+
+
+def test_caching_with_no_prefix_identity_is_one_line():
+    from lab.core.errors import ConfigError
+    from lab.experiment import run_experiment
+
+    with pytest.raises(ConfigError) as e:
+        run_experiment(_config(), progress=False)
+    assert str(e.value) == (
+        "pc: kv_cache.enable_prefix_caching: trace format 'synthetic' gives its requests no "
+        "prefix identity (no hash_ids, no prompt token ids): nothing could ever be cached"
+    )
+
+
+def test_caching_flag_must_be_a_bool():
+    from lab.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"kv_cache.enable_prefix_caching: expected true or"):
+        _config(kv_cache={"enable_prefix_caching": "yes"})
+    with pytest.raises(ConfigError, match=r"policies\[0\].enable_prefix_caching: expected true"):
+        _config(policies=[{"name": "fcfs", "enable_prefix_caching": 1}])
+
+
+def test_hash_block_size_not_a_multiple_is_one_line():
+    from lab.core.errors import ConfigError
+    from lab.experiment import run_experiment
+
+    reqs = [Request("0", 0.0, 40, 2, None, [1, 2], hash_block_size=24)]
+    with pytest.raises(ConfigError) as e:
+        run_experiment(_config(), progress=False, requests=reqs)
+    assert str(e.value) == (
+        "pc: kv_cache.enable_prefix_caching: request 0: hash_block_size 24 is not a "
+        "multiple of kv_cache.block_size 16"
+    )
+
+
+def test_per_policy_flag_compares_caching_off_and_on():
+    from lab.experiment import run_experiment
+
+    cfg = _config(
+        policies=[{"name": "fcfs", "label": "off", "enable_prefix_caching": False}, "fcfs"]
+    )
+    reqs = lambda: [  # noqa: E731
+        Request(str(i), 0.05 * i, 40, 2, None, [7, 8, 9 + i], hash_block_size=16) for i in range(3)
+    ]
+    off, on = (run_experiment(dataclasses_replace(cfg, p), False, reqs())[0] for p in (0, 1))
+    assert off.summary["prefix_caching"] is False and off.summary["prefix_cache_hit_rate"] == 0
+    # Requests 1 and 2 find blocks 0, 1 (ids 7, 8: 32 tokens) cached: 64 of 120 prompt tokens.
+    assert on.summary["prefix_caching"] is True
+    assert on.summary["prefix_cache_hit_rate"] == 64 / 120
+    assert list(on.requests["num_cached_tokens"]) == [0, 32, 32]
+    assert on.result.steps["num_cached_tokens"].sum() == 64
+
+
+def dataclasses_replace(cfg, i):
+    import dataclasses
+
+    return dataclasses.replace(cfg, policies=(cfg.policies[i],))

@@ -238,7 +238,11 @@ class PrefixCachingBlockManager(BlockManager):
       at index ``i = j - h * hash_block_size // block_size`` inside it; its key is
       ``H_h + i`` with ``H_h = hash((H_{h-1}, hash_ids[h], extra))``, ``H_{-1} = ROOT_KEY``
       (one hash per hash id; the blocks of a hash block take consecutive keys).
-      ``hash_block_size`` must be a multiple of ``block_size``; blocks past the ids have none;
+      ``hash_block_size`` must be a multiple of ``block_size``. The ids describe the prompt
+      only when there are ceil(prompt_len / hash_block_size) of them (Mooncake: the last id
+      names a partial prompt block, not the tokens generated after it), else every token
+      they cover, generated ones included (sessions whose next turn resends the reply);
+      blocks past what they describe have no key;
     * else with ``prompt_token_ids``: ``key_j = hash((key_{j-1}, tokens_j, extra))`` over the
       block's tokens from prompt + ``output_token_ids``;
     * else none: the request has no cacheable blocks.
@@ -285,7 +289,7 @@ class PrefixCachingBlockManager(BlockManager):
     ) -> None:
         super().__init__(num_gpu_blocks, num_cpu_blocks, block_size, watermark)
         self._ref = [0] * num_gpu_blocks  # GPU block -> requests holding it
-        self._key_of: dict[int, int] = {}  # keyed GPU block -> key
+        self._key_of: list[int | None] = [None] * num_gpu_blocks  # GPU block -> key or None
         self._block_of: dict[int, int] = {}  # key -> GPU block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached free, LRU first
         self.num_evicted_blocks = 0
@@ -307,7 +311,7 @@ class PrefixCachingBlockManager(BlockManager):
     @property
     def num_cached_blocks(self) -> int:  # type: ignore[override]
         """GPU blocks holding a key (used or cached free)."""
-        return len(self._key_of)
+        return len(self._block_of)
 
     def can_allocate(self, num_blocks: int, use_watermark: bool = True) -> bool:
         reserve = self.watermark_blocks if use_watermark else 0
@@ -331,11 +335,20 @@ class PrefixCachingBlockManager(BlockManager):
                     f"request {r.request_id}: hash_block_size {r.hash_block_size} is not a "
                     f"multiple of the KV block size {bs} (prefix caching)"
                 )
-            ids = r.hash_ids  # whole hash blocks at a time: hs holds a multiple of per keys
-            parent = hs[-per] if hs else ROOT_KEY
-            for h in range(len(hs) // per, min(-(-num_blocks // per), len(ids))):
+            ids = r.hash_ids
+            covered = (  # tokens the ids describe (class docstring)
+                len(ids) * r.hash_block_size
+                if len(ids) > -(-r.prompt_len // r.hash_block_size)
+                else r.prompt_len
+            )
+            cap = min(covered, len(ids) * r.hash_block_size) // bs  # hs is cut short only here
+            start = len(hs)  # a multiple of per below cap: whole hash blocks at a time
+            if start >= cap:
+                return hs
+            parent = hs[start - per] if start else ROOT_KEY  # H_{h-1} = its first key
+            for h in range(start // per, min(-(-num_blocks // per), -(-cap // per))):
                 parent = hash((parent, ids[h], ()))
-                hs.extend(range(parent, parent + per))
+                hs.extend(range(parent, parent + min(per, cap - h * per)))
         elif r.prompt_token_ids is not None:
             known = len(r.prompt_token_ids) + len(r.output_token_ids)
             end = min(num_blocks, known // bs)
@@ -406,8 +419,10 @@ class PrefixCachingBlockManager(BlockManager):
             new = [
                 (h, b) for h, b in zip(hs[start:end], r.block_table[start:end]) if h not in block_of
             ]
-            block_of.update(new)
-            self._key_of.update((b, h) for h, b in new)
+            if new:
+                block_of.update(new)
+                keys, blocks = zip(*new)
+                deque(map(self._key_of.__setitem__, blocks, keys), 0)
             r.num_registered_blocks = end
 
     def free(self, request: Request) -> None:
@@ -477,7 +492,9 @@ class PrefixCachingBlockManager(BlockManager):
         if n > k:
             pop = self._evictable.popitem
             victims = [pop(False)[0] for _ in range(n - k)]
-            deque(map(self._block_of.__delitem__, map(self._key_of.pop, victims)), 0)
+            key_of = self._key_of
+            deque(map(self._block_of.__delitem__, map(key_of.__getitem__, victims)), 0)
+            deque(map(key_of.__setitem__, victims, repeat(None)), 0)
             out += victims
             self.num_evicted_blocks += n - k
         deque(map(self._ref.__setitem__, out, repeat(1)), 0)  # ref[b] = 1 for each, in C
@@ -491,8 +508,8 @@ class PrefixCachingBlockManager(BlockManager):
         counts = [ref[b] - 1 for b in tail_first]
         deque(map(ref.__setitem__, tail_first, counts), 0)
         zero = [b for b, c in zip(tail_first, counts) if not c]
-        self._evictable.update(zip([b for b in zero if b in key_of], repeat(None)))
-        uncached = [b for b in reversed(zero) if b not in key_of]
+        self._evictable.update(zip([b for b in zero if key_of[b] is not None], repeat(None)))
+        uncached = [b for b in reversed(zero) if key_of[b] is None]
         if uncached:
             self._free_gpu.put(uncached)
 
@@ -521,7 +538,7 @@ class PrefixCachingBlockManager(BlockManager):
             assert len(set(r.block_table)) == len(r.block_table), f"{r.request_id}: block twice"
             held.update(r.block_table)
             for j, b in enumerate(r.block_table):
-                if b in self._key_of:
+                if self._key_of[b] is not None:
                     assert j < len(r.block_hashes) and r.block_hashes[j] == self._key_of[b], (
                         f"gpu block {b} (index {j} of {r.request_id}) holds another key"
                     )
@@ -535,11 +552,15 @@ class PrefixCachingBlockManager(BlockManager):
         assert not bad, f"gpu blocks {bad[:5]}: ref count != requests holding them"
         free = self._free_gpu.free_ids()
         assert len(set(free)) == len(free) == self._free_gpu.num_free, "gpu: pool broken"
-        assert not [b for b in free if self._ref[b] or b in self._key_of], "gpu: pool block used"
+        key_of = self._key_of
+        assert not [b for b in free if self._ref[b] or key_of[b] is not None], (
+            "gpu: pool block used"
+        )
         for b in self._evictable:
-            assert self._ref[b] == 0 and b in self._key_of, f"gpu block {b}: queued, not free"
-        assert len(self._key_of) == len(self._block_of), "key maps differ in size"
-        for b, h in self._key_of.items():
+            assert self._ref[b] == 0 and key_of[b] is not None, f"gpu block {b}: queued, not free"
+        keyed = {b: h for b, h in enumerate(key_of) if h is not None}
+        assert len(keyed) == len(self._block_of), "key maps differ in size"
+        for b, h in keyed.items():
             assert self._block_of.get(h) == b, f"gpu block {b}: key map broken"
         used = sum(1 for b in range(n) if self._ref[b])
         assert used + len(self._evictable) + len(free) == n, (

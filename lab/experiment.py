@@ -128,11 +128,62 @@ def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
         )
     cpu = num_cpu_blocks(model, kv.block_size, kv.swap_space_gib)
     cm = cfg.cost_model
+    if cm.durations_from is not None:  # the engine run's durations and its KV capacity
+        from lab.sim.replayed import ReplayedDurations
+
+        replayed = ReplayedDurations(cm.durations_from)
+        gpu, cpu = replayed.capacity() or (gpu, cpu)
+        return replayed, gpu, cpu
     if cm.profile is not None:
         from lab.sim.calibrated import CalibratedCostModel
 
         return CalibratedCostModel(cm.profile, cm.replay_steps), gpu, cpu
     return AnalyticCostModel(model, hw, **cm.analytic), gpu, cpu
+
+
+ANALYTIC_NOTE = (
+    "the analytic roofline ran: its efficiencies are assumptions, not measurements of an "
+    "engine; on the quickstart trace its TTFT p50 was ~6x the calibrated model's "
+    "(docs/fidelity.md); set cost_model.profile for measured step times"
+)
+
+
+def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
+    """What made a sim run's step times (summary key ``cost_model``): ``kind`` (analytic,
+    calibrated, replayed), ``profile`` (its file), ``fingerprint`` (of the engine it
+    describes), ``stale`` and ``why`` (a calibrated profile whose fingerprint is missing
+    or names other backend sources than this checkout's; see
+    :func:`lab.sim.calibrated.staleness`)."""
+    cm = cfg.cost_model
+    if cm.durations_from is not None:
+        return {
+            "kind": "replayed",
+            "profile": str(cm.durations_from),
+            "fingerprint": cost_model.fingerprint(),
+            "stale": False,
+            "why": "",
+        }
+    if cm.profile is not None:
+        from lab.sim.calibrated import staleness
+
+        stale, why = staleness(cost_model.fingerprint)
+        return {
+            "kind": "calibrated",
+            "profile": str(cm.profile),
+            "fingerprint": cost_model.fingerprint,
+            "stale": stale,
+            "why": why,
+        }
+    return {"kind": "analytic", "profile": None, "fingerprint": None, "stale": False,
+            "why": ANALYTIC_NOTE}  # fmt: skip
+
+
+def engine_info(cfg: ExperimentConfig, executor: Any) -> dict[str, Any]:
+    """An engine run's summary key ``cost_model``: measured, with the engine fingerprint."""
+    from backend.profile import engine_fingerprint
+
+    fp = engine_fingerprint(executor.runner, cfg.engine.kn_weights)
+    return {"kind": "measured", "profile": None, "fingerprint": fp, "stale": False, "why": ""}
 
 
 def fresh(requests: list[Request]) -> list[Request]:
@@ -255,9 +306,11 @@ def iter_runs(
         from traces.hash_tokens import assign_hash_prompt_tokens
 
         make_executor, gpu, cpu, max_position, vocab_size = engine_parts(cfg)
+        info_cm = None
     else:
         cost_model, gpu, cpu = sim_parts(cfg)
         max_position = MODELS[cfg.model].max_position_embeddings
+        info_cm = cost_model_info(cfg, cost_model)
     bs = cfg.kv_cache.block_size
     policies = []
     for pol in cfg.policies:
@@ -276,11 +329,15 @@ def iter_runs(
                 BlockManager(gpu, cpu, bs, cfg.kv_cache.watermark),
                 **{"preemption_victim": cfg.scheduler.preemption_victim, **pol.options},
             )
+            label = cfg.run_label(pol, scale)
             if cfg.backend == "engine":
                 executor = make_executor()
+                if info_cm is None:
+                    info_cm = engine_info(cfg, executor)
+            elif cfg.cost_model.durations_from is not None:
+                executor = cost_model.executor(pol.label, scale, dataclasses.asdict(limits), label)
             else:
                 executor = CostModelExecutor(cost_model, bs)
-            label = cfg.run_label(pol, scale)
             run_requests = fresh(trace)
             replayed = [r for r in run_requests if r.status is not RequestStatus.DROPPED]
             n = len(replayed)
@@ -301,7 +358,11 @@ def iter_runs(
                     "limits": dataclasses.asdict(limits),
                     "trace": info,
                     **metrics.summarize(df, itl, result, cfg.slo.to_dict()),
+                    "num_cpu_blocks": cpu,
+                    "cost_model": info_cm,
                 }
+                if hasattr(executor, "plan_match"):  # replayed durations
+                    summary["plan_match"] = executor.plan_match()
                 itl = metrics.cdf_points(itl, overwrite=True)  # all gaps: a run's largest array
             if result.failure:
                 summary["failure"] = result.failure

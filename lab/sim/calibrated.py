@@ -38,6 +38,7 @@ import numpy as np
 import pandas as pd
 
 from lab.core.errors import ConfigError
+from lab.core.fingerprint import HEADER_PREFIX, backend_sources_hash, differences
 from lab.core.plan import StepFeatures
 
 TOKEN_KNOT = 2048
@@ -136,6 +137,44 @@ def read_profile(path: str | Path) -> pd.DataFrame:
             f"fitted coefficient), got {len(df)}"
         )
     return check_cells(df, PROFILE_COLUMNS, where, lambda: _read_text(path, comment="#"))
+
+
+def read_fingerprint(path: str | Path) -> dict | None:
+    """The engine fingerprint in a profile's header (:mod:`lab.core.fingerprint`), or None
+    for a profile made before fingerprints (or one whose fingerprint line is not JSON)."""
+    try:
+        with Path(path).open(encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.startswith("#"):
+                    return None
+                if line.startswith(HEADER_PREFIX):
+                    try:
+                        fp = json.loads(line[len(HEADER_PREFIX) :])
+                    except ValueError:
+                        return None
+                    return fp if isinstance(fp, dict) else None
+    except OSError:
+        return None
+    return None
+
+
+def staleness(fingerprint: dict | None, engine: dict | None = None) -> tuple[bool, str]:
+    """Whether a profile with ``fingerprint`` is stale for ``engine`` (the fingerprint of
+    the engine a run claims to predict; None: this checkout, whose backend sources alone
+    are known), and why, as a phrase (empty when it is not)."""
+    if fingerprint is None:
+        return True, (
+            "the profile has no engine fingerprint (made before fingerprints): which "
+            "engine, GPU and versions it describes is unknown"
+        )
+    if engine is None:
+        engine = {"backend_sources": backend_sources_hash()}
+        if engine["backend_sources"] is None:
+            return False, ""
+    diff = differences(fingerprint, engine)
+    if diff:
+        return True, "the profile describes another engine: " + "; ".join(diff)
+    return False, ""
 
 
 def read_replay_steps(path: str | Path) -> pd.DataFrame:
@@ -263,6 +302,7 @@ class CalibratedCostModel:
             coefficient is >= 0.
         """
         self.profile = Path(profile)
+        self.fingerprint = read_fingerprint(self.profile)
         where = f"cost_model.profile: {self.profile}"
         if replay_steps:
             where += f" (with replay_steps {', '.join(map(str, replay_steps))})"
@@ -351,8 +391,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab.sim.calibrate
         return 2
     kinds = df["kind"].fillna("unlabelled") if "kind" in df else pd.Series(["all"] * len(df))
     by_kind = {str(k): float(np.median(err[(kinds == k).to_numpy()])) for k in kinds.unique()}
+    fingerprint = read_fingerprint(args.profile)
+    stale, why = staleness(fingerprint)
     summary = {
         "profile": args.profile,
+        "fingerprint": fingerprint,
+        "stale_for_this_checkout": stale,
+        "why": why,
         "rows": len(df),
         "coefficients": dict(zip(FEATURES, coef.tolist())),
         "held_out_relative_error": {
@@ -369,6 +414,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab.sim.calibrate
         print(f"error: {out}: cannot write the fit ({e.strerror})", file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=2))
+    if fingerprint is None:
+        print(f"note: {args.profile}: {why}", file=sys.stderr)
+    else:
+        print(f"engine fingerprint: {json.dumps(fingerprint, sort_keys=True)}")
+        if stale:
+            print(f"note: {args.profile}: {why}", file=sys.stderr)
     return 0
 
 

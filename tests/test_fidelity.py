@@ -1,0 +1,211 @@
+"""Fidelity machinery: profile fingerprints (stale profiles flagged), and replayed durations
+(``cost_model.durations_from``): fed a real engine run's step durations, the simulator makes
+the engine's plan on every step.
+
+The engine test runs a tiny random Llama on the CPU (torch attention, float32) with arrivals
+spaced about one step apart, so that arrivals fall between steps, and a KV cache small
+enough that every policy preempts (recompute and swap).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from lab.config import validate
+from lab.core.fingerprint import HEADER_PREFIX, backend_sources_hash, differences
+from lab.experiment import run_experiment
+from lab.sim.calibrated import CalibratedCostModel, read_fingerprint, staleness
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILE = ROOT / "profiles" / "h200_qwen3-0.6b.csv"
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 1024,
+}
+
+
+def with_fingerprint(tmp_path: Path, fingerprint: dict) -> Path:
+    """The shipped profile with a fingerprint line added to its header."""
+    lines = PROFILE.read_text().splitlines(keepends=True)
+    path = tmp_path / "profile.csv"
+    path.write_text(lines[0] + HEADER_PREFIX + json.dumps(fingerprint) + "\n" + "".join(lines[1:]))
+    return path
+
+
+def sim_config(raw_cost_model: dict, **extra) -> dict:
+    return {
+        "name": "fid",
+        "trace": {
+            "format": "synthetic",
+            "num_requests": 20,
+            "arrival": {"process": "poisson", "rate": 5.0},
+            "prompt_len": {"uniform": [64, 512]},
+            "output_len": {"uniform": [4, 64]},
+        },
+        "model": "qwen3-0.6b",
+        "cost_model": raw_cost_model,
+        "kv_cache": {"block_size": 16, "num_gpu_blocks": 256},
+        "policies": ["fcfs"],
+        **extra,
+    }
+
+
+def test_profile_without_fingerprint_loads_with_a_note() -> None:
+    assert read_fingerprint(PROFILE) is None
+    model = CalibratedCostModel(PROFILE)
+    assert model.fingerprint is None
+    stale, why = staleness(model.fingerprint)
+    assert stale and "no engine fingerprint" in why
+    run = run_experiment(validate(sim_config({"profile": str(PROFILE)})), progress=False)[0]
+    cm = run.summary["cost_model"]
+    assert cm["kind"] == "calibrated" and cm["stale"] is True and cm["fingerprint"] is None
+
+
+def test_stale_profile_is_flagged(tmp_path) -> None:
+    other = {"backend_sources": "0" * 64, "gpu": "NVIDIA H100", "torch": "2.11.0"}
+    path = with_fingerprint(tmp_path, other)
+    assert read_fingerprint(path) == other
+    cfg = validate(sim_config({"profile": str(path)}))
+    run = run_experiment(cfg, progress=False)[0]
+    cm = run.summary["cost_model"]
+    assert cm["kind"] == "calibrated" and cm["fingerprint"] == other
+    assert cm["stale"] is True and "backend sources 000000000000 vs" in cm["why"]
+    # against a named engine: every differing key is listed, keys it does not name are not
+    engine = {"gpu": "NVIDIA H200", "torch": "2.11.0"}
+    assert differences(other, engine) == ["gpu 'NVIDIA H100' vs 'NVIDIA H200'"]
+    assert staleness(other, {"gpu": "NVIDIA H100"}) == (False, "")
+
+
+def test_fresh_profile_is_not_stale(tmp_path) -> None:
+    path = with_fingerprint(tmp_path, {"backend_sources": backend_sources_hash(), "gpu": "x"})
+    run = run_experiment(validate(sim_config({"profile": str(path)})), progress=False)[0]
+    assert run.summary["cost_model"]["stale"] is False
+    assert run.summary["cost_model"]["why"] == ""
+
+
+def test_analytic_model_says_so() -> None:
+    run = run_experiment(validate(sim_config({})), progress=False)[0]
+    assert run.summary["cost_model"]["kind"] == "analytic"
+    assert "analytic roofline ran" in run.summary["cost_model"]["why"]
+
+
+def test_durations_from_and_profile_are_exclusive() -> None:
+    from lab.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="durations_from replaces the cost model"):
+        validate(sim_config({"profile": str(PROFILE), "durations_from": str(PROFILE)}))
+
+
+def _steps_csv(tmp_path: Path, rows: list[dict]) -> Path:
+    cols = {
+        "policy": "fcfs",
+        "rate_scale": 1.0,
+        "num_prefill_tokens": 0,
+        "num_decode_tokens": 0,
+        "num_seqs": 0,
+        "num_prefills": 0,
+        "prefill_context_tokens": 0,
+        "prefill_attention_pairs": 0,
+        "decode_context_tokens": 0,
+        "num_preempted": 0,
+        "num_swap_out_blocks": 0,
+        "num_swap_in_blocks": 0,
+    }
+    path = tmp_path / "steps.csv"
+    pd.DataFrame([{**cols, **r} for r in rows]).to_csv(path, index=False)
+    return path
+
+
+def one_request(tmp_path: Path) -> dict:
+    """A 10-token prompt, 3 output tokens: a prefill step then two decode steps."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 3}\n')
+    return {"format": "mooncake", "path": str(trace)}
+
+
+def test_replayed_durations_count_mismatches_and_refuse_extra_steps(tmp_path) -> None:
+    prefill = {"num_prefill_tokens": 10, "num_seqs": 1, "num_prefills": 1}
+    prefill["prefill_attention_pairs"] = 55  # 10 * 11 / 2
+    decode = {"num_decode_tokens": 1, "num_seqs": 1}
+    rows = [
+        {**prefill, "duration_s": 0.5},
+        # a decode's context counts its own token: 11, then 12
+        {**decode, "decode_context_tokens": 11, "duration_s": 0.25},
+        {**decode, "decode_context_tokens": 99, "duration_s": 0.125},  # not the plan's 12
+    ]
+    raw = sim_config(
+        {"durations_from": str(_steps_csv(tmp_path, rows))}, trace=one_request(tmp_path)
+    )
+    run = run_experiment(validate(raw), progress=False)[0]
+    assert run.summary["plan_match"] == {
+        "steps_recorded": 3,
+        "steps_simulated": 3,
+        "steps_matched": 2,
+        "fraction_identical": 2 / 3,
+        "first_mismatch": "step 2: decode_context_tokens 12 (engine 99)",
+    }
+    assert run.summary["cost_model"]["kind"] == "replayed"
+    assert run.summary["e2e_s"]["p50"] == pytest.approx(0.875)  # 0.5 + 0.25 + 0.125
+    short = _steps_csv(tmp_path, rows[:2])
+    raw = sim_config({"durations_from": str(short)}, trace=one_request(tmp_path))
+    run = run_experiment(validate(raw), progress=False)[0]
+    assert "asks for step 3; the engine run recorded 2" in run.summary["failure"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_engine_plans_are_made_again_from_their_durations(tmp_path) -> None:
+    from backend.tools.random_checkpoint import write_random_checkpoint
+    from lab.report import write_results
+
+    ckpt = tmp_path / "ckpt"
+    write_random_checkpoint(TINY, ckpt, dtype="float32")
+    raw = {
+        "name": "tiny",
+        "backend": "engine",
+        "trace": {
+            "format": "synthetic",
+            "num_requests": 40,
+            "arrival": {"process": "poisson", "rate": 200.0},  # ~ one CPU step apart
+            "prompt_len": {"uniform": [8, 64]},
+            "output_len": {"uniform": [4, 24]},
+            "seed": 1,
+        },
+        "engine": {"model_path": str(ckpt), "device": "cpu", "dtype": "float32"},
+        "kv_cache": {"block_size": 4, "num_gpu_blocks": 64, "swap_space_gib": 0.001},
+        "scheduler": {"max_num_seqs": 8, "max_model_len": 256},
+        "policies": ["fcfs", "swap", {"name": "chunked_prefill", "max_num_batched_tokens": 32}],
+    }
+    engine = run_experiment(validate(raw), progress=False)
+    write_results(tmp_path / "engine", validate(raw), engine)
+    for r in engine:  # the cache is small enough that every policy preempts
+        assert r.summary["preemptions"]["recompute"] + r.summary["preemptions"]["swap"] > 0
+        assert r.summary["cost_model"]["kind"] == "measured"
+        assert r.summary["cost_model"]["fingerprint"]["backend_sources"] == backend_sources_hash()
+    assert engine[1].summary["preemptions"]["swap"] > 0
+    sim_raw = {
+        **raw,
+        "backend": "sim",
+        "model": "llama-3.2-1b",  # any preset: capacity and durations come from the run
+        "cost_model": {"durations_from": str(tmp_path / "engine" / "steps.csv")},
+    }
+    sims = run_experiment(validate(sim_raw), progress=False)
+    for real, sim in zip(engine, sims, strict=True):
+        match = sim.summary["plan_match"]
+        assert match["first_mismatch"] is None, (real.label, match)
+        assert match["steps_matched"] == match["steps_recorded"] == real.summary["num_steps"]
+        assert sim.summary["preemptions"] == real.summary["preemptions"]
+        a, b = real.requests, sim.requests
+        assert list(a.request_id) == list(b.request_id)
+        for col in ("ttft_s", "e2e_s"):  # the same steps: the same times, up to rounding
+            assert (a[col] - b[col]).abs().max() < 1e-9, (real.label, col)

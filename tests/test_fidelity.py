@@ -209,3 +209,22 @@ def test_engine_plans_are_made_again_from_their_durations(tmp_path) -> None:
         assert list(a.request_id) == list(b.request_id)
         for col in ("ttft_s", "e2e_s"):  # the same steps: the same times, up to rounding
             assert (a[col] - b[col]).abs().max() < 1e-9, (real.label, col)
+
+
+def test_h200_engine_run_is_planned_again_step_by_step(tmp_path) -> None:
+    """experiments/replayed_durations.yaml: the H200 run of docs/azure_gpu/ (Qwen3-0.6B shape,
+    2,048 blocks, 456 requests, every policy preempting 34-38 times), replayed from its own
+    step durations: every one of its 5,223 + 5,329 + 5,051 steps planned as on the engine."""
+    import run_experiment as cli
+
+    out = tmp_path / "out"
+    assert cli.main([str(ROOT / "experiments/replayed_durations.yaml"), "--out", str(out),
+                     "--no-progress"]) == 0  # fmt: skip
+    sim = json.loads((out / "summary.json").read_text())
+    real = json.loads((ROOT / "docs/azure_gpu/summary.json").read_text())
+    for label, steps in (("fcfs", 5223), ("swap", 5329), ("chunked_prefill", 5051)):
+        assert sim[label]["plan_match"]["steps_matched"] == steps == real[label]["num_steps"]
+        assert sim[label]["plan_match"]["first_mismatch"] is None
+        assert sim[label]["preemptions"] == real[label]["preemptions"]
+        for m in ("ttft_s", "e2e_s"):
+            assert sim[label][m]["p99"] == pytest.approx(real[label][m]["p99"], abs=1e-6)

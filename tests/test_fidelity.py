@@ -228,3 +228,25 @@ def test_h200_engine_run_is_planned_again_step_by_step(tmp_path) -> None:
         assert sim[label]["preemptions"] == real[label]["preemptions"]
         for m in ("ttft_s", "e2e_s"):
             assert sim[label][m]["p99"] == pytest.approx(real[label][m]["p99"], abs=1e-6)
+
+
+def test_rankings_count_pairs_beyond_the_engines_spread() -> None:
+    """Two policies, one ranked metric shown (the others equal, so never counted): the pair
+    counts when |a - b| exceeds |a - a'| + |b - b'| and the repeat orders it the same way."""
+    from lab.fidelity import RANKED, rank_agreement
+
+    def row(policy, real, again, sim):
+        r = {"slice": "conv", "load": 0.5, "policy": policy}
+        for m, p in RANKED:
+            r[f"real_{m}_{p}"] = r[f"again_{m}_{p}"] = r[f"sim_{m}_{p}"] = 1.0
+        r.update(real_ttft_s_p50=real, again_ttft_s_p50=again, sim_ttft_s_p50=sim)
+        return r
+
+    # engine: a - b = -1.0, spread 0.1 + 0.1; the simulator orders them the other way
+    table = pd.DataFrame([row("a", 1.0, 1.1, 1.5), row("b", 2.0, 2.1, 1.2)])
+    [pair] = rank_agreement(table)
+    assert (pair["metric"], pair["pair"], pair["agree"]) == ("ttft_s_p50", "a vs b", False)
+    assert pair["engine"] == pytest.approx(-1.0) and pair["noise"] == pytest.approx(0.2)
+    # the same difference inside the engine's spread (0.6 + 0.6): not counted
+    table = pd.DataFrame([row("a", 1.0, 1.6, 1.5), row("b", 2.0, 1.4, 1.2)])
+    assert rank_agreement(table) == []

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab import metrics
+from lab import metrics, paths
 from lab.config import ExperimentConfig, PolicyConfig
 from lab.core.errors import ConfigError, TraceError
 from lab.core.kv import BlockManager
@@ -148,6 +148,15 @@ ANALYTIC_NOTE = (
 )
 
 
+def _shown(path: Path) -> str:
+    """A data path as results show it: relative to the lab's data root when inside it (the
+    same in every checkout), else absolute."""
+    try:
+        return str(path.relative_to(paths.DATA_ROOT))
+    except ValueError:
+        return str(path)
+
+
 def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
     """What made a sim run's step times (summary key ``cost_model``): ``kind`` (analytic,
     calibrated, replayed), ``profile`` (its file), ``fingerprint`` (of the engine it
@@ -158,7 +167,7 @@ def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
     if cm.durations_from is not None:
         return {
             "kind": "replayed",
-            "profile": str(cm.durations_from),
+            "profile": _shown(cm.durations_from),
             "fingerprint": cost_model.fingerprint(),
             "stale": False,
             "why": "",
@@ -169,7 +178,7 @@ def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
         stale, why = staleness(cost_model.fingerprint)
         return {
             "kind": "calibrated",
-            "profile": str(cm.profile),
+            "profile": _shown(cm.profile),
             "fingerprint": cost_model.fingerprint,
             "stale": stale,
             "why": why,

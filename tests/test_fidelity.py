@@ -251,3 +251,28 @@ def test_rankings_count_pairs_beyond_the_engines_spread() -> None:
     # the same difference inside the engine's spread (0.6 + 0.6): not counted
     table = pd.DataFrame([row("a", 1.0, 1.6, 1.5), row("b", 2.0, 1.4, 1.2)])
     assert rank_agreement(table) == []
+
+
+def test_analytic_efficiencies_fitted_to_a_profile_are_recovered(tmp_path) -> None:
+    """Profile rows timed by the analytic model itself (efficiencies 0.5 and 0.8, 1 ms a
+    step): the fit finds them back, within the grid's 8% steps."""
+    from dataclasses import fields as dc_fields
+
+    from lab.core.plan import StepFeatures
+    from lab.sim.calibrated import fit_analytic, profile_shape, read_profile
+    from lab.sim.cost_model import AnalyticCostModel
+    from lab.sim.hardware import HARDWARE
+    from lab.sim.models import MODELS
+
+    assert profile_shape(PROFILE) == ("qwen3-0.6b", "h200-sxm")
+    df = read_profile(PROFILE)
+    truth = AnalyticCostModel(MODELS["qwen3-0.6b"], HARDWARE["h200-sxm"], 0.5, 0.8, 0.001)
+    names = [f.name for f in dc_fields(StepFeatures)]
+    df["duration_s"] = [
+        truth.step_time(StepFeatures(*(r[n] for n in names)), 16) for _, r in df.iterrows()
+    ]
+    fit = fit_analytic(df, "qwen3-0.6b", "h200-sxm")
+    assert fit["flops_efficiency"] == pytest.approx(0.5, rel=0.08)
+    assert fit["bandwidth_efficiency"] == pytest.approx(0.8, rel=0.08)
+    assert fit["step_overhead_s"] == pytest.approx(0.001, abs=1e-4)
+    assert fit["median_relative_error"] < 0.05

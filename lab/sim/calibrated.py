@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -364,6 +365,80 @@ class CalibratedCostModel:
         return t
 
 
+def profile_shape(path: str | Path) -> tuple[str | None, str | None]:
+    """(model preset, hardware preset) a profile's header names, each None when it names
+    none the simulator knows: the model from ``# model NAME:``, the hardware from the GPU's
+    name (``NVIDIA H200`` -> ``h200-sxm``)."""
+    from lab.sim.hardware import HARDWARE
+    from lab.sim.models import MODELS
+
+    model = hardware = None
+    try:
+        with Path(path).open(encoding="utf-8", errors="replace") as f:
+            head = [line for line in (f.readline() for _ in range(4)) if line.startswith("#")]
+    except OSError:
+        return None, None
+    for line in head:
+        if line.startswith("# model "):
+            name = line[len("# model ") :].split(":")[0].strip()
+            model = name if name in MODELS else None
+        elif line.startswith("# engine profile,"):
+            gpu = line.split(",")[2].strip().lower()  # "NVIDIA H200"
+            hits = [h for h in HARDWARE if HARDWARE[h].kind == "datasheet"
+                    and h.split("-")[0] in gpu.replace("nvidia", "").split()]  # fmt: skip
+            hardware = hits[0] if hits else None
+    return model, hardware
+
+
+def fit_analytic(df: pd.DataFrame, model: str, hardware: str) -> dict[str, float]:
+    """The analytic roofline's ``flops_efficiency``, ``bandwidth_efficiency`` and
+    ``step_overhead_s`` (lab/sim/cost_model.py) that minimize the median relative error on
+    the profile rows, by grid search (efficiencies 0.05-1, overhead 0-5 ms), with that
+    error."""
+    from lab.sim.cost_model import AnalyticCostModel
+    from lab.sim.hardware import HARDWARE
+    from lab.sim.models import MODELS
+
+    m, hw = MODELS[model], HARDWARE[hardware]
+    feats = [
+        StepFeatures(
+            *(
+                int(r[c]) if c != "prefill_attention_pairs" else float(r[c])
+                for c in (fl.name for fl in fields(StepFeatures))
+            )
+        )  # fmt: skip
+        for _, r in df.iterrows()
+    ]
+
+    def times(flops_eff: float, bw_eff: float) -> np.ndarray:
+        cm = AnalyticCostModel(m, hw, flops_eff, bw_eff, 0.0)
+        return np.array([cm.step_time(f, 16) for f in feats])
+
+    huge = 1e12  # an efficiency so high that its term vanishes
+    swap_s = times(huge, huge)
+    compute_s, memory_s = times(1.0, huge) - swap_s, times(huge, 1.0) - swap_s
+    y = df["duration_s"].to_numpy(float)
+    effs = np.geomspace(0.05, 1.0, 40)
+    overheads = np.linspace(0.0, 0.005, 101)
+    best = (np.inf, 0.0, 0.0, 0.0)
+    for a in effs:
+        for b in effs:
+            base = np.maximum(compute_s / a, memory_s / b) + swap_s
+            err = np.abs(base[None, :] + overheads[:, None] - y) / y  # (overheads, rows)
+            med = np.median(err, axis=1)
+            i = int(np.argmin(med))
+            if med[i] < best[0]:
+                best = (float(med[i]), float(a), float(b), float(overheads[i]))
+    return {
+        "model": model,
+        "hardware": hardware,
+        "flops_efficiency": round(best[1], 3),
+        "bandwidth_efficiency": round(best[2], 3),
+        "step_overhead_s": round(best[3], 5),
+        "median_relative_error": best[0],
+    }
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m lab.sim.calibrated") -> int:
     """Fit a profile and write PROFILE.fit.json (``sched-lab fit``); returns the exit status."""
     import argparse
@@ -389,6 +464,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab.sim.calibrate
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    model, hardware = profile_shape(args.profile)
+    analytic = fit_analytic(df, model, hardware) if model and hardware else None
     kinds = df["kind"].fillna("unlabelled") if "kind" in df else pd.Series(["all"] * len(df))
     by_kind = {str(k): float(np.median(err[(kinds == k).to_numpy()])) for k in kinds.unique()}
     fingerprint = read_fingerprint(args.profile)
@@ -406,6 +483,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab.sim.calibrate
             "max": float(err.max()),
             "median_by_kind": by_kind,
         },
+        # the analytic roofline's efficiencies fitted to the same rows (cost_model keys
+        # flops_efficiency, bandwidth_efficiency, step_overhead_s), when the header names
+        # a model and a GPU the simulator has presets for
+        "analytic_fit": analytic,
     }
     out = Path(args.out) if args.out else Path(args.profile).with_suffix(".fit.json")
     try:

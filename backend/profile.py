@@ -9,7 +9,9 @@ back-to-back repeats, because the host slows down now and then for a second or m
 several consecutive rows: a slow spell must fall in one pass, not on every run of a row.
 Columns are the
 :class:`lab.core.plan.StepFeatures` fields plus ``duration_s``; the header lines (``#``) record
-the date, device, engine commit and model shape.
+the date, device, engine commit, model shape and the engine fingerprint
+(:mod:`lab.core.fingerprint`: a hash of backend/**/*.py, torch/triton versions, GPU, dtype,
+attention backend, engine options) as one JSON line.
 
 Grid: decode-only batches (1-256 sequences, contexts 128-4096; and 8-64 sequences of uneven,
 log-normal contexts), prefill chunks (16-8192 tokens over cached prefixes of 0-4096; 16-1024 over 16k-32k),
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
+import json
 import subprocess
 import sys
 import time
@@ -33,6 +36,7 @@ import torch
 
 from backend.runner import ModelRunner, SeqInput
 from lab.core.errors import UserError
+from lab.core.fingerprint import HEADER_PREFIX, backend_sources_hash
 from lab.core.plan import StepFeatures
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -194,6 +198,32 @@ def _profile(args: argparse.Namespace) -> None:
     write(Path(args.out), rows, runner, args)
 
 
+def engine_fingerprint(runner: ModelRunner, kn_weights: bool = False) -> dict:
+    """The engine fingerprint of ``runner`` (:mod:`lab.core.fingerprint`); ``kn_weights``:
+    the runner was built with that option (the profile's never is)."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    cuda = runner.device.type == "cuda"
+    return {
+        "backend_sources": backend_sources_hash(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "gpu": torch.cuda.get_device_name(runner.device) if cuda else "cpu",
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "attention": runner.attn_backend.name,
+        "options": {
+            "block_size": runner.block_size,
+            "cuda_graphs": runner.graphs is not None,
+            "mixed_graphs": bool(runner.graphs is not None and runner.graphs.token_sizes),
+            "kn_weights": kn_weights and cuda,
+        },
+    }
+
+
 def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
     c = runner.config
     commit = args.engine_commit
@@ -210,6 +240,8 @@ def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
         except OSError:
             commit = "unknown"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    fingerprint = engine_fingerprint(runner)
+    print(f"engine fingerprint: {json.dumps(fingerprint, sort_keys=True)}")
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         f.write(
@@ -222,6 +254,7 @@ def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
             f"{c.head_dim}, {args.dtype}, {args.attention} attention, block_size "
             f"{args.block_size}\n"
         )
+        f.write(HEADER_PREFIX + json.dumps(fingerprint, sort_keys=True) + "\n")
         names = ["kind", *(fl.name for fl in fields(StepFeatures)), "duration_s"]
         w = csv.DictWriter(f, fieldnames=names)
         w.writeheader()

@@ -6,9 +6,11 @@
     sched-lab profile --model-dir checkpoints/qwen3-0.6b --out profiles/h200_qwen3-0.6b.csv
     sched-lab tools make-random-checkpoint --preset qwen3-0.6b --out checkpoints/qwen3-0.6b
     sched-lab prefix-bound experiments/mooncake.yaml
+    sched-lab fidelity --sim
 
-``fit``, ``profile``, ``tools`` and ``prefix-bound`` hand their arguments to
-``lab.sim.calibrated``, ``backend.profile``, ``backend.tools`` and ``traces.prefix_bound``
+``fit``, ``profile``, ``tools``, ``prefix-bound`` and ``fidelity`` hand their arguments to
+``lab.sim.calibrated``, ``backend.profile``, ``backend.tools``, ``traces.prefix_bound`` and
+``lab.fidelity``
 (``python -m`` of those still works). User errors
 print one line, ``error: ...``, never a traceback.
 """
@@ -48,6 +50,11 @@ DELEGATED = {  # subcommand: (module, what it does)
     "tools": (
         "backend.tools.__main__",
         "engine tools: convert-smollm2, make-random-checkpoint, list-presets (needs torch)",
+    ),
+    "fidelity": (
+        "lab.fidelity",
+        "held-out simulator fidelity: --engine (GPU: profile, runs, repeats), --sim (CPU: "
+        "docs/fidelity.md)",
     ),
     "prefix-bound": (
         "traces.prefix_bound",

@@ -14,6 +14,8 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     cost_model: {flops_efficiency: 0.7, bandwidth_efficiency: 0.85, step_overhead_s: 0.002,
                  profile: null, replay_steps: []}  # profile: engine profile CSV, and
                  # replay_steps: steps.csv of engine runs to fit with it (lab/sim/calibrated.py)
+                 # or {durations_from: RUN/steps.csv}: the engine run's measured step times
+                 # in order (lab/sim/replayed.py)
     kv_cache: {block_size: 16, gpu_memory_utilization: 0.9, num_gpu_blocks: null,
                swap_space_gib: 4, watermark: 0.01, enable_prefix_caching: false}
     scheduler: {max_num_seqs: 256, max_num_batched_tokens: null, max_model_len: null,
@@ -211,6 +213,9 @@ class CostModelConfig:
     step_overhead_s: float = 0.002  # fixed cost per step
     profile: Path | None = None  # engine profile CSV (absolute)
     replay_steps: tuple[Path, ...] = ()  # steps.csv of engine runs (absolute)
+    # an engine run's steps.csv whose measured durations the steps take, in order
+    # (lab/sim/replayed.py); replaces the analytic and the calibrated model
+    durations_from: Path | None = None
 
     @property
     def analytic(self) -> dict[str, float]:
@@ -456,6 +461,11 @@ def validate(
         raise _fail(where, "check_invariants", "true or false", top["check_invariants"])
     scheduler = _scheduler(where, raw.get("scheduler", {}))
     cluster = None if raw.get("cluster") is None else _cluster(where, raw["cluster"], backend)
+    if cluster is not None and (raw.get("cost_model") or {}).get("durations_from") is not None:
+        raise ConfigError(
+            f"{where}: cost_model.durations_from replays one engine run's steps, which a "
+            "cluster of replicas cannot: remove cluster: or durations_from"
+        )
     return ExperimentConfig(
         name=name,
         trace=trace,
@@ -618,6 +628,15 @@ def _cost_model(where: str, raw: Any, base_dir: Path, used: bool) -> CostModelCo
         raise _fail(where, "cost_model.replay_steps", "a list of steps.csv paths", steps)
     if steps and profile is None:
         raise ConfigError(f"{where}: cost_model.replay_steps needs cost_model.profile")
+    replayed = cm.get("durations_from")
+    if replayed is not None:
+        if not isinstance(replayed, str) or not replayed:
+            raise _fail(where, "cost_model.durations_from", "a path to a run's steps.csv", replayed)
+        if profile is not None:
+            raise ConfigError(
+                f"{where}: cost_model.durations_from replaces the cost model: "
+                "drop cost_model.profile"
+            )
 
     def resolve(key: str, value: str) -> Path:
         if used:
@@ -630,6 +649,7 @@ def _cost_model(where: str, raw: Any, base_dir: Path, used: bool) -> CostModelCo
         cm["step_overhead_s"],
         None if profile is None else resolve("cost_model.profile", profile),
         tuple(resolve(f"cost_model.replay_steps[{i}]", p) for i, p in enumerate(steps)),
+        durations_from=None if replayed is None else resolve("cost_model.durations_from", replayed),
     )
 
 

@@ -27,7 +27,7 @@ def engine_parts(cfg: ExperimentConfig):
             f"engine.model_path: {eng.model_path} is not a directory (make one with "
             f"`python -m backend.tools convert-smollm2` or `make-random-checkpoint`)"
         )
-    runner = ModelRunner(
+    runner = _runner(
         eng.model_path,
         device=eng.device,
         dtype=eng.dtype,
@@ -57,6 +57,20 @@ def engine_parts(cfg: ExperimentConfig):
         runner.max_model_len,
         runner.config.vocab_size,
     )
+
+
+_RUNNER: dict[tuple, ModelRunner] = {}  # the last runner built, by its arguments
+
+
+def _runner(model_path, **kwargs) -> ModelRunner:
+    """A ModelRunner; the same one again for the same arguments within a process (so a
+    series of experiments, as ``sched-lab fidelity`` runs, loads the model and captures its
+    CUDA graphs once). One is kept: other arguments free it first."""
+    key = (str(model_path), *sorted((k, repr(v)) for k, v in kwargs.items()))
+    if key not in _RUNNER:
+        _RUNNER.clear()
+        _RUNNER[key] = ModelRunner(model_path, **kwargs)
+    return _RUNNER[key]
 
 
 def text_decoder(cfg: ExperimentConfig):

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab import cluster_metrics, fairness, metrics, vllm_result
+from lab import cluster_metrics, fairness, metrics, paths, vllm_result
 from lab.config import ExperimentConfig, PolicyConfig
 from lab.core.errors import ConfigError, TraceError
 from lab.core.kv import has_prefix_identity, make_block_manager
@@ -133,6 +133,12 @@ def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
         )
     cpu = num_cpu_blocks(model, kv.block_size, kv.swap_space_gib)
     cm = cfg.cost_model
+    if cm.durations_from is not None:  # the engine run's durations and its KV capacity
+        from lab.sim.replayed import ReplayedDurations
+
+        replayed = ReplayedDurations(cm.durations_from)
+        gpu, cpu = replayed.capacity() or (gpu, cpu)
+        return replayed, gpu, cpu
     if cm.profile is not None:
         from lab.sim.calibrated import CalibratedCostModel
 
@@ -175,6 +181,60 @@ def check_prefix_identity(requests: list[Request], cfg: ExperimentConfig) -> Non
                 "model's own, not the ids' tokens, so a later turn would reuse KV of other "
                 "tokens; run such traces with caching in the simulator"
             )
+
+
+ANALYTIC_NOTE = (
+    "the analytic roofline ran: its efficiencies and step overhead are assumptions, not "
+    "measurements of an engine; on the quickstart (Llama-3.1-8B, H200) its TTFT p50 is "
+    "2.0-3.9x the calibrated model's (README); set cost_model.profile for measured step times"
+)
+
+
+def _shown(path: Path) -> str:
+    """A data path as results show it: relative to the lab's data root when inside it (the
+    same in every checkout), else absolute."""
+    try:
+        return str(path.relative_to(paths.DATA_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
+    """What made a sim run's step times (summary key ``cost_model``): ``kind`` (analytic,
+    calibrated, replayed), ``profile`` (its file), ``fingerprint`` (of the engine it
+    describes), ``stale`` and ``why`` (a calibrated profile whose fingerprint is missing
+    or names other backend sources than this checkout's; see
+    :func:`lab.sim.calibrated.staleness`)."""
+    cm = cfg.cost_model
+    if cm.durations_from is not None:
+        return {
+            "kind": "replayed",
+            "profile": _shown(cm.durations_from),
+            "fingerprint": cost_model.fingerprint(),
+            "stale": False,
+            "why": "",
+        }
+    if cm.profile is not None:
+        from lab.sim.calibrated import staleness
+
+        stale, why = staleness(cost_model.fingerprint)
+        return {
+            "kind": "calibrated",
+            "profile": _shown(cm.profile),
+            "fingerprint": cost_model.fingerprint,
+            "stale": stale,
+            "why": why,
+        }
+    return {"kind": "analytic", "profile": None, "fingerprint": None, "stale": False,
+            "why": ANALYTIC_NOTE}  # fmt: skip
+
+
+def engine_info(cfg: ExperimentConfig, executor: Any) -> dict[str, Any]:
+    """An engine run's summary key ``cost_model``: measured, with the engine fingerprint."""
+    from backend.profile import engine_fingerprint
+
+    fp = engine_fingerprint(executor.runner, cfg.engine.kn_weights)
+    return {"kind": "measured", "profile": None, "fingerprint": fp, "stale": False, "why": ""}
 
 
 def fresh(requests: list[Request]) -> list[Request]:
@@ -303,9 +363,11 @@ def iter_runs(
         from traces.hash_tokens import assign_hash_prompt_tokens
 
         make_executor, gpu, cpu, max_position, vocab_size = engine_parts(cfg)
+        info_cm = None
     else:
         cost_model, gpu, cpu = sim_parts(cfg)
         max_position = MODELS[cfg.model].max_position_embeddings
+        info_cm = cost_model_info(cfg, cost_model)
     bs = cfg.kv_cache.block_size
     policies = []
     for pol in cfg.policies:
@@ -324,8 +386,10 @@ def iter_runs(
             assign_hash_prompt_tokens(trace, vocab_size, cfg.seed)
             assign_prompt_tokens(trace, vocab_size, cfg.seed)
         for pol, cls, limits in policies:
+            label = cfg.run_label(pol, scale)
 
-            def make_replica(cls=cls, limits=limits, pol=pol):
+            def make_replica(cls=cls, limits=limits, pol=pol, label=label, scale=scale):
+                nonlocal info_cm
                 kv = cfg.kv_cache
                 scheduler = cls(
                     limits,
@@ -333,18 +397,27 @@ def iter_runs(
                     **{"preemption_victim": cfg.scheduler.preemption_victim, **pol.options},
                 )
                 if cfg.backend == "engine":
-                    return scheduler, make_executor()
-                return scheduler, CostModelExecutor(cost_model, bs)
+                    executor = make_executor()
+                    if info_cm is None:
+                        info_cm = engine_info(cfg, executor)
+                elif cfg.cost_model.durations_from is not None:
+                    limits_d = dataclasses.asdict(limits)
+                    executor = cost_model.executor(pol.label, scale, limits_d, label)
+                else:
+                    executor = CostModelExecutor(cost_model, bs)
+                return scheduler, executor
 
-            label = cfg.run_label(pol, scale)
             run_requests = fresh(trace)
             replayed = [r for r in run_requests if r.status is not RequestStatus.DROPPED]
             n = len(replayed)
             with Phase(f"{label}: replay {n:,} requests", n, "req", progress) as phase:
+                executor = None  # the cluster's replicas make their own
                 if cfg.cluster is None:
+                    scheduler, executor = make_replica()
                     result = replay(
                         replayed,
-                        *make_replica(),
+                        scheduler,
+                        executor,
                         check_invariants=cfg.check_invariants,
                         progress=phase.replay_callback,
                     )
@@ -367,6 +440,8 @@ def iter_runs(
                     "limits": dataclasses.asdict(limits),
                     "trace": info,
                     **metrics.summarize(df, itl, result, cfg.slo.to_dict()),
+                    "num_cpu_blocks": cpu,
+                    "cost_model": info_cm,
                 }
                 if cfg.trace.classes:  # per class and per tenant (lab/fairness.py)
                     slos = fairness.class_slos(cfg.trace.classes, cfg.slo.to_dict())
@@ -384,6 +459,8 @@ def iter_runs(
                     percentiles=cfg.report.metric_percentiles,
                 )
                 itl_tail = vllm_result.tail_points(itl)
+                if hasattr(executor, "plan_match"):  # replayed durations
+                    summary["plan_match"] = executor.plan_match()
                 itl = metrics.cdf_points(itl, overwrite=True)  # all gaps: a run's largest array
                 if isinstance(result, ClusterResult):
                     df, summary["cluster"] = cluster_metrics.add_cluster(df, result, rows, summary)

@@ -525,6 +525,31 @@ def _prefix_cache_lines(runs: list[Run]) -> list[str]:
     return [*out, ""]
 
 
+def _cost_model_lines(cm: dict | None) -> list[str]:
+    """report.md's lines on what made the step times (summary key ``cost_model``): the
+    model, its profile and the engine fingerprint; a stale profile and the analytic model
+    in bold."""
+    if not cm:
+        return []
+    fp = cm.get("fingerprint")
+    fp_text = (
+        "engine fingerprint " + ", ".join(f"{k} `{v}`" for k, v in sorted(fp.items()))
+        if fp
+        else "no engine fingerprint"
+    )
+    if cm["kind"] == "measured":
+        return [f"Step times measured on the engine; {fp_text}.", ""]
+    lines = [f"Cost model: {cm['kind']}"]
+    if cm.get("profile"):
+        lines[0] += f", from `{cm['profile']}`; {fp_text}"
+    lines[0] += "."
+    if cm["kind"] == "analytic":
+        lines += ["", f"**Analytic cost model**: {cm['why']}."]
+    elif cm.get("stale"):
+        lines += ["", f"**Stale profile**: {cm['why']}."]
+    return [*lines, ""]
+
+
 def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str]]) -> str:
     from lab.terminal import slo_text
 
@@ -541,6 +566,7 @@ def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str
         f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg.kv_cache.block_size} tokens"
         f"{' per replica' if cfg.cluster is not None else ''}.",
         "",
+        *_cost_model_lines(runs[0].summary.get("cost_model")),
         summary_table(runs),
         "",
     ]

@@ -32,12 +32,14 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from lab.core.errors import ConfigError
+from lab.core.fingerprint import HEADER_PREFIX, backend_sources_hash, differences
 from lab.core.plan import StepFeatures
 
 TOKEN_KNOT = 2048
@@ -136,6 +138,44 @@ def read_profile(path: str | Path) -> pd.DataFrame:
             f"fitted coefficient), got {len(df)}"
         )
     return check_cells(df, PROFILE_COLUMNS, where, lambda: _read_text(path, comment="#"))
+
+
+def read_fingerprint(path: str | Path) -> dict | None:
+    """The engine fingerprint in a profile's header (:mod:`lab.core.fingerprint`), or None
+    for a profile made before fingerprints (or one whose fingerprint line is not JSON)."""
+    try:
+        with Path(path).open(encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.startswith("#"):
+                    return None
+                if line.startswith(HEADER_PREFIX):
+                    try:
+                        fp = json.loads(line[len(HEADER_PREFIX) :])
+                    except ValueError:
+                        return None
+                    return fp if isinstance(fp, dict) else None
+    except OSError:
+        return None
+    return None
+
+
+def staleness(fingerprint: dict | None, engine: dict | None = None) -> tuple[bool, str]:
+    """Whether a profile with ``fingerprint`` is stale for ``engine`` (the fingerprint of
+    the engine a run claims to predict; None: this checkout, whose backend sources alone
+    are known), and why, as a phrase (empty when it is not)."""
+    if fingerprint is None:
+        return True, (
+            "the profile has no engine fingerprint (made before fingerprints): which "
+            "engine, GPU and versions it describes is unknown"
+        )
+    if engine is None:
+        engine = {"backend_sources": backend_sources_hash()}
+        if engine["backend_sources"] is None:
+            return False, ""
+    diff = differences(fingerprint, engine)
+    if diff:
+        return True, "the profile describes another engine: " + "; ".join(diff)
+    return False, ""
 
 
 def read_replay_steps(path: str | Path) -> pd.DataFrame:
@@ -263,6 +303,7 @@ class CalibratedCostModel:
             coefficient is >= 0.
         """
         self.profile = Path(profile)
+        self.fingerprint = read_fingerprint(self.profile)
         where = f"cost_model.profile: {self.profile}"
         if replay_steps:
             where += f" (with replay_steps {', '.join(map(str, replay_steps))})"
@@ -324,6 +365,80 @@ class CalibratedCostModel:
         return t
 
 
+def profile_shape(path: str | Path) -> tuple[str | None, str | None]:
+    """(model preset, hardware preset) a profile's header names, each None when it names
+    none the simulator knows: the model from ``# model NAME:``, the hardware from the GPU's
+    name (``NVIDIA H200`` -> ``h200-sxm``)."""
+    from lab.sim.hardware import HARDWARE
+    from lab.sim.models import MODELS
+
+    model = hardware = None
+    try:
+        with Path(path).open(encoding="utf-8", errors="replace") as f:
+            head = [line for line in (f.readline() for _ in range(4)) if line.startswith("#")]
+    except OSError:
+        return None, None
+    for line in head:
+        if line.startswith("# model "):
+            name = line[len("# model ") :].split(":")[0].strip()
+            model = name if name in MODELS else None
+        elif line.startswith("# engine profile,"):
+            gpu = line.split(",")[2].strip().lower()  # "NVIDIA H200"
+            hits = [h for h in HARDWARE if HARDWARE[h].kind == "datasheet"
+                    and h.split("-")[0] in gpu.replace("nvidia", "").split()]  # fmt: skip
+            hardware = hits[0] if hits else None
+    return model, hardware
+
+
+def fit_analytic(df: pd.DataFrame, model: str, hardware: str) -> dict[str, float]:
+    """The analytic roofline's ``flops_efficiency``, ``bandwidth_efficiency`` and
+    ``step_overhead_s`` (lab/sim/cost_model.py) that minimize the median relative error on
+    the profile rows, by grid search (efficiencies 0.05-1, overhead 0-5 ms), with that
+    error."""
+    from lab.sim.cost_model import AnalyticCostModel
+    from lab.sim.hardware import HARDWARE
+    from lab.sim.models import MODELS
+
+    m, hw = MODELS[model], HARDWARE[hardware]
+    feats = [
+        StepFeatures(
+            *(
+                int(r[c]) if c != "prefill_attention_pairs" else float(r[c])
+                for c in (fl.name for fl in fields(StepFeatures))
+            )
+        )  # fmt: skip
+        for _, r in df.iterrows()
+    ]
+
+    def times(flops_eff: float, bw_eff: float) -> np.ndarray:
+        cm = AnalyticCostModel(m, hw, flops_eff, bw_eff, 0.0)
+        return np.array([cm.step_time(f, 16) for f in feats])
+
+    huge = 1e12  # an efficiency so high that its term vanishes
+    swap_s = times(huge, huge)
+    compute_s, memory_s = times(1.0, huge) - swap_s, times(huge, 1.0) - swap_s
+    y = df["duration_s"].to_numpy(float)
+    effs = np.geomspace(0.05, 1.0, 40)
+    overheads = np.linspace(0.0, 0.005, 101)
+    best = (np.inf, 0.0, 0.0, 0.0)
+    for a in effs:
+        for b in effs:
+            base = np.maximum(compute_s / a, memory_s / b) + swap_s
+            err = np.abs(base[None, :] + overheads[:, None] - y) / y  # (overheads, rows)
+            med = np.median(err, axis=1)
+            i = int(np.argmin(med))
+            if med[i] < best[0]:
+                best = (float(med[i]), float(a), float(b), float(overheads[i]))
+    return {
+        "model": model,
+        "hardware": hardware,
+        "flops_efficiency": round(best[1], 3),
+        "bandwidth_efficiency": round(best[2], 3),
+        "step_overhead_s": round(best[3], 5),
+        "median_relative_error": best[0],
+    }
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m lab.sim.calibrated") -> int:
     """Fit a profile and write PROFILE.fit.json (``sched-lab fit``); returns the exit status."""
     import argparse
@@ -349,10 +464,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab.sim.calibrate
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    model, hardware = profile_shape(args.profile)
+    analytic = fit_analytic(df, model, hardware) if model and hardware else None
     kinds = df["kind"].fillna("unlabelled") if "kind" in df else pd.Series(["all"] * len(df))
     by_kind = {str(k): float(np.median(err[(kinds == k).to_numpy()])) for k in kinds.unique()}
+    fingerprint = read_fingerprint(args.profile)
+    stale, why = staleness(fingerprint)
     summary = {
         "profile": args.profile,
+        "fingerprint": fingerprint,
+        "stale_for_this_checkout": stale,
+        "why": why,
         "rows": len(df),
         "coefficients": dict(zip(FEATURES, coef.tolist())),
         "held_out_relative_error": {
@@ -361,6 +483,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab.sim.calibrate
             "max": float(err.max()),
             "median_by_kind": by_kind,
         },
+        # the analytic roofline's efficiencies fitted to the same rows (cost_model keys
+        # flops_efficiency, bandwidth_efficiency, step_overhead_s), when the header names
+        # a model and a GPU the simulator has presets for
+        "analytic_fit": analytic,
     }
     out = Path(args.out) if args.out else Path(args.profile).with_suffix(".fit.json")
     try:
@@ -369,6 +495,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab.sim.calibrate
         print(f"error: {out}: cannot write the fit ({e.strerror})", file=sys.stderr)
         return 2
     print(json.dumps(summary, indent=2))
+    if fingerprint is None:
+        print(f"note: {args.profile}: {why}", file=sys.stderr)
+    else:
+        print(f"engine fingerprint: {json.dumps(fingerprint, sort_keys=True)}")
+        if stale:
+            print(f"note: {args.profile}: {why}", file=sys.stderr)
     return 0
 
 

@@ -161,7 +161,10 @@ def engine_process(
         if wall_clock:
             plan_s = time.perf_counter() - t_plan
             result = executor.execute(plan)
-            result.duration_s += plan_s
+            # Rounded to the 9 significant digits that steps.csv keeps: a simulator fed
+            # these durations (cost_model.durations_from) then runs the very same clock,
+            # so arrivals fall between the same steps to the last bit.
+            result.duration_s = float(f"{result.duration_s + plan_s:.9g}")
         else:
             result = executor.execute(plan)
         f = plan.features()

@@ -1,0 +1,182 @@
+"""Replayed durations: the simulator's steps take an engine run's measured times, in order.
+
+    cost_model: {durations_from: results/engine_run/steps.csv}
+
+Fed the engine's own step durations, the simulator must plan every step as the engine did
+(docs/ARCHITECTURE.md): same requests, same prefill chunks, same decodes, same preemptions
+and swaps. Each simulated step takes the duration of the engine's step with the same index
+(rows of the run's policy and rate_scale in the steps.csv) and compares its plan with that
+row; :meth:`ReplayedExecutor.plan_match` counts the steps whose plan differs. No other
+input is needed: the KV capacity of the engine run (its summary.json, when it is beside the
+steps.csv) replaces the simulator's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from lab.core.errors import ConfigError
+from lab.core.plan import SchedulerOutput, StepResult
+
+# steps.csv column -> what the plan must hold for it (see :func:`plan_row`)
+PLAN_COLUMNS = ("num_prefill_tokens", "num_decode_tokens", "num_seqs", "num_prefills",
+                "prefill_context_tokens", "prefill_attention_pairs", "decode_context_tokens",
+                "num_preempted", "num_swap_out_blocks", "num_swap_in_blocks")  # fmt: skip
+KEY = "cost_model.durations_from"
+
+
+def plan_row(plan: SchedulerOutput) -> tuple[float, ...]:
+    """A plan's values of :data:`PLAN_COLUMNS`, as the replay loop records them."""
+    f = plan.features()
+    return (
+        f.num_prefill_tokens,
+        f.num_decodes,
+        f.num_seqs,
+        f.num_prefills,
+        f.prefill_context_tokens,
+        f.prefill_attention_pairs,
+        f.decode_context_tokens,
+        len(plan.preempted),
+        len(plan.swap_out),
+        len(plan.swap_in),
+    )
+
+
+class ReplayedDurations:
+    """An engine run's steps.csv (and summary.json beside it, if any), read once.
+
+    Raises:
+        ConfigError: one line naming the file: missing, unreadable, or not a steps.csv.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ConfigError(f"{KEY}: {self.path} is not a file (expected a run's steps.csv)")
+        try:
+            df = pd.read_csv(self.path)
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"{KEY}: {self.path} is not a readable CSV ({why[:120]})") from None
+        need = ("policy", "rate_scale", "duration_s", *PLAN_COLUMNS)
+        missing = [c for c in need if c not in df.columns]
+        if missing:
+            raise ConfigError(
+                f"{KEY}: {self.path}: not a steps.csv of a run: missing columns "
+                f"{', '.join(missing)}"
+            )
+        self.steps = df
+        summary = self.path.parent / "summary.json"
+        self.summary: dict[str, Any] = json.loads(summary.read_text()) if summary.is_file() else {}
+
+    def capacity(self) -> tuple[int, int] | None:
+        """(GPU blocks, CPU blocks) of the engine run, or None if its summary does not say."""
+        for s in self.summary.values():
+            if isinstance(s, dict) and "num_gpu_blocks" in s and "num_cpu_blocks" in s:
+                return int(s["num_gpu_blocks"]), int(s["num_cpu_blocks"])
+        return None
+
+    def fingerprint(self) -> dict | None:
+        """The engine fingerprint its runs recorded (summary key ``cost_model``), if any."""
+        for s in self.summary.values():
+            if isinstance(s, dict) and isinstance(s.get("cost_model"), dict):
+                return s["cost_model"].get("fingerprint")
+        return None
+
+    def executor(
+        self,
+        label: str,
+        rate_scale: float,
+        limits: dict[str, Any] | None = None,
+        run_label: str | None = None,
+    ) -> ReplayedExecutor:
+        """An executor for policy ``label`` at ``rate_scale`` (its rows of the steps.csv;
+        ``run_label``: the run's key in summary.json, default ``label``).
+
+        Raises:
+            ConfigError: no rows for that run, or its recorded limits (summary.json)
+                differ from ``limits``.
+        """
+        sel = (self.steps["policy"].astype(str) == label) & np.isclose(
+            self.steps["rate_scale"].to_numpy(float), rate_scale, rtol=1e-8, atol=0.0
+        )
+        rows = self.steps[sel]
+        if rows.empty:
+            raise ConfigError(
+                f"{KEY}: {self.path} has no steps of policy {label!r} at rate_scale "
+                f"{rate_scale:g} (it has {', '.join(sorted(set(map(str, self.steps.policy))))})"
+            )
+        recorded = (self.summary.get(run_label or label) or {}).get("limits")
+        if limits is not None and recorded is not None and recorded != limits:
+            raise ConfigError(
+                f"{KEY}: {self.path}: run {label!r} was recorded with limits {recorded}, "
+                f"the simulator has {limits}"
+            )
+        return ReplayedExecutor(
+            rows["duration_s"].to_numpy(float), rows[list(PLAN_COLUMNS)].to_numpy(float)
+        )
+
+
+class ReplayedExecutor:
+    """Steps take the recorded durations in order; each plan is compared with its row."""
+
+    wall_clock = False
+
+    def __init__(self, durations_s: np.ndarray, plans: np.ndarray) -> None:
+        self.durations_s, self.plans = durations_s, plans
+        self.step = 0
+        self.mismatched = 0
+        self.first_mismatch: str | None = None
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        """The recorded duration of the next step.
+
+        Raises:
+            ConfigError: the simulator asks for more steps than the engine run recorded
+                (the replay stops with this as its failure).
+        """
+        i = self.step
+        if i >= len(self.durations_s):
+            raise ConfigError(
+                f"{KEY}: the simulator asks for step {i + 1}; the engine run recorded "
+                f"{len(self.durations_s)}"
+            )
+        got, want = plan_row(plan), self.plans[i]
+        # pairs are written with 9 significant digits; the counts are exact
+        bad = [
+            c
+            for c, g, w in zip(PLAN_COLUMNS, got, want, strict=True)
+            if not np.isclose(g, w, rtol=1e-8, atol=0.5 if c == "prefill_attention_pairs" else 0)
+        ]
+        if bad:
+            self.mismatched += 1
+            if self.first_mismatch is None:
+                self.first_mismatch = f"step {i}: " + ", ".join(
+                    f"{c} {g:g} (engine {w:g})"
+                    for c, g, w in zip(PLAN_COLUMNS, got, want, strict=True)
+                    if c in bad
+                )
+        self.step += 1
+        return StepResult(float(self.durations_s[i]))
+
+    def plan_match(self) -> dict[str, Any]:
+        """Steps recorded and simulated, steps whose plan matched the engine's, and the
+        first mismatch (None when every plan matched); recorded steps the simulator never
+        asked for count as mismatched."""
+        recorded, simulated = len(self.durations_s), self.step
+        matched = simulated - self.mismatched
+        first = self.first_mismatch
+        if first is None and simulated < recorded:
+            first = f"the simulator ended after {simulated} of {recorded} recorded steps"
+        return {
+            "steps_recorded": recorded,
+            "steps_simulated": simulated,
+            "steps_matched": matched,
+            "fraction_identical": matched / max(recorded, simulated),
+            "first_mismatch": first,
+        }

@@ -1,0 +1,278 @@
+"""Fidelity machinery: profile fingerprints (stale profiles flagged), and replayed durations
+(``cost_model.durations_from``): fed a real engine run's step durations, the simulator makes
+the engine's plan on every step.
+
+The engine test runs a tiny random Llama on the CPU (torch attention, float32) with arrivals
+spaced about one step apart, so that arrivals fall between steps, and a KV cache small
+enough that every policy preempts (recompute and swap).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from lab.config import validate
+from lab.core.fingerprint import HEADER_PREFIX, backend_sources_hash, differences
+from lab.experiment import run_experiment
+from lab.sim.calibrated import CalibratedCostModel, read_fingerprint, staleness
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILE = ROOT / "profiles" / "h200_qwen3-0.6b.csv"
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 1024,
+}
+
+
+def with_fingerprint(tmp_path: Path, fingerprint: dict) -> Path:
+    """The shipped profile with a fingerprint line added to its header."""
+    lines = PROFILE.read_text().splitlines(keepends=True)
+    path = tmp_path / "profile.csv"
+    path.write_text(lines[0] + HEADER_PREFIX + json.dumps(fingerprint) + "\n" + "".join(lines[1:]))
+    return path
+
+
+def sim_config(raw_cost_model: dict, **extra) -> dict:
+    return {
+        "name": "fid",
+        "trace": {
+            "format": "synthetic",
+            "num_requests": 20,
+            "arrival": {"process": "poisson", "rate": 5.0},
+            "prompt_len": {"uniform": [64, 512]},
+            "output_len": {"uniform": [4, 64]},
+        },
+        "model": "qwen3-0.6b",
+        "cost_model": raw_cost_model,
+        "kv_cache": {"block_size": 16, "num_gpu_blocks": 256},
+        "policies": ["fcfs"],
+        **extra,
+    }
+
+
+def test_profile_without_fingerprint_loads_with_a_note() -> None:
+    assert read_fingerprint(PROFILE) is None
+    model = CalibratedCostModel(PROFILE)
+    assert model.fingerprint is None
+    stale, why = staleness(model.fingerprint)
+    assert stale and "no engine fingerprint" in why
+    run = run_experiment(validate(sim_config({"profile": str(PROFILE)})), progress=False)[0]
+    cm = run.summary["cost_model"]
+    assert cm["kind"] == "calibrated" and cm["stale"] is True and cm["fingerprint"] is None
+
+
+def test_stale_profile_is_flagged(tmp_path) -> None:
+    other = {"backend_sources": "0" * 64, "gpu": "NVIDIA H100", "torch": "2.11.0"}
+    path = with_fingerprint(tmp_path, other)
+    assert read_fingerprint(path) == other
+    cfg = validate(sim_config({"profile": str(path)}))
+    run = run_experiment(cfg, progress=False)[0]
+    cm = run.summary["cost_model"]
+    assert cm["kind"] == "calibrated" and cm["fingerprint"] == other
+    assert cm["stale"] is True and "backend sources 000000000000 vs" in cm["why"]
+    # against a named engine: every differing key is listed, keys it does not name are not
+    engine = {"gpu": "NVIDIA H200", "torch": "2.11.0"}
+    assert differences(other, engine) == ["gpu 'NVIDIA H100' vs 'NVIDIA H200'"]
+    assert staleness(other, {"gpu": "NVIDIA H100"}) == (False, "")
+
+
+def test_fresh_profile_is_not_stale(tmp_path) -> None:
+    path = with_fingerprint(tmp_path, {"backend_sources": backend_sources_hash(), "gpu": "x"})
+    run = run_experiment(validate(sim_config({"profile": str(path)})), progress=False)[0]
+    assert run.summary["cost_model"]["stale"] is False
+    assert run.summary["cost_model"]["why"] == ""
+
+
+def test_analytic_model_says_so() -> None:
+    run = run_experiment(validate(sim_config({})), progress=False)[0]
+    assert run.summary["cost_model"]["kind"] == "analytic"
+    assert "analytic roofline ran" in run.summary["cost_model"]["why"]
+
+
+def test_durations_from_and_profile_are_exclusive() -> None:
+    from lab.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="durations_from replaces the cost model"):
+        validate(sim_config({"profile": str(PROFILE), "durations_from": str(PROFILE)}))
+
+
+def _steps_csv(tmp_path: Path, rows: list[dict]) -> Path:
+    cols = {
+        "policy": "fcfs",
+        "rate_scale": 1.0,
+        "num_prefill_tokens": 0,
+        "num_decode_tokens": 0,
+        "num_seqs": 0,
+        "num_prefills": 0,
+        "prefill_context_tokens": 0,
+        "prefill_attention_pairs": 0,
+        "decode_context_tokens": 0,
+        "num_preempted": 0,
+        "num_swap_out_blocks": 0,
+        "num_swap_in_blocks": 0,
+    }
+    path = tmp_path / "steps.csv"
+    pd.DataFrame([{**cols, **r} for r in rows]).to_csv(path, index=False)
+    return path
+
+
+def one_request(tmp_path: Path) -> dict:
+    """A 10-token prompt, 3 output tokens: a prefill step then two decode steps."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 3}\n')
+    return {"format": "mooncake", "path": str(trace)}
+
+
+def test_replayed_durations_count_mismatches_and_refuse_extra_steps(tmp_path) -> None:
+    prefill = {"num_prefill_tokens": 10, "num_seqs": 1, "num_prefills": 1}
+    prefill["prefill_attention_pairs"] = 55  # 10 * 11 / 2
+    decode = {"num_decode_tokens": 1, "num_seqs": 1}
+    rows = [
+        {**prefill, "duration_s": 0.5},
+        # a decode's context counts its own token: 11, then 12
+        {**decode, "decode_context_tokens": 11, "duration_s": 0.25},
+        {**decode, "decode_context_tokens": 99, "duration_s": 0.125},  # not the plan's 12
+    ]
+    raw = sim_config(
+        {"durations_from": str(_steps_csv(tmp_path, rows))}, trace=one_request(tmp_path)
+    )
+    run = run_experiment(validate(raw), progress=False)[0]
+    assert run.summary["plan_match"] == {
+        "steps_recorded": 3,
+        "steps_simulated": 3,
+        "steps_matched": 2,
+        "fraction_identical": 2 / 3,
+        "first_mismatch": "step 2: decode_context_tokens 12 (engine 99)",
+    }
+    assert run.summary["cost_model"]["kind"] == "replayed"
+    assert run.summary["e2e_s"]["p50"] == pytest.approx(0.875)  # 0.5 + 0.25 + 0.125
+    short = _steps_csv(tmp_path, rows[:2])
+    raw = sim_config({"durations_from": str(short)}, trace=one_request(tmp_path))
+    run = run_experiment(validate(raw), progress=False)[0]
+    assert "asks for step 3; the engine run recorded 2" in run.summary["failure"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_engine_plans_are_made_again_from_their_durations(tmp_path) -> None:
+    from backend.tools.random_checkpoint import write_random_checkpoint
+    from lab.report import write_results
+
+    ckpt = tmp_path / "ckpt"
+    write_random_checkpoint(TINY, ckpt, dtype="float32")
+    raw = {
+        "name": "tiny",
+        "backend": "engine",
+        "trace": {
+            "format": "synthetic",
+            "num_requests": 40,
+            "arrival": {"process": "poisson", "rate": 200.0},  # ~ one CPU step apart
+            "prompt_len": {"uniform": [8, 64]},
+            "output_len": {"uniform": [4, 24]},
+            "seed": 1,
+        },
+        "engine": {"model_path": str(ckpt), "device": "cpu", "dtype": "float32"},
+        "kv_cache": {"block_size": 4, "num_gpu_blocks": 64, "swap_space_gib": 0.001},
+        "scheduler": {"max_num_seqs": 8, "max_model_len": 256},
+        "policies": ["fcfs", "swap", {"name": "chunked_prefill", "max_num_batched_tokens": 32}],
+    }
+    engine = run_experiment(validate(raw), progress=False)
+    write_results(tmp_path / "engine", validate(raw), engine)
+    for r in engine:  # the cache is small enough that every policy preempts
+        assert r.summary["preemptions"]["recompute"] + r.summary["preemptions"]["swap"] > 0
+        assert r.summary["cost_model"]["kind"] == "measured"
+        assert r.summary["cost_model"]["fingerprint"]["backend_sources"] == backend_sources_hash()
+    assert engine[1].summary["preemptions"]["swap"] > 0
+    sim_raw = {
+        **raw,
+        "backend": "sim",
+        "model": "llama-3.2-1b",  # any preset: capacity and durations come from the run
+        "cost_model": {"durations_from": str(tmp_path / "engine" / "steps.csv")},
+    }
+    sims = run_experiment(validate(sim_raw), progress=False)
+    for real, sim in zip(engine, sims, strict=True):
+        match = sim.summary["plan_match"]
+        assert match["first_mismatch"] is None, (real.label, match)
+        assert match["steps_matched"] == match["steps_recorded"] == real.summary["num_steps"]
+        assert sim.summary["preemptions"] == real.summary["preemptions"]
+        a, b = real.requests, sim.requests
+        assert list(a.request_id) == list(b.request_id)
+        # the engine's clock runs on the durations steps.csv holds: the same times, exactly
+        for col in ("arrival_s", "first_token_s", "ttft_s", "e2e_s"):
+            assert a[col].equals(b[col]), (real.label, col)
+
+
+def test_h200_engine_run_is_planned_again_step_by_step(tmp_path) -> None:
+    """experiments/replayed_durations.yaml: the H200 run of docs/azure_gpu/ (Qwen3-0.6B shape,
+    2,048 blocks, 456 requests, every policy preempting 34-38 times), replayed from its own
+    step durations: every one of its 5,223 + 5,329 + 5,051 steps planned as on the engine."""
+    import run_experiment as cli
+
+    out = tmp_path / "out"
+    assert cli.main([str(ROOT / "experiments/replayed_durations.yaml"), "--out", str(out),
+                     "--no-progress"]) == 0  # fmt: skip
+    sim = json.loads((out / "summary.json").read_text())
+    real = json.loads((ROOT / "docs/azure_gpu/summary.json").read_text())
+    for label, steps in (("fcfs", 5223), ("swap", 5329), ("chunked_prefill", 5051)):
+        assert sim[label]["plan_match"]["steps_matched"] == steps == real[label]["num_steps"]
+        assert sim[label]["plan_match"]["first_mismatch"] is None
+        assert sim[label]["preemptions"] == real[label]["preemptions"]
+        for m in ("ttft_s", "e2e_s"):
+            assert sim[label][m]["p99"] == pytest.approx(real[label][m]["p99"], abs=1e-6)
+
+
+def test_rankings_count_pairs_beyond_the_engines_spread() -> None:
+    """Two policies, one ranked metric shown (the others equal, so never counted): the pair
+    counts when |a - b| exceeds |a - a'| + |b - b'| and the repeat orders it the same way."""
+    from lab.fidelity import RANKED, rank_agreement
+
+    def row(policy, real, again, sim):
+        r = {"slice": "conv", "load": 0.5, "policy": policy}
+        for m, p in RANKED:
+            r[f"real_{m}_{p}"] = r[f"again_{m}_{p}"] = r[f"sim_{m}_{p}"] = 1.0
+        r.update(real_ttft_s_p50=real, again_ttft_s_p50=again, sim_ttft_s_p50=sim)
+        return r
+
+    # engine: a - b = -1.0, spread 0.1 + 0.1; the simulator orders them the other way
+    table = pd.DataFrame([row("a", 1.0, 1.1, 1.5), row("b", 2.0, 2.1, 1.2)])
+    [pair] = rank_agreement(table)
+    assert (pair["metric"], pair["pair"], pair["agree"]) == ("ttft_s_p50", "a vs b", False)
+    assert pair["engine"] == pytest.approx(-1.0) and pair["noise"] == pytest.approx(0.2)
+    # the same difference inside the engine's spread (0.6 + 0.6): not counted
+    table = pd.DataFrame([row("a", 1.0, 1.6, 1.5), row("b", 2.0, 1.4, 1.2)])
+    assert rank_agreement(table) == []
+
+
+def test_analytic_efficiencies_fitted_to_a_profile_are_recovered(tmp_path) -> None:
+    """Profile rows timed by the analytic model itself (efficiencies 0.5 and 0.8, 1 ms a
+    step): the fit finds them back, within the grid's 8% steps."""
+    from dataclasses import fields as dc_fields
+
+    from lab.core.plan import StepFeatures
+    from lab.sim.calibrated import fit_analytic, profile_shape, read_profile
+    from lab.sim.cost_model import AnalyticCostModel
+    from lab.sim.hardware import HARDWARE
+    from lab.sim.models import MODELS
+
+    assert profile_shape(PROFILE) == ("qwen3-0.6b", "h200-sxm")
+    df = read_profile(PROFILE)
+    truth = AnalyticCostModel(MODELS["qwen3-0.6b"], HARDWARE["h200-sxm"], 0.5, 0.8, 0.001)
+    names = [f.name for f in dc_fields(StepFeatures)]
+    df["duration_s"] = [
+        truth.step_time(StepFeatures(*(r[n] for n in names)), 16) for _, r in df.iterrows()
+    ]
+    fit = fit_analytic(df, "qwen3-0.6b", "h200-sxm")
+    assert fit["flops_efficiency"] == pytest.approx(0.5, rel=0.08)
+    assert fit["bandwidth_efficiency"] == pytest.approx(0.8, rel=0.08)
+    assert fit["step_overhead_s"] == pytest.approx(0.001, abs=1e-4)
+    assert fit["median_relative_error"] < 0.05

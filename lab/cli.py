@@ -122,6 +122,17 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sweep = ap.add_argument_group("sweeps (a YAML with sweep: or search:)")
+    sweep.add_argument(
+        "--jobs",
+        type=int,
+        help="points run at once in a local process pool (default: the CPU count; 1: serially)",
+    )
+    where = sweep.add_mutually_exclusive_group()
+    where.add_argument("--ray", action="store_true", help="run the points on a local Ray")
+    where.add_argument(
+        "--ray-address", metavar="ADDR", help="run the points on the Ray cluster at ADDR"
+    )
 
 
 def _delegate(command: str, argv: list[str]) -> int:
@@ -193,6 +204,15 @@ def _run(args: argparse.Namespace) -> int:
     cfg = out = None
     with _Signals() as signals:
         try:
+            from lab.sweep import is_sweep, read_yaml
+
+            path, raw = read_yaml(args.config)
+            if is_sweep(raw):
+                return _run_sweep(args, path, raw)
+            if args.jobs is not None or args.ray or args.ray_address is not None:
+                raise UserError(
+                    "--jobs, --ray and --ray-address are for a YAML with sweep: or search:"
+                )
             cfg = load_config(args.config)
             if args.limit is not None:
                 if args.limit < 1:
@@ -240,6 +260,55 @@ def _run(args: argparse.Namespace) -> int:
         )
         return 128 + signals.pending
     return _report(runs, decode, out, time.perf_counter() - t0)
+
+
+def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
+    """``sched-lab run`` of a sweep (lab/sweep.py): every point, one results folder.
+    Raises UserError for bad input; an interruption stops the points and writes nothing."""
+    import os
+
+    from lab.core.errors import UserError
+    from lab.sweep import load_sweep
+    from lab.sweep_run import run_sweep
+
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit: expected an integer >= 1, got {args.limit}")
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError(f"--jobs: expected an integer >= 1, got {args.jobs}")
+    if args.out is not None and not args.out.strip():
+        raise UserError("--out: expected a folder, got an empty string")
+    if args.format == "parquet" and importlib.util.find_spec("pyarrow") is None:
+        raise UserError("--format parquet needs pyarrow: pip install 'sched-lab[parquet]'")
+    t0 = time.perf_counter()
+    sweep = load_sweep(path, args.limit, raw)
+    out = Path(args.out) if args.out is not None else Path.cwd() / "results" / sweep.name
+    jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
+    try:
+        out, results = run_sweep(
+            sweep,
+            out,
+            jobs=jobs,
+            ray=args.ray,
+            ray_address=args.ray_address,
+            fmt=args.format,
+            progress=not args.no_progress,
+        )
+    except KeyboardInterrupt as e:
+        print(
+            f"error: interrupted by {_name(e)} during the sweep; nothing written", file=sys.stderr
+        )
+        return _code(e)
+    bad = [r for r in results if r.error or any(row.get("error") for row in r.rows)]
+    print(f"wrote {out}/ (report.md): {len(results) - len(bad)} of {len(results)} "
+          f"{'searches' if sweep.search else 'points'} ok in {time.perf_counter() - t0:.1f} s")  # fmt: skip
+    if bad:
+        print(
+            f"error: {len(bad)} of {len(results)} failed or stopped early (report.md and "
+            "the results table say why)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def _name(e: KeyboardInterrupt) -> str:

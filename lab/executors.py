@@ -6,9 +6,10 @@ runs them. A task must not raise (the sweep's task function turns every error in
 result); a worker that dies, or a task that raises anyway, gives ``on_error(task, message)``.
 
 * ``serial``: in this process, one after another (``--jobs 1``).
-* ``pool``: a :class:`concurrent.futures.ProcessPoolExecutor` of ``jobs`` processes started
-  with ``spawn`` (fresh interpreters: nothing inherited from the driver's threads or
-  state). Workers ignore SIGINT; the driver terminates them when it is interrupted.
+* ``pool``: a :class:`concurrent.futures.ProcessPoolExecutor` of ``jobs`` processes, forked
+  from a ``forkserver`` that has imported the task function's module once (``spawn``
+  where there is no forkserver): nothing inherited from the driver's threads or state.
+  Workers ignore SIGINT; the driver terminates them when it is interrupted.
 * ``ray``: each task a Ray task of ``num_cpus=1``, on a local Ray started for the run
   (``--ray``: ``jobs`` CPUs, workers import the lab from the driver's checkout) or on an
   existing cluster (``--ray-address ADDR``: its nodes must import the same lab; submit the
@@ -86,7 +87,11 @@ def _ignore_sigint() -> None:
 
 
 def _pool(fn, tasks, on_error, jobs: int) -> Iterator[Result]:
-    ctx = multiprocessing.get_context("spawn")
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([fn.__module__])
+    else:
+        ctx = multiprocessing.get_context("spawn")
     pool = ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=ctx, initializer=_ignore_sigint)
     try:
         pending = {pool.submit(fn, t): t for t in tasks}

@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lab.config import validate
 from lab.core.errors import UserError
+from lab.experiment import run_experiment
+from lab.report import write_results
 from lab.sweep import Point, Sweep, set_path
 
 log = logging.getLogger("lab.sweep")
@@ -109,10 +112,6 @@ def failed(task: Task, message: str) -> TaskResult:
 
 
 def _point(task: Task) -> TaskResult:
-    from lab.config import validate
-    from lab.experiment import run_experiment
-    from lab.report import write_results
-
     cfg = validate(task.point.raw, task.source, task.base_dir)
     runs = run_experiment(cfg, progress=False)
     decode = None
@@ -134,8 +133,6 @@ def _point(task: Task) -> TaskResult:
 
 
 def _search(task: Task) -> TaskResult:
-    from lab.config import validate
-    from lab.experiment import run_experiment
     from lab.search import find_capacity
 
     spec = task.search
@@ -249,6 +246,8 @@ def run_sweep(
     sim = [t for t in tasks if sweep.configs[t.point.name].backend == "sim"]
     engine = [t for t in tasks if sweep.configs[t.point.name].backend == "engine"]
     unit, units = ("search", "searches") if sweep.search is not None else ("point", "points")
+    results: dict[int, TaskResult] = {}
+    t0 = time.perf_counter()
     with Phase(f"sweep {sweep.name}: {len(tasks)} {units}", len(tasks), unit, progress) as phase:
         done = executors.run_tasks(
             run_task, sim, failed, jobs=jobs, ray=ray, ray_address=ray_address

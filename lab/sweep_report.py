@@ -185,12 +185,18 @@ def capacity_table(sweep, tasks, results) -> pd.DataFrame:
 # ---------------------------------------------------------------------------- plots
 def _groups(sweep, df: pd.DataFrame, x: str) -> list[tuple[str, pd.DataFrame]]:
     """Lines to draw: per policy, and per value of every other swept key."""
-    others = [k for k in sweep.keys if k != x and k in df.columns and df[k].nunique() > 1]
+    load = {x, "trace.rate_scale"} if x in ("rate_scale", "trace.rate_scale") else {x}
+    others = [
+        k
+        for k in sweep.keys
+        if k not in load and k in df.columns and df[k].nunique(dropna=False) > 1
+    ]
     keys = ["policy", *others]
     out = []
     for vals, g in df.groupby(keys, sort=False, dropna=False):
         vals = vals if isinstance(vals, tuple) else (vals,)
-        label = ", ".join([str(vals[0]), *(f"{k}={v}" for k, v in zip(others, vals[1:]))])
+        shown = ["null" if v is None or _isnan(v) else _fmt(v) for v in vals[1:]]
+        label = ", ".join([str(vals[0]), *(f"{k}={v}" for k, v in zip(others, shown))])
         out.append((label, g.sort_values(x)))
     return out
 

@@ -6,8 +6,9 @@ The sweep (written to a temporary folder): the first ``--limit`` requests of the
 2023 conversation trace, fcfs and chunked_prefill, over a 4 x 4 x 4 grid of rate_scale,
 KV blocks and max_num_seqs. Each executor runs it as ``sched-lab run`` does, in a
 subprocess (interpreter start, Ray start-up and writing the results included), in turns
-(serial, pool, ray; ``--rounds`` times), so that a machine shared with other work loads
-all of them alike; the ratios within one round are the result. Every executor's results
+(serial, pool, ray, then the reverse order; ``--rounds`` times), so that a machine shared with other work loads
+all of them alike; the ratios within one round are the result. Last, the time ``ray.init`` takes to start a
+local Ray, twice. Every executor's results
 folder is compared with the serial one, file by file (timing.json aside).
 """
 
@@ -60,27 +61,34 @@ def main(argv: list[str] | None = None) -> int:
         yaml = Path(tmp) / "sweep_64.yaml"
         yaml.write_text(SWEEP.format(limit=args.limit))
         for rnd in range(args.rounds):
-            walls, reference = {}, None
-            for mode, flags in modes.items():
+            walls, files = {}, {}
+            order = list(modes) if rnd % 2 == 0 else list(reversed(modes))  # drift cancels
+            for mode in order:
                 out = Path(tmp) / f"{mode}{rnd}"
                 cmd = [sys.executable, str(ROOT / "run_experiment.py"), str(yaml), "--out",
-                       str(out), "--no-progress", *flags]  # fmt: skip
+                       str(out), "--no-progress", *modes[mode]]  # fmt: skip
                 t0 = time.perf_counter()
                 subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)  # fmt: skip
-                wall = time.perf_counter() - t0
+                walls[mode] = time.perf_counter() - t0
                 inner = json.loads((out / "timing.json").read_text())["wall_s"]
-                walls[mode] = wall
-                files = files_of(out)
-                if reference is None:
-                    reference = files
-                same = "identical" if files == reference else "DIFFERENT"
+                files[mode] = files_of(out)
                 print(
-                    f"round {rnd} {mode:6s}: {wall:6.1f} s wall ({inner:6.1f} s running the "
-                    f"points), {len(files)} files, {same} to serial"
+                    f"round {rnd} {mode:6s}: {walls[mode]:6.1f} s wall ({inner:6.1f} s "
+                    f"running the points), {len(files[mode])} files"
                 )
-            ratios = ", ".join(f"{m} {walls['serial'] / w:.2f}x" for m, w in walls.items())
-            print(f"round {rnd} speed-up over serial: {ratios}")
+            for mode in modes:
+                same = "identical" if files[mode] == files["serial"] else "DIFFERENT"
+                print(f"round {rnd} {mode:6s}: {same} to serial, "
+                      f"{walls['serial'] / walls[mode]:.2f}x serial's speed")  # fmt: skip
+        if "ray" in modes:
+            code = (
+                "import time, ray; t = time.perf_counter(); ray.init(num_cpus=2, "
+                "include_dashboard=False); print(time.perf_counter() - t); ray.shutdown()"
+            )
+            for _ in range(2):
+                r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+                print(f"local ray.init: {float(r.stdout.split()[-1]):.1f} s")
     return 0
 
 

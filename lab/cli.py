@@ -1,6 +1,7 @@
 """The ``sched-lab`` command: run an experiment, fit a cost model, profile the engine, tools.
 
     sched-lab run experiments/quickstart.yaml [--out DIR] [--limit N] [--format parquet]
+    sched-lab run experiments/sweep_quick.yaml [--jobs N] [--ray | --ray-address ADDR]
     sched-lab fit profiles/h200_qwen3-0.6b.csv
     sched-lab profile --model-dir checkpoints/qwen3-0.6b --out profiles/h200_qwen3-0.6b.csv
     sched-lab tools make-random-checkpoint --preset qwen3-0.6b --out checkpoints/qwen3-0.6b
@@ -29,12 +30,15 @@ from lab import __version__
 DEFAULT_CONFIG = "experiments/quickstart.yaml"
 EXIT_CODES = """exit status:
   0    ok
-  1    a run stopped early (its partial results are written), or the results could not
-       be put in place (the message says where they are)
+  1    a run stopped early (its partial results are written), a sweep's point failed
+       (the others' results are written), or the results could not be put in place
+       (the message says where they are)
   2    bad input: one line, error: ..., naming the file, row or key
-  130  interrupted by SIGINT (Ctrl-C), 143 by SIGTERM: completed runs kept as partial results"""
+  130  interrupted by SIGINT (Ctrl-C), 143 by SIGTERM: completed runs kept as partial results
+       (a sweep interrupted writes nothing)"""
 RUN_EXAMPLE = """example:
   sched-lab run experiments/quickstart.yaml --limit 500 --out /tmp/quick
+  sched-lab run experiments/sweep_quick.yaml --jobs 2    # a sweep (README, Sweeps)
 
 A config path that does not exist is looked up among the bundled ones, so the example
 experiments run from any folder. Results go to ./results/<name> unless --out; an existing

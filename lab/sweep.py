@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from lab import paths
-from lab.config import MAX_NAME_CHARS, check_name, validate
+from lab.config import DEFAULT_POLICIES, MAX_NAME_CHARS, check_name, validate
 from lab.core.errors import ConfigError, UserError
 from lab.yamlio import load_yaml_file, short_repr
 
@@ -301,7 +301,8 @@ def set_path(raw: dict, path: str, value: Any, where: str) -> None:
             else:
                 if isinstance(node[j], str) and done == "policies":
                     node[j] = {"name": node[j]}
-                node = _descend(node[j], f"{done}[{j}]", path, where)
+                node[j] = _descend(node[j], f"{done}[{j}]", path, where)
+                node = node[j]
         elif isinstance(node, dict):
             if not isinstance(k, str):
                 raise ConfigError(f"{where}: {path}: {done or 'the top level'} is a mapping, "
@@ -310,10 +311,9 @@ def set_path(raw: dict, path: str, value: Any, where: str) -> None:
                 node[k] = value
             else:
                 if k not in node and k == "policies":
-                    from lab.config import DEFAULT_POLICIES
-
                     node[k] = list(DEFAULT_POLICIES)
-                node = _descend(node.setdefault(k, {}), _show_path(keys[: i + 1]), path, where)
+                node[k] = _descend(node.get(k), _show_path(keys[: i + 1]), path, where)
+                node = node[k]
 
 
 def _descend(node: Any, at: str, path: str, where: str) -> Any:

@@ -76,6 +76,11 @@ def test_set_path_picks_policies_by_label_or_index_and_creates_sections():
         "trace": {"rate_scale": 3},
         "kv_cache": {"num_gpu_blocks": 64},
     }
+    empty = {"kv_cache": None}  # `kv_cache:` with nothing under it
+    set_path(empty, "kv_cache.block_size", 32, "f")
+    assert empty == {"kv_cache": {"block_size": 32}}
+    with pytest.raises(ConfigError, match=r"f: trace.limit.x: trace.limit is 5, not a mapping"):
+        set_path({"trace": {"limit": 5}}, "trace.limit.x", 1, "f")
     no_policies = {}
     set_path(no_policies, "policies.swap.max_num_seqs", 4, "f")  # the default list
     assert no_policies["policies"] == [

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lab.core.errors import ConfigError
+from lab.keypaths import ALIASES, get_path, parse_path
 from lab.yamlio import short_repr
 
 STATS = ("mean", "p50", "p90", "p99")
@@ -78,8 +79,6 @@ class SearchSpec:
         """The value the search starts from without ``lo``/``hi``: the config's own."""
         if self.over == "trace.rate_scale":
             return cfg.rate_scales[0] if len(cfg.rate_scales) == 1 else None
-        from lab.sweep import get_path
-
         v = get_path(point.raw, self.over)
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
         return float(v) if ok and math.isfinite(v) else None
@@ -95,8 +94,6 @@ def parse_search(raw: Any, where: str, swept: tuple[str, ...] = ()) -> SearchSpe
         ConfigError: one line naming the key: an unknown metric, a target outside (0, 1]
             for slo_attainment (or not > 0 seconds for a latency), ``lo`` >= ``hi``, ...
     """
-    from lab.sweep import ALIASES, parse_path
-
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: search: expected a mapping, got {short_repr(raw)}")
     for k in raw:

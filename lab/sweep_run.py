@@ -26,8 +26,9 @@ from typing import Any
 from lab.config import validate
 from lab.core.errors import UserError
 from lab.experiment import run_experiment
+from lab.keypaths import set_path
 from lab.report import write_results
-from lab.sweep import Point, Sweep, set_path
+from lab.sweep import Point, Sweep
 
 log = logging.getLogger("lab.sweep")
 

@@ -15,11 +15,12 @@ import pytest
 import run_experiment
 from lab.core.errors import ConfigError
 from lab.core.plan import StepFeatures
+from lab.keypaths import set_path
 from lab.search import SearchSpec, find_capacity, parse_search
 from lab.sim.cost_model import AnalyticCostModel
 from lab.sim.hardware import HARDWARE
 from lab.sim.models import MODELS
-from lab.sweep import expand, load_sweep, set_path
+from lab.sweep import expand, load_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -113,6 +113,23 @@ def _pool(fn, tasks, on_error, jobs: int) -> Iterator[Result]:
     pool.shutdown(wait=True)
 
 
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """A ``host:port`` (or ``ray://host:port``) address must accept a TCP connection:
+    ``ray.init`` retries an unreachable one for minutes. ``auto`` is left to Ray."""
+    import socket
+
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise UserError(
+            f"--ray-address {address}: cannot connect ({e.strerror or e}); is a Ray head "
+            "running there (ray start --head)?"
+        ) from None
+
+
 def _ray(fn, tasks, on_error, jobs: int, address: str | None) -> Iterator[Result]:
     try:
         import ray
@@ -127,6 +144,7 @@ def _ray(fn, tasks, on_error, jobs: int, address: str | None) -> Iterator[Result
             path = os.pathsep.join(p for p in (str(DATA_ROOT), os.environ.get("PYTHONPATH")) if p)
             kwargs.update(num_cpus=jobs, runtime_env={"env_vars": {"PYTHONPATH": path}})
         else:
+            _check_reachable(address)
             kwargs["address"] = address
         try:
             ray.init(**kwargs)

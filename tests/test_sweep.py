@@ -408,3 +408,12 @@ def test_sweep_example_runs(path, tmp_path):
         cap = pd.read_csv(out / "capacity.csv")
         assert len(cap) == sum(len(c.policies) for c in sweep.configs.values())
         assert (out / "capacity.png").exists() and (out / "curve.csv").exists()
+
+
+def test_an_unreachable_ray_address_is_one_line_not_a_wait():
+    from lab.core.errors import UserError
+    from lab.executors import _check_reachable
+
+    with pytest.raises(UserError, match=r"^--ray-address 127.0.0.1:1: cannot connect \("):
+        _check_reachable("127.0.0.1:1")
+    _check_reachable("auto")  # left to Ray

@@ -142,14 +142,23 @@ def _ray(fn, tasks, on_error, jobs: int, address: str | None) -> Iterator[Result
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
         if address is None:  # a local Ray: its workers import this checkout's lab
             path = os.pathsep.join(p for p in (str(DATA_ROOT), os.environ.get("PYTHONPATH")) if p)
-            kwargs.update(num_cpus=jobs, runtime_env={"env_vars": {"PYTHONPATH": path}})
+            kwargs.update(
+                address="local",  # a new instance, never one found running on this machine
+                num_cpus=jobs,
+                runtime_env={"env_vars": {"PYTHONPATH": path}},
+            )
         else:
             _check_reachable(address)
             kwargs["address"] = address
         try:
             ray.init(**kwargs)
         except (ConnectionError, RuntimeError, ValueError) as e:
-            raise UserError(f"--ray-address {address}: cannot start or reach Ray ({e})") from None
+            flag = (
+                "--ray: cannot start a local Ray"
+                if address is None
+                else (f"--ray-address {address}: cannot reach Ray")
+            )
+            raise UserError(f"{flag} ({' '.join(str(e).split())[:300]})") from None
     remote = ray.remote(num_cpus=1, max_retries=0)(fn)
     try:
         pending = {remote.remote(t): t for t in tasks}

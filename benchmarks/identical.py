@@ -39,9 +39,12 @@ FILES = ("requests.csv", "steps.csv", "summary.json")
 
 
 def sim_experiments() -> list[Path]:
+    """``backend: sim`` YAMLs that are one experiment (a sweep's points are experiments
+    like these; its own files are checked by tests/test_sweep.py)."""
     out = []
     for path in sorted((ROOT / "experiments").glob("*.yaml")):
-        if (yaml.safe_load(path.read_text()) or {}).get("backend", "sim") == "sim":
+        raw = yaml.safe_load(path.read_text()) or {}
+        if raw.get("backend", "sim") == "sim" and not ({"sweep", "search"} & set(raw)):
             out.append(path)
     return out
 

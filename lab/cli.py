@@ -2,6 +2,7 @@
 
     sched-lab run experiments/quickstart.yaml [--out DIR] [--limit N] [--format parquet]
     sched-lab explain results/quickstart --run fcfs --request 4711
+    sched-lab run experiments/sweep_quick.yaml [--jobs N] [--ray | --ray-address ADDR]
     sched-lab fit profiles/h200_qwen3-0.6b.csv
     sched-lab profile --model-dir checkpoints/qwen3-0.6b --out profiles/h200_qwen3-0.6b.csv
     sched-lab tools make-random-checkpoint --preset qwen3-0.6b --out checkpoints/qwen3-0.6b
@@ -34,12 +35,15 @@ from lab import __version__
 DEFAULT_CONFIG = "experiments/quickstart.yaml"
 EXIT_CODES = """exit status:
   0    ok
-  1    a run stopped early (its partial results are written), or the results could not
-       be put in place (the message says where they are)
+  1    a run stopped early (its partial results are written), a sweep's point failed
+       (the others' results are written), or the results could not be put in place
+       (the message says where they are)
   2    bad input: one line, error: ..., naming the file, row or key
-  130  interrupted by SIGINT (Ctrl-C), 143 by SIGTERM: completed runs kept as partial results"""
+  130  interrupted by SIGINT (Ctrl-C), 143 by SIGTERM: completed runs kept as partial results
+       (a sweep interrupted writes nothing)"""
 RUN_EXAMPLE = """example:
   sched-lab run experiments/quickstart.yaml --limit 500 --out /tmp/quick
+  sched-lab run experiments/sweep_quick.yaml --jobs 2    # a sweep (README, Sweeps)
 
 A config path that does not exist is looked up among the bundled ones, so the example
 experiments run from any folder. Results go to ./results/<name> unless --out; an existing
@@ -190,6 +194,17 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sweep = ap.add_argument_group("sweeps (a YAML with sweep: or search:)")
+    sweep.add_argument(
+        "--jobs",
+        type=int,
+        help="points run at once in a local process pool (default: the CPU count; 1: serially)",
+    )
+    where = sweep.add_mutually_exclusive_group()
+    where.add_argument("--ray", action="store_true", help="run the points on a local Ray")
+    where.add_argument(
+        "--ray-address", metavar="ADDR", help="run the points on the Ray cluster at ADDR"
+    )
 
 
 def _delegate(command: str, argv: list[str]) -> int:
@@ -261,6 +276,15 @@ def _run(args: argparse.Namespace) -> int:
     cfg = out = None
     with _Signals() as signals:
         try:
+            from lab.sweep import is_sweep, read_yaml
+
+            path, raw = read_yaml(args.config)
+            if is_sweep(raw):
+                return _run_sweep(args, path, raw)
+            if args.jobs is not None or args.ray or args.ray_address is not None:
+                raise UserError(
+                    "--jobs, --ray and --ray-address are for a YAML with sweep: or search:"
+                )
             cfg = load_config(args.config)
             if args.limit is not None:
                 if args.limit < 1:
@@ -327,6 +351,55 @@ def _with_percentiles(cfg, text: str):
             f"got {text[:80]!r}"
         )
     return dataclasses.replace(cfg, report=dataclasses.replace(cfg.report, metric_percentiles=pcts))
+
+
+def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
+    """``sched-lab run`` of a sweep (lab/sweep.py): every point, one results folder.
+    Raises UserError for bad input; an interruption stops the points and writes nothing."""
+    import os
+
+    from lab.core.errors import UserError
+    from lab.sweep import load_sweep
+    from lab.sweep_run import run_sweep
+
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit: expected an integer >= 1, got {args.limit}")
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError(f"--jobs: expected an integer >= 1, got {args.jobs}")
+    if args.out is not None and not args.out.strip():
+        raise UserError("--out: expected a folder, got an empty string")
+    if args.format == "parquet" and importlib.util.find_spec("pyarrow") is None:
+        raise UserError("--format parquet needs pyarrow: pip install 'sched-lab[parquet]'")
+    t0 = time.perf_counter()
+    sweep = load_sweep(path, args.limit, raw)
+    out = Path(args.out) if args.out is not None else Path.cwd() / "results" / sweep.name
+    jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
+    try:
+        out, results = run_sweep(
+            sweep,
+            out,
+            jobs=jobs,
+            ray=args.ray,
+            ray_address=args.ray_address,
+            fmt=args.format,
+            progress=not args.no_progress,
+        )
+    except KeyboardInterrupt as e:
+        print(
+            f"error: interrupted by {_name(e)} during the sweep; nothing written", file=sys.stderr
+        )
+        return _code(e)
+    bad = [r for r in results if r.error or any(row.get("error") for row in r.rows)]
+    print(f"wrote {out}/ (report.md): {len(results) - len(bad)} of {len(results)} "
+          f"{'searches' if sweep.search else 'points'} ok in {time.perf_counter() - t0:.1f} s")  # fmt: skip
+    if bad:
+        print(
+            f"error: {len(bad)} of {len(results)} failed or stopped early (report.md and "
+            "the results table say why)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def _name(e: KeyboardInterrupt) -> str:

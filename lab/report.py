@@ -50,6 +50,7 @@ def write_results(
     *,
     partial: str | None = None,
     fmt: str = "csv",
+    bars: bool = True,
 ) -> Path:
     """Write every file of the run folder ``out_dir`` atomically; returns ``out_dir``.
 
@@ -63,6 +64,7 @@ def write_results(
         partial: why only some of the experiment's runs are here (e.g. interrupted); said
             in report.md and in every run's summary (key ``partial``).
         fmt: ``csv`` or ``parquet`` (needs pyarrow) for requests and steps.
+        bars: False: no progress bar while writing (a sweep's workers).
 
     Raises:
         UserError: ``out_dir`` cannot become a results folder (nothing is written).
@@ -80,7 +82,7 @@ def write_results(
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; results are for sharing
-    phase = Phase("writing results", 5, "file").start()  # 5 advances below
+    phase = Phase("writing results", 5, "file", bars).start()  # 5 advances below
     try:
         _write_files(tmp, cfg, runs, decode, partial, fmt, phase)
     except OSError as e:
@@ -280,18 +282,24 @@ def is_results_folder(folder: Path) -> bool:
 
 
 def _foreign_entries(folder: Path) -> list[str] | None:
-    """The entries of ``folder`` its manifest does not name as files (sorted); None without
-    a readable manifest."""
+    """The entries of ``folder`` its manifest does not name as files, or as ``folders``
+    that are results folders themselves (a sweep's points), sorted; None without a
+    readable manifest."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         files = set(manifest["files"])
-    except (OSError, ValueError, KeyError, TypeError):
+        folders = set(manifest.get("folders", ()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return sorted(
-        p.name
-        for p in folder.iterdir()
-        if p.name != MANIFEST and (p.name not in files or p.is_symlink() or not p.is_file())
-    )
+
+    def ours(p: Path) -> bool:
+        if p.is_symlink():
+            return False
+        if p.name in files and p.is_file():
+            return True
+        return p.name in folders and p.is_dir() and is_results_folder(p)
+
+    return sorted(p.name for p in folder.iterdir() if p.name != MANIFEST and not ours(p))
 
 
 def _write_tokens(path: Path, runs: list[Run], decode) -> None:

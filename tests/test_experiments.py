@@ -16,6 +16,7 @@ import run_experiment
 from lab.config import load_config
 from lab.core.errors import ConfigError
 from lab.report import MANIFEST
+from lab.sweep import is_sweep
 from policies import policy_names
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,7 +24,13 @@ EXAMPLES = sorted((ROOT / "experiments").glob("*.yaml"))
 
 
 def sim_examples():
-    return [p for p in EXAMPLES if yaml.safe_load(p.read_text()).get("backend", "sim") == "sim"]
+    """The simulator examples that are one experiment (sweeps: tests/test_sweep.py)."""
+    out = []
+    for p in EXAMPLES:
+        raw = yaml.safe_load(p.read_text())
+        if raw.get("backend", "sim") == "sim" and not is_sweep(raw):
+            out.append(p)
+    return out
 
 
 @pytest.mark.parametrize("path", sim_examples(), ids=lambda p: p.stem)

@@ -1,0 +1,257 @@
+"""Sweeps: one experiment YAML expanded into many points, each a whole experiment.
+
+Layout (besides every key of an experiment, :mod:`lab.config`)::
+
+    sweep:
+      grid:                               # cartesian product, keys as dotted paths
+        trace.rate_scale: [1, 2, 4]
+        kv_cache.num_gpu_blocks: [1024, 2048]
+      points:                             # explicit points (keys that vary together)
+        - {model: llama-3.1-8b, hardware: h200-sxm}
+        - {model: qwen3-0.6b, hardware: a100-80gb}
+    search: {metric: slo_attainment, target: 0.9, over: rate_scale}   # lab/search.py
+
+Key paths name any key of the experiment: ``model``, ``kv_cache.num_gpu_blocks``,
+``scheduler.max_num_batched_tokens``, ``trace.arrival.rate``, ``cluster.replicas``;
+``rate_scale`` is short for ``trace.rate_scale``; a policy is picked by label
+(``policies.chunked_prefill.max_num_batched_tokens``) or by index (``policies[2].x``).
+A path below a key that the YAML leaves out creates it (``kv_cache.num_gpu_blocks`` with no
+``kv_cache:`` block). Expansion order: each explicit point in turn (or one empty point
+without ``points``), combined with every grid combination, grid keys in the order written
+and the last one varying fastest (``itertools.product``). The points are named ``p000``,
+``p001``, ... in that order.
+
+Each point is the YAML without ``sweep:``/``search:``, with its values set, validated as a
+normal config before anything runs: a key that does not exist, or a value of the wrong type,
+stops the sweep with one line naming the point and the key; each distinct trace spec is
+read once to check it too. What only fails at run time (limits that do not fit together, no
+room for KV, a replay that stops) fails its point alone: it is reported in the results
+table with its error, and the other points go on.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lab import paths
+from lab.config import MAX_NAME_CHARS, check_name, validate
+from lab.core.errors import ConfigError, UserError
+from lab.keypaths import ALIASES, get_path, parse_path, set_path  # noqa: F401 (get_path: re-exported)
+from lab.search import parse_search
+from lab.yamlio import load_yaml_file, short_repr
+
+SWEEP_KEYS = ("sweep", "search")  # top-level keys that make a YAML a sweep
+NOT_SWEPT = ("name", "sweep", "search", "trace_file")  # keys a point cannot set
+
+
+@dataclass(frozen=True)
+class Point:
+    """One point of a sweep: its name (``p003``), the values it sets (dotted path ->
+    value, in expansion order) and its experiment mapping (validated by :func:`load_sweep`)."""
+
+    name: str
+    values: Mapping[str, Any]
+    raw: Mapping[str, Any]
+
+    def describe(self) -> str:
+        """``kv_cache.num_gpu_blocks=1024, trace.rate_scale=2`` (values cut short)."""
+        return ", ".join(f"{k}={short_repr(v, 40)}" for k, v in self.values.items()) or "base"
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A sweep YAML: its name, the points, the optional capacity search.
+
+    ``keys``: every swept key path, in column order (grid keys after point keys).
+    ``raw``: the YAML as read (for the results' sweep.yaml).
+    """
+
+    name: str
+    source: str
+    base_dir: Path
+    points: tuple[Point, ...]
+    keys: tuple[str, ...]
+    raw: Mapping[str, Any]
+    search: Any = None  # lab.search.SearchSpec or None
+    configs: Mapping[str, Any] = field(default_factory=dict)  # point name -> ExperimentConfig
+
+
+def is_sweep(raw: Any) -> bool:
+    """Whether a parsed YAML is a sweep (has ``sweep:`` or ``search:``)."""
+    return isinstance(raw, Mapping) and any(k in raw for k in SWEEP_KEYS)
+
+
+def read_yaml(path: str | Path) -> tuple[Path, Any]:
+    """The YAML file (a relative path naming no file here names the bundled one, as
+    :func:`lab.config.load_config`) and its parsed content."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        bundled = paths.resolve(path, Path.cwd())
+        path = bundled if bundled.is_file() else path
+    return path, load_yaml_file(path)
+
+
+def load_sweep(
+    path: str | Path, limit: int | None = None, raw: Any = None, check_traces: bool = True
+) -> Sweep:
+    """Read a sweep YAML and validate every point (module docstring).
+
+    Args:
+        limit: replay only the first ``limit`` requests of each point's trace (``--limit``).
+        raw: the parsed YAML, when the caller has read it already.
+        check_traces: read each distinct trace spec once to check it.
+
+    Raises:
+        ConfigError: one line naming the file, the point and the key.
+    """
+    if raw is None:
+        path, raw = read_yaml(path)
+    path = Path(path)
+    where = str(path)
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of keys at the top level")
+    if raw.get("name") is not None:
+        name = check_name(where, "name", raw["name"])
+    else:
+        name = check_name(where, "name (from the file name)", path.stem)
+    base = {k: copy.deepcopy(v) for k, v in raw.items() if k not in SWEEP_KEYS}
+    if limit is not None:
+        if not isinstance(base.get("trace"), Mapping):
+            raise ConfigError(f"{where}: trace: expected a mapping with at least 'format'")
+        base["trace"] = {**base["trace"], "limit": limit}
+    combos, keys = expand(raw.get("sweep"), where)
+    width = max(3, len(str(len(combos) - 1)))
+    points = []
+    for i, values in enumerate(combos):
+        pname = f"p{i:0{width}d}"
+        praw = copy.deepcopy(base)
+        for key, value in values.items():
+            set_path(praw, key, copy.deepcopy(value), f"{where}: sweep point {pname}")
+        praw["name"] = f"{name[: MAX_NAME_CHARS - len(pname) - 1]}-{pname}"
+        points.append(Point(pname, values, praw))
+    search = None
+    if "search" in raw:
+        search = parse_search(raw["search"], where, keys)
+    base_dir = path.absolute().parent
+    configs = {}
+    traces_seen: set[str] = set()
+    for p in points:
+        cfg = _validate_point(p, where, base_dir)
+        configs[p.name] = cfg
+        if search is not None:
+            search.check(cfg, p, where)
+        spec = {k: v for k, v in cfg.trace.spec.items() if k != "rate_scale"}
+        ident = json.dumps({"seed": cfg.seed, **spec}, sort_keys=True, default=str)
+        if check_traces and ident not in traces_seen:
+            traces_seen.add(ident)
+            from traces import load_table
+
+            try:
+                load_table({"seed": cfg.seed, **cfg.trace.spec}, base_dir)
+            except UserError as e:
+                raise ConfigError(f"{where}: sweep point {p.name} ({p.describe()}): {e}") from None
+    return Sweep(name, where, base_dir, tuple(points), keys, raw, search, configs)
+
+
+def _validate_point(p: Point, where: str, base_dir: Path):
+    try:
+        return validate(p.raw, where, base_dir)
+    except UserError as e:
+        msg = str(e).removeprefix(f"{where}: ")
+        raise ConfigError(f"{where}: sweep point {p.name} ({p.describe()}): {msg}") from None
+
+
+def point_config(sweep: Sweep, point: Point, **changes: Any):
+    """The validated :class:`~lab.config.ExperimentConfig` of ``point``; ``changes`` set
+    more key paths first (the capacity search's load)."""
+    raw = copy.deepcopy(dict(point.raw))
+    for key, value in changes.items():
+        set_path(raw, key, value, sweep.source)
+    return validate(raw, sweep.source, sweep.base_dir)
+
+
+# ---------------------------------------------------------------------------- expansion
+def expand(spec: Any, where: str) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
+    """The points of a ``sweep:`` block (None: one point that sets nothing) and the swept
+    key paths in column order; see the module docstring for the order.
+
+    Raises:
+        ConfigError: not a mapping, an empty grid or value list, a point that is not a
+            non-empty mapping, a key given twice, a key that cannot be swept.
+    """
+    if spec is None:
+        return [{}], ()
+    if not isinstance(spec, Mapping) or not spec:
+        raise ConfigError(
+            f"{where}: sweep: expected a mapping with grid and/or points, got {short_repr(spec)}"
+        )
+    for k in spec:
+        if k not in ("grid", "points"):
+            raise ConfigError(f"{where}: unknown key sweep.{k}; allowed: grid, points")
+    grid = spec.get("grid", {})
+    if not isinstance(grid, Mapping) or ("grid" in spec and not grid):
+        raise ConfigError(
+            f"{where}: sweep.grid: expected a mapping of key paths to non-empty lists of "
+            f"values, got {short_repr(grid)}"
+        )
+    axes = []
+    for key, values in grid.items():
+        path = _key(key, f"{where}: sweep.grid")
+        if not isinstance(values, list) or not values:
+            raise ConfigError(
+                f"{where}: sweep.grid.{key}: expected a non-empty list of values, "
+                f"got {short_repr(values)}"
+            )
+        if path in (a for a, _ in axes):
+            raise ConfigError(f"{where}: sweep.grid: {path} is given twice")
+        axes.append((path, values))
+    explicit = spec.get("points", [{}])
+    if not isinstance(explicit, list) or not explicit:
+        raise ConfigError(
+            f"{where}: sweep.points: expected a non-empty list of mappings, "
+            f"got {short_repr(explicit)}"
+        )
+    point_keys: list[str] = []
+    rows = []
+    for i, p in enumerate(explicit):
+        if not isinstance(p, Mapping) or (not p and "points" in spec):
+            raise ConfigError(
+                f"{where}: sweep.points[{i}]: expected a non-empty mapping of key paths to "
+                f"values, got {short_repr(p)}"
+            )
+        row = {}
+        for key, value in p.items():
+            path = _key(key, f"{where}: sweep.points[{i}]")
+            if path in row:
+                raise ConfigError(f"{where}: sweep.points[{i}]: {path} is given twice")
+            if path in (a for a, _ in axes):
+                raise ConfigError(
+                    f"{where}: sweep.points[{i}]: {path} is a grid key too; give it in one place"
+                )
+            row[path] = value
+            if path not in point_keys:
+                point_keys.append(path)
+        rows.append(row)
+    combos = [
+        {**row, **dict(zip([a for a, _ in axes], values))}
+        for row in rows
+        for values in itertools.product(*(v for _, v in axes))
+    ]
+    return combos, (*point_keys, *(a for a, _ in axes))
+
+
+def _key(key: Any, where: str) -> str:
+    if not isinstance(key, str) or not key:
+        raise ConfigError(f"{where}: expected a key path such as kv_cache.num_gpu_blocks, got "
+                          f"{short_repr(key)}")  # fmt: skip
+    key = ALIASES.get(key, key)
+    parse_path(key, where)
+    if key.split(".")[0].split("[")[0] in NOT_SWEPT:
+        raise ConfigError(f"{where}: {key}: cannot be swept (each point is named after the sweep)")
+    return key

@@ -1,0 +1,419 @@
+"""Sweeps (lab/sweep.py), capacity search (lab/search.py) and their executors: grids expand
+as documented, the search finds a capacity known in closed form, bad inputs are one line,
+and a sweep's files are byte-identical serially, on the process pool and on a local Ray."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import run_experiment
+from lab.core.errors import ConfigError
+from lab.core.plan import StepFeatures
+from lab.keypaths import set_path
+from lab.search import SearchSpec, find_capacity, parse_search
+from lab.sim.cost_model import AnalyticCostModel
+from lab.sim.hardware import HARDWARE
+from lab.sim.models import MODELS
+from lab.sweep import expand, load_sweep
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SYNTH = (
+    "trace: {format: synthetic, num_requests: 12, arrival: {process: poisson, rate: 4}, "
+    "prompt_len: 64, output_len: 8}\nkv_cache: {num_gpu_blocks: 256}\n"
+    "slo: {ttft_s: 0.5}\n"
+)
+
+
+def write(tmp_path: Path, text: str, name: str = "sw.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------------------- expansion
+def test_grid_and_points_expand_in_the_documented_order():
+    combos, keys = expand(
+        {
+            "points": [{"model": "a"}, {"model": "b", "hardware": "x"}],
+            "grid": {"kv_cache.num_gpu_blocks": [1024, 2048], "rate_scale": [1, 2]},
+        },
+        "f.yaml",
+    )
+    assert keys == ("model", "hardware", "kv_cache.num_gpu_blocks", "trace.rate_scale")
+    g = "kv_cache.num_gpu_blocks"
+    r = "trace.rate_scale"
+    assert combos == [
+        {"model": "a", g: 1024, r: 1},
+        {"model": "a", g: 1024, r: 2},
+        {"model": "a", g: 2048, r: 1},
+        {"model": "a", g: 2048, r: 2},
+        {"model": "b", "hardware": "x", g: 1024, r: 1},
+        {"model": "b", "hardware": "x", g: 1024, r: 2},
+        {"model": "b", "hardware": "x", g: 2048, r: 1},
+        {"model": "b", "hardware": "x", g: 2048, r: 2},
+    ]
+    assert expand({"points": [{"seed": 1}, {"seed": 2}]}, "f")[0] == [{"seed": 1}, {"seed": 2}]
+    assert expand(None, "f") == ([{}], ())
+
+
+def test_set_path_picks_policies_by_label_or_index_and_creates_sections():
+    raw = {"policies": ["fcfs", {"name": "chunked_prefill", "label": "cp"}], "trace": {}}
+    set_path(raw, "policies.fcfs.max_num_seqs", 8, "f")
+    set_path(raw, "policies[1].max_num_batched_tokens", 512, "f")
+    set_path(raw, "kv_cache.num_gpu_blocks", 64, "f")
+    set_path(raw, "rate_scale", 3, "f")
+    assert raw == {
+        "policies": [
+            {"name": "fcfs", "max_num_seqs": 8},
+            {"name": "chunked_prefill", "label": "cp", "max_num_batched_tokens": 512},
+        ],
+        "trace": {"rate_scale": 3},
+        "kv_cache": {"num_gpu_blocks": 64},
+    }
+    empty = {"kv_cache": None}  # `kv_cache:` with nothing under it
+    set_path(empty, "kv_cache.block_size", 32, "f")
+    assert empty == {"kv_cache": {"block_size": 32}}
+    with pytest.raises(ConfigError, match=r"f: trace.limit.x: trace.limit is 5, not a mapping"):
+        set_path({"trace": {"limit": 5}}, "trace.limit.x", 1, "f")
+    no_policies = {}
+    set_path(no_policies, "policies.swap.max_num_seqs", 4, "f")  # the default list
+    assert no_policies["policies"] == [
+        "fcfs",
+        {"name": "swap", "max_num_seqs": 4},
+        "chunked_prefill",
+    ]
+
+
+def test_points_are_validated_configs(tmp_path):
+    path = write(
+        tmp_path,
+        SYNTH + "policies: [fcfs, {name: chunked_prefill, max_num_batched_tokens: 128}]\n"
+        "sweep:\n  grid:\n    policies.chunked_prefill.max_num_batched_tokens: [64, 256]\n"
+        "    kv_cache.num_gpu_blocks: [128, 512]\n",
+    )
+    sweep = load_sweep(path)
+    assert [p.name for p in sweep.points] == ["p000", "p001", "p002", "p003"]
+    cfgs = [sweep.configs[p.name] for p in sweep.points]
+    assert [(c.policies[1].max_num_batched_tokens, c.kv_cache.num_gpu_blocks) for c in cfgs] == [
+        (64, 128),
+        (64, 512),
+        (256, 128),
+        (256, 512),
+    ]
+    assert [c.name for c in cfgs] == [f"sw-p00{i}" for i in range(4)]
+
+
+# ---------------------------------------------------------------------------- bad inputs
+BAD = [
+    (
+        "sweep: {grid: {kv_cache.num_gpu_block: [1, 2]}}\n",
+        "sweep point p000 (kv_cache.num_gpu_block=1): unknown key kv_cache.num_gpu_block; "
+        "allowed: block_size, gpu_memory_utilization, num_gpu_blocks, swap_space_gib, watermark",
+    ),
+    (
+        "sweep: {grid: {trace.num_request: [5]}}\n",
+        "sweep point p000 (trace.num_request=5): trace: unknown key 'num_request'; allowed "
+        "keys: arrival, end_s, format, limit, num_requests, output_len, prompt_len, "
+        "rate_scale, seed, start_s",
+    ),
+    ("sweep: {grid: {}}\n", "sweep.grid: expected a mapping of key paths to non-empty lists"),
+    ("sweep: {grid: {seed: []}}\n", "sweep.grid.seed: expected a non-empty list of values, got []"),
+    ("sweep: {}\n", "sweep: expected a mapping with grid and/or points, got {}"),
+    ("sweep: {grid: {name: [a, b]}}\n", "name: cannot be swept"),
+    (
+        "sweep: {grid: {policies.fcfz.max_num_seqs: [1]}}\n",
+        "no entry of policies is labelled 'fcfz'; labels: fcfs",
+    ),
+    (
+        "search: {metric: slo_attainment, target: 1.5}\n",
+        "search.target: expected a fraction in (0, 1] for slo_attainment, got 1.5",
+    ),
+    (
+        "search: {metric: slo_attainment, target: 0}\n",
+        "search.target: expected a fraction in (0, 1] for slo_attainment, got 0",
+    ),
+    (
+        "search: {metric: goodputt, target: 0.9}\n",
+        "search.metric: unknown metric 'goodputt'; known: slo_attainment, or a latency "
+        "{ttft,tpot,itl,e2e,queue}_s_{mean,p50,p90,p99}",
+    ),
+    (
+        "sweep: {grid: {rate_scale: [1, 2]}}\nsearch: {metric: ttft_s_p99, target: 1}\n",
+        "search.over: trace.rate_scale is a sweep key too; the search sets it itself",
+    ),
+    (
+        "search: {metric: ttft_s_p99, target: 1, lo: 2, hi: 1}\n",
+        "search: expected lo < hi, got lo 2, hi 1",
+    ),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD, ids=range(len(BAD)))
+def test_bad_sweeps_are_one_line(tmp_path, capsys, extra, message):
+    path = write(tmp_path, SYNTH + "policies: [fcfs]\n" + extra)
+    assert run_experiment.main([str(path), "--no-progress", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {path}: ") and message in err[0], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_sweep_flags_on_a_plain_experiment(tmp_path, capsys):
+    path = write(tmp_path, SYNTH)
+    assert run_experiment.main([str(path), "--jobs", "2", "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {path}: --jobs, --ray and --ray-address are for a YAML with sweep: or search:"
+    )
+
+
+def test_search_needs_an_slo_for_attainment(tmp_path):
+    path = write(tmp_path, SYNTH.replace("slo: {ttft_s: 0.5}\n", "") + "search: "
+                 "{metric: slo_attainment, target: 0.9}\n")  # fmt: skip
+    with pytest.raises(ConfigError, match="slo_attainment needs an slo: block"):
+        load_sweep(path)
+
+
+# ---------------------------------------------------------------------------- search
+def test_bisection_samples_by_hand():
+    spec = parse_search({"metric": "ttft_s_p99", "target": 1.0, "lo": 1, "hi": 4,
+                         "tolerance": 0.05}, "f")  # fmt: skip
+    cap = find_capacity(lambda x: x <= 2.37, spec, None)
+    # 1 meets, 4 misses; then 2.5 F, 1.75 T, 2.125 T, 2.3125 T (bracket [2.3125, 2.5):
+    # 0.1875 > 0.05 * 2.3125 = 0.115625), 2.40625 F: 0.09375 <= 0.115625, so it stops.
+    assert [x for x, _ in cap.samples] == [1, 4, 2.5, 1.75, 2.125, 2.3125, 2.40625]
+    assert (cap.status, cap.capacity, cap.hi) == ("found", 2.3125, 2.40625)
+    # Without a range: from the start value, doubling until a miss, then bisection.
+    spec = SearchSpec("ttft_s_p99", 1.0, tolerance=0.1)
+    cap = find_capacity(lambda x: x <= 5.0, spec, 1.0)
+    assert [x for x, _ in cap.samples] == [1, 2, 4, 8, 6, 5, 5.5]
+    assert (cap.capacity, cap.hi) == (5.0, 5.5)
+    cap = find_capacity(lambda x: x <= 0.3, spec, 1.0)  # halving, then bisection
+    assert [x for x, _ in cap.samples] == [1, 0.5, 0.25, 0.375, 0.3125, 0.28125, 0.296875]
+    assert (cap.capacity, cap.hi) == (0.296875, 0.3125)
+    assert find_capacity(lambda x: False, spec, 1.0).status == "below_range"
+    assert find_capacity(lambda x: True, spec, 1.0).status == "above_range"
+
+
+def test_capacity_of_a_fixed_cost_queue_matches_the_closed_form(tmp_path):
+    """One request per step (max_num_seqs 1), one output token (done at its prefill), the
+    same prompt: every step costs the same c seconds. Requests arrive every d0 / s seconds
+    at rate_scale s; below capacity none waits, above it request i waits, and its TTFT is
+    (i + 1) c - i d. With N = 10 requests and a TTFT SLO of X = 1.5 c, attainment >= 0.9
+    needs request k = 8 to meet it: s <= d0 k / ((k + 1) c - X)."""
+    prompt = 100
+    d0_ms = 10
+    lines = [
+        json.dumps({"timestamp": i * d0_ms, "input_length": prompt, "output_length": 1})
+        for i in range(10)
+    ]
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    cm = AnalyticCostModel(MODELS["llama-3.1-8b"], HARDWARE["h200-sxm"])
+    c = cm.step_time(StepFeatures(prompt, 1, 0, prompt * (prompt + 1) / 2, 0, 0, 1, 0), 16)
+    x = 1.5 * c
+    path = write(
+        tmp_path,
+        "trace: {format: mooncake, path: t.jsonl}\nkv_cache: {num_gpu_blocks: 256}\n"
+        f"scheduler: {{max_num_seqs: 1}}\npolicies: [fcfs]\nslo: {{ttft_s: {x!r}}}\n"
+        "search: {metric: slo_attainment, target: 0.9, tolerance: 0.01}\n",
+    )
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
+    cap = pd.read_csv(out / "capacity.csv")
+    expected = (d0_ms / 1e3) * 8 / (9 * c - x)
+    row = cap.iloc[0]
+    assert row["status"] == "found" and row["policy"] == "fcfs"
+    assert row["lo"] <= expected < row["hi"] and row["hi"] - row["lo"] <= 0.01 * row["lo"]
+    curve = pd.read_csv(out / "curve.csv")
+    assert len(curve) == row["evaluations"]
+    assert curve["met"].tolist() == [s <= expected for s in curve["trace.rate_scale"]]
+    assert (curve["met"] == (curve["slo_attainment"] >= 0.9)).all()
+
+
+# ---------------------------------------------------------------------------- executors
+def small_sweep(tmp_path: Path) -> Path:
+    return write(
+        tmp_path,
+        SYNTH + "policies: [fcfs, chunked_prefill]\n"
+        "sweep:\n  grid:\n    rate_scale: [1, 8]\n    kv_cache.num_gpu_blocks: [16, 256]\n",
+    )
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "timing.json"
+    }
+
+
+def test_sweep_files_are_identical_on_every_executor(tmp_path):
+    path = small_sweep(tmp_path)
+    outs = {}
+    modes = {"serial": ["--jobs", "1"], "pool": ["--jobs", "2"]}
+    if importlib.util.find_spec("ray") is not None:
+        modes["ray"] = ["--ray", "--jobs", "2"]
+    for mode, flags in modes.items():
+        outs[mode] = tmp_path / mode
+        args = [str(path), "--out", str(outs[mode]), "--no-progress", *flags]
+        assert run_experiment.main(args) == 0, mode
+    serial = files_of(outs["serial"])
+    assert "points/p003/requests.csv" in serial and "sweep.csv" in serial
+    for mode in modes:
+        assert files_of(outs[mode]) == serial, mode
+    table = pd.read_csv(outs["serial"] / "sweep.csv")
+    assert list(table.columns[:7]) == [
+        "point", "status", "error", "trace.rate_scale", "kv_cache.num_gpu_blocks", "policy",
+        "rate_scale",
+    ]  # fmt: skip
+    assert table["point"].tolist() == [
+        "p000",
+        "p000",
+        "p001",
+        "p001",
+        "p002",
+        "p002",
+        "p003",
+        "p003",
+    ]
+    assert table["policy"].tolist() == ["fcfs", "chunked_prefill"] * 4
+    assert (table["rate_scale"] == table["trace.rate_scale"]).all()
+    assert (table["num_gpu_blocks"] == table["kv_cache.num_gpu_blocks"]).all()
+    point = json.loads((outs["serial"] / "points/p003/summary.json").read_text())
+    row = table.iloc[7]
+    assert row["ttft_s_p99"] == point["chunked_prefill"]["ttft_s"]["p99"]
+    assert row["goodput"] == point["chunked_prefill"]["goodput"]
+    if "ray" not in modes:
+        pytest.skip("ray is not installed (pip install 'sched-lab[ray]'): compared serial and pool")
+
+
+def test_a_failed_point_is_reported_and_the_others_go_on(tmp_path, capsys):
+    # fcfs needs max_num_batched_tokens >= max_model_len: 512 fails at run time, 4096 runs.
+    path = write(
+        tmp_path,
+        SYNTH + "policies: [fcfs]\nscheduler: {max_model_len: 1024}\n"
+        "sweep: {grid: {scheduler.max_num_batched_tokens: [512, 4096]}}\n",
+    )
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress"]) == 1
+    assert "1 of 2 failed or stopped early" in capsys.readouterr().err
+    table = pd.read_csv(out / "sweep.csv")
+    assert table["status"].tolist() == ["failed", "ok"]
+    assert table["error"][0] == (
+        "policies[fcfs]: max_num_batched_tokens 512 is below max_model_len 1024: without "
+        "chunked prefill a long prompt could never be scheduled"
+    )
+    assert table["finished"][1] == 12 and sorted(p.name for p in (out / "points").iterdir()) == [
+        ".sched-lab-manifest.json",
+        "p001",
+    ]
+    assert "**Point p000 failed**: policies[fcfs]" in (out / "report.md").read_text()
+
+
+def test_rerun_replaces_a_sweep_folder_but_not_a_foreign_file(tmp_path, capsys):
+    path = write(tmp_path, SYNTH + "policies: [fcfs]\nsweep: {grid: {seed: [1, 2]}}\n")
+    out = tmp_path / "out"
+    args = [str(path), "--out", str(out), "--no-progress", "--jobs", "1"]
+    assert run_experiment.main(args) == 0
+    first = files_of(out)
+    assert run_experiment.main(args) == 0
+    assert files_of(out) == first  # a rerun is byte-identical
+    (out / "points" / "p001" / "notes.txt").write_text("mine")
+    assert run_experiment.main(args) == 2
+    assert "holds points, not written by sched-lab" in capsys.readouterr().err
+    assert (out / "points" / "p001" / "notes.txt").read_text() == "mine"
+
+
+def test_engine_points_run_here_after_the_simulator_points(tmp_path, monkeypatch):
+    import lab.executors
+    import lab.sweep_run
+    from lab.sweep_run import TaskResult, run_sweep
+
+    model = tmp_path / "model"
+    model.mkdir()
+    path = write(
+        tmp_path,
+        SYNTH + f"policies: [fcfs]\nengine: {{model_path: {model}}}\n"
+        "sweep: {points: [{backend: sim}, {backend: engine}, {backend: sim}, {backend: engine}]}\n",
+    )
+    order: list[tuple[str, str]] = []
+
+    def pool(fn, tasks, on_error, **kw):
+        for t in tasks:
+            order.append(("executor", t.point.name))
+            yield TaskResult(t.index, error="not run")
+
+    def here(task):
+        order.append(("driver", task.point.name))
+        return TaskResult(task.index, error="not run")
+
+    monkeypatch.setattr(lab.executors, "run_tasks", pool)
+    monkeypatch.setattr(lab.sweep_run, "run_task", here)
+    run_sweep(load_sweep(path), tmp_path / "out", jobs=2, progress=False)
+    assert order == [
+        ("executor", "p000"),
+        ("executor", "p002"),
+        ("driver", "p001"),
+        ("driver", "p003"),
+    ]
+
+
+def test_class_rows_from_a_class_name_column():
+    from lab.sweep_run import class_metrics
+
+    df = pd.DataFrame(
+        {
+            "status": ["finished", "finished", "rejected", "finished"],
+            "class_name": ["a", "a", "b", "b"],
+            "ttft_s": [0.1, 0.3, math.nan, 2.0],
+            "tpot_s": [0.01, 0.01, math.nan, 0.01],
+            "e2e_s": [1.0, 1.0, math.nan, 3.0],
+            "queue_s": [0.0, 0.1, math.nan, 1.0],
+        }
+    )
+    a = class_metrics(df[df.class_name == "a"], 10.0, {"ttft_s": 0.5})
+    b = class_metrics(df[df.class_name == "b"], 10.0, {"ttft_s": 0.5})
+    assert (a["num_requests"], a["finished"], a["goodput"], a["slo_attainment"]) == (2, 2, 0.2, 1.0)
+    assert (b["finished"], b["goodput"], b["slo_attainment"]) == (1, 0.0, 0.0)
+    assert a["ttft_s_p50"] == pytest.approx(0.2)
+
+
+def sweep_examples() -> list[Path]:
+    import yaml
+
+    from lab.sweep import is_sweep
+
+    return [p for p in sorted((ROOT / "experiments").glob("*.yaml"))
+            if is_sweep(yaml.safe_load(p.read_text()))]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", sweep_examples(), ids=lambda p: p.stem)
+def test_sweep_example_runs(path, tmp_path):
+    out = tmp_path / "out"
+    assert (
+        run_experiment.main([str(path), "--limit", "40", "--out", str(out), "--no-progress"]) == 0
+    )
+    sweep = load_sweep(path, limit=40)
+    if sweep.search is None:
+        table = pd.read_csv(out / "sweep.csv")
+        runs = sum(len(c.policies) * len(c.rate_scales) for c in sweep.configs.values())
+        assert len(table) == runs and (table["status"] == "ok").all()
+        assert (out / "pareto.png").exists() and (out / "points" / "p000" / "requests.csv").exists()
+    else:
+        cap = pd.read_csv(out / "capacity.csv")
+        assert len(cap) == sum(len(c.policies) for c in sweep.configs.values())
+        assert (out / "capacity.png").exists() and (out / "curve.csv").exists()
+
+
+def test_an_unreachable_ray_address_is_one_line_not_a_wait():
+    from lab.core.errors import UserError
+    from lab.executors import _check_reachable
+
+    with pytest.raises(UserError, match=r"^--ray-address 127.0.0.1:1: cannot connect \("):
+        _check_reachable("127.0.0.1:1")
+    _check_reachable("auto")  # left to Ray

@@ -12,8 +12,9 @@ same on every rank, so only rank 0 samples.
 Processes: the workers (ranks 1..N-1) are spawned (``torch.multiprocessing``, start method
 "spawn") when the runner is built, join the group over TCP on 127.0.0.1, and load their
 shard. Collectives run on NCCL with CUDA (rank r on ``cuda:r``), on gloo on the CPU. Shutdown:
-:meth:`TensorParallelRunner.close` (also at interpreter exit) broadcasts a stop and joins them;
-they are daemon processes, so they never outlive the experiment.
+:meth:`TensorParallelRunner.close` (also at interpreter exit, and when the process builds its
+next group: one group per process at a time) broadcasts a stop and joins them; they are
+daemon processes, so they never outlive the experiment.
 
 Failures: a worker that raises reports one line (its rank and the error) on a queue and exits;
 rank 0's pending collective then fails (gloo: the peer's socket closes; NCCL: the group's
@@ -48,6 +49,7 @@ FAULT_ENV = "SCHED_LAB_TP_FAULT"
 MAX_CPU_RANKS = 8  # gloo processes on a CPU host: more is a mistake, not a study
 TIMEOUT_S = 300  # a collective that waits longer than this fails (a lost rank)
 ERROR_WAIT_S = 10.0  # how long rank 0 waits for a failed worker's line
+_LIVE: TensorParallelRunner | None = None  # this process's group (rank 0), if any
 
 
 class TensorParallelError(UserError):
@@ -112,6 +114,8 @@ def _worker(rank: int, size: int, port: int, model_dir: str, kwargs: dict, error
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001 - one line to rank 0, then go
         errors.put((rank, step, f"{type(e).__name__}: {e}".splitlines()[0]))
+        errors.close()
+        errors.join_thread()  # the line is in the pipe before the process goes
         os._exit(1)
 
 
@@ -127,6 +131,10 @@ class TensorParallelRunner:
     def __init__(self, model_dir: str | Path, size: int, **kwargs: Any) -> None:
         device = str(kwargs.get("device", "cpu"))
         check_world(size, device)
+        global _LIVE
+        if _LIVE is not None:  # one group per process: the previous experiment's is done
+            _LIVE.close()
+        _LIVE = self
         cuda = device.startswith("cuda")
         self.size, self.failure = size, None
         ctx = mp.get_context("spawn")

@@ -20,7 +20,7 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     slo: {ttft_s: null, tpot_s: null, e2e_s: null}
     engine: {model_path: DIR, device: cpu, dtype: auto, attention_backend: torch,
              temperature: 0.0, cuda_graphs: null, mixed_graphs: true, kn_weights: false,
-             num_threads: null}
+             num_threads: null, tensor_parallel_size: 1}
              # backend: engine only (backend/README.md)
     check_invariants: false
     cluster: {replicas: 4, router: least_kv}      # simulator only (lab/sim/cluster.py); or
@@ -243,6 +243,7 @@ class EngineConfig:
     num_threads: int | None = (
         None  # CPU device: torch threads (None: min(4, cores), or OMP_NUM_THREADS)
     )
+    tensor_parallel_size: int = 1  # ranks, one process each (backend/tp.py; cuda: one GPU each)
 
 
 @dataclass(frozen=True)
@@ -698,6 +699,7 @@ def _engine(where: str, raw: Any, base_dir: Path, used: bool) -> EngineConfig:
             if not isinstance(e[key], bool):
                 raise _fail(where, f"engine.{key}", "true or false", e[key])
         _int(where, "engine.num_threads", e["num_threads"], optional=True)
+        _int(where, "engine.tensor_parallel_size", e["tensor_parallel_size"])
         e["model_path"] = _existing(
             where,
             "engine.model_path",

@@ -9,8 +9,9 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     model: llama-3.1-8b          # lab/sim/models.py preset (sim)
     hardware: h200-sxm           # lab/sim/hardware.py preset (sim)
     cost_model: {flops_efficiency: 0.7, bandwidth_efficiency: 0.85, step_overhead_s: 0.002,
-                 profile: null, replay_steps: []}  # profile: engine profile CSV, and
-                 # replay_steps: steps.csv of engine runs to fit with it (lab/sim/calibrated.py)
+                 profile: null, replay_steps: [], tensor_parallel_size: 1}  # profile: engine
+                 # profile CSV, and replay_steps: steps.csv of engine runs to fit with it
+                 # (lab/sim/calibrated.py); tensor_parallel_size: GPUs per simulated replica
     kv_cache: {block_size: 16, gpu_memory_utilization: 0.9, num_gpu_blocks: null,
                swap_space_gib: 4, watermark: 0.01, enable_prefix_caching: false}
     scheduler: {max_num_seqs: 256, max_num_batched_tokens: null, max_model_len: null,
@@ -205,11 +206,13 @@ class CostModelConfig:
     step_overhead_s: float = 0.002  # fixed cost per step
     profile: Path | None = None  # engine profile CSV (absolute)
     replay_steps: tuple[Path, ...] = ()  # steps.csv of engine runs (absolute)
+    tensor_parallel_size: int = 1  # GPUs per simulated replica (lab/sim/cost_model.py)
 
     @property
     def analytic(self) -> dict[str, float]:
         """The analytic model's keyword arguments."""
         return {
+            "tensor_parallel_size": self.tensor_parallel_size,
             "flops_efficiency": self.flops_efficiency,
             "bandwidth_efficiency": self.bandwidth_efficiency,
             "step_overhead_s": self.step_overhead_s,
@@ -533,6 +536,7 @@ def _cost_model(where: str, raw: Any, base_dir: Path, used: bool) -> CostModelCo
         raise _fail(where, "cost_model.replay_steps", "a list of steps.csv paths", steps)
     if steps and profile is None:
         raise ConfigError(f"{where}: cost_model.replay_steps needs cost_model.profile")
+    _int(where, "cost_model.tensor_parallel_size", cm["tensor_parallel_size"])
 
     def resolve(key: str, value: str) -> Path:
         if used:
@@ -545,6 +549,7 @@ def _cost_model(where: str, raw: Any, base_dir: Path, used: bool) -> CostModelCo
         cm["step_overhead_s"],
         None if profile is None else resolve("cost_model.profile", profile),
         tuple(resolve(f"cost_model.replay_steps[{i}]", p) for i, p in enumerate(steps)),
+        cm["tensor_parallel_size"],
     )
 
 

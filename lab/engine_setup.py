@@ -5,9 +5,9 @@ simulator path never imports this module.
 
 from __future__ import annotations
 
+from backend.config import ModelConfig
 from backend.engine import EngineExecutor
 from backend.errors import CheckpointError
-from backend.config import ModelConfig
 from backend.runner import ModelRunner
 from backend.tp import check_tp_size
 from backend.tp_engine import TensorParallelRunner

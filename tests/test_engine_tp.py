@@ -171,3 +171,44 @@ def test_tp_size_not_dividing_heads_is_one_line(models, tmp_path, capsys):
     assert err == (
         f"error: {path}: engine.tensor_parallel_size: 3 does not divide the model's 4 attention heads"
     )
+
+
+def _bench():
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("tp_decode", ROOT / "benchmarks/tp_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_benchmark_arguments(capsys):
+    bench = _bench()
+    args = bench.parse(["--out", "o", "--tiny", "--tp", "2"])
+    assert (args.tp_sizes, args.batch_sizes, args.context, args.requests) == ([2], [1, 4], 24, 6)
+    gpu = bench.parse(["--out", "o"])
+    assert (gpu.tp_sizes, gpu.batch_sizes, gpu.context, gpu.steps) == (
+        [1, 2],
+        [1, 8, 32, 128],
+        1024,
+        20,
+    )
+    for bad in (["--tp", "1,x"], ["--batches", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse(["--out", "o", *bad])
+    assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_benchmark_tiny_gloo_run(tmp_path):
+    bench = _bench()
+    out = tmp_path / "out"
+    argv = ["--tiny", "--tp", "2", "--batches", "2", "--out", str(out), "--work", str(tmp_path)]
+    assert bench.main(argv) == 0
+    records = json.loads((out / "tp_decode.json").read_text())
+    assert [(r["phase"], r["tensor_parallel_size"], r["status"]) for r in records] == [
+        ("checkpoint", 1, "ok"), ("decode", 2, "ok"), ("offline", 2, "ok"), ("allreduce", 2, "ok")
+    ]  # fmt: skip
+    assert records[1]["decode_step_s"]["2"] > 0 and records[2]["finished"] == 6
+    assert records[3]["all_reduces_per_step"] == 5  # 2 layers x 2 + the embedding

@@ -252,6 +252,11 @@ def child(args, phase: str, size: int, result: Path) -> dict:
         status = "timeout" if proc.returncode in (124, 137) else f"failed (rc {proc.returncode})"
         record.update(status=status, stderr_tail=proc.stderr[-2000:])
     print(json.dumps(record), flush=True)
+    log = (
+        result.parent / "tp_decode.json"
+    )  # rewritten after every phase: a cut run keeps its records
+    done = json.loads(log.read_text()) if log.exists() else []
+    log.write_text(json.dumps([*done, record], indent=2) + "\n")
     return record
 
 
@@ -263,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / ".phase.json"
+    (out / "tp_decode.json").unlink(missing_ok=True)
     records = [child(args, "checkpoint", 1, tmp)]
     if records[0]["status"] == "ok":
         for size in args.tp_sizes:

@@ -158,8 +158,9 @@ class ModelRunner:
         if num_gpu_blocks is None:
             budget, what = self._kv_budget_bytes(gpu_memory_utilization, max_num_batched_tokens)
             num_gpu_blocks = blocks_in(budget, block_bytes, what)
-            if tensor_parallel is not None:  # every rank holds the same block ids
-                num_gpu_blocks = agree_min(num_gpu_blocks, self.device)
+        if tensor_parallel is not None:  # every rank holds the same block ids; this first
+            # collective also sets NCCL up before any CUDA-graph capture
+            num_gpu_blocks = agree_min(num_gpu_blocks, self.device)
         self.kv_cache = KVCache(
             self.config,
             block_size,

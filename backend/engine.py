@@ -22,7 +22,8 @@ class EngineExecutor:
     a scheduling decision.
 
     Args:
-        runner: the model, its paged KV cache and swap space.
+        runner: the model, its paged KV cache and swap space: a :class:`ModelRunner`, or a
+            :class:`backend.tp_engine.TensorParallelRunner` (same interface) for N ranks.
         temperature: 0 = greedy.
     """
 

@@ -144,6 +144,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m backend.profile")
     ap.add_argument("--repeat", type=int, default=2, help="timed runs per row and pass")
     ap.add_argument("--passes", type=int, default=3, help="passes over the whole grid")
     ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks (one GPU each; gloo processes on the CPU): the profile of a tensor-parallel "
+        "engine, all-reduces included (backend/tp_engine.py)",
+    )
+    ap.add_argument(
         "--engine-commit",
         help="what the header names as the engine's commit "
         "(default: `git describe --always --dirty` of the working tree; name it "
@@ -160,14 +167,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m backend.profile")
 
 def _profile(args: argparse.Namespace) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    runner = ModelRunner(
-        args.model_dir,
-        device=device,
-        dtype=args.dtype,
-        attention_backend=args.attention,
-        block_size=args.block_size,
-        gpu_memory_utilization=0.9,
-    )
+    kwargs = dict(device=device, dtype=args.dtype, attention_backend=args.attention,
+                  block_size=args.block_size, gpu_memory_utilization=0.9)  # fmt: skip
+    if args.tensor_parallel_size == 1:
+        runner = ModelRunner(args.model_dir, **kwargs)
+    else:
+        from backend.tp_engine import TensorParallelRunner
+
+        runner = TensorParallelRunner(args.model_dir, args.tensor_parallel_size, **kwargs)
     gc.collect()
     gc.freeze()  # as the replay loop does (lab/sim/replay.py): full collections skip the model
     grid = [
@@ -196,6 +203,8 @@ def _profile(args: argparse.Namespace) -> None:
             flush=True,
         )
     write(Path(args.out), rows, runner, args)
+    if args.tensor_parallel_size > 1:
+        runner.close()
 
 
 def engine_fingerprint(runner: ModelRunner, kn_weights: bool = False) -> dict:
@@ -252,7 +261,13 @@ def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
             f"# model {Path(args.model_dir).name}: {c.architecture}, {c.num_layers} layers, "
             f"hidden {c.hidden_size}, heads {c.num_heads}/{c.num_kv_heads}, head_dim "
             f"{c.head_dim}, {args.dtype}, {args.attention} attention, block_size "
-            f"{args.block_size}\n"
+            f"{args.block_size}"
+            + (
+                f", tensor_parallel_size {args.tensor_parallel_size} (heads per rank)"
+                if args.tensor_parallel_size > 1
+                else ""
+            )
+            + "\n"
         )
         f.write(HEADER_PREFIX + json.dumps(fingerprint, sort_keys=True) + "\n")
         names = ["kind", *(fl.name for fl in fields(StepFeatures)), "duration_s"]

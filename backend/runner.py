@@ -48,6 +48,7 @@ from backend.inputs import SeqInput, prepare_inputs
 from backend.kv_cache import GiB, KVCache, blocks_in, bytes_per_block
 from backend.loader import load_model
 from backend.sampler import sample
+from backend.tp import TPShard, agree_min, check_tp_size, load_tp_model, shard_config
 from lab.core.errors import ConfigError
 
 __all__ = ["ModelRunner", "SeqInput"]
@@ -93,6 +94,11 @@ class ModelRunner:
             captured at start.
         num_threads: torch intra-op threads on a CPU device (process-wide); None = the
             default of the module doc. Ignored on CUDA.
+        tensor_parallel: this process's rank of a tensor-parallel group (torch.distributed's
+            default group, already initialised; :mod:`backend.tp`): the runner holds the
+            rank's shard of the weights, of the KV cache and of the swap space (KV heads /
+            size), and every rank must be driven with the same calls in the same order
+            (:mod:`backend.tp_engine` does that). None: one device.
     """
 
     def __init__(
@@ -115,9 +121,15 @@ class ModelRunner:
         cuda_graph_sizes: Sequence[int] = DEFAULT_GRAPH_SIZES,
         cuda_graph_token_sizes: Sequence[int] = DEFAULT_TOKEN_SIZES,
         num_threads: int | None = None,
+        tensor_parallel: TPShard | None = None,
     ) -> None:
         model_dir = Path(model_dir).expanduser()
         self.config = ModelConfig.from_dir(model_dir)
+        self.tensor_parallel = tensor_parallel
+        full_config = self.config
+        if tensor_parallel is not None:  # this rank's shapes: heads, KV heads, MLP / size
+            check_tp_size(full_config, tensor_parallel.size)
+            self.config = shard_config(full_config, tensor_parallel.size)
         self.device = resolve_device(device)
         if self.device.type == "cpu":
             set_cpu_threads(num_threads)
@@ -134,14 +146,21 @@ class ModelRunner:
             raise ConfigError(
                 f"cuda_graphs needs a graph-safe attention backend (triton); got {backend.name!r}"
             )
-        self.model = load_model(model_dir, self.config, backend, self.device, self.dtype,
-                                self.max_model_len, kn_weights)  # fmt: skip
+        if tensor_parallel is None:
+            self.model = load_model(model_dir, self.config, backend, self.device, self.dtype,
+                                    self.max_model_len, kn_weights)  # fmt: skip
+        else:
+            self.model = load_tp_model(model_dir, full_config, tensor_parallel, backend,
+                                       self.device, self.dtype, self.max_model_len, kn_weights)  # fmt: skip
         self.generator = torch.Generator(self.device).manual_seed(seed)  # the warm-up samples
         self.graphs: StepGraphs | None = None  # set once the KV cache exists
         block_bytes = bytes_per_block(self.config, block_size, self.dtype)
         if num_gpu_blocks is None:
             budget, what = self._kv_budget_bytes(gpu_memory_utilization, max_num_batched_tokens)
             num_gpu_blocks = blocks_in(budget, block_bytes, what)
+        if tensor_parallel is not None:  # every rank holds the same block ids; this first
+            # collective also sets NCCL up before any CUDA-graph capture
+            num_gpu_blocks = agree_min(num_gpu_blocks, self.device)
         self.kv_cache = KVCache(
             self.config,
             block_size,
@@ -166,6 +185,8 @@ class ModelRunner:
             )
             if self.graphs.capture:
                 self._capture_graphs()
+            if tensor_parallel is not None and not agree_min(self.graphs is not None, self.device):
+                self.graphs = None  # a rank whose capture failed: every rank runs eagerly
 
     def _capture_graphs(self) -> None:
         """Capture every size; on failure, say so and run every step eagerly."""
@@ -197,10 +218,12 @@ class ModelRunner:
     def capacity_line(self) -> str:
         """One line: device blocks, tokens and GiB, and the swap space."""
         block_bytes = self.kv_cache.block_bytes
+        tp = self.tensor_parallel
+        where = f" per rank of {tp.size} (tensor parallel)" if tp is not None else ""
         return (
             f"KV cache: {self.num_gpu_blocks} blocks x {self.block_size} tokens = "
             f"{self.num_gpu_blocks * self.block_size} tokens, "
-            f"{self.num_gpu_blocks * block_bytes / GiB:.2f} GiB on {self.device} ({self.dtype}); "
+            f"{self.num_gpu_blocks * block_bytes / GiB:.2f} GiB on {self.device} ({self.dtype}){where}; "
             f"swap space: {self.num_cpu_blocks} blocks, {self.num_cpu_blocks * block_bytes / GiB:.2f} GiB"
         )
 

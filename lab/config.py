@@ -12,8 +12,9 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     model: llama-3.1-8b          # lab/sim/models.py preset (sim)
     hardware: h200-sxm           # lab/sim/hardware.py preset (sim)
     cost_model: {flops_efficiency: 0.7, bandwidth_efficiency: 0.85, step_overhead_s: 0.002,
-                 profile: null, replay_steps: []}  # profile: engine profile CSV, and
-                 # replay_steps: steps.csv of engine runs to fit with it (lab/sim/calibrated.py)
+                 profile: null, replay_steps: [], tensor_parallel_size: 1}  # profile: engine
+                 # profile CSV, and replay_steps: steps.csv of engine runs to fit with it
+                 # (lab/sim/calibrated.py); tensor_parallel_size: GPUs per simulated replica;
                  # or {durations_from: RUN/steps.csv}: the engine run's measured step times
                  # in order (lab/sim/replayed.py)
     kv_cache: {block_size: 16, gpu_memory_utilization: 0.9, num_gpu_blocks: null,
@@ -25,7 +26,7 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     slo: {ttft_s: null, tpot_s: null, e2e_s: null}
     engine: {model_path: DIR, device: cpu, dtype: auto, attention_backend: torch,
              temperature: 0.0, cuda_graphs: null, mixed_graphs: true, kn_weights: false,
-             num_threads: null}
+             num_threads: null, tensor_parallel_size: 1}
              # backend: engine only (backend/README.md)
     check_invariants: false
     cluster: {replicas: 4, router: least_kv}      # simulator only (lab/sim/cluster.py); or
@@ -216,11 +217,13 @@ class CostModelConfig:
     # an engine run's steps.csv whose measured durations the steps take, in order
     # (lab/sim/replayed.py); replaces the analytic and the calibrated model
     durations_from: Path | None = None
+    tensor_parallel_size: int = 1  # GPUs per simulated replica (lab/sim/cost_model.py)
 
     @property
     def analytic(self) -> dict[str, float]:
         """The analytic model's keyword arguments."""
         return {
+            "tensor_parallel_size": self.tensor_parallel_size,
             "flops_efficiency": self.flops_efficiency,
             "bandwidth_efficiency": self.bandwidth_efficiency,
             "step_overhead_s": self.step_overhead_s,
@@ -272,6 +275,7 @@ class EngineConfig:
     num_threads: int | None = (
         None  # CPU device: torch threads (None: min(4, cores), or OMP_NUM_THREADS)
     )
+    tensor_parallel_size: int = 1  # ranks, one process each (backend/tp.py; cuda: one GPU each)
 
 
 @dataclass(frozen=True)
@@ -637,6 +641,7 @@ def _cost_model(where: str, raw: Any, base_dir: Path, used: bool) -> CostModelCo
                 f"{where}: cost_model.durations_from replaces the cost model: "
                 "drop cost_model.profile"
             )
+    _int(where, "cost_model.tensor_parallel_size", cm["tensor_parallel_size"])
 
     def resolve(key: str, value: str) -> Path:
         if used:
@@ -650,6 +655,7 @@ def _cost_model(where: str, raw: Any, base_dir: Path, used: bool) -> CostModelCo
         None if profile is None else resolve("cost_model.profile", profile),
         tuple(resolve(f"cost_model.replay_steps[{i}]", p) for i, p in enumerate(steps)),
         durations_from=None if replayed is None else resolve("cost_model.durations_from", replayed),
+        tensor_parallel_size=cm["tensor_parallel_size"],
     )
 
 
@@ -832,6 +838,7 @@ def _engine(where: str, raw: Any, base_dir: Path, used: bool) -> EngineConfig:
             if not isinstance(e[key], bool):
                 raise _fail(where, f"engine.{key}", "true or false", e[key])
         _int(where, "engine.num_threads", e["num_threads"], optional=True)
+        _int(where, "engine.tensor_parallel_size", e["tensor_parallel_size"])
         e["model_path"] = _existing(
             where,
             "engine.model_path",

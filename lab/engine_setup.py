@@ -5,9 +5,12 @@ simulator path never imports this module.
 
 from __future__ import annotations
 
+from backend.config import ModelConfig
 from backend.engine import EngineExecutor
 from backend.errors import CheckpointError
 from backend.runner import ModelRunner
+from backend.tp import check_tp_size
+from backend.tp_engine import TensorParallelRunner
 from lab.config import ExperimentConfig
 
 
@@ -27,8 +30,7 @@ def engine_parts(cfg: ExperimentConfig):
             f"engine.model_path: {eng.model_path} is not a directory (make one with "
             f"`python -m backend.tools convert-smollm2` or `make-random-checkpoint`)"
         )
-    runner = _runner(
-        eng.model_path,
+    kwargs = dict(
         device=eng.device,
         dtype=eng.dtype,
         attention_backend=eng.attention_backend,
@@ -45,6 +47,11 @@ def engine_parts(cfg: ExperimentConfig):
         kn_weights=eng.kn_weights,
         num_threads=eng.num_threads,
     )
+    if eng.tensor_parallel_size == 1:
+        runner = _runner(eng.model_path, **kwargs)
+    else:  # ranks 1..N-1 in their own processes; this process is rank 0 (backend/tp_engine.py)
+        check_tp_size(ModelConfig.from_dir(eng.model_path), eng.tensor_parallel_size)
+        runner = TensorParallelRunner(eng.model_path, eng.tensor_parallel_size, **kwargs)
 
     def make_executor() -> EngineExecutor:
         runner.generator.manual_seed(cfg.seed)  # each run samples the same way

@@ -104,8 +104,9 @@ def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
     its KV capacity (GPU blocks, CPU blocks)."""
     model, hw, kv = MODELS[cfg.model], HARDWARE[cfg.hardware], cfg.kv_cache
     tokens_per_step, seqs = cfg.profile_num_batched_tokens, cfg.scheduler.max_num_seqs
+    tp = cfg.cost_model.tensor_parallel_size
     gpu = kv.num_gpu_blocks or num_gpu_blocks(
-        model, hw, kv.block_size, kv.gpu_memory_utilization, tokens_per_step, seqs
+        model, hw, kv.block_size, kv.gpu_memory_utilization, tokens_per_step, seqs, tp
     )
     if gpu < 1:
         block_bytes = model.kv_bytes_per_token * kv.block_size
@@ -125,6 +126,8 @@ def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
             f"scheduler.max_num_seqs {seqs})"
         )
     kv_bytes = gpu * model.kv_bytes_per_token * kv.block_size
+    if tp > 1:  # per GPU: its share of the KV heads (lab/sim/cost_model.py)
+        kv_bytes *= max(1, model.num_key_value_heads // tp) / model.num_key_value_heads
     if kv_bytes > hw.memory_bytes:
         raise ConfigError(
             f"kv_cache.num_gpu_blocks: {gpu} blocks of {kv.block_size} tokens need "

@@ -7,6 +7,16 @@ Step time = max(FLOPs / achieved FLOP/s, bytes / achieved bytes/s) + step overhe
   §2.1), 2 per LM-head weight per sampled token, and attention 4 * layers * heads * head_dim
   per (query, key) pair (QK^T and PV), causal within a prefill chunk.
 * Bytes: all weights once per step, the KV each decode or chunk reads, the KV it writes.
+* Tensor parallelism over N GPUs (``tensor_parallel_size``; Megatron-LM, Shoeybi et al.
+  2019, §3): each GPU does 1/N of the FLOPs and reads 1/N of the weights and KV bytes, and
+  every layer adds 2 all-reduces (after attention's output projection and after the MLP)
+  of the step's activations, tokens * hidden_size * dtype_bytes each. A ring all-reduce
+  sends and receives 2(N-1)/N of the buffer per GPU in 2(N-1) steps (Patarasuk & Yuan 2009,
+  "Bandwidth optimal all-reduce algorithms for clusters of workstations"; NCCL's
+  nccl-tests "Performance" notes use the same 2(N-1)/N bus-bandwidth factor), so one costs
+  2(N-1)/N * bytes / link bandwidth (one direction) + 2(N-1) * link latency, on the
+  hardware preset's ``tp_link``. The embedding's all-reduce and the logits' all-gather are
+  left out (one each per step, not per layer).
 * Achieved = preset peak * efficiency. The defaults (0.7 of peak FLOP/s, 0.85 of HBM
   bandwidth, 2 ms per step) are assumptions, not measurements;
   :class:`lab.sim.calibrated.CalibratedCostModel` is fitted to the real engine's profile.
@@ -16,8 +26,9 @@ from __future__ import annotations
 
 import math
 
+from lab.core.errors import ConfigError
 from lab.core.plan import SchedulerOutput, StepFeatures, StepResult
-from lab.sim.hardware import Hardware
+from lab.sim.hardware import LINKS, Hardware
 from lab.sim.models import ModelSpec
 
 GIB = 1 << 30
@@ -32,6 +43,8 @@ class AnalyticCostModel:
         flops_efficiency: fraction of ``hardware.peak_flops`` reached (0 < x <= 1).
         bandwidth_efficiency: fraction of ``hardware.mem_bandwidth`` reached (0 < x <= 1).
         step_overhead_s: fixed seconds per step (scheduling, input prep, kernel launches).
+        tensor_parallel_size: GPUs one replica spans (module doc); > 1 needs the hardware
+            preset's ``tp_link`` (ConfigError otherwise).
     """
 
     def __init__(
@@ -41,6 +54,7 @@ class AnalyticCostModel:
         flops_efficiency: float = 0.7,
         bandwidth_efficiency: float = 0.85,
         step_overhead_s: float = 0.002,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.model, self.hardware = model, hardware
         self.step_overhead_s = step_overhead_s
@@ -53,6 +67,21 @@ class AnalyticCostModel:
         self._attn_flops_per_pair = 4.0 * m.num_hidden_layers * m.num_attention_heads * m.head_dim
         self._kv_bytes_per_token = float(m.kv_bytes_per_token)
         self._weight_bytes = float(m.weight_bytes)
+        self.tensor_parallel_size = n = tensor_parallel_size
+        self._allreduce_s_per_token = self._allreduce_s_per_step = 0.0
+        if n > 1:
+            if hardware.tp_link is None:
+                raise ConfigError(
+                    f"cost_model.tensor_parallel_size: {n} needs link figures between GPUs; "
+                    f"hardware {hardware.name!r} has none (tp_link in lab/sim/hardware.py)"
+                )
+            link = LINKS[hardware.tp_link]
+            ring = 2 * (n - 1) / n  # share of the buffer each GPU sends (and receives)
+            per_token = 2 * m.num_hidden_layers * m.hidden_size * m.dtype_bytes  # 2 per layer
+            self._allreduce_s_per_token = ring * per_token / link.bandwidth
+            self._allreduce_s_per_step = 2 * m.num_hidden_layers * 2 * (n - 1) * link.latency_s
+            self._s_per_flop *= 1.0 / n
+            self._s_per_byte *= 1.0 / n
 
     def step_time(self, f: StepFeatures, block_size: int) -> float:
         """Seconds to run a step with features ``f`` (prefill chunks, decodes, swaps)."""
@@ -66,6 +95,8 @@ class AnalyticCostModel:
         kv_read = f.prefill_context_tokens + f.decode_context_tokens
         nbytes = self._weight_bytes + self._kv_bytes_per_token * (kv_read + tokens)
         t = max(flops * self._s_per_flop, nbytes * self._s_per_byte) + self.step_overhead_s
+        if self.tensor_parallel_size > 1:
+            t += self._allreduce_s_per_token * tokens + self._allreduce_s_per_step
         if f.num_swap_blocks:
             t += f.num_swap_blocks * block_size * self._kv_bytes_per_token * self._s_per_swap_byte
         return t
@@ -101,14 +132,30 @@ def num_gpu_blocks(
     gpu_memory_utilization: float,
     max_num_batched_tokens: int,
     max_num_seqs: int,
+    tensor_parallel_size: int = 1,
 ) -> int:
     """KV blocks that fit in device memory, as vLLM sizes its cache:
-    (memory * gpu_memory_utilization - weights - peak activations) / bytes per block."""
+    (memory * gpu_memory_utilization - weights - peak activations) / bytes per block.
+
+    With tensor parallelism over N GPUs each holds 1/N of the weights and of every block (its
+    KV heads; a KV head is replicated when N exceeds their number, as backend/tp.py does), and
+    the activation estimate is kept whole (the residual stream is not split)."""
+    n = tensor_parallel_size
     budget = hardware.memory_bytes * gpu_memory_utilization
+    if n == 1:
+        free = (
+            budget
+            - model.weight_bytes
+            - activation_bytes(model, max_num_batched_tokens, max_num_seqs)
+        )
+        return max(0, math.floor(free / (model.kv_bytes_per_token * block_size)))
+    kv_share = max(1, model.num_key_value_heads // n) / model.num_key_value_heads
     free = (
-        budget - model.weight_bytes - activation_bytes(model, max_num_batched_tokens, max_num_seqs)
+        budget
+        - model.weight_bytes / n
+        - activation_bytes(model, max_num_batched_tokens, max_num_seqs)
     )
-    return max(0, math.floor(free / (model.kv_bytes_per_token * block_size)))
+    return max(0, math.floor(free / (model.kv_bytes_per_token * kv_share * block_size)))
 
 
 def num_cpu_blocks(model: ModelSpec, block_size: int, swap_space_gib: float) -> int:

@@ -15,7 +15,9 @@ GB = 1e9
 @dataclass(frozen=True)
 class Hardware:
     """Attributes: peak_flops (bf16 FLOP/s), mem_bandwidth (HBM bytes/s),
-    host_link_bandwidth (host<->device bytes/s, one direction), memory_bytes (device)."""
+    host_link_bandwidth (host<->device bytes/s, one direction), memory_bytes (device),
+    tp_link (the :data:`LINKS` preset between GPUs of one host that tensor parallelism's
+    all-reduces use; None: no figures, so the simulator refuses TP on this preset)."""
 
     name: str
     peak_flops: float
@@ -24,6 +26,7 @@ class Hardware:
     memory_bytes: float
     kind: str
     source: str
+    tp_link: str | None = None
 
 
 HARDWARE: dict[str, Hardware] = {
@@ -38,6 +41,7 @@ HARDWARE: dict[str, Hardware] = {
             "datasheet",
             "NVIDIA H100 Tensor Core GPU datasheet: 989 TFLOPS dense BF16, 3.35 TB/s "
             "HBM3, 80 GB; PCIe Gen5 x16 64 GB/s per direction",
+            "nvlink4",
         ),
         Hardware(
             "h200-sxm",
@@ -48,6 +52,7 @@ HARDWARE: dict[str, Hardware] = {
             "datasheet",
             "NVIDIA H200 Tensor Core GPU datasheet: 989 TFLOPS dense BF16, 4.8 TB/s "
             "HBM3e, 141 GB; PCIe Gen5 x16 64 GB/s per direction",
+            "nvlink4",
         ),
         Hardware(
             "h200-sxm-measured",
@@ -58,6 +63,7 @@ HARDWARE: dict[str, Hardware] = {
             "measured",
             "this lab's H200 with PyTorch, 2026-11: bf16 8192^3 matmul "
             "796 TFLOP/s, device copy 4.27 TB/s (read + write), pinned H2D/D2H 55.5 GB/s",
+            "nvlink4",
         ),
         Hardware(
             "a100-80gb",

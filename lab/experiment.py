@@ -236,7 +236,10 @@ def engine_info(cfg: ExperimentConfig, executor: Any) -> dict[str, Any]:
     """An engine run's summary key ``cost_model``: measured, with the engine fingerprint."""
     from backend.profile import engine_fingerprint
 
-    fp = engine_fingerprint(executor.runner, cfg.engine.kn_weights)
+    runner = getattr(executor.runner, "runner", executor.runner)  # rank 0's, under TP
+    fp = engine_fingerprint(runner, cfg.engine.kn_weights)
+    if cfg.engine.tensor_parallel_size > 1:
+        fp["tensor_parallel_size"] = cfg.engine.tensor_parallel_size
     return {"kind": "measured", "profile": None, "fingerprint": fp, "stale": False, "why": ""}
 
 

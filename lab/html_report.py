@@ -100,7 +100,11 @@ def write_html(
         for i, fig in enumerate(timelines):
             parts.append(
                 pio.to_html(
-                    fig, full_html=False, include_plotlyjs=(i == 0), config={"responsive": True}
+                    fig,
+                    full_html=False,
+                    include_plotlyjs=(i == 0),
+                    config={"responsive": True},
+                    div_id=f"timeline-{i}",  # not a random id: reruns write the same bytes
                 )
             )
     else:

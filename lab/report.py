@@ -17,7 +17,6 @@ import os
 import shutil
 import stat
 import tempfile
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -128,8 +127,8 @@ def _write_files(
     phase.advance()
     if any(r.output_token_ids for run in runs for r in run.result.requests):
         _write_tokens(tmp / "tokens.jsonl", runs, decode)
-    for r in runs:  # vLLM's `--save-result` file of each run, with the date it was written
-        vllm = {**r.vllm, "date": time.strftime("%Y%m%d-%H%M%S")}
+    for r in runs:  # vLLM's `--save-result` file of each run ("date" empty: reproducible)
+        vllm = r.vllm
         name = vllm_result.result_filename(r.label, vllm["request_rate"], vllm["model_id"])
         (tmp / name).write_text(json.dumps(_json_safe(vllm), indent=2))
     plots = _plots(tmp, runs, cfg) + fairness.plots(tmp, runs, _save)  # per class / tenant

@@ -125,6 +125,8 @@ def vllm_result(
         itl_s: every inter-token gap of the finished requests (seconds).
         summary: the run's summary (lab.metrics.summarize) for duration, SLOs, goodput.
         step_end_s, num_decode_tokens: per step, for the peak output token rate.
+        date: vLLM's ``date`` key; the lab leaves it empty, so that a rerun (and every
+            sweep executor) writes the same bytes.
     """
     replayed = df[df["status"] != "dropped"]
     fin = replayed[replayed["status"] == "finished"]

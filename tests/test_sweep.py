@@ -120,8 +120,8 @@ BAD = [
     (
         "sweep: {grid: {trace.num_request: [5]}}\n",
         "sweep point p000 (trace.num_request=5): trace: unknown key 'num_request'; allowed "
-        "keys: arrival, end_s, format, limit, num_requests, output_len, prompt_len, "
-        "rate_scale, seed, start_s",
+        "keys: arrival, end_s, format, hash_block_size, limit, num_requests, output_len, "
+        "prefix, prompt_len, rate_scale, seed, start_s",
     ),
     ("sweep: {grid: {}}\n", "sweep.grid: expected a mapping of key paths to non-empty lists"),
     ("sweep: {grid: {seed: []}}\n", "sweep.grid.seed: expected a non-empty list of values, got []"),

@@ -68,9 +68,10 @@ def summarize_classes(
     }
     for name, slo in slos.items():
         mask = (df["class"] == name).to_numpy()
-        out["classes"][name] = _group(df[mask], good[mask], duration_s) | {
-            "slo": {k: v for k, v in slo.items() if v is not None}
-        }
+        given = {k: v for k, v in slo.items() if v is not None}
+        out["classes"][name] = _group(df[mask], good[mask], duration_s) | {"slo": given}
+        if not given:  # no SLO, no goodput (as vLLM's goodput is null without SLOs)
+            out["classes"][name] |= {"goodput": None, "slo_attainment": None}
     tenants = sorted(set(df["tenant"]))
     out["tenants"] = {
         t: _group(df[(df["tenant"] == t).to_numpy()], None, duration_s) for t in tenants
@@ -211,7 +212,11 @@ def markdown(runs) -> list[str]:
                 f"| {e['p50']:.2f} / {e['p99']:.2f} / {e['max']:.2f} "
                 f"| {c['queue_s']['max']:.2f} | {c['output_throughput']:.0f} "
                 f"| {c['preemptions_recompute']} / {c['recomputed_tokens']} "
-                f"| {c['goodput']:.2f} | {c['slo_attainment']:.1%} |"
+                + (
+                    f"| {c['goodput']:.2f} | {c['slo_attainment']:.1%} |"
+                    if c["slo_attainment"] is not None
+                    else "| - | - (no SLO) |"
+                )
             )
     runs = [r for r in runs if len(r.summary["tenants"]) >= 2]
     if not runs:
@@ -229,10 +234,11 @@ def markdown(runs) -> list[str]:
             f"{t or '(none)'} {v['served_tokens']:.0f}" for t, v in r.summary["tenants"].items()
         )
         j = f["jain_index"]
-        lines.append(
-            f"| {r.label} | {served} | {j['mean']:.3f} / {j['min']:.3f} "
-            f"| {f['max_service_difference']:.0f} |"
-        )
+        if np.isfinite(j["mean"]):
+            shares = f"{j['mean']:.3f} / {j['min']:.3f} | {f['max_service_difference']:.0f}"
+        else:
+            shares = "- | - (never two tenants backlogged at once)"
+        lines.append(f"| {r.label} | {served} | {shares} |")
     w = runs[0].summary["fairness"]
     lines += [
         "",

@@ -138,7 +138,7 @@ def plots(folder: Path, runs, cfg) -> list[tuple[str, str]]:
             axes[2, col].plot(t, queue, **kw)
         axes[0, col].set_title(load_title(by_scale[s][0]), fontsize=10)
         axes[2, col].set_xlabel("time (s)")
-        blocks = by_scale[s][0].result.num_gpu_blocks
+        blocks = total_blocks(by_scale[s][0])
         axes[1, col].set_ylabel(f"KV blocks used (% of {blocks:,})\non {device}")
         axes[1, col].set_ylim(0, 105)
         axes[0, col].set_ylabel("output tokens / s")
@@ -291,7 +291,7 @@ def over_time(run) -> tuple[np.ndarray, ...]:
     horizon = float(end.max(initial=1.0))
     edges = np.linspace(0.0, horizon, TIME_BINS + 1)
     width = edges[1] - edges[0]
-    kv = _bin_mean(start, end, s["kv_used_blocks"] / max(run.result.num_gpu_blocks, 1), edges)
+    kv = _bin_mean(start, end, s["kv_used_blocks"] / max(total_blocks(run), 1), edges)
     queue = _bin_mean(start, end, (s["num_waiting"] + s["num_swapped"]).astype(float), edges)
     # decode tokens spread over each step; first tokens at their times
     tokens = _spread(start, end, s["num_decode_tokens"].astype(float), edges)
@@ -299,6 +299,14 @@ def over_time(run) -> tuple[np.ndarray, ...]:
     first = first[np.isfinite(first)]
     tokens += np.histogram(first, edges)[0]
     return (edges[:-1] + edges[1:]) / 2, tokens / width, kv, queue
+
+
+def total_blocks(run) -> int:
+    """GPU KV blocks of the run: one replica's times the replicas (a cluster's steps overlap
+    in time, so their blocks add up in a time bin)."""
+    replica = run.result.steps.get("replica")
+    n = len(np.unique(replica)) if replica is not None and len(replica) else 1
+    return run.result.num_gpu_blocks * n
 
 
 def _bin_mean(start: np.ndarray, end: np.ndarray, value: np.ndarray, edges) -> np.ndarray:

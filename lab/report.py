@@ -375,6 +375,8 @@ def _timelines(folder: Path, cfg: ExperimentConfig, runs: list[Run], fmt: str):
         steps = pd.DataFrame(
             {k: r.result.steps[k] for k in ("time_s", "duration_s", "num_decode_tokens")}
         )
+        if r.result.events is None:  # a cluster: replicas step apart, no events (yet)
+            continue
         ids = timeline.choose(r.requests, cfg.report)
         stories = timeline.stories_for(ids, r.requests, events, steps)
         if not stories:

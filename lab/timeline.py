@@ -434,5 +434,14 @@ def explain(folder: Path, request_id: str, run: str | None = None) -> str:
     row = requests[requests["request_id"] == str(request_id)]
     if row.empty:
         raise UserError(f"{folder}: run {label} has no request {request_id!r}")
+    if "replica" in requests.columns:  # a cluster run: no scheduler events per request
+        q = row.iloc[0]
+        return (
+            f"request {request_id}: {q['status']} on replica {q['replica']} [run {label}]; "
+            f"arrived at t={q['arrival_s']:.3f} s, TTFT {q['ttft_s']:.3f} s, E2E "
+            f"{q['e2e_s']:.3f} s, {q['num_preemptions']} preemptions. Cluster runs record no "
+            "scheduler events per request (each replica steps on its own clock): see "
+            "requests.csv"
+        )
     st = story(row.iloc[0], events[events["request_id"].isin([str(request_id), QUEUE])], steps)
     return "\n".join([f"{st.lines[0]} [run {label}]", *("  " + x for x in st.lines[1:])])

@@ -15,6 +15,7 @@ step in the run's part of steps.csv, counted from 0):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -412,7 +413,16 @@ def picture(
 
     from lab.core.errors import UserError
 
+    out = Path(out)
+    if window is not None and not (all(map(math.isfinite, window)) and 0 <= window[0] < window[1]):
+        raise UserError(f"--window: expected START END in seconds, 0 <= START < END, got {window}")
+    if out.suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise UserError(f"--out: {out}: expected a file name ending in .png, .pdf or .svg")
+    if not out.parent.is_dir():
+        raise UserError(f"--out: {out.parent} is not a folder")
     label, requests, events, steps = load_run(folder, run)
+    if "replica" in requests.columns:
+        raise UserError(f"{folder}: a cluster run: cluster runs record no per-request events")
     chosen = SimpleNamespace(
         timeline_ids=tuple(ids), timeline_window_s=window, timeline_slowest=slowest,
         timeline_by=by,

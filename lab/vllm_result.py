@@ -88,10 +88,11 @@ def peak_output_rate(df: pd.DataFrame, step_end_s, num_decode_tokens) -> float:
     first = first[np.isfinite(first)]
     if not len(ends) and not len(first):
         return 0.0
-    size = int(max(ends.max(initial=0.0), first.max(initial=0.0))) + 1
-    tokens = np.bincount(ends.astype(np.int64).clip(0), num_decode_tokens, size)
-    tokens += np.bincount(first.astype(np.int64).clip(0), minlength=size)
-    return float(tokens.max())
+    # sparse 1-second bins: a run may span more simulated seconds than memory holds
+    sec = np.concatenate([ends, first]).astype(np.int64).clip(0)
+    weight = np.concatenate([np.asarray(num_decode_tokens, dtype=float), np.ones(len(first))])
+    bins, where = np.unique(sec, return_inverse=True)
+    return float(np.bincount(where, weight, len(bins)).max())
 
 
 def peak_concurrency(df: pd.DataFrame) -> int:

@@ -54,6 +54,8 @@ class SJF(FCFS):
             return f"buckets: expected increasing bucket edges in tokens, got {o['buckets']!r}"
         if isinstance(o["seed"], bool) or not isinstance(o["seed"], int):
             return f"seed: expected an integer, got {o['seed']!r}"
+        if not bad_number(o, "sigma") and o["sigma"] > 20:  # exp(20 z) overflows floats
+            return f"sigma: expected a number in [0, 20] (log-normal error), got {o['sigma']!r}"
         return (
             bad_number(o, "sigma")
             or bad_number(o, "aging_tokens_per_s")

@@ -70,6 +70,21 @@ class AnalyticCostModel:
         self.tensor_parallel_size = n = tensor_parallel_size
         self._allreduce_s_per_token = self._allreduce_s_per_step = 0.0
         if n > 1:
+            for what, size in (
+                ("attention heads", m.num_attention_heads),
+                ("MLP width", m.intermediate_size),
+            ):
+                if size % n:
+                    raise ConfigError(
+                        f"cost_model.tensor_parallel_size: {n} does not divide the "
+                        f"{what} ({size}) of model {m.name!r}"
+                    )
+            kv = m.num_key_value_heads
+            if kv % n if n <= kv else n % kv:
+                raise ConfigError(
+                    f"cost_model.tensor_parallel_size: {n} must divide the {kv} KV heads of "
+                    f"model {m.name!r}, or be a multiple of them (replicated KV heads)"
+                )
             if hardware.tp_link is None:
                 raise ConfigError(
                     f"cost_model.tensor_parallel_size: {n} needs link figures between GPUs; "
@@ -149,7 +164,7 @@ def num_gpu_blocks(
             - activation_bytes(model, max_num_batched_tokens, max_num_seqs)
         )
         return max(0, math.floor(free / (model.kv_bytes_per_token * block_size)))
-    kv_share = max(1, model.num_key_value_heads // n) / model.num_key_value_heads
+    kv_share = -(-model.num_key_value_heads // n) / model.num_key_value_heads  # ceil
     free = (
         budget
         - model.weight_bytes / n

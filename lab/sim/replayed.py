@@ -70,6 +70,14 @@ class ReplayedDurations:
                 f"{KEY}: {self.path}: not a steps.csv of a run: missing columns "
                 f"{', '.join(missing)}"
             )
+        dur = pd.to_numeric(df["duration_s"], errors="coerce").to_numpy(dtype=float)
+        bad = np.flatnonzero(~(np.isfinite(dur) & (dur > 0)))
+        if len(bad):
+            raise ConfigError(
+                f"{KEY}: {self.path}: row {bad[0] + 1}, duration_s: expected a number > 0 "
+                f"(seconds), got {str(df['duration_s'].iloc[bad[0]])[:40]!r}"
+            )
+        df["duration_s"] = dur
         self.steps = df
         summary = self.path.parent / "summary.json"
         self.summary: dict[str, Any] = json.loads(summary.read_text()) if summary.is_file() else {}

@@ -381,6 +381,11 @@ def iter_runs(
         policies.append(
             (pol, cls, resolve_limits(cfg, pol, gpu * bs, max_position, cls.chunked_prefill))
         )
+    if cfg.backend == "sim" and cfg.cost_model.durations_from is not None:
+        for scale in cfg.rate_scales:  # every run has recorded steps, before any replays
+            for pol, _, limits in policies:
+                label = cfg.run_label(pol, scale)
+                cost_model.executor(pol.label, scale, dataclasses.asdict(limits), label)
     for scale in cfg.rate_scales:
         trace = requests if requests is not None else tables.pop(scale).to_requests()
         for r in trace:  # EDF's deadline for a single trace: the top-level TTFT SLO

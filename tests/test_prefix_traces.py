@@ -512,3 +512,13 @@ def test_readme_bound_figures_are_the_commands() -> None:
         len(synthetic.request_ids),
         round(synthetic.hit_rate, 4),
     ]
+
+
+def test_bound_keys_a_mooncake_partial_block_as_prompt_only():
+    """ceil(prompt / 512) ids describe the prompt only (the block manager's rule): request 0
+    (1,000 tokens, ids [0, 1]) keys floor(1,000 / 16) = 62 blocks, not the 63 that its
+    prompt + output - 1 = 1,019 tokens fill; request 1 (ids [0, 1, 2]) finds those 62."""
+    a = Request("0", 0.0, 1000, 20, hash_ids=[0, 1], hash_block_size=512)
+    b = Request("1", 20.0, 1100, 20, hash_ids=[0, 1, 2], hash_block_size=512)
+    bound = prefix_hit_bound([a, b], block_size=16)
+    assert bound.cached_tokens == [0, 62 * 16]

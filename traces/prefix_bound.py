@@ -20,8 +20,11 @@ Rules (vLLM V1's automatic prefix caching, with unlimited blocks):
   block).
 - Insertion. After its lookup, a request adds the full KV blocks of the tokens it writes:
   its prompt and output but the last output token (sampled, never fed back), i.e.
-  prompt_len + output_len - 1 tokens, as far as its hash ids reach. Ids that cover the
-  output (:mod:`traces.prefix` makes them) let a later turn reuse the reply. Order only:
+  prompt_len + output_len - 1 tokens, as far as its hash ids describe them: the prompt
+  only when there are exactly ceil(prompt_len / hash_block_size) ids (Mooncake: the last
+  id names a partial prompt block, not the tokens generated after it), else every token the
+  ids cover, as the block manager keys them. Ids that cover the output
+  (:mod:`traces.prefix` makes them) let a later turn reuse the reply. Order only:
   a request counts as seen by every later one, even one that arrives while it still runs.
 - Hit rate = cached tokens / prompt tokens of the requests counted (vLLM's prefix cache hit
   rate). Dropped rows are skipped; so are requests with prompt + output above
@@ -101,7 +104,11 @@ def prefix_hit_bound(
                 f"request {r.request_id}: hash_block_size {H} is not a multiple of block_size {B}"
             )
         per = H // B  # KV blocks per hash block
-        written = min(P + out - 1, len(r.hash_ids) * H) // B  # full KV blocks it writes
+        # The ids describe the prompt only when there are ceil(P / H) of them (Mooncake: the
+        # last names a partial prompt block), else every token they cover (the block
+        # manager's rule, lab/core/kv.py).
+        described = P if len(r.hash_ids) == -(-P // H) else len(r.hash_ids) * H
+        written = min(P + out - 1, described) // B  # full KV blocks it writes, keyed
         cached_out.append(B * _walk(chain, filled, r.hash_ids, per, (P - 1) // B, written))
     return PrefixBound(B, ids_out, prompt_tokens, cached_out, with_ids)
 

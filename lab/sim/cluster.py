@@ -49,7 +49,6 @@ from typing import Any
 import numpy as np
 import simpy
 
-from lab.core.errors import SchedulerStuckError
 from lab.core.plan import Executor, SchedulerOutput
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import Scheduler
@@ -59,6 +58,7 @@ from lab.sim.replay import (
     ReplayResult,
     _Wakeup,
     engine_process,
+    run_to_end,
     step_arrays,
     step_records,
 )
@@ -342,33 +342,8 @@ def _replay(requests, spec, make_replica, kv_bytes_per_token, seed, check_invari
                 on_step,
             )
         )
-    failure = None
-    try:
-        env.run()
-        lost = [r.request_id for r in requests if r.status not in _ENDED]
-        if lost:
-            raise SchedulerStuckError(
-                f"replay ended with {len(lost)} requests unfinished: {', '.join(lost[:10])}"
-            )
-        if check_invariants:
-            for rep in cluster.replicas:
-                rep.scheduler.block_manager.check_integrity([])
-    except Exception as e:  # a failed step ends the run, accounted for request by request
-        failure = f"{type(e).__name__}: {e}".splitlines()[0]
-        unfinished = f"not finished: the run stopped at t={env.now:.3f}s ({failure})"
-        for rep in cluster.replicas:
-            rep.scheduler.abort_unfinished(unfinished, env.now)
-        for i, r in enumerate(requests):
-            if r.status in _ENDED:
-                continue
-            r.status = RequestStatus.ABORTED
-            if i >= cluster.num_arrived:
-                r.reason = (
-                    f"not replayed: the run stopped at t={env.now:.3f}s, before its "
-                    f"arrival ({failure})"
-                )
-            else:  # in a queue, in transfer, or caught by the step that failed
-                r.finish_s, r.reason = env.now, unfinished
+    schedulers = [rep.scheduler for rep in cluster.replicas]
+    failure = run_to_end(env, requests, schedulers, lambda: cluster.num_arrived, check_invariants)
     wall = time.perf_counter() - t0
     results = []
     for rep in cluster.replicas:

@@ -20,7 +20,7 @@ import gc
 import math
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -278,31 +278,7 @@ def _replay(
             progress,
         )
     )
-    failure = None
-    try:
-        env.run()
-        lost = [r.request_id for r in requests if r.status not in _ENDED]
-        if lost:
-            raise SchedulerStuckError(
-                f"replay ended with {len(lost)} requests unfinished: {', '.join(lost[:10])}"
-            )
-        if check_invariants:
-            scheduler.block_manager.check_integrity([])
-    except Exception as e:  # a failed step ends the run, accounted for request by request
-        failure = f"{type(e).__name__}: {e}".splitlines()[0]
-        unfinished = f"not finished: the run stopped at t={env.now:.3f}s ({failure})"
-        scheduler.abort_unfinished(unfinished, env.now)
-        for i, r in enumerate(requests):  # sorted by arrival: the first arrived[0] arrived
-            if r.status in _ENDED:
-                continue
-            r.status = RequestStatus.ABORTED
-            if i >= arrived[0]:  # never arrived: no finish time
-                r.reason = (
-                    f"not replayed: the run stopped at t={env.now:.3f}s, before its "
-                    f"arrival ({failure})"
-                )
-            else:  # caught by the step that failed outside every queue
-                r.finish_s, r.reason = env.now, unfinished
+    failure = run_to_end(env, requests, [scheduler], lambda: arrived[0], check_invariants)
     steps, ticks = step_arrays(rec, tick_steps)
     return ReplayResult(
         requests,
@@ -318,6 +294,50 @@ def _replay(
 
 
 _FLOAT_COLUMNS = ("time_s", "duration_s", "prefill_attention_pairs")
+
+
+def run_to_end(
+    env: simpy.Environment,
+    requests: list[Request],
+    schedulers: list[Scheduler],
+    num_arrived: Callable[[], int],
+    check_invariants: bool,
+) -> str | None:
+    """Run ``env`` until no event is left. Returns None, or why the run stopped (the first
+    line of the error); then every request not ended yet is ABORTED with a reason: one that
+    never arrived (``requests`` sorted by arrival, the first ``num_arrived()`` arrived) has no
+    finish time, one in a queue or caught by the failed step finishes now.
+
+    Raises nothing: a failed step, a request left unfinished, or a broken block-manager
+    invariant (``check_invariants``) all end the run this way."""
+    try:
+        env.run()
+        lost = [r.request_id for r in requests if r.status not in _ENDED]
+        if lost:
+            raise SchedulerStuckError(
+                f"replay ended with {len(lost)} requests unfinished: {', '.join(lost[:10])}"
+            )
+        if check_invariants:
+            for s in schedulers:
+                s.block_manager.check_integrity([])
+        return None
+    except Exception as e:  # a failed step ends the run, accounted for request by request
+        failure = f"{type(e).__name__}: {e}".splitlines()[0]
+    unfinished = f"not finished: the run stopped at t={env.now:.3f}s ({failure})"
+    for s in schedulers:
+        s.abort_unfinished(unfinished, env.now)
+    arrived = num_arrived()
+    for i, r in enumerate(requests):
+        if r.status in _ENDED:
+            continue
+        r.status = RequestStatus.ABORTED
+        if i >= arrived:  # never arrived: no finish time
+            r.reason = (
+                f"not replayed: the run stopped at t={env.now:.3f}s, before its arrival ({failure})"
+            )
+        else:  # in a queue, in transfer, or caught by the step that failed
+            r.finish_s, r.reason = env.now, unfinished
+    return failure
 
 
 def step_records() -> tuple[dict[str, array], array]:

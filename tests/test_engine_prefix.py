@@ -17,6 +17,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+from triton_setup import QWEN3_TINY  # noqa: E402  (a tiny Qwen3; sets TRITON_INTERPRET)
+
 from lab.config import validate  # noqa: E402
 from lab.core.request import Request  # noqa: E402
 from lab.experiment import run_experiment  # noqa: E402
@@ -94,20 +96,6 @@ def test_smollm2_tokens_identical_with_caching(tmp_path):
     assert ref.summary["preemptions"]["requests_preempted"] == 0
     # 8 blocks of 16: the five prompts (~45-60 tokens, sharing ~40) cannot all grow at once.
     check_identical(run_experiment(cfg(8, True, POLICIES), progress=False), tokens(ref), 32)
-
-
-QWEN3_TINY = {  # as tests/triton_setup.py's
-    "architectures": ["Qwen3ForCausalLM"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": True,
-}
 
 
 def hash_id_requests() -> list[Request]:

@@ -17,7 +17,6 @@ from lab.config import load_config
 from lab.core.errors import ConfigError
 from lab.report import MANIFEST
 from lab.sweep import is_sweep
-from policies import policy_names
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "experiments").glob("*.yaml"))

@@ -16,7 +16,9 @@ the search starts at the config's own value and doubles (or halves) it, at most
 :data:`MAX_EXPANSIONS` times, until one value meets and the next misses. Then it bisects
 until ``hi - lo <= tolerance * lo``. The capacity is ``lo``, the largest value tried that
 meets the target: the true threshold lies in ``[lo, hi)``, so the capacity is within
-``tolerance`` (relative) below it when the metric is monotone. A run that stops early
+``tolerance`` (relative) below it when the metric is monotone. A key whose value is a whole
+number (in the YAML, else its default; e.g. ``scheduler.max_num_seqs``) is searched in
+whole numbers. A run that stops early
 (stuck, thrashing) counts as a miss. Every value tried is kept: the sampled curve.
 """
 
@@ -168,14 +170,19 @@ def find_capacity(
     meets: Callable[[float], bool],
     spec: SearchSpec,
     start: float | None,
+    integer: bool = False,
 ) -> Capacity:
     """Bracket then bisect for the largest value ``x`` with ``meets(x)`` (module docstring).
 
     Args:
         meets: runs the experiment at load ``x`` and says whether it meets the target.
         start: where to start without ``spec.lo``/``spec.hi``.
+        integer: the key takes whole numbers (e.g. ``scheduler.max_num_seqs``): every value
+            tried is an int >= 1, halving rounds down, bisection takes the floor of the
+            midpoint and stops once the bracket is ``max(1, tolerance * lo)`` wide.
     """
     samples: list[tuple[float, bool]] = []
+    whole = int if integer else float
 
     def probe(x: float) -> bool:
         ok = bool(meets(x))
@@ -184,12 +191,14 @@ def find_capacity(
 
     if spec.lo is not None:
         lo, hi = spec.lo, spec.hi
+        if integer:
+            lo, hi = max(1, int(lo)), math.ceil(hi)
         if not probe(lo):
             return Capacity(math.nan, None, lo, "below_range", samples)
         if probe(hi):
             return Capacity(hi, hi, None, "above_range", samples)
     else:
-        x = float(start)
+        x = whole(start)
         if probe(x):
             lo = hi = x
             for _ in range(MAX_EXPANSIONS):
@@ -202,14 +211,16 @@ def find_capacity(
         else:
             hi = x
             for _ in range(MAX_EXPANSIONS):
-                lo = hi / 2
+                lo = hi // 2 if integer else hi / 2
+                if lo < 1 and integer:
+                    return Capacity(math.nan, None, hi, "below_range", samples)
                 if probe(lo):
                     break
                 hi = lo
             else:
                 return Capacity(math.nan, None, hi, "below_range", samples)
-    while hi - lo > spec.tolerance * lo:
-        mid = (lo + hi) / 2
+    while hi - lo > (max(1, spec.tolerance * lo) if integer else spec.tolerance * lo):
+        mid = (lo + hi) // 2 if integer else (lo + hi) / 2
         if probe(mid):
             lo = mid
         else:

@@ -26,7 +26,7 @@ from typing import Any
 from lab.config import validate
 from lab.core.errors import UserError
 from lab.experiment import run_experiment
-from lab.keypaths import set_path
+from lab.keypaths import get_path, set_path
 from lab.report import write_results
 from lab.sweep import Point, Sweep
 
@@ -138,7 +138,8 @@ def _search(task: Task) -> TaskResult:
 
     spec = task.search
     raw = copy.deepcopy(dict(task.point.raw))
-    policy = validate(raw, task.source, task.base_dir).policies[task.policy]
+    base = validate(raw, task.source, task.base_dir)
+    policy = base.policies[task.policy]
     raw["policies"] = [policy.to_dict()]
     rows: list[dict[str, Any]] = []
 
@@ -152,7 +153,13 @@ def _search(task: Task) -> TaskResult:
         rows.append({"sample": len(rows), spec.over: x, "met": ok, **row})
         return ok
 
-    cap = find_capacity(meets, spec, task.start)
+    # A whole-number key (e.g. scheduler.max_num_seqs) is searched in whole numbers: its
+    # value in the YAML, else in the resolved config (its default), says which it is.
+    now = get_path(raw, spec.over)
+    if now is None:
+        now = get_path(base.to_dict(), spec.over)
+    integer = isinstance(now, int) and not isinstance(now, bool)
+    cap = find_capacity(meets, spec, task.start, integer)
     capacity = {
         "policy": policy.label,
         "status": cap.status,

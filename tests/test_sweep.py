@@ -200,6 +200,35 @@ def test_bisection_samples_by_hand():
     assert find_capacity(lambda x: True, spec, 1.0).status == "above_range"
 
 
+def test_integer_key_search_tries_whole_numbers():
+    spec = SearchSpec("ttft_s_p99", 1.0, tolerance=0.02)
+    cap = find_capacity(lambda x: x <= 37, spec, 8, integer=True)
+    # Doubling 8, 16, 32 (met), 64 (missed); floor midpoints 48, 40, 36, 38, 37; the
+    # bracket [37, 38) is max(1, 0.02 * 37) = 1 wide.
+    assert [x for x, _ in cap.samples] == [8, 16, 32, 64, 48, 40, 36, 38, 37]
+    assert all(type(x) is int for x, _ in cap.samples)
+    assert (cap.status, cap.capacity, cap.hi) == ("found", 37, 38)
+    cap = find_capacity(lambda x: x <= 2, spec, 5, integer=True)  # halving: 5, 2
+    assert [x for x, _ in cap.samples] == [5, 2, 3] and cap.capacity == 2
+    assert find_capacity(lambda x: False, spec, 3, integer=True).status == "below_range"
+    spec = parse_search({"metric": "ttft_s_p99", "target": 1.0, "lo": 1.5, "hi": 9.2}, "f")
+    cap = find_capacity(lambda x: x <= 4, spec, None, integer=True)
+    assert [x for x, _ in cap.samples] == [1, 10, 5, 3, 4]
+
+
+def test_search_over_an_integer_key_runs_every_point(tmp_path):
+    path = write(
+        tmp_path,
+        SYNTH + "policies: [fcfs]\n"
+        "search: {metric: ttft_s_p99, target: 1000, over: scheduler.max_num_seqs, lo: 1, hi: 6}\n",
+    )
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
+    curve = pd.read_csv(out / "curve.csv")
+    assert curve["scheduler.max_num_seqs"].tolist() == [1, 6]  # both meet: above the range
+    assert pd.read_csv(out / "capacity.csv").iloc[0]["status"] == "above_range"
+
+
 def test_capacity_of_a_fixed_cost_queue_matches_the_closed_form(tmp_path):
     """One request per step (max_num_seqs 1), one output token (done at its prefill), the
     same prompt: every step costs the same c seconds. Requests arrive every d0 / s seconds

@@ -855,6 +855,7 @@ def _engine(where: str, raw: Any, base_dir: Path, used: bool) -> EngineConfig:
 
 # ---------------------------------------------------------------------------- cluster
 CLUSTER_KEYS = ("replicas", "router", "prefill", "decode", "kv_transfer")
+MAX_REPLICAS = 4096  # each replica holds its own scheduler and block manager in memory
 _DISAGGREGATED_KEYS = ("prefill", "decode", "kv_transfer")
 
 
@@ -893,6 +894,8 @@ def _pool(where: str, key: str, raw: Any, allowed: tuple[str, ...]) -> PoolSpec:
 
     d = _mapping(where, key, raw, allowed)
     replicas = _int(where, f"{key}.replicas", d.get("replicas", 1))
+    if replicas > MAX_REPLICAS:
+        raise _fail(where, f"{key}.replicas", f"an integer in [1, {MAX_REPLICAS}]", replicas)
     router = d.get("router", "round_robin")
     spec = {"name": router} if isinstance(router, str) else router
     if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):

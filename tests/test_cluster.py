@@ -274,6 +274,7 @@ def test_results_folder_of_a_disaggregated_run(tmp_path):
     [
         ({"replicas": 2, "router": "fastest"}, "cluster.router: unknown router 'fastest'; known"),
         ({"replicas": 0}, "cluster.replicas: expected an integer >= 1, got 0"),
+        ({"replicas": 10**9}, "cluster.replicas: expected an integer in [1, 4096], got 1000000000"),
         ({"router": {"name": "prefix_affinity", "prefix_blocks": 0}}, "prefix_blocks: expected"),
         ({"router": {"name": "least_kv", "k": 1}}, "unknown key cluster.router.k"),
         (

@@ -471,6 +471,17 @@ def test_prefix_bound_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
         "exp: 6 requests (6 with hash ids), 450 prompt tokens; with an infinite prefix cache "
         "at KV block size 16: 224 cached, hit rate 0.4978\n"
     )
+    # The config's max_model_len applies unless --max-model-len is given: first turns are
+    # 60 + 20 = 80 tokens, second turns 90 + 8 = 98, so a limit of 85 keeps the first turns
+    # alone; the third (prefix 0 again, round robin) reuses the prefix's 2 full blocks of 16.
+    exp.write_text(exp.read_text() + "scheduler: {max_model_len: 85}\n")
+    assert cli_main(["prefix-bound", str(exp)]) == 0
+    assert capsys.readouterr().out == (
+        "exp: 3 requests (3 with hash ids), 180 prompt tokens; with an infinite prefix cache "
+        "at KV block size 16: 32 cached, hit rate 0.1778\n"
+    )
+    assert cli_main(["prefix-bound", str(exp), "--max-model-len", "100000"]) == 0
+    assert capsys.readouterr().out.startswith("exp: 6 requests")
     assert cli_main(["prefix-bound", str(exp), "--limit", "0"]) == 2
     assert capsys.readouterr().err == f"error: {exp}: --limit: expected an integer >= 1, got 0\n"
 

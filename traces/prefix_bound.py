@@ -35,7 +35,8 @@ Rules (vLLM V1's automatic prefix caching, with unlimited blocks):
 Cost: one dict look-up per hash id of every request, O(total hash ids).
 
 Command: ``sched-lab prefix-bound EXPERIMENT.yaml [--limit N] [--max-model-len N]``
-prints the bound for an experiment's trace at its ``kv_cache.block_size``.
+prints the bound for an experiment's trace at its ``kv_cache.block_size`` (and its
+``scheduler.max_model_len`` unless ``--max-model-len`` is given).
 """
 
 from __future__ import annotations
@@ -152,7 +153,10 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab prefix-bound") ->
     ap.add_argument("--limit", type=int, help="only the first N requests of the trace")
     ap.add_argument("--block-size", type=int, help="KV block size (default: the config's)")
     ap.add_argument(
-        "--max-model-len", type=int, help="skip requests whose prompt + output exceed N"
+        "--max-model-len",
+        type=int,
+        help="skip requests whose prompt + output exceed N (default: the config's "
+        "scheduler.max_model_len, if it gives one)",
     )
     args = ap.parse_args(argv)
     from lab.config import load_config
@@ -171,7 +175,8 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab prefix-bound") ->
         block = args.block_size or cfg.kv_cache.block_size
         spec = {"seed": cfg.seed, **cfg.trace.spec, "rate_scale": 1.0}
         requests = load_trace(spec, cfg.base_dir)
-        bound = prefix_hit_bound(requests, block, args.max_model_len)
+        max_len = args.max_model_len or cfg.scheduler.max_model_len
+        bound = prefix_hit_bound(requests, block, max_len)
     except (UserError, ValueError) as e:
         print(f"error: {args.config}: {e}", file=sys.stderr)
         return 2

@@ -56,6 +56,8 @@ class SJF(FCFS):
             return f"seed: expected an integer, got {o['seed']!r}"
         if not bad_number(o, "sigma") and o["sigma"] > 20:  # exp(20 z) overflows floats
             return f"sigma: expected a number in [0, 20] (log-normal error), got {o['sigma']!r}"
+        if o["predictor"] == "oracle" and o["sigma"] != 0:  # sigma would be ignored
+            return f"sigma: expected 0 with predictor oracle (use noisy), got {o['sigma']!r}"
         return (
             bad_number(o, "sigma")
             or bad_number(o, "aging_tokens_per_s")

@@ -112,6 +112,8 @@ def test_bad_classes_are_one_line(tmp_path, change, message):
         ({"name": "vtc", "tenant_weights": {"u1": 0}}, r"tenant_weights.u1: expected a number > 0"),
         ({"name": "sjf", "predictor": "noisy", "sigma": -0.25},
          r"policies\[0\].sigma: expected a finite number >= 0, got -0.25$"),
+        ({"name": "sjf", "sigma": 0.5},
+         r"policies\[0\].sigma: expected 0 with predictor oracle \(use noisy\), got 0.5$"),
         ({"name": "sjf", "predictor": "psychic"}, r"predictor: expected one of oracle, noisy, bucketed"),
         ({"name": "sjf", "buckets": [100, 10]}, r"buckets: expected increasing bucket edges"),
         ({"name": "priority", "priority_preemption": "yes"}, r"priority_preemption: expected true or false"),

@@ -194,6 +194,9 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    ap.add_argument(
+        "-q", "--quiet", action="store_true", help="log warnings only (no phase timing lines)"
+    )
     sweep = ap.add_argument_group("sweeps (a YAML with sweep: or search:)")
     sweep.add_argument(
         "--jobs",
@@ -265,7 +268,7 @@ class _Signals:
 
 def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
     from lab.config import load_config

@@ -378,3 +378,18 @@ def test_interrupt_while_writing_finishes_the_writing_once(tmp_path, times):
             "error: interrupted by SIGINT twice while writing the results; nothing written"
         ]
         assert sorted(p.name for p in tmp_path.iterdir()) == ["exp.yaml"]
+
+
+def test_quiet_logs_warnings_only(tmp_path):
+    """-q drops the INFO phase lines; the summary table still prints."""
+    exp = tmp_path / "exp.yaml"
+    exp.write_text(
+        "trace: {format: synthetic, num_requests: 4, arrival: {rate: 10}, prompt_len: 16, "
+        "output_len: 2}\nkv_cache: {num_gpu_blocks: 64}\npolicies: [fcfs]\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "lab.cli", "run", str(exp), "--out", str(tmp_path / "o"),
+         "--no-progress", "-q"],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    assert "INFO" not in out.stderr and "finished / replayed" in out.stdout

@@ -6,11 +6,12 @@
 Parts, each in its own process under ``timeout`` (``--part`` runs one in this process):
 
 * ``merge``: the decode attention kernel alone, its split-K merge fused into it vs the
-  separate merge kernel (``triton_kernels.FUSED_MERGE``), each call captured in a CUDA graph
-  and replayed back to back, at batch 32 / 64 / 128 x 1k context, Qwen3-0.6B and
-  Llama-3.1-8B heads.
+  separate merge kernel (``fused_merge`` True / False), each call captured in a CUDA graph
+  and replayed back to back, at batch 1 / 4 / 32 / 64 / 128 x 1k context, Qwen3-0.6B and
+  Llama-3.1-8B heads, and the largest difference between the two outputs.
 * ``decode``: the engine's decode step (``ModelRunner.execute``, graphs on, sync included)
-  with the merge fused vs separate, two runners of the same random weights side by side, at
+  with the merge fused (the default rule) vs separate (``triton_kernels.FUSED_MERGE`` off
+  while the runner captures), two runners of the same random weights side by side, at
   batch 32 / 64 / 128 x 1k, for both shapes; the step's ratio to the HBM roofline as
   benchmarks/decode_roofline.py computes it ((weights + KV bytes read) / device copy rate,
   measured in the same process); kernels per step = kernels of one decode graph replay
@@ -186,7 +187,7 @@ def part_merge(b: Bench) -> dict:
     torch, rows = b.torch, []
     for preset in b.presets:
         heads, kv_heads, head_dim = heads_of(b.config(preset))
-        for batch in b.batches:
+        for batch in ((1, 4) if not b.tiny else ()) + b.batches:  # 1, 4: the rule's reason
             per_seq = -(-(b.context + 1) // 16)
             blocks = batch * per_seq
             k_cache = torch.randn(blocks, 16, kv_heads, head_dim, device=b.device, dtype=b.dtype)

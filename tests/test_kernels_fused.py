@@ -95,16 +95,25 @@ def test_fused_merge_over_many_items_and_padding():
     assert int(triton_kernels.merge_counters(5, 3, DEVICE).abs().sum()) == 0
 
 
-def test_fused_merge_is_the_default_and_launches_one_kernel(monkeypatch):
+def test_the_merge_is_fused_by_default_when_rows_have_few_items(monkeypatch):
     assert triton_kernels.FUSED_MERGE is True
+    assert triton_kernels.FUSED_MERGE_MAX_ITEMS_PER_ROW == 8
     calls = []
     monkeypatch.setattr(triton_kernels, "_decode_reduce_kernel", _Recorder(calls))
-    lens = [300, 40]
-    _, meta, work, loc, q, caches = decode_case(lens, 4)
+    _, meta, work, loc, q, caches = decode_case([300, 40], 4)  # 2 items a row: one launch
     run_decode(meta, work, loc, q, caches, fused=None)
     assert calls == []
     with pytest.raises(_Launched):  # the separate merge is the second launch
         run_decode(meta, work, loc, q, caches, fused=False)
+    calls.clear()
+    # 15 items for 2 rows (7.5 a row) still fused; 16 (8 a row) merged separately
+    _, meta, work, loc, q, caches = decode_case([960, 40], 15)
+    run_decode(meta, work, loc, q, caches, fused=None)
+    assert calls == []
+    _, meta, work, loc, q, caches = decode_case([960, 40], 16)
+    with pytest.raises(_Launched):
+        run_decode(meta, work, loc, q, caches, fused=None)
+    assert calls == [(2, 4)]  # (decode rows, heads)
 
 
 class _Launched(Exception):

@@ -39,6 +39,11 @@ WORK_BLOCK = 32  # work items one program of the device work-table kernel writes
 # Merge the split-K items inside the decode kernel (one launch a layer) rather than in a
 # second kernel; a switch for A/B runs (benchmarks/kernels_step.py), read at each launch.
 FUSED_MERGE = True
+# ... when the decode rows average fewer work items than this: the merging program reads
+# a row's items one after another, which outlasts the separate merge kernel when rows
+# have many items (small batches: 16 a row) and saves its launch when they have few
+# (batch >= 32 with 8 kv heads: 4 or fewer; H200 figures in BENCHMARKS.md).
+FUSED_MERGE_MAX_ITEMS_PER_ROW = 8
 
 _counters: dict[torch.device, torch.Tensor] = {}  # the fused merge's counts, per device
 _old_counters: list[torch.Tensor] = []  # replaced ones: captured graphs may still read them
@@ -438,7 +443,8 @@ def decode_attention(
         work_loc: (num_decode_rows + 1,) int32; the items of each decode row.
         merge: merge split rows in a second kernel (False only when every row has at most
             one item); ignored when the merge is fused.
-        fused_merge: merge inside the decode kernel (one launch); None: ``FUSED_MERGE``.
+        fused_merge: merge inside the decode kernel (one launch); None: ``FUSED_MERGE``
+            when the rows average fewer than ``FUSED_MERGE_MAX_ITEMS_PER_ROW`` items.
     """
     num_items = work.shape[0]
     if num_items == 0:
@@ -448,7 +454,9 @@ def decode_attention(
     head_dim_p = _head_dim_p(head_dim)
     partial = torch.empty(num_items, num_heads, head_dim_p, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_items, num_heads, dtype=torch.float32, device=q.device)
-    fused = FUSED_MERGE if fused_merge is None else fused_merge
+    rows = work_loc.numel() - 1
+    few = num_items < FUSED_MERGE_MAX_ITEMS_PER_ROW * rows
+    fused = FUSED_MERGE and few if fused_merge is None else fused_merge
     counters = merge_counters(seq_lens.numel(), num_kv_heads, q.device) if fused else work
     _decode_kernel[(num_items, num_kv_heads)](
         q, k_cache, v_cache, out, partial, lse, block_tables, query_start_loc, seq_lens, work,

@@ -136,15 +136,16 @@ class _Recorder:
 
 
 def test_varlen_prefix_and_the_auto_rule():
-    assert flash_varlen.VARLEN_MIN_MEAN_CHUNK == 512
-    # the shapes: 1 x 8192, 4 x 4096, 8 x 1024 win; 32 x 256 does not
-    for lens, auto in (([8192], 1), ([4096] * 4, 4), ([1024] * 8, 8), ([256] * 32, 0)):
+    assert flash_varlen.VARLEN_MIN_MEAN_CHUNK == 1024
+    # the shapes: 1 x 8192, 4 x 4096, 8 x 1024 win; 16 x 512 and 32 x 256 do not
+    for lens, auto in (([8192], 1), ([4096] * 4, 4), ([1024] * 8, 8), ([512] * 16, 0),
+                       ([256] * 32, 0)):  # fmt: skip
         assert flash_varlen.choose("auto", lens, lens) == auto
         assert flash_varlen.choose("flash_varlen", lens, lens) == len(lens)
         assert flash_varlen.choose("triton", lens, lens) == 0
-    # mean exactly 512 qualifies: (700 + 324) / 2 = 512; 1023 / 2 does not
-    assert flash_varlen.choose("auto", [700, 324], [700, 324]) == 2
-    assert flash_varlen.choose("auto", [700, 323], [700, 323]) == 0
+    # mean exactly 1024 qualifies: (1500 + 548) / 2 = 1024; 2047 / 2 does not
+    assert flash_varlen.choose("auto", [1500, 548], [1500, 548]) == 2
+    assert flash_varlen.choose("auto", [1500, 547], [1500, 547]) == 0
     # decodes after the chunks are fine (they keep the Triton decode kernel)
     assert flash_varlen.varlen_prefix([700, 300, 1, 1], [700, 300, 41, 9]) == 2
     # a chunk over a cached prefix, anywhere, or a chunk after a decode: no varlen

@@ -10,9 +10,9 @@ Triton kernels.
 
 The rule (``prefill_attention: auto``): every sequence fed more than one token starts at
 position 0, those sequences come first in the step, and their mean chunk length is at least
-``VARLEN_MIN_MEAN_CHUNK`` tokens. Measured on an H200 (random bf16, Qwen3-0.6B and
-Llama-3.1-8B heads, the issue's figures): varlen is faster for 1 x 8192, 4 x 4096 and
-8 x 1024 tokens and slower for 32 x 256, so the threshold sits between 256 and 1024.
+``VARLEN_MIN_MEAN_CHUNK`` tokens. On an H200 (random bf16, Qwen3-0.6B and Llama-3.1-8B
+heads; BENCHMARKS.md) varlen takes 0.70-0.88x the Triton kernel's time for chunks of 1,024
+to 8,192 tokens, 0.92-1.07x at 512 and 1.05-1.13x at 256, so the threshold is 1,024.
 ``flash_varlen`` uses it for every such step regardless of length; ``triton`` never.
 
 varlen_attn captures into a CUDA graph (its grid depends on ``max_len`` only, and the graph
@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 PREFILL_ATTENTION = ("auto", "triton", "flash_varlen")
-VARLEN_MIN_MEAN_CHUNK = 512  # tokens: auto uses varlen when the chunks' mean is at least this
+VARLEN_MIN_MEAN_CHUNK = 1024  # tokens: auto uses varlen when the chunks' mean is at least this
 
 
 def _import_varlen() -> Callable[..., torch.Tensor] | None:

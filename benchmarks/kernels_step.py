@@ -18,7 +18,7 @@ Parts, each in its own process under ``timeout`` (``--part`` runs one in this pr
   (torch.profiler), and the graph replayed back to back.
 * ``prefill``: causal prefill attention of chunks from position 0, FlashAttention-2's
   varlen (``torch.nn.attention.varlen``) vs the lab's Triton prefill kernel over the paged
-  cache, at the issue's shapes (1 x 8192, 4 x 4096, 8 x 1024, 32 x 256 tokens) for both
+  cache, at the issue's shapes (1 x 8192, 4 x 4096, 8 x 1024, 32 x 256 tokens; and 16 x 512) for both
   shapes' heads; then whole eager prefill steps (``mixed_graphs: false``) of Qwen3-0.6B with
   ``prefill_attention`` triton vs flash_varlen, and what ``auto`` picks.
 
@@ -44,7 +44,7 @@ PARTS = {"merge": 60, "decode": 200, "prefill": 90}  # part -> timeout (s) on th
 PRESETS = ("qwen3-0.6b", "llama-3.1-8b")
 BATCHES = (32, 64, 128)
 CONTEXT = 1024
-PREFILL_SHAPES = ((1, 8192), (4, 4096), (8, 1024), (32, 256))  # (chunks, tokens each)
+PREFILL_SHAPES = ((1, 8192), (4, 4096), (8, 1024), (16, 512), (32, 256))  # (chunks, tokens)
 # --tiny: a CPU check of the logic (Triton interpreter), not a measurement
 TINY = {
     "architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
@@ -398,6 +398,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="CPU logic check (Triton interpreter)")
     ap.add_argument("--part", choices=sorted(PARTS), help="run one part in this process")
     args = ap.parse_args()
+    args.out = args.out.resolve()  # the parts run in benchmarks/
     args.out.mkdir(parents=True, exist_ok=True)
     if args.part:
         if args.tiny:  # the tests' interpreter setup (TRITON_INTERPRET=1 and its patch)

@@ -51,8 +51,10 @@ _old_counters: list[torch.Tensor] = []  # replaced ones: captured graphs may sti
 
 def merge_counters(num_seqs: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
     """A zeroed int32 buffer of at least ``num_seqs * num_kv_heads`` counts, shared by every
-    decode launch on ``device`` (stream order: each launch leaves it zero). Grown outside a
-    CUDA-graph capture only (the capture's eager warm-up of the same shapes grows it first)."""
+    decode launch on ``device``: each launch leaves it zero, so launches must follow each
+    other in stream order (decode kernels on two concurrent streams would need a buffer
+    each). Grown outside a CUDA-graph capture only (the capture's eager warm-up of the same
+    shapes grows it first)."""
     need = max(1, num_seqs * num_kv_heads)
     buf = _counters.get(device)
     if buf is None or buf.numel() < need:

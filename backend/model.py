@@ -89,13 +89,21 @@ class Attention(nn.Module):
         """x: (num_tokens, hidden_size) -> (num_tokens, hidden_size); writes this layer's KV."""
         num_tokens = x.shape[0]
         if self.ops is not None:
+            qkv = self.qkv_proj(x)
+            own_kv = meta.varlen_seqs > 0  # prefill chunks attend over their own k/v
             q = self.ops.qkv_prepare(
-                self.qkv_proj(x), cos, sin, *kv_cache, meta.slot_mapping, self.num_heads,
+                qkv, cos, sin, *kv_cache, meta.slot_mapping, self.num_heads,
                 self.num_kv_heads, self.head_dim,
                 None if self.q_norm is None else self.q_norm.weight,
-                None if self.k_norm is None else self.k_norm.weight, self.eps,
+                None if self.k_norm is None else self.k_norm.weight, self.eps, own_kv,
             )  # fmt: skip
-            out = self.backend.attend(q, *kv_cache, meta, self.scale)
+            if own_kv:  # k rotated in place; views, no copies
+                _, k, v = qkv.split(self.split_sizes, dim=-1)
+                k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+                v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+                out = self.backend.attend_with_kv(q, k, v, *kv_cache, meta, self.scale)
+            else:
+                out = self.backend.attend(q, *kv_cache, meta, self.scale)
             return self.o_proj(out.view(num_tokens, -1))
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)

@@ -94,6 +94,9 @@ class ModelRunner:
             captured at start.
         num_threads: torch intra-op threads on a CPU device (process-wide); None = the
             default of the module doc. Ignored on CUDA.
+        prefill_attention: the kernel of eager steps' prefill chunks from position 0:
+            "auto" (FlashAttention varlen where it wins, on CUDA), "triton", "flash_varlen"
+            (:mod:`backend.attention.flash_varlen`; triton backend only).
         tensor_parallel: this process's rank of a tensor-parallel group (torch.distributed's
             default group, already initialised; :mod:`backend.tp`): the runner holds the
             rank's shard of the weights, of the KV cache and of the swap space (KV heads /
@@ -122,6 +125,7 @@ class ModelRunner:
         cuda_graph_token_sizes: Sequence[int] = DEFAULT_TOKEN_SIZES,
         num_threads: int | None = None,
         tensor_parallel: TPShard | None = None,
+        prefill_attention: str = "auto",
     ) -> None:
         model_dir = Path(model_dir).expanduser()
         self.config = ModelConfig.from_dir(model_dir)
@@ -139,6 +143,7 @@ class ModelRunner:
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         _check_max_model_len(self.config, self.max_model_len, model_dir)
         backend = get_attention_backend(attention_backend, self.device, self.dtype, block_size)
+        backend.set_prefill_attention(prefill_attention)
         self.attn_backend = backend
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and backend.supports_graphs

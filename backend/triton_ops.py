@@ -95,11 +95,12 @@ def _qkv_prepare_kernel(
     stride_qkv, stride_cos, eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_P: tl.constexpr, KV_HEADS_P: tl.constexpr, HALF_P: tl.constexpr,
-    QK_NORM: tl.constexpr,
+    QK_NORM: tl.constexpr, K_IN_PLACE: tl.constexpr,
 ):  # fmt: skip
-    """One program per token: [q/k RMSNorm], RoPE on q and k, q -> QOut, k/v -> cache slot.
+    """One program per token: [q/k RMSNorm], RoPE on q and k, q -> QOut, k/v -> cache slot;
+    with K_IN_PLACE the prepared k also over the raw k in the QKV row.
 
-    A negative slot (a CUDA-graph padding row) stores no k/v."""
+    A negative slot (a CUDA-graph padding row) stores no k/v (and keeps its raw k)."""
     t = tl.program_id(0).to(tl.int64)
     DTYPE: tl.constexpr = QKV.dtype.element_ty
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -137,6 +138,9 @@ def _qkv_prepare_kernel(
     dst = slot * NUM_KV_HEADS * HEAD_DIM + kv_off  # the caches are contiguous
     tl.store(KCache + dst, k1, mask=kv_mask)
     tl.store(KCache + dst + HALF, k2, mask=kv_mask)
+    if K_IN_PLACE:  # this program alone reads the row, and has read it
+        tl.store(k_row + kv_off, k1, mask=kv_mask)
+        tl.store(k_row + kv_off + HALF, k2, mask=kv_mask)
     v1 = tl.load(v_row + kv_off, mask=kv_mask)
     v2 = tl.load(v_row + kv_off + HALF, mask=kv_mask)
     tl.store(VCache + dst, v1, mask=kv_mask)
@@ -156,6 +160,7 @@ def qkv_prepare(
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
     eps: float,
+    k_in_place: bool = False,
 ) -> torch.Tensor:
     """From the fused projection's output to attention inputs, in one kernel.
 
@@ -165,6 +170,9 @@ def qkv_prepare(
         k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim), contiguous;
             each token's rotated k and its v are written at ``slot_mapping`` (skipped if < 0).
         q_norm_weight, k_norm_weight: (head_dim,) per-head RMSNorm weights (Qwen3), or None.
+        k_in_place: also write each token's normalised, rotated k over its raw k in
+            ``qkv`` (mutates ``qkv``), for attention over the step's own k/v
+            (:mod:`backend.attention.flash_varlen`).
     Returns:
         q: (num_tokens, num_heads, head_dim), contiguous, normalised and rotated.
     """
@@ -181,7 +189,7 @@ def qkv_prepare(
         qkv.stride(0), cos.stride(0), eps,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_P=triton.next_power_of_2(num_heads), KV_HEADS_P=triton.next_power_of_2(num_kv_heads),
-        HALF_P=triton.next_power_of_2(head_dim // 2), QK_NORM=qk_norm,
+        HALF_P=triton.next_power_of_2(head_dim // 2), QK_NORM=qk_norm, K_IN_PLACE=k_in_place,
     )  # fmt: skip
     return q
 

@@ -126,7 +126,7 @@ ptr = "*" + dtype
 precision = "ieee" if dtype == "fp32" else "tf32"
 attn = dict(Q=ptr, KCache=ptr, VCache=ptr, Out=ptr, BlockTables="*i32", QueryStartLoc="*i32",
             SeqLens="*i32", Work="*i32", Tiles="*i32", scale="fp32", PartialOut="*fp32",
-            PartialLse="*fp32")
+            PartialLse="*fp32", Counters="*i32")
 dims = dict(GROUP=4, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_P=128, BLOCK_N=64)
 kernels = [
     (tk._store_kv_kernel, dict(K=ptr, V=ptr, KCache=ptr, VCache=ptr, SlotMapping="*i64"),
@@ -135,7 +135,8 @@ kernels = [
     (tk._decode_reduce_kernel, dict(PartialOut="*fp32", PartialLse="*fp32", Out=ptr,
                                     QueryStartLoc="*i32", Work="*i32", WorkLoc="*i32"),
      dict(HEAD_DIM=128, HEAD_DIM_P=128, MERGE_BLOCK=16)),
-    (tk._decode_kernel, attn, dict(dims, GROUP_P=16, DOT_PRECISION=precision)),
+    (tk._decode_kernel, attn, dict(dims, GROUP_P=16, DOT_PRECISION=precision, FUSED_MERGE=True)),
+    (tk._decode_kernel, attn, dict(dims, GROUP_P=16, DOT_PRECISION=precision, FUSED_MERGE=False)),
     (tk._decode_work_kernel, dict(SeqLens="*i32", DecodeIdx="*i32", Work="*i32",
                                   WorkLoc="*i32"), dict(TILE=64, ROWS_P=256, BLOCK=32)),
     (ops._rms_norm_kernel, dict(X=ptr, Residual=ptr, ResidualOut=ptr, W=ptr, Out=ptr, eps="fp32"),
@@ -147,7 +148,7 @@ for qk_norm in (True, False):
                     dict(QKV=ptr, QOut=ptr, KCache=ptr, VCache=ptr, SlotMapping="*i64",
                          Cos="*fp32", Sin="*fp32", QNormW=ptr, KNormW=ptr, eps="fp32"),
                     dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_P=32, KV_HEADS_P=8,
-                         HALF_P=64, QK_NORM=qk_norm)))
+                         HALF_P=64, QK_NORM=qk_norm, K_IN_PLACE=qk_norm)))
 for fn, types, consts in kernels:
     names = fn.arg_names
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}

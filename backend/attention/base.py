@@ -14,6 +14,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from lab.core.errors import ConfigError
+
 PREFILL_TILE_M = 64  # query rows of one prefill attention tile (the Triton kernel's BLOCK_M)
 DECODE_TILE = 64  # key positions of one decode attention tile (the Triton kernel's BLOCK_N)
 MAX_SPLITS = 16  # work items per decode row in the default item count (decode_items)
@@ -54,6 +56,11 @@ class AttentionMetadata:
             entry of ``decode_seq_idx``) owns items ``[loc[r], loc[r + 1])``.
         decode_merge: False when no decode row has more than one item (the merge kernel is
             then not launched); CUDA graphs keep it True.
+        varlen_seqs: the leading sequences whose chunks start at position 0 and attend
+            through FlashAttention's varlen kernel over their own k/v
+            (:mod:`backend.attention.flash_varlen`); 0: none (always so in CUDA graphs).
+        varlen_tokens: their tokens (the first rows of the step); varlen_max_len: their
+            longest chunk (the kernel's grid).
     """
 
     slot_mapping: torch.Tensor
@@ -73,6 +80,9 @@ class AttentionMetadata:
     decode_work: torch.Tensor | None = None
     decode_work_loc: torch.Tensor | None = None
     decode_merge: bool = True
+    varlen_seqs: int = 0
+    varlen_tokens: int = 0
+    varlen_max_len: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -289,7 +299,36 @@ class AttentionBackend(ABC):
             (num_tokens, num_heads, head_dim) in q's dtype.
         """
         self.store(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend_with_kv(q, k, v, k_cache, v_cache, meta, scale)
+
+    def attend_with_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """:meth:`attend`, also given the fed tokens' own k/v (already stored in the
+        caches), for backends that attend chunks from position 0 over them
+        (``meta.varlen_seqs``). Default: :meth:`attend`."""
         return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def set_prefill_attention(self, mode: str) -> None:
+        """Choose the kernel of prefill chunks that start at position 0: ``auto``,
+        ``triton`` (the backend's own kernels) or ``flash_varlen``
+        (:mod:`backend.attention.flash_varlen`). Backends without a choice accept ``auto``
+        and ``triton`` (both mean their own kernels)."""
+        from backend.attention.flash_varlen import PREFILL_ATTENTION
+
+        if mode not in PREFILL_ATTENTION:
+            raise ConfigError(f"prefill_attention must be one of {', '.join(PREFILL_ATTENTION)}; "
+                              f"got {mode!r}")  # fmt: skip
+        if mode == "flash_varlen":
+            raise ConfigError(f"prefill_attention 'flash_varlen' needs the 'triton' attention "
+                              f"backend; got {self.name!r}")  # fmt: skip
 
     def store(
         self,

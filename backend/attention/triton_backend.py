@@ -1,10 +1,16 @@
 """Paged attention with the Triton kernels of :mod:`backend.attention.triton_kernels`.
 
 The fast path on the H200 (flash-attn is not installed there). One step launches at most
-four kernels per layer: store k/v, prefill over the sequences fed several tokens, decode over
-the sequences fed one (and its split merge). The model's fused path stores k/v itself
-(:func:`backend.triton_ops.qkv_prepare`) and calls :meth:`TritonAttention.attend`. The only
-graph-safe backend: its CUDA-graph metadata is :class:`TritonGraphMetadata`.
+three kernels per layer: store k/v, prefill over the sequences fed several tokens, decode
+over the sequences fed one (its split-K merge inside, ``triton_kernels.FUSED_MERGE``). The
+model's fused path stores k/v itself (:func:`backend.triton_ops.qkv_prepare`) and calls
+:meth:`TritonAttention.attend`. The only graph-safe backend: its CUDA-graph metadata is
+:class:`TritonGraphMetadata`.
+
+Eager steps whose prefill chunks all start at position 0 may attend them with
+FlashAttention-2's varlen kernel instead (``prefill_attention``, default ``auto`` on CUDA:
+the rule of :mod:`backend.attention.flash_varlen`); the model then calls
+:meth:`TritonAttention.attend_with_kv` with the chunks' own k/v.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import dataclasses
 import torch
 import triton
 
-from backend.attention import triton_kernels
+from backend.attention import flash_varlen, triton_kernels
 from backend.attention.base import AttentionBackend, AttentionMetadata, step_decode_work
 from backend.attention.triton_graphs import TritonGraphMetadata
 from backend.errors import DeviceError
@@ -36,6 +42,20 @@ class TritonAttention(AttentionBackend):
                 f"attention backend 'triton' needs a CUDA device (got {device}); "
                 "use 'torch' on CPU, or set TRITON_INTERPRET=1 before importing triton to test"
             )
+        self.prefill_attention = "auto"
+        self.varlen = flash_varlen.available(device, dtype)  # auto: use it where it wins
+
+    def set_prefill_attention(self, mode: str) -> None:
+        """``auto`` (varlen where the rule says it wins, when it can run here), ``triton``,
+        or ``flash_varlen`` (every eligible step; DeviceError where it cannot run)."""
+        if mode not in flash_varlen.PREFILL_ATTENTION:
+            super().set_prefill_attention(mode)  # the one-line error
+        if mode == "flash_varlen" and not flash_varlen.available(self.device, self.dtype):
+            raise DeviceError(
+                f"prefill_attention 'flash_varlen' needs torch.nn.attention.varlen on CUDA with "
+                f"float16/bfloat16 (got {self.device}, {self.dtype}); use 'auto' or 'triton'"
+            )
+        self.prefill_attention = mode
 
     def store(
         self,
@@ -55,10 +75,47 @@ class TritonAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        return self._attend(q.contiguous(), k_cache, v_cache, meta, scale, None)
+
+    def attend_with_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """The leading ``meta.varlen_seqs`` chunks through varlen_attn over their own k/v,
+        the rest (decodes) through the paged kernels."""
         q = q.contiguous()
+        if not meta.varlen_seqs:
+            return self._attend(q, k_cache, v_cache, meta, scale, None)
+        tokens = meta.varlen_tokens
+        prefill = flash_varlen.varlen_prefill(
+            q[:tokens], k[:tokens], v[:tokens], meta.query_start_loc[: meta.varlen_seqs + 1],
+            meta.varlen_max_len, scale,
+        )  # fmt: skip
+        if tokens == q.shape[0]:
+            return prefill
+        return self._attend(q, k_cache, v_cache, meta, scale, prefill)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        prefill: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Paged attention; ``prefill``: the leading chunks' output, already computed."""
         out = torch.empty_like(q)
         common = (k_cache, v_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens)
-        if meta.num_prefills:
+        if prefill is not None:
+            out[: prefill.shape[0]].copy_(prefill)
+        elif meta.num_prefills:
             assert meta.prefill_tiles is not None, "prefill steps need meta.prefill_tiles"
             triton_kernels.prefill_attention(q, *common, meta.prefill_tiles, scale)
         if meta.num_decodes:
@@ -71,8 +128,15 @@ class TritonAttention(AttentionBackend):
         return out
 
     def prepare_metadata(self, meta: AttentionMetadata, num_kv_heads: int) -> AttentionMetadata:
-        """Adds the decode kernel's work items (:func:`step_decode_work`) when the step has
+        """Adds the varlen choice (:func:`flash_varlen.choose`, when varlen can run here)
+        and the decode kernel's work items (:func:`step_decode_work`) when the step has
         decodes."""
+        if meta.num_prefills and (self.varlen or self.prefill_attention == "flash_varlen"):
+            n = flash_varlen.choose(self.prefill_attention, meta.query_lens, meta.seq_lens_host)
+            if n:
+                lens = meta.query_lens[:n]
+                meta = dataclasses.replace(meta, varlen_seqs=n, varlen_tokens=sum(lens),
+                                           varlen_max_len=max(lens))  # fmt: skip
         if not meta.num_decodes:
             return meta
         work, loc, merge = step_decode_work(meta.query_lens, meta.seq_lens_host, num_kv_heads)

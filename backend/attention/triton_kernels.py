@@ -36,6 +36,35 @@ DECODE_NUM_WARPS = 4  # warps per decode program (benchmarks/decode_attention_sw
 DECODE_NUM_STAGES = 2  # software-pipelining stages of the decode loop
 MERGE_BLOCK = 16  # work items the merge kernel reads at a time
 WORK_BLOCK = 32  # work items one program of the device work-table kernel writes
+# Merge the split-K items inside the decode kernel (one launch a layer) rather than in a
+# second kernel; a switch for A/B runs (benchmarks/kernels_step.py), read at each launch.
+FUSED_MERGE = True
+# ... when the decode rows average fewer work items than this: the merging program reads
+# a row's items one after another, which outlasts the separate merge kernel when rows
+# have many items (small batches: 16 a row) and saves its launch when they have few
+# (batch >= 32 with 8 kv heads: 4 or fewer; H200 figures in BENCHMARKS.md).
+FUSED_MERGE_MAX_ITEMS_PER_ROW = 8
+
+_counters: dict[torch.device, torch.Tensor] = {}  # the fused merge's counts, per device
+_old_counters: list[torch.Tensor] = []  # replaced ones: captured graphs may still read them
+
+
+def merge_counters(num_seqs: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``num_seqs * num_kv_heads`` counts, shared by every
+    decode launch on ``device``: each launch leaves it zero, so launches must follow each
+    other in stream order (decode kernels on two concurrent streams would need a buffer
+    each). Grown outside a CUDA-graph capture only (the capture's eager warm-up of the same
+    shapes grows it first)."""
+    need = max(1, num_seqs * num_kv_heads)
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < need:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode merge counters must be allocated before graph capture")
+        if buf is not None:
+            _old_counters.append(buf)
+        buf = torch.zeros(max(need, 4096), dtype=torch.int32, device=device)
+        _counters[device] = buf
+    return buf
 
 
 @triton.jit
@@ -126,12 +155,12 @@ def _prefill_kernel(
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     Q, KCache, VCache, Out, PartialOut, PartialLse, BlockTables, QueryStartLoc, SeqLens, Work,
-    scale,
+    Counters, scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_cs, stride_ch,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FUSED_MERGE: tl.constexpr,
 ):  # fmt: skip
     """Grid (work items, kv heads): the GROUP query heads that share a kv head attend over
     one item's share [lo, hi) of a decode's context (split-K, "flash-decoding"), so each K/V
@@ -139,8 +168,10 @@ def _decode_kernel(
     int32 holds (sequence, lo, hi) per item; sequence -1 is padding.
 
     An item covering the whole context writes the result to Out; otherwise it writes its
-    normalised partial output and log-sum-exp at its item row, and
-    :func:`_decode_reduce_kernel` merges the items of each decode.
+    normalised partial output and log-sum-exp at its item row, and the items of each decode
+    are merged: with FUSED_MERGE by the last of its programs to finish (per kv head, an
+    atomic count in Counters (num_seqs, kv heads) int32, zero before and after the launch),
+    else by :func:`_decode_reduce_kernel`, a second launch.
     """
     item = tl.program_id(0)
     seq = tl.load(Work + 3 * item)
@@ -190,9 +221,58 @@ def _decode_kernel(
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=out_mask)
     else:
         # Partial buffers: (num_items, num_heads, HEAD_DIM_P) and (num_items, num_heads).
-        row = item.to(tl.int64) * (tl.num_programs(1) * GROUP) + heads
+        num_heads = tl.num_programs(1) * GROUP
+        row = item.to(tl.int64) * num_heads + heads
         tl.store(PartialOut + row[:, None] * HEAD_DIM_P + dims[None, :], out, mask=out_mask)
         tl.store(PartialLse + row, m_i + tl.log(l_i), mask=g_mask)
+        if FUSED_MERGE:
+            _merge_if_last(PartialOut, PartialLse, Out, Work, Counters, item, seq, lo, hi,
+                           seq_len, kv_head, token, heads, g_mask, dims, out_mask, num_heads,
+                           stride_ot, stride_oh, GROUP_P, HEAD_DIM_P)  # fmt: skip
+
+
+@triton.jit
+def _merge_if_last(
+    PartialOut, PartialLse, Out, Work, Counters, item, seq, lo, hi, seq_len, kv_head, token,
+    heads, g_mask, dims, out_mask, num_heads, stride_ot, stride_oh,
+    GROUP_P: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+):  # fmt: skip
+    """The split-K merge inside the decode kernel: the program that finishes last among the
+    items of (decode, kv head) merges their partial results by log-sum-exp into Out.
+
+    Which items: every item of a decode but its last covers the same ``chunk`` of key
+    positions (:func:`backend.attention.base.decode_work`), so ``chunk`` is ``hi - lo`` of
+    this item, or of the previous one when this is the last (``hi == seq_len``); the decode
+    has ``ceil(seq_len / chunk)`` items, the first at ``item - lo // chunk``. Ordering: the
+    partial stores of every thread come before the barrier, the barrier before the count's
+    atomic (acquire-release, device scope); the merging program reads the partials past L1
+    (``.cg``), then puts the count back to zero for the next launch."""
+    prev = tl.maximum(item - 1, 0)
+    prev_size = tl.load(Work + 3 * prev + 2) - tl.load(Work + 3 * prev + 1)
+    chunk = tl.where(hi == seq_len, prev_size, hi - lo)
+    n = (seq_len + chunk - 1) // chunk
+    first = item - lo // chunk
+    counter = Counters + seq * tl.num_programs(1) + kv_head
+    tl.debug_barrier()
+    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if done == n - 1:
+        m = tl.full([GROUP_P], float("-inf"), tl.float32)
+        denom = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
+        for j in range(0, n):
+            rows = (first + j).to(tl.int64) * num_heads + heads
+            lse = tl.load(PartialLse + rows, mask=g_mask, other=0.0, cache_modifier=".cg")
+            part = tl.load(PartialOut + rows[:, None] * HEAD_DIM_P + dims[None, :],
+                           mask=out_mask, other=0.0, cache_modifier=".cg")  # fmt: skip
+            m_new = tl.maximum(m, lse)
+            w = tl.exp(lse - m_new)
+            alpha = tl.exp(m - m_new)
+            acc = acc * alpha[:, None] + part * w[:, None]
+            denom = denom * alpha + w
+            m = m_new
+        o_ptrs = Out + token * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(o_ptrs, (acc / denom[:, None]).to(Out.dtype.element_ty), mask=out_mask)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -355,6 +435,7 @@ def decode_attention(
     work_loc: torch.Tensor,
     scale: float,
     merge: bool = True,
+    fused_merge: bool | None = None,
 ) -> None:
     """Fill ``out`` rows of the one-token sequences; shapes as in prefill.
 
@@ -362,7 +443,10 @@ def decode_attention(
         work: (num_items, 3) int32 work items (sequence, lo, hi) from
             :func:`backend.attention.base.decode_work`; sequence -1 is padding.
         work_loc: (num_decode_rows + 1,) int32; the items of each decode row.
-        merge: launch the merge kernel (False only when every row has at most one item).
+        merge: merge split rows in a second kernel (False only when every row has at most
+            one item); ignored when the merge is fused.
+        fused_merge: merge inside the decode kernel (one launch); None: ``FUSED_MERGE``
+            when the rows average fewer than ``FUSED_MERGE_MAX_ITEMS_PER_ROW`` items.
     """
     num_items = work.shape[0]
     if num_items == 0:
@@ -372,18 +456,22 @@ def decode_attention(
     head_dim_p = _head_dim_p(head_dim)
     partial = torch.empty(num_items, num_heads, head_dim_p, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_items, num_heads, dtype=torch.float32, device=q.device)
+    rows = work_loc.numel() - 1
+    few = num_items < FUSED_MERGE_MAX_ITEMS_PER_ROW * rows
+    fused = FUSED_MERGE and few if fused_merge is None else fused_merge
+    counters = merge_counters(seq_lens.numel(), num_kv_heads, q.device) if fused else work
     _decode_kernel[(num_items, num_kv_heads)](
         q, k_cache, v_cache, out, partial, lse, block_tables, query_start_loc, seq_lens, work,
-        scale,
+        counters, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=num_heads // num_kv_heads,
         GROUP_P=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_N=DECODE_BLOCK_N, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+        FUSED_MERGE=fused, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
     )  # fmt: skip
-    if merge and work_loc.numel() > 1:
+    if not fused and merge and work_loc.numel() > 1:
         _decode_reduce_kernel[(work_loc.numel() - 1, num_heads)](
             partial, lse, out, query_start_loc, work, work_loc, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, MERGE_BLOCK=MERGE_BLOCK,

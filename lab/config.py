@@ -26,7 +26,7 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     slo: {ttft_s: null, tpot_s: null, e2e_s: null}
     engine: {model_path: DIR, device: cpu, dtype: auto, attention_backend: torch,
              temperature: 0.0, cuda_graphs: null, mixed_graphs: true, kn_weights: false,
-             num_threads: null, tensor_parallel_size: 1}
+             num_threads: null, tensor_parallel_size: 1, prefill_attention: auto}
              # backend: engine only (backend/README.md)
     check_invariants: false
     cluster: {replicas: 4, router: least_kv}      # simulator only (lab/sim/cluster.py); or
@@ -276,6 +276,8 @@ class EngineConfig:
         None  # CPU device: torch threads (None: min(4, cores), or OMP_NUM_THREADS)
     )
     tensor_parallel_size: int = 1  # ranks, one process each (backend/tp.py; cuda: one GPU each)
+    # kernel of eager prefill chunks from position 0 (backend/attention/flash_varlen.py)
+    prefill_attention: str = "auto"  # auto | triton | flash_varlen
 
 
 @dataclass(frozen=True)
@@ -839,6 +841,8 @@ def _engine(where: str, raw: Any, base_dir: Path, used: bool) -> EngineConfig:
                 raise _fail(where, f"engine.{key}", "true or false", e[key])
         _int(where, "engine.num_threads", e["num_threads"], optional=True)
         _int(where, "engine.tensor_parallel_size", e["tensor_parallel_size"])
+        _choice(where, "engine.prefill_attention", e["prefill_attention"],
+                ("auto", "triton", "flash_varlen"))  # fmt: skip
         e["model_path"] = _existing(
             where,
             "engine.model_path",

@@ -46,6 +46,7 @@ def engine_parts(cfg: ExperimentConfig):
         mixed_graphs=eng.mixed_graphs,
         kn_weights=eng.kn_weights,
         num_threads=eng.num_threads,
+        prefill_attention=eng.prefill_attention,
     )
     if eng.tensor_parallel_size == 1:
         runner = _runner(eng.model_path, **kwargs)

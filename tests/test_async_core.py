@@ -403,11 +403,16 @@ def test_run_summary_counts_wasted_tokens(tmp_path):
             {"name": "chunked_prefill", "label": "sync"},
         ],
     }
-    runs = run_experiment(validate(raw, str(tmp_path / "x.yaml")), progress=False)
+    cfg = validate(raw, str(tmp_path / "x.yaml"))
+    runs = run_experiment(cfg, progress=False)
     by = {r.summary["policy"]: r.summary for r in runs}
     assert by["async"]["async_scheduling"] is True and by["sync"]["async_scheduling"] is False
     assert by["async"]["num_wasted_tokens"] == by["async"]["finished"] == 6
     assert by["sync"]["num_wasted_tokens"] == 0
+    from lab.report import _markdown
+
+    text = _markdown(cfg, runs, [])
+    assert "Wasted decode slots (async scheduling): async 6." in text
 
 
 def parse_flow(text: str):

@@ -203,3 +203,25 @@ def test_replayed_durations_need_the_same_scheduling_mode(tmp_path):
     async_run.executor("fcfs", 1.0, {**limits, "async_scheduling": True})
     with pytest.raises(ConfigError, match="recorded with asynchronous scheduling"):
         async_run.executor("fcfs", 1.0, limits)
+
+
+def test_profile_records_host_time_until_launch(tmp_path, monkeypatch):
+    """backend/profile.py writes host_s in [0, duration_s] per row (tiny model, CPU, torch
+    attention, a small grid); the calibrated model then fits host time to it."""
+    pytest.importorskip("torch")
+    from backend import profile
+    from backend.tools.random_checkpoint import write_random_checkpoint
+    from tests.test_engine_faults import TINY
+
+    write_random_checkpoint(TINY, tmp_path / "m", dtype="float32", name="tiny")
+    grid = [("decode", [], [c] * b, 0) for b in (1, 2, 4) for c in (8, 24)]
+    grid += [("prefill", [(c, n)], [], 0) for n in (4, 16) for c in (0, 8)]
+    grid += [("mixed", [(8, 8)], [16] * 2, 0), ("swap", [], [16] * 2, 2)]
+    monkeypatch.setattr(profile, "shapes", lambda: grid)
+    out = tmp_path / "p.csv"
+    args = ["--model-dir", str(tmp_path / "m"), "--out", str(out), "--attention", "torch"]
+    assert profile.main([*args, "--dtype", "float32", "--repeat", "1", "--passes", "1"]) == 0
+    df = pd.read_csv(out, comment="#")
+    assert len(df) == len(grid) and list(df.columns[-2:]) == ["duration_s", "host_s"]
+    assert ((df.host_s > 0) & (df.host_s <= df.duration_s)).all()
+    assert CalibratedCostModel(out).host_note == ""

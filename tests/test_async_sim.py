@@ -193,14 +193,14 @@ def test_replayed_durations_need_the_same_scheduling_mode(tmp_path):
     handle = ex.launch(SchedulerOutput())
     assert (handle.step_s, handle.host_s) == (0.01, 0.0)  # the recorded duration, as it is
     with pytest.raises(ConfigError) as e:
-        sync_run.executor("fcfs", 1.0, {**limits, "async_scheduling": True})
+        sync_run.executor("fcfs", 1.0, limits, async_scheduling=True)
     assert str(e.value) == (
         f"cost_model.durations_from: {tmp_path / 'steps.csv'}: run 'fcfs' was recorded with "
         "synchronous scheduling, the simulator runs asynchronous (scheduler.async_scheduling): "
         "recorded durations hold one mode's overlap"
     )
     async_run = steps_csv(tmp_path, {"fcfs": {"limits": limits, "async_scheduling": True}})
-    async_run.executor("fcfs", 1.0, {**limits, "async_scheduling": True})
+    async_run.executor("fcfs", 1.0, limits, async_scheduling=True)
     with pytest.raises(ConfigError, match="recorded with asynchronous scheduling"):
         async_run.executor("fcfs", 1.0, limits)
 

@@ -111,14 +111,16 @@ class ReplayedDurations:
         rate_scale: float,
         limits: dict[str, Any] | None = None,
         run_label: str | None = None,
+        async_scheduling: bool = False,
     ) -> ReplayedExecutor:
         """An executor for policy ``label`` at ``rate_scale`` (its rows of the steps.csv;
-        ``run_label``: the run's key in summary.json, default ``label``).
+        ``run_label``: the run's key in summary.json, default ``label``) in the simulator's
+        scheduling mode ``async_scheduling``.
 
         Raises:
             ConfigError: no rows for that run, its recorded limits (summary.json) differ
-                from ``limits``, or its scheduling mode (``async_scheduling``, in its summary
-                and in ``limits``; false when missing) differs from the simulator's.
+                from ``limits``, or its scheduling mode (summary key ``async_scheduling``,
+                false when missing) differs from ``async_scheduling``.
         """
         sel = (self.steps["policy"].astype(str) == label) & np.isclose(
             self.steps["rate_scale"].to_numpy(float), rate_scale, rtol=1e-8, atol=0.0
@@ -131,22 +133,19 @@ class ReplayedDurations:
             )
         run = self.summary.get(run_label or label) or {}
         recorded = run.get("limits")
-        mode = "async_scheduling"
-        if limits is not None and recorded is not None:
-            want = {k: v for k, v in limits.items() if k != mode}
-            if {k: v for k, v in recorded.items() if k != mode} != want:
-                raise ConfigError(
-                    f"{KEY}: {self.path}: run {label!r} was recorded with limits {recorded}, "
-                    f"the simulator has {limits}"
-                )
-        sim_async = bool((limits or {}).get(mode, False))
-        run_async = bool(run.get(mode, (recorded or {}).get(mode, False)))
-        if sim_async != run_async:
+        if limits is not None and recorded is not None and recorded != limits:
+            raise ConfigError(
+                f"{KEY}: {self.path}: run {label!r} was recorded with limits {recorded}, "
+                f"the simulator has {limits}"
+            )
+        recorded_async = bool(run.get("async_scheduling", False))
+        if recorded_async != async_scheduling:
             words = {True: "asynchronous", False: "synchronous"}
             raise ConfigError(
-                f"{KEY}: {self.path}: run {label!r} was recorded with {words[run_async]} "
-                f"scheduling, the simulator runs {words[sim_async]} (scheduler.{mode}): "
-                "recorded durations hold one mode's overlap"
+                f"{KEY}: {self.path}: run {label!r} was recorded with "
+                f"{words[recorded_async]} scheduling, the simulator runs "
+                f"{words[async_scheduling]} (scheduler.async_scheduling): recorded durations "
+                "hold one mode's overlap"
             )
         return ReplayedExecutor(
             rows["duration_s"].to_numpy(float), rows[list(PLAN_COLUMNS)].to_numpy(float)

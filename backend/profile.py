@@ -3,12 +3,19 @@
     python -m backend.profile --model-dir checkpoints/qwen3-0.6b --out profiles/h200_qwen3-0.6b.csv
 
 Each row is one step shape, timed as the engine executor times a step (input preparation,
-forward, sampling, device sync; swaps for the swap rows): the median of ``--passes`` passes
+forward, sampling, device sync; swaps for the swap rows): ``duration_s``, and ``host_s``, the
+seconds from the step's start until it is launched (swaps, input preparation and the launch
+of its kernels or CUDA graph and of sampling; no device sync): the host part of the step,
+which asynchronous scheduling overlaps with the device's previous step
+(lab/sim/calibrated.py). On CUDA that is the host time until the launch calls return; on a
+CPU, whose operations run as they are called, it is nearly the whole step. Both are the
+median of ``--passes`` passes
 over the whole grid, ``--repeat`` runs per row each after a warm-up run. Passes, not
 back-to-back repeats, because the host slows down now and then for a second or more, over
 several consecutive rows: a slow spell must fall in one pass, not on every run of a row.
 Columns are the
-:class:`lab.core.plan.StepFeatures` fields plus ``duration_s``; the header lines (``#``) record
+:class:`lab.core.plan.StepFeatures` fields plus ``duration_s`` and ``host_s`` (left out for a
+tensor-parallel runner, whose steps run in other processes); the header lines (``#``) record
 the date, device, engine commit, model shape and the engine fingerprint
 (:mod:`lab.core.fingerprint`: a hash of backend/**/*.py, torch/triton versions, GPU, dtype,
 attention backend, engine options) as one JSON line.
@@ -35,6 +42,7 @@ import numpy as np
 import torch
 
 from backend.runner import ModelRunner, SeqInput
+from backend.sampler import sample
 from lab.core.errors import UserError
 from lab.core.fingerprint import HEADER_PREFIX, backend_sources_hash
 from lab.core.plan import StepFeatures
@@ -103,18 +111,38 @@ def step_inputs(chunks, decodes, block_size) -> list[SeqInput]:
     return seqs
 
 
-def time_step(runner: ModelRunner, seqs, swap_blocks: int, repeat: int) -> list[float]:
-    """Seconds of ``repeat`` runs of one step shape, after one warm-up run."""
+@torch.inference_mode()
+def execute_launched(runner: ModelRunner, seqs: list[SeqInput]) -> float:
+    """``runner.execute(seqs)`` in its parts; returns ``time.perf_counter()`` when the step
+    was launched (forward and sampling enqueued, before the sync that reads the tokens), or
+    NaN for a runner whose steps run elsewhere (tensor parallel: ``execute`` alone)."""
+    if not isinstance(runner, ModelRunner):
+        runner.execute(seqs)
+        return float("nan")
+    sampled_seqs, temperatures, logits = runner._forward(seqs, runner.kv_cache)
+    tokens = sample(logits, temperatures, runner.generator) if sampled_seqs else None
+    launched = time.perf_counter()
+    if tokens is not None:
+        tokens.tolist()  # syncs, as execute does
+    runner.synchronize()
+    return launched
+
+
+def time_step(
+    runner: ModelRunner, seqs, swap_blocks: int, repeat: int
+) -> list[tuple[float, float]]:
+    """(duration_s, host_s) of ``repeat`` runs of one step shape, after one warm-up run
+    (module doc; host_s NaN where it cannot be measured)."""
     mapping_out = [(i, i) for i in range(swap_blocks)]
     mapping_in = [(i, i) for i in range(swap_blocks)]
 
-    def once() -> float:
+    def once() -> tuple[float, float]:
         t0 = time.perf_counter()
         if swap_blocks:
             runner.swap_out(mapping_out)
             runner.swap_in(mapping_in)
-        runner.execute(seqs)
-        return time.perf_counter() - t0
+        launched = execute_launched(runner, seqs)
+        return time.perf_counter() - t0, launched - t0
 
     once()
     return [once() for _ in range(repeat)]
@@ -187,19 +215,23 @@ def _profile(args: argparse.Namespace) -> None:
         if sum(len(s.block_table) for s in g[4]) <= runner.num_gpu_blocks
         and max(s.start_pos + len(s.token_ids) for s in g[4]) <= runner.max_model_len
     ]
-    samples: list[list[float]] = [[] for _ in grid]
+    samples: list[list[tuple[float, float]]] = [[] for _ in grid]
     for p in range(args.passes):
-        for times, (_, _, _, swap, seqs) in zip(samples, grid, strict=True):
-            times += time_step(runner, seqs, swap, args.repeat)
+        for runs, (_, _, _, swap, seqs) in zip(samples, grid, strict=True):
+            runs += time_step(runner, seqs, swap, args.repeat)
         print(f"pass {p + 1}/{args.passes} done", flush=True)
     rows = []
-    for times, (kind, chunks, decodes, swap, _) in zip(samples, grid, strict=True):
-        t = float(np.median(times))
-        rows.append({"kind": kind, **asdict(features(chunks, decodes, swap)), "duration_s": t})
+    for runs, (kind, chunks, decodes, swap, _) in zip(samples, grid, strict=True):
+        times, hosts = [d for d, _ in runs], [h for _, h in runs]
+        t, host = float(np.median(times)), float(np.median(hosts))
+        row = {"kind": kind, **asdict(features(chunks, decodes, swap)), "duration_s": t}
+        if not np.isnan(host):
+            row["host_s"] = min(host, t)  # medians of separate samples: at most the step
+        rows.append(row)
         print(
             f"{kind:8s} prefill {rows[-1]['num_prefill_tokens']:5d} decodes "
             f"{len(decodes):3d} ctx {sum(decodes):7d} swap {2 * swap:3d}: {t * 1e3:8.3f} ms "
-            f"(spread {min(times) * 1e3:.3f}-{max(times) * 1e3:.3f})",
+            f"(spread {min(times) * 1e3:.3f}-{max(times) * 1e3:.3f}; host {host * 1e3:.3f})",
             flush=True,
         )
     write(Path(args.out), rows, runner, args)
@@ -271,6 +303,7 @@ def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
         )
         f.write(HEADER_PREFIX + json.dumps(fingerprint, sort_keys=True) + "\n")
         names = ["kind", *(fl.name for fl in fields(StepFeatures)), "duration_s"]
+        names += ["host_s"] if rows and "host_s" in rows[0] else []
         w = csv.DictWriter(f, fieldnames=names)
         w.writeheader()
         w.writerows(rows)

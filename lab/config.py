@@ -12,6 +12,7 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     model: llama-3.1-8b          # lab/sim/models.py preset (sim)
     hardware: h200-sxm           # lab/sim/hardware.py preset (sim)
     cost_model: {flops_efficiency: 0.7, bandwidth_efficiency: 0.85, step_overhead_s: 0.002,
+                 host_overhead_s: 0, host_per_seq_s: 0,  # the host part (async scheduling)
                  profile: null, replay_steps: [], tensor_parallel_size: 1}  # profile: engine
                  # profile CSV, and replay_steps: steps.csv of engine runs to fit with it
                  # (lab/sim/calibrated.py); tensor_parallel_size: GPUs per simulated replica;
@@ -71,6 +72,7 @@ MAX_STEP_OVERHEAD_S = 60.0  # a fixed cost per step; a minute is already far bey
 # Below this a roofline efficiency means step times a million times the hardware's: no
 # real engine, and 5e-324 gives infinite ones.
 MIN_EFFICIENCY = 1e-6
+MAX_HOST_PER_SEQ_S = 1.0  # host seconds per sequence of a step; real engines take microseconds
 # Outside this, arrival times lose float precision (an hour-long trace at 1e-12 spans
 # 3.6e15 s, where doubles are 0.5 s apart) or the trace collapses into one instant.
 RATE_SCALE_RANGE = (1e-6, 1e6)
@@ -222,6 +224,10 @@ class CostModelConfig:
     # (lab/sim/replayed.py); replaces the analytic and the calibrated model
     durations_from: Path | None = None
     tensor_parallel_size: int = 1  # GPUs per simulated replica (lab/sim/cost_model.py)
+    # the host's part of an analytic step (planning, input prep, launch; lab/sim/cost_model.py):
+    # seconds per step (at most step_overhead_s) and per sequence
+    host_overhead_s: float = 0.0
+    host_per_seq_s: float = 0.0
 
     @property
     def analytic(self) -> dict[str, float]:
@@ -231,6 +237,8 @@ class CostModelConfig:
             "flops_efficiency": self.flops_efficiency,
             "bandwidth_efficiency": self.bandwidth_efficiency,
             "step_overhead_s": self.step_overhead_s,
+            "host_overhead_s": self.host_overhead_s,
+            "host_per_seq_s": self.host_per_seq_s,
         }
 
 
@@ -656,6 +664,24 @@ def _cost_model(where: str, raw: Any, base_dir: Path, used: bool) -> CostModelCo
                 "drop cost_model.profile"
             )
     _int(where, "cost_model.tensor_parallel_size", cm["tensor_parallel_size"])
+    _num(where, "cost_model.host_overhead_s", cm["host_overhead_s"], 0.0, MAX_STEP_OVERHEAD_S)
+    if cm["host_overhead_s"] > cm["step_overhead_s"]:
+        raise ConfigError(
+            f"{where}: cost_model.host_overhead_s: expected at most cost_model.step_overhead_s "
+            f"({cm['step_overhead_s']:g} s; the host's part of the fixed step cost), got "
+            f"{cm['host_overhead_s']:g}"
+        )
+    _num(where, "cost_model.host_per_seq_s", cm["host_per_seq_s"], 0.0, MAX_HOST_PER_SEQ_S)
+    if (cm["host_overhead_s"] or cm["host_per_seq_s"]) and (profile or replayed) is not None:
+        key = "host_overhead_s" if cm["host_overhead_s"] else "host_per_seq_s"
+        raise ConfigError(
+            f"{where}: cost_model.{key} sets the analytic model's host time; "
+            + (
+                "the calibrated model fits it to the profile's host_s column: drop it"
+                if profile is not None
+                else "durations_from replays measured step times: drop it"
+            )
+        )
 
     def resolve(key: str, value: str) -> Path:
         if used:
@@ -670,6 +696,8 @@ def _cost_model(where: str, raw: Any, base_dir: Path, used: bool) -> CostModelCo
         tuple(resolve(f"cost_model.replay_steps[{i}]", p) for i, p in enumerate(steps)),
         durations_from=None if replayed is None else resolve("cost_model.durations_from", replayed),
         tensor_parallel_size=cm["tensor_parallel_size"],
+        host_overhead_s=cm["host_overhead_s"],
+        host_per_seq_s=cm["host_per_seq_s"],
     )
 
 

@@ -191,6 +191,10 @@ ANALYTIC_NOTE = (
     "measurements of an engine; on the quickstart (Llama-3.1-8B, H200) its TTFT p50 is "
     "2.0-3.9x the calibrated model's (README); set cost_model.profile for measured step times"
 )
+NO_HOST_NOTE = (
+    "cost_model.host_overhead_s and host_per_seq_s are 0: host time is 0, so asynchronous "
+    "scheduling is predicted to save nothing"
+)
 
 
 def _shown(path: Path) -> str:
@@ -207,7 +211,8 @@ def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
     calibrated, replayed), ``profile`` (its file), ``fingerprint`` (of the engine it
     describes), ``stale`` and ``why`` (a calibrated profile whose fingerprint is missing
     or names other backend sources than this checkout's; see
-    :func:`lab.sim.calibrated.staleness`)."""
+    :func:`lab.sim.calibrated.staleness`), and ``host_note``: why the model has no host
+    time (asynchronous scheduling then saves nothing), empty when it has one."""
     cm = cfg.cost_model
     if cm.durations_from is not None:
         return {
@@ -216,6 +221,7 @@ def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
             "fingerprint": cost_model.fingerprint(),
             "stale": False,
             "why": "",
+            "host_note": "",  # recorded durations hold the engine's own overlap
         }
     if cm.profile is not None:
         from lab.sim.calibrated import staleness
@@ -227,9 +233,11 @@ def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
             "fingerprint": cost_model.fingerprint,
             "stale": stale,
             "why": why,
+            "host_note": cost_model.host_note,
         }
+    no_host = cm.host_overhead_s == 0 and cm.host_per_seq_s == 0
     return {"kind": "analytic", "profile": None, "fingerprint": None, "stale": False,
-            "why": ANALYTIC_NOTE}  # fmt: skip
+            "why": ANALYTIC_NOTE, "host_note": NO_HOST_NOTE if no_host else ""}  # fmt: skip
 
 
 def engine_info(cfg: ExperimentConfig, executor: Any) -> dict[str, Any]:

@@ -559,6 +559,28 @@ def _cost_model_lines(cm: dict | None) -> list[str]:
     return [*lines, ""]
 
 
+def _scheduling_lines(runs: list[Run]) -> list[str]:
+    """report.md's line on the scheduling mode of the runs (summary key
+    ``async_scheduling``, false when missing), and a warning when async runs were priced
+    by a cost model without host time (summary key ``cost_model.host_note``)."""
+    on = [r.label for r in runs if r.summary.get("async_scheduling")]
+    off = [r.label for r in runs if not r.summary.get("async_scheduling")]
+    what = (
+        "asynchronous (vLLM V1's async scheduler: step N+1 is planned while step N runs; a "
+        "request's last step is followed by one wasted slot, its blocks freed a step late)"
+    )
+    if not on:
+        lines = ["Scheduling: synchronous (each step is planned after the previous one ended)."]
+    elif not off:
+        lines = [f"Scheduling: {what}."]
+    else:
+        lines = [f"Scheduling: {what} for {', '.join(on)}; synchronous for {', '.join(off)}."]
+    note = (runs[0].summary.get("cost_model") or {}).get("host_note")
+    if on and note:
+        lines += ["", f"**No host time**: {note}."]
+    return [*lines, ""]
+
+
 def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str]]) -> str:
     from lab.terminal import slo_text
 
@@ -576,6 +598,7 @@ def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str
         f"{' per replica' if cfg.cluster is not None else ''}.",
         "",
         *_cost_model_lines(runs[0].summary.get("cost_model")),
+        *_scheduling_lines(runs),
         summary_table(runs),
         "",
     ]

@@ -17,6 +17,20 @@ Step time is linear in features with a physical meaning (lab.core.plan.StepFeatu
       + c8 * prefill (query, key) pairs     attention work of prompt chunks
       + c9 * swapped blocks                 host-link copies
 
+Host time (asynchronous scheduling): a profile with a ``host_s`` column (backend/profile.py:
+seconds from a step's start until it is launched, without the device sync) gets a second
+fit of the same kind, for the host part of each step:
+
+    host = h0 * [decode-only step] + h1 * [step with prompt tokens]
+         + h2 * sequences + h3 * tokens      per-sequence and per-token input buffers
+         + h4 * context tokens                block tables (prefill cached + decode context)
+         + h5 * swapped blocks                swap mappings
+
+fitted on error relative to the step's duration (a host error matters as a share of the
+step), clipped to [0, step time]; device time = step time - host time. A profile without
+``host_s`` (every profile made before it was recorded) predicts host time 0: asynchronous
+scheduling then saves nothing, and the run's report says so.
+
 The two intercepts are the engine's two kinds of step: decode-only steps replay a CUDA
 graph per batch size, logits included; steps with prompt tokens replay one per token count
 (eagerly above 8,192 tokens, backend/cuda_graphs.py), which also runs the prefill kernel,
@@ -49,6 +63,13 @@ FEATURES = ("decode_only_step", "prefill_step", "num_seqs", "num_tokens",
 PROFILE_COLUMNS = ("num_prefill_tokens", "num_prefills", "prefill_context_tokens",
                    "prefill_attention_pairs", "num_decodes", "decode_context_tokens",
                    "num_swap_blocks", "duration_s")  # fmt: skip
+HOST_FEATURES = ("decode_only_step", "prefill_step", "num_seqs", "num_tokens",
+                 "context_tokens", "num_swap_blocks")  # fmt: skip
+HOST_COLUMN = "host_s"  # optional profile column: host seconds until the step is launched
+NO_HOST_NOTE = (
+    "the profile has no host_s column (made before host times were recorded): host time "
+    "is 0, so asynchronous scheduling is predicted to save nothing"
+)
 # Columns of a steps.csv that replay_steps reads (steps_as_profile renames and sums them).
 STEPS_COLUMNS = ("num_prefill_tokens", "num_prefills", "prefill_context_tokens",
                  "prefill_attention_pairs", "num_decode_tokens", "decode_context_tokens",
@@ -78,6 +99,31 @@ def design(df: pd.DataFrame) -> np.ndarray:
         for c in ("prefill_context_tokens", "prefill_attention_pairs", "num_swap_blocks")
     ]
     return np.stack(cols, axis=1)
+
+
+def host_design(df: pd.DataFrame) -> np.ndarray:
+    """Feature matrix (rows, len(HOST_FEATURES)) of the host-time fit (module doc)."""
+    prefills = df["num_prefills"].to_numpy(float)
+    decodes = df["num_decodes"].to_numpy(float)
+    cols = [
+        (prefills == 0).astype(float),
+        (prefills > 0).astype(float),
+        prefills + decodes,
+        df["num_prefill_tokens"].to_numpy(float) + decodes,
+        df["prefill_context_tokens"].to_numpy(float) + df["decode_context_tokens"].to_numpy(float),
+        df["num_swap_blocks"].to_numpy(float),
+    ]
+    return np.stack(cols, axis=1)
+
+
+def fit_host(df: pd.DataFrame) -> np.ndarray:
+    """Coefficients of :data:`HOST_FEATURES` minimizing the host-time error relative to each
+    row's step duration (rows with a ``host_s``)."""
+    x, y = host_design(df), df[HOST_COLUMN].to_numpy(float)
+    d = df["duration_s"].to_numpy(float)
+    scale = x.max(axis=0)
+    scale[scale == 0] = 1.0
+    return nnls(x / scale / d[:, None], y / d) / scale
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -117,7 +163,8 @@ def cross_validated_errors(df: pd.DataFrame, folds: int = 5, seed: int = 0) -> n
 
 
 def read_profile(path: str | Path) -> pd.DataFrame:
-    """A profile CSV (``#`` header lines allowed), its ``PROFILE_COLUMNS`` as float64.
+    """A profile CSV (``#`` header lines allowed), its ``PROFILE_COLUMNS`` (and ``host_s``,
+    when it has one) as float64.
 
     Raises:
         ConfigError: one line naming the file (and row and column): missing file or
@@ -137,7 +184,8 @@ def read_profile(path: str | Path) -> pd.DataFrame:
             f"{where}: expected at least {len(FEATURES)} rows (one per "
             f"fitted coefficient), got {len(df)}"
         )
-    return check_cells(df, PROFILE_COLUMNS, where, lambda: _read_text(path, comment="#"))
+    columns = PROFILE_COLUMNS + ((HOST_COLUMN,) if HOST_COLUMN in df.columns else ())
+    return check_cells(df, columns, where, lambda: _read_text(path, comment="#"))
 
 
 def read_fingerprint(path: str | Path) -> dict | None:
@@ -202,8 +250,9 @@ def check_cells(
     df: pd.DataFrame, columns: tuple[str, ...], where: str, text: Callable[[], pd.DataFrame]
 ) -> pd.DataFrame:
     """``df`` with ``columns`` converted to float64, every cell checked: a finite number;
-    counts (every column but ``prefill_attention_pairs`` and ``duration_s``) whole and
-    >= 0; pairs >= 0; ``duration_s`` >= ``MIN_STEP_S``.
+    counts (every column but ``prefill_attention_pairs``, ``duration_s`` and ``host_s``)
+    whole and >= 0; pairs >= 0; ``duration_s`` >= ``MIN_STEP_S``; ``host_s`` in [0,
+    duration_s] (checked after ``duration_s``).
 
     Args:
         text: reads the same file with every cell as its text, to quote a bad cell.
@@ -226,6 +275,9 @@ def check_cells(
             checks.append((x < MIN_STEP_S, f"expected a step duration >= {MIN_STEP_S:g} s"))
         elif c == "prefill_attention_pairs":
             checks.append((x < 0, "expected a number >= 0"))
+        elif c == HOST_COLUMN:
+            checks.append((x < 0, "expected host seconds >= 0"))
+            checks.append((x > df["duration_s"].to_numpy(float), "expected at most duration_s"))
         else:
             checks.append(((x < 0) | (x != np.floor(x)), "expected a whole count >= 0"))
         for bad, expected in checks:
@@ -322,6 +374,10 @@ class CalibratedCostModel:
             if not rows.any():
                 raise ConfigError(f"{where}: no {kind}: the fit cannot predict their time")
         self.coef = fit(data)
+        timed = data[data[HOST_COLUMN].notna()] if HOST_COLUMN in data else data.iloc[:0]
+        # host time fitted to the rows that have one (replay_steps rows have none)
+        self.host_coef = fit_host(timed) if len(timed) else None
+        self.host_note = "" if self.host_coef is not None else NO_HOST_NOTE
         (
             self._decode_step,
             self._prefill_step,
@@ -363,6 +419,27 @@ class CalibratedCostModel:
         if tokens > TOKEN_KNOT:
             t += self._hinge * (tokens - TOKEN_KNOT)
         return t
+
+    def host_time(self, f: StepFeatures, block_size: int = 0, step_s: float | None = None) -> float:
+        """Predicted host seconds before the step is launched (module doc), in [0, step
+        time] (``step_s``: the step's time if known); 0 for a profile without ``host_s``."""
+        if self.host_coef is None:
+            return 0.0
+        h0, h1, seq, tok, ctx, swap = self.host_coef
+        host = (
+            (h1 if f.num_prefills else h0)
+            + seq * (f.num_prefills + f.num_decodes)
+            + tok * (f.num_prefill_tokens + f.num_decodes)
+            + ctx * (f.prefill_context_tokens + f.decode_context_tokens)
+            + swap * f.num_swap_blocks
+        )
+        step_s = self.step_time(f, block_size) if step_s is None else step_s
+        return min(max(host, 0.0), step_s)
+
+    def device_time(self, f: StepFeatures, block_size: int = 0) -> float:
+        """Predicted device seconds: step time - host time."""
+        step_s = self.step_time(f, block_size)
+        return step_s - self.host_time(f, block_size, step_s)
 
 
 def profile_shape(path: str | Path) -> tuple[str | None, str | None]:
@@ -477,6 +554,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab.sim.calibrate
         "why": why,
         "rows": len(df),
         "coefficients": dict(zip(FEATURES, coef.tolist())),
+        # the host part of each step (profile column host_s; null: the profile has none)
+        "host_coefficients": (
+            dict(zip(HOST_FEATURES, fit_host(df).tolist())) if HOST_COLUMN in df else None
+        ),
         "held_out_relative_error": {
             "median": float(np.median(err)),
             "p90": float(np.percentile(err, 90)),

@@ -20,11 +20,25 @@ Step time = max(FLOPs / achieved FLOP/s, bytes / achieved bytes/s) + step overhe
 * Achieved = preset peak * efficiency. The defaults (0.7 of peak FLOP/s, 0.85 of HBM
   bandwidth, 2 ms per step) are assumptions, not measurements;
   :class:`lab.sim.calibrated.CalibratedCostModel` is fitted to the real engine's profile.
+
+Host and device time (asynchronous scheduling, vLLM V1's AsyncScheduler). A step's time
+``step_time`` is what a synchronous engine pays: the host plans the step and prepares its
+inputs, launches it, and waits for the device. Its host part, ``host_time`` (planning, input
+preparation, launch: the work that comes before the device can start), is
+
+    host = min(host_overhead_s + host_per_seq_s * sequences, step time)
+
+(both 0 by default: then async timing equals sync timing), and ``device_time`` = step time -
+host time. Under async scheduling the host prepares step N+1 while the device runs step N,
+so step N lasts max(device time of N, host time of N+1) (lab/sim/replay.py). The host part
+is a share of ``step_overhead_s`` and of the per-sequence work, not added to it: step_time
+does not depend on it.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from lab.core.errors import ConfigError
 from lab.core.plan import SchedulerOutput, StepFeatures, StepResult
@@ -45,6 +59,10 @@ class AnalyticCostModel:
         step_overhead_s: fixed seconds per step (scheduling, input prep, kernel launches).
         tensor_parallel_size: GPUs one replica spans (module doc); > 1 needs the hardware
             preset's ``tp_link`` (ConfigError otherwise).
+        host_overhead_s: seconds per step of host work before launch (planning, input
+            preparation, launch), a part of ``step_overhead_s`` (module doc).
+        host_per_seq_s: seconds of host work per sequence of the step (per-sequence input
+            preparation: block tables, positions, sampling parameters).
     """
 
     def __init__(
@@ -55,9 +73,12 @@ class AnalyticCostModel:
         bandwidth_efficiency: float = 0.85,
         step_overhead_s: float = 0.002,
         tensor_parallel_size: int = 1,
+        host_overhead_s: float = 0.0,
+        host_per_seq_s: float = 0.0,
     ) -> None:
         self.model, self.hardware = model, hardware
         self.step_overhead_s = step_overhead_s
+        self.host_overhead_s, self.host_per_seq_s = host_overhead_s, host_per_seq_s
         self._s_per_flop = 1.0 / (hardware.peak_flops * flops_efficiency)
         self._s_per_byte = 1.0 / (hardware.mem_bandwidth * bandwidth_efficiency)
         self._s_per_swap_byte = 1.0 / hardware.host_link_bandwidth
@@ -116,17 +137,66 @@ class AnalyticCostModel:
             t += f.num_swap_blocks * block_size * self._kv_bytes_per_token * self._s_per_swap_byte
         return t
 
+    def host_time(self, f: StepFeatures, block_size: int = 0, step_s: float | None = None) -> float:
+        """Seconds of host work before the step is launched (module doc), at most the step's
+        time (``step_s``: that time if known, else computed with ``block_size``)."""
+        host = self.host_overhead_s + self.host_per_seq_s * f.num_seqs
+        if host == 0.0:
+            return 0.0
+        return min(host, self.step_time(f, block_size) if step_s is None else step_s)
+
+    def device_time(self, f: StepFeatures, block_size: int) -> float:
+        """Seconds the device runs the step: step time - host time (module doc)."""
+        step_s = self.step_time(f, block_size)
+        return step_s - self.host_time(f, block_size, step_s)
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step handed to the simulated device (the handle of ``CostModelExecutor.launch``).
+
+    Attributes:
+        step_s: the step's synchronous time (``step_time``), what ``wait`` reports.
+        host_s: its host part (``host_time``), 0 <= host_s <= step_s.
+    """
+
+    step_s: float
+    host_s: float
+
+    @property
+    def device_s(self) -> float:
+        """The device part: step_s - host_s."""
+        return self.step_s - self.host_s
+
 
 class CostModelExecutor:
-    """The simulator's executor: a step takes the cost model's predicted time."""
+    """The simulator's executor: a step takes the cost model's predicted time.
+
+    ``execute(plan)`` equals ``wait(launch(plan))``; under asynchronous scheduling the replay
+    loop reads the launched step's ``host_s`` and ``device_s`` to set the clock (a step
+    lasts max(its device time, the next step's host time)). A cost model without
+    ``host_time`` has no host part (host 0: async timing equals sync timing).
+    """
 
     wall_clock = False
 
     def __init__(self, cost_model: AnalyticCostModel, block_size: int) -> None:
         self.cost_model, self.block_size = cost_model, block_size
+        self._host_time = getattr(cost_model, "host_time", None)
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
         return StepResult(self.cost_model.step_time(plan.features(), self.block_size))
+
+    def launch(self, plan: SchedulerOutput) -> LaunchedStep:
+        """The step's time and its host part (nothing runs: the clock is the replay loop's)."""
+        f = plan.features()
+        step_s = self.cost_model.step_time(f, self.block_size)
+        host_s = 0.0 if self._host_time is None else self._host_time(f, self.block_size, step_s)
+        return LaunchedStep(step_s, host_s)
+
+    def wait(self, handle: LaunchedStep) -> StepResult:
+        """The launched step's result: its synchronous time, as ``execute`` reports it."""
+        return StepResult(handle.step_s)
 
 
 def activation_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int) -> int:

@@ -9,6 +9,14 @@ and swaps. Each simulated step takes the duration of the engine's step with the 
 row; :meth:`ReplayedExecutor.plan_match` counts the steps whose plan differs. No other
 input is needed: the KV capacity of the engine run (its summary.json, when it is beside the
 steps.csv) replaces the simulator's.
+
+Asynchronous scheduling: a recorded duration is the engine's step from its start to the next
+step's start, which under async scheduling already holds the overlap of the host's next
+step with the device's current one; there is no host/device split to apply again. So an
+async replay takes the recorded durations as they are (host time 0: duration = recorded),
+and needs an engine run that was asynchronous too: the scheduling mode of the run
+(``async_scheduling`` in its summary.json, false when missing) must equal the simulator's,
+or the replay is refused in one line.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import pandas as pd
 
 from lab.core.errors import ConfigError
 from lab.core.plan import SchedulerOutput, StepResult
+from lab.sim.cost_model import LaunchedStep
 
 # steps.csv column -> what the plan must hold for it (see :func:`plan_row`)
 PLAN_COLUMNS = ("num_prefill_tokens", "num_decode_tokens", "num_seqs", "num_prefills",
@@ -102,13 +111,16 @@ class ReplayedDurations:
         rate_scale: float,
         limits: dict[str, Any] | None = None,
         run_label: str | None = None,
+        async_scheduling: bool = False,
     ) -> ReplayedExecutor:
         """An executor for policy ``label`` at ``rate_scale`` (its rows of the steps.csv;
-        ``run_label``: the run's key in summary.json, default ``label``).
+        ``run_label``: the run's key in summary.json, default ``label``) in the simulator's
+        scheduling mode ``async_scheduling``.
 
         Raises:
-            ConfigError: no rows for that run, or its recorded limits (summary.json)
-                differ from ``limits``.
+            ConfigError: no rows for that run, its recorded limits (summary.json) differ
+                from ``limits``, or its scheduling mode (summary key ``async_scheduling``,
+                false when missing) differs from ``async_scheduling``.
         """
         sel = (self.steps["policy"].astype(str) == label) & np.isclose(
             self.steps["rate_scale"].to_numpy(float), rate_scale, rtol=1e-8, atol=0.0
@@ -119,11 +131,21 @@ class ReplayedDurations:
                 f"{KEY}: {self.path} has no steps of policy {label!r} at rate_scale "
                 f"{rate_scale:g} (it has {', '.join(sorted(set(map(str, self.steps.policy))))})"
             )
-        recorded = (self.summary.get(run_label or label) or {}).get("limits")
+        run = self.summary.get(run_label or label) or {}
+        recorded = run.get("limits")
         if limits is not None and recorded is not None and recorded != limits:
             raise ConfigError(
                 f"{KEY}: {self.path}: run {label!r} was recorded with limits {recorded}, "
                 f"the simulator has {limits}"
+            )
+        recorded_async = bool(run.get("async_scheduling", False))
+        if recorded_async != async_scheduling:
+            words = {True: "asynchronous", False: "synchronous"}
+            raise ConfigError(
+                f"{KEY}: {self.path}: run {label!r} was recorded with "
+                f"{words[recorded_async]} scheduling, the simulator runs "
+                f"{words[async_scheduling]} (scheduler.async_scheduling): recorded durations "
+                "hold one mode's overlap"
             )
         return ReplayedExecutor(
             rows["duration_s"].to_numpy(float), rows[list(PLAN_COLUMNS)].to_numpy(float)
@@ -171,6 +193,15 @@ class ReplayedExecutor:
                 )
         self.step += 1
         return StepResult(float(self.durations_s[i]))
+
+    def launch(self, plan: SchedulerOutput) -> LaunchedStep:
+        """The next recorded step, host time 0 (module doc: a recorded duration already
+        holds the engine's overlap); raises as :meth:`execute`."""
+        return LaunchedStep(self.execute(plan).duration_s, 0.0)
+
+    def wait(self, handle: LaunchedStep) -> StepResult:
+        """The launched step's recorded duration."""
+        return StepResult(handle.step_s)
 
     def plan_match(self) -> dict[str, Any]:
         """Steps recorded and simulated, steps whose plan matched the engine's, and the

@@ -185,7 +185,7 @@ def tokens(run) -> dict[str, list[int]]:
 POLICIES = ["fcfs", "swap", {"name": "chunked_prefill", "max_num_batched_tokens": 8}]
 
 
-@pytest.mark.parametrize("attention, graphs", [("torch", False)])
+@pytest.mark.parametrize("attention, graphs", [("torch", False), ("triton", True)])
 def test_hidden_tokens_equal_sync_tokens_with_preemption(model_dir, monkeypatch, attention,
                                                          graphs):  # fmt: skip
     ref = run_experiment(engine_config(model_dir, 200, ["fcfs"]), False, requests())[0]

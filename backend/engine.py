@@ -174,17 +174,21 @@ class EngineExecutor:
                 ids = [*ids, 0]
             seqs.append(SeqInput(ids, s.start_pos, s.block_table, s.sample, temp))
             row += n
-        for r, pos in zip(plan.decodes, plan.decode_positions()):
-            out, k = r.output_token_ids, pos - r.prompt_len
-            if k < len(out):
-                token = out[k]
-            else:
-                _check_in_flight(r, pos, k - len(out) + 1, row_of)
-                src.append(row_of[r])
-                rows.append(row)
-                token = 0
-            seqs.append(SeqInput([token], pos, r.block_table, True, temp))
-            row += 1
+        decodes, positions = plan.decodes, plan.decode_positions()
+        # ahead[i] = position - tokens known: < 0 known (the token is output_token_ids[ahead]),
+        # 0 sampled by the step in flight. Comprehensions: a decode batch of hundreds.
+        ahead = [p - r.prompt_len - len(r.output_token_ids) for r, p in zip(decodes, positions)]
+        seqs += [
+            SeqInput([r.output_token_ids[a] if a < 0 else 0], p, r.block_table, True, temp)
+            for r, p, a in zip(decodes, positions, ahead)
+        ]
+        flight = [i for i, a in enumerate(ahead) if a >= 0]
+        for i in flight:
+            r = decodes[i]
+            if ahead[i] != 0 or r not in row_of:
+                _check_in_flight(r, positions[i], ahead[i] + 1, row_of)
+        rows += [row + i for i in flight]
+        src += [row_of[decodes[i]] for i in flight]
         return seqs, rows, src
 
 

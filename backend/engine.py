@@ -29,6 +29,8 @@ clock; the planning of step N+1 falls inside N's duration.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -122,9 +124,10 @@ class EngineExecutor:
         seqs, rows, src = self.async_inputs(plan)
         device_launch = getattr(self.runner, "launch", None)
         if device_launch is None:  # a runner that runs each step to the end: host feed
+            ends = list(itertools.accumulate(len(s.token_ids) for s in seqs))
             for row, s in zip(rows, src):
-                seq, at = _row_seq(seqs, row)
-                seq.token_ids[at] = self._source[s]
+                i = bisect.bisect_right(ends, row)  # the sequence holding flat row ``row``
+                seqs[i].token_ids[row - ends[i]] = self._source[s]  # index from its end
             tokens = self.runner.execute(seqs)
             pending = None
             self._source = [t for t in tokens if t is not None]
@@ -199,15 +202,6 @@ def _check_in_flight(r: Request, pos: int, missing: int, row_of: dict[Request, i
             f"({len(r.output_token_ids)} output tokens) and was not sampled by the step "
             "launched before (one token per request can be in flight)"
         )
-
-
-def _row_seq(seqs: list[SeqInput], row: int) -> tuple[SeqInput, int]:
-    """The SeqInput holding flat token row ``row`` and the row's index in its token_ids."""
-    for s in seqs:
-        if row < len(s.token_ids):
-            return s, row
-        row -= len(s.token_ids)
-    raise IndexError(row)
 
 
 def assign_prompt_tokens(requests: list[Request], vocab_size: int, seed: int) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import simpy
 
-from lab.core.errors import SchedulerStuckError
+from lab.core.errors import ConfigError, SchedulerStuckError
 from lab.core.events import EventLog
 from lab.core.plan import Executor, SchedulerOutput
 from lab.core.request import Request, RequestStatus
@@ -264,10 +264,16 @@ def _async_engine_process(
 ) -> Iterator[simpy.Event]:
     """``engine_process`` under asynchronous scheduling (module doc): at most one step is in
     flight while the next is planned. A plan that feeds no token is not launched: the loop
-    waits for the step in flight and plans again (with none in flight: stuck, as sync)."""
+    waits for the step in flight and plans again (with none in flight, or if the plan
+    preempted: stuck, as sync)."""
     columns = [rec[c] for c in STEP_COLUMNS]
     launch, wait = getattr(executor, "launch", None), getattr(executor, "wait", None)
     wall_clock = getattr(executor, "wall_clock", False)
+    if wall_clock and launch is None:  # it would read placeholder token ids at execute
+        raise ConfigError(
+            f"scheduler.async_scheduling: {type(executor).__name__} has no launch/wait "
+            "(device-fed tokens); run it with async_scheduling: false"
+        )
     flight: _Launched | None = None
     t_last = 0.0  # wall clock: when the last wait returned, or the pipeline started
     step = 0
@@ -277,7 +283,7 @@ def _async_engine_process(
             if flight is None and wall_clock:
                 t_last = time.perf_counter()
             plan = scheduler.schedule()
-            if not plan.feeds_tokens and not plan.aborted and flight is None:
+            if not plan.feeds_tokens and not plan.aborted and (flight is None or plan.preempted):
                 raise SchedulerStuckError(_stuck_message(scheduler, env.now))
             if check_invariants:
                 scheduler.check_plan(plan)

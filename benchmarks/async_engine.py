@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 from common import ROOT, checkpoint
 
-PARTS = {"decode": 150, "throughput": 210, "hf": 120}  # seconds each part may take
+PARTS = {"decode": 140, "throughput": 200, "hf": 110}  # seconds each part may take
 TINY = {  # a tiny Qwen3 (tests/triton_setup.py's, with room for longer contexts)
     "architectures": ["Qwen3ForCausalLM"],
     "hidden_size": 64,

@@ -19,7 +19,8 @@ is reported as such and the others still run); results in ``DIR/async_engine.jso
   replay loop, chunked_prefill with ``scheduler.async_scheduling`` off and on, in the order
   sync, async, async, sync (one model, one process); output tok/s of each run. Then, per
   batch, that many requests of ``--context`` prompt tokens and 128 output tokens through
-  the replay loop (fcfs) sync and async: the median step that decodes all of them.
+  the replay loop (chunked_prefill) sync and async: the median step that decodes all of
+  them.
 * ``hf``: transformers' continuous batching (``generate_batch``, paged SDPA) on the same
   prompts, 128 new tokens each, as engine_throughput.py runs it; the ratio uses the mean of
   each mode's runs.
@@ -41,7 +42,7 @@ import numpy as np
 from common import ROOT, checkpoint
 
 PARTS = {"decode": 140, "throughput": 200, "hf": 110}  # seconds each part may take
-TINY = {  # a tiny Qwen3 (tests/triton_setup.py's, with room for longer contexts)
+TINY = {  # a tiny Qwen3 (tests/triton_setup.py's, with a long context)
     "architectures": ["Qwen3ForCausalLM"],
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -50,7 +51,7 @@ TINY = {  # a tiny Qwen3 (tests/triton_setup.py's, with room for longer contexts
     "num_key_value_heads": 2,
     "head_dim": 32,
     "vocab_size": 256,
-    "max_position_embeddings": 1024,
+    "max_position_embeddings": 16384,  # above the 8192-token budget, as Qwen3-0.6B's 40960
     "tie_word_embeddings": True,
 }
 
@@ -293,8 +294,8 @@ def part_throughput(args) -> dict:
         if rates:
             out[f"{mode}_tok_s"] = float(np.mean(rates))
     # Decode steps through the whole stack (scheduler, replay loop, executor): ``batch``
-    # requests of --context prompt tokens and 128 output tokens, all at t = 0; the median
-    # duration of the steps that decode all of them.
+    # requests of --context prompt tokens and 128 output tokens, all at t = 0
+    # (chunked_prefill); the median duration of the steps that decode all of them.
     rng = np.random.default_rng(1)
     out["replay_decode"] = {}
     for b in args.batches:
@@ -302,10 +303,10 @@ def part_throughput(args) -> dict:
             Request(f"d{i}", 0.0, args.context, 128, rng.integers(0, 200, args.context).tolist())
             for i in range(b)
         ]
-        pols = [{"name": "fcfs", "label": f"{m}-b{b}", "async_scheduling": m == "async"}
+        pols = [{"name": "chunked_prefill", "label": f"{m}-b{b}", "async_scheduling": m == "async"}
                 for m in modes[:2]]  # fmt: skip
         if note is not None:
-            pols = [{"name": "fcfs", "label": f"sync-b{b}"}]
+            pols = [{"name": "chunked_prefill", "label": f"sync-b{b}"}]
         row = {}
         for run in run_experiment(cfg(pols), progress=False, requests=reqs):
             steps = run.result.steps

@@ -61,7 +61,7 @@ def model_dir(args) -> Path:
         return checkpoint(args.preset)
     from backend.tools.random_checkpoint import write_random_checkpoint
 
-    out = Path(args.out) / "tiny_ckpt"
+    out = Path(args.out).resolve() / "tiny_ckpt"
     if not (out / "config.json").exists():
         write_random_checkpoint(TINY, out, dtype="float32", std=0.2)
     return out
@@ -451,13 +451,13 @@ def main() -> None:
         return
     parts = [p for p in PARTS if not (p == "hf" and args.skip_hf)]
     res: dict = {"command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    passthrough = [a for a in sys.argv[1:]]
+    passthrough = sys.argv[1:]
     for part in parts:
         path = out / f"part_{part}.json"
         path.unlink(missing_ok=True)
         t0 = time.perf_counter()
         cmd = ["timeout", str(PARTS[part]), sys.executable, __file__, *passthrough, "--part", part]
-        proc = subprocess.run(cmd, cwd=Path(__file__).parent)
+        proc = subprocess.run(cmd)  # same cwd: a relative --out names the same folder
         took = time.perf_counter() - t0
         if proc.returncode == 0 and path.exists():
             res[part] = json.loads(path.read_text())

@@ -44,7 +44,15 @@ from collections.abc import Sequence
 import torch
 
 from backend.attention.base import GraphKey
-from backend.inputs import BlockTables, HostStep, SeqInput, StepLimits, stage_step
+from backend.inputs import (
+    BlockTables,
+    DeviceFeed,
+    HostStep,
+    SeqInput,
+    StepLimits,
+    apply_feed,
+    stage_step,
+)
 from backend.kv_cache import KVCache
 from backend.model import Transformer
 
@@ -168,11 +176,16 @@ class StepGraphs:
             return None
         return pick_size(sum(len(s.token_ids) for s in seqs), self.token_sizes)
 
-    def run(self, seqs: list[SeqInput]) -> tuple[list[int], list[float], torch.Tensor] | None:
+    def run(
+        self, seqs: list[SeqInput], feed: DeviceFeed | None = None
+    ) -> tuple[list[int], list[float], torch.Tensor] | None:
         """Run a step in a graph: (sampled seq indices, their temperatures, their logits
         (num_sampled, vocab) float32); None when no graph fits (run it eagerly).
 
-        The logits may be a view of a graph's static output: use them before the next step.
+        ``feed``: token rows whose ids come from the device (an earlier step's sampled ids);
+        written into the static input ids after the staged copy and before the replay, on
+        the stream. The logits may be a view of a graph's static output: use them before
+        the next step.
         """
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         temps = [seqs[i].temperature for i in sampled]
@@ -180,6 +193,7 @@ class StepGraphs:
         if size is not None:
             self._ensure_captured(("decode", size, size))
             self.stage(seqs, size)
+            apply_feed(self.input_ids, feed, self.pin)
             logits = self._replay(("decode", size, size))
             if len(sampled) == len(seqs):
                 return sampled, temps, logits[: len(seqs)]
@@ -192,6 +206,7 @@ class StepGraphs:
         rows = next(r for r in self.attn.decode_rows(tokens) if r >= decodes)
         self._ensure_captured(("mixed", tokens, rows))
         last_rows = self.stage_mixed(seqs, tokens, rows)
+        apply_feed(self.input_ids, feed, self.pin)
         hidden = self._replay(("mixed", tokens, rows))
         return sampled, temps, self.model.compute_logits(hidden[last_rows])
 

@@ -51,6 +51,51 @@ class SeqInput:
 
 
 @dataclass(frozen=True, slots=True)
+class DeviceFeed:
+    """Token rows of a step whose ids are on the device only: tokens sampled by the step
+    launched before it, not yet returned to the host (asynchronous scheduling).
+
+    The host stages token 0 in those rows (a valid id); before the forward reads them,
+    :func:`apply_feed` overwrites them, on the device and in stream order, with the earlier
+    step's sampled ids.
+
+    Args:
+        rows: (k,) int64; flat token rows of this step (the staged order: every sequence's
+            fed tokens in turn), ascending.
+        source: (m,) int64 device tensor; the earlier step's sampled ids, one per sampled
+            sequence of that step.
+        source_rows: (k,) int64; the entry of ``source`` each row takes.
+    """
+
+    rows: np.ndarray
+    source: torch.Tensor
+    source_rows: np.ndarray
+
+
+def apply_feed(input_ids: torch.Tensor, feed: DeviceFeed | None, pin: bool = False) -> None:
+    """Write ``feed``'s device tokens into ``input_ids`` (a step's token rows on the device),
+    in stream order, with no host sync: one slice copy when both row sets are runs (the
+    common steady decode batch), else one small index copy (``pin``: stage the indices in
+    pinned memory for a non-blocking copy)."""
+    if feed is None or len(feed.rows) == 0:
+        return
+    rows, src, k = feed.rows, feed.source_rows, len(feed.rows)
+    r0, s0 = int(rows[0]), int(src[0])
+    if (
+        int(rows[-1]) - r0 == k - 1
+        and int(src[-1]) - s0 == k - 1
+        and (k < 3 or (np.all(np.diff(rows) == 1) and np.all(np.diff(src) == 1)))
+    ):
+        input_ids[r0 : r0 + k].copy_(feed.source[s0 : s0 + k])
+        return
+    index = torch.empty(2 * k, dtype=torch.long, pin_memory=pin)
+    flat = index.numpy()
+    flat[:k], flat[k:] = rows, src
+    index = index.to(input_ids.device, non_blocking=True)
+    input_ids[index[:k]] = feed.source[index[k:]]
+
+
+@dataclass(frozen=True, slots=True)
 class StepLimits:
     """What a step is validated against: tokens per block, device blocks, the longest
     sequence (tokens) and the vocabulary size."""

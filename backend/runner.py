@@ -35,6 +35,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,20 +45,42 @@ from backend.config import ModelConfig
 from backend.cuda_graphs import DEFAULT_GRAPH_SIZES, DEFAULT_TOKEN_SIZES, StepGraphs, graph_sizes
 from backend.dtypes import check_dtype_supported, resolve_device, resolve_dtype
 from backend.errors import UnsupportedModelError
-from backend.inputs import SeqInput, prepare_inputs
+from backend.inputs import DeviceFeed, SeqInput, apply_feed, prepare_inputs
 from backend.kv_cache import GiB, KVCache, blocks_in, bytes_per_block
 from backend.loader import load_model
 from backend.sampler import sample
 from backend.tp import TPShard, agree_min, check_tp_size, load_tp_model, shard_config
 from lab.core.errors import ConfigError
 
-__all__ = ["ModelRunner", "SeqInput"]
+__all__ = ["DeviceFeed", "ModelRunner", "PendingStep", "SeqInput"]
 
 DEFAULT_SWAP_SPACE_BYTES = 4 * GiB  # vLLM's default swap space
 CPU_KV_CACHE_BYTES = 1 * GiB  # KV budget on the CPU when num_gpu_blocks is not given
 CPU_THREADS = 4  # most torch threads on a CPU device by default
 
 log = logging.getLogger("backend.runner")
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """A step launched on the device and not yet waited for (:meth:`ModelRunner.launch`).
+
+    Attributes:
+        num_seqs: sequences of the step.
+        sampled_seqs: indices (into the step's SeqInput list) of the sampled sequences.
+        sampled: (len(sampled_seqs),) int64 on the device: their sampled ids, valid as soon
+            as the stream reaches them (a later step may read them: :class:`DeviceFeed`);
+            None when nothing is sampled.
+        host: where the ids land on the host (pinned, copied without blocking on CUDA; on
+            the CPU the ids themselves).
+        done: CUDA event recorded after that copy (None on the CPU).
+    """
+
+    num_seqs: int
+    sampled_seqs: list[int]
+    sampled: torch.Tensor | None
+    host: torch.Tensor | None
+    done: torch.cuda.Event | None
 
 
 class ModelRunner:
@@ -159,6 +182,7 @@ class ModelRunner:
                                        self.device, self.dtype, self.max_model_len, kn_weights)  # fmt: skip
         self.generator = torch.Generator(self.device).manual_seed(seed)  # the warm-up samples
         self.graphs: StepGraphs | None = None  # set once the KV cache exists
+        self._free_ids: list[torch.Tensor] = []  # pinned sampled-id buffers (launch / wait)
         block_bytes = bytes_per_block(self.config, block_size, self.dtype)
         if num_gpu_blocks is None:
             budget, what = self._kv_budget_bytes(gpu_memory_utilization, max_num_batched_tokens)
@@ -250,6 +274,54 @@ class ModelRunner:
         return tokens
 
     @torch.inference_mode()
+    def launch(self, seqs: list[SeqInput], feed: DeviceFeed | None = None) -> PendingStep:
+        """Enqueue one step on the device and return without waiting for it.
+
+        Stages the inputs on the host, writes ``feed``'s rows from an earlier step's sampled
+        ids on the device, runs the forward and the sampling, and starts a non-blocking copy
+        of the sampled ids into pinned memory followed by an event. Every enqueued piece is
+        on the current stream, so steps (and swaps issued between them) run in launch
+        order. On the CPU the step runs to the end here. :meth:`wait` returns the tokens.
+        """
+        if not seqs:
+            return PendingStep(0, [], None, None, None)
+        sampled_seqs, temperatures, logits = self._forward(seqs, self.kv_cache, feed)
+        if not sampled_seqs:
+            return PendingStep(len(seqs), [], None, None, None)
+        sampled = sample(logits, temperatures, self.generator)
+        if self.device.type != "cuda":
+            return PendingStep(len(seqs), sampled_seqs, sampled, sampled, None)
+        host = self._pinned_ids(len(sampled_seqs))
+        host.copy_(sampled, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return PendingStep(len(seqs), sampled_seqs, sampled, host, done)
+
+    def wait(self, step: PendingStep) -> list[int | None]:
+        """The sampled token of each sequence of a launched step (None where not sampled);
+        blocks on that step's event only (earlier steps finished before it)."""
+        tokens: list[int | None] = [None] * step.num_seqs
+        if step.host is None:
+            return tokens
+        if step.done is not None:
+            step.done.synchronize()
+        sampled = step.host[: len(step.sampled_seqs)].tolist()
+        if step.done is not None:
+            self._free_ids.append(step.host)
+            step.host = None  # handed back: a second wait would read a reused buffer
+        for i, token in zip(step.sampled_seqs, sampled, strict=True):
+            tokens[i] = token
+        return tokens
+
+    def _pinned_ids(self, n: int) -> torch.Tensor:
+        """A pinned (>= n,) int64 buffer for a step's sampled ids, reused after its wait."""
+        while self._free_ids:
+            buf = self._free_ids.pop()
+            if buf.numel() >= n:
+                return buf
+        return torch.empty(max(n, 256), dtype=torch.long, pin_memory=True)
+
+    @torch.inference_mode()
     def execute_logits(self, seqs: list[SeqInput]) -> list[torch.Tensor | None]:
         """Like :meth:`execute` but returns the logits (vocab_size,) float32 of each sampled
         sequence instead of a token (None where not sampled). For tests and debugging."""
@@ -274,17 +346,18 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def _forward(
-        self, seqs: list[SeqInput], kv_cache: KVCache
+        self, seqs: list[SeqInput], kv_cache: KVCache, feed: DeviceFeed | None = None
     ) -> tuple[list[int], list[float], torch.Tensor]:
         """Prepare inputs, run the model: (indices of the sampled seqs, their temperatures,
         their logits (num_sampled, vocab_size) float32). Steps replay a CUDA graph when one
-        fits them."""
+        fits them. ``feed``: token rows taken from the device (see :class:`DeviceFeed`)."""
         if self.graphs is not None and kv_cache is self.kv_cache:
-            out = self.graphs.run(seqs)
+            out = self.graphs.run(seqs, feed)
             if out is not None:
                 return out
         inputs = prepare_inputs(seqs, self.block_size, kv_cache.num_gpu_blocks,
                                 self.max_model_len, self.config.vocab_size, self.device)  # fmt: skip
+        apply_feed(inputs.input_ids, feed, self.device.type == "cuda")
         attn = self.attn_backend.prepare_metadata(inputs.attn, self.config.num_kv_heads)
         hidden = self.model(inputs.input_ids, inputs.positions, kv_cache.layers, attn)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])

@@ -291,8 +291,8 @@ class ModelRunner:
         sampled = sample(logits, temperatures, self.generator)
         if self.device.type != "cuda":
             return PendingStep(len(seqs), sampled_seqs, sampled, sampled, None)
-        host = self._pinned_ids(len(sampled_seqs))
-        host.copy_(sampled, non_blocking=True)
+        host = self._pinned_ids(len(sampled_seqs))  # may be longer: a pooled buffer
+        host[: len(sampled_seqs)].copy_(sampled, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         return PendingStep(len(seqs), sampled_seqs, sampled, host, done)

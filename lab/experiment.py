@@ -389,11 +389,17 @@ def iter_runs(
         policies.append(
             (pol, cls, resolve_limits(cfg, pol, gpu * bs, max_position, cls.chunked_prefill))
         )
+
+    def async_of(pol) -> bool:  # a policy entry's own async_scheduling wins
+        return bool(pol.options.get("async_scheduling", cfg.scheduler.async_scheduling))
+
     if cfg.backend == "sim" and cfg.cost_model.durations_from is not None:
         for scale in cfg.rate_scales:  # every run has recorded steps, before any replays
             for pol, _, limits in policies:
                 label = cfg.run_label(pol, scale)
-                cost_model.executor(pol.label, scale, dataclasses.asdict(limits), label)
+                cost_model.executor(
+                    pol.label, scale, dataclasses.asdict(limits), label, async_of(pol)
+                )
     for scale in cfg.rate_scales:
         trace = requests if requests is not None else tables.pop(scale).to_requests()
         for r in trace:  # EDF's deadline for a single trace: the top-level TTFT SLO
@@ -425,7 +431,7 @@ def iter_runs(
                         info_cm = engine_info(cfg, executor)
                 elif cfg.cost_model.durations_from is not None:
                     limits_d = dataclasses.asdict(limits)
-                    executor = cost_model.executor(pol.label, scale, limits_d, label)
+                    executor = cost_model.executor(pol.label, scale, limits_d, label, async_of(pol))
                 else:
                     executor = CostModelExecutor(cost_model, bs)
                 return scheduler, executor

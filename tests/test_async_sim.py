@@ -225,3 +225,120 @@ def test_profile_records_host_time_until_launch(tmp_path, monkeypatch):
     assert len(df) == len(grid) and list(df.columns[-2:]) == ["duration_s", "host_s"]
     assert ((df.host_s > 0) & (df.host_s <= df.duration_s)).all()
     assert CalibratedCostModel(out).host_note == ""
+
+
+class ToyCost:
+    """Step time 8 ms + 1 ms per sequence, of which the host's part is 3 ms per sequence."""
+
+    def step_time(self, f: StepFeatures, block_size: int) -> float:
+        return 0.008 + 0.001 * f.num_seqs
+
+    def host_time(self, f: StepFeatures, block_size: int = 0, step_s: float | None = None):
+        return 0.003 * f.num_seqs
+
+
+def toy_replay(async_scheduling: bool):
+    from lab.core.kv import make_block_manager
+    from lab.core.request import Request
+    from lab.core.scheduler import SchedulerLimits
+    from lab.sim.replay import replay
+    from policies import get_policy
+
+    bm = make_block_manager(8, 0, 4, 0.0, False)
+    limits = SchedulerLimits(256, 1_000_000, 1_000_000)
+    scheduler = get_policy("fcfs")(limits, bm, async_scheduling=async_scheduling)
+    reqs = [Request("a", 0.0, 4, 2), Request("b", 0.0, 4, 4)]
+    result = replay(reqs, scheduler, CostModelExecutor(ToyCost(), 4), check_invariants=True)
+    assert result.failure is None, result.failure
+    return result, {r.request_id: r for r in result.requests}
+
+
+def test_async_step_lasts_max_of_device_and_next_host():
+    # Step 0 prefills a and b (2 seqs: device 10 - 6 = 4 ms); 1 decodes both (a's last
+    # token); 2 is planned before a's finish is known: a's wasted slot + b; 3 and 4 decode b
+    # alone (1 seq: device 9 - 3 = 6 ms), 4 being b's wasted slot. Step N lasts
+    # max(device N, host N+1): max(4, 6), max(4, 6), max(4, 3), max(6, 3), max(6, nothing).
+    result, req = toy_replay(async_scheduling=True)
+    assert result.steps["duration_s"].tolist() == pytest.approx([6e-3, 6e-3, 4e-3, 6e-3, 6e-3])
+    assert result.steps["time_s"].tolist() == pytest.approx([0, 6e-3, 12e-3, 16e-3, 22e-3])
+    assert result.steps["num_seqs"].tolist() == [2, 2, 2, 1, 1]
+    assert result.steps["num_wasted_tokens"].tolist() == [0, 0, 1, 0, 1]
+    assert req["a"].finish_s == pytest.approx(12e-3)  # step 1's end; the wasted slot not
+    assert req["b"].finish_s == pytest.approx(22e-3)
+    assert result.token_times(req["b"]).tolist() == pytest.approx([6e-3, 12e-3, 16e-3, 22e-3])
+
+
+def test_sync_steps_take_the_whole_step_time():
+    result, req = toy_replay(async_scheduling=False)
+    assert result.steps["duration_s"].tolist() == pytest.approx([10e-3, 10e-3, 9e-3, 9e-3])
+    assert result.steps["num_wasted_tokens"].tolist() == [0, 0, 0, 0]
+    assert (req["a"].finish_s, req["b"].finish_s) == pytest.approx((20e-3, 38e-3))
+
+
+EXPERIMENT = """
+trace: {{format: synthetic, num_requests: 6, arrival: {{process: poisson, rate: 50}},
+        prompt_len: {{uniform: [16, 64]}}, output_len: {{uniform: [2, 8]}}}}
+model: qwen3-0.6b
+hardware: h200-sxm
+cost_model: {cost_model}
+kv_cache: {{block_size: 16, num_gpu_blocks: 64}}
+policies: {policies}
+"""
+
+
+@pytest.mark.parametrize(
+    ("cost_model", "policies", "lines"),
+    [
+        (
+            "{profile: profiles/h200_qwen3-0.6b.csv}",
+            "[fcfs, {name: fcfs, label: fa, async_scheduling: true}]",
+            [
+                "Scheduling: asynchronous (vLLM V1's async scheduler: step N+1 is planned "
+                "while step N runs; a request's last step is followed by one wasted slot, its "
+                "blocks freed a step late) for fa; synchronous for fcfs.",
+                f"**No host time**: {NO_HOST_NOTE}.",
+            ],
+        ),
+        (
+            "{profile: profiles/h200_qwen3-0.6b.csv}",
+            "[fcfs]",
+            ["Scheduling: synchronous (each step is planned after the previous one ended)."],
+        ),
+        (
+            "{host_overhead_s: 0.0004}",
+            "[{name: fcfs, async_scheduling: true}]",
+            [
+                "Scheduling: asynchronous (vLLM V1's async scheduler: step N+1 is planned "
+                "while step N runs; a request's last step is followed by one wasted slot, its "
+                "blocks freed a step late)."
+            ],
+        ),
+    ],
+)
+def test_report_says_which_mode_ran_and_warns_without_host_time(
+    tmp_path, cost_model, policies, lines
+):
+    import run_experiment
+    from lab.paths import DATA_ROOT
+
+    path = tmp_path / "exp.yaml"
+    text = EXPERIMENT.format(cost_model=cost_model, policies=policies)
+    path.write_text(text.replace("profiles/", f"{DATA_ROOT}/profiles/"))
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress"]) == 0
+    report = (out / "report.md").read_text().splitlines()
+    found = [ln for ln in report if ln.startswith(("Scheduling:", "**No host time**"))]
+    assert found == lines
+
+
+def test_async_replay_of_a_sync_engine_run_is_refused_before_any_replay():
+    from lab.experiment import run_experiment
+    from lab.paths import DATA_ROOT
+    from lab.yamlio import load_yaml_file
+
+    path = DATA_ROOT / "experiments" / "replayed_durations.yaml"
+    raw = load_yaml_file(path)
+    raw["policies"] = [{"name": "fcfs", "async_scheduling": True}]
+    cfg = validate(raw, str(path), path.parent)
+    with pytest.raises(ConfigError, match=r"run 'fcfs' was recorded with synchronous scheduling"):
+        run_experiment(cfg, progress=False)

@@ -367,15 +367,18 @@ class RandomAcceptance:
         return res
 
 
-@pytest.mark.parametrize("policy", policy_names())
+POLICY_CASES = [(p, {}) for p in policy_names()] + [("srpt", {"preempt_longer": True})]
+
+
+@pytest.mark.parametrize("policy, options", POLICY_CASES)
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(data=st.data())
-def test_random_acceptance_keeps_invariants(policy, data):
+def test_random_acceptance_keeps_invariants(policy, options, data):
     sc = data.draw(scenarios_for(policy), label="scenario")
     k = data.draw(st.integers(1, 4), label="k")
     cls = get_policy(policy)
     bm = BlockManager(sc.gpu_blocks, sc.cpu_blocks, sc.block_size, sc.watermark)
-    s = cls(sc.limits, bm, speculative=spec(k))
+    s = cls(sc.limits, bm, speculative=spec(k), **options)
     ex = RandomAcceptance(s, k, data.draw(st.integers(0, 2**16), label="seed"))
     reqs = [Request(str(i), a, p, o) for i, (a, p, o) in enumerate(sc.requests)]
     res = replay(reqs, s, ex, check_invariants=True)

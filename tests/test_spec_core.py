@@ -407,3 +407,37 @@ def test_random_acceptance_keeps_invariants(policy, options, data):
     if steps["num_preempted"].sum():
         event("preemptions")
     target(float(steps["num_preempted"].sum()), label="preemptions")  # towards KV pressure
+
+
+def test_speculative_with_async_scheduling_is_refused_in_one_line():
+    trace = dict(load_config("experiments/quickstart.yaml").trace.spec)
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError) as e:
+        validate({"trace": trace, "speculative": ngram, "scheduler": {"async_scheduling": True}})
+    assert "policies[0] (fcfs): speculative with async_scheduling: true is not supported" in str(
+        e.value
+    )
+    with pytest.raises(ConfigError, match=r"policies\[1\] \(b\): speculative with async"):
+        validate(
+            {
+                "trace": trace,
+                "speculative": ngram,
+                "policies": ["fcfs", {"name": "fcfs", "label": "b", "async_scheduling": True}],
+            }
+        )
+    # Off for the async policy: accepted.
+    validate(
+        {
+            "trace": trace,
+            "speculative": ngram,
+            "policies": [
+                "fcfs",
+                {"name": "fcfs", "label": "b", "async_scheduling": True, "speculative": None},
+            ],
+        }
+    )
+    bm = BlockManager(8, 0, BS, 0.0)
+    with pytest.raises(ConfigError, match="speculative with async_scheduling: true"):
+        get_policy("fcfs")(
+            SchedulerLimits(8, 64, 1000), bm, speculative=spec(2), async_scheduling=True
+        )

@@ -441,3 +441,29 @@ def test_speculative_with_async_scheduling_is_refused_in_one_line():
         get_policy("fcfs")(
             SchedulerLimits(8, 64, 1000), bm, speculative=spec(2), async_scheduling=True
         )
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "chunked_prefill", "swap"])
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_random_acceptance_with_prefix_caching(policy, data):
+    """As above with the prefix cache on and every request sharing one chain of hash ids
+    over its prompt and output (so generated blocks are keyed too): block and key
+    invariants hold (``check_plan``) and every finished request gets exactly output_len."""
+    sc = data.draw(scenarios_for(policy), label="scenario")
+    k = data.draw(st.integers(1, 4), label="k")
+    bm = PrefixCachingBlockManager(sc.gpu_blocks, sc.cpu_blocks, sc.block_size, sc.watermark)
+    s = get_policy(policy)(sc.limits, bm, speculative=spec(k))
+    ex = RandomAcceptance(s, k, data.draw(st.integers(0, 2**16), label="seed"))
+    reqs = []
+    for i, (a, p, o) in enumerate(sc.requests):
+        n = -(-(p + o) // sc.block_size)
+        r = Request(str(i), a, p, o, hash_ids=list(range(n)), hash_block_size=sc.block_size)
+        reqs.append(r)
+    res = replay(reqs, s, ex, check_invariants=True)
+    assert res.failure is None, res.failure
+    for r in res.requests:
+        assert r.status is expected_status(sc, r.prompt_len, r.output_len), (r, r.reason)
+        if r.status is RequestStatus.FINISHED:
+            assert len(res.token_times(r)) == r.output_len
+    assert bm.num_free_gpu_blocks == sc.gpu_blocks

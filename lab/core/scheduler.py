@@ -331,13 +331,15 @@ class Scheduler:
         finishing = self._finishing
         if plan.decodes:
             plan.num_wasted_tokens = len(finishing)  # all of them decode in this step
-            for r in self.decode_set.advance(keep_done=now_s is None):
-                plan.finished.append(r)
+            plan.finished = done = self.decode_set.advance(keep_done=now_s is None)
+            for r in done:
                 if now_s is None:
                     finishing[r] = None
                 else:
                     self._finish(r, now_s)
         caching = self.block_manager.enable_prefix_caching
+        if plan.prefills:  # lists of their own (the plan's defaults are shared empty tuples)
+            plan.sampled_prefills, plan.finished = [], list(plan.finished)
         for r, num_new in plan.prefills.items():
             if r.num_computed_tokens and not (  # a later chunk (admit_waiting records the first)
                 r in self._admitted and self._admit_step == step_index

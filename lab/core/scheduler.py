@@ -425,7 +425,7 @@ class Scheduler:
                     ds.add(r)  # no heap entry when ``after`` samples its last token:
                     if r.num_output_tokens >= r.output_len:  # it finishes with ``after``
                         self._finishing[r] = None
-                        after.finished.append(r)
+                        after.finished = [*after.finished, r]  # may be a shared empty tuple
                 keep = blocks_for(ds.num_tokens(r) + later.get(r, 0), bs)
                 bm.free_tail(r, len(r.block_table) - keep)
             elif r.status is RequestStatus.WAITING:  # a recompute victim: redone later

@@ -103,3 +103,7 @@ class VTC(FCFS):
         super().update(plan, result, now_s)
         for r in (*plan.sampled_prefills, *plan.decodes):  # every request sampled in the step
             self.counters[r.tenant] += self.cost(r, 1, self.output_weight)
+        for r in plan.spec_decodes:  # speculative decoding: accepted drafts are output too
+            self.counters[r.tenant] += self.cost(
+                r, result.num_accepted.get(r, 0), self.output_weight
+            )

@@ -50,6 +50,45 @@ in ``update``. So, with N in flight while N+1 is planned:
 With a step time that has no host part the clock is the same as a sync run's, but the plans
 differ: requests that arrive while N runs are seen by N+2's plan (N+1 was planned before
 they arrived), and blocks and sequence slots of requests that finish in N free for N+2.
+
+Speculative decoding (``speculative=``, lab/core/spec.py; vLLM V1's accounting). After a
+step, the executor's proposals for each sampled request become ``Request.spec_token_ids``.
+* Budget: :meth:`reserve_decode_blocks` gives every decode its one token first, then drafts
+  to decodes in ``running`` order (admission order, as vLLM schedules its running requests)
+  while the step's token budget lasts: a decode holding L tokens verifies d' = min(its
+  proposals, k, budget left, output_len - output tokens - 1) drafts, so a request never
+  drafts past its end. It runs before any prefill chunk of chunked policies, so drafts
+  take budget before prompt chunks (prefill-first policies decode in steps without
+  prefills). vLLM would instead cut a running request's own token when the budget is
+  gone; here every decode always feeds its token (max_num_seqs <= the budget).
+* KV slots: blocks for L + d' + 1 tokens (the d' drafts and the sampled slot) are held
+  before the step; when free blocks are short, :meth:`pick_victim` is preempted as for a
+  decode that needs a block (a request running alone has its drafts cut to what fits
+  instead, and is aborted only if even its one token does not fit).
+* After the step (:meth:`update`), with a of the d' drafts accepted, the request gains
+  a + 1 tokens (L + a + 1), ``num_computed_tokens`` = L + a (the rejected drafts' KV is
+  rolled back) and blocks beyond ceil((L + a + 1) / block_size) are freed. The decode set
+  still advances every member by one; members that gained extra tokens leave and re-join
+  it (O(spec decodes) per step; with speculation off nothing changes and a step stays
+  O(1)). ``Request.spec_steps`` records (step, d', a); the extra tokens' times are the
+  step's end.
+* Preemption: recompute drops the proposals (the re-prefill feeds known tokens only, then
+  the executor proposes anew); swap keeps them (they still continue the swapped request's
+  tokens), used in the first step after it is back in the decode batch. Prefix cache: only
+  blocks full of accepted tokens are ever keyed (``num_computed_tokens`` counts no rejected
+  draft).
+* With asynchronous scheduling, step N+1 is planned before N's acceptance is known. A
+  request that samples in N gets k placeholder proposals for N+1 (made on the device in N,
+  as vLLM's async scheduler assumes); its counts are the known ones plus N's placeholder
+  (N's accepted drafts join when N's results arrive); its lookahead blocks cover N's drafts
+  too (any may be accepted: L + d'_N + d'_{N+1} + 1 slots) and the drafts of N+1 stop two
+  tokens short of the end counting all of N's drafts as accepted, so no step with drafts
+  samples a request's last token and finishes keep async's rule (one wasted slot each).
+  When N's results arrive the unneeded lookahead blocks are freed and a request whose last
+  token N+1 samples (found only now) joins N+1's ``finished``. A request preempted while its
+  drafts are in flight gains the accepted ones then (recompute: redone by its re-prefill;
+  swap: its CPU tail beyond them is freed). Positions of N+1's decodes in the plan are the
+  known lower bound (an engine adds N's accepted count on the device).
 """
 
 from __future__ import annotations
@@ -73,6 +112,7 @@ from lab.core.events import (
 from lab.core.kv import BlockManager, blocks_for
 from lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
 from lab.core.request import Request, RequestStatus
+from lab.core.spec import SpeculativeConfig
 
 log = logging.getLogger("lab.core.scheduler")
 
@@ -160,6 +200,7 @@ class Scheduler:
         limits: SchedulerLimits,
         block_manager: BlockManager,
         preemption_victim: str | None = None,
+        speculative: SpeculativeConfig | None = None,
         async_scheduling: bool = False,
         **options: Any,
     ):
@@ -171,6 +212,7 @@ class Scheduler:
                 )
             self.preemption_victim = preemption_victim
         self.limits = limits
+        self.speculative = speculative
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.waiting: deque[Request] = deque()
@@ -244,20 +286,32 @@ class Scheduler:
         requests, freeing their blocks (module doc)."""
         self.now_s = now_s
         if not self.async_scheduling:
+            spec = plan.spec_decodes
             for r, token in result.sampled_token_ids.items():
+                if r in spec:  # the accepted drafts come before the sampled token
+                    r.output_token_ids.extend(r.spec_token_ids[: result.num_accepted.get(r, 0)])
                 r.output_token_ids.append(token)
+            step_index = self.num_steps
             self._advance(plan, now_s)
+            if self.speculative is not None:
+                self._apply_drafts(plan, result, step_index, now_s)
             return
+        spec = plan.spec_decodes
         for r, token in result.sampled_token_ids.items():
             if r.status is not RequestStatus.FINISHED:  # a wasted slot's token is dropped
+                if r in spec:  # the accepted drafts come before the sampled token
+                    r.output_token_ids.extend(r.spec_token_ids[: result.num_accepted.get(r, 0)])
                 r.output_token_ids.append(token)
         for r in plan.finished:  # state as of the tick that sampled the last token
             del self._finishing[r]
             self.decode_set.remove(r, r.join_tick + r.output_len - r.join_num_output)
             self._finish(r, now_s)
         self._held.clear()  # their tokens of this step are known now
+        after = self._in_flight if self._in_flight is not plan else None
         if self._in_flight is plan:
             self._in_flight = None
+        if self.speculative is not None:
+            self._apply_drafts_async(plan, result, after)
 
     def launched(self, plan: SchedulerOutput) -> None:
         """Asynchronous scheduling: ``plan`` was handed to the executor (after it read the
@@ -312,6 +366,80 @@ class Scheduler:
                 r.num_computed_tokens = r.num_tokens - 1
                 self.running.remove(r)
                 self._finish(r, now_s)
+
+    def _apply_drafts(self, plan: SchedulerOutput, result: StepResult, step: int, now_s: float):
+        """Speculative decoding, after the decode tick: accepted drafts become tokens,
+        rejected ones give back their KV slots; every decode takes its new proposals."""
+        ds, bm, bs = self.decode_set, self.block_manager, self.block_size
+        accepted, drafts = result.num_accepted, result.draft_token_ids
+        for r, d in plan.spec_decodes.items():
+            a = accepted.get(r, 0)
+            if not 0 <= a <= d:
+                raise ValueError(
+                    f"step {step}: request {r.request_id}: {a!r} drafts accepted, "
+                    f"expected 0..{d} (the drafts it verified)"
+                )
+            r.spec_steps.append((step, d, a))
+            if a:  # leave the decode set (its state is written back), gain a tokens
+                ds.remove(r)
+                r.num_output_tokens += a
+                r.num_computed_tokens += a
+            bm.free_tail(
+                r,
+                len(r.block_table)
+                - blocks_for(r.prompt_len + r.num_output_tokens if a else ds.num_tokens(r), bs),
+            )
+            if a and r.num_output_tokens >= r.output_len:
+                self._finish(r, now_s)
+            elif a:
+                ds.add(r)
+        for r in (*plan.decodes, *plan.sampled_prefills):
+            if r.status is RequestStatus.RUNNING:
+                r.spec_token_ids = drafts.get(r, [])
+
+    def _apply_drafts_async(
+        self, plan: SchedulerOutput, result: StepResult, after: SchedulerOutput | None
+    ) -> None:
+        """:meth:`_apply_drafts` under asynchronous scheduling, when ``plan``'s results
+        arrive and ``after`` (the next plan, or None) is in flight: the accepted drafts join
+        the counts (of a request preempted meanwhile too), blocks beyond what the request
+        and ``after``'s drafts of it need are freed, and a request whose last token
+        ``after`` samples becomes one of its ``finished`` (module doc)."""
+        ds, bm, bs = self.decode_set, self.block_manager, self.block_size
+        accepted, drafts = result.num_accepted, result.draft_token_ids
+        step = self.num_steps - 1 - (after is not None)  # plan's index
+        later = after.spec_decodes if after is not None else {}
+        for r, d in plan.spec_decodes.items():
+            a = accepted.get(r, 0)
+            if not 0 <= a <= d:
+                raise ValueError(
+                    f"step {step}: request {r.request_id}: {a!r} drafts accepted, "
+                    f"expected 0..{d} (the drafts it verified)"
+                )
+            r.spec_steps.append((step, d, a))
+            if r.status is RequestStatus.RUNNING and r in ds:
+                if a:
+                    ds.remove(r)
+                    r.num_output_tokens += a
+                    r.num_computed_tokens += a
+                    ds.add(r)  # no heap entry when ``after`` samples its last token:
+                    if r.num_output_tokens >= r.output_len:  # it finishes with ``after``
+                        self._finishing[r] = None
+                        after.finished = [*after.finished, r]  # may be a shared empty tuple
+                keep = blocks_for(ds.num_tokens(r) + later.get(r, 0), bs)
+                bm.free_tail(r, len(r.block_table) - keep)
+            elif r.status is RequestStatus.WAITING:  # a recompute victim: redone later
+                r.num_output_tokens += a
+                r.num_recomputed_tokens += a
+            elif r.status is RequestStatus.SWAPPED:
+                r.num_output_tokens += a
+                r.num_computed_tokens += a
+                bm.free_tail(r, len(r.block_table) - blocks_for(r.num_tokens, bs))
+        for r in (*plan.decodes, *plan.sampled_prefills):
+            if r.status in (RequestStatus.RUNNING, RequestStatus.SWAPPED):
+                r.spec_token_ids = drafts.get(r, [])
+            elif r.status is RequestStatus.WAITING:
+                r.spec_token_ids = []
 
     def abort_unfinished(self, reason: str, now_s: float) -> list[Request]:
         """End every queued request as aborted with ``reason`` (a run that stopped); their
@@ -505,6 +633,8 @@ class Scheduler:
         holding the whole cache alone is aborted."""
         bm = self.block_manager
         self._slots_planned_for = plan
+        if self.speculative is not None:
+            return self._reserve_draft_blocks(plan)
         while len(self._needing_block()) > bm.num_free_gpu_blocks:
             if len(self.running) == 1:
                 self.abort(
@@ -517,6 +647,73 @@ class Scheduler:
                 self.preempt(plan, self.pick_victim(), self.victim_rule)
         for r in self._needing_block():
             bm.allocate(r, 1)
+
+    def _reserve_draft_blocks(self, plan: SchedulerOutput) -> None:
+        """:meth:`reserve_decode_blocks` with speculative decoding (module docstring):
+        drafts from the budget left after one token per decode, then the blocks of
+        L + d' + 1 tokens per decode. O(batch) per step (plus O(batch) per preemption)."""
+        bm, ds, bs = self.block_manager, self.decode_set, self.block_size
+        k = self.speculative.num_speculative_tokens
+        budget = self.limits.max_num_batched_tokens - len(ds)
+        spec = plan.spec_decodes
+        # Async: drafts of the step in flight, accepted or not (unknown yet), and the
+        # requests it samples, whose proposals (made on the device) are k placeholders.
+        flight = self._in_flight
+        unknown = flight.spec_decodes if flight is not None else {}
+        sampling = set(flight.decodes) | set(flight.sampled_prefills) if flight else set()
+        margin = 2 if flight is not None else 1  # async: the last token has no drafts
+        finishing = self._finishing
+        for r in self.running:
+            if budget <= 0:
+                break
+            if r in ds and r not in finishing:
+                props = k if r in sampling else len(r.spec_token_ids)
+                most = ds.num_tokens(r) + unknown.get(r, 0) - r.prompt_len  # output tokens
+                d = min(props, k, r.output_len - most - margin, budget)
+                if d > 0:
+                    spec[r] = d
+                    budget -= d
+        need = {
+            r: self._draft_blocks(r, spec.get(r, 0)) - len(r.block_table) for r in ds.requests()
+        }
+        total = sum(need.values())
+        while total > bm.num_free_gpu_blocks:
+            if len(self.running) == 1:
+                r = self.running[0]
+                planned = spec.pop(r, 0)
+                if planned:  # alone: cut its drafts to what fits
+                    room = len(r.block_table) + bm.num_free_gpu_blocks
+                    d = min(room * bs - self._draft_blocks_tokens(r), planned)
+                    if d > 0:
+                        spec[r] = d
+                    need[r] = self._draft_blocks(r, max(d, 0)) - len(r.block_table)
+                    total = need[r]
+                    continue
+                self.abort(
+                    plan,
+                    r,
+                    f"outgrew the KV cache: needs more than "
+                    f"the {bm.num_gpu_blocks} GPU blocks while running alone",
+                )
+            else:
+                self.preempt(plan, self.pick_victim(), self.victim_rule)
+            for r in [r for r in need if r not in ds]:
+                total -= need.pop(r)
+        for r, n in need.items():
+            if n > 0:
+                bm.allocate(r, n)
+
+    def _draft_blocks_tokens(self, r: Request) -> int:
+        """KV slots a decode needs before its drafts: its tokens, the drafts of the step in
+        flight (async; any may be accepted) and the slot it samples into (none for a wasted
+        slot)."""
+        flight = self._in_flight
+        unknown = flight.spec_decodes.get(r, 0) if flight is not None else 0
+        return self.decode_set.num_tokens(r) + unknown + (r not in self._finishing)
+
+    def _draft_blocks(self, r: Request, drafts: int) -> int:
+        """Blocks a decode holds while it verifies ``drafts`` drafts."""
+        return blocks_for(self._draft_blocks_tokens(r) + drafts, self.block_size)
 
     def _needing_block(self) -> Iterable[Request]:
         """Decodes whose next token starts a block; async: not a wasted slot (its token is
@@ -569,7 +766,7 @@ class Scheduler:
         for v in victims:
             regained += plan.prefills.pop(v, 0)
             if v in self.decode_set and self._slots_planned_for is plan:
-                regained += 1
+                regained += 1 + plan.spec_decodes.get(v, 0)
             self.preempt(plan, v, f"ranked below waiting request {r.request_id}")
         return regained
 
@@ -585,6 +782,7 @@ class Scheduler:
         """
         assert victim not in plan.prefills, "a request is never scheduled and preempted"
         self._leave_running(victim)
+        plan.spec_decodes.pop(victim, None)
         mode = PreemptionMode.RECOMPUTE
         if self.preemption_mode is PreemptionMode.SWAP:
             if self.block_manager.can_swap_out(victim):
@@ -613,6 +811,7 @@ class Scheduler:
             self.block_manager.free(victim)
             victim.num_recomputed_tokens += victim.num_computed_tokens
             victim.num_computed_tokens = 0
+            victim.spec_token_ids = []  # proposals dropped; re-proposed after the re-prefill
             victim.status = RequestStatus.WAITING
             victim.num_preemptions_recompute += 1
             self.waiting.appendleft(victim)
@@ -659,6 +858,7 @@ class Scheduler:
         its blocks are freed and the plan lists it."""
         if r.status is RequestStatus.RUNNING:
             self._leave_running(r)
+            plan.spec_decodes.pop(r, None)
         self.block_manager.free(r)
         r.status, r.reason, r.finish_s = RequestStatus.ABORTED, reason, self.now_s
         plan.aborted.append(r)
@@ -699,9 +899,17 @@ class Scheduler:
         assert len(scheduled) == len(plan.prefills) + len(plan.decodes), "request scheduled twice"
         assert not scheduled & {r for r, _ in plan.preempted}, "request scheduled and preempted"
         assert all(r.status is RequestStatus.RUNNING for r in scheduled)
+        assert set(plan.spec_decodes) <= set(plan.decodes), "drafts of a request not decoding"
         for r in plan.decodes:  # a wasted slot (async) reserves no slot for its token
-            need = blocks_for(
-                self.decode_set.num_tokens(r) + (r not in self._finishing), self.block_size
+            drafts = plan.spec_decodes.get(r, 0)
+            left = r.output_len - (self.decode_set.num_tokens(r) - r.prompt_len) - 1
+            assert drafts <= max(left, 0), f"{r.request_id}: {drafts} drafts, {left} tokens left"
+            need = (
+                self._draft_blocks(r, drafts)
+                if self.speculative is not None
+                else blocks_for(
+                    self.decode_set.num_tokens(r) + (r not in self._finishing), self.block_size
+                )
             )
             assert len(r.block_table) == need, f"{r.request_id}: {len(r.block_table)} != {need}"
         self.block_manager.check_integrity(list(self.running) + list(self.swapped))

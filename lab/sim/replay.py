@@ -45,6 +45,7 @@ STEP_COLUMNS = (
     "num_preempted", "num_swap_out_blocks", "num_swap_in_blocks", "num_prefills",
     "prefill_context_tokens", "prefill_attention_pairs", "decode_context_tokens",
     "num_cached_tokens", "num_cached_blocks", "kv_cached_blocks", "num_wasted_tokens",
+    "num_spec_tokens",
 )  # fmt: skip
 
 
@@ -60,6 +61,8 @@ class ReplayResult:
             and ``num_cached_blocks`` found cached by the step's admissions,
             ``kv_cached_blocks`` the GPU blocks holding a key (used or cached free).
             ``num_wasted_tokens``: decode slots of requests already finished (async).
+            ``num_spec_tokens``: draft tokens verified by decodes (speculative decoding;
+            step tokens = prefill + decode + spec tokens).
         tick_steps: for each decode tick, the index of the step that ran it.
         wall_s: wall-clock seconds the replay took.
         num_gpu_blocks: size of the GPU KV cache, for usage fractions.
@@ -92,11 +95,16 @@ class ReplayResult:
         end = self.step_end_s
         parts = [end[np.asarray(r.prefill_token_steps, dtype=np.int64)]]
         parts += [end[self.tick_steps[a:b]] for a, b in r.decode_segments]
+        if r.spec_steps:  # accepted drafts: their tokens exist at their step's end too
+            parts.append(
+                end[np.repeat([s for s, _, _ in r.spec_steps], [a for *_, a in r.spec_steps])]
+            )
         return np.sort(np.concatenate(parts))
 
     def num_token_times(self, r: Request) -> int:
         """``len(self.token_times(r))``, without computing them."""
-        return len(r.prefill_token_steps) + sum(b - a for a, b in r.decode_segments)
+        n = len(r.prefill_token_steps) + sum(b - a for a, b in r.decode_segments)
+        return n + r.num_accepted_tokens if r.spec_steps else n
 
 
 class _Wakeup:
@@ -206,6 +214,7 @@ def engine_process(
             plan.num_cached_blocks,
             bm.num_cached_blocks,
             0,
+            f.num_spec_tokens,
         )
         if not 0.0 <= result.duration_s < math.inf or math.isinf(env.now + result.duration_s):
             raise ValueError(
@@ -225,6 +234,9 @@ def engine_process(
             progress(arrived[0] - scheduler.num_unfinished, env.now)
 
 
+_WASTED = STEP_COLUMNS.index("num_wasted_tokens")
+
+
 def _state_row(scheduler: Scheduler, plan: SchedulerOutput) -> list:
     """A step's record as planned (``STEP_COLUMNS``), its time and duration still 0 and its
     wasted slots counted once it is launched."""
@@ -235,7 +247,7 @@ def _state_row(scheduler: Scheduler, plan: SchedulerOutput) -> list:
         len(scheduler.swapped), len(plan.preempted), len(plan.swap_out), len(plan.swap_in),
         f.num_prefills, f.prefill_context_tokens, f.prefill_attention_pairs,
         f.decode_context_tokens, plan.num_cached_tokens, plan.num_cached_blocks,
-        bm.num_cached_blocks, 0,
+        bm.num_cached_blocks, 0, f.num_spec_tokens,
     ]  # fmt: skip
 
 
@@ -291,7 +303,7 @@ def _async_engine_process(
                 row = _state_row(scheduler, plan)
                 handle = launch(plan) if launch is not None else executor.execute(plan)
                 scheduler.launched(plan)
-                row[-1] = plan.num_wasted_tokens
+                row[_WASTED] = plan.num_wasted_tokens
                 nxt = _Launched(plan, handle, row, float(getattr(handle, "host_s", 0.0)))
             elif plan.aborted:
                 continue  # only aborts: plan again

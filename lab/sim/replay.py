@@ -82,11 +82,16 @@ class ReplayResult:
         end = self.step_end_s
         parts = [end[np.asarray(r.prefill_token_steps, dtype=np.int64)]]
         parts += [end[self.tick_steps[a:b]] for a, b in r.decode_segments]
+        if r.spec_steps:  # accepted drafts: their tokens exist at their step's end too
+            parts.append(
+                end[np.repeat([s for s, _, _ in r.spec_steps], [a for *_, a in r.spec_steps])]
+            )
         return np.sort(np.concatenate(parts))
 
     def num_token_times(self, r: Request) -> int:
         """``len(self.token_times(r))``, without computing them."""
-        return len(r.prefill_token_steps) + sum(b - a for a, b in r.decode_segments)
+        n = len(r.prefill_token_steps) + sum(b - a for a, b in r.decode_segments)
+        return n + r.num_accepted_tokens if r.spec_steps else n
 
 
 class _Wakeup:

@@ -389,6 +389,7 @@ def iter_runs(
             for pol, _, limits in policies:
                 label = cfg.run_label(pol, scale)
                 cost_model.executor(pol.label, scale, dataclasses.asdict(limits), label)
+    any_spec = any(_speculative(pol) is not None for pol in cfg.policies)
     for scale in cfg.rate_scales:
         trace = requests if requests is not None else tables.pop(scale).to_requests()
         for r in trace:  # EDF's deadline for a single trace: the top-level TTFT SLO
@@ -469,9 +470,9 @@ def iter_runs(
                 if spec is not None:  # lab/spec_metrics.py
                     summary["speculative"] = spec_metrics.run_summary(result.requests, spec)
                     df = spec_metrics.add_request_columns(df, rows, spec.num_speculative_tokens)
-                    if not isinstance(result, ClusterResult):
-                        n = len(result.steps["time_s"])
-                        result.steps.update(spec_metrics.step_columns(result, n))
+                if any_spec and not isinstance(result, ClusterResult):  # every run: one table
+                    n = len(result.steps["time_s"])
+                    result.steps.update(spec_metrics.step_columns(result, n))
                 if cfg.trace.classes:  # per class and per tenant (lab/fairness.py)
                     slos = fairness.class_slos(cfg.trace.classes, cfg.slo.to_dict())
                     duration = summary["duration_s"]
@@ -504,7 +505,7 @@ def iter_runs(
 
 def _speculative(pol: PolicyConfig):
     """The policy's resolved ``speculative:`` config (lab/core/spec.py), or None (off)."""
-    return getattr(pol, "speculative", None)
+    return pol.speculative
 
 
 def check_sim_speculative(cfg: ExperimentConfig, pol: PolicyConfig) -> None:

@@ -4,6 +4,7 @@ metrics (lab/sim/spec_executor.py, lab/spec_metrics.py)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -149,8 +150,12 @@ def test_counts_and_rates_by_hand():
 
 def test_acceptance_from_reads_an_engine_runs_counts(tmp_path):
     summary = {
-        "fcfs": {"speculative": {"num_accepted_tokens_per_pos": [6, 3], "num_reached_per_pos": [10, 6]}},
-        "swap": {"speculative": {"num_accepted_tokens_per_pos": [2, 1], "num_reached_per_pos": [10, 2]}},
+        "fcfs": {
+            "speculative": {"num_accepted_tokens_per_pos": [6, 3], "num_reached_per_pos": [10, 6]}
+        },
+        "swap": {
+            "speculative": {"num_accepted_tokens_per_pos": [2, 1], "num_reached_per_pos": [10, 2]}
+        },
         "other": {"policy": "x"},
     }
     (tmp_path / "summary.json").write_text(json.dumps(summary))
@@ -223,7 +228,10 @@ def test_draft_steps_priced_by_the_draft_profile(tmp_path):
     cm = linear_profile(tmp_path / "p.csv")
     c = COEF
     # 2 sequences, 200 tokens, k = 2: decode steps over 200 then 202 context tokens
-    step = lambda ctx: c["decode_step"] + 2 * (c["seq"] + c["tok"]) + ctx * c["dctx"] + ctx / 2 * c["mean_ctx"]  # noqa: E731
+
+    def step(ctx):
+        return c["decode_step"] + 2 * (c["seq"] + c["tok"]) + (c["dctx"] + c["mean_ctx"] / 2) * ctx
+
     assert se.draft_time(cm, 2, 200, 2) == pytest.approx(step(200) + step(202), rel=1e-6)
     assert se.draft_time(cm, 0, 0, 4) == 0.0
 
@@ -246,7 +254,9 @@ def test_executor_adds_verify_minus_base_time(tmp_path):
 
 # ---------------------------------------------------------------------------- bad inputs
 def test_bad_rates_and_missing_rates_are_one_line(tmp_path):
-    with pytest.raises(ConfigError, match=r"acceptance_rates\[1\]: expected a probability in \[0, 1\], got 1.5"):
+    with pytest.raises(
+        ConfigError, match=r"acceptance_rates\[1\]: expected a probability in \[0, 1\], got 1.5"
+    ):
         se.check_rates([0.5, 1.5], 2, "acceptance_rates")
     with pytest.raises(ConfigError, match=r"got nan"):
         se.check_rates([float("nan")], 1, "acceptance_rates")
@@ -264,3 +274,82 @@ def test_bad_rates_and_missing_rates_are_one_line(tmp_path):
     draft = SpeculativeConfig("draft", 2, model="no-such-model", acceptance_rates=(0.5, 0.5))
     with pytest.raises(ConfigError, match="speculative.model: for the simulator expected"):
         se.draft_cost_model(draft, None, tmp_path)
+
+
+# ---------------------------------------------------------------------------- end to end
+SPEC_YAML = """
+name: spec_e2e
+trace: {format: synthetic, num_requests: 12, arrival: {process: poisson, rate: 50.0},
+        prompt_len: 64, output_len: {uniform: [8, 40]}, seed: 1}
+model: qwen3-0.6b
+hardware: h200-sxm
+cost_model: {profile: PROFILE}
+kv_cache: {block_size: 16, num_gpu_blocks: 512}
+scheduler: {max_num_seqs: 4, max_model_len: 1024}
+speculative: SPEC
+policies: [{name: fcfs, label: off, speculative: null}, {name: fcfs, label: on}]
+"""
+
+
+def write_config(tmp_path, spec: str, name: str = "c.yaml"):
+    profile = Path(__file__).resolve().parent.parent / "profiles" / "h200_qwen3-0.6b.csv"
+    path = tmp_path / name
+    path.write_text(SPEC_YAML.replace("PROFILE", str(profile)).replace("SPEC", spec))
+    return path
+
+
+def test_experiment_writes_spec_metrics_and_acceptance_from_reads_them(tmp_path):
+    import run_experiment
+
+    cfg = write_config(
+        tmp_path, "{method: synthetic, num_speculative_tokens: 2, acceptance_rates: [0.9, 0.5]}"
+    )
+    assert run_experiment.main([str(cfg), "--out", str(tmp_path / "a"), "--no-progress"]) == 0
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert "speculative" not in summary["off"]
+    s = summary["on"]["speculative"]
+    req = pd.read_csv(tmp_path / "a" / "requests.csv")
+    on = req[req["policy"] == "on"]
+    assert on["num_accepted_tokens"].sum() == s["num_accepted_tokens"]
+    assert on["num_draft_tokens"].sum() == s["num_draft_tokens"]
+    assert req[req["policy"] == "off"]["num_drafts"].isna().all()
+    steps = pd.read_csv(tmp_path / "a" / "steps.csv")
+    assert (
+        steps.loc[steps["policy"] == "on", "num_accepted_tokens"].sum() == s["num_accepted_tokens"]
+    )
+    assert (steps.loc[steps["policy"] == "off", "num_draft_tokens"] == 0).all()
+    assert "Speculative decoding" in (tmp_path / "a" / "report.md").read_text()
+    # The finished requests' output tokens: each verify step gave 1 + accepted.
+    assert (on["num_generated_tokens"] == on["output_tokens"]).all()
+    # A simulated ngram run takes the measured rates of that run.
+    cfg2 = write_config(
+        tmp_path,
+        f"{{method: ngram, num_speculative_tokens: 2, acceptance_from: {tmp_path / 'a'}}}",
+        "d.yaml",
+    )
+    assert run_experiment.main([str(cfg2), "--out", str(tmp_path / "b"), "--no-progress"]) == 0
+    assert (
+        json.loads((tmp_path / "b" / "summary.json").read_text())["on"]["speculative"]["method"]
+        == "ngram"
+    )
+
+
+def test_sim_ngram_without_rates_is_one_line(tmp_path, capsys):
+    import run_experiment
+
+    cfg = write_config(tmp_path, "{method: ngram, num_speculative_tokens: 3}")
+    assert run_experiment.main([str(cfg), "--out", str(tmp_path / "x"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1
+        and "policies[on]: speculative: method 'ngram' in the simulator needs" in err[0]
+    )
+    assert not (tmp_path / "x").exists()
+    cfg = write_config(
+        tmp_path, "{method: synthetic, num_speculative_tokens: 2, acceptance_rates: [0.5, 1.2]}"
+    )
+    assert run_experiment.main([str(cfg), "--out", str(tmp_path / "x"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1 and "acceptance_rates[1]: expected a probability in [0, 1], got 1.2" in err[0]
+    )

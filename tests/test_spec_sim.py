@@ -250,6 +250,12 @@ def test_executor_adds_verify_minus_base_time(tmp_path):
     assert res.num_accepted == {r: 1}
     assert res.draft_token_ids == {r: [se.PLACEHOLDER_TOKEN] * 2}
     assert res.duration_s == pytest.approx(se.verify_time(cm, plan, 16, "decode"))
+    # With a draft model: k = 2 draft decode steps over the request's 100 + 1 + 1 tokens
+    plan, r = spec_plan()
+    ex = se.SpecExecutor(Inner(), cm, 16, 2, (1.0, 0.0), draft_model=cm, verify_pricing="decode")
+    res = ex.execute(plan)
+    hand = se.verify_time(cm, plan, 16, "decode") + se.draft_time(cm, 1, 102, 2)
+    assert res.duration_s == pytest.approx(hand)
 
 
 # ---------------------------------------------------------------------------- bad inputs

@@ -23,6 +23,34 @@ Token and block conventions (vLLM V0's block manager):
   drops its references but its blocks keep their keys, so its re-admission finds what is
   still cached (counted apart, ``Request.num_resumed_cached_tokens``).
 
+Asynchronous scheduling (``async_scheduling=True``; vLLM V1's AsyncScheduler). The replay
+loop plans step N+1 after step N's plan is handed to the executor and before N's results
+are known. :meth:`Scheduler.update` is split in two: :meth:`Scheduler.launched` (the plan
+was handed over: token counts advance, the tokens sampled in N are placeholders) and
+``update`` (N's results arrive: token ids, finishes, frees); a sync run applies both at once,
+in ``update``. So, with N in flight while N+1 is planned:
+
+* a request whose prompt's last chunk is in N decodes in N+1 (feeding the placeholder), and
+  a decode of N decodes again in N+1;
+* a request whose last output token is sampled in N is still decoded in N+1 if N+1 has
+  decodes (the trace's ``output_len`` stands for an EOS stop the scheduler cannot foresee):
+  that slot is wasted, counted in ``SchedulerOutput.num_wasted_tokens``, and its token is
+  dropped. Its blocks are freed when N's results arrive, after N+1 was planned: one step
+  late; its finish time and token times are those of step N. Its wasted token is never
+  written to KV, so it needs no new block, and it is never a preemption victim (its blocks
+  free in a step anyway). Exact rule: every FINISHED request wastes one slot, except when
+  the step after its last token runs no decode (a prefill-first step of fcfs and its kin);
+* a request preempted in N+1 with its token of N in flight keeps that token (it was
+  computed from correct KV). Swap: the token is fed after the swap-in. Recompute: the
+  victim is not re-admitted by the plan made while the token is in flight (it waits, reason
+  ``token_in_flight``), so its re-prefill feeds only known tokens;
+* a plan that feeds no token is never launched: the loop waits for the step in flight and
+  plans again (with nothing in flight it is an error, as in sync runs).
+
+With a step time that has no host part the clock is the same as a sync run's, but the plans
+differ: requests that arrive while N runs are seen by N+2's plan (N+1 was planned before
+they arrived), and blocks and sequence slots of requests that finish in N free for N+2.
+
 Speculative decoding (``speculative=``, lab/core/spec.py; vLLM V1's accounting). After a
 step, the executor's proposals for each sampled request become ``Request.spec_token_ids``.
 * Budget: :meth:`reserve_decode_blocks` gives every decode its one token first, then drafts
@@ -49,6 +77,9 @@ step, the executor's proposals for each sampled request become ``Request.spec_to
   tokens), used in the first step after it is back in the decode batch. Prefix cache: only
   blocks full of accepted tokens are ever keyed (``num_computed_tokens`` counts no rejected
   draft).
+* Not with asynchronous scheduling yet (refused in one line): there the drafts of a request
+  with a token in flight are placeholders too, and the accepted count of step N is unknown
+  while N+1 is planned (vLLM plans it optimistically and corrects it after N).
 """
 
 from __future__ import annotations
@@ -124,7 +155,9 @@ class Scheduler:
     * :meth:`schedule`: the policy plans the next step (a :class:`SchedulerOutput`, all an
       executor reads);
     * :meth:`update` (plan, result, now): the executed step's results are applied: sampled
-      tokens, finished requests, freed blocks.
+      tokens, finished requests, freed blocks;
+    * asynchronous scheduling only, :meth:`launched` (plan): the plan was handed to the
+      executor (called before the next :meth:`schedule`; module doc).
 
     The scheduler is the sole owner of request state. Queues: ``waiting`` (FIFO; recompute
     victims return at the front), ``running`` (in admission order; the last one is the
@@ -159,6 +192,7 @@ class Scheduler:
         block_manager: BlockManager,
         preemption_victim: str | None = None,
         speculative: SpeculativeConfig | None = None,
+        async_scheduling: bool = False,
         **options: Any,
     ):
         if preemption_victim is not None:
@@ -185,6 +219,20 @@ class Scheduler:
             setattr(self, key, value)
         self._slots_planned_for: SchedulerOutput | None = None  # see reserve_decode_blocks
         self._admitted: set[Request] = set()  # admitted by the latest admit_waiting
+        # Asynchronous scheduling (module doc). ``_finishing``: requests whose last token a
+        # launched step samples, until its results arrive; ``_in_flight``: the plan launched
+        # last whose results have not arrived; ``_held``: recompute victims whose token of
+        # ``_in_flight`` is not known yet (not re-admitted until it is).
+        self.async_scheduling = async_scheduling
+        if async_scheduling and speculative is not None:
+            raise ConfigError(
+                "speculative with async_scheduling: true is not supported yet; set "
+                "async_scheduling: false or drop speculative"
+            )
+        self._finishing: dict[Request, None] = {}
+        self._in_flight: SchedulerOutput | None = None
+        self._in_flight_decodes: set[Request] | None = None
+        self._held: set[Request] = set()
         cls = type(self)
         if not cls.victim_rule:
             if cls.pick_victim is not Scheduler.pick_victim:
@@ -227,20 +275,58 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, result: StepResult, now_s: float) -> None:
         """Apply the executed step ``plan`` at its end time ``now_s``: append the sampled
         token ids (engine runs), advance decodes and prompt chunks, finish requests whose
-        last token was sampled and free their blocks. Mutates requests and queues."""
+        last token was sampled and free their blocks. Mutates requests and queues.
+
+        Asynchronous scheduling: the counts advanced at :meth:`launched`; this appends the
+        token ids (not those of wasted slots) and finishes the plan's ``finished``
+        requests, freeing their blocks (module doc)."""
         self.now_s = now_s
-        spec = plan.spec_decodes
-        for r, token in result.sampled_token_ids.items():
-            if r in spec:  # the accepted drafts come before the sampled token
-                r.output_token_ids.extend(r.spec_token_ids[: result.num_accepted.get(r, 0)])
-            r.output_token_ids.append(token)
-        step_index = self.num_steps
-        self.num_steps += 1
-        if plan.decodes:
-            for r in self.decode_set.advance():
-                self._finish(r, now_s)
+        if not self.async_scheduling:
+            spec = plan.spec_decodes
+            for r, token in result.sampled_token_ids.items():
+                if r in spec:  # the accepted drafts come before the sampled token
+                    r.output_token_ids.extend(r.spec_token_ids[: result.num_accepted.get(r, 0)])
+                r.output_token_ids.append(token)
+            step_index = self.num_steps
+            self._advance(plan, now_s)
             if self.speculative is not None:
                 self._apply_drafts(plan, result, step_index, now_s)
+            return
+        for r, token in result.sampled_token_ids.items():
+            if r.status is not RequestStatus.FINISHED:  # a wasted slot's token is dropped
+                r.output_token_ids.append(token)
+        for r in plan.finished:  # state as of the tick that sampled the last token
+            del self._finishing[r]
+            self.decode_set.remove(r, r.join_tick + r.output_len - r.join_num_output)
+            self._finish(r, now_s)
+        self._held.clear()  # their tokens of this step are known now
+        if self._in_flight is plan:
+            self._in_flight = None
+
+    def launched(self, plan: SchedulerOutput) -> None:
+        """Asynchronous scheduling: ``plan`` was handed to the executor (after it read the
+        plan's inputs). Advances decodes and prompt chunks with placeholder tokens and sets
+        the plan's ``num_wasted_tokens``, ``sampled_prefills`` and ``finished``; requests
+        that sampled their last token stay running until :meth:`update`. Mutates requests
+        and the decode set."""
+        self._advance(plan, None)
+        self._in_flight, self._in_flight_decodes = plan, None
+
+    def _advance(self, plan: SchedulerOutput, now_s: float | None) -> None:
+        """Advance the counts of ``plan``'s decodes and chunks (the step's sampled tokens
+        join). ``now_s``: a sync step's end time, when requests that sampled their last
+        token finish; None (async): they stay in the decode set for one more (wasted) slot."""
+        step_index = self.num_steps
+        self.num_steps += 1
+        finishing = self._finishing
+        if plan.decodes:
+            plan.num_wasted_tokens = len(finishing)  # all of them decode in this step
+            for r in self.decode_set.advance(keep_done=now_s is None):
+                plan.finished.append(r)
+                if now_s is None:
+                    finishing[r] = None
+                else:
+                    self._finish(r, now_s)
         caching = self.block_manager.enable_prefix_caching
         for r, num_new in plan.prefills.items():
             if r.num_computed_tokens and not (  # a later chunk (admit_waiting records the first)
@@ -256,14 +342,18 @@ class Scheduler:
                 self.prefilling.remove(r)
             r.num_output_tokens += 1
             r.prefill_token_steps.append(step_index)
-            if r.num_output_tokens >= r.output_len:
+            plan.sampled_prefills.append(r)
+            if r.num_output_tokens < r.output_len:
+                self.decode_set.add(r)
+            elif now_s is None:  # async: it decodes once more, in the next step's wasted slot
+                self.decode_set.add(r)
+                finishing[r] = None
+                plan.finished.append(r)
+            else:
+                plan.finished.append(r)
                 r.num_computed_tokens = r.num_tokens - 1
                 self.running.remove(r)
                 self._finish(r, now_s)
-            else:
-                self.decode_set.add(r)
-                if self.speculative is not None:
-                    r.spec_token_ids = result.draft_token_ids.get(r, [])
 
     def _apply_drafts(self, plan: SchedulerOutput, result: StepResult, step: int, now_s: float):
         """Speculative decoding, after the decode tick: accepted drafts become tokens,
@@ -291,7 +381,7 @@ class Scheduler:
                 self._finish(r, now_s)
             elif a:
                 ds.add(r)
-        for r in plan.decodes:
+        for r in (*plan.decodes, *plan.sampled_prefills):
             if r.status is RequestStatus.RUNNING:
                 r.spec_token_ids = drafts.get(r, [])
 
@@ -305,6 +395,8 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped, self.prefilling):
             queue.clear()
         self.decode_set = DecodeSet(self.block_size)
+        self._finishing, self._in_flight = {}, None
+        self._held.clear()
         return out
 
     # ------------------------------------------------------------------ hooks
@@ -320,10 +412,14 @@ class Scheduler:
         """The running request to preempt next when KV blocks are short (called with at
         least two running): the largest key of the ``preemption_victim`` rule
         (:data:`VICTIM_RULES`), ties to the newest. Default rule: the newest (vLLM V0's)."""
+        done = self._finishing  # async: never a request whose last token is in flight
         if self.preemption_victim == "newest":
-            return self.running[-1]
+            if not done:
+                return self.running[-1]
+            return next(r for r in reversed(self.running) if r not in done)
         key = VICTIM_RULES[self.preemption_victim]
-        return max(enumerate(self.running), key=lambda ir: (key(self, ir[1]), ir[0]))[1]
+        candidates = [(i, r) for i, r in enumerate(self.running) if r not in done]
+        return max(candidates, key=lambda ir: (key(self, ir[1]), ir[0]))[1]
 
     def make_room(self, plan: SchedulerOutput, r: Request, need: int) -> int | None:
         """Called by :meth:`admit_waiting` when waiting request ``r`` does not fit (``need``
@@ -395,6 +491,9 @@ class Scheduler:
         while queue and budget > 0:
             r = queue[0] if custom is None else next(custom, None)
             if r is None:
+                break
+            if r in self._held:  # async: a recompute victim whose token is in flight
+                events.wait(step, r, "token_in_flight")
                 break
             # Looked up now, at every admission attempt; a request whose prompt is already
             # computed elsewhere (its KV moved in from a prefill replica) looks nothing up.
@@ -476,11 +575,11 @@ class Scheduler:
         """Give each decode a block if its next token starts one, preempting
         :meth:`pick_victim` while blocks are short. A request that needs a block while
         holding the whole cache alone is aborted."""
-        bm, ds = self.block_manager, self.decode_set
+        bm = self.block_manager
         self._slots_planned_for = plan
         if self.speculative is not None:
             return self._reserve_draft_blocks(plan)
-        while len(ds.needing_block()) > bm.num_free_gpu_blocks:
+        while len(self._needing_block()) > bm.num_free_gpu_blocks:
             if len(self.running) == 1:
                 self.abort(
                     plan,
@@ -490,7 +589,7 @@ class Scheduler:
                 )
             else:
                 self.preempt(plan, self.pick_victim(), self.victim_rule)
-        for r in ds.needing_block():
+        for r in self._needing_block():
             bm.allocate(r, 1)
 
     def _reserve_draft_blocks(self, plan: SchedulerOutput) -> None:
@@ -541,6 +640,14 @@ class Scheduler:
             if n > 0:
                 bm.allocate(r, n)
 
+    def _needing_block(self) -> Iterable[Request]:
+        """Decodes whose next token starts a block; async: not a wasted slot (its token is
+        never written to KV)."""
+        need = self.decode_set.needing_block()
+        if self._finishing:
+            return [r for r in need if r not in self._finishing]
+        return need
+
     def preempt_lower_ranked(
         self, plan: SchedulerOutput, r: Request, need: int, rank: Callable[[Request], Any]
     ) -> int | None:
@@ -573,6 +680,8 @@ class Scheduler:
                 break
             if v in plan.prefills and v.num_computed_tokens == 0:
                 continue  # admitted in this plan
+            if v in self._finishing:
+                continue  # async: its last token is in flight
             victims.append(v)
             free += len(v.block_table)
             running -= 1
@@ -631,6 +740,8 @@ class Scheduler:
             victim.status = RequestStatus.WAITING
             victim.num_preemptions_recompute += 1
             self.waiting.appendleft(victim)
+            if self._in_flight is not None and self._samples_in_flight(victim):
+                self._held.add(victim)
         plan.preempted.append((victim, mode))
         if victim.num_preemptions > self.limits.max_preemptions:
             raise SchedulerStuckError(
@@ -714,11 +825,14 @@ class Scheduler:
         assert not scheduled & {r for r, _ in plan.preempted}, "request scheduled and preempted"
         assert all(r.status is RequestStatus.RUNNING for r in scheduled)
         assert set(plan.spec_decodes) <= set(plan.decodes), "drafts of a request not decoding"
-        for r in plan.decodes:
+        for r in plan.decodes:  # a wasted slot (async) reserves no slot for its token
             drafts = plan.spec_decodes.get(r, 0)
             left = r.output_len - (self.decode_set.num_tokens(r) - r.prompt_len) - 1
-            assert 0 <= drafts <= left, f"{r.request_id}: {drafts} drafts, {left} tokens left"
-            need = blocks_for(self.decode_set.num_tokens(r) + 1 + drafts, self.block_size)
+            assert drafts <= max(left, 0), f"{r.request_id}: {drafts} drafts, {left} tokens left"
+            need = blocks_for(
+                self.decode_set.num_tokens(r) + (r not in self._finishing) + drafts,
+                self.block_size,
+            )
             assert len(r.block_table) == need, f"{r.request_id}: {len(r.block_table)} != {need}"
         self.block_manager.check_integrity(list(self.running) + list(self.swapped))
 
@@ -734,6 +848,15 @@ class Scheduler:
             self.running.remove(r)
         self.block_manager.free(r)
         r.status, r.finish_s = RequestStatus.FINISHED, now_s
+
+    def _samples_in_flight(self, r: Request) -> bool:
+        """Whether the step in flight samples a token for ``r`` (async scheduling)."""
+        plan = self._in_flight
+        if plan is None:
+            return False
+        if self._in_flight_decodes is None:
+            self._in_flight_decodes = set(plan.decodes)
+        return r in self._in_flight_decodes or r in plan.sampled_prefills
 
     def _leave_running(self, r: Request) -> None:
         self.running.remove(r)

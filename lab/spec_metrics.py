@@ -130,15 +130,14 @@ def add_request_columns(df: pd.DataFrame, rows: list[Request], k: int) -> pd.Dat
 
 
 def step_columns(result, num_steps: int) -> dict[str, np.ndarray]:
-    """Per-step ``num_draft_tokens`` and ``num_accepted_tokens`` (steps.csv of a spec run)."""
-    drafted = np.zeros(num_steps, dtype=np.int64)
+    """Per-step ``num_accepted_tokens`` (steps.csv of a spec run; the drafts verified are
+    the replay's ``num_spec_tokens`` column)."""
     accepted = np.zeros(num_steps, dtype=np.int64)
     for r in result.requests:
-        for s, d, a in r.spec_steps:
+        for s, _, a in r.spec_steps:
             if s < num_steps:
-                drafted[s] += d
                 accepted[s] += a
-    return {"num_draft_tokens": drafted, "num_accepted_tokens": accepted}
+    return {"num_accepted_tokens": accepted}
 
 
 def markdown(runs) -> list[str]:

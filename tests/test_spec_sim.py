@@ -323,7 +323,8 @@ def test_experiment_writes_spec_metrics_and_acceptance_from_reads_them(tmp_path)
     assert (
         steps.loc[steps["policy"] == "on", "num_accepted_tokens"].sum() == s["num_accepted_tokens"]
     )
-    assert (steps.loc[steps["policy"] == "off", "num_draft_tokens"] == 0).all()
+    assert steps.loc[steps["policy"] == "on", "num_spec_tokens"].sum() == s["num_draft_tokens"]
+    assert (steps.loc[steps["policy"] == "off", "num_accepted_tokens"] == 0).all()
     assert "Speculative decoding" in (tmp_path / "a" / "report.md").read_text()
     # The finished requests' output tokens: each verify step gave 1 + accepted.
     assert (on["num_generated_tokens"] == on["output_tokens"]).all()

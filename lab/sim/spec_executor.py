@@ -351,20 +351,6 @@ class SpecExecutor:
             result.duration_s += draft_time(self.draft_model, len(proposing), context, self.k)
 
 
-class AsyncSpecExecutor(SpecExecutor):
-    """:class:`SpecExecutor` over an executor with ``launch`` / ``wait`` (async
-    scheduling): the acceptance of a step is drawn when its results are waited for."""
-
-    def launch(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, Any]:
-        return plan, self.inner.launch(plan)
-
-    def wait(self, handle: tuple[SchedulerOutput, Any]) -> StepResult:
-        plan, inner_handle = handle
-        result = self.inner.wait(inner_handle)
-        self._complete(plan, result)
-        return result
-
-
 def wrap(
     inner: Any,
     cost_model: Any,
@@ -381,5 +367,6 @@ def wrap(
     """
     rates = acceptance_rates(spec, base_dir)
     draft = draft_cost_model(spec, hardware, base_dir) if spec.method == "draft" else None
-    cls = AsyncSpecExecutor if hasattr(inner, "launch") else SpecExecutor
-    return cls(inner, cost_model, block_size, spec.num_speculative_tokens, rates, spec.seed, draft)
+    return SpecExecutor(
+        inner, cost_model, block_size, spec.num_speculative_tokens, rates, spec.seed, draft
+    )

@@ -498,13 +498,13 @@ def validate(
         base_dir,
         backend,
     )
-    for i, p in enumerate(pols):  # lab/core/scheduler.py: the two do not compose yet
-        if p.speculative is not None and p.options.get(ASYNC_KEY, scheduler.async_scheduling):
-            raise ConfigError(
-                f"{where}: policies[{i}] ({p.label}): speculative with "
-                f"{ASYNC_KEY}: true is not supported yet; set {ASYNC_KEY}: false or drop "
-                "speculative"
-            )
+    for i, p in enumerate(pols):  # the engine has no device-side drafts for async steps
+        if backend == "engine" and p.speculative is not None:
+            if p.options.get(ASYNC_KEY, scheduler.async_scheduling):
+                raise ConfigError(
+                    f"{where}: policies[{i}] ({p.label}): speculative with {ASYNC_KEY}: true "
+                    f"runs in the simulator only; set {ASYNC_KEY}: false or backend: sim"
+                )
     if cluster is not None and (
         scheduler.async_scheduling or any(p.options.get(ASYNC_KEY) for p in pols)
     ):

@@ -403,11 +403,16 @@ def test_run_summary_counts_wasted_tokens(tmp_path):
             {"name": "chunked_prefill", "label": "sync"},
         ],
     }
-    runs = run_experiment(validate(raw, str(tmp_path / "x.yaml")), progress=False)
+    cfg = validate(raw, str(tmp_path / "x.yaml"))
+    runs = run_experiment(cfg, progress=False)
     by = {r.summary["policy"]: r.summary for r in runs}
     assert by["async"]["async_scheduling"] is True and by["sync"]["async_scheduling"] is False
     assert by["async"]["num_wasted_tokens"] == by["async"]["finished"] == 6
     assert by["sync"]["num_wasted_tokens"] == 0
+    from lab.report import _markdown
+
+    text = _markdown(cfg, runs, [])
+    assert "Wasted decode slots (async scheduling): async 6." in text
 
 
 def parse_flow(text: str):
@@ -479,3 +484,22 @@ def test_prefix_caching_with_token_ids(policy):
         after = [last_token_step(res, r) + 1 for r in fin]
         assert res.steps["num_wasted_tokens"].sum() == sum(s < n and decodes[s] > 0 for s in after)
         assert res.steps["num_cached_tokens"].sum() > 0 or len(fin) < 2
+
+
+def test_decode_set_keeps_a_done_member_once():
+    """A member that left and rejoined at the same tick has two live heap entries for the
+    same last tick; ``advance(keep_done=True)`` reports it once and keeps it; ``remove``
+    with the end tick writes back its state as of its last token."""
+    from lab.core.decode_set import DecodeSet
+
+    ds = DecodeSet(BS)
+    r = Request("0", 0.0, 3, 4)
+    r.num_output_tokens = 1
+    ds.add(r)
+    ds.remove(r)  # e.g. swapped out in the plan it joined, then swapped back in
+    ds.add(r)
+    got = [ds.advance(keep_done=True) for _ in range(4)]
+    assert got == [[], [], [r], []] and r in ds
+    ds.remove(r, r.join_tick + r.output_len - r.join_num_output)
+    assert r.num_output_tokens == 4 and r.decode_segments == [(0, 3)]
+    assert r.num_computed_tokens == 6 and ds.context_tokens == 0

@@ -157,7 +157,8 @@ class SchedulerOutput:
 
     def features(self) -> StepFeatures:
         """The step's :class:`StepFeatures`, computed once (call before the step's results
-        are applied: it reads each chunk's ``num_computed_tokens``)."""
+        are applied, or before it is launched under async scheduling: it reads each chunk's
+        ``num_computed_tokens``)."""
         if self._features is None:
             tokens = context = samples = 0
             pairs = 0.0
@@ -200,7 +201,11 @@ class SchedulerOutput:
     def seqs(self) -> list[ScheduledSeq]:
         """Per-sequence inputs of the step: prefill chunks in plan order, then decodes (each
         feeds its latest token at :meth:`decode_positions`). Valid until the step's results
-        are applied (``Scheduler.update``); O(sequences), so the simulator never calls it."""
+        are applied (``Scheduler.update``), under async scheduling until it is launched
+        (``Scheduler.launched``); O(sequences), so the simulator never calls it. Async: a
+        decode's token is a placeholder (not in ``output_token_ids`` yet) when the step in
+        flight samples it; ``token_ids`` then returns [] and the engine feeds it from that
+        step's sampled tokens on the device."""
         out = self.prefill_seqs()
         spec = self.spec_decodes
         out += [

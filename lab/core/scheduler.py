@@ -77,9 +77,18 @@ step, the executor's proposals for each sampled request become ``Request.spec_to
   tokens), used in the first step after it is back in the decode batch. Prefix cache: only
   blocks full of accepted tokens are ever keyed (``num_computed_tokens`` counts no rejected
   draft).
-* Not with asynchronous scheduling yet (refused in one line): there the drafts of a request
-  with a token in flight are placeholders too, and the accepted count of step N is unknown
-  while N+1 is planned (vLLM plans it optimistically and corrects it after N).
+* With asynchronous scheduling, step N+1 is planned before N's acceptance is known. A
+  request that samples in N gets k placeholder proposals for N+1 (made on the device in N,
+  as vLLM's async scheduler assumes); its counts are the known ones plus N's placeholder
+  (N's accepted drafts join when N's results arrive); its lookahead blocks cover N's drafts
+  too (any may be accepted: L + d'_N + d'_{N+1} + 1 slots) and the drafts of N+1 stop two
+  tokens short of the end counting all of N's drafts as accepted, so no step with drafts
+  samples a request's last token and finishes keep async's rule (one wasted slot each).
+  When N's results arrive the unneeded lookahead blocks are freed and a request whose last
+  token N+1 samples (found only now) joins N+1's ``finished``. A request preempted while its
+  drafts are in flight gains the accepted ones then (recompute: redone by its re-prefill;
+  swap: its CPU tail beyond them is freed). Positions of N+1's decodes in the plan are the
+  known lower bound (an engine adds N's accepted count on the device).
 """
 
 from __future__ import annotations
@@ -224,11 +233,6 @@ class Scheduler:
         # last whose results have not arrived; ``_held``: recompute victims whose token of
         # ``_in_flight`` is not known yet (not re-admitted until it is).
         self.async_scheduling = async_scheduling
-        if async_scheduling and speculative is not None:
-            raise ConfigError(
-                "speculative with async_scheduling: true is not supported yet; set "
-                "async_scheduling: false or drop speculative"
-            )
         self._finishing: dict[Request, None] = {}
         self._in_flight: SchedulerOutput | None = None
         self._in_flight_decodes: set[Request] | None = None
@@ -292,16 +296,22 @@ class Scheduler:
             if self.speculative is not None:
                 self._apply_drafts(plan, result, step_index, now_s)
             return
+        spec = plan.spec_decodes
         for r, token in result.sampled_token_ids.items():
             if r.status is not RequestStatus.FINISHED:  # a wasted slot's token is dropped
+                if r in spec:  # the accepted drafts come before the sampled token
+                    r.output_token_ids.extend(r.spec_token_ids[: result.num_accepted.get(r, 0)])
                 r.output_token_ids.append(token)
         for r in plan.finished:  # state as of the tick that sampled the last token
             del self._finishing[r]
             self.decode_set.remove(r, r.join_tick + r.output_len - r.join_num_output)
             self._finish(r, now_s)
         self._held.clear()  # their tokens of this step are known now
+        after = self._in_flight if self._in_flight is not plan else None
         if self._in_flight is plan:
             self._in_flight = None
+        if self.speculative is not None:
+            self._apply_drafts_async(plan, result, after)
 
     def launched(self, plan: SchedulerOutput) -> None:
         """Asynchronous scheduling: ``plan`` was handed to the executor (after it read the
@@ -384,6 +394,50 @@ class Scheduler:
         for r in (*plan.decodes, *plan.sampled_prefills):
             if r.status is RequestStatus.RUNNING:
                 r.spec_token_ids = drafts.get(r, [])
+
+    def _apply_drafts_async(
+        self, plan: SchedulerOutput, result: StepResult, after: SchedulerOutput | None
+    ) -> None:
+        """:meth:`_apply_drafts` under asynchronous scheduling, when ``plan``'s results
+        arrive and ``after`` (the next plan, or None) is in flight: the accepted drafts join
+        the counts (of a request preempted meanwhile too), blocks beyond what the request
+        and ``after``'s drafts of it need are freed, and a request whose last token
+        ``after`` samples becomes one of its ``finished`` (module doc)."""
+        ds, bm, bs = self.decode_set, self.block_manager, self.block_size
+        accepted, drafts = result.num_accepted, result.draft_token_ids
+        step = self.num_steps - 1 - (after is not None)  # plan's index
+        later = after.spec_decodes if after is not None else {}
+        for r, d in plan.spec_decodes.items():
+            a = accepted.get(r, 0)
+            if not 0 <= a <= d:
+                raise ValueError(
+                    f"step {step}: request {r.request_id}: {a!r} drafts accepted, "
+                    f"expected 0..{d} (the drafts it verified)"
+                )
+            r.spec_steps.append((step, d, a))
+            if r.status is RequestStatus.RUNNING and r in ds:
+                if a:
+                    ds.remove(r)
+                    r.num_output_tokens += a
+                    r.num_computed_tokens += a
+                    ds.add(r)  # no heap entry when ``after`` samples its last token:
+                    if r.num_output_tokens >= r.output_len:  # it finishes with ``after``
+                        self._finishing[r] = None
+                        after.finished.append(r)
+                keep = blocks_for(ds.num_tokens(r) + later.get(r, 0), bs)
+                bm.free_tail(r, len(r.block_table) - keep)
+            elif r.status is RequestStatus.WAITING:  # a recompute victim: redone later
+                r.num_output_tokens += a
+                r.num_recomputed_tokens += a
+            elif r.status is RequestStatus.SWAPPED:
+                r.num_output_tokens += a
+                r.num_computed_tokens += a
+                bm.free_tail(r, len(r.block_table) - blocks_for(r.num_tokens, bs))
+        for r in (*plan.decodes, *plan.sampled_prefills):
+            if r.status in (RequestStatus.RUNNING, RequestStatus.SWAPPED):
+                r.spec_token_ids = drafts.get(r, [])
+            elif r.status is RequestStatus.WAITING:
+                r.spec_token_ids = []
 
     def abort_unfinished(self, reason: str, now_s: float) -> list[Request]:
         """End every queued request as aborted with ``reason`` (a run that stopped); their
@@ -600,18 +654,25 @@ class Scheduler:
         k = self.speculative.num_speculative_tokens
         budget = self.limits.max_num_batched_tokens - len(ds)
         spec = plan.spec_decodes
+        # Async: drafts of the step in flight, accepted or not (unknown yet), and the
+        # requests it samples, whose proposals (made on the device) are k placeholders.
+        flight = self._in_flight
+        unknown = flight.spec_decodes if flight is not None else {}
+        sampling = set(flight.decodes) | set(flight.sampled_prefills) if flight else set()
+        margin = 2 if flight is not None else 1  # async: the last token has no drafts
+        finishing = self._finishing
         for r in self.running:
             if budget <= 0:
                 break
-            if r.spec_token_ids and r in ds:
-                n = ds.num_tokens(r)
-                d = min(len(r.spec_token_ids), k, r.output_len - (n - r.prompt_len) - 1, budget)
+            if r in ds and r not in finishing:
+                props = k if r in sampling else len(r.spec_token_ids)
+                most = ds.num_tokens(r) + unknown.get(r, 0) - r.prompt_len  # output tokens
+                d = min(props, k, r.output_len - most - margin, budget)
                 if d > 0:
                     spec[r] = d
                     budget -= d
         need = {
-            r: blocks_for(ds.num_tokens(r) + 1 + spec.get(r, 0), bs) - len(r.block_table)
-            for r in ds.requests()
+            r: self._draft_blocks(r, spec.get(r, 0)) - len(r.block_table) for r in ds.requests()
         }
         total = sum(need.values())
         while total > bm.num_free_gpu_blocks:
@@ -619,11 +680,11 @@ class Scheduler:
                 r = self.running[0]
                 planned = spec.pop(r, 0)
                 if planned:  # alone: cut its drafts to what fits
-                    n, room = ds.num_tokens(r), len(r.block_table) + bm.num_free_gpu_blocks
-                    d = min(room * bs - n - 1, planned)
+                    room = len(r.block_table) + bm.num_free_gpu_blocks
+                    d = min(room * bs - self._draft_blocks_tokens(r), planned)
                     if d > 0:
                         spec[r] = d
-                    need[r] = blocks_for(n + 1 + max(d, 0), bs) - len(r.block_table)
+                    need[r] = self._draft_blocks(r, max(d, 0)) - len(r.block_table)
                     total = need[r]
                     continue
                 self.abort(
@@ -639,6 +700,18 @@ class Scheduler:
         for r, n in need.items():
             if n > 0:
                 bm.allocate(r, n)
+
+    def _draft_blocks_tokens(self, r: Request) -> int:
+        """KV slots a decode needs before its drafts: its tokens, the drafts of the step in
+        flight (async; any may be accepted) and the slot it samples into (none for a wasted
+        slot)."""
+        flight = self._in_flight
+        unknown = flight.spec_decodes.get(r, 0) if flight is not None else 0
+        return self.decode_set.num_tokens(r) + unknown + (r not in self._finishing)
+
+    def _draft_blocks(self, r: Request, drafts: int) -> int:
+        """Blocks a decode holds while it verifies ``drafts`` drafts."""
+        return blocks_for(self._draft_blocks_tokens(r) + drafts, self.block_size)
 
     def _needing_block(self) -> Iterable[Request]:
         """Decodes whose next token starts a block; async: not a wasted slot (its token is
@@ -829,9 +902,12 @@ class Scheduler:
             drafts = plan.spec_decodes.get(r, 0)
             left = r.output_len - (self.decode_set.num_tokens(r) - r.prompt_len) - 1
             assert drafts <= max(left, 0), f"{r.request_id}: {drafts} drafts, {left} tokens left"
-            need = blocks_for(
-                self.decode_set.num_tokens(r) + (r not in self._finishing) + drafts,
-                self.block_size,
+            need = (
+                self._draft_blocks(r, drafts)
+                if self.speculative is not None
+                else blocks_for(
+                    self.decode_set.num_tokens(r) + (r not in self._finishing), self.block_size
+                )
             )
             assert len(r.block_table) == need, f"{r.request_id}: {len(r.block_table)} != {need}"
         self.block_manager.check_integrity(list(self.running) + list(self.swapped))

@@ -360,3 +360,25 @@ def test_sim_ngram_without_rates_is_one_line(tmp_path, capsys):
     assert (
         len(err) == 1 and "acceptance_rates[1]: expected a probability in [0, 1], got 1.2" in err[0]
     )
+
+
+def test_speculation_with_async_scheduling_runs(tmp_path):
+    import run_experiment
+
+    cfg = write_config(
+        tmp_path, "{method: synthetic, num_speculative_tokens: 2, acceptance_rates: [0.9, 0.5]}"
+    )
+    text = cfg.read_text().replace(
+        "max_model_len: 1024}", "max_model_len: 1024, async_scheduling: true}"
+    )
+    cfg.write_text(text)
+    assert run_experiment.main([str(cfg), "--out", str(tmp_path / "a"), "--no-progress"]) == 0
+    on = json.loads((tmp_path / "a" / "summary.json").read_text())["on"]
+    assert on["async_scheduling"] and on["finished"] == 12
+    assert on["num_wasted_tokens"] == on["finished"]  # async's rule holds with drafts too
+    req = pd.read_csv(tmp_path / "a" / "requests.csv")
+    assert (
+        req.loc[req["policy"] == "on", "num_accepted_tokens"].sum()
+        == on["speculative"]["num_accepted_tokens"]
+        > 0
+    )

@@ -15,13 +15,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab import cluster_metrics, fairness, metrics, paths, vllm_result
+from lab import cluster_metrics, fairness, metrics, paths, spec_metrics, vllm_result
 from lab.config import ExperimentConfig, PolicyConfig
 from lab.core.errors import ConfigError, TraceError
 from lab.core.kv import has_prefix_identity, make_block_manager
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import SchedulerLimits
 from lab.progress import Phase
+from lab.sim import spec_executor
 from lab.sim.cluster import ClusterResult, replay_cluster
 from lab.sim.cost_model import (
     AnalyticCostModel,
@@ -389,6 +390,8 @@ def iter_runs(
         policies.append(
             (pol, cls, resolve_limits(cfg, pol, gpu * bs, max_position, cls.chunked_prefill))
         )
+        if cfg.backend == "sim" and _speculative(pol) is not None:
+            check_sim_speculative(cfg, pol)
 
     def async_of(pol) -> bool:  # a policy entry's own async_scheduling wins
         return bool(pol.options.get("async_scheduling", cfg.scheduler.async_scheduling))
@@ -400,6 +403,7 @@ def iter_runs(
                 cost_model.executor(
                     pol.label, scale, dataclasses.asdict(limits), label, async_of(pol)
                 )
+    any_spec = any(_speculative(pol) is not None for pol in cfg.policies)
     for scale in cfg.rate_scales:
         trace = requests if requests is not None else tables.pop(scale).to_requests()
         for r in trace:  # EDF's deadline for a single trace: the top-level TTFT SLO
@@ -435,6 +439,11 @@ def iter_runs(
                     executor = cost_model.executor(pol.label, scale, limits_d, label, async_of(pol))
                 else:
                     executor = CostModelExecutor(cost_model, bs)
+                    if _speculative(pol) is not None:
+                        executor = spec_executor.wrap(
+                            executor, cost_model, bs, _speculative(pol), HARDWARE[cfg.hardware],
+                            cfg.base_dir,
+                        )  # fmt: skip
                 return scheduler, executor
 
             run_requests = fresh(trace)
@@ -462,8 +471,11 @@ def iter_runs(
                         phase.replay_callback,
                     )
             rows = metrics.in_trace_order(run_requests, result.requests)  # dropped rows too
+            spec = _speculative(pol)
             with Phase(f"{label}: metrics", len(rows), "req", progress) as phase:
-                df, itl = metrics.request_table(result, pol.label, scale, phase.set, rows)
+                df, itl = metrics.request_table(
+                    result, pol.label, scale, phase.set, rows, split_itl=spec is not None
+                )
                 summary = {
                     "policy": pol.label,
                     "rate_scale": scale,
@@ -473,6 +485,12 @@ def iter_runs(
                     "num_cpu_blocks": cpu,
                     "cost_model": info_cm,
                 }
+                if spec is not None:  # lab/spec_metrics.py
+                    summary["speculative"] = spec_metrics.run_summary(result.requests, spec)
+                    df = spec_metrics.add_request_columns(df, rows, spec.num_speculative_tokens)
+                if any_spec and not isinstance(result, ClusterResult):  # every run: one table
+                    n = len(result.steps["time_s"])
+                    result.steps.update(spec_metrics.step_columns(result, n))
                 if cfg.trace.classes:  # per class and per tenant (lab/fairness.py)
                     slos = fairness.class_slos(cfg.trace.classes, cfg.slo.to_dict())
                     duration = summary["duration_s"]
@@ -488,6 +506,7 @@ def iter_runs(
                     backend=f"sched-lab-{cfg.backend}",
                     percentiles=cfg.report.metric_percentiles,
                 )
+                vllm.update(spec_metrics.vllm_keys(summary))
                 itl_tail = vllm_result.tail_points(itl)
                 if hasattr(executor, "plan_match"):  # replayed durations
                     summary["plan_match"] = executor.plan_match()
@@ -500,6 +519,36 @@ def iter_runs(
             if result.failure:
                 log.error("%s stopped: %s", label, result.failure)
             yield Run(label, pol.label, scale, result, df, itl, summary, vllm, itl_tail)
+
+
+def _speculative(pol: PolicyConfig):
+    """The policy's resolved ``speculative:`` config (lab/core/spec.py), or None (off)."""
+    return pol.speculative
+
+
+def check_sim_speculative(cfg: ExperimentConfig, pol: PolicyConfig) -> None:
+    """Fail before any replay when the simulator cannot run a policy's speculation: rates
+    missing or bad, a draft model it cannot price, or replayed engine durations (the engine
+    run's acceptance is not replayed step by step).
+
+    Raises:
+        ConfigError: one line naming the policy and the key.
+    """
+    spec = _speculative(pol)
+    where = f"policies[{pol.label}]"
+    if cfg.cost_model.durations_from is not None:
+        raise ConfigError(
+            f"{where}: speculative with cost_model.durations_from is not supported: the "
+            "simulator draws acceptance, so its plans would not be the engine run's"
+        )
+    if cfg.cluster is not None:
+        raise ConfigError(f"{where}: speculative in a cluster run is not supported yet")
+    try:
+        spec_executor.acceptance_rates(spec, cfg.base_dir)
+        if spec.method == "draft":
+            spec_executor.draft_cost_model(spec, HARDWARE[cfg.hardware], cfg.base_dir)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def _model_id(cfg: ExperimentConfig) -> str:

@@ -3,7 +3,10 @@
 
 * TTFT: arrival to first output token. E2E: arrival to last output token.
 * TPOT per request: (E2E - TTFT) / (n - 1), only for requests with n > 1 output tokens.
-* ITL: every gap between consecutive output tokens, pooled over requests.
+* ITL: every gap between consecutive output tokens, pooled over requests. With speculative
+  decoding the tokens one step yields arrive together and split the gap before them evenly
+  (:func:`lab.spec_metrics.split_gaps`); per-run and per-request acceptance metrics are in
+  :mod:`lab.spec_metrics`.
 * Throughput over the run's duration (t = 0 to the last request's end): requests/s, output
   tokens/s and prompt + output tokens/s, counting finished requests only.
 * Goodput (DistServe, OSDI'24 §2): finished requests per second that meet every SLO given;
@@ -29,6 +32,7 @@ import pandas as pd
 
 from lab.core.request import Request, RequestStatus
 from lab.sim.replay import ReplayResult
+from lab.spec_metrics import split_gaps
 
 PERCENTILES = (50, 90, 99)
 CDF_POINTS = 2000  # points of a latency CDF kept for the plots
@@ -67,6 +71,7 @@ def request_table(
     rate_scale: float,
     progress: Callable[[int], None] | None = None,
     requests: list[Request] | None = None,
+    split_itl: bool = False,
 ) -> tuple[pd.DataFrame, np.ndarray]:
     """One row per trace request, and the pooled ITL gaps (seconds) of finished requests.
 
@@ -78,6 +83,9 @@ def request_table(
         progress: optional callable(num_requests_done), called every 4,096 requests.
         requests: the rows, in order (default ``result.requests``; :func:`in_trace_order`
             adds the trace rows that were not replayed).
+        split_itl: tokens that arrive together split the gap before them evenly
+            (speculative decoding: :func:`lab.spec_metrics.split_gaps`); else every gap is
+            the difference of consecutive token times.
     """
     requests = result.requests if requests is None else requests
     finished = (r for r in requests if r.status is RequestStatus.FINISHED)
@@ -92,7 +100,10 @@ def request_table(
             times = result.token_times(r)
             first, last = times[0], times[-1]
             n = len(times) - 1
-            np.subtract(times[1:], times[:-1], out=itl[pos : pos + n])  # np.diff, in place
+            if split_itl:
+                itl[pos : pos + n] = split_gaps(times)
+            else:
+                np.subtract(times[1:], times[:-1], out=itl[pos : pos + n])  # np.diff, in place
             pos += n
         queue = r.first_scheduled_s - r.arrival_s if r.first_scheduled_s >= 0 else np.nan
         for c, v in zip(

@@ -24,7 +24,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from lab import __version__, fairness, html_report, plots, timeline, vllm_result
+from lab import __version__, fairness, html_report, plots, spec_metrics, timeline, vllm_result
 from lab.config import ExperimentConfig
 from lab.core.errors import UserError
 from lab.experiment import Run
@@ -603,6 +603,7 @@ def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str
         "",
     ]
     lines += _prefix_cache_lines(runs)
+    lines += spec_metrics.markdown(runs)  # speculative runs only
     wasted = [
         f"{r.label} {r.summary['num_wasted_tokens']}"
         for r in runs

@@ -441,6 +441,24 @@ class CalibratedCostModel:
         step_s = self.step_time(f, block_size)
         return step_s - self.host_time(f, block_size, step_s)
 
+    def spec_step_time(self, f: StepFeatures, block_size: int) -> float:
+        """Predicted seconds of a step whose decodes also verify draft tokens
+        (``f.num_spec_tokens``, speculative decoding), priced as decode rows of 1 + d
+        queries: :meth:`step_time` plus each draft token at the per-token rate (with the
+        hinge on the step's total tokens) and its attention pairs
+        (``f.spec_context_tokens``) at the prompt chunks' per-pair rate; the context is
+        read once per sequence, as a decode reads it. The profile has no verify rows, so
+        this is an extrapolation (lab/sim/spec_executor.py offers the prefill pricing too).
+        """
+        t = self.step_time(f, block_size)
+        if not f.num_spec_tokens:
+            return t
+        base = f.num_prefill_tokens + f.num_decodes
+        total = base + f.num_spec_tokens
+        t += self._tok * f.num_spec_tokens + self._pairs * f.spec_context_tokens
+        t += self._hinge * (max(0, total - TOKEN_KNOT) - max(0, base - TOKEN_KNOT))
+        return t
+
 
 def profile_shape(path: str | Path) -> tuple[str | None, str | None]:
     """(model preset, hardware preset) a profile's header names, each None when it names

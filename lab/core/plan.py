@@ -121,6 +121,7 @@ class SchedulerOutput:
     decode_tick: int = 0
     num_cached_tokens: int = 0
     num_cached_blocks: int = 0
+    spec_decodes: dict[Request, int] = field(default_factory=dict)
 
     _features: StepFeatures | None = None
 
@@ -202,6 +203,8 @@ class StepResult:
 
     duration_s: float
     sampled_token_ids: dict[Request, int] = field(default_factory=dict)
+    num_accepted: dict[Request, int] = field(default_factory=dict)
+    draft_token_ids: dict[Request, list[int]] = field(default_factory=dict)
 
 
 class Executor(Protocol):

@@ -260,9 +260,11 @@ def test_smollm2_greedy_identical_ngram_and_draft(tmp_path):
     model = convert_smollm2()
     tiny_draft = {**QWEN3_TINY, "vocab_size": 49152, "num_hidden_layers": 1}
     tiny_draft = write_random_checkpoint(tiny_draft, tmp_path / "d", dtype="float32")
-    # token ids of "The lab replays traces. The lab replays traces. The lab"
-    prompts = [[504, 4417, 32165, 4015, 10688, 30, 378, 4417, 32165, 4015, 10688, 30, 378,
-                4417], [1, 2, 3, 4, 5]]  # fmt: skip
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    text = ["The lab replays traces. The lab replays traces. The lab", "List three colors:"]
+    prompts = [tok(t)["input_ids"] for t in text]
     out_len = 10
 
     def smol():
@@ -282,3 +284,5 @@ def test_smollm2_greedy_identical_ngram_and_draft(tmp_path):
         assert drafted > 0, method
         if kw.get("model") == model:
             assert accepted == drafted  # its own draft: every draft accepted
+        elif kw.get("model") == tiny_draft:
+            assert accepted < drafted  # a random draft: real rejections

@@ -477,3 +477,33 @@ def load_draft(target, model: str | Path | None, k: int, max_num_seqs: int,
     )
     kwargs.update(overrides or {})
     return ModelRunner(path, **kwargs)
+
+
+def spec_decoder_from(config, runner, temperature: float, seed: int, max_num_seqs: int,
+                      drafts: dict | None = None) -> SpecDecoder | None:  # fmt: skip
+    """A :class:`SpecDecoder` from a ``speculative:`` config block (an object with
+    CONTRACT.md's key names, lab/core/spec.py's ``SpeculativeConfig``), or None when it is
+    None. ``drafts`` caches draft runners by checkpoint across runs (a run resets nothing
+    but the draft's KV bookkeeping, which a new proposer starts empty)."""
+    if config is None:
+        return None
+    method, k = config.method, config.num_speculative_tokens
+    kw = dict(
+        prompt_lookup_min=getattr(config, "prompt_lookup_min", None) or 1,
+        prompt_lookup_max=getattr(config, "prompt_lookup_max", None) or 4,
+        acceptance_rates=list(getattr(config, "acceptance_rates", None) or ()),
+        seed=seed if getattr(config, "seed", None) is None else config.seed,
+    )
+    if method != "draft":
+        return make_spec_decoder(runner, method, k, temperature, **kw)
+    model = getattr(config, "model", None)
+    key = (str(model), k, max_num_seqs)
+    if drafts is None or key not in drafts:
+        draft = load_draft(runner, model, k, max_num_seqs)
+        if drafts is not None:
+            drafts.clear()
+            drafts[key] = draft
+    else:
+        draft = drafts[key]
+    draft.generator.manual_seed(kw["seed"])
+    return SpecDecoder(runner, DraftProposer(draft, k, temperature), k, temperature)

@@ -82,7 +82,7 @@ def make_runner(args):
             write_random_checkpoint(TINY, path, "float32", std=0.2)
         kw = dict(device="cpu", dtype="float32", attention_backend="torch")
     else:
-        from benchmarks.common import checkpoint
+        from common import checkpoint  # benchmarks/common.py
 
         path = checkpoint("qwen3-0.6b")
         kw = dict(device="cuda", dtype="bfloat16", attention_backend="triton")

@@ -87,10 +87,11 @@ def test_rejection_sampling_keeps_the_target_distribution(point_mass):
 # ------------------------------------------------------------------------------ the driver
 
 
-def drive(runner, prompts, out_len, spec=None, chunk=8, preempt_at=None):
+def drive(runner, prompts, out_len, spec=None, chunk=8, preempt_at=None, swap_at=None):
     """Play the scheduler over hand-made plans; returns (outputs, accepted, drafted).
     ``preempt_at`` = (step, request index): a recompute preemption (new blocks, re-prefill
-    of prompt + outputs)."""
+    of prompt + outputs). ``swap_at`` = (step, request index): swapped out at that step,
+    back two steps later into other blocks."""
     bs = runner.block_size
     per = -(-(max(map(len, prompts)) + out_len + 8) // bs)
     free = list(range(runner.num_gpu_blocks))
@@ -108,6 +109,16 @@ def drive(runner, prompts, out_len, spec=None, chunk=8, preempt_at=None):
             r = reqs[preempt_at[1]]
             plan.preempted.append((r, PreemptionMode.RECOMPUTE))
             r.num_computed_tokens, r.block_table, free = 0, free[:per], free[per:]
+        if swap_at and swap_at[0] == step:
+            r = reqs[swap_at[1]]
+            plan.preempted.append((r, PreemptionMode.SWAP))
+            plan.swap_out = [(g, c) for c, g in enumerate(r.block_table)]
+            r.status = RequestStatus.SWAPPED
+        if swap_at and swap_at[0] + 2 == step:
+            r = reqs[swap_at[1]]
+            r.block_table, free = free[:per], free[per:]
+            plan.swap_in = list(enumerate(r.block_table))
+            r.status = RequestStatus.RUNNING
         for r in reqs:
             if r.status is not RequestStatus.RUNNING:
                 continue
@@ -192,6 +203,46 @@ def test_tiny_draft_model_identical_with_a_recompute_preemption(tiny, baseline):
     assert len(spec.proposer.free) == spec.proposer.runner.num_gpu_blocks
     # 96 target blocks + 4 seqs x (ceil(2 / 4) + 1) lookahead blocks
     assert spec.proposer.runner.num_gpu_blocks == 96 + 4 * 2
+
+
+def test_tiny_draft_model_identical_with_a_swap(tiny, baseline):
+    runner = runner_for(tiny[0], swap_space_bytes=1 << 20)
+    spec = make_spec_decoder(runner, "draft", 2, model=tiny[1], max_num_seqs=4)
+    forgotten, forget = [], spec.proposer.forget
+    spec.proposer.forget = lambda r: (forgotten.append((r.request_id, r.status)), forget(r))
+    out, accepted, drafted = drive(runner, PROMPTS, OUT, spec, swap_at=(4, 1))
+    assert out == baseline and drafted > 0
+    assert all(status is RequestStatus.FINISHED for _, status in forgotten)  # KV stayed
+
+
+def test_tiny_draft_cache_full_gives_fewer_drafts(tiny, baseline):
+    """12 draft blocks of 4 tokens hold one request and a half: the others get no drafts
+    while it runs, and the tokens stay exact."""
+    runner = runner_for(tiny[0])
+    spec = make_spec_decoder(runner, "draft", 2, model=tiny[0],
+                             draft_runner_kwargs={"num_gpu_blocks": 12})  # fmt: skip
+    out, accepted, drafted = drive(runner, PROMPTS, OUT, spec)
+    other = runner_for(tiny[0])
+    full = drive(other, PROMPTS, OUT, make_spec_decoder(other, "draft", 2, model=tiny[0]))
+    assert out == baseline and 0 < drafted < full[2]
+
+
+def test_spec_decoder_from_a_config_block(tiny):
+    from types import SimpleNamespace
+
+    from backend.spec_decode import spec_decoder_from
+
+    runner = runner_for(tiny[0])
+    assert spec_decoder_from(None, runner, 0.0, 0, 4) is None
+    cfg = SimpleNamespace(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
+                          prompt_lookup_max=5, model=None, acceptance_rates=None, seed=None)  # fmt: skip
+    spec = spec_decoder_from(cfg, runner, 0.0, 0, 4)
+    assert (spec.k, spec.proposer.n_min, spec.proposer.n_max) == (3, 2, 5)
+    drafts: dict = {}
+    cfg = SimpleNamespace(method="draft", num_speculative_tokens=2, model=tiny[1], seed=7)
+    first = spec_decoder_from(cfg, runner, 0.0, 0, 4, drafts)
+    again = spec_decoder_from(cfg, runner, 0.0, 0, 4, drafts)
+    assert first.proposer.runner is again.proposer.runner and len(drafts) == 1
 
 
 def test_tiny_self_draft_accepts_every_draft(tiny, baseline):

@@ -53,9 +53,18 @@ def engine_parts(cfg: ExperimentConfig):
         check_tp_size(ModelConfig.from_dir(eng.model_path), eng.tensor_parallel_size)
         runner = TensorParallelRunner(eng.model_path, eng.tensor_parallel_size, **kwargs)
 
-    def make_executor() -> EngineExecutor:
+    drafts: dict = {}  # draft runners, loaded once for all runs (backend/spec_decode.py)
+
+    def make_executor(speculative=None) -> EngineExecutor:
+        """``speculative``: the run's ``speculative:`` block (lab/core/spec.py) or None."""
         runner.generator.manual_seed(cfg.seed)  # each run samples the same way
-        return EngineExecutor(runner, eng.temperature)
+        if speculative is None:
+            return EngineExecutor(runner, eng.temperature)
+        from backend.spec_decode import spec_decoder_from
+
+        spec = spec_decoder_from(speculative, runner, eng.temperature, cfg.seed,
+                                 cfg.scheduler.max_num_seqs, drafts)  # fmt: skip
+        return EngineExecutor(runner, eng.temperature, spec)
 
     return (
         make_executor,

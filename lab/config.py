@@ -29,6 +29,10 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
              num_threads: null, tensor_parallel_size: 1}
              # backend: engine only (backend/README.md)
     check_invariants: false
+    speculative: {method: ngram, num_speculative_tokens: 3, prompt_lookup_min: 1,
+                  prompt_lookup_max: 4}   # or draft (model: DIR) or synthetic
+                  # (acceptance_rates: [p1..pk]); lab/core/spec.py. A policy entry's own
+                  # speculative: replaces it (null: off for that policy); default: off
     cluster: {replicas: 4, router: least_kv}      # simulator only (lab/sim/cluster.py); or
              # {prefill: {replicas: 2, router: ...}, decode: {replicas: 2}, kv_transfer: ib-ndr}
     trace_file: {path: ..., sha256: ..., rows: ...}   # written into results' config.yaml;
@@ -58,6 +62,7 @@ import policies
 from lab import paths
 from lab.core.errors import ConfigError
 from lab.core.scheduler import VICTIM_RULES
+from lab.core.spec import SpeculativeConfig
 from lab.sim.cluster import ClusterSpec, PoolSpec
 from lab.sim.hardware import HARDWARE, LINKS, Link
 from lab.sim.models import MODELS
@@ -177,6 +182,10 @@ class PolicyConfig:
     max_model_len: int | None = None
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     enable_prefix_caching: bool | None = None
+    # Speculative decoding for this policy's runs (lab/core/spec.py): the entry's own
+    # ``speculative:`` (``own_speculative``) or else the top-level one; None = off.
+    speculative: SpeculativeConfig | None = None
+    own_speculative: bool = False
 
     def prefix_caching(self, kv: KVCacheConfig) -> bool:
         """Whether this policy's runs cache prefixes (its own key, else ``kv_cache``'s)."""
@@ -195,6 +204,8 @@ class PolicyConfig:
             if self.enable_prefix_caching is None
             else {"enable_prefix_caching": self.enable_prefix_caching}
         )
+        if self.own_speculative:
+            own["speculative"] = None if self.speculative is None else self.speculative.to_dict()
         return {
             "label": self.label,
             "name": self.name,
@@ -301,6 +312,7 @@ class ExperimentConfig:
     check_invariants: bool = False
     cluster: ClusterSpec | None = None  # None: one replica (lab/sim/cluster.py)
     report: ReportConfig = ReportConfig()
+    speculative: SpeculativeConfig | None = None  # shared by every policy; None = off
     source: str = field(default="config", compare=False)
     base_dir: Path = field(default=Path("."), compare=False)
 
@@ -362,6 +374,8 @@ class ExperimentConfig:
         }
         if self.cluster is not None:
             out["cluster"] = cluster_to_dict(self.cluster)
+        if self.speculative is not None:  # absent when off: older dumps stay as they were
+            out["speculative"] = self.speculative.to_dict()
         if self.trace.expected is not None:
             out["trace_file"] = dict(self.trace.expected)
         return out
@@ -398,6 +412,7 @@ TOP_KEYS = (
     "trace_file",
     "cluster",
     "report",
+    "speculative",
 )
 DEFAULT_POLICIES = ("fcfs", "swap", "chunked_prefill")
 
@@ -464,6 +479,7 @@ def validate(
     if not isinstance(top["check_invariants"], bool):
         raise _fail(where, "check_invariants", "true or false", top["check_invariants"])
     scheduler = _scheduler(where, raw.get("scheduler", {}))
+    spec = _speculative(where, "speculative", raw.get("speculative"), base_dir, backend)
     cluster = None if raw.get("cluster") is None else _cluster(where, raw["cluster"], backend)
     if cluster is not None and (raw.get("cost_model") or {}).get("durations_from") is not None:
         raise ConfigError(
@@ -480,12 +496,20 @@ def validate(
         cost_model=_cost_model(where, raw.get("cost_model", {}), base_dir, backend == "sim"),
         kv_cache=_hash_block_size(where, trace, _kv_cache(where, raw.get("kv_cache", {}))),
         scheduler=scheduler,
-        policies=_policies(where, raw.get("policies", list(DEFAULT_POLICIES)), trace.tenants),
+        policies=_policies(
+            where,
+            raw.get("policies", list(DEFAULT_POLICIES)),
+            trace.tenants,
+            spec,
+            base_dir,
+            backend,
+        ),
         slo=_slo(where, raw.get("slo", {})),
         engine=_engine(where, raw.get("engine", {}), base_dir, backend == "engine"),
         check_invariants=top["check_invariants"],
         cluster=cluster,
         report=_report(where, raw.get("report", {})),
+        speculative=spec,
         source=where,
         base_dir=base_dir,
     )
@@ -718,7 +742,12 @@ def _scheduler(where: str, raw: Any) -> SchedulerConfig:
 
 
 def _policies(
-    where: str, pols: Any, tenants: frozenset[str] = frozenset()
+    where: str,
+    pols: Any,
+    tenants: frozenset[str] = frozenset(),
+    spec: SpeculativeConfig | None = None,
+    base_dir: Path = Path("."),
+    backend: str = "sim",
 ) -> tuple[PolicyConfig, ...]:
     if policies.BROKEN:  # a policy file that cannot be imported: say which, run nothing
         path, why = next(iter(policies.BROKEN.items()))
@@ -741,7 +770,15 @@ def _policies(
             where,
             key,
             p,
-            ("name", "label", *LIMIT_KEYS, VICTIM_KEY, "enable_prefix_caching", *cls.options),
+            (
+                "name",
+                "label",
+                *LIMIT_KEYS,
+                VICTIM_KEY,
+                "enable_prefix_caching",
+                "speculative",
+                *cls.options,
+            ),
         )
         _check_limits(where, key, p)
         if VICTIM_KEY in p:
@@ -762,6 +799,7 @@ def _policies(
                 label,
             )
         options = {k: copy.deepcopy(v) for k, v in p.items() if k in (*cls.options, VICTIM_KEY)}
+        own_spec = "speculative" in p
         resolved.append(
             PolicyConfig(
                 p["name"],
@@ -769,6 +807,12 @@ def _policies(
                 *(p.get(k) for k in LIMIT_KEYS),
                 options=MappingProxyType(options),
                 enable_prefix_caching=caching,
+                speculative=(
+                    _speculative(where, f"{key}.speculative", p["speculative"], base_dir, backend)
+                    if own_spec
+                    else spec
+                ),
+                own_speculative=own_spec,
             )
         )
     labels = [p.label for p in resolved]
@@ -777,6 +821,30 @@ def _policies(
             f"{where}: policies: labels must be unique (give 'label:'), got {short_repr(labels)}"
         )
     return tuple(resolved)
+
+
+def _speculative(
+    where: str, key: str, raw: Any, base_dir: Path, backend: str
+) -> SpeculativeConfig | None:
+    """``speculative:`` (top level or a policy's) validated by lab/core/spec.py, its paths
+    made absolute: ``model`` must exist on the engine, ``acceptance_from`` in the simulator."""
+    if raw is None:
+        return None
+    try:
+        spec = SpeculativeConfig.from_mapping(raw, key)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    found = {}
+    for sub, used in (("model", backend == "engine"), ("acceptance_from", backend == "sim")):
+        value = getattr(spec, sub)
+        if value is not None:
+            path = (
+                _existing(where, f"{key}.{sub}", value, base_dir, "directory")
+                if used
+                else paths.resolve(value, base_dir)
+            )
+            found[sub] = str(path)
+    return dataclasses.replace(spec, **found)
 
 
 def _slo(where: str, raw: Any, key: str = "slo") -> SLOConfig:

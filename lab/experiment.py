@@ -405,6 +405,7 @@ def iter_runs(
                 scheduler = cls(
                     limits,
                     make_block_manager(gpu, cpu, bs, kv.watermark, pol.prefix_caching(kv)),
+                    speculative=pol.speculative,
                     **{"preemption_victim": cfg.scheduler.preemption_victim, **pol.options},
                 )
                 if cfg.backend == "engine":

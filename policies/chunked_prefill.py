@@ -21,7 +21,8 @@ class ChunkedPrefill(Scheduler):
     def schedule(self) -> SchedulerOutput:
         plan = SchedulerOutput()
         self.reserve_decode_blocks(plan)
-        budget = self.limits.max_num_batched_tokens - len(self.decode_set)
+        # One token per decode, plus the drafts they verify (speculative decoding).
+        budget = self.limits.max_num_batched_tokens - len(self.decode_set) - plan.num_spec_tokens
         for r in self.prefilling:  # their prompts' blocks are held since admission
             if budget == 0:
                 break

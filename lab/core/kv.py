@@ -137,6 +137,17 @@ class BlockManager:
             )
         request.block_table.extend(self._free_gpu.take(num_blocks))
 
+    def free_tail(self, request: Request, num_blocks: int) -> None:
+        """Release the last ``num_blocks`` GPU blocks of a running ``request`` (lookahead
+        slots of rejected draft tokens: never keyed, as they hold no computed token)."""
+        if num_blocks > 0:
+            table = request.block_table
+            self._release_tail(table[-num_blocks:])
+            del table[-num_blocks:]
+
+    def _release_tail(self, blocks: list[int]) -> None:
+        self._free_gpu.put(blocks)
+
     def free(self, request: Request) -> None:
         """Return all blocks of ``request`` to the pool it is in (GPU, or CPU if swapped)."""
         pool = self._free_cpu if request.status is RequestStatus.SWAPPED else self._free_gpu
@@ -499,6 +510,9 @@ class PrefixCachingBlockManager(BlockManager):
             self.num_evicted_blocks += n - k
         deque(map(self._ref.__setitem__, out, repeat(1)), 0)  # ref[b] = 1 for each, in C
         return out
+
+    def _release_tail(self, blocks: list[int]) -> None:
+        self._release(blocks)
 
     def _release(self, blocks: list[int]) -> None:
         """Drop one reference to each of ``blocks``, tail first: keyed blocks reaching ref

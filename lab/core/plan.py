@@ -39,6 +39,12 @@ class StepFeatures:
         decode_context_tokens: sum over decodes of the positions they attend to.
         num_samples: tokens sampled (decodes + chunks that finish their prompt).
         num_swap_blocks: blocks copied between host and device (out + in).
+        num_spec_tokens: draft tokens fed by decodes for verification (speculative
+            decoding, lab/core/spec.py); each is a query token (counted in ``num_tokens``,
+            the step's budget) and a sampled position (counted in ``num_samples``).
+        num_spec_decodes: decodes that verify drafts (also counted in ``num_decodes``).
+        spec_context_tokens: sum over draft tokens of the KV positions each attends to
+            (the latest token's context plus the drafts before it and itself).
     """
 
     num_prefill_tokens: int
@@ -49,10 +55,13 @@ class StepFeatures:
     decode_context_tokens: int
     num_samples: int
     num_swap_blocks: int
+    num_spec_tokens: int = 0
+    num_spec_decodes: int = 0
+    spec_context_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decodes
+        return self.num_prefill_tokens + self.num_decodes + self.num_spec_tokens
 
     @property
     def num_seqs(self) -> int:
@@ -67,11 +76,15 @@ class ScheduledSeq:
         request: the request (read-only for executors).
         start_pos: tokens whose KV is cached already (num_computed_tokens); the step feeds
             positions ``[start_pos, start_pos + num_new_tokens)``.
-        num_new_tokens: tokens fed this step (a prompt chunk, or 1 for a decode).
+        num_new_tokens: tokens fed this step (a prompt chunk, or 1 + d for a decode
+            verifying d draft tokens).
         block_table: GPU block ids, covering at least ``start_pos + num_new_tokens``
             positions; position p lives in slot
             ``block_table[p // block_size] * block_size + p % block_size``.
         sample: whether the step samples a token after the last fed one.
+        num_draft_tokens: d, the draft tokens among the fed ones (the last d; a decode with
+            speculation): the step samples after each fed token and keeps the accepted
+            prefix plus one.
     """
 
     request: Request
@@ -79,13 +92,17 @@ class ScheduledSeq:
     num_new_tokens: int
     block_table: list[int]
     sample: bool
+    num_draft_tokens: int = 0
 
     def token_ids(self) -> list[int]:
         """The token ids fed (prompt then generated tokens; needs ``prompt_token_ids``)."""
         r, lo = self.request, self.start_pos
         hi = lo + self.num_new_tokens
         if lo >= r.prompt_len:  # a decode, or a chunk of generated tokens only
-            return r.output_token_ids[lo - r.prompt_len : hi - r.prompt_len]
+            ids = r.output_token_ids[lo - r.prompt_len : hi - r.prompt_len]
+            if self.num_draft_tokens:
+                ids += r.spec_token_ids[: self.num_draft_tokens]
+            return ids
         return (r.prompt_token_ids + r.output_token_ids)[lo:hi]
 
 
@@ -109,6 +126,9 @@ class SchedulerOutput:
         num_cached_tokens: tokens the admissions of this step found in the prefix cache
             (not fed: each such chunk starts after them and attends to them as context).
         num_cached_blocks: the blocks holding them.
+        spec_decodes: decode -> d' >= 1, the draft tokens it verifies this step (the first
+            d' of ``r.spec_token_ids``, fed after its latest token at the next positions);
+            empty without speculative decoding. Decodes not in it feed one token.
     """
 
     prefills: dict[Request, int] = field(default_factory=dict)
@@ -147,15 +167,34 @@ class SchedulerOutput:
                 samples + len(self.decodes),
                 len(self.swap_in) + len(self.swap_out),
             )
+            if self.spec_decodes:
+                self._add_spec_features(self._features)
         return self._features
+
+    def _add_spec_features(self, f: StepFeatures) -> None:
+        tick = self.decode_tick - 1
+        drafts = context = 0
+        for r, d in self.spec_decodes.items():
+            pos = r.prompt_len + r.join_num_output + tick - r.join_tick  # the latest token's
+            drafts += d
+            context += d * (pos + 1) + d * (d + 1) // 2
+        f.num_spec_tokens, f.num_spec_decodes = drafts, len(self.spec_decodes)
+        f.spec_context_tokens = context
+        f.num_samples += drafts
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Draft tokens of the plan so far (sum of ``spec_decodes``)."""
+        return sum(self.spec_decodes.values()) if self.spec_decodes else 0
 
     def seqs(self) -> list[ScheduledSeq]:
         """Per-sequence inputs of the step: prefill chunks in plan order, then decodes (each
         feeds its latest token at :meth:`decode_positions`). Valid until the step's results
         are applied (``Scheduler.update``); O(sequences), so the simulator never calls it."""
         out = self.prefill_seqs()
+        spec = self.spec_decodes
         out += [
-            ScheduledSeq(r, pos, 1, r.block_table, True)
+            ScheduledSeq(r, pos, 1 + spec.get(r, 0), r.block_table, True, spec.get(r, 0))
             for r, pos in zip(self.decodes, self.decode_positions())
         ]
         return out
@@ -198,7 +237,13 @@ class StepResult:
         duration_s: step duration in seconds (predicted by the cost model, or measured
             wall time on the engine).
         sampled_token_ids: request -> token id sampled this step (engine only; the
-            simulator leaves it empty).
+            simulator leaves it empty). For a decode of ``plan.spec_decodes``: the token
+            sampled after its accepted drafts (the bonus token, or the correction).
+        num_accepted: spec decode -> drafts accepted (0 .. d' of ``plan.spec_decodes``; a
+            missing entry counts as 0). The request gains accepted + 1 tokens.
+        draft_token_ids: request -> the drafts proposed for its next step (for requests that
+            sampled a token; a sampled request without an entry has none). Engine: the
+            proposer's; simulator: k placeholder ids.
     """
 
     duration_s: float

@@ -92,11 +92,29 @@ class Request:
     # been offered to the cache (hits, or registered after being computed).
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0
+    # Speculative decoding (lab/core/spec.py; empty when it is off). ``spec_token_ids``: the
+    # draft tokens proposed for the request's next step (set by ``Scheduler.update`` from
+    # ``StepResult.draft_token_ids``; placeholder ids in the simulator). ``spec_steps``: one
+    # (step index, drafts scheduled d', drafts accepted a) per step that verified drafts of
+    # the request; that step's end produced 1 + a tokens, the one its decode tick records
+    # (``decode_segments``) and a extra ones.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_steps: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         """Prompt + output tokens so far (materialized state; see DecodeSet for live ones)."""
         return self.prompt_len + self.num_output_tokens
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens scheduled for verification (vLLM's ``num_draft_tokens``)."""
+        return sum(d for _, d, _ in self.spec_steps)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Draft tokens accepted (vLLM's ``num_accepted_tokens``)."""
+        return sum(a for _, _, a in self.spec_steps)
 
     @property
     def num_preemptions(self) -> int:

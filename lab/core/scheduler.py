@@ -22,6 +22,33 @@ Token and block conventions (vLLM V0's block manager):
   the cached prefix up at that moment and the prefill starts after it; a recompute victim
   drops its references but its blocks keep their keys, so its re-admission finds what is
   still cached (counted apart, ``Request.num_resumed_cached_tokens``).
+
+Speculative decoding (``speculative=``, lab/core/spec.py; vLLM V1's accounting). After a
+step, the executor's proposals for each sampled request become ``Request.spec_token_ids``.
+* Budget: :meth:`reserve_decode_blocks` gives every decode its one token first, then drafts
+  to decodes in ``running`` order (admission order, as vLLM schedules its running requests)
+  while the step's token budget lasts: a decode holding L tokens verifies d' = min(its
+  proposals, k, budget left, output_len - output tokens - 1) drafts, so a request never
+  drafts past its end. It runs before any prefill chunk of chunked policies, so drafts
+  take budget before prompt chunks (prefill-first policies decode in steps without
+  prefills). vLLM would instead cut a running request's own token when the budget is
+  gone; here every decode always feeds its token (max_num_seqs <= the budget).
+* KV slots: blocks for L + d' + 1 tokens (the d' drafts and the sampled slot) are held
+  before the step; when free blocks are short, :meth:`pick_victim` is preempted as for a
+  decode that needs a block (a request running alone has its drafts cut to what fits
+  instead, and is aborted only if even its one token does not fit).
+* After the step (:meth:`update`), with a of the d' drafts accepted, the request gains
+  a + 1 tokens (L + a + 1), ``num_computed_tokens`` = L + a (the rejected drafts' KV is
+  rolled back) and blocks beyond ceil((L + a + 1) / block_size) are freed. The decode set
+  still advances every member by one; members that gained extra tokens leave and re-join
+  it (O(spec decodes) per step; with speculation off nothing changes and a step stays
+  O(1)). ``Request.spec_steps`` records (step, d', a); the extra tokens' times are the
+  step's end.
+* Preemption: recompute drops the proposals (the re-prefill feeds known tokens only, then
+  the executor proposes anew); swap keeps them (they still continue the swapped request's
+  tokens), used in the first step after it is back in the decode batch. Prefix cache: only
+  blocks full of accepted tokens are ever keyed (``num_computed_tokens`` counts no rejected
+  draft).
 """
 
 from __future__ import annotations
@@ -45,6 +72,7 @@ from lab.core.events import (
 from lab.core.kv import BlockManager, blocks_for
 from lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
 from lab.core.request import Request, RequestStatus
+from lab.core.spec import SpeculativeConfig
 
 log = logging.getLogger("lab.core.scheduler")
 
@@ -130,6 +158,7 @@ class Scheduler:
         limits: SchedulerLimits,
         block_manager: BlockManager,
         preemption_victim: str | None = None,
+        speculative: SpeculativeConfig | None = None,
         **options: Any,
     ):
         if preemption_victim is not None:
@@ -140,6 +169,7 @@ class Scheduler:
                 )
             self.preemption_victim = preemption_victim
         self.limits = limits
+        self.speculative = speculative
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.waiting: deque[Request] = deque()
@@ -199,13 +229,18 @@ class Scheduler:
         token ids (engine runs), advance decodes and prompt chunks, finish requests whose
         last token was sampled and free their blocks. Mutates requests and queues."""
         self.now_s = now_s
+        spec = plan.spec_decodes
         for r, token in result.sampled_token_ids.items():
+            if r in spec:  # the accepted drafts come before the sampled token
+                r.output_token_ids.extend(r.spec_token_ids[: result.num_accepted.get(r, 0)])
             r.output_token_ids.append(token)
         step_index = self.num_steps
         self.num_steps += 1
         if plan.decodes:
             for r in self.decode_set.advance():
                 self._finish(r, now_s)
+            if self.speculative is not None:
+                self._apply_drafts(plan, result, step_index, now_s)
         caching = self.block_manager.enable_prefix_caching
         for r, num_new in plan.prefills.items():
             if r.num_computed_tokens and not (  # a later chunk (admit_waiting records the first)
@@ -227,6 +262,38 @@ class Scheduler:
                 self._finish(r, now_s)
             else:
                 self.decode_set.add(r)
+                if self.speculative is not None:
+                    r.spec_token_ids = result.draft_token_ids.get(r, [])
+
+    def _apply_drafts(self, plan: SchedulerOutput, result: StepResult, step: int, now_s: float):
+        """Speculative decoding, after the decode tick: accepted drafts become tokens,
+        rejected ones give back their KV slots; every decode takes its new proposals."""
+        ds, bm, bs = self.decode_set, self.block_manager, self.block_size
+        accepted, drafts = result.num_accepted, result.draft_token_ids
+        for r, d in plan.spec_decodes.items():
+            a = accepted.get(r, 0)
+            if not 0 <= a <= d:
+                raise ValueError(
+                    f"step {step}: request {r.request_id}: {a!r} drafts accepted, "
+                    f"expected 0..{d} (the drafts it verified)"
+                )
+            r.spec_steps.append((step, d, a))
+            if a:  # leave the decode set (its state is written back), gain a tokens
+                ds.remove(r)
+                r.num_output_tokens += a
+                r.num_computed_tokens += a
+            bm.free_tail(
+                r,
+                len(r.block_table)
+                - blocks_for(r.prompt_len + r.num_output_tokens if a else ds.num_tokens(r), bs),
+            )
+            if a and r.num_output_tokens >= r.output_len:
+                self._finish(r, now_s)
+            elif a:
+                ds.add(r)
+        for r in plan.decodes:
+            if r.status is RequestStatus.RUNNING:
+                r.spec_token_ids = drafts.get(r, [])
 
     def abort_unfinished(self, reason: str, now_s: float) -> list[Request]:
         """End every queued request as aborted with ``reason`` (a run that stopped); their
@@ -411,6 +478,8 @@ class Scheduler:
         holding the whole cache alone is aborted."""
         bm, ds = self.block_manager, self.decode_set
         self._slots_planned_for = plan
+        if self.speculative is not None:
+            return self._reserve_draft_blocks(plan)
         while len(ds.needing_block()) > bm.num_free_gpu_blocks:
             if len(self.running) == 1:
                 self.abort(
@@ -423,6 +492,54 @@ class Scheduler:
                 self.preempt(plan, self.pick_victim(), self.victim_rule)
         for r in ds.needing_block():
             bm.allocate(r, 1)
+
+    def _reserve_draft_blocks(self, plan: SchedulerOutput) -> None:
+        """:meth:`reserve_decode_blocks` with speculative decoding (module docstring):
+        drafts from the budget left after one token per decode, then the blocks of
+        L + d' + 1 tokens per decode. O(batch) per step (plus O(batch) per preemption)."""
+        bm, ds, bs = self.block_manager, self.decode_set, self.block_size
+        k = self.speculative.num_speculative_tokens
+        budget = self.limits.max_num_batched_tokens - len(ds)
+        spec = plan.spec_decodes
+        for r in self.running:
+            if budget <= 0:
+                break
+            if r.spec_token_ids and r in ds:
+                n = ds.num_tokens(r)
+                d = min(len(r.spec_token_ids), k, r.output_len - (n - r.prompt_len) - 1, budget)
+                if d > 0:
+                    spec[r] = d
+                    budget -= d
+        need = {
+            r: blocks_for(ds.num_tokens(r) + 1 + spec.get(r, 0), bs) - len(r.block_table)
+            for r in ds.requests()
+        }
+        total = sum(need.values())
+        while total > bm.num_free_gpu_blocks:
+            if len(self.running) == 1:
+                r = self.running[0]
+                planned = spec.pop(r, 0)
+                if planned:  # alone: cut its drafts to what fits
+                    n, room = ds.num_tokens(r), len(r.block_table) + bm.num_free_gpu_blocks
+                    d = min(room * bs - n - 1, planned)
+                    if d > 0:
+                        spec[r] = d
+                    need[r] = blocks_for(n + 1 + max(d, 0), bs) - len(r.block_table)
+                    total = need[r]
+                    continue
+                self.abort(
+                    plan,
+                    r,
+                    f"outgrew the KV cache: needs more than "
+                    f"the {bm.num_gpu_blocks} GPU blocks while running alone",
+                )
+            else:
+                self.preempt(plan, self.pick_victim(), self.victim_rule)
+            for r in [r for r in need if r not in ds]:
+                total -= need.pop(r)
+        for r, n in need.items():
+            if n > 0:
+                bm.allocate(r, n)
 
     def preempt_lower_ranked(
         self, plan: SchedulerOutput, r: Request, need: int, rank: Callable[[Request], Any]
@@ -465,7 +582,7 @@ class Scheduler:
         for v in victims:
             regained += plan.prefills.pop(v, 0)
             if v in self.decode_set and self._slots_planned_for is plan:
-                regained += 1
+                regained += 1 + plan.spec_decodes.get(v, 0)
             self.preempt(plan, v, f"ranked below waiting request {r.request_id}")
         return regained
 
@@ -481,6 +598,7 @@ class Scheduler:
         """
         assert victim not in plan.prefills, "a request is never scheduled and preempted"
         self._leave_running(victim)
+        plan.spec_decodes.pop(victim, None)
         mode = PreemptionMode.RECOMPUTE
         if self.preemption_mode is PreemptionMode.SWAP:
             if self.block_manager.can_swap_out(victim):
@@ -509,6 +627,7 @@ class Scheduler:
             self.block_manager.free(victim)
             victim.num_recomputed_tokens += victim.num_computed_tokens
             victim.num_computed_tokens = 0
+            victim.spec_token_ids = []  # proposals dropped; re-proposed after the re-prefill
             victim.status = RequestStatus.WAITING
             victim.num_preemptions_recompute += 1
             self.waiting.appendleft(victim)
@@ -553,6 +672,7 @@ class Scheduler:
         its blocks are freed and the plan lists it."""
         if r.status is RequestStatus.RUNNING:
             self._leave_running(r)
+            plan.spec_decodes.pop(r, None)
         self.block_manager.free(r)
         r.status, r.reason, r.finish_s = RequestStatus.ABORTED, reason, self.now_s
         plan.aborted.append(r)
@@ -593,8 +713,12 @@ class Scheduler:
         assert len(scheduled) == len(plan.prefills) + len(plan.decodes), "request scheduled twice"
         assert not scheduled & {r for r, _ in plan.preempted}, "request scheduled and preempted"
         assert all(r.status is RequestStatus.RUNNING for r in scheduled)
+        assert set(plan.spec_decodes) <= set(plan.decodes), "drafts of a request not decoding"
         for r in plan.decodes:
-            need = blocks_for(self.decode_set.num_tokens(r) + 1, self.block_size)
+            drafts = plan.spec_decodes.get(r, 0)
+            left = r.output_len - (self.decode_set.num_tokens(r) - r.prompt_len) - 1
+            assert 0 <= drafts <= left, f"{r.request_id}: {drafts} drafts, {left} tokens left"
+            need = blocks_for(self.decode_set.num_tokens(r) + 1 + drafts, self.block_size)
             assert len(r.block_table) == need, f"{r.request_id}: {len(r.block_table)} != {need}"
         self.block_manager.check_integrity(list(self.running) + list(self.swapped))
 

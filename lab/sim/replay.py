@@ -37,7 +37,7 @@ STEP_COLUMNS = (
     "kv_used_blocks", "cpu_used_blocks", "num_waiting", "num_running", "num_swapped",
     "num_preempted", "num_swap_out_blocks", "num_swap_in_blocks", "num_prefills",
     "prefill_context_tokens", "prefill_attention_pairs", "decode_context_tokens",
-    "num_cached_tokens", "num_cached_blocks", "kv_cached_blocks",
+    "num_cached_tokens", "num_cached_blocks", "kv_cached_blocks", "num_spec_tokens",
 )  # fmt: skip
 
 
@@ -52,6 +52,8 @@ class ReplayResult:
             block shared by several requests once). Prefix cache: ``num_cached_tokens``
             and ``num_cached_blocks`` found cached by the step's admissions,
             ``kv_cached_blocks`` the GPU blocks holding a key (used or cached free).
+            ``num_spec_tokens``: draft tokens verified by decodes (speculative decoding;
+            step tokens = prefill + decode + spec tokens).
         tick_steps: for each decode tick, the index of the step that ran it.
         wall_s: wall-clock seconds the replay took.
         num_gpu_blocks: size of the GPU KV cache, for usage fractions.
@@ -82,11 +84,16 @@ class ReplayResult:
         end = self.step_end_s
         parts = [end[np.asarray(r.prefill_token_steps, dtype=np.int64)]]
         parts += [end[self.tick_steps[a:b]] for a, b in r.decode_segments]
+        if r.spec_steps:  # accepted drafts: their tokens exist at their step's end too
+            parts.append(
+                end[np.repeat([s for s, _, _ in r.spec_steps], [a for *_, a in r.spec_steps])]
+            )
         return np.sort(np.concatenate(parts))
 
     def num_token_times(self, r: Request) -> int:
         """``len(self.token_times(r))``, without computing them."""
-        return len(r.prefill_token_steps) + sum(b - a for a, b in r.decode_segments)
+        n = len(r.prefill_token_steps) + sum(b - a for a, b in r.decode_segments)
+        return n + r.num_accepted_tokens if r.spec_steps else n
 
 
 class _Wakeup:
@@ -189,6 +196,7 @@ def engine_process(
             plan.num_cached_tokens,
             plan.num_cached_blocks,
             bm.num_cached_blocks,
+            f.num_spec_tokens,
         )
         if not 0.0 <= result.duration_s < math.inf or math.isinf(env.now + result.duration_s):
             raise ValueError(

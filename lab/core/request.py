@@ -79,7 +79,6 @@ class Request:
     join_tick: int = -1
     join_num_output: int = 0
     output_token_ids: list[int] = field(default_factory=list)
-    spec_token_ids: list[int] = field(default_factory=list)
     # Prefix cache (lab/core/kv.py PrefixCachingBlockManager; zero when it is off).
     # ``num_cached_tokens``: tokens found in the cache at the first admission (KV computed by
     # other requests or earlier turns: true sharing; vLLM's name). ``num_resumed_cached_tokens``:

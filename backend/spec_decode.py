@@ -57,6 +57,7 @@ from backend.verify import rejection_sample, verify_greedy
 from lab.core.errors import ConfigError
 from lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
 from lab.core.request import Request, RequestStatus
+from lab.core.spec import draft_vocab_error
 
 METHODS = ("ngram", "draft", "synthetic")
 _DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
@@ -457,12 +458,10 @@ def load_draft(target, model: str | Path | None, k: int, max_num_seqs: int,
     if model is None:
         raise ConfigError("speculative.model: method draft needs the draft checkpoint's directory")
     path = Path(model).expanduser()
-    vocab = ModelConfig.from_dir(path).vocab_size
-    if vocab != target.config.vocab_size:
-        raise ConfigError(
-            f"speculative.model: the draft {path} has vocab_size {vocab}, the target has "
-            f"{target.config.vocab_size}; a draft must share the target's vocabulary"
-        )
+    error = draft_vocab_error(str(path), ModelConfig.from_dir(path).vocab_size,
+                              target.config.vocab_size)  # fmt: skip
+    if error:
+        raise ConfigError(error)
     bs = target.block_size
     kwargs = dict(
         device=str(target.device),

@@ -409,7 +409,7 @@ def iter_runs(
                     **{"preemption_victim": cfg.scheduler.preemption_victim, **pol.options},
                 )
                 if cfg.backend == "engine":
-                    executor = make_executor()
+                    executor = make_executor(pol.speculative)
                     if info_cm is None:
                         info_cm = engine_info(cfg, executor)
                 elif cfg.cost_model.durations_from is not None:

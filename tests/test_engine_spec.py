@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import numpy as np
@@ -288,7 +289,8 @@ def test_bad_inputs_one_line(tiny):
     with pytest.raises(ConfigError) as e:
         make_spec_decoder(runner, "draft", 2, model=tiny[2])
     msg = str(e.value)
-    assert "\n" not in msg and "vocab_size 320" in msg and "has 256" in msg and "other" in msg
+    assert "\n" not in msg and "(256 tokens)" in msg and "with 320 tokens" in msg
+    assert "other" in msg
     with pytest.raises(ConfigError, match="expected one of ngram, draft, synthetic"):
         make_spec_decoder(runner, "eagle", 2)
     with pytest.raises(ConfigError, match="needs the draft checkpoint"):
@@ -337,3 +339,95 @@ def test_smollm2_greedy_identical_ngram_and_draft(tmp_path):
             assert accepted == drafted  # its own draft: every draft accepted
         elif kw.get("model") == tiny_draft:
             assert accepted < drafted  # a random draft: real rejections
+
+
+# ------------------------------------------------------------------- end to end (replay)
+
+E2E_POLICIES = [
+    "fcfs",
+    "swap",
+    {"name": "chunked_prefill", "label": "chunked_16", "max_num_batched_tokens": 16},
+]
+
+
+def e2e_requests() -> list[Request]:
+    """Repetitive prompts (prompt lookup finds them), all at t = 0 (plans do not depend on
+    measured step times)."""
+    rows = [(24, 20), (30, 18), (20, 24), (32, 16), (26, 22)]
+    out = []
+    for i, (p, o) in enumerate(rows):
+        phrase = [int(t) for t in np.random.default_rng(i).integers(0, 256, 6)]
+        out.append(Request(str(i), 0.0, p, o, (phrase * 8)[:p]))
+    return out
+
+
+def e2e_config(model, blocks, policies, speculative=None):
+    from lab.config import validate
+
+    raw = {
+        "name": "engine_spec",
+        "backend": "engine",
+        "trace": {"format": "synthetic", "num_requests": 1},  # replaced by requests=
+        "engine": {"model_path": str(model), "device": "cpu", "dtype": "float32"},
+        "kv_cache": {"block_size": 4, "num_gpu_blocks": blocks, "swap_space_gib": 0.001},
+        "scheduler": {"max_num_seqs": 8, "max_model_len": 128},
+        "policies": policies,
+    }
+    if speculative is not None:
+        raw["speculative"] = speculative
+    return validate(raw)
+
+
+def test_replay_with_speculation_greedy_identical(tiny):
+    """The lab's replay loop, policies and scheduler accounting (spec-core) with the
+    engine's proposers: tokens equal a run without speculation, under preemptions."""
+    from lab.experiment import run_experiment
+
+    ref = run_experiment(e2e_config(tiny[0], 200, ["fcfs"]), False, e2e_requests())[0]
+    expected = {r.request_id: r.output_token_ids for r in ref.result.requests}
+    assert ref.summary["preemptions"]["requests_preempted"] == 0
+    for spec in (
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        },  # fmt: skip
+        {"method": "draft", "num_speculative_tokens": 2, "model": str(tiny[0])},  # itself
+    ):
+        runs = run_experiment(e2e_config(tiny[0], 22, E2E_POLICIES, spec), False, e2e_requests())
+        for run in runs:
+            got = {r.request_id: r.output_token_ids for r in run.result.requests}
+            assert got == expected, (spec["method"], run.label)
+            reqs = run.result.requests
+            assert sum(r.num_accepted_tokens for r in reqs) > 0, (spec["method"], run.label)
+            drafted = sum(r.num_draft_tokens for r in reqs)
+            accepted = sum(r.num_accepted_tokens for r in reqs)
+            assert accepted == drafted if spec["method"] == "draft" else accepted < drafted
+        pre = [run.summary["preemptions"] for run in runs]
+        assert sum(p["recompute"] for p in pre) > 0 and sum(p["swap"] for p in pre) > 0
+
+
+def test_replay_sampling_and_synthetic(tiny):
+    """Temperature 0.8 with a random draft (rejection sampling) and ngram (point masses),
+    and the synthetic proposer at acceptance 1: every request ends with its output length,
+    accepted <= drafted, synthetic accepts every draft it verifies."""
+    from lab.experiment import run_experiment
+
+    for spec, temperature in (
+        ({"method": "draft", "num_speculative_tokens": 2, "model": str(tiny[1])}, 0.8),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}, 0.8),
+        ({"method": "synthetic", "num_speculative_tokens": 2, "acceptance_rates": [1, 1]}, 0),
+    ):
+        cfg = e2e_config(tiny[0], 22, ["fcfs"], spec)
+        cfg = dataclasses.replace(
+            cfg, engine=dataclasses.replace(cfg.engine, temperature=temperature)
+        )
+        run = run_experiment(cfg, False, e2e_requests())[0]
+        reqs = run.result.requests
+        assert all(len(r.output_token_ids) == r.output_len for r in reqs), spec["method"]
+        drafted = sum(r.num_draft_tokens for r in reqs)
+        accepted = sum(r.num_accepted_tokens for r in reqs)
+        assert drafted > 0 and 0 <= accepted <= drafted, spec["method"]
+        if spec["method"] == "synthetic":
+            assert accepted == drafted

@@ -295,6 +295,8 @@ def test_bad_inputs_one_line(tiny):
         make_spec_decoder(runner, "eagle", 2)
     with pytest.raises(ConfigError, match="needs the draft checkpoint"):
         make_spec_decoder(runner, "draft", 2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size 1"):
+        make_spec_decoder(object(), "ngram", 2)  # a runner without logits_at (TP)
 
 
 # ------------------------------------------------------------------------------- SmolLM2

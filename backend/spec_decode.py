@@ -473,6 +473,10 @@ def load_draft(target, model: str | Path | None, k: int, max_num_seqs: int,
         max_model_len=target.max_model_len,
         max_num_seqs=max_num_seqs,
         cuda_graphs=target.graphs is not None,
+        # the target's largest mixed graph (the draft's catch-up steps are about as large)
+        max_num_batched_tokens=max(target.graphs.token_sizes, default=8192)
+        if target.graphs
+        else 8192,
     )
     kwargs.update(overrides or {})
     return ModelRunner(path, **kwargs)

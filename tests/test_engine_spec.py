@@ -284,6 +284,27 @@ def test_tiny_triton_padded_graph_path(tiny):
     assert out == ref and drafted > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tiny_on_gpu_with_captured_graphs(tiny):
+    """Greedy tokens identical with and without speculation on the GPU: triton kernels,
+    captured decode and mixed graphs (verify rows replay the mixed ones), float32."""
+
+    def gpu_runner():
+        return runner_for(tiny[0], "triton", device="cuda", cuda_graphs=True, max_num_seqs=4,
+                          max_num_batched_tokens=64)  # fmt: skip
+
+    runner = gpu_runner()
+    assert runner.graphs is not None and runner.graphs.capture
+    ref = drive(runner, PROMPTS, OUT)[0]
+    for method, kw in (("ngram", {"prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+                       ("draft", {"model": tiny[0], "max_num_seqs": 4})):  # fmt: skip
+        runner = gpu_runner()
+        spec = make_spec_decoder(runner, method, 3, **kw)
+        out, accepted, drafted = drive(runner, PROMPTS, OUT, spec)
+        assert out == ref and drafted > 0 and accepted > 0, method
+
+
 def test_bad_inputs_one_line(tiny):
     runner = runner_for(tiny[0])
     with pytest.raises(ConfigError) as e:

@@ -25,18 +25,14 @@ class EngineExecutor:
         runner: the model, its paged KV cache and swap space: a :class:`ModelRunner`, or a
             :class:`backend.tp_engine.TensorParallelRunner` (same interface) for N ranks.
         temperature: 0 = greedy.
-        spec: speculative decoding (:class:`backend.spec_decode.SpecDecoder`): then every
-            plan runs through it (verify rows, proposals in ``StepResult.draft_token_ids``).
     """
 
     wall_clock = True  # durations are measured, so the replay adds planning time
 
-    def __init__(self, runner: ModelRunner, temperature: float = 0.0, spec=None):
-        self.runner, self.temperature, self.spec = runner, temperature, spec
+    def __init__(self, runner: ModelRunner, temperature: float = 0.0):
+        self.runner, self.temperature = runner, temperature
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
-        if self.spec is not None:
-            return self.spec.execute(plan)
         t0 = time.perf_counter()
         if plan.swap_out:
             self.runner.swap_out(plan.swap_out)

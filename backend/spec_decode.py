@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from backend.config import ModelConfig
+from backend.engine import EngineExecutor
 from backend.inputs import SeqInput
 from backend.sampler import sample
 from backend.verify import rejection_sample, verify_greedy
@@ -410,6 +411,29 @@ class SpecDecoder:
             if n:
                 q[i, :n] = stored[r][:n]
         return q
+
+
+class SpecExecutor(EngineExecutor):
+    """An :class:`EngineExecutor` whose every plan runs through a :class:`SpecDecoder`
+    (verify rows, proposals in ``StepResult.draft_token_ids``). Synchronous scheduling
+    only: under asynchronous scheduling a plan would feed tokens its request does not hold
+    yet, which the decoder does not read from the device (``launch`` refuses)."""
+
+    def __init__(self, spec: SpecDecoder) -> None:
+        super().__init__(spec.runner, spec.temperature)
+        self.spec = spec
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        return self.spec.execute(plan)
+
+    def launch(self, plan: SchedulerOutput):
+        raise ConfigError(ASYNC_ERROR)
+
+
+ASYNC_ERROR = (
+    "speculative: the engine runs speculative decoding with synchronous scheduling only; "
+    "set async_scheduling: false for this policy"
+)
 
 
 def make_spec_decoder(

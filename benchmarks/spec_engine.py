@@ -107,6 +107,7 @@ def prompts(kind: str, batch: int, length: int, vocab: int, seed: int) -> list[l
 def run_point(runner, spec, toks: list[list[int]], out_len: int, max_tokens: int) -> dict:
     """One static batch through hand-made plans; figures from the measured step times."""
     from backend.engine import EngineExecutor
+    from backend.spec_decode import SpecExecutor
     from lab.core.plan import SchedulerOutput
     from lab.core.request import Request, RequestStatus
 
@@ -117,7 +118,7 @@ def run_point(runner, spec, toks: list[list[int]], out_len: int, max_tokens: int
         r = Request(str(i), 0.0, len(p), out_len, list(p))
         r.block_table, r.status = list(range(i * per, (i + 1) * per)), RequestStatus.RUNNING
         reqs.append(r)
-    executor = EngineExecutor(runner, spec=spec)
+    executor = EngineExecutor(runner) if spec is None else SpecExecutor(spec)
     clock, times = 0.0, {r: [] for r in reqs}
     steps = spec_steps = accepted = 0
     while any(r.status is RequestStatus.RUNNING for r in reqs):

@@ -409,7 +409,10 @@ def iter_runs(
                     **{"preemption_victim": cfg.scheduler.preemption_victim, **pol.options},
                 )
                 if cfg.backend == "engine":
-                    executor = make_executor(pol.speculative)
+                    asynchronous = pol.options.get(
+                        "async_scheduling", getattr(cfg.scheduler, "async_scheduling", False)
+                    )
+                    executor = make_executor(pol.speculative, asynchronous)
                     if info_cm is None:
                         info_cm = engine_info(cfg, executor)
                 elif cfg.cost_model.durations_from is not None:

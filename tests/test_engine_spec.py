@@ -24,7 +24,7 @@ from triton_setup import QWEN3_TINY  # noqa: E402  (a tiny Qwen3; sets TRITON_IN
 
 from backend.engine import EngineExecutor  # noqa: E402
 from backend.runner import ModelRunner  # noqa: E402
-from backend.spec_decode import make_spec_decoder, ngram_propose  # noqa: E402
+from backend.spec_decode import SpecExecutor, make_spec_decoder, ngram_propose  # noqa: E402
 from backend.verify import rejection_sample, verify_greedy  # noqa: E402
 from lab.core.errors import ConfigError  # noqa: E402
 from lab.core.plan import PreemptionMode, SchedulerOutput  # noqa: E402
@@ -102,7 +102,7 @@ def drive(runner, prompts, out_len, spec=None, chunk=8, preempt_at=None, swap_at
         r.block_table, free = free[:per], free[per:]
         r.status = RequestStatus.RUNNING
         reqs.append(r)
-    executor = EngineExecutor(runner, spec=spec)
+    executor = EngineExecutor(runner) if spec is None else SpecExecutor(spec)
     accepted = drafted = step = 0
     while any(r.status is RequestStatus.RUNNING for r in reqs):
         plan = SchedulerOutput(decode_tick=1)
@@ -454,3 +454,17 @@ def test_replay_sampling_and_synthetic(tiny):
         assert drafted > 0 and 0 <= accepted <= drafted, spec["method"]
         if spec["method"] == "synthetic":
             assert accepted == drafted
+
+
+def test_async_scheduling_with_speculation_is_refused(tiny):
+    from lab.engine_setup import engine_parts
+
+    cfg = e2e_config(tiny[0], 40, ["fcfs"], {"method": "ngram", "num_speculative_tokens": 2})
+    make_executor = engine_parts(cfg)[0]
+    spec = cfg.policies[0].speculative
+    assert isinstance(make_executor(spec), SpecExecutor)
+    with pytest.raises(ConfigError, match="synchronous scheduling only") as e:
+        make_executor(spec, async_scheduling=True)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="synchronous scheduling only"):
+        make_executor(spec).launch(SchedulerOutput())

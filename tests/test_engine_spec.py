@@ -468,3 +468,27 @@ def test_async_scheduling_with_speculation_is_refused(tiny):
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="synchronous scheduling only"):
         make_executor(spec).launch(SchedulerOutput())
+
+
+@needs_smollm2
+def test_smollm2_spec_cpu_example_runs(tmp_path):
+    """experiments/smollm2_spec_cpu.yaml as written, two requests: the three runs (no
+    speculation, ngram, draft) give the same tokens."""
+    import json
+    from pathlib import Path
+
+    import run_experiment
+    from backend.tools.convert_smollm2 import convert_smollm2
+
+    convert_smollm2()
+    example = Path(run_experiment.__file__).resolve().parent / "experiments/smollm2_spec_cpu.yaml"
+    out = tmp_path / "out"
+    args = [str(example), "--limit", "2", "--out", str(out), "--no-progress"]
+    assert run_experiment.main(args) == 0
+    rows = [json.loads(line) for line in (out / "tokens.jsonl").read_text().splitlines()]
+    by = {}
+    for r in rows:
+        assert r["status"] == "finished"
+        by.setdefault(r["policy"], {})[r["request_id"]] = r["output_token_ids"]
+    assert len(by) == 3 and len(by["fcfs-no-spec"]) == 2
+    assert by["fcfs-ngram"] == by["fcfs-no-spec"] == by["fcfs-draft"]

@@ -52,6 +52,7 @@ import torch
 
 from backend.config import ModelConfig
 from backend.engine import EngineExecutor
+from backend.errors import KVCacheCapacityError
 from backend.inputs import SeqInput
 from backend.sampler import sample
 from backend.verify import rejection_sample, verify_greedy
@@ -503,7 +504,14 @@ def load_draft(target, model: str | Path | None, k: int, max_num_seqs: int,
         else 8192,
     )
     kwargs.update(overrides or {})
-    return ModelRunner(path, **kwargs)
+    try:
+        return ModelRunner(path, **kwargs)
+    except torch.OutOfMemoryError:
+        raise KVCacheCapacityError(
+            f"speculative.model: the draft {path} and its KV cache ({kwargs['num_gpu_blocks']} "
+            f"blocks) do not fit beside the target's; lower kv_cache.gpu_memory_utilization "
+            f"or set kv_cache.num_gpu_blocks"
+        ) from None
 
 
 def spec_decoder_from(config, runner, temperature: float, seed: int, max_num_seqs: int,

@@ -73,12 +73,16 @@ def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[in
     followed by [7 1 2 ...] -> k = 2 gives [7, 1].
     """
     size = len(tokens)
+    if size < 2:
+        return []
+    # candidate ends i <= size - 2 of an earlier match: tokens[i] equals the last token
+    ends = np.flatnonzero(tokens[: size - 1] == tokens[size - 1])
     for n in range(min(n_max, size - 1), n_min - 1, -1):
-        # windows starting at 0 .. size - n - 1 (the suffix itself excluded)
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: size - 1], n)
-        hits = np.flatnonzero((windows == tokens[size - n :]).all(axis=1))
+        hits = ends[ends >= n - 1]
+        for t in range(1, n):  # the window tokens[i - n + 1 .. i] equals the suffix
+            hits = hits[tokens[hits - t] == tokens[size - 1 - t]]
         if hits.size:
-            start = int(hits[-1]) + n
+            start = int(hits[-1]) + 1
             return tokens[start : start + k].tolist()
     return []
 

@@ -46,6 +46,22 @@ def test_ngram_latest_longest_match():
     assert ngram_propose(np.array([1, 2, 0, 1, 2]), 3, 3, 3) == []  # only n = 3 allowed
 
 
+def test_ngram_equals_a_brute_force_search():
+    def brute(t, k, lo, hi):
+        for n in range(min(hi, len(t) - 1), lo - 1, -1):
+            starts = [i for i in range(len(t) - n) if list(t[i : i + n]) == list(t[-n:])]
+            if starts:
+                return t[starts[-1] + n : starts[-1] + n + k].tolist()
+        return []
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        t = rng.integers(0, 4, int(rng.integers(1, 30)))
+        lo = int(rng.integers(1, 4))
+        hi, k = lo + int(rng.integers(0, 3)), int(rng.integers(1, 5))
+        assert ngram_propose(t, k, lo, hi) == brute(t, k, lo, hi), (t.tolist(), k, lo, hi)
+
+
 def test_verify_greedy_hand_computed():
     target = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [3, 0, 0, 0]])
     drafts = torch.tensor([[5, 6, 7], [5, 9, 7], [5, 6, 7], [0, 0, 0]])

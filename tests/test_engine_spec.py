@@ -395,12 +395,12 @@ def e2e_requests() -> list[Request]:
     rows = [(24, 20), (30, 18), (20, 24), (32, 16), (26, 22)]
     out = []
     for i, (p, o) in enumerate(rows):
-        phrase = [int(t) for t in np.random.default_rng(i).integers(0, 256, 6)]
+        phrase = [int(t) for t in np.random.default_rng(i // 2).integers(0, 256, 6)]  # pairs
         out.append(Request(str(i), 0.0, p, o, (phrase * 8)[:p]))
     return out
 
 
-def e2e_config(model, blocks, policies, speculative=None):
+def e2e_config(model, blocks, policies, speculative=None, caching=False):
     from lab.config import validate
 
     raw = {
@@ -408,7 +408,12 @@ def e2e_config(model, blocks, policies, speculative=None):
         "backend": "engine",
         "trace": {"format": "synthetic", "num_requests": 1},  # replaced by requests=
         "engine": {"model_path": str(model), "device": "cpu", "dtype": "float32"},
-        "kv_cache": {"block_size": 4, "num_gpu_blocks": blocks, "swap_space_gib": 0.001},
+        "kv_cache": {
+            "block_size": 4,
+            "num_gpu_blocks": blocks,
+            "swap_space_gib": 0.001,
+            "enable_prefix_caching": caching,
+        },  # fmt: skip
         "scheduler": {"max_num_seqs": 8, "max_model_len": 128},
         "policies": policies,
     }
@@ -417,9 +422,11 @@ def e2e_config(model, blocks, policies, speculative=None):
     return validate(raw)
 
 
-def test_replay_with_speculation_greedy_identical(tiny):
+@pytest.mark.parametrize("caching", [False, True])
+def test_replay_with_speculation_greedy_identical(tiny, caching):
     """The lab's replay loop, policies and scheduler accounting (spec-core) with the
-    engine's proposers: tokens equal a run without speculation, under preemptions."""
+    engine's proposers: tokens equal a run without speculation (nor caching), under
+    preemptions, with the prefix cache off and on (pairs of requests share prompts)."""
     from lab.experiment import run_experiment
 
     ref = run_experiment(e2e_config(tiny[0], 200, ["fcfs"]), False, e2e_requests())[0]
@@ -434,7 +441,8 @@ def test_replay_with_speculation_greedy_identical(tiny):
         },  # fmt: skip
         {"method": "draft", "num_speculative_tokens": 2, "model": str(tiny[0])},  # itself
     ):
-        runs = run_experiment(e2e_config(tiny[0], 22, E2E_POLICIES, spec), False, e2e_requests())
+        cfg = e2e_config(tiny[0], 22, E2E_POLICIES, spec, caching)
+        runs = run_experiment(cfg, False, e2e_requests())
         for run in runs:
             got = {r.request_id: r.output_token_ids for r in run.result.requests}
             assert got == expected, (spec["method"], run.label)
@@ -443,6 +451,8 @@ def test_replay_with_speculation_greedy_identical(tiny):
             drafted = sum(r.num_draft_tokens for r in reqs)
             accepted = sum(r.num_accepted_tokens for r in reqs)
             assert accepted == drafted if spec["method"] == "draft" else accepted < drafted
+        if caching:
+            assert sum(run.summary["prefix_cache_cached_tokens"] for run in runs) > 0
         pre = [run.summary["preemptions"] for run in runs]
         assert sum(p["recompute"] for p in pre) > 0 and sum(p["swap"] for p in pre) > 0
 

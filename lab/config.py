@@ -20,7 +20,7 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     kv_cache: {block_size: 16, gpu_memory_utilization: 0.9, num_gpu_blocks: null,
                swap_space_gib: 4, watermark: 0.01, enable_prefix_caching: false}
     scheduler: {max_num_seqs: 256, max_num_batched_tokens: null, max_model_len: null,
-                max_preemptions: 1000, preemption_victim: null}
+                max_preemptions: 1000, preemption_victim: null, async_scheduling: false}
     policies: [fcfs, swap, {name: chunked_prefill, max_num_batched_tokens: 512},
                {name: priority, priority_preemption: true, preemption_victim: most_blocks}]
     slo: {ttft_s: null, tpot_s: null, e2e_s: null}
@@ -93,6 +93,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
 LIMIT_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")  # a policy's own
 VICTIM_KEY = "preemption_victim"  # every policy's option (lab/core/scheduler.py VICTIM_RULES)
+ASYNC_KEY = "async_scheduling"  # every policy's option (lab/core/scheduler.py module doc)
 
 
 # ---------------------------------------------------------------------------- sections
@@ -166,6 +167,9 @@ class SchedulerConfig:
     # lab/core/scheduler.py); null: each policy's own rule (newest for most). A policy
     # entry's own ``preemption_victim`` wins.
     preemption_victim: str | None = None
+    # Plan step N+1 while step N runs (vLLM V1's async scheduler; semantics in
+    # lab/core/scheduler.py). A policy entry's own ``async_scheduling`` wins.
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)
@@ -486,6 +490,28 @@ def validate(
             f"{where}: cost_model.durations_from replays one engine run's steps, which a "
             "cluster of replicas cannot: remove cluster: or durations_from"
         )
+    pols = _policies(
+        where,
+        raw.get("policies", list(DEFAULT_POLICIES)),
+        trace.tenants,
+        spec,
+        base_dir,
+        backend,
+    )
+    for i, p in enumerate(pols):  # the engine has no device-side drafts for async steps
+        if backend == "engine" and p.speculative is not None:
+            if p.options.get(ASYNC_KEY, scheduler.async_scheduling):
+                raise ConfigError(
+                    f"{where}: policies[{i}] ({p.label}): speculative with {ASYNC_KEY}: true "
+                    f"runs in the simulator only; set {ASYNC_KEY}: false or backend: sim"
+                )
+    if cluster is not None and (
+        scheduler.async_scheduling or any(p.options.get(ASYNC_KEY) for p in pols)
+    ):
+        raise ConfigError(
+            f"{where}: scheduler.{ASYNC_KEY}: the cluster simulator runs synchronous replicas "
+            f"only; remove cluster: or set {ASYNC_KEY}: false"
+        )
     return ExperimentConfig(
         name=name,
         trace=trace,
@@ -496,14 +522,7 @@ def validate(
         cost_model=_cost_model(where, raw.get("cost_model", {}), base_dir, backend == "sim"),
         kv_cache=_hash_block_size(where, trace, _kv_cache(where, raw.get("kv_cache", {}))),
         scheduler=scheduler,
-        policies=_policies(
-            where,
-            raw.get("policies", list(DEFAULT_POLICIES)),
-            trace.tenants,
-            spec,
-            base_dir,
-            backend,
-        ),
+        policies=pols,
         slo=_slo(where, raw.get("slo", {})),
         engine=_engine(where, raw.get("engine", {}), base_dir, backend == "engine"),
         check_invariants=top["check_invariants"],
@@ -738,6 +757,8 @@ def _scheduler(where: str, raw: Any) -> SchedulerConfig:
     _int(where, "scheduler.max_preemptions", s["max_preemptions"])
     if s[VICTIM_KEY] is not None:
         _choice(where, f"scheduler.{VICTIM_KEY}", s[VICTIM_KEY], VICTIM_RULES)
+    if not isinstance(s[ASYNC_KEY], bool):
+        raise _fail(where, f"scheduler.{ASYNC_KEY}", "true or false", s[ASYNC_KEY])
     return SchedulerConfig(**s)
 
 
@@ -775,11 +796,14 @@ def _policies(
                 "label",
                 *LIMIT_KEYS,
                 VICTIM_KEY,
+                ASYNC_KEY,
                 "enable_prefix_caching",
                 "speculative",
                 *cls.options,
             ),
         )
+        if ASYNC_KEY in p and not isinstance(p[ASYNC_KEY], bool):
+            raise _fail(where, f"{key}.{ASYNC_KEY}", "true or false", p[ASYNC_KEY])
         _check_limits(where, key, p)
         if VICTIM_KEY in p:
             _choice(where, f"{key}.{VICTIM_KEY}", p[VICTIM_KEY], VICTIM_RULES)
@@ -798,7 +822,8 @@ def _policies(
                 "and spaces, starting with a letter or digit",
                 label,
             )
-        options = {k: copy.deepcopy(v) for k, v in p.items() if k in (*cls.options, VICTIM_KEY)}
+        own = (*cls.options, VICTIM_KEY, ASYNC_KEY)
+        options = {k: copy.deepcopy(v) for k, v in p.items() if k in own}
         own_spec = "speculative" in p
         resolved.append(
             PolicyConfig(

@@ -406,7 +406,11 @@ def iter_runs(
                     limits,
                     make_block_manager(gpu, cpu, bs, kv.watermark, pol.prefix_caching(kv)),
                     speculative=pol.speculative,
-                    **{"preemption_victim": cfg.scheduler.preemption_victim, **pol.options},
+                    **{
+                        "preemption_victim": cfg.scheduler.preemption_victim,
+                        "async_scheduling": cfg.scheduler.async_scheduling,
+                        **pol.options,
+                    },
                 )
                 if cfg.backend == "engine":
                     asynchronous = pol.options.get(

@@ -243,6 +243,9 @@ def summarize(
         },
         "num_gpu_blocks": result.num_gpu_blocks,
         "num_steps": int(len(steps["time_s"])),
+        # Async scheduling: decode slots of requests whose last token was already sampled.
+        "async_scheduling": result.async_scheduling,
+        "num_wasted_tokens": int(steps["num_wasted_tokens"].sum()),
         **prefix_cache_summary(df, result),
     }
 

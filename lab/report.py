@@ -580,6 +580,13 @@ def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str
         "",
     ]
     lines += _prefix_cache_lines(runs)
+    wasted = [
+        f"{r.label} {r.summary['num_wasted_tokens']}"
+        for r in runs
+        if r.summary.get("async_scheduling")
+    ]
+    if wasted:  # async scheduling: the slot after each request's last token
+        lines += ["Wasted decode slots (async scheduling): " + ", ".join(wasted) + ".", ""]
     dropped = runs[0].summary.get("dropped", 0)  # the same trace rows in every run
     if dropped:
         reasons = runs[0].requests.loc[runs[0].requests["status"] == "dropped", "reason"]

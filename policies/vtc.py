@@ -100,11 +100,10 @@ class VTC(FCFS):
         return plan
 
     def update(self, plan: SchedulerOutput, result: StepResult, now_s: float) -> None:
-        done = [r for r, n in plan.prefills.items() if r.num_computed_tokens + n == r.num_tokens]
-        for r in (*done, *plan.decodes):  # every request that samples a token in the step
+        super().update(plan, result, now_s)
+        for r in (*plan.sampled_prefills, *plan.decodes):  # every request sampled in the step
             self.counters[r.tenant] += self.cost(r, 1, self.output_weight)
         for r in plan.spec_decodes:  # speculative decoding: accepted drafts are output too
             self.counters[r.tenant] += self.cost(
                 r, result.num_accepted.get(r, 0), self.output_weight
             )
-        super().update(plan, result, now_s)

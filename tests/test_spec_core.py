@@ -407,3 +407,178 @@ def test_random_acceptance_keeps_invariants(policy, options, data):
     if steps["num_preempted"].sum():
         event("preemptions")
     target(float(steps["num_preempted"].sum()), label="preemptions")  # towards KV pressure
+
+
+def test_speculative_with_async_on_the_engine_is_refused_in_one_line(tmp_path):
+    (tmp_path / "model").mkdir()
+    raw = {
+        "backend": "engine",
+        "trace": {"format": "synthetic", "num_requests": 2, "prompt_len": 8, "output_len": 3,
+                  "arrival": {"process": "poisson", "rate": 2}},
+        "engine": {"model_path": "model"},
+        "speculative": {"method": "ngram", "num_speculative_tokens": 2},
+        "policies": ["fcfs", {"name": "fcfs", "label": "b", "async_scheduling": True}],
+    }  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        validate(raw, base_dir=tmp_path)
+    assert str(e.value) == (
+        "config: policies[1] (b): speculative with async_scheduling: true runs in the "
+        "simulator only; set async_scheduling: false or backend: sim"
+    )
+    raw["policies"][1]["speculative"] = None  # off for the async policy: accepted
+    validate(raw, base_dir=tmp_path)
+
+
+class LaunchAccept(FixedAcceptance):
+    """:class:`FixedAcceptance` with ``launch``/``wait`` (asynchronous scheduling): the
+    result is decided at launch, from the plan alone."""
+
+    wall_clock = False
+
+    def launch(self, plan: SchedulerOutput) -> StepResult:
+        return self.execute(plan)
+
+    def wait(self, handle: StepResult) -> StepResult:
+        return handle
+
+
+def test_async_drafts_are_placeholders_and_accepted_ones_join_late():
+    """Async, fcfs, block size 4, one request (prompt 4, output 12), k = 3, 2 of the drafts
+    accepted per verify, 0.25 s steps. Pn is planned while P(n-1) runs. P0 prefills. P1:
+    P0's token and its 3 proposals (made on the device) are placeholders; 3 drafts, blocks
+    for 5 + 3 + 1 = 9 slots (3). P2: 2 output tokens (1 known + P1's placeholder), P1's 3
+    drafts unknown: at most 5, so min(3, 12 - 5 - 2) = 3 drafts, blocks for
+    6 + 3 + 3 + 1 = 13 slots (4). P3: P1's 2 accepted have joined: 4 known + P2's
+    placeholder = 5, at most 8: 12 - 8 - 2 = 2 drafts. P4: 7 + 1, at most 10: none (the
+    bound counts P3's drafts as accepted). P3 ends with 10 tokens, P4 with 11, P5 samples
+    the 12th; P6 is its wasted slot."""
+    bm = BlockManager(16, 0, BS, 0.0)
+    s = get_policy("fcfs")(
+        SchedulerLimits(8, 64, 1000), bm, speculative=spec(3), async_scheduling=True
+    )
+    r = Request("a", 0.0, 4, 12)
+    blocks = []
+
+    class Recording(LaunchAccept):
+        def launch(self, plan):
+            blocks.append(len(r.block_table))
+            return super().launch(plan)
+
+    ex = Recording(3, {"a": 2})
+    res = replay([r], s, ex, check_invariants=True)
+    assert res.failure is None, res.failure
+    assert [p.spec_decodes.get(r, 0) for p in ex.plans] == [0, 3, 3, 2, 0, 0, 0]
+    assert blocks == [2, 3, 4, 4, 4, 4, 4]
+    assert r.spec_steps == [(1, 3, 2), (2, 3, 2), (3, 2, 2)]
+    # Accepted drafts arrive with their step's token, at its end.
+    assert res.token_times(r).tolist() == [0.25] + [0.5] * 3 + [0.75] * 3 + [1.0] * 3 + [
+        1.25,
+        1.5,
+    ]
+    assert res.num_token_times(r) == 12 and r.finish_s == 1.5
+    assert res.steps["num_wasted_tokens"].tolist() == [0, 0, 0, 0, 0, 0, 1]
+    assert res.steps["num_spec_tokens"].tolist() == [0, 3, 3, 2, 0, 0, 0]
+    assert bm.num_free_gpu_blocks == 16
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "swap"])
+def test_async_preemption_with_drafts_in_flight(policy):
+    """Async, 6 GPU blocks of 4, prompts of 4, output 16, k = 3, 2 accepted. P0 prefills
+    both (2 blocks each). P1 (P0 in flight): 3 placeholder drafts each, blocks for
+    5 + 1 + 3 = 9 slots: 3 each, 0 free. P2 (P1 in flight): P1's 3 drafts may all be
+    accepted, so each needs blocks for 6 + 3 + 1 + 3 = 13 slots (4): b, the newest, is
+    preempted with its P1 drafts in flight. When P1's results arrive b gains its 2 accepted
+    drafts (4 output tokens): recompute re-prefills 4 + 4 = 8 tokens in P3 (its 5 computed
+    tokens and the 2 accepted redone); swap moved 3 blocks out and frees the CPU tail
+    beyond blocks_for(8) = 2 blocks."""
+    bm = BlockManager(6, 8, BS, 0.0)
+    s = get_policy(policy)(
+        SchedulerLimits(8, 64, 1000), bm, speculative=spec(3), async_scheduling=True
+    )
+    ex = LaunchAccept(3, {"a": 2, "b": 2})
+    a, b = Request("a", 0.0, 4, 16), Request("b", 0.0, 4, 16)
+    res = replay([a, b], s, ex, check_invariants=True)
+    assert res.failure is None, res.failure
+    p = ex.plans
+    assert p[1].spec_decodes == {a: 3, b: 3}
+    mode = PreemptionMode.RECOMPUTE if policy == "fcfs" else PreemptionMode.SWAP
+    assert p[2].preempted == [(b, mode)] and p[2].spec_decodes == {a: 3}
+    assert b.spec_steps[0] == (1, 3, 2)
+    if policy == "fcfs":
+        assert p[3].prefills == {b: 8}
+        assert res.steps["kv_used_blocks"][:4].tolist() == [4, 6, 4, 6]
+    else:
+        assert len(p[2].swap_out) == 3
+        assert res.steps["cpu_used_blocks"][:4].tolist() == [0, 0, 3, 2]
+    for r in (a, b):
+        assert r.status is RequestStatus.FINISHED and len(res.token_times(r)) == 16
+    assert int(res.steps["num_wasted_tokens"].sum()) == 2
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "chunked_prefill", "swap", "srpt"])
+@settings(max_examples=50, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_async_random_acceptance_keeps_invariants(policy, data):
+    """Async scheduling with speculation: blocks, budget and key invariants hold
+    (``check_plan`` on every plan), every request ends as its limits say, a finished one
+    got exactly output_len tokens, and async's wasted-slot rule holds."""
+    sc = data.draw(scenarios_for(policy), label="scenario")
+    k = data.draw(st.integers(1, 4), label="k")
+    bm = BlockManager(sc.gpu_blocks, sc.cpu_blocks, sc.block_size, sc.watermark)
+    s = get_policy(policy)(sc.limits, bm, speculative=spec(k), async_scheduling=True)
+
+    class Async(RandomAcceptance):
+        wall_clock = False
+
+        def launch(self, plan):
+            return self.execute(plan)
+
+        def wait(self, handle):
+            return handle
+
+    ex = Async(s, k, data.draw(st.integers(0, 2**16), label="seed"))
+    reqs = [Request(str(i), a, p, o) for i, (a, p, o) in enumerate(sc.requests)]
+    res = replay(reqs, s, ex, check_invariants=True)
+    assert res.failure is None, res.failure
+    for r in res.requests:
+        assert r.status is expected_status(sc, r.prompt_len, r.output_len), (r, r.reason)
+        assert r.block_table == []
+        if r.status is RequestStatus.FINISHED:
+            times = res.token_times(r)
+            assert len(times) == r.output_len == res.num_token_times(r)
+            assert np.all(np.diff(times) >= 0) and times[-1] == r.finish_s
+    # Async's rule: one wasted slot per finished request whose next step decodes.
+    steps, n = res.steps, len(res.steps["time_s"])
+    decodes = steps["num_decode_tokens"]
+    ends = {float(t): i for i, t in enumerate(res.step_end_s)}
+    after = [ends[r.finish_s] + 1 for r in res.requests if r.status is RequestStatus.FINISHED]
+    assert int(steps["num_wasted_tokens"].sum()) == sum(i < n and decodes[i] > 0 for i in after)
+    assert bm.num_free_gpu_blocks == sc.gpu_blocks and bm.num_free_cpu_blocks == sc.cpu_blocks
+    event("drafts verified" if steps["num_spec_tokens"].sum() else "no drafts")
+    target(float(steps["num_preempted"].sum()), label="preemptions")
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "chunked_prefill", "swap"])
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_random_acceptance_with_prefix_caching(policy, data):
+    """As above with the prefix cache on and every request sharing one chain of hash ids
+    over its prompt and output (so generated blocks are keyed too): block and key
+    invariants hold (``check_plan``) and every finished request gets exactly output_len."""
+    sc = data.draw(scenarios_for(policy), label="scenario")
+    k = data.draw(st.integers(1, 4), label="k")
+    bm = PrefixCachingBlockManager(sc.gpu_blocks, sc.cpu_blocks, sc.block_size, sc.watermark)
+    s = get_policy(policy)(sc.limits, bm, speculative=spec(k))
+    ex = RandomAcceptance(s, k, data.draw(st.integers(0, 2**16), label="seed"))
+    reqs = []
+    for i, (a, p, o) in enumerate(sc.requests):
+        n = -(-(p + o) // sc.block_size)
+        r = Request(str(i), a, p, o, hash_ids=list(range(n)), hash_block_size=sc.block_size)
+        reqs.append(r)
+    res = replay(reqs, s, ex, check_invariants=True)
+    assert res.failure is None, res.failure
+    for r in res.requests:
+        assert r.status is expected_status(sc, r.prompt_len, r.output_len), (r, r.reason)
+        if r.status is RequestStatus.FINISHED:
+            assert len(res.token_times(r)) == r.output_len
+    assert bm.num_free_gpu_blocks == sc.gpu_blocks

@@ -14,6 +14,11 @@ tokens has ``n0 + (tick - t0)`` output tokens now, and nothing needs updating pe
 A step's cost is then O(1) in Python plus O(changes), not O(batch size); the replay of an
 hour-long trace takes seconds. A member's state is written back to its ``Request``
 ("materialized") when it leaves the set: on finish, preemption or abort.
+
+Asynchronous scheduling (lab/core/scheduler.py) keeps a member whose last token is sampled
+in step N for one more tick (the wasted slot of step N+1): ``advance(keep_done=True)``
+reports it without removing it, and ``remove(r, end_tick)`` later writes back its state as
+of the tick that sampled its last token, so the wasted tick is in no count or segment.
 """
 
 from __future__ import annotations
@@ -76,26 +81,33 @@ class DecodeSet:
         self._members[r] = None
         self._buckets[(num_tokens - self.tick) % self.block_size][r] = None
         self._offset_sum += num_tokens - self.tick
+        if r.num_output_tokens >= r.output_len:
+            return  # done already (async: it joins for its wasted slot only)
         # The tick whose step samples the last output token.
         last_tick = self.tick + r.output_len - r.num_output_tokens - 1
         heapq.heappush(self._finish_heap, (last_tick, self._seq, r))
         self._seq += 1
 
-    def remove(self, request: Request) -> None:
-        """Remove a member and write its state back to the ``Request``."""
+    def remove(self, request: Request, end_tick: int | None = None) -> None:
+        """Remove a member and write its state back to the ``Request``, as of decode tick
+        ``end_tick`` (default: now; the tick after the one that sampled a done member's
+        last token, for a member kept by ``advance(keep_done=True)``)."""
         r = request
         del self._members[r]
-        num_tokens = self.num_tokens(r)
-        del self._buckets[(num_tokens - self.tick) % self.block_size][r]
-        self._offset_sum -= num_tokens - self.tick
-        if self.tick > r.join_tick:
-            r.decode_segments.append((r.join_tick, self.tick))
+        key = self.num_tokens(r) - self.tick  # constant while a member
+        del self._buckets[key % self.block_size][r]
+        self._offset_sum -= key
+        end = self.tick if end_tick is None else end_tick
+        num_tokens = num_tokens_at(r, end)
+        if end > r.join_tick:
+            r.decode_segments.append((r.join_tick, end))
         r.num_output_tokens = num_tokens - r.prompt_len
         r.num_computed_tokens = num_tokens - 1
         r.join_tick = -1  # marks heap entries of this membership as stale
 
-    def advance(self) -> list[Request]:
-        """Run one tick: every member gains a token. Returns (and removes) those done."""
+    def advance(self, keep_done: bool = False) -> list[Request]:
+        """Run one tick: every member gains a token. Returns those that sampled their last
+        token in it: removed, or kept as members if ``keep_done`` (async scheduling)."""
         self.tick += 1
         done = []
         heap = self._finish_heap
@@ -104,7 +116,9 @@ class DecodeSet:
             if (
                 r in self._members
                 and r.join_tick + r.output_len - r.join_num_output - 1 == last_tick
+                and not (keep_done and r in done)  # a stale entry of an earlier membership
             ):
-                self.remove(r)
+                if not keep_done:
+                    self.remove(r)
                 done.append(r)
         return done

@@ -138,11 +138,14 @@ class BlockManager:
         request.block_table.extend(self._free_gpu.take(num_blocks))
 
     def free_tail(self, request: Request, num_blocks: int) -> None:
-        """Release the last ``num_blocks`` GPU blocks of a running ``request`` (lookahead
-        slots of rejected draft tokens: never keyed, as they hold no computed token)."""
+        """Release the last ``num_blocks`` blocks of ``request`` (lookahead slots of rejected
+        draft tokens: never keyed, as they hold no computed token); CPU ones if swapped."""
         if num_blocks > 0:
             table = request.block_table
-            self._release_tail(table[-num_blocks:])
+            if request.status is RequestStatus.SWAPPED:  # async: rejected after a swap out
+                self._free_cpu.put(table[-num_blocks:])
+            else:
+                self._release_tail(table[-num_blocks:])
             del table[-num_blocks:]
 
     def _release_tail(self, blocks: list[int]) -> None:

@@ -129,6 +129,13 @@ class SchedulerOutput:
         spec_decodes: decode -> d' >= 1, the draft tokens it verifies this step (the first
             d' of ``r.spec_token_ids``, fed after its latest token at the next positions);
             empty without speculative decoding. Decodes not in it feed one token.
+        num_wasted_tokens: decodes of requests whose last token an earlier step already
+            sampled (asynchronous scheduling: their slot is wasted; 0 in sync runs). Set
+            when the plan is launched (``Scheduler.launched``).
+        sampled_prefills: the chunks that finish their prompt (they sample a token), in
+            plan order. Set when the plan is launched.
+        finished: requests whose last output token this step samples. Set when the plan
+            is launched.
     """
 
     prefills: dict[Request, int] = field(default_factory=dict)
@@ -142,12 +149,16 @@ class SchedulerOutput:
     num_cached_tokens: int = 0
     num_cached_blocks: int = 0
     spec_decodes: dict[Request, int] = field(default_factory=dict)
+    num_wasted_tokens: int = 0
+    sampled_prefills: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
 
     _features: StepFeatures | None = None
 
     def features(self) -> StepFeatures:
         """The step's :class:`StepFeatures`, computed once (call before the step's results
-        are applied: it reads each chunk's ``num_computed_tokens``)."""
+        are applied, or before it is launched under async scheduling: it reads each chunk's
+        ``num_computed_tokens``)."""
         if self._features is None:
             tokens = context = samples = 0
             pairs = 0.0
@@ -190,7 +201,11 @@ class SchedulerOutput:
     def seqs(self) -> list[ScheduledSeq]:
         """Per-sequence inputs of the step: prefill chunks in plan order, then decodes (each
         feeds its latest token at :meth:`decode_positions`). Valid until the step's results
-        are applied (``Scheduler.update``); O(sequences), so the simulator never calls it."""
+        are applied (``Scheduler.update``), under async scheduling until it is launched
+        (``Scheduler.launched``); O(sequences), so the simulator never calls it. Async: a
+        decode's token is a placeholder (not in ``output_token_ids`` yet) when the step in
+        flight samples it; ``token_ids`` then returns [] and the engine feeds it from that
+        step's sampled tokens on the device."""
         out = self.prefill_seqs()
         spec = self.spec_decodes
         out += [
@@ -257,6 +272,19 @@ class Executor(Protocol):
 
     ``wall_clock``: True if durations are measured wall time; the replay loop then adds the
     wall time the policy spent planning the step, so a step costs what it cost for real.
+
+    Asynchronous scheduling (lab/sim/replay.py) uses two optional methods, with
+    ``execute(plan) == wait(launch(plan))``:
+
+    * ``launch(plan) -> handle``: start the step and return at once (the engine enqueues it
+      behind the step in flight; the plan's decodes of requests whose latest token is not
+      known yet read it from the previous step's sampled tokens on the device). The plan's
+      inputs are read here: the scheduler advances its token counts right after.
+    * ``wait(handle) -> StepResult``: block until the step is done.
+
+    A handle may carry ``host_s``: the seconds of host work (planning, input preparation)
+    inside the step's ``duration_s`` (the simulator's cost model; absent = 0). An executor
+    without ``launch``/``wait`` runs each step at launch (``execute``).
     """
 
     wall_clock: bool

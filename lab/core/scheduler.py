@@ -23,6 +23,34 @@ Token and block conventions (vLLM V0's block manager):
   drops its references but its blocks keep their keys, so its re-admission finds what is
   still cached (counted apart, ``Request.num_resumed_cached_tokens``).
 
+Asynchronous scheduling (``async_scheduling=True``; vLLM V1's AsyncScheduler). The replay
+loop plans step N+1 after step N's plan is handed to the executor and before N's results
+are known. :meth:`Scheduler.update` is split in two: :meth:`Scheduler.launched` (the plan
+was handed over: token counts advance, the tokens sampled in N are placeholders) and
+``update`` (N's results arrive: token ids, finishes, frees); a sync run applies both at once,
+in ``update``. So, with N in flight while N+1 is planned:
+
+* a request whose prompt's last chunk is in N decodes in N+1 (feeding the placeholder), and
+  a decode of N decodes again in N+1;
+* a request whose last output token is sampled in N is still decoded in N+1 if N+1 has
+  decodes (the trace's ``output_len`` stands for an EOS stop the scheduler cannot foresee):
+  that slot is wasted, counted in ``SchedulerOutput.num_wasted_tokens``, and its token is
+  dropped. Its blocks are freed when N's results arrive, after N+1 was planned: one step
+  late; its finish time and token times are those of step N. Its wasted token is never
+  written to KV, so it needs no new block, and it is never a preemption victim (its blocks
+  free in a step anyway). Exact rule: every FINISHED request wastes one slot, except when
+  the step after its last token runs no decode (a prefill-first step of fcfs and its kin);
+* a request preempted in N+1 with its token of N in flight keeps that token (it was
+  computed from correct KV). Swap: the token is fed after the swap-in. Recompute: the
+  victim is not re-admitted by the plan made while the token is in flight (it waits, reason
+  ``token_in_flight``), so its re-prefill feeds only known tokens;
+* a plan that feeds no token is never launched: the loop waits for the step in flight and
+  plans again (with nothing in flight it is an error, as in sync runs).
+
+With a step time that has no host part the clock is the same as a sync run's, but the plans
+differ: requests that arrive while N runs are seen by N+2's plan (N+1 was planned before
+they arrived), and blocks and sequence slots of requests that finish in N free for N+2.
+
 Speculative decoding (``speculative=``, lab/core/spec.py; vLLM V1's accounting). After a
 step, the executor's proposals for each sampled request become ``Request.spec_token_ids``.
 * Budget: :meth:`reserve_decode_blocks` gives every decode its one token first, then drafts
@@ -49,6 +77,18 @@ step, the executor's proposals for each sampled request become ``Request.spec_to
   tokens), used in the first step after it is back in the decode batch. Prefix cache: only
   blocks full of accepted tokens are ever keyed (``num_computed_tokens`` counts no rejected
   draft).
+* With asynchronous scheduling, step N+1 is planned before N's acceptance is known. A
+  request that samples in N gets k placeholder proposals for N+1 (made on the device in N,
+  as vLLM's async scheduler assumes); its counts are the known ones plus N's placeholder
+  (N's accepted drafts join when N's results arrive); its lookahead blocks cover N's drafts
+  too (any may be accepted: L + d'_N + d'_{N+1} + 1 slots) and the drafts of N+1 stop two
+  tokens short of the end counting all of N's drafts as accepted, so no step with drafts
+  samples a request's last token and finishes keep async's rule (one wasted slot each).
+  When N's results arrive the unneeded lookahead blocks are freed and a request whose last
+  token N+1 samples (found only now) joins N+1's ``finished``. A request preempted while its
+  drafts are in flight gains the accepted ones then (recompute: redone by its re-prefill;
+  swap: its CPU tail beyond them is freed). Positions of N+1's decodes in the plan are the
+  known lower bound (an engine adds N's accepted count on the device).
 """
 
 from __future__ import annotations
@@ -124,7 +164,9 @@ class Scheduler:
     * :meth:`schedule`: the policy plans the next step (a :class:`SchedulerOutput`, all an
       executor reads);
     * :meth:`update` (plan, result, now): the executed step's results are applied: sampled
-      tokens, finished requests, freed blocks.
+      tokens, finished requests, freed blocks;
+    * asynchronous scheduling only, :meth:`launched` (plan): the plan was handed to the
+      executor (called before the next :meth:`schedule`; module doc).
 
     The scheduler is the sole owner of request state. Queues: ``waiting`` (FIFO; recompute
     victims return at the front), ``running`` (in admission order; the last one is the
@@ -159,6 +201,7 @@ class Scheduler:
         block_manager: BlockManager,
         preemption_victim: str | None = None,
         speculative: SpeculativeConfig | None = None,
+        async_scheduling: bool = False,
         **options: Any,
     ):
         if preemption_victim is not None:
@@ -185,6 +228,15 @@ class Scheduler:
             setattr(self, key, value)
         self._slots_planned_for: SchedulerOutput | None = None  # see reserve_decode_blocks
         self._admitted: set[Request] = set()  # admitted by the latest admit_waiting
+        # Asynchronous scheduling (module doc). ``_finishing``: requests whose last token a
+        # launched step samples, until its results arrive; ``_in_flight``: the plan launched
+        # last whose results have not arrived; ``_held``: recompute victims whose token of
+        # ``_in_flight`` is not known yet (not re-admitted until it is).
+        self.async_scheduling = async_scheduling
+        self._finishing: dict[Request, None] = {}
+        self._in_flight: SchedulerOutput | None = None
+        self._in_flight_decodes: set[Request] | None = None
+        self._held: set[Request] = set()
         cls = type(self)
         if not cls.victim_rule:
             if cls.pick_victim is not Scheduler.pick_victim:
@@ -227,20 +279,64 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, result: StepResult, now_s: float) -> None:
         """Apply the executed step ``plan`` at its end time ``now_s``: append the sampled
         token ids (engine runs), advance decodes and prompt chunks, finish requests whose
-        last token was sampled and free their blocks. Mutates requests and queues."""
+        last token was sampled and free their blocks. Mutates requests and queues.
+
+        Asynchronous scheduling: the counts advanced at :meth:`launched`; this appends the
+        token ids (not those of wasted slots) and finishes the plan's ``finished``
+        requests, freeing their blocks (module doc)."""
         self.now_s = now_s
-        spec = plan.spec_decodes
-        for r, token in result.sampled_token_ids.items():
-            if r in spec:  # the accepted drafts come before the sampled token
-                r.output_token_ids.extend(r.spec_token_ids[: result.num_accepted.get(r, 0)])
-            r.output_token_ids.append(token)
-        step_index = self.num_steps
-        self.num_steps += 1
-        if plan.decodes:
-            for r in self.decode_set.advance():
-                self._finish(r, now_s)
+        if not self.async_scheduling:
+            spec = plan.spec_decodes
+            for r, token in result.sampled_token_ids.items():
+                if r in spec:  # the accepted drafts come before the sampled token
+                    r.output_token_ids.extend(r.spec_token_ids[: result.num_accepted.get(r, 0)])
+                r.output_token_ids.append(token)
+            step_index = self.num_steps
+            self._advance(plan, now_s)
             if self.speculative is not None:
                 self._apply_drafts(plan, result, step_index, now_s)
+            return
+        spec = plan.spec_decodes
+        for r, token in result.sampled_token_ids.items():
+            if r.status is not RequestStatus.FINISHED:  # a wasted slot's token is dropped
+                if r in spec:  # the accepted drafts come before the sampled token
+                    r.output_token_ids.extend(r.spec_token_ids[: result.num_accepted.get(r, 0)])
+                r.output_token_ids.append(token)
+        for r in plan.finished:  # state as of the tick that sampled the last token
+            del self._finishing[r]
+            self.decode_set.remove(r, r.join_tick + r.output_len - r.join_num_output)
+            self._finish(r, now_s)
+        self._held.clear()  # their tokens of this step are known now
+        after = self._in_flight if self._in_flight is not plan else None
+        if self._in_flight is plan:
+            self._in_flight = None
+        if self.speculative is not None:
+            self._apply_drafts_async(plan, result, after)
+
+    def launched(self, plan: SchedulerOutput) -> None:
+        """Asynchronous scheduling: ``plan`` was handed to the executor (after it read the
+        plan's inputs). Advances decodes and prompt chunks with placeholder tokens and sets
+        the plan's ``num_wasted_tokens``, ``sampled_prefills`` and ``finished``; requests
+        that sampled their last token stay running until :meth:`update`. Mutates requests
+        and the decode set."""
+        self._advance(plan, None)
+        self._in_flight, self._in_flight_decodes = plan, None
+
+    def _advance(self, plan: SchedulerOutput, now_s: float | None) -> None:
+        """Advance the counts of ``plan``'s decodes and chunks (the step's sampled tokens
+        join). ``now_s``: a sync step's end time, when requests that sampled their last
+        token finish; None (async): they stay in the decode set for one more (wasted) slot."""
+        step_index = self.num_steps
+        self.num_steps += 1
+        finishing = self._finishing
+        if plan.decodes:
+            plan.num_wasted_tokens = len(finishing)  # all of them decode in this step
+            for r in self.decode_set.advance(keep_done=now_s is None):
+                plan.finished.append(r)
+                if now_s is None:
+                    finishing[r] = None
+                else:
+                    self._finish(r, now_s)
         caching = self.block_manager.enable_prefix_caching
         for r, num_new in plan.prefills.items():
             if r.num_computed_tokens and not (  # a later chunk (admit_waiting records the first)
@@ -256,14 +352,18 @@ class Scheduler:
                 self.prefilling.remove(r)
             r.num_output_tokens += 1
             r.prefill_token_steps.append(step_index)
-            if r.num_output_tokens >= r.output_len:
+            plan.sampled_prefills.append(r)
+            if r.num_output_tokens < r.output_len:
+                self.decode_set.add(r)
+            elif now_s is None:  # async: it decodes once more, in the next step's wasted slot
+                self.decode_set.add(r)
+                finishing[r] = None
+                plan.finished.append(r)
+            else:
+                plan.finished.append(r)
                 r.num_computed_tokens = r.num_tokens - 1
                 self.running.remove(r)
                 self._finish(r, now_s)
-            else:
-                self.decode_set.add(r)
-                if self.speculative is not None:
-                    r.spec_token_ids = result.draft_token_ids.get(r, [])
 
     def _apply_drafts(self, plan: SchedulerOutput, result: StepResult, step: int, now_s: float):
         """Speculative decoding, after the decode tick: accepted drafts become tokens,
@@ -291,9 +391,53 @@ class Scheduler:
                 self._finish(r, now_s)
             elif a:
                 ds.add(r)
-        for r in plan.decodes:
+        for r in (*plan.decodes, *plan.sampled_prefills):
             if r.status is RequestStatus.RUNNING:
                 r.spec_token_ids = drafts.get(r, [])
+
+    def _apply_drafts_async(
+        self, plan: SchedulerOutput, result: StepResult, after: SchedulerOutput | None
+    ) -> None:
+        """:meth:`_apply_drafts` under asynchronous scheduling, when ``plan``'s results
+        arrive and ``after`` (the next plan, or None) is in flight: the accepted drafts join
+        the counts (of a request preempted meanwhile too), blocks beyond what the request
+        and ``after``'s drafts of it need are freed, and a request whose last token
+        ``after`` samples becomes one of its ``finished`` (module doc)."""
+        ds, bm, bs = self.decode_set, self.block_manager, self.block_size
+        accepted, drafts = result.num_accepted, result.draft_token_ids
+        step = self.num_steps - 1 - (after is not None)  # plan's index
+        later = after.spec_decodes if after is not None else {}
+        for r, d in plan.spec_decodes.items():
+            a = accepted.get(r, 0)
+            if not 0 <= a <= d:
+                raise ValueError(
+                    f"step {step}: request {r.request_id}: {a!r} drafts accepted, "
+                    f"expected 0..{d} (the drafts it verified)"
+                )
+            r.spec_steps.append((step, d, a))
+            if r.status is RequestStatus.RUNNING and r in ds:
+                if a:
+                    ds.remove(r)
+                    r.num_output_tokens += a
+                    r.num_computed_tokens += a
+                    ds.add(r)  # no heap entry when ``after`` samples its last token:
+                    if r.num_output_tokens >= r.output_len:  # it finishes with ``after``
+                        self._finishing[r] = None
+                        after.finished.append(r)
+                keep = blocks_for(ds.num_tokens(r) + later.get(r, 0), bs)
+                bm.free_tail(r, len(r.block_table) - keep)
+            elif r.status is RequestStatus.WAITING:  # a recompute victim: redone later
+                r.num_output_tokens += a
+                r.num_recomputed_tokens += a
+            elif r.status is RequestStatus.SWAPPED:
+                r.num_output_tokens += a
+                r.num_computed_tokens += a
+                bm.free_tail(r, len(r.block_table) - blocks_for(r.num_tokens, bs))
+        for r in (*plan.decodes, *plan.sampled_prefills):
+            if r.status in (RequestStatus.RUNNING, RequestStatus.SWAPPED):
+                r.spec_token_ids = drafts.get(r, [])
+            elif r.status is RequestStatus.WAITING:
+                r.spec_token_ids = []
 
     def abort_unfinished(self, reason: str, now_s: float) -> list[Request]:
         """End every queued request as aborted with ``reason`` (a run that stopped); their
@@ -305,6 +449,8 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped, self.prefilling):
             queue.clear()
         self.decode_set = DecodeSet(self.block_size)
+        self._finishing, self._in_flight = {}, None
+        self._held.clear()
         return out
 
     # ------------------------------------------------------------------ hooks
@@ -320,10 +466,14 @@ class Scheduler:
         """The running request to preempt next when KV blocks are short (called with at
         least two running): the largest key of the ``preemption_victim`` rule
         (:data:`VICTIM_RULES`), ties to the newest. Default rule: the newest (vLLM V0's)."""
+        done = self._finishing  # async: never a request whose last token is in flight
         if self.preemption_victim == "newest":
-            return self.running[-1]
+            if not done:
+                return self.running[-1]
+            return next(r for r in reversed(self.running) if r not in done)
         key = VICTIM_RULES[self.preemption_victim]
-        return max(enumerate(self.running), key=lambda ir: (key(self, ir[1]), ir[0]))[1]
+        candidates = [(i, r) for i, r in enumerate(self.running) if r not in done]
+        return max(candidates, key=lambda ir: (key(self, ir[1]), ir[0]))[1]
 
     def make_room(self, plan: SchedulerOutput, r: Request, need: int) -> int | None:
         """Called by :meth:`admit_waiting` when waiting request ``r`` does not fit (``need``
@@ -395,6 +545,9 @@ class Scheduler:
         while queue and budget > 0:
             r = queue[0] if custom is None else next(custom, None)
             if r is None:
+                break
+            if r in self._held:  # async: a recompute victim whose token is in flight
+                events.wait(step, r, "token_in_flight")
                 break
             # Looked up now, at every admission attempt; a request whose prompt is already
             # computed elsewhere (its KV moved in from a prefill replica) looks nothing up.
@@ -476,11 +629,11 @@ class Scheduler:
         """Give each decode a block if its next token starts one, preempting
         :meth:`pick_victim` while blocks are short. A request that needs a block while
         holding the whole cache alone is aborted."""
-        bm, ds = self.block_manager, self.decode_set
+        bm = self.block_manager
         self._slots_planned_for = plan
         if self.speculative is not None:
             return self._reserve_draft_blocks(plan)
-        while len(ds.needing_block()) > bm.num_free_gpu_blocks:
+        while len(self._needing_block()) > bm.num_free_gpu_blocks:
             if len(self.running) == 1:
                 self.abort(
                     plan,
@@ -490,7 +643,7 @@ class Scheduler:
                 )
             else:
                 self.preempt(plan, self.pick_victim(), self.victim_rule)
-        for r in ds.needing_block():
+        for r in self._needing_block():
             bm.allocate(r, 1)
 
     def _reserve_draft_blocks(self, plan: SchedulerOutput) -> None:
@@ -501,18 +654,25 @@ class Scheduler:
         k = self.speculative.num_speculative_tokens
         budget = self.limits.max_num_batched_tokens - len(ds)
         spec = plan.spec_decodes
+        # Async: drafts of the step in flight, accepted or not (unknown yet), and the
+        # requests it samples, whose proposals (made on the device) are k placeholders.
+        flight = self._in_flight
+        unknown = flight.spec_decodes if flight is not None else {}
+        sampling = set(flight.decodes) | set(flight.sampled_prefills) if flight else set()
+        margin = 2 if flight is not None else 1  # async: the last token has no drafts
+        finishing = self._finishing
         for r in self.running:
             if budget <= 0:
                 break
-            if r.spec_token_ids and r in ds:
-                n = ds.num_tokens(r)
-                d = min(len(r.spec_token_ids), k, r.output_len - (n - r.prompt_len) - 1, budget)
+            if r in ds and r not in finishing:
+                props = k if r in sampling else len(r.spec_token_ids)
+                most = ds.num_tokens(r) + unknown.get(r, 0) - r.prompt_len  # output tokens
+                d = min(props, k, r.output_len - most - margin, budget)
                 if d > 0:
                     spec[r] = d
                     budget -= d
         need = {
-            r: blocks_for(ds.num_tokens(r) + 1 + spec.get(r, 0), bs) - len(r.block_table)
-            for r in ds.requests()
+            r: self._draft_blocks(r, spec.get(r, 0)) - len(r.block_table) for r in ds.requests()
         }
         total = sum(need.values())
         while total > bm.num_free_gpu_blocks:
@@ -520,11 +680,11 @@ class Scheduler:
                 r = self.running[0]
                 planned = spec.pop(r, 0)
                 if planned:  # alone: cut its drafts to what fits
-                    n, room = ds.num_tokens(r), len(r.block_table) + bm.num_free_gpu_blocks
-                    d = min(room * bs - n - 1, planned)
+                    room = len(r.block_table) + bm.num_free_gpu_blocks
+                    d = min(room * bs - self._draft_blocks_tokens(r), planned)
                     if d > 0:
                         spec[r] = d
-                    need[r] = blocks_for(n + 1 + max(d, 0), bs) - len(r.block_table)
+                    need[r] = self._draft_blocks(r, max(d, 0)) - len(r.block_table)
                     total = need[r]
                     continue
                 self.abort(
@@ -540,6 +700,26 @@ class Scheduler:
         for r, n in need.items():
             if n > 0:
                 bm.allocate(r, n)
+
+    def _draft_blocks_tokens(self, r: Request) -> int:
+        """KV slots a decode needs before its drafts: its tokens, the drafts of the step in
+        flight (async; any may be accepted) and the slot it samples into (none for a wasted
+        slot)."""
+        flight = self._in_flight
+        unknown = flight.spec_decodes.get(r, 0) if flight is not None else 0
+        return self.decode_set.num_tokens(r) + unknown + (r not in self._finishing)
+
+    def _draft_blocks(self, r: Request, drafts: int) -> int:
+        """Blocks a decode holds while it verifies ``drafts`` drafts."""
+        return blocks_for(self._draft_blocks_tokens(r) + drafts, self.block_size)
+
+    def _needing_block(self) -> Iterable[Request]:
+        """Decodes whose next token starts a block; async: not a wasted slot (its token is
+        never written to KV)."""
+        need = self.decode_set.needing_block()
+        if self._finishing:
+            return [r for r in need if r not in self._finishing]
+        return need
 
     def preempt_lower_ranked(
         self, plan: SchedulerOutput, r: Request, need: int, rank: Callable[[Request], Any]
@@ -573,6 +753,8 @@ class Scheduler:
                 break
             if v in plan.prefills and v.num_computed_tokens == 0:
                 continue  # admitted in this plan
+            if v in self._finishing:
+                continue  # async: its last token is in flight
             victims.append(v)
             free += len(v.block_table)
             running -= 1
@@ -631,6 +813,8 @@ class Scheduler:
             victim.status = RequestStatus.WAITING
             victim.num_preemptions_recompute += 1
             self.waiting.appendleft(victim)
+            if self._in_flight is not None and self._samples_in_flight(victim):
+                self._held.add(victim)
         plan.preempted.append((victim, mode))
         if victim.num_preemptions > self.limits.max_preemptions:
             raise SchedulerStuckError(
@@ -714,11 +898,17 @@ class Scheduler:
         assert not scheduled & {r for r, _ in plan.preempted}, "request scheduled and preempted"
         assert all(r.status is RequestStatus.RUNNING for r in scheduled)
         assert set(plan.spec_decodes) <= set(plan.decodes), "drafts of a request not decoding"
-        for r in plan.decodes:
+        for r in plan.decodes:  # a wasted slot (async) reserves no slot for its token
             drafts = plan.spec_decodes.get(r, 0)
             left = r.output_len - (self.decode_set.num_tokens(r) - r.prompt_len) - 1
-            assert 0 <= drafts <= left, f"{r.request_id}: {drafts} drafts, {left} tokens left"
-            need = blocks_for(self.decode_set.num_tokens(r) + 1 + drafts, self.block_size)
+            assert drafts <= max(left, 0), f"{r.request_id}: {drafts} drafts, {left} tokens left"
+            need = (
+                self._draft_blocks(r, drafts)
+                if self.speculative is not None
+                else blocks_for(
+                    self.decode_set.num_tokens(r) + (r not in self._finishing), self.block_size
+                )
+            )
             assert len(r.block_table) == need, f"{r.request_id}: {len(r.block_table)} != {need}"
         self.block_manager.check_integrity(list(self.running) + list(self.swapped))
 
@@ -734,6 +924,15 @@ class Scheduler:
             self.running.remove(r)
         self.block_manager.free(r)
         r.status, r.finish_s = RequestStatus.FINISHED, now_s
+
+    def _samples_in_flight(self, r: Request) -> bool:
+        """Whether the step in flight samples a token for ``r`` (async scheduling)."""
+        plan = self._in_flight
+        if plan is None:
+            return False
+        if self._in_flight_decodes is None:
+            self._in_flight_decodes = set(plan.decodes)
+        return r in self._in_flight_decodes or r in plan.sampled_prefills
 
     def _leave_running(self, r: Request) -> None:
         self.running.remove(r)

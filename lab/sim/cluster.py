@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import simpy
 
+from lab.core.errors import ConfigError
 from lab.core.plan import Executor, SchedulerOutput
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import Scheduler
@@ -320,6 +321,11 @@ def _replay(requests, spec, make_replica, kv_bytes_per_token, seed, check_invari
     requests = sorted(requests, key=lambda r: r.arrival_s)
     env = simpy.Environment()
     cluster = _Cluster(env, spec, make_replica, kv_bytes_per_token, seed)
+    if any(rep.scheduler.async_scheduling for rep in cluster.replicas):
+        raise ConfigError(
+            "replay_cluster: the cluster simulator runs synchronous replicas only "
+            "(scheduler.async_scheduling: false)"
+        )
     env.process(arrival_process(env, requests, cluster, progress))
     for rep in cluster.replicas:
         on_step = None

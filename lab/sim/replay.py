@@ -6,6 +6,12 @@
   the executor, wait the step's duration, then let the scheduler apply the step's results
   at the new time (``Scheduler.update``). The loop owns time and the per-step records; all
   request state belongs to the scheduler.
+* Asynchronous scheduling (``Scheduler.async_scheduling``; semantics in
+  lab/core/scheduler.py): plan P0; launch P0; then loop { plan P(N+1) while N is in flight;
+  launch it; wait for N; apply N's results }. Step N lasts, start to the next step's start,
+  max(device time of N, host time of N+1) in the simulator (the launch handle's ``host_s``,
+  0 if absent; device time = duration - host time), and the wall time between consecutive
+  waits on a wall-clock executor (the engine).
 
 Idle gaps cost nothing: with no work, the engine waits for the next arrival. Simultaneous
 events resolve in SimPy's order (scheduled time, then creation order), so a replay is
@@ -22,13 +28,14 @@ import time
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import simpy
 
-from lab.core.errors import SchedulerStuckError
+from lab.core.errors import ConfigError, SchedulerStuckError
 from lab.core.events import EventLog
-from lab.core.plan import Executor
+from lab.core.plan import Executor, SchedulerOutput
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import Scheduler
 
@@ -37,7 +44,8 @@ STEP_COLUMNS = (
     "kv_used_blocks", "cpu_used_blocks", "num_waiting", "num_running", "num_swapped",
     "num_preempted", "num_swap_out_blocks", "num_swap_in_blocks", "num_prefills",
     "prefill_context_tokens", "prefill_attention_pairs", "decode_context_tokens",
-    "num_cached_tokens", "num_cached_blocks", "kv_cached_blocks", "num_spec_tokens",
+    "num_cached_tokens", "num_cached_blocks", "kv_cached_blocks", "num_wasted_tokens",
+    "num_spec_tokens",
 )  # fmt: skip
 
 
@@ -52,6 +60,7 @@ class ReplayResult:
             block shared by several requests once). Prefix cache: ``num_cached_tokens``
             and ``num_cached_blocks`` found cached by the step's admissions,
             ``kv_cached_blocks`` the GPU blocks holding a key (used or cached free).
+            ``num_wasted_tokens``: decode slots of requests already finished (async).
             ``num_spec_tokens``: draft tokens verified by decodes (speculative decoding;
             step tokens = prefill + decode + spec tokens).
         tick_steps: for each decode tick, the index of the step that ran it.
@@ -62,6 +71,7 @@ class ReplayResult:
         num_evicted_blocks: blocks evicted from the prefix cache.
         events: what the scheduler's shared moves did to each request, and why requests
             waited (:class:`lab.core.events.EventLog`; step indices are rows of ``steps``).
+        async_scheduling: whether the scheduler planned asynchronously.
     """
 
     requests: list[Request]
@@ -73,6 +83,7 @@ class ReplayResult:
     prefix_caching: bool = False
     num_evicted_blocks: int = 0
     events: EventLog | None = None
+    async_scheduling: bool = False
 
     @functools.cached_property
     def step_end_s(self) -> np.ndarray:
@@ -146,6 +157,12 @@ def engine_process(
     ``on_step``: optional callable(plan, now_s) called after each step's ``update`` (the
     cluster simulator hands finished prefills to their decode replica there).
     """
+    if scheduler.async_scheduling:
+        yield from _async_engine_process(
+            env, scheduler, executor, num_requests, wakeup, arrived, rec, tick_steps,
+            check_invariants, progress, on_step,
+        )  # fmt: skip
+        return
     bm = scheduler.block_manager
     columns = [rec[c] for c in STEP_COLUMNS]
     wall_clock = getattr(executor, "wall_clock", False)
@@ -196,6 +213,7 @@ def engine_process(
             plan.num_cached_tokens,
             plan.num_cached_blocks,
             bm.num_cached_blocks,
+            0,
             f.num_spec_tokens,
         )
         if not 0.0 <= result.duration_s < math.inf or math.isinf(env.now + result.duration_s):
@@ -214,6 +232,114 @@ def engine_process(
         step += 1
         if progress is not None and step % 4096 == 0:
             progress(arrived[0] - scheduler.num_unfinished, env.now)
+
+
+_WASTED = STEP_COLUMNS.index("num_wasted_tokens")
+
+
+def _state_row(scheduler: Scheduler, plan: SchedulerOutput) -> list:
+    """A step's record as planned (``STEP_COLUMNS``), its time and duration still 0 and its
+    wasted slots counted once it is launched."""
+    bm, f = scheduler.block_manager, plan.features()
+    return [
+        0.0, 0.0, f.num_prefill_tokens, f.num_decodes, f.num_seqs, bm.num_used_gpu_blocks,
+        bm.num_used_cpu_blocks, len(scheduler.waiting), len(scheduler.running),
+        len(scheduler.swapped), len(plan.preempted), len(plan.swap_out), len(plan.swap_in),
+        f.num_prefills, f.prefill_context_tokens, f.prefill_attention_pairs,
+        f.decode_context_tokens, plan.num_cached_tokens, plan.num_cached_blocks,
+        bm.num_cached_blocks, 0, f.num_spec_tokens,
+    ]  # fmt: skip
+
+
+@dataclass
+class _Launched:
+    """A step handed to the executor whose results have not been applied."""
+
+    plan: SchedulerOutput
+    handle: Any  # the executor's launch handle, or the StepResult of an executor without one
+    row: list
+    host_s: float  # host seconds inside the step's duration (the handle's ``host_s``)
+
+
+def _async_engine_process(
+    env: simpy.Environment,
+    scheduler: Scheduler,
+    executor: Executor,
+    num_requests: int,
+    wakeup: _Wakeup,
+    arrived: list[int],
+    rec: dict[str, array],
+    tick_steps: array,
+    check_invariants: bool,
+    progress,
+    on_step,
+) -> Iterator[simpy.Event]:
+    """``engine_process`` under asynchronous scheduling (module doc): at most one step is in
+    flight while the next is planned. A plan that feeds no token is not launched: the loop
+    waits for the step in flight and plans again (with none in flight, or if the plan
+    preempted: stuck, as sync)."""
+    columns = [rec[c] for c in STEP_COLUMNS]
+    launch, wait = getattr(executor, "launch", None), getattr(executor, "wait", None)
+    wall_clock = getattr(executor, "wall_clock", False)
+    if wall_clock and launch is None:  # it would read placeholder token ids at execute
+        raise ConfigError(
+            f"scheduler.async_scheduling: {type(executor).__name__} has no launch/wait "
+            "(device-fed tokens); run it with async_scheduling: false"
+        )
+    flight: _Launched | None = None
+    t_last = 0.0  # wall clock: when the last wait returned, or the pipeline started
+    step = 0
+    while True:
+        nxt = None
+        if scheduler.has_unfinished():
+            if flight is None and wall_clock:
+                t_last = time.perf_counter()
+            plan = scheduler.schedule()
+            if not plan.feeds_tokens and not plan.aborted and (flight is None or plan.preempted):
+                raise SchedulerStuckError(_stuck_message(scheduler, env.now))
+            if check_invariants:
+                scheduler.check_plan(plan)
+            if plan.feeds_tokens or (plan.aborted and not plan.is_empty):
+                row = _state_row(scheduler, plan)
+                handle = launch(plan) if launch is not None else executor.execute(plan)
+                scheduler.launched(plan)
+                row[_WASTED] = plan.num_wasted_tokens
+                nxt = _Launched(plan, handle, row, float(getattr(handle, "host_s", 0.0)))
+            elif plan.aborted:
+                continue  # only aborts: plan again
+        if flight is None:
+            if nxt is not None:
+                flight = nxt  # the pipeline starts: plan the next step while this one runs
+                continue
+            if arrived[0] == num_requests:
+                return
+            yield wakeup.wait()
+            continue
+        result = wait(flight.handle) if launch is not None else flight.handle
+        if wall_clock:  # rounded as in the sync loop (cost_model.durations_from)
+            t = time.perf_counter()
+            result.duration_s, t_last = float(f"{t - t_last:.9g}"), t
+        else:
+            device_s = result.duration_s - flight.host_s
+            result.duration_s = max(device_s, nxt.host_s if nxt is not None else 0.0)
+        if not 0.0 <= result.duration_s < math.inf or math.isinf(env.now + result.duration_s):
+            raise ValueError(
+                f"step {step}: duration {result.duration_s!r} s leaves the clock "
+                f"at t={env.now:.6g}s without a finite end"
+            )
+        flight.row[0], flight.row[1] = env.now, result.duration_s
+        yield env.timeout(result.duration_s)
+        for col, value in zip(columns, flight.row):
+            col.append(value)
+        if flight.plan.decodes:
+            tick_steps.append(step)
+        scheduler.update(flight.plan, result, env.now)
+        if on_step is not None:
+            on_step(flight.plan, env.now)
+        step += 1
+        if progress is not None and step % 4096 == 0:
+            progress(arrived[0] - scheduler.num_unfinished, env.now)
+        flight = nxt
 
 
 def replay(
@@ -298,6 +424,7 @@ def _replay(
         scheduler.block_manager.enable_prefix_caching,
         scheduler.block_manager.num_evicted_blocks,
         scheduler.events,
+        scheduler.async_scheduling,
     )
 
 

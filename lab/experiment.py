@@ -414,7 +414,7 @@ def iter_runs(
                 )
                 if cfg.backend == "engine":
                     asynchronous = pol.options.get(
-                        "async_scheduling", getattr(cfg.scheduler, "async_scheduling", False)
+                        "async_scheduling", cfg.scheduler.async_scheduling
                     )
                     executor = make_executor(pol.speculative, asynchronous)
                     if info_cm is None:

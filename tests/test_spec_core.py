@@ -582,3 +582,24 @@ def test_random_acceptance_with_prefix_caching(policy, data):
         if r.status is RequestStatus.FINISHED:
             assert len(res.token_times(r)) == r.output_len
     assert bm.num_free_gpu_blocks == sc.gpu_blocks
+
+
+def test_async_last_token_found_when_drafts_arrive():
+    """As the async timeline above with every draft accepted: P1 and P2 verify 3 (5, then 9
+    tokens out), P3 (planned with 6 known-or-placeholder + 3 unknown) verifies
+    12 - 9 - 2 = 1, P4 none. P4's launch counts 11 tokens (P3's draft unknown), so P4 is
+    not known to sample the last token until P3's results arrive (its draft accepted: 12):
+    then P4 finishes the request and P5 is its wasted slot."""
+    bm = BlockManager(16, 0, BS, 0.0)
+    s = get_policy("fcfs")(
+        SchedulerLimits(8, 64, 1000), bm, speculative=spec(3), async_scheduling=True
+    )
+    r = Request("a", 0.0, 4, 12)
+    ex = LaunchAccept(3, {"a": 3})
+    res = replay([r], s, ex, check_invariants=True)
+    assert res.failure is None, res.failure
+    assert res.steps["num_spec_tokens"].tolist() == [0, 3, 3, 1, 0, 0]
+    assert r.spec_steps == [(1, 3, 3), (2, 3, 3), (3, 1, 1)]
+    assert res.token_times(r).tolist() == [0.25] + [0.5] * 4 + [0.75] * 4 + [1.0] * 2 + [1.25]
+    assert r.status is RequestStatus.FINISHED and r.finish_s == 1.25
+    assert res.steps["num_wasted_tokens"].tolist() == [0, 0, 0, 0, 0, 1]

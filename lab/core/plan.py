@@ -13,6 +13,7 @@ table), computed from the plan on demand so the simulator never pays for them.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -150,8 +151,8 @@ class SchedulerOutput:
     num_cached_blocks: int = 0
     spec_decodes: dict[Request, int] = field(default_factory=dict)
     num_wasted_tokens: int = 0
-    sampled_prefills: list[Request] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)
+    sampled_prefills: Sequence[Request] = ()  # a list once set (an empty tuple is free)
+    finished: Sequence[Request] = ()
 
     _features: StepFeatures | None = None
 

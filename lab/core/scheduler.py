@@ -331,13 +331,15 @@ class Scheduler:
         finishing = self._finishing
         if plan.decodes:
             plan.num_wasted_tokens = len(finishing)  # all of them decode in this step
-            for r in self.decode_set.advance(keep_done=now_s is None):
-                plan.finished.append(r)
+            plan.finished = done = self.decode_set.advance(keep_done=now_s is None)
+            for r in done:
                 if now_s is None:
                     finishing[r] = None
                 else:
                     self._finish(r, now_s)
         caching = self.block_manager.enable_prefix_caching
+        if plan.prefills:  # lists of their own (the plan's defaults are shared empty tuples)
+            plan.sampled_prefills, plan.finished = [], list(plan.finished)
         for r, num_new in plan.prefills.items():
             if r.num_computed_tokens and not (  # a later chunk (admit_waiting records the first)
                 r in self._admitted and self._admit_step == step_index
@@ -423,7 +425,7 @@ class Scheduler:
                     ds.add(r)  # no heap entry when ``after`` samples its last token:
                     if r.num_output_tokens >= r.output_len:  # it finishes with ``after``
                         self._finishing[r] = None
-                        after.finished.append(r)
+                        after.finished = [*after.finished, r]  # may be a shared empty tuple
                 keep = blocks_for(ds.num_tokens(r) + later.get(r, 0), bs)
                 bm.free_tail(r, len(r.block_table) - keep)
             elif r.status is RequestStatus.WAITING:  # a recompute victim: redone later

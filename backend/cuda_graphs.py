@@ -210,6 +210,26 @@ class StepGraphs:
         hidden = self._replay(("mixed", tokens, rows))
         return sampled, temps, self.model.compute_logits(hidden[last_rows])
 
+    def run_rows(self, seqs: list[SeqInput], rows: torch.Tensor) -> torch.Tensor | None:
+        """Run a step in a graph and return the logits (len(rows), vocab) float32 of the
+        given token rows (indices into the step's fed tokens, on the device): speculative
+        verification needs every fed position of a verify row. None when no graph fits.
+        A step of verify rows (q_len = 1 + drafts) is a mixed step: its rows run as short
+        prefill chunks over their cached prefix."""
+        size = self.size_for(seqs)
+        if size is not None:
+            self._ensure_captured(("decode", size, size))
+            self.stage(seqs, size)
+            return self._replay(("decode", size, size))[rows]
+        tokens = self.token_size_for(seqs)
+        if tokens is None:
+            return None
+        decodes = sum(len(s.token_ids) == 1 for s in seqs)
+        key = ("mixed", tokens, next(r for r in self.attn.decode_rows(tokens) if r >= decodes))
+        self._ensure_captured(key)
+        self.stage_mixed(seqs, tokens, key[2])
+        return self.model.compute_logits(self._replay(key)[rows])
+
     def stage(self, seqs: list[SeqInput], size: int) -> None:
         """Validate a decode-only step (ValueError naming the first bad sequence, as
         :func:`backend.inputs.check_seq`) and write it, padded to ``size`` rows, into the

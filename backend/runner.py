@@ -332,6 +332,23 @@ class ModelRunner:
         self.synchronize()
         return out
 
+    @torch.inference_mode()
+    def logits_at(self, seqs: list[SeqInput], rows: Sequence[int]) -> torch.Tensor:
+        """Run one step; return the logits (len(rows), vocab_size) float32 at the given
+        token rows (indices into the step's fed tokens, concatenated in ``seqs`` order), on
+        the device, without waiting for it. Speculative decoding (backend/spec_decode.py)
+        asks for every fed position of its verify rows. Writes the fed tokens' KV."""
+        index = torch.tensor(list(rows), dtype=torch.long).to(self.device, non_blocking=True)
+        if self.graphs is not None:
+            out = self.graphs.run_rows(seqs, index)
+            if out is not None:
+                return out
+        inputs = prepare_inputs(seqs, self.block_size, self.kv_cache.num_gpu_blocks,
+                                self.max_model_len, self.config.vocab_size, self.device)  # fmt: skip
+        attn = self.attn_backend.prepare_metadata(inputs.attn, self.config.num_kv_heads)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, attn)
+        return self.model.compute_logits(hidden[index])
+
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         """Copy [(gpu_block, cpu_block), ...] to the swap space (batched, non-blocking on CUDA)."""
         self.kv_cache.swap_out(mapping)

@@ -12,6 +12,7 @@ from backend.runner import ModelRunner
 from backend.tp import check_tp_size
 from backend.tp_engine import TensorParallelRunner
 from lab.config import ExperimentConfig
+from lab.core.errors import ConfigError
 
 
 def engine_parts(cfg: ExperimentConfig):
@@ -54,9 +55,22 @@ def engine_parts(cfg: ExperimentConfig):
         check_tp_size(ModelConfig.from_dir(eng.model_path), eng.tensor_parallel_size)
         runner = TensorParallelRunner(eng.model_path, eng.tensor_parallel_size, **kwargs)
 
-    def make_executor() -> EngineExecutor:
+    drafts: dict = {}  # draft runners, loaded once for all runs (backend/spec_decode.py)
+
+    def make_executor(speculative=None, async_scheduling: bool = False) -> EngineExecutor:
+        """``speculative``: the run's ``speculative:`` block (lab/core/spec.py) or None;
+        with it, a :class:`backend.spec_decode.SpecExecutor` (synchronous runs only: a
+        ConfigError with ``async_scheduling``)."""
         runner.generator.manual_seed(cfg.seed)  # each run samples the same way
-        return EngineExecutor(runner, eng.temperature)
+        if speculative is None:
+            return EngineExecutor(runner, eng.temperature)
+        from backend.spec_decode import ASYNC_ERROR, SpecExecutor, spec_decoder_from
+
+        if async_scheduling:
+            raise ConfigError(ASYNC_ERROR)
+        spec = spec_decoder_from(speculative, runner, eng.temperature, cfg.seed,
+                                 cfg.scheduler.max_num_seqs, drafts)  # fmt: skip
+        return SpecExecutor(spec)
 
     return (
         make_executor,

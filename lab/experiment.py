@@ -431,7 +431,10 @@ def iter_runs(
                     },
                 )
                 if cfg.backend == "engine":
-                    executor = make_executor()
+                    asynchronous = pol.options.get(
+                        "async_scheduling", cfg.scheduler.async_scheduling
+                    )
+                    executor = make_executor(pol.speculative, asynchronous)
                     if info_cm is None:
                         info_cm = engine_info(cfg, executor)
                 elif cfg.cost_model.durations_from is not None:

@@ -1,0 +1,548 @@
+"""Speculative decoding on the engine: proposers, the verify step, and the drafts' KV.
+
+The scheduler (lab/core/scheduler.py, vLLM V1's rule) schedules a decoding request with
+``d'`` drafts (``plan.spec_decodes[r]``, its first ``d'`` of ``r.spec_token_ids``) as one
+row of ``1 + d'`` query tokens: ``[latest token, d_1 .. d_d']`` at positions
+``pos .. pos + d'``, with KV slots reserved for all of them. :class:`SpecDecoder` runs such
+a step:
+
+1. The target runs the step; each verify row returns the logits of all its fed positions
+   (:meth:`backend.runner.ModelRunner.logits_at`). Kernels: a verify row is a short prefill
+   chunk over its cached prefix, i.e. the chunked-prefill paged path of every attention
+   backend (the triton prefill kernel: one 64-row tile per row, causal within the row);
+   its steps replay the mixed CUDA graphs by token count (decode-only graphs take steps
+   without drafts). Larger steps run eagerly, as any step does.
+2. Verification (backend/verify.py): greedy exact, or rejection sampling at temperature > 0.
+   ``StepResult.num_accepted[r]`` = accepted drafts, ``sampled_token_ids[r]`` = the token
+   after them (the correction at the first mismatch, or the bonus).
+3. Proposals for the next step, made after sampling, inside the step's timing:
+   ``StepResult.draft_token_ids[r]`` for every request that sampled (empty when it
+   finishes or no draft is found), at most ``min(k, output_len - outputs - 1,
+   max_model_len - tokens)``.
+
+Proposers (``method``):
+
+* ``ngram`` (:func:`ngram_propose`): prompt lookup as vLLM's n-gram proposer: for n from
+  ``prompt_lookup_max`` down to ``prompt_lookup_min``, find the latest earlier occurrence
+  of the last n tokens in prompt + output and propose up to k tokens that followed it
+  (fewer near the end, none without a match). At temperature > 0 a draft is a point-mass
+  proposal.
+* ``draft`` (:class:`DraftProposer`): a smaller model of the same vocabulary in a second
+  :class:`backend.runner.ModelRunner` with its own paged KV cache (sizing and preemption
+  in its doc); its k forwards per step are part of the step's duration.
+* ``synthetic`` (:class:`SyntheticProposer`): a timing device for random-weight models,
+  never a quality claim. It proposes k random ids; verification ignores them and accepts
+  a prefix drawn from the per-position ``acceptance_rates`` (seeded), then forces the
+  accepted tokens to agree with the target's output: it writes the target's tokens at
+  those rows into ``r.spec_token_ids[:accepted]`` (the executor's one write to a request;
+  the scheduler's update then appends them). The KV of those positions was computed from
+  the random drafts, so later tokens are not those of a run without speculation; the work
+  (query tokens, KV, attention) is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from backend.config import ModelConfig
+from backend.engine import EngineExecutor
+from backend.errors import KVCacheCapacityError
+from backend.inputs import SeqInput
+from backend.sampler import sample
+from backend.verify import rejection_sample, verify_greedy
+from lab.core.errors import ConfigError
+from lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
+from lab.core.request import Request, RequestStatus
+from lab.core.spec import draft_vocab_error
+
+METHODS = ("ngram", "draft", "synthetic")
+_DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
+
+
+def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """Prompt lookup: up to ``k`` tokens that followed the latest earlier occurrence of the
+    longest suffix of ``tokens`` (n from ``n_max`` down to ``n_min``) that occurs before.
+
+    Example: tokens [1 2 3 9 1 2 3 7 1 2 3], n 3 -> the latest earlier [1 2 3] is at 4,
+    followed by [7 1 2 ...] -> k = 2 gives [7, 1].
+    """
+    size = len(tokens)
+    if size < 2:
+        return []
+    # candidate ends i <= size - 2 of an earlier match: tokens[i] equals the last token
+    ends = np.flatnonzero(tokens[: size - 1] == tokens[size - 1])
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        hits = ends[ends >= n - 1]
+        for t in range(1, n):  # the window tokens[i - n + 1 .. i] equals the suffix
+            hits = hits[tokens[hits - t] == tokens[size - 1 - t]]
+        if hits.size:
+            start = int(hits[-1]) + 1
+            return tokens[start : start + k].tolist()
+    return []
+
+
+class TokenHistory:
+    """Each request's known tokens (prompt + output) as a growing int64 array, so that the
+    proposers read them without rebuilding lists every step."""
+
+    def __init__(self) -> None:
+        self.buf: dict[Request, np.ndarray] = {}
+        self.size: dict[Request, int] = {}
+
+    def tokens(self, r: Request) -> np.ndarray:
+        """The request's tokens as of the plan (rebuilt if the request changed elsewhere)."""
+        n = r.prompt_len + len(r.output_token_ids)
+        if self.size.get(r) != n:
+            toks = np.asarray(r.prompt_token_ids + r.output_token_ids, dtype=np.int64)
+            self.buf[r] = np.concatenate([toks, np.zeros(max(64, n), dtype=np.int64)])
+            self.size[r] = n
+        return self.buf[r][:n]
+
+    def extend(self, r: Request, new: Sequence[int]) -> np.ndarray:
+        """Append ``new`` (after :meth:`tokens`); returns all tokens."""
+        n, buf = self.size[r], self.buf[r]
+        if n + len(new) > len(buf):
+            buf = self.buf[r] = np.concatenate([buf, np.zeros(len(buf), dtype=np.int64)])
+        buf[n : n + len(new)] = new
+        self.size[r] = n + len(new)
+        return buf[: n + len(new)]
+
+    def drop(self, r: Request) -> None:
+        self.buf.pop(r, None)
+        self.size.pop(r, None)
+
+
+@dataclass
+class Advance:
+    """One request's tokens known after a step: ``tokens`` (all of them; a prefill chunk
+    that does not finish its prompt knows ``num_known`` < len(tokens) of them), and how
+    many drafts to propose (0 for such a chunk)."""
+
+    request: Request
+    tokens: np.ndarray
+    num_known: int
+    num_propose: int
+
+
+class NgramProposer:
+    method = "ngram"
+
+    def __init__(self, k: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        self.k, self.n_min, self.n_max = k, prompt_lookup_min, prompt_lookup_max
+        self.draft_probs = None
+
+    def begin_step(self, plan: SchedulerOutput) -> None:
+        pass
+
+    def forget(self, r: Request) -> None:
+        pass
+
+    def propose(self, items: list[Advance]) -> dict[Request, list[int]]:
+        return {
+            a.request: ngram_propose(a.tokens, a.num_propose, self.n_min, self.n_max)
+            for a in items
+            if a.num_propose
+        }
+
+
+class SyntheticProposer:
+    """Random drafts and a seeded acceptance draw (see the module doc: a timing device).
+
+    ``acceptance_rates[i]``: probability that draft i + 1 is accepted given drafts 1..i
+    were (the last rate repeats for longer rows)."""
+
+    method = "synthetic"
+
+    def __init__(self, k: int, acceptance_rates: Sequence[float], vocab_size: int,
+                 seed: int) -> None:  # fmt: skip
+        rates = list(acceptance_rates) or [0.0]
+        self.k, self.vocab_size = k, vocab_size
+        self.rates = np.array((rates + [rates[-1]] * k)[:k], dtype=np.float64)
+        self.rng = np.random.default_rng(seed)
+        self.draft_probs = None
+
+    def begin_step(self, plan: SchedulerOutput) -> None:
+        pass
+
+    def forget(self, r: Request) -> None:
+        pass
+
+    def propose(self, items: list[Advance]) -> dict[Request, list[int]]:
+        items = [a for a in items if a.num_propose]
+        ids = self.rng.integers(0, self.vocab_size, (len(items), self.k)).tolist()
+        return {a.request: row[: a.num_propose] for a, row in zip(items, ids, strict=True)}
+
+    def accepted(self, num_draft: np.ndarray) -> np.ndarray:
+        """(S,) accepted drafts: a prefix drawn per row, at most ``num_draft[i]``."""
+        k = int(num_draft.max(initial=0))
+        ok = self.rng.random((len(num_draft), k)) < self.rates[:k]
+        ok &= np.arange(k)[None, :] < num_draft[:, None]
+        return np.cumprod(ok, axis=1).sum(axis=1)
+
+
+@dataclass
+class _DraftSeq:
+    computed: int = 0  # positions [0, computed) hold the draft's KV of the known tokens
+    blocks: list[int] = field(default_factory=list)
+
+
+class DraftProposer:
+    """A smaller model of the target's vocabulary proposes k tokens per request per step.
+
+    KV: the draft runner has its own paged cache and its own block tables, kept here (a
+    free list; the scheduler's BlockManager knows nothing of them). Sizing:
+    ``target blocks + max_num_seqs * (ceil(k / block_size) + 1)`` blocks of the draft's
+    shape, i.e. every token the target's cache can hold plus each running sequence's
+    lookahead (the drafts' own KV beyond the target's reserved slots). On CUDA that memory
+    comes on top of the target's budget (lower ``gpu_memory_utilization`` to leave room).
+    The draft has no prefix cache: a request whose prompt the target found cached is
+    prefilled whole by the draft.
+
+    The draft is fed the target's tokens: each step it first catches up on every request
+    of the step (the tokens known since its last forward: prompt chunks as the target
+    runs them, then the accepted drafts and the sampled token) in one forward that also
+    samples draft 1, then k - 1 one-token forwards. Its KV of a rejected draft is dropped
+    by rolling ``computed`` back to the known tokens.
+
+    Preemption: a recompute victim's draft KV is dropped (blocks freed) and recomputed
+    when the target re-prefills it; a swap victim's draft KV stays resident in the draft's
+    cache. When the draft's cache is full, requests not in the step lose their draft KV
+    first (recomputed when they return); a request that still does not fit gets no drafts
+    that step. Finished requests free theirs at the next step.
+    """
+
+    method = "draft"
+
+    def __init__(self, runner, k: int, temperature: float) -> None:  # a ModelRunner
+        self.runner, self.k, self.temperature = runner, k, temperature
+        self.bs = runner.block_size
+        self.free = list(range(runner.num_gpu_blocks - 1, -1, -1))  # pop() -> lowest first
+        self.seqs: dict[Request, _DraftSeq] = {}
+        # (n, V) float32 distributions the last drafts were sampled from (temperature > 0)
+        self.draft_probs: dict[Request, torch.Tensor] | None = {} if temperature > 0 else None
+
+    def begin_step(self, plan: SchedulerOutput) -> None:
+        for r in [r for r in self.seqs if r.status in _DONE] + list(plan.aborted):
+            self.forget(r)
+        for r, mode in plan.preempted:
+            if mode is PreemptionMode.RECOMPUTE:
+                self.forget(r)
+
+    def forget(self, r: Request) -> None:
+        s = self.seqs.pop(r, None)
+        if s is not None:
+            self.free.extend(reversed(s.blocks))
+        if self.draft_probs is not None:
+            self.draft_probs.pop(r, None)
+
+    def _reserve(self, r: Request, positions: int, step: set[Request]) -> _DraftSeq | None:
+        """The request's draft state with blocks for ``positions``; None if they do not fit
+        even after dropping the draft KV of requests outside the step."""
+        s = self.seqs.setdefault(r, _DraftSeq())
+        need = -(-positions // self.bs) - len(s.blocks)
+        if need > len(self.free):
+            for other in [o for o in self.seqs if o not in step]:
+                self.forget(other)
+                if need <= len(self.free):
+                    break
+        if need > len(self.free):
+            return None
+        s.blocks += [self.free.pop() for _ in range(max(0, need))]
+        return s
+
+    def propose(self, items: list[Advance]) -> dict[Request, list[int]]:
+        step = {a.request for a in items}
+        seqs, owners, rows, row = [], [], [], 0
+        for a in items:
+            n_feed_end = a.num_known + max(a.num_propose, 1) - 1  # positions the draft writes
+            s = self._reserve(a.request, n_feed_end, step)
+            if s is None:
+                continue
+            s.computed = min(s.computed, a.num_known - (a.num_propose > 0))
+            if s.computed >= a.num_known:
+                continue  # nothing new to feed
+            toks = a.tokens[s.computed : a.num_known].tolist()
+            seqs.append(SeqInput(toks, s.computed, s.blocks, a.num_propose > 0))
+            row += len(toks)
+            s.computed = a.num_known
+            if a.num_propose:
+                owners.append(a)
+                rows.append(row - 1)
+        if not seqs:
+            return {}
+        logits = self.runner.logits_at(seqs, rows)
+        drafts: dict[Request, list[int]] = {a.request: [] for a in owners}
+        probs: dict[Request, list[torch.Tensor]] = {a.request: [] for a in owners}
+        live = owners
+        for j in range(self.k):
+            tokens = self._sample(logits)
+            for a, t, q in zip(live, tokens.tolist(), self._probs(logits), strict=True):
+                drafts[a.request].append(t)
+                if q is not None:
+                    probs[a.request].append(q)
+            live = [a for a in live if a.num_propose > j + 1]
+            if not live:
+                break
+            step_seqs = []
+            for a in live:
+                s = self.seqs[a.request]
+                step_seqs.append(SeqInput([drafts[a.request][-1]], s.computed, s.blocks, True))
+                s.computed += 1
+            logits = self.runner.logits_at(step_seqs, range(len(step_seqs)))
+        if self.draft_probs is not None:
+            for r, qs in probs.items():
+                self.draft_probs[r] = torch.stack(qs)
+        return drafts
+
+    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        temps = [self.temperature] * logits.shape[0]
+        return sample(logits, temps, self.runner.generator)
+
+    def _probs(self, logits: torch.Tensor) -> list[torch.Tensor | None]:
+        if self.temperature == 0:
+            return [None] * logits.shape[0]
+        return list((logits / self.temperature).softmax(dim=-1))
+
+
+class SpecDecoder:
+    """Runs plans with speculative decoding on a target :class:`ModelRunner` (see the
+    module doc). ``EngineExecutor`` hands it every plan when speculation is configured."""
+
+    def __init__(self, runner, proposer, k: int, temperature: float) -> None:
+        self.runner, self.proposer, self.k, self.temperature = runner, proposer, k, temperature
+        self.history = TokenHistory()
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        t0 = time.perf_counter()
+        runner, temp = self.runner, self.temperature
+        if plan.swap_out:
+            runner.swap_out(plan.swap_out)
+        if plan.swap_in:
+            runner.swap_in(plan.swap_in)
+        self.proposer.begin_step(plan)
+        for r in [r for r in self.history.size if r.status in _DONE]:
+            self.history.drop(r)
+        seqs: list[SeqInput] = []
+        owners: list[Request] = []  # sampled sequences, in order
+        drafts: list[list[int]] = []  # their drafts fed this step
+        rows: list[int] = []  # their logits rows: every fed position of a verify row
+        chunks: list[tuple[Request, int]] = []  # prompt chunks that sample nothing
+        row = 0
+        for s in plan.prefill_seqs():
+            seqs.append(SeqInput(s.token_ids(), s.start_pos, s.block_table, s.sample, temp))
+            row += s.num_new_tokens
+            if s.sample:
+                owners.append(s.request)
+                drafts.append([])
+                rows.append(row - 1)
+            else:
+                chunks.append((s.request, s.start_pos + s.num_new_tokens))
+        spec = plan.spec_decodes
+        for r, pos in zip(plan.decodes, plan.decode_positions()):
+            d = r.spec_token_ids[: spec.get(r, 0)]
+            seqs.append(SeqInput([r.output_token_ids[-1], *d], pos, r.block_table, True, temp))
+            rows.extend(range(row, row + 1 + len(d)))
+            row += 1 + len(d)
+            owners.append(r)
+            drafts.append(d)
+        logits = runner.logits_at(seqs, rows)
+        accepted, next_tokens, forced = self._verify(owners, drafts, logits)
+        result = StepResult(0.0)
+        items = [Advance(r, self.history.tokens(r), n, 0) for r, n in chunks]
+        for i, r in enumerate(owners):
+            a, d = accepted[i], drafts[i]
+            if d:
+                result.num_accepted[r] = a
+                if forced is not None:  # synthetic: the accepted tokens are the target's
+                    r.spec_token_ids[:a] = forced[i][:a]
+            result.sampled_token_ids[r] = next_tokens[i]
+            self.history.tokens(r)
+            toks = self.history.extend(r, [*r.spec_token_ids[:a], next_tokens[i]])
+            outputs = len(r.output_token_ids) + a + 1
+            n = min(self.k, r.output_len - outputs - 1, runner.max_model_len - len(toks))
+            if n > 0:  # a request without drafts to come needs no draft KV either
+                items.append(Advance(r, toks, len(toks), n))
+        proposed = self.proposer.propose(items)
+        result.draft_token_ids = {r: proposed.get(r, []) for r in owners}
+        runner.synchronize()
+        result.duration_s = time.perf_counter() - t0
+        return result
+
+    def _verify(self, owners: list[Request], drafts: list[list[int]],
+                logits: torch.Tensor) -> tuple[list[int], list[int], list[list[int]] | None]:  # fmt: skip
+        """(accepted drafts, next token) per sampled sequence, and for ``synthetic`` the
+        target's tokens at each row (forced as the accepted ones)."""
+        if not owners:
+            return [], [], None
+        dev = logits.device
+        num = [len(d) for d in drafts]
+        k = max(num, default=0)
+        starts = np.cumsum([0] + [n + 1 for n in num[:-1]])
+        index = torch.from_numpy(starts[:, None] + np.minimum(np.arange(k + 1)[None, :],
+                                                              np.array(num)[:, None]))  # fmt: skip
+        index = index.to(dev)  # (S, K + 1) logits rows of each sequence, last one repeated
+        draft_ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long)
+        draft_ids = draft_ids.reshape(len(drafts), k).to(dev)
+        num_draft = torch.tensor(num, dtype=torch.long).to(dev)
+        gen = self.runner.generator
+        if self.proposer.method == "synthetic":
+            target = sample(logits, [self.temperature] * logits.shape[0], gen)[index].tolist()
+            acc = self.proposer.accepted(np.array(num, dtype=np.int64)).tolist()
+            return acc, [t[a] for t, a in zip(target, acc, strict=True)], target
+        if self.temperature == 0:
+            accepted, tokens = verify_greedy(logits.argmax(dim=-1)[index], draft_ids, num_draft)
+        else:
+            probs = (logits / self.temperature).softmax(dim=-1)[index]  # (S, K + 1, V)
+            accepted, tokens = rejection_sample(probs, draft_ids, num_draft,
+                                                self._draft_probs(owners, num, k, probs), gen)  # fmt: skip
+        return accepted.tolist(), tokens.tolist(), None
+
+    def _draft_probs(self, owners: list[Request], num: list[int], k: int,
+                     probs: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+        """(S, K, V) the draft model's distributions of the fed drafts (zeros where none);
+        None for point-mass proposals."""
+        stored = self.proposer.draft_probs
+        if stored is None or k == 0:
+            return None
+        q = probs.new_zeros(len(owners), k, probs.shape[-1])
+        for i, (r, n) in enumerate(zip(owners, num, strict=True)):
+            if n:
+                q[i, :n] = stored[r][:n]
+        return q
+
+
+class SpecExecutor(EngineExecutor):
+    """An :class:`EngineExecutor` whose every plan runs through a :class:`SpecDecoder`
+    (verify rows, proposals in ``StepResult.draft_token_ids``). Synchronous scheduling
+    only: under asynchronous scheduling a plan would feed tokens its request does not hold
+    yet, which the decoder does not read from the device (``launch`` refuses)."""
+
+    def __init__(self, spec: SpecDecoder) -> None:
+        super().__init__(spec.runner, spec.temperature)
+        self.spec = spec
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        return self.spec.execute(plan)
+
+    def launch(self, plan: SchedulerOutput):
+        raise ConfigError(ASYNC_ERROR)
+
+
+ASYNC_ERROR = (
+    "speculative: the engine runs speculative decoding with synchronous scheduling only; "
+    "set async_scheduling: false for this policy"
+)
+
+
+def make_spec_decoder(
+    runner,
+    method: str,
+    num_speculative_tokens: int,
+    temperature: float = 0.0,
+    *,
+    prompt_lookup_min: int = 1,
+    prompt_lookup_max: int = 4,
+    model: str | Path | None = None,
+    acceptance_rates: Sequence[float] = (),
+    seed: int = 0,
+    max_num_seqs: int = 256,
+    draft_runner_kwargs: dict | None = None,
+) -> SpecDecoder:
+    """A :class:`SpecDecoder` for ``runner`` (the target). ``draft`` loads ``model`` into a
+    second ModelRunner on the target's device, dtype, attention backend and block size
+    (``draft_runner_kwargs`` override its arguments); a draft of another vocabulary is a
+    one-line ConfigError naming both."""
+    k = num_speculative_tokens
+    if method not in METHODS:
+        raise ConfigError(
+            f"speculative.method: expected one of {', '.join(METHODS)}, got {method!r}"
+        )
+    if not hasattr(runner, "logits_at"):
+        raise ConfigError(
+            "speculative decoding needs a single-device runner (tensor_parallel_size 1)"
+        )
+    if method == "ngram":
+        proposer = NgramProposer(k, prompt_lookup_min, prompt_lookup_max)
+    elif method == "synthetic":
+        proposer = SyntheticProposer(k, acceptance_rates, runner.config.vocab_size, seed)
+    else:
+        proposer = DraftProposer(load_draft(runner, model, k, max_num_seqs, draft_runner_kwargs),
+                                 k, temperature)  # fmt: skip
+    return SpecDecoder(runner, proposer, k, temperature)
+
+
+def load_draft(target, model: str | Path | None, k: int, max_num_seqs: int,
+               overrides: dict | None = None):  # fmt: skip
+    """The draft's ModelRunner (sized as :class:`DraftProposer` says), after checking that
+    its vocabulary is the target's."""
+    from backend.runner import ModelRunner
+
+    if model is None:
+        raise ConfigError("speculative.model: method draft needs the draft checkpoint's directory")
+    path = Path(model).expanduser()
+    error = draft_vocab_error(str(path), ModelConfig.from_dir(path).vocab_size,
+                              target.config.vocab_size)  # fmt: skip
+    if error:
+        raise ConfigError(error)
+    bs = target.block_size
+    kwargs = dict(
+        device=str(target.device),
+        dtype=str(target.dtype).removeprefix("torch."),
+        attention_backend=target.attn_backend.name,
+        block_size=bs,
+        num_gpu_blocks=target.num_gpu_blocks + max_num_seqs * (-(-k // bs) + 1),
+        swap_space_bytes=0,
+        max_model_len=target.max_model_len,
+        max_num_seqs=max_num_seqs,
+        cuda_graphs=target.graphs is not None,
+        # the target's largest mixed graph (the draft's catch-up steps are about as large)
+        max_num_batched_tokens=max(target.graphs.token_sizes, default=8192)
+        if target.graphs
+        else 8192,
+    )
+    kwargs.update(overrides or {})
+    try:
+        return ModelRunner(path, **kwargs)
+    except torch.OutOfMemoryError:
+        raise KVCacheCapacityError(
+            f"speculative.model: the draft {path} and its KV cache ({kwargs['num_gpu_blocks']} "
+            f"blocks) do not fit beside the target's; lower kv_cache.gpu_memory_utilization "
+            f"or set kv_cache.num_gpu_blocks"
+        ) from None
+
+
+def spec_decoder_from(config, runner, temperature: float, seed: int, max_num_seqs: int,
+                      drafts: dict | None = None) -> SpecDecoder | None:  # fmt: skip
+    """A :class:`SpecDecoder` from a ``speculative:`` config block (an object with
+    CONTRACT.md's key names, lab/core/spec.py's ``SpeculativeConfig``), or None when it is
+    None. ``drafts`` caches draft runners by checkpoint across runs (a run resets nothing
+    but the draft's KV bookkeeping, which a new proposer starts empty)."""
+    if config is None:
+        return None
+    method, k = config.method, config.num_speculative_tokens
+    kw = dict(
+        prompt_lookup_min=getattr(config, "prompt_lookup_min", None) or 1,
+        prompt_lookup_max=getattr(config, "prompt_lookup_max", None) or 4,
+        acceptance_rates=list(getattr(config, "acceptance_rates", None) or ()),
+        seed=seed if getattr(config, "seed", None) is None else config.seed,
+    )
+    if method != "draft":
+        return make_spec_decoder(runner, method, k, temperature, **kw)
+    model = getattr(config, "model", None)
+    key = (str(model), k, max_num_seqs)
+    if drafts is None or key not in drafts:
+        draft = load_draft(runner, model, k, max_num_seqs)
+        if drafts is not None:
+            drafts.clear()
+            drafts[key] = draft
+    else:
+        draft = drafts[key]
+    draft.generator.manual_seed(kw["seed"])
+    return SpecDecoder(runner, DraftProposer(draft, k, temperature), k, temperature)

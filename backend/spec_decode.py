@@ -521,7 +521,7 @@ def load_draft(target, model: str | Path | None, k: int, max_num_seqs: int,
 def spec_decoder_from(config, runner, temperature: float, seed: int, max_num_seqs: int,
                       drafts: dict | None = None) -> SpecDecoder | None:  # fmt: skip
     """A :class:`SpecDecoder` from a ``speculative:`` config block (an object with
-    CONTRACT.md's key names, lab/core/spec.py's ``SpeculativeConfig``), or None when it is
+    the keys of lab/core/spec.py's ``SpeculativeConfig``), or None when it is
     None. ``drafts`` caches draft runners by checkpoint across runs (a run resets nothing
     but the draft's KV bookkeeping, which a new proposer starts empty)."""
     if config is None:

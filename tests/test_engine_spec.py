@@ -3,7 +3,7 @@
 * Greedy tokens are identical with and without speculation (ngram, a draft model, the
   synthetic proposer at acceptance 0), on a tiny random Qwen3 and on SmolLM2-135M, through
   hand-made plans (a small driver below plays the scheduler: prompt chunks, then decodes
-  with ``spec_decodes`` cut to the output length, results applied as CONTRACT.md says),
+  with ``spec_decodes`` cut to the output length, results applied as lab/core/scheduler.py does),
   including a recompute preemption that drops the draft's KV.
 * The rejection rule, statistically: many trials of a 5-token vocabulary, the output
   tokens' histogram against the target's distribution by chi-square.

@@ -2,6 +2,7 @@
 
     python benchmarks/spec_sim.py                       # the table of BENCHMARKS.md / README
     python benchmarks/spec_sim.py --out /tmp/spec_sim.json --batches 1 8 32 128
+    python benchmarks/spec_sim.py --prompt 128 --output 128 --static   # the engine's workload
 
 The simulator half of issue 18's table. Workload: one wave of max(B, 8) requests arriving at
 once, prompt 512 and output 256 tokens each, ``max_num_seqs`` B (the decode batch), fcfs;
@@ -12,7 +13,9 @@ output throughput(on) / throughput(off). Three verify prices (lab/sim/spec_execu
 ``verify_time``): ``prefill`` (each verify a prompt chunk of 1 + d' tokens over its
 context, the default), ``decode`` (decode rows of 1 + d' queries reading the context once)
 and the analytic roofline (H200 preset, default efficiencies). The crossover is the
-smallest batch of the grid where TPOT speedup < 1 (speculation hurts).
+smallest batch of the grid where TPOT speedup < 1 (speculation hurts). ``--prompt``,
+``--output`` and ``--static`` (exactly B requests, as benchmarks/spec_engine.py's static
+batches) set the workload the engine half ran.
 """
 
 from __future__ import annotations
@@ -47,7 +50,11 @@ PROMPT, OUTPUT = 512, 256
 
 
 def workload(batch: int) -> list[Request]:
-    return [Request(str(i), 0.0, PROMPT, OUTPUT) for i in range(max(batch, 8))]
+    n = batch if STATIC else max(batch, 8)
+    return [Request(str(i), 0.0, PROMPT, OUTPUT) for i in range(n)]
+
+
+STATIC = False  # exactly ``batch`` requests (--static)
 
 
 def run(cost_model, batch: int, k: int = 0, p: float = 0.0, pricing: str = "prefill") -> dict:
@@ -75,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--rates", type=float, nargs="+", default=[0.6, 0.8])
     ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens per request")
+    ap.add_argument("--output", type=int, default=256, help="output tokens per request")
+    ap.add_argument("--static", action="store_true", help="exactly B requests per batch B")
     args = ap.parse_args(argv)
+    globals().update(PROMPT=args.prompt, OUTPUT=args.output, STATIC=args.static)
     t0 = time.perf_counter()
     models = {
         "prefill": CalibratedCostModel(PROFILE),

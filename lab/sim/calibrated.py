@@ -498,7 +498,8 @@ def fit_analytic(df: pd.DataFrame, model: str, hardware: str) -> dict[str, float
     feats = [
         StepFeatures(
             *(
-                int(r[c]) if c != "prefill_attention_pairs" else float(r[c])
+                # profiles made before the speculative-decoding fields have no such columns
+                (float if c == "prefill_attention_pairs" else int)(r[c] if c in r else 0)
                 for c in (fl.name for fl in fields(StepFeatures))
             )
         )  # fmt: skip

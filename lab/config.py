@@ -892,6 +892,8 @@ def _speculative(
     found = {}
     for sub, used in (("model", backend == "engine"), ("acceptance_from", backend == "sim")):
         value = getattr(spec, sub)
+        if sub == "model" and not used and value in MODELS:
+            continue  # the simulator takes a model preset's name as it is
         if value is not None:
             path = (
                 _existing(where, f"{key}.{sub}", value, base_dir, "directory")

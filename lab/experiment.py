@@ -503,7 +503,7 @@ def iter_runs(
                     itl,
                     summary,
                     result.step_end_s,
-                    result.steps["num_decode_tokens"],
+                    metrics.decode_output_tokens(result.steps),
                     label=label,
                     model=_model_id(cfg),
                     backend=f"sched-lab-{cfg.backend}",

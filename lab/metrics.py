@@ -145,6 +145,20 @@ def request_table(
     return df, itl
 
 
+def decode_output_tokens(steps: dict) -> np.ndarray:
+    """Output tokens each step's decodes produced (float array, one per step): its decodes,
+    less the wasted slots of asynchronous scheduling (``num_wasted_tokens``: decodes of
+    requests already finished, whose token is dropped), plus the draft tokens accepted by
+    speculative decoding (``num_accepted_tokens``, present in runs with speculation).
+    First tokens from prefills are not included."""
+    out = steps["num_decode_tokens"].astype(float)
+    if "num_wasted_tokens" in steps:
+        out = out - steps["num_wasted_tokens"]
+    if "num_accepted_tokens" in steps:
+        out = out + steps["num_accepted_tokens"]
+    return out
+
+
 def cdf_points(values, max_points: int = CDF_POINTS, overwrite: bool = False) -> np.ndarray:
     """The finite values' quantiles at levels ``np.linspace(0, 1, k)``, k = min(count,
     ``max_points``): a bounded sample that draws the CDF of the values, for plots.

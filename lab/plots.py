@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.metrics import cdf_points
+from lab.metrics import cdf_points, decode_output_tokens
 
 TIME_BINS = 120
 COLOURS = ("#0072b2", "#d55e00", "#009e73", "#cc79a7", "#e69f00", "#56b4e9", "#f0e442", "#000")
@@ -283,8 +283,9 @@ def _legend(fig, styles, lines: bool) -> None:
 def over_time(run) -> tuple[np.ndarray, ...]:
     """Binned series of a run: bin centres (s), output tokens/s, KV fraction used, waiting +
     swapped requests. KV use and the queue hold a step's value while it runs (0 while the
-    engine idles), averaged exactly over each bin; output tokens (decodes, and each
-    request's first token) are spread evenly over their step."""
+    engine idles), averaged exactly over each bin; output tokens (decodes with accepted
+    drafts and without wasted slots, and each request's first token) are spread evenly over
+    their step."""
     s = run.result.steps
     start, dur = s["time_s"], s["duration_s"]
     end = start + dur
@@ -294,7 +295,7 @@ def over_time(run) -> tuple[np.ndarray, ...]:
     kv = _bin_mean(start, end, s["kv_used_blocks"] / max(total_blocks(run), 1), edges)
     queue = _bin_mean(start, end, (s["num_waiting"] + s["num_swapped"]).astype(float), edges)
     # decode tokens spread over each step; first tokens at their times
-    tokens = _spread(start, end, s["num_decode_tokens"].astype(float), edges)
+    tokens = _spread(start, end, decode_output_tokens(s), edges)
     first = run.requests["first_token_s"].to_numpy(float)
     first = first[np.isfinite(first)]
     tokens += np.histogram(first, edges)[0]

@@ -143,3 +143,15 @@ def test_dropped_rows_are_a_reporting_matter():
     assert [r.request_id for r in result.requests] == ["b", "a"]  # by arrival
     assert [r.request_id for r in in_trace_order(trace, result.requests)] == [
         "d0", "b", "a", "d1"]  # fmt: skip
+
+
+def test_decode_output_tokens_drop_wasted_slots_and_add_accepted_drafts():
+    import numpy as np
+
+    from lab.metrics import decode_output_tokens
+
+    steps = {"num_decode_tokens": np.array([4, 3, 0])}
+    assert decode_output_tokens(steps).tolist() == [4.0, 3.0, 0.0]
+    steps["num_wasted_tokens"] = np.array([0, 1, 0])  # async: one finished request's slot
+    steps["num_accepted_tokens"] = np.array([5, 0, 0])  # speculation: 5 drafts accepted
+    assert decode_output_tokens(steps).tolist() == [9.0, 2.0, 0.0]

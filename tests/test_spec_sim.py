@@ -382,3 +382,19 @@ def test_speculation_with_async_scheduling_runs(tmp_path):
         == on["speculative"]["num_accepted_tokens"]
         > 0
     )
+
+
+def test_draft_named_by_model_preset_runs_and_peak_rate_counts_accepted_drafts(tmp_path):
+    """A draft named by a model preset (not turned into a path); the vLLM-format file's peak
+    output rate counts accepted drafts (it counted one token per decode)."""
+    import run_experiment
+
+    cfg = write_config(
+        tmp_path,
+        "{method: draft, num_speculative_tokens: 2, model: qwen3-0.6b, acceptance_rates: [1.0, 1.0]}",
+    )
+    assert run_experiment.main([str(cfg), "--out", str(tmp_path / "d"), "--no-progress"]) == 0
+    on = json.loads(next((tmp_path / "d").glob("on-*.json")).read_text())
+    # The run lasts under a second, so its busiest whole second holds every output token.
+    assert on["duration"] < 1.0
+    assert on["max_output_tokens_per_s"] == on["total_output_tokens"]

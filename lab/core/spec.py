@@ -15,7 +15,7 @@ Keys (vLLM's names where vLLM has one):
   smaller model of the same tokenizer, ``model``: its checkpoint folder) or ``synthetic``
   (proposals accepted with the given per-position probabilities: a timing device for
   random-weight models, never a claim about output quality).
-* ``num_speculative_tokens``: k, drafts proposed per step (an integer >= 1).
+* ``num_speculative_tokens``: k, drafts proposed per step (an integer in [1, 64]).
 * ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram only): 1 <= min <= max; when one is
   given the other defaults to it, when neither both are :data:`DEFAULT_PROMPT_LOOKUP`.
 * ``model`` (draft only, required): the draft checkpoint folder.
@@ -51,6 +51,9 @@ KEYS = (
 )
 #: n-gram lengths when neither bound is given (vLLM's default for prompt lookup).
 DEFAULT_PROMPT_LOOKUP = 5
+#: The largest k taken: every verify step carries per-position metrics for k positions, and
+#: published setups stay far below it (vLLM's examples use 2-10).
+MAX_SPECULATIVE_TOKENS = 64
 
 
 def _short(v: Any, limit: int = 60) -> str:
@@ -102,6 +105,8 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in raw:
             raise fail("num_speculative_tokens", "an integer >= 1 (required)", None)
         k = integer("num_speculative_tokens", 1)
+        if k > MAX_SPECULATIVE_TOKENS:
+            raise fail("num_speculative_tokens", f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]", k)
         lo, hi = integer("prompt_lookup_min", 1), integer("prompt_lookup_max", 1)
         if method == "ngram":
             lo = lo if lo is not None else hi if hi is not None else DEFAULT_PROMPT_LOOKUP

@@ -185,11 +185,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m backend.profile")
         "when the tree is a copy whose .git is not its own)",
     )
     args = ap.parse_args(argv)
+    frozen_by_caller = gc.get_freeze_count() > 0
     try:
         _profile(args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        # _profile freezes the collector; called in-process (tests), a freeze left behind
+        # would make every later replay's freeze count walk the whole heap and keep garbage
+        if not frozen_by_caller:
+            gc.unfreeze()
     return 0
 
 

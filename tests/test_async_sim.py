@@ -209,6 +209,8 @@ def test_profile_records_host_time_until_launch(tmp_path, monkeypatch):
     """backend/profile.py writes host_s in [0, duration_s] per row (tiny model, CPU, torch
     attention, a small grid); the calibrated model then fits host time to it."""
     pytest.importorskip("torch")
+    import gc
+
     from backend import profile
     from backend.tools.random_checkpoint import write_random_checkpoint
     from tests.test_engine_faults import TINY
@@ -225,6 +227,9 @@ def test_profile_records_host_time_until_launch(tmp_path, monkeypatch):
     assert len(df) == len(grid) and list(df.columns[-2:]) == ["duration_s", "host_s"]
     assert ((df.host_s > 0) & (df.host_s <= df.duration_s)).all()
     assert CalibratedCostModel(out).host_note == ""
+    # profile.main froze the collector while it timed steps, and unfroze it: a freeze left
+    # behind made every later replay in this process walk the whole heap (gc.get_freeze_count)
+    assert gc.get_freeze_count() == 0
 
 
 class ToyCost:

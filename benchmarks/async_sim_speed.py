@@ -17,32 +17,16 @@ import argparse
 import copy
 import platform
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import lab.experiment  # noqa: E402
+from sim_speed import CPU_S  # noqa: E402  (importing it times every replay's CPU seconds)
+
 from lab.config import validate  # noqa: E402
 from lab.experiment import run_experiment  # noqa: E402
 from lab.yamlio import load_yaml_file  # noqa: E402
-
-CPU_S: list[float] = []  # process CPU seconds of each replay, in call order
-
-
-def _timed(replay):
-    def wrapper(*args, **kwargs):
-        t0 = time.process_time()
-        try:
-            return replay(*args, **kwargs)
-        finally:
-            CPU_S.append(time.process_time() - t0)
-
-    return wrapper
-
-
-lab.experiment.replay = _timed(lab.experiment.replay)
 
 
 def configs(path: Path, limit: int | None):

@@ -269,8 +269,7 @@ def test_analytic_efficiencies_fitted_to_a_profile_are_recovered(tmp_path) -> No
     truth = AnalyticCostModel(MODELS["qwen3-0.6b"], HARDWARE["h200-sxm"], 0.5, 0.8, 0.001)
     names = [f.name for f in dc_fields(StepFeatures)]
     df["duration_s"] = [
-        truth.step_time(StepFeatures(*(r[n] if n in r else 0 for n in names)), 16)
-        for _, r in df.iterrows()
+        truth.step_time(StepFeatures(*(r[n] for n in names)), 16) for _, r in df.iterrows()
     ]
     fit = fit_analytic(df, "qwen3-0.6b", "h200-sxm")
     assert fit["flops_efficiency"] == pytest.approx(0.5, rel=0.08)

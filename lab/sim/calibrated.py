@@ -65,6 +65,7 @@ PROFILE_COLUMNS = ("num_prefill_tokens", "num_prefills", "prefill_context_tokens
                    "num_swap_blocks", "duration_s")  # fmt: skip
 HOST_FEATURES = ("decode_only_step", "prefill_step", "num_seqs", "num_tokens",
                  "context_tokens", "num_swap_blocks")  # fmt: skip
+SPEC_COLUMNS = ("num_spec_tokens", "num_spec_decodes", "spec_context_tokens")  # StepFeatures'
 HOST_COLUMN = "host_s"  # optional profile column: host seconds until the step is launched
 NO_HOST_NOTE = (
     "the profile has no host_s column (made before host times were recorded): host time "
@@ -185,7 +186,9 @@ def read_profile(path: str | Path) -> pd.DataFrame:
             f"fitted coefficient), got {len(df)}"
         )
     columns = PROFILE_COLUMNS + ((HOST_COLUMN,) if HOST_COLUMN in df.columns else ())
-    return check_cells(df, columns, where, lambda: _read_text(path, comment="#"))
+    df = check_cells(df, columns, where, lambda: _read_text(path, comment="#"))
+    # Profiles made before speculative decoding have no verify-step columns: none verified.
+    return df.assign(**{c: 0 for c in SPEC_COLUMNS if c not in df.columns})
 
 
 def read_fingerprint(path: str | Path) -> dict | None:
@@ -498,8 +501,7 @@ def fit_analytic(df: pd.DataFrame, model: str, hardware: str) -> dict[str, float
     feats = [
         StepFeatures(
             *(
-                # profiles made before the speculative-decoding fields have no such columns
-                (float if c == "prefill_attention_pairs" else int)(r[c] if c in r else 0)
+                int(r[c]) if c != "prefill_attention_pairs" else float(r[c])
                 for c in (fl.name for fl in fields(StepFeatures))
             )
         )  # fmt: skip

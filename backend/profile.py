@@ -169,6 +169,20 @@ def main(argv: list[str] | None = None, prog: str = "python -m backend.profile")
     ap.add_argument("--attention", default="triton", help="attention backend (default: triton)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        help="the runner's max_model_len (default: the checkpoint's); give the engine runs' "
+        "value (scheduler.max_model_len) so its block tables and graphs have their width",
+    )
+    ap.add_argument("--max-num-seqs", type=int, default=256,
+                    help="the runner's max_num_seqs (scheduler.max_num_seqs; default 256)")  # fmt: skip
+    ap.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        help="KV blocks (kv_cache.num_gpu_blocks; default: 90%% of free GPU memory); rows "
+        "whose blocks do not fit are left out",
+    )
     ap.add_argument("--repeat", type=int, default=2, help="timed runs per row and pass")
     ap.add_argument("--passes", type=int, default=3, help="passes over the whole grid")
     ap.add_argument(
@@ -202,7 +216,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m backend.profile")
 def _profile(args: argparse.Namespace) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kwargs = dict(device=device, dtype=args.dtype, attention_backend=args.attention,
-                  block_size=args.block_size, gpu_memory_utilization=0.9)  # fmt: skip
+                  block_size=args.block_size, gpu_memory_utilization=0.9,
+                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                  num_gpu_blocks=args.num_gpu_blocks)  # fmt: skip
     if args.tensor_parallel_size == 1:
         runner = ModelRunner(args.model_dir, **kwargs)
     else:

@@ -63,8 +63,23 @@ def load_protocol(path: Path) -> dict[str, Any]:
     for key in ("checkpoint", "loads", "slices", "experiment", "time_limits_s"):
         if key not in p:
             raise SystemExit(f"error: {path}: missing key {key!r}")
-    if set(p["time_limits_s"]) != {"profile", "total"}:
-        raise SystemExit(f"error: {path}: time_limits_s: expected keys profile and total")
+    limits = set(p["time_limits_s"])
+    if not {"profile", "total"} <= limits <= {"profile", "calibration", "total"}:
+        raise SystemExit(
+            f"error: {path}: time_limits_s: expected keys profile, total (and calibration)"
+        )
+    cal = p.get("calibration")
+    if cal is not None:
+        if not isinstance(cal, dict) or not isinstance(cal.get("workloads"), dict):
+            raise SystemExit(f"error: {path}: calibration: expected a mapping with workloads")
+        if "calibration" not in limits:
+            raise SystemExit(f"error: {path}: time_limits_s: calibration missing")
+        for name, spec in cal["workloads"].items():
+            if not isinstance(spec, dict) or spec.get("format") != "synthetic":
+                raise SystemExit(
+                    f"error: {path}: calibration.workloads.{name}: expected a synthetic trace "
+                    "(format: synthetic): calibration never replays trace rows"
+                )
     return p
 
 
@@ -73,6 +88,20 @@ def folder_name(slice_name: str, load: float) -> str:
 
 
 # ---------------------------------------------------------------- engine side (GPU)
+
+
+def profile_geometry(exp: dict[str, Any]) -> list[str]:
+    """``backend.profile`` arguments that give the profiled runner the engine runs' shape
+    (max_model_len, max_num_seqs, num_gpu_blocks): the width of its block tables and graph
+    buffers changes step times by a few percent (BENCHMARKS.md, fidelity)."""
+    sch, kv = exp.get("scheduler", {}), exp.get("kv_cache", {})
+    args = []
+    for flag, value in (("--max-model-len", sch.get("max_model_len")),
+                        ("--max-num-seqs", sch.get("max_num_seqs")),
+                        ("--num-gpu-blocks", kv.get("num_gpu_blocks"))):  # fmt: skip
+        if value is not None:
+            args += [flag, str(value)]
+    return args
 
 
 def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
@@ -114,9 +143,20 @@ def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
                 exp["engine"]["dtype"],
                 "--block-size",
                 str(exp["kv_cache"]["block_size"]),
+                *profile_geometry(exp),
                 *map(str, protocol.get("profile_args", [])),
             ],
         ),  # fmt: skip
+        *(
+            [
+                (
+                    "calibration",
+                    [sys.executable, "-m", "lab.fidelity", "--engine-pass", "calibration"],
+                )
+            ]
+            if protocol.get("calibration")
+            else []
+        ),
         ("first", [sys.executable, "-m", "lab.fidelity", "--engine-pass", "first"]),
         ("repeat", [sys.executable, "-m", "lab.fidelity", "--engine-pass", "repeat"]),
     ]
@@ -125,7 +165,8 @@ def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
     for name, cmd in steps:
         left = end - time.time()
         # the repeat replays what the first pass ran: about half of what is left each
-        limit = {"profile": limits["profile"], "first": 0.52 * left, "repeat": left - 5}[name]
+        limit = {"profile": limits["profile"], "calibration": limits.get("calibration", 0),
+                 "first": 0.52 * left, "repeat": left - 5}[name]  # fmt: skip
         limit = int(max(limit, 1))
         if name != "profile":
             cmd += ["--out", str(out), "--protocol", str(protocol_path),
@@ -138,8 +179,8 @@ def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
         print(f"== {name}: exit {rc} after {time.perf_counter() - t:.1f} s", flush=True)
         if rc != 0:
             status = 1
-            if name == "profile":
-                break  # no calibration data: the replays would have nothing to hold out
+            if name in ("profile", "calibration"):
+                break  # no (or partial) calibration data: nothing to hold out
     done = out / "engine.json"
     passes = json.loads(done.read_text()) if done.exists() else {}
     (out / "engine.json").write_text(json.dumps({**passes, **log}, indent=2) + "\n")
@@ -161,6 +202,22 @@ def engine_pass(which: str, protocol_path: Path, out: Path, deadline: float) -> 
     record_path = out / "engine.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     record.setdefault("skipped", [])
+    if which == "calibration":
+        cal = protocol["calibration"]
+        record["calibration"] = []
+        for name, spec in cal["workloads"].items():
+            raw = {**copy.deepcopy(protocol["experiment"]), "name": f"calibration_{name}",
+                   "trace": dict(spec)}  # fmt: skip
+            if cal.get("policies"):
+                raw["policies"] = cal["policies"]
+            cfg = validate(raw, str(protocol_path), ROOT)
+            runs = run_experiment(cfg, progress=False)
+            write_results(out / "calibration" / name, cfg, runs)
+            steps = sum(r.summary["num_steps"] for r in runs)
+            print(f"  calibration {name}: {_throughputs(runs)}, {steps} steps", flush=True)
+            record["calibration"].append(name)
+            record_path.write_text(json.dumps(record, indent=2) + "\n")
+        return
     if which == "repeat":
         for folder in record.get("folders", []):
             est = record["estimates_s"][folder]
@@ -176,7 +233,7 @@ def engine_pass(which: str, protocol_path: Path, out: Path, deadline: float) -> 
             record.setdefault("repeated", []).append(folder)
             record_path.write_text(json.dumps(record, indent=2) + "\n")
         return
-    record.update(folders=[], estimates_s={}, capacity={})
+    record.update(folders=[], estimates_s={}, capacity={})  # keeps the calibration pass's
     exp = protocol["experiment"]
     for name, spec in protocol["slices"].items():
         raw = {**copy.deepcopy(exp), "name": name, "trace": dict(spec)}
@@ -248,18 +305,19 @@ def pack(out: Path, archive: Path) -> None:
     """The profile, the protocol, engine.json and each first-pass folder's PACKED files
     into ``archive`` (.tar.gz); the repeat pass's into :func:`repeat_archive`."""
     archive.parent.mkdir(parents=True, exist_ok=True)
-    for path, side, extra in (
-        (archive, "engine", ("profile.csv", "protocol.yaml", "engine.json")),
-        (repeat_archive(archive), "engine_repeat", ()),
+    for path, sides, extra in (
+        (archive, ("calibration", "engine"), ("profile.csv", "protocol.yaml", "engine.json")),
+        (repeat_archive(archive), ("engine_repeat",), ()),
     ):
         with tarfile.open(path, "w:gz") as tar:
             for name in extra:
                 if (out / name).exists():
                     tar.add(out / name, arcname=name)
-            for folder in sorted((out / side).glob("*")) if (out / side).is_dir() else []:
-                for f in PACKED:
-                    if (folder / f).exists():
-                        tar.add(folder / f, arcname=f"{side}/{folder.name}/{f}")
+            for side in sides:
+                for folder in sorted((out / side).glob("*")) if (out / side).is_dir() else []:
+                    for f in PACKED:
+                        if (folder / f).exists():
+                            tar.add(folder / f, arcname=f"{side}/{folder.name}/{f}")
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)", flush=True)
 
 
@@ -309,7 +367,11 @@ def sim(archive: Path, doc: Path) -> dict[str, Any]:
         raise SystemExit(
             f"error: {archive}: no engine runs (skipped: {', '.join(record.get('skipped', [])) or '-'})"
         )
-    model = CalibratedCostModel(profile)
+    calibration = [
+        str(src / "calibration" / n / "steps.csv") for n in record.get("calibration", [])
+    ]
+    model = CalibratedCostModel(profile, tuple(calibration))
+    cost_model = {"profile": str(profile), **({"replay_steps": calibration} if calibration else {})}
     rows, steps_err, cdfs, plan, stale = [], [], {}, [], {}
     for folder in record["folders"]:
         real_dir, again_dir = src / "engine" / folder, src / "engine_repeat" / folder
@@ -320,7 +382,7 @@ def sim(archive: Path, doc: Path) -> dict[str, Any]:
             if (again_dir / "summary.json").exists()
             else None
         )
-        sim_raw = {**raw, "backend": "sim", "cost_model": {"profile": str(profile)}}
+        sim_raw = {**raw, "backend": "sim", "cost_model": cost_model}
         sims = run_experiment(_engine_config(sim_raw), progress=False)
         rep_raw = {**raw, "backend": "sim",
                    "cost_model": {"durations_from": str(real_dir / "steps.csv")}}  # fmt: skip
@@ -362,6 +424,7 @@ def sim(archive: Path, doc: Path) -> dict[str, Any]:
                     {
                         "kind": _step_kind(st),
                         "err": (pred - st.duration_s) / st.duration_s,
+                        "noise": step_noise(st),
                         "saturated": float(load) > 1.0,
                     }
                 )  # fmt: skip
@@ -394,6 +457,29 @@ def sim(archive: Path, doc: Path) -> dict[str, Any]:
     print(text)
     print("\nfor the README's fidelity paragraph:\n" + text.split("\n\n")[1], flush=True)
     return {"table": table, "steps": steps, "rankings": rankings, "plans": plans}
+
+
+def step_noise(st):
+    """Each engine step's distance from the median duration of the run's steps of the same
+    shape, |d / median - 1| (NaN where fewer than 5 steps share it): the engine's own
+    step-to-step spread, which no prediction from a step's features can beat. A shape is the
+    step's kind, prompt tokens (to 64), prompts, decodes and context tokens (decode context
+    to 512 x decodes, prompt context to 512)."""
+    import numpy as np
+
+    decodes = st.num_decode_tokens.to_numpy()
+    key = [
+        st.num_prefills.to_numpy(),
+        st.num_prefill_tokens.to_numpy() // 64,
+        decodes,
+        st.decode_context_tokens.to_numpy() // (512 * np.maximum(decodes, 1)),
+        st.prefill_context_tokens.to_numpy() // 512,
+        (st.num_swap_out_blocks + st.num_swap_in_blocks).to_numpy() > 0,
+    ]
+    d = st.duration_s
+    groups = d.groupby(key)
+    med, size = groups.transform("median"), groups.transform("size")
+    return ((d / med - 1).abs()).where(size >= 5).to_numpy()
 
 
 def _step_kind(st) -> list[str]:
@@ -548,10 +634,16 @@ def _markdown(
         ]
         med.append(f"| {label} | " + " | ".join(_pct(v) for v in vals) + " |")
     e = np.abs(steps.err.to_numpy())
+
+    def noise(g, q: float) -> str:
+        n = g.noise.dropna().to_numpy() if "noise" in g else np.array([])
+        return _pct(np.percentile(n, q)) if len(n) else "-"
+
     by_kind = [
         f"| {k} | {len(g):,} | {_pct(np.median(np.abs(g.err)))} | "
-        f"{_pct(np.percentile(np.abs(g.err), 90))} | {_pct(np.median(g.err))} |"
-        for k, g in steps.groupby("kind")
+        f"{_pct(np.percentile(np.abs(g.err), 90))} | {_pct(np.median(g.err))} | "
+        f"{noise(g, 50)} / {noise(g, 90)} |"
+        for k, g in [("all", steps), *steps.groupby("kind")]
     ]
     sat_steps = steps[steps.saturated]
     n_plans = int(plans.steps_recorded.sum())
@@ -572,7 +664,8 @@ def _markdown(
     headline = (
         f"Held out ({len(table)} engine runs): plans identical under replayed durations "
         f"{_pct(identical / max(n_plans, 1))} of {n_plans:,} steps; step-level error median "
-        f"{_pct(np.median(e))}, P90 {_pct(np.percentile(e, 90))}; median errors (engine's own "
+        f"{_pct(np.median(e))}, P90 {_pct(np.percentile(e, 90))} (engine's own step-to-step "
+        f"spread {noise(steps, 50)}, {noise(steps, 90)}); median errors (engine's own "
         f"spread in brackets) TTFT p50 {mdn(table, 'err_ttft_s_p50')} "
         f"({mdn(table, 'spread_ttft_s_p50')}), TPOT p50 {mdn(table, 'err_tpot_s_p50')} "
         f"({mdn(table, 'spread_tpot_s_p50')}), E2E p50 {mdn(table, 'err_e2e_s_p50')} "
@@ -614,6 +707,16 @@ def _markdown(
         source=source,
         loads=", ".join(f"{x:g}" for x in sorted(table.load.unique())),
         fingerprint=", ".join(f"{k} `{v}`" for k, v in sorted((fp or {}).items())) or "none",
+        calibration=(
+            "the simulator's calibration data is the profile grid (`profile.csv` in the "
+            "archive) and the engine's steps in synthetic calibration replays run right after "
+            f"it (`calibration/` in the archive: {', '.join(record['calibration'])}; "
+            "arrivals and lengths drawn from the protocol's distributions, no trace row); no "
+            "step of an evaluated window is fitted."
+            if record.get("calibration")
+            else "the simulator's only calibration data is the profile grid (`profile.csv` in "
+            "the archive); no engine replay step is fitted."
+        ),
         stale=(
             "The profile matches the engine runs' fingerprint (made by the same engine, GPU "
             "and versions)."
@@ -666,8 +769,7 @@ TEMPLATE = """# Simulator fidelity, held out
 Generated by `sched-lab fidelity --sim` from `{archive}` (and its `_repeat` archive). {source}
 {setup}
 
-**Held out**: the simulator's only calibration data is the profile grid (`profile.csv` in the
-archive); no engine replay step is fitted. Profile fingerprint: {fingerprint}. {stale}
+**Held out**: {calibration} Profile fingerprint: {fingerprint}. {stale}
 
 Windows and the engine's capacity on each (all requests at t = 0, fcfs); loads are {loads}
 times it:
@@ -689,10 +791,13 @@ chunks, decodes, contexts, preemptions, swap-outs and swap-ins); {plan_note}
 
 Each engine step's duration predicted by the calibrated model from that step's exact batch:
 median {step_p50}, P90 {step_p90} (absolute; saturated runs alone: median {step_sat}).
-Targets: median <= 3%, P90 <= 8%.
+Targets: median <= 3%, P90 <= 8%. The last column is the engine's own spread between steps
+of one shape: each step's distance from the median of the run's steps of its shape (kind,
+prompt tokens to 64, prompts, decodes, context to 512 tokens a sequence; shapes of >= 5
+steps), median / P90. A model that sees only a step's shape cannot do better than that.
 
-| step kind | steps | median abs error | P90 abs error | median signed error |
-|---|---|---|---|---|
+| step kind | steps | median abs error | P90 abs error | median signed error | engine's spread, same shape |
+|---|---|---|---|---|---|
 {by_kind}
 
 ![per-step error by step kind](fidelity/heldout_step_error.png)
@@ -752,7 +857,8 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab fidelity") -> int
     side = ap.add_mutually_exclusive_group(required=True)
     side.add_argument("--engine", action="store_true", help="GPU side: profile, runs, repeats")
     side.add_argument("--sim", action="store_true", help="CPU side: docs/fidelity.md")
-    side.add_argument("--engine-pass", choices=("first", "repeat"), help=argparse.SUPPRESS)
+    side.add_argument("--engine-pass", choices=("calibration", "first", "repeat"),
+                      help=argparse.SUPPRESS)  # fmt: skip
     ap.add_argument("--protocol", type=Path, default=PROTOCOL, help="protocol YAML")
     ap.add_argument("--out", type=Path, default=Path("/tmp/sched-lab-fidelity"),
                     help="engine side: working folder (default /tmp/sched-lab-fidelity)")  # fmt: skip

@@ -276,3 +276,45 @@ def test_analytic_efficiencies_fitted_to_a_profile_are_recovered(tmp_path) -> No
     assert fit["bandwidth_efficiency"] == pytest.approx(0.8, rel=0.08)
     assert fit["step_overhead_s"] == pytest.approx(0.001, abs=1e-4)
     assert fit["median_relative_error"] < 0.05
+
+
+def test_step_noise_is_the_distance_from_the_median_of_the_same_shape() -> None:
+    """Six 2-decode steps of one shape (mean context 1000, in one 512-token bucket), one of
+    them twice as long: median 1 ms, so that step is 100% off and the others 0%; two prompt
+    steps of one shape are fewer than 5, so theirs is unknown (NaN)."""
+    from lab.fidelity import step_noise
+
+    n = 8
+    st = pd.DataFrame(
+        {
+            "num_prefills": [0] * 6 + [1, 1],
+            "num_prefill_tokens": [0] * 6 + [300, 310],
+            "num_decode_tokens": [2] * 6 + [0, 0],
+            "decode_context_tokens": [2000, 2002, 2004, 2006, 2008, 2010, 0, 0],
+            "prefill_context_tokens": [0] * n,
+            "num_swap_out_blocks": [0] * n,
+            "num_swap_in_blocks": [0] * n,
+            "duration_s": [1e-3, 1e-3, 1e-3, 1e-3, 2e-3, 1e-3, 3e-3, 4e-3],
+        }
+    )
+    noise = step_noise(st)
+    assert noise[:6].tolist() == pytest.approx([0, 0, 0, 0, 1.0, 0])
+    assert pd.isna(noise[6]) and pd.isna(noise[7])
+
+
+def test_protocol_calibration_replays_only_synthetic_traces(tmp_path) -> None:
+    """A calibration workload that reads a trace file is refused in one line: calibration
+    must never fit rows of the traces the protocol evaluates."""
+    import yaml
+
+    from lab.fidelity import PROTOCOL, load_protocol
+
+    p = yaml.safe_load(PROTOCOL.read_text())
+    assert set(load_protocol(PROTOCOL)["calibration"]["workloads"]) == {
+        "chat", "long_prompts", "offline"
+    }  # fmt: skip
+    p["calibration"]["workloads"]["chat"] = dict(p["slices"]["conv"])
+    bad = tmp_path / "protocol.yaml"
+    bad.write_text(yaml.safe_dump(p))
+    with pytest.raises(SystemExit, match=r"calibration\.workloads\.chat: expected a synthetic"):
+        load_protocol(bad)

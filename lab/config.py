@@ -515,13 +515,15 @@ def validate(
                     f"{where}: policies[{i}] ({p.label}): speculative with {ASYNC_KEY}: true "
                     f"runs in the simulator only; set {ASYNC_KEY}: false or backend: sim"
                 )
-    if cluster is not None and (
-        scheduler.async_scheduling or any(p.options.get(ASYNC_KEY) for p in pols)
-    ):
-        raise ConfigError(
-            f"{where}: scheduler.{ASYNC_KEY}: the cluster simulator runs synchronous replicas "
-            f"only; remove cluster: or set {ASYNC_KEY}: false"
-        )
+    if cluster is not None:  # name the key where async was turned on for some policy
+        on = [f"policies[{i}].{ASYNC_KEY}" for i, p in enumerate(pols) if p.options.get(ASYNC_KEY)]
+        if scheduler.async_scheduling and not all(ASYNC_KEY in p.options for p in pols):
+            on.insert(0, f"scheduler.{ASYNC_KEY}")
+        if on:
+            raise ConfigError(
+                f"{where}: {on[0]}: the cluster simulator runs synchronous replicas only; "
+                f"remove cluster: or set {ASYNC_KEY}: false"
+            )
     return ExperimentConfig(
         name=name,
         trace=trace,

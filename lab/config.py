@@ -507,6 +507,7 @@ def validate(
         spec,
         base_dir,
         backend,
+        tuple(raw["speculative"]) if spec is not None else (),
     )
     for i, p in enumerate(pols):  # the engine has no device-side drafts for async steps
         if backend == "engine" and p.speculative is not None:
@@ -801,7 +802,10 @@ def _policies(
     spec: SpeculativeConfig | None = None,
     base_dir: Path = Path("."),
     backend: str = "sim",
+    spec_keys: tuple[str, ...] = (),
 ) -> tuple[PolicyConfig, ...]:
+    """The policy entries. ``spec``: the top-level ``speculative:`` block (``spec_keys``: the
+    keys written in it), which an entry's own block replaces whole."""
     if policies.BROKEN:  # a policy file that cannot be imported: say which, run nothing
         path, why = next(iter(policies.BROKEN.items()))
         raise ConfigError(f"{path}: the policy module cannot be imported ({why}); fix or remove it")
@@ -857,6 +861,19 @@ def _policies(
         own = (*cls.options, VICTIM_KEY, ASYNC_KEY)
         options = {k: copy.deepcopy(v) for k, v in p.items() if k in own}
         own_spec = "speculative" in p
+        try:
+            policy_spec = _speculative(
+                where, f"{key}.speculative", p.get("speculative"), base_dir, backend
+            )
+        except ConfigError as e:  # a partial block: say that it is not merged
+            block = p.get("speculative")
+            missing = [k for k in spec_keys if isinstance(block, Mapping) and k not in block]
+            if not missing:
+                raise
+            raise ConfigError(
+                f"{e} ({key}.speculative replaces the top-level speculative: block whole, "
+                f"not key by key; it lacks {', '.join(missing)})"
+            ) from None
         resolved.append(
             PolicyConfig(
                 p["name"],
@@ -864,11 +881,7 @@ def _policies(
                 *(p.get(k) for k in LIMIT_KEYS),
                 options=MappingProxyType(options),
                 enable_prefix_caching=caching,
-                speculative=(
-                    _speculative(where, f"{key}.speculative", p["speculative"], base_dir, backend)
-                    if own_spec
-                    else spec
-                ),
+                speculative=policy_spec if own_spec else spec,
                 own_speculative=own_spec,
             )
         )

@@ -378,6 +378,80 @@ def test_engine_keys_reach_the_model_runner(tmp_path, monkeypatch):
     assert isinstance(cfg, ExperimentConfig)
 
 
+ENGINE_REFUSED = [
+    (
+        {"cost_model": {"host_overhead_s": 0.001}},
+        "x.yaml: cost_model.host_overhead_s: sets the simulator's host time per step; the "
+        "engine's host time is its own (measured, not set): remove it or set backend: sim",
+    ),
+    (
+        {"cost_model": {"host_per_seq_s": 1e-5}},
+        "x.yaml: cost_model.host_per_seq_s: sets the simulator's host time per step; the "
+        "engine's host time is its own (measured, not set): remove it or set backend: sim",
+    ),
+    (
+        {"cost_model": {"durations_from": "steps.csv"}},
+        "x.yaml: cost_model.durations_from: replays an engine run's step times in the "
+        "simulator; the engine measures its own: remove it or set backend: sim",
+    ),
+    (
+        {"cost_model": {"tensor_parallel_size": 2}},
+        "x.yaml: cost_model.tensor_parallel_size: 2 GPUs per simulated replica; the engine's "
+        "tensor parallelism is engine.tensor_parallel_size (1): set that one",
+    ),
+    (
+        {"speculative": {"method": "synthetic", "num_speculative_tokens": 2,
+                         "acceptance_from": "results/x/fcfs"}},
+        "x.yaml: speculative.acceptance_from: the simulator's acceptance, taken from an engine "
+        "run; the engine verifies its own drafts: remove it or set backend: sim",
+    ),
+    (
+        {"policies": ["fcfs", {"name": "fcfs", "label": "b", "speculative": {
+            "method": "ngram", "num_speculative_tokens": 2, "acceptance_from": "r"}}]},
+        "x.yaml: policies[1].speculative.acceptance_from: the simulator's acceptance, taken "
+        "from an engine run; the engine verifies its own drafts: remove it or set backend: sim",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("keys, message", ENGINE_REFUSED)
+def test_engine_refuses_simulator_only_keys_that_mislead(tmp_path, keys, message):
+    (tmp_path / "model").mkdir()
+    raw = {"backend": "engine", "trace": parse_yaml(SYNTHETIC), "engine": {"model_path": "model"}}
+    with pytest.raises(ConfigError) as e:
+        validate({**raw, **keys}, "x.yaml", tmp_path)
+    assert str(e.value) == message
+
+
+def test_engine_warns_once_about_the_simulator_side_of_a_file(tmp_path, caplog):
+    """cost_model.profile (a file that serves both backends, as sim_vs_real.yaml) and
+    acceptance_rates of an ngram block are the simulator's: one warning line, once; the
+    engine's own TP size repeated in cost_model is taken silently."""
+    import logging
+
+    (tmp_path / "model").mkdir()
+    raw = {
+        "backend": "engine",
+        "trace": parse_yaml(SYNTHETIC),
+        "engine": {"model_path": "model", "tensor_parallel_size": 2},
+        "cost_model": {"profile": "p.csv", "step_overhead_s": 0.001, "tensor_parallel_size": 2},
+        "speculative": {"method": "ngram", "num_speculative_tokens": 2,
+                        "acceptance_rates": [0.5, 0.5]},
+    }  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="lab.config"):
+        validate(raw, "warn-once.yaml", tmp_path)
+        validate(raw, "warn-once.yaml", tmp_path)
+    assert [r.getMessage() for r in caplog.records] == [
+        "warn-once.yaml: backend engine measures its step times and acceptance, so it ignores "
+        "the simulator-only cost_model.step_overhead_s, cost_model.profile, "
+        "speculative.acceptance_rates (method ngram)"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lab.config"):
+        validate({**raw, "cost_model": {}, "speculative": None}, "quiet.yaml", tmp_path)
+    assert caplog.records == []
+
+
 def test_report_keys(tmp_path):
     base = f"trace: {SYNTHETIC}\n"
     cfg = load_config(write(tmp_path, base))

@@ -834,6 +834,22 @@ def _kv_cache(where: str, raw: Any) -> KVCacheConfig:
     return KVCacheConfig(**kv)
 
 
+def check_swap_blocks(kv: KVCacheConfig, num_cpu_blocks: int, block_bytes: float, model: str):
+    """A positive ``kv_cache.swap_space_gib`` that holds no KV block (of ``block_bytes``
+    bytes for ``model``) would leave swap-mode preemption nothing to swap to, so it would
+    recompute instead, silently. ``swap_space_gib: 0`` (no swap space) is taken.
+
+    Raises:
+        ConfigError: one line naming the key and the size one block needs.
+    """
+    if kv.swap_space_gib > 0 and num_cpu_blocks == 0:
+        raise ConfigError(
+            f"kv_cache.swap_space_gib: {kv.swap_space_gib:g} GiB holds no KV block: one block "
+            f"of {kv.block_size} tokens of {model} needs {block_bytes / GIB:.3g} GiB; expected "
+            "at least that, or 0 for no swap space"
+        )
+
+
 def _hash_block_size(where: str, trace: TraceConfig, kv: KVCacheConfig) -> KVCacheConfig:
     """Check ``trace.hash_block_size`` (tokens per hash id, :mod:`traces.prefix`) against
     the KV block size: a multiple of it, so that every full KV block lies inside one hash

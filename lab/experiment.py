@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from lab import cluster_metrics, fairness, metrics, paths, spec_metrics, vllm_result
-from lab.config import ExperimentConfig, PolicyConfig
+from lab.config import ExperimentConfig, PolicyConfig, check_swap_blocks
 from lab.core.errors import ConfigError, TraceError
 from lab.core.kv import has_prefix_identity, make_block_manager
 from lab.core.request import Request, RequestStatus
@@ -137,6 +137,8 @@ def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
         )
     cpu = num_cpu_blocks(model, kv.block_size, kv.swap_space_gib)
     cm = cfg.cost_model
+    if cm.durations_from is None:  # else the engine run's capacity (below)
+        check_swap_blocks(kv, cpu, model.kv_bytes_per_token * kv.block_size, model.name)
     if cm.durations_from is not None:  # the engine run's durations and its KV capacity
         from lab.sim.replayed import ReplayedDurations
 

@@ -452,6 +452,42 @@ def test_engine_warns_once_about_the_simulator_side_of_a_file(tmp_path, caplog):
     assert caplog.records == []
 
 
+def test_swap_space_that_holds_no_block_is_refused(tmp_path, monkeypatch):
+    """Llama-3.1-8B: 2 (K, V) * 32 layers * 8 KV heads * 128 * 2 bytes = 128 KiB a token, a
+    block of 16 tokens 2 MiB = 0.00195 GiB; 0.0001 GiB holds none. 0 (no swap) is taken."""
+    from lab.experiment import sim_parts
+
+    raw = {"trace": parse_yaml(SYNTHETIC), "model": "llama-3.1-8b"}
+    with pytest.raises(ConfigError) as e:
+        sim_parts(validate({**raw, "kv_cache": {"swap_space_gib": 0.0001}}))
+    assert str(e.value) == (
+        "kv_cache.swap_space_gib: 0.0001 GiB holds no KV block: one block of 16 tokens of "
+        "llama-3.1-8b needs 0.00195 GiB; expected at least that, or 0 for no swap space"
+    )
+    assert sim_parts(validate({**raw, "kv_cache": {"swap_space_gib": 0}}))[2] == 0
+    assert sim_parts(validate({**raw, "kv_cache": {"swap_space_gib": 0.002}}))[2] == 1
+
+    pytest.importorskip("torch")
+    import types
+
+    import lab.engine_setup
+
+    def fake_runner(model_dir, **kwargs):  # a 1 MiB block, no room for one in swap space
+        kv = types.SimpleNamespace(block_bytes=1 << 20)
+        return types.SimpleNamespace(num_cpu_blocks=0, kv_cache=kv)
+
+    monkeypatch.setattr(lab.engine_setup, "ModelRunner", fake_runner)
+    (tmp_path / "tiny").mkdir()
+    engine = {**raw, "backend": "engine", "engine": {"model_path": "tiny"},
+              "kv_cache": {"swap_space_gib": 0.0005}}  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        lab.engine_setup.engine_parts(validate(engine, "x.yaml", tmp_path))
+    assert str(e.value) == (
+        "kv_cache.swap_space_gib: 0.0005 GiB holds no KV block: one block of 16 tokens of "
+        "tiny needs 0.000977 GiB; expected at least that, or 0 for no swap space"
+    )
+
+
 def test_report_keys(tmp_path):
     base = f"trace: {SYNTHETIC}\n"
     cfg = load_config(write(tmp_path, base))

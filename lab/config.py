@@ -17,7 +17,8 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
                  # profile CSV, and replay_steps: steps.csv of engine runs to fit with it
                  # (lab/sim/calibrated.py); tensor_parallel_size: GPUs per simulated replica;
                  # or {durations_from: RUN/steps.csv}: the engine run's measured step times
-                 # in order (lab/sim/replayed.py)
+                 # in order (lab/sim/replayed.py). The simulator's: backend: engine refuses
+                 # host_*, durations_from, another TP size, and warns about the rest
     kv_cache: {block_size: 16, gpu_memory_utilization: 0.9, num_gpu_blocks: null,
                swap_space_gib: 4, watermark: 0.01, enable_prefix_caching: false}
     scheduler: {max_num_seqs: 256, max_num_batched_tokens: null, max_model_len: null,
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import re
 from collections.abc import Mapping
@@ -70,6 +72,8 @@ from lab.sim.models import MODELS
 from lab.yamlio import load_yaml_file, short_repr
 from policies import get_policy
 from traces.classes import CLASS_KEYS
+
+log = logging.getLogger("lab.config")
 
 GIB = 1 << 30
 MAX_SWAP_SPACE_GIB = 4096.0  # host memory for swapped-out KV blocks (4 TiB: beyond any host)
@@ -507,6 +511,7 @@ def validate(
         spec,
         base_dir,
         backend,
+        tuple(raw["speculative"]) if spec is not None else (),
     )
     for i, p in enumerate(pols):  # the engine has no device-side drafts for async steps
         if backend == "engine" and p.speculative is not None:
@@ -515,13 +520,19 @@ def validate(
                     f"{where}: policies[{i}] ({p.label}): speculative with {ASYNC_KEY}: true "
                     f"runs in the simulator only; set {ASYNC_KEY}: false or backend: sim"
                 )
-    if cluster is not None and (
-        scheduler.async_scheduling or any(p.options.get(ASYNC_KEY) for p in pols)
-    ):
-        raise ConfigError(
-            f"{where}: scheduler.{ASYNC_KEY}: the cluster simulator runs synchronous replicas "
-            f"only; remove cluster: or set {ASYNC_KEY}: false"
-        )
+    if cluster is not None:  # name the key where async was turned on for some policy
+        on = [f"policies[{i}].{ASYNC_KEY}" for i, p in enumerate(pols) if p.options.get(ASYNC_KEY)]
+        if scheduler.async_scheduling and not all(ASYNC_KEY in p.options for p in pols):
+            on.insert(0, f"scheduler.{ASYNC_KEY}")
+        if on:
+            raise ConfigError(
+                f"{where}: {on[0]}: the cluster simulator runs synchronous replicas only; "
+                f"remove cluster: or set {ASYNC_KEY}: false"
+            )
+    cost_model = _cost_model(where, raw.get("cost_model", {}), base_dir, backend == "sim")
+    engine = _engine(where, raw.get("engine", {}), base_dir, backend == "engine")
+    if backend == "engine":
+        _simulator_only(where, cost_model, engine, pols)
     return ExperimentConfig(
         name=name,
         trace=trace,
@@ -529,12 +540,12 @@ def validate(
         seed=seed,
         model=top["model"],
         hardware=top["hardware"],
-        cost_model=_cost_model(where, raw.get("cost_model", {}), base_dir, backend == "sim"),
+        cost_model=cost_model,
         kv_cache=_hash_block_size(where, trace, _kv_cache(where, raw.get("kv_cache", {}))),
         scheduler=scheduler,
         policies=pols,
         slo=_slo(where, raw.get("slo", {})),
-        engine=_engine(where, raw.get("engine", {}), base_dir, backend == "engine"),
+        engine=engine,
         check_invariants=top["check_invariants"],
         cluster=cluster,
         report=_report(where, raw.get("report", {})),
@@ -542,6 +553,76 @@ def validate(
         source=where,
         base_dir=base_dir,
     )
+
+
+_WARNED: set[str] = set()  # simulator-only keys already warned about (once a process)
+
+
+def _simulator_only(
+    where: str, cm: CostModelConfig, engine: EngineConfig, pols: tuple[PolicyConfig, ...]
+) -> None:
+    """``backend: engine`` with keys only the simulator reads. Refused in one line where the
+    key names something the engine has but sets otherwise (its host time, its tensor
+    parallelism, its acceptance: measured or given by ``engine:``), so that setting it can
+    only mislead; warned about once where it is the simulator side of a file that serves
+    both backends (``cost_model.profile`` of experiments/sim_vs_real.yaml: the engine
+    measures its step times).
+
+    Raises:
+        ConfigError: one line naming the key and the engine's own setting.
+    """
+    for key in ("host_overhead_s", "host_per_seq_s"):
+        if getattr(cm, key):
+            raise ConfigError(
+                f"{where}: cost_model.{key}: sets the simulator's host time per step; the "
+                "engine's host time is its own (measured, not set): remove it or set backend: sim"
+            )
+    if cm.durations_from is not None:
+        raise ConfigError(
+            f"{where}: cost_model.durations_from: replays an engine run's step times in the "
+            "simulator; the engine measures its own: remove it or set backend: sim"
+        )
+    tp = cm.tensor_parallel_size
+    if tp != 1 and tp != engine.tensor_parallel_size:
+        raise ConfigError(
+            f"{where}: cost_model.tensor_parallel_size: {tp} GPUs per simulated replica; the "
+            f"engine's tensor parallelism is engine.tensor_parallel_size "
+            f"({engine.tensor_parallel_size}): set that one"
+        )
+    ignored = [
+        f"cost_model.{f.name}"
+        for f in dataclasses.fields(CostModelConfig)
+        if f.name
+        in (
+            "flops_efficiency",
+            "bandwidth_efficiency",
+            "step_overhead_s",
+            "profile",
+            "replay_steps",
+        )  # fmt: skip
+        and getattr(cm, f.name) != f.default
+    ]
+    seen = set()
+    for i, p in enumerate(pols):
+        spec, key = p.speculative, f"policies[{i}].speculative" if p.own_speculative else ""
+        if spec is None or id(spec) in seen:
+            continue
+        seen.add(id(spec))
+        key = key or "speculative"
+        if spec.acceptance_from is not None:
+            raise ConfigError(
+                f"{where}: {key}.acceptance_from: the simulator's acceptance, taken from an "
+                "engine run; the engine verifies its own drafts: remove it or set backend: sim"
+            )
+        if spec.acceptance_rates is not None and spec.method != "synthetic":
+            ignored.append(f"{key}.acceptance_rates (method {spec.method})")
+    line = (
+        f"{where}: backend engine measures its step times and acceptance, so it ignores the "
+        f"simulator-only {', '.join(ignored)}"
+    )
+    if ignored and line not in _WARNED:
+        _WARNED.add(line)
+        log.warning(line)
 
 
 MAX_NAME_CHARS = 128  # a folder name: file systems allow 255 bytes, the temporary name adds 14
@@ -753,6 +834,22 @@ def _kv_cache(where: str, raw: Any) -> KVCacheConfig:
     return KVCacheConfig(**kv)
 
 
+def check_swap_blocks(kv: KVCacheConfig, num_cpu_blocks: int, block_bytes: float, model: str):
+    """A positive ``kv_cache.swap_space_gib`` that holds no KV block (of ``block_bytes``
+    bytes for ``model``) would leave swap-mode preemption nothing to swap to, so it would
+    recompute instead, silently. ``swap_space_gib: 0`` (no swap space) is taken.
+
+    Raises:
+        ConfigError: one line naming the key and the size one block needs.
+    """
+    if kv.swap_space_gib > 0 and num_cpu_blocks == 0:
+        raise ConfigError(
+            f"kv_cache.swap_space_gib: {kv.swap_space_gib:g} GiB holds no KV block: one block "
+            f"of {kv.block_size} tokens of {model} needs {block_bytes / GIB:.3g} GiB; expected "
+            "at least that, or 0 for no swap space"
+        )
+
+
 def _hash_block_size(where: str, trace: TraceConfig, kv: KVCacheConfig) -> KVCacheConfig:
     """Check ``trace.hash_block_size`` (tokens per hash id, :mod:`traces.prefix`) against
     the KV block size: a multiple of it, so that every full KV block lies inside one hash
@@ -799,7 +896,10 @@ def _policies(
     spec: SpeculativeConfig | None = None,
     base_dir: Path = Path("."),
     backend: str = "sim",
+    spec_keys: tuple[str, ...] = (),
 ) -> tuple[PolicyConfig, ...]:
+    """The policy entries. ``spec``: the top-level ``speculative:`` block (``spec_keys``: the
+    keys written in it), which an entry's own block replaces whole."""
     if policies.BROKEN:  # a policy file that cannot be imported: say which, run nothing
         path, why = next(iter(policies.BROKEN.items()))
         raise ConfigError(f"{path}: the policy module cannot be imported ({why}); fix or remove it")
@@ -855,6 +955,19 @@ def _policies(
         own = (*cls.options, VICTIM_KEY, ASYNC_KEY)
         options = {k: copy.deepcopy(v) for k, v in p.items() if k in own}
         own_spec = "speculative" in p
+        try:
+            policy_spec = _speculative(
+                where, f"{key}.speculative", p.get("speculative"), base_dir, backend
+            )
+        except ConfigError as e:  # a partial block: say that it is not merged
+            block = p.get("speculative")
+            missing = [k for k in spec_keys if isinstance(block, Mapping) and k not in block]
+            if not missing:
+                raise
+            raise ConfigError(
+                f"{e} ({key}.speculative replaces the top-level speculative: block whole, "
+                f"not key by key; it lacks {', '.join(missing)})"
+            ) from None
         resolved.append(
             PolicyConfig(
                 p["name"],
@@ -862,11 +975,7 @@ def _policies(
                 *(p.get(k) for k in LIMIT_KEYS),
                 options=MappingProxyType(options),
                 enable_prefix_caching=caching,
-                speculative=(
-                    _speculative(where, f"{key}.speculative", p["speculative"], base_dir, backend)
-                    if own_spec
-                    else spec
-                ),
+                speculative=policy_spec if own_spec else spec,
                 own_speculative=own_spec,
             )
         )

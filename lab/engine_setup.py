@@ -11,7 +11,7 @@ from backend.errors import CheckpointError
 from backend.runner import ModelRunner
 from backend.tp import check_tp_size
 from backend.tp_engine import TensorParallelRunner
-from lab.config import ExperimentConfig
+from lab.config import ExperimentConfig, check_swap_blocks
 from lab.core.errors import ConfigError
 
 
@@ -55,6 +55,8 @@ def engine_parts(cfg: ExperimentConfig):
         check_tp_size(ModelConfig.from_dir(eng.model_path), eng.tensor_parallel_size)
         runner = TensorParallelRunner(eng.model_path, eng.tensor_parallel_size, **kwargs)
 
+    cache = getattr(runner, "runner", runner).kv_cache  # rank 0's, under TP
+    check_swap_blocks(kv, runner.num_cpu_blocks, cache.block_bytes, eng.model_path.name)
     drafts: dict = {}  # draft runners, loaded once for all runs (backend/spec_decode.py)
 
     def make_executor(speculative=None, async_scheduling: bool = False) -> EngineExecutor:

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from lab import cluster_metrics, fairness, metrics, paths, spec_metrics, vllm_result
-from lab.config import ExperimentConfig, PolicyConfig
+from lab.config import ExperimentConfig, PolicyConfig, check_swap_blocks
 from lab.core.errors import ConfigError, TraceError
 from lab.core.kv import has_prefix_identity, make_block_manager
 from lab.core.request import Request, RequestStatus
@@ -137,6 +137,8 @@ def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
         )
     cpu = num_cpu_blocks(model, kv.block_size, kv.swap_space_gib)
     cm = cfg.cost_model
+    if cm.durations_from is None:  # else the engine run's capacity (below)
+        check_swap_blocks(kv, cpu, model.kv_bytes_per_token * kv.block_size, model.name)
     if cm.durations_from is not None:  # the engine run's durations and its KV capacity
         from lab.sim.replayed import ReplayedDurations
 
@@ -449,6 +451,7 @@ def iter_runs(
                         )  # fmt: skip
                 return scheduler, executor
 
+            capped = _capped_steps(cost_model) if cfg.backend == "sim" else 0
             run_requests = fresh(trace)
             replayed = [r for r in run_requests if r.status is not RequestStatus.DROPPED]
             n = len(replayed)
@@ -519,9 +522,25 @@ def iter_runs(
             if result.failure:
                 summary["failure"] = result.failure
             log.info("%s: %d steps in %.2f s", label, summary["num_steps"], result.wall_s)
+            capped = _capped_steps(cost_model) - capped if cfg.backend == "sim" else 0
+            if capped:
+                log.warning(CAPPED_HOST, label, capped, summary["num_steps"])
             if result.failure:
                 log.error("%s stopped: %s", label, result.failure)
             yield Run(label, pol.label, scale, result, df, itl, summary, vllm, itl_tail)
+
+
+CAPPED_HOST = (
+    "%s: in %d of %d steps cost_model.host_overhead_s + host_per_seq_s * sequences exceeded "
+    "the step time and was capped at it (a step's host part is at most the step: "
+    "lab/sim/cost_model.py)"
+)
+
+
+def _capped_steps(cost_model: Any) -> int:
+    """Steps so far whose analytic host time was capped at the step time (0 for models
+    without the count)."""
+    return getattr(cost_model, "num_capped_steps", 0)
 
 
 def _speculative(pol: PolicyConfig):

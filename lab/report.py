@@ -110,7 +110,7 @@ def _write_files(
 ) -> None:
     (tmp / "config.yaml").write_text(config_yaml(cfg, runs))
     phase.advance()
-    requests = pd.concat([r.requests for r in runs])
+    requests = concat_requests([r.requests for r in runs])
     if fmt == "parquet":
         requests.to_parquet(tmp / "requests.parquet", index=False)
         _steps_frame(runs).to_parquet(tmp / "steps.parquet", index=False)
@@ -332,6 +332,19 @@ def _write_steps_csv(path: Path, runs: list[Run], rows: int = 1 << 20) -> None:
         if header:  # no run has a step: the header alone, as the concatenated frame writes
             extra = _columns(runs[0])[len(STEP_COLUMNS) :] if runs else []
             f.write(",".join(["policy", "rate_scale", *STEP_COLUMNS, *extra]) + "\n")
+
+
+def concat_requests(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """The runs' requests tables as one (requests.csv). A column some runs lack (the
+    speculative counts of an experiment that turns speculation off for a policy) is empty
+    in their rows; one that is integer wherever present stays integer (pandas' nullable
+    Int64), not float (12, not 12.0)."""
+    out = pd.concat(frames)
+    for c in out.columns:
+        have = [f[c] for f in frames if c in f.columns]
+        if len(have) < len(frames) and all(pd.api.types.is_integer_dtype(x) for x in have):
+            out[c] = out[c].astype("Int64")
+    return out
 
 
 def _steps_frame(runs: list[Run]) -> pd.DataFrame:

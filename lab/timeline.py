@@ -9,7 +9,8 @@ step in the run's part of steps.csv, counted from 0):
   of queue; request id ``*``: the whole queue, admission not tried), ``step`` / ``last_step``
   the first and last, ``steps`` how many; ``detail`` says it in words;
 * ``admitted`` (``blocks`` allocated), ``prefill`` (a chunk of ``tokens``), ``decode`` (a
-  span of decode steps, ``tokens`` generated), ``preempted`` (``reason`` the mode, ``detail``
+  span of decode steps, ``tokens`` generated: one a step plus the drafts its verify steps
+  accepted, which ``detail`` counts), ``preempted`` (``reason`` the mode, ``detail``
   how the victim was chosen), ``swapped_in`` (``blocks``), ``finished``, ``aborted``.
 """
 
@@ -76,12 +77,18 @@ def events_frame(run) -> pd.DataFrame:
         if r.status is RequestStatus.FINISHED:  # the step whose end is its finish time
             step = int(np.searchsorted(end, r.finish_s))
             rows.append((r.request_id, "finished", step, step, 1, 0, 0, "", ""))
+        spec = np.asarray(r.spec_steps, dtype=np.int64).reshape(-1, 3)  # (step, d', a)
+        accepted = np.concatenate([[0], np.cumsum(spec[:, 2])])  # before each verify step
         for a, b in r.decode_segments:
             if a < len(ticks) and b > a:
                 first, last = int(ticks[a]), int(ticks[min(b, len(ticks)) - 1])
+                lo, hi = np.searchsorted(spec[:, 0], (first, last + 1))  # its verify steps
+                drafts = int(accepted[hi] - accepted[lo])  # their tokens come with the ticks'
+                why = f"{drafts:,} of them accepted drafts" if drafts else ""
                 rows.append(
-                    (r.request_id, "decode", first, last, last - first + 1, b - a, 0, "", "")
-                )
+                    (r.request_id, "decode", first, last, last - first + 1, b - a + drafts, 0,
+                     "", why)
+                )  # fmt: skip
     df = pd.DataFrame(rows, columns=EVENT_COLUMNS[2:])
     df = df[df["step"] < max(n_steps, 1)]
     rank = df["event"].map(_ORDER)  # within a step: waits, admission, chunk, decode, end
@@ -189,9 +196,11 @@ def story(request: pd.Series, events: pd.DataFrame, steps: pd.DataFrame) -> Stor
                 st.segments.append(("decode stalled", start[k], end[k], f"no decode in step {k:,}"))
             more = f"; {_n(len(idle), 'prefill-only step')} in between, without decodes"
             more = more if len(idle) else ""
+            drafts = f", {ev.detail}" if isinstance(ev.detail, str) and ev.detail else ""
+            span = f"step {s:,}" if s1 == s else f"steps {s:,}-{s1:,}"
             generated += n
             st.lines.append(
-                f"steps {s:,}-{s1:,}: decoded {n:,} tokens (to {generated:,}), "
+                f"{span}: decoded {_n(n, 'token')}{drafts} (to {generated:,}), "
                 f"t={start[s]:.3f}-{end[s1]:.3f} s{more}"
             )
         elif ev.event == "preempted":

@@ -379,6 +379,14 @@ def test_config_key_and_per_policy_override():
             },
             r"^x.yaml: scheduler.async_scheduling: the cluster simulator runs synchronous",
         ),
+        (  # set in a policy entry: that key is named
+            {
+                "policies": ["fcfs", {"name": "swap", "async_scheduling": True}],
+                "cluster": {"replicas": 2, "router": "round_robin"},
+            },
+            r"^x.yaml: policies\[1\].async_scheduling: the cluster simulator runs synchronous "
+            r"replicas only; remove cluster: or set async_scheduling: false$",
+        ),
     ],
 )
 def test_bad_config_is_one_line(raw, message):
@@ -503,3 +511,20 @@ def test_decode_set_keeps_a_done_member_once():
     ds.remove(r, r.join_tick + r.output_len - r.join_num_output)
     assert r.num_output_tokens == 4 and r.decode_segments == [(0, 3)]
     assert r.num_computed_tokens == 6 and ds.context_tokens == 0
+
+
+def test_cluster_with_async_overridden_off_by_every_policy_runs_sync():
+    """scheduler.async_scheduling: true that every policy entry turns off runs nothing
+    asynchronously, so the cluster takes it."""
+    from lab.config import validate
+
+    cfg = validate(
+        {
+            "trace": {"format": "azure2023"},
+            "scheduler": {"async_scheduling": True},
+            "policies": [{"name": "fcfs", "async_scheduling": False}],
+            "cluster": {"replicas": 2, "router": "round_robin"},
+        },
+        "x.yaml",
+    )
+    assert cfg.cluster is not None and dict(cfg.policies[0].options) == {"async_scheduling": False}

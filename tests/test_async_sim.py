@@ -123,6 +123,32 @@ def test_analytic_host_time_is_a_part_of_the_step():
     # at most the whole step: a huge per-sequence host cost is clipped to it
     big = analytic(host_per_seq_s=1.0)
     assert big.host_time(f) == big.step_time(f, 16) and big.device_time(f, 16) == 0.0
+    assert (m.num_capped_steps, big.num_capped_steps) == (0, 2)  # host_time, device_time
+
+
+def test_capped_host_time_is_warned_about_per_run(caplog):
+    """host_per_seq_s 1 s against steps of milliseconds: every async step's host part is
+    capped, and the run says in how many; the sync run computes no host time: no warning."""
+    import logging
+
+    from lab.experiment import run_experiment
+
+    trace = {"format": "synthetic", "num_requests": 3, "prompt_len": 8, "output_len": 3,
+             "arrival": {"process": "poisson", "rate": 2}}  # fmt: skip
+    raw = {
+        "trace": trace,
+        "model": "qwen3-0.6b",
+        "cost_model": {"host_per_seq_s": 1.0},
+        "policies": [{"name": "fcfs", "label": "a", "async_scheduling": True}, "fcfs"],
+    }
+    with caplog.at_level(logging.WARNING, logger="lab.experiment"):
+        a, s = run_experiment(validate(raw, "x.yaml"), progress=False)
+    n = a.summary["num_steps"]
+    assert n > 0 and [r.getMessage() for r in caplog.records] == [
+        f"a: in {n} of {n} steps cost_model.host_overhead_s + host_per_seq_s * sequences "
+        "exceeded the step time and was capped at it (a step's host part is at most the "
+        "step: lab/sim/cost_model.py)"
+    ]
 
 
 def test_executor_launch_and_wait_equal_execute():

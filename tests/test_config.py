@@ -378,6 +378,116 @@ def test_engine_keys_reach_the_model_runner(tmp_path, monkeypatch):
     assert isinstance(cfg, ExperimentConfig)
 
 
+ENGINE_REFUSED = [
+    (
+        {"cost_model": {"host_overhead_s": 0.001}},
+        "x.yaml: cost_model.host_overhead_s: sets the simulator's host time per step; the "
+        "engine's host time is its own (measured, not set): remove it or set backend: sim",
+    ),
+    (
+        {"cost_model": {"host_per_seq_s": 1e-5}},
+        "x.yaml: cost_model.host_per_seq_s: sets the simulator's host time per step; the "
+        "engine's host time is its own (measured, not set): remove it or set backend: sim",
+    ),
+    (
+        {"cost_model": {"durations_from": "steps.csv"}},
+        "x.yaml: cost_model.durations_from: replays an engine run's step times in the "
+        "simulator; the engine measures its own: remove it or set backend: sim",
+    ),
+    (
+        {"cost_model": {"tensor_parallel_size": 2}},
+        "x.yaml: cost_model.tensor_parallel_size: 2 GPUs per simulated replica; the engine's "
+        "tensor parallelism is engine.tensor_parallel_size (1): set that one",
+    ),
+    (
+        {"speculative": {"method": "synthetic", "num_speculative_tokens": 2,
+                         "acceptance_from": "results/x/fcfs"}},
+        "x.yaml: speculative.acceptance_from: the simulator's acceptance, taken from an engine "
+        "run; the engine verifies its own drafts: remove it or set backend: sim",
+    ),
+    (
+        {"policies": ["fcfs", {"name": "fcfs", "label": "b", "speculative": {
+            "method": "ngram", "num_speculative_tokens": 2, "acceptance_from": "r"}}]},
+        "x.yaml: policies[1].speculative.acceptance_from: the simulator's acceptance, taken "
+        "from an engine run; the engine verifies its own drafts: remove it or set backend: sim",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("keys, message", ENGINE_REFUSED)
+def test_engine_refuses_simulator_only_keys_that_mislead(tmp_path, keys, message):
+    (tmp_path / "model").mkdir()
+    raw = {"backend": "engine", "trace": parse_yaml(SYNTHETIC), "engine": {"model_path": "model"}}
+    with pytest.raises(ConfigError) as e:
+        validate({**raw, **keys}, "x.yaml", tmp_path)
+    assert str(e.value) == message
+
+
+def test_engine_warns_once_about_the_simulator_side_of_a_file(tmp_path, caplog):
+    """cost_model.profile (a file that serves both backends, as sim_vs_real.yaml) and
+    acceptance_rates of an ngram block are the simulator's: one warning line, once; the
+    engine's own TP size repeated in cost_model is taken silently."""
+    import logging
+
+    (tmp_path / "model").mkdir()
+    raw = {
+        "backend": "engine",
+        "trace": parse_yaml(SYNTHETIC),
+        "engine": {"model_path": "model", "tensor_parallel_size": 2},
+        "cost_model": {"profile": "p.csv", "step_overhead_s": 0.001, "tensor_parallel_size": 2},
+        "speculative": {"method": "ngram", "num_speculative_tokens": 2,
+                        "acceptance_rates": [0.5, 0.5]},
+    }  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="lab.config"):
+        validate(raw, "warn-once.yaml", tmp_path)
+        validate(raw, "warn-once.yaml", tmp_path)
+    assert [r.getMessage() for r in caplog.records] == [
+        "warn-once.yaml: backend engine measures its step times and acceptance, so it ignores "
+        "the simulator-only cost_model.step_overhead_s, cost_model.profile, "
+        "speculative.acceptance_rates (method ngram)"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lab.config"):
+        validate({**raw, "cost_model": {}, "speculative": None}, "quiet.yaml", tmp_path)
+    assert caplog.records == []
+
+
+def test_swap_space_that_holds_no_block_is_refused(tmp_path, monkeypatch):
+    """Llama-3.1-8B: 2 (K, V) * 32 layers * 8 KV heads * 128 * 2 bytes = 128 KiB a token, a
+    block of 16 tokens 2 MiB = 0.00195 GiB; 0.0001 GiB holds none. 0 (no swap) is taken."""
+    from lab.experiment import sim_parts
+
+    raw = {"trace": parse_yaml(SYNTHETIC), "model": "llama-3.1-8b"}
+    with pytest.raises(ConfigError) as e:
+        sim_parts(validate({**raw, "kv_cache": {"swap_space_gib": 0.0001}}))
+    assert str(e.value) == (
+        "kv_cache.swap_space_gib: 0.0001 GiB holds no KV block: one block of 16 tokens of "
+        "llama-3.1-8b needs 0.00195 GiB; expected at least that, or 0 for no swap space"
+    )
+    assert sim_parts(validate({**raw, "kv_cache": {"swap_space_gib": 0}}))[2] == 0
+    assert sim_parts(validate({**raw, "kv_cache": {"swap_space_gib": 0.002}}))[2] == 1
+
+    pytest.importorskip("torch")
+    import types
+
+    import lab.engine_setup
+
+    def fake_runner(model_dir, **kwargs):  # a 1 MiB block, no room for one in swap space
+        kv = types.SimpleNamespace(block_bytes=1 << 20)
+        return types.SimpleNamespace(num_cpu_blocks=0, kv_cache=kv)
+
+    monkeypatch.setattr(lab.engine_setup, "ModelRunner", fake_runner)
+    (tmp_path / "tiny").mkdir()
+    engine = {**raw, "backend": "engine", "engine": {"model_path": "tiny"},
+              "kv_cache": {"swap_space_gib": 0.0005}}  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        lab.engine_setup.engine_parts(validate(engine, "x.yaml", tmp_path))
+    assert str(e.value) == (
+        "kv_cache.swap_space_gib: 0.0005 GiB holds no KV block: one block of 16 tokens of "
+        "tiny needs 0.000977 GiB; expected at least that, or 0 for no swap space"
+    )
+
+
 def test_report_keys(tmp_path):
     base = f"trace: {SYNTHETIC}\n"
     cfg = load_config(write(tmp_path, base))

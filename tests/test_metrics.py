@@ -155,3 +155,18 @@ def test_decode_output_tokens_drop_wasted_slots_and_add_accepted_drafts():
     steps["num_wasted_tokens"] = np.array([0, 1, 0])  # async: one finished request's slot
     steps["num_accepted_tokens"] = np.array([5, 0, 0])  # speculation: 5 drafts accepted
     assert decode_output_tokens(steps).tolist() == [9.0, 2.0, 0.0]
+
+
+def test_requests_of_runs_with_and_without_a_column_keep_it_integer():
+    """A column one run lacks (spec counts of a run without speculation) stays integer in
+    the rows that have it and is empty in the others; float and text columns as before."""
+    from lab.report import concat_requests
+
+    on = pd.DataFrame({"policy": ["on", "on"], "num_drafts": [12, 3], "rate": [1.5, 2.0]})
+    off = pd.DataFrame({"policy": ["off"], "ttft_s": [0.25]})
+    df = concat_requests([off, on])
+    assert str(df["num_drafts"].dtype) == "Int64"
+    assert df.to_csv(index=False) == (
+        "policy,ttft_s,num_drafts,rate\noff,0.25,,\non,,12,1.5\non,,3,2.0\n"
+    )
+    assert str(concat_requests([on, on])["num_drafts"].dtype) == "int64"  # as pd.concat

@@ -162,6 +162,27 @@ def test_config_shared_and_per_policy_and_dumped():
                   "speculative": {"method": "ngram", "num_speculative_tokens": -1}}]})  # fmt: skip
 
 
+def test_partial_policy_block_says_it_replaces_the_shared_one():
+    """A policy's speculative: block missing keys of the top-level one is not merged with
+    it: the error says so and names the keys it lacks; without a shared block, the plain
+    error."""
+    trace = {"format": "azure2023"}
+    shared = {"method": "ngram", "num_speculative_tokens": 3}
+    pols = ["fcfs", {"name": "fcfs", "label": "b", "speculative": {"num_speculative_tokens": 2}}]
+    with pytest.raises(ConfigError) as e:
+        validate({"trace": trace, "speculative": shared, "policies": pols}, "x.yaml")
+    assert str(e.value) == (
+        "x.yaml: policies[1].speculative.method: expected one of ngram, draft, synthetic, got "
+        "None (policies[1].speculative replaces the top-level speculative: block whole, not "
+        "key by key; it lacks method)"
+    )
+    with pytest.raises(ConfigError) as e:
+        validate({"trace": trace, "policies": pols}, "x.yaml")
+    assert str(e.value) == (
+        "x.yaml: policies[1].speculative.method: expected one of ngram, draft, synthetic, got None"
+    )
+
+
 # ------------------------------------------------------------------------- accounting
 def test_decode_with_three_drafts_two_accepted():
     """Prompt 5, block size 4. Step 0 prefills 5 tokens into blocks_for(5 + 1) = 2 blocks and

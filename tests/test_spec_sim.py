@@ -319,6 +319,10 @@ def test_experiment_writes_spec_metrics_and_acceptance_from_reads_them(tmp_path)
     assert on["num_accepted_tokens"].sum() == s["num_accepted_tokens"]
     assert on["num_draft_tokens"].sum() == s["num_draft_tokens"]
     assert req[req["policy"] == "off"]["num_drafts"].isna().all()
+    text = pd.read_csv(tmp_path / "a" / "requests.csv", dtype=str, keep_default_na=False)
+    for col in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):  # 12, not 12.0
+        assert text.loc[text["policy"] == "on", col].str.fullmatch(r"[0-9]+").all(), col
+        assert (text.loc[text["policy"] == "off", col] == "").all(), col
     steps = pd.read_csv(tmp_path / "a" / "steps.csv")
     assert (
         steps.loc[steps["policy"] == "on", "num_accepted_tokens"].sum() == s["num_accepted_tokens"]

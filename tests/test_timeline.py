@@ -159,3 +159,31 @@ def test_explain_and_timeline_commands(tmp_path, capsys):
     assert main(["timeline", str(out), "--run", "fcfs", "--slowest", "3", "--out", str(png)]) == 0
     assert capsys.readouterr().out == f"wrote {png}: 3 requests of run fcfs\n"
     assert png.stat().st_size > 10_000
+
+
+def test_the_story_of_a_speculative_request_counts_accepted_drafts():
+    """k = 2, the first draft always accepted and the second never: prompt 8, output 10.
+    Step 0 prefills and samples token 1; steps 1-4 each verify 2 drafts, accept 1 and
+    sample 1 (2 tokens a step: to 3, 5, 7, 9; an accepted draft ends the decode span); step
+    5 has 1 token left, so no drafts: token 10. The request's own count is 10, and so is
+    the story's."""
+    from test_spec_sim import spec_replay
+
+    res, _ = spec_replay((1.0, 0.0), 2, [("a", 0.0, 8, 10)])
+    df, _ = metrics.request_table(res, "fcfs", 1.0, split_itl=True)
+    events = timeline.events_frame(SimpleNamespace(result=res, policy="fcfs", rate_scale=1.0))
+    decodes = events[events["event"] == "decode"]
+    assert decodes["tokens"].tolist() == [2, 2, 2, 2, 1]
+    assert decodes["detail"].tolist() == ["1 of them accepted drafts"] * 4 + [""]
+    steps = pd.DataFrame({k: res.steps[k] for k in ("time_s", "duration_s", "num_decode_tokens")})
+    (st,) = timeline.stories_for(["a"], df, events, steps)
+    assert st.lines[4:] == [
+        "step 1: decoded 2 tokens, 1 of them accepted drafts (to 3), t=0.010-0.020 s",
+        "step 2: decoded 2 tokens, 1 of them accepted drafts (to 5), t=0.020-0.030 s",
+        "step 3: decoded 2 tokens, 1 of them accepted drafts (to 7), t=0.030-0.040 s",
+        "step 4: decoded 2 tokens, 1 of them accepted drafts (to 9), t=0.040-0.050 s",
+        "step 5: decoded 1 token (to 10), t=0.050-0.060 s",
+        "step 5 (t=0.050 s): finished, last token at t=0.060 s: TTFT 0.010 s, E2E 0.060 s, "
+        "TPOT 5.6 ms",
+    ]
+    assert int(df.loc[0, "output_tokens"]) == 10

@@ -28,7 +28,8 @@ preparation, launch: the work that comes before the device can start), is
 
     host = min(host_overhead_s + host_per_seq_s * sequences, step time)
 
-(both 0 by default: then async timing equals sync timing), and ``device_time`` = step time -
+(both 0 by default: then async timing equals sync timing; where the cap binds, the run
+logs a warning with the number of such steps), and ``device_time`` = step time -
 host time. Under async scheduling the host prepares step N+1 while the device runs step N,
 so step N lasts max(device time of N, host time of N+1) (lab/sim/replay.py). The host part
 is a share of ``step_overhead_s`` and of the per-sequence work, not added to it: step_time
@@ -79,6 +80,7 @@ class AnalyticCostModel:
         self.model, self.hardware = model, hardware
         self.step_overhead_s = step_overhead_s
         self.host_overhead_s, self.host_per_seq_s = host_overhead_s, host_per_seq_s
+        self.num_capped_steps = 0  # steps whose host time was capped at the step (host_time)
         self._s_per_flop = 1.0 / (hardware.peak_flops * flops_efficiency)
         self._s_per_byte = 1.0 / (hardware.mem_bandwidth * bandwidth_efficiency)
         self._s_per_swap_byte = 1.0 / hardware.host_link_bandwidth
@@ -139,11 +141,17 @@ class AnalyticCostModel:
 
     def host_time(self, f: StepFeatures, block_size: int = 0, step_s: float | None = None) -> float:
         """Seconds of host work before the step is launched (module doc), at most the step's
-        time (``step_s``: that time if known, else computed with ``block_size``)."""
+        time (``step_s``: that time if known, else computed with ``block_size``). The cap
+        binds when ``host_per_seq_s`` * sequences outgrows the step: the host part is then
+        the whole step; ``num_capped_steps`` counts those steps (the experiment warns)."""
         host = self.host_overhead_s + self.host_per_seq_s * f.num_seqs
         if host == 0.0:
             return 0.0
-        return min(host, self.step_time(f, block_size) if step_s is None else step_s)
+        step_s = self.step_time(f, block_size) if step_s is None else step_s
+        if host <= step_s:
+            return host
+        self.num_capped_steps += 1
+        return step_s
 
     def device_time(self, f: StepFeatures, block_size: int) -> float:
         """Seconds the device runs the step: step time - host time (module doc)."""

@@ -12,6 +12,8 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     model: llama-3.1-8b          # lab/sim/models.py preset (sim)
     hardware: h200-sxm           # lab/sim/hardware.py preset (sim)
     cost_model: {flops_efficiency: 0.7, bandwidth_efficiency: 0.85, step_overhead_s: 0.002,
+                 # (left out: fitted to the shipped profiles of the hardware, else these
+                 # datasheet guesses; lab/sim/analytic_defaults.py)
                  host_overhead_s: 0, host_per_seq_s: 0,  # the host part (async scheduling)
                  profile: null, replay_steps: [], tensor_parallel_size: 1}  # profile: engine
                  # profile CSV, and replay_steps: steps.csv of engine runs to fit with it
@@ -64,6 +66,8 @@ from lab import paths
 from lab.core.errors import ConfigError
 from lab.core.scheduler import VICTIM_RULES
 from lab.core.spec import SpeculativeConfig
+from lab.sim.analytic_defaults import GUESS
+from lab.sim.analytic_defaults import defaults as analytic_defaults
 from lab.sim.cluster import ClusterSpec, PoolSpec
 from lab.sim.hardware import HARDWARE, LINKS, Link
 from lab.sim.models import MODELS
@@ -224,7 +228,10 @@ class PolicyConfig:
 @dataclass(frozen=True)
 class CostModelConfig:
     """The simulator's step times: an analytic roofline, or a model calibrated from an
-    engine profile (``profile``, plus ``replay_steps``)."""
+    engine profile (``profile``, plus ``replay_steps``). The roofline's three values below
+    are the datasheet guesses; a YAML that leaves them out gets
+    :func:`lab.sim.analytic_defaults.defaults` of its model and hardware instead (fitted
+    to the shipped profiles where the hardware has one)."""
 
     flops_efficiency: float = 0.7  # achieved share of peak FLOP/s
     bandwidth_efficiency: float = 0.85  # achieved share of peak memory bandwidth
@@ -529,7 +536,14 @@ def validate(
         seed=seed,
         model=top["model"],
         hardware=top["hardware"],
-        cost_model=_cost_model(where, raw.get("cost_model", {}), base_dir, backend == "sim"),
+        cost_model=_cost_model(
+            where,
+            raw.get("cost_model", {}),
+            base_dir,
+            backend == "sim",
+            top["model"],
+            top["hardware"],
+        ),
         kv_cache=_hash_block_size(where, trace, _kv_cache(where, raw.get("kv_cache", {}))),
         scheduler=scheduler,
         policies=pols,
@@ -673,8 +687,13 @@ def _existing(where: str, key: str, value: str, base_dir: Path, kind: str, hint:
     return path
 
 
-def _cost_model(where: str, raw: Any, base_dir: Path, used: bool) -> CostModelConfig:
+def _cost_model(
+    where: str, raw: Any, base_dir: Path, used: bool, model: Any = None, hardware: Any = None
+) -> CostModelConfig:
     cm = _section(where, "cost_model", raw, CostModelConfig)
+    named = isinstance(model, str) and isinstance(hardware, str)
+    fitted = analytic_defaults(model, hardware) if named else GUESS
+    cm.update({k: v for k, v in fitted.values.items() if k not in raw})  # the YAML's win
     for key in ("flops_efficiency", "bandwidth_efficiency"):
         _num(where, f"cost_model.{key}", cm[key], MIN_EFFICIENCY, 1.0)
     _num(where, "cost_model.step_overhead_s", cm["step_overhead_s"], 0.0, MAX_STEP_OVERHEAD_S)

@@ -195,7 +195,8 @@ ANALYTIC_NOTE = (
 # the same, when its efficiencies were fitted to the hardware's engine profiles
 FITTED_NOTE = (
     "the analytic roofline ran, with efficiencies fitted to engine profiles "
-    "(lab/sim/analytic_defaults.py), not the model calibrated from one: set "
+    "(lab/sim/analytic_defaults.py), not the model calibrated from one: on the quickstart "
+    "(Llama-3.1-8B, H200) its TTFT p50 is 18-28x the calibrated model's (README); set "
     "cost_model.profile for the calibrated step times"
 )
 NO_HOST_NOTE = (

@@ -12,6 +12,8 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     model: llama-3.1-8b          # lab/sim/models.py preset (sim)
     hardware: h200-sxm           # lab/sim/hardware.py preset (sim)
     cost_model: {flops_efficiency: 0.7, bandwidth_efficiency: 0.85, step_overhead_s: 0.002,
+                 # (left out: fitted to the shipped profiles of the hardware, else these
+                 # datasheet guesses; lab/sim/analytic_defaults.py)
                  host_overhead_s: 0, host_per_seq_s: 0,  # the host part (async scheduling)
                  profile: null, replay_steps: [], tensor_parallel_size: 1}  # profile: engine
                  # profile CSV, and replay_steps: steps.csv of engine runs to fit with it
@@ -66,6 +68,8 @@ from lab import paths
 from lab.core.errors import ConfigError
 from lab.core.scheduler import VICTIM_RULES
 from lab.core.spec import SpeculativeConfig
+from lab.sim.analytic_defaults import GUESS
+from lab.sim.analytic_defaults import defaults as analytic_defaults
 from lab.sim.cluster import ClusterSpec, PoolSpec
 from lab.sim.hardware import HARDWARE, LINKS, Link
 from lab.sim.models import MODELS
@@ -228,7 +232,10 @@ class PolicyConfig:
 @dataclass(frozen=True)
 class CostModelConfig:
     """The simulator's step times: an analytic roofline, or a model calibrated from an
-    engine profile (``profile``, plus ``replay_steps``)."""
+    engine profile (``profile``, plus ``replay_steps``). The roofline's three values below
+    are the datasheet guesses; a YAML that leaves them out gets
+    :func:`lab.sim.analytic_defaults.defaults` of its model and hardware instead (fitted
+    to the shipped profiles where the hardware has one)."""
 
     flops_efficiency: float = 0.7  # achieved share of peak FLOP/s
     bandwidth_efficiency: float = 0.85  # achieved share of peak memory bandwidth
@@ -529,10 +536,13 @@ def validate(
                 f"{where}: {on[0]}: the cluster simulator runs synchronous replicas only; "
                 f"remove cluster: or set {ASYNC_KEY}: false"
             )
-    cost_model = _cost_model(where, raw.get("cost_model", {}), base_dir, backend == "sim")
+    cost_model = _cost_model(where, raw.get("cost_model", {}), base_dir, backend == "sim",
+                             top["model"], top["hardware"])  # fmt: skip
     engine = _engine(where, raw.get("engine", {}), base_dir, backend == "engine")
     if backend == "engine":
-        _simulator_only(where, cost_model, engine, pols)
+        named = isinstance(top["model"], str) and isinstance(top["hardware"], str)
+        fitted = analytic_defaults(top["model"], top["hardware"]) if named else GUESS
+        _simulator_only(where, cost_model, engine, pols, fitted.values)
     return ExperimentConfig(
         name=name,
         trace=trace,
@@ -559,14 +569,19 @@ _WARNED: set[str] = set()  # simulator-only keys already warned about (once a pr
 
 
 def _simulator_only(
-    where: str, cm: CostModelConfig, engine: EngineConfig, pols: tuple[PolicyConfig, ...]
+    where: str,
+    cm: CostModelConfig,
+    engine: EngineConfig,
+    pols: tuple[PolicyConfig, ...],
+    defaults: dict[str, float],
 ) -> None:
     """``backend: engine`` with keys only the simulator reads. Refused in one line where the
     key names something the engine has but sets otherwise (its host time, its tensor
     parallelism, its acceptance: measured or given by ``engine:``), so that setting it can
     only mislead; warned about once where it is the simulator side of a file that serves
     both backends (``cost_model.profile`` of experiments/sim_vs_real.yaml: the engine
-    measures its step times).
+    measures its step times). ``defaults``: the analytic values the config would get
+    without the keys (lab/sim/analytic_defaults.py); those are not warned about.
 
     Raises:
         ConfigError: one line naming the key and the engine's own setting.
@@ -600,7 +615,7 @@ def _simulator_only(
             "profile",
             "replay_steps",
         )  # fmt: skip
-        and getattr(cm, f.name) != f.default
+        and getattr(cm, f.name) != defaults.get(f.name, f.default)
     ]
     seen = set()
     for i, p in enumerate(pols):
@@ -754,8 +769,13 @@ def _existing(where: str, key: str, value: str, base_dir: Path, kind: str, hint:
     return path
 
 
-def _cost_model(where: str, raw: Any, base_dir: Path, used: bool) -> CostModelConfig:
+def _cost_model(
+    where: str, raw: Any, base_dir: Path, used: bool, model: Any = None, hardware: Any = None
+) -> CostModelConfig:
     cm = _section(where, "cost_model", raw, CostModelConfig)
+    named = isinstance(model, str) and isinstance(hardware, str)
+    fitted = analytic_defaults(model, hardware) if named else GUESS
+    cm.update({k: v for k, v in fitted.values.items() if k not in raw})  # the YAML's win
     for key in ("flops_efficiency", "bandwidth_efficiency"):
         _num(where, f"cost_model.{key}", cm[key], MIN_EFFICIENCY, 1.0)
     _num(where, "cost_model.step_overhead_s", cm["step_overhead_s"], 0.0, MAX_STEP_OVERHEAD_S)

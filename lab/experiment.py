@@ -194,6 +194,13 @@ ANALYTIC_NOTE = (
     "measurements of an engine; on the quickstart (Llama-3.1-8B, H200) its TTFT p50 is "
     "2.0-3.9x the calibrated model's (README); set cost_model.profile for measured step times"
 )
+# the same, when its efficiencies were fitted to the hardware's engine profiles
+FITTED_NOTE = (
+    "the analytic roofline ran, with efficiencies fitted to engine profiles "
+    "(lab/sim/analytic_defaults.py), not the model calibrated from one: on the quickstart "
+    "(Llama-3.1-8B, H200) its TTFT p50 is 18-28x the calibrated model's (README); set "
+    "cost_model.profile for the calibrated step times"
+)
 NO_HOST_NOTE = (
     "cost_model.host_overhead_s and host_per_seq_s are 0: host time is 0, so asynchronous "
     "scheduling is predicted to save nothing"
@@ -239,8 +246,29 @@ def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
             "host_note": cost_model.host_note,
         }
     no_host = cm.host_overhead_s == 0 and cm.host_per_seq_s == 0
+    source = analytic_source(cfg)
+    why = FITTED_NOTE if source["efficiencies"] == "profile" else ANALYTIC_NOTE
     return {"kind": "analytic", "profile": None, "fingerprint": None, "stale": False,
-            "why": ANALYTIC_NOTE, "host_note": NO_HOST_NOTE if no_host else ""}  # fmt: skip
+            "why": why, "host_note": NO_HOST_NOTE if no_host else "", **source}  # fmt: skip
+
+
+def analytic_source(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Where an analytic run's efficiencies came from (summary keys of ``cost_model``):
+    ``efficiencies`` "profile" (fitted to the shipped profiles of its hardware), "guess"
+    (datasheet assumptions: no profile) or "yaml" (every value set in the YAML);
+    ``efficiency_profiles`` (the files fitted), ``efficiency_error`` (the fit's median
+    relative step-time error on their rows, None: unknown), ``efficiencies_from_yaml`` (the
+    keys whose value is not the default; lab/sim/analytic_defaults.py)."""
+    from lab.sim.analytic_defaults import KEYS, defaults
+
+    d = defaults(cfg.model, cfg.hardware)
+    own = [k for k in KEYS if getattr(cfg.cost_model, k) != getattr(d, k)]
+    return {
+        "efficiencies": "yaml" if len(own) == len(KEYS) else d.source,
+        "efficiency_profiles": [] if len(own) == len(KEYS) else list(d.profiles),
+        "efficiency_error": None if own else d.median_relative_error,
+        "efficiencies_from_yaml": own,
+    }
 
 
 def engine_info(cfg: ExperimentConfig, executor: Any) -> dict[str, Any]:

@@ -566,10 +566,34 @@ def _cost_model_lines(cm: dict | None) -> list[str]:
         lines[0] += f", from `{cm['profile']}`; {fp_text}"
     lines[0] += "."
     if cm["kind"] == "analytic":
-        lines += ["", f"**Analytic cost model**: {cm['why']}."]
+        lines += ["", f"**Analytic cost model**: {cm['why']}; {_efficiency_text(cm)}."]
     elif cm.get("stale"):
         lines += ["", f"**Stale profile**: {cm['why']}."]
     return [*lines, ""]
+
+
+def _efficiency_text(cm: dict) -> str:
+    """Where an analytic run's efficiencies came from and their known error (summary keys
+    of lab.experiment.analytic_source; absent in results made before them)."""
+    src, own = cm.get("efficiencies"), cm.get("efficiencies_from_yaml") or []
+    if src is None:
+        return "its efficiencies' source was not recorded"
+    if src == "yaml":
+        return "its efficiencies were set in the YAML: their error is unknown"
+    text = (
+        "its efficiencies are datasheet guesses (no profile of this hardware): their error "
+        "is unknown"
+        if src == "guess"
+        else "its efficiencies are measured: fitted to "
+        + ", ".join(f"`{p}`" for p in cm["efficiency_profiles"])
+    )
+    if own:
+        return text + f", except {', '.join(own)} (set in the YAML: error unknown)"
+    if src == "profile":
+        if len(cm["efficiency_profiles"]) > 1:
+            text += " (a joint fit: this model has no profile of its own)"
+        text += f", median step-time error {cm['efficiency_error']:.1%} on the profile rows"
+    return text
 
 
 def _scheduling_lines(runs: list[Run]) -> list[str]:

@@ -17,8 +17,10 @@ Step time = max(FLOPs / achieved FLOP/s, bytes / achieved bytes/s) + step overhe
   2(N-1)/N * bytes / link bandwidth (one direction) + 2(N-1) * link latency, on the
   hardware preset's ``tp_link``. The embedding's all-reduce and the logits' all-gather are
   left out (one each per step, not per layer).
-* Achieved = preset peak * efficiency. The defaults (0.7 of peak FLOP/s, 0.85 of HBM
-  bandwidth, 2 ms per step) are assumptions, not measurements;
+* Achieved = preset peak * efficiency. This class's defaults (0.7 of peak FLOP/s, 0.85 of
+  HBM bandwidth, 2 ms per step) are datasheet assumptions, not measurements; an experiment
+  YAML that leaves them out gets the values fitted to the shipped engine profiles of its
+  hardware (:mod:`lab.sim.analytic_defaults`), and
   :class:`lab.sim.calibrated.CalibratedCostModel` is fitted to the real engine's profile.
 
 Host and device time (asynchronous scheduling, vLLM V1's AsyncScheduler). A step's time

@@ -249,13 +249,15 @@ def draft_time(draft_model: Any, num_seqs: int, context_tokens: int, k: int) -> 
 def draft_cost_model(spec: Any, hardware: Any, base_dir: Path = Path(".")) -> Any:
     """The cost model of ``method: draft``'s draft model, from ``speculative.model``: a
     profile CSV (calibrated), a model preset name (analytic roofline on ``hardware``) or a
-    checkpoint folder with a config.json (analytic, its shape)."""
+    checkpoint folder with a config.json (analytic, its shape); an analytic draft takes the
+    default efficiencies of its shape on ``hardware`` (lab/sim/analytic_defaults.py)."""
+    from lab.sim.analytic_defaults import defaults
     from lab.sim.cost_model import AnalyticCostModel
     from lab.sim.models import MODELS, ModelSpec
 
     name = spec.model
-    if name in MODELS:
-        return AnalyticCostModel(MODELS[name], hardware)
+    if name in MODELS:  # the analytic defaults of that shape (lab/sim/analytic_defaults.py)
+        return AnalyticCostModel(MODELS[name], hardware, **defaults(name, hardware.name).values)
     path = Path(name) if Path(name).is_absolute() else base_dir / name
     if path.suffix == ".csv":
         from lab.sim.calibrated import CalibratedCostModel
@@ -264,11 +266,10 @@ def draft_cost_model(spec: Any, hardware: Any, base_dir: Path = Path(".")) -> An
     config = path / "config.json"
     if config.is_file():
         try:
-            return AnalyticCostModel(
-                ModelSpec.from_config(path.name, json.loads(config.read_text())), hardware
-            )
+            shape = ModelSpec.from_config(path.name, json.loads(config.read_text()))
         except (ValueError, KeyError) as e:
             raise ConfigError(f"speculative.model: {config}: not a model config ({e})") from None
+        return AnalyticCostModel(shape, hardware, **defaults(shape.name, hardware.name).values)
     raise ConfigError(
         f"speculative.model: for the simulator expected a model preset ({', '.join(MODELS)}), "
         f"a profile CSV or a checkpoint folder with config.json, got {name!r}"

@@ -1,0 +1,170 @@
+"""The analytic roofline's default efficiencies, measured where the repo has a profile.
+
+    python -m lab.sim.analytic_defaults      # re-fit the shipped profiles, print the table
+
+``cost_model.flops_efficiency``, ``bandwidth_efficiency`` and ``step_overhead_s``, when the
+YAML leaves them out, come from :func:`defaults` for the run's ``(model, hardware)``:
+
+1. the model has a shipped profile on that hardware (``profiles/h200_qwen3-0.6b.csv``,
+   ``profiles/h200_llama-3.1-8b.csv``, both ``h200-sxm``): that profile's fit
+   (:func:`lab.sim.calibrated.fit_analytic`: the values minimizing the median relative
+   error of the roofline on the profile's rows);
+2. another model on hardware with profiles: the joint fit, the same grid search over all
+   of that hardware's profile rows (each row priced with its own profile's model shape), so
+   one set of efficiencies serves any shape; a model's own profile is preferred because the
+   two shapes disagree (FLOP efficiency 0.29 for the 0.6B, 0.54 for the 8B: a small model's
+   matmuls reach less of peak);
+3. hardware without a profile (``h100-sxm``, ``a100-80gb``, ``h200-sxm-measured``): the
+   datasheet guesses :data:`GUESS` (0.7 of peak FLOP/s, 0.85 of HBM bandwidth, 2 ms).
+
+The fitted numbers are stored in :data:`FITTED` (not re-fitted on every load: a config
+stays cheap to validate); tests/test_analytic_defaults.py re-fits the shipped profiles and
+checks they still give these constants, so a new profile cannot leave them stale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+REFIT = "python -m lab.sim.analytic_defaults"
+
+
+@dataclass(frozen=True)
+class Efficiencies:
+    """Default analytic-model values and where they come from.
+
+    Attributes:
+        flops_efficiency, bandwidth_efficiency, step_overhead_s: the cost_model keys.
+        source: "profile" (fitted to ``profiles``) or "guess" (datasheet assumptions).
+        profiles: the profile files fitted, relative to the repo root (empty for a guess).
+        median_relative_error: the roofline's median |predicted - measured| / measured on
+            those profiles' rows with these values (None for a guess: unknown).
+    """
+
+    flops_efficiency: float
+    bandwidth_efficiency: float
+    step_overhead_s: float
+    source: str
+    profiles: tuple[str, ...] = ()
+    median_relative_error: float | None = None
+
+    @property
+    def values(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in KEYS}
+
+
+KEYS = ("flops_efficiency", "bandwidth_efficiency", "step_overhead_s")
+GUESS = Efficiencies(0.7, 0.85, 0.002, "guess")
+QWEN, LLAMA = "profiles/h200_qwen3-0.6b.csv", "profiles/h200_llama-3.1-8b.csv"
+# (hardware, model) -> fitted values; model None: the joint fit to the hardware's profiles.
+# Reproduce with REFIT (it prints these rows); checked by tests/test_analytic_defaults.py.
+FITTED: dict[tuple[str, str | None], Efficiencies] = {
+    ("h200-sxm", "qwen3-0.6b"): Efficiencies(0.293, 0.735, 0.00185, "profile", (QWEN,), 0.0648),
+    ("h200-sxm", "llama-3.1-8b"): Efficiencies(0.541, 0.735, 0.0009, "profile", (LLAMA,), 0.0542),
+    ("h200-sxm", None): Efficiencies(0.541, 0.858, 0.002, "profile", (QWEN, LLAMA), 0.0866),
+}
+
+
+def defaults(model: str, hardware: str) -> Efficiencies:
+    """The analytic defaults of ``model`` on ``hardware`` (presets' names; module doc)."""
+    return FITTED.get((hardware, model)) or FITTED.get((hardware, None)) or GUESS
+
+
+def describe(e: Efficiencies) -> str:
+    """A phrase for report.md: where the values come from and their known error."""
+    if e.source == "guess":
+        return "datasheet guesses (no profile for this hardware): their error is unknown"
+    joint = " (joint fit: no profile of this model)" if len(e.profiles) > 1 else ""
+    return (
+        f"fitted to {', '.join(f'`{p}`' for p in e.profiles)}{joint}; median relative step-"
+        f"time error {e.median_relative_error:.1%} on the profile rows (`{REFIT}`)"
+    )
+
+
+def refit() -> dict[tuple[str, str | None], Efficiencies]:
+    """:data:`FITTED` recomputed from the profile files it names (errors rounded to 4
+    digits, as stored)."""
+    from lab.sim.calibrated import fit_analytic, profile_shape, read_profile
+
+    out: dict[tuple[str, str | None], Efficiencies] = {}
+    by_hw: dict[str, list[tuple[str, str]]] = {}
+    for rel in sorted({p for e in FITTED.values() for p in e.profiles}):
+        model, hw = profile_shape(ROOT / rel)
+        fit = fit_analytic(read_profile(ROOT / rel), model, hw)
+        out[(hw, model)] = _from_fit(fit, (rel,))
+        by_hw.setdefault(hw, []).append((rel, model))
+    for hw, pairs in by_hw.items():
+        if len(pairs) > 1:
+            rels = tuple(r for r, _ in sorted(pairs, key=lambda x: x[0] != QWEN))
+            out[(hw, None)] = _from_fit(joint_fit(pairs, hw), rels)
+    return out
+
+
+def _from_fit(fit: dict, profiles: tuple[str, ...]) -> Efficiencies:
+    return Efficiencies(
+        *(fit[k] for k in KEYS), "profile", profiles, round(fit["median_relative_error"], 4)
+    )
+
+
+def joint_fit(pairs: list[tuple[str, str]], hardware: str) -> dict[str, float]:
+    """:func:`lab.sim.calibrated.fit_analytic`'s grid search over the rows of several
+    profiles ``(path relative to the repo, model preset)``, each row priced with its model."""
+    import numpy as np
+
+    from lab.core.plan import StepFeatures
+    from lab.sim.calibrated import read_profile
+    from lab.sim.cost_model import AnalyticCostModel
+    from lab.sim.hardware import HARDWARE
+    from lab.sim.models import MODELS
+
+    huge = 1e12  # an efficiency so high that its term vanishes
+    compute, memory, swap, y = [], [], [], []
+    for rel, model in pairs:
+        df = read_profile(ROOT / rel)
+        names = StepFeatures.__dataclass_fields__
+        feats = [
+            StepFeatures(
+                *(float(r[c]) if c == "prefill_attention_pairs" else int(r[c]) for c in names)
+            )
+            for _, r in df.iterrows()
+        ]
+        spec = MODELS[model]
+
+        def times(a: float, b: float, spec=spec, feats=feats) -> np.ndarray:
+            cm = AnalyticCostModel(spec, HARDWARE[hardware], a, b, 0.0)
+            return np.array([cm.step_time(f, 16) for f in feats])
+
+        s = times(huge, huge)
+        swap.append(s)
+        compute.append(times(1.0, huge) - s)
+        memory.append(times(huge, 1.0) - s)
+        y.append(df["duration_s"].to_numpy(float))
+    compute_s, memory_s, swap_s, y = map(np.concatenate, (compute, memory, swap, y))
+    effs, overheads = np.geomspace(0.05, 1.0, 40), np.linspace(0.0, 0.005, 101)
+    best = (np.inf, 0.0, 0.0, 0.0)
+    for a in effs:
+        for b in effs:
+            base = np.maximum(compute_s / a, memory_s / b) + swap_s
+            med = np.median(np.abs(base[None, :] + overheads[:, None] - y) / y, axis=1)
+            i = int(np.argmin(med))
+            if med[i] < best[0]:
+                best = (float(med[i]), float(a), float(b), float(overheads[i]))
+    return {
+        "flops_efficiency": round(best[1], 3),
+        "bandwidth_efficiency": round(best[2], 3),
+        "step_overhead_s": round(best[3], 5),
+        "median_relative_error": best[0],
+    }
+
+
+def main() -> int:
+    """Print :func:`refit`'s table in :data:`FITTED`'s form."""
+    for key, e in refit().items():
+        print(f"{key}: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -380,7 +380,7 @@ def test_engine_keys_reach_the_model_runner(tmp_path, monkeypatch):
 
 ENGINE_REFUSED = [
     (
-        {"cost_model": {"host_overhead_s": 0.001}},
+        {"cost_model": {"host_overhead_s": 0.0005}},
         "x.yaml: cost_model.host_overhead_s: sets the simulator's host time per step; the "
         "engine's host time is its own (measured, not set): remove it or set backend: sim",
     ),

@@ -280,12 +280,13 @@ def _engine_config(raw: dict):
         return path if Path(path).exists() else str(ROOT / folder / Path(path).name)
 
     raw = copy.deepcopy(raw)
-    raw["trace"]["path"] = here(raw["trace"]["path"], "traces/data")
+    if raw["trace"].get("path"):  # synthetic traces have none
+        raw["trace"]["path"] = here(raw["trace"]["path"], "traces/data")
     if raw.get("trace_file"):
         raw["trace_file"]["path"] = raw["trace"]["path"]
     if raw.get("backend") == "engine":
         raw["engine"]["model_path"] = here(raw["engine"]["model_path"], "checkpoints")
-    raw["cost_model"] = {k: v for k, v in raw["cost_model"].items() if v not in (None, [])}
+    raw["cost_model"] = {k: v for k, v in raw.get("cost_model", {}).items() if v not in (None, [])}
     if raw["cost_model"].get("profile"):
         raw["cost_model"]["profile"] = here(raw["cost_model"]["profile"], "profiles")
     return validate(raw, "config.yaml", ROOT)
@@ -372,7 +373,7 @@ def sim(archive: Path, doc: Path) -> dict[str, Any]:
     ]
     model = CalibratedCostModel(profile, tuple(calibration))
     cost_model = {"profile": str(profile), **({"replay_steps": calibration} if calibration else {})}
-    rows, steps_err, cdfs, plan, stale = [], [], {}, [], {}
+    rows, steps_err, cdfs, plan, stale, equivalent = [], [], {}, [], {}, []
     for folder in record["folders"]:
         real_dir, again_dir = src / "engine" / folder, src / "engine_repeat" / folder
         raw = yaml.safe_load((real_dir / "config.yaml").read_text())
@@ -434,9 +435,13 @@ def sim(archive: Path, doc: Path) -> dict[str, Any]:
                 m: (rq[m].dropna().to_numpy(), s.requests[m].dropna().to_numpy())
                 for m in ("ttft_s", "e2e_s")
             }
+        labels = [x.label for x in sims]
+        equivalent += [(slice_name, float(load), a, b)
+                       for a, b in combinations(labels, 2)
+                       if plans_alike(raw, real_steps, a, b)]  # fmt: skip
     table = pd.DataFrame(rows)
     steps = pd.concat(steps_err, ignore_index=True)
-    rankings = rank_agreement(table)
+    rankings = rank_agreement(table, frozenset(equivalent))
     plans = pd.DataFrame(plan)
     out_dir = doc.parent / "fidelity"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -448,8 +453,9 @@ def sim(archive: Path, doc: Path) -> dict[str, Any]:
         else {}
     )
     text = _markdown(
-        table, steps, rankings, plans, record, stale, profile, np, _shown(archive), protocol
-    )
+        table, steps, rankings, plans, record, stale, profile, np, _shown(archive), protocol,
+        equivalent,
+    )  # fmt: skip
     notes = out_dir / "heldout_notes.md"  # written by hand after reading the results
     if notes.exists():
         text += "\n" + notes.read_text()
@@ -457,6 +463,36 @@ def sim(archive: Path, doc: Path) -> dict[str, Any]:
     print(text)
     print("\nfor the README's fidelity paragraph:\n" + text.split("\n\n")[1], flush=True)
     return {"table": table, "steps": steps, "rankings": rankings, "plans": plans}
+
+
+def plan_alike_replay(raw: dict, real_steps, a: str, b: str):
+    """Policy ``b`` of an engine run's config replayed with policy ``a``'s measured step
+    durations (``cost_model.durations_from``, a's rows relabelled b): its plan_match."""
+    from lab.experiment import run_experiment
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "steps.csv"
+        real_steps[real_steps.policy == a].assign(policy=b).to_csv(path, index=False)
+        cross = {**raw, "backend": "sim", "cost_model": {"durations_from": str(path)},
+                 "policies": [p for p in raw["policies"] if _label(p) == b]}  # fmt: skip
+        return run_experiment(_engine_config(cross), progress=False)[0].summary["plan_match"]
+
+
+def plans_alike(raw: dict, real_steps, a: str, b: str) -> bool:
+    """Whether policies ``a`` and ``b`` plan alike on this run: ``b`` fed ``a``'s engine
+    step durations makes ``a``'s plan on every step (then what differs between them on the
+    engine is its noise, not the policy)."""
+    from lab.core.errors import UserError
+
+    try:
+        pm = plan_alike_replay(raw, real_steps, a, b)
+    except UserError:  # b asked for more steps than a ran: not alike
+        return False
+    return pm["steps_matched"] == pm["steps_recorded"] == pm["steps_simulated"]
+
+
+def _label(p) -> str:
+    return p if isinstance(p, str) else p.get("label") or p["name"]
 
 
 def step_noise(st):
@@ -492,10 +528,13 @@ def _step_kind(st) -> list[str]:
     return out
 
 
-def rank_agreement(table) -> list[dict[str, Any]]:
+def rank_agreement(table, equivalent: frozenset = frozenset()) -> list[dict[str, Any]]:
     """For every (slice, load), ranked metric and pair of policies whose engine difference
     exceeds the engine's own spread (|a - b| > |a - a'| + |b - b'|, a' the repeat) and
-    which the repeat orders the same way: does the simulator order them the same way?"""
+    which the repeat orders the same way: does the simulator order them the same way?
+    Pairs in ``equivalent`` ((slice, load, a, b): policy b, fed a's engine step durations,
+    plans every step as a did; e.g. sjf and fcfs without a queue) are left out: what
+    differs between them on the engine is its noise."""
     out = []
     if "again_ttft_s_p50" not in table:
         return out
@@ -504,6 +543,8 @@ def rank_agreement(table) -> list[dict[str, Any]]:
         for m, p in RANKED:
             col = f"{m}_{p}"
             for a, b in combinations(g.index, 2):
+                if (sl, load, a, b) in equivalent:
+                    continue
                 ra, rb = g.at[a, f"real_{col}"], g.at[b, f"real_{col}"]
                 aa, ab = g.at[a, f"again_{col}"], g.at[b, f"again_{col}"]
                 if any(v != v for v in (ra, rb, aa, ab)):  # NaN: no repeat
@@ -594,8 +635,9 @@ def _setup_line(protocol: dict[str, Any]) -> str:
 
 
 def _markdown(
-    table, steps, rankings, plans, record, stale, profile, np, archive="", protocol=None
-) -> str:
+    table, steps, rankings, plans, record, stale, profile, np, archive="", protocol=None,
+    equivalent=(),
+) -> str:  # fmt: skip
     cols = [(m, p) for m in METRICS for p in PCTS]
     has_spread = "spread_ttft_s_p50" in table
 
@@ -753,6 +795,19 @@ def _markdown(
         agree=agree,
         pairs=len(rankings),
         rank_table="\n".join(rank_lines) or "| - | - | - | - | - | - | - | - |",
+        same_plans=_equivalent_text(equivalent),
+    )
+
+
+def _equivalent_text(equivalent) -> str:
+    """The policy pairs that plan alike under the same step durations, in words."""
+    if not equivalent:
+        return "none (every pair of policies planned differently under the same durations)"
+    pairs = "; ".join(f"{a} and {b} at {sl} {load:g}x" for sl, load, a, b in sorted(equivalent))
+    return (
+        f"{len(equivalent)} pairs whose second policy, fed the first's engine step "
+        f"durations, made the first's plan on every step, so that what differs between them "
+        f"on the engine is its noise ({pairs})"
     )
 
 
@@ -823,7 +878,7 @@ For every (window, load), metric (TTFT p50, TTFT p99, TPOT p50, E2E p50) and pai
 policies whose engine difference exceeds the engine's own spread (|a - b| > |a - a'| +
 |b - b'|, a' the repeat, and the repeat orders them the same way): the simulator orders
 {agree} of {pairs} such pairs as the engine does (a tie in the simulator counts as not).
-Differences in ms.
+Left out: {same_plans}. Differences in ms.
 
 | window | load | metric | pair | engine a - b | spread | sim a - b | same order |
 |---|---|---|---|---|---|---|---|

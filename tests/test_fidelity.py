@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 from lab.config import validate
 from lab.core.fingerprint import HEADER_PREFIX, backend_sources_hash, differences
@@ -251,6 +252,9 @@ def test_rankings_count_pairs_beyond_the_engines_spread() -> None:
     # the same difference inside the engine's spread (0.6 + 0.6): not counted
     table = pd.DataFrame([row("a", 1.0, 1.6, 1.5), row("b", 2.0, 1.4, 1.2)])
     assert rank_agreement(table) == []
+    # a pair that plans alike under the same step durations is left out
+    table = pd.DataFrame([row("a", 1.0, 1.1, 1.5), row("b", 2.0, 2.1, 1.2)])
+    assert rank_agreement(table, frozenset({("conv", 0.5, "a", "b")})) == []
 
 
 def test_analytic_efficiencies_fitted_to_a_profile_are_recovered(tmp_path) -> None:
@@ -305,8 +309,6 @@ def test_step_noise_is_the_distance_from_the_median_of_the_same_shape() -> None:
 def test_protocol_calibration_replays_only_synthetic_traces(tmp_path) -> None:
     """A calibration workload that reads a trace file is refused in one line: calibration
     must never fit rows of the traces the protocol evaluates."""
-    import yaml
-
     from lab.fidelity import PROTOCOL, load_protocol
 
     p = yaml.safe_load(PROTOCOL.read_text())
@@ -318,3 +320,28 @@ def test_protocol_calibration_replays_only_synthetic_traces(tmp_path) -> None:
     bad.write_text(yaml.safe_dump(p))
     with pytest.raises(SystemExit, match=r"calibration\.workloads\.chat: expected a synthetic"):
         load_protocol(bad)
+
+
+@pytest.mark.parametrize("rate, alike", [(0.2, True), (float("inf"), False)])
+def test_policies_plan_alike_only_where_they_decide_alike(tmp_path, rate, alike) -> None:
+    """A simulated run stands in for the engine's: sjf fed fcfs's step durations plans as
+    fcfs did when requests arrive 5 s apart (never a queue to order), and not when all 12
+    arrive at once (sjf admits the shortest outputs first)."""
+    from lab.fidelity import plans_alike
+    from lab.report import write_results
+
+    raw = {
+        "name": "alike",
+        "backend": "sim",
+        "trace": {"format": "synthetic", "num_requests": 12, "seed": 3,
+                  "arrival": {"process": "poisson", "rate": rate},
+                  "prompt_len": {"uniform": [100, 400]}, "output_len": {"uniform": [5, 200]}},
+        "kv_cache": {"num_gpu_blocks": 4096},
+        "scheduler": {"max_num_seqs": 4},
+        "policies": ["fcfs", {"name": "sjf", "predictor": "oracle"}],
+    }  # fmt: skip
+    cfg = validate(raw)
+    write_results(tmp_path / "run", cfg, run_experiment(cfg, progress=False))
+    steps = pd.read_csv(tmp_path / "run" / "steps.csv")
+    written = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert plans_alike(written, steps, "fcfs", "sjf") is alike

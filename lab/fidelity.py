@@ -232,6 +232,7 @@ def engine_pass(which: str, protocol_path: Path, out: Path, deadline: float) -> 
             print(f"  {folder} again: " + _throughputs(runs), flush=True)
             record.setdefault("repeated", []).append(folder)
             record_path.write_text(json.dumps(record, indent=2) + "\n")
+        record_path.write_text(json.dumps(record, indent=2) + "\n")  # skips after the last
         return
     record.update(folders=[], estimates_s={}, capacity={})  # keeps the calibration pass's
     exp = protocol["experiment"]

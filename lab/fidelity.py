@@ -8,15 +8,20 @@ fractions of the engine's measured capacity, the engine config, time limits.
 
 Engine side, each step a process of its own under a time limit (``timeout``):
 
-Time: ``time_limits_s.total`` for all of it, from the start; ``profile`` for the profile;
-the first pass gets 52% of what is left after the profile, the repeat the rest.
+Time: ``time_limits_s.total`` for all of it, from the start; ``profile`` for the profile and
+``calibration`` for the calibration replays; the first pass gets 52% of what is left after
+them, the repeat the rest.
 
 1. a random-weight checkpoint of the protocol's preset, if missing;
-2. ``backend.profile`` on it: the profile grid, the only calibration data (``profile.csv``);
-3. pass ``first``: per window, the engine's capacity (all requests at t = 0, fcfs:
+2. ``backend.profile`` on it, the runner shaped as the engine runs are
+   (:func:`profile_geometry`): the profile grid (``profile.csv``);
+3. pass ``calibration`` (when the protocol has ``calibration:``): its synthetic workloads
+   replayed on the engine through its policies, each a results folder
+   ``calibration/<name>/``; their steps are fitted beside the grid (never a trace row);
+4. pass ``first``: per window, the engine's capacity (all requests at t = 0, fcfs:
    finished / makespan), then every load through every policy, each (window, load) a
    results folder ``engine/<window>_<load>/``, written as soon as its runs end;
-4. pass ``repeat``: each folder's config.yaml replayed again in a new process, into
+5. pass ``repeat``: each folder's config.yaml replayed again in a new process, into
    ``engine_repeat/`` (the engine's own run-to-run spread);
 
 then everything (without tokens and plots) packed into ``--archive`` (.tar.gz). A folder
@@ -24,11 +29,13 @@ that would not end inside its pass's limit (estimated from the capacity) is skip
 listed in ``engine.json``.
 
 Simulator side, from the archive: each engine run replayed by the simulator twice, with
-the cost model calibrated from the archive's profile alone (errors of TTFT, TPOT, ITL, E2E
-P50/P90/P99 and throughput, beside the engine's own spread; policy rankings) and with the
-engine's measured durations (``cost_model.durations_from``: the fraction of steps planned
+the cost model calibrated from the archive's profile and calibration replays alone (errors
+of TTFT, TPOT, ITL, E2E P50/P90/P99 and throughput, beside the engine's own spread; policy
+rankings, leaving out pairs that plan alike: :func:`plans_alike`) and with the engine's
+measured durations (``cost_model.durations_from``: the fraction of steps planned
 identically); each engine step's duration predicted from its exact batch (step-level error
-by kind); plots; docs/fidelity.md.
+by kind, beside the engine's own spread between steps of one shape: :func:`step_noise`);
+plots; docs/fidelity.md.
 """
 
 from __future__ import annotations

@@ -311,8 +311,9 @@ def repeat_archive(archive: Path) -> Path:
 
 
 def pack(out: Path, archive: Path) -> None:
-    """The profile, the protocol, engine.json and each first-pass folder's PACKED files
-    into ``archive`` (.tar.gz); the repeat pass's into :func:`repeat_archive`."""
+    """The profile, the protocol, engine.json and the PACKED files of each calibration and
+    first-pass folder into ``archive`` (.tar.gz); the repeat pass's into
+    :func:`repeat_archive`."""
     archive.parent.mkdir(parents=True, exist_ok=True)
     for path, sides, extra in (
         (archive, ("calibration", "engine"), ("profile.csv", "protocol.yaml", "engine.json")),

@@ -17,6 +17,7 @@ from lab.core.errors import ConfigError
 from lab.core.plan import StepFeatures
 from lab.keypaths import set_path
 from lab.search import SearchSpec, find_capacity, parse_search
+from lab.sim.analytic_defaults import defaults as analytic_defaults
 from lab.sim.cost_model import AnalyticCostModel
 from lab.sim.hardware import HARDWARE
 from lab.sim.models import MODELS
@@ -242,7 +243,9 @@ def test_capacity_of_a_fixed_cost_queue_matches_the_closed_form(tmp_path):
         for i in range(10)
     ]
     (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
-    cm = AnalyticCostModel(MODELS["llama-3.1-8b"], HARDWARE["h200-sxm"])
+    # the config's defaults: llama-3.1-8b on h200-sxm, efficiencies fitted to its profile
+    fitted = analytic_defaults("llama-3.1-8b", "h200-sxm").values
+    cm = AnalyticCostModel(MODELS["llama-3.1-8b"], HARDWARE["h200-sxm"], **fitted)
     c = cm.step_time(StepFeatures(prompt, 1, 0, prompt * (prompt + 1) / 2, 0, 0, 1, 0), 16)
     x = 1.5 * c
     path = write(

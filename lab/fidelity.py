@@ -336,9 +336,21 @@ def pack(out: Path, archive: Path) -> None:
 
 def unpack(archive: Path) -> Path:
     """The archive's contents (and its repeat archive's) in a temporary folder, or
-    ``archive`` itself if it is a folder."""
+    ``archive`` itself if it is a folder; a missing repeat archive is warned about (no
+    spreads then)."""
+    if not archive.exists():
+        raise SystemExit(
+            f"error: {archive}: no such archive (the default is the source checkout's "
+            "docs/fidelity/heldout_engine.tar.gz: run from a clone, or pass --archive)"
+        )
     if archive.is_dir():
         return archive
+    if not repeat_archive(archive).exists():
+        print(
+            f"warning: {repeat_archive(archive)} not found: no repeat runs, so no engine "
+            "spread (every spread reads '-')",
+            file=sys.stderr,
+        )
     tmp = Path(tempfile.mkdtemp(prefix="fidelity-"))
     for path in (archive, repeat_archive(archive)):
         if path.exists():
@@ -465,7 +477,8 @@ def sim(archive: Path, doc: Path) -> dict[str, Any]:
         table, steps, rankings, plans, record, stale, profile, np, _shown(archive), protocol,
         equivalent,
     )  # fmt: skip
-    notes = out_dir / "heldout_notes.md"  # written by hand after reading the results
+    # written by hand after reading the results, kept beside the archive they describe
+    notes = (archive if archive.is_dir() else archive.parent) / "heldout_notes.md"
     if notes.exists():
         text += "\n" + notes.read_text()
     doc.write_text(text)
@@ -477,14 +490,22 @@ def sim(archive: Path, doc: Path) -> dict[str, Any]:
 def plan_alike_replay(raw: dict, real_steps, a: str, b: str):
     """Policy ``b`` of an engine run's config replayed with policy ``a``'s measured step
     durations (``cost_model.durations_from``, a's rows relabelled b): its plan_match."""
+    import logging
+
     from lab.experiment import run_experiment
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "steps.csv"
-        real_steps[real_steps.policy == a].assign(policy=b).to_csv(path, index=False)
-        cross = {**raw, "backend": "sim", "cost_model": {"durations_from": str(path)},
-                 "policies": [p for p in raw["policies"] if _label(p) == b]}  # fmt: skip
-        return run_experiment(_engine_config(cross), progress=False)[0].summary["plan_match"]
+    quiet = logging.getLogger("lab.experiment")
+    level, quiet.level = quiet.level, logging.CRITICAL  # b running out of a's steps is news
+    try:  # to no one: it only means the two do not plan alike
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "steps.csv"
+            real_steps[real_steps.policy == a].assign(policy=b).to_csv(path, index=False)
+            cross = {**raw, "backend": "sim", "cost_model": {"durations_from": str(path)},
+                     "policies": [p for p in raw["policies"] if _label(p) == b]}  # fmt: skip
+            runs = run_experiment(_engine_config(cross), progress=False)
+    finally:
+        quiet.level = level
+    return runs[0].summary["plan_match"]
 
 
 def plans_alike(raw: dict, real_steps, a: str, b: str) -> bool:
@@ -683,6 +704,7 @@ def _markdown(
         vals = [t[f"{prefix}{m}_{p}"].median() for m, p in cols] + [
             t[f"{prefix}throughput"].median()
         ]
+        label += f" ({t[f'{prefix}ttft_s_p50'].notna().sum()} runs)"
         med.append(f"| {label} | " + " | ".join(_pct(v) for v in vals) + " |")
     e = np.abs(steps.err.to_numpy())
 
@@ -749,8 +771,8 @@ def _markdown(
         f"{record.get('started', '?')} UTC; step times in s: "
         + ", ".join(f"{k} {v:.0f}" for k, v in record.get("steps", {}).items() if k.endswith("_s"))
         + "), the profile first, minutes before the replays, on the same machine. Protocol: "
-        f"`{record.get('protocol', 'benchmarks/fidelity_heldout.yaml')}` (what it cut from the "
-        "issue's ask, and why, is written there)."
+        f"`{record.get('protocol', 'benchmarks/fidelity_heldout.yaml')}` (what it leaves out of "
+        "a full protocol, and why, is written there)."
     )
     return TEMPLATE.format(
         archive=archive,
@@ -902,7 +924,8 @@ everything that arrived before it: the sum of many steps' durations, where at lo
 about one prefill step. A bias in the step times then carries into TTFT whole instead of
 averaging out: the saturated runs' step predictions have a signed median error of
 {sat_bias} ({low_bias} at loads <= 1), and their median TTFT p50 error is {sat_ttft}
-against the engine's own spread of {sat_ttft_spread} ({low_ttft} at loads <= 1). E2E p50:
+against the engine's own spread of {sat_ttft_spread} (the simulator's error at loads <= 1:
+{low_ttft}). E2E p50:
 {sat_e2e} (engine {sat_e2e_spread}). Throughput there is the engine's service rate: error
 {sat_tp} (engine {sat_tp_spread}).
 """

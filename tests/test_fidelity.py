@@ -345,3 +345,10 @@ def test_policies_plan_alike_only_where_they_decide_alike(tmp_path, rate, alike)
     steps = pd.read_csv(tmp_path / "run" / "steps.csv")
     written = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert plans_alike(written, steps, "fcfs", "sjf") is alike
+
+
+def test_sim_side_names_a_missing_archive(tmp_path) -> None:
+    from lab.fidelity import unpack
+
+    with pytest.raises(SystemExit, match=r"nope\.tar\.gz: no such archive"):
+        unpack(tmp_path / "nope.tar.gz")

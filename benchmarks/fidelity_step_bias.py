@@ -1,0 +1,126 @@
+"""The figures docs/fidelity/heldout_notes.md quotes, from the archives in docs/fidelity/.
+
+    python benchmarks/fidelity_step_bias.py
+
+1. The development windows (dev_engine.tar.gz): the calibrated model fitted to the grid
+   alone, and to the grid plus one window's engine steps, predicting the other window's
+   (median signed step error by kind); and the cost of a sequence joining the decode batch,
+   a coefficient fitted beside the model's features. A joining sequence is approximated
+   from steps.csv as one of the previous step's prompt chunks (fcfs: whole prompts).
+2. The held-out archive (heldout_engine.tar.gz), with the model fidelity --sim fits (grid
+   plus calibration replays): the decode steps' median signed error by batch size.
+3. docs/fidelity/heldout.csv: how far each missed cell is above its limit.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lab.fidelity import _target, unpack  # noqa: E402
+from lab.sim.calibrated import (  # noqa: E402
+    CalibratedCostModel,
+    design,
+    fit,
+    nnls,
+    read_profile,
+    steps_as_profile,
+)
+
+DOCS = ROOT / "docs" / "fidelity"
+
+
+def engine_steps(src: Path) -> pd.DataFrame:
+    """Every engine run's steps.csv of an unpacked archive, in step order, with its run."""
+    frames = []
+    for f in sorted((src / "engine").glob("*/steps.csv")):
+        d = pd.read_csv(f)
+        d["run"] = f.parent.name
+        frames.append(d)
+    return pd.concat(frames, ignore_index=True)
+
+
+def kinds(st: pd.DataFrame) -> np.ndarray:
+    return np.where(st.num_prefills == 0, "decode",
+                    np.where(st.num_decode_tokens == 0, "prefill", "mixed"))  # fmt: skip
+
+
+def signed(pred: np.ndarray, st: pd.DataFrame, kind: np.ndarray) -> str:
+    e = (pred - st.duration_s.to_numpy()) / st.duration_s.to_numpy()
+    return ", ".join(f"{k} {np.median(e[kind == k]) * 100:+.1f}%"
+                     for k in ("decode", "prefill", "mixed"))  # fmt: skip
+
+
+def joins(st: pd.DataFrame) -> np.ndarray:
+    """Per step: decodes that joined the batch since the previous step (approximated by the
+    previous step's prompt chunks), 0 for steps with prompt tokens."""
+    out = np.zeros(len(st))
+    for _, g in st.groupby(["run", "policy"], sort=False):
+        prev = g.num_prefills.shift(1).fillna(0).to_numpy()
+        j = np.minimum(prev, g.num_decode_tokens.to_numpy())
+        out[g.index.to_numpy()] = np.where(g.num_prefills.to_numpy() == 0, j, 0)
+    return out
+
+
+def development() -> None:
+    src = unpack(DOCS / "dev_engine.tar.gz")
+    grid = read_profile(src / "profile.csv")
+    st = engine_steps(src)
+    rows, kind, joined = steps_as_profile(st), kinds(st), joins(st)
+    print("development windows, median signed step error by kind:")
+    print(f"  grid alone -> all: {signed(design(rows) @ fit(grid), st, kind)}")
+    for train, test in (("conv", "code"), ("code", "conv")):
+        tr = st.run.str.startswith(train).to_numpy()
+        coef = fit(pd.concat([grid, rows[tr]], ignore_index=True))
+        te = ~tr
+        print(f"  grid + {train} -> {test}: "
+              f"{signed(design(rows[te]) @ coef, st[te], kind[te])}")  # fmt: skip
+        x = np.concatenate([design(grid), design(rows[tr])])
+        x = np.concatenate([x, np.r_[np.zeros(len(grid)), joined[tr]][:, None]], axis=1)
+        y = np.r_[grid.duration_s.to_numpy(), rows.duration_s.to_numpy()[tr]]
+        scale = x.max(axis=0)
+        scale[scale == 0] = 1.0
+        c = nnls(x / scale / y[:, None], np.ones(len(y))) / scale
+        print(f"    a joining sequence, fitted on grid + {train}: {c[-1] * 1e6:.0f} us")
+
+
+def held_out() -> None:
+    src = unpack(DOCS / "heldout_engine.tar.gz")
+    cal = tuple(sorted(str(p) for p in (src / "calibration").glob("*/steps.csv")))
+    model = CalibratedCostModel(src / "profile.csv", cal)
+    st = engine_steps(src)
+    e = (design(steps_as_profile(st)) @ model.coef - st.duration_s) / st.duration_s
+    d = kinds(st) == "decode"
+    bins = pd.cut(st.num_decode_tokens[d], [0, 1, 4, 8, 16, 32, 64, 256])
+    table = e[d].groupby(bins, observed=True).agg(["size", "median"])
+    print("held-out decode steps, median signed error by batch size:")
+    for b, r in table.iterrows():
+        print(f"  batch {b}: {int(r['size']):6d} steps, {r['median'] * 100:+.1f}%")
+
+
+def missed_cells() -> None:
+    t = pd.read_csv(DOCS / "heldout.csv")
+    excess = []
+    for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        for p in ("p50", "p90", "p99"):
+            err, spread = t[f"err_{m}_{p}"], t.get(f"spread_{m}_{p}")
+            limit = np.maximum(_target(p), spread.fillna(0) if spread is not None else 0)
+            excess += list((err - limit)[err > limit] * 100)
+    err, spread = t["err_throughput"], t.get("spread_throughput")
+    limit = np.maximum(0.03, spread.fillna(0) if spread is not None else 0)
+    excess += list((err - limit)[err > limit] * 100)
+    x = np.array(excess)
+    print(f"missed cells: {len(x)}; points above the limit: median {np.median(x):.1f}, "
+          f"<= 3 points {int((x <= 3).sum())}, > 10 points {int((x > 10).sum())}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    development()
+    held_out()
+    missed_cells()

@@ -258,12 +258,14 @@ def analytic_source(cfg: ExperimentConfig) -> dict[str, Any]:
     (datasheet assumptions: no profile) or "yaml" (every value set in the YAML);
     ``efficiency_profiles`` (the files fitted), ``efficiency_error`` (the fit's median
     relative step-time error on their rows, None: unknown), ``efficiencies_from_yaml`` (the
-    keys whose value is not the default; lab/sim/analytic_defaults.py)."""
+    keys whose value is not the default; lab/sim/analytic_defaults.py), ``values`` (the
+    three values the run used)."""
     from lab.sim.analytic_defaults import KEYS, defaults
 
     d = defaults(cfg.model, cfg.hardware)
     own = [k for k in KEYS if getattr(cfg.cost_model, k) != getattr(d, k)]
     return {
+        "values": {k: getattr(cfg.cost_model, k) for k in KEYS},
         "efficiencies": "yaml" if len(own) == len(KEYS) else d.source,
         "efficiency_profiles": [] if len(own) == len(KEYS) else list(d.profiles),
         "efficiency_error": None if own else d.median_relative_error,

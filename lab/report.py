@@ -566,7 +566,14 @@ def _cost_model_lines(cm: dict | None) -> list[str]:
         lines[0] += f", from `{cm['profile']}`; {fp_text}"
     lines[0] += "."
     if cm["kind"] == "analytic":
-        lines += ["", f"**Analytic cost model**: {cm['why']}; {_efficiency_text(cm)}."]
+        v = cm.get("values")
+        used = (
+            f" (flops_efficiency {v['flops_efficiency']:g}, bandwidth_efficiency "
+            f"{v['bandwidth_efficiency']:g}, step_overhead_s {v['step_overhead_s']:g})"
+            if v
+            else ""
+        )
+        lines += ["", f"**Analytic cost model**: {cm['why']}; {_efficiency_text(cm)}{used}."]
     elif cm.get("stale"):
         lines += ["", f"**Stale profile**: {cm['why']}."]
     return [*lines, ""]

@@ -165,3 +165,5 @@ def test_summary_and_report_say_where_the_efficiencies_came_from(top, source, sh
     text = "\n".join(_cost_model_lines(summary))
     assert "**Analytic cost model**: the analytic roofline ran" in text
     assert shown in text
+    v = summary["values"]  # the values the run used, shown beside their source
+    assert f"(flops_efficiency {v['flops_efficiency']:g}, bandwidth_efficiency" in text

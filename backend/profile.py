@@ -148,6 +148,17 @@ def time_step(
     return [once() for _ in range(repeat)]
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m backend.profile") -> int:
     """Profile the grid and write the CSV (``sched-lab profile``); returns the exit status."""
     ap = argparse.ArgumentParser(
@@ -171,15 +182,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m backend.profile")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument(
         "--max-model-len",
-        type=int,
+        type=positive_int,
         help="the runner's max_model_len (default: the checkpoint's); give the engine runs' "
         "value (scheduler.max_model_len) so its block tables and graphs have their width",
     )
-    ap.add_argument("--max-num-seqs", type=int, default=256,
+    ap.add_argument("--max-num-seqs", type=positive_int, default=256,
                     help="the runner's max_num_seqs (scheduler.max_num_seqs; default 256)")  # fmt: skip
     ap.add_argument(
         "--num-gpu-blocks",
-        type=int,
+        type=positive_int,
         help="KV blocks (kv_cache.num_gpu_blocks; default: 90%% of free GPU memory); rows "
         "whose blocks do not fit are left out",
     )
@@ -236,7 +247,19 @@ def _profile(args: argparse.Namespace) -> None:
         for g in grid
         if sum(len(s.block_table) for s in g[4]) <= runner.num_gpu_blocks
         and max(s.start_pos + len(s.token_ids) for s in g[4]) <= runner.max_model_len
+        and len(g[4]) <= args.max_num_seqs
     ]
+    kinds = {k for k, *_ in shapes()}
+    missing = sorted(kinds - {g[0] for g in grid})
+    if not any(g[0] == "decode" for g in grid) or not any(g[0] == "prefill" for g in grid):
+        raise UserError(
+            f"no decode or no prefill row fits the runner ({runner.num_gpu_blocks} blocks, "
+            f"max_model_len {runner.max_model_len}, max_num_seqs {args.max_num_seqs}): "
+            "the fit needs both; give more blocks or a longer max_model_len"
+        )
+    if missing:
+        print(f"note: no {', '.join(missing)} row fits the runner (blocks, max_model_len, "
+              "max_num_seqs): the fit prices those steps by extrapolation", flush=True)  # fmt: skip
     samples: list[list[tuple[float, float]]] = [[] for _ in grid]
     for p in range(args.passes):
         for runs, (_, _, _, swap, seqs) in zip(samples, grid, strict=True):

@@ -797,10 +797,11 @@ def _cost_model(
             )
     _int(where, "cost_model.tensor_parallel_size", cm["tensor_parallel_size"])
     _num(where, "cost_model.host_overhead_s", cm["host_overhead_s"], 0.0, MAX_STEP_OVERHEAD_S)
-    if cm["host_overhead_s"] > cm["step_overhead_s"]:
+    if used and cm["host_overhead_s"] > cm["step_overhead_s"]:  # the engine refuses it
+        fitted = "" if "step_overhead_s" in raw else f", the default for {model} on {hardware}"
         raise ConfigError(
             f"{where}: cost_model.host_overhead_s: expected at most cost_model.step_overhead_s "
-            f"({cm['step_overhead_s']:g} s; the host's part of the fixed step cost), got "
+            f"({cm['step_overhead_s']:g} s{fitted}; the host's part of the fixed step cost), got "
             f"{cm['host_overhead_s']:g}"
         )
     _num(where, "cost_model.host_per_seq_s", cm["host_per_seq_s"], 0.0, MAX_HOST_PER_SEQ_S)

@@ -65,22 +65,67 @@ RANKED = (("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("e2e_s", "p5
 PACKED = ("config.yaml", "summary.json", "requests.csv", "steps.csv", "timing.json")
 
 
+PROTOCOL_KEYS = ("checkpoint", "profile_args", "calibration", "loads", "slices",
+                 "time_limits_s", "experiment")  # fmt: skip
+
+
 def load_protocol(path: Path) -> dict[str, Any]:
-    p = yaml.safe_load(Path(path).read_text())
+    """A protocol YAML, its shape checked before any GPU work.
+
+    Raises:
+        SystemExit: ``error: PATH: KEY: expected ...`` (one line) for a missing or unreadable
+            file, an unknown or missing key, a time limit that is not a number > 0, loads
+            that are not distinct numbers > 0, no slices, an experiment that is not an
+            engine run, or a calibration workload that is not a synthetic trace.
+    """
+
+    def fail(key: str, expected: str, got: Any = None) -> SystemExit:
+        shown = "" if got is None else f", got {_cut(got)}"
+        return SystemExit(f"error: {path}: {key}: expected {expected}{shown}")
+
+    try:
+        p = yaml.safe_load(Path(path).read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"error: {path}: cannot read the protocol ({e})") from None
+    except yaml.YAMLError as e:
+        raise SystemExit(f"error: {path}: not YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(p, dict):
+        raise fail("the file", "a mapping of protocol keys", p)
+    unknown = sorted(set(p) - set(PROTOCOL_KEYS), key=str)
+    if unknown:
+        raise fail(str(unknown[0]), f"a protocol key ({', '.join(PROTOCOL_KEYS)})")
     for key in ("checkpoint", "loads", "slices", "experiment", "time_limits_s"):
         if key not in p:
             raise SystemExit(f"error: {path}: missing key {key!r}")
-    limits = set(p["time_limits_s"])
-    if not {"profile", "total"} <= limits <= {"profile", "calibration", "total"}:
-        raise SystemExit(
-            f"error: {path}: time_limits_s: expected keys profile, total (and calibration)"
-        )
+    limits = p["time_limits_s"]
+    want = {"profile", "total"} | ({"calibration"} if p.get("calibration") is not None else set())
+    if not isinstance(limits, dict) or set(limits) != want:
+        raise fail("time_limits_s", f"a mapping with keys {', '.join(sorted(want))}", limits)
+    for k, v in limits.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise fail(f"time_limits_s.{k}", "seconds > 0", v)
+    loads = p["loads"]
+    if (
+        not isinstance(loads, list)
+        or not loads
+        or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 for x in loads)
+        or len(set(loads)) != len(loads)
+    ):
+        raise fail("loads", "a list of distinct numbers > 0 (fractions of capacity)", loads)
+    if not isinstance(p["slices"], dict) or not p["slices"]:
+        raise fail("slices", "a mapping of window names to trace specs", p["slices"])
+    for name, spec in p["slices"].items():
+        if not isinstance(spec, dict) or not spec.get("path"):
+            raise fail(f"slices.{name}", "a trace spec read from a file (path:)", spec)
+    exp = p["experiment"]
+    if not isinstance(exp, dict) or exp.get("backend") != "engine":
+        raise fail("experiment", "an experiment config with backend: engine", exp)
     cal = p.get("calibration")
     if cal is not None:
-        if not isinstance(cal, dict) or not isinstance(cal.get("workloads"), dict):
-            raise SystemExit(f"error: {path}: calibration: expected a mapping with workloads")
-        if "calibration" not in limits:
-            raise SystemExit(f"error: {path}: time_limits_s: calibration missing")
+        if not isinstance(cal, dict) or set(cal) - {"policies", "workloads"}:
+            raise fail("calibration", "a mapping with workloads (and policies)", cal)
+        if not isinstance(cal.get("workloads"), dict) or not cal["workloads"]:
+            raise fail("calibration.workloads", "a mapping of names to synthetic traces")
         for name, spec in cal["workloads"].items():
             if not isinstance(spec, dict) or spec.get("format") != "synthetic":
                 raise SystemExit(
@@ -88,6 +133,34 @@ def load_protocol(path: Path) -> dict[str, Any]:
                     "(format: synthetic): calibration never replays trace rows"
                 )
     return p
+
+
+def _cut(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_runs(protocol: dict[str, Any], path: Path) -> None:
+    """Every config the engine side will run (calibration workloads, windows), validated
+    before the profile: one line naming the protocol key (SystemExit)."""
+    from lab.config import validate
+    from lab.core.errors import UserError
+
+    exp = protocol["experiment"]
+    cal = protocol.get("calibration") or {"workloads": {}}
+    configs = [(f"calibration.workloads.{n}", {**copy.deepcopy(exp), "name": f"calibration_{n}",
+                "trace": dict(spec), **({"policies": cal["policies"]} if cal.get("policies")
+                                        else {})})
+               for n, spec in cal["workloads"].items()]  # fmt: skip
+    configs += [(f"slices.{n}", {**copy.deepcopy(exp), "name": n, "trace": dict(spec)})
+                for n, spec in protocol["slices"].items()]  # fmt: skip
+    from traces import load_trace
+
+    for key, raw in configs:
+        try:
+            load_trace(validate(raw, str(path), ROOT).trace.spec, ROOT)  # its keys, its rows
+        except UserError as e:
+            raise SystemExit(f"error: {key}: {e}") from None
 
 
 def folder_name(slice_name: str, load: float) -> str:
@@ -115,6 +188,10 @@ def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
     """The whole engine side (see the module docstring); returns the exit status."""
     protocol = load_protocol(protocol_path)
     out.mkdir(parents=True, exist_ok=True)
+    for name in ("engine.json", "profile.csv", "protocol.yaml"):  # a reused --out: nothing
+        (out / name).unlink(missing_ok=True)  # of an earlier run may reach this archive
+    for name in ("calibration", "engine", "engine_repeat"):
+        shutil.rmtree(out / name, ignore_errors=True)
     shutil.copy(protocol_path, out / "protocol.yaml")
     limits = protocol["time_limits_s"]
     log: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": {}}
@@ -132,6 +209,7 @@ def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
         config = c.get("config") or PRESETS[c["preset"]]
         write_random_checkpoint(config, ckpt, c.get("dtype", "bfloat16"), name=c.get("preset", "x"))
     log["steps"]["checkpoint_s"] = time.perf_counter() - t0
+    check_runs(protocol, protocol_path)  # every run's config, before any GPU work
     exp = protocol["experiment"]
     steps = [
         (
@@ -186,11 +264,20 @@ def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
         print(f"== {name}: exit {rc} after {time.perf_counter() - t:.1f} s", flush=True)
         if rc != 0:
             status = 1
-            if name in ("profile", "calibration"):
-                break  # no (or partial) calibration data: nothing to hold out
+            if name == "profile":
+                print(f"error: the profile step failed (exit {rc}): no calibration data, so "
+                      "nothing is held out and no archive is written", file=sys.stderr)  # fmt: skip
+                return 1
+            if name == "calibration":  # engine.json lists the workloads that finished
+                print(f"warning: the calibration step failed (exit {rc}): the workloads that "
+                      "finished are fitted beside the grid", file=sys.stderr)  # fmt: skip
     done = out / "engine.json"
     passes = json.loads(done.read_text()) if done.exists() else {}
     (out / "engine.json").write_text(json.dumps({**passes, **log}, indent=2) + "\n")
+    if not passes.get("folders"):
+        print("error: no engine run ended inside the time limits (engine.json: skipped)",
+              file=sys.stderr)  # fmt: skip
+        status = 1
     if archive is not None:
         pack(out, archive)
     return status
@@ -213,6 +300,9 @@ def engine_pass(which: str, protocol_path: Path, out: Path, deadline: float) -> 
         cal = protocol["calibration"]
         record["calibration"] = []
         for name, spec in cal["workloads"].items():
+            if time.time() > deadline:  # the grid and the workloads so far still calibrate
+                record["skipped"].append(f"calibration {name} (past the calibration limit)")
+                continue
             raw = {**copy.deepcopy(protocol["experiment"]), "name": f"calibration_{name}",
                    "trace": dict(spec)}  # fmt: skip
             if cal.get("policies"):
@@ -224,6 +314,7 @@ def engine_pass(which: str, protocol_path: Path, out: Path, deadline: float) -> 
             print(f"  calibration {name}: {_throughputs(runs)}, {steps} steps", flush=True)
             record["calibration"].append(name)
             record_path.write_text(json.dumps(record, indent=2) + "\n")
+        record_path.write_text(json.dumps(record, indent=2) + "\n")
         return
     if which == "repeat":
         for folder in record.get("folders", []):
@@ -365,7 +456,17 @@ def rel(sim: float, real: float) -> float:
 
 def sim(archive: Path, doc: Path) -> dict[str, Any]:
     """Every comparison of the simulator side; writes docs/fidelity.md (``doc``), its
-    table (fidelity/heldout.csv) and plots beside it; returns the numbers."""
+    table (fidelity/heldout.csv) and plots beside it; returns the numbers. The archive is
+    unpacked into a temporary folder, removed at the end."""
+    src = unpack(archive)
+    try:
+        return _sim(archive, src, doc)
+    finally:
+        if src != archive:
+            shutil.rmtree(src, ignore_errors=True)
+
+
+def _sim(archive: Path, src: Path, doc: Path) -> dict[str, Any]:
     import numpy as np
     import pandas as pd
 
@@ -378,19 +479,36 @@ def sim(archive: Path, doc: Path) -> dict[str, Any]:
         steps_as_profile,
     )
 
-    src = unpack(archive)
     profile = src / "profile.csv"
     if not (src / "engine.json").exists() or not profile.exists():
         raise SystemExit(
             f"error: {archive}: no engine.json or profile.csv (not an engine side's archive)"
         )
     record = json.loads((src / "engine.json").read_text())
+    if not isinstance(record, dict):
+        raise SystemExit(f"error: {archive}: engine.json: expected a mapping")
     if not record.get("folders"):
         raise SystemExit(
             f"error: {archive}: no engine runs (skipped: {', '.join(record.get('skipped', [])) or '-'})"
         )
+    for key, side in (("folders", "engine"), ("calibration", "calibration")):
+        names = record.get(key) or []
+        if not isinstance(names, list) or not all(
+            isinstance(n, str) and "/" not in n and n not in ("", ".", "..")
+            and (src / side / n / "steps.csv").is_file()
+            for n in names
+        ):  # fmt: skip
+            raise SystemExit(
+                f"error: {archive}: engine.json: {key}: expected names of folders under "
+                f"{side}/ that hold a steps.csv, got {_cut(names)}"
+            )
+    bad = [f for f in record["folders"] if "_" not in f]
+    if bad:
+        raise SystemExit(
+            f"error: {archive}: engine.json: folders: expected WINDOW_LOAD names, got {bad[0]!r}"
+        )
     calibration = [
-        str(src / "calibration" / n / "steps.csv") for n in record.get("calibration", [])
+        str(src / "calibration" / n / "steps.csv") for n in record.get("calibration") or []
     ]
     model = CalibratedCostModel(profile, tuple(calibration))
     cost_model = {"profile": str(profile), **({"replay_steps": calibration} if calibration else {})}
@@ -960,7 +1078,17 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab fidelity") -> int
         return 0
     if args.engine:
         return engine(args.protocol, args.out, args.archive)
-    sim(args.archive or ARCHIVE, args.doc)
+    from lab.core.errors import UserError
+
+    archive = args.archive or ARCHIVE
+    try:
+        sim(archive, args.doc)
+    except (OSError, EOFError, tarfile.TarError, json.JSONDecodeError, yaml.YAMLError,
+            UserError) as e:  # fmt: skip
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"error: {archive}: a damaged archive ({type(e).__name__}: {_cut(why, 200)[1:-1]})",
+              file=sys.stderr)  # fmt: skip
+        return 2
     return 0
 
 

@@ -352,3 +352,61 @@ def test_sim_side_names_a_missing_archive(tmp_path) -> None:
 
     with pytest.raises(SystemExit, match=r"nope\.tar\.gz: no such archive"):
         unpack(tmp_path / "nope.tar.gz")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda p: p.update(calibraton=p.pop("calibration")), r"calibraton: expected a protocol key"),
+        (lambda p: p["calibration"].update(polices=["fcfs"]), r"calibration: expected a mapping"),
+        (lambda p: p["time_limits_s"].update(profile="120"), r"time_limits_s.profile: expected seconds > 0"),
+        (lambda p: p["time_limits_s"].pop("calibration"), r"time_limits_s: expected a mapping with keys calibration, profile, total"),
+        (lambda p: p.update(loads=[0.5, 0]), r"loads: expected a list of distinct numbers > 0"),
+        (lambda p: p.update(loads=[0.5, 0.5]), r"loads: expected a list of distinct numbers > 0"),
+        (lambda p: p.update(slices={}), r"slices: expected a mapping of window names"),
+        (lambda p: p["experiment"].update(backend="sim"), r"experiment: expected an experiment config with backend: engine"),
+    ],
+)  # fmt: skip
+def test_protocol_shape_is_checked_in_one_line(tmp_path, edit, message) -> None:
+    """Mistakes in a protocol stop it before any GPU work, in one line naming the key."""
+    from lab.fidelity import PROTOCOL, load_protocol
+
+    p = yaml.safe_load(PROTOCOL.read_text())
+    edit(p)
+    bad = tmp_path / "protocol.yaml"
+    bad.write_text(yaml.safe_dump(p))
+    with pytest.raises(SystemExit, match=message) as e:
+        load_protocol(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_protocol_workload_typo_is_named_before_the_profile(tmp_path) -> None:
+    """A calibration workload with an unknown trace key fails check_runs (run before the
+    profile), naming the workload."""
+    from lab.fidelity import check_runs, load_protocol
+
+    p = yaml.safe_load((ROOT / "benchmarks" / "fidelity_tiny.yaml").read_text())
+    p["calibration"]["workloads"]["chat"]["num_request"] = 3
+    p["experiment"]["engine"]["model_path"] = str(tmp_path)  # any folder: not loaded here
+    bad = tmp_path / "protocol.yaml"
+    bad.write_text(yaml.safe_dump(p))
+    with pytest.raises(
+        SystemExit, match=r"calibration\.workloads\.chat: trace: unknown key 'num_request'"
+    ):
+        check_runs(load_protocol(bad), bad)
+
+
+def test_profile_takes_the_engine_runs_shape() -> None:
+    """The protocol's runner shape becomes backend.profile's arguments; each must be >= 1."""
+    import argparse
+
+    from backend.profile import positive_int
+    from lab.fidelity import PROTOCOL, load_protocol, profile_geometry
+
+    exp = load_protocol(PROTOCOL)["experiment"]
+    assert profile_geometry(exp) == ["--max-model-len", "16384", "--max-num-seqs", "256",
+                                     "--num-gpu-blocks", "2048"]  # fmt: skip
+    assert positive_int("7") == 7
+    for bad in ("0", "-3", "1e3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a whole number >= 1"):
+            positive_int(bad)

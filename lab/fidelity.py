@@ -1073,6 +1073,16 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab fidelity") -> int
                     help="sim side: the markdown to write")  # fmt: skip
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    try:
+        return _main(args)
+    except SystemExit as e:  # the one-line errors above: bad input, exit status 2
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            return 2
+        raise
+
+
+def _main(args: argparse.Namespace) -> int:
     if args.engine_pass:
         engine_pass(args.engine_pass, args.protocol, args.out, args.deadline or float("inf"))
         return 0

@@ -430,11 +430,15 @@ def iter_runs(
 
     if cfg.backend == "sim" and cfg.cost_model.durations_from is not None:
         for scale in cfg.rate_scales:  # every run has recorded steps, before any replays
+            t = tables.get(scale) if requests is None and not cfg.trace.classes else None
+            dropped = 0 if t is None or t.drop_reason is None else (t.drop_reason != "").sum()
+            n = None if t is None else len(t) - int(dropped)
             for pol, _, limits in policies:
                 label = cfg.run_label(pol, scale)
                 cost_model.executor(
                     pol.label, scale, dataclasses.asdict(limits), label, async_of(pol)
                 )
+                cost_model.check_trace(pol.label, info["sha256"], n, label)
     any_spec = any(_speculative(pol) is not None for pol in cfg.policies)
     for scale in cfg.rate_scales:
         trace = requests if requests is not None else tables.pop(scale).to_requests()

@@ -410,3 +410,25 @@ def test_profile_takes_the_engine_runs_shape() -> None:
     for bad in ("0", "-3", "1e3"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected a whole number >= 1"):
             positive_int(bad)
+
+
+def test_replayed_durations_of_another_window_are_refused(tmp_path) -> None:
+    """A simulated run stands in for the engine's (its folder has steps.csv and summary.json):
+    fed back with the same window, it plans alike; with a window of 10 requests instead of
+    20, it is refused before any replay, naming both counts."""
+    from lab.core.errors import ConfigError
+    from lab.report import write_results
+
+    trace = {"format": "azure2023", "path": str(ROOT / "traces/data/azure2023_conv.csv"),
+             "limit": 20}  # fmt: skip
+    raw = {"name": "w", "backend": "sim", "trace": trace, "policies": ["fcfs"]}
+    cfg = validate(raw)
+    write_results(tmp_path / "run", cfg, run_experiment(cfg, progress=False))
+    again = {**raw, "cost_model": {"durations_from": str(tmp_path / "run" / "steps.csv")}}
+    run = run_experiment(validate(again), progress=False)[0]
+    assert run.summary["plan_match"]["fraction_identical"] == 1.0
+    other = {**again, "trace": {**trace, "limit": 10}}
+    with pytest.raises(
+        ConfigError, match=r"run 'fcfs' replayed 20 requests, this trace window has 10"
+    ):
+        run_experiment(validate(other), progress=False)

@@ -105,6 +105,30 @@ class ReplayedDurations:
                 return s["cost_model"].get("fingerprint")
         return None
 
+    def check_trace(
+        self, label: str, sha256: str | None, num_requests: int | None, run_label: str | None = None
+    ) -> None:
+        """Refuse a replay of another trace or window: the run's recorded trace file
+        (summary key ``trace.sha256``) and its number of replayed requests (``num_requests``)
+        must equal this run's, where both are known.
+
+        Raises:
+            ConfigError: one line naming the file, the run and what differs.
+        """
+        run = self.summary.get(run_label or label) or {}
+        recorded = (run.get("trace") or {}).get("sha256")
+        if recorded and sha256 and recorded != sha256:
+            raise ConfigError(
+                f"{KEY}: {self.path}: run {label!r} replayed another trace file (sha256 "
+                f"{recorded[:12]}..., this one {sha256[:12]}...)"
+            )
+        n = run.get("num_requests")
+        if n is not None and num_requests is not None and n != num_requests:
+            raise ConfigError(
+                f"{KEY}: {self.path}: run {label!r} replayed {n:,} requests, this trace "
+                f"window has {num_requests:,} (another window: trace.start_s, end_s or limit?)"
+            )
+
     def executor(
         self,
         label: str,

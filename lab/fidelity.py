@@ -56,6 +56,8 @@ from typing import Any
 
 import yaml
 
+from lab.yamlio import short_repr
+
 ROOT = Path(__file__).resolve().parent.parent
 PROTOCOL = ROOT / "benchmarks" / "fidelity_heldout.yaml"
 ARCHIVE = ROOT / "docs" / "fidelity" / "heldout_engine.tar.gz"
@@ -80,7 +82,7 @@ def load_protocol(path: Path) -> dict[str, Any]:
     """
 
     def fail(key: str, expected: str, got: Any = None) -> SystemExit:
-        shown = "" if got is None else f", got {_cut(got)}"
+        shown = "" if got is None else f", got {short_repr(got, 60)}"
         return SystemExit(f"error: {path}: {key}: expected {expected}{shown}")
 
     try:
@@ -135,9 +137,25 @@ def load_protocol(path: Path) -> dict[str, Any]:
     return p
 
 
-def _cut(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def folder_name(slice_name: str, load: float) -> str:
+    return f"{slice_name}_{load:g}"
+
+
+def calibration_config(protocol: dict[str, Any], name: str) -> dict[str, Any]:
+    """The raw experiment config of calibration workload ``name``: the protocol's engine
+    experiment over that synthetic trace, through ``calibration.policies`` when given."""
+    cal = protocol["calibration"]
+    raw = {**copy.deepcopy(protocol["experiment"]), "name": f"calibration_{name}",
+           "trace": dict(cal["workloads"][name])}  # fmt: skip
+    if cal.get("policies"):
+        raw["policies"] = cal["policies"]
+    return raw
+
+
+def slice_config(protocol: dict[str, Any], name: str) -> dict[str, Any]:
+    """The raw experiment config of window ``name`` (before its load's rate_scale)."""
+    raw = copy.deepcopy(protocol["experiment"])
+    return {**raw, "name": name, "trace": dict(protocol["slices"][name])}
 
 
 def check_runs(protocol: dict[str, Any], path: Path) -> None:
@@ -145,26 +163,16 @@ def check_runs(protocol: dict[str, Any], path: Path) -> None:
     before the profile: one line naming the protocol key (SystemExit)."""
     from lab.config import validate
     from lab.core.errors import UserError
-
-    exp = protocol["experiment"]
-    cal = protocol.get("calibration") or {"workloads": {}}
-    configs = [(f"calibration.workloads.{n}", {**copy.deepcopy(exp), "name": f"calibration_{n}",
-                "trace": dict(spec), **({"policies": cal["policies"]} if cal.get("policies")
-                                        else {})})
-               for n, spec in cal["workloads"].items()]  # fmt: skip
-    configs += [(f"slices.{n}", {**copy.deepcopy(exp), "name": n, "trace": dict(spec)})
-                for n, spec in protocol["slices"].items()]  # fmt: skip
     from traces import load_trace
 
+    cal = (protocol.get("calibration") or {}).get("workloads", {})
+    configs = [(f"calibration.workloads.{n}", calibration_config(protocol, n)) for n in cal]
+    configs += [(f"slices.{n}", slice_config(protocol, n)) for n in protocol["slices"]]
     for key, raw in configs:
         try:
             load_trace(validate(raw, str(path), ROOT).trace.spec, ROOT)  # its keys, its rows
         except UserError as e:
             raise SystemExit(f"error: {key}: {e}") from None
-
-
-def folder_name(slice_name: str, load: float) -> str:
-    return f"{slice_name}_{load:g}"
 
 
 # ---------------------------------------------------------------- engine side (GPU)
@@ -297,17 +305,12 @@ def engine_pass(which: str, protocol_path: Path, out: Path, deadline: float) -> 
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     record.setdefault("skipped", [])
     if which == "calibration":
-        cal = protocol["calibration"]
         record["calibration"] = []
-        for name, spec in cal["workloads"].items():
+        for name in protocol["calibration"]["workloads"]:
             if time.time() > deadline:  # the grid and the workloads so far still calibrate
                 record["skipped"].append(f"calibration {name} (past the calibration limit)")
                 continue
-            raw = {**copy.deepcopy(protocol["experiment"]), "name": f"calibration_{name}",
-                   "trace": dict(spec)}  # fmt: skip
-            if cal.get("policies"):
-                raw["policies"] = cal["policies"]
-            cfg = validate(raw, str(protocol_path), ROOT)
+            cfg = validate(calibration_config(protocol, name), str(protocol_path), ROOT)
             runs = run_experiment(cfg, progress=False)
             write_results(out / "calibration" / name, cfg, runs)
             steps = sum(r.summary["num_steps"] for r in runs)
@@ -333,10 +336,8 @@ def engine_pass(which: str, protocol_path: Path, out: Path, deadline: float) -> 
         record_path.write_text(json.dumps(record, indent=2) + "\n")  # skips after the last
         return
     record.update(folders=[], estimates_s={}, capacity={})  # keeps the calibration pass's
-    exp = protocol["experiment"]
-    for name, spec in protocol["slices"].items():
-        raw = {**copy.deepcopy(exp), "name": name, "trace": dict(spec)}
-        cfg = validate(raw, str(protocol_path), ROOT)
+    for name in protocol["slices"]:
+        cfg = validate(slice_config(protocol, name), str(protocol_path), ROOT)
         reqs = [r for r in load_trace(cfg.trace.spec, ROOT) if r.status.value != "dropped"]
         native = (len(reqs) - 1) / (reqs[-1].arrival_s - reqs[0].arrival_s)
         for r in reqs:
@@ -500,7 +501,7 @@ def _sim(archive: Path, src: Path, doc: Path) -> dict[str, Any]:
         ):  # fmt: skip
             raise SystemExit(
                 f"error: {archive}: engine.json: {key}: expected names of folders under "
-                f"{side}/ that hold a steps.csv, got {_cut(names)}"
+                f"{side}/ that hold a steps.csv, got {short_repr(names, 60)}"
             )
     bad = [f for f in record["folders"] if "_" not in f]
     if bad:
@@ -1096,7 +1097,7 @@ def _main(args: argparse.Namespace) -> int:
     except (OSError, EOFError, tarfile.TarError, json.JSONDecodeError, yaml.YAMLError,
             UserError) as e:  # fmt: skip
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"error: {archive}: a damaged archive ({type(e).__name__}: {_cut(why, 200)[1:-1]})",
+        print(f"error: {archive}: a damaged archive ({type(e).__name__}: {short_repr(why, 200)[1:-1]})",
               file=sys.stderr)  # fmt: skip
         return 2
     return 0

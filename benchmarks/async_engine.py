@@ -39,21 +39,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import ROOT, checkpoint
+from common import ROOT, checkpoint, tiny_qwen3
 
 PARTS = {"decode": 140, "throughput": 200, "hf": 110}  # seconds each part may take
-TINY = {  # a tiny Qwen3 (tests/triton_setup.py's, with a long context)
-    "architectures": ["Qwen3ForCausalLM"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 256,
-    "max_position_embeddings": 16384,  # above the 8192-token budget, as Qwen3-0.6B's 40960
-    "tie_word_embeddings": True,
-}
+TINY = tiny_qwen3(16384)  # above the 8192-token budget, as Qwen3-0.6B's 40960
 
 
 def model_dir(args) -> Path:

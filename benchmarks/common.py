@@ -29,6 +29,24 @@ def checkpoint(preset: str, cache: Path = ROOT / "checkpoints") -> Path:
     return out
 
 
+def tiny_qwen3(max_position_embeddings: int) -> dict:
+    """The config of a 2-layer Qwen3 (q/k norm, GQA 2:1, tied embeddings; the shape of
+    tests/triton_setup.py's QWEN3_TINY) with context ``max_position_embeddings``, for CPU
+    smoke runs of the engine benchmarks."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 256,
+        "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": True,
+    }
+
+
 def engine_runner(preset: str, **kwargs):
     """A ModelRunner on the GPU as the engine benchmarks use it: ``preset``'s random bf16
     checkpoint, triton attention, block size 16 (``kwargs`` go to ModelRunner)."""

@@ -34,22 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
+from common import tiny_qwen3  # noqa: E402
 
 from lab.core.plan import StepResult  # noqa: E402
 from lab.core.request import Request  # noqa: E402
 
-TINY = {  # a Qwen3 of 2 layers (tests/triton_setup.py's QWEN3_TINY, longer context)
-    "architectures": ["Qwen3ForCausalLM"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 256,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": True,
-}
+TINY = tiny_qwen3(4096)  # a longer context than the tests' tiny Qwen3
 POLICIES = [
     {"name": "fcfs", "label": "fcfs-nocache", "enable_prefix_caching": False},
     {"name": "fcfs", "label": "fcfs-cache"},

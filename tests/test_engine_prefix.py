@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from triton_setup import QWEN3_TINY  # noqa: E402  (a tiny Qwen3; sets TRITON_INTERPRET)
+from triton_setup import QWEN3_TINY, tiny_engine_config  # noqa: E402  (sets TRITON_INTERPRET)
 
 from lab.config import validate  # noqa: E402
 from lab.core.request import Request  # noqa: E402
@@ -125,22 +125,7 @@ def test_random_model_tokens_identical_with_caching(tmp_path):
     model = write_random_checkpoint(QWEN3_TINY, tmp_path / "m", dtype="float32", std=0.2)
 
     def cfg(blocks, caching, policies):
-        return validate(
-            {
-                "name": "engine_prefix_random",
-                "backend": "engine",
-                "trace": {"format": "synthetic", "num_requests": 1},  # replaced by requests=
-                "engine": {"model_path": str(model), "device": "cpu", "dtype": "float32"},
-                "kv_cache": {
-                    "block_size": 4,
-                    "num_gpu_blocks": blocks,
-                    "swap_space_gib": 0.001,
-                    "enable_prefix_caching": caching,
-                },  # fmt: skip
-                "scheduler": {"max_num_seqs": 8, "max_model_len": 128},
-                "policies": policies,
-            }
-        )
+        return tiny_engine_config(model, blocks, policies, caching)
 
     ref = run_experiment(cfg(200, False, ["fcfs"]), False, hash_id_requests())[0]
     expected = tokens(ref)

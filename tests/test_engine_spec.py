@@ -20,7 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from triton_setup import QWEN3_TINY  # noqa: E402  (a tiny Qwen3; sets TRITON_INTERPRET)
+from triton_setup import QWEN3_TINY, tiny_engine_config  # noqa: E402  (sets TRITON_INTERPRET)
 
 from backend.engine import EngineExecutor  # noqa: E402
 from backend.runner import ModelRunner  # noqa: E402
@@ -401,25 +401,7 @@ def e2e_requests() -> list[Request]:
 
 
 def e2e_config(model, blocks, policies, speculative=None, caching=False):
-    from lab.config import validate
-
-    raw = {
-        "name": "engine_spec",
-        "backend": "engine",
-        "trace": {"format": "synthetic", "num_requests": 1},  # replaced by requests=
-        "engine": {"model_path": str(model), "device": "cpu", "dtype": "float32"},
-        "kv_cache": {
-            "block_size": 4,
-            "num_gpu_blocks": blocks,
-            "swap_space_gib": 0.001,
-            "enable_prefix_caching": caching,
-        },  # fmt: skip
-        "scheduler": {"max_num_seqs": 8, "max_model_len": 128},
-        "policies": policies,
-    }
-    if speculative is not None:
-        raw["speculative"] = speculative
-    return validate(raw)
+    return tiny_engine_config(model, blocks, policies, caching, speculative)
 
 
 @pytest.mark.parametrize("caching", [False, True])

@@ -59,3 +59,28 @@ QWEN3_TINY = {
     "max_position_embeddings": 256,
     "tie_word_embeddings": True,
 }
+
+
+def tiny_engine_config(model, blocks, policies, caching=False, speculative=None):
+    """A validated CPU engine experiment over checkpoint ``model`` for tests that pass their
+    own requests (``run_experiment(cfg, False, requests)``): ``blocks`` KV blocks of 4
+    tokens, a small swap space, max_num_seqs 8, max_model_len 128."""
+    from lab.config import validate
+
+    raw = {
+        "name": "engine_tiny",
+        "backend": "engine",
+        "trace": {"format": "synthetic", "num_requests": 1},  # replaced by requests=
+        "engine": {"model_path": str(model), "device": "cpu", "dtype": "float32"},
+        "kv_cache": {
+            "block_size": 4,
+            "num_gpu_blocks": blocks,
+            "swap_space_gib": 0.001,
+            "enable_prefix_caching": caching,
+        },  # fmt: skip
+        "scheduler": {"max_num_seqs": 8, "max_model_len": 128},
+        "policies": policies,
+    }
+    if speculative is not None:
+        raw["speculative"] = speculative
+    return validate(raw)

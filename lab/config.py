@@ -536,12 +536,13 @@ def validate(
                 f"{where}: {on[0]}: the cluster simulator runs synchronous replicas only; "
                 f"remove cluster: or set {ASYNC_KEY}: false"
             )
+    named = isinstance(top["model"], str) and isinstance(top["hardware"], str)
+    fitted = analytic_defaults(top["model"], top["hardware"]) if named else GUESS
+    shape = f"{top['model']} on {top['hardware']}"
     cost_model = _cost_model(where, raw.get("cost_model", {}), base_dir, backend == "sim",
-                             top["model"], top["hardware"])  # fmt: skip
+                             fitted, shape)  # fmt: skip
     engine = _engine(where, raw.get("engine", {}), base_dir, backend == "engine")
     if backend == "engine":
-        named = isinstance(top["model"], str) and isinstance(top["hardware"], str)
-        fitted = analytic_defaults(top["model"], top["hardware"]) if named else GUESS
         _simulator_only(where, cost_model, engine, pols, fitted.values)
     return ExperimentConfig(
         name=name,
@@ -770,11 +771,12 @@ def _existing(where: str, key: str, value: str, base_dir: Path, kind: str, hint:
 
 
 def _cost_model(
-    where: str, raw: Any, base_dir: Path, used: bool, model: Any = None, hardware: Any = None
+    where: str, raw: Any, base_dir: Path, used: bool, fitted: Any = GUESS, shape: str = ""
 ) -> CostModelConfig:
+    """``fitted``: the analytic defaults of the run's model and hardware
+    (lab/sim/analytic_defaults.py, an Efficiencies), applied where the YAML leaves a key
+    out; ``shape`` names that model and hardware in messages."""
     cm = _section(where, "cost_model", raw, CostModelConfig)
-    named = isinstance(model, str) and isinstance(hardware, str)
-    fitted = analytic_defaults(model, hardware) if named else GUESS
     cm.update({k: v for k, v in fitted.values.items() if k not in raw})  # the YAML's win
     for key in ("flops_efficiency", "bandwidth_efficiency"):
         _num(where, f"cost_model.{key}", cm[key], MIN_EFFICIENCY, 1.0)
@@ -798,10 +800,10 @@ def _cost_model(
     _int(where, "cost_model.tensor_parallel_size", cm["tensor_parallel_size"])
     _num(where, "cost_model.host_overhead_s", cm["host_overhead_s"], 0.0, MAX_STEP_OVERHEAD_S)
     if used and cm["host_overhead_s"] > cm["step_overhead_s"]:  # the engine refuses it
-        fitted = "" if "step_overhead_s" in raw else f", the default for {model} on {hardware}"
+        default = "" if "step_overhead_s" in raw else f", the default for {shape}"
         raise ConfigError(
             f"{where}: cost_model.host_overhead_s: expected at most cost_model.step_overhead_s "
-            f"({cm['step_overhead_s']:g} s{fitted}; the host's part of the fixed step cost), got "
+            f"({cm['step_overhead_s']:g} s{default}; the host's part of the fixed step cost), got "
             f"{cm['host_overhead_s']:g}"
         )
     _num(where, "cost_model.host_per_seq_s", cm["host_per_seq_s"], 0.0, MAX_HOST_PER_SEQ_S)

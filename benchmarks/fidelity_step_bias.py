@@ -10,6 +10,11 @@
 2. The held-out archive (heldout_engine.tar.gz), with the model fidelity --sim fits (grid
    plus calibration replays): the decode steps' median signed error by batch size.
 3. docs/fidelity/heldout.csv: how far each missed cell is above its limit.
+4. The held-out archive again: what a count of joining decodes (approximated as in 1),
+   fitted beside the features on the grid plus the calibration replays, does to the
+   held-out step error; the decode steps' signed error by the time since the engine was
+   last idle (a gap of > 1 ms between one step's end and the next step's start); and the
+   spread of batch-1 decode steps within each run (10th-90th percentile around the median).
 """
 
 from __future__ import annotations
@@ -68,6 +73,60 @@ def joins(st: pd.DataFrame) -> np.ndarray:
     return out
 
 
+def calibration_steps(src: Path) -> tuple[str, ...]:
+    return tuple(sorted(str(p) for p in (src / "calibration").glob("*/steps.csv")))
+
+
+def idle_age(st: pd.DataFrame, gap_s: float = 1e-3) -> np.ndarray:
+    """Per step: seconds from the start of the run's first step after its latest idle gap
+    (> ``gap_s`` between a step's end and the next one's start) to this step's start."""
+    out = np.zeros(len(st))
+    for _, g in st.groupby(["run", "policy"], sort=False):
+        t = g.time_s.to_numpy()
+        gap = t - np.r_[-np.inf, t[:-1] + g.duration_s.to_numpy()[:-1]]
+        start = np.maximum.accumulate(np.where(gap > gap_s, t, -np.inf))
+        out[g.index.to_numpy()] = t - start
+    return out
+
+
+def joins_and_idle() -> None:
+    src = unpack(DOCS / "heldout_engine.tar.gz")
+    grid = read_profile(src / "profile.csv")
+    cal = pd.concat([pd.read_csv(p).assign(run=Path(p).parent.name)
+                     for p in calibration_steps(src)], ignore_index=True)  # fmt: skip
+    st = engine_steps(src)
+    y_cal = np.r_[grid.duration_s.to_numpy(), cal.duration_s.to_numpy()]
+    y = st.duration_s.to_numpy()
+    for with_joins in (False, True):
+        x = np.concatenate([design(grid), design(steps_as_profile(cal))])
+        xe = design(steps_as_profile(st))
+        if with_joins:
+            x = np.c_[x, np.r_[np.zeros(len(grid)), joins(cal)]]
+            xe = np.c_[xe, joins(st)]
+        scale = x.max(axis=0)
+        scale[scale == 0] = 1.0
+        c = nnls(x / scale / y_cal[:, None], np.ones(len(y_cal))) / scale
+        e = (xe @ c - y) / y
+        if not with_joins:
+            e_fitted = e  # the model fidelity --sim fits
+        label = f"with a joining count ({c[-1] * 1e6:.0f} us each)" if with_joins else "as fitted"
+        print(f"held-out step error {label}: median {np.median(abs(e)) * 100:.2f}%, "
+              f"P90 {np.percentile(abs(e), 90) * 100:.2f}%")  # fmt: skip
+    d = kinds(st) == "decode"
+    age = pd.cut(idle_age(st)[d], [-1, 0.005, 0.02, 0.1, 0.5, 2, 1e9])
+    table = pd.Series(e_fitted[d]).groupby(age, observed=True).agg(["size", "median"])
+    print("held-out decode steps, median signed error by time since the engine was idle:")
+    for b, r in table.iterrows():
+        print(f"  {b}: {int(r['size']):6d} steps, {r['median'] * 100:+.1f}%")
+    one = st[d & (st.num_decode_tokens == 1).to_numpy()]
+    one = one.assign(band=one.decode_context_tokens // 64)  # 64 positions: one decode tile
+    med = one.groupby(["run", "band"]).duration_s.transform("median")
+    r = (one.duration_s / med - 1).to_numpy() * 100
+    print(f"batch-1 decode steps against the median of their run and 64-position context "
+          f"band: 10th / 90th percentile {np.percentile(r, 10):+.1f}% / "
+          f"{np.percentile(r, 90):+.1f}% ({len(r)} steps)")  # fmt: skip
+
+
 def development() -> None:
     src = unpack(DOCS / "dev_engine.tar.gz")
     grid = read_profile(src / "profile.csv")
@@ -92,7 +151,7 @@ def development() -> None:
 
 def held_out() -> None:
     src = unpack(DOCS / "heldout_engine.tar.gz")
-    cal = tuple(sorted(str(p) for p in (src / "calibration").glob("*/steps.csv")))
+    cal = calibration_steps(src)
     model = CalibratedCostModel(src / "profile.csv", cal)
     st = engine_steps(src)
     e = (design(steps_as_profile(st)) @ model.coef - st.duration_s) / st.duration_s
@@ -124,3 +183,4 @@ if __name__ == "__main__":
     development()
     held_out()
     missed_cells()
+    joins_and_idle()

@@ -15,6 +15,9 @@
    held-out step error; the decode steps' signed error by the time since the engine was
    last idle (a gap of > 1 ms between one step's end and the next step's start); and the
    spread of batch-1 decode steps within each run (10th-90th percentile around the median).
+5. Drift within a run: the median of the decode steps of 1-2 sequences in each fifth of a
+   run (by start time), for the BurstGPT 0.5x runs of both passes, where fcfs and sjf plan
+   alike.
 """
 
 from __future__ import annotations
@@ -179,8 +182,21 @@ def missed_cells() -> None:
           f"<= 3 points {int((x <= 3).sum())}, > 10 points {int((x > 10).sum())}")  # fmt: skip
 
 
+def drift() -> None:
+    print("decode steps of 1-2 sequences, median ms in each fifth of the run (BurstGPT 0.5x):")
+    src = unpack(DOCS / "heldout_engine.tar.gz")  # with its repeat archive's runs
+    for name in ("engine", "engine_repeat"):
+        st = pd.read_csv(src / name / "burstgpt_0.5" / "steps.csv")
+        st = st[(st.num_prefills == 0) & (st.num_decode_tokens <= 2)]
+        for policy, g in st.groupby("policy", sort=False):
+            fifth = pd.qcut(g.time_s, 5, labels=False)
+            ms = g.groupby(fifth).duration_s.median() * 1e3
+            print(f"  {name} {policy}: " + " ".join(f"{v:.2f}" for v in ms))
+
+
 if __name__ == "__main__":
     development()
     held_out()
     missed_cells()
     joins_and_idle()
+    drift()

@@ -51,6 +51,13 @@ def test_own_profile_then_joint_fit_then_guesses() -> None:
         "bandwidth_efficiency": 0.85,
         "step_overhead_s": 0.002,
     }
+    # the constructor's own defaults are the guesses (its docstring says so)
+    import inspect
+
+    from lab.sim.cost_model import AnalyticCostModel
+
+    params = inspect.signature(AnalyticCostModel).parameters
+    assert {k: params[k].default for k in GUESS.values} == GUESS.values
 
 
 def test_fitted_llama_decode_step_matches_its_profile_row() -> None:

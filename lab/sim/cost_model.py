@@ -66,6 +66,11 @@ class AnalyticCostModel:
             preparation, launch), a part of ``step_overhead_s`` (module doc).
         host_per_seq_s: seconds of host work per sequence of the step (per-sequence input
             preparation: block tables, positions, sampling parameters).
+
+    The defaults of the first three are the datasheet guesses
+    (``lab.sim.analytic_defaults.GUESS``). A config that leaves them out gets the values
+    fitted to the shipped profiles instead (``lab.sim.analytic_defaults.defaults(model,
+    hardware)``); code that builds this model directly should pass those.
     """
 
     def __init__(

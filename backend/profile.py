@@ -22,7 +22,8 @@ attention backend, engine options) as one JSON line.
 
 Grid: decode-only batches (1-256 sequences, contexts 128-4096; and 8-64 sequences of uneven,
 log-normal contexts), prefill chunks (16-8192 tokens over cached prefixes of 0-4096; 16-1024 over 16k-32k),
-several prompts at once, prefill chunks mixed with decodes, and swap-out + swap-in of 1-256
+several prompts at once, steps of 12k and 16k prompt tokens (one prompt to 16; eager, above
+the largest CUDA graph), prefill chunks mixed with decodes, and swap-out + swap-in of 1-256
 blocks alongside 8 or 64 decodes.
 """
 
@@ -56,6 +57,11 @@ PREFILL_PREFIXES = (0, 1024, 4096)
 # the device cache are left out.
 LONG_PREFIX_CHUNKS = [(c, n) for c in (16384, 32768) for n in (16, 256, 1024)]
 MIXED = [(d, n) for d in (8, 32, 128) for n in (256, 512, 1024, 2048)]
+# Steps above 8,192 tokens (the largest CUDA graph, backend/cuda_graphs.py) run eagerly:
+# (prompts, tokens each) of 12k and 16k tokens, one long prompt or many short ones, so the
+# fit sees the eager slope apart from the attention pairs (lab/sim/calibrated.py).
+EAGER_PREFILLS = [(1, 12288), (2, 6144), (4, 3072), (8, 1536), (16, 768),
+                  (1, 16384), (4, 4096), (8, 2048), (16, 1024)]  # fmt: skip
 SWAP_BLOCKS = (1, 4, 16, 64, 256)
 UNEVEN_BATCHES = (8, 32, 64)  # decode batches of log-normal contexts (median 1k, sigma 1)
 
@@ -77,6 +83,8 @@ def shapes() -> list[tuple[str, list[tuple[int, int]], list[int], int]]:
     for k in (2, 4, 8):
         for n in (256, 1024):
             grid.append(("prefill", [(0, n)] * k, [], 0))
+    for k, n in EAGER_PREFILLS:
+        grid.append(("prefill_eager", [(0, n)] * k, [], 0))
     for d, n in MIXED:
         grid.append(("mixed", [(512, n)], [1024] * d, 0))
     for d in (8, 64):  # two batch sizes, so a held-out swap row has neighbours in the fit

@@ -7,7 +7,14 @@ import pandas as pd
 import pytest
 
 from lab.core.plan import StepFeatures
-from lab.sim.calibrated import FEATURES, CalibratedCostModel, cross_validated_errors, design, fit
+from lab.sim.calibrated import (
+    EAGER_KNOT,
+    FEATURES,
+    CalibratedCostModel,
+    cross_validated_errors,
+    design,
+    fit,
+)
 
 # A made-up engine: 1 ms per decode-only step, 5 ms per step with prompt tokens, 20 us per
 # sequence, 2 us per token above 2048 tokens, 1 us per token of mean decode context, 1 ns
@@ -77,3 +84,89 @@ def test_step_time_matches_formula(tmp_path):
     f = StepFeatures(0, 0, 0, 0.0, 4, 4 * 500, 4, 0)  # decode-only: the graph intercept
     expected = 1e-3 + 4 * 2e-5 + 500 * 1e-6 + 2000 * 1e-9
     assert model.step_time(f, 16) == pytest.approx(expected, rel=1e-6)
+
+
+def eager_frame(eager_per_token: float, big: tuple[int, ...]) -> pd.DataFrame:
+    """profile_frame plus prefill rows of several prompts above EAGER_KNOT tokens (8, 12 or
+    16 prompts of 1024), priced with TRUE plus ``eager_per_token`` above the knot."""
+    rows = [
+        dict(num_prefill_tokens=k * 1024, num_prefills=k, prefill_context_tokens=0,
+             prefill_attention_pairs=k * 1024 * 1025 / 2, num_decodes=0,
+             decode_context_tokens=0, num_swap_blocks=0)
+        for k in big
+    ]  # fmt: skip
+    df = pd.concat([profile_frame(), pd.DataFrame(rows)], ignore_index=True)
+    true = np.array([TRUE[f] for f in FEATURES])
+    true[FEATURES.index(f"tokens_over_{EAGER_KNOT}")] = eager_per_token
+    df["duration_s"] = design(df) @ true
+    return df
+
+
+def test_eager_slope_is_fitted_with_either_sign_from_three_rows_above_the_knot():
+    """Three rows above 8192 tokens (12k, 14k, 16k) carry an eager slope of -1.5 us/token:
+    the fit recovers it and the other coefficients exactly (noise-free data)."""
+    coef = dict(zip(FEATURES, fit(eager_frame(-1.5e-6, (12, 14, 16)))))
+    assert coef["tokens_over_8192"] == pytest.approx(-1.5e-6, rel=1e-6)
+    for name, value in TRUE.items():
+        if name != "tokens_over_8192":
+            assert coef[name] == pytest.approx(value, rel=1e-6, abs=1e-15), name
+
+
+def test_eager_slope_needs_three_rows_and_keeps_the_slope_non_negative(tmp_path):
+    # Two rows above the knot: the slope is left out (0), and the other ten coefficients
+    # are the fit without its column, as before the column existed (non-negative least
+    # squares on relative error), to the last bit.
+    from lab.sim.calibrated import nnls
+
+    two = eager_frame(-1.5e-6, (12, 16))
+    coef = fit(two)
+    assert coef[FEATURES.index("tokens_over_8192")] == 0.0
+    x, y = design(two)[:, :-1], two.duration_s.to_numpy()
+    scale = np.where(x.max(axis=0) == 0, 1.0, x.max(axis=0))
+    assert coef[:-1].tolist() == (nnls(x / scale / y[:, None], np.ones(len(y))) / scale).tolist()
+    # Three rows above the knot, but replay steps (kind "replay"): left out too.
+    replayed = eager_frame(-1.5e-6, (12, 14, 16))
+    replayed.loc[replayed.num_prefill_tokens > EAGER_KNOT, "kind"] = "replay"
+    assert fit(replayed)[FEATURES.index("tokens_over_8192")] == 0.0
+    # An eager slope below -(tokens + hinge) = -2 us/token would make a longer step
+    # cheaper: it is raised to -2 us, so the slope above 8192 tokens is 0.
+    coef = dict(zip(FEATURES, fit(eager_frame(-3e-6, (12, 14, 16)))))
+    assert coef["tokens_over_8192"] == pytest.approx(
+        -(coef["num_tokens"] + coef["tokens_over_2048"])
+    )
+    # The model prices the eager slope: 16 prompts of 1024 (16,384 tokens) with -1.5 us per
+    # token above 8192, i.e. 8192 * 1.5 us = 12.288 ms less than without it.
+    path = tmp_path / "p.csv"
+    path.write_text("# header\n" + eager_frame(-1.5e-6, (12, 14, 16)).to_csv(index=False))
+    model = CalibratedCostModel(path)
+    f = StepFeatures(16384, 16, 0, 16 * 1024 * 1025 / 2, 0, 0, 16, 0)
+    expected = (5e-3 + 16 * 2e-5 + (16384 - 2048) * 2e-6 - 8192 * 1.5e-6
+                + 16 * 1024 * 1025 / 2 * 5e-10)  # fmt: skip
+    assert model.step_time(f, 16) == pytest.approx(expected, rel=1e-6)
+
+
+def test_eager_knot_is_the_engines_largest_token_graph():
+    from backend.cuda_graphs import DEFAULT_TOKEN_SIZES
+
+    assert EAGER_KNOT == max(DEFAULT_TOKEN_SIZES)
+
+
+def test_profile_grid_has_enough_eager_rows_for_the_held_out_runner():
+    """backend/profile.py's grid keeps >= MIN_EAGER_ROWS rows above the knot on the held-out
+    protocol's runner (2,048 blocks of 16, max_model_len 16384: rows that do not fit are
+    left out), from one prompt to many, so the eager slope is fitted."""
+    from backend.profile import shapes, step_inputs
+    from lab.sim.calibrated import MIN_EAGER_ROWS
+
+    eager = []
+    for _, chunks, decodes, _ in shapes():
+        seqs = step_inputs(chunks, decodes, 16)
+        tokens = sum(n for _, n in chunks) + len(decodes)
+        fits = (
+            sum(len(s.block_table) for s in seqs) <= 2048
+            and max(s.start_pos + len(s.token_ids) for s in seqs) <= 16384
+        )
+        if tokens > EAGER_KNOT and fits:
+            eager.append(len(chunks))
+    assert len(eager) >= MIN_EAGER_ROWS
+    assert min(eager) == 1 and max(eager) == 16

@@ -16,6 +16,17 @@ Step time is linear in features with a physical meaning (lab.core.plan.StepFeatu
       + c7 * prefill cached tokens          KV bytes the prompt chunks read
       + c8 * prefill (query, key) pairs     attention work of prompt chunks
       + c9 * swapped blocks                 host-link copies
+      + c10 * max(0, tokens - 8192)         eager steps: above the largest CUDA graph's
+                                            token count (backend/cuda_graphs.py) a step
+                                            runs eagerly, with its own per-token slope
+
+c10 may take either sign (on the H200, steps of several prompts above 8,192 tokens cost
+less per token than the slope below predicts), but the slope above the knot,
+c3 + c4 + c10, is kept >= 0. It is fitted only when the profile has at least
+``MIN_EAGER_ROWS`` rows above the knot, else it is 0 (profiles made before
+backend/profile.py timed such rows have none, and fit as before). Replay steps
+(``replay_steps``) do not count: the few of them above the knot are whatever the workload
+made, some slowed by an eager step's first run at a new size.
 
 Host time (asynchronous scheduling): a profile with a ``host_s`` column (backend/profile.py:
 seconds from a step's start until it is launched, without the device sync) gets a second
@@ -57,9 +68,16 @@ from lab.core.fingerprint import HEADER_PREFIX, backend_sources_hash, difference
 from lab.core.plan import StepFeatures
 
 TOKEN_KNOT = 2048
+# backend/cuda_graphs.py's largest default token size (DEFAULT_TOKEN_SIZES[-1]; a test ties
+# the two): a larger step runs eagerly. lab.sim does not import backend.
+EAGER_KNOT = 8192
+MIN_EAGER_ROWS = 3  # profile rows above EAGER_KNOT needed to fit its slope (else it is 0)
+REPLAY_KIND = "replay"  # the kind of a replay step's row (steps_as_profile)
 FEATURES = ("decode_only_step", "prefill_step", "num_seqs", "num_tokens",
             f"tokens_over_{TOKEN_KNOT}", "mean_decode_context", "decode_context_tokens",
-            "prefill_context_tokens", "prefill_attention_pairs", "num_swap_blocks")  # fmt: skip
+            "prefill_context_tokens", "prefill_attention_pairs", "num_swap_blocks",
+            f"tokens_over_{EAGER_KNOT}")  # fmt: skip
+_TOKENS, _HINGE, _EAGER = 3, 4, 10  # columns of FEATURES
 PROFILE_COLUMNS = ("num_prefill_tokens", "num_prefills", "prefill_context_tokens",
                    "prefill_attention_pairs", "num_decodes", "decode_context_tokens",
                    "num_swap_blocks", "duration_s")  # fmt: skip
@@ -99,6 +117,7 @@ def design(df: pd.DataFrame) -> np.ndarray:
         df[c].to_numpy(float)
         for c in ("prefill_context_tokens", "prefill_attention_pairs", "num_swap_blocks")
     ]
+    cols.append(np.maximum(tokens - EAGER_KNOT, 0.0))
     return np.stack(cols, axis=1)
 
 
@@ -127,25 +146,39 @@ def fit_host(df: pd.DataFrame) -> np.ndarray:
     return nnls(x / scale / d[:, None], y / d) / scale
 
 
-def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Non-negative least squares by active-set elimination: solve, drop the most negative
-    coefficient, repeat (small problems; exact enough for a handful of features)."""
+def nnls(a: np.ndarray, b: np.ndarray, free: tuple[int, ...] = ()) -> np.ndarray:
+    """Least squares with every coefficient but those of columns ``free`` >= 0, by
+    active-set elimination: solve, drop the most negative constrained coefficient, repeat
+    (small problems; exact enough for a handful of features)."""
     active = list(range(a.shape[1]))
+    bounded = np.ones(a.shape[1], dtype=bool)
+    bounded[list(free)] = False
     while True:
         coef = np.zeros(a.shape[1])
         coef[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
-        if coef[active].min() >= 0 or len(active) == 1:
-            return np.maximum(coef, 0.0)
-        active.remove(active[int(np.argmin(coef[active]))])
+        neg = [i for i in active if bounded[i] and coef[i] < 0]
+        if not neg or len(active) == 1:
+            return np.where(bounded, np.maximum(coef, 0.0), coef)
+        active.remove(min(neg, key=lambda i: coef[i]))
 
 
 def fit(df: pd.DataFrame) -> np.ndarray:
-    """Coefficients minimizing the relative error of predicted step durations."""
+    """Coefficients of :data:`FEATURES` minimizing the relative error of predicted step
+    durations (module doc: c10 only with ``MIN_EAGER_ROWS`` profile rows, i.e. rows whose
+    ``kind`` is not "replay", above ``EAGER_KNOT``)."""
     x, y = design(df), df["duration_s"].to_numpy(float)
     scale = x.max(axis=0)
     scale[scale == 0] = 1.0
-    coef = nnls(x / scale / y[:, None], np.ones(len(y)))
-    return coef / scale
+    a = x / scale / y[:, None]
+    coef = np.zeros(x.shape[1])
+    grid = (df["kind"] != REPLAY_KIND).to_numpy() if "kind" in df else np.ones(len(df), bool)
+    if (x[grid, _EAGER] > 0).sum() >= MIN_EAGER_ROWS:
+        coef[:] = nnls(a, np.ones(len(y)), free=(_EAGER,)) / scale
+        coef[_EAGER] = max(coef[_EAGER], -(coef[_TOKENS] + coef[_HINGE]))  # slope >= 0
+    else:
+        keep = [i for i in range(x.shape[1]) if i != _EAGER]
+        coef[keep] = nnls(a[:, keep], np.ones(len(y))) / scale[keep]
+    return coef
 
 
 def cross_validated_errors(df: pd.DataFrame, folds: int = 5, seed: int = 0) -> np.ndarray:
@@ -180,9 +213,9 @@ def read_profile(path: str | Path) -> pd.DataFrame:
     df = _read_csv(path, key, comment="#")
     where = f"{key}: {path}"
     _require_columns(df, PROFILE_COLUMNS, where)
-    if len(df) < len(FEATURES):
+    if len(df) < len(FEATURES) - 1:  # the eager slope is optional (module doc)
         raise ConfigError(
-            f"{where}: expected at least {len(FEATURES)} rows (one per "
+            f"{where}: expected at least {len(FEATURES) - 1} rows (one per "
             f"fitted coefficient), got {len(df)}"
         )
     columns = PROFILE_COLUMNS + ((HOST_COLUMN,) if HOST_COLUMN in df.columns else ())
@@ -341,7 +374,7 @@ def steps_as_profile(df: pd.DataFrame) -> pd.DataFrame:
     """Rows of a steps.csv frame in the profile's columns."""
     out = df.rename(columns={"num_decode_tokens": "num_decodes"})
     out["num_swap_blocks"] = df["num_swap_out_blocks"] + df["num_swap_in_blocks"]
-    out["kind"] = "replay"
+    out["kind"] = REPLAY_KIND
     return out[["kind", *PROFILE_COLUMNS]]
 
 
@@ -354,8 +387,9 @@ class CalibratedCostModel:
         ConfigError: a bad profile or steps.csv (see ``read_profile``), data without a
             decode-only step or without a step with prompt tokens (an intercept the fit
             cannot know), or a fit that predicts less than ``MIN_STEP_S`` for a 1-token
-            decode or a 1-token prefill: the least any step costs, since every
-            coefficient is >= 0.
+            decode or a 1-token prefill: the least any step costs, since a step's time
+            grows with every feature (each coefficient is >= 0 but the eager slope's,
+            which keeps the slope above its knot >= 0).
         """
         self.profile = Path(profile)
         self.fingerprint = read_fingerprint(self.profile)
@@ -392,6 +426,7 @@ class CalibratedCostModel:
             self._pctx,
             self._pairs,
             self._swap,
+            self._eager,
         ) = self.coef.tolist()
         for kind, f in (
             ("decode", StepFeatures(0, 0, 0, 0.0, 1, 1, 1, 0)),
@@ -421,6 +456,8 @@ class CalibratedCostModel:
             t += self._mean_ctx * f.decode_context_tokens / f.num_decodes
         if tokens > TOKEN_KNOT:
             t += self._hinge * (tokens - TOKEN_KNOT)
+            if tokens > EAGER_KNOT:
+                t += self._eager * (tokens - EAGER_KNOT)
         return t
 
     def host_time(self, f: StepFeatures, block_size: int = 0, step_s: float | None = None) -> float:
@@ -460,6 +497,7 @@ class CalibratedCostModel:
         total = base + f.num_spec_tokens
         t += self._tok * f.num_spec_tokens + self._pairs * f.spec_context_tokens
         t += self._hinge * (max(0, total - TOKEN_KNOT) - max(0, base - TOKEN_KNOT))
+        t += self._eager * (max(0, total - EAGER_KNOT) - max(0, base - EAGER_KNOT))
         return t
 
 

@@ -12,7 +12,8 @@ Time: ``time_limits_s.total`` for all of it, from the start; ``profile`` for the
 ``calibration`` for the calibration replays; the first pass gets 52% of what is left after
 them, the repeat the rest.
 
-1. a random-weight checkpoint of the protocol's preset, if missing;
+1. every run's config (:func:`check_runs`) and the device (:func:`check_device`) checked,
+   then a random-weight checkpoint of the protocol's preset, if missing;
 2. ``backend.profile`` on it, the runner shaped as the engine runs are
    (:func:`profile_geometry`): the profile grid (``profile.csv``);
 3. pass ``calibration`` (when the protocol has ``calibration:``): its synthetic workloads

@@ -12,7 +12,8 @@ Time: ``time_limits_s.total`` for all of it, from the start; ``profile`` for the
 ``calibration`` for the calibration replays; the first pass gets 52% of what is left after
 them, the repeat the rest.
 
-1. a random-weight checkpoint of the protocol's preset, if missing;
+1. every run's config (:func:`check_runs`) and the device (:func:`check_device`) checked,
+   then a random-weight checkpoint of the protocol's preset, if missing;
 2. ``backend.profile`` on it, the runner shaped as the engine runs are
    (:func:`profile_geometry`): the profile grid (``profile.csv``);
 3. pass ``calibration`` (when the protocol has ``calibration:``): its synthetic workloads
@@ -175,6 +176,33 @@ def check_runs(protocol: dict[str, Any], path: Path) -> None:
             raise SystemExit(f"error: {key}: {e}") from None
 
 
+def check_device(protocol: dict[str, Any], path: Path) -> None:
+    """The engine device the protocol's experiment names is here: for ``cuda``, torch sees a
+    GPU. Checked before the checkpoint is made (an 8B one is 16 GB of random draws).
+
+    Raises:
+        SystemExit: one line naming ``experiment.engine.device``.
+    """
+    device = str((protocol["experiment"].get("engine") or {}).get("device", "cpu"))
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit(
+                f"error: {path}: experiment.engine.device: {device}, but torch "
+                f"{torch.__version__} sees no CUDA device here: run the engine side on a GPU "
+                "machine (a CPU smoke test of the same steps: benchmarks/fidelity_tiny.yaml)"
+            )
+
+
+def _free_device_cache() -> None:
+    """Give the device memory this process's caching allocator holds back to the driver."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------- engine side (GPU)
 
 
@@ -209,6 +237,15 @@ def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
         log["protocol"] = str(protocol_path)
     ckpt = ROOT / protocol["checkpoint"]["dir"]
     t0 = time.perf_counter()
+    made = not ckpt.exists()
+    ckpt.mkdir(parents=True, exist_ok=True)  # engine.model_path must exist for check_runs
+    try:  # every run's config and the device, before the checkpoint and any GPU work
+        check_runs(protocol, protocol_path)
+        check_device(protocol, protocol_path)
+    except SystemExit:
+        if made and not any(ckpt.iterdir()):
+            ckpt.rmdir()
+        raise
     if not (ckpt / "config.json").exists():
         from backend.tools.random_checkpoint import write_random_checkpoint
         from lab.core.model_presets import PRESETS
@@ -216,8 +253,8 @@ def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
         c = protocol["checkpoint"]
         config = c.get("config") or PRESETS[c["preset"]]
         write_random_checkpoint(config, ckpt, c.get("dtype", "bfloat16"), name=c.get("preset", "x"))
+        _free_device_cache()  # the runs' processes get the memory its random draws cached
     log["steps"]["checkpoint_s"] = time.perf_counter() - t0
-    check_runs(protocol, protocol_path)  # every run's config, before any GPU work
     exp = protocol["experiment"]
     steps = [
         (

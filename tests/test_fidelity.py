@@ -432,3 +432,66 @@ def test_replayed_durations_of_another_window_are_refused(tmp_path) -> None:
         ConfigError, match=r"run 'fcfs' replayed 20 requests, this trace window has 10"
     ):
         run_experiment(validate(other), progress=False)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the engine side needs torch")
+@pytest.mark.parametrize("name", ["fidelity_heldout_8b.yaml", "fidelity_heldout_8b_mooncake.yaml"])
+def test_engine_side_without_a_gpu_stops_before_the_checkpoint(tmp_path, capsys, name) -> None:
+    """The 8B protocols' runs all pass check_runs on a CPU box; then the engine side stops in
+    one line naming experiment.engine.device, before the 16 GB checkpoint is made (its empty
+    folder, made for check_runs, is removed again)."""
+    import torch
+
+    from lab.fidelity import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the engine side would run")
+    p = yaml.safe_load((ROOT / "benchmarks" / name).read_text())
+    ckpt = tmp_path / "ckpt"
+    p["checkpoint"]["dir"] = str(ckpt)  # absolute: ROOT / it is it
+    p["experiment"]["engine"]["model_path"] = str(ckpt)
+    protocol = tmp_path / name
+    protocol.write_text(yaml.safe_dump(p))
+    assert main(["--engine", "--protocol", str(protocol), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert err.startswith(f"error: {protocol}: experiment.engine.device: cuda, but torch ")
+    assert "sees no CUDA device here" in err
+    assert not ckpt.exists()
+
+
+def test_engine_side_names_a_bad_window_before_the_checkpoint(tmp_path, capsys) -> None:
+    """A window with an unknown trace key stops the engine side in check_runs, before any
+    checkpoint is written (the tiny 8B protocol, on the CPU)."""
+    from lab.fidelity import main
+
+    p = yaml.safe_load((ROOT / "benchmarks" / "fidelity_8b_tiny.yaml").read_text())
+    ckpt = tmp_path / "ckpt"
+    p["checkpoint"]["dir"] = str(ckpt)
+    p["experiment"]["engine"]["model_path"] = str(ckpt)
+    p["slices"]["mooncake"]["limt"] = p["slices"]["mooncake"].pop("limit")
+    protocol = tmp_path / "protocol.yaml"
+    protocol.write_text(yaml.safe_dump(p))
+    assert main(["--engine", "--protocol", str(protocol), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: slices.mooncake: trace: unknown key 'limt'; allowed keys:")
+    assert "\n" not in err
+    assert not ckpt.exists()
+
+
+def test_sizing_follows_the_protocols_time_limits(tmp_path) -> None:
+    """benchmarks/fidelity_sizing.py: the profile is cut at its limit, and a total limit that
+    leaves the first pass no time skips every window (the pass is its process start alone)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from fidelity_sizing import predict
+
+    p = yaml.safe_load((ROOT / "benchmarks" / "fidelity_8b_tiny.yaml").read_text())
+    p["time_limits_s"] = {"profile": 40, "calibration": 120, "total": 100}
+    protocol = tmp_path / "protocol.yaml"
+    protocol.write_text(yaml.safe_dump(p))
+    cost_model = {"profile": str(PROFILE)}
+    steps = predict(protocol, cost_model, load_s=2, process_s=5, checkpoint_s=10, profile_s=90)
+    assert steps["checkpoint"] == 10 and steps["profile"] == 40
+    assert steps["first"] == 5 and steps["repeat"] == 5

@@ -19,6 +19,7 @@ them, the repeat the rest.
 3. pass ``calibration`` (when the protocol has ``calibration:``): its synthetic workloads
    replayed on the engine through its policies, each a results folder
    ``calibration/<name>/``; their steps are fitted beside the grid (never a trace row);
+   synchronously even for an asynchronous protocol (:func:`calibration_config`);
 4. pass ``first``: per window, the engine's capacity (all requests at t = 0, fcfs:
    finished / makespan), then every load through every policy, each (window, load) a
    results folder ``engine/<window>_<load>/``, written as soon as its runs end;
@@ -144,12 +145,21 @@ def folder_name(slice_name: str, load: float) -> str:
 
 def calibration_config(protocol: dict[str, Any], name: str) -> dict[str, Any]:
     """The raw experiment config of calibration workload ``name``: the protocol's engine
-    experiment over that synthetic trace, through ``calibration.policies`` when given."""
+    experiment over that synthetic trace, through ``calibration.policies`` when given.
+
+    Always synchronous: an asynchronous protocol's calibration replays run with
+    ``scheduler.async_scheduling: false``, so that their steps.csv durations are step times
+    (host + device), what the calibrated model fits (lab/sim/calibrated.py); the profile's
+    ``host_s`` fit splits off the host part that async scheduling overlaps. (An async
+    step's duration is the async clock, max(device time of N, host time of N + 1), which
+    that fit cannot take as a row.)"""
     cal = protocol["calibration"]
     raw = {**copy.deepcopy(protocol["experiment"]), "name": f"calibration_{name}",
            "trace": dict(cal["workloads"][name])}  # fmt: skip
     if cal.get("policies"):
         raw["policies"] = cal["policies"]
+    if (raw.get("scheduler") or {}).get("async_scheduling"):
+        raw["scheduler"]["async_scheduling"] = False
     return raw
 
 
@@ -509,13 +519,7 @@ def _sim(archive: Path, src: Path, doc: Path) -> dict[str, Any]:
     import pandas as pd
 
     from lab.experiment import run_experiment
-    from lab.sim.calibrated import (
-        CalibratedCostModel,
-        design,
-        read_fingerprint,
-        staleness,
-        steps_as_profile,
-    )
+    from lab.sim.calibrated import CalibratedCostModel, read_fingerprint, staleness
 
     profile = src / "profile.csv"
     if not (src / "engine.json").exists() or not profile.exists():
@@ -596,7 +600,8 @@ def _sim(archive: Path, src: Path, doc: Path) -> dict[str, Any]:
             row["plans_identical"] = pm["fraction_identical"]
             rows.append(row)
             st = real_steps[real_steps.policy == s.label]
-            pred = design(steps_as_profile(st)) @ model.coef
+            async_ = bool((raw.get("scheduler") or {}).get("async_scheduling"))
+            pred = predicted_durations(model, st, async_)
             steps_err.append(
                 pd.DataFrame(
                     {
@@ -641,6 +646,31 @@ def _sim(archive: Path, src: Path, doc: Path) -> dict[str, Any]:
     print(f"wrote {doc} (and its tables and plots in {out_dir})")
     print("\nfor the README's fidelity paragraph:\n" + text.split("\n\n")[1], flush=True)
     return {"table": table, "steps": steps, "rankings": rankings, "plans": plans}
+
+
+def predicted_durations(model, st, async_scheduling: bool = False):
+    """Each step's duration in seconds predicted by the calibrated ``model`` from its exact
+    batch, for one run's steps ``st`` (a steps.csv frame of one policy, in step order).
+
+    Synchronous: the step time S (host + device). Asynchronous: the clock the simulator
+    runs (lab/sim/replay.py), max(S_n - H_n, H_{n+1}) with H the model's host time, where
+    H_{n+1} counts only if step n + 1 starts where step n ends (it was planned while n
+    ran; after an idle gap the pipeline restarts), as the engine's steps.csv durations are
+    that clock."""
+    import numpy as np
+
+    from lab.sim.calibrated import design, host_design, steps_as_profile
+
+    prof = steps_as_profile(st)
+    step_s = design(prof) @ model.coef
+    if not async_scheduling:
+        return step_s
+    host = np.zeros(len(st)) if model.host_coef is None else host_design(prof) @ model.host_coef
+    host = np.clip(host, 0.0, step_s)
+    start, end = st.time_s.to_numpy(float), (st.time_s + st.duration_s).to_numpy(float)
+    chained = np.abs(start[1:] - end[:-1]) <= 1e-7 * np.maximum(1.0, end[:-1])
+    host_next = np.append(np.where(chained, host[1:], 0.0), 0.0)
+    return np.maximum(step_s - host, host_next)
 
 
 def plan_alike_replay(raw: dict, real_steps, a: str, b: str):
@@ -930,6 +960,9 @@ def _markdown(
         f"`{record.get('protocol', 'benchmarks/fidelity_heldout.yaml')}` (what it leaves out of "
         "a full protocol, and why, is written there)."
     )
+    async_protocol = bool(
+        ((protocol or {}).get("experiment", {}).get("scheduler") or {}).get("async_scheduling")
+    )
     return TEMPLATE.format(
         archive=archive,
         setup=_setup_line(protocol or {}),
@@ -941,7 +974,13 @@ def _markdown(
             "archive) and the engine's steps in synthetic calibration replays run right after "
             f"it (`calibration/` in the archive: {', '.join(record['calibration'])}; "
             "arrivals and lengths drawn from the protocol's distributions, no trace row); no "
-            "step of an evaluated window is fitted."
+            "step of an evaluated window is fitted"
+            + (
+                " (the replays ran with synchronous scheduling: their steps are step times, "
+                "whose host part the profile's `host_s` fit splits off)."
+                if async_protocol
+                else "."
+            )
             if record.get("calibration")
             else "the simulator's only calibration data is the profile grid (`profile.csv` in "
             "the archive); no engine replay step is fitted."
@@ -968,6 +1007,12 @@ def _markdown(
             if first_bad.empty
             else "runs with a mismatch: "
             + "; ".join(f"{r.run}: {r.first_mismatch}" for r in first_bad.itertuples())
+        ),
+        async_steps=(
+            " (asynchronous scheduling: the clock the simulator runs, max(device time of N, "
+            "host time of N + 1), as the engine's durations are)"
+            if async_protocol
+            else ""
         ),
         step_p50=_pct(np.median(e)),
         step_p90=_pct(np.percentile(e, 90)),
@@ -1031,7 +1076,7 @@ chunks, decodes, contexts, preemptions, swap-outs and swap-ins); {plan_note}
 
 ## Step-level error
 
-Each engine step's duration predicted by the calibrated model from that step's exact batch:
+Each engine step's duration predicted by the calibrated model from that step's exact batch{async_steps}:
 median {step_p50}, P90 {step_p90} (absolute; saturated runs alone: median {step_sat}).
 Targets: median <= 3%, P90 <= 8%. The last column is the engine's own spread between steps
 of one shape: each step's distance from the median of the run's steps of its shape (kind,

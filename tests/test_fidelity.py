@@ -495,3 +495,64 @@ def test_sizing_follows_the_protocols_time_limits(tmp_path) -> None:
     steps = predict(protocol, cost_model, load_s=2, process_s=5, checkpoint_s=10, profile_s=90)
     assert steps["checkpoint"] == 10 and steps["profile"] == 40
     assert steps["first"] == 5 and steps["repeat"] == 5
+
+
+def test_async_protocol_calibrates_with_synchronous_steps() -> None:
+    """benchmarks/fidelity_async.yaml replays its calibration workloads synchronously (their
+    step times are what the calibrated model fits) and its held-out windows asynchronously,
+    windows from 3000 s and workloads as the sync protocol's; the sync protocol's
+    calibration config is left as written (no async_scheduling key added)."""
+    from lab.fidelity import PROTOCOL, calibration_config, load_protocol, slice_config
+
+    asy = load_protocol(ROOT / "benchmarks" / "fidelity_async.yaml")
+    sync = load_protocol(PROTOCOL)
+    assert asy["calibration"] == sync["calibration"]
+    assert {n: s["start_s"] for n, s in asy["slices"].items()} == {"conv": 3000, "code": 3000}
+    for name in asy["calibration"]["workloads"]:
+        assert calibration_config(asy, name)["scheduler"]["async_scheduling"] is False
+        assert "async_scheduling" not in calibration_config(sync, name)["scheduler"]
+    assert slice_config(asy, "conv")["scheduler"]["async_scheduling"] is True
+    assert asy["experiment"]["scheduler"]["async_scheduling"] is True  # not mutated
+
+
+def test_async_step_predictions_are_the_async_clock() -> None:
+    """Step time S = 1 ms + 1 us/token for decode-only steps, 2 ms + 1 us/token with prompt
+    tokens; host time H = 0.3 ms (decode-only), 1.5 ms (prompt). Steps: prefill of 100
+    tokens (S 2.1 ms, device 0.6 ms), two decodes of 1 (S 1.001 ms, device 0.701 ms), a
+    prefill of 100 chained to them, then after an idle gap a decode. Async clock
+    max(S_n - H_n, H_{n+1}): 0.6, 0.701, 1.5 (the next step's host time is longer), 0.6
+    (no step planned while it ran: the next starts after the gap), 0.701 ms (the last)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from lab.fidelity import predicted_durations
+    from lab.sim.calibrated import FEATURES
+
+    coef = np.zeros(len(FEATURES))
+    coef[[0, 1, 3]] = 1e-3, 2e-3, 1e-6  # decode-only, prompt-step intercepts; per token
+    host_coef = np.zeros(6)
+    host_coef[[0, 1]] = 3e-4, 1.5e-3
+    prompt = [100, 0, 0, 100, 0]
+    st = pd.DataFrame(
+        {
+            "time_s": [0.0, 0.002, 0.003, 0.004, 0.5],
+            "duration_s": [0.002, 0.001, 0.001, 0.002, 0.001],
+            "num_prefill_tokens": prompt,
+            "num_prefills": [int(p > 0) for p in prompt],
+            "prefill_context_tokens": [0] * 5,
+            "prefill_attention_pairs": [0.0] * 5,
+            "num_decode_tokens": [int(p == 0) for p in prompt],
+            "decode_context_tokens": [0, 101, 102, 0, 101],
+            "num_swap_out_blocks": [0] * 5,
+            "num_swap_in_blocks": [0] * 5,
+        }
+    )
+    model = SimpleNamespace(coef=coef, host_coef=host_coef)
+    sync = [2.1e-3, 1.001e-3, 1.001e-3, 2.1e-3, 1.001e-3]
+    assert predicted_durations(model, st).tolist() == pytest.approx(sync)
+    assert predicted_durations(model, st, True).tolist() == pytest.approx(
+        [0.6e-3, 0.701e-3, 1.5e-3, 0.6e-3, 0.701e-3]
+    )
+    no_host = SimpleNamespace(coef=coef, host_coef=None)  # a profile without host_s
+    assert predicted_durations(no_host, st, True).tolist() == pytest.approx(sync)

@@ -5,12 +5,12 @@
 Data (all development data: the async archive's window starts at 1800 s, as the
 development windows do; the held-out async protocol replays windows from 3000 s):
 
-* docs/fidelity_async/async_engine.tar.gz: profile grid (with ``host_s``) and engine steps
+* docs/fidelity_async/async_dev_engine.tar.gz: profile grid (with ``host_s``) and engine steps
   of one conv window at loads 0.5 and 1.1 under asynchronous scheduling, whose durations
   are the async clock (the wall time between consecutive waits, lab/sim/replay.py);
 * docs/fidelity/dev_engine.tar.gz: the same conv window at load 1.1 replayed synchronously
   (another engine commit and machine, same GPU model);
-* docs/fidelity/heldout_engine.tar.gz: a synchronous protocol's profile and calibration
+* docs/fidelity/heldout_run1_engine.tar.gz: a synchronous protocol's profile and calibration
   replays (synthetic workloads), to measure what calibration replays change.
 
 Per engine step n of a run, with a cost model m: ``S`` = m's step time (host + device,
@@ -55,9 +55,9 @@ from lab.sim.calibrated import (  # noqa: E402
     steps_as_profile,
 )
 
-ASYNC = ROOT / "docs" / "fidelity_async" / "async_engine.tar.gz"
+ASYNC = ROOT / "docs" / "fidelity_async" / "async_dev_engine.tar.gz"
 DEV = ROOT / "docs" / "fidelity" / "dev_engine.tar.gz"
-HELDOUT = ROOT / "docs" / "fidelity" / "heldout_engine.tar.gz"
+HELDOUT = ROOT / "docs" / "fidelity" / "heldout_run1_engine.tar.gz"
 KINDS = ("decode", "mixed", "prefill")
 
 

@@ -1,4 +1,4 @@
-"""The figures docs/fidelity/heldout_notes.md quotes, from the archives in docs/fidelity/.
+"""The figures docs/fidelity/heldout_engine_notes.md quotes, from the archives in docs/fidelity/.
 
     python benchmarks/fidelity_step_bias.py
 
@@ -14,14 +14,14 @@
    alone against the grid plus the calibration replays (the fit fidelity --sim uses), by
    step kind; the decode steps' median signed error by batch size.
 3. docs/fidelity/heldout.csv: how far each missed cell is above its limit.
-4. The held-out archive again: what a count of joining decodes (approximated as in 1),
+4. The held-out archive again, then the first run's: what a count of joining decodes (approximated as in 1),
    fitted beside the features on the grid plus the calibration replays, does to the
    held-out step error; the decode steps' signed error by the time since the engine was
    last idle (a gap of > 1 ms between one step's end and the next step's start); and the
    spread of batch-1 decode steps within each run (10th-90th percentile around the median).
-5. Drift within a run: the median of the decode steps of 1-2 sequences in each fifth of a
-   run (by start time), for the BurstGPT 0.5x runs of both passes, where fcfs and sjf plan
-   alike.
+5. Drift within a run (both archives): the median of the decode steps of 1-2 sequences in
+   each fifth of a run (by start time), for the BurstGPT 0.5x runs of both passes, where
+   fcfs and sjf plan alike. Also each archive's count of calibration steps.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from lab.fidelity import _target, unpack  # noqa: E402
 from lab.sim.calibrated import (  # noqa: E402
     EAGER_KNOT,
+    MIN_EAGER_ROWS,
     REPLAY_KIND,
     CalibratedCostModel,
     design,
@@ -99,23 +100,28 @@ def idle_age(st: pd.DataFrame, gap_s: float = 1e-3) -> np.ndarray:
     return out
 
 
-def joins_and_idle() -> None:
-    src = unpack(DOCS / "heldout_engine.tar.gz")
+def joins_and_idle(archive: str) -> None:
+    print(f"{archive}:")
+    src = unpack(DOCS / archive)
     grid = read_profile(src / "profile.csv")
     cal = pd.concat([pd.read_csv(p).assign(run=Path(p).parent.name)
                      for p in calibration_steps(src)], ignore_index=True)  # fmt: skip
     st = engine_steps(src)
     y_cal = np.r_[grid.duration_s.to_numpy(), cal.duration_s.to_numpy()]
     y = st.duration_s.to_numpy()
+    x = np.concatenate([design(grid), design(steps_as_profile(cal))])
+    xe = design(steps_as_profile(st))
+    # as lab.sim.calibrated.fit does: the eager slope free where the grid informs it
+    free = (x.shape[1] - 1,) if (design(grid)[:, -1] > 0).sum() >= MIN_EAGER_ROWS else ()
+    if not free:
+        x, xe = x[:, :-1], xe[:, :-1]
     for with_joins in (False, True):
-        x = np.concatenate([design(grid), design(steps_as_profile(cal))])
-        xe = design(steps_as_profile(st))
         if with_joins:
             x = np.c_[x, np.r_[np.zeros(len(grid)), joins(cal)]]
             xe = np.c_[xe, joins(st)]
         scale = x.max(axis=0)
         scale[scale == 0] = 1.0
-        c = nnls(x / scale / y_cal[:, None], np.ones(len(y_cal))) / scale
+        c = nnls(x / scale / y_cal[:, None], np.ones(len(y_cal)), free) / scale
         e = (xe @ c - y) / y
         if not with_joins:
             e_fitted = e  # the model fidelity --sim fits
@@ -230,9 +236,12 @@ def missed_cells() -> None:
           f"<= 3 points {int((x <= 3).sum())}, > 10 points {int((x > 10).sum())}")  # fmt: skip
 
 
-def drift() -> None:
-    print("decode steps of 1-2 sequences, median ms in each fifth of the run (BurstGPT 0.5x):")
-    src = unpack(DOCS / "heldout_engine.tar.gz")  # with its repeat archive's runs
+def drift(archive: str) -> None:
+    print(f"{archive}: decode steps of 1-2 sequences, median ms in each fifth of the run "
+          "(BurstGPT 0.5x):")  # fmt: skip
+    src = unpack(DOCS / archive)  # with its repeat archive's runs
+    n = sum(len(pd.read_csv(f)) for f in calibration_steps(src))
+    print(f"  ({n:,} calibration steps in this archive)")
     for name in ("engine", "engine_repeat"):
         st = pd.read_csv(src / name / "burstgpt_0.5" / "steps.csv")
         st = st[(st.num_prefills == 0) & (st.num_decode_tokens <= 2)]
@@ -247,5 +256,6 @@ if __name__ == "__main__":
     eager()
     held_out()
     missed_cells()
-    joins_and_idle()
-    drift()
+    for name in ("heldout_engine.tar.gz", "heldout_run1_engine.tar.gz"):
+        joins_and_idle(name)
+        drift(name)

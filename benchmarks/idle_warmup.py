@@ -4,7 +4,7 @@
 
 On the held-out fidelity runs, decode steps within 5 ms of an idle gap took ~11% longer
 than the calibrated model predicts, and 2% longer after 0.5 s of steps
-(docs/fidelity/heldout_notes.md). The grid times each row in a busy loop. This probe runs
+(docs/fidelity/heldout_engine_notes.md). The grid times each row in a busy loop. This probe runs
 a few step shapes in a busy loop for ``--busy-s``, sleeps ``gap`` seconds (the device
 idles), then times the next ``--after`` steps one by one, as the profile times a step
 (launch to device sync). Each (shape, gap) is repeated ``--passes`` times.

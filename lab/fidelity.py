@@ -233,6 +233,17 @@ def profile_geometry(exp: dict[str, Any]) -> list[str]:
 def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
     """The whole engine side (see the module docstring); returns the exit status."""
     protocol = load_protocol(protocol_path)
+    ckpt = ROOT / protocol["checkpoint"]["dir"]
+    made = [d for d in (ckpt, *ckpt.parents) if not d.exists()]  # deepest first
+    ckpt.mkdir(parents=True, exist_ok=True)  # engine.model_path must exist for check_runs
+    try:  # every run's config and the device, before the checkpoint, --out and any GPU work
+        check_runs(protocol, protocol_path)
+        check_device(protocol, protocol_path)
+    except SystemExit:
+        for d in made:  # the folders made just now, if still empty
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+        raise
     out.mkdir(parents=True, exist_ok=True)
     for name in ("engine.json", "profile.csv", "protocol.yaml"):  # a reused --out: nothing
         (out / name).unlink(missing_ok=True)  # of an earlier run may reach this archive
@@ -245,17 +256,7 @@ def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
         log["protocol"] = str(Path(protocol_path).resolve().relative_to(ROOT))
     except ValueError:
         log["protocol"] = str(protocol_path)
-    ckpt = ROOT / protocol["checkpoint"]["dir"]
     t0 = time.perf_counter()
-    made = not ckpt.exists()
-    ckpt.mkdir(parents=True, exist_ok=True)  # engine.model_path must exist for check_runs
-    try:  # every run's config and the device, before the checkpoint and any GPU work
-        check_runs(protocol, protocol_path)
-        check_device(protocol, protocol_path)
-    except SystemExit:
-        if made and not any(ckpt.iterdir()):
-            ckpt.rmdir()
-        raise
     if not (ckpt / "config.json").exists():
         from backend.tools.random_checkpoint import write_random_checkpoint
         from lab.core.model_presets import PRESETS
@@ -638,14 +639,22 @@ def _sim(archive: Path, src: Path, doc: Path) -> dict[str, Any]:
         table, steps, rankings, plans, record, stale, profile, np, _shown(archive), protocol,
         equivalent,
     )  # fmt: skip
-    # written by hand after reading the results, kept beside the archive they describe
-    notes = (archive if archive.is_dir() else archive.parent) / "heldout_notes.md"
+    notes = notes_path(archive)
     if notes.exists():
         text += "\n" + notes.read_text()
     doc.write_text(text)
     print(f"wrote {doc} (and its tables and plots in {out_dir})")
     print("\nfor the README's fidelity paragraph:\n" + text.split("\n\n")[1], flush=True)
     return {"table": table, "steps": steps, "rankings": rankings, "plans": plans}
+
+
+def notes_path(archive: Path) -> Path:
+    """The hand-written notes the sim side appends to ``archive``'s doc: beside it and named
+    after it (``NAME.tar.gz``: ``NAME_notes.md``; an unpacked folder: its ``notes.md``), so
+    another archive in the same folder does not get them."""
+    if archive.is_dir():
+        return archive / "notes.md"
+    return archive.with_name(archive.name.removesuffix(".tar.gz") + "_notes.md")
 
 
 def predicted_durations(model, st, async_scheduling: bool = False):

@@ -556,3 +556,14 @@ def test_async_step_predictions_are_the_async_clock() -> None:
     )
     no_host = SimpleNamespace(coef=coef, host_coef=None)  # a profile without host_s
     assert predicted_durations(no_host, st, True).tolist() == pytest.approx(sync)
+
+
+def test_notes_are_those_named_after_the_archive(tmp_path) -> None:
+    from lab.fidelity import notes_path
+
+    assert notes_path(tmp_path / "heldout_engine.tar.gz") == tmp_path / "heldout_engine_notes.md"
+    # the first run's archive beside it does not take the second run's notes
+    assert (
+        notes_path(tmp_path / "heldout_run1_engine.tar.gz").name == "heldout_run1_engine_notes.md"
+    )
+    assert notes_path(tmp_path) == tmp_path / "notes.md"  # an unpacked archive folder

@@ -62,6 +62,7 @@ MIXED = [(d, n) for d in (8, 32, 128) for n in (256, 512, 1024, 2048)]
 # fit sees the eager slope apart from the attention pairs (lab/sim/calibrated.py).
 EAGER_PREFILLS = [(1, 12288), (2, 6144), (4, 3072), (8, 1536), (16, 768),
                   (1, 16384), (4, 4096), (8, 2048), (16, 1024)]  # fmt: skip
+EAGER_MIN_ROWS = 3  # lab.sim.calibrated.MIN_EAGER_ROWS (backend does not import lab.sim)
 SWAP_BLOCKS = (1, 4, 16, 64, 256)
 UNEVEN_BATCHES = (8, 32, 64)  # decode batches of log-normal contexts (median 1k, sigma 1)
 
@@ -268,6 +269,11 @@ def _profile(args: argparse.Namespace) -> None:
     if missing:
         print(f"note: no {', '.join(missing)} row fits the runner (blocks, max_model_len, "
               "max_num_seqs): the fit prices those steps by extrapolation", flush=True)  # fmt: skip
+    eager = sum(g[0] == "prefill_eager" for g in grid)
+    if 0 < eager < EAGER_MIN_ROWS:
+        print(f"note: only {eager} prefill_eager row(s) fit the runner: the fit needs "
+              f"{EAGER_MIN_ROWS} to give steps above 8,192 tokens their own slope, so it "
+              "extrapolates there", flush=True)  # fmt: skip
     samples: list[list[tuple[float, float]]] = [[] for _ in grid]
     for p in range(args.passes):
         for runs, (_, _, _, swap, seqs) in zip(samples, grid, strict=True):

@@ -33,6 +33,7 @@ step kind of
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import shutil
@@ -225,4 +226,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no options
     main()

@@ -26,6 +26,9 @@
 
 from __future__ import annotations
 
+import argparse
+import atexit
+import shutil
 import sys
 from pathlib import Path
 
@@ -35,7 +38,8 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab.fidelity import _target, unpack  # noqa: E402
+from lab.fidelity import _target  # noqa: E402
+from lab.fidelity import unpack as _unpack  # noqa: E402
 from lab.sim.calibrated import (  # noqa: E402
     EAGER_KNOT,
     MIN_EAGER_ROWS,
@@ -50,6 +54,20 @@ from lab.sim.calibrated import (  # noqa: E402
 )
 
 DOCS = ROOT / "docs" / "fidelity"
+_UNPACKED: dict[Path, Path] = {}
+
+
+def unpack(archive: Path) -> Path:
+    """lab.fidelity.unpack, once per archive; the folders are removed at exit."""
+    if archive not in _UNPACKED:
+        _UNPACKED[archive] = _unpack(archive)
+    return _UNPACKED[archive]
+
+
+@atexit.register
+def _clean() -> None:
+    for folder in _UNPACKED.values():
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def engine_steps(src: Path) -> pd.DataFrame:
@@ -252,6 +270,7 @@ def drift(archive: str) -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no options
     development()
     eager()
     held_out()

@@ -85,8 +85,12 @@ def main() -> None:
     ap.add_argument("--busy-s", type=float, default=0.3, help="busy loop before each gap")
     ap.add_argument("--gaps", type=float, nargs="+", default=list(GAPS_S))
     args = ap.parse_args()
-    if 0.0 not in args.gaps or args.after < 6:
-        ap.error("--gaps must include 0 (the baseline) and --after must be >= 6")
+    if 0.0 not in args.gaps or args.after < 6 or args.passes < 1:
+        ap.error("--gaps must include 0 (the baseline), --after must be >= 6, --passes >= 1")
+    if not all(0.0 <= g < float("inf") for g in args.gaps) or not args.busy_s >= 0:
+        ap.error("--gaps and --busy-s take seconds >= 0")
+    if not (Path(args.model_dir) / "config.json").is_file():
+        ap.error(f"--model-dir {args.model_dir}: no config.json (a checkpoint folder)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     attention = "triton" if device == "cuda" else "torch"  # the CPU: a smoke run only
     runner = ModelRunner(args.model_dir, device=device, dtype="bfloat16",

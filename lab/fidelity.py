@@ -46,6 +46,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -78,7 +79,8 @@ def load_protocol(path: Path) -> dict[str, Any]:
 
     Raises:
         SystemExit: ``error: PATH: KEY: expected ...`` (one line) for a missing or unreadable
-            file, an unknown or missing key, a time limit that is not a number > 0, loads
+            file, an unknown or missing key, a checkpoint without a folder (dir) or a known
+            preset (or a config), a time limit that is not a number > 0, loads
             that are not distinct numbers > 0, no slices, an experiment that is not an
             engine run, or a calibration workload that is not a synthetic trace.
     """
@@ -101,6 +103,17 @@ def load_protocol(path: Path) -> dict[str, Any]:
     for key in ("checkpoint", "loads", "slices", "experiment", "time_limits_s"):
         if key not in p:
             raise SystemExit(f"error: {path}: missing key {key!r}")
+    ck = p["checkpoint"]
+    if not isinstance(ck, dict) or not isinstance(ck.get("dir"), str) or not ck["dir"].strip():
+        raise fail("checkpoint", "a mapping with dir: a folder path (and preset or config)", ck)
+    if not isinstance(ck.get("config"), dict):
+        from lab.core.model_presets import PRESETS
+
+        if ck.get("preset") not in PRESETS:
+            raise fail("checkpoint.preset", f"one of {', '.join(PRESETS)} (or a config:)",
+                       ck.get("preset"))  # fmt: skip
+    if (ROOT / ck["dir"]).exists() and not (ROOT / ck["dir"]).is_dir():
+        raise fail("checkpoint.dir", "a folder (it names a file)", ck["dir"])
     limits = p["time_limits_s"]
     want = {"profile", "total"} | ({"calibration"} if p.get("calibration") is not None else set())
     if not isinstance(limits, dict) or set(limits) != want:
@@ -124,6 +137,9 @@ def load_protocol(path: Path) -> dict[str, Any]:
     exp = p["experiment"]
     if not isinstance(exp, dict) or exp.get("backend") != "engine":
         raise fail("experiment", "an experiment config with backend: engine", exp)
+    for key in ("engine", "scheduler", "kv_cache"):
+        if not isinstance(exp.get(key, {}), dict):
+            raise fail(f"experiment.{key}", "a mapping", exp[key])
     cal = p.get("calibration")
     if cal is not None:
         if not isinstance(cal, dict) or set(cal) - {"policies", "workloads"}:
@@ -158,8 +174,9 @@ def calibration_config(protocol: dict[str, Any], name: str) -> dict[str, Any]:
            "trace": dict(cal["workloads"][name])}  # fmt: skip
     if cal.get("policies"):
         raw["policies"] = cal["policies"]
-    if (raw.get("scheduler") or {}).get("async_scheduling"):
-        raw["scheduler"]["async_scheduling"] = False
+    sch = raw.get("scheduler")
+    if isinstance(sch, dict) and sch.get("async_scheduling"):
+        sch["async_scheduling"] = False
     return raw
 
 
@@ -181,9 +198,15 @@ def check_runs(protocol: dict[str, Any], path: Path) -> None:
     configs += [(f"slices.{n}", slice_config(protocol, n)) for n in protocol["slices"]]
     for key, raw in configs:
         try:
-            load_trace(validate(raw, str(path), ROOT).trace.spec, ROOT)  # its keys, its rows
+            reqs = load_trace(validate(raw, str(path), ROOT).trace.spec, ROOT)  # keys, rows
         except UserError as e:
             raise SystemExit(f"error: {key}: {e}") from None
+        kept = [r.arrival_s for r in reqs if r.status.value != "dropped"]
+        if key.startswith("slices.") and (len(kept) < 2 or max(kept) == min(kept)):
+            raise SystemExit(
+                f"error: {path}: {key}: expected a window of >= 2 requests over a time span "
+                f"(its own rate scales the loads), got {len(kept)} request(s)"
+            )
 
 
 def check_device(protocol: dict[str, Any], path: Path) -> None:
@@ -232,6 +255,8 @@ def profile_geometry(exp: dict[str, Any]) -> list[str]:
 
 def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
     """The whole engine side (see the module docstring); returns the exit status."""
+    from lab.config import validate
+
     protocol = load_protocol(protocol_path)
     ckpt = ROOT / protocol["checkpoint"]["dir"]
     made = [d for d in (ckpt, *ckpt.parents) if not d.exists()]  # deepest first
@@ -267,6 +292,10 @@ def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
         _free_device_cache()  # the runs' processes get the memory its random draws cached
     log["steps"]["checkpoint_s"] = time.perf_counter() - t0
     exp = protocol["experiment"]
+    # the runs' engine options as validated (defaults filled in), for the profile's runner
+    runs = validate(
+        slice_config(protocol, next(iter(protocol["slices"]))), str(protocol_path), ROOT
+    )
     steps = [
         (
             "profile",
@@ -279,11 +308,11 @@ def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
                 "--out",
                 str(out / "profile.csv"),
                 "--attention",
-                exp["engine"]["attention_backend"],
+                runs.engine.attention_backend,
                 "--dtype",
-                exp["engine"]["dtype"],
+                runs.engine.dtype,
                 "--block-size",
-                str(exp["kv_cache"]["block_size"]),
+                str(runs.kv_cache.block_size),
                 *profile_geometry(exp),
                 *map(str, protocol.get("profile_args", [])),
             ],
@@ -492,10 +521,14 @@ def unpack(archive: Path) -> Path:
             file=sys.stderr,
         )
     tmp = Path(tempfile.mkdtemp(prefix="fidelity-"))
-    for path in (archive, repeat_archive(archive)):
-        if path.exists():
-            with tarfile.open(path) as tar:
-                tar.extractall(tmp, filter="data")
+    try:
+        for path in (archive, repeat_archive(archive)):
+            if path.exists():
+                with tarfile.open(path) as tar:
+                    tar.extractall(tmp, filter="data")
+    except BaseException:  # a damaged archive: the caller reports it; no folder is left
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return tmp
 
 
@@ -506,7 +539,17 @@ def rel(sim: float, real: float) -> float:
 def sim(archive: Path, doc: Path) -> dict[str, Any]:
     """Every comparison of the simulator side; writes docs/fidelity.md (``doc``), its
     table (fidelity/heldout.csv) and plots beside it; returns the numbers. The archive is
-    unpacked into a temporary folder, removed at the end."""
+    unpacked into a temporary folder, removed at the end.
+
+    Raises:
+        SystemExit: one line, before any replay, if ``doc`` is a folder or its folder
+            cannot be made or written."""
+    try:
+        doc.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"error: --doc {doc}: cannot make its folder ({e.strerror})") from None
+    if doc.is_dir() or not os.access(doc.parent, os.W_OK):
+        raise SystemExit(f"error: --doc {doc}: expected a markdown file path in a writable folder")
     src = unpack(archive)
     try:
         return _sim(archive, src, doc)

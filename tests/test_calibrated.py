@@ -147,8 +147,11 @@ def test_eager_slope_needs_three_rows_and_keeps_the_slope_non_negative(tmp_path)
 
 def test_eager_knot_is_the_engines_largest_token_graph():
     from backend.cuda_graphs import DEFAULT_TOKEN_SIZES
+    from backend.profile import EAGER_MIN_ROWS
+    from lab.sim.calibrated import MIN_EAGER_ROWS
 
     assert EAGER_KNOT == max(DEFAULT_TOKEN_SIZES)
+    assert EAGER_MIN_ROWS == MIN_EAGER_ROWS  # the profile's note and the fit agree
 
 
 def test_profile_grid_has_enough_eager_rows_for_the_held_out_runner():

@@ -365,6 +365,11 @@ def test_sim_side_names_a_missing_archive(tmp_path) -> None:
         (lambda p: p.update(loads=[0.5, 0.5]), r"loads: expected a list of distinct numbers > 0"),
         (lambda p: p.update(slices={}), r"slices: expected a mapping of window names"),
         (lambda p: p["experiment"].update(backend="sim"), r"experiment: expected an experiment config with backend: engine"),
+        (lambda p: p["experiment"].update(scheduler=[1]), r"experiment.scheduler: expected a mapping, got \[1\]"),
+        (lambda p: p["checkpoint"].pop("dir"), r"checkpoint: expected a mapping with dir: a folder path"),
+        (lambda p: p.update(checkpoint="x"), r"checkpoint: expected a mapping with dir"),
+        (lambda p: p["checkpoint"].update(preset="nope"), r"checkpoint.preset: expected one of .*qwen3-0.6b.*, got 'nope'"),
+        (lambda p: p["checkpoint"].update(dir="README.md"), r"checkpoint.dir: expected a folder \(it names a file\)"),
     ],
 )  # fmt: skip
 def test_protocol_shape_is_checked_in_one_line(tmp_path, edit, message) -> None:
@@ -567,3 +572,25 @@ def test_notes_are_those_named_after_the_archive(tmp_path) -> None:
         notes_path(tmp_path / "heldout_run1_engine.tar.gz").name == "heldout_run1_engine_notes.md"
     )
     assert notes_path(tmp_path) == tmp_path / "notes.md"  # an unpacked archive folder
+
+
+def test_a_window_of_one_request_is_refused_before_the_profile(tmp_path) -> None:
+    """A window's own rate (requests over its time span) scales the loads: one request has
+    none, so check_runs refuses it in one line rather than the first pass dividing by 0."""
+    from lab.fidelity import check_runs, load_protocol
+
+    p = yaml.safe_load((ROOT / "benchmarks" / "fidelity_tiny.yaml").read_text())
+    p["experiment"]["engine"]["model_path"] = str(tmp_path)
+    name = next(iter(p["slices"]))
+    p["slices"][name]["limit"] = 1
+    bad = tmp_path / "protocol.yaml"
+    bad.write_text(yaml.safe_dump(p))
+    with pytest.raises(SystemExit, match=rf"slices\.{name}: expected a window of >= 2 requests"):
+        check_runs(load_protocol(bad), bad)
+
+
+def test_sim_side_refuses_a_doc_that_is_a_folder_before_any_replay(tmp_path) -> None:
+    from lab.fidelity import ARCHIVE, sim
+
+    with pytest.raises(SystemExit, match=r"--doc .*: expected a markdown file path"):
+        sim(ARCHIVE, tmp_path)

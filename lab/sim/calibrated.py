@@ -22,8 +22,9 @@ Step time is linear in features with a physical meaning (lab.core.plan.StepFeatu
 
 c10 may take either sign (on the H200, steps of several prompts above 8,192 tokens cost
 less per token than the slope below predicts), but the slope above the knot,
-c3 + c4 + c10, is kept >= 0. It is fitted only when the profile has at least
-``MIN_EAGER_ROWS`` rows above the knot, else it is 0 (profiles made before
+c3 + c4 + c10, is kept >= 0 (where the free fit would make it negative, the model is refitted
+with it held at 0). It is fitted only when the profile has at least ``MIN_EAGER_ROWS`` rows
+above the knot (and the data a row per coefficient), else it is 0 (profiles made before
 backend/profile.py timed such rows have none, and fit as before). Replay steps
 (``replay_steps``) do not count: the few of them above the knot are whatever the workload
 made, some slowed by an eager step's first run at a new size.
@@ -172,12 +173,21 @@ def fit(df: pd.DataFrame) -> np.ndarray:
     a = x / scale / y[:, None]
     coef = np.zeros(x.shape[1])
     grid = (df["kind"] != REPLAY_KIND).to_numpy() if "kind" in df else np.ones(len(df), bool)
-    if (x[grid, _EAGER] > 0).sum() >= MIN_EAGER_ROWS:
+    keep = [i for i in range(x.shape[1]) if i != _EAGER]
+    eager = (x[grid, _EAGER] > 0).sum() >= MIN_EAGER_ROWS and len(df) >= len(FEATURES)
+    if eager:
         coef[:] = nnls(a, np.ones(len(y)), free=(_EAGER,)) / scale
-        coef[_EAGER] = max(coef[_EAGER], -(coef[_TOKENS] + coef[_HINGE]))  # slope >= 0
-    else:
-        keep = [i for i in range(x.shape[1]) if i != _EAGER]
-        coef[keep] = nnls(a[:, keep], np.ones(len(y))) / scale[keep]
+        if coef[_EAGER] >= -(coef[_TOKENS] + coef[_HINGE]):
+            return coef
+        # the slope above the knot would be < 0: hold it at 0 (c10 = -(c3 + c4)) and refit
+        x = x.copy()
+        x[:, _TOKENS] -= x[:, _EAGER]
+        x[:, _HINGE] -= x[:, _EAGER]
+        scale = x.max(axis=0)
+        scale[scale == 0] = 1.0
+        a = x / scale / y[:, None]
+    coef[keep] = nnls(a[:, keep], np.ones(len(y))) / scale[keep]
+    coef[_EAGER] = 0.0 - (coef[_TOKENS] + coef[_HINGE]) if eager else 0.0  # never -0.0
     return coef
 
 

@@ -10,7 +10,8 @@ Engine side, each step a process of its own under a time limit (``timeout``):
 
 Time: ``time_limits_s.total`` for all of it, from the start; ``profile`` for the profile and
 ``calibration`` for the calibration replays; the first pass gets 52% of what is left after
-them, the repeat the rest.
+them, the repeat the rest. Stopped (SIGTERM, Ctrl-C), it stops the running step and packs
+what ended before it.
 
 1. every run's config (:func:`check_runs`) and the device (:func:`check_device`) checked,
    then a random-weight checkpoint of the protocol's preset, if missing;
@@ -48,6 +49,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -209,6 +211,28 @@ def check_runs(protocol: dict[str, Any], path: Path) -> None:
             )
 
 
+def _stop(signum: int, frame: Any) -> None:
+    """SIGTERM handler of the engine side: stop the running step as Ctrl-C would."""
+    raise KeyboardInterrupt
+
+
+def _run_step(argv: list[str]) -> int:
+    """Run one step's command to its end; returns its exit status. If this process is
+    interrupted meanwhile, the step is stopped first (SIGTERM, which ``timeout`` hands on
+    to the pass; SIGKILL after 15 s), so no pass outlives the parent."""
+    proc = subprocess.Popen(argv, cwd=ROOT)
+    try:
+        return proc.wait()
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+
+
 def check_device(protocol: dict[str, Any], path: Path) -> None:
     """The engine device the protocol's experiment names is here: for ``cuda``, torch sees a
     GPU. Checked before the checkpoint is made (an 8B one is 16 GB of random draws).
@@ -332,30 +356,45 @@ def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
     ]
     status = 0
     end = time.time() - (time.perf_counter() - t0) + limits["total"]  # epoch seconds
-    for name, cmd in steps:
-        left = end - time.time()
-        # the repeat replays what the first pass ran: about half of what is left each
-        limit = {"profile": limits["profile"], "calibration": limits.get("calibration", 0),
-                 "first": 0.52 * left, "repeat": left - 5}[name]  # fmt: skip
-        limit = int(max(limit, 1))
-        if name != "profile":
-            cmd += ["--out", str(out), "--protocol", str(protocol_path),
-                    "--deadline", str(time.time() + limit - 10)]  # fmt: skip
-        t = time.perf_counter()
-        print(f"== {name} (limit {limit} s): {' '.join(cmd)}", flush=True)
-        rc = subprocess.run(["timeout", "-k", "10", str(limit), *cmd], cwd=ROOT).returncode
-        log["steps"][f"{name}_s"] = time.perf_counter() - t
-        log["steps"][f"{name}_rc"] = rc
-        print(f"== {name}: exit {rc} after {time.perf_counter() - t:.1f} s", flush=True)
-        if rc != 0:
-            status = 1
-            if name == "profile":
-                print(f"error: the profile step failed (exit {rc}): no calibration data, so "
-                      "nothing is held out and no archive is written", file=sys.stderr)  # fmt: skip
-                return 1
-            if name == "calibration":  # engine.json lists the workloads that finished
-                print(f"warning: the calibration step failed (exit {rc}): the workloads that "
-                      "finished are fitted beside the grid", file=sys.stderr)  # fmt: skip
+    previous = signal.signal(signal.SIGTERM, _stop)  # a stopped run packs what ended
+    try:
+        for name, cmd in steps:
+            left = end - time.time()
+            # the repeat replays what the first pass ran: about half of what is left each
+            limit = {"profile": limits["profile"], "calibration": limits.get("calibration", 0),
+                     "first": 0.52 * left, "repeat": left - 5}[name]  # fmt: skip
+            limit = int(max(limit, 1))
+            if name != "profile":
+                cmd += ["--out", str(out), "--protocol", str(protocol_path),
+                        "--deadline", str(time.time() + limit - 10)]  # fmt: skip
+            t = time.perf_counter()
+            print(f"== {name} (limit {limit} s): {' '.join(cmd)}", flush=True)
+            stopped = False
+            try:
+                rc = _run_step(["timeout", "-k", "10", str(limit), *cmd])
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM (_stop): the step was stopped
+                rc, stopped = -signal.SIGTERM, True
+            log["steps"][f"{name}_s"] = time.perf_counter() - t
+            log["steps"][f"{name}_rc"] = rc
+            print(f"== {name}: exit {rc} after {time.perf_counter() - t:.1f} s", flush=True)
+            if stopped:
+                print(f"warning: stopped during the {name} step: packing what ended before it",
+                      file=sys.stderr)  # fmt: skip
+                status = 1
+                if name == "profile":
+                    return 1
+                break
+            if rc != 0:
+                status = 1
+                if name == "profile":
+                    print(f"error: the profile step failed (exit {rc}): no calibration data, so "
+                          "nothing is held out and no archive is written", file=sys.stderr)  # fmt: skip
+                    return 1
+                if name == "calibration":  # engine.json lists the workloads that finished
+                    print(f"warning: the calibration step failed (exit {rc}): the workloads that "
+                          "finished are fitted beside the grid", file=sys.stderr)  # fmt: skip
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     done = out / "engine.json"
     passes = json.loads(done.read_text()) if done.exists() else {}
     (out / "engine.json").write_text(json.dumps({**passes, **log}, indent=2) + "\n")

@@ -42,12 +42,10 @@ from lab.fidelity import _target  # noqa: E402
 from lab.fidelity import unpack as _unpack  # noqa: E402
 from lab.sim.calibrated import (  # noqa: E402
     EAGER_KNOT,
-    MIN_EAGER_ROWS,
     REPLAY_KIND,
     CalibratedCostModel,
     design,
     fit,
-    nnls,
     read_profile,
     read_replay_steps,
     steps_as_profile,
@@ -125,25 +123,13 @@ def joins_and_idle(archive: str) -> None:
     cal = pd.concat([pd.read_csv(p).assign(run=Path(p).parent.name)
                      for p in calibration_steps(src)], ignore_index=True)  # fmt: skip
     st = engine_steps(src)
-    y_cal = np.r_[grid.duration_s.to_numpy(), cal.duration_s.to_numpy()]
-    y = st.duration_s.to_numpy()
-    x = np.concatenate([design(grid), design(steps_as_profile(cal))])
-    xe = design(steps_as_profile(st))
-    # as lab.sim.calibrated.fit does: the eager slope free where the grid informs it
-    free = (x.shape[1] - 1,) if (design(grid)[:, -1] > 0).sum() >= MIN_EAGER_ROWS else ()
-    if not free:
-        x, xe = x[:, :-1], xe[:, :-1]
-    for with_joins in (False, True):
-        if with_joins:
-            x = np.c_[x, np.r_[np.zeros(len(grid)), joins(cal)]]
-            xe = np.c_[xe, joins(st)]
-        scale = x.max(axis=0)
-        scale[scale == 0] = 1.0
-        c = nnls(x / scale / y_cal[:, None], np.ones(len(y_cal)), free) / scale
-        e = (xe @ c - y) / y
-        if not with_joins:
-            e_fitted = e  # the model fidelity --sim fits
-        label = f"with a joining count ({c[-1] * 1e6:.0f} us each)" if with_joins else "as fitted"
+    rows = pd.concat([grid, steps_as_profile(cal)], ignore_index=True)
+    y, xe = st.duration_s.to_numpy(), design(steps_as_profile(st))
+    e_fitted = (xe @ fit(rows) - y) / y  # the model fidelity --sim fits
+    c = fit(rows, extra=np.r_[np.zeros(len(grid)), joins(cal)])
+    e_joins = (xe @ c[:-1] + joins(st) * c[-1] - y) / y
+    for label, e in (("as fitted", e_fitted),
+                     (f"with a joining count ({c[-1] * 1e6:.0f} us each)", e_joins)):  # fmt: skip
         print(f"held-out step error {label}: median {np.median(abs(e)) * 100:.2f}%, "
               f"P90 {np.percentile(abs(e), 90) * 100:.2f}%")  # fmt: skip
     d = kinds(st) == "decode"
@@ -174,12 +160,8 @@ def development() -> None:
         te = ~tr
         print(f"  grid + {train} -> {test}: "
               f"{signed(design(rows[te]) @ coef, st[te], kind[te])}")  # fmt: skip
-        x = np.concatenate([design(grid), design(rows[tr])])
-        x = np.concatenate([x, np.r_[np.zeros(len(grid)), joined[tr]][:, None]], axis=1)
-        y = np.r_[grid.duration_s.to_numpy(), rows.duration_s.to_numpy()[tr]]
-        scale = x.max(axis=0)
-        scale[scale == 0] = 1.0
-        c = nnls(x / scale / y[:, None], np.ones(len(y))) / scale
+        c = fit(pd.concat([grid, rows[tr]], ignore_index=True),
+                extra=np.r_[np.zeros(len(grid)), joined[tr]])  # fmt: skip
         print(f"    a joining sequence, fitted on grid + {train}: {c[-1] * 1e6:.0f} us")
 
 

@@ -173,3 +173,15 @@ def test_profile_grid_has_enough_eager_rows_for_the_held_out_runner():
             eager.append(len(chunks))
     assert len(eager) >= MIN_EAGER_ROWS
     assert min(eager) == 1 and max(eager) == 16
+
+
+def test_extra_candidate_features_are_fitted_beside_the_model():
+    """A candidate feature of 3 us per unit, present in the data, is recovered after the
+    model's coefficients, which stay exact (noise-free data)."""
+    df = profile_frame()
+    extra = np.arange(len(df)) % 3  # 0, 1, 2 units per row
+    df["duration_s"] += 3e-6 * extra
+    coef = fit(df, extra=extra)
+    assert coef[-1] == pytest.approx(3e-6, rel=1e-6)
+    for name, value in zip(FEATURES, coef[:-1]):
+        assert value == pytest.approx(TRUE[name], rel=1e-6, abs=1e-15), name

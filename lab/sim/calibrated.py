@@ -163,11 +163,14 @@ def nnls(a: np.ndarray, b: np.ndarray, free: tuple[int, ...] = ()) -> np.ndarray
         active.remove(min(neg, key=lambda i: coef[i]))
 
 
-def fit(df: pd.DataFrame) -> np.ndarray:
+def fit(df: pd.DataFrame, extra: np.ndarray | None = None) -> np.ndarray:
     """Coefficients of :data:`FEATURES` minimizing the relative error of predicted step
     durations (module doc: c10 only with ``MIN_EAGER_ROWS`` profile rows, i.e. rows whose
-    ``kind`` is not "replay", above ``EAGER_KNOT``)."""
+    ``kind`` is not "replay", above ``EAGER_KNOT``). ``extra``: (rows, k) candidate
+    features fitted beside them (each coefficient >= 0), whose coefficients follow."""
     x, y = design(df), df["duration_s"].to_numpy(float)
+    if extra is not None:
+        x = np.concatenate([x, np.asarray(extra, float).reshape(len(df), -1)], axis=1)
     scale = x.max(axis=0)
     scale[scale == 0] = 1.0
     a = x / scale / y[:, None]

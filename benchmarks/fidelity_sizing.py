@@ -15,8 +15,8 @@ happen once a process: lab/engine_setup.py keeps the runner) and each experiment
 ``--load-s`` (its trace, its results folder). The checkpoint and the profile steps are
 given (``--checkpoint-s``, ``--profile-s``). The time limits and the skipping of folders
 follow lab/fidelity.py: the first pass gets 52% of what is left after the profile and the
-calibration, and a folder is skipped when the pass's own estimate (1.15 x policies x
-requests / (min(load, 1) x capacity) + 3 s) would end past its deadline.
+calibration, and a folder is skipped when the pass's own estimate
+(``lab.fidelity.pass_estimate_s``) would end past its deadline.
 
 Prints one line per run and the predicted steps against ``time_limits_s``. A prediction,
 not a measurement: the calibrated model's error on the engine's steps (docs/fidelity.md)
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -41,11 +40,13 @@ from lab.config import validate  # noqa: E402
 from lab.experiment import run_experiment  # noqa: E402
 from lab.fidelity import (  # noqa: E402
     calibration_config,
+    capacity_run,
     folder_name,
+    load_config,
     load_protocol,
+    pass_estimate_s,
     slice_config,
 )
-from traces import load_trace  # noqa: E402
 
 
 def as_sim(raw: dict, cost_model: dict, protocol_path: Path):
@@ -86,13 +87,7 @@ def predict(protocol_path: Path, cost_model: dict, load_s: float, process_s: flo
     t, done = process_s, []
     for name in protocol["slices"]:
         cfg = as_sim(slice_config(protocol, name), cost_model, protocol_path)
-        reqs = [r for r in load_trace(cfg.trace.spec, ROOT) if r.status.value != "dropped"]
-        native = (len(reqs) - 1) / (reqs[-1].arrival_s - reqs[0].arrival_s)
-        for r in reqs:
-            r.arrival_s = 0.0
-        offline = dataclasses.replace(
-            cfg, policies=tuple(p for p in cfg.policies if p.name == "fcfs")
-        )
+        reqs, native, offline = capacity_run(cfg)
         if t + 10 > deadline:
             print(f"{name}: skipped (no time for its capacity run)")
             continue
@@ -104,13 +99,11 @@ def predict(protocol_path: Path, cost_model: dict, load_s: float, process_s: flo
               f"{capacity:.2f} req/s, run {cap_run:.1f} s, own rate {native:.3f} req/s")  # fmt: skip
         for load in protocol["loads"]:
             folder = folder_name(name, load)
-            est = 1.15 * len(cfg.policies) * len(reqs) / (min(load, 1.0) * capacity) + 3
+            est = pass_estimate_s(cfg, len(reqs), load, capacity)
             if t + est > deadline:
                 print(f"  {folder}: skipped (pass estimate {est:.0f} s)")
                 continue
-            cfg_l = dataclasses.replace(
-                cfg.with_trace(rate_scale=load * capacity / native), name=folder
-            )
+            cfg_l = load_config(cfg, folder, load * capacity / native)
             d = durations(cfg_l)
             t += load_s + sum(d.values())
             done.append((folder, load_s + sum(d.values()), est))

@@ -414,7 +414,6 @@ def engine_pass(which: str, protocol_path: Path, out: Path, deadline: float) -> 
     from lab.config import validate
     from lab.experiment import run_experiment
     from lab.report import write_results
-    from traces import load_trace
 
     protocol = load_protocol(protocol_path)
     record_path = out / "engine.json"
@@ -454,13 +453,7 @@ def engine_pass(which: str, protocol_path: Path, out: Path, deadline: float) -> 
     record.update(folders=[], estimates_s={}, capacity={})  # keeps the calibration pass's
     for name in protocol["slices"]:
         cfg = validate(slice_config(protocol, name), str(protocol_path), ROOT)
-        reqs = [r for r in load_trace(cfg.trace.spec, ROOT) if r.status.value != "dropped"]
-        native = (len(reqs) - 1) / (reqs[-1].arrival_s - reqs[0].arrival_s)
-        for r in reqs:
-            r.arrival_s = 0.0
-        offline = dataclasses.replace(
-            cfg, policies=tuple(p for p in cfg.policies if p.name == "fcfs")
-        )
+        reqs, native, offline = capacity_run(cfg)
         if time.time() + 10 > deadline:
             record["skipped"].append(f"{name} (no time for its capacity run)")
             continue
@@ -471,13 +464,11 @@ def engine_pass(which: str, protocol_path: Path, out: Path, deadline: float) -> 
         print(f"{name}: capacity {capacity:.2f} req/s, own rate {native:.3f}", flush=True)
         for load in protocol["loads"]:
             folder = folder_name(name, load)
-            # each run lasts ~ requests / min(offered rate, capacity), a little more
-            est = 1.15 * len(cfg.policies) * len(reqs) / (min(load, 1.0) * capacity) + 3
+            est = pass_estimate_s(cfg, len(reqs), load, capacity)
             if time.time() + est > deadline:
                 record["skipped"].append(f"{folder} (estimated {est:.0f} s)")
                 continue
-            cfg_l = cfg.with_trace(rate_scale=load * capacity / native)
-            cfg_l = dataclasses.replace(cfg_l, name=folder)
+            cfg_l = load_config(cfg, folder, load * capacity / native)
             runs = run_experiment(cfg_l, progress=False)
             write_results(out / "engine" / folder, cfg_l, runs)
             record["folders"].append(folder)
@@ -485,6 +476,30 @@ def engine_pass(which: str, protocol_path: Path, out: Path, deadline: float) -> 
             print(f"  load {load:g}: " + _throughputs(runs), flush=True)
             record_path.write_text(json.dumps(record, indent=2) + "\n")
     record_path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def capacity_run(cfg):
+    """A window's capacity run: its requests (dropped ones left out) all arriving at t = 0,
+    its own rate (requests per second over its span) and ``cfg`` through fcfs alone."""
+    from traces import load_trace
+
+    reqs = [r for r in load_trace(cfg.trace.spec, ROOT) if r.status.value != "dropped"]
+    native = (len(reqs) - 1) / (reqs[-1].arrival_s - reqs[0].arrival_s)
+    for r in reqs:
+        r.arrival_s = 0.0
+    offline = dataclasses.replace(cfg, policies=tuple(p for p in cfg.policies if p.name == "fcfs"))
+    return reqs, native, offline
+
+
+def pass_estimate_s(cfg, num_requests: int, load: float, capacity: float) -> float:
+    """Seconds a (window, load) folder takes in a pass, all policies: each run lasts about
+    requests / min(offered rate, capacity), a little more."""
+    return 1.15 * len(cfg.policies) * num_requests / (min(load, 1.0) * capacity) + 3
+
+
+def load_config(cfg, folder: str, rate_scale: float):
+    """A window's config replayed at ``rate_scale`` x its own rate, named ``folder``."""
+    return dataclasses.replace(cfg.with_trace(rate_scale=rate_scale), name=folder)
 
 
 def _engine_config(raw: dict):

@@ -216,7 +216,7 @@ def part_throughput(args) -> dict:
     from lab.config import validate
     from lab.core.errors import UserError
     from lab.core.request import Request
-    from lab.experiment import run_experiment
+    from lab.run.experiment import run_experiment
 
     prompts, outputs = workload(args.num_requests, args.tiny)
     kw = engine_kwargs(args)

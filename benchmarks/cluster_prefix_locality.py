@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lab.config import load_config, validate  # noqa: E402
-from lab.experiment import run_experiment  # noqa: E402
+from lab.run.experiment import run_experiment  # noqa: E402
 from traces.prefix_bound import prefix_hit_bound  # noqa: E402
 
 ROUTERS = [

@@ -28,7 +28,7 @@ TRACE = {"format": "azure2023", "path": str(ROOT / "traces/data/azure2023_conv.c
 def one(replicas: int, router: str, rate_scale: float) -> dict:
     """Run one case in this process; returns its figures."""
     from lab.config import validate
-    from lab.experiment import run_experiment
+    from lab.run.experiment import run_experiment
 
     raw = {"trace": {**TRACE, "rate_scale": rate_scale}, "policies": ["fcfs"]}
     if replicas > 1:

@@ -30,7 +30,7 @@ def workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
 
 def run_ours(model_dir, prompts, outputs, attention: str, policy: str) -> tuple[float, int]:
     from lab.config import validate
-    from lab.experiment import run_experiment
+    from lab.run.experiment import run_experiment
 
     cfg = validate(
         {

@@ -47,8 +47,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab.experiment import run_experiment  # noqa: E402
 from lab.fidelity import _engine_config, _step_kind, predicted_durations, unpack  # noqa: E402
+from lab.run.experiment import run_experiment  # noqa: E402
 from lab.sim.calibrated import (  # noqa: E402
     CalibratedCostModel,
     host_design,

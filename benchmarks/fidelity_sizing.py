@@ -11,7 +11,7 @@ files fitted beside it, as ``fidelity --sim`` does with the calibration replays)
 run lasts about its simulated makespan (``duration_s``: the engine's replay wall time is its
 makespan, the replay loop waiting for arrivals). Beyond that, each pass is a process of its
 own (``--process-s``: imports, CUDA context, the model's load and CUDA-graph capture, which
-happen once a process: lab/engine_setup.py keeps the runner) and each experiment in it costs
+happen once a process: lab/setup/engine.py keeps the runner) and each experiment in it costs
 ``--load-s`` (its trace, its results folder). The checkpoint and the profile steps are
 given (``--checkpoint-s``, ``--profile-s``). The time limits and the skipping of folders
 follow lab/fidelity.py: the first pass gets 52% of what is left after the profile and the
@@ -37,7 +37,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from lab.config import validate  # noqa: E402
-from lab.experiment import run_experiment  # noqa: E402
 from lab.fidelity import (  # noqa: E402
     calibration_config,
     capacity_run,
@@ -47,6 +46,7 @@ from lab.fidelity import (  # noqa: E402
     pass_estimate_s,
     slice_config,
 )
+from lab.run.experiment import run_experiment  # noqa: E402
 
 
 def as_sim(raw: dict, cost_model: dict, protocol_path: Path):

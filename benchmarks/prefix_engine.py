@@ -82,7 +82,7 @@ def sim_replay(run, requests: list[Request], cfg, pol):
     """The simulator on the engine run's own limits, blocks and step durations."""
     from lab.core.kv import make_block_manager
     from lab.core.scheduler import SchedulerLimits
-    from lab.experiment import fresh
+    from lab.run.experiment import fresh
     from lab.sim.replay import replay
     from policies import get_policy
 
@@ -107,7 +107,7 @@ def main() -> int:
     import torch
 
     from lab.config import validate
-    from lab.experiment import run_experiment
+    from lab.run.experiment import run_experiment
     from traces.prefix_bound import prefix_hit_bound
 
     if args.tiny:

@@ -29,7 +29,7 @@ import yaml  # noqa: E402
 
 from backend.engine import EngineExecutor, StepResult  # noqa: E402
 from lab.config import validate  # noqa: E402
-from lab.experiment import run_experiment  # noqa: E402
+from lab.run.experiment import run_experiment  # noqa: E402
 
 
 def main() -> None:

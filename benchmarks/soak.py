@@ -66,10 +66,10 @@ def worker(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | Non
     sys.path.insert(0, str(ROOT))
     import numpy as np
 
-    from lab import metrics
     from lab.core.errors import SchedulerStuckError
     from lab.core.kv import BlockManager
-    from lab.experiment import resolve_limits, sim_parts
+    from lab.results import metrics
+    from lab.run.experiment import resolve_limits, sim_parts
     from lab.sim.cost_model import CostModelExecutor
     from lab.sim.models import MODELS
     from lab.sim.replay import replay

@@ -31,11 +31,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab import metrics  # noqa: E402
 from lab.core.kv import make_block_manager  # noqa: E402
 from lab.core.request import Request  # noqa: E402
 from lab.core.scheduler import SchedulerLimits  # noqa: E402
 from lab.core.spec import SpeculativeConfig  # noqa: E402
+from lab.results import metrics  # noqa: E402
 from lab.sim.calibrated import CalibratedCostModel  # noqa: E402
 from lab.sim.cost_model import AnalyticCostModel, CostModelExecutor  # noqa: E402
 from lab.sim.hardware import HARDWARE  # noqa: E402

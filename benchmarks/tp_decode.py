@@ -132,7 +132,7 @@ def phase_offline(args) -> dict:
 
     from lab.config import validate
     from lab.core.request import Request
-    from lab.experiment import run_experiment
+    from lab.run.experiment import run_experiment
 
     eng = {k: v for k, v in engine_kwargs(args).items() if k not in ("block_size", "num_gpu_blocks",
                                                                       "gpu_memory_utilization")}  # fmt: skip

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     from lab.core.errors import UserError
-    from lab.timeline import explain, picture
+    from lab.report.timeline import explain, picture
 
     try:
         if args.command == "explain":
@@ -273,13 +273,13 @@ def _run(args: argparse.Namespace) -> int:
     )
     from lab.config import load_config
     from lab.core.errors import UserError
-    from lab.report import ResultsNotPlaced
+    from lab.report.folder import ResultsNotPlaced
 
     runs: list = []
     cfg = out = None
     with _Signals() as signals:
         try:
-            from lab.sweep import is_sweep, read_yaml
+            from lab.sweeps.sweep import is_sweep, read_yaml
 
             path, raw = read_yaml(args.config)
             if is_sweep(raw):
@@ -301,8 +301,8 @@ def _run(args: argparse.Namespace) -> int:
                 raise UserError("--format parquet needs pyarrow: pip install 'sched-lab[parquet]'")
             out = Path(args.out) if args.out is not None else Path.cwd() / "results" / cfg.name
             t0 = time.perf_counter()
-            from lab.experiment import iter_runs
-            from lab.report import check_out_dir, write_results
+            from lab.report.folder import check_out_dir, write_results
+            from lab.run.experiment import iter_runs
 
             out = check_out_dir(out)  # before the replays, so a folder in the way costs no run
             for run in iter_runs(cfg, progress=not args.no_progress):
@@ -357,13 +357,13 @@ def _with_percentiles(cfg, text: str):
 
 
 def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
-    """``sched-lab run`` of a sweep (lab/sweep.py): every point, one results folder.
+    """``sched-lab run`` of a sweep (lab/sweeps/sweep.py): every point, one results folder.
     Raises UserError for bad input; an interruption stops the points and writes nothing."""
     import os
 
     from lab.core.errors import UserError
-    from lab.sweep import load_sweep
-    from lab.sweep_run import run_sweep
+    from lab.sweeps.run import run_sweep
+    from lab.sweeps.sweep import load_sweep
 
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit: expected an integer >= 1, got {args.limit}")
@@ -424,7 +424,7 @@ def _keep_partial(
         )
         return _code(e)
     from lab.core.errors import UserError
-    from lab.report import ResultsNotPlaced, write_results
+    from lab.report.folder import ResultsNotPlaced, write_results
 
     total = len(cfg.rate_scales) * len(cfg.policies)
     partial = f"interrupted by {_name(e)} after {len(runs)} of {total} runs"
@@ -447,13 +447,13 @@ def _keep_partial(
 def _decoder(cfg):
     if cfg.backend != "engine":
         return None
-    from lab.engine_setup import text_decoder
+    from lab.setup.engine import text_decoder
 
     return text_decoder(cfg)
 
 
 def _report(runs: list, decode, out: Path, wall_s: float, cfg) -> int:
-    from lab.terminal import summary_text
+    from lab.report.terminal import summary_text
 
     print(summary_text(runs, cfg.report.metric_percentiles))
     if decode is not None:  # a taste of the real text, first policy only

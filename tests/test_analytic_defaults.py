@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from lab.config import validate
-from lab.experiment import run_experiment
-from lab.report import _cost_model_lines
+from lab.report.folder import _cost_model_lines
+from lab.run.experiment import run_experiment
 from lab.sim.analytic_defaults import FITTED, GUESS, defaults, refit
 from lab.sim.cost_model import AnalyticCostModel
 from lab.sim.hardware import HARDWARE

@@ -400,7 +400,7 @@ def test_bad_config_is_one_line(raw, message):
 
 def test_run_summary_counts_wasted_tokens(tmp_path):
     from lab.config import validate
-    from lab.experiment import run_experiment
+    from lab.run.experiment import run_experiment
 
     raw = {
         "trace": parse_flow(SYNTHETIC),
@@ -417,14 +417,14 @@ def test_run_summary_counts_wasted_tokens(tmp_path):
     assert by["async"]["async_scheduling"] is True and by["sync"]["async_scheduling"] is False
     assert by["async"]["num_wasted_tokens"] == by["async"]["finished"] == 6
     assert by["sync"]["num_wasted_tokens"] == 0
-    from lab.report import _markdown
+    from lab.report.folder import _markdown
 
     text = _markdown(cfg, runs, [])
     assert "Wasted decode slots (async scheduling): async 6." in text
 
 
 def parse_flow(text: str):
-    from lab.yamlio import parse_yaml
+    from lab.config.yamlio import parse_yaml
 
     return parse_yaml(f"a: {text}")["a"]
 

@@ -131,7 +131,7 @@ def test_capped_host_time_is_warned_about_per_run(caplog):
     capped, and the run says in how many; the sync run computes no host time: no warning."""
     import logging
 
-    from lab.experiment import run_experiment
+    from lab.run.experiment import run_experiment
 
     trace = {"format": "synthetic", "num_requests": 3, "prompt_len": 8, "output_len": 3,
              "arrival": {"process": "poisson", "rate": 2}}  # fmt: skip
@@ -141,7 +141,7 @@ def test_capped_host_time_is_warned_about_per_run(caplog):
         "cost_model": {"host_per_seq_s": 1.0},
         "policies": [{"name": "fcfs", "label": "a", "async_scheduling": True}, "fcfs"],
     }
-    with caplog.at_level(logging.WARNING, logger="lab.experiment"):
+    with caplog.at_level(logging.WARNING, logger="lab.run.experiment"):
         a, s = run_experiment(validate(raw, "x.yaml"), progress=False)
     n = a.summary["num_steps"]
     assert n > 0 and [r.getMessage() for r in caplog.records] == [
@@ -350,7 +350,7 @@ def test_report_says_which_mode_ran_and_warns_without_host_time(
     tmp_path, cost_model, policies, lines
 ):
     import run_experiment
-    from lab.paths import DATA_ROOT
+    from lab.config.paths import DATA_ROOT
 
     path = tmp_path / "exp.yaml"
     text = EXPERIMENT.format(cost_model=cost_model, policies=policies)
@@ -363,9 +363,9 @@ def test_report_says_which_mode_ran_and_warns_without_host_time(
 
 
 def test_async_replay_of_a_sync_engine_run_is_refused_before_any_replay():
-    from lab.experiment import run_experiment
-    from lab.paths import DATA_ROOT
-    from lab.yamlio import load_yaml_file
+    from lab.config.paths import DATA_ROOT
+    from lab.config.yamlio import load_yaml_file
+    from lab.run.experiment import run_experiment
 
     path = DATA_ROOT / "experiments" / "replayed_durations.yaml"
     raw = load_yaml_file(path)

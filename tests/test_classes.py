@@ -1,5 +1,5 @@
 """Workload classes (traces/classes.py, ``trace:`` as a list), their config checks, the
-per-class and fairness metrics (lab/fairness.py), hand-computed."""
+per-class and fairness metrics (lab/results/fairness.py), hand-computed."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pandas as pd
 import pytest
 
 import run_experiment
-from lab import fairness
 from lab.config import validate
 from lab.core.errors import ConfigError
 from lab.core.request import Request
+from lab.results import fairness
 from traces.classes import load_classes
 
 HEAD = "TIMESTAMP,ContextTokens,GeneratedTokens\n"

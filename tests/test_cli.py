@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-import lab.report
+import lab.report.folder
 from lab import __version__
 from lab.cli import main
-from lab.paths import DATA_ROOT as ROOT
-from lab.report import MANIFEST
+from lab.config.paths import DATA_ROOT as ROOT
+from lab.report.folder import MANIFEST
 
 QUICK = ["experiments/quickstart.yaml", "--no-progress"]
 SYNTHETIC = (
@@ -94,7 +94,7 @@ def test_fit_refits_a_profile_and_bad_input_is_one_line(tmp_path, capsys):
 
 INTERRUPT = """
 import os, signal, sys
-import lab.experiment as ex
+import lab.run.experiment as ex
 real, at = ex.iter_runs, int(sys.argv[1])
 def iter_runs(*a, **k):
     if at == 0:
@@ -171,9 +171,9 @@ def test_interrupt_before_any_run_writes_nothing(tmp_path):
 
 
 def test_out_through_a_symlink_loop_or_too_long_a_name(tmp_path, capsys, monkeypatch):
-    import lab.experiment
+    import lab.run.experiment
 
-    monkeypatch.setattr(lab.experiment, "iter_runs", None)  # a run would raise TypeError
+    monkeypatch.setattr(lab.run.experiment, "iter_runs", None)  # a run would raise TypeError
     (tmp_path / "a").symlink_to(tmp_path / "b")
     (tmp_path / "b").symlink_to(tmp_path / "a")
     assert main(["run", *QUICK, "--out", str(tmp_path / "a" / "x")]) == 2
@@ -191,17 +191,17 @@ def test_unreplaceable_results_are_refused_before_any_run(tmp_path, capsys, monk
     out = tmp_path / "res"
     assert main(["run", *QUICK, "--limit", "3", "--out", str(out)]) == 0
     capsys.readouterr()
-    import lab.experiment
+    import lab.run.experiment
 
-    monkeypatch.setattr(lab.experiment, "iter_runs", None)  # a run would raise TypeError
-    real = lab.report.tempfile.mkdtemp
+    monkeypatch.setattr(lab.run.experiment, "iter_runs", None)  # a run would raise TypeError
+    real = lab.report.folder.tempfile.mkdtemp
 
     def read_only(prefix=None, dir=None):  # what a folder without write permission gives
         if Path(dir) == out:
             raise PermissionError(13, "Permission denied")
         return real(prefix=prefix, dir=dir)
 
-    monkeypatch.setattr(lab.report.tempfile, "mkdtemp", read_only)
+    monkeypatch.setattr(lab.report.folder.tempfile, "mkdtemp", read_only)
     assert main(["run", *QUICK, "--out", str(out)]) == 2
     assert one_error_line(capsys).endswith(
         f"--out {out}: the earlier results cannot be replaced: cannot delete its files "
@@ -234,7 +234,7 @@ def test_failed_final_rename_keeps_the_results_and_says_where(tmp_path, capsys, 
             raise OSError(16, "Device or resource busy")
         return real(src, dst)
 
-    monkeypatch.setattr(lab.report.os, "rename", rename)
+    monkeypatch.setattr(lab.report.folder.os, "rename", rename)
     assert main(["run", *QUICK, "--limit", "4", "--out", str(out)]) == 1
     line = one_error_line(capsys)
     kept = Path(line.rsplit("they are in ", 1)[1])
@@ -328,7 +328,7 @@ def test_old_entry_points_still_work(tmp_path):
 
 WHILE_WRITING = """
 import os, signal, sys
-import lab.report as report
+import lab.report.folder as report
 real, times = report._plots, int(sys.argv[1])
 def plots(*a, **k):
     for _ in range(times):

@@ -20,7 +20,7 @@ from lab.core.errors import ConfigError
 from lab.core.kv import BlockManager
 from lab.core.request import Request
 from lab.core.scheduler import SchedulerLimits
-from lab.experiment import run_experiment
+from lab.run.experiment import run_experiment
 from lab.sim.cluster import ClusterSpec, PoolSpec, replay_cluster
 from lab.sim.hardware import LINKS, Link
 from lab.sim.replay import STEP_COLUMNS
@@ -151,8 +151,8 @@ def test_disaggregated_timeline_exact():
 
 
 def test_disaggregated_metrics_ttft_excludes_the_transfer(tmp_path):
-    from lab import metrics
-    from lab.cluster_metrics import add_cluster
+    from lab.results import metrics
+    from lab.results.cluster_metrics import add_cluster
 
     rows = [("a", 0.0, 150, 4), ("b", 0.0, 150, 4), ("one", 0.2, 20, 1)]
     res, reqs = run_cluster(disaggregated(1, 1, 1e7, 0.005), rows, kv_bytes=1000)
@@ -247,7 +247,7 @@ def test_results_folder_of_a_disaggregated_run(tmp_path):
     import json
 
     from lab.config import load_config
-    from lab.report import write_results
+    from lab.report.folder import write_results
 
     cfg = load_config(ROOT / "experiments/cluster_pd.yaml").with_trace(limit=200)
     runs = run_experiment(cfg, progress=False)

@@ -1,5 +1,5 @@
-"""The typed config (lab/config.py), its YAML loader (lab/yamlio.py) and path rule
-(lab/paths.py), and how run_experiment uses them: defaults, resolved paths, checks before
+"""The typed config (lab/config.py), its YAML loader (lab/config/yamlio.py) and path rule
+(lab/config/paths.py), and how run_experiment uses them: defaults, resolved paths, checks before
 the first replay, the trace read once and identified by its sha256."""
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import pytest
 import yaml
 
 import run_experiment
-from lab import paths
-from lab.config import ExperimentConfig, load_config, validate
+from lab.config import ExperimentConfig, load_config, paths, validate
+from lab.config.yamlio import parse_yaml, short_repr
 from lab.core.errors import ConfigError
-from lab.experiment import resolve_limits
-from lab.yamlio import parse_yaml, short_repr
+from lab.run.experiment import resolve_limits
 
 SYNTHETIC = (
     "{format: synthetic, num_requests: 4, arrival: {process: poisson, rate: 2}, "
@@ -257,9 +256,9 @@ def test_missing_path_names_the_key_and_the_value_as_written(tmp_path):
 
 # ---------------------------------------------------------------------------- the run
 def test_a_later_policy_fails_before_the_first_replay(tmp_path, monkeypatch):
-    import lab.experiment
+    import lab.run.experiment
 
-    monkeypatch.setattr(lab.experiment, "replay", None)  # a replay would raise TypeError
+    monkeypatch.setattr(lab.run.experiment, "replay", None)  # a replay would raise TypeError
     cfg = load_config(
         write(
             tmp_path,
@@ -273,7 +272,7 @@ def test_a_later_policy_fails_before_the_first_replay(tmp_path, monkeypatch):
         match=r"policies\[tiny\]: max_num_batched_tokens 16 must "
         r"be >= max_num_seqs 256",
     ):
-        lab.experiment.run_experiment(cfg, progress=False)
+        lab.run.experiment.run_experiment(cfg, progress=False)
 
 
 def test_the_trace_is_read_once_for_a_sweep(tmp_path, monkeypatch):
@@ -289,7 +288,7 @@ def test_the_trace_is_read_once_for_a_sweep(tmp_path, monkeypatch):
             "policies: [fcfs, swap]\nkv_cache: {num_gpu_blocks: 64}\n",
         )
     )
-    from lab.experiment import run_experiment as run
+    from lab.run.experiment import run_experiment as run
 
     runs = run(cfg, progress=False)
     assert len(calls) == 1 and len(runs) == 6
@@ -299,7 +298,7 @@ def test_the_trace_is_read_once_for_a_sweep(tmp_path, monkeypatch):
 def test_a_trace_file_changed_while_read_is_refused(tmp_path, monkeypatch):
     import traces
     from lab.core.errors import TraceError
-    from lab.experiment import run_experiment as run
+    from lab.run.experiment import run_experiment as run
 
     real = traces.load_table
 
@@ -349,7 +348,7 @@ def test_engine_without_torch_is_one_line(tmp_path, monkeypatch, capsys):
 
 def test_engine_keys_reach_the_model_runner(tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    import lab.engine_setup
+    import lab.setup.engine
 
     seen = {}
 
@@ -360,7 +359,7 @@ def test_engine_keys_reach_the_model_runner(tmp_path, monkeypatch):
         seen.update(kwargs, model_dir=model_dir)
         raise Stop
 
-    monkeypatch.setattr(lab.engine_setup, "ModelRunner", fake_runner)
+    monkeypatch.setattr(lab.setup.engine, "ModelRunner", fake_runner)
     (tmp_path / "model").mkdir()
     cfg = load_config(
         write(
@@ -371,7 +370,7 @@ def test_engine_keys_reach_the_model_runner(tmp_path, monkeypatch):
         )
     )
     with pytest.raises(Stop):
-        lab.engine_setup.engine_parts(cfg)
+        lab.setup.engine.engine_parts(cfg)
     assert seen["model_dir"] == tmp_path / "model"
     assert (seen["cuda_graphs"], seen["mixed_graphs"], seen["kn_weights"]) == (False, False, True)
     assert (seen["max_num_batched_tokens"], seen["max_num_seqs"]) == (8192, 256)
@@ -455,7 +454,7 @@ def test_engine_warns_once_about_the_simulator_side_of_a_file(tmp_path, caplog):
 def test_swap_space_that_holds_no_block_is_refused(tmp_path, monkeypatch):
     """Llama-3.1-8B: 2 (K, V) * 32 layers * 8 KV heads * 128 * 2 bytes = 128 KiB a token, a
     block of 16 tokens 2 MiB = 0.00195 GiB; 0.0001 GiB holds none. 0 (no swap) is taken."""
-    from lab.experiment import sim_parts
+    from lab.run.experiment import sim_parts
 
     raw = {"trace": parse_yaml(SYNTHETIC), "model": "llama-3.1-8b"}
     with pytest.raises(ConfigError) as e:
@@ -470,18 +469,18 @@ def test_swap_space_that_holds_no_block_is_refused(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     import types
 
-    import lab.engine_setup
+    import lab.setup.engine
 
     def fake_runner(model_dir, **kwargs):  # a 1 MiB block, no room for one in swap space
         kv = types.SimpleNamespace(block_bytes=1 << 20)
         return types.SimpleNamespace(num_cpu_blocks=0, kv_cache=kv)
 
-    monkeypatch.setattr(lab.engine_setup, "ModelRunner", fake_runner)
+    monkeypatch.setattr(lab.setup.engine, "ModelRunner", fake_runner)
     (tmp_path / "tiny").mkdir()
     engine = {**raw, "backend": "engine", "engine": {"model_path": "tiny"},
               "kv_cache": {"swap_space_gib": 0.0005}}  # fmt: skip
     with pytest.raises(ConfigError) as e:
-        lab.engine_setup.engine_parts(validate(engine, "x.yaml", tmp_path))
+        lab.setup.engine.engine_parts(validate(engine, "x.yaml", tmp_path))
     assert str(e.value) == (
         "kv_cache.swap_space_gib: 0.0005 GiB holds no KV block: one block of 16 tokens of "
         "tiny needs 0.000977 GiB; expected at least that, or 0 for no swap space"

@@ -21,7 +21,7 @@ from triton_setup import QWEN3_TINY, tiny_engine_config  # noqa: E402  (sets TRI
 
 from lab.config import validate  # noqa: E402
 from lab.core.request import Request  # noqa: E402
-from lab.experiment import run_experiment  # noqa: E402
+from lab.run.experiment import run_experiment  # noqa: E402
 
 POLICIES = [
     "fcfs",

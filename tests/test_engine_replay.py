@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 
 import run_experiment  # noqa: E402
 from lab.config import validate  # noqa: E402
-from lab.experiment import run_experiment as run_runs  # noqa: E402
+from lab.run.experiment import run_experiment as run_runs  # noqa: E402
 
 # All at t = 0: the schedule, and so the preemptions, must not depend on measured step times.
 PROMPTS = [

@@ -409,7 +409,7 @@ def test_replay_with_speculation_greedy_identical(tiny, caching):
     """The lab's replay loop, policies and scheduler accounting (spec-core) with the
     engine's proposers: tokens equal a run without speculation (nor caching), under
     preemptions, with the prefix cache off and on (pairs of requests share prompts)."""
-    from lab.experiment import run_experiment
+    from lab.run.experiment import run_experiment
 
     ref = run_experiment(e2e_config(tiny[0], 200, ["fcfs"]), False, e2e_requests())[0]
     expected = {r.request_id: r.output_token_ids for r in ref.result.requests}
@@ -443,7 +443,7 @@ def test_replay_sampling_and_synthetic(tiny):
     """Temperature 0.8 with a random draft (rejection sampling) and ngram (point masses),
     and the synthetic proposer at acceptance 1: every request ends with its output length,
     accepted <= drafted, synthetic accepts every draft it verifies."""
-    from lab.experiment import run_experiment
+    from lab.run.experiment import run_experiment
 
     for spec, temperature in (
         ({"method": "draft", "num_speculative_tokens": 2, "model": str(tiny[1])}, 0.8),
@@ -465,7 +465,7 @@ def test_replay_sampling_and_synthetic(tiny):
 
 
 def test_async_scheduling_with_speculation_is_refused(tiny):
-    from lab.engine_setup import engine_parts
+    from lab.setup.engine import engine_parts
 
     cfg = e2e_config(tiny[0], 40, ["fcfs"], {"method": "ngram", "num_speculative_tokens": 2})
     make_executor = engine_parts(cfg)[0]

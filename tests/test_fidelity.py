@@ -19,7 +19,7 @@ import yaml
 
 from lab.config import validate
 from lab.core.fingerprint import HEADER_PREFIX, backend_sources_hash, differences
-from lab.experiment import run_experiment
+from lab.run.experiment import run_experiment
 from lab.sim.calibrated import CalibratedCostModel, read_fingerprint, staleness
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -167,7 +167,7 @@ def test_replayed_durations_count_mismatches_and_refuse_extra_steps(tmp_path) ->
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 def test_engine_plans_are_made_again_from_their_durations(tmp_path) -> None:
     from backend.tools.random_checkpoint import write_random_checkpoint
-    from lab.report import write_results
+    from lab.report.folder import write_results
 
     ckpt = tmp_path / "ckpt"
     write_random_checkpoint(TINY, ckpt, dtype="float32")
@@ -328,7 +328,7 @@ def test_policies_plan_alike_only_where_they_decide_alike(tmp_path, rate, alike)
     fcfs did when requests arrive 5 s apart (never a queue to order), and not when all 12
     arrive at once (sjf admits the shortest outputs first)."""
     from lab.fidelity import plans_alike
-    from lab.report import write_results
+    from lab.report.folder import write_results
 
     raw = {
         "name": "alike",
@@ -422,7 +422,7 @@ def test_replayed_durations_of_another_window_are_refused(tmp_path) -> None:
     fed back with the same window, it plans alike; with a window of 10 requests instead of
     20, it is refused before any replay, naming both counts."""
     from lab.core.errors import ConfigError
-    from lab.report import write_results
+    from lab.report.folder import write_results
 
     trace = {"format": "azure2023", "path": str(ROOT / "traces/data/azure2023_conv.csv"),
              "limit": 20}  # fmt: skip

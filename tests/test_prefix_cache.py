@@ -313,7 +313,7 @@ def _config(**over):
 
 def test_caching_with_no_prefix_identity_is_one_line():
     from lab.core.errors import ConfigError
-    from lab.experiment import run_experiment
+    from lab.run.experiment import run_experiment
 
     with pytest.raises(ConfigError) as e:
         run_experiment(_config(), progress=False)
@@ -334,7 +334,7 @@ def test_caching_flag_must_be_a_bool():
 
 def test_hash_block_size_not_a_multiple_is_one_line():
     from lab.core.errors import ConfigError
-    from lab.experiment import run_experiment
+    from lab.run.experiment import run_experiment
 
     reqs = [Request("0", 0.0, 40, 2, None, [1, 2], hash_block_size=24)]
     with pytest.raises(ConfigError) as e:
@@ -346,7 +346,7 @@ def test_hash_block_size_not_a_multiple_is_one_line():
 
 
 def test_per_policy_flag_compares_caching_off_and_on():
-    from lab.experiment import run_experiment
+    from lab.run.experiment import run_experiment
 
     cfg = _config(
         policies=[{"name": "fcfs", "label": "off", "enable_prefix_caching": False}, "fcfs"]

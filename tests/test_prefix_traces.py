@@ -339,13 +339,13 @@ def test_assign_hash_prompt_tokens_leaves_text_and_plain_requests() -> None:
 
 
 def test_engine_replays_prompts_made_from_hash_ids(tmp_path: Path) -> None:
-    """The engine path (lab/experiment.py) gives requests with hash ids and no text their
+    """The engine path (lab/run/experiment.py) gives requests with hash ids and no text their
     tokens from the ids: two requests behind one 32-token system prompt share 32 tokens."""
     pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
     import torch_threads  # noqa: F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
 
     from backend.tools.random_checkpoint import write_random_checkpoint
-    from lab.experiment import run_experiment
+    from lab.run.experiment import run_experiment
 
     model = {
         "architectures": ["LlamaForCausalLM"],

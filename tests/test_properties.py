@@ -79,7 +79,7 @@ class Scenario:
 
 @st.composite
 def scenarios(draw, chunked: bool) -> Scenario:
-    """Valid limits (as lab/experiment.py ``resolve_limits`` accepts them) and a trace."""
+    """Valid limits (as lab/run/experiment.py ``resolve_limits`` accepts them) and a trace."""
     bs = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
     gpu = draw(st.integers(1, MAX_GPU_BLOCKS))
     cap = gpu * bs  # KV capacity in tokens

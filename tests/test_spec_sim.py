@@ -1,5 +1,5 @@
 """Speculative decoding in the simulator: acceptance draws, verify and draft pricing, the
-metrics (lab/sim/spec_executor.py, lab/spec_metrics.py)."""
+metrics (lab/sim/spec_executor.py, lab/results/spec_metrics.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lab import metrics, spec_metrics
 from lab.core.errors import ConfigError
 from lab.core.kv import make_block_manager
 from lab.core.plan import SchedulerOutput, StepFeatures, StepResult
 from lab.core.request import Request
 from lab.core.scheduler import SchedulerLimits
 from lab.core.spec import SpeculativeConfig
+from lab.results import metrics, spec_metrics
 from lab.sim import spec_executor as se
 from lab.sim.calibrated import PROFILE_COLUMNS, CalibratedCostModel
 from lab.sim.replay import replay

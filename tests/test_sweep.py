@@ -1,4 +1,4 @@
-"""Sweeps (lab/sweep.py), capacity search (lab/search.py) and their executors: grids expand
+"""Sweeps (lab/sweeps/sweep.py), capacity search (lab/sweeps/search.py) and their executors: grids expand
 as documented, the search finds a capacity known in closed form, bad inputs are one line,
 and a sweep's files are byte-identical serially, on the process pool and on a local Ray."""
 
@@ -13,15 +13,15 @@ import pandas as pd
 import pytest
 
 import run_experiment
+from lab.config.keypaths import set_path
 from lab.core.errors import ConfigError
 from lab.core.plan import StepFeatures
-from lab.keypaths import set_path
-from lab.search import SearchSpec, find_capacity, parse_search
 from lab.sim.analytic_defaults import defaults as analytic_defaults
 from lab.sim.cost_model import AnalyticCostModel
 from lab.sim.hardware import HARDWARE
 from lab.sim.models import MODELS
-from lab.sweep import expand, load_sweep
+from lab.sweeps.search import SearchSpec, find_capacity, parse_search
+from lab.sweeps.sweep import expand, load_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -362,9 +362,9 @@ def test_rerun_replaces_a_sweep_folder_but_not_a_foreign_file(tmp_path, capsys):
 
 
 def test_engine_points_run_here_after_the_simulator_points(tmp_path, monkeypatch):
-    import lab.executors
-    import lab.sweep_run
-    from lab.sweep_run import TaskResult, run_sweep
+    import lab.sweeps.executors
+    import lab.sweeps.run
+    from lab.sweeps.run import TaskResult, run_sweep
 
     model = tmp_path / "model"
     model.mkdir()
@@ -384,8 +384,8 @@ def test_engine_points_run_here_after_the_simulator_points(tmp_path, monkeypatch
         order.append(("driver", task.point.name))
         return TaskResult(task.index, error="not run")
 
-    monkeypatch.setattr(lab.executors, "run_tasks", pool)
-    monkeypatch.setattr(lab.sweep_run, "run_task", here)
+    monkeypatch.setattr(lab.sweeps.executors, "run_tasks", pool)
+    monkeypatch.setattr(lab.sweeps.run, "run_task", here)
     run_sweep(load_sweep(path), tmp_path / "out", jobs=2, progress=False)
     assert order == [
         ("executor", "p000"),
@@ -396,7 +396,7 @@ def test_engine_points_run_here_after_the_simulator_points(tmp_path, monkeypatch
 
 
 def test_class_rows_from_a_class_name_column():
-    from lab.sweep_run import class_metrics
+    from lab.sweeps.run import class_metrics
 
     df = pd.DataFrame(
         {
@@ -418,7 +418,7 @@ def test_class_rows_from_a_class_name_column():
 def sweep_examples() -> list[Path]:
     import yaml
 
-    from lab.sweep import is_sweep
+    from lab.sweeps.sweep import is_sweep
 
     return [p for p in sorted((ROOT / "experiments").glob("*.yaml"))
             if is_sweep(yaml.safe_load(p.read_text()))]  # fmt: skip
@@ -444,7 +444,7 @@ def test_sweep_example_runs(path, tmp_path):
 
 def test_an_unreachable_ray_address_is_one_line_not_a_wait():
     from lab.core.errors import UserError
-    from lab.executors import _check_reachable
+    from lab.sweeps.executors import _check_reachable
 
     with pytest.raises(UserError, match=r"^--ray-address 127.0.0.1:1: cannot connect \("):
         _check_reachable("127.0.0.1:1")

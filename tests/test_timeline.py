@@ -1,5 +1,5 @@
-"""A request's story from its events (lab/timeline.py), the over-time binning of the plots
-(lab/plots.py) and the width of the terminal summary (lab/terminal.py), on hand-computed
+"""A request's story from its events (lab/report/timeline.py), the over-time binning of the plots
+(lab/report/plots.py) and the width of the terminal summary (lab/report/terminal.py), on hand-computed
 replays with 10 ms steps (tests/helpers.py: step k runs over [10k, 10k + 10) ms)."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import pandas as pd
 import pytest
 from helpers import run
 
-from lab import metrics, timeline
-from lab.plots import _bin_mean, _spread
+from lab.report import timeline
+from lab.report.plots import _bin_mean, _spread
+from lab.results import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,7 +108,7 @@ def test_bins_hold_the_state_of_the_steps_covering_them():
 
 
 def test_terminal_summary_fits_100_columns(tmp_path):
-    from lab.terminal import summary_text
+    from lab.report.terminal import summary_text
 
     vllm = {
         "completed": 19366, "num_prompts": 19366, "failed": 0, "duration": 1752.3,

@@ -1,4 +1,4 @@
-"""The vLLM-format result files (lab/vllm_result.py): vLLM's documented field names, and
+"""The vLLM-format result files (lab/results/vllm_result.py): vLLM's documented field names, and
 values hand-computed on a replay with 10 ms steps (tests/helpers.py)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from helpers import run
 
-from lab import metrics
-from lab.vllm_result import percentile_word, vllm_result
+from lab.results import metrics
+from lab.results.vllm_result import percentile_word, vllm_result
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,7 @@ Example (YAML)::
 
     trace:
       format: azure2023            # azure2023 | burstgpt | mooncake | lengths | synthetic | prompts
-      path: traces/data/azure2023_conv.csv   # see lab/paths.py
+      path: traces/data/azure2023_conv.csv   # see lab/config/paths.py
       start_s: 0                   # window [start_s, end_s) on the trace's own clock
       end_s: 600
       limit: 1000                  # first N requests after the window
@@ -54,7 +54,7 @@ def load_trace(spec: Mapping[str, Any], base_dir: Path) -> list[Request]:
     Args:
         spec: the ``trace:`` block of an experiment (a mapping, as parsed from YAML).
         base_dir: a relative ``path`` is resolved against it (an experiment's config has
-            made its paths absolute already: :mod:`lab.paths`).
+            made its paths absolute already: :mod:`lab.config.paths`).
 
     Returns:
         New Requests in source order, ``arrival_s`` non-decreasing from 0.0, ``request_id``

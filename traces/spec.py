@@ -11,8 +11,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from lab.config.yamlio import short_repr
 from lab.core.errors import TraceError
-from lab.yamlio import short_repr
 
 # Key path of the trace block in an experiment YAML, the prefix of every spec message.
 WHERE = "trace"
@@ -109,7 +109,7 @@ def get_str_list(spec: Mapping[str, Any], key: str, where: str) -> list[str] | N
 
 def resolve_path(spec: Mapping[str, Any], base_dir: Path, where: str) -> Path:
     """The trace file: ``path`` relative to ``base_dir`` unless absolute (an experiment's
-    config hands over absolute paths: :mod:`lab.paths`).
+    config hands over absolute paths: :mod:`lab.config.paths`).
 
     Raises:
         TraceError: the key is missing or not a string, or no file exists there.

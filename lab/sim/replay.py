@@ -353,7 +353,7 @@ def replay(
 
     Args:
         requests: fresh requests (status WAITING), any order. Trace rows that are not
-            replayed (status DROPPED) are a reporting matter (:func:`lab.metrics.in_trace_order`)
+            replayed (status DROPPED) are a reporting matter (:func:`lab.results.metrics.in_trace_order`)
             and are refused here.
         check_invariants: check blocks and limits after every plan (slow; for tests).
         progress: optional callable(num_ended_requests, sim_time_s), called now and then.
@@ -391,7 +391,7 @@ def _replay(
     if dropped:
         raise ValueError(
             f"replay: requests {', '.join(dropped[:5])} are dropped trace rows "
-            "(not replayed; see lab.metrics.in_trace_order)"
+            "(not replayed; see lab.results.metrics.in_trace_order)"
         )
     requests = sorted(requests, key=lambda r: r.arrival_s)
     env = simpy.Environment()

@@ -40,7 +40,7 @@ from lab.core.plan import SchedulerOutput, StepFeatures, StepResult
 from lab.core.request import Request
 
 #: summary.json key (under each run's ``speculative``) holding the conditional per-position
-#: acceptance counts that ``acceptance_from`` reads (written by lab/spec_metrics.py).
+#: acceptance counts that ``acceptance_from`` reads (written by lab/results/spec_metrics.py).
 RATES_KEY = "conditional_acceptance_rates"
 ACCEPTED_KEY = "num_accepted_tokens_per_pos"
 REACHED_KEY = "num_reached_per_pos"

@@ -1,6 +1,6 @@
 """Running a sweep: its tasks, the function every executor calls, and the driver.
 
-A task is one point (every policy of it, as :func:`lab.experiment.run_experiment` runs a
+A task is one point (every policy of it, as :func:`lab.run.experiment.run_experiment` runs a
 config), or, with ``search:``, one capacity search of one policy at one point. The task
 function builds everything from the task alone, writes a point's results folder into a
 temporary folder and hands back its files as bytes, so that the driver writes the same
@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from lab.config import validate
+from lab.config.keypaths import get_path, set_path
 from lab.core.errors import UserError
-from lab.experiment import run_experiment
-from lab.keypaths import get_path, set_path
-from lab.report import write_results
-from lab.sweep import Point, Sweep
+from lab.report.folder import write_results
+from lab.run.experiment import run_experiment
+from lab.sweeps.sweep import Point, Sweep
 
-log = logging.getLogger("lab.sweep")
+log = logging.getLogger("lab.sweeps.sweep")
 
 SKIPPED_SUMMARY_KEYS = ("trace", "slo", "partial")  # not columns of the results table
 
@@ -44,7 +44,7 @@ class Task:
     source: str
     base_dir: Path
     fmt: str = "csv"
-    search: Any = None  # lab.search.SearchSpec: search this policy instead of running
+    search: Any = None  # lab.sweeps.search.SearchSpec: search this policy instead of running
     policy: int | None = None  # index in the point's policies, with ``search``
     start: float | None = None  # the search's start value
 
@@ -53,7 +53,7 @@ class Task:
 class TaskResult:
     """``rows``: the results-table rows (a point's runs, or a search's samples);
     ``files``: the point's results folder (relative path -> bytes), or None;
-    ``capacity``: a search's outcome (lab.search.Capacity as a dict); ``error``: why the
+    ``capacity``: a search's outcome (lab.sweeps.search.Capacity as a dict); ``error``: why the
     task failed (no rows then)."""
 
     index: int
@@ -117,7 +117,7 @@ def _point(task: Task) -> TaskResult:
     runs = run_experiment(cfg, progress=False)
     decode = None
     if cfg.backend == "engine":
-        from lab.engine_setup import text_decoder
+        from lab.setup.engine import text_decoder
 
         decode = text_decoder(cfg)
     with tempfile.TemporaryDirectory(prefix="sched-lab-point.") as tmp:
@@ -134,7 +134,7 @@ def _point(task: Task) -> TaskResult:
 
 
 def _search(task: Task) -> TaskResult:
-    from lab.search import find_capacity
+    from lab.sweeps.search import find_capacity
 
     spec = task.search
     raw = copy.deepcopy(dict(task.point.raw))
@@ -211,7 +211,7 @@ def run_rows(run, slo: Mapping[str, float | None]) -> list[dict[str, Any]]:
 def class_metrics(df, duration_s: float, slo: Mapping[str, float | None]) -> dict[str, Any]:
     """The request-level metrics of one class (rows of requests.csv), over the run's
     duration: counts, latency statistics, goodput and SLO attainment."""
-    from lab.metrics import meets_slo, stats
+    from lab.results.metrics import meets_slo, stats
 
     fin = df[df["status"] == "finished"]
     replayed = (df["status"] != "dropped").to_numpy()
@@ -237,17 +237,17 @@ def run_sweep(
 ) -> tuple[Path, list[TaskResult]]:
     """Run every task of the sweep and write its results folder ``out``.
 
-    Simulator tasks go to the executor (:func:`lab.executors.run_tasks`); engine points run
+    Simulator tasks go to the executor (:func:`lab.sweeps.executors.run_tasks`); engine points run
     here afterwards, one at a time. Returns the folder and the results in task order.
 
     Raises:
         UserError: ``out`` cannot become a results folder (checked before any task), ray
             is missing or unreachable.
     """
-    from lab import executors
-    from lab.progress import Phase
-    from lab.report import check_out_dir
-    from lab.sweep_report import write_sweep
+    from lab.report.folder import check_out_dir
+    from lab.report.progress import Phase
+    from lab.sweeps import executors
+    from lab.sweeps.report import write_sweep
 
     out = check_out_dir(out)
     tasks = make_tasks(sweep, fmt)

@@ -2,7 +2,7 @@
 :data:`WIDTH` columns (runs beyond what fits go into another block below), with goodput
 and SLO attainment when SLOs are set. Units as in the plots: seconds for TTFT and E2E,
 milliseconds for TPOT and ITL. The numbers come from each run's vLLM-format result
-(lab/vllm_result.py) and summary."""
+(lab/results/vllm_result.py) and summary."""
 
 from __future__ import annotations
 

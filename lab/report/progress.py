@@ -1,7 +1,7 @@
 """Progress of the phases of a run (loading, replay, metrics, writing).
 
 On a terminal each phase shows a tqdm bar on stderr; otherwise (a log file, a pipe, or
-bars turned off) each phase ends with one INFO line on the ``lab.progress`` logger, e.g.
+bars turned off) each phase ends with one INFO line on the ``lab.report.progress`` logger, e.g.
 ``fcfs: replay 19,366 requests in 3.1 s``, so that a long run is never silent.
 
     with Phase("fcfs: metrics", total=len(requests), unit="req") as phase:
@@ -16,7 +16,7 @@ import logging
 import sys
 import time
 
-log = logging.getLogger("lab.progress")
+log = logging.getLogger("lab.report.progress")
 
 
 class Phase:

@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab import cluster_metrics, fairness, metrics, paths, spec_metrics, vllm_result
-from lab.config import ExperimentConfig, PolicyConfig, check_swap_blocks
+from lab.config import ExperimentConfig, PolicyConfig, check_swap_blocks, paths
 from lab.core.errors import ConfigError, TraceError
 from lab.core.kv import has_prefix_identity, make_block_manager
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import SchedulerLimits
-from lab.progress import Phase
+from lab.report.progress import Phase
+from lab.results import cluster_metrics, fairness, metrics, spec_metrics, vllm_result
 from lab.sim import spec_executor
 from lab.sim.cluster import ClusterResult, replay_cluster
 from lab.sim.cost_model import (
@@ -36,7 +36,7 @@ from lab.sim.models import MODELS
 from lab.sim.replay import ReplayResult, replay
 from policies import get_policy
 
-log = logging.getLogger("lab.experiment")
+log = logging.getLogger("lab.run.experiment")
 
 
 @dataclass
@@ -50,7 +50,7 @@ class Run:
     requests: pd.DataFrame
     itl_cdf_s: np.ndarray  # ITL at CDF levels linspace(0, 1, len): metrics.cdf_points
     summary: dict[str, Any]
-    # The run in the format of vLLM's `vllm bench serve --save-result` (lab/vllm_result.py)
+    # The run in the format of vLLM's `vllm bench serve --save-result` (lab/results/vllm_result.py)
     vllm: dict[str, Any] = field(default_factory=dict)
     # ITL tail: (fraction of gaps above, gap in s), shape (2, n): vllm_result.tail_points
     itl_tail_s: np.ndarray | None = None
@@ -406,7 +406,7 @@ def iter_runs(
         info = {"path": None, "sha256": None, "rows": len(requests)}
     if cfg.backend == "engine":
         from backend.engine import assign_prompt_tokens  # imports torch
-        from lab.engine_setup import engine_parts
+        from lab.setup.engine import engine_parts
         from traces.hash_tokens import assign_hash_prompt_tokens
 
         make_executor, gpu, cpu, max_position, vocab_size = engine_parts(cfg)
@@ -525,13 +525,13 @@ def iter_runs(
                     "num_cpu_blocks": cpu,
                     "cost_model": info_cm,
                 }
-                if spec is not None:  # lab/spec_metrics.py
+                if spec is not None:  # lab/results/spec_metrics.py
                     summary["speculative"] = spec_metrics.run_summary(result.requests, spec)
                     df = spec_metrics.add_request_columns(df, rows, spec.num_speculative_tokens)
                 if any_spec and not isinstance(result, ClusterResult):  # every run: one table
                     n = len(result.steps["time_s"])
                     result.steps.update(spec_metrics.step_columns(result, n))
-                if cfg.trace.classes:  # per class and per tenant (lab/fairness.py)
+                if cfg.trace.classes:  # per class and per tenant (lab/results/fairness.py)
                     slos = fairness.class_slos(cfg.trace.classes, cfg.slo.to_dict())
                     duration = summary["duration_s"]
                     summary.update(fairness.summarize_classes(df, rows, result, slos, duration))

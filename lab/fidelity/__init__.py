@@ -61,9 +61,9 @@ from typing import Any
 
 import yaml
 
-from lab.yamlio import short_repr
+from lab.config.yamlio import short_repr
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL = ROOT / "benchmarks" / "fidelity_heldout.yaml"
 ARCHIVE = ROOT / "docs" / "fidelity" / "heldout_engine.tar.gz"
 METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
@@ -412,8 +412,8 @@ def engine_pass(which: str, protocol_path: Path, out: Path, deadline: float) -> 
     first pass's folders again); a folder that would end past ``deadline`` (epoch seconds)
     is skipped."""
     from lab.config import validate
-    from lab.experiment import run_experiment
-    from lab.report import write_results
+    from lab.report.folder import write_results
+    from lab.run.experiment import run_experiment
 
     protocol = load_protocol(protocol_path)
     record_path = out / "engine.json"
@@ -616,7 +616,7 @@ def _sim(archive: Path, src: Path, doc: Path) -> dict[str, Any]:
     import numpy as np
     import pandas as pd
 
-    from lab.experiment import run_experiment
+    from lab.run.experiment import run_experiment
     from lab.sim.calibrated import CalibratedCostModel, read_fingerprint, staleness
 
     profile = src / "profile.csv"
@@ -784,9 +784,9 @@ def plan_alike_replay(raw: dict, real_steps, a: str, b: str):
     durations (``cost_model.durations_from``, a's rows relabelled b): its plan_match."""
     import logging
 
-    from lab.experiment import run_experiment
+    from lab.run.experiment import run_experiment
 
-    quiet = logging.getLogger("lab.experiment")
+    quiet = logging.getLogger("lab.run.experiment")
     level, quiet.level = quiet.level, logging.CRITICAL  # b running out of a's steps is news
     try:  # to no one: it only means the two do not plan alike
         with tempfile.TemporaryDirectory() as tmp:
@@ -1289,7 +1289,3 @@ def _main(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,10 +26,10 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any
 
+from lab.config.paths import DATA_ROOT
 from lab.core.errors import UserError
-from lab.paths import DATA_ROOT
 
-log = logging.getLogger("lab.executors")
+log = logging.getLogger("lab.sweeps.executors")
 
 Task = Any
 Result = Any

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.metrics import cdf_points, decode_output_tokens
+from lab.results.metrics import cdf_points, decode_output_tokens
 
 TIME_BINS = 120
 COLOURS = ("#0072b2", "#d55e00", "#009e73", "#cc79a7", "#e69f00", "#56b4e9", "#f0e442", "#000")
@@ -228,7 +228,7 @@ def _vs_load(folder, runs, styles, plt) -> tuple[str, str]:
     panels[4].set(title="Achieved request throughput", ylabel="finished requests / s")
     panels[5].set(title="Output token throughput", ylabel="output tokens / s")
     if slo:
-        from lab.terminal import slo_text
+        from lab.report.terminal import slo_text
 
         panels[6].set(
             title=f"Goodput ({slo_text(runs[0].summary['slo'])})",

@@ -1,6 +1,6 @@
 """The results folder: config.yaml, requests.csv, steps.csv, summary.json, report.md + PNGs,
-events.csv (what the scheduler did to each request: lab/timeline.py), one vLLM-format result
-JSON per run (lab/vllm_result.py), report.html (lab/html_report.py).
+events.csv (what the scheduler did to each request: lab/report/timeline.py), one vLLM-format result
+JSON per run (lab/results/vllm_result.py), report.html (lab/report/html.py).
 
 The folder is written under a temporary name next to its destination and renamed into
 place at the end, so a crashed or interrupted run never leaves a folder that looks
@@ -24,11 +24,14 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from lab import __version__, fairness, html_report, plots, spec_metrics, timeline, vllm_result
+from lab import __version__
 from lab.config import ExperimentConfig
 from lab.core.errors import UserError
-from lab.experiment import Run
-from lab.progress import Phase
+from lab.report import html as html_report
+from lab.report import plots, timeline
+from lab.report.progress import Phase
+from lab.results import fairness, spec_metrics, vllm_result
+from lab.run.experiment import Run
 from lab.sim.replay import STEP_COLUMNS
 
 MANIFEST = ".sched-lab-manifest.json"  # the names of the files the lab wrote in a folder
@@ -372,7 +375,7 @@ def _json_safe(x):
 
 # ---------------------------------------------------------------------------- plots
 def _plots(folder: Path, runs: list[Run], cfg: ExperimentConfig) -> list[tuple[str, str]]:
-    """The PNG plots (lab/plots.py); returns (file name, caption) pairs."""
+    """The PNG plots (lab/report/plots.py); returns (file name, caption) pairs."""
     return plots.plots(folder, runs, cfg)
 
 
@@ -422,7 +425,7 @@ def _safe(label: str) -> str:
 
 
 def _html(folder: Path, cfg, runs, pictures, figures, partial) -> None:
-    from lab.terminal import rows, slo_text
+    from lab.report.terminal import rows, slo_text
 
     intro = html.escape(
         f"Backend {cfg.backend}; {_model_line(cfg)}; "
@@ -581,7 +584,7 @@ def _cost_model_lines(cm: dict | None) -> list[str]:
 
 def _efficiency_text(cm: dict) -> str:
     """Where an analytic run's efficiencies came from and their known error (summary keys
-    of lab.experiment.analytic_source; absent in results made before them)."""
+    of lab.run.experiment.analytic_source; absent in results made before them)."""
     src, own = cm.get("efficiencies"), cm.get("efficiencies_from_yaml") or []
     if src is None:
         return "its efficiencies' source was not recorded"
@@ -626,7 +629,7 @@ def _scheduling_lines(runs: list[Run]) -> list[str]:
 
 
 def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str]]) -> str:
-    from lab.terminal import slo_text
+    from lab.report.terminal import slo_text
 
     trace = cfg.trace.spec
     what = f"trace `{trace.get('format')}` {trace.get('path', '')}{_trace_options(trace)}"

@@ -122,11 +122,11 @@ def vllm_result(
     """The run's ``vllm bench serve --save-result`` dict (see the module docstring).
 
     Args:
-        df: the run's request table (lab.metrics.request_table).
+        df: the run's request table (lab.results.metrics.request_table).
         itl_s: every inter-token gap of the finished requests (seconds).
-        summary: the run's summary (lab.metrics.summarize) for duration, SLOs, goodput.
+        summary: the run's summary (lab.results.metrics.summarize) for duration, SLOs, goodput.
         step_end_s, num_decode_tokens: per step, its end and the output tokens its decodes made
-            (:func:`lab.metrics.decode_output_tokens`), for the peak output token rate.
+            (:func:`lab.results.metrics.decode_output_tokens`), for the peak output token rate.
         date: vLLM's ``date`` key; the lab leaves it empty, so that a rerun (and every
             sweep executor) writes the same bytes.
     """

@@ -1,7 +1,7 @@
 """Dotted key paths into an experiment mapping: ``kv_cache.num_gpu_blocks``,
 ``policies.chunked_prefill.max_num_batched_tokens`` (a policy by label), ``policies[2].x``
 (by index); ``rate_scale`` is short for ``trace.rate_scale`` (:data:`ALIASES`). Sweeps
-(:mod:`lab.sweep`) and the capacity search (:mod:`lab.search`) set values through them."""
+(:mod:`lab.sweeps.sweep`) and the capacity search (:mod:`lab.sweeps.search`) set values through them."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from lab.config import DEFAULT_POLICIES
+from lab.config.yamlio import short_repr
 from lab.core.errors import ConfigError
-from lab.yamlio import short_repr
 
 ALIASES = {"rate_scale": "trace.rate_scale"}
 _SEGMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_+-]*)((?:\[[0-9]+\])*)$")

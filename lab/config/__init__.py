@@ -42,8 +42,8 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     trace_file: {path: ..., sha256: ..., rows: ...}   # written into results' config.yaml;
              # when given, the trace file must still be that file
 
-Load a file with :func:`load_config` (YAML rules: :mod:`lab.yamlio`; path rules:
-:mod:`lab.paths`), or a mapping built in code with :func:`validate`. Read values as
+Load a file with :func:`load_config` (YAML rules: :mod:`lab.config.yamlio`; path rules:
+:mod:`lab.config.paths`), or a mapping built in code with :func:`validate`. Read values as
 attributes: ``cfg.kv_cache.block_size``, ``cfg.policies[0].label``, ``cfg.rate_scales``.
 :meth:`ExperimentConfig.to_dict` gives the resolved config (the layout above, paths
 absolute) that results/<name>/config.yaml holds. Every mistake raises
@@ -64,7 +64,8 @@ from types import MappingProxyType
 from typing import Any
 
 import policies
-from lab import paths
+from lab.config import paths
+from lab.config.yamlio import load_yaml_file, short_repr
 from lab.core.errors import ConfigError
 from lab.core.scheduler import VICTIM_RULES
 from lab.core.spec import SpeculativeConfig
@@ -73,7 +74,6 @@ from lab.sim.analytic_defaults import defaults as analytic_defaults
 from lab.sim.cluster import ClusterSpec, PoolSpec
 from lab.sim.hardware import HARDWARE, LINKS, Link
 from lab.sim.models import MODELS
-from lab.yamlio import load_yaml_file, short_repr
 from policies import get_policy
 from traces.classes import CLASS_KEYS
 
@@ -167,7 +167,7 @@ class KVCacheConfig:
 class SchedulerConfig:
     """Limits shared by every policy (a policy entry may override the first three); null
     limits are resolved as vLLM does once the KV capacity is known
-    (:func:`lab.experiment.resolve_limits`)."""
+    (:func:`lab.run.experiment.resolve_limits`)."""
 
     max_num_seqs: int = 256  # running requests per step
     max_num_batched_tokens: int | None = None  # token budget per step
@@ -278,7 +278,7 @@ class SLOConfig:
 
 @dataclass(frozen=True)
 class ReportConfig:
-    """What the results folder shows beyond the metrics (lab/report.py, lab/timeline.py).
+    """What the results folder shows beyond the metrics (lab/report/folder.py, lab/report/timeline.py).
 
     metric_percentiles: the percentiles of the vLLM-format result files (vLLM's
         ``--metric-percentiles``; keys ``p50_ttft_ms`` ... ``p99.9_ttft_ms``).
@@ -319,7 +319,7 @@ class ExperimentConfig:
     """A whole experiment: one trace, replayed through every policy at every rate_scale.
 
     ``source`` (the YAML file, or "config") prefixes messages; ``base_dir`` is the folder
-    relative paths were resolved against (:mod:`lab.paths`); neither is in :meth:`to_dict`.
+    relative paths were resolved against (:mod:`lab.config.paths`); neither is in :meth:`to_dict`.
     """
 
     name: str
@@ -444,7 +444,7 @@ DEFAULT_POLICIES = ("fcfs", "swap", "chunked_prefill")
 
 def load_config(path: str | Path) -> ExperimentConfig:
     """Read and validate an experiment YAML; its relative paths resolve against its folder
-    (then the bundled data: :mod:`lab.paths`); ``name`` defaults to the file name.
+    (then the bundled data: :mod:`lab.config.paths`); ``name`` defaults to the file name.
 
     ``path`` itself follows the same rule from the current folder: a relative path that
     names no file here names the bundled one (``experiments/quickstart.yaml`` from anywhere).
@@ -759,7 +759,7 @@ def _trace_file(where: str, raw: Any) -> Mapping[str, Any]:
 
 
 def _existing(where: str, key: str, value: str, base_dir: Path, kind: str, hint: str = "") -> Path:
-    """``value`` resolved (:mod:`lab.paths`); ConfigError naming the key and the value as
+    """``value`` resolved (:mod:`lab.config.paths`); ConfigError naming the key and the value as
     written when no ``kind`` ("file", "directory") exists there."""
     path = paths.resolve(value, base_dir)
     if not (path.is_file() if kind == "file" else path.is_dir()):

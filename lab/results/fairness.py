@@ -3,7 +3,7 @@
 Only runs whose trace is a list of classes (traces/classes.py) get these keys in
 summary.json, so a single trace's results are unchanged.
 
-* ``classes``: every headline metric of :func:`lab.metrics.summarize` per class, with the
+* ``classes``: every headline metric of :func:`lab.results.metrics.summarize` per class, with the
   class's own SLOs (the top-level ``slo:`` overridden key by key), plus the tail (``max``)
   of TTFT, E2E and queueing delay. The run's overall ``goodput`` and ``slo_attainment``
   judge each request by its class's SLOs.
@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from lab.core.request import Request
-from lab.metrics import meets_slo, stats
+from lab.results.metrics import meets_slo, stats
 from lab.sim.replay import ReplayResult
 
 NUM_WINDOWS = 120
@@ -243,7 +243,7 @@ def markdown(runs) -> list[str]:
     lines += [
         "",
         f"Service in weighted tokens (prompt x {w['weights']['input']:g}, output x "
-        f"{w['weights']['output']:g}), windows of {w['window_s']:.3g} s; see lab/fairness.py.",
+        f"{w['weights']['output']:g}), windows of {w['window_s']:.3g} s; see lab/results/fairness.py.",
         "",
     ]
     return lines

@@ -5,8 +5,8 @@
 * TPOT per request: (E2E - TTFT) / (n - 1), only for requests with n > 1 output tokens.
 * ITL: every gap between consecutive output tokens, pooled over requests. With speculative
   decoding the tokens one step yields arrive together and split the gap before them evenly
-  (:func:`lab.spec_metrics.split_gaps`); per-run and per-request acceptance metrics are in
-  :mod:`lab.spec_metrics`.
+  (:func:`lab.results.spec_metrics.split_gaps`); per-run and per-request acceptance metrics are in
+  :mod:`lab.results.spec_metrics`.
 * Throughput over the run's duration (t = 0 to the last request's end): requests/s, output
   tokens/s and prompt + output tokens/s, counting finished requests only.
 * Goodput (DistServe, OSDI'24 §2): finished requests per second that meet every SLO given;
@@ -18,7 +18,7 @@
 * Queueing delay: arrival to first scheduled; preemptions per request by mode.
 * Workload classes (``trace:`` as a list): requests.csv gains ``class``, ``tenant``,
   ``priority`` and ``recomputed_tokens`` (KV tokens its recompute preemptions dropped);
-  every metric per class, fairness between tenants: :mod:`lab.fairness`.
+  every metric per class, fairness between tenants: :mod:`lab.results.fairness`.
 
 Percentiles use numpy's default (linear interpolation), as vLLM does.
 """
@@ -32,7 +32,7 @@ import pandas as pd
 
 from lab.core.request import Request, RequestStatus
 from lab.sim.replay import ReplayResult
-from lab.spec_metrics import split_gaps
+from lab.results.spec_metrics import split_gaps
 
 PERCENTILES = (50, 90, 99)
 CDF_POINTS = 2000  # points of a latency CDF kept for the plots
@@ -84,7 +84,7 @@ def request_table(
         requests: the rows, in order (default ``result.requests``; :func:`in_trace_order`
             adds the trace rows that were not replayed).
         split_itl: tokens that arrive together split the gap before them evenly
-            (speculative decoding: :func:`lab.spec_metrics.split_gaps`); else every gap is
+            (speculative decoding: :func:`lab.results.spec_metrics.split_gaps`); else every gap is
             the difference of consecutive token times.
     """
     requests = result.requests if requests is None else requests

@@ -9,7 +9,7 @@ Layout (besides every key of an experiment, :mod:`lab.config`)::
       points:                             # explicit points (keys that vary together)
         - {model: llama-3.1-8b, hardware: h200-sxm}
         - {model: qwen3-0.6b, hardware: a100-80gb}
-    search: {metric: slo_attainment, target: 0.9, over: rate_scale}   # lab/search.py
+    search: {metric: slo_attainment, target: 0.9, over: rate_scale}   # lab/sweeps/search.py
 
 Key paths name any key of the experiment: ``model``, ``kv_cache.num_gpu_blocks``,
 ``scheduler.max_num_batched_tokens``, ``trace.arrival.rate``, ``cluster.replicas``;
@@ -39,12 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lab import paths
-from lab.config import MAX_NAME_CHARS, check_name, validate
+from lab.config import MAX_NAME_CHARS, check_name, paths, validate
+from lab.config.keypaths import ALIASES, get_path, parse_path, set_path  # noqa: F401 (get_path: re-exported)
+from lab.config.yamlio import load_yaml_file, short_repr
 from lab.core.errors import ConfigError, UserError
-from lab.keypaths import ALIASES, get_path, parse_path, set_path  # noqa: F401 (get_path: re-exported)
-from lab.search import parse_search
-from lab.yamlio import load_yaml_file, short_repr
+from lab.sweeps.search import parse_search
 
 SWEEP_KEYS = ("sweep", "search")  # top-level keys that make a YAML a sweep
 NOT_SWEPT = ("name", "sweep", "search", "trace_file")  # keys a point cannot set
@@ -78,7 +77,7 @@ class Sweep:
     points: tuple[Point, ...]
     keys: tuple[str, ...]
     raw: Mapping[str, Any]
-    search: Any = None  # lab.search.SearchSpec or None
+    search: Any = None  # lab.sweeps.search.SearchSpec or None
     configs: Mapping[str, Any] = field(default_factory=dict)  # point name -> ExperimentConfig
 
 

@@ -45,7 +45,7 @@ LANES = {
 
 
 def events_frame(run) -> pd.DataFrame:
-    """The events of one :class:`lab.experiment.Run` as rows of events.csv (see the module
+    """The events of one :class:`lab.run.experiment.Run` as rows of events.csv (see the module
     docstring), in step order; steps past the last recorded step (a failed one) are cut."""
     res = run.result
     n_steps = len(res.steps["time_s"])

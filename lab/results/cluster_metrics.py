@@ -1,5 +1,5 @@
 """Cluster metrics: per-request replica columns and a per-replica summary of a cluster run
-(lab/sim/cluster.py). The run's other metrics (lab/metrics.py) are the cluster's as a whole:
+(lab/sim/cluster.py). The run's other metrics (lab/results/metrics.py) are the cluster's as a whole:
 TTFT, TPOT, goodput over every request; ``kv_used_fraction`` over every replica's steps,
 each step's blocks over its own replica's (a time-weighted mean of the replicas' use while
 they run)."""
@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from lab.core.request import Request
-from lab.metrics import stats
+from lab.results.metrics import stats
 from lab.sim.cluster import ClusterResult, request_columns
 
 

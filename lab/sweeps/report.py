@@ -5,7 +5,7 @@
                                    point, status (ok | stopped | failed), error, the swept
                                    key paths, then the run's summary.json entry flattened
                                    (ttft_s.p99 -> ttft_s_p99)
-      capacity.csv, .parquet       with search: one row per point x policy (lab/search.py)
+      capacity.csv, .parquet       with search: one row per point x policy (lab/sweeps/search.py)
       curve.csv, .parquet          with search: every load the search tried, with its metrics
       points/p000/ ...             each point's results folder, as `sched-lab run` writes it
       latency_vs_load.png, goodput_vs_load.png, pareto.png, capacity.png, report.md
@@ -13,7 +13,7 @@
 
 Everything but timing.json depends on the inputs alone, whatever executor ran the points.
 Parquet files are written when pyarrow is installed. The folder is written under a
-temporary name and renamed into place (lab/report.py), with a manifest naming its files and
+temporary name and renamed into place (lab/report/folder.py), with a manifest naming its files and
 its ``points`` folder, itself a manifest of results folders.
 """
 
@@ -34,7 +34,7 @@ import yaml
 
 from lab import __version__
 from lab.core.errors import UserError
-from lab.report import MANIFEST, _put_in_place, check_out_dir
+from lab.report.folder import MANIFEST, _put_in_place, check_out_dir
 
 LEAD = ("point", "status", "error")
 
@@ -46,7 +46,7 @@ def write_sweep(
 
     Raises:
         UserError: ``out`` cannot be written or replaced.
-        lab.report.ResultsNotPlaced: the final rename failed (the message says where).
+        lab.report.folder.ResultsNotPlaced: the final rename failed (the message says where).
     """
     out = check_out_dir(out)
     try:
@@ -164,7 +164,7 @@ def sweep_table(sweep, tasks, results) -> pd.DataFrame:
 
 
 def capacity_table(sweep, tasks, results) -> pd.DataFrame:
-    """One row per point x policy: the capacity search's outcome (lab/search.py)."""
+    """One row per point x policy: the capacity search's outcome (lab/sweeps/search.py)."""
     rows = []
     spec = sweep.search
     for t, r in zip(tasks, results):
@@ -214,7 +214,7 @@ def _plots(folder: Path, sweep, table: pd.DataFrame, capacity) -> list[tuple[str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lab.report import _save
+    from lab.report.folder import _save
 
     plots: list[tuple[str, str]] = []
     if sweep.search is not None:
@@ -328,7 +328,7 @@ def _markdown(sweep, table: pd.DataFrame, capacity, plots) -> str:
         lines += [
             f"Capacity: the largest `{s.over}` with `{s.metric}` {cmp} {s.target:g}, "
             f"bracketed to a relative width of {s.tolerance:g} (capacity = the bracket's "
-            "lower end; `lab/search.py`).",
+            "lower end; `lab/sweeps/search.py`).",
             "",
             "| point | "
             + "".join(f"{k} | " for k in sweep.keys)

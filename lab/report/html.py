@@ -12,7 +12,7 @@ import base64
 import html
 from pathlib import Path
 
-from lab.timeline import LANES, Story
+from lab.report.timeline import LANES, Story
 
 
 def timeline_figure(stories: list[Story], steps, title: str):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-DATA_ROOT = Path(__file__).resolve().parent.parent  # holds lab/, traces/data/, profiles/
+DATA_ROOT = Path(__file__).resolve().parents[2]  # holds lab/, traces/data/, profiles/
 
 
 def candidates(value: str | Path, base_dir: Path) -> list[Path]:

@@ -1,6 +1,7 @@
-"""The import layers (docs/ARCHITECTURE.md): core <- policies; core <- simulator; core <-
-engine; config, traces, metrics, report and the CLI on top. Read from the source with ast,
-function-level (lazy) imports included, so a lazy import cannot hide a wrong edge or a cycle.
+"""The rooms and their import layers (docs/ARCHITECTURE.md): the core at the ground; policies,
+simulator, engine and traces on it; config; then results, setup, report, run, sweeps and
+fidelity; the CLI on top. Read from the source with ast, function-level (lazy) imports
+included, so a lazy import cannot hide a wrong edge or a cycle.
 """
 
 from __future__ import annotations
@@ -14,26 +15,40 @@ from lab.core.scheduler import policy_names
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("lab", "policies", "backend", "traces")
 
-# layer -> the layers it may import from (itself included)
+# The rooms, bottom to top, and what each may import (itself included). The ground: the core
+# (plain Python); above it the four that use only the core; then the typed config; then the
+# rooms by job. A room imports only from rooms below it: nothing runs up.
 ALLOWED = {
     "core": {"core"},
     "policies": {"core", "policies"},
     "sim": {"core", "sim"},
     "engine": {"core", "engine"},
-    "top": {"core", "policies", "sim", "engine", "top"},
+    "traces": {"core", "traces"},
+    "config": {"core", "policies", "sim", "traces", "config"},
 }
+BELOW_RESULTS = {"core", "policies", "sim", "engine", "traces", "config"}
+ALLOWED["results"] = BELOW_RESULTS - {"engine"} | {"results"}
+ALLOWED["setup"] = BELOW_RESULTS | {"results", "setup"}
+ALLOWED["report"] = ALLOWED["setup"] | {"report"}
+ALLOWED["run"] = ALLOWED["report"] | {"run"}
+ALLOWED["sweeps"] = ALLOWED["run"] | {"sweeps"}
+ALLOWED["fidelity"] = ALLOWED["run"] | {"fidelity"}
+ALLOWED["cli"] = set(ALLOWED) | {"cli"}
+ROOMS = ("core", "sim", "config", "results", "setup", "report", "run", "sweeps", "fidelity")
 
 
 def layer(module: str) -> str:
-    if module == "lab.core" or module.startswith("lab.core."):
-        return "core"
-    if module == "lab.sim" or module.startswith("lab.sim."):
-        return "sim"
-    if module.split(".")[0] == "policies":
-        return "policies"
-    if module.split(".")[0] == "backend":
+    parts = module.split(".")
+    if parts[0] in ("policies", "traces"):
+        return parts[0]
+    if parts[0] == "backend":
         return "engine"
-    return "top"  # lab.* (config, experiment, metrics, report, cli, ...) and traces.*
+    if module == "lab":  # lab/__init__.py: the version string, importable from every room
+        return "core"
+    if parts[1] == "cli":
+        return "cli"
+    assert parts[1] in ROOMS, f"{module}: a module of lab/ outside its rooms {ROOMS}"
+    return parts[1]
 
 
 def modules() -> dict[str, Path]:
@@ -180,3 +195,24 @@ def test_broken_policy_file_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"zz_test_broken\.py: the policy module cannot be "
                        r"imported \(SyntaxError: "):  # fmt: skip
         validate({"name": "x", "trace": trace})
+
+
+def test_backend_names_are_compared_only_in_setup():
+    """A backend is one module of lab/setup/: no other module asks which backend runs."""
+    import re
+
+    compare = re.compile(r"""backend\s*[!=]=\s*["']|["']\s*[!=]=\s*\S*backend\b""")
+    bad = [
+        f"{path.relative_to(ROOT)}:{i}: {line.strip()}"
+        for name, path in modules().items()
+        if layer(name) != "setup"
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if compare.search(line)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_lab_top_level_is_small():
+    """lab/ holds its rooms; at its top only the package and the CLI."""
+    files = sorted(p.name for p in (ROOT / "lab").glob("*.py"))
+    assert files == ["__init__.py", "cli.py"], files

@@ -24,6 +24,16 @@ import yaml
 
 from lab.config.yamlio import short_repr
 from lab.fidelity.archive import PACKED, notes_path, pack, repeat_archive, unpack
+from lab.fidelity.compare import (
+    METRICS,
+    PCTS,
+    RANKED,
+    predicted_durations,
+    rank_agreement,
+    rel,
+    step_kind,
+    step_noise,
+)
 from lab.fidelity.engine_side import check_device, engine, engine_pass
 from lab.fidelity.markdown import error_target
 from lab.fidelity.protocol import (
@@ -42,19 +52,7 @@ from lab.fidelity.protocol import (
     profile_geometry,
     slice_config,
 )
-from lab.fidelity.sim_side import (
-    METRICS,
-    PCTS,
-    RANKED,
-    plan_alike_replay,
-    plans_alike,
-    predicted_durations,
-    rank_agreement,
-    rel,
-    sim,
-    step_kind,
-    step_noise,
-)
+from lab.fidelity.sim_side import plan_alike_replay, plans_alike, sim
 
 __all__ = [
     "ARCHIVE", "METRICS", "PACKED", "PCTS", "PROTOCOL", "PROTOCOL_KEYS", "RANKED", "ROOT",

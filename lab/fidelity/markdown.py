@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from lab.fidelity.compare import METRICS, PCTS
 from lab.fidelity.protocol import ROOT
-from lab.fidelity.sim_side import METRICS, PCTS
 
 COLS = [(m, p) for m in METRICS for p in PCTS]
 

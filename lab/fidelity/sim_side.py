@@ -5,8 +5,8 @@ and calibration replays alone (errors of TTFT, TPOT, ITL, E2E P50/P90/P99 and th
 beside the engine's own run-to-run spread; policy rankings, leaving out pairs that plan
 alike: :func:`plans_alike`), and with the engine's measured durations
 (``cost_model.durations_from``: the fraction of steps planned identically). Each engine
-step's duration is also predicted from its exact batch (:func:`predicted_durations`), beside
-the engine's own spread between steps of one shape (:func:`step_noise`).
+step's duration is also predicted from its exact batch, beside the engine's own spread
+between steps of one shape (:mod:`lab.fidelity.compare`).
 """
 
 from __future__ import annotations
@@ -24,17 +24,10 @@ import yaml
 
 from lab.config.yamlio import short_repr
 from lab.fidelity.archive import notes_path, unpack
+from lab.fidelity.compare import predicted_durations, rank_agreement, run_row, step_kind, step_noise
+from lab.fidelity.markdown import write_doc
 from lab.fidelity.plots import plots
 from lab.fidelity.protocol import engine_config
-
-METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
-PCTS = ("p50", "p90", "p99")
-RANKED = (("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("e2e_s", "p50"))
-
-
-def rel(sim: float, real: float) -> float:
-    """|sim - real| / real (NaN where real is 0)."""
-    return abs(sim - real) / real if real else float("nan")
 
 
 def sim(archive: Path, doc: Path) -> dict[str, Any]:
@@ -113,7 +106,6 @@ class Comparison:
 def _sim(archive: Path, src: Path, doc: Path) -> dict[str, Any]:
     import pandas as pd
 
-    from lab.fidelity.markdown import write_doc  # here: markdown imports this module
     from lab.sim.calibrated import CalibratedCostModel
 
     record = read_record(archive, src)
@@ -180,7 +172,7 @@ def _compare_folder(src: Path, folder: str, model, cost_model: dict, c: Comparis
         fp = (r.get("cost_model") or {}).get("fingerprint")
         profile = src / "profile.csv"
         c.stale[folder] = staleness(read_fingerprint(profile), fp) if fp else (None, "")
-        row = _row(slice_name, float(load), s, r, again)
+        row = run_row(slice_name, float(load), s, r, again)
         pm = rp.summary["plan_match"]
         c.plan.append({"run": f"{folder} {s.label}", **pm})
         row["plans_identical"] = pm["fraction_identical"]
@@ -206,53 +198,6 @@ def _compare_folder(src: Path, folder: str, model, cost_model: dict, c: Comparis
     c.equivalent += [(slice_name, float(load), a, b)
                      for a, b in combinations(labels, 2)
                      if plans_alike(raw, real_steps, a, b)]  # fmt: skip
-
-
-def _row(slice_name: str, load: float, s, r: dict, again: dict | None) -> dict[str, Any]:
-    """One run's table row: simulated run ``s`` against the engine's summary ``r`` (and its
-    repeat's, ``again``, when there is one)."""
-    row: dict[str, Any] = {"slice": slice_name, "load": load, "policy": s.label}
-    for m in METRICS:
-        for p in PCTS:
-            row[f"real_{m}_{p}"] = r[m][p]
-            row[f"sim_{m}_{p}"] = s.summary[m][p]
-            row[f"err_{m}_{p}"] = rel(s.summary[m][p], r[m][p])
-            if again is not None:
-                row[f"again_{m}_{p}"] = again[s.label][m][p]
-                row[f"spread_{m}_{p}"] = rel(again[s.label][m][p], r[m][p])
-    row["err_throughput"] = rel(s.summary["output_throughput"], r["output_throughput"])
-    if again is not None:
-        row["spread_throughput"] = rel(again[s.label]["output_throughput"], r["output_throughput"])
-    pre = r["preemptions"]
-    row["real_preemptions"] = pre["recompute"] + pre["swap"]
-    row["sim_preemptions"] = (
-        s.summary["preemptions"]["recompute"] + s.summary["preemptions"]["swap"]
-    )
-    return row
-
-
-def predicted_durations(model, st, async_scheduling: bool = False):
-    """Each step's duration in seconds predicted by the calibrated ``model`` from its exact
-    batch, for one run's steps ``st`` (a steps.csv frame of one policy, in step order).
-
-    Synchronous: the step time S (host + device). Asynchronous: the clock the simulator
-    runs, max(S_n - H_n, H_{n+1}) with H the model's host time, where H_{n+1} counts only
-    if step n + 1 starts where step n ends (it was planned while n ran; after an idle gap
-    the pipeline restarts), as the engine's steps.csv durations are that clock."""
-    import numpy as np
-
-    from lab.sim.calibrated import design, host_design, steps_as_profile
-
-    prof = steps_as_profile(st)
-    step_s = design(prof) @ model.coef
-    if not async_scheduling:
-        return step_s
-    host = np.zeros(len(st)) if model.host_coef is None else host_design(prof) @ model.host_coef
-    host = np.clip(host, 0.0, step_s)
-    start, end = st.time_s.to_numpy(float), (st.time_s + st.duration_s).to_numpy(float)
-    chained = np.abs(start[1:] - end[:-1]) <= 1e-7 * np.maximum(1.0, end[:-1])
-    host_next = np.append(np.where(chained, host[1:], 0.0), 0.0)
-    return np.maximum(step_s - host, host_next)
 
 
 def plan_alike_replay(raw: dict, real_steps, a: str, b: str):
@@ -291,66 +236,3 @@ def plans_alike(raw: dict, real_steps, a: str, b: str) -> bool:
 
 def _label(p) -> str:
     return p if isinstance(p, str) else p.get("label") or p["name"]
-
-
-def step_noise(st):
-    """Each engine step's distance from the median duration of the run's steps of the same
-    shape, |d / median - 1| (NaN where fewer than 5 steps share it): the engine's own
-    step-to-step spread, which no prediction from a step's features can beat. A shape is the
-    step's kind, prompt tokens (to 64), prompts, decodes and context tokens (decode context
-    to 512 x decodes, prompt context to 512)."""
-    import numpy as np
-
-    decodes = st.num_decode_tokens.to_numpy()
-    key = [
-        st.num_prefills.to_numpy(),
-        st.num_prefill_tokens.to_numpy() // 64,
-        decodes,
-        st.decode_context_tokens.to_numpy() // (512 * np.maximum(decodes, 1)),
-        st.prefill_context_tokens.to_numpy() // 512,
-        (st.num_swap_out_blocks + st.num_swap_in_blocks).to_numpy() > 0,
-    ]
-    d = st.duration_s
-    groups = d.groupby(key)
-    med, size = groups.transform("median"), groups.transform("size")
-    return ((d / med - 1).abs()).where(size >= 5).to_numpy()
-
-
-def step_kind(st) -> list[str]:
-    """Each engine step's kind: swap (blocks copied), mixed (prompt tokens and decodes),
-    prefill (prompt tokens only), decode (decodes only)."""
-    out = []
-    for p, d, so, si in zip(st.num_prefill_tokens, st.num_decode_tokens,
-                            st.num_swap_out_blocks, st.num_swap_in_blocks):  # fmt: skip
-        out.append("swap" if so + si else "mixed" if p and d else "prefill" if p else "decode")
-    return out
-
-
-def rank_agreement(table, equivalent: frozenset = frozenset()) -> list[dict[str, Any]]:
-    """For every (slice, load), ranked metric and pair of policies whose engine difference
-    exceeds the engine's own spread (|a - b| > |a - a'| + |b - b'|, a' the repeat) and
-    which the repeat orders the same way: does the simulator order them the same way?
-    Pairs in ``equivalent`` ((slice, load, a, b): b, fed a's engine step durations, plans
-    every step as a did) are left out. Empty without repeat columns."""
-    out = []
-    if "again_ttft_s_p50" not in table:
-        return out
-    for (sl, load), g in table.groupby(["slice", "load"]):
-        g = g.set_index("policy")
-        for m, p in RANKED:
-            col = f"{m}_{p}"
-            for a, b in combinations(g.index, 2):
-                if (sl, load, a, b) in equivalent:
-                    continue
-                ra, rb = g.at[a, f"real_{col}"], g.at[b, f"real_{col}"]
-                aa, ab = g.at[a, f"again_{col}"], g.at[b, f"again_{col}"]
-                if any(v != v for v in (ra, rb, aa, ab)):  # NaN: no repeat
-                    continue
-                noise = abs(ra - aa) + abs(rb - ab)
-                if abs(ra - rb) <= noise or (ra - rb) * (aa - ab) <= 0:
-                    continue
-                sa, sb = g.at[a, f"sim_{col}"], g.at[b, f"sim_{col}"]
-                out.append({"slice": sl, "load": load, "metric": col, "pair": f"{a} vs {b}",
-                            "engine": ra - rb, "noise": noise, "sim": sa - sb,
-                            "agree": (ra - rb) * (sa - sb) > 0})  # fmt: skip
-    return out

@@ -10,11 +10,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from lab.config.yamlio import short_repr
+
+if TYPE_CHECKING:
+    from lab.config import ExperimentConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL = ROOT / "benchmarks" / "fidelity_heldout.yaml"
@@ -192,7 +195,7 @@ def profile_geometry(exp: dict[str, Any]) -> list[str]:
     return args
 
 
-def capacity_run(cfg):
+def capacity_run(cfg: ExperimentConfig) -> tuple[list, float, ExperimentConfig]:
     """A window's capacity run: its requests (dropped ones left out) all arriving at t = 0,
     its own rate (requests per second over its span) and ``cfg`` through fcfs alone."""
     from traces import load_trace
@@ -205,18 +208,20 @@ def capacity_run(cfg):
     return reqs, native, offline
 
 
-def pass_estimate_s(cfg, num_requests: int, load: float, capacity: float) -> float:
+def pass_estimate_s(
+    cfg: ExperimentConfig, num_requests: int, load: float, capacity: float
+) -> float:
     """Seconds a (window, load) folder takes in a pass, all policies: each run lasts about
     requests / min(offered rate, capacity), a little more."""
     return 1.15 * len(cfg.policies) * num_requests / (min(load, 1.0) * capacity) + 3
 
 
-def load_config(cfg, folder: str, rate_scale: float):
+def load_config(cfg: ExperimentConfig, folder: str, rate_scale: float) -> ExperimentConfig:
     """A window's config replayed at ``rate_scale`` x its own rate, named ``folder``."""
     return dataclasses.replace(cfg.with_trace(rate_scale=rate_scale), name=folder)
 
 
-def engine_config(raw: dict):
+def engine_config(raw: dict[str, Any]) -> ExperimentConfig:
     """A results folder's config.yaml as an ExperimentConfig, its paths resolved in this
     checkout (the folder may come from another machine)."""
     from lab.config import validate

@@ -47,7 +47,9 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab.fidelity import _engine_config, _step_kind, predicted_durations, unpack  # noqa: E402
+from lab.fidelity import engine_config as _engine_config  # noqa: E402
+from lab.fidelity import predicted_durations, unpack  # noqa: E402
+from lab.fidelity import step_kind as _step_kind  # noqa: E402
 from lab.run.experiment import run_experiment  # noqa: E402
 from lab.sim.calibrated import (  # noqa: E402
     CalibratedCostModel,

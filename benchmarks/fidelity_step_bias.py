@@ -38,7 +38,7 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab.fidelity import _target  # noqa: E402
+from lab.fidelity import error_target as _target  # noqa: E402
 from lab.fidelity import unpack as _unpack  # noqa: E402
 from lab.sim.calibrated import (  # noqa: E402
     EAGER_KNOT,

@@ -1,0 +1,126 @@
+"""The sim side's comparisons, pure functions of engine and simulator results: relative
+errors, per-run rows, per-step predictions and shapes, and policy rankings."""
+
+from __future__ import annotations
+
+from itertools import combinations
+from typing import Any
+
+METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
+PCTS = ("p50", "p90", "p99")
+RANKED = (("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("e2e_s", "p50"))
+
+
+def rel(sim: float, real: float) -> float:
+    """|sim - real| / real (NaN where real is 0)."""
+    return abs(sim - real) / real if real else float("nan")
+
+
+def run_row(slice_name: str, load: float, s, r: dict, again: dict | None) -> dict[str, Any]:
+    """One run's table row: simulated run ``s`` against the engine's summary ``r`` (and its
+    repeat's, ``again``, when there is one)."""
+    row: dict[str, Any] = {"slice": slice_name, "load": load, "policy": s.label}
+    for m in METRICS:
+        for p in PCTS:
+            row[f"real_{m}_{p}"] = r[m][p]
+            row[f"sim_{m}_{p}"] = s.summary[m][p]
+            row[f"err_{m}_{p}"] = rel(s.summary[m][p], r[m][p])
+            if again is not None:
+                row[f"again_{m}_{p}"] = again[s.label][m][p]
+                row[f"spread_{m}_{p}"] = rel(again[s.label][m][p], r[m][p])
+    row["err_throughput"] = rel(s.summary["output_throughput"], r["output_throughput"])
+    if again is not None:
+        row["spread_throughput"] = rel(again[s.label]["output_throughput"], r["output_throughput"])
+    pre = r["preemptions"]
+    row["real_preemptions"] = pre["recompute"] + pre["swap"]
+    row["sim_preemptions"] = (
+        s.summary["preemptions"]["recompute"] + s.summary["preemptions"]["swap"]
+    )
+    return row
+
+
+def predicted_durations(model, st, async_scheduling: bool = False):
+    """Each step's duration in seconds predicted by the calibrated ``model`` from its exact
+    batch, for one run's steps ``st`` (a steps.csv frame of one policy, in step order).
+
+    Synchronous: the step time S (host + device). Asynchronous: the clock the simulator
+    runs, max(S_n - H_n, H_{n+1}) with H the model's host time, where H_{n+1} counts only
+    if step n + 1 starts where step n ends (it was planned while n ran; after an idle gap
+    the pipeline restarts), as the engine's steps.csv durations are that clock."""
+    import numpy as np
+
+    from lab.sim.calibrated import design, host_design, steps_as_profile
+
+    prof = steps_as_profile(st)
+    step_s = design(prof) @ model.coef
+    if not async_scheduling:
+        return step_s
+    host = np.zeros(len(st)) if model.host_coef is None else host_design(prof) @ model.host_coef
+    host = np.clip(host, 0.0, step_s)
+    start, end = st.time_s.to_numpy(float), (st.time_s + st.duration_s).to_numpy(float)
+    chained = np.abs(start[1:] - end[:-1]) <= 1e-7 * np.maximum(1.0, end[:-1])
+    host_next = np.append(np.where(chained, host[1:], 0.0), 0.0)
+    return np.maximum(step_s - host, host_next)
+
+
+def step_noise(st):
+    """Each engine step's distance from the median duration of the run's steps of the same
+    shape, |d / median - 1| (NaN where fewer than 5 steps share it): the engine's own
+    step-to-step spread, which no prediction from a step's features can beat. A shape is the
+    step's kind, prompt tokens (to 64), prompts, decodes and context tokens (decode context
+    to 512 x decodes, prompt context to 512)."""
+    import numpy as np
+
+    decodes = st.num_decode_tokens.to_numpy()
+    key = [
+        st.num_prefills.to_numpy(),
+        st.num_prefill_tokens.to_numpy() // 64,
+        decodes,
+        st.decode_context_tokens.to_numpy() // (512 * np.maximum(decodes, 1)),
+        st.prefill_context_tokens.to_numpy() // 512,
+        (st.num_swap_out_blocks + st.num_swap_in_blocks).to_numpy() > 0,
+    ]
+    d = st.duration_s
+    groups = d.groupby(key)
+    med, size = groups.transform("median"), groups.transform("size")
+    return ((d / med - 1).abs()).where(size >= 5).to_numpy()
+
+
+def step_kind(st) -> list[str]:
+    """Each engine step's kind: swap (blocks copied), mixed (prompt tokens and decodes),
+    prefill (prompt tokens only), decode (decodes only)."""
+    out = []
+    for p, d, so, si in zip(st.num_prefill_tokens, st.num_decode_tokens,
+                            st.num_swap_out_blocks, st.num_swap_in_blocks):  # fmt: skip
+        out.append("swap" if so + si else "mixed" if p and d else "prefill" if p else "decode")
+    return out
+
+
+def rank_agreement(table, equivalent: frozenset = frozenset()) -> list[dict[str, Any]]:
+    """For every (slice, load), ranked metric and pair of policies whose engine difference
+    exceeds the engine's own spread (|a - b| > |a - a'| + |b - b'|, a' the repeat) and
+    which the repeat orders the same way: does the simulator order them the same way?
+    Pairs in ``equivalent`` ((slice, load, a, b): b, fed a's engine step durations, plans
+    every step as a did) are left out. Empty without repeat columns."""
+    out = []
+    if "again_ttft_s_p50" not in table:
+        return out
+    for (sl, load), g in table.groupby(["slice", "load"]):
+        g = g.set_index("policy")
+        for m, p in RANKED:
+            col = f"{m}_{p}"
+            for a, b in combinations(g.index, 2):
+                if (sl, load, a, b) in equivalent:
+                    continue
+                ra, rb = g.at[a, f"real_{col}"], g.at[b, f"real_{col}"]
+                aa, ab = g.at[a, f"again_{col}"], g.at[b, f"again_{col}"]
+                if any(v != v for v in (ra, rb, aa, ab)):  # NaN: no repeat
+                    continue
+                noise = abs(ra - aa) + abs(rb - ab)
+                if abs(ra - rb) <= noise or (ra - rb) * (aa - ab) <= 0:
+                    continue
+                sa, sb = g.at[a, f"sim_{col}"], g.at[b, f"sim_{col}"]
+                out.append({"slice": sl, "load": load, "metric": col, "pair": f"{a} vs {b}",
+                            "engine": ra - rb, "noise": noise, "sim": sa - sb,
+                            "agree": (ra - rb) * (sa - sb) > 0})  # fmt: skip
+    return out

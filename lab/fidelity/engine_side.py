@@ -1,0 +1,354 @@
+"""The engine side (``--engine``, GPU): each step a process of its own under a time limit.
+
+1. every run's config (:func:`~lab.fidelity.protocol.check_runs`) and the device
+   (:func:`check_device`) checked, then a random-weight checkpoint of the protocol's preset,
+   if missing;
+2. ``backend.profile`` on it, the runner shaped as the engine runs are: ``profile.csv``;
+3. pass ``calibration`` (when the protocol has ``calibration:``): its synthetic workloads
+   replayed synchronously through its policies, each into ``calibration/<name>/``;
+4. pass ``first``: per window, the engine's capacity (all requests at t = 0, fcfs:
+   finished / makespan), then every load through every policy, each (window, load) into
+   ``engine/<window>_<load>/``;
+5. pass ``repeat``: each first-pass folder's config.yaml again, into ``engine_repeat/``;
+
+then everything packed into ``--archive`` (:func:`~lab.fidelity.archive.pack`).
+
+Time: ``time_limits_s.total`` for all of it, from the start; ``profile`` and ``calibration``
+for those steps; the first pass gets 52% of what is left after them, the repeat the rest. A
+folder that would not end inside its pass's limit (estimated from the capacity) is skipped
+and listed in ``engine.json``. Stopped (SIGTERM, Ctrl-C), the running step is stopped and
+what ended before it is packed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lab.fidelity.archive import pack
+from lab.fidelity.protocol import (
+    ROOT,
+    calibration_config,
+    capacity_run,
+    check_runs,
+    engine_config,
+    folder_name,
+    load_config,
+    load_protocol,
+    pass_estimate_s,
+    profile_geometry,
+    slice_config,
+)
+
+PASSES = ("calibration", "first", "repeat")
+
+
+def _stop(signum: int, frame: Any) -> None:
+    """SIGTERM handler of the engine side: stop the running step as Ctrl-C would."""
+    raise KeyboardInterrupt
+
+
+def _run_step(argv: list[str]) -> int:
+    """Run one step's command to its end; returns its exit status. If this process is
+    interrupted meanwhile, the step is stopped first (SIGTERM, which ``timeout`` hands on
+    to the pass; SIGKILL after 15 s), so no pass outlives the parent."""
+    proc = subprocess.Popen(argv, cwd=ROOT)
+    try:
+        return proc.wait()
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+
+
+def check_device(protocol: dict[str, Any], path: Path) -> None:
+    """The engine device the protocol's experiment names is here: for ``cuda``, torch sees a
+    GPU. Checked before the checkpoint is made.
+
+    Raises:
+        SystemExit: one line naming ``experiment.engine.device``.
+    """
+    device = str((protocol["experiment"].get("engine") or {}).get("device", "cpu"))
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit(
+                f"error: {path}: experiment.engine.device: {device}, but torch "
+                f"{torch.__version__} sees no CUDA device here: run the engine side on a GPU "
+                "machine (a CPU smoke test of the same steps: benchmarks/fidelity_tiny.yaml)"
+            )
+
+
+def _free_device_cache() -> None:
+    """Give the device memory this process's caching allocator holds back to the driver."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _prepare(protocol: dict[str, Any], protocol_path: Path, out: Path) -> Path:
+    """Check every run and the device, then clear ``out`` of an earlier run's files and copy
+    the protocol there; returns the checkpoint folder. On a failed check, the checkpoint
+    folders made for it are removed again (if still empty) and SystemExit propagates."""
+    ckpt = ROOT / protocol["checkpoint"]["dir"]
+    made = [d for d in (ckpt, *ckpt.parents) if not d.exists()]  # deepest first
+    ckpt.mkdir(parents=True, exist_ok=True)  # engine.model_path must exist for check_runs
+    try:  # every run's config and the device, before the checkpoint, --out and any GPU work
+        check_runs(protocol, protocol_path)
+        check_device(protocol, protocol_path)
+    except SystemExit:
+        for d in made:  # the folders made just now, if still empty
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+        raise
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("engine.json", "profile.csv", "protocol.yaml"):  # a reused --out: nothing
+        (out / name).unlink(missing_ok=True)  # of an earlier run may reach this archive
+    for name in ("calibration", "engine", "engine_repeat"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    shutil.copy(protocol_path, out / "protocol.yaml")
+    return ckpt
+
+
+def _make_checkpoint(protocol: dict[str, Any], ckpt: Path) -> None:
+    """A random-weight checkpoint of the protocol's preset (or config) in ``ckpt``, if it
+    has none."""
+    if (ckpt / "config.json").exists():
+        return
+    from backend.tools.random_checkpoint import write_random_checkpoint
+    from lab.core.model_presets import PRESETS
+
+    c = protocol["checkpoint"]
+    config = c.get("config") or PRESETS[c["preset"]]
+    write_random_checkpoint(config, ckpt, c.get("dtype", "bfloat16"), name=c.get("preset", "x"))
+    _free_device_cache()  # the runs' processes get the memory its random draws cached
+
+
+def _step_commands(
+    protocol: dict[str, Any], protocol_path: Path, ckpt: Path, out: Path
+) -> list[tuple[str, list[str]]]:
+    """Each step's name and command: the profile, then the passes of this module."""
+    from lab.config import validate
+
+    # the runs' engine options as validated (defaults filled in), for the profile's runner
+    runs = validate(
+        slice_config(protocol, next(iter(protocol["slices"]))), str(protocol_path), ROOT
+    )
+    profile = [sys.executable, "-m", "backend.profile", "--model-dir", str(ckpt),
+               "--out", str(out / "profile.csv"),
+               "--attention", runs.engine.attention_backend, "--dtype", runs.engine.dtype,
+               "--block-size", str(runs.kv_cache.block_size),
+               *profile_geometry(protocol["experiment"]),
+               *map(str, protocol.get("profile_args", []))]  # fmt: skip
+    passes = [p for p in PASSES if p != "calibration" or protocol.get("calibration")]
+    return [("profile", profile)] + [
+        (p, [sys.executable, "-m", "lab.fidelity", "--engine-pass", p]) for p in passes
+    ]
+
+
+def _run_steps(
+    steps: list[tuple[str, list[str]]],
+    limits: dict[str, float],
+    end: float,
+    args: list[str],
+    log: dict[str, Any],
+) -> tuple[int, bool]:
+    """Run the steps in order, each under its limit (the passes with ``args`` and their
+    deadline), timing them into ``log["steps"]``. Returns (exit status, whether to pack):
+    a failed or stopped profile packs nothing; a stop packs what ended before it."""
+    status = 0
+    for name, cmd in steps:
+        left = end - time.time()
+        # the repeat replays what the first pass ran: about half of what is left each
+        limit = {"profile": limits["profile"], "calibration": limits.get("calibration", 0),
+                 "first": 0.52 * left, "repeat": left - 5}[name]  # fmt: skip
+        limit = int(max(limit, 1))
+        if name != "profile":
+            cmd += [*args, "--deadline", str(time.time() + limit - 10)]
+        t = time.perf_counter()
+        print(f"== {name} (limit {limit} s): {' '.join(cmd)}", flush=True)
+        stopped = False
+        try:
+            rc = _run_step(["timeout", "-k", "10", str(limit), *cmd])
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (_stop): the step was stopped
+            rc, stopped = -signal.SIGTERM, True
+        log["steps"][f"{name}_s"] = time.perf_counter() - t
+        log["steps"][f"{name}_rc"] = rc
+        print(f"== {name}: exit {rc} after {time.perf_counter() - t:.1f} s", flush=True)
+        if stopped:
+            print(f"warning: stopped during the {name} step: packing what ended before it",
+                  file=sys.stderr)  # fmt: skip
+            return 1, name != "profile"
+        if rc != 0:
+            status = 1
+            if name == "profile":
+                print(f"error: the profile step failed (exit {rc}): no calibration data, so "
+                      "nothing is held out and no archive is written", file=sys.stderr)  # fmt: skip
+                return 1, False
+            if name == "calibration":  # engine.json lists the workloads that finished
+                print(f"warning: the calibration step failed (exit {rc}): the workloads that "
+                      "finished are fitted beside the grid", file=sys.stderr)  # fmt: skip
+    return status, True
+
+
+def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
+    """The whole engine side (see the module docstring) into ``out``, packed into
+    ``archive`` when given; returns the exit status (0, or 1 if a step failed or no run
+    ended). Raises SystemExit (one line) for a bad protocol, run or device."""
+    protocol = load_protocol(protocol_path)
+    ckpt = _prepare(protocol, protocol_path, out)
+    limits = protocol["time_limits_s"]
+    log: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": {}}
+    try:  # named in the doc (older archives have no name: the default protocol's)
+        log["protocol"] = str(Path(protocol_path).resolve().relative_to(ROOT))
+    except ValueError:
+        log["protocol"] = str(protocol_path)
+    t0 = time.perf_counter()
+    _make_checkpoint(protocol, ckpt)
+    log["steps"]["checkpoint_s"] = time.perf_counter() - t0
+    steps = _step_commands(protocol, protocol_path, ckpt, out)
+    end = time.time() - (time.perf_counter() - t0) + limits["total"]  # epoch seconds
+    args = ["--out", str(out), "--protocol", str(protocol_path)]
+    previous = signal.signal(signal.SIGTERM, _stop)  # a stopped run packs what ended
+    try:
+        status, packs = _run_steps(steps, limits, end, args, log)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if not packs:
+        return 1
+    done = out / "engine.json"
+    passes = json.loads(done.read_text()) if done.exists() else {}
+    (out / "engine.json").write_text(json.dumps({**passes, **log}, indent=2) + "\n")
+    if not passes.get("folders"):
+        print("error: no engine run ended inside the time limits (engine.json: skipped)",
+              file=sys.stderr)  # fmt: skip
+        status = 1
+    if archive is not None:
+        pack(out, archive)
+    return status
+
+
+# ---------------------------------------------------------------- one pass, in its own process
+
+
+def engine_pass(which: str, protocol_path: Path, out: Path, deadline: float) -> None:
+    """One pass of engine runs in this process (``calibration``: the synthetic workloads;
+    ``first``: capacity + runs; ``repeat``: the first pass's folders again), recorded in
+    ``out/engine.json`` as each run ends; a run that would end past ``deadline`` (epoch
+    seconds) is skipped."""
+    one = _Pass(protocol_path, out, deadline)
+    {"calibration": one.calibration, "first": one.first, "repeat": one.repeat}[which]()
+    one.save()  # the skips after the last run
+
+
+class _Pass:
+    """A pass's protocol, working folder, deadline and ``engine.json`` record (read at
+    start, so the first pass keeps the calibration pass's entries)."""
+
+    def __init__(self, protocol_path: Path, out: Path, deadline: float) -> None:
+        self.protocol = load_protocol(protocol_path)
+        self.protocol_path, self.out, self.deadline = protocol_path, out, deadline
+        self.record_path = out / "engine.json"
+        path = self.record_path
+        self.record: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+        self.record.setdefault("skipped", [])
+
+    def save(self) -> None:
+        self.record_path.write_text(json.dumps(self.record, indent=2) + "\n")
+
+    def _validate(self, raw: dict[str, Any]):
+        from lab.config import validate
+
+        return validate(raw, str(self.protocol_path), ROOT)
+
+    def calibration(self) -> None:
+        from lab.report.folder import write_results
+        from lab.run.experiment import run_experiment
+
+        record = self.record
+        record["calibration"] = []
+        for name in self.protocol["calibration"]["workloads"]:
+            if time.time() > self.deadline:  # the grid and the workloads so far calibrate
+                record["skipped"].append(f"calibration {name} (past the calibration limit)")
+                continue
+            cfg = self._validate(calibration_config(self.protocol, name))
+            runs = run_experiment(cfg, progress=False)
+            write_results(self.out / "calibration" / name, cfg, runs)
+            steps = sum(r.summary["num_steps"] for r in runs)
+            print(f"  calibration {name}: {_throughputs(runs)}, {steps} steps", flush=True)
+            record["calibration"].append(name)
+            self.save()
+
+    def repeat(self) -> None:
+        from lab.report.folder import write_results
+        from lab.run.experiment import run_experiment
+
+        record = self.record
+        for folder in record.get("folders", []):
+            est = record["estimates_s"][folder]
+            if time.time() + est > self.deadline:
+                record["skipped"].append(f"{folder} repeat (estimated {est:.0f} s)")
+                continue
+            config_yaml = self.out / "engine" / folder / "config.yaml"
+            cfg = engine_config(yaml.safe_load(config_yaml.read_text()))
+            runs = run_experiment(cfg, progress=False)
+            write_results(self.out / "engine_repeat" / folder, cfg, runs)
+            print(f"  {folder} again: " + _throughputs(runs), flush=True)
+            record.setdefault("repeated", []).append(folder)
+            self.save()
+
+    def first(self) -> None:
+        from lab.run.experiment import run_experiment
+
+        record = self.record
+        record.update(folders=[], estimates_s={}, capacity={})  # keeps the calibration's
+        for name in self.protocol["slices"]:
+            cfg = self._validate(slice_config(self.protocol, name))
+            reqs, native, offline = capacity_run(cfg)
+            if time.time() + 10 > self.deadline:
+                record["skipped"].append(f"{name} (no time for its capacity run)")
+                continue
+            run = run_experiment(offline, progress=False, requests=reqs)[0]
+            capacity = run.summary["finished"] / run.summary["duration_s"]
+            record["capacity"][name] = {"capacity_req_s": capacity, "native_req_s": native,
+                                        "requests": len(reqs)}  # fmt: skip
+            print(f"{name}: capacity {capacity:.2f} req/s, own rate {native:.3f}", flush=True)
+            for load in self.protocol["loads"]:
+                self._load(name, cfg, load, len(reqs), capacity, native)
+
+    def _load(self, name: str, cfg, load: float, n: int, capacity: float, native: float) -> None:
+        """Window ``name`` at ``load`` x ``capacity`` through every policy, unless it would
+        end past the deadline."""
+        from lab.report.folder import write_results
+        from lab.run.experiment import run_experiment
+
+        folder = folder_name(name, load)
+        est = pass_estimate_s(cfg, n, load, capacity)
+        if time.time() + est > self.deadline:
+            self.record["skipped"].append(f"{folder} (estimated {est:.0f} s)")
+            return
+        cfg_l = load_config(cfg, folder, load * capacity / native)
+        runs = run_experiment(cfg_l, progress=False)
+        write_results(self.out / "engine" / folder, cfg_l, runs)
+        self.record["folders"].append(folder)
+        self.record["estimates_s"][folder] = est
+        print(f"  load {load:g}: " + _throughputs(runs), flush=True)
+        self.save()
+
+
+def _throughputs(runs) -> str:
+    return ", ".join(f"{r.label} {r.summary['request_throughput']:.2f} req/s" for r in runs)

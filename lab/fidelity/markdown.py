@@ -1,0 +1,388 @@
+"""The sim side's markdown: headline, setup, plan match, step-level error, distribution
+errors, the saturated regime and rankings, filled into :data:`TEMPLATE`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from lab.fidelity.compare import METRICS, PCTS
+from lab.fidelity.protocol import ROOT
+
+COLS = [(m, p) for m in METRICS for p in PCTS]
+
+
+def pct(v: float) -> str:
+    """A fraction as a percentage with one decimal; ``-`` for NaN."""
+    return "-" if v != v else f"{v * 100:.1f}%"
+
+
+def error_target(p: str) -> float:
+    """The relative error a cell of percentile ``p`` must meet (throughput: any other ``p``)."""
+    return {"p50": 0.05, "p90": 0.05, "p99": 0.10}.get(p, 0.03)
+
+
+def shown(archive: Path) -> str:
+    """The archive's path as the doc names it: relative to the repository when inside it."""
+    try:
+        return str(Path(archive).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(archive)
+
+
+def write_doc(
+    table, steps, rankings, plans, record, stale, profile: Path, archive: Path,
+    protocol: dict[str, Any], equivalent,
+) -> str:  # fmt: skip
+    """The doc's markdown (without the archive's notes), from the sim side's per-run
+    ``table``, per-step errors ``steps``, ``rankings``, ``plans`` (plan_match per run), the
+    archive's ``engine.json`` ``record``, ``stale`` (folder -> (stale, why)), the profile,
+    the archive's path, its protocol and the ``equivalent`` policy pairs."""
+    import numpy as np
+
+    run_table, met, missed = _run_table(table)
+    e = np.abs(steps.err.to_numpy())
+    sat_steps = steps[steps.saturated]
+    n_plans = int(plans.steps_recorded.sum())
+    identical = int(plans.steps_matched.sum())
+    first_bad = plans[plans.first_mismatch.notna()]
+    fp = json.loads(json.dumps(_read_fp(profile)))
+    exp = protocol.get("experiment", {})
+    async_protocol = bool((exp.get("scheduler") or {}).get("async_scheduling"))
+    return TEMPLATE.format(
+        archive=shown(archive),
+        setup=_setup_line(protocol),
+        source=_source(record, fp),
+        loads=", ".join(f"{x:g}" for x in sorted(table.load.unique())),
+        fingerprint=", ".join(f"{k} `{v}`" for k, v in sorted((fp or {}).items())) or "none",
+        calibration=_calibration_text(record, async_protocol),
+        stale=_stale_text(stale),
+        capacity="\n".join(
+            f"| {k} | {v['requests']} | {v['native_req_s']:.3f} | {v['capacity_req_s']:.1f} |"
+            for k, v in record.get("capacity", {}).items()
+        ),
+        skipped=", ".join(record.get("skipped", [])) or "none",
+        identical_pct=pct(identical / max(n_plans, 1)),
+        identical=identical,
+        n_plans=n_plans,
+        n_runs=len(plans),
+        plan_note=(
+            "every step of every run was planned as on the engine."
+            if first_bad.empty
+            else "runs with a mismatch: "
+            + "; ".join(f"{r.run}: {r.first_mismatch}" for r in first_bad.itertuples())
+        ),
+        async_steps=(
+            " (asynchronous scheduling: the clock the simulator runs, max(device time of N, "
+            "host time of N + 1), as the engine's durations are)"
+            if async_protocol
+            else ""
+        ),
+        step_p50=pct(np.median(e)),
+        step_p90=pct(np.percentile(e, 90)),
+        step_sat=pct(np.median(np.abs(sat_steps.err))) if len(sat_steps) else "-",
+        headline=_headline(table, steps, rankings, identical, n_plans),
+        saturated=_saturated(table, steps),
+        by_kind="\n".join(_by_kind(steps)),
+        met=met,
+        total=met + missed,
+        medians="\n".join(_medians(table)),
+        table="\n".join(run_table),
+        agree=sum(r["agree"] for r in rankings),
+        pairs=len(rankings),
+        rank_table="\n".join(_rank_lines(rankings)) or "| - | - | - | - | - | - | - | - |",
+        same_plans=_equivalent_text(equivalent),
+    )
+
+
+def _has_spread(table) -> bool:
+    return "spread_ttft_s_p50" in table
+
+
+def _cell(r, m: str, p: str, has_spread: bool) -> str:
+    """A run's error in metric ``m`` at ``p`` (engine spread in brackets), ✗ past its limit."""
+    key = f"{m}_{p}" if m != "throughput" else "throughput"
+    e = r[f"err_{key}"]
+    s = r.get(f"spread_{key}", float("nan")) if has_spread else float("nan")
+    limit = max(error_target(p), s if s == s else 0.0)
+    return f"{pct(e)} ({pct(s)})" + ("" if e <= limit else " ✗")
+
+
+def _run_table(table) -> tuple[list[str], int, int]:
+    """The per-run table's lines, and how many of its error cells met and missed."""
+    has_spread = _has_spread(table)
+    head = ["window", "load", "policy"] + [f"{m[:-2].upper()} {p}" for m, p in COLS]
+    head += ["throughput", "preempt engine / sim", "plans identical"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    met = missed = 0
+    for _, r in table.iterrows():
+        cells = [r.slice, f"{r.load:g}", r.policy]
+        cells += [_cell(r, m, p, has_spread) for m, p in COLS]
+        cells += [_cell(r, "throughput", "tp", has_spread)]
+        met += sum("✗" not in c for c in cells[3:])
+        missed += sum("✗" in c for c in cells[3:])
+        cells += [f"{r.real_preemptions} / {r.sim_preemptions}", pct(r.plans_identical)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines, met, missed
+
+
+def _medians(table) -> list[str]:
+    """The table of median errors (and engine spreads) over groups of runs."""
+    med = ["| median over runs | " + " | ".join(f"{m[:-2].upper()} {p}" for m, p in COLS)
+           + " | throughput |", "|" + "---|" * (len(COLS) + 2)]  # fmt: skip
+    for label, prefix, sel in (
+        ("simulator vs engine, all loads", "err_", table.load > 0),
+        ("simulator vs engine, loads <= 0.95", "err_", table.load <= 0.95),
+        ("simulator vs engine, saturated (1.1, 1.3)", "err_", table.load > 1.0),
+        ("engine vs its repeat, all loads", "spread_", table.load > 0),
+        ("engine vs its repeat, saturated", "spread_", table.load > 1.0),
+    ):
+        if prefix == "spread_" and not _has_spread(table):
+            continue
+        t = table[sel]
+        vals = [t[f"{prefix}{m}_{p}"].median() for m, p in COLS] + [
+            t[f"{prefix}throughput"].median()
+        ]
+        label += f" ({t[f'{prefix}ttft_s_p50'].notna().sum()} runs)"
+        med.append(f"| {label} | " + " | ".join(pct(v) for v in vals) + " |")
+    return med
+
+
+def _noise(g, q: float) -> str:
+    """Percentile ``q`` of the steps' same-shape engine spread; ``-`` without any."""
+    import numpy as np
+
+    n = g.noise.dropna().to_numpy() if "noise" in g else np.array([])
+    return pct(np.percentile(n, q)) if len(n) else "-"
+
+
+def _by_kind(steps) -> list[str]:
+    """The step-level error table's rows: all steps, then each step kind."""
+    import numpy as np
+
+    return [
+        f"| {k} | {len(g):,} | {pct(np.median(np.abs(g.err)))} | "
+        f"{pct(np.percentile(np.abs(g.err), 90))} | {pct(np.median(g.err))} | "
+        f"{_noise(g, 50)} / {_noise(g, 90)} |"
+        for k, g in [("all", steps), *steps.groupby("kind")]
+    ]
+
+
+def _rank_lines(rankings) -> list[str]:
+    return [
+        f"| {r['slice']} | {r['load']:g} | {r['metric']} | {r['pair']} | "
+        f"{r['engine'] * 1e3:+.2f} | {r['noise'] * 1e3:.2f} | {r['sim'] * 1e3:+.2f} | "
+        f"{'yes' if r['agree'] else '**tie**' if r['sim'] == 0 else '**no**'} |"
+        for r in rankings
+    ]
+
+
+def _mdn(t, col: str) -> str:
+    return pct(t[col].median()) if col in t and len(t) else "-"
+
+
+def _headline(table, steps, rankings, identical: int, n_plans: int) -> str:
+    """The doc's first paragraph (printed for the README's fidelity paragraph too)."""
+    import numpy as np
+
+    e = np.abs(steps.err.to_numpy())
+    return (
+        f"Held out ({len(table)} engine runs): plans identical under replayed durations "
+        f"{pct(identical / max(n_plans, 1))} of {n_plans:,} steps; step-level error median "
+        f"{pct(np.median(e))}, P90 {pct(np.percentile(e, 90))} (engine's own step-to-step "
+        f"spread {_noise(steps, 50)}, {_noise(steps, 90)}); median errors (engine's own "
+        f"spread in brackets) TTFT p50 {_mdn(table, 'err_ttft_s_p50')} "
+        f"({_mdn(table, 'spread_ttft_s_p50')}), TPOT p50 {_mdn(table, 'err_tpot_s_p50')} "
+        f"({_mdn(table, 'spread_tpot_s_p50')}), E2E p50 {_mdn(table, 'err_e2e_s_p50')} "
+        f"({_mdn(table, 'spread_e2e_s_p50')}), throughput {_mdn(table, 'err_throughput')} "
+        f"({_mdn(table, 'spread_throughput')}); policy pairs ordered as on the engine: "
+        f"{sum(r['agree'] for r in rankings)} of {len(rankings)}."
+    )
+
+
+def _saturated(table, steps) -> str:
+    """The saturated-regime section (loads above 1), or a line saying there are none."""
+    import numpy as np
+
+    sat, low = table[table.load > 1.0], table[table.load <= 1.0]
+    if sat.empty:
+        return "No saturated runs (loads above 1) in this archive.\n"
+    sat_steps = steps[steps.saturated]
+    return SATURATED.format(
+        sat_bias=pct(np.median(sat_steps.err)) if len(sat_steps) else "-",
+        low_bias=pct(np.median(steps[~steps.saturated].err)) if (~steps.saturated).any() else "-",
+        sat_ttft=_mdn(sat, "err_ttft_s_p50"),
+        sat_ttft_spread=_mdn(sat, "spread_ttft_s_p50"),
+        low_ttft=_mdn(low, "err_ttft_s_p50"),
+        sat_e2e=_mdn(sat, "err_e2e_s_p50"),
+        sat_e2e_spread=_mdn(sat, "spread_e2e_s_p50"),
+        sat_tp=_mdn(sat, "err_throughput"),
+        sat_tp_spread=_mdn(sat, "spread_throughput"),
+    )
+
+
+def _source(record: dict[str, Any], fp) -> str:
+    """Where the engine runs came from: the record's ``source``, else the engine side's log."""
+    return record.get("source") or (
+        f"`sched-lab fidelity --engine` made them on one {(fp or {}).get('gpu', 'GPU')} (started "
+        f"{record.get('started', '?')} UTC; step times in s: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in record.get("steps", {}).items() if k.endswith("_s"))
+        + "), the profile first, minutes before the replays, on the same machine. Protocol: "
+        f"`{record.get('protocol', 'benchmarks/fidelity_heldout.yaml')}` (what it leaves out of "
+        "a full protocol, and why, is written there)."
+    )
+
+
+def _calibration_text(record: dict[str, Any], async_protocol: bool) -> str:
+    """What the simulator was calibrated on, in words."""
+    if not record.get("calibration"):
+        return (
+            "the simulator's only calibration data is the profile grid (`profile.csv` in "
+            "the archive); no engine replay step is fitted."
+        )
+    return (
+        "the simulator's calibration data is the profile grid (`profile.csv` in the "
+        "archive) and the engine's steps in synthetic calibration replays run right after "
+        f"it (`calibration/` in the archive: {', '.join(record['calibration'])}; "
+        "arrivals and lengths drawn from the protocol's distributions, no trace row); no "
+        "step of an evaluated window is fitted"
+        + (
+            " (the replays ran with synchronous scheduling: their steps are step times, "
+            "whose host part the profile's `host_s` fit splits off)."
+            if async_protocol
+            else "."
+        )
+    )
+
+
+def _stale_text(stale: dict[str, tuple]) -> str:
+    stale_notes = sorted({why for s, why in stale.values() if s})
+    if not stale_notes and all(s is False for s, _ in stale.values()):
+        return (
+            "The profile matches the engine runs' fingerprint (made by the same engine, GPU "
+            "and versions)."
+        )
+    return (
+        "**Stale**: "
+        + "; ".join(stale_notes or ["the profile or the engine runs have no fingerprint"])
+        + "."
+    )
+
+
+def _setup_line(protocol: dict[str, Any]) -> str:
+    """The protocol's model and engine setup, in words, for the doc."""
+    exp, ck = protocol.get("experiment", {}), protocol.get("checkpoint", {})
+    eng, kv, sch = exp.get("engine", {}), exp.get("kv_cache", {}), exp.get("scheduler", {})
+    pols = [
+        p if isinstance(p, str) else p.get("label", p.get("name", "?"))
+        for p in exp.get("policies", [])
+    ]
+    mode = "asynchronous" if sch.get("async_scheduling") else "synchronous"
+    return (
+        f"Model: {ck.get('preset', exp.get('model', '?'))} shape, random {ck.get('dtype', '?')} "
+        f"weights, {eng.get('attention_backend', '?')} attention, {kv.get('num_gpu_blocks', '?')} "
+        f"KV blocks of {kv.get('block_size', '?')} tokens, policies {', '.join(pols)}, "
+        f"{mode} scheduling."
+    )
+
+
+def _equivalent_text(equivalent) -> str:
+    """The policy pairs that plan alike under the same step durations, in words."""
+    if not equivalent:
+        return "none (every pair of policies planned differently under the same durations)"
+    pairs = "; ".join(f"{a} and {b} at {sl} {load:g}x" for sl, load, a, b in sorted(equivalent))
+    return (
+        f"{len(equivalent)} pairs whose second policy, fed the first's engine step "
+        f"durations, made the first's plan on every step, so that what differs between them "
+        f"on the engine is its noise ({pairs})"
+    )
+
+
+def _read_fp(profile: Path):
+    from lab.sim.calibrated import read_fingerprint
+
+    return read_fingerprint(profile)
+
+
+TEMPLATE = """# Simulator fidelity, held out
+
+{headline}
+
+Generated by `sched-lab fidelity --sim` from `{archive}` (and its `_repeat` archive). {source}
+{setup}
+
+**Held out**: {calibration} Profile fingerprint: {fingerprint}. {stale}
+
+Windows and the engine's capacity on each (all requests at t = 0, fcfs); loads are {loads}
+times it:
+
+| window | requests | own rate (req/s) | capacity (req/s) |
+|---|---|---|---|
+{capacity}
+
+Skipped for time: {skipped}.
+
+## Plans identical under replayed durations
+
+Fed each engine run's measured step durations in order (`cost_model: {{durations_from:
+RUN/steps.csv}}`), the simulator planned **{identical_pct}** of the engine's steps
+identically ({identical:,} of {n_plans:,} steps in {n_runs} runs: same prefill tokens and
+chunks, decodes, contexts, preemptions, swap-outs and swap-ins); {plan_note}
+
+## Step-level error
+
+Each engine step's duration predicted by the calibrated model from that step's exact batch{async_steps}:
+median {step_p50}, P90 {step_p90} (absolute; saturated runs alone: median {step_sat}).
+Targets: median <= 3%, P90 <= 8%. The last column is the engine's own spread between steps
+of one shape: each step's distance from the median of the run's steps of its shape (kind,
+prompt tokens to 64, prompts, decodes, context to 512 tokens a sequence; shapes of >= 5
+steps), median / P90. A model that sees only a step's shape cannot do better than that.
+
+| step kind | steps | median abs error | P90 abs error | median signed error | engine's spread, same shape |
+|---|---|---|---|---|---|
+{by_kind}
+
+![per-step error by step kind](fidelity/heldout_step_error.png)
+
+## Distribution errors
+
+Relative error |sim - engine| / engine of each percentile; in brackets the engine's own
+spread, |repeat - first| / first, for the same run. ✗ marks a miss of max(5% at P50/P90, 10%
+at P99, 3% for throughput, the engine's own spread): {met} of {total} cells met.
+
+{medians}
+
+Per run:
+
+{table}
+
+![engine (solid) vs simulator (dashed): TTFT and E2E CDFs](fidelity/heldout_cdfs.png)
+
+{saturated}
+## Rankings
+
+For every (window, load), metric (TTFT p50, TTFT p99, TPOT p50, E2E p50) and pair of
+policies whose engine difference exceeds the engine's own spread (|a - b| > |a - a'| +
+|b - b'|, a' the repeat, and the repeat orders them the same way): the simulator orders
+{agree} of {pairs} such pairs as the engine does (a tie in the simulator counts as not).
+Left out: {same_plans}. Differences in ms.
+
+| window | load | metric | pair | engine a - b | spread | sim a - b | same order |
+|---|---|---|---|---|---|---|---|
+{rank_table}
+"""
+
+
+SATURATED = """## The saturated regime (1.1 and 1.3 x capacity)
+
+Above capacity the queue grows for the whole window, so a request's TTFT is its wait behind
+everything that arrived before it: the sum of many steps' durations, where at low load it is
+about one prefill step. A bias in the step times then carries into TTFT whole instead of
+averaging out: the saturated runs' step predictions have a signed median error of
+{sat_bias} ({low_bias} at loads <= 1), and their median TTFT p50 error is {sat_ttft}
+against the engine's own spread of {sat_ttft_spread} (the simulator's error at loads <= 1:
+{low_ttft}). E2E p50:
+{sat_e2e} (engine {sat_e2e_spread}). Throughput there is the engine's service rate: error
+{sat_tp} (engine {sat_tp_spread}).
+"""

@@ -1,0 +1,238 @@
+"""The simulator side (``--sim``, CPU): every engine run of an archive replayed and compared.
+
+Each engine run is replayed twice: with the cost model calibrated from the archive's profile
+and calibration replays alone (errors of TTFT, TPOT, ITL, E2E P50/P90/P99 and throughput,
+beside the engine's own run-to-run spread; policy rankings, leaving out pairs that plan
+alike: :func:`plans_alike`), and with the engine's measured durations
+(``cost_model.durations_from``: the fraction of steps planned identically). Each engine
+step's duration is also predicted from its exact batch, beside the engine's own spread
+between steps of one shape (:mod:`lab.fidelity.compare`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lab.config.yamlio import short_repr
+from lab.fidelity.archive import notes_path, unpack
+from lab.fidelity.compare import predicted_durations, rank_agreement, run_row, step_kind, step_noise
+from lab.fidelity.markdown import write_doc
+from lab.fidelity.plots import plots
+from lab.fidelity.protocol import engine_config
+
+
+def sim(archive: Path, doc: Path) -> dict[str, Any]:
+    """Every comparison of the simulator side; writes the markdown ``doc``, its table
+    (``fidelity/heldout.csv``) and plots beside it; returns the numbers (``table``,
+    ``steps``, ``rankings``, ``plans``). The archive is unpacked into a temporary folder,
+    removed at the end.
+
+    Raises:
+        SystemExit: one line, before any replay, if ``doc`` is a folder or its folder
+            cannot be made or written, or if the archive is missing or not an engine
+            side's."""
+    try:
+        doc.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"error: --doc {doc}: cannot make its folder ({e.strerror})") from None
+    if doc.is_dir() or not os.access(doc.parent, os.W_OK):
+        raise SystemExit(f"error: --doc {doc}: expected a markdown file path in a writable folder")
+    src = unpack(archive)
+    try:
+        return _sim(archive, src, doc)
+    finally:
+        if src != archive:
+            shutil.rmtree(src, ignore_errors=True)
+
+
+def read_record(archive: Path, src: Path) -> dict[str, Any]:
+    """The unpacked archive's ``engine.json``, checked: its folders and calibration names
+    each name a folder holding a steps.csv, the folders as ``WINDOW_LOAD``.
+
+    Raises:
+        SystemExit: one line naming ``archive`` and what is wrong.
+    """
+    if not (src / "engine.json").exists() or not (src / "profile.csv").exists():
+        raise SystemExit(
+            f"error: {archive}: no engine.json or profile.csv (not an engine side's archive)"
+        )
+    record = json.loads((src / "engine.json").read_text())
+    if not isinstance(record, dict):
+        raise SystemExit(f"error: {archive}: engine.json: expected a mapping")
+    if not record.get("folders"):
+        raise SystemExit(
+            f"error: {archive}: no engine runs (skipped: {', '.join(record.get('skipped', [])) or '-'})"
+        )
+    for key, side in (("folders", "engine"), ("calibration", "calibration")):
+        names = record.get(key) or []
+        if not isinstance(names, list) or not all(
+            isinstance(n, str) and "/" not in n and n not in ("", ".", "..")
+            and (src / side / n / "steps.csv").is_file()
+            for n in names
+        ):  # fmt: skip
+            raise SystemExit(
+                f"error: {archive}: engine.json: {key}: expected names of folders under "
+                f"{side}/ that hold a steps.csv, got {short_repr(names, 60)}"
+            )
+    bad = [f for f in record["folders"] if "_" not in f]
+    if bad:
+        raise SystemExit(
+            f"error: {archive}: engine.json: folders: expected WINDOW_LOAD names, got {bad[0]!r}"
+        )
+    return record
+
+
+@dataclass
+class Comparison:
+    """What the replays of an archive's engine runs collect, one entry per run (policy)."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)  # the per-run table
+    steps_err: list[Any] = field(default_factory=list)  # per-step frames: kind, err, noise
+    cdfs: dict[tuple, dict] = field(default_factory=dict)  # (window, load, policy) -> samples
+    plan: list[dict[str, Any]] = field(default_factory=list)  # plan_match per run
+    stale: dict[str, tuple] = field(default_factory=dict)  # folder -> (stale, why)
+    equivalent: list[tuple] = field(default_factory=list)  # (window, load, a, b) alike
+
+
+def _sim(archive: Path, src: Path, doc: Path) -> dict[str, Any]:
+    import pandas as pd
+
+    from lab.sim.calibrated import CalibratedCostModel
+
+    record = read_record(archive, src)
+    profile = src / "profile.csv"
+    calibration = [
+        str(src / "calibration" / n / "steps.csv") for n in record.get("calibration") or []
+    ]
+    model = CalibratedCostModel(profile, tuple(calibration))
+    cost_model = {"profile": str(profile), **({"replay_steps": calibration} if calibration else {})}
+    c = Comparison()
+    for folder in record["folders"]:
+        _compare_folder(src, folder, model, cost_model, c)
+    table = pd.DataFrame(c.rows)
+    steps = pd.concat(c.steps_err, ignore_index=True)
+    rankings = rank_agreement(table, frozenset(c.equivalent))
+    plans = pd.DataFrame(c.plan)
+    out_dir = doc.parent / "fidelity"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out_dir / "heldout.csv", index=False, float_format="%.6g")
+    plots(steps, c.cdfs, out_dir)
+    protocol = (
+        yaml.safe_load((src / "protocol.yaml").read_text())
+        if (src / "protocol.yaml").exists()
+        else {}
+    )
+    text = write_doc(table, steps, rankings, plans, record, c.stale, profile, archive, protocol,
+                     c.equivalent)  # fmt: skip
+    notes = notes_path(archive)
+    if notes.exists():
+        text += "\n" + notes.read_text()
+    doc.write_text(text)
+    print(f"wrote {doc} (and its tables and plots in {out_dir})")
+    print("\nfor the README's fidelity paragraph:\n" + text.split("\n\n")[1], flush=True)
+    return {"table": table, "steps": steps, "rankings": rankings, "plans": plans}
+
+
+def _compare_folder(src: Path, folder: str, model, cost_model: dict, c: Comparison) -> None:
+    """Engine folder ``folder`` (one window at one load, every policy) replayed in the
+    simulator, calibrated and with the engine's durations; its comparisons added to ``c``."""
+    import pandas as pd
+
+    from lab.run.experiment import run_experiment
+    from lab.sim.calibrated import read_fingerprint, staleness
+
+    real_dir, again_dir = src / "engine" / folder, src / "engine_repeat" / folder
+    raw = yaml.safe_load((real_dir / "config.yaml").read_text())
+    real = json.loads((real_dir / "summary.json").read_text())
+    again = (
+        json.loads((again_dir / "summary.json").read_text())
+        if (again_dir / "summary.json").exists()
+        else None
+    )
+    sim_raw = {**raw, "backend": "sim", "cost_model": cost_model}
+    sims = run_experiment(engine_config(sim_raw), progress=False)
+    rep_raw = {**raw, "backend": "sim",
+               "cost_model": {"durations_from": str(real_dir / "steps.csv")}}  # fmt: skip
+    replays = run_experiment(engine_config(rep_raw), progress=False)
+    real_req = pd.read_csv(real_dir / "requests.csv")
+    real_steps = pd.read_csv(real_dir / "steps.csv")
+    slice_name, load = folder.rsplit("_", 1)
+    async_ = bool((raw.get("scheduler") or {}).get("async_scheduling"))
+    for s, rp in zip(sims, replays, strict=True):
+        r = real[s.label]
+        fp = (r.get("cost_model") or {}).get("fingerprint")
+        profile = src / "profile.csv"
+        c.stale[folder] = staleness(read_fingerprint(profile), fp) if fp else (None, "")
+        row = run_row(slice_name, float(load), s, r, again)
+        pm = rp.summary["plan_match"]
+        c.plan.append({"run": f"{folder} {s.label}", **pm})
+        row["plans_identical"] = pm["fraction_identical"]
+        c.rows.append(row)
+        st = real_steps[real_steps.policy == s.label]
+        pred = predicted_durations(model, st, async_)
+        c.steps_err.append(
+            pd.DataFrame(
+                {
+                    "kind": step_kind(st),
+                    "err": (pred - st.duration_s) / st.duration_s,
+                    "noise": step_noise(st),
+                    "saturated": float(load) > 1.0,
+                }
+            )  # fmt: skip
+        )
+        rq = real_req[real_req.policy == s.label]
+        c.cdfs[(slice_name, float(load), s.label)] = {
+            m: (rq[m].dropna().to_numpy(), s.requests[m].dropna().to_numpy())
+            for m in ("ttft_s", "e2e_s")
+        }
+    labels = [x.label for x in sims]
+    c.equivalent += [(slice_name, float(load), a, b)
+                     for a, b in combinations(labels, 2)
+                     if plans_alike(raw, real_steps, a, b)]  # fmt: skip
+
+
+def plan_alike_replay(raw: dict, real_steps, a: str, b: str):
+    """Policy ``b`` of an engine run's config replayed with policy ``a``'s measured step
+    durations (``cost_model.durations_from``, a's rows relabelled b): its plan_match."""
+    import logging
+
+    from lab.run.experiment import run_experiment
+
+    quiet = logging.getLogger("lab.run.experiment")
+    level, quiet.level = quiet.level, logging.CRITICAL  # b running out of a's steps is news
+    try:  # to no one: it only means the two do not plan alike
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "steps.csv"
+            real_steps[real_steps.policy == a].assign(policy=b).to_csv(path, index=False)
+            cross = {**raw, "backend": "sim", "cost_model": {"durations_from": str(path)},
+                     "policies": [p for p in raw["policies"] if _label(p) == b]}  # fmt: skip
+            runs = run_experiment(engine_config(cross), progress=False)
+    finally:
+        quiet.level = level
+    return runs[0].summary["plan_match"]
+
+
+def plans_alike(raw: dict, real_steps, a: str, b: str) -> bool:
+    """Whether policies ``a`` and ``b`` plan alike on this run: ``b`` fed ``a``'s engine
+    step durations makes ``a``'s plan on every step (then what differs between them on the
+    engine is its noise, not the policy)."""
+    from lab.core.errors import UserError
+
+    try:
+        pm = plan_alike_replay(raw, real_steps, a, b)
+    except UserError:  # b asked for more steps than a ran: not alike
+        return False
+    return pm["steps_matched"] == pm["steps_recorded"] == pm["steps_simulated"]
+
+
+def _label(p) -> str:
+    return p if isinstance(p, str) else p.get("label") or p["name"]

@@ -1,11 +1,10 @@
 """The results folder: config.yaml, requests.csv, steps.csv, summary.json, report.md + PNGs,
-events.csv (what the scheduler did to each request: lab/report/timeline.py), one vLLM-format result
-JSON per run (lab/results/vllm_result.py), report.html (lab/report/html.py).
+events.csv (lab/report/timeline.py), one vLLM-format result JSON per run
+(lab/results/vllm_result.py), report.html (lab/report/html.py).
 
-The folder is written under a temporary name next to its destination and renamed into
-place at the end, so a crashed or interrupted run never leaves a folder that looks
-complete. Its manifest (``.sched-lab-manifest.json``) names the files the lab wrote; a rerun
-replaces a folder whole only when it holds nothing else.
+The folder is written under a temporary name and renamed into place, so an interrupted run
+never leaves a folder that looks complete; its manifest (:data:`MANIFEST`) names the files
+the lab wrote, and a rerun replaces a folder only when it holds nothing else.
 """
 
 from __future__ import annotations
@@ -39,8 +38,7 @@ _TEMP_SUFFIX_BYTES = 14  # ".{name}.XXXXXXXX" then ".old": what a temporary name
 
 
 class ResultsNotPlaced(Exception):
-    """The results were written but could not be renamed into place; the message says where
-    they are."""
+    """Written but not renamed into place; the message says where the results are."""
 
 
 def write_results(
@@ -54,23 +52,17 @@ def write_results(
     bars: bool = True,
 ) -> Path:
     """Write every file of the run folder ``out_dir`` atomically; returns ``out_dir``.
-
-    The files go into a temporary folder next to ``out_dir``, with a manifest
-    (:data:`MANIFEST`) naming them, which is then renamed into place; an earlier results
-    folder there is replaced only if it holds nothing but the files its manifest names.
-    Engine runs also get ``tokens.jsonl``: the generated token ids of every request (and
-    their text when ``decode`` is given).
+    Engine runs also get ``tokens.jsonl`` (token ids, and text when ``decode`` is given).
 
     Args:
-        partial: why only some of the experiment's runs are here (e.g. interrupted); said
-            in report.md and in every run's summary (key ``partial``).
+        partial: why only some of the experiment's runs are here; said in report.md and in
+            every run's summary (key ``partial``).
         fmt: ``csv`` or ``parquet`` (needs pyarrow) for requests and steps.
-        bars: False: no progress bar while writing (a sweep's workers).
+        bars: False: no progress bar while writing.
 
     Raises:
         UserError: ``out_dir`` cannot become a results folder (nothing is written).
-        ResultsNotPlaced: the final rename failed; the results are kept in another folder,
-            named in the message.
+        ResultsNotPlaced: the final rename failed; the message names where the results are.
     """
     if fmt not in FORMATS:
         raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
@@ -150,7 +142,7 @@ def _write_files(
 
 def put_in_place(tmp: Path, out_dir: Path) -> None:
     """Rename the finished folder ``tmp`` to ``out_dir``, replacing an earlier results folder
-    there (checked again: it may have changed during the runs)."""
+    there (checked again). Raises ResultsNotPlaced."""
     try:
         if out_dir.exists():
             check_out_dir(out_dir)
@@ -177,18 +169,9 @@ def put_in_place(tmp: Path, out_dir: Path) -> None:
 
 
 def check_out_dir(out_dir: Path) -> Path:
-    """Make sure ``out_dir`` can become a results folder, before any run: a folder can be
-    made where it goes, its temporary name fits, and ``out_dir`` is absent, empty, or an
-    earlier results folder that can be replaced (it holds only the files of its manifest,
-    and its entries can be deleted). Creates nothing.
-
-    Returns:
-        ``out_dir`` made absolute, with symlinks and ``..`` resolved (a link to a results
-        folder updates the folder it points to).
-
-    Raises:
-        UserError: one line naming ``out_dir`` and what is in the way.
-    """
+    """Check, creating nothing, that ``out_dir`` can become a results folder: absent, empty, or
+    a replaceable earlier results folder. Returns ``out_dir`` resolved (absolute, symlinks
+    followed). Raises UserError: one line naming ``out_dir`` and what is in the way."""
     given = out_dir
     try:
         out_dir = Path(out_dir).resolve()
@@ -277,15 +260,13 @@ def _check_replaceable(out_dir: Path) -> None:
 
 
 def is_results_folder(folder: Path) -> bool:
-    """Whether ``folder`` is what write_results makes: a manifest, and no entry beyond the
-    files it names (so a hand-written note or a kept trace file is never replaced)."""
+    """Whether ``folder`` holds a manifest and no entry beyond the files it names."""
     return _foreign_entries(folder) == []
 
 
 def _foreign_entries(folder: Path) -> list[str] | None:
-    """The entries of ``folder`` its manifest does not name as files, or as ``folders``
-    that are results folders themselves (a sweep's points), sorted; None without a
-    readable manifest."""
+    """The entries of ``folder`` its manifest names neither as files nor as results
+    ``folders``, sorted; None without a readable manifest."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         files = set(manifest["files"])
@@ -320,8 +301,7 @@ def _write_tokens(path: Path, runs: list[Run], decode) -> None:
 
 
 def _write_steps_csv(path: Path, runs: list[Run], rows: int = 1 << 20) -> None:
-    """steps.csv run by run, ``rows`` at a time: the same text as one concatenated frame
-    (:func:`_steps_frame`), without a copy of every run's steps in memory at once."""
+    """steps.csv run by run, ``rows`` at a time: the same text as :func:`_steps_frame`'s."""
     with path.open("w") as f:
         header = True
         for r in runs:
@@ -337,10 +317,8 @@ def _write_steps_csv(path: Path, runs: list[Run], rows: int = 1 << 20) -> None:
 
 
 def concat_requests(frames: list[pd.DataFrame]) -> pd.DataFrame:
-    """The runs' requests tables as one (requests.csv). A column some runs lack (the
-    speculative counts of an experiment that turns speculation off for a policy) is empty
-    in their rows; one that is integer wherever present stays integer (pandas' nullable
-    Int64), not float (12, not 12.0)."""
+    """The runs' requests tables as one (requests.csv); a column some runs lack is empty in
+    their rows and stays integer (nullable Int64) where it is integer wherever present."""
     out = pd.concat(frames)
     for c in out.columns:
         have = [f[c] for f in frames if c in f.columns]
@@ -359,8 +337,7 @@ def _steps_frame(runs: list[Run]) -> pd.DataFrame:
 
 
 def _columns(run: Run) -> list[str]:
-    """A run's step columns: STEP_COLUMNS, then any its result adds (a cluster's
-    ``replica``)."""
+    """A run's step columns: STEP_COLUMNS, then any its result adds (``replica``)."""
     return [*STEP_COLUMNS, *(c for c in run.result.steps if c not in STEP_COLUMNS)]
 
 
@@ -380,8 +357,7 @@ def _plots(folder: Path, runs: list[Run], cfg: ExperimentConfig) -> list[tuple[s
 
 def _timelines(folder: Path, cfg: ExperimentConfig, runs: list[Run], fmt: str):
     """events.csv (or .parquet) of every run, and per run a Gantt PNG of its chosen requests
-    (``report:`` keys) and the same as a plotly figure for report.html (None without
-    plotly). Returns ([(png, caption)], [figures])."""
+    and a plotly figure (without plotly, none). Returns ([(png, caption)], [figures])."""
     frames, pngs, figures = [], [], []
     with_plotly = html_report.plotly_available()
     for r in runs:

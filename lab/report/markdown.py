@@ -69,7 +69,7 @@ def model_line(cfg: ExperimentConfig) -> str:
 
 def config_yaml(cfg: ExperimentConfig, runs: list[Run]) -> str:
     """config.yaml: the resolved config, with ``trace_file`` (path, sha256, rows) of the
-    trace the runs replayed, so that replaying this file checks the trace is the same."""
+    replayed trace."""
     d = cfg.to_dict()
     info = runs[0].summary.get("trace") if runs else None
     if info is not None and info.get("path") is not None:
@@ -105,9 +105,7 @@ def _prefix_cache_lines(runs: list[Run]) -> list[str]:
 
 
 def _cost_model_lines(cm: dict | None) -> list[str]:
-    """report.md's lines on what made the step times (summary key ``cost_model``): the
-    model, its profile and the engine fingerprint; a stale profile and the analytic model
-    in bold."""
+    """report.md's lines on what made the step times (summary key ``cost_model``)."""
     if not cm:
         return []
     fp = cm.get("fingerprint")
@@ -137,8 +135,8 @@ def _cost_model_lines(cm: dict | None) -> list[str]:
 
 
 def _efficiency_text(cm: dict) -> str:
-    """Where an analytic run's efficiencies came from and their known error (summary keys
-    of lab.run.experiment.analytic_source; absent in results made before them)."""
+    """Where an analytic run's efficiencies came from and their known error (summary keys of
+    lab.run.experiment.analytic_source)."""
     src, own = cm.get("efficiencies"), cm.get("efficiencies_from_yaml") or []
     if src is None:
         return "its efficiencies' source was not recorded"
@@ -161,9 +159,8 @@ def _efficiency_text(cm: dict) -> str:
 
 
 def _scheduling_lines(runs: list[Run]) -> list[str]:
-    """report.md's line on the scheduling mode of the runs (summary key
-    ``async_scheduling``, false when missing), and a warning when async runs were priced
-    by a cost model without host time (summary key ``cost_model.host_note``)."""
+    """report.md's line on the runs' scheduling mode (summary key ``async_scheduling``), and a
+    warning for async runs priced without host time (``cost_model.host_note``)."""
     on = [r.label for r in runs if r.summary.get("async_scheduling")]
     off = [r.label for r in runs if not r.summary.get("async_scheduling")]
     what = (

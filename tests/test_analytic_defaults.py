@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lab.config import validate
-from lab.report.folder import _cost_model_lines
+from lab.report.markdown import _cost_model_lines
 from lab.run.experiment import run_experiment
 from lab.sim.analytic_defaults import FITTED, GUESS, defaults, refit
 from lab.sim.cost_model import AnalyticCostModel

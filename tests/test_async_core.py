@@ -417,7 +417,7 @@ def test_run_summary_counts_wasted_tokens(tmp_path):
     assert by["async"]["async_scheduling"] is True and by["sync"]["async_scheduling"] is False
     assert by["async"]["num_wasted_tokens"] == by["async"]["finished"] == 6
     assert by["sync"]["num_wasted_tokens"] == 0
-    from lab.report.folder import _markdown
+    from lab.report.markdown import report_markdown as _markdown
 
     text = _markdown(cfg, runs, [])
     assert "Wasted decode slots (async scheduling): async 6." in text

@@ -1,11 +1,10 @@
 """The results folder: config.yaml, requests.csv, steps.csv, summary.json, report.md + PNGs,
-events.csv (what the scheduler did to each request: lab/report/timeline.py), one vLLM-format result
-JSON per run (lab/results/vllm_result.py), report.html (lab/report/html.py).
+events.csv (lab/report/timeline.py), one vLLM-format result JSON per run
+(lab/results/vllm_result.py), report.html (lab/report/html.py).
 
-The folder is written under a temporary name next to its destination and renamed into
-place at the end, so a crashed or interrupted run never leaves a folder that looks
-complete. Its manifest (``.sched-lab-manifest.json``) names the files the lab wrote; a rerun
-replaces a folder whole only when it holds nothing else.
+The folder is written under a temporary name and renamed into place, so an interrupted run
+never leaves a folder that looks complete; its manifest (:data:`MANIFEST`) names the files
+the lab wrote, and a rerun replaces a folder only when it holds nothing else.
 """
 
 from __future__ import annotations
@@ -17,20 +16,19 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
-import yaml
 
 from lab import __version__
 from lab.config import ExperimentConfig
 from lab.core.errors import UserError
 from lab.report import html as html_report
 from lab.report import plots, timeline
+from lab.report.markdown import config_yaml, model_line, report_markdown
 from lab.report.progress import Phase
-from lab.results import fairness, spec_metrics, vllm_result
+from lab.results import fairness, vllm_result
 from lab.run.experiment import Run
 from lab.sim.replay import STEP_COLUMNS
 
@@ -40,8 +38,7 @@ _TEMP_SUFFIX_BYTES = 14  # ".{name}.XXXXXXXX" then ".old": what a temporary name
 
 
 class ResultsNotPlaced(Exception):
-    """The results were written but could not be renamed into place; the message says where
-    they are."""
+    """Written but not renamed into place; the message says where the results are."""
 
 
 def write_results(
@@ -55,23 +52,17 @@ def write_results(
     bars: bool = True,
 ) -> Path:
     """Write every file of the run folder ``out_dir`` atomically; returns ``out_dir``.
-
-    The files go into a temporary folder next to ``out_dir``, with a manifest
-    (:data:`MANIFEST`) naming them, which is then renamed into place; an earlier results
-    folder there is replaced only if it holds nothing but the files its manifest names.
-    Engine runs also get ``tokens.jsonl``: the generated token ids of every request (and
-    their text when ``decode`` is given).
+    Engine runs also get ``tokens.jsonl`` (token ids, and text when ``decode`` is given).
 
     Args:
-        partial: why only some of the experiment's runs are here (e.g. interrupted); said
-            in report.md and in every run's summary (key ``partial``).
+        partial: why only some of the experiment's runs are here; said in report.md and in
+            every run's summary (key ``partial``).
         fmt: ``csv`` or ``parquet`` (needs pyarrow) for requests and steps.
-        bars: False: no progress bar while writing (a sweep's workers).
+        bars: False: no progress bar while writing.
 
     Raises:
         UserError: ``out_dir`` cannot become a results folder (nothing is written).
-        ResultsNotPlaced: the final rename failed; the results are kept in another folder,
-            named in the message.
+        ResultsNotPlaced: the final rename failed; the message names where the results are.
     """
     if fmt not in FORMATS:
         raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
@@ -96,7 +87,7 @@ def write_results(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     try:
-        _put_in_place(tmp, out_dir)
+        put_in_place(tmp, out_dir)
     finally:
         phase.close()
     return out_dir
@@ -134,10 +125,10 @@ def _write_files(
         vllm = r.vllm
         name = vllm_result.result_filename(r.label, vllm["request_rate"], vllm["model_id"])
         (tmp / name).write_text(json.dumps(_json_safe(vllm), indent=2))
-    plots = _plots(tmp, runs, cfg) + fairness.plots(tmp, runs, _save)  # per class / tenant
+    plots = _plots(tmp, runs, cfg) + fairness.plots(tmp, runs, save_png)  # per class / tenant
     stories, figures = _timelines(tmp, cfg, runs, fmt)
     phase.advance()
-    report = _markdown(cfg, runs, plots + stories)
+    report = report_markdown(cfg, runs, plots + stories)
     if partial:  # right under the title
         title, _, rest = report.partition("\n")
         report = f"{title}\n\n**Partial results**: {partial}.\n{rest}"
@@ -149,9 +140,9 @@ def _write_files(
     )
 
 
-def _put_in_place(tmp: Path, out_dir: Path) -> None:
+def put_in_place(tmp: Path, out_dir: Path) -> None:
     """Rename the finished folder ``tmp`` to ``out_dir``, replacing an earlier results folder
-    there (checked again: it may have changed during the runs)."""
+    there (checked again). Raises ResultsNotPlaced."""
     try:
         if out_dir.exists():
             check_out_dir(out_dir)
@@ -178,18 +169,9 @@ def _put_in_place(tmp: Path, out_dir: Path) -> None:
 
 
 def check_out_dir(out_dir: Path) -> Path:
-    """Make sure ``out_dir`` can become a results folder, before any run: a folder can be
-    made where it goes, its temporary name fits, and ``out_dir`` is absent, empty, or an
-    earlier results folder that can be replaced (it holds only the files of its manifest,
-    and its entries can be deleted). Creates nothing.
-
-    Returns:
-        ``out_dir`` made absolute, with symlinks and ``..`` resolved (a link to a results
-        folder updates the folder it points to).
-
-    Raises:
-        UserError: one line naming ``out_dir`` and what is in the way.
-    """
+    """Check, creating nothing, that ``out_dir`` can become a results folder: absent, empty, or
+    a replaceable earlier results folder. Returns ``out_dir`` resolved (absolute, symlinks
+    followed). Raises UserError: one line naming ``out_dir`` and what is in the way."""
     given = out_dir
     try:
         out_dir = Path(out_dir).resolve()
@@ -278,15 +260,13 @@ def _check_replaceable(out_dir: Path) -> None:
 
 
 def is_results_folder(folder: Path) -> bool:
-    """Whether ``folder`` is what write_results makes: a manifest, and no entry beyond the
-    files it names (so a hand-written note or a kept trace file is never replaced)."""
+    """Whether ``folder`` holds a manifest and no entry beyond the files it names."""
     return _foreign_entries(folder) == []
 
 
 def _foreign_entries(folder: Path) -> list[str] | None:
-    """The entries of ``folder`` its manifest does not name as files, or as ``folders``
-    that are results folders themselves (a sweep's points), sorted; None without a
-    readable manifest."""
+    """The entries of ``folder`` its manifest names neither as files nor as results
+    ``folders``, sorted; None without a readable manifest."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         files = set(manifest["files"])
@@ -321,8 +301,7 @@ def _write_tokens(path: Path, runs: list[Run], decode) -> None:
 
 
 def _write_steps_csv(path: Path, runs: list[Run], rows: int = 1 << 20) -> None:
-    """steps.csv run by run, ``rows`` at a time: the same text as one concatenated frame
-    (:func:`_steps_frame`), without a copy of every run's steps in memory at once."""
+    """steps.csv run by run, ``rows`` at a time: the same text as :func:`_steps_frame`'s."""
     with path.open("w") as f:
         header = True
         for r in runs:
@@ -338,10 +317,8 @@ def _write_steps_csv(path: Path, runs: list[Run], rows: int = 1 << 20) -> None:
 
 
 def concat_requests(frames: list[pd.DataFrame]) -> pd.DataFrame:
-    """The runs' requests tables as one (requests.csv). A column some runs lack (the
-    speculative counts of an experiment that turns speculation off for a policy) is empty
-    in their rows; one that is integer wherever present stays integer (pandas' nullable
-    Int64), not float (12, not 12.0)."""
+    """The runs' requests tables as one (requests.csv); a column some runs lack is empty in
+    their rows and stays integer (nullable Int64) where it is integer wherever present."""
     out = pd.concat(frames)
     for c in out.columns:
         have = [f[c] for f in frames if c in f.columns]
@@ -360,8 +337,7 @@ def _steps_frame(runs: list[Run]) -> pd.DataFrame:
 
 
 def _columns(run: Run) -> list[str]:
-    """A run's step columns: STEP_COLUMNS, then any its result adds (a cluster's
-    ``replica``)."""
+    """A run's step columns: STEP_COLUMNS, then any its result adds (``replica``)."""
     return [*STEP_COLUMNS, *(c for c in run.result.steps if c not in STEP_COLUMNS)]
 
 
@@ -381,8 +357,7 @@ def _plots(folder: Path, runs: list[Run], cfg: ExperimentConfig) -> list[tuple[s
 
 def _timelines(folder: Path, cfg: ExperimentConfig, runs: list[Run], fmt: str):
     """events.csv (or .parquet) of every run, and per run a Gantt PNG of its chosen requests
-    (``report:`` keys) and the same as a plotly figure for report.html (None without
-    plotly). Returns ([(png, caption)], [figures])."""
+    and a plotly figure (without plotly, none). Returns ([(png, caption)], [figures])."""
     frames, pngs, figures = [], [], []
     with_plotly = html_report.plotly_available()
     for r in runs:
@@ -428,7 +403,7 @@ def _html(folder: Path, cfg, runs, pictures, figures, partial) -> None:
     from lab.report.terminal import rows, slo_text
 
     intro = html.escape(
-        f"Backend {cfg.backend}; {_model_line(cfg)}; "
+        f"Backend {cfg.backend}; {model_line(cfg)}; "
         f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg.kv_cache.block_size} "
         "tokens." + (f" Partial results: {partial}." if partial else "")
     )
@@ -448,263 +423,10 @@ def _html(folder: Path, cfg, runs, pictures, figures, partial) -> None:
     )
 
 
-def _save(fig, folder: Path, name: str, caption: str) -> tuple[str, str]:
+def save_png(fig, folder: Path, name: str, caption: str) -> tuple[str, str]:
     fig.tight_layout()
     fig.savefig(folder / name, dpi=110)
     import matplotlib.pyplot as plt
 
     plt.close(fig)
     return name, caption
-
-
-# ---------------------------------------------------------------------------- markdown
-def summary_table(runs: list[Run]) -> str:
-    """A markdown table of the headline numbers of every run."""
-    head = (
-        "| run | finished | rejected | aborted | req/s | out tok/s | TTFT p50 / p99 (s) "
-        "| TPOT p50 / p99 (ms) | ITL p99 / p99.9 / max (ms) | E2E p50 / p99 (s) "
-        "| preempt (rec / swap) | KV mean % |"
-    )
-    lines = [head, "|" + "---|" * 12]
-    for r in runs:
-        s = r.summary
-        lines.append(
-            f"| {r.label} | {s['finished']} | {s['rejected']} | {s['aborted']} "
-            f"| {s['request_throughput']:.2f} | {s['output_throughput']:.0f} "
-            f"| {s['ttft_s']['p50']:.3f} / {s['ttft_s']['p99']:.3f} "
-            f"| {s['tpot_s']['p50'] * 1e3:.1f} / {s['tpot_s']['p99'] * 1e3:.1f} "
-            f"| {s['itl_s']['p99'] * 1e3:.1f} / {_ms(r.vllm, 'p99.9_itl_ms')} "
-            f"/ {_ms(r.vllm, 'max_itl_ms')} "
-            f"| {s['e2e_s']['p50']:.2f} / {s['e2e_s']['p99']:.2f} "
-            f"| {s['preemptions']['recompute']} / {s['preemptions']['swap']} "
-            f"| {s['kv_used_fraction']['mean'] * 100:.0f} |"
-        )
-    return "\n".join(lines)
-
-
-def _ms(vllm: dict, key: str) -> str:
-    v = vllm.get(key)
-    return "-" if v is None else f"{v:.1f}"
-
-
-def _trace_options(trace: Mapping[str, Any]) -> str:
-    keys = ("limit", "start_s", "end_s", "rate_scale", "num_requests")
-    opts = ", ".join(f"{k} {trace[k]}" for k in keys if trace.get(k) is not None)
-    return f" ({opts})" if opts else ""
-
-
-def _model_line(cfg: ExperimentConfig) -> str:
-    if cfg.backend == "engine":
-        e = cfg.engine
-        return (
-            f"real engine: model `{e.model_path}` on `{e.device}` ({e.dtype}, "
-            f"{e.attention_backend} attention), measured step times"
-        )
-    line = f"simulated `{cfg.model}` on `{cfg.hardware}` (cost model step times)"
-    c = cfg.cluster
-    if c is None:
-        return line
-    if c.pool is not None:
-        return f"{line}, {c.pool.replicas} replicas behind router `{c.pool.router}`"
-    return (
-        f"{line}, {c.prefill.replicas} prefill replicas (router `{c.prefill.router}`) and "
-        f"{c.decode.replicas} decode replicas (router `{c.decode.router}`), KV over "
-        f"`{c.link.name}` ({c.link.bandwidth * 8 / 1e9:g} Gb/s)"
-    )
-
-
-def config_yaml(cfg: ExperimentConfig, runs: list[Run]) -> str:
-    """config.yaml: the resolved config, with ``trace_file`` (path, sha256, rows) of the
-    trace the runs replayed, so that replaying this file checks the trace is the same."""
-    d = cfg.to_dict()
-    info = runs[0].summary.get("trace") if runs else None
-    if info is not None and info.get("path") is not None:
-        d["trace_file"] = dict(info)
-    return yaml.safe_dump(d, sort_keys=False)
-
-
-def _prefix_cache_lines(runs: list[Run]) -> list[str]:
-    """Whether runs cached prefixes; with caching on, a table of its numbers."""
-    if not any(r.summary.get("prefix_caching") for r in runs):
-        return ["Prefix caching: off.", ""]
-    out = [
-        "Prefix caching (`kv_cache.enable_prefix_caching`; hit rate = prompt tokens found "
-        "cached at first admission / prompt tokens admitted):",
-        "",
-        "| run | caching | hit rate | cached tokens | found again after preemption "
-        "| blocks evicted |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in runs:
-        s = r.summary
-        on = s.get("prefix_caching")
-        out.append(
-            f"| {r.label} | {'on' if on else 'off'} | "
-            + (
-                f"{s['prefix_cache_hit_rate']:.1%} | {s['prefix_cache_cached_tokens']:,} "
-                f"| {s['prefix_cache_resumed_tokens']:,} | {s['prefix_cache_evicted_blocks']:,} |"
-                if on
-                else "- | - | - | - |"
-            )
-        )
-    return [*out, ""]
-
-
-def _cost_model_lines(cm: dict | None) -> list[str]:
-    """report.md's lines on what made the step times (summary key ``cost_model``): the
-    model, its profile and the engine fingerprint; a stale profile and the analytic model
-    in bold."""
-    if not cm:
-        return []
-    fp = cm.get("fingerprint")
-    fp_text = (
-        "engine fingerprint " + ", ".join(f"{k} `{v}`" for k, v in sorted(fp.items()))
-        if fp
-        else "no engine fingerprint"
-    )
-    if cm["kind"] == "measured":
-        return [f"Step times measured on the engine; {fp_text}.", ""]
-    lines = [f"Cost model: {cm['kind']}"]
-    if cm.get("profile"):
-        lines[0] += f", from `{cm['profile']}`; {fp_text}"
-    lines[0] += "."
-    if cm["kind"] == "analytic":
-        v = cm.get("values")
-        used = (
-            f" (flops_efficiency {v['flops_efficiency']:g}, bandwidth_efficiency "
-            f"{v['bandwidth_efficiency']:g}, step_overhead_s {v['step_overhead_s']:g})"
-            if v
-            else ""
-        )
-        lines += ["", f"**Analytic cost model**: {cm['why']}; {_efficiency_text(cm)}{used}."]
-    elif cm.get("stale"):
-        lines += ["", f"**Stale profile**: {cm['why']}."]
-    return [*lines, ""]
-
-
-def _efficiency_text(cm: dict) -> str:
-    """Where an analytic run's efficiencies came from and their known error (summary keys
-    of lab.run.experiment.analytic_source; absent in results made before them)."""
-    src, own = cm.get("efficiencies"), cm.get("efficiencies_from_yaml") or []
-    if src is None:
-        return "its efficiencies' source was not recorded"
-    if src == "yaml":
-        return "its efficiencies were set in the YAML: their error is unknown"
-    text = (
-        "its efficiencies are datasheet guesses (no profile of this hardware): their error "
-        "is unknown"
-        if src == "guess"
-        else "its efficiencies are measured: fitted to "
-        + ", ".join(f"`{p}`" for p in cm["efficiency_profiles"])
-    )
-    if own:
-        return text + f", except {', '.join(own)} (set in the YAML: error unknown)"
-    if src == "profile":
-        if len(cm["efficiency_profiles"]) > 1:
-            text += " (a joint fit: this model has no profile of its own)"
-        text += f", median step-time error {cm['efficiency_error']:.1%} on the profile rows"
-    return text
-
-
-def _scheduling_lines(runs: list[Run]) -> list[str]:
-    """report.md's line on the scheduling mode of the runs (summary key
-    ``async_scheduling``, false when missing), and a warning when async runs were priced
-    by a cost model without host time (summary key ``cost_model.host_note``)."""
-    on = [r.label for r in runs if r.summary.get("async_scheduling")]
-    off = [r.label for r in runs if not r.summary.get("async_scheduling")]
-    what = (
-        "asynchronous (vLLM V1's async scheduler: step N+1 is planned while step N runs; a "
-        "request's last step is followed by one wasted slot, its blocks freed a step late)"
-    )
-    if not on:
-        lines = ["Scheduling: synchronous (each step is planned after the previous one ended)."]
-    elif not off:
-        lines = [f"Scheduling: {what}."]
-    else:
-        lines = [f"Scheduling: {what} for {', '.join(on)}; synchronous for {', '.join(off)}."]
-    note = (runs[0].summary.get("cost_model") or {}).get("host_note")
-    if on and note:
-        lines += ["", f"**No host time**: {note}."]
-    return [*lines, ""]
-
-
-def _markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str]]) -> str:
-    from lab.report.terminal import slo_text
-
-    trace = cfg.trace.spec
-    what = f"trace `{trace.get('format')}` {trace.get('path', '')}{_trace_options(trace)}"
-    if cfg.trace.classes:
-        what = "workload classes " + ", ".join(
-            f"`{c['name']}` ({c['format']}{_trace_options(c)})" for c in cfg.trace.classes
-        )
-    lines = [
-        f"# {cfg.name}",
-        "",
-        f"Backend `{cfg.backend}`; {what}; {_model_line(cfg)}; "
-        f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg.kv_cache.block_size} tokens"
-        f"{' per replica' if cfg.cluster is not None else ''}.",
-        "",
-        *_cost_model_lines(runs[0].summary.get("cost_model")),
-        *_scheduling_lines(runs),
-        summary_table(runs),
-        "",
-    ]
-    lines += _prefix_cache_lines(runs)
-    lines += spec_metrics.markdown(runs)  # speculative runs only
-    wasted = [
-        f"{r.label} {r.summary['num_wasted_tokens']}"
-        for r in runs
-        if r.summary.get("async_scheduling")
-    ]
-    if wasted:  # async scheduling: the slot after each request's last token
-        lines += ["Wasted decode slots (async scheduling): " + ", ".join(wasted) + ".", ""]
-    dropped = runs[0].summary.get("dropped", 0)  # the same trace rows in every run
-    if dropped:
-        reasons = runs[0].requests.loc[runs[0].requests["status"] == "dropped", "reason"]
-        why = "; ".join(sorted({x.removeprefix("not replayed: ") for x in reasons}))
-        lines += [
-            f"Trace rows not replayed: {dropped} (status `dropped` in requests.csv): {why}.",
-            "",
-        ]
-    for r in runs:
-        if r.result.failure:
-            lines += [
-                f"**Run {r.label} stopped early**: {r.result.failure}. Its unfinished "
-                "requests are listed as aborted with this reason.",
-                "",
-            ]
-    slo = runs[0].summary["slo"]
-    if slo:
-        lines += [
-            "SLOs: " + slo_text(slo),
-            "",
-            "| run | goodput (req/s) | SLO attainment |",
-            "|---|---|---|",
-        ]
-        lines += [
-            f"| {r.label} | {r.summary['goodput']:.2f} | {r.summary['slo_attainment']:.1%} |"
-            for r in runs
-        ]
-        lines.append("")
-    lines += fairness.markdown(runs)  # workload classes only
-    for name, caption in plots:
-        lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
-    tokens = (
-        "`tokens.jsonl` (generated token ids, and text), "
-        if any(r.output_token_ids for run in runs for r in run.result.requests)
-        else ""
-    )
-    lines += [
-        "Files: `requests.csv` (one row per trace request per run), `steps.csv` "
-        "(one row per engine step), `summary.json` (aggregates per run), "
-        f"{tokens}`timing.json` (wall time of each replay), `config.yaml` (the resolved "
-        "config), `events.csv` (what the scheduler did to each request and why it waited), "
-        "one `{run}-{rate}qps-{model}.json` per run (the format of `vllm bench serve "
-        "--save-result`), `report.html` (this report with interactive timelines).",
-        "",
-        "A request's life: `sched-lab explain RESULTS --run "
-        f"{runs[0].label} --request ID`; a timeline of chosen requests: `sched-lab timeline "
-        "RESULTS --run RUN --requests ID,ID`.",
-        "",
-    ]
-    return "\n".join(lines)

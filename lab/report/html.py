@@ -1,9 +1,5 @@
-"""report.html: one self-contained page (no network: the PNGs inline as data URIs, plotly's
-JavaScript bundle inline) with the summary tables, the plots and an interactive timeline of
-the chosen requests of each run (zoom into steps; hover a bar for the request's events).
-
-The timeline needs plotly (a dependency of the package); without it the page says so and
-keeps the tables and plots.
+"""report.html: one self-contained page (PNGs and plotly's JavaScript inline) with the summary
+tables, the plots and an interactive timeline per run (without plotly: none).
 """
 
 from __future__ import annotations

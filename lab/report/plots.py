@@ -1,17 +1,12 @@
-"""The results folder's plots (PNG, matplotlib), drawn so that they read right:
+"""The results folder's plots (PNG, matplotlib):
 
 * one colour per policy in every plot (p50 solid, p99 dashed, p99.9 dotted, max dash-dot),
-  distinct markers and nested line widths so that identical policies do not hide each other;
-* latency against the offered load (req/s of the trace as replayed), with the achieved
-  throughput, goodput and SLO attainment in panels of their own;
-* CDFs and over-time plots for every load of a sweep, one row or column per load, each
-  titled with its load;
-* over-time bins hold the time average of the state of the steps covering them (the state of
-  the step running at each instant; 0 only while the engine idles, with nothing queued),
-  never a 0 for a bin no step ends in; throughput spreads each step's tokens over its
-  duration;
-* units: seconds for TTFT and E2E, milliseconds for TPOT and ITL, everywhere; the KV cache
-  is named by its device (the hardware preset, or the engine's device).
+  with markers and nested line widths so that identical policies do not hide each other;
+* latency against the offered load (req/s of the trace as replayed), with throughput,
+  goodput and SLO attainment in panels of their own;
+* CDFs and over-time plots with one row or column per load;
+* over-time bins hold the time average of the steps covering them (:func:`over_time`);
+* seconds for TTFT and E2E, milliseconds for TPOT and ITL.
 """
 
 from __future__ import annotations
@@ -37,10 +32,9 @@ VLLM_NAMES = {"ttft_s": "ttft", "tpot_s": "tpot", "itl_s": "itl", "e2e_s": "e2el
 
 
 def policy_styles(runs) -> dict[str, dict]:
-    """policy -> colour, marker, line width, marker size and legend label, in first-seen
-    order. Widths and sizes shrink policy by policy, so that a series drawn over an equal
-    one leaves it visible around it; a policy whose results equal an earlier one's at every
-    load says so in its label."""
+    """policy -> colour, marker, line width, marker size and legend label, in first-seen order;
+    widths and sizes shrink policy by policy, and a policy whose results equal an earlier one's
+    at every load says so in its label."""
     out: dict[str, dict] = {}
     seen: dict[tuple, str] = {}
     for i, policy in enumerate(dict.fromkeys(r.policy for r in runs)):
@@ -163,9 +157,8 @@ def plots(folder: Path, runs, cfg) -> list[tuple[str, str]]:
 
 
 def _prefix_cache(folder, by_scale, styles, plt) -> tuple[str, str]:
-    """Prefix cache over time, one column per load (runs with caching on): the share of
-    prompt tokens served from the cache, cached / (cached + prefill tokens fed), per time
-    bin, and the GPU blocks holding a key (time average of the steps covering the bin)."""
+    """Prefix cache over time, one column per load: the share of prompt tokens served from the
+    cache per bin, and the GPU blocks holding a key."""
     scales = list(by_scale)
     fig, axes = plt.subplots(
         2, len(scales), figsize=(max(11, 5.5 * len(scales)), 6), sharex="col", squeeze=False
@@ -282,10 +275,8 @@ def _legend(fig, styles, lines: bool) -> None:
 
 def over_time(run) -> tuple[np.ndarray, ...]:
     """Binned series of a run: bin centres (s), output tokens/s, KV fraction used, waiting +
-    swapped requests. KV use and the queue hold a step's value while it runs (0 while the
-    engine idles), averaged exactly over each bin; output tokens (decodes with accepted
-    drafts and without wasted slots, and each request's first token) are spread evenly over
-    their step."""
+    swapped requests. KV use and the queue hold a step's value while it runs (0 while idle);
+    output tokens are spread evenly over their step."""
     s = run.result.steps
     start, dur = s["time_s"], s["duration_s"]
     end = start + dur
@@ -303,17 +294,15 @@ def over_time(run) -> tuple[np.ndarray, ...]:
 
 
 def total_blocks(run) -> int:
-    """GPU KV blocks of the run: one replica's times the replicas (a cluster's steps overlap
-    in time, so their blocks add up in a time bin)."""
+    """GPU KV blocks of the run: one replica's times the replicas."""
     replica = run.result.steps.get("replica")
     n = len(np.unique(replica)) if replica is not None and len(replica) else 1
     return run.result.num_gpu_blocks * n
 
 
 def _bin_mean(start: np.ndarray, end: np.ndarray, value: np.ndarray, edges) -> np.ndarray:
-    """Mean over each bin of the function equal to ``value[i]`` while step i runs, over
-    [start[i], end[i]), and 0 between steps: the engine idles only when no request is
-    queued or running, so nothing is held then."""
+    """Mean over each bin of the function equal to ``value[i]`` over [start[i], end[i]), 0
+    between steps."""
     return _spread(start, end, value * (end - start), edges) / np.diff(edges)
 
 

@@ -1,8 +1,5 @@
-"""Progress of the phases of a run (loading, replay, metrics, writing).
-
-On a terminal each phase shows a tqdm bar on stderr; otherwise (a log file, a pipe, or
-bars turned off) each phase ends with one INFO line on the ``lab.report.progress`` logger, e.g.
-``fcfs: replay 19,366 requests in 3.1 s``, so that a long run is never silent.
+"""Progress of the phases of a run: a tqdm bar on stderr on a terminal, else one INFO line
+per phase on the ``lab.report.progress`` logger when it ends.
 
     with Phase("fcfs: metrics", total=len(requests), unit="req") as phase:
         for i, r in enumerate(requests):
@@ -20,14 +17,12 @@ log = logging.getLogger("lab.report.progress")
 
 
 class Phase:
-    """One phase: a bar while it runs (on a terminal), one log line when it ends well.
-
-    Use it as a context manager, or call ``start()`` and ``close()`` (``close`` is
-    idempotent, so a ``finally: phase.close(ok=False)`` after a ``close()`` is a no-op).
+    """One phase: a bar while it runs (on a terminal), one log line when it ends well. A context
+    manager, or ``start()`` then ``close()`` (idempotent).
 
     Args:
         name: what the phase does, e.g. ``"fcfs: replay 19,366 requests"``.
-        total: units of work (requests, files) for the bar; None: a bar without an end.
+        total: units of work for the bar; None: a bar without an end.
         unit: the unit's name on the bar.
         bars: False: never a bar (``--no-progress``), only the log line.
     """

@@ -1,8 +1,6 @@
-"""The summary ``sched-lab run`` prints: a narrow table, metrics down and runs across, at most
-:data:`WIDTH` columns (runs beyond what fits go into another block below), with goodput
-and SLO attainment when SLOs are set. Units as in the plots: seconds for TTFT and E2E,
-milliseconds for TPOT and ITL. The numbers come from each run's vLLM-format result
-(lab/results/vllm_result.py) and summary."""
+"""The summary ``sched-lab run`` prints: metrics down, runs across, at most :data:`WIDTH`
+columns (more runs continue in another block); seconds for TTFT and E2E, ms for TPOT and ITL.
+"""
 
 from __future__ import annotations
 
@@ -70,8 +68,7 @@ def rows(runs, percentiles) -> list[tuple[str, list[str]]]:
 
 
 def summary_text(runs, percentiles, width: int = WIDTH) -> str:
-    """The table as text: a block per load, its runs across (more than fit in ``width``
-    columns continue in another block)."""
+    """The table as text: a block per load, its runs across (continued below past ``width``)."""
     per_block = max((width - LABEL) // CELL, 1)
     blocks = []
     for scale in dict.fromkeys(r.rate_scale for r in runs):

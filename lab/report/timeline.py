@@ -1,17 +1,14 @@
-"""A request's life from the events the scheduler recorded during the replay (no second run):
-``events.csv`` in the results folder, the Gantt picture of chosen requests, and the text of
-``sched-lab explain RESULTS --request ID``.
+"""A request's life from the events the scheduler recorded during the replay: ``events.csv``,
+the Gantt picture of chosen requests, and the text of ``sched-lab explain``.
 
-events.csv has one row per event (columns :data:`EVENT_COLUMNS`; ``step`` is the row of the
-step in the run's part of steps.csv, counted from 0):
+events.csv has one row per event (columns :data:`EVENT_COLUMNS`; ``step`` counts the run's
+rows of steps.csv from 0):
 
-* ``waited``: a streak of steps in which the request was blocked for ``reason`` (its head
-  of queue; request id ``*``: the whole queue, admission not tried), ``step`` / ``last_step``
-  the first and last, ``steps`` how many; ``detail`` says it in words;
-* ``admitted`` (``blocks`` allocated), ``prefill`` (a chunk of ``tokens``), ``decode`` (a
-  span of decode steps, ``tokens`` generated: one a step plus the drafts its verify steps
-  accepted, which ``detail`` counts), ``preempted`` (``reason`` the mode, ``detail``
-  how the victim was chosen), ``swapped_in`` (``blocks``), ``finished``, ``aborted``.
+* ``waited``: a streak of steps (``step`` to ``last_step``, ``steps`` of them) in which the
+  request was blocked for ``reason`` (request id ``*``: the whole queue);
+* ``admitted`` (``blocks``), ``prefill`` (a chunk of ``tokens``), ``decode`` (a span of
+  steps, ``tokens`` generated, accepted drafts included), ``preempted`` (``reason``: the
+  mode), ``swapped_in`` (``blocks``), ``finished``, ``aborted``.
 """
 
 from __future__ import annotations
@@ -45,8 +42,7 @@ LANES = {
 
 
 def events_frame(run) -> pd.DataFrame:
-    """The events of one :class:`lab.run.experiment.Run` as rows of events.csv (see the module
-    docstring), in step order; steps past the last recorded step (a failed one) are cut."""
+    """The events of one :class:`lab.run.experiment.Run` as events.csv rows, in step order."""
     res = run.result
     n_steps = len(res.steps["time_s"])
     rows: list[tuple] = []
@@ -126,9 +122,8 @@ class Story:
 
 
 def story(request: pd.Series, events: pd.DataFrame, steps: pd.DataFrame) -> Story:
-    """The segments and explanation of ``request`` (a requests.csv row) from its run's
-    ``events`` (events.csv rows of the run) and ``steps`` (its steps.csv rows: time_s,
-    duration_s, num_decode_tokens)."""
+    """The segments and explanation of ``request`` (a requests.csv row) from its run's ``events``
+    and ``steps`` (time_s, duration_s, num_decode_tokens)."""
     start = steps["time_s"].to_numpy(dtype=float)
     end = start + steps["duration_s"].to_numpy(dtype=float)
     decodes = steps["num_decode_tokens"].to_numpy()
@@ -268,9 +263,9 @@ def _n(n: int, what: str) -> str:
 
 # ---------------------------------------------------------------------------- choosing
 def choose(requests: pd.DataFrame, report_cfg) -> list[str]:
-    """Ids of the requests a run's timeline shows: ``timeline_ids``, else the requests in
-    flight during ``timeline_window_s`` (at most 40, the earliest first), else the slowest
-    ``timeline_slowest`` finished ones by ``timeline_by`` (slowest first)."""
+    """Ids of the requests a run's timeline shows: ``timeline_ids``, else those in flight during
+    ``timeline_window_s`` (at most 40, earliest first), else the ``timeline_slowest`` slowest
+    finished by ``timeline_by``."""
     if report_cfg.timeline_ids:
         have = set(requests["request_id"].astype(str))
         return [i for i in report_cfg.timeline_ids if i in have]
@@ -362,12 +357,8 @@ def stories_for(
 
 # ---------------------------------------------------------------------------- explain
 def load_run(folder: Path, run: str | None):
-    """(label, requests, events, steps) of one run of a results folder: ``run`` is its
-    label (summary.json's keys), or None for the only run.
-
-    Raises:
-        UserError: no such folder, files or run.
-    """
+    """(label, requests, events, steps) of one run of a results folder (``run``: its label, or
+    None for the only run). Raises UserError: no such folder, files or run."""
     import json
 
     from lab.core.errors import UserError
@@ -415,9 +406,8 @@ def picture(
     by: str = "e2e",
     window: tuple[float, float] | None = None,
 ) -> str:
-    """``sched-lab timeline``: the Gantt PNG of chosen requests of a results folder's run
-    (``ids``, else those in flight in ``window``, else the ``slowest`` by ``by``). Returns
-    a line saying what was drawn."""
+    """``sched-lab timeline``: the Gantt PNG of chosen requests of a results folder's run;
+    returns a line saying what was drawn."""
     from types import SimpleNamespace
 
     from lab.core.errors import UserError

@@ -1,8 +1,6 @@
 """Cluster metrics: per-request replica columns and a per-replica summary of a cluster run
-(lab/sim/cluster.py). The run's other metrics (lab/results/metrics.py) are the cluster's as a whole:
-TTFT, TPOT, goodput over every request; ``kv_used_fraction`` over every replica's steps,
-each step's blocks over its own replica's (a time-weighted mean of the replicas' use while
-they run)."""
+(lab/sim/cluster.py); the run's other metrics are the cluster's as a whole.
+"""
 
 from __future__ import annotations
 
@@ -20,14 +18,9 @@ from lab.sim.cluster import ClusterResult, request_columns
 def add_cluster(
     df: pd.DataFrame, result: ClusterResult, rows: Sequence[Request], summary: dict[str, Any]
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
-    """``df`` (one row per request of ``rows``) with the cluster columns appended, and the
-    summary's ``cluster`` section: the layout, the transfers, one entry per replica.
-
-    A replica's entry: its role, the requests routed to it, steps, busy time (the sum of
-    its step durations) and its share of the run's duration, prompt and decode tokens it
-    fed, preemptions, KV use (time-weighted mean and max), the TTFT of the requests whose
-    first token it produced and the TPOT of those it decoded (finished requests).
-    """
+    """``df`` (one row per request of ``rows``) with the cluster columns, and the summary's
+    ``cluster`` section: layout, transfers, and per replica its role, requests, steps, busy
+    time and share, tokens fed, preemptions, KV use (mean, max), TTFT and TPOT."""
     df = df.assign(**request_columns(result, rows))
     finished = df["status"] == "finished"
     duration = summary["duration_s"]

@@ -1,23 +1,17 @@
-"""Per-class metrics and fairness between tenants, for traces of workload classes.
+"""Per-class metrics and fairness between tenants, for traces of workload classes
+(traces/classes.py); other runs' summaries do not get these keys.
 
-Only runs whose trace is a list of classes (traces/classes.py) get these keys in
-summary.json, so a single trace's results are unchanged.
-
-* ``classes``: every headline metric of :func:`lab.results.metrics.summarize` per class, with the
-  class's own SLOs (the top-level ``slo:`` overridden key by key), plus the tail (``max``)
-  of TTFT, E2E and queueing delay. The run's overall ``goodput`` and ``slo_attainment``
-  judge each request by its class's SLOs.
+* ``classes``: :func:`lab.results.metrics.summarize`'s headline metrics per class with the
+  class's SLOs (the top-level ``slo:`` overridden key by key), plus the ``max`` of TTFT, E2E
+  and queueing delay; the run's ``goodput`` and ``slo_attainment`` use the class SLOs.
 * ``tenants``: per tenant its requests, served tokens and TTFT.
-* ``fairness``: service between tenants over time, in windows of ``window_s`` (the run's
-  duration / :data:`NUM_WINDOWS`). Service is weighted tokens as VTC counts them (Sheng et
-  al., "Fairness in Serving Large Language Models", OSDI'24, its cost function: ``INPUT_WEIGHT`` per prompt
-  token, counted when the first token comes out, and ``OUTPUT_WEIGHT`` per output token, at
-  its time). A tenant is *backlogged* in a window when it has a request waiting (arrived,
-  not yet scheduled the first time) throughout the window. ``jain_index``: Jain's index
-  (sum x)^2 / (n sum x^2) of the service of the n >= 2 backlogged tenants, mean and min
-  over the windows that have them (1 = equal service). ``max_service_difference``: the
-  largest |W_f - W_g| over intervals (whole windows) where tenants f and g are both
-  backlogged, the quantity VTC bounds (the paper's §4); under FCFS it grows with time.
+* ``fairness``: service in windows of the run's duration / :data:`NUM_WINDOWS`, weighted as
+  VTC counts it (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24:
+  ``INPUT_WEIGHT`` per prompt token at the first token, ``OUTPUT_WEIGHT`` per output token).
+  A tenant is backlogged in a window when a request of it waits throughout. ``jain_index``:
+  (sum x)^2 / (n sum x^2) over the n >= 2 backlogged tenants, mean and min over windows.
+  ``max_service_difference``: the largest |W_f - W_g| over whole windows where f and g are
+  both backlogged (the paper's §4 bound).
 """
 
 from __future__ import annotations
@@ -57,8 +51,8 @@ def summarize_classes(
     slos: Mapping[str, Mapping[str, float | None]],
     duration_s: float,
 ) -> dict[str, Any]:
-    """The keys this module adds to a run's summary (``rows``: the requests of ``df``, in
-    its order). ``goodput`` and ``slo_attainment`` replace the run's overall ones."""
+    """The keys this module adds to a run's summary (``rows``: the requests of ``df``, in its
+    order); ``goodput`` and ``slo_attainment`` replace the run's."""
     good = meets_class_slo(df, slos)
     replayed = (df["status"] != "dropped").to_numpy()
     out: dict[str, Any] = {
@@ -155,7 +149,7 @@ def _backlogged(reqs: list[Request], edges: np.ndarray) -> np.ndarray:
 def fairness(
     edges: np.ndarray, service: Mapping[str, np.ndarray], backlog: Mapping[str, np.ndarray]
 ) -> dict[str, Any]:
-    """Jain's index over windows and the maximum service difference (module docstring)."""
+    """Jain's index over windows and the maximum service difference."""
     tenants = sorted(service)
     jain = []
     for i in range(len(edges) - 1):
@@ -250,8 +244,8 @@ def markdown(runs) -> list[str]:
 
 
 def plots(folder, runs, save) -> list[tuple[str, str]]:
-    """Served tokens per tenant over time (one panel per run) and the TTFT CDF per class
-    (one panel per class, a line per run); none without classes."""
+    """Served tokens per tenant over time and the TTFT CDF per class, as (png, caption) pairs;
+    none without classes."""
     runs = [r for r in runs if "classes" in r.summary]
     if not runs:
         return []

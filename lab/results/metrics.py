@@ -1,26 +1,17 @@
 """Per-request metrics and per-policy aggregates, with vLLM's serving-benchmark definitions
-(vllm/benchmarks/serve.py):
+(vllm/benchmarks/serve.py); percentiles by numpy's linear interpolation, as vLLM.
 
 * TTFT: arrival to first output token. E2E: arrival to last output token.
 * TPOT per request: (E2E - TTFT) / (n - 1), only for requests with n > 1 output tokens.
-* ITL: every gap between consecutive output tokens, pooled over requests. With speculative
-  decoding the tokens one step yields arrive together and split the gap before them evenly
-  (:func:`lab.results.spec_metrics.split_gaps`); per-run and per-request acceptance metrics are in
-  :mod:`lab.results.spec_metrics`.
-* Throughput over the run's duration (t = 0 to the last request's end): requests/s, output
-  tokens/s and prompt + output tokens/s, counting finished requests only.
-* Goodput (DistServe, OSDI'24 §2): finished requests per second that meet every SLO given;
-  a 1-token request meets any TPOT SLO, as in vLLM. SLO attainment: the fraction of all
-  replayed trace requests (rejected and aborted ones count as misses) that meet every SLO.
-* Trace rows that are not replayed (status ``dropped``, e.g. failed requests of BurstGPT)
-  are listed with their reason and counted apart (``dropped``); no metric includes them,
-  and ``num_requests`` counts the replayed requests.
+* ITL: every gap between consecutive output tokens, pooled over requests; tokens one step
+  yields split the gap before them (:func:`lab.results.spec_metrics.split_gaps`).
+* Throughput over t = 0 to the last request's end, finished requests only.
+* Goodput (DistServe, OSDI'24 §2): finished requests per second that meet every SLO given
+  (a 1-token request meets any TPOT SLO, as in vLLM). SLO attainment: the fraction of all
+  replayed requests (rejected and aborted ones miss) that meet every SLO.
+* Trace rows not replayed (status ``dropped``) are counted apart; no metric includes them.
 * Queueing delay: arrival to first scheduled; preemptions per request by mode.
-* Workload classes (``trace:`` as a list): requests.csv gains ``class``, ``tenant``,
-  ``priority`` and ``recomputed_tokens`` (KV tokens its recompute preemptions dropped);
-  every metric per class, fairness between tenants: :mod:`lab.results.fairness`.
-
-Percentiles use numpy's default (linear interpolation), as vLLM does.
+* Per class and tenant: :mod:`lab.results.fairness`.
 """
 
 from __future__ import annotations
@@ -46,9 +37,8 @@ REQUEST_COLUMNS = [
 
 
 def in_trace_order(trace: list[Request], replayed: list[Request]) -> list[Request]:
-    """Every request of ``trace`` for the results: ``replayed`` (in replay order, sorted by
-    arrival) with each dropped trace row (status DROPPED, never replayed) placed after the
-    replayed request that precedes it in ``trace``."""
+    """Every request of ``trace``: ``replayed`` (in replay order) with each dropped trace row
+    placed after the replayed request that precedes it in ``trace``."""
     after: dict[int, list[Request]] = {}
     prev = -1  # id() of the replayed request before, -1 = none yet
     for r in trace:
@@ -73,19 +63,14 @@ def request_table(
     requests: list[Request] | None = None,
     split_itl: bool = False,
 ) -> tuple[pd.DataFrame, np.ndarray]:
-    """One row per trace request, and the pooled ITL gaps (seconds) of finished requests.
+    """One row per request, and the pooled ITL gaps (seconds, float64) of finished requests.
 
-    Latency columns are NaN where undefined (not finished; TPOT of 1-token outputs). The
-    gaps come request by request (in ``result.requests`` order), each request's in token
-    order, in one float64 array: 8 bytes per output token of the run.
+    Latency columns are NaN where undefined (not finished; TPOT of 1-token outputs).
 
     Args:
         progress: optional callable(num_requests_done), called every 4,096 requests.
-        requests: the rows, in order (default ``result.requests``; :func:`in_trace_order`
-            adds the trace rows that were not replayed).
-        split_itl: tokens that arrive together split the gap before them evenly
-            (speculative decoding: :func:`lab.results.spec_metrics.split_gaps`); else every gap is
-            the difference of consecutive token times.
+        requests: the rows, in order (default ``result.requests``; see :func:`in_trace_order`).
+        split_itl: tokens that arrive together split the gap before them evenly.
     """
     requests = result.requests if requests is None else requests
     finished = (r for r in requests if r.status is RequestStatus.FINISHED)
@@ -146,11 +131,8 @@ def request_table(
 
 
 def decode_output_tokens(steps: dict) -> np.ndarray:
-    """Output tokens each step's decodes produced (float array, one per step): its decodes,
-    less the wasted slots of asynchronous scheduling (``num_wasted_tokens``: decodes of
-    requests already finished, whose token is dropped), plus the draft tokens accepted by
-    speculative decoding (``num_accepted_tokens``, present in runs with speculation).
-    First tokens from prefills are not included."""
+    """Output tokens each step's decodes produced (float array, one per step): decodes less
+    ``num_wasted_tokens`` plus ``num_accepted_tokens``; first tokens from prefills excluded."""
     out = steps["num_decode_tokens"].astype(float)
     if "num_wasted_tokens" in steps:
         out = out - steps["num_wasted_tokens"]
@@ -160,14 +142,9 @@ def decode_output_tokens(steps: dict) -> np.ndarray:
 
 
 def cdf_points(values, max_points: int = CDF_POINTS, overwrite: bool = False) -> np.ndarray:
-    """The finite values' quantiles at levels ``np.linspace(0, 1, k)``, k = min(count,
-    ``max_points``): a bounded sample that draws the CDF of the values, for plots.
-
-    Up to ``CDF_SAMPLE`` values the quantiles are exact; beyond, they are those of every
-    j-th value (j = ceil(count / CDF_SAMPLE)), the same curve at a plot's resolution, which
-    costs a partition of at most ``CDF_SAMPLE`` values instead of all of them.
-    ``overwrite``: as in :func:`stats`, ``values`` may be reordered in place.
-    """
+    """The finite values' quantiles at ``np.linspace(0, 1, k)``, k = min(count, ``max_points``),
+    exact up to ``CDF_SAMPLE`` values, else of every j-th value (j = ceil(count / CDF_SAMPLE)).
+    ``overwrite``: as in :func:`stats`."""
     v = np.asarray(values, dtype=np.float64)
     finite = np.isfinite(v)
     if not finite.all():
@@ -188,13 +165,8 @@ def tpot_s(ttft_s, e2e_s, num_tokens) -> np.ndarray:
 
 
 def stats(values, overwrite: bool = False) -> dict[str, float]:
-    """mean and P50/P90/P99 of the finite values (NaN when there are none).
-
-    ``overwrite``: ``values`` is a float64 array the caller lets be reordered in place
-    (its values stay), which saves a copy of it per percentile. Whatever the layout of
-    ``values``, the mean is taken over a contiguous array in the values' order, so the
-    result is the same to the bit.
-    """
+    """mean and P50/P90/P99 of the finite values (NaN when there are none). ``overwrite``:
+    ``values`` (float64) may be reordered in place; the result is bit-identical either way."""
     v = np.asarray(values, dtype=np.float64)
     finite = np.isfinite(v)
     if finite.all():
@@ -227,7 +199,7 @@ def summarize(
     df: pd.DataFrame, itl: np.ndarray, result: ReplayResult, slo: dict[str, float | None]
 ) -> dict:
     """The aggregates of one policy's run (JSON-ready). ``itl`` (from ``request_table``) is
-    reordered in place: its values stay, for ``cdf_points``, not their order."""
+    reordered in place."""
     fin = df[df["status"] == "finished"]
     steps = result.steps
     end = max(
@@ -276,11 +248,9 @@ def summarize(
 
 
 def prefix_cache_summary(df: pd.DataFrame, result: ReplayResult) -> dict:
-    """Prefix-cache keys of summary.json: ``prefix_caching`` (on/off),
-    ``prefix_cache_hit_rate`` (vLLM's name: prompt tokens found cached at first admission /
-    prompt tokens of the requests admitted), ``prefix_cache_resumed_tokens`` (tokens found
-    again at re-admissions after recompute preemptions: self-reuse, not in the hit rate) and
-    ``prefix_cache_evicted_blocks``."""
+    """summary.json's ``prefix_caching``, ``prefix_cache_hit_rate`` (vLLM's: prompt tokens cached
+    at first admission / prompt tokens admitted), ``prefix_cache_resumed_tokens`` (found again
+    after recompute preemptions, not in the hit rate) and ``prefix_cache_evicted_blocks``."""
     admitted = df["queue_s"].notna()
     prompt = int(df.loc[admitted, "prompt_tokens"].sum())
     cached = int(df["num_cached_tokens"].sum())

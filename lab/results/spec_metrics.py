@@ -1,27 +1,19 @@
 """Speculative-decoding metrics, per run and per request, with vLLM's names
-(vllm/v1/spec_decode/metrics.py, its Prometheus counters ``vllm:spec_decode_num_drafts``,
+(vllm/v1/spec_decode/metrics.py, counters ``vllm:spec_decode_num_drafts``,
 ``..._num_draft_tokens``, ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``):
 
 * ``num_drafts``: verify steps (a decode that verified d' >= 1 drafts);
-* ``num_draft_tokens``: drafts verified (the d' the scheduler fed; proposals it cut to the
-  budget or to the request's end are not counted, as in vLLM);
+* ``num_draft_tokens``: drafts verified (proposals the scheduler cut are not counted);
 * ``num_accepted_tokens``: drafts accepted;
 * ``num_accepted_tokens_per_pos[i]``: verify steps that accepted draft i + 1;
-* ``mean_acceptance_length`` = 1 + num_accepted_tokens / num_drafts (the tokens a verify
-  step yields, the sampled one included);
-* ``acceptance_rate_per_position[i]`` = num_accepted_tokens_per_pos[i] / num_drafts
-  (vLLM's per-position acceptance rate: of all verify steps);
-* ``draft_acceptance_rate`` = num_accepted_tokens / num_draft_tokens.
+* ``mean_acceptance_length`` = 1 + num_accepted_tokens / num_drafts;
+* ``acceptance_rate_per_position[i]`` = num_accepted_tokens_per_pos[i] / num_drafts;
+* ``draft_acceptance_rate`` = num_accepted_tokens / num_draft_tokens;
+* the lab's ``num_reached_per_pos[i]`` (verify steps that fed draft i + 1 with drafts 1..i
+  accepted) and ``conditional_acceptance_rates[i]`` = accepted / reached, the p_i that
+  ``acceptance_from`` reads back (lab/sim/spec_executor.py).
 
-The lab adds what the simulator's ``acceptance_from`` reads back (lab/sim/spec_executor.py):
-``num_reached_per_pos[i]`` (verify steps that fed draft i + 1 with drafts 1..i accepted) and
-``conditional_acceptance_rates[i]`` = accepted / reached at position i + 1: the p_i of
-``acceptance_rates`` (the probability that draft i is accepted given the ones before were).
-
-All of it comes from ``Request.spec_steps`` (one (step, d', a) per verify step, recorded by
-the scheduler for both backends). Inter-token latency of a spec run: the tokens one step
-yields arrive together, so the gap before them is split evenly among them
-(:func:`split_gaps`: 3 tokens 0.3 s after the previous one are three 0.1 s gaps).
+All come from ``Request.spec_steps`` (one (step, d', a) per verify step).
 """
 
 from __future__ import annotations
@@ -42,13 +34,8 @@ REQUEST_COLUMNS = (
 
 
 def split_gaps(times: np.ndarray) -> np.ndarray:
-    """Inter-token gaps of one request's sorted token times, tokens that share a time
-    splitting the gap before them evenly: len(times) - 1 gaps that sum to last - first.
-
-    A group of m tokens at time t after the previous group's time t0 gives m gaps of
-    (t - t0) / m; tokens that arrive with the first one (none in practice: a prefill
-    samples one token) get gaps of 0.
-    """
+    """len(times) - 1 inter-token gaps of one request's sorted token times: m tokens at t after
+    the previous group's t0 give m gaps of (t - t0) / m; tokens at the first time give 0."""
     t = np.asarray(times, dtype=np.float64)
     if len(t) < 2:
         return np.zeros(0)
@@ -95,18 +82,16 @@ def rates(c: dict) -> dict[str, float | list[float] | None]:
 
 
 def run_summary(requests: list[Request], spec) -> dict:
-    """summary.json's ``speculative`` key of a run: the method, k and every counter and rate
-    of the module docstring over the run's requests (every status: drafts of a request
-    that did not finish were verified too)."""
+    """summary.json's ``speculative`` key of a run: method, k, every counter and rate, over the
+    run's requests of every status."""
     k = spec.num_speculative_tokens
     c = counts((s for r in requests for s in r.spec_steps), k)
     return {"method": spec.method, "num_speculative_tokens": k, **c, **rates(c)}
 
 
 def add_request_columns(df: pd.DataFrame, rows: list[Request], k: int) -> pd.DataFrame:
-    """requests.csv of a spec run: ``df`` (rows in ``rows`` order) with
-    :data:`REQUEST_COLUMNS` (NaN / empty where a request verified nothing). The per-position
-    rates are one text cell, e.g. ``0.8;0.64``."""
+    """``df`` (rows in ``rows`` order) with :data:`REQUEST_COLUMNS` (NaN / empty where a request
+    verified nothing); per-position rates as one text cell, e.g. ``0.8;0.64``."""
     cols: dict[str, list] = {c: [] for c in REQUEST_COLUMNS}
     for r in rows:
         c = counts(r.spec_steps, k)
@@ -130,8 +115,7 @@ def add_request_columns(df: pd.DataFrame, rows: list[Request], k: int) -> pd.Dat
 
 
 def step_columns(result, num_steps: int) -> dict[str, np.ndarray]:
-    """Per-step ``num_accepted_tokens`` (steps.csv of a spec run; the drafts verified are
-    the replay's ``num_spec_tokens`` column)."""
+    """Per-step ``num_accepted_tokens`` (steps.csv of a spec run)."""
     accepted = np.zeros(num_steps, dtype=np.int64)
     for r in result.requests:
         for s, _, a in r.spec_steps:

@@ -1,23 +1,16 @@
 """A run's results in the format of vLLM's serving benchmark (``vllm bench serve
 --save-result``), so that scripts written for its JSON files read ours.
 
-Source of the names, units and definitions: ``vllm/benchmarks/serve.py`` (vLLM's repository,
-``calculate_metrics``, ``benchmark`` and ``main_async``): flat keys, latencies in
-milliseconds, ``mean_`` / ``median_`` / ``std_`` (population, ``np.std``) and ``p{P}_``
-for each of ``--metric-percentiles`` (``p99``, ``p99.9``: the integer when P is whole),
-for ``ttft``, ``tpot``, ``itl`` and ``e2el``; ``completed`` and ``failed`` requests;
-``request_throughput``, ``request_goodput`` (None without SLOs, as vLLM writes it when
-``--goodput`` is not given), ``output_throughput`` and ``total_token_throughput`` per second
-of ``duration``; ``max_output_tokens_per_s`` (output tokens in the busiest whole second
-after the first request's start) and ``max_concurrent_requests`` (the most completed
-requests in flight at once).
+Names, units and definitions: ``vllm/benchmarks/serve.py`` (``calculate_metrics``,
+``benchmark``, ``main_async``): flat keys, latencies in ms, ``mean_`` / ``median_`` / ``std_``
+(population) and ``p{P}_`` per ``--metric-percentiles`` for ``ttft``, ``tpot``, ``itl`` and
+``e2el``; ``completed``, ``failed``; ``request_throughput``, ``request_goodput`` (None without
+SLOs), ``output_throughput``, ``total_token_throughput``, ``max_output_tokens_per_s``,
+``max_concurrent_requests``.
 
-What the lab adds, in vLLM's naming style: ``max_{metric}_ms`` (the largest value: an ITL
-p99 can hide a 10 s stall that only the max shows), ``metric_percentiles``,
-``percentile_metrics``, ``goodput_slo_ms`` (vLLM's ``--goodput`` pairs), ``rate_scale``,
-``policy``, ``slo_attainment``. ``request_rate`` is the offered load of the trace as
-replayed (requests / arrival span, req/s): vLLM's own is the configured Poisson rate,
-``"inf"`` for a trace it replays on its timestamps.
+The lab adds ``max_{metric}_ms``, ``metric_percentiles``, ``percentile_metrics``,
+``goodput_slo_ms``, ``rate_scale``, ``policy``, ``slo_attainment``. ``request_rate`` is the
+trace's offered load as replayed (req/s), not vLLM's configured Poisson rate.
 """
 
 from __future__ import annotations
@@ -47,8 +40,8 @@ def offered_rate(arrival_s: np.ndarray) -> float:
 
 
 def latency_stats(name: str, values_s, percentiles) -> dict[str, float]:
-    """``mean_/median_/std_/p{P}_/max_{name}_ms`` of the finite values (seconds in, ms out).
-    No values: 0.0 for each, as vLLM's ``np.mean(values or 0)`` gives."""
+    """``mean_/median_/std_/p{P}_/max_{name}_ms`` of the finite values (seconds in, ms out);
+    0.0 for each without values, as vLLM."""
     v = np.asarray(values_s, dtype=np.float64)
     v = v[np.isfinite(v)]
     if len(v) == 0:
@@ -67,8 +60,7 @@ def latency_stats(name: str, values_s, percentiles) -> dict[str, float]:
 
 def tail_points(values_s, decades: float = 6.0, points: int = 240) -> np.ndarray:
     """(fraction of values above, value) pairs, shape (2, n), for a log-scale tail plot:
-    quantiles at 1 - 10**-x for x evenly spaced from 1 to ``decades`` (those finer than one
-    value left out), then the max at 1 / count."""
+    quantiles at 1 - 10**-x, x from 1 to ``decades``, then the max at 1 / count."""
     v = np.asarray(values_s, dtype=np.float64)
     v = v[np.isfinite(v)]
     if len(v) == 0:
@@ -119,16 +111,15 @@ def vllm_result(
     percentiles=DEFAULT_PERCENTILES,
     date: str = "",
 ) -> dict:
-    """The run's ``vllm bench serve --save-result`` dict (see the module docstring).
+    """The run's ``vllm bench serve --save-result`` dict.
 
     Args:
         df: the run's request table (lab.results.metrics.request_table).
         itl_s: every inter-token gap of the finished requests (seconds).
-        summary: the run's summary (lab.results.metrics.summarize) for duration, SLOs, goodput.
-        step_end_s, num_decode_tokens: per step, its end and the output tokens its decodes made
-            (:func:`lab.results.metrics.decode_output_tokens`), for the peak output token rate.
-        date: vLLM's ``date`` key; the lab leaves it empty, so that a rerun (and every
-            sweep executor) writes the same bytes.
+        summary: the run's summary (lab.results.metrics.summarize).
+        step_end_s, num_decode_tokens: per step, its end and its decodes' output tokens
+            (:func:`lab.results.metrics.decode_output_tokens`).
+        date: vLLM's ``date`` key (the lab leaves it empty: reruns write the same bytes).
     """
     replayed = df[df["status"] != "dropped"]
     fin = replayed[replayed["status"] == "finished"]
@@ -180,8 +171,8 @@ _SLO_NAMES = {"ttft_s": "ttft", "tpot_s": "tpot", "e2e_s": "e2el"}
 
 
 def result_filename(label: str, request_rate: float | None, model: str) -> str:
-    """vLLM's default name, ``{label}-{request_rate}qps-{model}.json``, without its date
-    (the lab's results are reproducible); characters a file name should not hold become _."""
+    """vLLM's default name, ``{label}-{request_rate}qps-{model}.json``, without its date;
+    characters a file name should not hold become _."""
     rate = "inf" if request_rate is None else f"{request_rate:.2f}"
     name = f"{label}-{rate}qps-{model.split('/')[-1]}.json"
     return re.sub(r"[^A-Za-z0-9._+@-]", "_", name)

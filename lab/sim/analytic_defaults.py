@@ -1,25 +1,17 @@
-"""The analytic roofline's default efficiencies, measured where the repo has a profile.
+"""The analytic roofline's default efficiencies, fitted where the repo has a profile.
 
     python -m lab.sim.analytic_defaults      # re-fit the shipped profiles, print the table
 
 ``cost_model.flops_efficiency``, ``bandwidth_efficiency`` and ``step_overhead_s``, when the
-YAML leaves them out, come from :func:`defaults` for the run's ``(model, hardware)``:
+YAML leaves them out, come from :func:`defaults` for ``(model, hardware)``:
 
-1. the model has a shipped profile on that hardware (``profiles/h200_qwen3-0.6b.csv``,
-   ``profiles/h200_llama-3.1-8b.csv``, both ``h200-sxm``): that profile's fit
-   (:func:`lab.sim.calibrated.fit_analytic`: the values minimizing the median relative
-   error of the roofline on the profile's rows);
-2. another model on hardware with profiles: the joint fit, the same grid search over all
-   of that hardware's profile rows (each row priced with its own profile's model shape), so
-   one set of efficiencies serves any shape; a model's own profile is preferred because the
-   two shapes disagree (FLOP efficiency 0.29 for the 0.6B, 0.54 for the 8B: a small model's
-   matmuls reach less of peak);
-3. hardware without a profile (``h100-sxm``, ``a100-80gb``, ``h200-sxm-measured``): the
-   datasheet guesses :data:`GUESS` (0.7 of peak FLOP/s, 0.85 of HBM bandwidth, 2 ms).
+1. the model's own shipped profile on that hardware: its fit
+   (:func:`lab.sim.calibrated.fit_analytic`);
+2. another model on hardware with profiles: the joint fit over all of that hardware's
+   profile rows (:func:`joint_fit`);
+3. hardware without a profile: the datasheet guesses :data:`GUESS`.
 
-The fitted numbers are stored in :data:`FITTED` (not re-fitted on every load: a config
-stays cheap to validate); tests/test_analytic_defaults.py re-fits the shipped profiles and
-checks they still give these constants, so a new profile cannot leave them stale.
+:data:`FITTED` stores the fits; tests/test_analytic_defaults.py checks them against a refit.
 """
 
 from __future__ import annotations
@@ -33,14 +25,13 @@ REFIT = "python -m lab.sim.analytic_defaults"
 
 @dataclass(frozen=True)
 class Efficiencies:
-    """Default analytic-model values and where they come from.
+    """Default analytic-model values and their source.
 
     Attributes:
         flops_efficiency, bandwidth_efficiency, step_overhead_s: the cost_model keys.
         source: "profile" (fitted to ``profiles``) or "guess" (datasheet assumptions).
         profiles: the profile files fitted, relative to the repo root (empty for a guess).
-        median_relative_error: the roofline's median |predicted - measured| / measured on
-            those profiles' rows with these values (None for a guess: unknown).
+        median_relative_error: on those profiles' rows (None for a guess).
     """
 
     flops_efficiency: float
@@ -68,7 +59,7 @@ FITTED: dict[tuple[str, str | None], Efficiencies] = {
 
 
 def defaults(model: str, hardware: str) -> Efficiencies:
-    """The analytic defaults of ``model`` on ``hardware`` (presets' names; module doc)."""
+    """The analytic defaults of ``model`` on ``hardware`` (preset names)."""
     return FITTED.get((hardware, model)) or FITTED.get((hardware, None)) or GUESS
 
 
@@ -84,8 +75,7 @@ def describe(e: Efficiencies) -> str:
 
 
 def refit() -> dict[tuple[str, str | None], Efficiencies]:
-    """:data:`FITTED` recomputed from the profile files it names (errors rounded to 4
-    digits, as stored)."""
+    """:data:`FITTED` recomputed from the profile files it names (errors to 4 digits)."""
     from lab.sim.calibrated import fit_analytic, profile_shape, read_profile
 
     out: dict[tuple[str, str | None], Efficiencies] = {}
@@ -109,8 +99,8 @@ def _from_fit(fit: dict, profiles: tuple[str, ...]) -> Efficiencies:
 
 
 def joint_fit(pairs: list[tuple[str, str]], hardware: str) -> dict[str, float]:
-    """:func:`lab.sim.calibrated.fit_analytic`'s grid search over the rows of several
-    profiles ``(path relative to the repo, model preset)``, each row priced with its model."""
+    """:func:`lab.sim.calibrated.fit_analytic` over the rows of several profiles ``(path relative
+    to the repo, model preset)``, each row priced with its model."""
     import numpy as np
 
     from lab.core.plan import StepFeatures

@@ -2,55 +2,32 @@
 
     python -m lab.sim.calibrated profiles/h200_qwen3-0.6b.csv     # fit, print error, write .fit.json
 
-Step time is linear in features with a physical meaning (lab.core.plan.StepFeatures):
+Step time is linear in features of lab.core.plan.StepFeatures:
 
-    t = c0 * [decode-only step]             fixed cost of a CUDA-graph decode step
-      + c1 * [step with prompt tokens]      fixed cost of a step with prompt tokens
-      + c2 * sequences                      per-sequence input preparation and sampling
-      + c3 * tokens + c4 * max(0, tokens - 2048)
-                                            linear layers: flat while weight-read bound,
-                                            then growing with tokens (compute bound)
-      + c5 * mean decode context            decode attention latency: one kernel program
-                                            walks one sequence's whole context
+    t = c0 * [decode-only step]             a CUDA-graph decode step (per batch size)
+      + c1 * [step with prompt tokens]      a step that also runs the prefill kernel
+      + c2 * sequences                      input preparation and sampling
+      + c3 * tokens + c4 * max(0, tokens - TOKEN_KNOT)
+                                            linear layers: weight-read, then compute bound
+      + c5 * mean decode context            decode attention latency
       + c6 * decode context tokens          KV bytes all decodes read
       + c7 * prefill cached tokens          KV bytes the prompt chunks read
       + c8 * prefill (query, key) pairs     attention work of prompt chunks
       + c9 * swapped blocks                 host-link copies
-      + c10 * max(0, tokens - 8192)         eager steps: above the largest CUDA graph's
-                                            token count (backend/cuda_graphs.py) a step
-                                            runs eagerly, with its own per-token slope
+      + c10 * max(0, tokens - EAGER_KNOT)   eager steps, above the largest CUDA graph
 
-c10 may take either sign (on the H200, steps of several prompts above 8,192 tokens cost
-less per token than the slope below predicts), but the slope above the knot,
-c3 + c4 + c10, is kept >= 0 (where the free fit would make it negative, the model is refitted
-with it held at 0). It is fitted only when the profile has at least ``MIN_EAGER_ROWS`` rows
-above the knot (and the data a row per coefficient), else it is 0 (profiles made before
-backend/profile.py timed such rows have none, and fit as before). Replay steps
-(``replay_steps``) do not count: the few of them above the knot are whatever the workload
-made, some slowed by an eager step's first run at a new size.
+Coefficients are >= 0 but c10, whose slope above the knot (c3 + c4 + c10) is kept >= 0; c10
+is fitted only with at least ``MIN_EAGER_ROWS`` non-replay rows above ``EAGER_KNOT``, else it
+is 0. The fit is least squares on error relative to each row's duration.
 
-Host time (asynchronous scheduling): a profile with a ``host_s`` column (backend/profile.py:
-seconds from a step's start until it is launched, without the device sync) gets a second
-fit of the same kind, for the host part of each step:
+Host time (asynchronous scheduling): a profile with a ``host_s`` column (seconds from a step's
+start until it is launched) gets a second fit, on error relative to the step's duration:
 
-    host = h0 * [decode-only step] + h1 * [step with prompt tokens]
-         + h2 * sequences + h3 * tokens      per-sequence and per-token input buffers
-         + h4 * context tokens                block tables (prefill cached + decode context)
-         + h5 * swapped blocks                swap mappings
+    host = h0 * [decode-only step] + h1 * [step with prompt tokens] + h2 * sequences
+         + h3 * tokens + h4 * context tokens + h5 * swapped blocks
 
-fitted on error relative to the step's duration (a host error matters as a share of the
-step), clipped to [0, step time]; device time = step time - host time. A profile without
-``host_s`` (every profile made before it was recorded) predicts host time 0: asynchronous
-scheduling then saves nothing, and the run's report says so.
-
-The two intercepts are the engine's two kinds of step: decode-only steps replay a CUDA
-graph per batch size, logits included; steps with prompt tokens replay one per token count
-(eagerly above 8,192 tokens, backend/cuda_graphs.py), which also runs the prefill kernel,
-and compute the sampled rows' logits after it; the hinge makes the token term piecewise
-linear, a roofline's turn from memory- to compute-bound. Coefficients are non-negative and
-fitted by least squares on relative error (each row divided by its duration), so short
-decode steps weigh as much as long prefills. The profile is the data; the fit is redone on
-load, deterministic, in milliseconds.
+clipped to [0, step time]; device time = step time - host time. Without ``host_s`` host time
+is 0 (asynchronous scheduling then saves nothing).
 """
 
 from __future__ import annotations
@@ -123,7 +100,7 @@ def design(df: pd.DataFrame) -> np.ndarray:
 
 
 def host_design(df: pd.DataFrame) -> np.ndarray:
-    """Feature matrix (rows, len(HOST_FEATURES)) of the host-time fit (module doc)."""
+    """Feature matrix (rows, len(HOST_FEATURES)) of the host-time fit."""
     prefills = df["num_prefills"].to_numpy(float)
     decodes = df["num_decodes"].to_numpy(float)
     cols = [
@@ -138,8 +115,7 @@ def host_design(df: pd.DataFrame) -> np.ndarray:
 
 
 def fit_host(df: pd.DataFrame) -> np.ndarray:
-    """Coefficients of :data:`HOST_FEATURES` minimizing the host-time error relative to each
-    row's step duration (rows with a ``host_s``)."""
+    """Coefficients of :data:`HOST_FEATURES` (rows with a ``host_s``)."""
     x, y = host_design(df), df[HOST_COLUMN].to_numpy(float)
     d = df["duration_s"].to_numpy(float)
     scale = x.max(axis=0)
@@ -148,9 +124,8 @@ def fit_host(df: pd.DataFrame) -> np.ndarray:
 
 
 def nnls(a: np.ndarray, b: np.ndarray, free: tuple[int, ...] = ()) -> np.ndarray:
-    """Least squares with every coefficient but those of columns ``free`` >= 0, by
-    active-set elimination: solve, drop the most negative constrained coefficient, repeat
-    (small problems; exact enough for a handful of features)."""
+    """Least squares with every coefficient but those of columns ``free`` >= 0 (active-set
+    elimination; for a handful of features)."""
     active = list(range(a.shape[1]))
     bounded = np.ones(a.shape[1], dtype=bool)
     bounded[list(free)] = False
@@ -164,10 +139,8 @@ def nnls(a: np.ndarray, b: np.ndarray, free: tuple[int, ...] = ()) -> np.ndarray
 
 
 def fit(df: pd.DataFrame, extra: np.ndarray | None = None) -> np.ndarray:
-    """Coefficients of :data:`FEATURES` minimizing the relative error of predicted step
-    durations (module doc: c10 only with ``MIN_EAGER_ROWS`` profile rows, i.e. rows whose
-    ``kind`` is not "replay", above ``EAGER_KNOT``). ``extra``: (rows, k) candidate
-    features fitted beside them (each coefficient >= 0), whose coefficients follow."""
+    """Coefficients of :data:`FEATURES`, then those of ``extra`` ((rows, k) candidate
+    features, each coefficient >= 0)."""
     x, y = design(df), df["duration_s"].to_numpy(float)
     if extra is not None:
         x = np.concatenate([x, np.asarray(extra, float).reshape(len(df), -1)], axis=1)
@@ -195,8 +168,7 @@ def fit(df: pd.DataFrame, extra: np.ndarray | None = None) -> np.ndarray:
 
 
 def cross_validated_errors(df: pd.DataFrame, folds: int = 5, seed: int = 0) -> np.ndarray:
-    """Relative error |predicted - measured| / measured of every row, each predicted by a fit
-    on the other folds (held-out error)."""
+    """Held-out relative error of every row: predicted by a fit on the other folds."""
     order = np.random.default_rng(seed).permutation(len(df))
     err = np.empty(len(df))
     for k in range(folds):
@@ -210,13 +182,8 @@ def cross_validated_errors(df: pd.DataFrame, folds: int = 5, seed: int = 0) -> n
 
 
 def read_profile(path: str | Path) -> pd.DataFrame:
-    """A profile CSV (``#`` header lines allowed), its ``PROFILE_COLUMNS`` (and ``host_s``,
-    when it has one) as float64.
-
-    Raises:
-        ConfigError: one line naming the file (and row and column): missing file or
-            columns, fewer rows than features, or a bad cell (see :func:`check_cells`).
-    """
+    """A profile CSV (``#`` header lines allowed), ``PROFILE_COLUMNS`` (and ``host_s``) as
+    float64. Raises ConfigError (one line naming the file, row and column)."""
     path = Path(path)
     key = "cost_model.profile"
     if not path.exists():
@@ -238,8 +205,7 @@ def read_profile(path: str | Path) -> pd.DataFrame:
 
 
 def read_fingerprint(path: str | Path) -> dict | None:
-    """The engine fingerprint in a profile's header (:mod:`lab.core.fingerprint`), or None
-    for a profile made before fingerprints (or one whose fingerprint line is not JSON)."""
+    """The engine fingerprint in a profile's header (:mod:`lab.core.fingerprint`), or None."""
     try:
         with Path(path).open(encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -257,9 +223,8 @@ def read_fingerprint(path: str | Path) -> dict | None:
 
 
 def staleness(fingerprint: dict | None, engine: dict | None = None) -> tuple[bool, str]:
-    """Whether a profile with ``fingerprint`` is stale for ``engine`` (the fingerprint of
-    the engine a run claims to predict; None: this checkout, whose backend sources alone
-    are known), and why, as a phrase (empty when it is not)."""
+    """(stale, why) of a profile for ``engine``'s fingerprint (None: this checkout's backend
+    sources); ``why`` is empty when not stale."""
     if fingerprint is None:
         return True, (
             "the profile has no engine fingerprint (made before fingerprints): which "
@@ -276,13 +241,7 @@ def staleness(fingerprint: dict | None, engine: dict | None = None) -> tuple[boo
 
 
 def read_replay_steps(path: str | Path) -> pd.DataFrame:
-    """The steps.csv of an engine run as profile rows (its measured durations include what
-    a grid profile misses: the policy's planning and the executor's input building).
-
-    Raises:
-        ConfigError: one line naming the file: missing file, not a steps.csv (a column
-            of ``STEPS_COLUMNS`` missing, no rows), or a bad cell (see :func:`check_cells`).
-    """
+    """The steps.csv of an engine run as profile rows. Raises ConfigError (one line)."""
     path = Path(path)
     key = "cost_model.replay_steps"
     if not path.exists():
@@ -298,18 +257,10 @@ def read_replay_steps(path: str | Path) -> pd.DataFrame:
 def check_cells(
     df: pd.DataFrame, columns: tuple[str, ...], where: str, text: Callable[[], pd.DataFrame]
 ) -> pd.DataFrame:
-    """``df`` with ``columns`` converted to float64, every cell checked: a finite number;
-    counts (every column but ``prefill_attention_pairs``, ``duration_s`` and ``host_s``)
-    whole and >= 0; pairs >= 0; ``duration_s`` >= ``MIN_STEP_S``; ``host_s`` in [0,
-    duration_s] (checked after ``duration_s``).
-
-    Args:
-        text: reads the same file with every cell as its text, to quote a bad cell.
-
-    Raises:
-        ConfigError: ``{where}: row N, column 'c': expected ..., got 'v'`` for the first bad
-            cell (rows are data rows from 1, header and ``#`` lines not counted).
-    """
+    """``df`` with ``columns`` as float64, each cell finite; counts whole and >= 0, pairs
+    >= 0, ``duration_s`` >= ``MIN_STEP_S``, ``host_s`` in [0, duration_s]. ``text`` reads the
+    file as text, to quote a bad cell. Raises ConfigError: ``{where}: row N (data rows from 1),
+    column 'c': expected ..., got 'v'``."""
     df = df.copy()
     for c in columns:
         col = df[c]
@@ -384,7 +335,7 @@ def _read_csv(path: Path, key: str, **kwargs) -> pd.DataFrame:
 
 
 def steps_as_profile(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows of a steps.csv frame in the profile's columns."""
+    """A steps.csv frame in the profile's columns."""
     out = df.rename(columns={"num_decode_tokens": "num_decodes"})
     out["num_swap_blocks"] = df["num_swap_out_blocks"] + df["num_swap_in_blocks"]
     out["kind"] = REPLAY_KIND
@@ -392,18 +343,11 @@ def steps_as_profile(df: pd.DataFrame) -> pd.DataFrame:
 
 
 class CalibratedCostModel:
-    """Step durations from coefficients fitted to an engine profile (see module docstring),
-    optionally together with the steps of earlier engine replays (``replay_steps``)."""
+    """Step durations fitted to an engine profile and optional engine steps.csv files."""
 
     def __init__(self, profile: str | Path, replay_steps: tuple[str | Path, ...] = ()) -> None:
-        """Raises:
-        ConfigError: a bad profile or steps.csv (see ``read_profile``), data without a
-            decode-only step or without a step with prompt tokens (an intercept the fit
-            cannot know), or a fit that predicts less than ``MIN_STEP_S`` for a 1-token
-            decode or a 1-token prefill: the least any step costs, since a step's time
-            grows with every feature (each coefficient is >= 0 but the eager slope's,
-            which keeps the slope above its knot >= 0).
-        """
+        """Raises ConfigError: a bad file, no decode-only step or no step with prompt
+        tokens, or a fit predicting less than ``MIN_STEP_S`` for a 1-token step."""
         self.profile = Path(profile)
         self.fingerprint = read_fingerprint(self.profile)
         where = f"cost_model.profile: {self.profile}"
@@ -453,8 +397,7 @@ class CalibratedCostModel:
                 )
 
     def step_time(self, f: StepFeatures, block_size: int) -> float:
-        """Predicted seconds of a step with features ``f`` (block_size: unused, the profile
-        was taken at one block size)."""
+        """Predicted seconds of a step (``block_size`` unused)."""
         tokens = f.num_prefill_tokens + f.num_decodes
         t = self._prefill_step if f.num_prefills else self._decode_step
         t += (
@@ -474,8 +417,7 @@ class CalibratedCostModel:
         return t
 
     def host_time(self, f: StepFeatures, block_size: int = 0, step_s: float | None = None) -> float:
-        """Predicted host seconds before the step is launched (module doc), in [0, step
-        time] (``step_s``: the step's time if known); 0 for a profile without ``host_s``."""
+        """Predicted host seconds before launch, in [0, ``step_s``] (default: step time)."""
         if self.host_coef is None:
             return 0.0
         h0, h1, seq, tok, ctx, swap = self.host_coef
@@ -495,14 +437,9 @@ class CalibratedCostModel:
         return step_s - self.host_time(f, block_size, step_s)
 
     def spec_step_time(self, f: StepFeatures, block_size: int) -> float:
-        """Predicted seconds of a step whose decodes also verify draft tokens
-        (``f.num_spec_tokens``, speculative decoding), priced as decode rows of 1 + d
-        queries: :meth:`step_time` plus each draft token at the per-token rate (with the
-        hinge on the step's total tokens) and its attention pairs
-        (``f.spec_context_tokens``) at the prompt chunks' per-pair rate; the context is
-        read once per sequence, as a decode reads it. The profile has no verify rows, so
-        this is an extrapolation (lab/sim/spec_executor.py offers the prefill pricing too).
-        """
+        """Predicted seconds of a step whose decodes verify ``f.num_spec_tokens`` draft
+        tokens: decode rows of 1 + d queries, each draft token at the per-token rate and its
+        pairs at the per-pair rate (an extrapolation: profiles have no verify rows)."""
         t = self.step_time(f, block_size)
         if not f.num_spec_tokens:
             return t
@@ -515,9 +452,8 @@ class CalibratedCostModel:
 
 
 def profile_shape(path: str | Path) -> tuple[str | None, str | None]:
-    """(model preset, hardware preset) a profile's header names, each None when it names
-    none the simulator knows: the model from ``# model NAME:``, the hardware from the GPU's
-    name (``NVIDIA H200`` -> ``h200-sxm``)."""
+    """(model preset, hardware preset) a profile's header names (``NVIDIA H200`` ->
+    ``h200-sxm``), each None when unknown to the simulator."""
     from lab.sim.hardware import HARDWARE
     from lab.sim.models import MODELS
 
@@ -541,9 +477,8 @@ def profile_shape(path: str | Path) -> tuple[str | None, str | None]:
 
 def fit_analytic(df: pd.DataFrame, model: str, hardware: str) -> dict[str, float]:
     """The analytic roofline's ``flops_efficiency``, ``bandwidth_efficiency`` and
-    ``step_overhead_s`` (lab/sim/cost_model.py) that minimize the median relative error on
-    the profile rows, by grid search (efficiencies 0.05-1, overhead 0-5 ms), with that
-    error."""
+    ``step_overhead_s`` minimizing the median relative error on the profile rows (grid
+    search), with that error."""
     from lab.sim.cost_model import AnalyticCostModel
     from lab.sim.hardware import HARDWARE
     from lab.sim.models import MODELS

@@ -1,41 +1,19 @@
 """Analytic step-time model (roofline) and the KV capacity rule; the simulator's executor.
 
 Step time = max(FLOPs / achieved FLOP/s, bytes / achieved bytes/s) + step overhead
-          + swap bytes / host-link bytes/s.
+          + swap bytes / host-link bytes/s, with achieved = preset peak * efficiency.
 
-* FLOPs: 2 per weight per token for the decoder layers (Kaplan et al. 2020, "Scaling Laws",
-  §2.1), 2 per LM-head weight per sampled token, and attention 4 * layers * heads * head_dim
-  per (query, key) pair (QK^T and PV), causal within a prefill chunk.
+* FLOPs: 2 per weight per token (Kaplan et al. 2020, "Scaling Laws", §2.1), 2 per LM-head
+  weight per sampled token, 4 * layers * heads * head_dim per attention (query, key) pair.
 * Bytes: all weights once per step, the KV each decode or chunk reads, the KV it writes.
-* Tensor parallelism over N GPUs (``tensor_parallel_size``; Megatron-LM, Shoeybi et al.
-  2019, §3): each GPU does 1/N of the FLOPs and reads 1/N of the weights and KV bytes, and
-  every layer adds 2 all-reduces (after attention's output projection and after the MLP)
-  of the step's activations, tokens * hidden_size * dtype_bytes each. A ring all-reduce
-  sends and receives 2(N-1)/N of the buffer per GPU in 2(N-1) steps (Patarasuk & Yuan 2009,
-  "Bandwidth optimal all-reduce algorithms for clusters of workstations"; NCCL's
-  nccl-tests "Performance" notes use the same 2(N-1)/N bus-bandwidth factor), so one costs
-  2(N-1)/N * bytes / link bandwidth (one direction) + 2(N-1) * link latency, on the
-  hardware preset's ``tp_link``. The embedding's all-reduce and the logits' all-gather are
-  left out (one each per step, not per layer).
-* Achieved = preset peak * efficiency. This class's defaults (0.7 of peak FLOP/s, 0.85 of
-  HBM bandwidth, 2 ms per step) are datasheet assumptions, not measurements; an experiment
-  YAML that leaves them out gets the values fitted to the shipped engine profiles of its
-  hardware (:mod:`lab.sim.analytic_defaults`), and
-  :class:`lab.sim.calibrated.CalibratedCostModel` is fitted to the real engine's profile.
+* Tensor parallelism over N GPUs (Megatron-LM, Shoeybi et al. 2019, §3): 1/N of the FLOPs,
+  weight and KV bytes per GPU, plus 2 all-reduces per layer of tokens * hidden_size *
+  dtype_bytes, each a ring costing 2(N-1)/N * bytes / link bandwidth + 2(N-1) * link latency
+  on the preset's ``tp_link`` (Patarasuk & Yuan 2009; nccl-tests "Performance" notes).
 
-Host and device time (asynchronous scheduling, vLLM V1's AsyncScheduler). A step's time
-``step_time`` is what a synchronous engine pays: the host plans the step and prepares its
-inputs, launches it, and waits for the device. Its host part, ``host_time`` (planning, input
-preparation, launch: the work that comes before the device can start), is
-
-    host = min(host_overhead_s + host_per_seq_s * sequences, step time)
-
-(both 0 by default: then async timing equals sync timing; where the cap binds, the run
-logs a warning with the number of such steps), and ``device_time`` = step time -
-host time. Under async scheduling the host prepares step N+1 while the device runs step N,
-so step N lasts max(device time of N, host time of N+1) (lab/sim/replay.py). The host part
-is a share of ``step_overhead_s`` and of the per-sequence work, not added to it: step_time
-does not depend on it.
+Host and device time (asynchronous scheduling, vLLM V1's AsyncScheduler): ``host_time`` =
+min(host_overhead_s + host_per_seq_s * sequences, step time), a share of the step, not added
+to it; ``device_time`` = step time - host time.
 """
 
 from __future__ import annotations
@@ -55,22 +33,18 @@ class AnalyticCostModel:
     """Predicts step durations in seconds from a plan.
 
     Args:
-        model: the model's shape.
-        hardware: the accelerator preset.
         flops_efficiency: fraction of ``hardware.peak_flops`` reached (0 < x <= 1).
         bandwidth_efficiency: fraction of ``hardware.mem_bandwidth`` reached (0 < x <= 1).
-        step_overhead_s: fixed seconds per step (scheduling, input prep, kernel launches).
-        tensor_parallel_size: GPUs one replica spans (module doc); > 1 needs the hardware
-            preset's ``tp_link`` (ConfigError otherwise).
-        host_overhead_s: seconds per step of host work before launch (planning, input
-            preparation, launch), a part of ``step_overhead_s`` (module doc).
-        host_per_seq_s: seconds of host work per sequence of the step (per-sequence input
-            preparation: block tables, positions, sampling parameters).
+        step_overhead_s: fixed seconds per step.
+        tensor_parallel_size: GPUs one replica spans; > 1 needs the preset's ``tp_link``.
+        host_overhead_s: host seconds per step before launch, part of ``step_overhead_s``.
+        host_per_seq_s: host seconds per sequence of the step.
 
-    The defaults of the first three are the datasheet guesses
-    (``lab.sim.analytic_defaults.GUESS``). A config that leaves them out gets the values
-    fitted to the shipped profiles instead (``lab.sim.analytic_defaults.defaults(model,
-    hardware)``); code that builds this model directly should pass those.
+    The efficiency and overhead defaults are ``lab.sim.analytic_defaults.GUESS``; callers
+    should pass ``lab.sim.analytic_defaults.defaults(model, hardware)``.
+
+    Raises:
+        ConfigError: a ``tensor_parallel_size`` the model's heads or the preset cannot take.
     """
 
     def __init__(
@@ -129,7 +103,7 @@ class AnalyticCostModel:
             self._s_per_byte *= 1.0 / n
 
     def step_time(self, f: StepFeatures, block_size: int) -> float:
-        """Seconds to run a step with features ``f`` (prefill chunks, decodes, swaps)."""
+        """Seconds to run a step with features ``f``."""
         tokens = f.num_tokens
         pairs = f.prefill_attention_pairs + f.decode_context_tokens  # a decode: 1 query
         flops = (
@@ -147,10 +121,8 @@ class AnalyticCostModel:
         return t
 
     def host_time(self, f: StepFeatures, block_size: int = 0, step_s: float | None = None) -> float:
-        """Seconds of host work before the step is launched (module doc), at most the step's
-        time (``step_s``: that time if known, else computed with ``block_size``). The cap
-        binds when ``host_per_seq_s`` * sequences outgrows the step: the host part is then
-        the whole step; ``num_capped_steps`` counts those steps (the experiment warns)."""
+        """Host seconds before launch, at most ``step_s`` (default: the step's time); each
+        capped step adds 1 to ``num_capped_steps``."""
         host = self.host_overhead_s + self.host_per_seq_s * f.num_seqs
         if host == 0.0:
             return 0.0
@@ -161,19 +133,15 @@ class AnalyticCostModel:
         return step_s
 
     def device_time(self, f: StepFeatures, block_size: int) -> float:
-        """Seconds the device runs the step: step time - host time (module doc)."""
+        """Device seconds of the step: step time - host time."""
         step_s = self.step_time(f, block_size)
         return step_s - self.host_time(f, block_size, step_s)
 
 
 @dataclass(slots=True)
 class LaunchedStep:
-    """A step handed to the simulated device (the handle of ``CostModelExecutor.launch``).
-
-    Attributes:
-        step_s: the step's synchronous time (``step_time``), what ``wait`` reports.
-        host_s: its host part (``host_time``), 0 <= host_s <= step_s.
-    """
+    """The handle of ``CostModelExecutor.launch``: ``step_s`` (synchronous time) and its host
+    part ``host_s`` (0 <= host_s <= step_s)."""
 
     step_s: float
     host_s: float
@@ -186,12 +154,8 @@ class LaunchedStep:
 
 class CostModelExecutor:
     """The simulator's executor: a step takes the cost model's predicted time.
-
-    ``execute(plan)`` equals ``wait(launch(plan))``; under asynchronous scheduling the replay
-    loop reads the launched step's ``host_s`` and ``device_s`` to set the clock (a step
-    lasts max(its device time, the next step's host time)). A cost model without
-    ``host_time`` has no host part (host 0: async timing equals sync timing).
-    """
+    ``execute(plan)`` equals ``wait(launch(plan))``; a cost model without ``host_time`` has
+    host part 0."""
 
     wall_clock = False
 
@@ -203,24 +167,20 @@ class CostModelExecutor:
         return StepResult(self.cost_model.step_time(plan.features(), self.block_size))
 
     def launch(self, plan: SchedulerOutput) -> LaunchedStep:
-        """The step's time and its host part (nothing runs: the clock is the replay loop's)."""
+        """The step's time and its host part (nothing runs)."""
         f = plan.features()
         step_s = self.cost_model.step_time(f, self.block_size)
         host_s = 0.0 if self._host_time is None else self._host_time(f, self.block_size, step_s)
         return LaunchedStep(step_s, host_s)
 
     def wait(self, handle: LaunchedStep) -> StepResult:
-        """The launched step's result: its synchronous time, as ``execute`` reports it."""
+        """The launched step's synchronous time, as ``execute`` reports it."""
         return StepResult(handle.step_s)
 
 
 def activation_bytes(model: ModelSpec, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-    """Estimated peak activation memory of one step, in bytes.
-
-    A forward pass of ``max_num_batched_tokens`` tokens keeps a few hidden-size buffers and
-    the gated MLP's two intermediate-size buffers live, plus fp32 logits for the sampled
-    rows. vLLM measures this peak with a profiling run; this is an estimate of the same.
-    """
+    """Estimated peak activation bytes of one step (vLLM measures it with a profiling run):
+    4 hidden-size and 2 intermediate-size buffers per token, fp32 logits per sequence."""
     per_token = (4 * model.hidden_size + 2 * model.intermediate_size) * model.dtype_bytes
     return max_num_batched_tokens * per_token + max_num_seqs * model.vocab_size * 4
 
@@ -234,12 +194,9 @@ def num_gpu_blocks(
     max_num_seqs: int,
     tensor_parallel_size: int = 1,
 ) -> int:
-    """KV blocks that fit in device memory, as vLLM sizes its cache:
-    (memory * gpu_memory_utilization - weights - peak activations) / bytes per block.
-
-    With tensor parallelism over N GPUs each holds 1/N of the weights and of every block (its
-    KV heads; a KV head is replicated when N exceeds their number, as backend/tp.py does), and
-    the activation estimate is kept whole (the residual stream is not split)."""
+    """KV blocks per GPU, as vLLM sizes its cache: (memory * gpu_memory_utilization - weights
+    - peak activations) / bytes per block; over N GPUs each holds 1/N of the weights and
+    ceil(kv_heads / N) KV heads of every block."""
     n = tensor_parallel_size
     budget = hardware.memory_bytes * gpu_memory_utilization
     if n == 1:

@@ -1,8 +1,5 @@
-"""Accelerator presets for the analytic cost model.
-
-``kind`` says what the figures are: "datasheet" (vendor peak, dense, no sparsity) or
-"measured" (timed on a real device with PyTorch). Datasheet peaks are not reached in
-practice; the cost model scales them by its efficiency factors.
+"""Accelerator presets for the analytic cost model. ``kind``: "datasheet" (vendor peak, dense)
+or "measured" (timed on a real device with PyTorch).
 """
 
 from __future__ import annotations
@@ -14,10 +11,9 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Hardware:
-    """Attributes: peak_flops (bf16 FLOP/s), mem_bandwidth (HBM bytes/s),
-    host_link_bandwidth (host<->device bytes/s, one direction), memory_bytes (device),
-    tp_link (the :data:`LINKS` preset between GPUs of one host that tensor parallelism's
-    all-reduces use; None: no figures, so the simulator refuses TP on this preset)."""
+    """peak_flops (bf16 FLOP/s), mem_bandwidth (HBM bytes/s), host_link_bandwidth (host<->device
+    bytes/s, one direction), memory_bytes (device), tp_link (the :data:`LINKS` preset between
+    GPUs of one host; None: no tensor parallelism on this preset)."""
 
     name: str
     peak_flops: float
@@ -81,11 +77,8 @@ HARDWARE: dict[str, Hardware] = {
 
 @dataclass(frozen=True)
 class Link:
-    """A link that carries KV caches from prefill to decode replicas (P/D disaggregation).
-
-    Attributes: bandwidth (bytes/s in one direction: a KV transfer goes one way),
-    latency_s (one-way; an assumed typical figure, not a datasheet one), source.
-    """
+    """A KV-transfer link between prefill and decode replicas: bandwidth (bytes/s, one
+    direction), latency_s (one-way; an assumed figure, not a datasheet one), source."""
 
     name: str
     bandwidth: float

@@ -10,10 +10,7 @@ from lab.core.model_presets import PRESETS
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A Llama-family decoder's shape.
-
-    Attributes follow config.json names; ``dtype_bytes`` is 2 for bf16/fp16 weights and KV.
-    """
+    """A Llama-family decoder's shape: config.json names; ``dtype_bytes`` 2 for bf16/fp16."""
 
     name: str
     hidden_size: int

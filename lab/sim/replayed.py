@@ -2,21 +2,11 @@
 
     cost_model: {durations_from: results/engine_run/steps.csv}
 
-Fed the engine's own step durations, the simulator must plan every step as the engine did
-(docs/ARCHITECTURE.md): same requests, same prefill chunks, same decodes, same preemptions
-and swaps. Each simulated step takes the duration of the engine's step with the same index
-(rows of the run's policy and rate_scale in the steps.csv) and compares its plan with that
-row; :meth:`ReplayedExecutor.plan_match` counts the steps whose plan differs. No other
-input is needed: the KV capacity of the engine run (its summary.json, when it is beside the
-steps.csv) replaces the simulator's.
-
-Asynchronous scheduling: a recorded duration is the engine's step from its start to the next
-step's start, which under async scheduling already holds the overlap of the host's next
-step with the device's current one; there is no host/device split to apply again. So an
-async replay takes the recorded durations as they are (host time 0: duration = recorded),
-and needs an engine run that was asynchronous too: the scheduling mode of the run
-(``async_scheduling`` in its summary.json, false when missing) must equal the simulator's,
-or the replay is refused in one line.
+Step i takes the duration of the engine's step i (rows of the run's policy and rate_scale)
+and its plan is compared with that row (:meth:`ReplayedExecutor.plan_match`); the KV capacity
+of the engine run (summary.json beside the steps.csv) replaces the simulator's. A recorded
+duration already holds any async overlap, so an async replay takes it with host time 0, and
+the run's ``async_scheduling`` (false when missing) must equal the simulator's.
 """
 
 from __future__ import annotations
@@ -57,11 +47,8 @@ def plan_row(plan: SchedulerOutput) -> tuple[float, ...]:
 
 
 class ReplayedDurations:
-    """An engine run's steps.csv (and summary.json beside it, if any), read once.
-
-    Raises:
-        ConfigError: one line naming the file: missing, unreadable, or not a steps.csv.
-    """
+    """An engine run's steps.csv (and summary.json beside it, if any), read once. Raises
+    ConfigError (one line naming the file)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -108,13 +95,8 @@ class ReplayedDurations:
     def check_trace(
         self, label: str, sha256: str | None, num_requests: int | None, run_label: str | None = None
     ) -> None:
-        """Refuse a replay of another trace or window: the run's recorded trace file
-        (summary key ``trace.sha256``) and its number of replayed requests (``num_requests``)
-        must equal this run's, where both are known.
-
-        Raises:
-            ConfigError: one line naming the file, the run and what differs.
-        """
+        """Refuse a replay of another trace or window: the run's ``trace.sha256`` and
+        ``num_requests`` must equal this run's, where both are known. Raises ConfigError (one line)."""
         run = self.summary.get(run_label or label) or {}
         recorded = (run.get("trace") or {}).get("sha256")
         if recorded and sha256 and recorded != sha256:
@@ -137,15 +119,9 @@ class ReplayedDurations:
         run_label: str | None = None,
         async_scheduling: bool = False,
     ) -> ReplayedExecutor:
-        """An executor for policy ``label`` at ``rate_scale`` (its rows of the steps.csv;
-        ``run_label``: the run's key in summary.json, default ``label``) in the simulator's
-        scheduling mode ``async_scheduling``.
-
-        Raises:
-            ConfigError: no rows for that run, its recorded limits (summary.json) differ
-                from ``limits``, or its scheduling mode (summary key ``async_scheduling``,
-                false when missing) differs from ``async_scheduling``.
-        """
+        """An executor for policy ``label`` at ``rate_scale`` (``run_label``: the run's key in
+        summary.json, default ``label``). Raises ConfigError: no rows for that run, or its recorded
+        limits or ``async_scheduling`` differ from ``limits`` or ``async_scheduling``."""
         sel = (self.steps["policy"].astype(str) == label) & np.isclose(
             self.steps["rate_scale"].to_numpy(float), rate_scale, rtol=1e-8, atol=0.0
         )
@@ -188,12 +164,7 @@ class ReplayedExecutor:
         self.first_mismatch: str | None = None
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
-        """The recorded duration of the next step.
-
-        Raises:
-            ConfigError: the simulator asks for more steps than the engine run recorded
-                (the replay stops with this as its failure).
-        """
+        """The recorded duration of the next step. Raises ConfigError past the recorded steps."""
         i = self.step
         if i >= len(self.durations_s):
             raise ConfigError(
@@ -219,8 +190,7 @@ class ReplayedExecutor:
         return StepResult(float(self.durations_s[i]))
 
     def launch(self, plan: SchedulerOutput) -> LaunchedStep:
-        """The next recorded step, host time 0 (module doc: a recorded duration already
-        holds the engine's overlap); raises as :meth:`execute`."""
+        """The next recorded step, host time 0; raises as :meth:`execute`."""
         return LaunchedStep(self.execute(plan).duration_s, 0.0)
 
     def wait(self, handle: LaunchedStep) -> StepResult:
@@ -228,9 +198,8 @@ class ReplayedExecutor:
         return StepResult(handle.step_s)
 
     def plan_match(self) -> dict[str, Any]:
-        """Steps recorded and simulated, steps whose plan matched the engine's, and the
-        first mismatch (None when every plan matched); recorded steps the simulator never
-        asked for count as mismatched."""
+        """(steps recorded, steps simulated, steps whose plan matched, first mismatch or None);
+        recorded steps never simulated count as mismatched."""
         recorded, simulated = len(self.durations_s), self.step
         matched = simulated - self.mismatched
         first = self.first_mismatch

@@ -3,28 +3,18 @@
 :class:`SpecExecutor` wraps the simulator's executor when ``speculative:`` is on
 (lab/core/spec.py). For each decode of ``plan.spec_decodes`` (request r verifying d' drafts) it
 
-* draws the accepted drafts from per-position rates p_1..p_k (p_i: the probability that
-  draft i is accepted given drafts 1..i-1 were): draft i is accepted when u_i < p_i, and
-  the first rejection ends the run, so ``a = min(d', first i with u_i >= p_i)``. The
-  uniform u_i is a hash of (seed, request id, the request's verify step n, i): n counts the
-  verify steps of r in this run (0, 1, ...). A run is deterministic, and two policies that
-  schedule the same drafts for a request draw the same acceptance for it (common random
-  numbers), whatever else they run in the same steps;
-* fills ``StepResult.num_accepted`` and gives every request that samples a token k
-  placeholder draft ids (``draft_token_ids``) for its next step: a simulated proposer always
-  proposes k; the scheduler cuts them to its budget and to the request's end;
-* prices the step: the cost model's time with the verify tokens (:func:`verify_time`) plus
-  the proposer's time (:func:`draft_time`), added to what the wrapped executor reports.
+* draws the accepted drafts from per-position conditional rates p_1..p_k: draft i is accepted
+  when u_i < p_i and the first rejection ends the run. u_i hashes (seed, request id, r's verify
+  step n, i), so two policies that schedule the same drafts for a request draw the same
+  acceptance (common random numbers);
+* fills ``StepResult.num_accepted`` and gives every request that samples a token k placeholder
+  ``draft_token_ids`` (the scheduler cuts them to its budget);
+* adds the verify tokens' time (:func:`verify_time`) and the proposer's (:func:`draft_time`)
+  to the wrapped executor's.
 
-Rates come from ``acceptance_rates`` or from an engine run (``acceptance_from: RUN_DIR``: the
-conditional rates its summary.json measured, :data:`RATES_KEY`, pooled over its runs). The
-simulator has no tokens, so ``ngram`` and ``draft`` need one of them (it cannot look up
-n-grams or run a draft model).
-
-Proposer cost: ``synthetic`` and ``ngram`` are priced at 0 s. Prompt lookup is a host-side
-search over prompt + output tokens (vLLM's n-gram proposer: microseconds per request) and
-the synthetic proposer is a timing device. ``draft`` runs k decode steps of the draft model
-over the requests that sampled a token (:func:`draft_time`).
+Rates come from ``acceptance_rates`` or an engine run (``acceptance_from: RUN_DIR``,
+:data:`RATES_KEY`); ``ngram`` and ``draft`` need one of them (the simulator has no tokens).
+``synthetic`` and ``ngram`` proposers cost 0 s; ``draft`` runs k decode steps of the draft model.
 """
 
 from __future__ import annotations
@@ -52,9 +42,8 @@ _MASK = (1 << 64) - 1
 
 
 def _mix64(x: int) -> int:
-    """SplitMix64's finalizer (Steele, Lea & Flood 2014, "Fast splittable pseudorandom
-    number generators"): a bijection of 64-bit integers whose output bits all depend on
-    every input bit."""
+    """SplitMix64's finalizer (Steele, Lea & Flood 2014, "Fast splittable pseudorandom number
+    generators"): a bijection of 64-bit integers."""
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
     x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK
     return x ^ (x >> 31)
@@ -75,9 +64,8 @@ def request_key(request_id: str) -> int:
 
 
 def num_accepted(rates: tuple[float, ...], d: int, seed: int, key: int, step: int) -> int:
-    """Drafts accepted out of ``d`` at verify step ``step`` of the request keyed ``key``:
-    draft i (0-based) is accepted while ``uniform(seed, key, step, i) < rates[i]``, the first
-    rejection ends the accepted prefix; ``d`` when none is rejected. ``d <= len(rates)``."""
+    """Drafts accepted out of ``d`` (<= len(rates)) at verify step ``step`` of the request keyed
+    ``key``: the prefix of draft i with ``uniform(seed, key, step, i) < rates[i]``."""
     for i in range(d):
         if not uniform(seed, key, step, i) < rates[i]:
             return i
@@ -107,12 +95,11 @@ def check_rates(rates: Any, k: int, where: str) -> tuple[float, ...]:
 
 
 def measured_rates(run_dir: str | Path, k: int) -> tuple[float, ...]:
-    """The conditional acceptance rates an engine run measured (its summary.json), pooled
-    over its runs: p_i = accepted at position i / verifies that reached position i.
+    """The conditional acceptance rates an engine run's summary.json measured, pooled over its
+    runs: p_i = accepted at position i / verifies that reached position i.
 
     Raises:
-        ConfigError: one line naming the folder: no summary.json, no run with speculative
-            counts, fewer than k positions, or a position never reached.
+        ConfigError: one line naming the folder.
     """
     where = f"speculative.acceptance_from: {run_dir}"
     path = Path(run_dir) / "summary.json"
@@ -150,13 +137,8 @@ def measured_rates(run_dir: str | Path, k: int) -> tuple[float, ...]:
 
 
 def acceptance_rates(spec: Any, base_dir: Path = Path(".")) -> tuple[float, ...]:
-    """The per-position rates the simulator draws from: ``acceptance_rates``, or those
-    measured by ``acceptance_from``.
-
-    Raises:
-        ConfigError: neither given (one line; the simulator cannot propose real tokens for
-            ``ngram`` or ``draft``), or bad rates.
-    """
+    """The per-position rates: ``acceptance_rates``, or those measured by ``acceptance_from``.
+    Raises ConfigError (one line): neither given, or bad rates."""
     k = spec.num_speculative_tokens
     if spec.acceptance_rates is not None:
         return check_rates(spec.acceptance_rates, k, "speculative.acceptance_rates")
@@ -180,9 +162,8 @@ def spec_positions(plan: SchedulerOutput) -> list[tuple[int, int]]:
 
 
 def as_prefill_chunks(f: StepFeatures, positions: list[tuple[int, int]]) -> StepFeatures:
-    """``f`` with each verify (latest token at position p, d' drafts) moved from the decodes
-    to the prompt chunks: a chunk of n = 1 + d' tokens over p cached ones (n * p + n(n+1)/2
-    attention pairs), as an engine that runs q_len > 1 rows in its prefill kernel does."""
+    """``f`` with each verify (latest token at position p, d' drafts) moved from the decodes to the
+    prompt chunks: n = 1 + d' tokens over p cached ones (n * p + n(n+1)/2 attention pairs)."""
     n_sum = ctx = pairs = 0
     for p, d in positions:
         n = 1 + d
@@ -210,17 +191,10 @@ def verify_time(
     block_size: int,
     pricing: str = "prefill",
 ) -> float:
-    """Seconds of a step whose decodes verify drafts (``plan.spec_decodes``).
-
-    * A cost model with ``spec_step_time`` (the calibrated one,
-      :meth:`lab.sim.calibrated.CalibratedCostModel.spec_step_time`) prices it by
-      ``pricing``: ``prefill`` = each verify as a prompt chunk of 1 + d' tokens over the
-      decode's context (:func:`as_prefill_chunks`); ``decode`` = a decode row with 1 + d'
-      queries that reads its context once (the extra tokens and attention pairs at the
-      fitted rates).
-    * The analytic roofline counts the drafts' FLOPs (linear layers, logits, attention
-      pairs) and KV writes; the context is read once per sequence (one kernel pass).
-    """
+    """Seconds of a step whose decodes verify drafts (``plan.spec_decodes``). A cost model with
+    ``spec_step_time`` prices it by ``pricing``: ``prefill`` (each verify a prompt chunk,
+    :func:`as_prefill_chunks`) or ``decode`` (a decode row of 1 + d' queries); the analytic
+    roofline counts the drafts' FLOPs and KV writes, reading the context once per sequence."""
     f = plan.features()
     if pricing == "prefill" and hasattr(cost_model, "spec_step_time"):
         return cost_model.step_time(as_prefill_chunks(f, spec_positions(plan)), block_size)
@@ -233,9 +207,8 @@ def verify_time(
 
 
 def draft_time(draft_model: Any, num_seqs: int, context_tokens: int, k: int) -> float:
-    """Seconds of k decode steps of the draft model over ``num_seqs`` sequences holding
-    ``context_tokens`` tokens in all (each step adds one token per sequence). The first
-    step of a real proposer feeds the 1 + a tokens the verify kept; it is priced as one."""
+    """Seconds of k draft-model decode steps over ``num_seqs`` sequences holding ``context_tokens``
+    tokens in all (each step adds one token per sequence)."""
     if num_seqs == 0:
         return 0.0
     return sum(
@@ -247,10 +220,9 @@ def draft_time(draft_model: Any, num_seqs: int, context_tokens: int, k: int) -> 
 
 
 def draft_cost_model(spec: Any, hardware: Any, base_dir: Path = Path(".")) -> Any:
-    """The cost model of ``method: draft``'s draft model, from ``speculative.model``: a
-    profile CSV (calibrated), a model preset name (analytic roofline on ``hardware``) or a
-    checkpoint folder with a config.json (analytic, its shape); an analytic draft takes the
-    default efficiencies of its shape on ``hardware`` (lab/sim/analytic_defaults.py)."""
+    """The cost model of ``method: draft``'s draft model from ``speculative.model``: a profile CSV
+    (calibrated), a model preset name or a checkpoint folder with a config.json (analytic on
+    ``hardware``, with lab/sim/analytic_defaults.py's efficiencies)."""
     from lab.sim.analytic_defaults import defaults
     from lab.sim.cost_model import AnalyticCostModel
     from lab.sim.models import MODELS, ModelSpec
@@ -277,13 +249,11 @@ def draft_cost_model(spec: Any, hardware: Any, base_dir: Path = Path(".")) -> An
 
 
 class SpecExecutor:
-    """The simulator's executor with speculative decoding (module docstring).
+    """The simulator's executor with speculative decoding.
 
     Args:
-        inner: the executor it wraps (``CostModelExecutor``); its duration is kept and the
-            difference the verify tokens and the proposer make is added.
+        inner: the wrapped executor; the verify and proposer time is added to its duration.
         cost_model: the target's cost model (``inner``'s).
-        block_size: KV block size in tokens.
         k: ``num_speculative_tokens``.
         rates: per-position conditional acceptance rates (k of them).
         seed: the seed of the acceptance draws.
@@ -360,12 +330,8 @@ def wrap(
     hardware: Any,
     base_dir: Path = Path("."),
 ) -> SpecExecutor:
-    """A :class:`SpecExecutor` for a validated ``speculative:`` config (lab/core/spec.py).
-
-    Raises:
-        ConfigError: rates missing or bad (see :func:`acceptance_rates`), or a draft model
-            the simulator cannot price.
-    """
+    """A :class:`SpecExecutor` for a validated ``speculative:`` config. Raises ConfigError: bad or
+    missing rates, or a draft model the simulator cannot price."""
     rates = acceptance_rates(spec, base_dir)
     draft = draft_cost_model(spec, hardware, base_dir) if spec.method == "draft" else None
     return SpecExecutor(

@@ -34,7 +34,7 @@ import yaml
 
 from lab import __version__
 from lab.core.errors import UserError
-from lab.report.folder import MANIFEST, _put_in_place, check_out_dir
+from lab.report.folder import MANIFEST, check_out_dir, put_in_place
 
 LEAD = ("point", "status", "error")
 
@@ -65,7 +65,7 @@ def write_sweep(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _put_in_place(tmp, out)
+    put_in_place(tmp, out)
     return out
 
 
@@ -214,7 +214,7 @@ def _plots(folder: Path, sweep, table: pd.DataFrame, capacity) -> list[tuple[str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lab.report.folder import _save
+    from lab.report.folder import save_png as _save
 
     plots: list[tuple[str, str]] = []
     if sweep.search is not None:

@@ -1,0 +1,261 @@
+"""report.md, the results folder's summary in markdown, and config.yaml."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from lab.config import ExperimentConfig
+from lab.results import fairness, spec_metrics
+from lab.run.experiment import Run
+
+
+def summary_table(runs: list[Run]) -> str:
+    """A markdown table of the headline numbers of every run."""
+    head = (
+        "| run | finished | rejected | aborted | req/s | out tok/s | TTFT p50 / p99 (s) "
+        "| TPOT p50 / p99 (ms) | ITL p99 / p99.9 / max (ms) | E2E p50 / p99 (s) "
+        "| preempt (rec / swap) | KV mean % |"
+    )
+    lines = [head, "|" + "---|" * 12]
+    for r in runs:
+        s = r.summary
+        lines.append(
+            f"| {r.label} | {s['finished']} | {s['rejected']} | {s['aborted']} "
+            f"| {s['request_throughput']:.2f} | {s['output_throughput']:.0f} "
+            f"| {s['ttft_s']['p50']:.3f} / {s['ttft_s']['p99']:.3f} "
+            f"| {s['tpot_s']['p50'] * 1e3:.1f} / {s['tpot_s']['p99'] * 1e3:.1f} "
+            f"| {s['itl_s']['p99'] * 1e3:.1f} / {_ms(r.vllm, 'p99.9_itl_ms')} "
+            f"/ {_ms(r.vllm, 'max_itl_ms')} "
+            f"| {s['e2e_s']['p50']:.2f} / {s['e2e_s']['p99']:.2f} "
+            f"| {s['preemptions']['recompute']} / {s['preemptions']['swap']} "
+            f"| {s['kv_used_fraction']['mean'] * 100:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def _ms(vllm: dict, key: str) -> str:
+    v = vllm.get(key)
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _trace_options(trace: Mapping[str, Any]) -> str:
+    keys = ("limit", "start_s", "end_s", "rate_scale", "num_requests")
+    opts = ", ".join(f"{k} {trace[k]}" for k in keys if trace.get(k) is not None)
+    return f" ({opts})" if opts else ""
+
+
+def model_line(cfg: ExperimentConfig) -> str:
+    if cfg.backend == "engine":
+        e = cfg.engine
+        return (
+            f"real engine: model `{e.model_path}` on `{e.device}` ({e.dtype}, "
+            f"{e.attention_backend} attention), measured step times"
+        )
+    line = f"simulated `{cfg.model}` on `{cfg.hardware}` (cost model step times)"
+    c = cfg.cluster
+    if c is None:
+        return line
+    if c.pool is not None:
+        return f"{line}, {c.pool.replicas} replicas behind router `{c.pool.router}`"
+    return (
+        f"{line}, {c.prefill.replicas} prefill replicas (router `{c.prefill.router}`) and "
+        f"{c.decode.replicas} decode replicas (router `{c.decode.router}`), KV over "
+        f"`{c.link.name}` ({c.link.bandwidth * 8 / 1e9:g} Gb/s)"
+    )
+
+
+def config_yaml(cfg: ExperimentConfig, runs: list[Run]) -> str:
+    """config.yaml: the resolved config, with ``trace_file`` (path, sha256, rows) of the
+    replayed trace."""
+    d = cfg.to_dict()
+    info = runs[0].summary.get("trace") if runs else None
+    if info is not None and info.get("path") is not None:
+        d["trace_file"] = dict(info)
+    return yaml.safe_dump(d, sort_keys=False)
+
+
+def _prefix_cache_lines(runs: list[Run]) -> list[str]:
+    """Whether runs cached prefixes; with caching on, a table of its numbers."""
+    if not any(r.summary.get("prefix_caching") for r in runs):
+        return ["Prefix caching: off.", ""]
+    out = [
+        "Prefix caching (`kv_cache.enable_prefix_caching`; hit rate = prompt tokens found "
+        "cached at first admission / prompt tokens admitted):",
+        "",
+        "| run | caching | hit rate | cached tokens | found again after preemption "
+        "| blocks evicted |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        s = r.summary
+        on = s.get("prefix_caching")
+        out.append(
+            f"| {r.label} | {'on' if on else 'off'} | "
+            + (
+                f"{s['prefix_cache_hit_rate']:.1%} | {s['prefix_cache_cached_tokens']:,} "
+                f"| {s['prefix_cache_resumed_tokens']:,} | {s['prefix_cache_evicted_blocks']:,} |"
+                if on
+                else "- | - | - | - |"
+            )
+        )
+    return [*out, ""]
+
+
+def _cost_model_lines(cm: dict | None) -> list[str]:
+    """report.md's lines on what made the step times (summary key ``cost_model``)."""
+    if not cm:
+        return []
+    fp = cm.get("fingerprint")
+    fp_text = (
+        "engine fingerprint " + ", ".join(f"{k} `{v}`" for k, v in sorted(fp.items()))
+        if fp
+        else "no engine fingerprint"
+    )
+    if cm["kind"] == "measured":
+        return [f"Step times measured on the engine; {fp_text}.", ""]
+    lines = [f"Cost model: {cm['kind']}"]
+    if cm.get("profile"):
+        lines[0] += f", from `{cm['profile']}`; {fp_text}"
+    lines[0] += "."
+    if cm["kind"] == "analytic":
+        v = cm.get("values")
+        used = (
+            f" (flops_efficiency {v['flops_efficiency']:g}, bandwidth_efficiency "
+            f"{v['bandwidth_efficiency']:g}, step_overhead_s {v['step_overhead_s']:g})"
+            if v
+            else ""
+        )
+        lines += ["", f"**Analytic cost model**: {cm['why']}; {_efficiency_text(cm)}{used}."]
+    elif cm.get("stale"):
+        lines += ["", f"**Stale profile**: {cm['why']}."]
+    return [*lines, ""]
+
+
+def _efficiency_text(cm: dict) -> str:
+    """Where an analytic run's efficiencies came from and their known error (summary keys of
+    lab.run.experiment.analytic_source)."""
+    src, own = cm.get("efficiencies"), cm.get("efficiencies_from_yaml") or []
+    if src is None:
+        return "its efficiencies' source was not recorded"
+    if src == "yaml":
+        return "its efficiencies were set in the YAML: their error is unknown"
+    text = (
+        "its efficiencies are datasheet guesses (no profile of this hardware): their error "
+        "is unknown"
+        if src == "guess"
+        else "its efficiencies are measured: fitted to "
+        + ", ".join(f"`{p}`" for p in cm["efficiency_profiles"])
+    )
+    if own:
+        return text + f", except {', '.join(own)} (set in the YAML: error unknown)"
+    if src == "profile":
+        if len(cm["efficiency_profiles"]) > 1:
+            text += " (a joint fit: this model has no profile of its own)"
+        text += f", median step-time error {cm['efficiency_error']:.1%} on the profile rows"
+    return text
+
+
+def _scheduling_lines(runs: list[Run]) -> list[str]:
+    """report.md's line on the runs' scheduling mode (summary key ``async_scheduling``), and a
+    warning for async runs priced without host time (``cost_model.host_note``)."""
+    on = [r.label for r in runs if r.summary.get("async_scheduling")]
+    off = [r.label for r in runs if not r.summary.get("async_scheduling")]
+    what = (
+        "asynchronous (vLLM V1's async scheduler: step N+1 is planned while step N runs; a "
+        "request's last step is followed by one wasted slot, its blocks freed a step late)"
+    )
+    if not on:
+        lines = ["Scheduling: synchronous (each step is planned after the previous one ended)."]
+    elif not off:
+        lines = [f"Scheduling: {what}."]
+    else:
+        lines = [f"Scheduling: {what} for {', '.join(on)}; synchronous for {', '.join(off)}."]
+    note = (runs[0].summary.get("cost_model") or {}).get("host_note")
+    if on and note:
+        lines += ["", f"**No host time**: {note}."]
+    return [*lines, ""]
+
+
+def report_markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str]]) -> str:
+    from lab.report.terminal import slo_text
+
+    trace = cfg.trace.spec
+    what = f"trace `{trace.get('format')}` {trace.get('path', '')}{_trace_options(trace)}"
+    if cfg.trace.classes:
+        what = "workload classes " + ", ".join(
+            f"`{c['name']}` ({c['format']}{_trace_options(c)})" for c in cfg.trace.classes
+        )
+    lines = [
+        f"# {cfg.name}",
+        "",
+        f"Backend `{cfg.backend}`; {what}; {model_line(cfg)}; "
+        f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg.kv_cache.block_size} tokens"
+        f"{' per replica' if cfg.cluster is not None else ''}.",
+        "",
+        *_cost_model_lines(runs[0].summary.get("cost_model")),
+        *_scheduling_lines(runs),
+        summary_table(runs),
+        "",
+    ]
+    lines += _prefix_cache_lines(runs)
+    lines += spec_metrics.markdown(runs)  # speculative runs only
+    wasted = [
+        f"{r.label} {r.summary['num_wasted_tokens']}"
+        for r in runs
+        if r.summary.get("async_scheduling")
+    ]
+    if wasted:  # async scheduling: the slot after each request's last token
+        lines += ["Wasted decode slots (async scheduling): " + ", ".join(wasted) + ".", ""]
+    dropped = runs[0].summary.get("dropped", 0)  # the same trace rows in every run
+    if dropped:
+        reasons = runs[0].requests.loc[runs[0].requests["status"] == "dropped", "reason"]
+        why = "; ".join(sorted({x.removeprefix("not replayed: ") for x in reasons}))
+        lines += [
+            f"Trace rows not replayed: {dropped} (status `dropped` in requests.csv): {why}.",
+            "",
+        ]
+    for r in runs:
+        if r.result.failure:
+            lines += [
+                f"**Run {r.label} stopped early**: {r.result.failure}. Its unfinished "
+                "requests are listed as aborted with this reason.",
+                "",
+            ]
+    slo = runs[0].summary["slo"]
+    if slo:
+        lines += [
+            "SLOs: " + slo_text(slo),
+            "",
+            "| run | goodput (req/s) | SLO attainment |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {r.label} | {r.summary['goodput']:.2f} | {r.summary['slo_attainment']:.1%} |"
+            for r in runs
+        ]
+        lines.append("")
+    lines += fairness.markdown(runs)  # workload classes only
+    for name, caption in plots:
+        lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
+    tokens = (
+        "`tokens.jsonl` (generated token ids, and text), "
+        if any(r.output_token_ids for run in runs for r in run.result.requests)
+        else ""
+    )
+    lines += [
+        "Files: `requests.csv` (one row per trace request per run), `steps.csv` "
+        "(one row per engine step), `summary.json` (aggregates per run), "
+        f"{tokens}`timing.json` (wall time of each replay), `config.yaml` (the resolved "
+        "config), `events.csv` (what the scheduler did to each request and why it waited), "
+        "one `{run}-{rate}qps-{model}.json` per run (the format of `vllm bench serve "
+        "--save-result`), `report.html` (this report with interactive timelines).",
+        "",
+        "A request's life: `sched-lab explain RESULTS --run "
+        f"{runs[0].label} --request ID`; a timeline of chosen requests: `sched-lab timeline "
+        "RESULTS --run RUN --requests ID,ID`.",
+        "",
+    ]
+    return "\n".join(lines)

@@ -111,6 +111,7 @@ from lab.core.events import (
 )
 from lab.core.kv import BlockManager, blocks_for
 from lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
+from lab.core.registry import Registry
 from lab.core.request import Request, RequestStatus
 from lab.core.spec import SpeculativeConfig
 
@@ -956,17 +957,15 @@ def bad_number(options: Mapping[str, Any], key: str, *, null: bool = False) -> s
 
 
 # ---------------------------------------------------------------------- registry
-_POLICIES: dict[str, type[Scheduler]] = {}
+POLICIES: Registry[type[Scheduler]] = Registry("policy", "known policies")
 
 
 def register_policy(name: str):
     """Class decorator: register a policy under ``name`` (duplicates are an error)."""
 
     def wrap(cls: type[Scheduler]) -> type[Scheduler]:
-        if name in _POLICIES:
-            raise ValueError(f"policy {name!r} is already registered by {_POLICIES[name]}")
+        POLICIES.add(name, cls)
         cls.name = name
-        _POLICIES[name] = cls
         return cls
 
     return wrap
@@ -975,7 +974,7 @@ def register_policy(name: str):
 def policy_names() -> list[str]:
     """Names of the registered policies, sorted (importing ``policies`` registers the
     built-in ones)."""
-    return sorted(_POLICIES)
+    return POLICIES.names()
 
 
 def get_policy(name: str) -> type[Scheduler]:
@@ -984,9 +983,4 @@ def get_policy(name: str) -> type[Scheduler]:
     Raises:
         ConfigError: unknown name (the message lists the known ones).
     """
-    if name not in _POLICIES:
-        raise ConfigError(
-            f"unknown policy {name!r}; known policies: "
-            f"{', '.join(policy_names()) or '(none registered)'}"
-        )
-    return _POLICIES[name]
+    return POLICIES.get(name)

@@ -7,30 +7,30 @@ plan, as vLLM's scheduler does. The contract with the replay loop: :meth:`Schedu
 :meth:`Scheduler.schedule`, :meth:`Scheduler.update` (and, with asynchronous scheduling,
 :meth:`Scheduler.launched` between the last two). The rules (token and block conventions,
 the prefix cache, asynchronous scheduling, speculative decoding) are in
-docs/ARCHITECTURE.md, "Scheduler rules"; the in-flight state is lab/core/in_flight.py, the
-drafts' accounting lab/core/spec_drafts.py.
+docs/ARCHITECTURE.md, "Scheduler rules". The moves live in mixins by phase: admission
+(lab/core/admission.py), KV shortage (lab/core/preemption.py), speculative drafts
+(lab/core/spec_drafts.py); asynchronous scheduling's in-flight state is lab/core/in_flight.py.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from lab.core import spec_drafts
+from lab.core.admission import Admission
 from lab.core.decode_set import DecodeSet
-from lab.core.errors import ConfigError, SchedulerStuckError
-from lab.core.events import ABORTED, ADMITTED, PREEMPTED, PREFILL, SWAPPED_IN, EventLog
+from lab.core.errors import ConfigError
+from lab.core.events import ABORTED, PREFILL, EventLog
 from lab.core.in_flight import InFlight
 from lab.core.kv import BlockManager, blocks_for
 from lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
+from lab.core.preemption import Preemption
 from lab.core.registry import Registry
 from lab.core.request import Request, RequestStatus
 from lab.core.spec import SpeculativeConfig
-
-log = logging.getLogger("lab.core.scheduler")
+from lab.core.spec_drafts import SpecDrafts
 
 #: ``preemption_victim`` rules: the running request preempted when KV blocks are short is
 #: the one with the largest key (ties: the newest, i.e. the last admitted). ``newest`` is
@@ -70,7 +70,7 @@ class SchedulerLimits:
     max_preemptions: int = 1000
 
 
-class Scheduler:
+class Scheduler(Admission, Preemption, SpecDrafts):
     """Queues, block manager and limits, plus the shared moves of every policy.
 
     The contract with the replay loop (which owns time and nothing else):
@@ -82,7 +82,7 @@ class Scheduler:
     * :meth:`update` (plan, result, now): the executed step's results are applied: sampled
       tokens, finished requests, freed blocks;
     * asynchronous scheduling only, :meth:`launched` (plan): the plan was handed to the
-      executor (called before the next :meth:`schedule`; module doc).
+      executor (called before the next :meth:`schedule`).
 
     The scheduler is the sole owner of request state. Queues: ``waiting`` (FIFO; recompute
     victims return at the front), ``running`` (in admission order; the last one is the
@@ -92,10 +92,13 @@ class Scheduler:
     (:class:`lab.core.events.EventLog`, O(1) per move).
 
     A policy subclasses this class, registers it with :func:`register_policy` and writes
-    :meth:`schedule` from the shared moves; it may override the hooks
+    :meth:`schedule` from the shared moves (``admit_waiting``: lab/core/admission.py;
+    ``reserve_decode_blocks``, ``preempt``, ``preempt_lower_ranked``, ``swap_in_swapped``:
+    lab/core/preemption.py; ``abort``, ``add_decodes``: here); it may override the hooks
     :meth:`admission_order` (default FCFS), :meth:`make_room` (default: never preempt to
     admit) and :meth:`pick_victim` (default: the ``preemption_victim`` rule, an option every
-    policy takes, see :data:`VICTIM_RULES`).
+    policy takes, see :data:`VICTIM_RULES`). A victim a hook preempts must be one of
+    :meth:`preemptable`; any other stops the run with SchedulerStuckError naming the hook.
     """
 
     name: ClassVar[str] = ""
@@ -192,7 +195,7 @@ class Scheduler:
 
         Asynchronous scheduling: the counts advanced at :meth:`launched`; this appends the
         token ids (not those of wasted slots) and finishes the plan's ``finished``
-        requests, freeing their blocks (module doc)."""
+        requests, freeing their blocks (docs/ARCHITECTURE.md, "Scheduler rules")."""
         self.now_s = now_s
         spec, flight = plan.spec_decodes, self.in_flight
         for r, token in result.sampled_token_ids.items():
@@ -204,7 +207,7 @@ class Scheduler:
             step_index = self.num_steps
             self._advance(plan, now_s)
             if self.speculative is not None:
-                spec_drafts.apply_drafts(self, plan, result, step_index, now_s)
+                self._apply_drafts(plan, result, step_index, now_s)
             return
         for r in plan.finished:  # state as of the tick that sampled the last token
             del flight.finishing[r]
@@ -212,7 +215,7 @@ class Scheduler:
             self._finish(r, now_s)
         after = flight.arrived(plan)
         if self.speculative is not None:
-            spec_drafts.apply_drafts_async(self, plan, result, after)
+            self._apply_drafts_async(plan, result, after)
 
     def launched(self, plan: SchedulerOutput) -> None:
         """Asynchronous scheduling: ``plan`` was handed to the executor (after it read the
@@ -353,288 +356,14 @@ class Scheduler:
         return blocks_for(r.num_tokens + 1, self.block_size) - len(r.block_table)
 
     # ------------------------------------------------------------------ shared moves
-    def admit_waiting(self, plan: SchedulerOutput, budget: int) -> int:
-        """Admit waiting requests in :meth:`admission_order` while limits and free blocks
-        allow; stops at the first that does not fit.
-
-        Whole prompts unless the policy is chunked, in which case the last admitted one
-        may get a partial chunk (its blocks are allocated whole). A request that does not
-        fit goes to :meth:`make_room` first. Returns the budget left. The request it stops at
-        is recorded as waiting, with the reason (``events``).
-
-        With the prefix cache on, each candidate's cached prefix is looked up now, whether
-        it is new or a recompute victim (never a count kept from before): its cached blocks
-        are referenced, only the rest is allocated (and counted against free blocks), and
-        its chunk starts after the cached tokens (at least one token is computed).
-        """
-        bm, queue, max_seqs = self.block_manager, self.waiting, self.limits.max_num_seqs
-        self._admit_step = step = self.num_steps
-        self._admitted = admitted = set()
-        if not queue:
-            return budget
-        events = self.events
-        caching = bm.enable_prefix_caching
-        order = self.admission_order()
-        custom = iter(order) if order is not queue else None
-        while queue and budget > 0:
-            r = queue[0] if custom is None else next(custom, None)
-            if r is None:
-                break
-            if r in self.in_flight.held:  # async: a recompute victim whose token is in flight
-                events.wait(step, r, "token_in_flight")
-                break
-            # Looked up now, at every admission attempt; a request whose prompt is already
-            # computed elsewhere (its KV moved in from a prefill replica) looks nothing up.
-            hits = bm.lookup(r) if caching and not r.num_computed_tokens else ()
-            num_new = r.num_tokens - r.num_computed_tokens - len(hits) * self.block_size
-            if num_new > budget:
-                if not self.chunked_prefill:
-                    events.wait(step, r, "token_budget", num_new, budget)
-                    break
-                num_new = budget
-            need = self.blocks_to_admit(r)
-            if caching:
-                need -= len(hits)
-            taken = need + bm.num_evictable(hits) if caching else need  # hits leave the LRU
-            if len(self.running) >= max_seqs or not bm.can_allocate(
-                taken, use_watermark=bool(self.running)
-            ):
-                regained = self.make_room(plan, r, taken)
-                if regained is not None:
-                    budget += regained
-                    cached = len(hits) * self.block_size
-                    num_new = min(r.num_tokens - r.num_computed_tokens - cached, budget)
-                    need = self.blocks_to_admit(r) - len(hits)
-                    taken = need + bm.num_evictable(hits) if caching else need
-                if len(self.running) >= max_seqs:
-                    events.wait(step, r, "max_num_seqs", max_seqs)
-                    break
-            if not bm.can_allocate(taken, use_watermark=bool(self.running)):
-                if not self.running and taken > bm.num_free_gpu_blocks and not self.swapped:
-                    self._take_waiting(r, custom is None and queue[0] is r)
-                    self.abort(
-                        plan,
-                        r,
-                        f"needs {need} KV blocks to resume, the GPU cache has {bm.num_gpu_blocks}",
-                    )
-                    continue
-                if not events.extend(step, r, "kv_blocks"):
-                    free = bm.num_free_gpu_blocks - (bm.watermark_blocks if self.running else 0)
-                    events.wait(step, r, "kv_blocks", need, max(free, 0))
-                break
-            self._take_waiting(r, custom is None and queue[0] is r)
-            events.end_wait(r)
-            events.record((step, ADMITTED, id(r), need, num_new))
-            admitted.add(r)
-            if caching and not r.num_computed_tokens:
-                self._admit_cached(plan, r, hits, need)
-            else:
-                bm.allocate(r, need)
-            r.status = RequestStatus.RUNNING
-            if r.first_scheduled_s < 0:
-                r.first_scheduled_s = self.now_s
-            self.running.append(r)
-            if num_new < r.num_tokens - r.num_computed_tokens:
-                self.prefilling.append(r)
-            plan.prefills[r] = num_new
-            budget -= num_new
-        else:  # stopped by the loop's condition: the budget is spent
-            r = (queue[0] if custom is None else next(custom, None)) if queue else None
-            if r is not None:
-                events.wait(step, r, "budget_spent")
-        return budget
-
-    def _admit_cached(self, plan: SchedulerOutput, r: Request, hits, num_new_blocks: int) -> None:
-        """Admission with the prefix cache: reference the cached ``hits``, allocate the rest,
-        jump ``num_computed_tokens`` past the cached tokens and count them: at the first
-        admission in ``num_cached_tokens``, at a re-admission after a recompute preemption
-        in ``num_resumed_cached_tokens``; both in the plan's ``num_cached_tokens``."""
-        self.block_manager.allocate_cached(r, hits, num_new_blocks)
-        cached = len(hits) * self.block_size
-        r.num_computed_tokens = cached
-        if r.first_scheduled_s < 0:
-            r.num_cached_tokens = cached
-        else:
-            r.num_resumed_cached_tokens += cached
-        plan.num_cached_tokens += cached
-        plan.num_cached_blocks += len(hits)
-
     def reserve_decode_blocks(self, plan: SchedulerOutput) -> None:
-        """Give each decode a block if its next token starts one, preempting
-        :meth:`pick_victim` while blocks are short. A request that needs a block while
-        holding the whole cache alone is aborted."""
-        bm = self.block_manager
+        """Give each decode a block if its next token starts one (with speculative decoding,
+        the blocks of its drafts too), preempting :meth:`pick_victim` while blocks are
+        short. A request that needs a block while holding the whole cache alone is aborted."""
         self._slots_planned_for = plan
         if self.speculative is not None:
-            return spec_drafts.reserve_draft_blocks(self, plan)
-        while len(self._needing_block()) > bm.num_free_gpu_blocks:
-            if len(self.running) == 1:
-                self.abort(
-                    plan,
-                    self.running[0],
-                    f"outgrew the KV cache: needs more than "
-                    f"the {bm.num_gpu_blocks} GPU blocks while running alone",
-                )
-            else:
-                self._preempt_victim(plan)
-        for r in self._needing_block():
-            bm.allocate(r, 1)
-
-    def _preempt_victim(self, plan: SchedulerOutput) -> None:
-        """Preempt the request :meth:`pick_victim` returns, checked to be preemptable."""
-        victim = self.pick_victim()
-        self._check_victim(victim, "pick_victim()")
-        self.preempt(plan, victim, self.victim_rule)
-
-    def _check_victim(self, victim: Request, hook: str) -> None:
-        """Raises SchedulerStuckError naming ``hook`` unless ``victim`` is preemptable."""
-        if victim.status is not RequestStatus.RUNNING:
-            why = f"it is {victim.status.value}, not running"
-        elif victim in self.in_flight.finishing:
-            why = "its last token is in flight (asynchronous scheduling)"
-        else:
-            return
-        raise SchedulerStuckError(
-            f"policy {self.name!r}: {hook} chose request {victim.request_id}, which cannot be "
-            f"preempted: {why}; a victim must be one of self.preemptable()"
-        )
-
-    def _needing_block(self) -> Iterable[Request]:
-        """Decodes whose next token starts a block; async: not a wasted slot (its token is
-        never written to KV)."""
-        need, done = self.decode_set.needing_block(), self.in_flight.finishing
-        return [r for r in need if r not in done] if done else need
-
-    def preempt_lower_ranked(
-        self, plan: SchedulerOutput, r: Request, need: int, rank: Callable[[Request], Any]
-    ) -> int | None:
-        """Preempt running requests that rank strictly below waiting request ``r``
-        (``rank(v) > rank(r)``; lower ranks run first), the lowest-ranked first (ties: the
-        newest), until ``r``'s ``need`` blocks and a sequence slot are free; none if that is
-        not enough. Requests admitted in this very plan are never victims.
-
-        A victim already planned in this step is rolled back: its prefill chunk leaves
-        ``plan``, and a decode gives back its block (all its blocks are freed) and, if
-        :meth:`reserve_decode_blocks` ran for ``plan``, its decode slot; it samples no token
-        in this step. The victims are chosen from the ranks alone, so the result does not
-        depend on the order of ``running``.
-
-        Returns:
-            The token budget the victims held in ``plan`` (chunks + decode slots), or None
-            if no set of victims makes room (then nothing is preempted).
-        """
-        bm, lim = self.block_manager, self.limits
-        order = sorted(enumerate(self.running), key=lambda iv: (rank(iv[1]), iv[0]), reverse=True)
-        top = rank(r)
-        free, running, victims = bm.num_free_gpu_blocks, len(self.running), []
-
-        def fits() -> bool:
-            reserve = bm.watermark_blocks if running else 0
-            return running < lim.max_num_seqs and free - need >= reserve
-
-        for _, v in order:
-            if fits() or not rank(v) > top:
-                break
-            if v in plan.prefills and v.num_computed_tokens == 0:
-                continue  # admitted in this plan
-            if v in self.in_flight.finishing:
-                continue  # async: its last token is in flight
-            victims.append(v)
-            free += len(v.block_table)
-            running -= 1
-        if not fits():
-            return None
-        regained = 0
-        for v in victims:
-            regained += plan.prefills.pop(v, 0)
-            if v in self.decode_set and self._slots_planned_for is plan:
-                regained += 1 + plan.spec_decodes.get(v, 0)
-            self.preempt(plan, v, f"ranked below waiting request {r.request_id}")
-        return regained
-
-    def preempt(self, plan: SchedulerOutput, victim: Request, why: str = "") -> None:
-        """Preempt ``victim`` by swap if the policy swaps and CPU space allows, else by
-        recompute. Mutates queues and blocks; records the preemption in ``plan`` and in
-        ``events`` with ``why`` (how the victim was chosen, e.g. "the newest running
-        request").
-
-        Raises:
-            SchedulerStuckError: the victim was preempted more than
-                ``limits.max_preemptions`` times (thrashing).
-        """
-        assert victim not in plan.prefills, "a request is never scheduled and preempted"
-        self._check_victim(victim, "preempt()")
-        self._leave_running(victim)
-        plan.spec_decodes.pop(victim, None)
-        mode = PreemptionMode.RECOMPUTE
-        if self.preemption_mode is PreemptionMode.SWAP:
-            if self.block_manager.can_swap_out(victim):
-                mode = PreemptionMode.SWAP
-            else:
-                log.debug(
-                    "%s: CPU swap space full (%d free blocks, %d needed): request %s is "
-                    "recomputed instead",
-                    self.name,
-                    self.block_manager.num_free_cpu_blocks,
-                    len(victim.block_table),
-                    victim.request_id,
-                )
-        # PREEMPT_MODES: 0 recompute, 1 swap, 2 recompute because CPU swap space is full
-        fallback = self.preemption_mode is PreemptionMode.SWAP
-        mode_index = 1 if mode is PreemptionMode.SWAP else 2 if fallback else 0
-        self.events.record(
-            (self.num_steps, PREEMPTED, id(victim), mode_index, self.events.text(why))
-        )
-        if mode is PreemptionMode.SWAP:
-            plan.swap_out.extend(self.block_manager.swap_out(victim))
-            victim.status = RequestStatus.SWAPPED
-            victim.num_preemptions_swap += 1
-            self.swapped.append(victim)
-        else:
-            self.block_manager.free(victim)
-            victim.num_recomputed_tokens += victim.num_computed_tokens
-            victim.num_computed_tokens = 0
-            victim.spec_token_ids = []  # proposals dropped; re-proposed after the re-prefill
-            victim.status = RequestStatus.WAITING
-            victim.num_preemptions_recompute += 1
-            self.waiting.appendleft(victim)
-            if self.in_flight.samples(victim):
-                self.in_flight.held.add(victim)
-        plan.preempted.append((victim, mode))
-        if victim.num_preemptions > self.limits.max_preemptions:
-            raise SchedulerStuckError(
-                f"policy {self.name!r} is thrashing: request {victim.request_id} was preempted "
-                f"{victim.num_preemptions} times (scheduler.max_preemptions = "
-                f"{self.limits.max_preemptions}) at t={self.now_s:.6f}s"
-            )
-
-    def swap_in_swapped(self, plan: SchedulerOutput) -> None:
-        """Bring swapped requests back, oldest first, while blocks and max_num_seqs allow.
-        They rejoin the decode batch in this step."""
-        bm, step, events = self.block_manager, self.num_steps, self.events
-        while self.swapped:
-            r = self.swapped[0]
-            if len(self.running) >= self.limits.max_num_seqs:
-                events.wait(step, r, "swap_in_max_num_seqs", self.limits.max_num_seqs)
-                break
-            # Its blocks plus the slot of the token it samples next (a victim rolled back
-            # by preempt_lower_ranked may have taken that block out with it).
-            need = max(blocks_for(r.num_tokens + 1, self.block_size), len(r.block_table))
-            extra = need - len(r.block_table)
-            if not bm.can_allocate(bm.blocks_to_swap_in(r) + extra, bool(self.running)):
-                if not events.extend(step, r, "swap_in_blocks"):
-                    free = bm.num_free_gpu_blocks - (bm.watermark_blocks if self.running else 0)
-                    events.wait(step, r, "swap_in_blocks", need, max(free, 0))
-                break
-            self.swapped.popleft()
-            events.end_wait(r)
-            events.record((step, SWAPPED_IN, id(r), need, 0))
-            plan.swap_in.extend(bm.swap_in(r))
-            r.status = RequestStatus.RUNNING
-            self.running.append(r)
-            self.decode_set.add(r)
-            if extra:
-                bm.allocate(r, 1)
+            return self._reserve_draft_blocks(plan)
+        return self._reserve_decode_blocks(plan)
 
     def abort(self, plan: SchedulerOutput, r: Request, reason: str) -> None:
         """Drop ``r`` (running, or already taken from ``waiting``) for good with ``reason``;
@@ -688,7 +417,7 @@ class Scheduler:
             left = r.output_len - (self.decode_set.num_tokens(r) - r.prompt_len) - 1
             assert drafts <= max(left, 0), f"{r.request_id}: {drafts} drafts, {left} tokens left"
             need = (
-                spec_drafts.draft_blocks(self, r, drafts)
+                self._draft_blocks(r, drafts)
                 if self.speculative is not None
                 else blocks_for(
                     self.decode_set.num_tokens(r) + (r not in self.in_flight.finishing),

@@ -44,8 +44,9 @@ import torch
 
 from backend.runner import ModelRunner, SeqInput
 from backend.sampler import sample
+from backend.sources import backend_sources_hash
 from lab.core.errors import UserError
-from lab.core.fingerprint import HEADER_PREFIX, backend_sources_hash
+from lab.core.fingerprint import HEADER_PREFIX
 from lab.core.plan import StepFeatures
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -223,7 +223,12 @@ def _delegate(command: str, argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    return module.main(argv, prog=f"sched-lab {command}") or 0
+    extra = {}
+    if command == "fit":  # the fit compares the profile with this checkout's engine sources
+        from backend.sources import checkout_engine
+
+        extra["engine"] = checkout_engine()
+    return module.main(argv, prog=f"sched-lab {command}", **extra) or 0
 
 
 class Interrupted(KeyboardInterrupt):

@@ -116,7 +116,7 @@ def test_plans_that_feed_no_token_stop_the_run():
     import pytest
 
     from lab.core.plan import SchedulerOutput
-    from lab.core.scheduler import _POLICIES, register_policy
+    from lab.core.scheduler import POLICIES, register_policy
     from policies.fcfs import FCFS
 
     class ZeroChunk(FCFS):
@@ -147,7 +147,7 @@ def test_plans_that_feed_no_token_stop_the_run():
             assert len(res.steps["time_s"]) == 2
             assert reqs[0].status.value == "aborted"
         finally:
-            _POLICIES.pop(name, None)
+            POLICIES.pop(name, None)
     with pytest.raises(AssertionError, match="prefill chunks of no token"):
         s = ZeroChunk(SchedulerLimits(8, 64, 64), BlockManager(16, 4, 4, 0.0))
         s.add(Request("b", 0.0, 4, 8), 0.0)

@@ -17,8 +17,9 @@ import pandas as pd
 import pytest
 import yaml
 
+from backend.sources import backend_sources_hash
 from lab.config import validate
-from lab.core.fingerprint import HEADER_PREFIX, backend_sources_hash, differences
+from lab.core.fingerprint import HEADER_PREFIX, differences
 from lab.run.experiment import run_experiment
 from lab.sim.calibrated import CalibratedCostModel, read_fingerprint, staleness
 
@@ -66,7 +67,7 @@ def test_profile_without_fingerprint_loads_with_a_note() -> None:
     assert read_fingerprint(PROFILE) is None
     model = CalibratedCostModel(PROFILE)
     assert model.fingerprint is None
-    stale, why = staleness(model.fingerprint)
+    stale, why = staleness(model.fingerprint, {})
     assert stale and "no engine fingerprint" in why
     run = run_experiment(validate(sim_config({"profile": str(PROFILE)})), progress=False)[0]
     cm = run.summary["cost_model"]

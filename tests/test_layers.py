@@ -173,7 +173,7 @@ def test_new_policy_file_is_discovered(tmp_path, monkeypatch):
         assert "zz_test_discovered" in policy_names()
         assert policies.get_policy("zz_test_discovered").__name__ == "Discovered"
     finally:
-        scheduler._POLICIES.pop("zz_test_discovered", None)
+        scheduler.POLICIES.pop("zz_test_discovered", None)
         sys.modules.pop("policies.zz_test_discovered", None)
 
 

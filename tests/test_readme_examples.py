@@ -62,7 +62,7 @@ def test_readme_policy_example_works(monkeypatch):
         r = by_id(res)
         assert (r["a"].num_preemptions, r["b"].num_preemptions) == (1, 0)
     finally:
-        scheduler._POLICIES.pop(NAME, None)
+        scheduler.POLICIES.pop(NAME, None)
 
 
 def test_readme_python_api_example_works(tmp_path, monkeypatch, capsys):

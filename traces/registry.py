@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.core.errors import TraceError
+from lab.core.registry import Registry
 from traces.spec import WHERE
 from traces.table import TraceTable
 
@@ -24,16 +25,16 @@ class TraceFormat:
     keys: tuple[str, ...]
 
 
-FORMATS: dict[str, TraceFormat] = {}
+FORMATS: Registry[TraceFormat] = Registry(
+    "format", "known formats", error=TraceError, where=f"{WHERE}.format"
+)
 
 
 def register_format(name: str, keys: tuple[str, ...] = ()) -> Callable[[Loader], Loader]:
     """Decorator registering a loader under ``name``; a name can be registered once."""
 
     def decorator(load: Loader) -> Loader:
-        if name in FORMATS:
-            raise ValueError(f"trace format {name!r} is already registered")
-        FORMATS[name] = TraceFormat(name, load, keys)
+        FORMATS.add(name, TraceFormat(name, load, keys))
         return load
 
     return decorator
@@ -41,8 +42,4 @@ def register_format(name: str, keys: tuple[str, ...] = ()) -> Callable[[Loader],
 
 def get_format(name: Any) -> TraceFormat:
     """The registered format ``name``, or TraceError listing the known ones."""
-    if not isinstance(name, str) or name not in FORMATS:
-        raise TraceError(
-            f"{WHERE}.format: unknown format {name!r}; known formats: {', '.join(sorted(FORMATS))}"
-        )
-    return FORMATS[name]
+    return FORMATS.get(name)

@@ -24,7 +24,7 @@ import torch
 
 from backend.attention.base import AttentionBackend, AttentionMetadata, GraphMetadata
 from backend.errors import DeviceError
-from lab.core.errors import ConfigError
+from lab.core.registry import Registry
 
 __all__ = [
     "AttentionBackend",
@@ -34,21 +34,18 @@ __all__ = [
     "get_attention_backend",
 ]
 
-# name -> (module, class, pip requirement)
-BACKENDS: dict[str, tuple[str, str, str]] = {
-    "torch": ("backend.attention.torch_ref", "TorchAttention", "torch"),
-    "triton": ("backend.attention.triton_backend", "TritonAttention", "triton==3.6.0"),
-    "flash_attn": ("backend.attention.flash_attn_backend", "FlashAttention", "flash-attn"),
-}
+# name -> (module, class, pip requirement), in the order the error lists them
+BACKENDS: Registry[tuple[str, str, str]] = Registry("attention backend", "known", sort=False)
+BACKENDS.add("torch", ("backend.attention.torch_ref", "TorchAttention", "torch"))
+BACKENDS.add("triton", ("backend.attention.triton_backend", "TritonAttention", "triton==3.6.0"))
+BACKENDS.add("flash_attn", ("backend.attention.flash_attn_backend", "FlashAttention", "flash-attn"))
 
 
 def get_attention_backend(
     name: str, device: torch.device, dtype: torch.dtype, block_size: int
 ) -> AttentionBackend:
     """Construct the backend called ``name``; raises DeviceError if it cannot run here."""
-    if name not in BACKENDS:
-        raise ConfigError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")
-    module_name, class_name, requirement = BACKENDS[name]
+    module_name, class_name, requirement = BACKENDS.get(name)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

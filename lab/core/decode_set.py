@@ -15,8 +15,8 @@ A step's cost is then O(1) in Python plus O(changes), not O(batch size); the rep
 hour-long trace takes seconds. A member's state is written back to its ``Request``
 ("materialized") when it leaves the set: on finish, preemption or abort.
 
-Asynchronous scheduling (lab/core/scheduler.py) keeps a member whose last token is sampled
-in step N for one more tick (the wasted slot of step N+1): ``advance(keep_done=True)``
+Asynchronous scheduling (docs/ARCHITECTURE.md, "Scheduler rules") keeps a member whose last
+token is sampled in step N for one more tick (the wasted slot of step N+1): ``advance(keep_done=True)``
 reports it without removing it, and ``remove(r, end_tick)`` later writes back its state as
 of the tick that sampled its last token, so the wasted tick is in no count or segment.
 """

@@ -21,4 +21,5 @@ class TraceError(UserError):
 
 
 class SchedulerStuckError(RuntimeError):
-    """The replay made no progress while work was pending (a bug in a policy, never silent)."""
+    """The replay cannot go on: no progress while work was pending, a request thrashing, or
+    a policy hook breaking a rule (a bug in a policy, never silent)."""

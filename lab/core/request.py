@@ -70,7 +70,7 @@ class Request:
     # When the request first entered a running batch (seconds); -1 = never.
     first_scheduled_s: float = -1.0
     finish_s: float = -1.0
-    # Output token times, stored without per-token work (see lab/core/scheduler.py DecodeSet):
+    # Output token times, stored without per-token work (see lab/core/decode_set.py):
     # ``prefill_token_steps``: step indices whose end produced a token by finishing a prefill;
     # ``decode_segments``: half-open ranges [start, end) of decode ticks, one token per tick.
     prefill_token_steps: list[int] = field(default_factory=list)

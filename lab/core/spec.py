@@ -4,7 +4,7 @@ A proposer guesses the next k tokens of a decoding request cheaply; the target m
 verifies them in one step (the request feeds its latest token plus the d <= k drafts, 1 + d
 query tokens) and keeps the accepted prefix plus one token it samples itself (the bonus
 token when every draft was accepted, else the correction). vLLM V1 budgets the drafts like
-prompt tokens; the scheduler's accounting is in lab/core/scheduler.py (``Scheduler`` with
+prompt tokens; the scheduler's accounting is in lab/core/spec_drafts.py (``Scheduler`` with
 ``speculative=``), the proposers and verification in backend/spec_decode.py, the simulated
 acceptance in lab/sim/spec_executor.py.
 

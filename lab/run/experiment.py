@@ -234,9 +234,10 @@ def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
             "host_note": "",  # recorded durations hold the engine's own overlap
         }
     if cm.profile is not None:
+        from backend.sources import checkout_engine
         from lab.sim.calibrated import staleness
 
-        stale, why = staleness(cost_model.fingerprint)
+        stale, why = staleness(cost_model.fingerprint, checkout_engine())
         return {
             "kind": "calibrated",
             "profile": _shown(cm.profile),

@@ -42,7 +42,7 @@ import numpy as np
 import pandas as pd
 
 from lab.core.errors import ConfigError
-from lab.core.fingerprint import HEADER_PREFIX, backend_sources_hash, differences
+from lab.core.fingerprint import HEADER_PREFIX, differences
 from lab.core.plan import StepFeatures
 
 TOKEN_KNOT = 2048
@@ -222,18 +222,15 @@ def read_fingerprint(path: str | Path) -> dict | None:
     return None
 
 
-def staleness(fingerprint: dict | None, engine: dict | None = None) -> tuple[bool, str]:
-    """(stale, why) of a profile for ``engine``'s fingerprint (None: this checkout's backend
-    sources); ``why`` is empty when not stale."""
+def staleness(fingerprint: dict | None, engine: dict) -> tuple[bool, str]:
+    """(stale, why) of a profile for ``engine``'s fingerprint (what is known of the engine a
+    run predicts, e.g. ``backend.sources.checkout_engine()``; keys it lacks are not
+    compared); ``why`` is empty when not stale."""
     if fingerprint is None:
         return True, (
             "the profile has no engine fingerprint (made before fingerprints): which "
             "engine, GPU and versions it describes is unknown"
         )
-    if engine is None:
-        engine = {"backend_sources": backend_sources_hash()}
-        if engine["backend_sources"] is None:
-            return False, ""
     diff = differences(fingerprint, engine)
     if diff:
         return True, "the profile describes another engine: " + "; ".join(diff)
@@ -523,8 +520,14 @@ def fit_analytic(df: pd.DataFrame, model: str, hardware: str) -> dict[str, float
     }
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m lab.sim.calibrated") -> int:
-    """Fit a profile and write PROFILE.fit.json (``sched-lab fit``); returns the exit status."""
+def main(
+    argv: list[str] | None = None,
+    prog: str = "python -m lab.sim.calibrated",
+    engine: dict | None = None,
+) -> int:
+    """Fit a profile and write PROFILE.fit.json (``sched-lab fit``); returns the exit status.
+    ``engine``: what is known of this checkout's engine (``sched-lab fit`` passes its
+    sources' hash, see :func:`staleness`); None: only a missing fingerprint is stale."""
     import argparse
 
     from lab.core.errors import UserError
@@ -553,7 +556,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m lab.sim.calibrate
     kinds = df["kind"].fillna("unlabelled") if "kind" in df else pd.Series(["all"] * len(df))
     by_kind = {str(k): float(np.median(err[(kinds == k).to_numpy()])) for k in kinds.unique()}
     fingerprint = read_fingerprint(args.profile)
-    stale, why = staleness(fingerprint)
+    stale, why = staleness(fingerprint, engine or {})
     summary = {
         "profile": args.profile,
         "fingerprint": fingerprint,

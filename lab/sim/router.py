@@ -17,7 +17,7 @@ import random
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol
 
-from lab.core.errors import ConfigError
+from lab.core.registry import Registry
 from lab.core.request import Request
 
 
@@ -63,31 +63,27 @@ class Router:
         return min(range(len(self.replicas)), key=lambda i: (key(self.replicas[i]), i))
 
 
-_ROUTERS: dict[str, type[Router]] = {}
+ROUTERS: Registry[type[Router]] = Registry("router", "known routers")
 
 
 def register_router(name: str):
     """Class decorator: register a router under ``name`` (duplicates are an error)."""
 
     def wrap(cls: type[Router]) -> type[Router]:
-        if name in _ROUTERS:
-            raise ValueError(f"router {name!r} is already registered by {_ROUTERS[name]}")
+        ROUTERS.add(name, cls)
         cls.name = name
-        _ROUTERS[name] = cls
         return cls
 
     return wrap
 
 
 def router_names() -> list[str]:
-    return sorted(_ROUTERS)
+    return ROUTERS.names()
 
 
 def get_router(name: str) -> type[Router]:
     """The router class registered as ``name``; ConfigError listing the known ones."""
-    if name not in _ROUTERS:
-        raise ConfigError(f"unknown router {name!r}; known routers: {', '.join(router_names())}")
-    return _ROUTERS[name]
+    return ROUTERS.get(name)
 
 
 @register_router("round_robin")

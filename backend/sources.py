@@ -1,0 +1,30 @@
+"""The engine's own sources as one hash: the ``backend_sources`` key of an engine fingerprint
+(:mod:`lab.core.fingerprint`). Torch-free, so the simulator's callers can ask for it."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+BACKEND_DIR = Path(__file__).resolve().parent
+
+
+def backend_sources_hash(backend_dir: Path = BACKEND_DIR) -> str | None:
+    """sha256 (hex) of ``backend_dir/**/*.py`` (relative path and bytes of each file, in
+    path order), or None when the folder is absent."""
+    if not backend_dir.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(backend_dir.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        digest.update(path.relative_to(backend_dir).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def checkout_engine() -> dict[str, str]:
+    """What is known of this checkout's engine without running it: its sources' hash (the
+    ``engine`` argument of :func:`lab.sim.calibrated.staleness`)."""
+    digest = backend_sources_hash()
+    return {"backend_sources": digest} if digest is not None else {}

@@ -1,0 +1,135 @@
+"""Admission: waiting requests join the running batch (the shared move
+:meth:`~lab.core.scheduler.Scheduler.admit_waiting`). Rules: docs/ARCHITECTURE.md,
+"Scheduler rules".
+
+:class:`Admission` is a mixin of :class:`~lab.core.scheduler.Scheduler`: its methods read and
+mutate the scheduler's queues, block manager, events and the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lab.core.events import ADMITTED
+from lab.core.plan import SchedulerOutput
+from lab.core.request import Request, RequestStatus
+
+
+class Admission:
+    """Mixin of :class:`~lab.core.scheduler.Scheduler`: the admission move (its state lives
+    there)."""
+
+    def admit_waiting(self, plan: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests in :meth:`admission_order` while limits and free blocks
+        allow; stops at the first that does not fit.
+
+        Whole prompts unless the policy is chunked, in which case the last admitted one
+        may get a partial chunk (its blocks are allocated whole). A request that does not
+        fit goes to :meth:`make_room` first. Returns the budget left. The request it stops at
+        is recorded as waiting, with the reason (``events``).
+
+        With the prefix cache on, each candidate's cached prefix is looked up now, whether
+        it is new or a recompute victim (never a count kept from before): its cached blocks
+        are referenced, only the rest is allocated (and counted against free blocks), and
+        its chunk starts after the cached tokens (at least one token is computed).
+        """
+        bm, queue, max_seqs = self.block_manager, self.waiting, self.limits.max_num_seqs
+        self._admit_step = step = self.num_steps
+        self._admitted = set()
+        if not queue:
+            return budget
+        events = self.events
+        caching = bm.enable_prefix_caching
+        order = self.admission_order()
+        custom = iter(order) if order is not queue else None
+        while queue and budget > 0:
+            r = queue[0] if custom is None else next(custom, None)
+            if r is None:
+                break
+            if r in self.in_flight.held:  # async: a recompute victim whose token is in flight
+                events.wait(step, r, "token_in_flight")
+                break
+            # Looked up now, at every admission attempt; a request whose prompt is already
+            # computed elsewhere (its KV moved in from a prefill replica) looks nothing up.
+            hits = bm.lookup(r) if caching and not r.num_computed_tokens else ()
+            num_new = r.num_tokens - r.num_computed_tokens - len(hits) * self.block_size
+            if num_new > budget:
+                if not self.chunked_prefill:
+                    events.wait(step, r, "token_budget", num_new, budget)
+                    break
+                num_new = budget
+            need = self.blocks_to_admit(r)
+            if caching:
+                need -= len(hits)
+            taken = need + bm.num_evictable(hits) if caching else need  # hits leave the LRU
+            if len(self.running) >= max_seqs or not bm.can_allocate(
+                taken, use_watermark=bool(self.running)
+            ):
+                regained = self.make_room(plan, r, taken)
+                if regained is not None:
+                    budget += regained
+                    cached = len(hits) * self.block_size
+                    num_new = min(r.num_tokens - r.num_computed_tokens - cached, budget)
+                    need = self.blocks_to_admit(r) - len(hits)
+                    taken = need + bm.num_evictable(hits) if caching else need
+                if len(self.running) >= max_seqs:
+                    events.wait(step, r, "max_num_seqs", max_seqs)
+                    break
+            if not bm.can_allocate(taken, use_watermark=bool(self.running)):
+                if not self.running and taken > bm.num_free_gpu_blocks and not self.swapped:
+                    self._take_waiting(r, custom is None and queue[0] is r)
+                    self.abort(
+                        plan,
+                        r,
+                        f"needs {need} KV blocks to resume, the GPU cache has {bm.num_gpu_blocks}",
+                    )
+                    continue
+                if not events.extend(step, r, "kv_blocks"):
+                    free = bm.num_free_gpu_blocks - (bm.watermark_blocks if self.running else 0)
+                    events.wait(step, r, "kv_blocks", need, max(free, 0))
+                break
+            self._take_waiting(r, custom is None and queue[0] is r)
+            self._admit(plan, r, hits, need, num_new)
+            budget -= num_new
+        else:  # stopped by the loop's condition: the budget is spent
+            r = (queue[0] if custom is None else next(custom, None)) if queue else None
+            if r is not None:
+                events.wait(step, r, "budget_spent")
+        return budget
+
+    def _admit(
+        self, plan: SchedulerOutput, r: Request, hits: Sequence, need: int, num_new: int
+    ) -> None:
+        """Start ``r`` (already taken from ``waiting``): its ``need`` new blocks (plus the cached
+        ``hits``), a prefill chunk of ``num_new`` tokens in ``plan``, a place in ``running``."""
+        self.events.end_wait(r)
+        self.events.record((self.num_steps, ADMITTED, id(r), need, num_new))
+        self._admitted.add(r)
+        if self.block_manager.enable_prefix_caching and not r.num_computed_tokens:
+            self._admit_cached(plan, r, hits, need)
+        else:
+            self.block_manager.allocate(r, need)
+        r.status = RequestStatus.RUNNING
+        if r.first_scheduled_s < 0:
+            r.first_scheduled_s = self.now_s
+        self.running.append(r)
+        if num_new < r.num_tokens - r.num_computed_tokens:
+            self.prefilling.append(r)
+        plan.prefills[r] = num_new
+
+    def _admit_cached(
+        self, plan: SchedulerOutput, r: Request, hits: Sequence, num_new_blocks: int
+    ) -> None:
+        """Admission with the prefix cache: reference the cached ``hits``, allocate the rest,
+        jump ``num_computed_tokens`` past the cached tokens and count them: at the first
+        admission in ``num_cached_tokens``, at a re-admission after a recompute preemption
+        in ``num_resumed_cached_tokens``; both in the plan's ``num_cached_tokens``."""
+        self.block_manager.allocate_cached(r, hits, num_new_blocks)
+        cached = len(hits) * self.block_size
+        r.num_computed_tokens = cached
+        if r.first_scheduled_s < 0:
+            r.num_cached_tokens = cached
+        else:
+            r.num_resumed_cached_tokens += cached
+        plan.num_cached_tokens += cached
+        plan.num_cached_blocks += len(hits)

@@ -1,0 +1,169 @@
+"""Speculative decoding's accounting in the scheduler: drafts given out under the token
+budget, their lookahead KV blocks, and the accepted drafts applied after a step (sync and
+async). Rules: docs/ARCHITECTURE.md, "Scheduler rules"; the option: lab/core/spec.py.
+
+:class:`SpecDrafts` is a mixin of :class:`~lab.core.scheduler.Scheduler`: its methods read and
+mutate the scheduler's state (decode set, block manager, in-flight state) and run only when
+``speculative`` is set. O(batch) per step.
+"""
+
+from __future__ import annotations
+
+from lab.core.kv import blocks_for
+from lab.core.plan import SchedulerOutput, StepResult
+from lab.core.request import Request, RequestStatus
+
+
+def _accepted(r: Request, d: int, result: StepResult, step: int) -> int:
+    """Drafts of ``r`` accepted in ``step`` (0..d); records them in ``r.spec_steps``."""
+    a = result.num_accepted.get(r, 0)
+    if not 0 <= a <= d:
+        raise ValueError(
+            f"step {step}: request {r.request_id}: {a!r} drafts accepted, "
+            f"expected 0..{d} (the drafts it verified)"
+        )
+    r.spec_steps.append((step, d, a))
+    return a
+
+
+class SpecDrafts:
+    """Mixin of :class:`~lab.core.scheduler.Scheduler`: the drafts' accounting, used only when
+    ``speculative`` is set (its state lives there)."""
+
+    def _lookahead_tokens(self, r: Request) -> int:
+        """KV slots a decode needs before its drafts: its tokens, the drafts of the step in
+        flight (async; any may be accepted) and the slot it samples into (none for a wasted
+        slot)."""
+        unknown = self.in_flight.drafts().get(r, 0)
+        return self.decode_set.num_tokens(r) + unknown + (r not in self.in_flight.finishing)
+
+    def _draft_blocks(self, r: Request, drafts: int) -> int:
+        """Blocks a decode holds while it verifies ``drafts`` drafts."""
+        return blocks_for(self._lookahead_tokens(r) + drafts, self.block_size)
+
+    def _give_drafts(self, plan: SchedulerOutput) -> None:
+        """Drafts to decodes in ``running`` order from the budget left after one token per
+        decode: d' = min(proposals, k, budget left, tokens to the end less a margin). Sets
+        ``plan.spec_decodes``."""
+        ds, k = self.decode_set, self.speculative.num_speculative_tokens
+        budget = self.limits.max_num_batched_tokens - len(ds)
+        spec = plan.spec_decodes
+        # Async: drafts of the step in flight, accepted or not (unknown yet), and the
+        # requests it samples, whose proposals (made on the device) are k placeholders.
+        flight = self.in_flight.plan
+        unknown = self.in_flight.drafts()
+        sampling = set(flight.decodes) | set(flight.sampled_prefills) if flight else set()
+        margin = 2 if flight is not None else 1  # async: the last token has no drafts
+        finishing = self.in_flight.finishing
+        for r in self.running:
+            if budget <= 0:
+                break
+            if r in ds and r not in finishing:
+                props = k if r in sampling else len(r.spec_token_ids)
+                most = ds.num_tokens(r) + unknown.get(r, 0) - r.prompt_len  # output tokens
+                d = min(props, k, r.output_len - most - margin, budget)
+                if d > 0:
+                    spec[r] = d
+                    budget -= d
+
+    def _reserve_draft_blocks(self, plan: SchedulerOutput) -> None:
+        """``reserve_decode_blocks`` with speculative decoding: drafts (:meth:`_give_drafts`),
+        then the blocks of L + d' + 1 tokens per decode, preempting ``pick_victim`` while they
+        are short; a request running alone has its drafts cut to what fits instead, and is
+        aborted only if even its one token does not fit."""
+        bm, ds, bs = self.block_manager, self.decode_set, self.block_size
+        self._give_drafts(plan)
+        spec = plan.spec_decodes
+        need = {
+            r: self._draft_blocks(r, spec.get(r, 0)) - len(r.block_table) for r in ds.requests()
+        }
+        total = sum(need.values())
+        while total > bm.num_free_gpu_blocks:
+            if len(self.running) == 1:
+                r = self.running[0]
+                planned = spec.pop(r, 0)
+                if planned:  # alone: cut its drafts to what fits
+                    room = len(r.block_table) + bm.num_free_gpu_blocks
+                    d = min(room * bs - self._lookahead_tokens(r), planned)
+                    if d > 0:
+                        spec[r] = d
+                    need[r] = self._draft_blocks(r, max(d, 0)) - len(r.block_table)
+                    total = need[r]
+                    continue
+                self.abort(
+                    plan,
+                    r,
+                    f"outgrew the KV cache: needs more than "
+                    f"the {bm.num_gpu_blocks} GPU blocks while running alone",
+                )
+            else:
+                self._preempt_victim(plan)
+            for r in [r for r in need if r not in ds]:
+                total -= need.pop(r)
+        for r, n in need.items():
+            if n > 0:
+                bm.allocate(r, n)
+
+    def _apply_drafts(
+        self, plan: SchedulerOutput, result: StepResult, step: int, now_s: float
+    ) -> None:
+        """Sync, after the decode tick: accepted drafts become tokens (a request that reaches
+        its end finishes), rejected ones give back their KV slots; every decode takes its new
+        proposals."""
+        ds, bm, bs = self.decode_set, self.block_manager, self.block_size
+        for r, d in plan.spec_decodes.items():
+            a = _accepted(r, d, result, step)
+            if a:  # leave the decode set (its state is written back), gain a tokens
+                ds.remove(r)
+                r.num_output_tokens += a
+                r.num_computed_tokens += a
+            bm.free_tail(
+                r,
+                len(r.block_table)
+                - blocks_for(r.prompt_len + r.num_output_tokens if a else ds.num_tokens(r), bs),
+            )
+            if a and r.num_output_tokens >= r.output_len:
+                self._finish(r, now_s)
+            elif a:
+                ds.add(r)
+        drafts = result.draft_token_ids
+        for r in (*plan.decodes, *plan.sampled_prefills):
+            if r.status is RequestStatus.RUNNING:
+                r.spec_token_ids = drafts.get(r, [])
+
+    def _apply_drafts_async(
+        self, plan: SchedulerOutput, result: StepResult, after: SchedulerOutput | None
+    ) -> None:
+        """Async, when ``plan``'s results arrive and ``after`` (the next plan, or None) is in
+        flight: the accepted drafts join the counts (of a request preempted meanwhile too),
+        blocks beyond what the request and ``after``'s drafts of it need are freed, and a
+        request whose last token ``after`` samples becomes one of its ``finished``."""
+        ds, bm, bs = self.decode_set, self.block_manager, self.block_size
+        step = self.num_steps - 1 - (after is not None)  # plan's index
+        later = after.spec_decodes if after is not None else {}
+        for r, d in plan.spec_decodes.items():
+            a = _accepted(r, d, result, step)
+            if r.status is RequestStatus.RUNNING and r in ds:
+                if a:
+                    ds.remove(r)
+                    r.num_output_tokens += a
+                    r.num_computed_tokens += a
+                    ds.add(r)  # no heap entry when ``after`` samples its last token:
+                    if r.num_output_tokens >= r.output_len:  # it finishes with ``after``
+                        self.in_flight.finishing[r] = None
+                        after.finished = [*after.finished, r]  # may be a shared empty tuple
+                keep = blocks_for(ds.num_tokens(r) + later.get(r, 0), bs)
+                bm.free_tail(r, len(r.block_table) - keep)
+            elif r.status is RequestStatus.WAITING:  # a recompute victim: redone later
+                r.num_output_tokens += a
+                r.num_recomputed_tokens += a
+            elif r.status is RequestStatus.SWAPPED:
+                r.num_output_tokens += a
+                r.num_computed_tokens += a
+                bm.free_tail(r, len(r.block_table) - blocks_for(r.num_tokens, bs))
+        drafts = result.draft_token_ids
+        for r in (*plan.decodes, *plan.sampled_prefills):
+            if r.status in (RequestStatus.RUNNING, RequestStatus.SWAPPED):
+                r.spec_token_ids = drafts.get(r, [])
+            elif r.status is RequestStatus.WAITING:
+                r.spec_token_ids = []

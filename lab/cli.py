@@ -9,11 +9,10 @@
     sched-lab prefix-bound experiments/mooncake.yaml
     sched-lab fidelity --sim
 
-``fit``, ``profile``, ``tools``, ``prefix-bound`` and ``fidelity`` hand their arguments to
-``lab.sim.calibrated``, ``backend.profile``, ``backend.tools``, ``traces.prefix_bound`` and
-``lab.fidelity``
-(``python -m`` of those still works). User errors
-print one line, ``error: ...``, never a traceback.
+``fit``, ``profile``, ``tools`` and ``fidelity`` hand their arguments to
+``lab.sim.calibrated``, ``backend.profile``, ``backend.tools`` and ``lab.fidelity``
+(``python -m`` of those still works); ``prefix-bound`` is :func:`prefix_bound` here. User
+errors print one line, ``error: ...``, never a traceback.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ RUN_EXAMPLE = """example:
 A config path that does not exist is looked up among the bundled ones, so the example
 experiments run from any folder. Results go to ./results/<name> unless --out; an existing
 folder there is replaced only if the lab wrote everything in it (.sched-lab-manifest.json)."""
-DELEGATED = {  # subcommand: (module, what it does)
+DELEGATED = {  # subcommand: (module[:function, default main] taking (argv, prog), what it does)
     "fit": ("lab.sim.calibrated", "fit the calibrated step-time model to an engine profile"),
     "profile": ("backend.profile", "time the engine over a grid of step shapes (needs torch)"),
     "tools": (
@@ -61,7 +60,7 @@ DELEGATED = {  # subcommand: (module, what it does)
         "docs/fidelity.md)",
     ),
     "prefix-bound": (
-        "traces.prefix_bound",
+        "lab.cli:prefix_bound",
         "the infinite-cache upper bound of a trace's prefix hit rate, from its hash ids",
     ),
 }
@@ -211,7 +210,7 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
 
 
 def _delegate(command: str, argv: list[str]) -> int:
-    module_name = DELEGATED[command][0]
+    module_name, _, function = DELEGATED[command][0].partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -228,7 +227,57 @@ def _delegate(command: str, argv: list[str]) -> int:
         from backend.sources import checkout_engine
 
         extra["engine"] = checkout_engine()
-    return module.main(argv, prog=f"sched-lab {command}", **extra) or 0
+    run = getattr(module, function or "main")
+    return run(argv, prog=f"sched-lab {command}", **extra) or 0
+
+
+def prefix_bound(argv: list[str] | None = None, prog: str = "sched-lab prefix-bound") -> int:
+    """Print the infinite-cache prefix hit-rate bound (:func:`traces.prefix_bound.
+    prefix_hit_bound`) of an experiment's trace; user errors are one line (exit 2)."""
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        description="The infinite-cache upper bound of the prefix hit rate of an "
+        "experiment's trace, from its hash ids alone (traces/prefix_bound.py).",
+    )
+    ap.add_argument("config", help="experiment YAML (its trace and kv_cache.block_size)")
+    ap.add_argument("--limit", type=int, help="only the first N requests of the trace")
+    ap.add_argument("--block-size", type=int, help="KV block size (default: the config's)")
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        help="skip requests whose prompt + output exceed N (default: the config's "
+        "scheduler.max_model_len, if it gives one)",
+    )
+    args = ap.parse_args(argv)
+    from lab.config import load_config
+    from lab.core.errors import UserError
+    from traces import load_trace
+    from traces.prefix_bound import prefix_hit_bound
+
+    try:
+        cfg = load_config(args.config)
+        for flag in ("limit", "block_size", "max_model_len"):
+            value = getattr(args, flag)
+            if value is not None and value < 1:
+                name = flag.replace("_", "-")
+                raise UserError(f"--{name}: expected an integer >= 1, got {value}")
+        if args.limit is not None:
+            cfg = cfg.with_trace(limit=args.limit)
+        block = args.block_size or cfg.kv_cache.block_size
+        spec = {"seed": cfg.seed, **cfg.trace.spec, "rate_scale": 1.0}
+        requests = load_trace(spec, cfg.base_dir)
+        max_len = args.max_model_len or cfg.scheduler.max_model_len
+        bound = prefix_hit_bound(requests, block, max_len)
+    except (UserError, ValueError) as e:
+        print(f"error: {args.config}: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"{cfg.name}: {len(bound.request_ids):,} requests ({bound.num_with_hash_ids:,} with "
+        f"hash ids), {bound.prompt_tokens:,} prompt tokens; with an infinite prefix cache at "
+        f"KV block size {block}: {bound.total_cached_tokens:,} cached, hit rate "
+        f"{bound.hit_rate:.4f}"
+    )
+    return 0
 
 
 class Interrupted(KeyboardInterrupt):

@@ -146,6 +146,7 @@ def test_eager_slope_needs_three_rows_and_keeps_the_slope_non_negative(tmp_path)
 
 
 def test_eager_knot_is_the_engines_largest_token_graph():
+    pytest.importorskip("torch", reason="backend/ needs torch: pip install -e '.[engine,test]'")
     from backend.cuda_graphs import DEFAULT_TOKEN_SIZES
     from backend.profile import EAGER_MIN_ROWS
     from lab.sim.calibrated import MIN_EAGER_ROWS
@@ -158,6 +159,7 @@ def test_profile_grid_has_enough_eager_rows_for_the_held_out_runner():
     """backend/profile.py's grid keeps >= MIN_EAGER_ROWS rows above the knot on the held-out
     protocol's runner (2,048 blocks of 16, max_model_len 16384: rows that do not fit are
     left out), from one prompt to many, so the eager slope is fitted."""
+    pytest.importorskip("torch", reason="backend/ needs torch: pip install -e '.[engine,test]'")
     from backend.profile import shapes, step_inputs
     from lab.sim.calibrated import MIN_EAGER_ROWS
 

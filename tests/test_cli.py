@@ -86,27 +86,54 @@ def test_fit_refits_a_profile_and_bad_input_is_one_line(tmp_path, capsys):
     capsys.readouterr()
     fitted = json.loads(out.read_text())
     recorded = json.loads(profile.with_suffix(".fit.json").read_text())
-    assert fitted["coefficients"] == recorded["coefficients"]
+    # A refit agrees to about the last digit: BLAS kernels differ between CPUs.
+    assert fitted["coefficients"].keys() == recorded["coefficients"].keys()
+    assert fitted["coefficients"] == pytest.approx(recorded["coefficients"], rel=1e-9, abs=1e-15)
     assert fitted["rows"] == 103
     assert main(["fit", str(tmp_path / "none.csv")]) == 2
     assert "none.csv does not exist" in one_error_line(capsys)
 
 
-INTERRUPT = """
-import os, signal, sys
+# A signal a process sends itself may be handled only a while later (it can reach another
+# thread first; under load, more work runs meanwhile). deliver() waits until the handler has
+# run, so each signal lands where the script places it: the lab's handler raises there
+# (Interrupted) or records the signal and returns.
+DELIVER = """
+import os, signal, sys, time
+def deliver(sig):
+    handler, seen = signal.getsignal(sig), []
+    def counting(signum, frame):
+        seen.append(signum)
+        handler(signum, frame)
+    signal.signal(sig, counting)
+    try:
+        os.kill(os.getpid(), sig)
+        deadline = time.monotonic() + 60
+        while not seen:
+            if time.monotonic() > deadline:
+                sys.exit("%s sent but not handled within 60 s" % sig.name)
+            time.sleep(0.001)
+    finally:
+        signal.signal(sig, handler)
+"""
+
+INTERRUPT = (
+    DELIVER
+    + """
 import lab.run.experiment as ex
 real, at = ex.iter_runs, int(sys.argv[1])
 def iter_runs(*a, **k):
     if at == 0:
-        os.kill(os.getpid(), signal.{sig})
+        deliver(signal.{sig})
     for i, run in enumerate(real(*a, **k), 1):
         yield run
         if i == at:
-            os.kill(os.getpid(), signal.{sig})  # raised here, as from a user's kill or Ctrl-C
+            deliver(signal.{sig})  # raised here, as from a user's kill or Ctrl-C
 ex.iter_runs = iter_runs
 from lab.cli import main
 sys.exit(main(sys.argv[2:]))
 """
+)
 
 
 @pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
@@ -128,7 +155,7 @@ def test_interrupt_keeps_the_completed_runs_as_partial_results(tmp_path, sig, co
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=120,
+        timeout=300,  # a deadline, not a wait: each signal waits for its handler
     )
     assert proc.returncode == code, proc.stderr
     err = [ln for ln in proc.stderr.splitlines() if not ln.startswith("INFO")]
@@ -160,7 +187,7 @@ def test_interrupt_before_any_run_writes_nothing(tmp_path):
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=120,
+        timeout=300,  # a deadline, not a wait: each signal waits for its handler
     )
     assert proc.returncode == 143
     assert proc.stderr.strip().splitlines()[-1] == (
@@ -326,18 +353,20 @@ def test_old_entry_points_still_work(tmp_path):
         assert proc.returncode == 0 and "qwen3-0.6b" in proc.stdout.split()
 
 
-WHILE_WRITING = """
-import os, signal, sys
+WHILE_WRITING = (
+    DELIVER
+    + """
 import lab.report.folder as report
 real, times = report._plots, int(sys.argv[1])
 def plots(*a, **k):
     for _ in range(times):
-        os.kill(os.getpid(), signal.SIGINT)
+        deliver(signal.SIGINT)
     return real(*a, **k)
 report._plots = plots
 from lab.cli import main
 sys.exit(main(sys.argv[2:]))
 """
+)
 
 
 @pytest.mark.parametrize("times", [1, 2])
@@ -361,7 +390,7 @@ def test_interrupt_while_writing_finishes_the_writing_once(tmp_path, times):
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=120,
+        timeout=300,  # a deadline, not a wait: each signal waits for its handler
     )
     assert proc.returncode == 130, proc.stderr
     err = [ln for ln in proc.stderr.splitlines() if not ln.startswith("INFO")]

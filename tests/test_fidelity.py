@@ -403,15 +403,21 @@ def test_protocol_workload_typo_is_named_before_the_profile(tmp_path) -> None:
 
 
 def test_profile_takes_the_engine_runs_shape() -> None:
-    """The protocol's runner shape becomes backend.profile's arguments; each must be >= 1."""
-    import argparse
-
-    from backend.profile import positive_int
+    """The protocol's runner shape becomes backend.profile's arguments."""
     from lab.fidelity import PROTOCOL, load_protocol, profile_geometry
 
     exp = load_protocol(PROTOCOL)["experiment"]
     assert profile_geometry(exp) == ["--max-model-len", "16384", "--max-num-seqs", "256",
                                      "--num-gpu-blocks", "2048"]  # fmt: skip
+
+
+def test_profile_shape_arguments_must_be_at_least_one() -> None:
+    """backend.profile's shape arguments are whole numbers >= 1."""
+    import argparse
+
+    pytest.importorskip("torch", reason="backend/ needs torch: pip install -e '.[engine,test]'")
+    from backend.profile import positive_int
+
     assert positive_int("7") == 7
     for bad in ("0", "-3", "1e3"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected a whole number >= 1"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 from pathlib import Path
 
 import pandas as pd
@@ -395,24 +394,35 @@ def test_engine_points_run_here_after_the_simulator_points(tmp_path, monkeypatch
     ]
 
 
-def test_class_rows_from_a_class_name_column():
-    from lab.sweeps.run import class_metrics
+def test_a_classes_run_gives_one_row_per_class():
+    """experiments/two_classes.yaml, cut short: each run's table rows are the run ("all"),
+    then one per class from requests' ``class`` column, judged by the class's own SLOs."""
+    import yaml
 
-    df = pd.DataFrame(
-        {
-            "status": ["finished", "finished", "rejected", "finished"],
-            "class_name": ["a", "a", "b", "b"],
-            "ttft_s": [0.1, 0.3, math.nan, 2.0],
-            "tpot_s": [0.01, 0.01, math.nan, 0.01],
-            "e2e_s": [1.0, 1.0, math.nan, 3.0],
-            "queue_s": [0.0, 0.1, math.nan, 1.0],
-        }
-    )
-    a = class_metrics(df[df.class_name == "a"], 10.0, {"ttft_s": 0.5})
-    b = class_metrics(df[df.class_name == "b"], 10.0, {"ttft_s": 0.5})
-    assert (a["num_requests"], a["finished"], a["goodput"], a["slo_attainment"]) == (2, 2, 0.2, 1.0)
-    assert (b["finished"], b["goodput"], b["slo_attainment"]) == (1, 0.0, 0.0)
-    assert a["ttft_s_p50"] == pytest.approx(0.2)
+    from lab.config import validate
+    from lab.run.experiment import run_experiment
+    from lab.sweeps.run import run_rows
+
+    raw = yaml.safe_load((ROOT / "experiments" / "two_classes.yaml").read_text())
+    raw["trace"][0] |= {"limit": 40, "slo": {"ttft_s": 0.05}}  # met by some chat requests
+    raw["trace"][1]["num_requests"] = 20
+    raw["policies"] = raw["policies"][:1] + raw["policies"][2:3]  # fcfs, priority
+    cfg = validate(raw, "two_classes.yaml", ROOT)
+    for run in run_experiment(cfg, progress=False):
+        rows = run_rows(run, cfg.slo.to_dict())
+        assert [r["class"] for r in rows] == ["all", "batch", "chat"]
+        assert rows[0]["num_requests"] == 60 and rows[0]["policy"] == run.policy
+        for row in rows[1:]:
+            summary = run.summary["classes"][row["class"]]
+            assert (row["policy"], row["rate_scale"]) == (run.policy, run.rate_scale)
+            assert (
+                row["num_requests"] == summary["num_requests"] == (40, 20)[row["class"] == "batch"]
+            )
+            assert row["finished"] == summary["finished"] > 0
+            assert row["ttft_s_p50"] == summary["ttft_s"]["p50"] > 0
+            assert row["slo_attainment"] == pytest.approx(summary["slo_attainment"])
+            assert row["goodput"] == pytest.approx(summary["goodput"])
+        assert 0 < rows[2]["slo_attainment"] < 1  # chat's own SLO, not the top-level (none)
 
 
 def sweep_examples() -> list[Path]:

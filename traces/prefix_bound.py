@@ -35,14 +35,13 @@ Rules (vLLM V1's automatic prefix caching, with unlimited blocks):
 Cost: one dict look-up per hash id of every request, O(total hash ids).
 
 Command: ``sched-lab prefix-bound EXPERIMENT.yaml [--limit N] [--max-model-len N]``
-prints the bound for an experiment's trace at its ``kv_cache.block_size`` (and its
-``scheduler.max_model_len`` unless ``--max-model-len`` is given).
+(:func:`lab.cli.prefix_bound`) prints the bound for an experiment's trace at its
+``kv_cache.block_size`` (and its ``scheduler.max_model_len`` unless ``--max-model-len`` is
+given).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -140,54 +139,3 @@ def _walk(
             filled[key] = here
         parent = key
     return hits
-
-
-def main(argv: list[str] | None = None, prog: str = "sched-lab prefix-bound") -> int:
-    """Print the bound for an experiment's trace; user errors are one line (exit 2)."""
-    ap = argparse.ArgumentParser(
-        prog=prog,
-        description="The infinite-cache upper bound of the prefix hit rate of an "
-        "experiment's trace, from its hash ids alone (traces/prefix_bound.py).",
-    )
-    ap.add_argument("config", help="experiment YAML (its trace and kv_cache.block_size)")
-    ap.add_argument("--limit", type=int, help="only the first N requests of the trace")
-    ap.add_argument("--block-size", type=int, help="KV block size (default: the config's)")
-    ap.add_argument(
-        "--max-model-len",
-        type=int,
-        help="skip requests whose prompt + output exceed N (default: the config's "
-        "scheduler.max_model_len, if it gives one)",
-    )
-    args = ap.parse_args(argv)
-    from lab.config import load_config
-    from lab.core.errors import UserError
-    from traces import load_trace
-
-    try:
-        cfg = load_config(args.config)
-        for flag in ("limit", "block_size", "max_model_len"):
-            value = getattr(args, flag)
-            if value is not None and value < 1:
-                name = flag.replace("_", "-")
-                raise UserError(f"--{name}: expected an integer >= 1, got {value}")
-        if args.limit is not None:
-            cfg = cfg.with_trace(limit=args.limit)
-        block = args.block_size or cfg.kv_cache.block_size
-        spec = {"seed": cfg.seed, **cfg.trace.spec, "rate_scale": 1.0}
-        requests = load_trace(spec, cfg.base_dir)
-        max_len = args.max_model_len or cfg.scheduler.max_model_len
-        bound = prefix_hit_bound(requests, block, max_len)
-    except (UserError, ValueError) as e:
-        print(f"error: {args.config}: {e}", file=sys.stderr)
-        return 2
-    print(
-        f"{cfg.name}: {len(bound.request_ids):,} requests ({bound.num_with_hash_ids:,} with hash ids), "
-        f"{bound.prompt_tokens:,} prompt tokens; with an infinite prefix cache at KV block "
-        f"size {block}: {bound.total_cached_tokens:,} cached, hit rate "
-        f"{bound.hit_rate:.4f}"
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

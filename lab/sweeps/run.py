@@ -194,17 +194,21 @@ def flatten(summary: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def run_rows(run, slo: Mapping[str, float | None]) -> list[dict[str, Any]]:
-    """The table rows of one run: the run as a whole, then one per request class when the
-    requests carry a ``class_name`` column with more than one class."""
+    """The table rows of one run: the run as a whole, then one per request class (by name)
+    when the requests carry a ``class`` column (workload classes) with more than one class.
+    A class's row is judged by its own SLOs (``slo`` with the class's keys over it), as in
+    summary.json's ``classes``."""
     row = flatten(run.summary)
     row["error"] = run.result.failure
     rows = [row]
     df = run.requests
-    if "class_name" in df.columns and df["class_name"].nunique() > 1:
+    if "class" in df.columns and df["class"].nunique() > 1:
         row["class"] = "all"
-        for name, g in df.groupby("class_name", sort=True):
+        classes = run.summary.get("classes", {})
+        for name, g in df.groupby("class", sort=True):
+            own = classes[name]["slo"] if name in classes else slo
             rows.append({"policy": run.policy, "rate_scale": run.rate_scale,
-                         "class": name, **class_metrics(g, row["duration_s"], slo)})  # fmt: skip
+                         "class": name, **class_metrics(g, row["duration_s"], own)})  # fmt: skip
     return rows
 
 

@@ -188,15 +188,14 @@ def check_sim_speculative(cfg: ExperimentConfig, pol: PolicyConfig) -> None:
 
 ANALYTIC_NOTE = (
     "the analytic roofline ran: its efficiencies and step overhead are assumptions, not "
-    "measurements of an engine; on the quickstart (Llama-3.1-8B, H200) its TTFT p50 is "
-    "2.0-3.9x the calibrated model's (README); set cost_model.profile for measured step times"
+    "measurements of an engine (the README compares its latencies with the calibrated "
+    "model's); set cost_model.profile for measured step times"
 )
 # the same, when its efficiencies were fitted to the hardware's engine profiles
 FITTED_NOTE = (
     "the analytic roofline ran, with efficiencies fitted to engine profiles "
-    "(lab/sim/analytic_defaults.py), not the model calibrated from one: on the quickstart "
-    "(Llama-3.1-8B, H200) its TTFT p50 is 18-28x the calibrated model's (README); set "
-    "cost_model.profile for the calibrated step times"
+    "(lab/sim/analytic_defaults.py), not the model calibrated from one (the README compares "
+    "their latencies); set cost_model.profile for the calibrated step times"
 )
 NO_HOST_NOTE = (
     "cost_model.host_overhead_s and host_per_seq_s are 0: host time is 0, so asynchronous "

@@ -98,24 +98,7 @@ def engine_parts(cfg: ExperimentConfig):
             f"engine.model_path: {eng.model_path} is not a directory (make one with "
             f"`python -m backend.tools convert-smollm2` or `make-random-checkpoint`)"
         )
-    kwargs = dict(
-        device=eng.device,
-        dtype=eng.dtype,
-        attention_backend=eng.attention_backend,
-        block_size=kv.block_size,
-        num_gpu_blocks=kv.num_gpu_blocks,
-        gpu_memory_utilization=kv.gpu_memory_utilization,
-        swap_space_bytes=kv.swap_space_bytes,
-        seed=cfg.seed,
-        max_model_len=cfg.scheduler.max_model_len,
-        max_num_batched_tokens=cfg.profile_num_batched_tokens,
-        max_num_seqs=cfg.scheduler.max_num_seqs,
-        cuda_graphs=eng.cuda_graphs,
-        mixed_graphs=eng.mixed_graphs,
-        kn_weights=eng.kn_weights,
-        num_threads=eng.num_threads,
-        prefill_attention=eng.prefill_attention,
-    )
+    kwargs = _runner_kwargs(cfg)
     if eng.tensor_parallel_size == 1:
         runner = _runner(eng.model_path, **kwargs)
     else:  # ranks 1..N-1 in their own processes; this process is rank 0 (backend/tp_engine.py)
@@ -149,6 +132,29 @@ def engine_parts(cfg: ExperimentConfig):
         runner.num_cpu_blocks,
         runner.max_model_len,
         runner.config.vocab_size,
+    )
+
+
+def _runner_kwargs(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The ModelRunner's keyword arguments from the config (backend/runner.py)."""
+    eng, kv = cfg.engine, cfg.kv_cache
+    return dict(
+        device=eng.device,
+        dtype=eng.dtype,
+        attention_backend=eng.attention_backend,
+        block_size=kv.block_size,
+        num_gpu_blocks=kv.num_gpu_blocks,
+        gpu_memory_utilization=kv.gpu_memory_utilization,
+        swap_space_bytes=kv.swap_space_bytes,
+        seed=cfg.seed,
+        max_model_len=cfg.scheduler.max_model_len,
+        max_num_batched_tokens=cfg.profile_num_batched_tokens,
+        max_num_seqs=cfg.scheduler.max_num_seqs,
+        cuda_graphs=eng.cuda_graphs,
+        mixed_graphs=eng.mixed_graphs,
+        kn_weights=eng.kn_weights,
+        num_threads=eng.num_threads,
+        prefill_attention=eng.prefill_attention,
     )
 
 

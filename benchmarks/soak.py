@@ -69,7 +69,8 @@ def worker(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | Non
     from lab.core.errors import SchedulerStuckError
     from lab.core.kv import BlockManager
     from lab.results import metrics
-    from lab.run.experiment import resolve_limits, sim_parts
+    from lab.run.experiment import resolve_limits
+    from lab.setup.sim import sim_parts
     from lab.sim.cost_model import CostModelExecutor
     from lab.sim.models import MODELS
     from lab.sim.replay import replay

@@ -499,11 +499,9 @@ def _keep_partial(
 
 
 def _decoder(cfg):
-    if cfg.backend != "engine":
-        return None
-    from lab.setup.engine import text_decoder
+    from lab.setup import setup_for
 
-    return text_decoder(cfg)
+    return setup_for(cfg).text_decoder()
 
 
 def _report(runs: list, decode, out: Path, wall_s: float, cfg) -> int:

@@ -348,6 +348,7 @@ def test_engine_without_torch_is_one_line(tmp_path, monkeypatch, capsys):
 
 def test_engine_keys_reach_the_model_runner(tmp_path, monkeypatch):
     pytest.importorskip("torch")
+    import backend.runner
     import lab.setup.engine
 
     seen = {}
@@ -359,7 +360,7 @@ def test_engine_keys_reach_the_model_runner(tmp_path, monkeypatch):
         seen.update(kwargs, model_dir=model_dir)
         raise Stop
 
-    monkeypatch.setattr(lab.setup.engine, "ModelRunner", fake_runner)
+    monkeypatch.setattr(backend.runner, "ModelRunner", fake_runner)
     (tmp_path / "model").mkdir()
     cfg = load_config(
         write(
@@ -454,7 +455,7 @@ def test_engine_warns_once_about_the_simulator_side_of_a_file(tmp_path, caplog):
 def test_swap_space_that_holds_no_block_is_refused(tmp_path, monkeypatch):
     """Llama-3.1-8B: 2 (K, V) * 32 layers * 8 KV heads * 128 * 2 bytes = 128 KiB a token, a
     block of 16 tokens 2 MiB = 0.00195 GiB; 0.0001 GiB holds none. 0 (no swap) is taken."""
-    from lab.run.experiment import sim_parts
+    from lab.setup.sim import sim_parts
 
     raw = {"trace": parse_yaml(SYNTHETIC), "model": "llama-3.1-8b"}
     with pytest.raises(ConfigError) as e:
@@ -469,13 +470,14 @@ def test_swap_space_that_holds_no_block_is_refused(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     import types
 
+    import backend.runner
     import lab.setup.engine
 
     def fake_runner(model_dir, **kwargs):  # a 1 MiB block, no room for one in swap space
         kv = types.SimpleNamespace(block_bytes=1 << 20)
         return types.SimpleNamespace(num_cpu_blocks=0, kv_cache=kv)
 
-    monkeypatch.setattr(lab.setup.engine, "ModelRunner", fake_runner)
+    monkeypatch.setattr(backend.runner, "ModelRunner", fake_runner)
     (tmp_path / "tiny").mkdir()
     engine = {**raw, "backend": "engine", "engine": {"model_path": "tiny"},
               "kv_cache": {"swap_space_gib": 0.0005}}  # fmt: skip

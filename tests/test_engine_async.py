@@ -27,7 +27,7 @@ torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engi
 
 from triton_setup import DEVICE, HAS_CUDA, QWEN3_TINY, needs_triton  # noqa: E402  (sets TRITON_INTERPRET)
 
-import lab.setup.engine  # noqa: E402
+import backend.engine  # noqa: E402
 from backend.engine import EngineExecutor  # noqa: E402
 from backend.inputs import DeviceFeed  # noqa: E402
 from backend.runner import ModelRunner, SeqInput  # noqa: E402
@@ -197,7 +197,7 @@ def test_hidden_tokens_equal_sync_tokens_with_preemption(model_dir, monkeypatch,
     ref = run_experiment(engine_config(model_dir, 200, ["fcfs"]), False, requests())[0]
     expected = tokens(ref)
     assert [len(expected[str(i)]) for i in range(5)] == [14, 12, 10, 16, 9]
-    monkeypatch.setattr(lab.setup.engine, "EngineExecutor", HiddenTokensExecutor)
+    monkeypatch.setattr(backend.engine, "EngineExecutor", HiddenTokensExecutor)
     HiddenTokensExecutor.fed = 0
     # 12 blocks of 4 tokens: the five requests (54 tokens at most 20 + 16 ...) cannot all grow.
     runs = run_experiment(engine_config(model_dir, 12, POLICIES, attention, graphs), False,
@@ -245,7 +245,7 @@ def test_async_replay_tokens_equal_sync_tokens_with_preemption(
             fed.append(len(out[1]))
             return out
 
-    monkeypatch.setattr(lab.setup.engine, "EngineExecutor", Counting)
+    monkeypatch.setattr(backend.engine, "EngineExecutor", Counting)
     runs = run_experiment(engine_config(model_dir, 12, policies, attention, graphs), False,
                           requests())  # fmt: skip
     for run in runs:
@@ -278,7 +278,7 @@ class NoLaunch:
 def test_async_replay_on_a_runner_without_launch(model_dir, monkeypatch):
     ref = run_experiment(engine_config(model_dir, 200, ["fcfs"]), False, requests())[0]
     monkeypatch.setattr(
-        lab.setup.engine, "EngineExecutor", lambda runner, t: EngineExecutor(NoLaunch(runner), t)
+        backend.engine, "EngineExecutor", lambda runner, t: EngineExecutor(NoLaunch(runner), t)
     )
     runs = run_experiment(engine_config(model_dir, 12, ASYNC_POLICIES), False, requests())
     for run in runs:

@@ -53,9 +53,9 @@ def test_failed_step_stops_run_and_accounts_for_every_request():
 
 
 def test_cli_writes_partial_results_and_exits_1(tmp_path, monkeypatch, capsys):
-    import lab.run.experiment
+    import lab.setup.sim
 
-    real = lab.run.experiment.CostModelExecutor
+    real = lab.setup.sim.CostModelExecutor
 
     class Flaky(real):
         def execute(self, plan):
@@ -63,7 +63,7 @@ def test_cli_writes_partial_results_and_exits_1(tmp_path, monkeypatch, capsys):
                 raise RuntimeError("device lost")
             return super().execute(plan)
 
-    monkeypatch.setattr(lab.run.experiment, "CostModelExecutor", Flaky)
+    monkeypatch.setattr(lab.setup.sim, "CostModelExecutor", Flaky)
     cfg = tmp_path / "exp.yaml"
     cfg.write_text(
         "trace: {format: synthetic, num_requests: 20, arrival: {process: poisson, "

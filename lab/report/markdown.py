@@ -48,23 +48,10 @@ def _trace_options(trace: Mapping[str, Any]) -> str:
 
 
 def model_line(cfg: ExperimentConfig) -> str:
-    if cfg.backend == "engine":
-        e = cfg.engine
-        return (
-            f"real engine: model `{e.model_path}` on `{e.device}` ({e.dtype}, "
-            f"{e.attention_backend} attention), measured step times"
-        )
-    line = f"simulated `{cfg.model}` on `{cfg.hardware}` (cost model step times)"
-    c = cfg.cluster
-    if c is None:
-        return line
-    if c.pool is not None:
-        return f"{line}, {c.pool.replicas} replicas behind router `{c.pool.router}`"
-    return (
-        f"{line}, {c.prefill.replicas} prefill replicas (router `{c.prefill.router}`) and "
-        f"{c.decode.replicas} decode replicas (router `{c.decode.router}`), KV over "
-        f"`{c.link.name}` ({c.link.bandwidth * 8 / 1e9:g} Gb/s)"
-    )
+    """What ran, for report.md: the model and device or hardware (lab/setup ``describe``)."""
+    from lab.setup import setup_for
+
+    return setup_for(cfg).describe()
 
 
 def config_yaml(cfg: ExperimentConfig, runs: list[Run]) -> str:

@@ -68,9 +68,9 @@ def load_title(run) -> str:
 def kv_device(cfg) -> str:
     """Where the KV cache lives, for axis labels: the engine's device or the simulated
     hardware preset."""
-    if cfg.backend == "engine":
-        return f"{cfg.engine.device} (engine)"
-    return f"{cfg.hardware} (simulated)"
+    from lab.setup import setup_for
+
+    return setup_for(cfg).kv_device()
 
 
 def plots(folder: Path, runs, cfg) -> list[tuple[str, str]]:

@@ -1,54 +1,104 @@
 """The engine backend set up from an experiment config: the model loaded once for all runs,
-an executor per run, and the tokenizer's decoder. Imports torch (through backend/); the
-simulator path never imports this module.
+an executor per run, and the tokenizer's decoder. torch is imported (through backend/) only
+inside functions: importing this module is cheap, and a simulator run never imports torch.
 """
 
 from __future__ import annotations
 
-from backend.config import ModelConfig
-from backend.engine import EngineExecutor
-from backend.errors import CheckpointError
-from backend.runner import ModelRunner
-from backend.tp import check_tp_size
-from backend.tp_engine import TensorParallelRunner
-from lab.config import ExperimentConfig, check_swap_blocks
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lab.config import ExperimentConfig, PolicyConfig, check_swap_blocks
 from lab.core.errors import ConfigError
+from lab.core.plan import Executor
+from lab.core.request import Request
+from lab.core.scheduler import SchedulerLimits
+from lab.setup.base import Setup, async_scheduling
+
+
+class EngineSetup(Setup):
+    """Step times measured on the real engine (one model, loaded once per process)."""
+
+    name = "engine"
+    process_pool = False  # one device, one model loaded in the driver's process
+    token_ids = True
+
+    def check(self) -> None:
+        if importlib.util.find_spec("torch") is None:
+            raise ConfigError(
+                'backend: engine needs torch, which is not installed: pip install -e ".[engine]"'
+            )
+
+    def prepare(self) -> None:
+        parts = engine_parts(self.cfg)
+        self._make_executor, self.num_gpu_blocks, self.num_cpu_blocks = parts[:3]
+        self.max_position, self._vocab_size = parts[3:]
+        self._info: dict[str, Any] | None = None
+
+    def prepare_trace(self, requests: list[Request]) -> None:
+        """Prompt token ids: hash ids make shared prefixes real tokens."""
+        from backend.engine import assign_prompt_tokens
+        from traces.hash_tokens import assign_hash_prompt_tokens
+
+        assign_hash_prompt_tokens(requests, self._vocab_size, self.cfg.seed)
+        assign_prompt_tokens(requests, self._vocab_size, self.cfg.seed)
+
+    def executor(
+        self, pol: PolicyConfig, limits: SchedulerLimits, label: str, scale: float
+    ) -> Executor:
+        executor = self._make_executor(pol.speculative, async_scheduling(self.cfg, pol))
+        if self._info is None:
+            self._info = engine_info(self.cfg, executor)
+        return executor
+
+    def run_info(self) -> dict[str, Any]:
+        assert self._info is not None, "run_info() before the first executor"
+        return self._info
+
+    def describe(self) -> str:
+        e = self.cfg.engine
+        return (
+            f"real engine: model `{e.model_path}` on `{e.device}` ({e.dtype}, "
+            f"{e.attention_backend} attention), measured step times"
+        )
+
+    def kv_device(self) -> str:
+        return f"{self.cfg.engine.device} (engine)"
+
+    def model_id(self) -> str:
+        """The engine's model folder."""
+        if self.cfg.engine.model_path is not None:
+            return Path(self.cfg.engine.model_path).name
+        return self.cfg.model
+
+    def text_decoder(self) -> Callable[[list[int]], str] | None:
+        return text_decoder(self.cfg)
 
 
 def engine_parts(cfg: ExperimentConfig):
     """Load the model once for all runs of an experiment.
 
     Returns:
-        (make_executor() -> EngineExecutor, num_gpu_blocks, num_cpu_blocks,
-        max_model_len, vocab_size).
+        (make_executor(speculative=None, async_scheduling=False) -> EngineExecutor,
+        num_gpu_blocks, num_cpu_blocks, max_model_len, vocab_size).
 
     Raises:
         CheckpointError, DeviceError, KVCacheCapacityError: one line each (user errors).
     """
+    from backend.config import ModelConfig
+    from backend.errors import CheckpointError
+    from backend.tp import check_tp_size
+    from backend.tp_engine import TensorParallelRunner
+
     eng, kv = cfg.engine, cfg.kv_cache
     if eng.model_path is None or not eng.model_path.is_dir():
         raise CheckpointError(
             f"engine.model_path: {eng.model_path} is not a directory (make one with "
             f"`python -m backend.tools convert-smollm2` or `make-random-checkpoint`)"
         )
-    kwargs = dict(
-        device=eng.device,
-        dtype=eng.dtype,
-        attention_backend=eng.attention_backend,
-        block_size=kv.block_size,
-        num_gpu_blocks=kv.num_gpu_blocks,
-        gpu_memory_utilization=kv.gpu_memory_utilization,
-        swap_space_bytes=kv.swap_space_bytes,
-        seed=cfg.seed,
-        max_model_len=cfg.scheduler.max_model_len,
-        max_num_batched_tokens=cfg.profile_num_batched_tokens,
-        max_num_seqs=cfg.scheduler.max_num_seqs,
-        cuda_graphs=eng.cuda_graphs,
-        mixed_graphs=eng.mixed_graphs,
-        kn_weights=eng.kn_weights,
-        num_threads=eng.num_threads,
-        prefill_attention=eng.prefill_attention,
-    )
+    kwargs = _runner_kwargs(cfg)
     if eng.tensor_parallel_size == 1:
         runner = _runner(eng.model_path, **kwargs)
     else:  # ranks 1..N-1 in their own processes; this process is rank 0 (backend/tp_engine.py)
@@ -59,10 +109,12 @@ def engine_parts(cfg: ExperimentConfig):
     check_swap_blocks(kv, runner.num_cpu_blocks, cache.block_bytes, eng.model_path.name)
     drafts: dict = {}  # draft runners, loaded once for all runs (backend/spec_decode.py)
 
-    def make_executor(speculative=None, async_scheduling: bool = False) -> EngineExecutor:
+    def make_executor(speculative=None, async_scheduling: bool = False):
         """``speculative``: the run's ``speculative:`` block (lab/core/spec.py) or None;
         with it, a :class:`backend.spec_decode.SpecExecutor` (synchronous runs only: a
         ConfigError with ``async_scheduling``)."""
+        from backend.engine import EngineExecutor
+
         runner.generator.manual_seed(cfg.seed)  # each run samples the same way
         if speculative is None:
             return EngineExecutor(runner, eng.temperature)
@@ -83,13 +135,38 @@ def engine_parts(cfg: ExperimentConfig):
     )
 
 
-_RUNNER: dict[tuple, ModelRunner] = {}  # the last runner built, by its arguments
+def _runner_kwargs(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The ModelRunner's keyword arguments from the config (backend/runner.py)."""
+    eng, kv = cfg.engine, cfg.kv_cache
+    return dict(
+        device=eng.device,
+        dtype=eng.dtype,
+        attention_backend=eng.attention_backend,
+        block_size=kv.block_size,
+        num_gpu_blocks=kv.num_gpu_blocks,
+        gpu_memory_utilization=kv.gpu_memory_utilization,
+        swap_space_bytes=kv.swap_space_bytes,
+        seed=cfg.seed,
+        max_model_len=cfg.scheduler.max_model_len,
+        max_num_batched_tokens=cfg.profile_num_batched_tokens,
+        max_num_seqs=cfg.scheduler.max_num_seqs,
+        cuda_graphs=eng.cuda_graphs,
+        mixed_graphs=eng.mixed_graphs,
+        kn_weights=eng.kn_weights,
+        num_threads=eng.num_threads,
+        prefill_attention=eng.prefill_attention,
+    )
 
 
-def _runner(model_path, **kwargs) -> ModelRunner:
+_RUNNER: dict[tuple, Any] = {}  # the last ModelRunner built, by its arguments
+
+
+def _runner(model_path, **kwargs):
     """A ModelRunner; the same one again for the same arguments within a process (so a
     series of experiments, as ``sched-lab fidelity`` runs, loads the model and captures its
     CUDA graphs once). One is kept: other arguments free it first."""
+    from backend.runner import ModelRunner
+
     key = (str(model_path), *sorted((k, repr(v)) for k, v in kwargs.items()))
     if key not in _RUNNER:
         _RUNNER.clear()
@@ -97,7 +174,18 @@ def _runner(model_path, **kwargs) -> ModelRunner:
     return _RUNNER[key]
 
 
-def text_decoder(cfg: ExperimentConfig):
+def engine_info(cfg: ExperimentConfig, executor: Any) -> dict[str, Any]:
+    """An engine run's summary key ``cost_model``: measured, with the engine fingerprint."""
+    from backend.profile import engine_fingerprint
+
+    runner = getattr(executor.runner, "runner", executor.runner)  # rank 0's, under TP
+    fp = engine_fingerprint(runner, cfg.engine.kn_weights)
+    if cfg.engine.tensor_parallel_size > 1:
+        fp["tensor_parallel_size"] = cfg.engine.tensor_parallel_size
+    return {"kind": "measured", "profile": None, "fingerprint": fp, "stale": False, "why": ""}
+
+
+def text_decoder(cfg: ExperimentConfig) -> Callable[[list[int]], str] | None:
     """A token-ids -> text function from the model directory's tokenizer, or None if the
     directory has no tokenizer files (random-weight checkpoints)."""
     model_dir = cfg.engine.model_path

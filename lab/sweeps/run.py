@@ -28,6 +28,7 @@ from lab.config.keypaths import get_path, set_path
 from lab.core.errors import UserError
 from lab.report.folder import write_results
 from lab.run.experiment import run_experiment
+from lab.setup import setup_class, setup_for
 from lab.sweeps.sweep import Point, Sweep
 
 log = logging.getLogger("lab.sweeps.sweep")
@@ -115,11 +116,7 @@ def failed(task: Task, message: str) -> TaskResult:
 def _point(task: Task) -> TaskResult:
     cfg = validate(task.point.raw, task.source, task.base_dir)
     runs = run_experiment(cfg, progress=False)
-    decode = None
-    if cfg.backend == "engine":
-        from lab.setup.engine import text_decoder
-
-        decode = text_decoder(cfg)
+    decode = setup_for(cfg).text_decoder()
     with tempfile.TemporaryDirectory(prefix="sched-lab-point.") as tmp:
         folder = write_results(
             Path(tmp) / task.point.name, cfg, runs, decode, fmt=task.fmt, bars=False
@@ -241,8 +238,9 @@ def run_sweep(
 ) -> tuple[Path, list[TaskResult]]:
     """Run every task of the sweep and write its results folder ``out``.
 
-    Simulator tasks go to the executor (:func:`lab.sweeps.executors.run_tasks`); engine points run
-    here afterwards, one at a time. Returns the folder and the results in task order.
+    Tasks whose backend allows a process pool (the simulator's) go to the executor
+    (:func:`lab.sweeps.executors.run_tasks`); the others (the engine's) run here afterwards,
+    one at a time. Returns the folder and the results in task order.
 
     Raises:
         UserError: ``out`` cannot become a results folder (checked before any task), ray
@@ -255,16 +253,17 @@ def run_sweep(
 
     out = check_out_dir(out)
     tasks = make_tasks(sweep, fmt)
-    sim = [t for t in tasks if sweep.configs[t.point.name].backend == "sim"]
-    engine = [t for t in tasks if sweep.configs[t.point.name].backend == "engine"]
+    pooled = [setup_class(sweep.configs[t.point.name].backend).process_pool for t in tasks]
+    pool = [t for t, p in zip(tasks, pooled) if p]
+    here = [t for t, p in zip(tasks, pooled) if not p]
     unit, units = ("search", "searches") if sweep.search is not None else ("point", "points")
     results: dict[int, TaskResult] = {}
     t0 = time.perf_counter()
     with Phase(f"sweep {sweep.name}: {len(tasks)} {units}", len(tasks), unit, progress) as phase:
         done = executors.run_tasks(
-            run_task, sim, failed, jobs=jobs, ray=ray, ray_address=ray_address
+            run_task, pool, failed, jobs=jobs, ray=ray, ray_address=ray_address
         )
-        for r in _chain(done, (run_task(t) for t in engine)):
+        for r in _chain(done, (run_task(t) for t in here)):
             results[r.index] = r
             phase.advance()
             if r.error:

@@ -1,0 +1,281 @@
+"""The simulator backend set up from an experiment config: the cost model (analytic,
+calibrated from an engine profile, or an engine run's replayed durations), the KV capacity
+it implies for the model and hardware presets, and one cost-model executor per run."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from lab.config import ExperimentConfig, PolicyConfig, check_swap_blocks, paths
+from lab.core.errors import ConfigError
+from lab.core.plan import Executor
+from lab.core.scheduler import SchedulerLimits
+from lab.setup.base import Setup, async_scheduling
+from lab.sim import spec_executor
+from lab.sim.cost_model import (
+    AnalyticCostModel,
+    CostModelExecutor,
+    activation_bytes,
+    num_cpu_blocks,
+    num_gpu_blocks,
+)
+from lab.sim.hardware import HARDWARE
+from lab.sim.models import MODELS
+
+log = logging.getLogger("lab.setup.sim")
+
+
+class SimSetup(Setup):
+    """Step times from a cost model; many runs may share a process pool."""
+
+    name = "sim"
+
+    def prepare(self) -> None:
+        self.cost_model, self.num_gpu_blocks, self.num_cpu_blocks = sim_parts(self.cfg)
+        self.max_position = MODELS[self.cfg.model].max_position_embeddings
+        self._info = cost_model_info(self.cfg, self.cost_model)
+        self._capped = 0
+
+    def check_policy(self, pol: PolicyConfig) -> None:
+        if pol.speculative is not None:
+            check_sim_speculative(self.cfg, pol)
+
+    def check_run(
+        self,
+        pol: PolicyConfig,
+        limits: SchedulerLimits,
+        label: str,
+        scale: float,
+        num_requests: int | None,
+        trace_sha256: str | None,
+    ) -> None:
+        """With ``cost_model.durations_from``: the engine run recorded this run's steps, for
+        the same trace."""
+        if self.cfg.cost_model.durations_from is None:
+            return
+        self._replayed_executor(pol, limits, label, scale)
+        self.cost_model.check_trace(pol.label, trace_sha256, num_requests, label)
+
+    def executor(
+        self, pol: PolicyConfig, limits: SchedulerLimits, label: str, scale: float
+    ) -> Executor:
+        if self.cfg.cost_model.durations_from is not None:
+            return self._replayed_executor(pol, limits, label, scale)
+        bs = self.cfg.kv_cache.block_size
+        executor = CostModelExecutor(self.cost_model, bs)
+        if pol.speculative is not None:
+            executor = spec_executor.wrap(
+                executor, self.cost_model, bs, pol.speculative, HARDWARE[self.cfg.hardware],
+                self.cfg.base_dir,
+            )  # fmt: skip
+        return executor
+
+    def _replayed_executor(
+        self, pol: PolicyConfig, limits: SchedulerLimits, label: str, scale: float
+    ) -> Executor:
+        limits_d = dataclasses.asdict(limits)
+        asynchronous = async_scheduling(self.cfg, pol)
+        return self.cost_model.executor(pol.label, scale, limits_d, label, asynchronous)
+
+    def run_info(self) -> dict[str, Any]:
+        return self._info
+
+    def begin_run(self) -> None:
+        self._capped = _capped_steps(self.cost_model)
+
+    def end_run(self, label: str, num_steps: int) -> None:
+        capped = _capped_steps(self.cost_model) - self._capped
+        if capped:
+            log.warning(CAPPED_HOST, label, capped, num_steps)
+
+    def describe(self) -> str:
+        cfg = self.cfg
+        line = f"simulated `{cfg.model}` on `{cfg.hardware}` (cost model step times)"
+        c = cfg.cluster
+        if c is None:
+            return line
+        if c.pool is not None:
+            return f"{line}, {c.pool.replicas} replicas behind router `{c.pool.router}`"
+        return (
+            f"{line}, {c.prefill.replicas} prefill replicas (router `{c.prefill.router}`) and "
+            f"{c.decode.replicas} decode replicas (router `{c.decode.router}`), KV over "
+            f"`{c.link.name}` ({c.link.bandwidth * 8 / 1e9:g} Gb/s)"
+        )
+
+    def kv_device(self) -> str:
+        return f"{self.cfg.hardware} (simulated)"
+
+
+def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
+    """The simulator's cost model (analytic, or calibrated from ``cost_model.profile``) and
+    its KV capacity (GPU blocks, CPU blocks)."""
+    model, hw, kv = MODELS[cfg.model], HARDWARE[cfg.hardware], cfg.kv_cache
+    tokens_per_step, seqs = cfg.profile_num_batched_tokens, cfg.scheduler.max_num_seqs
+    tp = cfg.cost_model.tensor_parallel_size
+    gpu = kv.num_gpu_blocks or num_gpu_blocks(
+        model, hw, kv.block_size, kv.gpu_memory_utilization, tokens_per_step, seqs, tp
+    )
+    if gpu < 1:
+        block_bytes = model.kv_bytes_per_token * kv.block_size
+        tokens = num_gpu_blocks(model, hw, 1, kv.gpu_memory_utilization, tokens_per_step, seqs)
+        if tokens >= 1:  # room for some KV, not for one block
+            raise ConfigError(
+                f"kv_cache.block_size: one block of {kv.block_size} tokens needs "
+                f"{block_bytes / 1e9:.1f} GB of KV cache for {model.name}; a {hw.name} has "
+                f"room for {tokens} tokens"
+            )
+        act = activation_bytes(model, tokens_per_step, seqs)
+        raise ConfigError(
+            f"kv_cache.gpu_memory_utilization: {kv.gpu_memory_utilization} of "
+            f"{hw.memory_bytes / 1e9:.0f} GB leaves no room for KV after "
+            f"{model.weight_bytes / 1e9:.1f} GB of weights and {act / 1e9:.1f} GB of "
+            f"activations (scheduler.max_num_batched_tokens {tokens_per_step}, "
+            f"scheduler.max_num_seqs {seqs})"
+        )
+    kv_bytes = gpu * model.kv_bytes_per_token * kv.block_size
+    if tp > 1:  # per GPU: its share of the KV heads (lab/sim/cost_model.py)
+        kv_bytes *= max(1, model.num_key_value_heads // tp) / model.num_key_value_heads
+    if kv_bytes > hw.memory_bytes:
+        raise ConfigError(
+            f"kv_cache.num_gpu_blocks: {gpu} blocks of {kv.block_size} tokens need "
+            f"{kv_bytes / 1e9:.1f} GB of KV cache for {model.name}, more than the "
+            f"{hw.memory_bytes / 1e9:.0f} GB of a {hw.name}"
+        )
+    cpu = num_cpu_blocks(model, kv.block_size, kv.swap_space_gib)
+    cm = cfg.cost_model
+    if cm.durations_from is None:  # else the engine run's capacity (below)
+        check_swap_blocks(kv, cpu, model.kv_bytes_per_token * kv.block_size, model.name)
+    if cm.durations_from is not None:  # the engine run's durations and its KV capacity
+        from lab.sim.replayed import ReplayedDurations
+
+        replayed = ReplayedDurations(cm.durations_from)
+        gpu, cpu = replayed.capacity() or (gpu, cpu)
+        return replayed, gpu, cpu
+    if cm.profile is not None:
+        from lab.sim.calibrated import CalibratedCostModel
+
+        return CalibratedCostModel(cm.profile, cm.replay_steps), gpu, cpu
+    return AnalyticCostModel(model, hw, **cm.analytic), gpu, cpu
+
+
+def check_sim_speculative(cfg: ExperimentConfig, pol: PolicyConfig) -> None:
+    """Fail before any replay when the simulator cannot run a policy's speculation: rates
+    missing or bad, a draft model it cannot price, or replayed engine durations (the engine
+    run's acceptance is not replayed step by step).
+
+    Raises:
+        ConfigError: one line naming the policy and the key.
+    """
+    spec = pol.speculative
+    where = f"policies[{pol.label}]"
+    if cfg.cost_model.durations_from is not None:
+        raise ConfigError(
+            f"{where}: speculative with cost_model.durations_from is not supported: the "
+            "simulator draws acceptance, so its plans would not be the engine run's"
+        )
+    if cfg.cluster is not None:
+        raise ConfigError(f"{where}: speculative in a cluster run is not supported yet")
+    try:
+        spec_executor.acceptance_rates(spec, cfg.base_dir)
+        if spec.method == "draft":
+            spec_executor.draft_cost_model(spec, HARDWARE[cfg.hardware], cfg.base_dir)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+ANALYTIC_NOTE = (
+    "the analytic roofline ran: its efficiencies and step overhead are assumptions, not "
+    "measurements of an engine (the README compares its latencies with the calibrated "
+    "model's); set cost_model.profile for measured step times"
+)
+# the same, when its efficiencies were fitted to the hardware's engine profiles
+FITTED_NOTE = (
+    "the analytic roofline ran, with efficiencies fitted to engine profiles "
+    "(lab/sim/analytic_defaults.py), not the model calibrated from one (the README compares "
+    "their latencies); set cost_model.profile for the calibrated step times"
+)
+NO_HOST_NOTE = (
+    "cost_model.host_overhead_s and host_per_seq_s are 0: host time is 0, so asynchronous "
+    "scheduling is predicted to save nothing"
+)
+CAPPED_HOST = (
+    "%s: in %d of %d steps cost_model.host_overhead_s + host_per_seq_s * sequences exceeded "
+    "the step time and was capped at it (a step's host part is at most the step: "
+    "lab/sim/cost_model.py)"
+)
+
+
+def _shown(path: Path) -> str:
+    """A data path as results show it: relative to the lab's data root when inside it (the
+    same in every checkout), else absolute."""
+    try:
+        return str(path.relative_to(paths.DATA_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
+    """What made a sim run's step times (summary key ``cost_model``): ``kind`` (analytic,
+    calibrated, replayed), ``profile`` (its file), ``fingerprint`` (of the engine it
+    describes), ``stale`` and ``why`` (a calibrated profile whose fingerprint is missing
+    or names other backend sources than this checkout's; see
+    :func:`lab.sim.calibrated.staleness`), and ``host_note``: why the model has no host
+    time (asynchronous scheduling then saves nothing), empty when it has one."""
+    cm = cfg.cost_model
+    if cm.durations_from is not None:
+        return {
+            "kind": "replayed",
+            "profile": _shown(cm.durations_from),
+            "fingerprint": cost_model.fingerprint(),
+            "stale": False,
+            "why": "",
+            "host_note": "",  # recorded durations hold the engine's own overlap
+        }
+    if cm.profile is not None:
+        from backend.sources import checkout_engine
+        from lab.sim.calibrated import staleness
+
+        stale, why = staleness(cost_model.fingerprint, checkout_engine())
+        return {
+            "kind": "calibrated",
+            "profile": _shown(cm.profile),
+            "fingerprint": cost_model.fingerprint,
+            "stale": stale,
+            "why": why,
+            "host_note": cost_model.host_note,
+        }
+    no_host = cm.host_overhead_s == 0 and cm.host_per_seq_s == 0
+    source = analytic_source(cfg)
+    why = FITTED_NOTE if source["efficiencies"] == "profile" else ANALYTIC_NOTE
+    return {"kind": "analytic", "profile": None, "fingerprint": None, "stale": False,
+            "why": why, "host_note": NO_HOST_NOTE if no_host else "", **source}  # fmt: skip
+
+
+def analytic_source(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Where an analytic run's efficiencies came from (summary keys of ``cost_model``):
+    ``efficiencies`` "profile" (fitted to the shipped profiles of its hardware), "guess"
+    (datasheet assumptions: no profile) or "yaml" (every value set in the YAML);
+    ``efficiency_profiles`` (the files fitted), ``efficiency_error`` (the fit's median
+    relative step-time error on their rows, None: unknown), ``efficiencies_from_yaml`` (the
+    keys whose value is not the default; lab/sim/analytic_defaults.py), ``values`` (the
+    three values the run used)."""
+    from lab.sim.analytic_defaults import KEYS, defaults
+
+    d = defaults(cfg.model, cfg.hardware)
+    own = [k for k in KEYS if getattr(cfg.cost_model, k) != getattr(d, k)]
+    return {
+        "values": {k: getattr(cfg.cost_model, k) for k in KEYS},
+        "efficiencies": "yaml" if len(own) == len(KEYS) else d.source,
+        "efficiency_profiles": [] if len(own) == len(KEYS) else list(d.profiles),
+        "efficiency_error": None if own else d.median_relative_error,
+        "efficiencies_from_yaml": own,
+    }
+
+
+def _capped_steps(cost_model: Any) -> int:
+    """Steps so far whose analytic host time was capped at the step time (0 for models
+    without the count)."""
+    return getattr(cost_model, "num_capped_steps", 0)

@@ -29,7 +29,7 @@ from lab.report import plots, timeline
 from lab.report.markdown import config_yaml, model_line, report_markdown
 from lab.report.progress import Phase
 from lab.results import fairness, vllm_result
-from lab.run.experiment import Run
+from lab.results.run import Run
 from lab.sim.replay import STEP_COLUMNS
 
 MANIFEST = ".sched-lab-manifest.json"  # the names of the files the lab wrote in a folder

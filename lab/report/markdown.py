@@ -9,7 +9,7 @@ import yaml
 
 from lab.config import ExperimentConfig
 from lab.results import fairness, spec_metrics
-from lab.run.experiment import Run
+from lab.results.run import Run
 
 
 def summary_table(runs: list[Run]) -> str:

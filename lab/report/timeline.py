@@ -42,7 +42,7 @@ LANES = {
 
 
 def events_frame(run) -> pd.DataFrame:
-    """The events of one :class:`lab.run.experiment.Run` as events.csv rows, in step order."""
+    """The events of one :class:`lab.results.run.Run` as events.csv rows, in step order."""
     res = run.result
     n_steps = len(res.steps["time_s"])
     rows: list[tuple] = []

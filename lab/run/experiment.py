@@ -7,7 +7,7 @@ import dataclasses
 import hashlib
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import Scheduler, SchedulerLimits
 from lab.report.progress import Phase
 from lab.results import cluster_metrics, fairness, metrics, spec_metrics, vllm_result
+from lab.results.run import Run
 from lab.setup import Setup, setup_for
 from lab.sim.cluster import ClusterResult, replay_cluster
 from lab.sim.models import MODELS
@@ -29,23 +30,6 @@ from lab.sim.replay import ReplayResult, replay
 from policies import get_policy
 
 log = logging.getLogger("lab.run.experiment")
-
-
-@dataclass
-class Run:
-    """One policy at one load."""
-
-    label: str
-    policy: str
-    rate_scale: float
-    result: ReplayResult
-    requests: pd.DataFrame
-    itl_cdf_s: np.ndarray  # ITL at CDF levels linspace(0, 1, len): metrics.cdf_points
-    summary: dict[str, Any]
-    # The run in the format of vLLM's `vllm bench serve --save-result` (lab/results/vllm_result.py)
-    vllm: dict[str, Any] = field(default_factory=dict)
-    # ITL tail: (fraction of gaps above, gap in s), shape (2, n): vllm_result.tail_points
-    itl_tail_s: np.ndarray | None = None
 
 
 def resolve_limits(

@@ -1,4 +1,4 @@
-"""The typed config (lab/config.py), its YAML loader (lab/config/yamlio.py) and path rule
+"""The typed config (lab/config.py), its YAML loader (traces/readers.py) and path rule
 (lab/config/paths.py), and how run_experiment uses them: defaults, resolved paths, checks before
 the first replay, the trace read once and identified by its sha256."""
 
@@ -16,9 +16,9 @@ import yaml
 
 import run_experiment
 from lab.config import ExperimentConfig, load_config, paths, validate
-from lab.config.yamlio import parse_yaml, short_repr
-from lab.core.errors import ConfigError
+from lab.core.errors import ConfigError, short_repr
 from lab.run.experiment import resolve_limits
+from traces.readers import parse_yaml
 
 SYNTHETIC = (
     "{format: synthetic, num_requests: 4, arrival: {process: poisson, rate: 2}, "

@@ -24,6 +24,7 @@ import torch
 
 from backend.attention.base import AttentionBackend, AttentionMetadata, GraphMetadata
 from backend.errors import DeviceError
+from lab.core.attention_names import ATTENTION_BACKENDS
 from lab.core.errors import ConfigError
 
 __all__ = [
@@ -34,12 +35,13 @@ __all__ = [
     "get_attention_backend",
 ]
 
-# name -> (module, class, pip requirement)
-BACKENDS: dict[str, tuple[str, str, str]] = {
+# name -> (module, class, pip requirement); the names are lab/core/attention_names.py's
+_MODULES: dict[str, tuple[str, str, str]] = {
     "torch": ("backend.attention.torch_ref", "TorchAttention", "torch"),
     "triton": ("backend.attention.triton_backend", "TritonAttention", "triton==3.6.0"),
     "flash_attn": ("backend.attention.flash_attn_backend", "FlashAttention", "flash-attn"),
 }
+BACKENDS: dict[str, tuple[str, str, str]] = {name: _MODULES[name] for name in ATTENTION_BACKENDS}
 
 
 def get_attention_backend(

@@ -42,7 +42,7 @@ Layout (every key optional except ``trace``; see experiments/quickstart.yaml)::
     trace_file: {path: ..., sha256: ..., rows: ...}   # written into results' config.yaml;
              # when given, the trace file must still be that file
 
-Load a file with :func:`load_config` (YAML rules: :mod:`lab.config.yamlio`; path rules:
+Load a file with :func:`load_config` (YAML rules: :mod:`traces.readers`; path rules:
 :mod:`lab.config.paths`), or a mapping built in code with :func:`validate`. Read values as
 attributes: ``cfg.kv_cache.block_size``, ``cfg.policies[0].label``, ``cfg.rate_scales``.
 :meth:`ExperimentConfig.to_dict` gives the resolved config (the layout above, paths
@@ -65,8 +65,7 @@ from typing import Any
 
 import policies
 from lab.config import paths
-from lab.config.yamlio import load_yaml_file, short_repr
-from lab.core.errors import ConfigError
+from lab.core.errors import ConfigError, short_repr
 from lab.core.scheduler import VICTIM_RULES
 from lab.core.spec import SpeculativeConfig
 from lab.sim.analytic_defaults import GUESS
@@ -76,6 +75,7 @@ from lab.sim.hardware import HARDWARE, LINKS, Link
 from lab.sim.models import MODELS
 from policies import get_policy
 from traces.classes import CLASS_KEYS
+from traces.readers import load_yaml_file
 
 log = logging.getLogger("lab.config")
 
@@ -100,7 +100,7 @@ _DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+ -]*")  # it names runs in tables and plots
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
-ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
+from lab.core.attention_names import ATTENTION_BACKENDS  # noqa: E402
 LIMIT_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")  # a policy's own
 VICTIM_KEY = "preemption_victim"  # every policy's option (lab/core/scheduler.py VICTIM_RULES)
 ASYNC_KEY = "async_scheduling"  # every policy's option (lab/core/scheduler.py module doc)

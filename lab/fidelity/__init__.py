@@ -61,7 +61,7 @@ from typing import Any
 
 import yaml
 
-from lab.config.yamlio import short_repr
+from lab.core.errors import short_repr
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL = ROOT / "benchmarks" / "fidelity_heldout.yaml"

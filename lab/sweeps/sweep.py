@@ -41,9 +41,9 @@ from typing import Any
 
 from lab.config import MAX_NAME_CHARS, check_name, paths, validate
 from lab.config.keypaths import ALIASES, get_path, parse_path, set_path  # noqa: F401 (get_path: re-exported)
-from lab.config.yamlio import load_yaml_file, short_repr
-from lab.core.errors import ConfigError, UserError
+from lab.core.errors import ConfigError, UserError, short_repr
 from lab.sweeps.search import parse_search
+from traces.readers import load_yaml_file
 
 SWEEP_KEYS = ("sweep", "search")  # top-level keys that make a YAML a sweep
 NOT_SWEPT = ("name", "sweep", "search", "trace_file")  # keys a point cannot set

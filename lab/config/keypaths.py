@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from lab.config import DEFAULT_POLICIES
+from lab.config.policy_entries import DEFAULT_POLICIES
 from lab.core.errors import ConfigError, short_repr
 
 ALIASES = {"rate_scale": "trace.rate_scale"}

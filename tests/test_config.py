@@ -10,6 +10,7 @@ import importlib.util
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -516,3 +517,28 @@ def test_report_keys(tmp_path):
     ):
         with pytest.raises(ConfigError, match=re.escape(msg)):
             load_config(write(tmp_path, base + f"report: {bad}\n"))
+
+
+def test_cross_feature_rules_are_one_named_table():
+    from lab.config import BACKENDS, RULES
+    from lab.config.sections import EngineConfig
+    from lab.config.walker import Context
+    from lab.core.attention_names import ATTENTION_BACKENDS
+
+    names = [r.name for r in RULES]
+    assert len(set(names)) == len(names) and all(r.doc for r in RULES)
+    assert set(BACKENDS) == {"sim", "engine"}
+    field = next(f for f in dataclasses.fields(EngineConfig) if f.name == "attention_backend")
+    with pytest.raises(ConfigError, match=r"^c: engine.a: expected one of flash_attn, torch, tr"):
+        field.metadata["check"](Context("c", Path(".")), "engine.a", "x")
+    assert ATTENTION_BACKENDS == ("torch", "triton", "flash_attn")
+
+
+def test_workload_classes_are_their_own_trace_variant(tmp_path):
+    from lab.config import ClassesConfig, TraceConfig
+
+    one = validate({"trace": parse_yaml(SYNTHETIC)}, "c", tmp_path)
+    assert isinstance(one.trace, TraceConfig) and one.trace.classes == ()
+    two = validate({"trace": [{"name": "a", **parse_yaml(SYNTHETIC)}]}, "c", tmp_path)
+    assert isinstance(two.trace, ClassesConfig) and not hasattr(two.trace, "spec")
+    assert two.to_dict()["trace"][0]["name"] == "a" and two.rate_scales == (1.0,)

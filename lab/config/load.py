@@ -18,7 +18,7 @@ from lab.config.policy_entries import (
     parse_policies,
     parse_speculative,
 )
-from lab.config.rules import apply_rules, hash_blocks_hold_kv_blocks
+from lab.config.rules import Draft, apply_rules, hash_blocks_hold_kv_blocks
 from lab.config.sections import (
     CostModelConfig,
     EngineConfig,
@@ -217,6 +217,7 @@ def validate(
     check_bool(where, "check_invariants", top["check_invariants"])
     scheduler = parse_scheduler(ctx, raw.get("scheduler", {}))
     spec = parse_speculative(ctx, "speculative", raw.get("speculative"))
+    apply_rules(Draft(where, backend), raw)  # the early rules
     cluster = None
     if raw.get("cluster") is not None and "cluster" in reads:
         cluster = parse_cluster(ctx, raw["cluster"])

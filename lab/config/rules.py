@@ -3,7 +3,8 @@
 Each rule is a function of the validated config and the raw mapping it came from; it
 raises :class:`~lab.core.errors.ConfigError` as one line naming the key to change, or
 returns. :func:`apply_rules` runs :data:`RULES` in order, after every section is valid on
-its own (:func:`lab.config.load.validate`). A rule reads the backend's row of
+its own (:func:`lab.config.load.validate`; an ``early`` rule before the sections it
+concerns are walked). A rule reads the backend's row of
 :data:`lab.config.backends.BACKENDS`, never its name.
 """
 
@@ -30,11 +31,22 @@ log = logging.getLogger("lab.config")
 
 
 @dataclass(frozen=True)
+class Draft:
+    """What an ``early`` rule sees of the config: the file and the chosen backend."""
+
+    source: str
+    backend: str
+
+
+@dataclass(frozen=True)
 class Rule:
-    """A named cross-feature rule; ``check(cfg, raw)`` raises ConfigError or returns."""
+    """A named cross-feature rule; ``check(cfg, raw)`` raises ConfigError or returns. An
+    ``early`` rule runs before the sections it concerns are walked (so its message comes
+    first), on a :class:`Draft` and the raw mapping."""
 
     name: str
     check: Callable[[ExperimentConfig, Mapping[str, Any]], None]
+    early: bool = False
 
     @property
     def doc(self) -> str:
@@ -192,7 +204,7 @@ def hash_blocks_hold_kv_blocks(cfg: ExperimentConfig, raw: Mapping[str, Any]) ->
 
 
 RULES: tuple[Rule, ...] = (
-    Rule("cluster_needs_simulator", cluster_needs_simulator),
+    Rule("cluster_needs_simulator", cluster_needs_simulator, early=True),
     Rule("cluster_without_replayed_durations", cluster_without_replayed_durations),
     Rule("speculative_async_needs_support", speculative_async_needs_support),
     Rule("cluster_is_synchronous", cluster_is_synchronous),
@@ -201,7 +213,11 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def apply_rules(cfg: ExperimentConfig, raw: Mapping[str, Any]) -> None:
-    """Run every rule of :data:`RULES` in order; the first that refuses raises."""
+def apply_rules(cfg: ExperimentConfig | Draft, raw: Mapping[str, Any]) -> None:
+    """Run the rules of :data:`RULES` in order, the early ones for a :class:`Draft` (before
+    the sections are walked), the others for the validated config; the first that refuses
+    raises."""
+    early = isinstance(cfg, Draft)
     for rule in RULES:
-        rule.check(cfg, raw)
+        if rule.early == early:
+            rule.check(cfg, raw)

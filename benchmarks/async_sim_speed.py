@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 from sim_speed import CPU_S  # noqa: E402  (importing it times every replay's CPU seconds)
 
 from lab.config import validate  # noqa: E402
-from lab.config.yamlio import load_yaml_file  # noqa: E402
 from lab.run.experiment import run_experiment  # noqa: E402
+from traces.readers import load_yaml_file  # noqa: E402
 
 
 def configs(path: Path, limit: int | None):

@@ -424,7 +424,7 @@ def test_run_summary_counts_wasted_tokens(tmp_path):
 
 
 def parse_flow(text: str):
-    from lab.config.yamlio import parse_yaml
+    from traces.readers import parse_yaml
 
     return parse_yaml(f"a: {text}")["a"]
 

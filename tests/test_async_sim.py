@@ -364,8 +364,8 @@ def test_report_says_which_mode_ran_and_warns_without_host_time(
 
 def test_async_replay_of_a_sync_engine_run_is_refused_before_any_replay():
     from lab.config.paths import DATA_ROOT
-    from lab.config.yamlio import load_yaml_file
     from lab.run.experiment import run_experiment
+    from traces.readers import load_yaml_file
 
     path = DATA_ROOT / "experiments" / "replayed_durations.yaml"
     raw = load_yaml_file(path)

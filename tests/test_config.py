@@ -1,4 +1,4 @@
-"""The typed config (lab/config.py), its YAML loader (lab/config/yamlio.py) and path rule
+"""The typed config (lab/config.py), its YAML loader (traces/readers.py) and path rule
 (lab/config/paths.py), and how run_experiment uses them: defaults, resolved paths, checks before
 the first replay, the trace read once and identified by its sha256."""
 
@@ -10,15 +10,16 @@ import importlib.util
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 import yaml
 
 import run_experiment
 from lab.config import ExperimentConfig, load_config, paths, validate
-from lab.config.yamlio import parse_yaml, short_repr
-from lab.core.errors import ConfigError
+from lab.core.errors import ConfigError, short_repr
 from lab.run.experiment import resolve_limits
+from traces.readers import parse_yaml
 
 SYNTHETIC = (
     "{format: synthetic, num_requests: 4, arrival: {process: poisson, rate: 2}, "
@@ -518,3 +519,28 @@ def test_report_keys(tmp_path):
     ):
         with pytest.raises(ConfigError, match=re.escape(msg)):
             load_config(write(tmp_path, base + f"report: {bad}\n"))
+
+
+def test_cross_feature_rules_are_one_named_table():
+    from lab.config import BACKENDS, RULES
+    from lab.config.sections import EngineConfig
+    from lab.config.walker import Context
+    from lab.core.attention_names import ATTENTION_BACKENDS
+
+    names = [r.name for r in RULES]
+    assert len(set(names)) == len(names) and all(r.doc for r in RULES)
+    assert set(BACKENDS) == {"sim", "engine"}
+    field = next(f for f in dataclasses.fields(EngineConfig) if f.name == "attention_backend")
+    with pytest.raises(ConfigError, match=r"^c: engine.a: expected one of flash_attn, torch, tr"):
+        field.metadata["check"](Context("c", Path(".")), "engine.a", "x")
+    assert ATTENTION_BACKENDS == ("torch", "triton", "flash_attn")
+
+
+def test_workload_classes_are_their_own_trace_variant(tmp_path):
+    from lab.config import ClassesConfig, TraceConfig
+
+    one = validate({"trace": parse_yaml(SYNTHETIC)}, "c", tmp_path)
+    assert isinstance(one.trace, TraceConfig) and one.trace.classes == ()
+    two = validate({"trace": [{"name": "a", **parse_yaml(SYNTHETIC)}]}, "c", tmp_path)
+    assert isinstance(two.trace, ClassesConfig) and not hasattr(two.trace, "spec")
+    assert two.to_dict()["trace"][0]["name"] == "a" and two.rate_scales == (1.0,)

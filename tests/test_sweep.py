@@ -459,3 +459,30 @@ def test_an_unreachable_ray_address_is_one_line_not_a_wait():
     with pytest.raises(UserError, match=r"^--ray-address 127.0.0.1:1: cannot connect \("):
         _check_reachable("127.0.0.1:1")
     _check_reachable("auto")  # left to Ray
+
+
+def test_a_sweep_over_workload_classes_runs_every_point(tmp_path):
+    # trace: a list of classes (traces/classes.py), swept like a single trace
+    classes = (
+        "trace:\n"
+        "  - {name: chat, priority: 0, format: synthetic, num_requests: 6, prompt_len: 32,\n"
+        "     output_len: 4, arrival: {process: poisson, rate: 4}}\n"
+        "  - {name: batch, priority: 1, format: synthetic, num_requests: 4, prompt_len: 128,\n"
+        "     output_len: 8, arrival: {process: poisson, rate: 2}}\n"
+        "slo: {ttft_s: 0.5}\npolicies: [fcfs, priority]\n"
+        "sweep: {grid: {kv_cache.num_gpu_blocks: [64, 256]}}\n"
+    )
+    path = write(tmp_path, classes)
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
+    table = pd.read_csv(out / "sweep.csv")
+    assert table["point"].tolist() == ["p000", "p000", "p001", "p001"]
+    assert (table["status"] == "ok").all() and (table["finished"] == 10).all()
+    assert table["kv_cache.num_gpu_blocks"].tolist() == [64, 64, 256, 256]
+    point = json.loads((out / "points/p001/summary.json").read_text())
+    row = table.iloc[3]
+    assert row["policy"] == "priority" and row["ttft_s_p99"] == point["priority"]["ttft_s"]["p99"]
+    assert set(point["priority"]["classes"]) == {"chat", "batch"}
+    # --limit is shared among the classes, as ExperimentConfig.with_trace shares it
+    sweep = load_sweep(path, limit=4)
+    assert [c["limit"] for c in sweep.configs["p000"].trace.classes] == [2, 2]

@@ -68,8 +68,7 @@ from typing import Any
 
 import numpy as np
 
-from lab.config.yamlio import short_repr
-from lab.core.errors import TraceError
+from lab.core.errors import TraceError, short_repr
 from traces.distributions import Choice, Fixed, LengthDistribution, Uniform, parse_length
 from traces.loaders import MAX_SYNTHETIC_REQUESTS
 from traces.spec import check_keys, check_mapping, get_choice, get_float, get_int

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from lab.config.yamlio import load_yaml_file, short_repr
-from lab.core.errors import TraceError
+from lab.core.errors import TraceError, short_repr
+from traces.readers import load_yaml_file
 from traces.registry import register_format
 from traces.spec import WHERE, require, resolve_path
 from traces.table import TraceTable

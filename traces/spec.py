@@ -11,8 +11,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from lab.config.yamlio import short_repr
-from lab.core.errors import TraceError
+from lab.core.errors import TraceError, short_repr
 
 # Key path of the trace block in an experiment YAML, the prefix of every spec message.
 WHERE = "trace"

@@ -24,6 +24,7 @@ import torch
 
 from backend.attention.base import AttentionBackend, AttentionMetadata, GraphMetadata
 from backend.errors import DeviceError
+from lab.core.attention_names import ATTENTION_BACKENDS
 from lab.core.registry import Registry
 
 __all__ = [
@@ -34,11 +35,16 @@ __all__ = [
     "get_attention_backend",
 ]
 
-# name -> (module, class, pip requirement), in the order the error lists them
+# name -> (module, class, pip requirement); the names (and the order errors list them in) are
+# lab/core/attention_names.py's
+_MODULES = {
+    "torch": ("backend.attention.torch_ref", "TorchAttention", "torch"),
+    "triton": ("backend.attention.triton_backend", "TritonAttention", "triton==3.6.0"),
+    "flash_attn": ("backend.attention.flash_attn_backend", "FlashAttention", "flash-attn"),
+}
 BACKENDS: Registry[tuple[str, str, str]] = Registry("attention backend", "known", sort=False)
-BACKENDS.add("torch", ("backend.attention.torch_ref", "TorchAttention", "torch"))
-BACKENDS.add("triton", ("backend.attention.triton_backend", "TritonAttention", "triton==3.6.0"))
-BACKENDS.add("flash_attn", ("backend.attention.flash_attn_backend", "FlashAttention", "flash-attn"))
+for _name in ATTENTION_BACKENDS:
+    BACKENDS.add(_name, _MODULES[_name])
 
 
 def get_attention_backend(

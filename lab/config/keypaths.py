@@ -9,9 +9,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from lab.config import DEFAULT_POLICIES
-from lab.config.yamlio import short_repr
-from lab.core.errors import ConfigError
+from lab.config.policy_entries import DEFAULT_POLICIES
+from lab.core.errors import ConfigError, short_repr
 
 ALIASES = {"rate_scale": "trace.rate_scale"}
 _SEGMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_+-]*)((?:\[[0-9]+\])*)$")

@@ -7,6 +7,23 @@ expected. ``run_experiment.py`` prints ``error: <message>`` and exits with statu
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
+MAX_SHOWN_CHARS = 80  # a value quoted in an error message is cut to this
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple = 2, 4, 6, 6
+_REPR.maxstring = _REPR.maxother = MAX_SHOWN_CHARS
+
+
+def short_repr(value: Any, limit: int = MAX_SHOWN_CHARS) -> str:
+    """``repr(value)`` cut to about ``limit`` characters, without building the whole repr
+    of a huge value (a long string or a deep list costs no more than a short one); for
+    quoting a user's value in a one-line message."""
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
 
 class UserError(Exception):
     """A mistake in the user's input; the message is shown as one line."""

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from lab.config.yamlio import short_repr
+from lab.core.errors import short_repr
 from lab.fidelity.archive import PACKED, notes_path, pack, repeat_archive, unpack
 from lab.fidelity.compare import (
     METRICS,

@@ -169,12 +169,13 @@ def _scheduling_lines(runs: list[Run]) -> list[str]:
 def report_markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str]]) -> str:
     from lab.report.terminal import slo_text
 
-    trace = cfg.trace.spec
-    what = f"trace `{trace.get('format')}` {trace.get('path', '')}{_trace_options(trace)}"
     if cfg.trace.classes:
         what = "workload classes " + ", ".join(
             f"`{c['name']}` ({c['format']}{_trace_options(c)})" for c in cfg.trace.classes
         )
+    else:
+        trace = cfg.trace.spec
+        what = f"trace `{trace.get('format')}` {trace.get('path', '')}{_trace_options(trace)}"
     lines = [
         f"# {cfg.name}",
         "",

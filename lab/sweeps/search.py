@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lab.config.keypaths import ALIASES, get_path, parse_path
-from lab.config.yamlio import short_repr
-from lab.core.errors import ConfigError
+from lab.core.errors import ConfigError, short_repr
 
 STATS = ("mean", "p50", "p90", "p99")
 LATENCY_METRICS = tuple(

@@ -41,9 +41,9 @@ from typing import Any
 
 from lab.config import MAX_NAME_CHARS, check_name, paths, validate
 from lab.config.keypaths import ALIASES, get_path, parse_path, set_path  # noqa: F401 (get_path: re-exported)
-from lab.config.yamlio import load_yaml_file, short_repr
-from lab.core.errors import ConfigError, UserError
+from lab.core.errors import ConfigError, UserError, short_repr
 from lab.sweeps.search import parse_search
+from traces.readers import load_yaml_file
 
 SWEEP_KEYS = ("sweep", "search")  # top-level keys that make a YAML a sweep
 NOT_SWEPT = ("name", "sweep", "search", "trace_file")  # keys a point cannot set
@@ -121,9 +121,14 @@ def load_sweep(
         name = check_name(where, "name (from the file name)", path.stem)
     base = {k: copy.deepcopy(v) for k, v in raw.items() if k not in SWEEP_KEYS}
     if limit is not None:
-        if not isinstance(base.get("trace"), Mapping):
+        trace = base.get("trace")
+        if isinstance(trace, list) and trace and all(isinstance(c, Mapping) for c in trace):
+            share = max(1, limit // len(trace))  # as ExperimentConfig.with_trace shares it
+            base["trace"] = [{**c, "limit": share} for c in trace]
+        elif not isinstance(trace, Mapping):
             raise ConfigError(f"{where}: trace: expected a mapping with at least 'format'")
-        base["trace"] = {**base["trace"], "limit": limit}
+        else:
+            base["trace"] = {**trace, "limit": limit}
     combos, keys = expand(raw.get("sweep"), where)
     width = max(3, len(str(len(combos) - 1)))
     points = []
@@ -145,17 +150,32 @@ def load_sweep(
         configs[p.name] = cfg
         if search is not None:
             search.check(cfg, p, where)
-        spec = {k: v for k, v in cfg.trace.spec.items() if k != "rate_scale"}
-        ident = json.dumps({"seed": cfg.seed, **spec}, sort_keys=True, default=str)
-        if check_traces and ident not in traces_seen:
-            traces_seen.add(ident)
-            from traces import load_table
-
+        if check_traces:
             try:
-                load_table({"seed": cfg.seed, **cfg.trace.spec}, base_dir)
+                _check_trace(cfg, base_dir, traces_seen)
             except UserError as e:
                 raise ConfigError(f"{where}: sweep point {p.name} ({p.describe()}): {e}") from None
     return Sweep(name, where, base_dir, tuple(points), keys, raw, search, configs)
+
+
+def _check_trace(cfg: Any, base_dir: Path, seen: set[str]) -> None:
+    """Load ``cfg``'s trace (each workload class's, for classes) unless one of the same
+    spec and seed was loaded already (``seen``); raises its UserError."""
+    from traces import load_table
+    from traces.classes import load_classes
+
+    if cfg.trace.classes:
+        spec: Any = [dict(c) for c in cfg.trace.classes]
+    else:
+        spec = {k: v for k, v in cfg.trace.spec.items() if k != "rate_scale"}
+    ident = json.dumps({"seed": cfg.seed, "trace": spec}, sort_keys=True, default=str)
+    if ident in seen:
+        return
+    seen.add(ident)
+    if cfg.trace.classes:
+        load_classes(cfg.trace.classes, base_dir, cfg.seed, cfg.slo.ttft_s)
+    else:
+        load_table({"seed": cfg.seed, **cfg.trace.spec}, base_dir)
 
 
 def _validate_point(p: Point, where: str, base_dir: Path):

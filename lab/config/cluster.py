@@ -1,0 +1,100 @@
+"""The ``cluster:`` section (lab/sim/cluster.py): aggregated ``{replicas, router}`` or
+disaggregated ``{prefill: {replicas, router}, decode: {replicas, router}, kv_transfer: LINK |
+{bandwidth_gbps, latency_s}}``; and the spec written back as YAML."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from lab.config.walker import Context, check_choice, check_int, check_mapping, check_num, fail
+from lab.core.errors import ConfigError
+from lab.sim.cluster import ClusterSpec, PoolSpec
+from lab.sim.hardware import LINKS, Link
+
+CLUSTER_KEYS = ("replicas", "router", "prefill", "decode", "kv_transfer")
+MAX_REPLICAS = 4096  # each replica holds its own scheduler and block manager in memory
+_DISAGGREGATED_KEYS = ("prefill", "decode", "kv_transfer")
+
+
+def parse_cluster(ctx: Context, raw: Any) -> ClusterSpec:
+    """``cluster:`` (see the module docstring).
+
+    Raises:
+        ConfigError: both layouts mixed, a disaggregated key missing, a bad pool or link.
+    """
+    where = ctx.where
+    d = check_mapping(where, "cluster", raw, CLUSTER_KEYS)
+    disaggregated = [k for k in _DISAGGREGATED_KEYS if k in d]
+    if not disaggregated:
+        return ClusterSpec(pool=_pool(where, "cluster", d))
+    if "replicas" in d or "router" in d:
+        raise ConfigError(
+            f"{where}: cluster: give replicas and router (aggregated) or prefill, decode and "
+            f"kv_transfer (disaggregated), not both"
+        )
+    missing = [k for k in _DISAGGREGATED_KEYS if k not in d]
+    if missing:
+        raise ConfigError(
+            f"{where}: cluster: a disaggregated cluster needs prefill, decode and kv_transfer; "
+            f"missing {', '.join(missing)}"
+        )
+    return ClusterSpec(
+        prefill=_pool(where, "cluster.prefill", d["prefill"]),
+        decode=_pool(where, "cluster.decode", d["decode"]),
+        link=_link(where, "cluster.kv_transfer", d["kv_transfer"]),
+    )
+
+
+def _pool(where: str, key: str, raw: Any) -> PoolSpec:
+    from lab.sim.router import get_router
+
+    d = check_mapping(where, key, raw, ("replicas", "router"))
+    replicas = check_int(where, f"{key}.replicas", d.get("replicas", 1))
+    if replicas > MAX_REPLICAS:
+        raise fail(where, f"{key}.replicas", f"an integer in [1, {MAX_REPLICAS}]", replicas)
+    router = d.get("router", "round_robin")
+    spec = {"name": router} if isinstance(router, str) else router
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+        raise fail(where, f"{key}.router", "a router name or a mapping with 'name'", router)
+    try:
+        cls = get_router(spec["name"])
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {key}.router: {e}") from None
+    check_mapping(where, f"{key}.router", spec, ("name", *cls.options))
+    options = {}
+    for k, v in spec.items():
+        if k == "name":
+            continue
+        if isinstance(cls.options[k], int):
+            options[k] = check_int(where, f"{key}.router.{k}", v)
+        else:
+            options[k] = check_num(where, f"{key}.router.{k}", v, lo=1.0)
+    return PoolSpec(replicas, spec["name"], MappingProxyType(options))
+
+
+def _link(where: str, key: str, raw: Any) -> Link:
+    if isinstance(raw, str):
+        return LINKS[check_choice(where, key, raw, LINKS)]
+    d = check_mapping(where, key, raw, ("bandwidth_gbps", "latency_s"))
+    if "bandwidth_gbps" not in d:
+        raise fail(where, key, "a link preset name or {bandwidth_gbps, latency_s}", raw)
+    gbps = check_num(where, f"{key}.bandwidth_gbps", d["bandwidth_gbps"], 0.0, lo_open=True)
+    latency = check_num(where, f"{key}.latency_s", d.get("latency_s", 0.0), 0.0)
+    return Link("custom", gbps * 1e9 / 8, float(latency), f"{gbps} Gb/s, {latency} s")
+
+
+def cluster_to_dict(c: ClusterSpec) -> dict[str, Any]:
+    """A cluster spec as written in YAML (presets by name)."""
+
+    def pool(p: PoolSpec) -> dict[str, Any]:
+        router = {"name": p.router, **p.router_options} if p.router_options else p.router
+        return {"replicas": p.replicas, "router": router}
+
+    if c.pool is not None:
+        return pool(c.pool)
+    link: Any = c.link.name
+    if c.link.name not in LINKS:
+        link = {"bandwidth_gbps": c.link.bandwidth * 8 / 1e9, "latency_s": c.link.latency_s}
+    return {"prefill": pool(c.prefill), "decode": pool(c.decode), "kv_transfer": link}

@@ -1,0 +1,203 @@
+"""The ``trace:`` section, in one of two typed variants: :class:`TraceConfig` (one trace
+spec, handed to :mod:`traces`) or :class:`ClassesConfig` (a list of workload classes,
+:mod:`traces.classes`). Both answer ``classes``, ``tenants``, ``rate_scales``, ``expected``,
+``format``, ``path`` and ``to_dict``; only a single trace has a ``spec``.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from lab.config import paths
+from lab.config.sections import parse_slo
+from lab.config.walker import Context, check_int, check_mapping, check_num, existing, fail
+from lab.core.errors import ConfigError
+from traces.classes import CLASS_KEYS
+
+# Outside this, arrival times lose float precision (an hour-long trace at 1e-12 spans
+# 3.6e15 s, where doubles are 0.5 s apart) or the trace collapses into one instant.
+RATE_SCALE_RANGE = (1e-6, 1e6)
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+ -]*")  # it names runs in tables and plots
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def scale_label(scale: float) -> str:
+    """How a rate_scale names its runs when there are several: ``{label}@x{scale_label}``."""
+    return f"{scale:g}"
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    """``trace:`` as one trace. ``spec`` is handed to :mod:`traces` as it is (traces/spec.py
+    validates it when the trace is loaded), with its paths made absolute.
+
+    Args:
+        spec: the block as written, paths absolute (``rate_scale`` included).
+        rate_scales: the offered-load multipliers, one run per policy each (>= 1 entry).
+        expected: ``trace_file`` of a results' config.yaml (path, sha256, rows), or None.
+    """
+
+    spec: Mapping[str, Any]
+    rate_scales: tuple[float, ...] = (1.0,)
+    expected: Mapping[str, Any] | None = None
+
+    classes = ()  # no workload classes: see ClassesConfig
+    tenants = frozenset()  # of workload classes: none
+
+    @property
+    def format(self) -> str | None:
+        return self.spec.get("format")
+
+    @property
+    def path(self) -> Path | None:
+        """The trace file (absolute), or None for generated traces."""
+        p = self.spec.get("path")
+        return Path(p) if isinstance(p, str) else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(dict(self.spec))
+
+
+@dataclass(frozen=True)
+class ClassesConfig:
+    """``trace:`` as a list of workload classes (traces/classes.py), merged into one trace
+    when loaded. Each class is a mapping of :data:`traces.classes.CLASS_KEYS` (name,
+    priority, tenant, slo) and a trace spec of its own, paths absolute; each has one load
+    (its own ``rate_scale`` number), so the experiment has one: ``rate_scales == (1.0,)``."""
+
+    classes: tuple[Mapping[str, Any], ...]
+
+    rate_scales = (1.0,)
+    expected = None  # no trace_file: the classes' files are not checked against one
+    path = None
+    format = "classes"  # names the workload in messages; no trace format of traces/
+
+    @property
+    def tenants(self) -> frozenset[str]:
+        """The tenants the workload classes name."""
+        return frozenset(c.get("tenant", "") for c in self.classes) - {""}
+
+    def to_dict(self) -> list[dict[str, Any]]:
+        return [copy.deepcopy(dict(c)) for c in self.classes]
+
+
+Workload = TraceConfig | ClassesConfig
+
+
+def parse_trace(
+    ctx: Context, raw: Mapping[str, Any], expected: Mapping[str, Any] | None, key: str = "trace"
+) -> TraceConfig:
+    """One trace spec: its ``rate_scale`` (a number or a list) checked, its paths made
+    absolute (``path`` must exist); the rest is checked by traces/spec.py at load."""
+    where = ctx.where
+    spec = copy.deepcopy(dict(raw))
+    rs = spec.get("rate_scale", 1.0)
+    if rs == []:
+        raise fail(where, f"{key}.rate_scale", "a number > 0 or a non-empty list of them", rs)
+    lo, hi = RATE_SCALE_RANGE
+    for v in rs if isinstance(rs, list) else [rs]:
+        check_num(where, f"{key}.rate_scale", v, lo=0.0, lo_open=True)
+        if not lo <= v <= hi:
+            raise fail(
+                where,
+                f"{key}.rate_scale",
+                f"a number in [{lo:g}, {hi:g}] (outside it arrival times lose float precision)",
+                v,
+            )
+    scales = tuple(float(v) for v in (rs if isinstance(rs, list) else [rs]))
+    names = [scale_label(v) for v in scales]
+    if len(set(names)) != len(names):
+        raise fail(
+            where,
+            f"{key}.rate_scale",
+            "distinct values (to 6 significant digits: they name the runs, as 'fcfs@x2')",
+            rs,
+        )
+    if isinstance(spec.get("path"), str) and spec["path"]:
+        spec["path"] = str(existing(ctx, f"{key}.path", spec["path"], "file"))
+    if isinstance(spec.get("tokenizer"), str) and spec["tokenizer"]:
+        spec["tokenizer"] = str(paths.resolve(spec["tokenizer"], ctx.base_dir))
+    return TraceConfig(MappingProxyType(spec), scales, expected)
+
+
+def parse_classes(ctx: Context, raw: list) -> ClassesConfig:
+    """``trace:`` as a list of workload classes: each a mapping of :data:`CLASS_KEYS` and a
+    trace spec of its own (one ``rate_scale`` number, not a list)."""
+    where = ctx.where
+    if not raw:
+        raise fail(where, "trace", "a mapping, or a non-empty list of workload classes", raw)
+    classes, names = [], set()
+    for i, c in enumerate(raw):
+        key = f"trace[{i}]"
+        if not isinstance(c, Mapping):
+            raise fail(where, key, "a workload class: a mapping with name and a trace spec", c)
+        name = c.get("name")
+        if not isinstance(name, str) or not NAME.fullmatch(name) or name in names:
+            why = "a name used by no other class" if name in names else "a class name"
+            raise fail(where, f"{key}.name", f"{why} (letters, digits, '.', '_', '-')", name)
+        names.add(name)
+        prio = c.get("priority", 0)
+        if isinstance(prio, bool) or not isinstance(prio, int):
+            raise fail(where, f"{key}.priority", "an integer (lower runs first)", prio)
+        tenant = c.get("tenant", "")
+        if not isinstance(tenant, str) or (tenant and not LABEL.fullmatch(tenant)):
+            raise fail(where, f"{key}.tenant", "a tenant name (letters, digits, ._+- )", tenant)
+        slo = parse_slo(ctx, c.get("slo", {}), f"{key}.slo")
+        spec = {k: v for k, v in c.items() if k not in CLASS_KEYS}
+        if "format" not in spec:
+            raise ConfigError(
+                f"{where}: {key}: class {name!r} has no trace: give its 'format' and the "
+                "format's keys, as for a single trace"
+            )
+        if isinstance(spec.get("rate_scale"), list):
+            raise fail(
+                where, f"{key}.rate_scale", "a number (one load per class)", spec["rate_scale"]
+            )
+        one = parse_trace(ctx, spec, None, key)
+        own = {"name": name, "priority": prio, "tenant": tenant}
+        if "slo" in c:
+            own["slo"] = {k: v for k, v in slo.to_dict().items() if v is not None}
+        classes.append(MappingProxyType({**own, **one.spec}))
+    return ClassesConfig(tuple(classes))
+
+
+def parse_workload(ctx: Context, raw: Mapping[str, Any]) -> Workload:
+    """The ``trace:`` section (and ``trace_file:``) of a top-level mapping, either variant."""
+    trace = raw.get("trace")
+    if "trace" not in raw or not isinstance(trace, (Mapping, list)):
+        raise fail(
+            ctx.where, "trace", "a mapping with at least 'format', or a list of classes", trace
+        )
+    expected = parse_trace_file(ctx, raw["trace_file"]) if "trace_file" in raw else None
+    if isinstance(trace, list):
+        return parse_classes(ctx, trace)
+    return parse_trace(ctx, trace, expected)
+
+
+def parse_trace_file(ctx: Context, raw: Any) -> Mapping[str, Any]:
+    d = check_mapping(ctx.where, "trace_file", raw, ("path", "sha256", "rows"))
+    sha = d.get("sha256")
+    if sha is not None and (not isinstance(sha, str) or not _SHA256.fullmatch(sha)):
+        raise fail(ctx.where, "trace_file.sha256", "64 hexadecimal digits or null", sha)
+    check_int(ctx.where, "trace_file.rows", d.get("rows"), lo=0, optional=True)
+    return MappingProxyType(dict(d))
+
+
+def with_keys(ctx: Context, trace: Workload, keys: Mapping[str, Any]) -> Workload:
+    """``trace`` with spec keys replaced, validated as in a YAML file; a new ``path`` or
+    ``format`` drops the expected ``trace_file``. Every class gets the keys; ``limit`` is
+    shared among them."""
+    if isinstance(trace, ClassesConfig):
+        n = len(trace.classes)
+        if "limit" in keys and isinstance(keys["limit"], int) and keys["limit"] >= 1:
+            keys = {**keys, "limit": max(1, keys["limit"] // n)}
+        return parse_classes(ctx, [{**c, **keys} for c in trace.classes])
+    expected = None if {"path", "format"} & set(keys) else trace.expected
+    return parse_trace(ctx, {**trace.spec, **keys}, expected)

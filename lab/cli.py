@@ -264,8 +264,13 @@ def prefix_bound(argv: list[str] | None = None, prog: str = "sched-lab prefix-bo
         if args.limit is not None:
             cfg = cfg.with_trace(limit=args.limit)
         block = args.block_size or cfg.kv_cache.block_size
-        spec = {"seed": cfg.seed, **cfg.trace.spec, "rate_scale": 1.0}
-        requests = load_trace(spec, cfg.base_dir)
+        if cfg.trace.classes:  # every class, merged as a run replays them
+            from traces.classes import load_classes
+
+            requests, _ = load_classes(cfg.trace.classes, cfg.base_dir, cfg.seed, cfg.slo.ttft_s)
+        else:
+            spec = {"seed": cfg.seed, **cfg.trace.spec, "rate_scale": 1.0}
+            requests = load_trace(spec, cfg.base_dir)
         max_len = args.max_model_len or cfg.scheduler.max_model_len
         bound = prefix_hit_bound(requests, block, max_len)
     except (UserError, ValueError) as e:

@@ -486,6 +486,29 @@ def test_prefix_bound_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     assert capsys.readouterr().err == f"error: {exp}: --limit: expected an integer >= 1, got 0\n"
 
 
+def test_prefix_bound_command_with_classes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Workload classes are merged as a run replays them: the prefix class of the test above
+    (6 requests, 450 prompt tokens, 224 cached) beside 2 requests of 20 tokens without hash
+    ids: 224 / (450 + 40) = 0.4571."""
+    prefix = (
+        "{prefix_len: 40, num_prefixes: 2, assign: round_robin, num_turns: 2, "
+        "think_time_s: 5.0, user_len: 10, output_len: 8}"
+    )
+    exp = tmp_path / "cls.yaml"
+    exp.write_text(
+        "trace:\n"
+        "  - {name: chat, format: synthetic, num_requests: 3, arrival: {rate: .inf},\n"
+        f"     prompt_len: 20, output_len: 20, hash_block_size: 16, prefix: {prefix}}}\n"
+        "  - {name: batch, format: synthetic, num_requests: 2, arrival: {rate: .inf},\n"
+        "     prompt_len: 20, output_len: 20}\n"
+    )
+    assert cli_main(["prefix-bound", str(exp)]) == 0
+    assert capsys.readouterr().out == (
+        "cls: 8 requests (6 with hash ids), 490 prompt tokens; with an infinite prefix cache "
+        "at KV block size 16: 224 cached, hit rate 0.4571\n"
+    )
+
+
 def test_readme_bound_figures_are_the_commands() -> None:
     """The hit rates README ("Traces with shared prefixes") quotes, recomputed."""
     import re

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from lab.config.yamlio import short_repr
+from lab.core.errors import short_repr
 
 if TYPE_CHECKING:
     from lab.config import ExperimentConfig

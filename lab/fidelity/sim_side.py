@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from lab.config.yamlio import short_repr
+from lab.core.errors import short_repr
 from lab.fidelity.archive import notes_path, unpack
 from lab.fidelity.compare import predicted_durations, rank_agreement, run_row, step_kind, step_noise
 from lab.fidelity.markdown import write_doc

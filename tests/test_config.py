@@ -544,3 +544,22 @@ def test_workload_classes_are_their_own_trace_variant(tmp_path):
     two = validate({"trace": [{"name": "a", **parse_yaml(SYNTHETIC)}]}, "c", tmp_path)
     assert isinstance(two.trace, ClassesConfig) and not hasattr(two.trace, "spec")
     assert two.to_dict()["trace"][0]["name"] == "a" and two.rate_scales == (1.0,)
+
+
+def test_typos_get_a_did_you_mean():
+    """An unknown key or name close to a known one (difflib ratio >= 0.75) is named in the
+    one-line error; a name close to none gets the list alone."""
+    trace = {"format": "synthetic", "num_requests": 2, "prompt_len": 4, "output_len": 2,
+             "arrival": {"process": "poisson", "rate": 1.0}}  # fmt: skip
+    cases = [
+        ({"schedular": {}}, "unknown key schedular (did you mean scheduler?); allowed: name,"),
+        ({"scheduler": {"max_num_seq": 3}},
+         "unknown key scheduler.max_num_seq (did you mean max_num_seqs?); allowed: max_num_seqs,"),
+        ({"policies": ["fcsf"]},
+         "policies[0]: unknown policy 'fcsf' (did you mean 'fcfs'?); known policies: "),
+        ({"zzz": 1}, "unknown key zzz; allowed: name,"),
+    ]  # fmt: skip
+    for extra, message in cases:
+        with pytest.raises(ConfigError) as e:
+            validate({"name": "x", "trace": trace, **extra})
+        assert message in str(e.value), str(e.value)

@@ -330,7 +330,10 @@ BASE = "trace: {format: synthetic, num_requests: 5, arrival: {process: poisson, 
 @pytest.mark.parametrize(
     "text, message",
     [
-        (BASE + "polices: [fcfs]\n", "unknown key polices; allowed: name, backend"),
+        (
+            BASE + "polices: [fcfs]\n",
+            "unknown key polices (did you mean policies?); allowed: name, backend",
+        ),
         (
             BASE + "policies: [no_such_policy]\n",
             # Only the start: other test modules register policies of their own (e.g.

@@ -111,7 +111,8 @@ def test_readme_options_example(monkeypatch):
         assert (run.requests["status"] == "finished").all()
         with pytest.raises(ConfigError, match=r"threshold_tokens: expected a finite number >= 0"):
             validate(config({"name": name, "threshold_tokens": -1}))
-        with pytest.raises(ConfigError, match=r"unknown key policies\[0\]\.threshold_token;"):
+        typo = r"unknown key policies\[0\]\.threshold_token \(did you mean threshold_tokens\?\);"
+        with pytest.raises(ConfigError, match=typo):
             validate(config({"name": name, "threshold_token": 16}))
     finally:
         POLICIES.pop(name, None)

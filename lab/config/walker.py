@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.config import paths
-from lab.core.errors import ConfigError, short_repr
+from lab.core.errors import ConfigError, did_you_mean, short_repr
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,8 @@ def check_mapping(where: str, key: str, v: Any, allowed: Collection[str]) -> Map
         if k not in allowed:
             shown = k if isinstance(k, str) and len(k) <= 80 else short_repr(k)
             raise ConfigError(
-                f"{where}: unknown key {key + '.' if key else ''}{shown}; "
-                f"allowed: {', '.join(allowed)}"
+                f"{where}: unknown key {key + '.' if key else ''}{shown}"
+                f"{did_you_mean(k, allowed)}; allowed: {', '.join(allowed)}"
             )
     return v
 

@@ -7,7 +7,9 @@ expected. ``run_experiment.py`` prints ``error: <message>`` and exits with statu
 
 from __future__ import annotations
 
+import difflib
 import reprlib
+from collections.abc import Iterable
 from typing import Any
 
 MAX_SHOWN_CHARS = 80  # a value quoted in an error message is cut to this
@@ -40,3 +42,14 @@ class TraceError(UserError):
 class SchedulerStuckError(RuntimeError):
     """The replay cannot go on: no progress while work was pending, a request thrashing, or
     a policy hook breaking a rule (a bug in a policy, never silent)."""
+
+
+def did_you_mean(name: object, choices: Iterable[str], quote: bool = False) -> str:
+    """`` (did you mean X?)`` for the choice closest to a mistyped ``name`` (difflib ratio
+    >= 0.75), else ``""``: appended to an "unknown ..." message."""
+    if not isinstance(name, str):
+        return ""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.75)
+    if not close:
+        return ""
+    return f" (did you mean {close[0]!r}?)" if quote else f" (did you mean {close[0]}?)"

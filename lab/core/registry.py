@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
-from lab.core.errors import ConfigError
+from lab.core.errors import ConfigError, did_you_mean
 
 T = TypeVar("T")
 
@@ -62,7 +62,8 @@ class Registry(Generic[T]):
             return self._items[name]
         where = f"{self.where}: " if self.where else ""
         raise self.error(
-            f"{where}unknown {self.kind} {name!r}; {self.known}: "
+            f"{where}unknown {self.kind} {name!r}{did_you_mean(name, self._items, quote=True)}; "
+            f"{self.known}: "
             f"{', '.join(self.names()) or '(none registered)'}"
         )
 

@@ -32,7 +32,7 @@ from lab.report import plots, timeline
 from lab.report.progress import Phase
 from lab.results import fairness, spec_metrics, vllm_result
 from lab.run.experiment import Run
-from lab.sim.replay import STEP_COLUMNS
+from lab.sim.records import STEP_COLUMNS
 
 MANIFEST = ".sched-lab-manifest.json"  # the names of the files the lab wrote in a folder
 FORMATS = ("csv", "parquet")  # of requests and steps

@@ -33,7 +33,8 @@ from lab.sim.cost_model import (
 )
 from lab.sim.hardware import HARDWARE
 from lab.sim.models import MODELS
-from lab.sim.replay import ReplayResult, replay
+from lab.sim.records import ReplayResult
+from lab.sim.replay import replay
 from policies import get_policy
 
 log = logging.getLogger("lab.run.experiment")

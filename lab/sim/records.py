@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from array import array
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,10 +46,10 @@ class StepRecorder:
         self.tick_steps = array("q")
         self.num_steps = 0
 
-    def append(self, row: Sequence[float], decodes: bool) -> None:
+    def append(self, row: Sequence[float], decodes: Collection[object]) -> None:
         """Append one step's ``row`` (values in ``STEP_COLUMNS`` order); ``decodes``: the
-        step ran a decode tick. A value a column cannot hold raises midway (``arrays`` cuts
-        the partial row)."""
+        step's decodes (not empty: it ran a decode tick). A value a column cannot hold
+        raises midway (``arrays`` cuts the partial row)."""
         for col, value in zip(self._columns, row):
             col.append(value)
         if decodes:

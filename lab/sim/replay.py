@@ -101,13 +101,14 @@ class ReplayLoop:
     def _run_sync(self) -> Iterator[simpy.Event]:
         scheduler, executor = self.scheduler, self.executor
         wall_clock = getattr(executor, "wall_clock", False)
+        plan_step, row_of, step = self._plan, self._row, self._step
         while True:
             if not scheduler.has_unfinished():
                 yield self._idle()
                 continue
             t_plan = time.perf_counter() if wall_clock else 0.0
-            plan = self._plan(in_flight=False)
-            if not _runs(plan):
+            plan, runs = plan_step(False)
+            if not runs:
                 continue  # only aborts: plan again
             if wall_clock:
                 plan_s = time.perf_counter() - t_plan
@@ -118,9 +119,7 @@ class ReplayLoop:
                 result.duration_s = float(f"{result.duration_s + plan_s:.9g}")
             else:
                 result = executor.execute(plan)
-            row = self._row(plan)
-            yield self._start(row, result.duration_s)
-            self._end(plan, result, row)
+            yield from step(plan, result, row_of(plan))
 
     def _run_async(self) -> Iterator[simpy.Event]:
         """At most one step is in flight while the next is planned. A plan that feeds no
@@ -141,8 +140,8 @@ class ReplayLoop:
             if scheduler.has_unfinished():
                 if flight is None and wall_clock:
                     t_last = time.perf_counter()
-                plan = self._plan(in_flight=flight is not None)
-                if _runs(plan):
+                plan, runs = self._plan(flight is not None)
+                if runs:
                     row = self._row(plan)
                     handle = launch(plan) if launch is not None else executor.execute(plan)
                     scheduler.launched(plan)
@@ -163,8 +162,7 @@ class ReplayLoop:
             else:
                 device_s = result.duration_s - flight.host_s
                 result.duration_s = max(device_s, nxt.host_s if nxt is not None else 0.0)
-            yield self._start(flight.row, result.duration_s)
-            self._end(flight.plan, result, flight.row)
+            yield from self._step(flight.plan, result, flight.row)
             flight = nxt
 
     def _idle(self) -> simpy.Event:
@@ -173,17 +171,19 @@ class ReplayLoop:
             self._wakeup = self.env.event()
         return self._wakeup
 
-    def _plan(self, in_flight: bool) -> SchedulerOutput:
-        """The next plan, checked if ``check_invariants``. Raises SchedulerStuckError if no
-        request advances, none is aborted, and no step in flight can free anything (none,
-        or the plan preempted)."""
+    def _plan(self, in_flight: bool) -> tuple[SchedulerOutput, bool]:
+        """The next plan (checked if ``check_invariants``) and whether it goes to the
+        executor: it feeds a token, or it aborts and still has swaps to run. Raises
+        SchedulerStuckError if no request advances, none is aborted, and no step in flight
+        can free anything (none, or the plan preempted)."""
         scheduler = self.scheduler
         plan = scheduler.schedule()
-        if not plan.feeds_tokens and not plan.aborted and (not in_flight or plan.preempted):
+        feeds = plan.feeds_tokens
+        if not feeds and not plan.aborted and (not in_flight or plan.preempted):
             raise SchedulerStuckError(_stuck_message(scheduler, self.env.now))
         if self.check_invariants:
             scheduler.check_plan(plan)
-        return plan
+        return plan, feeds or (bool(plan.aborted) and not plan.is_empty)
 
     def _row(self, plan: SchedulerOutput) -> list:
         """The step's record (``STEP_COLUMNS``) as planned, its time and duration still 0."""
@@ -198,33 +198,27 @@ class ReplayLoop:
             bm.num_cached_blocks, plan.num_wasted_tokens, f.num_spec_tokens,
         ]  # fmt: skip
 
-    def _start(self, row: list, duration_s: float) -> simpy.Timeout:
-        """Start a step of ``duration_s`` now: its row's time and duration, and the timeout
-        to wait. Raises ValueError if the step would not end at a finite time."""
-        now = self.env.now
+    def _step(self, plan: SchedulerOutput, result: StepResult, row: list) -> Iterator[simpy.Event]:
+        """Run a step from now for ``result.duration_s``, then record it (``row``, its time
+        and duration set here), apply its results and call the hooks. Raises ValueError if
+        the step would not end at a finite time."""
+        env, duration_s = self.env, result.duration_s
+        now = env.now
         if not 0.0 <= duration_s < math.inf or math.isinf(now + duration_s):
             raise ValueError(
                 f"step {self.recorder.num_steps}: duration {duration_s!r} s leaves the clock "
                 f"at t={now:.6g}s without a finite end"
             )
         row[0], row[1] = now, duration_s
-        return self.env.timeout(duration_s)
-
-    def _end(self, plan: SchedulerOutput, result: StepResult, row: list) -> None:
-        """End a step at ``env.now``: record it, apply its results, call the hooks."""
-        recorder, now = self.recorder, self.env.now
-        recorder.append(row, bool(plan.decodes))
+        yield env.timeout(duration_s)
+        now = env.now
+        recorder = self.recorder
+        recorder.append(row, plan.decodes)
         self.scheduler.update(plan, result, now)
         if self.on_step is not None:
             self.on_step(plan, now)
         if self.progress is not None and recorder.num_steps % _PROGRESS_EVERY == 0:
             self.progress(self.num_added - self.scheduler.num_unfinished, now)
-
-
-def _runs(plan: SchedulerOutput) -> bool:
-    """Whether ``plan`` goes to the executor: it feeds a token, or it aborts and still has
-    swaps to run."""
-    return plan.feeds_tokens or (bool(plan.aborted) and not plan.is_empty)
 
 
 def replay(

@@ -1,8 +1,8 @@
 """What a replay records: one row per step (``STEP_COLUMNS``) and the result of a replay.
 
-A :class:`StepRecorder` keeps the rows in typed arrays (``array.array``, 8 bytes a value
-while the replay runs: a list would hold a Python object each) and views them as numpy
-arrays once, at the end (:meth:`StepRecorder.arrays`).
+A :class:`StepRecorder` keeps the rows in a typed array (``array.array``, 8 bytes a value
+while the replay runs: a list would hold a Python object each) and makes them numpy
+columns once, at the end (:meth:`StepRecorder.arrays`).
 """
 
 from __future__ import annotations
@@ -34,41 +34,39 @@ ENDED = (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED)
 class StepRecorder:
     """The per-step records of one replay loop: one row per step, appended as it ends.
 
+    The rows are kept flat in one float64 array (every count is exact there: below 2**53)
+    and split into ``STEP_COLUMNS`` columns, float64 or int64, by :meth:`arrays`.
+
     Attributes:
-        columns: one typed array per ``STEP_COLUMNS`` entry (float64 or int64 values).
         tick_steps: for each decode tick, the index of the step that ran it.
         num_steps: rows appended so far.
     """
 
     def __init__(self) -> None:
-        self.columns = {c: array("d" if c in _FLOAT_COLUMNS else "q") for c in STEP_COLUMNS}
-        self._columns = list(self.columns.values())  # in STEP_COLUMNS order
+        self._values = array("d")  # the rows, one after the other
         self.tick_steps = array("q")
         self.num_steps = 0
 
     def append(self, row: Sequence[float], decodes: Collection[object]) -> None:
-        """Append one step's ``row`` (values in ``STEP_COLUMNS`` order); ``decodes``: the
-        step's decodes (not empty: it ran a decode tick). A value a column cannot hold
-        raises midway (``arrays`` cuts the partial row)."""
-        for col, value in zip(self._columns, row):
-            col.append(value)
+        """Append one step's ``row`` (``len(STEP_COLUMNS)`` numbers in that order);
+        ``decodes``: the step's decodes (not empty: it ran a decode tick). A value that is
+        not a number raises midway (``arrays`` cuts the partial row)."""
+        self._values.extend(row)
         if decodes:
             self.tick_steps.append(self.num_steps)
         self.num_steps += 1
 
     def arrays(self) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """The columns and decode-tick steps as numpy views (no copy); a step that failed
-        midway (a shorter column) is cut."""
-        rec, tick_steps = self.columns, self.tick_steps
-        n = min(len(v) for v in rec.values())
-        if any(len(v) != n for v in rec.values()):
-            rec = {c: v[:n] for c, v in rec.items()}
-            tick_steps = array("q", [t for t in tick_steps if t < n])
+        """The columns (contiguous copies) and decode-tick steps; a step that failed midway
+        (a partial row, not counted in ``num_steps``) is cut."""
+        width = len(STEP_COLUMNS)
+        n = len(self._values) // width
+        table = np.frombuffer(self._values, dtype=np.float64)[: n * width].reshape(n, width)
         steps = {
-            c: np.frombuffer(v, dtype=np.float64 if c in _FLOAT_COLUMNS else np.int64)
-            for c, v in rec.items()
+            c: table[:, i].astype(np.float64 if c in _FLOAT_COLUMNS else np.int64)
+            for i, c in enumerate(STEP_COLUMNS)
         }
-        return steps, np.frombuffer(tick_steps, dtype=np.int64)
+        return steps, np.frombuffer(self.tick_steps, dtype=np.int64)
 
 
 @dataclass

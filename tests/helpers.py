@@ -6,7 +6,8 @@ from lab.core.kv import make_block_manager
 from lab.core.plan import SchedulerOutput, StepResult
 from lab.core.request import Request
 from lab.core.scheduler import SchedulerLimits
-from lab.sim.replay import ReplayResult, replay
+from lab.sim.records import ReplayResult
+from lab.sim.replay import replay
 from policies import get_policy
 
 STEP_S = 0.01  # every step of the toy cost model takes 10 ms

@@ -30,7 +30,8 @@ from lab.core.kv import BlockManager, make_block_manager
 from lab.core.plan import SchedulerOutput, StepResult
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import SchedulerLimits
-from lab.sim.replay import ReplayResult, replay
+from lab.sim.records import ReplayResult
+from lab.sim.replay import replay
 from policies import get_policy, policy_names
 from policies.chunked_prefill import ChunkedPrefill
 

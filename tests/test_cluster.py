@@ -23,7 +23,7 @@ from lab.core.scheduler import SchedulerLimits
 from lab.run.experiment import run_experiment
 from lab.sim.cluster import ClusterSpec, PoolSpec, replay_cluster
 from lab.sim.hardware import LINKS, Link
-from lab.sim.replay import STEP_COLUMNS
+from lab.sim.records import STEP_COLUMNS
 from policies import get_policy, policy_names
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -41,7 +41,8 @@ from lab.core.kv import BlockManager, blocks_for
 from lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import Scheduler, SchedulerLimits
-from lab.sim.replay import ReplayResult, replay
+from lab.sim.records import ReplayResult
+from lab.sim.replay import replay
 from policies import get_policy, policy_names
 
 # Every step of the toy cost model takes 1/4 s and arrival gaps are multiples of 1/8 s: all

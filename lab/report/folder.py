@@ -30,7 +30,7 @@ from lab.report.markdown import config_yaml, model_line, report_markdown
 from lab.report.progress import Phase
 from lab.results import fairness, vllm_result
 from lab.results.run import Run
-from lab.sim.replay import STEP_COLUMNS
+from lab.sim.records import STEP_COLUMNS
 
 MANIFEST = ".sched-lab-manifest.json"  # the names of the files the lab wrote in a folder
 FORMATS = ("csv", "parquet")  # of requests and steps

@@ -24,7 +24,7 @@ import pandas as pd
 
 from lab.core.request import Request
 from lab.results.metrics import meets_slo, stats
-from lab.sim.replay import ReplayResult
+from lab.sim.records import ReplayResult
 
 NUM_WINDOWS = 120
 INPUT_WEIGHT, OUTPUT_WEIGHT = 1.0, 2.0  # VTC's evaluation weights (w_p, w_q)

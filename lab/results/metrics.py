@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from lab.core.request import Request, RequestStatus
-from lab.sim.replay import ReplayResult
+from lab.sim.records import ReplayResult
 from lab.results.spec_metrics import split_gaps
 
 PERCENTILES = (50, 90, 99)

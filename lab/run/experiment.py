@@ -26,7 +26,8 @@ from lab.results.run import Run
 from lab.setup import Setup, setup_for
 from lab.sim.cluster import ClusterResult, replay_cluster
 from lab.sim.models import MODELS
-from lab.sim.replay import ReplayResult, replay
+from lab.sim.records import ReplayResult
+from lab.sim.replay import replay
 from policies import get_policy
 
 log = logging.getLogger("lab.run.experiment")

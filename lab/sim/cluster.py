@@ -1,9 +1,9 @@
 """A cluster of replicas in one SimPy environment: routers, and prefill/decode disaggregation.
 
 Every replica is a serving instance of its own: a scheduler (a fresh policy instance with
-its block manager, i.e. its KV cache) and an executor (its cost model), stepped by the
-replay loop's own ``engine_process`` (lab/sim/replay.py). One arrival process routes each
-request at its arrival (lab/sim/router.py); the replicas share nothing else.
+its block manager, i.e. its KV cache) and an executor (its cost model), stepped by a
+replay loop of its own (:class:`lab.sim.replay.ReplayLoop`). One arrival process routes
+each request at its arrival (lab/sim/router.py); the replicas share nothing else.
 
 **Aggregated** (``cluster: {replicas: N, router: R}``): a request is served whole by the
 replica the router picks. One replica gives the same steps and requests as no cluster.
@@ -54,15 +54,8 @@ from lab.core.plan import Executor, SchedulerOutput
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import Scheduler
 from lab.sim.hardware import Link
-from lab.sim.replay import (
-    _ENDED,
-    ReplayResult,
-    _Wakeup,
-    engine_process,
-    run_to_end,
-    step_arrays,
-    step_records,
-)
+from lab.sim.records import ENDED, ReplayResult
+from lab.sim.replay import ReplayLoop, run_to_end
 from lab.sim.router import Router, get_router
 
 ROLES = ("both", "prefill", "decode")
@@ -97,16 +90,21 @@ class ClusterSpec:
         return self.prefill.replicas + self.decode.replicas
 
 
-class Replica:
-    """One serving instance and what a router sees of it (:class:`lab.sim.router.ReplicaLoad`)."""
+class Replica(ReplayLoop):
+    """One serving instance: a replay loop, and what a router sees of it
+    (:class:`lab.sim.router.ReplicaLoad`). Requests reach it by ``take`` then ``add``."""
 
     def __init__(
-        self, env: simpy.Environment, index: int, role: str, scheduler: Scheduler, executor
+        self,
+        env: simpy.Environment,
+        index: int,
+        role: str,
+        scheduler: Scheduler,
+        executor: Executor,
+        check_invariants: bool = False,
     ) -> None:
+        super().__init__(env, scheduler, executor, check_invariants)
         self.index, self.role = index, role
-        self.scheduler, self.executor = scheduler, executor
-        self.wakeup = _Wakeup(env)
-        self.rec, self.tick_steps = step_records()
         self.requests: list[Request] = []  # every request routed here, in routing order
         self.num_incoming = 0  # KV transfers under way to it
         self._open: list[Request] = []  # routed here, not ended (pruned when read)
@@ -119,7 +117,7 @@ class Replica:
     @property
     def outstanding_tokens(self) -> int:
         if len(self._open) != self.num_requests:  # some ended since the last look
-            self._open = [r for r in self._open if r.status not in _ENDED]
+            self._open = [r for r in self._open if r.status not in ENDED]
             self._open_tokens = sum(r.prompt_len for r in self._open)
         return self._open_tokens
 
@@ -178,6 +176,7 @@ class _Cluster:
         make_replica: Callable[[], tuple[Scheduler, Executor]],
         kv_bytes_per_token: int,
         seed: int,
+        check_invariants: bool = False,
     ) -> None:
         self.env, self.spec, self.kv_bytes_per_token = env, spec, kv_bytes_per_token
         pools = (
@@ -191,8 +190,11 @@ class _Cluster:
         for role, pool in pools:
             reps = []
             for _ in range(pool.replicas):
-                reps.append(Replica(env, len(self.replicas), role, *make_replica()))
-                self.replicas.append(reps[-1])
+                rep = Replica(env, len(self.replicas), role, *make_replica(), check_invariants)
+                if role == "prefill":  # after each step, its finished prefills move on
+                    rep.on_step = functools.partial(self.prefill_step, rep)
+                reps.append(rep)
+                self.replicas.append(rep)
             self.pools.append(reps)
             self.routers.append(get_router(pool.router)(reps, seed, **pool.router_options))
         self.num_arrived = 0
@@ -220,8 +222,7 @@ class _Cluster:
     def _place(self, r: Request, rep: Replica) -> None:
         rep.take(r)
         self.replica_of[self._real.get(r, r)] = rep.index
-        if rep.scheduler.add(r, self.env.now):
-            rep.wakeup.fire()
+        rep.add(r)
 
     def prefill_step(self, rep: Replica, plan: SchedulerOutput, now: float) -> None:
         """After a prefill replica's step: send each finished prefill's KV to a decode
@@ -258,8 +259,7 @@ class _Cluster:
         """The KV of ``r`` is on decode replica ``d``: it waits there, prompt computed."""
         d.num_incoming -= 1
         r.num_computed_tokens, r.num_output_tokens = r.prompt_len, 1
-        if d.scheduler.add(r, self.env.now):
-            d.wakeup.fire()
+        d.add(r)
 
 
 def _prefill_copy(r: Request) -> Request:
@@ -320,7 +320,7 @@ def _replay(requests, spec, make_replica, kv_bytes_per_token, seed, check_invari
         raise ValueError("replay_cluster: dropped trace rows are not replayed")
     requests = sorted(requests, key=lambda r: r.arrival_s)
     env = simpy.Environment()
-    cluster = _Cluster(env, spec, make_replica, kv_bytes_per_token, seed)
+    cluster = _Cluster(env, spec, make_replica, kv_bytes_per_token, seed, check_invariants)
     if any(rep.scheduler.async_scheduling for rep in cluster.replicas):
         raise ConfigError(
             "replay_cluster: the cluster simulator runs synchronous replicas only "
@@ -328,32 +328,13 @@ def _replay(requests, spec, make_replica, kv_bytes_per_token, seed, check_invari
         )
     env.process(arrival_process(env, requests, cluster, progress))
     for rep in cluster.replicas:
-        on_step = None
-        if rep.role == "prefill":
-            on_step = functools.partial(cluster.prefill_step, rep)
-        # num_requests -1: a replica never stops on its own (KV may still come); the run
-        # ends when no event is left.
-        env.process(
-            engine_process(
-                env,
-                rep.scheduler,
-                rep.executor,
-                -1,
-                rep.wakeup,
-                [0],
-                rep.rec,
-                rep.tick_steps,
-                check_invariants,
-                None,
-                on_step,
-            )
-        )
+        env.process(rep.run())  # never ends on its own (KV may still come): no event left ends it
     schedulers = [rep.scheduler for rep in cluster.replicas]
     failure = run_to_end(env, requests, schedulers, lambda: cluster.num_arrived, check_invariants)
     wall = time.perf_counter() - t0
     results = []
     for rep in cluster.replicas:
-        steps, ticks = step_arrays(rep.rec, rep.tick_steps)
+        steps, ticks = rep.recorder.arrays()
         blocks = rep.scheduler.block_manager.num_gpu_blocks
         results.append(ReplayResult(rep.requests, steps, ticks, wall, blocks, failure))
     return ClusterResult(

@@ -201,7 +201,8 @@ def make_block_manager(
     watermark: float = 0.01,
     enable_prefix_caching: bool = False,
 ) -> BlockManager:
-    """A :class:`PrefixCachingBlockManager` if ``enable_prefix_caching``, else a :class:`BlockManager`."""
+    """A :class:`PrefixCachingBlockManager` if ``enable_prefix_caching``, else a
+    :class:`BlockManager`."""
     cls = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
     return cls(num_gpu_blocks, num_cpu_blocks, block_size, watermark)
 
@@ -272,7 +273,8 @@ class PrefixCachingBlockManager(BlockManager):
 
     def block_hashes(self, r: Request, num_blocks: int) -> list[int]:
         """``r.block_hashes`` (mutated), extended to up to ``num_blocks`` keys where the
-        content is known. ValueError if ``r.hash_block_size`` is not a multiple of the block size."""
+        content is known. ValueError if ``r.hash_block_size`` is not a multiple of the
+        block size."""
         hs, bs = r.block_hashes, self.block_size
         if len(hs) >= num_blocks:
             return hs

@@ -62,7 +62,8 @@ class ScheduledSeq:
 
     Attributes:
         request: read-only for executors.
-        start_pos: tokens with KV cached; the step feeds ``[start_pos, start_pos + num_new_tokens)``.
+        start_pos: tokens with KV cached; the step feeds positions
+            ``[start_pos, start_pos + num_new_tokens)``.
         num_new_tokens: a prompt chunk, or 1 + d for a decode verifying d drafts.
         block_table: GPU block ids; position p lives in slot
             ``block_table[p // block_size] * block_size + p % block_size``.

@@ -1,8 +1,5 @@
-"""Scheduling policies, one module each, registered by name (``@register_policy``).
-
-Importing this package imports every module in it (:func:`discover`), so a new file here is
-a new policy with no other change; :func:`get_policy` and :func:`policy_names` then see it.
-"""
+"""Scheduling policies, one module each, registered by name; importing the package imports
+them all (:func:`discover`)."""
 
 from __future__ import annotations
 
@@ -19,9 +16,8 @@ BROKEN: dict[str, str] = {}
 
 
 def discover() -> list[str]:
-    """Import every module of this package (in name order; importing one twice is a no-op).
-    A module that fails to import (any exception, a duplicate name included) is recorded in
-    :data:`BROKEN` instead of stopping the import of the others. Returns the module names."""
+    """Import every module here in name order; one that fails is recorded in :data:`BROKEN`
+    and the others go on. Returns the module names."""
     found = sorted((m.name, m.module_finder.path) for m in pkgutil.iter_modules(__path__))
     for name, folder in found:
         try:

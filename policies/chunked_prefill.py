@@ -1,11 +1,8 @@
 """Chunked prefill, decode-first (Sarathi-Serve, OSDI'24 §4; vLLM V1's scheduler).
 
-Each step spends one token budget (max_num_batched_tokens) in this order: one token for
-every decoding request, then the next chunk of prompts already being prefilled (oldest
-first), then chunks of new prompts. Decodes never stall behind a long prompt, which keeps
-the inter-token latency tail low; prompts take several steps, which costs TTFT. A prompt's
-blocks are allocated whole when it is admitted (as Sarathi-Serve and vLLM V0 do), so only
-decodes grow; when they cannot, the newest running request is recomputed.
+Each step's token budget (max_num_batched_tokens) goes to one token per decode, then the
+chunks of prompts being prefilled (oldest first), then new prompts. When decodes run out of
+blocks, the newest running request is recomputed.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Earliest deadline first by TTFT deadline; fcfs's prefill-first step otherwise.
 
-A request's deadline is its arrival plus the TTFT SLO of its workload class
-(``Request.ttft_slo_s``, from ``slo.ttft_s`` of its class in ``trace:``, else the top-level
-``slo.ttft_s``), else plus the option ``ttft_s``; a request with neither has no deadline and
-goes after every one that has (FCFS among them). Waiting requests are admitted earliest
-deadline first (ties: arrival). A recomputed request keeps its deadline, long past: it goes
-first. EDF is optimal for meeting deadlines when the load is feasible and degrades badly
-when it is not (every request is late); compare with the SLO attainment per class.
+Deadline: arrival + ``Request.ttft_slo_s`` (its class's ``slo.ttft_s``), else + the option
+``ttft_s``; requests with neither go after all others (FCFS among them). Ties: arrival. A
+recomputed request keeps its deadline.
 """
 
 from __future__ import annotations

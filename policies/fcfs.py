@@ -1,9 +1,7 @@
 """FCFS with preemption by recompute: vLLM V0's default scheduler.
 
-Prefill-first: while waiting requests fit (token budget, max_num_seqs, free blocks above
-the watermark), a step prefills whole prompts and running decodes wait. Otherwise the step
-decodes every running request; when a decode needs a block and none is free, the newest
-running request is preempted and recomputed later from scratch.
+Prefill-first: while waiting requests fit, a step prefills whole prompts; otherwise it
+decodes every running request, recomputing the newest when a decode needs a block.
 """
 
 from __future__ import annotations

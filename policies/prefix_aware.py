@@ -1,16 +1,9 @@
-"""Longest cached prefix first, with an aging bound (cache-aware admission).
+"""Longest cached prefix first, with an aging bound; otherwise as fcfs.
 
-SGLang's "lpm" (longest prefix match) schedule policy (Zheng et al., "SGLang: Efficient
-Execution of Structured Language Model Programs", NeurIPS'24, §3 cache-aware scheduling):
-the waiting queue is ordered by how many prompt tokens each request finds in the prefix
-cache, longest first, so requests that share a hot prefix run while it is cached and the
-cache is evicted less. Alone this starves requests that share nothing; here a request that
-has waited ``max_wait_s`` seconds or more goes first, in FCFS order (recompute victims
-included), before any cache-ordered one. Like SGLang, which falls back to FCFS for long
-queues, only the first ``max_sort`` waiting requests are looked up and sorted; the rest
-follow in FCFS order. Otherwise as fcfs (prefill-first, recompute preemption). Without
-the prefix cache (``kv_cache.enable_prefix_caching: false``) every match is 0 and the
-order is FCFS.
+SGLang's "lpm" policy (Zheng et al., "SGLang: Efficient Execution of Structured Language
+Model Programs", NeurIPS'24, §3): waiting requests ordered by prompt tokens found in the
+prefix cache, longest first. Requests that waited ``max_wait_s`` go first (FCFS); only the
+first ``max_sort`` waiting requests are sorted, the rest follow in FCFS order.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Priority scheduling with vLLM's semantics (vLLM V1 ``--scheduling-policy priority``).
 
-Each request carries an integer ``priority``; lower runs first. Steps are planned as in
-chunked_prefill (decodes first, then prompt chunks): waiting requests are admitted in
-(priority, arrival) order, and when decodes need KV blocks the victim is the running request
-with the largest (priority, arrival) (``preemption_victim: lowest_priority``, vLLM's rule).
-
-``priority_preemption: true`` also preempts running requests of strictly lower priority
-(larger value) to admit a waiting one that does not fit, the lowest first (the shared move
-``Scheduler.preempt_lower_ranked``: a victim already planned in this step is rolled back).
-Without it a high-priority request waits until blocks free up, as in vLLM.
+Steps as chunked_prefill; admission in (priority, arrival) order, lower first; the victim
+is the largest (priority, arrival). ``priority_preemption: true`` also preempts strictly
+lower-priority running requests to admit a waiting one that does not fit.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Shortest job first by predicted output length, with aging; fcfs's prefill-first step.
 
-Waiting requests are admitted shortest predicted output first (ties: arrival). The
-prediction is made once, when the request arrives (``predictor``):
-
-* ``oracle``: the true output length;
-* ``noisy``: the true length times exp(sigma * z), z ~ N(0, 1) drawn from a generator seeded
-  by (``seed``, request id): multiplicative log-normal error, the same for a request in
-  every run (sigma 0.25 is "25 % error");
-* ``bucketed``: a ranker that only tells which bucket the (noisy) length falls in, with
-  bucket edges ``buckets``; FCFS within a bucket.
-
-SJF starves long requests while short ones keep coming. Aging bounds that: a request that
-has waited ``max_wait_s`` goes ahead of every younger one (FCFS among them) from the first
-plan made at or after arrival + max_wait_s; ``aging_tokens_per_s`` shrinks a request's key
-by that many predicted tokens (buckets, when bucketed) per second of waiting.
+Admission: shortest prediction first (ties: arrival). ``predictor``, applied on arrival:
+``oracle`` (the true length), ``noisy`` (true length * exp(sigma * z), z ~ N(0, 1) seeded by
+(``seed``, request id)) or ``bucketed`` (the bucket of the noisy length among ``buckets``).
+Aging: a request that waited ``max_wait_s`` goes ahead of younger ones (FCFS among them);
+``aging_tokens_per_s`` lowers its key by that many tokens (buckets) per second waited.
 """
 
 from __future__ import annotations
@@ -73,7 +64,7 @@ class SJF(FCFS):
         return super().add(request, now_s)
 
     def predict(self, r: Request) -> float:
-        """The predicted output length (tokens; a bucket index when bucketed)."""
+        """Predicted output tokens (a bucket index when bucketed)."""
         length = float(r.output_len)
         if self.predictor != "oracle" and self.sigma > 0:
             z = random.Random(f"{self.seed}:{r.request_id}").gauss(0.0, 1.0)

@@ -1,11 +1,6 @@
-"""Shortest remaining processing time: SJF (policies/sjf.py) ranked by the predicted output
-tokens still to generate, with the same predictors and aging.
-
-A waiting request that was preempted (recompute) ranks by what it has left, so it is
-finished first. ``preempt_longer: true`` makes SRPT preemptive: a waiting request that does
-not fit preempts running ones that rank strictly lower (more left; most first: the shared
-move ``Scheduler.preempt_lower_ranked``). Progress is read live from the decode set; a
-bucketed ranker knows no token counts, so it ranks by bucket alone, as SJF.
+"""Shortest remaining processing time: SJF ranked by predicted output tokens still to
+generate (bucketed: by bucket alone). ``preempt_longer: true`` lets a waiting request that
+does not fit preempt running ones with more left.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Virtual Token Counter: fair sharing between tenants (Sheng et al., "Fairness in Serving
-Large Language Models", OSDI'24, §4, the VTC algorithm); fcfs's prefill-first step.
+Large Language Models", OSDI'24, §4); fcfs's prefill-first step.
 
-Each tenant has a counter of the service it received: ``input_weight`` per prompt token when
-its request is admitted, ``output_weight`` per generated token (the paper's cost function,
-w_p = 1 and w_q = 2 in its evaluation), divided by the tenant's ``tenant_weights`` entry
-(weighted VTC; default 1). Admission always takes the earliest waiting request of the
-backlogged tenant (one with waiting requests) whose counter is the smallest (ties: tenant
-name), and charges it at once, so one step's admissions alternate between tenants.
-
-Counter lift: a tenant that arrives with nothing waiting has its counter raised to the
-smallest counter of the backlogged tenants, or, when none is backlogged, to the counter of
-the last tenant that left the queue; a tenant that was idle cannot bank service. A
-recomputed request is charged its prompt once (the recompute is the server's loss).
+A tenant's counter grows by ``input_weight`` per prompt token at admission and
+``output_weight`` per generated token, divided by its ``tenant_weights`` entry (default 1).
+Admission takes the earliest request of the backlogged tenant with the smallest counter
+(ties: name), charged at once. A tenant arriving with nothing waiting is lifted to the
+smallest backlogged counter (none: the last tenant to leave's). A recomputed request's
+prompt is charged once.
 """
 
 from __future__ import annotations

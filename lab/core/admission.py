@@ -1,10 +1,5 @@
-"""Admission: waiting requests join the running batch (the shared move
-:meth:`~lab.core.scheduler.Scheduler.admit_waiting`). Rules: docs/ARCHITECTURE.md,
-"Scheduler rules".
-
-:class:`Admission` is a mixin of :class:`~lab.core.scheduler.Scheduler`: its methods read and
-mutate the scheduler's queues, block manager, events and the plan.
-"""
+"""Admission: waiting requests join the running batch. Rules: docs/ARCHITECTURE.md,
+"Scheduler rules"."""
 
 from __future__ import annotations
 
@@ -16,23 +11,14 @@ from lab.core.request import Request, RequestStatus
 
 
 class Admission:
-    """Mixin of :class:`~lab.core.scheduler.Scheduler`: the admission move (its state lives
-    there)."""
+    """Mixin of :class:`~lab.core.scheduler.Scheduler` (its state lives there); mutates its
+    queues, blocks, events and the plan."""
 
     def admit_waiting(self, plan: SchedulerOutput, budget: int) -> int:
-        """Admit waiting requests in :meth:`admission_order` while limits and free blocks
-        allow; stops at the first that does not fit.
-
-        Whole prompts unless the policy is chunked, in which case the last admitted one
-        may get a partial chunk (its blocks are allocated whole). A request that does not
-        fit goes to :meth:`make_room` first. Returns the budget left. The request it stops at
-        is recorded as waiting, with the reason (``events``).
-
-        With the prefix cache on, each candidate's cached prefix is looked up now, whether
-        it is new or a recompute victim (never a count kept from before): its cached blocks
-        are referenced, only the rest is allocated (and counted against free blocks), and
-        its chunk starts after the cached tokens (at least one token is computed).
-        """
+        """Admit waiting requests in :meth:`admission_order` while limits and blocks allow,
+        stopping at the first that does not fit even after :meth:`make_room` (recorded in
+        ``events``). A chunked policy's last admission may get a partial chunk. Cached
+        prefixes are looked up at admission. Returns the budget left."""
         bm, queue, max_seqs = self.block_manager, self.waiting, self.limits.max_num_seqs
         self._admit_step = step = self.num_steps
         self._admitted = set()
@@ -100,8 +86,8 @@ class Admission:
     def _admit(
         self, plan: SchedulerOutput, r: Request, hits: Sequence, need: int, num_new: int
     ) -> None:
-        """Start ``r`` (already taken from ``waiting``): its ``need`` new blocks (plus the cached
-        ``hits``), a prefill chunk of ``num_new`` tokens in ``plan``, a place in ``running``."""
+        """Start ``r`` (taken from ``waiting``): ``need`` new blocks plus cached ``hits``, a
+        chunk of ``num_new`` tokens in ``plan``, a place in ``running``."""
         self.events.end_wait(r)
         self.events.record((self.num_steps, ADMITTED, id(r), need, num_new))
         self._admitted.add(r)
@@ -120,10 +106,9 @@ class Admission:
     def _admit_cached(
         self, plan: SchedulerOutput, r: Request, hits: Sequence, num_new_blocks: int
     ) -> None:
-        """Admission with the prefix cache: reference the cached ``hits``, allocate the rest,
-        jump ``num_computed_tokens`` past the cached tokens and count them: at the first
-        admission in ``num_cached_tokens``, at a re-admission after a recompute preemption
-        in ``num_resumed_cached_tokens``; both in the plan's ``num_cached_tokens``."""
+        """Reference ``hits``, allocate the rest, skip the cached tokens and count them
+        (``num_cached_tokens``, or ``num_resumed_cached_tokens`` after a recompute; both in
+        the plan's)."""
         self.block_manager.allocate_cached(r, hits, num_new_blocks)
         cached = len(hits) * self.block_size
         r.num_computed_tokens = cached

@@ -1,8 +1,4 @@
-"""The attention backend names (``engine.attention_backend``), as plain data.
-
-One list for the config, which checks the key without importing torch, and for
-``backend/attention/``, which maps each name to its module.
-"""
+"""The attention backend names (``engine.attention_backend``), importable without torch."""
 
 from __future__ import annotations
 

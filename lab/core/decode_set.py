@@ -1,24 +1,9 @@
-"""The decode batch in closed form: running requests past their prefill.
+"""The decode batch in closed form: O(1) per tick plus O(changes), not O(batch).
 
-Every member feeds its latest token and samples one more on each *decode tick* (a step
-that runs the decode batch). So a member that joined at tick ``t0`` with ``n0`` output
-tokens has ``n0 + (tick - t0)`` output tokens now, and nothing needs updating per token:
-
-* the tokens of all members: ``sum(num_tokens) = offset_sum + len * tick``;
-* who needs a new KV block this tick: a member holding L tokens (the latest sampled one
-  included) holds ceil(L / block_size) blocks and needs one more exactly when
-  L % block_size == 0; L changes by one per tick, so members are bucketed by
-  ``(L - tick) % block_size`` and the bucket ``(-tick) % block_size`` is the answer;
-* who finishes: a heap keyed by the tick that samples each member's last token.
-
-A step's cost is then O(1) in Python plus O(changes), not O(batch size); the replay of an
-hour-long trace takes seconds. A member's state is written back to its ``Request``
-("materialized") when it leaves the set: on finish, preemption or abort.
-
-Asynchronous scheduling (docs/ARCHITECTURE.md, "Scheduler rules") keeps a member whose last
-token is sampled in step N for one more tick (the wasted slot of step N+1): ``advance(keep_done=True)``
-reports it without removing it, and ``remove(r, end_tick)`` later writes back its state as
-of the tick that sampled its last token, so the wasted tick is in no count or segment.
+A member that joined at tick ``t0`` with ``n0`` output tokens has ``n0 + (tick - t0)`` now.
+It needs a block when its token count L has L % block_size == 0, so members are bucketed by
+``(L - tick) % block_size``; finishes come from a heap keyed by the finishing tick. A
+member's state is written back to its ``Request`` only when it leaves the set.
 """
 
 from __future__ import annotations
@@ -70,7 +55,7 @@ class DecodeSet:
         return self._offset_sum + len(self._members) * self.tick
 
     def needing_block(self) -> dict[Request, None]:
-        """Members that need one more KV block to run the next tick (do not mutate)."""
+        """Members that need one more block for the next tick (do not mutate)."""
         return self._buckets[-self.tick % self.block_size]
 
     def add(self, request: Request) -> None:
@@ -89,9 +74,8 @@ class DecodeSet:
         self._seq += 1
 
     def remove(self, request: Request, end_tick: int | None = None) -> None:
-        """Remove a member and write its state back to the ``Request``, as of decode tick
-        ``end_tick`` (default: now; the tick after the one that sampled a done member's
-        last token, for a member kept by ``advance(keep_done=True)``)."""
+        """Remove a member, writing its state back as of tick ``end_tick`` (default now; for
+        a member kept by ``advance(keep_done=True)``, the tick after its last token)."""
         r = request
         del self._members[r]
         key = self.num_tokens(r) - self.tick  # constant while a member
@@ -106,8 +90,8 @@ class DecodeSet:
         r.join_tick = -1  # marks heap entries of this membership as stale
 
     def advance(self, keep_done: bool = False) -> list[Request]:
-        """Run one tick: every member gains a token. Returns those that sampled their last
-        token in it: removed, or kept as members if ``keep_done`` (async scheduling)."""
+        """One tick: every member gains a token. Returns those that sampled their last one,
+        removed unless ``keep_done`` (async)."""
         self.tick += 1
         done = []
         heap = self._finish_heap

@@ -1,9 +1,5 @@
-"""Errors the lab reports to a user as one line (no traceback).
-
-Every user mistake (bad YAML, malformed trace, unknown policy, impossible limits) raises a
-subclass of :class:`UserError` whose message names the file, row or key path and what was
-expected. ``run_experiment.py`` prints ``error: <message>`` and exits with status 2.
-"""
+"""Errors the lab reports to a user as one line (no traceback): a :class:`UserError`
+subclass whose message names the file, row or key path and what was expected."""
 
 from __future__ import annotations
 
@@ -20,9 +16,7 @@ _REPR.maxstring = _REPR.maxother = MAX_SHOWN_CHARS
 
 
 def short_repr(value: Any, limit: int = MAX_SHOWN_CHARS) -> str:
-    """``repr(value)`` cut to about ``limit`` characters, without building the whole repr
-    of a huge value (a long string or a deep list costs no more than a short one); for
-    quoting a user's value in a one-line message."""
+    """``repr(value)`` cut to about ``limit`` characters, without building a huge repr."""
     text = _REPR.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -40,13 +34,11 @@ class TraceError(UserError):
 
 
 class SchedulerStuckError(RuntimeError):
-    """The replay cannot go on: no progress while work was pending, a request thrashing, or
-    a policy hook breaking a rule (a bug in a policy, never silent)."""
+    """The replay cannot go on: no progress, a request thrashing, or a hook breaking a rule."""
 
 
 def did_you_mean(name: object, choices: Iterable[str], quote: bool = False) -> str:
-    """`` (did you mean X?)`` for the choice closest to a mistyped ``name`` (difflib ratio
-    >= 0.75), else ``""``: appended to an "unknown ..." message."""
+    """`` (did you mean X?)`` for the closest choice (difflib ratio >= 0.75), else ``""``."""
     if not isinstance(name, str):
         return ""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.75)

@@ -1,26 +1,13 @@
-"""What the scheduler's shared moves did to each request, and why a request waited.
+"""What the scheduler's shared moves did to each request, and why a request waited (O(1)
+per move; read by ``sched-lab explain`` and the timeline).
 
-The moves of :class:`lab.core.scheduler.Scheduler` record here, at O(1) per move, so that a
-request's life can be told afterwards (``sched-lab explain``, the timeline plots) without a
-second run:
-
-* events: transitions, five integers each, ``(step, kind, id(request), a, b)``: admitted
-  (a = blocks allocated, b = tokens of its first prefill chunk), a later prefill chunk
-  (a = tokens fed, b = tokens computed before), preempted (a = :data:`PREEMPT_MODES`
-  index, b = why, an index into ``texts``), swapped in (a = blocks), aborted. ``step`` is
-  the index of the step being planned (its row in steps.csv). They live in one
-  ``array.array`` (no Python object per event, so the garbage collector never scans
-  them); :meth:`EventLog.rows` gives them back as tuples.
-* ``waits``: why a waiting (or swapped) request was not admitted, as streaks, never one row
-  per step and request: ``[reason, request, first_step, last_step, count, a, b]`` with
-  ``count`` the steps in which it was blocked for that reason during one waiting spell
-  (from joining the queue to its admission). Only the request admission stopped at is
-  blocked for a reason (the head of the queue for FCFS); the ones behind it wait for it.
-  Reasons that hold the whole queue (the policy did not try admission in a step) have
-  ``request`` None and one streak per run of consecutive steps.
-
-Decode spans and finishes need no events: ``Request.decode_segments`` and
-``Request.finish_s`` hold them already.
+* events: ``(step, kind, id(request), a, b)`` integers in one ``array.array``: admitted
+  (a = blocks, b = first chunk's tokens), chunk (a = tokens fed, b = computed before),
+  preempted (a = :data:`PREEMPT_MODES` index, b = index into ``texts``), swapped in
+  (a = blocks), aborted. ``step``: the row in steps.csv.
+* ``waits``: streaks ``[reason, request, first_step, last_step, count, a, b]``, one per
+  reason and waiting spell of the request admission stopped at; ``request`` None when the
+  whole queue was held.
 """
 
 from __future__ import annotations
@@ -77,8 +64,8 @@ class EventLog:
         return index
 
     def rows(self, requests: Iterable[Any]) -> Iterator[tuple[int, int, Any, int, Any]]:
-        """The events as ``(step, kind, request, a, b)``, in the order recorded, ``request``
-        looked up among ``requests`` (the replay's) and a preemption's ``b`` as its text."""
+        """The events as ``(step, kind, request, a, b)`` in order, ``request`` looked up among
+        ``requests`` and a preemption's ``b`` as its text."""
         by_id = {id(r): r for r in requests}
         d = self.data
         for i in range(0, len(d), 5):
@@ -89,9 +76,8 @@ class EventLog:
         return len(self.data) // 5
 
     def extend(self, step: int, request: Any, reason: str) -> bool:
-        """If the streak extended last is ``request``'s for ``reason``, count ``step`` in it
-        (once) and return True; else False (then call :meth:`wait`). The moves' fast path:
-        most blocked steps block the same request for the same reason as the step before."""
+        """Count ``step`` in the last streak if it is ``request``'s for ``reason`` and return
+        True; else False (call :meth:`wait`)."""
         row = self._last
         if row[1] is request and row[0] is reason:
             if row[3] != step:
@@ -127,8 +113,7 @@ class EventLog:
             self._last = [None, None, -1, -1, 0, 0, 0]
 
     def wait_all(self, step: int, reason: str, a: int = 0) -> None:
-        """The whole queue waited in ``step`` for ``reason``; consecutive steps extend one
-        streak."""
+        """The whole queue waited in ``step`` for ``reason`` (consecutive steps: one streak)."""
         row = self._last_global
         if row is not None and row[0] == reason and row[3] >= step - 1:
             if row[3] != step:

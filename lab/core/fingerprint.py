@@ -1,12 +1,8 @@
-"""What an engine profile describes: the engine fingerprint, and comparing two of them.
+"""The engine fingerprint of a profile, and comparing two.
 
-A fingerprint is a flat dict of plain values (JSON): ``backend_sources`` (sha256 over the
-engine's Python sources and Triton kernels, ``backend/**/*.py``, path and bytes of each in
-path order), ``torch``, ``triton`` (versions), ``gpu`` (device name), ``dtype``,
-``attention`` (backend name) and ``options`` (engine options that change step times:
-block size, CUDA graphs, mixed graphs, weight layout). ``backend/profile.py`` writes it in
-the profile's header; the simulator compares it with the engine a run claims to predict
-(this checkout's sources: ``backend/sources.py``, asked for by the caller). Pure data, no I/O.
+A fingerprint is a flat JSON dict: ``backend_sources`` (sha256 of ``backend/**/*.py``, path
+and bytes in path order), ``torch``, ``triton``, ``gpu``, ``dtype``, ``attention`` and
+``options`` (engine options that change step times).
 """
 
 from __future__ import annotations
@@ -17,10 +13,8 @@ HEADER_PREFIX = "# fingerprint "  # the profile header line that holds it, then 
 
 
 def differences(profile: dict[str, Any], engine: dict[str, Any]) -> list[str]:
-    """The fingerprint keys in which ``profile`` differs from ``engine``, as phrases
-    (``"gpu 'NVIDIA H100' vs 'NVIDIA H200'"``); keys missing from ``engine`` are skipped
-    (it names only what it knows, e.g. a checkout's sources), missing from ``profile``
-    count as a difference."""
+    """Keys where ``profile`` differs from ``engine``, as phrases (``"gpu 'A' vs 'B'"``); keys
+    missing from ``engine`` are skipped, missing from ``profile`` differ."""
     out = []
     for key, want in engine.items():
         have = profile.get(key)

@@ -1,10 +1,4 @@
-"""Asynchronous scheduling's in-flight state: what a launched step will do before its
-results arrive (rules: docs/ARCHITECTURE.md, "Scheduler rules").
-
-The scheduler plans step N+1 while step N runs. :class:`InFlight` is what it knows of N
-meanwhile: the plan, the requests whose last token N samples (``finishing``) and the
-recompute victims whose token of N is not known yet (``held``).
-"""
+"""Asynchronous scheduling's in-flight state (rules: docs/ARCHITECTURE.md, "Scheduler rules")."""
 
 from __future__ import annotations
 
@@ -15,16 +9,14 @@ from lab.core.request import Request
 
 
 class InFlight:
-    """The launched plan whose results have not arrived, and what it means for the next plan.
+    """What the scheduler knows of the launched step whose results have not arrived.
 
     Attributes:
-        plan: the plan launched last whose results have not arrived, or None (always None
-            in a sync run).
-        finishing: requests whose last token a launched step samples, until its results
-            arrive; they decode once more in a wasted slot and are never preemption victims.
-            A dict used as an insertion-ordered set.
-        held: recompute victims whose token of ``plan`` is not known yet; not re-admitted
-            until it is (wait reason ``token_in_flight``).
+        plan: the last launched plan without results, or None (always in sync runs).
+        finishing: ordered set of requests whose last token a launched step samples; they
+            decode once more (wasted) and are never victims.
+        held: recompute victims whose token of ``plan`` is unknown; not re-admitted until
+            it is (wait reason ``token_in_flight``).
     """
 
     def __init__(self) -> None:
@@ -34,12 +26,11 @@ class InFlight:
         self._decodes: set[Request] | None = None  # plan.decodes as a set, made on demand
 
     def launch(self, plan: SchedulerOutput) -> None:
-        """``plan`` was handed to the executor; it is the one in flight now."""
         self.plan, self._decodes = plan, None
 
     def arrived(self, plan: SchedulerOutput) -> SchedulerOutput | None:
-        """``plan``'s results arrived: the tokens of ``held`` are known now. Returns the plan
-        still in flight after it (None when ``plan`` was the last launched)."""
+        """``plan``'s results arrived (``held`` released); returns the plan still in flight,
+        or None."""
         self.held.clear()
         if self.plan is plan:
             self.plan = None
@@ -60,7 +51,6 @@ class InFlight:
         return self.plan.spec_decodes if self.plan is not None else {}
 
     def clear(self) -> None:
-        """Forget everything (the run stopped)."""
         self.plan, self._decodes = None, None
         self.finishing = {}
         self.held.clear()

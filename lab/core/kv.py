@@ -1,18 +1,8 @@
 """Paged KV cache bookkeeping: GPU and CPU block pools and per-request block tables.
 
-The block manager counts blocks, never tokens: how many tokens a request needs is the
-scheduler's business (lab/core/scheduler.py). Each block has exactly one owner. A request's
-``block_table`` lists GPU block ids while it runs and CPU block ids while it is swapped out
-(``Request.status`` tells which pool).
-
-Free blocks are kept on a stack: the block freed last is reused first (LIFO), which keeps a
-small working set of blocks hot, as vLLM's free-block queue does. Blocks never used yet are
-handed out in id order after the freed ones, without a list of them (a pool of millions of
-blocks costs nothing until its blocks are used).
-
-With the prefix cache on (:class:`PrefixCachingBlockManager`, ``kv_cache:
-{enable_prefix_caching: true}``) full blocks are keyed by their content and shared between
-requests; the rules are in that class's docstring.
+Counts blocks, never tokens (those are the scheduler's). A request's ``block_table`` holds GPU
+ids while it runs, CPU ids while it is swapped. Freed blocks are reused LIFO (as vLLM's
+free-block queue, for locality); never-used ones follow in id order.
 """
 
 from __future__ import annotations
@@ -30,8 +20,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class BlockPool:
-    """Free block ids ``[0, size)`` of one pool: a LIFO stack of freed blocks, then the
-    blocks never used yet in ascending order (``next_unused`` onwards)."""
+    """Free ids of ``[0, size)``: freed blocks (LIFO), then ``next_unused`` onwards."""
 
     __slots__ = ("size", "freed", "next_unused", "num_free")
 
@@ -61,7 +50,7 @@ class BlockPool:
         return out
 
     def put(self, blocks: list[int]) -> None:
-        """Free ``blocks``; the first of them is handed out first again."""
+        """Free ``blocks``; the first of them is taken first again."""
         self.freed.extend(reversed(blocks))
         self.num_free += len(blocks)
 
@@ -71,14 +60,12 @@ class BlockPool:
 
 
 class BlockManager:
-    """GPU and CPU (swap space) block pools; every block has one owner (no prefix cache).
+    """GPU and CPU (swap) block pools; every block has one owner (no prefix cache).
 
     Args:
-        num_gpu_blocks: blocks of KV cache on the accelerator (>= 1).
-        num_cpu_blocks: blocks of swap space in host memory (>= 0).
+        num_gpu_blocks: GPU blocks (>= 1); num_cpu_blocks: swap blocks (>= 0).
         block_size: tokens per block (>= 1).
-        watermark: fraction of GPU blocks kept free when admitting new work, so running
-            requests can grow without immediate preemption (vLLM V0's default is 0.01).
+        watermark: fraction of GPU blocks kept free at admission (vLLM V0's default 0.01).
     """
 
     #: True in :class:`PrefixCachingBlockManager`: the scheduler then looks cached prefixes up.
@@ -125,11 +112,7 @@ class BlockManager:
 
     # ----------------------------------------------------------------------- mutations
     def allocate(self, request: Request, num_blocks: int) -> None:
-        """Append ``num_blocks`` GPU blocks to ``request.block_table``.
-
-        Raises:
-            RuntimeError: not enough free GPU blocks (callers check first).
-        """
+        """Append ``num_blocks`` GPU blocks to ``request.block_table``; RuntimeError if short."""
         if num_blocks > self._free_gpu.num_free:
             raise RuntimeError(
                 f"request {request.request_id}: {num_blocks} blocks asked, "
@@ -138,8 +121,8 @@ class BlockManager:
         request.block_table.extend(self._free_gpu.take(num_blocks))
 
     def free_tail(self, request: Request, num_blocks: int) -> None:
-        """Release the last ``num_blocks`` blocks of ``request`` (lookahead slots of rejected
-        draft tokens: never keyed, as they hold no computed token); CPU ones if swapped."""
+        """Release the last ``num_blocks`` blocks of ``request`` (rejected drafts' slots, never
+        keyed); CPU ones if swapped."""
         if num_blocks > 0:
             table = request.block_table
             if request.status is RequestStatus.SWAPPED:  # async: rejected after a swap out
@@ -161,12 +144,8 @@ class BlockManager:
         return len(request.block_table) <= self._free_cpu.num_free
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
-        """Move the request's blocks to CPU swap space.
-
-        Returns:
-            (gpu_block, cpu_block) pairs to copy, in block-table order. The caller sets the
-            request's status to SWAPPED.
-        """
+        """Move the blocks to CPU; returns (gpu_block, cpu_block) copies in table order. The
+        caller sets the status to SWAPPED."""
         cpu = self._free_cpu.take(len(request.block_table))
         mapping = list(zip(request.block_table, cpu))
         self._free_gpu.put(request.block_table)
@@ -187,14 +166,8 @@ class BlockManager:
 
     # ----------------------------------------------------------------------- invariants
     def check_integrity(self, requests: list[Request]) -> None:
-        """Check that every block has exactly one owner and used + free = total, per pool.
-
-        Args:
-            requests: every request that may hold blocks (running and swapped ones).
-
-        Raises:
-            AssertionError: naming the broken invariant.
-        """
+        """Assert one owner per block and used + free = total per pool, given every request
+        that may hold blocks (AssertionError names the broken invariant)."""
         owners: dict[tuple[str, int], str] = {}
         for pool, free in (("gpu", self._free_gpu), ("cpu", self._free_cpu)):
             for b in free.free_ids():
@@ -228,14 +201,14 @@ def make_block_manager(
     watermark: float = 0.01,
     enable_prefix_caching: bool = False,
 ) -> BlockManager:
-    """A :class:`PrefixCachingBlockManager` if ``enable_prefix_caching``, else a plain
-    :class:`BlockManager` (whose fast paths stay untouched)."""
+    """A :class:`PrefixCachingBlockManager` if ``enable_prefix_caching``, else a
+    :class:`BlockManager`."""
     cls = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
     return cls(num_gpu_blocks, num_cpu_blocks, block_size, watermark)
 
 
 def has_prefix_identity(r: Request) -> bool:
-    """True if ``r`` has content the prefix cache can key: hash ids or prompt token ids."""
+    """True if ``r`` has hash ids or prompt token ids (content the prefix cache can key)."""
     return r.hash_ids is not None or r.prompt_token_ids is not None
 
 
@@ -243,57 +216,24 @@ class PrefixCachingBlockManager(BlockManager):
     """Block pools plus an automatic prefix cache (vLLM V1's design: hashed full blocks,
     reference counts, an LRU queue of cached free blocks).
 
-    Keys. Only full blocks are cached. Block j's key chains its parent's, so equal keys
-    mean equal prefixes (64-bit hashes of ints, as vLLM's builtin-hash option: a collision
-    is a ~n^2 / 2^64 event). ``extra`` is ``()``: the slot for a tenant salt or an adapter
-    id. Content, per request:
+    Keys (full blocks only) chain their parent's, from ``ROOT_KEY``; 64-bit hashes as vLLM's
+    builtin-hash option. With ``hash_ids``: block j at index i of hash block h has key
+    ``H_h + i``, ``H_h = hash((H_{h-1}, hash_ids[h], ()))``; ``hash_block_size`` must be a
+    multiple of ``block_size``. The ids describe the prompt only when there are
+    ceil(prompt_len / hash_block_size) of them (Mooncake), else every token they span.
+    Else with ``prompt_token_ids``: ``hash((parent, block's tokens, ()))`` over prompt +
+    output. Else no key. A request's keys are kept in ``Request.block_hashes``.
 
-    * with ``hash_ids``: block j lies in hash block ``h = (j * block_size) // hash_block_size``
-      at index ``i = j - h * hash_block_size // block_size`` inside it; its key is
-      ``H_h + i`` with ``H_h = hash((H_{h-1}, hash_ids[h], extra))``, ``H_{-1} = ROOT_KEY``
-      (one hash per hash id; the blocks of a hash block take consecutive keys).
-      ``hash_block_size`` must be a multiple of ``block_size``. The ids describe the prompt
-      only when there are ceil(prompt_len / hash_block_size) of them (Mooncake: the last id
-      names a partial prompt block, not the tokens generated after it), else every token
-      they cover, generated ones included (sessions whose next turn resends the reply);
-      blocks past what they describe have no key;
-    * else with ``prompt_token_ids``: ``key_j = hash((key_{j-1}, tokens_j, extra))`` over the
-      block's tokens from prompt + ``output_token_ids``;
-    * else none: the request has no cacheable blocks.
+    GPU block states: used (ref >= 1), cached free (ref 0, keyed, in the LRU eviction queue),
+    free (ref 0, unkeyed); used + cached free + free = total, and ``num_free_gpu_blocks``
+    counts the last two. Allocation takes free blocks, then evicts the queue's head
+    (``num_evicted_blocks``); a request releases its blocks tail first.
 
-    Keys are computed once per block and request (``Request.block_hashes``, dropped when the
-    request finishes), never per token; the per-block moves run as bulk dict and list
-    operations.
-
-    States of a GPU block, counted apart: *used* (ref count >= 1, held by that many requests),
-    *cached free* (ref count 0, keyed, in the eviction queue) and *free* (ref count 0,
-    unkeyed, in the pool); used + cached free + free = total. ``num_free_gpu_blocks``
-    counts cached free + free: both can be handed out. Allocation takes free blocks first
-    (freed-uncached LIFO, then never used), then evicts the head of the eviction queue and
-    drops its key (``num_evicted_blocks``). The queue is LRU by last use (when its last
-    reference was dropped); a request drops its blocks tail first, so among blocks freed
-    together the tail of a prefix is evicted first.
-
-    Which blocks get keys, and when (``register``): prompt blocks once computed, i.e. after
-    the step whose chunk fills them (so later admissions share a prompt still being
-    prefilled); blocks of generated tokens when the request finishes, is preempted
-    (recompute or swap) or aborted, if their content is known (hash ids that cover them, or
-    output token ids on the engine). A key already held by another block is not taken
-    again: the duplicate stays unkeyed and goes back to the pool when released.
-
-    Lookup (``lookup``, at every admission): the longest run of leading blocks whose keys
-    are cached, at most ``(num_tokens - 1) // block_size`` blocks so at least one token is
-    computed and the step samples. A prompt of exactly m full blocks (nothing generated yet)
-    all cached hits m - 1 blocks: its last block is allocated anew and recomputed whole
-    (block_size tokens, vLLM V1's rule); its key is cached already, so that copy stays
-    unkeyed.
-
-    Swap (``swap_out`` / ``swap_in``): every block of the request is copied to CPU, shared
-    ones too, so a swapped request is self-contained whatever happens on the GPU. On the GPU
-    the request's references are dropped: a block others still reference stays used; its
-    own keyed blocks become cached free (reusable by others, evictable). Swap in
-    re-references each keyed block whose key is still cached on the GPU (no copy) and copies
-    the others into new blocks, keying them again; all its CPU blocks are freed.
+    ``register`` keys prompt blocks once computed, and generated blocks whose content is
+    known on finish, preemption or abort; a key another block holds is not taken again.
+    ``lookup`` hits at most ``(num_tokens - 1) // block_size`` blocks, so a step computes at
+    least one token (vLLM V1). Swap out copies every block, shared ones too; swap in
+    re-references blocks whose key is still cached and copies the rest.
     """
 
     enable_prefix_caching = True
@@ -332,12 +272,9 @@ class PrefixCachingBlockManager(BlockManager):
         return self.num_free_gpu_blocks - num_blocks >= reserve
 
     def block_hashes(self, r: Request, num_blocks: int) -> list[int]:
-        """``r.block_hashes``, extended to ``num_blocks`` keys where the content is known
-        (fewer where it is not). Mutates ``r.block_hashes``.
-
-        Raises:
-            ValueError: ``r.hash_block_size`` is not a positive multiple of the block size.
-        """
+        """``r.block_hashes`` (mutated), extended to up to ``num_blocks`` keys where the
+        content is known. ValueError if ``r.hash_block_size`` is not a multiple of the
+        block size."""
         hs, bs = r.block_hashes, self.block_size
         if len(hs) >= num_blocks:
             return hs
@@ -376,9 +313,8 @@ class PrefixCachingBlockManager(BlockManager):
         return hs
 
     def lookup(self, r: Request) -> list[int]:
-        """GPU blocks of the longest cached prefix of a waiting ``r`` (no blocks held), at
-        most ``(r.num_tokens - 1) // block_size`` of them. Mutates nothing but
-        ``r.block_hashes``."""
+        """GPU blocks of the longest cached prefix of a waiting ``r``, at most
+        ``(r.num_tokens - 1) // block_size``. Mutates only ``r.block_hashes``."""
         limit = (r.num_tokens - 1) // self.block_size
         hs = self.block_hashes(r, limit)
         get, out = self._block_of.get, []
@@ -390,15 +326,14 @@ class PrefixCachingBlockManager(BlockManager):
         return out
 
     def num_evictable(self, blocks: list[int]) -> int:
-        """How many of ``blocks`` are cached free: referencing them takes them from the
-        free count."""
+        """How many of ``blocks`` are cached free (referencing them lowers the free count)."""
         ref = self._ref
         return sum(1 for b in blocks if ref[b] == 0)
 
     # ----------------------------------------------------------------------- mutations
     def allocate_cached(self, r: Request, hits: list[int], num_new_blocks: int) -> None:
-        """Give a waiting ``r`` (no blocks held) the cached blocks ``hits`` (from
-        :meth:`lookup`) plus ``num_new_blocks`` new ones. The caller checked
+        """Give a waiting ``r`` the cached ``hits`` (from :meth:`lookup`) plus
+        ``num_new_blocks`` new ones; the caller checked
         ``can_allocate(num_new_blocks + num_evictable(hits))``."""
         ref, evictable = self._ref, self._evictable
         for b in hits:
@@ -419,8 +354,7 @@ class PrefixCachingBlockManager(BlockManager):
         request.block_table.extend(self._take(num_blocks))
 
     def register(self, r: Request) -> None:
-        """Key the full computed blocks of a running ``r`` not offered yet (see the class
-        docstring for when this is called). Mutates the key maps and
+        """Key ``r``'s full computed blocks not offered yet. Mutates the key maps and
         ``r.num_registered_blocks``."""
         n = min(r.num_computed_tokens // self.block_size, len(r.block_table))
         start = r.num_registered_blocks
@@ -440,8 +374,7 @@ class PrefixCachingBlockManager(BlockManager):
             r.num_registered_blocks = end
 
     def free(self, request: Request) -> None:
-        """Release every block of ``request``: GPU blocks after keying its computed ones
-        (:meth:`register`), CPU blocks if it is swapped."""
+        """Release every block of ``request`` (GPU ones after :meth:`register`)."""
         if request.status is RequestStatus.SWAPPED:
             self._free_cpu.put(request.block_table)
         else:
@@ -453,8 +386,8 @@ class PrefixCachingBlockManager(BlockManager):
             request.block_hashes = []
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
-        """Copy every block to CPU (see the class docstring) and drop the GPU references.
-        Returns the (gpu_block, cpu_block) copies in block-table order."""
+        """Copy every block to CPU, drop the GPU references; returns (gpu_block, cpu_block)
+        copies in table order."""
         self.register(request)
         table = request.block_table
         cpu = self._free_cpu.take(len(table))
@@ -464,14 +397,13 @@ class PrefixCachingBlockManager(BlockManager):
         return list(zip(table, cpu))
 
     def blocks_to_swap_in(self, request: Request) -> int:
-        """Free GPU blocks :meth:`swap_in` takes: copies, plus cached free blocks it
-        re-references."""
+        """Free GPU blocks :meth:`swap_in` takes: copies plus re-referenced cached free ones."""
         found = [b for b in self._swap_in_hits(request) if b >= 0]
         return len(request.block_table) - len(found) + self.num_evictable(found)
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
-        """Bring a swapped request back; returns the (cpu_block, gpu_block) copies, for its
-        blocks not found cached on the GPU."""
+        """Bring a swapped request back; returns (cpu_block, gpu_block) copies of the blocks
+        not cached on the GPU."""
         hits = self._swap_in_hits(request)
         ref, evictable = self._ref, self._evictable
         for b in hits:
@@ -499,7 +431,7 @@ class PrefixCachingBlockManager(BlockManager):
         return hits + [-1] * (len(r.block_table) - len(hits))
 
     def _take(self, n: int) -> list[int]:
-        """``n`` blocks with ref count 1: free ones first, then evicted LRU cached ones."""
+        """``n`` blocks at ref count 1: free ones, then evicted LRU cached ones."""
         pool = self._free_gpu
         k = min(n, pool.num_free)
         out = pool.take(k) if k else []
@@ -532,15 +464,8 @@ class PrefixCachingBlockManager(BlockManager):
 
     # ----------------------------------------------------------------------- invariants
     def check_integrity(self, requests: list[Request]) -> None:
-        """Check ref counts, the eviction queue and the key maps on the GPU, and one owner
-        per CPU block; used + cached free + free = total per pool.
-
-        Args:
-            requests: every request that may hold blocks (running and swapped ones).
-
-        Raises:
-            AssertionError: naming the broken invariant.
-        """
+        """Assert ref counts, eviction queue and key maps (GPU), one owner per CPU block, and
+        used + cached free + free = total, given every request that may hold blocks."""
         held: Counter[int] = Counter()
         cpu_owner: dict[int, str] = {b: "free" for b in self._free_cpu.free_ids()}
         assert len(cpu_owner) == self._free_cpu.num_free, "cpu: a block is free twice"

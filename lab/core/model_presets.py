@@ -1,11 +1,5 @@
-"""Model presets: the public config.json values of real checkpoints.
-
-One source for both backends: the simulator derives its model shapes from them
-(lab/sim/models.py) and the engine writes random-weight checkpoints of them for timing
-(``python -m backend.tools make-random-checkpoint``). Transcribed from the models' published
-``config.json`` files (the fields the engine and transformers read); the token-id fields are
-kept so a checkpoint looks like the real one. Plain data: no torch.
-"""
+"""Model presets: values transcribed from real checkpoints' published config.json, for the
+simulator's shapes and the engine's random-weight checkpoints."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""The plan of one engine step (``SchedulerOutput``) and the executor's answer (``StepResult``).
-
-A policy writes a plan; an executor (the cost model, or the real engine in backend/) reads
-only the plan to run the step. As in vLLM V1 the plan is a plain dataclass.
-
-Decodes are not entries of ``prefills`` but a list of their own, because the decode batch is
-kept in closed form (lab/core/decode_set.py): the cost model needs only the aggregates
-(:meth:`SchedulerOutput.features`), and an executor that runs a real model asks for the
-per-sequence inputs (:meth:`SchedulerOutput.seqs`: tokens to feed, their positions, block
-table), computed from the plan on demand so the simulator never pays for them.
+"""The plan of one engine step (``SchedulerOutput``, a plain dataclass as in vLLM V1) and the
+executor's answer (``StepResult``). An executor reads only the plan: the cost model its
+aggregates (:meth:`SchedulerOutput.features`), a real model its per-sequence inputs
+(:meth:`SchedulerOutput.seqs`, built on demand).
 """
 
 from __future__ import annotations
@@ -27,25 +21,18 @@ class PreemptionMode(enum.Enum):
 
 @dataclass(slots=True)
 class StepFeatures:
-    """What a step computes, in the terms a cost model needs (all counts are tokens unless
-    named otherwise).
+    """What a step computes, as a cost model needs it (counts in tokens unless named).
 
     Attributes:
-        num_prefill_tokens: prompt tokens fed (all chunks).
-        num_prefills: prefill chunks in the step.
-        prefill_context_tokens: sum over chunks of the cached prefix they attend to (KV read).
-        prefill_attention_pairs: sum over chunks of (query, key) pairs, causal within the
-            chunk: n * c + n * (n + 1) / 2 for a chunk of n tokens over c cached ones.
-        num_decodes: decodes (one token each).
-        decode_context_tokens: sum over decodes of the positions they attend to.
-        num_samples: tokens sampled (decodes + chunks that finish their prompt).
-        num_swap_blocks: blocks copied between host and device (out + in).
-        num_spec_tokens: draft tokens fed by decodes for verification (speculative
-            decoding, lab/core/spec.py); each is a query token (counted in ``num_tokens``,
-            the step's budget) and a sampled position (counted in ``num_samples``).
-        num_spec_decodes: decodes that verify drafts (also counted in ``num_decodes``).
-        spec_context_tokens: sum over draft tokens of the KV positions each attends to
-            (the latest token's context plus the drafts before it and itself).
+        prefill_context_tokens: sum over chunks of the cached prefix each attends to.
+        prefill_attention_pairs: sum over chunks of n * c + n * (n + 1) / 2 (n tokens over c
+            cached ones, causal within the chunk).
+        decode_context_tokens: sum over decodes of the positions each attends to.
+        num_samples: tokens sampled (decodes, prompt-finishing chunks, draft positions).
+        num_swap_blocks: blocks copied host <-> device (out + in).
+        num_spec_tokens: draft tokens fed for verification (also in ``num_tokens``).
+        num_spec_decodes: decodes verifying drafts (also in ``num_decodes``).
+        spec_context_tokens: sum over draft tokens of the KV positions each attends to.
     """
 
     num_prefill_tokens: int
@@ -71,21 +58,18 @@ class StepFeatures:
 
 @dataclass(slots=True)
 class ScheduledSeq:
-    """One sequence of a step, as an executor that runs a model needs it.
+    """One sequence of a step, for an executor that runs a model.
 
     Attributes:
-        request: the request (read-only for executors).
-        start_pos: tokens whose KV is cached already (num_computed_tokens); the step feeds
-            positions ``[start_pos, start_pos + num_new_tokens)``.
-        num_new_tokens: tokens fed this step (a prompt chunk, or 1 + d for a decode
-            verifying d draft tokens).
-        block_table: GPU block ids, covering at least ``start_pos + num_new_tokens``
-            positions; position p lives in slot
+        request: read-only for executors.
+        start_pos: tokens with KV cached; the step feeds positions
+            ``[start_pos, start_pos + num_new_tokens)``.
+        num_new_tokens: a prompt chunk, or 1 + d for a decode verifying d drafts.
+        block_table: GPU block ids; position p lives in slot
             ``block_table[p // block_size] * block_size + p % block_size``.
-        sample: whether the step samples a token after the last fed one.
-        num_draft_tokens: d, the draft tokens among the fed ones (the last d; a decode with
-            speculation): the step samples after each fed token and keeps the accepted
-            prefix plus one.
+        sample: whether a token is sampled after the last fed one.
+        num_draft_tokens: d, the last d fed tokens are drafts (sampled after each; the
+            accepted prefix plus one is kept).
     """
 
     request: Request
@@ -96,7 +80,7 @@ class ScheduledSeq:
     num_draft_tokens: int = 0
 
     def token_ids(self) -> list[int]:
-        """The token ids fed (prompt then generated tokens; needs ``prompt_token_ids``)."""
+        """The token ids fed (needs ``prompt_token_ids``)."""
         r, lo = self.request, self.start_pos
         hi = lo + self.num_new_tokens
         if lo >= r.prompt_len:  # a decode, or a chunk of generated tokens only
@@ -112,31 +96,22 @@ class SchedulerOutput:
     """What one step computes.
 
     Attributes:
-        prefills: request -> new tokens this step (a whole prompt or a chunk). The chunk
-            covers tokens [r.num_computed_tokens, r.num_computed_tokens + n) as of the
-            plan; the step samples a token for r when the chunk reaches r.num_tokens.
+        prefills: request -> tokens fed from ``r.num_computed_tokens`` (as of the plan); a
+            token is sampled when the chunk reaches ``r.num_tokens``.
         decodes: requests that each feed their latest token and sample one more.
-        decode_context_tokens: sum over ``decodes`` of their token count (prompt +
-            output so far), i.e. the KV positions the decode attention reads.
-        preempted: (request, mode) pairs preempted while planning this step.
-        swap_out: (gpu_block, cpu_block) copies to do before the step runs.
-        swap_in: (cpu_block, gpu_block) copies to do before the step runs.
+        decode_context_tokens: sum of the decodes' token counts (KV positions read).
+        preempted: (request, mode) pairs preempted while planning.
+        swap_out, swap_in: (from_block, to_block) copies to do before the step.
         aborted: requests dropped while planning (reason set on the request).
-        decode_tick: the decode set's tick when planned (the decodes' token counts follow
-            from it, see :func:`lab.core.decode_set.num_tokens_at`).
-        num_cached_tokens: tokens the admissions of this step found in the prefix cache
-            (not fed: each such chunk starts after them and attends to them as context).
-        num_cached_blocks: the blocks holding them.
-        spec_decodes: decode -> d' >= 1, the draft tokens it verifies this step (the first
-            d' of ``r.spec_token_ids``, fed after its latest token at the next positions);
-            empty without speculative decoding. Decodes not in it feed one token.
-        num_wasted_tokens: decodes of requests whose last token an earlier step already
-            sampled (asynchronous scheduling: their slot is wasted; 0 in sync runs). Set
-            when the plan is launched (``Scheduler.launched``).
-        sampled_prefills: the chunks that finish their prompt (they sample a token), in
-            plan order. Set when the plan is launched.
-        finished: requests whose last output token this step samples. Set when the plan
-            is launched.
+        decode_tick: the decode set's tick when planned (see
+            :func:`lab.core.decode_set.num_tokens_at`).
+        num_cached_tokens, num_cached_blocks: prefix-cache hits of this step's admissions
+            (not fed; the chunk starts after them).
+        spec_decodes: decode -> d' >= 1 drafts verified (the first d' of
+            ``r.spec_token_ids``); others feed one token.
+        num_wasted_tokens: async decodes past a request's last token (0 in sync runs).
+        sampled_prefills, finished: prompt-finishing chunks, and requests whose last token
+            this step samples. These last three are set at ``Scheduler.launched``.
     """
 
     prefills: dict[Request, int] = field(default_factory=dict)
@@ -157,9 +132,8 @@ class SchedulerOutput:
     _features: StepFeatures | None = None
 
     def features(self) -> StepFeatures:
-        """The step's :class:`StepFeatures`, computed once (call before the step's results
-        are applied, or before it is launched under async scheduling: it reads each chunk's
-        ``num_computed_tokens``)."""
+        """The step's :class:`StepFeatures`, cached; first call before the step is applied
+        (async: launched), as it reads ``num_computed_tokens``."""
         if self._features is None:
             tokens = context = samples = 0
             pairs = 0.0
@@ -200,13 +174,9 @@ class SchedulerOutput:
         return sum(self.spec_decodes.values()) if self.spec_decodes else 0
 
     def seqs(self) -> list[ScheduledSeq]:
-        """Per-sequence inputs of the step: prefill chunks in plan order, then decodes (each
-        feeds its latest token at :meth:`decode_positions`). Valid until the step's results
-        are applied (``Scheduler.update``), under async scheduling until it is launched
-        (``Scheduler.launched``); O(sequences), so the simulator never calls it. Async: a
-        decode's token is a placeholder (not in ``output_token_ids`` yet) when the step in
-        flight samples it; ``token_ids`` then returns [] and the engine feeds it from that
-        step's sampled tokens on the device."""
+        """Per-sequence inputs: prefill chunks in plan order, then decodes. Valid until
+        ``Scheduler.update`` (async: ``Scheduler.launched``). Async: a decode whose token the
+        step in flight samples has ``token_ids() == []`` (the engine feeds it on device)."""
         out = self.prefill_seqs()
         spec = self.spec_decodes
         out += [
@@ -229,8 +199,7 @@ class SchedulerOutput:
         ]
 
     def decode_positions(self) -> list[int]:
-        """The position each decode feeds (its latest token), in ``decodes`` order: one
-        list comprehension, for executors that build their own per-sequence inputs."""
+        """The position each decode feeds (its latest token), in ``decodes`` order."""
         tick = self.decode_tick - 1  # num_tokens_at(r, tick) - 1, inlined: hundreds a step
         return [r.prompt_len + r.join_num_output + tick - r.join_tick for r in self.decodes]
 
@@ -250,16 +219,12 @@ class StepResult:
     """What the executor reports back.
 
     Attributes:
-        duration_s: step duration in seconds (predicted by the cost model, or measured
-            wall time on the engine).
-        sampled_token_ids: request -> token id sampled this step (engine only; the
-            simulator leaves it empty). For a decode of ``plan.spec_decodes``: the token
-            sampled after its accepted drafts (the bonus token, or the correction).
-        num_accepted: spec decode -> drafts accepted (0 .. d' of ``plan.spec_decodes``; a
-            missing entry counts as 0). The request gains accepted + 1 tokens.
-        draft_token_ids: request -> the drafts proposed for its next step (for requests that
-            sampled a token; a sampled request without an entry has none). Engine: the
-            proposer's; simulator: k placeholder ids.
+        duration_s: step duration (predicted, or measured wall time on the engine).
+        sampled_token_ids: request -> token sampled (engine only); for a spec decode the
+            token after its accepted drafts.
+        num_accepted: spec decode -> drafts accepted (0..d'; missing = 0).
+        draft_token_ids: request -> drafts proposed for its next step (simulator: k
+            placeholder ids).
     """
 
     duration_s: float
@@ -269,23 +234,13 @@ class StepResult:
 
 
 class Executor(Protocol):
-    """Runs a plan. Never makes a scheduling decision.
+    """Runs a plan; never makes a scheduling decision.
 
-    ``wall_clock``: True if durations are measured wall time; the replay loop then adds the
-    wall time the policy spent planning the step, so a step costs what it cost for real.
-
-    Asynchronous scheduling (lab/sim/replay.py) uses two optional methods, with
-    ``execute(plan) == wait(launch(plan))``:
-
-    * ``launch(plan) -> handle``: start the step and return at once (the engine enqueues it
-      behind the step in flight; the plan's decodes of requests whose latest token is not
-      known yet read it from the previous step's sampled tokens on the device). The plan's
-      inputs are read here: the scheduler advances its token counts right after.
-    * ``wait(handle) -> StepResult``: block until the step is done.
-
-    A handle may carry ``host_s``: the seconds of host work (planning, input preparation)
-    inside the step's ``duration_s`` (the simulator's cost model; absent = 0). An executor
-    without ``launch``/``wait`` runs each step at launch (``execute``).
+    ``wall_clock``: durations are measured (the replay loop adds the planning time).
+    Optional, for asynchronous scheduling, with ``execute(plan) == wait(launch(plan))``:
+    ``launch(plan) -> handle`` starts the step and reads the plan's inputs before returning;
+    ``wait(handle) -> StepResult`` blocks until it is done. A handle may carry ``host_s``,
+    the host seconds inside ``duration_s`` (absent = 0).
     """
 
     wall_clock: bool

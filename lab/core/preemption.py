@@ -1,11 +1,5 @@
-"""KV shortage: decode blocks reserved with preemption, preemption by recompute or swap, and
-swap-in (the shared moves :meth:`~lab.core.scheduler.Scheduler.reserve_decode_blocks`,
-``preempt``, ``preempt_lower_ranked``, ``swap_in_swapped``). Rules: docs/ARCHITECTURE.md,
-"Scheduler rules".
-
-:class:`Preemption` is a mixin of :class:`~lab.core.scheduler.Scheduler`: its methods read and
-mutate the scheduler's queues, block manager, events and the plan.
-"""
+"""KV shortage: decode blocks with preemption, preemption by recompute or swap, swap-in.
+Rules: docs/ARCHITECTURE.md, "Scheduler rules"."""
 
 from __future__ import annotations
 
@@ -23,8 +17,8 @@ log = logging.getLogger("lab.core.scheduler")
 
 
 class Preemption:
-    """Mixin of :class:`~lab.core.scheduler.Scheduler`: the moves under KV shortage (its state
-    lives there)."""
+    """Mixin of :class:`~lab.core.scheduler.Scheduler` (its state lives there); mutates its
+    queues, blocks, events and the plan."""
 
     def _reserve_decode_blocks(self, plan: SchedulerOutput) -> None:
         """:meth:`Scheduler.reserve_decode_blocks` without speculative decoding."""
@@ -43,20 +37,17 @@ class Preemption:
             bm.allocate(r, 1)
 
     def _needing_block(self) -> Iterable[Request]:
-        """Decodes whose next token starts a block; async: not a wasted slot (its token is
-        never written to KV)."""
+        """Decodes whose next token starts a block (async: not wasted slots)."""
         need, done = self.decode_set.needing_block(), self.in_flight.finishing
         return [r for r in need if r not in done] if done else need
 
     def _preempt_victim(self, plan: SchedulerOutput) -> None:
-        """Preempt the request ``self.pick_victim()`` returns, checked to be preemptable."""
         victim = self.pick_victim()
         self._check_victim(victim, "pick_victim()")
         self.preempt(plan, victim, self.victim_rule)
 
     def _check_victim(self, victim: Request, hook: str) -> None:
-        """Raises SchedulerStuckError naming ``hook`` unless ``victim`` is one of
-        ``self.preemptable()``: running, and (async) its last token not in flight."""
+        """SchedulerStuckError naming ``hook`` unless ``victim`` is one of ``preemptable()``."""
         if victim.status is not RequestStatus.RUNNING:
             why = f"it is {victim.status.value}, not running"
         elif victim in self.in_flight.finishing:
@@ -71,21 +62,14 @@ class Preemption:
     def preempt_lower_ranked(
         self, plan: SchedulerOutput, r: Request, need: int, rank: Callable[[Request], Any]
     ) -> int | None:
-        """Preempt running requests that rank strictly below waiting request ``r``
-        (``rank(v) > rank(r)``; lower ranks run first), the lowest-ranked first (ties: the
-        newest), until ``r``'s ``need`` blocks and a sequence slot are free; none if that is
-        not enough. Requests admitted in this very plan, and (async) requests whose last
-        token is in flight, are never victims.
-
-        A victim already planned in this step is rolled back: its prefill chunk leaves
-        ``plan``, and a decode gives back its block (all its blocks are freed) and, if
-        :meth:`reserve_decode_blocks` ran for ``plan``, its decode slot; it samples no token
-        in this step. The victims are chosen from the ranks alone, so the result does not
-        depend on the order of ``running``.
+        """Preempt running requests with ``rank(v) > rank(r)``, lowest-ranked first (ties: the
+        newest), until waiting ``r``'s ``need`` blocks and a sequence slot are free. Never
+        victims: requests admitted in this plan, (async) those with their last token in
+        flight. A victim already in ``plan`` is rolled back out of it.
 
         Returns:
-            The token budget the victims held in ``plan`` (chunks + decode slots), or None
-            if no set of victims makes room (then nothing is preempted).
+            The token budget the victims held in ``plan``, or None if no set of victims
+            makes room (then nothing is preempted).
         """
         bm, lim = self.block_manager, self.limits
         order = sorted(enumerate(self.running), key=lambda iv: (rank(iv[1]), iv[0]), reverse=True)
@@ -118,13 +102,11 @@ class Preemption:
 
     def preempt(self, plan: SchedulerOutput, victim: Request, why: str = "") -> None:
         """Preempt ``victim`` by swap if the policy swaps and CPU space allows, else by
-        recompute. Mutates queues and blocks; records the preemption in ``plan`` and in
-        ``events`` with ``why`` (how the victim was chosen, e.g. "the newest running
-        request").
+        recompute; recorded in ``plan`` and ``events`` with ``why`` (how it was chosen).
 
         Raises:
-            SchedulerStuckError: ``victim`` is not one of :meth:`preemptable`, or it was
-                preempted more than ``limits.max_preemptions`` times (thrashing).
+            SchedulerStuckError: not one of :meth:`preemptable`, or preempted more than
+                ``limits.max_preemptions`` times.
         """
         assert victim not in plan.prefills, "a request is never scheduled and preempted"
         self._check_victim(victim, "preempt()")
@@ -174,8 +156,8 @@ class Preemption:
             )
 
     def swap_in_swapped(self, plan: SchedulerOutput) -> None:
-        """Bring swapped requests back, oldest first, while blocks and max_num_seqs allow.
-        They rejoin the decode batch in this step."""
+        """Swap requests back in, oldest first, while blocks and max_num_seqs allow; they
+        decode in this step."""
         bm, step, events = self.block_manager, self.num_steps, self.events
         while self.swapped:
             r = self.swapped[0]

@@ -1,8 +1,4 @@
-"""A typed, string-keyed registry: policies, routers, trace formats, attention backends.
-
-Names are registered once, where the thing is defined (``@REGISTRY.register("name")``); a
-lookup of an unknown name raises one line that lists the known names.
-"""
+"""A typed, string-keyed registry: policies, routers, trace formats, attention backends."""
 
 from __future__ import annotations
 
@@ -38,26 +34,18 @@ class Registry(Generic[T]):
         self._items: dict[str, T] = {}
 
     def add(self, name: str, item: T) -> T:
-        """Register ``item`` as ``name``; returns it.
-
-        Raises:
-            ValueError: ``name`` is already registered.
-        """
+        """Register ``item`` as ``name`` and return it; ValueError if already registered."""
         if name in self._items:
             raise ValueError(f"{self.kind} {name!r} is already registered by {self._items[name]}")
         self._items[name] = item
         return item
 
     def register(self, name: str) -> Callable[[T], T]:
-        """Decorator form of :meth:`add`: ``@registry.register("name")``."""
+        """Decorator form of :meth:`add`."""
         return lambda item: self.add(name, item)
 
     def get(self, name: object) -> T:
-        """The item registered as ``name``.
-
-        Raises:
-            ``error``: ``name`` is not a registered name (the message lists the known ones).
-        """
+        """The item registered as ``name``; raises ``error`` listing the known names if none."""
         if isinstance(name, str) and name in self._items:
             return self._items[name]
         where = f"{self.where}: " if self.where else ""
@@ -68,11 +56,10 @@ class Registry(Generic[T]):
         )
 
     def names(self) -> list[str]:
-        """The registered names (sorted, or in registration order; see ``sort``)."""
         return sorted(self._items) if self.sort else list(self._items)
 
     def pop(self, name: str, default: T | None = None) -> T | None:
-        """Unregister ``name`` (tests that register a throwaway item); returns it."""
+        """Unregister ``name`` and return it (for tests)."""
         return self._items.pop(name, default)
 
     def __getitem__(self, name: str) -> T:

@@ -26,24 +26,20 @@ class Request:
     """One trace request.
 
     Args:
-        request_id: unique within a trace (the loaders use the row index as a string).
-        arrival_s: arrival time, seconds from the trace start (>= 0; NaN for a dropped
-            trace row, which is never replayed).
+        request_id: unique within a trace.
+        arrival_s: seconds from the trace start (>= 0; NaN for a dropped row, never replayed).
         prompt_len: prompt tokens (>= 1).
-        output_len: output tokens to generate (>= 1); honoured exactly (as with ignore_eos).
-        prompt_token_ids: real prompt tokens, only for the engine backend (None in traces).
-        hash_ids: prefix identity: hash id i names tokens
-            ``[i * hash_block_size, (i + 1) * hash_block_size)`` of prompt + output, and equal
-            ids at equal positions mean equal content up to there (Mooncake traces). The ids
-            may extend past the prompt (tokens the request will generate). The prefix cache
-            keys KV blocks by them (lab/core/kv.py); with None it falls back to the token ids.
-        priority: lower runs first for priority policies (vLLM's convention); unused by FCFS.
-        class_name: the workload class of the request (``trace:`` as a list of classes,
-            traces/classes.py); "" for a single trace.
-        tenant: who sent it (fairness policies and metrics); "" = no tenant.
-        ttft_slo_s: the TTFT target of its class in seconds (EDF's deadline), or None.
-        hash_block_size: tokens each hash id stands for (Mooncake's: 512); a multiple of
-            the KV block size when the prefix cache is on.
+        output_len: output tokens (>= 1), generated exactly (as with ignore_eos).
+        prompt_token_ids: real prompt tokens, engine backend only (None in traces).
+        hash_ids: hash id i names tokens ``[i * hash_block_size, (i + 1) * hash_block_size)``
+            of prompt + output; equal ids at equal positions mean equal content up to there
+            (Mooncake traces). The prefix cache keys blocks by them.
+        priority: lower runs first (vLLM's convention).
+        class_name: workload class (traces/classes.py); "" for a single trace.
+        tenant: "" = no tenant.
+        ttft_slo_s: the class's TTFT target in seconds, or None.
+        hash_block_size: tokens per hash id (Mooncake's 512); a multiple of the KV block
+            size when the prefix cache is on.
     """
 
     request_id: str

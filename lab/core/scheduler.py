@@ -1,15 +1,7 @@
-"""Scheduler state and the mechanics every policy shares; the policy registry.
+"""Scheduler state and the moves every policy shares; the policy registry.
 
-A policy (policies/<name>.py) subclasses :class:`Scheduler` and writes ``schedule()`` from
-the shared moves here (admit waiting requests, reserve decode blocks with preemption, swap
-in); they mutate the queues and the block manager and record what they did in the step's
-plan, as vLLM's scheduler does. The contract with the replay loop: :meth:`Scheduler.add`,
-:meth:`Scheduler.schedule`, :meth:`Scheduler.update` (and, with asynchronous scheduling,
-:meth:`Scheduler.launched` between the last two). The rules (token and block conventions,
-the prefix cache, asynchronous scheduling, speculative decoding) are in
-docs/ARCHITECTURE.md, "Scheduler rules". The moves live in mixins by phase: admission
-(lab/core/admission.py), KV shortage (lab/core/preemption.py), speculative drafts
-(lab/core/spec_drafts.py); asynchronous scheduling's in-flight state is lab/core/in_flight.py.
+Rules: docs/ARCHITECTURE.md, "Scheduler rules". Moves by phase live in mixins:
+lab/core/admission.py, preemption.py, spec_drafts.py; async state in in_flight.py.
 """
 
 from __future__ import annotations
@@ -61,7 +53,7 @@ class SchedulerLimits:
         max_num_batched_tokens: token budget of one step (prefill + decode tokens).
         max_model_len: prompt + output tokens of one request; longer ones are rejected.
         max_preemptions: preemptions of one request after which the run fails as
-            thrashing (a livelock guard; no policy here comes near it in practice).
+            thrashing (a livelock guard).
     """
 
     max_num_seqs: int
@@ -71,34 +63,18 @@ class SchedulerLimits:
 
 
 class Scheduler(Admission, Preemption, SpecDrafts):
-    """Queues, block manager and limits, plus the shared moves of every policy.
+    """Queues, block manager and limits, plus the shared moves of every policy; the sole
+    owner of request state.
 
-    The contract with the replay loop (which owns time and nothing else):
+    The replay loop calls :meth:`add`, :meth:`schedule`, :meth:`update`, and with async
+    scheduling :meth:`launched` between the last two. Queues: ``waiting`` (FIFO; recompute
+    victims at the front), ``running`` (admission order, newest last; each in
+    ``decode_set`` or ``prefilling``), ``swapped`` (FIFO). Moves are recorded in ``events``.
 
-    * :meth:`add` (request, now): an arrived request joins ``waiting``, or is rejected
-      with a reason if it can never run;
-    * :meth:`schedule`: the policy plans the next step (a :class:`SchedulerOutput`, all an
-      executor reads);
-    * :meth:`update` (plan, result, now): the executed step's results are applied: sampled
-      tokens, finished requests, freed blocks;
-    * asynchronous scheduling only, :meth:`launched` (plan): the plan was handed to the
-      executor (called before the next :meth:`schedule`).
-
-    The scheduler is the sole owner of request state. Queues: ``waiting`` (FIFO; recompute
-    victims return at the front), ``running`` (in admission order; the last one is the
-    newest), ``swapped`` (FIFO). Running requests are either in ``decode_set`` or in
-    ``prefilling`` (a chunked prompt not yet fully computed). The shared moves record what
-    they do to each request, and why a waiting one was not admitted, in ``events``
-    (:class:`lab.core.events.EventLog`, O(1) per move).
-
-    A policy subclasses this class, registers it with :func:`register_policy` and writes
-    :meth:`schedule` from the shared moves (``admit_waiting``: lab/core/admission.py;
-    ``reserve_decode_blocks``, ``preempt``, ``preempt_lower_ranked``, ``swap_in_swapped``:
-    lab/core/preemption.py; ``abort``, ``add_decodes``: here); it may override the hooks
-    :meth:`admission_order` (default FCFS), :meth:`make_room` (default: never preempt to
-    admit) and :meth:`pick_victim` (default: the ``preemption_victim`` rule, an option every
-    policy takes, see :data:`VICTIM_RULES`). A victim a hook preempts must be one of
-    :meth:`preemptable`; any other stops the run with SchedulerStuckError naming the hook.
+    A policy registers a subclass (:func:`register_policy`), writes :meth:`schedule` from
+    the shared moves, and may override :meth:`admission_order`, :meth:`make_room` and
+    :meth:`pick_victim`; a hook's victim must be one of :meth:`preemptable`, else
+    SchedulerStuckError.
     """
 
     name: ClassVar[str] = ""
@@ -158,19 +134,14 @@ class Scheduler(Admission, Preemption, SpecDrafts):
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any], tenants: frozenset[str]) -> str | None:
-        """Why the policy's YAML options cannot work, as ``key: expected ..., got ...``
-        (None if they can); checked by the config before any run. ``tenants``: the tenants
-        the trace's classes name (empty for a single trace). Default: no check."""
+        """Why the policy's YAML options cannot work (``key: expected ..., got ...``), or
+        None. ``tenants``: those the trace's classes name (empty for a single trace)."""
         return None
 
     # ------------------------------------------------------------------ the contract
     def add(self, request: Request, now_s: float) -> bool:
-        """Take a request that arrives at ``now_s``. Mutates ``request`` and the queues.
-
-        Returns:
-            True if it joined ``waiting``; False if it was rejected (it can never run under
-            these limits: status REJECTED, ``reason`` set, ``finish_s = now_s``).
-        """
+        """Take a request arriving at ``now_s`` (mutates it and the queues). True if it joined
+        ``waiting``; False if rejected (REJECTED, ``reason`` set, ``finish_s = now_s``)."""
         self.now_s = now_s
         reason = self.rejection_reason(request)
         if reason:
@@ -184,18 +155,14 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         return True
 
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step (the policy's part). Mutates the queues and the block manager;
-        the plan records every preemption, swap and abort it made."""
+        """Plan the next step. Mutates queues and blocks; the plan records every preemption,
+        swap and abort."""
         raise NotImplementedError
 
     def update(self, plan: SchedulerOutput, result: StepResult, now_s: float) -> None:
-        """Apply the executed step ``plan`` at its end time ``now_s``: append the sampled
-        token ids (engine runs), advance decodes and prompt chunks, finish requests whose
-        last token was sampled and free their blocks. Mutates requests and queues.
-
-        Asynchronous scheduling: the counts advanced at :meth:`launched`; this appends the
-        token ids (not those of wasted slots) and finishes the plan's ``finished``
-        requests, freeing their blocks (docs/ARCHITECTURE.md, "Scheduler rules")."""
+        """Apply the executed ``plan`` at its end time ``now_s``: token ids, advanced counts
+        (sync only; async advanced them at :meth:`launched`), finishes and freed blocks.
+        Mutates requests and queues."""
         self.now_s = now_s
         spec, flight = plan.spec_decodes, self.in_flight
         for r, token in result.sampled_token_ids.items():
@@ -218,18 +185,15 @@ class Scheduler(Admission, Preemption, SpecDrafts):
             self._apply_drafts_async(plan, result, after)
 
     def launched(self, plan: SchedulerOutput) -> None:
-        """Asynchronous scheduling: ``plan`` was handed to the executor (after it read the
-        plan's inputs). Advances decodes and prompt chunks with placeholder tokens and sets
-        the plan's ``num_wasted_tokens``, ``sampled_prefills`` and ``finished``; requests
-        that sampled their last token stay running until :meth:`update`. Mutates requests
-        and the decode set."""
+        """Async: ``plan`` was handed to the executor. Advances counts with placeholder tokens
+        and sets ``num_wasted_tokens``, ``sampled_prefills`` and ``finished``; finishing
+        requests stay running until :meth:`update`. Mutates requests and the decode set."""
         self._advance(plan, None)
         self.in_flight.launch(plan)
 
     def _advance(self, plan: SchedulerOutput, now_s: float | None) -> None:
-        """Advance the counts of ``plan``'s decodes and chunks (the step's sampled tokens
-        join). ``now_s``: a sync step's end time, when requests that sampled their last
-        token finish; None (async): they stay in the decode set for one more (wasted) slot."""
+        """Advance ``plan``'s decodes and chunks. ``now_s``: sync end time (finishes happen);
+        None (async): finishing requests stay for one wasted slot."""
         step_index = self.num_steps
         self.num_steps += 1
         finishing = self.in_flight.finishing
@@ -272,8 +236,7 @@ class Scheduler(Admission, Preemption, SpecDrafts):
                 self._finish(r, now_s)
 
     def abort_unfinished(self, reason: str, now_s: float) -> list[Request]:
-        """End every queued request as aborted with ``reason`` (a run that stopped); their
-        blocks are freed. Returns them."""
+        """Abort every queued request with ``reason``, freeing blocks; returns them."""
         out = [*self.waiting, *self.running, *self.swapped]
         for r in out:
             self.block_manager.free(r)
@@ -286,17 +249,14 @@ class Scheduler(Admission, Preemption, SpecDrafts):
 
     # ------------------------------------------------------------------ hooks
     def admission_order(self) -> Iterable[Request]:
-        """Waiting requests in the order :meth:`admit_waiting` tries them; it stops at the
-        first that does not fit. Default: the ``waiting`` queue itself (FCFS, recompute
-        victims first). Must not mutate; return ``self.waiting`` for the default order, else
-        a list or a generator that does not iterate ``waiting`` itself (admission removes
-        from it while the order is read, lazily)."""
+        """Waiting requests in the order :meth:`admit_waiting` tries them (default:
+        ``self.waiting``). Must not mutate; anything but ``self.waiting`` must not iterate
+        ``waiting`` lazily (admission removes from it while reading)."""
         return self.waiting
 
     def pick_victim(self) -> Request:
-        """The running request to preempt next when KV blocks are short (called with at
-        least two running); it must be one of :meth:`preemptable`. Default: the largest key
-        of the ``preemption_victim`` rule (:data:`VICTIM_RULES`), ties to the newest."""
+        """The running request to preempt when blocks are short (>= 2 running), one of
+        :meth:`preemptable`. Default: largest ``preemption_victim`` key, ties to the newest."""
         done = self.in_flight.finishing
         if self.preemption_victim == "newest":
             if not done:
@@ -306,17 +266,15 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         return max(enumerate(self.preemptable()), key=lambda ir: (key(self, ir[1]), ir[0]))[1]
 
     def make_room(self, plan: SchedulerOutput, r: Request, need: int) -> int | None:
-        """Called by :meth:`admit_waiting` when waiting request ``r`` does not fit (``need``
-        blocks, or no free sequence slot): preempt running requests for it, or not.
-        Returns the token budget the victims held in ``plan`` (see
-        :meth:`preempt_lower_ranked`), or None to stop admitting. Default: None."""
+        """Called when waiting ``r`` does not fit (``need`` blocks, or no sequence slot); may
+        preempt for it. Returns the budget the victims held in ``plan``, or None to stop
+        admitting (the default)."""
         return None
 
     # ------------------------------------------------------------------ queries
     def preemptable(self) -> list[Request]:
-        """The running requests a policy may preempt now, in ``running`` order (the last is
-        the newest): all of them except, under asynchronous scheduling, those whose last
-        token is in flight (they finish when its results arrive). A new list."""
+        """A new list of the running requests a policy may preempt (async: not those whose
+        last token is in flight), in ``running`` order."""
         done = self.in_flight.finishing
         return [r for r in self.running if r not in done] if done else list(self.running)
 
@@ -324,9 +282,8 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         return bool(self.waiting or self.running or self.swapped)
 
     def num_computed_tokens(self, r: Request) -> int:
-        """Tokens of ``r`` whose KV is cached, now. Use this, not
-        ``r.num_computed_tokens``, for running decodes: the decode set keeps their counts in
-        closed form and writes them back to the request only when it leaves the set."""
+        """Tokens of ``r`` with KV cached now; use it, not ``r.num_computed_tokens``, for
+        decodes (the decode set writes counts back only when they leave it)."""
         if r in self.decode_set:
             return self.decode_set.num_tokens(r) - 1
         return r.num_computed_tokens
@@ -357,17 +314,15 @@ class Scheduler(Admission, Preemption, SpecDrafts):
 
     # ------------------------------------------------------------------ shared moves
     def reserve_decode_blocks(self, plan: SchedulerOutput) -> None:
-        """Give each decode a block if its next token starts one (with speculative decoding,
-        the blocks of its drafts too), preempting :meth:`pick_victim` while blocks are
-        short. A request that needs a block while holding the whole cache alone is aborted."""
+        """Give each decode the block its next token (and drafts) need, preempting
+        :meth:`pick_victim` while short; a request alone that still does not fit is aborted."""
         self._slots_planned_for = plan
         if self.speculative is not None:
             return self._reserve_draft_blocks(plan)
         return self._reserve_decode_blocks(plan)
 
     def abort(self, plan: SchedulerOutput, r: Request, reason: str) -> None:
-        """Drop ``r`` (running, or already taken from ``waiting``) for good with ``reason``;
-        its blocks are freed and the plan lists it."""
+        """Drop ``r`` (running, or taken from ``waiting``) with ``reason``; frees its blocks."""
         if r.status is RequestStatus.RUNNING:
             self._leave_running(r)
             plan.spec_decodes.pop(r, None)
@@ -377,9 +332,8 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         self.events.record((self.num_steps, ABORTED, id(r), 0, 0))
 
     def add_decodes(self, plan: SchedulerOutput) -> SchedulerOutput:
-        """Put the whole decode batch in the plan (after ``reserve_decode_blocks``). The
-        last move of a plan: if the plan did not try admission, the waiting queue is
-        recorded as held, with the reason (swapped requests first, a preemption)."""
+        """Put the decode batch in the plan; the last move of a plan. Records the waiting
+        queue as held if the plan did not try admission."""
         if self._admit_step != self.num_steps and self.waiting:
             if self.swapped or plan.swap_in:
                 why = "swapped_first"
@@ -394,13 +348,8 @@ class Scheduler(Admission, Preemption, SpecDrafts):
 
     # ------------------------------------------------------------------ invariants
     def check_plan(self, plan: SchedulerOutput) -> None:
-        """Invariants of every plan (slow; tests and ``check_invariants`` runs): limits
-        respected, no request scheduled twice or both scheduled and preempted, decodes
-        holding exactly their blocks, every block owned once.
-
-        Raises:
-            AssertionError: naming the broken invariant.
-        """
+        """Assert a plan's invariants (slow: tests and ``check_invariants``): limits, no
+        request twice or scheduled and preempted, decodes holding exactly their blocks."""
         lim = self.limits
         tokens = plan.features().num_tokens
         assert tokens <= lim.max_num_batched_tokens, f"{tokens} tokens > budget"
@@ -449,8 +398,8 @@ class Scheduler(Admission, Preemption, SpecDrafts):
 
 
 def bad_number(options: Mapping[str, Any], key: str, *, null: bool = False) -> str | None:
-    """For :meth:`Scheduler.check_options`: ``key: expected ...`` unless ``options[key]`` is a
-    finite number >= 0 (or null, when ``null``); None when it is, or when the key is absent."""
+    """``key: expected ...`` unless ``options[key]`` is absent or a finite number >= 0 (or
+    null, with ``null``); else None."""
     v = options.get(key)
     if key not in options or (v is None and null):
         return None
@@ -475,15 +424,10 @@ def register_policy(name: str):
 
 
 def policy_names() -> list[str]:
-    """Names of the registered policies, sorted (importing ``policies`` registers the
-    built-in ones)."""
+    """Names of the registered policies, sorted."""
     return POLICIES.names()
 
 
 def get_policy(name: str) -> type[Scheduler]:
-    """The policy class registered as ``name``.
-
-    Raises:
-        ConfigError: unknown name (the message lists the known ones).
-    """
+    """The policy class registered as ``name``; ConfigError for an unknown one."""
     return POLICIES.get(name)

@@ -1,32 +1,18 @@
 """Speculative decoding: the ``speculative:`` option, parsed and validated.
 
-A proposer guesses the next k tokens of a decoding request cheaply; the target model
-verifies them in one step (the request feeds its latest token plus the d <= k drafts, 1 + d
-query tokens) and keeps the accepted prefix plus one token it samples itself (the bonus
-token when every draft was accepted, else the correction). vLLM V1 budgets the drafts like
-prompt tokens; the scheduler's accounting is in lab/core/spec_drafts.py (``Scheduler`` with
-``speculative=``), the proposers and verification in backend/spec_decode.py, the simulated
-acceptance in lab/sim/spec_executor.py.
-
 Keys (vLLM's names where vLLM has one):
 
-* ``method``: ``ngram`` (prompt lookup: match the last n tokens, ``prompt_lookup_min`` <=
-  n <= ``prompt_lookup_max``, in prompt + output and propose what followed), ``draft`` (a
-  smaller model of the same tokenizer, ``model``: its checkpoint folder) or ``synthetic``
-  (proposals accepted with the given per-position probabilities: a timing device for
-  random-weight models, never a claim about output quality).
-* ``num_speculative_tokens``: k, drafts proposed per step (an integer in [1, 64]).
-* ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram only): 1 <= min <= max; when one is
-  given the other defaults to it, when neither both are :data:`DEFAULT_PROMPT_LOOKUP`.
-* ``model`` (draft only, required): the draft checkpoint folder.
-* ``acceptance_rates``: [p_1 .. p_k], p_i = probability that draft i is accepted given
-  drafts 1..i-1 were (each in [0, 1]); required for ``synthetic`` unless
-  ``acceptance_from`` is given; for the simulator it stands in for any method.
-* ``acceptance_from``: a results run folder whose measured acceptance the simulator uses
-  (resolved against the experiment file by lab/config.py); not with ``acceptance_rates``.
-* ``seed``: the seed of the acceptance draws and of synthetic proposals (integer >= 0).
-
-Every mistake raises :class:`~lab.core.errors.ConfigError` with one line naming the key.
+* ``method``: ``ngram`` (prompt lookup), ``draft`` (a smaller model, same tokenizer) or
+  ``synthetic`` (acceptance from ``acceptance_rates``: a timing device only).
+* ``num_speculative_tokens``: k, drafts per step, in [1, 64].
+* ``prompt_lookup_min`` / ``prompt_lookup_max`` (ngram): 1 <= min <= max; one given sets
+  the other, neither gives :data:`DEFAULT_PROMPT_LOOKUP`.
+* ``model`` (draft, required): the draft checkpoint folder.
+* ``acceptance_rates``: [p_1 .. p_k], p_i = P(draft i accepted | drafts 1..i-1 were), each
+  in [0, 1]; required for ``synthetic`` unless ``acceptance_from``; the simulator's rates.
+* ``acceptance_from``: a results run folder whose measured acceptance the simulator uses;
+  not with ``acceptance_rates``.
+* ``seed``: of the acceptance draws and synthetic proposals (>= 0).
 """
 
 from __future__ import annotations
@@ -76,12 +62,7 @@ class SpeculativeConfig:
 
     @classmethod
     def from_mapping(cls, raw: Any, key: str = "speculative") -> SpeculativeConfig:
-        """Validate a parsed ``speculative:`` mapping.
-
-        Raises:
-            ConfigError: ``key.sub: expected ..., got ...`` (one line; the caller prefixes
-                the file name).
-        """
+        """Validate a parsed ``speculative:`` mapping; ConfigError (one line) naming the key."""
 
         def fail(sub: str, expected: str, value: Any) -> ConfigError:
             return ConfigError(f"{key}.{sub}: expected {expected}, got {_short(value)}")
@@ -167,8 +148,7 @@ class SpeculativeConfig:
 
 
 def draft_vocab_error(model: str, draft_vocab: int, target_vocab: int) -> str | None:
-    """The one-line message for a draft model whose vocabulary is not the target's (None if
-    they agree); the engine checks it where it loads the draft model (backend/)."""
+    """The one-line error for a draft vocabulary that is not the target's, or None."""
     if draft_vocab == target_vocab:
         return None
     return (

@@ -1,11 +1,5 @@
-"""Speculative decoding's accounting in the scheduler: drafts given out under the token
-budget, their lookahead KV blocks, and the accepted drafts applied after a step (sync and
-async). Rules: docs/ARCHITECTURE.md, "Scheduler rules"; the option: lab/core/spec.py.
-
-:class:`SpecDrafts` is a mixin of :class:`~lab.core.scheduler.Scheduler`: its methods read and
-mutate the scheduler's state (decode set, block manager, in-flight state) and run only when
-``speculative`` is set. O(batch) per step.
-"""
+"""Speculative decoding's accounting: drafts under the token budget, their lookahead blocks,
+accepted drafts applied after a step. Rules: docs/ARCHITECTURE.md, "Scheduler rules"."""
 
 from __future__ import annotations
 
@@ -27,13 +21,12 @@ def _accepted(r: Request, d: int, result: StepResult, step: int) -> int:
 
 
 class SpecDrafts:
-    """Mixin of :class:`~lab.core.scheduler.Scheduler`: the drafts' accounting, used only when
-    ``speculative`` is set (its state lives there)."""
+    """Mixin of :class:`~lab.core.scheduler.Scheduler` (its state lives there); used only when
+    ``speculative`` is set."""
 
     def _lookahead_tokens(self, r: Request) -> int:
-        """KV slots a decode needs before its drafts: its tokens, the drafts of the step in
-        flight (async; any may be accepted) and the slot it samples into (none for a wasted
-        slot)."""
+        """KV slots a decode needs before its drafts: its tokens, the in-flight step's drafts
+        (async) and its sampled slot (none if wasted)."""
         unknown = self.in_flight.drafts().get(r, 0)
         return self.decode_set.num_tokens(r) + unknown + (r not in self.in_flight.finishing)
 
@@ -42,9 +35,8 @@ class SpecDrafts:
         return blocks_for(self._lookahead_tokens(r) + drafts, self.block_size)
 
     def _give_drafts(self, plan: SchedulerOutput) -> None:
-        """Drafts to decodes in ``running`` order from the budget left after one token per
-        decode: d' = min(proposals, k, budget left, tokens to the end less a margin). Sets
-        ``plan.spec_decodes``."""
+        """Set ``plan.spec_decodes``: d' = min(proposals, k, budget left, tokens to the end
+        less a margin), in ``running`` order."""
         ds, k = self.decode_set, self.speculative.num_speculative_tokens
         budget = self.limits.max_num_batched_tokens - len(ds)
         spec = plan.spec_decodes
@@ -67,10 +59,9 @@ class SpecDrafts:
                     budget -= d
 
     def _reserve_draft_blocks(self, plan: SchedulerOutput) -> None:
-        """``reserve_decode_blocks`` with speculative decoding: drafts (:meth:`_give_drafts`),
-        then the blocks of L + d' + 1 tokens per decode, preempting ``pick_victim`` while they
-        are short; a request running alone has its drafts cut to what fits instead, and is
-        aborted only if even its one token does not fit."""
+        """``reserve_decode_blocks`` with drafts: blocks for L + d' + 1 tokens per decode,
+        preempting ``pick_victim`` while short (alone: drafts cut, abort if one token does
+        not fit)."""
         bm, ds, bs = self.block_manager, self.decode_set, self.block_size
         self._give_drafts(plan)
         spec = plan.spec_decodes
@@ -107,9 +98,8 @@ class SpecDrafts:
     def _apply_drafts(
         self, plan: SchedulerOutput, result: StepResult, step: int, now_s: float
     ) -> None:
-        """Sync, after the decode tick: accepted drafts become tokens (a request that reaches
-        its end finishes), rejected ones give back their KV slots; every decode takes its new
-        proposals."""
+        """Sync, after the decode tick: accepted drafts become tokens, rejected ones free
+        their slots; decodes take their new proposals."""
         ds, bm, bs = self.decode_set, self.block_manager, self.block_size
         for r, d in plan.spec_decodes.items():
             a = _accepted(r, d, result, step)
@@ -134,10 +124,9 @@ class SpecDrafts:
     def _apply_drafts_async(
         self, plan: SchedulerOutput, result: StepResult, after: SchedulerOutput | None
     ) -> None:
-        """Async, when ``plan``'s results arrive and ``after`` (the next plan, or None) is in
-        flight: the accepted drafts join the counts (of a request preempted meanwhile too),
-        blocks beyond what the request and ``after``'s drafts of it need are freed, and a
-        request whose last token ``after`` samples becomes one of its ``finished``."""
+        """Async, ``plan``'s results with ``after`` (or None) in flight: accepted drafts join
+        the counts, surplus lookahead blocks are freed, and requests whose last token
+        ``after`` samples join its ``finished``."""
         ds, bm, bs = self.decode_set, self.block_manager, self.block_size
         step = self.num_steps - 1 - (after is not None)  # plan's index
         later = after.spec_decodes if after is not None else {}

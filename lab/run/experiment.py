@@ -40,17 +40,13 @@ def resolve_limits(
     max_position: int,
     chunked: bool,
 ) -> SchedulerLimits:
-    """A policy's limits: its own keys, else the ``scheduler`` section, else defaults.
-
-    Defaults as vLLM: max_model_len = the model's context length, clamped to the KV
-    capacity (vLLM refuses to start instead); max_num_batched_tokens = 2048 with chunked
-    prefill, else max(max_model_len, 2048).
+    """A policy's limits: its own keys, else the ``scheduler`` section, else vLLM's defaults
+    (max_model_len: the model's context clamped to the KV capacity; max_num_batched_tokens:
+    2048 with chunked prefill, else max(max_model_len, 2048)).
 
     Raises:
-        ConfigError: max_model_len beyond the model's context (vLLM refuses it too: the
-            positions past it were never trained); a budget below max_num_seqs, or (without
-            chunked prefill) below max_model_len, so that some request could never be
-            scheduled.
+        ConfigError: max_model_len beyond the model's context; a budget below max_num_seqs,
+            or (without chunked prefill) below max_model_len.
     """
 
     def pick(key: str) -> int | None:
@@ -78,16 +74,9 @@ def resolve_limits(
 
 
 def check_prefix_identity(requests: list[Request], cfg: ExperimentConfig, token_ids: bool) -> None:
-    """With the prefix cache on: some request must carry prefix identity (hash ids or
-    prompt token ids), and every hash block size must be a multiple of the KV block size.
-    With ``token_ids`` (a backend whose prompts are real tokens, made from hash ids), hash
-    ids must not go past the prompt's hash blocks (blocks are keyed by hash ids on every
-    backend, so all make the same decisions; tokens the model generates are not the ids'
-    tokens).
-
-    Raises:
-        ConfigError: one line naming the trace, the request and the key.
-    """
+    """With the prefix cache on: ConfigError unless some request has prefix identity and
+    every hash block size is a multiple of the KV block size; with ``token_ids``, also if
+    hash ids go past a prompt's hash blocks (generated tokens are not the ids' tokens)."""
     where = f"{cfg.name}: kv_cache.enable_prefix_caching"
     bs = cfg.kv_cache.block_size
     live = [r for r in requests if r.status is not RequestStatus.DROPPED]
@@ -116,8 +105,7 @@ def check_prefix_identity(requests: list[Request], cfg: ExperimentConfig, token_
 
 
 def fresh(requests: list[Request]) -> list[Request]:
-    """Copies of trace requests with runtime state reset (each run mutates its own); dropped
-    trace rows keep their status and reason."""
+    """Copies of trace requests with runtime state reset (dropped rows keep status and reason)."""
     out = []
     for r in requests:
         c = Request(
@@ -140,17 +128,12 @@ def fresh(requests: list[Request]) -> list[Request]:
 
 
 def trace_info(cfg: ExperimentConfig, rows: int, sha256_before: str | None) -> dict[str, Any]:
-    """What identifies the trace a run replayed: its file (absolute path or None for a
-    generated trace), the file's sha256 (None without a file) and ``rows``, the entries
-    the format read (:func:`traces.load_table`).
-
-    Args:
-        sha256_before: the file's sha256 taken before it was read.
+    """The replayed trace's file (or None), sha256 (or None) and ``rows`` read.
+    ``sha256_before``: taken before reading.
 
     Raises:
         TraceError: the file changed while it was read.
-        ConfigError: the config's ``trace_file`` names another sha256 or row count (a
-            results' config.yaml replayed after its trace file changed).
+        ConfigError: the config's ``trace_file`` names another sha256 or row count.
     """
     path = cfg.trace.path
     info = {
@@ -188,13 +171,9 @@ def sha256_of(path: Path | None) -> str | None:
 def run_experiment(
     cfg: ExperimentConfig, progress: bool = True, requests: list[Request] | None = None
 ) -> list[Run]:
-    """Replay the config's trace through every policy at every rate_scale.
-
-    The trace is read once (every load derives from the same table); everything that can
-    fail (each policy's limits, each load's arrival times, the engine's model) fails
-    before the first replay starts. ``requests``, when given, replaces the trace file
-    (benchmarks build their own workload); their arrival times are used as they are, so
-    ``rate_scale`` must then be 1.
+    """Replay the config's trace through every policy at every rate_scale; whatever can
+    fail does so before the first replay. ``requests`` replaces the trace file (arrival
+    times as given).
 
     Raises:
         ValueError: ``requests`` given with a rate_scale other than 1.
@@ -228,9 +207,7 @@ class _Planned:
 def iter_runs(
     cfg: ExperimentConfig, progress: bool = True, requests: list[Request] | None = None
 ) -> Iterator[Run]:
-    """:func:`run_experiment` one run at a time: each run is yielded when its replay and
-    metrics are done (the CLI keeps the completed ones when it is interrupted). Everything
-    that can fail before a replay fails before the first one starts."""
+    """:func:`run_experiment`, yielding each run when its metrics are done."""
     if requests is not None and cfg.rate_scales != (1.0,):
         raise ValueError(
             "run_experiment: requests= takes arrival times as they are; "
@@ -257,8 +234,7 @@ def iter_runs(
 def _load_trace(
     cfg: ExperimentConfig, requests: list[Request] | None, progress: bool
 ) -> tuple[list[Request] | None, dict[float, Any], dict[str, Any]]:
-    """The workload, read once: (requests for every load, or None; else the trace table
-    per rate_scale; :func:`trace_info`)."""
+    """(requests for every load or None, else the trace table per rate_scale; trace info)."""
     from traces import load_table, scale_table
 
     if requests is not None:
@@ -277,7 +253,6 @@ def _load_trace(
 
 
 def _num_replayed(table: Any) -> int:
-    """The rows of a trace table that are replayed (not dropped)."""
     dropped = 0 if table.drop_reason is None else (table.drop_reason != "").sum()
     return len(table) - int(dropped)
 
@@ -326,8 +301,7 @@ def _run(ex: _Experiment, run: _Planned, trace: list[Request]) -> Run:
 
 
 def _replica_factory(ex: _Experiment, run: _Planned) -> Callable[[], tuple[Scheduler, Executor]]:
-    """A function making one replica of a run: a fresh scheduler (KV blocks of its own)
-    and executor."""
+    """A factory of one replica: a fresh scheduler (own KV blocks) and executor."""
     cfg, pol = ex.cfg, run.pol
 
     def make_replica() -> tuple[Scheduler, Executor]:
@@ -356,8 +330,7 @@ def _replica_factory(ex: _Experiment, run: _Planned) -> Callable[[], tuple[Sched
 def _replay(
     ex: _Experiment, run: _Planned, run_requests: list[Request]
 ) -> tuple[ReplayResult, Executor | None]:
-    """The run's replay (one replica, or the cluster's) and its executor (None for a
-    cluster: its replicas make their own)."""
+    """The run's replay and its executor (None for a cluster)."""
     cfg = ex.cfg
     make_replica = _replica_factory(ex, run)
     replayed = [r for r in run_requests if r.status is not RequestStatus.DROPPED]
@@ -392,8 +365,8 @@ def _measure(
     rows: list[Request],
     executor: Executor | None,
 ) -> tuple[pd.DataFrame, np.ndarray, dict[str, Any], dict[str, Any], np.ndarray]:
-    """A replayed run's metrics: (request table, ITL CDF points, summary, vLLM result,
-    ITL tail points). Adds the speculative step columns to ``result.steps``."""
+    """(request table, ITL CDF points, summary, vLLM result, ITL tail points); adds the
+    speculative step columns to ``result.steps``."""
     cfg, spec = ex.cfg, run.pol.speculative
     with Phase(f"{run.label}: metrics", len(rows), "req", ex.progress) as phase:
         df, itl = metrics.request_table(

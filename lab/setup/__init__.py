@@ -1,6 +1,4 @@
-"""One setup per backend, looked up by the config's ``backend:`` name (the interface:
-:class:`lab.setup.base.Setup`). A new backend is one module beside these and one line in
-:data:`SETUPS`."""
+"""One setup per backend (:class:`lab.setup.base.Setup`), by the config's ``backend:`` name."""
 
 from __future__ import annotations
 
@@ -17,11 +15,7 @@ SETUPS: dict[str, type[Setup]] = {
 
 
 def setup_class(backend: str) -> type[Setup]:
-    """The setup of a ``backend:`` name, for its class facts (no instance, nothing loaded).
-
-    Raises:
-        ConfigError: an unknown name (the known ones listed).
-    """
+    """The setup class of a ``backend:`` name; ConfigError for an unknown one."""
     if backend not in SETUPS:
         raise ConfigError(f"backend: unknown {backend!r}; known: {', '.join(sorted(SETUPS))}")
     return SETUPS[backend]

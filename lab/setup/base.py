@@ -1,20 +1,9 @@
-"""The interface of a backend's setup: what the experiment driver, the sweeps and the report
-ask of a backend, so that none of them compares ``backend`` names.
+"""The interface of a backend's setup. A setup module imports heavy packages (torch) only
+inside functions.
 
-One subclass per backend (``lab/setup/sim.py``, ``lab/setup/engine.py``), registered by its
-``backend:`` name in ``lab/setup/__init__.py``. A setup module imports its backend's heavy
-packages (torch, a client library) inside functions: the registry imports every setup
-module, and a simulator run never imports torch.
-
-The driver (``lab/run/experiment.py``) calls, in this order:
-
-* ``check()``: before the trace is read; cheap checks (a missing package).
-* ``prepare()``: once per experiment; builds the cost model or loads the model, and sets
-  ``num_gpu_blocks``, ``num_cpu_blocks`` (KV capacity) and ``max_position``.
-* ``check_policy(pol)`` per policy, then ``check_run(...)`` per run, before any replay.
-* ``prepare_trace(requests)`` once per load, before its runs.
-* per run: ``begin_run()``; ``executor(...)`` once per replica; ``run_info()`` for the
-  summary; ``end_run(label, num_steps)``.
+Call order (lab/run/experiment.py): ``check()``; ``prepare()``; ``check_policy(pol)`` per
+policy and ``check_run(...)`` per run; ``prepare_trace(requests)`` per load; per run
+``begin_run()``, ``executor(...)`` per replica, ``run_info()``, ``end_run(...)``.
 """
 
 from __future__ import annotations
@@ -29,18 +18,14 @@ from lab.core.scheduler import SchedulerLimits
 
 
 class Setup:
-    """A backend set up from one experiment's config. Constructing one is cheap (no model
-    is loaded, no heavy package imported); :meth:`prepare` does the work. A subclass
-    implements ``prepare``, ``executor``, ``run_info``, ``describe`` and ``kv_device``; the
-    other methods are hooks that do nothing by default.
+    """A backend set up from one experiment's config; cheap to construct, :meth:`prepare`
+    does the work. Subclasses implement ``prepare``, ``executor``, ``run_info``,
+    ``describe`` and ``kv_device``; the other hooks do nothing by default.
 
-    Class attributes (facts readable without preparing):
+    Class attributes:
         name: the ``backend:`` value.
-        process_pool: whether sweep points of this backend may run in worker processes
-            (False: they run one at a time in the driver's process, e.g. one GPU, a model
-            loaded once).
-        token_ids: whether prompts need real token ids (hash ids become tokens; hash ids
-            past a prompt's blocks are then refused with the prefix cache).
+        process_pool: whether sweep points may run in worker processes.
+        token_ids: whether prompts need real token ids (made from hash ids).
     """
 
     name: ClassVar[str]
@@ -56,27 +41,15 @@ class Setup:
         self.cfg = cfg
 
     def check(self) -> None:
-        """Fail before the trace is read when the backend cannot run at all.
-
-        Raises:
-            ConfigError: one line (e.g. a package to install).
-        """
+        """ConfigError before the trace is read if the backend cannot run (a missing package)."""
 
     def prepare(self) -> None:
-        """Build what every run of the experiment shares (cost model, loaded model) and set
-        the KV capacity and ``max_position``. Called once, after the trace is read.
-
-        Raises:
-            UserError: one line (a bad capacity, a missing checkpoint, ...).
-        """
+        """Build what every run shares; set ``num_gpu_blocks``, ``num_cpu_blocks`` and
+        ``max_position``. UserError (one line) on failure."""
         raise NotImplementedError
 
     def check_policy(self, pol: PolicyConfig) -> None:
-        """Fail before any replay when the backend cannot run this policy entry.
-
-        Raises:
-            ConfigError: one line naming the policy and the key.
-        """
+        """ConfigError naming the policy and key if the backend cannot run this entry."""
 
     def check_run(
         self,
@@ -87,15 +60,8 @@ class Setup:
         num_requests: int | None,
         trace_sha256: str | None,
     ) -> None:
-        """Fail before any replay when one run (a policy at a load) cannot be made.
-
-        Args:
-            num_requests: the requests the run replays (None: not known before).
-            trace_sha256: the trace file's sha256 (None: no file).
-
-        Raises:
-            ConfigError: one line naming the run.
-        """
+        """ConfigError naming the run if it cannot be made. ``num_requests`` and
+        ``trace_sha256`` are None when unknown."""
 
     def prepare_trace(self, requests: list[Request]) -> None:
         """Make a load's requests fit the backend (mutates them; e.g. prompt token ids)."""
@@ -107,16 +73,15 @@ class Setup:
         raise NotImplementedError
 
     def run_info(self) -> dict[str, Any]:
-        """What made the step times (summary key ``cost_model``): ``kind``, ``profile``,
-        ``fingerprint``, ``stale``, ``why``, and backend-specific keys. Valid once the run's
-        first executor is made."""
+        """Summary key ``cost_model``: ``kind``, ``profile``, ``fingerprint``, ``stale``,
+        ``why`` and backend keys. Valid once the run's first executor is made."""
         raise NotImplementedError
 
     def begin_run(self) -> None:
         """Called before a run's replay."""
 
     def end_run(self, label: str, num_steps: int) -> None:
-        """Called after a run's metrics; logs what the backend noticed during the run."""
+        """Called after a run's metrics (logs what the backend noticed)."""
 
     def describe(self) -> str:
         """The model and device line of report.md (markdown)."""

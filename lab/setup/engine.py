@@ -1,7 +1,5 @@
-"""The engine backend set up from an experiment config: the model loaded once for all runs,
-an executor per run, and the tokenizer's decoder. torch is imported (through backend/) only
-inside functions: importing this module is cheap, and a simulator run never imports torch.
-"""
+"""The engine backend's setup: the model loaded once, an executor per run. torch is imported
+only inside functions."""
 
 from __future__ import annotations
 
@@ -78,15 +76,9 @@ class EngineSetup(Setup):
 
 
 def engine_parts(cfg: ExperimentConfig):
-    """Load the model once for all runs of an experiment.
-
-    Returns:
-        (make_executor(speculative=None, async_scheduling=False) -> EngineExecutor,
-        num_gpu_blocks, num_cpu_blocks, max_model_len, vocab_size).
-
-    Raises:
-        CheckpointError, DeviceError, KVCacheCapacityError: one line each (user errors).
-    """
+    """Load the model once. Returns (make_executor(speculative=None, async_scheduling=False),
+    num_gpu_blocks, num_cpu_blocks, max_model_len, vocab_size); raises CheckpointError,
+    DeviceError or KVCacheCapacityError."""
     from backend.config import ModelConfig
     from backend.errors import CheckpointError
     from backend.tp import check_tp_size
@@ -110,8 +102,7 @@ def engine_parts(cfg: ExperimentConfig):
     drafts: dict = {}  # draft runners, loaded once for all runs (backend/spec_decode.py)
 
     def make_executor(speculative=None, async_scheduling: bool = False):
-        """``speculative``: the run's ``speculative:`` block (lab/core/spec.py) or None;
-        with it, a :class:`backend.spec_decode.SpecExecutor` (synchronous runs only: a
+        """With ``speculative``, a :class:`backend.spec_decode.SpecExecutor` (sync only:
         ConfigError with ``async_scheduling``)."""
         from backend.engine import EngineExecutor
 
@@ -162,9 +153,7 @@ _RUNNER: dict[tuple, Any] = {}  # the last ModelRunner built, by its arguments
 
 
 def _runner(model_path, **kwargs):
-    """A ModelRunner; the same one again for the same arguments within a process (so a
-    series of experiments, as ``sched-lab fidelity`` runs, loads the model and captures its
-    CUDA graphs once). One is kept: other arguments free it first."""
+    """A ModelRunner, reused for the same arguments within a process (one kept)."""
     from backend.runner import ModelRunner
 
     key = (str(model_path), *sorted((k, repr(v)) for k, v in kwargs.items()))
@@ -186,8 +175,7 @@ def engine_info(cfg: ExperimentConfig, executor: Any) -> dict[str, Any]:
 
 
 def text_decoder(cfg: ExperimentConfig) -> Callable[[list[int]], str] | None:
-    """A token-ids -> text function from the model directory's tokenizer, or None if the
-    directory has no tokenizer files (random-weight checkpoints)."""
+    """A token-ids -> text function from the model's tokenizer, or None without one."""
     model_dir = cfg.engine.model_path
     if (
         not (model_dir / "tokenizer.json").exists()

@@ -1,6 +1,4 @@
-"""The simulator backend set up from an experiment config: the cost model (analytic,
-calibrated from an engine profile, or an engine run's replayed durations), the KV capacity
-it implies for the model and hardware presets, and one cost-model executor per run."""
+"""The simulator backend's setup: the cost model, its KV capacity, an executor per run."""
 
 from __future__ import annotations
 
@@ -52,8 +50,7 @@ class SimSetup(Setup):
         num_requests: int | None,
         trace_sha256: str | None,
     ) -> None:
-        """With ``cost_model.durations_from``: the engine run recorded this run's steps, for
-        the same trace."""
+        """With ``cost_model.durations_from``: the engine run recorded this run's steps."""
         if self.cfg.cost_model.durations_from is None:
             return
         self._replayed_executor(pol, limits, label, scale)
@@ -162,13 +159,8 @@ def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
 
 
 def check_sim_speculative(cfg: ExperimentConfig, pol: PolicyConfig) -> None:
-    """Fail before any replay when the simulator cannot run a policy's speculation: rates
-    missing or bad, a draft model it cannot price, or replayed engine durations (the engine
-    run's acceptance is not replayed step by step).
-
-    Raises:
-        ConfigError: one line naming the policy and the key.
-    """
+    """ConfigError naming the policy and key if the simulator cannot run its speculation
+    (rates missing or bad, an unpriceable draft model, replayed durations)."""
     spec = pol.speculative
     where = f"policies[{pol.label}]"
     if cfg.cost_model.durations_from is not None:
@@ -209,8 +201,7 @@ CAPPED_HOST = (
 
 
 def _shown(path: Path) -> str:
-    """A data path as results show it: relative to the lab's data root when inside it (the
-    same in every checkout), else absolute."""
+    """A path relative to the lab's data root when inside it, else absolute."""
     try:
         return str(path.relative_to(paths.DATA_ROOT))
     except ValueError:
@@ -218,12 +209,9 @@ def _shown(path: Path) -> str:
 
 
 def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
-    """What made a sim run's step times (summary key ``cost_model``): ``kind`` (analytic,
-    calibrated, replayed), ``profile`` (its file), ``fingerprint`` (of the engine it
-    describes), ``stale`` and ``why`` (a calibrated profile whose fingerprint is missing
-    or names other backend sources than this checkout's; see
-    :func:`lab.sim.calibrated.staleness`), and ``host_note``: why the model has no host
-    time (asynchronous scheduling then saves nothing), empty when it has one."""
+    """Summary key ``cost_model``: ``kind`` (analytic, calibrated, replayed), ``profile``,
+    ``fingerprint``, ``stale`` and ``why`` (:func:`lab.sim.calibrated.staleness`), and
+    ``host_note`` (why the model has no host time, or empty)."""
     cm = cfg.cost_model
     if cm.durations_from is not None:
         return {
@@ -255,13 +243,9 @@ def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
 
 
 def analytic_source(cfg: ExperimentConfig) -> dict[str, Any]:
-    """Where an analytic run's efficiencies came from (summary keys of ``cost_model``):
-    ``efficiencies`` "profile" (fitted to the shipped profiles of its hardware), "guess"
-    (datasheet assumptions: no profile) or "yaml" (every value set in the YAML);
-    ``efficiency_profiles`` (the files fitted), ``efficiency_error`` (the fit's median
-    relative step-time error on their rows, None: unknown), ``efficiencies_from_yaml`` (the
-    keys whose value is not the default; lab/sim/analytic_defaults.py), ``values`` (the
-    three values the run used)."""
+    """``cost_model`` keys of an analytic run: ``efficiencies`` ("profile", "guess" or
+    "yaml"), ``efficiency_profiles``, ``efficiency_error`` (median relative step-time error
+    of the fit, or None), ``efficiencies_from_yaml`` and ``values``."""
     from lab.sim.analytic_defaults import KEYS, defaults
 
     d = defaults(cfg.model, cfg.hardware)
@@ -276,6 +260,5 @@ def analytic_source(cfg: ExperimentConfig) -> dict[str, Any]:
 
 
 def _capped_steps(cost_model: Any) -> int:
-    """Steps so far whose analytic host time was capped at the step time (0 for models
-    without the count)."""
+    """Steps whose analytic host time was capped at the step time (0 if not counted)."""
     return getattr(cost_model, "num_capped_steps", 0)

@@ -1,19 +1,8 @@
-"""Where a sweep's tasks run: serially, on a local process pool, or on Ray.
+"""Where a sweep's tasks run: serially, on a local process pool (``forkserver``, else
+``spawn``; workers ignore SIGINT), or on Ray (one ``num_cpus=1`` task each).
 
-Every executor calls the same function on the same task objects and hands back its
-results as they complete; the caller orders them, so the results are the same whatever
-runs them. A task must not raise (the sweep's task function turns every error into a
-result); a worker that dies, or a task that raises anyway, gives ``on_error(task, message)``.
-
-* ``serial``: in this process, one after another (``--jobs 1``).
-* ``pool``: a :class:`concurrent.futures.ProcessPoolExecutor` of ``jobs`` processes, forked
-  from a ``forkserver`` that has imported the task function's module once (``spawn``
-  where there is no forkserver): nothing inherited from the driver's threads or state.
-  Workers ignore SIGINT; the driver terminates them when it is interrupted.
-* ``ray``: each task a Ray task of ``num_cpus=1``, on a local Ray started for the run
-  (``--ray``: ``jobs`` CPUs, workers import the lab from the driver's checkout) or on an
-  existing cluster (``--ray-address ADDR``: its nodes must import the same lab; submit the
-  sweep as a Ray job with ``--working-dir`` to ship it, README "Sweeps and capacity search").
+Results come back as they complete; the caller orders them. A task must not raise; a worker
+that dies, or a task that raises anyway, gives ``on_error(task, message)``.
 """
 
 from __future__ import annotations
@@ -114,8 +103,8 @@ def _pool(fn, tasks, on_error, jobs: int) -> Iterator[Result]:
 
 
 def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
-    """A ``host:port`` (or ``ray://host:port``) address must accept a TCP connection:
-    ``ray.init`` retries an unreachable one for minutes. ``auto`` is left to Ray."""
+    """UserError unless ``host:port`` (or ``ray://host:port``) accepts a TCP connection
+    (``ray.init`` would retry for minutes); ``auto`` is left to Ray."""
     import socket
 
     host, sep, port = address.removeprefix("ray://").rpartition(":")

@@ -1,21 +1,6 @@
-"""A sweep's results folder: one tidy table, the per-point folders, plots and report.md.
-
-    results/<name>/
-      sweep.csv, sweep.parquet     one row per point x run (policy, rate_scale) x class:
-                                   point, status (ok | stopped | failed), error, the swept
-                                   key paths, then the run's summary.json entry flattened
-                                   (ttft_s.p99 -> ttft_s_p99)
-      capacity.csv, .parquet       with search: one row per point x policy (lab/sweeps/search.py)
-      curve.csv, .parquet          with search: every load the search tried, with its metrics
-      points/p000/ ...             each point's results folder, as `sched-lab run` writes it
-      latency_vs_load.png, goodput_vs_load.png, pareto.png, capacity.png, report.md
-      sweep.yaml                   the sweep as given; timing.json: executor and wall times
-
-Everything but timing.json depends on the inputs alone, whatever executor ran the points.
-Parquet files are written when pyarrow is installed. The folder is written under a
-temporary name and renamed into place (lab/report/folder.py), with a manifest naming its files and
-its ``points`` folder, itself a manifest of results folders.
-"""
+"""A sweep's results folder (README, "Sweeps and capacity search"): sweep.csv/.parquet,
+capacity and curve tables with a search, ``points/``, plots, report.md, sweep.yaml and
+timing.json. All but timing.json depend on the inputs alone."""
 
 from __future__ import annotations
 
@@ -42,7 +27,7 @@ LEAD = ("point", "status", "error")
 def write_sweep(
     out: Path, sweep, tasks: Sequence, results: Sequence, timing: Mapping[str, Any]
 ) -> Path:
-    """Write the sweep's folder at ``out`` atomically (module docstring); returns it.
+    """Write the sweep's folder at ``out`` atomically; returns it.
 
     Raises:
         UserError: ``out`` cannot be written or replaced.
@@ -119,8 +104,7 @@ def _plain(x: Any) -> Any:
 
 # ---------------------------------------------------------------------------- tables
 def _value(v: Any) -> Any:
-    """A swept value as a table cell: numbers, strings and booleans as they are, anything
-    else (a list of policies, a mapping) as JSON text."""
+    """A swept value as a table cell: scalars as they are, anything else as JSON text."""
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     return json.dumps(v, sort_keys=True)
@@ -141,8 +125,7 @@ def _isnan(v: Any) -> bool:
 
 
 def sweep_table(sweep, tasks, results) -> pd.DataFrame:
-    """The results table (module docstring): one row per point x run x class; a failed
-    point has one row per policy with its error."""
+    """One row per point x run x class; a failed point has one row per policy with its error."""
     rows = []
     for t, r in zip(tasks, results):
         values = {k: _value(t.point.values.get(k)) for k in sweep.keys}
@@ -266,8 +249,8 @@ def _plots(folder: Path, sweep, table: pd.DataFrame, capacity) -> list[tuple[str
 
 
 def pareto_front(latency: np.ndarray, goodput: np.ndarray) -> list[int]:
-    """Indices of the rows no other row beats: none has lower-or-equal latency and
-    higher-or-equal goodput with one of them strictly better (NaN rows are left out)."""
+    """Indices of the rows no other row dominates (lower latency, higher goodput); NaN rows
+    are left out."""
     ok = np.isfinite(latency) & np.isfinite(goodput)
     idx = [i for i in range(len(latency)) if ok[i]]
     front = []

@@ -1,13 +1,6 @@
-"""Running a sweep: its tasks, the function every executor calls, and the driver.
-
-A task is one point (every policy of it, as :func:`lab.run.experiment.run_experiment` runs a
-config), or, with ``search:``, one capacity search of one policy at one point. The task
-function builds everything from the task alone, writes a point's results folder into a
-temporary folder and hands back its files as bytes, so that the driver writes the same
-folder whether the task ran here, in a pool worker or on a Ray node. ``backend: engine``
-points measure wall time on the one GPU: they run here, one after another, once the
-simulator points are done (nothing else runs beside them).
-"""
+"""Running a sweep: its tasks (a point, or with ``search:`` one policy's search at a point),
+the function every executor calls, and the driver. A task's results come back as bytes, so
+the folder is the same wherever it ran."""
 
 from __future__ import annotations
 
@@ -52,10 +45,9 @@ class Task:
 
 @dataclass
 class TaskResult:
-    """``rows``: the results-table rows (a point's runs, or a search's samples);
-    ``files``: the point's results folder (relative path -> bytes), or None;
-    ``capacity``: a search's outcome (lab.sweeps.search.Capacity as a dict); ``error``: why the
-    task failed (no rows then)."""
+    """``rows``: results-table rows; ``files``: the point's folder (relative path -> bytes) or
+    None; ``capacity``: a search's :class:`~lab.sweeps.search.Capacity` as a dict; ``error``:
+    why the task failed (no rows then)."""
 
     index: int
     rows: list[dict[str, Any]] = field(default_factory=list)
@@ -83,7 +75,7 @@ def make_tasks(sweep: Sweep, fmt: str = "csv") -> list[Task]:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Per-phase log lines off while a task runs: its errors are reported as results."""
+    """Per-phase log lines off while a task runs."""
     loggers = [logging.getLogger(n) for n in ("lab", "traces")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
@@ -191,10 +183,8 @@ def flatten(summary: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def run_rows(run, slo: Mapping[str, float | None]) -> list[dict[str, Any]]:
-    """The table rows of one run: the run as a whole, then one per request class (by name)
-    when the requests carry a ``class`` column (workload classes) with more than one class.
-    A class's row is judged by its own SLOs (``slo`` with the class's keys over it), as in
-    summary.json's ``classes``."""
+    """The table rows of one run: the whole run, then one per request class when there are
+    several, each judged by its own SLOs (``slo`` overlaid with the class's)."""
     row = flatten(run.summary)
     row["error"] = run.result.failure
     rows = [row]
@@ -210,8 +200,8 @@ def run_rows(run, slo: Mapping[str, float | None]) -> list[dict[str, Any]]:
 
 
 def class_metrics(df, duration_s: float, slo: Mapping[str, float | None]) -> dict[str, Any]:
-    """The request-level metrics of one class (rows of requests.csv), over the run's
-    duration: counts, latency statistics, goodput and SLO attainment."""
+    """Counts, latency statistics, goodput and SLO attainment of one class's requests.csv
+    rows, over the run's ``duration_s``."""
     from lab.results.metrics import meets_slo, stats
 
     fin = df[df["status"] == "finished"]
@@ -236,15 +226,11 @@ def run_sweep(
     fmt: str = "csv",
     progress: bool = True,
 ) -> tuple[Path, list[TaskResult]]:
-    """Run every task of the sweep and write its results folder ``out``.
-
-    Tasks whose backend allows a process pool (the simulator's) go to the executor
-    (:func:`lab.sweeps.executors.run_tasks`); the others (the engine's) run here afterwards,
-    one at a time. Returns the folder and the results in task order.
+    """Run every task and write the results folder ``out``; returns it and the results in
+    task order. Tasks whose backend has no process pool (the engine's) run here, last.
 
     Raises:
-        UserError: ``out`` cannot become a results folder (checked before any task), ray
-            is missing or unreachable.
+        UserError: ``out`` cannot be written (checked first), or ray is missing or unreachable.
     """
     from lab.report.folder import check_out_dir
     from lab.report.progress import Phase

@@ -1,25 +1,12 @@
-"""Capacity search: the largest load that still meets a target, per policy and config.
+"""Capacity search: the largest load that still meets a target, per policy and config (as
+capacity in Sarathi-Serve, OSDI'24 §5, and DistServe's goodput, OSDI'24 §2).
 
     search: {metric: slo_attainment, target: 0.9, over: rate_scale, tolerance: 0.02}
 
-``metric`` is ``slo_attainment`` (met when >= ``target``, a fraction in (0, 1]; the config
-needs an ``slo:`` block) or a latency statistic of finished requests,
+``metric``: ``slo_attainment`` (met when >= ``target`` in (0, 1]; needs ``slo:``) or
 ``{ttft,tpot,itl,e2e,queue}_s_{mean,p50,p90,p99}`` (met when <= ``target`` seconds).
-``over`` is the key path of the load (default ``trace.rate_scale``; ``rate_scale`` for
-short); the metric is assumed to get worse as it grows, as capacity in Sarathi-Serve
-(OSDI'24, §5: the highest load a system serves within its SLO) and DistServe's goodput
-(OSDI'24, §2) do.
-
-The search (:func:`find_capacity`): with ``lo`` and ``hi`` given, both are tried; a ``lo``
-that misses is reported ``below_range``, a ``hi`` that meets ``above_range``. Without them
-the search starts at the config's own value and doubles (or halves) it, at most
-:data:`MAX_EXPANSIONS` times, until one value meets and the next misses. Then it bisects
-until ``hi - lo <= tolerance * lo``. The capacity is ``lo``, the largest value tried that
-meets the target: the true threshold lies in ``[lo, hi)``, so the capacity is within
-``tolerance`` (relative) below it when the metric is monotone. A key whose value is a whole
-number (in the YAML, else its default; e.g. ``scheduler.max_num_seqs``) is searched in
-whole numbers. A run that stops early
-(stuck, thrashing) counts as a miss. Every value tried is kept: the sampled curve.
+``over``: the load's key path (default ``trace.rate_scale``), assumed to worsen the metric
+as it grows. A run that stops early counts as a miss.
 """
 
 from __future__ import annotations
@@ -44,7 +31,7 @@ MAX_EXPANSIONS = 12  # doublings or halvings to find a bracket: a factor of 4096
 
 @dataclass(frozen=True)
 class SearchSpec:
-    """The ``search:`` block, validated (module docstring)."""
+    """The ``search:`` block, validated."""
 
     metric: str
     target: float
@@ -64,7 +51,7 @@ class SearchSpec:
         return value >= self.target if self.higher_is_better else value <= self.target
 
     def check(self, cfg, point, where: str) -> None:
-        """What a point's config must have for this search (called for every point)."""
+        """ConfigError unless a point's config has what this search needs."""
         if self.metric == "slo_attainment" and not any(cfg.slo.to_dict().values()):
             raise ConfigError(
                 f"{where}: search.metric: slo_attainment needs an slo: block with at "
@@ -89,12 +76,8 @@ class SearchSpec:
 
 
 def parse_search(raw: Any, where: str, swept: tuple[str, ...] = ()) -> SearchSpec:
-    """Validate a ``search:`` block; ``swept``: the sweep's key paths (``over`` is not one).
-
-    Raises:
-        ConfigError: one line naming the key: an unknown metric, a target outside (0, 1]
-            for slo_attainment (or not > 0 seconds for a latency), ``lo`` >= ``hi``, ...
-    """
+    """Validate a ``search:`` block; ``over`` must not be one of ``swept``. ConfigError (one
+    line naming the key) otherwise."""
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: search: expected a mapping, got {short_repr(raw)}")
     for k in raw:
@@ -151,12 +134,9 @@ def parse_search(raw: Any, where: str, swept: tuple[str, ...] = ()) -> SearchSpe
 
 @dataclass
 class Capacity:
-    """The outcome of one search.
-
-    ``status``: ``found`` (threshold in [lo, hi)), ``below_range`` (the smallest value tried
-    misses; capacity NaN), ``above_range`` (the largest value tried meets; capacity is that
-    value, a lower bound). ``samples``: (value, met) in the order tried.
-    """
+    """The outcome of one search. ``status``: ``found`` (threshold in [lo, hi)),
+    ``below_range`` (capacity NaN) or ``above_range`` (capacity a lower bound);
+    ``samples``: (value, met) in the order tried."""
 
     capacity: float
     lo: float | None
@@ -171,14 +151,13 @@ def find_capacity(
     start: float | None,
     integer: bool = False,
 ) -> Capacity:
-    """Bracket then bisect for the largest value ``x`` with ``meets(x)`` (module docstring).
+    """The largest ``x`` with ``meets(x)``: try ``spec.lo`` and ``spec.hi``, else from
+    ``start`` double or halve (at most :data:`MAX_EXPANSIONS` times) until one meets and the
+    next misses; then bisect until ``hi - lo <= tolerance * lo``. Capacity is ``lo``.
 
     Args:
-        meets: runs the experiment at load ``x`` and says whether it meets the target.
-        start: where to start without ``spec.lo``/``spec.hi``.
-        integer: the key takes whole numbers (e.g. ``scheduler.max_num_seqs``): every value
-            tried is an int >= 1, halving rounds down, bisection takes the floor of the
-            midpoint and stops once the bracket is ``max(1, tolerance * lo)`` wide.
+        meets: runs the experiment at load ``x``; whether it meets the target.
+        integer: search ints >= 1 (floor midpoints; stop at ``max(1, tolerance * lo)``).
     """
     samples: list[tuple[float, bool]] = []
     whole = int if integer else float

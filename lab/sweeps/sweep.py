@@ -1,32 +1,6 @@
-"""Sweeps: one experiment YAML expanded into many points, each a whole experiment.
-
-Layout (besides every key of an experiment, :mod:`lab.config`)::
-
-    sweep:
-      grid:                               # cartesian product, keys as dotted paths
-        trace.rate_scale: [1, 2, 4]
-        kv_cache.num_gpu_blocks: [1024, 2048]
-      points:                             # explicit points (keys that vary together)
-        - {model: llama-3.1-8b, hardware: h200-sxm}
-        - {model: qwen3-0.6b, hardware: a100-80gb}
-    search: {metric: slo_attainment, target: 0.9, over: rate_scale}   # lab/sweeps/search.py
-
-Key paths name any key of the experiment: ``model``, ``kv_cache.num_gpu_blocks``,
-``scheduler.max_num_batched_tokens``, ``trace.arrival.rate``, ``cluster.replicas``;
-``rate_scale`` is short for ``trace.rate_scale``; a policy is picked by label
-(``policies.chunked_prefill.max_num_batched_tokens``) or by index (``policies[2].x``).
-A path below a key that the YAML leaves out creates it (``kv_cache.num_gpu_blocks`` with no
-``kv_cache:`` block). Expansion order: each explicit point in turn (or one empty point
-without ``points``), combined with every grid combination, grid keys in the order written
-and the last one varying fastest (``itertools.product``). The points are named ``p000``,
-``p001``, ... in that order.
-
-Each point is the YAML without ``sweep:``/``search:``, with its values set, validated as a
-normal config before anything runs: a key that does not exist, or a value of the wrong type,
-stops the sweep with one line naming the point and the key; each distinct trace spec is
-read once to check it too. What only fails at run time (limits that do not fit together, no
-room for KV, a replay that stops) fails its point alone: it is reported in the results
-table with its error, and the other points go on.
+"""Sweeps: one experiment YAML expanded into many points (``sweep: {grid:, points:}``), each
+a whole experiment validated before anything runs. Layout and order: README, "Sweeps and
+capacity search".
 """
 
 from __future__ import annotations
@@ -51,8 +25,8 @@ NOT_SWEPT = ("name", "sweep", "search", "trace_file")  # keys a point cannot set
 
 @dataclass(frozen=True)
 class Point:
-    """One point of a sweep: its name (``p003``), the values it sets (dotted path ->
-    value, in expansion order) and its experiment mapping (validated by :func:`load_sweep`)."""
+    """One point: its name (``p003``), the values it sets (dotted path -> value) and its
+    experiment mapping."""
 
     name: str
     values: Mapping[str, Any]
@@ -65,11 +39,8 @@ class Point:
 
 @dataclass(frozen=True)
 class Sweep:
-    """A sweep YAML: its name, the points, the optional capacity search.
-
-    ``keys``: every swept key path, in column order (grid keys after point keys).
-    ``raw``: the YAML as read (for the results' sweep.yaml).
-    """
+    """A sweep YAML. ``keys``: swept key paths in column order (grid keys after point keys);
+    ``raw``: the YAML as read."""
 
     name: str
     source: str
@@ -87,8 +58,7 @@ def is_sweep(raw: Any) -> bool:
 
 
 def read_yaml(path: str | Path) -> tuple[Path, Any]:
-    """The YAML file (a relative path naming no file here names the bundled one, as
-    :func:`lab.config.load_config`) and its parsed content."""
+    """The YAML file (resolved as :func:`lab.config.load_config` does) and its content."""
     path = Path(path).expanduser()
     if not path.exists():
         bundled = paths.resolve(path, Path.cwd())
@@ -99,12 +69,12 @@ def read_yaml(path: str | Path) -> tuple[Path, Any]:
 def load_sweep(
     path: str | Path, limit: int | None = None, raw: Any = None, check_traces: bool = True
 ) -> Sweep:
-    """Read a sweep YAML and validate every point (module docstring).
+    """Read a sweep YAML and validate every point.
 
     Args:
-        limit: replay only the first ``limit`` requests of each point's trace (``--limit``).
-        raw: the parsed YAML, when the caller has read it already.
-        check_traces: read each distinct trace spec once to check it.
+        limit: replay only the first ``limit`` requests of each trace (``--limit``).
+        raw: the parsed YAML, if read already.
+        check_traces: load each distinct trace spec once to check it.
 
     Raises:
         ConfigError: one line naming the file, the point and the key.
@@ -159,8 +129,7 @@ def load_sweep(
 
 
 def _check_trace(cfg: Any, base_dir: Path, seen: set[str]) -> None:
-    """Load ``cfg``'s trace (each workload class's, for classes) unless one of the same
-    spec and seed was loaded already (``seen``); raises its UserError."""
+    """Load ``cfg``'s traces not in ``seen`` (by spec and seed); raises their UserError."""
     from traces import load_table
     from traces.classes import load_classes
 
@@ -187,8 +156,8 @@ def _validate_point(p: Point, where: str, base_dir: Path):
 
 
 def point_config(sweep: Sweep, point: Point, **changes: Any):
-    """The validated :class:`~lab.config.ExperimentConfig` of ``point``; ``changes`` set
-    more key paths first (the capacity search's load)."""
+    """The validated :class:`~lab.config.ExperimentConfig` of ``point``, with ``changes``
+    (key path -> value) set first."""
     raw = copy.deepcopy(dict(point.raw))
     for key, value in changes.items():
         set_path(raw, key, value, sweep.source)
@@ -197,12 +166,11 @@ def point_config(sweep: Sweep, point: Point, **changes: Any):
 
 # ---------------------------------------------------------------------------- expansion
 def expand(spec: Any, where: str) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
-    """The points of a ``sweep:`` block (None: one point that sets nothing) and the swept
-    key paths in column order; see the module docstring for the order.
+    """The points of a ``sweep:`` block (None: one empty point; explicit points in turn,
+    each with every grid combination, last grid key fastest) and the swept key paths.
 
     Raises:
-        ConfigError: not a mapping, an empty grid or value list, a point that is not a
-            non-empty mapping, a key given twice, a key that cannot be swept.
+        ConfigError: a malformed block, a key given twice or one that cannot be swept.
     """
     if spec is None:
         return [{}], ()

@@ -1,20 +1,6 @@
-"""Model configuration read from a Hugging Face ``config.json``.
-
-One frozen dataclass covers the Llama family; the architectures differ only in a few flags:
-
-=====================  ========  ========  =======================================
-architecture           qkv bias  q/k norm  notes
-=====================  ========  ========  =======================================
-LlamaForCausalLM       optional  no        ``attention_bias`` (also on o_proj); Llama 2/3,
-                                           rope_scaling "llama3" (Llama 3.1+), SmolLM2
-MistralForCausalLM     no        no        sliding window: see ``sliding_window``
-Qwen2ForCausalLM       yes       no        bias on q/k/v, none on o_proj
-Qwen3ForCausalLM       no        yes       RMSNorm over head_dim on q and k, before RoPE
-=====================  ========  ========  =======================================
-
-Both spellings of RoPE settings are read: the public checkpoints' ``rope_theta`` +
-``rope_scaling`` and the ``rope_parameters`` dict that transformers >= 5 writes.
-"""
+"""Model configuration read from a Hugging Face ``config.json``: one frozen dataclass for the
+Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm). Reads
+both ``rope_theta`` + ``rope_scaling`` and transformers >= 5's ``rope_parameters``."""
 
 from __future__ import annotations
 
@@ -40,25 +26,15 @@ class ModelConfig:
 
     Args:
         architecture: one of ``SUPPORTED_ARCHITECTURES``.
-        vocab_size: rows of the embedding and of the LM head.
-        hidden_size: width of the residual stream.
-        intermediate_size: width of the SwiGLU MLP.
-        num_layers: decoder layers.
-        num_heads: query heads.
         num_kv_heads: key/value heads (GQA when fewer than ``num_heads``).
         head_dim: per head; Qwen3 sets it explicitly (not ``hidden_size // num_heads``).
-        rms_norm_eps: epsilon of every RMSNorm.
-        rope_theta: RoPE base.
-        rope_scaling: ``None`` or a dict with ``rope_type`` in ``SUPPORTED_ROPE_TYPES``
-            and that type's parameters (e.g. factor, low/high_freq_factor).
-        max_position_embeddings: longest context the checkpoint was trained for.
-        tie_word_embeddings: the LM head reuses the embedding matrix.
+        rope_scaling: None or a dict with ``rope_type`` in ``SUPPORTED_ROPE_TYPES``.
         qkv_bias: q/k/v projections have a bias (Qwen2; Llama with ``attention_bias``).
         o_bias: the output projection has a bias (Llama with ``attention_bias``).
         qk_norm: RMSNorm on each q and k head before RoPE (Qwen3).
-        sliding_window: attention window in tokens, or ``None``. Not implemented: the
-            runner refuses a ``max_model_len`` above it, so the window never cuts anything.
-        torch_dtype: dtype the checkpoint was saved in ("bfloat16", ...), if stated.
+        sliding_window: window in tokens, or None; not implemented (the runner refuses a
+            ``max_model_len`` above it).
+        torch_dtype: dtype the checkpoint was saved in, if stated.
     """
 
     architecture: str
@@ -82,12 +58,12 @@ class ModelConfig:
 
     @property
     def q_size(self) -> int:
-        """Output width of the query projection (num_heads * head_dim)."""
+        """num_heads * head_dim."""
         return self.num_heads * self.head_dim
 
     @property
     def kv_size(self) -> int:
-        """Output width of the key (or value) projection (num_kv_heads * head_dim)."""
+        """num_kv_heads * head_dim."""
         return self.num_kv_heads * self.head_dim
 
     @classmethod
@@ -150,7 +126,7 @@ def _parse(raw: dict[str, Any], arch: str, source: str) -> ModelConfig:
 
 
 def _rope_settings(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
-    """Return (rope_theta, rope_scaling or None) from either spelling of the config."""
+    """(rope_theta, rope_scaling or None) from either spelling of the config."""
     params = raw.get("rope_parameters")
     if params:  # transformers >= 5: theta and scaling in one dict
         theta = float(params.get("rope_theta", 10000.0))

@@ -1,40 +1,11 @@
 """CUDA graphs for every step of a bounded size: decode-only steps and mixed steps.
 
-A step of a small model is launch-bound (tens of kernels, each a few microseconds of GPU
-work behind more of Python and launcher overhead); a CUDA graph records the forward once
-per size and replays it with one launch. Two families share one memory pool:
-
-* Decode graphs, one per batch size (``sizes``): a step of ``n`` one-token decodes runs in
-  the graph of the smallest size ``>= n`` (:func:`pick_size`); rows ``n..size-1`` are
-  padding. The whole forward, logits included, is in the graph.
-* Mixed graphs, one per token count (``token_sizes``) and decode-row variant: any other
-  step of ``N`` tokens over at most ``max_num_seqs`` sequences runs in the graph of the
-  smallest token count ``>= N`` (prefill chunks, decodes, or both), in the smallest variant
-  that holds its decodes. The graph ends at the final norm; the logits of the sampled rows
-  are computed after it (their number varies).
-
-Who does what: :func:`backend.inputs.stage_step` computes a step's host arrays (the same
-arithmetic as the eager path) into the block-table mirror that :class:`StepGraphs` keeps
-(incremental conversion, :class:`backend.inputs.BlockTables`); :class:`StepGraphs` copies
-the token rows (input ids, positions) into its static buffers; the attention backend's
-:class:`backend.attention.base.GraphMetadata` owns the attention buffers (slots, sequence
-rows, its kernels' work tables), fills them and pads them; :class:`StepGraphs` captures and
-replays.
-
-* Padding token rows: token 0 at position 0, slot -1 (the store kernel skips negative
-  slots, so they write nothing); padding sequence rows get no attention work, so their
-  outputs are whatever the memory held (row-wise ops keep that out of real rows). Real
-  blocks are never written.
-* Capture (CUDA): after the KV cache exists, mixed sizes then decode sizes, each family
-  largest first, one shared memory pool; each size runs once eagerly on a side stream
-  first (Triton compiles, cuBLAS warms up), with every row padding, so neither warm-up nor
-  capture touches the cache.
-* Sampling stays outside the graphs, on the logits rows of the real sequences.
-
-Only backends with ``supports_graphs`` (``triton``) can run here. Steps beyond the largest
-sizes and non-CUDA devices run eagerly. On a non-CUDA device the same padded static-buffer
-path can run without capture (``capture=False``), which is how the CPU tests check the
-padding.
+Decode graphs (one per batch size) hold the whole forward, logits included; mixed graphs
+(one per token count and decode-row variant) end at the final norm. A step runs in the
+smallest graph that holds it, padded (token 0, position 0, slot -1; padding writes no KV).
+Who does what: :func:`backend.inputs.stage_step` computes the host arrays, the backend's
+:class:`backend.attention.base.GraphMetadata` owns and fills the attention buffers, and
+:class:`StepGraphs` copies the token rows, captures and replays. Sampling stays outside.
 """
 
 from __future__ import annotations
@@ -67,9 +38,7 @@ DEFAULT_TOKEN_SIZES = (16,) + tuple(range(32, 512, 32)) + tuple(
 
 def graph_sizes(max_num_seqs: int, sizes: Sequence[int] = DEFAULT_GRAPH_SIZES) -> list[int]:
     """The sizes to capture, ascending: ``sizes`` up to ``max_num_seqs``, plus
-    ``max_num_seqs`` itself when it falls between two of them (so every batch the scheduler
-    can form fits, unless it is larger than the largest of ``sizes``). Also used for the
-    token sizes, with ``max_num_batched_tokens`` as the limit. An empty ``sizes`` gives []."""
+    ``max_num_seqs`` itself when it falls between two of them; [] for empty ``sizes``."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
     if not sizes:
@@ -91,20 +60,16 @@ def pick_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
 
 
 class StepGraphs:
-    """Static token buffers, the backend's graph metadata and (on CUDA) one captured graph
-    per key, for decode-only steps (``sizes``, batch sizes) and mixed steps
-    (``token_sizes``, token counts).
+    """Static token buffers, the backend's graph metadata and (on CUDA) one graph per key.
 
     Args:
-        model: the loaded model; its attention backend must support graphs (``triton``).
+        model: the loaded model; its attention backend must support graphs.
         kv_cache: the runner's cache; graphs bake in its per-layer tensors.
-        block_size: tokens per block. max_model_len: sizes the static block-table width.
-        vocab_size: for validating each step's inputs.
+        block_size: tokens per block. max_model_len: sizes the block-table width.
         sizes: decode batch sizes (see :func:`graph_sizes`).
-        token_sizes: mixed-step token counts (may be empty: no mixed graphs).
-        max_num_seqs: most sequences of a mixed step (sizes the sequence rows).
-        capture: record CUDA graphs (CUDA only); False runs the same padded static-buffer
-            forward eagerly (CPU tests).
+        token_sizes: mixed-step token counts (may be empty).
+        max_num_seqs: most sequences of a mixed step.
+        capture: record CUDA graphs; False runs the padded forward eagerly (CPU tests).
     """
 
     def __init__(
@@ -154,8 +119,7 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def keys(self) -> list[GraphKey]:
-        """Every graph, in capture order: mixed then decode, largest first (smaller graphs
-        reuse the pool's memory)."""
+        """Every graph in capture order: mixed then decode, largest first."""
         keys = [("mixed", t, r) for t in reversed(self.token_sizes)
                 for r in reversed(self.attn.decode_rows(t))]  # fmt: skip
         return keys + [("decode", s, s) for s in reversed(self.sizes)]
@@ -163,15 +127,13 @@ class StepGraphs:
     # -- per step ---------------------------------------------------------------------------
 
     def size_for(self, seqs: list[SeqInput]) -> int | None:
-        """The decode graph size for this step, or None when it is not decode-only or is
-        larger than the largest decode size."""
+        """The decode graph size for this step, or None."""
         if not seqs or any(len(s.token_ids) != 1 for s in seqs):
             return None
         return pick_size(len(seqs), self.sizes)
 
     def token_size_for(self, seqs: list[SeqInput]) -> int | None:
-        """The mixed graph size (tokens) for this step, or None when it has more tokens than
-        the largest token size or more sequences than the sequence rows."""
+        """The mixed graph size (tokens) for this step, or None."""
         if not seqs or len(seqs) > self.max_seqs:
             return None
         return pick_size(sum(len(s.token_ids) for s in seqs), self.token_sizes)
@@ -179,14 +141,9 @@ class StepGraphs:
     def run(
         self, seqs: list[SeqInput], feed: DeviceFeed | None = None
     ) -> tuple[list[int], list[float], torch.Tensor] | None:
-        """Run a step in a graph: (sampled seq indices, their temperatures, their logits
-        (num_sampled, vocab) float32); None when no graph fits (run it eagerly).
-
-        ``feed``: token rows whose ids come from the device (an earlier step's sampled ids);
-        written into the static input ids after the staged copy and before the replay, on
-        the stream. The logits may be a view of a graph's static output: use them before
-        the next step.
-        """
+        """Run a step in a graph: (sampled seq indices, their temperatures, their
+        (num_sampled, vocab) float32 logits), or None when no graph fits. The logits may
+        view a static output: use them before the next step."""
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         temps = [seqs[i].temperature for i in sampled]
         size = self.size_for(seqs)
@@ -211,11 +168,8 @@ class StepGraphs:
         return sampled, temps, self.model.compute_logits(hidden[last_rows])
 
     def run_rows(self, seqs: list[SeqInput], rows: torch.Tensor) -> torch.Tensor | None:
-        """Run a step in a graph and return the logits (len(rows), vocab) float32 of the
-        given token rows (indices into the step's fed tokens, on the device): speculative
-        verification needs every fed position of a verify row. None when no graph fits.
-        A step of verify rows (q_len = 1 + drafts) is a mixed step: its rows run as short
-        prefill chunks over their cached prefix."""
+        """Run a step in a graph; the (len(rows), vocab) float32 logits of the given fed
+        token rows, or None when no graph fits."""
         size = self.size_for(seqs)
         if size is not None:
             self._ensure_captured(("decode", size, size))
@@ -231,25 +185,21 @@ class StepGraphs:
         return self.model.compute_logits(self._replay(key)[rows])
 
     def stage(self, seqs: list[SeqInput], size: int) -> None:
-        """Validate a decode-only step (ValueError naming the first bad sequence, as
-        :func:`backend.inputs.check_seq`) and write it, padded to ``size`` rows, into the
-        static buffers of the decode graphs."""
+        """Validate a decode-only step (ValueError naming the first bad sequence) and write
+        it, padded to ``size`` rows, into the decode graphs' buffers."""
         step = stage_step(seqs, self.limits, self.tables, pad_to=size, logits=False,
                           pin=self.pin, decode_only=True)  # fmt: skip
         self._copy(step, ("decode", size, size))
 
     def stage_mixed(self, seqs: list[SeqInput], tokens: int,
                     decode_rows: int | None = None) -> torch.Tensor:  # fmt: skip
-        """Validate any step (ValueError as :meth:`stage`) and write it, padded to
-        ``tokens`` token rows and ``decode_rows`` (default: the most of that size),
-        into the static buffers of the mixed graphs. Returns the device rows (num_sampled,)
-        int64 of the sampled sequences' last fed tokens."""
+        """Validate a step and write it, padded to ``tokens`` rows and ``decode_rows``, into
+        the mixed graphs' buffers; returns the (num_sampled,) int64 device logits rows."""
         step = stage_step(seqs, self.limits, self.tables, pad_to=tokens, pin=self.pin)
         return self._copy(step, ("mixed", tokens, decode_rows or self.attn.decode_rows(tokens)[-1]))
 
     def _copy(self, step: HostStep, key: GraphKey) -> torch.Tensor:
-        """Issue the step's copies into the static buffers of ``key``; returns the device
-        logits rows."""
+        """Issue the step's copies into ``key``'s buffers; returns the device logits rows."""
         size = key[1]
         ids, positions, slots, last = step.rows(step.tokens.to(self.device, non_blocking=True))
         self.input_ids[:size].copy_(ids)
@@ -271,8 +221,7 @@ class StepGraphs:
         return self.model.compute_logits(hidden)  # (size, vocab) float32
 
     def _ensure_captured(self, key: GraphKey) -> None:
-        """Capture ``key`` if :meth:`capture_all` has not (before staging: a capture pads
-        every row)."""
+        """Capture ``key`` if not captured yet (before staging: capture pads every row)."""
         if self.capture and key not in self.graphs:
             self.capture_one(key)
 

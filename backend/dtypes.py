@@ -1,13 +1,7 @@
 """Choosing the model dtype and checking that the device can run it.
 
-Policy (one clear error instead of a slow or broken run):
-
-* CUDA: float32, bfloat16 (compute capability >= 8.0, e.g. A100, H100/H200), float16.
-* CPU: float32 and bfloat16. float16 is refused: CPU half-precision matmuls are slow or
-  emulated on most x86 parts, and CPU runs here are for correctness, where float32 is the
-  oracle. Convert a float16 checkpoint by loading it as float32 or bfloat16.
-
-A tiny matmul probe catches anything else the device rejects.
+CUDA: float32, bfloat16 (compute capability >= 8.0), float16. CPU: float32 and bfloat16
+(float16 is refused). A tiny matmul probe catches anything else the device rejects.
 """
 
 from __future__ import annotations

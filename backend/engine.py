@@ -1,30 +1,11 @@
 """The engine executor: runs each step's plan on a real model (backend/runner.py).
 
-The replay loop, the policies and the block manager are the simulator's own; only the
-executor differs. A step's duration is its measured wall time: the executor times input
-preparation, swaps, the forward pass and sampling up to the device sync, and the replay
-loop adds the wall time the policy took to plan the step (``Executor.wall_clock``).
-
-Two ways to run a step:
-
-* ``execute(plan)``: synchronous; returns once the device is done and the tokens are on
-  the host. Every token a plan feeds is in its request's ``output_token_ids``.
-* ``launch(plan) -> handle`` then ``wait(handle)`` (asynchronous scheduling, vLLM V1's
-  AsyncScheduler; the contract in lab/core/scheduler.py): ``launch`` stages the inputs on
-  the host and enqueues swaps, forward, sampling and the copy of the sampled ids to pinned
-  memory on the device's stream, and returns before the device is done; ``wait`` blocks on
-  that step's event only. The scheduler plans step N+1 before N's results are applied, so
-  a sequence of N+1 may feed a token sampled in N and not yet in ``output_token_ids``
-  (a placeholder): the token at position ``p`` is known iff ``p - prompt_len <
-  len(output_token_ids)``. Such a token is fed from N's sampled-id tensor on the device
-  (its row found by request), with no host round trip (:class:`backend.inputs.DeviceFeed`).
-  On the CPU the same path runs to the end inside ``launch``. A runner without ``launch``
-  (the tensor-parallel runner) runs each step in ``launch`` and feeds placeholders from the
-  previous step's host tokens.
-
-Async durations: a step's ``duration_s`` runs from the later of its launch and the previous
-step's result to its own result (when ``wait`` returns), so consecutive steps tile the wall
-clock; the planning of step N+1 falls inside N's duration.
+A step's duration is its measured wall time (inputs, swaps, forward, sampling, device sync).
+``launch``/``wait`` implement asynchronous scheduling (vLLM V1's AsyncScheduler; contract in
+lab/core/scheduler.py): a placeholder token (position ``p`` with ``p - prompt_len >=
+len(output_token_ids)``) is fed from the previous step's sampled ids on the device. An async
+step's ``duration_s`` runs from the later of its launch and the previous result to its own
+result.
 """
 
 from __future__ import annotations
@@ -43,16 +24,13 @@ from lab.core.request import Request
 
 @dataclass(slots=True)
 class LaunchedStep:
-    """The handle of a launched step (:meth:`EngineExecutor.launch`).
+    """The handle of a launched step.
 
     Attributes:
-        owners: the request of each sequence of the step, in SeqInput order.
-        pending: the runner's in-flight step (None: the runner has no ``launch`` and the
-            tokens are in ``tokens`` already).
-        tokens: the sampled tokens per sequence when the step already ran.
+        owners: the request of each sequence, in SeqInput order.
+        pending: the runner's in-flight step (None: ``tokens`` already holds the result).
         start_s: ``time.perf_counter()`` when launch began.
-        host_s: seconds launch took (host work: swaps issued, inputs staged, kernels
-            enqueued), without waiting for the device.
+        host_s: seconds of host work in launch.
     """
 
     owners: list[Request]
@@ -63,14 +41,9 @@ class LaunchedStep:
 
 
 class EngineExecutor:
-    """Executes plans on a :class:`ModelRunner`; reads nothing but the plan and never makes
-    a scheduling decision.
-
-    Args:
-        runner: the model, its paged KV cache and swap space: a :class:`ModelRunner`, or a
-            :class:`backend.tp_engine.TensorParallelRunner` (same interface) for N ranks.
-        temperature: 0 = greedy.
-    """
+    """Executes plans on a :class:`ModelRunner` or a
+    :class:`backend.tp_engine.TensorParallelRunner`; makes no scheduling decision.
+    ``temperature``: 0 = greedy."""
 
     wall_clock = True  # durations are measured, so the replay adds planning time
 
@@ -95,9 +68,7 @@ class EngineExecutor:
         return StepResult(time.perf_counter() - t0, tokens)
 
     def step_inputs(self, plan: SchedulerOutput) -> list[SeqInput]:
-        """One SeqInput per scheduled sequence, in the order of ``plan.seqs()``:
-        prefill chunks, then decodes, each feeding its latest sampled token (built directly
-        from ``plan.decode_positions()``: a decode batch of hundreds is the common step)."""
+        """One SeqInput per scheduled sequence, in ``plan.seqs()`` order."""
         temp = self.temperature
         seqs = [
             SeqInput(s.token_ids(), s.start_pos, s.block_table, s.sample, temp)
@@ -112,9 +83,7 @@ class EngineExecutor:
     # -- asynchronous steps ------------------------------------------------------------------
 
     def launch(self, plan: SchedulerOutput) -> LaunchedStep:
-        """Enqueue the plan's swaps and step on the device and return its handle before the
-        device is done (see the module doc); placeholders are fed from the previous launched
-        step's sampled ids."""
+        """Enqueue the plan's swaps and step and return its handle before the device is done."""
         t0 = time.perf_counter()
         if plan.swap_out:
             self.runner.swap_out(plan.swap_out)
@@ -156,10 +125,9 @@ class EngineExecutor:
         return StepResult(now - start, sampled)
 
     def async_inputs(self, plan: SchedulerOutput) -> tuple[list[SeqInput], list[int], list[int]]:
-        """The step's SeqInputs (as :meth:`step_inputs`) with token 0 where a fed token is a
-        placeholder, the flat token rows of those placeholders (ascending) and, for each, its
-        row in the previous launched step's sampled ids. ValueError if a placeholder was not
-        sampled by that step (only one token per request can be in flight)."""
+        """The step's SeqInputs with token 0 at placeholders, the placeholders' flat rows
+        (ascending) and each one's row in the previous step's sampled ids. ValueError if
+        that step did not sample it."""
         temp, row_of = self.temperature, self._source_row
         seqs: list[SeqInput] = []
         rows: list[int] = []
@@ -205,11 +173,7 @@ def _check_in_flight(r: Request, pos: int, missing: int, row_of: dict[Request, i
 
 
 def assign_prompt_tokens(requests: list[Request], vocab_size: int, seed: int) -> None:
-    """Give trace requests (lengths only) random prompt token ids, reproducibly per request.
-
-    Trace files carry lengths, not text; the engine needs ids. With ``ignore_eos`` semantics
-    (output lengths honoured exactly) the ids only set the work, not the schedule.
-    """
+    """Give trace requests random prompt token ids, reproducibly per request (mutates them)."""
     for r in requests:
         if r.prompt_token_ids is None:
             rng = np.random.default_rng([seed, int.from_bytes(r.request_id.encode()[:8], "little")])

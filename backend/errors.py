@@ -1,9 +1,6 @@
-"""Errors the engine reports to a user as one line.
-
-They subclass :class:`lab.core.errors.UserError`, so ``run_experiment.py`` prints them without a
-traceback. Mistakes in the inputs the engine glue builds (a block table too short, a token id
-out of range) are programming errors and raise ``ValueError`` instead.
-"""
+"""Errors the engine reports to a user as one line (:class:`lab.core.errors.UserError`).
+Bad inputs from the engine glue (a short block table, a token id out of range) raise
+``ValueError`` instead."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""Turn one step's per-sequence inputs into the arrays the model reads: written once.
+"""Turn one step's :class:`SeqInput` list into the arrays the model reads, written once.
 
-A step mixes prefill chunks (several tokens over a cached prefix) and decodes (one token).
-Everything is derived from the :class:`SeqInput` list alone: token ids, positions, the slot
-of every fed token, block tables, cu_seqlens, and which rows to compute logits for.
-
-:func:`stage_step` does the host arithmetic (numpy, vectorized over tokens and sequences)
-and the validation, optionally padding the token rows to a size; both execution paths use
-it. :func:`prepare_inputs` (eager steps) copies its arrays to the device as they are; the
-CUDA-graph path (:mod:`backend.cuda_graphs`) copies them into padded static buffers. Block
-tables are converted into a host mirror (:class:`BlockTables`); a persistent mirror converts
-only the entries a known list gained since the previous step.
+:func:`stage_step` does the host arithmetic and validation for both paths;
+:func:`prepare_inputs` copies it to the device for eager steps, :mod:`backend.cuda_graphs`
+into padded static buffers.
 """
 
 from __future__ import annotations
@@ -33,12 +26,10 @@ class SeqInput:
     Args:
         token_ids: tokens fed this step: a prefill chunk, or the one token of a decode.
         start_pos: = num_computed_tokens; KV for positions [0, start_pos) is already cached.
-        block_table: device block ids; must cover start_pos + len(token_ids) positions.
-            Position p lives in slot ``block_table[p // block_size] * block_size + p % block_size``.
-            Between steps a list may only be appended to (the lab's BlockManager assigns a
-            new list when it frees or swaps): a persistent :class:`BlockTables` mirror
-            converts only the entries a known list gained; a list rewritten in place is
-            noticed only if its last converted entry changed.
+        block_table: device block ids covering start_pos + len(token_ids) positions; slot of
+            position p is ``block_table[p // block_size] * block_size + p % block_size``.
+            Between steps a list may only be appended to (a :class:`BlockTables` mirror
+            converts only new entries).
         sample: sample a next token from the last fed position.
         temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
     """
@@ -52,18 +43,12 @@ class SeqInput:
 
 @dataclass(frozen=True, slots=True)
 class DeviceFeed:
-    """Token rows of a step whose ids are on the device only: tokens sampled by the step
-    launched before it, not yet returned to the host (asynchronous scheduling).
-
-    The host stages token 0 in those rows (a valid id); before the forward reads them,
-    :func:`apply_feed` overwrites them, on the device and in stream order, with the earlier
-    step's sampled ids.
+    """Token rows of a step whose ids are still on the device (sampled by the previous
+    launched step); :func:`apply_feed` writes them before the forward reads them.
 
     Args:
-        rows: (k,) int64; flat token rows of this step (the staged order: every sequence's
-            fed tokens in turn), ascending.
-        source: (m,) int64 device tensor; the earlier step's sampled ids, one per sampled
-            sequence of that step.
+        rows: (k,) int64 flat token rows of this step, ascending.
+        source: (m,) int64 device tensor of the earlier step's sampled ids.
         source_rows: (k,) int64; the entry of ``source`` each row takes.
     """
 
@@ -73,10 +58,8 @@ class DeviceFeed:
 
 
 def apply_feed(input_ids: torch.Tensor, feed: DeviceFeed | None, pin: bool = False) -> None:
-    """Write ``feed``'s device tokens into ``input_ids`` (a step's token rows on the device),
-    in stream order, with no host sync: one slice copy when both row sets are runs (the
-    common steady decode batch), else one small index copy (``pin``: stage the indices in
-    pinned memory for a non-blocking copy)."""
+    """Write ``feed``'s device tokens into ``input_ids`` in stream order, with no host sync
+    (``pin``: stage the indices in pinned memory)."""
     if feed is None or len(feed.rows) == 0:
         return
     rows, src, k = feed.rows, feed.source_rows, len(feed.rows)
@@ -111,18 +94,13 @@ class HostStep:
     """The host arrays of one step of ``n`` sequences and ``num_tokens`` fed tokens.
 
     Attributes:
-        tokens: (3 * T + num_sampled,) int64, pinned when staged for CUDA: input ids,
-            positions and slots, each padded to ``T`` rows (token 0, position 0, slot -1),
-            then the logits rows (empty unless staged with ``logits=True``). One copy
-            brings it to the device; :meth:`rows` cuts it there.
-        num_tokens: real token rows (the rest of ``T`` is padding).
-        query_lens: (n,) int64; tokens fed per sequence.
-        query_start_loc: (n + 1,) int64; cumulative ``query_lens``.
-        seq_lens: (n,) int64; context length after the step (start_pos + fed tokens).
-        block_tables: (n, width) int32, width = the most blocks any sequence uses; entries
-            beyond a sequence's used blocks hold any value. A view of the mirror: valid
-            until the next staging with it.
-        sampled: (num_sampled,) int64; the sampled sequences (empty unless ``logits``).
+        tokens: (3 * T + num_sampled,) int64 (pinned for CUDA): input ids, positions and
+            slots, each padded to ``T`` rows (token 0, position 0, slot -1), then the
+            logits rows; :meth:`rows` cuts it.
+        query_lens: (n,) int64; query_start_loc: (n + 1,) int64.
+        seq_lens: (n,) int64 context length after the step.
+        block_tables: (n, width) int32 view of the mirror, valid until its next staging.
+        sampled: (num_sampled,) int64 sampled sequences (empty unless ``logits``).
     """
 
     tokens: torch.Tensor
@@ -139,22 +117,15 @@ class HostStep:
         return (self.tokens.numel() - len(self.sampled)) // 3
 
     def rows(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(input_ids, positions, slot_mapping, logits_indices) views of ``tokens`` (this
-        step's ``tokens`` after the copy to the device)."""
+        """(input_ids, positions, slot_mapping, logits_indices) views of ``tokens``."""
         t = self.padded_tokens
         return tokens[:t], tokens[t : 2 * t], tokens[2 * t : 3 * t], tokens[3 * t :]
 
 
 class BlockTables:
-    """Host mirror of a step's block tables, converted from the SeqInputs' lists.
-
-    It keeps the rows, the list each row was converted from (kept referenced, so ids stay
-    unique) and how many of its entries the row holds. A sequence whose ``block_table`` is
-    the same list object as a row of the previous staging gets that row moved to its place
-    and only its new entries converted; other rows are converted whole, and so is a known
-    list whose last converted entry changed. Python int -> int32 conversion is the cost this
-    saves on long contexts. Grows to the rows and width a step needs.
-    """
+    """Host int32 mirror of a step's block tables. A sequence whose ``block_table`` is the
+    same list object as in the previous staging has only its new entries converted; others
+    (and a known list whose last converted entry changed) are converted whole."""
 
     def __init__(self, rows: int = 0, width: int = 0) -> None:
         self.table = np.zeros((rows, width), dtype=np.int32)
@@ -173,10 +144,8 @@ class BlockTables:
 
     def stage(self, seqs: list[SeqInput], nblocks: np.ndarray, width: int,
               limits: StepLimits) -> np.ndarray:  # fmt: skip
-        """Bring the first ``len(seqs)`` rows up to date (first ``width`` columns) and
-        validate the entries the step reads (``nblocks`` (n,) per sequence); returns the
-        (n, width) view. On any error the mirror is forgotten (no row is known), so the
-        next staging converts every row."""
+        """Bring the first ``len(seqs)`` rows up to date and validate them; returns the
+        (n, width) view. On error the mirror is forgotten."""
         n = len(seqs)
         self._reserve(n, width)
         tb = self.table
@@ -234,17 +203,15 @@ def stage_step(
     pin: bool = False,
     decode_only: bool = False,
 ) -> HostStep:
-    """Validate ``seqs`` (ValueError naming the first bad sequence, as :func:`check_seq`)
-    and compute the step's host arrays.
+    """Validate ``seqs`` (ValueError naming the first bad sequence) and compute the step's
+    host arrays.
 
     Args:
-        tables: the block-table mirror to stage into (None: a fresh one, every row
-            converted whole).
+        tables: the block-table mirror to stage into (None: a fresh one).
         pad_to: token rows T (>= the step's tokens); default the step's tokens.
         logits: also compute the sampled sequences and their logits rows.
-        pin: allocate ``tokens`` in pinned memory (for a non-blocking copy to CUDA).
-        decode_only: the caller checked that every sequence feeds exactly one token (saves
-            a pass over the sequences).
+        pin: allocate ``tokens`` in pinned memory.
+        decode_only: the caller checked that every sequence feeds exactly one token.
     """
     n, bs = len(seqs), limits.block_size
     if n == 0:
@@ -310,8 +277,7 @@ class StepInputs:
 
     Attributes:
         input_ids, positions: (num_tokens,) int64 on the device.
-        attn: per-step attention metadata.
-        logits_indices: (num_sampled,) int64; row of the last fed token of each sampled seq.
+        logits_indices: (num_sampled,) int64 row of each sampled seq's last fed token.
         sampled_seqs: indices into the SeqInput list of the sampled sequences, in order.
         temperatures: one per sampled sequence.
     """
@@ -334,9 +300,7 @@ def prepare_inputs(
     tables: BlockTables | None = None,
 ) -> StepInputs:
     """Validate ``seqs`` (ValueError naming the sequence) and build the step's device
-    tensors from :func:`stage_step`'s arrays: two copies (int64 token rows, packed int32
-    sequence rows). Backend-specific metadata is added by
-    :meth:`backend.attention.AttentionBackend.prepare_metadata`."""
+    tensors from :func:`stage_step`'s arrays."""
     pin = device.type == "cuda"
     limits = StepLimits(block_size, num_gpu_blocks, max_model_len, vocab_size)
     step = stage_step(seqs, limits, tables, pin=pin)

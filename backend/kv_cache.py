@@ -1,22 +1,9 @@
 """The paged KV cache on the device and its swap space in host memory.
 
-Layout: the device side is one tensor ``(2, num_layers, num_blocks, block_size, num_kv_heads,
-head_dim)`` (index 0 = K, 1 = V), so each layer's K or V is the contiguous
-``(num_blocks, block_size, num_kv_heads, head_dim)`` the attention backends expect. The host
-swap space is block-major, ``(num_blocks, 2, num_layers, block_size, num_kv_heads,
-head_dim)``: one swapped block is one contiguous run of ``block_bytes``, in pinned memory when
-CUDA is available (pinned pages make the transfers asynchronous; torch's pinned allocator
-rounds the request up to a power of two, so size the swap space accordingly: 4 GiB costs 4
-GiB, 5 GiB costs 8).
-
-Swapping moves the blocks of a mapping with one device gather or scatter and one copy per
-run of consecutive host blocks, straight between device memory and the swap space: no
-host-side staging or scatter, so the transfers run at the link's rate and are fully
-asynchronous on CUDA, stream-ordered before the step's kernels (a block swapped out may be
-overwritten by the same step; a block swapped back in is ready for it).
-
-Capacity (``num_gpu_blocks``) is decided by the runner (see ``ModelRunner``); this module only
-turns bytes into blocks.
+Device: ``(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)`` (0 = K, 1 = V).
+Host swap: block-major ``(num_blocks, 2, num_layers, block_size, num_kv_heads, head_dim)``,
+pinned when CUDA is available (torch rounds pinned sizes up to a power of two). Swaps are
+stream-ordered before the step's kernels.
 """
 
 from __future__ import annotations
@@ -50,12 +37,8 @@ class KVCache:
     """Device KV blocks plus host swap blocks of the same shape.
 
     Args:
-        config: the model (layers, kv heads, head_dim).
-        block_size: tokens per block.
-        num_gpu_blocks: device blocks (>= 1).
+        num_gpu_blocks: device blocks (>= 1); they live on ``device`` even when it is the CPU.
         num_cpu_blocks: host swap blocks (>= 0).
-        dtype: dtype of the model.
-        device: where the model runs; the "GPU" blocks live there even when it is the CPU.
     """
 
     def __init__(
@@ -92,11 +75,8 @@ class KVCache:
         return self.gpu[:, :, :1].numel() * self.gpu.element_size()
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
-        """Copy device blocks to host blocks: ``mapping`` is [(gpu_block, cpu_block), ...].
-
-        Mutates the swap space (on CUDA once the stream reaches the copies; read it after a
-        sync). Device scratch: the gathered blocks, ``len(mapping) * block_bytes``.
-        """
+        """Copy [(gpu_block, cpu_block), ...] to the swap space (mutates it; on CUDA read it
+        after a sync). Device scratch: ``len(mapping) * block_bytes``."""
         if not mapping:
             return
         gpu_ids, cpu_ids = _checked(sorted(mapping, key=lambda m: m[1]), self.num_gpu_blocks,
@@ -108,11 +88,8 @@ class KVCache:
             self.cpu[first : first + stop - start].copy_(gathered[start:stop], non_blocking=True)
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
-        """Copy host blocks to device blocks: ``mapping`` is [(cpu_block, gpu_block), ...].
-
-        Mutates the device cache (asynchronously on CUDA, ordered before later kernels).
-        Device scratch: ``len(mapping) * block_bytes``.
-        """
+        """Copy [(cpu_block, gpu_block), ...] to the device cache (mutates it, stream-ordered).
+        Device scratch: ``len(mapping) * block_bytes``."""
         if not mapping:
             return
         cpu_ids, gpu_ids = _checked(sorted(mapping), self.num_cpu_blocks, self.num_gpu_blocks)

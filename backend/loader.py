@@ -1,13 +1,7 @@
 """Load a Hugging Face safetensors checkpoint (single file or sharded) into a Transformer.
 
-The checkpoint is validated before any tensor is read, so a bad directory fails with one
-message that names the file or tensor: no ``*.safetensors``; a shard listed in
-``model.safetensors.index.json`` that is absent; a file shorter than its header promises
-(truncated download); a tensor that is missing or has the wrong shape.
-
-The model is built on the meta device and materialised once on the target device, so an 8B
-model never exists twice in memory. q/k/v and gate/up weights are concatenated into the fused
-projections here.
+The checkpoint is validated before any tensor is read (CheckpointError naming the file or
+tensor); the model is built on the meta device and materialised once on the target.
 """
 
 from __future__ import annotations
@@ -46,10 +40,8 @@ def load_model(
     max_model_len: int,
     kn_weights: bool = False,
 ) -> Transformer:
-    """Build the model for ``config`` on ``device`` in ``dtype`` and fill it from the checkpoint.
-
-    ``kn_weights`` (CUDA only; ignored elsewhere): keep the layers' projection weights in
-    (K, N) memory order (:func:`_store_layer_weights_kn`)."""
+    """Build the model for ``config`` on ``device`` in ``dtype`` and fill it from the
+    checkpoint; ``kn_weights`` (CUDA only) keeps projection weights in (K, N) order."""
     index = checkpoint_index(Path(model_dir))
     with torch.device("meta"):
         model = Transformer(config, backend)
@@ -66,10 +58,8 @@ def load_model(
 
 
 def _store_layer_weights_kn(model: Transformer) -> None:
-    """Keep each layer projection's (N, K) weight in (K, N) memory order (the same logical
-    tensor, transposed strides); F.linear then hands cuBLAS the other operand layout, which
-    is faster for some shapes and slower for others (BENCHMARKS.md). The embedding and the
-    LM head keep their row order."""
+    """Keep each layer projection's (N, K) weight in (K, N) memory order (same logical
+    tensor); the embedding and LM head keep theirs."""
     for module in model.layers.modules():
         if isinstance(module, torch.nn.Linear):
             module.weight.data = module.weight.data.t().contiguous().t()
@@ -99,11 +89,8 @@ def checkpoint_index(model_dir: Path) -> dict[str, TensorInfo]:
 
 
 def read_header(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from a safetensors header; CheckpointError if the file is cut short.
-
-    Format: 8-byte little-endian header length, a JSON header giving each tensor's dtype, shape
-    and byte range in the data section, then the data.
-    """
+    """Tensor name -> shape from a safetensors header; CheckpointError if the file is cut
+    short."""
     size = path.stat().st_size
     with path.open("rb") as f:
         prefix = f.read(8)

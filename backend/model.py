@@ -1,13 +1,8 @@
 """A Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat batch of tokens.
 
-There is no batch dimension: a step's tokens from all sequences are concatenated, (num_tokens,
-...), and the attention backend uses the step's :class:`AttentionMetadata` to keep sequences
-apart. q/k/v and gate/up projections are fused into one matmul each (the loader concatenates
-the checkpoint's weights). With the triton attention backend the elementwise work is fused
-too (:mod:`backend.triton_ops`: residual add + RMSNorm, q/k norm + RoPE + K/V store, SiLU *
-up); the plain torch ops below are the reference path and run everywhere. Parameter names
-follow the Hugging Face checkpoints' names, less the ``model.`` prefix, so the loader's
-mapping stays a few string substitutions.
+No batch dimension: a step's tokens are concatenated, (num_tokens, ...), and the attention
+metadata keeps sequences apart. q/k/v and gate/up are fused projections; parameter names are
+the Hugging Face ones less ``model.``.
 """
 
 from __future__ import annotations
@@ -22,8 +17,8 @@ from backend.rope import apply_rope
 
 
 def fused_ops(fused: bool):
-    """:mod:`backend.triton_ops` when ``fused``, else None. Imported on demand: triton must not
-    be imported before a test has had the chance to set ``TRITON_INTERPRET``."""
+    """:mod:`backend.triton_ops` when ``fused``, else None; imported on demand so tests can
+    set ``TRITON_INTERPRET`` first."""
     if not fused:
         return None
     from backend import triton_ops
@@ -150,10 +145,8 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) -> (this layer's MLP output, the residual stream before it).
-
-        The residual add of the previous layer's MLP output happens in this layer's first
-        norm (the first layer has no residual yet), as vLLM does, so adds fuse into norms."""
+        """(x, residual) -> (this layer's MLP output, the residual stream before it); the
+        previous residual add is fused into this layer's first norm, as in vLLM."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -164,13 +157,9 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The decoder stack plus embedding and LM head.
-
-    ``rope_cos`` / ``rope_sin`` (max_model_len, head_dim // 2) float32 are set by the loader
-    once the module is on its device (see :func:`backend.rope.rope_table`). ``fused`` (default:
-    on with the triton backend) selects the Triton kernels for the elementwise work.
-    ``attn_backend`` is the attention backend every layer uses.
-    """
+    """The decoder stack plus embedding and LM head. The loader sets ``rope_cos`` /
+    ``rope_sin`` (max_model_len, head_dim // 2) float32; ``fused`` selects the Triton
+    elementwise kernels."""
 
     def __init__(
         self, config: ModelConfig, backend: AttentionBackend, fused: bool | None = None

@@ -123,9 +123,8 @@ def step_inputs(chunks, decodes, block_size) -> list[SeqInput]:
 
 @torch.inference_mode()
 def execute_launched(runner: ModelRunner, seqs: list[SeqInput]) -> float:
-    """``runner.execute(seqs)`` in its parts; returns ``time.perf_counter()`` when the step
-    was launched (forward and sampling enqueued, before the sync that reads the tokens), or
-    NaN for a runner whose steps run elsewhere (tensor parallel: ``execute`` alone)."""
+    """``runner.execute(seqs)`` in its parts; ``time.perf_counter()`` at launch, or NaN for a
+    tensor-parallel runner."""
     if not isinstance(runner, ModelRunner):
         runner.execute(seqs)
         return float("nan")
@@ -141,8 +140,7 @@ def execute_launched(runner: ModelRunner, seqs: list[SeqInput]) -> float:
 def time_step(
     runner: ModelRunner, seqs, swap_blocks: int, repeat: int
 ) -> list[tuple[float, float]]:
-    """(duration_s, host_s) of ``repeat`` runs of one step shape, after one warm-up run
-    (module doc; host_s NaN where it cannot be measured)."""
+    """(duration_s, host_s) medians of ``repeat`` runs after a warm-up (host_s may be NaN)."""
     mapping_out = [(i, i) for i in range(swap_blocks)]
     mapping_in = [(i, i) for i in range(swap_blocks)]
 
@@ -300,8 +298,7 @@ def _profile(args: argparse.Namespace) -> None:
 
 
 def engine_fingerprint(runner: ModelRunner, kn_weights: bool = False) -> dict:
-    """The engine fingerprint of ``runner`` (:mod:`lab.core.fingerprint`); ``kn_weights``:
-    the runner was built with that option (the profile's never is)."""
+    """The engine fingerprint of ``runner`` (:mod:`lab.core.fingerprint`)."""
     try:
         import triton
 

@@ -1,9 +1,5 @@
-"""Rotary position embeddings (RoPE), "rotate half" layout as in the Llama family.
-
-The table of cos/sin is computed once for ``max_model_len`` positions in float32 and gathered
-by position each step; the rotation itself runs in the activations' dtype, as transformers does,
-so bf16 runs round the same way.
-"""
+"""Rotary position embeddings (RoPE), "rotate half" layout as in the Llama family: a float32
+cos/sin table, rotation in the activations' dtype (as transformers does)."""
 
 from __future__ import annotations
 
@@ -29,12 +25,9 @@ def inverse_frequencies(
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    """Llama 3.1 context extension: slow the low frequencies by ``factor``, keep the high ones.
-
-    Wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are divided
-    by ``factor``; shorter than ``original / high_freq_factor`` are kept; in between, the two are
-    blended linearly in ``original / wavelength``.
-    """
+    """Llama 3.1 context extension: wavelengths above ``original / low_freq_factor`` are
+    divided by ``factor``, those below ``original / high_freq_factor`` kept, and blended
+    linearly in between."""
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     original_len = scaling["original_max_position_embeddings"]

@@ -1,32 +1,9 @@
 """Execute one scheduler step on a real model: the engine side of the plan/execute split.
 
-The runner makes no scheduling decision. Each step it receives, per sequence, the tokens to
-feed, where they start and the sequence's block table (:class:`SeqInput`); it writes their KV
-into the paged cache, runs the model, and samples a next token for the sequences that ask.
-Block ids come from the scheduler's BlockManager; swaps are block copies it requests.
-
-KV cache capacity (``num_gpu_blocks``), when not given:
-
-* CUDA, as vLLM does: run a warm-up forward of ``max_num_batched_tokens`` prompt tokens, take
-  its activation peak, and give the cache
-  ``total * gpu_memory_utilization - (memory in use now: weights, CUDA context, other
-  processes) - activation peak``.
-* CPU: a fixed budget of ``CPU_KV_CACHE_BYTES`` (1 GiB); tests pass ``num_gpu_blocks``.
-
-Swap space: ``swap_space_bytes`` of host memory (pinned when CUDA is available).
-
-CUDA graphs (``cuda_graphs``, default on with CUDA + a graph-safe backend, i.e. triton):
-decode-only steps replay a graph captured per batch size, other steps one captured per token
-count (``mixed_graphs``), each padded up to the next size (:mod:`backend.cuda_graphs`);
-larger steps run eagerly (:func:`backend.inputs.prepare_inputs`). Both paths stage a step's
-host arrays with :func:`backend.inputs.stage_step`.
-
-CPU threads: on a CPU device the runner sets torch's intra-op threads to ``num_threads``;
-by default to ``min(4, cores)``, unless ``OMP_NUM_THREADS`` is set (then torch's own choice
-stands). More threads than cores, or many threads on a loaded machine, slow small steps.
-
-Logs (logger ``backend.runner``): the KV capacity line and the CUDA-graph capture line at
-INFO, a capture failure at WARNING.
+The runner makes no scheduling decision: it writes the fed tokens' KV into the paged cache at
+the block ids the scheduler chose, runs the model and samples. When ``num_gpu_blocks`` is not
+given, the cache gets ``total * gpu_memory_utilization - in use - activation peak`` on CUDA
+(as vLLM does) and ``CPU_KV_CACHE_BYTES`` on the CPU.
 """
 
 from __future__ import annotations
@@ -66,13 +43,9 @@ class PendingStep:
     """A step launched on the device and not yet waited for (:meth:`ModelRunner.launch`).
 
     Attributes:
-        num_seqs: sequences of the step.
-        sampled_seqs: indices (into the step's SeqInput list) of the sampled sequences.
-        sampled: (len(sampled_seqs),) int64 on the device: their sampled ids, valid as soon
-            as the stream reaches them (a later step may read them: :class:`DeviceFeed`);
-            None when nothing is sampled.
-        host: where the ids land on the host (pinned, copied without blocking on CUDA; on
-            the CPU the ids themselves).
+        sampled_seqs: indices into the step's SeqInput list of the sampled sequences.
+        sampled: (len(sampled_seqs),) int64 sampled ids on the device, or None.
+        host: where the ids land on the host (pinned on CUDA).
         done: CUDA event recorded after that copy (None on the CPU).
     """
 
@@ -87,44 +60,26 @@ class ModelRunner:
     """A model, its paged KV cache and swap space, driven one step at a time.
 
     Args:
-        model_dir: Hugging Face layout: config.json + *.safetensors (or a sharded index);
-            ``~`` is expanded.
+        model_dir: Hugging Face layout (config.json + *.safetensors); ``~`` is expanded.
         device: "cpu" or "cuda[:N]".
         dtype: "float32", "bfloat16", "float16" (CUDA only), or "auto" (the checkpoint's).
-        attention_backend: "torch" (reference), "triton" or "flash_attn".
+        attention_backend: "torch", "triton" or "flash_attn".
         block_size: tokens per KV block.
-        num_gpu_blocks: device KV blocks; None derives it from memory (see module doc).
-        gpu_memory_utilization: fraction of device memory the runner may use in all (CUDA).
+        num_gpu_blocks: device KV blocks; None derives it from memory.
+        gpu_memory_utilization: fraction of device memory the runner may use (CUDA).
         swap_space_bytes: host memory for swapped-out blocks.
-        seed: seeds the sampling generator.
-        max_model_len: longest sequence (prompt + output); default the model's
-            max_position_embeddings. Sizes the RoPE table.
-        max_num_batched_tokens: tokens of the warm-up forward that measures the activation
-            peak (use the scheduler's token budget); the largest mixed-step graph size.
-        max_num_seqs: most sequences in a step (the scheduler's); the largest CUDA graph size.
-        cuda_graphs: replay CUDA graphs for steps up to the largest sizes. None = on when
-            the device is CUDA and the backend supports graphs (triton); True on a backend
-            that does not is a ConfigError; True on a non-CUDA device runs the same padded
-            path without capture (tests).
-        mixed_graphs: also capture the mixed-step graphs (per token count); False keeps
-            only the decode-only graphs.
-        kn_weights: keep the layers' projection weights in (K, N) memory order (CUDA only;
-            see :func:`backend.loader.load_model`).
-        cuda_graph_sizes: candidate batch sizes of decode-only graphs (default
-            DEFAULT_GRAPH_SIZES), cut at max_num_seqs.
-        cuda_graph_token_sizes: candidate token counts of mixed-step graphs (default
-            DEFAULT_TOKEN_SIZES; empty: none), cut at max_num_batched_tokens. All sizes are
-            captured at start.
-        num_threads: torch intra-op threads on a CPU device (process-wide); None = the
-            default of the module doc. Ignored on CUDA.
-        prefill_attention: the kernel of eager steps' prefill chunks from position 0:
-            "auto" (FlashAttention varlen where it wins, on CUDA), "triton", "flash_varlen"
-            (:mod:`backend.attention.flash_varlen`; triton backend only).
-        tensor_parallel: this process's rank of a tensor-parallel group (torch.distributed's
-            default group, already initialised; :mod:`backend.tp`): the runner holds the
-            rank's shard of the weights, of the KV cache and of the swap space (KV heads /
-            size), and every rank must be driven with the same calls in the same order
-            (:mod:`backend.tp_engine` does that). None: one device.
+        max_model_len: longest sequence; default max_position_embeddings.
+        max_num_batched_tokens: warm-up forward size; the largest mixed-graph size.
+        max_num_seqs: most sequences in a step; the largest decode-graph size.
+        cuda_graphs: None = on for CUDA with a graph-capable backend; True on a backend
+            without graphs raises ConfigError; True off CUDA runs the padded path uncaptured.
+        mixed_graphs: also capture mixed-step graphs.
+        kn_weights: keep projection weights in (K, N) order (CUDA only).
+        cuda_graph_sizes, cuda_graph_token_sizes: candidate graph sizes, cut at the maxima.
+        num_threads: torch intra-op threads on CPU (process-wide); see :func:`set_cpu_threads`.
+        prefill_attention: "auto", "triton" or "flash_varlen" (triton backend only).
+        tensor_parallel: this rank of an initialised torch.distributed group; every rank
+            must get the same calls in the same order. None: one device.
     """
 
     def __init__(
@@ -258,10 +213,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> list[int | None]:
-        """Run one step; returns the sampled token of each sequence (None where not sampled).
-
-        Writes the fed tokens' KV into the cache. Returns after the device finished the step.
-        """
+        """Run one step (writes its KV); the sampled token of each sequence, None where not
+        sampled. Blocks until the device finishes."""
         if not seqs:
             return []
         sampled_seqs, temperatures, logits = self._forward(seqs, self.kv_cache)
@@ -275,14 +228,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, seqs: list[SeqInput], feed: DeviceFeed | None = None) -> PendingStep:
-        """Enqueue one step on the device and return without waiting for it.
-
-        Stages the inputs on the host, writes ``feed``'s rows from an earlier step's sampled
-        ids on the device, runs the forward and the sampling, and starts a non-blocking copy
-        of the sampled ids into pinned memory followed by an event. Every enqueued piece is
-        on the current stream, so steps (and swaps issued between them) run in launch
-        order. On the CPU the step runs to the end here. :meth:`wait` returns the tokens.
-        """
+        """Enqueue one step on the current stream and return without waiting; ``feed`` rows
+        come from an earlier step's sampled ids on the device. :meth:`wait` gives the tokens."""
         if not seqs:
             return PendingStep(0, [], None, None, None)
         sampled_seqs, temperatures, logits = self._forward(seqs, self.kv_cache, feed)
@@ -323,8 +270,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_logits(self, seqs: list[SeqInput]) -> list[torch.Tensor | None]:
-        """Like :meth:`execute` but returns the logits (vocab_size,) float32 of each sampled
-        sequence instead of a token (None where not sampled). For tests and debugging."""
+        """:meth:`execute`, returning each sampled sequence's (vocab_size,) float32 logits."""
         sampled_seqs, _, logits = self._forward(seqs, self.kv_cache)
         out: list[torch.Tensor | None] = [None] * len(seqs)
         for row, i in enumerate(sampled_seqs):
@@ -334,10 +280,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits_at(self, seqs: list[SeqInput], rows: Sequence[int]) -> torch.Tensor:
-        """Run one step; return the logits (len(rows), vocab_size) float32 at the given
-        token rows (indices into the step's fed tokens, concatenated in ``seqs`` order), on
-        the device, without waiting for it. Speculative decoding (backend/spec_decode.py)
-        asks for every fed position of its verify rows. Writes the fed tokens' KV."""
+        """Run one step (writes its KV); the (len(rows), vocab_size) float32 logits at the
+        given fed-token rows, on the device, without waiting."""
         index = torch.tensor(list(rows), dtype=torch.long).to(self.device, non_blocking=True)
         if self.graphs is not None:
             out = self.graphs.run_rows(seqs, index)
@@ -365,9 +309,8 @@ class ModelRunner:
     def _forward(
         self, seqs: list[SeqInput], kv_cache: KVCache, feed: DeviceFeed | None = None
     ) -> tuple[list[int], list[float], torch.Tensor]:
-        """Prepare inputs, run the model: (indices of the sampled seqs, their temperatures,
-        their logits (num_sampled, vocab_size) float32). Steps replay a CUDA graph when one
-        fits them. ``feed``: token rows taken from the device (see :class:`DeviceFeed`)."""
+        """(indices of the sampled seqs, their temperatures, their (num_sampled, vocab_size)
+        float32 logits); replays a CUDA graph when one fits."""
         if self.graphs is not None and kv_cache is self.kv_cache:
             out = self.graphs.run(seqs, feed)
             if out is not None:
@@ -397,11 +340,8 @@ class ModelRunner:
         return budget, what
 
     def _profile_activation_bytes(self, num_tokens: int) -> int:
-        """Peak bytes a forward of ``num_tokens`` prompt tokens allocates beyond what is resident.
-
-        The warm-up also compiles the attention kernels. Its scratch KV cache is allocated before
-        the measurement starts, so it is not counted.
-        """
+        """Peak bytes a forward of ``num_tokens`` prompt tokens allocates beyond what is
+        resident (also compiles the attention kernels)."""
         lengths = [
             min(self.max_model_len, num_tokens - start)
             for start in range(0, num_tokens, self.max_model_len)
@@ -445,8 +385,8 @@ def _check_max_model_len(config: ModelConfig, max_model_len: int, model_dir: str
 
 
 def set_cpu_threads(num_threads: int | None) -> None:
-    """Set torch's intra-op threads for CPU steps: ``num_threads``, or with None
-    ``min(CPU_THREADS, cores)`` unless ``OMP_NUM_THREADS`` is set (process-wide)."""
+    """Set torch's intra-op threads (process-wide): ``num_threads``, or with None
+    ``min(CPU_THREADS, cores)`` unless ``OMP_NUM_THREADS`` is set."""
     if num_threads is None:
         if "OMP_NUM_THREADS" in os.environ:
             return

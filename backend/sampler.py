@@ -12,9 +12,9 @@ def sample(
 
     Args:
         logits: (n, vocab_size) float32.
-        temperatures: n values; 0 means greedy (argmax, the first index on ties, as
-            transformers' greedy search), > 0 samples from softmax(logits / temperature).
-        generator: seeded generator on the logits' device, so runs are reproducible.
+        temperatures: n values; 0 = greedy (first index on ties), > 0 samples from
+            softmax(logits / temperature).
+        generator: seeded, on the logits' device.
     Returns:
         (n,) int64 token ids on the logits' device.
     """

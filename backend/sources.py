@@ -10,8 +10,8 @@ BACKEND_DIR = Path(__file__).resolve().parent
 
 
 def backend_sources_hash(backend_dir: Path = BACKEND_DIR) -> str | None:
-    """sha256 (hex) of ``backend_dir/**/*.py`` (relative path and bytes of each file, in
-    path order), or None when the folder is absent."""
+    """sha256 (hex) of ``backend_dir/**/*.py`` (relative paths and bytes, in path order), or
+    None when the folder is absent."""
     if not backend_dir.is_dir():
         return None
     digest = hashlib.sha256()
@@ -24,7 +24,7 @@ def backend_sources_hash(backend_dir: Path = BACKEND_DIR) -> str | None:
 
 
 def checkout_engine() -> dict[str, str]:
-    """What is known of this checkout's engine without running it: its sources' hash (the
-    ``engine`` argument of :func:`lab.sim.calibrated.staleness`)."""
+    """This checkout's engine sources hash (the ``engine`` argument of
+    :func:`lab.sim.calibrated.staleness`)."""
     digest = backend_sources_hash()
     return {"backend_sources": digest} if digest is not None else {}

@@ -1,43 +1,11 @@
 """Speculative decoding on the engine: proposers, the verify step, and the drafts' KV.
 
-The scheduler (lab/core/scheduler.py, vLLM V1's rule) schedules a decoding request with
-``d'`` drafts (``plan.spec_decodes[r]``, its first ``d'`` of ``r.spec_token_ids``) as one
-row of ``1 + d'`` query tokens: ``[latest token, d_1 .. d_d']`` at positions
-``pos .. pos + d'``, with KV slots reserved for all of them. :class:`SpecDecoder` runs such
-a step:
-
-1. The target runs the step; each verify row returns the logits of all its fed positions
-   (:meth:`backend.runner.ModelRunner.logits_at`). Kernels: a verify row is a short prefill
-   chunk over its cached prefix, i.e. the chunked-prefill paged path of every attention
-   backend (the triton prefill kernel: one 64-row tile per row, causal within the row);
-   its steps replay the mixed CUDA graphs by token count (decode-only graphs take steps
-   without drafts). Larger steps run eagerly, as any step does.
-2. Verification (backend/verify.py): greedy exact, or rejection sampling at temperature > 0.
-   ``StepResult.num_accepted[r]`` = accepted drafts, ``sampled_token_ids[r]`` = the token
-   after them (the correction at the first mismatch, or the bonus).
-3. Proposals for the next step, made after sampling, inside the step's timing:
-   ``StepResult.draft_token_ids[r]`` for every request that sampled (empty when it
-   finishes or no draft is found), at most ``min(k, output_len - outputs - 1,
-   max_model_len - tokens)``.
-
-Proposers (``method``):
-
-* ``ngram`` (:func:`ngram_propose`): prompt lookup as vLLM's n-gram proposer: for n from
-  ``prompt_lookup_max`` down to ``prompt_lookup_min``, find the latest earlier occurrence
-  of the last n tokens in prompt + output and propose up to k tokens that followed it
-  (fewer near the end, none without a match). At temperature > 0 a draft is a point-mass
-  proposal.
-* ``draft`` (:class:`DraftProposer`): a smaller model of the same vocabulary in a second
-  :class:`backend.runner.ModelRunner` with its own paged KV cache (sizing and preemption
-  in its doc); its k forwards per step are part of the step's duration.
-* ``synthetic`` (:class:`SyntheticProposer`): a timing device for random-weight models,
-  never a quality claim. It proposes k random ids; verification ignores them and accepts
-  a prefix drawn from the per-position ``acceptance_rates`` (seeded), then forces the
-  accepted tokens to agree with the target's output: it writes the target's tokens at
-  those rows into ``r.spec_token_ids[:accepted]`` (the executor's one write to a request;
-  the scheduler's update then appends them). The KV of those positions was computed from
-  the random drafts, so later tokens are not those of a run without speculation; the work
-  (query tokens, KV, attention) is.
+A decoding request with ``d'`` drafts is one row of ``1 + d'`` query tokens (vLLM V1's
+rule, lab/core/scheduler.py); verification is backend/verify.py. Proposers (``method``):
+``ngram`` (vLLM's prompt lookup), ``draft`` (a smaller model of the same vocabulary) and
+``synthetic`` (random drafts with seeded acceptance: a timing device for random-weight
+models, never a quality claim; it writes the target's tokens into
+``r.spec_token_ids[:accepted]``).
 """
 
 from __future__ import annotations
@@ -67,11 +35,7 @@ _DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
 
 def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
     """Prompt lookup: up to ``k`` tokens that followed the latest earlier occurrence of the
-    longest suffix of ``tokens`` (n from ``n_max`` down to ``n_min``) that occurs before.
-
-    Example: tokens [1 2 3 9 1 2 3 7 1 2 3], n 3 -> the latest earlier [1 2 3] is at 4,
-    followed by [7 1 2 ...] -> k = 2 gives [7, 1].
-    """
+    longest suffix of ``tokens`` (n from ``n_max`` down to ``n_min``)."""
     size = len(tokens)
     if size < 2:
         return []
@@ -88,8 +52,7 @@ def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[in
 
 
 class TokenHistory:
-    """Each request's known tokens (prompt + output) as a growing int64 array, so that the
-    proposers read them without rebuilding lists every step."""
+    """Each request's tokens (prompt + output) as a growing int64 array."""
 
     def __init__(self) -> None:
         self.buf: dict[Request, np.ndarray] = {}
@@ -120,9 +83,8 @@ class TokenHistory:
 
 @dataclass
 class Advance:
-    """One request's tokens known after a step: ``tokens`` (all of them; a prefill chunk
-    that does not finish its prompt knows ``num_known`` < len(tokens) of them), and how
-    many drafts to propose (0 for such a chunk)."""
+    """One request's tokens after a step: ``num_known`` of ``tokens`` are known, and how
+    many drafts to propose (0 for an unfinished prefill chunk)."""
 
     request: Request
     tokens: np.ndarray
@@ -152,10 +114,8 @@ class NgramProposer:
 
 
 class SyntheticProposer:
-    """Random drafts and a seeded acceptance draw (see the module doc: a timing device).
-
-    ``acceptance_rates[i]``: probability that draft i + 1 is accepted given drafts 1..i
-    were (the last rate repeats for longer rows)."""
+    """Random drafts and a seeded acceptance draw. ``acceptance_rates[i]``: probability that
+    draft i + 1 is accepted given drafts 1..i were (the last rate repeats)."""
 
     method = "synthetic"
 
@@ -195,26 +155,11 @@ class _DraftSeq:
 class DraftProposer:
     """A smaller model of the target's vocabulary proposes k tokens per request per step.
 
-    KV: the draft runner has its own paged cache and its own block tables, kept here (a
-    free list; the scheduler's BlockManager knows nothing of them). Sizing:
-    ``target blocks + max_num_seqs * (ceil(k / block_size) + 1)`` blocks of the draft's
-    shape, i.e. every token the target's cache can hold plus each running sequence's
-    lookahead (the drafts' own KV beyond the target's reserved slots). On CUDA that memory
-    comes on top of the target's budget (lower ``gpu_memory_utilization`` to leave room).
-    The draft has no prefix cache: a request whose prompt the target found cached is
-    prefilled whole by the draft.
-
-    The draft is fed the target's tokens: each step it first catches up on every request
-    of the step (the tokens known since its last forward: prompt chunks as the target
-    runs them, then the accepted drafts and the sampled token) in one forward that also
-    samples draft 1, then k - 1 one-token forwards. Its KV of a rejected draft is dropped
-    by rolling ``computed`` back to the known tokens.
-
-    Preemption: a recompute victim's draft KV is dropped (blocks freed) and recomputed
-    when the target re-prefills it; a swap victim's draft KV stays resident in the draft's
-    cache. When the draft's cache is full, requests not in the step lose their draft KV
-    first (recomputed when they return); a request that still does not fit gets no drafts
-    that step. Finished requests free theirs at the next step.
+    Its runner has its own paged cache of ``target blocks + max_num_seqs * (ceil(k /
+    block_size) + 1)`` blocks and block tables kept here (unknown to the scheduler), on top
+    of the target's memory budget; no prefix cache. A recompute victim's draft KV is
+    dropped; a swap victim's stays. When full, requests outside the step lose their draft KV
+    first; a request that still does not fit gets no drafts that step.
     """
 
     method = "draft"
@@ -311,8 +256,7 @@ class DraftProposer:
 
 
 class SpecDecoder:
-    """Runs plans with speculative decoding on a target :class:`ModelRunner` (see the
-    module doc). ``EngineExecutor`` hands it every plan when speculation is configured."""
+    """Runs plans with speculative decoding on a target :class:`ModelRunner`."""
 
     def __init__(self, runner, proposer, k: int, temperature: float) -> None:
         self.runner, self.proposer, self.k, self.temperature = runner, proposer, k, temperature
@@ -419,10 +363,8 @@ class SpecDecoder:
 
 
 class SpecExecutor(EngineExecutor):
-    """An :class:`EngineExecutor` whose every plan runs through a :class:`SpecDecoder`
-    (verify rows, proposals in ``StepResult.draft_token_ids``). Synchronous scheduling
-    only: under asynchronous scheduling a plan would feed tokens its request does not hold
-    yet, which the decoder does not read from the device (``launch`` refuses)."""
+    """An :class:`EngineExecutor` whose every plan runs through a :class:`SpecDecoder`.
+    Synchronous scheduling only (``launch`` refuses)."""
 
     def __init__(self, spec: SpecDecoder) -> None:
         super().__init__(spec.runner, spec.temperature)
@@ -455,10 +397,9 @@ def make_spec_decoder(
     max_num_seqs: int = 256,
     draft_runner_kwargs: dict | None = None,
 ) -> SpecDecoder:
-    """A :class:`SpecDecoder` for ``runner`` (the target). ``draft`` loads ``model`` into a
-    second ModelRunner on the target's device, dtype, attention backend and block size
-    (``draft_runner_kwargs`` override its arguments); a draft of another vocabulary is a
-    one-line ConfigError naming both."""
+    """A :class:`SpecDecoder` for the target ``runner``; ``draft`` loads ``model`` into a
+    second ModelRunner on the target's device, dtype, backend and block size
+    (``draft_runner_kwargs`` override). Another vocabulary raises ConfigError."""
     k = num_speculative_tokens
     if method not in METHODS:
         raise ConfigError(
@@ -480,8 +421,7 @@ def make_spec_decoder(
 
 def load_draft(target, model: str | Path | None, k: int, max_num_seqs: int,
                overrides: dict | None = None):  # fmt: skip
-    """The draft's ModelRunner (sized as :class:`DraftProposer` says), after checking that
-    its vocabulary is the target's."""
+    """The draft's ModelRunner, after checking that its vocabulary is the target's."""
     from backend.runner import ModelRunner
 
     if model is None:
@@ -520,10 +460,8 @@ def load_draft(target, model: str | Path | None, k: int, max_num_seqs: int,
 
 def spec_decoder_from(config, runner, temperature: float, seed: int, max_num_seqs: int,
                       drafts: dict | None = None) -> SpecDecoder | None:  # fmt: skip
-    """A :class:`SpecDecoder` from a ``speculative:`` config block (an object with
-    the keys of lab/core/spec.py's ``SpeculativeConfig``), or None when it is
-    None. ``drafts`` caches draft runners by checkpoint across runs (a run resets nothing
-    but the draft's KV bookkeeping, which a new proposer starts empty)."""
+    """A :class:`SpecDecoder` from a ``speculative:`` config block, or None. ``drafts``
+    caches draft runners by checkpoint across runs."""
     if config is None:
         return None
     method, k = config.method, config.num_speculative_tokens

@@ -1,28 +1,10 @@
-"""Tensor parallelism (Megatron-LM style) for the decoder of :mod:`backend.model`.
+"""Tensor parallelism for the decoder of :mod:`backend.model` (Shoeybi et al. 2019,
+"Megatron-LM", §3): column-parallel q/k/v and gate/up, row-parallel o_proj and down (one
+all-reduce each), a vocab-parallel embedding (vocab padded to a multiple of N) and an
+all-gathered LM head.
 
-Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using
-Model Parallelism", §3: a transformer layer is split over N ranks with two all-reduces per
-layer in the forward pass:
-
-* attention: q/k/v are column-parallel (rank r holds query heads [r H/N, (r+1) H/N) and their
-  KV heads), o_proj is row-parallel (the rank's head columns); one all-reduce of o_proj's
-  output (num_tokens, hidden_size);
-* MLP: gate/up are column-parallel (intermediate columns [r I/N, (r+1) I/N)), down is
-  row-parallel; one all-reduce of its output;
-* embedding: vocab-parallel (rank r holds rows [r V'/N, (r+1) V'/N) of the vocab padded up to
-  V' = a multiple of N; an id outside the shard embeds to 0); one all-reduce of the embedding;
-* LM head (or the tied embedding): each rank computes its vocab shard's logits and an
-  **all-gather** assembles them (then cut back to V columns), so every rank holds the
-  same logits.
-
-KV heads: when N <= num_kv_heads, N must divide num_kv_heads and each rank holds
-num_kv_heads / N of them; when N > num_kv_heads, N must be a multiple of num_kv_heads and
-each KV head is **replicated** on N / num_kv_heads ranks (rank r holds KV head
-r * num_kv_heads // N). N must always divide num_heads and intermediate_size. Biases of
-row-parallel layers are added once, after the all-reduce; norms are replicated.
-
-Everything here is used only when ``tensor_parallel_size > 1``: the single-device model is
-built and run exactly as before (no extra module, no extra call on its hot path).
+N must divide num_heads and intermediate_size, and either divide num_kv_heads or be a
+multiple of it (each KV head then replicated on N / num_kv_heads ranks).
 """
 
 from __future__ import annotations
@@ -54,7 +36,7 @@ class TPShard:
 def check_tp_size(
     config: ModelConfig, size: int, where: str = "engine.tensor_parallel_size"
 ) -> None:
-    """ConfigError (one line) unless ``size`` splits the model by the rules of the module doc."""
+    """ConfigError (one line) unless ``size`` splits the model (module doc rules)."""
     if size < 1:
         raise ConfigError(f"{where}: expected an integer >= 1, got {size}")
     heads, kv, inter = config.num_heads, config.num_kv_heads, config.intermediate_size
@@ -72,8 +54,7 @@ def check_tp_size(
 
 
 def shard_config(config: ModelConfig, size: int) -> ModelConfig:
-    """The per-rank shapes: heads, KV heads (at least 1: replicated) and MLP width / size.
-    ``vocab_size`` stays the full vocabulary (token ids are validated against it)."""
+    """The per-rank shapes (KV heads at least 1); ``vocab_size`` stays the full vocabulary."""
     return replace(
         config,
         num_heads=config.num_heads // size,
@@ -83,7 +64,7 @@ def shard_config(config: ModelConfig, size: int) -> ModelConfig:
 
 
 def kv_head_start(config: ModelConfig, shard: TPShard) -> int:
-    """First KV head rank ``shard.rank`` holds (module doc: split, or replicated)."""
+    """First KV head rank ``shard.rank`` holds."""
     return shard.rank * config.num_kv_heads // shard.size
 
 
@@ -103,8 +84,7 @@ class RowParallelLinear(nn.Linear):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [start, start + rows) of the (padded) embedding; ids outside embed to 0, and the
-    all-reduce sums the one rank's row into every rank."""
+    """Rows [start, start + rows) of the padded embedding; ids outside embed to 0."""
 
     def __init__(self, rows: int, hidden_size: int, start: int) -> None:
         super().__init__()
@@ -121,9 +101,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class TPTransformer(Transformer):
-    """:class:`backend.model.Transformer` with its projections sharded for one rank.
-
-    ``config`` is the rank's :func:`shard_config` (full vocabulary); ``shard`` the rank."""
+    """:class:`backend.model.Transformer` sharded for one rank; ``config`` is the rank's
+    :func:`shard_config`."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: TPShard) -> None:
         super().__init__(config, backend)
@@ -184,8 +163,8 @@ def load_tp_model(
     max_model_len: int,
     kn_weights: bool = False,
 ) -> TPTransformer:
-    """Like :func:`backend.loader.load_model` for rank ``shard.rank`` of ``config`` (the full
-    model's config): each full tensor is read and checked, then only its slice is kept."""
+    """:func:`backend.loader.load_model` for rank ``shard.rank`` of the full ``config``:
+    each full tensor is read and checked, then only its slice kept."""
     model_dir = Path(model_dir)
     index = checkpoint_index(model_dir)
     with torch.device("meta"):
@@ -205,8 +184,7 @@ def load_tp_model(
 
 
 def agree_min(value: int, device: torch.device) -> int:
-    """The smallest ``value`` over the group's ranks (e.g. KV blocks: every rank must hold the
-    same block ids)."""
+    """The smallest ``value`` over the group's ranks."""
     t = torch.tensor([value], dtype=torch.long, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())

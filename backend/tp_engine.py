@@ -1,26 +1,10 @@
 """A tensor-parallel engine: one process per rank, rank 0 in the experiment's own process.
 
-Rank 0 runs the scheduler and the replay loop (nothing changes there) and drives its own
-:class:`backend.runner.ModelRunner` shard through :class:`TensorParallelRunner`, which has the
-runner's interface. Before each step it broadcasts the step's self-contained plan to the
-other ranks (``broadcast_object_list`` over a gloo group): the swap-out and swap-in block
-maps and the :class:`backend.inputs.SeqInput` list (token ids, start positions, block tables,
-sample flags). Every rank then swaps its shard of the KV cache and runs the same forward; the
-model's collectives (:mod:`backend.tp`) keep them in step, and the all-gathered logits are the
-same on every rank, so only rank 0 samples.
-
-Processes: the workers (ranks 1..N-1) are spawned (``torch.multiprocessing``, start method
-"spawn") when the runner is built, join the group over TCP on 127.0.0.1, and load their
-shard. Collectives run on NCCL with CUDA (rank r on ``cuda:r``), on gloo on the CPU. Shutdown:
-:meth:`TensorParallelRunner.close` (also at interpreter exit, and when the process builds its
-next group: one group per process at a time) broadcasts a stop and joins them; they are
-daemon processes, so they never outlive the experiment.
-
-Failures: a worker that raises reports one line (its rank and the error) on a queue and exits;
-rank 0's pending collective then fails (gloo: the peer's socket closes; NCCL: the group's
-``timeout``), and the step raises :class:`TensorParallelError` with the worker's line, which
-stops the run with its partial results like any failed step. After a failure the group is
-gone: every later step raises the same error at once.
+Rank 0 runs the scheduler and drives its own shard through :class:`TensorParallelRunner`
+(the :class:`backend.runner.ModelRunner` interface), broadcasting each step's swap maps and
+SeqInputs to spawned worker ranks over gloo; collectives run on NCCL with CUDA (rank r on
+``cuda:r``), gloo on the CPU; only rank 0 samples. A failed worker makes the step raise
+:class:`TensorParallelError` naming it, and every later step too.
 
 Test hook: ``SCHED_LAB_TP_FAULT="RANK:STEP"`` makes that worker raise at its STEP-th step.
 """
@@ -76,8 +60,7 @@ def _free_port() -> int:
 
 
 def _init_group(rank: int, size: int, port: int, cuda: bool) -> Any:
-    """Join the default group (NCCL on CUDA, gloo otherwise); returns the gloo group plans
-    travel on."""
+    """Join the default group (NCCL on CUDA, gloo otherwise); returns the gloo plan group."""
     if cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
@@ -120,13 +103,8 @@ def _worker(rank: int, size: int, port: int, model_dir: str, kwargs: dict, error
 
 
 class TensorParallelRunner:
-    """``size`` ranks of one model, driven like a :class:`ModelRunner` from rank 0.
-
-    Args:
-        model_dir: the full checkpoint (every rank reads its slices).
-        size: ranks (>= 2), one process each; on CUDA rank r uses ``cuda:r``.
-        **kwargs: the :class:`ModelRunner` arguments, the same for every rank.
-    """
+    """``size`` ranks (>= 2, one process each) of the full checkpoint ``model_dir``, driven
+    like a :class:`ModelRunner` from rank 0; ``kwargs`` go to every rank's ModelRunner."""
 
     def __init__(self, model_dir: str | Path, size: int, **kwargs: Any) -> None:
         device = str(kwargs.get("device", "cpu"))
@@ -188,7 +166,7 @@ class TensorParallelRunner:
         self._swap_in += mapping
 
     def execute(self, seqs: list[SeqInput]) -> list[int | None]:
-        """Broadcast the step, run rank 0's shard; the sampled tokens (:meth:`ModelRunner.execute`)."""
+        """Broadcast the step and run rank 0's shard; the sampled tokens."""
         return self._step(seqs, self.runner.execute)
 
     def execute_logits(self, seqs: list[SeqInput]) -> list[torch.Tensor | None]:

@@ -1,18 +1,8 @@
-"""Fused Triton kernels for the non-attention work of a decoder layer.
+"""Fused Triton kernels for the non-attention work of a decoder layer (10 kernels a layer).
 
-Why: with CUDA graphs a small model's decode step is bound by the number of kernels, not by
-launch overhead (each graph node still costs ~1-2 us on the GPU). The unfused torch layer of
-a Qwen3 runs ~60 elementwise kernels per layer (four RMSNorms of ~7 kernels each, two RoPEs
-of ~10, SiLU, the multiply, residual adds, the K/V store); fused, a layer is 10 kernels:
-
-    rms_norm(+residual) -> qkv GEMM -> qkv_prepare -> attention -> o GEMM
-    -> rms_norm(+residual) -> gate_up GEMM -> silu_and_mul -> down GEMM
-
-The kernels round where transformers' eager bf16 code rounds (after the residual add, after
-the normalisation, after each RoPE product, after SiLU), so their results match the torch
-path of :mod:`backend.model` up to float32 summation order.
-
-Under ``TRITON_INTERPRET=1`` they run on CPU tensors (the tests do).
+The kernels round where transformers' eager bf16 code rounds, so they match
+:mod:`backend.model`'s torch path up to float32 summation order. Under
+``TRITON_INTERPRET=1`` they run on CPU tensors.
 """
 
 from __future__ import annotations
@@ -48,9 +38,8 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm of x (num_tokens, hidden), optionally after adding ``residual``.
 
-    Returns (weight * norm(s), s) where s = x + residual (rounded to x's dtype), or
-    (weight * norm(x), None) without a residual. Normalisation in float32 (Zhang & Sennrich
-    2019, "Root Mean Square Layer Normalization", eq. 4), as transformers' Llama/Qwen.
+    Returns (weight * norm(s), s) with s = x + residual in x's dtype, or (weight * norm(x),
+    None). Float32 normalisation (Zhang & Sennrich 2019, eq. 4), as transformers' Llama/Qwen.
     """
     num_tokens, hidden = x.shape
     out = torch.empty_like(x)
@@ -97,10 +86,8 @@ def _qkv_prepare_kernel(
     HEADS_P: tl.constexpr, KV_HEADS_P: tl.constexpr, HALF_P: tl.constexpr,
     QK_NORM: tl.constexpr, K_IN_PLACE: tl.constexpr,
 ):  # fmt: skip
-    """One program per token: [q/k RMSNorm], RoPE on q and k, q -> QOut, k/v -> cache slot;
-    with K_IN_PLACE the prepared k also over the raw k in the QKV row.
-
-    A negative slot (a CUDA-graph padding row) stores no k/v (and keeps its raw k)."""
+    """One program per token: [q/k RMSNorm], RoPE, q -> QOut, k/v -> cache slot (none for a
+    negative slot); with K_IN_PLACE the prepared k also over the raw k."""
     t = tl.program_id(0).to(tl.int64)
     DTYPE: tl.constexpr = QKV.dtype.element_ty
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -168,11 +155,9 @@ def qkv_prepare(
         qkv: (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim), rows contiguous.
         cos, sin: (num_tokens, head_dim // 2) float32, gathered by position.
         k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim), contiguous;
-            each token's rotated k and its v are written at ``slot_mapping`` (skipped if < 0).
+            written at ``slot_mapping`` (skipped if < 0).
         q_norm_weight, k_norm_weight: (head_dim,) per-head RMSNorm weights (Qwen3), or None.
-        k_in_place: also write each token's normalised, rotated k over its raw k in
-            ``qkv`` (mutates ``qkv``), for attention over the step's own k/v
-            (:mod:`backend.attention.flash_varlen`).
+        k_in_place: also write the prepared k over the raw k in ``qkv`` (mutates it).
     Returns:
         q: (num_tokens, num_heads, head_dim), contiguous, normalised and rotated.
     """

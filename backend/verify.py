@@ -1,23 +1,10 @@
-"""Verification of speculative drafts: pure torch, batched over the sequences of a step.
+"""Verification of speculative drafts, batched over a step's sequences.
 
-A verify row feeds ``[latest token, d_1 .. d_n]`` (n <= K drafts) and gets the target's
-logits at each of its ``1 + n`` positions: row j predicts the token after draft j (row 0
-the token after the latest one). Tensors are padded to K drafts per sequence;
-``num_draft[i]`` says how many of sequence i's are real.
-
-* Greedy (:func:`verify_greedy`): accept while the target's argmax equals the draft; the
-  next token is the target's argmax at the first mismatch, or the bonus token after the
-  last draft when all are accepted. The output equals greedy decoding without drafts.
-* Sampling (:func:`rejection_sample`): the rule of Leviathan et al. 2023 ("Fast Inference
-  from Transformers via Speculative Decoding") and Chen et al. 2023: accept draft j with
-  probability ``min(1, p_j(d_j) / q_j(d_j))``; at the first rejection sample from
-  ``normalize(max(0, p_j - q_j))``; after all are accepted sample the bonus from
-  ``p_n``. Each output token is then distributed as the target's ``p``. Without draft
-  probabilities (n-gram drafts) the proposal is a point mass: ``q_j = 1`` at ``d_j``, so
-  a draft is accepted with probability ``p_j(d_j)`` and the residual is ``p_j`` with
-  ``d_j`` removed.
-
-Both return ``(num_accepted (S,), next_token (S,))`` int64 on the inputs' device.
+Row j of a verify row's logits predicts the token after draft j; tensors are padded to K
+drafts, ``num_draft[i]`` real. Greedy accepts while the argmax matches (output equals greedy
+decoding); sampling uses Leviathan et al. 2023 / Chen et al. 2023 rejection sampling, with a
+point-mass proposal when there are no draft probabilities. Both return ``(num_accepted
+(S,), next_token (S,))`` int64.
 """
 
 from __future__ import annotations
@@ -31,7 +18,7 @@ def verify_greedy(
     """Greedy verification.
 
     Args:
-        target_ids: (S, K + 1) int64, the target's argmax at each row of a verify row.
+        target_ids: (S, K + 1) int64 target argmax per row.
         draft_ids: (S, K) int64 drafts (entries at j >= num_draft[i] are ignored).
         num_draft: (S,) int64 real drafts per sequence.
     """
@@ -49,14 +36,12 @@ def rejection_sample(
     draft_probs: torch.Tensor | None,
     generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative sampling (the module doc's rule).
+    """Speculative sampling.
 
     Args:
-        target_probs: (S, K + 1, V) float32, the target's softmax(logits / temperature).
-        draft_ids: (S, K) int64 drafts.
-        num_draft: (S,) int64 real drafts per sequence.
-        draft_probs: (S, K, V) float32, the draft model's distributions the drafts were
-            sampled from; None for point-mass proposals (n-gram).
+        target_probs: (S, K + 1, V) float32 target softmax(logits / temperature).
+        draft_ids: (S, K) int64 drafts; num_draft: (S,) int64.
+        draft_probs: (S, K, V) float32 proposal distributions; None for point masses.
         generator: seeded, on the tensors' device.
     """
     s, k = draft_ids.shape

@@ -286,8 +286,8 @@ def prefix_bound(argv: list[str] | None = None, prog: str = "sched-lab prefix-bo
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM, raised where the program was, so that cleanup code runs. Its only
-    argument is the signal number (SimPy re-creates an exception from its arguments)."""
+    """SIGINT or SIGTERM raised where the program was, so cleanup runs. Its only argument is
+    the signal number (SimPy re-creates an exception from its arguments)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -298,9 +298,9 @@ class Interrupted(KeyboardInterrupt):
 
 
 class _Signals:
-    """While active, SIGINT and SIGTERM raise :class:`Interrupted`; while ``deferring`` (the
-    results are being written), the first one is only recorded in ``pending`` and a second
-    one raises. A signal the caller ignores (as for a background job) stays ignored."""
+    """While active, SIGINT/SIGTERM raise :class:`Interrupted`; while ``deferring``, the
+    first is only recorded in ``pending`` and a second raises. An ignored signal stays
+    ignored."""
 
     def __init__(self) -> None:
         self.deferring = False

@@ -53,20 +53,17 @@ def load_trace(spec: Mapping[str, Any], base_dir: Path) -> list[Request]:
 
     Args:
         spec: the ``trace:`` block of an experiment (a mapping, as parsed from YAML).
-        base_dir: a relative ``path`` is resolved against it (an experiment's config has
-            made its paths absolute already: :mod:`lab.config.paths`).
+        base_dir: a relative ``path`` is resolved against it.
 
     Returns:
-        New Requests in source order, ``arrival_s`` non-decreasing from 0.0, ``request_id``
-        the 0-based source row (data row of a CSV, record of a JSONL file, or generation
-        index), so ids stay the same under any window or limit; rows the format does not
-        replay (see :mod:`traces.loaders`) come as Requests with status ``dropped``, their
-        reason and a NaN ``arrival_s``. The same spec and seed always give identical
-        requests.
+        New Requests, ``arrival_s`` non-decreasing from 0.0, ``request_id`` the 0-based
+        source row (stable under any window or limit); rows the format does not replay come
+        with status ``dropped``, their reason and a NaN ``arrival_s``. Deterministic in the
+        spec and seed.
 
     Raises:
-        TraceError: unknown format or key, a value of the wrong type or range, a missing,
-            empty or malformed file, or a window/filter that keeps no request.
+        TraceError: unknown format or key, a bad value, a missing, empty or malformed file,
+            or a window/filter that keeps no request.
     """
     rate_scale = get_float(
         check_mapping(spec, WHERE), "rate_scale", WHERE, default=1.0, strict=True
@@ -76,13 +73,12 @@ def load_trace(spec: Mapping[str, Any], base_dir: Path) -> list[Request]:
 
 
 def load_table(spec: Mapping[str, Any], base_dir: Path) -> tuple[TraceTable, int]:
-    """Read the trace once, with the window and limit applied and no ``rate_scale`` (the
-    spec's ``rate_scale`` is not read here: apply each load with :func:`scale_table`).
+    """Read the trace once, with window and limit applied and no ``rate_scale`` (use
+    :func:`scale_table` per load).
 
     Returns:
-        (the table, arrivals re-based to start at 0; the number of entries the format
-        produced before the window and limit: the data rows of the file for azure2023,
-        burstgpt, mooncake and prompts).
+        (the table with arrivals re-based to 0, the number of entries the format produced
+        before window and limit).
 
     Raises:
         TraceError: as :func:`load_trace`.
@@ -132,11 +128,8 @@ def _prefix(spec: Mapping[str, Any], name: str):
 
 
 def scale_table(table: TraceTable, rate_scale: float) -> TraceTable:
-    """``table`` at ``rate_scale`` times its request rate (:func:`traces.table.apply_rate_scale`).
-
-    Raises:
-        TraceError: an arrival time overflows (``rate_scale`` too small).
-    """
+    """``table`` at ``rate_scale`` times its request rate; TraceError if an arrival time
+    overflows."""
     table = apply_rate_scale(table, rate_scale)
     _check_finite(table, f"rate_scale {rate_scale:g} is too small")
     return table

@@ -1,17 +1,8 @@
-"""Synthetic arrival times: a gamma renewal process, as vLLM's serving benchmark defines it.
-
-vLLM ``benchmarks/benchmark_serving.py`` (``get_request``) sends a request, then waits an
-interval drawn from Gamma(shape=burstiness, scale=1 / (rate * burstiness)) before the next:
-
-- the mean interval is shape * scale = 1 / rate seconds, whatever the burstiness;
-- the coefficient of variation of the intervals is 1 / sqrt(burstiness), so burstiness 1 is
-  a Poisson process (exponential intervals), < 1 burstier, > 1 more regular;
-- rate = inf sends every request at once (all arrive at 0).
-
-The first request therefore arrives at 0. Newer vLLM (``vllm bench serve``) also rescales
-the cumulative times so the last one lands on n / rate; this lab does not, so the intervals
-keep exactly the gamma distribution above.
-"""
+"""Synthetic arrival times: the gamma renewal process of vLLM's
+``benchmarks/benchmark_serving.py`` (``get_request``): intervals ~ Gamma(shape=burstiness,
+scale=1 / (rate * burstiness)), mean 1 / rate, CV 1 / sqrt(burstiness) (1 = Poisson); the
+first request at 0; rate = inf sends all at 0. Unlike ``vllm bench serve``, times are not
+rescaled to end at n / rate."""
 
 from __future__ import annotations
 
@@ -46,13 +37,8 @@ class ArrivalProcess:
 
 
 def parse_arrival(spec: Any, where: str) -> ArrivalProcess:
-    """Read ``{process: poisson|gamma, rate: req/s, burstiness: 1.0}``.
-
-    ``burstiness`` defaults to 1; with ``process: poisson`` it must be 1 (or absent).
-
-    Raises:
-        TraceError: unknown key, missing rate, or a value out of range.
-    """
+    """Read ``{process: poisson|gamma, rate: req/s, burstiness: 1.0}`` (poisson needs
+    burstiness 1); TraceError on an unknown key, a missing rate or a value out of range."""
     spec = check_mapping(spec, where)
     check_keys(spec, ("process", "rate", "burstiness"), where)
     process = get_choice(spec, "process", where, PROCESSES, default="poisson")

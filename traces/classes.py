@@ -1,31 +1,10 @@
 """Workload classes: ``trace:`` as a list of named classes, merged into one trace.
 
-Example (YAML)::
-
-    trace:
-      - name: chat                 # names the class in results (requests.csv ``class``)
-        priority: 0                # Request.priority: lower runs first (policies/priority.py)
-        tenant: chat-users         # Request.tenant (policies/vtc.py, fairness metrics)
-        slo: {ttft_s: 1.0}         # the class's SLOs, over the top-level ``slo:`` key by key
-        format: azure2023          # then any trace spec, as for a single trace
-        path: traces/data/azure2023_conv.csv
-        end_s: 300
-      - name: batch
-        priority: 1
-        format: lengths
-        path: traces/data/vidur_arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv
-        arrival: {process: poisson, rate: 0.5}
-        num_requests: 150
-        rate_scale: 1.0            # each class its own load (a number, not a list)
-
-Each class is loaded as a trace of its own (its window, limit and rate_scale; arrivals from
-0; ``seed`` defaults to the experiment's seed plus the class index, so two generated classes
-do not draw the same arrivals), then the classes are merged by arrival time. Ties go to the
-class listed first, then to the class's own row order, so the merge is deterministic.
-Request ids become ``{class}:{row}``; each request carries its class's name, priority,
-tenant and TTFT SLO (``Request.ttft_slo_s``: the class's ``slo.ttft_s``, else the top-level
-one). Rows a class does not replay (status dropped) stay right after the row before them in
-their class.
+Each class is a trace spec plus ``name``, ``priority``, ``tenant`` and ``slo``, loaded on its
+own (``seed`` defaults to the experiment's plus the class index), then merged by arrival
+time; ties go to the class listed first, then row order. Request ids become
+``{class}:{row}``; ``Request.ttft_slo_s`` is the class's ``slo.ttft_s``, else the top-level
+one.
 """
 
 from __future__ import annotations
@@ -48,19 +27,18 @@ def load_classes(
     seed: int = 0,
     ttft_slo_s: float | None = None,
 ) -> tuple[list[Request], int]:
-    """Load every class and merge them (the module docstring has the rules).
+    """Load every class and merge them.
 
     Args:
-        classes: the class mappings (validated by lab/config.py, paths absolute).
+        classes: the validated class mappings (paths absolute).
         seed: the experiment's seed; class i draws from ``seed + i`` unless it sets ``seed``.
         ttft_slo_s: the top-level TTFT SLO, for classes without their own.
 
     Returns:
-        (the merged requests, the entries all classes' formats read: see
-        :func:`traces.load_table`).
+        (the merged requests, the entries all classes' formats read).
 
     Raises:
-        TraceError: as :func:`traces.load_table`, the message naming the class.
+        TraceError: as :func:`traces.load_table`, naming the class.
     """
     keyed, rows = [], 0
     for i, c in enumerate(classes):

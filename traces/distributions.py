@@ -1,17 +1,8 @@
 """Token-length distributions for the ``synthetic`` format (``prompt_len`` / ``output_len``).
 
-Accepted YAML forms (all lengths in tokens, every sample in 1..MAX_TOKENS, the bound the
-file loaders check too):
-
-- ``512``: every request has exactly 512 tokens;
-- ``{uniform: [lo, hi]}``: integers drawn uniformly from lo..hi, both ends included;
-- ``{lognormal: {mean: 1000, sigma: 0.5}}``: a log-normal whose *mean in tokens* is ``mean``
-  (numpy's mu is derived: mu = ln(mean) - sigma^2 / 2) and whose log has standard deviation
-  ``sigma``; samples are rounded to the nearest integer and clipped to 1..MAX_TOKENS. A
-  ``sigma`` that would put most samples at the clips (below 0.5 or above MAX_TOKENS tokens)
-  is refused: the lengths would no longer have that mean (e.g. mean 1000 allows sigma up
-  to about 3.9);
-- ``{choice: [128, 512, 2048]}``: one of the listed values, each equally likely.
+YAML forms, every sample in 1..MAX_TOKENS: ``512``; ``{uniform: [lo, hi]}`` (inclusive);
+``{lognormal: {mean: 1000, sigma: 0.5}}`` (``mean`` in tokens, mu = ln(mean) - sigma^2 / 2,
+rounded and clipped; a sigma that clips most samples is refused); ``{choice: [...]}``.
 """
 
 from __future__ import annotations
@@ -77,11 +68,7 @@ class Choice:
 
 
 def parse_length(value: Any, where: str) -> LengthDistribution:
-    """Read one of the forms listed in the module docstring.
-
-    Raises:
-        TraceError: naming ``where`` and the accepted forms.
-    """
+    """Read one of the module's forms; TraceError naming ``where`` and the accepted forms."""
     if _is_count(value):
         return Fixed(value)
     if not isinstance(value, dict) or len(value) != 1:
@@ -122,8 +109,7 @@ def parse_length(value: Any, where: str) -> LengthDistribution:
 
 
 def _clipped_fraction(mean: float, sigma: float) -> float:
-    """Probability that a LogNormal(mean, sigma) sample rounds to below 1 or lands above
-    MAX_TOKENS (sigma huge: ``sigma * sigma`` is inf, mu -inf, and the answer 1)."""
+    """Probability that a LogNormal(mean, sigma) sample rounds below 1 or exceeds MAX_TOKENS."""
     if sigma == 0:
         return 0.0
     mu = math.log(mean) - sigma * sigma / 2

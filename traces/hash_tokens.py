@@ -1,14 +1,7 @@
-"""Prompt token ids made from hash ids, so that the engine really shares prefixes.
-
-A trace with hash ids and no text (Mooncake, or any trace with ``prefix:``) says which
-prompt blocks requests share, not what the tokens are. The engine needs tokens; here each
-hash id stands for one fixed block of ``hash_block_size`` token ids, drawn from a random
-stream seeded by (seed, hash id) alone, uniform over the model's vocabulary
-(0..vocab_size-1). An id's block is therefore the same in every request and every run
-with that seed, and a prompt is the concatenation of its ids' blocks, cut to
-``prompt_len``: two requests whose first k ids are equal have equal first
-k * hash_block_size tokens. Ids beyond the prompt (those of the output) are not needed.
-"""
+"""Prompt token ids made from hash ids, so that the engine really shares prefixes: each hash
+id stands for a fixed block of ``hash_block_size`` ids drawn uniformly from the vocabulary
+by a stream seeded by (seed, hash id) alone; a prompt is its ids' blocks cut to
+``prompt_len``."""
 
 from __future__ import annotations
 
@@ -34,14 +27,8 @@ def prompt_tokens_from_hash_ids(
     blocks: dict[int, np.ndarray] | None = None,
 ) -> list[int]:
     """The first ``prompt_len`` tokens of the concatenated blocks of ``hash_ids``.
-
-    Args:
-        blocks: a memo of blocks by hash id, shared across calls with the same block size,
-            vocabulary and seed (a shared prefix is drawn once).
-
-    Raises:
-        ValueError: fewer ids than the prompt needs (ceil(prompt_len / hash_block_size)).
-    """
+    ``blocks``: a memo by hash id, shared across calls with the same block size, vocabulary
+    and seed. ValueError if there are fewer ids than ceil(prompt_len / hash_block_size)."""
     need = -(-prompt_len // hash_block_size)
     if len(hash_ids) < need:
         raise ValueError(
@@ -58,9 +45,7 @@ def prompt_tokens_from_hash_ids(
 
 
 def assign_hash_prompt_tokens(requests: list[Request], vocab_size: int, seed: int) -> None:
-    """Give every request with hash ids and no token ids its prompt from the hash ids
-    (in place); others are left as they are (the engine gives them random ids,
-    ``backend.engine.assign_prompt_tokens``)."""
+    """Give every request with hash ids and no token ids its prompt from them (mutates)."""
     memo: dict[tuple[int, int], dict[int, np.ndarray]] = {}  # hash_block_size -> blocks
     for r in requests:
         if r.prompt_token_ids is None and r.hash_ids:

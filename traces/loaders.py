@@ -1,22 +1,10 @@
 """The trace formats: each loader reads one source into a :class:`TraceTable`.
 
-Times are on the trace's own clock: seconds since the first data row of the file (kept or
-dropped), so that a ``start_s``/``end_s`` window means the same thing with or without
-filters. ``load_trace`` re-bases them so the first request it returns arrives at 0.
-
-Drop rules (each logged as one INFO line on the ``traces.loaders`` logger, with the count).
-A dropped row of a trace is not replayed, but it is not lost: it stays in the table with
-its reason and appears in the results (``requests.csv``) with status ``dropped``:
-
-- every format: a request needs at least 1 output token, so rows with 0 output tokens are
-  dropped (none in the shipped Azure, Mooncake or Sarathi files);
-- ``burstgpt``: rows with ``Response tokens == 0`` are failed requests in the source and are
-  dropped; rows with ``Request tokens == 0`` are dropped too (a prompt needs >= 1 token).
-  Elsewhere a prompt of 0 tokens is an error.
-- ``lengths`` files are a pool of lengths, not requests: rows with 0 output tokens are
-  removed from the pool (and logged).
-
-Negative, fractional or non-numeric token counts are always errors.
+Times are seconds since the first data row of the file (kept or dropped). Dropped rows
+(logged at INFO, kept in the table with their reason, status ``dropped`` in the results):
+0 output tokens (every format); ``burstgpt`` rows with 0 request or response tokens.
+``lengths`` removes 0-output rows from its pool. A 0-token prompt elsewhere, and negative,
+fractional or non-numeric counts, are errors.
 """
 
 from __future__ import annotations
@@ -62,11 +50,8 @@ MAX_SYNTHETIC_REQUESTS = 10_000_000
 @register_format("azure2023", keys=("path",))
 def load_azure2023(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
     """Azure LLM inference trace 2023 (Splitwise): ``TIMESTAMP,ContextTokens,GeneratedTokens``.
-
-    TIMESTAMP is wall-clock text with 100-ns ticks (``2023-11-16 18:17:03.9799600``), no zone,
-    or, as in the 2024 trace, with an offset from UTC (``2024-05-10 00:00:00.011+00:00``),
-    converted to UTC; arrivals are seconds since the first row. Rows must be sorted by time.
-    """
+    TIMESTAMP is text with 100-ns ticks, with or without a UTC offset (2024 trace); rows must
+    be sorted by time."""
     path = resolve_path(spec, base_dir, WHERE)
     frame = read_csv(path, AZURE_COLUMNS)
     src = Source(path.name)
@@ -84,12 +69,8 @@ def load_azure2023(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceT
 
 @register_format("burstgpt", keys=("path", "models", "log_types"))
 def load_burstgpt(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
-    """BurstGPT CSV, both layouts (``BurstGPT_1``; ``_3`` adds Session ID and Elapsed time).
-
-    ``Timestamp`` is in seconds (any origin); arrivals are seconds since the first row.
-    Optional spec keys ``models: [ChatGPT, GPT-4]`` and ``log_types: [Conversation log,
-    API log]`` keep only rows whose ``Model`` / ``Log Type`` is listed (exact match).
-    """
+    """BurstGPT CSV, both layouts (``BurstGPT_1``; ``_3``). ``Timestamp`` in seconds; optional
+    ``models`` / ``log_types`` keep rows whose ``Model`` / ``Log Type`` is listed."""
     filters = {
         "Model": get_str_list(spec, "models", WHERE),
         "Log Type": get_str_list(spec, "log_types", WHERE),
@@ -116,14 +97,8 @@ def load_burstgpt(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTa
 
 @register_format("mooncake", keys=("path", "hash_block_size"))
 def load_mooncake(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
-    """Mooncake JSONL: ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``.
-
-    ``hash_ids`` (optional per line) are prefix-block hashes, ``hash_block_size`` tokens per
-    block (spec key, default 512: the Mooncake trace's), kept on ``Request.hash_ids``; a
-    line needs ceil(input_length / hash_block_size) ids at least, and at most
-    ceil((input_length + output_length) / hash_block_size)
-    (:func:`traces.validate.hash_id_lists`). Arrivals are seconds since the first record.
-    """
+    """Mooncake JSONL: ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``;
+    ``hash_block_size`` defaults to 512 (:func:`traces.validate.hash_id_lists`)."""
     block = get_int(spec, "hash_block_size", WHERE, default=MOONCAKE_HASH_BLOCK_SIZE, minimum=1)
     path = resolve_path(spec, base_dir, WHERE)
     frame, line_numbers = read_jsonl(path, MOONCAKE_KEYS, optional=("hash_ids",))
@@ -146,12 +121,9 @@ def load_mooncake(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTa
 
 @register_format("lengths", keys=("path", "arrival", "num_requests", "sample"))
 def load_lengths(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
-    """Length-only CSV (Vidur / Sarathi-Serve ``num_prefill_tokens,num_decode_tokens``).
-
-    Arrivals come from ``arrival`` (see :mod:`traces.arrivals`). ``num_requests`` rows
-    (default: all usable rows) are taken in file order (``sample: sequential``, default) or
-    in a random order drawn from ``seed`` (``sample: shuffle``), each row at most once.
-    """
+    """Length-only CSV (Vidur / Sarathi-Serve ``num_prefill_tokens,num_decode_tokens``) with
+    ``arrival`` times; ``num_requests`` rows in file order (``sample: sequential``) or
+    shuffled by ``seed``, each at most once."""
     arrival = parse_arrival(require(spec, "arrival", WHERE), f"{WHERE}.arrival")
     order = get_choice(spec, "sample", WHERE, SAMPLE_ORDERS, default="sequential")
     num_requests = get_int(spec, "num_requests", WHERE, default=None, minimum=1)
@@ -185,12 +157,8 @@ def load_lengths(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTab
 
 @register_format("synthetic", keys=("num_requests", "arrival", "prompt_len", "output_len"))
 def load_synthetic(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
-    """No file: ``num_requests`` requests with ``arrival`` times and sampled lengths.
-
-    ``prompt_len`` / ``output_len`` take the forms of :mod:`traces.distributions`.
-    Arrivals, prompt and output lengths use independent random streams spawned from
-    ``seed``, so changing one distribution leaves the others' samples unchanged.
-    """
+    """No file: ``num_requests`` requests with ``arrival`` times and lengths from
+    :mod:`traces.distributions`, each from an independent stream of ``seed``."""
     num_requests = get_int(spec, "num_requests", WHERE, minimum=1)
     if num_requests > MAX_SYNTHETIC_REQUESTS:
         raise TraceError(
@@ -236,10 +204,8 @@ def _drop(table: TraceTable, drop: np.ndarray, file: str, rule: str, why: str) -
 def _filter(
     table: TraceTable, values: pd.Series, wanted: list[str], file: str, column: str
 ) -> TraceTable:
-    """Keep rows whose ``column`` (indexed by source row) is one of ``wanted``.
-
-    A wanted value absent from the file is an error: a typo would otherwise select nothing.
-    """
+    """Keep rows whose ``column`` is one of ``wanted``; a wanted value absent from the file is
+    an error."""
     key = "models" if column == "Model" else "log_types"
     present = set(values.unique())
     for value in wanted:

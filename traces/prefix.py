@@ -1,61 +1,23 @@
 """Synthetic prefix identity for any trace: shared system prompts and multi-turn sessions.
 
-The ``prefix:`` block of a trace spec gives every request hash ids (``Request.hash_ids``),
-one per ``hash_block_size`` tokens, equal where requests share tokens, so that a prefix
-cache can find the sharing. It works on the rows of any format that carries no prefix
-identity of its own (not ``mooncake``, whose rows have hash ids, nor ``prompts``, whose
-real token ids are theirs). The names follow vLLM's benchmark datasets (``prefix_len`` and
-``num_prefixes`` of ``prefix_repetition``; ``num_turns`` of ``benchmarks/multi_turn``)::
+The ``prefix:`` block gives every request hash ids, one per ``hash_block_size`` tokens, for
+any format without its own (not ``mooncake`` nor ``prompts``). Key names follow vLLM's
+benchmark datasets (``prefix_len``, ``num_prefixes`` of ``prefix_repetition``; ``num_turns``
+of ``benchmarks/multi_turn``); README.md has an example. Rules (all draws from ``seed``, in
+streams of their own, so the format's own draws are unchanged):
 
-    trace:
-      format: synthetic              # or azure2023, burstgpt, lengths
-      ...
-      hash_block_size: 16            # tokens per hash id (default 16 here, 512 for Mooncake);
-                                     # a multiple of kv_cache.block_size
-      prefix:
-        prefix_len: 1024             # tokens of a shared system prompt (default 0: none)
-        num_prefixes: 4              # distinct system prompts (default 1)
-        assign: random               # which one a session gets: random | round_robin
-        num_turns: {uniform: [2, 6]} # turns per session (default 1: single requests)
-        think_time_s: {exponential: 30.0}   # a turn's arrival to the next turn's
-        user_len: 200                # tokens of each follow-up user message
-        output_len: 300              # output tokens of each follow-up turn
-
-Rules (every random draw comes from ``seed``, in streams of its own, so the same spec and
-seed give identical requests, and the format's own draws are unchanged):
-
-- **Sessions.** Every replayed row of the format starts a session: its first turn arrives
-  at the row's time, its user message has the row's ``prompt_len`` tokens and its reply
-  the row's ``output_len``. Rows the format drops (:mod:`traces.loaders`) stay dropped and
-  start nothing.
-- **System prompts.** With ``prefix_len`` S > 0, session i gets system prompt g (of
-  ``num_prefixes`` G): uniformly at random (``assign: random``) or ``i mod G`` in row order
-  (``round_robin``); every prompt of the session starts with its S tokens, so the first
-  turn's prompt is S + the row's prompt_len tokens (as vLLM's datasets prepend theirs).
-- **Turns.** A session has ``num_turns`` turns (an integer or ``{uniform: [lo, hi]}`` /
-  ``{choice: [...]}``, at most 1000). Turn t + 1's prompt is turn t's prompt, its reply and
-  a new user message of ``user_len`` tokens: P(t+1) = P(t) + O(t) + U(t+1). ``user_len``
-  and ``output_len`` take the forms of :mod:`traces.distributions`; each defaults to the
-  first turn's (the row's) length.
-- **Arrivals are open-loop.** Turn t + 1 arrives ``think_time_s`` after turn t *arrived*
-  (a number of seconds, ``{exponential: mean_s}`` or ``{uniform: [lo_s, hi_s]}``): the
-  replay does not wait for replies, so the think time includes the previous turn's
-  latency; a turn that arrives before its previous turn has finished finds the reply not
-  yet cached.
-- **Hash ids.** A session is one token stream, system prompt, user message, reply, user
-  message, ...; block j of the stream (tokens j*H..(j+1)*H-1, H = ``hash_block_size``) has
-  one id. The first floor(S / H) blocks have their system prompt's ids (shared by every
-  session with it); all other blocks have ids of their own session. A turn carries the ids
-  of its prompt and its reply, ceil((P + O) / H) of them, so the next turn, which resends
-  the reply, finds it under the same ids. Sharing is at hash-block granularity: a system
-  prompt shares floor(S / H) blocks.
-- **Order and ids.** The requests are sorted by arrival (a turn after the one before it);
-  the format's rows keep their row number as request id, follow-up turns are numbered
-  from the largest row number + 1, in arrival order. ``start_s`` / ``end_s`` and ``limit``
-  apply afterwards, to the requests with their turns (``limit: 100`` = the first 100
-  requests), so a window can cut a session; ``rate_scale`` divides every inter-arrival
-  time, think times included. Prompts that outgrow ``max_model_len`` are rejected by the
-  replay with their reason, as any other.
+- Every replayed row starts a session whose first turn is the row (dropped rows start none).
+- With ``prefix_len`` S > 0, session i gets system prompt g of ``num_prefixes`` G (random,
+  or ``i mod G`` for ``round_robin``), prepended to every prompt of the session.
+- Turn t + 1's prompt is P(t) + O(t) + U(t+1) (``user_len``); ``num_turns`` at most 1000;
+  ``user_len`` and ``output_len`` default to the row's lengths.
+- Open loop: turn t + 1 arrives ``think_time_s`` after turn t arrived.
+- A session is one token stream; block j of it has one id. The first floor(S / H) blocks
+  carry the system prompt's shared ids, the rest ids of the session; a turn carries
+  ceil((P + O) / H) ids.
+- Requests are sorted by arrival; rows keep their row number as id, follow-up turns are
+  numbered from the largest row number + 1. Window, ``limit`` and ``rate_scale`` apply
+  afterwards (think times included).
 """
 
 from __future__ import annotations
@@ -96,15 +58,15 @@ _SALT = 0x70726566  # "pref": this module's random streams, apart from the forma
 
 @dataclass(frozen=True)
 class ThinkTime:
-    """Seconds from a turn's arrival to the next turn's: ``kind`` fixed (``a``),
-    exponential (mean ``a``) or uniform (``a``..``b``)."""
+    """Seconds from a turn's arrival to the next: fixed ``a``, exponential (mean ``a``) or
+    uniform (``a``..``b``)."""
 
     kind: str
     a: float
     b: float = 0.0
 
     def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
-        """Shape (n,), float64, each >= 0."""
+        """(n,) float64, each >= 0."""
         if self.kind == "fixed":
             return np.full(n, self.a)
         if self.kind == "exponential":
@@ -114,7 +76,7 @@ class ThinkTime:
 
 @dataclass(frozen=True)
 class PrefixOptions:
-    """The ``prefix:`` block, checked (see the module docstring for each key)."""
+    """The checked ``prefix:`` block."""
 
     prefix_len: int = 0
     num_prefixes: int = 1
@@ -126,13 +88,9 @@ class PrefixOptions:
 
 
 def parse_prefix(spec: Any, where: str) -> PrefixOptions:
-    """Read the ``prefix:`` block.
-
-    Raises:
-        TraceError: one line naming the key: an unknown key, a value of the wrong type or
-            out of range, ``num_prefixes`` or ``assign`` without a system prompt, more
-            than one turn without ``think_time_s``, or follow-up keys with a single turn.
-    """
+    """Read the ``prefix:`` block; TraceError (one line naming the key) on an unknown key, a
+    bad type or range, ``num_prefixes``/``assign`` without a system prompt, several turns
+    without ``think_time_s``, or follow-up keys with a single turn."""
     spec = check_mapping(spec, where)
     check_keys(spec, PREFIX_KEYS, where)
     prefix_len = get_int(spec, "prefix_len", where, default=0, minimum=0)
@@ -184,8 +142,8 @@ def parse_prefix(spec: Any, where: str) -> PrefixOptions:
 def apply_prefix(
     table: TraceTable, options: PrefixOptions, hash_block_size: int, seed: int
 ) -> TraceTable:
-    """The table's requests with system prompts, follow-up turns and hash ids (module
-    docstring), sorted by arrival; on the trace's own clock, before window and limit.
+    """The table's requests with system prompts, follow-up turns and hash ids, sorted by
+    arrival, before window and limit.
 
     Raises:
         TraceError: a prompt beyond MAX_TOKENS, more requests than the synthetic format

@@ -1,11 +1,6 @@
-"""The ``prompts`` format: real text prompts, tokenized with a model's tokenizer.
-
-A YAML file holding a list of ``{prompt: str, output_len: int, arrival_s: float}``
-(``arrival_s`` defaults to 0, and must not decrease). Spec keys: ``path``, ``tokenizer`` (a
-model directory with Hugging Face tokenizer files, e.g. the converted SmolLM2) and ``chat``
-(true: wrap each prompt as a user turn with the tokenizer's chat template). Needs
-``transformers``, imported only when this format is used.
-"""
+"""The ``prompts`` format: a YAML list of ``{prompt, output_len, arrival_s}`` (arrival_s
+default 0, non-decreasing), tokenized with ``tokenizer`` (a Hugging Face model directory);
+``chat: true`` applies the chat template. Imports ``transformers`` only when used."""
 
 from __future__ import annotations
 

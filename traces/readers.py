@@ -1,12 +1,6 @@
-"""Read trace files into pandas frames, turning every parse failure into one TraceError line;
-and the one YAML reader of the lab (:func:`load_yaml_file`, :func:`parse_yaml`: experiment
-files and ``prompts`` trace files; its rules are written above ``_Loader``).
-
-Cells are kept as the text found in the file (CSV) or the JSON value (JSONL), so that a
-later check can quote the offending value exactly; conversion happens in ``validate.py``.
-Data rows are numbered from 1 in messages, the header not counted (row 1 is the first line
-after the header); JSONL messages give the line number in the file.
-"""
+"""Read trace files into pandas frames (every parse failure one TraceError line), and the
+lab's one YAML reader (:func:`load_yaml_file`, :func:`parse_yaml`; rules above ``_Loader``).
+Cells stay as found (CSV text, JSON values) so errors quote them; ``validate.py`` converts."""
 
 from __future__ import annotations
 
@@ -25,13 +19,10 @@ from lab.core.errors import MAX_SHOWN_CHARS, ConfigError, TraceError, UserError,
 
 
 def read_csv(path: Path, required: Sequence[str]) -> pd.DataFrame:
-    """All columns as strings (empty or absent cell -> ``""``), ``required`` columns present.
-
-    Header names are stripped of surrounding spaces (``Timestamp, Model`` is accepted).
+    """All columns as stripped-header strings (empty or absent cell -> ``""``).
 
     Raises:
-        TraceError: not a text file, empty file, unparsable CSV (wrong field count, bad
-            encoding) or a missing column.
+        TraceError: not a text file, empty, unparsable CSV, or a ``required`` column missing.
     """
     check_text(path, "CSV")
     try:
@@ -62,15 +53,15 @@ def read_csv(path: Path, required: Sequence[str]) -> pd.DataFrame:
 def read_jsonl(
     path: Path, required: Sequence[str], optional: Sequence[str] = ()
 ) -> tuple[pd.DataFrame, list[int]]:
-    """One JSON object per line; blank lines are skipped; other keys are ignored.
+    """One JSON object per line (blank lines skipped, other keys ignored).
 
     Returns:
-        A frame with one object-dtype column per required and optional key (an optional
-        key absent from a line is None) and the 1-based file line number of each row.
+        A frame with one object column per required and optional key (None where absent)
+        and each row's 1-based file line.
 
     Raises:
-        TraceError: not a text file, empty file, a line that is not a JSON object, or a line
-            without one of the ``required`` keys.
+        TraceError: not a text file, empty, a line that is not a JSON object or lacks a
+            ``required`` key.
     """
     check_text(path, "JSONL")
     keys = [*required, *optional]
@@ -110,12 +101,7 @@ _SNIFF_BYTES = 1 << 16
 
 
 def check_text(path: Path, kind: str) -> None:
-    """Refuse a file whose first 64 KiB are not UTF-8 text (compressed, binary, or text in
-    another encoding), which pandas would otherwise read as an empty or garbled table.
-
-    Raises:
-        TraceError: ``<file>: not a text <kind> file (...)``, saying what was found.
-    """
+    """TraceError ``<file>: not a text <kind> file (...)`` unless the first 64 KiB are UTF-8."""
     try:
         with path.open("rb") as f:
             head = f.read(_SNIFF_BYTES)
@@ -304,15 +290,15 @@ def parse_yaml(text: str) -> Any:
 def load_yaml_file(
     path: str | Path, what: str = "an experiment YAML", error: type[UserError] = ConfigError
 ) -> Any:
-    """Read and parse a YAML file; every failure is one ``error`` naming ``path``.
+    """Read and parse a YAML file.
 
     Args:
         what: what the file should be, for messages ("a prompts file").
-        error: the UserError subclass raised (ConfigError, TraceError).
+        error: the UserError subclass raised.
 
     Raises:
-        ``error``: not a regular file, missing, unreadable, not UTF-8, or not valid YAML
-            (naming the line and key path).
+        ``error``: naming ``path``: not a regular file, missing, unreadable, not UTF-8, or
+            not valid YAML (with line and key path).
     """
     path = Path(path)
     if path.exists() and not path.is_dir() and not path.is_file():  # a FIFO would block

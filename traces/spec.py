@@ -1,8 +1,5 @@
-"""Typed access to the ``trace:`` block of an experiment YAML.
-
-Every getter names the key path (``trace.limit``) and what was expected when a value is
-wrong, so a typo in a YAML file reads as one line instead of a traceback.
-"""
+"""Typed access to the ``trace:`` block: each getter raises a one-line TraceError naming the
+key path (``trace.limit``) and what was expected."""
 
 from __future__ import annotations
 
@@ -61,10 +58,8 @@ def get_float(
     strict: bool = False,
     allow_inf: bool = False,
 ) -> float:
-    """A real number >= ``minimum`` (> ``minimum`` when ``strict``); ``inf`` only if allowed.
-
-    ``default`` is returned unchecked when the key is absent.
-    """
+    """A real number >= ``minimum`` (> when ``strict``); ``inf`` only if allowed; ``default``
+    (unchecked) when absent."""
     if key not in spec and default is not _MISSING:
         return default
     value = require(spec, key, where)
@@ -107,12 +102,8 @@ def get_str_list(spec: Mapping[str, Any], key: str, where: str) -> list[str] | N
 
 
 def resolve_path(spec: Mapping[str, Any], base_dir: Path, where: str) -> Path:
-    """The trace file: ``path`` relative to ``base_dir`` unless absolute (an experiment's
-    config hands over absolute paths: :mod:`lab.config.paths`).
-
-    Raises:
-        TraceError: the key is missing or not a string, or no file exists there.
-    """
+    """The trace file: ``path`` relative to ``base_dir`` unless absolute; TraceError if the
+    key is missing, not a string, or no file exists there."""
     value = require(spec, "path", where)
     if not isinstance(value, str) or not value:
         raise TraceError(f"{where}.path: expected a file path (string), got {_show(value)}")
@@ -142,6 +133,5 @@ def require(spec: Mapping[str, Any], key: str, where: str) -> Any:
 
 
 def _show(value: Any) -> str:
-    """``'ten' (str)``: the value (cut to ~80 characters) and its YAML-visible type, for
-    error messages."""
+    """``'ten' (str)``: the value (cut to ~80 characters) and its YAML type."""
     return f"{short_repr(value)} ({type(value).__name__})"

@@ -1,18 +1,8 @@
-"""A loaded trace as columns, and the options common to every format.
-
-The options are applied by :func:`traces.load_trace` in this order:
-
-1. time window ``[start_s, end_s)`` on the trace's own clock (seconds since the first data
-   row of the file, or since the first generated request), then re-based so the first kept
-   request arrives at 0;
-2. ``limit``: the first N requests left;
-3. ``rate_scale``: inter-arrival times divided by it (2.0 = twice the request rate).
-
-Rows a loader cannot replay (0 output tokens, failed requests of the source: see
-:mod:`traces.loaders`) stay in the table with a ``drop_reason``: the window selects them
-like the others, ``limit`` keeps those among the first N replayed requests, and they become
-Requests with status ``dropped`` (no arrival time), so that the results list every row.
-"""
+"""A loaded trace as columns, and the options common to every format, applied by
+:func:`traces.load_trace` in order: window ``[start_s, end_s)`` (then re-based to 0),
+``limit`` (the first N replayed requests), ``rate_scale`` (inter-arrival times divided by
+it). Dropped rows stay in the table with a ``drop_reason`` and go through window and limit
+like the others."""
 
 from __future__ import annotations
 
@@ -29,20 +19,16 @@ from traces.spec import WHERE
 
 @dataclass(frozen=True)
 class TraceTable:
-    """One entry per request, in arrival order (all arrays of shape (n,)).
+    """One entry per request, in arrival order (all arrays (n,)).
 
     Args:
-        row: int64, 0-based index of the request's source row (data rows of a CSV, records
-            of a JSONL file, or the generation index); becomes ``Request.request_id``.
-        arrival_s: float64, arrival time in seconds on the trace's own clock.
-        prompt_len: int64, prompt tokens (>= 1 where replayed).
-        output_len: int64, output tokens (>= 1 where replayed).
-        hash_ids: prefix-block hashes per request (Mooncake's, or made by ``prefix:``,
-            :mod:`traces.prefix`), None where a request has none; or None.
-        prompt_token_ids: real prompt tokens per request (the ``prompts`` format), or None.
-        drop_reason: object array of str, why each entry is not replayed ("" = replayed),
-            or None when every entry is replayed.
-        hash_block_size: tokens each hash id stands for (``Request.hash_block_size``).
+        row: int64 0-based source row; becomes ``Request.request_id``.
+        arrival_s: float64 seconds on the trace's own clock.
+        prompt_len, output_len: int64 tokens (>= 1 where replayed).
+        hash_ids: per-request prefix-block hashes (None where a request has none), or None.
+        prompt_token_ids: real prompt tokens per request (``prompts`` format), or None.
+        drop_reason: object array of str ("" = replayed), or None when all are replayed.
+        hash_block_size: tokens per hash id.
     """
 
     row: np.ndarray
@@ -87,8 +73,8 @@ class TraceTable:
         return dataclasses.replace(self, arrival_s=arrival_s)
 
     def to_requests(self) -> list[Request]:
-        """Fresh :class:`Request` objects (runtime state at its defaults); dropped entries
-        get status ``dropped``, their reason and a NaN arrival time."""
+        """Fresh :class:`Request` objects; dropped entries get status ``dropped``, their
+        reason and a NaN arrival time."""
         hash_ids = self.hash_ids or [None] * len(self)
         token_ids = self.prompt_token_ids or [None] * len(self)
         reasons = [""] * len(self) if self.drop_reason is None else self.drop_reason.tolist()
@@ -119,11 +105,8 @@ class TraceTable:
 
 
 def apply_window(table: TraceTable, start_s: float, end_s: float) -> TraceTable:
-    """Keep requests with ``start_s <= arrival_s < end_s``, re-based to start at 0.
-
-    Raises:
-        TraceError: no request arrives inside the window.
-    """
+    """Keep requests with ``start_s <= arrival_s < end_s``, re-based to start at 0;
+    TraceError if none is left."""
     kept = table.take((table.arrival_s >= start_s) & (table.arrival_s < end_s))
     if not kept.replayed.any():
         times = table.arrival_s[table.replayed]
@@ -135,8 +118,7 @@ def apply_window(table: TraceTable, start_s: float, end_s: float) -> TraceTable:
 
 
 def apply_limit(table: TraceTable, limit: int) -> TraceTable:
-    """The first ``limit`` replayed requests, with the dropped entries among them (all
-    entries when there are no more than ``limit`` replayed requests)."""
+    """The first ``limit`` replayed requests, with the dropped entries among them."""
     replayed = np.flatnonzero(table.replayed)
     if len(replayed) <= limit:
         return table
@@ -144,13 +126,12 @@ def apply_limit(table: TraceTable, limit: int) -> TraceTable:
 
 
 def apply_rate_scale(table: TraceTable, rate_scale: float) -> TraceTable:
-    """Divide every inter-arrival time by ``rate_scale`` (arrivals start at 0 already).
+    """Divide every inter-arrival time by ``rate_scale``.
 
     Raises:
-        TraceError: the scaled times lose what the replay needs: two requests that arrive
-            apart would arrive together (a gap below float64's smallest normal number), or
-            the last arrival lies beyond MAX_CLOCK_S (see ``check_clock``). Times that
-            overflow to inf are left to ``load_trace``, which names the request.
+        TraceError: two distinct arrivals would coincide (a gap below float64's smallest
+            normal) or the last lies beyond MAX_CLOCK_S. Overflow to inf is left to
+            ``load_trace``.
     """
     if rate_scale == 1.0:
         return table
@@ -178,11 +159,8 @@ MAX_CLOCK_S = float(2**32)
 
 
 def check_clock(arrival_s: np.ndarray, where: str, value: str) -> None:
-    """Refuse arrivals beyond MAX_CLOCK_S (non-finite ones are left to ``load_trace``).
-
-    Raises:
-        TraceError: naming ``where`` = ``value``, the last arrival and the clock's spacing.
-    """
+    """TraceError naming ``where`` = ``value`` if arrivals go beyond MAX_CLOCK_S (non-finite
+    ones are left to ``load_trace``)."""
     finite = arrival_s[np.isfinite(arrival_s)]
     last = float(finite.max(initial=0.0))
     if last > MAX_CLOCK_S:

@@ -1,9 +1,6 @@
-"""Vectorized checks that turn raw trace columns into clean numpy arrays.
-
-Each check converts a whole column at once and, on failure, reports only the first bad
-cell: ``<file>: row <n>, column '<name>': <what was expected>, got <value>``. Rows are the
-1-based data rows of a CSV (header not counted); JSONL files report the file line instead.
-"""
+"""Vectorized checks that turn raw trace columns into clean numpy arrays; a failure names
+only the first bad cell: ``<file>: row <n>, column '<name>': <expected>, got <value>`` (CSV
+rows 1-based without the header; JSONL the file line)."""
 
 from __future__ import annotations
 
@@ -27,12 +24,8 @@ _NS_PER = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}
 
 @dataclass(frozen=True)
 class Source:
-    """Names a trace file and its rows in error messages.
-
-    Args:
-        file: the file name shown to the user.
-        line_numbers: for JSONL, the file line of each record; None for CSV (row = index + 1).
-    """
+    """Names a trace file and its rows in errors; ``line_numbers``: each JSONL record's file
+    line, None for CSV."""
 
     file: str
     line_numbers: Sequence[int] | None = None
@@ -45,11 +38,8 @@ class Source:
 
 
 def token_counts(values: pd.Series, src: Source, column: str, *, minimum: int) -> np.ndarray:
-    """Integer token counts >= ``minimum``, shape (n,), int64.
-
-    Raises:
-        TraceError: a cell that is empty, not a number, not a whole number, or < ``minimum``.
-    """
+    """Integer token counts >= ``minimum``, (n,) int64; TraceError on an empty, non-numeric,
+    fractional or too small cell."""
     numbers = _numbers(values)
     finite = np.isfinite(numbers)
     whole = np.zeros_like(finite)
@@ -74,29 +64,22 @@ def _numbers(values: pd.Series) -> np.ndarray:
 
 
 def numeric_times(values: pd.Series, src: Source, column: str, *, ticks_per_s: float) -> np.ndarray:
-    """Numeric timestamps converted to seconds (``value / ticks_per_s``), shape (n,), float64.
-
-    Raises:
-        TraceError: a cell that is empty, NaN, infinite or not a number.
-    """
+    """Timestamps to seconds (``value / ticks_per_s``), (n,) float64; TraceError on an empty,
+    NaN, infinite or non-numeric cell."""
     numbers = _numbers(values)
     _raise_first(~np.isfinite(numbers), values, src, column, "expected a finite number")
     return numbers / ticks_per_s
 
 
 def datetime_times(values: pd.Series, src: Source, column: str) -> np.ndarray:
-    """``YYYY-MM-DD HH:MM:SS.fffffff[+HH:MM]`` strings to seconds since the first row, float64.
+    """``YYYY-MM-DD HH:MM:SS.fffffff[+HH:MM]`` to seconds since the first row, float64.
 
-    Timestamps with an offset are converted to UTC first (so rows in two offsets compare
-    as instants); either every row has an offset or none has. Differences are taken in
-    integer nanoseconds, so two timestamps 0.052 s apart give arrival times exactly 0.052
-    apart (up to float64 rounding of the final division).
+    Offsets convert to UTC; either every row has one or none. Differences are in integer
+    nanoseconds.
 
     Raises:
-        TraceError: a cell that does not match the pattern, is not a real date/time, lies
-            outside the nanosecond clock (UTC 1677-09-21 to 2262-04-11), has an offset when
-            the first row has none (or none when it has one), or is more than 292 years
-            (2**63 ns) after the first row.
+        TraceError: a cell that does not match or is not a real date/time, outside UTC
+            1677-09-21..2262-04-11, with mixed offsets, or over 2**63 ns after the first row.
     """
     expected = "expected a timestamp like '2023-11-16 18:17:03.9799600'"  # or with +00:00
     matches = values.str.fullmatch(_DATETIME_PATTERN).to_numpy(dtype=bool)
@@ -130,11 +113,8 @@ def datetime_times(values: pd.Series, src: Source, column: str) -> np.ndarray:
 
 
 def check_sorted(times_s: np.ndarray, values: pd.Series, src: Source, column: str) -> None:
-    """Require non-decreasing arrival times (ties are allowed: Mooncake has many).
-
-    Raises:
-        TraceError: naming the first row whose time is earlier than the row before it.
-    """
+    """Require non-decreasing arrival times (ties allowed); TraceError names the first row
+    out of order."""
     back = np.flatnonzero(np.diff(times_s) < 0)
     if len(back):
         i = int(back[0]) + 1
@@ -170,21 +150,16 @@ def hash_id_lists(
     src: Source,
     column: str = "hash_ids",
 ) -> list[list[int] | None] | None:
-    """Prefix-block hash ids per row, checked against the row's token counts.
-
-    A row's ids stand for consecutive blocks of ``hash_block_size`` tokens of its prompt,
-    then of its output (ids may cover tokens the request will generate), so a row with
-    prompt P and output O needs ``ceil(P / hash_block_size)`` ids at least (every prompt
-    token belongs to a block; the Mooncake trace has exactly that many on every line) and
-    at most ``ceil((P + O) / hash_block_size)`` (more would stand for tokens the request
-    never holds: a sign of a wrong ``hash_block_size``).
+    """Prefix-block hash ids per row, checked against its token counts: a row with prompt P
+    and output O needs between ceil(P / hash_block_size) and ceil((P + O) /
+    hash_block_size) ids.
 
     Returns:
-        One list of ints per row, None for a row without the key; None if no row has it.
+        One list of ints per row (None without the key); None if no row has it.
 
     Raises:
-        TraceError: naming the file and row: a value that is not a list of integers, an id
-            outside 0..2**63-1, too few or too many ids for the row's tokens.
+        TraceError: naming file and row: not a list of integers, an id outside
+            0..2**63-1, or too few or too many ids.
     """
     if values.isna().all():
         return None

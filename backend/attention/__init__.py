@@ -1,19 +1,7 @@
-"""Attention backends, chosen by name.
-
-=============  ===========  =====================================================
-name           runs on      what
-=============  ===========  =====================================================
-``torch``      CPU, CUDA    reference: gathers each sequence's K/V through its block
-                            table; the test oracle
-``triton``     CUDA         paged Triton kernels (store, prefill with cached prefix,
-                            decode); on CPU only under ``TRITON_INTERPRET=1``
-``flash_attn`` CUDA         flash-attn's varlen / kvcache functions with block tables
-                            (needs the ``flash-attn`` package; block_size % 256 == 0)
-=============  ===========  =====================================================
-
-The table names modules instead of importing them, because two backends depend on optional
-packages (triton, flash-attn): a missing package is reported when that backend is selected,
-not when the engine is imported.
+"""Attention backends, chosen by name: ``torch`` (reference, CPU and CUDA; the test oracle),
+``triton`` (CUDA; CPU under ``TRITON_INTERPRET=1``) and ``flash_attn`` (CUDA, needs the
+``flash-attn`` package, block_size % 256 == 0). Modules are named, not imported, so a missing
+optional package is reported only when its backend is selected.
 """
 
 from __future__ import annotations

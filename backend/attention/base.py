@@ -1,9 +1,4 @@
-"""The attention backend interface and the per-step metadata every backend reads.
-
-A step feeds each sequence a run of new tokens (a prefill chunk, or the one token of a
-decode) whose KV goes into the paged cache at ``slot_mapping``; every fed token then attends
-to all cached positions of its sequence up to and including its own (causal).
-"""
+"""The attention backend interface and the per-step metadata every backend reads."""
 
 from __future__ import annotations
 
@@ -24,43 +19,27 @@ DECODE_TARGET_PROGRAMS = 4 * 132  # H100/H200 SXM: 132 SMs (NVIDIA H100 datashee
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """What one step's attention needs, built once per step and shared by all layers.
+    """One step's attention inputs, built once per step and shared by all layers.
 
-    Device tensors (on the model's device):
-        slot_mapping: (num_tokens,) int64; cache slot of each fed token,
-            ``block_table[pos // block_size] * block_size + pos % block_size``.
-        query_start_loc: (num_seqs + 1,) int32; token offsets of the sequences in the batch
-            (cu_seqlens of the fed tokens).
-        seq_lens: (num_seqs,) int32; context length after this step (start_pos + fed tokens).
-        seq_start_loc: (num_seqs + 1,) int32; cumulative ``seq_lens`` (cu_seqlens of keys).
-        block_tables: (num_seqs, max_blocks) int32; a row's entries beyond the blocks its
-            sequence uses are never read and may hold any value.
-        decode_seq_idx: (num_decodes,) int32; sequences fed exactly one token.
-        prefill_seq_idx: (num_prefills,) int32; sequences fed more than one token.
-            CUDA-graph metadata pads both to a fixed length with -1 entries.
-        prefill_tiles: (num_tiles, 2) int32; (sequence, tile) for every ``PREFILL_TILE_M``
-            rows of every prefill chunk (:func:`prefill_tiles`); rows with sequence -1 are
-            padding (CUDA graphs). Read by the triton backend.
+    Device tensors:
+        slot_mapping: (num_tokens,) int64 cache slot of each fed token.
+        query_start_loc: (num_seqs + 1,) int32 cu_seqlens of the fed tokens.
+        seq_lens: (num_seqs,) int32 context length after this step.
+        seq_start_loc: (num_seqs + 1,) int32 cumulative ``seq_lens``.
+        block_tables: (num_seqs, max_blocks) int32; entries past a sequence's blocks are unread.
+        decode_seq_idx / prefill_seq_idx: int32 sequences fed one / more than one token;
+            CUDA-graph metadata pads both with -1.
+        prefill_tiles: (num_tiles, 2) int32 (sequence, tile), -1 rows are padding.
 
-    Host values:
-        block_size: tokens per KV block.
-        query_lens, seq_lens_host, block_tables_host: per-sequence Python lists.
-        max_query_len, max_seq_len: maxima over the batch (kernel grid sizes).
+    Host: block_size (tokens per block); query_lens, seq_lens_host, block_tables_host lists;
+    max_query_len, max_seq_len.
 
-    Read by the triton backend only (set by its ``prepare_metadata`` and graph metadata;
-    None: it builds them from the host values in every layer):
-        decode_work: (num_items, 3) int32 device tensor; the decode kernel's work items,
-            (sequence, first key position, end key position), from :func:`decode_work`;
-            rows with sequence -1 are padding (CUDA graphs).
-        decode_work_loc: (num_decode_rows + 1,) int32 device tensor; decode row ``r`` (an
-            entry of ``decode_seq_idx``) owns items ``[loc[r], loc[r + 1])``.
-        decode_merge: False when no decode row has more than one item (the merge kernel is
-            then not launched); CUDA graphs keep it True.
-        varlen_seqs: the leading sequences whose chunks start at position 0 and attend
-            through FlashAttention's varlen kernel over their own k/v
-            (:mod:`backend.attention.flash_varlen`); 0: none (always so in CUDA graphs).
-        varlen_tokens: their tokens (the first rows of the step); varlen_max_len: their
-            longest chunk (the kernel's grid).
+    Triton backend only (None: built per layer from the host values):
+        decode_work: (num_items, 3) int32 (sequence, first pos, end pos), -1 rows padding.
+        decode_work_loc: (num_decode_rows + 1,) int32; row r owns items [loc[r], loc[r+1]).
+        decode_merge: False when no decode row has more than one item.
+        varlen_seqs, varlen_tokens, varlen_max_len: the leading sequences whose chunks start
+            at position 0 and run through FlashAttention varlen; 0 in CUDA graphs.
     """
 
     slot_mapping: torch.Tensor
@@ -98,11 +77,8 @@ class AttentionMetadata:
 
 
 def prefill_tiles(query_lens: np.ndarray, tile: int = PREFILL_TILE_M) -> np.ndarray:
-    """(num_tiles, 2) int32: (sequence index, tile index) of each ``tile``-row tile of the
-    sequences fed more than one token, in order. query_lens: (num_seqs,) ints.
-
-    Example: query_lens [130, 1, 64], tile 64 -> [[0, 0], [0, 1], [0, 2], [2, 0]].
-    """
+    """(num_tiles, 2) int32 (sequence, tile) of each ``tile``-row tile of the sequences fed
+    more than one token. query_lens [130, 1, 64], tile 64 -> [[0,0], [0,1], [0,2], [2,0]]."""
     q = np.asarray(query_lens, dtype=np.int64)
     seqs = np.flatnonzero(q > 1)
     per_seq = -(-q[seqs] // tile)
@@ -113,14 +89,9 @@ def prefill_tiles(query_lens: np.ndarray, tile: int = PREFILL_TILE_M) -> np.ndar
 
 
 def decode_items(rows: int, num_kv_heads: int, splits: int | None = None) -> int:
-    """How many work items the decode kernel gets for ``rows`` decode rows (its grid is
-    items x kv heads): ``splits`` per row, plus ``rows // 4`` so that one long context can
-    take more than an even share (:func:`decode_work`).
-
-    ``splits`` defaults to the smallest power of two, at most ``MAX_SPLITS``, that gives
-    ``DECODE_TARGET_PROGRAMS`` programs (several per SM): batch 1 with 8 kv heads -> 16 items,
-    batch 32 -> 32 x 4 + 8 = 136, batch 256 -> 256 + 64 = 320.
-    """
+    """Decode-kernel work items for ``rows`` decode rows: ``splits`` per row plus
+    ``rows // 4``; ``splits`` defaults to the smallest power of two (<= ``MAX_SPLITS``) that
+    gives ``DECODE_TARGET_PROGRAMS`` programs."""
     if splits is None:
         want = -(-DECODE_TARGET_PROGRAMS // max(1, rows * num_kv_heads))
         splits = 1
@@ -132,28 +103,19 @@ def decode_items(rows: int, num_kv_heads: int, splits: int | None = None) -> int
 def decode_work(
     seq_lens: np.ndarray, seq_idx: np.ndarray, num_items: int, tile: int = DECODE_TILE
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Split the decodes' contexts into at most ``num_items`` work items of near-equal length
-    (balanced split-K, so that the longest context does not set the decode kernel's time).
-
-    Every item covers ``k`` whole tiles of ``tile`` key positions (the last item of a
-    context fewer), with ``k`` the smallest that needs at most ``num_items`` items in all;
-    a context of L positions gets ``ceil(L / (k * tile))`` items.
+    """Split decode contexts into at most ``num_items`` near-equal work items (balanced
+    split-K); each item covers ``k`` whole tiles of ``tile`` positions, ``k`` the smallest
+    that fits.
 
     Args:
-        seq_lens: (R,) ints; context length of each decode row (cached positions plus the
-            fed token).
-        seq_idx: (R,) ints; each row's sequence index in the step; -1 marks a padding row,
-            which gets no items.
-        num_items: items of the kernel grid (:func:`decode_items`); unused ones are padding.
+        seq_lens: (R,) context length of each decode row (including the fed token).
+        seq_idx: (R,) sequence index of each row; -1 marks a padding row (no items).
+        num_items: items of the kernel grid; unused ones are padding.
     Returns:
-        work: (num_items, 3) int32 rows (sequence, first position, end position), in row
-            order; padding rows (-1, 0, 0).
-        loc: (R + 1,) int32; row ``r`` owns items ``[loc[r], loc[r + 1])``.
+        work: (num_items, 3) int32 (sequence, first pos, end pos); padding (-1, 0, 0).
+        loc: (R + 1,) int32; row r owns items [loc[r], loc[r + 1]).
     Raises:
         ValueError: fewer items than real rows.
-
-    Example: lengths [300, 40], 4 items, tile 64 -> k = 2 tiles (1 tile needs 5 + 1 items):
-    work [[0, 0, 128], [0, 128, 256], [0, 256, 300], [1, 0, 40]], loc [0, 3, 4].
     """
     lens = np.asarray(seq_lens, dtype=np.int64)
     idx = np.asarray(seq_idx, dtype=np.int64)
@@ -195,8 +157,7 @@ def decode_work(
 def step_decode_work(
     query_lens: list[int], seq_lens: list[int], num_kv_heads: int
 ) -> tuple[np.ndarray, np.ndarray, bool]:
-    """Decode work items of an eager step from its host values: :func:`decode_work` of the
-    sequences fed one token over :func:`decode_items` items; also whether any decode has
+    """:func:`decode_work` of an eager step's one-token sequences, and whether any has
     several items (the merge kernel is needed)."""
     rows = np.flatnonzero(np.asarray(query_lens) == 1)
     lens = np.asarray(seq_lens, dtype=np.int64)[rows]
@@ -209,13 +170,10 @@ GraphKey = tuple[str, int, int]  # ("decode", size, size) or ("mixed", tokens, d
 
 class GraphMetadata(ABC):
     """A backend's CUDA-graph attention metadata: static device buffers sized for the
-    largest graph, the :class:`AttentionMetadata` each graph reads from them, and how a
-    step fills them. The graph runner (:mod:`backend.cuda_graphs`) stages the host arrays
-    (:func:`backend.inputs.stage_step`), calls :meth:`prepare_for_replay`, and replays.
+    largest graph and the :class:`AttentionMetadata` views each graph reads.
 
-    Graph keys: ``("decode", size, size)``: ``size`` one-token rows; ``("mixed", tokens,
-    rows)``: any step of at most ``tokens`` tokens over at most ``max_seqs`` sequences, with
-    at most ``rows`` decodes (a variant of :meth:`decode_rows`).
+    Graph keys: ``("decode", size, size)`` and ``("mixed", tokens, rows)`` (at most
+    ``tokens`` tokens, ``max_seqs`` sequences, ``rows`` decodes).
     """
 
     @abstractmethod
@@ -241,12 +199,11 @@ class GraphMetadata(ABC):
         block_tables: np.ndarray,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Write one step into the static buffers of graph ``key``, padded (issues the
-        copies; returns without waiting for them).
+        """Write one step, padded, into graph ``key``'s static buffers; does not wait.
 
         Args:
             query_lens, seq_lens: (n,) ints; query_start_loc: (n + 1,) ints.
-            block_tables: (n, width) int32; entries beyond a sequence's blocks are not read.
+            block_tables: (n, width) int32.
             slot_mapping: (T,) int64 on the device, T = the graph's token rows, padding -1.
         """
 
@@ -255,11 +212,8 @@ class GraphMetadata(ABC):
 
 
 class AttentionBackend(ABC):
-    """Paged attention for one step. Subclasses check at construction that they can run.
-
-    A step is :meth:`store` (write the fed tokens' k/v into their slots) then :meth:`attend`;
-    the model's fused path (:mod:`backend.triton_ops`) stores k/v itself and calls
-    :meth:`attend` alone.
+    """Paged attention for one step: :meth:`store` then :meth:`attend`. Subclasses check at
+    construction that they can run.
 
     Args:
         device: where the model and the KV cache live.
@@ -285,16 +239,14 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Store the fed tokens' k/v into their slots, then attend.
-
-        Mutates ``k_cache`` and ``v_cache`` (the slots in ``meta.slot_mapping``).
+        """Store the fed tokens' k/v into their slots (mutates the caches), then attend.
 
         Args:
             q: (num_tokens, num_heads, head_dim).
             k, v: (num_tokens, num_kv_heads, head_dim); may be strided views.
             k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim), contiguous.
             meta: the step's metadata.
-            scale: softmax scale, usually head_dim ** -0.5.
+            scale: softmax scale.
         Returns:
             (num_tokens, num_heads, head_dim) in q's dtype.
         """
@@ -311,16 +263,12 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """:meth:`attend`, also given the fed tokens' own k/v (already stored in the
-        caches), for backends that attend chunks from position 0 over them
-        (``meta.varlen_seqs``). Default: :meth:`attend`."""
+        """:meth:`attend`, also given the fed tokens' own k/v (for ``meta.varlen_seqs``)."""
         return self.attend(q, k_cache, v_cache, meta, scale)
 
     def set_prefill_attention(self, mode: str) -> None:
-        """Choose the kernel of prefill chunks that start at position 0: ``auto``,
-        ``triton`` (the backend's own kernels) or ``flash_varlen``
-        (:mod:`backend.attention.flash_varlen`). Backends without a choice accept ``auto``
-        and ``triton`` (both mean their own kernels)."""
+        """Choose the kernel of prefill chunks from position 0: ``auto``, ``triton`` or
+        ``flash_varlen``; backends without a choice accept ``auto`` and ``triton``."""
         from backend.attention.flash_varlen import PREFILL_ATTENTION
 
         if mode not in PREFILL_ATTENTION:
@@ -356,8 +304,7 @@ class AttentionBackend(ABC):
         not mutate the caches."""
 
     def prepare_metadata(self, meta: AttentionMetadata, num_kv_heads: int) -> AttentionMetadata:
-        """An eager step's metadata with what this backend adds, built once per step rather
-        than in every layer (default: ``meta`` unchanged)."""
+        """An eager step's metadata with this backend's additions (default: unchanged)."""
         return meta
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> None:  # noqa: B027
@@ -371,9 +318,8 @@ class AttentionBackend(ABC):
         token_sizes: list[int],
         max_seqs: int,
     ) -> GraphMetadata:
-        """The static CUDA-graph metadata for decode graphs of ``sizes`` rows and mixed
-        graphs of ``token_sizes`` tokens over ``max_seqs`` sequence rows (block tables
-        ``ceil(max_model_len / block_size)`` wide). Only backends with ``supports_graphs``."""
+        """Static CUDA-graph metadata for decode graphs of ``sizes`` rows and mixed graphs of
+        ``token_sizes`` tokens over ``max_seqs`` rows. Only if ``supports_graphs``."""
         raise NotImplementedError(f"attention backend {self.name!r} has no CUDA-graph metadata")
 
 

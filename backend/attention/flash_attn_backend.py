@@ -1,19 +1,8 @@
-"""Paged attention through the flash-attn package (``flash_attn_varlen_func`` with a block
-table for steps with prefill chunks, ``flash_attn_with_kvcache`` for all-decode steps).
+"""Paged attention through flash-attn 2.x (``flash_attn_varlen_func`` with a block table for
+steps with prefill chunks, ``flash_attn_with_kvcache`` for all-decode steps).
 
-UNTESTED: flash-attn is not installed on any machine this lab runs on (the H200 image has
-none; use the ``triton`` backend there). Written against flash-attn 2.x's documented API:
-
-* ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-  softmax_scale=..., causal=True, block_table=...)``, with k/v the paged caches
-  (num_blocks, page_block_size, num_kv_heads, head_dim) when ``block_table`` is given;
-* ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=..., block_table=...,
-  softmax_scale=..., causal=True)``, q (batch, 1, num_heads, head_dim).
-
-With ``causal=True`` flash-attn aligns the mask to the bottom right, so a chunk of
-``query_len`` tokens over ``seq_len`` keys sees exactly its cached prefix plus the causal part
-of itself, as the other backends compute. flash-attn 2 requires ``page_block_size`` to be a
-multiple of 256, and fp16/bf16 tensors.
+UNTESTED: flash-attn is not installed on any machine this lab runs on; written against its
+documented API. Needs ``page_block_size`` a multiple of 256 and fp16/bf16 tensors.
 """
 
 from __future__ import annotations

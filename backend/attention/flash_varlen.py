@@ -1,24 +1,9 @@
 """FlashAttention-2 for prefill chunks that start at position 0, through PyTorch's
 ``torch.nn.attention.varlen.varlen_attn`` (PyTorch >= 2.10 on CUDA; not paged).
 
-A chunk that starts at position 0 attends only to its own tokens, so its attention needs no
-KV cache: ``varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len,
-window_size=(-1, 0))`` (causal) over the step's own k/v. The triton backend uses it for such
-chunks when the rule below says it wins (the k/v are still written into the paged cache
-first, for the decodes that follow); chunks over a cached prefix and decodes keep the paged
-Triton kernels.
-
-The rule (``prefill_attention: auto``): every sequence fed more than one token starts at
-position 0, those sequences come first in the step, and their mean chunk length is at least
-``VARLEN_MIN_MEAN_CHUNK`` tokens. On an H200 (random bf16, Qwen3-0.6B and Llama-3.1-8B
-heads; BENCHMARKS.md) varlen takes 0.70-0.88x the Triton kernel's time for chunks of 1,024
-to 8,192 tokens, 0.92-1.07x at 512 and 1.05-1.13x at 256, so the threshold is 1,024.
-``flash_varlen`` uses it for every such step regardless of length; ``triton`` never.
-
-varlen_attn captures into a CUDA graph (its grid depends on ``max_len`` only, and the graph
-follows ``cu_seqlens`` in place), but the lab's mixed-step graphs are captured for the
-Triton prefill kernel: a step that replays a graph keeps Triton, and varlen runs in eager
-steps only (more tokens than the largest mixed graph, or ``mixed_graphs: false``).
+Such a chunk attends only to its own tokens, so it needs no KV cache. ``auto`` uses it when
+those chunks lead the step and average at least ``VARLEN_MIN_MEAN_CHUNK`` tokens;
+``flash_varlen`` always; ``triton`` never. Eager steps only (mixed graphs keep Triton).
 """
 
 from __future__ import annotations
@@ -48,8 +33,7 @@ _ASK_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether varlen_attn can run here: CUDA (its flash kernel has no CPU version), fp16 or
-    bf16, and a torch that has it."""
+    """Whether varlen_attn can run here: CUDA, fp16 or bf16, and a torch that has it."""
     return (
         varlen_attn is not None
         and device.type == "cuda"
@@ -58,10 +42,8 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def varlen_prefix(query_lens: Sequence[int], seq_lens: Sequence[int]) -> int:
-    """How many leading sequences are prefill chunks from position 0 (fed more than one
-    token, ``seq_len == query_len``), provided no later sequence is fed more than one token;
-    otherwise 0. Example: query lens [700, 300, 1], seq lens [700, 300, 41] -> 2;
-    [700, 5, 1] over [700, 45, 41] -> 0 (the second chunk has a cached prefix)."""
+    """How many leading sequences are prefill chunks from position 0 (``seq_len ==
+    query_len > 1``), provided no later sequence is fed more than one token; else 0."""
     n = 0
     while n < len(query_lens) and query_lens[n] > 1 and seq_lens[n] == query_lens[n]:
         n += 1
@@ -71,8 +53,7 @@ def varlen_prefix(query_lens: Sequence[int], seq_lens: Sequence[int]) -> int:
 
 
 def choose(mode: str, query_lens: Sequence[int], seq_lens: Sequence[int]) -> int:
-    """The number of leading sequences whose attention runs through varlen_attn this step
-    (0: the Triton kernels do all of it), by ``mode`` (see the module doc)."""
+    """Leading sequences that run through varlen_attn this step by ``mode`` (0: none)."""
     if mode == "triton":
         return 0
     n = varlen_prefix(query_lens, seq_lens)
@@ -93,9 +74,9 @@ def varlen_prefill(
 
     Args:
         q: (tokens, num_heads, head_dim); k, v: (tokens, num_kv_heads, head_dim), last dim
-            contiguous (views into the fused projection's output are fine).
+            contiguous.
         cu_seqlens: (chunks + 1,) int32 token offsets of the chunks.
-        max_len: the longest chunk (host int; sets the kernel's grid).
+        max_len: the longest chunk (host int).
     Returns:
         (tokens, num_heads, head_dim) in q's dtype.
     """

@@ -1,9 +1,5 @@
-"""Reference paged attention in plain torch: gather each sequence's K/V through its block table.
-
-Slow (a Python loop over sequences) and obviously right; it is the oracle the other backends
-are tested against, and it runs anywhere torch does. Scores and softmax are computed in
-float32.
-"""
+"""Reference paged attention in plain torch, the oracle the other backends are tested
+against: a Python loop over sequences, scores and softmax in float32."""
 
 from __future__ import annotations
 

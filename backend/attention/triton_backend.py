@@ -1,16 +1,7 @@
-"""Paged attention with the Triton kernels of :mod:`backend.attention.triton_kernels`.
-
-The fast path on the H200 (flash-attn is not installed there). One step launches at most
-three kernels per layer: store k/v, prefill over the sequences fed several tokens, decode
-over the sequences fed one (its split-K merge inside, ``triton_kernels.FUSED_MERGE``). The
-model's fused path stores k/v itself (:func:`backend.triton_ops.qkv_prepare`) and calls
-:meth:`TritonAttention.attend`. The only graph-safe backend: its CUDA-graph metadata is
-:class:`TritonGraphMetadata`.
-
-Eager steps whose prefill chunks all start at position 0 may attend them with
-FlashAttention-2's varlen kernel instead (``prefill_attention``, default ``auto`` on CUDA:
-the rule of :mod:`backend.attention.flash_varlen`); the model then calls
-:meth:`TritonAttention.attend_with_kv` with the chunks' own k/v.
+"""Paged attention with the Triton kernels of :mod:`backend.attention.triton_kernels`: at
+most three kernels per layer (store, prefill, decode). The only graph-safe backend
+(:class:`TritonGraphMetadata`). Eager steps may attend chunks from position 0 with
+FlashAttention varlen (``prefill_attention``; :mod:`backend.attention.flash_varlen`).
 """
 
 from __future__ import annotations
@@ -128,9 +119,7 @@ class TritonAttention(AttentionBackend):
         return out
 
     def prepare_metadata(self, meta: AttentionMetadata, num_kv_heads: int) -> AttentionMetadata:
-        """Adds the varlen choice (:func:`flash_varlen.choose`, when varlen can run here)
-        and the decode kernel's work items (:func:`step_decode_work`) when the step has
-        decodes."""
+        """Adds the varlen choice and the decode work items."""
         if meta.num_prefills and (self.varlen or self.prefill_attention == "flash_varlen"):
             n = flash_varlen.choose(self.prefill_attention, meta.query_lens, meta.seq_lens_host)
             if n:

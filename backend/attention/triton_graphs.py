@@ -1,26 +1,8 @@
 """CUDA-graph metadata of the triton backend: static buffers, their padding, per-step fill.
 
-Every buffer is sized for the largest graph of either family (see
-:class:`backend.attention.base.GraphMetadata` for the keys); a graph reads views of them:
-
-* Sequence rows: ``seq_lens``, ``seq_start_loc``, ``block_tables`` (rows,
-  ``ceil(max_model_len / block_size)``); token rows: ``slot_mapping``.
-* Decode graphs: constants ``query_start_loc = arange`` and ``decode_seq_idx = arange``; a
-  padding row has seq len 0 (so no work items).
-* Mixed graphs: ``query_start_loc`` (rows of no sequence are empty), a decode index and a
-  prefill tile table, padded with -1 (the kernels skip -1 entries). The prefill tile table
-  has :meth:`TritonGraphMetadata.tile_rows` rows, enough for any step of ``T`` tokens. Each
-  token count has two decode-row variants (:meth:`TritonGraphMetadata.decode_rows`): up to
-  ``FEW_DECODES`` rows with many splits a row, and up to one row per sequence with fewer
-  (:func:`mixed_splits`), so a step's decode grid stays small when it has few decodes.
-* The decode kernel's work items (:func:`backend.attention.base.decode_work`): cut on the
-  device from the staged lengths at the start of every graph
-  (:func:`backend.attention.triton_kernels.decode_work_device`, in :meth:`graph_prologue`),
-  so a step stages no work items.
-
-Per step, :meth:`TritonGraphMetadata.prepare_for_replay` packs the sequence rows into
-pinned host memory and issues two copies (int32 rows, block tables) plus device copies into
-the static buffers.
+Buffers are sized for the largest graph; each graph reads views of them. Padding rows have
+seq len 0 or index -1 (the kernels skip them). Decode work items are cut on the device at
+the start of every replay (:meth:`TritonGraphMetadata.graph_prologue`).
 """
 
 from __future__ import annotations
@@ -44,10 +26,9 @@ FEW_DECODES = 32  # decode rows of the mixed graphs' variant for steps with few 
 
 
 def mixed_splits(decode_rows: int, num_kv_heads: int, max_splits: int) -> int:
-    """Context splits of a mixed graph's decode kernel: the largest power of two, at most
-    ``max_splits``, that keeps ``decode_rows * num_kv_heads * splits`` within
-    ``MIXED_DECODE_PROGRAMS`` (the grid is fixed, and padded rows are most of it when a
-    step has few decodes). Example: 256 rows, 8 kv heads -> 2; 32 rows -> 16 (of 16)."""
+    """Context splits of a mixed graph's decode kernel: the largest power of two <=
+    ``max_splits`` keeping ``decode_rows * num_kv_heads * splits`` within
+    ``MIXED_DECODE_PROGRAMS``."""
     splits = 1
     while splits < max_splits and decode_rows * num_kv_heads * splits * 2 <= MIXED_DECODE_PROGRAMS:
         splits *= 2
@@ -58,8 +39,6 @@ class TritonGraphMetadata(GraphMetadata):
     """Static attention buffers of the triton backend's CUDA graphs.
 
     Args:
-        device: where the buffers live. block_size: tokens per KV block.
-        max_model_len: sizes the block-table width. num_kv_heads: sizes the work items.
         sizes: decode graph sizes; token_sizes: mixed graph token counts (either may be
             empty). max_seqs: sequence rows (at least the largest decode size).
     """
@@ -98,21 +77,18 @@ class TritonGraphMetadata(GraphMetadata):
     # -- shapes ---------------------------------------------------------------------------
 
     def decode_rows(self, tokens: int) -> list[int]:
-        """Decode rows of the mixed graphs of ``tokens`` tokens, ascending: one variant for
-        few decodes (``FEW_DECODES``), one for any number (one per token, at most one per
-        sequence); a single entry when the two coincide."""
+        """Decode-row variants of the mixed graphs of ``tokens`` tokens, ascending: up to
+        ``FEW_DECODES`` and up to one per sequence (one entry when they coincide)."""
         return sorted({min(tokens, FEW_DECODES, self.max_seqs), min(tokens, self.max_seqs)})
 
     def decode_items(self, rows: int, mixed: bool = False) -> int:
-        """Decode work items of a graph with ``rows`` decode rows: as an eager step of that
-        many decodes for decode graphs; ``mixed_splits`` per row for mixed graphs."""
+        """Decode work items of a graph with ``rows`` decode rows."""
         splits = mixed_splits(rows, self.num_kv_heads, MAX_SPLITS) if mixed else None
         return decode_items(rows, self.num_kv_heads, splits)
 
     def tile_rows(self, tokens: int) -> int:
-        """Prefill tile rows of the mixed graph of ``tokens`` tokens: chunks of ``q_i >= 2``
-        tokens summing to at most ``tokens`` have at most ``tokens / 64 + (number of chunks)``
-        tiles of 64 rows, and there are at most ``min(max_seqs, tokens // 2)`` chunks."""
+        """Prefill tile rows enough for any mixed step of ``tokens`` tokens:
+        ``tokens / 64`` plus at most ``min(max_seqs, tokens // 2)`` chunks."""
         return -(-tokens // PREFILL_TILE_M) + min(self.max_seqs, tokens // 2)
 
     # -- metadata ---------------------------------------------------------------------------
@@ -144,8 +120,7 @@ class TritonGraphMetadata(GraphMetadata):
 
     def mixed_metadata(self, tokens: int, decode_rows: int | None = None) -> AttentionMetadata:
         """Attention metadata of the mixed graph of ``tokens`` tokens and ``decode_rows``
-        (default: the most of that size): every sequence row, padded decode rows and tile
-        table (-1 entries are skipped)."""
+        (default: the most of that size)."""
         rows, nt = self.max_seqs, self.tile_rows(tokens)
         dec = decode_rows or self.decode_rows(tokens)[-1]
         tiles = self.mixed_tiles[:nt]

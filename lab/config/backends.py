@@ -1,10 +1,6 @@
 """What each ``backend:`` reads of an experiment YAML and which features it has: one row per
-backend name, so that no check compares the backend's name.
-
-A section or key in ``reads`` is checked strictly and its paths must exist; one outside it
-is kept as written (paths made absolute) for a file that serves both backends. The
-cross-feature rules (:mod:`lab.config.rules`) read the feature columns.
-"""
+backend name, so that no check compares the backend's name. A key in ``reads`` is checked
+strictly; one outside it is kept as written (paths made absolute)."""
 
 from __future__ import annotations
 
@@ -22,13 +18,11 @@ class Backend:
     """One backend's row.
 
     Args:
-        reads: the sections and dotted keys it reads (``model``, ``cost_model``,
-            ``speculative.model``, ...).
+        reads: the sections and dotted keys it reads (``speculative.model``, ...).
         profile_tokens: the step size KV sizing reserves activations for when
             ``scheduler.max_num_batched_tokens`` is null.
-        simulated_steps: its step times (and speculative acceptance) come from a model that
-            the YAML sets; false: they are measured, so simulator-only keys are refused or
-            warned about.
+        simulated_steps: step times (and acceptance) come from a model the YAML sets;
+            false: measured, so simulator-only keys are refused or warned about.
         async_speculative: it runs speculative decoding under async scheduling.
     """
 

@@ -19,11 +19,8 @@ _DISAGGREGATED_KEYS = ("prefill", "decode", "kv_transfer")
 
 
 def parse_cluster(ctx: Context, raw: Any) -> ClusterSpec:
-    """``cluster:`` (see the module docstring).
-
-    Raises:
-        ConfigError: both layouts mixed, a disaggregated key missing, a bad pool or link.
-    """
+    """``cluster:``; ConfigError if both layouts are mixed, a disaggregated key is missing,
+    or a pool or link is bad."""
     where = ctx.where
     d = check_mapping(where, "cluster", raw, CLUSTER_KEYS)
     disaggregated = [k for k in _DISAGGREGATED_KEYS if k in d]

@@ -35,13 +35,13 @@ def parse_path(path: str, where: str) -> list[Key]:
 
 
 def set_path(raw: dict, path: str, value: Any, where: str) -> None:
-    """Set ``value`` at the dotted key ``path`` of an experiment mapping, in place; mappings
-    on the way that the YAML leaves out are created; in a list of policies a name segment
-    picks the entry of that label (or name), turning a plain name into a mapping.
+    """Set ``value`` at the dotted key ``path`` of an experiment mapping, in place, creating
+    missing mappings; in ``policies`` a name segment picks the entry of that label (or
+    name), turning a plain name into a mapping.
 
     Raises:
-        ConfigError: a step through something that is not a mapping or list, an index
-            beyond a list, no policy of that label.
+        ConfigError: a step through a non-container, an index beyond a list, or no policy
+            of that label.
     """
     path = ALIASES.get(path, path)
     keys = parse_path(path, where)

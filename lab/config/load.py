@@ -69,10 +69,8 @@ TOP_KEYS = (
 @dataclass(frozen=True)
 class ExperimentConfig:
     """A whole experiment: one workload, replayed through every policy at every rate_scale.
-
-    ``source`` (the YAML file, or "config") prefixes messages; ``base_dir`` is the folder
-    relative paths were resolved against (:mod:`lab.config.paths`); neither is in :meth:`to_dict`.
-    """
+    ``source`` prefixes messages and ``base_dir`` resolved relative paths; neither is in
+    :meth:`to_dict`."""
 
     name: str
     trace: Workload
@@ -100,7 +98,7 @@ class ExperimentConfig:
     @property
     def profile_num_batched_tokens(self) -> int:
         """The largest step KV sizing reserves activations for: max_num_batched_tokens, or
-        the backend's ``profile_tokens`` (:mod:`lab.config.backends`) when it is null."""
+        the backend's ``profile_tokens`` when it is null."""
         default = BACKENDS[self.backend].profile_tokens
         return self.scheduler.max_num_batched_tokens or default
 
@@ -111,10 +109,9 @@ class ExperimentConfig:
         return f"{policy.label}@x{scale_label(rate_scale)}"
 
     def with_trace(self, **keys: Any) -> ExperimentConfig:
-        """A copy with trace keys replaced (``limit=100``, ``rate_scale=2.0``, ``path=``),
-        validated as in a YAML file (a new relative path resolves against ``base_dir``);
-        a new ``path`` or ``format`` drops the expected ``trace_file``. With workload
-        classes every class gets the keys, and ``limit`` is shared among them."""
+        """A copy with trace keys replaced (``limit=100``, ``path=``), validated as in a
+        YAML file; a new ``path`` or ``format`` drops ``trace_file``; with classes every
+        class gets the keys and ``limit`` is shared."""
         ctx = Context(self.source, self.base_dir, BACKENDS[self.backend].reads)
         cfg = dataclasses.replace(self, trace=with_keys(ctx, self.trace, keys))
         hash_blocks_hold_kv_blocks(cfg, {})
@@ -161,11 +158,8 @@ def _plain(v: Any) -> Any:
 
 
 def load_config(path: str | Path) -> ExperimentConfig:
-    """Read and validate an experiment YAML; its relative paths resolve against its folder
-    (then the bundled data: :mod:`lab.config.paths`); ``name`` defaults to the file name.
-
-    ``path`` itself follows the same rule from the current folder: a relative path that
-    names no file here names the bundled one (``experiments/quickstart.yaml`` from anywhere).
+    """Read and validate an experiment YAML; ``path`` and its relative paths resolve as
+    :mod:`lab.config.paths` says; ``name`` defaults to the file name.
 
     Raises:
         ConfigError: missing file, bad YAML, unknown key, wrong type, a missing file named
@@ -187,14 +181,10 @@ def load_config(path: str | Path) -> ExperimentConfig:
 def validate(
     raw: Mapping[str, Any], where: str = "config", base_dir: Path | None = None
 ) -> ExperimentConfig:
-    """Validate a config mapping (as parsed from YAML) into an :class:`ExperimentConfig`:
-    every section on its own, in key order, then :data:`lab.config.rules.RULES`.
-
-    Args:
-        where: the file it came from, prefixing every message.
-        base_dir: the folder relative paths resolve against (default: the current one).
-
-    ``name`` defaults to "experiment" here (:func:`load_config`: the file name).
+    """Validate a config mapping into an :class:`ExperimentConfig`: every section in key
+    order, then :data:`lab.config.rules.RULES`. ``where`` prefixes every message;
+    ``base_dir`` (default: the current folder) resolves relative paths; ``name`` defaults
+    to "experiment".
 
     Raises:
         ConfigError: one line naming ``where``, the key path and what was expected.
@@ -258,8 +248,8 @@ def validate(
 
 
 def check_name(where: str, key: str, name: Any) -> str:
-    """An experiment name: it becomes a folder under results/, so letters, digits, '.', '_'
-    and '-' only, starting with a letter or digit (no '', '.', '..' or paths)."""
+    """An experiment name (a folder under results/): letters, digits, '.', '_' and '-',
+    starting with a letter or digit."""
     if (
         not isinstance(name, str)
         or not NAME.fullmatch(name)

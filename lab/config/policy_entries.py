@@ -1,10 +1,7 @@
-"""The ``policies:`` list (one entry per run configuration) and ``speculative:`` blocks.
-
-An entry is a registered policy's name, or a mapping of ``name``, ``label``, its own limits
-(:data:`~lab.config.sections.LIMIT_KEYS`), ``preemption_victim``, ``async_scheduling``,
-``enable_prefix_caching``, ``speculative`` and the policy class's own ``options`` (checked
-by the class's ``check_options``).
-"""
+"""The ``policies:`` list (one entry per run configuration) and ``speculative:`` blocks. An
+entry is a registered policy's name, or a mapping of ``name``, ``label``, its own limits,
+``preemption_victim``, ``async_scheduling``, ``enable_prefix_caching``, ``speculative`` and
+the policy's ``options``."""
 
 from __future__ import annotations
 
@@ -45,10 +42,8 @@ DEFAULT_POLICIES = ("fcfs", "swap", "chunked_prefill")
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """One entry of ``policies:``: a registered policy, its label, its own limits (None:
-    the ``scheduler`` section's), its options (``options`` of the policy class) and its own
-    ``enable_prefix_caching`` (None: ``kv_cache``'s), so one experiment compares caching off
-    and on."""
+    """One entry of ``policies:``; its limits and ``enable_prefix_caching`` are None where
+    the ``scheduler`` / ``kv_cache`` sections' apply."""
 
     name: str
     label: str
@@ -97,9 +92,8 @@ def parse_policies(
     spec: SpeculativeConfig | None = None,
     spec_keys: tuple[str, ...] = (),
 ) -> tuple[PolicyConfig, ...]:
-    """The policy entries. ``spec``: the top-level ``speculative:`` block (``spec_keys``: the
-    keys written in it), which an entry's own block replaces whole; ``tenants``: those the
-    workload classes name (a policy's options may refer to them)."""
+    """The policy entries. ``spec``: the top-level ``speculative:`` block (``spec_keys``: its
+    written keys), replaced whole by an entry's own; ``tenants``: those the classes name."""
     where = ctx.where
     if policies.BROKEN:  # a policy file that cannot be imported: say which, run nothing
         path, why = next(iter(policies.BROKEN.items()))
@@ -184,9 +178,8 @@ def _entry(
 
 
 def parse_speculative(ctx: Context, key: str, raw: Any) -> SpeculativeConfig | None:
-    """``speculative:`` (top level or a policy's) validated by lab/core/spec.py, its paths
-    made absolute; the one the backend reads (``speculative.model`` on the engine,
-    ``speculative.acceptance_from`` in the simulator: ``ctx.reads``) must exist."""
+    """``speculative:`` validated by lab/core/spec.py, paths made absolute; the path the
+    backend reads must exist."""
     if raw is None:
         return None
     try:

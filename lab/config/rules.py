@@ -1,11 +1,8 @@
 """Cross-feature rules: checks that span two sections, in one named table.
 
-Each rule is a function of the validated config and the raw mapping it came from; it
-raises :class:`~lab.core.errors.ConfigError` as one line naming the key to change, or
-returns. :func:`apply_rules` runs :data:`RULES` in order, after every section is valid on
-its own (:func:`lab.config.load.validate`; an ``early`` rule before the sections it
-concerns are walked). A rule reads the backend's row of
-:data:`lab.config.backends.BACKENDS`, never its name.
+Each rule takes the validated config and the raw mapping, and raises a one-line
+:class:`~lab.core.errors.ConfigError` naming the key to change, or returns. A rule reads
+the backend's row of :data:`lab.config.backends.BACKENDS`, never its name.
 """
 
 from __future__ import annotations
@@ -41,8 +38,7 @@ class Draft:
 @dataclass(frozen=True)
 class Rule:
     """A named cross-feature rule; ``check(cfg, raw)`` raises ConfigError or returns. An
-    ``early`` rule runs before the sections it concerns are walked (so its message comes
-    first), on a :class:`Draft` and the raw mapping."""
+    ``early`` rule runs on a :class:`Draft` before the sections it concerns are walked."""
 
     name: str
     check: Callable[[ExperimentConfig, Mapping[str, Any]], None]
@@ -106,12 +102,7 @@ _WARNED: set[str] = set()  # simulator-only keys already warned about (once a pr
 def measured_steps_refuse_simulator_keys(cfg: ExperimentConfig, raw: Mapping[str, Any]) -> None:
     """A backend that measures its step times refuses the simulator's keys that name
     something it has but sets otherwise (host time, tensor parallelism, acceptance), and
-    warns once about the rest (a file that serves both backends).
-
-    ``cost_model.profile`` of experiments/sim_vs_real.yaml is such a rest: the engine
-    measures its step times. The analytic values the config gets without the keys
-    (lab/sim/analytic_defaults.py) are not warned about.
-    """
+    warns once about the rest."""
     if BACKENDS[cfg.backend].simulated_steps:
         return
     where, cm = cfg.source, cfg.cost_model
@@ -173,11 +164,8 @@ def _engine_speculative(cfg: ExperimentConfig) -> list[str]:
 
 def hash_blocks_hold_kv_blocks(cfg: ExperimentConfig, raw: Mapping[str, Any]) -> None:
     """``trace.hash_block_size`` (tokens per hash id, :mod:`traces.prefix`) is a multiple
-    of ``kv_cache.block_size``, so every full KV block lies inside one hash block.
-
-    Checked when given, when ``trace.prefix`` makes hash ids (default 16), and for
-    Mooncake's default of 512 when prefix caching is on.
-    """
+    of ``kv_cache.block_size``: when given, when ``prefix`` makes ids, and for Mooncake's
+    512 with prefix caching on."""
     trace, kv = cfg.trace, cfg.kv_cache
     if not isinstance(trace, TraceConfig):
         return
@@ -214,8 +202,7 @@ RULES: tuple[Rule, ...] = (
 
 
 def apply_rules(cfg: ExperimentConfig | Draft, raw: Mapping[str, Any]) -> None:
-    """Run the rules of :data:`RULES` in order, the early ones for a :class:`Draft` (before
-    the sections are walked), the others for the validated config; the first that refuses
+    """Run :data:`RULES` in order (early ones on a :class:`Draft`); the first that refuses
     raises."""
     early = isinstance(cfg, Draft)
     for rule in RULES:

@@ -1,11 +1,6 @@
-"""The fixed-key sections of an experiment YAML: one frozen dataclass each, every field with
-its type, default and check (:func:`lab.config.walker.option`); a section's checks that
-span two of its fields follow the field checks in its parse function.
-
-``kv_cache``, ``scheduler``, ``cost_model``, ``slo``, ``report`` and ``engine``; the trace
-is in :mod:`lab.config.trace`, the policy entries in :mod:`lab.config.policy_entries`, the
-cluster in :mod:`lab.config.cluster`.
-"""
+"""The fixed-key sections of an experiment YAML (``kv_cache``, ``scheduler``,
+``cost_model``, ``slo``, ``report``, ``engine``): one frozen dataclass each, every field
+with its type, default and check (:func:`lab.config.walker.option`)."""
 
 from __future__ import annotations
 
@@ -74,13 +69,8 @@ def parse_kv_cache(ctx: Context, raw: Any) -> KVCacheConfig:
 
 
 def check_swap_blocks(kv: KVCacheConfig, num_cpu_blocks: int, block_bytes: float, model: str):
-    """A positive ``kv_cache.swap_space_gib`` that holds no KV block (of ``block_bytes``
-    bytes for ``model``) would leave swap-mode preemption nothing to swap to, so it would
-    recompute instead, silently. ``swap_space_gib: 0`` (no swap space) is taken.
-
-    Raises:
-        ConfigError: one line naming the key and the size one block needs.
-    """
+    """ConfigError (naming the key and one block's size) if a positive
+    ``kv_cache.swap_space_gib`` holds no KV block of ``block_bytes``; 0 is taken."""
     if kv.swap_space_gib > 0 and num_cpu_blocks == 0:
         raise ConfigError(
             f"kv_cache.swap_space_gib: {kv.swap_space_gib:g} GiB holds no KV block: one block "
@@ -93,8 +83,7 @@ def check_swap_blocks(kv: KVCacheConfig, num_cpu_blocks: int, block_bytes: float
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits shared by every policy (a policy entry may override the first three); null
-    limits are resolved as vLLM does once the KV capacity is known
-    (:func:`lab.run.experiment.resolve_limits`)."""
+    limits are resolved as vLLM does (:func:`lab.run.experiment.resolve_limits`)."""
 
     max_num_seqs: int = option(256, is_int())  # running requests per step
     max_num_batched_tokens: int | None = option(None, is_int(optional=True))  # tokens per step
@@ -132,10 +121,8 @@ def _paths(ctx: Context, key: str, v: Any) -> Any:
 @dataclass(frozen=True)
 class CostModelConfig:
     """The simulator's step times: an analytic roofline, or a model calibrated from an
-    engine profile (``profile``, plus ``replay_steps``). The roofline's three values below
-    are the datasheet guesses; a YAML that leaves them out gets
-    :func:`lab.sim.analytic_defaults.defaults` of its model and hardware instead (fitted
-    to the shipped profiles where the hardware has one)."""
+    engine ``profile`` (plus ``replay_steps``). Roofline values the YAML leaves out come
+    from :func:`lab.sim.analytic_defaults.defaults` of its model and hardware."""
 
     flops_efficiency: float = option(0.7, is_num(MIN_EFFICIENCY, 1.0))  # share of peak FLOP/s
     # achieved share of peak memory bandwidth
@@ -170,10 +157,8 @@ class CostModelConfig:
 def parse_cost_model(
     ctx: Context, raw: Any, fitted: Any = GUESS, shape: str = ""
 ) -> CostModelConfig:
-    """``fitted``: the analytic defaults of the run's model and hardware
-    (lab/sim/analytic_defaults.py, an Efficiencies), applied where the YAML leaves a key
-    out; ``shape`` names that model and hardware in messages. Its paths must exist when the
-    backend reads the section."""
+    """``fitted``: the analytic defaults applied where the YAML leaves a key out; ``shape``
+    names that model and hardware in messages. Paths must exist when the backend reads it."""
     where = ctx.where
     cm = walk(ctx, "cost_model", raw, CostModelConfig, fitted.values)
     profile, steps, replayed = cm["profile"], cm["replay_steps"], cm["durations_from"]
@@ -260,13 +245,12 @@ def _window(ctx: Context, key: str, v: Any) -> tuple[float, float] | None:
 
 @dataclass(frozen=True)
 class ReportConfig:
-    """What the results folder shows beyond the metrics (lab/report/folder.py, lab/report/timeline.py).
+    """What the results folder shows beyond the metrics.
 
-    metric_percentiles: the percentiles of the vLLM-format result files (vLLM's
-        ``--metric-percentiles``; keys ``p50_ttft_ms`` ... ``p99.9_ttft_ms``).
-    timeline_slowest / timeline_by: the timeline picture shows the slowest N requests of
-        each run by ``e2e`` or ``ttft``, unless ``timeline_ids`` (request ids) or
-        ``timeline_window_s`` ([start, end] seconds: the requests in flight then) is given.
+    metric_percentiles: percentiles of the vLLM-format result files (vLLM's
+        ``--metric-percentiles``).
+    timeline_slowest / timeline_by: the timeline shows the slowest N requests by ``e2e`` or
+        ``ttft``, unless ``timeline_ids`` or ``timeline_window_s`` ([start, end] s) is given.
     """
 
     metric_percentiles: tuple[float, ...] = option((50.0, 90.0, 99.0, 99.9), _percentiles)
@@ -301,8 +285,7 @@ def _cuda_graphs(ctx: Context, key: str, v: Any) -> Any:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The real engine (``backend: engine``; backend/README.md); checked only when the
-    backend reads it."""
+    """The real engine (``backend: engine``); checked only when the backend reads it."""
 
     # model directory: config.json + safetensors (absolute)
     model_path: Path | None = option(None, _model_dir)

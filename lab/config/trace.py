@@ -1,8 +1,6 @@
-"""The ``trace:`` section, in one of two typed variants: :class:`TraceConfig` (one trace
-spec, handed to :mod:`traces`) or :class:`ClassesConfig` (a list of workload classes,
-:mod:`traces.classes`). Both answer ``classes``, ``tenants``, ``rate_scales``, ``expected``,
-``format``, ``path`` and ``to_dict``; only a single trace has a ``spec``.
-"""
+"""The ``trace:`` section: :class:`TraceConfig` (one trace spec) or :class:`ClassesConfig`
+(workload classes); both answer ``classes``, ``tenants``, ``rate_scales``, ``expected``,
+``format``, ``path`` and ``to_dict``."""
 
 from __future__ import annotations
 
@@ -35,13 +33,12 @@ def scale_label(scale: float) -> str:
 
 @dataclass(frozen=True)
 class TraceConfig:
-    """``trace:`` as one trace. ``spec`` is handed to :mod:`traces` as it is (traces/spec.py
-    validates it when the trace is loaded), with its paths made absolute.
+    """``trace:`` as one trace; ``spec`` goes to :mod:`traces` as written (checked at load).
 
     Args:
-        spec: the block as written, paths absolute (``rate_scale`` included).
+        spec: the block, paths absolute (``rate_scale`` included).
         rate_scales: the offered-load multipliers, one run per policy each (>= 1 entry).
-        expected: ``trace_file`` of a results' config.yaml (path, sha256, rows), or None.
+        expected: ``trace_file`` of a results' config.yaml, or None.
     """
 
     spec: Mapping[str, Any]
@@ -67,10 +64,9 @@ class TraceConfig:
 
 @dataclass(frozen=True)
 class ClassesConfig:
-    """``trace:`` as a list of workload classes (traces/classes.py), merged into one trace
-    when loaded. Each class is a mapping of :data:`traces.classes.CLASS_KEYS` (name,
-    priority, tenant, slo) and a trace spec of its own, paths absolute; each has one load
-    (its own ``rate_scale`` number), so the experiment has one: ``rate_scales == (1.0,)``."""
+    """``trace:`` as workload classes: each a mapping of :data:`traces.classes.CLASS_KEYS`
+    plus a trace spec, paths absolute, with one ``rate_scale`` number each, so
+    ``rate_scales == (1.0,)``."""
 
     classes: tuple[Mapping[str, Any], ...]
 
@@ -94,8 +90,7 @@ Workload = TraceConfig | ClassesConfig
 def parse_trace(
     ctx: Context, raw: Mapping[str, Any], expected: Mapping[str, Any] | None, key: str = "trace"
 ) -> TraceConfig:
-    """One trace spec: its ``rate_scale`` (a number or a list) checked, its paths made
-    absolute (``path`` must exist); the rest is checked by traces/spec.py at load."""
+    """One trace spec: ``rate_scale`` checked, paths made absolute (``path`` must exist)."""
     where = ctx.where
     spec = copy.deepcopy(dict(raw))
     rs = spec.get("rate_scale", 1.0)
@@ -128,8 +123,7 @@ def parse_trace(
 
 
 def parse_classes(ctx: Context, raw: list) -> ClassesConfig:
-    """``trace:`` as a list of workload classes: each a mapping of :data:`CLASS_KEYS` and a
-    trace spec of its own (one ``rate_scale`` number, not a list)."""
+    """``trace:`` as a list of workload classes (one ``rate_scale`` number each)."""
     where = ctx.where
     if not raw:
         raise fail(where, "trace", "a mapping, or a non-empty list of workload classes", raw)
@@ -191,9 +185,7 @@ def parse_trace_file(ctx: Context, raw: Any) -> Mapping[str, Any]:
 
 
 def with_keys(ctx: Context, trace: Workload, keys: Mapping[str, Any]) -> Workload:
-    """``trace`` with spec keys replaced, validated as in a YAML file; a new ``path`` or
-    ``format`` drops the expected ``trace_file``. Every class gets the keys; ``limit`` is
-    shared among them."""
+    """``trace`` with spec keys replaced (see :meth:`ExperimentConfig.with_trace`)."""
     if isinstance(trace, ClassesConfig):
         n = len(trace.classes)
         if "limit" in keys and isinstance(keys["limit"], int) and keys["limit"] >= 1:

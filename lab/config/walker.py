@@ -1,12 +1,8 @@
 """The walker: one check per YAML value, declared next to the field it checks.
 
-A section is a frozen dataclass whose fields are made by :func:`option`: the default and
-the check of the value as written. :func:`walk` refuses unknown keys, fills in the defaults
-and runs every field's check in field order; each check returns the value to store and
-raises :class:`~lab.core.errors.ConfigError` as one line ``{where}: {key path}: expected
-{what}, got {value}`` (:func:`fail`). The primitives (:func:`check_int`, :func:`check_num`,
-:func:`check_choice`, :func:`check_mapping`) serve the sections whose keys are not fixed
-(the trace, policies, the cluster) too.
+A section is a frozen dataclass of :func:`option` fields; :func:`walk` refuses unknown keys,
+fills defaults and runs each check in field order. A check returns the value to store or
+raises a one-line ConfigError ``{where}: {key path}: expected {what}, got {value}``.
 """
 
 from __future__ import annotations
@@ -24,9 +20,8 @@ from lab.core.errors import ConfigError, did_you_mean, short_repr
 
 @dataclass(frozen=True)
 class Context:
-    """What a check needs besides the value: ``where`` (the file, prefixing messages),
-    ``base_dir`` (relative paths resolve against it: :mod:`lab.config.paths`) and ``reads``
-    (the sections and keys the chosen backend reads: :data:`lab.config.backends.BACKENDS`)."""
+    """``where`` (prefixes messages), ``base_dir`` (resolves relative paths) and ``reads``
+    (what the chosen backend reads: :data:`lab.config.backends.BACKENDS`)."""
 
     where: str
     base_dir: Path
@@ -104,8 +99,8 @@ def check_mapping(where: str, key: str, v: Any, allowed: Collection[str]) -> Map
 
 
 def existing(ctx: Context, key: str, value: str, kind: str, hint: str = "") -> Path:
-    """``value`` resolved (:mod:`lab.config.paths`); ConfigError naming the key and the
-    value as written when no ``kind`` ("file", "directory") exists there."""
+    """``value`` resolved (:mod:`lab.config.paths`); ConfigError if no ``kind`` ("file",
+    "directory") exists there."""
     path = paths.resolve(value, ctx.base_dir)
     if not (path.is_file() if kind == "file" else path.is_dir()):
         raise ConfigError(
@@ -159,9 +154,8 @@ def walk(
     defaults: Mapping[str, Any] | None = None,
     checked: bool = True,
 ) -> dict[str, Any]:
-    """The values of section ``cls`` at ``key``: ``raw`` over ``defaults`` (keys the YAML
-    leaves out; else the fields' own), each checked by its field's declared check in field
-    order unless ``checked`` is false (a section the backend does not read).
+    """The values of section ``cls`` at ``key``: ``raw`` over ``defaults`` (else the
+    fields' own), each checked in field order unless ``checked`` is false.
 
     Raises:
         ConfigError: an unknown key, or the first value its check refuses.

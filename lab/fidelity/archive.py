@@ -1,10 +1,6 @@
-"""The engine side's archive: what is packed, where the repeat pass goes, and unpacking.
-
-An archive ``NAME.tar.gz`` holds ``profile.csv``, ``protocol.yaml``, ``engine.json`` and the
-:data:`PACKED` files of each ``calibration/<name>/`` and ``engine/<window>_<load>/`` folder;
-``NAME_repeat.tar.gz`` beside it holds ``engine_repeat/``; ``NAME_notes.md`` beside it is
-appended to the doc written from it.
-"""
+"""The engine side's archive: ``NAME.tar.gz`` (``profile.csv``, ``protocol.yaml``,
+``engine.json`` and the :data:`PACKED` files of each run folder), ``NAME_repeat.tar.gz``
+(``engine_repeat/``) and ``NAME_notes.md`` (appended to the doc) beside it."""
 
 from __future__ import annotations
 
@@ -18,24 +14,21 @@ PACKED = ("config.yaml", "summary.json", "requests.csv", "steps.csv", "timing.js
 
 
 def repeat_archive(archive: Path) -> Path:
-    """Where the repeat pass is packed, beside ``archive`` (two files, each below the
-    device tool's 16 MB per file)."""
+    """Where the repeat pass is packed, beside ``archive``."""
     return archive.with_name(archive.name.removesuffix(".tar.gz") + "_repeat.tar.gz")
 
 
 def notes_path(archive: Path) -> Path:
-    """The hand-written notes the sim side appends to ``archive``'s doc: beside it and named
-    after it (``NAME.tar.gz``: ``NAME_notes.md``; an unpacked folder: its ``notes.md``), so
-    another archive in the same folder does not get them."""
+    """The notes appended to ``archive``'s doc: ``NAME_notes.md`` beside it, or an unpacked
+    folder's ``notes.md``."""
     if archive.is_dir():
         return archive / "notes.md"
     return archive.with_name(archive.name.removesuffix(".tar.gz") + "_notes.md")
 
 
 def pack(out: Path, archive: Path) -> None:
-    """The profile, the protocol, engine.json and the PACKED files of each calibration and
-    first-pass folder of ``out`` into ``archive`` (.tar.gz); the repeat pass's into
-    :func:`repeat_archive`."""
+    """Pack ``out``'s profile, protocol, engine.json and first-pass folders into ``archive``
+    (.tar.gz), the repeat pass into :func:`repeat_archive`."""
     archive.parent.mkdir(parents=True, exist_ok=True)
     for path, sides, extra in (
         (archive, ("calibration", "engine"), ("profile.csv", "protocol.yaml", "engine.json")),
@@ -54,13 +47,8 @@ def pack(out: Path, archive: Path) -> None:
 
 
 def unpack(archive: Path) -> Path:
-    """The archive's contents (and its repeat archive's) in a new temporary folder, or
-    ``archive`` itself if it is a folder; a missing repeat archive is warned about (no
-    spreads then).
-
-    Raises:
-        SystemExit: one line if ``archive`` does not exist.
-    """
+    """The archive's contents (and its repeat's, warned about if missing) in a new temporary
+    folder, or ``archive`` itself if a folder; SystemExit if it does not exist."""
     if not archive.exists():
         raise SystemExit(
             f"error: {archive}: no such archive (the default is the source checkout's "

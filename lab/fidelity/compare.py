@@ -17,8 +17,8 @@ def rel(sim: float, real: float) -> float:
 
 
 def run_row(slice_name: str, load: float, s, r: dict, again: dict | None) -> dict[str, Any]:
-    """One run's table row: simulated run ``s`` against the engine's summary ``r`` (and its
-    repeat's, ``again``, when there is one)."""
+    """One run's table row: simulated ``s`` against the engine's summary ``r`` (and its
+    repeat ``again``)."""
     row: dict[str, Any] = {"slice": slice_name, "load": load, "policy": s.label}
     for m in METRICS:
         for p in PCTS:
@@ -40,13 +40,10 @@ def run_row(slice_name: str, load: float, s, r: dict, again: dict | None) -> dic
 
 
 def predicted_durations(model, st, async_scheduling: bool = False):
-    """Each step's duration in seconds predicted by the calibrated ``model`` from its exact
-    batch, for one run's steps ``st`` (a steps.csv frame of one policy, in step order).
-
-    Synchronous: the step time S (host + device). Asynchronous: the clock the simulator
-    runs, max(S_n - H_n, H_{n+1}) with H the model's host time, where H_{n+1} counts only
-    if step n + 1 starts where step n ends (it was planned while n ran; after an idle gap
-    the pipeline restarts), as the engine's steps.csv durations are that clock."""
+    """Each step's duration in seconds predicted by ``model`` from its exact batch, for one
+    policy's steps.csv frame ``st`` in step order. Synchronous: S (host + device);
+    asynchronous: max(S_n - H_n, H_{n+1}), H_{n+1} counted only if step n + 1 starts where
+    n ends."""
     import numpy as np
 
     from lab.sim.calibrated import design, host_design, steps_as_profile
@@ -64,11 +61,8 @@ def predicted_durations(model, st, async_scheduling: bool = False):
 
 
 def step_noise(st):
-    """Each engine step's distance from the median duration of the run's steps of the same
-    shape, |d / median - 1| (NaN where fewer than 5 steps share it): the engine's own
-    step-to-step spread, which no prediction from a step's features can beat. A shape is the
-    step's kind, prompt tokens (to 64), prompts, decodes and context tokens (decode context
-    to 512 x decodes, prompt context to 512)."""
+    """Each engine step's |d / median - 1| against the run's steps of the same shape (NaN
+    where fewer than 5 share it)."""
     import numpy as np
 
     decodes = st.num_decode_tokens.to_numpy()
@@ -87,8 +81,7 @@ def step_noise(st):
 
 
 def step_kind(st) -> list[str]:
-    """Each engine step's kind: swap (blocks copied), mixed (prompt tokens and decodes),
-    prefill (prompt tokens only), decode (decodes only)."""
+    """Each engine step's kind: swap, mixed, prefill or decode."""
     out = []
     for p, d, so, si in zip(st.num_prefill_tokens, st.num_decode_tokens,
                             st.num_swap_out_blocks, st.num_swap_in_blocks):  # fmt: skip
@@ -97,11 +90,10 @@ def step_kind(st) -> list[str]:
 
 
 def rank_agreement(table, equivalent: frozenset = frozenset()) -> list[dict[str, Any]]:
-    """For every (slice, load), ranked metric and pair of policies whose engine difference
-    exceeds the engine's own spread (|a - b| > |a - a'| + |b - b'|, a' the repeat) and
-    which the repeat orders the same way: does the simulator order them the same way?
-    Pairs in ``equivalent`` ((slice, load, a, b): b, fed a's engine step durations, plans
-    every step as a did) are left out. Empty without repeat columns."""
+    """For every (slice, load), metric and policy pair whose engine difference exceeds the
+    engine's spread (|a - b| > |a - a'| + |b - b'|) and which the repeat orders alike: does
+    the simulator order them alike? Pairs in ``equivalent`` are left out; empty without
+    repeat columns."""
     out = []
     if "again_ttft_s_p50" not in table:
         return out

@@ -1,23 +1,11 @@
 """The engine side (``--engine``, GPU): each step a process of its own under a time limit.
 
-1. every run's config (:func:`~lab.fidelity.protocol.check_runs`) and the device
-   (:func:`check_device`) checked, then a random-weight checkpoint of the protocol's preset,
-   if missing;
-2. ``backend.profile`` on it, the runner shaped as the engine runs are: ``profile.csv``;
-3. pass ``calibration`` (when the protocol has ``calibration:``): its synthetic workloads
-   replayed synchronously through its policies, each into ``calibration/<name>/``;
-4. pass ``first``: per window, the engine's capacity (all requests at t = 0, fcfs:
-   finished / makespan), then every load through every policy, each (window, load) into
-   ``engine/<window>_<load>/``;
-5. pass ``repeat``: each first-pass folder's config.yaml again, into ``engine_repeat/``;
-
-then everything packed into ``--archive`` (:func:`~lab.fidelity.archive.pack`).
-
-Time: ``time_limits_s.total`` for all of it, from the start; ``profile`` and ``calibration``
-for those steps; the first pass gets 52% of what is left after them, the repeat the rest. A
-folder that would not end inside its pass's limit (estimated from the capacity) is skipped
-and listed in ``engine.json``. Stopped (SIGTERM, Ctrl-C), the running step is stopped and
-what ended before it is packed.
+Steps: check every run and the device, make a random-weight checkpoint if missing;
+``backend.profile`` (``profile.csv``); pass ``calibration`` (``calibration/<name>/``); pass
+``first`` (each window's capacity, then every load and policy into
+``engine/<window>_<load>/``); pass ``repeat`` (``engine_repeat/``); pack ``--archive``.
+A folder that would not end inside its pass's time limit is skipped and listed in
+``engine.json``; on SIGTERM or Ctrl-C the running step is stopped and what ended is packed.
 """
 
 from __future__ import annotations
@@ -57,9 +45,8 @@ def _stop(signum: int, frame: Any) -> None:
 
 
 def _run_step(argv: list[str]) -> int:
-    """Run one step's command to its end; returns its exit status. If this process is
-    interrupted meanwhile, the step is stopped first (SIGTERM, which ``timeout`` hands on
-    to the pass; SIGKILL after 15 s), so no pass outlives the parent."""
+    """Run one step's command; its exit status. If this process is interrupted, the step
+    is stopped first (SIGTERM, SIGKILL after 15 s)."""
     proc = subprocess.Popen(argv, cwd=ROOT)
     try:
         return proc.wait()
@@ -74,12 +61,8 @@ def _run_step(argv: list[str]) -> int:
 
 
 def check_device(protocol: dict[str, Any], path: Path) -> None:
-    """The engine device the protocol's experiment names is here: for ``cuda``, torch sees a
-    GPU. Checked before the checkpoint is made.
-
-    Raises:
-        SystemExit: one line naming ``experiment.engine.device``.
-    """
+    """SystemExit (one line naming ``experiment.engine.device``) unless torch sees the GPU
+    the protocol's ``cuda`` device needs."""
     device = str((protocol["experiment"].get("engine") or {}).get("device", "cpu"))
     if device.startswith("cuda"):
         import torch
@@ -101,9 +84,8 @@ def _free_device_cache() -> None:
 
 
 def _prepare(protocol: dict[str, Any], protocol_path: Path, out: Path) -> Path:
-    """Check every run and the device, then clear ``out`` of an earlier run's files and copy
-    the protocol there; returns the checkpoint folder. On a failed check, the checkpoint
-    folders made for it are removed again (if still empty) and SystemExit propagates."""
+    """Check every run and the device, clear ``out`` and copy the protocol there; returns
+    the checkpoint folder (removed again, if empty, when a check fails)."""
     ckpt = ROOT / protocol["checkpoint"]["dir"]
     made = [d for d in (ckpt, *ckpt.parents) if not d.exists()]  # deepest first
     ckpt.mkdir(parents=True, exist_ok=True)  # engine.model_path must exist for check_runs
@@ -125,8 +107,7 @@ def _prepare(protocol: dict[str, Any], protocol_path: Path, out: Path) -> Path:
 
 
 def _make_checkpoint(protocol: dict[str, Any], ckpt: Path) -> None:
-    """A random-weight checkpoint of the protocol's preset (or config) in ``ckpt``, if it
-    has none."""
+    """A random-weight checkpoint of the protocol's preset (or config) in ``ckpt``, if none."""
     if (ckpt / "config.json").exists():
         return
     from backend.tools.random_checkpoint import write_random_checkpoint
@@ -167,9 +148,8 @@ def _run_steps(
     args: list[str],
     log: dict[str, Any],
 ) -> tuple[int, bool]:
-    """Run the steps in order, each under its limit (the passes with ``args`` and their
-    deadline), timing them into ``log["steps"]``. Returns (exit status, whether to pack):
-    a failed or stopped profile packs nothing; a stop packs what ended before it."""
+    """Run the steps in order, each under its limit, timing them into ``log["steps"]``.
+    Returns (exit status, whether to pack): a failed or stopped profile packs nothing."""
     status = 0
     for name, cmd in steps:
         left = end - time.time()
@@ -206,9 +186,9 @@ def _run_steps(
 
 
 def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
-    """The whole engine side (see the module docstring) into ``out``, packed into
-    ``archive`` when given; returns the exit status (0, or 1 if a step failed or no run
-    ended). Raises SystemExit (one line) for a bad protocol, run or device."""
+    """The whole engine side into ``out``, packed into ``archive`` when given; returns 0,
+    or 1 if a step failed or no run ended. SystemExit (one line) for a bad protocol, run or
+    device."""
     protocol = load_protocol(protocol_path)
     ckpt = _prepare(protocol, protocol_path, out)
     limits = protocol["time_limits_s"]
@@ -246,18 +226,15 @@ def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
 
 
 def engine_pass(which: str, protocol_path: Path, out: Path, deadline: float) -> None:
-    """One pass of engine runs in this process (``calibration``: the synthetic workloads;
-    ``first``: capacity + runs; ``repeat``: the first pass's folders again), recorded in
-    ``out/engine.json`` as each run ends; a run that would end past ``deadline`` (epoch
-    seconds) is skipped."""
+    """One pass of engine runs in this process, recorded in ``out/engine.json`` as each
+    run ends; a run that would end past ``deadline`` (epoch seconds) is skipped."""
     one = _Pass(protocol_path, out, deadline)
     {"calibration": one.calibration, "first": one.first, "repeat": one.repeat}[which]()
     one.save()  # the skips after the last run
 
 
 class _Pass:
-    """A pass's protocol, working folder, deadline and ``engine.json`` record (read at
-    start, so the first pass keeps the calibration pass's entries)."""
+    """A pass's protocol, folder, deadline and ``engine.json`` record."""
 
     def __init__(self, protocol_path: Path, out: Path, deadline: float) -> None:
         self.protocol = load_protocol(protocol_path)

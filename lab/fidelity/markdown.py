@@ -35,10 +35,9 @@ def write_doc(
     table, steps, rankings, plans, record, stale, profile: Path, archive: Path,
     protocol: dict[str, Any], equivalent,
 ) -> str:  # fmt: skip
-    """The doc's markdown (without the archive's notes), from the sim side's per-run
-    ``table``, per-step errors ``steps``, ``rankings``, ``plans`` (plan_match per run), the
-    archive's ``engine.json`` ``record``, ``stale`` (folder -> (stale, why)), the profile,
-    the archive's path, its protocol and the ``equivalent`` policy pairs."""
+    """The doc's markdown (without the archive's notes) from the sim side's results, the
+    archive's ``record``, ``stale`` (folder -> (stale, why)), profile, path, protocol and
+    ``equivalent`` policy pairs."""
     import numpy as np
 
     run_table, met, missed = _run_table(table)

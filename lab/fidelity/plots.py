@@ -6,10 +6,9 @@ from pathlib import Path
 
 
 def plots(steps, cdfs, out_dir: Path) -> None:
-    """Write ``heldout_step_error.png`` (CDF of each step kind's error; ``steps`` has
-    ``kind`` and ``err`` columns) and ``heldout_cdfs.png`` (TTFT and E2E CDFs, engine solid,
-    simulator dashed; ``cdfs`` maps (window, load, policy) to metric -> (engine, sim)
-    samples) into ``out_dir``."""
+    """Write ``heldout_step_error.png`` (per step kind CDF of ``steps.err``) and
+    ``heldout_cdfs.png`` (TTFT and E2E CDFs; ``cdfs``: (window, load, policy) -> metric ->
+    (engine, sim) samples) into ``out_dir``."""
     import matplotlib
 
     matplotlib.use("Agg")

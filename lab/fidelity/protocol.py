@@ -1,9 +1,6 @@
-"""The fidelity protocol: one YAML of trace windows, loads, engine experiment and time limits.
-
-Loads are fractions of each window's measured engine capacity (:func:`capacity_run`); every
-run's raw config comes from :func:`slice_config` or :func:`calibration_config`, and each
-(window, load) pair is one results folder named by :func:`folder_name`.
-"""
+"""The fidelity protocol: one YAML of trace windows, loads (fractions of each window's
+measured engine capacity), engine experiment and time limits; each (window, load) is one
+results folder (:func:`folder_name`)."""
 
 from __future__ import annotations
 
@@ -42,11 +39,8 @@ def load_protocol(path: Path) -> dict[str, Any]:
     """A protocol YAML, its shape checked before any GPU work.
 
     Raises:
-        SystemExit: ``error: PATH: KEY: expected ...`` (one line) for a missing or unreadable
-            file, an unknown or missing key, a checkpoint without a folder (dir) or a known
-            preset (or a config), a time limit that is not a number > 0, loads
-            that are not distinct numbers > 0, no slices, an experiment that is not an
-            engine run, or a calibration workload that is not a synthetic trace.
+        SystemExit: ``error: PATH: KEY: expected ...`` (one line) for an unreadable file, an
+            unknown or missing key, or a bad value.
     """
     fail = _Fail(path)
     try:
@@ -135,12 +129,9 @@ def folder_name(slice_name: str, load: float) -> str:
 
 
 def calibration_config(protocol: dict[str, Any], name: str) -> dict[str, Any]:
-    """The raw experiment config of calibration workload ``name``: the protocol's engine
-    experiment over that synthetic trace, through ``calibration.policies`` when given.
-
-    Always synchronous (``scheduler.async_scheduling: false``): its steps.csv durations are
-    then step times (host + device), which the calibrated model fits; an asynchronous
-    step's duration, max(device time of N, host time of N + 1), is not such a row."""
+    """The raw experiment config of calibration workload ``name`` (through
+    ``calibration.policies`` when given); always synchronous, so its steps.csv durations
+    are host + device step times."""
     cal = protocol["calibration"]
     raw = {**copy.deepcopy(protocol["experiment"]), "name": f"calibration_{name}",
            "trace": dict(cal["workloads"][name])}  # fmt: skip
@@ -159,8 +150,8 @@ def slice_config(protocol: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def check_runs(protocol: dict[str, Any], path: Path) -> None:
-    """Every config the engine side will run (calibration workloads, windows), validated
-    before the profile: one line naming the protocol key (SystemExit)."""
+    """Validate every config the engine side will run before the profile; SystemExit (one
+    line naming the protocol key)."""
     from lab.config import validate
     from lab.core.errors import UserError
     from traces import load_trace
@@ -183,8 +174,7 @@ def check_runs(protocol: dict[str, Any], path: Path) -> None:
 
 def profile_geometry(exp: dict[str, Any]) -> list[str]:
     """``backend.profile`` arguments that give the profiled runner the engine runs' shape
-    (max_model_len, max_num_seqs, num_gpu_blocks): the width of its block tables and graph
-    buffers changes step times."""
+    (max_model_len, max_num_seqs, num_gpu_blocks)."""
     sch, kv = exp.get("scheduler", {}), exp.get("kv_cache", {})
     args = []
     for flag, value in (("--max-model-len", sch.get("max_model_len")),
@@ -196,8 +186,8 @@ def profile_geometry(exp: dict[str, Any]) -> list[str]:
 
 
 def capacity_run(cfg: ExperimentConfig) -> tuple[list, float, ExperimentConfig]:
-    """A window's capacity run: its requests (dropped ones left out) all arriving at t = 0,
-    its own rate (requests per second over its span) and ``cfg`` through fcfs alone."""
+    """A window's capacity run (its replayed requests all at t = 0, through fcfs), and its
+    own rate (req/s over its span)."""
     from traces import load_trace
 
     reqs = [r for r in load_trace(cfg.trace.spec, ROOT) if r.status.value != "dropped"]
@@ -211,8 +201,7 @@ def capacity_run(cfg: ExperimentConfig) -> tuple[list, float, ExperimentConfig]:
 def pass_estimate_s(
     cfg: ExperimentConfig, num_requests: int, load: float, capacity: float
 ) -> float:
-    """Seconds a (window, load) folder takes in a pass, all policies: each run lasts about
-    requests / min(offered rate, capacity), a little more."""
+    """Estimated seconds of a (window, load) folder in a pass, all policies."""
     return 1.15 * len(cfg.policies) * num_requests / (min(load, 1.0) * capacity) + 3
 
 
@@ -222,8 +211,8 @@ def load_config(cfg: ExperimentConfig, folder: str, rate_scale: float) -> Experi
 
 
 def engine_config(raw: dict[str, Any]) -> ExperimentConfig:
-    """A results folder's config.yaml as an ExperimentConfig, its paths resolved in this
-    checkout (the folder may come from another machine)."""
+    """A results folder's config.yaml as an ExperimentConfig, paths resolved in this
+    checkout."""
     from lab.config import validate
 
     def here(path: str, folder: str) -> str:  # a path of another machine: this checkout's

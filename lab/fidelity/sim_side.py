@@ -1,13 +1,7 @@
-"""The simulator side (``--sim``, CPU): every engine run of an archive replayed and compared.
-
-Each engine run is replayed twice: with the cost model calibrated from the archive's profile
-and calibration replays alone (errors of TTFT, TPOT, ITL, E2E P50/P90/P99 and throughput,
-beside the engine's own run-to-run spread; policy rankings, leaving out pairs that plan
-alike: :func:`plans_alike`), and with the engine's measured durations
-(``cost_model.durations_from``: the fraction of steps planned identically). Each engine
-step's duration is also predicted from its exact batch, beside the engine's own spread
-between steps of one shape (:mod:`lab.fidelity.compare`).
-"""
+"""The simulator side (``--sim``, CPU): every engine run of an archive replayed twice, with
+the cost model calibrated from the archive alone (latency and throughput errors, policy
+rankings) and with the engine's measured durations (plan match); each engine step's
+duration is also predicted from its exact batch (:mod:`lab.fidelity.compare`)."""
 
 from __future__ import annotations
 
@@ -31,15 +25,13 @@ from lab.fidelity.protocol import engine_config
 
 
 def sim(archive: Path, doc: Path) -> dict[str, Any]:
-    """Every comparison of the simulator side; writes the markdown ``doc``, its table
-    (``fidelity/heldout.csv``) and plots beside it; returns the numbers (``table``,
-    ``steps``, ``rankings``, ``plans``). The archive is unpacked into a temporary folder,
-    removed at the end.
+    """Every comparison of the simulator side; writes the markdown ``doc``,
+    ``fidelity/heldout.csv`` and plots beside it; returns the numbers (``table``, ``steps``,
+    ``rankings``, ``plans``).
 
     Raises:
-        SystemExit: one line, before any replay, if ``doc`` is a folder or its folder
-            cannot be made or written, or if the archive is missing or not an engine
-            side's."""
+        SystemExit: one line, before any replay, if ``doc`` cannot be written, or the
+            archive is missing or not an engine side's."""
     try:
         doc.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -55,12 +47,8 @@ def sim(archive: Path, doc: Path) -> dict[str, Any]:
 
 
 def read_record(archive: Path, src: Path) -> dict[str, Any]:
-    """The unpacked archive's ``engine.json``, checked: its folders and calibration names
-    each name a folder holding a steps.csv, the folders as ``WINDOW_LOAD``.
-
-    Raises:
-        SystemExit: one line naming ``archive`` and what is wrong.
-    """
+    """The unpacked archive's ``engine.json``, checked (each folder holds a steps.csv and is
+    named ``WINDOW_LOAD``); SystemExit naming ``archive`` otherwise."""
     if not (src / "engine.json").exists() or not (src / "profile.csv").exists():
         raise SystemExit(
             f"error: {archive}: no engine.json or profile.csv (not an engine side's archive)"
@@ -143,8 +131,8 @@ def _sim(archive: Path, src: Path, doc: Path) -> dict[str, Any]:
 
 
 def _compare_folder(src: Path, folder: str, model, cost_model: dict, c: Comparison) -> None:
-    """Engine folder ``folder`` (one window at one load, every policy) replayed in the
-    simulator, calibrated and with the engine's durations; its comparisons added to ``c``."""
+    """Replay one engine folder (a window at a load, every policy), calibrated and with the
+    engine's durations; add its comparisons to ``c``."""
     import pandas as pd
 
     from lab.run.experiment import run_experiment
@@ -201,8 +189,7 @@ def _compare_folder(src: Path, folder: str, model, cost_model: dict, c: Comparis
 
 
 def plan_alike_replay(raw: dict, real_steps, a: str, b: str):
-    """Policy ``b`` of an engine run's config replayed with policy ``a``'s measured step
-    durations (``cost_model.durations_from``, a's rows relabelled b): its plan_match."""
+    """plan_match of policy ``b`` replayed with policy ``a``'s measured step durations."""
     import logging
 
     from lab.run.experiment import run_experiment
@@ -222,9 +209,7 @@ def plan_alike_replay(raw: dict, real_steps, a: str, b: str):
 
 
 def plans_alike(raw: dict, real_steps, a: str, b: str) -> bool:
-    """Whether policies ``a`` and ``b`` plan alike on this run: ``b`` fed ``a``'s engine
-    step durations makes ``a``'s plan on every step (then what differs between them on the
-    engine is its noise, not the policy)."""
+    """Whether ``b`` fed ``a``'s engine step durations makes ``a``'s plan on every step."""
     from lab.core.errors import UserError
 
     try:

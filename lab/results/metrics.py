@@ -22,8 +22,8 @@ import numpy as np
 import pandas as pd
 
 from lab.core.request import Request, RequestStatus
-from lab.sim.records import ReplayResult
 from lab.results.spec_metrics import split_gaps
+from lab.sim.records import ReplayResult
 
 PERCENTILES = (50, 90, 99)
 CDF_POINTS = 2000  # points of a latency CDF kept for the plots

@@ -4,6 +4,7 @@ returns a request it may not preempt stops the run with one line naming the hook
 
 from __future__ import annotations
 
+import copy
 import re
 import sys
 import types
@@ -89,6 +90,35 @@ def test_a_victim_whose_last_token_is_in_flight_stops_the_run(readme_policy):
     ), run.result.failure
     assert "its last token is in flight" in run.result.failure
     assert "self.preemptable()" in run.result.failure
+
+
+@pytest.mark.parametrize(
+    ("pick", "why"),
+    [
+        (lambda s: None, "pick_victim() returned None, not a request"),
+        (lambda s: copy.copy(s.running[0]), "it is not one of self.running (a copy?)"),
+        (lambda s: s.waiting[0] if s.waiting else s.running[0], "it is waiting, not running"),
+    ],
+)
+def test_a_victim_that_is_no_running_request_stops_the_run(readme_policy, pick, why):
+    """Whatever a pick_victim() hook returns that is not one of ``preemptable()`` (None, a
+    copy of a request, a waiting request) stops the run with one line, sync and async."""
+
+    class Bad(readme_policy.ShortestPrompt):
+        def pick_victim(self):
+            return pick(self)
+
+    name = f"{NAME}_bad_pick"
+    register_policy(name)(Bad)
+    try:
+        for async_scheduling in (False, True):
+            policy = {"name": name, "async_scheduling": async_scheduling}
+            (run,) = run_experiment(validate(config(policy)), progress=False)
+            assert run.result.failure is not None
+            assert run.result.failure.startswith(f"SchedulerStuckError: policy '{name}': ")
+            assert why in run.result.failure, run.result.failure
+    finally:
+        POLICIES.pop(name, None)
 
 
 def readme_block(first_line: str) -> str:

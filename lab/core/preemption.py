@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from lab.core.errors import SchedulerStuckError
+from lab.core.errors import SchedulerStuckError, short_repr
 from lab.core.events import PREEMPTED, SWAPPED_IN
 from lab.core.kv import blocks_for
 from lab.core.plan import PreemptionMode, SchedulerOutput
@@ -48,8 +48,15 @@ class Preemption:
 
     def _check_victim(self, victim: Request, hook: str) -> None:
         """SchedulerStuckError naming ``hook`` unless ``victim`` is one of ``preemptable()``."""
+        if not isinstance(victim, Request):
+            raise SchedulerStuckError(
+                f"policy {self.name!r}: {hook} returned {short_repr(victim)}, not a request; "
+                f"a victim must be one of self.preemptable()"
+            )
         if victim.status is not RequestStatus.RUNNING:
             why = f"it is {victim.status.value}, not running"
+        elif not any(v is victim for v in self.running):
+            why = "it is not one of self.running (a copy?)"
         elif victim in self.in_flight.finishing:
             why = "its last token is in flight (asynchronous scheduling)"
         else:

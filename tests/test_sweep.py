@@ -490,3 +490,36 @@ def test_a_sweep_over_workload_classes_runs_every_point(tmp_path):
     # --limit is shared among the classes, as ExperimentConfig.with_trace shares it
     sweep = load_sweep(path, limit=4)
     assert [c["limit"] for c in sweep.configs["p000"].trace.classes] == [2, 2]
+
+
+def test_trace_keys_over_workload_classes_apply_to_every_class(tmp_path):
+    """``trace.rate_scale`` scales every class by the value (each keeps its own share);
+    ``trace.limit`` is shared among the classes; another ``trace.KEY`` is set in each; a
+    class's name still picks that class."""
+    raw = {"trace": [{"name": "chat", "rate_scale": 0.5}, {"name": "batch"}]}
+    set_path(raw, "trace.rate_scale", 4, "f")
+    set_path(raw, "trace.limit", 9, "f")
+    set_path(raw, "trace.seed", 7, "f")
+    set_path(raw, "trace.chat.prompt_len", 5, "f")
+    assert raw["trace"] == [
+        {"name": "chat", "rate_scale": 2.0, "limit": 4, "seed": 7, "prompt_len": 5},
+        {"name": "batch", "rate_scale": 4, "limit": 4, "seed": 7},
+    ]
+    # a grid over trace.rate_scale of a classes experiment runs every point
+    classes = (
+        "trace:\n"
+        "  - {name: chat, format: synthetic, num_requests: 6, prompt_len: 32, output_len: 4,\n"
+        "     arrival: {process: poisson, rate: 4}, rate_scale: 0.5}\n"
+        "  - {name: batch, format: synthetic, num_requests: 4, prompt_len: 128, output_len: 8,\n"
+        "     arrival: {process: poisson, rate: 2}}\n"
+        "policies: [fcfs]\nsweep: {grid: {trace.rate_scale: [1, 3]}}\n"
+    )
+    path = write(tmp_path, classes)
+    sweep = load_sweep(path)
+    scales = [[c["rate_scale"] for c in cfg.trace.classes] for cfg in sweep.configs.values()]
+    assert scales == [[0.5, 1], [1.5, 3]]
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
+    rows = pd.read_csv(out / "sweep.csv")
+    assert (rows["status"] == "ok").all()
+    assert rows[rows["class"] == "all"]["finished"].tolist() == [10, 10]

@@ -49,7 +49,9 @@ def set_path(raw: dict, path: str, value: Any, where: str) -> None:
     for i, k in enumerate(keys):
         last = i == len(keys) - 1
         done = _show_path(keys[:i])
-        if isinstance(node, list):
+        if isinstance(node, list) and last and _every_class(node, k, done):
+            _set_in_every_class(node, k, value)
+        elif isinstance(node, list):
             j = _list_index(node, k, done, path, where)
             if last:
                 node[j] = value
@@ -69,6 +71,29 @@ def set_path(raw: dict, path: str, value: Any, where: str) -> None:
                     node[k] = list(DEFAULT_POLICIES)
                 node[k] = _descend(node.get(k), _show_path(keys[: i + 1]), path, where)
                 node = node[k]
+
+
+def _every_class(node: list, k: Key, done: str) -> bool:
+    """``trace.KEY`` on a trace given as workload classes (KEY not a class's name): a key
+    of every class."""
+    return done == "trace" and isinstance(k, str) and k not in [_entry_label(e) for e in node]
+
+
+def _set_in_every_class(classes: list, k: str, value: Any) -> None:
+    """``rate_scale`` multiplies each class's own (the mix of classes is kept); ``limit`` is
+    shared among the classes (as ``ExperimentConfig.with_trace`` shares it); any other key
+    is set in each."""
+    for i, c in enumerate(classes):
+        c = classes[i] = dict(c) if isinstance(c, Mapping) else c
+        if not isinstance(c, dict):
+            continue  # the config's check names the bad entry
+        if k == "rate_scale" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            own = c.get("rate_scale", 1.0)
+            c[k] = own * value if isinstance(own, (int, float)) else value
+        elif k == "limit" and isinstance(value, int) and not isinstance(value, bool):
+            c[k] = max(1, value // len(classes))
+        else:
+            c[k] = value
 
 
 def _descend(node: Any, at: str, path: str, where: str) -> Any:

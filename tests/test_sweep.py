@@ -119,8 +119,8 @@ BAD = [
     ),
     (
         "sweep: {grid: {trace.num_request: [5]}}\n",
-        "sweep point p000 (trace.num_request=5): trace: unknown key 'num_request'; allowed "
-        "keys: arrival, end_s, format, hash_block_size, limit, num_requests, output_len, "
+        "sweep point p000 (trace.num_request=5): trace: unknown key 'num_request' (did you "
+        "mean 'num_requests'?); allowed keys: arrival, end_s, format, hash_block_size, limit, num_requests, output_len, "
         "prefix, prompt_len, rate_scale, seed, start_s",
     ),
     ("sweep: {grid: {}}\n", "sweep.grid: expected a mapping of key paths to non-empty lists"),

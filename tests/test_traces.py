@@ -614,8 +614,8 @@ BAD_SPECS = [
     (
         {**AZURE, "limt": 10},
         (
-            "trace: unknown key 'limt'; allowed keys: end_s, format, hash_block_size, limit, "
-            "path, prefix, rate_scale, seed, start_s"
+            "trace: unknown key 'limt' (did you mean 'limit'?); allowed keys: end_s, format, "
+            "hash_block_size, limit, path, prefix, rate_scale, seed, start_s"
         ),
     ),
     ({**SMALL_SYNTHETIC, "path": "x.csv"}, "trace: unknown key 'path'"),

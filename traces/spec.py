@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from lab.core.errors import TraceError, short_repr
+from lab.core.errors import TraceError, did_you_mean, short_repr
 
 # Key path of the trace block in an experiment YAML, the prefix of every spec message.
 WHERE = "trace"
@@ -28,7 +28,10 @@ def check_keys(spec: Mapping[str, Any], allowed: Iterable[str], where: str) -> N
     allowed = sorted(allowed)
     for key in spec:
         if key not in allowed:
-            raise TraceError(f"{where}: unknown key {key!r}; allowed keys: {', '.join(allowed)}")
+            hint = did_you_mean(key, allowed, quote=True)
+            raise TraceError(
+                f"{where}: unknown key {key!r}{hint}; allowed keys: {', '.join(allowed)}"
+            )
 
 
 def get_int(
@@ -87,7 +90,10 @@ def get_choice(
     choices = list(choices)
     value = spec.get(key, default)
     if value not in choices:
-        raise TraceError(f"{where}.{key}: expected one of {', '.join(choices)}; got {_show(value)}")
+        raise TraceError(
+            f"{where}.{key}: expected one of {', '.join(choices)}; got {_show(value)}"
+            f"{did_you_mean(value, choices, quote=True)}"
+        )
     return value
 
 

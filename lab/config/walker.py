@@ -74,7 +74,8 @@ def check_num(
 def check_choice(where: str, key: str, v: Any, choices: Collection[str]) -> str:
     """One of ``choices`` (the message lists them sorted)."""
     if not isinstance(v, str) or v not in choices:
-        raise fail(where, key, "one of " + ", ".join(sorted(choices)), v)
+        e = fail(where, key, "one of " + ", ".join(sorted(choices)), v)
+        raise ConfigError(f"{e}{did_you_mean(v, choices, quote=True)}")
     return v
 
 

@@ -486,7 +486,9 @@ def test_engine_side_names_a_bad_window_before_the_checkpoint(tmp_path, capsys) 
     protocol.write_text(yaml.safe_dump(p))
     assert main(["--engine", "--protocol", str(protocol), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: slices.mooncake: trace: unknown key 'limt'; allowed keys:")
+    assert err.startswith(
+        "error: slices.mooncake: trace: unknown key 'limt' (did you mean 'limit'?); allowed keys:"
+    )
     assert "\n" not in err
     assert not ckpt.exists()
 

@@ -25,7 +25,7 @@ def check_mapping(value: Any, where: str) -> Mapping[str, Any]:
 
 def check_keys(spec: Mapping[str, Any], allowed: Iterable[str], where: str) -> None:
     """Reject any key of ``spec`` not in ``allowed`` (typos would otherwise be ignored)."""
-    allowed = sorted(allowed)
+    allowed = sorted(set(allowed))
     for key in spec:
         if key not in allowed:
             hint = did_you_mean(key, allowed, quote=True)

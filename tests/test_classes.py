@@ -71,6 +71,17 @@ def test_a_class_trace_error_names_the_class(tmp_path):
         load_classes(classes, tmp_path)
 
 
+def test_a_typo_of_a_class_key_names_the_class_keys(tmp_path):
+    classes = two_classes(tmp_path)
+    classes[0]["priorty"] = 1
+    with pytest.raises(
+        Exception,
+        match=r"^trace\[0\] \(class 'chat'\): unknown key 'priorty' \(did you mean 'priority'\?\); "
+        r"a class's own keys: name, priority, tenant, slo$",
+    ):
+        load_classes(classes, tmp_path)
+
+
 def config(tmp_path, trace, policies=("fcfs",), **top):
     return validate(
         {"name": "c", "trace": trace, "policies": list(policies), **top}, "exp.yaml", tmp_path

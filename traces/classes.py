@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lab.core.errors import TraceError
+from lab.core.errors import TraceError, did_you_mean
 from lab.core.request import Request, RequestStatus
 from traces import load_table, scale_table
 
@@ -42,6 +42,12 @@ def load_classes(
     """
     keyed, rows = [], 0
     for i, c in enumerate(classes):
+        for key in c:
+            if key not in CLASS_KEYS and (hint := did_you_mean(key, CLASS_KEYS, quote=True)):
+                raise TraceError(
+                    _in_class(f"unknown key {key!r}{hint}; a class's own keys: "
+                              f"{', '.join(CLASS_KEYS)}", i, c["name"])
+                )  # fmt: skip
         spec = {"seed": seed + i, **{k: v for k, v in c.items() if k not in CLASS_KEYS}}
         try:
             table, n = load_table(spec, base_dir)

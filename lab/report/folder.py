@@ -67,14 +67,7 @@ def write_results(
     if fmt not in FORMATS:
         raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
     out_dir = check_out_dir(out_dir)
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    except OSError as e:
-        raise UserError(f"--out {out_dir}: cannot write the results ({e})") from None
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; results are for sharing
+    tmp = temp_folder(out_dir)
     phase = Phase("writing results", 5, "file", bars).start()  # 5 advances below
     try:
         _write_files(tmp, cfg, runs, decode, partial, fmt, phase)
@@ -138,6 +131,24 @@ def _write_files(
     (tmp / MANIFEST).write_text(
         json.dumps({"written_by": f"sched-lab {__version__}", "files": files}, indent=2) + "\n"
     )
+
+
+def temp_folder(out_dir: Path) -> Path:
+    """A new empty folder beside ``out_dir`` to write its results into before
+    :func:`put_in_place`; readable as the umask allows (mkdtemp makes it private).
+
+    Raises:
+        UserError: it cannot be made.
+    """
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as e:
+        raise UserError(f"--out {out_dir}: cannot write the results ({e})") from None
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
 
 
 def put_in_place(tmp: Path, out_dir: Path) -> None:

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ import yaml
 
 from lab import __version__
 from lab.core.errors import UserError
-from lab.report.folder import MANIFEST, check_out_dir, put_in_place
+from lab.report.folder import MANIFEST, check_out_dir, put_in_place, temp_folder
 
 LEAD = ("point", "status", "error")
 
@@ -34,14 +32,7 @@ def write_sweep(
         lab.report.folder.ResultsNotPlaced: the final rename failed (the message says where).
     """
     out = check_out_dir(out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    except OSError as e:
-        raise UserError(f"--out {out}: cannot write the results ({e})") from None
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
+    tmp = temp_folder(out)
     try:
         _write(tmp, sweep, tasks, results, timing)
     except OSError as e:

@@ -1,5 +1,5 @@
-"""Asynchronous scheduling in the core and the replay loop (lab/core/scheduler.py module doc,
-lab/sim/replay.py): hand-computed timelines with block size 4 and a fixed-cost executor
+"""Asynchronous scheduling in the core and the replay loop (docs/ARCHITECTURE.md, "Scheduler
+rules"; lab/sim/replay.py): hand-computed timelines with block size 4 and a fixed-cost executor
 (every step takes 1 s, host time 0), and the sync invariants of tests/test_properties.py
 with async on, plus the exact wasted-slot rule.
 

@@ -38,7 +38,7 @@ MAX_HOST_PER_SEQ_S = 1.0  # host seconds per sequence of a step; real engines ta
 DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 LIMIT_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")  # a policy's own
 VICTIM_KEY = "preemption_victim"  # every policy's option (lab/core/scheduler.py VICTIM_RULES)
-ASYNC_KEY = "async_scheduling"  # every policy's option (lab/core/scheduler.py module doc)
+ASYNC_KEY = "async_scheduling"  # every policy's option (docs/ARCHITECTURE.md, "Scheduler rules")
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 

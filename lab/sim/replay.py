@@ -9,8 +9,8 @@ environment, with two processes as methods:
   executor, wait the step's duration, then let the scheduler apply the step's results at
   the new time (``Scheduler.update``). The loop owns time and the per-step records
   (:class:`lab.sim.records.StepRecorder`); all request state belongs to the scheduler.
-* Asynchronous scheduling (``Scheduler.async_scheduling``; semantics in
-  lab/core/scheduler.py): plan P0; launch P0; then loop { plan P(N+1) while N is in flight;
+* Asynchronous scheduling (``Scheduler.async_scheduling``; rules in docs/ARCHITECTURE.md,
+  "Scheduler rules"): plan P0; launch P0; then loop { plan P(N+1) while N is in flight;
   launch it; wait for N; apply N's results }. Step N lasts, start to the next step's start,
   max(device time of N, host time of N+1) in the simulator (the launch handle's ``host_s``,
   0 if absent; device time = duration - host time), and the wall time between consecutive

@@ -170,13 +170,19 @@ def test_the_small_experiment_runs():
 
 
 # ---------------------------------------------------------------------------- shell
+def sketch(m: re.Match) -> str:
+    """An optional part of a usage line, ``[--limit N]``, as an option given: ``--limit 1``
+    (a placeholder in capitals becomes 1, which every option given one takes)."""
+    return re.sub(r"\b[A-Z][A-Z_]*\b", "1", m.group(1))
+
+
 def commands() -> list[tuple[str, list[str]]]:
-    """Each command of the bash blocks (continued lines joined, comments and ``[...]``
-    option sketches dropped, ``&&`` chains split), with where it is."""
+    """Each command of the bash blocks (continued lines joined, comments dropped, optional
+    ``[...]`` parts given, ``&&`` chains split), with where it is."""
     out = []
     for b in blocks("bash"):
         for line in b.text.replace("\\\n", " ").splitlines():
-            line = re.sub(r"\[[^\]]*\]", "", line)  # usage sketches: [--out DIR]
+            line = re.sub(r"\[([^\]|]*)\]", sketch, line)  # [--out DIR]: --out 1
             words: list[str] = []
             for w in [*shlex.split(line, comments=True), "&&"]:
                 if w != "&&":

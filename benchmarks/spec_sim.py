@@ -1,6 +1,6 @@
 """Speculative decoding in the simulator: TPOT and throughput speedup vs k and batch size.
 
-    python benchmarks/spec_sim.py                       # the table of BENCHMARKS.md / README
+    python benchmarks/spec_sim.py                       # the table of BENCHMARKS.md / docs/speculative_decoding.md
     python benchmarks/spec_sim.py --out /tmp/spec_sim.json --batches 1 8 32 128
     python benchmarks/spec_sim.py --prompt 128 --output 128 --static   # the engine's workload
 

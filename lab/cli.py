@@ -42,7 +42,7 @@ EXIT_CODES = """exit status:
        (a sweep interrupted writes nothing)"""
 RUN_EXAMPLE = """example:
   sched-lab run experiments/quickstart.yaml --limit 500 --out /tmp/quick
-  sched-lab run experiments/sweep_quick.yaml --jobs 2    # a sweep (README, Sweeps)
+  sched-lab run experiments/sweep_quick.yaml --jobs 2    # a sweep (docs/sweeps.md)
 
 A config path that does not exist is looked up among the bundled ones, so the example
 experiments run from any folder. Results go to ./results/<name> unless --out; an existing
@@ -218,7 +218,7 @@ def _delegate(command: str, argv: list[str]) -> int:
             raise
         print(
             f"error: sched-lab {command} needs the engine's packages (no module {e.name}): "
-            "pip install 'sched-lab[engine]' (README, Install)",
+            "pip install 'sched-lab[engine]' (docs/install.md)",
             file=sys.stderr,
         )
         return 2

@@ -201,15 +201,15 @@ def test_backlogged_means_waiting_through_the_whole_window():
     assert got.tolist() == [False, True, True, False]
 
 
-def test_readme_policy_zoo_yaml_is_valid():
+def test_docs_workload_classes_yaml_is_valid():
     import re
     from pathlib import Path
 
     import yaml
 
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    zoo = text[text.index("## Policy zoo") :]
+    text = (Path(__file__).resolve().parent.parent / "docs" / "traces.md").read_text()
+    zoo = text[text.index("## Workload classes") :]
     block = re.search(r"```yaml\n(.*?)```", zoo, re.S).group(1)
-    cfg = validate({"name": "readme", **yaml.safe_load(block)}, "README.md")
+    cfg = validate({"name": "readme", **yaml.safe_load(block)}, "docs/traces.md")
     assert [c["name"] for c in cfg.trace.classes] == ["chat", "batch"]
     assert [p.name for p in cfg.policies] == ["fcfs", "priority", "sjf", "vtc"]

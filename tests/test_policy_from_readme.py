@@ -1,6 +1,6 @@
-"""A policy written from README.md alone ("Writing a policy") runs in the simulator under sync
-and async scheduling with preemptions happening, using public names only; a hook that
-returns a request it may not preempt stops the run with one line naming the hook."""
+"""A policy written from docs/policies.md alone ("Writing a policy") runs in the simulator
+under sync and async scheduling with preemptions happening, using public names only; a hook
+that returns a request it may not preempt stops the run with one line naming the hook."""
 
 from __future__ import annotations
 
@@ -17,20 +17,21 @@ from lab.core.errors import ConfigError
 from lab.core.scheduler import POLICIES, register_policy
 from lab.run.experiment import run_experiment
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+POLICIES_DOC = Path(__file__).resolve().parent.parent / "docs" / "policies.md"
 NAME = "test_readme_policy_async"
 
 
 @pytest.fixture
 def readme_policy(monkeypatch):
-    """The README's example policy, registered as NAME (the file policies/shortest_prompt.py
+    """The docs' example policy, registered as NAME (the file policies/shortest_prompt.py
     it tells a reader to write may exist already)."""
-    text = README.read_text()
+    text = POLICIES_DOC.read_text()
     code = re.search(r"```python\n(# policies/shortest_prompt\.py\n.*?)```", text, re.S).group(1)
     assert '@register_policy("shortest_prompt")' in code
     module = types.ModuleType(f"readme_{NAME}")
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    exec(compile(code.replace('"shortest_prompt"', f'"{NAME}"'), "README.md", "exec"), vars(module))  # noqa: S102
+    code = code.replace('"shortest_prompt"', f'"{NAME}"')
+    exec(compile(code, "docs/policies.md", "exec"), vars(module))  # noqa: S102 - our docs
     yield module
     POLICIES.pop(NAME, None)
 
@@ -69,7 +70,7 @@ def test_readme_policy_runs_with_preemptions(readme_policy, async_scheduling):
 
 
 def test_a_victim_whose_last_token_is_in_flight_stops_the_run(readme_policy):
-    """The README's rule chosen from ``running`` instead of ``preemptable()`` picks, in this
+    """The docs' rule chosen from ``running`` instead of ``preemptable()`` picks, in this
     trace, a request whose last token is in flight: the run stops with one line naming the
     hook and the rule (not a KeyError later)."""
 
@@ -122,18 +123,18 @@ def test_a_victim_that_is_no_running_request_stops_the_run(readme_policy, pick, 
 
 
 def readme_block(first_line: str) -> str:
-    text = README.read_text()
+    text = POLICIES_DOC.read_text()
     return re.search(rf"```python\n({re.escape(first_line)}\n.*?)```", text, re.S).group(1)
 
 
 def test_readme_options_example(monkeypatch):
-    """The README's options example: its option is set from the YAML entry, checked by
+    """The docs' options example: its option is set from the YAML entry, checked by
     check_options, and a misspelt key is refused."""
     name = f"{NAME}_short_first"
     code = readme_block("# policies/short_first.py").replace('"short_first"', f'"{name}"')
     module = types.ModuleType(f"readme_{name}")
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    exec(compile(code, "README.md", "exec"), vars(module))  # noqa: S102 - our README
+    exec(compile(code, "docs/policies.md", "exec"), vars(module))  # noqa: S102 - our docs
     try:
         (run,) = run_experiment(
             validate(config({"name": name, "threshold_tokens": 16})), progress=False

@@ -510,12 +510,12 @@ def test_prefix_bound_command_with_classes(tmp_path: Path, capsys: pytest.Captur
 
 
 def test_readme_bound_figures_are_the_commands() -> None:
-    """The hit rates README ("Traces with shared prefixes") quotes, recomputed."""
+    """The hit rates docs/traces.md ("Traces with shared prefixes") quotes, recomputed."""
     import re
 
     from lab.config import load_config
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "traces.md").read_text()
     found = re.search(
         r"the first 2,000\s+Mooncake requests of `mooncake.yaml` reach a hit rate of\s+"
         r"(0\.\d{4}) \(([\d,]+) of ([\d,]+) prompt tokens; (0\.\d{4}) for the ([\d,]+) of "
@@ -524,7 +524,7 @@ def test_readme_bound_figures_are_the_commands() -> None:
         text,
         re.S,
     )
-    assert found, "README figures not found"
+    assert found, "docs/traces.md figures not found"
     quoted = [float(v) if "." in v else int(v.replace(",", "")) for v in found.groups()]
 
     def bound(name: str, **keys: Any):

@@ -1,4 +1,5 @@
-"""The README's examples, run as written (so they cannot rot)."""
+"""The policy example of docs/policies.md and the Python API example of docs/python_api.md, run
+as written (so they cannot rot)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from helpers import by_id, run
 
 from lab.core import scheduler
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 NAME = "test_readme_shortest_prompt"
 
 
 def test_readme_policy_example_works(monkeypatch):
-    text = README.read_text()
+    text = (DOCS / "policies.md").read_text()
     code = re.search(r"```python\n(# policies/shortest_prompt\.py\n.*?)```", text, re.S).group(1)
     # Under a name of its own: a user who saved the example as policies/shortest_prompt.py
     # has registered "shortest_prompt" already.
@@ -25,7 +26,7 @@ def test_readme_policy_example_works(monkeypatch):
     module = types.ModuleType(f"readme_{NAME}")
     monkeypatch.setitem(sys.modules, module.__name__, module)
     try:
-        exec(compile(code, "README.md", "exec"), module.__dict__)  # noqa: S102 - our README
+        exec(compile(code, "docs/policies.md", "exec"), module.__dict__)  # noqa: S102 - our docs
         # Budget 64 tokens, no chunking: "short" (4) is tried before "long" (60); both fit
         # the budget (64) and the 8 blocks of 16 tokens (1 + 4), so both start at once.
         res = run(
@@ -66,10 +67,10 @@ def test_readme_policy_example_works(monkeypatch):
 
 
 def test_readme_python_api_example_works(tmp_path, monkeypatch, capsys):
-    """The "Python API" block as written, from a folder outside the checkout."""
-    code = re.search(r"## Python API.*?```python\n(.*?)```", README.read_text(), re.S).group(1)
+    """docs/python_api.md's block as written, from a folder outside the checkout."""
+    code = re.search(r"```python\n(.*?)```", (DOCS / "python_api.md").read_text(), re.S).group(1)
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - our README
+    exec(compile(code, "docs/python_api.md", "exec"), {})  # noqa: S102 - our docs
     out = capsys.readouterr().out
     assert "chunked_prefill" in out and "fcfs" in out and "'p50':" in out
     folder = tmp_path / "results" / "api_example"

@@ -3,7 +3,7 @@
 The ``prefix:`` block gives every request hash ids, one per ``hash_block_size`` tokens, for
 any format without its own (not ``mooncake`` nor ``prompts``). Key names follow vLLM's
 benchmark datasets (``prefix_len``, ``num_prefixes`` of ``prefix_repetition``; ``num_turns``
-of ``benchmarks/multi_turn``); README.md has an example. Rules (all draws from ``seed``, in
+of ``benchmarks/multi_turn``); docs/traces.md has an example. Rules (all draws from ``seed``, in
 streams of their own, so the format's own draws are unchanged):
 
 - Every replayed row starts a session whose first turn is the row (dropped rows start none).

@@ -182,7 +182,7 @@ def _mdn(t, col: str) -> str:
 
 
 def _headline(table, steps, rankings, identical: int, n_plans: int) -> str:
-    """The doc's first paragraph (printed for the README's fidelity paragraph too)."""
+    """The doc's first paragraph (printed for docs/simulator.md's fidelity paragraph too)."""
     import numpy as np
 
     e = np.abs(steps.err.to_numpy())

@@ -126,7 +126,7 @@ def _sim(archive: Path, src: Path, doc: Path) -> dict[str, Any]:
         text += "\n" + notes.read_text()
     doc.write_text(text)
     print(f"wrote {doc} (and its tables and plots in {out_dir})")
-    print("\nfor the README's fidelity paragraph:\n" + text.split("\n\n")[1], flush=True)
+    print("\nfor docs/simulator.md's fidelity paragraph:\n" + text.split("\n\n")[1], flush=True)
     return {"table": table, "steps": steps, "rankings": rankings, "plans": plans}
 
 

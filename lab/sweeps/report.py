@@ -1,4 +1,4 @@
-"""A sweep's results folder (README, "Sweeps and capacity search"): sweep.csv/.parquet,
+"""A sweep's results folder (docs/sweeps.md): sweep.csv/.parquet,
 capacity and curve tables with a search, ``points/``, plots, report.md, sweep.yaml and
 timing.json. All but timing.json depend on the inputs alone."""
 

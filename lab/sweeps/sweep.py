@@ -1,6 +1,5 @@
 """Sweeps: one experiment YAML expanded into many points (``sweep: {grid:, points:}``), each
-a whole experiment validated before anything runs. Layout and order: README, "Sweeps and
-capacity search".
+a whole experiment validated before anything runs. Layout and order: docs/sweeps.md.
 """
 
 from __future__ import annotations

@@ -450,6 +450,7 @@ def picture(
     from types import SimpleNamespace
 
     from lab.core.errors import UserError
+    from lab.core.outputs import check_output, write_output
 
     out = Path(out)
     if window is not None and not (all(map(math.isfinite, window)) and 0 <= window[0] < window[1]):
@@ -458,6 +459,7 @@ def picture(
         raise UserError(f"--out: {out}: expected a file name ending in .png, .pdf or .svg")
     if not out.parent.is_dir():
         raise UserError(f"--out: {out.parent} is not a folder")
+    out = check_output(out, "--out")  # before the work: a file of the user's is never replaced
     label, requests, events, steps = load_run(folder, run)
     if "replica" in requests.columns:
         raise UserError(f"{folder}: a cluster run: cluster runs record no per-request events")
@@ -470,7 +472,7 @@ def picture(
         raise UserError(f"{folder}: run {label} has none of the requests asked for")
     stories = stories_for(wanted, requests, events, steps)
     what = f"requests {', '.join(wanted[:6])}{'...' if len(wanted) > 6 else ''}"
-    gantt_png(out, stories, steps, f"{label}: {what}", window)
+    write_output(out, lambda path: gantt_png(path, stories, steps, f"{label}: {what}", window))
     return f"wrote {out}: {len(stories)} requests of run {label}"
 
 

@@ -102,9 +102,14 @@ def _main(args: argparse.Namespace) -> int:
     if args.engine_pass:
         engine_pass(args.engine_pass, args.protocol, args.out, args.deadline or float("inf"))
         return 0
-    if args.engine:
-        return engine(args.protocol, args.out, args.archive)
     from lab.core.errors import UserError
+
+    if args.engine:
+        try:  # the checkpoint folder in the way, an archive that cannot be written
+            return engine(args.protocol, args.out, args.archive)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
     archive = args.archive or ARCHIVE
     doc = args.doc or DOC

@@ -47,6 +47,7 @@ from backend.sampler import sample
 from backend.sources import backend_sources_hash
 from lab.core.errors import UserError
 from lab.core.fingerprint import HEADER_PREFIX
+from lab.core.outputs import check_output, write_output
 from lab.core.plan import StepFeatures
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -184,7 +185,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m backend.profile")
         help="checkpoint folder (config.json + "
         "safetensors), e.g. from `sched-lab tools make-random-checkpoint`",
     )
-    ap.add_argument("--out", required=True, help="profile CSV to write")
+    ap.add_argument(
+        "--out", required=True, help="profile CSV to write (replaces only a file sched-lab wrote)"
+    )
     ap.add_argument("--attention", default="triton", help="attention backend (default: triton)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--block-size", type=int, default=16)
@@ -233,6 +236,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m backend.profile")
 
 
 def _profile(args: argparse.Namespace) -> None:
+    args.out = check_output(args.out, "--out")  # before the GPU work: a user's file stays
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kwargs = dict(device=device, dtype=args.dtype, attention_backend=args.attention,
                   block_size=args.block_size, gpu_memory_utilization=0.9,
@@ -323,7 +327,7 @@ def engine_fingerprint(runner: ModelRunner, kn_weights: bool = False) -> dict:
 
 
 def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
-    c = runner.config
+    """The profile CSV at ``path`` (checked by :func:`lab.core.outputs.check_output`)."""
     commit = args.engine_commit
     if commit is None:
         try:
@@ -340,7 +344,13 @@ def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     fingerprint = engine_fingerprint(runner)
     print(f"engine fingerprint: {json.dumps(fingerprint, sort_keys=True)}")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    write_output(path, lambda tmp: _write_csv(tmp, rows, runner, args, device, commit, fingerprint))
+    print(f"wrote {len(rows)} rows to {path}")
+
+
+def _write_csv(path: Path, rows: list[dict], runner, args, device: str, commit: str,
+               fingerprint: dict) -> None:  # fmt: skip
+    c = runner.config
     with path.open("w", newline="") as f:
         f.write(
             f"# engine profile, {time.strftime('%Y-%m-%d')}, {device}, torch {torch.__version__}, "
@@ -364,7 +374,6 @@ def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
         w = csv.DictWriter(f, fieldnames=names)
         w.writeheader()
         w.writerows(rows)
-    print(f"wrote {len(rows)} rows to {path}")
 
 
 if __name__ == "__main__":

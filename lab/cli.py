@@ -3,7 +3,7 @@
     sched-lab run experiments/quickstart.yaml [--out DIR] [--limit N] [--format parquet]
     sched-lab explain results/quickstart --run fcfs --request 4711
     sched-lab run experiments/sweep_quick.yaml [--jobs N] [--ray | --ray-address ADDR]
-    sched-lab fit profiles/h200_qwen3-0.6b.csv
+    sched-lab fit h200_qwen3-0.6b --out /tmp/qwen3.fit.json
     sched-lab profile --model-dir checkpoints/qwen3-0.6b --out profiles/h200_qwen3-0.6b.csv
     sched-lab tools make-random-checkpoint --preset qwen3-0.6b --out checkpoints/qwen3-0.6b
     sched-lab prefix-bound experiments/mooncake.yaml
@@ -250,7 +250,7 @@ def prefix_bound(argv: list[str] | None = None, prog: str = "sched-lab prefix-bo
     )
     args = ap.parse_args(argv)
     from lab.config import load_config
-    from lab.core.errors import UserError
+    from lab.core.errors import UserError, one_line
     from traces import load_trace
     from traces.prefix_bound import prefix_hit_bound
 
@@ -274,7 +274,7 @@ def prefix_bound(argv: list[str] | None = None, prog: str = "sched-lab prefix-bo
         max_len = args.max_model_len or cfg.scheduler.max_model_len
         bound = prefix_hit_bound(requests, block, max_len)
     except (UserError, ValueError) as e:
-        print(f"error: {args.config}: {e}", file=sys.stderr)
+        print(f"error: {args.config}: {one_line(str(e))}", file=sys.stderr)
         return 2
     print(
         f"{cfg.name}: {len(bound.request_ids):,} requests ({bound.num_with_hash_ids:,} with "

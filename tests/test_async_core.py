@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from helpers import bundled_policy_names
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_properties import (
@@ -32,7 +33,7 @@ from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import SchedulerLimits
 from lab.sim.records import ReplayResult
 from lab.sim.replay import replay
-from policies import get_policy, policy_names
+from policies import get_policy
 from policies.chunked_prefill import ChunkedPrefill
 
 BS = 4  # block size of the timelines
@@ -320,7 +321,7 @@ def check_async(policy: str, sc: Scenario) -> None:
     assert sum(rec.sampled for rec in ex.steps) == received + int(wasted.sum())
 
 
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", bundled_policy_names())
 @settings(PROFILE, max_examples=max(10, PROFILE.max_examples // 2))
 @given(data=st.data())
 def test_async_invariants_on_random_traces(policy, data):
@@ -328,7 +329,7 @@ def test_async_invariants_on_random_traces(policy, data):
 
 
 @pytest.mark.parametrize("case", sorted(BOUNDARY_CASES))
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", bundled_policy_names())
 def test_async_boundary_cases(policy, case):
     check_async(policy, BOUNDARY_CASES[case])
 
@@ -462,7 +463,7 @@ def test_wall_clock_executor_without_launch_is_refused():
     assert res.requests[0].status is RequestStatus.ABORTED
 
 
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", bundled_policy_names())
 def test_prefix_caching_with_token_ids(policy):
     """Shared prompts with token ids (the engine's keys) under KV pressure: invariants
     hold (check_plan, check_integrity), every request ends as in sync, and each finished

@@ -8,7 +8,7 @@ import pytest
 from lab.core.kv import BlockManager, BlockPool
 from lab.core.plan import ScheduledSeq, StepResult
 from lab.core.request import Request, RequestStatus
-from lab.core.scheduler import Scheduler, SchedulerLimits, register_policy
+from lab.core.scheduler import POLICIES, Scheduler, SchedulerLimits, register_policy
 from policies import get_policy
 from policies.fcfs import FCFS
 
@@ -79,7 +79,6 @@ def test_recompute_victim_feeds_prompt_and_generated_tokens():
     assert (seq.start_pos, seq.num_new_tokens, seq.token_ids()) == (0, 4, [4, 5, 6, 30])
 
 
-@register_policy("test_shortest_first_oldest_victim")
 class ShortestFirst(FCFS):
     """Test policy: admits the shortest prompt first, preempts the oldest running."""
 
@@ -90,7 +89,16 @@ class ShortestFirst(FCFS):
         return self.running[0]
 
 
-def test_admission_order_hook():
+@pytest.fixture
+def shortest_first():
+    """ShortestFirst registered for one test (registered at import, it would change what
+    other test files collect: they parametrize over the registered policies)."""
+    register_policy("test_shortest_first_oldest_victim")(ShortestFirst)
+    yield
+    POLICIES.pop("test_shortest_first_oldest_victim", None)
+
+
+def test_admission_order_hook(shortest_first):
     s = make("test_shortest_first_oldest_victim", budget=8, max_model_len=64)
     long, short = Request("long", 0.0, 6, 2), Request("short", 0.0, 2, 2)
     s.add(long, 0.0), s.add(short, 0.0)
@@ -103,7 +111,7 @@ def test_admission_order_hook():
     assert [r.request_id for r in s2.waiting] == ["long"]
 
 
-def test_pick_victim_hook():
+def test_pick_victim_hook(shortest_first):
     # Same as test_recompute_victim_feeds...: 2 blocks, both need a 2nd. The default
     # preempts b (newest); this policy preempts a (oldest).
     s = make("test_shortest_first_oldest_victim", gpu_blocks=2)

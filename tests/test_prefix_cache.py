@@ -8,6 +8,7 @@ block j of a request is keyed by its first j + 1 hash ids. Plans are driven step
 from __future__ import annotations
 
 import pytest
+from helpers import bundled_policy_names
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,7 +16,7 @@ from lab.core.kv import BlockManager, PrefixCachingBlockManager, blocks_for, mak
 from lab.core.plan import StepResult
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import SchedulerLimits
-from policies import get_policy, policy_names
+from policies import get_policy
 
 
 class Driver:
@@ -259,7 +260,7 @@ def shared_traces(draw):
     return bs, per, gpu, draw(st.integers(0, 12)), rows
 
 
-@pytest.mark.parametrize("policy", policy_names())
+@pytest.mark.parametrize("policy", bundled_policy_names())
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(shared_traces())
 def test_random_shared_traces_keep_every_invariant(policy, trace):

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import bundled_policy_names
 from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 
@@ -43,7 +44,7 @@ from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import Scheduler, SchedulerLimits
 from lab.sim.records import ReplayResult
 from lab.sim.replay import replay
-from policies import get_policy, policy_names
+from policies import get_policy
 
 # Every step of the toy cost model takes 1/4 s and arrival gaps are multiples of 1/8 s: all
 # times are then exact binary fractions, so arrivals that land exactly on a step's end (a
@@ -62,7 +63,7 @@ settings.register_profile(
 )
 PROFILE = settings.get_profile(os.environ.get("SCHED_LAB_HYPOTHESIS_PROFILE", "sched-lab-ci"))
 
-POLICIES = policy_names()
+POLICIES = bundled_policy_names()
 
 
 # --------------------------------------------------------------------------- scenarios

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import by_id, run
+from helpers import bundled_policy_names, by_id, run
 
 from lab.core.errors import ConfigError
 from lab.core.scheduler import register_policy
 from policies import get_policy, policy_names
 
-POLICIES = policy_names()
+POLICIES = bundled_policy_names()
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -13,6 +13,7 @@ import random
 
 import numpy as np
 import pytest
+from helpers import bundled_policy_names
 from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 from test_properties import check_preemptions, expected_status, scenarios_for
@@ -25,7 +26,7 @@ from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import Scheduler, SchedulerLimits
 from lab.core.spec import SpeculativeConfig, draft_vocab_error
 from lab.sim.replay import replay
-from policies import get_policy, policy_names
+from policies import get_policy
 
 BS = 4
 STEP_S = 0.25
@@ -388,7 +389,7 @@ class RandomAcceptance:
         return res
 
 
-POLICY_CASES = [(p, {}) for p in policy_names()] + [("srpt", {"preempt_longer": True})]
+POLICY_CASES = [(p, {}) for p in bundled_policy_names()] + [("srpt", {"preempt_longer": True})]
 
 
 @pytest.mark.parametrize("policy, options", POLICY_CASES)

@@ -132,9 +132,21 @@ def require_columns(frame: pd.DataFrame, required: Sequence[str], file: str) -> 
             )
 
 
+class _LongInt(ValueError):
+    """A JSON integer of more than :data:`MAX_INT_DIGITS` digits (its literal is the arg)."""
+
+
+def _json_int(text: str) -> int:
+    if _int_digits(text) > MAX_INT_DIGITS:
+        raise _LongInt(text)
+    return int(text)
+
+
 def _parse_json_line(line: str, file: str, number: int) -> dict:
     try:
-        record = json.loads(line)
+        record = json.loads(line, parse_int=_json_int)
+    except _LongInt as exc:
+        raise TraceError(f"{file}: line {number}: {_too_long(exc.args[0])}") from None
     except json.JSONDecodeError as exc:
         raise TraceError(f"{file}: line {number}: not valid JSON ({exc.msg})") from None
     except RecursionError:
@@ -171,8 +183,10 @@ def _one_line(exc: BaseException) -> str:
 # naming the file, the line, the key path and what was expected; values shown in messages
 # are cut by :func:`lab.core.errors.short_repr`.
 MAX_DEPTH = 64  # levels of nesting; an experiment YAML needs 4
+MAX_INT_DIGITS = 100  # digits of an integer in a YAML or JSON trace file; a seed needs 20
 
 _AMBIGUOUS = "tag:sched-lab,2026:ambiguous"
+_INT_TAG = "tag:yaml.org,2002:int"
 _BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
 _NULL = re.compile(r"^(?:~|null|Null|NULL|)$")
 _OCTAL_LOOKING = re.compile(r"^[-+]?0[0-9_]+$")
@@ -207,6 +221,8 @@ class _Loader(yaml.SafeLoader):
         node = super().compose_node(parent, index)
         if node.tag == _AMBIGUOUS:
             raise self.refusal(node.start_mark, _ambiguity(node.value))
+        if node.tag == _INT_TAG and _int_digits(node.value) > MAX_INT_DIGITS:
+            raise self.refusal(node.start_mark, _too_long(node.value))
         if isinstance(node, yaml.MappingNode):
             self.check_keys(node)
         if pushed:
@@ -251,6 +267,23 @@ def _ambiguity(value: str) -> str:
     )
 
 
+def _int_digits(text: str) -> int:
+    """The number of decimal digits of the integer literal ``text`` (0x, 0o: about as many as
+    its value has), without converting it."""
+    body = text.lstrip("+-")
+    if body[:2] in ("0x", "0o"):
+        bits_per_digit = 4 if body[1] == "x" else 3
+        return int(len(body[2:].lstrip("0")) * bits_per_digit * 0.30103) + 1
+    return len(body.lstrip("0")) or 1
+
+
+def _too_long(text: str) -> str:
+    return (
+        f"an integer of {_int_digits(text):,} digits ({text[:12]}...); at most "
+        f"{MAX_INT_DIGITS} are accepted"
+    )
+
+
 def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
     v = node.value
     if v.startswith("0o"):
@@ -270,11 +303,11 @@ for _tag, _regexp, _first in (
     ("tag:yaml.org,2002:null", _NULL, ["~", "n", "N", ""]),
     (_AMBIGUOUS, _OCTAL_LOOKING, "-+0"),
     (_AMBIGUOUS, _BASE_60, "-+0123456789"),
-    ("tag:yaml.org,2002:int", _INT, "-+0123456789"),
+    (_INT_TAG, _INT, "-+0123456789"),
     ("tag:yaml.org,2002:float", _FLOAT, "-+.0123456789"),
 ):
     _Loader.add_implicit_resolver(_tag, _regexp, list(_first))
-_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_Loader.add_constructor(_INT_TAG, _construct_int)
 _Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 
 

@@ -45,10 +45,16 @@ def is_converted(out: Path) -> bool:
 
 
 def convert_smollm2(out: str | Path | None = None, force: bool = False) -> Path:
-    """Convert into ``out`` (default :func:`default_dir`) unless already done; returns ``out``."""
+    """Convert into ``out`` (default :func:`default_dir`) unless already done; returns ``out``.
+    CheckpointError if ``out`` holds anything but an earlier conversion (it is replaced whole)."""
     out = Path(out) if out is not None else default_dir()
     if is_converted(out) and not force:
         return out
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(
+            f"--out {out}: exists and is not a converted checkpoint (no {DONE_FILE}); "
+            "refusing to replace it (move it, or choose another --out)"
+        )
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer

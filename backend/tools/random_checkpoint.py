@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from backend.config import ModelConfig
 from backend.dtypes import DTYPES
+from backend.errors import CheckpointError
 from backend.loader import INDEX_FILE, checkpoint_shapes
 
 MARKER_FILE = "random_weights.json"
@@ -31,8 +32,18 @@ def write_random_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     name: str = "custom",
 ) -> Path:
-    """Write ``config`` with random weights into ``out`` (created); returns ``out``."""
+    """Write ``config`` with random weights into ``out`` (created); returns ``out``.
+    CheckpointError if ``out`` holds anything but an earlier random checkpoint."""
     out = Path(out)
+    if (
+        out.exists()
+        and (not out.is_dir() or any(out.iterdir()))
+        and not (out / MARKER_FILE).is_file()
+    ):
+        raise CheckpointError(
+            f"--out {out}: exists and is not a random checkpoint (no {MARKER_FILE}); "
+            "refusing to write into it (move it, or choose another --out)"
+        )
     out.mkdir(parents=True, exist_ok=True)
     torch_dtype = DTYPES[dtype]
     shapes = checkpoint_shapes(ModelConfig.from_dict(config, source=f"preset {name}"))

@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from typing import Any
 
 MAX_SHOWN_CHARS = 80  # a value quoted in an error message is cut to this
+MAX_MESSAGE_CHARS = 1000  # a whole error message is cut to this (it is one line of stderr)
+_MAX_INT_BITS = 1024  # an integer above 2**1024 is shown by its size, not its digits
 
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple = 2, 4, 6, 6
@@ -16,13 +18,29 @@ _REPR.maxstring = _REPR.maxother = MAX_SHOWN_CHARS
 
 
 def short_repr(value: Any, limit: int = MAX_SHOWN_CHARS) -> str:
-    """``repr(value)`` cut to about ``limit`` characters, without building a huge repr."""
+    """``repr(value)`` cut to about ``limit`` characters, without building a huge repr (an
+    integer too large to print in full is shown by its number of digits)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value.bit_length() > _MAX_INT_BITS:
+            return f"<an integer of {int(value.bit_length() * 0.30103) + 1:,} digits>"
     text = _REPR.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def one_line(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``message`` on one line (line breaks become spaces), cut to ``limit`` characters."""
+    text = " ".join(message.splitlines())
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 40]}... ({len(text) - limit + 40:,} characters cut)"
+
+
 class UserError(Exception):
-    """A mistake in the user's input; the message is shown as one line."""
+    """A mistake in the user's input; the message (``str()``) is one line of at most
+    :data:`MAX_MESSAGE_CHARS` characters, however long the text it was made with."""
+
+    def __str__(self) -> str:
+        return one_line(super().__str__())
 
 
 class ConfigError(UserError):

@@ -38,6 +38,7 @@ from lab.fidelity.engine_side import check_device, engine, engine_pass
 from lab.fidelity.markdown import error_target
 from lab.fidelity.protocol import (
     ARCHIVE,
+    DOC,
     PROTOCOL,
     PROTOCOL_KEYS,
     ROOT,
@@ -82,8 +83,10 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab fidelity") -> int
                     help="engine side: working folder (default /tmp/sched-lab-fidelity)")  # fmt: skip
     ap.add_argument("--archive", type=Path, default=None,
                     help=f"engine side: .tar.gz to write; sim side: to read (default {ARCHIVE.relative_to(ROOT)})")  # fmt: skip
-    ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "fidelity.md",
-                    help="sim side: the markdown to write")  # fmt: skip
+    ap.add_argument("--doc", type=Path, default=None,
+                    help="sim side: the markdown DIR/NAME.md to write, with its table and plots "
+                    "in DIR/NAME/ (default in a source checkout: docs/fidelity.md); a file "
+                    "there is replaced only if sched-lab wrote it")  # fmt: skip
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     try:
@@ -99,13 +102,23 @@ def _main(args: argparse.Namespace) -> int:
     if args.engine_pass:
         engine_pass(args.engine_pass, args.protocol, args.out, args.deadline or float("inf"))
         return 0
-    if args.engine:
-        return engine(args.protocol, args.out, args.archive)
     from lab.core.errors import UserError
 
+    if args.engine:
+        try:  # the checkpoint folder in the way, an archive that cannot be written
+            return engine(args.protocol, args.out, args.archive)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+
     archive = args.archive or ARCHIVE
+    doc = args.doc or DOC
+    if not doc.parent.is_dir() and args.doc is None:  # an installed copy has no docs/
+        print("error: --doc: expected the markdown file to write (the default, "
+              "docs/fidelity.md, is a source checkout's)", file=sys.stderr)  # fmt: skip
+        return 2
     try:
-        sim(archive, args.doc)
+        sim(archive, doc)
     except (OSError, EOFError, tarfile.TarError, json.JSONDecodeError, yaml.YAMLError,
             UserError) as e:  # fmt: skip
         why = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -28,22 +28,28 @@ def notes_path(archive: Path) -> Path:
 
 def pack(out: Path, archive: Path) -> None:
     """Pack ``out``'s profile, protocol, engine.json and first-pass folders into ``archive``
-    (.tar.gz), the repeat pass into :func:`repeat_archive`."""
-    archive.parent.mkdir(parents=True, exist_ok=True)
+    (.tar.gz), the repeat pass into :func:`repeat_archive`; each replaces only a file sched-lab
+    wrote (:mod:`lab.core.outputs`)."""
+    from lab.core.outputs import write_output
+
     for path, sides, extra in (
         (archive, ("calibration", "engine"), ("profile.csv", "protocol.yaml", "engine.json")),
         (repeat_archive(archive), ("engine_repeat",), ()),
     ):
-        with tarfile.open(path, "w:gz") as tar:
-            for name in extra:
-                if (out / name).exists():
-                    tar.add(out / name, arcname=name)
-            for side in sides:
-                for folder in sorted((out / side).glob("*")) if (out / side).is_dir() else []:
-                    for f in PACKED:
-                        if (folder / f).exists():
-                            tar.add(folder / f, arcname=f"{side}/{folder.name}/{f}")
+        write_output(path, lambda tmp, sides=sides, extra=extra: _tar(out, tmp, sides, extra))
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)", flush=True)
+
+
+def _tar(out: Path, path: Path, sides: tuple[str, ...], extra: tuple[str, ...]) -> None:
+    with tarfile.open(path, "w:gz") as tar:
+        for name in extra:
+            if (out / name).exists():
+                tar.add(out / name, arcname=name)
+        for side in sides:
+            for folder in sorted((out / side).glob("*")) if (out / side).is_dir() else []:
+                for f in PACKED:
+                    if (folder / f).exists():
+                        tar.add(folder / f, arcname=f"{side}/{folder.name}/{f}")
 
 
 def unpack(archive: Path) -> Path:

@@ -21,7 +21,8 @@ from typing import Any
 
 import yaml
 
-from lab.fidelity.archive import pack
+from lab.core.outputs import MANIFEST
+from lab.fidelity.archive import pack, repeat_archive
 from lab.fidelity.protocol import (
     ROOT,
     calibration_config,
@@ -86,6 +87,7 @@ def _free_device_cache() -> None:
 def _prepare(protocol: dict[str, Any], protocol_path: Path, out: Path) -> Path:
     """Check every run and the device, clear ``out`` and copy the protocol there; returns
     the checkpoint folder (removed again, if empty, when a check fails)."""
+    _check_out(out)
     ckpt = ROOT / protocol["checkpoint"]["dir"]
     made = [d for d in (ckpt, *ckpt.parents) if not d.exists()]  # deepest first
     ckpt.mkdir(parents=True, exist_ok=True)  # engine.model_path must exist for check_runs
@@ -104,6 +106,28 @@ def _prepare(protocol: dict[str, Any], protocol_path: Path, out: Path) -> Path:
         shutil.rmtree(out / name, ignore_errors=True)
     shutil.copy(protocol_path, out / "protocol.yaml")
     return ckpt
+
+
+# What the engine side writes in --out; a folder holding anything else is not cleared.
+WORKING_ENTRIES = {"engine.json", "profile.csv", "protocol.yaml", "calibration", "engine",
+                   "engine_repeat", MANIFEST}  # fmt: skip
+
+
+def _check_out(out: Path) -> None:
+    """SystemExit (one line) unless ``out`` is absent, empty or an engine side's folder."""
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"error: --out {out}: exists and is not a folder")
+    foreign = (
+        sorted(p.name for p in out.iterdir() if p.name not in WORKING_ENTRIES)
+        if out.exists()
+        else []
+    )
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise SystemExit(
+            f"error: --out {out}: holds {foreign[0]}{more}, not an engine side's working "
+            "folder; refusing to clear it (choose a new or empty --out)"
+        )
 
 
 def _make_checkpoint(protocol: dict[str, Any], ckpt: Path) -> None:
@@ -190,6 +214,15 @@ def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
     or 1 if a step failed or no run ended. SystemExit (one line) for a bad protocol, run or
     device."""
     protocol = load_protocol(protocol_path)
+    if archive is not None:  # before the work: a file of the user's is never replaced
+        from lab.core.errors import UserError
+        from lab.core.outputs import check_output
+
+        try:
+            for path in (archive, repeat_archive(archive)):
+                check_output(path, "--archive")
+        except UserError as e:
+            raise SystemExit(f"error: {e}") from None
     ckpt = _prepare(protocol, protocol_path, out)
     limits = protocol["time_limits_s"]
     log: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": {}}

@@ -33,11 +33,11 @@ def shown(archive: Path) -> str:
 
 def write_doc(
     table, steps, rankings, plans, record, stale, profile: Path, archive: Path,
-    protocol: dict[str, Any], equivalent,
+    protocol: dict[str, Any], equivalent, figures: str = "fidelity",
 ) -> str:  # fmt: skip
     """The doc's markdown (without the archive's notes) from the sim side's results, the
     archive's ``record``, ``stale`` (folder -> (stale, why)), profile, path, protocol and
-    ``equivalent`` policy pairs."""
+    ``equivalent`` policy pairs; its plots are linked in the folder ``figures`` beside it."""
     import numpy as np
 
     run_table, met, missed = _run_table(table)
@@ -50,6 +50,7 @@ def write_doc(
     exp = protocol.get("experiment", {})
     async_protocol = bool((exp.get("scheduler") or {}).get("async_scheduling"))
     return TEMPLATE.format(
+        figures=figures,
         archive=shown(archive),
         setup=_setup_line(protocol),
         source=_source(record, fp),
@@ -342,7 +343,7 @@ steps), median / P90. A model that sees only a step's shape cannot do better tha
 |---|---|---|---|---|---|
 {by_kind}
 
-![per-step error by step kind](fidelity/heldout_step_error.png)
+![per-step error by step kind]({figures}/heldout_step_error.png)
 
 ## Distribution errors
 
@@ -356,7 +357,7 @@ Per run:
 
 {table}
 
-![engine (solid) vs simulator (dashed): TTFT and E2E CDFs](fidelity/heldout_cdfs.png)
+![engine (solid) vs simulator (dashed): TTFT and E2E CDFs]({figures}/heldout_cdfs.png)
 
 {saturated}
 ## Rankings

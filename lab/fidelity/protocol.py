@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL = ROOT / "benchmarks" / "fidelity_heldout.yaml"
 ARCHIVE = ROOT / "docs" / "fidelity" / "heldout_engine.tar.gz"
+DOC = ROOT / "docs" / "fidelity.md"  # the sim side's default --doc (in a source checkout)
 
 PROTOCOL_KEYS = ("checkpoint", "profile_args", "calibration", "loads", "slices",
                  "time_limits_s", "experiment")  # fmt: skip

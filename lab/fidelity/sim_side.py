@@ -6,7 +6,6 @@ duration is also predicted from its exact batch (:mod:`lab.fidelity.compare`).""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -23,21 +22,34 @@ from lab.fidelity.markdown import write_doc
 from lab.fidelity.plots import plots
 from lab.fidelity.protocol import engine_config
 
+FIGURES = ("heldout_step_error.png", "heldout_cdfs.png")  # :func:`lab.fidelity.plots.plots`
+
+
+def side_files(doc: Path) -> list[Path]:
+    """What ``--doc DIR/NAME.md`` writes beside the doc: DIR/NAME/heldout.csv and the plots."""
+    folder = doc.parent / doc.stem
+    return [folder / "heldout.csv", *(folder / name for name in FIGURES)]
+
 
 def sim(archive: Path, doc: Path) -> dict[str, Any]:
-    """Every comparison of the simulator side; writes the markdown ``doc``,
-    ``fidelity/heldout.csv`` and plots beside it; returns the numbers (``table``, ``steps``,
-    ``rankings``, ``plans``).
+    """Every comparison of the simulator side; writes the markdown ``doc`` (DIR/NAME.md) and
+    :func:`side_files` (DIR/NAME/heldout.csv and plots); returns the numbers (``table``,
+    ``steps``, ``rankings``, ``plans``). Each file is replaced only if sched-lab wrote it
+    (lab/core/outputs.py).
 
     Raises:
-        SystemExit: one line, before any replay, if ``doc`` cannot be written, or the
-            archive is missing or not an engine side's."""
+        SystemExit: one line, before any replay, if ``doc`` or a side file cannot be
+            written, or the archive is missing or not an engine side's."""
+    from lab.core.errors import UserError
+    from lab.core.outputs import check_output
+
+    if doc.is_dir() or doc.suffix.lower() != ".md":
+        raise SystemExit(f"error: --doc {doc}: expected a markdown file path (NAME.md)")
     try:
-        doc.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise SystemExit(f"error: --doc {doc}: cannot make its folder ({e.strerror})") from None
-    if doc.is_dir() or not os.access(doc.parent, os.W_OK):
-        raise SystemExit(f"error: --doc {doc}: expected a markdown file path in a writable folder")
+        for path in (doc, *side_files(doc)):
+            check_output(path, "--doc")
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None
     src = unpack(archive)
     try:
         return _sim(archive, src, doc)
@@ -110,24 +122,38 @@ def _sim(archive: Path, src: Path, doc: Path) -> dict[str, Any]:
     steps = pd.concat(c.steps_err, ignore_index=True)
     rankings = rank_agreement(table, frozenset(c.equivalent))
     plans = pd.DataFrame(c.plan)
-    out_dir = doc.parent / "fidelity"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out_dir / "heldout.csv", index=False, float_format="%.6g")
-    plots(steps, c.cdfs, out_dir)
     protocol = (
         yaml.safe_load((src / "protocol.yaml").read_text())
         if (src / "protocol.yaml").exists()
         else {}
     )
     text = write_doc(table, steps, rankings, plans, record, c.stale, profile, archive, protocol,
-                     c.equivalent)  # fmt: skip
+                     c.equivalent, figures=doc.stem)  # fmt: skip
     notes = notes_path(archive)
     if notes.exists():
         text += "\n" + notes.read_text()
-    doc.write_text(text)
-    print(f"wrote {doc} (and its tables and plots in {out_dir})")
+    _write(doc, text, table, steps, c.cdfs)
+    print(f"wrote {doc} (and its table and plots in {side_files(doc)[0].parent})")
     print("\nfor docs/simulator.md's fidelity paragraph:\n" + text.split("\n\n")[1], flush=True)
     return {"table": table, "steps": steps, "rankings": rankings, "plans": plans}
+
+
+def _write(doc: Path, text: str, table, steps, cdfs) -> None:
+    """The doc, its table and its plots (:func:`side_files`), each through
+    :func:`lab.core.outputs.write_output`; SystemExit (one line) if one cannot be written."""
+    from lab.core.errors import UserError
+    from lab.core.outputs import write_output
+
+    table_path, *figures = side_files(doc)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            plots(steps, cdfs, Path(tmp))
+            for path in figures:
+                write_output(path, (Path(tmp) / path.name).read_bytes())
+        write_output(table_path, lambda p: table.to_csv(p, index=False, float_format="%.6g"))
+        write_output(doc, text)
+    except UserError as e:
+        raise SystemExit(f"error: --doc {e}") from None
 
 
 def _compare_folder(src: Path, folder: str, model, cost_model: dict, c: Comparison) -> None:

@@ -24,6 +24,7 @@ import pandas as pd
 from lab import __version__
 from lab.config import ExperimentConfig
 from lab.core.errors import UserError
+from lab.core.outputs import MANIFEST  # the names of the files the lab wrote in a folder
 from lab.report import html as html_report
 from lab.report import plots, timeline
 from lab.report.markdown import config_yaml, model_line, report_markdown
@@ -32,7 +33,6 @@ from lab.results import fairness, vllm_result
 from lab.results.run import Run
 from lab.sim.records import STEP_COLUMNS
 
-MANIFEST = ".sched-lab-manifest.json"  # the names of the files the lab wrote in a folder
 FORMATS = ("csv", "parquet")  # of requests and steps
 _TEMP_SUFFIX_BYTES = 14  # ".{name}.XXXXXXXX" then ".old": what a temporary name adds
 

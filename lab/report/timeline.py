@@ -356,18 +356,37 @@ def stories_for(
 
 
 # ---------------------------------------------------------------------------- explain
+# The columns explain and timeline read, by file; the numeric ones must hold numbers.
+RUN_COLUMNS = {
+    "requests": ("request_id", "status", "reason", "arrival_s", "prompt_tokens",
+                 "output_tokens", "first_token_s", "finish_s", "ttft_s", "tpot_s", "e2e_s"),
+    "events": ("request_id", "event", "step", "last_step", "steps", "tokens", "blocks",
+               "reason", "detail"),
+    "steps": ("time_s", "duration_s", "num_decode_tokens"),
+}  # fmt: skip
+_TEXT_COLUMNS = {"request_id", "status", "reason", "event", "detail"}
+
+
 def load_run(folder: Path, run: str | None):
     """(label, requests, events, steps) of one run of a results folder (``run``: its label, or
-    None for the only run). Raises UserError: no such folder, files or run."""
+    None for the only run). Raises UserError: no such folder, run or file, or a file that is
+    damaged (not JSON / CSV / parquet, a column missing, text where numbers belong)."""
     import json
 
-    from lab.core.errors import UserError
+    from lab.core.errors import UserError, short_repr
 
     folder = Path(folder)
     try:
         summary = json.loads((folder / "summary.json").read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"{folder}: not a results folder (summary.json: {e})") from None
+    if not isinstance(summary, dict) or not all(
+        isinstance(v, dict) and "policy" in v and "rate_scale" in v for v in summary.values()
+    ):
+        raise UserError(
+            f"{folder}/summary.json: expected a mapping of run labels to summaries with "
+            f"'policy' and 'rate_scale', got {short_repr(summary, 60)}"
+        )
     labels = list(summary)
     if run is None:
         if len(labels) != 1:
@@ -376,25 +395,45 @@ def load_run(folder: Path, run: str | None):
             )
         run = labels[0]
     if run not in summary:
-        raise UserError(f"{folder}: no run {run!r}; runs: {', '.join(labels)}")
+        raise UserError(f"{folder}: no run {short_repr(run)}; runs: {', '.join(labels)}")
     policy, scale = summary[run]["policy"], summary[run]["rate_scale"]
 
     def read(name: str, **kw) -> pd.DataFrame:
         for ext in ("csv", "parquet"):
             p = folder / f"{name}.{ext}"
             if p.is_file():
-                df = pd.read_csv(p, **kw) if ext == "csv" else pd.read_parquet(p)
-                return df[(df["policy"] == policy) & (df["rate_scale"] == scale)]
+                try:  # index_col=False: a row with a field too many is an error, not an index
+                    df = (
+                        pd.read_csv(p, index_col=False, **kw)
+                        if ext == "csv"
+                        else pd.read_parquet(p)
+                    )
+                except (OSError, ValueError) as e:  # parser, encoding and Arrow errors
+                    raise UserError(f"{p}: damaged, cannot be read ({e})") from None
+                return _checked(df, p, ("policy", "rate_scale", *RUN_COLUMNS[name]))
         raise UserError(f"{folder}: no {name}.csv (results written before request events?)")
 
     requests = read("requests", dtype={"request_id": str, "reason": str})
     events = read(
         "events", dtype={"request_id": str, "reason": str, "detail": str}, keep_default_na=False
     )
-    steps = read(
-        "steps", usecols=["policy", "rate_scale", "time_s", "duration_s", "num_decode_tokens"]
-    )
-    return run, requests, events, steps.reset_index(drop=True)
+    steps = read("steps")[["policy", "rate_scale", *RUN_COLUMNS["steps"]]]
+    picked = [df[(df["policy"] == policy) & (df["rate_scale"] == scale)]
+              for df in (requests, events, steps)]  # fmt: skip
+    return run, picked[0], picked[1], picked[2].reset_index(drop=True)
+
+
+def _checked(df: pd.DataFrame, path: Path, columns: Sequence[str]) -> pd.DataFrame:
+    """``df`` if it has every one of ``columns`` and numbers in the numeric ones."""
+    from lab.core.errors import UserError
+
+    for c in columns:
+        if c not in df.columns:
+            raise UserError(f"{path}: damaged, no column {c!r}")
+        numeric = c not in _TEXT_COLUMNS and c != "policy"
+        if numeric and len(df) and not pd.api.types.is_numeric_dtype(df[c]):
+            raise UserError(f"{path}: damaged, column {c!r} holds text where numbers belong")
+    return df
 
 
 def picture(
@@ -411,6 +450,7 @@ def picture(
     from types import SimpleNamespace
 
     from lab.core.errors import UserError
+    from lab.core.outputs import check_output, write_output
 
     out = Path(out)
     if window is not None and not (all(map(math.isfinite, window)) and 0 <= window[0] < window[1]):
@@ -419,6 +459,7 @@ def picture(
         raise UserError(f"--out: {out}: expected a file name ending in .png, .pdf or .svg")
     if not out.parent.is_dir():
         raise UserError(f"--out: {out.parent} is not a folder")
+    out = check_output(out, "--out")  # before the work: a file of the user's is never replaced
     label, requests, events, steps = load_run(folder, run)
     if "replica" in requests.columns:
         raise UserError(f"{folder}: a cluster run: cluster runs record no per-request events")
@@ -431,7 +472,7 @@ def picture(
         raise UserError(f"{folder}: run {label} has none of the requests asked for")
     stories = stories_for(wanted, requests, events, steps)
     what = f"requests {', '.join(wanted[:6])}{'...' if len(wanted) > 6 else ''}"
-    gantt_png(out, stories, steps, f"{label}: {what}", window)
+    write_output(out, lambda path: gantt_png(path, stories, steps, f"{label}: {what}", window))
     return f"wrote {out}: {len(stories)} requests of run {label}"
 
 

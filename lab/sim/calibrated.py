@@ -1,6 +1,6 @@
 """A cost model fitted to the real engine's profile (backend/profile.py).
 
-    python -m lab.sim.calibrated profiles/h200_qwen3-0.6b.csv     # fit, print error, write .fit.json
+    sched-lab fit h200_qwen3-0.6b      # fit a bundled profile, print the fit and its error
 
 Step time is linear in features of lab.core.plan.StepFeatures:
 
@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from lab.core.errors import ConfigError
+from lab.core.errors import ConfigError, did_you_mean
 from lab.core.fingerprint import HEADER_PREFIX, differences
 from lab.core.plan import StepFeatures
 
@@ -520,42 +520,73 @@ def fit_analytic(df: pd.DataFrame, model: str, hardware: str) -> dict[str, float
     }
 
 
+BUNDLED_PROFILES = Path(__file__).resolve().parents[2] / "profiles"  # installed beside lab/
+
+
+def find_profile(name: str) -> Path:
+    """The profile CSV ``name`` names: a path that exists, else a bundled profile (in
+    :data:`BUNDLED_PROFILES`) by its name, with or without ``.csv`` and ``profiles/`` (``_``
+    and ``-`` alike).
+    Raises ConfigError for neither, listing the bundled ones."""
+    path = Path(name).expanduser()
+    if path.exists() or path.parent not in (Path("."), Path("profiles")):
+        return path  # a path: read_profile says what is wrong with it
+    stem = path.name.removesuffix(".csv")
+    bundled = sorted(p.stem for p in BUNDLED_PROFILES.glob("*.csv"))
+    same = [b for b in bundled if b.replace("_", "-") == stem.replace("_", "-")]  # _ or -
+    if stem and len(same) == 1:
+        return BUNDLED_PROFILES / f"{same[0]}.csv"
+    raise ConfigError(
+        f"{name} does not exist, and no bundled profile has that name"
+        f"{did_you_mean(stem, bundled)} (bundled: {', '.join(bundled) or 'none'})"
+    )
+
+
 def main(
     argv: list[str] | None = None,
     prog: str = "python -m lab.sim.calibrated",
     engine: dict | None = None,
 ) -> int:
-    """Fit a profile and write PROFILE.fit.json (``sched-lab fit``); returns the exit status.
-    ``engine``: what is known of this checkout's engine (``sched-lab fit`` passes its
-    sources' hash, see :func:`staleness`); None: only a missing fingerprint is stale."""
+    """Fit a profile, print the fit (``sched-lab fit``), and write it to ``--out`` if given;
+    returns the exit status. ``engine``: what is known of this checkout's engine
+    (``sched-lab fit`` passes its sources' hash, see :func:`staleness`); None: only a missing
+    fingerprint is stale."""
     import argparse
 
     from lab.core.errors import UserError
+    from lab.core.outputs import check_output, write_output
 
     ap = argparse.ArgumentParser(
         prog=prog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Fit the calibrated step-time model to an engine profile; print and write "
-        "the coefficients and their held-out (5-fold) relative errors.",
-        epilog="example:\n  sched-lab fit profiles/h200_qwen3-0.6b.csv   # writes "
-        "profiles/h200_qwen3-0.6b.fit.json\n\nexit status: 0 ok, 2 bad input (one line: "
-        "error: ...)",
+        description="Fit the calibrated step-time model to an engine profile; print the "
+        "coefficients and their held-out (5-fold) relative errors, and write them to --out.",
+        epilog="examples:\n  sched-lab fit h200_qwen3-0.6b    # a bundled profile, by name\n"
+        "  sched-lab fit my_profile.csv --out my_profile.fit.json\n\n"
+        "--out replaces only a file sched-lab wrote (listed in .sched-lab-manifest.json beside "
+        "it).\n\nexit status: 0 ok, 2 bad input (one line: error: ...)",
     )
-    ap.add_argument("profile", help="profile CSV made by `sched-lab profile`")
-    ap.add_argument("--out", help="fit summary JSON (default: PROFILE with suffix .fit.json)")
+    ap.add_argument(
+        "profile",
+        help="profile CSV made by `sched-lab profile`, or a bundled profile's name "
+        f"({', '.join(sorted(p.stem for p in BUNDLED_PROFILES.glob('*.csv')))})",
+    )
+    ap.add_argument("--out", help="the fit summary JSON to write (default: none, printed only)")
     args = ap.parse_args(argv)
     try:
-        df = read_profile(args.profile)
+        out = check_output(args.out, "--out") if args.out is not None else None
+        path = find_profile(args.profile)
+        df = read_profile(path)
         coef = fit(df)
         err = cross_validated_errors(df)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model, hardware = profile_shape(args.profile)
+    model, hardware = profile_shape(path)
     analytic = fit_analytic(df, model, hardware) if model and hardware else None
     kinds = df["kind"].fillna("unlabelled") if "kind" in df else pd.Series(["all"] * len(df))
     by_kind = {str(k): float(np.median(err[(kinds == k).to_numpy()])) for k in kinds.unique()}
-    fingerprint = read_fingerprint(args.profile)
+    fingerprint = read_fingerprint(path)
     stale, why = staleness(fingerprint, engine or {})
     summary = {
         "profile": args.profile,
@@ -579,13 +610,15 @@ def main(
         # a model and a GPU the simulator has presets for
         "analytic_fit": analytic,
     }
-    out = Path(args.out) if args.out else Path(args.profile).with_suffix(".fit.json")
-    try:
-        out.write_text(json.dumps(summary, indent=2) + "\n")
-    except OSError as e:
-        print(f"error: {out}: cannot write the fit ({e.strerror})", file=sys.stderr)
-        return 2
+    if out is not None:
+        try:
+            write_output(out, json.dumps(summary, indent=2) + "\n")
+        except UserError as e:
+            print(f"error: --out {e}", file=sys.stderr)
+            return 2
     print(json.dumps(summary, indent=2))
+    if out is not None:
+        print(f"wrote {out}")
     if fingerprint is None:
         print(f"note: {args.profile}: {why}", file=sys.stderr)
     else:

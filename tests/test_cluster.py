@@ -341,6 +341,38 @@ def test_results_folder_of_a_disaggregated_run(tmp_path):
             },
             "cluster.kv_transfer: expected one of eth-100g, eth-400g, ib-ndr, nvlink4",
         ),
+        (
+            {
+                "prefill": {"replicas": 1},
+                "decode": {"replicas": 1},
+                "kv_transfer": {"bandwidth_gbps": 0.05},
+            },
+            "cluster.kv_transfer.bandwidth_gbps: expected Gb/s in [0.1, 100000] (Fast Ethernet",
+        ),
+        (
+            {
+                "prefill": {"replicas": 1},
+                "decode": {"replicas": 1},
+                "kv_transfer": {"bandwidth_gbps": 400, "latency_s": 2},
+            },
+            "cluster.kv_transfer.latency_s: expected seconds in [0, 1] (one way;",
+        ),
+        (
+            {
+                "prefill": {"replicas": 1},
+                "decode": {"replicas": 1, "host_buffer_gib": 5000},
+                "kv_transfer": "ib-ndr",
+            },
+            "cluster.decode.host_buffer_gib: expected a number in (0.0, 4096.0], got 5000",
+        ),
+        (
+            {
+                "prefill": {"replicas": 1, "host_buffer_gib": 8},
+                "decode": {"replicas": 1},
+                "kv_transfer": "ib-ndr",
+            },
+            "unknown key cluster.prefill.host_buffer_gib",
+        ),
         ({"prefill": {"replicas": 1}, "kv_transfer": "ib-ndr"}, "missing decode"),
         ({"replicas": 2, "decode": {"replicas": 1}}, "not both"),
     ],
@@ -440,3 +472,26 @@ def test_every_request_ends_with_its_tokens(rows, router, layout, policy, host_b
     for rr in res.replica_results:  # every block back in its pool
         assert rr.steps["kv_used_blocks"].min(initial=0) >= 0
     assert all(peak <= host_buffer for peak, _ in res.host_buffer_peak.values())
+
+
+def test_prefix_affinity_needs_hash_ids_in_the_trace():
+    # Refused for a trace without hash ids (every request would go by load alone), in any
+    # pool; taken when some request has them (those without go by load, as documented).
+    from lab.run.experiment import check_router_keys
+
+    def cfg(cluster):
+        return validate({"trace": {"format": "azure2023"}, "cluster": cluster}, "x.yaml")
+
+    plain = [Request("a", 0.0, 10, 4), Request("b", 0.0, 10, 4)]
+    keyed = [Request("a", 0.0, 10, 4), Request("b", 0.0, 10, 4, None, [1, 2])]
+    pd_cluster = {
+        "prefill": {"replicas": 1},
+        "decode": {"replicas": 2, "router": "prefix_affinity"},
+        "kv_transfer": "ib-ndr",
+    }
+    with pytest.raises(ConfigError, match=r"cluster.decode.router: prefix_affinity routes by"):
+        check_router_keys(plain, cfg(pd_cluster))
+    with pytest.raises(ConfigError, match=r"cluster.router: prefix_affinity routes by hash ids"):
+        check_router_keys(plain, cfg({"replicas": 2, "router": "prefix_affinity"}))
+    check_router_keys(keyed, cfg({"replicas": 2, "router": "prefix_affinity"}))
+    check_router_keys(plain, cfg({"replicas": 2, "router": "least_kv"}))

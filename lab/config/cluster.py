@@ -17,6 +17,11 @@ CLUSTER_KEYS = ("replicas", "router", "prefill", "decode", "kv_transfer")
 MAX_REPLICAS = 4096  # each replica holds its own scheduler and block manager in memory
 _DISAGGREGATED_KEYS = ("prefill", "decode", "kv_transfer")
 MAX_HOST_BUFFER_GIB = 4096.0  # a decode replica's host buffer (4 TiB: beyond any host's memory)
+# A KV-transfer link, between these bounds. Bandwidth: 0.1 Gb/s (Fast Ethernet) to 100,000 Gb/s
+# (12.5 TB/s: more than a GPU's own memory reads, 4.8 TB/s on an H200, so no link is faster).
+# One-way latency: at most 1 s (an intercontinental path is about 0.1 s).
+LINK_GBPS_RANGE = (0.1, 100_000.0)
+MAX_LINK_LATENCY_S = 1.0
 
 
 def parse_cluster(ctx: Context, raw: Any) -> ClusterSpec:
@@ -89,7 +94,23 @@ def _link(where: str, key: str, raw: Any) -> Link:
     if "bandwidth_gbps" not in d:
         raise fail(where, key, "a link preset name or {bandwidth_gbps, latency_s}", raw)
     gbps = check_num(where, f"{key}.bandwidth_gbps", d["bandwidth_gbps"], 0.0, lo_open=True)
+    lo, hi = LINK_GBPS_RANGE
+    if not lo <= gbps <= hi:
+        raise fail(
+            where,
+            f"{key}.bandwidth_gbps",
+            f"Gb/s in [{lo:g}, {hi:g}] (Fast Ethernet to beyond a GPU's memory bandwidth)",
+            gbps,
+        )
     latency = check_num(where, f"{key}.latency_s", d.get("latency_s", 0.0), 0.0)
+    if latency > MAX_LINK_LATENCY_S:
+        raise fail(
+            where,
+            f"{key}.latency_s",
+            f"seconds in [0, {MAX_LINK_LATENCY_S:g}] (one way; an intercontinental path "
+            "takes about 0.1 s)",
+            latency,
+        )
     return Link("custom", gbps * 1e9 / 8, float(latency), f"{gbps} Gb/s, {latency} s")
 
 

@@ -4,6 +4,7 @@ cluster against no cluster."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from types import MappingProxyType
@@ -168,6 +169,12 @@ def test_disaggregated_metrics_ttft_excludes_the_transfer(tmp_path):
     assert by.loc["one", "status"] == "finished" and np.isnan(by.loc["one", "transfer_s"])
     assert by.loc["one", "replica"] == 0 and by.loc["one", "ttft_s"] == pytest.approx(0.01)
     assert cluster["kv_transfer"]["num_transfers"] == 2
+    # Both transfers reserve the decode replica's host buffer when they start, at 10 ms.
+    assert cluster["kv_transfer"]["host_buffer_bytes"] == 64 << 30
+    assert cluster["kv_transfer"]["num_back_pressured"] == 0
+    assert cluster["replicas"]["1"]["host_buffer_peak_bytes"] == 300_000
+    assert cluster["replicas"]["1"]["host_buffer_peak_requests"] == 2
+    assert "host_buffer_peak_bytes" not in cluster["replicas"]["0"]  # a prefill replica
     assert [r["num_requests"] for r in cluster["replicas"].values()] == [3, 2]
     assert list(cluster["replicas"]) == ["0", "1"]
     assert np.isnan(cluster["replicas"]["0"]["tpot_s"]["p50"])  # it decodes nothing
@@ -187,6 +194,47 @@ def test_decode_replica_without_room_keeps_the_request_waiting():
     # b: prefill 20-30 ms, lands at 31 ms, waits; fed 201-211 ms, then 221, 231
     np.testing.assert_allclose(tb, [0.03, 0.211, 0.221, 0.231])
     assert a.finish_s == pytest.approx(0.201) and b.status.value == "finished"
+
+
+def test_full_host_buffer_holds_the_kv_on_the_prefill_replica():
+    # 1 byte of KV a token, a host buffer of 100 bytes, an instant link; 8 blocks of 16
+    # tokens per replica. a and b (prompt 60) prefill together, 0-10 ms, taking all 8
+    # blocks (4 each). At 10 ms a's 60 bytes go (buffer 60); b's do not fit (120 > 100):
+    # the prefill replica keeps b's 4 blocks. c (prompt 100, 7 blocks) arrived at 5 ms
+    # and finds 4 free: it waits. The decode replica admits a at 10-20 ms; at 20 ms a
+    # leaves the buffer, b's KV goes and its blocks free; c is prefilled 20-30 ms (not
+    # 10-20 as with room). b is admitted at 30-40 ms; c's 100 bytes wait for that (60 +
+    # 100 > 100) and go at 40 ms. Peak: 100 bytes (c alone), one request at a time.
+    spec = dataclasses.replace(disaggregated(1, 1, 1e12, 0.0), host_buffer_bytes=100)
+    rows = [("a", 0.0, 60, 30), ("b", 0.0, 60, 30), ("c", 0.005, 100, 20)]
+    res, reqs = run_cluster(spec, rows, gpu_blocks=8, kv_bytes=1)
+    a, b, c = reqs["a"], reqs["b"], reqs["c"]
+    assert res.transfers[a] == pytest.approx((0.01, 0.01, 0.01, 60))
+    assert res.transfers[b] == pytest.approx((0.01, 0.02, 0.02, 60))
+    assert res.transfers[c] == pytest.approx((0.03, 0.04, 0.04, 100))
+    assert res.token_times(c)[0] == pytest.approx(0.03)
+    assert res.host_buffer_peak == {1: (100, 1)} and res.num_back_pressured == 2
+    # The prefill replica's KV use: 8 blocks in its first step; c's 7 in its second (b's 4
+    # went with its KV at 20 ms, just before).
+    assert res.replica_results[0].steps["kv_used_blocks"].tolist() == [8, 7]
+    assert all(r.status.value == "finished" for r in (a, b, c))
+    # With room (the default buffer) nothing waits: c is prefilled at 10-20 ms, and at 20 ms
+    # (the prefill replica's step ends first) the buffer holds a (admitted at 10-20 ms),
+    # b (waiting) and c: 60 + 60 + 100 bytes.
+    res, reqs = run_cluster(disaggregated(1, 1, 1e12, 0.0), rows, gpu_blocks=8, kv_bytes=1)
+    assert res.token_times(reqs["c"])[0] == pytest.approx(0.02) and res.num_back_pressured == 0
+    assert res.host_buffer_peak == {1: (220, 3)}
+
+
+def test_prompt_kv_over_the_host_buffer_is_rejected_at_arrival():
+    spec = dataclasses.replace(disaggregated(1, 1, 1e12, 0.0), host_buffer_bytes=100)
+    rows = [("big", 0.0, 101, 4), ("one", 0.0, 500, 1), ("ok", 0.0, 100, 4)]
+    res, reqs = run_cluster(spec, rows, kv_bytes=1)
+    assert reqs["big"].status.value == "rejected"
+    assert "exceeds a decode replica's host buffer" in reqs["big"].reason
+    assert "cluster.decode.host_buffer_gib" in reqs["big"].reason
+    assert reqs["one"].status.value == "finished"  # one token: its KV never moves
+    assert reqs["ok"].status.value == "finished"
 
 
 def test_disaggregated_rejects_at_arrival_with_the_decode_limits():
@@ -293,6 +341,38 @@ def test_results_folder_of_a_disaggregated_run(tmp_path):
             },
             "cluster.kv_transfer: expected one of eth-100g, eth-400g, ib-ndr, nvlink4",
         ),
+        (
+            {
+                "prefill": {"replicas": 1},
+                "decode": {"replicas": 1},
+                "kv_transfer": {"bandwidth_gbps": 0.05},
+            },
+            "cluster.kv_transfer.bandwidth_gbps: expected Gb/s in [0.1, 100000] (Fast Ethernet",
+        ),
+        (
+            {
+                "prefill": {"replicas": 1},
+                "decode": {"replicas": 1},
+                "kv_transfer": {"bandwidth_gbps": 400, "latency_s": 2},
+            },
+            "cluster.kv_transfer.latency_s: expected seconds in [0, 1] (one way;",
+        ),
+        (
+            {
+                "prefill": {"replicas": 1},
+                "decode": {"replicas": 1, "host_buffer_gib": 5000},
+                "kv_transfer": "ib-ndr",
+            },
+            "cluster.decode.host_buffer_gib: expected a number in (0.0, 4096.0], got 5000",
+        ),
+        (
+            {
+                "prefill": {"replicas": 1, "host_buffer_gib": 8},
+                "decode": {"replicas": 1},
+                "kv_transfer": "ib-ndr",
+            },
+            "unknown key cluster.prefill.host_buffer_gib",
+        ),
         ({"prefill": {"replicas": 1}, "kv_transfer": "ib-ndr"}, "missing decode"),
         ({"replicas": 2, "decode": {"replicas": 1}}, "not both"),
     ],
@@ -325,6 +405,8 @@ def test_cluster_config_round_trips():
         },
     ):
         cfg = validate({"trace": {"format": "azure2023"}, "cluster": cluster})
+        if "decode" in cluster:  # written with its default
+            cluster = {**cluster, "decode": {**cluster["decode"], "host_buffer_gib": 64.0}}
         assert cfg.to_dict()["cluster"] == cluster
         assert validate({**cfg.to_dict(), "name": "x"}).cluster == cfg.cluster
 
@@ -360,16 +442,17 @@ def test_link_presets_in_bytes_per_second():
     ),
     layout=st.sampled_from([(3, 0), (1, 1), (2, 1), (1, 3)]),
     policy=st.sampled_from(policy_names()),
+    host_buffer=st.sampled_from([12_000, 30_000, 10**9]),
 )
-def test_every_request_ends_with_its_tokens(rows, router, layout, policy):
-    # Small caches (12 blocks of 16 tokens) force queueing and preemption on every side.
+def test_every_request_ends_with_its_tokens(rows, router, layout, policy, host_buffer):
+    # Small caches (12 blocks of 16 tokens) force queueing and preemption on every side;
+    # small host buffers (120 and 300 prompt tokens' KV) hold KV on the prefill replicas.
     p, d = layout
     if d == 0:
         spec = aggregated(p, router)
     else:
-        spec = ClusterSpec(
-            prefill=PoolSpec(p, router), decode=PoolSpec(d, router), link=Link("t", 1e7, 1e-3, "")
-        )
+        link = Link("t", 1e7, 1e-3, "")
+        spec = ClusterSpec(None, PoolSpec(p, router), PoolSpec(d, router), link, host_buffer)
     reqs = [(f"r{i}", t, n, o, None, ids or None) for i, (t, n, o, ids) in enumerate(rows)]
     res, by = run_cluster(spec, reqs, gpu_blocks=12, kv_bytes=100, policy=policy)
     assert res.failure is None, res.failure
@@ -388,3 +471,27 @@ def test_every_request_ends_with_its_tokens(rows, router, layout, policy):
             assert nbytes == 100 * r.prompt_len
     for rr in res.replica_results:  # every block back in its pool
         assert rr.steps["kv_used_blocks"].min(initial=0) >= 0
+    assert all(peak <= host_buffer for peak, _ in res.host_buffer_peak.values())
+
+
+def test_prefix_affinity_needs_hash_ids_in_the_trace():
+    # Refused for a trace without hash ids (every request would go by load alone), in any
+    # pool; taken when some request has them (those without go by load, as documented).
+    from lab.run.experiment import check_router_keys
+
+    def cfg(cluster):
+        return validate({"trace": {"format": "azure2023"}, "cluster": cluster}, "x.yaml")
+
+    plain = [Request("a", 0.0, 10, 4), Request("b", 0.0, 10, 4)]
+    keyed = [Request("a", 0.0, 10, 4), Request("b", 0.0, 10, 4, None, [1, 2])]
+    pd_cluster = {
+        "prefill": {"replicas": 1},
+        "decode": {"replicas": 2, "router": "prefix_affinity"},
+        "kv_transfer": "ib-ndr",
+    }
+    with pytest.raises(ConfigError, match=r"cluster.decode.router: prefix_affinity routes by"):
+        check_router_keys(plain, cfg(pd_cluster))
+    with pytest.raises(ConfigError, match=r"cluster.router: prefix_affinity routes by hash ids"):
+        check_router_keys(plain, cfg({"replicas": 2, "router": "prefix_affinity"}))
+    check_router_keys(keyed, cfg({"replicas": 2, "router": "prefix_affinity"}))
+    check_router_keys(plain, cfg({"replicas": 2, "router": "least_kv"}))

@@ -109,6 +109,17 @@ def test_durations_from_and_profile_are_exclusive() -> None:
         validate(sim_config({"profile": str(PROFILE), "durations_from": str(PROFILE)}))
 
 
+def test_durations_from_refuses_a_tensor_parallel_size() -> None:
+    # The replayed steps are the engine run's, at its own TP: a TP here would only be
+    # recorded in config.yaml. TP 1 (the default) is taken.
+    from lab.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"cost_model.tensor_parallel_size: 8 with cost_model"):
+        validate(sim_config({"durations_from": str(PROFILE), "tensor_parallel_size": 8}))
+    cfg = validate(sim_config({"durations_from": str(PROFILE), "tensor_parallel_size": 1}))
+    assert cfg.cost_model.tensor_parallel_size == 1
+
+
 def _steps_csv(tmp_path: Path, rows: list[dict]) -> Path:
     cols = {
         "policy": "fcfs",

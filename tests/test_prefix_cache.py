@@ -368,3 +368,78 @@ def dataclasses_replace(cfg, i):
     import dataclasses
 
     return dataclasses.replace(cfg, policies=(cfg.policies[i],))
+
+
+# --------------------------------------------------------------------------- preemption
+def _recording(policy: str, made_room: list):
+    """``policy``'s class whose make_room also records (plan, waiting request) when it preempts."""
+    cls = get_policy(policy)
+
+    class Recording(cls):
+        def make_room(self, plan, r, need):
+            regained = super().make_room(plan, r, need)
+            if regained is not None and plan.preempted:
+                made_room.append((plan, r))
+            return regained
+
+    return Recording
+
+
+@pytest.mark.parametrize(
+    "policy, options",
+    [("priority", {"priority_preemption": True}), ("srpt", {"preempt_longer": True})],
+)
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(shared_traces(), st.data())
+def test_a_preemption_for_a_waiting_request_admits_it(policy, options, trace, data):
+    # Preempting to admit a waiting request counts only blocks whose reference count drops
+    # to 0 (a block a victim shares with a request that stays frees nothing), so the waiting
+    # request is admitted in the same plan, or nothing is preempted.
+    from lab.sim.replay import replay
+    from tests.helpers import FixedCost
+
+    bs, per, gpu, cpu, rows = trace
+    made_room: list = []
+    cls = _recording(policy, made_room)
+    limits = SchedulerLimits(4, 64 if cls.chunked_prefill else 10**6, 10**6)
+    bm = PrefixCachingBlockManager(gpu, cpu, bs, 0.0)
+    reqs = [
+        Request(rid, t, p, o, None, ids, data.draw(st.integers(0, 2)), hash_block_size=per * bs)
+        for rid, t, p, o, ids in rows
+    ]
+    plans_admitted: list = []
+
+    class Checking(FixedCost):
+        def execute(self, plan):
+            plans_admitted.extend((plan, r, r in plan.prefills) for p, r in made_room if p is plan)
+            return super().execute(plan)
+
+    res = replay(reqs, cls(limits, bm, **options), Checking(), check_invariants=True)
+    assert res.failure is None or "thrashing" in res.failure
+    assert len(plans_admitted) == len(made_room)
+    assert all(admitted for _, _, admitted in plans_admitted), [
+        r.request_id for _, r, ok in plans_admitted if not ok
+    ]
+
+
+def test_preempting_for_a_waiting_request_counts_only_unshared_blocks():
+    # Blocks of 4 tokens, 6 GPU blocks, SRPT with preempt_longer. a: prompt 8, ids [1, 2],
+    # 100 tokens out, takes blocks 0-2 (8 + 1 tokens). b: prompt 9, ids [1, 2, 3], 50 out,
+    # hits a's blocks 0 and 1 and takes one new block: refs 0:2 1:2 2:1 3:1, 2 blocks free.
+    # c: prompt 12, 1 token out (ranked first), needs ceil(13 / 4) = 4 blocks. Preempting
+    # a alone frees only block 2 (0 and 1 stay with b): 3 free < 4, so b goes too
+    # (blocks 0, 1, 3): 6 free, and c is admitted in the same plan.
+    d = Driver("srpt", gpu=6, bs=4)
+    d.s.preempt_longer = True
+    a = d.add("a", 8, 100, [1, 2])
+    d.step()
+    b = d.add("b", 9, 50, [1, 2, 3])
+    d.step()
+    assert a.block_table == [0, 1, 2] and b.block_table == [0, 1, 3]
+    assert b.num_cached_tokens == 8 and d.bm.num_free_gpu_blocks == 2
+    c = d.add("c", 12, 1, [7, 8, 9])
+    plan = d.step()
+    assert [v.request_id for v, _ in plan.preempted] == ["a", "b"]
+    assert plan.prefills == {c: 12}
+    assert c.status is RequestStatus.FINISHED and d.bm.num_free_gpu_blocks == 6
+    assert a.status is RequestStatus.WAITING and b.status is RequestStatus.WAITING

@@ -733,6 +733,11 @@ BAD_SPECS = [
         {**SMALL_SYNTHETIC, "prompt_len": {"lognormal": {"mean": 1e19, "sigma": 0}}},
         "trace.prompt_len.lognormal.mean: expected at most 1,099,511,627,776, got 1e+19",
     ),
+    (  # finite but faster than any server accepts requests: .inf says "all at once"
+        {**SMALL_SYNTHETIC, "arrival": {"rate": 1e7}},
+        "trace.arrival.rate: expected at most 1e+06 requests/s (arrivals under a microsecond "
+        "apart), or .inf for every request at t = 0; got 1e+07",
+    ),
     (  # 1e-310 req/s: the mean gap overflows to inf
         {**SMALL_SYNTHETIC, "arrival": {"rate": 1e-310}},
         "trace.arrival: rate 1e-310 x burstiness 1 is too small: the mean inter-arrival time 1 / (rate x burstiness) overflows float64",

@@ -16,6 +16,10 @@ from lab.core.errors import TraceError
 from traces.spec import check_keys, check_mapping, get_choice, get_float
 
 PROCESSES = ("poisson", "gamma")
+# Finite rates (requests/s) up to this: above, arrivals come closer than a microsecond, less
+# than any server takes to accept a request (write .inf for all at once). Slow rates are
+# bounded by the clock (traces/table.py).
+MAX_RATE = 1e6
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,11 @@ def parse_arrival(spec: Any, where: str) -> ArrivalProcess:
         raise TraceError(
             f"{where}.burstiness: a poisson process has burstiness 1, got {burstiness:g} "
             "(use process: gamma)"
+        )
+    if MAX_RATE < rate < math.inf:
+        raise TraceError(
+            f"{where}.rate: expected at most {MAX_RATE:g} requests/s (arrivals under a "
+            f"microsecond apart), or .inf for every request at t = 0; got {rate:.6g}"
         )
     if not math.isinf(rate) and not (
         rate * burstiness > 0 and math.isfinite(1.0 / (rate * burstiness))

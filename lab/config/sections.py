@@ -176,6 +176,12 @@ def parse_cost_model(
             f"({cm['step_overhead_s']:g} s{default}; the host's part of the fixed step cost), got "
             f"{cm['host_overhead_s']:g}"
         )
+    if replayed is not None and cm["tensor_parallel_size"] != 1:
+        raise ConfigError(
+            f"{where}: cost_model.tensor_parallel_size: {cm['tensor_parallel_size']} with "
+            "cost_model.durations_from, whose steps take the engine run's measured times and "
+            "its KV capacity (its own engine.tensor_parallel_size): drop it"
+        )
     if (cm["host_overhead_s"] or cm["host_per_seq_s"]) and (profile or replayed) is not None:
         key = "host_overhead_s" if cm["host_overhead_s"] else "host_per_seq_s"
         raise ConfigError(

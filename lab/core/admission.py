@@ -62,7 +62,10 @@ class Admission:
                     events.wait(step, r, "max_num_seqs", max_seqs)
                     break
             if not bm.can_allocate(taken, use_watermark=bool(self.running)):
-                if not self.running and taken > bm.num_free_gpu_blocks and not self.swapped:
+                if (
+                    not (self.running or self.swapped or self.held)
+                    and taken > bm.num_free_gpu_blocks
+                ):
                     self._take_waiting(r, custom is None and queue[0] is r)
                     self.abort(
                         plan,

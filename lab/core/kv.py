@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict, deque
+from collections.abc import Collection
 from itertools import repeat
 
 from lab.core.request import Request, RequestStatus
@@ -109,6 +110,15 @@ class BlockManager:
         """True if ``num_blocks`` GPU blocks can be handed out (keeping the watermark free)."""
         reserve = self.watermark_blocks if use_watermark else 0
         return self._free_gpu.num_free - num_blocks >= reserve
+
+    def num_freed_by(
+        self, blocks: list[int], released: Counter[int], keep: Collection[int] = ()
+    ) -> int:
+        """GPU blocks that releasing ``blocks`` would free, after the releases already
+        counted in ``released`` (mutated: ``blocks`` are added). Here every one; with prefix
+        caching only those whose reference count drops to 0, not counting ``keep`` (cached
+        blocks the caller will reference again)."""
+        return len(blocks)
 
     # ----------------------------------------------------------------------- mutations
     def allocate(self, request: Request, num_blocks: int) -> None:
@@ -329,6 +339,18 @@ class PrefixCachingBlockManager(BlockManager):
         """How many of ``blocks`` are cached free (referencing them lowers the free count)."""
         ref = self._ref
         return sum(1 for b in blocks if ref[b] == 0)
+
+    def num_freed_by(
+        self, blocks: list[int], released: Counter[int], keep: Collection[int] = ()
+    ) -> int:
+        # A block another request still holds stays used; one that reaches ref count 0
+        # becomes cached free (evictable by allocate) or free, either way counted as free.
+        ref, n = self._ref, 0
+        for b in blocks:
+            released[b] += 1
+            if released[b] == ref[b] and b not in keep:
+                n += 1
+        return n
 
     # ----------------------------------------------------------------------- mutations
     def allocate_cached(self, r: Request, hits: list[int], num_new_blocks: int) -> None:

@@ -4,6 +4,7 @@ Rules: docs/ARCHITECTURE.md, "Scheduler rules"."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -70,7 +71,8 @@ class Preemption:
         self, plan: SchedulerOutput, r: Request, need: int, rank: Callable[[Request], Any]
     ) -> int | None:
         """Preempt running requests with ``rank(v) > rank(r)``, lowest-ranked first (ties: the
-        newest), until waiting ``r``'s ``need`` blocks and a sequence slot are free. Never
+        newest), until waiting ``r``'s ``need`` blocks and a sequence slot are free (a victim's
+        block counts once no other request holds it: prefix caching shares blocks). Never
         victims: requests admitted in this plan, (async) those with their last token in
         flight. A victim already in ``plan`` is rolled back out of it.
 
@@ -82,6 +84,10 @@ class Preemption:
         order = sorted(enumerate(self.running), key=lambda iv: (rank(iv[1]), iv[0]), reverse=True)
         top = rank(r)
         free, running, victims = bm.num_free_gpu_blocks, len(self.running), []
+        # With prefix caching a victim frees only the blocks no other request holds, and
+        # r's own cached hits it frees are taken again at once (admission looks them up).
+        cached = bm.enable_prefix_caching and not r.num_computed_tokens
+        hits, released = frozenset(bm.lookup(r)) if cached else frozenset(), Counter[int]()
 
         def fits() -> bool:
             reserve = bm.watermark_blocks if running else 0
@@ -95,7 +101,7 @@ class Preemption:
             if v in self.in_flight.finishing:
                 continue  # async: its last token is in flight
             victims.append(v)
-            free += len(v.block_table)
+            free += bm.num_freed_by(v.block_table, released, hits)
             running -= 1
         if not fits():
             return None

@@ -125,6 +125,11 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         self._admitted: set[Request] = set()  # admitted by the latest admit_waiting
         self.async_scheduling = async_scheduling
         self.in_flight = InFlight()  # asynchronous scheduling: the step in flight
+        # Called as a request finishes (with the time); True keeps its GPU blocks: it joins
+        # ``held`` until release_held. A disaggregated prefill replica sets it: a finished
+        # prefill's KV stays there until the decode side has room (lab/sim/cluster.py).
+        self.on_finish: Callable[[Request, float], bool] | None = None
+        self.held: list[Request] = []  # finished, blocks kept (see on_finish)
         cls = type(self)
         if not cls.victim_rule:
             if cls.pick_victim is not Scheduler.pick_victim:
@@ -241,6 +246,9 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         for r in out:
             self.block_manager.free(r)
             r.status, r.reason, r.finish_s = RequestStatus.ABORTED, reason, now_s
+        for r in self.held:  # finished here; their blocks go
+            self.block_manager.free(r)
+        self.held.clear()
         for queue in (self.waiting, self.running, self.swapped, self.prefilling):
             queue.clear()
         self.decode_set = DecodeSet(self.block_size)
@@ -374,7 +382,7 @@ class Scheduler(Admission, Preemption, SpecDrafts):
                 )
             )
             assert len(r.block_table) == need, f"{r.request_id}: {len(r.block_table)} != {need}"
-        self.block_manager.check_integrity(list(self.running) + list(self.swapped))
+        self.block_manager.check_integrity([*self.running, *self.swapped, *self.held])
 
     # ------------------------------------------------------------------ internals
     def _take_waiting(self, r: Request, head: bool) -> None:
@@ -386,8 +394,16 @@ class Scheduler(Admission, Preemption, SpecDrafts):
     def _finish(self, r: Request, now_s: float) -> None:
         if r in self.running:
             self.running.remove(r)
-        self.block_manager.free(r)
+        if self.on_finish is not None and self.on_finish(r, now_s):
+            self.held.append(r)
+        else:
+            self.block_manager.free(r)
         r.status, r.finish_s = RequestStatus.FINISHED, now_s
+
+    def release_held(self, r: Request) -> None:
+        """Free the blocks of ``r``, a finished request in ``held``. Mutates blocks."""
+        self.held.remove(r)
+        self.block_manager.free(r)
 
     def _leave_running(self, r: Request) -> None:
         self.running.remove(r)

@@ -19,8 +19,10 @@ def add_cluster(
     df: pd.DataFrame, result: ClusterResult, rows: Sequence[Request], summary: dict[str, Any]
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """``df`` (one row per request of ``rows``) with the cluster columns, and the summary's
-    ``cluster`` section: layout, transfers, and per replica its role, requests, steps, busy
-    time and share, tokens fed, preemptions, KV use (mean, max), TTFT and TPOT."""
+    ``cluster`` section: layout, transfers (with each decode replica's host buffer size and
+    how many transfers waited for room in it), and per replica its role, requests, steps,
+    busy time and share, tokens fed, preemptions, KV use (mean, max), TTFT and TPOT; a decode
+    replica also its host buffer's peak (bytes and requests at once)."""
     df = df.assign(**request_columns(result, rows))
     finished = df["status"] == "finished"
     duration = summary["duration_s"]
@@ -47,6 +49,10 @@ def add_cluster(
             "ttft_s": stats(df.loc[finished & first_here.fillna(False), "ttft_s"]),
             "tpot_s": stats(df.loc[finished & decoded_here.fillna(False), "tpot_s"]),
         }
+        if i in result.host_buffer_peak:  # a decode replica: KV landed, not admitted yet
+            peak_bytes, peak_requests = result.host_buffer_peak[i]
+            replicas[str(i)]["host_buffer_peak_bytes"] = peak_bytes
+            replicas[str(i)]["host_buffer_peak_requests"] = peak_requests
     spec = result.roles
     out: dict[str, Any] = {
         "mode": "disaggregated" if "prefill" in spec else "aggregated",
@@ -60,6 +66,8 @@ def add_cluster(
             "bytes": int(df.loc[moved, "kv_transfer_bytes"].sum()),
             "transfer_s": stats(df.loc[moved, "transfer_s"]),
             "transfer_queue_s": stats(df.loc[moved, "transfer_queue_s"]),
+            "host_buffer_bytes": result.host_buffer_bytes,
+            "num_back_pressured": result.num_back_pressured,
         }
     out["replicas"] = replicas
     return df, out

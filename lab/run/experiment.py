@@ -104,6 +104,26 @@ def check_prefix_identity(requests: list[Request], cfg: ExperimentConfig, token_
             )
 
 
+def check_router_keys(requests: list[Request], cfg: ExperimentConfig) -> None:
+    """ConfigError if a pool of ``cluster:`` routes by prefix (``prefix_affinity``) and no
+    request has hash ids: every request would go to the replica with the fewest."""
+    c = cfg.cluster
+    if c is None or any(r.hash_ids for r in requests if r.status is not RequestStatus.DROPPED):
+        return
+    pools = [("cluster", c.pool)] if c.pool is not None else []
+    pools += (
+        [("cluster.prefill", c.prefill), ("cluster.decode", c.decode)] if c.disaggregated else []
+    )
+    for key, pool in pools:
+        if pool.router == "prefix_affinity":
+            raise ConfigError(
+                f"{cfg.name}: {key}.router: prefix_affinity routes by hash ids, and trace "
+                f"format {cfg.trace.format!r} gives its requests none (every request would go "
+                "to the replica with the fewest requests); expected a trace with hash ids or "
+                "another router"
+            )
+
+
 def fresh(requests: list[Request]) -> list[Request]:
     """Copies of trace requests with runtime state reset (dropped rows keep status and reason)."""
     out = []
@@ -281,6 +301,7 @@ def _prepare_trace(ex: _Experiment, trace: list[Request]) -> None:
             r.ttft_slo_s = cfg.slo.ttft_s
     if any(pol.prefix_caching(cfg.kv_cache) for pol in cfg.policies):
         check_prefix_identity(trace, cfg, ex.setup.token_ids)
+    check_router_keys(trace, cfg)
     ex.setup.prepare_trace(trace)
 
 

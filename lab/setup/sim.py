@@ -99,7 +99,8 @@ class SimSetup(Setup):
         return (
             f"{line}, {c.prefill.replicas} prefill replicas (router `{c.prefill.router}`) and "
             f"{c.decode.replicas} decode replicas (router `{c.decode.router}`), KV over "
-            f"`{c.link.name}` ({c.link.bandwidth * 8 / 1e9:g} Gb/s)"
+            f"`{c.link.name}` ({c.link.bandwidth * 8 / 1e9:g} Gb/s) into a "
+            f"{c.host_buffer_bytes / (1 << 30):g} GiB host buffer per decode replica"
         )
 
     def kv_device(self) -> str:

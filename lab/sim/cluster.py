@@ -18,17 +18,23 @@ P..P+D-1 decode. The rules:
   one-token job, so length-aware policies such as sjf order prefills by that). A request
   of one output token ends there.
 * At the end of that step the decode router picks a decode replica and the prompt's KV
-  (prompt_len x the model's K+V bytes per token) goes over the prefill replica's link:
+  (prompt_len x the model's K+V bytes per token) is sent over the prefill replica's link:
   one link per prefill replica, transfers FIFO on it, each occupying it for bytes /
   bandwidth; the KV lands ``latency_s`` after its last byte leaves. The prefill replica's
-  blocks are freed when the prefill ends (its copy of the KV is the transfer's).
+  blocks are freed when the transfer starts (its copy of the KV is the transfer's).
+* The KV lands in the decode replica's host buffer (``host_buffer_bytes`` of host memory per
+  decode replica): a transfer starts only when the buffer has room for its bytes (reserved
+  from the start, FIFO per decode replica behind earlier transfers waiting for room). Until
+  then the prefill replica holds the request's GPU blocks (back-pressure: they count as used
+  there, so the prefill replica admits less). A request whose prompt's KV exceeds the buffer
+  is rejected at arrival.
 * When the KV lands, the request joins the decode replica's ``waiting`` queue with its
   prompt computed: its policy admits it like any request, allocating its blocks then
   (prompt + 2 tokens' worth: the KV that landed, plus the first token's and the second's
   slots) and feeding the first token, which samples the second. A decode replica without
-  room keeps it waiting, FIFO behind earlier arrivals, while the KV stays in the receiving
-  host's buffer (host memory is not a limit here); it is admitted when blocks free up.
-  Preempted on the decode replica, it is recomputed there (its KV is gone).
+  room keeps it waiting, FIFO behind earlier arrivals, its KV in the host buffer; it is
+  admitted when blocks free up, and its buffer space is free at the end of the step that
+  admits it. Preempted on the decode replica, it is recomputed there (its KV is gone).
 * TTFT is the prefill's: the first token is produced by the prefill replica (DistServe,
   Splitwise), so TTFT excludes the transfer; the gap to the second token (its ITL, part of
   TPOT) includes the transfer and any wait for the decode replica.
@@ -41,6 +47,7 @@ import functools
 import gc
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -59,6 +66,10 @@ from lab.sim.replay import ReplayLoop, run_to_end
 from lab.sim.router import Router, get_router
 
 ROLES = ("both", "prefill", "decode")
+GIB = 1 << 30
+# Host memory of a decode replica for KV that landed and waits for its GPU blocks: a quarter
+# of what an 8-GPU H200 server (2 TiB of host memory) gives each GPU.
+DEFAULT_HOST_BUFFER_BYTES = 64 * GIB
 
 
 @dataclass(frozen=True)
@@ -72,12 +83,14 @@ class PoolSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """Aggregated (``pool``) or disaggregated (``prefill``, ``decode`` and ``link``)."""
+    """Aggregated (``pool``) or disaggregated (``prefill``, ``decode``, ``link`` and each
+    decode replica's ``host_buffer_bytes``)."""
 
     pool: PoolSpec | None = None
     prefill: PoolSpec | None = None
     decode: PoolSpec | None = None
     link: Link | None = None
+    host_buffer_bytes: int = DEFAULT_HOST_BUFFER_BYTES
 
     @property
     def disaggregated(self) -> bool:
@@ -88,6 +101,17 @@ class ClusterSpec:
         if self.pool is not None:
             return self.pool.replicas
         return self.prefill.replicas + self.decode.replicas
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A finished prefill whose KV waits for room in a decode replica's host buffer."""
+
+    request: Request
+    copy: Request  # the prefill replica's copy, holding its GPU blocks
+    prefill: Replica
+    ready_s: float  # when the prefill ended
+    nbytes: int
 
 
 class Replica(ReplayLoop):
@@ -109,6 +133,12 @@ class Replica(ReplayLoop):
         self.num_incoming = 0  # KV transfers under way to it
         self._open: list[Request] = []  # routed here, not ended (pruned when read)
         self._open_tokens = 0
+        # Decode replica: its host buffer (KV under way or landed, not admitted yet).
+        self.buffered: dict[Request, int] = {}  # request -> bytes reserved
+        self.buffer_bytes = 0
+        self.buffer_peak_bytes = 0
+        self.buffer_peak_requests = 0
+        self.pending: deque[_Pending] = deque()  # transfers waiting for room, FIFO
 
     @property
     def num_requests(self) -> int:
@@ -147,6 +177,11 @@ class ClusterResult(ReplayResult):
         replica_of: the replica that produced each request's last token.
         first_token: disaggregated requests of 2+ tokens: (prefill replica, step index).
         transfers: (KV ready s, transfer start s, KV landed s, bytes) per transferred request.
+        host_buffer_peak: per decode replica index, the most bytes and requests its host
+            buffer held at once.
+        host_buffer_bytes: each decode replica's host buffer (disaggregated), else 0.
+        num_back_pressured: transfers that waited for room in a host buffer (their prefill replica
+            held the KV meanwhile).
     """
 
     replica_results: list[ReplayResult] = field(default_factory=list)
@@ -154,6 +189,9 @@ class ClusterResult(ReplayResult):
     replica_of: dict[Request, int] = field(default_factory=dict)
     first_token: dict[Request, tuple[int, int]] = field(default_factory=dict)
     transfers: dict[Request, tuple[float, float, float, int]] = field(default_factory=dict)
+    host_buffer_peak: dict[int, tuple[int, int]] = field(default_factory=dict)
+    host_buffer_bytes: int = 0
+    num_back_pressured: int = 0
 
     def token_times(self, r: Request) -> np.ndarray:
         times = self.replica_results[self.replica_of[r]].token_times(r)
@@ -191,8 +229,11 @@ class _Cluster:
             reps = []
             for _ in range(pool.replicas):
                 rep = Replica(env, len(self.replicas), role, *make_replica(), check_invariants)
-                if role == "prefill":  # after each step, its finished prefills move on
+                if role == "prefill":  # a finished prefill's KV moves on, or waits there
+                    rep.scheduler.on_finish = functools.partial(self.prefill_done, rep)
                     rep.on_step = functools.partial(self.prefill_step, rep)
+                elif role == "decode":  # admitted requests leave the host buffer
+                    rep.on_step = functools.partial(self.decode_step, rep)
                 reps.append(rep)
                 self.replicas.append(rep)
             self.pools.append(reps)
@@ -203,12 +244,20 @@ class _Cluster:
         self.transfers: dict[Request, tuple[float, float, float, int]] = {}
         self._real: dict[Request, Request] = {}  # a prefill replica's copy -> the request
         self._link_free_s = [0.0] * len(self.replicas)  # per prefill replica's link
+        self.num_back_pressured = 0
 
     def arrive(self, r: Request) -> None:
         """Route an arriving request (aggregated: to its replica; else to a prefill one)."""
         self.num_arrived += 1
         if self.spec.pool is None:
             reason = self.pools[1][0].scheduler.rejection_reason(r)
+            nbytes = r.prompt_len * self.kv_bytes_per_token
+            if not reason and r.output_len > 1 and nbytes > self.spec.host_buffer_bytes:
+                reason = (
+                    f"its prompt's KV ({nbytes / GIB:.3g} GiB) exceeds a decode replica's "
+                    f"host buffer ({self.spec.host_buffer_bytes / GIB:.3g} GiB, "
+                    "cluster.decode.host_buffer_gib)"
+                )
             if reason:
                 r.status, r.reason, r.finish_s = RequestStatus.REJECTED, reason, self.env.now
                 return
@@ -224,18 +273,13 @@ class _Cluster:
         self.replica_of[self._real.get(r, r)] = rep.index
         rep.add(r)
 
-    def prefill_step(self, rep: Replica, plan: SchedulerOutput, now: float) -> None:
-        """After a prefill replica's step: send each finished prefill's KV to a decode
-        replica; a copy aborted by the prefill replica aborts its request."""
-        for copy in plan.prefills:
-            if copy.status is RequestStatus.FINISHED and copy in self._real:
-                self._send(self._real.pop(copy), copy, rep, now)
-        for copy in plan.aborted:
-            r = self._real.pop(copy, None)
-            if r is not None:
-                r.status, r.reason, r.finish_s = copy.status, copy.reason, copy.finish_s
-
-    def _send(self, r: Request, copy: Request, p: Replica, now: float) -> None:
+    def prefill_done(self, p: Replica, copy: Request, now: float) -> bool:
+        """``copy`` finished on prefill replica ``p`` (its ``on_finish``): a decode replica
+        is picked and the KV sent, or queued there for buffer room. True keeps the copy's
+        blocks on ``p`` (queued); False for a sent one, or a request of one token."""
+        r = self._real.pop(copy, None)
+        if r is None:
+            return False
         r.first_scheduled_s = copy.first_scheduled_s
         r.num_preemptions_recompute += copy.num_preemptions_recompute
         r.num_preemptions_swap += copy.num_preemptions_swap
@@ -243,15 +287,53 @@ class _Cluster:
         r.num_resumed_cached_tokens += copy.num_resumed_cached_tokens
         self.first_token[r] = (p.index, copy.prefill_token_steps[-1])
         d = self.pools[1][self.routers[1].route(r)]
-        link = self.spec.link
-        nbytes = r.prompt_len * self.kv_bytes_per_token
-        start = max(now, self._link_free_s[p.index])  # FIFO on the prefill replica's link
-        self._link_free_s[p.index] = start + nbytes / link.bandwidth
-        landed = start + nbytes / link.bandwidth + link.latency_s
-        self.transfers[r] = (now, start, landed, nbytes)
         d.num_incoming += 1
         d.take(r)
         self.replica_of[r] = d.index
+        job = _Pending(r, copy, p, now, r.prompt_len * self.kv_bytes_per_token)
+        if d.pending or d.buffer_bytes + job.nbytes > self.spec.host_buffer_bytes:
+            d.pending.append(job)
+            self.num_back_pressured += 1
+            return True
+        self._send(job, d, now)
+        return False
+
+    def prefill_step(self, rep: Replica, plan: SchedulerOutput, now: float) -> None:
+        """After a prefill replica's step: a copy aborted there aborts its request."""
+        for copy in plan.aborted:
+            r = self._real.pop(copy, None)
+            if r is not None:
+                r.status, r.reason, r.finish_s = copy.status, copy.reason, copy.finish_s
+
+    def decode_step(self, d: Replica, plan: SchedulerOutput, now: float) -> None:
+        """After a decode replica's step: requests it admitted (or aborted) leave its host
+        buffer, and transfers waiting for room start, FIFO, while they fit."""
+        for r in (*plan.prefills, *plan.aborted):
+            nbytes = d.buffered.pop(r, None)
+            if nbytes is not None:
+                d.buffer_bytes -= nbytes
+        self._drain(d, now)
+
+    def _drain(self, d: Replica, now: float) -> None:
+        """Start the transfers waiting for room in ``d``'s host buffer, FIFO, while they fit."""
+        while d.pending and d.buffer_bytes + d.pending[0].nbytes <= self.spec.host_buffer_bytes:
+            job = d.pending.popleft()
+            job.prefill.scheduler.release_held(job.copy)
+            job.prefill.wake()
+            self._send(job, d, now)
+
+    def _send(self, job: _Pending, d: Replica, now: float) -> None:
+        """Start the KV transfer of ``job`` to ``d`` (its buffer room reserved now)."""
+        r, link, nbytes = job.request, self.spec.link, job.nbytes
+        d.buffered[r] = nbytes
+        d.buffer_bytes += nbytes
+        d.buffer_peak_bytes = max(d.buffer_peak_bytes, d.buffer_bytes)
+        d.buffer_peak_requests = max(d.buffer_peak_requests, len(d.buffered))
+        p = job.prefill.index
+        start = max(now, self._link_free_s[p])  # FIFO on the prefill replica's link
+        self._link_free_s[p] = start + nbytes / link.bandwidth
+        landed = start + nbytes / link.bandwidth + link.latency_s
+        self.transfers[r] = (job.ready_s, start, landed, nbytes)
         event = self.env.timeout(landed - now)
         event.callbacks.append(lambda _event: self._land(r, d))
 
@@ -260,6 +342,9 @@ class _Cluster:
         d.num_incoming -= 1
         r.num_computed_tokens, r.num_output_tokens = r.prompt_len, 1
         d.add(r)
+        if r.status is not RequestStatus.WAITING and r in d.buffered:  # rejected at add
+            d.buffer_bytes -= d.buffered.pop(r)
+            self._drain(d, self.env.now)
 
 
 def _prefill_copy(r: Request) -> Request:
@@ -349,6 +434,13 @@ def _replay(requests, spec, make_replica, kv_bytes_per_token, seed, check_invari
         replica_of=cluster.replica_of,
         first_token=cluster.first_token,
         transfers=cluster.transfers,
+        host_buffer_peak={
+            rep.index: (rep.buffer_peak_bytes, rep.buffer_peak_requests)
+            for rep in cluster.replicas
+            if rep.role == "decode"
+        },
+        host_buffer_bytes=spec.host_buffer_bytes if spec.disaggregated else 0,
+        num_back_pressured=cluster.num_back_pressured,
     )
 
 

@@ -80,8 +80,8 @@ class ReplayLoop:
     def add(self, r: Request) -> None:
         """Hand ``r`` to the scheduler now; wake the loop if ``r`` was queued."""
         self.num_added += 1
-        if self.scheduler.add(r, self.env.now) and not self._wakeup.triggered:
-            self._wakeup.succeed()
+        if self.scheduler.add(r, self.env.now):
+            self.wake()
 
     def arrivals(self, requests: list[Request]) -> Iterator[simpy.Event]:
         """Process: ``add`` each of ``requests`` (sorted by arrival) at its arrival time."""
@@ -109,6 +109,8 @@ class ReplayLoop:
             t_plan = time.perf_counter() if wall_clock else 0.0
             plan, runs = plan_step(False)
             if not runs:
+                if not plan.aborted:  # blocks held for another replica: wait for a release
+                    yield self._idle()
                 continue  # only aborts: plan again
             if wall_clock:
                 plan_s = time.perf_counter() - t_plan
@@ -165,8 +167,13 @@ class ReplayLoop:
             yield from self._step(flight.plan, result, flight.row)
             flight = nxt
 
+    def wake(self) -> None:
+        """Wake the idle loop (a request was queued, or held blocks were released)."""
+        if not self._wakeup.triggered:
+            self._wakeup.succeed()
+
     def _idle(self) -> simpy.Event:
-        """The event the idle loop waits on: the next ``add`` of a queued request."""
+        """The event the idle loop waits on: the next :meth:`wake`."""
         if self._wakeup.triggered:
             self._wakeup = self.env.event()
         return self._wakeup
@@ -174,13 +181,14 @@ class ReplayLoop:
     def _plan(self, in_flight: bool) -> tuple[SchedulerOutput, bool]:
         """The next plan (checked if ``check_invariants``) and whether it goes to the
         executor: it feeds a token, or it aborts and still has swaps to run. Raises
-        SchedulerStuckError if no request advances, none is aborted, and no step in flight
-        can free anything (none, or the plan preempted)."""
+        SchedulerStuckError if no request advances, none is aborted, and nothing can free
+        blocks: no step in flight (or the plan preempted) and none held for another replica."""
         scheduler = self.scheduler
         plan = scheduler.schedule()
         feeds = plan.feeds_tokens
         if not feeds and not plan.aborted and (not in_flight or plan.preempted):
-            raise SchedulerStuckError(_stuck_message(scheduler, self.env.now))
+            if not scheduler.held or plan.preempted:
+                raise SchedulerStuckError(_stuck_message(scheduler, self.env.now))
         if self.check_invariants:
             scheduler.check_plan(plan)
         return plan, feeds or (bool(plan.aborted) and not plan.is_empty)

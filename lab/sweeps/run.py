@@ -249,11 +249,14 @@ def run_sweep(
         done = executors.run_tasks(
             run_task, pool, failed, jobs=jobs, ray=ray, ray_address=ray_address
         )
-        for r in _chain(done, (run_task(t) for t in here)):
-            results[r.index] = r
-            phase.advance()
-            if r.error:
-                log.warning("%s failed: %s", tasks[r.index].point.name, r.error)
+        try:
+            for r in _chain(done, (run_task(t) for t in here)):
+                results[r.index] = r
+                phase.advance()
+                if r.error:
+                    log.warning("%s failed: %s", tasks[r.index].point.name, r.error)
+        finally:
+            done.close()  # however the loop ended, the pool's workers end here
     ordered = [results[t.index] for t in tasks]
     timing = {
         "executor": executors.describe(jobs, ray, ray_address),

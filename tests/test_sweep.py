@@ -126,6 +126,17 @@ BAD = [
     ("sweep: {grid: {}}\n", "sweep.grid: expected a mapping of key paths to non-empty lists"),
     ("sweep: {grid: {seed: []}}\n", "sweep.grid.seed: expected a non-empty list of values, got []"),
     ("sweep: {}\n", "sweep: expected a mapping with grid and/or points, got {}"),
+    ("sweep: {max_points: 5}\n", "sweep: expected a mapping with grid and/or points, got"),
+    ("sweep: {grid: {seed: [1]}, max_points: 0}\n", "sweep.max_points: expected an integer >= 1"),
+    (
+        "sweep: {grid: {seed: [1, 2, 3], rate_scale: [1, 2]}, max_points: 5}\n",
+        "sweep: 3 x 2 = 6 points, more than the limit of 5; raise it with sweep.max_points or "
+        "--max-points if you mean it",
+    ),
+    (
+        "sweep: {points: [{seed: 1}, {seed: 2}], grid: {rate_scale: [1, 2, 3]}, max_points: 5}\n",
+        "sweep: 2 x 3 = 6 points, more than the limit of 5",
+    ),
     ("sweep: {grid: {name: [a, b]}}\n", "name: cannot be swept"),
     (
         "sweep: {grid: {policies.fcfz.max_num_seqs: [1]}}\n",
@@ -168,8 +179,35 @@ def test_sweep_flags_on_a_plain_experiment(tmp_path, capsys):
     path = write(tmp_path, SYNTH)
     assert run_experiment.main([str(path), "--jobs", "2", "--no-progress"]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"error: {path}: --jobs, --ray and --ray-address are for a YAML with sweep: or search:"
+        f"error: {path}: --jobs, --max-points, --ray and --ray-address are for a YAML with "
+        "sweep: or search:"
     )
+
+
+def test_max_points_from_the_command_line_wins_over_the_yaml(tmp_path, capsys):
+    path = write(tmp_path, SYNTH + "sweep: {grid: {seed: [1, 2, 3], rate_scale: [1, 2]}, "
+                 "max_points: 5}\n")  # fmt: skip
+    assert len(load_sweep(path, max_points=6).points) == 6
+    out = str(tmp_path / "o")
+    assert run_experiment.main([str(path), "--max-points", "4", "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: {path}: sweep: 3 x 2 = 6 points, more than the limit of 4; raise it with "
+        "sweep.max_points or --max-points if you mean it"
+    )
+    assert run_experiment.main([str(path), "--max-points", "0", "--out", out]) == 2
+    assert "--max-points: expected an integer >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_default_limit_counts_before_expanding():
+    # 10 axes of 10 values: 10**10 points, refused from the axis lengths alone.
+    grid = {f"policies[0].x{i}": list(range(10)) for i in range(10)}
+    with pytest.raises(ConfigError, match=r"10 x 10 .* = 10,000,000,000 points, more than the "
+                       r"limit of 10,000"):  # fmt: skip
+        expand({"grid": grid}, "sw.yaml")
+    combos, keys = expand({"grid": {"seed": list(range(100))}, "max_points": 100}, "sw.yaml")
+    assert len(combos) == 100 and keys == ("seed",)
 
 
 def test_search_needs_an_slo_for_attainment(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,9 @@ from lab.sweeps.search import parse_search
 from traces.readers import load_yaml_file
 
 SWEEP_KEYS = ("sweep", "search")  # top-level keys that make a YAML a sweep
+# Points a sweep may have unless sweep.max_points or --max-points says more: each point is
+# validated (about a millisecond) and kept in memory before the first runs.
+MAX_POINTS = 10_000
 NOT_SWEPT = ("name", "sweep", "search", "trace_file")  # keys a point cannot set
 
 
@@ -66,7 +70,11 @@ def read_yaml(path: str | Path) -> tuple[Path, Any]:
 
 
 def load_sweep(
-    path: str | Path, limit: int | None = None, raw: Any = None, check_traces: bool = True
+    path: str | Path,
+    limit: int | None = None,
+    raw: Any = None,
+    check_traces: bool = True,
+    max_points: int | None = None,
 ) -> Sweep:
     """Read a sweep YAML and validate every point.
 
@@ -74,6 +82,8 @@ def load_sweep(
         limit: replay only the first ``limit`` requests of each trace (``--limit``).
         raw: the parsed YAML, if read already.
         check_traces: load each distinct trace spec once to check it.
+        max_points: the most points accepted (``--max-points``); default the YAML's
+            ``sweep.max_points``, else :data:`MAX_POINTS`.
 
     Raises:
         ConfigError: one line naming the file, the point and the key.
@@ -98,7 +108,7 @@ def load_sweep(
             raise ConfigError(f"{where}: trace: expected a mapping with at least 'format'")
         else:
             base["trace"] = {**trace, "limit": limit}
-    combos, keys = expand(raw.get("sweep"), where)
+    combos, keys = expand(raw.get("sweep"), where, max_points)
     width = max(3, len(str(len(combos) - 1)))
     points = []
     for i, values in enumerate(combos):
@@ -164,12 +174,20 @@ def point_config(sweep: Sweep, point: Point, **changes: Any):
 
 
 # ---------------------------------------------------------------------------- expansion
-def expand(spec: Any, where: str) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
+def expand(
+    spec: Any, where: str, max_points: int | None = None
+) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
     """The points of a ``sweep:`` block (None: one empty point; explicit points in turn,
     each with every grid combination, last grid key fastest) and the swept key paths.
+    The points are counted before they are made.
+
+    Args:
+        max_points: the most points accepted; None: ``sweep.max_points``, else
+            :data:`MAX_POINTS`.
 
     Raises:
-        ConfigError: a malformed block, a key given twice or one that cannot be swept.
+        ConfigError: a malformed block, a key given twice or one that cannot be swept, or
+            more points than ``max_points``.
     """
     if spec is None:
         return [{}], ()
@@ -178,8 +196,22 @@ def expand(spec: Any, where: str) -> tuple[list[dict[str, Any]], tuple[str, ...]
             f"{where}: sweep: expected a mapping with grid and/or points, got {short_repr(spec)}"
         )
     for k in spec:
-        if k not in ("grid", "points"):
-            raise ConfigError(f"{where}: unknown key sweep.{k}; allowed: grid, points")
+        if k not in ("grid", "points", "max_points"):
+            raise ConfigError(f"{where}: unknown key sweep.{k}; allowed: grid, points, max_points")
+    if "max_points" in spec:
+        own = spec["max_points"]
+        if not isinstance(own, int) or isinstance(own, bool) or own < 1:
+            raise ConfigError(
+                f"{where}: sweep.max_points: expected an integer >= 1, got {short_repr(own)}"
+            )
+        if max_points is None:
+            max_points = own
+    if max_points is None:
+        max_points = MAX_POINTS
+    if not any(k in spec for k in ("grid", "points")):
+        raise ConfigError(
+            f"{where}: sweep: expected a mapping with grid and/or points, got {short_repr(spec)}"
+        )
     grid = spec.get("grid", {})
     if not isinstance(grid, Mapping) or ("grid" in spec and not grid):
         raise ConfigError(
@@ -224,6 +256,14 @@ def expand(spec: Any, where: str) -> tuple[list[dict[str, Any]], tuple[str, ...]
             if path not in point_keys:
                 point_keys.append(path)
         rows.append(row)
+    count = len(rows) * math.prod(len(v) for _, v in axes)
+    if count > max_points:
+        factors = [len(rows)] * (len(rows) > 1) + [len(v) for _, v in axes]
+        product = " x ".join(map(str, factors)) + " = " if len(factors) > 1 else ""
+        raise ConfigError(
+            f"{where}: sweep: {product}{count:,} points, more than the limit of "
+            f"{max_points:,}; raise it with sweep.max_points or --max-points if you mean it"
+        )
     combos = [
         {**row, **dict(zip([a for a, _ in axes], values))}
         for row in rows

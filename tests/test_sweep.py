@@ -267,6 +267,80 @@ def test_search_over_an_integer_key_runs_every_point(tmp_path):
     assert pd.read_csv(out / "capacity.csv").iloc[0]["status"] == "above_range"
 
 
+def test_whole_number_keys_come_from_the_section_dataclasses():
+    from lab.sweeps.search import whole_number_key
+
+    ints = ["kv_cache.num_gpu_blocks", "kv_cache.block_size", "scheduler.max_num_seqs",
+            "policies.fcfs.max_num_seqs", "policies[0].max_num_batched_tokens"]  # fmt: skip
+    floats = ["trace.rate_scale", "kv_cache.watermark", "kv_cache.gpu_memory_utilization",
+              "kv_cache.enable_prefix_caching", "slo.ttft_s", "trace.arrival.rate"]  # fmt: skip
+    assert [whole_number_key(k) for k in ints] == [True] * len(ints)
+    assert [whole_number_key(k) for k in floats] == [False] * len(floats)
+
+
+def _search(tmp_path, search: str, kv: str = "kv_cache: {num_gpu_blocks: 256}\n"):
+    """The curve rows and capacity of a one-policy search over SYNTH."""
+    from lab.sweeps.run import make_tasks, run_task
+
+    path = write(tmp_path, SYNTH.replace("kv_cache: {num_gpu_blocks: 256}\n", kv)
+                 + "policies: [fcfs]\n" + search)  # fmt: skip
+    (task,) = make_tasks(load_sweep(path))
+    result = run_task(task)
+    assert result.error is None, result.error
+    return result.rows, result.capacity
+
+
+def test_a_key_absent_from_the_yaml_is_searched_in_whole_numbers(tmp_path):
+    rows, cap = _search(
+        tmp_path,
+        "search: {metric: ttft_s_p99, target: 1000, over: kv_cache.num_gpu_blocks, "
+        "lo: 100.5, hi: 400}\n",
+        kv="",
+    )
+    # lo 100.5 -> 100, hi 400: both met (12 short requests), so above the range.
+    assert [(r["kv_cache.num_gpu_blocks"], r["met"]) for r in rows] == [(100, True), (400, True)]
+    assert all(type(r["kv_cache.num_gpu_blocks"]) is int and "refused" not in r for r in rows)
+    assert (cap["status"], cap["capacity"]) == ("above_range", 400)
+
+
+def test_a_key_at_its_default_starts_the_search(tmp_path):
+    # scheduler.max_num_seqs is not in the YAML: the search starts at its default, 256, and
+    # doubles while 12 requests meet the target. The budget is max(max_model_len, 2048) =
+    # 256 blocks x 16 tokens = 4096, and more running requests than that the config refuses:
+    # 8192 bounds the bracket, and the bisection closes on 4096.
+    rows, cap = _search(
+        tmp_path, "search: {metric: slo_attainment, target: 0.01, over: scheduler.max_num_seqs}\n"
+    )
+    seqs = [r["scheduler.max_num_seqs"] for r in rows]
+    assert seqs[:6] == [256, 512, 1024, 2048, 4096, 8192]
+    assert [r["met"] for r in rows[:6]] == [True] * 5 + [False]
+    assert all(type(x) is int for x in seqs)
+    assert (
+        rows[5]["refused"]
+        == "policies[fcfs]: max_num_batched_tokens 4096 must be >= max_num_seqs 8192"
+    )
+    assert (cap["status"], cap["capacity"]) == ("found", 4096)
+
+
+def test_a_refused_probe_bounds_the_bracket_and_keeps_the_samples(tmp_path):
+    # From 256 blocks, doubling reaches 131072 blocks (275 GB of KV for llama-3.1-8b): the
+    # config refuses it, which ends the doubling like a miss; the bisection then finds the
+    # most blocks an h200-sxm holds (141 GB). Every sample that met the target is kept.
+    rows, cap = _search(
+        tmp_path, "search: {metric: ttft_s_p99, target: 1000, over: kv_cache.num_gpu_blocks}\n"
+    )
+    blocks = [r["kv_cache.num_gpu_blocks"] for r in rows]
+    assert blocks[:10] == [256 * 2**i for i in range(10)]
+    refused = [r for r in rows if "refused" in r]
+    assert refused[0]["kv_cache.num_gpu_blocks"] == 131072
+    assert "more than the 141 GB of a h200-sxm" in refused[0]["refused"]
+    assert all(not r["met"] and r["kv_cache.num_gpu_blocks"] > cap["capacity"] for r in refused)
+    met = [r["kv_cache.num_gpu_blocks"] for r in rows if r["met"]]
+    assert met[:9] == blocks[:9] and max(met) == cap["capacity"]
+    assert cap["status"] == "found" and 65536 <= cap["capacity"] < cap["hi"] <= 131072
+    assert cap["hi"] - cap["capacity"] <= 0.02 * cap["capacity"]
+
+
 def test_capacity_of_a_fixed_cost_queue_matches_the_closed_form(tmp_path):
     """One request per step (max_num_seqs 1), one output token (done at its prefill), the
     same prompt: every step costs the same c seconds. Requests arrive every d0 / s seconds

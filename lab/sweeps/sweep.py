@@ -123,7 +123,7 @@ def load_sweep(
         search = parse_search(raw["search"], where, keys)
     base_dir = path.absolute().parent
     configs = {}
-    traces_seen: set[str] = set()
+    traces = _TraceChecks(base_dir)
     for p in points:
         cfg = _validate_point(p, where, base_dir)
         configs[p.name] = cfg
@@ -131,29 +131,61 @@ def load_sweep(
             search.check(cfg, p, where)
         if check_traces:
             try:
-                _check_trace(cfg, base_dir, traces_seen)
+                traces.check(cfg)
             except UserError as e:
-                raise ConfigError(f"{where}: sweep point {p.name} ({p.describe()}): {e}") from None
+                msg = str(e).removeprefix(f"{cfg.name}: ")
+                raise ConfigError(
+                    f"{where}: sweep point {p.name} ({p.describe()}): {msg}"
+                ) from None
     return Sweep(name, where, base_dir, tuple(points), keys, raw, search, configs)
 
 
-def _check_trace(cfg: Any, base_dir: Path, seen: set[str]) -> None:
-    """Load ``cfg``'s traces not in ``seen`` (by spec and seed); raises their UserError."""
-    from traces import load_table
-    from traces.classes import load_classes
+class _TraceChecks:
+    """Each distinct trace of a sweep's points (by spec and seed) loaded once, and with the
+    prefix cache on, its prefix identity checked as the runs will (before any runs)."""
 
-    if cfg.trace.classes:
-        spec: Any = [dict(c) for c in cfg.trace.classes]
-    else:
-        spec = {k: v for k, v in cfg.trace.spec.items() if k != "rate_scale"}
-    ident = json.dumps({"seed": cfg.seed, "trace": spec}, sort_keys=True, default=str)
-    if ident in seen:
-        return
-    seen.add(ident)
-    if cfg.trace.classes:
-        load_classes(cfg.trace.classes, base_dir, cfg.seed, cfg.slo.ttft_s)
-    else:
-        load_table({"seed": cfg.seed, **cfg.trace.spec}, base_dir)
+    def __init__(self, base_dir: Path) -> None:
+        self.base_dir = base_dir
+        self.seen: set[str] = set()
+        self.checked: set[tuple[str, int, bool]] = set()
+        self.last: tuple[str | None, Any] = (None, None)  # the latest trace loaded
+
+    def check(self, cfg: Any) -> None:
+        """UserError if ``cfg``'s trace cannot be read, or cannot be cached as it asks."""
+        from lab.run.experiment import check_prefix_identity
+        from lab.setup import setup_class
+
+        if cfg.trace.classes:
+            spec: Any = [dict(c) for c in cfg.trace.classes]
+        else:
+            spec = {k: v for k, v in cfg.trace.spec.items() if k != "rate_scale"}
+        ident = json.dumps({"seed": cfg.seed, "trace": spec}, sort_keys=True, default=str)
+        caching = any(pol.prefix_caching(cfg.kv_cache) for pol in cfg.policies)
+        token_ids = setup_class(cfg.backend).token_ids
+        key = (ident, cfg.kv_cache.block_size, token_ids)
+        if ident in self.seen and (not caching or key in self.checked):
+            return
+        loaded = self._load(cfg, ident)
+        if caching:
+            requests = loaded if isinstance(loaded, list) else loaded.to_requests()
+            self.last = (ident, requests)
+            check_prefix_identity(requests, cfg, token_ids)
+            self.checked.add(key)
+
+    def _load(self, cfg: Any, ident: str) -> Any:
+        """The trace's requests (workload classes) or table."""
+        from traces import load_table
+        from traces.classes import load_classes
+
+        if self.last[0] == ident:
+            return self.last[1]
+        if cfg.trace.classes:
+            loaded, _ = load_classes(cfg.trace.classes, self.base_dir, cfg.seed, cfg.slo.ttft_s)
+        else:
+            loaded, _ = load_table({"seed": cfg.seed, **cfg.trace.spec}, self.base_dir)
+        self.seen.add(ident)
+        self.last = (ident, loaded)
+        return loaded
 
 
 def _validate_point(p: Point, where: str, base_dir: Path):

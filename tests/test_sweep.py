@@ -94,7 +94,8 @@ def test_set_path_picks_policies_by_label_or_index_and_creates_sections():
 def test_points_are_validated_configs(tmp_path):
     path = write(
         tmp_path,
-        SYNTH + "policies: [fcfs, {name: chunked_prefill, max_num_batched_tokens: 128}]\n"
+        SYNTH
+        + "policies: [fcfs, {name: chunked_prefill, max_num_batched_tokens: 128, max_num_seqs: 32}]\n"
         "sweep:\n  grid:\n    policies.chunked_prefill.max_num_batched_tokens: [64, 256]\n"
         "    kv_cache.num_gpu_blocks: [128, 512]\n",
     )
@@ -303,6 +304,20 @@ def test_a_key_absent_from_the_yaml_is_searched_in_whole_numbers(tmp_path):
     assert (cap["status"], cap["capacity"]) == ("above_range", 400)
 
 
+def test_num_gpu_blocks_left_to_the_simulator_starts_at_its_sizing(tmp_path):
+    from lab.config import validate
+    from lab.setup.sim import sim_parts
+
+    rows, cap = _search(
+        tmp_path,
+        "search: {metric: ttft_s_p99, target: 1000, over: kv_cache.num_gpu_blocks}\n",
+        kv="",
+    )
+    sized = sim_parts(validate({"trace": {"format": "synthetic"}}, "x", tmp_path))[1]
+    assert rows[0]["kv_cache.num_gpu_blocks"] == sized and rows[0]["met"]
+    assert sized <= cap["capacity"] and cap["status"] == "found"
+
+
 def test_a_key_at_its_default_starts_the_search(tmp_path):
     # scheduler.max_num_seqs is not in the YAML: the search starts at its default, 256, and
     # doubles while 12 requests meet the target. The budget is max(max_model_len, 2048) =
@@ -435,27 +450,51 @@ def test_sweep_files_are_identical_on_every_executor(tmp_path):
         pytest.skip("ray is not installed (pip install 'sched-lab[ray]'): compared serial and pool")
 
 
-def test_a_failed_point_is_reported_and_the_others_go_on(tmp_path, capsys):
-    # fcfs needs max_num_batched_tokens >= max_model_len: 512 fails at run time, 4096 runs.
+def test_limits_that_do_not_fit_refuse_the_sweep_before_any_point_runs(tmp_path, capsys):
+    # fcfs needs max_num_batched_tokens >= max_model_len: 512 is refused, though 4096 runs.
     path = write(
         tmp_path,
         SYNTH + "policies: [fcfs]\nscheduler: {max_model_len: 1024}\n"
-        "sweep: {grid: {scheduler.max_num_batched_tokens: [512, 4096]}}\n",
+        "sweep: {grid: {scheduler.max_num_batched_tokens: [4096, 512]}}\n",
     )
     out = tmp_path / "out"
-    assert run_experiment.main([str(path), "--out", str(out), "--no-progress"]) == 1
-    assert "1 of 2 failed or stopped early" in capsys.readouterr().err
-    table = pd.read_csv(out / "sweep.csv")
-    assert table["status"].tolist() == ["failed", "ok"]
-    assert table["error"][0] == (
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {path}: sweep point p001 (scheduler.max_num_batched_tokens=512): "
         "policies[fcfs]: max_num_batched_tokens 512 is below max_model_len 1024: without "
         "chunked prefill a long prompt could never be scheduled"
     )
+    assert not out.exists()
+
+
+def test_a_failed_point_is_reported_and_the_others_go_on(tmp_path, capsys, monkeypatch):
+    # What only a run finds (here a trace error raised by p000's replay) fails that point.
+    import lab.sweeps.run
+    from lab.core.errors import TraceError
+
+    def run(cfg, progress=True):
+        if cfg.name == "sw-p000":
+            raise TraceError("trace.path: changed while it was read; run again")
+        return real(cfg, progress)
+
+    real = lab.sweeps.run.run_experiment
+    monkeypatch.setattr(lab.sweeps.run, "run_experiment", run)
+    path = write(
+        tmp_path,
+        SYNTH
+        + "policies: [fcfs]\nsweep: {grid: {scheduler.max_num_batched_tokens: [4096, 8192]}}\n",
+    )
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 1
+    assert "1 of 2 failed or stopped early" in capsys.readouterr().err
+    table = pd.read_csv(out / "sweep.csv")
+    assert table["status"].tolist() == ["failed", "ok"]
+    assert table["error"][0] == "trace.path: changed while it was read; run again"
     assert table["finished"][1] == 12 and sorted(p.name for p in (out / "points").iterdir()) == [
         ".sched-lab-manifest.json",
         "p001",
     ]
-    assert "**Point p000 failed**: policies[fcfs]" in (out / "report.md").read_text()
+    assert "**Point p000 failed**: trace.path" in (out / "report.md").read_text()
 
 
 def test_rerun_replaces_a_sweep_folder_but_not_a_foreign_file(tmp_path, capsys):

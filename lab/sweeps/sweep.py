@@ -129,6 +129,8 @@ def load_sweep(
         configs[p.name] = cfg
         if search is not None:
             search.check(cfg, p, where)
+        else:  # a search's probes set its key themselves; one the config refuses is a miss
+            _check_before_runs(cfg, p, where)
         if check_traces:
             try:
                 traces.check(cfg)
@@ -186,6 +188,16 @@ class _TraceChecks:
         self.seen.add(ident)
         self.last = (ident, loaded)
         return loaded
+
+
+def _check_before_runs(cfg: Any, p: Point, where: str) -> None:
+    from lab.run.experiment import check_before_runs
+
+    try:
+        check_before_runs(cfg)
+    except UserError as e:
+        msg = str(e).removeprefix(f"{where}: ")
+        raise ConfigError(f"{where}: sweep point {p.name} ({p.describe()}): {msg}") from None
 
 
 def _validate_point(p: Point, where: str, base_dir: Path):

@@ -74,20 +74,23 @@ class SearchSpec:
 
     def start(self, cfg, point) -> float | None:
         """The value the search starts from without ``lo``/``hi``: the config's own (the
-        point's, else the default; for ``kv_cache.num_gpu_blocks`` left to the simulator,
-        the number it sizes from memory)."""
+        point's, else the default; for ``kv_cache.num_gpu_blocks`` left to a backend with a
+        cheap :meth:`~lab.setup.Setup.prepare`, the number it sizes from memory)."""
         if self.over == "trace.rate_scale":
             return cfg.rate_scales[0] if len(cfg.rate_scales) == 1 else None
         v = get_path(point.raw, self.over)
         if v is None:
             v = get_path(cfg.to_dict(), self.over)
-        if v is None and self.over == "kv_cache.num_gpu_blocks" and cfg.backend == "sim":
-            from lab.setup.sim import sim_parts
+        if v is None and self.over == "kv_cache.num_gpu_blocks":
+            from lab.setup import setup_for
 
-            try:
-                v = sim_parts(cfg)[1]
-            except UserError:
-                v = None
+            setup = setup_for(cfg)
+            if setup.cheap_prepare:
+                try:
+                    setup.prepare()
+                    v = setup.num_gpu_blocks
+                except UserError:
+                    v = None
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
         if not (ok and math.isfinite(v)):
             return None

@@ -38,8 +38,8 @@ EXIT_CODES = """exit status:
        (the others' results are written), or the results could not be put in place
        (the message says where they are)
   2    bad input: one line, error: ..., naming the file, row or key
-  130  interrupted by SIGINT (Ctrl-C), 143 by SIGTERM: completed runs kept as partial results
-       (a sweep interrupted writes nothing)"""
+  130  interrupted by SIGINT (Ctrl-C), 143 by SIGTERM, 129 by SIGHUP: completed runs kept as
+       partial results (a sweep interrupted writes nothing)"""
 RUN_EXAMPLE = """example:
   sched-lab run experiments/quickstart.yaml --limit 500 --out /tmp/quick
   sched-lab run experiments/sweep_quick.yaml --jobs 2    # a sweep (docs/sweeps.md)
@@ -202,6 +202,12 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         type=int,
         help="points run at once in a local process pool (default: the CPU count; 1: serially)",
     )
+    sweep.add_argument(
+        "--max-points",
+        type=int,
+        metavar="N",
+        help="accept a sweep of up to N points (default: the YAML's sweep.max_points, else 10000)",
+    )
     where = sweep.add_mutually_exclusive_group()
     where.add_argument("--ray", action="store_true", help="run the points on a local Ray")
     where.add_argument(
@@ -285,8 +291,15 @@ def prefix_bound(argv: list[str] | None = None, prog: str = "sched-lab prefix-bo
     return 0
 
 
+# A closed terminal (SIGHUP) stops a run as Ctrl-C does: temporary folders removed, workers
+# ended, completed runs kept.
+STOP_SIGNALS = tuple(
+    getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)
+)
+
+
 class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM raised where the program was, so cleanup runs. Its only argument is
+    """SIGINT, SIGTERM or SIGHUP raised where the program was, so cleanup runs. Its only argument is
     the signal number (SimPy re-creates an exception from its arguments)."""
 
     def __init__(self, signum: int) -> None:
@@ -298,7 +311,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 class _Signals:
-    """While active, SIGINT/SIGTERM raise :class:`Interrupted`; while ``deferring``, the
+    """While active, SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted`; while ``deferring``, the
     first is only recorded in ``pending`` and a second raises. An ignored signal stays
     ignored."""
 
@@ -315,7 +328,7 @@ class _Signals:
 
     def __enter__(self) -> _Signals:
         if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
+            for s in STOP_SIGNALS:
                 if signal.getsignal(s) is not signal.SIG_IGN:
                     self._old[s] = signal.signal(s, self._handler)
         return self
@@ -343,9 +356,13 @@ def _run(args: argparse.Namespace) -> int:
             path, raw = read_yaml(args.config)
             if is_sweep(raw):
                 return _run_sweep(args, path, raw)
-            if args.jobs is not None or args.ray or args.ray_address is not None:
+            if (
+                any(v is not None for v in (args.jobs, args.max_points, args.ray_address))
+                or args.ray
+            ):
                 raise UserError(
-                    "--jobs, --ray and --ray-address are for a YAML with sweep: or search:"
+                    "--jobs, --max-points, --ray and --ray-address are for a YAML with "
+                    "sweep: or search:"
                 )
             cfg = load_config(args.config)
             if args.limit is not None:
@@ -428,12 +445,14 @@ def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
         raise UserError(f"--limit: expected an integer >= 1, got {args.limit}")
     if args.jobs is not None and args.jobs < 1:
         raise UserError(f"--jobs: expected an integer >= 1, got {args.jobs}")
+    if args.max_points is not None and args.max_points < 1:
+        raise UserError(f"--max-points: expected an integer >= 1, got {args.max_points}")
     if args.out is not None and not args.out.strip():
         raise UserError("--out: expected a folder, got an empty string")
     if args.format == "parquet" and importlib.util.find_spec("pyarrow") is None:
         raise UserError("--format parquet needs pyarrow: pip install 'sched-lab[parquet]'")
     t0 = time.perf_counter()
-    sweep = load_sweep(path, args.limit, raw)
+    sweep = load_sweep(path, args.limit, raw, max_points=args.max_points)
     out = Path(args.out) if args.out is not None else Path.cwd() / "results" / sweep.name
     jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
     try:

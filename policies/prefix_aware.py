@@ -8,9 +8,9 @@ first ``max_sort`` waiting requests are sorted, the rest follow in FCFS order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
-from lab.core.errors import ConfigError
 from lab.core.request import Request
 from lab.core.scheduler import register_policy
 from policies.fcfs import FCFS
@@ -22,13 +22,14 @@ class PrefixAware(FCFS):
     max_wait_s: float
     max_sort: int
 
-    def __init__(self, *args, **options) -> None:
-        super().__init__(*args, **options)
-        wait, n = self.max_wait_s, self.max_sort
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], tenants: frozenset[str]) -> str | None:
+        wait, n = options.get("max_wait_s", 0.0), options.get("max_sort", 1)
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
-            raise ConfigError(f"prefix_aware: max_wait_s: expected seconds >= 0, got {wait!r:.40}")
+            return f"max_wait_s: expected seconds >= 0, got {wait!r:.40}"
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ConfigError(f"prefix_aware: max_sort: expected an integer >= 1, got {n!r:.40}")
+            return f"max_sort: expected an integer >= 1, got {n!r:.40}"
+        return None
 
     def admission_order(self) -> Iterable[Request]:
         bm, waiting = self.block_manager, self.waiting

@@ -94,7 +94,8 @@ def test_set_path_picks_policies_by_label_or_index_and_creates_sections():
 def test_points_are_validated_configs(tmp_path):
     path = write(
         tmp_path,
-        SYNTH + "policies: [fcfs, {name: chunked_prefill, max_num_batched_tokens: 128}]\n"
+        SYNTH
+        + "policies: [fcfs, {name: chunked_prefill, max_num_batched_tokens: 128, max_num_seqs: 32}]\n"
         "sweep:\n  grid:\n    policies.chunked_prefill.max_num_batched_tokens: [64, 256]\n"
         "    kv_cache.num_gpu_blocks: [128, 512]\n",
     )
@@ -126,6 +127,17 @@ BAD = [
     ("sweep: {grid: {}}\n", "sweep.grid: expected a mapping of key paths to non-empty lists"),
     ("sweep: {grid: {seed: []}}\n", "sweep.grid.seed: expected a non-empty list of values, got []"),
     ("sweep: {}\n", "sweep: expected a mapping with grid and/or points, got {}"),
+    ("sweep: {max_points: 5}\n", "sweep: expected a mapping with grid and/or points, got"),
+    ("sweep: {grid: {seed: [1]}, max_points: 0}\n", "sweep.max_points: expected an integer >= 1"),
+    (
+        "sweep: {grid: {seed: [1, 2, 3], rate_scale: [1, 2]}, max_points: 5}\n",
+        "sweep: 3 x 2 = 6 points, more than the limit of 5; raise it with sweep.max_points or "
+        "--max-points if you mean it",
+    ),
+    (
+        "sweep: {points: [{seed: 1}, {seed: 2}], grid: {rate_scale: [1, 2, 3]}, max_points: 5}\n",
+        "sweep: 2 x 3 = 6 points, more than the limit of 5",
+    ),
     ("sweep: {grid: {name: [a, b]}}\n", "name: cannot be swept"),
     (
         "sweep: {grid: {policies.fcfz.max_num_seqs: [1]}}\n",
@@ -168,8 +180,35 @@ def test_sweep_flags_on_a_plain_experiment(tmp_path, capsys):
     path = write(tmp_path, SYNTH)
     assert run_experiment.main([str(path), "--jobs", "2", "--no-progress"]) == 2
     assert capsys.readouterr().err.strip() == (
-        f"error: {path}: --jobs, --ray and --ray-address are for a YAML with sweep: or search:"
+        f"error: {path}: --jobs, --max-points, --ray and --ray-address are for a YAML with "
+        "sweep: or search:"
     )
+
+
+def test_max_points_from_the_command_line_wins_over_the_yaml(tmp_path, capsys):
+    path = write(tmp_path, SYNTH + "sweep: {grid: {seed: [1, 2, 3], rate_scale: [1, 2]}, "
+                 "max_points: 5}\n")  # fmt: skip
+    assert len(load_sweep(path, max_points=6).points) == 6
+    out = str(tmp_path / "o")
+    assert run_experiment.main([str(path), "--max-points", "4", "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: {path}: sweep: 3 x 2 = 6 points, more than the limit of 4; raise it with "
+        "sweep.max_points or --max-points if you mean it"
+    )
+    assert run_experiment.main([str(path), "--max-points", "0", "--out", out]) == 2
+    assert "--max-points: expected an integer >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_default_limit_counts_before_expanding():
+    # 10 axes of 10 values: 10**10 points, refused from the axis lengths alone.
+    grid = {f"policies[0].x{i}": list(range(10)) for i in range(10)}
+    with pytest.raises(ConfigError, match=r"10 x 10 .* = 10,000,000,000 points, more than the "
+                       r"limit of 10,000"):  # fmt: skip
+        expand({"grid": grid}, "sw.yaml")
+    combos, keys = expand({"grid": {"seed": list(range(100))}, "max_points": 100}, "sw.yaml")
+    assert len(combos) == 100 and keys == ("seed",)
 
 
 def test_search_needs_an_slo_for_attainment(tmp_path):
@@ -227,6 +266,94 @@ def test_search_over_an_integer_key_runs_every_point(tmp_path):
     curve = pd.read_csv(out / "curve.csv")
     assert curve["scheduler.max_num_seqs"].tolist() == [1, 6]  # both meet: above the range
     assert pd.read_csv(out / "capacity.csv").iloc[0]["status"] == "above_range"
+
+
+def test_whole_number_keys_come_from_the_section_dataclasses():
+    from lab.sweeps.search import whole_number_key
+
+    ints = ["kv_cache.num_gpu_blocks", "kv_cache.block_size", "scheduler.max_num_seqs",
+            "policies.fcfs.max_num_seqs", "policies[0].max_num_batched_tokens"]  # fmt: skip
+    floats = ["trace.rate_scale", "kv_cache.watermark", "kv_cache.gpu_memory_utilization",
+              "kv_cache.enable_prefix_caching", "slo.ttft_s", "trace.arrival.rate"]  # fmt: skip
+    assert [whole_number_key(k) for k in ints] == [True] * len(ints)
+    assert [whole_number_key(k) for k in floats] == [False] * len(floats)
+
+
+def _search(tmp_path, search: str, kv: str = "kv_cache: {num_gpu_blocks: 256}\n"):
+    """The curve rows and capacity of a one-policy search over SYNTH."""
+    from lab.sweeps.run import make_tasks, run_task
+
+    path = write(tmp_path, SYNTH.replace("kv_cache: {num_gpu_blocks: 256}\n", kv)
+                 + "policies: [fcfs]\n" + search)  # fmt: skip
+    (task,) = make_tasks(load_sweep(path))
+    result = run_task(task)
+    assert result.error is None, result.error
+    return result.rows, result.capacity
+
+
+def test_a_key_absent_from_the_yaml_is_searched_in_whole_numbers(tmp_path):
+    rows, cap = _search(
+        tmp_path,
+        "search: {metric: ttft_s_p99, target: 1000, over: kv_cache.num_gpu_blocks, "
+        "lo: 100.5, hi: 400}\n",
+        kv="",
+    )
+    # lo 100.5 -> 100, hi 400: both met (12 short requests), so above the range.
+    assert [(r["kv_cache.num_gpu_blocks"], r["met"]) for r in rows] == [(100, True), (400, True)]
+    assert all(type(r["kv_cache.num_gpu_blocks"]) is int and "refused" not in r for r in rows)
+    assert (cap["status"], cap["capacity"]) == ("above_range", 400)
+
+
+def test_num_gpu_blocks_left_to_the_simulator_starts_at_its_sizing(tmp_path):
+    from lab.config import validate
+    from lab.setup.sim import sim_parts
+
+    rows, cap = _search(
+        tmp_path,
+        "search: {metric: ttft_s_p99, target: 1000, over: kv_cache.num_gpu_blocks}\n",
+        kv="",
+    )
+    sized = sim_parts(validate({"trace": {"format": "synthetic"}}, "x", tmp_path))[1]
+    assert rows[0]["kv_cache.num_gpu_blocks"] == sized and rows[0]["met"]
+    assert sized <= cap["capacity"] and cap["status"] == "found"
+
+
+def test_a_key_at_its_default_starts_the_search(tmp_path):
+    # scheduler.max_num_seqs is not in the YAML: the search starts at its default, 256, and
+    # doubles while 12 requests meet the target. The budget is max(max_model_len, 2048) =
+    # 256 blocks x 16 tokens = 4096, and more running requests than that the config refuses:
+    # 8192 bounds the bracket, and the bisection closes on 4096.
+    rows, cap = _search(
+        tmp_path, "search: {metric: slo_attainment, target: 0.01, over: scheduler.max_num_seqs}\n"
+    )
+    seqs = [r["scheduler.max_num_seqs"] for r in rows]
+    assert seqs[:6] == [256, 512, 1024, 2048, 4096, 8192]
+    assert [r["met"] for r in rows[:6]] == [True] * 5 + [False]
+    assert all(type(x) is int for x in seqs)
+    assert (
+        rows[5]["refused"]
+        == "policies[fcfs]: max_num_batched_tokens 4096 must be >= max_num_seqs 8192"
+    )
+    assert (cap["status"], cap["capacity"]) == ("found", 4096)
+
+
+def test_a_refused_probe_bounds_the_bracket_and_keeps_the_samples(tmp_path):
+    # From 256 blocks, doubling reaches 131072 blocks (275 GB of KV for llama-3.1-8b): the
+    # config refuses it, which ends the doubling like a miss; the bisection then finds the
+    # most blocks an h200-sxm holds (141 GB). Every sample that met the target is kept.
+    rows, cap = _search(
+        tmp_path, "search: {metric: ttft_s_p99, target: 1000, over: kv_cache.num_gpu_blocks}\n"
+    )
+    blocks = [r["kv_cache.num_gpu_blocks"] for r in rows]
+    assert blocks[:10] == [256 * 2**i for i in range(10)]
+    refused = [r for r in rows if "refused" in r]
+    assert refused[0]["kv_cache.num_gpu_blocks"] == 131072
+    assert "more than the 141 GB of a h200-sxm" in refused[0]["refused"]
+    assert all(not r["met"] and r["kv_cache.num_gpu_blocks"] > cap["capacity"] for r in refused)
+    met = [r["kv_cache.num_gpu_blocks"] for r in rows if r["met"]]
+    assert met[:9] == blocks[:9] and max(met) == cap["capacity"]
+    assert cap["status"] == "found" and 65536 <= cap["capacity"] < cap["hi"] <= 131072
+    assert cap["hi"] - cap["capacity"] <= 0.02 * cap["capacity"]
 
 
 def test_capacity_of_a_fixed_cost_queue_matches_the_closed_form(tmp_path):
@@ -323,27 +450,51 @@ def test_sweep_files_are_identical_on_every_executor(tmp_path):
         pytest.skip("ray is not installed (pip install 'sched-lab[ray]'): compared serial and pool")
 
 
-def test_a_failed_point_is_reported_and_the_others_go_on(tmp_path, capsys):
-    # fcfs needs max_num_batched_tokens >= max_model_len: 512 fails at run time, 4096 runs.
+def test_limits_that_do_not_fit_refuse_the_sweep_before_any_point_runs(tmp_path, capsys):
+    # fcfs needs max_num_batched_tokens >= max_model_len: 512 is refused, though 4096 runs.
     path = write(
         tmp_path,
         SYNTH + "policies: [fcfs]\nscheduler: {max_model_len: 1024}\n"
-        "sweep: {grid: {scheduler.max_num_batched_tokens: [512, 4096]}}\n",
+        "sweep: {grid: {scheduler.max_num_batched_tokens: [4096, 512]}}\n",
     )
     out = tmp_path / "out"
-    assert run_experiment.main([str(path), "--out", str(out), "--no-progress"]) == 1
-    assert "1 of 2 failed or stopped early" in capsys.readouterr().err
-    table = pd.read_csv(out / "sweep.csv")
-    assert table["status"].tolist() == ["failed", "ok"]
-    assert table["error"][0] == (
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {path}: sweep point p001 (scheduler.max_num_batched_tokens=512): "
         "policies[fcfs]: max_num_batched_tokens 512 is below max_model_len 1024: without "
         "chunked prefill a long prompt could never be scheduled"
     )
+    assert not out.exists()
+
+
+def test_a_failed_point_is_reported_and_the_others_go_on(tmp_path, capsys, monkeypatch):
+    # What only a run finds (here a trace error raised by p000's replay) fails that point.
+    import lab.sweeps.run
+    from lab.core.errors import TraceError
+
+    def run(cfg, progress=True):
+        if cfg.name == "sw-p000":
+            raise TraceError("trace.path: changed while it was read; run again")
+        return real(cfg, progress)
+
+    real = lab.sweeps.run.run_experiment
+    monkeypatch.setattr(lab.sweeps.run, "run_experiment", run)
+    path = write(
+        tmp_path,
+        SYNTH
+        + "policies: [fcfs]\nsweep: {grid: {scheduler.max_num_batched_tokens: [4096, 8192]}}\n",
+    )
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 1
+    assert "1 of 2 failed or stopped early" in capsys.readouterr().err
+    table = pd.read_csv(out / "sweep.csv")
+    assert table["status"].tolist() == ["failed", "ok"]
+    assert table["error"][0] == "trace.path: changed while it was read; run again"
     assert table["finished"][1] == 12 and sorted(p.name for p in (out / "points").iterdir()) == [
         ".sched-lab-manifest.json",
         "p001",
     ]
-    assert "**Point p000 failed**: policies[fcfs]" in (out / "report.md").read_text()
+    assert "**Point p000 failed**: trace.path" in (out / "report.md").read_text()
 
 
 def test_rerun_replaces_a_sweep_folder_but_not_a_foreign_file(tmp_path, capsys):

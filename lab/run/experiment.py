@@ -202,6 +202,22 @@ def run_experiment(
     return list(iter_runs(cfg, progress, requests))
 
 
+def check_before_runs(cfg: ExperimentConfig) -> None:
+    """What :func:`iter_runs` checks before any replay, short of reading the trace: the
+    backend, its KV sizing and every policy's limits; only where the backend's
+    :meth:`~lab.setup.Setup.prepare` is cheap (the simulator's), else nothing.
+
+    Raises:
+        UserError: one line naming the key.
+    """
+    setup = setup_for(cfg)
+    if not setup.cheap_prepare:
+        return
+    setup.check()
+    setup.prepare()
+    _resolve_policies(cfg, setup)
+
+
 @dataclass
 class _Experiment:
     """What every run of one experiment shares."""

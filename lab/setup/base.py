@@ -26,11 +26,14 @@ class Setup:
         name: the ``backend:`` value.
         process_pool: whether sweep points may run in worker processes.
         token_ids: whether prompts need real token ids (made from hash ids).
+        cheap_prepare: whether :meth:`prepare` takes milliseconds (a sweep then prepares
+            every point to check it before any runs).
     """
 
     name: ClassVar[str]
     process_pool: ClassVar[bool] = True
     token_ids: ClassVar[bool] = False
+    cheap_prepare: ClassVar[bool] = False
 
     # set by prepare()
     num_gpu_blocks: int

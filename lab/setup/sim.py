@@ -30,6 +30,7 @@ class SimSetup(Setup):
     """Step times from a cost model; many runs may share a process pool."""
 
     name = "sim"
+    cheap_prepare = True
 
     def prepare(self) -> None:
         self.cost_model, self.num_gpu_blocks, self.num_cpu_blocks = sim_parts(self.cfg)

@@ -1,5 +1,6 @@
 """Where a sweep's tasks run: serially, on a local process pool (``forkserver``, else
-``spawn``; workers ignore SIGINT), or on Ray (one ``num_cpus=1`` task each).
+``spawn``; workers ignore SIGINT, unwind their task on SIGTERM and stop when the driver
+dies), or on Ray (one ``num_cpus=1`` task each).
 
 Results come back as they complete; the caller orders them. A task must not raise; a worker
 that dies, or a task that raises anyway, gives ``on_error(task, message)``.
@@ -11,8 +12,12 @@ import logging
 import multiprocessing
 import os
 import signal
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from multiprocessing.connection import wait
 from typing import Any
 
 from lab.config.paths import DATA_ROOT
@@ -71,35 +76,149 @@ def _one_line(e: BaseException) -> str:
     return " ".join(text.split())[:500]
 
 
-def _ignore_sigint() -> None:
+STOP_GRACE_S = 10.0  # how long a stopped worker may take to unwind before it is killed
+
+
+class _Stop(BaseException):
+    """Raised in a worker's task by SIGTERM: unwinds its ``with`` blocks (temporary
+    folders), then the worker exits."""
+
+
+_busy = False  # whether this worker process is inside a task
+
+
+def _on_sigterm(signum, frame) -> None:
+    if _busy:
+        raise _Stop
+    os._exit(128 + signum)
+
+
+def _watch_parent() -> None:
+    """Stop this worker when the driver is gone (even killed with SIGKILL): the parent's
+    sentinel becomes ready when it exits."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    parent.join()
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(STOP_GRACE_S)
+    os._exit(1)
+
+
+def _serve(conn, fn) -> None:
+    """A worker: run each task received on ``conn`` and send back its result, until EOF
+    or ``None``. SIGINT is the driver's to handle; SIGTERM ends the worker (a task first
+    unwinds)."""
+    global _busy
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    threading.Thread(target=_watch_parent, daemon=True).start()
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        try:
+            try:
+                _busy = True
+                try:
+                    result = ("ok", fn(task))
+                except Exception as e:  # noqa: BLE001 - reported as the task's result
+                    result = ("error", _one_line(e))
+            finally:
+                _busy = False
+        except _Stop:
+            os._exit(128 + signal.SIGTERM)
+        try:
+            conn.send(result)
+        except (OSError, ValueError):
+            return
+
+
+@dataclass
+class _Worker:
+    proc: Any
+    conn: Any
+    task: Task | None = None
+
+
+def _context():
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("forkserver")
+    return multiprocessing.get_context("spawn")
+
+
+def _start(ctx, fn) -> _Worker:
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_serve, args=(there, fn), daemon=True, name="sched-lab-worker")
+    proc.start()
+    there.close()
+    return _Worker(proc, here)
 
 
 def _pool(fn, tasks, on_error, jobs: int) -> Iterator[Result]:
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        ctx = multiprocessing.get_context("forkserver")
+    """Each worker process runs one task at a time, sent over its pipe. However this ends
+    (done, a task's failure, a signal, the consumer stopping), every worker has exited
+    when it returns or raises."""
+    ctx = _context()
+    if ctx.get_start_method() == "forkserver":
         ctx.set_forkserver_preload([fn.__module__])
-    else:
-        ctx = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=ctx, initializer=_ignore_sigint)
+    todo = deque(tasks)
+    workers: list[_Worker] = []
+    stopped = True
     try:
-        pending = {pool.submit(fn, t): t for t in tasks}
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in done:
-                task = pending.pop(fut)
+        workers = [_start(ctx, fn) for _ in range(min(jobs, len(tasks)))]
+        while todo or any(w.task is not None for w in workers):
+            for i, w in enumerate(workers):
+                if w.task is None and todo:
+                    if not w.proc.is_alive():
+                        w.conn.close()
+                        workers[i] = w = _start(ctx, fn)
+                    w.task = todo.popleft()
+                    try:
+                        w.conn.send(w.task)
+                    except OSError:
+                        pass  # it died: its sentinel says so below
+            busy = [w for w in workers if w.task is not None]
+            ready = set(wait([x for w in busy for x in (w.conn, w.proc.sentinel)]))
+            for i, w in enumerate(workers):
+                if w.task is None or not ready & {w.conn, w.proc.sentinel}:
+                    continue
+                task, w.task = w.task, None
                 try:
-                    yield fut.result()
-                except Exception as e:  # noqa: BLE001 - a worker died, or fn raised
-                    yield on_error(task, _one_line(e))
-    except BaseException:
-        # Interrupted (or the consumer stopped): no waiting for the running tasks.
-        procs = list((getattr(pool, "_processes", None) or {}).values())
-        pool.shutdown(wait=False, cancel_futures=True)
-        for p in procs:
-            p.terminate()
-        raise
-    pool.shutdown(wait=True)
+                    kind, value = w.conn.recv()
+                except (EOFError, OSError):
+                    w.proc.join(STOP_GRACE_S)
+                    w.conn.close()
+                    workers[i] = _start(ctx, fn) if todo else w
+                    yield on_error(task, f"its worker process ended (exit code {w.proc.exitcode})")
+                    continue
+                yield value if kind == "ok" else on_error(task, value)
+        stopped = False
+    finally:
+        _stop(workers, terminate=stopped)
+
+
+def _stop(workers: list[_Worker], terminate: bool) -> None:
+    """End every worker: ask idle ones to exit (or SIGTERM all, with ``terminate``), wait
+    up to :data:`STOP_GRACE_S`, then SIGKILL what is left."""
+    for w in workers:
+        try:
+            if terminate:
+                w.proc.terminate()
+            else:
+                w.conn.send(None)
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + STOP_GRACE_S
+    for w in workers:
+        w.proc.join(max(0.0, deadline - time.monotonic()))
+        if w.proc.exitcode is None:
+            w.proc.kill()
+            w.proc.join()
+        w.conn.close()
 
 
 def _check_reachable(address: str, timeout_s: float = 10.0) -> None:

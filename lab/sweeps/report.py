@@ -128,11 +128,17 @@ def sweep_table(sweep, tasks, results) -> pd.DataFrame:
                              **values, "policy": label})  # fmt: skip
             continue
         for row in r.rows:
-            status = "stopped" if row.get("error") else "ok"
+            # refused: a search's sample the config refused (its reason in ``refused``)
+            status = "refused" if row.get("refused") else "stopped" if row.get("error") else "ok"
             rows.append({"point": t.point.name, "status": status, **values, **row})
     lead = [*LEAD, *sweep.keys, "policy", "rate_scale"]
     if sweep.search is not None:
-        lead[len(LEAD) + len(sweep.keys) : len(LEAD) + len(sweep.keys)] = ["sample", "met"]
+        refused = ["refused"] if any("refused" in row for row in rows) else []
+        lead[len(LEAD) + len(sweep.keys) : len(LEAD) + len(sweep.keys)] = [
+            "sample",
+            "met",
+            *refused,
+        ]
         lead.insert(len(LEAD) + len(sweep.keys) + 2, sweep.search.over)
     return _frame(rows, list(dict.fromkeys(lead)))
 
@@ -259,8 +265,8 @@ def pareto_front(latency: np.ndarray, goodput: np.ndarray) -> list[int]:
 
 def _capacity_plot(folder, sweep, curve, capacity, plt, save) -> list[tuple[str, str]]:
     spec = sweep.search
-    df = curve[curve["status"] != "failed"]
-    if df.empty:
+    df = curve[curve["status"].isin(("ok", "stopped"))]
+    if df.empty or spec.metric not in df.columns:
         return []
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, g in _groups(sweep, df, spec.over):

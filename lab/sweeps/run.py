@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lab.config import validate
-from lab.config.keypaths import get_path, set_path
+from lab.config.keypaths import set_path
 from lab.core.errors import UserError
 from lab.report.folder import write_results
 from lab.run.experiment import run_experiment
@@ -133,22 +133,23 @@ def _search(task: Task) -> TaskResult:
     rows: list[dict[str, Any]] = []
 
     def meets(x: float) -> bool:
+        # A value the config refuses (say KV beyond the GPU's memory) is a miss: it bounds
+        # the bracket, and the samples that met the target are kept.
         at = copy.deepcopy(raw)
         set_path(at, spec.over, x, task.source)
-        cfg = validate(at, task.source, task.base_dir)
-        run = run_experiment(cfg, progress=False)[0]
+        try:
+            cfg = validate(at, task.source, task.base_dir)
+            run = run_experiment(cfg, progress=False)[0]
+        except UserError as e:
+            why = " ".join(str(e).removeprefix(f"{task.source}: ").split())[:500]
+            rows.append({"sample": len(rows), spec.over: x, "met": False, "refused": why})
+            return False
         row = run_rows(run, cfg.slo.to_dict())[0]
         ok = spec.meets(row.get(spec.metric)) and not run.result.failure
         rows.append({"sample": len(rows), spec.over: x, "met": ok, **row})
         return ok
 
-    # A whole-number key (e.g. scheduler.max_num_seqs) is searched in whole numbers: its
-    # value in the YAML, else in the resolved config (its default), says which it is.
-    now = get_path(raw, spec.over)
-    if now is None:
-        now = get_path(base.to_dict(), spec.over)
-    integer = isinstance(now, int) and not isinstance(now, bool)
-    cap = find_capacity(meets, spec, task.start, integer)
+    cap = find_capacity(meets, spec, task.start, spec.integer)
     capacity = {
         "policy": policy.label,
         "status": cap.status,
@@ -249,11 +250,14 @@ def run_sweep(
         done = executors.run_tasks(
             run_task, pool, failed, jobs=jobs, ray=ray, ray_address=ray_address
         )
-        for r in _chain(done, (run_task(t) for t in here)):
-            results[r.index] = r
-            phase.advance()
-            if r.error:
-                log.warning("%s failed: %s", tasks[r.index].point.name, r.error)
+        try:
+            for r in _chain(done, (run_task(t) for t in here)):
+                results[r.index] = r
+                phase.advance()
+                if r.error:
+                    log.warning("%s failed: %s", tasks[r.index].point.name, r.error)
+        finally:
+            done.close()  # however the loop ended, the pool's workers end here
     ordered = [results[t.index] for t in tasks]
     timing = {
         "executor": executors.describe(jobs, ray, ray_address),

@@ -11,13 +11,17 @@ as it grows. A run that stops early counts as a miss.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lab.config import ExperimentConfig
 from lab.config.keypaths import ALIASES, get_path, parse_path
-from lab.core.errors import ConfigError, short_repr
+from lab.config.sections import LIMIT_KEYS
+from lab.core.errors import ConfigError, UserError, short_repr
 
 STATS = ("mean", "p50", "p90", "p99")
 LATENCY_METRICS = tuple(
@@ -63,16 +67,54 @@ class SearchSpec:
                 f"{self.over} to start from; give search.lo and search.hi"
             )
 
+    @property
+    def integer(self) -> bool:
+        """Whether ``over`` holds whole numbers (:func:`whole_number_key`)."""
+        return whole_number_key(self.over)
+
     def start(self, cfg, point) -> float | None:
-        """The value the search starts from without ``lo``/``hi``: the config's own."""
+        """The value the search starts from without ``lo``/``hi``: the config's own (the
+        point's, else the default; for ``kv_cache.num_gpu_blocks`` left to a backend with a
+        cheap :meth:`~lab.setup.Setup.prepare`, the number it sizes from memory)."""
         if self.over == "trace.rate_scale":
             return cfg.rate_scales[0] if len(cfg.rate_scales) == 1 else None
         v = get_path(point.raw, self.over)
+        if v is None:
+            v = get_path(cfg.to_dict(), self.over)
+        if v is None and self.over == "kv_cache.num_gpu_blocks":
+            from lab.setup import setup_for
+
+            setup = setup_for(cfg)
+            if setup.cheap_prepare:
+                try:
+                    setup.prepare()
+                    v = setup.num_gpu_blocks
+                except UserError:
+                    v = None
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-        return float(v) if ok and math.isfinite(v) else None
+        if not (ok and math.isfinite(v)):
+            return None
+        return int(v) if self.integer and v >= 1 else float(v)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in SEARCH_KEYS}
+
+
+def whole_number_key(path: str) -> bool:
+    """Whether the config key at ``path`` holds whole numbers: a field typed ``int`` of a
+    config section's dataclass (``kv_cache.num_gpu_blocks``, ``scheduler.max_num_seqs``:
+    lab/config/sections.py) or a policy's limit (``policies.chunked_prefill.max_num_seqs``)."""
+    keys = path.replace("[", ".").replace("]", "").split(".")
+    if keys[0] == "policies":
+        return keys[-1] in LIMIT_KEYS
+    if len(keys) != 2:
+        return False
+    section = typing.get_type_hints(ExperimentConfig).get(keys[0])
+    if not dataclasses.is_dataclass(section):
+        return False
+    hint = typing.get_type_hints(section).get(keys[1])
+    kinds = set(typing.get_args(hint)) - {type(None)} if typing.get_args(hint) else {hint}
+    return kinds == {int}
 
 
 def parse_search(raw: Any, where: str, swept: tuple[str, ...] = ()) -> SearchSpec:

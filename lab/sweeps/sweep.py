@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,9 @@ from lab.sweeps.search import parse_search
 from traces.readers import load_yaml_file
 
 SWEEP_KEYS = ("sweep", "search")  # top-level keys that make a YAML a sweep
+# Points a sweep may have unless sweep.max_points or --max-points says more: each point is
+# validated (about a millisecond) and kept in memory before the first runs.
+MAX_POINTS = 10_000
 NOT_SWEPT = ("name", "sweep", "search", "trace_file")  # keys a point cannot set
 
 
@@ -66,7 +70,11 @@ def read_yaml(path: str | Path) -> tuple[Path, Any]:
 
 
 def load_sweep(
-    path: str | Path, limit: int | None = None, raw: Any = None, check_traces: bool = True
+    path: str | Path,
+    limit: int | None = None,
+    raw: Any = None,
+    check_traces: bool = True,
+    max_points: int | None = None,
 ) -> Sweep:
     """Read a sweep YAML and validate every point.
 
@@ -74,6 +82,8 @@ def load_sweep(
         limit: replay only the first ``limit`` requests of each trace (``--limit``).
         raw: the parsed YAML, if read already.
         check_traces: load each distinct trace spec once to check it.
+        max_points: the most points accepted (``--max-points``); default the YAML's
+            ``sweep.max_points``, else :data:`MAX_POINTS`.
 
     Raises:
         ConfigError: one line naming the file, the point and the key.
@@ -98,7 +108,7 @@ def load_sweep(
             raise ConfigError(f"{where}: trace: expected a mapping with at least 'format'")
         else:
             base["trace"] = {**trace, "limit": limit}
-    combos, keys = expand(raw.get("sweep"), where)
+    combos, keys = expand(raw.get("sweep"), where, max_points)
     width = max(3, len(str(len(combos) - 1)))
     points = []
     for i, values in enumerate(combos):
@@ -113,37 +123,81 @@ def load_sweep(
         search = parse_search(raw["search"], where, keys)
     base_dir = path.absolute().parent
     configs = {}
-    traces_seen: set[str] = set()
+    traces = _TraceChecks(base_dir)
     for p in points:
         cfg = _validate_point(p, where, base_dir)
         configs[p.name] = cfg
         if search is not None:
             search.check(cfg, p, where)
+        else:  # a search's probes set its key themselves; one the config refuses is a miss
+            _check_before_runs(cfg, p, where)
         if check_traces:
             try:
-                _check_trace(cfg, base_dir, traces_seen)
+                traces.check(cfg)
             except UserError as e:
-                raise ConfigError(f"{where}: sweep point {p.name} ({p.describe()}): {e}") from None
+                msg = str(e).removeprefix(f"{cfg.name}: ")
+                raise ConfigError(
+                    f"{where}: sweep point {p.name} ({p.describe()}): {msg}"
+                ) from None
     return Sweep(name, where, base_dir, tuple(points), keys, raw, search, configs)
 
 
-def _check_trace(cfg: Any, base_dir: Path, seen: set[str]) -> None:
-    """Load ``cfg``'s traces not in ``seen`` (by spec and seed); raises their UserError."""
-    from traces import load_table
-    from traces.classes import load_classes
+class _TraceChecks:
+    """Each distinct trace of a sweep's points (by spec and seed) loaded once, and with the
+    prefix cache on, its prefix identity checked as the runs will (before any runs)."""
 
-    if cfg.trace.classes:
-        spec: Any = [dict(c) for c in cfg.trace.classes]
-    else:
-        spec = {k: v for k, v in cfg.trace.spec.items() if k != "rate_scale"}
-    ident = json.dumps({"seed": cfg.seed, "trace": spec}, sort_keys=True, default=str)
-    if ident in seen:
-        return
-    seen.add(ident)
-    if cfg.trace.classes:
-        load_classes(cfg.trace.classes, base_dir, cfg.seed, cfg.slo.ttft_s)
-    else:
-        load_table({"seed": cfg.seed, **cfg.trace.spec}, base_dir)
+    def __init__(self, base_dir: Path) -> None:
+        self.base_dir = base_dir
+        self.seen: set[str] = set()
+        self.checked: set[tuple[str, int, bool]] = set()
+        self.last: tuple[str | None, Any] = (None, None)  # the latest trace loaded
+
+    def check(self, cfg: Any) -> None:
+        """UserError if ``cfg``'s trace cannot be read, or cannot be cached as it asks."""
+        from lab.run.experiment import check_prefix_identity
+        from lab.setup import setup_class
+
+        if cfg.trace.classes:
+            spec: Any = [dict(c) for c in cfg.trace.classes]
+        else:
+            spec = {k: v for k, v in cfg.trace.spec.items() if k != "rate_scale"}
+        ident = json.dumps({"seed": cfg.seed, "trace": spec}, sort_keys=True, default=str)
+        caching = any(pol.prefix_caching(cfg.kv_cache) for pol in cfg.policies)
+        token_ids = setup_class(cfg.backend).token_ids
+        key = (ident, cfg.kv_cache.block_size, token_ids)
+        if ident in self.seen and (not caching or key in self.checked):
+            return
+        loaded = self._load(cfg, ident)
+        if caching:
+            requests = loaded if isinstance(loaded, list) else loaded.to_requests()
+            self.last = (ident, requests)
+            check_prefix_identity(requests, cfg, token_ids)
+            self.checked.add(key)
+
+    def _load(self, cfg: Any, ident: str) -> Any:
+        """The trace's requests (workload classes) or table."""
+        from traces import load_table
+        from traces.classes import load_classes
+
+        if self.last[0] == ident:
+            return self.last[1]
+        if cfg.trace.classes:
+            loaded, _ = load_classes(cfg.trace.classes, self.base_dir, cfg.seed, cfg.slo.ttft_s)
+        else:
+            loaded, _ = load_table({"seed": cfg.seed, **cfg.trace.spec}, self.base_dir)
+        self.seen.add(ident)
+        self.last = (ident, loaded)
+        return loaded
+
+
+def _check_before_runs(cfg: Any, p: Point, where: str) -> None:
+    from lab.run.experiment import check_before_runs
+
+    try:
+        check_before_runs(cfg)
+    except UserError as e:
+        msg = str(e).removeprefix(f"{where}: ")
+        raise ConfigError(f"{where}: sweep point {p.name} ({p.describe()}): {msg}") from None
 
 
 def _validate_point(p: Point, where: str, base_dir: Path):
@@ -164,12 +218,20 @@ def point_config(sweep: Sweep, point: Point, **changes: Any):
 
 
 # ---------------------------------------------------------------------------- expansion
-def expand(spec: Any, where: str) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
+def expand(
+    spec: Any, where: str, max_points: int | None = None
+) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
     """The points of a ``sweep:`` block (None: one empty point; explicit points in turn,
     each with every grid combination, last grid key fastest) and the swept key paths.
+    The points are counted before they are made.
+
+    Args:
+        max_points: the most points accepted; None: ``sweep.max_points``, else
+            :data:`MAX_POINTS`.
 
     Raises:
-        ConfigError: a malformed block, a key given twice or one that cannot be swept.
+        ConfigError: a malformed block, a key given twice or one that cannot be swept, or
+            more points than ``max_points``.
     """
     if spec is None:
         return [{}], ()
@@ -178,8 +240,22 @@ def expand(spec: Any, where: str) -> tuple[list[dict[str, Any]], tuple[str, ...]
             f"{where}: sweep: expected a mapping with grid and/or points, got {short_repr(spec)}"
         )
     for k in spec:
-        if k not in ("grid", "points"):
-            raise ConfigError(f"{where}: unknown key sweep.{k}; allowed: grid, points")
+        if k not in ("grid", "points", "max_points"):
+            raise ConfigError(f"{where}: unknown key sweep.{k}; allowed: grid, points, max_points")
+    if "max_points" in spec:
+        own = spec["max_points"]
+        if not isinstance(own, int) or isinstance(own, bool) or own < 1:
+            raise ConfigError(
+                f"{where}: sweep.max_points: expected an integer >= 1, got {short_repr(own)}"
+            )
+        if max_points is None:
+            max_points = own
+    if max_points is None:
+        max_points = MAX_POINTS
+    if not any(k in spec for k in ("grid", "points")):
+        raise ConfigError(
+            f"{where}: sweep: expected a mapping with grid and/or points, got {short_repr(spec)}"
+        )
     grid = spec.get("grid", {})
     if not isinstance(grid, Mapping) or ("grid" in spec and not grid):
         raise ConfigError(
@@ -224,6 +300,14 @@ def expand(spec: Any, where: str) -> tuple[list[dict[str, Any]], tuple[str, ...]
             if path not in point_keys:
                 point_keys.append(path)
         rows.append(row)
+    count = len(rows) * math.prod(len(v) for _, v in axes)
+    if count > max_points:
+        factors = [len(rows)] * (len(rows) > 1) + [len(v) for _, v in axes]
+        product = " x ".join(map(str, factors)) + " = " if len(factors) > 1 else ""
+        raise ConfigError(
+            f"{where}: sweep: {product}{count:,} points, more than the limit of "
+            f"{max_points:,}; raise it with sweep.max_points or --max-points if you mean it"
+        )
     combos = [
         {**row, **dict(zip([a for a, _ in axes], values))}
         for row in rows

@@ -223,12 +223,15 @@ def test_yaml_next_to_its_own_trace_runs_from_anywhere(tmp_path, monkeypatch):
     assert run_experiment.main(["x/exp.yaml", "--out", "out", "--no-progress"]) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["fcfs"]["trace"] == {
-        "path": str(tmp_path / "x" / "mytrace.csv"),
+        "path": "mytrace.csv",  # relative to the YAML's folder, as written there
         "sha256": hashlib.sha256(AZURE_ROWS.encode()).hexdigest(),
         "rows": 3,
     }
+    # config.yaml is read again from the results folder: the path must resolve from there
     written = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())
-    assert written["trace_file"] == summary["fcfs"]["trace"]
+    absolute = str(tmp_path / "x" / "mytrace.csv")
+    assert written["trace"]["path"] == absolute
+    assert written["trace_file"] == {**summary["fcfs"]["trace"], "path": absolute}
     assert written["engine"]["kn_weights"] is False
 
 

@@ -247,6 +247,24 @@ def test_bundled_trace_and_home(tmp_path, monkeypatch):
     assert home.trace.path == tmp_path / "home" / "t.csv"
 
 
+def test_reports_name_a_path_as_the_yaml_could_write_it(tmp_path):
+    bundled = paths.DATA_ROOT / "traces/data/azure2023_conv.csv"
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "t.csv").write_text(AZURE_ROWS)
+    elsewhere = tmp_path.parent / "t.csv"  # not under the YAML's folder tmp_path / "exp"
+    # bundled data: relative to the data root, from a YAML anywhere
+    assert paths.shown(bundled, tmp_path) == "traces/data/azure2023_conv.csv"
+    assert paths.portable(bundled, tmp_path) == "traces/data/azure2023_conv.csv"
+    # beside the YAML: reports relative to it; config.yaml (read from the results folder) absolute
+    assert paths.shown(tmp_path / "sub" / "t.csv", tmp_path) == "sub/t.csv"
+    assert paths.portable(tmp_path / "sub" / "t.csv", tmp_path) == str(tmp_path / "sub" / "t.csv")
+    assert paths.shown(elsewhere, tmp_path / "exp") == str(elsewhere)
+    # a YAML folder holding a file of the bundled data's name: that name would find it instead
+    (tmp_path / "traces" / "data").mkdir(parents=True)
+    (tmp_path / "traces" / "data" / "azure2023_conv.csv").write_text(AZURE_ROWS)
+    assert paths.portable(bundled, tmp_path) == str(bundled)
+
+
 def test_missing_path_names_the_key_and_the_value_as_written(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(write(tmp_path, "trace: {format: azure2023, path: nowhere.csv}\n"))

@@ -127,11 +127,11 @@ def summary_text(runs, percentiles, width: int = WIDTH) -> str:
         table = rows(group, percentiles)
         label = max([LABEL] + [len(n) + 1 for n, c in table if any(c)])
         cols = [
-            max([CELL, len(r.label) + 1] + [len(c[i]) + 1 for _, c in table])
+            max([CELL, len(r.policy) + 1] + [len(c[i]) + 1 for _, c in table])
             for i, r in enumerate(group)
         ]
         for part in _blocks(cols, width - label):
-            head = "".join(group[i].label.rjust(cols[i]) for i in part)
+            head = "".join(group[i].policy.rjust(cols[i]) for i in part)
             lines = [title.ljust(label) + head, "-" * (label + sum(cols[i] for i in part))]
             for name, cells in table:
                 if not any(cells):  # a class's heading

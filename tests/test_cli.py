@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 import lab.report.folder
 from lab import __version__
@@ -70,6 +71,19 @@ def test_bundled_config_from_any_folder_writes_results_under_the_cwd(tmp_path, m
     summary = json.loads((out / "summary.json").read_text())
     assert sorted(summary) == ["chunked_prefill", "fcfs", "swap"]
     assert summary["fcfs"]["num_requests"] == 5 and "partial" not in summary["fcfs"]
+    # the bundled files by the names the YAML gives them, not this checkout's or venv's path
+    assert summary["fcfs"]["trace"]["path"] == "traces/data/azure2023_conv.csv"
+    config = yaml.safe_load((out / "config.yaml").read_text())
+    assert (
+        config["trace"]["path"] == config["trace_file"]["path"] == summary["fcfs"]["trace"]["path"]
+    )
+    assert config["cost_model"]["profile"] == "profiles/h200_llama-3.1-8b.csv"
+    assert (
+        "trace `azure2023` `traces/data/azure2023_conv.csv` (limit 5"
+        in (out / "report.md").read_text()
+    )
+    for name in ("summary.json", "config.yaml", "report.md", "report.html"):
+        assert str(ROOT) not in (out / name).read_text(), name
 
 
 def test_a_missing_config_is_one_line(tmp_path, monkeypatch, capsys):

@@ -223,12 +223,15 @@ def test_yaml_next_to_its_own_trace_runs_from_anywhere(tmp_path, monkeypatch):
     assert run_experiment.main(["x/exp.yaml", "--out", "out", "--no-progress"]) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["fcfs"]["trace"] == {
-        "path": str(tmp_path / "x" / "mytrace.csv"),
+        "path": "mytrace.csv",  # relative to the YAML's folder, as written there
         "sha256": hashlib.sha256(AZURE_ROWS.encode()).hexdigest(),
         "rows": 3,
     }
+    # config.yaml is read again from the results folder: the path must resolve from there
     written = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())
-    assert written["trace_file"] == summary["fcfs"]["trace"]
+    absolute = str(tmp_path / "x" / "mytrace.csv")
+    assert written["trace"]["path"] == absolute
+    assert written["trace_file"] == {**summary["fcfs"]["trace"], "path": absolute}
     assert written["engine"]["kn_weights"] is False
 
 
@@ -242,6 +245,24 @@ def test_bundled_trace_and_home(tmp_path, monkeypatch):
     assert bundled.trace.path == paths.DATA_ROOT / "traces/data/azure2023_conv.csv"
     home = load_config(write(tmp_path, "trace: {format: azure2023, path: ~/t.csv}\n"))
     assert home.trace.path == tmp_path / "home" / "t.csv"
+
+
+def test_reports_name_a_path_as_the_yaml_could_write_it(tmp_path):
+    bundled = paths.DATA_ROOT / "traces/data/azure2023_conv.csv"
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "t.csv").write_text(AZURE_ROWS)
+    elsewhere = tmp_path.parent / "t.csv"  # not under the YAML's folder tmp_path / "exp"
+    # bundled data: relative to the data root, from a YAML anywhere
+    assert paths.shown(bundled, tmp_path) == "traces/data/azure2023_conv.csv"
+    assert paths.portable(bundled, tmp_path) == "traces/data/azure2023_conv.csv"
+    # beside the YAML: reports relative to it; config.yaml (read from the results folder) absolute
+    assert paths.shown(tmp_path / "sub" / "t.csv", tmp_path) == "sub/t.csv"
+    assert paths.portable(tmp_path / "sub" / "t.csv", tmp_path) == str(tmp_path / "sub" / "t.csv")
+    assert paths.shown(elsewhere, tmp_path / "exp") == str(elsewhere)
+    # a YAML folder holding a file of the bundled data's name: that name would find it instead
+    (tmp_path / "traces" / "data").mkdir(parents=True)
+    (tmp_path / "traces" / "data" / "azure2023_conv.csv").write_text(AZURE_ROWS)
+    assert paths.portable(bundled, tmp_path) == str(bundled)
 
 
 def test_missing_path_names_the_key_and_the_value_as_written(tmp_path):

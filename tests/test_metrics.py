@@ -5,9 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-from helpers import run
+from helpers import FixedCost, run
 
+from lab.core.kv import make_block_manager
+from lab.core.request import Request
+from lab.core.scheduler import SchedulerLimits
 from lab.results import metrics
+from lab.sim.replay import replay
+from policies import get_policy
 
 
 def test_tpot_excludes_first_token_and_single_token_outputs():
@@ -170,3 +175,41 @@ def test_requests_of_runs_with_and_without_a_column_keep_it_integer():
         "policy,ttft_s,num_drafts,rate\noff,0.25,,\non,,12,1.5\non,,3,2.0\n"
     )
     assert str(concat_requests([on, on])["num_drafts"].dtype) == "int64"  # as pd.concat
+
+
+class FailsAtStep(FixedCost):
+    """10 ms steps until step ``n`` (counted from 1), which raises: the run stops there."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.k = n, 0
+
+    def execute(self, plan):
+        self.k += 1
+        if self.k == self.n:
+            raise RuntimeError("the step failed")
+        return super().execute(plan)
+
+
+@pytest.mark.parametrize(
+    "asynchronous, fails_at, received",
+    [
+        # sync: step 1 prefills a and b (a token each), steps 2-4 decode (a token each)
+        (False, 5, 4),
+        (False, 2, 1),
+        # async: step 2 is planned (and launched) before step 1 ends, so when step k fails
+        # steps 1..k-2 ended; step 1's prefill token, then a decode token per step
+        (True, 5, 3),
+        (True, 2, 0),
+    ],
+)
+def test_aborted_requests_count_the_tokens_they_received(asynchronous, fails_at, received):
+    bm = make_block_manager(8, 8, 16, 0.0, False)
+    s = get_policy("fcfs")(SchedulerLimits(256, 10**6, 10**6), bm, async_scheduling=asynchronous)
+    res = replay([Request("a", 0.0, 4, 6), Request("b", 0.0, 4, 6)], s, FailsAtStep(fails_at))
+    assert res.failure == "RuntimeError: the step failed"
+    df, _ = metrics.request_table(res, "fcfs", 1.0)
+    assert df["status"].tolist() == ["aborted", "aborted"]
+    assert df["num_generated_tokens"].dtype == np.int64
+    assert df["num_generated_tokens"].tolist() == [received, received]
+    assert df["ttft_s"].isna().all()  # latencies of finished requests only

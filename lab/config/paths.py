@@ -30,3 +30,25 @@ def resolve(value: str | Path, base_dir: Path) -> Path:
 def looked_in(value: str | Path, base_dir: Path) -> str:
     """Where :func:`resolve` looked, for a message: ``/a/x.csv or /lab/root/x.csv``."""
     return " or ".join(str(p) for p in candidates(value, base_dir))
+
+
+def portable(path: str | Path, base_dir: Path) -> str:
+    """``path`` (absolute) as a YAML anywhere can name it: relative to :data:`DATA_ROOT` for
+    bundled data (a relative path resolves there from any folder that does not hold one of
+    its own), else absolute. For config.yaml, which is read again from the results folder."""
+    path = Path(path)
+    try:
+        rel = path.relative_to(DATA_ROOT)
+    except ValueError:
+        return str(path)
+    return rel.as_posix() if resolve(rel, base_dir) == path else str(path)
+
+
+def shown(path: str | Path, base_dir: Path) -> str:
+    """``path`` (absolute) as a report names it: relative to the YAML's folder ``base_dir``
+    when it lies under it, else as :func:`portable` writes it."""
+    path = Path(path)
+    try:
+        return path.relative_to(Path(base_dir).absolute()).as_posix()
+    except ValueError:
+        return portable(path, base_dir)

@@ -121,7 +121,7 @@ def _write_files(
     plots = _plots(tmp, runs, cfg) + fairness.plots(tmp, runs, save_png)  # per class / tenant
     stories, figures = _timelines(tmp, cfg, runs, fmt)
     phase.advance()
-    report = report_markdown(cfg, runs, plots + stories)
+    report = report_markdown(cfg, runs, plots + stories, fmt)
     if partial:  # right under the title
         title, _, rest = report.partition("\n")
         report = f"{title}\n\n**Partial results**: {partial}.\n{rest}"
@@ -418,9 +418,12 @@ def _html(folder: Path, cfg, runs, pictures, figures, partial) -> None:
         f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg.kv_cache.block_size} "
         "tokens." + (f" Partial results: {partial}." if partial else "")
     )
+    table_rows = rows(runs, cfg.report.metric_percentiles)  # names repeat across classes
     table = pd.DataFrame(
-        dict(rows(runs, cfg.report.metric_percentiles)), index=[r.label for r in runs]
-    ).T
+        [cells for _, cells in table_rows],
+        index=[name for name, _ in table_rows],
+        columns=[r.label for r in runs],
+    )
     slo = runs[0].summary.get("slo") or {}
     caption = "Summary" + (f" (SLOs: {slo_text(slo)})" if slo else "")
     tables = [(caption, table.to_html(border=0))]

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from lab.config import ExperimentConfig
+from lab.config import ExperimentConfig, paths
 from lab.results import fairness, spec_metrics
 from lab.results.run import Run
 
@@ -19,26 +19,31 @@ def summary_table(runs: list[Run]) -> str:
         "| TPOT p50 / p99 (ms) | ITL p99 / p99.9 / max (ms) | E2E p50 / p99 (s) "
         "| preempt (rec / swap) | KV mean % |"
     )
+    from lab.report.terminal import num
+
     lines = [head, "|" + "---|" * 12]
     for r in runs:
         s = r.summary
+        itl = s["itl_s"]["p99"] == s["itl_s"]["p99"]  # not NaN: some gap exists
         lines.append(
             f"| {r.label} | {s['finished']} | {s['rejected']} | {s['aborted']} "
-            f"| {s['request_throughput']:.2f} | {s['output_throughput']:.0f} "
-            f"| {s['ttft_s']['p50']:.3f} / {s['ttft_s']['p99']:.3f} "
-            f"| {s['tpot_s']['p50'] * 1e3:.1f} / {s['tpot_s']['p99'] * 1e3:.1f} "
-            f"| {s['itl_s']['p99'] * 1e3:.1f} / {_ms(r.vllm, 'p99.9_itl_ms')} "
-            f"/ {_ms(r.vllm, 'max_itl_ms')} "
-            f"| {s['e2e_s']['p50']:.2f} / {s['e2e_s']['p99']:.2f} "
+            f"| {num(s['request_throughput'], '.2f')} | {num(s['output_throughput'], '.0f')} "
+            f"| {num(s['ttft_s']['p50'], '.3f')} / {num(s['ttft_s']['p99'], '.3f')} "
+            f"| {num(s['tpot_s']['p50'] * 1e3, '.1f')} / {num(s['tpot_s']['p99'] * 1e3, '.1f')} "
+            f"| {num(s['itl_s']['p99'] * 1e3, '.1f')} / {_ms(r.vllm, 'p99.9_itl_ms', itl)} "
+            f"/ {_ms(r.vllm, 'max_itl_ms', itl)} "
+            f"| {num(s['e2e_s']['p50'], '.2f')} / {num(s['e2e_s']['p99'], '.2f')} "
             f"| {s['preemptions']['recompute']} / {s['preemptions']['swap']} "
             f"| {s['kv_used_fraction']['mean'] * 100:.0f} |"
         )
     return "\n".join(lines)
 
 
-def _ms(vllm: dict, key: str) -> str:
+def _ms(vllm: dict, key: str, exists: bool = True) -> str:
+    """A value of the vLLM-format dict in ms, or ``-`` (absent, or no value to take it of:
+    that dict writes vLLM's 0.0 then)."""
     v = vllm.get(key)
-    return "-" if v is None else f"{v:.1f}"
+    return "-" if v is None or not exists else f"{v:.1f}"
 
 
 def _trace_options(trace: Mapping[str, Any]) -> str:
@@ -56,11 +61,16 @@ def model_line(cfg: ExperimentConfig) -> str:
 
 def config_yaml(cfg: ExperimentConfig, runs: list[Run]) -> str:
     """config.yaml: the resolved config, with ``trace_file`` (path, sha256, rows) of the
-    replayed trace."""
+    replayed trace; trace and profile paths as :func:`lab.config.paths.portable` writes them
+    (bundled data relative, so the file reads the same from any checkout or install)."""
     d = cfg.to_dict()
+    specs = d["trace"] if isinstance(d["trace"], list) else [d["trace"]]
+    for spec, key in [*((s, "path") for s in specs), (d["cost_model"], "profile")]:
+        if isinstance(spec.get(key), str):
+            spec[key] = paths.portable(spec[key], cfg.base_dir)
     info = runs[0].summary.get("trace") if runs else None
     if info is not None and info.get("path") is not None:
-        d["trace_file"] = dict(info)
+        d["trace_file"] = {**info, "path": paths.portable(cfg.trace.path, cfg.base_dir)}
     return yaml.safe_dump(d, sort_keys=False)
 
 
@@ -166,8 +176,12 @@ def _scheduling_lines(runs: list[Run]) -> list[str]:
     return [*lines, ""]
 
 
-def report_markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str]]) -> str:
-    from lab.report.terminal import slo_text
+def report_markdown(
+    cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str]], fmt: str = "csv"
+) -> str:
+    """report.md; ``fmt``: the format requests, steps and events were written in (the files
+    it names)."""
+    from lab.report.terminal import num, slo_text
 
     if cfg.trace.classes:
         what = "workload classes " + ", ".join(
@@ -175,7 +189,8 @@ def report_markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[st
         )
     else:
         trace = cfg.trace.spec
-        what = f"trace `{trace.get('format')}` {trace.get('path', '')}{_trace_options(trace)}"
+        where = f"`{paths.shown(cfg.trace.path, cfg.base_dir)}`" if cfg.trace.path else ""
+        what = f"trace `{trace.get('format')}` {where}{_trace_options(trace)}"
     lines = [
         f"# {cfg.name}",
         "",
@@ -202,7 +217,7 @@ def report_markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[st
         reasons = runs[0].requests.loc[runs[0].requests["status"] == "dropped", "reason"]
         why = "; ".join(sorted({x.removeprefix("not replayed: ") for x in reasons}))
         lines += [
-            f"Trace rows not replayed: {dropped} (status `dropped` in requests.csv): {why}.",
+            f"Trace rows not replayed: {dropped} (status `dropped` in requests.{fmt}): {why}.",
             "",
         ]
     for r in runs:
@@ -221,7 +236,8 @@ def report_markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[st
             "|---|---|---|",
         ]
         lines += [
-            f"| {r.label} | {r.summary['goodput']:.2f} | {r.summary['slo_attainment']:.1%} |"
+            f"| {r.label} | {num(r.summary['goodput'], '.2f')} "
+            f"| {num(r.summary['slo_attainment'], '.1%')} |"
             for r in runs
         ]
         lines.append("")
@@ -234,10 +250,10 @@ def report_markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[st
         else ""
     )
     lines += [
-        "Files: `requests.csv` (one row per trace request per run), `steps.csv` "
+        f"Files: `requests.{fmt}` (one row per trace request per run), `steps.{fmt}` "
         "(one row per engine step), `summary.json` (aggregates per run), "
         f"{tokens}`timing.json` (wall time of each replay), `config.yaml` (the resolved "
-        "config), `events.csv` (what the scheduler did to each request and why it waited), "
+        f"config), `events.{fmt}` (what the scheduler did to each request and why it waited), "
         "one `{run}-{rate}qps-{model}.json` per run (the format of `vllm bench serve "
         "--save-result`), `report.html` (this report with interactive timelines).",
         "",

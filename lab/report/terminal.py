@@ -1,22 +1,38 @@
 """The summary ``sched-lab run`` prints: metrics down, runs across, at most :data:`WIDTH`
 columns (more runs continue in another block); seconds for TTFT and E2E, ms for TPOT and ITL.
+A statistic without values (TTFT when every request was rejected, TPOT of 1-token outputs)
+prints ``-``; runs of workload classes add a block of rows per class.
 """
 
 from __future__ import annotations
 
+import math
+
 WIDTH = 100
-LABEL = 30  # width of the metric names
-CELL = 16  # width of one run's column
+LABEL = 30  # width of the metric names, at least
+CELL = 16  # width of one run's column, at least (wider when its label or a cell needs it)
+LATENCIES = (  # (vLLM's name, title, unit, summary key)
+    ("ttft", "TTFT", "s", "ttft_s"),
+    ("tpot", "TPOT", "ms", "tpot_s"),
+    ("itl", "ITL", "ms", "itl_s"),
+    ("e2el", "E2E", "s", "e2e_s"),
+)
+CLASS_STATS = ("p50", "p99")  # per class: of TTFT, TPOT and E2E (lab/results/fairness.py)
+
+
+def num(x, fmt: str) -> str:
+    """``x`` formatted, or ``-`` for a statistic that does not exist (None or NaN)."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return format(x, fmt)
 
 
 def rows(runs, percentiles) -> list[tuple[str, list[str]]]:
-    """(metric name, one cell per run) of the table."""
+    """(metric name, one cell per run) of the table; a row whose cells are all empty heads
+    the rows of one workload class."""
 
     def cells(f) -> list[str]:
         return [f(r) for r in runs]
-
-    def num(x, fmt: str) -> str:
-        return "-" if x is None else format(x, fmt)
 
     out: list[tuple[str, list[str]]] = [
         ("finished / replayed", cells(lambda r: f"{r.vllm['completed']}/{r.vllm['num_prompts']}")),
@@ -25,27 +41,24 @@ def rows(runs, percentiles) -> list[tuple[str, list[str]]]:
         ("request throughput (req/s)", cells(lambda r: num(r.vllm["request_throughput"], ".2f"))),
         ("output throughput (tok/s)", cells(lambda r: num(r.vllm["output_throughput"], ".0f"))),
     ]
-    slo = runs[0].summary.get("slo") or {}
-    if slo:
+    if _has_slo(runs[0].summary):
         out.append(("goodput (req/s)", cells(lambda r: num(r.summary["goodput"], ".2f"))))
         out.append(
-            ("SLO attainment (%)", cells(lambda r: num(100 * r.summary["slo_attainment"], ".1f")))
+            ("SLO attainment (%)", cells(lambda r: num(_pct(r.summary["slo_attainment"]), ".1f")))
         )
-    words = [("mean", "mean")] + [(f"p{_word(p)}", f"p{_word(p)}") for p in percentiles]
-    words.append(("max", "max"))
-    for name, title, unit in (
-        ("ttft", "TTFT", "s"),
-        ("tpot", "TPOT", "ms"),
-        ("itl", "ITL", "ms"),
-        ("e2el", "E2E", "s"),
-    ):
+    words = ["mean", *(f"p{_word(p)}" for p in percentiles), "max"]
+    for name, title, unit, key in LATENCIES:
         scale, fmt = (1e-3, ".3f") if unit == "s" else (1.0, ".1f")
-        for word, key in words:
-            field = f"{key}_{name}_ms"
+        for word in words:
+            field = f"{word}_{name}_ms"
             out.append(
                 (
                     f"{title} {word} ({unit})",
-                    cells(lambda r, f=field, k=scale, g=fmt: num(_scaled(r.vllm.get(f), k), g)),
+                    cells(
+                        lambda r, f=field, k=scale, g=fmt, s=key: num(
+                            _scaled(r.vllm.get(f), k) if _exists(r.summary, s) else None, g
+                        )
+                    ),
                 )
             )
     out.append(
@@ -64,30 +77,76 @@ def rows(runs, percentiles) -> list[tuple[str, list[str]]]:
             f"{100 * r.summary['kv_used_fraction']['max']:.0f}"
         ))
     )  # fmt: skip
+    return out + class_rows(runs)
+
+
+def class_rows(runs) -> list[tuple[str, list[str]]]:
+    """Per workload class (summary key ``classes``): a heading row, then its rows indented;
+    none for runs without classes."""
+    names = list(runs[0].summary.get("classes") or {})
+    out: list[tuple[str, list[str]]] = []
+    for name in names:
+        per = [r.summary.get("classes", {}).get(name) for r in runs]
+
+        def cells(f, per=per) -> list[str]:
+            return ["-" if c is None else f(c) for c in per]
+
+        slo = next((c["slo"] for c in per if c is not None and c.get("slo")), None)
+        out.append((f"class {name}" + (f" (SLO {slo_text(slo)})" if slo else ""), [""] * len(runs)))
+        out.append(
+            ("  finished / replayed", cells(lambda c: f"{c['finished']}/{c['num_requests']}"))
+        )
+        for _, title, unit, key in LATENCIES:
+            if key not in per[0]:
+                continue  # ITL: not per class
+            scale, fmt = (1.0, ".3f") if unit == "s" else (1e3, ".1f")
+            for word in CLASS_STATS:
+                out.append(
+                    (
+                        f"  {title} {word} ({unit})",
+                        cells(lambda c, k=key, w=word, m=scale, g=fmt: num(_scaled(c[k][w], m), g)),
+                    )
+                )
+        if slo:
+            out.append(("  goodput (req/s)", cells(lambda c: num(c["goodput"], ".2f"))))
+            out.append(
+                ("  SLO attainment (%)", cells(lambda c: num(_pct(c["slo_attainment"]), ".1f")))
+            )
+        out.append(("  preemptions recompute", cells(lambda c: str(c["preemptions_recompute"]))))
     return out
 
 
 def summary_text(runs, percentiles, width: int = WIDTH) -> str:
-    """The table as text: a block per load, its runs across (continued below past ``width``)."""
-    per_block = max((width - LABEL) // CELL, 1)
+    """The table as text: a block per load, its runs across (continued below past ``width``).
+    Columns are as wide as their longest label or cell; no label is cut."""
     blocks = []
     for scale in dict.fromkeys(r.rate_scale for r in runs):
         group = [r for r in runs if r.rate_scale == scale]
         rate = group[0].vllm.get("request_rate")
         title = f"rate_scale {scale:g}" + (f", {rate:.2f} req/s" if rate else "")
         table = rows(group, percentiles)
-        for lo in range(0, len(group), per_block):
-            part = group[lo : lo + per_block]
-            head = "".join(_cut(r.policy).rjust(CELL) for r in part)
-            lines = [title.ljust(LABEL) + head, "-" * (LABEL + CELL * len(part))]
+        label = max([LABEL] + [len(n) + 1 for n, c in table if any(c)])
+        cols = [
+            max([CELL, len(r.policy) + 1] + [len(c[i]) + 1 for _, c in table])
+            for i, r in enumerate(group)
+        ]
+        for part in _blocks(cols, width - label):
+            head = "".join(group[i].policy.rjust(cols[i]) for i in part)
+            lines = [title.ljust(label) + head, "-" * (label + sum(cols[i] for i in part))]
             for name, cells in table:
-                row = "".join(c.rjust(CELL) for c in cells[lo : lo + per_block])
-                lines.append(name.ljust(LABEL) + row)
+                if not any(cells):  # a class's heading
+                    lines += ["", name]
+                    continue
+                lines.append(name.ljust(label) + "".join(cells[i].rjust(cols[i]) for i in part))
             blocks.append("\n".join(lines))
-    slo = runs[0].summary.get("slo") or {}
+    summary = runs[0].summary
     note = []
-    if slo:
-        note.append(f"SLOs: {slo_text(slo)} (goodput: finished requests/s meeting every SLO)")
+    if summary.get("slo"):
+        note.append(
+            f"SLOs: {slo_text(summary['slo'])} (goodput: finished requests/s meeting every SLO)"
+        )
+    elif _has_slo(summary):
+        note.append("SLOs: per class (goodput: finished requests/s meeting their class's SLOs)")
     return "\n\n".join(blocks + note)
 
 
@@ -100,13 +159,38 @@ def slo_text(slo: dict) -> str:
     return ", ".join(parts)
 
 
+def _blocks(cols: list[int], room: int) -> list[list[int]]:
+    """Column indices in blocks that fit ``room`` characters (at least one column each)."""
+    out: list[list[int]] = [[]]
+    used = 0
+    for i, w in enumerate(cols):
+        if out[-1] and used + w > room:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += w
+    return out
+
+
+def _has_slo(summary: dict) -> bool:
+    """Whether the run has SLOs: top-level, or of some workload class."""
+    classes = summary.get("classes") or {}
+    return bool(summary.get("slo")) or any(c.get("slo") for c in classes.values())
+
+
+def _exists(summary: dict, key: str) -> bool:
+    """Whether the statistic ``key`` of the run has values (its mean is not null)."""
+    mean = (summary.get(key) or {}).get("mean")
+    return mean is not None and not math.isnan(mean)
+
+
 def _word(p: float) -> str:
     return str(int(p)) if int(p) == p else str(p)
 
 
+def _pct(x):
+    return None if x is None else 100 * x
+
+
 def _scaled(x, scale: float):
     return None if x is None else x * scale
-
-
-def _cut(label: str) -> str:
-    return label if len(label) < CELL else label[: CELL - 2] + "~"

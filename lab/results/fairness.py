@@ -202,12 +202,12 @@ def markdown(runs) -> list[str]:
             t, e = c["ttft_s"], c["e2e_s"]
             lines.append(
                 f"| {r.label} | {name} | {c['finished']} "
-                f"| {t['p50']:.3f} / {t['p99']:.3f} / {t['max']:.3f} "
-                f"| {e['p50']:.2f} / {e['p99']:.2f} / {e['max']:.2f} "
-                f"| {c['queue_s']['max']:.2f} | {c['output_throughput']:.0f} "
+                f"| {_num(t['p50'], '.3f')} / {_num(t['p99'], '.3f')} / {_num(t['max'], '.3f')} "
+                f"| {_num(e['p50'], '.2f')} / {_num(e['p99'], '.2f')} / {_num(e['max'], '.2f')} "
+                f"| {_num(c['queue_s']['max'], '.2f')} | {_num(c['output_throughput'], '.0f')} "
                 f"| {c['preemptions_recompute']} / {c['recomputed_tokens']} "
                 + (
-                    f"| {c['goodput']:.2f} | {c['slo_attainment']:.1%} |"
+                    f"| {_num(c['goodput'], '.2f')} | {_num(c['slo_attainment'], '.1%')} |"
                     if c["slo_attainment"] is not None
                     else "| - | - (no SLO) |"
                 )
@@ -241,6 +241,11 @@ def markdown(runs) -> list[str]:
         "",
     ]
     return lines
+
+
+def _num(x, fmt: str) -> str:
+    """``x`` formatted, or ``-`` where the statistic has no value (NaN)."""
+    return "-" if x is None or x != x else format(x, fmt)
 
 
 def plots(folder, runs, save) -> list[tuple[str, str]]:

@@ -65,7 +65,9 @@ def request_table(
 ) -> tuple[pd.DataFrame, np.ndarray]:
     """One row per request, and the pooled ITL gaps (seconds, float64) of finished requests.
 
-    Latency columns are NaN where undefined (not finished; TPOT of 1-token outputs).
+    Latency columns are NaN where undefined (not finished; TPOT of 1-token outputs);
+    ``num_generated_tokens`` is an integer in every row (0 for rejected and dropped requests,
+    the tokens received before its end for an aborted one; the status and reason say why).
 
     Args:
         progress: optional callable(num_requests_done), called every 4,096 requests.
@@ -102,7 +104,7 @@ def request_table(
                 r.arrival_s,
                 r.prompt_len,
                 r.output_len,
-                r.num_output_tokens if finished else np.nan,
+                r.num_output_tokens if finished else _num_received(result, r),
                 first,
                 r.finish_s if r.finish_s >= 0 else np.nan,
                 first - r.arrival_s,
@@ -128,6 +130,13 @@ def request_table(
         df["priority"] = [r.priority for r in requests]
         df["recomputed_tokens"] = [r.num_recomputed_tokens for r in requests]
     return df, itl
+
+
+def _num_received(result: ReplayResult, r: Request) -> int:
+    """Output tokens a request that did not finish received before its end."""
+    if r.status in (RequestStatus.REJECTED, RequestStatus.DROPPED):
+        return 0
+    return result.num_tokens_received(r)
 
 
 def decode_output_tokens(steps: dict) -> np.ndarray:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab.config import ExperimentConfig, PolicyConfig
+from lab.config import ExperimentConfig, PolicyConfig, paths
 from lab.core.errors import ConfigError, TraceError
 from lab.core.kv import has_prefix_identity, make_block_manager
 from lab.core.plan import Executor
@@ -148,8 +148,9 @@ def fresh(requests: list[Request]) -> list[Request]:
 
 
 def trace_info(cfg: ExperimentConfig, rows: int, sha256_before: str | None) -> dict[str, Any]:
-    """The replayed trace's file (or None), sha256 (or None) and ``rows`` read.
-    ``sha256_before``: taken before reading.
+    """The replayed trace's file (or None; relative to the experiment's folder or to the
+    bundled data where it lies there, see :func:`lab.config.paths.shown`), sha256 (or None)
+    and ``rows`` read. ``sha256_before``: taken before reading.
 
     Raises:
         TraceError: the file changed while it was read.
@@ -157,7 +158,7 @@ def trace_info(cfg: ExperimentConfig, rows: int, sha256_before: str | None) -> d
     """
     path = cfg.trace.path
     info = {
-        "path": None if path is None else str(path),
+        "path": None if path is None else paths.shown(path, cfg.base_dir),
         "sha256": None if path is None else sha256_of(path),
         "rows": rows,
     }

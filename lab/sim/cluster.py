@@ -203,6 +203,10 @@ class ClusterResult(ReplayResult):
     def num_token_times(self, r: Request) -> int:
         return super().num_token_times(r) + (r in self.first_token)
 
+    def num_tokens_received(self, r: Request) -> int:
+        """:meth:`num_token_times`: a replica's step and tick indices are its own."""
+        return self.num_token_times(r)
+
 
 class _Cluster:
     """The replicas, routers and links of one replay, and the moves between them."""

@@ -125,3 +125,16 @@ class ReplayResult:
         """``len(self.token_times(r))``, without computing them."""
         n = len(r.prefill_token_steps) + sum(b - a for a, b in r.decode_segments)
         return n + r.num_accepted_tokens if r.spec_steps else n
+
+    def num_tokens_received(self, r: Request) -> int:
+        """Output tokens ``r`` received by the end of the run: those of recorded steps. For a
+        request the run stopped (aborted) this, unlike :meth:`num_token_times`, counts the
+        decode ticks since it last joined the decode batch (whose state is written back to
+        it only when it leaves) and no token of a step that never ended (async scheduling
+        plans a step ahead)."""
+        steps, ticks = len(self.steps["time_s"]), len(self.tick_steps)
+        n = sum(s < steps for s in r.prefill_token_steps)
+        n += sum(max(min(b, ticks) - a, 0) for a, b in r.decode_segments)
+        if r.join_tick >= 0:  # still in the decode batch when the run stopped
+            n += max(ticks - r.join_tick, 0)
+        return n + sum(a for s, _, a in r.spec_steps if s < steps)

@@ -23,22 +23,21 @@ def summary_table(runs: list[Run]) -> str:
     for r in runs:
         s = r.summary
         lines.append(
-            f"| {r.label} | {s['finished']} | {s['rejected']} | {s['aborted']} "
+            f"| {r.label} | {s['completed']} | {s['rejected']} | {s['aborted']} "
             f"| {s['request_throughput']:.2f} | {s['output_throughput']:.0f} "
-            f"| {s['ttft_s']['p50']:.3f} / {s['ttft_s']['p99']:.3f} "
-            f"| {s['tpot_s']['p50'] * 1e3:.1f} / {s['tpot_s']['p99'] * 1e3:.1f} "
-            f"| {s['itl_s']['p99'] * 1e3:.1f} / {_ms(r.vllm, 'p99.9_itl_ms')} "
-            f"/ {_ms(r.vllm, 'max_itl_ms')} "
-            f"| {s['e2e_s']['p50']:.2f} / {s['e2e_s']['p99']:.2f} "
-            f"| {s['preemptions']['recompute']} / {s['preemptions']['swap']} "
-            f"| {s['kv_used_fraction']['mean'] * 100:.0f} |"
+            f"| {s['p50_ttft_ms'] / 1e3:.3f} / {s['p99_ttft_ms'] / 1e3:.3f} "
+            f"| {s['p50_tpot_ms']:.1f} / {s['p99_tpot_ms']:.1f} "
+            f"| {s['p99_itl_ms']:.1f} / {_ms(s, 'p99.9_itl_ms')} / {_ms(s, 'max_itl_ms')} "
+            f"| {s['p50_e2el_ms'] / 1e3:.2f} / {s['p99_e2el_ms'] / 1e3:.2f} "
+            f"| {s['num_preemptions_recompute']} / {s['num_preemptions_swap']} "
+            f"| {s['mean_kv_cache_usage'] * 100:.0f} |"
         )
     return "\n".join(lines)
 
 
-def _ms(vllm: dict, key: str) -> str:
-    v = vllm.get(key)
-    return "-" if v is None else f"{v:.1f}"
+def _ms(summary: dict, key: str) -> str:
+    v = summary.get(key)
+    return "-" if v is None or v != v else f"{v:.1f}"  # v != v: NaN
 
 
 def _trace_options(trace: Mapping[str, Any]) -> str:
@@ -221,7 +220,7 @@ def report_markdown(cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[st
             "|---|---|---|",
         ]
         lines += [
-            f"| {r.label} | {r.summary['goodput']:.2f} | {r.summary['slo_attainment']:.1%} |"
+            f"| {r.label} | {r.summary['request_goodput']:.2f} | {r.summary['slo_attainment']:.1%} |"
             for r in runs
         ]
         lines.append("")

@@ -27,7 +27,7 @@ def rows(runs, percentiles) -> list[tuple[str, list[str]]]:
     ]
     slo = runs[0].summary.get("slo") or {}
     if slo:
-        out.append(("goodput (req/s)", cells(lambda r: num(r.summary["goodput"], ".2f"))))
+        out.append(("goodput (req/s)", cells(lambda r: num(r.summary["request_goodput"], ".2f"))))
         out.append(
             ("SLO attainment (%)", cells(lambda r: num(100 * r.summary["slo_attainment"], ".1f")))
         )
@@ -53,15 +53,15 @@ def rows(runs, percentiles) -> list[tuple[str, list[str]]]:
             "preemptions recompute / swap",
             cells(
                 lambda r: (
-                    f"{r.summary['preemptions']['recompute']} / {r.summary['preemptions']['swap']}"
+                    f"{r.summary['num_preemptions_recompute']} / {r.summary['num_preemptions_swap']}"
                 )
             ),
         )
     )
     out.append(
         ("KV used mean / max (%)", cells(
-            lambda r: f"{100 * r.summary['kv_used_fraction']['mean']:.0f} / "
-            f"{100 * r.summary['kv_used_fraction']['max']:.0f}"
+            lambda r: f"{100 * r.summary['mean_kv_cache_usage']:.0f} / "
+            f"{100 * r.summary['max_kv_cache_usage']:.0f}"
         ))
     )  # fmt: skip
     return out

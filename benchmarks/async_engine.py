@@ -274,7 +274,7 @@ def part_throughput(args) -> dict:
             if decode_only.any()
             else None,
             "num_wasted_tokens": run.summary.get("num_wasted_tokens"),
-            "finished": run.summary.get("finished"),
+            "finished": run.summary.get("completed"),
         }
         out["runs"].append(entry)
         print(json.dumps(entry), flush=True)

@@ -37,8 +37,8 @@ def one(replicas: int, router: str, rate_scale: float) -> dict:
     return {
         "replay_wall_s": run.result.wall_s,
         "num_steps": run.summary["num_steps"],
-        "finished": run.summary["finished"],
-        "ttft_p99_s": run.summary["ttft_s"]["p99"],
+        "finished": run.summary["completed"],
+        "ttft_p99_s": run.summary["p99_ttft_ms"] / 1e3,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 

@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 from lab.fidelity import engine_config as _engine_config  # noqa: E402
 from lab.fidelity import predicted_durations, unpack  # noqa: E402
 from lab.fidelity import step_kind as _step_kind  # noqa: E402
+from lab.results.names import upgrade_summary  # noqa: E402
 from lab.run.experiment import run_experiment  # noqa: E402
 from lab.sim.calibrated import (  # noqa: E402
     CalibratedCostModel,
@@ -117,9 +118,10 @@ def simulated(src: Path, folder: str, cost_model: dict) -> dict[str, dict[str, f
     for run in run_experiment(
         _engine_config({**raw, "backend": "sim", "cost_model": cost_model}), progress=False
     ):
-        r = real[run.label]
+        r = upgrade_summary(real[run.label])  # recorded under older names too
         out[f"{folder} {run.label}"] = {
-            m: run.summary[m]["p50"] / r[m]["p50"] - 1 for m in ("ttft_s", "tpot_s", "e2e_s")
+            f"{m}_s": run.summary[f"p50_{name}_ms"] / r[f"p50_{name}_ms"] - 1
+            for m, name in (("ttft", "ttft"), ("tpot", "tpot"), ("e2e", "e2el"))
         }
     return out
 

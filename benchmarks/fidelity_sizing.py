@@ -60,11 +60,10 @@ def durations(cfg, requests=None) -> dict[str, float]:
     and rejections when there are any."""
     runs = run_experiment(cfg, progress=False, requests=requests)
     for r in runs:
-        pre = r.summary["preemptions"]
-        if pre["recompute"] + pre["swap"] or r.summary["rejected"]:
-            print(f"    {cfg.name} {r.label}: {pre['recompute'] + pre['swap']} preemptions, "
+        if r.summary["num_preemptions"] or r.summary["rejected"]:
+            print(f"    {cfg.name} {r.label}: {r.summary['num_preemptions']} preemptions, "
                   f"{r.summary['rejected']} rejected")  # fmt: skip
-    return {r.label: r.summary["duration_s"] for r in runs}
+    return {r.label: r.summary["duration"] for r in runs}
 
 
 def predict(protocol_path: Path, cost_model: dict, load_s: float, process_s: float,

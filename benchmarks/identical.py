@@ -17,7 +17,10 @@ the comparison still proves every other byte identical.
 compares additively, for changes that add columns or keys but must not change any result:
 every CSV column of REV's files must exist with the same values in the same rows, and every
 key of REV's ``summary.json`` must hold the same value (new columns and keys are listed, not
-refused). Experiments that exist on one side only are skipped with a note.
+refused). REV's summary is read with the metric names of now
+(:func:`lab.results.names.upgrade_summary`: ``ttft_s.p99`` in seconds is compared as
+``p99_ttft_ms``, the same number times 1000), so a rename alone is no difference.
+Experiments that exist on one side only are skipped with a note.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from lab.results.names import upgrade_summary  # noqa: E402
+
 REF = Path(__file__).with_name("identical_ref.json")
 FILES = ("requests.csv", "steps.csv", "summary.json")
 
@@ -128,6 +134,7 @@ def compare_with_base(rev: str, only: list[str] | None) -> int:
                     problems += [f"{f}: {x}" for x in p]
                     added += [f"{f}:{x}" for x in c]
                 old, new = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+                old = {k: upgrade_summary(v) for k, v in old.items()}
                 for run_ in (*old.values(), *new.values()):
                     run_.pop("trace", None)
                 p, c = json_subset(old, new)

@@ -155,9 +155,9 @@ def main() -> int:
         out["runs"][run.label] = {
             "hit_rate": s["prefix_cache_hit_rate"], "sim_hit_rate_same": same,
             "evicted_blocks": s["prefix_cache_evicted_blocks"], "num_gpu_blocks": s["num_gpu_blocks"],
-            "ttft_mean_s": s["ttft_s"]["mean"], "ttft_p50_s": s["ttft_s"]["p50"],
-            "ttft_p99_s": s["ttft_s"]["p99"], "output_throughput": s["output_throughput"],
-            "duration_s": s["duration_s"], "finished": s["finished"],
+            "ttft_mean_s": s["mean_ttft_ms"] / 1e3, "ttft_p50_s": s["p50_ttft_ms"] / 1e3,
+            "ttft_p99_s": s["p99_ttft_ms"] / 1e3, "output_throughput": s["output_throughput"],
+            "duration_s": s["duration"], "finished": s["completed"],
         }  # fmt: skip
     r = out["runs"]
     off, on = r["fcfs-nocache"], r["fcfs-cache"]

@@ -126,17 +126,17 @@ def worker(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | Non
     busy_s = float(s["duration_s"].sum())
     row.update(
         steps=summary["num_steps"],
-        finished=summary["finished"],
+        finished=summary["completed"],
         rejected=summary["rejected"],
         aborted=summary["aborted"],
-        preempt_recompute=summary["preemptions"]["recompute"],
-        preempt_swap=summary["preemptions"]["swap"],
+        preempt_recompute=summary["num_preemptions_recompute"],
+        preempt_swap=summary["num_preemptions_swap"],
         max_preemptions_one_request=int(df["num_preemptions"].max()),
         prefill_tokens=int(s["num_prefill_tokens"].sum()),
-        sim_s=summary["duration_s"],
-        busy_fraction=busy_s / summary["duration_s"],
-        ttft_p50_s=summary["ttft_s"]["p50"],
-        ttft_p99_s=summary["ttft_s"]["p99"],
+        sim_s=summary["duration"],
+        busy_fraction=busy_s / summary["duration"],
+        ttft_p50_s=summary["p50_ttft_ms"] / 1e3,
+        ttft_p99_s=summary["p99_ttft_ms"] / 1e3,
         reasons=sorted(set(df.loc[df.status != "finished", "reason"]))[:3],
     )
     return row

@@ -73,7 +73,7 @@ def run(cost_model, batch: int, k: int = 0, p: float = 0.0, pricing: str = "pref
     s = metrics.summarize(df, itl, result, {})
     steps = [x for r in result.requests for x in r.spec_steps]
     mal = 1 + sum(a for *_, a in steps) / len(steps) if steps else 1.0
-    return {"tpot_s": s["tpot_s"]["mean"], "throughput": s["output_throughput"], "mal": mal}
+    return {"tpot_s": s["mean_tpot_ms"] / 1e3, "throughput": s["output_throughput"], "mal": mal}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -470,6 +470,9 @@ def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
             f"error: interrupted by {_name(e)} during the sweep; nothing written", file=sys.stderr
         )
         return _code(e)
+    from lab.sweeps.terminal import folder_text
+
+    print(folder_text(out, sweep), end="\n\n")
     bad = [r for r in results if r.error or any(row.get("error") for row in r.rows)]
     print(f"wrote {out}/ (report.md): {len(results) - len(bad)} of {len(results)} "
           f"{'searches' if sweep.search else 'points'} ok in {time.perf_counter() - t0:.1f} s")  # fmt: skip

@@ -154,9 +154,9 @@ def test_results_per_class_and_single_trace_unchanged(tmp_path):
     summary = json.loads((out / "summary.json").read_text())["fcfs"]
     assert set(summary["classes"]) == {"chat", "batch"}
     chat = summary["classes"]["chat"]
-    assert (chat["num_requests"], chat["dropped"], chat["slo"]) == (3, 1, {"ttft_s": 0.5})
+    assert (chat["num_prompts"], chat["dropped"], chat["slo"]) == (3, 1, {"ttft_s": 0.5})
     assert summary["classes"]["batch"]["slo"] == {"ttft_s": 5.0}
-    assert summary["tenants"]["u2"]["num_requests"] == 3
+    assert summary["tenants"]["u2"]["num_prompts"] == 3
     assert "## Per class" in (out / "report.md").read_text()
     assert (out / "tenant_service.png").is_file() and (out / "ttft_by_class.png").is_file()
     # One trace: no class columns or keys.

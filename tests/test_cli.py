@@ -70,7 +70,7 @@ def test_bundled_config_from_any_folder_writes_results_under_the_cwd(tmp_path, m
     out = tmp_path / "results" / "quickstart"
     summary = json.loads((out / "summary.json").read_text())
     assert sorted(summary) == ["chunked_prefill", "fcfs", "swap"]
-    assert summary["fcfs"]["num_requests"] == 5 and "partial" not in summary["fcfs"]
+    assert summary["fcfs"]["num_prompts"] == 5 and "partial" not in summary["fcfs"]
     # the bundled files by the names the YAML gives them, not this checkout's or venv's path
     assert summary["fcfs"]["trace"]["path"] == "traces/data/azure2023_conv.csv"
     config = yaml.safe_load((out / "config.yaml").read_text())
@@ -177,7 +177,7 @@ def test_interrupt_keeps_the_completed_runs_as_partial_results(tmp_path, sig, co
         f"error: interrupted by {sig} after 1 of 3 runs; wrote them to {out}/ as partial results"
     ]
     summary = json.loads((out / "summary.json").read_text())
-    assert list(summary) == ["fcfs"] and summary["fcfs"]["finished"] == 8
+    assert list(summary) == ["fcfs"] and summary["fcfs"]["completed"] == 8
     assert summary["fcfs"]["partial"] == f"interrupted by {sig} after 1 of 3 runs"
     report = (out / "report.md").read_text().splitlines()
     assert report[2] == f"**Partial results**: interrupted by {sig} after 1 of 3 runs."
@@ -284,7 +284,7 @@ def test_failed_final_rename_keeps_the_results_and_says_where(tmp_path, capsys, 
         f"busy); they are in {kept}"
     )
     assert kept.parent == tmp_path and kept.name.startswith("res.unplaced-")
-    assert json.loads((kept / "summary.json").read_text())["fcfs"]["num_requests"] == 4
+    assert json.loads((kept / "summary.json").read_text())["fcfs"]["num_prompts"] == 4
     assert (out / "summary.json").read_text() == before  # the earlier results are untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["res", kept.name]
 

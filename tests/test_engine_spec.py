@@ -413,7 +413,7 @@ def test_replay_with_speculation_greedy_identical(tiny, caching):
 
     ref = run_experiment(e2e_config(tiny[0], 200, ["fcfs"]), False, e2e_requests())[0]
     expected = {r.request_id: r.output_token_ids for r in ref.result.requests}
-    assert ref.summary["preemptions"]["requests_preempted"] == 0
+    assert ref.summary["num_preempted_requests"] == 0
     for spec in (
         {
             "method": "ngram",
@@ -435,8 +435,9 @@ def test_replay_with_speculation_greedy_identical(tiny, caching):
             assert accepted == drafted if spec["method"] == "draft" else accepted < drafted
         if caching:
             assert sum(run.summary["prefix_cache_cached_tokens"] for run in runs) > 0
-        pre = [run.summary["preemptions"] for run in runs]
-        assert sum(p["recompute"] for p in pre) > 0 and sum(p["swap"] for p in pre) > 0
+        pre = [run.summary for run in runs]
+        assert sum(p["num_preemptions_recompute"] for p in pre) > 0
+        assert sum(p["num_preemptions_swap"] for p in pre) > 0
 
 
 def test_replay_sampling_and_synthetic(tiny):

@@ -196,7 +196,7 @@ def test_rate_scale_list_replays_each_load(tmp_path):
     assert by_scale[4.0] == pytest.approx(by_scale[1.0] / 4)
     summary = json.loads((out / "summary.json").read_text())
     assert sorted(summary) == ["fcfs@x1", "fcfs@x2", "fcfs@x4"]
-    assert summary["fcfs@x4"]["duration_s"] < summary["fcfs@x1"]["duration_s"]
+    assert summary["fcfs@x4"]["duration"] < summary["fcfs@x1"]["duration"]
 
 
 def test_dropped_trace_rows_are_in_the_results_and_in_no_metric(tmp_path):
@@ -223,7 +223,7 @@ def test_dropped_trace_rows_are_in_the_results_and_in_no_metric(tmp_path):
     )
     assert req.loc[0, ["arrival_s", "finish_s", "ttft_s", "e2e_s"]].isna().all()
     s = json.loads((out / "summary.json").read_text())["fcfs"]
-    assert (s["num_requests"], s["finished"], s["dropped"]) == (2, 2, 0 + 1)
+    assert (s["num_prompts"], s["completed"], s["dropped"]) == (2, 2, 0 + 1)
     assert s["slo_attainment"] == 1.0  # over the 2 replayed requests
     assert (
         "Trace rows not replayed: 1 (status `dropped` in requests.csv): 'GeneratedTokens'"

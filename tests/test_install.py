@@ -103,7 +103,7 @@ def test_install_and_run_from_another_folder(tmp_path, editable):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((work / "results" / "quickstart" / "summary.json").read_text())
     assert sorted(summary) == ["chunked_prefill", "fcfs", "swap"]
-    assert all(s["num_requests"] == 50 and s["finished"] == 50 for s in summary.values())
+    assert all(s["num_prompts"] == 50 and s["completed"] == 50 for s in summary.values())
     out = tmp_path / "out"
     proc = subprocess.run(
         [*run, "--out", str(out)], cwd=work, env=env, capture_output=True, text=True, timeout=300

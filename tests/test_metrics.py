@@ -21,7 +21,7 @@ def test_tpot_excludes_first_token_and_single_token_outputs():
     tpot = metrics.tpot_s([0.2, 0.1, 0.3], [0.2, 1.1, 1.1], [1, 11, 3])
     assert np.isnan(tpot[0])
     np.testing.assert_allclose(tpot[1:], [0.1, 0.4])
-    assert metrics.stats(tpot)["mean"] == pytest.approx(0.25)
+    assert metrics.latency_stats("tpot", tpot)["mean_tpot_ms"] == pytest.approx(250.0)
 
 
 def test_single_token_request_has_ttft_equal_e2e():
@@ -43,13 +43,20 @@ def test_request_table_and_summary_on_a_replay():
     assert (b.ttft_s, b.e2e_s, b.tpot_s, b.queue_s) == pytest.approx((0.015, 0.025, 0.01, 0.005))
     np.testing.assert_allclose(itl, [0.01, 0.02, 0.01])  # a's gaps, then b's, in token order
     s = metrics.summarize(df, itl, res, {"ttft_s": 0.012, "tpot_s": None, "e2e_s": None})
-    assert s["duration_s"] == pytest.approx(0.04)
+    assert s["duration"] == pytest.approx(0.04)
     assert s["request_throughput"] == pytest.approx(2 / 0.04)
     assert s["output_throughput"] == pytest.approx(5 / 0.04)
     assert s["total_token_throughput"] == pytest.approx(13 / 0.04)
-    assert s["itl_s"]["mean"] == pytest.approx(0.04 / 3)
+    assert s["mean_itl_ms"] == pytest.approx(40 / 3)
+    # TTFT 10 and 15 ms; E2E 40 and 25 ms; queue 0 and 5 ms
+    assert (s["median_ttft_ms"], s["max_ttft_ms"]) == pytest.approx((12.5, 15.0))
+    assert (s["p99.9_e2el_ms"], s["std_e2el_ms"]) == pytest.approx((39.985, 7.5))
+    assert s["mean_queue_ms"] == pytest.approx(2.5)
+    assert (s["num_prompts"], s["completed"], s["failed"]) == (2, 2, 0)
+    assert s["request_rate"] == pytest.approx(1 / 0.015)  # (2 - 1) / 15 ms
     # Only a meets TTFT <= 12 ms.
-    assert s["goodput"] == pytest.approx(1 / 0.04) and s["slo_attainment"] == 0.5
+    assert s["request_goodput"] == pytest.approx(1 / 0.04) and s["slo_attainment"] == 0.5
+    assert s["slo_attainment_ttft"] == 0.5 and "slo_attainment_tpot" not in s
 
 
 def test_slo_counts_rejected_as_miss():
@@ -65,24 +72,39 @@ def test_slo_counts_rejected_as_miss():
 
 
 def test_stats_percentiles_linear_interpolation():
-    s = metrics.stats([1.0, 2.0, 3.0, 4.0, np.nan])
-    assert s == {"mean": 2.5, "p50": 2.5, "p90": pytest.approx(3.7), "p99": pytest.approx(3.97)}
+    s = metrics.latency_stats("x", [1.0, 2.0, 3.0, 4.0, np.nan], (50, 90, 99.9))
+    assert s == {
+        "mean_x_ms": 2500.0, "median_x_ms": 2500.0, "std_x_ms": pytest.approx(1.25**0.5 * 1e3),
+        "p50_x_ms": 2500.0, "p90_x_ms": pytest.approx(3700.0), "p99.9_x_ms": pytest.approx(3997.0),
+        "max_x_ms": 4000.0,
+    }  # fmt: skip
+    assert all(np.isnan(v) for v in metrics.latency_stats("x", [np.nan]).values())
+
+
+def test_summary_percentiles_hold_the_reports_and_vllms():
+    assert metrics.summary_percentiles((99.9, 50)) == (50.0, 90.0, 99.0, 99.9)
+    assert metrics.summary_percentiles((75,)) == (50.0, 75.0, 90.0, 99.0)
 
 
 def test_stats_is_bitwise_the_same_with_overwrite_and_any_layout():
     rng = np.random.default_rng(0)
     values = rng.lognormal(0, 2, 100_003)  # pairwise summation: the order and layout matter
+    pcts = metrics.DEFAULT_PERCENTILES
     want = {
-        "mean": float(values.mean()),
-        **{f"p{p}": float(np.percentile(values, p)) for p in metrics.PERCENTILES},
+        "mean_v_ms": float(values.mean()) * 1e3,
+        "median_v_ms": float(np.median(values)) * 1e3,
+        "std_v_ms": float(values.std()) * 1e3,
+        **{f"p{p:g}_v_ms": float(np.percentile(values, p)) * 1e3 for p in pcts},
+        "max_v_ms": float(values.max()) * 1e3,
     }
     strided = np.repeat(values, 2)[::2]  # the same values, not contiguous
-    assert metrics.stats(strided) == want and metrics.stats(values) == want
+    assert metrics.latency_stats("v", strided) == want
+    assert metrics.latency_stats("v", values) == want
     copy = values.copy()
-    assert metrics.stats(copy, overwrite=True) == want
+    assert metrics.latency_stats("v", copy, overwrite=True) == want
     assert sorted(copy) == sorted(values)  # reordered in place, same values
     with_nan = np.concatenate([values[:10], [np.nan, np.inf], values[10:]])
-    assert metrics.stats(with_nan) == want and np.isnan(with_nan[10])  # caller's copy kept
+    assert metrics.latency_stats("v", with_nan) == want and np.isnan(with_nan[10])
 
 
 def test_cdf_points(monkeypatch):

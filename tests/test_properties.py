@@ -495,7 +495,7 @@ def test_results_files_are_byte_identical(tmp_path):
     # Only timing.json holds wall-clock seconds.
     assert set(json.loads((a / "timing.json").read_text())) == set(sa)
     # The runs are not trivial: KV pressure makes every policy preempt.
-    assert all(s["preemptions"]["recompute"] + s["preemptions"]["swap"] > 0 for s in sa.values())
+    assert all(s["num_preemptions"] > 0 for s in sa.values())
 
 
 def test_results_files_same_across_fresh_interpreters(tmp_path):

@@ -378,8 +378,8 @@ def test_speculation_with_async_scheduling_runs(tmp_path):
     cfg.write_text(text)
     assert run_experiment.main([str(cfg), "--out", str(tmp_path / "a"), "--no-progress"]) == 0
     on = json.loads((tmp_path / "a" / "summary.json").read_text())["on"]
-    assert on["async_scheduling"] and on["finished"] == 12
-    assert on["num_wasted_tokens"] == on["finished"]  # async's rule holds with drafts too
+    assert on["async_scheduling"] and on["completed"] == 12
+    assert on["num_wasted_tokens"] == on["completed"]  # async's rule holds with drafts too
     req = pd.read_csv(tmp_path / "a" / "requests.csv")
     assert (
         req.loc[req["policy"] == "on", "num_accepted_tokens"].sum()

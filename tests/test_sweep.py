@@ -154,7 +154,20 @@ BAD = [
     (
         "search: {metric: goodputt, target: 0.9}\n",
         "search.metric: unknown metric 'goodputt'; known: slo_attainment, or a latency "
-        "{ttft,tpot,itl,e2e,queue}_s_{mean,p50,p90,p99}",
+        "{mean,median,std,max,p<P>}_{ttft,tpot,itl,e2el,queue}_ms (e.g. p99_ttft_ms)",
+    ),
+    (
+        "search: {metric: p99_ttft_ms, target: 0}\n",
+        "search.target: expected milliseconds > 0 for p99_ttft_ms, got 0",
+    ),
+    (
+        "search: {metric: ttft_s_p99, target: -1}\n",
+        "search.target: expected seconds > 0 for ttft_s_p99, got -1",
+    ),
+    (
+        "search: {metric: p75_ttft_ms, target: 100}\n",
+        "search.metric: p75_ttft_ms needs 75 in report.metric_percentiles (the summary holds "
+        "50, 90, 99, 99.9)",
     ),
     (
         "sweep: {grid: {rate_scale: [1, 2]}}\nsearch: {metric: ttft_s_p99, target: 1}\n",
@@ -228,7 +241,7 @@ def test_bisection_samples_by_hand():
     assert [x for x, _ in cap.samples] == [1, 4, 2.5, 1.75, 2.125, 2.3125, 2.40625]
     assert (cap.status, cap.capacity, cap.hi) == ("found", 2.3125, 2.40625)
     # Without a range: from the start value, doubling until a miss, then bisection.
-    spec = SearchSpec("ttft_s_p99", 1.0, tolerance=0.1)
+    spec = SearchSpec("p99_ttft_ms", 1000.0, tolerance=0.1)
     cap = find_capacity(lambda x: x <= 5.0, spec, 1.0)
     assert [x for x, _ in cap.samples] == [1, 2, 4, 8, 6, 5, 5.5]
     assert (cap.capacity, cap.hi) == (5.0, 5.5)
@@ -240,7 +253,7 @@ def test_bisection_samples_by_hand():
 
 
 def test_integer_key_search_tries_whole_numbers():
-    spec = SearchSpec("ttft_s_p99", 1.0, tolerance=0.02)
+    spec = SearchSpec("p99_ttft_ms", 1000.0, tolerance=0.02)
     cap = find_capacity(lambda x: x <= 37, spec, 8, integer=True)
     # Doubling 8, 16, 32 (met), 64 (missed); floor midpoints 48, 40, 36, 38, 37; the
     # bracket [37, 38) is max(1, 0.02 * 37) = 1 wide.
@@ -356,7 +369,7 @@ def test_a_refused_probe_bounds_the_bracket_and_keeps_the_samples(tmp_path):
     assert cap["hi"] - cap["capacity"] <= 0.02 * cap["capacity"]
 
 
-def test_capacity_of_a_fixed_cost_queue_matches_the_closed_form(tmp_path):
+def test_capacity_of_a_fixed_cost_queue_matches_the_closed_form(tmp_path, capsys):
     """One request per step (max_num_seqs 1), one output token (done at its prefill), the
     same prompt: every step costs the same c seconds. Requests arrive every d0 / s seconds
     at rate_scale s; below capacity none waits, above it request i waits, and its TTFT is
@@ -391,6 +404,43 @@ def test_capacity_of_a_fixed_cost_queue_matches_the_closed_form(tmp_path):
     assert len(curve) == row["evaluations"]
     assert curve["met"].tolist() == [s <= expected for s in curve["trace.rate_scale"]]
     assert (curve["met"] == (curve["slo_attainment"] >= 0.9)).all()
+    # in req/s: 10 arrivals d0 / lo apart offer lo / d0 requests per second
+    assert row["capacity_request_rate"] == pytest.approx(row["lo"] / (d0_ms / 1e3))
+    assert row["bound_by"] == "ttft" and row["bound_value"] < 0.9  # the one SLO, at hi
+    printed = capsys.readouterr().out
+    line = next(x for x in printed.splitlines() if x.startswith("p000"))
+    assert f"{row['capacity_request_rate']:.2f}" in line and "found" in line
+    assert f"ttft <= {x:g} s (met by" in line
+
+
+def test_the_sweep_table_in_the_terminal():
+    from lab.sweeps.terminal import sweep_text
+
+    table = pd.DataFrame([
+        {"point": "p000", "status": "ok", "kv_cache.num_gpu_blocks": 1024, "policy": "fcfs",
+         "rate_scale": 2.0, "request_rate": 7.123, "request_throughput": 5.27,
+         "p50_ttft_ms": 4940.0, "p99_ttft_ms": 12130.0, "p50_tpot_ms": 7.14, "p99_tpot_ms": 11.0,
+         "p50_e2el_ms": 7500.0, "p99_e2el_ms": 14800.0, "request_goodput": 2.11,
+         "slo_attainment": 0.404, "num_preemptions": 37},
+        {"point": "p001", "status": "failed", "error": "no room", "kv_cache.num_gpu_blocks": 16,
+         "policy": "fcfs"},
+    ])  # fmt: skip
+    lines = sweep_text(table, ["kv_cache.num_gpu_blocks", "trace.rate_scale"]).splitlines()
+    assert lines[0].split() == [
+        "point", "gpu_blocks", "policy", "scale", "offered", "achieved", "TTFT", "TPOT", "E2E",
+        "goodput", "SLO", "preempt",
+    ]  # fmt: skip
+    assert lines[1].split() == [
+        "x", "req/s", "req/s", "p50/p99", "s", "p50/p99", "ms", "p50/p99", "s", "req/s", "%",
+        "met",
+    ]  # fmt: skip
+    assert lines[3].split() == [
+        "p000", "1024", "fcfs", "2", "7.12", "5.27", "4.94/12.13", "7.1/11.0", "7.5/14.8",
+        "2.11", "40", "37",
+    ]  # fmt: skip
+    assert lines[4].split()[:4] == ["p001", "16", "fcfs", "failed"]
+    assert lines[5] == "p001 failed: no room"
+    assert max(len(x) for x in lines) <= 120
 
 
 # ---------------------------------------------------------------------------- executors
@@ -410,7 +460,8 @@ def files_of(folder: Path) -> dict[str, bytes]:
     }
 
 
-def test_sweep_files_are_identical_on_every_executor(tmp_path):
+def test_sweep_files_are_identical_on_every_executor(tmp_path, monkeypatch):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1764633600")  # the vLLM files' date
     path = small_sweep(tmp_path)
     outs = {}
     modes = {"serial": ["--jobs", "1"], "pool": ["--jobs", "2"]}
@@ -444,8 +495,8 @@ def test_sweep_files_are_identical_on_every_executor(tmp_path):
     assert (table["num_gpu_blocks"] == table["kv_cache.num_gpu_blocks"]).all()
     point = json.loads((outs["serial"] / "points/p003/summary.json").read_text())
     row = table.iloc[7]
-    assert row["ttft_s_p99"] == point["chunked_prefill"]["ttft_s"]["p99"]
-    assert row["goodput"] == point["chunked_prefill"]["goodput"]
+    assert row["p99_ttft_ms"] == point["chunked_prefill"]["p99_ttft_ms"]
+    assert row["request_goodput"] == point["chunked_prefill"]["request_goodput"]
     if "ray" not in modes:
         pytest.skip("ray is not installed (pip install 'sched-lab[ray]'): compared serial and pool")
 
@@ -490,14 +541,15 @@ def test_a_failed_point_is_reported_and_the_others_go_on(tmp_path, capsys, monke
     table = pd.read_csv(out / "sweep.csv")
     assert table["status"].tolist() == ["failed", "ok"]
     assert table["error"][0] == "trace.path: changed while it was read; run again"
-    assert table["finished"][1] == 12 and sorted(p.name for p in (out / "points").iterdir()) == [
+    assert table["completed"][1] == 12 and sorted(p.name for p in (out / "points").iterdir()) == [
         ".sched-lab-manifest.json",
         "p001",
     ]
     assert "**Point p000 failed**: trace.path" in (out / "report.md").read_text()
 
 
-def test_rerun_replaces_a_sweep_folder_but_not_a_foreign_file(tmp_path, capsys):
+def test_rerun_replaces_a_sweep_folder_but_not_a_foreign_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1764633600")  # the vLLM files' date
     path = write(tmp_path, SYNTH + "policies: [fcfs]\nsweep: {grid: {seed: [1, 2]}}\n")
     out = tmp_path / "out"
     args = [str(path), "--out", str(out), "--no-progress", "--jobs", "1"]
@@ -562,17 +614,15 @@ def test_a_classes_run_gives_one_row_per_class():
     for run in run_experiment(cfg, progress=False):
         rows = run_rows(run, cfg.slo.to_dict())
         assert [r["class"] for r in rows] == ["all", "batch", "chat"]
-        assert rows[0]["num_requests"] == 60 and rows[0]["policy"] == run.policy
+        assert rows[0]["num_prompts"] == 60 and rows[0]["policy"] == run.policy
         for row in rows[1:]:
             summary = run.summary["classes"][row["class"]]
             assert (row["policy"], row["rate_scale"]) == (run.policy, run.rate_scale)
-            assert (
-                row["num_requests"] == summary["num_requests"] == (40, 20)[row["class"] == "batch"]
-            )
-            assert row["finished"] == summary["finished"] > 0
-            assert row["ttft_s_p50"] == summary["ttft_s"]["p50"] > 0
+            assert row["num_prompts"] == summary["num_prompts"] == (40, 20)[row["class"] == "batch"]
+            assert row["completed"] == summary["completed"] > 0
+            assert row["p50_ttft_ms"] == summary["p50_ttft_ms"] > 0
             assert row["slo_attainment"] == pytest.approx(summary["slo_attainment"])
-            assert row["goodput"] == pytest.approx(summary["goodput"])
+            assert row["request_goodput"] == pytest.approx(summary["request_goodput"])
         assert 0 < rows[2]["slo_attainment"] < 1  # chat's own SLO, not the top-level (none)
 
 
@@ -629,14 +679,14 @@ def test_a_sweep_over_workload_classes_runs_every_point(tmp_path):
     rows = pd.read_csv(out / "sweep.csv")
     # one row per point and policy for all requests, then one per class (6 chat, 4 batch)
     assert rows["class"].tolist() == ["all", "batch", "chat"] * 4
-    assert rows["finished"].tolist() == [10, 4, 6] * 4
+    assert rows["completed"].tolist() == [10, 4, 6] * 4
     table = rows[rows["class"] == "all"].reset_index(drop=True)
     assert table["point"].tolist() == ["p000", "p000", "p001", "p001"]
     assert (table["status"] == "ok").all()
     assert table["kv_cache.num_gpu_blocks"].tolist() == [64, 64, 256, 256]
     point = json.loads((out / "points/p001/summary.json").read_text())
     row = table.iloc[3]
-    assert row["policy"] == "priority" and row["ttft_s_p99"] == point["priority"]["ttft_s"]["p99"]
+    assert row["policy"] == "priority" and row["p99_ttft_ms"] == point["priority"]["p99_ttft_ms"]
     assert set(point["priority"]["classes"]) == {"chat", "batch"}
     # --limit is shared among the classes, as ExperimentConfig.with_trace shares it
     sweep = load_sweep(path, limit=4)
@@ -673,4 +723,4 @@ def test_trace_keys_over_workload_classes_apply_to_every_class(tmp_path):
     assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
     rows = pd.read_csv(out / "sweep.csv")
     assert (rows["status"] == "ok").all()
-    assert rows[rows["class"] == "all"]["finished"].tolist() == [10, 10]
+    assert rows[rows["class"] == "all"]["completed"].tolist() == [10, 10]

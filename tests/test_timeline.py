@@ -117,9 +117,9 @@ def test_terminal_summary_fits_100_columns(tmp_path):
            for m in ("ttft", "tpot", "itl", "e2el")},
     }  # fmt: skip
     summary = {
-        "slo": {"ttft_s": 2.0, "tpot_s": 0.05}, "goodput": 4.58, "slo_attainment": 0.414,
-        "preemptions": {"recompute": 623, "swap": 0},
-        "kv_used_fraction": {"mean": 0.88, "max": 1.0},
+        "slo": {"ttft_s": 2.0, "tpot_s": 0.05}, "request_goodput": 4.58, "slo_attainment": 0.414,
+        "num_preemptions_recompute": 623, "num_preemptions_swap": 0,
+        "mean_kv_cache_usage": 0.88, "max_kv_cache_usage": 1.0,
     }  # fmt: skip
     runs = [
         SimpleNamespace(label=f"{p}@x{s}", policy=p, rate_scale=s, vllm=vllm, summary=summary)

@@ -4,13 +4,15 @@ values hand-computed on a replay with 10 ms steps (tests/helpers.py)."""
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
 
 import pytest
 from helpers import run
 
 from lab.results import metrics
-from lab.results.vllm_result import percentile_word, vllm_result
+from lab.results.vllm_result import percentile_word, result_date, vllm_result
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,6 +97,20 @@ def test_no_slo_means_no_goodput_as_in_vllm():
     assert v["metric_percentiles"] == "50,90,99,99.9"
 
 
+def test_date_is_vllms_format_and_reproducible(monkeypatch):
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    try:
+        assert result_date(1764679384.9) == "20251202-124304"
+        monkeypatch.setenv("SOURCE_DATE_EPOCH", "1764633600")
+        assert result_date() == "20251202-000000"
+        monkeypatch.delenv("SOURCE_DATE_EPOCH")
+        assert re.fullmatch(r"\d{8}-\d{6}", result_date())
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
 def test_results_folder_holds_one_vllm_file_per_run(tmp_path):
     import run_experiment
 
@@ -109,7 +125,10 @@ def test_results_folder_holds_one_vllm_file_per_run(tmp_path):
         assert set(vllm_keys((50, 99.9))) <= set(v)
         assert "p90_ttft_ms" not in v
         s = summary[v["label"]]
-        assert v["completed"] == s["finished"]
-        assert v["mean_ttft_ms"] == pytest.approx(s["ttft_s"]["mean"] * 1e3)
-        assert v["median_e2el_ms"] == pytest.approx(s["e2e_s"]["p50"] * 1e3)
+        assert re.fullmatch(r"\d{8}-\d{6}", v["date"])  # vLLM's %Y%m%d-%H%M%S
+        assert v["completed"] == s["completed"]
+        for key in vllm_keys((50, 99.9)):  # the summary's numbers, under the same names
+            if key.endswith("_ms") or key in ("request_throughput", "request_rate"):
+                assert v[key] == s[key], key
+        assert "p90_ttft_ms" in s  # the summary holds what report.md shows too
         assert name == f"{v['label']}-{v['request_rate']:.2f}qps-llama-3.1-8b.json"

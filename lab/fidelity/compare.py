@@ -6,8 +6,11 @@ from __future__ import annotations
 from itertools import combinations
 from typing import Any
 
+from lab.results.names import upgrade_summary
+
 METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
 PCTS = ("p50", "p90", "p99")
+SUMMARY_NAMES = {"ttft_s": "ttft", "tpot_s": "tpot", "itl_s": "itl", "e2e_s": "e2el"}
 RANKED = (("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("e2e_s", "p50"))
 
 
@@ -18,24 +21,27 @@ def rel(sim: float, real: float) -> float:
 
 def run_row(slice_name: str, load: float, s, r: dict, again: dict | None) -> dict[str, Any]:
     """One run's table row: simulated ``s`` against the engine's summary ``r`` (and its
-    repeat ``again``)."""
+    repeat ``again``), summaries of either naming (:func:`lab.results.names.upgrade_summary`).
+    Latency columns ``{real,sim,again}_{m}_{p}`` in seconds."""
+    r = upgrade_summary(r)
+    sim = s.summary
+    rep = upgrade_summary(again[s.label]) if again is not None else None
     row: dict[str, Any] = {"slice": slice_name, "load": load, "policy": s.label}
     for m in METRICS:
+        name = SUMMARY_NAMES[m]
         for p in PCTS:
-            row[f"real_{m}_{p}"] = r[m][p]
-            row[f"sim_{m}_{p}"] = s.summary[m][p]
-            row[f"err_{m}_{p}"] = rel(s.summary[m][p], r[m][p])
-            if again is not None:
-                row[f"again_{m}_{p}"] = again[s.label][m][p]
-                row[f"spread_{m}_{p}"] = rel(again[s.label][m][p], r[m][p])
-    row["err_throughput"] = rel(s.summary["output_throughput"], r["output_throughput"])
-    if again is not None:
-        row["spread_throughput"] = rel(again[s.label]["output_throughput"], r["output_throughput"])
-    pre = r["preemptions"]
-    row["real_preemptions"] = pre["recompute"] + pre["swap"]
-    row["sim_preemptions"] = (
-        s.summary["preemptions"]["recompute"] + s.summary["preemptions"]["swap"]
-    )
+            key = f"{p}_{name}_ms"
+            row[f"real_{m}_{p}"] = r[key] / 1e3
+            row[f"sim_{m}_{p}"] = sim[key] / 1e3
+            row[f"err_{m}_{p}"] = rel(sim[key], r[key])
+            if rep is not None:
+                row[f"again_{m}_{p}"] = rep[key] / 1e3
+                row[f"spread_{m}_{p}"] = rel(rep[key], r[key])
+    row["err_throughput"] = rel(sim["output_throughput"], r["output_throughput"])
+    if rep is not None:
+        row["spread_throughput"] = rel(rep["output_throughput"], r["output_throughput"])
+    row["real_preemptions"] = r["num_preemptions"]
+    row["sim_preemptions"] = sim["num_preemptions"]
     return row
 
 

@@ -333,7 +333,7 @@ class _Pass:
                 record["skipped"].append(f"{name} (no time for its capacity run)")
                 continue
             run = run_experiment(offline, progress=False, requests=reqs)[0]
-            capacity = run.summary["finished"] / run.summary["duration_s"]
+            capacity = run.summary["completed"] / run.summary["duration"]
             record["capacity"][name] = {"capacity_req_s": capacity, "native_req_s": native,
                                         "requests": len(reqs)}  # fmt: skip
             print(f"{name}: capacity {capacity:.2f} req/s, own rate {native:.3f}", flush=True)

@@ -50,6 +50,7 @@ def write_results(
     partial: str | None = None,
     fmt: str = "csv",
     bars: bool = True,
+    date: str | None = None,
 ) -> Path:
     """Write every file of the run folder ``out_dir`` atomically; returns ``out_dir``.
     Engine runs also get ``tokens.jsonl`` (token ids, and text when ``decode`` is given).
@@ -59,6 +60,8 @@ def write_results(
             every run's summary (key ``partial``).
         fmt: ``csv`` or ``parquet`` (needs pyarrow) for requests and steps.
         bars: False: no progress bar while writing.
+        date: the vLLM-format files' ``date`` (default: now, or ``SOURCE_DATE_EPOCH``;
+            :func:`lab.results.vllm_result.result_date`).
 
     Raises:
         UserError: ``out_dir`` cannot become a results folder (nothing is written).
@@ -70,7 +73,7 @@ def write_results(
     tmp = temp_folder(out_dir)
     phase = Phase("writing results", 5, "file", bars).start()  # 5 advances below
     try:
-        _write_files(tmp, cfg, runs, decode, partial, fmt, phase)
+        _write_files(tmp, cfg, runs, decode, partial, fmt, phase, date)
     except OSError as e:
         phase.close(ok=False)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -94,6 +97,7 @@ def _write_files(
     partial: str | None,
     fmt: str,
     phase: Phase,
+    date: str | None,
 ) -> None:
     (tmp / "config.yaml").write_text(config_yaml(cfg, runs))
     phase.advance()
@@ -114,8 +118,9 @@ def _write_files(
     phase.advance()
     if any(r.output_token_ids for run in runs for r in run.result.requests):
         _write_tokens(tmp / "tokens.jsonl", runs, decode)
-    for r in runs:  # vLLM's `--save-result` file of each run ("date" empty: reproducible)
-        vllm = r.vllm
+    date = vllm_result.result_date() if date is None else date
+    for r in runs:  # vLLM's `--save-result` file of each run
+        vllm = {**r.vllm, "date": date}
         name = vllm_result.result_filename(r.label, vllm["request_rate"], vllm["model_id"])
         (tmp / name).write_text(json.dumps(_json_safe(vllm), indent=2))
     plots = _plots(tmp, runs, cfg) + fairness.plots(tmp, runs, save_png)  # per class / tenant

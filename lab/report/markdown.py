@@ -24,26 +24,28 @@ def summary_table(runs: list[Run]) -> str:
     lines = [head, "|" + "---|" * 12]
     for r in runs:
         s = r.summary
-        itl = s["itl_s"]["p99"] == s["itl_s"]["p99"]  # not NaN: some gap exists
         lines.append(
-            f"| {r.label} | {s['finished']} | {s['rejected']} | {s['aborted']} "
+            f"| {r.label} | {s['completed']} | {s['rejected']} | {s['aborted']} "
             f"| {num(s['request_throughput'], '.2f')} | {num(s['output_throughput'], '.0f')} "
-            f"| {num(s['ttft_s']['p50'], '.3f')} / {num(s['ttft_s']['p99'], '.3f')} "
-            f"| {num(s['tpot_s']['p50'] * 1e3, '.1f')} / {num(s['tpot_s']['p99'] * 1e3, '.1f')} "
-            f"| {num(s['itl_s']['p99'] * 1e3, '.1f')} / {_ms(r.vllm, 'p99.9_itl_ms', itl)} "
-            f"/ {_ms(r.vllm, 'max_itl_ms', itl)} "
-            f"| {num(s['e2e_s']['p50'], '.2f')} / {num(s['e2e_s']['p99'], '.2f')} "
-            f"| {s['preemptions']['recompute']} / {s['preemptions']['swap']} "
-            f"| {s['kv_used_fraction']['mean'] * 100:.0f} |"
+            f"| {num(_s(s['p50_ttft_ms']), '.3f')} / {num(_s(s['p99_ttft_ms']), '.3f')} "
+            f"| {num(s['p50_tpot_ms'], '.1f')} / {num(s['p99_tpot_ms'], '.1f')} "
+            f"| {_ms(s, 'p99_itl_ms')} / {_ms(s, 'p99.9_itl_ms')} / {_ms(s, 'max_itl_ms')} "
+            f"| {num(_s(s['p50_e2el_ms']), '.2f')} / {num(_s(s['p99_e2el_ms']), '.2f')} "
+            f"| {s['num_preemptions_recompute']} / {s['num_preemptions_swap']} "
+            f"| {s['mean_kv_cache_usage'] * 100:.0f} |"
         )
     return "\n".join(lines)
 
 
-def _ms(vllm: dict, key: str, exists: bool = True) -> str:
-    """A value of the vLLM-format dict in ms, or ``-`` (absent, or no value to take it of:
-    that dict writes vLLM's 0.0 then)."""
-    v = vllm.get(key)
-    return "-" if v is None or not exists else f"{v:.1f}"
+def _ms(summary: dict, key: str) -> str:
+    """A latency of the summary in ms, or ``-`` (absent, or NaN: no value to take it of)."""
+    v = summary.get(key)
+    return "-" if v is None or v != v else f"{v:.1f}"  # v != v: NaN
+
+
+def _s(ms):
+    """Milliseconds as seconds (None stays None)."""
+    return None if ms is None else ms / 1e3
 
 
 def _trace_options(trace: Mapping[str, Any]) -> str:
@@ -236,7 +238,7 @@ def report_markdown(
             "|---|---|---|",
         ]
         lines += [
-            f"| {r.label} | {num(r.summary['goodput'], '.2f')} "
+            f"| {r.label} | {num(r.summary['request_goodput'], '.2f')} "
             f"| {num(r.summary['slo_attainment'], '.1%')} |"
             for r in runs
         ]

@@ -213,7 +213,7 @@ def _vs_load(folder, runs, styles, plt) -> tuple[str, str]:
         panels[4].plot(x, [r.summary["request_throughput"] for r in rs], **kw)
         panels[5].plot(x, [r.summary["output_throughput"] for r in rs], **kw)
         if slo:
-            panels[6].plot(x, [r.summary["goodput"] for r in rs], **kw)
+            panels[6].plot(x, [r.summary["request_goodput"] for r in rs], **kw)
             panels[7].plot(x, [100 * r.summary["slo_attainment"] for r in rs], **kw)
     top = max(_offered(r) for r in runs)
     panels[4].plot([0, top], [0, top], color="grey", lw=0.8, ls=":", label="= offered")

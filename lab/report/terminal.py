@@ -11,11 +11,11 @@ import math
 WIDTH = 100
 LABEL = 30  # width of the metric names, at least
 CELL = 16  # width of one run's column, at least (wider when its label or a cell needs it)
-LATENCIES = (  # (vLLM's name, title, unit, summary key)
-    ("ttft", "TTFT", "s", "ttft_s"),
-    ("tpot", "TPOT", "ms", "tpot_s"),
-    ("itl", "ITL", "ms", "itl_s"),
-    ("e2el", "E2E", "s", "e2e_s"),
+LATENCIES = (  # (name in {stat}_{name}_ms, title, unit shown)
+    ("ttft", "TTFT", "s"),
+    ("tpot", "TPOT", "ms"),
+    ("itl", "ITL", "ms"),
+    ("e2el", "E2E", "s"),
 )
 CLASS_STATS = ("p50", "p99")  # per class: of TTFT, TPOT and E2E (lab/results/fairness.py)
 
@@ -42,23 +42,19 @@ def rows(runs, percentiles) -> list[tuple[str, list[str]]]:
         ("output throughput (tok/s)", cells(lambda r: num(r.vllm["output_throughput"], ".0f"))),
     ]
     if _has_slo(runs[0].summary):
-        out.append(("goodput (req/s)", cells(lambda r: num(r.summary["goodput"], ".2f"))))
+        out.append(("goodput (req/s)", cells(lambda r: num(r.summary["request_goodput"], ".2f"))))
         out.append(
             ("SLO attainment (%)", cells(lambda r: num(_pct(r.summary["slo_attainment"]), ".1f")))
         )
     words = ["mean", *(f"p{_word(p)}" for p in percentiles), "max"]
-    for name, title, unit, key in LATENCIES:
+    for name, title, unit in LATENCIES:
         scale, fmt = (1e-3, ".3f") if unit == "s" else (1.0, ".1f")
         for word in words:
             field = f"{word}_{name}_ms"
             out.append(
                 (
                     f"{title} {word} ({unit})",
-                    cells(
-                        lambda r, f=field, k=scale, g=fmt, s=key: num(
-                            _scaled(r.vllm.get(f), k) if _exists(r.summary, s) else None, g
-                        )
-                    ),
+                    cells(lambda r, f=field, k=scale, g=fmt: num(_scaled(r.summary.get(f), k), g)),
                 )
             )
     out.append(
@@ -66,15 +62,15 @@ def rows(runs, percentiles) -> list[tuple[str, list[str]]]:
             "preemptions recompute / swap",
             cells(
                 lambda r: (
-                    f"{r.summary['preemptions']['recompute']} / {r.summary['preemptions']['swap']}"
+                    f"{r.summary['num_preemptions_recompute']} / {r.summary['num_preemptions_swap']}"
                 )
             ),
         )
     )
     out.append(
         ("KV used mean / max (%)", cells(
-            lambda r: f"{100 * r.summary['kv_used_fraction']['mean']:.0f} / "
-            f"{100 * r.summary['kv_used_fraction']['max']:.0f}"
+            lambda r: f"{100 * r.summary['mean_kv_cache_usage']:.0f} / "
+            f"{100 * r.summary['max_kv_cache_usage']:.0f}"
         ))
     )  # fmt: skip
     return out + class_rows(runs)
@@ -94,25 +90,31 @@ def class_rows(runs) -> list[tuple[str, list[str]]]:
         slo = next((c["slo"] for c in per if c is not None and c.get("slo")), None)
         out.append((f"class {name}" + (f" (SLO {slo_text(slo)})" if slo else ""), [""] * len(runs)))
         out.append(
-            ("  finished / replayed", cells(lambda c: f"{c['finished']}/{c['num_requests']}"))
+            ("  finished / replayed", cells(lambda c: f"{c['completed']}/{c['num_prompts']}"))
         )
-        for _, title, unit, key in LATENCIES:
-            if key not in per[0]:
+        for metric, title, unit in LATENCIES:
+            if f"p50_{metric}_ms" not in next(c for c in per if c is not None):
                 continue  # ITL: not per class
-            scale, fmt = (1.0, ".3f") if unit == "s" else (1e3, ".1f")
+            scale, fmt = (1e-3, ".3f") if unit == "s" else (1.0, ".1f")
             for word in CLASS_STATS:
                 out.append(
                     (
                         f"  {title} {word} ({unit})",
-                        cells(lambda c, k=key, w=word, m=scale, g=fmt: num(_scaled(c[k][w], m), g)),
+                        cells(
+                            lambda c, f=f"{word}_{metric}_ms", m=scale, g=fmt: num(
+                                _scaled(c.get(f), m), g
+                            )
+                        ),
                     )
                 )
         if slo:
-            out.append(("  goodput (req/s)", cells(lambda c: num(c["goodput"], ".2f"))))
+            out.append(("  goodput (req/s)", cells(lambda c: num(c["request_goodput"], ".2f"))))
             out.append(
                 ("  SLO attainment (%)", cells(lambda c: num(_pct(c["slo_attainment"]), ".1f")))
             )
-        out.append(("  preemptions recompute", cells(lambda c: str(c["preemptions_recompute"]))))
+        out.append(
+            ("  preemptions recompute", cells(lambda c: str(c["num_preemptions_recompute"])))
+        )
     return out
 
 
@@ -176,12 +178,6 @@ def _has_slo(summary: dict) -> bool:
     """Whether the run has SLOs: top-level, or of some workload class."""
     classes = summary.get("classes") or {}
     return bool(summary.get("slo")) or any(c.get("slo") for c in classes.values())
-
-
-def _exists(summary: dict, key: str) -> bool:
-    """Whether the statistic ``key`` of the run has values (its mean is not null)."""
-    mean = (summary.get(key) or {}).get("mean")
-    return mean is not None and not math.isnan(mean)
 
 
 def _word(p: float) -> str:

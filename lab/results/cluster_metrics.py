@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from lab.core.request import Request
-from lab.results.metrics import stats
+from lab.results.metrics import latency_stats
 from lab.sim.cluster import ClusterResult, request_columns
 
 
@@ -25,7 +25,7 @@ def add_cluster(
     replica also its host buffer's peak (bytes and requests at once)."""
     df = df.assign(**request_columns(result, rows))
     finished = df["status"] == "finished"
-    duration = summary["duration_s"]
+    duration = summary["duration"]
     replicas = {}
     for i, (rr, role) in enumerate(zip(result.replica_results, result.roles)):
         s = rr.steps
@@ -35,19 +35,19 @@ def add_cluster(
         decoded_here = df["replica"] == i
         replicas[str(i)] = {  # keyed by index: JSON-safe like every other section
             "role": role,
-            "num_requests": len(rr.requests),
+            "num_prompts": len(rr.requests),
             "num_steps": int(len(s["time_s"])),
             "busy_s": busy,
             "busy_fraction": busy / duration if duration > 0 else float("nan"),
             "prefill_tokens": int(s["num_prefill_tokens"].sum()),
             "decode_tokens": int(s["num_decode_tokens"].sum()),
-            "preemptions": int(s["num_preempted"].sum()),
-            "kv_used_fraction": {
-                "mean": float(np.average(kv, weights=s["duration_s"])) if busy > 0 else 0.0,
-                "max": float(kv.max(initial=0.0)),
-            },
-            "ttft_s": stats(df.loc[finished & first_here.fillna(False), "ttft_s"]),
-            "tpot_s": stats(df.loc[finished & decoded_here.fillna(False), "tpot_s"]),
+            "num_preemptions": int(s["num_preempted"].sum()),
+            "mean_kv_cache_usage": float(np.average(kv, weights=s["duration_s"]))
+            if busy > 0
+            else 0.0,
+            "max_kv_cache_usage": float(kv.max(initial=0.0)),
+            **latency_stats("ttft", df.loc[finished & first_here.fillna(False), "ttft_s"]),
+            **latency_stats("tpot", df.loc[finished & decoded_here.fillna(False), "tpot_s"]),
         }
         if i in result.host_buffer_peak:  # a decode replica: KV landed, not admitted yet
             peak_bytes, peak_requests = result.host_buffer_peak[i]
@@ -64,8 +64,8 @@ def add_cluster(
         out["kv_transfer"] = {
             "num_transfers": int(moved.sum()),
             "bytes": int(df.loc[moved, "kv_transfer_bytes"].sum()),
-            "transfer_s": stats(df.loc[moved, "transfer_s"]),
-            "transfer_queue_s": stats(df.loc[moved, "transfer_queue_s"]),
+            **latency_stats("kv_transfer", df.loc[moved, "transfer_s"]),
+            **latency_stats("kv_transfer_queue", df.loc[moved, "transfer_queue_s"]),
             "host_buffer_bytes": result.host_buffer_bytes,
             "num_back_pressured": result.num_back_pressured,
         }

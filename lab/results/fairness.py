@@ -3,7 +3,7 @@
 
 * ``classes``: :func:`lab.results.metrics.summarize`'s headline metrics per class with the
   class's SLOs (the top-level ``slo:`` overridden key by key), plus the ``max`` of TTFT, E2E
-  and queueing delay; the run's ``goodput`` and ``slo_attainment`` use the class SLOs.
+  and queueing delay; the run's ``request_goodput`` and ``slo_attainment`` use the class SLOs.
 * ``tenants``: per tenant its requests, served tokens and TTFT.
 * ``fairness``: service in windows of the run's duration / :data:`NUM_WINDOWS`, weighted as
   VTC counts it (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24:
@@ -23,7 +23,14 @@ import numpy as np
 import pandas as pd
 
 from lab.core.request import Request
-from lab.results.metrics import meets_slo, stats
+from lab.results.metrics import (
+    DEFAULT_PERCENTILES,
+    SLO_KEYS,
+    latency_stats,
+    meets_slo,
+    summary_percentiles,
+)
+from lab.results.names import LATENCIES
 from lab.sim.records import ReplayResult
 
 NUM_WINDOWS = 120
@@ -50,25 +57,30 @@ def summarize_classes(
     result: ReplayResult,
     slos: Mapping[str, Mapping[str, float | None]],
     duration_s: float,
+    percentiles=DEFAULT_PERCENTILES,
 ) -> dict[str, Any]:
     """The keys this module adds to a run's summary (``rows``: the requests of ``df``, in its
-    order); ``goodput`` and ``slo_attainment`` replace the run's."""
+    order); ``request_goodput`` and ``slo_attainment`` replace the run's. Per class and
+    tenant: counts, throughput and latency statistics under the run's names
+    (:mod:`lab.results.names`)."""
+    pcts = summary_percentiles(percentiles)
     good = meets_class_slo(df, slos)
     replayed = (df["status"] != "dropped").to_numpy()
     out: dict[str, Any] = {
-        "goodput": float(good.sum()) / duration_s,
+        "request_goodput": float(good.sum()) / duration_s,
         "slo_attainment": float(good[replayed].mean()) if replayed.any() else float("nan"),
+        **_attainment_by_slo(df, slos, replayed),
         "classes": {},
     }
     for name, slo in slos.items():
         mask = (df["class"] == name).to_numpy()
         given = {k: v for k, v in slo.items() if v is not None}
-        out["classes"][name] = _group(df[mask], good[mask], duration_s) | {"slo": given}
+        out["classes"][name] = _group(df[mask], good[mask], duration_s, pcts) | {"slo": given}
         if not given:  # no SLO, no goodput (as vLLM's goodput is null without SLOs)
-            out["classes"][name] |= {"goodput": None, "slo_attainment": None}
+            out["classes"][name] |= {"request_goodput": None, "slo_attainment": None}
     tenants = sorted(set(df["tenant"]))
     out["tenants"] = {
-        t: _group(df[(df["tenant"] == t).to_numpy()], None, duration_s) for t in tenants
+        t: _group(df[(df["tenant"] == t).to_numpy()], None, duration_s, pcts) for t in tenants
     }
     edges, service, backlog = tenant_service(rows, result, duration_s)
     for t, s in service.items():
@@ -77,24 +89,47 @@ def summarize_classes(
     return out
 
 
-def _group(df: pd.DataFrame, good: np.ndarray | None, duration_s: float) -> dict[str, Any]:
+def _attainment_by_slo(
+    df: pd.DataFrame, slos: Mapping[str, Mapping[str, float | None]], replayed: np.ndarray
+) -> dict[str, float]:
+    """``slo_attainment_{ttft,tpot,e2el}`` with each class's own limits (a class without
+    that SLO meets it when finished)."""
+    out = {}
+    for key, name in zip(SLO_KEYS, ("ttft", "tpot", "e2el")):
+        if all(slo.get(key) is None for slo in slos.values()):
+            continue
+        ok = (df["status"] == "finished").to_numpy().copy()
+        for cls, slo in slos.items():
+            if slo.get(key) is not None:
+                rows = (df["class"] == cls).to_numpy()
+                ok[rows] &= df.loc[rows, key].fillna(0.0).to_numpy() <= slo[key]
+        out[f"slo_attainment_{name}"] = (
+            float(ok[replayed].mean()) if replayed.any() else float("nan")
+        )
+    return out
+
+
+def _group(
+    df: pd.DataFrame, good: np.ndarray | None, duration_s: float, percentiles
+) -> dict[str, Any]:
     fin = df[df["status"] == "finished"]
     replayed = int((df["status"] != "dropped").sum())
     counts = df["status"].value_counts()
     out = {
-        "num_requests": replayed,
-        **{s: int(counts.get(s, 0)) for s in ("finished", "rejected", "aborted", "dropped")},
+        "num_prompts": replayed,
+        "completed": int(counts.get("finished", 0)),
+        **{s: int(counts.get(s, 0)) for s in ("rejected", "aborted", "dropped")},
         "request_throughput": len(fin) / duration_s,
         "output_throughput": float(fin["num_generated_tokens"].sum()) / duration_s,
     }
-    for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
-        v = fin[key].to_numpy(dtype=float)
-        out[key] = stats(v) | {"max": float(np.nanmax(v)) if np.isfinite(v).any() else np.nan}
-    out["preemptions_recompute"] = int(df["num_preemptions_recompute"].sum())
+    for name, (_, column) in LATENCIES.items():
+        if column is not None:  # ITL: pooled over the run only
+            out.update(latency_stats(name, fin[column].to_numpy(dtype=float), percentiles))
+    out["num_preemptions_recompute"] = int(df["num_preemptions_recompute"].sum())
     out["recomputed_tokens"] = int(df["recomputed_tokens"].sum())
     if good is not None:
         ok = good[(df["status"] != "dropped").to_numpy()]
-        out["goodput"] = float(ok.sum()) / duration_s
+        out["request_goodput"] = float(ok.sum()) / duration_s
         out["slo_attainment"] = float(ok.mean()) if len(ok) else float("nan")
     return out
 
@@ -199,15 +234,16 @@ def markdown(runs) -> list[str]:
     ]
     for r in runs:
         for name, c in r.summary["classes"].items():
-            t, e = c["ttft_s"], c["e2e_s"]
+            t = [c[f"{s}_ttft_ms"] / 1e3 for s in ("p50", "p99", "max")]
+            e = [c[f"{s}_e2el_ms"] / 1e3 for s in ("p50", "p99", "max")]
             lines.append(
-                f"| {r.label} | {name} | {c['finished']} "
-                f"| {_num(t['p50'], '.3f')} / {_num(t['p99'], '.3f')} / {_num(t['max'], '.3f')} "
-                f"| {_num(e['p50'], '.2f')} / {_num(e['p99'], '.2f')} / {_num(e['max'], '.2f')} "
-                f"| {_num(c['queue_s']['max'], '.2f')} | {_num(c['output_throughput'], '.0f')} "
-                f"| {c['preemptions_recompute']} / {c['recomputed_tokens']} "
+                f"| {r.label} | {name} | {c['completed']} "
+                f"| {_num(t[0], '.3f')} / {_num(t[1], '.3f')} / {_num(t[2], '.3f')} "
+                f"| {_num(e[0], '.2f')} / {_num(e[1], '.2f')} / {_num(e[2], '.2f')} "
+                f"| {_num(c['max_queue_ms'] / 1e3, '.2f')} | {_num(c['output_throughput'], '.0f')} "
+                f"| {c['num_preemptions_recompute']} / {c['recomputed_tokens']} "
                 + (
-                    f"| {_num(c['goodput'], '.2f')} | {_num(c['slo_attainment'], '.1%')} |"
+                    f"| {_num(c['request_goodput'], '.2f')} | {_num(c['slo_attainment'], '.1%')} |"
                     if c["slo_attainment"] is not None
                     else "| - | - (no SLO) |"
                 )
@@ -260,7 +296,7 @@ def plots(folder, runs, save) -> list[tuple[str, str]]:
     fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs) + 1, 3.8), squeeze=False)
     for ax, r in zip(axes[0], runs):
         rows = r.result.requests
-        edges, service, _ = tenant_service(rows, r.result, r.summary["duration_s"])
+        edges, service, _ = tenant_service(rows, r.result, r.summary["duration"])
         for t, s in service.items():
             ax.plot(edges[1:], np.cumsum(s), label=t or "(none)")
         ax.set_title(r.label)

@@ -12,6 +12,9 @@
 * Trace rows not replayed (status ``dropped``) are counted apart; no metric includes them.
 * Queueing delay: arrival to first scheduled; preemptions per request by mode.
 * Per class and tenant: :mod:`lab.results.fairness`.
+
+A summary's keys are the names of :mod:`lab.results.names` (vLLM's where vLLM has one):
+latencies in ms as ``{mean,median,std,p<P>,max}_{ttft,tpot,itl,e2el,queue}_ms``.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ import numpy as np
 import pandas as pd
 
 from lab.core.request import Request, RequestStatus
+from lab.results.names import LATENCIES, percentile_word
 from lab.results.spec_metrics import split_gaps
 from lab.sim.records import ReplayResult
 
-PERCENTILES = (50, 90, 99)
+DEFAULT_PERCENTILES = (50.0, 90.0, 99.0, 99.9)  # vLLM's --metric-percentiles here
+REPORT_PERCENTILES = (50.0, 90.0, 99.0)  # in every summary, whatever vLLM's file holds
+SLO_KEYS = ("ttft_s", "tpot_s", "e2e_s")  # the slo: block's keys
 CDF_POINTS = 2000  # points of a latency CDF kept for the plots
 CDF_SAMPLE = 1 << 20  # values a CDF's quantiles are taken from, at most
 REQUEST_COLUMNS = [
@@ -173,10 +179,14 @@ def tpot_s(ttft_s, e2e_s, num_tokens) -> np.ndarray:
     return np.where(n > 1, out, np.nan)
 
 
-def stats(values, overwrite: bool = False) -> dict[str, float]:
-    """mean and P50/P90/P99 of the finite values (NaN when there are none). ``overwrite``:
-    ``values`` (float64) may be reordered in place; the result is bit-identical either way."""
-    v = np.asarray(values, dtype=np.float64)
+def latency_stats(
+    metric: str, values_s, percentiles=DEFAULT_PERCENTILES, overwrite: bool = False
+) -> dict[str, float]:
+    """``mean_/median_/std_/p{P}_/max_{metric}_ms`` of the finite values (seconds in, ms
+    out; :mod:`lab.results.names`), NaN when there are none. std is the population's, as
+    vLLM. ``overwrite``: ``values_s`` (float64) may be reordered in place; the result is
+    bit-identical either way."""
+    v = np.asarray(values_s, dtype=np.float64)
     finite = np.isfinite(v)
     if finite.all():
         contiguous = np.ascontiguousarray(v)
@@ -185,30 +195,76 @@ def stats(values, overwrite: bool = False) -> dict[str, float]:
     else:
         v, overwrite = v[finite], True  # a copy of our own
     del finite
+    names = ["mean", "median", "std"] + [f"p{percentile_word(p)}" for p in percentiles] + ["max"]
     if len(v) == 0:
-        return {"mean": float("nan"), **{f"p{p}": float("nan") for p in PERCENTILES}}
-    mean = float(v.mean())  # before any percentile reorders v
-    return {
-        "mean": mean,
-        **{f"p{p}": float(np.percentile(v, p, overwrite_input=overwrite)) for p in PERCENTILES},
-    }
+        return {f"{s}_{metric}_ms": float("nan") for s in names}
+    # mean and std before anything reorders v (their sums depend on the order)
+    mean, std, top = float(v.mean()), float(v.std()), float(v.max())
+    median = float(np.median(v, overwrite_input=overwrite))
+    qs = np.percentile(v, list(percentiles), overwrite_input=overwrite) if percentiles else []
+    out = {f"mean_{metric}_ms": mean * 1e3, f"median_{metric}_ms": median * 1e3}
+    out[f"std_{metric}_ms"] = std * 1e3
+    for p, q in zip(percentiles, qs):
+        out[f"p{percentile_word(p)}_{metric}_ms"] = float(q) * 1e3
+    out[f"max_{metric}_ms"] = top * 1e3
+    return out
 
 
 def meets_slo(df: pd.DataFrame, slo: dict[str, float | None]) -> np.ndarray:
     """Boolean per row: finished and within every SLO given (keys ttft_s, tpot_s, e2e_s)."""
     ok = (df["status"] == "finished").to_numpy().copy()
-    for key in ("ttft_s", "tpot_s", "e2e_s"):
+    for key in SLO_KEYS:
         limit = slo.get(key)
         if limit is not None:
-            ok &= df[key].fillna(0.0).to_numpy() <= limit  # NaN TPOT: 1-token output
+            ok &= _within(df, key, limit)
     return ok
 
 
+def _within(df: pd.DataFrame, key: str, limit: float) -> np.ndarray:
+    return df[key].fillna(0.0).to_numpy() <= limit  # NaN TPOT: 1-token output
+
+
+def offered_rate(arrival_s) -> float:
+    """Requests per second of arrivals: (n - 1) / (last - first); NaN for < 2 or one instant."""
+    a = np.asarray(arrival_s, dtype=float)
+    a = a[np.isfinite(a)]
+    if len(a) < 2 or a.max() <= a.min():
+        return float("nan")
+    return (len(a) - 1) / float(a.max() - a.min())
+
+
+def slo_attainment_by_slo(df: pd.DataFrame, slo: dict[str, float | None]) -> dict[str, float]:
+    """``slo_attainment_{ttft,tpot,e2el}``: per SLO given, the fraction of replayed requests
+    that finished within that one SLO (which SLO binds a load)."""
+    replayed = (df["status"] != "dropped").to_numpy()
+    fin = (df["status"] == "finished").to_numpy()
+    out = {}
+    for key, name in zip(SLO_KEYS, ("ttft", "tpot", "e2el")):
+        limit = slo.get(key)
+        if limit is not None:
+            ok = fin & _within(df, key, limit)
+            out[f"slo_attainment_{name}"] = (
+                float(ok[replayed].mean()) if replayed.any() else float("nan")
+            )
+    return out
+
+
+def summary_percentiles(percentiles) -> tuple[float, ...]:
+    """The percentiles a summary holds: ``percentiles`` and those report.md shows (50, 90,
+    99), ascending."""
+    return tuple(sorted({float(p) for p in (*REPORT_PERCENTILES, *percentiles)}))
+
+
 def summarize(
-    df: pd.DataFrame, itl: np.ndarray, result: ReplayResult, slo: dict[str, float | None]
+    df: pd.DataFrame,
+    itl: np.ndarray,
+    result: ReplayResult,
+    slo: dict[str, float | None],
+    percentiles=DEFAULT_PERCENTILES,
 ) -> dict:
-    """The aggregates of one policy's run (JSON-ready). ``itl`` (from ``request_table``) is
-    reordered in place."""
+    """The aggregates of one policy's run (JSON-ready), flat, under the names of
+    :mod:`lab.results.names`. ``itl`` (from ``request_table``) is reordered in place."""
+    percentiles = summary_percentiles(percentiles)
     fin = df[df["status"] == "finished"]
     steps = result.steps
     end = max(
@@ -219,41 +275,47 @@ def summarize(
     replayed = (df["status"] != "dropped").to_numpy()
     good = meets_slo(df, slo)
     kv_frac = steps["kv_used_blocks"] / max(result.num_gpu_blocks, 1)
-    return {
-        "num_requests": int(replayed.sum()),
-        **{s: int(counts.get(s, 0)) for s in ("finished", "rejected", "aborted", "dropped")},
-        "duration_s": duration,
+    recompute = int(df["num_preemptions_recompute"].sum())
+    swap = int(df["num_preemptions_swap"].sum())
+    out = {
+        "num_prompts": int(replayed.sum()),
+        "completed": int(counts.get("finished", 0)),
+        "failed": int(counts.get("rejected", 0) + counts.get("aborted", 0)),
+        **{s: int(counts.get(s, 0)) for s in ("rejected", "aborted", "dropped")},
+        "duration": duration,
+        "request_rate": offered_rate(df.loc[replayed, "arrival_s"].to_numpy()),
         "request_throughput": len(fin) / duration,
         "output_throughput": float(fin["num_generated_tokens"].sum()) / duration,
         "total_token_throughput": float((fin["prompt_tokens"] + fin["num_generated_tokens"]).sum())
         / duration,
-        "ttft_s": stats(fin["ttft_s"]),
-        "tpot_s": stats(fin["tpot_s"]),
-        "itl_s": stats(itl, overwrite=True),
-        "e2e_s": stats(fin["e2e_s"]),
-        "queue_s": stats(fin["queue_s"]),
-        "slo": {k: v for k, v in slo.items() if v is not None},
-        "goodput": float(good.sum()) / duration,
-        "slo_attainment": float(good[replayed].mean()) if replayed.any() else float("nan"),
-        "preemptions": {
-            "recompute": int(df["num_preemptions_recompute"].sum()),
-            "swap": int(df["num_preemptions_swap"].sum()),
-            "requests_preempted": int((df["num_preemptions"] > 0).sum()),
-        },
-        # Time-weighted: a 50 ms step counts five times a 10 ms one.
-        "kv_used_fraction": {
-            "mean": float(np.average(kv_frac, weights=steps["duration_s"]))
+    }
+    for name, (_, column) in LATENCIES.items():
+        values = itl if column is None else fin[column]
+        out.update(latency_stats(name, values, percentiles, overwrite=column is None))
+    out.update(
+        {
+            "slo": {k: v for k, v in slo.items() if v is not None},
+            "request_goodput": float(good.sum()) / duration,
+            "slo_attainment": float(good[replayed].mean()) if replayed.any() else float("nan"),
+            **slo_attainment_by_slo(df, slo),
+            "num_preemptions": recompute + swap,
+            "num_preemptions_recompute": recompute,
+            "num_preemptions_swap": swap,
+            "num_preempted_requests": int((df["num_preemptions"] > 0).sum()),
+            # Time-weighted: a 50 ms step counts five times a 10 ms one.
+            "mean_kv_cache_usage": float(np.average(kv_frac, weights=steps["duration_s"]))
             if len(kv_frac) and steps["duration_s"].sum() > 0
             else 0.0,
-            "max": float(kv_frac.max(initial=0.0)),
-        },
-        "num_gpu_blocks": result.num_gpu_blocks,
-        "num_steps": int(len(steps["time_s"])),
-        # Async scheduling: decode slots of requests whose last token was already sampled.
-        "async_scheduling": result.async_scheduling,
-        "num_wasted_tokens": int(steps["num_wasted_tokens"].sum()),
-        **prefix_cache_summary(df, result),
-    }
+            "max_kv_cache_usage": float(kv_frac.max(initial=0.0)),
+            "num_gpu_blocks": result.num_gpu_blocks,
+            "num_steps": int(len(steps["time_s"])),
+            # Async scheduling: decode slots of requests whose last token was already sampled.
+            "async_scheduling": result.async_scheduling,
+            "num_wasted_tokens": int(steps["num_wasted_tokens"].sum()),
+            **prefix_cache_summary(df, result),
+        }
+    )
+    return out
 
 
 def prefix_cache_summary(df: pd.DataFrame, result: ReplayResult) -> dict:

@@ -16,46 +16,17 @@ trace's offered load as replayed (req/s), not vLLM's configured Poisson rate.
 from __future__ import annotations
 
 import math
+import os
 import re
+import time
 
 import numpy as np
 import pandas as pd
 
-DEFAULT_PERCENTILES = (50.0, 90.0, 99.0, 99.9)
-METRICS = (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("itl", None), ("e2el", "e2e_s"))
+from lab.results.metrics import DEFAULT_PERCENTILES, latency_stats, offered_rate
+from lab.results.names import LATENCIES, latency_name, percentile_word
 
-
-def percentile_word(p: float) -> str:
-    """vLLM's spelling of a percentile in a key: ``99`` for 99.0, ``99.9`` for 99.9."""
-    return str(int(p)) if int(p) == p else str(p)
-
-
-def offered_rate(arrival_s: np.ndarray) -> float:
-    """Requests per second of arrivals: (n - 1) / (last - first); NaN for < 2 or one instant."""
-    a = np.asarray(arrival_s, dtype=float)
-    a = a[np.isfinite(a)]
-    if len(a) < 2 or a.max() <= a.min():
-        return float("nan")
-    return (len(a) - 1) / float(a.max() - a.min())
-
-
-def latency_stats(name: str, values_s, percentiles) -> dict[str, float]:
-    """``mean_/median_/std_/p{P}_/max_{name}_ms`` of the finite values (seconds in, ms out);
-    0.0 for each without values, as vLLM."""
-    v = np.asarray(values_s, dtype=np.float64)
-    v = v[np.isfinite(v)]
-    if len(v) == 0:
-        v = np.zeros(1)
-    out = {
-        f"mean_{name}_ms": float(v.mean()) * 1e3,
-        f"median_{name}_ms": float(np.median(v)) * 1e3,
-        f"std_{name}_ms": float(v.std()) * 1e3,
-    }
-    qs = np.percentile(v, list(percentiles)) if percentiles else []
-    for p, q in zip(percentiles, qs):
-        out[f"p{percentile_word(p)}_{name}_ms"] = float(q) * 1e3
-    out[f"max_{name}_ms"] = float(v.max()) * 1e3
-    return out
+METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's --percentile-metrics, all of them
 
 
 def tail_points(values_s, decades: float = 6.0, points: int = 240) -> np.ndarray:
@@ -119,11 +90,11 @@ def vllm_result(
         summary: the run's summary (lab.results.metrics.summarize).
         step_end_s, num_decode_tokens: per step, its end and its decodes' output tokens
             (:func:`lab.results.metrics.decode_output_tokens`).
-        date: vLLM's ``date`` key (the lab leaves it empty: reruns write the same bytes).
+        date: vLLM's ``date`` key (:func:`result_date`).
     """
     replayed = df[df["status"] != "dropped"]
     fin = replayed[replayed["status"] == "finished"]
-    duration = summary["duration_s"]
+    duration = summary["duration"]
     slo = summary.get("slo") or {}
     out_tokens = int(fin["num_generated_tokens"].sum())
     in_tokens = int(fin["prompt_tokens"].sum())
@@ -144,19 +115,26 @@ def vllm_result(
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
         "request_throughput": _finite(summary["request_throughput"]),
-        "request_goodput": _finite(summary["goodput"]) if slo else None,
+        "request_goodput": _finite(summary["request_goodput"]) if slo else None,
         "output_throughput": _finite(summary["output_throughput"]),
         "total_token_throughput": _finite(summary["total_token_throughput"]),
         "max_output_tokens_per_s": peak_output_rate(fin, step_end_s, num_decode_tokens),
         "max_concurrent_requests": peak_concurrency(fin),
     }
-    values = {"itl": itl_s}
-    for name, column in METRICS:
-        v = values[name] if column is None else fin[column].to_numpy(dtype=float)
-        result.update(latency_stats(name, v, percentiles))
+    for name in METRICS:
+        stats = ("mean", "median", "std", *percentiles, "max")
+        keys = [latency_name(st, name) for st in stats]
+        if all(k in summary for k in keys):  # the summary's own numbers
+            found = {k: summary[k] for k in keys}
+        else:
+            column = LATENCIES[name][1]
+            v = itl_s if column is None else fin[column].to_numpy(dtype=float)
+            found = latency_stats(name, v, percentiles)
+        # 0.0 where there are no values, as vLLM
+        result.update({k: x if math.isfinite(x) else 0.0 for k, x in found.items()})
     result.update(
         {
-            "percentile_metrics": ",".join(name for name, _ in METRICS),
+            "percentile_metrics": ",".join(METRICS),
             "metric_percentiles": ",".join(percentile_word(p) for p in percentiles),
             "goodput_slo_ms": {_SLO_NAMES[k]: v * 1e3 for k, v in slo.items()} or None,
             "slo_attainment": _finite(summary["slo_attainment"]) if slo else None,
@@ -168,6 +146,15 @@ def vllm_result(
 
 
 _SLO_NAMES = {"ttft_s": "ttft", "tpot_s": "tpot", "e2e_s": "e2el"}
+
+
+def result_date(now: float | None = None) -> str:
+    """vLLM's ``date``, ``%Y%m%d-%H%M%S`` in local time: of ``now`` (seconds since the epoch),
+    else of ``SOURCE_DATE_EPOCH`` when set (reproducible files), else of the present."""
+    if now is None:
+        epoch = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+        now = float(epoch) if epoch.isdigit() else time.time()
+    return time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
 
 
 def result_filename(label: str, request_rate: float | None, model: str) -> str:

@@ -415,7 +415,7 @@ def _measure(
             "rate_scale": run.scale,
             "limits": dataclasses.asdict(run.limits),
             "trace": ex.trace_info,
-            **metrics.summarize(df, itl, result, cfg.slo.to_dict()),
+            **metrics.summarize(df, itl, result, cfg.slo.to_dict(), cfg.report.metric_percentiles),
             "num_cpu_blocks": ex.setup.num_cpu_blocks,
             "cost_model": ex.setup.run_info(),
         }
@@ -427,8 +427,12 @@ def _measure(
             result.steps.update(spec_metrics.step_columns(result, n))
         if cfg.trace.classes:  # per class and per tenant (lab/results/fairness.py)
             slos = fairness.class_slos(cfg.trace.classes, cfg.slo.to_dict())
-            duration = summary["duration_s"]
-            summary.update(fairness.summarize_classes(df, rows, result, slos, duration))
+            duration = summary["duration"]
+            summary.update(
+                fairness.summarize_classes(
+                    df, rows, result, slos, duration, cfg.report.metric_percentiles
+                )
+            )
         vllm = _vllm(ex, run, df, itl, summary, result)
         itl_tail = vllm_result.tail_points(itl)
         if hasattr(executor, "plan_match"):  # replayed durations

@@ -104,7 +104,7 @@ class ReplayedDurations:
                 f"{KEY}: {self.path}: run {label!r} replayed another trace file (sha256 "
                 f"{recorded[:12]}..., this one {sha256[:12]}...)"
             )
-        n = run.get("num_requests")
+        n = run.get("num_prompts", run.get("num_requests"))  # num_requests: older summaries
         if n is not None and num_requests is not None and n != num_requests:
             raise ConfigError(
                 f"{KEY}: {self.path}: run {label!r} replayed {n:,} requests, this trace "

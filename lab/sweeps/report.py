@@ -158,7 +158,8 @@ def capacity_table(sweep, tasks, results) -> pd.DataFrame:
         else:
             rows.append({"point": t.point.name, "error": None, **values, **r.capacity})
     lead = ["point", "status", "error", *sweep.keys, "policy", "metric", "target", "over",
-            "capacity", "lo", "hi", "tolerance", "evaluations"]  # fmt: skip
+            "capacity", "capacity_request_rate", "bound_by", "bound_value", "lo", "hi",
+            "tolerance", "evaluations"]  # fmt: skip
     return _frame(rows, lead)
 
 
@@ -204,20 +205,20 @@ def _plots(folder: Path, sweep, table: pd.DataFrame, capacity) -> list[tuple[str
         return plots
     if df["rate_scale"].nunique() > 1:
         fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
-        for ax, (key, title) in zip(axes, (("ttft_s", "TTFT"), ("tpot_s", "TPOT"),
-                                           ("e2e_s", "E2E"))):  # fmt: skip
+        for ax, (key, title) in zip(axes, (("ttft", "TTFT"), ("tpot", "TPOT"),
+                                           ("e2el", "E2E"))):  # fmt: skip
             for label, g in _groups(sweep, df, "rate_scale"):
-                ax.plot(g["rate_scale"], g[f"{key}_p99"], "-o", ms=3, label=label)
+                ax.plot(g["rate_scale"], g[f"p99_{key}_ms"], "-o", ms=3, label=label)
             ax.set_yscale("log")
             ax.set_xlabel("rate_scale (offered load)")
-            ax.set_ylabel(f"{title} p99 (s)")
+            ax.set_ylabel(f"{title} p99 (ms)")
             ax.set_title(f"{title} p99 vs load")
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=7)
         plots.append(_save(fig, folder, "latency_vs_load.png", "Latency p99 vs load per policy"))
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
         for label, g in _groups(sweep, df, "rate_scale"):
-            axes[0].plot(g["rate_scale"], g["goodput"], "-o", ms=3, label=label)
+            axes[0].plot(g["rate_scale"], g["request_goodput"], "-o", ms=3, label=label)
             axes[1].plot(g["rate_scale"], g["slo_attainment"], "-o", ms=3, label=label)
         for ax, ylabel in zip(axes, ("goodput (req/s meeting every SLO)", "SLO attainment")):
             ax.set_xlabel("rate_scale (offered load)")
@@ -231,12 +232,12 @@ def _plots(folder: Path, sweep, table: pd.DataFrame, capacity) -> list[tuple[str
         )
     fig, ax = plt.subplots(figsize=(7.5, 5))
     for policy, g in df.groupby("policy", sort=False):
-        ax.scatter(g["ttft_s_p99"], g["goodput"], s=18, label=policy)
-    front = pareto_front(df["ttft_s_p99"].to_numpy(float), df["goodput"].to_numpy(float))
-    f = df.iloc[front].sort_values("ttft_s_p99")
-    ax.plot(f["ttft_s_p99"], f["goodput"], "k--", lw=1, label="Pareto front")
+        ax.scatter(g["p99_ttft_ms"], g["request_goodput"], s=18, label=policy)
+    front = pareto_front(df["p99_ttft_ms"].to_numpy(float), df["request_goodput"].to_numpy(float))
+    f = df.iloc[front].sort_values("p99_ttft_ms")
+    ax.plot(f["p99_ttft_ms"], f["request_goodput"], "k--", lw=1, label="Pareto front")
     ax.set_xscale("log")
-    ax.set_xlabel("TTFT p99 (s)")
+    ax.set_xlabel("TTFT p99 (ms)")
     ax.set_ylabel("goodput (req/s)")
     ax.set_title("Goodput vs TTFT p99 (every point and policy)")
     ax.grid(alpha=0.3)
@@ -297,6 +298,29 @@ def _fmt(v: Any, spec: str = ".3g") -> str:
     return format(v, spec) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
 
 
+def uniform_slo(sweep) -> dict[str, float]:
+    """The SLOs given (keys ttft_s, tpot_s, e2e_s) when every point has the same; else {}."""
+    slos = {tuple(c.slo.to_dict().items()) for c in sweep.configs.values()}
+    if len(slos) != 1:
+        return {}
+    return {k: v for k, v in next(iter(slos)) if v is not None}
+
+
+def bound_text(row, spec, slo: dict | None = None) -> str:
+    """What bound a capacity, for people: ``tpot (met by 62%)``, ``tpot <= 50 ms (met by
+    62%)`` with the SLOs ``slo`` (keys ttft_s, tpot_s, e2e_s), ``p99_ttft_ms (2350)``; ``-``
+    when nothing missed."""
+    what, value = row.get("bound_by"), row.get("bound_value")
+    if not isinstance(what, str) or not what:
+        return "-"
+    if spec.metric != "slo_attainment":
+        return f"{what} ({_fmt(value, '.4g')})"
+    limit = (slo or {}).get({"e2el": "e2e_s"}.get(what, f"{what}_s"))
+    if limit is not None:
+        what += f" <= {limit * 1e3:g} ms" if what == "tpot" else f" <= {limit:g} s"
+    return f"{what} (met by {_fmt(value, '.0%')})"
+
+
 def _markdown(sweep, table: pd.DataFrame, capacity, plots) -> str:
     n = len(sweep.points)
     lines = [f"# {sweep.name}", ""]
@@ -312,13 +336,14 @@ def _markdown(sweep, table: pd.DataFrame, capacity, plots) -> str:
             "",
             "| point | "
             + "".join(f"{k} | " for k in sweep.keys)
-            + "policy | capacity | bracket | evaluations | status |",
-            "|" + "---|" * (6 + len(sweep.keys)),
+            + "policy | capacity | capacity (req/s) | bound by | bracket | evaluations | status |",
+            "|" + "---|" * (8 + len(sweep.keys)),
         ]
         for _, r in capacity.iterrows():
             vals = "".join(f"{_fmt(r[k])} | " for k in sweep.keys)
             lines.append(
                 f"| {r['point']} | {vals}{r['policy']} | {_fmt(r['capacity'], '.4g')} | "
+                f"{_fmt(r['capacity_request_rate'], '.4g')} | {bound_text(r, sweep.search, uniform_slo(sweep))} | "
                 f"[{_fmt(r['lo'], '.4g')}, {_fmt(r['hi'], '.4g')}) | "
                 f"{_fmt(r['evaluations'])} | {r['status']} |"
             )
@@ -340,11 +365,12 @@ def _markdown(sweep, table: pd.DataFrame, capacity, plots) -> str:
                 if pd.isna(r.get("rate_scale"))
                 else f"{r['policy']}@x{r['rate_scale']:g}"
             )
-            tpot = r.get("tpot_s_p99")
+            ttft = r.get("p99_ttft_ms")
             lines.append(
-                f"| {r['point']} | {vals}{run} | {r['status']} | {_fmt(r.get('ttft_s_p99'))} | "
-                f"{_fmt(None if tpot is None or pd.isna(tpot) else tpot * 1e3)} | "
-                f"{_fmt(r.get('goodput'))} | {_fmt(r.get('slo_attainment'), '.1%')} |"
+                f"| {r['point']} | {vals}{run} | {r['status']} | "
+                f"{_fmt(None if ttft is None or pd.isna(ttft) else ttft / 1e3)} | "
+                f"{_fmt(r.get('p99_tpot_ms'))} | "
+                f"{_fmt(r.get('request_goodput'))} | {_fmt(r.get('slo_attainment'), '.1%')} |"
             )
         lines.append("")
         failed = whole[whole["status"] != "ok"]

@@ -41,6 +41,7 @@ class Task:
     search: Any = None  # lab.sweeps.search.SearchSpec: search this policy instead of running
     policy: int | None = None  # index in the point's policies, with ``search``
     start: float | None = None  # the search's start value
+    date: str | None = None  # the vLLM-format files' date: the sweep's, the same in every point
 
 
 @dataclass
@@ -57,12 +58,12 @@ class TaskResult:
     wall_s: float = 0.0
 
 
-def make_tasks(sweep: Sweep, fmt: str = "csv") -> list[Task]:
+def make_tasks(sweep: Sweep, fmt: str = "csv", date: str | None = None) -> list[Task]:
     """One task per point, or per (point, policy) with a capacity search."""
     tasks: list[Task] = []
     for p in sweep.points:
         if sweep.search is None:
-            tasks.append(Task(len(tasks), p, sweep.source, sweep.base_dir, fmt))
+            tasks.append(Task(len(tasks), p, sweep.source, sweep.base_dir, fmt, date=date))
             continue
         cfg = sweep.configs[p.name]
         start = sweep.search.start(cfg, p)
@@ -111,8 +112,9 @@ def _point(task: Task) -> TaskResult:
     decode = setup_for(cfg).text_decoder()
     with tempfile.TemporaryDirectory(prefix="sched-lab-point.") as tmp:
         folder = write_results(
-            Path(tmp) / task.point.name, cfg, runs, decode, fmt=task.fmt, bars=False
-        )
+            Path(tmp) / task.point.name, cfg, runs, decode, fmt=task.fmt, bars=False,
+            date=task.date,
+        )  # fmt: skip
         files = {
             str(p.relative_to(folder)): p.read_bytes()
             for p in sorted(folder.rglob("*"))
@@ -157,6 +159,8 @@ def _search(task: Task) -> TaskResult:
         "target": spec.target,
         "over": spec.over,
         "capacity": cap.capacity,
+        "capacity_request_rate": _at(rows, spec.over, cap.lo, "request_rate"),
+        **bound_by(spec, _at(rows, spec.over, cap.hi)),
         "lo": cap.lo,
         "hi": cap.hi,
         "tolerance": spec.tolerance,
@@ -165,10 +169,35 @@ def _search(task: Task) -> TaskResult:
     return TaskResult(task.index, rows, capacity=capacity)
 
 
+def _at(rows: list[dict[str, Any]], over: str, x: float | None, key: str | None = None):
+    """The last sample row at load ``x`` (or its ``key``); None without one."""
+    found = [r for r in rows if x is not None and r[over] == x]
+    if not found:
+        return None
+    return found[-1] if key is None else found[-1].get(key)
+
+
+def bound_by(spec, missed: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``bound_by`` and ``bound_value``: what missed the target at the first load past the
+    capacity (``missed``, its sample row): for ``slo_attainment`` the SLO met by the fewest
+    requests (``ttft``, ``tpot``, ``e2el``) and that fraction; else the metric and its value."""
+    if missed is None:
+        return {"bound_by": None, "bound_value": math.nan}
+    if spec.metric != "slo_attainment":
+        return {"bound_by": spec.metric, "bound_value": missed.get(spec.metric, math.nan)}
+    each = {name: missed.get(f"slo_attainment_{name}") for name in ("ttft", "tpot", "e2el")}
+    known = {k: v for k, v in each.items() if v is not None and not math.isnan(v)}
+    if not known:
+        return {"bound_by": None, "bound_value": math.nan}
+    name = min(known, key=known.get)
+    return {"bound_by": name, "bound_value": known[name]}
+
+
 # ---------------------------------------------------------------------------- rows
 def flatten(summary: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A run's summary.json entry as flat columns: ``ttft_s.p99`` -> ``ttft_s_p99``;
-    lists become JSON text; ``trace`` and ``slo`` are left out."""
+    """A run's summary.json entry as flat columns: metrics keep their names
+    (:mod:`lab.results.names`), a section's keys get its name in front (``cost_model.kind``
+    -> ``cost_model_kind``); lists become JSON text; ``trace`` and ``slo`` are left out."""
     out: dict[str, Any] = {}
     for k, v in summary.items():
         if not prefix and k in SKIPPED_SUMMARY_KEYS:
@@ -196,22 +225,24 @@ def run_rows(run, slo: Mapping[str, float | None]) -> list[dict[str, Any]]:
         for name, g in df.groupby("class", sort=True):
             own = classes[name]["slo"] if name in classes else slo
             rows.append({"policy": run.policy, "rate_scale": run.rate_scale,
-                         "class": name, **class_metrics(g, row["duration_s"], own)})  # fmt: skip
+                         "class": name, **class_metrics(g, row["duration"], own)})  # fmt: skip
     return rows
 
 
 def class_metrics(df, duration_s: float, slo: Mapping[str, float | None]) -> dict[str, Any]:
     """Counts, latency statistics, goodput and SLO attainment of one class's requests.csv
-    rows, over the run's ``duration_s``."""
-    from lab.results.metrics import meets_slo, stats
+    rows, over the run's ``duration_s``, under the summary's names."""
+    from lab.results.metrics import latency_stats, meets_slo
+    from lab.results.names import LATENCIES
 
     fin = df[df["status"] == "finished"]
     replayed = (df["status"] != "dropped").to_numpy()
     good = meets_slo(df, dict(slo))
-    out: dict[str, Any] = {"num_requests": int(replayed.sum()), "finished": len(fin)}
-    for key in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
-        out.update({f"{key}_{s}": v for s, v in stats(fin[key]).items()})
-    out["goodput"] = float(good.sum()) / duration_s if duration_s > 0 else math.nan
+    out: dict[str, Any] = {"num_prompts": int(replayed.sum()), "completed": len(fin)}
+    for name, (_, column) in LATENCIES.items():
+        if column is not None:
+            out.update(latency_stats(name, fin[column]))
+    out["request_goodput"] = float(good.sum()) / duration_s if duration_s > 0 else math.nan
     out["slo_attainment"] = float(good[replayed].mean()) if replayed.any() else math.nan
     return out
 
@@ -235,11 +266,12 @@ def run_sweep(
     """
     from lab.report.folder import check_out_dir
     from lab.report.progress import Phase
+    from lab.results.vllm_result import result_date
     from lab.sweeps import executors
     from lab.sweeps.report import write_sweep
 
     out = check_out_dir(out)
-    tasks = make_tasks(sweep, fmt)
+    tasks = make_tasks(sweep, fmt, result_date())
     pooled = [setup_class(sweep.configs[t.point.name].backend).process_pool for t in tasks]
     pool = [t for t, p in zip(tasks, pooled) if p]
     here = [t for t, p in zip(tasks, pooled) if not p]

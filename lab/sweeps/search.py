@@ -3,8 +3,11 @@ capacity in Sarathi-Serve, OSDI'24 §5, and DistServe's goodput, OSDI'24 §2).
 
     search: {metric: slo_attainment, target: 0.9, over: rate_scale, tolerance: 0.02}
 
-``metric``: ``slo_attainment`` (met when >= ``target`` in (0, 1]; needs ``slo:``) or
-``{ttft,tpot,itl,e2e,queue}_s_{mean,p50,p90,p99}`` (met when <= ``target`` seconds).
+``metric``: ``slo_attainment`` (met when >= ``target`` in (0, 1]; needs ``slo:``) or a
+latency statistic by its summary name, ``{mean,median,std,max,p<P>}_{ttft,tpot,itl,e2el,queue}_ms``
+(met when <= ``target`` milliseconds; P: a percentile the report holds, 50, 90, 99 and
+``report.metric_percentiles``). The older ``ttft_s_p99`` names are accepted with ``target`` in
+seconds (:func:`lab.results.names.canonical`).
 ``over``: the load's key path (default ``trace.rate_scale``), assumed to worsen the metric
 as it grows. A run that stops early counts as a miss.
 """
@@ -22,12 +25,13 @@ from lab.config import ExperimentConfig
 from lab.config.keypaths import ALIASES, get_path, parse_path
 from lab.config.sections import LIMIT_KEYS
 from lab.core.errors import ConfigError, UserError, short_repr
+from lab.results.metrics import summary_percentiles
+from lab.results.names import canonical, parse_latency
 
-STATS = ("mean", "p50", "p90", "p99")
-LATENCY_METRICS = tuple(
-    f"{m}_s_{s}" for m in ("ttft", "tpot", "itl", "e2e", "queue") for s in STATS
+METRIC_HELP = (
+    "slo_attainment, or a latency {mean,median,std,max,p<P>}_{ttft,tpot,itl,e2el,queue}_ms "
+    "(e.g. p99_ttft_ms)"
 )
-METRICS = ("slo_attainment", *LATENCY_METRICS)
 SEARCH_KEYS = ("metric", "target", "over", "lo", "hi", "tolerance")
 DEFAULT_TOLERANCE = 0.02  # relative width of the final bracket
 MAX_EXPANSIONS = 12  # doublings or halvings to find a bracket: a factor of 4096 either way
@@ -60,6 +64,13 @@ class SearchSpec:
             raise ConfigError(
                 f"{where}: search.metric: slo_attainment needs an slo: block with at "
                 "least one of ttft_s, tpot_s, e2e_s"
+            )
+        stat = (parse_latency(self.metric) or ("",))[0]
+        held = summary_percentiles(cfg.report.metric_percentiles)
+        if stat.startswith("p") and float(stat[1:]) not in held:
+            raise ConfigError(
+                f"{where}: search.metric: {self.metric} needs {stat[1:]} in "
+                f"report.metric_percentiles (the summary holds {', '.join(f'{p:g}' for p in held)})"
             )
         if self.lo is None and self.start(cfg, point) is None:
             raise ConfigError(
@@ -125,14 +136,15 @@ def parse_search(raw: Any, where: str, swept: tuple[str, ...] = ()) -> SearchSpe
     for k in raw:
         if k not in SEARCH_KEYS:
             raise ConfigError(f"{where}: unknown key search.{k}; allowed: {', '.join(SEARCH_KEYS)}")
-    metric = raw.get("metric")
-    if metric not in METRICS:
+    given = raw.get("metric")
+    metric, scale = canonical(given) if isinstance(given, str) else (None, 1.0)
+    if metric != "slo_attainment" and (metric is None or parse_latency(metric) is None):
         raise ConfigError(
-            f"{where}: search.metric: unknown metric {short_repr(metric)}; known: "
-            "slo_attainment, or a latency {ttft,tpot,itl,e2e,queue}_s_{mean,p50,p90,p99}"
+            f"{where}: search.metric: unknown metric {short_repr(given)}; known: {METRIC_HELP}"
         )
     target = raw.get("target")
     number = isinstance(target, (int, float)) and not isinstance(target, bool)
+    unit = "seconds" if scale != 1.0 else "milliseconds"
     if metric == "slo_attainment":
         if not number or not 0 < target <= 1:
             raise ConfigError(
@@ -141,7 +153,7 @@ def parse_search(raw: Any, where: str, swept: tuple[str, ...] = ()) -> SearchSpe
             )
     elif not number or not (math.isfinite(target) and target > 0):
         raise ConfigError(
-            f"{where}: search.target: expected seconds > 0 for {metric}, got {short_repr(target)}"
+            f"{where}: search.target: expected {unit} > 0 for {given}, got {short_repr(target)}"
         )
     over = raw.get("over", "trace.rate_scale")
     if not isinstance(over, str):
@@ -171,7 +183,7 @@ def parse_search(raw: Any, where: str, swept: tuple[str, ...] = ()) -> SearchSpe
             f"{where}: search.tolerance: expected a fraction in (0, 1) (the final bracket's "
             f"width relative to its lower end), got {short_repr(tol)}"
         )
-    return SearchSpec(metric, float(target), over, lo, hi, float(tol))
+    return SearchSpec(metric, float(target) * scale, over, lo, hi, float(tol))
 
 
 @dataclass

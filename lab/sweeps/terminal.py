@@ -1,0 +1,134 @@
+"""What ``sched-lab run`` prints after a sweep or a capacity search, read back from the
+tables it wrote: one row per point, policy and load (offered and achieved req/s, TTFT,
+TPOT and E2E p50 / p99, goodput, SLO attainment, preemptions), or per point and policy the
+capacity in req/s and what bound it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from lab.sweeps.report import bound_text, uniform_slo
+
+
+def _num(v: Any, fmt: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return format(v, fmt)
+
+
+def _pair(row, metric: str, scale: float, fmt: str) -> str:
+    """``p50/p99`` of a latency, in the table's unit (``scale`` from ms)."""
+    a, b = (row.get(f"{s}_{metric}_ms") for s in ("p50", "p99"))
+    return "/".join(_num(None if x is None else x * scale, fmt) for x in (a, b))
+
+
+def _short(key: str) -> str:
+    """A swept key's column title: its last part without ``num_``
+    (``kv_cache.num_gpu_blocks`` -> ``gpu_blocks``)."""
+    return key.rsplit(".", 1)[-1].removeprefix("num_")
+
+
+def _value(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return format(v, "g") if isinstance(v, float) else str(v)
+
+
+def render(header: Sequence[tuple[str, str]], rows: list[list[str]]) -> str:
+    """A fixed-width table: two header lines (names, units), text left-aligned in the first
+    columns up to and including ``policy``, numbers right-aligned."""
+    cols = list(zip(*rows)) if rows else [[] for _ in header]
+    widths = [max(len(n), len(u), *(len(c) for c in col)) for (n, u), col in zip(header, cols)]
+    left = next((i for i, (n, _) in enumerate(header) if n == "policy"), -1)
+
+    def line(cells) -> str:
+        out = [
+            c.ljust(w) if i <= left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ]
+        return "  ".join(out).rstrip()
+
+    lines = [line([n for n, _ in header]), line([u for _, u in header])]
+    lines.append("  ".join("-" * w for w in widths))
+    return "\n".join([*lines, *(line(r) for r in rows)])
+
+
+def sweep_text(table: pd.DataFrame, keys: Sequence[str]) -> str:
+    """The sweep table of the terminal: a row per point, policy and load (whole runs)."""
+    df = table
+    if "class" in df.columns:
+        df = df[df["class"].isna() | (df["class"] == "all")]
+    keys = [k for k in keys if k not in ("trace.rate_scale", "rate_scale")]
+    header = [("point", ""), *((_short(k), "") for k in keys), ("policy", ""), ("scale", "x"),
+              ("offered", "req/s"), ("achieved", "req/s"), ("TTFT", "p50/p99 s"),
+              ("TPOT", "p50/p99 ms"), ("E2E", "p50/p99 s"), ("goodput", "req/s"),
+              ("SLO", "% met"), ("preempt", "")]  # fmt: skip
+    rows, notes = [], []
+    for _, r in df.iterrows():
+        r = r.to_dict()
+        lead = [r["point"], *(_value(r.get(k)) for k in keys), str(r["policy"])]
+        if r.get("status") == "failed":
+            rows.append([*lead, "failed", *["-"] * (len(header) - len(lead) - 1)])
+            notes.append(f"{r['point']} failed: {r.get('error')}")
+            continue
+        if r.get("status") == "stopped":
+            notes.append(f"{r['point']} {r['policy']} stopped early: {r.get('error')}")
+        att = r.get("slo_attainment")
+        rows.append([
+            *lead, _value(r.get("rate_scale")),
+            _num(r.get("request_rate"), ".2f"), _num(r.get("request_throughput"), ".2f"),
+            _pair(r, "ttft", 1e-3, ".2f"), _pair(r, "tpot", 1.0, ".1f"),
+            _pair(r, "e2el", 1e-3, ".1f"), _num(r.get("request_goodput"), ".2f"),
+            _num(None if att is None else 100 * att, ".0f"), _value(r.get("num_preemptions")),
+        ])  # fmt: skip
+    return "\n".join([render(header, rows), *dict.fromkeys(notes)])
+
+
+def capacity_text(
+    capacity: pd.DataFrame, keys: Sequence[str], spec, slo: dict | None = None
+) -> str:
+    """The capacity per point and policy: the load multiplier found, the offered req/s at
+    it, the bracket and what bound it."""
+    cmp = ">=" if spec.higher_is_better else "<="
+    title = (
+        f"capacity: the largest {spec.over} with {spec.metric} {cmp} {spec.target:g} "
+        f"(offered req/s at it; bound by: what missed at the next load tried)"
+    )
+    header = [("point", ""), *((_short(k), "") for k in keys), ("policy", ""),
+              ("capacity", "req/s"), (_short(spec.over), ""), ("bracket", ""),
+              ("bound by", ""), ("runs", ""), ("status", "")]  # fmt: skip
+    rows, notes = [], []
+    for _, r in capacity.iterrows():
+        r = r.to_dict()
+        if isinstance(r.get("error"), str) and r["error"]:
+            notes.append(f"{r['point']} {r['policy']} failed: {r['error']}")
+        bracket = f"[{_num(r.get('lo'), '.4g')}, {_num(r.get('hi'), '.4g')})"
+        rows.append([
+            r["point"], *(_value(r.get(k)) for k in keys), str(r["policy"]),
+            _num(r.get("capacity_request_rate"), ".2f"), _num(r.get("capacity"), ".4g"),
+            bracket, bound_text(r, spec, slo), _value(r.get("evaluations")),
+            str(r["status"]),
+        ])  # fmt: skip
+    return "\n".join([title, render(header, rows), *notes])
+
+
+def folder_text(out: Path, sweep) -> str:
+    """The terminal's text for the sweep folder ``out`` (its CSV tables), with the SLOs
+    when every point has the same."""
+    from lab.report.terminal import slo_text
+
+    slo = uniform_slo(sweep)
+    if sweep.search is not None:
+        capacity = pd.read_csv(out / "capacity.csv")
+        text = capacity_text(capacity, sweep.keys, sweep.search, slo)
+    else:
+        text = sweep_text(pd.read_csv(out / "sweep.csv"), sweep.keys)
+    if slo:
+        text += f"\nSLOs: {slo_text(slo)} (goodput: finished requests/s meeting every SLO)"
+    return text

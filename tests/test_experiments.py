@@ -84,7 +84,8 @@ def test_example_runs(path, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary) == num_runs
     first = next(iter(summary.values()))
-    assert set(first["ttft_s"]) == {"mean", "p50", "p90", "p99"}
+    stats = {"mean", "median", "std", "p50", "p90", "p99", "max"}
+    assert {f"{s}_ttft_ms" for s in stats} <= set(first) and "ttft_s" not in first
     report = (out / "report.md").read_text()
     assert "latency_cdf.png" in report and (out / "latency_cdf.png").stat().st_size > 10_000
     assert (out / "over_time.png").exists() and (out / "config.yaml").exists()

@@ -14,7 +14,6 @@ from lab.cli import main
 from lab.report.terminal import rows, summary_text
 
 NAN = float("nan")
-NO_VALUES = {"mean": NAN, "p50": NAN, "p90": NAN, "p99": NAN}
 
 
 def fake_run(label: str, latency_s: dict[str, float | None], **summary) -> SimpleNamespace:
@@ -30,17 +29,18 @@ def fake_run(label: str, latency_s: dict[str, float | None], **summary) -> Simpl
         "output_throughput": 10.0,
         "request_rate": 0.75,
     }
-    keys = {"ttft": "ttft_s", "tpot": "tpot_s", "itl": "itl_s", "e2el": "e2e_s"}
     s = {
         "slo": {},
-        "preemptions": {"recompute": 1, "swap": 0},
-        "kv_used_fraction": {"mean": 0.25, "max": 0.5},
+        "num_preemptions_recompute": 1,
+        "num_preemptions_swap": 0,
+        "mean_kv_cache_usage": 0.25,
+        "max_kv_cache_usage": 0.5,
     }
-    for name, key in keys.items():
+    for name in ("ttft", "tpot", "itl", "e2el"):
         v = latency_s[name]
-        for word in ("mean", "p50", "max"):
+        for word in ("mean", "p50", "p90", "p99", "max"):
             vllm[f"{word}_{name}_ms"] = 0.0 if v is None else v * 1e3
-        s[key] = NO_VALUES if v is None else {"mean": v, "p50": v, "p90": v, "p99": v}
+            s[f"{word}_{name}_ms"] = NAN if v is None else v * 1e3
     return SimpleNamespace(
         label=label, policy=label, rate_scale=1.0, vllm=vllm, summary=s | summary
     )
@@ -98,16 +98,18 @@ def test_columns_are_as_wide_as_their_labels_and_wrap_past_the_width():
 
 def test_workload_classes_get_rows_of_their_own():
     def cls(finished: int, ttft: float, slo: dict, goodput: float | None) -> dict:
-        lat = {"p50": ttft, "p99": 2 * ttft}
         return {
-            "num_requests": 4,
-            "finished": finished,
-            "ttft_s": lat,
-            "tpot_s": {"p50": 0.01, "p99": 0.02},
-            "e2e_s": {"p50": 1.0, "p99": 3.0},
-            "preemptions_recompute": 2,
+            "num_prompts": 4,
+            "completed": finished,
+            "p50_ttft_ms": ttft * 1e3,
+            "p99_ttft_ms": 2 * ttft * 1e3,
+            "p50_tpot_ms": 10.0,
+            "p99_tpot_ms": 20.0,
+            "p50_e2el_ms": 1000.0,
+            "p99_e2el_ms": 3000.0,
+            "num_preemptions_recompute": 2,
             "slo": slo,
-            "goodput": goodput,
+            "request_goodput": goodput,
             "slo_attainment": None if goodput is None else goodput / 2,
         }
 
@@ -115,7 +117,7 @@ def test_workload_classes_get_rows_of_their_own():
     run = fake_run(
         "priority",
         values,
-        goodput=0.75,
+        request_goodput=0.75,
         slo_attainment=0.375,
         classes={
             "chat": cls(4, 0.5, {"ttft_s": 1.0, "tpot_s": 0.1}, 0.5),
@@ -181,10 +183,10 @@ def table_row(stdout: str, name: str) -> str:
 def test_one_token_outputs_have_no_tpot_or_itl(tmp_path, capsys):
     out, summary = run_cli(tmp_path, ROWS_1_TOKEN, "--no-progress")
     stdout = capsys.readouterr().out
-    assert summary["tpot_s"]["p50"] is None and summary["itl_s"]["p50"] is None
+    assert summary["p50_tpot_ms"] is None and summary["p50_itl_ms"] is None
     for name in ("TPOT mean (ms)", "TPOT p99 (ms)", "ITL p50 (ms)", "ITL max (ms)"):
         assert table_row(stdout, name) == "-"
-    assert table_row(stdout, "TTFT p50 (s)") == f"{summary['ttft_s']['p50']:.3f}"
+    assert table_row(stdout, "TTFT p50 (s)") == f"{summary['p50_ttft_ms'] / 1e3:.3f}"
     assert table_row(stdout, "finished / replayed") == "2/3"
     # an integer in every row: the rejected request generated nothing, and says why
     req = pd.read_csv(out / "requests.csv", dtype=str, keep_default_na=False)
@@ -196,7 +198,7 @@ def test_one_token_outputs_have_no_tpot_or_itl(tmp_path, capsys):
 def test_every_request_rejected_prints_no_latency(tmp_path, capsys):
     out, summary = run_cli(tmp_path, ROWS_TOO_LONG, "--no-progress")
     stdout = capsys.readouterr().out
-    assert summary["ttft_s"]["mean"] is None and summary["e2e_s"]["p99"] is None
+    assert summary["mean_ttft_ms"] is None and summary["p99_e2el_ms"] is None
     for name in ("TTFT mean (s)", "TTFT max (s)", "TPOT p50 (ms)", "E2E p99 (s)"):
         assert table_row(stdout, name) == "-"
     assert table_row(stdout, "finished / replayed") == "0/2"

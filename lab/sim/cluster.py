@@ -55,7 +55,7 @@ from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import Scheduler
 from lab.sim.hardware import Link
 from lab.sim.records import ENDED, ReplayResult
-from lab.sim.replay import ReplayLoop, run_to_end
+from lab.sim.replay import ReplayLoop, arrival_timeout, run_to_end
 from lab.sim.router import Router, get_router
 
 ROLES = ("both", "prefill", "decode")
@@ -278,7 +278,7 @@ def arrival_process(
     """Route ``requests`` (sorted by arrival) at their arrival times."""
     for i, r in enumerate(requests):
         if r.arrival_s > env.now:
-            yield env.timeout(r.arrival_s - env.now)
+            yield arrival_timeout(env, r.arrival_s - env.now)
         cluster.arrive(r)
         if progress is not None and i % 4096 == 4095:
             unfinished = sum(rep.num_requests for rep in cluster.replicas)

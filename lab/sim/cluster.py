@@ -122,9 +122,15 @@ class Replica(ReplayLoop):
         return self._open_tokens
 
     @property
-    def kv_used_fraction(self) -> float:
-        bm = self.scheduler.block_manager
-        return bm.num_used_gpu_blocks / bm.num_gpu_blocks
+    def num_gpu_blocks(self) -> int:
+        return self.scheduler.block_manager.num_gpu_blocks
+
+    @property
+    def num_used_gpu_blocks(self) -> int:
+        return self.scheduler.block_manager.num_used_gpu_blocks
+
+    def blocks_to_admit(self, r: Request) -> int:
+        return self.scheduler.blocks_to_admit(r)
 
     def take(self, r: Request) -> None:
         """Count ``r`` as routed here (its KV may still be on the way)."""
@@ -213,9 +219,9 @@ class _Cluster:
                 r.status, r.reason, r.finish_s = RequestStatus.REJECTED, reason, self.env.now
                 return
             if r.output_len > 1:
-                copy = _prefill_copy(r)
+                copy = _prefill_copy(r)  # routed as what the prefill replica holds
                 self._real[copy] = r
-                self._place(copy, self.pools[0][self.routers[0].route(r)])
+                self._place(copy, self.pools[0][self.routers[0].route(copy)])
                 return
         self._place(r, self.pools[0][self.routers[0].route(r)])
 

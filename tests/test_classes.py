@@ -192,6 +192,23 @@ def test_jain_index_and_max_service_difference():
     assert fairness.fairness(edges, service, backlog)["max_service_difference"] == 5.0
 
 
+def test_service_charges_the_prompt_at_admission_and_each_token_when_produced():
+    # 120 s, so windows of 1 s. a (tenant A, prompt 10): admitted at 0.5, tokens at 1.5
+    # and 2.5 -> 10 in window 0, 2 in windows 1 and 2. b (B, prompt 4) admitted at 2.2 and
+    # aborted before a token: its prompt is charged (VTC charged it at admission).
+    a, b = Request("a", 0.2, 10, 2, tenant="A"), Request("b", 2.0, 4, 3, tenant="B")
+    a.first_scheduled_s, b.first_scheduled_s, b.finish_s = 0.5, 2.2, 2.4
+
+    class Tokens:
+        def token_times(self, r):
+            return np.array([1.5, 2.5] if r is a else [])
+
+    edges, service, _ = fairness.tenant_service([a, b], Tokens(), 120.0)
+    assert edges[1] == 1.0
+    assert service["A"][:4].tolist() == [10.0, 2.0, 2.0, 0.0] and service["A"].sum() == 14.0
+    assert service["B"][:4].tolist() == [0.0, 0.0, 4.0, 0.0] and service["B"].sum() == 4.0
+
+
 def test_backlogged_means_waiting_through_the_whole_window():
     # Waiting intervals [0.5, 2.5) and [2.5, 3.2): windows [0, 1) no (starts at 0.5),
     # [1, 2) and [2, 3) yes (the hand-over at 2.5 leaves no gap), [3, 4) no.

@@ -1,12 +1,14 @@
 """Virtual Token Counter: fair sharing between tenants (Sheng et al., "Fairness in Serving
-Large Language Models", OSDI'24, §4); fcfs's prefill-first step.
+Large Language Models", OSDI'24, §4); fcfs's step, prefill first.
 
-A tenant's counter grows by ``input_weight`` per prompt token at admission and
-``output_weight`` per generated token, divided by its ``tenant_weights`` entry (default 1).
-Admission takes the earliest request of the backlogged tenant with the smallest counter
-(ties: name), charged at once. A tenant arriving with nothing waiting is lifted to the
-smallest backlogged counter (none: the last tenant to leave's). A recomputed request's
-prompt is charged once.
+A tenant's counter grows by ``input_weight`` per prompt token when a request of it is
+admitted and ``output_weight`` per token it generates (accepted drafts included), divided by
+its ``tenant_weights`` entry (default 1); the defaults are the paper's evaluation weights,
+w_p = 1 and w_q = 2. Admission takes the earliest request of the backlogged tenant with the
+smallest counter, charged at once; equal counters go to the tenant whose request waits
+earliest in the queue, so tenant names never change a schedule. A tenant arriving with
+nothing waiting is lifted to the smallest backlogged counter (none: the last tenant to
+leave's); a rejected request lifts nothing. A recomputed request's prompt is charged once.
 """
 
 from __future__ import annotations
@@ -49,27 +51,29 @@ class VTC(FCFS):
 
     def add(self, request: Request, now_s: float) -> bool:
         t = request.tenant
-        if not self._queued[t]:  # the counter lift
+        joins = not self._queued[t]
+        if joins:  # the counter lift, read before the request joins
             backlogged = [self.counters[u] for u, n in self._queued.items() if n]
             lift = min(backlogged) if backlogged else self._last_left
-            self.counters[t] = max(self.counters[t], lift)
         if not super().add(request, now_s):
             return False
+        if joins:
+            self.counters[t] = max(self.counters[t], lift)
         self._queued[t] += 1
         return True
 
     def admission_order(self) -> Iterator[Request]:
         waiting = list(self.waiting)  # each tenant's requests in queue order, read lazily
 
-        def of(t: str) -> Iterator[Request]:
-            return (r for r in waiting if r.tenant == t)
+        def of(t: str) -> Iterator[tuple[int, Request]]:
+            return ((i, r) for i, r in enumerate(waiting) if r.tenant == t)
 
         queues = {t: of(t) for t, n in self._queued.items() if n}
-        heads = {t: r for t, q in queues.items() if (r := next(q, None)) is not None}
+        heads = {t: ir for t, q in queues.items() if (ir := next(q, None)) is not None}
         c = dict(self.counters)
-        while heads:
-            t = min(heads, key=lambda u: (c.get(u, 0.0), u))
-            r = heads[t]
+        while heads:  # smallest counter; ties: the head waiting earliest (its queue position)
+            t = min(heads, key=lambda u: (c.get(u, 0.0), heads[u][0]))
+            r = heads[t][1]
             if r.num_preemptions == 0:
                 c[t] = c.get(t, 0.0) + self.cost(r, r.prompt_len, self.input_weight)
             yield r

@@ -77,9 +77,45 @@ def test_a_typo_of_a_class_key_names_the_class_keys(tmp_path):
     with pytest.raises(
         Exception,
         match=r"^trace\[0\] \(class 'chat'\): unknown key 'priorty' \(did you mean 'priority'\?\); "
-        r"a class's own keys: name, priority, tenant, slo$",
+        r"a class's own keys: name, priority, tenant, slo, periods$",
     ):
         load_classes(classes, tmp_path)
+
+
+def test_periods_lay_a_class_trace_onto_its_on_time(tmp_path):
+    # chat's own clock: 0, 1, (dropped at 1), 2. On [10, 11.5) then from 20 on: 1.5 s of
+    # trace time in the first period (0 -> 10, 1 -> 11), the rest from 20 (2 -> 20 + 0.5).
+    # batch (no periods) keeps 0, 1.5, 2.0.
+    classes = two_classes(tmp_path)
+    classes[0]["periods"] = [[10, 11.5], [20, None]]
+    reqs, rows = load_classes(classes, tmp_path)
+    got = [(r.request_id, r.arrival_s) for r in reqs]
+    assert rows == 7
+    assert got[:5] == [("batch:0", 0.0), ("batch:1", 1.5), ("batch:2", 2.0),
+                       ("chat:0", 10.0), ("chat:1", 11.0)]  # fmt: skip
+    assert got[5][0] == "chat:2" and reqs[5].status.value == "dropped"
+    assert got[6] == ("chat:3", 20.5)
+
+
+def test_periods_cut_what_lies_past_their_on_time(tmp_path):
+    # On [5, 6.5) only: 1.5 s of chat's clock; chat:3 (at 2 on its clock) is cut, the
+    # dropped row before it stays.
+    classes = two_classes(tmp_path)
+    classes[0]["periods"] = [[5, 6.5]]
+    reqs, _ = load_classes(classes, tmp_path)
+    chat = [(r.request_id, r.arrival_s) for r in reqs if r.class_name == "chat"]
+    assert [i for i, _ in chat] == ["chat:0", "chat:1", "chat:2"]
+    assert chat[:2] == [("chat:0", 5.0), ("chat:1", 6.0)]
+
+
+def test_periods_in_yaml_round_trip_and_run(tmp_path):
+    classes = two_classes(tmp_path)
+    classes[1]["periods"] = [[0, 1], [3, None]]  # batch: 0 -> 0; 1.5 -> 3.5; 2.0 -> 4.0
+    cfg = config(tmp_path, classes)
+    assert cfg.to_dict()["trace"][1]["periods"] == [[0.0, 1.0], [3.0, None]]
+    assert validate({**cfg.to_dict(), "name": "c"}, "again", tmp_path).trace == cfg.trace
+    reqs, _ = load_classes(cfg.trace.to_dict(), tmp_path)
+    assert [r.arrival_s for r in reqs if r.class_name == "batch"] == [0.0, 3.5, 4.0]
 
 
 def config(tmp_path, trace, policies=("fcfs",), **top):
@@ -104,8 +140,20 @@ def config(tmp_path, trace, policies=("fcfs",), **top):
         ),
         ({"slo": {"ttft_s": -1}}, r"trace\[0\].slo.ttft_s: expected a finite number > 0"),
         ({"path": "nope.csv"}, r"trace\[0\].path: 'nope.csv': no such file"),
+        ({"periods": "0-60"}, r"exp.yaml: trace\[0\] \(class 'chat'\).periods: expected a "
+         r"non-empty list of \[start_s, end_s\] pairs in seconds of the run, 0 <= start_s < "
+         r"end_s, sorted and disjoint \(the last end_s may be null: open\), got '0-60'$"),
+        ({"periods": []}, r"trace\[0\] \(class 'chat'\).periods: expected a non-empty list"),
+        ({"periods": [[0, "60s"]]},
+         r"trace\[0\] \(class 'chat'\).periods\[0\]: expected \[start_s, end_s\], two numbers"),
+        ({"periods": [[60, 60]]}, r"trace\[0\] \(class 'chat'\).periods\[0\]: expected a non-empty"),
+        ({"periods": [[-1, 60]]}, r"trace\[0\] \(class 'chat'\).periods\[0\]: expected a non-empty"),
+        ({"periods": [[0, 60], [30, 90]]},
+         r"trace\[0\] \(class 'chat'\).periods\[1\]: expected a non-empty list"),
+        ({"periods": [[0, None], [120, 180]]},
+         r"trace\[0\] \(class 'chat'\).periods\[0\]: expected a non-empty list"),
     ],
-)
+)  # fmt: skip
 def test_bad_classes_are_one_line(tmp_path, change, message):
     classes = two_classes(tmp_path)
     classes[0].update(change)
@@ -190,6 +238,23 @@ def test_jain_index_and_max_service_difference():
     service = {"A": np.array([5.0, 0.0, 0.0]), "B": np.array([2.0, 5.0, 0.0])}
     backlog = {"A": np.array([True, True, True]), "B": np.array([True, True, True])}
     assert fairness.fairness(edges, service, backlog)["max_service_difference"] == 5.0
+
+
+def test_service_charges_the_prompt_at_admission_and_each_token_when_produced():
+    # 120 s, so windows of 1 s. a (tenant A, prompt 10): admitted at 0.5, tokens at 1.5
+    # and 2.5 -> 10 in window 0, 2 in windows 1 and 2. b (B, prompt 4) admitted at 2.2 and
+    # aborted before a token: its prompt is charged (VTC charged it at admission).
+    a, b = Request("a", 0.2, 10, 2, tenant="A"), Request("b", 2.0, 4, 3, tenant="B")
+    a.first_scheduled_s, b.first_scheduled_s, b.finish_s = 0.5, 2.2, 2.4
+
+    class Tokens:
+        def token_times(self, r):
+            return np.array([1.5, 2.5] if r is a else [])
+
+    edges, service, _ = fairness.tenant_service([a, b], Tokens(), 120.0)
+    assert edges[1] == 1.0
+    assert service["A"][:4].tolist() == [10.0, 2.0, 2.0, 0.0] and service["A"].sum() == 14.0
+    assert service["B"][:4].tolist() == [0.0, 0.0, 4.0, 0.0] and service["B"].sum() == 4.0
 
 
 def test_backlogged_means_waiting_through_the_whole_window():

@@ -72,13 +72,25 @@ def test_least_outstanding_tokens():
     assert placed(res, reqs) == [0, 1, 1, 0]
 
 
-def test_least_kv_sees_only_allocated_blocks():
+def test_least_kv_counts_the_requests_it_sent():
     # a -> 0 (tie), admitted at once: ceil(41 / 16) = 3 of 8 blocks. b at 5 ms -> 1 (0 %),
     # admitted at once: 1 block. c at 6 ms -> 1 (1/8 < 3/8), queued until replica 1's
-    # step ends at 15 ms, so d at 7 ms still sees 1/8 there and joins it.
+    # step ends at 15 ms: the router counts the 7 blocks it owes there (ceil(101 / 16)), so
+    # d at 7 ms sees (1 + 7)/8 on replica 1 against 3/8 on replica 0 and goes to 0.
     rows = [("a", 0.0, 40, 20), ("b", 0.005, 10, 20), ("c", 0.006, 100, 5), ("d", 0.007, 10, 5)]
     res, reqs = run_cluster(aggregated(2, "least_kv"), rows, gpu_blocks=8)
-    assert placed(res, reqs) == [0, 1, 1, 1]
+    assert placed(res, reqs) == [0, 1, 1, 0]
+
+
+def test_least_kv_spreads_a_same_instant_burst():
+    # x -> 0, admitted at t=0: ceil(61 / 16) = 4 of 8 blocks. At 2 ms y1..y4 arrive at once
+    # (3 blocks each, ceil(41 / 16)), before either replica steps again: y1 -> 1 (0 < 4/8,
+    # owed 3), y2 -> 1 (3/8 < 4/8, owed 6), y3 -> 0 (4/8 < 6/8, owed 3 more: 7/8),
+    # y4 -> 1 (6/8 < 7/8). Reading KV in use alone, all four went to replica 1.
+    rows = [("x", 0.0, 60, 20)] + [(f"y{i}", 0.002, 40, 5) for i in range(1, 5)]
+    res, reqs = run_cluster(aggregated(2, "least_kv"), rows, gpu_blocks=8)
+    assert placed(res, reqs) == [0, 1, 1, 0, 1]
+    assert all(r.status.value == "finished" for r in res.requests)
 
 
 def test_power_of_two_picks_the_less_loaded_of_two_seeded_samples():

@@ -142,10 +142,11 @@ def test_plans_that_feed_no_token_stop_the_run():
             scheduler = cls(SchedulerLimits(8, 64, 64), BlockManager(16, 4, 4, 0.0))
             res = replay(reqs, scheduler, FixedCost())
             assert res.failure.startswith(
-                f"SchedulerStuckError: policy '{name}' made no progress at t=0.020000s"
+                f"deadlock: policy '{name}' made no progress at t=0.020000s"
             ), res.failure
             assert len(res.steps["time_s"]) == 2
             assert reqs[0].status.value == "aborted"
+            assert reqs[0].reason == f"{res.failure} (the run stopped at t=0.020s)"
         finally:
             POLICIES.pop(name, None)
     with pytest.raises(AssertionError, match="prefill chunks of no token"):
@@ -154,3 +155,29 @@ def test_plans_that_feed_no_token_stop_the_run():
         plan = s.schedule()
         plan.prefills[next(iter(plan.prefills))] = 0
         s.check_plan(plan)
+
+
+def test_work_no_event_can_advance_ends_as_a_deadlock():
+    """A policy that parks a request (add() says it did not queue it, yet leaves it waiting):
+    the loop is never woken, no event is left, and the run ends as a deadlock, not as a
+    normal end; the request arriving later is aborted before its arrival."""
+    from lab.core.scheduler import POLICIES, register_policy
+    from policies.fcfs import FCFS
+
+    @register_policy("test_park")
+    class Park(FCFS):
+        def add(self, request, now_s):
+            return False  # neither queued nor rejected: nothing will ever run it
+
+    try:
+        reqs = [Request("a", 0.0, 4, 2), Request("b", 0.5, 4, 2)]
+        scheduler = Park(SchedulerLimits(8, 64, 64), BlockManager(16, 4, 4, 0.0))
+        res = replay(reqs, scheduler, FixedCost())
+    finally:
+        POLICIES.pop("test_park", None)
+    assert res.failure == "deadlock: no event left at t=0.500000s with 2 requests unfinished: a, b"
+    a, b = reqs
+    assert (a.status.value, b.status.value) == ("aborted", "aborted")
+    assert a.reason == f"{res.failure} (the run stopped at t=0.500s)"
+    assert a.finish_s == 0.5 and b.finish_s == 0.5  # both arrived before the run stopped
+    assert len(res.steps["time_s"]) == 0

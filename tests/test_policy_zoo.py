@@ -267,7 +267,7 @@ def test_vtc_counters_step_by_step_with_the_lift():
     s = make("vtc", seqs=1)
     ex = CounterLog(s)
     res = replay(trace, s, ex, check_invariants=True)
-    # t=0: tie 0/0 -> A (name). a1: A = 10, 12, 14. b1 (B 0 < 14): B = 4, 6, 8. a2: A = 24.
+    # t=0: tie 0/0 -> A (a1 waits before b1). a1: A = 10, 12, 14. b1 (B 0 < 14): B = 4, 6, 8. a2: A = 24.
     # b2 arrives at 0.045 with B's queue empty while A is backlogged (a3 waits, A = 24):
     # the lift raises B from 8 to 24. a2 ends at 26, 28; then B 24 < 28: b2 (28, 30, 32);
     # A 28 < 32: a3 (38, 40, 42); then b3 (36, 38, 40).
@@ -282,6 +282,40 @@ def test_vtc_counters_step_by_step_with_the_lift():
         "fcfs", [req(r.request_id, r.arrival_s, r.prompt_len, 2) for r in trace], seqs=1
     )
     assert first_token_order(fcfs) == ["a1", "a2", "a3", "b1", "b2", "b3"]
+
+
+def vtc_schedule(first: str, second: str):
+    """One sequence at a time (10 ms steps): q1, p1, q2, p2 at t = 0 (prompt 10, output 2),
+    q* of tenant ``first``, p* of ``second``; (id, first-token time, end time) in order."""
+    trace = [req(f"{k}{i}", 0.0, 10, 2, tenant=first if k == "q" else second)
+             for i in (1, 2) for k in ("q", "p")]  # fmt: skip
+    res = replay_requests("vtc", trace, seqs=1)
+    rows = [(r.request_id, round(res.token_times(r)[0], 6), round(r.finish_s, 6))
+            for r in res.requests]  # fmt: skip
+    return sorted(rows, key=lambda row: row[1])
+
+
+def test_vtc_ties_go_to_the_earliest_waiting_request_never_to_a_name():
+    # t=0: both counters 0: q1 waits first -> its tenant (10 at admission, 2 per token:
+    # 14 when q1 ends at 20 ms); p1 (0 < 14) runs [20, 40) ms -> 14 too; tie again at
+    # 40 ms: q2 waits before p2 -> q2 [40, 60), p2 [60, 80). Renamed tenants (the
+    # later name first, the names swapped) give the very same schedule.
+    expected = [("q1", 0.01, 0.02), ("p1", 0.03, 0.04), ("q2", 0.05, 0.06), ("p2", 0.07, 0.08)]
+    assert vtc_schedule("b", "a") == expected
+    assert vtc_schedule("a", "b") == expected
+    assert vtc_schedule("tenant-z", "tenant-0") == expected
+
+
+def test_vtc_a_rejected_request_lifts_nothing():
+    # A: a1, a2 at 0 (prompt 10, output 2) run one at a time; B's only request (prompt
+    # 10_001 > max_model_len - output) is rejected at 5 ms, while A is backlogged at 10:
+    # B's counter stays 0.
+    s = make("vtc", seqs=1)
+    trace = [req("a1", 0.0, 10, 2, tenant="A"), req("a2", 0.0, 10, 2, tenant="A")]
+    trace.append(req("b1", 0.005, 10_001, 2, tenant="B"))
+    res = replay(trace, s, FixedCost(), check_invariants=True)
+    assert by_id(res)["b1"].status.value == "rejected"
+    assert s.counters["B"] == 0 and s.counters["A"] == 28
 
 
 def test_vtc_tenant_weights_divide_the_charge():

@@ -1,8 +1,11 @@
 """Workload classes: ``trace:`` as a list of named classes, merged into one trace.
 
-Each class is a trace spec plus ``name``, ``priority``, ``tenant`` and ``slo``, loaded on its
-own (``seed`` defaults to the experiment's plus the class index), then merged by arrival
-time; ties go to the class listed first, then row order. Request ids become
+Each class is a trace spec plus ``name``, ``priority``, ``tenant``, ``slo`` and ``periods``,
+loaded on its own (``seed`` defaults to the experiment's plus the class index), then merged
+by arrival time; ties go to the class listed first, then row order. ``periods`` (the run's
+clock, ``[[on_s, off_s], ...]``, the last ``off_s`` may be null) lays the class's trace
+onto its on-periods (:func:`traces.table.apply_periods`): its clock runs only while the
+class is on, so a class may start late, stop early, or leave and come back. Request ids become
 ``{class}:{row}``; ``Request.ttft_slo_s`` is the class's ``slo.ttft_s``, else the top-level
 one.
 """
@@ -17,8 +20,15 @@ from typing import Any
 from lab.core.errors import TraceError, did_you_mean
 from lab.core.request import Request, RequestStatus
 from traces import load_table, scale_table
+from traces.table import apply_periods
 
-CLASS_KEYS = ("name", "priority", "tenant", "slo")  # the class's own; the rest is its trace
+CLASS_KEYS = (
+    "name",
+    "priority",
+    "tenant",
+    "slo",
+    "periods",
+)  # the class's own; the rest is its trace
 
 
 def load_classes(
@@ -52,6 +62,8 @@ def load_classes(
         try:
             table, n = load_table(spec, base_dir)
             table = scale_table(table, float(spec.get("rate_scale", 1.0)))
+            if c.get("periods") is not None:
+                table = apply_periods(table, c["periods"])
         except TraceError as e:
             raise TraceError(_in_class(str(e), i, c["name"])) from None
         rows += n

@@ -117,6 +117,23 @@ def apply_window(table: TraceTable, start_s: float, end_s: float) -> TraceTable:
     return kept.with_arrivals(kept.arrival_s - kept.arrival_s[kept.replayed][0])
 
 
+def apply_periods(table: TraceTable, periods: list[list[float | None]]) -> TraceTable:
+    """Lay the trace's clock onto on-periods ``[[on_s, off_s], ...]`` of the run's clock
+    (sorted, disjoint, on_s < off_s; the last ``off_s`` may be None: open). The trace's time
+    runs only while a period is on: trace time ``tau`` lands in the period where the on-time
+    before it sums past ``tau``, at ``on_s + (tau - on-time of the periods before)``.
+    Requests past the periods' total on-time are cut, dropped rows after them too (as a
+    window cuts); a loaded trace starts at 0, so its first request is always kept."""
+    on = np.array([p[0] for p in periods], dtype=np.float64)
+    off = np.array([np.inf if p[1] is None else p[1] for p in periods], dtype=np.float64)
+    before = np.concatenate(([0.0], np.cumsum(off - on)))  # on-time before each period
+    past = np.flatnonzero(table.replayed & (table.arrival_s >= before[-1]))
+    kept = table.take(slice(0, past[0])) if len(past) else table
+    tau = kept.arrival_s
+    k = np.clip(np.searchsorted(before, tau, side="right") - 1, 0, len(on) - 1)
+    return kept.with_arrivals(on[k] + (tau - before[k]))  # NaN (dropped rows) stays NaN
+
+
 def apply_limit(table: TraceTable, limit: int) -> TraceTable:
     """The first ``limit`` replayed requests, with the dropped entries among them."""
     replayed = np.flatnonzero(table.replayed)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -144,6 +145,7 @@ def parse_classes(ctx: Context, raw: list) -> ClassesConfig:
         if not isinstance(tenant, str) or (tenant and not LABEL.fullmatch(tenant)):
             raise fail(where, f"{key}.tenant", "a tenant name (letters, digits, ._+- )", tenant)
         slo = parse_slo(ctx, c.get("slo", {}), f"{key}.slo")
+        periods = parse_periods(where, f"{key} (class {name!r}).periods", c.get("periods"))
         spec = {k: v for k, v in c.items() if k not in CLASS_KEYS}
         if "format" not in spec:
             raise ConfigError(
@@ -158,8 +160,43 @@ def parse_classes(ctx: Context, raw: list) -> ClassesConfig:
         own = {"name": name, "priority": prio, "tenant": tenant}
         if "slo" in c:
             own["slo"] = {k: v for k, v in slo.to_dict().items() if v is not None}
+        if periods is not None:
+            own["periods"] = periods
         classes.append(MappingProxyType({**own, **one.spec}))
     return ClassesConfig(tuple(classes))
+
+
+def parse_periods(where: str, key: str, raw: Any) -> list[list[float | None]] | None:
+    """A class's ``periods``: a non-empty list of ``[on_s, off_s]`` pairs on the run's clock,
+    0 <= on_s < off_s, sorted and disjoint; only the last ``off_s`` may be null (on to the
+    end). None when absent."""
+    if raw is None:
+        return None
+    expected = (
+        "a non-empty list of [start_s, end_s] pairs in seconds of the run, "
+        "0 <= start_s < end_s, sorted and disjoint (the last end_s may be null: open)"
+    )
+    if not isinstance(raw, list) or not raw:
+        raise fail(where, key, expected, raw)
+    out, last_end = [], 0.0
+    for i, pair in enumerate(raw):
+        ok = isinstance(pair, list) and len(pair) == 2
+        ok = ok and all(_number(v) for v in pair[:1]) and (_number(pair[1]) or pair[1] is None)
+        if not ok:
+            raise fail(
+                where, f"{key}[{i}]", "[start_s, end_s], two numbers (end_s may be null)", pair
+            )
+        on, off = float(pair[0]), None if pair[1] is None else float(pair[1])
+        if on < last_end or (off is not None and off <= on) or (off is None and i < len(raw) - 1):
+            raise fail(where, f"{key}[{i}]", expected, pair)
+        out.append([on, off])
+        last_end = off if off is not None else on
+    return out
+
+
+def _number(v: Any) -> bool:
+    """A finite real number (bools are not numbers here)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def parse_workload(ctx: Context, raw: Mapping[str, Any]) -> Workload:

@@ -55,6 +55,11 @@ class SchedulerStuckError(RuntimeError):
     """The replay cannot go on: no progress, a request thrashing, or a hook breaking a rule."""
 
 
+class DeadlockError(SchedulerStuckError):
+    """Work remains and nothing can advance it: a plan that feeds no token with no step in
+    flight to free anything, or no event left while requests are unfinished."""
+
+
 def did_you_mean(name: object, choices: Iterable[str], quote: bool = False) -> str:
     """`` (did you mean X?)`` for the closest choice (difflib ratio >= 0.75), else ``""``."""
     if not isinstance(name, str):

@@ -6,8 +6,10 @@
   and queueing delay; the run's ``request_goodput`` and ``slo_attainment`` use the class SLOs.
 * ``tenants``: per tenant its requests, served tokens and TTFT.
 * ``fairness``: service in windows of the run's duration / :data:`NUM_WINDOWS`, weighted as
-  VTC counts it (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24:
-  ``INPUT_WEIGHT`` per prompt token at the first token, ``OUTPUT_WEIGHT`` per output token).
+  VTC charges it (Sheng et al., "Fairness in Serving Large Language Models", OSDI'24:
+  ``INPUT_WEIGHT`` per prompt token when the request is first admitted, ``OUTPUT_WEIGHT``
+  per output token when it is produced; the paper's weights, whatever the run's policy, so
+  that runs of one experiment compare).
   A tenant is backlogged in a window when a request of it waits throughout. ``jain_index``:
   (sum x)^2 / (n sum x^2) over the n >= 2 backlogged tenants, mean and min over windows.
   ``max_service_difference``: the largest |W_f - W_g| over whole windows where f and g are
@@ -149,10 +151,13 @@ def tenant_service(
     for t, reqs in sorted(by_tenant.items()):
         times, weights = [], []
         for r in reqs:
+            if r.first_scheduled_s >= 0:  # admitted: its prompt is charged then
+                times.append([r.first_scheduled_s])
+                weights.append([INPUT_WEIGHT * r.prompt_len])
             tok = result.token_times(r)
             if len(tok):
-                times += [tok[:1], tok]
-                weights += [[INPUT_WEIGHT * r.prompt_len], np.full(len(tok), OUTPUT_WEIGHT)]
+                times.append(tok)
+                weights.append(np.full(len(tok), OUTPUT_WEIGHT))
         if times:
             at = np.concatenate(times)
             idx = np.clip(np.searchsorted(edges, at, side="right") - 1, 0, NUM_WINDOWS - 1)

@@ -62,7 +62,7 @@ from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import Scheduler
 from lab.sim.hardware import Link
 from lab.sim.records import ENDED, ReplayResult
-from lab.sim.replay import ReplayLoop, run_to_end
+from lab.sim.replay import ReplayLoop, arrival_timeout, run_to_end
 from lab.sim.router import Router, get_router
 
 ROLES = ("both", "prefill", "decode")
@@ -152,9 +152,15 @@ class Replica(ReplayLoop):
         return self._open_tokens
 
     @property
-    def kv_used_fraction(self) -> float:
-        bm = self.scheduler.block_manager
-        return bm.num_used_gpu_blocks / bm.num_gpu_blocks
+    def num_gpu_blocks(self) -> int:
+        return self.scheduler.block_manager.num_gpu_blocks
+
+    @property
+    def num_used_gpu_blocks(self) -> int:
+        return self.scheduler.block_manager.num_used_gpu_blocks
+
+    def blocks_to_admit(self, r: Request) -> int:
+        return self.scheduler.blocks_to_admit(r)
 
     def take(self, r: Request) -> None:
         """Count ``r`` as routed here (its KV may still be on the way)."""
@@ -266,9 +272,9 @@ class _Cluster:
                 r.status, r.reason, r.finish_s = RequestStatus.REJECTED, reason, self.env.now
                 return
             if r.output_len > 1:
-                copy = _prefill_copy(r)
+                copy = _prefill_copy(r)  # routed as what the prefill replica holds
                 self._real[copy] = r
-                self._place(copy, self.pools[0][self.routers[0].route(r)])
+                self._place(copy, self.pools[0][self.routers[0].route(copy)])
                 return
         self._place(r, self.pools[0][self.routers[0].route(r)])
 
@@ -367,7 +373,7 @@ def arrival_process(
     """Route ``requests`` (sorted by arrival) at their arrival times."""
     for i, r in enumerate(requests):
         if r.arrival_s > env.now:
-            yield env.timeout(r.arrival_s - env.now)
+            yield arrival_timeout(env, r.arrival_s - env.now)
         cluster.arrive(r)
         if progress is not None and i % 4096 == 4095:
             unfinished = sum(rep.num_requests for rep in cluster.replicas)

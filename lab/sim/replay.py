@@ -17,8 +17,11 @@ environment, with two processes as methods:
   waits on a wall-clock executor (the engine).
 
 Idle gaps cost nothing: with no work, the loop waits for the next ``add``; the run ends when
-no event is left. Simultaneous events resolve in SimPy's order (scheduled time, then
-creation order), so a replay is deterministic.
+no event is left. Equal times: a plan made at time t sees every request that arrives at t
+(arrivals are SimPy's urgent events, :func:`arrival_timeout`, processed before a step that
+ends at t), so the order never depends on when unrelated events were created. Work left when
+no event is left, or a plan that cannot advance anything, ends the run as a deadlock: every
+unfinished request is aborted with a reason starting ``deadlock:``.
 """
 
 from __future__ import annotations
@@ -32,14 +35,25 @@ from typing import Any
 
 import simpy
 
-from lab.core.errors import ConfigError, SchedulerStuckError
+from lab.core.errors import ConfigError, DeadlockError
 from lab.core.plan import Executor, SchedulerOutput, StepResult
 from lab.core.request import Request, RequestStatus
 from lab.core.scheduler import Scheduler
 from lab.sim.records import ENDED, STEP_COLUMNS, ReplayResult, StepRecorder
 
 _WASTED = STEP_COLUMNS.index("num_wasted_tokens")
+DEADLOCK = "deadlock"  # the reason prefix of requests a run could not advance
 _PROGRESS_EVERY = 4096  # steps between progress calls
+
+
+def arrival_timeout(env: simpy.Environment, delay_s: float) -> simpy.Event:
+    """A timeout of ``delay_s`` that SimPy processes before the ordinary events of the same
+    time (URGENT priority): a step ending then is applied after the arrival, and its next
+    plan sees the arriving request."""
+    event = simpy.Event(env)
+    event._ok, event._value = True, None  # triggered, as simpy.Timeout does it
+    env.schedule(event, simpy.events.URGENT, delay_s)
+    return event
 
 
 @dataclass
@@ -88,7 +102,7 @@ class ReplayLoop:
         env = self.env
         for r in requests:
             if r.arrival_s > env.now:
-                yield env.timeout(r.arrival_s - env.now)
+                yield arrival_timeout(env, r.arrival_s - env.now)
             self.add(r)
 
     def run(self) -> Iterator[simpy.Event]:
@@ -181,14 +195,14 @@ class ReplayLoop:
     def _plan(self, in_flight: bool) -> tuple[SchedulerOutput, bool]:
         """The next plan (checked if ``check_invariants``) and whether it goes to the
         executor: it feeds a token, or it aborts and still has swaps to run. Raises
-        SchedulerStuckError if no request advances, none is aborted, and nothing can free
-        blocks: no step in flight (or the plan preempted) and none held for another replica."""
+        DeadlockError if no request advances, none is aborted, and nothing can free blocks:
+        no step in flight (or the plan preempted) and none held for another replica."""
         scheduler = self.scheduler
         plan = scheduler.schedule()
         feeds = plan.feeds_tokens
         if not feeds and not plan.aborted and (not in_flight or plan.preempted):
             if not scheduler.held or plan.preempted:
-                raise SchedulerStuckError(_stuck_message(scheduler, self.env.now))
+                raise DeadlockError(_stuck_message(scheduler, self.env.now))
         if self.check_invariants:
             scheduler.check_plan(plan)
         return plan, feeds or (bool(plan.aborted) and not plan.is_empty)
@@ -247,10 +261,10 @@ def replay(
 
     Returns:
         The result, its requests sorted by arrival. If a step fails (the executor raises,
-        e.g. device out of memory, or the policy gets stuck or thrashes:
-        SchedulerStuckError), the replay stops there, every request not ended yet is
-        aborted with a reason naming the failure, and ``failure`` holds the one-line
-        message; nothing is lost and nothing hangs.
+        e.g. device out of memory, or the policy thrashes: SchedulerStuckError) or the run
+        deadlocks (work nothing can advance: ``deadlock: ...``), the replay stops there,
+        every request not ended yet is aborted with a reason naming the failure, and
+        ``failure`` holds the one-line message; nothing is lost and nothing hangs.
     """
     # Python's cyclic garbage collector would otherwise rescan every object that exists before
     # the replay (the engine's model and libraries, the trace, earlier runs' results) in its
@@ -310,26 +324,32 @@ def run_to_end(
     check_invariants: bool,
 ) -> str | None:
     """Run ``env`` until no event is left. Returns None, or why the run stopped (the first
-    line of the error); then every request not ended yet is ABORTED with a reason: one that
-    never arrived (``requests`` sorted by arrival, the first ``num_arrived()`` arrived) has no
-    finish time, one in a queue or caught by the failed step finishes now.
+    line of the error; ``deadlock: ...`` when work remained that nothing could advance);
+    then every request not ended yet is ABORTED with a reason: one that never arrived
+    (``requests`` sorted by arrival, the first ``num_arrived()`` arrived) has no finish time,
+    one in a queue or caught by the failed step finishes now (a deadlock's reason starts
+    ``deadlock:``).
 
-    Raises nothing: a failed step, a request left unfinished, or a broken block-manager
-    invariant (``check_invariants``) all end the run this way."""
+    Raises nothing: a failed step, a deadlock, or a broken block-manager invariant
+    (``check_invariants``) all end the run this way."""
     try:
         env.run()
         lost = [r.request_id for r in requests if r.status not in ENDED]
-        if lost:
-            raise SchedulerStuckError(
-                f"replay ended with {len(lost)} requests unfinished: {', '.join(lost[:10])}"
+        if lost:  # no event left, yet work remains: nothing will ever advance it
+            raise DeadlockError(
+                f"no event left at t={env.now:.6f}s with {len(lost)} requests unfinished: "
+                f"{', '.join(lost[:10])}"
             )
         if check_invariants:
             for s in schedulers:
                 s.block_manager.check_integrity([])
         return None
+    except DeadlockError as e:
+        failure = f"{DEADLOCK}: {e}".splitlines()[0]
+        unfinished = f"{failure} (the run stopped at t={env.now:.3f}s)"
     except Exception as e:  # a failed step ends the run, accounted for request by request
         failure = f"{type(e).__name__}: {e}".splitlines()[0]
-    unfinished = f"not finished: the run stopped at t={env.now:.3f}s ({failure})"
+        unfinished = f"not finished: the run stopped at t={env.now:.3f}s ({failure})"
     for s in schedulers:
         s.abort_unfinished(unfinished, env.now)
     arrived = num_arrived()

@@ -2,10 +2,18 @@
 
 A router sees what a serving router in front of vLLM sees (llm-d's inference scheduler, the
 vLLM production-stack router, the SGLang / vLLM router): per replica the requests it holds
-(queued, running, swapped, or on their way to it), the prompt tokens of those requests, the
-share of its KV cache in use, and the arriving request's prompt length and prefix keys
+(queued, running, swapped, or on their way to it), the prompt tokens of those requests, its
+KV cache in use, and the arriving request's prompt length and prefix keys
 (``Request.hash_ids``). Never output lengths, never the future. Every router is
 deterministic for a given seed; ties go to the lowest replica index.
+
+Every load signal counts what the router has already sent: a request routed to a replica
+counts in its load from that instant, before the replica admits it (as vLLM's and llm-d's
+routers count their own outstanding requests), so a burst of simultaneous arrivals spreads
+instead of piling onto the replica that looked least loaded before it. The signals:
+round_robin none; least_outstanding_tokens the prompt tokens of the requests routed there
+and not ended; power_of_two and prefix_affinity their number; least_kv the KV blocks in
+use plus those the requests it sent there and the replica has not admitted yet need.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol
 
 from lab.core.registry import Registry
-from lab.core.request import Request
+from lab.core.request import Request, RequestStatus
 
 
 class ReplicaLoad(Protocol):
@@ -33,8 +41,15 @@ class ReplicaLoad(Protocol):
         """Prompt tokens of the requests routed to it that have not ended."""
 
     @property
-    def kv_used_fraction(self) -> float:
-        """Used GPU KV blocks / GPU KV blocks (vLLM's ``gpu_cache_usage_perc``)."""
+    def num_gpu_blocks(self) -> int:
+        """GPU KV blocks of the replica."""
+
+    @property
+    def num_used_gpu_blocks(self) -> int:
+        """GPU KV blocks in use (vLLM's ``gpu_cache_usage_perc`` x ``num_gpu_blocks``)."""
+
+    def blocks_to_admit(self, r: Request) -> int:
+        """GPU blocks the replica needs to admit ``r`` (a request holding no KV there)."""
 
 
 class Router:
@@ -113,12 +128,26 @@ class LeastOutstandingTokens(Router):
 
 @register_router("least_kv")
 class LeastKV(Router):
-    """The replica with the smallest share of its KV cache in use, then the fewest requests
-    (llm-d's KV-cache-utilization scorer). Requests still queued hold no KV, so a burst that
-    arrives before a replica's next step sees the same use and is broken by request count."""
+    """The replica with the smallest share of its KV cache in use or owed, then the fewest
+    requests (llm-d's KV-cache-utilization scorer, with the router's count of what it sent):
+    (GPU blocks in use + blocks to admit the requests this router sent there that the
+    replica has not admitted yet) / GPU blocks. A request sent is owed until it leaves
+    ``waiting`` (admitted, rejected or aborted); queued requests hold no KV, so without
+    them a burst arriving before the replica's next step would see the same use."""
+
+    def __init__(self, replicas: Sequence[ReplicaLoad], seed: int = 0, **options: Any) -> None:
+        super().__init__(replicas, seed, **options)
+        self._sent: list[list[Request]] = [[] for _ in replicas]  # per replica, not admitted
 
     def route(self, r: Request) -> int:
-        return self.least(lambda rep: (rep.kv_used_fraction, rep.num_requests))
+        loads = []
+        for rep, sent in zip(self.replicas, self._sent, strict=True):
+            sent[:] = [q for q in sent if q.status is RequestStatus.WAITING]
+            owed = sum(rep.blocks_to_admit(q) for q in sent)
+            loads.append((rep.num_used_gpu_blocks + owed) / rep.num_gpu_blocks)
+        i = min(range(len(loads)), key=lambda k: (loads[k], self.replicas[k].num_requests, k))
+        self._sent[i].append(r)
+        return i
 
 
 @register_router("power_of_two")

@@ -513,6 +513,10 @@ def _report(runs: list, decode, out: Path, wall_s: float, cfg) -> int:
     from lab.report.terminal import summary_text
 
     print(summary_text(runs, cfg.report.metric_percentiles))
+    from lab.report.replicas import cluster_text
+
+    if cluster := cluster_text(runs):
+        print(f"\n{cluster}")
     if decode is not None:  # a taste of the real text, first policy only
         finished = [r for r in runs[0].result.requests if r.status.value == "finished"]
         for r in finished[:3]:

@@ -20,7 +20,8 @@ def add_cluster(
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """``df`` (one row per request of ``rows``) with the cluster columns, and the summary's
     ``cluster`` section: layout, transfers, and per replica its role, requests, steps, busy
-    time and share, tokens fed, preemptions, KV use (mean, max), TTFT and TPOT."""
+    time and share, tokens fed, preemptions, queue peak (most requests waiting or swapped
+    out after a step), KV use (mean, max), TTFT and TPOT."""
     df = df.assign(**request_columns(result, rows))
     finished = df["status"] == "finished"
     duration = summary["duration_s"]
@@ -40,6 +41,7 @@ def add_cluster(
             "prefill_tokens": int(s["num_prefill_tokens"].sum()),
             "decode_tokens": int(s["num_decode_tokens"].sum()),
             "preemptions": int(s["num_preempted"].sum()),
+            "queue_peak": int((s["num_waiting"] + s["num_swapped"]).max(initial=0)),
             "kv_used_fraction": {
                 "mean": float(np.average(kv, weights=s["duration_s"])) if busy > 0 else 0.0,
                 "max": float(kv.max(initial=0.0)),

@@ -186,6 +186,7 @@ def run_rows(run, slo: Mapping[str, float | None]) -> list[dict[str, Any]]:
     """The table rows of one run: the whole run, then one per request class when there are
     several, each judged by its own SLOs (``slo`` overlaid with the class's)."""
     row = flatten(run.summary)
+    row["request_rate"] = (run.vllm or {}).get("request_rate")  # offered req/s
     row["error"] = run.result.failure
     rows = [row]
     df = run.requests

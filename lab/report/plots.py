@@ -67,8 +67,11 @@ def log_axis(ax, which: str = "y") -> None:
     (ax.set_yscale if which == "y" else ax.set_xscale)("log")
     lo, hi = sorted(ax.get_ylim() if which == "y" else ax.get_xlim())
     decades = np.log10(hi / lo) if lo > 0 else 99.0
-    subs = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0) if decades < 1.3 else (1.0, 2.0, 5.0)
-    axis.set_major_locator(LogLocator(base=10, subs=subs if decades < 4 else (1.0,)))
+    if decades < 1.3:
+        subs: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)
+    else:
+        subs = (1.0, 2.0, 5.0) if decades < 2.5 else (1.0,)
+    axis.set_major_locator(LogLocator(base=10, subs=subs))
     axis.set_major_formatter(FuncFormatter(lambda v, _: plain_number(v)))
     axis.set_minor_formatter(NullFormatter())
 

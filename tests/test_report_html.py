@@ -75,7 +75,7 @@ def test_report_html_renders_report_md_and_stays_small(tmp_path):
     assert "`" not in body  # report.md's code spans are rendered, not shown as backticks
     assert "<code>sim</code>" in body and "<h1>quickstart</h1>" in body
     assert "<table>" in body and "<th>TTFT p50 / p99 (s)</th>" in body  # report.md's table
-    assert "src=\"latency_cdf.png\"" not in body and body.count("data:image/png;base64,") >= 5
+    assert 'src="latency_cdf.png"' not in body and body.count("data:image/png;base64,") >= 5
     assert text.count("id='plotly-gz'") == 1  # plotly's bundle once, packed
     assert (out / "report.html").stat().st_size < 3_000_000
 

@@ -38,17 +38,18 @@ import sys
 import time
 from dataclasses import asdict, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from backend.runner import ModelRunner, SeqInput
-from backend.sampler import sample
 from backend.sources import backend_sources_hash
 from lab.core.errors import UserError
 from lab.core.fingerprint import HEADER_PREFIX
 from lab.core.outputs import check_output, write_output
 from lab.core.plan import StepFeatures
+
+if TYPE_CHECKING:  # torch and the runner load in the functions: --help works without torch
+    from backend.runner import ModelRunner, SeqInput
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DECODE_CONTEXTS = (128, 512, 1024, 2048, 4096)
@@ -110,6 +111,8 @@ def features(chunks, decodes, swap_blocks) -> StepFeatures:
 
 
 def step_inputs(chunks, decodes, block_size) -> list[SeqInput]:
+    from backend.runner import SeqInput
+
     seqs, next_block = [], 0
     for c, n in chunks:
         blocks = -(-(c + n + 1) // block_size)
@@ -122,19 +125,24 @@ def step_inputs(chunks, decodes, block_size) -> list[SeqInput]:
     return seqs
 
 
-@torch.inference_mode()
 def execute_launched(runner: ModelRunner, seqs: list[SeqInput]) -> float:
     """``runner.execute(seqs)`` in its parts; ``time.perf_counter()`` at launch, or NaN for a
     tensor-parallel runner."""
+    import torch
+
+    from backend.runner import ModelRunner
+    from backend.sampler import sample
+
     if not isinstance(runner, ModelRunner):
         runner.execute(seqs)
         return float("nan")
-    sampled_seqs, temperatures, logits = runner._forward(seqs, runner.kv_cache)
-    tokens = sample(logits, temperatures, runner.generator) if sampled_seqs else None
-    launched = time.perf_counter()
-    if tokens is not None:
-        tokens.tolist()  # syncs, as execute does
-    runner.synchronize()
+    with torch.inference_mode():
+        sampled_seqs, temperatures, logits = runner._forward(seqs, runner.kv_cache)
+        tokens = sample(logits, temperatures, runner.generator) if sampled_seqs else None
+        launched = time.perf_counter()
+        if tokens is not None:
+            tokens.tolist()  # syncs, as execute does
+        runner.synchronize()
     return launched
 
 
@@ -236,6 +244,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m backend.profile")
 
 
 def _profile(args: argparse.Namespace) -> None:
+    import torch
+
+    from backend.runner import ModelRunner
+
     args.out = check_output(args.out, "--out")  # before the GPU work: a user's file stays
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kwargs = dict(device=device, dtype=args.dtype, attention_backend=args.attention,
@@ -303,6 +315,8 @@ def _profile(args: argparse.Namespace) -> None:
 
 def engine_fingerprint(runner: ModelRunner, kn_weights: bool = False) -> dict:
     """The engine fingerprint of ``runner`` (:mod:`lab.core.fingerprint`)."""
+    import torch
+
     try:
         import triton
 
@@ -341,6 +355,8 @@ def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
             )
         except OSError:
             commit = "unknown"
+    import torch
+
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     fingerprint = engine_fingerprint(runner)
     print(f"engine fingerprint: {json.dumps(fingerprint, sort_keys=True)}")
@@ -350,6 +366,8 @@ def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
 
 def _write_csv(path: Path, rows: list[dict], runner, args, device: str, commit: str,
                fingerprint: dict) -> None:  # fmt: skip
+    import torch
+
     c = runner.config
     with path.open("w", newline="") as f:
         f.write(

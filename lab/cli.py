@@ -219,7 +219,14 @@ def _delegate(command: str, argv: list[str]) -> int:
     module_name, _, function = DELEGATED[command][0].partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
+        extra = {}
+        if command == "fit":  # the fit compares the profile with this checkout's engine sources
+            from backend.sources import checkout_engine
+
+            extra["engine"] = checkout_engine()
+        run = getattr(module, function or "main")
+        return run(argv, prog=f"sched-lab {command}", **extra) or 0
+    except ModuleNotFoundError as e:  # the commands import the engine's packages when run
         if (e.name or "").split(".")[0] not in ENGINE_MODULES:
             raise
         print(
@@ -228,13 +235,6 @@ def _delegate(command: str, argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    extra = {}
-    if command == "fit":  # the fit compares the profile with this checkout's engine sources
-        from backend.sources import checkout_engine
-
-        extra["engine"] = checkout_engine()
-    run = getattr(module, function or "main")
-    return run(argv, prog=f"sched-lab {command}", **extra) or 0
 
 
 def prefix_bound(argv: list[str] | None = None, prog: str = "sched-lab prefix-bound") -> int:
@@ -535,6 +535,10 @@ def _report(runs: list, decode, out: Path, wall_s: float, cfg) -> int:
     from lab.report.terminal import summary_text
 
     print(summary_text(runs, cfg.report.metric_percentiles))
+    from lab.report.replicas import cluster_text
+
+    if cluster := cluster_text(runs):
+        print(f"\n{cluster}")
     if decode is not None:  # a taste of the real text, first policy only
         finished = [r for r in runs[0].result.requests if r.status.value == "finished"]
         for r in finished[:3]:

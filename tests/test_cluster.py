@@ -327,6 +327,18 @@ def test_results_folder_of_a_disaggregated_run(tmp_path):
     steps = pd.read_csv(out / "steps.csv")
     assert set(steps["replica"]) == {0, 1, 2, 3}
     assert load_config(out / "config.yaml").cluster == cfg.cluster
+    fcfs = steps[steps["policy"] == "fcfs"]
+    for k in "0123":  # the most requests waiting or swapped out after one of its steps
+        mine = fcfs[fcfs["replica"] == int(k)]
+        assert replicas[k]["queue_peak"] == (mine["num_waiting"] + mine["num_swapped"]).max()
+    report = (out / "report.md").read_text()
+    n = [replicas[k]["num_requests"] for k in "0123"]
+    assert "| replica | role | requests | busy % | KV mean / max % | preemptions |" in report
+    assert f"| 0 | prefill | {n[0]} |" in report and f"| 3 | decode | {n[3]} |" in report
+    assert "sched-lab explain" not in report  # no scheduler events in a cluster
+    page = (out / "report.html").read_text()
+    assert "timeline" not in page.lower() and "plotly" not in page.lower()
+    assert "<td>prefill</td>" in page
 
 
 @pytest.mark.parametrize(
@@ -507,3 +519,47 @@ def test_prefix_affinity_needs_hash_ids_in_the_trace():
         check_router_keys(plain, cfg({"replicas": 2, "router": "prefix_affinity"}))
     check_router_keys(keyed, cfg({"replicas": 2, "router": "prefix_affinity"}))
     check_router_keys(plain, cfg({"replicas": 2, "router": "least_kv"}))
+
+
+@pytest.mark.parametrize("name", ["cluster_routers", "cluster_pd"])
+def test_a_cluster_yaml_comment_names_the_rate_its_run_offers(name):
+    import re
+
+    from lab.config import load_config
+    from lab.results.vllm_result import offered_rate
+    from traces import load_trace
+
+    path = ROOT / f"experiments/{name}.yaml"
+    said = re.search(r"(\d+) req/s offered", path.read_text())
+    cfg = load_config(path)
+    spec = {"seed": cfg.seed, **cfg.trace.spec, "rate_scale": cfg.rate_scales[0]}
+    rate = offered_rate(np.array([r.arrival_s for r in load_trace(spec, cfg.base_dir)]))
+    assert said and int(said.group(1)) == round(rate), rate
+
+
+def test_replica_table_rows_and_the_host_buffer_column():
+    from lab.report.replicas import cluster_text, replica_rows
+
+    def replica(role, n, busy, kv, **extra):
+        return {"role": role, "num_prompts": n, "busy_fraction": busy, "num_preemptions": 2,
+                "mean_kv_cache_usage": kv, "max_kv_cache_usage": 1.0, "queue_peak": 7,
+                **extra}  # fmt: skip
+
+    cluster = {"mode": "disaggregated", "num_replicas": 2, "replicas": {
+        "0": replica("prefill", 10, 0.5, 0.25),
+        "1": replica("decode", 10, 0.987, 0.5, host_buffer_peak_bytes=3 * 2**30,
+                     host_buffer_peak_requests=4)}}  # fmt: skip
+    head, rows = replica_rows(cluster)
+    assert head[-1] == "host buffer peak (GiB / requests)"
+    assert rows == [["0", "prefill", "10", "50", "25 / 100", "2", "7", "-"],
+                    ["1", "decode", "10", "99", "50 / 100", "2", "7", "3.00 / 4"]]  # fmt: skip
+    del cluster["replicas"]["1"]["host_buffer_peak_bytes"]
+    assert len(replica_rows(cluster)[0]) == 7  # no buffer, no column
+
+    class R:
+        label = "fcfs"
+        summary = {"cluster": cluster, "cost_model": {"kind": "calibrated", "profile": "p.csv"}}
+
+    text = cluster_text([R()]).splitlines()
+    assert text[0] == "cost model: calibrated (p.csv)"
+    assert text[2] == "fcfs: 2 replicas (disaggregated)"

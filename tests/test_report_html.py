@@ -61,4 +61,28 @@ def test_report_html_renders_with_no_console_errors(tmp_path):
     dom, console = render(page, tmp_path)
     assert not errors(console), console
     assert dom.count('class="plot-container plotly"') == 3  # a timeline per run, drawn
-    assert "main-svg" in dom and "fcfs" in dom and "decode" in text
+    assert "main-svg" in dom and "fcfs" in dom and "decode" in dom  # drawn: the lane legend
+
+
+def test_report_html_renders_report_md_and_stays_small(tmp_path):
+    import run_experiment
+
+    out = tmp_path / "q"
+    args = [str(ROOT / "experiments/quickstart.yaml"), "--limit", "60", "--out", str(out)]
+    assert run_experiment.main([*args, "--no-progress"]) == 0
+    text = (out / "report.html").read_text()
+    body = re.sub(r"<script.*?</script>", "", text, flags=re.S)
+    assert "`" not in body  # report.md's code spans are rendered, not shown as backticks
+    assert "<code>sim</code>" in body and "<h1>quickstart</h1>" in body
+    assert "<table>" in body and "<th>TTFT p50 / p99 (s)</th>" in body  # report.md's table
+    assert 'src="latency_cdf.png"' not in body and body.count("data:image/png;base64,") >= 5
+    assert text.count("id='plotly-gz'") == 1  # plotly's bundle once, packed
+    assert (out / "report.html").stat().st_size < 3_000_000
+
+
+def test_step_groups_merge_consecutive_steps_past_the_cap():
+    from lab.report.html import step_groups
+
+    assert step_groups(3, most=4) == [(0, 0), (1, 1), (2, 2)]
+    assert step_groups(7, most=3) == [(0, 2), (3, 5), (6, 6)]  # runs of ceil(7 / 3) = 3
+    assert step_groups(0) == []

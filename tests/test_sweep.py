@@ -724,3 +724,64 @@ def test_trace_keys_over_workload_classes_apply_to_every_class(tmp_path):
     rows = pd.read_csv(out / "sweep.csv")
     assert (rows["status"] == "ok").all()
     assert rows[rows["class"] == "all"]["completed"].tolist() == [10, 10]
+
+
+def test_sweep_plots_read_either_latency_name_and_the_offered_rate():
+    from lab.sweeps.report import latency_s, offered_x
+
+    old = pd.DataFrame({"ttft_s_p99": [0.5, 2.0], "rate_scale": [1.0, 2.0]})
+    vllm = pd.DataFrame({"p99_ttft_ms": [500.0, 2000.0], "rate_scale": [1.0, 2.0],
+                         "request_rate": [3.5, 7.0]})  # fmt: skip
+    assert latency_s(old, "ttft_s").tolist() == [0.5, 2.0]
+    assert latency_s(vllm, "ttft_s").tolist() == [0.5, 2.0]
+    assert latency_s(old, "itl_s").isna().all()  # a column the table lacks: no line
+    assert offered_x(vllm)[0].tolist() == [3.5, 7.0] and offered_x(vllm)[1].startswith("offered")
+    assert offered_x(old)[0].tolist() == [1.0, 2.0] and offered_x(old)[1].startswith("rate_scale")
+
+
+def test_sweep_lines_keep_one_colour_per_policy_and_a_dash_per_configuration():
+    from types import SimpleNamespace
+
+    from lab.report.plots import COLOURS
+    from lab.sweeps.report import DASHES, _lines
+
+    df = pd.DataFrame({
+        "policy": ["fcfs", "swap"] * 4, "kv_cache.num_gpu_blocks": [1024] * 4 + [4096] * 4,
+        "trace.rate_scale": [1, 1, 2, 2] * 2, "rate_scale": [1.0, 1.0, 2.0, 2.0] * 2,
+        "_x": [3.5, 3.5, 7.0, 7.0] * 2,
+    })  # fmt: skip
+    sweep = SimpleNamespace(keys=["kv_cache.num_gpu_blocks", "trace.rate_scale"], search=None)
+    lines, legend = _lines(sweep, df, "_x")
+    assert [(s["color"], s["ls"]) for s, _ in lines] == [
+        (COLOURS[0], DASHES[0]), (COLOURS[1], DASHES[0]),
+        (COLOURS[0], DASHES[1]), (COLOURS[1], DASHES[1]),
+    ]  # fmt: skip
+    assert [g["_x"].tolist() for _, g in lines] == [[3.5, 7.0]] * 4  # the load is the x
+    assert list(legend["configs"]) == ["kv_cache.num_gpu_blocks=1024",
+                                       "kv_cache.num_gpu_blocks=4096"]  # fmt: skip
+    assert lines[0][0]["lw"] > lines[1][0]["lw"]  # swap drawn inside fcfs where they agree
+
+
+def test_log_axes_are_labelled_in_plain_numbers_and_the_rate_scale_axis():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lab.report.plots import log_axis, rate_scale_axis
+
+    fig, ax = plt.subplots()
+    ax.plot([3.5, 7.0, 14.0], [0.2, 2.0, 15.0])  # two decades: ticks at 1, 2 and 5
+    log_axis(ax)
+    rate_scale_axis(ax, [3.5, 7.0, 14.0], [1.0, 2.0, 4.0])
+    fig.canvas.draw()
+    lo, hi = ax.get_ylim()
+    shown = [t.get_text() for t in ax.get_yticklabels() if lo <= t.get_position()[1] <= hi]
+    assert {"0.2", "0.5", "1", "2", "5", "10"} <= set(shown), shown
+    assert not any("$" in t or "10^" in t for t in shown)
+    assert len(ax.child_axes) == 1  # rate_scale on top: offered = 3.5 x rate_scale
+    fig2, ax2 = plt.subplots()
+    rate_scale_axis(ax2, [3.5, 9.0], [1.0, 2.0])  # two traces' rates: no single multiple
+    assert ax2.child_axes == []
+    plt.close(fig)
+    plt.close(fig2)

@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from backend.dtypes import DTYPES
 from backend.tools.convert_smollm2 import convert_smollm2, default_dir
-from backend.tools.random_checkpoint import write_random_checkpoint
 from lab.core.errors import UserError
 from lab.core.model_presets import PRESETS
 
 EXIT_CODES = "exit status: 0 ok, 2 bad input (one line: error: ...)"
+# backend.dtypes.DTYPES's names (it imports torch; the help must not need it)
+DTYPE_NAMES = ("bf16", "bfloat16", "float16", "float32", "fp16", "fp32", "half")
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m backend.tools") -> int:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m backend.tools") -
     )
     rand.add_argument("--preset", required=True, choices=sorted(PRESETS))
     rand.add_argument("--out", required=True)
-    rand.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    rand.add_argument("--dtype", default="bf16", choices=DTYPE_NAMES)
     rand.add_argument("--seed", type=int, default=0)
 
     smol = sub.add_parser(
@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m backend.tools") -
     args = parser.parse_args(argv)
     try:
         if args.command == "make-random-checkpoint":
+            from backend.tools.random_checkpoint import write_random_checkpoint
+
             out = write_random_checkpoint(
                 PRESETS[args.preset], args.out, args.dtype, args.seed, name=args.preset
             )

@@ -9,7 +9,6 @@ the lab wrote, and a rerun replaces a folder only when it holds nothing else.
 
 from __future__ import annotations
 
-import html
 import json
 import math
 import os
@@ -27,7 +26,7 @@ from lab.core.errors import UserError
 from lab.core.outputs import MANIFEST  # the names of the files the lab wrote in a folder
 from lab.report import html as html_report
 from lab.report import plots, timeline
-from lab.report.markdown import config_yaml, model_line, report_markdown
+from lab.report.markdown import config_yaml, report_markdown
 from lab.report.progress import Phase
 from lab.results import fairness, vllm_result
 from lab.results.run import Run
@@ -131,7 +130,7 @@ def _write_files(
         title, _, rest = report.partition("\n")
         report = f"{title}\n\n**Partial results**: {partial}.\n{rest}"
     (tmp / "report.md").write_text(report)
-    _html(tmp, cfg, runs, plots + stories, figures, partial)
+    _html(tmp, cfg, runs, report, figures)
     files = sorted(p.name for p in tmp.iterdir())
     (tmp / MANIFEST).write_text(
         json.dumps({"written_by": f"sched-lab {__version__}", "files": files}, indent=2) + "\n"
@@ -415,14 +414,10 @@ def _safe(label: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
 
 
-def _html(folder: Path, cfg, runs, pictures, figures, partial) -> None:
+def _html(folder: Path, cfg, runs, report: str, figures) -> None:
+    """report.html: report.md rendered, the table of every statistic, the timelines."""
     from lab.report.terminal import rows, slo_text
 
-    intro = html.escape(
-        f"Backend {cfg.backend}; {model_line(cfg)}; "
-        f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg.kv_cache.block_size} "
-        "tokens." + (f" Partial results: {partial}." if partial else "")
-    )
     table_rows = rows(runs, cfg.report.metric_percentiles)  # names repeat across classes
     table = pd.DataFrame(
         [cells for _, cells in table_rows],
@@ -430,15 +425,14 @@ def _html(folder: Path, cfg, runs, pictures, figures, partial) -> None:
         columns=[r.label for r in runs],
     )
     slo = runs[0].summary.get("slo") or {}
-    caption = "Summary" + (f" (SLOs: {slo_text(slo)})" if slo else "")
-    tables = [(caption, table.to_html(border=0))]
+    caption = "Every statistic" + (f" (SLOs: {slo_text(slo)})" if slo else "")
     html_report.write_html(
         folder / "report.html",
         cfg.name,
-        intro,
-        tables,
-        [(folder / name, caption) for name, caption in pictures],
+        report,
+        [(caption, table.to_html(border=0))],
         figures,
+        timelines_expected=any(r.result.events is not None for r in runs),
     )
 
 

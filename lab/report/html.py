@@ -1,14 +1,43 @@
-"""report.html: one self-contained page (PNGs and plotly's JavaScript inline) with the summary
-tables, the plots and an interactive timeline per run (without plotly: none).
+"""report.html: one self-contained page, report.md rendered (its PNGs inline), the table of
+every statistic and an interactive timeline per run (without plotly: none).
+
+Nothing is loaded from the network. plotly's JavaScript is inlined once, gzip-compressed
+(base64) and unpacked by the browser (``DecompressionStream``); each timeline is a JSON
+figure, packed the same way, drawn after it loads. A timeline's steps row holds at most
+:data:`MAX_STEP_BARS` bars (consecutive steps merged past that), so a long run's page stays
+small.
 """
 
 from __future__ import annotations
 
 import base64
+import gzip
 import html
+import json
 from pathlib import Path
 
 from lab.report.timeline import LANES, Story
+
+MAX_STEP_BARS = 3000  # bars of a timeline's steps row: about what a 1,400 px page shows
+DIGITS = 6  # seconds in the figures: microseconds
+
+# Unpacks plotly.js, then draws every figure (each packed JSON: {"div", "data", "layout"}).
+LOADER = """<script>
+(async () => {
+  const unpack = async (el) => {
+    const bytes = Uint8Array.from(atob(el.textContent), (c) => c.charCodeAt(0));
+    const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
+    return await new Response(stream).text();
+  };
+  const code = document.createElement("script");
+  code.text = await unpack(document.getElementById("plotly-gz"));
+  document.head.appendChild(code);
+  for (const el of document.querySelectorAll("script.timeline")) {
+    const fig = JSON.parse(await unpack(el));
+    Plotly.newPlot(fig.div, fig.data, fig.layout, {responsive: true});
+  }
+})();
+</script>"""
 
 
 def timeline_figure(stories: list[Story], steps, title: str):
@@ -22,15 +51,20 @@ def timeline_figure(stories: list[Story], steps, title: str):
     lo = min((s[1] for st in stories for s in st.segments), default=0.0)
     hi = max((s[2] for st in stories for s in st.segments), default=1.0)
     least = (hi - lo) * 1e-4
+    told: set[str] = set()  # requests whose whole story one segment's hover already holds
     for lane, colour in LANES.items():
         xs, bases, ys, texts = [], [], [], []
         for st in stories:
             for k, t0, t1, text in st.segments:
                 if k == lane:
-                    xs.append(max(t1 - t0, least))
-                    bases.append(t0)
+                    xs.append(round(max(t1 - t0, least), DIGITS))
+                    bases.append(round(t0, DIGITS))
                     ys.append(st.label)
-                    texts.append(f"<b>{html.escape(text)}</b><br>{story_text[st.request_id]}")
+                    # the story once per request and lane; its other segments name the request
+                    key = f"{lane}\0{st.request_id}"
+                    more = story_text[st.request_id] if key not in told else st.label
+                    told.add(key)
+                    texts.append(f"<b>{html.escape(text)}</b><br>{more}")
         if xs:
             fig.add_trace(
                 go.Bar(
@@ -38,18 +72,7 @@ def timeline_figure(stories: list[Story], steps, title: str):
                     hovertext=texts, hoverinfo="text", width=0.7,
                 )
             )  # fmt: skip
-    t = steps["time_s"].to_numpy(dtype=float)
-    d = steps["duration_s"].to_numpy(dtype=float)
-    sel = [k for k in range(len(t)) if t[k] + d[k] >= lo and t[k] <= hi][:20000]
-    fig.add_trace(
-        go.Bar(
-            x=[d[k] for k in sel], base=[t[k] for k in sel], y=["steps"] * len(sel),
-            orientation="h", name="steps", width=0.8,
-            marker_color=["#555555" if k % 2 else "#cccccc" for k in sel],
-            hovertext=[f"step {k:,}: {t[k]:.4f}-{t[k] + d[k]:.4f} s" for k in sel],
-            hoverinfo="text",
-        )
-    )  # fmt: skip
+    fig.add_trace(_steps_row(steps, lo, hi))
     fig.update_layout(
         title=title,
         barmode="overlay",
@@ -62,53 +85,104 @@ def timeline_figure(stories: list[Story], steps, title: str):
     return fig
 
 
+def step_groups(n: int, most: int = MAX_STEP_BARS) -> list[tuple[int, int]]:
+    """[first, last] step indices of the bars for ``n`` steps: one per step up to ``most``,
+    else runs of ``ceil(n / most)`` consecutive steps."""
+    size = max(-(-n // most), 1)
+    return [(a, min(a + size, n) - 1) for a in range(0, n, size)]
+
+
+def _steps_row(steps, lo: float, hi: float):
+    """The steps in [lo, hi] as alternating bars (merged in runs past MAX_STEP_BARS)."""
+    import plotly.graph_objects as go
+
+    t = steps["time_s"].to_numpy(dtype=float)
+    d = steps["duration_s"].to_numpy(dtype=float)
+    sel = [k for k in range(len(t)) if t[k] + d[k] >= lo and t[k] <= hi]
+    xs, bases, texts, colours = [], [], [], []
+    for i, (a, b) in enumerate(step_groups(len(sel))):
+        first, last = sel[a], sel[b]
+        start, end = t[first], t[last] + d[last]
+        xs.append(round(end - start, DIGITS))
+        bases.append(round(start, DIGITS))
+        colours.append("#555555" if i % 2 else "#cccccc")
+        which = f"step {first:,}" if a == b else f"steps {first:,}-{last:,} ({b - a + 1})"
+        texts.append(f"{which}: {start:.4f}-{end:.4f} s")
+    return go.Bar(
+        x=xs, base=bases, y=["steps"] * len(xs), orientation="h", name="steps", width=0.8,
+        marker_color=colours, hovertext=texts, hoverinfo="text",
+    )  # fmt: skip
+
+
+def render_markdown(text: str, folder: Path) -> str:
+    """report.md as HTML (CommonMark and tables; raw HTML escaped); an image that names a PNG
+    of ``folder`` is inlined as a data URI."""
+    from markdown_it import MarkdownIt
+
+    md = MarkdownIt("commonmark", {"html": False}).enable("table")
+    tokens = md.parse(text)
+    for tok in tokens:
+        for child in tok.children or ():
+            src = str(child.attrGet("src") or "")
+            if child.type == "image" and src.endswith(".png") and (folder / src).is_file():
+                data = base64.b64encode((folder / src).read_bytes()).decode()
+                child.attrSet("src", f"data:image/png;base64,{data}")
+    return md.renderer.render(tokens, md.options, {})
+
+
 def write_html(
     path: Path,
     title: str,
-    intro: str,
+    report_md: str,
     tables: list[tuple[str, str]],
-    images: list[tuple[Path, str]],
     timelines: list,
+    *,
+    timelines_expected: bool = True,
 ) -> None:
-    """Write the page: ``tables`` (caption, html), ``images`` (PNG path, caption),
-    ``timelines`` (plotly figures; empty without plotly)."""
+    """Write the page beside report.md: ``report_md`` rendered, then ``tables`` (caption,
+    html) and ``timelines`` (plotly figures). ``timelines_expected``: the runs have
+    timelines (a cluster's have none), so a missing plotly is worth a line."""
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
         f"<title>{html.escape(title)}</title>",
         "<style>body{font-family:sans-serif;max-width:1400px;margin:auto;padding:1em}"
         "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;"
         "padding:2px 6px;text-align:right}th{background:#f3f3f3}img{max-width:100%}"
-        "pre{background:#f7f7f7;padding:.5em}</style></head><body>",
-        f"<h1>{html.escape(title)}</h1><p>{intro}</p>",
+        "code{background:#f3f3f3;padding:0 .2em}pre{background:#f7f7f7;padding:.5em}</style>"
+        "</head><body>",
+        render_markdown(report_md, path.parent),
     ]
     for caption, table in tables:
         parts += [f"<h2>{html.escape(caption)}</h2>", table]
-    for png, caption in images:
-        data = base64.b64encode(png.read_bytes()).decode()
-        parts += [
-            f"<h2>{html.escape(caption)}</h2>",
-            f"<img alt='{html.escape(caption)}' src='data:image/png;base64,{data}'>",
-        ]
-    parts.append("<h2>Request timelines (interactive)</h2>")
     if timelines:
-        import plotly.io as pio
-
+        parts.append("<h2>Request timelines (interactive)</h2>")
         for i, fig in enumerate(timelines):
-            parts.append(
-                pio.to_html(
-                    fig,
-                    full_html=False,
-                    include_plotlyjs=(i == 0),
-                    config={"responsive": True},
-                    div_id=f"timeline-{i}",  # not a random id: reruns write the same bytes
-                )
-            )
-    else:
+            spec = json.dumps({"div": f"timeline-{i}", **json.loads(fig.to_json())})
+            parts += [
+                f"<div id='timeline-{i}'></div>",
+                f"<script type='application/octet-stream' class='timeline'>{_pack(spec)}</script>",
+            ]
+        parts += [
+            f"<script id='plotly-gz' type='application/octet-stream'>{_packed_plotly()}</script>",
+            LOADER,
+        ]
+    elif timelines_expected and not plotly_available():
         parts.append(
             "<p>plotly is not installed: no interactive timeline (pip install plotly).</p>"
         )
     parts.append("</body></html>")
     path.write_text("\n".join(parts))
+
+
+def _pack(text: str) -> str:
+    """``text`` gzip-compressed (no timestamp: reruns write the same bytes), in base64."""
+    return base64.b64encode(gzip.compress(text.encode(), compresslevel=9, mtime=0)).decode()
+
+
+def _packed_plotly() -> str:
+    from plotly.offline import get_plotlyjs
+
+    return _pack(get_plotlyjs())
 
 
 def plotly_available() -> bool:

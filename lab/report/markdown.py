@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 
 from lab.config import ExperimentConfig, paths
+from lab.report.replicas import replicas_markdown
 from lab.results import fairness, spec_metrics
 from lab.results.run import Run
 
@@ -244,6 +245,7 @@ def report_markdown(
         ]
         lines.append("")
     lines += fairness.markdown(runs)  # workload classes only
+    lines += replicas_markdown(runs)  # cluster runs only
     for name, caption in plots:
         lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
     tokens = (
@@ -251,17 +253,28 @@ def report_markdown(
         if any(r.output_token_ids for run in runs for r in run.result.requests)
         else ""
     )
+    events = all(r.result.events is not None for r in runs)  # a cluster records none
     lines += [
         f"Files: `requests.{fmt}` (one row per trace request per run), `steps.{fmt}` "
         "(one row per engine step), `summary.json` (aggregates per run), "
         f"{tokens}`timing.json` (wall time of each replay), `config.yaml` (the resolved "
-        f"config), `events.{fmt}` (what the scheduler did to each request and why it waited), "
-        "one `{run}-{rate}qps-{model}.json` per run (the format of `vllm bench serve "
-        "--save-result`), `report.html` (this report with interactive timelines).",
-        "",
-        "A request's life: `sched-lab explain RESULTS --run "
-        f"{runs[0].label} --request ID`; a timeline of chosen requests: `sched-lab timeline "
-        "RESULTS --run RUN --requests ID,ID`.",
+        f"config), `events.{fmt}` ("
+        + (
+            "what the scheduler did to each request and why it waited"
+            if events
+            else "each request's end only: a cluster's replicas record no scheduler events"
+        )
+        + "), one `{run}-{rate}qps-{model}.json` per run (the format of `vllm bench serve "
+        "--save-result`), `report.html` (this report"
+        + (" with interactive timelines" if events else "")
+        + ").",
         "",
     ]
+    if events:
+        lines += [
+            "A request's life: `sched-lab explain RESULTS --run "
+            f"{runs[0].label} --request ID`; a timeline of chosen requests: `sched-lab "
+            "timeline RESULTS --run RUN --requests ID,ID`.",
+            "",
+        ]
     return "\n".join(lines)

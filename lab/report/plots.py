@@ -41,14 +41,57 @@ def policy_styles(runs) -> dict[str, dict]:
         key = tuple(_fingerprint(r) for r in runs if r.policy == policy)
         label = policy if key not in seen else f"{policy} (= {seen[key]}: same results)"
         seen.setdefault(key, policy)
-        out[policy] = {
-            "color": COLOURS[i % len(COLOURS)],
-            "marker": MARKERS[i % len(MARKERS)],
-            "lw": max(3.6 - 1.1 * i, 1.0),
-            "ms": max(9.0 - 2.5 * i, 3.5),
-            "label": label,
-        }
+        out[policy] = policy_style(i, label)
     return out
+
+
+def policy_style(i: int, label: str) -> dict:
+    """The ``i``-th policy's colour, marker, line width and marker size (both shrinking with
+    ``i``, so that a later policy's identical line stays visible inside an earlier one's)."""
+    return {
+        "color": COLOURS[i % len(COLOURS)],
+        "marker": MARKERS[i % len(MARKERS)],
+        "lw": max(3.6 - 1.1 * i, 1.0),
+        "ms": max(9.0 - 2.5 * i, 3.5),
+        "label": label,
+    }
+
+
+def log_axis(ax, which: str = "y") -> None:
+    """Put ``ax``'s ``which`` axis ("x" or "y") on a log scale labelled in plain numbers
+    (0.2, 0.5, 1, 2, 5, 10, not powers of ten), ticked more densely the fewer decades it
+    spans. Call it after plotting: it reads the axis limits."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis = ax.yaxis if which == "y" else ax.xaxis
+    (ax.set_yscale if which == "y" else ax.set_xscale)("log")
+    lo, hi = sorted(ax.get_ylim() if which == "y" else ax.get_xlim())
+    decades = np.log10(hi / lo) if lo > 0 else 99.0
+    if decades < 1.3:
+        subs: tuple[float, ...] = (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)
+    else:
+        subs = (1.0, 2.0, 5.0) if decades < 2.5 else (1.0,)
+    axis.set_major_locator(LogLocator(base=10, subs=subs))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: plain_number(v)))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def rate_scale_axis(ax, offered, scales) -> None:
+    """A secondary x axis on top in rate_scale, when ``offered`` (req/s, the primary x) is one
+    multiple of ``scales`` at every point (one trace, rate-scaled)."""
+    pairs = [(o, s) for o, s in zip(offered, scales) if np.isfinite(o) and s and s > 0]
+    ratios = [o / s for o, s in pairs]
+    if not ratios or max(ratios) - min(ratios) > 1e-6 * max(ratios):
+        return
+    k = float(np.median(ratios))
+    top = ax.secondary_xaxis("top", functions=(lambda x: x / k, lambda x: x * k))
+    top.set_xlabel("rate_scale (x the trace's rate)", fontsize=8)
+    top.tick_params(labelsize=8)
+
+
+def plain_number(v: float) -> str:
+    """A tick label: ``0.05``, ``2``, ``1,000``."""
+    return f"{v:,.0f}" if v >= 1000 else f"{v:g}"
 
 
 def _fingerprint(run) -> tuple:
@@ -209,7 +252,6 @@ def _vs_load(folder, runs, styles, plt) -> tuple[str, str]:
                 ax.plot(x, y, ls=STYLES[p], alpha=0.85, **kw)
             ax.set_title(f"{title} ({', '.join(shown)})", fontsize=10)
             ax.set_ylabel(f"{title} ({unit}, log scale)")
-            ax.set_yscale("log")
         panels[4].plot(x, [r.summary["request_throughput"] for r in rs], **kw)
         panels[5].plot(x, [r.summary["output_throughput"] for r in rs], **kw)
         if slo:
@@ -236,9 +278,12 @@ def _vs_load(folder, runs, styles, plt) -> tuple[str, str]:
                     transform=ax.transAxes, color="grey")  # fmt: skip
             ax.set_xticks([])
             ax.set_yticks([])
+    for ax in panels[:4]:
+        log_axis(ax)
     for ax in panels:
         ax.set_xlabel("offered load (req/s)")
         ax.grid(alpha=0.3)
+        rate_scale_axis(ax, [_offered(r) for r in runs], [r.rate_scale for r in runs])
     _legend(fig, styles, lines=True)
     return _save(
         fig, folder, "latency_vs_load.png", "Latency, throughput and goodput vs offered load"
@@ -255,7 +300,7 @@ def _log_if_wide(ax) -> None:
     if lines:
         lo = min(max(float(np.min(x)), 1e-9) for x in lines)
         if max(float(np.max(x)) for x in lines) > 10 * lo:
-            ax.set_xscale("log")  # a log axis only pays (and labels well) over a decade
+            log_axis(ax, "x")  # a log axis only pays over a decade
 
 
 def _legend(fig, styles, lines: bool) -> None:

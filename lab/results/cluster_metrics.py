@@ -21,8 +21,9 @@ def add_cluster(
     """``df`` (one row per request of ``rows``) with the cluster columns, and the summary's
     ``cluster`` section: layout, transfers (with each decode replica's host buffer size and
     how many transfers waited for room in it), and per replica its role, requests, steps,
-    busy time and share, tokens fed, preemptions, KV use (mean, max), TTFT and TPOT; a decode
-    replica also its host buffer's peak (bytes and requests at once)."""
+    busy time and share, tokens fed, preemptions, queue peak (most requests waiting or swapped
+    out after a step), KV use (mean, max), TTFT and TPOT; a decode replica also its host
+    buffer's peak (bytes and requests at once)."""
     df = df.assign(**request_columns(result, rows))
     finished = df["status"] == "finished"
     duration = summary["duration"]
@@ -42,6 +43,7 @@ def add_cluster(
             "prefill_tokens": int(s["num_prefill_tokens"].sum()),
             "decode_tokens": int(s["num_decode_tokens"].sum()),
             "num_preemptions": int(s["num_preempted"].sum()),
+            "queue_peak": int((s["num_waiting"] + s["num_swapped"]).max(initial=0)),
             "mean_kv_cache_usage": float(np.average(kv, weights=s["duration_s"]))
             if busy > 0
             else 0.0,

@@ -131,7 +131,7 @@ def sweep_table(sweep, tasks, results) -> pd.DataFrame:
             # refused: a search's sample the config refused (its reason in ``refused``)
             status = "refused" if row.get("refused") else "stopped" if row.get("error") else "ok"
             rows.append({"point": t.point.name, "status": status, **values, **row})
-    lead = [*LEAD, *sweep.keys, "policy", "rate_scale"]
+    lead = [*LEAD, *sweep.keys, "policy", "rate_scale", "request_rate"]
     if sweep.search is not None:
         refused = ["refused"] if any("refused" in row for row in rows) else []
         lead[len(LEAD) + len(sweep.keys) : len(LEAD) + len(sweep.keys)] = [
@@ -164,22 +164,87 @@ def capacity_table(sweep, tasks, results) -> pd.DataFrame:
 
 
 # ---------------------------------------------------------------------------- plots
-def _groups(sweep, df: pd.DataFrame, x: str) -> list[tuple[str, pd.DataFrame]]:
-    """Lines to draw: per policy, and per value of every other swept key."""
-    load = {x, "trace.rate_scale"} if x in ("rate_scale", "trace.rate_scale") else {x}
-    others = [
+# Columns the plots read (sweep.csv): policy, status, class, rate_scale, request_rate (offered
+# req/s), goodput, slo_attainment, and the p99 latencies through latency_s().
+# a configuration's line style, and its markers' fill in the scatter plot
+DASHES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3)), (0, (3, 1, 1, 1, 1, 1)))
+FILLS = ("full", "none", "left", "bottom", "right", "top")
+
+
+def latency_s(df: pd.DataFrame, key: str, p: str = "p99") -> pd.Series:
+    """A latency percentile in seconds by either name: vLLM's ``p99_ttft_ms`` or the
+    summary's flattened ``ttft_s_p99`` (``key`` is the summary's, e.g. ``ttft_s``)."""
+    from lab.report.plots import VLLM_NAMES
+
+    vllm = f"{p}_{VLLM_NAMES[key]}_ms"
+    if vllm in df.columns:
+        return df[vllm] / 1e3
+    return df[f"{key}_{p}"] if f"{key}_{p}" in df.columns else pd.Series(np.nan, df.index)
+
+
+def offered_x(df: pd.DataFrame) -> tuple[pd.Series, str]:
+    """The x of a load plot and its label: the offered req/s (``request_rate``), or
+    ``rate_scale`` where a row has no offered rate."""
+    if "request_rate" in df.columns and df["request_rate"].notna().all():
+        return df["request_rate"].astype(float), "offered load (req/s)"
+    return df["rate_scale"].astype(float), "rate_scale (offered load)"
+
+
+def _others(sweep, df: pd.DataFrame, x: str) -> list[str]:
+    """The swept keys besides the load that vary: each value combination is a configuration."""
+    loads = ("_x", "rate_scale", "trace.rate_scale")  # _x: the offered req/s
+    load = {x, *loads} if x in loads else {x}
+    return [
         k
         for k in sweep.keys
         if k not in load and k in df.columns and df[k].nunique(dropna=False) > 1
     ]
-    keys = ["policy", *others]
+
+
+def _lines(sweep, df: pd.DataFrame, x: str) -> tuple[list[tuple[dict, pd.DataFrame]], dict]:
+    """One line per policy and configuration: (matplotlib style, rows sorted by ``x``), and
+    the legend's entries (policy -> colour and marker; configuration -> its index, which
+    picks its line style and marker fill)."""
+    from lab.report.plots import policy_style
+
+    others = _others(sweep, df, x)
+    policies = {p: policy_style(i, p) for i, p in enumerate(dict.fromkeys(df["policy"]))}
+    configs: dict[str, object] = {}
     out = []
-    for vals, g in df.groupby(keys, sort=False, dropna=False):
+    for vals, g in df.groupby(["policy", *others], sort=False, dropna=False):
         vals = vals if isinstance(vals, tuple) else (vals,)
         shown = ["null" if v is None or _isnan(v) else _fmt(v) for v in vals[1:]]
-        label = ", ".join([str(vals[0]), *(f"{k}={v}" for k, v in zip(others, shown))])
-        out.append((label, g.sort_values(x)))
-    return out
+        config = ", ".join(f"{k}={v}" for k, v in zip(others, shown))
+        n = configs.setdefault(config, len(configs))
+        st = policies[vals[0]]
+        style = {"color": st["color"], "marker": st["marker"], "lw": st["lw"] * 0.6,
+                 "ms": st["ms"] * 0.7, "ls": DASHES[n % len(DASHES)], "alpha": 0.9,
+                 "fillstyle": FILLS[n % len(FILLS)]}  # fmt: skip
+        out.append((style, g.sort_values(x)))
+    return out, {"policies": policies, "configs": configs if others else {}}
+
+
+def _legend(fig, legend: dict) -> None:
+    from matplotlib.lines import Line2D
+
+    handles = [
+        Line2D([], [], color=s["color"], marker=s["marker"], lw=2, label=p)
+        for p, s in legend["policies"].items()
+    ]
+    handles += [
+        Line2D([], [], color="black", ls=DASHES[n % len(DASHES)], marker="o",
+               fillstyle=FILLS[n % len(FILLS)], label=c)
+        for c, n in legend["configs"].items()
+    ]  # fmt: skip
+    ncol = min(len(handles), 6)
+    fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8, frameon=False,
+               title="colour and marker: policy (later policies drawn thinner inside earlier "
+               "ones: identical results stay visible)" + ("; line style and marker fill: "
+                                                          "configuration"
+                                                          if legend["configs"] else ""),
+               title_fontsize=8)  # fmt: skip
+    rows = -(-len(handles) // ncol)
+    fig.tight_layout(rect=(0, (0.45 + 0.22 * rows) / fig.get_figheight(), 1, 1))
 
 
 def _whole_runs(df: pd.DataFrame) -> pd.DataFrame:
@@ -195,55 +260,76 @@ def _plots(folder: Path, sweep, table: pd.DataFrame, capacity) -> list[tuple[str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lab.report.folder import save_png as _save
+    from lab.report.plots import LATENCIES, log_axis, rate_scale_axis
 
     plots: list[tuple[str, str]] = []
     if sweep.search is not None:
-        return _capacity_plot(folder, sweep, table, capacity, plt, _save)
+        return _capacity_plot(folder, sweep, table, capacity, plt)
     df = _whole_runs(table)
     if df.empty:
         return plots
+    df = df.assign(_x=offered_x(df)[0])
+    xlabel = offered_x(df)[1]
+    lines, legend = _lines(sweep, df, "_x")
     if df["rate_scale"].nunique() > 1:
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
-        for ax, (key, title) in zip(axes, (("ttft", "TTFT"), ("tpot", "TPOT"),
-                                           ("e2el", "E2E"))):  # fmt: skip
-            for label, g in _groups(sweep, df, "rate_scale"):
-                ax.plot(g["rate_scale"], g[f"p99_{key}_ms"], "-o", ms=3, label=label)
-            ax.set_yscale("log")
-            ax.set_xlabel("rate_scale (offered load)")
-            ax.set_ylabel(f"{title} p99 (ms)")
+        fig, axes = plt.subplots(1, 4, figsize=(18, 5.2))
+        for ax, (key, title, unit, k) in zip(axes, LATENCIES):
+            for style, g in lines:
+                ax.plot(g["_x"], latency_s(g, key) * k, **style)
+            log_axis(ax)
+            ax.set_ylabel(f"{title} p99 ({unit}, log scale)")
             ax.set_title(f"{title} p99 vs load")
+        for ax in axes:
+            ax.set_xlabel(xlabel)
             ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=7)
-        plots.append(_save(fig, folder, "latency_vs_load.png", "Latency p99 vs load per policy"))
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
-        for label, g in _groups(sweep, df, "rate_scale"):
-            axes[0].plot(g["rate_scale"], g["request_goodput"], "-o", ms=3, label=label)
-            axes[1].plot(g["rate_scale"], g["slo_attainment"], "-o", ms=3, label=label)
-        for ax, ylabel in zip(axes, ("goodput (req/s meeting every SLO)", "SLO attainment")):
-            ax.set_xlabel("rate_scale (offered load)")
-            ax.set_ylabel(ylabel)
+            rate_scale_axis(ax, df["_x"], df["rate_scale"])
+        _legend(fig, legend)
+        plots.append(_save_fig(fig, folder, "latency_vs_load.png", "Latency p99 vs load"))
+        fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
+        for style, g in lines:
+            axes[0].plot(g["_x"], g["request_goodput"], **style)
+            axes[1].plot(g["_x"], 100 * g["slo_attainment"], **style)
+        top = float(df["_x"].max())
+        if xlabel.startswith("offered"):
+            axes[0].plot([0, top], [0, top], color="grey", lw=0.8, ls=":")
+            axes[0].text(top, top, " = offered", color="grey", fontsize=8, va="center")
+        axes[0].set(title="Goodput vs load", ylabel="goodput (req/s meeting every SLO)")
+        axes[1].set(title="SLO attainment vs load", ylabel="% of requests meeting every SLO",
+                    ylim=(0, 102))  # fmt: skip
+        for ax in axes:
+            ax.set_xlabel(xlabel)
             ax.grid(alpha=0.3)
-        axes[0].set_title("Goodput vs load")
-        axes[1].set_title("SLO attainment vs load")
-        axes[0].legend(fontsize=7)
+            rate_scale_axis(ax, df["_x"], df["rate_scale"])
+        _legend(fig, legend)
         plots.append(
-            _save(fig, folder, "goodput_vs_load.png", "Goodput and SLO attainment vs load")
+            _save_fig(fig, folder, "goodput_vs_load.png", "Goodput and SLO attainment vs load")
         )
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    for policy, g in df.groupby("policy", sort=False):
-        ax.scatter(g["p99_ttft_ms"], g["request_goodput"], s=18, label=policy)
-    front = pareto_front(df["p99_ttft_ms"].to_numpy(float), df["request_goodput"].to_numpy(float))
-    f = df.iloc[front].sort_values("p99_ttft_ms")
-    ax.plot(f["p99_ttft_ms"], f["request_goodput"], "k--", lw=1, label="Pareto front")
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT p99 (ms)")
+    fig, ax = plt.subplots(figsize=(8, 6))
+    ttft = latency_s(df, "ttft_s")
+    for style, g in lines:
+        ax.plot(latency_s(g, "ttft_s"), g["request_goodput"], **{**style, "ls": ""})
+    front = pareto_front(ttft.to_numpy(float), df["request_goodput"].to_numpy(float))
+    f = df.iloc[front].assign(_ttft=ttft.iloc[front]).sort_values("_ttft")
+    ax.plot(f["_ttft"], f["request_goodput"], "k--", lw=1)
+    ax.text(0.99, 0.01, "dashed: Pareto front", transform=ax.transAxes, ha="right",
+            fontsize=8, color="k")  # fmt: skip
+    log_axis(ax, "x")
+    ax.set_xlabel("TTFT p99 (s, log scale)")
     ax.set_ylabel("goodput (req/s)")
     ax.set_title("Goodput vs TTFT p99 (every point and policy)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    plots.append(_save(fig, folder, "pareto.png", "Pareto: goodput vs TTFT p99"))
+    _legend(fig, legend)
+    plots.append(_save_fig(fig, folder, "pareto.png", "Pareto: goodput vs TTFT p99"))
     return plots
+
+
+def _save_fig(fig, folder: Path, name: str, caption: str) -> tuple[str, str]:
+    """Save without another tight_layout (the legend's room is set)."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(folder / name, dpi=110)
+    plt.close(fig)
+    return name, caption
 
 
 def pareto_front(latency: np.ndarray, goodput: np.ndarray) -> list[int]:
@@ -264,27 +350,37 @@ def pareto_front(latency: np.ndarray, goodput: np.ndarray) -> list[int]:
     return front
 
 
-def _capacity_plot(folder, sweep, curve, capacity, plt, save) -> list[tuple[str, str]]:
+def _capacity_plot(folder, sweep, curve, capacity, plt) -> list[tuple[str, str]]:
+    from lab.report.plots import log_axis
+
     spec = sweep.search
     df = curve[curve["status"].isin(("ok", "stopped"))]
     if df.empty or spec.metric not in df.columns:
         return []
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for label, g in _groups(sweep, df, spec.over):
-        g = g.sort_values(spec.over)
-        (line,) = ax.plot(g[spec.over], g[spec.metric], "-o", ms=3, label=label)
-    ax.axhline(spec.target, color="k", lw=1, ls=":", label=f"target {spec.target:g}")
+    fig, ax = plt.subplots(figsize=(9, 6))
+    lines, legend = _lines(sweep, df, spec.over)
+    y = _search_metric(df, spec.metric)
+    for style, g in lines:
+        ax.plot(g[spec.over], y.loc[g.index], **style)
+    ax.axhline(spec.target, color="k", lw=1, ls=":")
     found = capacity[capacity["status"] == "found"]
     ax.scatter(found["capacity"], [spec.target] * len(found), marker="|", s=200, color="k")
-    ax.set_xscale("log")
+    ax.text(0.01, 0.99, f"dotted: target {spec.target:g}; |: capacity found",
+            transform=ax.transAxes, va="top", fontsize=8)  # fmt: skip
+    log_axis(ax, "x")
     if not spec.higher_is_better:
-        ax.set_yscale("log")
+        log_axis(ax)
     ax.set_xlabel(spec.over)
     ax.set_ylabel(spec.metric)
     ax.set_title(f"Capacity search: {spec.metric} vs {spec.over} (samples)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    return [save(fig, folder, "capacity.png", "Sampled curves of the capacity search")]
+    _legend(fig, legend)
+    return [_save_fig(fig, folder, "capacity.png", "Sampled curves of the capacity search")]
+
+
+def _search_metric(df: pd.DataFrame, metric: str) -> pd.Series:
+    """The searched metric's column (as the search names it)."""
+    return df[metric].astype(float)
 
 
 # ---------------------------------------------------------------------------- markdown

@@ -332,7 +332,7 @@ def test_results_folder_of_a_disaggregated_run(tmp_path):
         mine = fcfs[fcfs["replica"] == int(k)]
         assert replicas[k]["queue_peak"] == (mine["num_waiting"] + mine["num_swapped"]).max()
     report = (out / "report.md").read_text()
-    n = [replicas[k]["num_requests"] for k in "0123"]
+    n = [replicas[k]["num_prompts"] for k in "0123"]
     assert "| replica | role | requests | busy % | KV mean / max % | preemptions |" in report
     assert f"| 0 | prefill | {n[0]} |" in report and f"| 3 | decode | {n[3]} |" in report
     assert "sched-lab explain" not in report  # no scheduler events in a cluster

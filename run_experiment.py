@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from lab.cli import run_main
+from sched_lab.cli import run_main
 
 
 def main(argv: list[str] | None = None) -> int:

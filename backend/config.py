@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.errors import CheckpointError, UnsupportedModelError
+from sched_lab.backend.errors import CheckpointError, UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

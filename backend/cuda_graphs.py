@@ -3,8 +3,8 @@
 Decode graphs (one per batch size) hold the whole forward, logits included; mixed graphs
 (one per token count and decode-row variant) end at the final norm. A step runs in the
 smallest graph that holds it, padded (token 0, position 0, slot -1; padding writes no KV).
-Who does what: :func:`backend.inputs.stage_step` computes the host arrays, the backend's
-:class:`backend.attention.base.GraphMetadata` owns and fills the attention buffers, and
+Who does what: :func:`sched_lab.backend.inputs.stage_step` computes the host arrays, the backend's
+:class:`sched_lab.backend.attention.base.GraphMetadata` owns and fills the attention buffers, and
 :class:`StepGraphs` copies the token rows, captures and replays. Sampling stays outside.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from backend.attention.base import GraphKey
-from backend.inputs import (
+from sched_lab.backend.attention.base import GraphKey
+from sched_lab.backend.inputs import (
     BlockTables,
     DeviceFeed,
     HostStep,
@@ -24,8 +24,8 @@ from backend.inputs import (
     apply_feed,
     stage_step,
 )
-from backend.kv_cache import KVCache
-from backend.model import Transformer
+from sched_lab.backend.kv_cache import KVCache
+from sched_lab.backend.model import Transformer
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 # Token counts of the mixed graphs: 16, multiples of 32 below 512 (weights dominate there),

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from backend.config import ModelConfig
-from backend.errors import DeviceError
-from lab.core.errors import ConfigError
+from sched_lab.backend.config import ModelConfig
+from sched_lab.backend.errors import DeviceError
+from sched_lab.core.errors import ConfigError
 
 DTYPES = {
     "float32": torch.float32,

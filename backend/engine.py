@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backend.runner import DeviceFeed, ModelRunner, PendingStep, SeqInput
-from lab.core.plan import SchedulerOutput, StepResult
-from lab.core.request import Request
+from sched_lab.backend.runner import DeviceFeed, ModelRunner, PendingStep, SeqInput
+from sched_lab.core.plan import SchedulerOutput, StepResult
+from sched_lab.core.request import Request
 
 
 @dataclass(slots=True)
@@ -42,7 +42,7 @@ class LaunchedStep:
 
 class EngineExecutor:
     """Executes plans on a :class:`ModelRunner` or a
-    :class:`backend.tp_engine.TensorParallelRunner`; makes no scheduling decision.
+    :class:`sched_lab.backend.tp_engine.TensorParallelRunner`; makes no scheduling decision.
     ``temperature``: 0 = greedy."""
 
     wall_clock = True  # durations are measured, so the replay adds planning time

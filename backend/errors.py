@@ -1,10 +1,10 @@
-"""Errors the engine reports to a user as one line (:class:`lab.core.errors.UserError`).
+"""Errors the engine reports to a user as one line (:class:`sched_lab.core.errors.UserError`).
 Bad inputs from the engine glue (a short block table, a token id out of range) raise
 ``ValueError`` instead."""
 
 from __future__ import annotations
 
-from lab.core.errors import UserError
+from sched_lab.core.errors import UserError
 
 
 class CheckpointError(UserError):

@@ -1,7 +1,7 @@
 """Turn one step's :class:`SeqInput` list into the arrays the model reads, written once.
 
 :func:`stage_step` does the host arithmetic and validation for both paths;
-:func:`prepare_inputs` copies it to the device for eager steps, :mod:`backend.cuda_graphs`
+:func:`prepare_inputs` copies it to the device for eager steps, :mod:`sched_lab.backend.cuda_graphs`
 into padded static buffers.
 """
 
@@ -15,8 +15,8 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from backend.attention import AttentionMetadata
-from backend.attention.base import prefill_tiles
+from sched_lab.backend.attention import AttentionMetadata
+from sched_lab.backend.attention.base import prefill_tiles
 
 
 @dataclass(slots=True)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from backend.config import ModelConfig
-from backend.errors import KVCacheCapacityError
+from sched_lab.backend.config import ModelConfig
+from sched_lab.backend.errors import KVCacheCapacityError
 
 GiB = 1 << 30
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from backend.attention import AttentionBackend
-from backend.attention.torch_ref import TorchAttention
-from backend.config import ModelConfig
-from backend.errors import CheckpointError
-from backend.model import Transformer
-from backend.rope import rope_table
+from sched_lab.backend.attention import AttentionBackend
+from sched_lab.backend.attention.torch_ref import TorchAttention
+from sched_lab.backend.config import ModelConfig
+from sched_lab.backend.errors import CheckpointError
+from sched_lab.backend.model import Transformer
+from sched_lab.backend.rope import rope_table
 
 INDEX_FILE = "model.safetensors.index.json"
 # fused parameter -> the checkpoint's projections, concatenated along the output dim

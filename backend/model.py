@@ -11,17 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.attention import AttentionBackend, AttentionMetadata
-from backend.config import ModelConfig
-from backend.rope import apply_rope
+from sched_lab.backend.attention import AttentionBackend, AttentionMetadata
+from sched_lab.backend.config import ModelConfig
+from sched_lab.backend.rope import apply_rope
 
 
 def fused_ops(fused: bool):
-    """:mod:`backend.triton_ops` when ``fused``, else None; imported on demand so tests can
+    """:mod:`sched_lab.backend.triton_ops` when ``fused``, else None; imported on demand so tests can
     set ``TRITON_INTERPRET`` first."""
     if not fused:
         return None
-    from backend import triton_ops
+    from sched_lab.backend import triton_ops
 
     return triton_ops
 

@@ -1,6 +1,6 @@
 """Profile the engine over a grid of step shapes; the data the calibrated cost model fits.
 
-    python -m backend.profile --model-dir checkpoints/qwen3-0.6b --out profiles/h200_qwen3-0.6b.csv
+    python -m sched_lab.backend.profile --model-dir checkpoints/qwen3-0.6b --out profiles/h200_qwen3-0.6b.csv
 
 Each row is one step shape, timed as the engine executor times a step (input preparation,
 forward, sampling, device sync; swaps for the swap rows): ``duration_s``, and ``host_s``, the
@@ -14,10 +14,10 @@ over the whole grid, ``--repeat`` runs per row each after a warm-up run. Passes,
 back-to-back repeats, because the host slows down now and then for a second or more, over
 several consecutive rows: a slow spell must fall in one pass, not on every run of a row.
 Columns are the
-:class:`lab.core.plan.StepFeatures` fields plus ``duration_s`` and ``host_s`` (left out for a
+:class:`sched_lab.core.plan.StepFeatures` fields plus ``duration_s`` and ``host_s`` (left out for a
 tensor-parallel runner, whose steps run in other processes); the header lines (``#``) record
 the date, device, engine commit, model shape and the engine fingerprint
-(:mod:`lab.core.fingerprint`: a hash of backend/**/*.py, torch/triton versions, GPU, dtype,
+(:mod:`sched_lab.core.fingerprint`: a hash of backend/**/*.py, torch/triton versions, GPU, dtype,
 attention backend, engine options) as one JSON line.
 
 Grid: decode-only batches (1-256 sequences, contexts 128-4096; and 8-64 sequences of uneven,
@@ -42,14 +42,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from backend.sources import backend_sources_hash
-from lab.core.errors import UserError
-from lab.core.fingerprint import HEADER_PREFIX
-from lab.core.outputs import check_output, write_output
-from lab.core.plan import StepFeatures
+from sched_lab.backend.sources import backend_sources_hash
+from sched_lab.core.errors import UserError
+from sched_lab.core.fingerprint import HEADER_PREFIX
+from sched_lab.core.outputs import check_output, write_output
+from sched_lab.core.plan import StepFeatures
 
 if TYPE_CHECKING:  # torch and the runner load in the functions: --help works without torch
-    from backend.runner import ModelRunner, SeqInput
+    from sched_lab.backend.runner import ModelRunner, SeqInput
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DECODE_CONTEXTS = (128, 512, 1024, 2048, 4096)
@@ -65,7 +65,9 @@ MIXED = [(d, n) for d in (8, 32, 128) for n in (256, 512, 1024, 2048)]
 # fit sees the eager slope apart from the attention pairs (lab/sim/calibrated.py).
 EAGER_PREFILLS = [(1, 12288), (2, 6144), (4, 3072), (8, 1536), (16, 768),
                   (1, 16384), (4, 4096), (8, 2048), (16, 1024)]  # fmt: skip
-EAGER_MIN_ROWS = 3  # lab.sim.calibrated.MIN_EAGER_ROWS (backend does not import lab.sim)
+EAGER_MIN_ROWS = (
+    3  # sched_lab.sim.calibrated.MIN_EAGER_ROWS (backend does not import sched_lab.sim)
+)
 SWAP_BLOCKS = (1, 4, 16, 64, 256)
 UNEVEN_BATCHES = (8, 32, 64)  # decode batches of log-normal contexts (median 1k, sigma 1)
 
@@ -111,7 +113,7 @@ def features(chunks, decodes, swap_blocks) -> StepFeatures:
 
 
 def step_inputs(chunks, decodes, block_size) -> list[SeqInput]:
-    from backend.runner import SeqInput
+    from sched_lab.backend.runner import SeqInput
 
     seqs, next_block = [], 0
     for c, n in chunks:
@@ -130,8 +132,8 @@ def execute_launched(runner: ModelRunner, seqs: list[SeqInput]) -> float:
     tensor-parallel runner."""
     import torch
 
-    from backend.runner import ModelRunner
-    from backend.sampler import sample
+    from sched_lab.backend.runner import ModelRunner
+    from sched_lab.backend.sampler import sample
 
     if not isinstance(runner, ModelRunner):
         runner.execute(seqs)
@@ -176,7 +178,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m backend.profile") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m sched_lab.backend.profile") -> int:
     """Profile the grid and write the CSV (``sched-lab profile``); returns the exit status."""
     ap = argparse.ArgumentParser(
         prog=prog,
@@ -246,7 +248,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m backend.profile")
 def _profile(args: argparse.Namespace) -> None:
     import torch
 
-    from backend.runner import ModelRunner
+    from sched_lab.backend.runner import ModelRunner
 
     args.out = check_output(args.out, "--out")  # before the GPU work: a user's file stays
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -257,7 +259,7 @@ def _profile(args: argparse.Namespace) -> None:
     if args.tensor_parallel_size == 1:
         runner = ModelRunner(args.model_dir, **kwargs)
     else:
-        from backend.tp_engine import TensorParallelRunner
+        from sched_lab.backend.tp_engine import TensorParallelRunner
 
         runner = TensorParallelRunner(args.model_dir, args.tensor_parallel_size, **kwargs)
     gc.collect()
@@ -314,7 +316,7 @@ def _profile(args: argparse.Namespace) -> None:
 
 
 def engine_fingerprint(runner: ModelRunner, kn_weights: bool = False) -> dict:
-    """The engine fingerprint of ``runner`` (:mod:`lab.core.fingerprint`)."""
+    """The engine fingerprint of ``runner`` (:mod:`sched_lab.core.fingerprint`)."""
     import torch
 
     try:
@@ -341,7 +343,7 @@ def engine_fingerprint(runner: ModelRunner, kn_weights: bool = False) -> dict:
 
 
 def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
-    """The profile CSV at ``path`` (checked by :func:`lab.core.outputs.check_output`)."""
+    """The profile CSV at ``path`` (checked by :func:`sched_lab.core.outputs.check_output`)."""
     commit = args.engine_commit
     if commit is None:
         try:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from backend.config import ModelConfig
+from sched_lab.backend.config import ModelConfig
 
 
 def inverse_frequencies(

@@ -17,17 +17,22 @@ from pathlib import Path
 
 import torch
 
-from backend.attention import get_attention_backend
-from backend.config import ModelConfig
-from backend.cuda_graphs import DEFAULT_GRAPH_SIZES, DEFAULT_TOKEN_SIZES, StepGraphs, graph_sizes
-from backend.dtypes import check_dtype_supported, resolve_device, resolve_dtype
-from backend.errors import UnsupportedModelError
-from backend.inputs import DeviceFeed, SeqInput, apply_feed, prepare_inputs
-from backend.kv_cache import GiB, KVCache, blocks_in, bytes_per_block
-from backend.loader import load_model
-from backend.sampler import sample
-from backend.tp import TPShard, agree_min, check_tp_size, load_tp_model, shard_config
-from lab.core.errors import ConfigError
+from sched_lab.backend.attention import get_attention_backend
+from sched_lab.backend.config import ModelConfig
+from sched_lab.backend.cuda_graphs import (
+    DEFAULT_GRAPH_SIZES,
+    DEFAULT_TOKEN_SIZES,
+    StepGraphs,
+    graph_sizes,
+)
+from sched_lab.backend.dtypes import check_dtype_supported, resolve_device, resolve_dtype
+from sched_lab.backend.errors import UnsupportedModelError
+from sched_lab.backend.inputs import DeviceFeed, SeqInput, apply_feed, prepare_inputs
+from sched_lab.backend.kv_cache import GiB, KVCache, blocks_in, bytes_per_block
+from sched_lab.backend.loader import load_model
+from sched_lab.backend.sampler import sample
+from sched_lab.backend.tp import TPShard, agree_min, check_tp_size, load_tp_model, shard_config
+from sched_lab.core.errors import ConfigError
 
 __all__ = ["DeviceFeed", "ModelRunner", "PendingStep", "SeqInput"]
 
@@ -35,7 +40,7 @@ DEFAULT_SWAP_SPACE_BYTES = 4 * GiB  # vLLM's default swap space
 CPU_KV_CACHE_BYTES = 1 * GiB  # KV budget on the CPU when num_gpu_blocks is not given
 CPU_THREADS = 4  # most torch threads on a CPU device by default
 
-log = logging.getLogger("backend.runner")
+log = logging.getLogger("sched_lab.backend.runner")
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
 """The engine's own sources as one hash: the ``backend_sources`` key of an engine fingerprint
-(:mod:`lab.core.fingerprint`). Torch-free, so the simulator's callers can ask for it."""
+(:mod:`sched_lab.core.fingerprint`). Torch-free, so the simulator's callers can ask for it."""
 
 from __future__ import annotations
 
@@ -25,6 +25,6 @@ def backend_sources_hash(backend_dir: Path = BACKEND_DIR) -> str | None:
 
 def checkout_engine() -> dict[str, str]:
     """This checkout's engine sources hash (the ``engine`` argument of
-    :func:`lab.sim.calibrated.staleness`)."""
+    :func:`sched_lab.sim.calibrated.staleness`)."""
     digest = backend_sources_hash()
     return {"backend_sources": digest} if digest is not None else {}

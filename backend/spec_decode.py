@@ -18,16 +18,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backend.config import ModelConfig
-from backend.engine import EngineExecutor
-from backend.errors import KVCacheCapacityError
-from backend.inputs import SeqInput
-from backend.sampler import sample
-from backend.verify import rejection_sample, verify_greedy
-from lab.core.errors import ConfigError
-from lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
-from lab.core.request import Request, RequestStatus
-from lab.core.spec import draft_vocab_error
+from sched_lab.backend.config import ModelConfig
+from sched_lab.backend.engine import EngineExecutor
+from sched_lab.backend.errors import KVCacheCapacityError
+from sched_lab.backend.inputs import SeqInput
+from sched_lab.backend.sampler import sample
+from sched_lab.backend.verify import rejection_sample, verify_greedy
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
+from sched_lab.core.request import Request, RequestStatus
+from sched_lab.core.spec import draft_vocab_error
 
 METHODS = ("ngram", "draft", "synthetic")
 _DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
@@ -422,7 +422,7 @@ def make_spec_decoder(
 def load_draft(target, model: str | Path | None, k: int, max_num_seqs: int,
                overrides: dict | None = None):  # fmt: skip
     """The draft's ModelRunner, after checking that its vocabulary is the target's."""
-    from backend.runner import ModelRunner
+    from sched_lab.backend.runner import ModelRunner
 
     if model is None:
         raise ConfigError("speculative.model: method draft needs the draft checkpoint's directory")

@@ -1,4 +1,4 @@
-"""Tensor parallelism for the decoder of :mod:`backend.model` (Shoeybi et al. 2019,
+"""Tensor parallelism for the decoder of :mod:`sched_lab.backend.model` (Shoeybi et al. 2019,
 "Megatron-LM", §3): column-parallel q/k/v and gate/up, row-parallel o_proj and down (one
 all-reduce each), a vocab-parallel embedding (vocab padded to a multiple of N) and an
 all-gathered LM head.
@@ -17,12 +17,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from backend.attention import AttentionBackend
-from backend.config import ModelConfig
-from backend.loader import _read_parameter, _Reader, _store_layer_weights_kn, checkpoint_index
-from backend.model import Transformer
-from backend.rope import rope_table
-from lab.core.errors import ConfigError
+from sched_lab.backend.attention import AttentionBackend
+from sched_lab.backend.config import ModelConfig
+from sched_lab.backend.loader import (
+    _read_parameter,
+    _Reader,
+    _store_layer_weights_kn,
+    checkpoint_index,
+)
+from sched_lab.backend.model import Transformer
+from sched_lab.backend.rope import rope_table
+from sched_lab.core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class TPTransformer(Transformer):
-    """:class:`backend.model.Transformer` sharded for one rank; ``config`` is the rank's
+    """:class:`sched_lab.backend.model.Transformer` sharded for one rank; ``config`` is the rank's
     :func:`shard_config`."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: TPShard) -> None:
@@ -163,7 +168,7 @@ def load_tp_model(
     max_model_len: int,
     kn_weights: bool = False,
 ) -> TPTransformer:
-    """:func:`backend.loader.load_model` for rank ``shard.rank`` of the full ``config``:
+    """:func:`sched_lab.backend.loader.load_model` for rank ``shard.rank`` of the full ``config``:
     each full tensor is read and checked, then only its slice kept."""
     model_dir = Path(model_dir)
     index = checkpoint_index(model_dir)

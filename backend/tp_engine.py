@@ -1,7 +1,7 @@
 """A tensor-parallel engine: one process per rank, rank 0 in the experiment's own process.
 
 Rank 0 runs the scheduler and drives its own shard through :class:`TensorParallelRunner`
-(the :class:`backend.runner.ModelRunner` interface), broadcasting each step's swap maps and
+(the :class:`sched_lab.backend.runner.ModelRunner` interface), broadcasting each step's swap maps and
 SeqInputs to spawned worker ranks over gloo; collectives run on NCCL with CUDA (rank r on
 ``cuda:r``), gloo on the CPU; only rank 0 samples. A failed worker makes the step raise
 :class:`TensorParallelError` naming it, and every later step too.
@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from backend.inputs import SeqInput
-from backend.runner import ModelRunner
-from backend.tp import TPShard
-from lab.core.errors import ConfigError, UserError
+from sched_lab.backend.inputs import SeqInput
+from sched_lab.backend.runner import ModelRunner
+from sched_lab.backend.tp import TPShard
+from sched_lab.core.errors import ConfigError, UserError
 
 FAULT_ENV = "SCHED_LAB_TP_FAULT"
 MAX_CPU_RANKS = 8  # gloo processes on a CPU host: more is a mistake, not a study

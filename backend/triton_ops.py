@@ -1,7 +1,7 @@
 """Fused Triton kernels for the non-attention work of a decoder layer (10 kernels a layer).
 
 The kernels round where transformers' eager bf16 code rounds, so they match
-:mod:`backend.model`'s torch path up to float32 summation order. Under
+:mod:`sched_lab.backend.model`'s torch path up to float32 summation order. Under
 ``TRITON_INTERPRET=1`` they run on CPU tensors.
 """
 

@@ -48,7 +48,7 @@ TINY = tiny_qwen3(16384)  # above the 8192-token budget, as Qwen3-0.6B's 40960
 def model_dir(args) -> Path:
     if not args.tiny:
         return checkpoint(args.preset)
-    from backend.tools.random_checkpoint import write_random_checkpoint
+    from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
 
     out = Path(args.out).resolve() / "tiny_ckpt"
     if not (out / "config.json").exists():
@@ -69,8 +69,8 @@ def decode_loop(runner, batch: int, context: int, steps: int, warmup: int, async
     """(wall s per step, host s per launch or None, the last step's SeqInputs)."""
     import torch
 
-    from backend.inputs import DeviceFeed
-    from backend.runner import SeqInput
+    from sched_lab.backend.inputs import DeviceFeed
+    from sched_lab.backend.runner import SeqInput
 
     bs = runner.block_size
     free = iter(range(runner.num_gpu_blocks))
@@ -147,7 +147,7 @@ def host_parts(runner, seqs, reps: int = 30) -> dict | None:
     captured graphs."""
     import torch
 
-    from backend.runner import SeqInput
+    from sched_lab.backend.runner import SeqInput
 
     graphs = runner.graphs
     if runner.device.type != "cuda" or graphs is None or not graphs.capture:
@@ -174,7 +174,7 @@ def host_parts(runner, seqs, reps: int = 30) -> dict | None:
 
 
 def part_decode(args) -> dict:
-    from backend.runner import ModelRunner
+    from sched_lab.backend.runner import ModelRunner
 
     kw = engine_kwargs(args)
     extra = {} if args.tiny else dict(gpu_memory_utilization=0.9, mixed_graphs=False)
@@ -213,10 +213,10 @@ def workload(n: int, tiny: bool) -> tuple[list[list[int]], list[int]]:
 
 
 def part_throughput(args) -> dict:
-    from lab.config import validate
-    from lab.core.errors import UserError
-    from lab.core.request import Request
-    from lab.run.experiment import run_experiment
+    from sched_lab.config import validate
+    from sched_lab.core.errors import UserError
+    from sched_lab.core.request import Request
+    from sched_lab.run.experiment import run_experiment
 
     prompts, outputs = workload(args.num_requests, args.tiny)
     kw = engine_kwargs(args)

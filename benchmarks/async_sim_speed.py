@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 from sim_speed import CPU_S  # noqa: E402  (importing it times every replay's CPU seconds)
 
-from lab.config import validate  # noqa: E402
-from lab.run.experiment import run_experiment  # noqa: E402
-from traces.readers import load_yaml_file  # noqa: E402
+from sched_lab.config import validate  # noqa: E402
+from sched_lab.run.experiment import run_experiment  # noqa: E402
+from sched_lab.traces.readers import load_yaml_file  # noqa: E402
 
 
 def configs(path: Path, limit: int | None):

@@ -24,9 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab.config import validate  # noqa: E402
-from lab.results.metrics import meets_slo  # noqa: E402
-from lab.run.experiment import run_experiment  # noqa: E402
+from sched_lab.config import validate  # noqa: E402
+from sched_lab.results.metrics import meets_slo  # noqa: E402
+from sched_lab.run.experiment import run_experiment  # noqa: E402
 
 
 def layouts(gpus: int) -> list[tuple[str, dict]]:

@@ -3,7 +3,7 @@
     python benchmarks/cluster_prefix_locality.py [--replicas 4] [--mooncake-limit 4000]
 
 A prefix cache can only reuse KV that its own replica computed. For each router, the
-cluster replays the trace (fcfs) and ``traces.prefix_bound.prefix_hit_bound`` is taken over
+cluster replays the trace (fcfs) and ``sched_lab.traces.prefix_bound.prefix_hit_bound`` is taken over
 the requests each replica served, in arrival order: the cached prompt tokens an unlimited
 cache on that replica would have. The table gives their sum over all prompt tokens (the
 cluster's bound), the same bound for one replica holding every request, the load balance
@@ -24,9 +24,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab.config import load_config, validate  # noqa: E402
-from lab.run.experiment import run_experiment  # noqa: E402
-from traces.prefix_bound import prefix_hit_bound  # noqa: E402
+from sched_lab.config import load_config, validate  # noqa: E402
+from sched_lab.run.experiment import run_experiment  # noqa: E402
+from sched_lab.traces.prefix_bound import prefix_hit_bound  # noqa: E402
 
 ROUTERS = [
     "round_robin",

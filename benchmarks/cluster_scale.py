@@ -27,8 +27,8 @@ TRACE = {"format": "azure2023", "path": str(ROOT / "traces/data/azure2023_conv.c
 
 def one(replicas: int, router: str, rate_scale: float) -> dict:
     """Run one case in this process; returns its figures."""
-    from lab.config import validate
-    from lab.run.experiment import run_experiment
+    from sched_lab.config import validate
+    from sched_lab.run.experiment import run_experiment
 
     raw = {"trace": {**TRACE, "rate_scale": rate_scale}, "policies": ["fcfs"]}
     if replicas > 1:

@@ -20,8 +20,8 @@ GIB = 1 << 30
 
 def checkpoint(preset: str, cache: Path = ROOT / "checkpoints") -> Path:
     """A random-weight bf16 checkpoint of ``preset`` (written once, then reused)."""
-    from backend.tools.random_checkpoint import write_random_checkpoint
-    from lab.core.model_presets import PRESETS
+    from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
+    from sched_lab.core.model_presets import PRESETS
 
     out = cache / preset
     if not (out / "config.json").exists():
@@ -50,7 +50,7 @@ def tiny_qwen3(max_position_embeddings: int) -> dict:
 def engine_runner(preset: str, **kwargs):
     """A ModelRunner on the GPU as the engine benchmarks use it: ``preset``'s random bf16
     checkpoint, triton attention, block size 16 (``kwargs`` go to ModelRunner)."""
-    from backend.runner import ModelRunner
+    from sched_lab.backend.runner import ModelRunner
 
     return ModelRunner(checkpoint(preset), device="cuda", dtype="bfloat16",
                        attention_backend="triton", block_size=16, gpu_memory_utilization=0.9,
@@ -66,7 +66,7 @@ def decode_inputs(batch: int, context: int, first_block: int = 0, token: int = 1
 def decodes_at(contexts: list[int], first_block: int = 0, token: int = 1) -> list:
     """One-token decodes at the given positions (block size 16), each over its own
     consecutive blocks, the first starting at ``first_block``."""
-    from backend.runner import SeqInput
+    from sched_lab.backend.runner import SeqInput
 
     seqs = []
     for ctx in contexts:

@@ -37,8 +37,8 @@ def main() -> None:
     ap.add_argument("--block-sizes", nargs="+", type=int, default=[16])
     ap.add_argument("--tiles", default="all", choices=["all", "default"])
     args = ap.parse_args()
-    from backend.attention import triton_kernels as tk
-    from backend.attention.base import decode_items, decode_work
+    from sched_lab.backend.attention import triton_kernels as tk
+    from sched_lab.backend.attention.base import decode_items, decode_work
 
     h, kvh, d = args.heads, args.kv_heads, args.head_dim
     default = (tk.DECODE_BLOCK_N, tk.DECODE_NUM_WARPS, tk.DECODE_NUM_STAGES)

@@ -40,7 +40,7 @@ from common import (
 def step_kernels(cfg, batch: int, context: int) -> list[tuple[str, int]]:
     """(name, bytes moved) of each kernel of one decode step, in order: reads + writes of
     the real kernel (bf16 weights, K/V and activations; fp32 split-K partials)."""
-    from backend.attention.base import decode_items
+    from sched_lab.backend.attention.base import decode_items
 
     h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     act = batch * h * 2  # one (batch, hidden) bf16 activation
@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=1024)
     args = ap.parse_args()
-    from backend.config import ModelConfig
+    from sched_lab.backend.config import ModelConfig
 
     cfg = ModelConfig.from_dir(checkpoint(args.preset))
     bw = copy_bandwidth()

@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--presets", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 32, 256])
     args = ap.parse_args()
-    from backend.config import ModelConfig
+    from sched_lab.backend.config import ModelConfig
 
     print(f"# decode GEMMs, {device_line()}")
     print("| model | M | variant | BLAS | ms / step | weights TB/s | / floor |")

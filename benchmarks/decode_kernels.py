@@ -55,7 +55,7 @@ def step_parts(runner, seqs, steps: int) -> None:
     import numpy as np
     import torch
 
-    from backend.sampler import sample
+    from sched_lab.backend.sampler import sample
 
     graphs = runner.graphs
     size = graphs.size_for(seqs) if graphs is not None and graphs.capture else None

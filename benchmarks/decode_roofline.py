@@ -27,7 +27,7 @@ def main() -> None:
         help="projection weights in (K, N) memory order (ModelRunner kn_weights)",
     )
     args = ap.parse_args()
-    from backend.runner import ModelRunner, SeqInput
+    from sched_lab.backend.runner import ModelRunner, SeqInput
 
     bw = copy_bandwidth()
     kn = ", (K, N) weights" if args.kn_weights else ""

@@ -30,8 +30,8 @@ def main() -> None:
     ap.add_argument("--load", type=float, default=0.95)
     ap.add_argument("--limit", type=int, default=200)
     args = ap.parse_args()
-    from lab.config import load_config
-    from lab.run.experiment import run_experiment
+    from sched_lab.config import load_config
+    from sched_lab.run.experiment import run_experiment
 
     base = load_config(ROOT / "experiments/sim_vs_real.yaml")
     capacity = json.loads((ROOT / "docs/fidelity/engine/capacity.json").read_text())["conv"]

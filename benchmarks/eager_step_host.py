@@ -27,7 +27,7 @@ def main() -> None:
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
-    from backend.runner import SeqInput
+    from sched_lab.backend.runner import SeqInput
 
     runner = engine_runner(args.preset, mixed_graphs=not args.eager)
     blocks = -(-(args.prompt + 1) // 16)

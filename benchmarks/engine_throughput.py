@@ -29,8 +29,8 @@ def workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
 
 
 def run_ours(model_dir, prompts, outputs, attention: str, policy: str) -> tuple[float, int]:
-    from lab.config import validate
-    from lab.run.experiment import run_experiment
+    from sched_lab.config import validate
+    from sched_lab.run.experiment import run_experiment
 
     cfg = validate(
         {
@@ -56,7 +56,7 @@ def run_ours(model_dir, prompts, outputs, attention: str, policy: str) -> tuple[
         "engine_throughput",
         ROOT,
     )
-    from lab.core.request import Request
+    from sched_lab.core.request import Request
 
     reqs = [
         Request(str(i), 0.0, len(p), o, prompt_token_ids=p)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lab.fidelity import main  # noqa: E402
+from sched_lab.fidelity import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(prog="python benchmarks/fidelity.py"))

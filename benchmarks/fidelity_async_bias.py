@@ -47,12 +47,12 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab.fidelity import engine_config as _engine_config  # noqa: E402
-from lab.fidelity import predicted_durations, unpack  # noqa: E402
-from lab.fidelity import step_kind as _step_kind  # noqa: E402
-from lab.results.names import upgrade_summary  # noqa: E402
-from lab.run.experiment import run_experiment  # noqa: E402
-from lab.sim.calibrated import (  # noqa: E402
+from sched_lab.fidelity import engine_config as _engine_config  # noqa: E402
+from sched_lab.fidelity import predicted_durations, unpack  # noqa: E402
+from sched_lab.fidelity import step_kind as _step_kind  # noqa: E402
+from sched_lab.results.names import upgrade_summary  # noqa: E402
+from sched_lab.run.experiment import run_experiment  # noqa: E402
+from sched_lab.sim.calibrated import (  # noqa: E402
     CalibratedCostModel,
     host_design,
     read_profile,

@@ -16,7 +16,7 @@ happen once a process: lab/setup/engine.py keeps the runner) and each experiment
 given (``--checkpoint-s``, ``--profile-s``). The time limits and the skipping of folders
 follow lab/fidelity.py: the first pass gets 52% of what is left after the profile and the
 calibration, and a folder is skipped when the pass's own estimate
-(``lab.fidelity.pass_estimate_s``) would end past its deadline.
+(``sched_lab.fidelity.pass_estimate_s``) would end past its deadline.
 
 Prints one line per run and the predicted steps against ``time_limits_s``. A prediction,
 not a measurement: the calibrated model's error on the engine's steps (docs/fidelity.md)
@@ -36,8 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab.config import validate  # noqa: E402
-from lab.fidelity import (  # noqa: E402
+from sched_lab.config import validate  # noqa: E402
+from sched_lab.fidelity import (  # noqa: E402
     calibration_config,
     capacity_run,
     folder_name,
@@ -46,7 +46,7 @@ from lab.fidelity import (  # noqa: E402
     pass_estimate_s,
     slice_config,
 )
-from lab.run.experiment import run_experiment  # noqa: E402
+from sched_lab.run.experiment import run_experiment  # noqa: E402
 
 
 def as_sim(raw: dict, cost_model: dict, protocol_path: Path):
@@ -82,7 +82,7 @@ def predict(protocol_path: Path, cost_model: dict, load_s: float, process_s: flo
         steps["calibration"] = min(t, limits["calibration"])
     left = limits["total"] - sum(steps.values())
     first_limit = 0.52 * left
-    deadline = first_limit - 10  # seconds into the pass (lab.fidelity.engine)
+    deadline = first_limit - 10  # seconds into the pass (sched_lab.fidelity.engine)
     t, done = process_s, []
     for name in protocol["slices"]:
         cfg = as_sim(slice_config(protocol, name), cost_model, protocol_path)

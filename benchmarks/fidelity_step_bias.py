@@ -38,9 +38,9 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab.fidelity import error_target as _target  # noqa: E402
-from lab.fidelity import unpack as _unpack  # noqa: E402
-from lab.sim.calibrated import (  # noqa: E402
+from sched_lab.fidelity import error_target as _target  # noqa: E402
+from sched_lab.fidelity import unpack as _unpack  # noqa: E402
+from sched_lab.sim.calibrated import (  # noqa: E402
     EAGER_KNOT,
     REPLAY_KIND,
     CalibratedCostModel,
@@ -56,7 +56,7 @@ _UNPACKED: dict[Path, Path] = {}
 
 
 def unpack(archive: Path) -> Path:
-    """lab.fidelity.unpack, once per archive; the folders are removed at exit."""
+    """sched_lab.fidelity.unpack, once per archive; the folders are removed at exit."""
     if archive not in _UNPACKED:
         _UNPACKED[archive] = _unpack(archive)
     return _UNPACKED[archive]

@@ -18,7 +18,7 @@ compares additively, for changes that add columns or keys but must not change an
 every CSV column of REV's files must exist with the same values in the same rows, and every
 key of REV's ``summary.json`` must hold the same value (new columns and keys are listed, not
 refused). REV's summary is read with the metric names of now
-(:func:`lab.results.names.upgrade_summary`: ``ttft_s.p99`` in seconds is compared as
+(:func:`sched_lab.results.names.upgrade_summary`: ``ttft_s.p99`` in seconds is compared as
 ``p99_ttft_ms``, the same number times 1000), so a rename alone is no difference.
 Experiments that exist on one side only are skipped with a note.
 """
@@ -38,7 +38,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from lab.results.names import upgrade_summary  # noqa: E402
+from sched_lab.results.names import upgrade_summary  # noqa: E402
 
 REF = Path(__file__).with_name("identical_ref.json")
 FILES = ("requests.csv", "steps.csv", "summary.json")

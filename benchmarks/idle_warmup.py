@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from backend.profile import execute_launched  # noqa: E402
-from backend.runner import ModelRunner, SeqInput  # noqa: E402
+from sched_lab.backend.profile import execute_launched  # noqa: E402
+from sched_lab.backend.runner import ModelRunner, SeqInput  # noqa: E402
 
 SHAPES = {  # name -> (decodes of context 1024, prompt tokens of one prefill over no prefix)
     "decode_1": (1, 0),

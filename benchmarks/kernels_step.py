@@ -113,7 +113,7 @@ class Bench:
         return (time.perf_counter() - t0) / self.iters
 
     def config(self, preset: str) -> dict:
-        from lab.core.model_presets import PRESETS as ALL
+        from sched_lab.core.model_presets import PRESETS as ALL
 
         return TINY if preset == "tiny" else ALL[preset]
 
@@ -128,9 +128,9 @@ class Bench:
     def runner(self, preset: str, **kwargs):
         """A ModelRunner of ``preset``'s shapes with random weights drawn on the device (no
         checkpoint on disk: the 8B shape loads in seconds): N(0, 0.02), norms 1."""
-        import backend.runner as runner_mod
-        from backend.model import Transformer
-        from backend.rope import rope_table
+        import sched_lab.backend.runner as runner_mod
+        from sched_lab.backend.model import Transformer
+        from sched_lab.backend.rope import rope_table
 
         def random_model(model_dir, config, backend, device, dtype, max_model_len, kn=False):
             torch = self.torch
@@ -162,7 +162,7 @@ class Bench:
 
 def prompts(chunks: int, length: int) -> list:
     """``chunks`` prompts of ``length`` tokens from position 0, each over its own blocks."""
-    from backend.runner import SeqInput
+    from sched_lab.backend.runner import SeqInput
 
     per = -(-length // 16)
     return [SeqInput([1] * length, 0, list(range(c * per, (c + 1) * per)), True)
@@ -181,8 +181,8 @@ def part_merge(b: Bench) -> dict:
     """Decode attention alone: fused merge vs the separate merge kernel."""
     import numpy as np
 
-    from backend.attention import triton_kernels as tk
-    from backend.attention.base import decode_items, decode_work
+    from sched_lab.backend.attention import triton_kernels as tk
+    from sched_lab.backend.attention.base import decode_items, decode_work
 
     torch, rows = b.torch, []
     for preset in b.presets:
@@ -241,7 +241,7 @@ def part_decode(b: Bench) -> dict:
     """Decode steps with the merge fused vs separate, same weights, side by side."""
     from common import decode_inputs
 
-    from backend.attention import triton_kernels as tk
+    from sched_lab.backend.attention import triton_kernels as tk
 
     rows, bw = [], b.copy_rate()
     for preset in b.presets:
@@ -290,9 +290,9 @@ def part_decode(b: Bench) -> dict:
 
 def part_prefill(b: Bench) -> dict:
     """varlen vs Triton prefill attention; eager prefill steps triton vs flash_varlen."""
-    from backend.attention import flash_varlen
-    from backend.attention import triton_kernels as tk
-    from backend.attention.base import prefill_tiles
+    from sched_lab.backend.attention import flash_varlen
+    from sched_lab.backend.attention import triton_kernels as tk
+    from sched_lab.backend.attention.base import prefill_tiles
 
     torch = b.torch
     can = flash_varlen.available(b.device, b.dtype)

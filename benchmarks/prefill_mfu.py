@@ -21,7 +21,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--attention", default="triton")
     args = ap.parse_args()
-    from backend.runner import ModelRunner, SeqInput
+    from sched_lab.backend.runner import ModelRunner, SeqInput
 
     peak = matmul_flops()
     runner = ModelRunner(

@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 from common import tiny_qwen3  # noqa: E402
 
-from lab.core.plan import StepResult  # noqa: E402
-from lab.core.request import Request  # noqa: E402
+from sched_lab.core.plan import StepResult  # noqa: E402
+from sched_lab.core.request import Request  # noqa: E402
 
 TINY = tiny_qwen3(4096)  # a longer context than the tests' tiny Qwen3
 POLICIES = [
@@ -50,7 +50,7 @@ POLICIES = [
 def mooncake_slice(n: int, scale: int, rate_scale: float) -> list[Request]:
     """The first ``n`` Mooncake requests, lengths divided by ``scale``, prompt tokens
     left to the engine path (traces/hash_tokens.py: a seeded token block per hash id)."""
-    from traces import load_trace
+    from sched_lab.traces import load_trace
 
     spec = {"format": "mooncake", "path": "traces/data/mooncake_conversation_trace.jsonl",
             "limit": n}  # fmt: skip
@@ -80,11 +80,11 @@ class ReplayedDurations:
 
 def sim_replay(run, requests: list[Request], cfg, pol):
     """The simulator on the engine run's own limits, blocks and step durations."""
-    from lab.core.kv import make_block_manager
-    from lab.core.scheduler import SchedulerLimits
-    from lab.run.experiment import fresh
-    from lab.sim.replay import replay
-    from policies import get_policy
+    from sched_lab.core.kv import make_block_manager
+    from sched_lab.core.scheduler import SchedulerLimits
+    from sched_lab.policies import get_policy
+    from sched_lab.run.experiment import fresh
+    from sched_lab.sim.replay import replay
 
     limits = SchedulerLimits(**run.summary["limits"])
     bm = make_block_manager(run.result.num_gpu_blocks, 0, cfg.kv_cache.block_size,
@@ -106,12 +106,12 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from lab.config import validate
-    from lab.run.experiment import run_experiment
-    from traces.prefix_bound import prefix_hit_bound
+    from sched_lab.config import validate
+    from sched_lab.run.experiment import run_experiment
+    from sched_lab.traces.prefix_bound import prefix_hit_bound
 
     if args.tiny:
-        from backend.tools.random_checkpoint import write_random_checkpoint
+        from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
 
         model = write_random_checkpoint(TINY, Path("/tmp/prefix_engine_tiny"), "float32", std=0.2)
         engine = {"model_path": str(model), "device": "cpu", "dtype": "float32"}

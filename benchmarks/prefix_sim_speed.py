@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab.config import load_config, validate  # noqa: E402
-from lab.run.experiment import run_experiment  # noqa: E402
+from sched_lab.config import load_config, validate  # noqa: E402
+from sched_lab.run.experiment import run_experiment  # noqa: E402
 
 POLICIES = ["fcfs", "swap", {"name": "chunked_prefill", "max_num_batched_tokens": 8192},
             "prefix_aware"]  # fmt: skip

@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from backend.profile import execute_launched  # noqa: E402
-from backend.runner import ModelRunner, SeqInput  # noqa: E402
+from sched_lab.backend.profile import execute_launched  # noqa: E402
+from sched_lab.backend.runner import ModelRunner, SeqInput  # noqa: E402
 
 PREFILLS = [(0, n) for n in (128, 512, 1024, 1536, 2048, 3072, 4096, 8192)] + [(1024, 1024)]
 MIXED = [(1024, 8), (512, 32)]  # (prefill tokens over no prefix, decodes of context 1024)

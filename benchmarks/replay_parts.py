@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT))
 import pandas as pd  # noqa: E402
 import yaml  # noqa: E402
 
-from backend.engine import EngineExecutor, StepResult  # noqa: E402
-from lab.config import validate  # noqa: E402
-from lab.run.experiment import run_experiment  # noqa: E402
+from sched_lab.backend.engine import EngineExecutor, StepResult  # noqa: E402
+from sched_lab.config import validate  # noqa: E402
+from sched_lab.run.experiment import run_experiment  # noqa: E402
 
 
 def main() -> None:

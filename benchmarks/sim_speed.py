@@ -21,10 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import lab.run.experiment  # noqa: E402
-from lab.config import load_config  # noqa: E402
-from lab.report.folder import write_results  # noqa: E402
-from lab.run.experiment import run_experiment  # noqa: E402
+import sched_lab.run.experiment  # noqa: E402
+from sched_lab.config import load_config  # noqa: E402
+from sched_lab.report.folder import write_results  # noqa: E402
+from sched_lab.run.experiment import run_experiment  # noqa: E402
 
 CPU_S: list[float] = []  # process CPU seconds of each replay, in call order
 
@@ -40,7 +40,7 @@ def _timed(replay):
     return wrapper
 
 
-lab.run.experiment.replay = _timed(lab.run.experiment.replay)
+sched_lab.run.experiment.replay = _timed(sched_lab.run.experiment.replay)
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ RATE_SCALE = 0.3  # see BENCHMARKS.md: the engine is busy ~90% of the time, not 
 
 
 def config(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | None):
-    from lab.config import validate
+    from sched_lab.config import validate
 
     trace = {"format": "mooncake", "path": TRACE, "rate_scale": rate_scale}
     if limit:
@@ -66,16 +66,16 @@ def worker(policy: str, rate_scale: float, num_gpu_blocks: int, limit: int | Non
     sys.path.insert(0, str(ROOT))
     import numpy as np
 
-    from lab.core.errors import SchedulerStuckError
-    from lab.core.kv import BlockManager
-    from lab.results import metrics
-    from lab.run.experiment import resolve_limits
-    from lab.setup.sim import sim_parts
-    from lab.sim.cost_model import CostModelExecutor
-    from lab.sim.models import MODELS
-    from lab.sim.replay import replay
-    from policies import get_policy
-    from traces import load_trace
+    from sched_lab.core.errors import SchedulerStuckError
+    from sched_lab.core.kv import BlockManager
+    from sched_lab.policies import get_policy
+    from sched_lab.results import metrics
+    from sched_lab.run.experiment import resolve_limits
+    from sched_lab.setup.sim import sim_parts
+    from sched_lab.sim.cost_model import CostModelExecutor
+    from sched_lab.sim.models import MODELS
+    from sched_lab.sim.replay import replay
+    from sched_lab.traces import load_trace
 
     cfg = config(policy, rate_scale, num_gpu_blocks, limit)
     cost_model, gpu, cpu = sim_parts(cfg)
@@ -158,7 +158,7 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.rate_scale, args.num_gpu_blocks, args.limit)))
         return
     sys.path.insert(0, str(ROOT))
-    from policies import policy_names
+    from sched_lab.policies import policy_names
 
     policies = args.policies or policy_names()
     print(

@@ -72,11 +72,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def make_runner(args):
-    from backend.runner import ModelRunner
+    from sched_lab.backend.runner import ModelRunner
 
     out = Path(args.out)
     if args.tiny:
-        from backend.tools.random_checkpoint import write_random_checkpoint
+        from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
 
         path = out / "ckpt_tiny"
         if not (path / "config.json").exists():
@@ -107,10 +107,10 @@ def prompts(kind: str, batch: int, length: int, vocab: int, seed: int) -> list[l
 
 def run_point(runner, spec, toks: list[list[int]], out_len: int, max_tokens: int) -> dict:
     """One static batch through hand-made plans; figures from the measured step times."""
-    from backend.engine import EngineExecutor
-    from backend.spec_decode import SpecExecutor
-    from lab.core.plan import SchedulerOutput
-    from lab.core.request import Request, RequestStatus
+    from sched_lab.backend.engine import EngineExecutor
+    from sched_lab.backend.spec_decode import SpecExecutor
+    from sched_lab.core.plan import SchedulerOutput
+    from sched_lab.core.request import Request, RequestStatus
 
     bs, n = runner.block_size, len(toks)
     per = -(-(len(toks[0]) + out_len + 8) // bs)
@@ -166,7 +166,7 @@ def run_part(args, save) -> list[dict]:
     """The part's points; ``save(rows)`` after each (a part cut by its timeout keeps them)."""
     import torch
 
-    from backend.spec_decode import make_spec_decoder
+    from sched_lab.backend.spec_decode import make_spec_decoder
 
     runner = make_runner(args)
     vocab = runner.config.vocab_size

@@ -31,18 +31,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from lab.core.kv import make_block_manager  # noqa: E402
-from lab.core.request import Request  # noqa: E402
-from lab.core.scheduler import SchedulerLimits  # noqa: E402
-from lab.core.spec import SpeculativeConfig  # noqa: E402
-from lab.results import metrics  # noqa: E402
-from lab.sim.calibrated import CalibratedCostModel  # noqa: E402
-from lab.sim.cost_model import AnalyticCostModel, CostModelExecutor  # noqa: E402
-from lab.sim.hardware import HARDWARE  # noqa: E402
-from lab.sim.models import MODELS  # noqa: E402
-from lab.sim.replay import replay  # noqa: E402
-from lab.sim.spec_executor import SpecExecutor  # noqa: E402
-from policies import get_policy  # noqa: E402
+from sched_lab.core.kv import make_block_manager  # noqa: E402
+from sched_lab.core.request import Request  # noqa: E402
+from sched_lab.core.scheduler import SchedulerLimits  # noqa: E402
+from sched_lab.core.spec import SpeculativeConfig  # noqa: E402
+from sched_lab.policies import get_policy  # noqa: E402
+from sched_lab.results import metrics  # noqa: E402
+from sched_lab.sim.calibrated import CalibratedCostModel  # noqa: E402
+from sched_lab.sim.cost_model import AnalyticCostModel, CostModelExecutor  # noqa: E402
+from sched_lab.sim.hardware import HARDWARE  # noqa: E402
+from sched_lab.sim.models import MODELS  # noqa: E402
+from sched_lab.sim.replay import replay  # noqa: E402
+from sched_lab.sim.spec_executor import SpecExecutor  # noqa: E402
 
 PROFILE = ROOT / "profiles" / "h200_qwen3-0.6b.csv"
 BLOCK_SIZE = 16

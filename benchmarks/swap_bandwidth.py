@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--preset", default="llama-3.1-8b")
     ap.add_argument("--blocks", type=int, nargs="+", default=[256, 1024, 4096])
     args = ap.parse_args()
-    from backend.runner import ModelRunner
+    from sched_lab.backend.runner import ModelRunner
 
     h2d, d2h = host_link_bandwidth()
     link = 2 / (1 / h2d + 1 / d2h)  # one out + one in of the same bytes

@@ -11,7 +11,7 @@ hung rank cannot eat the budget: the checkpoint (Llama-3.1-8B shape, random bf16
 an offline run (``--requests`` requests, prompt and output lengths uniform in [100, 1024],
 all at t = 0, chunked_prefill, through the lab's replay loop: output tokens / wall s); the
 all-reduce time of one decode step (2 per layer + the embedding's, of (batch, hidden) bf16,
-NCCL, median of 20 timed steps); and ``python -m backend.profile --tensor-parallel-size 2``
+NCCL, median of 20 timed steps); and ``python -m sched_lab.backend.profile --tensor-parallel-size 2``
 (one pass). Results: ``$OUT/tp_decode.json`` (one record per phase, with a status) and
 ``$OUT/profile_tp2.csv``. ``--tiny``: a 2-layer random model on the CPU with gloo and torch
 attention, small sizes, no profile: it tests this script's logic, not the numbers.
@@ -85,8 +85,8 @@ def model_dir(args) -> Path:
 
 
 def make_runner(args, size: int):
-    from backend.runner import ModelRunner
-    from backend.tp_engine import TensorParallelRunner
+    from sched_lab.backend.runner import ModelRunner
+    from sched_lab.backend.tp_engine import TensorParallelRunner
 
     if size == 1:
         return ModelRunner(model_dir(args), **engine_kwargs(args))
@@ -94,8 +94,8 @@ def make_runner(args, size: int):
 
 
 def phase_checkpoint(args) -> dict:
-    from backend.tools.random_checkpoint import write_random_checkpoint
-    from lab.core.model_presets import PRESETS
+    from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
+    from sched_lab.core.model_presets import PRESETS
 
     out = model_dir(args)
     if not (out / "config.json").exists():
@@ -130,9 +130,9 @@ def phase_decode(args) -> dict:
 def phase_offline(args) -> dict:
     import numpy as np
 
-    from lab.config import validate
-    from lab.core.request import Request
-    from lab.run.experiment import run_experiment
+    from sched_lab.config import validate
+    from sched_lab.core.request import Request
+    from sched_lab.run.experiment import run_experiment
 
     eng = {k: v for k, v in engine_kwargs(args).items() if k not in ("block_size", "num_gpu_blocks",
                                                                       "gpu_memory_utilization")}  # fmt: skip
@@ -180,7 +180,7 @@ def _allreduce_rank(rank: int, size: int, port: int, args, queue) -> None:
     import torch
     import torch.distributed as dist
 
-    from backend.config import ModelConfig
+    from sched_lab.backend.config import ModelConfig
 
     cuda = not args.tiny
     if cuda:
@@ -214,7 +214,7 @@ def _allreduce_rank(rank: int, size: int, port: int, args, queue) -> None:
 def phase_allreduce(args) -> dict:
     import torch.multiprocessing as mp
 
-    from backend.tp_engine import _free_port
+    from sched_lab.backend.tp_engine import _free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             records.append(child(args, "allreduce", size, tmp))
         if not args.tiny and not args.no_profile and 2 in args.tp_sizes:
             cmd = ["timeout", "-k", "10", str(args.phase_timeout), sys.executable, "-m",
-                   "backend.profile", "--model-dir", str(model_dir(args)), "--out",
+                   "sched_lab.backend.profile", "--model-dir", str(model_dir(args)), "--out",
                    str(out / "profile_tp2.csv"), "--tensor-parallel-size", "2", "--passes", "1",
                    "--repeat", "1"]  # fmt: skip
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

@@ -10,7 +10,7 @@
     sched-lab fidelity --sim
 
 ``fit``, ``profile``, ``tools`` and ``fidelity`` hand their arguments to
-``lab.sim.calibrated``, ``backend.profile``, ``backend.tools`` and ``lab.fidelity``
+``sched_lab.sim.calibrated``, ``sched_lab.backend.profile``, ``sched_lab.backend.tools`` and ``sched_lab.fidelity``
 (``python -m`` of those still works); ``prefix-bound`` is :func:`prefix_bound` here. User
 errors print one line, ``error: ...``, never a traceback.
 """
@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from lab import __version__
+from sched_lab import __version__
 
 # Where bundled data lives, in a checkout and in an installed copy alike: experiments/,
 # traces/data/ and profiles/ are installed beside lab/ (pyproject.toml).
@@ -48,19 +48,22 @@ A config path that does not exist is looked up among the bundled ones, so the ex
 experiments run from any folder. Results go to ./results/<name> unless --out; an existing
 folder there is replaced only if the lab wrote everything in it (.sched-lab-manifest.json)."""
 DELEGATED = {  # subcommand: (module[:function, default main] taking (argv, prog), what it does)
-    "fit": ("lab.sim.calibrated", "fit the calibrated step-time model to an engine profile"),
-    "profile": ("backend.profile", "time the engine over a grid of step shapes (needs torch)"),
+    "fit": ("sched_lab.sim.calibrated", "fit the calibrated step-time model to an engine profile"),
+    "profile": (
+        "sched_lab.backend.profile",
+        "time the engine over a grid of step shapes (needs torch)",
+    ),
     "tools": (
-        "backend.tools.__main__",
+        "sched_lab.backend.tools.__main__",
         "engine tools: convert-smollm2, make-random-checkpoint, list-presets (needs torch)",
     ),
     "fidelity": (
-        "lab.fidelity",
+        "sched_lab.fidelity",
         "held-out simulator fidelity: --engine (GPU: profile, runs, repeats), --sim (CPU: "
         "docs/fidelity.md)",
     ),
     "prefix-bound": (
-        "lab.cli:prefix_bound",
+        "sched_lab.cli:prefix_bound",
         "the infinite-cache upper bound of a trace's prefix hit rate, from its hash ids",
     ),
 }
@@ -140,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from lab.core.errors import UserError
-    from lab.report.timeline import explain, picture
+    from sched_lab.core.errors import UserError
+    from sched_lab.report.timeline import explain, picture
 
     try:
         if args.command == "explain":
@@ -221,7 +224,7 @@ def _delegate(command: str, argv: list[str]) -> int:
         module = importlib.import_module(module_name)
         extra = {}
         if command == "fit":  # the fit compares the profile with this checkout's engine sources
-            from backend.sources import checkout_engine
+            from sched_lab.backend.sources import checkout_engine
 
             extra["engine"] = checkout_engine()
         run = getattr(module, function or "main")
@@ -238,7 +241,7 @@ def _delegate(command: str, argv: list[str]) -> int:
 
 
 def prefix_bound(argv: list[str] | None = None, prog: str = "sched-lab prefix-bound") -> int:
-    """Print the infinite-cache prefix hit-rate bound (:func:`traces.prefix_bound.
+    """Print the infinite-cache prefix hit-rate bound (:func:`sched_lab.traces.prefix_bound.
     prefix_hit_bound`) of an experiment's trace; user errors are one line (exit 2)."""
     ap = argparse.ArgumentParser(
         prog=prog,
@@ -255,10 +258,10 @@ def prefix_bound(argv: list[str] | None = None, prog: str = "sched-lab prefix-bo
         "scheduler.max_model_len, if it gives one)",
     )
     args = ap.parse_args(argv)
-    from lab.config import load_config
-    from lab.core.errors import UserError, one_line
-    from traces import load_trace
-    from traces.prefix_bound import prefix_hit_bound
+    from sched_lab.config import load_config
+    from sched_lab.core.errors import UserError, one_line
+    from sched_lab.traces import load_trace
+    from sched_lab.traces.prefix_bound import prefix_hit_bound
 
     try:
         cfg = load_config(args.config)
@@ -271,7 +274,7 @@ def prefix_bound(argv: list[str] | None = None, prog: str = "sched-lab prefix-bo
             cfg = cfg.with_trace(limit=args.limit)
         block = args.block_size or cfg.kv_cache.block_size
         if cfg.trace.classes:  # every class, merged as a run replays them
-            from traces.classes import load_classes
+            from sched_lab.traces.classes import load_classes
 
             requests, _ = load_classes(cfg.trace.classes, cfg.base_dir, cfg.seed, cfg.slo.ttft_s)
         else:
@@ -343,15 +346,15 @@ def _run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    from lab.config import load_config
-    from lab.core.errors import UserError
-    from lab.report.folder import ResultsNotPlaced
+    from sched_lab.config import load_config
+    from sched_lab.core.errors import UserError
+    from sched_lab.report.folder import ResultsNotPlaced
 
     runs: list = []
     cfg = out = None
     with _Signals() as signals:
         try:
-            from lab.sweeps.sweep import is_sweep, read_yaml
+            from sched_lab.sweeps.sweep import is_sweep, read_yaml
 
             path, raw = read_yaml(args.config)
             if is_sweep(raw):
@@ -377,8 +380,8 @@ def _run(args: argparse.Namespace) -> int:
                 raise UserError("--format parquet needs pyarrow: pip install 'sched-lab[parquet]'")
             out = Path(args.out) if args.out is not None else Path.cwd() / "results" / cfg.name
             t0 = time.perf_counter()
-            from lab.report.folder import check_out_dir, write_results
-            from lab.run.experiment import iter_runs
+            from sched_lab.report.folder import check_out_dir, write_results
+            from sched_lab.run.experiment import iter_runs
 
             out = check_out_dir(out)  # before the replays, so a folder in the way costs no run
             for run in iter_runs(cfg, progress=not args.no_progress):
@@ -418,7 +421,7 @@ def _run(args: argparse.Namespace) -> int:
 def _with_percentiles(cfg, text: str):
     import dataclasses
 
-    from lab.core.errors import UserError
+    from sched_lab.core.errors import UserError
 
     try:
         pcts = tuple(float(x) for x in text.split(","))
@@ -437,9 +440,9 @@ def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
     Raises UserError for bad input; an interruption stops the points and writes nothing."""
     import os
 
-    from lab.core.errors import UserError
-    from lab.sweeps.run import run_sweep
-    from lab.sweeps.sweep import load_sweep
+    from sched_lab.core.errors import UserError
+    from sched_lab.sweeps.run import run_sweep
+    from sched_lab.sweeps.sweep import load_sweep
 
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit: expected an integer >= 1, got {args.limit}")
@@ -470,7 +473,7 @@ def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
             f"error: interrupted by {_name(e)} during the sweep; nothing written", file=sys.stderr
         )
         return _code(e)
-    from lab.sweeps.terminal import folder_text
+    from sched_lab.sweeps.terminal import folder_text
 
     print(folder_text(out, sweep), end="\n\n")
     bad = [r for r in results if r.error or any(row.get("error") for row in r.rows)]
@@ -504,8 +507,8 @@ def _keep_partial(
             file=sys.stderr,
         )
         return _code(e)
-    from lab.core.errors import UserError
-    from lab.report.folder import ResultsNotPlaced, write_results
+    from sched_lab.core.errors import UserError
+    from sched_lab.report.folder import ResultsNotPlaced, write_results
 
     total = len(cfg.rate_scales) * len(cfg.policies)
     partial = f"interrupted by {_name(e)} after {len(runs)} of {total} runs"
@@ -526,16 +529,16 @@ def _keep_partial(
 
 
 def _decoder(cfg):
-    from lab.setup import setup_for
+    from sched_lab.setup import setup_for
 
     return setup_for(cfg).text_decoder()
 
 
 def _report(runs: list, decode, out: Path, wall_s: float, cfg) -> int:
-    from lab.report.terminal import summary_text
+    from sched_lab.report.terminal import summary_text
 
     print(summary_text(runs, cfg.report.metric_percentiles))
-    from lab.report.replicas import cluster_text
+    from sched_lab.report.replicas import cluster_text
 
     if cluster := cluster_text(runs):
         print(f"\n{cluster}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from lab.core.scheduler import get_policy, policy_names, register_policy
+from sched_lab.core.scheduler import get_policy, policy_names, register_policy
 
 __all__ = ["BROKEN", "discover", "get_policy", "policy_names", "register_policy"]
 

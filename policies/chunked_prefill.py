@@ -7,8 +7,8 @@ blocks, the newest running request is recomputed.
 
 from __future__ import annotations
 
-from lab.core.plan import SchedulerOutput
-from lab.core.scheduler import Scheduler, register_policy
+from sched_lab.core.plan import SchedulerOutput
+from sched_lab.core.scheduler import Scheduler, register_policy
 
 
 @register_policy("chunked_prefill")

@@ -11,9 +11,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from lab.core.request import Request
-from lab.core.scheduler import bad_number, register_policy
-from policies.fcfs import FCFS
+from sched_lab.core.request import Request
+from sched_lab.core.scheduler import bad_number, register_policy
+from sched_lab.policies.fcfs import FCFS
 
 
 @register_policy("edf")

@@ -6,8 +6,8 @@ decodes every running request, recomputing the newest when a decode needs a bloc
 
 from __future__ import annotations
 
-from lab.core.plan import SchedulerOutput
-from lab.core.scheduler import Scheduler, register_policy
+from sched_lab.core.plan import SchedulerOutput
+from sched_lab.core.scheduler import Scheduler, register_policy
 
 
 @register_policy("fcfs")

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lab.core.request import Request
-from lab.core.scheduler import register_policy
-from policies.fcfs import FCFS
+from sched_lab.core.request import Request
+from sched_lab.core.scheduler import register_policy
+from sched_lab.policies.fcfs import FCFS
 
 
 @register_policy("prefix_aware")

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lab.core.plan import SchedulerOutput
-from lab.core.request import Request
-from lab.core.scheduler import register_policy
-from policies.chunked_prefill import ChunkedPrefill
+from sched_lab.core.plan import SchedulerOutput
+from sched_lab.core.request import Request
+from sched_lab.core.scheduler import register_policy
+from sched_lab.policies.chunked_prefill import ChunkedPrefill
 
 
 @register_policy("priority")

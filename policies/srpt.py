@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from lab.core.plan import SchedulerOutput
-from lab.core.request import Request
-from lab.core.scheduler import register_policy
-from policies.sjf import SJF
+from sched_lab.core.plan import SchedulerOutput
+from sched_lab.core.request import Request
+from sched_lab.core.scheduler import register_policy
+from sched_lab.policies.sjf import SJF
 
 
 @register_policy("srpt")

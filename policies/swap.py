@@ -4,9 +4,9 @@ go to CPU and come back (oldest first, before new admissions); recompute when CP
 
 from __future__ import annotations
 
-from lab.core.plan import PreemptionMode
-from lab.core.scheduler import register_policy
-from policies.fcfs import FCFS
+from sched_lab.core.plan import PreemptionMode
+from sched_lab.core.scheduler import register_policy
+from sched_lab.policies.fcfs import FCFS
 
 
 @register_policy("swap")

@@ -17,10 +17,10 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from lab.core.plan import SchedulerOutput, StepResult
-from lab.core.request import Request, RequestStatus
-from lab.core.scheduler import bad_number, register_policy
-from policies.fcfs import FCFS
+from sched_lab.core.plan import SchedulerOutput, StepResult
+from sched_lab.core.request import Request, RequestStatus
+from sched_lab.core.scheduler import bad_number, register_policy
+from sched_lab.policies.fcfs import FCFS
 
 
 @register_policy("vtc")

@@ -25,11 +25,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Refuse a test file that registers a policy when it is imported: files that parametrize
     over the registry would then collect a different set of tests in a different file order
     (tests/helpers.py bundled_policy_names; register inside a test or fixture instead)."""
-    if "lab.core.scheduler" not in sys.modules:
+    if "sched_lab.core.scheduler" not in sys.modules:
         return
-    from lab.core.scheduler import get_policy, policy_names
+    from sched_lab.core.scheduler import get_policy, policy_names
 
-    extra = [n for n in policy_names() if not get_policy(n).__module__.startswith("policies.")]
+    extra = [
+        n for n in policy_names() if not get_policy(n).__module__.startswith("sched_lab.policies.")
+    ]
     if extra:
         raise pytest.UsageError(
             f"policies registered while the tests were collected: {', '.join(extra)} "

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from lab.core.kv import make_block_manager
-from lab.core.plan import SchedulerOutput, StepResult
-from lab.core.request import Request
-from lab.core.scheduler import SchedulerLimits
-from lab.sim.records import ReplayResult
-from lab.sim.replay import replay
-from policies import get_policy, policy_names
+from sched_lab.core.kv import make_block_manager
+from sched_lab.core.plan import SchedulerOutput, StepResult
+from sched_lab.core.request import Request
+from sched_lab.core.scheduler import SchedulerLimits
+from sched_lab.policies import get_policy, policy_names
+from sched_lab.sim.records import ReplayResult
+from sched_lab.sim.replay import replay
 
 
 def bundled_policy_names() -> list[str]:
     """The policies of the policies/ package, sorted: what tests parametrize over. The
     registry (``policy_names()``) also holds the policies tests register, so a list taken
     from it at import time would depend on the order the test files are collected in."""
-    return [n for n in policy_names() if get_policy(n).__module__.startswith("policies.")]
+    return [n for n in policy_names() if get_policy(n).__module__.startswith("sched_lab.policies.")]
 
 
 STEP_S = 0.01  # every step of the toy cost model takes 10 ms

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from lab.config import validate
-from lab.report.markdown import _cost_model_lines
-from lab.run.experiment import run_experiment
-from lab.sim.analytic_defaults import FITTED, GUESS, defaults, refit
-from lab.sim.cost_model import AnalyticCostModel
-from lab.sim.hardware import HARDWARE
-from lab.sim.models import MODELS
+from sched_lab.config import validate
+from sched_lab.report.markdown import _cost_model_lines
+from sched_lab.run.experiment import run_experiment
+from sched_lab.sim.analytic_defaults import FITTED, GUESS, defaults, refit
+from sched_lab.sim.cost_model import AnalyticCostModel
+from sched_lab.sim.hardware import HARDWARE
+from sched_lab.sim.models import MODELS
 
 TRACE = {
     "format": "synthetic",
@@ -29,7 +29,7 @@ def cfg(**top):
 
 def test_refitting_the_shipped_profiles_gives_the_stored_constants() -> None:
     """If a profile is re-made or the fit changes, FITTED must be updated (the module says
-    how: python -m lab.sim.analytic_defaults)."""
+    how: python -m sched_lab.sim.analytic_defaults)."""
     assert refit() == FITTED
 
 
@@ -54,7 +54,7 @@ def test_own_profile_then_joint_fit_then_guesses() -> None:
     # the constructor's own defaults are the guesses (its docstring says so)
     import inspect
 
-    from lab.sim.cost_model import AnalyticCostModel
+    from sched_lab.sim.cost_model import AnalyticCostModel
 
     params = inspect.signature(AnalyticCostModel).parameters
     assert {k: params[k].default for k in GUESS.values} == GUESS.values
@@ -64,7 +64,7 @@ def test_fitted_llama_decode_step_matches_its_profile_row() -> None:
     """One decode of a 128-token context on Llama-3.1-8B / H200 is weight-read bound: all
     16.06 GB of weights (plus 129 tokens of KV at 128 KiB) at 0.735 * 4.8 TB/s, plus the
     fitted 0.9 ms: 5.45 ms; the profile's first row measured 5.456 ms."""
-    from lab.core.plan import StepFeatures
+    from sched_lab.core.plan import StepFeatures
 
     m = MODELS["llama-3.1-8b"]
     d = defaults("llama-3.1-8b", "h200-sxm")

@@ -27,14 +27,14 @@ from test_properties import (
     scenarios_for,
 )
 
-from lab.core.kv import BlockManager, make_block_manager
-from lab.core.plan import SchedulerOutput, StepResult
-from lab.core.request import Request, RequestStatus
-from lab.core.scheduler import SchedulerLimits
-from lab.sim.records import ReplayResult
-from lab.sim.replay import replay
-from policies import get_policy
-from policies.chunked_prefill import ChunkedPrefill
+from sched_lab.core.kv import BlockManager, make_block_manager
+from sched_lab.core.plan import SchedulerOutput, StepResult
+from sched_lab.core.request import Request, RequestStatus
+from sched_lab.core.scheduler import SchedulerLimits
+from sched_lab.policies import get_policy
+from sched_lab.policies.chunked_prefill import ChunkedPrefill
+from sched_lab.sim.records import ReplayResult
+from sched_lab.sim.replay import replay
 
 BS = 4  # block size of the timelines
 
@@ -349,7 +349,7 @@ SYNTHETIC = (
 
 
 def test_config_key_and_per_policy_override():
-    from lab.config import validate
+    from sched_lab.config import validate
 
     cfg = validate(
         {
@@ -392,8 +392,8 @@ def test_config_key_and_per_policy_override():
     ],
 )
 def test_bad_config_is_one_line(raw, message):
-    from lab.config import validate
-    from lab.core.errors import ConfigError
+    from sched_lab.config import validate
+    from sched_lab.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message) as e:
         validate({"trace": {"format": "azure2023"}, **raw}, "x.yaml")
@@ -401,8 +401,8 @@ def test_bad_config_is_one_line(raw, message):
 
 
 def test_run_summary_counts_wasted_tokens(tmp_path):
-    from lab.config import validate
-    from lab.run.experiment import run_experiment
+    from sched_lab.config import validate
+    from sched_lab.run.experiment import run_experiment
 
     raw = {
         "trace": parse_flow(SYNTHETIC),
@@ -419,14 +419,14 @@ def test_run_summary_counts_wasted_tokens(tmp_path):
     assert by["async"]["async_scheduling"] is True and by["sync"]["async_scheduling"] is False
     assert by["async"]["num_wasted_tokens"] == by["async"]["completed"] == 6
     assert by["sync"]["num_wasted_tokens"] == 0
-    from lab.report.markdown import report_markdown as _markdown
+    from sched_lab.report.markdown import report_markdown as _markdown
 
     text = _markdown(cfg, runs, [])
     assert "Wasted decode slots (async scheduling): async 6." in text
 
 
 def parse_flow(text: str):
-    from traces.readers import parse_yaml
+    from sched_lab.traces.readers import parse_yaml
 
     return parse_yaml(f"a: {text}")["a"]
 
@@ -500,7 +500,7 @@ def test_decode_set_keeps_a_done_member_once():
     """A member that left and rejoined at the same tick has two live heap entries for the
     same last tick; ``advance(keep_done=True)`` reports it once and keeps it; ``remove``
     with the end tick writes back its state as of its last token."""
-    from lab.core.decode_set import DecodeSet
+    from sched_lab.core.decode_set import DecodeSet
 
     ds = DecodeSet(BS)
     r = Request("0", 0.0, 3, 4)
@@ -518,7 +518,7 @@ def test_decode_set_keeps_a_done_member_once():
 def test_cluster_with_async_overridden_off_by_every_policy_runs_sync():
     """scheduler.async_scheduling: true that every policy entry turns off runs nothing
     asynchronously, so the cluster takes it."""
-    from lab.config import validate
+    from sched_lab.config import validate
 
     cfg = validate(
         {

@@ -11,14 +11,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lab.config import validate
-from lab.core.errors import ConfigError
-from lab.core.plan import StepFeatures
-from lab.sim.calibrated import HOST_FEATURES, NO_HOST_NOTE, CalibratedCostModel, fit_host
-from lab.sim.cost_model import AnalyticCostModel, CostModelExecutor
-from lab.sim.hardware import HARDWARE
-from lab.sim.models import MODELS
-from lab.sim.replayed import ReplayedDurations
+from sched_lab.config import validate
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.plan import StepFeatures
+from sched_lab.sim.calibrated import HOST_FEATURES, NO_HOST_NOTE, CalibratedCostModel, fit_host
+from sched_lab.sim.cost_model import AnalyticCostModel, CostModelExecutor
+from sched_lab.sim.hardware import HARDWARE
+from sched_lab.sim.models import MODELS
+from sched_lab.sim.replayed import ReplayedDurations
 from tests.test_calibrated import profile_frame
 
 TRACE = {"format": "azure2023", "path": "traces/data/azure2023_conv.csv"}
@@ -131,7 +131,7 @@ def test_capped_host_time_is_warned_about_per_run(caplog):
     capped, and the run says in how many; the sync run computes no host time: no warning."""
     import logging
 
-    from lab.run.experiment import run_experiment
+    from sched_lab.run.experiment import run_experiment
 
     trace = {"format": "synthetic", "num_requests": 3, "prompt_len": 8, "output_len": 3,
              "arrival": {"process": "poisson", "rate": 2}}  # fmt: skip
@@ -141,7 +141,7 @@ def test_capped_host_time_is_warned_about_per_run(caplog):
         "cost_model": {"host_per_seq_s": 1.0},
         "policies": [{"name": "fcfs", "label": "a", "async_scheduling": True}, "fcfs"],
     }
-    with caplog.at_level(logging.WARNING, logger="lab.run.experiment"):
+    with caplog.at_level(logging.WARNING, logger="sched_lab.run.experiment"):
         a, s = run_experiment(validate(raw, "x.yaml"), progress=False)
     n = a.summary["num_steps"]
     assert n > 0 and [r.getMessage() for r in caplog.records] == [
@@ -152,7 +152,7 @@ def test_capped_host_time_is_warned_about_per_run(caplog):
 
 
 def test_executor_launch_and_wait_equal_execute():
-    from lab.core.plan import SchedulerOutput
+    from sched_lab.core.plan import SchedulerOutput
 
     m = analytic(host_overhead_s=4e-4, host_per_seq_s=2e-6)
     ex = CostModelExecutor(m, 16)
@@ -201,7 +201,7 @@ def test_host_overhead_with_a_profile_is_refused():
 
 
 def steps_csv(tmp_path, summary: dict) -> ReplayedDurations:
-    from lab.sim.replayed import PLAN_COLUMNS
+    from sched_lab.sim.replayed import PLAN_COLUMNS
 
     cols = {"policy": ["fcfs"], "rate_scale": [1.0], "duration_s": [0.01]}
     cols |= {c: [0] for c in PLAN_COLUMNS}
@@ -214,7 +214,7 @@ def test_replayed_durations_need_the_same_scheduling_mode(tmp_path):
     limits = {"max_num_seqs": 8}
     sync_run = steps_csv(tmp_path, {"fcfs": {"limits": limits}})
     ex = sync_run.executor("fcfs", 1.0, limits)  # sync replay of a sync run
-    from lab.core.plan import SchedulerOutput
+    from sched_lab.core.plan import SchedulerOutput
 
     handle = ex.launch(SchedulerOutput())
     assert (handle.step_s, handle.host_s) == (0.01, 0.0)  # the recorded duration, as it is
@@ -237,8 +237,8 @@ def test_profile_records_host_time_until_launch(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     import gc
 
-    from backend import profile
-    from backend.tools.random_checkpoint import write_random_checkpoint
+    from sched_lab.backend import profile
+    from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
     from tests.test_engine_faults import TINY
 
     write_random_checkpoint(TINY, tmp_path / "m", dtype="float32", name="tiny")
@@ -269,11 +269,11 @@ class ToyCost:
 
 
 def toy_replay(async_scheduling: bool):
-    from lab.core.kv import make_block_manager
-    from lab.core.request import Request
-    from lab.core.scheduler import SchedulerLimits
-    from lab.sim.replay import replay
-    from policies import get_policy
+    from sched_lab.core.kv import make_block_manager
+    from sched_lab.core.request import Request
+    from sched_lab.core.scheduler import SchedulerLimits
+    from sched_lab.policies import get_policy
+    from sched_lab.sim.replay import replay
 
     bm = make_block_manager(8, 0, 4, 0.0, False)
     limits = SchedulerLimits(256, 1_000_000, 1_000_000)
@@ -350,7 +350,7 @@ def test_report_says_which_mode_ran_and_warns_without_host_time(
     tmp_path, cost_model, policies, lines
 ):
     import run_experiment
-    from lab.config.paths import DATA_ROOT
+    from sched_lab.config.paths import DATA_ROOT
 
     path = tmp_path / "exp.yaml"
     text = EXPERIMENT.format(cost_model=cost_model, policies=policies)
@@ -363,9 +363,9 @@ def test_report_says_which_mode_ran_and_warns_without_host_time(
 
 
 def test_async_replay_of_a_sync_engine_run_is_refused_before_any_replay():
-    from lab.config.paths import DATA_ROOT
-    from lab.run.experiment import run_experiment
-    from traces.readers import load_yaml_file
+    from sched_lab.config.paths import DATA_ROOT
+    from sched_lab.run.experiment import run_experiment
+    from sched_lab.traces.readers import load_yaml_file
 
     path = DATA_ROOT / "experiments" / "replayed_durations.yaml"
     raw = load_yaml_file(path)

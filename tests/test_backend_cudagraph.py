@@ -17,19 +17,19 @@ torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engi
 
 from triton_setup import DEVICE, HAS_CUDA, QWEN3_TINY, interpreting, needs_triton, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
 
-from backend.attention import triton_kernels  # noqa: E402
-from backend.attention.triton_graphs import mixed_splits  # noqa: E402
-from backend.cuda_graphs import (  # noqa: E402
+from sched_lab.backend.attention import triton_kernels  # noqa: E402
+from sched_lab.backend.attention.triton_graphs import mixed_splits  # noqa: E402
+from sched_lab.backend.cuda_graphs import (  # noqa: E402
     DEFAULT_GRAPH_SIZES,
     DEFAULT_TOKEN_SIZES,
     StepGraphs,
     graph_sizes,
     pick_size,
 )
-from backend.inputs import SeqInput  # noqa: E402
-from backend.runner import ModelRunner  # noqa: E402
-from backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
-from lab.core.errors import ConfigError  # noqa: E402
+from sched_lab.backend.inputs import SeqInput  # noqa: E402
+from sched_lab.backend.runner import ModelRunner  # noqa: E402
+from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
+from sched_lab.core.errors import ConfigError  # noqa: E402
 
 SMOLLM2_TINY = {  # SmolLM2's architecture (Llama, tied embeddings, GQA 3:1), tiny
     "architectures": ["LlamaForCausalLM"],
@@ -255,7 +255,7 @@ def test_capture_line_without_decode_sizes(qwen3_dir, caplog):
                          cuda_graph_sizes=())  # fmt: skip
     assert runner.graphs.sizes == [] and runner.graphs.token_sizes == [16, 32, 64]
     runner.graphs.capture_all = lambda: None  # what a capture that succeeded returns
-    with caplog.at_level(logging.INFO, logger="backend.runner"):
+    with caplog.at_level(logging.INFO, logger="sched_lab.backend.runner"):
         runner._capture_graphs()
     assert "CUDA graphs: 3 token counts 16..64 captured in" in caplog.text
     assert runner.execute([SeqInput([5], 0, [1], True)])[0] is not None  # a mixed graph runs it

@@ -16,12 +16,12 @@ torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engi
 
 from triton_setup import QWEN3_TINY  # first: sets TRITON_INTERPRET
 
-from backend.attention.base import decode_work, prefill_tiles  # noqa: E402
-from backend.attention.triton_backend import interpreting  # noqa: E402
-from backend.attention.triton_kernels import decode_work_device  # noqa: E402
-from backend.inputs import SeqInput, prepare_inputs  # noqa: E402
-from backend.runner import ModelRunner  # noqa: E402
-from backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
+from sched_lab.backend.attention.base import decode_work, prefill_tiles  # noqa: E402
+from sched_lab.backend.attention.triton_backend import interpreting  # noqa: E402
+from sched_lab.backend.attention.triton_kernels import decode_work_device  # noqa: E402
+from sched_lab.backend.inputs import SeqInput, prepare_inputs  # noqa: E402
+from sched_lab.backend.runner import ModelRunner  # noqa: E402
+from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
 
 STEPS = 300
 CONFIGS = {  # max_model_len 256 (QWEN3_TINY's)

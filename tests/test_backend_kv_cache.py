@@ -10,12 +10,12 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
 import torch_threads  # noqa: E402, F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
 
-from backend.attention.base import prefill_tiles
-from backend.config import ModelConfig
-from backend.errors import KVCacheCapacityError
-from backend.inputs import BlockTables, SeqInput, StepLimits, prepare_inputs, stage_step
-from backend.kv_cache import KVCache, blocks_in, bytes_per_block
-from lab.core.errors import ConfigError
+from sched_lab.backend.attention.base import prefill_tiles
+from sched_lab.backend.config import ModelConfig
+from sched_lab.backend.errors import KVCacheCapacityError
+from sched_lab.backend.inputs import BlockTables, SeqInput, StepLimits, prepare_inputs, stage_step
+from sched_lab.backend.kv_cache import KVCache, blocks_in, bytes_per_block
+from sched_lab.core.errors import ConfigError
 
 RAW = {
     "architectures": ["LlamaForCausalLM"],
@@ -143,7 +143,7 @@ def test_stage_step_pads_token_rows_and_finds_logits_rows():
 
 
 def test_cpu_threads_rule(monkeypatch):
-    from backend.runner import set_cpu_threads
+    from sched_lab.backend.runner import set_cpu_threads
 
     before = torch.get_num_threads()
     try:
@@ -163,11 +163,11 @@ def test_cpu_threads_rule(monkeypatch):
 
 
 def test_runner_logs_its_capacity_line(tmp_path, caplog):
-    from backend.runner import ModelRunner
-    from backend.tools.random_checkpoint import write_random_checkpoint
+    from sched_lab.backend.runner import ModelRunner
+    from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
 
     write_random_checkpoint({**RAW, "max_position_embeddings": 64}, tmp_path, dtype="float32")
-    with caplog.at_level(logging.INFO, logger="backend.runner"):
+    with caplog.at_level(logging.INFO, logger="sched_lab.backend.runner"):
         runner = ModelRunner(tmp_path, block_size=4, num_gpu_blocks=8, swap_space_bytes=3072)
     assert caplog.messages == [
         "KV cache: 8 blocks x 4 tokens = 32 tokens, 0.00 GiB on cpu (torch.float32); "
@@ -208,11 +208,11 @@ def test_prepare_inputs_rejects_bad_sequences(seq, message):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_capacity_from_free_memory_on_cuda(tmp_path, caplog):
-    from backend.runner import ModelRunner
-    from backend.tools.random_checkpoint import write_random_checkpoint
+    from sched_lab.backend.runner import ModelRunner
+    from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
 
     write_random_checkpoint({**RAW, "max_position_embeddings": 2048}, tmp_path, dtype="bf16")
-    with caplog.at_level(logging.INFO, logger="backend.runner"):
+    with caplog.at_level(logging.INFO, logger="sched_lab.backend.runner"):
         runner = ModelRunner(tmp_path, device="cuda", dtype="bfloat16",
                              attention_backend="triton", gpu_memory_utilization=0.2,
                              max_num_batched_tokens=4096, swap_space_bytes=1 << 30)  # fmt: skip
@@ -224,7 +224,7 @@ def test_capacity_from_free_memory_on_cuda(tmp_path, caplog):
 
 
 def test_runs_of_consecutive_host_blocks():
-    from backend.kv_cache import _runs
+    from sched_lab.backend.kv_cache import _runs
 
     # ids 3,4,5 are one copy, 9 another, 11,12 a third: (first id, start index, stop index)
     assert _runs([3, 4, 5, 9, 11, 12]) == [(3, 0, 3), (9, 3, 4), (11, 4, 6)]

@@ -23,10 +23,10 @@ import torch_threads  # noqa: E402, F401  (one torch thread unless OMP_NUM_THREA
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from backend.config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: E402
-from backend.errors import CheckpointError, DeviceError, UnsupportedModelError  # noqa: E402
-from backend.runner import ModelRunner, SeqInput  # noqa: E402
-from lab.core.errors import ConfigError  # noqa: E402
+from sched_lab.backend.config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: E402
+from sched_lab.backend.errors import CheckpointError, DeviceError, UnsupportedModelError  # noqa: E402
+from sched_lab.backend.runner import ModelRunner, SeqInput  # noqa: E402
+from sched_lab.core.errors import ConfigError  # noqa: E402
 
 # fp32 logits of magnitude ~1; observed differences are ~1e-6 (fused matmuls sum in another order).
 TOL = dict(atol=1e-4, rtol=1e-4)

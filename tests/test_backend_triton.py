@@ -18,10 +18,10 @@ torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engi
 
 from triton_setup import DEVICE, HAS_CUDA, QWEN3_TINY, interpreting, needs_triton, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
 
-from backend.attention import get_attention_backend  # noqa: E402
-from backend.inputs import SeqInput, prepare_inputs  # noqa: E402
-from backend.runner import ModelRunner  # noqa: E402
-from backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
+from sched_lab.backend.attention import get_attention_backend  # noqa: E402
+from sched_lab.backend.inputs import SeqInput, prepare_inputs  # noqa: E402
+from sched_lab.backend.runner import ModelRunner  # noqa: E402
+from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
 
 pytestmark = needs_triton
 
@@ -118,8 +118,8 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from backend import triton_ops as ops
-from backend.attention import triton_kernels as tk
+from sched_lab.backend import triton_ops as ops
+from sched_lab.backend.attention import triton_kernels as tk
 
 dtype = sys.argv[1]
 ptr = "*" + dtype

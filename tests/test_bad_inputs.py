@@ -65,8 +65,8 @@ def test_bad_input_is_one_line_error(case, tmp_path, capsys, monkeypatch):
         monkeypatch.chdir(tmp_path)
         (tmp_path / "results" / "earlier").mkdir(parents=True)
         (tmp_path / "results" / "earlier" / "summary.json").write_text("{}")
-        (tmp_path / "lab").mkdir()
-        (tmp_path / "lab" / "__init__.py").write_text("")
+        (tmp_path / "sched_lab").mkdir()
+        (tmp_path / "sched_lab" / "__init__.py").write_text("")
         before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     else:
         args += ["--out", str(tmp_path / "out")]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import run_experiment
-from lab.core.errors import ConfigError
-from lab.sim.calibrated import CalibratedCostModel
+from sched_lab.core.errors import ConfigError
+from sched_lab.sim.calibrated import CalibratedCostModel
 
 CORPUS = Path(__file__).resolve().parent / "data" / "bad_profiles"
 P = "cost_model.profile: {path}"

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from lab.core.errors import TraceError
-from traces import load_trace
+from sched_lab.core.errors import TraceError
+from sched_lab.traces import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"

@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lab.core.plan import StepFeatures
-from lab.sim.calibrated import (
+from sched_lab.core.plan import StepFeatures
+from sched_lab.sim.calibrated import (
     EAGER_KNOT,
     FEATURES,
     CalibratedCostModel,
@@ -116,7 +116,7 @@ def test_eager_slope_needs_three_rows_and_keeps_the_slope_non_negative(tmp_path)
     # Two rows above the knot: the slope is left out (0), and the other ten coefficients
     # are the fit without its column, as before the column existed (non-negative least
     # squares on relative error), to the last bit.
-    from lab.sim.calibrated import nnls
+    from sched_lab.sim.calibrated import nnls
 
     two = eager_frame(-1.5e-6, (12, 16))
     coef = fit(two)
@@ -147,9 +147,9 @@ def test_eager_slope_needs_three_rows_and_keeps_the_slope_non_negative(tmp_path)
 
 def test_eager_knot_is_the_engines_largest_token_graph():
     pytest.importorskip("torch", reason="backend/ needs torch: pip install -e '.[engine,test]'")
-    from backend.cuda_graphs import DEFAULT_TOKEN_SIZES
-    from backend.profile import EAGER_MIN_ROWS
-    from lab.sim.calibrated import MIN_EAGER_ROWS
+    from sched_lab.backend.cuda_graphs import DEFAULT_TOKEN_SIZES
+    from sched_lab.backend.profile import EAGER_MIN_ROWS
+    from sched_lab.sim.calibrated import MIN_EAGER_ROWS
 
     assert EAGER_KNOT == max(DEFAULT_TOKEN_SIZES)
     assert EAGER_MIN_ROWS == MIN_EAGER_ROWS  # the profile's note and the fit agree
@@ -160,8 +160,8 @@ def test_profile_grid_has_enough_eager_rows_for_the_held_out_runner():
     protocol's runner (2,048 blocks of 16, max_model_len 16384: rows that do not fit are
     left out), from one prompt to many, so the eager slope is fitted."""
     pytest.importorskip("torch", reason="backend/ needs torch: pip install -e '.[engine,test]'")
-    from backend.profile import shapes, step_inputs
-    from lab.sim.calibrated import MIN_EAGER_ROWS
+    from sched_lab.backend.profile import shapes, step_inputs
+    from sched_lab.sim.calibrated import MIN_EAGER_ROWS
 
     eager = []
     for _, chunks, decodes, _ in shapes():

@@ -10,11 +10,11 @@ import pandas as pd
 import pytest
 
 import run_experiment
-from lab.config import validate
-from lab.core.errors import ConfigError
-from lab.core.request import Request
-from lab.results import fairness
-from traces.classes import load_classes
+from sched_lab.config import validate
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.request import Request
+from sched_lab.results import fairness
+from sched_lab.traces.classes import load_classes
 
 HEAD = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 

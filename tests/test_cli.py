@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-import lab.report.folder
-from lab import __version__
-from lab.cli import main
-from lab.config.paths import DATA_ROOT as ROOT
-from lab.report.folder import MANIFEST
+import sched_lab.report.folder
+from sched_lab import __version__
+from sched_lab.cli import main
+from sched_lab.config.paths import DATA_ROOT as ROOT
+from sched_lab.report.folder import MANIFEST
 
 QUICK = ["experiments/quickstart.yaml", "--no-progress"]
 SYNTHETIC = (
@@ -61,7 +61,7 @@ class NoEngine(MetaPathFinder):  # as if the engine extra were not installed
 
 
 sys.meta_path.insert(0, NoEngine())
-from lab.cli import main
+from sched_lab.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -177,7 +177,7 @@ def deliver(sig):
 INTERRUPT = (
     DELIVER
     + """
-import lab.run.experiment as ex
+import sched_lab.run.experiment as ex
 real, at = ex.iter_runs, int(sys.argv[1])
 def iter_runs(*a, **k):
     if at == 0:
@@ -187,7 +187,7 @@ def iter_runs(*a, **k):
         if i == at:
             deliver(signal.{sig})  # raised here, as from a user's kill or Ctrl-C
 ex.iter_runs = iter_runs
-from lab.cli import main
+from sched_lab.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 )
@@ -255,9 +255,9 @@ def test_interrupt_before_any_run_writes_nothing(tmp_path):
 
 
 def test_out_through_a_symlink_loop_or_too_long_a_name(tmp_path, capsys, monkeypatch):
-    import lab.run.experiment
+    import sched_lab.run.experiment
 
-    monkeypatch.setattr(lab.run.experiment, "iter_runs", None)  # a run would raise TypeError
+    monkeypatch.setattr(sched_lab.run.experiment, "iter_runs", None)  # a run would raise TypeError
     (tmp_path / "a").symlink_to(tmp_path / "b")
     (tmp_path / "b").symlink_to(tmp_path / "a")
     assert main(["run", *QUICK, "--out", str(tmp_path / "a" / "x")]) == 2
@@ -275,17 +275,17 @@ def test_unreplaceable_results_are_refused_before_any_run(tmp_path, capsys, monk
     out = tmp_path / "res"
     assert main(["run", *QUICK, "--limit", "3", "--out", str(out)]) == 0
     capsys.readouterr()
-    import lab.run.experiment
+    import sched_lab.run.experiment
 
-    monkeypatch.setattr(lab.run.experiment, "iter_runs", None)  # a run would raise TypeError
-    real = lab.report.folder.tempfile.mkdtemp
+    monkeypatch.setattr(sched_lab.run.experiment, "iter_runs", None)  # a run would raise TypeError
+    real = sched_lab.report.folder.tempfile.mkdtemp
 
     def read_only(prefix=None, dir=None):  # what a folder without write permission gives
         if Path(dir) == out:
             raise PermissionError(13, "Permission denied")
         return real(prefix=prefix, dir=dir)
 
-    monkeypatch.setattr(lab.report.folder.tempfile, "mkdtemp", read_only)
+    monkeypatch.setattr(sched_lab.report.folder.tempfile, "mkdtemp", read_only)
     assert main(["run", *QUICK, "--out", str(out)]) == 2
     assert one_error_line(capsys).endswith(
         f"--out {out}: the earlier results cannot be replaced: cannot delete its files "
@@ -318,7 +318,7 @@ def test_failed_final_rename_keeps_the_results_and_says_where(tmp_path, capsys, 
             raise OSError(16, "Device or resource busy")
         return real(src, dst)
 
-    monkeypatch.setattr(lab.report.folder.os, "rename", rename)
+    monkeypatch.setattr(sched_lab.report.folder.os, "rename", rename)
     assert main(["run", *QUICK, "--limit", "4", "--out", str(out)]) == 1
     line = one_error_line(capsys)
     kept = Path(line.rsplit("they are in ", 1)[1])
@@ -354,7 +354,7 @@ def test_parquet_output(tmp_path, capsys):
 
 def test_a_simulator_run_never_imports_torch(tmp_path):
     code = (
-        "import sys\nfrom lab.cli import main\n"
+        "import sys\nfrom sched_lab.cli import main\n"
         f"assert main(['run', 'experiments/quickstart.yaml', '--limit', '20', '--out', "
         f"{str(tmp_path / 'out')!r}, '--no-progress']) == 0\n"
         "engine = sorted(m for m in ('torch', 'triton', 'transformers', 'safetensors') "
@@ -392,7 +392,7 @@ def test_old_entry_points_still_work(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / MANIFEST).is_file()
     proc = subprocess.run(
-        [sys.executable, "-m", "lab.sim.calibrated", "--help"],
+        [sys.executable, "-m", "sched_lab.sim.calibrated", "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -401,7 +401,7 @@ def test_old_entry_points_still_work(tmp_path):
     assert proc.returncode == 0 and "sched-lab fit" in proc.stdout
     if HAS_TORCH:
         proc = subprocess.run(
-            [sys.executable, "-m", "backend.tools", "list-presets"],
+            [sys.executable, "-m", "sched_lab.backend.tools", "list-presets"],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -413,14 +413,14 @@ def test_old_entry_points_still_work(tmp_path):
 WHILE_WRITING = (
     DELIVER
     + """
-import lab.report.folder as report
+import sched_lab.report.folder as report
 real, times = report._plots, int(sys.argv[1])
 def plots(*a, **k):
     for _ in range(times):
         deliver(signal.SIGINT)
     return real(*a, **k)
 report._plots = plots
-from lab.cli import main
+from sched_lab.cli import main
 sys.exit(main(sys.argv[2:]))
 """
 )
@@ -474,7 +474,7 @@ def test_quiet_logs_warnings_only(tmp_path):
         "output_len: 2}\nkv_cache: {num_gpu_blocks: 64}\npolicies: [fcfs]\n"
     )
     out = subprocess.run(
-        [sys.executable, "-m", "lab.cli", "run", str(exp), "--out", str(tmp_path / "o"),
+        [sys.executable, "-m", "sched_lab.cli", "run", str(exp), "--out", str(tmp_path / "o"),
          "--no-progress", "-q"],
         capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent,
     )  # fmt: skip

@@ -16,16 +16,16 @@ from helpers import FixedCost
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lab.config import validate
-from lab.core.errors import ConfigError
-from lab.core.kv import BlockManager
-from lab.core.request import Request
-from lab.core.scheduler import SchedulerLimits
-from lab.run.experiment import run_experiment
-from lab.sim.cluster import ClusterSpec, PoolSpec, replay_cluster
-from lab.sim.hardware import LINKS, Link
-from lab.sim.records import STEP_COLUMNS
-from policies import get_policy, policy_names
+from sched_lab.config import validate
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.kv import BlockManager
+from sched_lab.core.request import Request
+from sched_lab.core.scheduler import SchedulerLimits
+from sched_lab.policies import get_policy, policy_names
+from sched_lab.run.experiment import run_experiment
+from sched_lab.sim.cluster import ClusterSpec, PoolSpec, replay_cluster
+from sched_lab.sim.hardware import LINKS, Link
+from sched_lab.sim.records import STEP_COLUMNS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -164,8 +164,8 @@ def test_disaggregated_timeline_exact():
 
 
 def test_disaggregated_metrics_ttft_excludes_the_transfer(tmp_path):
-    from lab.results import metrics
-    from lab.results.cluster_metrics import add_cluster
+    from sched_lab.results import metrics
+    from sched_lab.results.cluster_metrics import add_cluster
 
     rows = [("a", 0.0, 150, 4), ("b", 0.0, 150, 4), ("one", 0.2, 20, 1)]
     res, reqs = run_cluster(disaggregated(1, 1, 1e7, 0.005), rows, kv_bytes=1000)
@@ -306,8 +306,8 @@ def test_one_replica_cluster_equals_no_cluster():
 def test_results_folder_of_a_disaggregated_run(tmp_path):
     import json
 
-    from lab.config import load_config
-    from lab.report.folder import write_results
+    from sched_lab.config import load_config
+    from sched_lab.report.folder import write_results
 
     cfg = load_config(ROOT / "experiments/cluster_pd.yaml").with_trace(limit=200)
     runs = run_experiment(cfg, progress=False)
@@ -501,7 +501,7 @@ def test_every_request_ends_with_its_tokens(rows, router, layout, policy, host_b
 def test_prefix_affinity_needs_hash_ids_in_the_trace():
     # Refused for a trace without hash ids (every request would go by load alone), in any
     # pool; taken when some request has them (those without go by load, as documented).
-    from lab.run.experiment import check_router_keys
+    from sched_lab.run.experiment import check_router_keys
 
     def cfg(cluster):
         return validate({"trace": {"format": "azure2023"}, "cluster": cluster}, "x.yaml")
@@ -525,9 +525,9 @@ def test_prefix_affinity_needs_hash_ids_in_the_trace():
 def test_a_cluster_yaml_comment_names_the_rate_its_run_offers(name):
     import re
 
-    from lab.config import load_config
-    from lab.results.vllm_result import offered_rate
-    from traces import load_trace
+    from sched_lab.config import load_config
+    from sched_lab.results.vllm_result import offered_rate
+    from sched_lab.traces import load_trace
 
     path = ROOT / f"experiments/{name}.yaml"
     said = re.search(r"(\d+) req/s offered", path.read_text())
@@ -538,7 +538,7 @@ def test_a_cluster_yaml_comment_names_the_rate_its_run_offers(name):
 
 
 def test_replica_table_rows_and_the_host_buffer_column():
-    from lab.report.replicas import cluster_text, replica_rows
+    from sched_lab.report.replicas import cluster_text, replica_rows
 
     def replica(role, n, busy, kv, **extra):
         return {"role": role, "num_prompts": n, "busy_fraction": busy, "num_preemptions": 2,

@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 import run_experiment
-from lab.config import ExperimentConfig, load_config, paths, validate
-from lab.core.errors import ConfigError, short_repr
-from lab.run.experiment import resolve_limits
-from traces.readers import parse_yaml
+from sched_lab.config import ExperimentConfig, load_config, paths, validate
+from sched_lab.core.errors import ConfigError, short_repr
+from sched_lab.run.experiment import resolve_limits
+from sched_lab.traces.readers import parse_yaml
 
 SYNTHETIC = (
     "{format: synthetic, num_requests: 4, arrival: {process: poisson, rate: 2}, "
@@ -278,9 +278,9 @@ def test_missing_path_names_the_key_and_the_value_as_written(tmp_path):
 
 # ---------------------------------------------------------------------------- the run
 def test_a_later_policy_fails_before_the_first_replay(tmp_path, monkeypatch):
-    import lab.run.experiment
+    import sched_lab.run.experiment
 
-    monkeypatch.setattr(lab.run.experiment, "replay", None)  # a replay would raise TypeError
+    monkeypatch.setattr(sched_lab.run.experiment, "replay", None)  # a replay would raise TypeError
     cfg = load_config(
         write(
             tmp_path,
@@ -294,11 +294,11 @@ def test_a_later_policy_fails_before_the_first_replay(tmp_path, monkeypatch):
         match=r"policies\[tiny\]: max_num_batched_tokens 16 must "
         r"be >= max_num_seqs 256",
     ):
-        lab.run.experiment.run_experiment(cfg, progress=False)
+        sched_lab.run.experiment.run_experiment(cfg, progress=False)
 
 
 def test_the_trace_is_read_once_for_a_sweep(tmp_path, monkeypatch):
-    import traces
+    from sched_lab import traces
 
     calls = []
     real = traces.load_table
@@ -310,7 +310,7 @@ def test_the_trace_is_read_once_for_a_sweep(tmp_path, monkeypatch):
             "policies: [fcfs, swap]\nkv_cache: {num_gpu_blocks: 64}\n",
         )
     )
-    from lab.run.experiment import run_experiment as run
+    from sched_lab.run.experiment import run_experiment as run
 
     runs = run(cfg, progress=False)
     assert len(calls) == 1 and len(runs) == 6
@@ -318,9 +318,9 @@ def test_the_trace_is_read_once_for_a_sweep(tmp_path, monkeypatch):
 
 
 def test_a_trace_file_changed_while_read_is_refused(tmp_path, monkeypatch):
-    import traces
-    from lab.core.errors import TraceError
-    from lab.run.experiment import run_experiment as run
+    from sched_lab import traces
+    from sched_lab.core.errors import TraceError
+    from sched_lab.run.experiment import run_experiment as run
 
     real = traces.load_table
 
@@ -370,8 +370,8 @@ def test_engine_without_torch_is_one_line(tmp_path, monkeypatch, capsys):
 
 def test_engine_keys_reach_the_model_runner(tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    import backend.runner
-    import lab.setup.engine
+    import sched_lab.backend.runner
+    import sched_lab.setup.engine
 
     seen = {}
 
@@ -382,7 +382,7 @@ def test_engine_keys_reach_the_model_runner(tmp_path, monkeypatch):
         seen.update(kwargs, model_dir=model_dir)
         raise Stop
 
-    monkeypatch.setattr(backend.runner, "ModelRunner", fake_runner)
+    monkeypatch.setattr(sched_lab.backend.runner, "ModelRunner", fake_runner)
     (tmp_path / "model").mkdir()
     cfg = load_config(
         write(
@@ -393,7 +393,7 @@ def test_engine_keys_reach_the_model_runner(tmp_path, monkeypatch):
         )
     )
     with pytest.raises(Stop):
-        lab.setup.engine.engine_parts(cfg)
+        sched_lab.setup.engine.engine_parts(cfg)
     assert seen["model_dir"] == tmp_path / "model"
     assert (seen["cuda_graphs"], seen["mixed_graphs"], seen["kn_weights"]) == (False, False, True)
     assert (seen["max_num_batched_tokens"], seen["max_num_seqs"]) == (8192, 256)
@@ -460,7 +460,7 @@ def test_engine_warns_once_about_the_simulator_side_of_a_file(tmp_path, caplog):
         "speculative": {"method": "ngram", "num_speculative_tokens": 2,
                         "acceptance_rates": [0.5, 0.5]},
     }  # fmt: skip
-    with caplog.at_level(logging.WARNING, logger="lab.config"):
+    with caplog.at_level(logging.WARNING, logger="sched_lab.config"):
         validate(raw, "warn-once.yaml", tmp_path)
         validate(raw, "warn-once.yaml", tmp_path)
     assert [r.getMessage() for r in caplog.records] == [
@@ -469,7 +469,7 @@ def test_engine_warns_once_about_the_simulator_side_of_a_file(tmp_path, caplog):
         "speculative.acceptance_rates (method ngram)"
     ]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="lab.config"):
+    with caplog.at_level(logging.WARNING, logger="sched_lab.config"):
         validate({**raw, "cost_model": {}, "speculative": None}, "quiet.yaml", tmp_path)
     assert caplog.records == []
 
@@ -477,7 +477,7 @@ def test_engine_warns_once_about_the_simulator_side_of_a_file(tmp_path, caplog):
 def test_swap_space_that_holds_no_block_is_refused(tmp_path, monkeypatch):
     """Llama-3.1-8B: 2 (K, V) * 32 layers * 8 KV heads * 128 * 2 bytes = 128 KiB a token, a
     block of 16 tokens 2 MiB = 0.00195 GiB; 0.0001 GiB holds none. 0 (no swap) is taken."""
-    from lab.setup.sim import sim_parts
+    from sched_lab.setup.sim import sim_parts
 
     raw = {"trace": parse_yaml(SYNTHETIC), "model": "llama-3.1-8b"}
     with pytest.raises(ConfigError) as e:
@@ -492,19 +492,19 @@ def test_swap_space_that_holds_no_block_is_refused(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     import types
 
-    import backend.runner
-    import lab.setup.engine
+    import sched_lab.backend.runner
+    import sched_lab.setup.engine
 
     def fake_runner(model_dir, **kwargs):  # a 1 MiB block, no room for one in swap space
         kv = types.SimpleNamespace(block_bytes=1 << 20)
         return types.SimpleNamespace(num_cpu_blocks=0, kv_cache=kv)
 
-    monkeypatch.setattr(backend.runner, "ModelRunner", fake_runner)
+    monkeypatch.setattr(sched_lab.backend.runner, "ModelRunner", fake_runner)
     (tmp_path / "tiny").mkdir()
     engine = {**raw, "backend": "engine", "engine": {"model_path": "tiny"},
               "kv_cache": {"swap_space_gib": 0.0005}}  # fmt: skip
     with pytest.raises(ConfigError) as e:
-        lab.setup.engine.engine_parts(validate(engine, "x.yaml", tmp_path))
+        sched_lab.setup.engine.engine_parts(validate(engine, "x.yaml", tmp_path))
     assert str(e.value) == (
         "kv_cache.swap_space_gib: 0.0005 GiB holds no KV block: one block of 16 tokens of "
         "tiny needs 0.000977 GiB; expected at least that, or 0 for no swap space"
@@ -543,10 +543,10 @@ def test_report_keys(tmp_path):
 
 
 def test_cross_feature_rules_are_one_named_table():
-    from lab.config import BACKENDS, RULES
-    from lab.config.sections import EngineConfig
-    from lab.config.walker import Context
-    from lab.core.attention_names import ATTENTION_BACKENDS
+    from sched_lab.config import BACKENDS, RULES
+    from sched_lab.config.sections import EngineConfig
+    from sched_lab.config.walker import Context
+    from sched_lab.core.attention_names import ATTENTION_BACKENDS
 
     names = [r.name for r in RULES]
     assert len(set(names)) == len(names) and all(r.doc for r in RULES)
@@ -558,7 +558,7 @@ def test_cross_feature_rules_are_one_named_table():
 
 
 def test_workload_classes_are_their_own_trace_variant(tmp_path):
-    from lab.config import ClassesConfig, TraceConfig
+    from sched_lab.config import ClassesConfig, TraceConfig
 
     one = validate({"trace": parse_yaml(SYNTHETIC)}, "c", tmp_path)
     assert isinstance(one.trace, TraceConfig) and one.trace.classes == ()

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from lab.core.kv import BlockManager, BlockPool
-from lab.core.plan import ScheduledSeq, StepResult
-from lab.core.request import Request, RequestStatus
-from lab.core.scheduler import POLICIES, Scheduler, SchedulerLimits, register_policy
-from policies import get_policy
-from policies.fcfs import FCFS
+from sched_lab.core.kv import BlockManager, BlockPool
+from sched_lab.core.plan import ScheduledSeq, StepResult
+from sched_lab.core.request import Request, RequestStatus
+from sched_lab.core.scheduler import POLICIES, Scheduler, SchedulerLimits, register_policy
+from sched_lab.policies import get_policy
+from sched_lab.policies.fcfs import FCFS
 
 
 def make(policy: str = "fcfs", gpu_blocks: int = 8, block_size: int = 4, **limits) -> Scheduler:

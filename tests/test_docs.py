@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from lab import cli
-from lab.config import load_config, validate
-from lab.run.experiment import _resolve_policies, run_experiment
-from lab.setup import setup_for
-from lab.sweeps.sweep import is_sweep, load_sweep, read_yaml
-from traces.readers import parse_yaml
+from sched_lab import cli
+from sched_lab.config import load_config, validate
+from sched_lab.run.experiment import _resolve_policies, run_experiment
+from sched_lab.setup import setup_for
+from sched_lab.sweeps.sweep import is_sweep, load_sweep, read_yaml
+from sched_lab.traces.readers import parse_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -230,7 +230,7 @@ def check_experiment(config: str) -> None:
 def check_command(where: str, words: list[str], monkeypatch) -> None:
     while "=" in words[0]:  # VAR=value before the command
         words = words[1:]
-    if words[:3] == ["python", "-m", "lab.cli"]:
+    if words[:3] == ["python", "-m", "sched_lab.cli"]:
         words = ["sched-lab", *words[3:]]
     head = words[0]
     if head == "sched-lab":

@@ -27,14 +27,14 @@ torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engi
 
 from triton_setup import DEVICE, HAS_CUDA, QWEN3_TINY, needs_triton  # noqa: E402  (sets TRITON_INTERPRET)
 
-import backend.engine  # noqa: E402
-from backend.engine import EngineExecutor  # noqa: E402
-from backend.inputs import DeviceFeed  # noqa: E402
-from backend.runner import ModelRunner, SeqInput  # noqa: E402
-from backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
-from lab.config import validate  # noqa: E402
-from lab.core.request import Request  # noqa: E402
-from lab.run.experiment import run_experiment  # noqa: E402
+import sched_lab.backend.engine  # noqa: E402
+from sched_lab.backend.engine import EngineExecutor  # noqa: E402
+from sched_lab.backend.inputs import DeviceFeed  # noqa: E402
+from sched_lab.backend.runner import ModelRunner, SeqInput  # noqa: E402
+from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
+from sched_lab.config import validate  # noqa: E402
+from sched_lab.core.request import Request  # noqa: E402
+from sched_lab.run.experiment import run_experiment  # noqa: E402
 
 BLOCK_SIZE = 4
 pytestmark = [
@@ -197,7 +197,7 @@ def test_hidden_tokens_equal_sync_tokens_with_preemption(model_dir, monkeypatch,
     ref = run_experiment(engine_config(model_dir, 200, ["fcfs"]), False, requests())[0]
     expected = tokens(ref)
     assert [len(expected[str(i)]) for i in range(5)] == [14, 12, 10, 16, 9]
-    monkeypatch.setattr(backend.engine, "EngineExecutor", HiddenTokensExecutor)
+    monkeypatch.setattr(sched_lab.backend.engine, "EngineExecutor", HiddenTokensExecutor)
     HiddenTokensExecutor.fed = 0
     # 12 blocks of 4 tokens: the five requests (54 tokens at most 20 + 16 ...) cannot all grow.
     runs = run_experiment(engine_config(model_dir, 12, POLICIES, attention, graphs), False,
@@ -244,7 +244,7 @@ def test_async_replay_tokens_equal_sync_tokens_with_preemption(
             fed.append(len(out[1]))
             return out
 
-    monkeypatch.setattr(backend.engine, "EngineExecutor", Counting)
+    monkeypatch.setattr(sched_lab.backend.engine, "EngineExecutor", Counting)
     runs = run_experiment(engine_config(model_dir, 12, policies, attention, graphs), False,
                           requests())  # fmt: skip
     for run in runs:
@@ -277,7 +277,9 @@ class NoLaunch:
 def test_async_replay_on_a_runner_without_launch(model_dir, monkeypatch):
     ref = run_experiment(engine_config(model_dir, 200, ["fcfs"]), False, requests())[0]
     monkeypatch.setattr(
-        backend.engine, "EngineExecutor", lambda runner, t: EngineExecutor(NoLaunch(runner), t)
+        sched_lab.backend.engine,
+        "EngineExecutor",
+        lambda runner, t: EngineExecutor(NoLaunch(runner), t),
     )
     runs = run_experiment(engine_config(model_dir, 12, ASYNC_POLICIES), False, requests())
     for run in runs:
@@ -327,7 +329,7 @@ def test_smollm2_async_tokens_equal_sync_tokens(tmp_path):
     every policy preempts) under async scheduling: the tokens of an unconstrained sync run."""
     from test_engine_replay import config, tokens_by_request
 
-    from backend.tools.convert_smollm2 import convert_smollm2
+    from sched_lab.backend.tools.convert_smollm2 import convert_smollm2
 
     smollm2 = convert_smollm2()
     expected = tokens_by_request(run_experiment(config(smollm2, tmp_path, 200, ["fcfs"]), False)[0])
@@ -348,7 +350,7 @@ def test_a_token_two_steps_behind_is_refused(model_dir):
     ex = EngineExecutor(runner)
     r = Request("x", 0.0, 3, 4, [1, 2, 3])
     r.block_table = [0]
-    from lab.core.plan import SchedulerOutput
+    from sched_lab.core.plan import SchedulerOutput
 
     plan = SchedulerOutput(prefills={r: 3})
     ex.wait(ex.launch(plan))  # sampled, but the result never applied

@@ -8,8 +8,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
 
 import run_experiment  # noqa: E402
-from backend.runner import ModelRunner  # noqa: E402
-from backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
+from sched_lab.backend.runner import ModelRunner  # noqa: E402
+from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
 
 TINY = {
     "architectures": ["LlamaForCausalLM"],

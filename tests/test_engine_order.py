@@ -12,14 +12,14 @@ torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engi
 import torch_threads  # noqa: E402, F401  (one torch thread unless OMP_NUM_THREADS says more)
 from triton_setup import QWEN3_TINY  # noqa: E402
 
-from backend.engine import EngineExecutor  # noqa: E402
-from backend.runner import ModelRunner  # noqa: E402
-from backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
-from lab.core.kv import make_block_manager  # noqa: E402
-from lab.core.request import Request  # noqa: E402
-from lab.core.scheduler import SchedulerLimits  # noqa: E402
-from lab.sim.replay import replay  # noqa: E402
-from policies import get_policy  # noqa: E402
+from sched_lab.backend.engine import EngineExecutor  # noqa: E402
+from sched_lab.backend.runner import ModelRunner  # noqa: E402
+from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
+from sched_lab.core.kv import make_block_manager  # noqa: E402
+from sched_lab.core.request import Request  # noqa: E402
+from sched_lab.core.scheduler import SchedulerLimits  # noqa: E402
+from sched_lab.policies import get_policy  # noqa: E402
+from sched_lab.sim.replay import replay  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),

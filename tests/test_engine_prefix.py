@@ -19,9 +19,9 @@ pytest.importorskip("torch")
 
 from triton_setup import QWEN3_TINY, tiny_engine_config  # noqa: E402  (sets TRITON_INTERPRET)
 
-from lab.config import validate  # noqa: E402
-from lab.core.request import Request  # noqa: E402
-from lab.run.experiment import run_experiment  # noqa: E402
+from sched_lab.config import validate  # noqa: E402
+from sched_lab.core.request import Request  # noqa: E402
+from sched_lab.run.experiment import run_experiment  # noqa: E402
 
 POLICIES = [
     "fcfs",
@@ -63,7 +63,7 @@ needs_smollm2 = pytest.mark.skipif(
 def test_smollm2_tokens_identical_with_caching(tmp_path):
     import yaml
 
-    from backend.tools.convert_smollm2 import convert_smollm2
+    from sched_lab.backend.tools.convert_smollm2 import convert_smollm2
 
     model_dir = str(convert_smollm2())
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(PROMPTS))
@@ -119,7 +119,7 @@ def hash_id_requests() -> list[Request]:
 
 
 def test_random_model_tokens_identical_with_caching(tmp_path):
-    from backend.tools.random_checkpoint import write_random_checkpoint
+    from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
 
     model = write_random_checkpoint(QWEN3_TINY, tmp_path / "m", dtype="float32", std=0.2)
 

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 import run_experiment  # noqa: E402
-from lab.config import validate  # noqa: E402
-from lab.run.experiment import run_experiment as run_runs  # noqa: E402
+from sched_lab.config import validate  # noqa: E402
+from sched_lab.run.experiment import run_experiment as run_runs  # noqa: E402
 
 # All at t = 0: the schedule, and so the preemptions, must not depend on measured step times.
 PROMPTS = [
@@ -35,7 +35,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from backend.tools.convert_smollm2 import convert_smollm2
+    from sched_lab.backend.tools.convert_smollm2 import convert_smollm2
 
     return convert_smollm2()
 
@@ -134,8 +134,8 @@ def test_gpu_examples_run(name, tmp_path):
     root = Path(run_experiment.__file__).resolve().parent
     ckpt = root / "checkpoints/qwen3-0.6b"
     if not (ckpt / "config.json").exists():
-        from backend.tools.random_checkpoint import write_random_checkpoint
-        from lab.core.model_presets import PRESETS
+        from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
+        from sched_lab.core.model_presets import PRESETS
 
         write_random_checkpoint(PRESETS["qwen3-0.6b"], ckpt, "bfloat16", name="qwen3-0.6b")
     out = tmp_path / "out"

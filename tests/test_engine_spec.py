@@ -22,13 +22,13 @@ torch = pytest.importorskip("torch")
 
 from triton_setup import QWEN3_TINY, tiny_engine_config  # noqa: E402  (sets TRITON_INTERPRET)
 
-from backend.engine import EngineExecutor  # noqa: E402
-from backend.runner import ModelRunner  # noqa: E402
-from backend.spec_decode import SpecExecutor, make_spec_decoder, ngram_propose  # noqa: E402
-from backend.verify import rejection_sample, verify_greedy  # noqa: E402
-from lab.core.errors import ConfigError  # noqa: E402
-from lab.core.plan import PreemptionMode, SchedulerOutput  # noqa: E402
-from lab.core.request import Request, RequestStatus  # noqa: E402
+from sched_lab.backend.engine import EngineExecutor  # noqa: E402
+from sched_lab.backend.runner import ModelRunner  # noqa: E402
+from sched_lab.backend.spec_decode import SpecExecutor, make_spec_decoder, ngram_propose  # noqa: E402
+from sched_lab.backend.verify import rejection_sample, verify_greedy  # noqa: E402
+from sched_lab.core.errors import ConfigError  # noqa: E402
+from sched_lab.core.plan import PreemptionMode, SchedulerOutput  # noqa: E402
+from sched_lab.core.request import Request, RequestStatus  # noqa: E402
 
 # ---------------------------------------------------------------- proposers and verification
 
@@ -173,7 +173,7 @@ def drive(runner, prompts, out_len, spec=None, chunk=8, preempt_at=None, swap_at
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from backend.tools.random_checkpoint import write_random_checkpoint
+    from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
 
     root = tmp_path_factory.mktemp("spec")
     target = write_random_checkpoint(QWEN3_TINY, root / "target", dtype="float32", std=0.2)
@@ -247,7 +247,7 @@ def test_tiny_draft_cache_full_gives_fewer_drafts(tiny, baseline):
 def test_spec_decoder_from_a_config_block(tiny):
     from types import SimpleNamespace
 
-    from backend.spec_decode import spec_decoder_from
+    from sched_lab.backend.spec_decode import spec_decoder_from
 
     runner = runner_for(tiny[0])
     assert spec_decoder_from(None, runner, 0.0, 0, 4) is None
@@ -346,8 +346,8 @@ needs_smollm2 = pytest.mark.skipif(
 
 @needs_smollm2
 def test_smollm2_greedy_identical_ngram_and_draft(tmp_path):
-    from backend.tools.convert_smollm2 import convert_smollm2
-    from backend.tools.random_checkpoint import write_random_checkpoint
+    from sched_lab.backend.tools.convert_smollm2 import convert_smollm2
+    from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
 
     model = convert_smollm2()
     tiny_draft = {**QWEN3_TINY, "vocab_size": 49152, "num_hidden_layers": 1}
@@ -409,7 +409,7 @@ def test_replay_with_speculation_greedy_identical(tiny, caching):
     """The lab's replay loop, policies and scheduler accounting (spec-core) with the
     engine's proposers: tokens equal a run without speculation (nor caching), under
     preemptions, with the prefix cache off and on (pairs of requests share prompts)."""
-    from lab.run.experiment import run_experiment
+    from sched_lab.run.experiment import run_experiment
 
     ref = run_experiment(e2e_config(tiny[0], 200, ["fcfs"]), False, e2e_requests())[0]
     expected = {r.request_id: r.output_token_ids for r in ref.result.requests}
@@ -444,7 +444,7 @@ def test_replay_sampling_and_synthetic(tiny):
     """Temperature 0.8 with a random draft (rejection sampling) and ngram (point masses),
     and the synthetic proposer at acceptance 1: every request ends with its output length,
     accepted <= drafted, synthetic accepts every draft it verifies."""
-    from lab.run.experiment import run_experiment
+    from sched_lab.run.experiment import run_experiment
 
     for spec, temperature in (
         ({"method": "draft", "num_speculative_tokens": 2, "model": str(tiny[1])}, 0.8),
@@ -466,7 +466,7 @@ def test_replay_sampling_and_synthetic(tiny):
 
 
 def test_async_scheduling_with_speculation_is_refused(tiny):
-    from lab.setup.engine import engine_parts
+    from sched_lab.setup.engine import engine_parts
 
     cfg = e2e_config(tiny[0], 40, ["fcfs"], {"method": "ngram", "num_speculative_tokens": 2})
     make_executor = engine_parts(cfg)[0]
@@ -487,7 +487,7 @@ def test_smollm2_spec_cpu_example_runs(tmp_path):
     from pathlib import Path
 
     import run_experiment
-    from backend.tools.convert_smollm2 import convert_smollm2
+    from sched_lab.backend.tools.convert_smollm2 import convert_smollm2
 
     convert_smollm2()
     example = Path(run_experiment.__file__).resolve().parent / "experiments/smollm2_spec_cpu.yaml"

@@ -14,12 +14,12 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
 
 import run_experiment  # noqa: E402
-from backend.config import ModelConfig  # noqa: E402
-from backend.runner import ModelRunner, SeqInput  # noqa: E402
-from backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
-from backend.tp import TPShard, check_tp_size, kv_head_start, shard_config  # noqa: E402
-from backend.tp_engine import FAULT_ENV, MAX_CPU_RANKS, TensorParallelRunner, check_world  # noqa: E402
-from lab.core.errors import ConfigError  # noqa: E402
+from sched_lab.backend.config import ModelConfig  # noqa: E402
+from sched_lab.backend.runner import ModelRunner, SeqInput  # noqa: E402
+from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
+from sched_lab.backend.tp import TPShard, check_tp_size, kv_head_start, shard_config  # noqa: E402
+from sched_lab.backend.tp_engine import FAULT_ENV, MAX_CPU_RANKS, TensorParallelRunner, check_world  # noqa: E402
+from sched_lab.core.errors import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_properties import POLICIES, PROFILE, replay_scenario, scenarios_for
 
-from lab.core.events import ABORTED, ADMITTED, PREEMPTED, PREFILL, SWAPPED_IN, WAIT_REASONS
+from sched_lab.core.events import ABORTED, ADMITTED, PREEMPTED, PREFILL, SWAPPED_IN, WAIT_REASONS
 
 
 def _events(result, request_id):

@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 import run_experiment
-from lab.config import load_config
-from lab.core.errors import ConfigError
-from lab.report.folder import MANIFEST
-from lab.sweeps.sweep import is_sweep
+from sched_lab.config import load_config
+from sched_lab.core.errors import ConfigError
+from sched_lab.report.folder import MANIFEST
+from sched_lab.sweeps.sweep import is_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "experiments").glob("*.yaml"))
@@ -233,9 +233,9 @@ def test_dropped_trace_rows_are_in_the_results_and_in_no_metric(tmp_path):
 
 
 def test_out_in_the_way_is_refused_before_any_run(tmp_path, capsys, monkeypatch):
-    import lab.run.experiment
+    import sched_lab.run.experiment
 
-    monkeypatch.setattr(lab.run.experiment, "iter_runs", None)  # a run would raise TypeError
+    monkeypatch.setattr(sched_lab.run.experiment, "iter_runs", None)  # a run would raise TypeError
     cfg = str(ROOT / "experiments/quickstart.yaml")
     (tmp_path / "file").write_text("x")
     (tmp_path / "other").mkdir()
@@ -268,9 +268,9 @@ def test_out_through_links_and_dots_replaces_the_results_folder(tmp_path, monkey
 
 
 def test_out_in_the_way_of_a_project_folder(tmp_path, capsys, monkeypatch):
-    import lab.run.experiment
+    import sched_lab.run.experiment
 
-    monkeypatch.setattr(lab.run.experiment, "iter_runs", None)  # a run would raise TypeError
+    monkeypatch.setattr(sched_lab.run.experiment, "iter_runs", None)  # a run would raise TypeError
     cfg = str(ROOT / "experiments/quickstart.yaml")
     project = tmp_path / "proj"
     (project / "src").mkdir(parents=True)
@@ -292,7 +292,7 @@ def test_out_in_the_way_of_a_project_folder(tmp_path, capsys, monkeypatch):
         assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert (project / "src").is_dir()
     # A dangling link is followed to where it points; nothing is made before the run.
-    from lab.report.folder import check_out_dir
+    from sched_lab.report.folder import check_out_dir
 
     assert check_out_dir(tmp_path / "dangling") == tmp_path / "missing" / "x" / "y"
     assert not (tmp_path / "missing").exists()

@@ -8,12 +8,12 @@ import pandas as pd
 from helpers import FixedCost
 
 import run_experiment
-from lab.core.kv import BlockManager
-from lab.core.plan import StepResult
-from lab.core.request import Request
-from lab.core.scheduler import SchedulerLimits
-from lab.sim.replay import replay
-from policies import get_policy
+from sched_lab.core.kv import BlockManager
+from sched_lab.core.plan import StepResult
+from sched_lab.core.request import Request
+from sched_lab.core.scheduler import SchedulerLimits
+from sched_lab.policies import get_policy
+from sched_lab.sim.replay import replay
 
 
 class FailingExecutor(FixedCost):
@@ -53,9 +53,9 @@ def test_failed_step_stops_run_and_accounts_for_every_request():
 
 
 def test_cli_writes_partial_results_and_exits_1(tmp_path, monkeypatch, capsys):
-    import lab.setup.sim
+    import sched_lab.setup.sim
 
-    real = lab.setup.sim.CostModelExecutor
+    real = sched_lab.setup.sim.CostModelExecutor
 
     class Flaky(real):
         def execute(self, plan):
@@ -63,7 +63,7 @@ def test_cli_writes_partial_results_and_exits_1(tmp_path, monkeypatch, capsys):
                 raise RuntimeError("device lost")
             return super().execute(plan)
 
-    monkeypatch.setattr(lab.setup.sim, "CostModelExecutor", Flaky)
+    monkeypatch.setattr(sched_lab.setup.sim, "CostModelExecutor", Flaky)
     cfg = tmp_path / "exp.yaml"
     cfg.write_text(
         "trace: {format: synthetic, num_requests: 20, arrival: {process: poisson, "
@@ -115,9 +115,9 @@ def test_plans_that_feed_no_token_stop_the_run():
     is no progress either: the run stops instead of looping forever."""
     import pytest
 
-    from lab.core.plan import SchedulerOutput
-    from lab.core.scheduler import POLICIES, register_policy
-    from policies.fcfs import FCFS
+    from sched_lab.core.plan import SchedulerOutput
+    from sched_lab.core.scheduler import POLICIES, register_policy
+    from sched_lab.policies.fcfs import FCFS
 
     class ZeroChunk(FCFS):
         def schedule(self):
@@ -161,8 +161,8 @@ def test_work_no_event_can_advance_ends_as_a_deadlock():
     """A policy that parks a request (add() says it did not queue it, yet leaves it waiting):
     the loop is never woken, no event is left, and the run ends as a deadlock, not as a
     normal end; the request arriving later is aborted before its arrival."""
-    from lab.core.scheduler import POLICIES, register_policy
-    from policies.fcfs import FCFS
+    from sched_lab.core.scheduler import POLICIES, register_policy
+    from sched_lab.policies.fcfs import FCFS
 
     @register_policy("test_park")
     class Park(FCFS):

@@ -17,12 +17,12 @@ import pandas as pd
 import pytest
 import yaml
 
-from backend.sources import backend_sources_hash
-from lab.config import validate
-from lab.core.fingerprint import HEADER_PREFIX, differences
-from lab.results.names import upgrade_summary
-from lab.run.experiment import run_experiment
-from lab.sim.calibrated import CalibratedCostModel, read_fingerprint, staleness
+from sched_lab.backend.sources import backend_sources_hash
+from sched_lab.config import validate
+from sched_lab.core.fingerprint import HEADER_PREFIX, differences
+from sched_lab.results.names import upgrade_summary
+from sched_lab.run.experiment import run_experiment
+from sched_lab.sim.calibrated import CalibratedCostModel, read_fingerprint, staleness
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = ROOT / "profiles" / "h200_qwen3-0.6b.csv"
@@ -104,7 +104,7 @@ def test_analytic_model_says_so() -> None:
 
 
 def test_durations_from_and_profile_are_exclusive() -> None:
-    from lab.core.errors import ConfigError
+    from sched_lab.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="durations_from replaces the cost model"):
         validate(sim_config({"profile": str(PROFILE), "durations_from": str(PROFILE)}))
@@ -113,7 +113,7 @@ def test_durations_from_and_profile_are_exclusive() -> None:
 def test_durations_from_refuses_a_tensor_parallel_size() -> None:
     # The replayed steps are the engine run's, at its own TP: a TP here would only be
     # recorded in config.yaml. TP 1 (the default) is taken.
-    from lab.core.errors import ConfigError
+    from sched_lab.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"cost_model.tensor_parallel_size: 8 with cost_model"):
         validate(sim_config({"durations_from": str(PROFILE), "tensor_parallel_size": 8}))
@@ -179,8 +179,8 @@ def test_replayed_durations_count_mismatches_and_refuse_extra_steps(tmp_path) ->
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 def test_engine_plans_are_made_again_from_their_durations(tmp_path) -> None:
-    from backend.tools.random_checkpoint import write_random_checkpoint
-    from lab.report.folder import write_results
+    from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
+    from sched_lab.report.folder import write_results
 
     ckpt = tmp_path / "ckpt"
     write_random_checkpoint(TINY, ckpt, dtype="float32")
@@ -251,7 +251,7 @@ def test_h200_engine_run_is_planned_again_step_by_step(tmp_path) -> None:
 def test_rankings_count_pairs_beyond_the_engines_spread() -> None:
     """Two policies, one ranked metric shown (the others equal, so never counted): the pair
     counts when |a - b| exceeds |a - a'| + |b - b'| and the repeat orders it the same way."""
-    from lab.fidelity import RANKED, rank_agreement
+    from sched_lab.fidelity import RANKED, rank_agreement
 
     def row(policy, real, again, sim):
         r = {"slice": "conv", "load": 0.5, "policy": policy}
@@ -278,11 +278,11 @@ def test_analytic_efficiencies_fitted_to_a_profile_are_recovered(tmp_path) -> No
     step): the fit finds them back, within the grid's 8% steps."""
     from dataclasses import fields as dc_fields
 
-    from lab.core.plan import StepFeatures
-    from lab.sim.calibrated import fit_analytic, profile_shape, read_profile
-    from lab.sim.cost_model import AnalyticCostModel
-    from lab.sim.hardware import HARDWARE
-    from lab.sim.models import MODELS
+    from sched_lab.core.plan import StepFeatures
+    from sched_lab.sim.calibrated import fit_analytic, profile_shape, read_profile
+    from sched_lab.sim.cost_model import AnalyticCostModel
+    from sched_lab.sim.hardware import HARDWARE
+    from sched_lab.sim.models import MODELS
 
     assert profile_shape(PROFILE) == ("qwen3-0.6b", "h200-sxm")
     df = read_profile(PROFILE)
@@ -302,7 +302,7 @@ def test_step_noise_is_the_distance_from_the_median_of_the_same_shape() -> None:
     """Six 2-decode steps of one shape (mean context 1000, in one 512-token bucket), one of
     them twice as long: median 1 ms, so that step is 100% off and the others 0%; two prompt
     steps of one shape are fewer than 5, so theirs is unknown (NaN)."""
-    from lab.fidelity import step_noise
+    from sched_lab.fidelity import step_noise
 
     n = 8
     st = pd.DataFrame(
@@ -325,7 +325,7 @@ def test_step_noise_is_the_distance_from_the_median_of_the_same_shape() -> None:
 def test_protocol_calibration_replays_only_synthetic_traces(tmp_path) -> None:
     """A calibration workload that reads a trace file is refused in one line: calibration
     must never fit rows of the traces the protocol evaluates."""
-    from lab.fidelity import PROTOCOL, load_protocol
+    from sched_lab.fidelity import PROTOCOL, load_protocol
 
     p = yaml.safe_load(PROTOCOL.read_text())
     assert set(load_protocol(PROTOCOL)["calibration"]["workloads"]) == {
@@ -343,8 +343,8 @@ def test_policies_plan_alike_only_where_they_decide_alike(tmp_path, rate, alike)
     """A simulated run stands in for the engine's: sjf fed fcfs's step durations plans as
     fcfs did when requests arrive 5 s apart (never a queue to order), and not when all 12
     arrive at once (sjf admits the shortest outputs first)."""
-    from lab.fidelity import plans_alike
-    from lab.report.folder import write_results
+    from sched_lab.fidelity import plans_alike
+    from sched_lab.report.folder import write_results
 
     raw = {
         "name": "alike",
@@ -364,7 +364,7 @@ def test_policies_plan_alike_only_where_they_decide_alike(tmp_path, rate, alike)
 
 
 def test_sim_side_names_a_missing_archive(tmp_path) -> None:
-    from lab.fidelity import unpack
+    from sched_lab.fidelity import unpack
 
     with pytest.raises(SystemExit, match=r"nope\.tar\.gz: no such archive"):
         unpack(tmp_path / "nope.tar.gz")
@@ -390,7 +390,7 @@ def test_sim_side_names_a_missing_archive(tmp_path) -> None:
 )  # fmt: skip
 def test_protocol_shape_is_checked_in_one_line(tmp_path, edit, message) -> None:
     """Mistakes in a protocol stop it before any GPU work, in one line naming the key."""
-    from lab.fidelity import PROTOCOL, load_protocol
+    from sched_lab.fidelity import PROTOCOL, load_protocol
 
     p = yaml.safe_load(PROTOCOL.read_text())
     edit(p)
@@ -404,7 +404,7 @@ def test_protocol_shape_is_checked_in_one_line(tmp_path, edit, message) -> None:
 def test_protocol_workload_typo_is_named_before_the_profile(tmp_path) -> None:
     """A calibration workload with an unknown trace key fails check_runs (run before the
     profile), naming the workload."""
-    from lab.fidelity import check_runs, load_protocol
+    from sched_lab.fidelity import check_runs, load_protocol
 
     p = yaml.safe_load((ROOT / "benchmarks" / "fidelity_tiny.yaml").read_text())
     p["calibration"]["workloads"]["chat"]["num_request"] = 3
@@ -418,8 +418,8 @@ def test_protocol_workload_typo_is_named_before_the_profile(tmp_path) -> None:
 
 
 def test_profile_takes_the_engine_runs_shape() -> None:
-    """The protocol's runner shape becomes backend.profile's arguments."""
-    from lab.fidelity import PROTOCOL, load_protocol, profile_geometry
+    """The protocol's runner shape becomes sched_lab.backend.profile's arguments."""
+    from sched_lab.fidelity import PROTOCOL, load_protocol, profile_geometry
 
     exp = load_protocol(PROTOCOL)["experiment"]
     assert profile_geometry(exp) == ["--max-model-len", "16384", "--max-num-seqs", "256",
@@ -427,11 +427,11 @@ def test_profile_takes_the_engine_runs_shape() -> None:
 
 
 def test_profile_shape_arguments_must_be_at_least_one() -> None:
-    """backend.profile's shape arguments are whole numbers >= 1."""
+    """sched_lab.backend.profile's shape arguments are whole numbers >= 1."""
     import argparse
 
     pytest.importorskip("torch", reason="backend/ needs torch: pip install -e '.[engine,test]'")
-    from backend.profile import positive_int
+    from sched_lab.backend.profile import positive_int
 
     assert positive_int("7") == 7
     for bad in ("0", "-3", "1e3"):
@@ -443,8 +443,8 @@ def test_replayed_durations_of_another_window_are_refused(tmp_path) -> None:
     """A simulated run stands in for the engine's (its folder has steps.csv and summary.json):
     fed back with the same window, it plans alike; with a window of 10 requests instead of
     20, it is refused before any replay, naming both counts."""
-    from lab.core.errors import ConfigError
-    from lab.report.folder import write_results
+    from sched_lab.core.errors import ConfigError
+    from sched_lab.report.folder import write_results
 
     trace = {"format": "azure2023", "path": str(ROOT / "traces/data/azure2023_conv.csv"),
              "limit": 20}  # fmt: skip
@@ -469,7 +469,7 @@ def test_engine_side_without_a_gpu_stops_before_the_checkpoint(tmp_path, capsys,
     folder, made for check_runs, is removed again)."""
     import torch
 
-    from lab.fidelity import main
+    from sched_lab.fidelity import main
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the engine side would run")
@@ -490,7 +490,7 @@ def test_engine_side_without_a_gpu_stops_before_the_checkpoint(tmp_path, capsys,
 def test_engine_side_names_a_bad_window_before_the_checkpoint(tmp_path, capsys) -> None:
     """A window with an unknown trace key stops the engine side in check_runs, before any
     checkpoint is written (the tiny 8B protocol, on the CPU)."""
-    from lab.fidelity import main
+    from sched_lab.fidelity import main
 
     p = yaml.safe_load((ROOT / "benchmarks" / "fidelity_8b_tiny.yaml").read_text())
     ckpt = tmp_path / "ckpt"
@@ -531,7 +531,7 @@ def test_async_protocol_calibrates_with_synchronous_steps() -> None:
     step times are what the calibrated model fits) and its held-out windows asynchronously,
     windows from 3000 s and workloads as the sync protocol's; the sync protocol's
     calibration config is left as written (no async_scheduling key added)."""
-    from lab.fidelity import PROTOCOL, calibration_config, load_protocol, slice_config
+    from sched_lab.fidelity import PROTOCOL, calibration_config, load_protocol, slice_config
 
     asy = load_protocol(ROOT / "benchmarks" / "fidelity_async.yaml")
     sync = load_protocol(PROTOCOL)
@@ -555,8 +555,8 @@ def test_async_step_predictions_are_the_async_clock() -> None:
 
     import numpy as np
 
-    from lab.fidelity import predicted_durations
-    from lab.sim.calibrated import FEATURES
+    from sched_lab.fidelity import predicted_durations
+    from sched_lab.sim.calibrated import FEATURES
 
     coef = np.zeros(len(FEATURES))
     coef[[0, 1, 3]] = 1e-3, 2e-3, 1e-6  # decode-only, prompt-step intercepts; per token
@@ -588,7 +588,7 @@ def test_async_step_predictions_are_the_async_clock() -> None:
 
 
 def test_notes_are_those_named_after_the_archive(tmp_path) -> None:
-    from lab.fidelity import notes_path
+    from sched_lab.fidelity import notes_path
 
     assert notes_path(tmp_path / "heldout_engine.tar.gz") == tmp_path / "heldout_engine_notes.md"
     # the first run's archive beside it does not take the second run's notes
@@ -601,7 +601,7 @@ def test_notes_are_those_named_after_the_archive(tmp_path) -> None:
 def test_a_window_of_one_request_is_refused_before_the_profile(tmp_path) -> None:
     """A window's own rate (requests over its time span) scales the loads: one request has
     none, so check_runs refuses it in one line rather than the first pass dividing by 0."""
-    from lab.fidelity import check_runs, load_protocol
+    from sched_lab.fidelity import check_runs, load_protocol
 
     p = yaml.safe_load((ROOT / "benchmarks" / "fidelity_tiny.yaml").read_text())
     p["experiment"]["engine"]["model_path"] = str(tmp_path)
@@ -614,7 +614,7 @@ def test_a_window_of_one_request_is_refused_before_the_profile(tmp_path) -> None
 
 
 def test_sim_side_refuses_a_doc_that_is_a_folder_before_any_replay(tmp_path) -> None:
-    from lab.fidelity import ARCHIVE, sim
+    from sched_lab.fidelity import ARCHIVE, sim
 
     with pytest.raises(SystemExit, match=r"--doc .*: expected a markdown file path"):
         sim(ARCHIVE, tmp_path)

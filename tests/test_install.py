@@ -64,7 +64,7 @@ def test_install_and_run_from_another_folder(tmp_path, editable):
     work = tmp_path / "work"
     work.mkdir()
     where = subprocess.run(
-        [bin_dir / "python", "-c", "import lab; print(lab.__file__)"],
+        [bin_dir / "python", "-c", "import sched_lab; print(sched_lab.__file__)"],
         cwd=work,
         env=env,
         capture_output=True,

@@ -15,14 +15,14 @@ torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engi
 
 from triton_setup import DEVICE, HAS_CUDA, QWEN3_TINY, needs_triton, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
 
-from backend import triton_ops  # noqa: E402
-from backend.attention import flash_varlen, get_attention_backend, triton_kernels  # noqa: E402
-from backend.attention.base import decode_work  # noqa: E402
-from backend.attention.torch_ref import attend, gather_sequence  # noqa: E402
-from backend.errors import DeviceError  # noqa: E402
-from backend.inputs import SeqInput, prepare_inputs  # noqa: E402
-from backend.rope import apply_rope  # noqa: E402
-from lab.core.errors import ConfigError  # noqa: E402
+from sched_lab.backend import triton_ops  # noqa: E402
+from sched_lab.backend.attention import flash_varlen, get_attention_backend, triton_kernels  # noqa: E402
+from sched_lab.backend.attention.base import decode_work  # noqa: E402
+from sched_lab.backend.attention.torch_ref import attend, gather_sequence  # noqa: E402
+from sched_lab.backend.errors import DeviceError  # noqa: E402
+from sched_lab.backend.inputs import SeqInput, prepare_inputs  # noqa: E402
+from sched_lab.backend.rope import apply_rope  # noqa: E402
+from sched_lab.core.errors import ConfigError  # noqa: E402
 
 pytestmark = needs_triton
 
@@ -215,8 +215,8 @@ def test_runner_with_varlen_prefill_matches_torch_backend(tmp_path, monkeypatch)
     # Step 1: two prompts from position 0 (varlen: 2 chunks); step 2: both decode while a
     # third prompt starts (varlen for the chunk, Triton decode for the decodes, the chunk's
     # rows copied in front); step 3: a chunk over a cached prefix (Triton only).
-    from backend.runner import ModelRunner
-    from backend.tools.random_checkpoint import write_random_checkpoint
+    from sched_lab.backend.runner import ModelRunner
+    from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
 
     write_random_checkpoint(QWEN3_TINY, tmp_path, dtype="float32", std=0.2)
     a, b, c = [5, 60, 7, 33, 2, 41, 19, 50], [8, 1, 63], [9, 10, 11, 52, 53]

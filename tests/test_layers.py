@@ -9,11 +9,17 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import policies
-from lab.core.scheduler import policy_names
+from sched_lab import policies
+from sched_lab.core.scheduler import policy_names
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("lab", "policies", "backend", "traces")
+# The folders of code and their import names.
+PACKAGES = {
+    "lab": "sched_lab",
+    "policies": "sched_lab.policies",
+    "backend": "sched_lab.backend",
+    "traces": "sched_lab.traces",
+}
 
 # The rooms, bottom to top, and what each may import (itself included). The ground: the core
 # (plain Python); above it the four that use only the core; then the typed config; then the
@@ -39,23 +45,25 @@ ROOMS = ("core", "sim", "config", "results", "setup", "report", "run", "sweeps",
 
 def layer(module: str) -> str:
     parts = module.split(".")
+    assert parts[0] == "sched_lab", module
+    parts = parts[1:] or [""]
     if parts[0] in ("policies", "traces"):
         return parts[0]
     if parts[0] == "backend":
         return "engine"
-    if module == "lab":  # lab/__init__.py: the version string, importable from every room
+    if module == "sched_lab":  # lab/__init__.py: the version string, importable from every room
         return "core"
-    if parts[1] == "cli":
+    if parts[0] == "cli":
         return "cli"
-    assert parts[1] in ROOMS, f"{module}: a module of lab/ outside its rooms {ROOMS}"
-    return parts[1]
+    assert parts[0] in ROOMS, f"{module}: a module of lab/ outside its rooms {ROOMS}"
+    return parts[0]
 
 
 def modules() -> dict[str, Path]:
     out = {}
-    for pkg in PACKAGES:
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for folder, name in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = [name, *path.relative_to(ROOT / folder).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts.pop()
             out[".".join(parts)] = path
@@ -141,7 +149,7 @@ def test_core_imports_no_third_party_io():
             else:
                 continue
             for root in roots:
-                assert root in stdlib or root in ("lab", "__future__"), f"{name} imports {root}"
+                assert root in {*stdlib, "sched_lab", "__future__"}, f"{name} imports {root}"
 
 
 def test_every_policy_module_is_discovered():
@@ -150,7 +158,7 @@ def test_every_policy_module_is_discovered():
     registered_modules = {
         policies.get_policy(n).__module__.rpartition(".")[2]
         for n in policy_names()
-        if policies.get_policy(n).__module__.startswith("policies.")
+        if policies.get_policy(n).__module__.startswith("sched_lab.policies.")
     }
     assert files <= registered_modules, files - registered_modules
 
@@ -159,11 +167,11 @@ def test_new_policy_file_is_discovered(tmp_path, monkeypatch):
     """A new file in policies/ is a new policy: no list to edit."""
     import sys
 
-    from lab.core import scheduler
+    from sched_lab.core import scheduler
 
     (tmp_path / "zz_test_discovered.py").write_text(
-        "from lab.core.scheduler import register_policy\n"
-        "from policies.fcfs import FCFS\n\n\n"
+        "from sched_lab.core.scheduler import register_policy\n"
+        "from sched_lab.policies.fcfs import FCFS\n\n\n"
         "@register_policy('zz_test_discovered')\n"
         "class Discovered(FCFS):\n    pass\n"
     )
@@ -174,7 +182,7 @@ def test_new_policy_file_is_discovered(tmp_path, monkeypatch):
         assert policies.get_policy("zz_test_discovered").__name__ == "Discovered"
     finally:
         scheduler.POLICIES.pop("zz_test_discovered", None)
-        sys.modules.pop("policies.zz_test_discovered", None)
+        sys.modules.pop("sched_lab.policies.zz_test_discovered", None)
 
 
 def test_broken_policy_file_is_one_line(tmp_path, monkeypatch):
@@ -182,8 +190,8 @@ def test_broken_policy_file_is_one_line(tmp_path, monkeypatch):
     line naming it, not a traceback at import."""
     import pytest
 
-    from lab.config import validate
-    from lab.core.errors import ConfigError
+    from sched_lab.config import validate
+    from sched_lab.core.errors import ConfigError
 
     (tmp_path / "zz_test_broken.py").write_text("def oops(:\n    pass\n")
     monkeypatch.setattr(policies, "__path__", [*policies.__path__, str(tmp_path)])

@@ -7,12 +7,12 @@ import pandas as pd
 import pytest
 from helpers import FixedCost, run
 
-from lab.core.kv import make_block_manager
-from lab.core.request import Request
-from lab.core.scheduler import SchedulerLimits
-from lab.results import metrics
-from lab.sim.replay import replay
-from policies import get_policy
+from sched_lab.core.kv import make_block_manager
+from sched_lab.core.request import Request
+from sched_lab.core.scheduler import SchedulerLimits
+from sched_lab.policies import get_policy
+from sched_lab.results import metrics
+from sched_lab.sim.replay import replay
 
 
 def test_tpot_excludes_first_token_and_single_token_outputs():
@@ -124,8 +124,8 @@ def test_steps_csv_in_chunks_is_the_concatenated_frame(tmp_path):
     and the header alone when no run has a step."""
     from helpers import run
 
-    from lab.report.folder import _steps_frame, _write_steps_csv
-    from lab.run.experiment import Run
+    from sched_lab.report.folder import _steps_frame, _write_steps_csv
+    from sched_lab.run.experiment import Run
 
     def as_run(label, result):
         return Run(label, label, 1.0, result, None, None, {})
@@ -150,12 +150,12 @@ def test_dropped_rows_are_a_reporting_matter():
     import pytest
     from helpers import FixedCost
 
-    from lab.core.kv import BlockManager
-    from lab.core.request import Request, RequestStatus
-    from lab.core.scheduler import SchedulerLimits
-    from lab.results.metrics import in_trace_order
-    from lab.sim.replay import replay
-    from policies import get_policy
+    from sched_lab.core.kv import BlockManager
+    from sched_lab.core.request import Request, RequestStatus
+    from sched_lab.core.scheduler import SchedulerLimits
+    from sched_lab.policies import get_policy
+    from sched_lab.results.metrics import in_trace_order
+    from sched_lab.sim.replay import replay
 
     def dropped(i):
         r = Request(i, float("nan"), 1, 0)
@@ -175,7 +175,7 @@ def test_dropped_rows_are_a_reporting_matter():
 def test_decode_output_tokens_drop_wasted_slots_and_add_accepted_drafts():
     import numpy as np
 
-    from lab.results.metrics import decode_output_tokens
+    from sched_lab.results.metrics import decode_output_tokens
 
     steps = {"num_decode_tokens": np.array([4, 3, 0])}
     assert decode_output_tokens(steps).tolist() == [4.0, 3.0, 0.0]
@@ -187,7 +187,7 @@ def test_decode_output_tokens_drop_wasted_slots_and_add_accepted_drafts():
 def test_requests_of_runs_with_and_without_a_column_keep_it_integer():
     """A column one run lacks (spec counts of a run without speculation) stays integer in
     the rows that have it and is empty in the others; float and text columns as before."""
-    from lab.report.folder import concat_requests
+    from sched_lab.report.folder import concat_requests
 
     on = pd.DataFrame({"policy": ["on", "on"], "num_drafts": [12, 3], "rate": [1.5, 2.0]})
     off = pd.DataFrame({"policy": ["off"], "ttft_s": [0.25]})

@@ -8,8 +8,8 @@ import math
 import pytest
 from helpers import run
 
-from lab.results import metrics
-from lab.results.names import (
+from sched_lab.results import metrics
+from sched_lab.results.names import (
     METRICS,
     canonical,
     higher_is_better,

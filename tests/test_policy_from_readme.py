@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from lab.config import validate
-from lab.core.errors import ConfigError
-from lab.core.scheduler import POLICIES, register_policy
-from lab.run.experiment import run_experiment
+from sched_lab.config import validate
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.scheduler import POLICIES, register_policy
+from sched_lab.run.experiment import run_experiment
 
 POLICIES_DOC = Path(__file__).resolve().parent.parent / "docs" / "policies.md"
 NAME = "test_readme_policy_async"

@@ -11,12 +11,12 @@ from helpers import FixedCost, by_id
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lab.core.kv import BlockManager
-from lab.core.plan import StepResult
-from lab.core.request import Request
-from lab.core.scheduler import SchedulerLimits
-from lab.sim.replay import replay
-from policies import get_policy
+from sched_lab.core.kv import BlockManager
+from sched_lab.core.plan import StepResult
+from sched_lab.core.request import Request
+from sched_lab.core.scheduler import SchedulerLimits
+from sched_lab.policies import get_policy
+from sched_lab.sim.replay import replay
 
 
 def make(policy: str, *, gpu=8, bs=16, seqs=256, budget=64, **options):

@@ -12,11 +12,16 @@ from helpers import bundled_policy_names
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lab.core.kv import BlockManager, PrefixCachingBlockManager, blocks_for, make_block_manager
-from lab.core.plan import StepResult
-from lab.core.request import Request, RequestStatus
-from lab.core.scheduler import SchedulerLimits
-from policies import get_policy
+from sched_lab.core.kv import (
+    BlockManager,
+    PrefixCachingBlockManager,
+    blocks_for,
+    make_block_manager,
+)
+from sched_lab.core.plan import StepResult
+from sched_lab.core.request import Request, RequestStatus
+from sched_lab.core.scheduler import SchedulerLimits
+from sched_lab.policies import get_policy
 
 
 class Driver:
@@ -264,7 +269,7 @@ def shared_traces(draw):
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(shared_traces())
 def test_random_shared_traces_keep_every_invariant(policy, trace):
-    from lab.sim.replay import replay
+    from sched_lab.sim.replay import replay
     from tests.helpers import FixedCost
 
     bs, per, gpu, cpu, rows = trace
@@ -294,7 +299,7 @@ def test_random_shared_traces_keep_every_invariant(policy, trace):
 
 # --------------------------------------------------------------------------- config
 def _config(**over):
-    from lab.config import validate
+    from sched_lab.config import validate
 
     raw = {
         "name": "pc",
@@ -313,8 +318,8 @@ def _config(**over):
 
 
 def test_caching_with_no_prefix_identity_is_one_line():
-    from lab.core.errors import ConfigError
-    from lab.run.experiment import run_experiment
+    from sched_lab.core.errors import ConfigError
+    from sched_lab.run.experiment import run_experiment
 
     with pytest.raises(ConfigError) as e:
         run_experiment(_config(), progress=False)
@@ -325,7 +330,7 @@ def test_caching_with_no_prefix_identity_is_one_line():
 
 
 def test_caching_flag_must_be_a_bool():
-    from lab.core.errors import ConfigError
+    from sched_lab.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"kv_cache.enable_prefix_caching: expected true or"):
         _config(kv_cache={"enable_prefix_caching": "yes"})
@@ -334,8 +339,8 @@ def test_caching_flag_must_be_a_bool():
 
 
 def test_hash_block_size_not_a_multiple_is_one_line():
-    from lab.core.errors import ConfigError
-    from lab.run.experiment import run_experiment
+    from sched_lab.core.errors import ConfigError
+    from sched_lab.run.experiment import run_experiment
 
     reqs = [Request("0", 0.0, 40, 2, None, [1, 2], hash_block_size=24)]
     with pytest.raises(ConfigError) as e:
@@ -347,7 +352,7 @@ def test_hash_block_size_not_a_multiple_is_one_line():
 
 
 def test_per_policy_flag_compares_caching_off_and_on():
-    from lab.run.experiment import run_experiment
+    from sched_lab.run.experiment import run_experiment
 
     cfg = _config(
         policies=[{"name": "fcfs", "label": "off", "enable_prefix_caching": False}, "fcfs"]
@@ -395,7 +400,7 @@ def test_a_preemption_for_a_waiting_request_admits_it(policy, options, trace, da
     # Preempting to admit a waiting request counts only blocks whose reference count drops
     # to 0 (a block a victim shares with a request that stays frees nothing), so the waiting
     # request is admitted in the same plan, or nothing is preempted.
-    from lab.sim.replay import replay
+    from sched_lab.sim.replay import replay
     from tests.helpers import FixedCost
 
     bs, per, gpu, cpu, rows = trace

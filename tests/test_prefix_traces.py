@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from lab.cli import main as cli_main
-from lab.config import validate
-from lab.core.errors import ConfigError, TraceError
-from lab.core.request import Request
-from traces import load_trace
-from traces.hash_tokens import assign_hash_prompt_tokens, prompt_tokens_from_hash_ids
-from traces.prefix_bound import prefix_hit_bound
+from sched_lab.cli import main as cli_main
+from sched_lab.config import validate
+from sched_lab.core.errors import ConfigError, TraceError
+from sched_lab.core.request import Request
+from sched_lab.traces import load_trace
+from sched_lab.traces.hash_tokens import assign_hash_prompt_tokens, prompt_tokens_from_hash_ids
+from sched_lab.traces.prefix_bound import prefix_hit_bound
 
 ROOT = Path(__file__).resolve().parents[1]
 MOONCAKE = "traces/data/mooncake_conversation_trace.jsonl"
@@ -344,8 +344,8 @@ def test_engine_replays_prompts_made_from_hash_ids(tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
     import torch_threads  # noqa: F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
 
-    from backend.tools.random_checkpoint import write_random_checkpoint
-    from lab.run.experiment import run_experiment
+    from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
+    from sched_lab.run.experiment import run_experiment
 
     model = {
         "architectures": ["LlamaForCausalLM"],
@@ -513,7 +513,7 @@ def test_readme_bound_figures_are_the_commands() -> None:
     """The hit rates docs/traces.md ("Traces with shared prefixes") quotes, recomputed."""
     import re
 
-    from lab.config import load_config
+    from sched_lab.config import load_config
 
     text = (ROOT / "docs" / "traces.md").read_text()
     found = re.search(

@@ -6,14 +6,14 @@ import logging
 
 import pytest
 
-from lab.report.progress import Phase
+from sched_lab.report.progress import Phase
 
 
 def test_phase_logs_one_line_when_stderr_is_not_a_terminal(caplog, monkeypatch):
     monkeypatch.setattr("sys.stderr.isatty", lambda: False)
     times = iter([10.0, 13.14])
-    monkeypatch.setattr("lab.report.progress.time.perf_counter", lambda: next(times))
-    with caplog.at_level(logging.INFO, logger="lab.report.progress"):
+    monkeypatch.setattr("sched_lab.report.progress.time.perf_counter", lambda: next(times))
+    with caplog.at_level(logging.INFO, logger="sched_lab.report.progress"):
         with Phase("fcfs: replay 19,366 requests", 19_366, "req") as phase:
             phase.replay_callback(100, 2.0)  # no bar: nothing to show
             phase.advance()
@@ -23,7 +23,7 @@ def test_phase_logs_one_line_when_stderr_is_not_a_terminal(caplog, monkeypatch):
 
 def test_failed_phase_logs_nothing_and_close_is_idempotent(caplog, monkeypatch):
     monkeypatch.setattr("sys.stderr.isatty", lambda: False)
-    with caplog.at_level(logging.INFO, logger="lab.report.progress"):
+    with caplog.at_level(logging.INFO, logger="sched_lab.report.progress"):
         with pytest.raises(ValueError), Phase("metrics"):
             raise ValueError("boom")
         phase = Phase("writing results", 5, "file").start()

@@ -38,13 +38,13 @@ from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 
 import run_experiment
-from lab.core.kv import BlockManager, blocks_for
-from lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
-from lab.core.request import Request, RequestStatus
-from lab.core.scheduler import Scheduler, SchedulerLimits
-from lab.sim.records import ReplayResult
-from lab.sim.replay import replay
-from policies import get_policy
+from sched_lab.core.kv import BlockManager, blocks_for
+from sched_lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
+from sched_lab.core.request import Request, RequestStatus
+from sched_lab.core.scheduler import Scheduler, SchedulerLimits
+from sched_lab.policies import get_policy
+from sched_lab.sim.records import ReplayResult
+from sched_lab.sim.replay import replay
 
 # Every step of the toy cost model takes 1/4 s and arrival gaps are multiples of 1/8 s: all
 # times are then exact binary fractions, so arrivals that land exactly on a step's end (a

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from helpers import by_id, run
 
-from lab.core import scheduler
+from sched_lab.core import scheduler
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 NAME = "test_readme_shortest_prompt"

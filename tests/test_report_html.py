@@ -81,7 +81,7 @@ def test_report_html_renders_report_md_and_stays_small(tmp_path):
 
 
 def test_step_groups_merge_consecutive_steps_past_the_cap():
-    from lab.report.html import step_groups
+    from sched_lab.report.html import step_groups
 
     assert step_groups(3, most=4) == [(0, 0), (1, 1), (2, 2)]
     assert step_groups(7, most=3) == [(0, 2), (3, 5), (6, 6)]  # runs of ceil(7 / 3) = 3

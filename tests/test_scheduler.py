@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from helpers import bundled_policy_names, by_id, run
 
-from lab.core.errors import ConfigError
-from lab.core.scheduler import register_policy
-from policies import get_policy, policy_names
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.scheduler import register_policy
+from sched_lab.policies import get_policy, policy_names
 
 POLICIES = bundled_policy_names()
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from lab.cli import main
-from lab.core.errors import MAX_MESSAGE_CHARS, ConfigError, UserError, short_repr
-from lab.core.outputs import MANIFEST, check_output, write_output, written_here
+from sched_lab.cli import main
+from sched_lab.core.errors import MAX_MESSAGE_CHARS, ConfigError, UserError, short_repr
+from sched_lab.core.outputs import MANIFEST, check_output, write_output, written_here
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = """name: tiny
@@ -106,7 +106,7 @@ def test_fit_out_replaces_only_its_own_file(tmp_path, capsys):
 
 # ---------------------------------------------------------------- fidelity --sim
 def test_fidelity_sim_refuses_a_users_file_before_any_replay(tmp_path):
-    from lab.fidelity import ARCHIVE, sim
+    from sched_lab.fidelity import ARCHIVE, sim
 
     (tmp_path / "x.md").write_text("my doc")
     with pytest.raises(SystemExit, match=r"--doc .*x\.md: exists and was not written by"):
@@ -119,7 +119,7 @@ def test_fidelity_sim_refuses_a_users_file_before_any_replay(tmp_path):
 
 
 def test_fidelity_sim_writes_its_table_and_plots_in_a_folder_named_after_the_doc(tmp_path):
-    from lab.fidelity.sim_side import _write
+    from sched_lab.fidelity.sim_side import _write
 
     (tmp_path / "fidelity").mkdir()
     (tmp_path / "fidelity" / "heldout.csv").write_text("another doc's table")
@@ -139,13 +139,13 @@ def test_fidelity_sim_writes_its_table_and_plots_in_a_folder_named_after_the_doc
 
 
 def test_fidelity_doc_links_its_plots_in_the_folder_named_after_it():
-    from lab.fidelity.markdown import TEMPLATE
+    from sched_lab.fidelity.markdown import TEMPLATE
 
     assert TEMPLATE.count("]({figures}/heldout_") == 2 and "](fidelity/" not in TEMPLATE
 
 
 def test_fidelity_sim_outside_a_checkout_makes_no_folder(tmp_path, monkeypatch, capsys):
-    import lab.fidelity as fidelity
+    import sched_lab.fidelity as fidelity
 
     site = tmp_path / "site-packages"
     monkeypatch.setattr(fidelity, "DOC", site / "docs" / "fidelity.md")
@@ -160,7 +160,7 @@ def test_fidelity_sim_outside_a_checkout_makes_no_folder(tmp_path, monkeypatch, 
 
 
 def test_fidelity_engine_side_keeps_a_users_folder_and_archive(tmp_path, capsys):
-    from lab.fidelity import main as fidelity_main
+    from sched_lab.fidelity import main as fidelity_main
 
     work = tmp_path / "work"
     work.mkdir()
@@ -256,7 +256,7 @@ def test_a_damaged_results_folder_is_one_line(damage, command, results, tmp_path
 def test_timeline_out_keeps_a_users_file_and_the_results_folder_replaceable(
     results, tmp_path, capsys
 ):
-    from lab.report.folder import is_results_folder
+    from sched_lab.report.folder import is_results_folder
 
     mine = tmp_path / "t.png"
     mine.write_bytes(b"mine")

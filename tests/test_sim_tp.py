@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from lab.core.errors import ConfigError
-from lab.core.plan import StepFeatures
-from lab.sim.cost_model import AnalyticCostModel, activation_bytes, num_gpu_blocks
-from lab.sim.hardware import HARDWARE
-from lab.sim.models import MODELS
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.plan import StepFeatures
+from sched_lab.sim.cost_model import AnalyticCostModel, activation_bytes, num_gpu_blocks
+from sched_lab.sim.hardware import HARDWARE
+from sched_lab.sim.models import MODELS
 
 LLAMA, H200 = MODELS["llama-3.1-8b"], HARDWARE["h200-sxm"]
 DECODE_64 = StepFeatures(0, 0, 0, 0.0, 64, 64 * 1000, 64, 0)  # 64 decodes over 1000 tokens

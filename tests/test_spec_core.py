@@ -18,15 +18,15 @@ from hypothesis import event, given, settings, target
 from hypothesis import strategies as st
 from test_properties import check_preemptions, expected_status, scenarios_for
 
-from lab.config import load_config, validate
-from lab.core.errors import ConfigError
-from lab.core.kv import BlockManager, PrefixCachingBlockManager
-from lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
-from lab.core.request import Request, RequestStatus
-from lab.core.scheduler import Scheduler, SchedulerLimits
-from lab.core.spec import SpeculativeConfig, draft_vocab_error
-from lab.sim.replay import replay
-from policies import get_policy
+from sched_lab.config import load_config, validate
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.kv import BlockManager, PrefixCachingBlockManager
+from sched_lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
+from sched_lab.core.request import Request, RequestStatus
+from sched_lab.core.scheduler import Scheduler, SchedulerLimits
+from sched_lab.core.spec import SpeculativeConfig, draft_vocab_error
+from sched_lab.policies import get_policy
+from sched_lab.sim.replay import replay
 
 BS = 4
 STEP_S = 0.25

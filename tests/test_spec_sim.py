@@ -10,17 +10,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lab.core.errors import ConfigError
-from lab.core.kv import make_block_manager
-from lab.core.plan import SchedulerOutput, StepFeatures, StepResult
-from lab.core.request import Request
-from lab.core.scheduler import SchedulerLimits
-from lab.core.spec import SpeculativeConfig
-from lab.results import metrics, spec_metrics
-from lab.sim import spec_executor as se
-from lab.sim.calibrated import PROFILE_COLUMNS, CalibratedCostModel
-from lab.sim.replay import replay
-from policies import get_policy
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.kv import make_block_manager
+from sched_lab.core.plan import SchedulerOutput, StepFeatures, StepResult
+from sched_lab.core.request import Request
+from sched_lab.core.scheduler import SchedulerLimits
+from sched_lab.core.spec import SpeculativeConfig
+from sched_lab.policies import get_policy
+from sched_lab.results import metrics, spec_metrics
+from sched_lab.sim import spec_executor as se
+from sched_lab.sim.calibrated import PROFILE_COLUMNS, CalibratedCostModel
+from sched_lab.sim.replay import replay
 
 STEP_S = 0.01
 

@@ -12,15 +12,15 @@ import pandas as pd
 import pytest
 
 import run_experiment
-from lab.config.keypaths import set_path
-from lab.core.errors import ConfigError
-from lab.core.plan import StepFeatures
-from lab.sim.analytic_defaults import defaults as analytic_defaults
-from lab.sim.cost_model import AnalyticCostModel
-from lab.sim.hardware import HARDWARE
-from lab.sim.models import MODELS
-from lab.sweeps.search import SearchSpec, find_capacity, parse_search
-from lab.sweeps.sweep import expand, load_sweep
+from sched_lab.config.keypaths import set_path
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.plan import StepFeatures
+from sched_lab.sim.analytic_defaults import defaults as analytic_defaults
+from sched_lab.sim.cost_model import AnalyticCostModel
+from sched_lab.sim.hardware import HARDWARE
+from sched_lab.sim.models import MODELS
+from sched_lab.sweeps.search import SearchSpec, find_capacity, parse_search
+from sched_lab.sweeps.sweep import expand, load_sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -282,7 +282,7 @@ def test_search_over_an_integer_key_runs_every_point(tmp_path):
 
 
 def test_whole_number_keys_come_from_the_section_dataclasses():
-    from lab.sweeps.search import whole_number_key
+    from sched_lab.sweeps.search import whole_number_key
 
     ints = ["kv_cache.num_gpu_blocks", "kv_cache.block_size", "scheduler.max_num_seqs",
             "policies.fcfs.max_num_seqs", "policies[0].max_num_batched_tokens"]  # fmt: skip
@@ -294,7 +294,7 @@ def test_whole_number_keys_come_from_the_section_dataclasses():
 
 def _search(tmp_path, search: str, kv: str = "kv_cache: {num_gpu_blocks: 256}\n"):
     """The curve rows and capacity of a one-policy search over SYNTH."""
-    from lab.sweeps.run import make_tasks, run_task
+    from sched_lab.sweeps.run import make_tasks, run_task
 
     path = write(tmp_path, SYNTH.replace("kv_cache: {num_gpu_blocks: 256}\n", kv)
                  + "policies: [fcfs]\n" + search)  # fmt: skip
@@ -318,8 +318,8 @@ def test_a_key_absent_from_the_yaml_is_searched_in_whole_numbers(tmp_path):
 
 
 def test_num_gpu_blocks_left_to_the_simulator_starts_at_its_sizing(tmp_path):
-    from lab.config import validate
-    from lab.setup.sim import sim_parts
+    from sched_lab.config import validate
+    from sched_lab.setup.sim import sim_parts
 
     rows, cap = _search(
         tmp_path,
@@ -414,7 +414,7 @@ def test_capacity_of_a_fixed_cost_queue_matches_the_closed_form(tmp_path, capsys
 
 
 def test_the_sweep_table_in_the_terminal():
-    from lab.sweeps.terminal import sweep_text
+    from sched_lab.sweeps.terminal import sweep_text
 
     table = pd.DataFrame([
         {"point": "p000", "status": "ok", "kv_cache.num_gpu_blocks": 1024, "policy": "fcfs",
@@ -520,16 +520,16 @@ def test_limits_that_do_not_fit_refuse_the_sweep_before_any_point_runs(tmp_path,
 
 def test_a_failed_point_is_reported_and_the_others_go_on(tmp_path, capsys, monkeypatch):
     # What only a run finds (here a trace error raised by p000's replay) fails that point.
-    import lab.sweeps.run
-    from lab.core.errors import TraceError
+    import sched_lab.sweeps.run
+    from sched_lab.core.errors import TraceError
 
     def run(cfg, progress=True):
         if cfg.name == "sw-p000":
             raise TraceError("trace.path: changed while it was read; run again")
         return real(cfg, progress)
 
-    real = lab.sweeps.run.run_experiment
-    monkeypatch.setattr(lab.sweeps.run, "run_experiment", run)
+    real = sched_lab.sweeps.run.run_experiment
+    monkeypatch.setattr(sched_lab.sweeps.run, "run_experiment", run)
     path = write(
         tmp_path,
         SYNTH
@@ -564,9 +564,9 @@ def test_rerun_replaces_a_sweep_folder_but_not_a_foreign_file(tmp_path, capsys, 
 
 
 def test_engine_points_run_here_after_the_simulator_points(tmp_path, monkeypatch):
-    import lab.sweeps.executors
-    import lab.sweeps.run
-    from lab.sweeps.run import TaskResult, run_sweep
+    import sched_lab.sweeps.executors
+    import sched_lab.sweeps.run
+    from sched_lab.sweeps.run import TaskResult, run_sweep
 
     model = tmp_path / "model"
     model.mkdir()
@@ -586,8 +586,8 @@ def test_engine_points_run_here_after_the_simulator_points(tmp_path, monkeypatch
         order.append(("driver", task.point.name))
         return TaskResult(task.index, error="not run")
 
-    monkeypatch.setattr(lab.sweeps.executors, "run_tasks", pool)
-    monkeypatch.setattr(lab.sweeps.run, "run_task", here)
+    monkeypatch.setattr(sched_lab.sweeps.executors, "run_tasks", pool)
+    monkeypatch.setattr(sched_lab.sweeps.run, "run_task", here)
     run_sweep(load_sweep(path), tmp_path / "out", jobs=2, progress=False)
     assert order == [
         ("executor", "p000"),
@@ -602,9 +602,9 @@ def test_a_classes_run_gives_one_row_per_class():
     then one per class from requests' ``class`` column, judged by the class's own SLOs."""
     import yaml
 
-    from lab.config import validate
-    from lab.run.experiment import run_experiment
-    from lab.sweeps.run import run_rows
+    from sched_lab.config import validate
+    from sched_lab.run.experiment import run_experiment
+    from sched_lab.sweeps.run import run_rows
 
     raw = yaml.safe_load((ROOT / "experiments" / "two_classes.yaml").read_text())
     raw["trace"][0] |= {"limit": 40, "slo": {"ttft_s": 0.05}}  # met by some chat requests
@@ -629,7 +629,7 @@ def test_a_classes_run_gives_one_row_per_class():
 def sweep_examples() -> list[Path]:
     import yaml
 
-    from lab.sweeps.sweep import is_sweep
+    from sched_lab.sweeps.sweep import is_sweep
 
     return [p for p in sorted((ROOT / "experiments").glob("*.yaml"))
             if is_sweep(yaml.safe_load(p.read_text()))]  # fmt: skip
@@ -654,8 +654,8 @@ def test_sweep_example_runs(path, tmp_path):
 
 
 def test_an_unreachable_ray_address_is_one_line_not_a_wait():
-    from lab.core.errors import UserError
-    from lab.sweeps.executors import _check_reachable
+    from sched_lab.core.errors import UserError
+    from sched_lab.sweeps.executors import _check_reachable
 
     with pytest.raises(UserError, match=r"^--ray-address 127.0.0.1:1: cannot connect \("):
         _check_reachable("127.0.0.1:1")
@@ -727,7 +727,7 @@ def test_trace_keys_over_workload_classes_apply_to_every_class(tmp_path):
 
 
 def test_sweep_plots_read_either_latency_name_and_the_offered_rate():
-    from lab.sweeps.report import latency_s, offered_x
+    from sched_lab.sweeps.report import latency_s, offered_x
 
     old = pd.DataFrame({"ttft_s_p99": [0.5, 2.0], "rate_scale": [1.0, 2.0]})
     vllm = pd.DataFrame({"p99_ttft_ms": [500.0, 2000.0], "rate_scale": [1.0, 2.0],
@@ -742,8 +742,8 @@ def test_sweep_plots_read_either_latency_name_and_the_offered_rate():
 def test_sweep_lines_keep_one_colour_per_policy_and_a_dash_per_configuration():
     from types import SimpleNamespace
 
-    from lab.report.plots import COLOURS
-    from lab.sweeps.report import DASHES, _lines
+    from sched_lab.report.plots import COLOURS
+    from sched_lab.sweeps.report import DASHES, _lines
 
     df = pd.DataFrame({
         "policy": ["fcfs", "swap"] * 4, "kv_cache.num_gpu_blocks": [1024] * 4 + [4096] * 4,
@@ -768,7 +768,7 @@ def test_log_axes_are_labelled_in_plain_numbers_and_the_rate_scale_axis():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lab.report.plots import log_axis, rate_scale_axis
+    from sched_lab.report.plots import log_axis, rate_scale_axis
 
     fig, ax = plt.subplots()
     ax.plot([3.5, 7.0, 14.0], [0.2, 2.0, 15.0])  # two decades: ticks at 1, 2 and 5

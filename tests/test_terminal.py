@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from lab.cli import main
-from lab.report.terminal import rows, summary_text
+from sched_lab.cli import main
+from sched_lab.report.terminal import rows, summary_text
 
 NAN = float("nan")
 

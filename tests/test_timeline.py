@@ -12,9 +12,9 @@ import pandas as pd
 import pytest
 from helpers import run
 
-from lab.report import timeline
-from lab.report.plots import _bin_mean, _spread
-from lab.results import metrics
+from sched_lab.report import timeline
+from sched_lab.report.plots import _bin_mean, _spread
+from sched_lab.results import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,7 +108,7 @@ def test_bins_hold_the_state_of_the_steps_covering_them():
 
 
 def test_terminal_summary_fits_100_columns(tmp_path):
-    from lab.report.terminal import summary_text
+    from sched_lab.report.terminal import summary_text
 
     vllm = {
         "completed": 19366, "num_prompts": 19366, "failed": 0, "duration": 1752.3,
@@ -140,7 +140,7 @@ def test_terminal_summary_fits_100_columns(tmp_path):
 
 def test_explain_and_timeline_commands(tmp_path, capsys):
     import run_experiment
-    from lab.cli import main
+    from sched_lab.cli import main
 
     out = tmp_path / "q"
     args = [str(ROOT / "experiments/quickstart.yaml"), "--limit", "30", "--out", str(out)]

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import yaml
 
-from lab.core.errors import TraceError, UserError
-from traces import load_trace
-from traces.arrivals import ArrivalProcess
+from sched_lab.core.errors import TraceError, UserError
+from sched_lab.traces import load_trace
+from sched_lab.traces.arrivals import ArrivalProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "traces" / "data"
@@ -125,7 +125,7 @@ def test_burstgpt_real_files_drop_failed_rows(
     dropped_id: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="traces"):
+    with caplog.at_level(logging.INFO, logger="sched_lab.traces"):
         every = load(format="burstgpt", path=f"traces/data/{name}")
     requests = replayed(every)
     assert len(every) == 400 and len(requests) == kept
@@ -183,7 +183,7 @@ def test_azure_zero_output_rows_dropped_and_logged(
         AZURE_HEADER + "2023-11-16 18:17:01,5,0\n"
         "2023-11-16 18:17:02,6,3\n2023-11-16 18:17:05,7,0\n",
     )
-    with caplog.at_level(logging.INFO, logger="traces"):
+    with caplog.at_level(logging.INFO, logger="sched_lab.traces"):
         every = load(format="azure2023", path=path)
     assert ids(every) == ["0", "1", "2"]  # every row, in source order
     requests = replayed(every)
@@ -203,7 +203,7 @@ def test_burstgpt_zero_request_tokens_dropped(
         BURSTGPT_HEADER + "10,ChatGPT,5,5,10,API log\n"
         "12,GPT-4,0,7,7,API log\n13,GPT-4,0,0,0,API log\n20,GPT-4,3,4,7,API log\n",
     )
-    with caplog.at_level(logging.INFO, logger="traces"):
+    with caplog.at_level(logging.INFO, logger="sched_lab.traces"):
         every = load(format="burstgpt", path=path)
     requests = replayed(every)
     assert ids(requests) == ["0", "3"] and arrivals(requests) == [0.0, 10.0]
@@ -241,7 +241,7 @@ def test_mooncake_exact_values(tmp_path: Path, caplog: pytest.LogCaptureFixture)
         '{"timestamp": 1500, "input_length": 10, "output_length": 0, "hash_ids": [9]}\n'
         '{"timestamp": 3000, "input_length": 20, "output_length": 2}\n',
     )
-    with caplog.at_level(logging.INFO, logger="traces"):
+    with caplog.at_level(logging.INFO, logger="sched_lab.traces"):
         requests = replayed(load(format="mooncake", path=path))
     assert ids(requests) == ["0", "2"] and arrivals(requests) == [0.0, 3.0]
     assert requests[0].hash_ids == [7, 8] and requests[1].hash_ids is None

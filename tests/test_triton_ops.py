@@ -15,12 +15,12 @@ torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engi
 import torch.nn.functional as F
 from triton_setup import DEVICE, HAS_CUDA, needs_triton, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
 
-from backend import triton_ops  # noqa: E402
-from backend.attention import triton_kernels  # noqa: E402
-from backend.attention.base import decode_items, decode_work, store_kv  # noqa: E402
-from backend.inputs import prepare_inputs  # noqa: E402
-from backend.model import RMSNorm  # noqa: E402
-from backend.rope import apply_rope  # noqa: E402
+from sched_lab.backend import triton_ops  # noqa: E402
+from sched_lab.backend.attention import triton_kernels  # noqa: E402
+from sched_lab.backend.attention.base import decode_items, decode_work, store_kv  # noqa: E402
+from sched_lab.backend.inputs import prepare_inputs  # noqa: E402
+from sched_lab.backend.model import RMSNorm  # noqa: E402
+from sched_lab.backend.rope import apply_rope  # noqa: E402
 
 pytestmark = needs_triton
 
@@ -68,7 +68,7 @@ def test_silu_and_mul(dtype):
 
 
 def reference_qkv(qkv, cos, sin, caches, slots, heads, kv_heads, head_dim, norms):
-    """The torch path of backend.model.Attention: split, [q/k norm], RoPE, store k/v."""
+    """The torch path of sched_lab.backend.model.Attention: split, [q/k norm], RoPE, store k/v."""
     n = qkv.shape[0]
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = q.reshape(n, heads, head_dim), k.reshape(n, kv_heads, head_dim)
@@ -213,7 +213,7 @@ def test_decode_merges_many_items_per_row(dtype):
     # 40 in one item (written directly), a padding row between them, and unused items.
     from test_backend_triton import batch
 
-    from backend.attention.torch_ref import attend, gather_sequence
+    from sched_lab.backend.attention.torch_ref import attend, gather_sequence
 
     seqs = batch([(1499, 1), (39, 1)], block_size=16, num_blocks=128)
     meta = prepare_inputs(seqs, 16, 128, 1 << 20, 1 << 30, DEVICE).attn

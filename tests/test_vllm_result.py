@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import run
 
-from lab.results import metrics
-from lab.results.vllm_result import percentile_word, result_date, vllm_result
+from sched_lab.results import metrics
+from sched_lab.results.vllm_result import percentile_word, result_date, vllm_result
 
 ROOT = Path(__file__).resolve().parent.parent
 

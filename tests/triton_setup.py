@@ -18,7 +18,7 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from backend.attention.triton_backend import interpreting  # noqa: E402
+from sched_lab.backend.attention.triton_backend import interpreting  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
@@ -65,7 +65,7 @@ def tiny_engine_config(model, blocks, policies, caching=False, speculative=None)
     """A validated CPU engine experiment over checkpoint ``model`` for tests that pass their
     own requests (``run_experiment(cfg, False, requests)``): ``blocks`` KV blocks of 4
     tokens, a small swap space, max_num_seqs 8, max_model_len 128."""
-    from lab.config import validate
+    from sched_lab.config import validate
 
     raw = {
         "name": "engine_tiny",

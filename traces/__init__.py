@@ -14,11 +14,11 @@ Example (YAML)::
                                    # shared system prompts, multi-turn sessions, hash ids
       hash_block_size: 16          # tokens per hash id (mooncake: 512; prefix: 16)
 
-Formats and their keys are documented in :mod:`traces.loaders`; arrival processes in
-:mod:`traces.arrivals`; synthetic length distributions in :mod:`traces.distributions`; ``prefix`` (any format
-without hash ids of its own) in :mod:`traces.prefix`. ``hash_block_size`` applies to a
+Formats and their keys are documented in :mod:`sched_lab.traces.loaders`; arrival processes in
+:mod:`sched_lab.traces.arrivals`; synthetic length distributions in :mod:`sched_lab.traces.distributions`; ``prefix`` (any format
+without hash ids of its own) in :mod:`sched_lab.traces.prefix`. ``hash_block_size`` applies to a
 trace with hash ids: Mooncake's (default 512) or those ``prefix`` makes (default 16).
-Every mistake in the spec or the file raises :class:`lab.core.errors.TraceError` with one line
+Every mistake in the spec or the file raises :class:`sched_lab.core.errors.TraceError` with one line
 naming the key, or the file, row and column.
 """
 
@@ -31,14 +31,20 @@ from typing import Any
 
 import numpy as np
 
-import traces.loaders  # noqa: F401  (registers the formats)
-import traces.prompts  # noqa: F401
-from lab.core.errors import TraceError
-from lab.core.request import Request
-from traces.prefix import PREFIX_HASH_BLOCK_SIZE, apply_prefix, parse_prefix
-from traces.registry import FORMATS, get_format
-from traces.spec import WHERE, check_keys, check_mapping, get_float, get_int, require
-from traces.table import TraceTable, apply_limit, apply_rate_scale, apply_window, check_clock
+import sched_lab.traces.loaders  # noqa: F401  (registers the formats)
+import sched_lab.traces.prompts  # noqa: F401
+from sched_lab.core.errors import TraceError
+from sched_lab.core.request import Request
+from sched_lab.traces.prefix import PREFIX_HASH_BLOCK_SIZE, apply_prefix, parse_prefix
+from sched_lab.traces.registry import FORMATS, get_format
+from sched_lab.traces.spec import WHERE, check_keys, check_mapping, get_float, get_int, require
+from sched_lab.traces.table import (
+    TraceTable,
+    apply_limit,
+    apply_rate_scale,
+    apply_window,
+    check_clock,
+)
 
 __all__ = ["COMMON_KEYS", "FORMATS", "load_table", "load_trace", "scale_table"]
 

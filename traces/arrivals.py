@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from lab.core.errors import TraceError
-from traces.spec import check_keys, check_mapping, get_choice, get_float
+from sched_lab.core.errors import TraceError
+from sched_lab.traces.spec import check_keys, check_mapping, get_choice, get_float
 
 PROCESSES = ("poisson", "gamma")
 # Finite rates (requests/s) up to this: above, arrivals come closer than a microsecond, less

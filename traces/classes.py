@@ -4,7 +4,7 @@ Each class is a trace spec plus ``name``, ``priority``, ``tenant``, ``slo`` and 
 loaded on its own (``seed`` defaults to the experiment's plus the class index), then merged
 by arrival time; ties go to the class listed first, then row order. ``periods`` (the run's
 clock, ``[[on_s, off_s], ...]``, the last ``off_s`` may be null) lays the class's trace
-onto its on-periods (:func:`traces.table.apply_periods`): its clock runs only while the
+onto its on-periods (:func:`sched_lab.traces.table.apply_periods`): its clock runs only while the
 class is on, so a class may start late, stop early, or leave and come back. Request ids become
 ``{class}:{row}``; ``Request.ttft_slo_s`` is the class's ``slo.ttft_s``, else the top-level
 one.
@@ -17,10 +17,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from lab.core.errors import TraceError, did_you_mean
-from lab.core.request import Request, RequestStatus
-from traces import load_table, scale_table
-from traces.table import apply_periods
+from sched_lab.core.errors import TraceError, did_you_mean
+from sched_lab.core.request import Request, RequestStatus
+from sched_lab.traces import load_table, scale_table
+from sched_lab.traces.table import apply_periods
 
 CLASS_KEYS = (
     "name",
@@ -48,7 +48,7 @@ def load_classes(
         (the merged requests, the entries all classes' formats read).
 
     Raises:
-        TraceError: as :func:`traces.load_table`, naming the class.
+        TraceError: as :func:`sched_lab.traces.load_table`, naming the class.
     """
     keyed, rows = [], 0
     for i, c in enumerate(classes):

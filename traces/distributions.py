@@ -13,9 +13,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from lab.core.errors import TraceError
-from traces.spec import check_keys, check_mapping, get_float
-from traces.validate import MAX_TOKENS
+from sched_lab.core.errors import TraceError
+from sched_lab.traces.spec import check_keys, check_mapping, get_float
+from sched_lab.traces.validate import MAX_TOKENS
 
 FORMS = (
     "an integer",

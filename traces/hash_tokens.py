@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lab.core.request import Request
+from sched_lab.core.request import Request
 
 _SALT = 0x746F6B73  # "toks": this module's streams, apart from any other seeded draw
 

@@ -18,14 +18,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab.core.errors import TraceError
-from traces.arrivals import parse_arrival
-from traces.distributions import parse_length
-from traces.readers import read_csv, read_jsonl
-from traces.registry import register_format
-from traces.spec import WHERE, get_choice, get_int, get_str_list, require, resolve_path
-from traces.table import TraceTable, check_clock
-from traces.validate import (
+from sched_lab.core.errors import TraceError
+from sched_lab.traces.arrivals import parse_arrival
+from sched_lab.traces.distributions import parse_length
+from sched_lab.traces.readers import read_csv, read_jsonl
+from sched_lab.traces.registry import register_format
+from sched_lab.traces.spec import WHERE, get_choice, get_int, get_str_list, require, resolve_path
+from sched_lab.traces.table import TraceTable, check_clock
+from sched_lab.traces.validate import (
     Source,
     check_sorted,
     datetime_times,
@@ -98,7 +98,7 @@ def load_burstgpt(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTa
 @register_format("mooncake", keys=("path", "hash_block_size"))
 def load_mooncake(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
     """Mooncake JSONL: ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``;
-    ``hash_block_size`` defaults to 512 (:func:`traces.validate.hash_id_lists`)."""
+    ``hash_block_size`` defaults to 512 (:func:`sched_lab.traces.validate.hash_id_lists`)."""
     block = get_int(spec, "hash_block_size", WHERE, default=MOONCAKE_HASH_BLOCK_SIZE, minimum=1)
     path = resolve_path(spec, base_dir, WHERE)
     frame, line_numbers = read_jsonl(path, MOONCAKE_KEYS, optional=("hash_ids",))
@@ -158,7 +158,7 @@ def load_lengths(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTab
 @register_format("synthetic", keys=("num_requests", "arrival", "prompt_len", "output_len"))
 def load_synthetic(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
     """No file: ``num_requests`` requests with ``arrival`` times and lengths from
-    :mod:`traces.distributions`, each from an independent stream of ``seed``."""
+    :mod:`sched_lab.traces.distributions`, each from an independent stream of ``seed``."""
     num_requests = get_int(spec, "num_requests", WHERE, minimum=1)
     if num_requests > MAX_SYNTHETIC_REQUESTS:
         raise TraceError(

@@ -30,12 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from lab.core.errors import TraceError, short_repr
-from traces.distributions import Choice, Fixed, LengthDistribution, Uniform, parse_length
-from traces.loaders import MAX_SYNTHETIC_REQUESTS
-from traces.spec import check_keys, check_mapping, get_choice, get_float, get_int
-from traces.table import TraceTable
-from traces.validate import MAX_TOKENS
+from sched_lab.core.errors import TraceError, short_repr
+from sched_lab.traces.distributions import Choice, Fixed, LengthDistribution, Uniform, parse_length
+from sched_lab.traces.loaders import MAX_SYNTHETIC_REQUESTS
+from sched_lab.traces.spec import check_keys, check_mapping, get_choice, get_float, get_int
+from sched_lab.traces.table import TraceTable
+from sched_lab.traces.validate import MAX_TOKENS
 
 PREFIX_KEYS = (
     "prefix_len",

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from lab.core.request import Request, RequestStatus
+from sched_lab.core.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)

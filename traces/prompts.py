@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from lab.core.errors import TraceError, short_repr
-from traces.readers import load_yaml_file
-from traces.registry import register_format
-from traces.spec import WHERE, require, resolve_path
-from traces.table import TraceTable
-from traces.validate import MAX_TOKENS
+from sched_lab.core.errors import TraceError, short_repr
+from sched_lab.traces.readers import load_yaml_file
+from sched_lab.traces.registry import register_format
+from sched_lab.traces.spec import WHERE, require, resolve_path
+from sched_lab.traces.table import TraceTable
+from sched_lab.traces.validate import MAX_TOKENS
 
 
 @register_format("prompts", keys=("path", "tokenizer", "chat"))
@@ -86,7 +86,7 @@ def _tokenizer(path: Path, base_dir: Path):
     if not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
         raise TraceError(
             f"{WHERE}.tokenizer: no tokenizer files in {path} (for SmolLM2 run "
-            f"`python -m backend.tools convert-smollm2`)"
+            f"`python -m sched_lab.backend.tools convert-smollm2`)"
         )
     try:
         return AutoTokenizer.from_pretrained(path)

@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from lab.core.errors import MAX_SHOWN_CHARS, ConfigError, TraceError, UserError, short_repr
+from sched_lab.core.errors import MAX_SHOWN_CHARS, ConfigError, TraceError, UserError, short_repr
 
 
 def read_csv(path: Path, required: Sequence[str]) -> pd.DataFrame:
@@ -181,7 +181,7 @@ def _one_line(exc: BaseException) -> str:
 #
 # Quote a value (``'0100'``, ``"1:30"``) to keep it a string. Every refusal is one line
 # naming the file, the line, the key path and what was expected; values shown in messages
-# are cut by :func:`lab.core.errors.short_repr`.
+# are cut by :func:`sched_lab.core.errors.short_repr`.
 MAX_DEPTH = 64  # levels of nesting; an experiment YAML needs 4
 MAX_INT_DIGITS = 100  # digits of an integer in a YAML or JSON trace file; a seed needs 20
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lab.core.errors import TraceError
-from lab.core.registry import Registry
-from traces.spec import WHERE
-from traces.table import TraceTable
+from sched_lab.core.errors import TraceError
+from sched_lab.core.registry import Registry
+from sched_lab.traces.spec import WHERE
+from sched_lab.traces.table import TraceTable
 
 # (spec, base_dir, seed) -> the format's requests on its own clock, before the common options.
 Loader = Callable[[Mapping[str, Any], Path, int], TraceTable]

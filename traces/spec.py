@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from lab.core.errors import TraceError, did_you_mean, short_repr
+from sched_lab.core.errors import TraceError, did_you_mean, short_repr
 
 # Key path of the trace block in an experiment YAML, the prefix of every spec message.
 WHERE = "trace"

@@ -1,5 +1,5 @@
 """A loaded trace as columns, and the options common to every format, applied by
-:func:`traces.load_trace` in order: window ``[start_s, end_s)`` (then re-based to 0),
+:func:`sched_lab.traces.load_trace` in order: window ``[start_s, end_s)`` (then re-based to 0),
 ``limit`` (the first N replayed requests), ``rate_scale`` (inter-arrival times divided by
 it). Dropped rows stay in the table with a ``drop_reason`` and go through window and limit
 like the others."""
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lab.core.errors import TraceError
-from lab.core.request import Request, RequestStatus
-from traces.spec import WHERE
+from sched_lab.core.errors import TraceError
+from sched_lab.core.request import Request, RequestStatus
+from sched_lab.traces.spec import WHERE
 
 
 @dataclass(frozen=True)

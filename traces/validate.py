@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab.core.errors import TraceError
+from sched_lab.core.errors import TraceError
 
 # Wall-clock timestamps as in the Azure 2023 trace, ``2023-11-16 18:17:03.9799600`` (no time
 # zone), or the Azure 2024 trace, ``2024-05-10 00:00:00.011+00:00`` (an offset from UTC; ``Z``

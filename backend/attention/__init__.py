@@ -10,10 +10,10 @@ import importlib
 
 import torch
 
-from backend.attention.base import AttentionBackend, AttentionMetadata, GraphMetadata
-from backend.errors import DeviceError
-from lab.core.attention_names import ATTENTION_BACKENDS
-from lab.core.registry import Registry
+from sched_lab.backend.attention.base import AttentionBackend, AttentionMetadata, GraphMetadata
+from sched_lab.backend.errors import DeviceError
+from sched_lab.core.attention_names import ATTENTION_BACKENDS
+from sched_lab.core.registry import Registry
 
 __all__ = [
     "AttentionBackend",
@@ -26,9 +26,13 @@ __all__ = [
 # name -> (module, class, pip requirement); the names (and the order errors list them in) are
 # lab/core/attention_names.py's
 _MODULES = {
-    "torch": ("backend.attention.torch_ref", "TorchAttention", "torch"),
-    "triton": ("backend.attention.triton_backend", "TritonAttention", "triton==3.6.0"),
-    "flash_attn": ("backend.attention.flash_attn_backend", "FlashAttention", "flash-attn"),
+    "torch": ("sched_lab.backend.attention.torch_ref", "TorchAttention", "torch"),
+    "triton": ("sched_lab.backend.attention.triton_backend", "TritonAttention", "triton==3.6.0"),
+    "flash_attn": (
+        "sched_lab.backend.attention.flash_attn_backend",
+        "FlashAttention",
+        "flash-attn",
+    ),
 }
 BACKENDS: Registry[tuple[str, str, str]] = Registry("attention backend", "known", sort=False)
 for _name in ATTENTION_BACKENDS:

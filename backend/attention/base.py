@@ -9,7 +9,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from lab.core.errors import ConfigError
+from sched_lab.core.errors import ConfigError
 
 PREFILL_TILE_M = 64  # query rows of one prefill attention tile (the Triton kernel's BLOCK_M)
 DECODE_TILE = 64  # key positions of one decode attention tile (the Triton kernel's BLOCK_N)
@@ -269,7 +269,7 @@ class AttentionBackend(ABC):
     def set_prefill_attention(self, mode: str) -> None:
         """Choose the kernel of prefill chunks from position 0: ``auto``, ``triton`` or
         ``flash_varlen``; backends without a choice accept ``auto`` and ``triton``."""
-        from backend.attention.flash_varlen import PREFILL_ATTENTION
+        from sched_lab.backend.attention.flash_varlen import PREFILL_ATTENTION
 
         if mode not in PREFILL_ATTENTION:
             raise ConfigError(f"prefill_attention must be one of {', '.join(PREFILL_ATTENTION)}; "

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-from backend.attention.base import AttentionBackend, AttentionMetadata
-from backend.errors import DeviceError
+from sched_lab.backend.attention.base import AttentionBackend, AttentionMetadata
+from sched_lab.backend.errors import DeviceError
 
 
 class FlashAttention(AttentionBackend):

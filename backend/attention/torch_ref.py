@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.attention.base import AttentionBackend, AttentionMetadata
+from sched_lab.backend.attention.base import AttentionBackend, AttentionMetadata
 
 
 class TorchAttention(AttentionBackend):

@@ -1,7 +1,7 @@
-"""Paged attention with the Triton kernels of :mod:`backend.attention.triton_kernels`: at
+"""Paged attention with the Triton kernels of :mod:`sched_lab.backend.attention.triton_kernels`: at
 most three kernels per layer (store, prefill, decode). The only graph-safe backend
 (:class:`TritonGraphMetadata`). Eager steps may attend chunks from position 0 with
-FlashAttention varlen (``prefill_attention``; :mod:`backend.attention.flash_varlen`).
+FlashAttention varlen (``prefill_attention``; :mod:`sched_lab.backend.attention.flash_varlen`).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import dataclasses
 import torch
 import triton
 
-from backend.attention import flash_varlen, triton_kernels
-from backend.attention.base import AttentionBackend, AttentionMetadata, step_decode_work
-from backend.attention.triton_graphs import TritonGraphMetadata
-from backend.errors import DeviceError
+from sched_lab.backend.attention import flash_varlen, triton_kernels
+from sched_lab.backend.attention.base import AttentionBackend, AttentionMetadata, step_decode_work
+from sched_lab.backend.attention.triton_graphs import TritonGraphMetadata
+from sched_lab.backend.errors import DeviceError
 
 
 def interpreting() -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from backend.attention.base import (
+from sched_lab.backend.attention.base import (
     MAX_SPLITS,
     PREFILL_TILE_M,
     AttentionMetadata,
@@ -19,7 +19,7 @@ from backend.attention.base import (
     decode_items,
     prefill_tiles,
 )
-from backend.attention.triton_kernels import decode_work_device
+from sched_lab.backend.attention.triton_kernels import decode_work_device
 
 MIXED_DECODE_PROGRAMS = 4096  # most (decode row, kv head, split) programs of a mixed graph
 FEW_DECODES = 32  # decode rows of the mixed graphs' variant for steps with few decodes

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.attention.base import DECODE_TILE, PREFILL_TILE_M
+from sched_lab.backend.attention.base import DECODE_TILE, PREFILL_TILE_M
 
 BLOCK_M = PREFILL_TILE_M  # query rows per prefill program
 BLOCK_N = 64  # key positions per inner-loop tile
@@ -288,7 +288,7 @@ def _decode_work_kernel(
     SeqLens, DecodeIdx, Work, WorkLoc, num_rows, num_items,
     TILE: tl.constexpr, ROWS_P: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Device twin of :func:`backend.attention.base.decode_work` (for CUDA graphs); program
+    """Device twin of :func:`sched_lab.backend.attention.base.decode_work` (for CUDA graphs); program
     0 writes WorkLoc. Rows with sequence -1 or length 0 get no items."""
     rows = tl.arange(0, ROWS_P)
     seq = tl.load(DecodeIdx + rows, mask=rows < num_rows, other=-1)
@@ -370,7 +370,7 @@ def prefill_attention(
             this step's k/v.
         block_tables: (num_seqs, max_blocks) int32.
         query_start_loc: (num_seqs + 1,) int32. seq_lens: (num_seqs,) int32.
-        tiles: (num_tiles, 2) int32 from :func:`backend.attention.base.prefill_tiles`.
+        tiles: (num_tiles, 2) int32 from :func:`sched_lab.backend.attention.base.prefill_tiles`.
     """
     if tiles.shape[0] == 0:
         return

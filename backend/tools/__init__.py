@@ -1,1 +1,1 @@
-"""Command-line tools of the engine: ``python -m backend.tools --help``."""
+"""Command-line tools of the engine: ``python -m sched_lab.backend.tools --help``."""

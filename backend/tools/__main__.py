@@ -4,7 +4,7 @@ sched-lab tools make-random-checkpoint --preset qwen3-0.6b --out DIR [--dtype bf
 sched-lab tools convert-smollm2 [--out DIR] [--force]
 sched-lab tools list-presets
 
-(``python -m backend.tools ...`` is the same.)
+(``python -m sched_lab.backend.tools ...`` is the same.)
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from backend.tools.convert_smollm2 import convert_smollm2, default_dir
-from lab.core.errors import UserError
-from lab.core.model_presets import PRESETS
+from sched_lab.backend.tools.convert_smollm2 import convert_smollm2, default_dir
+from sched_lab.core.errors import UserError
+from sched_lab.core.model_presets import PRESETS
 
 EXIT_CODES = "exit status: 0 ok, 2 bad input (one line: error: ...)"
-# backend.dtypes.DTYPES's names (it imports torch; the help must not need it)
+# sched_lab.backend.dtypes.DTYPES's names (it imports torch; the help must not need it)
 DTYPE_NAMES = ("bf16", "bfloat16", "float16", "float32", "fp16", "fp32", "half")
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m backend.tools") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m sched_lab.backend.tools") -> int:
     """The engine tools (``sched-lab tools``); returns the exit status."""
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m backend.tools") -
     args = parser.parse_args(argv)
     try:
         if args.command == "make-random-checkpoint":
-            from backend.tools.random_checkpoint import write_random_checkpoint
+            from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
 
             out = write_random_checkpoint(
                 PRESETS[args.preset], args.out, args.dtype, args.seed, name=args.preset

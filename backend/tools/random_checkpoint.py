@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from backend.config import ModelConfig
-from backend.dtypes import DTYPES
-from backend.errors import CheckpointError
-from backend.loader import INDEX_FILE, checkpoint_shapes
+from sched_lab.backend.config import ModelConfig
+from sched_lab.backend.dtypes import DTYPES
+from sched_lab.backend.errors import CheckpointError
+from sched_lab.backend.loader import INDEX_FILE, checkpoint_shapes
 
 MARKER_FILE = "random_weights.json"
 DEFAULT_MAX_SHARD_BYTES = 2 << 30  # 2 GiB

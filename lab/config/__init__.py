@@ -9,18 +9,18 @@ classes), ``model``, ``hardware``, ``cost_model``, ``kv_cache``, ``scheduler``,
 Load a file with :func:`load_config` or validate a mapping with :func:`validate`; read values
 as attributes (``cfg.kv_cache.block_size``); :meth:`ExperimentConfig.to_dict` gives the
 resolved config of results/<name>/config.yaml. Every mistake raises
-:class:`~lab.core.errors.ConfigError` with one line naming the file and the key path.
-Each key's type, default and check live in :mod:`~lab.config.sections`,
-:mod:`~lab.config.trace`, :mod:`~lab.config.policy_entries` and :mod:`~lab.config.cluster`;
-cross-feature rules in :mod:`~lab.config.rules`.
+:class:`~sched_lab.core.errors.ConfigError` with one line naming the file and the key path.
+Each key's type, default and check live in :mod:`~sched_lab.config.sections`,
+:mod:`~sched_lab.config.trace`, :mod:`~sched_lab.config.policy_entries` and :mod:`~sched_lab.config.cluster`;
+cross-feature rules in :mod:`~sched_lab.config.rules`.
 """
 
 from __future__ import annotations
 
-from lab.config import paths
-from lab.config.backends import BACKENDS, ENGINE_PROFILE_TOKENS, SIM_PROFILE_TOKENS, Backend
-from lab.config.cluster import CLUSTER_KEYS, MAX_REPLICAS, cluster_to_dict
-from lab.config.load import (
+from sched_lab.config import paths
+from sched_lab.config.backends import BACKENDS, ENGINE_PROFILE_TOKENS, SIM_PROFILE_TOKENS, Backend
+from sched_lab.config.cluster import CLUSTER_KEYS, MAX_REPLICAS, cluster_to_dict
+from sched_lab.config.load import (
     MAX_NAME_CHARS,
     TOP_KEYS,
     ExperimentConfig,
@@ -28,9 +28,9 @@ from lab.config.load import (
     load_config,
     validate,
 )
-from lab.config.policy_entries import DEFAULT_POLICIES, PolicyConfig
-from lab.config.rules import RULES, Rule
-from lab.config.sections import (
+from sched_lab.config.policy_entries import DEFAULT_POLICIES, PolicyConfig
+from sched_lab.config.rules import RULES, Rule
+from sched_lab.config.sections import (
     ASYNC_KEY,
     DTYPES,
     GIB,
@@ -48,8 +48,14 @@ from lab.config.sections import (
     SLOConfig,
     check_swap_blocks,
 )
-from lab.config.trace import RATE_SCALE_RANGE, ClassesConfig, TraceConfig, Workload, scale_label
-from lab.core.attention_names import ATTENTION_BACKENDS
+from sched_lab.config.trace import (
+    RATE_SCALE_RANGE,
+    ClassesConfig,
+    TraceConfig,
+    Workload,
+    scale_label,
+)
+from sched_lab.core.attention_names import ATTENTION_BACKENDS
 
 __all__ = [
     "ASYNC_KEY",

@@ -8,10 +8,10 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from lab.config.walker import Context, check_choice, check_int, check_mapping, check_num, fail
-from lab.core.errors import ConfigError
-from lab.sim.cluster import DEFAULT_HOST_BUFFER_BYTES, GIB, ClusterSpec, PoolSpec
-from lab.sim.hardware import LINKS, Link
+from sched_lab.config.walker import Context, check_choice, check_int, check_mapping, check_num, fail
+from sched_lab.core.errors import ConfigError
+from sched_lab.sim.cluster import DEFAULT_HOST_BUFFER_BYTES, GIB, ClusterSpec, PoolSpec
+from sched_lab.sim.hardware import LINKS, Link
 
 CLUSTER_KEYS = ("replicas", "router", "prefill", "decode", "kv_transfer")
 MAX_REPLICAS = 4096  # each replica holds its own scheduler and block manager in memory
@@ -61,7 +61,7 @@ _DECODE_KEYS = (*_POOL_KEYS, "host_buffer_gib")  # host memory of each decode re
 
 
 def _pool(where: str, key: str, raw: Any, keys: tuple[str, ...] = _POOL_KEYS) -> PoolSpec:
-    from lab.sim.router import get_router
+    from sched_lab.sim.router import get_router
 
     d = check_mapping(where, key, raw, keys)
     replicas = check_int(where, f"{key}.replicas", d.get("replicas", 1))

@@ -1,7 +1,7 @@
 """Dotted key paths into an experiment mapping: ``kv_cache.num_gpu_blocks``,
 ``policies.chunked_prefill.max_num_batched_tokens`` (a policy by label), ``policies[2].x``
 (by index); ``rate_scale`` is short for ``trace.rate_scale`` (:data:`ALIASES`). Sweeps
-(:mod:`lab.sweeps.sweep`) and the capacity search (:mod:`lab.sweeps.search`) set values through them."""
+(:mod:`sched_lab.sweeps.sweep`) and the capacity search (:mod:`sched_lab.sweeps.search`) set values through them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from lab.config.policy_entries import DEFAULT_POLICIES
-from lab.core.errors import ConfigError, short_repr
+from sched_lab.config.policy_entries import DEFAULT_POLICIES
+from sched_lab.core.errors import ConfigError, short_repr
 
 ALIASES = {"rate_scale": "trace.rate_scale"}
 _SEGMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_+-]*)((?:\[[0-9]+\])*)$")

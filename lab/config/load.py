@@ -9,17 +9,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lab.config import paths
-from lab.config.backends import BACKENDS
-from lab.config.cluster import cluster_to_dict, parse_cluster
-from lab.config.policy_entries import (
+from sched_lab.config import paths
+from sched_lab.config.backends import BACKENDS
+from sched_lab.config.cluster import cluster_to_dict, parse_cluster
+from sched_lab.config.policy_entries import (
     DEFAULT_POLICIES,
     PolicyConfig,
     parse_policies,
     parse_speculative,
 )
-from lab.config.rules import Draft, apply_rules, hash_blocks_hold_kv_blocks
-from lab.config.sections import (
+from sched_lab.config.rules import Draft, apply_rules, hash_blocks_hold_kv_blocks
+from sched_lab.config.sections import (
     CostModelConfig,
     EngineConfig,
     KVCacheConfig,
@@ -33,16 +33,23 @@ from lab.config.sections import (
     parse_scheduler,
     parse_slo,
 )
-from lab.config.trace import NAME, Workload, parse_workload, scale_label, with_keys
-from lab.config.walker import Context, check_bool, check_choice, check_int, check_mapping, fail
-from lab.core.errors import ConfigError
-from lab.core.spec import SpeculativeConfig
-from lab.sim.analytic_defaults import GUESS
-from lab.sim.analytic_defaults import defaults as analytic_defaults
-from lab.sim.cluster import ClusterSpec
-from lab.sim.hardware import HARDWARE
-from lab.sim.models import MODELS
-from traces.readers import load_yaml_file
+from sched_lab.config.trace import NAME, Workload, parse_workload, scale_label, with_keys
+from sched_lab.config.walker import (
+    Context,
+    check_bool,
+    check_choice,
+    check_int,
+    check_mapping,
+    fail,
+)
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.spec import SpeculativeConfig
+from sched_lab.sim.analytic_defaults import GUESS
+from sched_lab.sim.analytic_defaults import defaults as analytic_defaults
+from sched_lab.sim.cluster import ClusterSpec
+from sched_lab.sim.hardware import HARDWARE
+from sched_lab.sim.models import MODELS
+from sched_lab.traces.readers import load_yaml_file
 
 MAX_NAME_CHARS = 128  # a folder name: file systems allow 255 bytes, the temporary name adds 14
 TOP_KEYS = (
@@ -159,7 +166,7 @@ def _plain(v: Any) -> Any:
 
 def load_config(path: str | Path) -> ExperimentConfig:
     """Read and validate an experiment YAML; ``path`` and its relative paths resolve as
-    :mod:`lab.config.paths` says; ``name`` defaults to the file name.
+    :mod:`sched_lab.config.paths` says; ``name`` defaults to the file name.
 
     Raises:
         ConfigError: missing file, bad YAML, unknown key, wrong type, a missing file named
@@ -182,7 +189,7 @@ def validate(
     raw: Mapping[str, Any], where: str = "config", base_dir: Path | None = None
 ) -> ExperimentConfig:
     """Validate a config mapping into an :class:`ExperimentConfig`: every section in key
-    order, then :data:`lab.config.rules.RULES`. ``where`` prefixes every message;
+    order, then :data:`sched_lab.config.rules.RULES`. ``where`` prefixes every message;
     ``base_dir`` (default: the current folder) resolves relative paths; ``name`` defaults
     to "experiment".
 

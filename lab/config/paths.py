@@ -8,9 +8,12 @@ to the first, for the error message.
 
 from __future__ import annotations
 
+from importlib.resources import files
 from pathlib import Path
 
-DATA_ROOT = Path(__file__).resolve().parents[2]  # holds lab/, traces/data/, profiles/
+# The folder holding the bundled experiments/, profiles/ and traces/ (packages of sched_lab):
+# the repository root in a checkout or an editable install, sched_lab/ in a wheel.
+DATA_ROOT = Path(str(files("sched_lab.profiles"))).parent
 
 
 def candidates(value: str | Path, base_dir: Path) -> list[Path]:

@@ -12,17 +12,17 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-import policies
-from lab.config import paths
-from lab.config.sections import (
+from sched_lab import policies
+from sched_lab.config import paths
+from sched_lab.config.sections import (
     ASYNC_KEY,
     LIMIT_KEYS,
     VICTIM_KEY,
     KVCacheConfig,
     SchedulerConfig,
 )
-from lab.config.trace import LABEL
-from lab.config.walker import (
+from sched_lab.config.trace import LABEL
+from sched_lab.config.walker import (
     Context,
     check_bool,
     check_choice,
@@ -31,11 +31,11 @@ from lab.config.walker import (
     existing,
     fail,
 )
-from lab.core.errors import ConfigError, short_repr
-from lab.core.scheduler import VICTIM_RULES
-from lab.core.spec import SpeculativeConfig
-from lab.sim.models import MODELS
-from policies import get_policy
+from sched_lab.core.errors import ConfigError, short_repr
+from sched_lab.core.scheduler import VICTIM_RULES
+from sched_lab.core.spec import SpeculativeConfig
+from sched_lab.policies import get_policy
+from sched_lab.sim.models import MODELS
 
 DEFAULT_POLICIES = ("fcfs", "swap", "chunked_prefill")
 

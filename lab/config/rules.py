@@ -1,8 +1,8 @@
 """Cross-feature rules: checks that span two sections, in one named table.
 
 Each rule takes the validated config and the raw mapping, and raises a one-line
-:class:`~lab.core.errors.ConfigError` naming the key to change, or returns. A rule reads
-the backend's row of :data:`lab.config.backends.BACKENDS`, never its name.
+:class:`~sched_lab.core.errors.ConfigError` naming the key to change, or returns. A rule reads
+the backend's row of :data:`sched_lab.config.backends.BACKENDS`, never its name.
 """
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lab.config.backends import BACKENDS
-from lab.config.sections import ASYNC_KEY, CostModelConfig
-from lab.config.trace import TraceConfig
-from lab.config.walker import check_int
-from lab.core.errors import ConfigError
-from lab.sim.analytic_defaults import GUESS
-from lab.sim.analytic_defaults import defaults as analytic_defaults
+from sched_lab.config.backends import BACKENDS
+from sched_lab.config.sections import ASYNC_KEY, CostModelConfig
+from sched_lab.config.trace import TraceConfig
+from sched_lab.config.walker import check_int
+from sched_lab.core.errors import ConfigError
+from sched_lab.sim.analytic_defaults import GUESS
+from sched_lab.sim.analytic_defaults import defaults as analytic_defaults
 
 # An ExperimentConfig (lab/config/load.py, which imports this module), every section valid.
 ExperimentConfig = Any
 
-log = logging.getLogger("lab.config")
+log = logging.getLogger("sched_lab.config")
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ def _engine_speculative(cfg: ExperimentConfig) -> list[str]:
 
 
 def hash_blocks_hold_kv_blocks(cfg: ExperimentConfig, raw: Mapping[str, Any]) -> None:
-    """``trace.hash_block_size`` (tokens per hash id, :mod:`traces.prefix`) is a multiple
+    """``trace.hash_block_size`` (tokens per hash id, :mod:`sched_lab.traces.prefix`) is a multiple
     of ``kv_cache.block_size``: when given, when ``prefix`` makes ids, and for Mooncake's
     512 with prefix caching on."""
     trace, kv = cfg.trace, cfg.kv_cache
@@ -174,11 +174,11 @@ def hash_blocks_hold_kv_blocks(cfg: ExperimentConfig, raw: Mapping[str, Any]) ->
         size = check_int(cfg.source, "trace.hash_block_size", spec["hash_block_size"])
         why = ""
     elif "prefix" in spec:
-        from traces.prefix import PREFIX_HASH_BLOCK_SIZE
+        from sched_lab.traces.prefix import PREFIX_HASH_BLOCK_SIZE
 
         size, why = PREFIX_HASH_BLOCK_SIZE, " (the default for trace.prefix)"
     elif trace.format == "mooncake" and kv.enable_prefix_caching:
-        from traces.loaders import MOONCAKE_HASH_BLOCK_SIZE
+        from sched_lab.traces.loaders import MOONCAKE_HASH_BLOCK_SIZE
 
         size, why = MOONCAKE_HASH_BLOCK_SIZE, " (Mooncake's default)"
     else:

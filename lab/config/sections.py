@@ -1,6 +1,6 @@
 """The fixed-key sections of an experiment YAML (``kv_cache``, ``scheduler``,
 ``cost_model``, ``slo``, ``report``, ``engine``): one frozen dataclass each, every field
-with its type, default and check (:func:`lab.config.walker.option`)."""
+with its type, default and check (:func:`sched_lab.config.walker.option`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lab.config import paths
-from lab.config.walker import (
+from sched_lab.config import paths
+from sched_lab.config.walker import (
     Context,
     check_num,
     existing,
@@ -23,10 +23,10 @@ from lab.config.walker import (
     option,
     walk,
 )
-from lab.core.attention_names import ATTENTION_BACKENDS
-from lab.core.errors import ConfigError
-from lab.core.scheduler import VICTIM_RULES
-from lab.sim.analytic_defaults import GUESS
+from sched_lab.core.attention_names import ATTENTION_BACKENDS
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.scheduler import VICTIM_RULES
+from sched_lab.sim.analytic_defaults import GUESS
 
 GIB = 1 << 30
 MAX_SWAP_SPACE_GIB = 4096.0  # host memory for swapped-out KV blocks (4 TiB: beyond any host)
@@ -83,7 +83,7 @@ def check_swap_blocks(kv: KVCacheConfig, num_cpu_blocks: int, block_bytes: float
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits shared by every policy (a policy entry may override the first three); null
-    limits are resolved as vLLM does (:func:`lab.run.experiment.resolve_limits`)."""
+    limits are resolved as vLLM does (:func:`sched_lab.run.experiment.resolve_limits`)."""
 
     max_num_seqs: int = option(256, is_int())  # running requests per step
     max_num_batched_tokens: int | None = option(None, is_int(optional=True))  # tokens per step
@@ -122,7 +122,7 @@ def _paths(ctx: Context, key: str, v: Any) -> Any:
 class CostModelConfig:
     """The simulator's step times: an analytic roofline, or a model calibrated from an
     engine ``profile`` (plus ``replay_steps``). Roofline values the YAML leaves out come
-    from :func:`lab.sim.analytic_defaults.defaults` of its model and hardware."""
+    from :func:`sched_lab.sim.analytic_defaults.defaults` of its model and hardware."""
 
     flops_efficiency: float = option(0.7, is_num(MIN_EFFICIENCY, 1.0))  # share of peak FLOP/s
     # achieved share of peak memory bandwidth
@@ -323,7 +323,7 @@ def parse_engine(ctx: Context, raw: Any) -> EngineConfig:
             "engine.model_path",
             path,
             "directory",
-            "; make a model directory with `python -m backend.tools convert-smollm2` or "
+            "; make a model directory with `python -m sched_lab.backend.tools convert-smollm2` or "
             "`make-random-checkpoint`",
         )
     elif isinstance(path, str) and path:

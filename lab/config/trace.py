@@ -13,11 +13,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from lab.config import paths
-from lab.config.sections import parse_slo
-from lab.config.walker import Context, check_int, check_mapping, check_num, existing, fail
-from lab.core.errors import ConfigError
-from traces.classes import CLASS_KEYS
+from sched_lab.config import paths
+from sched_lab.config.sections import parse_slo
+from sched_lab.config.walker import Context, check_int, check_mapping, check_num, existing, fail
+from sched_lab.core.errors import ConfigError
+from sched_lab.traces.classes import CLASS_KEYS
 
 # Outside this, arrival times lose float precision (an hour-long trace at 1e-12 spans
 # 3.6e15 s, where doubles are 0.5 s apart) or the trace collapses into one instant.
@@ -65,7 +65,7 @@ class TraceConfig:
 
 @dataclass(frozen=True)
 class ClassesConfig:
-    """``trace:`` as workload classes: each a mapping of :data:`traces.classes.CLASS_KEYS`
+    """``trace:`` as workload classes: each a mapping of :data:`sched_lab.traces.classes.CLASS_KEYS`
     plus a trace spec, paths absolute, with one ``rate_scale`` number each, so
     ``rate_scales == (1.0,)``."""
 

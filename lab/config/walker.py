@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lab.config import paths
-from lab.core.errors import ConfigError, did_you_mean, short_repr
+from sched_lab.config import paths
+from sched_lab.core.errors import ConfigError, did_you_mean, short_repr
 
 
 @dataclass(frozen=True)
 class Context:
     """``where`` (prefixes messages), ``base_dir`` (resolves relative paths) and ``reads``
-    (what the chosen backend reads: :data:`lab.config.backends.BACKENDS`)."""
+    (what the chosen backend reads: :data:`sched_lab.config.backends.BACKENDS`)."""
 
     where: str
     base_dir: Path
@@ -100,7 +100,7 @@ def check_mapping(where: str, key: str, v: Any, allowed: Collection[str]) -> Map
 
 
 def existing(ctx: Context, key: str, value: str, kind: str, hint: str = "") -> Path:
-    """``value`` resolved (:mod:`lab.config.paths`); ConfigError if no ``kind`` ("file",
+    """``value`` resolved (:mod:`sched_lab.config.paths`); ConfigError if no ``kind`` ("file",
     "directory") exists there."""
     path = paths.resolve(value, ctx.base_dir)
     if not (path.is_file() if kind == "file" else path.is_dir()):

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lab.core.events import ADMITTED
-from lab.core.plan import SchedulerOutput
-from lab.core.request import Request, RequestStatus
+from sched_lab.core.events import ADMITTED
+from sched_lab.core.plan import SchedulerOutput
+from sched_lab.core.request import Request, RequestStatus
 
 
 class Admission:
-    """Mixin of :class:`~lab.core.scheduler.Scheduler` (its state lives there); mutates its
+    """Mixin of :class:`~sched_lab.core.scheduler.Scheduler` (its state lives there); mutates its
     queues, blocks, events and the plan."""
 
     def admit_waiting(self, plan: SchedulerOutput, budget: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 
-from lab.core.request import Request
+from sched_lab.core.request import Request
 
 
 def num_tokens_at(request: Request, tick: int) -> int:

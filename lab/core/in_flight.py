@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from lab.core.plan import SchedulerOutput
-from lab.core.request import Request
+from sched_lab.core.plan import SchedulerOutput
+from sched_lab.core.request import Request
 
 
 class InFlight:

@@ -12,7 +12,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Collection
 from itertools import repeat
 
-from lab.core.request import Request, RequestStatus
+from sched_lab.core.request import Request, RequestStatus
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

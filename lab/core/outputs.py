@@ -17,8 +17,8 @@ import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from lab import __version__
-from lab.core.errors import UserError
+from sched_lab import __version__
+from sched_lab.core.errors import UserError
 
 MANIFEST = ".sched-lab-manifest.json"  # the names of the files the lab wrote in a folder
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from lab.core.request import Request
+from sched_lab.core.request import Request
 
 
 class PreemptionMode(enum.Enum):
@@ -104,7 +104,7 @@ class SchedulerOutput:
         swap_out, swap_in: (from_block, to_block) copies to do before the step.
         aborted: requests dropped while planning (reason set on the request).
         decode_tick: the decode set's tick when planned (see
-            :func:`lab.core.decode_set.num_tokens_at`).
+            :func:`sched_lab.core.decode_set.num_tokens_at`).
         num_cached_tokens, num_cached_blocks: prefix-cache hits of this step's admissions
             (not fed; the chunk starts after them).
         spec_decodes: decode -> d' >= 1 drafts verified (the first d' of

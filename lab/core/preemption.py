@@ -8,17 +8,17 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from lab.core.errors import SchedulerStuckError, short_repr
-from lab.core.events import PREEMPTED, SWAPPED_IN
-from lab.core.kv import blocks_for
-from lab.core.plan import PreemptionMode, SchedulerOutput
-from lab.core.request import Request, RequestStatus
+from sched_lab.core.errors import SchedulerStuckError, short_repr
+from sched_lab.core.events import PREEMPTED, SWAPPED_IN
+from sched_lab.core.kv import blocks_for
+from sched_lab.core.plan import PreemptionMode, SchedulerOutput
+from sched_lab.core.request import Request, RequestStatus
 
-log = logging.getLogger("lab.core.scheduler")
+log = logging.getLogger("sched_lab.core.scheduler")
 
 
 class Preemption:
-    """Mixin of :class:`~lab.core.scheduler.Scheduler` (its state lives there); mutates its
+    """Mixin of :class:`~sched_lab.core.scheduler.Scheduler` (its state lives there); mutates its
     queues, blocks, events and the plan."""
 
     def _reserve_decode_blocks(self, plan: SchedulerOutput) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
-from lab.core.errors import ConfigError, did_you_mean
+from sched_lab.core.errors import ConfigError, did_you_mean
 
 T = TypeVar("T")
 

@@ -11,18 +11,18 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from lab.core.admission import Admission
-from lab.core.decode_set import DecodeSet
-from lab.core.errors import ConfigError
-from lab.core.events import ABORTED, PREFILL, EventLog
-from lab.core.in_flight import InFlight
-from lab.core.kv import BlockManager, blocks_for
-from lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
-from lab.core.preemption import Preemption
-from lab.core.registry import Registry
-from lab.core.request import Request, RequestStatus
-from lab.core.spec import SpeculativeConfig
-from lab.core.spec_drafts import SpecDrafts
+from sched_lab.core.admission import Admission
+from sched_lab.core.decode_set import DecodeSet
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.events import ABORTED, PREFILL, EventLog
+from sched_lab.core.in_flight import InFlight
+from sched_lab.core.kv import BlockManager, blocks_for
+from sched_lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
+from sched_lab.core.preemption import Preemption
+from sched_lab.core.registry import Registry
+from sched_lab.core.request import Request, RequestStatus
+from sched_lab.core.spec import SpeculativeConfig
+from sched_lab.core.spec_drafts import SpecDrafts
 
 #: ``preemption_victim`` rules: the running request preempted when KV blocks are short is
 #: the one with the largest key (ties: the newest, i.e. the last admitted). ``newest`` is

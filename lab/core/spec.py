@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lab.core.errors import ConfigError
+from sched_lab.core.errors import ConfigError
 
 METHODS = ("ngram", "draft", "synthetic")
 KEYS = (

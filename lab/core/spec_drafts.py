@@ -3,9 +3,9 @@ accepted drafts applied after a step. Rules: docs/ARCHITECTURE.md, "Scheduler ru
 
 from __future__ import annotations
 
-from lab.core.kv import blocks_for
-from lab.core.plan import SchedulerOutput, StepResult
-from lab.core.request import Request, RequestStatus
+from sched_lab.core.kv import blocks_for
+from sched_lab.core.plan import SchedulerOutput, StepResult
+from sched_lab.core.request import Request, RequestStatus
 
 
 def _accepted(r: Request, d: int, result: StepResult, step: int) -> int:
@@ -21,7 +21,7 @@ def _accepted(r: Request, d: int, result: StepResult, step: int) -> int:
 
 
 class SpecDrafts:
-    """Mixin of :class:`~lab.core.scheduler.Scheduler` (its state lives there); used only when
+    """Mixin of :class:`~sched_lab.core.scheduler.Scheduler` (its state lives there); used only when
     ``speculative`` is set."""
 
     def _lookahead_tokens(self, r: Request) -> int:

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import yaml
 
-from lab.core.errors import short_repr
-from lab.fidelity.archive import PACKED, notes_path, pack, repeat_archive, unpack
-from lab.fidelity.compare import (
+from sched_lab.core.errors import short_repr
+from sched_lab.fidelity.archive import PACKED, notes_path, pack, repeat_archive, unpack
+from sched_lab.fidelity.compare import (
     METRICS,
     PCTS,
     RANKED,
@@ -34,9 +34,9 @@ from lab.fidelity.compare import (
     step_kind,
     step_noise,
 )
-from lab.fidelity.engine_side import check_device, engine, engine_pass
-from lab.fidelity.markdown import error_target
-from lab.fidelity.protocol import (
+from sched_lab.fidelity.engine_side import check_device, engine, engine_pass
+from sched_lab.fidelity.markdown import error_target
+from sched_lab.fidelity.protocol import (
     ARCHIVE,
     DOC,
     PROTOCOL,
@@ -53,7 +53,7 @@ from lab.fidelity.protocol import (
     profile_geometry,
     slice_config,
 )
-from lab.fidelity.sim_side import plan_alike_replay, plans_alike, sim
+from sched_lab.fidelity.sim_side import plan_alike_replay, plans_alike, sim
 
 __all__ = [
     "ARCHIVE", "METRICS", "PACKED", "PCTS", "PROTOCOL", "PROTOCOL_KEYS", "RANKED", "ROOT",
@@ -102,7 +102,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.engine_pass:
         engine_pass(args.engine_pass, args.protocol, args.out, args.deadline or float("inf"))
         return 0
-    from lab.core.errors import UserError
+    from sched_lab.core.errors import UserError
 
     if args.engine:
         try:  # the checkpoint folder in the way, an archive that cannot be written

@@ -1,7 +1,7 @@
-"""``python -m lab.fidelity``: the same as ``sched-lab fidelity``."""
+"""``python -m sched_lab.fidelity``: the same as ``sched-lab fidelity``."""
 
 import sys
 
-from lab.fidelity import main
+from sched_lab.fidelity import main
 
 sys.exit(main())

@@ -29,8 +29,8 @@ def notes_path(archive: Path) -> Path:
 def pack(out: Path, archive: Path) -> None:
     """Pack ``out``'s profile, protocol, engine.json and first-pass folders into ``archive``
     (.tar.gz), the repeat pass into :func:`repeat_archive`; each replaces only a file sched-lab
-    wrote (:mod:`lab.core.outputs`)."""
-    from lab.core.outputs import write_output
+    wrote (:mod:`sched_lab.core.outputs`)."""
+    from sched_lab.core.outputs import write_output
 
     for path, sides, extra in (
         (archive, ("calibration", "engine"), ("profile.csv", "protocol.yaml", "engine.json")),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from itertools import combinations
 from typing import Any
 
-from lab.results.names import upgrade_summary
+from sched_lab.results.names import upgrade_summary
 
 METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
 PCTS = ("p50", "p90", "p99")
@@ -21,7 +21,7 @@ def rel(sim: float, real: float) -> float:
 
 def run_row(slice_name: str, load: float, s, r: dict, again: dict | None) -> dict[str, Any]:
     """One run's table row: simulated ``s`` against the engine's summary ``r`` (and its
-    repeat ``again``), summaries of either naming (:func:`lab.results.names.upgrade_summary`).
+    repeat ``again``), summaries of either naming (:func:`sched_lab.results.names.upgrade_summary`).
     Latency columns ``{real,sim,again}_{m}_{p}`` in seconds."""
     r = upgrade_summary(r)
     sim = s.summary
@@ -52,7 +52,7 @@ def predicted_durations(model, st, async_scheduling: bool = False):
     n ends."""
     import numpy as np
 
-    from lab.sim.calibrated import design, host_design, steps_as_profile
+    from sched_lab.sim.calibrated import design, host_design, steps_as_profile
 
     prof = steps_as_profile(st)
     step_s = design(prof) @ model.coef

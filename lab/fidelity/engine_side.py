@@ -1,7 +1,7 @@
 """The engine side (``--engine``, GPU): each step a process of its own under a time limit.
 
 Steps: check every run and the device, make a random-weight checkpoint if missing;
-``backend.profile`` (``profile.csv``); pass ``calibration`` (``calibration/<name>/``); pass
+``sched_lab.backend.profile`` (``profile.csv``); pass ``calibration`` (``calibration/<name>/``); pass
 ``first`` (each window's capacity, then every load and policy into
 ``engine/<window>_<load>/``); pass ``repeat`` (``engine_repeat/``); pack ``--archive``.
 A folder that would not end inside its pass's time limit is skipped and listed in
@@ -21,9 +21,9 @@ from typing import Any
 
 import yaml
 
-from lab.core.outputs import MANIFEST
-from lab.fidelity.archive import pack, repeat_archive
-from lab.fidelity.protocol import (
+from sched_lab.core.outputs import MANIFEST
+from sched_lab.fidelity.archive import pack, repeat_archive
+from sched_lab.fidelity.protocol import (
     ROOT,
     calibration_config,
     capacity_run,
@@ -134,8 +134,8 @@ def _make_checkpoint(protocol: dict[str, Any], ckpt: Path) -> None:
     """A random-weight checkpoint of the protocol's preset (or config) in ``ckpt``, if none."""
     if (ckpt / "config.json").exists():
         return
-    from backend.tools.random_checkpoint import write_random_checkpoint
-    from lab.core.model_presets import PRESETS
+    from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
+    from sched_lab.core.model_presets import PRESETS
 
     c = protocol["checkpoint"]
     config = c.get("config") or PRESETS[c["preset"]]
@@ -147,13 +147,13 @@ def _step_commands(
     protocol: dict[str, Any], protocol_path: Path, ckpt: Path, out: Path
 ) -> list[tuple[str, list[str]]]:
     """Each step's name and command: the profile, then the passes of this module."""
-    from lab.config import validate
+    from sched_lab.config import validate
 
     # the runs' engine options as validated (defaults filled in), for the profile's runner
     runs = validate(
         slice_config(protocol, next(iter(protocol["slices"]))), str(protocol_path), ROOT
     )
-    profile = [sys.executable, "-m", "backend.profile", "--model-dir", str(ckpt),
+    profile = [sys.executable, "-m", "sched_lab.backend.profile", "--model-dir", str(ckpt),
                "--out", str(out / "profile.csv"),
                "--attention", runs.engine.attention_backend, "--dtype", runs.engine.dtype,
                "--block-size", str(runs.kv_cache.block_size),
@@ -161,7 +161,7 @@ def _step_commands(
                *map(str, protocol.get("profile_args", []))]  # fmt: skip
     passes = [p for p in PASSES if p != "calibration" or protocol.get("calibration")]
     return [("profile", profile)] + [
-        (p, [sys.executable, "-m", "lab.fidelity", "--engine-pass", p]) for p in passes
+        (p, [sys.executable, "-m", "sched_lab.fidelity", "--engine-pass", p]) for p in passes
     ]
 
 
@@ -215,8 +215,8 @@ def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
     device."""
     protocol = load_protocol(protocol_path)
     if archive is not None:  # before the work: a file of the user's is never replaced
-        from lab.core.errors import UserError
-        from lab.core.outputs import check_output
+        from sched_lab.core.errors import UserError
+        from sched_lab.core.outputs import check_output
 
         try:
             for path in (archive, repeat_archive(archive)):
@@ -281,13 +281,13 @@ class _Pass:
         self.record_path.write_text(json.dumps(self.record, indent=2) + "\n")
 
     def _validate(self, raw: dict[str, Any]):
-        from lab.config import validate
+        from sched_lab.config import validate
 
         return validate(raw, str(self.protocol_path), ROOT)
 
     def calibration(self) -> None:
-        from lab.report.folder import write_results
-        from lab.run.experiment import run_experiment
+        from sched_lab.report.folder import write_results
+        from sched_lab.run.experiment import run_experiment
 
         record = self.record
         record["calibration"] = []
@@ -304,8 +304,8 @@ class _Pass:
             self.save()
 
     def repeat(self) -> None:
-        from lab.report.folder import write_results
-        from lab.run.experiment import run_experiment
+        from sched_lab.report.folder import write_results
+        from sched_lab.run.experiment import run_experiment
 
         record = self.record
         for folder in record.get("folders", []):
@@ -322,7 +322,7 @@ class _Pass:
             self.save()
 
     def first(self) -> None:
-        from lab.run.experiment import run_experiment
+        from sched_lab.run.experiment import run_experiment
 
         record = self.record
         record.update(folders=[], estimates_s={}, capacity={})  # keeps the calibration's
@@ -343,8 +343,8 @@ class _Pass:
     def _load(self, name: str, cfg, load: float, n: int, capacity: float, native: float) -> None:
         """Window ``name`` at ``load`` x ``capacity`` through every policy, unless it would
         end past the deadline."""
-        from lab.report.folder import write_results
-        from lab.run.experiment import run_experiment
+        from sched_lab.report.folder import write_results
+        from sched_lab.run.experiment import run_experiment
 
         folder = folder_name(name, load)
         est = pass_estimate_s(cfg, n, load, capacity)

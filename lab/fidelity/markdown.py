@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lab.fidelity.compare import METRICS, PCTS
-from lab.fidelity.protocol import ROOT
+from sched_lab.fidelity.compare import METRICS, PCTS
+from sched_lab.fidelity.protocol import ROOT
 
 COLS = [(m, p) for m in METRICS for p in PCTS]
 
@@ -300,7 +300,7 @@ def _equivalent_text(equivalent) -> str:
 
 
 def _read_fp(profile: Path):
-    from lab.sim.calibrated import read_fingerprint
+    from sched_lab.sim.calibrated import read_fingerprint
 
     return read_fingerprint(profile)
 

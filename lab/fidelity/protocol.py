@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from lab.core.errors import short_repr
+from sched_lab.core.errors import short_repr
 
 if TYPE_CHECKING:
-    from lab.config import ExperimentConfig
+    from sched_lab.config import ExperimentConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL = ROOT / "benchmarks" / "fidelity_heldout.yaml"
@@ -70,7 +70,7 @@ def _check_checkpoint(ck: Any, fail: _Fail) -> None:
     if not isinstance(ck, dict) or not isinstance(ck.get("dir"), str) or not ck["dir"].strip():
         raise fail("checkpoint", "a mapping with dir: a folder path (and preset or config)", ck)
     if not isinstance(ck.get("config"), dict):
-        from lab.core.model_presets import PRESETS
+        from sched_lab.core.model_presets import PRESETS
 
         if ck.get("preset") not in PRESETS:
             raise fail("checkpoint.preset", f"one of {', '.join(PRESETS)} (or a config:)",
@@ -153,9 +153,9 @@ def slice_config(protocol: dict[str, Any], name: str) -> dict[str, Any]:
 def check_runs(protocol: dict[str, Any], path: Path) -> None:
     """Validate every config the engine side will run before the profile; SystemExit (one
     line naming the protocol key)."""
-    from lab.config import validate
-    from lab.core.errors import UserError
-    from traces import load_trace
+    from sched_lab.config import validate
+    from sched_lab.core.errors import UserError
+    from sched_lab.traces import load_trace
 
     cal = (protocol.get("calibration") or {}).get("workloads", {})
     configs = [(f"calibration.workloads.{n}", calibration_config(protocol, n)) for n in cal]
@@ -174,7 +174,7 @@ def check_runs(protocol: dict[str, Any], path: Path) -> None:
 
 
 def profile_geometry(exp: dict[str, Any]) -> list[str]:
-    """``backend.profile`` arguments that give the profiled runner the engine runs' shape
+    """``sched_lab.backend.profile`` arguments that give the profiled runner the engine runs' shape
     (max_model_len, max_num_seqs, num_gpu_blocks)."""
     sch, kv = exp.get("scheduler", {}), exp.get("kv_cache", {})
     args = []
@@ -189,7 +189,7 @@ def profile_geometry(exp: dict[str, Any]) -> list[str]:
 def capacity_run(cfg: ExperimentConfig) -> tuple[list, float, ExperimentConfig]:
     """A window's capacity run (its replayed requests all at t = 0, through fcfs), and its
     own rate (req/s over its span)."""
-    from traces import load_trace
+    from sched_lab.traces import load_trace
 
     reqs = [r for r in load_trace(cfg.trace.spec, ROOT) if r.status.value != "dropped"]
     native = (len(reqs) - 1) / (reqs[-1].arrival_s - reqs[0].arrival_s)
@@ -214,7 +214,7 @@ def load_config(cfg: ExperimentConfig, folder: str, rate_scale: float) -> Experi
 def engine_config(raw: dict[str, Any]) -> ExperimentConfig:
     """A results folder's config.yaml as an ExperimentConfig, paths resolved in this
     checkout."""
-    from lab.config import validate
+    from sched_lab.config import validate
 
     def here(path: str, folder: str) -> str:  # a path of another machine: this checkout's
         return path if Path(path).exists() else str(ROOT / folder / Path(path).name)

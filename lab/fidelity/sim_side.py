@@ -1,7 +1,7 @@
 """The simulator side (``--sim``, CPU): every engine run of an archive replayed twice, with
 the cost model calibrated from the archive alone (latency and throughput errors, policy
 rankings) and with the engine's measured durations (plan match); each engine step's
-duration is also predicted from its exact batch (:mod:`lab.fidelity.compare`)."""
+duration is also predicted from its exact batch (:mod:`sched_lab.fidelity.compare`)."""
 
 from __future__ import annotations
 
@@ -15,14 +15,20 @@ from typing import Any
 
 import yaml
 
-from lab.core.errors import short_repr
-from lab.fidelity.archive import notes_path, unpack
-from lab.fidelity.compare import predicted_durations, rank_agreement, run_row, step_kind, step_noise
-from lab.fidelity.markdown import write_doc
-from lab.fidelity.plots import plots
-from lab.fidelity.protocol import engine_config
+from sched_lab.core.errors import short_repr
+from sched_lab.fidelity.archive import notes_path, unpack
+from sched_lab.fidelity.compare import (
+    predicted_durations,
+    rank_agreement,
+    run_row,
+    step_kind,
+    step_noise,
+)
+from sched_lab.fidelity.markdown import write_doc
+from sched_lab.fidelity.plots import plots
+from sched_lab.fidelity.protocol import engine_config
 
-FIGURES = ("heldout_step_error.png", "heldout_cdfs.png")  # :func:`lab.fidelity.plots.plots`
+FIGURES = ("heldout_step_error.png", "heldout_cdfs.png")  # :func:`sched_lab.fidelity.plots.plots`
 
 
 def side_files(doc: Path) -> list[Path]:
@@ -40,8 +46,8 @@ def sim(archive: Path, doc: Path) -> dict[str, Any]:
     Raises:
         SystemExit: one line, before any replay, if ``doc`` or a side file cannot be
             written, or the archive is missing or not an engine side's."""
-    from lab.core.errors import UserError
-    from lab.core.outputs import check_output
+    from sched_lab.core.errors import UserError
+    from sched_lab.core.outputs import check_output
 
     if doc.is_dir() or doc.suffix.lower() != ".md":
         raise SystemExit(f"error: --doc {doc}: expected a markdown file path (NAME.md)")
@@ -106,7 +112,7 @@ class Comparison:
 def _sim(archive: Path, src: Path, doc: Path) -> dict[str, Any]:
     import pandas as pd
 
-    from lab.sim.calibrated import CalibratedCostModel
+    from sched_lab.sim.calibrated import CalibratedCostModel
 
     record = read_record(archive, src)
     profile = src / "profile.csv"
@@ -140,9 +146,9 @@ def _sim(archive: Path, src: Path, doc: Path) -> dict[str, Any]:
 
 def _write(doc: Path, text: str, table, steps, cdfs) -> None:
     """The doc, its table and its plots (:func:`side_files`), each through
-    :func:`lab.core.outputs.write_output`; SystemExit (one line) if one cannot be written."""
-    from lab.core.errors import UserError
-    from lab.core.outputs import write_output
+    :func:`sched_lab.core.outputs.write_output`; SystemExit (one line) if one cannot be written."""
+    from sched_lab.core.errors import UserError
+    from sched_lab.core.outputs import write_output
 
     table_path, *figures = side_files(doc)
     try:
@@ -161,8 +167,8 @@ def _compare_folder(src: Path, folder: str, model, cost_model: dict, c: Comparis
     engine's durations; add its comparisons to ``c``."""
     import pandas as pd
 
-    from lab.run.experiment import run_experiment
-    from lab.sim.calibrated import read_fingerprint, staleness
+    from sched_lab.run.experiment import run_experiment
+    from sched_lab.sim.calibrated import read_fingerprint, staleness
 
     real_dir, again_dir = src / "engine" / folder, src / "engine_repeat" / folder
     raw = yaml.safe_load((real_dir / "config.yaml").read_text())
@@ -218,9 +224,9 @@ def plan_alike_replay(raw: dict, real_steps, a: str, b: str):
     """plan_match of policy ``b`` replayed with policy ``a``'s measured step durations."""
     import logging
 
-    from lab.run.experiment import run_experiment
+    from sched_lab.run.experiment import run_experiment
 
-    quiet = logging.getLogger("lab.run.experiment")
+    quiet = logging.getLogger("sched_lab.run.experiment")
     level, quiet.level = quiet.level, logging.CRITICAL  # b running out of a's steps is news
     try:  # to no one: it only means the two do not plan alike
         with tempfile.TemporaryDirectory() as tmp:
@@ -236,7 +242,7 @@ def plan_alike_replay(raw: dict, real_steps, a: str, b: str):
 
 def plans_alike(raw: dict, real_steps, a: str, b: str) -> bool:
     """Whether ``b`` fed ``a``'s engine step durations makes ``a``'s plan on every step."""
-    from lab.core.errors import UserError
+    from sched_lab.core.errors import UserError
 
     try:
         pm = plan_alike_replay(raw, real_steps, a, b)

@@ -20,17 +20,17 @@ from pathlib import Path
 
 import pandas as pd
 
-from lab import __version__
-from lab.config import ExperimentConfig
-from lab.core.errors import UserError
-from lab.core.outputs import MANIFEST  # the names of the files the lab wrote in a folder
-from lab.report import html as html_report
-from lab.report import plots, timeline
-from lab.report.markdown import config_yaml, report_markdown
-from lab.report.progress import Phase
-from lab.results import fairness, vllm_result
-from lab.results.run import Run
-from lab.sim.records import STEP_COLUMNS
+from sched_lab import __version__
+from sched_lab.config import ExperimentConfig
+from sched_lab.core.errors import UserError
+from sched_lab.core.outputs import MANIFEST  # the names of the files the lab wrote in a folder
+from sched_lab.report import html as html_report
+from sched_lab.report import plots, timeline
+from sched_lab.report.markdown import config_yaml, report_markdown
+from sched_lab.report.progress import Phase
+from sched_lab.results import fairness, vllm_result
+from sched_lab.results.run import Run
+from sched_lab.sim.records import STEP_COLUMNS
 
 FORMATS = ("csv", "parquet")  # of requests and steps
 _TEMP_SUFFIX_BYTES = 14  # ".{name}.XXXXXXXX" then ".old": what a temporary name adds
@@ -60,7 +60,7 @@ def write_results(
         fmt: ``csv`` or ``parquet`` (needs pyarrow) for requests and steps.
         bars: False: no progress bar while writing.
         date: the vLLM-format files' ``date`` (default: now, or ``SOURCE_DATE_EPOCH``;
-            :func:`lab.results.vllm_result.result_date`).
+            :func:`sched_lab.results.vllm_result.result_date`).
 
     Raises:
         UserError: ``out_dir`` cannot become a results folder (nothing is written).
@@ -416,7 +416,7 @@ def _safe(label: str) -> str:
 
 def _html(folder: Path, cfg, runs, report: str, figures) -> None:
     """report.html: report.md rendered, the table of every statistic, the timelines."""
-    from lab.report.terminal import rows, slo_text
+    from sched_lab.report.terminal import rows, slo_text
 
     table_rows = rows(runs, cfg.report.metric_percentiles)  # names repeat across classes
     table = pd.DataFrame(

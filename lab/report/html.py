@@ -16,7 +16,7 @@ import html
 import json
 from pathlib import Path
 
-from lab.report.timeline import LANES, Story
+from sched_lab.report.timeline import LANES, Story
 
 MAX_STEP_BARS = 3000  # bars of a timeline's steps row: about what a 1,400 px page shows
 DIGITS = 6  # seconds in the figures: microseconds

@@ -7,10 +7,10 @@ from typing import Any
 
 import yaml
 
-from lab.config import ExperimentConfig, paths
-from lab.report.replicas import replicas_markdown
-from lab.results import fairness, spec_metrics
-from lab.results.run import Run
+from sched_lab.config import ExperimentConfig, paths
+from sched_lab.report.replicas import replicas_markdown
+from sched_lab.results import fairness, spec_metrics
+from sched_lab.results.run import Run
 
 
 def summary_table(runs: list[Run]) -> str:
@@ -20,7 +20,7 @@ def summary_table(runs: list[Run]) -> str:
         "| TPOT p50 / p99 (ms) | ITL p99 / p99.9 / max (ms) | E2E p50 / p99 (s) "
         "| preempt (rec / swap) | KV mean % |"
     )
-    from lab.report.terminal import num
+    from sched_lab.report.terminal import num
 
     lines = [head, "|" + "---|" * 12]
     for r in runs:
@@ -57,14 +57,14 @@ def _trace_options(trace: Mapping[str, Any]) -> str:
 
 def model_line(cfg: ExperimentConfig) -> str:
     """What ran, for report.md: the model and device or hardware (lab/setup ``describe``)."""
-    from lab.setup import setup_for
+    from sched_lab.setup import setup_for
 
     return setup_for(cfg).describe()
 
 
 def config_yaml(cfg: ExperimentConfig, runs: list[Run]) -> str:
     """config.yaml: the resolved config, with ``trace_file`` (path, sha256, rows) of the
-    replayed trace; trace and profile paths as :func:`lab.config.paths.portable` writes them
+    replayed trace; trace and profile paths as :func:`sched_lab.config.paths.portable` writes them
     (bundled data relative, so the file reads the same from any checkout or install)."""
     d = cfg.to_dict()
     specs = d["trace"] if isinstance(d["trace"], list) else [d["trace"]]
@@ -136,7 +136,7 @@ def _cost_model_lines(cm: dict | None) -> list[str]:
 
 def _efficiency_text(cm: dict) -> str:
     """Where an analytic run's efficiencies came from and their known error (summary keys of
-    lab.run.experiment.analytic_source)."""
+    sched_lab.run.experiment.analytic_source)."""
     src, own = cm.get("efficiencies"), cm.get("efficiencies_from_yaml") or []
     if src is None:
         return "its efficiencies' source was not recorded"
@@ -184,7 +184,7 @@ def report_markdown(
 ) -> str:
     """report.md; ``fmt``: the format requests, steps and events were written in (the files
     it names)."""
-    from lab.report.terminal import num, slo_text
+    from sched_lab.report.terminal import num, slo_text
 
     if cfg.trace.classes:
         what = "workload classes " + ", ".join(

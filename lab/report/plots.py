@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.results.metrics import cdf_points, decode_output_tokens
+from sched_lab.results.metrics import cdf_points, decode_output_tokens
 
 TIME_BINS = 120
 COLOURS = ("#0072b2", "#d55e00", "#009e73", "#cc79a7", "#e69f00", "#56b4e9", "#f0e442", "#000")
@@ -111,7 +111,7 @@ def load_title(run) -> str:
 def kv_device(cfg) -> str:
     """Where the KV cache lives, for axis labels: the engine's device or the simulated
     hardware preset."""
-    from lab.setup import setup_for
+    from sched_lab.setup import setup_for
 
     return setup_for(cfg).kv_device()
 
@@ -263,7 +263,7 @@ def _vs_load(folder, runs, styles, plt) -> tuple[str, str]:
     panels[4].set(title="Achieved request throughput", ylabel="finished requests / s")
     panels[5].set(title="Output token throughput", ylabel="output tokens / s")
     if slo:
-        from lab.report.terminal import slo_text
+        from sched_lab.report.terminal import slo_text
 
         panels[6].set(
             title=f"Goodput ({slo_text(runs[0].summary['slo'])})",

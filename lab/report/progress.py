@@ -1,5 +1,5 @@
 """Progress of the phases of a run: a tqdm bar on stderr on a terminal, else one INFO line
-per phase on the ``lab.report.progress`` logger when it ends.
+per phase on the ``sched_lab.report.progress`` logger when it ends.
 
     with Phase("fcfs: metrics", total=len(requests), unit="req") as phase:
         for i, r in enumerate(requests):
@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 
-log = logging.getLogger("lab.report.progress")
+log = logging.getLogger("sched_lab.report.progress")
 
 
 class Phase:

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from lab.core.events import EVENT_NAMES, PREEMPT_MODES, PREEMPTED, WAIT_REASONS
-from lab.core.request import RequestStatus
+from sched_lab.core.events import EVENT_NAMES, PREEMPT_MODES, PREEMPTED, WAIT_REASONS
+from sched_lab.core.request import RequestStatus
 
 EVENT_COLUMNS = [
     "policy", "rate_scale", "request_id", "event", "step", "last_step", "steps", "tokens",
@@ -42,7 +42,7 @@ LANES = {
 
 
 def events_frame(run) -> pd.DataFrame:
-    """The events of one :class:`lab.results.run.Run` as events.csv rows, in step order."""
+    """The events of one :class:`sched_lab.results.run.Run` as events.csv rows, in step order."""
     res = run.result
     n_steps = len(res.steps["time_s"])
     rows: list[tuple] = []
@@ -373,7 +373,7 @@ def load_run(folder: Path, run: str | None):
     damaged (not JSON / CSV / parquet, a column missing, text where numbers belong)."""
     import json
 
-    from lab.core.errors import UserError, short_repr
+    from sched_lab.core.errors import UserError, short_repr
 
     folder = Path(folder)
     try:
@@ -425,7 +425,7 @@ def load_run(folder: Path, run: str | None):
 
 def _checked(df: pd.DataFrame, path: Path, columns: Sequence[str]) -> pd.DataFrame:
     """``df`` if it has every one of ``columns`` and numbers in the numeric ones."""
-    from lab.core.errors import UserError
+    from sched_lab.core.errors import UserError
 
     for c in columns:
         if c not in df.columns:
@@ -449,8 +449,8 @@ def picture(
     returns a line saying what was drawn."""
     from types import SimpleNamespace
 
-    from lab.core.errors import UserError
-    from lab.core.outputs import check_output, write_output
+    from sched_lab.core.errors import UserError
+    from sched_lab.core.outputs import check_output, write_output
 
     out = Path(out)
     if window is not None and not (all(map(math.isfinite, window)) and 0 <= window[0] < window[1]):
@@ -478,7 +478,7 @@ def picture(
 
 def explain(folder: Path, request_id: str, run: str | None = None) -> str:
     """The text of ``sched-lab explain``: the request's life, one event a line."""
-    from lab.core.errors import UserError
+    from sched_lab.core.errors import UserError
 
     label, requests, events, steps = load_run(folder, run)
     row = requests[requests["request_id"] == str(request_id)]

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab.core.request import Request
-from lab.results.metrics import latency_stats
-from lab.sim.cluster import ClusterResult, request_columns
+from sched_lab.core.request import Request
+from sched_lab.results.metrics import latency_stats
+from sched_lab.sim.cluster import ClusterResult, request_columns
 
 
 def add_cluster(

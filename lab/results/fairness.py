@@ -1,7 +1,7 @@
 """Per-class metrics and fairness between tenants, for traces of workload classes
 (traces/classes.py); other runs' summaries do not get these keys.
 
-* ``classes``: :func:`lab.results.metrics.summarize`'s headline metrics per class with the
+* ``classes``: :func:`sched_lab.results.metrics.summarize`'s headline metrics per class with the
   class's SLOs (the top-level ``slo:`` overridden key by key), plus the ``max`` of TTFT, E2E
   and queueing delay; the run's ``request_goodput`` and ``slo_attainment`` use the class SLOs.
 * ``tenants``: per tenant its requests, served tokens and TTFT.
@@ -24,16 +24,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab.core.request import Request
-from lab.results.metrics import (
+from sched_lab.core.request import Request
+from sched_lab.results.metrics import (
     DEFAULT_PERCENTILES,
     SLO_KEYS,
     latency_stats,
     meets_slo,
     summary_percentiles,
 )
-from lab.results.names import LATENCIES
-from lab.sim.records import ReplayResult
+from sched_lab.results.names import LATENCIES
+from sched_lab.sim.records import ReplayResult
 
 NUM_WINDOWS = 120
 INPUT_WEIGHT, OUTPUT_WEIGHT = 1.0, 2.0  # VTC's evaluation weights (w_p, w_q)
@@ -64,7 +64,7 @@ def summarize_classes(
     """The keys this module adds to a run's summary (``rows``: the requests of ``df``, in its
     order); ``request_goodput`` and ``slo_attainment`` replace the run's. Per class and
     tenant: counts, throughput and latency statistics under the run's names
-    (:mod:`lab.results.names`)."""
+    (:mod:`sched_lab.results.names`)."""
     pcts = summary_percentiles(percentiles)
     good = meets_class_slo(df, slos)
     replayed = (df["status"] != "dropped").to_numpy()

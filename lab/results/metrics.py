@@ -4,16 +4,16 @@
 * TTFT: arrival to first output token. E2E: arrival to last output token.
 * TPOT per request: (E2E - TTFT) / (n - 1), only for requests with n > 1 output tokens.
 * ITL: every gap between consecutive output tokens, pooled over requests; tokens one step
-  yields split the gap before them (:func:`lab.results.spec_metrics.split_gaps`).
+  yields split the gap before them (:func:`sched_lab.results.spec_metrics.split_gaps`).
 * Throughput over t = 0 to the last request's end, finished requests only.
 * Goodput (DistServe, OSDI'24 §2): finished requests per second that meet every SLO given
   (a 1-token request meets any TPOT SLO, as in vLLM). SLO attainment: the fraction of all
   replayed requests (rejected and aborted ones miss) that meet every SLO.
 * Trace rows not replayed (status ``dropped``) are counted apart; no metric includes them.
 * Queueing delay: arrival to first scheduled; preemptions per request by mode.
-* Per class and tenant: :mod:`lab.results.fairness`.
+* Per class and tenant: :mod:`sched_lab.results.fairness`.
 
-A summary's keys are the names of :mod:`lab.results.names` (vLLM's where vLLM has one):
+A summary's keys are the names of :mod:`sched_lab.results.names` (vLLM's where vLLM has one):
 latencies in ms as ``{mean,median,std,p<P>,max}_{ttft,tpot,itl,e2el,queue}_ms``.
 """
 
@@ -24,10 +24,10 @@ from collections.abc import Callable
 import numpy as np
 import pandas as pd
 
-from lab.core.request import Request, RequestStatus
-from lab.results.names import LATENCIES, percentile_word
-from lab.results.spec_metrics import split_gaps
-from lab.sim.records import ReplayResult
+from sched_lab.core.request import Request, RequestStatus
+from sched_lab.results.names import LATENCIES, percentile_word
+from sched_lab.results.spec_metrics import split_gaps
+from sched_lab.sim.records import ReplayResult
 
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0, 99.9)  # vLLM's --metric-percentiles here
 REPORT_PERCENTILES = (50.0, 90.0, 99.0)  # in every summary, whatever vLLM's file holds
@@ -183,7 +183,7 @@ def latency_stats(
     metric: str, values_s, percentiles=DEFAULT_PERCENTILES, overwrite: bool = False
 ) -> dict[str, float]:
     """``mean_/median_/std_/p{P}_/max_{metric}_ms`` of the finite values (seconds in, ms
-    out; :mod:`lab.results.names`), NaN when there are none. std is the population's, as
+    out; :mod:`sched_lab.results.names`), NaN when there are none. std is the population's, as
     vLLM. ``overwrite``: ``values_s`` (float64) may be reordered in place; the result is
     bit-identical either way."""
     v = np.asarray(values_s, dtype=np.float64)
@@ -263,7 +263,7 @@ def summarize(
     percentiles=DEFAULT_PERCENTILES,
 ) -> dict:
     """The aggregates of one policy's run (JSON-ready), flat, under the names of
-    :mod:`lab.results.names`. ``itl`` (from ``request_table``) is reordered in place."""
+    :mod:`sched_lab.results.names`. ``itl`` (from ``request_table``) is reordered in place."""
     percentiles = summary_percentiles(percentiles)
     fin = df[df["status"] == "finished"]
     steps = result.steps

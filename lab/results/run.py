@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab.sim.records import ReplayResult
+from sched_lab.sim.records import ReplayResult
 
 
 @dataclass

@@ -23,8 +23,8 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 
-from lab.core.request import Request
-from lab.sim.spec_executor import ACCEPTED_KEY, RATES_KEY, REACHED_KEY
+from sched_lab.core.request import Request
+from sched_lab.sim.spec_executor import ACCEPTED_KEY, RATES_KEY, REACHED_KEY
 
 #: requests.csv columns of a spec run, in order.
 REQUEST_COLUMNS = (

@@ -23,8 +23,8 @@ import time
 import numpy as np
 import pandas as pd
 
-from lab.results.metrics import DEFAULT_PERCENTILES, latency_stats, offered_rate
-from lab.results.names import LATENCIES, latency_name, percentile_word
+from sched_lab.results.metrics import DEFAULT_PERCENTILES, latency_stats, offered_rate
+from sched_lab.results.names import LATENCIES, latency_name, percentile_word
 
 METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's --percentile-metrics, all of them
 
@@ -85,11 +85,11 @@ def vllm_result(
     """The run's ``vllm bench serve --save-result`` dict.
 
     Args:
-        df: the run's request table (lab.results.metrics.request_table).
+        df: the run's request table (sched_lab.results.metrics.request_table).
         itl_s: every inter-token gap of the finished requests (seconds).
-        summary: the run's summary (lab.results.metrics.summarize).
+        summary: the run's summary (sched_lab.results.metrics.summarize).
         step_end_s, num_decode_tokens: per step, its end and its decodes' output tokens
-            (:func:`lab.results.metrics.decode_output_tokens`).
+            (:func:`sched_lab.results.metrics.decode_output_tokens`).
         date: vLLM's ``date`` key (:func:`result_date`).
     """
     replayed = df[df["status"] != "dropped"]

@@ -14,23 +14,23 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab.config import ExperimentConfig, PolicyConfig, paths
-from lab.core.errors import ConfigError, TraceError
-from lab.core.kv import has_prefix_identity, make_block_manager
-from lab.core.plan import Executor
-from lab.core.request import Request, RequestStatus
-from lab.core.scheduler import Scheduler, SchedulerLimits
-from lab.report.progress import Phase
-from lab.results import cluster_metrics, fairness, metrics, spec_metrics, vllm_result
-from lab.results.run import Run
-from lab.setup import Setup, setup_for
-from lab.sim.cluster import ClusterResult, replay_cluster
-from lab.sim.models import MODELS
-from lab.sim.records import ReplayResult
-from lab.sim.replay import replay
-from policies import get_policy
+from sched_lab.config import ExperimentConfig, PolicyConfig, paths
+from sched_lab.core.errors import ConfigError, TraceError
+from sched_lab.core.kv import has_prefix_identity, make_block_manager
+from sched_lab.core.plan import Executor
+from sched_lab.core.request import Request, RequestStatus
+from sched_lab.core.scheduler import Scheduler, SchedulerLimits
+from sched_lab.policies import get_policy
+from sched_lab.report.progress import Phase
+from sched_lab.results import cluster_metrics, fairness, metrics, spec_metrics, vllm_result
+from sched_lab.results.run import Run
+from sched_lab.setup import Setup, setup_for
+from sched_lab.sim.cluster import ClusterResult, replay_cluster
+from sched_lab.sim.models import MODELS
+from sched_lab.sim.records import ReplayResult
+from sched_lab.sim.replay import replay
 
-log = logging.getLogger("lab.run.experiment")
+log = logging.getLogger("sched_lab.run.experiment")
 
 
 def resolve_limits(
@@ -149,7 +149,7 @@ def fresh(requests: list[Request]) -> list[Request]:
 
 def trace_info(cfg: ExperimentConfig, rows: int, sha256_before: str | None) -> dict[str, Any]:
     """The replayed trace's file (or None; relative to the experiment's folder or to the
-    bundled data where it lies there, see :func:`lab.config.paths.shown`), sha256 (or None)
+    bundled data where it lies there, see :func:`sched_lab.config.paths.shown`), sha256 (or None)
     and ``rows`` read. ``sha256_before``: taken before reading.
 
     Raises:
@@ -206,7 +206,7 @@ def run_experiment(
 def check_before_runs(cfg: ExperimentConfig) -> None:
     """What :func:`iter_runs` checks before any replay, short of reading the trace: the
     backend, its KV sizing and every policy's limits; only where the backend's
-    :meth:`~lab.setup.Setup.prepare` is cheap (the simulator's), else nothing.
+    :meth:`~sched_lab.setup.Setup.prepare` is cheap (the simulator's), else nothing.
 
     Raises:
         UserError: one line naming the key.
@@ -272,12 +272,12 @@ def _load_trace(
     cfg: ExperimentConfig, requests: list[Request] | None, progress: bool
 ) -> tuple[list[Request] | None, dict[float, Any], dict[str, Any]]:
     """(requests for every load or None, else the trace table per rate_scale; trace info)."""
-    from traces import load_table, scale_table
+    from sched_lab.traces import load_table, scale_table
 
     if requests is not None:
         return requests, {}, {"path": None, "sha256": None, "rows": len(requests)}
     if cfg.trace.classes:
-        from traces.classes import load_classes
+        from sched_lab.traces.classes import load_classes
 
         with Phase(f"loading {len(cfg.trace.classes)} workload classes", bars=progress):
             requests, rows = load_classes(cfg.trace.classes, cfg.base_dir, cfg.seed, cfg.slo.ttft_s)

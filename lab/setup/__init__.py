@@ -1,12 +1,12 @@
-"""One setup per backend (:class:`lab.setup.base.Setup`), by the config's ``backend:`` name."""
+"""One setup per backend (:class:`sched_lab.setup.base.Setup`), by the config's ``backend:`` name."""
 
 from __future__ import annotations
 
-from lab.config import ExperimentConfig
-from lab.core.errors import ConfigError
-from lab.setup.base import Setup
-from lab.setup.engine import EngineSetup
-from lab.setup.sim import SimSetup
+from sched_lab.config import ExperimentConfig
+from sched_lab.core.errors import ConfigError
+from sched_lab.setup.base import Setup
+from sched_lab.setup.engine import EngineSetup
+from sched_lab.setup.sim import SimSetup
 
 SETUPS: dict[str, type[Setup]] = {
     SimSetup.name: SimSetup,

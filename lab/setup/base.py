@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from lab.config import ExperimentConfig, PolicyConfig
-from lab.core.plan import Executor
-from lab.core.request import Request
-from lab.core.scheduler import SchedulerLimits
+from sched_lab.config import ExperimentConfig, PolicyConfig
+from sched_lab.core.plan import Executor
+from sched_lab.core.request import Request
+from sched_lab.core.scheduler import SchedulerLimits
 
 
 class Setup:

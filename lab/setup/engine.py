@@ -8,12 +8,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lab.config import ExperimentConfig, PolicyConfig, check_swap_blocks
-from lab.core.errors import ConfigError
-from lab.core.plan import Executor
-from lab.core.request import Request
-from lab.core.scheduler import SchedulerLimits
-from lab.setup.base import Setup, async_scheduling
+from sched_lab.config import ExperimentConfig, PolicyConfig, check_swap_blocks
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.plan import Executor
+from sched_lab.core.request import Request
+from sched_lab.core.scheduler import SchedulerLimits
+from sched_lab.setup.base import Setup, async_scheduling
 
 
 class EngineSetup(Setup):
@@ -37,8 +37,8 @@ class EngineSetup(Setup):
 
     def prepare_trace(self, requests: list[Request]) -> None:
         """Prompt token ids: hash ids make shared prefixes real tokens."""
-        from backend.engine import assign_prompt_tokens
-        from traces.hash_tokens import assign_hash_prompt_tokens
+        from sched_lab.backend.engine import assign_prompt_tokens
+        from sched_lab.traces.hash_tokens import assign_hash_prompt_tokens
 
         assign_hash_prompt_tokens(requests, self._vocab_size, self.cfg.seed)
         assign_prompt_tokens(requests, self._vocab_size, self.cfg.seed)
@@ -79,16 +79,16 @@ def engine_parts(cfg: ExperimentConfig):
     """Load the model once. Returns (make_executor(speculative=None, async_scheduling=False),
     num_gpu_blocks, num_cpu_blocks, max_model_len, vocab_size); raises CheckpointError,
     DeviceError or KVCacheCapacityError."""
-    from backend.config import ModelConfig
-    from backend.errors import CheckpointError
-    from backend.tp import check_tp_size
-    from backend.tp_engine import TensorParallelRunner
+    from sched_lab.backend.config import ModelConfig
+    from sched_lab.backend.errors import CheckpointError
+    from sched_lab.backend.tp import check_tp_size
+    from sched_lab.backend.tp_engine import TensorParallelRunner
 
     eng, kv = cfg.engine, cfg.kv_cache
     if eng.model_path is None or not eng.model_path.is_dir():
         raise CheckpointError(
             f"engine.model_path: {eng.model_path} is not a directory (make one with "
-            f"`python -m backend.tools convert-smollm2` or `make-random-checkpoint`)"
+            f"`python -m sched_lab.backend.tools convert-smollm2` or `make-random-checkpoint`)"
         )
     kwargs = _runner_kwargs(cfg)
     if eng.tensor_parallel_size == 1:
@@ -102,14 +102,14 @@ def engine_parts(cfg: ExperimentConfig):
     drafts: dict = {}  # draft runners, loaded once for all runs (backend/spec_decode.py)
 
     def make_executor(speculative=None, async_scheduling: bool = False):
-        """With ``speculative``, a :class:`backend.spec_decode.SpecExecutor` (sync only:
+        """With ``speculative``, a :class:`sched_lab.backend.spec_decode.SpecExecutor` (sync only:
         ConfigError with ``async_scheduling``)."""
-        from backend.engine import EngineExecutor
+        from sched_lab.backend.engine import EngineExecutor
 
         runner.generator.manual_seed(cfg.seed)  # each run samples the same way
         if speculative is None:
             return EngineExecutor(runner, eng.temperature)
-        from backend.spec_decode import ASYNC_ERROR, SpecExecutor, spec_decoder_from
+        from sched_lab.backend.spec_decode import ASYNC_ERROR, SpecExecutor, spec_decoder_from
 
         if async_scheduling:
             raise ConfigError(ASYNC_ERROR)
@@ -154,7 +154,7 @@ _RUNNER: dict[tuple, Any] = {}  # the last ModelRunner built, by its arguments
 
 def _runner(model_path, **kwargs):
     """A ModelRunner, reused for the same arguments within a process (one kept)."""
-    from backend.runner import ModelRunner
+    from sched_lab.backend.runner import ModelRunner
 
     key = (str(model_path), *sorted((k, repr(v)) for k, v in kwargs.items()))
     if key not in _RUNNER:
@@ -165,7 +165,7 @@ def _runner(model_path, **kwargs):
 
 def engine_info(cfg: ExperimentConfig, executor: Any) -> dict[str, Any]:
     """An engine run's summary key ``cost_model``: measured, with the engine fingerprint."""
-    from backend.profile import engine_fingerprint
+    from sched_lab.backend.profile import engine_fingerprint
 
     runner = getattr(executor.runner, "runner", executor.runner)  # rank 0's, under TP
     fp = engine_fingerprint(runner, cfg.engine.kn_weights)

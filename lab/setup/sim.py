@@ -7,23 +7,23 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from lab.config import ExperimentConfig, PolicyConfig, check_swap_blocks, paths
-from lab.core.errors import ConfigError
-from lab.core.plan import Executor
-from lab.core.scheduler import SchedulerLimits
-from lab.setup.base import Setup, async_scheduling
-from lab.sim import spec_executor
-from lab.sim.cost_model import (
+from sched_lab.config import ExperimentConfig, PolicyConfig, check_swap_blocks, paths
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.plan import Executor
+from sched_lab.core.scheduler import SchedulerLimits
+from sched_lab.setup.base import Setup, async_scheduling
+from sched_lab.sim import spec_executor
+from sched_lab.sim.cost_model import (
     AnalyticCostModel,
     CostModelExecutor,
     activation_bytes,
     num_cpu_blocks,
     num_gpu_blocks,
 )
-from lab.sim.hardware import HARDWARE
-from lab.sim.models import MODELS
+from sched_lab.sim.hardware import HARDWARE
+from sched_lab.sim.models import MODELS
 
-log = logging.getLogger("lab.setup.sim")
+log = logging.getLogger("sched_lab.setup.sim")
 
 
 class SimSetup(Setup):
@@ -148,13 +148,13 @@ def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
     if cm.durations_from is None:  # else the engine run's capacity (below)
         check_swap_blocks(kv, cpu, model.kv_bytes_per_token * kv.block_size, model.name)
     if cm.durations_from is not None:  # the engine run's durations and its KV capacity
-        from lab.sim.replayed import ReplayedDurations
+        from sched_lab.sim.replayed import ReplayedDurations
 
         replayed = ReplayedDurations(cm.durations_from)
         gpu, cpu = replayed.capacity() or (gpu, cpu)
         return replayed, gpu, cpu
     if cm.profile is not None:
-        from lab.sim.calibrated import CalibratedCostModel
+        from sched_lab.sim.calibrated import CalibratedCostModel
 
         return CalibratedCostModel(cm.profile, cm.replay_steps), gpu, cpu
     return AnalyticCostModel(model, hw, **cm.analytic), gpu, cpu
@@ -212,7 +212,7 @@ def _shown(path: Path) -> str:
 
 def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
     """Summary key ``cost_model``: ``kind`` (analytic, calibrated, replayed), ``profile``,
-    ``fingerprint``, ``stale`` and ``why`` (:func:`lab.sim.calibrated.staleness`), and
+    ``fingerprint``, ``stale`` and ``why`` (:func:`sched_lab.sim.calibrated.staleness`), and
     ``host_note`` (why the model has no host time, or empty)."""
     cm = cfg.cost_model
     if cm.durations_from is not None:
@@ -225,8 +225,8 @@ def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
             "host_note": "",  # recorded durations hold the engine's own overlap
         }
     if cm.profile is not None:
-        from backend.sources import checkout_engine
-        from lab.sim.calibrated import staleness
+        from sched_lab.backend.sources import checkout_engine
+        from sched_lab.sim.calibrated import staleness
 
         stale, why = staleness(cost_model.fingerprint, checkout_engine())
         return {
@@ -248,7 +248,7 @@ def analytic_source(cfg: ExperimentConfig) -> dict[str, Any]:
     """``cost_model`` keys of an analytic run: ``efficiencies`` ("profile", "guess" or
     "yaml"), ``efficiency_profiles``, ``efficiency_error`` (median relative step-time error
     of the fit, or None), ``efficiencies_from_yaml`` and ``values``."""
-    from lab.sim.analytic_defaults import KEYS, defaults
+    from sched_lab.sim.analytic_defaults import KEYS, defaults
 
     d = defaults(cfg.model, cfg.hardware)
     own = [k for k in KEYS if getattr(cfg.cost_model, k) != getattr(d, k)]

@@ -1,12 +1,12 @@
 """The analytic roofline's default efficiencies, fitted where the repo has a profile.
 
-    python -m lab.sim.analytic_defaults      # re-fit the shipped profiles, print the table
+    python -m sched_lab.sim.analytic_defaults      # re-fit the shipped profiles, print the table
 
 ``cost_model.flops_efficiency``, ``bandwidth_efficiency`` and ``step_overhead_s``, when the
 YAML leaves them out, come from :func:`defaults` for ``(model, hardware)``:
 
 1. the model's own shipped profile on that hardware: its fit
-   (:func:`lab.sim.calibrated.fit_analytic`);
+   (:func:`sched_lab.sim.calibrated.fit_analytic`);
 2. another model on hardware with profiles: the joint fit over all of that hardware's
    profile rows (:func:`joint_fit`);
 3. hardware without a profile: the datasheet guesses :data:`GUESS`.
@@ -17,10 +17,11 @@ YAML leaves them out, come from :func:`defaults` for ``(model, hardware)``:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-REFIT = "python -m lab.sim.analytic_defaults"
+ROOT = Path(str(files("sched_lab.profiles"))).parent  # holds profiles/ (see ROOT / rel)
+REFIT = "python -m sched_lab.sim.analytic_defaults"
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def describe(e: Efficiencies) -> str:
 
 def refit() -> dict[tuple[str, str | None], Efficiencies]:
     """:data:`FITTED` recomputed from the profile files it names (errors to 4 digits)."""
-    from lab.sim.calibrated import fit_analytic, profile_shape, read_profile
+    from sched_lab.sim.calibrated import fit_analytic, profile_shape, read_profile
 
     out: dict[tuple[str, str | None], Efficiencies] = {}
     by_hw: dict[str, list[tuple[str, str]]] = {}
@@ -99,15 +100,15 @@ def _from_fit(fit: dict, profiles: tuple[str, ...]) -> Efficiencies:
 
 
 def joint_fit(pairs: list[tuple[str, str]], hardware: str) -> dict[str, float]:
-    """:func:`lab.sim.calibrated.fit_analytic` over the rows of several profiles ``(path relative
+    """:func:`sched_lab.sim.calibrated.fit_analytic` over the rows of several profiles ``(path relative
     to the repo, model preset)``, each row priced with its model."""
     import numpy as np
 
-    from lab.core.plan import StepFeatures
-    from lab.sim.calibrated import read_profile
-    from lab.sim.cost_model import AnalyticCostModel
-    from lab.sim.hardware import HARDWARE
-    from lab.sim.models import MODELS
+    from sched_lab.core.plan import StepFeatures
+    from sched_lab.sim.calibrated import read_profile
+    from sched_lab.sim.cost_model import AnalyticCostModel
+    from sched_lab.sim.hardware import HARDWARE
+    from sched_lab.sim.models import MODELS
 
     huge = 1e12  # an efficiency so high that its term vanishes
     compute, memory, swap, y = [], [], [], []

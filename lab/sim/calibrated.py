@@ -2,7 +2,7 @@
 
     sched-lab fit h200_qwen3-0.6b      # fit a bundled profile, print the fit and its error
 
-Step time is linear in features of lab.core.plan.StepFeatures:
+Step time is linear in features of sched_lab.core.plan.StepFeatures:
 
     t = c0 * [decode-only step]             a CUDA-graph decode step (per batch size)
       + c1 * [step with prompt tokens]      a step that also runs the prefill kernel
@@ -36,18 +36,19 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import fields
+from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from lab.core.errors import ConfigError, did_you_mean
-from lab.core.fingerprint import HEADER_PREFIX, differences
-from lab.core.plan import StepFeatures
+from sched_lab.core.errors import ConfigError, did_you_mean
+from sched_lab.core.fingerprint import HEADER_PREFIX, differences
+from sched_lab.core.plan import StepFeatures
 
 TOKEN_KNOT = 2048
 # backend/cuda_graphs.py's largest default token size (DEFAULT_TOKEN_SIZES[-1]; a test ties
-# the two): a larger step runs eagerly. lab.sim does not import backend.
+# the two): a larger step runs eagerly. sched_lab.sim does not import backend.
 EAGER_KNOT = 8192
 MIN_EAGER_ROWS = 3  # profile rows above EAGER_KNOT needed to fit its slope (else it is 0)
 REPLAY_KIND = "replay"  # the kind of a replay step's row (steps_as_profile)
@@ -188,7 +189,7 @@ def read_profile(path: str | Path) -> pd.DataFrame:
     key = "cost_model.profile"
     if not path.exists():
         raise ConfigError(
-            f"{key}: {path} does not exist (make one with `python -m backend.profile` on the GPU)"
+            f"{key}: {path} does not exist (make one with `python -m sched_lab.backend.profile` on the GPU)"
         )
     df = _read_csv(path, key, comment="#")
     where = f"{key}: {path}"
@@ -205,7 +206,7 @@ def read_profile(path: str | Path) -> pd.DataFrame:
 
 
 def read_fingerprint(path: str | Path) -> dict | None:
-    """The engine fingerprint in a profile's header (:mod:`lab.core.fingerprint`), or None."""
+    """The engine fingerprint in a profile's header (:mod:`sched_lab.core.fingerprint`), or None."""
     try:
         with Path(path).open(encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -224,7 +225,7 @@ def read_fingerprint(path: str | Path) -> dict | None:
 
 def staleness(fingerprint: dict | None, engine: dict) -> tuple[bool, str]:
     """(stale, why) of a profile for ``engine``'s fingerprint (what is known of the engine a
-    run predicts, e.g. ``backend.sources.checkout_engine()``; keys it lacks are not
+    run predicts, e.g. ``sched_lab.backend.sources.checkout_engine()``; keys it lacks are not
     compared); ``why`` is empty when not stale."""
     if fingerprint is None:
         return True, (
@@ -451,8 +452,8 @@ class CalibratedCostModel:
 def profile_shape(path: str | Path) -> tuple[str | None, str | None]:
     """(model preset, hardware preset) a profile's header names (``NVIDIA H200`` ->
     ``h200-sxm``), each None when unknown to the simulator."""
-    from lab.sim.hardware import HARDWARE
-    from lab.sim.models import MODELS
+    from sched_lab.sim.hardware import HARDWARE
+    from sched_lab.sim.models import MODELS
 
     model = hardware = None
     try:
@@ -476,9 +477,9 @@ def fit_analytic(df: pd.DataFrame, model: str, hardware: str) -> dict[str, float
     """The analytic roofline's ``flops_efficiency``, ``bandwidth_efficiency`` and
     ``step_overhead_s`` minimizing the median relative error on the profile rows (grid
     search), with that error."""
-    from lab.sim.cost_model import AnalyticCostModel
-    from lab.sim.hardware import HARDWARE
-    from lab.sim.models import MODELS
+    from sched_lab.sim.cost_model import AnalyticCostModel
+    from sched_lab.sim.hardware import HARDWARE
+    from sched_lab.sim.models import MODELS
 
     m, hw = MODELS[model], HARDWARE[hardware]
     feats = [
@@ -520,7 +521,7 @@ def fit_analytic(df: pd.DataFrame, model: str, hardware: str) -> dict[str, float
     }
 
 
-BUNDLED_PROFILES = Path(__file__).resolve().parents[2] / "profiles"  # installed beside lab/
+BUNDLED_PROFILES = Path(str(files("sched_lab.profiles")))  # a checkout's, or in the wheel
 
 
 def find_profile(name: str) -> Path:
@@ -544,7 +545,7 @@ def find_profile(name: str) -> Path:
 
 def main(
     argv: list[str] | None = None,
-    prog: str = "python -m lab.sim.calibrated",
+    prog: str = "python -m sched_lab.sim.calibrated",
     engine: dict | None = None,
 ) -> int:
     """Fit a profile, print the fit (``sched-lab fit``), and write it to ``--out`` if given;
@@ -553,8 +554,8 @@ def main(
     fingerprint is stale."""
     import argparse
 
-    from lab.core.errors import UserError
-    from lab.core.outputs import check_output, write_output
+    from sched_lab.core.errors import UserError
+    from sched_lab.core.outputs import check_output, write_output
 
     ap = argparse.ArgumentParser(
         prog=prog,

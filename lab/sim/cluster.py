@@ -2,7 +2,7 @@
 
 Every replica is a serving instance of its own: a scheduler (a fresh policy instance with
 its block manager, i.e. its KV cache) and an executor (its cost model), stepped by a
-replay loop of its own (:class:`lab.sim.replay.ReplayLoop`). One arrival process routes
+replay loop of its own (:class:`sched_lab.sim.replay.ReplayLoop`). One arrival process routes
 each request at its arrival (lab/sim/router.py); the replicas share nothing else.
 
 **Aggregated** (``cluster: {replicas: N, router: R}``): a request is served whole by the
@@ -56,14 +56,14 @@ from typing import Any
 import numpy as np
 import simpy
 
-from lab.core.errors import ConfigError
-from lab.core.plan import Executor, SchedulerOutput
-from lab.core.request import Request, RequestStatus
-from lab.core.scheduler import Scheduler
-from lab.sim.hardware import Link
-from lab.sim.records import ENDED, ReplayResult
-from lab.sim.replay import ReplayLoop, arrival_timeout, run_to_end
-from lab.sim.router import Router, get_router
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.plan import Executor, SchedulerOutput
+from sched_lab.core.request import Request, RequestStatus
+from sched_lab.core.scheduler import Scheduler
+from sched_lab.sim.hardware import Link
+from sched_lab.sim.records import ENDED, ReplayResult
+from sched_lab.sim.replay import ReplayLoop, arrival_timeout, run_to_end
+from sched_lab.sim.router import Router, get_router
 
 ROLES = ("both", "prefill", "decode")
 GIB = 1 << 30
@@ -116,7 +116,7 @@ class _Pending:
 
 class Replica(ReplayLoop):
     """One serving instance: a replay loop, and what a router sees of it
-    (:class:`lab.sim.router.ReplicaLoad`). Requests reach it by ``take`` then ``add``."""
+    (:class:`sched_lab.sim.router.ReplicaLoad`). Requests reach it by ``take`` then ``add``."""
 
     def __init__(
         self,
@@ -390,7 +390,7 @@ def replay_cluster(
     progress=None,
 ) -> ClusterResult:
     """Replay ``requests`` (mutated in place) through a cluster; the contract of
-    :func:`lab.sim.replay.replay` (a failing step stops the run, every request not ended
+    :func:`sched_lab.sim.replay.replay` (a failing step stops the run, every request not ended
     is aborted with a reason naming the failure, ``failure`` holds it).
 
     Args:

@@ -21,10 +21,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lab.core.errors import ConfigError
-from lab.core.plan import SchedulerOutput, StepFeatures, StepResult
-from lab.sim.hardware import LINKS, Hardware
-from lab.sim.models import ModelSpec
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.plan import SchedulerOutput, StepFeatures, StepResult
+from sched_lab.sim.hardware import LINKS, Hardware
+from sched_lab.sim.models import ModelSpec
 
 GIB = 1 << 30
 
@@ -40,8 +40,8 @@ class AnalyticCostModel:
         host_overhead_s: host seconds per step before launch, part of ``step_overhead_s``.
         host_per_seq_s: host seconds per sequence of the step.
 
-    The efficiency and overhead defaults are ``lab.sim.analytic_defaults.GUESS``; callers
-    should pass ``lab.sim.analytic_defaults.defaults(model, hardware)``.
+    The efficiency and overhead defaults are ``sched_lab.sim.analytic_defaults.GUESS``; callers
+    should pass ``sched_lab.sim.analytic_defaults.defaults(model, hardware)``.
 
     Raises:
         ConfigError: a ``tensor_parallel_size`` the model's heads or the preset cannot take.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lab.core.model_presets import PRESETS
+from sched_lab.core.model_presets import PRESETS
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lab.core.events import EventLog
-from lab.core.request import Request, RequestStatus
+from sched_lab.core.events import EventLog
+from sched_lab.core.request import Request, RequestStatus
 
 STEP_COLUMNS = (
     "time_s", "duration_s", "num_prefill_tokens", "num_decode_tokens", "num_seqs",
@@ -86,11 +86,11 @@ class ReplayResult:
         tick_steps: for each decode tick, the index of the step that ran it.
         wall_s: wall-clock seconds the replay took.
         num_gpu_blocks: size of the GPU KV cache, for usage fractions.
-        failure: None, or why the run stopped early (see :func:`lab.sim.replay.replay`).
+        failure: None, or why the run stopped early (see :func:`sched_lab.sim.replay.replay`).
         prefix_caching: whether the block manager cached prefixes.
         num_evicted_blocks: blocks evicted from the prefix cache.
         events: what the scheduler's shared moves did to each request, and why requests
-            waited (:class:`lab.core.events.EventLog`; step indices are rows of ``steps``).
+            waited (:class:`sched_lab.core.events.EventLog`; step indices are rows of ``steps``).
         async_scheduling: whether the scheduler planned asynchronously.
     """
 

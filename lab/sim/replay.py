@@ -8,7 +8,7 @@ environment, with two processes as methods:
 * ``run`` loops: ask the policy for a plan (``Scheduler.schedule``), hand it to the
   executor, wait the step's duration, then let the scheduler apply the step's results at
   the new time (``Scheduler.update``). The loop owns time and the per-step records
-  (:class:`lab.sim.records.StepRecorder`); all request state belongs to the scheduler.
+  (:class:`sched_lab.sim.records.StepRecorder`); all request state belongs to the scheduler.
 * Asynchronous scheduling (``Scheduler.async_scheduling``; rules in docs/ARCHITECTURE.md,
   "Scheduler rules"): plan P0; launch P0; then loop { plan P(N+1) while N is in flight;
   launch it; wait for N; apply N's results }. Step N lasts, start to the next step's start,
@@ -35,11 +35,11 @@ from typing import Any
 
 import simpy
 
-from lab.core.errors import ConfigError, DeadlockError
-from lab.core.plan import Executor, SchedulerOutput, StepResult
-from lab.core.request import Request, RequestStatus
-from lab.core.scheduler import Scheduler
-from lab.sim.records import ENDED, STEP_COLUMNS, ReplayResult, StepRecorder
+from sched_lab.core.errors import ConfigError, DeadlockError
+from sched_lab.core.plan import Executor, SchedulerOutput, StepResult
+from sched_lab.core.request import Request, RequestStatus
+from sched_lab.core.scheduler import Scheduler
+from sched_lab.sim.records import ENDED, STEP_COLUMNS, ReplayResult, StepRecorder
 
 _WASTED = STEP_COLUMNS.index("num_wasted_tokens")
 DEADLOCK = "deadlock"  # the reason prefix of requests a run could not advance
@@ -255,7 +255,7 @@ def replay(
     Args:
         requests: fresh requests (status WAITING), any order. Trace rows that are not
             replayed (status DROPPED) are a reporting matter
-            (:func:`lab.results.metrics.in_trace_order`) and are refused here.
+            (:func:`sched_lab.results.metrics.in_trace_order`) and are refused here.
         check_invariants: check blocks and limits after every plan (slow; for tests).
         progress: optional callable(num_ended_requests, sim_time_s), called now and then.
 
@@ -293,7 +293,7 @@ def _replay(
     if dropped:
         raise ValueError(
             f"replay: requests {', '.join(dropped[:5])} are dropped trace rows "
-            "(not replayed; see lab.results.metrics.in_trace_order)"
+            "(not replayed; see sched_lab.results.metrics.in_trace_order)"
         )
     requests = sorted(requests, key=lambda r: r.arrival_s)
     env = simpy.Environment()

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from lab.core.errors import ConfigError
-from lab.core.plan import SchedulerOutput, StepResult
-from lab.sim.cost_model import LaunchedStep
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.plan import SchedulerOutput, StepResult
+from sched_lab.sim.cost_model import LaunchedStep
 
 # steps.csv column -> what the plan must hold for it (see :func:`plan_row`)
 PLAN_COLUMNS = ("num_prefill_tokens", "num_decode_tokens", "num_seqs", "num_prefills",

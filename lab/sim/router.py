@@ -25,8 +25,8 @@ import random
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol
 
-from lab.core.registry import Registry
-from lab.core.request import Request, RequestStatus
+from sched_lab.core.registry import Registry
+from sched_lab.core.request import Request, RequestStatus
 
 
 class ReplicaLoad(Protocol):

@@ -25,9 +25,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from lab.core.errors import ConfigError
-from lab.core.plan import SchedulerOutput, StepFeatures, StepResult
-from lab.core.request import Request
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.plan import SchedulerOutput, StepFeatures, StepResult
+from sched_lab.core.request import Request
 
 #: summary.json key (under each run's ``speculative``) holding the conditional per-position
 #: acceptance counts that ``acceptance_from`` reads (written by lab/results/spec_metrics.py).
@@ -223,16 +223,16 @@ def draft_cost_model(spec: Any, hardware: Any, base_dir: Path = Path(".")) -> An
     """The cost model of ``method: draft``'s draft model from ``speculative.model``: a profile CSV
     (calibrated), a model preset name or a checkpoint folder with a config.json (analytic on
     ``hardware``, with lab/sim/analytic_defaults.py's efficiencies)."""
-    from lab.sim.analytic_defaults import defaults
-    from lab.sim.cost_model import AnalyticCostModel
-    from lab.sim.models import MODELS, ModelSpec
+    from sched_lab.sim.analytic_defaults import defaults
+    from sched_lab.sim.cost_model import AnalyticCostModel
+    from sched_lab.sim.models import MODELS, ModelSpec
 
     name = spec.model
     if name in MODELS:  # the analytic defaults of that shape (lab/sim/analytic_defaults.py)
         return AnalyticCostModel(MODELS[name], hardware, **defaults(name, hardware.name).values)
     path = Path(name) if Path(name).is_absolute() else base_dir / name
     if path.suffix == ".csv":
-        from lab.sim.calibrated import CalibratedCostModel
+        from sched_lab.sim.calibrated import CalibratedCostModel
 
         return CalibratedCostModel(path)
     config = path / "config.json"

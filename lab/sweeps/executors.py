@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
-from lab.config.paths import DATA_ROOT
-from lab.core.errors import UserError
+from sched_lab.core.errors import UserError
 
-log = logging.getLogger("lab.sweeps.executors")
+log = logging.getLogger("sched_lab.sweeps.executors")
 
 Task = Any
 Result = Any
@@ -248,8 +247,8 @@ def _ray(fn, tasks, on_error, jobs: int, address: str | None) -> Iterator[Result
     started = not ray.is_initialized()
     if started:
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
-        if address is None:  # a local Ray: its workers import this checkout's lab
-            path = os.pathsep.join(p for p in (str(DATA_ROOT), os.environ.get("PYTHONPATH")) if p)
+        if address is None:  # a local Ray: its workers run this python and its sched_lab
+            path = os.environ.get("PYTHONPATH", "")
             kwargs.update(
                 address="local",  # a new instance, never one found running on this machine
                 num_cpus=jobs,

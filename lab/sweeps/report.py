@@ -15,9 +15,9 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from lab import __version__
-from lab.core.errors import UserError
-from lab.report.folder import MANIFEST, check_out_dir, put_in_place, temp_folder
+from sched_lab import __version__
+from sched_lab.core.errors import UserError
+from sched_lab.report.folder import MANIFEST, check_out_dir, put_in_place, temp_folder
 
 LEAD = ("point", "status", "error")
 
@@ -29,7 +29,7 @@ def write_sweep(
 
     Raises:
         UserError: ``out`` cannot be written or replaced.
-        lab.report.folder.ResultsNotPlaced: the final rename failed (the message says where).
+        sched_lab.report.folder.ResultsNotPlaced: the final rename failed (the message says where).
     """
     out = check_out_dir(out)
     tmp = temp_folder(out)
@@ -174,7 +174,7 @@ FILLS = ("full", "none", "left", "bottom", "right", "top")
 def latency_s(df: pd.DataFrame, key: str, p: str = "p99") -> pd.Series:
     """A latency percentile in seconds by either name: vLLM's ``p99_ttft_ms`` or the
     summary's flattened ``ttft_s_p99`` (``key`` is the summary's, e.g. ``ttft_s``)."""
-    from lab.report.plots import VLLM_NAMES
+    from sched_lab.report.plots import VLLM_NAMES
 
     vllm = f"{p}_{VLLM_NAMES[key]}_ms"
     if vllm in df.columns:
@@ -205,7 +205,7 @@ def _lines(sweep, df: pd.DataFrame, x: str) -> tuple[list[tuple[dict, pd.DataFra
     """One line per policy and configuration: (matplotlib style, rows sorted by ``x``), and
     the legend's entries (policy -> colour and marker; configuration -> its index, which
     picks its line style and marker fill)."""
-    from lab.report.plots import policy_style
+    from sched_lab.report.plots import policy_style
 
     others = _others(sweep, df, x)
     policies = {p: policy_style(i, p) for i, p in enumerate(dict.fromkeys(df["policy"]))}
@@ -260,7 +260,7 @@ def _plots(folder: Path, sweep, table: pd.DataFrame, capacity) -> list[tuple[str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lab.report.plots import LATENCIES, log_axis, rate_scale_axis
+    from sched_lab.report.plots import LATENCIES, log_axis, rate_scale_axis
 
     plots: list[tuple[str, str]] = []
     if sweep.search is not None:
@@ -351,7 +351,7 @@ def pareto_front(latency: np.ndarray, goodput: np.ndarray) -> list[int]:
 
 
 def _capacity_plot(folder, sweep, curve, capacity, plt) -> list[tuple[str, str]]:
-    from lab.report.plots import log_axis
+    from sched_lab.report.plots import log_axis
 
     spec = sweep.search
     df = curve[curve["status"].isin(("ok", "stopped"))]

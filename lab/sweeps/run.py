@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lab.config import validate
-from lab.config.keypaths import set_path
-from lab.core.errors import UserError
-from lab.report.folder import write_results
-from lab.run.experiment import run_experiment
-from lab.setup import setup_class, setup_for
-from lab.sweeps.sweep import Point, Sweep
+from sched_lab.config import validate
+from sched_lab.config.keypaths import set_path
+from sched_lab.core.errors import UserError
+from sched_lab.report.folder import write_results
+from sched_lab.run.experiment import run_experiment
+from sched_lab.setup import setup_class, setup_for
+from sched_lab.sweeps.sweep import Point, Sweep
 
-log = logging.getLogger("lab.sweeps.sweep")
+log = logging.getLogger("sched_lab.sweeps.sweep")
 
 SKIPPED_SUMMARY_KEYS = ("trace", "slo", "partial")  # not columns of the results table
 
@@ -38,7 +38,7 @@ class Task:
     source: str
     base_dir: Path
     fmt: str = "csv"
-    search: Any = None  # lab.sweeps.search.SearchSpec: search this policy instead of running
+    search: Any = None  # sched_lab.sweeps.search.SearchSpec: search this policy instead of running
     policy: int | None = None  # index in the point's policies, with ``search``
     start: float | None = None  # the search's start value
     date: str | None = None  # the vLLM-format files' date: the sweep's, the same in every point
@@ -47,7 +47,7 @@ class Task:
 @dataclass
 class TaskResult:
     """``rows``: results-table rows; ``files``: the point's folder (relative path -> bytes) or
-    None; ``capacity``: a search's :class:`~lab.sweeps.search.Capacity` as a dict; ``error``:
+    None; ``capacity``: a search's :class:`~sched_lab.sweeps.search.Capacity` as a dict; ``error``:
     why the task failed (no rows then)."""
 
     index: int
@@ -77,7 +77,7 @@ def make_tasks(sweep: Sweep, fmt: str = "csv", date: str | None = None) -> list[
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Per-phase log lines off while a task runs."""
-    loggers = [logging.getLogger(n) for n in ("lab", "traces")]
+    loggers = [logging.getLogger("sched_lab")]  # traces and backend included
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)
@@ -125,7 +125,7 @@ def _point(task: Task) -> TaskResult:
 
 
 def _search(task: Task) -> TaskResult:
-    from lab.sweeps.search import find_capacity
+    from sched_lab.sweeps.search import find_capacity
 
     spec = task.search
     raw = copy.deepcopy(dict(task.point.raw))
@@ -196,7 +196,7 @@ def bound_by(spec, missed: Mapping[str, Any] | None) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- rows
 def flatten(summary: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """A run's summary.json entry as flat columns: metrics keep their names
-    (:mod:`lab.results.names`), a section's keys get its name in front (``cost_model.kind``
+    (:mod:`sched_lab.results.names`), a section's keys get its name in front (``cost_model.kind``
     -> ``cost_model_kind``); lists become JSON text; ``trace`` and ``slo`` are left out."""
     out: dict[str, Any] = {}
     for k, v in summary.items():
@@ -232,8 +232,8 @@ def run_rows(run, slo: Mapping[str, float | None]) -> list[dict[str, Any]]:
 def class_metrics(df, duration_s: float, slo: Mapping[str, float | None]) -> dict[str, Any]:
     """Counts, latency statistics, goodput and SLO attainment of one class's requests.csv
     rows, over the run's ``duration_s``, under the summary's names."""
-    from lab.results.metrics import latency_stats, meets_slo
-    from lab.results.names import LATENCIES
+    from sched_lab.results.metrics import latency_stats, meets_slo
+    from sched_lab.results.names import LATENCIES
 
     fin = df[df["status"] == "finished"]
     replayed = (df["status"] != "dropped").to_numpy()
@@ -264,11 +264,11 @@ def run_sweep(
     Raises:
         UserError: ``out`` cannot be written (checked first), or ray is missing or unreachable.
     """
-    from lab.report.folder import check_out_dir
-    from lab.report.progress import Phase
-    from lab.results.vllm_result import result_date
-    from lab.sweeps import executors
-    from lab.sweeps.report import write_sweep
+    from sched_lab.report.folder import check_out_dir
+    from sched_lab.report.progress import Phase
+    from sched_lab.results.vllm_result import result_date
+    from sched_lab.sweeps import executors
+    from sched_lab.sweeps.report import write_sweep
 
     out = check_out_dir(out)
     tasks = make_tasks(sweep, fmt, result_date())

@@ -7,7 +7,7 @@ capacity in Sarathi-Serve, OSDI'24 §5, and DistServe's goodput, OSDI'24 §2).
 latency statistic by its summary name, ``{mean,median,std,max,p<P>}_{ttft,tpot,itl,e2el,queue}_ms``
 (met when <= ``target`` milliseconds; P: a percentile the report holds, 50, 90, 99 and
 ``report.metric_percentiles``). The older ``ttft_s_p99`` names are accepted with ``target`` in
-seconds (:func:`lab.results.names.canonical`).
+seconds (:func:`sched_lab.results.names.canonical`).
 ``over``: the load's key path (default ``trace.rate_scale``), assumed to worsen the metric
 as it grows. A run that stops early counts as a miss.
 """
@@ -21,12 +21,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lab.config import ExperimentConfig
-from lab.config.keypaths import ALIASES, get_path, parse_path
-from lab.config.sections import LIMIT_KEYS
-from lab.core.errors import ConfigError, UserError, short_repr
-from lab.results.metrics import summary_percentiles
-from lab.results.names import canonical, parse_latency
+from sched_lab.config import ExperimentConfig
+from sched_lab.config.keypaths import ALIASES, get_path, parse_path
+from sched_lab.config.sections import LIMIT_KEYS
+from sched_lab.core.errors import ConfigError, UserError, short_repr
+from sched_lab.results.metrics import summary_percentiles
+from sched_lab.results.names import canonical, parse_latency
 
 METRIC_HELP = (
     "slo_attainment, or a latency {mean,median,std,max,p<P>}_{ttft,tpot,itl,e2el,queue}_ms "
@@ -86,14 +86,14 @@ class SearchSpec:
     def start(self, cfg, point) -> float | None:
         """The value the search starts from without ``lo``/``hi``: the config's own (the
         point's, else the default; for ``kv_cache.num_gpu_blocks`` left to a backend with a
-        cheap :meth:`~lab.setup.Setup.prepare`, the number it sizes from memory)."""
+        cheap :meth:`~sched_lab.setup.Setup.prepare`, the number it sizes from memory)."""
         if self.over == "trace.rate_scale":
             return cfg.rate_scales[0] if len(cfg.rate_scales) == 1 else None
         v = get_path(point.raw, self.over)
         if v is None:
             v = get_path(cfg.to_dict(), self.over)
         if v is None and self.over == "kv_cache.num_gpu_blocks":
-            from lab.setup import setup_for
+            from sched_lab.setup import setup_for
 
             setup = setup_for(cfg)
             if setup.cheap_prepare:

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lab.config import MAX_NAME_CHARS, check_name, paths, validate
-from lab.config.keypaths import ALIASES, get_path, parse_path, set_path  # noqa: F401 (get_path: re-exported)
-from lab.core.errors import ConfigError, UserError, short_repr
-from lab.sweeps.search import parse_search
-from traces.readers import load_yaml_file
+from sched_lab.config import MAX_NAME_CHARS, check_name, paths, validate
+from sched_lab.config.keypaths import ALIASES, get_path, parse_path, set_path  # noqa: F401 (get_path: re-exported)
+from sched_lab.core.errors import ConfigError, UserError, short_repr
+from sched_lab.sweeps.search import parse_search
+from sched_lab.traces.readers import load_yaml_file
 
 SWEEP_KEYS = ("sweep", "search")  # top-level keys that make a YAML a sweep
 # Points a sweep may have unless sweep.max_points or --max-points says more: each point is
@@ -51,7 +51,7 @@ class Sweep:
     points: tuple[Point, ...]
     keys: tuple[str, ...]
     raw: Mapping[str, Any]
-    search: Any = None  # lab.sweeps.search.SearchSpec or None
+    search: Any = None  # sched_lab.sweeps.search.SearchSpec or None
     configs: Mapping[str, Any] = field(default_factory=dict)  # point name -> ExperimentConfig
 
 
@@ -61,7 +61,7 @@ def is_sweep(raw: Any) -> bool:
 
 
 def read_yaml(path: str | Path) -> tuple[Path, Any]:
-    """The YAML file (resolved as :func:`lab.config.load_config` does) and its content."""
+    """The YAML file (resolved as :func:`sched_lab.config.load_config` does) and its content."""
     path = Path(path).expanduser()
     if not path.exists():
         bundled = paths.resolve(path, Path.cwd())
@@ -154,8 +154,8 @@ class _TraceChecks:
 
     def check(self, cfg: Any) -> None:
         """UserError if ``cfg``'s trace cannot be read, or cannot be cached as it asks."""
-        from lab.run.experiment import check_prefix_identity
-        from lab.setup import setup_class
+        from sched_lab.run.experiment import check_prefix_identity
+        from sched_lab.setup import setup_class
 
         if cfg.trace.classes:
             spec: Any = [dict(c) for c in cfg.trace.classes]
@@ -176,8 +176,8 @@ class _TraceChecks:
 
     def _load(self, cfg: Any, ident: str) -> Any:
         """The trace's requests (workload classes) or table."""
-        from traces import load_table
-        from traces.classes import load_classes
+        from sched_lab.traces import load_table
+        from sched_lab.traces.classes import load_classes
 
         if self.last[0] == ident:
             return self.last[1]
@@ -191,7 +191,7 @@ class _TraceChecks:
 
 
 def _check_before_runs(cfg: Any, p: Point, where: str) -> None:
-    from lab.run.experiment import check_before_runs
+    from sched_lab.run.experiment import check_before_runs
 
     try:
         check_before_runs(cfg)
@@ -209,7 +209,7 @@ def _validate_point(p: Point, where: str, base_dir: Path):
 
 
 def point_config(sweep: Sweep, point: Point, **changes: Any):
-    """The validated :class:`~lab.config.ExperimentConfig` of ``point``, with ``changes``
+    """The validated :class:`~sched_lab.config.ExperimentConfig` of ``point``, with ``changes``
     (key path -> value) set first."""
     raw = copy.deepcopy(dict(point.raw))
     for key, value in changes.items():

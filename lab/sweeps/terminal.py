@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from lab.sweeps.report import bound_text, uniform_slo
+from sched_lab.sweeps.report import bound_text, uniform_slo
 
 
 def _num(v: Any, fmt: str) -> str:
@@ -121,7 +121,7 @@ def capacity_text(
 def folder_text(out: Path, sweep) -> str:
     """The terminal's text for the sweep folder ``out`` (its CSV tables), with the SLOs
     when every point has the same."""
-    from lab.report.terminal import slo_text
+    from sched_lab.report.terminal import slo_text
 
     slo = uniform_slo(sweep)
     if sweep.search is not None:

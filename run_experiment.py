@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import sys
 
-from sched_lab.cli import run_main
+try:
+    from sched_lab.cli import run_main
+except ModuleNotFoundError as e:  # a checkout imports as sched_lab once installed
+    if e.name != "sched_lab":
+        raise
+    sys.exit("run_experiment.py: sched_lab is not installed: pip install -e . in the checkout")
 
 
 def main(argv: list[str] | None = None) -> int:

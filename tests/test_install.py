@@ -8,16 +8,19 @@ itself: its module list, its data files and its console script.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+VERSION = "0.1.0"
 
 
 def venv_seeing_this_environment(path: Path) -> Path:
@@ -39,6 +42,26 @@ def venv_seeing_this_environment(path: Path) -> Path:
     return path / "bin"
 
 
+WHERE = (
+    "import sched_lab, sched_lab.policies, sched_lab.backend.tools, sched_lab.traces\n"
+    "from sched_lab.config.paths import DATA_ROOT\n"
+    "print(sched_lab.__file__, sched_lab.policies.__file__, sched_lab.backend.tools.__file__,"
+    " sched_lab.traces.__file__, DATA_ROOT)"
+)
+
+
+def wheel_of_this_checkout(folder: Path, env: dict[str, str]) -> Path:
+    """The wheel ``pip install .`` would install, built into ``folder``."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "--no-index", "-w", str(folder), str(ROOT)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = folder.glob("sched_lab-*.whl")
+    return wheel
+
+
 @pytest.mark.parametrize("editable", [False, True], ids=["install", "editable"])
 def test_install_and_run_from_another_folder(tmp_path, editable):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -53,30 +76,46 @@ def test_install_and_run_from_another_folder(tmp_path, editable):
         "--no-build-isolation",
         "--no-index",
     ]
-    proc = subprocess.run(
-        [*pip, *(["-e"] if editable else []), str(ROOT)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    if editable:
+        target = ["-e", str(ROOT)]
+    else:  # one import name in site-packages: sched_lab/ and its dist-info, nothing else
+        wheel = wheel_of_this_checkout(tmp_path / "wheel", env)
+        with zipfile.ZipFile(wheel) as zf:
+            top = {name.split("/")[0] for name in zf.namelist()}
+            scripts = zf.read(f"sched_lab-{VERSION}.dist-info/entry_points.txt").decode()
+        assert top == {"sched_lab", f"sched_lab-{VERSION}.dist-info"}, top
+        assert "sched-lab = sched_lab.cli:main" in scripts
+        target = [str(wheel)]
+    proc = subprocess.run([*pip, *target], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     work = tmp_path / "work"
     work.mkdir()
     where = subprocess.run(
-        [bin_dir / "python", "-c", "import sched_lab; print(sched_lab.__file__)"],
+        [bin_dir / "python", "-c", WHERE],
         cwd=work,
         env=env,
         capture_output=True,
         text=True,
         check=True,
     )
-    installed = Path(where.stdout.strip()).resolve()
-    if editable:
-        assert installed == ROOT / "lab" / "__init__.py"
+    lab, policies, tools, traces, data_root = map(Path, where.stdout.split())
+    if editable:  # each subpackage from its own top-level folder of the checkout
+        assert (lab, policies, tools, traces) == (
+            ROOT / "lab" / "__init__.py",
+            ROOT / "policies" / "__init__.py",
+            ROOT / "backend" / "tools" / "__init__.py",
+            ROOT / "traces" / "__init__.py",
+        )
+        assert data_root == ROOT
     else:
-        assert installed.is_relative_to(tmp_path / "venv")
-        data = installed.parent.parent
+        package = lab.parent
+        assert package.name == "sched_lab" and package.is_relative_to(tmp_path / "venv")
+        assert (policies, tools, traces) == (
+            package / "policies" / "__init__.py",
+            package / "backend" / "tools" / "__init__.py",
+            package / "traces" / "__init__.py",
+        )
+        assert data_root == package
         for name in (
             "experiments/quickstart.yaml",
             "experiments/data/smollm2_prompts.yaml",
@@ -87,10 +126,10 @@ def test_install_and_run_from_another_folder(tmp_path, editable):
             "policies/fcfs.py",
             "backend/attention/triton_kernels.py",
             "backend/tools/__main__.py",
-            "lab/core/scheduler.py",
-            "lab/sim/replay.py",
+            "core/scheduler.py",
+            "sim/replay.py",
         ):
-            assert (data / name).is_file(), name
+            assert (package / name).is_file(), name
     run = [
         bin_dir / "sched-lab",
         "run",
@@ -115,4 +154,50 @@ def test_install_and_run_from_another_folder(tmp_path, editable):
     version = subprocess.run(
         [bin_dir / "sched-lab", "--version"], cwd=work, env=env, capture_output=True, text=True
     )
-    assert version.stdout.strip() == "sched-lab 0.1.0"
+    assert version.stdout.strip() == f"sched-lab {VERSION}"
+
+
+def test_every_package_folder_is_listed():
+    """pyproject.toml lists every folder with an __init__.py under its sched_lab name (a new
+    room or subpackage left out would be missing from the wheel), each in its own folder."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    tables = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = tables["package-dir"]
+    assert dirs == {
+        "sched_lab": "lab",
+        "sched_lab.policies": "policies",
+        "sched_lab.backend": "backend",
+        "sched_lab.traces": "traces",
+        "sched_lab.experiments": "experiments",
+        "sched_lab.profiles": "profiles",
+    }
+    found = {
+        ".".join((name, *init.parent.relative_to(ROOT / folder).parts))
+        for name, folder in dirs.items()
+        for init in (ROOT / folder).rglob("__init__.py")
+    }
+    assert sorted(tables["packages"]) == sorted(found)
+
+
+def test_the_folders_import_only_as_sched_lab():
+    """The repository root is on sys.path here, yet a folder imported by its own name is
+    refused (tests/conftest.py): a missed rename would work here and fail in a wheel."""
+    old_name = "policies"  # by its folder name, as before the lab was one package
+    with pytest.raises(ImportError, match="sched_lab"):
+        importlib.import_module(old_name)
+    import sched_lab.policies
+
+    assert Path(sched_lab.policies.__file__) == ROOT / "policies" / "__init__.py"
+
+
+def test_run_experiment_without_the_package_is_one_line(tmp_path):
+    """From a checkout that is not installed (here: python -S, no site-packages) the old entry
+    point says what to do in one line."""
+    proc = subprocess.run(
+        [sys.executable, "-S", str(ROOT / "run_experiment.py"), "experiments/quickstart.yaml"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr == (
+        "run_experiment.py: sched_lab is not installed: pip install -e . in the checkout\n"
+    )

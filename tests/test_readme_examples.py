@@ -72,7 +72,8 @@ def test_readme_python_api_example_works(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "docs/python_api.md", "exec"), {})  # noqa: S102 - our docs
     out = capsys.readouterr().out
-    assert "chunked_prefill" in out and "fcfs" in out and "'p50':" in out
+    assert "chunked_prefill" in out and "fcfs" in out
+    assert float(out.splitlines()[-1]) > 0  # the first run's p99_ttft_ms
     folder = tmp_path / "results" / "api_example"
     assert {"requests.csv", "steps.csv", "summary.json", "report.md"} <= {
         p.name for p in folder.iterdir()

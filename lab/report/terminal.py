@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from sched_lab.results.names import percentile_word
+
 WIDTH = 100
 LABEL = 30  # width of the metric names, at least
 CELL = 16  # width of one run's column, at least (wider when its label or a cell needs it)
@@ -46,7 +48,7 @@ def rows(runs, percentiles) -> list[tuple[str, list[str]]]:
         out.append(
             ("SLO attainment (%)", cells(lambda r: num(_pct(r.summary["slo_attainment"]), ".1f")))
         )
-    words = ["mean", *(f"p{_word(p)}" for p in percentiles), "max"]
+    words = ["mean", *(f"p{percentile_word(p)}" for p in percentiles), "max"]
     for name, title, unit in LATENCIES:
         scale, fmt = (1e-3, ".3f") if unit == "s" else (1.0, ".1f")
         for word in words:
@@ -178,10 +180,6 @@ def _has_slo(summary: dict) -> bool:
     """Whether the run has SLOs: top-level, or of some workload class."""
     classes = summary.get("classes") or {}
     return bool(summary.get("slo")) or any(c.get("slo") for c in classes.values())
-
-
-def _word(p: float) -> str:
-    return str(int(p)) if int(p) == p else str(p)
 
 
 def _pct(x):

@@ -144,26 +144,29 @@ def test_prefix_affinity_load_bound_and_no_hash_ids():
 # ---------------------------------------------------------------------------- P/D
 def test_disaggregated_timeline_exact():
     # K+V = 1000 bytes a token; link 1e7 bytes/s, latency 5 ms. a and b (150 prompt
-    # tokens) prefill together on the prefill replica, 0-10 ms: first tokens at 10 ms.
-    # Link FIFO: a's 150 kB take 15 ms (10-25 ms), land at 30 ms; b's wait for the link
-    # (15 ms), go 25-40 ms, land at 45 ms. Decode replica (fcfs, prefill first): a fed at
-    # 30-40 (token 2), decoded 40-50 (3); b lands mid-step and is fed alone at 50-60
-    # (its token 2); both decode 60-70 (a's 4 and last, b's 3); b 70-80 (4).
+    # tokens) prefill together on the prefill replica, 0-10 ms: its tokens at 10 ms (not
+    # sent to the client). Link FIFO: a's 150 kB take 15 ms (10-25 ms), land at 30 ms; b's
+    # wait for the link (15 ms), go 25-40 ms, land at 45 ms. Decode replica (fcfs, prefill
+    # first): a's last prompt token recomputed at 30-40 (token 1: TTFT 40 ms), decoded
+    # 40-50 (2); b lands mid-step and is recomputed alone at 50-60 (its token 1); both
+    # decode 60-70 (a's 3, b's 2) and 70-80 (a's 4 and last, b's 3); b 80-90 (4).
     rows = [("a", 0.0, 150, 4), ("b", 0.0, 150, 4)]
     res, reqs = run_cluster(disaggregated(1, 1, 1e7, 0.005), rows, kv_bytes=1000)
     a, b = reqs["a"], reqs["b"]
-    np.testing.assert_allclose(res.token_times(a), [0.01, 0.04, 0.05, 0.07])
-    np.testing.assert_allclose(res.token_times(b), [0.01, 0.06, 0.07, 0.08])
+    np.testing.assert_allclose(res.token_times(a), [0.04, 0.05, 0.07, 0.08])
+    np.testing.assert_allclose(res.token_times(b), [0.06, 0.07, 0.08, 0.09])
+    assert res.prefill_token_s(a) == res.prefill_token_s(b) == pytest.approx(0.01)
     assert res.transfers[a] == pytest.approx((0.01, 0.01, 0.03, 150_000))
     assert res.transfers[b] == pytest.approx((0.01, 0.025, 0.045, 150_000))
     assert [res.replica_of[a], res.first_token[a][0]] == [1, 0]
     assert res.roles == ["prefill", "decode"]
-    # The prefill replica ran one step; the decode replica's first feeds 1 token.
+    # The prefill replica ran one step; the decode replica's first recomputes 1 token.
     assert res.replica_results[0].steps["num_prefill_tokens"].tolist() == [300]
-    assert res.replica_results[1].steps["num_prefill_tokens"].tolist()[:3] == [1, 0, 1]
+    assert res.replica_results[1].steps["num_prefill_tokens"].tolist() == [1, 0, 1, 0, 0, 0]
+    assert res.replica_results[1].steps["num_decode_tokens"].tolist() == [0, 1, 0, 2, 2, 1]
 
 
-def test_disaggregated_metrics_ttft_excludes_the_transfer(tmp_path):
+def test_disaggregated_ttft_is_the_decode_replicas(tmp_path):
     from sched_lab.results import metrics
     from sched_lab.results.cluster_metrics import add_cluster
 
@@ -173,13 +176,25 @@ def test_disaggregated_metrics_ttft_excludes_the_transfer(tmp_path):
     summary = metrics.summarize(df, itl, res, {})
     df, cluster = add_cluster(df, res, res.requests, summary)
     by = df.set_index("request_id")
-    assert by.loc["a", "ttft_s"] == pytest.approx(0.01)
-    assert by.loc["b", "tpot_s"] == pytest.approx((0.08 - 0.01) / 3)
+    # The times of test_disaggregated_timeline_exact: the client's first tokens come from
+    # the decode replica at 40 and 60 ms; the prefill replica's at 10 ms.
+    assert by.loc["a", "ttft_s"] == pytest.approx(0.04)
+    assert by.loc["b", "ttft_s"] == pytest.approx(0.06)
+    assert by.loc["b", "tpot_s"] == pytest.approx((0.09 - 0.06) / 3)
+    assert by.loc["b", "e2e_s"] == pytest.approx(0.09)
+    assert by.loc["a", "prefill_ttft_s"] == by.loc["b", "prefill_ttft_s"] == pytest.approx(0.01)
     assert by.loc["b", "transfer_s"] == pytest.approx(0.045 - 0.01)
     assert by.loc["b", "transfer_queue_s"] == pytest.approx(0.015)
     # one output token: done by the prefill replica, nothing moves
     assert by.loc["one", "status"] == "finished" and np.isnan(by.loc["one", "transfer_s"])
     assert by.loc["one", "replica"] == 0 and by.loc["one", "ttft_s"] == pytest.approx(0.01)
+    assert by.loc["one", "prefill_ttft_s"] == pytest.approx(0.01)
+    assert cluster["p50_prefill_ttft_ms"] == pytest.approx(10.0)
+    rep0, rep1 = cluster["replicas"]["0"], cluster["replicas"]["1"]
+    assert rep0["p50_prefill_ttft_ms"] == pytest.approx(10.0)  # a, b and one
+    assert rep0["p50_ttft_ms"] == pytest.approx(10.0)  # one: its token reached the client
+    assert rep1["p50_ttft_ms"] == pytest.approx(50.0)  # a and b: 40 and 60 ms
+    assert "p50_prefill_ttft_ms" not in rep1
     assert cluster["kv_transfer"]["num_transfers"] == 2
     # Both transfers reserve the decode replica's host buffer when they start, at 10 ms.
     assert cluster["kv_transfer"]["host_buffer_bytes"] == 64 << 30
@@ -194,18 +209,18 @@ def test_disaggregated_metrics_ttft_excludes_the_transfer(tmp_path):
 
 def test_decode_replica_without_room_keeps_the_request_waiting():
     # 8 blocks of 16 tokens per replica. a (prompt 100, 20 tokens) is admitted on the
-    # decode replica with ceil(102 / 16) = 7 blocks; b's KV lands while a holds them and
-    # needs 7 more, so b waits until a's last token (its blocks free), then is fed.
+    # decode replica with ceil(101 / 16) = 7 blocks; b's KV lands while a holds them and
+    # needs 7 more, so b waits until a's last token (its blocks free), then is recomputed.
     # Transfers take the latency alone (0 bytes a token): 1 ms.
     rows = [("a", 0.0, 100, 20), ("b", 0.02, 100, 4)]
     res, reqs = run_cluster(disaggregated(1, 1, 1e9, 0.001), rows, gpu_blocks=8)
     a, b = reqs["a"], reqs["b"]
     ta, tb = res.token_times(a), res.token_times(b)
-    # a: prefill 0-10 ms, lands 11 ms, tokens 2..20 at 21, 31, ..., 201 ms
-    np.testing.assert_allclose(ta, [0.01, *(0.011 + 0.01 * np.arange(1, 20))])
-    # b: prefill 20-30 ms, lands at 31 ms, waits; fed 201-211 ms, then 221, 231
-    np.testing.assert_allclose(tb, [0.03, 0.211, 0.221, 0.231])
-    assert a.finish_s == pytest.approx(0.201) and b.status.value == "finished"
+    # a: prefill 0-10 ms, lands 11 ms, tokens 1..20 at 21, 31, ..., 211 ms
+    np.testing.assert_allclose(ta, 0.011 + 0.01 * np.arange(1, 21))
+    # b: prefill 20-30 ms, lands at 31 ms, waits; recomputed 211-221 ms, then 231, 241, 251
+    np.testing.assert_allclose(tb, [0.221, 0.231, 0.241, 0.251])
+    assert a.finish_s == pytest.approx(0.211) and b.status.value == "finished"
 
 
 def test_full_host_buffer_holds_the_kv_on_the_prefill_replica():
@@ -224,7 +239,7 @@ def test_full_host_buffer_holds_the_kv_on_the_prefill_replica():
     assert res.transfers[a] == pytest.approx((0.01, 0.01, 0.01, 60))
     assert res.transfers[b] == pytest.approx((0.01, 0.02, 0.02, 60))
     assert res.transfers[c] == pytest.approx((0.03, 0.04, 0.04, 100))
-    assert res.token_times(c)[0] == pytest.approx(0.03)
+    assert res.prefill_token_s(c) == pytest.approx(0.03)
     assert res.host_buffer_peak == {1: (100, 1)} and res.num_back_pressured == 2
     # The prefill replica's KV use: 8 blocks in its first step; c's 7 in its second (b's 4
     # went with its KV at 20 ms, just before).
@@ -234,7 +249,7 @@ def test_full_host_buffer_holds_the_kv_on_the_prefill_replica():
     # (the prefill replica's step ends first) the buffer holds a (admitted at 10-20 ms),
     # b (waiting) and c: 60 + 60 + 100 bytes.
     res, reqs = run_cluster(disaggregated(1, 1, 1e12, 0.0), rows, gpu_blocks=8, kv_bytes=1)
-    assert res.token_times(reqs["c"])[0] == pytest.approx(0.02) and res.num_back_pressured == 0
+    assert res.prefill_token_s(reqs["c"]) == pytest.approx(0.02) and res.num_back_pressured == 0
     assert res.host_buffer_peak == {1: (220, 3)}
 
 
@@ -489,9 +504,10 @@ def test_every_request_ends_with_its_tokens(rows, router, layout, policy, host_b
         assert len(times) == r.output_len == res.num_token_times(r)
         assert np.all(np.diff(times) >= 0) and times[0] > r.arrival_s
         assert times[-1] == pytest.approx(r.finish_s)
-        if r in res.transfers:  # the second token comes after the KV landed
+        if r in res.transfers:  # the client's first token comes after the KV landed
             ready, start, landed, nbytes = res.transfers[r]
-            assert times[0] == pytest.approx(ready) and ready <= start < landed <= times[1]
+            assert res.prefill_token_s(r) == pytest.approx(ready)
+            assert r.arrival_s < ready <= start < landed < times[0]
             assert nbytes == 100 * r.prompt_len
     for rr in res.replica_results:  # every block back in its pool
         assert rr.steps["kv_used_blocks"].min(initial=0) >= 0

@@ -22,8 +22,11 @@ def add_cluster(
     ``cluster`` section: layout, transfers (with each decode replica's host buffer size and
     how many transfers waited for room in it), and per replica its role, requests, steps,
     busy time and share, tokens fed, preemptions, queue peak (most requests waiting or swapped
-    out after a step), KV use (mean, max), TTFT and TPOT; a decode replica also its host
-    buffer's peak (bytes and requests at once)."""
+    out after a step), KV use (mean, max), TTFT and TPOT of the finished requests whose tokens
+    it sent to the client; a prefill replica also its ``prefill_ttft`` (arrival to the token
+    it sampled, every request prefilled there), a decode replica its host buffer's peak
+    (bytes and requests at once). Disaggregated, the section also holds the whole cluster's
+    ``prefill_ttft`` statistics."""
     df = df.assign(**request_columns(result, rows))
     finished = df["status"] == "finished"
     duration = summary["duration"]
@@ -48,9 +51,13 @@ def add_cluster(
             if busy > 0
             else 0.0,
             "max_kv_cache_usage": float(kv.max(initial=0.0)),
-            **latency_stats("ttft", df.loc[finished & first_here.fillna(False), "ttft_s"]),
+            **latency_stats("ttft", df.loc[finished & decoded_here.fillna(False), "ttft_s"]),
             **latency_stats("tpot", df.loc[finished & decoded_here.fillna(False), "tpot_s"]),
         }
+        if role == "prefill":  # its own time to the token it samples (prefill_ttft_s)
+            replicas[str(i)].update(
+                latency_stats("prefill_ttft", df.loc[first_here.fillna(False), "prefill_ttft_s"])
+            )
         if i in result.host_buffer_peak:  # a decode replica: KV landed, not admitted yet
             peak_bytes, peak_requests = result.host_buffer_peak[i]
             replicas[str(i)]["host_buffer_peak_bytes"] = peak_bytes
@@ -62,6 +69,7 @@ def add_cluster(
         "num_gpu_blocks_total": int(sum(rr.num_gpu_blocks for rr in result.replica_results)),
     }
     if "transfer_s" in df:
+        out.update(latency_stats("prefill_ttft", df["prefill_ttft_s"]))
         moved = df["transfer_s"].notna()
         out["kv_transfer"] = {
             "num_transfers": int(moved.sum()),

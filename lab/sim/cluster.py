@@ -28,16 +28,19 @@ P..P+D-1 decode. The rules:
   then the prefill replica holds the request's GPU blocks (back-pressure: they count as used
   there, so the prefill replica admits less). A request whose prompt's KV exceeds the buffer
   is rejected at arrival.
-* When the KV lands, the request joins the decode replica's ``waiting`` queue with its
-  prompt computed: its policy admits it like any request, allocating its blocks then
-  (prompt + 2 tokens' worth: the KV that landed, plus the first token's and the second's
-  slots) and feeding the first token, which samples the second. A decode replica without
-  room keeps it waiting, FIFO behind earlier arrivals, its KV in the host buffer; it is
-  admitted when blocks free up, and its buffer space is free at the end of the step that
+* When the KV lands, the request joins the decode replica's ``waiting`` queue with all but
+  its prompt's last token computed: its policy admits it like any request, allocating its
+  blocks then (prompt + 1 tokens' worth: the KV that landed and the first token's slot), and
+  its first step recomputes the prompt's last token, which samples output token 1 (as vLLM's
+  KV connectors do: the prefill replica's token is not sent to the client). A decode replica
+  without room keeps it waiting, FIFO behind earlier arrivals, its KV in the host buffer; it
+  is admitted when blocks free up, and its buffer space is free at the end of the step that
   admits it. Preempted on the decode replica, it is recomputed there (its KV is gone).
-* TTFT is the prefill's: the first token is produced by the prefill replica (DistServe,
-  Splitwise), so TTFT excludes the transfer; the gap to the second token (its ITL, part of
-  TPOT) includes the transfer and any wait for the decode replica.
+* TTFT is where the client sees the first token, the decode replica: it includes queueing
+  in both pools, the prefill, the transfer (and any wait for the link or for buffer room)
+  and the decode replica's first step; TPOT and E2E follow from the decode replica's tokens.
+  The prefill replica's own time to its token is reported apart (``prefill_ttft_s``). A
+  request of one output token is served whole by its prefill replica (its TTFT is there).
 """
 
 from __future__ import annotations
@@ -181,7 +184,8 @@ class ClusterResult(ReplayResult):
         replica_results: per replica, its steps and the requests routed to it.
         roles: per replica, "both", "prefill" or "decode".
         replica_of: the replica that produced each request's last token.
-        first_token: disaggregated requests of 2+ tokens: (prefill replica, step index).
+        first_token: disaggregated requests of 2+ tokens: (prefill replica, step index) of
+            the prefill replica's token (not sent to the client; ``prefill_ttft_s``).
         transfers: (KV ready s, transfer start s, KV landed s, bytes) per transferred request.
         host_buffer_peak: per decode replica index, the most bytes and requests its host
             buffer held at once.
@@ -200,14 +204,19 @@ class ClusterResult(ReplayResult):
     num_back_pressured: int = 0
 
     def token_times(self, r: Request) -> np.ndarray:
-        times = self.replica_results[self.replica_of[r]].token_times(r)
+        return self.replica_results[self.replica_of[r]].token_times(r)
+
+    def prefill_token_s(self, r: Request) -> float:
+        """When the prefill replica sampled ``r``'s token (s): the end of its prefill there
+        (for a request served whole by one replica, its first token's time); NaN when ``r``
+        got none."""
         if r in self.first_token:
             p, step = self.first_token[r]
-            times = np.concatenate(([self.replica_results[p].step_end_s[step]], times))
-        return times
-
-    def num_token_times(self, r: Request) -> int:
-        return super().num_token_times(r) + (r in self.first_token)
+            return float(self.replica_results[p].step_end_s[step])
+        if r.prefill_token_steps and r in self.replica_of:
+            rr = self.replica_results[self.replica_of[r]]
+            return float(rr.step_end_s[r.prefill_token_steps[0]])
+        return math.nan
 
     def num_tokens_received(self, r: Request) -> int:
         """:meth:`num_token_times`: a replica's step and tick indices are its own."""
@@ -348,9 +357,10 @@ class _Cluster:
         event.callbacks.append(lambda _event: self._land(r, d))
 
     def _land(self, r: Request, d: Replica) -> None:
-        """The KV of ``r`` is on decode replica ``d``: it waits there, prompt computed."""
+        """The KV of ``r`` is on decode replica ``d``: it waits there, all of its prompt
+        but the last token computed (its first step recomputes that one, sampling token 1)."""
         d.num_incoming -= 1
-        r.num_computed_tokens, r.num_output_tokens = r.prompt_len, 1
+        r.num_computed_tokens, r.num_output_tokens = r.prompt_len - 1, 0
         d.add(r)
         if r.status is not RequestStatus.WAITING and r in d.buffered:  # rejected at add
             d.buffer_bytes -= d.buffered.pop(r)
@@ -468,8 +478,9 @@ def _merged_steps(results: Sequence[ReplayResult]) -> dict[str, np.ndarray]:
 def request_columns(result: ClusterResult, rows: Sequence[Request]) -> dict[str, Any]:
     """Per-request cluster columns for ``rows`` (requests.csv): ``replica`` (that produced
     the last token; empty when never placed); disaggregated also ``prefill_replica``,
-    ``kv_transfer_bytes``, ``transfer_queue_s`` (waiting for the link) and ``transfer_s``
-    (KV ready on the prefill replica to landed on the decode one, the wait included)."""
+    ``prefill_ttft_s`` (arrival to the prefill replica's token), ``kv_transfer_bytes``,
+    ``transfer_queue_s`` (waiting for the link) and ``transfer_s`` (KV ready on the prefill
+    replica to landed on the decode one, the wait included)."""
     import pandas as pd
 
     def ints(values) -> Any:
@@ -484,6 +495,9 @@ def request_columns(result: ClusterResult, rows: Sequence[Request]) -> dict[str,
         nan = (math.nan, math.nan, math.nan, None)
         tr = [result.transfers.get(r, nan) for r in rows]
         cols["prefill_replica"] = ints(prefill)
+        cols["prefill_ttft_s"] = np.array(
+            [result.prefill_token_s(r) - r.arrival_s for r in rows], dtype=np.float64
+        )
         cols["kv_transfer_bytes"] = ints([t[3] for t in tr])
         cols["transfer_queue_s"] = np.array([t[1] - t[0] for t in tr], dtype=np.float64)
         cols["transfer_s"] = np.array([t[2] - t[0] for t in tr], dtype=np.float64)

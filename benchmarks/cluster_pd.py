@@ -82,11 +82,11 @@ def main() -> None:
             good = [meets_slo(run.requests, slo) for slo in slos]
             print(
                 f"| {name} | {run.policy} | {run.rate_scale:g} | "
-                f"{s['ttft_s']['p50']:.3f} / {s['ttft_s']['p99']:.3f} | "
-                f"{1e3 * s['tpot_s']['p50']:.1f} / {1e3 * s['tpot_s']['p99']:.1f} | "
-                f"{s['preemptions']['recompute'] + s['preemptions']['swap']} | "
-                f"{100 * s['kv_used_fraction']['mean']:.0f} | "
-                + " | ".join(f"{g.sum() / s['duration_s']:.1f} / {g.mean():.1%}" for g in good)
+                f"{s['p50_ttft_ms'] / 1e3:.3f} / {s['p99_ttft_ms'] / 1e3:.3f} | "
+                f"{s['p50_tpot_ms']:.1f} / {s['p99_tpot_ms']:.1f} | "
+                f"{s['num_preemptions']} | "
+                f"{100 * s['mean_kv_cache_usage']:.0f} | "
+                + " | ".join(f"{g.sum() / s['duration']:.1f} / {g.mean():.1%}" for g in good)
                 + " |",
                 flush=True,
             )

@@ -90,7 +90,7 @@ def main() -> None:
             print(
                 f"| {name} | {label} | {cached / prompt:.3f} | {one:.3f} | "
                 f"{max(counts) / (sum(counts) / len(counts)):.2f} | "
-                f"{s['ttft_s']['p50']:.3f} / {s['ttft_s']['p99']:.3f} |",
+                f"{s['p50_ttft_ms'] / 1e3:.3f} / {s['p99_ttft_ms'] / 1e3:.3f} |",
                 flush=True,
             )
 

@@ -1,0 +1,39 @@
+"""Simulator benchmark scripts still run against today's result names (they read summaries)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_cluster_pd_prints_one_row_per_layout_and_policy():
+    # 60 requests of the Azure conversation trace at 4x on 2 GPUs: aggregated and 1P + 1D,
+    # fcfs and chunked_prefill. At this load every request meets both SLO pairs.
+    out = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/cluster_pd.py",
+            "--gpus",
+            "2",
+            "--rates",
+            "4",
+            "--limit",
+            "60",
+        ],  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 1P") or
+            line.startswith("| 2 agg")]  # fmt: skip
+    assert [(r[0], r[1]) for r in rows] == [
+        ("| 2 aggregated", "fcfs"),
+        ("| 2 aggregated", "chunked_prefill"),
+        ("| 1P + 1D", "fcfs"),
+        ("| 1P + 1D", "chunked_prefill"),
+    ]
+    for r in rows:
+        assert r[-2].endswith("/ 100.0%") and r[-1].endswith("/ 100.0% |")

@@ -17,7 +17,8 @@ class RequestStatus(enum.Enum):
     SWAPPED = "swapped"
     FINISHED = "finished"
     REJECTED = "rejected"
-    ABORTED = "aborted"
+    ABORTED = "aborted"  # ended by the scheduler before its end (e.g. it can no longer fit)
+    UNFINISHED = "unfinished"  # not ended when the run stopped (a failed step, a deadlock)
     DROPPED = "dropped"  # a trace row that is not replayed (see traces/table.py), with a reason
 
 

@@ -139,6 +139,9 @@ def request_table(
         df["tenant"] = [r.tenant for r in requests]
         df["priority"] = [r.priority for r in requests]
         df["recomputed_tokens"] = [r.num_recomputed_tokens for r in requests]
+    for column in ("lora_name", "cache_salt"):  # prefix-cache key names, where a trace has them
+        if any(getattr(r, column) for r in requests):
+            df[column] = [getattr(r, column) for r in requests]
     return df, itl
 
 

@@ -147,8 +147,8 @@ def summary_text(runs, percentiles, width: int = WIDTH) -> str:
     note = []
     if summary.get("slo"):
         note.append(
-            f"SLOs: {slo_text(summary['slo'])} (goodput: finished requests/s meeting every SLO;"
-            " attainment: over all replayed requests)"
+            f"SLOs: {slo_text(summary['slo'])} (goodput: finished requests/s meeting every SLO)"
+            "\nSLO attainment: of all replayed requests (rejected, aborted, unfinished: misses)"
         )
     elif _has_slo(summary):
         note.append("SLOs: per class (goodput: finished requests/s meeting their class's SLOs)")

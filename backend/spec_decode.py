@@ -30,7 +30,12 @@ from sched_lab.core.request import Request, RequestStatus
 from sched_lab.core.spec import draft_vocab_error
 
 METHODS = ("ngram", "draft", "synthetic")
-_DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
+_DONE = (
+    RequestStatus.FINISHED,
+    RequestStatus.ABORTED,
+    RequestStatus.REJECTED,
+    RequestStatus.UNFINISHED,
+)
 
 
 def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:

@@ -175,15 +175,19 @@ def prompts_error(tmp_path: Path, data: bytes) -> tuple[str, str]:
         (b"prompt: hello\n", "expected a non-empty list of {prompt, output_len, arrival_s}"),
         (
             b"- {prompt: hello, output_len: 4, temperature: 0.5}\n",
-            "item 1: expected keys prompt, output_len, arrival_s; got {'output_len': 4, 'prompt': "
-            "'hello', 'temperature': 0.5}",
+            "item 1: expected keys prompt, output_len, arrival_s (and optional lora_name, "
+            "cache_salt); got {'output_len': 4, 'prompt': 'hello', 'temperature': 0.5}",
+        ),
+        (
+            b"- {prompt: hello, output_len: 4, cache_salt: 7}\n",
+            "item 1: cache_salt: expected a non-empty string, got 7",
         ),
         (
             b"- {prompt: " + b"x" * 500 + b", output_len: 0}\n",
             "item 1: output_len: expected an integer in 1..1,099,511,627,776, got 0",
         ),
     ],
-    ids=["latin-1", "deep", "bad-yaml", "not-a-list", "unknown-key", "long-prompt-bad-len"],
+    ids=["latin-1", "deep", "bad-yaml", "not-a-list", "unknown-key", "salt", "long-prompt-bad-len"],
 )
 def test_bad_prompts_file(tmp_path: Path, data: bytes, tail: str) -> None:
     message, path = prompts_error(tmp_path, data)
@@ -304,4 +308,15 @@ def test_arrivals_beyond_the_clock_at_rate_scale_1(tmp_path: Path) -> None:
     assert error({"format": "burstgpt", "path": str(path)}).startswith(
         "trace: the trace's own clock puts the last arrival at 1e+17 s; expected arrivals "
         "within 4.29e+09 s"
+    )
+
+
+def test_a_cache_salt_that_is_not_a_string_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "salt.jsonl"
+    path.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 5, "cache_salt": "a"}\n'
+        '{"timestamp": 1, "input_length": 10, "output_length": 5, "cache_salt": 3}\n'
+    )
+    assert error({"format": "mooncake", "path": str(path)}) == (
+        "salt.jsonl: line 2, key 'cache_salt': expected a non-empty string, got 3"
     )

@@ -77,7 +77,7 @@ def test_a_typo_of_a_class_key_names_the_class_keys(tmp_path):
     with pytest.raises(
         Exception,
         match=r"^trace\[0\] \(class 'chat'\): unknown key 'priorty' \(did you mean 'priority'\?\); "
-        r"a class's own keys: name, priority, tenant, slo, periods$",
+        r"a class's own keys: name, priority, tenant, slo, periods, lora_name, cache_salt$",
     ):
         load_classes(classes, tmp_path)
 
@@ -118,6 +118,17 @@ def test_periods_in_yaml_round_trip_and_run(tmp_path):
     assert [r.arrival_s for r in reqs if r.class_name == "batch"] == [0.0, 3.5, 4.0]
 
 
+def test_a_class_gives_its_requests_its_adapter_and_cache_salt(tmp_path):
+    classes = two_classes(tmp_path)
+    classes[0] |= {"cache_salt": "u1-salt"}
+    classes[1] |= {"lora_name": "sql", "cache_salt": "u2-salt"}
+    cfg = config(tmp_path, classes)
+    assert cfg.to_dict()["trace"][1]["lora_name"] == "sql"
+    reqs, _ = load_classes(cfg.trace.to_dict(), tmp_path)
+    names = {(r.class_name, r.lora_name, r.cache_salt) for r in reqs}
+    assert names == {("chat", "", "u1-salt"), ("batch", "sql", "u2-salt")}
+
+
 def config(tmp_path, trace, policies=("fcfs",), **top):
     return validate(
         {"name": "c", "trace": trace, "policies": list(policies), **top}, "exp.yaml", tmp_path
@@ -139,6 +150,8 @@ def config(tmp_path, trace, policies=("fcfs",), **top):
             r"trace\[0\].rate_scale: expected a number \(one load per class\)",
         ),
         ({"slo": {"ttft_s": -1}}, r"trace\[0\].slo.ttft_s: expected a finite number > 0"),
+        ({"cache_salt": 3}, r"exp.yaml: trace\[0\].cache_salt: expected a non-empty string, got 3$"),
+        ({"lora_name": ""}, r"exp.yaml: trace\[0\].lora_name: expected a non-empty string"),
         ({"path": "nope.csv"}, r"trace\[0\].path: 'nope.csv': no such file"),
         ({"periods": "0-60"}, r"exp.yaml: trace\[0\] \(class 'chat'\).periods: expected a "
          r"non-empty list of \[start_s, end_s\] pairs in seconds of the run, 0 <= start_s < "

@@ -136,16 +136,16 @@ def test_block_pool_is_lazy_and_lifo():
     assert sorted(small.free_ids()) == [0, 2] and small.take(2) == [2, 0]
 
 
-def test_abort_unfinished_frees_everything():
+def test_end_unfinished_frees_everything():
     s = make(gpu_blocks=4)
     reqs = [Request(str(i), 0.0, 3, 8) for i in range(3)]
     for r in reqs:
         s.add(r, 0.0)
     s.update(s.schedule(), StepResult(0.01), 0.01)
-    ended = s.abort_unfinished("stopped", 0.5)
+    ended = s.end_unfinished("stopped", 0.5)
     assert sorted(r.request_id for r in ended) == ["0", "1", "2"]
     assert all(
-        r.status is RequestStatus.ABORTED and r.reason == "stopped" and r.finish_s == 0.5
+        r.status is RequestStatus.UNFINISHED and r.reason == "stopped" and r.finish_s == 0.5
         for r in reqs
     )
     assert s.block_manager.num_free_gpu_blocks == 4 and not s.has_unfinished()

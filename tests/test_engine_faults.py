@@ -81,7 +81,7 @@ def test_out_of_memory_mid_run_stops_with_partial_results(
     req = pd.read_csv(out / "requests.csv")
     assert len(req) == 24  # every request of both runs: the swap run ran after fcfs failed
     fcfs, swap = req[req.policy == "fcfs"], req[req.policy == "swap"]
-    stopped = fcfs[fcfs.status == "aborted"]
+    stopped = fcfs[fcfs.status == "unfinished"]
     assert len(stopped) > 0 and stopped.reason.str.contains("OutOfMemoryError").all()
     assert (swap.status == "finished").all()
 

@@ -132,3 +132,26 @@ def test_random_model_tokens_identical_with_caching(tmp_path):
     runs = run_experiment(cfg(24, True, POLICIES), False, hash_id_requests())
     check_identical(runs, expected, 16)
     assert runs[1].summary["num_preemptions_swap"] > 0
+
+
+def test_cache_salt_keeps_identical_prompts_apart_on_the_engine(tmp_path):
+    import numpy as np
+
+    from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
+
+    model = write_random_checkpoint(QWEN3_TINY, tmp_path / "m", dtype="float32", std=0.2)
+    # Three copies of one prompt (28 tokens, 8 per id), salts t1, t2, t1, all at t = 0. A
+    # budget of 32 tokens admits a alone in step 1 (28); step 2 takes a's decode and b
+    # (1 + 28, nothing cached under t2; c's 4 more do not fit); step 3 c, which finds a's
+    # 6 full blocks (24 tokens; lookup limit (28 - 1) // 4) under t1 and computes 4.
+    toks = [int(t) for h in (1, 2, 3, 4) for t in np.random.default_rng(h).integers(0, 256, 8)]
+    reqs = [
+        Request(rid, 0.0, 28, 4, toks[:28], [1, 2, 3, 4], hash_block_size=8, cache_salt=salt)
+        for rid, salt in (("a", "t1"), ("b", "t2"), ("c", "t1"))
+    ]
+    fcfs = {"name": "fcfs", "max_num_batched_tokens": 32, "max_model_len": 32}
+    cfg = tiny_engine_config(model, 64, [fcfs], True)
+    run = run_experiment(cfg, False, reqs)[0]
+    assert list(run.requests["num_cached_tokens"]) == [0, 0, 24]
+    out = tokens(run)
+    assert out["a"] == out["b"] == out["c"] and len(out["a"]) == 4  # caching changes no token

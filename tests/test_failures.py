@@ -39,11 +39,11 @@ def test_failed_step_stops_run_and_accounts_for_every_request():
     assert res.failure == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
     status = {r.request_id: (r.status.value, r.reason) for r in res.requests}
     assert status["a"] == ("finished", "")
-    assert status["b"][0] == "aborted"  # b was running
+    assert status["b"][0] == "unfinished"  # b was running
     assert status["b"][1].startswith(
         "not finished: the run stopped at t=0.030s (RuntimeError: CUDA out of memory"
     )
-    assert status["c"][0] == "aborted"  # c had not arrived (t=5): no finish time
+    assert status["c"][0] == "unfinished"  # c had not arrived (t=5): no finish time
     assert status["c"][1].startswith(
         "not replayed: the run stopped at t=0.030s, before its "
         "arrival (RuntimeError: CUDA out of memory"
@@ -75,8 +75,8 @@ def test_cli_writes_partial_results_and_exits_1(tmp_path, monkeypatch, capsys):
     assert "error: 2 of 2 runs stopped early: fcfs (RuntimeError: device lost), swap " in err
     req = pd.read_csv(out / "requests.csv")
     assert len(req) == 40 and list(req.policy.value_counts()) == [20, 20]  # every run ran
-    assert (req.status == "aborted").sum() > 0
-    assert req.loc[req.status == "aborted", "reason"].str.contains("device lost").all()
+    assert (req.status == "unfinished").sum() > 0
+    assert req.loc[req.status == "unfinished", "reason"].str.contains("device lost").all()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["fcfs"]["failure"] == "RuntimeError: device lost"
     assert summary["swap"]["failure"] == "RuntimeError: device lost"
@@ -145,7 +145,7 @@ def test_plans_that_feed_no_token_stop_the_run():
                 f"deadlock: policy '{name}' made no progress at t=0.020000s"
             ), res.failure
             assert len(res.steps["time_s"]) == 2
-            assert reqs[0].status.value == "aborted"
+            assert reqs[0].status.value == "unfinished"
             assert reqs[0].reason == f"{res.failure} (the run stopped at t=0.020s)"
         finally:
             POLICIES.pop(name, None)
@@ -160,7 +160,7 @@ def test_plans_that_feed_no_token_stop_the_run():
 def test_work_no_event_can_advance_ends_as_a_deadlock():
     """A policy that parks a request (add() says it did not queue it, yet leaves it waiting):
     the loop is never woken, no event is left, and the run ends as a deadlock, not as a
-    normal end; the request arriving later is aborted before its arrival."""
+    normal end; the request arriving later is unfinished, before its arrival."""
     from sched_lab.core.scheduler import POLICIES, register_policy
     from sched_lab.policies.fcfs import FCFS
 
@@ -177,7 +177,7 @@ def test_work_no_event_can_advance_ends_as_a_deadlock():
         POLICIES.pop("test_park", None)
     assert res.failure == "deadlock: no event left at t=0.500000s with 2 requests unfinished: a, b"
     a, b = reqs
-    assert (a.status.value, b.status.value) == ("aborted", "aborted")
+    assert (a.status.value, b.status.value) == ("unfinished", "unfinished")
     assert a.reason == f"{res.failure} (the run stopped at t=0.500s)"
     assert a.finish_s == 0.5 and b.finish_s == 0.5  # both arrived before the run stopped
     assert len(res.steps["time_s"]) == 0

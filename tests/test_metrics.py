@@ -71,6 +71,39 @@ def test_slo_counts_rejected_as_miss():
     assert metrics.meets_slo(df, {"ttft_s": 1.0, "tpot_s": 0.01}).tolist() == [True, False]
 
 
+def test_slo_attainment_is_over_every_replayed_request():
+    # a, b (t=0, prompt 4, out 2) prefill together in step 1: TTFT 10 ms each. c arrives at
+    # 15 ms, during step 2 (a's and b's last tokens); step 3 (20-30 ms) prefills it: TTFT
+    # 15 ms, its last token at 40 ms. big (2,000 + 2 tokens > max_model_len 100): rejected.
+    # TTFT SLO 12 ms: a and b meet it, c misses it, big misses it (rejected).
+    rows = [("a", 0.0, 4, 2), ("b", 0.0, 4, 2), ("big", 0.0, 2000, 2), ("c", 0.015, 4, 2)]
+    res = run("fcfs", rows, max_model_len=100)
+    df, itl = metrics.request_table(res, "fcfs", 1.0)
+    assert df["status"].tolist() == ["finished", "finished", "rejected", "finished"]
+    s = metrics.summarize(df, itl, res, {"ttft_s": 0.012})
+    assert s["slo_attainment"] == 0.5  # 2 of 4, not 2 of the 3 finished
+    assert s["slo_attainment_finished"] == pytest.approx(2 / 3)
+    assert s["slo_attainment_ttft"] == 0.5
+    assert s["request_goodput"] == pytest.approx(2 / 0.04)  # 2 good requests over 40 ms
+    assert (s["num_prompts"], s["completed"], s["rejected"], s["failed"]) == (4, 3, 1, 1)
+
+
+def test_requests_unfinished_when_the_run_stops_are_misses():
+    # Sync, 10 ms steps: step 1 prefills a and b, step 2 gives a its last token (20 ms),
+    # step 3 decodes b, step 4 fails: b is unfinished at 30 ms with the failure as reason.
+    s = get_policy("fcfs")(SchedulerLimits(8, 64, 64), make_block_manager(8, 0, 4, 0.0, False))
+    res = replay([Request("a", 0.0, 4, 2), Request("b", 0.0, 4, 6)], s, FailsAtStep(4))
+    df, itl = metrics.request_table(res, "fcfs", 1.0)
+    assert df["status"].tolist() == ["finished", "unfinished"]
+    assert df["reason"][1] == (
+        "not finished: the run stopped at t=0.030s (RuntimeError: the step failed)"
+    )
+    summary = metrics.summarize(df, itl, res, {"ttft_s": 1.0})
+    assert (summary["completed"], summary["unfinished"], summary["aborted"]) == (1, 1, 0)
+    assert summary["failed"] == 1
+    assert summary["slo_attainment"] == 0.5 and summary["slo_attainment_finished"] == 1.0
+
+
 def test_stats_percentiles_linear_interpolation():
     s = metrics.latency_stats("x", [1.0, 2.0, 3.0, 4.0, np.nan], (50, 90, 99.9))
     assert s == {
@@ -225,13 +258,13 @@ class FailsAtStep(FixedCost):
         (True, 2, 0),
     ],
 )
-def test_aborted_requests_count_the_tokens_they_received(asynchronous, fails_at, received):
+def test_unfinished_requests_count_the_tokens_they_received(asynchronous, fails_at, received):
     bm = make_block_manager(8, 8, 16, 0.0, False)
     s = get_policy("fcfs")(SchedulerLimits(256, 10**6, 10**6), bm, async_scheduling=asynchronous)
     res = replay([Request("a", 0.0, 4, 6), Request("b", 0.0, 4, 6)], s, FailsAtStep(fails_at))
     assert res.failure == "RuntimeError: the step failed"
     df, _ = metrics.request_table(res, "fcfs", 1.0)
-    assert df["status"].tolist() == ["aborted", "aborted"]
+    assert df["status"].tolist() == ["unfinished", "unfinished"]
     assert df["num_generated_tokens"].dtype == np.int64
     assert df["num_generated_tokens"].tolist() == [received, received]
     assert df["ttft_s"].isna().all()  # latencies of finished requests only

@@ -79,8 +79,8 @@ def test_every_metric_of_a_summary_has_a_known_name():
     res = run("fcfs", [("a", 0.0, 16, 3), ("b", 0.004, 16, 2)], gpu_blocks=64)
     df, itl = metrics.request_table(res, "fcfs", 1.0)
     s = metrics.summarize(df, itl, res, {"ttft_s": 0.012, "tpot_s": 0.5}, (50, 99.9))
-    facts = {"slo", "rejected", "aborted", "dropped", "num_gpu_blocks", "num_steps",
-             "async_scheduling", "num_wasted_tokens", "prefix_caching"}  # fmt: skip
+    facts = {"slo", "rejected", "aborted", "unfinished", "dropped", "num_gpu_blocks",
+             "num_steps", "async_scheduling", "num_wasted_tokens", "prefix_caching"}  # fmt: skip
     for key in s:
         known = key in METRICS or parse_latency(key) or key in facts
         assert known or key.startswith(("prefix_cache", "slo_attainment_")), key

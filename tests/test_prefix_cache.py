@@ -32,8 +32,8 @@ class Driver:
         self.s = get_policy(policy)(SchedulerLimits(seqs, budget, 10**6), self.bm)
         self.now = 0.0
 
-    def add(self, rid, prompt, output, hash_ids=None, tokens=None, hbs=4) -> Request:
-        r = Request(rid, self.now, prompt, output, tokens, hash_ids, hash_block_size=hbs)
+    def add(self, rid, prompt, output, hash_ids=None, tokens=None, hbs=4, **extra) -> Request:
+        r = Request(rid, self.now, prompt, output, tokens, hash_ids, hash_block_size=hbs, **extra)
         assert self.s.add(r, self.now)
         return r
 
@@ -118,6 +118,40 @@ def test_token_ids_share_blocks_without_hash_ids():
     assert d.step().prefills == {n: 10}
     d.run_until_idle()
     assert n.block_hashes == [] and n.num_cached_tokens == 0
+
+
+def test_cache_salt_and_lora_name_separate_what_must_not_be_shared():
+    # bs 4, one id per block. a: prompt 12, ids [1,2,3], salt t1: its 3 full blocks keyed.
+    # Then four requests with prompt 13, ids [1,2,3,9] (lookup limit (13-1)//4 = 3 blocks):
+    # salt t2 -> 0 cached; salt t1 -> all 3 (12 tokens); no salt -> 0; adapter x with salt
+    # t1 -> 0 (the adapter is in every key).
+    d = Driver(gpu=32)
+    a = d.add("a", 12, 5, [1, 2, 3], cache_salt="t1")
+    d.step()
+    assert d.bm.num_cached_blocks == 3
+    ids = [1, 2, 3, 9]
+    b = d.add("b", 13, 5, ids, cache_salt="t2")
+    c = d.add("c", 13, 5, ids, cache_salt="t1")
+    e = d.add("e", 13, 5, ids)
+    f = d.add("f", 13, 5, ids, cache_salt="t1", lora_name="x")
+    plan = d.step()
+    assert plan.prefills == {b: 13, c: 1, e: 13, f: 13}
+    assert [r.num_cached_tokens for r in (b, c, e, f)] == [0, 12, 0, 0]
+    assert c.block_table[:3] == a.block_table[:3]
+    # The keys, by hand: vLLM's extra keys (adapter, then salt on the first block only).
+    assert e.block_hashes[:2] == [hash((0, 1, ())), hash((hash((0, 1, ())), 2, ()))]
+    assert c.block_hashes[0] == hash((0, 1, ("t1",)))
+    assert c.block_hashes[1] == hash((c.block_hashes[0], 2, ()))
+    assert f.block_hashes[0] == hash((0, 1, ("x", "t1")))
+    assert f.block_hashes[1] == hash((f.block_hashes[0], 2, ("x",)))
+    d.run_until_idle()
+    # Token ids: the same tokens under another salt share nothing, under the same all.
+    g = d.add("g", 10, 2, tokens=list(range(10)), cache_salt="u")
+    d.step()
+    h = d.add("h", 10, 2, tokens=list(range(10)), cache_salt="v")
+    k = d.add("k", 10, 2, tokens=list(range(10)), cache_salt="u")
+    assert d.step().prefills == {h: 10, k: 2}
+    assert k.block_table[:2] == g.block_table[:2]
 
 
 def test_eviction_order_lru_then_tail_first():
@@ -367,6 +401,21 @@ def test_per_policy_flag_compares_caching_off_and_on():
     assert on.summary["prefix_cache_hit_rate"] == 64 / 120
     assert list(on.requests["num_cached_tokens"]) == [0, 32, 32]
     assert on.result.steps["num_cached_tokens"].sum() == 64
+
+
+def test_a_run_keeps_tenants_apart_by_cache_salt():
+    from sched_lab.run.experiment import run_experiment
+
+    # The requests of the test above under salts a, b, a: request 2 finds request 0's
+    # blocks 0, 1 (32 tokens), request 1 (salt b) finds nothing.
+    reqs = [
+        Request(str(i), 0.05 * i, 40, 2, None, [7, 8, 9 + i], hash_block_size=16, cache_salt=s)
+        for i, s in enumerate("aba")
+    ]
+    on = run_experiment(_config(), False, reqs)[0]
+    assert list(on.requests["num_cached_tokens"]) == [0, 0, 32]
+    assert list(on.requests["cache_salt"]) == ["a", "b", "a"]
+    assert "lora_name" not in on.requests
 
 
 def dataclasses_replace(cfg, i):

@@ -420,6 +420,19 @@ def test_bound_by_hand() -> None:
     assert capped.cached_tokens == [0, 32, 0, 16, 0]
 
 
+def test_bound_keeps_adapters_and_cache_salts_apart() -> None:
+    # KV blocks of 16, hash blocks of 32. r0 (salt s, 70 + 10 tokens, ids 1 2 3) writes 4
+    # blocks. r1 (ids 1 2, 50 tokens: at most 3 blocks) finds them under salt s only: 48;
+    # under salt u, or with adapter x and salt s, nothing.
+    def salted(i, lora_name="", cache_salt="s"):
+        r = req(i, 70 if i == 0 else 50, 10 if i == 0 else 1, [1, 2, 3] if i == 0 else [1, 2])
+        r.lora_name, r.cache_salt = lora_name, cache_salt
+        return r
+
+    requests = [salted(0), salted(1, cache_salt="u"), salted(2, "x"), salted(3)]
+    assert prefix_hit_bound(requests, block_size=16).cached_tokens == [0, 0, 0, 48]
+
+
 def test_bound_reuses_replies_of_earlier_turns() -> None:
     # SESSIONS (see test_sessions_with_system_prompts_by_hand) at KV block 16 = hash block:
     # r0 writes 60 + 20 - 1 = 79 tokens: 4 blocks (ids 0 1 4 5). r2 shares the system

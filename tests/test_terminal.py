@@ -55,7 +55,7 @@ def test_statistics_without_values_print_a_dash():
     ]
     table = [
         ("finished / replayed", "2/3", "2/3"),
-        ("rejected + aborted", "1", "1"),
+        ("rejected/aborted/unfinished", "1", "1"),
         ("duration (s)", "4.0", "4.0"),
         ("request throughput (req/s)", "0.50", "0.50"),
         ("output throughput (tok/s)", "10", "10"),
@@ -202,7 +202,7 @@ def test_every_request_rejected_prints_no_latency(tmp_path, capsys):
     for name in ("TTFT mean (s)", "TTFT max (s)", "TPOT p50 (ms)", "E2E p99 (s)"):
         assert table_row(stdout, name) == "-"
     assert table_row(stdout, "finished / replayed") == "0/2"
-    assert table_row(stdout, "rejected + aborted") == "2"
+    assert table_row(stdout, "rejected/aborted/unfinished") == "2"
     req = pd.read_csv(out / "requests.csv")
     assert req["num_generated_tokens"].dtype == "int64"
     assert req["num_generated_tokens"].tolist() == [0, 0]

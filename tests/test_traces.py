@@ -248,6 +248,21 @@ def test_mooncake_exact_values(tmp_path: Path, caplog: pytest.LogCaptureFixture)
     assert "m.jsonl: dropped 1 of 3 rows with 'output_length' == 0" in caplog.text
 
 
+def test_mooncake_lora_name_and_cache_salt_per_line(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "m.jsonl",
+        '{"timestamp": 0, "input_length": 8, "output_length": 1, "cache_salt": "t1"}\n'
+        '{"timestamp": 1000, "input_length": 8, "output_length": 0, "lora_name": "x"}\n'
+        '{"timestamp": 2000, "input_length": 8, "output_length": 1, "lora_name": "sql",'
+        ' "cache_salt": null}\n'
+        '{"timestamp": 3000, "input_length": 8, "output_length": 1}\n',
+    )
+    requests = load(format="mooncake", path=path, start_s=0.5)  # rows 1 (dropped) to 3
+    assert [(r.lora_name, r.cache_salt) for r in requests] == [("x", ""), ("sql", ""), ("", "")]
+    assert [r.cache_salt for r in load(format="mooncake", path=path)][:1] == ["t1"]
+
+
 # --- common options: window, limit, rate_scale ---------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """Workload classes: ``trace:`` as a list of named classes, merged into one trace.
 
-Each class is a trace spec plus ``name``, ``priority``, ``tenant``, ``slo`` and ``periods``,
+Each class is a trace spec plus ``name``, ``priority``, ``tenant``, ``slo``, ``periods``,
+``lora_name`` and ``cache_salt`` (for its requests that have none of their own),
 loaded on its own (``seed`` defaults to the experiment's plus the class index), then merged
 by arrival time; ties go to the class listed first, then row order. ``periods`` (the run's
 clock, ``[[on_s, off_s], ...]``, the last ``off_s`` may be null) lays the class's trace
@@ -20,7 +21,7 @@ from typing import Any
 from sched_lab.core.errors import TraceError, did_you_mean
 from sched_lab.core.request import Request, RequestStatus
 from sched_lab.traces import load_table, scale_table
-from sched_lab.traces.table import apply_periods
+from sched_lab.traces.table import CACHE_KEYS, apply_periods
 
 CLASS_KEYS = (
     "name",
@@ -28,6 +29,7 @@ CLASS_KEYS = (
     "tenant",
     "slo",
     "periods",
+    *CACHE_KEYS,
 )  # the class's own; the rest is its trace
 
 
@@ -77,6 +79,8 @@ def load_classes(
                 c.get("priority", 0),
             )
             r.ttft_slo_s = slo
+            r.lora_name = r.lora_name or c.get("lora_name", "")
+            r.cache_salt = r.cache_salt or c.get("cache_salt", "")
             if r.status is not RequestStatus.DROPPED:
                 anchor = r.arrival_s
             keyed.append(((anchor, i, pos), r))

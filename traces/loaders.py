@@ -24,13 +24,14 @@ from sched_lab.traces.distributions import parse_length
 from sched_lab.traces.readers import read_csv, read_jsonl
 from sched_lab.traces.registry import register_format
 from sched_lab.traces.spec import WHERE, get_choice, get_int, get_str_list, require, resolve_path
-from sched_lab.traces.table import TraceTable, check_clock
+from sched_lab.traces.table import CACHE_KEYS, TraceTable, check_clock
 from sched_lab.traces.validate import (
     Source,
     check_sorted,
     datetime_times,
     hash_id_lists,
     numeric_times,
+    optional_names,
     token_counts,
 )
 
@@ -98,10 +99,11 @@ def load_burstgpt(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTa
 @register_format("mooncake", keys=("path", "hash_block_size"))
 def load_mooncake(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTable:
     """Mooncake JSONL: ``{"timestamp": ms, "input_length", "output_length", "hash_ids"}``;
-    ``hash_block_size`` defaults to 512 (:func:`sched_lab.traces.validate.hash_id_lists`)."""
+    ``hash_block_size`` defaults to 512 (:func:`sched_lab.traces.validate.hash_id_lists`).
+    Optional per line: ``lora_name`` and ``cache_salt`` (strings; the prefix cache's key)."""
     block = get_int(spec, "hash_block_size", WHERE, default=MOONCAKE_HASH_BLOCK_SIZE, minimum=1)
     path = resolve_path(spec, base_dir, WHERE)
-    frame, line_numbers = read_jsonl(path, MOONCAKE_KEYS, optional=("hash_ids",))
+    frame, line_numbers = read_jsonl(path, MOONCAKE_KEYS, optional=("hash_ids", *CACHE_KEYS))
     src = Source(path.name, line_numbers)
     stamps = frame["timestamp"]
     times_s = numeric_times(stamps, src, "timestamp", ticks_per_s=1000)  # ms
@@ -115,6 +117,7 @@ def load_mooncake(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTa
         output_len=output_len,
         hash_ids=hash_id_lists(frame["hash_ids"], prompt_len, output_len, block, src),
         hash_block_size=block,
+        **{key: optional_names(frame[key], src, key) for key in CACHE_KEYS},
     )
     return _drop(table, table.output_len == 0, src.file, "'output_length' == 0", _NO_OUTPUT)
 

@@ -3,8 +3,9 @@
 Rules (vLLM V1's automatic prefix caching with unlimited blocks), requests in the given
 order:
 
-- KV block k (B tokens, inside hash block j = k*B // H) is identified by the hash-id chain
-  up to j and its place in that hash block.
+- KV block k (B tokens, inside hash block j = k*B // H) is identified by the request's
+  adapter and cache salt (``lora_name``, ``cache_salt``: the chain's root), the hash-id
+  chain up to j and its place in that hash block.
 - Lookup: cached tokens = B times the leading full KV blocks already seen within the first
   ``prompt_len - 1`` tokens (one prompt token is always computed).
 - Insertion: the full KV blocks of prompt_len + output_len - 1 tokens, as far as the ids
@@ -54,7 +55,7 @@ def prefix_hit_bound(
     if block_size < 1:
         raise ValueError(f"block_size: expected an integer >= 1, got {block_size}")
     B = block_size
-    chain: dict[tuple[int, int], int] = {}  # (parent chain key or -1, hash id) -> chain key
+    chain: dict[tuple, int] = {}  # (parent chain key or (adapter, salt), hash id) -> chain key
     filled: list[int] = []  # per chain key: leading full KV blocks of that hash block seen
     ids_out, cached_out, prompt_tokens, with_ids = [], [], 0, 0
     for r in requests:
@@ -80,16 +81,23 @@ def prefix_hit_bound(
         # manager's rule, lab/core/kv.py).
         described = P if len(r.hash_ids) == -(-P // H) else len(r.hash_ids) * H
         written = min(P + out - 1, described) // B  # full KV blocks it writes, keyed
-        cached_out.append(B * _walk(chain, filled, r.hash_ids, per, (P - 1) // B, written))
+        root = (r.lora_name, r.cache_salt)
+        cached_out.append(B * _walk(chain, filled, r.hash_ids, per, (P - 1) // B, written, root))
     return PrefixBound(B, ids_out, prompt_tokens, cached_out, with_ids)
 
 
 def _walk(
-    chain: dict, filled: list[int], ids: list[int], per: int, limit: int, written: int
+    chain: dict,
+    filled: list[int],
+    ids: list[int],
+    per: int,
+    limit: int,
+    written: int,
+    root: tuple[str, str],
 ) -> int:
-    """Count the leading KV blocks of a request's chain already seen (at most ``limit``),
-    and mark its first ``written`` blocks as seen."""
-    hits, matching, parent = 0, True, -1
+    """Count the leading KV blocks of a request's chain from ``root`` already seen (at most
+    ``limit``), and mark its first ``written`` blocks as seen."""
+    hits, matching, parent = 0, True, root
     for j, h in enumerate(ids):
         here = min(per, written - j * per)  # blocks of this hash block the request writes
         if not matching and here <= 0:

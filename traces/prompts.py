@@ -1,6 +1,7 @@
 """The ``prompts`` format: a YAML list of ``{prompt, output_len, arrival_s}`` (arrival_s
-default 0, non-decreasing), tokenized with ``tokenizer`` (a Hugging Face model directory);
-``chat: true`` applies the chat template. Imports ``transformers`` only when used."""
+default 0, non-decreasing; optional ``lora_name`` and ``cache_salt``, strings in the prefix
+cache's key), tokenized with ``tokenizer`` (a Hugging Face model directory); ``chat: true``
+applies the chat template. Imports ``transformers`` only when used."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from sched_lab.core.errors import TraceError, short_repr
 from sched_lab.traces.readers import load_yaml_file
 from sched_lab.traces.registry import register_format
 from sched_lab.traces.spec import WHERE, require, resolve_path
-from sched_lab.traces.table import TraceTable
+from sched_lab.traces.table import CACHE_KEYS, TraceTable
 from sched_lab.traces.validate import MAX_TOKENS
+
+_ITEM_KEYS = ("prompt", "output_len", "arrival_s")
 
 
 @register_format("prompts", keys=("path", "tokenizer", "chat"))
@@ -29,12 +32,21 @@ def load_prompts(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTab
     if not isinstance(chat, bool):
         raise TraceError(f"{WHERE}.chat: expected true or false, got {short_repr(chat)}")
     prompts, outputs, arrivals = [], [], []
+    names: dict[str, list[str]] = {key: [] for key in CACHE_KEYS}
     for i, item in enumerate(items):  # every item checked before the tokenizer loads
         where = f"{path}: item {i + 1}"
-        if not isinstance(item, dict) or set(item) - {"prompt", "output_len", "arrival_s"}:
+        if not isinstance(item, dict) or set(item) - {*_ITEM_KEYS, *CACHE_KEYS}:
             raise TraceError(
-                f"{where}: expected keys prompt, output_len, arrival_s; got {short_repr(item)}"
+                f"{where}: expected keys {', '.join(_ITEM_KEYS)} (and optional "
+                f"{', '.join(CACHE_KEYS)}); got {short_repr(item)}"
             )
+        for key, values in names.items():
+            v = item.get(key)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise TraceError(
+                    f"{where}: {key}: expected a non-empty string, got {short_repr(v)}"
+                )
+            values.append(v or "")
         prompt, out, t = item.get("prompt"), item.get("output_len"), item.get("arrival_s", 0.0)
         if not isinstance(prompt, str) or not prompt:
             raise TraceError(
@@ -71,6 +83,7 @@ def load_prompts(spec: Mapping[str, Any], base_dir: Path, seed: int) -> TraceTab
         prompt_len=np.asarray([len(t) for t in ids]),
         output_len=np.asarray(outputs),
         prompt_token_ids=ids,
+        **{k: np.asarray(v, dtype=object) if any(v) else None for k, v in names.items()},
     )
 
 

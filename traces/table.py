@@ -16,6 +16,8 @@ from sched_lab.core.errors import TraceError
 from sched_lab.core.request import Request, RequestStatus
 from sched_lab.traces.spec import WHERE
 
+CACHE_KEYS = ("lora_name", "cache_salt")  # optional per-request names in prefix-cache keys
+
 
 @dataclass(frozen=True)
 class TraceTable:
@@ -29,6 +31,8 @@ class TraceTable:
         prompt_token_ids: real prompt tokens per request (``prompts`` format), or None.
         drop_reason: object array of str ("" = replayed), or None when all are replayed.
         hash_block_size: tokens per hash id.
+        lora_name, cache_salt: object arrays of str ("" = none; ``Request.lora_name``,
+            ``Request.cache_salt``), or None when no request has one.
     """
 
     row: np.ndarray
@@ -39,6 +43,8 @@ class TraceTable:
     prompt_token_ids: list[list[int]] | None = None
     drop_reason: np.ndarray | None = None
     hash_block_size: int = 512
+    lora_name: np.ndarray | None = None
+    cache_salt: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.row)
@@ -59,6 +65,8 @@ class TraceTable:
             prompt_token_ids=pick(self.prompt_token_ids),
             drop_reason=None if self.drop_reason is None else self.drop_reason[index],
             hash_block_size=self.hash_block_size,
+            lora_name=None if self.lora_name is None else self.lora_name[index],
+            cache_salt=None if self.cache_salt is None else self.cache_salt[index],
         )
 
     @property
@@ -101,6 +109,11 @@ class TraceTable:
             if reason:
                 r.status, r.reason = RequestStatus.DROPPED, reason
             requests.append(r)
+        for column in CACHE_KEYS:
+            values = getattr(self, column)
+            if values is not None:
+                for r, v in zip(requests, values.tolist(), strict=True):
+                    setattr(r, column, v)
         return requests
 
 

@@ -195,6 +195,22 @@ def hash_id_lists(
     return out
 
 
+def optional_names(values: pd.Series, src: Source, column: str) -> np.ndarray | None:
+    """An optional per-row name (``lora_name``, ``cache_salt``): object array of str, ""
+    where absent or null; None if no row has one. TraceError naming file and row for a
+    value that is not a non-empty string."""
+    if values.isna().all():
+        return None
+    out = np.full(len(values), "", dtype=object)
+    for i, v in enumerate(values):
+        if v is None:
+            continue
+        if not isinstance(v, str) or not v:
+            raise TraceError(f"{src.at(i, column)}: expected a non-empty string, got {_cut(v)}")
+        out[i] = v
+    return out
+
+
 def _cut(value: Any) -> str:
     """A JSON value, cut to ~60 characters, for one-line messages."""
     text = json.dumps(value) if not isinstance(value, str) else repr(value)

@@ -18,6 +18,7 @@ from sched_lab.config.sections import parse_slo
 from sched_lab.config.walker import Context, check_int, check_mapping, check_num, existing, fail
 from sched_lab.core.errors import ConfigError
 from sched_lab.traces.classes import CLASS_KEYS
+from sched_lab.traces.table import CACHE_KEYS
 
 # Outside this, arrival times lose float precision (an hour-long trace at 1e-12 spans
 # 3.6e15 s, where doubles are 0.5 s apart) or the trace collapses into one instant.
@@ -144,6 +145,10 @@ def parse_classes(ctx: Context, raw: list) -> ClassesConfig:
         tenant = c.get("tenant", "")
         if not isinstance(tenant, str) or (tenant and not LABEL.fullmatch(tenant)):
             raise fail(where, f"{key}.tenant", "a tenant name (letters, digits, ._+- )", tenant)
+        cache_names = {k: c[k] for k in CACHE_KEYS if k in c}
+        for k, v in cache_names.items():
+            if not isinstance(v, str) or not v:
+                raise fail(where, f"{key}.{k}", "a non-empty string", v)
         slo = parse_slo(ctx, c.get("slo", {}), f"{key}.slo")
         periods = parse_periods(where, f"{key} (class {name!r}).periods", c.get("periods"))
         spec = {k: v for k, v in c.items() if k not in CLASS_KEYS}
@@ -157,7 +162,7 @@ def parse_classes(ctx: Context, raw: list) -> ClassesConfig:
                 where, f"{key}.rate_scale", "a number (one load per class)", spec["rate_scale"]
             )
         one = parse_trace(ctx, spec, None, key)
-        own = {"name": name, "priority": prio, "tenant": tenant}
+        own = {"name": name, "priority": prio, "tenant": tenant, **cache_names}
         if "slo" in c:
             own["slo"] = {k: v for k, v in slo.to_dict().items() if v is not None}
         if periods is not None:

@@ -217,6 +217,13 @@ def make_block_manager(
     return cls(num_gpu_blocks, num_cpu_blocks, block_size, watermark)
 
 
+def extra_keys(r: Request) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The extra keys of ``r``'s first block and of every later one: the adapter name in
+    both, the cache salt in the first only (vLLM's order: LoRA, then salt)."""
+    rest = (r.lora_name,) if r.lora_name else ()
+    return (rest + (r.cache_salt,) if r.cache_salt else rest), rest
+
+
 def has_prefix_identity(r: Request) -> bool:
     """True if ``r`` has hash ids or prompt token ids (content the prefix cache can key)."""
     return r.hash_ids is not None or r.prompt_token_ids is not None
@@ -228,11 +235,14 @@ class PrefixCachingBlockManager(BlockManager):
 
     Keys (full blocks only) chain their parent's, from ``ROOT_KEY``; 64-bit hashes as vLLM's
     builtin-hash option. With ``hash_ids``: block j at index i of hash block h has key
-    ``H_h + i``, ``H_h = hash((H_{h-1}, hash_ids[h], ()))``; ``hash_block_size`` must be a
-    multiple of ``block_size``. The ids describe the prompt only when there are
+    ``H_h + i``, ``H_h = hash((H_{h-1}, hash_ids[h], extra_h))``; ``hash_block_size`` must be
+    a multiple of ``block_size``. The ids describe the prompt only when there are
     ceil(prompt_len / hash_block_size) of them (Mooncake), else every token they span.
-    Else with ``prompt_token_ids``: ``hash((parent, block's tokens, ()))`` over prompt +
+    Else with ``prompt_token_ids``: ``hash((parent, block's tokens, extra_j))`` over prompt +
     output. Else no key. A request's keys are kept in ``Request.block_hashes``.
+    ``extra`` (vLLM's extra keys, :func:`extra_keys`): ``Request.lora_name`` in every block's,
+    ``Request.cache_salt`` in the first one's only (the chain carries it on); ``()`` when a
+    request has neither, so different adapters or salts never share a block.
 
     GPU block states: used (ref >= 1), cached free (ref 0, keyed, in the LRU eviction queue),
     free (ref 0, unkeyed); used + cached free + free = total, and ``num_free_gpu_blocks``
@@ -289,6 +299,7 @@ class PrefixCachingBlockManager(BlockManager):
         if len(hs) >= num_blocks:
             return hs
         parent = hs[-1] if hs else ROOT_KEY
+        first, rest = extra_keys(r)
         if r.hash_ids is not None:
             per, rem = divmod(r.hash_block_size, bs)
             if per < 1 or rem:
@@ -308,7 +319,7 @@ class PrefixCachingBlockManager(BlockManager):
                 return hs
             parent = hs[start - per] if start else ROOT_KEY  # H_{h-1} = its first key
             for h in range(start // per, min(-(-num_blocks // per), -(-cap // per))):
-                parent = hash((parent, ids[h], ()))
+                parent = hash((parent, ids[h], rest if h else first))
                 hs.extend(range(parent, parent + min(per, cap - h * per)))
         elif r.prompt_token_ids is not None:
             known = len(r.prompt_token_ids) + len(r.output_token_ids)
@@ -318,7 +329,8 @@ class PrefixCachingBlockManager(BlockManager):
                 if end * bs > len(tokens):
                     tokens = tokens + r.output_token_ids
                 for j in range(len(hs), end):
-                    parent = hash((parent, tuple(tokens[j * bs : (j + 1) * bs]), ()))
+                    key = tuple(tokens[j * bs : (j + 1) * bs])
+                    parent = hash((parent, key, rest if j else first))
                     hs.append(parent)
         return hs
 

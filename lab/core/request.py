@@ -17,7 +17,8 @@ class RequestStatus(enum.Enum):
     SWAPPED = "swapped"
     FINISHED = "finished"
     REJECTED = "rejected"
-    ABORTED = "aborted"
+    ABORTED = "aborted"  # ended by the scheduler before its end (e.g. it can no longer fit)
+    UNFINISHED = "unfinished"  # not ended when the run stopped (a failed step, a deadlock)
     DROPPED = "dropped"  # a trace row that is not replayed (see traces/table.py), with a reason
 
 
@@ -40,6 +41,11 @@ class Request:
         ttft_slo_s: the class's TTFT target in seconds, or None.
         hash_block_size: tokens per hash id (Mooncake's 512); a multiple of the KV block
             size when the prefix cache is on.
+        lora_name: the LoRA adapter the request runs with (vLLM's ``lora_request.lora_name``);
+            "" = the base model. Part of every prefix-cache key: adapters share no block.
+        cache_salt: vLLM's ``cache_salt``; "" = none. Part of the first block's prefix-cache
+            key (so of every key after it): requests share cached blocks only with requests
+            of the same salt, e.g. one tenant's.
     """
 
     request_id: str
@@ -53,6 +59,8 @@ class Request:
     tenant: str = ""
     ttft_slo_s: float | None = None
     hash_block_size: int = 512
+    lora_name: str = ""
+    cache_salt: str = ""
 
     # Runtime state, owned by the scheduler (lab/core/scheduler.py).
     status: RequestStatus = RequestStatus.WAITING

@@ -240,12 +240,13 @@ class Scheduler(Admission, Preemption, SpecDrafts):
                 self.running.remove(r)
                 self._finish(r, now_s)
 
-    def abort_unfinished(self, reason: str, now_s: float) -> list[Request]:
-        """Abort every queued request with ``reason``, freeing blocks; returns them."""
+    def end_unfinished(self, reason: str, now_s: float) -> list[Request]:
+        """End every queued request as UNFINISHED with ``reason`` (the run stopped before
+        they ended), freeing blocks; returns them."""
         out = [*self.waiting, *self.running, *self.swapped]
         for r in out:
             self.block_manager.free(r)
-            r.status, r.reason, r.finish_s = RequestStatus.ABORTED, reason, now_s
+            r.status, r.reason, r.finish_s = RequestStatus.UNFINISHED, reason, now_s
         for r in self.held:  # finished here; their blocks go
             self.block_manager.free(r)
         self.held.clear()

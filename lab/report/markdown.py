@@ -12,6 +12,12 @@ from sched_lab.report.replicas import replicas_markdown
 from sched_lab.results import fairness, spec_metrics
 from sched_lab.results.run import Run
 
+SLO_DEFINITION = (
+    "Goodput: requests per second that finished within every SLO. SLO attainment: the "
+    "fraction of all replayed requests that did; rejected, aborted and unfinished ones "
+    "count as misses. SLO attainment (finished): the same over finished requests only."
+)
+
 
 def summary_table(runs: list[Run]) -> str:
     """A markdown table of the headline numbers of every run."""
@@ -226,8 +232,9 @@ def report_markdown(
     for r in runs:
         if r.result.failure:
             lines += [
-                f"**Run {r.label} stopped early**: {r.result.failure}. Its unfinished "
-                "requests are listed as aborted with this reason.",
+                f"**Run {r.label} stopped early**: {r.result.failure}. Its requests not "
+                "ended by then are listed with status `unfinished` and this reason; they "
+                "count as SLO misses.",
                 "",
             ]
     slo = runs[0].summary["slo"]
@@ -235,12 +242,15 @@ def report_markdown(
         lines += [
             "SLOs: " + slo_text(slo),
             "",
-            "| run | goodput (req/s) | SLO attainment |",
-            "|---|---|---|",
+            SLO_DEFINITION,
+            "",
+            "| run | goodput (req/s) | SLO attainment | SLO attainment (finished) |",
+            "|---|---|---|---|",
         ]
         lines += [
             f"| {r.label} | {num(r.summary['request_goodput'], '.2f')} "
-            f"| {num(r.summary['slo_attainment'], '.1%')} |"
+            f"| {num(r.summary['slo_attainment'], '.1%')} "
+            f"| {num(r.summary.get('slo_attainment_finished'), '.1%')} |"
             for r in runs
         ]
         lines.append("")

@@ -38,7 +38,7 @@ def rows(runs, percentiles) -> list[tuple[str, list[str]]]:
 
     out: list[tuple[str, list[str]]] = [
         ("finished / replayed", cells(lambda r: f"{r.vllm['completed']}/{r.vllm['num_prompts']}")),
-        ("rejected + aborted", cells(lambda r: str(r.vllm["failed"]))),
+        ("rejected/aborted/unfinished", cells(lambda r: str(r.vllm["failed"]))),
         ("duration (s)", cells(lambda r: num(r.vllm["duration"], ".1f"))),
         ("request throughput (req/s)", cells(lambda r: num(r.vllm["request_throughput"], ".2f"))),
         ("output throughput (tok/s)", cells(lambda r: num(r.vllm["output_throughput"], ".0f"))),
@@ -148,6 +148,7 @@ def summary_text(runs, percentiles, width: int = WIDTH) -> str:
     if summary.get("slo"):
         note.append(
             f"SLOs: {slo_text(summary['slo'])} (goodput: finished requests/s meeting every SLO)"
+            "\nSLO attainment: of all replayed requests (rejected, aborted, unfinished: misses)"
         )
     elif _has_slo(summary):
         note.append("SLOs: per class (goodput: finished requests/s meeting their class's SLOs)")

@@ -27,9 +27,11 @@ import pandas as pd
 from sched_lab.core.request import Request
 from sched_lab.results.metrics import (
     DEFAULT_PERCENTILES,
+    FAILED,
     SLO_KEYS,
     latency_stats,
     meets_slo,
+    slo_attainment,
     summary_percentiles,
 )
 from sched_lab.results.names import LATENCIES
@@ -70,7 +72,7 @@ def summarize_classes(
     replayed = (df["status"] != "dropped").to_numpy()
     out: dict[str, Any] = {
         "request_goodput": float(good.sum()) / duration_s,
-        "slo_attainment": float(good[replayed].mean()) if replayed.any() else float("nan"),
+        **slo_attainment(good, df["status"]),
         **_attainment_by_slo(df, slos, replayed),
         "classes": {},
     }
@@ -79,7 +81,11 @@ def summarize_classes(
         given = {k: v for k, v in slo.items() if v is not None}
         out["classes"][name] = _group(df[mask], good[mask], duration_s, pcts) | {"slo": given}
         if not given:  # no SLO, no goodput (as vLLM's goodput is null without SLOs)
-            out["classes"][name] |= {"request_goodput": None, "slo_attainment": None}
+            out["classes"][name] |= {
+                "request_goodput": None,
+                "slo_attainment": None,
+                "slo_attainment_finished": None,
+            }
     tenants = sorted(set(df["tenant"]))
     out["tenants"] = {
         t: _group(df[(df["tenant"] == t).to_numpy()], None, duration_s, pcts) for t in tenants
@@ -120,7 +126,7 @@ def _group(
     out = {
         "num_prompts": replayed,
         "completed": int(counts.get("finished", 0)),
-        **{s: int(counts.get(s, 0)) for s in ("rejected", "aborted", "dropped")},
+        **{s: int(counts.get(s, 0)) for s in (*FAILED, "dropped")},
         "request_throughput": len(fin) / duration_s,
         "output_throughput": float(fin["num_generated_tokens"].sum()) / duration_s,
     }
@@ -130,9 +136,8 @@ def _group(
     out["num_preemptions_recompute"] = int(df["num_preemptions_recompute"].sum())
     out["recomputed_tokens"] = int(df["recomputed_tokens"].sum())
     if good is not None:
-        ok = good[(df["status"] != "dropped").to_numpy()]
-        out["request_goodput"] = float(ok.sum()) / duration_s
-        out["slo_attainment"] = float(ok.mean()) if len(ok) else float("nan")
+        out["request_goodput"] = float(good.sum()) / duration_s
+        out.update(slo_attainment(good, df["status"]))
     return out
 
 

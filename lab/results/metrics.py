@@ -7,8 +7,11 @@
   yields split the gap before them (:func:`sched_lab.results.spec_metrics.split_gaps`).
 * Throughput over t = 0 to the last request's end, finished requests only.
 * Goodput (DistServe, OSDI'24 §2): finished requests per second that meet every SLO given
-  (a 1-token request meets any TPOT SLO, as in vLLM). SLO attainment: the fraction of all
-  replayed requests (rejected and aborted ones miss) that meet every SLO.
+  (a 1-token request meets any TPOT SLO, as in vLLM). SLO attainment (``slo_attainment``):
+  the fraction of all replayed requests that finished within every SLO; rejected, aborted
+  and unfinished requests (the run stopped before they ended) count as misses, as in
+  DistServe's and vLLM's goodput. ``slo_attainment_finished``: the same over finished
+  requests only (how well served the requests that were served are).
 * Trace rows not replayed (status ``dropped``) are counted apart; no metric includes them.
 * Queueing delay: arrival to first scheduled; preemptions per request by mode.
 * Per class and tenant: :mod:`sched_lab.results.fairness`.
@@ -32,6 +35,7 @@ from sched_lab.sim.records import ReplayResult
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0, 99.9)  # vLLM's --metric-percentiles here
 REPORT_PERCENTILES = (50.0, 90.0, 99.0)  # in every summary, whatever vLLM's file holds
 SLO_KEYS = ("ttft_s", "tpot_s", "e2e_s")  # the slo: block's keys
+FAILED = ("rejected", "aborted", "unfinished")  # replayed, not finished: vLLM's "failed"
 CDF_POINTS = 2000  # points of a latency CDF kept for the plots
 CDF_SAMPLE = 1 << 20  # values a CDF's quantiles are taken from, at most
 REQUEST_COLUMNS = [
@@ -135,6 +139,9 @@ def request_table(
         df["tenant"] = [r.tenant for r in requests]
         df["priority"] = [r.priority for r in requests]
         df["recomputed_tokens"] = [r.num_recomputed_tokens for r in requests]
+    for column in ("lora_name", "cache_salt"):  # prefix-cache key names, where a trace has them
+        if any(getattr(r, column) for r in requests):
+            df[column] = [getattr(r, column) for r in requests]
     return df, itl
 
 
@@ -233,6 +240,22 @@ def offered_rate(arrival_s) -> float:
     return (len(a) - 1) / float(a.max() - a.min())
 
 
+def slo_attainment(good: np.ndarray, status: pd.Series) -> dict[str, float]:
+    """``slo_attainment`` (``good`` over replayed rows: every request but dropped trace rows)
+    and ``slo_attainment_finished`` (over finished rows); NaN where there is no row.
+
+    Args:
+        good: boolean per row, e.g. :func:`meets_slo` (never True for an unfinished row).
+        status: requests.csv's ``status`` column, aligned with ``good``."""
+    out = {}
+    for key, rows in (
+        ("slo_attainment", (status != "dropped").to_numpy()),
+        ("slo_attainment_finished", (status == "finished").to_numpy()),
+    ):
+        out[key] = float(good[rows].mean()) if rows.any() else float("nan")
+    return out
+
+
 def slo_attainment_by_slo(df: pd.DataFrame, slo: dict[str, float | None]) -> dict[str, float]:
     """``slo_attainment_{ttft,tpot,e2el}``: per SLO given, the fraction of replayed requests
     that finished within that one SLO (which SLO binds a load)."""
@@ -280,8 +303,8 @@ def summarize(
     out = {
         "num_prompts": int(replayed.sum()),
         "completed": int(counts.get("finished", 0)),
-        "failed": int(counts.get("rejected", 0) + counts.get("aborted", 0)),
-        **{s: int(counts.get(s, 0)) for s in ("rejected", "aborted", "dropped")},
+        "failed": int(sum(counts.get(s, 0) for s in FAILED)),
+        **{s: int(counts.get(s, 0)) for s in (*FAILED, "dropped")},
         "duration": duration,
         "request_rate": offered_rate(df.loc[replayed, "arrival_s"].to_numpy()),
         "request_throughput": len(fin) / duration,
@@ -296,7 +319,7 @@ def summarize(
         {
             "slo": {k: v for k, v in slo.items() if v is not None},
             "request_goodput": float(good.sum()) / duration,
-            "slo_attainment": float(good[replayed].mean()) if replayed.any() else float("nan"),
+            **slo_attainment(good, df["status"]),
             **slo_attainment_by_slo(df, slo),
             "num_preemptions": recompute + swap,
             "num_preemptions_recompute": recompute,

@@ -52,7 +52,7 @@ METRICS = {
     for m in (
         Metric("num_prompts", "requests", "replayed requests", aliases=("num_requests",)),
         Metric("completed", "requests", "finished requests", aliases=("finished",)),
-        Metric("failed", "requests", "rejected + aborted", False),
+        Metric("failed", "requests", "rejected/aborted/unfinished", False),
         Metric("duration", "s", "duration (s)", aliases=("duration_s",)),
         Metric("request_rate", "req/s", "offered (req/s)"),
         Metric("request_throughput", "req/s", "request throughput (req/s)"),
@@ -60,6 +60,7 @@ METRICS = {
         Metric("total_token_throughput", "tok/s", "total token throughput (tok/s)"),
         Metric("request_goodput", "req/s", "goodput (req/s)", aliases=("goodput",)),
         Metric("slo_attainment", "fraction", "SLO attainment (%)"),
+        Metric("slo_attainment_finished", "fraction", "SLO attainment of finished (%)"),
         Metric("num_preemptions", "preemptions", "preemptions", False),
         Metric(
             "num_preemptions_recompute",

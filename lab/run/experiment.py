@@ -140,6 +140,8 @@ def fresh(requests: list[Request]) -> list[Request]:
             r.tenant,
             r.ttft_slo_s,
             hash_block_size=r.hash_block_size,
+            lora_name=r.lora_name,
+            cache_salt=r.cache_salt,
         )
         if r.status is RequestStatus.DROPPED:
             c.status, c.reason = r.status, r.reason

@@ -401,7 +401,7 @@ def replay_cluster(
 ) -> ClusterResult:
     """Replay ``requests`` (mutated in place) through a cluster; the contract of
     :func:`sched_lab.sim.replay.replay` (a failing step stops the run, every request not ended
-    is aborted with a reason naming the failure, ``failure`` holds it).
+    is ``unfinished`` with a reason naming the failure, ``failure`` holds it).
 
     Args:
         make_replica: a fresh (scheduler, executor) per call; every replica gets its own.

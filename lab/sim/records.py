@@ -27,7 +27,12 @@ STEP_COLUMNS = (
 )  # fmt: skip
 _FLOAT_COLUMNS = ("time_s", "duration_s", "prefill_attention_pairs")  # the rest: int64
 
-ENDED = (RequestStatus.FINISHED, RequestStatus.REJECTED, RequestStatus.ABORTED)
+ENDED = (
+    RequestStatus.FINISHED,
+    RequestStatus.REJECTED,
+    RequestStatus.ABORTED,
+    RequestStatus.UNFINISHED,
+)
 """The statuses a request ends a replay in."""
 
 

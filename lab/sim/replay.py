@@ -21,7 +21,7 @@ no event is left. Equal times: a plan made at time t sees every request that arr
 (arrivals are SimPy's urgent events, :func:`arrival_timeout`, processed before a step that
 ends at t), so the order never depends on when unrelated events were created. Work left when
 no event is left, or a plan that cannot advance anything, ends the run as a deadlock: every
-unfinished request is aborted with a reason starting ``deadlock:``.
+request not ended yet gets status ``unfinished`` with a reason starting ``deadlock:``.
 """
 
 from __future__ import annotations
@@ -325,7 +325,7 @@ def run_to_end(
 ) -> str | None:
     """Run ``env`` until no event is left. Returns None, or why the run stopped (the first
     line of the error; ``deadlock: ...`` when work remained that nothing could advance);
-    then every request not ended yet is ABORTED with a reason: one that never arrived
+    then every request not ended yet ends UNFINISHED with a reason: one that never arrived
     (``requests`` sorted by arrival, the first ``num_arrived()`` arrived) has no finish time,
     one in a queue or caught by the failed step finishes now (a deadlock's reason starts
     ``deadlock:``).
@@ -351,12 +351,12 @@ def run_to_end(
         failure = f"{type(e).__name__}: {e}".splitlines()[0]
         unfinished = f"not finished: the run stopped at t={env.now:.3f}s ({failure})"
     for s in schedulers:
-        s.abort_unfinished(unfinished, env.now)
+        s.end_unfinished(unfinished, env.now)
     arrived = num_arrived()
     for i, r in enumerate(requests):
         if r.status in ENDED:
             continue
-        r.status = RequestStatus.ABORTED
+        r.status = RequestStatus.UNFINISHED
         if i >= arrived:  # never arrived: no finish time
             r.reason = (
                 f"not replayed: the run stopped at t={env.now:.3f}s, before its arrival ({failure})"

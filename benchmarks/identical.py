@@ -13,7 +13,8 @@ path, sha256 and row count, added after the reference was made; the path depends
 checkout): the rest is re-serialized as the lab writes it (``json.dumps(indent=2)``), so
 the comparison still proves every other byte identical.
 
-``--base REV`` runs the same experiments at commit REV (in a temporary git worktree) and
+``--base REV`` runs the same experiments at commit REV (in a temporary git worktree, with a
+venv of its own holding REV's editable install) and
 compares additively, for changes that add columns or keys but must not change any result:
 every CSV column of REV's files must exist with the same values in the same rows, and every
 key of REV's ``summary.json`` must hold the same value (new columns and keys are listed, not
@@ -55,9 +56,38 @@ def sim_experiments() -> list[Path]:
     return out
 
 
-def run(root: Path, path: Path, out: Path) -> None:
+def python_for(root: Path, tmp: Path) -> str:
+    """A Python that runs ``root``'s code. A checkout that installs as ``sched_lab`` (its
+    folders mapped by pyproject's package-dir) gets a venv of its own with an editable
+    install, since the running interpreter's ``sched_lab`` is this checkout's; an older one
+    (plain folder imports beside run_experiment.py) runs with this interpreter."""
+    if "sched_lab" not in (root / "pyproject.toml").read_text():
+        return sys.executable
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    install = [py, "-m", "pip", "install", "-q", "--no-deps", "-e"]
+    subprocess.run([*install, str(root)], check=True, stdout=subprocess.DEVNULL)
+    check_imports(py, root)
+    return py
+
+
+def check_imports(python: str, root: Path) -> None:
+    """Exit with one line unless ``python`` imports ``sched_lab`` from ``root``."""
+    where = subprocess.run(
+        [python, "-c", "import sched_lab; print(sched_lab.__file__)"],
+        capture_output=True, text=True, cwd="/",
+    ).stdout.strip()  # fmt: skip
+    if not where or not Path(where).resolve().is_relative_to(root.resolve()):
+        raise SystemExit(
+            f"identical.py: {python} imports sched_lab from {where or 'nowhere'}, not from "
+            f"{root}: install this checkout (pip install --no-deps -e .) or use its venv"
+        )
+
+
+def run(root: Path, path: Path, out: Path, python: str = sys.executable) -> None:
     cmd = [
-        sys.executable,
+        python,
         str(root / "run_experiment.py"),
         str(path),
         "--out",
@@ -118,6 +148,7 @@ def compare_with_base(rev: str, only: list[str] | None) -> int:
             ["git", "worktree", "add", "--detach", "-q", str(base), rev], cwd=ROOT, check=True
         )
         try:
+            base_python = python_for(base, Path(tmp))
             base_names = {p.stem for p in (base / "experiments").glob("*.yaml")}
             for path in sim_experiments():
                 if only and path.stem not in only:
@@ -126,7 +157,7 @@ def compare_with_base(rev: str, only: list[str] | None) -> int:
                     print(f"{path.stem}: new (not at {rev}), skipped")
                     continue
                 a, b = Path(tmp) / "a" / path.stem, Path(tmp) / "b" / path.stem
-                run(base, base / "experiments" / path.name, a)
+                run(base, base / "experiments" / path.name, a, base_python)
                 run(ROOT, path, b)
                 problems, added = [], []
                 for f in ("requests.csv", "steps.csv"):
@@ -168,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="experiment names (default: all sim ones)")
     ap.add_argument("--base", metavar="REV", help="compare additively with commit REV")
     args = ap.parse_args(argv)
+    check_imports(sys.executable, ROOT)
     if args.base:
         return compare_with_base(args.base, args.only)
     ref = json.loads(REF.read_text()) if REF.exists() else {"experiments": {}}

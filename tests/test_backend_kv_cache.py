@@ -223,10 +223,23 @@ def test_capacity_from_free_memory_on_cuda(tmp_path, caplog):
     assert runner.num_cpu_blocks == (1 << 30) // runner.kv_cache.block_bytes
 
 
-def test_runs_of_consecutive_host_blocks():
-    from sched_lab.backend.kv_cache import _runs
+def test_swaps_make_one_copy_per_run_of_host_blocks(monkeypatch):
+    # Host ids 3,4,5 | 9 | 11,12: three copies each way, as the plan's num_swap_runs counts.
+    from sched_lab.core.kv import num_swap_runs
 
-    # ids 3,4,5 are one copy, 9 another, 11,12 a third: (first id, start index, stop index)
-    assert _runs([3, 4, 5, 9, 11, 12]) == [(3, 0, 3), (9, 3, 4), (11, 4, 6)]
-    assert _runs([7]) == [(7, 0, 1)]
-    assert _runs([]) == []
+    cache = KVCache(CONFIG, 4, 8, 16, torch.float32, torch.device("cpu"))
+    cache.gpu.copy_(torch.randn(cache.gpu.shape, generator=torch.Generator().manual_seed(0)))
+    before = cache.gpu.clone()
+    out = [(0, 3), (1, 4), (2, 5), (6, 9), (7, 11), (5, 12)]
+    back = [(c, g) for g, c in out]
+    calls = []
+    real = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cache.swap_out(out)
+    assert len(calls) == 3 == num_swap_runs(out, [])
+    cache.gpu.zero_()
+    cache.swap_in(back)
+    assert len(calls) == 6 == num_swap_runs(out, back)
+    monkeypatch.undo()
+    ids = [g for g, _ in out]
+    assert torch.equal(cache.gpu[:, :, ids], before[:, :, ids])

@@ -243,3 +243,43 @@ def test_swaps_make_one_copy_per_run_of_host_blocks(monkeypatch):
     monkeypatch.undo()
     ids = [g for g, _ in out]
     assert torch.equal(cache.gpu[:, :, ids], before[:, :, ids])
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+def test_engine_copies_as_many_runs_as_the_plan_counts_under_pressure(block_size, monkeypatch):
+    # The swap policy's own swap maps, from a replay short of GPU blocks: each step's swaps
+    # on the engine's cache make exactly the plan's num_swap_runs copies.
+    from sched_lab.core.kv import make_block_manager
+    from sched_lab.core.plan import StepResult
+    from sched_lab.core.request import Request
+    from sched_lab.core.scheduler import SchedulerLimits
+    from sched_lab.policies import get_policy
+    from sched_lab.sim.replay import replay
+
+    gpu_blocks, cpu_blocks = 20, 48
+    cache = KVCache(CONFIG, block_size, gpu_blocks, cpu_blocks, torch.float32, torch.device("cpu"))
+    calls, steps = [], []
+    real = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    class SwappingExecutor:
+        wall_clock = False
+
+        def execute(self, plan):
+            before = len(calls)
+            cache.swap_out(plan.swap_out)
+            cache.swap_in(plan.swap_in)
+            f = plan.features()
+            steps.append((f.num_swap_blocks, f.num_swap_runs, len(calls) - before))
+            return StepResult(0.01)
+
+    bm = make_block_manager(gpu_blocks, cpu_blocks, block_size, 0.0, False)
+    scheduler = get_policy("swap")(SchedulerLimits(256, 1_000_000, 1_000_000), bm)
+    b = block_size
+    reqs = [Request(str(i), i * 0.003, b * (1 + i % 3) + 3, b * (2 + i % 3)) for i in range(12)]
+    result = replay(reqs, scheduler, SwappingExecutor())
+    monkeypatch.undo()
+    assert result.failure is None
+    swaps = [s for s in steps if s[0]]
+    assert swaps and all(runs == copies for _, runs, copies in swaps)
+    assert any(runs < blocks for blocks, runs, _ in swaps)  # runs of several blocks occur

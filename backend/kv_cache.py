@@ -12,6 +12,7 @@ import torch
 
 from sched_lab.backend.config import ModelConfig
 from sched_lab.backend.errors import KVCacheCapacityError
+from sched_lab.core.kv import contiguous_runs
 
 GiB = 1 << 30
 
@@ -84,7 +85,7 @@ class KVCache:
         src = torch.tensor(gpu_ids, dtype=torch.long).to(self.device, non_blocking=True)
         # (n, 2, layers, block_size, kv_heads, head_dim): the host layout, on the device
         gathered = self.gpu.index_select(2, src).permute(2, 0, 1, 3, 4, 5).contiguous()
-        for first, start, stop in _runs(cpu_ids):
+        for first, start, stop in contiguous_runs(cpu_ids):
             self.cpu[first : first + stop - start].copy_(gathered[start:stop], non_blocking=True)
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
@@ -95,20 +96,10 @@ class KVCache:
         cpu_ids, gpu_ids = _checked(sorted(mapping), self.num_cpu_blocks, self.num_gpu_blocks)
         staged = torch.empty((len(cpu_ids), *self.cpu.shape[1:]), dtype=self.cpu.dtype,
                              device=self.device)  # fmt: skip
-        for first, start, stop in _runs(cpu_ids):
+        for first, start, stop in contiguous_runs(cpu_ids):
             staged[start:stop].copy_(self.cpu[first : first + stop - start], non_blocking=True)
         dst = torch.tensor(gpu_ids, dtype=torch.long).to(self.device, non_blocking=True)
         self.gpu.index_copy_(2, dst, staged.permute(1, 2, 0, 3, 4, 5))
-
-
-def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
-    """Runs of consecutive ids in a sorted list: (first id, start index, stop index)."""
-    runs, start = [], 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[i - 1] + 1:
-            runs.append((ids[start], start, i))
-            start = i
-    return runs
 
 
 def _checked(

@@ -223,10 +223,63 @@ def test_capacity_from_free_memory_on_cuda(tmp_path, caplog):
     assert runner.num_cpu_blocks == (1 << 30) // runner.kv_cache.block_bytes
 
 
-def test_runs_of_consecutive_host_blocks():
-    from sched_lab.backend.kv_cache import _runs
+def test_swaps_make_one_copy_per_run_of_host_blocks(monkeypatch):
+    # Host ids 3,4,5 | 9 | 11,12: three copies each way, as the plan's num_swap_runs counts.
+    from sched_lab.core.kv import num_swap_runs
 
-    # ids 3,4,5 are one copy, 9 another, 11,12 a third: (first id, start index, stop index)
-    assert _runs([3, 4, 5, 9, 11, 12]) == [(3, 0, 3), (9, 3, 4), (11, 4, 6)]
-    assert _runs([7]) == [(7, 0, 1)]
-    assert _runs([]) == []
+    cache = KVCache(CONFIG, 4, 8, 16, torch.float32, torch.device("cpu"))
+    cache.gpu.copy_(torch.randn(cache.gpu.shape, generator=torch.Generator().manual_seed(0)))
+    before = cache.gpu.clone()
+    out = [(0, 3), (1, 4), (2, 5), (6, 9), (7, 11), (5, 12)]
+    back = [(c, g) for g, c in out]
+    calls = []
+    real = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cache.swap_out(out)
+    assert len(calls) == 3 == num_swap_runs(out, [])
+    cache.gpu.zero_()
+    cache.swap_in(back)
+    assert len(calls) == 6 == num_swap_runs(out, back)
+    monkeypatch.undo()
+    ids = [g for g, _ in out]
+    assert torch.equal(cache.gpu[:, :, ids], before[:, :, ids])
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+def test_engine_copies_as_many_runs_as_the_plan_counts_under_pressure(block_size, monkeypatch):
+    # The swap policy's own swap maps, from a replay short of GPU blocks: each step's swaps
+    # on the engine's cache make exactly the plan's num_swap_runs copies.
+    from sched_lab.core.kv import make_block_manager
+    from sched_lab.core.plan import StepResult
+    from sched_lab.core.request import Request
+    from sched_lab.core.scheduler import SchedulerLimits
+    from sched_lab.policies import get_policy
+    from sched_lab.sim.replay import replay
+
+    gpu_blocks, cpu_blocks = 20, 48
+    cache = KVCache(CONFIG, block_size, gpu_blocks, cpu_blocks, torch.float32, torch.device("cpu"))
+    calls, steps = [], []
+    real = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    class SwappingExecutor:
+        wall_clock = False
+
+        def execute(self, plan):
+            before = len(calls)
+            cache.swap_out(plan.swap_out)
+            cache.swap_in(plan.swap_in)
+            f = plan.features()
+            steps.append((f.num_swap_blocks, f.num_swap_runs, len(calls) - before))
+            return StepResult(0.01)
+
+    bm = make_block_manager(gpu_blocks, cpu_blocks, block_size, 0.0, False)
+    scheduler = get_policy("swap")(SchedulerLimits(256, 1_000_000, 1_000_000), bm)
+    b = block_size
+    reqs = [Request(str(i), i * 0.003, b * (1 + i % 3) + 3, b * (2 + i % 3)) for i in range(12)]
+    result = replay(reqs, scheduler, SwappingExecutor())
+    monkeypatch.undo()
+    assert result.failure is None
+    swaps = [s for s in steps if s[0]]
+    assert swaps and all(runs == copies for _, runs, copies in swaps)
+    assert any(runs < blocks for blocks, runs, _ in swaps)  # runs of several blocks occur

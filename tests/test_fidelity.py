@@ -577,13 +577,13 @@ def test_async_step_predictions_are_the_async_clock() -> None:
             "num_swap_in_blocks": [0] * 5,
         }
     )
-    model = SimpleNamespace(coef=coef, host_coef=host_coef)
+    model = SimpleNamespace(coef=coef, host_coef=host_coef, block_size=16)
     sync = [2.1e-3, 1.001e-3, 1.001e-3, 2.1e-3, 1.001e-3]
     assert predicted_durations(model, st).tolist() == pytest.approx(sync)
     assert predicted_durations(model, st, True).tolist() == pytest.approx(
         [0.6e-3, 0.701e-3, 1.5e-3, 0.6e-3, 0.701e-3]
     )
-    no_host = SimpleNamespace(coef=coef, host_coef=None)  # a profile without host_s
+    no_host = SimpleNamespace(coef=coef, host_coef=None, block_size=16)  # no host_s
     assert predicted_durations(no_host, st, True).tolist() == pytest.approx(sync)
 
 

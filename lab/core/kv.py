@@ -20,6 +20,26 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def contiguous_runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive ids in a sorted list: (first id, start index, stop index). The
+    engine copies each run of swap-space ids as one host <-> device transfer."""
+    runs, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((ids[start], start, i))
+            start = i
+    return runs
+
+
+def num_swap_runs(swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> int:
+    """Host <-> device transfers the engine makes for a step's swap maps: the runs of
+    consecutive CPU ids in ``swap_out`` [(gpu, cpu), ...] plus those in ``swap_in``
+    [(cpu, gpu), ...] (each CPU id once per map)."""
+    return len(contiguous_runs(sorted(c for _, c in swap_out))) + len(
+        contiguous_runs(sorted(c for c, _ in swap_in))
+    )
+
+
 class BlockPool:
     """Free ids of ``[0, size)``: freed blocks (LIFO), then ``next_unused`` onwards."""
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from sched_lab.core.kv import num_swap_runs
 from sched_lab.core.request import Request
 
 
@@ -33,6 +34,9 @@ class StepFeatures:
         num_spec_tokens: draft tokens fed for verification (also in ``num_tokens``).
         num_spec_decodes: decodes verifying drafts (also in ``num_decodes``).
         spec_context_tokens: sum over draft tokens of the KV positions each attends to.
+        num_swap_runs: host <-> device transfers of the swaps: runs of consecutive CPU block
+            ids in the swap-out map plus those in the swap-in map, as the engine copies them
+            (:func:`sched_lab.core.kv.num_swap_runs`); 0 without swaps.
     """
 
     num_prefill_tokens: int
@@ -46,6 +50,7 @@ class StepFeatures:
     num_spec_tokens: int = 0
     num_spec_decodes: int = 0
     spec_context_tokens: int = 0
+    num_swap_runs: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -153,6 +158,8 @@ class SchedulerOutput:
                 samples + len(self.decodes),
                 len(self.swap_in) + len(self.swap_out),
             )
+            if self.swap_out or self.swap_in:
+                self._features.num_swap_runs = num_swap_runs(self.swap_out, self.swap_in)
             if self.spec_decodes:
                 self._add_spec_features(self._features)
         return self._features

@@ -46,15 +46,16 @@ def run_row(slice_name: str, load: float, s, r: dict, again: dict | None) -> dic
 
 
 def predicted_durations(model, st, async_scheduling: bool = False):
-    """Each step's duration in seconds predicted by ``model`` from its exact batch, for one
-    policy's steps.csv frame ``st`` in step order. Synchronous: S (host + device);
+    """Each step's duration in seconds predicted by ``model`` (a CalibratedCostModel: coef,
+    host_coef, block_size) from its exact batch, for one policy's steps.csv frame ``st`` in
+    step order. Synchronous: S (host + device);
     asynchronous: max(S_n - H_n, H_{n+1}), H_{n+1} counted only if step n + 1 starts where
     n ends."""
     import numpy as np
 
     from sched_lab.sim.calibrated import design, host_design, steps_as_profile
 
-    prof = steps_as_profile(st)
+    prof = steps_as_profile(st, model.block_size)  # the run's blocks: the profile's size
     step_s = design(prof) @ model.coef
     if not async_scheduling:
         return step_s

@@ -13,12 +13,23 @@ Step time is linear in features of sched_lab.core.plan.StepFeatures:
       + c6 * decode context tokens          KV bytes all decodes read
       + c7 * prefill cached tokens          KV bytes the prompt chunks read
       + c8 * prefill (query, key) pairs     attention work of prompt chunks
-      + c9 * swapped blocks                 host-link copies
+      + c9 * swapped KV tokens              host-link bytes (blocks * block_size)
       + c10 * max(0, tokens - EAGER_KNOT)   eager steps, above the largest CUDA graph
+      + c11 * swap transfers                one host <-> device copy per run of CPU ids
 
 Coefficients are >= 0 but c10, whose slope above the knot (c3 + c4 + c10) is kept >= 0; c10
 is fitted only with at least ``MIN_EAGER_ROWS`` non-replay rows above ``EAGER_KNOT``, else it
 is 0. The fit is least squares on error relative to each row's duration.
+
+Swaps: a KV token is a fixed number of bytes of the profiled model, so c9 is a per-byte
+rate and a run at another block size pays for its blocks' bytes (swapped blocks times the
+run's ``block_size``; the profile's rows count blocks of the block size its header names,
+``block_size N``, 16 if none). c11 is the cost of one transfer (``num_swap_runs``, a run of
+consecutive CPU block ids as the engine copies it). A profile without a ``num_swap_runs``
+column (those made before it, and engine steps.csv files) leaves the runs unknown: they
+read as 0 and c11 is 0, the whole swap cost fitted per byte. (Estimating runs = blocks
+instead would make the two swap columns proportional at one block size, so the fit could
+not tell latency from bandwidth and would split the cost arbitrarily between them.)
 
 Host time (asynchronous scheduling): a profile with a ``host_s`` column (seconds from a step's
 start until it is launched) gets a second fit, on error relative to the step's duration:
@@ -33,6 +44,7 @@ is 0 (asynchronous scheduling then saves nothing).
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import fields
@@ -54,9 +66,11 @@ MIN_EAGER_ROWS = 3  # profile rows above EAGER_KNOT needed to fit its slope (els
 REPLAY_KIND = "replay"  # the kind of a replay step's row (steps_as_profile)
 FEATURES = ("decode_only_step", "prefill_step", "num_seqs", "num_tokens",
             f"tokens_over_{TOKEN_KNOT}", "mean_decode_context", "decode_context_tokens",
-            "prefill_context_tokens", "prefill_attention_pairs", "num_swap_blocks",
-            f"tokens_over_{EAGER_KNOT}")  # fmt: skip
-_TOKENS, _HINGE, _EAGER = 3, 4, 10  # columns of FEATURES
+            "prefill_context_tokens", "prefill_attention_pairs", "num_swap_tokens",
+            f"tokens_over_{EAGER_KNOT}", "num_swap_runs")  # fmt: skip
+_TOKENS, _HINGE, _EAGER, _RUNS = 3, 4, 10, 11  # columns of FEATURES
+DEFAULT_BLOCK_SIZE = 16  # a profile's block size when its header names none (profile.py's)
+RUNS_COLUMN = "num_swap_runs"  # optional profile column (module doc: unknown reads as 0)
 PROFILE_COLUMNS = ("num_prefill_tokens", "num_prefills", "prefill_context_tokens",
                    "prefill_attention_pairs", "num_decodes", "decode_context_tokens",
                    "num_swap_blocks", "duration_s")  # fmt: skip
@@ -78,7 +92,11 @@ MIN_STEP_S = 1e-6
 
 
 def design(df: pd.DataFrame) -> np.ndarray:
-    """Feature matrix (rows, len(FEATURES)) of a frame with StepFeatures columns."""
+    """Feature matrix (rows, len(FEATURES)) of a frame with StepFeatures columns (without
+    ``num_swap_tokens``: blocks of :data:`DEFAULT_BLOCK_SIZE` tokens; see
+    :func:`with_swap_columns`)."""
+    if "num_swap_tokens" not in df.columns or RUNS_COLUMN not in df.columns:
+        df = with_swap_columns(df, DEFAULT_BLOCK_SIZE)
     prefills = df["num_prefills"].to_numpy(float)
     decodes = df["num_decodes"].to_numpy(float)
     tokens = df["num_prefill_tokens"].to_numpy(float) + decodes
@@ -94,9 +112,10 @@ def design(df: pd.DataFrame) -> np.ndarray:
     ]
     cols += [
         df[c].to_numpy(float)
-        for c in ("prefill_context_tokens", "prefill_attention_pairs", "num_swap_blocks")
+        for c in ("prefill_context_tokens", "prefill_attention_pairs", "num_swap_tokens")
     ]
     cols.append(np.maximum(tokens - EAGER_KNOT, 0.0))
+    cols.append(df[RUNS_COLUMN].to_numpy(float))
     return np.stack(cols, axis=1)
 
 
@@ -141,8 +160,19 @@ def nnls(a: np.ndarray, b: np.ndarray, free: tuple[int, ...] = ()) -> np.ndarray
 
 def fit(df: pd.DataFrame, extra: np.ndarray | None = None) -> np.ndarray:
     """Coefficients of :data:`FEATURES`, then those of ``extra`` ((rows, k) candidate
-    features, each coefficient >= 0)."""
-    x, y = design(df), df["duration_s"].to_numpy(float)
+    features, each coefficient >= 0). Without any swap runs (unknown: module doc) the
+    per-run coefficient is 0 and left out of the fit."""
+    x = design(df)
+    if not x[:, _RUNS].any():
+        return np.insert(_fit(np.delete(x, _RUNS, axis=1), df, extra), _RUNS, 0.0)
+    return _fit(x, df, extra)
+
+
+def _fit(x: np.ndarray, df: pd.DataFrame, extra: np.ndarray | None) -> np.ndarray:
+    """:func:`fit` on the design matrix ``x`` (columns ``_TOKENS``, ``_HINGE`` and
+    ``_EAGER`` where FEATURES has them)."""
+    y = df["duration_s"].to_numpy(float)
+    num_features = x.shape[1]
     if extra is not None:
         x = np.concatenate([x, np.asarray(extra, float).reshape(len(df), -1)], axis=1)
     scale = x.max(axis=0)
@@ -151,7 +181,7 @@ def fit(df: pd.DataFrame, extra: np.ndarray | None = None) -> np.ndarray:
     coef = np.zeros(x.shape[1])
     grid = (df["kind"] != REPLAY_KIND).to_numpy() if "kind" in df else np.ones(len(df), bool)
     keep = [i for i in range(x.shape[1]) if i != _EAGER]
-    eager = (x[grid, _EAGER] > 0).sum() >= MIN_EAGER_ROWS and len(df) >= len(FEATURES)
+    eager = (x[grid, _EAGER] > 0).sum() >= MIN_EAGER_ROWS and len(df) >= num_features
     if eager:
         coef[:] = nnls(a, np.ones(len(y)), free=(_EAGER,)) / scale
         if coef[_EAGER] >= -(coef[_TOKENS] + coef[_HINGE]):
@@ -194,15 +224,40 @@ def read_profile(path: str | Path) -> pd.DataFrame:
     df = _read_csv(path, key, comment="#")
     where = f"{key}: {path}"
     _require_columns(df, PROFILE_COLUMNS, where)
-    if len(df) < len(FEATURES) - 1:  # the eager slope is optional (module doc)
+    if len(df) < len(FEATURES) - 2:  # the eager slope and the per-run term are optional
         raise ConfigError(
-            f"{where}: expected at least {len(FEATURES) - 1} rows (one per "
+            f"{where}: expected at least {len(FEATURES) - 2} rows (one per "
             f"fitted coefficient), got {len(df)}"
         )
-    columns = PROFILE_COLUMNS + ((HOST_COLUMN,) if HOST_COLUMN in df.columns else ())
-    df = check_cells(df, columns, where, lambda: _read_text(path, comment="#"))
+    optional = tuple(c for c in (RUNS_COLUMN, HOST_COLUMN) if c in df.columns)
+    df = check_cells(df, PROFILE_COLUMNS + optional, where, lambda: _read_text(path, comment="#"))
     # Profiles made before speculative decoding have no verify-step columns: none verified.
-    return df.assign(**{c: 0 for c in SPEC_COLUMNS if c not in df.columns})
+    df = df.assign(**{c: 0 for c in SPEC_COLUMNS if c not in df.columns})
+    return with_swap_columns(df, profile_block_size(path))
+
+
+def with_swap_columns(df: pd.DataFrame, block_size: int) -> pd.DataFrame:
+    """``df`` with ``num_swap_tokens`` (its swapped blocks of ``block_size`` tokens) and
+    ``num_swap_runs`` (0 where the frame has none: unknown, module doc)."""
+    if "num_swap_tokens" not in df.columns:
+        df = df.assign(num_swap_tokens=df["num_swap_blocks"] * block_size)
+    return df if RUNS_COLUMN in df.columns else df.assign(**{RUNS_COLUMN: 0.0})
+
+
+def profile_block_size(path: str | Path) -> int:
+    """The block size a profile's header names (``block_size N``), else
+    :data:`DEFAULT_BLOCK_SIZE`."""
+    try:
+        with Path(path).open(encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.startswith("#"):
+                    break
+                found = re.search(r"\bblock_size (\d+)", line)
+                if found and int(found.group(1)) > 0:
+                    return int(found.group(1))
+    except OSError:
+        pass
+    return DEFAULT_BLOCK_SIZE
 
 
 def read_fingerprint(path: str | Path) -> dict | None:
@@ -238,8 +293,9 @@ def staleness(fingerprint: dict | None, engine: dict) -> tuple[bool, str]:
     return False, ""
 
 
-def read_replay_steps(path: str | Path) -> pd.DataFrame:
-    """The steps.csv of an engine run as profile rows. Raises ConfigError (one line)."""
+def read_replay_steps(path: str | Path, block_size: int = DEFAULT_BLOCK_SIZE) -> pd.DataFrame:
+    """The steps.csv of an engine run (its blocks of ``block_size`` tokens) as profile rows.
+    Raises ConfigError (one line)."""
     path = Path(path)
     key = "cost_model.replay_steps"
     if not path.exists():
@@ -249,7 +305,9 @@ def read_replay_steps(path: str | Path) -> pd.DataFrame:
     _require_columns(df, STEPS_COLUMNS, where, "not a steps.csv of a run: ")
     if len(df) == 0:
         raise ConfigError(f"{where}: no steps (a header without rows)")
-    return steps_as_profile(check_cells(df, STEPS_COLUMNS, where, lambda: _read_text(path)))
+    return steps_as_profile(
+        check_cells(df, STEPS_COLUMNS, where, lambda: _read_text(path)), block_size
+    )
 
 
 def check_cells(
@@ -332,12 +390,13 @@ def _read_csv(path: Path, key: str, **kwargs) -> pd.DataFrame:
         raise ConfigError(f"{key}: {path} is not a readable CSV ({_cut(why, 120)[1:-1]})") from None
 
 
-def steps_as_profile(df: pd.DataFrame) -> pd.DataFrame:
-    """A steps.csv frame in the profile's columns."""
+def steps_as_profile(df: pd.DataFrame, block_size: int = DEFAULT_BLOCK_SIZE) -> pd.DataFrame:
+    """A steps.csv frame (blocks of ``block_size`` tokens) in the profile's columns; its swap
+    runs are unknown (0)."""
     out = df.rename(columns={"num_decode_tokens": "num_decodes"})
     out["num_swap_blocks"] = df["num_swap_out_blocks"] + df["num_swap_in_blocks"]
     out["kind"] = REPLAY_KIND
-    return out[["kind", *PROFILE_COLUMNS]]
+    return with_swap_columns(out[["kind", *PROFILE_COLUMNS]], block_size)
 
 
 class CalibratedCostModel:
@@ -348,11 +407,13 @@ class CalibratedCostModel:
         tokens, or a fit predicting less than ``MIN_STEP_S`` for a 1-token step."""
         self.profile = Path(profile)
         self.fingerprint = read_fingerprint(self.profile)
+        self.block_size = profile_block_size(self.profile)  # of the profile's rows
         where = f"cost_model.profile: {self.profile}"
         if replay_steps:
             where += f" (with replay_steps {', '.join(map(str, replay_steps))})"
         data = pd.concat(
-            [read_profile(self.profile)] + [read_replay_steps(p) for p in replay_steps],
+            [read_profile(self.profile)]
+            + [read_replay_steps(p, self.block_size) for p in replay_steps],
             ignore_index=True,
         )
         prefills, decodes = data["num_prefills"].to_numpy(), data["num_decodes"].to_numpy()
@@ -380,8 +441,9 @@ class CalibratedCostModel:
             self._dctx,
             self._pctx,
             self._pairs,
-            self._swap,
+            self._swap_token,
             self._eager,
+            self._swap_run,
         ) = self.coef.tolist()
         for kind, f in (
             ("decode", StepFeatures(0, 0, 0, 0.0, 1, 1, 1, 0)),
@@ -395,7 +457,7 @@ class CalibratedCostModel:
                 )
 
     def step_time(self, f: StepFeatures, block_size: int) -> float:
-        """Predicted seconds of a step (``block_size`` unused)."""
+        """Predicted seconds of a step whose swapped blocks hold ``block_size`` tokens each."""
         tokens = f.num_prefill_tokens + f.num_decodes
         t = self._prefill_step if f.num_prefills else self._decode_step
         t += (
@@ -404,7 +466,8 @@ class CalibratedCostModel:
             + self._dctx * f.decode_context_tokens
             + self._pctx * f.prefill_context_tokens
             + self._pairs * f.prefill_attention_pairs
-            + self._swap * f.num_swap_blocks
+            + self._swap_token * f.num_swap_blocks * block_size
+            + self._swap_run * f.num_swap_runs
         )
         if f.num_decodes:
             t += self._mean_ctx * f.decode_context_tokens / f.num_decodes

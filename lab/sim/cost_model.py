@@ -1,7 +1,12 @@
 """Analytic step-time model (roofline) and the KV capacity rule; the simulator's executor.
 
 Step time = max(FLOPs / achieved FLOP/s, bytes / achieved bytes/s) + step overhead
-          + swap bytes / host-link bytes/s, with achieved = preset peak * efficiency.
+          + swap time, with achieved = preset peak * efficiency.
+
+* Swap time = host <-> device copies * the preset's ``host_link_latency_s`` + swapped bytes /
+  ``host_link_bandwidth``. The engine (backend/kv_cache.py) gathers a swap's blocks on the
+  device and copies each run of consecutive CPU block ids as one transfer, so the copies are
+  the plan's ``num_swap_runs`` and a swapped block costs its bytes (block_size tokens of KV).
 
 * FLOPs: 2 per weight per token (Kaplan et al. 2020, "Scaling Laws", §2.1), 2 per LM-head
   weight per sampled token, 4 * layers * heads * head_dim per attention (query, key) pair.
@@ -65,6 +70,7 @@ class AnalyticCostModel:
         self._s_per_flop = 1.0 / (hardware.peak_flops * flops_efficiency)
         self._s_per_byte = 1.0 / (hardware.mem_bandwidth * bandwidth_efficiency)
         self._s_per_swap_byte = 1.0 / hardware.host_link_bandwidth
+        self._s_per_swap_run = hardware.host_link_latency_s
         m = model
         self._flops_per_token = 2.0 * m.matmul_params_per_token
         self._flops_per_sample = 2.0 * m.vocab_size * m.hidden_size
@@ -117,7 +123,8 @@ class AnalyticCostModel:
         if self.tensor_parallel_size > 1:
             t += self._allreduce_s_per_token * tokens + self._allreduce_s_per_step
         if f.num_swap_blocks:
-            t += f.num_swap_blocks * block_size * self._kv_bytes_per_token * self._s_per_swap_byte
+            swap_bytes = f.num_swap_blocks * block_size * self._kv_bytes_per_token
+            t += f.num_swap_runs * self._s_per_swap_run + swap_bytes * self._s_per_swap_byte
         return t
 
     def host_time(self, f: StepFeatures, block_size: int = 0, step_s: float | None = None) -> float:

@@ -7,13 +7,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GB = 1e9
+# Seconds one host <-> device copy costs beyond its bytes (cudaMemcpyAsync submission, DMA
+# setup, PCIe round trip), an assumed figure: Wu et al. 2026, "DualPath" (arXiv 2602.21548),
+# §5.2, measure 5-7 us of submission overhead per cudaMemcpyAsync of a small chunk; rounded
+# up to 10 us for the DMA start. benchmarks/swap_profile.py measures it on a GPU.
+HOST_COPY_LATENCY_S = 10e-6
 
 
 @dataclass(frozen=True)
 class Hardware:
     """peak_flops (bf16 FLOP/s), mem_bandwidth (HBM bytes/s), host_link_bandwidth (host<->device
     bytes/s, one direction), memory_bytes (device), tp_link (the :data:`LINKS` preset between
-    GPUs of one host; None: no tensor parallelism on this preset)."""
+    GPUs of one host; None: no tensor parallelism on this preset), host_link_latency_s
+    (seconds per host <-> device copy on top of its bytes; :data:`HOST_COPY_LATENCY_S`)."""
 
     name: str
     peak_flops: float
@@ -23,6 +29,7 @@ class Hardware:
     kind: str
     source: str
     tp_link: str | None = None
+    host_link_latency_s: float = HOST_COPY_LATENCY_S
 
 
 HARDWARE: dict[str, Hardware] = {

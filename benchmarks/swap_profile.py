@@ -96,6 +96,95 @@ def print_fit(direction: str, rows: list[dict]) -> None:
               f"max relative residual {worst:.1%}")  # fmt: skip
 
 
+class TimedSwaps:
+    """An executor that runs each plan's swaps on ``cache`` (timed, synchronized) and adds up
+    the predictions of :func:`check`; every step lasts 10 ms of simulated time."""
+
+    wall_clock = False
+
+    def __init__(self, cache: KVCache, coef, flat, hw, sync) -> None:
+        self.cache, self.coef, self.flat, self.hw, self.sync = cache, coef, flat, hw, sync
+        self.measured: list[float] = []
+        self.ratios: list[float] = []
+        self.pred = {"a": 0.0, "b": 0.0, "c": 0.0}
+        self.blocks = self.runs = 0
+
+    def execute(self, plan):
+        from sched_lab.core.plan import StepResult
+
+        if not (plan.swap_out or plan.swap_in):
+            return StepResult(0.01)
+        t = p = 0.0
+        for d, mapping in (("out", list(plan.swap_out)), ("in", list(plan.swap_in))):
+            if not mapping:
+                continue
+            self.sync()
+            t0 = time.perf_counter()
+            (self.cache.swap_out if d == "out" else self.cache.swap_in)(mapping)
+            self.sync()
+            t += time.perf_counter() - t0
+            runs = num_swap_runs(mapping, []) if d == "out" else num_swap_runs([], mapping)
+            nbytes = len(mapping) * self.cache.block_bytes
+            p += runs * self.coef[d][0] + nbytes * self.coef[d][1]
+            self.pred["b"] += len(mapping) * self.flat[d]
+            self.pred["c"] += (
+                runs * self.hw.host_link_latency_s + nbytes / self.hw.host_link_bandwidth
+            )
+            self.blocks += len(mapping)
+            self.runs += runs
+        self.measured.append(t)
+        self.pred["a"] += p
+        self.ratios.append(p / t)
+        return StepResult(0.01)
+
+
+def check(config, device, dtype, sync, rows: list[dict], block_sizes, num_requests: int) -> None:
+    """The swap policy's own swaps under memory pressure, timed on the device cache and
+    predicted from ``rows`` (data the check never fed the fit: the fit saw arranged cases,
+    this sees a scheduler's maps). Per block size: swap steps, blocks, copies, measured
+    time, and the predictions of (a) copies x latency + bytes / bandwidth (this run's fit
+    without a call cost, as the simulator charges), (b) a flat time per block fitted at block
+    size 16 (the old calibrated term), (c) the analytic preset (10 us a copy, its bandwidth)."""
+    from sched_lab.core.kv import make_block_manager
+    from sched_lab.core.request import Request
+    from sched_lab.core.scheduler import SchedulerLimits
+    from sched_lab.policies import get_policy
+    from sched_lab.sim.hardware import HARDWARE
+    from sched_lab.sim.replay import replay
+
+    coef = {d: fit([r for r in rows if r["direction"] == d], False)[0] for d in ("out", "in")}
+    flat = {}
+    for d in ("out", "in"):  # time = c * blocks at block size 16, least squares on relative error
+        r16 = [r for r in rows if r["direction"] == d and r["block_size"] == 16]
+        x = np.array([r["num_blocks"] / r["time_s"] for r in r16])
+        flat[d] = float(x.sum() / (x * x).sum()) if len(x) else float("nan")
+    hw = HARDWARE["h200-sxm"]
+    print("| block size | swap steps | blocks | copies | measured ms | fit ms (a) | "
+          "flat/block ms (b) | analytic ms (c) | step ratio (a) p50 / p90 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for bs in block_sizes:
+        gpu_blocks, cpu_blocks = 96, 1024
+        cache = KVCache(config, bs, gpu_blocks, cpu_blocks, dtype, device)
+        timed = TimedSwaps(cache, coef, flat, hw, sync)
+        bm = make_block_manager(gpu_blocks, cpu_blocks, bs, 0.0, False)
+        scheduler = get_policy("swap")(SchedulerLimits(256, 1_000_000, 1_000_000), bm)
+        reqs = [Request(str(i), i * 0.002, bs * (2 + i % 5) + 3, bs * (3 + i % 4))
+                for i in range(num_requests)]  # fmt: skip
+        result = replay(reqs, scheduler, timed)
+        measured, pred = timed.measured, timed.pred
+        warm = measured[1:] or measured  # the first swap pays one-time setup
+        total = sum(warm) * len(measured) / max(len(warm), 1)
+        r = np.array(timed.ratios)
+        print(f"| {bs} | {len(measured)} | {timed.blocks} | {timed.runs} | {total * 1e3:.2f} | "
+              f"{pred['a'] * 1e3:.2f} | {pred['b'] * 1e3:.2f} | {pred['c'] * 1e3:.2f} | "
+              + (f"{np.median(r):.2f} / {np.quantile(r, 0.9):.2f} |" if len(r) else "- |")
+              + ("" if result.failure is None else f" failure: {result.failure}"),
+              flush=True)  # fmt: skip
+        del cache
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))
@@ -108,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", help="CSV to write (default: $OUT/swap_profile.csv, else ./)")
+    ap.add_argument("--check", type=int, default=0, metavar="N",
+                    help="then replay N requests under the swap policy short of GPU blocks at "
+                         "each block size, timing its swaps against the fitted model")  # fmt: skip
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device (use --device cpu for a smoke run)",
@@ -153,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out}")
     for direction in ("out", "in"):
         print_fit(direction, [r for r in rows if r["direction"] == direction])
+    if args.check:
+        check(config, device, dtype, sync, rows, args.block_sizes, args.check)
     return 0
 
 

@@ -211,6 +211,26 @@ def _text_in_numbers(f: Path) -> None:
     (f / "requests.csv").write_text(text)
 
 
+def _header_only(name: str):
+    def damage(f: Path) -> None:
+        (f / name).write_text((f / name).read_text().splitlines()[0] + "\n")
+
+    return damage
+
+
+def _cut(name: str, line: int, chars: int = 0, rest: bool = False):
+    """Cut line ``line`` (1: the header) of ``name`` to its first ``chars`` characters; the
+    lines after it go (``rest``: they stay, so a row in the middle is short)."""
+
+    def damage(f: Path) -> None:
+        text = (f / name).read_text().splitlines(keepends=True)
+        short = text[line - 1][:chars]
+        after = ["\n", *text[line:]] if rest else []
+        (f / name).write_text("".join([*text[: line - 1], short, *after]))
+
+    return damage
+
+
 def _bad_parquet(f: Path) -> None:
     (f / "requests.csv").unlink()
     (f / "requests.parquet").write_text("not parquet")
@@ -232,6 +252,23 @@ DAMAGE = {
                     "C error: Expected 20 fields in line 3, saw 22"),
     "text_in_numbers": (_text_in_numbers, "requests.csv: damaged, column 'arrival_s' holds text where "
                         "numbers belong"),
+    # Cut short (issue 39): an IndexError of the timeline before.
+    "steps_header_only": (_header_only("steps.csv"),
+                          "steps.csv: damaged, 0 rows of run fcfs, but summary.json counts "),
+    "steps_cut_at_a_line": (_cut("steps.csv", 4), "steps.csv: damaged, 2 rows of run fcfs, "
+                            "but summary.json counts "),
+    "steps_cut_mid_line": (_cut("steps.csv", 4, 12), "steps.csv: damaged, line 4 ends without "
+                           "a line break (the lab ends every line with one); was the file cut "
+                           "short?"),
+    "requests_header_only": (_header_only("requests.csv"), "requests.csv: damaged, 0 rows of "
+                             "run fcfs, but summary.json counts 6 (num_prompts + dropped)"),
+    "requests_cut_mid_line": (_cut("requests.csv", 7, 25), "requests.csv: damaged, line 7 "
+                              "ends without a line break"),
+    "requests_short_row": (_cut("requests.csv", 2, 20, rest=True),
+                           "requests.csv: damaged, line 2 has no value in column 'arrival_s' "
+                           "(every row has one; was the file cut short?)"),
+    "events_short_row": (_cut("events.csv", 3, 14, rest=True),
+                         "events.csv: damaged, line 3 has no value in column 'step'"),
     "binary": (lambda f: (f / "requests.csv").write_bytes(b"\xf0\x28\x8c\x28" * 50),
                "requests.csv: damaged, cannot be read ('utf-8' codec can't decode"),
 }  # fmt: skip

@@ -563,6 +563,18 @@ def test_rerun_replaces_a_sweep_folder_but_not_a_foreign_file(tmp_path, capsys, 
     assert (out / "points" / "p001" / "notes.txt").read_text() == "mine"
 
 
+def test_a_swept_integer_beyond_int64_is_written_as_text(tmp_path):
+    # The seed has no upper bound; sweep.parquet cannot hold 10**30 as an int64 (an
+    # OverflowError after every point had run, before).
+    path = write(tmp_path, SYNTH + "policies: [fcfs]\nsweep: {grid: {seed: [1, 1000000000000000000000000000000]}}\n")  # fmt: skip
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
+    csv = pd.read_csv(out / "sweep.csv", dtype={"seed": str})
+    assert csv["seed"].tolist() == ["1", "1000000000000000000000000000000"]
+    if importlib.util.find_spec("pyarrow") is not None:
+        assert pd.read_parquet(out / "sweep.parquet")["seed"].tolist() == csv["seed"].tolist()
+
+
 def test_engine_points_run_here_after_the_simulator_points(tmp_path, monkeypatch):
     import sched_lab.sweeps.executors
     import sched_lab.sweeps.run

@@ -94,8 +94,14 @@ def _plain(x: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------- tables
+_INT64 = range(-(1 << 63), 1 << 63)  # integers a parquet column holds
+
+
 def _value(v: Any) -> Any:
-    """A swept value as a table cell: scalars as they are, anything else as JSON text."""
+    """A swept value as a table cell: scalars as they are (an integer beyond int64 as its
+    digits, so the column becomes text), anything else as JSON text."""
+    if isinstance(v, int) and not isinstance(v, bool) and v not in _INT64:
+        return str(v)
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     return json.dumps(v, sort_keys=True)

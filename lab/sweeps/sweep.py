@@ -144,17 +144,24 @@ def load_sweep(
 
 class _TraceChecks:
     """Each distinct trace of a sweep's points (by spec and seed) loaded once, and with the
-    prefix cache on, its prefix identity checked as the runs will (before any runs)."""
+    prefix cache on, its prefix identity checked as the runs will (before any runs); with a
+    cluster pool routed by prefix, its hash ids too."""
 
     def __init__(self, base_dir: Path) -> None:
         self.base_dir = base_dir
         self.seen: set[str] = set()
         self.checked: set[tuple[str, int, bool]] = set()
+        self.routed: set[str] = set()  # traces whose hash ids a prefix router was checked on
         self.last: tuple[str | None, Any] = (None, None)  # the latest trace loaded
 
     def check(self, cfg: Any) -> None:
-        """UserError if ``cfg``'s trace cannot be read, or cannot be cached as it asks."""
-        from sched_lab.run.experiment import check_prefix_identity
+        """UserError if ``cfg``'s trace cannot be read, cannot be cached as it asks, or gives
+        a prefix router no hash ids."""
+        from sched_lab.run.experiment import (
+            check_prefix_identity,
+            check_router_keys,
+            prefix_routed_pools,
+        )
         from sched_lab.setup import setup_class
 
         if cfg.trace.classes:
@@ -164,15 +171,24 @@ class _TraceChecks:
         ident = json.dumps({"seed": cfg.seed, "trace": spec}, sort_keys=True, default=str)
         caching = any(pol.prefix_caching(cfg.kv_cache) for pol in cfg.policies)
         token_ids = setup_class(cfg.backend).token_ids
+        routed = bool(prefix_routed_pools(cfg))
         key = (ident, cfg.kv_cache.block_size, token_ids)
-        if ident in self.seen and (not caching or key in self.checked):
+        if (
+            ident in self.seen
+            and (not caching or key in self.checked)
+            and (not routed or ident in self.routed)
+        ):
             return
         loaded = self._load(cfg, ident)
-        if caching:
+        if caching or routed:
             requests = loaded if isinstance(loaded, list) else loaded.to_requests()
             self.last = (ident, requests)
+        if caching:
             check_prefix_identity(requests, cfg, token_ids)
             self.checked.add(key)
+        if routed:
+            check_router_keys(requests, cfg)
+            self.routed.add(ident)
 
     def _load(self, cfg: Any, ident: str) -> Any:
         """The trace's requests (workload classes) or table."""

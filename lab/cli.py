@@ -209,7 +209,8 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         "--max-points",
         type=int,
         metavar="N",
-        help="accept a sweep of up to N points (default: the YAML's sweep.max_points, else 10000)",
+        help="accept a sweep of up to N points, at most 1000000 (default: the YAML's "
+        "sweep.max_points, else 10000)",
     )
     where = sweep.add_mutually_exclusive_group()
     where.add_argument("--ray", action="store_true", help="run the points on a local Ray")
@@ -442,14 +443,14 @@ def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
 
     from sched_lab.core.errors import UserError
     from sched_lab.sweeps.run import run_sweep
-    from sched_lab.sweeps.sweep import load_sweep
+    from sched_lab.sweeps.sweep import check_max_points, load_sweep
 
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit: expected an integer >= 1, got {args.limit}")
     if args.jobs is not None and args.jobs < 1:
         raise UserError(f"--jobs: expected an integer >= 1, got {args.jobs}")
-    if args.max_points is not None and args.max_points < 1:
-        raise UserError(f"--max-points: expected an integer >= 1, got {args.max_points}")
+    if args.max_points is not None:
+        check_max_points("--max-points", args.max_points)
     if args.out is not None and not args.out.strip():
         raise UserError("--out: expected a folder, got an empty string")
     if args.format == "parquet" and importlib.util.find_spec("pyarrow") is None:

@@ -210,16 +210,18 @@ def test_max_points_from_the_command_line_wins_over_the_yaml(tmp_path, capsys):
         "sweep.max_points or --max-points if you mean it"
     )
     assert run_experiment.main([str(path), "--max-points", "0", "--out", out]) == 2
-    assert "--max-points: expected an integer >= 1, got 0" in capsys.readouterr().err
+    assert "--max-points: expected an integer in [1, 1,000,000] (" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
 def test_the_default_limit_counts_before_expanding():
     # 10 axes of 10 values: 10**10 points, refused from the axis lengths alone.
     grid = {f"policies[0].x{i}": list(range(10)) for i in range(10)}
-    with pytest.raises(ConfigError, match=r"10 x 10 .* = 10,000,000,000 points, more than the "
-                       r"limit of 10,000"):  # fmt: skip
+    with pytest.raises(ConfigError, match=r"10 x 10 .* = 10,000,000,000 points, more than any "
+                       r"sweep may have \(1,000,000: "):  # fmt: skip
         expand({"grid": grid}, "sw.yaml")
+    with pytest.raises(ConfigError, match=r"= 1,000,000 points, more than the limit of 10,000; "):
+        expand({"grid": dict(list(grid.items())[:6])}, "sw.yaml")
     combos, keys = expand({"grid": {"seed": list(range(100))}, "max_points": 100}, "sw.yaml")
     assert len(combos) == 100 and keys == ("seed",)
 

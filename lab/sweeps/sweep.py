@@ -23,6 +23,9 @@ SWEEP_KEYS = ("sweep", "search")  # top-level keys that make a YAML a sweep
 # Points a sweep may have unless sweep.max_points or --max-points says more: each point is
 # validated (about a millisecond) and kept in memory before the first runs.
 MAX_POINTS = 10_000
+# The most points either may raise it to: a million points take about 5 GB and 8 minutes to
+# make and check before the first one runs; beyond that a sweep would exhaust memory.
+MAX_POINTS_CEILING = 1_000_000
 NOT_SWEPT = ("name", "sweep", "search", "trace_file")  # keys a point cannot set
 
 
@@ -260,14 +263,12 @@ def expand(
             raise ConfigError(f"{where}: unknown key sweep.{k}; allowed: grid, points, max_points")
     if "max_points" in spec:
         own = spec["max_points"]
-        if not isinstance(own, int) or isinstance(own, bool) or own < 1:
-            raise ConfigError(
-                f"{where}: sweep.max_points: expected an integer >= 1, got {short_repr(own)}"
-            )
+        check_max_points(f"{where}: sweep.max_points", own)
         if max_points is None:
             max_points = own
     if max_points is None:
         max_points = MAX_POINTS
+    check_max_points(f"{where}: max_points", max_points)
     if not any(k in spec for k in ("grid", "points")):
         raise ConfigError(
             f"{where}: sweep: expected a mapping with grid and/or points, got {short_repr(spec)}"
@@ -320,6 +321,12 @@ def expand(
     if count > max_points:
         factors = [len(rows)] * (len(rows) > 1) + [len(v) for _, v in axes]
         product = " x ".join(map(str, factors)) + " = " if len(factors) > 1 else ""
+        if count > MAX_POINTS_CEILING:
+            raise ConfigError(
+                f"{where}: sweep: {product}{count:,} points, more than any sweep may have "
+                f"({MAX_POINTS_CEILING:,}: every point is made and checked in memory before "
+                "the first runs); split it into smaller sweeps"
+            )
         raise ConfigError(
             f"{where}: sweep: {product}{count:,} points, more than the limit of "
             f"{max_points:,}; raise it with sweep.max_points or --max-points if you mean it"
@@ -330,6 +337,20 @@ def expand(
         for values in itertools.product(*(v for _, v in axes))
     ]
     return combos, (*point_keys, *(a for a, _ in axes))
+
+
+def check_max_points(where: str, value: Any) -> None:
+    """ConfigError (``where``: the file and key, or the flag) unless ``value`` is an integer
+    in [1, :data:`MAX_POINTS_CEILING`]."""
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or not 1 <= value <= MAX_POINTS_CEILING
+    ):
+        raise ConfigError(
+            f"{where}: expected an integer in [1, {MAX_POINTS_CEILING:,}] (every point is made "
+            f"and checked in memory before the first runs), got {short_repr(value)}"
+        )
 
 
 def _key(key: Any, where: str) -> str:

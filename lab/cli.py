@@ -133,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     tl.add_argument(
         "--window", type=float, nargs=2, metavar=("T0", "T1"), help="requests in flight then (s)"
     )
-    tl.add_argument("--out", default="timeline.png", help="the PNG (default timeline.png)")
+    tl.add_argument(
+        "--out",
+        help="the picture (.png, .pdf or .svg; default: in the results folder, "
+        "timeline_<run>_<choice>.png, e.g. timeline_fcfs_slowest12_e2e.png)",
+    )
     for name, (_, what) in DELEGATED.items():
         sub.add_parser(name, help=what, add_help=False)  # listed here, parsed by the module
     args = ap.parse_args(argv)
@@ -154,8 +158,9 @@ def _explain(args: argparse.Namespace) -> int:
             window = tuple(args.window) if args.window else None
             if window is not None and window[1] <= window[0]:
                 raise UserError(f"--window: expected T0 < T1, got {window[0]:g} {window[1]:g}")
-            print(picture(Path(args.results), Path(args.out), args.run, ids, args.slowest,
-                          args.by, window))  # fmt: skip
+            out = Path(args.out) if args.out is not None else None
+            print(picture(Path(args.results), out, args.run, ids, args.slowest, args.by,
+                          window))  # fmt: skip
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

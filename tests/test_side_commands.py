@@ -306,6 +306,34 @@ def test_timeline_out_keeps_a_users_file_and_the_results_folder_replaceable(
     assert inside.read_bytes()[:4] == b"\x89PNG" and is_results_folder(results)
 
 
+def test_timeline_without_out_writes_in_the_results_folder_not_the_cwd(
+    results, tmp_path, capsys, monkeypatch
+):
+    import shutil
+
+    from sched_lab.report.folder import is_results_folder
+
+    folder = tmp_path / "res"
+    shutil.copytree(results, folder)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert main(["timeline", str(folder), "--slowest", "2", "--by", "ttft"]) == 0
+    png = folder / "timeline_fcfs_slowest2_ttft.png"
+    assert capsys.readouterr().out == f"wrote {png}: 2 requests of run fcfs\n"
+    assert png.read_bytes()[:4] == b"\x89PNG" and is_results_folder(folder)
+    assert list(cwd.iterdir()) == []
+    assert (folder / "timeline_fcfs.png").read_bytes() == (
+        results / "timeline_fcfs.png"
+    ).read_bytes()
+    mine = folder / "timeline_fcfs_requests.png"  # a user's file of the default name stays
+    mine.write_bytes(b"mine")
+    assert main(["timeline", str(folder), "--requests", "1,2"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: timeline (no --out): {mine}: exists and was not written by")
+    assert mine.read_bytes() == b"mine" and list(cwd.iterdir()) == []
+
+
 # ---------------------------------------------------------------- profile and tools
 def test_profile_and_tools_keep_a_users_files(tmp_path, capsys):
     pytest.importorskip("torch")

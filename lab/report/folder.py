@@ -388,7 +388,7 @@ def _timelines(folder: Path, cfg: ExperimentConfig, runs: list[Run], fmt: str):
         if not stories:
             continue
         which = _which(cfg.report)
-        name = f"timeline_{_safe(r.label)}.png"
+        name = f"timeline_{timeline.file_label(r.label)}.png"
         title = f"{r.label}: {which}"
         timeline.gantt_png(folder / name, stories, steps, title)
         pngs.append((name, f"Timeline of {r.label}: {which}"))
@@ -408,10 +408,6 @@ def _which(rc) -> str:
     if rc.timeline_window_s is not None:
         return f"requests in flight in {rc.timeline_window_s[0]:g}-{rc.timeline_window_s[1]:g} s"
     return f"the {rc.timeline_slowest} slowest finished requests by {rc.timeline_by.upper()}"
-
-
-def _safe(label: str) -> str:
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
 
 
 def _html(folder: Path, cfg, runs, report: str, figures) -> None:

@@ -523,9 +523,30 @@ def _check_complete(paths: dict[str, Path], label: str, summary: dict, requests,
             )
 
 
+def file_label(label: str) -> str:
+    """A run's label as part of a file name (``timeline_<label>.png``): letters, digits,
+    ``.``, ``_`` and ``-``; any other character becomes ``_``."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
+
+
+def default_picture_name(
+    label: str, ids: Sequence[str], slowest: int, by: str, window: tuple[float, float] | None
+) -> str:
+    """Where ``sched-lab timeline`` puts its picture without ``--out``, in the results folder:
+    ``timeline_<run>_<choice>.png``, never the name of the picture the run wrote
+    (``timeline_<run>.png``)."""
+    if ids:
+        choice = "requests"
+    elif window is not None:
+        choice = f"window_{window[0]:g}-{window[1]:g}s"
+    else:
+        choice = f"slowest{slowest}_{by}"
+    return f"timeline_{file_label(label)}_{file_label(choice)}.png"
+
+
 def picture(
     folder: Path,
-    out: Path,
+    out: Path | None = None,
     run: str | None = None,
     ids: Sequence[str] = (),
     slowest: int = 12,
@@ -533,21 +554,26 @@ def picture(
     window: tuple[float, float] | None = None,
 ) -> str:
     """``sched-lab timeline``: the Gantt PNG of chosen requests of a results folder's run;
-    returns a line saying what was drawn."""
+    returns a line saying what was drawn. ``out`` None: in the results folder
+    (:func:`default_picture_name`, listed in its manifest), never the working directory."""
     from types import SimpleNamespace
 
     from sched_lab.core.errors import UserError
     from sched_lab.core.outputs import check_output, write_output
 
-    out = Path(out)
     if window is not None and not (all(map(math.isfinite, window)) and 0 <= window[0] < window[1]):
         raise UserError(f"--window: expected START END in seconds, 0 <= START < END, got {window}")
-    if out.suffix.lower() not in (".png", ".pdf", ".svg"):
-        raise UserError(f"--out: {out}: expected a file name ending in .png, .pdf or .svg")
-    if not out.parent.is_dir():
-        raise UserError(f"--out: {out.parent} is not a folder")
-    out = check_output(out, "--out")  # before the work: a file of the user's is never replaced
+    if out is not None:
+        out = Path(out)
+        if out.suffix.lower() not in (".png", ".pdf", ".svg"):
+            raise UserError(f"--out: {out}: expected a file name ending in .png, .pdf or .svg")
+        if not out.parent.is_dir():
+            raise UserError(f"--out: {out.parent} is not a folder")
+        out = check_output(out, "--out")  # before the work: a user's file is never replaced
     label, requests, events, steps = load_run(folder, run)
+    if out is None:  # the results folder was read: it is one
+        name = default_picture_name(label, ids, slowest, by, window)
+        out = check_output(Path(folder) / name, "timeline (no --out):")
     if "replica" in requests.columns:
         raise UserError(f"{folder}: a cluster run: cluster runs record no per-request events")
     chosen = SimpleNamespace(

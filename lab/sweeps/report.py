@@ -18,6 +18,7 @@ import yaml
 from sched_lab import __version__
 from sched_lab.core.errors import UserError
 from sched_lab.report.folder import MANIFEST, check_out_dir, put_in_place, temp_folder
+from sched_lab.report.staging import MARKER
 
 LEAD = ("point", "status", "error")
 
@@ -67,7 +68,7 @@ def _write(tmp: Path, sweep, tasks, results, timing) -> None:
     plots = _plots(tmp, sweep, table, capacity)
     (tmp / "report.md").write_text(_markdown(sweep, table, capacity, plots))
     (tmp / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
-    files = sorted(p.name for p in tmp.iterdir() if p.is_file())
+    files = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != MARKER)
     _manifest(tmp, files, folders)
 
 

@@ -128,7 +128,10 @@ BAD = [
     ("sweep: {grid: {seed: []}}\n", "sweep.grid.seed: expected a non-empty list of values, got []"),
     ("sweep: {}\n", "sweep: expected a mapping with grid and/or points, got {}"),
     ("sweep: {max_points: 5}\n", "sweep: expected a mapping with grid and/or points, got"),
-    ("sweep: {grid: {seed: [1]}, max_points: 0}\n", "sweep.max_points: expected an integer >= 1"),
+    (
+        "sweep: {grid: {seed: [1]}, max_points: 0}\n",
+        "sweep.max_points: expected an integer in [1, 1,000,000] (",
+    ),
     (
         "sweep: {grid: {seed: [1, 2, 3], rate_scale: [1, 2]}, max_points: 5}\n",
         "sweep: 3 x 2 = 6 points, more than the limit of 5; raise it with sweep.max_points or "

@@ -133,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     tl.add_argument(
         "--window", type=float, nargs=2, metavar=("T0", "T1"), help="requests in flight then (s)"
     )
-    tl.add_argument("--out", default="timeline.png", help="the PNG (default timeline.png)")
+    tl.add_argument(
+        "--out",
+        help="the picture (.png, .pdf or .svg; default: in the results folder, "
+        "timeline_<run>_<choice>.png, e.g. timeline_fcfs_slowest12_e2e.png)",
+    )
     for name, (_, what) in DELEGATED.items():
         sub.add_parser(name, help=what, add_help=False)  # listed here, parsed by the module
     args = ap.parse_args(argv)
@@ -154,8 +158,9 @@ def _explain(args: argparse.Namespace) -> int:
             window = tuple(args.window) if args.window else None
             if window is not None and window[1] <= window[0]:
                 raise UserError(f"--window: expected T0 < T1, got {window[0]:g} {window[1]:g}")
-            print(picture(Path(args.results), Path(args.out), args.run, ids, args.slowest,
-                          args.by, window))  # fmt: skip
+            out = Path(args.out) if args.out is not None else None
+            print(picture(Path(args.results), out, args.run, ids, args.slowest, args.by,
+                          window))  # fmt: skip
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -209,7 +214,8 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         "--max-points",
         type=int,
         metavar="N",
-        help="accept a sweep of up to N points (default: the YAML's sweep.max_points, else 10000)",
+        help="accept a sweep of up to N points, at most 1000000 (default: the YAML's "
+        "sweep.max_points, else 10000)",
     )
     where = sweep.add_mutually_exclusive_group()
     where.add_argument("--ray", action="store_true", help="run the points on a local Ray")
@@ -442,14 +448,14 @@ def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
 
     from sched_lab.core.errors import UserError
     from sched_lab.sweeps.run import run_sweep
-    from sched_lab.sweeps.sweep import load_sweep
+    from sched_lab.sweeps.sweep import check_max_points, load_sweep
 
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit: expected an integer >= 1, got {args.limit}")
     if args.jobs is not None and args.jobs < 1:
         raise UserError(f"--jobs: expected an integer >= 1, got {args.jobs}")
-    if args.max_points is not None and args.max_points < 1:
-        raise UserError(f"--max-points: expected an integer >= 1, got {args.max_points}")
+    if args.max_points is not None:
+        check_max_points("--max-points", args.max_points)
     if args.out is not None and not args.out.strip():
         raise UserError("--out: expected a folder, got an empty string")
     if args.format == "parquet" and importlib.util.find_spec("pyarrow") is None:

@@ -211,6 +211,26 @@ def _text_in_numbers(f: Path) -> None:
     (f / "requests.csv").write_text(text)
 
 
+def _header_only(name: str):
+    def damage(f: Path) -> None:
+        (f / name).write_text((f / name).read_text().splitlines()[0] + "\n")
+
+    return damage
+
+
+def _cut(name: str, line: int, chars: int = 0, rest: bool = False):
+    """Cut line ``line`` (1: the header) of ``name`` to its first ``chars`` characters; the
+    lines after it go (``rest``: they stay, so a row in the middle is short)."""
+
+    def damage(f: Path) -> None:
+        text = (f / name).read_text().splitlines(keepends=True)
+        short = text[line - 1][:chars]
+        after = ["\n", *text[line:]] if rest else []
+        (f / name).write_text("".join([*text[: line - 1], short, *after]))
+
+    return damage
+
+
 def _bad_parquet(f: Path) -> None:
     (f / "requests.csv").unlink()
     (f / "requests.parquet").write_text("not parquet")
@@ -232,6 +252,23 @@ DAMAGE = {
                     "C error: Expected 20 fields in line 3, saw 22"),
     "text_in_numbers": (_text_in_numbers, "requests.csv: damaged, column 'arrival_s' holds text where "
                         "numbers belong"),
+    # Cut short (issue 39): an IndexError of the timeline before.
+    "steps_header_only": (_header_only("steps.csv"),
+                          "steps.csv: damaged, 0 rows of run fcfs, but summary.json counts "),
+    "steps_cut_at_a_line": (_cut("steps.csv", 4), "steps.csv: damaged, 2 rows of run fcfs, "
+                            "but summary.json counts "),
+    "steps_cut_mid_line": (_cut("steps.csv", 4, 12), "steps.csv: damaged, line 4 ends without "
+                           "a line break (the lab ends every line with one); was the file cut "
+                           "short?"),
+    "requests_header_only": (_header_only("requests.csv"), "requests.csv: damaged, 0 rows of "
+                             "run fcfs, but summary.json counts 6 (num_prompts + dropped)"),
+    "requests_cut_mid_line": (_cut("requests.csv", 7, 25), "requests.csv: damaged, line 7 "
+                              "ends without a line break"),
+    "requests_short_row": (_cut("requests.csv", 2, 20, rest=True),
+                           "requests.csv: damaged, line 2 has no value in column 'arrival_s' "
+                           "(every row has one; was the file cut short?)"),
+    "events_short_row": (_cut("events.csv", 3, 14, rest=True),
+                         "events.csv: damaged, line 3 has no value in column 'step'"),
     "binary": (lambda f: (f / "requests.csv").write_bytes(b"\xf0\x28\x8c\x28" * 50),
                "requests.csv: damaged, cannot be read ('utf-8' codec can't decode"),
 }  # fmt: skip
@@ -267,6 +304,34 @@ def test_timeline_out_keeps_a_users_file_and_the_results_folder_replaceable(
     assert main(["timeline", str(results), "--slowest", "2", "--out", str(inside)]) == 0
     assert capsys.readouterr().out == f"wrote {inside}: 2 requests of run fcfs\n"
     assert inside.read_bytes()[:4] == b"\x89PNG" and is_results_folder(results)
+
+
+def test_timeline_without_out_writes_in_the_results_folder_not_the_cwd(
+    results, tmp_path, capsys, monkeypatch
+):
+    import shutil
+
+    from sched_lab.report.folder import is_results_folder
+
+    folder = tmp_path / "res"
+    shutil.copytree(results, folder)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert main(["timeline", str(folder), "--slowest", "2", "--by", "ttft"]) == 0
+    png = folder / "timeline_fcfs_slowest2_ttft.png"
+    assert capsys.readouterr().out == f"wrote {png}: 2 requests of run fcfs\n"
+    assert png.read_bytes()[:4] == b"\x89PNG" and is_results_folder(folder)
+    assert list(cwd.iterdir()) == []
+    assert (folder / "timeline_fcfs.png").read_bytes() == (
+        results / "timeline_fcfs.png"
+    ).read_bytes()
+    mine = folder / "timeline_fcfs_requests.png"  # a user's file of the default name stays
+    mine.write_bytes(b"mine")
+    assert main(["timeline", str(folder), "--requests", "1,2"]) == 2
+    line = one_error_line(capsys)
+    assert line.startswith(f"error: timeline (no --out): {mine}: exists and was not written by")
+    assert mine.read_bytes() == b"mine" and list(cwd.iterdir()) == []
 
 
 # ---------------------------------------------------------------- profile and tools

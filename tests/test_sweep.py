@@ -128,7 +128,10 @@ BAD = [
     ("sweep: {grid: {seed: []}}\n", "sweep.grid.seed: expected a non-empty list of values, got []"),
     ("sweep: {}\n", "sweep: expected a mapping with grid and/or points, got {}"),
     ("sweep: {max_points: 5}\n", "sweep: expected a mapping with grid and/or points, got"),
-    ("sweep: {grid: {seed: [1]}, max_points: 0}\n", "sweep.max_points: expected an integer >= 1"),
+    (
+        "sweep: {grid: {seed: [1]}, max_points: 0}\n",
+        "sweep.max_points: expected an integer in [1, 1,000,000] (",
+    ),
     (
         "sweep: {grid: {seed: [1, 2, 3], rate_scale: [1, 2]}, max_points: 5}\n",
         "sweep: 3 x 2 = 6 points, more than the limit of 5; raise it with sweep.max_points or "
@@ -210,16 +213,18 @@ def test_max_points_from_the_command_line_wins_over_the_yaml(tmp_path, capsys):
         "sweep.max_points or --max-points if you mean it"
     )
     assert run_experiment.main([str(path), "--max-points", "0", "--out", out]) == 2
-    assert "--max-points: expected an integer >= 1, got 0" in capsys.readouterr().err
+    assert "--max-points: expected an integer in [1, 1,000,000] (" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
 def test_the_default_limit_counts_before_expanding():
     # 10 axes of 10 values: 10**10 points, refused from the axis lengths alone.
     grid = {f"policies[0].x{i}": list(range(10)) for i in range(10)}
-    with pytest.raises(ConfigError, match=r"10 x 10 .* = 10,000,000,000 points, more than the "
-                       r"limit of 10,000"):  # fmt: skip
+    with pytest.raises(ConfigError, match=r"10 x 10 .* = 10,000,000,000 points, more than any "
+                       r"sweep may have \(1,000,000: "):  # fmt: skip
         expand({"grid": grid}, "sw.yaml")
+    with pytest.raises(ConfigError, match=r"= 1,000,000 points, more than the limit of 10,000; "):
+        expand({"grid": dict(list(grid.items())[:6])}, "sw.yaml")
     combos, keys = expand({"grid": {"seed": list(range(100))}, "max_points": 100}, "sw.yaml")
     assert len(combos) == 100 and keys == ("seed",)
 
@@ -561,6 +566,18 @@ def test_rerun_replaces_a_sweep_folder_but_not_a_foreign_file(tmp_path, capsys, 
     assert run_experiment.main(args) == 2
     assert "holds points, not written by sched-lab" in capsys.readouterr().err
     assert (out / "points" / "p001" / "notes.txt").read_text() == "mine"
+
+
+def test_a_swept_integer_beyond_int64_is_written_as_text(tmp_path):
+    # The seed has no upper bound; sweep.parquet cannot hold 10**30 as an int64 (an
+    # OverflowError after every point had run, before).
+    path = write(tmp_path, SYNTH + "policies: [fcfs]\nsweep: {grid: {seed: [1, 1000000000000000000000000000000]}}\n")  # fmt: skip
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
+    csv = pd.read_csv(out / "sweep.csv", dtype={"seed": str})
+    assert csv["seed"].tolist() == ["1", "1000000000000000000000000000000"]
+    if importlib.util.find_spec("pyarrow") is not None:
+        assert pd.read_parquet(out / "sweep.parquet")["seed"].tolist() == csv["seed"].tolist()
 
 
 def test_engine_points_run_here_after_the_simulator_points(tmp_path, monkeypatch):

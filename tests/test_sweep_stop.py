@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from sched_lab.report.staging import remove_stale
+
 ROOT = Path(__file__).resolve().parents[1]
 BOUND_S = 120.0  # how long a stopped sweep and its workers may take to end (loaded CI)
 
@@ -110,3 +112,9 @@ def test_a_stopped_pool_sweep_ends_its_workers_and_leaves_no_temp_folder(tmp_pat
     wait_for(lambda: not list(tmp.glob("sched-lab-point.*")))
     assert not out.exists()
     assert not out.parent.exists() or not list(out.parent.iterdir())
+    # multiprocessing's folder is sched-lab's, marked: left only by SIGKILL, and then the next
+    # sweep removes it (a pymp-* folder would stay for good).
+    assert not list(tmp.glob("pymp-*"))
+    pool = list(tmp.glob("sched-lab-pool.*"))
+    assert len(pool) == (sig == "SIGKILL"), pool
+    assert remove_stale(tmp, "sched-lab-pool.") == pool and not list(tmp.glob("sched-lab-pool.*"))

@@ -30,6 +30,10 @@ from sched_lab.sim.analytic_defaults import GUESS
 
 GIB = 1 << 30
 MAX_SWAP_SPACE_GIB = 4096.0  # host memory for swapped-out KV blocks (4 TiB: beyond any host)
+# A request is preempted at most once a step, so no run comes near 2**40 preemptions of one
+# request; the bound is that of a token count (traces/validate.py MAX_TOKENS), and keeps the
+# value an int64 in the results' tables.
+MAX_PREEMPTIONS = 1 << 40
 MAX_STEP_OVERHEAD_S = 60.0  # a fixed cost per step; a minute is already far beyond any engine
 # Below this a roofline efficiency means step times a million times the hardware's: no
 # real engine, and 5e-324 gives infinite ones.
@@ -88,7 +92,8 @@ class SchedulerConfig:
     max_num_seqs: int = option(256, is_int())  # running requests per step
     max_num_batched_tokens: int | None = option(None, is_int(optional=True))  # tokens per step
     max_model_len: int | None = option(None, is_int(optional=True))  # prompt + output tokens
-    max_preemptions: int = option(1000, is_int())  # of one request, before the run stops
+    # of one request, before the run stops
+    max_preemptions: int = option(1000, is_int(hi=MAX_PREEMPTIONS))
     # Which running request a policy preempts when KV blocks are short (VICTIM_RULES of
     # lab/core/scheduler.py); null: each policy's own rule (newest for most). A policy
     # entry's own ``preemption_victim`` wins.

@@ -40,12 +40,16 @@ def fail(where: str, key: str, expected: str, value: Any) -> ConfigError:
     return ConfigError(f"{where}: {key}: expected {expected}, got {short_repr(value)}")
 
 
-def check_int(where: str, key: str, v: Any, lo: int = 1, optional: bool = False) -> Any:
-    """An integer >= ``lo`` (not a bool), or None when ``optional``; returned as it is."""
+def check_int(
+    where: str, key: str, v: Any, lo: int = 1, optional: bool = False, hi: int | None = None
+) -> Any:
+    """An integer >= ``lo`` and, when ``hi`` is given, <= ``hi`` (not a bool), or None when
+    ``optional``; returned as it is."""
     if v is None and optional:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise fail(where, key, f"an integer >= {lo}" + (" or null" if optional else ""), v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        what = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi:,}]"
+        raise fail(where, key, what + (" or null" if optional else ""), v)
     return v
 
 
@@ -117,8 +121,8 @@ def option(default: Any, check: Check | None = None) -> Any:
     return field(default=default, metadata={"check": check})
 
 
-def is_int(lo: int = 1, optional: bool = False) -> Check:
-    return lambda ctx, key, v: check_int(ctx.where, key, v, lo, optional)
+def is_int(lo: int = 1, optional: bool = False, hi: int | None = None) -> Check:
+    return lambda ctx, key, v: check_int(ctx.where, key, v, lo, optional, hi)
 
 
 def is_num(

@@ -25,7 +25,7 @@ from sched_lab.config import ExperimentConfig
 from sched_lab.core.errors import UserError
 from sched_lab.core.outputs import MANIFEST  # the names of the files the lab wrote in a folder
 from sched_lab.report import html as html_report
-from sched_lab.report import plots, timeline
+from sched_lab.report import plots, staging, timeline
 from sched_lab.report.markdown import config_yaml, report_markdown
 from sched_lab.report.progress import Phase
 from sched_lab.results import fairness, vllm_result
@@ -131,22 +131,25 @@ def _write_files(
         report = f"{title}\n\n**Partial results**: {partial}.\n{rest}"
     (tmp / "report.md").write_text(report)
     _html(tmp, cfg, runs, report, figures)
-    files = sorted(p.name for p in tmp.iterdir())
+    files = sorted(p.name for p in tmp.iterdir() if p.name != staging.MARKER)
     (tmp / MANIFEST).write_text(
         json.dumps({"written_by": f"sched-lab {__version__}", "files": files}, indent=2) + "\n"
     )
 
 
 def temp_folder(out_dir: Path) -> Path:
-    """A new empty folder beside ``out_dir`` to write its results into before
-    :func:`put_in_place`; readable as the umask allows (mkdtemp makes it private).
+    """A new folder beside ``out_dir``, ``.<name>.XXXXXXXX``, to write its results into
+    before :func:`put_in_place`; readable as the umask allows (mkdtemp makes it private).
+    It holds only the marker of this process (lab/report/staging.py) until then. Such
+    folders left by a killed run of this host are removed first (logged).
 
     Raises:
         UserError: it cannot be made.
     """
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+        staging.remove_stale(out_dir.parent, f".{out_dir.name}.")
+        tmp = staging.make_marked(out_dir.parent, f".{out_dir.name}.")
     except OSError as e:
         raise UserError(f"--out {out_dir}: cannot write the results ({e})") from None
     umask = os.umask(0)
@@ -159,6 +162,7 @@ def put_in_place(tmp: Path, out_dir: Path) -> None:
     """Rename the finished folder ``tmp`` to ``out_dir``, replacing an earlier results folder
     there (checked again). Raises ResultsNotPlaced."""
     try:
+        staging.unmark(tmp)
         if out_dir.exists():
             check_out_dir(out_dir)
             old = tmp.with_name(tmp.name + ".old")
@@ -388,7 +392,7 @@ def _timelines(folder: Path, cfg: ExperimentConfig, runs: list[Run], fmt: str):
         if not stories:
             continue
         which = _which(cfg.report)
-        name = f"timeline_{_safe(r.label)}.png"
+        name = f"timeline_{timeline.file_label(r.label)}.png"
         title = f"{r.label}: {which}"
         timeline.gantt_png(folder / name, stories, steps, title)
         pngs.append((name, f"Timeline of {r.label}: {which}"))
@@ -408,10 +412,6 @@ def _which(rc) -> str:
     if rc.timeline_window_s is not None:
         return f"requests in flight in {rc.timeline_window_s[0]:g}-{rc.timeline_window_s[1]:g} s"
     return f"the {rc.timeline_slowest} slowest finished requests by {rc.timeline_by.upper()}"
-
-
-def _safe(label: str) -> str:
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
 
 
 def _html(folder: Path, cfg, runs, report: str, figures) -> None:

@@ -365,12 +365,23 @@ RUN_COLUMNS = {
     "steps": ("time_s", "duration_s", "num_decode_tokens"),
 }  # fmt: skip
 _TEXT_COLUMNS = {"request_id", "status", "reason", "event", "detail"}
+# The columns every row has a value in (the others may be empty: a rejected request has no
+# TTFT, a request no reason); an empty one means the row, or the file, was cut short.
+_FILLED_COLUMNS = {
+    "requests": ("policy", "rate_scale", "request_id", "status", "arrival_s", "prompt_tokens",
+                 "output_tokens"),
+    "events": ("policy", "rate_scale", "request_id", "event", "step", "last_step", "steps",
+               "tokens", "blocks"),
+    "steps": ("policy", "rate_scale", *RUN_COLUMNS["steps"]),
+}  # fmt: skip
 
 
 def load_run(folder: Path, run: str | None):
     """(label, requests, events, steps) of one run of a results folder (``run``: its label, or
     None for the only run). Raises UserError: no such folder, run or file, or a file that is
-    damaged (not JSON / CSV / parquet, a column missing, text where numbers belong)."""
+    damaged (not JSON / CSV / parquet, a column missing, text where numbers belong, a row
+    without a value it must have, fewer rows than summary.json counts, an event at a step
+    steps.csv lacks: a file cut short)."""
     import json
 
     from sched_lab.core.errors import UserError, short_repr
@@ -397,6 +408,7 @@ def load_run(folder: Path, run: str | None):
     if run not in summary:
         raise UserError(f"{folder}: no run {short_repr(run)}; runs: {', '.join(labels)}")
     policy, scale = summary[run]["policy"], summary[run]["rate_scale"]
+    paths: dict[str, Path] = {}
 
     def read(name: str, **kw) -> pd.DataFrame:
         for ext in ("csv", "parquet"):
@@ -410,7 +422,13 @@ def load_run(folder: Path, run: str | None):
                     )
                 except (OSError, ValueError) as e:  # parser, encoding and Arrow errors
                     raise UserError(f"{p}: damaged, cannot be read ({e})") from None
-                return _checked(df, p, ("policy", "rate_scale", *RUN_COLUMNS[name]))
+                if ext == "csv" and not _ends_a_line(p):
+                    raise UserError(
+                        f"{p}: damaged, line {len(df) + 1:,} ends without a line break (the "
+                        "lab ends every line with one); was the file cut short?"
+                    )
+                paths[name] = p
+                return _checked(df, p, ("policy", "rate_scale", *RUN_COLUMNS[name]), name)
         raise UserError(f"{folder}: no {name}.csv (results written before request events?)")
 
     requests = read("requests", dtype={"request_id": str, "reason": str})
@@ -420,25 +438,115 @@ def load_run(folder: Path, run: str | None):
     steps = read("steps")[["policy", "rate_scale", *RUN_COLUMNS["steps"]]]
     picked = [df[(df["policy"] == policy) & (df["rate_scale"] == scale)]
               for df in (requests, events, steps)]  # fmt: skip
+    _check_complete(paths, run, summary[run], *picked)
     return run, picked[0], picked[1], picked[2].reset_index(drop=True)
 
 
-def _checked(df: pd.DataFrame, path: Path, columns: Sequence[str]) -> pd.DataFrame:
-    """``df`` if it has every one of ``columns`` and numbers in the numeric ones."""
-    from sched_lab.core.errors import UserError
+def _ends_a_line(path: Path) -> bool:
+    """Whether the file ``path`` is empty or its last byte is a line break."""
+    with open(path, "rb") as f:
+        if f.seek(0, 2) == 0:
+            return True
+        f.seek(-1, 2)
+        return f.read(1) in (b"\n", b"\r")
+
+
+def _where(path: Path, index: int) -> str:
+    """``line N`` of a CSV file for the row of 0-based ``index`` (line 1 is the header);
+    ``row N`` of a parquet file."""
+    return f"line {index + 2:,}" if path.suffix == ".csv" else f"row {index + 1:,}"
+
+
+def _checked(df: pd.DataFrame, path: Path, columns: Sequence[str], name: str) -> pd.DataFrame:
+    """``df`` (the whole file ``name``) if it has every one of ``columns``, numbers in the
+    numeric ones and a value in each :data:`_FILLED_COLUMNS` cell; an empty numeric cell of
+    a file read without NaN markers becomes NaN."""
+    from sched_lab.core.errors import UserError, short_repr
 
     for c in columns:
         if c not in df.columns:
             raise UserError(f"{path}: damaged, no column {c!r}")
+    df = df.reset_index(drop=True)
+    for c in columns:
         numeric = c not in _TEXT_COLUMNS and c != "policy"
         if numeric and len(df) and not pd.api.types.is_numeric_dtype(df[c]):
-            raise UserError(f"{path}: damaged, column {c!r} holds text where numbers belong")
+            text = df[c].astype(str).str.strip()
+            numbers = pd.to_numeric(df[c].where(text != ""), errors="coerce")
+            bad = np.flatnonzero(numbers.isna() & df[c].notna() & (text != ""))
+            if len(bad):
+                raise UserError(
+                    f"{path}: damaged, column {c!r} holds text where numbers belong "
+                    f"({_where(path, bad[0])}: {short_repr(df[c].iloc[bad[0]])})"
+                )
+            df[c] = numbers  # only empty cells were not numbers
+    filled = [c for c in _FILLED_COLUMNS[name] if c in columns]
+    empty = df[filled].isna() | (df[filled].astype(str) == "")
+    rows = np.flatnonzero(empty.any(axis=1).to_numpy())
+    if len(rows):
+        i = int(rows[0])
+        column = filled[int(np.argmax(empty.iloc[i].to_numpy()))]
+        raise UserError(
+            f"{path}: damaged, {_where(path, i)} has no value in column {column!r} (every "
+            "row has one; was the file cut short?)"
+        )
     return df
+
+
+def _check_complete(paths: dict[str, Path], label: str, summary: dict, requests, events, steps):
+    """Raise UserError when a file holds fewer rows of the run than summary.json counts
+    (``num_prompts`` + ``dropped`` requests, ``num_steps`` steps; cluster runs count steps
+    per replica and are left out), or an event names a step steps.csv has no row for."""
+    from sched_lab.core.errors import UserError
+
+    def ints(*keys: str) -> int | None:
+        values = [summary.get(k) for k in keys]
+        ok = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+        return sum(values) if ok else None
+
+    expected = [("requests", requests, ints("num_prompts", "dropped"), "num_prompts + dropped")]
+    if "replica" not in requests.columns:
+        expected.append(("steps", steps, ints("num_steps"), "num_steps"))
+    for name, df, count, keys in expected:
+        if count is not None and len(df) != count:
+            raise UserError(
+                f"{paths[name]}: damaged, {len(df):,} rows of run {label}, but summary.json "
+                f"counts {count:,} ({keys}); was the file cut short?"
+            )
+    if len(events):
+        last = np.maximum(events["step"].to_numpy(), events["last_step"].to_numpy())
+        i = int(np.argmax(last))
+        if last[i] >= len(steps):
+            raise UserError(
+                f"{paths['events']}: damaged, {_where(paths['events'], int(events.index[i]))} "
+                f"names step {int(last[i]):,} of run {label}, but {paths['steps'].name} has "
+                f"{len(steps):,} rows of it; was a file cut short?"
+            )
+
+
+def file_label(label: str) -> str:
+    """A run's label as part of a file name (``timeline_<label>.png``): letters, digits,
+    ``.``, ``_`` and ``-``; any other character becomes ``_``."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
+
+
+def default_picture_name(
+    label: str, ids: Sequence[str], slowest: int, by: str, window: tuple[float, float] | None
+) -> str:
+    """Where ``sched-lab timeline`` puts its picture without ``--out``, in the results folder:
+    ``timeline_<run>_<choice>.png``, never the name of the picture the run wrote
+    (``timeline_<run>.png``)."""
+    if ids:
+        choice = "requests"
+    elif window is not None:
+        choice = f"window_{window[0]:g}-{window[1]:g}s"
+    else:
+        choice = f"slowest{slowest}_{by}"
+    return f"timeline_{file_label(label)}_{file_label(choice)}.png"
 
 
 def picture(
     folder: Path,
-    out: Path,
+    out: Path | None = None,
     run: str | None = None,
     ids: Sequence[str] = (),
     slowest: int = 12,
@@ -446,21 +554,26 @@ def picture(
     window: tuple[float, float] | None = None,
 ) -> str:
     """``sched-lab timeline``: the Gantt PNG of chosen requests of a results folder's run;
-    returns a line saying what was drawn."""
+    returns a line saying what was drawn. ``out`` None: in the results folder
+    (:func:`default_picture_name`, listed in its manifest), never the working directory."""
     from types import SimpleNamespace
 
     from sched_lab.core.errors import UserError
     from sched_lab.core.outputs import check_output, write_output
 
-    out = Path(out)
     if window is not None and not (all(map(math.isfinite, window)) and 0 <= window[0] < window[1]):
         raise UserError(f"--window: expected START END in seconds, 0 <= START < END, got {window}")
-    if out.suffix.lower() not in (".png", ".pdf", ".svg"):
-        raise UserError(f"--out: {out}: expected a file name ending in .png, .pdf or .svg")
-    if not out.parent.is_dir():
-        raise UserError(f"--out: {out.parent} is not a folder")
-    out = check_output(out, "--out")  # before the work: a file of the user's is never replaced
+    if out is not None:
+        out = Path(out)
+        if out.suffix.lower() not in (".png", ".pdf", ".svg"):
+            raise UserError(f"--out: {out}: expected a file name ending in .png, .pdf or .svg")
+        if not out.parent.is_dir():
+            raise UserError(f"--out: {out.parent} is not a folder")
+        out = check_output(out, "--out")  # before the work: a user's file is never replaced
     label, requests, events, steps = load_run(folder, run)
+    if out is None:  # the results folder was read: it is one
+        name = default_picture_name(label, ids, slowest, by, window)
+        out = check_output(Path(folder) / name, "timeline (no --out):")
     if "replica" in requests.columns:
         raise UserError(f"{folder}: a cluster run: cluster runs record no per-request events")
     chosen = SimpleNamespace(

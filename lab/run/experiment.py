@@ -104,24 +104,31 @@ def check_prefix_identity(requests: list[Request], cfg: ExperimentConfig, token_
             )
 
 
-def check_router_keys(requests: list[Request], cfg: ExperimentConfig) -> None:
-    """ConfigError if a pool of ``cluster:`` routes by prefix (``prefix_affinity``) and no
-    request has hash ids: every request would go to the replica with the fewest."""
+def prefix_routed_pools(cfg: ExperimentConfig) -> list[str]:
+    """The keys (``cluster``, ``cluster.prefill``, ``cluster.decode``) of the pools of
+    ``cluster:`` that route by prefix (``prefix_affinity``); empty without a cluster."""
     c = cfg.cluster
-    if c is None or any(r.hash_ids for r in requests if r.status is not RequestStatus.DROPPED):
-        return
+    if c is None:
+        return []
     pools = [("cluster", c.pool)] if c.pool is not None else []
     pools += (
         [("cluster.prefill", c.prefill), ("cluster.decode", c.decode)] if c.disaggregated else []
     )
-    for key, pool in pools:
-        if pool.router == "prefix_affinity":
-            raise ConfigError(
-                f"{cfg.name}: {key}.router: prefix_affinity routes by hash ids, and trace "
-                f"format {cfg.trace.format!r} gives its requests none (every request would go "
-                "to the replica with the fewest requests); expected a trace with hash ids or "
-                "another router"
-            )
+    return [key for key, pool in pools if pool.router == "prefix_affinity"]
+
+
+def check_router_keys(requests: list[Request], cfg: ExperimentConfig) -> None:
+    """ConfigError if a pool of ``cluster:`` routes by prefix (``prefix_affinity``) and no
+    request has hash ids: every request would go to the replica with the fewest."""
+    keys = prefix_routed_pools(cfg)
+    if not keys or any(r.hash_ids for r in requests if r.status is not RequestStatus.DROPPED):
+        return
+    raise ConfigError(
+        f"{cfg.name}: {keys[0]}.router: prefix_affinity routes by hash ids, and trace "
+        f"format {cfg.trace.format!r} gives its requests none (every request would go "
+        "to the replica with the fewest requests); expected a trace with hash ids or "
+        "another router"
+    )
 
 
 def fresh(requests: list[Request]) -> list[Request]:

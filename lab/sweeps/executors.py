@@ -10,17 +10,22 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any
 
 from sched_lab.core.errors import UserError
+from sched_lab.report.staging import make_marked
 
 log = logging.getLogger("sched_lab.sweeps.executors")
 
@@ -76,6 +81,7 @@ def _one_line(e: BaseException) -> str:
 
 
 STOP_GRACE_S = 10.0  # how long a stopped worker may take to unwind before it is killed
+POOL_PREFIX = "sched-lab-pool."  # multiprocessing's temporary folder of a sweep's driver
 
 
 class _Stop(BaseException):
@@ -143,6 +149,24 @@ class _Worker:
     task: Task | None = None
 
 
+def _pool_tempdir() -> None:
+    """Give this process's multiprocessing (the forkserver's socket) a marked temporary
+    folder, ``sched-lab-pool.*`` (lab/report/staging.py), instead of its ``pymp-*``: a
+    driver killed with SIGKILL leaves it behind either way, and a marked one is removed by
+    the next sweep. Removed at exit as multiprocessing removes its own. Uses the
+    ``tempdir`` entry of multiprocessing's process config (what ``util.get_temp_dir``
+    reads); kept as it is once set."""
+    config = multiprocessing.current_process()._config  # noqa: SLF001
+    if config.get("tempdir") is not None:
+        return
+    try:
+        folder = make_marked(Path(tempfile.gettempdir()), POOL_PREFIX)
+    except OSError:
+        return  # multiprocessing makes its own
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(str(folder), True), exitpriority=-100)
+    config["tempdir"] = str(folder)
+
+
 def _context():
     if "forkserver" in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("forkserver")
@@ -161,6 +185,7 @@ def _pool(fn, tasks, on_error, jobs: int) -> Iterator[Result]:
     """Each worker process runs one task at a time, sent over its pipe. However this ends
     (done, a task's failure, a signal, the consumer stopping), every worker has exited
     when it returns or raises."""
+    _pool_tempdir()
     ctx = _context()
     if ctx.get_start_method() == "forkserver":
         ctx.set_forkserver_preload([fn.__module__])

@@ -18,6 +18,7 @@ import yaml
 from sched_lab import __version__
 from sched_lab.core.errors import UserError
 from sched_lab.report.folder import MANIFEST, check_out_dir, put_in_place, temp_folder
+from sched_lab.report.staging import MARKER
 
 LEAD = ("point", "status", "error")
 
@@ -67,7 +68,7 @@ def _write(tmp: Path, sweep, tasks, results, timing) -> None:
     plots = _plots(tmp, sweep, table, capacity)
     (tmp / "report.md").write_text(_markdown(sweep, table, capacity, plots))
     (tmp / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
-    files = sorted(p.name for p in tmp.iterdir() if p.is_file())
+    files = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != MARKER)
     _manifest(tmp, files, folders)
 
 
@@ -94,8 +95,14 @@ def _plain(x: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------- tables
+_INT64 = range(-(1 << 63), 1 << 63)  # integers a parquet column holds
+
+
 def _value(v: Any) -> Any:
-    """A swept value as a table cell: scalars as they are, anything else as JSON text."""
+    """A swept value as a table cell: scalars as they are (an integer beyond int64 as its
+    digits, so the column becomes text), anything else as JSON text."""
+    if isinstance(v, int) and not isinstance(v, bool) and v not in _INT64:
+        return str(v)
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
     return json.dumps(v, sort_keys=True)

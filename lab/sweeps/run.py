@@ -9,6 +9,7 @@ import copy
 import json
 import logging
 import math
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -20,6 +21,7 @@ from sched_lab.config import validate
 from sched_lab.config.keypaths import set_path
 from sched_lab.core.errors import UserError
 from sched_lab.report.folder import write_results
+from sched_lab.report.staging import make_marked, remove_stale
 from sched_lab.run.experiment import run_experiment
 from sched_lab.setup import setup_class, setup_for
 from sched_lab.sweeps.sweep import Point, Sweep
@@ -27,6 +29,7 @@ from sched_lab.sweeps.sweep import Point, Sweep
 log = logging.getLogger("sched_lab.sweeps.sweep")
 
 SKIPPED_SUMMARY_KEYS = ("trace", "slo", "partial")  # not columns of the results table
+POINT_PREFIX = "sched-lab-point."  # a point's results folder is written in one of these
 
 
 @dataclass(frozen=True)
@@ -110,16 +113,18 @@ def _point(task: Task) -> TaskResult:
     cfg = validate(task.point.raw, task.source, task.base_dir)
     runs = run_experiment(cfg, progress=False)
     decode = setup_for(cfg).text_decoder()
-    with tempfile.TemporaryDirectory(prefix="sched-lab-point.") as tmp:
+    tmp = make_marked(Path(tempfile.gettempdir()), POINT_PREFIX)  # marked: see run_sweep
+    try:
         folder = write_results(
-            Path(tmp) / task.point.name, cfg, runs, decode, fmt=task.fmt, bars=False,
-            date=task.date,
-        )  # fmt: skip
+            tmp / task.point.name, cfg, runs, decode, fmt=task.fmt, bars=False, date=task.date
+        )
         files = {
             str(p.relative_to(folder)): p.read_bytes()
             for p in sorted(folder.rglob("*"))
             if p.is_file()
         }
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     rows = [row for run in runs for row in run_rows(run, cfg.slo.to_dict())]
     return TaskResult(task.index, rows, files)
 
@@ -271,6 +276,8 @@ def run_sweep(
     from sched_lab.sweeps.report import write_sweep
 
     out = check_out_dir(out)
+    for prefix in (POINT_PREFIX, executors.POOL_PREFIX):  # left by a sweep killed (SIGKILL)
+        remove_stale(Path(tempfile.gettempdir()), prefix)
     tasks = make_tasks(sweep, fmt, result_date())
     pooled = [setup_class(sweep.configs[t.point.name].backend).process_pool for t in tasks]
     pool = [t for t, p in zip(tasks, pooled) if p]

@@ -23,6 +23,9 @@ SWEEP_KEYS = ("sweep", "search")  # top-level keys that make a YAML a sweep
 # Points a sweep may have unless sweep.max_points or --max-points says more: each point is
 # validated (about a millisecond) and kept in memory before the first runs.
 MAX_POINTS = 10_000
+# The most points either may raise it to: a million points take about 5 GB and 8 minutes to
+# make and check before the first one runs; beyond that a sweep would exhaust memory.
+MAX_POINTS_CEILING = 1_000_000
 NOT_SWEPT = ("name", "sweep", "search", "trace_file")  # keys a point cannot set
 
 
@@ -144,17 +147,24 @@ def load_sweep(
 
 class _TraceChecks:
     """Each distinct trace of a sweep's points (by spec and seed) loaded once, and with the
-    prefix cache on, its prefix identity checked as the runs will (before any runs)."""
+    prefix cache on, its prefix identity checked as the runs will (before any runs); with a
+    cluster pool routed by prefix, its hash ids too."""
 
     def __init__(self, base_dir: Path) -> None:
         self.base_dir = base_dir
         self.seen: set[str] = set()
         self.checked: set[tuple[str, int, bool]] = set()
+        self.routed: set[str] = set()  # traces whose hash ids a prefix router was checked on
         self.last: tuple[str | None, Any] = (None, None)  # the latest trace loaded
 
     def check(self, cfg: Any) -> None:
-        """UserError if ``cfg``'s trace cannot be read, or cannot be cached as it asks."""
-        from sched_lab.run.experiment import check_prefix_identity
+        """UserError if ``cfg``'s trace cannot be read, cannot be cached as it asks, or gives
+        a prefix router no hash ids."""
+        from sched_lab.run.experiment import (
+            check_prefix_identity,
+            check_router_keys,
+            prefix_routed_pools,
+        )
         from sched_lab.setup import setup_class
 
         if cfg.trace.classes:
@@ -164,15 +174,24 @@ class _TraceChecks:
         ident = json.dumps({"seed": cfg.seed, "trace": spec}, sort_keys=True, default=str)
         caching = any(pol.prefix_caching(cfg.kv_cache) for pol in cfg.policies)
         token_ids = setup_class(cfg.backend).token_ids
+        routed = bool(prefix_routed_pools(cfg))
         key = (ident, cfg.kv_cache.block_size, token_ids)
-        if ident in self.seen and (not caching or key in self.checked):
+        if (
+            ident in self.seen
+            and (not caching or key in self.checked)
+            and (not routed or ident in self.routed)
+        ):
             return
         loaded = self._load(cfg, ident)
-        if caching:
+        if caching or routed:
             requests = loaded if isinstance(loaded, list) else loaded.to_requests()
             self.last = (ident, requests)
+        if caching:
             check_prefix_identity(requests, cfg, token_ids)
             self.checked.add(key)
+        if routed:
+            check_router_keys(requests, cfg)
+            self.routed.add(ident)
 
     def _load(self, cfg: Any, ident: str) -> Any:
         """The trace's requests (workload classes) or table."""
@@ -244,14 +263,12 @@ def expand(
             raise ConfigError(f"{where}: unknown key sweep.{k}; allowed: grid, points, max_points")
     if "max_points" in spec:
         own = spec["max_points"]
-        if not isinstance(own, int) or isinstance(own, bool) or own < 1:
-            raise ConfigError(
-                f"{where}: sweep.max_points: expected an integer >= 1, got {short_repr(own)}"
-            )
+        check_max_points(f"{where}: sweep.max_points", own)
         if max_points is None:
             max_points = own
     if max_points is None:
         max_points = MAX_POINTS
+    check_max_points(f"{where}: max_points", max_points)
     if not any(k in spec for k in ("grid", "points")):
         raise ConfigError(
             f"{where}: sweep: expected a mapping with grid and/or points, got {short_repr(spec)}"
@@ -304,6 +321,12 @@ def expand(
     if count > max_points:
         factors = [len(rows)] * (len(rows) > 1) + [len(v) for _, v in axes]
         product = " x ".join(map(str, factors)) + " = " if len(factors) > 1 else ""
+        if count > MAX_POINTS_CEILING:
+            raise ConfigError(
+                f"{where}: sweep: {product}{count:,} points, more than any sweep may have "
+                f"({MAX_POINTS_CEILING:,}: every point is made and checked in memory before "
+                "the first runs); split it into smaller sweeps"
+            )
         raise ConfigError(
             f"{where}: sweep: {product}{count:,} points, more than the limit of "
             f"{max_points:,}; raise it with sweep.max_points or --max-points if you mean it"
@@ -314,6 +337,20 @@ def expand(
         for values in itertools.product(*(v for _, v in axes))
     ]
     return combos, (*point_keys, *(a for a, _ in axes))
+
+
+def check_max_points(where: str, value: Any) -> None:
+    """ConfigError (``where``: the file and key, or the flag) unless ``value`` is an integer
+    in [1, :data:`MAX_POINTS_CEILING`]."""
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or not 1 <= value <= MAX_POINTS_CEILING
+    ):
+        raise ConfigError(
+            f"{where}: expected an integer in [1, {MAX_POINTS_CEILING:,}] (every point is made "
+            f"and checked in memory before the first runs), got {short_repr(value)}"
+        )
 
 
 def _key(key: Any, where: str) -> str:

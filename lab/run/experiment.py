@@ -140,6 +140,7 @@ def fresh(requests: list[Request]) -> list[Request]:
             r.tenant,
             r.ttft_slo_s,
             hash_block_size=r.hash_block_size,
+            finish_reason=r.finish_reason,
         )
         if r.status is RequestStatus.DROPPED:
             c.status, c.reason = r.status, r.reason

@@ -268,7 +268,7 @@ class ToyCost:
         return 0.003 * f.num_seqs
 
 
-def toy_replay(async_scheduling: bool):
+def toy_replay(async_scheduling: bool, finish_reason: str = "length"):
     from sched_lab.core.kv import make_block_manager
     from sched_lab.core.request import Request
     from sched_lab.core.scheduler import SchedulerLimits
@@ -278,7 +278,10 @@ def toy_replay(async_scheduling: bool):
     bm = make_block_manager(8, 0, 4, 0.0, False)
     limits = SchedulerLimits(256, 1_000_000, 1_000_000)
     scheduler = get_policy("fcfs")(limits, bm, async_scheduling=async_scheduling)
-    reqs = [Request("a", 0.0, 4, 2), Request("b", 0.0, 4, 4)]
+    reqs = [
+        Request("a", 0.0, 4, 2, finish_reason=finish_reason),
+        Request("b", 0.0, 4, 4, finish_reason=finish_reason),
+    ]
     result = replay(reqs, scheduler, CostModelExecutor(ToyCost(), 4), check_invariants=True)
     assert result.failure is None, result.failure
     return result, {r.request_id: r for r in result.requests}
@@ -286,10 +289,20 @@ def toy_replay(async_scheduling: bool):
 
 def test_async_step_lasts_max_of_device_and_next_host():
     # Step 0 prefills a and b (2 seqs: device 10 - 6 = 4 ms); 1 decodes both (a's last
-    # token); 2 is planned before a's finish is known: a's wasted slot + b; 3 and 4 decode b
-    # alone (1 seq: device 9 - 3 = 6 ms), 4 being b's wasted slot. Step N lasts
-    # max(device N, host N+1): max(4, 6), max(4, 6), max(4, 3), max(6, 3), max(6, nothing).
+    # token: an end by length, a leaves at 1's launch); 2 and 3 decode b alone (1 seq:
+    # device 9 - 3 = 6 ms), 3 being b's last. Step N lasts max(device N, host N+1):
+    # max(4, 6), max(4, 3), max(6, 3), max(6, nothing). "stop" ends: 2 is a's wasted slot
+    # + b, 4 is b's wasted slot: max(4, 6), max(4, 6), max(4, 3), max(6, 3), max(6, nothing).
     result, req = toy_replay(async_scheduling=True)
+    assert result.steps["duration_s"].tolist() == pytest.approx([6e-3, 4e-3, 6e-3, 6e-3])
+    assert result.steps["time_s"].tolist() == pytest.approx([0, 6e-3, 10e-3, 16e-3])
+    assert result.steps["num_seqs"].tolist() == [2, 2, 1, 1]
+    assert result.steps["num_wasted_tokens"].tolist() == [0, 0, 0, 0]
+    assert req["a"].finish_s == pytest.approx(10e-3)  # step 1's end
+    assert req["b"].finish_s == pytest.approx(22e-3)
+    assert result.token_times(req["b"]).tolist() == pytest.approx([6e-3, 10e-3, 16e-3, 22e-3])
+
+    result, req = toy_replay(async_scheduling=True, finish_reason="stop")
     assert result.steps["duration_s"].tolist() == pytest.approx([6e-3, 6e-3, 4e-3, 6e-3, 6e-3])
     assert result.steps["time_s"].tolist() == pytest.approx([0, 6e-3, 12e-3, 16e-3, 22e-3])
     assert result.steps["num_seqs"].tolist() == [2, 2, 2, 1, 1]
@@ -325,8 +338,9 @@ policies: {policies}
             "[fcfs, {name: fcfs, label: fa, async_scheduling: true}]",
             [
                 "Scheduling: asynchronous (vLLM V1's async scheduler: step N+1 is planned "
-                "while step N runs; a request's last step is followed by one wasted slot, its "
-                "blocks freed a step late) for fa; synchronous for fcfs.",
+                "while step N runs; an end by length frees its slot and blocks when its last "
+                "token is scheduled, an EOS or stop end is followed by one wasted slot and "
+                "frees its blocks a step late) for fa; synchronous for fcfs.",
                 f"**No host time**: {NO_HOST_NOTE}.",
             ],
         ),
@@ -340,8 +354,9 @@ policies: {policies}
             "[{name: fcfs, async_scheduling: true}]",
             [
                 "Scheduling: asynchronous (vLLM V1's async scheduler: step N+1 is planned "
-                "while step N runs; a request's last step is followed by one wasted slot, its "
-                "blocks freed a step late)."
+                "while step N runs; an end by length frees its slot and blocks when its last "
+                "token is scheduled, an EOS or stop end is followed by one wasted slot and "
+                "frees its blocks a step late)."
             ],
         ),
     ],

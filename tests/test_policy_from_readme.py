@@ -71,10 +71,15 @@ def test_readme_policy_runs_with_preemptions(readme_policy, async_scheduling):
 
 def test_a_victim_whose_last_token_is_in_flight_stops_the_run(readme_policy):
     """The docs' rule chosen from ``running`` instead of ``preemptable()`` picks, in this
-    trace, a request whose last token is in flight: the run stops with one line naming the
-    hook and the rule (not a KeyError later)."""
+    trace with every request ending by "stop" (EOS: such a request stays running while its
+    last token is in flight), a request whose last token is in flight: the run stops with
+    one line naming the hook and the rule (not a KeyError later)."""
 
     class FromRunning(readme_policy.ShortestPrompt):
+        def add(self, request, now_s):
+            request.finish_reason = "stop"
+            return super().add(request, now_s)
+
         def pick_victim(self):
             return min(reversed(self.running), key=self.num_computed_tokens)
 

@@ -379,7 +379,7 @@ def test_speculation_with_async_scheduling_runs(tmp_path):
     assert run_experiment.main([str(cfg), "--out", str(tmp_path / "a"), "--no-progress"]) == 0
     on = json.loads((tmp_path / "a" / "summary.json").read_text())["on"]
     assert on["async_scheduling"] and on["completed"] == 12
-    assert on["num_wasted_tokens"] == on["completed"]  # async's rule holds with drafts too
+    assert on["num_wasted_tokens"] == 0  # ends by length: foreseen, with drafts too
     req = pd.read_csv(tmp_path / "a" / "requests.csv")
     assert (
         req.loc[req["policy"] == "on", "num_accepted_tokens"].sum()

@@ -13,8 +13,16 @@ class InFlight:
 
     Attributes:
         plan: the last launched plan without results, or None (always in sync runs).
-        finishing: ordered set of requests whose last token a launched step samples; they
-            decode once more (wasted) and are never victims.
+        finishing: ordered set of requests whose last token a launched step samples and
+            whose end the scheduler could not foresee (``finish_reason`` "stop"): they stay
+            running, decode once more (wasted) and are never victims.
+        ended: ordered set of requests whose foreseen end (by length) a launched step
+            samples: they left ``running`` and freed their blocks at its launch and finish
+            when its results arrive.
+        parked: ordered set of running decodes (ends by length) that sit out the plans
+            made while their drafts are in flight, as those drafts may reach their end (vLLM
+            schedules no token past max_tokens); never victims; they rejoin the decode set
+            when the results arrive.
         held: recompute victims whose token of ``plan`` is unknown; not re-admitted until
             it is (wait reason ``token_in_flight``).
     """
@@ -22,8 +30,16 @@ class InFlight:
     def __init__(self) -> None:
         self.plan: SchedulerOutput | None = None
         self.finishing: dict[Request, None] = {}
+        self.ended: dict[Request, None] = {}
+        self.parked: dict[Request, None] = {}
         self.held: set[Request] = set()
         self._decodes: set[Request] | None = None  # plan.decodes as a set, made on demand
+
+    @property
+    def pinned(self) -> Mapping[Request, None]:
+        """Running requests that are never victims: ``finishing`` and ``parked`` (do not
+        mutate)."""
+        return {**self.finishing, **self.parked} if self.parked else self.finishing
 
     def launch(self, plan: SchedulerOutput) -> None:
         self.plan, self._decodes = plan, None
@@ -53,4 +69,6 @@ class InFlight:
     def clear(self) -> None:
         self.plan, self._decodes = None, None
         self.finishing = {}
+        self.ended = {}
+        self.parked = {}
         self.held.clear()

@@ -60,6 +60,8 @@ class Preemption:
             why = "it is not one of self.running (a copy?)"
         elif victim in self.in_flight.finishing:
             why = "its last token is in flight (asynchronous scheduling)"
+        elif victim in self.in_flight.parked:
+            why = "its drafts in flight may end it (asynchronous scheduling)"
         else:
             return
         raise SchedulerStuckError(
@@ -74,7 +76,7 @@ class Preemption:
         newest), until waiting ``r``'s ``need`` blocks and a sequence slot are free (a victim's
         block counts once no other request holds it: prefix caching shares blocks). Never
         victims: requests admitted in this plan, (async) those with their last token in
-        flight. A victim already in ``plan`` is rolled back out of it.
+        flight or parked. A victim already in ``plan`` is rolled back out of it.
 
         Returns:
             The token budget the victims held in ``plan``, or None if no set of victims
@@ -93,13 +95,14 @@ class Preemption:
             reserve = bm.watermark_blocks if running else 0
             return running < lim.max_num_seqs and free - need >= reserve
 
+        pinned = self.in_flight.pinned
         for _, v in order:
             if fits() or not rank(v) > top:
                 break
             if v in plan.prefills and v.num_computed_tokens == 0:
                 continue  # admitted in this plan
-            if v in self.in_flight.finishing:
-                continue  # async: its last token is in flight
+            if v in pinned:
+                continue  # async: its last token is in flight, or it is parked
             victims.append(v)
             free += bm.num_freed_by(v.block_table, released, hits)
             running -= 1

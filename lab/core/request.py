@@ -10,6 +10,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+#: Why a request ends at its ``output_len`` (vLLM's finish reasons): "length" (max_tokens: the
+#: scheduler knows it) or "stop" (an EOS token or a stop string: it learns it from the output).
+FINISH_REASONS = ("length", "stop")
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -46,6 +50,10 @@ class Request:
         cache_salt: vLLM's ``cache_salt``; "" = none. Part of the first block's prefix-cache
             key (so of every key after it): requests share cached blocks only with requests
             of the same salt, e.g. one tenant's.
+        finish_reason: why the request ends at ``output_len`` (vLLM's finish reasons):
+            ``"length"`` (max_tokens, a trace row's known length: the scheduler foresees
+            the end) or ``"stop"`` (an EOS token or a stop string: it does not). Matters
+            only under asynchronous scheduling (docs/ARCHITECTURE.md, "Scheduler rules").
     """
 
     request_id: str
@@ -61,6 +69,7 @@ class Request:
     hash_block_size: int = 512
     lora_name: str = ""
     cache_salt: str = ""
+    finish_reason: str = "length"
 
     # Runtime state, owned by the scheduler (lab/core/scheduler.py).
     status: RequestStatus = RequestStatus.WAITING
@@ -104,10 +113,23 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_steps: list[tuple[int, int, int]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"request {self.request_id}: finish_reason: expected one of "
+                f"{', '.join(FINISH_REASONS)}, got {self.finish_reason!r}"
+            )
+
     @property
     def num_tokens(self) -> int:
         """Prompt + output tokens so far (materialized state; see DecodeSet for live ones)."""
         return self.prompt_len + self.num_output_tokens
+
+    @property
+    def end_foreseen(self) -> bool:
+        """Whether the scheduler knows the request ends at ``output_len`` before the token
+        that ends it is sampled (an end by length)."""
+        return self.finish_reason == "length"
 
     @property
     def num_draft_tokens(self) -> int:

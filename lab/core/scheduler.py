@@ -182,8 +182,11 @@ class Scheduler(Admission, Preemption, SpecDrafts):
                 self._apply_drafts(plan, result, step_index, now_s)
             return
         for r in plan.finished:  # state as of the tick that sampled the last token
-            del flight.finishing[r]
-            self.decode_set.remove(r, r.join_tick + r.output_len - r.join_num_output)
+            if r in flight.finishing:  # an unforeseen end: it leaves running only now
+                del flight.finishing[r]
+                self.decode_set.remove(r, r.join_tick + r.output_len - r.join_num_output)
+            else:  # a foreseen end: it left running when the plan was launched
+                del flight.ended[r]
             self._finish(r, now_s)
         after = flight.arrived(plan)
         if self.speculative is not None:
@@ -191,14 +194,17 @@ class Scheduler(Admission, Preemption, SpecDrafts):
 
     def launched(self, plan: SchedulerOutput) -> None:
         """Async: ``plan`` was handed to the executor. Advances counts with placeholder tokens
-        and sets ``num_wasted_tokens``, ``sampled_prefills`` and ``finished``; finishing
-        requests stay running until :meth:`update`. Mutates requests and the decode set."""
+        and sets ``num_wasted_tokens``, ``sampled_prefills`` and ``finished``. A request whose
+        last token ``plan`` samples leaves ``running`` now if its end is foreseen (its slot
+        and blocks are free for the next plan), else at :meth:`update`; either way it
+        finishes at :meth:`update`. Mutates requests, queues, blocks and the decode set."""
         self._advance(plan, None)
         self.in_flight.launch(plan)
 
     def _advance(self, plan: SchedulerOutput, now_s: float | None) -> None:
         """Advance ``plan``'s decodes and chunks. ``now_s``: sync end time (finishes happen);
-        None (async): finishing requests stay for one wasted slot."""
+        None (async): foreseen ends leave ``running`` (:meth:`_end_foreseen`), unforeseen
+        ones stay for one wasted slot."""
         step_index = self.num_steps
         self.num_steps += 1
         finishing = self.in_flight.finishing
@@ -206,10 +212,13 @@ class Scheduler(Admission, Preemption, SpecDrafts):
             plan.num_wasted_tokens = len(finishing)  # all of them decode in this step
             plan.finished = done = self.decode_set.advance(keep_done=now_s is None)
             for r in done:
-                if now_s is None:
-                    finishing[r] = None
-                else:
+                if now_s is not None:
                     self._finish(r, now_s)
+                elif r.end_foreseen:
+                    self.decode_set.remove(r)  # now: the tick after its last token
+                    self._end_foreseen(r)
+                else:
+                    finishing[r] = None
         caching = self.block_manager.enable_prefix_caching
         if plan.prefills:  # lists of their own (the plan's defaults are shared empty tuples)
             plan.sampled_prefills, plan.finished = [], list(plan.finished)
@@ -230,20 +239,22 @@ class Scheduler(Admission, Preemption, SpecDrafts):
             plan.sampled_prefills.append(r)
             if r.num_output_tokens < r.output_len:
                 self.decode_set.add(r)
-            elif now_s is None:  # async: it decodes once more, in the next step's wasted slot
+            elif now_s is None and not r.end_foreseen:  # async: it decodes once more, wasted
                 self.decode_set.add(r)
                 finishing[r] = None
                 plan.finished.append(r)
             else:
                 plan.finished.append(r)
                 r.num_computed_tokens = r.num_tokens - 1
-                self.running.remove(r)
-                self._finish(r, now_s)
+                if now_s is None:
+                    self._end_foreseen(r)
+                else:
+                    self._finish(r, now_s)
 
     def end_unfinished(self, reason: str, now_s: float) -> list[Request]:
         """End every queued request as UNFINISHED with ``reason`` (the run stopped before
         they ended), freeing blocks; returns them."""
-        out = [*self.waiting, *self.running, *self.swapped]
+        out = [*self.waiting, *self.running, *self.swapped, *self.in_flight.ended]
         for r in out:
             self.block_manager.free(r)
             r.status, r.reason, r.finish_s = RequestStatus.UNFINISHED, reason, now_s
@@ -266,7 +277,7 @@ class Scheduler(Admission, Preemption, SpecDrafts):
     def pick_victim(self) -> Request:
         """The running request to preempt when blocks are short (>= 2 running), one of
         :meth:`preemptable`. Default: largest ``preemption_victim`` key, ties to the newest."""
-        done = self.in_flight.finishing
+        done = self.in_flight.pinned
         if self.preemption_victim == "newest":
             if not done:
                 return self.running[-1]
@@ -283,8 +294,8 @@ class Scheduler(Admission, Preemption, SpecDrafts):
     # ------------------------------------------------------------------ queries
     def preemptable(self) -> list[Request]:
         """A new list of the running requests a policy may preempt (async: not those whose
-        last token is in flight), in ``running`` order."""
-        done = self.in_flight.finishing
+        last token is in flight, nor parked ones), in ``running`` order."""
+        done = self.in_flight.pinned
         return [r for r in self.running if r not in done] if done else list(self.running)
 
     def has_unfinished(self) -> bool:
@@ -383,7 +394,9 @@ class Scheduler(Admission, Preemption, SpecDrafts):
                 )
             )
             assert len(r.block_table) == need, f"{r.request_id}: {len(r.block_table)} != {need}"
-        self.block_manager.check_integrity([*self.running, *self.swapped, *self.held])
+        self.block_manager.check_integrity(
+            [*self.running, *self.swapped, *self.held, *self.in_flight.ended]
+        )
 
     # ------------------------------------------------------------------ internals
     def _take_waiting(self, r: Request, head: bool) -> None:
@@ -397,9 +410,20 @@ class Scheduler(Admission, Preemption, SpecDrafts):
             self.running.remove(r)
         if self.on_finish is not None and self.on_finish(r, now_s):
             self.held.append(r)
-        else:
+        elif r.block_table:  # (a foreseen async end freed its blocks at launch)
             self.block_manager.free(r)
         r.status, r.finish_s = RequestStatus.FINISHED, now_s
+
+    def _end_foreseen(self, r: Request) -> None:
+        """Async: the step being launched samples the last token of ``r``, an end by length.
+        Its sequence slot frees now, and its blocks too unless ``on_finish`` may keep them
+        (then at :meth:`update`): the next plan may use both (a step reads and writes KV
+        after the step before it). It stays RUNNING, in ``in_flight.ended``, until the
+        step's results arrive. The caller has taken it out of the decode set."""
+        self.running.remove(r)
+        if self.on_finish is None:
+            self.block_manager.free(r)
+        self.in_flight.ended[r] = None
 
     def release_held(self, r: Request) -> None:
         """Free the blocks of ``r``, a finished request in ``held``. Mutates blocks."""
@@ -408,6 +432,7 @@ class Scheduler(Admission, Preemption, SpecDrafts):
 
     def _leave_running(self, r: Request) -> None:
         self.running.remove(r)
+        self.in_flight.parked.pop(r, None)
         if r in self.decode_set:
             self.decode_set.remove(r)
         elif r in self.prefilling:

@@ -35,8 +35,10 @@ class SpecDrafts:
         return blocks_for(self._lookahead_tokens(r) + drafts, self.block_size)
 
     def _give_drafts(self, plan: SchedulerOutput) -> None:
-        """Set ``plan.spec_decodes``: d' = min(proposals, k, budget left, tokens to the end
-        less a margin), in ``running`` order."""
+        """Set ``plan.spec_decodes``: d' = min(proposals, k, budget left, tokens left after
+        the decode's own one), in ``running`` order. Async: the drafts in flight count as
+        accepted, so no step samples past a request's end; an end by "stop" keeps one
+        token more in hand (the step that samples its last token has no drafts)."""
         ds, k = self.decode_set, self.speculative.num_speculative_tokens
         budget = self.limits.max_num_batched_tokens - len(ds)
         spec = plan.spec_decodes
@@ -45,7 +47,6 @@ class SpecDrafts:
         flight = self.in_flight.plan
         unknown = self.in_flight.drafts()
         sampling = set(flight.decodes) | set(flight.sampled_prefills) if flight else set()
-        margin = 2 if flight is not None else 1  # async: the last token has no drafts
         finishing = self.in_flight.finishing
         for r in self.running:
             if budget <= 0:
@@ -53,6 +54,7 @@ class SpecDrafts:
             if r in ds and r not in finishing:
                 props = k if r in sampling else len(r.spec_token_ids)
                 most = ds.num_tokens(r) + unknown.get(r, 0) - r.prompt_len  # output tokens
+                margin = 2 if flight is not None and not r.end_foreseen else 1
                 d = min(props, k, r.output_len - most - margin, budget)
                 if d > 0:
                     spec[r] = d
@@ -63,6 +65,8 @@ class SpecDrafts:
         preempting ``pick_victim`` while short (alone: drafts cut, abort if one token does
         not fit)."""
         bm, ds, bs = self.block_manager, self.decode_set, self.block_size
+        if self.in_flight.plan is not None:
+            self._park_maybe_ended()
         self._give_drafts(plan)
         spec = plan.spec_decodes
         need = {
@@ -95,6 +99,17 @@ class SpecDrafts:
             if n > 0:
                 bm.allocate(r, n)
 
+    def _park_maybe_ended(self) -> None:
+        """Async: decodes (ends by length) whose drafts in flight, if all accepted, give
+        them their last token leave the decode set for the plan being made (``parked``);
+        :meth:`_apply_drafts_async` ends them or puts them back. vLLM likewise schedules no
+        token past a request's max_tokens, so no slot is wasted on an end drafts reached."""
+        ds, flight = self.decode_set, self.in_flight
+        for r, d in flight.drafts().items():
+            if r in ds and r.end_foreseen and ds.num_tokens(r) - r.prompt_len + d >= r.output_len:
+                ds.remove(r)
+                flight.parked[r] = None
+
     def _apply_drafts(
         self, plan: SchedulerOutput, result: StepResult, step: int, now_s: float
     ) -> None:
@@ -125,22 +140,34 @@ class SpecDrafts:
         self, plan: SchedulerOutput, result: StepResult, after: SchedulerOutput | None
     ) -> None:
         """Async, ``plan``'s results with ``after`` (or None) in flight: accepted drafts join
-        the counts, surplus lookahead blocks are freed, and requests whose last token
-        ``after`` samples join its ``finished``."""
-        ds, bm, bs = self.decode_set, self.block_manager, self.block_size
+        the counts and surplus lookahead blocks are freed; a parked request ends (its drafts
+        reached its end) or rejoins the decode set; one whose last token ``after`` samples
+        joins its ``finished`` (:meth:`_ends_with`)."""
+        ds, bm, bs, flight = self.decode_set, self.block_manager, self.block_size, self.in_flight
         step = self.num_steps - 1 - (after is not None)  # plan's index
         later = after.spec_decodes if after is not None else {}
         for r, d in plan.spec_decodes.items():
             a = _accepted(r, d, result, step)
-            if r.status is RequestStatus.RUNNING and r in ds:
+            if r.status is RequestStatus.RUNNING and r in flight.parked:
+                del flight.parked[r]
+                r.num_output_tokens += a
+                r.num_computed_tokens += a
+                if r.num_output_tokens >= r.output_len:  # its drafts reached the end
+                    self._finish(r, self.now_s)
+                    continue
+                ds.add(r)  # it decodes again in the next plan
+                bm.free_tail(r, len(r.block_table) - blocks_for(ds.num_tokens(r), bs))
+            elif r.status is RequestStatus.RUNNING and r in ds:
                 if a:
                     ds.remove(r)
                     r.num_output_tokens += a
                     r.num_computed_tokens += a
+                    if r.num_output_tokens >= r.output_len and not flight.samples(r):
+                        self._finish(r, self.now_s)  # (``after`` does not decode it)
+                        continue
                     ds.add(r)  # no heap entry when ``after`` samples its last token:
-                    if r.num_output_tokens >= r.output_len:  # it finishes with ``after``
-                        self.in_flight.finishing[r] = None
-                        after.finished = [*after.finished, r]  # may be a shared empty tuple
+                    if r.num_output_tokens >= r.output_len:  # it ends with ``after``
+                        self._ends_with(after, r)
                 keep = blocks_for(ds.num_tokens(r) + later.get(r, 0), bs)
                 bm.free_tail(r, len(r.block_table) - keep)
             elif r.status is RequestStatus.WAITING:  # a recompute victim: redone later
@@ -156,3 +183,14 @@ class SpecDrafts:
                 r.spec_token_ids = drafts.get(r, [])
             elif r.status is RequestStatus.WAITING:
                 r.spec_token_ids = []
+
+    def _ends_with(self, after: SchedulerOutput, r: Request) -> None:
+        """Async: accepted drafts just showed that ``after``, in flight, samples the last
+        token of ``r`` (a decode set member with no heap entry). An end by length leaves
+        ``running`` now (as at a launch); a "stop" end stays for its wasted slot."""
+        after.finished = [*after.finished, r]  # may be a shared empty tuple
+        if r.end_foreseen:
+            self.decode_set.remove(r)
+            self._end_foreseen(r)
+        else:
+            self.in_flight.finishing[r] = None

@@ -170,8 +170,9 @@ def _scheduling_lines(runs: list[Run]) -> list[str]:
     on = [r.label for r in runs if r.summary.get("async_scheduling")]
     off = [r.label for r in runs if not r.summary.get("async_scheduling")]
     what = (
-        "asynchronous (vLLM V1's async scheduler: step N+1 is planned while step N runs; a "
-        "request's last step is followed by one wasted slot, its blocks freed a step late)"
+        "asynchronous (vLLM V1's async scheduler: step N+1 is planned while step N runs; an "
+        "end by length frees its slot and blocks when its last token is scheduled, an EOS or "
+        "stop end is followed by one wasted slot and frees its blocks a step late)"
     )
     if not on:
         lines = ["Scheduling: synchronous (each step is planned after the previous one ended)."]
@@ -219,7 +220,7 @@ def report_markdown(
         for r in runs
         if r.summary.get("async_scheduling")
     ]
-    if wasted:  # async scheduling: the slot after each request's last token
+    if wasted:  # async scheduling: the slot after an unforeseen end's last token
         lines += ["Wasted decode slots (async scheduling): " + ", ".join(wasted) + ".", ""]
     dropped = runs[0].summary.get("dropped", 0)  # the same trace rows in every run
     if dropped:

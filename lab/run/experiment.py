@@ -149,6 +149,7 @@ def fresh(requests: list[Request]) -> list[Request]:
             hash_block_size=r.hash_block_size,
             lora_name=r.lora_name,
             cache_salt=r.cache_salt,
+            finish_reason=r.finish_reason,
         )
         if r.status is RequestStatus.DROPPED:
             c.status, c.reason = r.status, r.reason

@@ -139,8 +139,9 @@ class ReplayLoop:
 
     def _run_async(self) -> Iterator[simpy.Event]:
         """At most one step is in flight while the next is planned. A plan that feeds no
-        token is not launched: the loop waits for the step in flight and plans again (with
-        none in flight, or if the plan preempted: stuck, as sync)."""
+        token is not launched (unless it has swaps to run): the loop waits for the step in
+        flight and plans again (with none in flight, or if the plan preempted and no request
+        waits on the step in flight: stuck, as sync)."""
         scheduler, executor = self.scheduler, self.executor
         launch, wait = getattr(executor, "launch", None), getattr(executor, "wait", None)
         wall_clock = getattr(executor, "wall_clock", False)
@@ -194,18 +195,22 @@ class ReplayLoop:
 
     def _plan(self, in_flight: bool) -> tuple[SchedulerOutput, bool]:
         """The next plan (checked if ``check_invariants``) and whether it goes to the
-        executor: it feeds a token, or it aborts and still has swaps to run. Raises
-        DeadlockError if no request advances, none is aborted, and nothing can free blocks:
-        no step in flight (or the plan preempted) and none held for another replica."""
+        executor: it feeds a token, or it aborts or preempts and still has swaps to run.
+        Raises DeadlockError if no request advances, none is aborted, and nothing can free
+        blocks: no step in flight (or the plan preempted while no request waits on the
+        step in flight: a last token or drafts, ``Scheduler.in_flight.pinned``) and none
+        held for another replica."""
         scheduler = self.scheduler
         plan = scheduler.schedule()
         feeds = plan.feeds_tokens
-        if not feeds and not plan.aborted and (not in_flight or plan.preempted):
+        stuck = not in_flight or (plan.preempted and not scheduler.in_flight.pinned)
+        if not feeds and not plan.aborted and stuck:
             if not scheduler.held or plan.preempted:
                 raise DeadlockError(_stuck_message(scheduler, self.env.now))
         if self.check_invariants:
             scheduler.check_plan(plan)
-        return plan, feeds or (bool(plan.aborted) and not plan.is_empty)
+        moves = bool(plan.aborted or plan.preempted) and not plan.is_empty
+        return plan, feeds or moves
 
     def _row(self, plan: SchedulerOutput) -> list:
         """The step's record (``STEP_COLUMNS``) as planned, its time and duration still 0."""

@@ -567,7 +567,7 @@ def test_wall_clock_executor_without_launch_is_refused():
     s = get_policy("fcfs")(SchedulerLimits(8, 64, 1000), bm, async_scheduling=True)
     res = replay([Request("0", 0.0, 3, 2)], s, Sync())
     assert res.failure.startswith("ConfigError: scheduler.async_scheduling: Sync has no launch")
-    assert res.requests[0].status is RequestStatus.ABORTED
+    assert res.requests[0].status is RequestStatus.UNFINISHED
 
 
 @pytest.mark.parametrize("finish_reason", ["length", "stop"])

@@ -749,9 +749,9 @@ def test_sweep_plots_read_either_latency_name_and_the_offered_rate():
     old = pd.DataFrame({"ttft_s_p99": [0.5, 2.0], "rate_scale": [1.0, 2.0]})
     vllm = pd.DataFrame({"p99_ttft_ms": [500.0, 2000.0], "rate_scale": [1.0, 2.0],
                          "request_rate": [3.5, 7.0]})  # fmt: skip
-    assert latency_s(old, "ttft_s").tolist() == [0.5, 2.0]
-    assert latency_s(vllm, "ttft_s").tolist() == [0.5, 2.0]
-    assert latency_s(old, "itl_s").isna().all()  # a column the table lacks: no line
+    assert latency_s(old, "ttft").tolist() == [0.5, 2.0]
+    assert latency_s(vllm, "ttft").tolist() == [0.5, 2.0]
+    assert latency_s(old, "itl").isna().all()  # a column the table lacks: no line
     assert offered_x(vllm)[0].tolist() == [3.5, 7.0] and offered_x(vllm)[1].startswith("offered")
     assert offered_x(old)[0].tolist() == [1.0, 2.0] and offered_x(old)[1].startswith("rate_scale")
 

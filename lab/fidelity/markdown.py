@@ -9,13 +9,14 @@ from typing import Any
 
 from sched_lab.fidelity.compare import METRICS, PCTS
 from sched_lab.fidelity.protocol import ROOT
+from sched_lab.results.names import MISSING, is_missing
 
 COLS = [(m, p) for m in METRICS for p in PCTS]
 
 
 def pct(v: float) -> str:
     """A fraction as a percentage with one decimal; ``-`` for NaN."""
-    return "-" if v != v else f"{v * 100:.1f}%"
+    return MISSING if is_missing(v) else f"{v * 100:.1f}%"
 
 
 def error_target(p: str) -> float:
@@ -81,7 +82,7 @@ def write_doc(
         ),
         step_p50=pct(np.median(e)),
         step_p90=pct(np.percentile(e, 90)),
-        step_sat=pct(np.median(np.abs(sat_steps.err))) if len(sat_steps) else "-",
+        step_sat=pct(np.median(np.abs(sat_steps.err))) if len(sat_steps) else MISSING,
         headline=_headline(table, steps, rankings, identical, n_plans),
         saturated=_saturated(table, steps),
         by_kind="\n".join(_by_kind(steps)),
@@ -154,7 +155,7 @@ def _noise(g, q: float) -> str:
     import numpy as np
 
     n = g.noise.dropna().to_numpy() if "noise" in g else np.array([])
-    return pct(np.percentile(n, q)) if len(n) else "-"
+    return pct(np.percentile(n, q)) if len(n) else MISSING
 
 
 def _by_kind(steps) -> list[str]:
@@ -179,7 +180,7 @@ def _rank_lines(rankings) -> list[str]:
 
 
 def _mdn(t, col: str) -> str:
-    return pct(t[col].median()) if col in t and len(t) else "-"
+    return pct(t[col].median()) if col in t and len(t) else MISSING
 
 
 def _headline(table, steps, rankings, identical: int, n_plans: int) -> str:
@@ -210,8 +211,10 @@ def _saturated(table, steps) -> str:
         return "No saturated runs (loads above 1) in this archive.\n"
     sat_steps = steps[steps.saturated]
     return SATURATED.format(
-        sat_bias=pct(np.median(sat_steps.err)) if len(sat_steps) else "-",
-        low_bias=pct(np.median(steps[~steps.saturated].err)) if (~steps.saturated).any() else "-",
+        sat_bias=pct(np.median(sat_steps.err)) if len(sat_steps) else MISSING,
+        low_bias=pct(np.median(steps[~steps.saturated].err))
+        if (~steps.saturated).any()
+        else MISSING,
         sat_ttft=_mdn(sat, "err_ttft_s_p50"),
         sat_ttft_spread=_mdn(sat, "spread_ttft_s_p50"),
         low_ttft=_mdn(low, "err_ttft_s_p50"),

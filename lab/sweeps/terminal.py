@@ -5,40 +5,25 @@ capacity in req/s and what bound it."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 
+from sched_lab.results.names import MISSING, format_value
 from sched_lab.sweeps.report import bound_text, uniform_slo
-
-
-def _num(v: Any, fmt: str) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return format(v, fmt)
 
 
 def _pair(row, metric: str, scale: float, fmt: str) -> str:
     """``p50/p99`` of a latency, in the table's unit (``scale`` from ms)."""
     a, b = (row.get(f"{s}_{metric}_ms") for s in ("p50", "p99"))
-    return "/".join(_num(None if x is None else x * scale, fmt) for x in (a, b))
+    return "/".join(format_value(None if x is None else x * scale, fmt) for x in (a, b))
 
 
 def _short(key: str) -> str:
     """A swept key's column title: its last part without ``num_``
     (``kv_cache.num_gpu_blocks`` -> ``gpu_blocks``)."""
     return key.rsplit(".", 1)[-1].removeprefix("num_")
-
-
-def _value(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if isinstance(v, float) and v.is_integer():
-        return str(int(v))
-    return format(v, "g") if isinstance(v, float) else str(v)
 
 
 def render(header: Sequence[tuple[str, str]], rows: list[list[str]]) -> str:
@@ -72,20 +57,22 @@ def sweep_text(table: pd.DataFrame, keys: Sequence[str]) -> str:
     rows, notes = [], []
     for _, r in df.iterrows():
         r = r.to_dict()
-        lead = [r["point"], *(_value(r.get(k)) for k in keys), str(r["policy"])]
+        lead = [r["point"], *(format_value(r.get(k)) for k in keys), str(r["policy"])]
         if r.get("status") == "failed":
-            rows.append([*lead, "failed", *["-"] * (len(header) - len(lead) - 1)])
+            rows.append([*lead, "failed", *[MISSING] * (len(header) - len(lead) - 1)])
             notes.append(f"{r['point']} failed: {r.get('error')}")
             continue
         if r.get("status") == "stopped":
             notes.append(f"{r['point']} {r['policy']} stopped early: {r.get('error')}")
         att = r.get("slo_attainment")
+        att = None if att is None else 100 * att
         rows.append([
-            *lead, _value(r.get("rate_scale")),
-            _num(r.get("request_rate"), ".2f"), _num(r.get("request_throughput"), ".2f"),
+            *lead, format_value(r.get("rate_scale")),
+            format_value(r.get("request_rate"), ".2f"),
+            format_value(r.get("request_throughput"), ".2f"),
             _pair(r, "ttft", 1e-3, ".2f"), _pair(r, "tpot", 1.0, ".1f"),
-            _pair(r, "e2el", 1e-3, ".1f"), _num(r.get("request_goodput"), ".2f"),
-            _num(None if att is None else 100 * att, ".0f"), _value(r.get("num_preemptions")),
+            _pair(r, "e2el", 1e-3, ".1f"), format_value(r.get("request_goodput"), ".2f"),
+            format_value(att, ".0f"), format_value(r.get("num_preemptions")),
         ])  # fmt: skip
     return "\n".join([render(header, rows), *dict.fromkeys(notes)])
 
@@ -108,11 +95,11 @@ def capacity_text(
         r = r.to_dict()
         if isinstance(r.get("error"), str) and r["error"]:
             notes.append(f"{r['point']} {r['policy']} failed: {r['error']}")
-        bracket = f"[{_num(r.get('lo'), '.4g')}, {_num(r.get('hi'), '.4g')})"
+        bracket = f"[{format_value(r.get('lo'), '.4g')}, {format_value(r.get('hi'), '.4g')})"
         rows.append([
-            r["point"], *(_value(r.get(k)) for k in keys), str(r["policy"]),
-            _num(r.get("capacity_request_rate"), ".2f"), _num(r.get("capacity"), ".4g"),
-            bracket, bound_text(r, spec, slo), _value(r.get("evaluations")),
+            r["point"], *(format_value(r.get(k)) for k in keys), str(r["policy"]),
+            format_value(r.get("capacity_request_rate"), ".2f"), format_value(r.get("capacity"), ".4g"),
+            bracket, bound_text(r, spec, slo), format_value(r.get("evaluations")),
             str(r["status"]),
         ])  # fmt: skip
     return "\n".join([title, render(header, rows), *notes])

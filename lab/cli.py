@@ -482,7 +482,12 @@ def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
     from sched_lab.sweeps.terminal import folder_text
 
     print(folder_text(out, sweep), end="\n\n")
-    bad = [r for r in results if r.error or any(row.get("error") for row in r.rows)]
+    # A search's probe that stopped early is a miss that bounds its bracket, not a failure.
+    bad = [
+        r
+        for r in results
+        if r.error or (not sweep.search and any(row.get("error") for row in r.rows))
+    ]
     print(f"wrote {out}/ (report.md): {len(results) - len(bad)} of {len(results)} "
           f"{'searches' if sweep.search else 'points'} ok in {time.perf_counter() - t0:.1f} s")  # fmt: skip
     if bad:

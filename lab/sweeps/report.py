@@ -22,6 +22,9 @@ from sched_lab.report.staging import MARKER
 from sched_lab.results.names import MISSING, canonical, format_value, latency_name
 
 LEAD = ("point", "status", "error")
+CAPACITY_AT = ("capacity", "lo", "hi")  # columns of capacity.csv holding values of ``over``
+# a capacity search's status (capacity.csv) in words (terminal, report.md)
+STATUS_WORDS = {"below_range": "below range", "above_range": "above range"}
 
 
 def write_sweep(
@@ -63,9 +66,10 @@ def _write(tmp: Path, sweep, tasks, results, timing) -> None:
     table = sweep_table(sweep, tasks, results)
     capacity = capacity_table(sweep, tasks, results) if sweep.search is not None else None
     name = "curve" if sweep.search is not None else "sweep"
-    _table(tmp, name, table)
+    whole = [sweep.search.over] if sweep.search is not None and sweep.search.integer else []
+    _table(tmp, name, whole_numbers(table, whole))
     if capacity is not None:
-        _table(tmp, "capacity", capacity)
+        _table(tmp, "capacity", whole_numbers(capacity, [c for c in CAPACITY_AT if whole]))
     plots = _plots(tmp, sweep, table, capacity)
     (tmp / "report.md").write_text(_markdown(sweep, table, capacity, plots))
     (tmp / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
@@ -85,6 +89,18 @@ def _table(folder: Path, name: str, df: pd.DataFrame) -> None:
     except ImportError:
         return
     df.to_parquet(folder / f"{name}.parquet", index=False)
+
+
+def whole_numbers(df: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
+    """``df`` with ``columns`` as nullable integers (``131072``, not ``131072.0``, in a CSV
+    whose column also has empty cells), each when all its values are whole."""
+    out = df.copy()
+    for c in columns:
+        if c in out.columns:
+            values = pd.to_numeric(out[c], errors="coerce")
+            if values.notna().any() and (values.dropna() % 1 == 0).all():
+                out[c] = values.astype("Int64")
+    return out
 
 
 def _plain(x: Any) -> Any:
@@ -401,19 +417,43 @@ def uniform_slo(sweep) -> dict[str, float]:
     return {k: v for k, v in next(iter(slos)) if v is not None}
 
 
+def capacity_cell(row, spec) -> str:
+    """The capacity in ``spec.over``'s units, for people: the value found, ``< lo`` when the
+    lowest value tried already missed (below the range), ``>= hi`` when the highest still met
+    (above it); whole numbers in full."""
+    status = row.get("status")
+    if status == "below_range":
+        return f"< {format_value(row.get('hi'), '.4g')}"
+    if status == "above_range":
+        return f">= {format_value(row.get('capacity'), '.4g')}"
+    return format_value(row.get("capacity"), ".4g")
+
+
+def status_word(row) -> str:
+    """A capacity row's status in words (``below range``)."""
+    return STATUS_WORDS.get(row.get("status"), str(row.get("status")))
+
+
 def bound_text(row, spec, slo: dict | None = None) -> str:
-    """What bound a capacity, for people: ``tpot (met by 62%)``, ``tpot <= 50 ms (met by
-    62%)`` with the SLOs ``slo`` (keys ttft_s, tpot_s, e2e_s), ``p99_ttft_ms (2350)``; ``-``
-    when nothing missed."""
+    """What bound a capacity, read as a condition that failed at the first value past it:
+    ``tpot <= 50 ms (met by 62%)`` with the SLOs ``slo`` (keys ttft_s, tpot_s, e2e_s),
+    ``p99_ttft_ms <= 500 (got 2350)`` for a latency target, ``refused by the config`` or
+    ``stopped early`` for a probe with no metric to read; ``-`` when nothing missed."""
     what, value = row.get("bound_by"), row.get("bound_value")
     if not isinstance(what, str) or not what:
         return MISSING
+    if what in PROBE_ENDS:
+        return PROBE_ENDS[what]
     if spec.metric != "slo_attainment":
-        return f"{what} ({format_value(value, '.4g')})"
+        return f"{what} <= {spec.target:g} (got {format_value(value, '.4g')})"
     limit = (slo or {}).get({"e2el": "e2e_s"}.get(what, f"{what}_s"))
     if limit is not None:
         what += f" <= {limit * 1e3:g} ms" if what == "tpot" else f" <= {limit:g} s"
     return f"{what} (met by {format_value(value, '.0%')})"
+
+
+# bound_by of a probe whose run gave no metric (lab/sweeps/run.py bound_by), in words
+PROBE_ENDS = {"refused": "refused by the config", "stopped": "stopped early"}
 
 
 def _markdown(sweep, table: pd.DataFrame, capacity, plots) -> str:
@@ -437,10 +477,10 @@ def _markdown(sweep, table: pd.DataFrame, capacity, plots) -> str:
         for _, r in capacity.iterrows():
             vals = "".join(f"{format_value(r[k], '.3g')} | " for k in sweep.keys)
             lines.append(
-                f"| {r['point']} | {vals}{r['policy']} | {format_value(r['capacity'], '.4g')} | "
+                f"| {r['point']} | {vals}{r['policy']} | {capacity_cell(r, sweep.search)} | "
                 f"{format_value(r['capacity_request_rate'], '.4g')} | {bound_text(r, sweep.search, uniform_slo(sweep))} | "
                 f"[{format_value(r['lo'], '.4g')}, {format_value(r['hi'], '.4g')}) | "
-                f"{format_value(r['evaluations'], '.3g')} | {r['status']} |"
+                f"{format_value(r['evaluations'], '.3g')} | {status_word(r)} |"
             )
         lines.append("")
         failed = capacity[capacity["status"] == "failed"]

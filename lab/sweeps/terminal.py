@@ -11,7 +11,13 @@ from pathlib import Path
 import pandas as pd
 
 from sched_lab.results.names import MISSING, format_value
-from sched_lab.sweeps.report import bound_text, uniform_slo
+from sched_lab.sweeps.report import (
+    PROBE_ENDS,
+    bound_text,
+    capacity_cell,
+    status_word,
+    uniform_slo,
+)
 
 
 def _pair(row, metric: str, scale: float, fmt: str) -> str:
@@ -78,14 +84,20 @@ def sweep_text(table: pd.DataFrame, keys: Sequence[str]) -> str:
 
 
 def capacity_text(
-    capacity: pd.DataFrame, keys: Sequence[str], spec, slo: dict | None = None
+    capacity: pd.DataFrame,
+    keys: Sequence[str],
+    spec,
+    slo: dict | None = None,
+    curve: pd.DataFrame | None = None,
 ) -> str:
-    """The capacity per point and policy: the load multiplier found, the offered req/s at
-    it, the bracket and what bound it."""
+    """The capacity per point and policy: the largest value of ``spec.over`` that met the
+    target (``< lo`` below the range tried, ``>= hi`` above it), the offered req/s there, the
+    bracket and the condition that failed just above; a probe refused or stopped early is
+    explained under the table from ``curve`` (curve.csv)."""
     cmp = ">=" if spec.higher_is_better else "<="
     title = (
         f"capacity: the largest {spec.over} with {spec.metric} {cmp} {spec.target:g} "
-        f"(offered req/s at it; bound by: what missed at the next load tried)"
+        "(req/s: offered at that capacity; bound by: what failed at the next value tried)"
     )
     header = [("point", ""), *((_short(k), "") for k in keys), ("policy", ""),
               ("capacity", "req/s"), (_short(spec.over), ""), ("bracket", ""),
@@ -93,16 +105,38 @@ def capacity_text(
     rows, notes = [], []
     for _, r in capacity.iterrows():
         r = r.to_dict()
+        who = f"{r['point']} {r['policy']}"
         if isinstance(r.get("error"), str) and r["error"]:
-            notes.append(f"{r['point']} {r['policy']} failed: {r['error']}")
-        bracket = f"[{format_value(r.get('lo'), '.4g')}, {format_value(r.get('hi'), '.4g')})"
+            notes.append(f"{who} failed: {r['error']}")
+        if r.get("status") == "below_range":
+            notes.append(
+                f"{who}: below range: {spec.over} {format_value(r.get('hi'), '.4g')}, the "
+                "lowest value tried, already failed the target (a lower search.lo may find it)"
+            )
+        why = _probe_end(curve, r, spec.over)
+        if why:
+            notes.append(f"{who}: at {spec.over} {format_value(r.get('hi'), '.4g')}: {why}")
+        lo, hi = (format_value(r.get(k), ".4g") for k in ("lo", "hi"))
         rows.append([
             r["point"], *(format_value(r.get(k)) for k in keys), str(r["policy"]),
-            format_value(r.get("capacity_request_rate"), ".2f"), format_value(r.get("capacity"), ".4g"),
-            bracket, bound_text(r, spec, slo), format_value(r.get("evaluations")),
-            str(r["status"]),
+            format_value(r.get("capacity_request_rate"), ".2f"), capacity_cell(r, spec),
+            f"[{lo}, {hi})", bound_text(r, spec, slo), format_value(r.get("evaluations")),
+            status_word(r),
         ])  # fmt: skip
     return "\n".join([title, render(header, rows), *notes])
+
+
+def _probe_end(curve: pd.DataFrame | None, row: dict, over: str) -> str:
+    """Why the probe just above a capacity gave no metric (refused, or its run stopped), from
+    its curve.csv row; empty when it did."""
+    if curve is None or row.get("bound_by") not in PROBE_ENDS or over not in curve.columns:
+        return ""
+    at = curve[(curve["point"] == row["point"]) & (curve["policy"] == row["policy"])]
+    at = at[at[over] == row.get("hi")]
+    for column in ("refused", "error"):
+        if column in at.columns and at[column].notna().any():
+            return f"{PROBE_ENDS[row['bound_by']]}: {at[column].dropna().iloc[-1]}"
+    return ""
 
 
 def folder_text(out: Path, sweep) -> str:
@@ -113,7 +147,8 @@ def folder_text(out: Path, sweep) -> str:
     slo = uniform_slo(sweep)
     if sweep.search is not None:
         capacity = pd.read_csv(out / "capacity.csv")
-        text = capacity_text(capacity, sweep.keys, sweep.search, slo)
+        curve = pd.read_csv(out / "curve.csv")
+        text = capacity_text(capacity, sweep.keys, sweep.search, slo, curve)
     else:
         text = sweep_text(pd.read_csv(out / "sweep.csv"), sweep.keys)
     if slo:

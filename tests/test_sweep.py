@@ -495,6 +495,34 @@ def test_whole_number_columns_are_written_as_integers(tmp_path):
     assert (tmp_path / "c.csv").read_text().splitlines() == ["capacity,rate", "131072,1.5", ",2.0"]
 
 
+def test_metric_percentiles_reach_every_point_and_the_sweep_table(tmp_path, capsys):
+    # --metric-percentiles 50,75: the table prints TTFT/TPOT/E2E at p50/p75, and a search
+    # may target p75 (refused without the flag: the summary would not hold it).
+    sweep = write(
+        tmp_path,
+        SYNTH + "policies: [fcfs]\nsweep: {grid: {trace.rate_scale: [1, 2]}}\n",
+    )
+    argv = [str(sweep), "--out", str(tmp_path / "o"), "--no-progress", "--jobs", "1"]
+    assert run_experiment.main([*argv, "--metric-percentiles", "50,75"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:7] == ["x", "req/s", "req/s", "p50/p75", "s", "p50/p75", "ms"]
+    table = pd.read_csv(tmp_path / "o" / "sweep.csv")
+    ttft = [f"{a / 1e3:.2f}/{b / 1e3:.2f}" for a, b in zip(table.p50_ttft_ms, table.p75_ttft_ms)]
+    assert [x.split()[5] for x in lines[3:5]] == ttft
+    search = write(
+        tmp_path,
+        SYNTH + "policies: [fcfs]\nsearch: {metric: p75_ttft_ms, target: 500, lo: 1, hi: 2}\n",
+        "search.yaml",
+    )
+    argv = [str(search), "--out", str(tmp_path / "s"), "--no-progress", "--jobs", "1"]
+    assert run_experiment.main(argv) == 2
+    assert "p75_ttft_ms needs 75 in report.metric_percentiles" in capsys.readouterr().err
+    assert run_experiment.main([*argv, "--metric-percentiles", "50,75"]) == 0
+    assert pd.read_csv(tmp_path / "s" / "capacity.csv")["metric"][0] == "p75_ttft_ms"
+    assert run_experiment.main([*argv, "--metric-percentiles", "0,75"]) == 2
+    assert "--metric-percentiles: expected numbers in (0, 100]" in capsys.readouterr().err
+
+
 def test_the_sweep_table_in_the_terminal():
     from sched_lab.sweeps.terminal import sweep_text
 
@@ -523,6 +551,9 @@ def test_the_sweep_table_in_the_terminal():
     assert lines[4].split()[:4] == ["p001", "16", "fcfs", "failed"]
     assert lines[5] == "p001 failed: no room"
     assert max(len(x) for x in lines) <= 120
+    wide = sweep_text(table, ["kv_cache.num_gpu_blocks"], (50, 90, 99)).splitlines()
+    assert wide[1].split()[3:5] == ["p50/p90/p99", "s"]
+    assert wide[3].split()[6] == "4.94/-/12.13"  # the table has no p90 column here
 
 
 # ---------------------------------------------------------------------------- executors

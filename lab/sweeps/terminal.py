@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from sched_lab.results.names import MISSING, format_value
+from sched_lab.results.names import MISSING, format_value, percentile_word
 from sched_lab.sweeps.report import (
     PROBE_ENDS,
     bound_text,
@@ -19,11 +19,14 @@ from sched_lab.sweeps.report import (
     uniform_slo,
 )
 
+PERCENTILES = (50.0, 99.0)  # of the sweep table's latencies, unless --metric-percentiles says
 
-def _pair(row, metric: str, scale: float, fmt: str) -> str:
-    """``p50/p99`` of a latency, in the table's unit (``scale`` from ms)."""
-    a, b = (row.get(f"{s}_{metric}_ms") for s in ("p50", "p99"))
-    return "/".join(format_value(None if x is None else x * scale, fmt) for x in (a, b))
+
+def _latency(row, metric: str, words: Sequence[str], scale: float, fmt: str) -> str:
+    """A latency's percentiles ``words`` (``p50``, ``p99``) joined by ``/``, in the table's
+    unit (``scale`` from ms)."""
+    values = (row.get(f"{w}_{metric}_ms") for w in words)
+    return "/".join(format_value(None if x is None else x * scale, fmt) for x in values)
 
 
 def _short(key: str) -> str:
@@ -50,15 +53,21 @@ def render(header: Sequence[tuple[str, str]], rows: list[list[str]]) -> str:
     return "\n".join([*lines, *(line(r) for r in rows)])
 
 
-def sweep_text(table: pd.DataFrame, keys: Sequence[str]) -> str:
-    """The sweep table of the terminal: a row per point, policy and load (whole runs)."""
+def sweep_text(
+    table: pd.DataFrame, keys: Sequence[str], percentiles: Sequence[float] = PERCENTILES
+) -> str:
+    """The sweep table of the terminal: a row per point, policy and load (whole runs), with
+    TTFT, TPOT and E2E at ``percentiles`` (each a column of the table: p50, p90, p99 and
+    those of ``report.metric_percentiles``)."""
+    words = [f"p{percentile_word(p)}" for p in percentiles]
+    shown = "/".join(words)
     df = table
     if "class" in df.columns:
         df = df[df["class"].isna() | (df["class"] == "all")]
     keys = [k for k in keys if k not in ("trace.rate_scale", "rate_scale")]
     header = [("point", ""), *((_short(k), "") for k in keys), ("policy", ""), ("scale", "x"),
-              ("offered", "req/s"), ("achieved", "req/s"), ("TTFT", "p50/p99 s"),
-              ("TPOT", "p50/p99 ms"), ("E2E", "p50/p99 s"), ("goodput", "req/s"),
+              ("offered", "req/s"), ("achieved", "req/s"), ("TTFT", f"{shown} s"),
+              ("TPOT", f"{shown} ms"), ("E2E", f"{shown} s"), ("goodput", "req/s"),
               ("SLO", "% met"), ("preempt", "")]  # fmt: skip
     rows, notes = [], []
     for _, r in df.iterrows():
@@ -76,8 +85,8 @@ def sweep_text(table: pd.DataFrame, keys: Sequence[str]) -> str:
             *lead, format_value(r.get("rate_scale")),
             format_value(r.get("request_rate"), ".2f"),
             format_value(r.get("request_throughput"), ".2f"),
-            _pair(r, "ttft", 1e-3, ".2f"), _pair(r, "tpot", 1.0, ".1f"),
-            _pair(r, "e2el", 1e-3, ".1f"), format_value(r.get("request_goodput"), ".2f"),
+            _latency(r, "ttft", words, 1e-3, ".2f"), _latency(r, "tpot", words, 1.0, ".1f"),
+            _latency(r, "e2el", words, 1e-3, ".1f"), format_value(r.get("request_goodput"), ".2f"),
             format_value(att, ".0f"), format_value(r.get("num_preemptions")),
         ])  # fmt: skip
     return "\n".join([render(header, rows), *dict.fromkeys(notes)])
@@ -139,9 +148,9 @@ def _probe_end(curve: pd.DataFrame | None, row: dict, over: str) -> str:
     return ""
 
 
-def folder_text(out: Path, sweep) -> str:
-    """The terminal's text for the sweep folder ``out`` (its CSV tables), with the SLOs
-    when every point has the same."""
+def folder_text(out: Path, sweep, percentiles: Sequence[float] = PERCENTILES) -> str:
+    """The terminal's text for the sweep folder ``out`` (its CSV tables; a sweep's latencies at
+    ``percentiles``), with the SLOs when every point has the same."""
     from sched_lab.report.terminal import slo_text
 
     slo = uniform_slo(sweep)
@@ -150,7 +159,7 @@ def folder_text(out: Path, sweep) -> str:
         curve = pd.read_csv(out / "curve.csv")
         text = capacity_text(capacity, sweep.keys, sweep.search, slo, curve)
     else:
-        text = sweep_text(pd.read_csv(out / "sweep.csv"), sweep.keys)
+        text = sweep_text(pd.read_csv(out / "sweep.csv"), sweep.keys, percentiles)
     if slo:
         text += f"\nSLOs: {slo_text(slo)} (goodput: finished requests/s meeting every SLO)"
     return text

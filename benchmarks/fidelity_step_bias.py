@@ -223,9 +223,9 @@ def held_out() -> None:
 def missed_cells() -> None:
     t = pd.read_csv(DOCS / "heldout.csv")
     excess = []
-    for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+    for m in ("ttft", "tpot", "itl", "e2el"):
         for p in ("p50", "p90", "p99"):
-            err, spread = t[f"err_{m}_{p}"], t.get(f"spread_{m}_{p}")
+            err, spread = t[f"err_{p}_{m}_ms"], t.get(f"spread_{p}_{m}_ms")
             limit = np.maximum(_target(p), spread.fillna(0) if spread is not None else 0)
             excess += list((err - limit)[err > limit] * 100)
     err, spread = t["err_throughput"], t.get("spread_throughput")

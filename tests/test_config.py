@@ -586,3 +586,23 @@ def test_typos_get_a_did_you_mean():
         with pytest.raises(ConfigError) as e:
             validate({"name": "x", "trace": trace, **extra})
         assert message in str(e.value), str(e.value)
+
+
+def test_an_unknown_policy_says_how_to_add_one_for_this_install(tmp_path, monkeypatch):
+    """In a checkout (pyproject.toml beside the bundled data) a new policy is a file in its
+    policies/ folder; an installed copy (a wheel) is not the user's to add files to, so the
+    hint names the route that works there: register_policy from their own script."""
+    from sched_lab import policies
+
+    trace = {"format": "synthetic", "num_requests": 2, "prompt_len": 4, "output_len": 2,
+             "arrival": {"process": "poisson", "rate": 1.0}}  # fmt: skip
+    folder = Path(policies.__file__).parent
+    with pytest.raises(ConfigError) as e:
+        validate({"name": "x", "trace": trace, "policies": ["mine"]})
+    assert str(e.value).endswith(f"; a new policy is one file in {folder}/ (docs/policies.md)")
+    monkeypatch.setattr(paths, "DATA_ROOT", tmp_path)  # no pyproject.toml: a wheel's layout
+    with pytest.raises(ConfigError) as e:
+        validate({"name": "x", "trace": trace, "policies": ["mine"]})
+    message = str(e.value)
+    assert "; this sched_lab is an installed copy" in message and "\n" not in message
+    assert "sched_lab.policies.register_policy" in message and "pip install -e ." in message

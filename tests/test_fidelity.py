@@ -252,18 +252,20 @@ def test_rankings_count_pairs_beyond_the_engines_spread() -> None:
     """Two policies, one ranked metric shown (the others equal, so never counted): the pair
     counts when |a - b| exceeds |a - a'| + |b - b'| and the repeat orders it the same way."""
     from sched_lab.fidelity import RANKED, rank_agreement
+    from sched_lab.fidelity.compare import column
 
     def row(policy, real, again, sim):
         r = {"slice": "conv", "load": 0.5, "policy": policy}
         for m, p in RANKED:
-            r[f"real_{m}_{p}"] = r[f"again_{m}_{p}"] = r[f"sim_{m}_{p}"] = 1.0
-        r.update(real_ttft_s_p50=real, again_ttft_s_p50=again, sim_ttft_s_p50=sim)
+            x = column(m, p)
+            r[f"real_{x}"] = r[f"again_{x}"] = r[f"sim_{x}"] = 1.0
+        r.update(real_p50_ttft_ms=real, again_p50_ttft_ms=again, sim_p50_ttft_ms=sim)
         return r
 
     # engine: a - b = -1.0, spread 0.1 + 0.1; the simulator orders them the other way
     table = pd.DataFrame([row("a", 1.0, 1.1, 1.5), row("b", 2.0, 2.1, 1.2)])
     [pair] = rank_agreement(table)
-    assert (pair["metric"], pair["pair"], pair["agree"]) == ("ttft_s_p50", "a vs b", False)
+    assert (pair["metric"], pair["pair"], pair["agree"]) == ("p50_ttft_ms", "a vs b", False)
     assert pair["engine"] == pytest.approx(-1.0) and pair["noise"] == pytest.approx(0.2)
     # the same difference inside the engine's spread (0.6 + 0.6): not counted
     table = pd.DataFrame([row("a", 1.0, 1.6, 1.5), row("b", 2.0, 1.4, 1.2)])

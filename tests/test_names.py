@@ -11,7 +11,9 @@ from helpers import run
 from sched_lab.results import metrics
 from sched_lab.results.names import (
     METRICS,
+    MISSING,
     canonical,
+    format_value,
     higher_is_better,
     label,
     latency_name,
@@ -40,6 +42,23 @@ def test_older_names_are_aliases_with_their_unit():
     assert canonical("kv_used_fraction_mean") == ("mean_kv_cache_usage", 1.0)
     assert canonical("p99_ttft_ms") == ("p99_ttft_ms", 1.0)
     assert canonical("no_such") == ("no_such", 1.0)
+
+
+def test_one_formatter_for_every_table():
+    import numpy as np
+    import pandas as pd
+
+    assert MISSING == "-"
+    for nothing in (None, math.nan, np.float64("nan"), pd.NA):
+        assert format_value(nothing, ".2f") == "-"
+    assert format_value(1.23456, ".2f") == "1.23"
+    assert format_value(0.125, ".1%") == "12.5%"
+    # whole numbers keep every digit under a g spec (a KV budget, a seq limit)
+    assert format_value(131072.0, ".4g") == "131072"
+    assert format_value(np.int64(66560), ".4g") == "66560"
+    assert format_value(146040.6, ".4g") == "1.46e+05"
+    assert format_value(2.0, ".2f") == "2.00"
+    assert format_value(True) == "True" and format_value("p000") == "p000"
 
 
 def test_labels_and_directions():

@@ -180,6 +180,10 @@ BAD = [
         "search: {metric: ttft_s_p99, target: 1, lo: 2, hi: 1}\n",
         "search: expected lo < hi, got lo 2, hi 1",
     ),
+    (  # a typo of over: refused, not searched over the default
+        "search: {metric: p99_ttft_ms, target: 500, ovr: rate_scale}\n",
+        "unknown key search.ovr; allowed: metric, target, over, lo, hi, tolerance",
+    ),
 ]
 
 
@@ -418,6 +422,107 @@ def test_capacity_of_a_fixed_cost_queue_matches_the_closed_form(tmp_path, capsys
     assert f"ttft <= {x:g} s (met by" in line
 
 
+def test_a_lower_bound_that_fails_is_below_range_not_a_failed_search(tmp_path, capsys, monkeypatch):
+    # The probe at lo stops early (a run that stops is a miss): the search ends below its
+    # range, exit 0; the terminal says "< lo", "below range", and why lo gave no metric.
+    import sched_lab.sweeps.run
+
+    def run(cfg, progress=True):
+        runs = real(cfg, progress)
+        if cfg.rate_scales == (1.0,):
+            runs[0].result.failure = "deadlock: made up for the test"
+        return runs
+
+    real = sched_lab.sweeps.run.run_experiment
+    monkeypatch.setattr(sched_lab.sweeps.run, "run_experiment", run)
+    path = write(
+        tmp_path,
+        SYNTH + "policies: [fcfs]\nsearch: {metric: slo_attainment, target: 0.9, lo: 1, hi: 2}\n",
+    )
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
+    printed = capsys.readouterr()
+    assert "failed" not in printed.err
+    cap = pd.read_csv(out / "capacity.csv").iloc[0]
+    assert (cap["status"], cap["hi"], cap["bound_by"]) == ("below_range", 1, "stopped")
+    assert pd.isna(cap["capacity"]) and cap["evaluations"] == 1
+    lines = printed.out.splitlines()
+    row = next(x for x in lines if x.startswith("p000"))
+    assert row.split()[2:5] == ["-", "<", "1"] and row.endswith("below range")
+    assert "stopped early" in row
+    assert (
+        "p000 fcfs: below range: trace.rate_scale 1, the lowest value tried, already failed "
+        "the target (a lower search.lo may find it)" in lines
+    )
+    assert (
+        "p000 fcfs: at trace.rate_scale 1: stopped early: deadlock: made up for the test" in lines
+    )
+    assert "| < 1 |" in (out / "report.md").read_text()
+
+
+def test_capacity_in_whole_numbers_and_the_bound_as_a_condition():
+    from sched_lab.sweeps.terminal import capacity_text
+
+    spec = parse_search(
+        {"metric": "p99_ttft_ms", "target": 500, "over": "kv_cache.num_gpu_blocks"}, "x"
+    )
+    capacity = pd.DataFrame([
+        {"point": "p000", "status": "found", "policy": "fcfs", "capacity": 131072.0,
+         "capacity_request_rate": 7.5, "bound_by": "p99_ttft_ms", "bound_value": 612.25,
+         "lo": 131072.0, "hi": 133120.0, "evaluations": 9},
+        {"point": "p001", "status": "above_range", "policy": "fcfs", "capacity": 262144.0,
+         "capacity_request_rate": 7.5, "bound_by": None, "bound_value": None,
+         "lo": 262144.0, "hi": None, "evaluations": 2},
+    ])  # fmt: skip
+    lines = capacity_text(capacity, [], spec).splitlines()
+    assert lines[0].startswith(
+        "capacity: the largest kv_cache.num_gpu_blocks with p99_ttft_ms <= 500"
+    )
+    assert lines[4].split() == [
+        "p000", "fcfs", "7.50", "131072", "[131072,", "133120)", "p99_ttft_ms", "<=", "500",
+        "(got", "612.2)", "9", "found",
+    ]  # fmt: skip
+    assert lines[5].split() == [
+        "p001", "fcfs", "7.50", ">=", "262144", "[262144,", "-)", "-", "2", "above", "range",
+    ]  # fmt: skip
+
+
+def test_whole_number_columns_are_written_as_integers(tmp_path):
+    from sched_lab.sweeps.report import whole_numbers
+
+    df = pd.DataFrame({"capacity": [131072.0, float("nan")], "rate": [1.5, 2.0]})
+    whole_numbers(df, ["capacity", "rate"]).to_csv(tmp_path / "c.csv", index=False)
+    assert (tmp_path / "c.csv").read_text().splitlines() == ["capacity,rate", "131072,1.5", ",2.0"]
+
+
+def test_metric_percentiles_reach_every_point_and_the_sweep_table(tmp_path, capsys):
+    # --metric-percentiles 50,75: the table prints TTFT/TPOT/E2E at p50/p75, and a search
+    # may target p75 (refused without the flag: the summary would not hold it).
+    sweep = write(
+        tmp_path,
+        SYNTH + "policies: [fcfs]\nsweep: {grid: {trace.rate_scale: [1, 2]}}\n",
+    )
+    argv = [str(sweep), "--out", str(tmp_path / "o"), "--no-progress", "--jobs", "1"]
+    assert run_experiment.main([*argv, "--metric-percentiles", "50,75"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:7] == ["x", "req/s", "req/s", "p50/p75", "s", "p50/p75", "ms"]
+    table = pd.read_csv(tmp_path / "o" / "sweep.csv")
+    ttft = [f"{a / 1e3:.2f}/{b / 1e3:.2f}" for a, b in zip(table.p50_ttft_ms, table.p75_ttft_ms)]
+    assert [x.split()[5] for x in lines[3:5]] == ttft
+    search = write(
+        tmp_path,
+        SYNTH + "policies: [fcfs]\nsearch: {metric: p75_ttft_ms, target: 500, lo: 1, hi: 2}\n",
+        "search.yaml",
+    )
+    argv = [str(search), "--out", str(tmp_path / "s"), "--no-progress", "--jobs", "1"]
+    assert run_experiment.main(argv) == 2
+    assert "p75_ttft_ms needs 75 in report.metric_percentiles" in capsys.readouterr().err
+    assert run_experiment.main([*argv, "--metric-percentiles", "50,75"]) == 0
+    assert pd.read_csv(tmp_path / "s" / "capacity.csv")["metric"][0] == "p75_ttft_ms"
+    assert run_experiment.main([*argv, "--metric-percentiles", "0,75"]) == 2
+    assert "--metric-percentiles: expected numbers in (0, 100]" in capsys.readouterr().err
+
+
 def test_the_sweep_table_in_the_terminal():
     from sched_lab.sweeps.terminal import sweep_text
 
@@ -446,6 +551,9 @@ def test_the_sweep_table_in_the_terminal():
     assert lines[4].split()[:4] == ["p001", "16", "fcfs", "failed"]
     assert lines[5] == "p001 failed: no room"
     assert max(len(x) for x in lines) <= 120
+    wide = sweep_text(table, ["kv_cache.num_gpu_blocks"], (50, 90, 99)).splitlines()
+    assert wide[1].split()[3:5] == ["p50/p90/p99", "s"]
+    assert wide[3].split()[6] == "4.94/-/12.13"  # the table has no p90 column here
 
 
 # ---------------------------------------------------------------------------- executors
@@ -749,9 +857,9 @@ def test_sweep_plots_read_either_latency_name_and_the_offered_rate():
     old = pd.DataFrame({"ttft_s_p99": [0.5, 2.0], "rate_scale": [1.0, 2.0]})
     vllm = pd.DataFrame({"p99_ttft_ms": [500.0, 2000.0], "rate_scale": [1.0, 2.0],
                          "request_rate": [3.5, 7.0]})  # fmt: skip
-    assert latency_s(old, "ttft_s").tolist() == [0.5, 2.0]
-    assert latency_s(vllm, "ttft_s").tolist() == [0.5, 2.0]
-    assert latency_s(old, "itl_s").isna().all()  # a column the table lacks: no line
+    assert latency_s(old, "ttft").tolist() == [0.5, 2.0]
+    assert latency_s(vllm, "ttft").tolist() == [0.5, 2.0]
+    assert latency_s(old, "itl").isna().all()  # a column the table lacks: no line
     assert offered_x(vllm)[0].tolist() == [3.5, 7.0] and offered_x(vllm)[1].startswith("offered")
     assert offered_x(old)[0].tolist() == [1.0, 2.0] and offered_x(old)[1].startswith("rate_scale")
 

@@ -9,6 +9,7 @@ import copy
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -38,6 +39,22 @@ from sched_lab.policies import get_policy
 from sched_lab.sim.models import MODELS
 
 DEFAULT_POLICIES = ("fcfs", "swap", "chunked_prefill")
+
+
+def how_to_add_a_policy() -> str:
+    """The unknown-policy error's hint. The lab loads policies only from the modules of its
+    own policies/ folder and from classes registered in the running process
+    (:func:`sched_lab.policies.register_policy`); in a checkout (an editable install) the
+    folder is the user's to add a file to, in an installed copy (a wheel) it is not."""
+    folder = Path(policies.__file__).parent
+    if (paths.DATA_ROOT / "pyproject.toml").exists():  # a checkout, or an editable install
+        return f"a new policy is one file in {folder}/ (docs/policies.md)"
+    return (
+        "this sched_lab is an installed copy, which loads policies only from its own "
+        "package: register yours from your script with sched_lab.policies.register_policy "
+        "and run it through the Python API (docs/python_api.md), or add a file to "
+        "policies/ of a checkout installed with pip install -e . (docs/policies.md)"
+    )
 
 
 @dataclass(frozen=True)
@@ -127,7 +144,7 @@ def _entry(
     try:
         cls = get_policy(p["name"])
     except ConfigError as e:
-        raise ConfigError(f"{where}: {key}: {e}") from None
+        raise ConfigError(f"{where}: {key}: {e}; {how_to_add_a_policy()}") from None
     own = (*cls.options, VICTIM_KEY, ASYNC_KEY)
     allowed = ("name", "label", *LIMIT_KEYS, VICTIM_KEY, ASYNC_KEY, "enable_prefix_caching",
                "speculative", *cls.options)  # fmt: skip

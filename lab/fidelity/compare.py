@@ -6,12 +6,16 @@ from __future__ import annotations
 from itertools import combinations
 from typing import Any
 
-from sched_lab.results.names import upgrade_summary
+from sched_lab.results.names import latency_name, upgrade_summary
 
-METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
+METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's names (sched_lab.results.names)
 PCTS = ("p50", "p90", "p99")
-SUMMARY_NAMES = {"ttft_s": "ttft", "tpot_s": "tpot", "itl_s": "itl", "e2e_s": "e2el"}
-RANKED = (("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("e2e_s", "p50"))
+RANKED = (("ttft", "p50"), ("ttft", "p99"), ("tpot", "p50"), ("e2el", "p50"))
+
+
+def column(metric: str, p: str) -> str:
+    """The summary's name of a compared statistic: ``p50_ttft_ms`` for ("ttft", "p50")."""
+    return latency_name(p, metric)
 
 
 def rel(sim: float, real: float) -> float:
@@ -22,21 +26,22 @@ def rel(sim: float, real: float) -> float:
 def run_row(slice_name: str, load: float, s, r: dict, again: dict | None) -> dict[str, Any]:
     """One run's table row: simulated ``s`` against the engine's summary ``r`` (and its
     repeat ``again``), summaries of either naming (:func:`sched_lab.results.names.upgrade_summary`).
-    Latency columns ``{real,sim,again}_{m}_{p}`` in seconds."""
+    For each statistic ``X`` (``p50_ttft_ms``): ``real_X``, ``sim_X``, ``again_X`` in ms, and
+    the relative errors ``err_X`` (sim against the engine) and ``spread_X`` (the repeat
+    against the engine)."""
     r = upgrade_summary(r)
     sim = s.summary
     rep = upgrade_summary(again[s.label]) if again is not None else None
     row: dict[str, Any] = {"slice": slice_name, "load": load, "policy": s.label}
     for m in METRICS:
-        name = SUMMARY_NAMES[m]
         for p in PCTS:
-            key = f"{p}_{name}_ms"
-            row[f"real_{m}_{p}"] = r[key] / 1e3
-            row[f"sim_{m}_{p}"] = sim[key] / 1e3
-            row[f"err_{m}_{p}"] = rel(sim[key], r[key])
+            key = column(m, p)
+            row[f"real_{key}"] = r[key]
+            row[f"sim_{key}"] = sim[key]
+            row[f"err_{key}"] = rel(sim[key], r[key])
             if rep is not None:
-                row[f"again_{m}_{p}"] = rep[key] / 1e3
-                row[f"spread_{m}_{p}"] = rel(rep[key], r[key])
+                row[f"again_{key}"] = rep[key]
+                row[f"spread_{key}"] = rel(rep[key], r[key])
     row["err_throughput"] = rel(sim["output_throughput"], r["output_throughput"])
     if rep is not None:
         row["spread_throughput"] = rel(rep["output_throughput"], r["output_throughput"])
@@ -99,15 +104,15 @@ def step_kind(st) -> list[str]:
 def rank_agreement(table, equivalent: frozenset = frozenset()) -> list[dict[str, Any]]:
     """For every (slice, load), metric and policy pair whose engine difference exceeds the
     engine's spread (|a - b| > |a - a'| + |b - b'|) and which the repeat orders alike: does
-    the simulator order them alike? Pairs in ``equivalent`` are left out; empty without
-    repeat columns."""
+    the simulator order them alike (``engine``, ``noise`` and ``sim`` differences in ms)?
+    Pairs in ``equivalent`` are left out; empty without repeat columns."""
     out = []
-    if "again_ttft_s_p50" not in table:
+    if f"again_{column('ttft', 'p50')}" not in table:
         return out
     for (sl, load), g in table.groupby(["slice", "load"]):
         g = g.set_index("policy")
         for m, p in RANKED:
-            col = f"{m}_{p}"
+            col = column(m, p)
             for a, b in combinations(g.index, 2):
                 if (sl, load, a, b) in equivalent:
                     continue

@@ -7,15 +7,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sched_lab.fidelity.compare import METRICS, PCTS
+from sched_lab.fidelity.compare import METRICS, PCTS, column
 from sched_lab.fidelity.protocol import ROOT
+from sched_lab.results.names import LATENCIES, MISSING, is_missing
 
 COLS = [(m, p) for m in METRICS for p in PCTS]
+TP50 = column("ttft", "p50")  # p50_ttft_ms
 
 
 def pct(v: float) -> str:
     """A fraction as a percentage with one decimal; ``-`` for NaN."""
-    return "-" if v != v else f"{v * 100:.1f}%"
+    return MISSING if is_missing(v) else f"{v * 100:.1f}%"
 
 
 def error_target(p: str) -> float:
@@ -81,7 +83,7 @@ def write_doc(
         ),
         step_p50=pct(np.median(e)),
         step_p90=pct(np.percentile(e, 90)),
-        step_sat=pct(np.median(np.abs(sat_steps.err))) if len(sat_steps) else "-",
+        step_sat=pct(np.median(np.abs(sat_steps.err))) if len(sat_steps) else MISSING,
         headline=_headline(table, steps, rankings, identical, n_plans),
         saturated=_saturated(table, steps),
         by_kind="\n".join(_by_kind(steps)),
@@ -97,12 +99,12 @@ def write_doc(
 
 
 def _has_spread(table) -> bool:
-    return "spread_ttft_s_p50" in table
+    return f"spread_{TP50}" in table
 
 
 def _cell(r, m: str, p: str, has_spread: bool) -> str:
     """A run's error in metric ``m`` at ``p`` (engine spread in brackets), ✗ past its limit."""
-    key = f"{m}_{p}" if m != "throughput" else "throughput"
+    key = column(m, p) if m != "throughput" else "throughput"
     e = r[f"err_{key}"]
     s = r.get(f"spread_{key}", float("nan")) if has_spread else float("nan")
     limit = max(error_target(p), s if s == s else 0.0)
@@ -112,7 +114,7 @@ def _cell(r, m: str, p: str, has_spread: bool) -> str:
 def _run_table(table) -> tuple[list[str], int, int]:
     """The per-run table's lines, and how many of its error cells met and missed."""
     has_spread = _has_spread(table)
-    head = ["window", "load", "policy"] + [f"{m[:-2].upper()} {p}" for m, p in COLS]
+    head = ["window", "load", "policy"] + [f"{LATENCIES[m][0]} {p}" for m, p in COLS]
     head += ["throughput", "preempt engine / sim", "plans identical"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     met = missed = 0
@@ -129,7 +131,7 @@ def _run_table(table) -> tuple[list[str], int, int]:
 
 def _medians(table) -> list[str]:
     """The table of median errors (and engine spreads) over groups of runs."""
-    med = ["| median over runs | " + " | ".join(f"{m[:-2].upper()} {p}" for m, p in COLS)
+    med = ["| median over runs | " + " | ".join(f"{LATENCIES[m][0]} {p}" for m, p in COLS)
            + " | throughput |", "|" + "---|" * (len(COLS) + 2)]  # fmt: skip
     for label, prefix, sel in (
         ("simulator vs engine, all loads", "err_", table.load > 0),
@@ -141,10 +143,10 @@ def _medians(table) -> list[str]:
         if prefix == "spread_" and not _has_spread(table):
             continue
         t = table[sel]
-        vals = [t[f"{prefix}{m}_{p}"].median() for m, p in COLS] + [
+        vals = [t[f"{prefix}{column(m, p)}"].median() for m, p in COLS] + [
             t[f"{prefix}throughput"].median()
         ]
-        label += f" ({t[f'{prefix}ttft_s_p50'].notna().sum()} runs)"
+        label += f" ({t[f'{prefix}{TP50}'].notna().sum()} runs)"
         med.append(f"| {label} | " + " | ".join(pct(v) for v in vals) + " |")
     return med
 
@@ -154,7 +156,7 @@ def _noise(g, q: float) -> str:
     import numpy as np
 
     n = g.noise.dropna().to_numpy() if "noise" in g else np.array([])
-    return pct(np.percentile(n, q)) if len(n) else "-"
+    return pct(np.percentile(n, q)) if len(n) else MISSING
 
 
 def _by_kind(steps) -> list[str]:
@@ -172,14 +174,14 @@ def _by_kind(steps) -> list[str]:
 def _rank_lines(rankings) -> list[str]:
     return [
         f"| {r['slice']} | {r['load']:g} | {r['metric']} | {r['pair']} | "
-        f"{r['engine'] * 1e3:+.2f} | {r['noise'] * 1e3:.2f} | {r['sim'] * 1e3:+.2f} | "
+        f"{r['engine']:+.2f} | {r['noise']:.2f} | {r['sim']:+.2f} | "
         f"{'yes' if r['agree'] else '**tie**' if r['sim'] == 0 else '**no**'} |"
         for r in rankings
     ]
 
 
 def _mdn(t, col: str) -> str:
-    return pct(t[col].median()) if col in t and len(t) else "-"
+    return pct(t[col].median()) if col in t and len(t) else MISSING
 
 
 def _headline(table, steps, rankings, identical: int, n_plans: int) -> str:
@@ -192,10 +194,10 @@ def _headline(table, steps, rankings, identical: int, n_plans: int) -> str:
         f"{pct(identical / max(n_plans, 1))} of {n_plans:,} steps; step-level error median "
         f"{pct(np.median(e))}, P90 {pct(np.percentile(e, 90))} (engine's own step-to-step "
         f"spread {_noise(steps, 50)}, {_noise(steps, 90)}); median errors (engine's own "
-        f"spread in brackets) TTFT p50 {_mdn(table, 'err_ttft_s_p50')} "
-        f"({_mdn(table, 'spread_ttft_s_p50')}), TPOT p50 {_mdn(table, 'err_tpot_s_p50')} "
-        f"({_mdn(table, 'spread_tpot_s_p50')}), E2E p50 {_mdn(table, 'err_e2e_s_p50')} "
-        f"({_mdn(table, 'spread_e2e_s_p50')}), throughput {_mdn(table, 'err_throughput')} "
+        f"spread in brackets) TTFT p50 {_mdn(table, 'err_p50_ttft_ms')} "
+        f"({_mdn(table, 'spread_p50_ttft_ms')}), TPOT p50 {_mdn(table, 'err_p50_tpot_ms')} "
+        f"({_mdn(table, 'spread_p50_tpot_ms')}), E2E p50 {_mdn(table, 'err_p50_e2el_ms')} "
+        f"({_mdn(table, 'spread_p50_e2el_ms')}), throughput {_mdn(table, 'err_throughput')} "
         f"({_mdn(table, 'spread_throughput')}); policy pairs ordered as on the engine: "
         f"{sum(r['agree'] for r in rankings)} of {len(rankings)}."
     )
@@ -210,13 +212,15 @@ def _saturated(table, steps) -> str:
         return "No saturated runs (loads above 1) in this archive.\n"
     sat_steps = steps[steps.saturated]
     return SATURATED.format(
-        sat_bias=pct(np.median(sat_steps.err)) if len(sat_steps) else "-",
-        low_bias=pct(np.median(steps[~steps.saturated].err)) if (~steps.saturated).any() else "-",
-        sat_ttft=_mdn(sat, "err_ttft_s_p50"),
-        sat_ttft_spread=_mdn(sat, "spread_ttft_s_p50"),
-        low_ttft=_mdn(low, "err_ttft_s_p50"),
-        sat_e2e=_mdn(sat, "err_e2e_s_p50"),
-        sat_e2e_spread=_mdn(sat, "spread_e2e_s_p50"),
+        sat_bias=pct(np.median(sat_steps.err)) if len(sat_steps) else MISSING,
+        low_bias=pct(np.median(steps[~steps.saturated].err))
+        if (~steps.saturated).any()
+        else MISSING,
+        sat_ttft=_mdn(sat, "err_p50_ttft_ms"),
+        sat_ttft_spread=_mdn(sat, "spread_p50_ttft_ms"),
+        low_ttft=_mdn(low, "err_p50_ttft_ms"),
+        sat_e2e=_mdn(sat, "err_p50_e2el_ms"),
+        sat_e2e_spread=_mdn(sat, "spread_p50_e2el_ms"),
         sat_tp=_mdn(sat, "err_throughput"),
         sat_tp_spread=_mdn(sat, "spread_throughput"),
     )
@@ -350,6 +354,9 @@ steps), median / P90. A model that sees only a step's shape cannot do better tha
 Relative error |sim - engine| / engine of each percentile; in brackets the engine's own
 spread, |repeat - first| / first, for the same run. ✗ marks a miss of max(5% at P50/P90, 10%
 at P99, 3% for throughput, the engine's own spread): {met} of {total} cells met.
+`{figures}/heldout.csv` has every run's numbers under vLLM's names: for each X in
+`p{{50,90,99}}_{{ttft,tpot,itl,e2el}}_ms`, `real_X`, `sim_X` and `again_X` (the repeat) in ms,
+`err_X` and `spread_X` the relative errors above.
 
 {medians}
 

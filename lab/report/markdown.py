@@ -10,6 +10,7 @@ import yaml
 from sched_lab.config import ExperimentConfig, paths
 from sched_lab.report.replicas import replicas_markdown
 from sched_lab.results import fairness, spec_metrics
+from sched_lab.results.names import format_value
 from sched_lab.results.run import Run
 
 SLO_DEFINITION = (
@@ -26,28 +27,27 @@ def summary_table(runs: list[Run]) -> str:
         "| TPOT p50 / p99 (ms) | ITL p99 / p99.9 / max (ms) | E2E p50 / p99 (s) "
         "| preempt (rec / swap) | KV mean % |"
     )
-    from sched_lab.report.terminal import num
-
     lines = [head, "|" + "---|" * 12]
     for r in runs:
         s = r.summary
+
+        def v(key: str, spec: str, s=s) -> str:
+            return format_value(s.get(key), spec)
+
+        def sec(key: str, spec: str, s=s) -> str:
+            return format_value(_s(s.get(key)), spec)
+
         lines.append(
             f"| {r.label} | {s['completed']} | {s['rejected']} | {s['aborted']} "
-            f"| {num(s['request_throughput'], '.2f')} | {num(s['output_throughput'], '.0f')} "
-            f"| {num(_s(s['p50_ttft_ms']), '.3f')} / {num(_s(s['p99_ttft_ms']), '.3f')} "
-            f"| {num(s['p50_tpot_ms'], '.1f')} / {num(s['p99_tpot_ms'], '.1f')} "
-            f"| {_ms(s, 'p99_itl_ms')} / {_ms(s, 'p99.9_itl_ms')} / {_ms(s, 'max_itl_ms')} "
-            f"| {num(_s(s['p50_e2el_ms']), '.2f')} / {num(_s(s['p99_e2el_ms']), '.2f')} "
+            f"| {v('request_throughput', '.2f')} | {v('output_throughput', '.0f')} "
+            f"| {sec('p50_ttft_ms', '.3f')} / {sec('p99_ttft_ms', '.3f')} "
+            f"| {v('p50_tpot_ms', '.1f')} / {v('p99_tpot_ms', '.1f')} "
+            f"| {v('p99_itl_ms', '.1f')} / {v('p99.9_itl_ms', '.1f')} / {v('max_itl_ms', '.1f')} "
+            f"| {sec('p50_e2el_ms', '.2f')} / {sec('p99_e2el_ms', '.2f')} "
             f"| {s['num_preemptions_recompute']} / {s['num_preemptions_swap']} "
             f"| {s['mean_kv_cache_usage'] * 100:.0f} |"
         )
     return "\n".join(lines)
-
-
-def _ms(summary: dict, key: str) -> str:
-    """A latency of the summary in ms, or ``-`` (absent, or NaN: no value to take it of)."""
-    v = summary.get(key)
-    return "-" if v is None or v != v else f"{v:.1f}"  # v != v: NaN
 
 
 def _s(ms):
@@ -191,7 +191,7 @@ def report_markdown(
 ) -> str:
     """report.md; ``fmt``: the format requests, steps and events were written in (the files
     it names)."""
-    from sched_lab.report.terminal import num, slo_text
+    from sched_lab.report.terminal import slo_text
 
     if cfg.trace.classes:
         what = "workload classes " + ", ".join(
@@ -249,9 +249,9 @@ def report_markdown(
             "|---|---|---|---|",
         ]
         lines += [
-            f"| {r.label} | {num(r.summary['request_goodput'], '.2f')} "
-            f"| {num(r.summary['slo_attainment'], '.1%')} "
-            f"| {num(r.summary.get('slo_attainment_finished'), '.1%')} |"
+            f"| {r.label} | {format_value(r.summary['request_goodput'], '.2f')} "
+            f"| {format_value(r.summary['slo_attainment'], '.1%')} "
+            f"| {format_value(r.summary.get('slo_attainment_finished'), '.1%')} |"
             for r in runs
         ]
         lines.append("")

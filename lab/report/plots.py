@@ -16,19 +16,18 @@ from pathlib import Path
 import numpy as np
 
 from sched_lab.results.metrics import cdf_points, decode_output_tokens
+from sched_lab.results.names import LATENCIES as NAMES
 
 TIME_BINS = 120
 COLOURS = ("#0072b2", "#d55e00", "#009e73", "#cc79a7", "#e69f00", "#56b4e9", "#f0e442", "#000")
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 STYLES = {"p50": "-", "p99": "--", "p99.9": ":", "max": "-."}
-# (summary key, title, unit, scale from seconds)
-LATENCIES = (
-    ("ttft_s", "TTFT", "s", 1.0),
-    ("tpot_s", "TPOT", "ms", 1e3),
-    ("itl_s", "ITL", "ms", 1e3),
-    ("e2e_s", "E2E", "s", 1.0),
-)
-VLLM_NAMES = {"ttft_s": "ttft", "tpot_s": "tpot", "itl_s": "itl", "e2e_s": "e2el"}
+# (vLLM's metric, title, unit shown, scale from seconds); names and titles: results/names.py
+LATENCIES = tuple(
+    (metric, NAMES[metric][0], unit, scale)
+    for metric, unit, scale in (("ttft", "s", 1.0), ("tpot", "ms", 1e3), ("itl", "ms", 1e3),
+                                ("e2el", "s", 1.0))
+)  # fmt: skip
 
 
 def policy_styles(runs) -> dict[str, dict]:
@@ -131,26 +130,26 @@ def plots(folder: Path, runs, cfg) -> list[tuple[str, str]]:
     # ---- CDFs: one row per load
     fig, axes = plt.subplots(len(scales), 4, figsize=(15, 3.4 * len(scales)), squeeze=False)
     for row, s in zip(axes, scales):
-        for ax, (key, title, unit, k) in zip(row, LATENCIES):
+        for ax, (metric, title, unit, k) in zip(row, LATENCIES):
             for r in by_scale[s]:
                 kw = {"color": styles[r.policy]["color"], "lw": styles[r.policy]["lw"] * 0.6}
-                if key == "itl_s":  # the tail is the story: 1 - CDF on a log scale
+                if metric == "itl":  # the tail is the story: 1 - CDF on a log scale
                     if r.itl_tail_s is not None and r.itl_tail_s.shape[1]:
                         above, x = r.itl_tail_s
                         ax.plot(x * k, above, **kw)
                         ax.plot([x[-1] * k], [above[-1]], marker="x", ms=7, ls="", **kw)  # max
                     continue
-                x = cdf_points(r.requests[key].to_numpy(float))
+                x = cdf_points(r.requests[NAMES[metric][1]].to_numpy(float))
                 if len(x):
                     ax.plot(x * k, np.linspace(0, 1, len(x)), **kw)
             _log_if_wide(ax)
             load = load_title(by_scale[s][0])
-            if key == "itl_s" and ax.get_lines():
+            if metric == "itl" and ax.get_lines():
                 ax.set_yscale("log")
                 for q, name in ((1e-2, "p99"), (1e-3, "p99.9")):
                     ax.axhline(q, color="grey", lw=0.6, ls=":")
                     ax.text(ax.get_xlim()[0], q, f" {name}", va="bottom", fontsize=7, color="grey")
-            if key == "itl_s":
+            if metric == "itl":
                 ax.set_title(f"ITL tail (x: max), {load}", fontsize=9)
                 ax.set_ylabel("fraction of gaps longer")
             else:
@@ -242,9 +241,8 @@ def _vs_load(folder, runs, styles, plt) -> tuple[str, str]:
         rs = sorted((r for r in runs if r.policy == policy), key=lambda r: r.rate_scale)
         x = [_offered(r) for r in rs]
         kw = {"color": st["color"], "marker": st["marker"], "ms": st["ms"], "lw": st["lw"]}
-        for ax, (key, title, unit, _) in zip(panels, LATENCIES):
-            name = VLLM_NAMES[key]
-            shown = ("p50", "p99", "p99.9", "max") if key == "itl_s" else ("p50", "p99")
+        for ax, (name, title, unit, _) in zip(panels, LATENCIES):
+            shown = ("p50", "p99", "p99.9", "max") if name == "itl" else ("p50", "p99")
             for p in shown:
                 y = [
                     r.vllm.get(f"{p}_{name}_ms", np.nan) / (1e3 if unit == "s" else 1.0) for r in rs

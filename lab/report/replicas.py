@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from sched_lab.results.names import MISSING, format_value
+
 GIB = 1024**3
 HEAD = ("replica", "role", "requests", "busy %", "KV mean / max %", "preemptions", "queue peak")
 HOST_BUFFER = "host buffer peak (GiB / requests)"  # decode replicas of a disaggregated cluster
@@ -27,12 +29,12 @@ def replica_rows(cluster: Mapping[str, Any]) -> tuple[list[str], list[list[str]]
             f"{100 * r['busy_fraction']:.0f}",
             f"{100 * r['mean_kv_cache_usage']:.0f} / {100 * r['max_kv_cache_usage']:.0f}",
             str(r["num_preemptions"]),
-            str(r.get("queue_peak", "-")),
+            format_value(r.get("queue_peak")),
         ]
         if buffered:
             peak = r.get("host_buffer_peak_bytes")
             row.append(
-                "-" if peak is None else f"{peak / GIB:.2f} / {r['host_buffer_peak_requests']}"
+                MISSING if peak is None else f"{peak / GIB:.2f} / {r['host_buffer_peak_requests']}"
             )
         rows.append(row)
     return head, rows

@@ -6,9 +6,7 @@ prints ``-``; runs of workload classes add a block of rows per class.
 
 from __future__ import annotations
 
-import math
-
-from sched_lab.results.names import percentile_word
+from sched_lab.results.names import MISSING, format_value, percentile_word
 
 WIDTH = 100
 LABEL = 30  # width of the metric names, at least
@@ -22,13 +20,6 @@ LATENCIES = (  # (name in {stat}_{name}_ms, title, unit shown)
 CLASS_STATS = ("p50", "p99")  # per class: of TTFT, TPOT and E2E (lab/results/fairness.py)
 
 
-def num(x, fmt: str) -> str:
-    """``x`` formatted, or ``-`` for a statistic that does not exist (None or NaN)."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    return format(x, fmt)
-
-
 def rows(runs, percentiles) -> list[tuple[str, list[str]]]:
     """(metric name, one cell per run) of the table; a row whose cells are all empty heads
     the rows of one workload class."""
@@ -39,14 +30,25 @@ def rows(runs, percentiles) -> list[tuple[str, list[str]]]:
     out: list[tuple[str, list[str]]] = [
         ("finished / replayed", cells(lambda r: f"{r.vllm['completed']}/{r.vllm['num_prompts']}")),
         ("rejected/aborted/unfinished", cells(lambda r: str(r.vllm["failed"]))),
-        ("duration (s)", cells(lambda r: num(r.vllm["duration"], ".1f"))),
-        ("request throughput (req/s)", cells(lambda r: num(r.vllm["request_throughput"], ".2f"))),
-        ("output throughput (tok/s)", cells(lambda r: num(r.vllm["output_throughput"], ".0f"))),
+        ("duration (s)", cells(lambda r: format_value(r.vllm["duration"], ".1f"))),
+        (
+            "request throughput (req/s)",
+            cells(lambda r: format_value(r.vllm["request_throughput"], ".2f")),
+        ),
+        (
+            "output throughput (tok/s)",
+            cells(lambda r: format_value(r.vllm["output_throughput"], ".0f")),
+        ),
     ]
     if _has_slo(runs[0].summary):
-        out.append(("goodput (req/s)", cells(lambda r: num(r.summary["request_goodput"], ".2f"))))
         out.append(
-            ("SLO attainment (%)", cells(lambda r: num(_pct(r.summary["slo_attainment"]), ".1f")))
+            ("goodput (req/s)", cells(lambda r: format_value(r.summary["request_goodput"], ".2f")))
+        )
+        out.append(
+            (
+                "SLO attainment (%)",
+                cells(lambda r: format_value(_pct(r.summary["slo_attainment"]), ".1f")),
+            )
         )
     words = ["mean", *(f"p{percentile_word(p)}" for p in percentiles), "max"]
     for name, title, unit in LATENCIES:
@@ -56,7 +58,11 @@ def rows(runs, percentiles) -> list[tuple[str, list[str]]]:
             out.append(
                 (
                     f"{title} {word} ({unit})",
-                    cells(lambda r, f=field, k=scale, g=fmt: num(_scaled(r.summary.get(f), k), g)),
+                    cells(
+                        lambda r, f=field, k=scale, g=fmt: format_value(
+                            _scaled(r.summary.get(f), k), g
+                        )
+                    ),
                 )
             )
     out.append(
@@ -87,7 +93,7 @@ def class_rows(runs) -> list[tuple[str, list[str]]]:
         per = [r.summary.get("classes", {}).get(name) for r in runs]
 
         def cells(f, per=per) -> list[str]:
-            return ["-" if c is None else f(c) for c in per]
+            return [MISSING if c is None else f(c) for c in per]
 
         slo = next((c["slo"] for c in per if c is not None and c.get("slo")), None)
         out.append((f"class {name}" + (f" (SLO {slo_text(slo)})" if slo else ""), [""] * len(runs)))
@@ -103,16 +109,21 @@ def class_rows(runs) -> list[tuple[str, list[str]]]:
                     (
                         f"  {title} {word} ({unit})",
                         cells(
-                            lambda c, f=f"{word}_{metric}_ms", m=scale, g=fmt: num(
+                            lambda c, f=f"{word}_{metric}_ms", m=scale, g=fmt: format_value(
                                 _scaled(c.get(f), m), g
                             )
                         ),
                     )
                 )
         if slo:
-            out.append(("  goodput (req/s)", cells(lambda c: num(c["request_goodput"], ".2f"))))
             out.append(
-                ("  SLO attainment (%)", cells(lambda c: num(_pct(c["slo_attainment"]), ".1f")))
+                ("  goodput (req/s)", cells(lambda c: format_value(c["request_goodput"], ".2f")))
+            )
+            out.append(
+                (
+                    "  SLO attainment (%)",
+                    cells(lambda c: format_value(_pct(c["slo_attainment"]), ".1f")),
+                )
             )
         out.append(
             ("  preemptions recompute", cells(lambda c: str(c["num_preemptions_recompute"])))

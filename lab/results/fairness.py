@@ -34,7 +34,7 @@ from sched_lab.results.metrics import (
     slo_attainment,
     summary_percentiles,
 )
-from sched_lab.results.names import LATENCIES
+from sched_lab.results.names import LATENCIES, format_value
 from sched_lab.sim.records import ReplayResult
 
 NUM_WINDOWS = 120
@@ -248,12 +248,12 @@ def markdown(runs) -> list[str]:
             e = [c[f"{s}_e2el_ms"] / 1e3 for s in ("p50", "p99", "max")]
             lines.append(
                 f"| {r.label} | {name} | {c['completed']} "
-                f"| {_num(t[0], '.3f')} / {_num(t[1], '.3f')} / {_num(t[2], '.3f')} "
-                f"| {_num(e[0], '.2f')} / {_num(e[1], '.2f')} / {_num(e[2], '.2f')} "
-                f"| {_num(c['max_queue_ms'] / 1e3, '.2f')} | {_num(c['output_throughput'], '.0f')} "
+                f"| {format_value(t[0], '.3f')} / {format_value(t[1], '.3f')} / {format_value(t[2], '.3f')} "
+                f"| {format_value(e[0], '.2f')} / {format_value(e[1], '.2f')} / {format_value(e[2], '.2f')} "
+                f"| {format_value(c['max_queue_ms'] / 1e3, '.2f')} | {format_value(c['output_throughput'], '.0f')} "
                 f"| {c['num_preemptions_recompute']} / {c['recomputed_tokens']} "
                 + (
-                    f"| {_num(c['request_goodput'], '.2f')} | {_num(c['slo_attainment'], '.1%')} |"
+                    f"| {format_value(c['request_goodput'], '.2f')} | {format_value(c['slo_attainment'], '.1%')} |"
                     if c["slo_attainment"] is not None
                     else "| - | - (no SLO) |"
                 )
@@ -287,11 +287,6 @@ def markdown(runs) -> list[str]:
         "",
     ]
     return lines
-
-
-def _num(x, fmt: str) -> str:
-    """``x`` formatted, or ``-`` where the statistic has no value (NaN)."""
-    return "-" if x is None or x != x else format(x, fmt)
 
 
 def plots(folder, runs, save) -> list[tuple[str, str]]:

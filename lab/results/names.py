@@ -16,6 +16,7 @@ reads a summary.json entry written with them.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -100,6 +101,38 @@ METRICS = {
     )
 }
 ALIASES = {a: m.name for m in METRICS.values() for a in m.aliases}
+
+
+MISSING = "-"  # how every table prints a statistic that has no value
+
+
+def is_missing(v: Any) -> bool:
+    """Whether ``v`` is no value: None, a float NaN or pandas' NA."""
+    if v is None:
+        return True
+    try:
+        return bool(v != v)  # NaN and NA only differ from themselves
+    except (TypeError, ValueError):  # NA's comparison is NA, whose truth is undefined
+        return True
+
+
+def format_value(v: Any, spec: str = "g") -> str:
+    """``v`` formatted with ``spec`` for a table, or :data:`MISSING` when it has no value.
+
+    A whole number (an int, or a float with an integral value under 1e15) prints all its
+    digits under a ``g`` spec or ``d`` (``131072``, never ``1.311e+05``); text and booleans
+    print as they are.
+    """
+    if is_missing(v):
+        return MISSING
+    if isinstance(v, (str, bool)):
+        return str(v)
+    whole = isinstance(v, numbers.Integral) or (
+        isinstance(v, float) and v.is_integer() and abs(v) < 1e15
+    )
+    if whole and (spec.endswith("g") or spec == "d"):
+        return str(int(v))
+    return format(v, spec)
 
 
 def percentile_word(p: float) -> str:

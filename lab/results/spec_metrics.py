@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from sched_lab.core.request import Request
+from sched_lab.results.names import MISSING, format_value
 from sched_lab.sim.spec_executor import ACCEPTED_KEY, RATES_KEY, REACHED_KEY
 
 #: requests.csv columns of a spec run, in order.
@@ -130,9 +131,6 @@ def markdown(runs) -> list[str]:
     if not rows:
         return []
 
-    def f(v, fmt):
-        return "-" if v is None else format(v, fmt)
-
     out = [
         "Speculative decoding (vLLM's metrics; mean acceptance length = 1 + accepted / "
         "verify steps; per-position rate = verify steps accepting draft i / verify steps):",
@@ -147,8 +145,9 @@ def markdown(runs) -> list[str]:
         out.append(
             f"| {r.label} | {s['method']} | {s['num_speculative_tokens']} | "
             f"{s['num_drafts']:,} | {s['num_draft_tokens']:,} | {s['num_accepted_tokens']:,} | "
-            f"{f(s['mean_acceptance_length'], '.3f')} | {f(s['draft_acceptance_rate'], '.1%')} | "
-            + (", ".join(f"{p:.2f}" for p in pos) if pos else "-")
+            f"{format_value(s['mean_acceptance_length'], '.3f')} | "
+            f"{format_value(s['draft_acceptance_rate'], '.1%')} | "
+            + (", ".join(f"{p:.2f}" for p in pos) if pos else MISSING)
             + " |"
         )
     return [*out, ""]

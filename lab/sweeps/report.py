@@ -19,8 +19,12 @@ from sched_lab import __version__
 from sched_lab.core.errors import UserError
 from sched_lab.report.folder import MANIFEST, check_out_dir, put_in_place, temp_folder
 from sched_lab.report.staging import MARKER
+from sched_lab.results.names import MISSING, canonical, format_value, latency_name
 
 LEAD = ("point", "status", "error")
+CAPACITY_AT = ("capacity", "lo", "hi")  # columns of capacity.csv holding values of ``over``
+# a capacity search's status (capacity.csv) in words (terminal, report.md)
+STATUS_WORDS = {"below_range": "below range", "above_range": "above range"}
 
 
 def write_sweep(
@@ -62,9 +66,10 @@ def _write(tmp: Path, sweep, tasks, results, timing) -> None:
     table = sweep_table(sweep, tasks, results)
     capacity = capacity_table(sweep, tasks, results) if sweep.search is not None else None
     name = "curve" if sweep.search is not None else "sweep"
-    _table(tmp, name, table)
+    whole = [sweep.search.over] if sweep.search is not None and sweep.search.integer else []
+    _table(tmp, name, whole_numbers(table, whole))
     if capacity is not None:
-        _table(tmp, "capacity", capacity)
+        _table(tmp, "capacity", whole_numbers(capacity, [c for c in CAPACITY_AT if whole]))
     plots = _plots(tmp, sweep, table, capacity)
     (tmp / "report.md").write_text(_markdown(sweep, table, capacity, plots))
     (tmp / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
@@ -84,6 +89,18 @@ def _table(folder: Path, name: str, df: pd.DataFrame) -> None:
     except ImportError:
         return
     df.to_parquet(folder / f"{name}.parquet", index=False)
+
+
+def whole_numbers(df: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
+    """``df`` with ``columns`` as nullable integers (``131072``, not ``131072.0``, in a CSV
+    whose column also has empty cells), each when all its values are whole."""
+    out = df.copy()
+    for c in columns:
+        if c in out.columns:
+            values = pd.to_numeric(out[c], errors="coerce")
+            if values.notna().any() and (values.dropna() % 1 == 0).all():
+                out[c] = values.astype("Int64")
+    return out
 
 
 def _plain(x: Any) -> Any:
@@ -178,15 +195,16 @@ DASHES = ("-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3)), (0, (3, 1, 1, 1, 1, 1)
 FILLS = ("full", "none", "left", "bottom", "right", "top")
 
 
-def latency_s(df: pd.DataFrame, key: str, p: str = "p99") -> pd.Series:
-    """A latency percentile in seconds by either name: vLLM's ``p99_ttft_ms`` or the
-    summary's flattened ``ttft_s_p99`` (``key`` is the summary's, e.g. ``ttft_s``)."""
-    from sched_lab.report.plots import VLLM_NAMES
-
-    vllm = f"{p}_{VLLM_NAMES[key]}_ms"
-    if vllm in df.columns:
-        return df[vllm] / 1e3
-    return df[f"{key}_{p}"] if f"{key}_{p}" in df.columns else pd.Series(np.nan, df.index)
+def latency_s(df: pd.DataFrame, metric: str, p: str = "p99") -> pd.Series:
+    """A latency statistic in seconds, ``metric`` by vLLM's name (``ttft``, ``e2el``), read
+    from vLLM's column (``p99_ttft_ms``) or an older one that names it (``ttft_s_p99``, in
+    seconds: :func:`sched_lab.results.names.canonical`); NaN when the table has neither."""
+    want = latency_name(p, metric)
+    for column in df.columns:
+        name, to_ms = canonical(str(column))
+        if name == want:
+            return df[column] * (to_ms / 1e3)
+    return pd.Series(np.nan, df.index)
 
 
 def offered_x(df: pd.DataFrame) -> tuple[pd.Series, str]:
@@ -220,7 +238,7 @@ def _lines(sweep, df: pd.DataFrame, x: str) -> tuple[list[tuple[dict, pd.DataFra
     out = []
     for vals, g in df.groupby(["policy", *others], sort=False, dropna=False):
         vals = vals if isinstance(vals, tuple) else (vals,)
-        shown = ["null" if v is None or _isnan(v) else _fmt(v) for v in vals[1:]]
+        shown = ["null" if v is None or _isnan(v) else format_value(v, ".3g") for v in vals[1:]]
         config = ", ".join(f"{k}={v}" for k, v in zip(others, shown))
         n = configs.setdefault(config, len(configs))
         st = policies[vals[0]]
@@ -312,9 +330,9 @@ def _plots(folder: Path, sweep, table: pd.DataFrame, capacity) -> list[tuple[str
             _save_fig(fig, folder, "goodput_vs_load.png", "Goodput and SLO attainment vs load")
         )
     fig, ax = plt.subplots(figsize=(8, 6))
-    ttft = latency_s(df, "ttft_s")
+    ttft = latency_s(df, "ttft")
     for style, g in lines:
-        ax.plot(latency_s(g, "ttft_s"), g["request_goodput"], **{**style, "ls": ""})
+        ax.plot(latency_s(g, "ttft"), g["request_goodput"], **{**style, "ls": ""})
     front = pareto_front(ttft.to_numpy(float), df["request_goodput"].to_numpy(float))
     f = df.iloc[front].assign(_ttft=ttft.iloc[front]).sort_values("_ttft")
     ax.plot(f["_ttft"], f["request_goodput"], "k--", lw=1)
@@ -391,16 +409,6 @@ def _search_metric(df: pd.DataFrame, metric: str) -> pd.Series:
 
 
 # ---------------------------------------------------------------------------- markdown
-def _fmt(v: Any, spec: str = ".3g") -> str:
-    if v is None or _isnan(v):
-        return "-"
-    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
-        return str(v)
-    if isinstance(v, float) and v.is_integer() and abs(v) < 1e15 and spec == ".3g":
-        return str(int(v))
-    return format(v, spec) if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
-
-
 def uniform_slo(sweep) -> dict[str, float]:
     """The SLOs given (keys ttft_s, tpot_s, e2e_s) when every point has the same; else {}."""
     slos = {tuple(c.slo.to_dict().items()) for c in sweep.configs.values()}
@@ -409,19 +417,43 @@ def uniform_slo(sweep) -> dict[str, float]:
     return {k: v for k, v in next(iter(slos)) if v is not None}
 
 
+def capacity_cell(row, spec) -> str:
+    """The capacity in ``spec.over``'s units, for people: the value found, ``< lo`` when the
+    lowest value tried already missed (below the range), ``>= hi`` when the highest still met
+    (above it); whole numbers in full."""
+    status = row.get("status")
+    if status == "below_range":
+        return f"< {format_value(row.get('hi'), '.4g')}"
+    if status == "above_range":
+        return f">= {format_value(row.get('capacity'), '.4g')}"
+    return format_value(row.get("capacity"), ".4g")
+
+
+def status_word(row) -> str:
+    """A capacity row's status in words (``below range``)."""
+    return STATUS_WORDS.get(row.get("status"), str(row.get("status")))
+
+
 def bound_text(row, spec, slo: dict | None = None) -> str:
-    """What bound a capacity, for people: ``tpot (met by 62%)``, ``tpot <= 50 ms (met by
-    62%)`` with the SLOs ``slo`` (keys ttft_s, tpot_s, e2e_s), ``p99_ttft_ms (2350)``; ``-``
-    when nothing missed."""
+    """What bound a capacity, read as a condition that failed at the first value past it:
+    ``tpot <= 50 ms (met by 62%)`` with the SLOs ``slo`` (keys ttft_s, tpot_s, e2e_s),
+    ``p99_ttft_ms <= 500 (got 2350)`` for a latency target, ``refused by the config`` or
+    ``stopped early`` for a probe with no metric to read; ``-`` when nothing missed."""
     what, value = row.get("bound_by"), row.get("bound_value")
     if not isinstance(what, str) or not what:
-        return "-"
+        return MISSING
+    if what in PROBE_ENDS:
+        return PROBE_ENDS[what]
     if spec.metric != "slo_attainment":
-        return f"{what} ({_fmt(value, '.4g')})"
+        return f"{what} <= {spec.target:g} (got {format_value(value, '.4g')})"
     limit = (slo or {}).get({"e2el": "e2e_s"}.get(what, f"{what}_s"))
     if limit is not None:
         what += f" <= {limit * 1e3:g} ms" if what == "tpot" else f" <= {limit:g} s"
-    return f"{what} (met by {_fmt(value, '.0%')})"
+    return f"{what} (met by {format_value(value, '.0%')})"
+
+
+# bound_by of a probe whose run gave no metric (lab/sweeps/run.py bound_by), in words
+PROBE_ENDS = {"refused": "refused by the config", "stopped": "stopped early"}
 
 
 def _markdown(sweep, table: pd.DataFrame, capacity, plots) -> str:
@@ -443,12 +475,12 @@ def _markdown(sweep, table: pd.DataFrame, capacity, plots) -> str:
             "|" + "---|" * (8 + len(sweep.keys)),
         ]
         for _, r in capacity.iterrows():
-            vals = "".join(f"{_fmt(r[k])} | " for k in sweep.keys)
+            vals = "".join(f"{format_value(r[k], '.3g')} | " for k in sweep.keys)
             lines.append(
-                f"| {r['point']} | {vals}{r['policy']} | {_fmt(r['capacity'], '.4g')} | "
-                f"{_fmt(r['capacity_request_rate'], '.4g')} | {bound_text(r, sweep.search, uniform_slo(sweep))} | "
-                f"[{_fmt(r['lo'], '.4g')}, {_fmt(r['hi'], '.4g')}) | "
-                f"{_fmt(r['evaluations'])} | {r['status']} |"
+                f"| {r['point']} | {vals}{r['policy']} | {capacity_cell(r, sweep.search)} | "
+                f"{format_value(r['capacity_request_rate'], '.4g')} | {bound_text(r, sweep.search, uniform_slo(sweep))} | "
+                f"[{format_value(r['lo'], '.4g')}, {format_value(r['hi'], '.4g')}) | "
+                f"{format_value(r['evaluations'], '.3g')} | {status_word(r)} |"
             )
         lines.append("")
         failed = capacity[capacity["status"] == "failed"]
@@ -462,7 +494,7 @@ def _markdown(sweep, table: pd.DataFrame, capacity, plots) -> str:
             "|" + "---|" * (7 + len(sweep.keys)),
         ]
         for _, r in whole.iterrows():
-            vals = "".join(f"{_fmt(r[k])} | " for k in sweep.keys)
+            vals = "".join(f"{format_value(r[k], '.3g')} | " for k in sweep.keys)
             run = (
                 r["policy"]
                 if pd.isna(r.get("rate_scale"))
@@ -471,9 +503,10 @@ def _markdown(sweep, table: pd.DataFrame, capacity, plots) -> str:
             ttft = r.get("p99_ttft_ms")
             lines.append(
                 f"| {r['point']} | {vals}{run} | {r['status']} | "
-                f"{_fmt(None if ttft is None or pd.isna(ttft) else ttft / 1e3)} | "
-                f"{_fmt(r.get('p99_tpot_ms'))} | "
-                f"{_fmt(r.get('request_goodput'))} | {_fmt(r.get('slo_attainment'), '.1%')} |"
+                f"{format_value(None if ttft is None else ttft / 1e3, '.3g')} | "
+                f"{format_value(r.get('p99_tpot_ms'), '.3g')} | "
+                f"{format_value(r.get('request_goodput'), '.3g')} | "
+                f"{format_value(r.get('slo_attainment'), '.1%')} |"
             )
         lines.append("")
         failed = whole[whole["status"] != "ok"]

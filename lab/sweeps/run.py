@@ -149,7 +149,8 @@ def _search(task: Task) -> TaskResult:
             run = run_experiment(cfg, progress=False)[0]
         except UserError as e:
             why = " ".join(str(e).removeprefix(f"{task.source}: ").split())[:500]
-            rows.append({"sample": len(rows), spec.over: x, "met": False, "refused": why})
+            rows.append({"sample": len(rows), spec.over: x, "met": False, "refused": why,
+                         "policy": policy.label})  # fmt: skip
             return False
         row = run_rows(run, cfg.slo.to_dict())[0]
         ok = spec.meets(row.get(spec.metric)) and not run.result.failure
@@ -185,9 +186,14 @@ def _at(rows: list[dict[str, Any]], over: str, x: float | None, key: str | None 
 def bound_by(spec, missed: Mapping[str, Any] | None) -> dict[str, Any]:
     """``bound_by`` and ``bound_value``: what missed the target at the first load past the
     capacity (``missed``, its sample row): for ``slo_attainment`` the SLO met by the fewest
-    requests (``ttft``, ``tpot``, ``e2el``) and that fraction; else the metric and its value."""
+    requests (``ttft``, ``tpot``, ``e2el``) and that fraction; else the metric and its value.
+    A probe the config refused is bound by ``refused``, one whose run stopped early by
+    ``stopped`` (curve.csv says why)."""
     if missed is None:
         return {"bound_by": None, "bound_value": math.nan}
+    for end, key in (("refused", "refused"), ("stopped", "error")):
+        if missed.get(key):
+            return {"bound_by": end, "bound_value": math.nan}
     if spec.metric != "slo_attainment":
         return {"bound_by": spec.metric, "bound_value": missed.get(spec.metric, math.nan)}
     each = {name: missed.get(f"slo_attainment_{name}") for name in ("ttft", "tpot", "e2el")}

@@ -5,40 +5,34 @@ capacity in req/s and what bound it."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 
-from sched_lab.sweeps.report import bound_text, uniform_slo
+from sched_lab.results.names import MISSING, format_value, percentile_word
+from sched_lab.sweeps.report import (
+    PROBE_ENDS,
+    bound_text,
+    capacity_cell,
+    status_word,
+    uniform_slo,
+)
+
+PERCENTILES = (50.0, 99.0)  # of the sweep table's latencies, unless --metric-percentiles says
 
 
-def _num(v: Any, fmt: str) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return format(v, fmt)
-
-
-def _pair(row, metric: str, scale: float, fmt: str) -> str:
-    """``p50/p99`` of a latency, in the table's unit (``scale`` from ms)."""
-    a, b = (row.get(f"{s}_{metric}_ms") for s in ("p50", "p99"))
-    return "/".join(_num(None if x is None else x * scale, fmt) for x in (a, b))
+def _latency(row, metric: str, words: Sequence[str], scale: float, fmt: str) -> str:
+    """A latency's percentiles ``words`` (``p50``, ``p99``) joined by ``/``, in the table's
+    unit (``scale`` from ms)."""
+    values = (row.get(f"{w}_{metric}_ms") for w in words)
+    return "/".join(format_value(None if x is None else x * scale, fmt) for x in values)
 
 
 def _short(key: str) -> str:
     """A swept key's column title: its last part without ``num_``
     (``kv_cache.num_gpu_blocks`` -> ``gpu_blocks``)."""
     return key.rsplit(".", 1)[-1].removeprefix("num_")
-
-
-def _value(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if isinstance(v, float) and v.is_integer():
-        return str(int(v))
-    return format(v, "g") if isinstance(v, float) else str(v)
 
 
 def render(header: Sequence[tuple[str, str]], rows: list[list[str]]) -> str:
@@ -59,46 +53,60 @@ def render(header: Sequence[tuple[str, str]], rows: list[list[str]]) -> str:
     return "\n".join([*lines, *(line(r) for r in rows)])
 
 
-def sweep_text(table: pd.DataFrame, keys: Sequence[str]) -> str:
-    """The sweep table of the terminal: a row per point, policy and load (whole runs)."""
+def sweep_text(
+    table: pd.DataFrame, keys: Sequence[str], percentiles: Sequence[float] = PERCENTILES
+) -> str:
+    """The sweep table of the terminal: a row per point, policy and load (whole runs), with
+    TTFT, TPOT and E2E at ``percentiles`` (each a column of the table: p50, p90, p99 and
+    those of ``report.metric_percentiles``)."""
+    words = [f"p{percentile_word(p)}" for p in percentiles]
+    shown = "/".join(words)
     df = table
     if "class" in df.columns:
         df = df[df["class"].isna() | (df["class"] == "all")]
     keys = [k for k in keys if k not in ("trace.rate_scale", "rate_scale")]
     header = [("point", ""), *((_short(k), "") for k in keys), ("policy", ""), ("scale", "x"),
-              ("offered", "req/s"), ("achieved", "req/s"), ("TTFT", "p50/p99 s"),
-              ("TPOT", "p50/p99 ms"), ("E2E", "p50/p99 s"), ("goodput", "req/s"),
+              ("offered", "req/s"), ("achieved", "req/s"), ("TTFT", f"{shown} s"),
+              ("TPOT", f"{shown} ms"), ("E2E", f"{shown} s"), ("goodput", "req/s"),
               ("SLO", "% met"), ("preempt", "")]  # fmt: skip
     rows, notes = [], []
     for _, r in df.iterrows():
         r = r.to_dict()
-        lead = [r["point"], *(_value(r.get(k)) for k in keys), str(r["policy"])]
+        lead = [r["point"], *(format_value(r.get(k)) for k in keys), str(r["policy"])]
         if r.get("status") == "failed":
-            rows.append([*lead, "failed", *["-"] * (len(header) - len(lead) - 1)])
+            rows.append([*lead, "failed", *[MISSING] * (len(header) - len(lead) - 1)])
             notes.append(f"{r['point']} failed: {r.get('error')}")
             continue
         if r.get("status") == "stopped":
             notes.append(f"{r['point']} {r['policy']} stopped early: {r.get('error')}")
         att = r.get("slo_attainment")
+        att = None if att is None else 100 * att
         rows.append([
-            *lead, _value(r.get("rate_scale")),
-            _num(r.get("request_rate"), ".2f"), _num(r.get("request_throughput"), ".2f"),
-            _pair(r, "ttft", 1e-3, ".2f"), _pair(r, "tpot", 1.0, ".1f"),
-            _pair(r, "e2el", 1e-3, ".1f"), _num(r.get("request_goodput"), ".2f"),
-            _num(None if att is None else 100 * att, ".0f"), _value(r.get("num_preemptions")),
+            *lead, format_value(r.get("rate_scale")),
+            format_value(r.get("request_rate"), ".2f"),
+            format_value(r.get("request_throughput"), ".2f"),
+            _latency(r, "ttft", words, 1e-3, ".2f"), _latency(r, "tpot", words, 1.0, ".1f"),
+            _latency(r, "e2el", words, 1e-3, ".1f"), format_value(r.get("request_goodput"), ".2f"),
+            format_value(att, ".0f"), format_value(r.get("num_preemptions")),
         ])  # fmt: skip
     return "\n".join([render(header, rows), *dict.fromkeys(notes)])
 
 
 def capacity_text(
-    capacity: pd.DataFrame, keys: Sequence[str], spec, slo: dict | None = None
+    capacity: pd.DataFrame,
+    keys: Sequence[str],
+    spec,
+    slo: dict | None = None,
+    curve: pd.DataFrame | None = None,
 ) -> str:
-    """The capacity per point and policy: the load multiplier found, the offered req/s at
-    it, the bracket and what bound it."""
+    """The capacity per point and policy: the largest value of ``spec.over`` that met the
+    target (``< lo`` below the range tried, ``>= hi`` above it), the offered req/s there, the
+    bracket and the condition that failed just above; a probe refused or stopped early is
+    explained under the table from ``curve`` (curve.csv)."""
     cmp = ">=" if spec.higher_is_better else "<="
     title = (
         f"capacity: the largest {spec.over} with {spec.metric} {cmp} {spec.target:g} "
-        f"(offered req/s at it; bound by: what missed at the next load tried)"
+        "(req/s: offered at that capacity; bound by: what failed at the next value tried)"
     )
     header = [("point", ""), *((_short(k), "") for k in keys), ("policy", ""),
               ("capacity", "req/s"), (_short(spec.over), ""), ("bracket", ""),
@@ -106,29 +114,52 @@ def capacity_text(
     rows, notes = [], []
     for _, r in capacity.iterrows():
         r = r.to_dict()
+        who = f"{r['point']} {r['policy']}"
         if isinstance(r.get("error"), str) and r["error"]:
-            notes.append(f"{r['point']} {r['policy']} failed: {r['error']}")
-        bracket = f"[{_num(r.get('lo'), '.4g')}, {_num(r.get('hi'), '.4g')})"
+            notes.append(f"{who} failed: {r['error']}")
+        if r.get("status") == "below_range":
+            notes.append(
+                f"{who}: below range: {spec.over} {format_value(r.get('hi'), '.4g')}, the "
+                "lowest value tried, already failed the target (a lower search.lo may find it)"
+            )
+        why = _probe_end(curve, r, spec.over)
+        if why:
+            notes.append(f"{who}: at {spec.over} {format_value(r.get('hi'), '.4g')}: {why}")
+        lo, hi = (format_value(r.get(k), ".4g") for k in ("lo", "hi"))
         rows.append([
-            r["point"], *(_value(r.get(k)) for k in keys), str(r["policy"]),
-            _num(r.get("capacity_request_rate"), ".2f"), _num(r.get("capacity"), ".4g"),
-            bracket, bound_text(r, spec, slo), _value(r.get("evaluations")),
-            str(r["status"]),
+            r["point"], *(format_value(r.get(k)) for k in keys), str(r["policy"]),
+            format_value(r.get("capacity_request_rate"), ".2f"), capacity_cell(r, spec),
+            f"[{lo}, {hi})", bound_text(r, spec, slo), format_value(r.get("evaluations")),
+            status_word(r),
         ])  # fmt: skip
     return "\n".join([title, render(header, rows), *notes])
 
 
-def folder_text(out: Path, sweep) -> str:
-    """The terminal's text for the sweep folder ``out`` (its CSV tables), with the SLOs
-    when every point has the same."""
+def _probe_end(curve: pd.DataFrame | None, row: dict, over: str) -> str:
+    """Why the probe just above a capacity gave no metric (refused, or its run stopped), from
+    its curve.csv row; empty when it did."""
+    if curve is None or row.get("bound_by") not in PROBE_ENDS or over not in curve.columns:
+        return ""
+    at = curve[(curve["point"] == row["point"]) & (curve["policy"] == row["policy"])]
+    at = at[at[over] == row.get("hi")]
+    for column in ("refused", "error"):
+        if column in at.columns and at[column].notna().any():
+            return f"{PROBE_ENDS[row['bound_by']]}: {at[column].dropna().iloc[-1]}"
+    return ""
+
+
+def folder_text(out: Path, sweep, percentiles: Sequence[float] = PERCENTILES) -> str:
+    """The terminal's text for the sweep folder ``out`` (its CSV tables; a sweep's latencies at
+    ``percentiles``), with the SLOs when every point has the same."""
     from sched_lab.report.terminal import slo_text
 
     slo = uniform_slo(sweep)
     if sweep.search is not None:
         capacity = pd.read_csv(out / "capacity.csv")
-        text = capacity_text(capacity, sweep.keys, sweep.search, slo)
+        curve = pd.read_csv(out / "curve.csv")
+        text = capacity_text(capacity, sweep.keys, sweep.search, slo, curve)
     else:
-        text = sweep_text(pd.read_csv(out / "sweep.csv"), sweep.keys)
+        text = sweep_text(pd.read_csv(out / "sweep.csv"), sweep.keys, percentiles)
     if slo:
         text += f"\nSLOs: {slo_text(slo)} (goodput: finished requests/s meeting every SLO)"
     return text

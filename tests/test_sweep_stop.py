@@ -6,9 +6,11 @@ the bounds are generous for a loaded machine. Linux only (reads /proc)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,11 +71,14 @@ def wait_for(what, bound_s: float = BOUND_S, every_s: float = 0.02):
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGHUP", "SIGKILL"])
-def test_a_stopped_pool_sweep_ends_its_workers_and_leaves_no_temp_folder(tmp_path, sig):
+def test_a_stopped_pool_sweep_ends_its_workers_and_leaves_no_temp_folder(tmp_path, request, sig):
     path = tmp_path / "sw.yaml"
     path.write_text(SWEEP)
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    # A short $TMPDIR, so that the pool's own marked folder holds the forkserver's socket
+    # whatever pytest's folder is called (test_a_pool_sweep_runs_under_a_long_tmpdir has
+    # the long one).
+    tmp = Path(tempfile.mkdtemp(prefix="sst", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
     out = tmp_path / "results" / "sw"
     env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, str(ROOT / "run_experiment.py"), str(path), "--jobs", "2",
@@ -118,3 +123,22 @@ def test_a_stopped_pool_sweep_ends_its_workers_and_leaves_no_temp_folder(tmp_pat
     pool = list(tmp.glob("sched-lab-pool.*"))
     assert len(pool) == (sig == "SIGKILL"), pool
     assert remove_stale(tmp, "sched-lab-pool.") == pool and not list(tmp.glob("sched-lab-pool.*"))
+
+
+def test_a_pool_sweep_runs_under_a_long_tmpdir(tmp_path):
+    # The forkserver's socket lives in multiprocessing's temporary folder, and a socket path
+    # holds at most 107 bytes: with $TMPDIR of 75 bytes, FOLDER/sched-lab-pool.XXXXXXXX/
+    # listener-XXXXXXXX would need 117 ("OSError: AF_UNIX path too long" before), so the
+    # pool keeps multiprocessing's own pymp-* folder (99 bytes) and the sweep runs.
+    tmp = tmp_path / ("t" * max(75 - len(str(tmp_path)) - 1, 1))
+    tmp.mkdir()
+    path = tmp_path / "sw.yaml"
+    path.write_text(SWEEP.replace(str(list(range(100))), "[1, 2]"))
+    env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "results" / "sw"
+    cmd = [sys.executable, str(ROOT / "run_experiment.py"), str(path), "--jobs", "2",
+           "--no-progress", "-q", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert len(list((out / "points").glob("p00*"))) == 8  # 2 seeds x 4 rate scales
+    assert not list(tmp.iterdir())  # nothing left in $TMPDIR

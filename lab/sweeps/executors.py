@@ -159,8 +159,14 @@ def _pool_tempdir() -> None:
     config = multiprocessing.current_process()._config  # noqa: SLF001
     if config.get("tempdir") is not None:
         return
+    parent = tempfile.gettempdir()
+    # The forkserver binds a socket at FOLDER/listener-XXXXXXXX, and a socket's path holds at
+    # most UNIX_PATH_MAX - 1 bytes: under a long $TMPDIR multiprocessing's shorter pymp-*
+    # name is left to it (it is what Python does anyway).
+    if len(os.fsencode(parent)) + len(POOL_PREFIX) + 8 + len("//listener-12345678") > 107:
+        return
     try:
-        folder = make_marked(Path(tempfile.gettempdir()), POOL_PREFIX)
+        folder = make_marked(Path(parent), POOL_PREFIX)
     except OSError:
         return  # multiprocessing makes its own
     multiprocessing.util.Finalize(None, shutil.rmtree, args=(str(folder), True), exitpriority=-100)

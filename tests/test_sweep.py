@@ -487,6 +487,20 @@ def test_capacity_in_whole_numbers_and_the_bound_as_a_condition():
     ]  # fmt: skip
 
 
+def test_an_attainment_just_below_its_target_never_reads_as_the_target():
+    # capacity_8b's fcfs: the TPOT SLO met by 89.988% of requests against a 90% target
+    # printed as "met by 90%"; the share is rounded down to 0.1%.
+    from sched_lab.sweeps.report import bound_text
+
+    spec = parse_search({"metric": "slo_attainment", "target": 0.9, "over": "rate_scale"}, "x")
+    slo = {"ttft_s": 2.0, "tpot_s": 0.05}
+    row = {"bound_by": "tpot", "bound_value": 0.89988}
+    assert bound_text(row, spec, slo) == "tpot <= 50 ms (met by 89.9%)"
+    assert bound_text({"bound_by": "ttft", "bound_value": 0.62}, spec, slo) == (
+        "ttft <= 2 s (met by 62%)"
+    )
+
+
 def test_whole_number_columns_are_written_as_integers(tmp_path):
     from sched_lab.sweeps.report import whole_numbers
 

@@ -449,7 +449,15 @@ def bound_text(row, spec, slo: dict | None = None) -> str:
     limit = (slo or {}).get({"e2el": "e2e_s"}.get(what, f"{what}_s"))
     if limit is not None:
         what += f" <= {limit * 1e3:g} ms" if what == "tpot" else f" <= {limit:g} s"
-    return f"{what} (met by {format_value(value, '.0%')})"
+    return f"{what} (met by {_share_rounded_down(value)})"
+
+
+def _share_rounded_down(value) -> str:
+    """A share in percent to 0.1, rounded down, so that a miss never reads as the target
+    (0.89988 -> ``89.9%``, not ``90%``); ``-`` when missing."""
+    if format_value(value) == MISSING:
+        return MISSING
+    return f"{math.floor(float(value) * 1000 + 1e-9) / 10:g}%"
 
 
 # bound_by of a probe whose run gave no metric (lab/sweeps/run.py bound_by), in words

@@ -320,3 +320,21 @@ def test_a_cache_salt_that_is_not_a_string_is_one_line(tmp_path: Path) -> None:
     assert error({"format": "mooncake", "path": str(path)}) == (
         "salt.jsonl: line 2, key 'cache_salt': expected a non-empty string, got 3"
     )
+
+
+def test_a_nan_or_surrogate_cache_name_is_one_line(tmp_path: Path) -> None:
+    # NaN is no string (only null or an absent key means none); a lone surrogate is valid
+    # JSON but no UTF-8 text (results could not be written after the replay).
+    path = tmp_path / "nan.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5, "cache_salt": NaN}\n')
+    assert error({"format": "mooncake", "path": str(path)}) == (
+        "nan.jsonl: line 1, key 'cache_salt': expected a non-empty string, got NaN"
+    )
+    path = tmp_path / "sur.jsonl"
+    path.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 5, "lora_name": "a\\ud800"}\n'
+    )
+    assert error({"format": "mooncake", "path": str(path)}) == (
+        "sur.jsonl: line 1, key 'lora_name': expected UTF-8 text, got a string with a lone "
+        "surrogate ('a\\ud800')"
+    )

@@ -198,8 +198,9 @@ def hash_id_lists(
 def optional_names(values: pd.Series, src: Source, column: str) -> np.ndarray | None:
     """An optional per-row name (``lora_name``, ``cache_salt``): object array of str, ""
     where absent or null; None if no row has one. TraceError naming file and row for a
-    value that is not a non-empty string."""
-    if values.isna().all():
+    value that is not a non-empty string of UTF-8 text (NaN included: only null or an absent
+    key means none)."""
+    if all(v is None for v in values):
         return None
     out = np.full(len(values), "", dtype=object)
     for i, v in enumerate(values):
@@ -207,6 +208,13 @@ def optional_names(values: pd.Series, src: Source, column: str) -> np.ndarray | 
             continue
         if not isinstance(v, str) or not v:
             raise TraceError(f"{src.at(i, column)}: expected a non-empty string, got {_cut(v)}")
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise TraceError(
+                f"{src.at(i, column)}: expected UTF-8 text, got a string with a lone "
+                f"surrogate ({ascii(v)[:60]})"
+            ) from None
         out[i] = v
     return out
 

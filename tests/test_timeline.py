@@ -152,6 +152,9 @@ def test_explain_and_timeline_commands(tmp_path, capsys):
     )
     assert main(["explain", str(out), "--run", "fcfs", "--request", "nope"]) == 2
     assert capsys.readouterr().err == f"error: {out}: run fcfs has no request 'nope'\n"
+    assert main(["explain", str(out), "--run", "fcfs", "--request", "9" * 5000]) == 2
+    err = capsys.readouterr().err  # the id is cut to ~80 characters
+    assert err.startswith(f"error: {out}: run fcfs has no request '999") and len(err) < 200
     assert main(["explain", str(out), "--run", "swap", "--request", "3"]) == 0
     text = capsys.readouterr().out.splitlines()
     assert text[0].startswith("request 3: prompt ") and text[0].endswith("[run swap]")

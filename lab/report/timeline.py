@@ -591,12 +591,12 @@ def picture(
 
 def explain(folder: Path, request_id: str, run: str | None = None) -> str:
     """The text of ``sched-lab explain``: the request's life, one event a line."""
-    from sched_lab.core.errors import UserError
+    from sched_lab.core.errors import UserError, short_repr
 
     label, requests, events, steps = load_run(folder, run)
     row = requests[requests["request_id"] == str(request_id)]
     if row.empty:
-        raise UserError(f"{folder}: run {label} has no request {request_id!r}")
+        raise UserError(f"{folder}: run {label} has no request {short_repr(str(request_id))}")
     if "replica" in requests.columns:  # a cluster run: no scheduler events per request
         q = row.iloc[0]
         return (

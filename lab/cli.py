@@ -18,6 +18,7 @@ errors print one line, ``error: ...``, never a traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import logging
@@ -83,6 +84,26 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
     return argparse.RawDescriptionHelpFormatter(prog, max_help_position=30)
 
 
+def _memory_guarded(fn):
+    """``fn`` (an entry point returning an exit status), with MemoryError turned into one
+    line and status 1: a run, sweep or trace larger than this machine's memory."""
+
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs) -> int:
+        try:
+            return fn(*args, **kwargs)
+        except MemoryError:
+            print(
+                "error: out of memory: the trace, sweep or run is larger than this process "
+                "may allocate (try trace.limit, fewer sweep points, or more memory)",
+                file=sys.stderr,
+            )
+            return 1
+
+    return guarded
+
+
+@_memory_guarded
 def main(argv: list[str] | None = None) -> int:
     """``sched-lab``'s entry point; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -168,6 +189,7 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+@_memory_guarded
 def run_main(argv: list[str] | None = None, prog: str = "sched-lab run") -> int:
     """``sched-lab run`` alone (``run_experiment.py`` calls it); returns the exit status."""
     ap = _Parser(

@@ -479,3 +479,17 @@ def test_quiet_logs_warnings_only(tmp_path):
         capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent,
     )  # fmt: skip
     assert "INFO" not in out.stderr and "finished / replayed" in out.stdout
+
+
+def test_out_of_memory_is_one_line_and_status_1(monkeypatch, capsys):
+    # A run larger than the process may allocate (e.g. under ulimit -v) ends with one line.
+    from sched_lab import cli
+
+    def too_big(args):
+        raise MemoryError
+
+    monkeypatch.setattr(cli, "_run", too_big)
+    assert cli.main(["run", "experiments/quickstart.yaml"]) == 1
+    assert cli.run_main(["experiments/quickstart.yaml"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(e.startswith("error: out of memory: ") for e in err)

@@ -18,6 +18,7 @@ from sched_lab.config import paths
 from sched_lab.config.sections import (
     ASYNC_KEY,
     LIMIT_KEYS,
+    MAX_LIMIT,
     VICTIM_KEY,
     KVCacheConfig,
     SchedulerConfig,
@@ -152,7 +153,7 @@ def _entry(
     if ASYNC_KEY in p:
         check_bool(where, f"{key}.{ASYNC_KEY}", p[ASYNC_KEY])
     for k in LIMIT_KEYS:
-        check_int(where, f"{key}.{k}", p.get(k), optional=True)
+        check_int(where, f"{key}.{k}", p.get(k), optional=True, hi=MAX_LIMIT)
     if VICTIM_KEY in p:
         check_choice(where, f"{key}.{VICTIM_KEY}", p[VICTIM_KEY], VICTIM_RULES)
     why = cls.check_options({k: v for k, v in p.items() if k in cls.options}, tenants)

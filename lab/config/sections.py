@@ -34,6 +34,7 @@ MAX_SWAP_SPACE_GIB = 4096.0  # host memory for swapped-out KV blocks (4 TiB: bey
 # request; the bound is that of a token count (traces/validate.py MAX_TOKENS), and keeps the
 # value an int64 in the results' tables.
 MAX_PREEMPTIONS = 1 << 40
+MAX_LIMIT = 1 << 40  # a token or sequence count of a limit (LIMIT_KEYS), as for MAX_PREEMPTIONS
 MAX_STEP_OVERHEAD_S = 60.0  # a fixed cost per step; a minute is already far beyond any engine
 # Below this a roofline efficiency means step times a million times the hardware's: no
 # real engine, and 5e-324 gives infinite ones.
@@ -89,9 +90,11 @@ class SchedulerConfig:
     """Limits shared by every policy (a policy entry may override the first three); null
     limits are resolved as vLLM does (:func:`sched_lab.run.experiment.resolve_limits`)."""
 
-    max_num_seqs: int = option(256, is_int())  # running requests per step
-    max_num_batched_tokens: int | None = option(None, is_int(optional=True))  # tokens per step
-    max_model_len: int | None = option(None, is_int(optional=True))  # prompt + output tokens
+    max_num_seqs: int = option(256, is_int(hi=MAX_LIMIT))  # running requests per step
+    # tokens per step
+    max_num_batched_tokens: int | None = option(None, is_int(optional=True, hi=MAX_LIMIT))
+    # prompt + output tokens
+    max_model_len: int | None = option(None, is_int(optional=True, hi=MAX_LIMIT))
     # of one request, before the run stops
     max_preemptions: int = option(1000, is_int(hi=MAX_PREEMPTIONS))
     # Which running request a policy preempts when KV blocks are short (VICTIM_RULES of

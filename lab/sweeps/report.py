@@ -83,6 +83,12 @@ def _manifest(folder: Path, files: list[str], folders: list[str]) -> None:
 
 
 def _table(folder: Path, name: str, df: pd.DataFrame) -> None:
+    """``name``.csv and, with pyarrow, ``name``.parquet; a column holding an integer beyond
+    int64 (which parquet cannot hold) is written as text in both."""
+    df = df.copy()
+    for c in df.columns:
+        if df[c].dtype == object and any(_big_int(v) for v in df[c]):
+            df[c] = [None if v is None or _isnan(v) else str(v) for v in df[c]]
     df.to_csv(folder / f"{name}.csv", index=False)
     try:
         import pyarrow  # noqa: F401
@@ -93,13 +99,16 @@ def _table(folder: Path, name: str, df: pd.DataFrame) -> None:
 
 def whole_numbers(df: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
     """``df`` with ``columns`` as nullable integers (``131072``, not ``131072.0``, in a CSV
-    whose column also has empty cells), each when all its values are whole."""
+    whose column also has empty cells), each when all its values are whole and fit int64."""
     out = df.copy()
     for c in columns:
         if c in out.columns:
             values = pd.to_numeric(out[c], errors="coerce")
             if values.notna().any() and (values.dropna() % 1 == 0).all():
-                out[c] = values.astype("Int64")
+                try:
+                    out[c] = values.astype("Int64")
+                except (TypeError, ValueError, OverflowError):  # beyond int64: left alone
+                    pass
     return out
 
 
@@ -115,10 +124,14 @@ def _plain(x: Any) -> Any:
 _INT64 = range(-(1 << 63), 1 << 63)  # integers a parquet column holds
 
 
+def _big_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v not in _INT64
+
+
 def _value(v: Any) -> Any:
     """A swept value as a table cell: scalars as they are (an integer beyond int64 as its
     digits, so the column becomes text), anything else as JSON text."""
-    if isinstance(v, int) and not isinstance(v, bool) and v not in _INT64:
+    if _big_int(v):
         return str(v)
     if v is None or isinstance(v, (bool, int, float, str)):
         return v

@@ -111,6 +111,11 @@ class SearchSpec:
         return {k: getattr(self, k) for k in SEARCH_KEYS}
 
 
+# lo / hi of a search: floats hold every integer up to 2**53 exactly; well past any limit
+# (MAX_LIMIT 2**40) or load scale a search could need.
+MAX_BOUND = 1 << 53
+
+
 def whole_number_key(path: str) -> bool:
     """Whether the config key at ``path`` holds whole numbers: a field typed ``int`` of a
     config section's dataclass (``kv_cache.num_gpu_blocks``, ``scheduler.max_num_seqs``:
@@ -165,12 +170,20 @@ def parse_search(raw: Any, where: str, swept: tuple[str, ...] = ()) -> SearchSpe
             f"{where}: search.over: {over} is a sweep key too; the search sets it itself"
         )
     bounds = []
+    whole = whole_number_key(over)
     for key in ("lo", "hi"):
         v = raw.get(key)
-        if v is not None and (
-            not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 < v < math.inf)
-        ):
-            raise ConfigError(f"{where}: search.{key}: expected a number > 0, got {short_repr(v)}")
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if v is not None and not (number and 0 < v <= MAX_BOUND):
+            raise ConfigError(
+                f"{where}: search.{key}: expected a number in (0, {MAX_BOUND:,}], "
+                f"got {short_repr(v)}"
+            )
+        if v is not None and whole and v % 1 != 0:
+            raise ConfigError(
+                f"{where}: search.{key}: {over} holds whole numbers; expected an integer, "
+                f"got {short_repr(v)}"
+            )
         bounds.append(None if v is None else float(v))
     lo, hi = bounds
     if (lo is None) != (hi is None):

@@ -620,3 +620,22 @@ def test_sim_side_refuses_a_doc_that_is_a_folder_before_any_replay(tmp_path) -> 
 
     with pytest.raises(SystemExit, match=r"--doc .*: expected a markdown file path"):
         sim(ARCHIVE, tmp_path)
+
+
+def test_archive_members_of_the_wrong_shape_are_one_line_errors(tmp_path) -> None:
+    """A summary.json that is a JSON list, or a protocol.yaml that is a YAML list, is named
+    with what was expected (no AttributeError later)."""
+    from sched_lab.fidelity.sim_side import _member
+
+    (tmp_path / "engine" / "w_1").mkdir(parents=True)
+    (tmp_path / "engine" / "w_1" / "summary.json").write_text("[1, 2]")
+    (tmp_path / "protocol.yaml").write_text("- a\n")
+    archive = tmp_path / "A.tar.gz"
+    with pytest.raises(SystemExit) as e:
+        _member(archive, tmp_path, "engine/w_1/summary.json", json.loads)
+    assert (
+        str(e.value) == f"error: {archive}: engine/w_1/summary.json: expected a mapping, got [1, 2]"
+    )
+    with pytest.raises(SystemExit) as e:
+        _member(archive, tmp_path, "protocol.yaml", yaml.safe_load)
+    assert str(e.value) == f"error: {archive}: protocol.yaml: expected a mapping, got ['a']"

@@ -123,13 +123,13 @@ def _sim(archive: Path, src: Path, doc: Path) -> dict[str, Any]:
     cost_model = {"profile": str(profile), **({"replay_steps": calibration} if calibration else {})}
     c = Comparison()
     for folder in record["folders"]:
-        _compare_folder(src, folder, model, cost_model, c)
+        _compare_folder(src, folder, model, cost_model, c, archive)
     table = pd.DataFrame(c.rows)
     steps = pd.concat(c.steps_err, ignore_index=True)
     rankings = rank_agreement(table, frozenset(c.equivalent))
     plans = pd.DataFrame(c.plan)
     protocol = (
-        yaml.safe_load((src / "protocol.yaml").read_text())
+        _member(archive, src, "protocol.yaml", yaml.safe_load)
         if (src / "protocol.yaml").exists()
         else {}
     )
@@ -162,7 +162,23 @@ def _write(doc: Path, text: str, table, steps, cdfs) -> None:
         raise SystemExit(f"error: --doc {e}") from None
 
 
-def _compare_folder(src: Path, folder: str, model, cost_model: dict, c: Comparison) -> None:
+def _member(archive: Path, src: Path, name: str, parse) -> dict[str, Any]:
+    """The mapping in member ``name`` of the unpacked archive ``src``; SystemExit (one line
+    naming ``archive`` and the member) if it does not parse or is not a mapping."""
+    try:
+        value = parse((src / name).read_text())
+    except (ValueError, yaml.YAMLError) as e:
+        raise SystemExit(
+            f"error: {archive}: {name}: cannot be read ({e})".splitlines()[0]
+        ) from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"error: {archive}: {name}: expected a mapping, got {short_repr(value)}")
+    return value
+
+
+def _compare_folder(
+    src: Path, folder: str, model, cost_model: dict, c: Comparison, archive: Path
+) -> None:
     """Replay one engine folder (a window at a load, every policy), calibrated and with the
     engine's durations; add its comparisons to ``c``."""
     import pandas as pd
@@ -172,9 +188,9 @@ def _compare_folder(src: Path, folder: str, model, cost_model: dict, c: Comparis
 
     real_dir, again_dir = src / "engine" / folder, src / "engine_repeat" / folder
     raw = yaml.safe_load((real_dir / "config.yaml").read_text())
-    real = json.loads((real_dir / "summary.json").read_text())
+    real = _member(archive, src, f"engine/{folder}/summary.json", json.loads)
     again = (
-        json.loads((again_dir / "summary.json").read_text())
+        _member(archive, src, f"engine_repeat/{folder}/summary.json", json.loads)
         if (again_dir / "summary.json").exists()
         else None
     )
@@ -188,7 +204,12 @@ def _compare_folder(src: Path, folder: str, model, cost_model: dict, c: Comparis
     slice_name, load = folder.rsplit("_", 1)
     async_ = bool((raw.get("scheduler") or {}).get("async_scheduling"))
     for s, rp in zip(sims, replays, strict=True):
-        r = real[s.label]
+        r = real.get(s.label)
+        if not isinstance(r, dict):
+            raise SystemExit(
+                f"error: {archive}: engine/{folder}/summary.json: expected a mapping under "
+                f"{s.label!r}, got {short_repr(r)}"
+            )
         fp = (r.get("cost_model") or {}).get("fingerprint")
         profile = src / "profile.csv"
         c.stale[folder] = staleness(read_fingerprint(profile), fp) if fp else (None, "")

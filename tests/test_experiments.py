@@ -356,7 +356,7 @@ BASE = "trace: {format: synthetic, num_requests: 5, arrival: {process: poisson, 
         ),
         (
             BASE + "policies: [{name: fcfs, max_num_seqs: 0}]\n",
-            "policies[0].max_num_seqs: expected an integer >= 1 or null, got 0",
+            "policies[0].max_num_seqs: expected an integer in [1, 1,099,511,627,776] or null, got 0",
         ),
         (BASE + "policies: [fcfs, fcfs]\n", "labels must be unique"),
         ("trace: [1, 2]\n", "trace[0]: expected a workload class: a mapping"),

@@ -317,10 +317,10 @@ def test_a_key_absent_from_the_yaml_is_searched_in_whole_numbers(tmp_path):
     rows, cap = _search(
         tmp_path,
         "search: {metric: ttft_s_p99, target: 1000, over: kv_cache.num_gpu_blocks, "
-        "lo: 100.5, hi: 400}\n",
+        "lo: 100, hi: 400}\n",
         kv="",
     )
-    # lo 100.5 -> 100, hi 400: both met (12 short requests), so above the range.
+    # lo 100, hi 400: both met (12 short requests), so above the range.
     assert [(r["kv_cache.num_gpu_blocks"], r["met"]) for r in rows] == [(100, True), (400, True)]
     assert all(type(r["kv_cache.num_gpu_blocks"]) is int and "refused" not in r for r in rows)
     assert (cap["status"], cap["capacity"]) == ("above_range", 400)

@@ -76,8 +76,8 @@ def replicas_markdown(runs) -> list[str]:
             *("| " + " | ".join(row) + " |" for row in rows),
             "",
         ]
-        if prefill_side_text(cluster):
-            lines += [prefill_side_text(cluster)[0].upper() + prefill_side_text(cluster)[1:], ""]
+        if prefill := prefill_side_text(cluster):
+            lines += [prefill[0].upper() + prefill[1:], ""]
     return lines
 
 
@@ -93,8 +93,8 @@ def replicas_text(runs) -> str:
         lines = [f"{run.label}: {cluster['num_replicas']} replicas ({cluster['mode']})"]
         lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths)))
         lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
-        if prefill_side_text(cluster):
-            lines.append(prefill_side_text(cluster))
+        if prefill := prefill_side_text(cluster):
+            lines.append(prefill)
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 

@@ -17,7 +17,7 @@ from sched_lab.core.errors import ConfigError
 from sched_lab.core.events import ABORTED, PREFILL, EventLog
 from sched_lab.core.in_flight import InFlight
 from sched_lab.core.kv import BlockManager, blocks_for
-from sched_lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
+from sched_lab.core.plan import PreemptionMode, SchedulerOutput, StepFeatures, StepResult
 from sched_lab.core.preemption import Preemption
 from sched_lab.core.registry import Registry
 from sched_lab.core.request import Request, RequestStatus
@@ -284,11 +284,13 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         self.events.repeat(step)
         for r in need:
             bm.allocate(r, 1)
+        n, context = len(prev.decodes), self.decode_set.context_tokens
         plan = SchedulerOutput(
             decodes=prev.decodes,  # the decode set's members, unchanged
-            decode_context_tokens=self.decode_set.context_tokens,
+            decode_context_tokens=context,
             decode_tick=self.decode_set.tick,
         )
+        plan._features = StepFeatures(0, 0, 0, 0.0, n, context, n, 0)  # plan.features()
         self._slots_planned_for = plan
         return plan
 

@@ -42,6 +42,8 @@ from sched_lab.core.scheduler import Scheduler
 from sched_lab.sim.records import ENDED, STEP_COLUMNS, ReplayResult, StepRecorder
 
 _WASTED = STEP_COLUMNS.index("num_wasted_tokens")
+_KV_USED, _KV_CACHED = STEP_COLUMNS.index("kv_used_blocks"), STEP_COLUMNS.index("kv_cached_blocks")
+_CONTEXT = STEP_COLUMNS.index("decode_context_tokens")
 DEADLOCK = "deadlock"  # the reason prefix of requests a run could not advance
 _PROGRESS_EVERY = 4096  # steps between progress calls
 
@@ -137,6 +139,7 @@ class ReplayLoop:
         scheduler, executor = self.scheduler, self.executor
         wall_clock = getattr(executor, "wall_clock", False)
         plan_step, row_of, step = self._plan, self._row, self._step
+        bm = scheduler.block_manager
         # Fast-forward (Scheduler.repeat_decodes): simulator, synchronous, no drafts, no hooks.
         fast = (
             scheduler.fast_forward
@@ -145,7 +148,7 @@ class ReplayLoop:
             and self.on_step is None
             and scheduler.on_finish is None
         )
-        repeat = None  # the latest plan, when the next may repeat it
+        repeat = row = None  # the latest plan and its record, when the next may repeat it
         while True:
             if not scheduler.has_unfinished():
                 repeat = None
@@ -153,14 +156,20 @@ class ReplayLoop:
                 continue
             t_plan = time.perf_counter() if wall_clock else 0.0
             plan = scheduler.repeat_decodes(repeat) if repeat is not None else None
-            if plan is None:
+            if plan is not None:  # the record differs from the last in its blocks and context
+                row = row.copy()
+                row[_KV_USED], row[_CONTEXT] = bm.num_used_gpu_blocks, plan.decode_context_tokens
+                row[_KV_CACHED] = bm.num_cached_blocks
+                if self.check_invariants:
+                    scheduler.check_plan(plan)
+            else:
+                repeat = None
                 plan, runs = plan_step(False)
                 if not runs:
                     if not plan.aborted:  # blocks held for another replica: wait for a release
                         yield self._idle()
                     continue  # only aborts: plan again
-            elif self.check_invariants:
-                scheduler.check_plan(plan)
+                row = row_of(plan)
             if wall_clock:
                 plan_s = time.perf_counter() - t_plan
                 result = executor.execute(plan)
@@ -171,7 +180,7 @@ class ReplayLoop:
             else:
                 result = executor.execute(plan)
             added = self.num_added
-            yield from step(plan, result, row_of(plan))
+            yield from step(plan, result, row)
             repeat = plan if fast and self.num_added == added and _repeatable(plan) else None
 
     def _run_async(self) -> Iterator[simpy.Event]:

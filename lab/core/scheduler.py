@@ -17,7 +17,7 @@ from sched_lab.core.errors import ConfigError
 from sched_lab.core.events import ABORTED, PREFILL, EventLog
 from sched_lab.core.in_flight import InFlight
 from sched_lab.core.kv import BlockManager, blocks_for
-from sched_lab.core.plan import PreemptionMode, SchedulerOutput, StepFeatures, StepResult
+from sched_lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
 from sched_lab.core.preemption import Preemption
 from sched_lab.core.registry import Registry
 from sched_lab.core.request import Request, RequestStatus
@@ -269,9 +269,11 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         ``prev``, the latest plan (synchronous, applied), decoded only (no prefill,
         preemption, swap, abort or drafts), finished no request, and that no request arrived
         since. Then that plan is ``prev``'s decodes again with their next tokens' blocks, and
-        the waits ``prev`` recorded count this step too. None if a decode needs a block and
-        none is free (a preemption), or prefix caching is on and requests wait (an
-        allocation may evict a cached prefix they would hit). Mutates blocks and waits."""
+        the waits ``prev`` recorded count this step too. Returns ``prev`` itself, moved to
+        this step (no object per step; an applied plan is not read again). None if a decode
+        needs a block and none is free (a preemption), or prefix caching is on and requests
+        wait (an allocation may evict a cached prefix they would hit). Mutates blocks,
+        waits and ``prev``."""
         bm = self.block_manager
         if bm.enable_prefix_caching and self.waiting:
             return None
@@ -279,18 +281,14 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         if len(need) > bm.num_free_gpu_blocks:
             return None
         step = self.num_steps
-        if self._admit_step == step - 1:  # prev tried admission: this plan does too
-            self._admit_step, self._admitted = step, set()
+        if self._admit_step == step - 1:  # prev tried admission (and admitted nobody)
+            self._admit_step = step
         self.events.repeat(step)
         for r in need:
             bm.allocate(r, 1)
-        n, context = len(prev.decodes), self.decode_set.context_tokens
-        plan = SchedulerOutput(
-            decodes=prev.decodes,  # the decode set's members, unchanged
-            decode_context_tokens=context,
-            decode_tick=self.decode_set.tick,
-        )
-        plan._features = StepFeatures(0, 0, 0, 0.0, n, context, n, 0)  # plan.features()
+        plan, decodes = prev, self.decode_set
+        plan.decode_context_tokens = plan.features().decode_context_tokens = decodes.context_tokens
+        plan.decode_tick = decodes.tick
         self._slots_planned_for = plan
         return plan
 

@@ -13,6 +13,7 @@ from sched_lab.core.scheduler import Scheduler, register_policy
 
 @register_policy("chunked_prefill")
 class ChunkedPrefill(Scheduler):
+    fast_forward = True  # lab/core/scheduler.py: the plan depends on queues and blocks only
     chunked_prefill = True
 
     def schedule(self) -> SchedulerOutput:

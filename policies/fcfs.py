@@ -12,6 +12,8 @@ from sched_lab.core.scheduler import Scheduler, register_policy
 
 @register_policy("fcfs")
 class FCFS(Scheduler):
+    fast_forward = True  # lab/core/scheduler.py: the plan depends on queues and blocks only
+
     def schedule(self) -> SchedulerOutput:
         plan = SchedulerOutput()
         if not self.swapped:  # swapped requests come back before new admissions

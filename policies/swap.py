@@ -11,4 +11,5 @@ from sched_lab.policies.fcfs import FCFS
 
 @register_policy("swap")
 class Swap(FCFS):
+    fast_forward = True  # lab/core/scheduler.py: the plan depends on queues and blocks only
     preemption_mode = PreemptionMode.SWAP

@@ -132,3 +132,20 @@ def test_events_account_for_every_move_on_random_traces(policy, data):
     for reason, r, first, last, count, _, _ in res.events.waits:
         assert reason in WAIT_REASONS and 0 <= first <= last and 1 <= count <= last - first + 1
         assert (r is None) == (reason in ("swapped_first", "preempted_step", "not_tried"))
+
+
+def test_repeat_counts_the_streaks_of_the_step_before():
+    """EventLog.repeat(step) counts ``step`` in every streak that counted ``step - 1`` (a
+    repeated plan records the same waits), and nothing when the step before counted none."""
+    from sched_lab.core.events import EventLog
+
+    log = EventLog()
+    log.wait(3, "r1", "kv_blocks", 2, 1)
+    log.wait_all(3, "swapped_first")
+    log.repeat(4)
+    log.repeat(5)
+    assert log.waits == [["kv_blocks", "r1", 3, 5, 3, 2, 1], ["swapped_first", None, 3, 5, 3, 0, 0]]
+    log.repeat(7)  # step 6 counted nothing
+    assert [w[3:5] for w in log.waits] == [[5, 3], [5, 3]]
+    log.wait(8, "r1", "kv_blocks")  # the same spell goes on
+    assert log.waits[0][3:5] == [8, 4]

@@ -178,10 +178,14 @@ class RecordingExecutor:
         return StepResult(STEP_S)
 
 
-def replay_scenario(policy: str, sc: Scenario) -> tuple[ReplayResult, Scheduler, RecordingExecutor]:
+def replay_scenario(
+    policy: str, sc: Scenario, fast_forward: bool = True
+) -> tuple[ReplayResult, Scheduler, RecordingExecutor]:
     cls = get_policy(policy)
     bm = BlockManager(sc.gpu_blocks, sc.cpu_blocks, sc.block_size, sc.watermark)
     scheduler = cls(sc.limits, bm)
+    if not fast_forward:
+        scheduler.fast_forward = False  # every plan by the policy's schedule()
     executor = RecordingExecutor(scheduler)
     reqs = [Request(str(i), a, p, o) for i, (a, p, o) in enumerate(sc.requests)]
     result = replay(reqs, scheduler, executor, check_invariants=True)
@@ -409,6 +413,38 @@ def test_replay_is_deterministic(policy, data):
             rb.num_preemptions,
         )
         assert np.array_equal(a.token_times(ra), b.token_times(rb))
+
+
+FAST_FORWARD = [p for p in POLICIES if get_policy(p).fast_forward]
+
+
+@pytest.mark.parametrize("policy", FAST_FORWARD)
+@settings(PROFILE, max_examples=max(10, PROFILE.max_examples // 4))
+@given(data=st.data())
+def test_fast_forward_is_step_by_step(policy, data):
+    """Plans repeated by Scheduler.repeat_decodes give the replay the policy's own plans give:
+    the same steps, token times, statuses, events and wait streaks."""
+    sc = data.draw(scenarios_for(policy), label="scenario")
+    a, sa, _ = replay_scenario(policy, sc)
+    b, sb, _ = replay_scenario(policy, sc, fast_forward=False)
+    for col in a.steps:
+        assert np.array_equal(a.steps[col], b.steps[col]), col
+    assert np.array_equal(a.tick_steps, b.tick_steps)
+    for ra, rb in zip(a.requests, b.requests, strict=True):
+        assert (ra.status, ra.reason, ra.finish_s, ra.block_table) == (
+            rb.status,
+            rb.reason,
+            rb.finish_s,
+            rb.block_table,
+        )
+        assert np.array_equal(a.token_times(ra), b.token_times(rb))
+
+    def events(res: ReplayResult):
+        rows = [(st_, k, r.request_id, x, y) for st_, k, r, x, y in res.events.rows(res.requests)]
+        waits = [(w[0], getattr(w[1], "request_id", None), *w[2:]) for w in res.events.waits]
+        return rows, waits
+
+    assert events(a) == events(b)
 
 
 # --------------------------------------------------------------------------- livelock guard

@@ -41,3 +41,48 @@ def test_a_queued_arrival_between_is_planned_with_the_equal_time_one():
     times, starts, prefill = schedule([A, ("C", 0.25, 4, 1), B])
     assert prefill == [4, 8, 0, 0]
     assert times == {"A": (0.0, 4.0), "B": (1.0, 3.0)}
+
+
+# ------------------------------------------------------------------ fast-forward
+def test_repeated_decode_plans_skip_the_policy(monkeypatch):
+    """Scheduler.repeat_decodes plans a step that repeats the decode-only step before it
+    (no arrival, finish, preemption or swap in between) without the policy: a (40 + 10
+    tokens) and b (20 + 2) with 4 blocks of 16, b blocked until a finishes at step 9 (as in
+    tests/test_events.py). The policy plans steps 0 (prefill a), 1 (the first decode), 10
+    (prefill b) and 11 (decode b); steps 2-9 repeat step 1, the 4th block of a included
+    (step 8), and b's wait streak still counts every step, 0 to 9."""
+    from sched_lab.policies.fcfs import FCFS
+
+    planned = []
+    schedule = FCFS.schedule
+
+    def counted(self):
+        planned.append(self.num_steps)
+        return schedule(self)
+
+    monkeypatch.setattr(FCFS, "schedule", counted)
+    res = run("fcfs", [("a", 0.0, 40, 10), ("b", 0.0, 20, 2)], gpu_blocks=4)
+    assert planned == [0, 1, 10, 11]
+    assert res.steps["kv_used_blocks"].tolist() == [3] * 8 + [4, 4, 2, 2]
+    assert res.events.waits == [["kv_blocks", by_id(res)["b"], 0, 9, 10, 2, 1]]
+
+
+def test_fast_forward_is_declared_per_class():
+    """A subclass inherits no fast_forward: edf (an fcfs with its own admission order) and
+    the policies that reorder or count every step plan every step themselves."""
+    from sched_lab.policies import get_policy
+
+    names = ("fcfs", "swap", "chunked_prefill", "edf", "sjf", "priority", "vtc")
+    assert {p for p in names if get_policy(p).fast_forward} == {"fcfs", "swap", "chunked_prefill"}
+
+
+def test_advance_to_moves_the_clock_only_when_nothing_is_due():
+    from sched_lab.sim.replay import SimEnvironment
+
+    env = SimEnvironment()
+    env.timeout(2.0)
+    assert env.advance_to(1.5) and env.now == 1.5
+    assert not env.advance_to(2.0)  # an event at 2.0 comes first
+    assert env.now == 1.5
+    env.run()
+    assert env.now == 2.0 and env.advance_to(7.25) and env.now == 7.25

@@ -41,7 +41,7 @@ class EventLog:
     """Events and wait streaks of one scheduler (see the module docstring). Append-only."""
 
     __slots__ = ("data", "record", "texts", "_text_index", "waits", "_open", "_last")
-    __slots__ += ("_last_global",)
+    __slots__ += ("_last_global", "_touched", "_touched_step")
 
     def __init__(self) -> None:
         self.data = array("q")  # the events, five integers each
@@ -54,6 +54,25 @@ class EventLog:
         self._open: dict[Any, dict[str, list]] = {}  # request -> reason -> its open streak
         self._last: list = [None, None, -1, -1, 0, 0, 0]  # the streak extended last
         self._last_global: list | None = None
+        self._touched: list[list] = []  # the streaks counted in step ``_touched_step``
+        self._touched_step = -1
+
+    def _touch(self, row: list, step: int) -> None:
+        """Note that ``row`` counted ``step`` (for :meth:`repeat`)."""
+        if self._touched_step != step:
+            self._touched_step, self._touched = step, [row]
+        else:
+            self._touched.append(row)
+
+    def repeat(self, step: int) -> None:
+        """Count ``step`` in every streak that counted ``step - 1``: the same waits again, for
+        a plan that repeats the one before it (``Scheduler.repeat_decodes``)."""
+        if self._touched_step != step - 1:
+            return
+        for row in self._touched:
+            row[3] = step
+            row[4] += 1
+        self._touched_step = step
 
     def text(self, value: str) -> int:
         """The index of ``value`` in ``texts`` (added once)."""
@@ -83,6 +102,7 @@ class EventLog:
             if row[3] != step:
                 row[3] = step
                 row[4] += 1
+                self._touch(row, step)
             return True
         return False
 
@@ -94,6 +114,7 @@ class EventLog:
             if row[3] != step:
                 row[3] = step
                 row[4] += 1
+                self._touch(row, step)
             return
         spells = self._open.get(request)
         if spells is None:
@@ -102,9 +123,11 @@ class EventLog:
         if row is None:
             row = spells[reason] = [reason, request, step, step, 1, a, b]
             self.waits.append(row)
+            self._touch(row, step)
         elif row[3] != step:
             row[3] = step
             row[4] += 1
+            self._touch(row, step)
         self._last = row
 
     def end_wait(self, request: Any) -> None:
@@ -119,6 +142,8 @@ class EventLog:
             if row[3] != step:
                 row[3] = step
                 row[4] += 1
+                self._touch(row, step)
             return
         row = self._last_global = [reason, None, step, step, 1, a, 0]
         self.waits.append(row)
+        self._touch(row, step)

@@ -84,6 +84,13 @@ class Scheduler(Admission, Preemption, SpecDrafts):
     preemption_mode: ClassVar[PreemptionMode] = PreemptionMode.RECOMPUTE
     #: Options a policy accepts in its YAML block, with defaults.
     options: ClassVar[dict[str, Any]] = {}
+    #: Fast-forward (docs/ARCHITECTURE.md, "Fast-forward"): True if, after a decode-only
+    #: plan, this policy plans the same decodes again and records the same waits whenever
+    #: only that plan's decode tick happened in between (no arrival, finish, preemption,
+    #: swap or abort; free blocks only fewer), so the loop may plan with
+    #: :meth:`repeat_decodes`. Not inherited: a subclass that changes what a plan depends on
+    #: (the admission order, the time, its own counters) opts in itself or stays False.
+    fast_forward: ClassVar[bool] = False
     #: The policy's victim rule when its ``preemption_victim`` option is not given.
     preemption_victim: str = "newest"
     #: How :meth:`pick_victim` chooses, for the explanation of a preemption (set from
@@ -136,6 +143,11 @@ class Scheduler(Admission, Preemption, SpecDrafts):
                 self.victim_rule = f"the victim {cls.__name__}.pick_victim chose"
             else:
                 self.victim_rule = VICTIM_WHY[self.preemption_victim]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "fast_forward" not in cls.__dict__:
+            cls.fast_forward = False
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any], tenants: frozenset[str]) -> str | None:
@@ -250,6 +262,35 @@ class Scheduler(Admission, Preemption, SpecDrafts):
                     self._end_foreseen(r)
                 else:
                     self._finish(r, now_s)
+
+    def repeat_decodes(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """Fast-forward: the plan :meth:`schedule` of a ``fast_forward`` policy makes next,
+        made without the policy, or None where the policy must plan. The caller vouches that
+        ``prev``, the latest plan (synchronous, applied), decoded only (no prefill,
+        preemption, swap, abort or drafts), finished no request, and that no request arrived
+        since. Then that plan is ``prev``'s decodes again with their next tokens' blocks, and
+        the waits ``prev`` recorded count this step too. Returns ``prev`` itself, moved to
+        this step (no object per step; an applied plan is not read again). None if a decode
+        needs a block and none is free (a preemption), or prefix caching is on and requests
+        wait (an allocation may evict a cached prefix they would hit). Mutates blocks,
+        waits and ``prev``."""
+        bm = self.block_manager
+        if bm.enable_prefix_caching and self.waiting:
+            return None
+        need = self.decode_set.needing_block()
+        if len(need) > bm.num_free_gpu_blocks:
+            return None
+        step = self.num_steps
+        if self._admit_step == step - 1:  # prev tried admission (and admitted nobody)
+            self._admit_step = step
+        self.events.repeat(step)
+        for r in need:
+            bm.allocate(r, 1)
+        plan, decodes = prev, self.decode_set
+        plan.decode_context_tokens = plan.features().decode_context_tokens = decodes.context_tokens
+        plan.decode_tick = decodes.tick
+        self._slots_planned_for = plan
+        return plan
 
     def end_unfinished(self, reason: str, now_s: float) -> list[Request]:
         """End every queued request as UNFINISHED with ``reason`` (the run stopped before

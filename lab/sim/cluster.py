@@ -65,7 +65,7 @@ from sched_lab.core.request import Request, RequestStatus
 from sched_lab.core.scheduler import Scheduler
 from sched_lab.sim.hardware import Link
 from sched_lab.sim.records import ENDED, ReplayResult
-from sched_lab.sim.replay import ReplayLoop, arrival_timeout, run_to_end
+from sched_lab.sim.replay import ReplayLoop, SimEnvironment, arrival_timeout, run_to_end
 from sched_lab.sim.router import Router, get_router
 
 ROLES = ("both", "prefill", "decode")
@@ -424,7 +424,7 @@ def _replay(requests, spec, make_replica, kv_bytes_per_token, seed, check_invari
     if any(r.status is RequestStatus.DROPPED for r in requests):
         raise ValueError("replay_cluster: dropped trace rows are not replayed")
     requests = sorted(requests, key=lambda r: r.arrival_s)
-    env = simpy.Environment()
+    env = SimEnvironment()
     cluster = _Cluster(env, spec, make_replica, kv_bytes_per_token, seed, check_invariants)
     if any(rep.scheduler.async_scheduling for rep in cluster.replicas):
         raise ConfigError(

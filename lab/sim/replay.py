@@ -42,8 +42,29 @@ from sched_lab.core.scheduler import Scheduler
 from sched_lab.sim.records import ENDED, STEP_COLUMNS, ReplayResult, StepRecorder
 
 _WASTED = STEP_COLUMNS.index("num_wasted_tokens")
+_KV_USED, _KV_CACHED = STEP_COLUMNS.index("kv_used_blocks"), STEP_COLUMNS.index("kv_cached_blocks")
+_CONTEXT = STEP_COLUMNS.index("decode_context_tokens")
 DEADLOCK = "deadlock"  # the reason prefix of requests a run could not advance
 _PROGRESS_EVERY = 4096  # steps between progress calls
+
+
+class SimEnvironment(simpy.Environment):
+    """A SimPy environment whose clock a process may move forward without an event.
+
+    A step that ends before every scheduled event would be the next event processed: its
+    process would resume at once, with nothing else run in between. :meth:`advance_to` skips
+    that event (its creation, heap push and pop, and the generator switch) and gives the same
+    clock, to the last bit (``now + duration``, as ``timeout`` computes it). Relies on SimPy 4's
+    ``_now`` (pinned ``simpy>=4.1,<5``).
+    """
+
+    def advance_to(self, t: float) -> bool:
+        """Set the clock to ``t`` and return True if no event is scheduled at or before
+        ``t`` (then nothing could happen in between); else change nothing and return False."""
+        if self._queue and self._queue[0][0] <= t:
+            return False
+        self._now = t
+        return True
 
 
 def arrival_timeout(env: simpy.Environment, delay_s: float) -> simpy.Event:
@@ -90,6 +111,8 @@ class ReplayLoop:
         self.recorder = StepRecorder()
         self.num_added = 0  # requests handed to add() so far
         self._wakeup = env.event()  # the idle loop waits on it; add() triggers it
+        # Moves the clock past a step with no event when nothing else is due (SimEnvironment).
+        self._advance_to = getattr(env, "advance_to", lambda t: False)
 
     def add(self, r: Request) -> None:
         """Hand ``r`` to the scheduler now; wake the loop if ``r`` was queued."""
@@ -116,16 +139,37 @@ class ReplayLoop:
         scheduler, executor = self.scheduler, self.executor
         wall_clock = getattr(executor, "wall_clock", False)
         plan_step, row_of, step = self._plan, self._row, self._step
+        bm = scheduler.block_manager
+        # Fast-forward (Scheduler.repeat_decodes): simulator, synchronous, no drafts, no hooks.
+        fast = (
+            scheduler.fast_forward
+            and not wall_clock
+            and scheduler.speculative is None
+            and self.on_step is None
+            and scheduler.on_finish is None
+        )
+        repeat = row = None  # the latest plan and its record, when the next may repeat it
         while True:
             if not scheduler.has_unfinished():
+                repeat = None
                 yield self._idle()
                 continue
             t_plan = time.perf_counter() if wall_clock else 0.0
-            plan, runs = plan_step(False)
-            if not runs:
-                if not plan.aborted:  # blocks held for another replica: wait for a release
-                    yield self._idle()
-                continue  # only aborts: plan again
+            plan = scheduler.repeat_decodes(repeat) if repeat is not None else None
+            if plan is not None:  # the record differs from the last in its blocks and context
+                row = row.copy()
+                row[_KV_USED], row[_CONTEXT] = bm.num_used_gpu_blocks, plan.decode_context_tokens
+                row[_KV_CACHED] = bm.num_cached_blocks
+                if self.check_invariants:
+                    scheduler.check_plan(plan)
+            else:
+                repeat = None
+                plan, runs = plan_step(False)
+                if not runs:
+                    if not plan.aborted:  # blocks held for another replica: wait for a release
+                        yield self._idle()
+                    continue  # only aborts: plan again
+                row = row_of(plan)
             if wall_clock:
                 plan_s = time.perf_counter() - t_plan
                 result = executor.execute(plan)
@@ -135,7 +179,9 @@ class ReplayLoop:
                 result.duration_s = float(f"{result.duration_s + plan_s:.9g}")
             else:
                 result = executor.execute(plan)
-            yield from step(plan, result, row_of(plan))
+            added = self.num_added
+            yield from step(plan, result, row)
+            repeat = plan if fast and self.num_added == added and _repeatable(plan) else None
 
     def _run_async(self) -> Iterator[simpy.Event]:
         """At most one step is in flight while the next is planned. A plan that feeds no
@@ -237,7 +283,8 @@ class ReplayLoop:
                 f"at t={now:.6g}s without a finite end"
             )
         row[0], row[1] = now, duration_s
-        yield env.timeout(duration_s)
+        if not self._advance_to(now + duration_s):  # something else is due first: wait for it
+            yield env.timeout(duration_s)
         now = env.now
         recorder = self.recorder
         recorder.append(row, plan.decodes)
@@ -301,7 +348,7 @@ def _replay(
             "(not replayed; see sched_lab.results.metrics.in_trace_order)"
         )
     requests = sorted(requests, key=lambda r: r.arrival_s)
-    env = simpy.Environment()
+    env = SimEnvironment()
     loop = ReplayLoop(env, scheduler, executor, check_invariants, progress)
     env.process(loop.arrivals(requests))
     env.process(loop.run())
@@ -369,6 +416,20 @@ def run_to_end(
         else:  # in a queue, in transfer, or caught by the step that failed
             r.finish_s, r.reason = env.now, unfinished
     return failure
+
+
+def _repeatable(plan: SchedulerOutput) -> bool:
+    """Whether ``plan`` (applied) decoded only and finished no request: the step after it may
+    repeat it (:meth:`Scheduler.repeat_decodes` says whether it does)."""
+    return bool(plan.decodes) and not (
+        plan.prefills
+        or plan.finished
+        or plan.preempted
+        or plan.swap_in
+        or plan.swap_out
+        or plan.aborted
+        or plan.spec_decodes
+    )
 
 
 def _stuck_message(s: Scheduler, now: float) -> str:

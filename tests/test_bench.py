@@ -23,6 +23,7 @@ from sched_lab.client import bench, compare, http
 
 TOO_LONG = 1000  # words: the fake server answers 400
 STALL = 7  # max_tokens: the fake server never answers (the client's --timeout ends it)
+CUT = 9  # max_tokens: the fake server ends the stream after 2 chunks, without [DONE]
 
 
 class FakeServer:
@@ -81,11 +82,13 @@ class FakeServer:
                 if self.open >= self.hold:
                     self.enough.set()
                 await asyncio.wait_for(self.enough.wait(), 5)
-            for _ in range(body["max_tokens"]):
+            for _ in range(2 if body["max_tokens"] == CUT else body["max_tokens"]):
                 piece = {"text": " tok"} if not chat else {"delta": {"content": " tok"}}
                 chunk = {"choices": [{"index": 0, **piece, "finish_reason": None}]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 await asyncio.sleep(0.001)
+            if body["max_tokens"] == CUT:
+                return resp
             usage = {"prompt_tokens": words + 1, "completion_tokens": body["max_tokens"]}
             await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
@@ -169,20 +172,21 @@ def test_bench_writes_a_results_folder_matching_the_trace(tmp_path, capsys):
 
 
 def test_errors_and_timeouts_are_recorded_aborted_with_reasons(tmp_path):
-    rows = [(4, 2), (TOO_LONG + 1, 3), (6, STALL), (3, 2)]
+    rows = [(4, 2), (TOO_LONG + 1, 3), (6, STALL), (3, 2), (5, CUT)]
     cfg = azure_yaml(tmp_path, rows, gap_s=0.0)
     out = tmp_path / "served"
     with FakeServer() as server:
         assert run_bench(cfg, server, out, "--timeout", "0.5", "--endpoint", "chat") == 0
     req = pd.read_csv(out / "requests.csv")
-    assert list(req["status"]) == ["finished", "aborted", "aborted", "finished"]
+    assert list(req["status"]) == ["finished", "aborted", "aborted", "finished", "aborted"]
     assert req.loc[1, "reason"] == f"HTTP 400: prompt of {TOO_LONG + 1} tokens is too long"
     assert req.loc[1, "http_status"] == 400
     assert req.loc[2, "reason"] == "timeout: no complete answer within 0.5 s (--timeout)"
-    assert list(req["num_generated_tokens"]) == [2, 0, 0, 2]
-    assert req.loc[[1, 2], "ttft_s"].isna().all()
+    assert req.loc[4, "reason"] == "the stream ended before data: [DONE]"
+    assert list(req["num_generated_tokens"]) == [2, 0, 0, 2, 2]  # the cut one: 2 received
+    assert req.loc[[1, 2, 4], "ttft_s"].isna().all()
     summary = json.loads((out / "summary.json").read_text())["served"]
-    assert (summary["completed"], summary["aborted"], summary["failed"]) == (2, 2, 2)
+    assert (summary["completed"], summary["aborted"], summary["failed"]) == (2, 3, 3)
     assert "messages" in server.bodies[0]
 
 
@@ -303,6 +307,17 @@ def test_compare_bad_input_is_one_line(tmp_path, capsys):
     assert "--run x: not a run of" in capsys.readouterr().err
     assert compare.main([a, str(tmp_path / "none"), "--run", "fcfs"]) == 2
     assert "summary.json: cannot be read" in capsys.readouterr().err
+
+
+def test_no_aiohttp_is_one_line(tmp_path, capsys, monkeypatch):
+    import sys
+
+    cfg = azure_yaml(tmp_path, [(4, 1)])
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # import aiohttp: ImportError
+    assert bench.main([cfg, "--base-url", "http://127.0.0.1:9"]) == 2
+    assert capsys.readouterr().err == (
+        'error: sched-lab bench needs aiohttp: pip install "sched-lab[serve]"\n'
+    )
 
 
 def test_prompt_text_and_base_url():

@@ -8,9 +8,12 @@
     sched-lab tools make-random-checkpoint --preset qwen3-0.6b --out checkpoints/qwen3-0.6b
     sched-lab prefix-bound experiments/mooncake.yaml
     sched-lab fidelity --sim
+    sched-lab bench experiments/quickstart.yaml --base-url http://127.0.0.1:8000
+    sched-lab compare results/quickstart results/quickstart_served
 
-``fit``, ``profile``, ``tools`` and ``fidelity`` hand their arguments to
-``sched_lab.sim.calibrated``, ``sched_lab.backend.profile``, ``sched_lab.backend.tools`` and ``sched_lab.fidelity``
+``fit``, ``profile``, ``tools``, ``fidelity``, ``bench`` and ``compare`` hand their arguments to
+``sched_lab.sim.calibrated``, ``sched_lab.backend.profile``, ``sched_lab.backend.tools``,
+``sched_lab.fidelity`` and ``sched_lab.client``
 (``python -m`` of those still works); ``prefix-bound`` is :func:`prefix_bound` here. User
 errors print one line, ``error: ...``, never a traceback.
 """
@@ -63,6 +66,14 @@ DELEGATED = {  # subcommand: (module[:function, default main] taking (argv, prog
         "sched_lab.fidelity",
         "held-out simulator fidelity: --engine (GPU: profile, runs, repeats), --sim (CPU: "
         "docs/fidelity.md)",
+    ),
+    "bench": (
+        "sched_lab.client.bench",
+        "replay an experiment's trace against an OpenAI-compatible server; a results folder",
+    ),
+    "compare": (
+        "sched_lab.client.compare",
+        "relative errors per metric of one results folder against another",
     ),
     "prefix-bound": (
         "sched_lab.cli:prefix_bound",

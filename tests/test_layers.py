@@ -39,8 +39,11 @@ ALLOWED["report"] = ALLOWED["setup"] | {"report"}
 ALLOWED["run"] = ALLOWED["report"] | {"run"}
 ALLOWED["sweeps"] = ALLOWED["run"] | {"sweeps"}
 ALLOWED["fidelity"] = ALLOWED["run"] | {"fidelity"}
+ALLOWED["client"] = set(ALLOWED) | {"client"}  # sched-lab bench / compare: a top room
 ALLOWED["cli"] = set(ALLOWED) | {"cli"}
-ROOMS = ("core", "sim", "config", "results", "setup", "report", "run", "sweeps", "fidelity")
+ROOMS = (
+    "core", "sim", "config", "results", "setup", "report", "run", "sweeps", "fidelity", "client",
+)  # fmt: skip
 
 
 def layer(module: str) -> str:

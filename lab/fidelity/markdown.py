@@ -102,13 +102,16 @@ def _has_spread(table) -> bool:
     return f"spread_{TP50}" in table
 
 
-def _cell(r, m: str, p: str, has_spread: bool) -> str:
-    """A run's error in metric ``m`` at ``p`` (engine spread in brackets), ✗ past its limit."""
+def error_cell(r, m: str, p: str, has_spread: bool) -> str:
+    """A row's relative error ``err_X`` in metric ``m`` at ``p`` (``m`` "throughput": any
+    ``p``), with its repeat's spread ``spread_X`` in brackets when ``has_spread``; ✗ past
+    :func:`error_target` (or past the spread, when larger)."""
     key = column(m, p) if m != "throughput" else "throughput"
     e = r[f"err_{key}"]
     s = r.get(f"spread_{key}", float("nan")) if has_spread else float("nan")
     limit = max(error_target(p), s if s == s else 0.0)
-    return f"{pct(e)} ({pct(s)})" + ("" if e <= limit else " ✗")
+    spread = f" ({pct(s)})" if has_spread else ""
+    return f"{pct(e)}{spread}" + ("" if e <= limit else " ✗")
 
 
 def _run_table(table) -> tuple[list[str], int, int]:
@@ -120,8 +123,8 @@ def _run_table(table) -> tuple[list[str], int, int]:
     met = missed = 0
     for _, r in table.iterrows():
         cells = [r.slice, f"{r.load:g}", r.policy]
-        cells += [_cell(r, m, p, has_spread) for m, p in COLS]
-        cells += [_cell(r, "throughput", "tp", has_spread)]
+        cells += [error_cell(r, m, p, has_spread) for m, p in COLS]
+        cells += [error_cell(r, "throughput", "tp", has_spread)]
         met += sum("✗" not in c for c in cells[3:])
         missed += sum("✗" in c for c in cells[3:])
         cells += [f"{r.real_preemptions} / {r.sim_preemptions}", pct(r.plans_identical)]

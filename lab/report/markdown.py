@@ -44,8 +44,8 @@ def summary_table(runs: list[Run]) -> str:
             f"| {v('p50_tpot_ms', '.1f')} / {v('p99_tpot_ms', '.1f')} "
             f"| {v('p99_itl_ms', '.1f')} / {v('p99.9_itl_ms', '.1f')} / {v('max_itl_ms', '.1f')} "
             f"| {sec('p50_e2el_ms', '.2f')} / {sec('p99_e2el_ms', '.2f')} "
-            f"| {s['num_preemptions_recompute']} / {s['num_preemptions_swap']} "
-            f"| {s['mean_kv_cache_usage'] * 100:.0f} |"
+            f"| {v('num_preemptions_recompute', 'd')} / {v('num_preemptions_swap', 'd')} "
+            f"| {format_value(_pct(s.get('mean_kv_cache_usage')), '.0f')} |"
         )
     return "\n".join(lines)
 
@@ -53,6 +53,30 @@ def summary_table(runs: list[Run]) -> str:
 def _s(ms):
     """Milliseconds as seconds (None stays None)."""
     return None if ms is None else ms / 1e3
+
+
+def _pct(fraction):
+    """A fraction as a percentage (None stays None: a served run's KV use is unknown)."""
+    return None if fraction is None else fraction * 100
+
+
+def _served_line(served: Mapping[str, Any]) -> str:
+    """report.md's line on a served run (summary key ``served``, sched-lab bench)."""
+    how = {
+        "trace": "at the trace's arrival times",
+        "request_rate": f"at {served.get('request_rate')} req/s "
+        f"(burstiness {served.get('burstiness') or 1:g})",
+        "max_concurrency": "all at once",
+    }.get(served.get("arrivals"), "")
+    cap = served.get("max_concurrency")
+    return (
+        f"Served by `{served['base_url']}` (model `{served['model']}`, endpoint "
+        f"`{served['endpoint']}`), requests sent by `sched-lab bench` {how}"
+        + (f", at most {cap} in flight" if cap else "")
+        + "; latencies measured on the client. A served run has no engine steps: the "
+        "step-level sections (KV blocks, scheduling, preemptions, prefix cache, events, "
+        "timelines) are absent, and their numbers are `-`."
+    )
 
 
 def _trace_options(trace: Mapping[str, Any]) -> str:
@@ -201,19 +225,24 @@ def report_markdown(
         trace = cfg.trace.spec
         where = f"`{paths.shown(cfg.trace.path, cfg.base_dir)}`" if cfg.trace.path else ""
         what = f"trace `{trace.get('format')}` {where}{_trace_options(trace)}"
-    lines = [
-        f"# {cfg.name}",
-        "",
-        f"Backend `{cfg.backend}`; {what}; {model_line(cfg)}; "
-        f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg.kv_cache.block_size} tokens"
-        f"{' per replica' if cfg.cluster is not None else ''}.",
-        "",
-        *_cost_model_lines(runs[0].summary.get("cost_model")),
-        *_scheduling_lines(runs),
-        summary_table(runs),
-        "",
-    ]
-    lines += _prefix_cache_lines(runs)
+    served = runs[0].summary.get("served")
+    if served:  # sched-lab bench: measured on a client, no engine steps
+        lines = [f"# {cfg.name}", "", f"{_served_line(served)} Replayed: {what}.", ""]
+        lines += [summary_table(runs), ""]
+    else:
+        lines = [
+            f"# {cfg.name}",
+            "",
+            f"Backend `{cfg.backend}`; {what}; {model_line(cfg)}; "
+            f"{runs[0].summary['num_gpu_blocks']} GPU KV blocks of {cfg.kv_cache.block_size} "
+            f"tokens{' per replica' if cfg.cluster is not None else ''}.",
+            "",
+            *_cost_model_lines(runs[0].summary.get("cost_model")),
+            *_scheduling_lines(runs),
+            summary_table(runs),
+            "",
+        ]
+        lines += _prefix_cache_lines(runs)
     lines += spec_metrics.markdown(runs)  # speculative runs only
     wasted = [
         f"{r.label} {r.summary['num_wasted_tokens']}"
@@ -267,12 +296,14 @@ def report_markdown(
     events = all(r.result.events is not None for r in runs)  # a cluster records none
     lines += [
         f"Files: `requests.{fmt}` (one row per trace request per run), `steps.{fmt}` "
-        "(one row per engine step), `summary.json` (aggregates per run), "
-        f"{tokens}`timing.json` (wall time of each replay), `config.yaml` (the resolved "
-        f"config), `events.{fmt}` ("
+        + ("(empty: no engine steps)" if served else "(one row per engine step)")
+        + f", `summary.json` (aggregates per run), {tokens}`timing.json` (wall time of each "
+        f"replay), `config.yaml` (the resolved config), `events.{fmt}` ("
         + (
             "what the scheduler did to each request and why it waited"
             if events
+            else "empty: a served run's client sees no scheduler events"
+            if served
             else "each request's end only: a cluster's replicas record no scheduler events"
         )
         + "), one `{run}-{rate}qps-{model}.json` per run (the format of `vllm bench serve "

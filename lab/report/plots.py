@@ -160,7 +160,18 @@ def plots(folder: Path, runs, cfg) -> list[tuple[str, str]]:
     _legend(fig, styles, lines=False)
     out.append(_save(fig, folder, "latency_cdf.png", "Latency CDFs per policy, one row per load"))
 
-    # ---- over time: one column per load
+    if any(len(r.result.steps["time_s"]) for r in runs):  # a served run has no steps
+        out.append(_over_time(folder, cfg, scales, by_scale, styles, plt))
+
+    if any(r.result.prefix_caching for r in runs):
+        out.append(_prefix_cache(folder, by_scale, styles, plt))
+    if len(scales) > 1:
+        out.append(_vs_load(folder, runs, styles, plt))
+    return out
+
+
+def _over_time(folder, cfg, scales, by_scale, styles, plt) -> tuple[str, str]:
+    """Throughput, KV use and queue over time (from the steps), one column per load."""
     device = kv_device(cfg)
     fig, axes = plt.subplots(
         3, len(scales), figsize=(max(11, 5.5 * len(scales)), 9), sharex="col", squeeze=False
@@ -187,15 +198,7 @@ def plots(folder: Path, runs, cfg) -> list[tuple[str, str]]:
         fontsize=10,
     )
     _legend(fig, styles, lines=False)
-    out.append(
-        _save(fig, folder, "over_time.png", "Throughput, KV usage and queue length over time")
-    )
-
-    if any(r.result.prefix_caching for r in runs):
-        out.append(_prefix_cache(folder, by_scale, styles, plt))
-    if len(scales) > 1:
-        out.append(_vs_load(folder, runs, styles, plt))
-    return out
+    return _save(fig, folder, "over_time.png", "Throughput, KV usage and queue length over time")
 
 
 def _prefix_cache(folder, by_scale, styles, plt) -> tuple[str, str]:

@@ -70,15 +70,16 @@ def rows(runs, percentiles) -> list[tuple[str, list[str]]]:
             "preemptions recompute / swap",
             cells(
                 lambda r: (
-                    f"{r.summary['num_preemptions_recompute']} / {r.summary['num_preemptions_swap']}"
+                    f"{format_value(r.summary['num_preemptions_recompute'])} / "
+                    f"{format_value(r.summary['num_preemptions_swap'])}"
                 )
             ),
         )
     )
     out.append(
         ("KV used mean / max (%)", cells(
-            lambda r: f"{100 * r.summary['mean_kv_cache_usage']:.0f} / "
-            f"{100 * r.summary['max_kv_cache_usage']:.0f}"
+            lambda r: f"{format_value(_pct(r.summary['mean_kv_cache_usage']), '.0f')} / "
+            f"{format_value(_pct(r.summary['max_kv_cache_usage']), '.0f')}"
         ))
     )  # fmt: skip
     return out + class_rows(runs)

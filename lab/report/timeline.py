@@ -69,7 +69,7 @@ def events_frame(run) -> pd.DataFrame:
             tokens = a if reason == "token_budget" else 0
             rows.append((rid, "waited", first, last, count, tokens, blocks, reason, text))
     ticks, end = res.tick_steps, res.step_end_s
-    for r in res.requests:
+    for r in res.requests if n_steps else ():  # no steps (a served run): no step to place at
         if r.status is RequestStatus.FINISHED:  # the step whose end is its finish time
             step = int(np.searchsorted(end, r.finish_s))
             rows.append((r.request_id, "finished", step, step, 1, 0, 0, "", ""))

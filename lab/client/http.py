@@ -1,0 +1,273 @@
+"""Streamed requests to an OpenAI-compatible endpoint, timed on the client (the only module
+that imports aiohttp).
+
+Each request asks for ``max_tokens`` tokens with ``ignore_eos: true`` (vLLM's benchmark
+option, so that the output length is the trace's), ``stream: true`` and
+``stream_options.include_usage`` (the server's token counts arrive in a last chunk). Its
+prompt is synthetic text of the trace's prompt length in words (:func:`prompt_text`); the
+server's tokenizer decides the real count, which the usage chunk reports.
+
+Timing follows ``vllm bench serve`` (vllm/benchmarks/lib/endpoint_request_func.py): a
+request's clock starts when it is sent; every SSE chunk that carries output text is one
+arrival (first: TTFT; the gaps between the others: ITL, per chunk). Nothing is lost: an
+HTTP error, an error inside the stream, a broken connection or a timeout ends the request
+``aborted`` with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sched_lab.core.errors import UserError
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+PROMPT_WORD = "hello"  # one token in common BPE vocabularies, with or without a leading space
+
+
+def require_aiohttp():
+    """The aiohttp module; UserError naming the extra when it is missing."""
+    try:
+        import aiohttp
+    except ImportError:
+        raise UserError('sched-lab bench needs aiohttp: pip install "sched-lab[serve]"') from None
+    return aiohttp
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where requests go: ``base_url`` without ``/v1``, the model name, the endpoint
+    (``completions`` or ``chat``) and a whole request's time limit in seconds."""
+
+    base_url: str
+    model: str
+    endpoint: str = "completions"
+    timeout_s: float = 300.0
+
+    @property
+    def url(self) -> str:
+        return base(self.base_url) + ENDPOINTS[self.endpoint]
+
+
+@dataclass
+class Measured:
+    """One request as the client saw it. Times are seconds since the bench started.
+
+    Attributes:
+        sent_s: when the request was sent.
+        chunk_s: when each chunk carrying output text arrived, in order.
+        status: ``finished`` (the stream ended with ``data: [DONE]``) or ``aborted``.
+        reason: why it was aborted (HTTP status and message, timeout, connection error).
+        http_status: the response's status code; None if none came.
+        prompt_tokens, completion_tokens, cached_tokens: the server's usage counts
+            (``usage.prompt_tokens_details.cached_tokens`` for the last); None if absent.
+    """
+
+    request_id: str
+    sent_s: float
+    chunk_s: list[float] = field(default_factory=list)
+    status: str = "aborted"
+    reason: str = ""
+    http_status: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        """The server's completion token count, else the chunks with text received."""
+        return self.completion_tokens if self.completion_tokens is not None else len(self.chunk_s)
+
+
+def base(url: str) -> str:
+    """``url`` without a trailing ``/`` or ``/v1``: ``http://h:8000/v1/`` -> ``http://h:8000``."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def prompt_text(num_words: int) -> str:
+    """``num_words`` words of synthetic prompt: ``hello hello ...``."""
+    return " ".join([PROMPT_WORD] * num_words)
+
+
+def request_body(target: Target, prompt_len: int, max_tokens: int) -> dict[str, Any]:
+    """The JSON body of one streamed request with a prompt of ``prompt_len`` words."""
+    body: dict[str, Any] = {
+        "model": target.model,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if target.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt_text(prompt_len)}]
+    else:
+        body["prompt"] = prompt_text(prompt_len)
+    return body
+
+
+def error_message(text: str, limit: int = 200) -> str:
+    """The message of an OpenAI-shaped error body (``{"error": {"message": ...}}``), else the
+    body's text, on one line and cut to ``limit`` characters."""
+    try:
+        data = json.loads(text)
+        err = data.get("error", data) if isinstance(data, dict) else data
+        msg = err.get("message", err) if isinstance(err, dict) else err
+        text = msg if isinstance(msg, str) else json.dumps(msg)
+    except ValueError:
+        pass
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _chunk_text(chunk: dict[str, Any]) -> str:
+    """The output text a stream chunk carries (completions: ``text``; chat: ``delta``)."""
+    choices = chunk.get("choices") or []
+    if not choices or not isinstance(choices[0], dict):
+        return ""
+    c = choices[0]
+    if "text" in c:
+        return c.get("text") or ""
+    delta = c.get("delta") or {}
+    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+
+
+def _usage(m: Measured, usage: dict[str, Any]) -> None:
+    m.prompt_tokens = usage.get("prompt_tokens", m.prompt_tokens)
+    m.completion_tokens = usage.get("completion_tokens", m.completion_tokens)
+    details = usage.get("prompt_tokens_details") or {}
+    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+        m.cached_tokens = details["cached_tokens"]
+
+
+async def stream_one(
+    session, target: Target, request_id: str, body: dict[str, Any], clock: Callable[[], float]
+) -> Measured:
+    """Send one streamed request and time its chunks; never raises for the server's or the
+    network's failures (the request comes back aborted with the reason)."""
+    aiohttp = require_aiohttp()
+    m = Measured(request_id, clock())
+    timeout = aiohttp.ClientTimeout(total=target.timeout_s)
+    done = False
+    try:
+        async with session.post(target.url, json=body, timeout=timeout) as resp:
+            m.http_status = resp.status
+            if resp.status != 200:
+                m.reason = f"HTTP {resp.status}: {error_message(await resp.text())}"
+                return m
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue  # blank separators, SSE comments
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    break
+                now = clock()
+                chunk = json.loads(data)
+                if not isinstance(chunk, dict):
+                    raise ValueError("a chunk that is not a JSON object")
+                if "error" in chunk:
+                    m.reason = f"error in the stream: {error_message(json.dumps(chunk))}"
+                    return m
+                if _chunk_text(chunk):
+                    m.chunk_s.append(now)
+                if isinstance(chunk.get("usage"), dict):
+                    _usage(m, chunk["usage"])
+    except asyncio.TimeoutError:
+        m.reason = f"timeout: no complete answer within {target.timeout_s:g} s (--timeout)"
+        return m
+    except aiohttp.ClientError as e:
+        m.reason = f"connection error: {type(e).__name__}: {error_message(str(e))}"
+        return m
+    except ValueError as e:  # JSONDecodeError, an over-long line
+        m.reason = f"bad stream chunk: {error_message(str(e))}"
+        return m
+    if not done:
+        m.reason = "the stream ended before data: [DONE]"
+    elif not m.chunk_s:
+        m.reason = "the stream carried no output text"
+    else:
+        m.status = "finished"
+    return m
+
+
+async def _replay(
+    target: Target,
+    sends: list[tuple[str, float, dict[str, Any]]],
+    max_concurrency: int | None,
+    progress: Callable[[int], None] | None,
+) -> tuple[list[Measured], float]:
+    aiohttp = require_aiohttp()
+    # limit 0: no cap on connections (aiohttp's default of 100 would cap the concurrency)
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    ended = 0
+    async with aiohttp.ClientSession(connector=connector) as session:
+        start = time.perf_counter()
+
+        def clock() -> float:
+            return time.perf_counter() - start
+
+        async def one(request_id: str, at_s: float, body: dict[str, Any]) -> Measured:
+            nonlocal ended
+            if at_s > clock():
+                await asyncio.sleep(at_s - clock())
+            if slots is None:
+                m = await stream_one(session, target, request_id, body, clock)
+            else:
+                async with slots:
+                    m = await stream_one(session, target, request_id, body, clock)
+            ended += 1
+            if progress is not None:
+                progress(ended)
+            return m
+
+        out = await asyncio.gather(*(one(i, t, b) for i, t, b in sends))
+        wall_s = clock()
+    return list(out), wall_s
+
+
+def replay(
+    target: Target,
+    sends: list[tuple[str, float, dict[str, Any]]],
+    max_concurrency: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[list[Measured], float]:
+    """Send each (request id, send time in s, body) at its time, at most ``max_concurrency``
+    at once (None: no cap; a request waits for a slot and is sent when it gets one). Returns
+    the measurements in the order of ``sends`` and the wall time in seconds. ``progress``
+    is called with the number of requests ended so far."""
+    return asyncio.run(_replay(target, sends, max_concurrency, progress))
+
+
+def first_model(base_url: str, timeout_s: float = 10.0) -> str:
+    """The first model ``GET /v1/models`` lists; UserError naming ``--base-url`` when there
+    is none or the server cannot be reached."""
+    aiohttp = require_aiohttp()
+    url = base(base_url) + "/v1/models"
+
+    async def get() -> Any:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.get(url) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"HTTP {resp.status}: {error_message(await resp.text())}")
+                return await resp.json(content_type=None)
+
+    try:
+        data = asyncio.run(get())
+        return str(data["data"][0]["id"])
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise UserError(f"--base-url {base_url}: GET {url} failed ({why}); give --model") from None
+    except (KeyError, IndexError, TypeError):
+        raise UserError(
+            f"--base-url {base_url}: GET {url} lists no model (expected "
+            '{"data": [{"id": ...}]}); give --model'
+        ) from None

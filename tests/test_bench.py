@@ -1,0 +1,327 @@
+"""sched-lab bench against a fake OpenAI-compatible streaming server (aiohttp, localhost,
+a free port), and sched-lab compare on hand-made results folders.
+
+The fake server streams ``max_tokens`` placeholder tokens as SSE chunks and a usage chunk
+(prompt tokens: the prompt's words + 1, as a tokenizer adding BOS would count). It answers
+400 to prompts longer than :data:`TOO_LONG` words and stalls on ``max_tokens ==``
+:data:`STALL`, so those requests are the aborted ones; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pandas as pd
+import pytest
+
+aiohttp = pytest.importorskip("aiohttp")
+from aiohttp import web
+
+from sched_lab.client import bench, compare, http
+
+TOO_LONG = 1000  # words: the fake server answers 400
+STALL = 7  # max_tokens: the fake server never answers (the client's --timeout ends it)
+CUT = 9  # max_tokens: the fake server ends the stream after 2 chunks, without [DONE]
+
+
+class FakeServer:
+    """An OpenAI-compatible streaming server in a thread of its own. ``peak``: the most
+    streams open at once; ``hold``: the first streams wait (at most 5 s) until that many are
+    open at once, the later ones not."""
+
+    def __init__(self, hold: int = 0) -> None:
+        self.hold = hold
+        self.open = self.peak = 0
+        self.bodies: list[dict] = []
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.complete)
+        app.router.add_post("/v1/chat/completions", self.complete)
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        self.enough = asyncio.Event()
+        self.stop = asyncio.Event()
+        self.ready.set()
+        self.loop.run_until_complete(self.stop.wait())
+        self.loop.run_until_complete(self.runner.cleanup())
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+
+    async def complete(self, request):
+        body = await request.json()
+        self.bodies.append(body)
+        chat = "messages" in body
+        prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        words = len(prompt.split())
+        if words > TOO_LONG:
+            return web.json_response(
+                {"error": {"message": f"prompt of {words} tokens is too long", "code": 400}},
+                status=400,
+            )
+        if body["max_tokens"] == STALL:
+            await asyncio.sleep(2)  # past the client's timeout; the server stays bounded
+            return web.json_response({"error": {"message": "late"}}, status=500)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        self.open += 1
+        self.peak = max(self.peak, self.open)
+        try:
+            if self.hold:
+                if self.open >= self.hold:
+                    self.enough.set()
+                await asyncio.wait_for(self.enough.wait(), 5)
+            for _ in range(2 if body["max_tokens"] == CUT else body["max_tokens"]):
+                piece = {"text": " tok"} if not chat else {"delta": {"content": " tok"}}
+                chunk = {"choices": [{"index": 0, **piece, "finish_reason": None}]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await asyncio.sleep(0.001)
+            if body["max_tokens"] == CUT:
+                return resp
+            usage = {"prompt_tokens": words + 1, "completion_tokens": body["max_tokens"]}
+            await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+        finally:
+            self.open -= 1
+        return resp
+
+    def __enter__(self) -> FakeServer:
+        self.thread.start()
+        assert self.ready.wait(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def azure_yaml(tmp_path, rows: list[tuple[int, int]], gap_s: float = 0.01) -> str:
+    """An experiment YAML over an azure2023 CSV of (prompt, output) rows ``gap_s`` apart."""
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for i, (p, o) in enumerate(rows):
+        lines.append(f"2023-11-16 18:15:{i * gap_s:010.7f},{p},{o}")
+    (tmp_path / "trace.csv").write_text("\n".join(lines) + "\n")
+    cfg = tmp_path / "exp.yaml"
+    cfg.write_text("name: exp\ntrace:\n  format: azure2023\n  path: trace.csv\n")
+    return str(cfg)
+
+
+def run_bench(cfg: str, server: FakeServer, out, *flags: str) -> int:
+    argv = [cfg, "--base-url", server.url, "--out", str(out), "--no-progress", *flags]
+    return bench.main(argv)
+
+
+def test_bench_writes_a_results_folder_matching_the_trace(tmp_path, capsys):
+    # Row 3 has 0 output tokens: the trace loader drops it (never sent, status dropped).
+    rows = [(5, 3), (12, 1), (30, 4), (8, 0), (2, 6)]
+    cfg = azure_yaml(tmp_path, rows)
+    out = tmp_path / "served"
+    with FakeServer() as server:
+        assert run_bench(cfg, server, out) == 0
+    req = pd.read_csv(out / "requests.csv")
+    assert list(req["request_id"]) == [0, 1, 2, 3, 4]
+    assert list(req["status"]) == ["finished"] * 3 + ["dropped", "finished"]
+    assert list(req["prompt_tokens"]) == [5, 12, 30, 8, 2]
+    assert list(req["output_tokens"]) == [3, 1, 4, 0, 6]
+    assert list(req["num_generated_tokens"]) == [3, 1, 4, 0, 6]
+    assert list(req["server_prompt_tokens"].fillna(-1)) == [6, 13, 31, -1, 3]  # words + BOS
+    assert req["policy"].unique().tolist() == ["served"]
+    # Prompts of the trace's lengths, output pinned by max_tokens and ignore_eos.
+    sent = sorted((len(b["prompt"].split()), b["max_tokens"]) for b in server.bodies)
+    assert sent == sorted((p, o) for p, o in rows if o)
+    assert all(b["ignore_eos"] and b["stream_options"]["include_usage"] for b in server.bodies)
+    # The trace's arrival order is honoured: 10 ms apart, sent in that order.
+    sent_s = req.loc[req["status"] != "dropped", "arrival_s"].to_numpy()
+    assert (sent_s[1:] >= sent_s[:-1]).all()
+    fin = req[req["status"] == "finished"]
+    assert (fin["ttft_s"] > 0).all() and (fin["e2e_s"] >= fin["ttft_s"]).all()
+    assert fin["tpot_s"].isna().tolist() == [False, True, False, False]  # 1 token: no TPOT
+    summary = json.loads((out / "summary.json").read_text())["served"]
+    assert summary["num_prompts"] == 4 and summary["completed"] == 4
+    assert summary["dropped"] == 1 and summary["failed"] == 0
+    assert summary["server_prompt_tokens"] == 6 + 13 + 31 + 3
+    assert summary["num_preemptions"] is None and summary["mean_kv_cache_usage"] is None
+    assert summary["served"]["model"] == "fake-model"
+    assert summary["p50_ttft_ms"] > 0 and summary["output_throughput"] > 0
+    steps = pd.read_csv(out / "steps.csv")
+    assert len(steps) == 0
+    vllm = json.loads(next(out.glob("served-*qps-fake-model.json")).read_text())
+    assert vllm["completed"] == 4 and vllm["total_output_tokens"] == 3 + 1 + 4 + 6
+    assert vllm["backend"] == "openai"
+    report = (out / "report.md").read_text()
+    assert "A served run has no engine steps" in report
+    assert "`steps.csv` (empty: no engine steps)" in report
+    assert (out / "report.html").is_file() and (out / "latency_cdf.png").is_file()
+    assert not (out / "over_time.png").exists()
+    assert "4 of 4 requests finished" in capsys.readouterr().out
+
+
+def test_errors_and_timeouts_are_recorded_aborted_with_reasons(tmp_path):
+    rows = [(4, 2), (TOO_LONG + 1, 3), (6, STALL), (3, 2), (5, CUT)]
+    cfg = azure_yaml(tmp_path, rows, gap_s=0.0)
+    out = tmp_path / "served"
+    with FakeServer() as server:
+        assert run_bench(cfg, server, out, "--timeout", "0.5", "--endpoint", "chat") == 0
+    req = pd.read_csv(out / "requests.csv")
+    assert list(req["status"]) == ["finished", "aborted", "aborted", "finished", "aborted"]
+    assert req.loc[1, "reason"] == f"HTTP 400: prompt of {TOO_LONG + 1} tokens is too long"
+    assert req.loc[1, "http_status"] == 400
+    assert req.loc[2, "reason"] == "timeout: no complete answer within 0.5 s (--timeout)"
+    assert req.loc[4, "reason"] == "the stream ended before data: [DONE]"
+    assert list(req["num_generated_tokens"]) == [2, 0, 0, 2, 2]  # the cut one: 2 received
+    assert req.loc[[1, 2, 4], "ttft_s"].isna().all()
+    summary = json.loads((out / "summary.json").read_text())["served"]
+    assert (summary["completed"], summary["aborted"], summary["failed"]) == (2, 3, 3)
+    assert "messages" in server.bodies[0]
+
+
+def test_max_concurrency_is_honoured(tmp_path):
+    """Eight requests at once with --max-concurrency 3: the server never sees more than
+    three streams open, and (each stream waiting until three are open) sees three."""
+    cfg = azure_yaml(tmp_path, [(4, 3)] * 8)
+    out = tmp_path / "served"
+    with FakeServer(hold=3) as server:
+        assert run_bench(cfg, server, out, "--max-concurrency", "3", "--model", "m") == 0
+        peak = server.peak
+    assert peak == 3
+    req = pd.read_csv(out / "requests.csv")
+    assert (req["status"] == "finished").all() and len(req) == 8
+    served = json.loads((out / "summary.json").read_text())["served"]["served"]
+    assert served["max_concurrency"] == 3 and served["arrivals"] == "max_concurrency"
+    assert served["model"] == "m"
+
+
+def test_request_rate_replaces_the_arrivals(tmp_path):
+    cfg = azure_yaml(tmp_path, [(4, 1)] * 3, gap_s=5.0)  # 10 s of trace, sent at once
+    out = tmp_path / "served"
+    with FakeServer() as server:
+        assert run_bench(cfg, server, out, "--request-rate", "inf") == 0
+    req = pd.read_csv(out / "requests.csv")
+    assert list(req["scheduled_s"]) == [0.0, 0.0, 0.0]
+
+
+def test_each_rate_scale_of_the_yaml_is_a_run(tmp_path, capsys):
+    cfg = azure_yaml(tmp_path, [(4, 2)] * 3, gap_s=0.02)
+    with open(cfg, "a") as f:
+        f.write("  rate_scale: [1, 2]\n")
+    out = tmp_path / "served"
+    with FakeServer() as server:
+        assert run_bench(cfg, server, out) == 0
+    req = pd.read_csv(out / "requests.csv")
+    assert list(req["policy"]) == ["served"] * 6
+    assert list(req["rate_scale"]) == [1.0] * 3 + [2.0] * 3
+    assert list(req["scheduled_s"]) == pytest.approx([0, 0.02, 0.04, 0, 0.01, 0.02])
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary) == ["served@x1", "served@x2"]
+    assert (out / "latency_vs_load.png").is_file()
+    # A served folder compares like any other: with itself, no error anywhere.
+    capsys.readouterr()
+    assert compare.main([str(out), str(out), "--run", "served@x2"]) == 0
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| served@x2"))
+    assert row.count("0.0%") == 13
+
+
+def test_bad_flags_are_one_line(tmp_path, capsys):
+    cfg = azure_yaml(tmp_path, [(4, 1)])
+    for flags, msg in (
+        (["--max-concurrency", "0"], "--max-concurrency: expected a number > 0, got 0"),
+        (["--burstiness", "2"], "--burstiness: only with --request-rate"),
+    ):
+        assert bench.main([cfg, "--base-url", "http://127.0.0.1:9", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {msg}") and err.count("\n") == 1
+    assert bench.main([cfg, "--base-url", "127.0.0.1:9"]) == 2
+    assert "--base-url: expected http://HOST:PORT" in capsys.readouterr().err
+
+
+def test_no_server_is_one_line(tmp_path, capsys):
+    cfg = azure_yaml(tmp_path, [(4, 1)])
+    with FakeServer() as server:
+        url = server.url  # a port that was free a moment ago, now closed
+    assert bench.main([cfg, "--base-url", url, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --base-url {url}: GET {url}/v1/models failed")
+    assert err.endswith("give --model\n") and err.count("\n") == 1
+
+
+def _folder(path, runs: dict) -> str:
+    path.mkdir()
+    (path / "summary.json").write_text(json.dumps(runs))
+    return str(path)
+
+
+def _summary(scale: float) -> dict:
+    """A summary whose every compared statistic is ``scale`` x a round value."""
+    out = {"completed": 10, "num_prompts": 10, "output_throughput": 1000.0 * scale}
+    for m, base_ms in (("ttft", 100.0), ("tpot", 20.0), ("itl", 20.0), ("e2el", 2000.0)):
+        for p, f in (("p50", 1.0), ("p90", 2.0), ("p99", 4.0)):
+            out[f"{p}_{m}_ms"] = base_ms * f * scale
+    return out
+
+
+def test_compare_gives_hand_computed_errors(tmp_path, capsys):
+    a = _folder(tmp_path / "a", {"fcfs": _summary(1.0), "sjf": _summary(2.0)})
+    b_summary = _summary(1.0)
+    b_summary["p50_ttft_ms"] = 104.0  # 4.0%: within the 5% target
+    b_summary["p99_ttft_ms"] = 340.0  # |340 - 400| / 400 = 15.0%: past the 10% target
+    b_summary["output_throughput"] = 980.0  # 2.0%
+    b = _folder(tmp_path / "b", {"served": b_summary})
+    out = tmp_path / "cmp.md"
+    assert compare.main([a, b, "--run", "fcfs", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert out.read_text() == text
+    table = [ln for ln in text.splitlines() if ln.startswith("| fcfs | served |")]
+    cells = [c.strip() for c in table[0].strip("|").split("|")]
+    assert cells[2:5] == ["4.0%", "0.0%", "15.0% ✗"]  # TTFT p50, p90, p99
+    assert cells[5:14] == ["0.0%"] * 9 and cells[14] == "2.0%"
+    assert "| TTFT p99 (ms) | 400 | 340 | -15.0% |" in text
+    assert "| output throughput (tok/s) | 1000 | 980 | -2.0% |" in text
+    # sjf is twice fcfs: B (= fcfs but three cells) is 50% off almost everywhere
+    assert compare.main([a, b, "--run", "sjf"]) == 0
+    assert "| TTFT p90 (ms) | 400 | 200 | -50.0% |" in capsys.readouterr().out
+
+
+def test_compare_bad_input_is_one_line(tmp_path, capsys):
+    a = _folder(tmp_path / "a", {"fcfs": _summary(1.0), "sjf": _summary(1.0)})
+    b = _folder(tmp_path / "b", {"served": _summary(1.0)})
+    assert compare.main([a, b]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {a}/summary.json: holds runs fcfs, sjf; name one with --run\n"
+    )
+    assert compare.main([a, b, "--run", "x"]) == 2
+    assert "--run x: not a run of" in capsys.readouterr().err
+    assert compare.main([a, str(tmp_path / "none"), "--run", "fcfs"]) == 2
+    assert "summary.json: cannot be read" in capsys.readouterr().err
+
+
+def test_no_aiohttp_is_one_line(tmp_path, capsys, monkeypatch):
+    import sys
+
+    cfg = azure_yaml(tmp_path, [(4, 1)])
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # import aiohttp: ImportError
+    assert bench.main([cfg, "--base-url", "http://127.0.0.1:9"]) == 2
+    assert capsys.readouterr().err == (
+        'error: sched-lab bench needs aiohttp: pip install "sched-lab[serve]"\n'
+    )
+
+
+def test_prompt_text_and_base_url():
+    assert http.prompt_text(3) == "hello hello hello"
+    assert http.base("http://h:8000/v1/") == "http://h:8000"
+    assert http.Target("http://h:1", "m", "chat").url == "http://h:1/v1/chat/completions"
+    assert http.error_message('{"error": {"message": "bad  max_tokens\\n"}}') == "bad max_tokens"

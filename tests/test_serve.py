@@ -292,20 +292,25 @@ def test_sigterm_drains_in_flight_then_exits_0(tmp_path):
     server = ServerProcess([sim_config(tmp_path), "--policy", "priority", "--speed", "0.2"])
     try:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
-        body = {"prompt": "x", "max_tokens": 60, "stream": True, "priority": 1}
+        body = {"prompt": "x", "max_tokens": 150, "stream": True, "priority": 1}
         conn.request(
             "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
         )
         resp = conn.getresponse()
         assert resp.read(6) == b"data: "
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        status, raw = server.request("POST", "/v1/completions", {"prompt": "a", "max_tokens": 1})
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:  # answered until the signal is handled, then refused
+            status, raw = server.request(
+                "POST", "/v1/completions", {"prompt": "a", "max_tokens": 1}
+            )
+            if status == 503 or time.monotonic() > deadline:
+                break
         assert status == 503 and "shutting down" in json.loads(raw)["error"]["message"]
         events = sse_events(b"data: " + resp.read())
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
         tokens = sum(1 for e in events[:-1] if e["choices"][0]["text"])
-        assert tokens == 60
+        assert tokens == 150
         assert server.proc.wait(TIMEOUT_S) == 0
     finally:
         server.close()
@@ -314,7 +319,10 @@ def test_sigterm_drains_in_flight_then_exits_0(tmp_path):
 def test_server_full_answers_503(tmp_path):
     """One sequence at a time, one waiting allowed: a third request is refused with 503
     while the first runs and the second waits."""
-    server = ServerProcess([sim_config(tmp_path, max_num_seqs=1), "--max-waiting", "1"])
+    # --speed 0.01: the first request's 200 tokens would take seconds; it is still running
+    server = ServerProcess(
+        [sim_config(tmp_path, max_num_seqs=1), "--max-waiting", "1", "--speed", "0.01"]
+    )
     try:
         conns = []
         for _ in range(2):
@@ -323,12 +331,29 @@ def test_server_full_answers_503(tmp_path):
             conn.request("POST", "/v1/completions", json.dumps(body),
                          {"Content-Type": "application/json"})  # fmt: skip
             conns.append(conn)
-        server.wait_metrics(lambda m: m["vllm:num_requests_waiting"] == 1)
+        m = server.wait_metrics(
+            lambda m: (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"]) == (1, 1)
+        )
+        assert (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"]) == (1, 1)
         status, raw = server.request("POST", "/v1/completions", {"prompt": "a", "max_tokens": 1})
         err = json.loads(raw)["error"]
         assert status == 503 and "--max-waiting" in err["message"] and err["code"] == 503
     finally:
         server.close()
+
+
+def test_readme_client_snippet_runs(sim_server, capsys):
+    """The README's openai snippet, against the twin (its port in place of 8000)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    first = "# the official openai client against the server started above"
+    code = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if b.startswith(first))
+    exec(code.replace("127.0.0.1:8000", f"127.0.0.1:{sim_server.port}"), {})
+    text, use = capsys.readouterr().out.splitlines()
+    assert text == " tok" * 16
+    assert "completion_tokens=16" in use and "prompt_tokens=4" in use  # user: Say hello assistant:
 
 
 def test_stop_string_ends_output_before_it(sim_server):
@@ -360,6 +385,23 @@ def test_bad_command_line_is_one_line(tmp_path, capsys, args, words):
     assert err.startswith("error: ") and words in err and len(err.strip().splitlines()) == 1
     assert main([str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml" in capsys.readouterr().err
+
+
+def test_missing_extra_is_one_line(monkeypatch, capsys):
+    """Without aiohttp the command names the extra to install, in one line."""
+    import importlib.util
+
+    from sched_lab.serve import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "aiohttp" else real(name, *a))  # fmt: skip
+    assert main(["whatever.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == 'error: sched-lab serve needs aiohttp, not installed: pip install "sched-lab[serve]"\n'
+    )
 
 
 # ---------------------------------------------------------------------- the loop, in-process

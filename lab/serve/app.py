@@ -44,6 +44,13 @@ from sched_lab.serve.protocol import (
 
 log = logging.getLogger("sched_lab.serve")
 
+EPILOG = """example:
+  sched-lab serve experiments/quickstart.yaml --policy chunked_prefill --speed 10
+  sched-lab serve experiments/smollm2_cpu.yaml --port 8001
+
+exit status:
+  0    stopped by SIGTERM or SIGINT once the requests in flight had ended
+  2    bad input: one line, error: ..., naming the file, key or option"""
 DEFAULT_MAX_WAITING = 1024
 DRAIN_TIMEOUT_S = 600.0  # SIGTERM: how long requests in flight may take to finish
 
@@ -162,6 +169,9 @@ class Server:
             prompt_token_ids=list(prompt_ids),
             priority=sampling.priority,
         )
+        why = self.served.scheduler.rejection_reason(r)  # reads limits and capacity only
+        if why:
+            raise ApiError(f"prompt: {why}", "prompt")
         stop_ids = frozenset() if sampling.ignore_eos else text.eos_token_ids
         queue: asyncio.Queue = asyncio.Queue()
         stream = Stream(r, stop_ids, queue)
@@ -303,6 +313,8 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab serve") -> int:
     """``sched-lab serve``; returns the exit status (2: bad input, one line)."""
     ap = argparse.ArgumentParser(
         prog=prog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
         description="Serve one policy of an experiment YAML over an OpenAI-compatible HTTP "
         "API: the engine (backend: engine) or the simulator as a digital twin (backend: "
         "sim, placeholder tokens at simulated times). docs/serving.md",

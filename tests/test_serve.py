@@ -478,6 +478,94 @@ def test_loop_eos_ends_a_request_and_frees_its_blocks(asynchronous):
     assert samples[("vllm:generation_tokens_total", None)] == 21
 
 
+def serve_in_process(scheduler, executor, requests, metrics=None, speed=1.0, stop_ids=()):
+    """Run ``requests`` through a ServingLoop (no HTTP); returns each one's events in order
+    and the metrics' samples by (name, finished_reason)."""
+    from sched_lab.serve.loop import ServingLoop, Stream
+    from sched_lab.serve.metrics import ServeMetrics
+
+    metrics = metrics or ServeMetrics("m")
+    events, done = [], threading.Event()
+
+    def dispatch(batch):
+        events.extend(batch)
+        if sum(1 for e in events if e[2] is not None) == len(requests):
+            done.set()
+
+    loop = ServingLoop(scheduler, executor, metrics, dispatch, speed)
+    streams = [Stream(r, frozenset(stop_ids)) for r in requests]
+    for s in streams:  # all in the first intake
+        loop.submit(s)
+    loop.start()
+    try:
+        assert done.wait(TIMEOUT_S)
+    finally:
+        loop.stop()
+    samples = {
+        (x.name, x.labels.get("finished_reason")): x.value
+        for f in text_string_to_metric_families(metrics.exposition().decode())
+        for x in f.samples
+    }
+    return {s.request.request_id: [e for e in events if e[0] is s] for s in streams}, samples
+
+
+@pytest.mark.parametrize("feature", ["async", "spec"])
+def test_twin_with_async_scheduling_or_speculation(tmp_path, feature):
+    """The twin built from a YAML (lab/serve/build.py) with async scheduling, or with
+    synthetic speculation (its counters appear): every request gets exactly its tokens."""
+    from sched_lab.config import load_config
+    from sched_lab.core.request import Request
+    from sched_lab.serve.build import build
+    from sched_lab.serve.metrics import ServeMetrics
+
+    raw = yaml.safe_load(open(sim_config(tmp_path)))
+    if feature == "async":
+        raw["scheduler"]["async_scheduling"] = True
+    else:
+        raw["speculative"] = {"method": "synthetic", "num_speculative_tokens": 2,
+                              "acceptance_rates": [0.8, 0.6], "seed": 0}  # fmt: skip
+    (tmp_path / "f.yaml").write_text(yaml.safe_dump(raw))
+    served = build(load_config(tmp_path / "f.yaml"), None, None, 100.0)
+    assert served.scheduler.async_scheduling is (feature == "async")
+    requests = [Request(f"r{i}", 0.0, 10 + i, 5 + 3 * i, prompt_token_ids=[i] * (10 + i))
+                for i in range(12)]  # fmt: skip
+    metrics = ServeMetrics("m", speculative=feature == "spec")
+    by, samples = serve_in_process(served.scheduler, served.executor, requests, metrics, 100.0)
+    for i in range(12):
+        assert sum(len(e[1]) for e in by[f"r{i}"]) == 5 + 3 * i
+        assert by[f"r{i}"][-1][2] == "length"
+    assert samples[("vllm:request_success_total", "length")] == 12
+    assert samples[("vllm:generation_tokens_total", None)] == sum(5 + 3 * i for i in range(12))
+    assert served.scheduler.block_manager.num_used_gpu_blocks == 0
+    if feature == "spec":
+        accepted = samples[("vllm:spec_decode_num_accepted_tokens_total", None)]
+        assert 0 < accepted <= samples[("vllm:spec_decode_num_draft_tokens_total", None)]
+
+
+def test_priority_policy_orders_waiting_requests():
+    """priority, one sequence at a time: of three requests handed in together, the lowest
+    priority value is served first (vLLM's convention), ties by arrival."""
+    from sched_lab.core.kv import make_block_manager
+    from sched_lab.core.request import Request
+    from sched_lab.core.scheduler import SchedulerLimits
+    from sched_lab.policies import get_policy
+
+    scheduler = get_policy("priority")(SchedulerLimits(1, 256, 128), make_block_manager(32, 0, 4))
+    requests = [Request(name, 0.0, 4, 3, prompt_token_ids=[2] * 4, priority=p)
+                for name, p in (("a", 3), ("b", 5), ("c", 1))]  # fmt: skip
+    order = []
+    engine = FakeEngine()
+    execute = engine.execute
+
+    def recording(plan):
+        order.extend(r.request_id for r in plan.prefills)
+        return execute(plan)
+
+    engine.execute = recording
+    serve_in_process(scheduler, engine, requests)
+    assert order == ["c", "a", "b"]
+
+
 # ---------------------------------------------------------------------- the engine (CPU)
 
 

@@ -276,33 +276,38 @@ def _deliver(events: list[Event]) -> None:
 
 
 class _Detokenizer:
-    """Incremental text of one output: the text of all ids so far, minus what was sent. Holds
-    back an unfinished UTF-8 character (``\\ufffd``) and, with stop strings, the last
-    ``len(longest) - 1`` characters (a stop string may be arriving)."""
+    """Incremental text of one output. Each step decodes only the ids since the last
+    emitted text plus the ones before them (for tokenizers whose text depends on the
+    previous token), as vLLM and TGI do; it waits while the text ends in an unfinished UTF-8
+    character (``\ufffd``). With stop strings it holds back the last ``len(longest) - 1``
+    characters (a stop string may be arriving)."""
 
     def __init__(self, text, stop: tuple[str, ...]) -> None:
         self.text, self.stop = text, stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = []
-        self.sent = 0  # characters sent
+        self.prefix = self.read = 0  # ids[prefix:read]: the context of the next decode
+        self.out = ""  # the output's text so far
+        self.sent = 0  # characters of ``out`` sent
 
     def add(self, ids: list[int], final: bool) -> tuple[str, bool]:
         """(new text, whether a stop string ended it)."""
         self.ids.extend(ids)
-        full = self.text.decode(self.ids)
+        before = self.text.decode(self.ids[self.prefix : self.read])
+        now = self.text.decode(self.ids[self.prefix :])
+        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+            self.out += now[len(before) :]
+            self.prefix, self.read = self.read, len(self.ids)
+        out = self.out
         if self.stop:
-            found = [i for i in (full.find(s, max(0, self.sent - self.hold)) for s in self.stop)
+            found = [i for i in (out.find(s, max(0, self.sent - self.hold)) for s in self.stop)
                      if i >= 0]  # fmt: skip
             if found:
                 cut = min(found)
-                delta, self.sent = full[self.sent : cut], max(self.sent, cut)
+                delta, self.sent = out[self.sent : cut], max(self.sent, cut)
                 return delta, True
-        end = len(full)
-        if not final:
-            if full.endswith("\ufffd"):
-                end -= 1
-            end = max(self.sent, end - self.hold)
-        delta, self.sent = full[self.sent : end], max(self.sent, end)
+        end = len(out) if final else max(self.sent, len(out) - self.hold)
+        delta, self.sent = out[self.sent : end], end
         return delta, False
 
 

@@ -230,7 +230,9 @@ def test_disconnect_mid_stream_frees_blocks(sim_server):
     conn.sock.close()  # the client goes away mid-stream
     conn.close()
     key = "vllm:request_success_total{finished_reason=abort}"
-    m = sim_server.wait_metrics(lambda m: m.get(key, 0) > before.get(key, 0))
+    m = sim_server.wait_metrics(
+        lambda m: m.get(key, 0) > before.get(key, 0) and m["vllm:kv_cache_usage_perc"] == 0
+    )
     assert m[key] == before.get(key, 0) + 1
     assert m["vllm:num_requests_running"] == 0
     assert m["vllm:num_requests_waiting"] == 0
@@ -325,16 +327,19 @@ def test_server_full_answers_503(tmp_path):
     )
     try:
         conns = []
-        for _ in range(2):
+        for running, waiting in ((1, 0), (1, 1)):  # one at a time: the first is admitted
             conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
             body = {"prompt": "x", "max_tokens": 200, "stream": True}
             conn.request("POST", "/v1/completions", json.dumps(body),
                          {"Content-Type": "application/json"})  # fmt: skip
             conns.append(conn)
-        m = server.wait_metrics(
-            lambda m: (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"]) == (1, 1)
-        )
-        assert (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"]) == (1, 1)
+            want = (running, waiting)
+            m = server.wait_metrics(
+                lambda m, want=want: (
+                    (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"]) == want
+                )
+            )
+            assert (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"]) == want
         status, raw = server.request("POST", "/v1/completions", {"prompt": "a", "max_tokens": 1})
         err = json.loads(raw)["error"]
         assert status == 503 and "--max-waiting" in err["message"] and err["code"] == 503
@@ -633,5 +638,5 @@ def test_engine_concurrent_clients(engine_server):
 
     with ThreadPoolExecutor(6) as pool:
         assert list(pool.map(one, range(6))) == [1, 2, 3, 4, 5, 6]
-    m = engine_server.wait_metrics(lambda m: m["vllm:num_requests_running"] == 0)
-    assert m["vllm:kv_cache_usage_perc"] == 0
+    m = engine_server.wait_metrics(lambda m: m["vllm:kv_cache_usage_perc"] == 0)
+    assert (m["vllm:num_requests_running"], m["vllm:kv_cache_usage_perc"]) == (0, 0)

@@ -29,7 +29,7 @@ from sched_lab.config import load_config
 from sched_lab.core.errors import UserError
 from sched_lab.core.request import Request
 from sched_lab.serve.build import Served, build
-from sched_lab.serve.loop import ABORT, STOP, Event, ServingLoop, Stream
+from sched_lab.serve.loop import ABORT, STOP, ServingLoop, Stream, StreamEvent
 from sched_lab.serve.metrics import CONTENT_TYPE, ServeMetrics
 from sched_lab.serve.protocol import (
     ApiError,
@@ -80,7 +80,7 @@ class Server:
         return app
 
     # ------------------------------------------------------------------ threads
-    def _dispatch_threadsafe(self, events: list[Event]) -> None:
+    def _dispatch_threadsafe(self, events: list[StreamEvent]) -> None:
         """From the loop thread: one call per step onto the event loop."""
         aio = self._aio
         if aio is not None and not aio.is_closed():
@@ -269,7 +269,7 @@ class Server:
         return resp
 
 
-def _deliver(events: list[Event]) -> None:
+def _deliver(events: list[StreamEvent]) -> None:
     """On the event loop: each event to its request's queue."""
     for s, ids, finish, message in events:
         s.context.put_nowait((ids, finish, message))

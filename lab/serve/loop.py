@@ -71,7 +71,7 @@ class Stream:
 
 #: What ``dispatch`` receives per step: (stream, new token ids, finish reason or None,
 #: error message or "").
-Event = tuple[Stream, list[int], str | None, str]
+StreamEvent = tuple[Stream, list[int], str | None, str]
 
 
 @dataclass
@@ -96,10 +96,8 @@ class ServingLoop:
     """Steps ``scheduler`` with ``executor`` in its own thread (module docstring).
 
     Args:
-        dispatch: called from the loop thread with each step's events (:data:`Event`).
+        dispatch: called from the loop thread with each step's events (:data:`StreamEvent`).
         speed: the clock's factor over the wall clock (simulator only; 1 for the engine).
-        token_ids: the executor samples real token ids (the engine); else every sampled
-            token is a placeholder id 0 (the simulator).
     """
 
     def __init__(
@@ -107,7 +105,7 @@ class ServingLoop:
         scheduler: Scheduler,
         executor: Executor,
         metrics: ServeMetrics,
-        dispatch: Callable[[list[Event]], None],
+        dispatch: Callable[[list[StreamEvent]], None],
         speed: float = 1.0,
     ) -> None:
         self.scheduler, self.executor, self.metrics = scheduler, executor, metrics
@@ -120,7 +118,7 @@ class ServingLoop:
         self._stopping = False
         self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._main, name="serving-loop", daemon=True)
-        self._events: list[Event] = []  # of the step being applied
+        self._events: list[StreamEvent] = []  # of the step being applied
         self.failure = ""  # why the loop stopped, if a step raised
 
     # ------------------------------------------------------------------ any thread
@@ -143,10 +141,6 @@ class ServingLoop:
     def num_waiting(self) -> int:
         """Requests not admitted yet: handed in, or in the scheduler's waiting queue."""
         return len(self._inbox.arrivals) + len(self.scheduler.waiting)
-
-    def num_served(self) -> int:
-        """Requests in the loop's hands (handed in and not ended)."""
-        return len(self._inbox.arrivals) + len(self._streams)
 
     def start(self) -> None:
         self._thread.start()
@@ -279,8 +273,8 @@ class ServingLoop:
         for s, reason in taken:
             self._abort(s, reason)
         if arrivals or taken:
+            self._update_gauges()  # before the events: a client that saw them sees these
             self._flush()
-            self._update_gauges()
 
     def _abort(self, s: Stream, reason: str) -> None:
         """End ``s`` now (no step in flight): out of its queue, blocks freed."""
@@ -323,8 +317,8 @@ class ServingLoop:
             if s.request.status is not RequestStatus.FINISHED:
                 self.cancel(s, STOP)  # applied with no step in flight
             streams.pop(s.request, None)
-        self._flush()
         self._update_gauges()
+        self._flush()
 
     def _tokens(self, s: Stream, new: list[int], now: float) -> None:
         """Hand ``new`` ids of ``s`` on; an EOS among them ends it there (kept: it counts)."""
@@ -376,8 +370,8 @@ class ServingLoop:
             if not s.done:
                 self._finish(s, [], ABORT, why)
         self._streams.clear()
-        self._flush()
         self._update_gauges()
+        self._flush()
 
     def _flush(self) -> None:
         if self._events:

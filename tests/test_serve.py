@@ -190,7 +190,8 @@ def test_raw_http_stream_and_whole(sim_server):
     out = json.loads(body)
     assert status == 200 and out["object"] == "chat.completion"
     assert out["choices"][0]["message"] == {"role": "assistant", "content": " tok tok"}
-    assert out["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert out["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
+                            "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
     status, body = sim_server.request("GET", "/v1/models")
     assert status == 200 and json.loads(body)["data"][0]["id"] == "twin"
     assert sim_server.request("GET", "/health")[0] == 200
@@ -359,6 +360,29 @@ def test_readme_client_snippet_runs(sim_server, capsys):
     text, use = capsys.readouterr().out.splitlines()
     assert text == " tok" * 16
     assert "completion_tokens=16" in use and "prompt_tokens=4" in use  # user: Say hello assistant:
+
+
+def test_bench_against_the_twin_matches_the_trace(sim_server, tmp_path):
+    """``sched-lab bench`` (lab/client/) replays a trace against the twin: its results folder
+    has every request finished with the trace's prompt and output token counts."""
+    import pandas as pd
+
+    from sched_lab.client import bench
+
+    rows = [(5, 3), (12, 1), (30, 4), (2, 6), (9, 2)]
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    lines += [f"2023-11-16 18:15:{i * 0.01:010.7f},{p},{o}" for i, (p, o) in enumerate(rows)]
+    (tmp_path / "trace.csv").write_text("\n".join(lines) + "\n")
+    cfg = tmp_path / "exp.yaml"
+    cfg.write_text("name: exp\ntrace:\n  format: azure2023\n  path: trace.csv\n")
+    out = tmp_path / "served"
+    argv = [str(cfg), "--base-url", sim_server.url, "--out", str(out), "--no-progress"]
+    assert bench.main(argv) == 0
+    req = pd.read_csv(out / "requests.csv")
+    assert list(req["status"]) == ["finished"] * 5
+    assert list(req["output_tokens"]) == [o for _, o in rows]
+    assert list(req["num_generated_tokens"]) == [o for _, o in rows]
+    assert list(req["server_prompt_tokens"]) == [p for p, _ in rows]  # one word, one token
 
 
 def test_stop_string_ends_output_before_it(sim_server):

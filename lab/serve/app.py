@@ -234,7 +234,7 @@ class Server:
             if finish == ABORT and message:
                 raise ApiError(f"the request was aborted: {message}", None, 503)
         r = stream.request
-        use = usage(r.prompt_len, stream.received)
+        use = usage(r.prompt_len, stream.received, r.num_cached_tokens)
         return web.json_response(
             answer(new_id(chat), chat, self.model, "".join(parts), finish, use)
         )
@@ -262,7 +262,8 @@ class Server:
             if delta or finish is not None:
                 await send(chunk(rid, chat, self.model, delta, finish, with_usage))
         if with_usage:
-            use = usage(stream.request.prompt_len, stream.received)
+            r = stream.request
+            use = usage(r.prompt_len, stream.received, r.num_cached_tokens)
             await send(usage_chunk(rid, chat, self.model, use))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

@@ -10,10 +10,11 @@
     sched-lab fidelity --sim
     sched-lab bench experiments/quickstart.yaml --base-url http://127.0.0.1:8000
     sched-lab compare results/quickstart results/quickstart_served
+    sched-lab serve experiments/quickstart.yaml --policy chunked_prefill
 
-``fit``, ``profile``, ``tools``, ``fidelity``, ``bench`` and ``compare`` hand their arguments to
-``sched_lab.sim.calibrated``, ``sched_lab.backend.profile``, ``sched_lab.backend.tools``,
-``sched_lab.fidelity`` and ``sched_lab.client``
+``fit``, ``profile``, ``tools``, ``fidelity``, ``bench``, ``compare`` and ``serve`` hand their
+arguments to ``sched_lab.sim.calibrated``, ``sched_lab.backend.profile``,
+``sched_lab.backend.tools``, ``sched_lab.fidelity``, ``sched_lab.client`` and ``sched_lab.serve``
 (``python -m`` of those still works); ``prefix-bound`` is :func:`prefix_bound` here. User
 errors print one line, ``error: ...``, never a traceback.
 """
@@ -75,6 +76,7 @@ DELEGATED = {  # subcommand: (module[:function, default main] taking (argv, prog
         "sched_lab.client.compare",
         "relative errors per metric of one results folder against another",
     ),
+    "serve": ("sched_lab.serve", "an OpenAI-compatible server over the engine or the simulator"),
     "prefix-bound": (
         "sched_lab.cli:prefix_bound",
         "the infinite-cache upper bound of a trace's prefix hit rate, from its hash ids",

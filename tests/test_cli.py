@@ -37,7 +37,14 @@ def one_error_line(capsys) -> str:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--help"], ["run", "--help"], ["fit", "--help"], ["tools", "--help"], ["profile", "--help"]],
+    [
+        ["--help"],
+        ["run", "--help"],
+        ["fit", "--help"],
+        ["tools", "--help"],
+        ["profile", "--help"],
+        ["serve", "--help"],
+    ],  # fmt: skip
 )
 def test_every_help_shows_an_example_and_the_exit_codes(argv, capsys):
     with pytest.raises(SystemExit) as e:

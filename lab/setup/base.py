@@ -9,6 +9,7 @@ policy and ``check_run(...)`` per run; ``prepare_trace(requests)`` per load; per
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 from sched_lab.config import ExperimentConfig, PolicyConfig
@@ -100,6 +101,10 @@ class Setup:
 
     def text_decoder(self) -> Callable[[list[int]], str] | None:
         """A token-ids -> text function, or None when the backend has no tokenizer."""
+        return None
+
+    def model_dir(self) -> Path | None:
+        """The model's folder (config.json, tokenizer files) when the backend runs one."""
         return None
 
 

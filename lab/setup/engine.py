@@ -74,6 +74,9 @@ class EngineSetup(Setup):
     def text_decoder(self) -> Callable[[list[int]], str] | None:
         return text_decoder(self.cfg)
 
+    def model_dir(self) -> Path | None:
+        return self.cfg.engine.model_path
+
 
 def engine_parts(cfg: ExperimentConfig):
     """Load the model once. Returns (make_executor(speculative=None, async_scheduling=False),

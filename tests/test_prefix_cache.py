@@ -7,6 +7,7 @@ block j of a request is keyed by its first j + 1 hash ids. Plans are driven step
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from helpers import bundled_policy_names
 from hypothesis import given, settings
@@ -329,6 +330,40 @@ def test_random_shared_traces_keep_every_invariant(policy, trace):
         assert r.num_cached_tokens <= best * bs
     cached = res.steps["num_cached_tokens"].sum()
     assert cached == sum(r.num_cached_tokens + r.num_resumed_cached_tokens for r in res.requests)
+
+
+@pytest.mark.parametrize(
+    "policy", [p for p in bundled_policy_names() if get_policy(p).fast_forward]
+)
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(shared_traces())
+def test_fast_forward_with_the_cache_is_step_by_step(policy, trace):
+    """Plans repeated by Scheduler.repeat_decodes under prefix caching (requests waiting while
+    decodes take blocks that may be cached ones) give the step-by-step replay: the same steps,
+    hits, evictions, block tables and wait streaks."""
+    from sched_lab.sim.replay import replay
+    from tests.helpers import FixedCost
+
+    bs, per, gpu, cpu, rows = trace
+
+    def run(fast_forward: bool):
+        cls = get_policy(policy)
+        limits = SchedulerLimits(4, 64 if cls.chunked_prefill else 10**6, 10**6)
+        bm = PrefixCachingBlockManager(gpu, cpu, bs, 0.0)
+        reqs = [
+            Request(rid, t, p, o, None, ids, hash_block_size=per * bs) for rid, t, p, o, ids in rows
+        ]
+        scheduler = cls(limits, bm)
+        scheduler.fast_forward = fast_forward
+        res = replay(reqs, scheduler, FixedCost(), check_invariants=True)
+        waits = [(w[0], getattr(w[1], "request_id", None), *w[2:]) for w in res.events.waits]
+        got = [(r.status, r.num_cached_tokens, r.finish_s, r.block_table) for r in res.requests]
+        return res, waits, got, bm.num_evicted_blocks
+
+    a, b = run(True), run(False)
+    for col in a[0].steps:
+        assert np.array_equal(a[0].steps[col], b[0].steps[col]), col
+    assert a[1:] == b[1:]
 
 
 # --------------------------------------------------------------------------- config

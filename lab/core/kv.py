@@ -119,6 +119,12 @@ class BlockManager:
         return self._free_cpu.num_free
 
     @property
+    def num_unkeyed_free_gpu_blocks(self) -> int:
+        """Free GPU blocks that allocation takes before it evicts a cached one (all of them
+        without prefix caching)."""
+        return self._free_gpu.num_free
+
+    @property
     def num_used_gpu_blocks(self) -> int:
         return self.num_gpu_blocks - self._free_gpu.num_free
 

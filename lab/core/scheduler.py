@@ -271,15 +271,15 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         since. Then that plan is ``prev``'s decodes again with their next tokens' blocks, and
         the waits ``prev`` recorded count this step too. Returns ``prev`` itself, moved to
         this step (no object per step; an applied plan is not read again). None if a decode
-        needs a block and none is free (a preemption), or prefix caching is on and requests
-        wait (an allocation may evict a cached prefix they would hit). Mutates blocks,
-        waits and ``prev``."""
+        needs a block and none is free (a preemption), or if requests wait and the blocks
+        would evict a cached one (prefix caching: a prefix they would hit may go). Mutates
+        blocks, waits and ``prev``."""
         bm = self.block_manager
-        if bm.enable_prefix_caching and self.waiting:
-            return None
         need = self.decode_set.needing_block()
         if len(need) > bm.num_free_gpu_blocks:
             return None
+        if self.waiting and len(need) > bm.num_unkeyed_free_gpu_blocks:
+            return None  # an eviction could cut a waiting request's cached prefix
         step = self.num_steps
         if self._admit_step == step - 1:  # prev tried admission (and admitted nobody)
             self._admit_step = step

@@ -18,14 +18,15 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from sched_lab import __version__
 from sched_lab.config import ExperimentConfig
 from sched_lab.core.errors import UserError
 from sched_lab.core.outputs import MANIFEST  # the names of the files the lab wrote in a folder
+from sched_lab.report import csv_text, plots, staging, timeline
 from sched_lab.report import html as html_report
-from sched_lab.report import plots, staging, timeline
 from sched_lab.report.markdown import config_yaml, report_markdown
 from sched_lab.report.progress import Phase
 from sched_lab.results import fairness, vllm_result
@@ -33,6 +34,7 @@ from sched_lab.results.run import Run
 from sched_lab.sim.records import STEP_COLUMNS
 
 FORMATS = ("csv", "parquet")  # of requests and steps
+STEPS_FLOAT_FORMAT = "%.9g"  # steps.csv's floats: 9 significant digits
 _TEMP_SUFFIX_BYTES = 14  # ".{name}.XXXXXXXX" then ".old": what a temporary name adds
 
 
@@ -105,7 +107,7 @@ def _write_files(
         requests.to_parquet(tmp / "requests.parquet", index=False)
         _steps_frame(runs).to_parquet(tmp / "steps.parquet", index=False)
     else:
-        requests.to_csv(tmp / "requests.csv", index=False)
+        write_csv(tmp / "requests.csv", requests)
         _write_steps_csv(tmp / "steps.csv", runs)
     phase.advance()
     extra = {"partial": partial} if partial else {}
@@ -319,20 +321,59 @@ def _write_tokens(path: Path, runs: list[Run], decode) -> None:
                 f.write(json.dumps(row) + "\n")
 
 
+def write_csv(path: Path, df: pd.DataFrame, float_format: str | None = None) -> None:
+    """``df.to_csv(path, index=False, float_format=...)``'s bytes, made column-wise
+    (lab/report/csv_text.py); pandas writes a table holding a type that module lacks."""
+    data = csv_text.frame_csv(df, float_format or "repr")
+    if data is None:
+        df.to_csv(path, index=False, float_format=float_format)
+    else:
+        path.write_bytes(data)
+
+
 def _write_steps_csv(path: Path, runs: list[Run], rows: int = 1 << 20) -> None:
-    """steps.csv run by run, ``rows`` at a time: the same text as :func:`_steps_frame`'s."""
-    with path.open("w") as f:
+    """steps.csv run by run, ``rows`` at a time: the same bytes as :func:`_steps_frame`'s
+    ``to_csv(index=False, float_format=STEPS_FLOAT_FORMAT)``."""
+    with path.open("wb") as f:
         header = True
         for r in runs:
             n = len(r.result.steps["time_s"])
+            names = ["policy", "rate_scale", *_columns(r)]
             for start in range(0, n, rows):
-                cols = {"policy": r.policy, "rate_scale": r.rate_scale}
-                cols.update({c: r.result.steps[c][start : start + rows] for c in _columns(r)})
-                pd.DataFrame(cols).to_csv(f, index=False, header=header, float_format="%.9g")
+                stop = min(start + rows, n)
+                cells = _steps_cells(r, start, stop)
+                if cells is None:  # a column type csv_text lacks: pandas writes the chunk
+                    cols = {"policy": r.policy, "rate_scale": r.rate_scale}
+                    cols.update({c: r.result.steps[c][start:stop] for c in _columns(r)})
+                    text = pd.DataFrame(cols).to_csv(
+                        index=False, header=header, float_format=STEPS_FLOAT_FORMAT
+                    )
+                    f.write(text.encode())
+                else:
+                    f.write(csv_text.pack(cells, names if header else None))
                 header = False
         if header:  # no run has a step: the header alone, as the concatenated frame writes
             extra = _columns(runs[0])[len(STEP_COLUMNS) :] if runs else []
-            f.write(",".join(["policy", "rate_scale", *STEP_COLUMNS, *extra]) + "\n")
+            names = ["policy", "rate_scale", *STEP_COLUMNS, *extra]
+            f.write(csv_text.pack([], names))
+
+
+def _steps_cells(run: Run, start: int, stop: int) -> list | None:
+    """The csv_text cells of rows [start, stop) of a run's steps, its policy and rate_scale
+    first (each one value, as pandas broadcasts it); None if a column's type is not known."""
+    n = stop - start
+    cells = []
+    for value in (np.array([run.policy], dtype=object), np.array([run.rate_scale])):
+        one = csv_text.column_cells(value, STEPS_FLOAT_FORMAT)
+        if one is None:
+            return None
+        cells.append((np.broadcast_to(one[0], (n, one[0].shape[1])), np.repeat(one[1], n)))
+    for c in _columns(run):
+        col = csv_text.column_cells(run.result.steps[c][start:stop], STEPS_FLOAT_FORMAT)
+        if col is None:
+            return None
+        cells.append(col)
+    return cells
 
 
 def concat_requests(frames: list[pd.DataFrame]) -> pd.DataFrame:
@@ -402,7 +443,7 @@ def _timelines(folder: Path, cfg: ExperimentConfig, runs: list[Run], fmt: str):
     if fmt == "parquet":
         events.to_parquet(folder / "events.parquet", index=False)
     else:
-        events.to_csv(folder / "events.csv", index=False)
+        write_csv(folder / "events.csv", events)
     return pngs, figures
 
 

@@ -52,6 +52,7 @@ def write_results(
     fmt: str = "csv",
     bars: bool = True,
     date: str | None = None,
+    plots: bool = True,
 ) -> Path:
     """Write every file of the run folder ``out_dir`` atomically; returns ``out_dir``.
     Engine runs also get ``tokens.jsonl`` (token ids, and text when ``decode`` is given).
@@ -63,6 +64,8 @@ def write_results(
         bars: False: no progress bar while writing.
         date: the vLLM-format files' ``date`` (default: now, or ``SOURCE_DATE_EPOCH``;
             :func:`sched_lab.results.vllm_result.result_date`).
+        plots: False: no PNG and no interactive timeline (report.md and report.html say
+            so); the tables, events and summaries are the same.
 
     Raises:
         UserError: ``out_dir`` cannot become a results folder (nothing is written).
@@ -74,7 +77,7 @@ def write_results(
     tmp = temp_folder(out_dir)
     phase = Phase("writing results", 5, "file", bars).start()  # 5 advances below
     try:
-        _write_files(tmp, cfg, runs, decode, partial, fmt, phase, date)
+        _write_files(tmp, cfg, runs, decode, partial, fmt, phase, date, plots)
     except OSError as e:
         phase.close(ok=False)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -99,6 +102,7 @@ def _write_files(
     fmt: str,
     phase: Phase,
     date: str | None,
+    draw: bool = True,
 ) -> None:
     (tmp / "config.yaml").write_text(config_yaml(cfg, runs))
     phase.advance()
@@ -124,15 +128,15 @@ def _write_files(
         vllm = {**r.vllm, "date": date}
         name = vllm_result.result_filename(r.label, vllm["request_rate"], vllm["model_id"])
         (tmp / name).write_text(json.dumps(_json_safe(vllm), indent=2))
-    plots = _plots(tmp, runs, cfg) + fairness.plots(tmp, runs, save_png)  # per class / tenant
-    stories, figures = _timelines(tmp, cfg, runs, fmt)
+    pngs = _plots(tmp, runs, cfg) + fairness.plots(tmp, runs, save_png) if draw else []
+    stories, figures = _timelines(tmp, cfg, runs, fmt, draw)
     phase.advance()
-    report = report_markdown(cfg, runs, plots + stories, fmt)
+    report = report_markdown(cfg, runs, pngs + stories, fmt, plots_drawn=draw)
     if partial:  # right under the title
         title, _, rest = report.partition("\n")
         report = f"{title}\n\n**Partial results**: {partial}.\n{rest}"
     (tmp / "report.md").write_text(report)
-    _html(tmp, cfg, runs, report, figures)
+    _html(tmp, cfg, runs, report, figures, draw)
     files = sorted(p.name for p in tmp.iterdir() if p.name != staging.MARKER)
     (tmp / MANIFEST).write_text(
         json.dumps({"written_by": f"sched-lab {__version__}", "files": files}, indent=2) + "\n"
@@ -415,14 +419,17 @@ def _plots(folder: Path, runs: list[Run], cfg: ExperimentConfig) -> list[tuple[s
     return plots.plots(folder, runs, cfg)
 
 
-def _timelines(folder: Path, cfg: ExperimentConfig, runs: list[Run], fmt: str):
-    """events.csv (or .parquet) of every run, and per run a Gantt PNG of its chosen requests
-    and a plotly figure (without plotly, none). Returns ([(png, caption)], [figures])."""
+def _timelines(folder: Path, cfg: ExperimentConfig, runs: list[Run], fmt: str, draw: bool = True):
+    """events.csv (or .parquet) of every run, and with ``draw`` per run a Gantt PNG of its
+    chosen requests and a plotly figure (without plotly, none). Returns ([(png, caption)],
+    [figures])."""
     frames, pngs, figures = [], [], []
-    with_plotly = html_report.plotly_available()
+    with_plotly = draw and html_report.plotly_available()
     for r in runs:
         events = timeline.events_frame(r)
         frames.append(events)
+        if not draw:
+            continue
         steps = pd.DataFrame(
             {k: r.result.steps[k] for k in ("time_s", "duration_s", "num_decode_tokens")}
         )
@@ -455,7 +462,7 @@ def _which(rc) -> str:
     return f"the {rc.timeline_slowest} slowest finished requests by {rc.timeline_by.upper()}"
 
 
-def _html(folder: Path, cfg, runs, report: str, figures) -> None:
+def _html(folder: Path, cfg, runs, report: str, figures, draw: bool = True) -> None:
     """report.html: report.md rendered, the table of every statistic, the timelines."""
     from sched_lab.report.terminal import rows, slo_text
 
@@ -473,7 +480,7 @@ def _html(folder: Path, cfg, runs, report: str, figures) -> None:
         report,
         [(caption, table.to_html(border=0))],
         figures,
-        timelines_expected=any(r.result.events is not None for r in runs),
+        timelines_expected=draw and any(r.result.events is not None for r in runs),
     )
 
 

@@ -521,3 +521,18 @@ def test_no_plots_writes_every_table_and_says_so(tmp_path, capsys):
     assert one_error_line(capsys) == (
         "error: experiments/sweep_quick.yaml: --no-plots is for a single experiment, not a sweep"
     )
+
+
+def test_a_run_without_plots_imports_no_plotting_package(tmp_path):
+    """matplotlib and plotly are imported where plots are drawn, so --no-plots loads neither."""
+    code = (
+        "import sys\nfrom sched_lab.cli import main\n"
+        f"assert main(['run', *{QUICK!r}, '--limit', '20', '--no-plots', '-q', '--out', "
+        f"{str(tmp_path / 'out')!r}]) == 0\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'matplotlib', 'plotly'}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -176,20 +176,20 @@ def _token_spans(
     order = np.lexsort((end[source[start]], piece_who))
     start, size, piece_who = start[order], size[order], piece_who[order]
     index = np.repeat(start - (np.cumsum(size) - size), size) + np.arange(int(size.sum()))
-    who = np.repeat(piece_who, size)
     times = end[source[index]]
-    if (np.diff(times)[who[1:] == who[:-1]] < 0).any():  # overlapping pieces
-        order = np.lexsort((times, who))
-        who, times = who[order], times[order]
+    del index
     n = len(finished)
-    counts = np.bincount(who, minlength=n)
+    counts = np.bincount(piece_who, weights=size, minlength=n).astype(np.int64)
     if n and counts.min() == 0:  # a finished request always has a token
         return _token_spans_each(result, finished, split_itl)
     bounds = np.concatenate([[0], np.cumsum(counts)])
-    first, last = times[bounds[:-1]], times[bounds[1:] - 1]
-    gaps = np.subtract(times[1:], times[:-1])  # np.diff; a request's last to the next's first
-    same = who[1:] == who[:-1]
-    return first, last, gaps[same]
+    gaps = np.subtract(times[1:], times[:-1])  # np.diff, then less each request's last to
+    gaps = np.delete(gaps, bounds[1:-1] - 1)  # the next one's first
+    if (gaps < 0).any():  # pieces overlap in time: order each request's tokens by time
+        who = np.repeat(piece_who, size)
+        times = times[np.lexsort((times, who))]
+        gaps = np.delete(np.subtract(times[1:], times[:-1]), bounds[1:-1] - 1)
+    return times[bounds[:-1]], times[bounds[1:] - 1], gaps
 
 
 def _token_spans_each(

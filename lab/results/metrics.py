@@ -145,9 +145,11 @@ def _token_spans(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(first token time, last token time) of each finished request, and the pooled gaps
     between their consecutive tokens in request order (seconds; ``split_itl``: see
-    :func:`request_table`). Without speculative tokens the times of every request are
-    gathered and sorted at once (a request's tokens by its index, then by time)."""
-    if split_itl or any(r.spec_steps for r in finished):
+    :func:`request_table`). Without speculative tokens, where ``result`` keeps its token
+    times as :class:`ReplayResult` does (a cluster's do not), the times of every request are
+    gathered and ordered at once."""
+    own_times = type(result).token_times is not ReplayResult.token_times  # a cluster's
+    if own_times or split_itl or any(r.spec_steps for r in finished):
         return _token_spans_each(result, finished, split_itl)
     end = result.step_end_s
     # Pieces of tokens: each prefill token (its step), each decode segment (its ticks'

@@ -1,22 +1,23 @@
 """CSV text of a table built a column at a time with numpy: the bytes pandas' ``to_csv``
 writes (``index=False``, the default dialect), without formatting each value in Python.
 
-A column becomes *cells*: a ``(rows, width)`` uint8 matrix of left-aligned characters and
-the length of each cell; :func:`pack` interleaves the columns' cells with commas and line
-ends. Numbers are turned into text with integer arithmetic:
+A column becomes *cells*: a ``(rows, width)`` uint8 matrix of each row's characters, NUL
+bytes being padding wherever they sit (no cell holds a NUL of its own), and the length of
+each cell; :func:`pack` puts the columns' cells side by side with commas and line ends and
+drops the padding. Numbers are turned into text with array arithmetic:
 
 * integers as ``str(int)``;
 * floats as ``repr(float)`` (pandas' default: the shortest text that reads back as the same
   float) or as ``"%.9g" % x``. The decimal digits come from the float's exact value times a
   power of ten, held as a sum of two floats (Dekker's exact product), so every rounding is
-  the exact one; a value too close to a rounding boundary to decide that way, outside the
-  fixed-point range (below 1e-4, from 1e16 for ``repr`` or 1e9 for ``%.9g``), zero, a power
-  of two or not finite is formatted by Python instead;
+  the exact one; whole numbers go the integers' way. A value too close to a rounding
+  boundary to decide that way, outside the fixed-point range (below 1e-4, from 1e16 for
+  ``repr`` or 1e9 for ``%.9g``), a power of two or not finite is formatted by Python;
 * text quoted as the ``csv`` module quotes (a comma, quote or line break inside); missing
   values empty.
 
-:func:`frame_cells` returns None for a column type it does not know (the caller then lets
-pandas write the table).
+:func:`column_cells` and :func:`frame_csv` return None for a column type they do not know
+(the caller then lets pandas write the table).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def _round(whole: np.ndarray, frac: np.ndarray, k: np.ndarray) -> tuple[np.ndarr
 
 
 def _shortest(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """repr's digits of positive ``x`` (in [1e-5, 1e17), not a power of two): (digits int64,
+    """repr's digits of positive ``x`` (in [1e-4, 1e16), not a power of two): (digits int64,
     their count, decimal exponent of the first, undecided mask: leave those to Python).
 
     The shortest digit string that reads back as ``x``, the nearest one among those: the
@@ -126,11 +127,12 @@ def _fixed_g(x: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     is exact in a float and the rest is the fraction of hi plus lo."""
     e10 = np.floor(np.log10(x)).astype(np.int64)
     top = float(10**p)
-    for _ in range(3):  # log10 may be one off near a power of ten
+    for _ in range(2):  # log10 may be one off near a power of ten
         hi, lo = _two_product(x, 10.0 ** (p - 1 - e10).astype(np.float64))
         over = (hi > top) | ((hi == top) & (lo >= 0))
         under = (hi < top / 10) | ((hi == top / 10) & (lo < 0))
         e10 = e10 + over - under
+    hi, lo = _two_product(x, 10.0 ** (p - 1 - e10).astype(np.float64))
     whole = np.floor(hi)
     frac = (hi - whole) + lo  # within 1e-20 of the exact fraction
     below = frac < 0
@@ -196,8 +198,8 @@ _EMPTY = 4000
 def _layout(digits: np.ndarray, count: np.ndarray, point: np.ndarray, point_zero: bool) -> Cells:
     """Cells of the fixed-point text of ``digits`` (``count`` of them, < 10**17) with the
     decimal point after ``point`` digits (<= 0: ``0.`` and zeros first; past the digits:
-    zeros, then ``.0`` if ``point_zero``). The integer part is right-aligned in its columns,
-    the fraction left-aligned: padding (NUL) may sit anywhere in a cell (see :func:`pack`)."""
+    zeros, then ``.0`` if ``point_zero``). Both parts are right-aligned in their columns,
+    with NUL padding before them (see :func:`pack`)."""
     frac_len = np.maximum(count - point, 0)
     whole, frac = np.divmod(digits, _POW10[np.minimum(frac_len, 18)])
     whole = whole * _POW10[np.clip(point - count, 0, 18)]  # zeros before the point

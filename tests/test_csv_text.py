@@ -50,7 +50,8 @@ def test_floats_match_pandas(seed, style):
 
 
 def test_other_columns_match_pandas():
-    """Integers (int64 edges), booleans, text that needs quoting, nullable integers."""
+    """Integers (int64 edges, small ones, one value throughout), booleans, text that needs
+    quoting, nullable integers."""
     rng = np.random.default_rng(2)
     n = 5_000
     i = np.concatenate(
@@ -64,6 +65,7 @@ def test_other_columns_match_pandas():
             "s": rng.choice(np.array(texts, dtype=object), len(i)),
             "n": pd.array(rng.choice(np.array([1, None, -5], dtype=object), len(i)), dtype="Int64"),
             "small": rng.integers(0, 7, len(i)),
+            "same": np.full(len(i), -12),
         }
     )
     assert csv_text.frame_csv(df) == _pandas(df)

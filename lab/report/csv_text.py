@@ -220,6 +220,8 @@ def _right_aligned(values: np.ndarray, width: np.ndarray, zeros: bool = False) -
     n, g = len(values), -(-int(width.max(initial=0)) // 3)
     if n == 0 or g == 0:
         return np.zeros((n, 0), dtype=np.uint8)
+    if g == 1 and not zeros:  # below 1,000: one lookup each
+        return _GROUPS[values + 1000].view(np.uint8).reshape(n, 4)
     index = _groups(values, g)
     cols = np.arange(g)[None, :]
     first = g - (-(-width // 3))[:, None]  # the first group shown, in part or whole
@@ -292,6 +294,9 @@ def int_cells(v: np.ndarray) -> Cells:
     big = np.zeros(len(v), dtype=bool)
     if len(v) and (v.max() >= _POW10[18] or (v.dtype.kind == "i" and v.min() <= -_POW10[18])):
         big = (v >= _POW10[18]) | ((v <= -_POW10[18]) if v.dtype.kind == "i" else False)
+    if len(v) and not big.any() and v.min() == v.max():  # one value: format it once
+        one, length = text_cells([str(int(v[0]))])
+        return np.broadcast_to(one, (len(v), one.shape[1])), np.repeat(length, len(v))
     keep = np.flatnonzero(~big)
     a = v[keep].astype(np.int64)
     negative = a < 0

@@ -220,8 +220,9 @@ def _right_aligned(values: np.ndarray, width: np.ndarray, zeros: bool = False) -
     n, g = len(values), -(-int(width.max(initial=0)) // 3)
     if n == 0 or g == 0:
         return np.zeros((n, 0), dtype=np.uint8)
-    if g == 1 and not zeros:  # below 1,000: one lookup each
-        return _GROUPS[values + 1000].view(np.uint8).reshape(n, 4)
+    if g == 1 and not zeros:  # below 1,000: one lookup each, as narrow as the widest
+        most = int(width.max())
+        return _GROUPS[values + 1000].view(np.uint8).reshape(n, 4)[:, 3 - most : 3]
     index = _groups(values, g)
     cols = np.arange(g)[None, :]
     first = g - (-(-width // 3))[:, None]  # the first group shown, in part or whole

@@ -236,6 +236,12 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         "vLLM's option (default: the YAML's report.metric_percentiles, 50,90,99,99.9); of "
         "a sweep, every point's, and the latency columns of its table (default there: 50,99)",
     )
+    ap.add_argument(
+        "--no-plots",
+        action="store_true",
+        help="draw no PNG and no interactive timeline (report.md and report.html say so); "
+        "the tables and summaries are the same",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     ap.add_argument(
@@ -431,7 +437,7 @@ def _run(args: argparse.Namespace) -> int:
                 runs.append(run)
             decode = _decoder(cfg)
             signals.deferring = True  # every run is done: a first signal lets the writing end
-            write_results(out, cfg, runs, decode, fmt=args.format)
+            write_results(out, cfg, runs, decode, fmt=args.format, plots=not args.no_plots)
         except UserError as e:
             msg = str(e)
             if not msg.startswith(args.config):  # name the experiment file once
@@ -449,7 +455,7 @@ def _run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return _code(e)
-            return _keep_partial(e, signals, cfg, runs, out, args.format)
+            return _keep_partial(e, signals, cfg, runs, out, args.format, not args.no_plots)
     if signals.pending is not None:
         name = signal.Signals(signals.pending).name
         print(
@@ -495,6 +501,8 @@ def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
 
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit: expected an integer >= 1, got {args.limit}")
+    if args.no_plots:
+        raise UserError("--no-plots is for a single experiment, not a sweep")
     if args.jobs is not None and args.jobs < 1:
         raise UserError(f"--jobs: expected an integer >= 1, got {args.jobs}")
     if args.max_points is not None:
@@ -558,7 +566,13 @@ def _code(e: KeyboardInterrupt) -> int:
 
 
 def _keep_partial(
-    e: KeyboardInterrupt, signals: _Signals, cfg, runs: list, out: Path | None, fmt: str
+    e: KeyboardInterrupt,
+    signals: _Signals,
+    cfg,
+    runs: list,
+    out: Path | None,
+    fmt: str,
+    plots: bool = True,
 ) -> int:
     """Write the completed runs as partial results; one line; 128 + the signal number."""
     if not runs:
@@ -574,7 +588,7 @@ def _keep_partial(
     partial = f"interrupted by {_name(e)} after {len(runs)} of {total} runs"
     signals.deferring, signals.pending = True, None
     try:
-        write_results(out, cfg, runs, _decoder(cfg), partial=partial, fmt=fmt)
+        write_results(out, cfg, runs, _decoder(cfg), partial=partial, fmt=fmt, plots=plots)
     except KeyboardInterrupt:
         print(
             f"error: {partial}, and twice again while writing them; nothing written",

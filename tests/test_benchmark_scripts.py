@@ -37,3 +37,21 @@ def test_cluster_pd_prints_one_row_per_layout_and_policy():
     ]
     for r in rows:
         assert r[-2].endswith("/ 100.0%") and r[-1].endswith("/ 100.0% |")
+
+
+def test_output_speed_names_every_part_and_matches_pandas():
+    """benchmarks/output_speed.py: one row per part of writing, and pandas' bytes equal."""
+    out = subprocess.run(
+        [sys.executable, "benchmarks/output_speed.py", "--limit", "30", "--pandas"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    for name in ("requests.csv", "steps.csv", "events.csv"):
+        assert f"{name}: pandas' bytes identical" in out
+    parts = [line.split(" | ")[0].removeprefix("| ") for line in out.splitlines()[5:]]
+    for part in ("steps.csv", "PNG plots", "timelines: Gantt PNGs", "report.html",
+                 "writing, all (with plots)", "writing, --no-plots"):  # fmt: skip
+        assert part in parts, part

@@ -500,3 +500,46 @@ def test_out_of_memory_is_one_line_and_status_1(monkeypatch, capsys):
     assert cli.run_main(["experiments/quickstart.yaml"]) == 1
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and all(e.startswith("error: out of memory: ") for e in err)
+
+
+def test_no_plots_writes_every_table_and_says_so(tmp_path, capsys):
+    """--no-plots: no PNG, no interactive timeline; report.md and report.html say so, the
+    tables are the bytes of a run with plots; a sweep refuses the flag in one line."""
+    with_plots, without = tmp_path / "plots", tmp_path / "none"
+    assert main(["run", *QUICK, "--limit", "40", "--out", str(with_plots)]) == 0
+    assert main(["run", *QUICK, "--limit", "40", "--out", str(without), "--no-plots"]) == 0
+    pngs = sorted(p.name for p in with_plots.glob("*.png"))
+    assert pngs == [
+        "latency_cdf.png", "over_time.png", "timeline_chunked_prefill.png",
+        "timeline_fcfs.png", "timeline_swap.png",
+    ]  # fmt: skip
+    assert list(without.glob("*.png")) == []
+    for name in ("requests.csv", "steps.csv", "events.csv", "summary.json", "config.yaml"):
+        assert (without / name).read_bytes() == (with_plots / name).read_bytes(), name
+    report = (without / "report.md").read_text()
+    assert "**No plots**: this run was made with `sched-lab run --no-plots`" in report
+    assert "![" not in report and "![" in (with_plots / "report.md").read_text()
+    page = (without / "report.html").read_text()
+    assert "No plots" in page and "Request timelines (interactive)" not in page
+    manifest = json.loads((without / MANIFEST).read_text())["files"]
+    assert "report.html" in manifest and not any(f.endswith(".png") for f in manifest)
+    capsys.readouterr()
+    assert main(["run", "experiments/sweep_quick.yaml", "--no-plots", "--no-progress"]) == 2
+    assert one_error_line(capsys) == (
+        "error: experiments/sweep_quick.yaml: --no-plots is for a single experiment, not a sweep"
+    )
+
+
+def test_a_run_without_plots_imports_no_plotting_package(tmp_path):
+    """matplotlib and plotly are imported where plots are drawn, so --no-plots loads neither."""
+    code = (
+        "import sys\nfrom sched_lab.cli import main\n"
+        f"assert main(['run', *{QUICK!r}, '--limit', '20', '--no-plots', '-q', '--out', "
+        f"{str(tmp_path / 'out')!r}]) == 0\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'matplotlib', 'plotly'}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"

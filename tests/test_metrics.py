@@ -268,3 +268,23 @@ def test_unfinished_requests_count_the_tokens_they_received(asynchronous, fails_
     assert df["num_generated_tokens"].dtype == np.int64
     assert df["num_generated_tokens"].tolist() == [received, received]
     assert df["ttft_s"].isna().all()  # latencies of finished requests only
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "swap"])
+def test_token_times_gathered_at_once_equal_request_by_request(policy):
+    """Requests preempted under KV pressure (a re-prefill token between decode segments):
+    the gathered token times give each request's first and last token and the ITL gaps in
+    the order and values of the request-by-request path."""
+    res = run(
+        policy,
+        [(f"r{i}", 0.001 * i, 8, 20) for i in range(6)],
+        gpu_blocks=12,
+        block_size=4,
+    )
+    fin = [r for r in res.requests if r.status.value == "finished"]
+    assert any(r.num_preemptions for r in fin)  # the case at stake
+    first, last, gaps = metrics._token_spans(res, fin, split_itl=False)
+    first_1, last_1, gaps_1 = metrics._token_spans_each(res, fin, split_itl=False)
+    assert first.tolist() == first_1.tolist() and last.tolist() == last_1.tolist()
+    assert gaps.tolist() == gaps_1.tolist()
+    assert len(fin) == 6 and len(gaps) == 6 * 19  # 20 tokens each: 19 gaps

@@ -18,14 +18,15 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from sched_lab import __version__
 from sched_lab.config import ExperimentConfig
 from sched_lab.core.errors import UserError
 from sched_lab.core.outputs import MANIFEST  # the names of the files the lab wrote in a folder
+from sched_lab.report import csv_text, plots, staging, timeline
 from sched_lab.report import html as html_report
-from sched_lab.report import plots, staging, timeline
 from sched_lab.report.markdown import config_yaml, report_markdown
 from sched_lab.report.progress import Phase
 from sched_lab.results import fairness, vllm_result
@@ -33,6 +34,7 @@ from sched_lab.results.run import Run
 from sched_lab.sim.records import STEP_COLUMNS
 
 FORMATS = ("csv", "parquet")  # of requests and steps
+STEPS_FLOAT_FORMAT = "%.9g"  # steps.csv's floats: 9 significant digits
 _TEMP_SUFFIX_BYTES = 14  # ".{name}.XXXXXXXX" then ".old": what a temporary name adds
 
 
@@ -50,6 +52,7 @@ def write_results(
     fmt: str = "csv",
     bars: bool = True,
     date: str | None = None,
+    plots: bool = True,
 ) -> Path:
     """Write every file of the run folder ``out_dir`` atomically; returns ``out_dir``.
     Engine runs also get ``tokens.jsonl`` (token ids, and text when ``decode`` is given).
@@ -61,6 +64,8 @@ def write_results(
         bars: False: no progress bar while writing.
         date: the vLLM-format files' ``date`` (default: now, or ``SOURCE_DATE_EPOCH``;
             :func:`sched_lab.results.vllm_result.result_date`).
+        plots: False: no PNG and no interactive timeline (report.md and report.html say
+            so); the tables, events and summaries are the same.
 
     Raises:
         UserError: ``out_dir`` cannot become a results folder (nothing is written).
@@ -72,7 +77,7 @@ def write_results(
     tmp = temp_folder(out_dir)
     phase = Phase("writing results", 5, "file", bars).start()  # 5 advances below
     try:
-        _write_files(tmp, cfg, runs, decode, partial, fmt, phase, date)
+        _write_files(tmp, cfg, runs, decode, partial, fmt, phase, date, plots)
     except OSError as e:
         phase.close(ok=False)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -97,6 +102,7 @@ def _write_files(
     fmt: str,
     phase: Phase,
     date: str | None,
+    draw: bool = True,
 ) -> None:
     (tmp / "config.yaml").write_text(config_yaml(cfg, runs))
     phase.advance()
@@ -105,7 +111,7 @@ def _write_files(
         requests.to_parquet(tmp / "requests.parquet", index=False)
         _steps_frame(runs).to_parquet(tmp / "steps.parquet", index=False)
     else:
-        requests.to_csv(tmp / "requests.csv", index=False)
+        write_csv(tmp / "requests.csv", requests)
         _write_steps_csv(tmp / "steps.csv", runs)
     phase.advance()
     extra = {"partial": partial} if partial else {}
@@ -122,15 +128,15 @@ def _write_files(
         vllm = {**r.vllm, "date": date}
         name = vllm_result.result_filename(r.label, vllm["request_rate"], vllm["model_id"])
         (tmp / name).write_text(json.dumps(_json_safe(vllm), indent=2))
-    plots = _plots(tmp, runs, cfg) + fairness.plots(tmp, runs, save_png)  # per class / tenant
-    stories, figures = _timelines(tmp, cfg, runs, fmt)
+    pngs = _plots(tmp, runs, cfg) + fairness.plots(tmp, runs, save_png) if draw else []
+    stories, figures = _timelines(tmp, cfg, runs, fmt, draw)
     phase.advance()
-    report = report_markdown(cfg, runs, plots + stories, fmt)
+    report = report_markdown(cfg, runs, pngs + stories, fmt, plots_drawn=draw)
     if partial:  # right under the title
         title, _, rest = report.partition("\n")
         report = f"{title}\n\n**Partial results**: {partial}.\n{rest}"
     (tmp / "report.md").write_text(report)
-    _html(tmp, cfg, runs, report, figures)
+    _html(tmp, cfg, runs, report, figures, draw)
     files = sorted(p.name for p in tmp.iterdir() if p.name != staging.MARKER)
     (tmp / MANIFEST).write_text(
         json.dumps({"written_by": f"sched-lab {__version__}", "files": files}, indent=2) + "\n"
@@ -319,20 +325,59 @@ def _write_tokens(path: Path, runs: list[Run], decode) -> None:
                 f.write(json.dumps(row) + "\n")
 
 
+def write_csv(path: Path, df: pd.DataFrame, float_format: str | None = None) -> None:
+    """``df.to_csv(path, index=False, float_format=...)``'s bytes, made column-wise
+    (lab/report/csv_text.py); pandas writes a table holding a type that module lacks."""
+    data = csv_text.frame_csv(df, float_format or "repr")
+    if data is None:
+        df.to_csv(path, index=False, float_format=float_format)
+    else:
+        path.write_bytes(data)
+
+
 def _write_steps_csv(path: Path, runs: list[Run], rows: int = 1 << 20) -> None:
-    """steps.csv run by run, ``rows`` at a time: the same text as :func:`_steps_frame`'s."""
-    with path.open("w") as f:
+    """steps.csv run by run, ``rows`` at a time: the same bytes as :func:`_steps_frame`'s
+    ``to_csv(index=False, float_format=STEPS_FLOAT_FORMAT)``."""
+    with path.open("wb") as f:
         header = True
         for r in runs:
             n = len(r.result.steps["time_s"])
+            names = ["policy", "rate_scale", *_columns(r)]
             for start in range(0, n, rows):
-                cols = {"policy": r.policy, "rate_scale": r.rate_scale}
-                cols.update({c: r.result.steps[c][start : start + rows] for c in _columns(r)})
-                pd.DataFrame(cols).to_csv(f, index=False, header=header, float_format="%.9g")
+                stop = min(start + rows, n)
+                cells = _steps_cells(r, start, stop)
+                if cells is None:  # a column type csv_text lacks: pandas writes the chunk
+                    cols = {"policy": r.policy, "rate_scale": r.rate_scale}
+                    cols.update({c: r.result.steps[c][start:stop] for c in _columns(r)})
+                    text = pd.DataFrame(cols).to_csv(
+                        index=False, header=header, float_format=STEPS_FLOAT_FORMAT
+                    )
+                    f.write(text.encode())
+                else:
+                    f.write(csv_text.pack(cells, names if header else None))
                 header = False
         if header:  # no run has a step: the header alone, as the concatenated frame writes
             extra = _columns(runs[0])[len(STEP_COLUMNS) :] if runs else []
-            f.write(",".join(["policy", "rate_scale", *STEP_COLUMNS, *extra]) + "\n")
+            names = ["policy", "rate_scale", *STEP_COLUMNS, *extra]
+            f.write(csv_text.pack([], names))
+
+
+def _steps_cells(run: Run, start: int, stop: int) -> list | None:
+    """The csv_text cells of rows [start, stop) of a run's steps, its policy and rate_scale
+    first (each one value, as pandas broadcasts it); None if a column's type is not known."""
+    n = stop - start
+    cells = []
+    for value in (np.array([run.policy], dtype=object), np.array([run.rate_scale])):
+        one = csv_text.column_cells(value, STEPS_FLOAT_FORMAT)
+        if one is None:
+            return None
+        cells.append((np.broadcast_to(one[0], (n, one[0].shape[1])), np.repeat(one[1], n)))
+    for c in _columns(run):
+        col = csv_text.column_cells(run.result.steps[c][start:stop], STEPS_FLOAT_FORMAT)
+        if col is None:
+            return None
+        cells.append(col)
+    return cells
 
 
 def concat_requests(frames: list[pd.DataFrame]) -> pd.DataFrame:
@@ -374,14 +419,17 @@ def _plots(folder: Path, runs: list[Run], cfg: ExperimentConfig) -> list[tuple[s
     return plots.plots(folder, runs, cfg)
 
 
-def _timelines(folder: Path, cfg: ExperimentConfig, runs: list[Run], fmt: str):
-    """events.csv (or .parquet) of every run, and per run a Gantt PNG of its chosen requests
-    and a plotly figure (without plotly, none). Returns ([(png, caption)], [figures])."""
+def _timelines(folder: Path, cfg: ExperimentConfig, runs: list[Run], fmt: str, draw: bool = True):
+    """events.csv (or .parquet) of every run, and with ``draw`` per run a Gantt PNG of its
+    chosen requests and a plotly figure (without plotly, none). Returns ([(png, caption)],
+    [figures])."""
     frames, pngs, figures = [], [], []
-    with_plotly = html_report.plotly_available()
+    with_plotly = draw and html_report.plotly_available()
     for r in runs:
         events = timeline.events_frame(r)
         frames.append(events)
+        if not draw:
+            continue
         steps = pd.DataFrame(
             {k: r.result.steps[k] for k in ("time_s", "duration_s", "num_decode_tokens")}
         )
@@ -402,7 +450,7 @@ def _timelines(folder: Path, cfg: ExperimentConfig, runs: list[Run], fmt: str):
     if fmt == "parquet":
         events.to_parquet(folder / "events.parquet", index=False)
     else:
-        events.to_csv(folder / "events.csv", index=False)
+        write_csv(folder / "events.csv", events)
     return pngs, figures
 
 
@@ -414,7 +462,7 @@ def _which(rc) -> str:
     return f"the {rc.timeline_slowest} slowest finished requests by {rc.timeline_by.upper()}"
 
 
-def _html(folder: Path, cfg, runs, report: str, figures) -> None:
+def _html(folder: Path, cfg, runs, report: str, figures, draw: bool = True) -> None:
     """report.html: report.md rendered, the table of every statistic, the timelines."""
     from sched_lab.report.terminal import rows, slo_text
 
@@ -432,7 +480,7 @@ def _html(folder: Path, cfg, runs, report: str, figures) -> None:
         report,
         [(caption, table.to_html(border=0))],
         figures,
-        timelines_expected=any(r.result.events is not None for r in runs),
+        timelines_expected=draw and any(r.result.events is not None for r in runs),
     )
 
 

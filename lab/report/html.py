@@ -16,7 +16,9 @@ import html
 import json
 from pathlib import Path
 
-from sched_lab.report.timeline import LANES, Story
+import numpy as np
+
+from sched_lab.report.timeline import LANES, Story, step_runs
 
 MAX_STEP_BARS = 3000  # bars of a timeline's steps row: about what a 1,400 px page shows
 DIGITS = 6  # seconds in the figures: microseconds
@@ -87,9 +89,10 @@ def timeline_figure(stories: list[Story], steps, title: str):
 
 def step_groups(n: int, most: int = MAX_STEP_BARS) -> list[tuple[int, int]]:
     """[first, last] step indices of the bars for ``n`` steps: one per step up to ``most``,
-    else runs of ``ceil(n / most)`` consecutive steps."""
-    size = max(-(-n // most), 1)
-    return [(a, min(a + size, n) - 1) for a in range(0, n, size)]
+    else runs of ``ceil(n / most)`` consecutive steps (:func:`~sched_lab.report.timeline.
+    step_runs`)."""
+    first, last = step_runs(n, most)
+    return list(zip(first.tolist(), last.tolist()))
 
 
 def _steps_row(steps, lo: float, hi: float):
@@ -98,7 +101,7 @@ def _steps_row(steps, lo: float, hi: float):
 
     t = steps["time_s"].to_numpy(dtype=float)
     d = steps["duration_s"].to_numpy(dtype=float)
-    sel = [k for k in range(len(t)) if t[k] + d[k] >= lo and t[k] <= hi]
+    sel = np.flatnonzero((t + d >= lo) & (t <= hi)).tolist()
     xs, bases, texts, colours = [], [], [], []
     for i, (a, b) in enumerate(step_groups(len(sel))):
         first, last = sel[a], sel[b]

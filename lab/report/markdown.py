@@ -210,11 +210,23 @@ def _scheduling_lines(runs: list[Run]) -> list[str]:
     return [*lines, ""]
 
 
+NO_PLOTS = (
+    "**No plots**: this run was made with `sched-lab run --no-plots`, so no PNG and no "
+    "interactive timeline were drawn; a timeline of chosen requests: `sched-lab timeline "
+    "RESULTS --run RUN`, the other plots: run the experiment again without `--no-plots`."
+)
+
+
 def report_markdown(
-    cfg: ExperimentConfig, runs: list[Run], plots: list[tuple[str, str]], fmt: str = "csv"
+    cfg: ExperimentConfig,
+    runs: list[Run],
+    plots: list[tuple[str, str]],
+    fmt: str = "csv",
+    *,
+    plots_drawn: bool = True,
 ) -> str:
     """report.md; ``fmt``: the format requests, steps and events were written in (the files
-    it names)."""
+    it names); ``plots_drawn`` False: says that no plot was drawn (``--no-plots``)."""
     from sched_lab.report.terminal import slo_text
 
     if cfg.trace.classes:
@@ -288,6 +300,8 @@ def report_markdown(
     lines += replicas_markdown(runs)  # cluster runs only
     for name, caption in plots:
         lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
+    if not plots_drawn:
+        lines += [NO_PLOTS, ""]
     tokens = (
         "`tokens.jsonl` (generated token ids, and text), "
         if any(r.output_token_ids for run in runs for r in run.result.requests)

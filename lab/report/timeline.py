@@ -42,62 +42,134 @@ LANES = {
 
 
 def events_frame(run) -> pd.DataFrame:
-    """The events of one :class:`sched_lab.results.run.Run` as events.csv rows, in step order."""
+    """The events of one :class:`sched_lab.results.run.Run` as events.csv rows, in step order
+    (within a step: waits, admission, chunk, decode, end; then in the order recorded)."""
     res = run.result
     n_steps = len(res.steps["time_s"])
-    rows: list[tuple] = []
-    log = res.events
-    if log is not None:
-        for step, kind, r, a, b in log.rows(res.requests):
-            name = EVENT_NAMES[kind]
-            if kind == PREEMPTED:
-                rows.append((r.request_id, name, step, step, 1, 0, 0, PREEMPT_MODES[a], b))
-            elif name == "prefill":
-                rows.append((r.request_id, name, step, step, 1, a, 0, "", ""))
-            elif name == "admitted":  # with its first prefill chunk
-                rows.append((r.request_id, name, step, step, 1, 0, a, "", ""))
-                rows.append((r.request_id, "prefill", step, step, 1, b, 0, "", ""))
-            elif name == "swapped_in":
-                rows.append((r.request_id, name, step, step, 1, 0, a, "", ""))
-            else:
-                detail = r.reason if name == "aborted" else ""
-                rows.append((r.request_id, name, step, step, 1, 0, 0, "", detail))
-        for reason, r, first, last, count, a, b in log.waits:
-            rid = QUEUE if r is None else r.request_id
-            text = WAIT_REASONS[reason].format(a=a, b=b)
-            blocks = a if reason in ("kv_blocks", "swap_in_blocks") else 0
-            tokens = a if reason == "token_budget" else 0
-            rows.append((rid, "waited", first, last, count, tokens, blocks, reason, text))
+    parts = []  # column dicts (EVENT_COLUMNS[2:]) in the order recorded
+    if res.events is not None:
+        parts += [_log_rows(res.events, res.requests), _wait_rows(res.events)]
+    parts += _request_rows(res)
+    cols = {c: np.concatenate([p[c] for p in parts]) for c in EVENT_COLUMNS[2:]}
+    keep = cols["step"] < max(n_steps, 1)
+    cols = {c: v[keep] for c, v in cols.items()}
+    rank = _RANK[_EVENT_INDEX.get_indexer(cols["event"])]
+    order = np.lexsort((rank, cols["step"]))  # stable: the order recorded breaks ties
+    df = pd.DataFrame({"policy": run.policy, "rate_scale": run.rate_scale}, index=range(len(order)))
+    for c, v in cols.items():
+        df[c] = _column(v[order])
+    return df
+
+
+def _column(v: np.ndarray):
+    """An events column: integers as int64, text as Python strings (object)."""
+    return pd.Series(v, dtype=object, copy=False) if v.dtype == object else v
+
+
+def _rows(n: int, **cols) -> dict[str, np.ndarray]:
+    """Columns of ``n`` events: the values given (arrays or one value each), 0 or "" else."""
+    out = {}
+    for c in EVENT_COLUMNS[2:]:
+        text = c in ("request_id", "event", "reason", "detail")
+        v = cols.get(c, "" if text else 0)
+        if np.ndim(v) == 0:
+            v = np.full(n, v, dtype=object if text else np.int64)
+        out[c] = np.asarray(v, dtype=object if text else np.int64)
+    return out
+
+
+def _log_rows(log, requests) -> dict[str, np.ndarray]:
+    """The scheduler's events, an admission followed by its first prefill chunk."""
+    ev = np.frombuffer(log.data, dtype=np.int64).reshape(-1, 5)
+    step, kind, who, a, b = (ev[:, i] for i in range(5))
+    index = pd.Index([id(r) for r in requests]).get_indexer(who)
+    if (index < 0).any():
+        raise KeyError(int(who[np.argmax(index < 0)]))
+    ids = np.array([r.request_id for r in requests], dtype=object)[index]
+    names = np.array(EVENT_NAMES, dtype=object)
+    preempted, aborted = kind == PREEMPTED, names[kind] == "aborted"
+    reason, detail = np.full(len(kind), "", dtype=object), np.full(len(kind), "", dtype=object)
+    reason[preempted] = np.array(PREEMPT_MODES, dtype=object)[a[preempted]]
+    detail[preempted] = np.array(log.texts + [""], dtype=object)[b[preempted]]
+    detail[aborted] = [requests[i].reason for i in index[aborted]]
+    tokens = np.where(names[kind] == "prefill", a, 0)
+    blocks = np.where((names[kind] == "admitted") | (names[kind] == "swapped_in"), a, 0)
+    rows = _rows(len(kind), request_id=ids, event=names[kind], step=step, last_step=step,
+                 steps=1, tokens=tokens, blocks=blocks, reason=reason, detail=detail)  # fmt: skip
+    admitted = np.flatnonzero(names[kind] == "admitted")
+    chunks = _rows(len(admitted), request_id=ids[admitted], event="prefill", step=step[admitted],
+                   last_step=step[admitted], steps=1, tokens=b[admitted])  # fmt: skip
+    # each admission's chunk right after it: positions 2i and 2i + 1
+    at = np.concatenate([2 * np.arange(len(kind)), 2 * admitted + 1])
+    place = np.argsort(at, kind="stable")
+    return {c: np.concatenate([rows[c], chunks[c]])[place] for c in rows}
+
+
+def _wait_rows(log) -> dict[str, np.ndarray]:
+    """The wait streaks (request id ``*``: the whole queue)."""
+    rid, reasons, texts, first, last, count, tokens, blocks = ([] for _ in range(8))
+    for reason, r, s0, s1, n, a, b in log.waits:
+        rid.append(QUEUE if r is None else r.request_id)
+        reasons.append(reason)
+        texts.append(WAIT_REASONS[reason].format(a=a, b=b))
+        first.append(s0)
+        last.append(s1)
+        count.append(n)
+        blocks.append(a if reason in ("kv_blocks", "swap_in_blocks") else 0)
+        tokens.append(a if reason == "token_budget" else 0)
+    return _rows(len(rid), request_id=rid, event="waited", step=first, last_step=last,
+                 steps=count, tokens=tokens, blocks=blocks, reason=reasons, detail=texts)  # fmt: skip
+
+
+def _request_rows(res) -> list[dict[str, np.ndarray]]:
+    """Each request's end (finished) and decode spans, in request order."""
     ticks, end = res.tick_steps, res.step_end_s
-    for r in res.requests if n_steps else ():  # no steps (a served run): no step to place at
-        if r.status is RequestStatus.FINISHED:  # the step whose end is its finish time
-            step = int(np.searchsorted(end, r.finish_s))
-            rows.append((r.request_id, "finished", step, step, 1, 0, 0, "", ""))
+    # no steps (a served run): no step to place an end at
+    finished = [r for r in res.requests if r.status is RequestStatus.FINISHED] if len(end) else []
+    fin_step = np.searchsorted(end, np.array([r.finish_s for r in finished], dtype=float))
+    fin = _rows(len(finished), request_id=np.array([r.request_id for r in finished], dtype=object),
+                event="finished", step=fin_step, last_step=fin_step, steps=1)  # fmt: skip
+    rid: list[str] = []  # per decode span: request id, first tick, end tick, drafts, why
+    a_: list[int] = []
+    b_: list[int] = []
+    drafts_: list[int] = []
+    why_: list[str] = []
+    for r in res.requests:
+        segments = r.decode_segments
+        if not segments:
+            continue
+        rid += [r.request_id] * len(segments)
+        for a, b in segments:
+            a_.append(a)
+            b_.append(b)
+        if not r.spec_steps:
+            drafts_ += [0] * len(segments)
+            why_ += [""] * len(segments)
+            continue
         spec = np.asarray(r.spec_steps, dtype=np.int64).reshape(-1, 3)  # (step, d', a)
         accepted = np.concatenate([[0], np.cumsum(spec[:, 2])])  # before each verify step
-        for a, b in r.decode_segments:
+        for a, b in segments:
+            drafts = 0
             if a < len(ticks) and b > a:
                 first, last = int(ticks[a]), int(ticks[min(b, len(ticks)) - 1])
                 lo, hi = np.searchsorted(spec[:, 0], (first, last + 1))  # its verify steps
                 drafts = int(accepted[hi] - accepted[lo])  # their tokens come with the ticks'
-                why = f"{drafts:,} of them accepted drafts" if drafts else ""
-                rows.append(
-                    (r.request_id, "decode", first, last, last - first + 1, b - a + drafts, 0,
-                     "", why)
-                )  # fmt: skip
-    df = pd.DataFrame(rows, columns=EVENT_COLUMNS[2:])
-    df = df[df["step"] < max(n_steps, 1)]
-    rank = df["event"].map(_ORDER)  # within a step: waits, admission, chunk, decode, end
-    df = df.iloc[np.lexsort((rank.to_numpy(), df["step"].to_numpy()))]
-    df.insert(0, "rate_scale", run.rate_scale)
-    df.insert(0, "policy", run.policy)
-    return df.reset_index(drop=True)
+            drafts_.append(drafts)
+            why_.append(f"{drafts:,} of them accepted drafts" if drafts else "")
+    a, b = np.array(a_, dtype=np.int64), np.array(b_, dtype=np.int64)
+    ok = (a < len(ticks)) & (b > a)
+    a, b, drafts = a[ok], b[ok], np.array(drafts_, dtype=np.int64)[ok]
+    first, last = ticks[a], ticks[np.minimum(b, len(ticks)) - 1]
+    dec = _rows(len(a), request_id=np.array(rid, dtype=object)[ok], event="decode", step=first,
+                last_step=last, steps=last - first + 1, tokens=b - a + drafts,
+                detail=np.array(why_, dtype=object)[ok])  # fmt: skip
+    # the original order: per request, its end then its spans (ties only within a kind)
+    return [fin, dec]
 
 
-_ORDER = {
-    "waited": 0, "admitted": 1, "swapped_in": 1, "prefill": 2, "decode": 3, "preempted": 4,
-    "finished": 5, "aborted": 5,
-}  # fmt: skip
+_EVENT_INDEX = pd.Index(["waited", "admitted", "swapped_in", "prefill", "decode", "preempted",
+                         "finished", "aborted"])  # fmt: skip
+_RANK = np.array([0, 1, 1, 2, 3, 4, 5, 5])  # within a step: waits, admission, chunk, ...
 
 
 # ---------------------------------------------------------------------------- segments
@@ -280,6 +352,18 @@ def choose(requests: pd.DataFrame, report_cfg) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- pictures
+GANTT_DPI = 110
+
+
+def step_runs(n: int, most: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first, last) indices of the bars for ``n`` steps: one per step up to ``most``, else
+    runs of ``ceil(n / most)`` consecutive steps (a picture shows no more bars than it has
+    pixels, nor a page than it can draw)."""
+    size = max(-(-n // max(most, 1)), 1)
+    first = np.arange(0, n, size)
+    return first, np.minimum(first + size, n) - 1
+
+
 def gantt_png(
     path: Path,
     stories: Sequence[Story],
@@ -319,16 +403,21 @@ def gantt_png(
     ax.set_ylabel("request id")
     ax.set_xlabel("time (s)")
     ax.grid(axis="x", alpha=0.3)
-    # Step boundaries: alternating shades, one band per step, for the steps in view.
+    # Step boundaries: alternating shades, one band per step in view, or per run of
+    # consecutive steps where there are more steps than the picture has pixels across.
     t = steps["time_s"].to_numpy(dtype=float)
     d = steps["duration_s"].to_numpy(dtype=float)
     sel = np.flatnonzero((t + d >= lo) & (t <= hi))
+    first, last = step_runs(len(sel), int(fig.get_figwidth() * GANTT_DPI))
+    first, last = sel[first], sel[last]
     for parity, colour in ((0, "#cccccc"), (1, "#555555")):
-        k = sel[sel % 2 == parity]
-        top.broken_barh(list(zip(t[k], d[k])), (0, 1), color=colour, lw=0)
+        a, b = first[parity::2], last[parity::2]
+        top.broken_barh(list(zip(t[a], t[b] + d[b] - t[a])), (0, 1), color=colour, lw=0)
     top.set_yticks([])
     top.set_ylabel("steps", rotation=0, ha="right", va="center", fontsize=8)
-    top.set_title(f"{title}: {len(sel):,} steps (alternating shades)", fontsize=10)
+    size = int(last[0] - first[0] + 1) if len(sel) else 1
+    shades = "alternating shades" + (f", {size:,} steps each" if size > 1 else "")
+    top.set_title(f"{title}: {len(sel):,} steps ({shades})", fontsize=10)
     ax.set_xlim(lo - (hi - lo) * 0.01, hi + (hi - lo) * 0.01)
     handles = [Patch(color=c, label=k) for k, c in LANES.items()]
     handles.append(plt.Line2D([], [], marker="|", color="black", ls="", ms=9, label="first token"))
@@ -340,7 +429,7 @@ def gantt_png(
         loc="upper center",
         bbox_to_anchor=(0.5, -0.5 / n - 0.12),
     )
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    fig.savefig(path, dpi=GANTT_DPI, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -80,57 +80,44 @@ def request_table(
     the tokens received before its end for an aborted one; the status and reason say why).
 
     Args:
-        progress: optional callable(num_requests_done), called every 4,096 requests.
+        progress: optional callable(num_requests_done), called when the table is done.
         requests: the rows, in order (default ``result.requests``; see :func:`in_trace_order`).
         split_itl: tokens that arrive together split the gap before them evenly.
     """
     requests = result.requests if requests is None else requests
-    finished = (r for r in requests if r.status is RequestStatus.FINISHED)
-    num_gaps = sum(result.num_token_times(r) - 1 for r in finished)
-    itl = np.empty(max(num_gaps, 0))
-    cols: dict[str, list] = {c: [] for c in REQUEST_COLUMNS}
-    pos = 0
-    for i, r in enumerate(requests):
-        finished = r.status is RequestStatus.FINISHED
-        first = last = np.nan
-        if finished:
-            times = result.token_times(r)
-            first, last = times[0], times[-1]
-            n = len(times) - 1
-            if split_itl:
-                itl[pos : pos + n] = split_gaps(times)
-            else:
-                np.subtract(times[1:], times[:-1], out=itl[pos : pos + n])  # np.diff, in place
-            pos += n
-        queue = r.first_scheduled_s - r.arrival_s if r.first_scheduled_s >= 0 else np.nan
-        for c, v in zip(
-            cols.values(),
-            (
-                policy,
-                rate_scale,
-                r.request_id,
-                r.status.value,
-                r.reason,
-                r.arrival_s,
-                r.prompt_len,
-                r.output_len,
-                r.num_output_tokens if finished else _num_received(result, r),
-                first,
-                r.finish_s if r.finish_s >= 0 else np.nan,
-                first - r.arrival_s,
-                np.nan,
-                last - r.arrival_s,
-                queue,
-                r.num_preemptions,
-                r.num_preemptions_recompute,
-                r.num_preemptions_swap,
-                r.num_cached_tokens,
-                r.num_resumed_cached_tokens,
-            ),
-        ):
-            c.append(v)
-        if progress is not None and (i + 1) % 4096 == 0:
-            progress(i + 1)
+    fin = np.array([r.status is RequestStatus.FINISHED for r in requests], dtype=bool)
+    first, last, itl = _token_spans(result, [r for r, f in zip(requests, fin) if f], split_itl)
+    first_s = np.full(len(requests), np.nan)
+    last_s = np.full(len(requests), np.nan)
+    first_s[fin], last_s[fin] = first, last
+    arrival = np.array([r.arrival_s for r in requests], dtype=np.float64)
+    scheduled = np.array([r.first_scheduled_s for r in requests], dtype=np.float64)
+    finish = np.array([r.finish_s for r in requests], dtype=np.float64)
+    received = [
+        r.num_output_tokens if f else _num_received(result, r) for r, f in zip(requests, fin)
+    ]
+    cols = {
+        "policy": [policy] * len(requests),
+        "rate_scale": [rate_scale] * len(requests),
+        "request_id": [r.request_id for r in requests],
+        "status": [r.status.value for r in requests],
+        "reason": [r.reason for r in requests],
+        "arrival_s": arrival,
+        "prompt_tokens": _ints([r.prompt_len for r in requests]),
+        "output_tokens": _ints([r.output_len for r in requests]),
+        "num_generated_tokens": _ints(received),
+        "first_token_s": first_s,
+        "finish_s": np.where(finish >= 0, finish, np.nan),
+        "ttft_s": first_s - arrival,
+        "tpot_s": np.full(len(requests), np.nan),
+        "e2e_s": last_s - arrival,
+        "queue_s": np.where(scheduled >= 0, scheduled - arrival, np.nan),
+    }
+    for c in ("num_preemptions", "num_preemptions_recompute", "num_preemptions_swap",
+              "num_cached_tokens", "num_resumed_cached_tokens"):  # fmt: skip
+        cols[c] = _ints([getattr(r, c) for r in requests])
+    if progress is not None:
+        progress(len(requests))
     df = pd.DataFrame(cols)
     del cols
     df["tpot_s"] = tpot_s(df["ttft_s"], df["e2e_s"], df["num_generated_tokens"])
@@ -143,6 +130,88 @@ def request_table(
         if any(getattr(r, column) for r in requests):
             df[column] = [getattr(r, column) for r in requests]
     return df, itl
+
+
+def _ints(values: list) -> np.ndarray | list:
+    """int64 where every value fits (as pandas would infer), else the list as it is."""
+    try:
+        return np.array(values, dtype=np.int64)
+    except (OverflowError, TypeError, ValueError):
+        return values
+
+
+def _token_spans(
+    result: ReplayResult, finished: list[Request], split_itl: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(first token time, last token time) of each finished request, and the pooled gaps
+    between their consecutive tokens in request order (seconds; ``split_itl``: see
+    :func:`request_table`). Without speculative tokens, where ``result`` keeps its token
+    times as :class:`ReplayResult` does (a cluster's do not), the times of every request are
+    gathered and ordered at once."""
+    own_times = type(result).token_times is not ReplayResult.token_times  # a cluster's
+    if own_times or split_itl or any(r.spec_steps for r in finished):
+        return _token_spans_each(result, finished, split_itl)
+    end = result.step_end_s
+    # Pieces of tokens: each prefill token (its step), each decode segment (its ticks'
+    # steps). A request's pieces ordered by their first token's time, then expanded, give
+    # its tokens in time order unless pieces overlap in time (then everything is sorted).
+    owner: list[int] = []  # per prefill token: the request's index among ``finished``
+    steps: list[int] = []  # its step
+    seg_owner: list[int] = []
+    seg_a: list[int] = []
+    seg_b: list[int] = []
+    for i, r in enumerate(finished):
+        p = r.prefill_token_steps
+        steps += p
+        owner += [i] * len(p)
+        for a, b in r.decode_segments:
+            seg_owner.append(i)
+            seg_a.append(a)
+            seg_b.append(b)
+    a_, b_ = np.array(seg_a, dtype=np.int64), np.array(seg_b, dtype=np.int64)
+    source = np.concatenate([np.array(steps, dtype=np.int64), result.tick_steps])
+    start = np.concatenate([np.arange(len(steps), dtype=np.int64), len(steps) + a_])
+    size = np.concatenate([np.ones(len(steps), dtype=np.int64), b_ - a_])
+    piece_who = np.concatenate([np.array(owner, dtype=np.int64), np.array(seg_owner, np.int64)])
+    keep = size > 0
+    start, size, piece_who = start[keep], size[keep], piece_who[keep]
+    order = np.lexsort((end[source[start]], piece_who))
+    start, size, piece_who = start[order], size[order], piece_who[order]
+    index = np.repeat(start - (np.cumsum(size) - size), size) + np.arange(int(size.sum()))
+    times = end[source[index]]
+    del index
+    n = len(finished)
+    counts = np.bincount(piece_who, weights=size, minlength=n).astype(np.int64)
+    if n and counts.min() == 0:  # a finished request always has a token
+        return _token_spans_each(result, finished, split_itl)
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    gaps = np.subtract(times[1:], times[:-1])  # np.diff, then less each request's last to
+    gaps = np.delete(gaps, bounds[1:-1] - 1)  # the next one's first
+    if (gaps < 0).any():  # pieces overlap in time: order each request's tokens by time
+        who = np.repeat(piece_who, size)
+        times = times[np.lexsort((times, who))]
+        gaps = np.delete(np.subtract(times[1:], times[:-1]), bounds[1:-1] - 1)
+    return times[bounds[:-1]], times[bounds[1:] - 1], gaps
+
+
+def _token_spans_each(
+    result: ReplayResult, finished: list[Request], split_itl: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_token_spans`, request by request (tokens that speculative steps added)."""
+    num_gaps = sum(result.num_token_times(r) - 1 for r in finished)
+    itl = np.empty(max(num_gaps, 0))
+    first, last = np.empty(len(finished)), np.empty(len(finished))
+    pos = 0
+    for i, r in enumerate(finished):
+        times = result.token_times(r)
+        first[i], last[i] = times[0], times[-1]
+        n = len(times) - 1
+        if split_itl:
+            itl[pos : pos + n] = split_gaps(times)
+        else:
+            np.subtract(times[1:], times[:-1], out=itl[pos : pos + n])  # np.diff, in place
+        pos += n
+    return first, last, itl
 
 
 def _num_received(result: ReplayResult, r: Request) -> int:

@@ -664,3 +664,32 @@ def test_engine_concurrent_clients(engine_server):
         assert list(pool.map(one, range(6))) == [1, 2, 3, 4, 5, 6]
     m = engine_server.wait_metrics(lambda m: m["vllm:kv_cache_usage_perc"] == 0)
     assert (m["vllm:num_requests_running"], m["vllm:kv_cache_usage_perc"]) == (0, 0)
+
+
+def test_tokens_queued_while_the_client_lags_go_out_as_one_chunk():
+    """Server._events: token batches of several steps already queued when the handler takes
+    one are merged into one text delta (as vLLM's output collector does for a slow consumer);
+    the end and its reason come with the last."""
+    import asyncio
+    import types
+
+    from sched_lab.core.request import Request
+    from sched_lab.serve.app import Server
+    from sched_lab.serve.loop import LENGTH, Stream
+    from sched_lab.serve.text import PlaceholderText
+
+    async def collect():
+        stream = Stream(Request("r", 0.0, 4, 5), context=asyncio.Queue())
+        fake = types.SimpleNamespace(served=types.SimpleNamespace(text=PlaceholderText()))
+        for event in (([1], None, ""), ([2, 3], None, ""), ([4], None, "")):
+            stream.context.put_nowait(event)
+        out = []
+        events = Server._events(fake, stream, types.SimpleNamespace(stop=()))
+        out.append(await events.__anext__())  # the three queued batches at once
+        stream.context.put_nowait(([5], LENGTH, ""))
+        out.append(await events.__anext__())
+        return out, stream.received
+
+    (first, last), received = asyncio.run(collect())
+    one = PlaceholderText().decode([0])
+    assert first == (one * 4, None, "") and last == (one, LENGTH, "") and received == 5

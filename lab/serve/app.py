@@ -207,12 +207,19 @@ class Server:
         return max_tokens
 
     async def _events(self, stream: Stream, sampling: Sampling):
-        """Yield (text delta, finish reason or None, error) as tokens come; stop strings
-        end the output (not included) and cancel the request."""
+        """Yield (text delta, finish reason or None, error) as tokens come (the tokens of
+        every step queued by then in one delta); stop strings end the output (not included)
+        and cancel the request."""
         decoder = _Detokenizer(self.served.text, sampling.stop)
         queue: asyncio.Queue = stream.context
         while True:
             ids, finish, message = await queue.get()
+            while finish is None and not queue.empty():
+                # Steps came faster than this client took them: their tokens go out as one
+                # chunk (as vLLM's per-request output collector merges), so a lagging event
+                # loop does less per token and leaves the engine thread the GIL.
+                more, finish, message = queue.get_nowait()
+                ids = ids + more
             stream.received += len(ids)
             delta, stopped = decoder.add(ids, final=finish is not None)
             if stopped:

@@ -84,7 +84,7 @@ class Scheduler(Admission, Preemption, SpecDrafts):
     preemption_mode: ClassVar[PreemptionMode] = PreemptionMode.RECOMPUTE
     #: Options a policy accepts in its YAML block, with defaults.
     options: ClassVar[dict[str, Any]] = {}
-    #: Fast-forward (docs/ARCHITECTURE.md, "Fast-forward"): True if, after a decode-only
+    #: Fast-forward (docs/ARCHITECTURE.md, "The contract"): True if, after a decode-only
     #: plan, this policy plans the same decodes again and records the same waits whenever
     #: only that plan's decode tick happened in between (no arrival, finish, preemption,
     #: swap or abort; free blocks only fewer), so the loop may plan with

@@ -196,14 +196,14 @@ def test_max_concurrency_is_honoured(tmp_path):
     cfg = azure_yaml(tmp_path, [(4, 3)] * 8)
     out = tmp_path / "served"
     with FakeServer(hold=3) as server:
-        assert run_bench(cfg, server, out, "--max-concurrency", "3", "--model", "m") == 0
+        assert run_bench(cfg, server, out, "--max-concurrency", "3", "--model", "fake-model") == 0
         peak = server.peak
     assert peak == 3
     req = pd.read_csv(out / "requests.csv")
     assert (req["status"] == "finished").all() and len(req) == 8
     served = json.loads((out / "summary.json").read_text())["served"]["served"]
     assert served["max_concurrency"] == 3 and served["arrivals"] == "max_concurrency"
-    assert served["model"] == "m"
+    assert served["model"] == "fake-model"
 
 
 def test_request_rate_replaces_the_arrivals(tmp_path):
@@ -253,10 +253,21 @@ def test_no_server_is_one_line(tmp_path, capsys):
     cfg = azure_yaml(tmp_path, [(4, 1)])
     with FakeServer() as server:
         url = server.url  # a port that was free a moment ago, now closed
-    assert bench.main([cfg, "--base-url", url, "--out", str(tmp_path / "o")]) == 2
+    for model in ([], ["--model", "m"]):  # checked before any request, model given or not
+        assert bench.main([cfg, "--base-url", url, "--out", str(tmp_path / "o"), *model]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --base-url {url}: cannot connect (") and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_model_the_server_does_not_list_is_one_line(tmp_path, capsys):
+    cfg = azure_yaml(tmp_path, [(4, 1)])
+    with FakeServer() as server:
+        args = [cfg, "--base-url", server.url, "--model", "gpt-4", "--out", str(tmp_path / "o")]
+        assert bench.main(args) == 2
+        assert not server.bodies  # no request was sent
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --base-url {url}: GET {url}/v1/models failed")
-    assert err.endswith("give --model\n") and err.count("\n") == 1
+    assert err == f"error: --model gpt-4: not served by {server.url} (it serves: fake-model)\n"
 
 
 def _folder(path, runs: dict) -> str:

@@ -43,7 +43,10 @@ PYTHON_BLOCKS = {
     "test_policy_from_readme.py",
     ("docs/policies.md", "# policies/short_first.py"): "test_policy_from_readme.py",
     ("docs/python_api.md", "import pandas as pd"): "test_readme_examples.py",
-    ("README.md", "# the official openai client against the server started above"): "test_serve.py",
+    (
+        "README.md",
+        "# the official openai client (pip install openai) against the server started above",
+    ): "test_serve.py",
 }
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
 

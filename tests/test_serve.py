@@ -354,7 +354,7 @@ def test_readme_client_snippet_runs(sim_server, capsys):
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    first = "# the official openai client against the server started above"
+    first = "# the official openai client (pip install openai) against the server started above"
     code = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if b.startswith(first))
     exec(code.replace("127.0.0.1:8000", f"127.0.0.1:{sim_server.port}"), {})
     text, use = capsys.readouterr().out.splitlines()

@@ -144,7 +144,7 @@ def _bench(args: argparse.Namespace) -> int:
         ) from None
     out = Path(args.out) if args.out else Path.cwd() / "results" / f"{cfg.name}_{args.policy_label}"
     out = check_out_dir(out)  # before any request: a folder in the way costs no replay
-    model = args.model or http.first_model(args.base_url)
+    model = http.check_model(args.base_url, args.model)
     target = http.Target(args.base_url, model, args.endpoint, args.timeout)
     loads = _loads(cfg, args)
     runs = []

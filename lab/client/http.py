@@ -246,9 +246,12 @@ def replay(
     return asyncio.run(_replay(target, sends, max_concurrency, progress))
 
 
-def first_model(base_url: str, timeout_s: float = 10.0) -> str:
-    """The first model ``GET /v1/models`` lists; UserError naming ``--base-url`` when there
-    is none or the server cannot be reached."""
+def check_model(base_url: str, model: str | None, timeout_s: float = 10.0) -> str:
+    """The model to ask for, checked before any request: ``model``, or the first one
+    ``GET /v1/models`` lists when None. UserError (one line, naming ``--base-url`` or
+    ``--model``) when the server cannot be reached, lists no model, or does not serve
+    ``model``; a server without ``/v1/models`` (HTTP 404) is taken at its word for a given
+    ``model``."""
     aiohttp = require_aiohttp()
     url = base(base_url) + "/v1/models"
 
@@ -256,18 +259,35 @@ def first_model(base_url: str, timeout_s: float = 10.0) -> str:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             async with session.get(url) as resp:
+                if resp.status == 404 and model is not None:
+                    return None
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}: {error_message(await resp.text())}")
                 return await resp.json(content_type=None)
 
+    hint = "; give --model" if model is None else ""
     try:
         data = asyncio.run(get())
-        return str(data["data"][0]["id"])
+    except aiohttp.ClientConnectionError as e:
+        raise UserError(f"--base-url {base_url}: cannot connect ({e})") from None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        raise UserError(f"--base-url {base_url}: GET {url} failed ({why}); give --model") from None
+        raise UserError(f"--base-url {base_url}: GET {url} failed ({why}){hint}") from None
+    if data is None:
+        return model
+    try:
+        served = [str(m["id"]) for m in data["data"]]
     except (KeyError, IndexError, TypeError):
+        served = []
+    if not served:
         raise UserError(
             f"--base-url {base_url}: GET {url} lists no model (expected "
-            '{"data": [{"id": ...}]}); give --model'
-        ) from None
+            f'{{"data": [{{"id": ...}}]}}){hint}'
+        )
+    if model is None:
+        return served[0]
+    if model not in served:
+        raise UserError(
+            f"--model {model}: not served by {base_url} (it serves: {', '.join(served)})"
+        )
+    return model

@@ -258,6 +258,14 @@ def test_disconnect_mid_stream_frees_blocks(sim_server):
         ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "list"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0]", "content"),
         ("/v1/completions", [1, 2], 400, None, "JSON object"),
+        # from a break-it pass: each was a 500
+        ("/v1/completions", b'{"prompt": "hi \\ud800 there"}', 400, "prompt", "not UTF-8"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+         400, "messages", "not UTF-8"),
+        ("/v1/completions", b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}", 400, None,
+         "not valid JSON"),
+        ("/v1/completions", b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None,
+         "RecursionError"),
     ],
 )  # fmt: skip
 def test_bad_requests_are_openai_errors(sim_server, path, body, status, param, words):
@@ -267,6 +275,18 @@ def test_bad_requests_are_openai_errors(sim_server, path, body, status, param, w
     assert err["code"] == status and err["param"] == param
     assert words in err["message"] and "Traceback" not in err["message"]
     assert len(err["message"].splitlines()) == 1
+
+
+def test_a_wrong_method_and_an_unknown_charset_are_client_errors(sim_server):
+    got, raw = sim_server.request("GET", "/v1/completions")
+    assert got == 405 and json.loads(raw)["error"]["type"] == "BadRequestError"
+    conn = http.client.HTTPConnection("127.0.0.1", sim_server.port, timeout=TIMEOUT_S)
+    headers = {"Content-Type": "application/json; charset=bogus"}
+    conn.request("POST", "/v1/completions", b'{"prompt": "a"}', headers)
+    resp = conn.getresponse()
+    err = json.loads(resp.read())["error"]
+    conn.close()
+    assert resp.status == 400 and "bogus" in err["message"]
 
 
 def test_openai_client_raises_on_unknown_model(sim_server):

@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -137,14 +138,17 @@ class Server:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             body = await request.json(loads=json.loads)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(f"the body is not valid JSON: {e}".splitlines()[0]) from None
+        except (ValueError, UnicodeDecodeError, RecursionError, LookupError) as e:
+            # JSON errors, integers of over 4,300 digits, nesting past the recursion limit,
+            # an unknown charset in the Content-Type
+            why = f"{type(e).__name__}: {e}" if isinstance(e, RecursionError) else str(e)
+            raise ApiError(f"the body is not valid JSON: {why}".splitlines()[0]) from None
         sampling = parse(body, chat, self.model)
         text = self.served.text
         if chat:
-            prompt_ids = text.chat(sampling.messages)
+            prompt_ids = _encoded(text.chat, sampling.messages, "messages")
         elif isinstance(sampling.prompt, str):
-            prompt_ids = text.encode(sampling.prompt)
+            prompt_ids = _encoded(text.encode, sampling.prompt, "prompt")
         else:
             prompt_ids = sampling.prompt
             text.check_ids(prompt_ids)
@@ -259,22 +263,36 @@ class Server:
         async def send(obj) -> None:
             await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
 
-        async for delta, finish, message in self._events(stream, sampling):
-            if chat and first:
-                await send(chunk(rid, chat, self.model, None, None, with_usage, role=True))
-                first = False
-            if finish == ABORT and message:
-                await send(ApiError(f"the request was aborted: {message}", None, 503).body())
-                break
-            if delta or finish is not None:
-                await send(chunk(rid, chat, self.model, delta, finish, with_usage))
-        if with_usage:
-            r = stream.request
-            use = usage(r.prompt_len, stream.received, r.num_cached_tokens)
-            await send(usage_chunk(rid, chat, self.model, use))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            async for delta, finish, message in self._events(stream, sampling):
+                if chat and first:
+                    await send(chunk(rid, chat, self.model, None, None, with_usage, role=True))
+                    first = False
+                if finish == ABORT and message:
+                    await send(ApiError(f"the request was aborted: {message}", None, 503).body())
+                    break
+                if delta or finish is not None:
+                    await send(chunk(rid, chat, self.model, delta, finish, with_usage))
+            if with_usage:
+                r = stream.request
+                use = usage(r.prompt_len, stream.received, r.num_cached_tokens)
+                await send(usage_chunk(rid, chat, self.model, use))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:  # the client left mid-stream: cancelled as the handler leaves
+            log.debug("stream %s: the client went away", rid)
         return resp
+
+
+def _encoded(encode: Callable[[Any], list[int]], value: Any, field: str) -> list[int]:
+    """``encode(value)``; a text that is not UTF-8 (a lone surrogate, which JSON's
+    ``\\ud800`` escapes can make) is ApiError naming ``field``."""
+    try:
+        return encode(value)
+    except UnicodeEncodeError as e:
+        raise ApiError(
+            f"{field}: the text is not UTF-8 ({e.reason}: {e.object[e.start : e.end]!r})", field
+        ) from None
 
 
 def _deliver(events: list[StreamEvent]) -> None:

@@ -27,6 +27,7 @@ class ApiError(Exception):
     """
 
     TYPES = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
+    TYPES |= {405: "BadRequestError", 413: "BadRequestError"}  # a wrong method, a body too big
 
     def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)

@@ -61,18 +61,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CLI = "from sched_lab.cli import main; raise SystemExit(main())"
 PROMPT_WORD = "hello"  # the word sched-lab bench repeats (lab/client/http.py PROMPT_WORD)
 LABEL = "chunked_prefill-async"
-TINY = {  # a 2-layer Qwen3 (benchmarks/common.py tiny_qwen3's shape)
-    "architectures": ["Qwen3ForCausalLM"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 256,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": True,
-}
 
 
 # -- workloads ------------------------------------------------------------------------------------
@@ -132,9 +120,12 @@ def make_checkpoint(args, work: Path, budget: Budget) -> Path:
     """The checkpoint: ``--model-dir``, written by make-random-checkpoint when missing; with
     ``--tiny`` a tiny random Qwen3 in the work folder."""
     if args.tiny:
+        from common import tiny_qwen3  # imports torch: only here
+
         from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
 
-        return write_random_checkpoint(TINY, work / "tiny_ckpt", dtype="float32", std=0.2)
+        config = tiny_qwen3(4096)
+        return write_random_checkpoint(config, work / "tiny_ckpt", dtype="float32", std=0.2)
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").exists():
         cmd = [sys.executable, "-c", CLI, "tools", "make-random-checkpoint",

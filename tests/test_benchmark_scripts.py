@@ -7,26 +7,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_cluster_pd_prints_one_row_per_layout_and_policy():
-    # 60 requests of the Azure conversation trace at 4x on 2 GPUs: aggregated and 1P + 1D,
-    # fcfs and chunked_prefill. At this load every request meets both SLO pairs.
-    out = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/cluster_pd.py",
-            "--gpus",
-            "2",
-            "--rates",
-            "4",
-            "--limit",
-            "60",
-        ],  # fmt: skip
+def run_script(script: str, *args: str) -> str:
+    """What ``benchmarks/SCRIPT`` prints with ``args`` (run from the checkout, 300 s at most;
+    a failure raises)."""
+    return subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
     ).stdout
+
+
+def test_cluster_pd_prints_one_row_per_layout_and_policy():
+    # 60 requests of the Azure conversation trace at 4x on 2 GPUs: aggregated and 1P + 1D,
+    # fcfs and chunked_prefill. At this load every request meets both SLO pairs.
+    out = run_script("cluster_pd.py", "--gpus", "2", "--rates", "4", "--limit", "60")
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 1P") or
             line.startswith("| 2 agg")]  # fmt: skip
     assert [(r[0], r[1]) for r in rows] == [
@@ -41,14 +38,7 @@ def test_cluster_pd_prints_one_row_per_layout_and_policy():
 
 def test_output_speed_names_every_part_and_matches_pandas():
     """benchmarks/output_speed.py: one row per part of writing, and pandas' bytes equal."""
-    out = subprocess.run(
-        [sys.executable, "benchmarks/output_speed.py", "--limit", "30", "--pandas"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
+    out = run_script("output_speed.py", "--limit", "30", "--pandas")
     for name in ("requests.csv", "steps.csv", "events.csv"):
         assert f"{name}: pandas' bytes identical" in out
     parts = [line.split(" | ")[0].removeprefix("| ") for line in out.splitlines()[5:]]

@@ -2,9 +2,10 @@
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from test_benchmark_scripts import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,25 +41,10 @@ def test_tiled_trace_shifts_each_copy_by_the_span_plus_one_mean_gap(tmp_path):
 
 
 def test_without_vidur_it_prints_the_labs_rows_only(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/sim_speed_vidur.py",
-            "--limit",
-            "40",
-            "--repeat",
-            "1",
-            "--vidur-python",
-            str(tmp_path / "no-python"),
-            "--work",
-            str(tmp_path),
-        ],  # fmt: skip
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
+    out = run_script(
+        "sim_speed_vidur.py", "--limit", "40", "--repeat", "1",
+        "--vidur-python", str(tmp_path / "no-python"), "--work", str(tmp_path),
+    )  # fmt: skip
     assert f"# no Vidur at {tmp_path / 'no-python'}" in out
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| lab")]
     assert [r[0].split()[2] for r in rows][:1] == ["fcfs"]  # (and "--no-plots" rows, if any)

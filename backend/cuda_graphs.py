@@ -140,12 +140,12 @@ class StepGraphs:
 
     def run(
         self, seqs: list[SeqInput], feed: DeviceFeed | None = None
-    ) -> tuple[list[int], list[float], torch.Tensor] | None:
-        """Run a step in a graph: (sampled seq indices, their temperatures, their
+    ) -> tuple[list[int], list[SeqInput], torch.Tensor] | None:
+        """Run a step in a graph: (sampled seq indices, their SeqInputs, their
         (num_sampled, vocab) float32 logits), or None when no graph fits. The logits may
         view a static output: use them before the next step."""
         sampled = [i for i, s in enumerate(seqs) if s.sample]
-        temps = [seqs[i].temperature for i in sampled]
+        picked = [seqs[i] for i in sampled]
         size = self.size_for(seqs)
         if size is not None:
             self._ensure_captured(("decode", size, size))
@@ -153,9 +153,9 @@ class StepGraphs:
             apply_feed(self.input_ids, feed, self.pin)
             logits = self._replay(("decode", size, size))
             if len(sampled) == len(seqs):
-                return sampled, temps, logits[: len(seqs)]
+                return sampled, picked, logits[: len(seqs)]
             index = torch.tensor(sampled, dtype=torch.long).to(self.device)
-            return sampled, temps, logits[index]
+            return sampled, picked, logits[index]
         tokens = self.token_size_for(seqs)
         if tokens is None:
             return None
@@ -165,7 +165,7 @@ class StepGraphs:
         last_rows = self.stage_mixed(seqs, tokens, rows)
         apply_feed(self.input_ids, feed, self.pin)
         hidden = self._replay(("mixed", tokens, rows))
-        return sampled, temps, self.model.compute_logits(hidden[last_rows])
+        return sampled, picked, self.model.compute_logits(hidden[last_rows])
 
     def run_rows(self, seqs: list[SeqInput], rows: torch.Tensor) -> torch.Tensor | None:
         """Run a step in a graph; the (len(rows), vocab) float32 logits of the given fed

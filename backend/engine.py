@@ -43,7 +43,8 @@ class LaunchedStep:
 class EngineExecutor:
     """Executes plans on a :class:`ModelRunner` or a
     :class:`sched_lab.backend.tp_engine.TensorParallelRunner`; makes no scheduling decision.
-    ``temperature``: 0 = greedy."""
+    ``temperature``: 0 = greedy; a request's ``sampling_params`` override it (and add top_p
+    and a seed) for that request."""
 
     wall_clock = True  # durations are measured, so the replay adds planning time
 
@@ -69,16 +70,25 @@ class EngineExecutor:
 
     def step_inputs(self, plan: SchedulerOutput) -> list[SeqInput]:
         """One SeqInput per scheduled sequence, in ``plan.seqs()`` order."""
-        temp = self.temperature
+        how = self.sampling
         seqs = [
-            SeqInput(s.token_ids(), s.start_pos, s.block_table, s.sample, temp)
+            SeqInput(s.token_ids(), s.start_pos, s.block_table, s.sample, *how(s.request))
             for s in plan.prefill_seqs()
         ]
         seqs += [
-            SeqInput([r.output_token_ids[-1]], pos, r.block_table, True, temp)
+            SeqInput([r.output_token_ids[-1]], pos, r.block_table, True, *how(r))
             for r, pos in zip(plan.decodes, plan.decode_positions())
         ]
         return seqs
+
+    def sampling(self, r: Request) -> tuple[float, float, int | None]:
+        """(temperature, top_p, seed) of ``r``'s tokens: its ``sampling_params``, the
+        executor's temperature where they leave it unset."""
+        p = r.sampling_params
+        if p is None:
+            return self.temperature, 1.0, None
+        temp = self.temperature if p.temperature is None else p.temperature
+        return temp, p.top_p, p.seed
 
     # -- asynchronous steps ------------------------------------------------------------------
 
@@ -128,7 +138,7 @@ class EngineExecutor:
         """The step's SeqInputs with token 0 at placeholders, the placeholders' flat rows
         (ascending) and each one's row in the previous step's sampled ids. ValueError if
         that step did not sample it."""
-        temp, row_of = self.temperature, self._source_row
+        how, row_of = self.sampling, self._source_row
         seqs: list[SeqInput] = []
         rows: list[int] = []
         src: list[int] = []
@@ -143,14 +153,14 @@ class EngineExecutor:
                 src.append(row_of[s.request])
                 rows.append(row + n - 1)
                 ids = [*ids, 0]
-            seqs.append(SeqInput(ids, s.start_pos, s.block_table, s.sample, temp))
+            seqs.append(SeqInput(ids, s.start_pos, s.block_table, s.sample, *how(s.request)))
             row += n
         decodes, positions = plan.decodes, plan.decode_positions()
         # ahead[i] = position - tokens known: < 0 known (the token is output_token_ids[ahead]),
         # 0 sampled by the step in flight. Comprehensions: a decode batch of hundreds.
         ahead = [p - r.prompt_len - len(r.output_token_ids) for r, p in zip(decodes, positions)]
         seqs += [
-            SeqInput([r.output_token_ids[a] if a < 0 else 0], p, r.block_table, True, temp)
+            SeqInput([r.output_token_ids[a] if a < 0 else 0], p, r.block_table, True, *how(r))
             for r, p, a in zip(decodes, positions, ahead)
         ]
         flight = [i for i, a in enumerate(ahead) if a >= 0]

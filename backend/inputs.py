@@ -32,6 +32,9 @@ class SeqInput:
             converts only new entries).
         sample: sample a next token from the last fed position.
         temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
+        top_p: in [0, 1]; draw only among the most likely tokens summing to top_p (1.0 = off).
+        seed: None = the runner's generator; an int = the request's own stream
+            (backend/sampler.py: the token depends on the seed and its position only).
     """
 
     token_ids: list[int]
@@ -39,6 +42,8 @@ class SeqInput:
     block_table: list[int]
     sample: bool
     temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,7 +284,7 @@ class StepInputs:
         input_ids, positions: (num_tokens,) int64 on the device.
         logits_indices: (num_sampled,) int64 row of each sampled seq's last fed token.
         sampled_seqs: indices into the SeqInput list of the sampled sequences, in order.
-        temperatures: one per sampled sequence.
+        sampled_inputs: the sampled sequences' SeqInputs, one per logits row (their sampling).
     """
 
     input_ids: torch.Tensor
@@ -287,7 +292,7 @@ class StepInputs:
     attn: AttentionMetadata
     logits_indices: torch.Tensor
     sampled_seqs: list[int]
-    temperatures: list[float]
+    sampled_inputs: list[SeqInput]
 
 
 def prepare_inputs(
@@ -343,7 +348,7 @@ def prepare_inputs(
         attn=attn,
         logits_indices=logits_indices,
         sampled_seqs=sampled,
-        temperatures=[seqs[i].temperature for i in sampled],
+        sampled_inputs=[seqs[i] for i in sampled],
     )
 
 

@@ -138,14 +138,14 @@ def execute_launched(runner: ModelRunner, seqs: list[SeqInput]) -> float:
     import torch
 
     from sched_lab.backend.runner import ModelRunner
-    from sched_lab.backend.sampler import sample
+    from sched_lab.backend.sampler import sample_seqs
 
     if not isinstance(runner, ModelRunner):
         runner.execute(seqs)
         return float("nan")
     with torch.inference_mode():
-        sampled_seqs, temperatures, logits = runner._forward(seqs, runner.kv_cache)
-        tokens = sample(logits, temperatures, runner.generator) if sampled_seqs else None
+        sampled_seqs, rows, logits = runner._forward(seqs, runner.kv_cache)
+        tokens = sample_seqs(logits, rows, runner.generator) if sampled_seqs else None
         launched = time.perf_counter()
         if tokens is not None:
             tokens.tolist()  # syncs, as execute does

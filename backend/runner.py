@@ -30,7 +30,7 @@ from sched_lab.backend.errors import UnsupportedModelError
 from sched_lab.backend.inputs import DeviceFeed, SeqInput, apply_feed, prepare_inputs
 from sched_lab.backend.kv_cache import GiB, KVCache, blocks_in, bytes_per_block
 from sched_lab.backend.loader import load_model
-from sched_lab.backend.sampler import sample
+from sched_lab.backend.sampler import sample_seqs
 from sched_lab.backend.tp import TPShard, agree_min, check_tp_size, load_tp_model, shard_config
 from sched_lab.core.errors import ConfigError
 
@@ -222,10 +222,10 @@ class ModelRunner:
         sampled. Blocks until the device finishes."""
         if not seqs:
             return []
-        sampled_seqs, temperatures, logits = self._forward(seqs, self.kv_cache)
+        sampled_seqs, rows, logits = self._forward(seqs, self.kv_cache)
         tokens: list[int | None] = [None] * len(seqs)
         if sampled_seqs:
-            sampled = sample(logits, temperatures, self.generator).tolist()  # syncs
+            sampled = sample_seqs(logits, rows, self.generator).tolist()  # syncs
             for i, token in zip(sampled_seqs, sampled, strict=True):
                 tokens[i] = token
         self.synchronize()
@@ -237,10 +237,10 @@ class ModelRunner:
         come from an earlier step's sampled ids on the device. :meth:`wait` gives the tokens."""
         if not seqs:
             return PendingStep(0, [], None, None, None)
-        sampled_seqs, temperatures, logits = self._forward(seqs, self.kv_cache, feed)
+        sampled_seqs, rows, logits = self._forward(seqs, self.kv_cache, feed)
         if not sampled_seqs:
             return PendingStep(len(seqs), [], None, None, None)
-        sampled = sample(logits, temperatures, self.generator)
+        sampled = sample_seqs(logits, rows, self.generator)
         if self.device.type != "cuda":
             return PendingStep(len(seqs), sampled_seqs, sampled, sampled, None)
         host = self._pinned_ids(len(sampled_seqs))  # may be longer: a pooled buffer
@@ -313,8 +313,8 @@ class ModelRunner:
 
     def _forward(
         self, seqs: list[SeqInput], kv_cache: KVCache, feed: DeviceFeed | None = None
-    ) -> tuple[list[int], list[float], torch.Tensor]:
-        """(indices of the sampled seqs, their temperatures, their (num_sampled, vocab_size)
+    ) -> tuple[list[int], list[SeqInput], torch.Tensor]:
+        """(indices of the sampled seqs, their SeqInputs, their (num_sampled, vocab_size)
         float32 logits); replays a CUDA graph when one fits."""
         if self.graphs is not None and kv_cache is self.kv_cache:
             out = self.graphs.run(seqs, feed)
@@ -326,7 +326,7 @@ class ModelRunner:
         attn = self.attn_backend.prepare_metadata(inputs.attn, self.config.num_kv_heads)
         hidden = self.model(inputs.input_ids, inputs.positions, kv_cache.layers, attn)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return inputs.sampled_seqs, inputs.temperatures, logits
+        return inputs.sampled_seqs, inputs.sampled_inputs, logits
 
     @torch.inference_mode()
     def _kv_budget_bytes(self, utilization: float, max_num_batched_tokens: int) -> tuple[int, str]:
@@ -367,8 +367,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         resident = torch.cuda.memory_allocated(self.device)
-        _, temperatures, logits = self._forward(seqs, scratch)
-        sample(logits, temperatures, self.generator)
+        _, rows, logits = self._forward(seqs, scratch)
+        sample_seqs(logits, rows, self.generator)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - resident
         del scratch, logits

@@ -118,7 +118,7 @@ def test_prepare_inputs_slots_positions_and_metadata():
     assert inp.attn.decode_seq_idx.tolist() == [1] and inp.attn.prefill_seq_idx.tolist() == [0]
     assert inp.attn.prefill_tiles.tolist() == [[0, 0]]  # 3 rows: one 64-row tile of seq 0
     assert inp.logits_indices.tolist() == [3]
-    assert inp.sampled_seqs == [1] and inp.temperatures == [0.5]
+    assert inp.sampled_seqs == [1] and [s.temperature for s in inp.sampled_inputs] == [0.5]
 
 
 def test_stage_step_pads_token_rows_and_finds_logits_rows():

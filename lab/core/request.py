@@ -15,6 +15,25 @@ from dataclasses import dataclass, field
 FINISH_REASONS = ("length", "stop")
 
 
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the engine samples one request's tokens (vLLM's names); the simulator ignores it.
+
+    Args:
+        temperature: 0 = greedy; > 0 samples from softmax(logits / temperature); None = the
+            engine's configured ``engine.temperature``.
+        top_p: nucleus sampling: only the most likely tokens whose probabilities sum to
+            ``top_p`` can be drawn (the most likely one always can); 1.0 = off.
+        seed: None = the engine's generator (draws depend on the batch); an int gives the
+            request its own reproducible stream: the same seed and prompt give the same
+            tokens whatever runs beside them.
+    """
+
+    temperature: float | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -54,6 +73,8 @@ class Request:
             ``"length"`` (max_tokens, a trace row's known length: the scheduler foresees
             the end) or ``"stop"`` (an EOS token or a stop string: it does not). Matters
             only under asynchronous scheduling (docs/ARCHITECTURE.md, "Scheduler rules").
+        sampling_params: the engine's per-request sampling (a served request's
+            ``temperature``, ``top_p``, ``seed``); None = the engine's configured sampling.
     """
 
     request_id: str
@@ -70,6 +91,7 @@ class Request:
     lora_name: str = ""
     cache_salt: str = ""
     finish_reason: str = "length"
+    sampling_params: SamplingParams | None = None
 
     # Runtime state, owned by the scheduler (lab/core/scheduler.py).
     status: RequestStatus = RequestStatus.WAITING

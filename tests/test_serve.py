@@ -256,7 +256,8 @@ def test_disconnect_mid_stream_frees_blocks(sim_server):
         ("/v1/completions", {"prompt": "a", "temperature": "hot"}, 400, "temperature", "number"),
         ("/v1/completions", {"prompt": "a", "stop": [1]}, 400, "stop", "strings"),
         ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "list"),
-        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0]", "content"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content",
+         "expected a string"),
         ("/v1/completions", [1, 2], 400, None, "JSON object"),
         # from a break-it pass: each was a 500
         ("/v1/completions", b'{"prompt": "hi \\ud800 there"}', 400, "prompt", "not UTF-8"),
@@ -266,6 +267,17 @@ def test_disconnect_mid_stream_frees_blocks(sim_server):
          "not valid JSON"),
         ("/v1/completions", b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None,
          "RecursionError"),
+        # from the second break-it pass: silently accepted, or the wrong status or name
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "a"}, "b"]}]}, 400, "messages[0].content[1]", "text part"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": 5}]}]}, 400, "messages[0].content[0].text", "a string"),
+        ("/v1/completions", {"model": 5, "prompt": "a"}, 400, "model", "expected a string"),
+        ("/v1/completions", {"prompt": "a", "stream": True, "stream_options": {
+            "include_usage": "yes"}}, 400, "stream_options.include_usage", "true or false"),
+        ("/v1/completions", {"prompt": "a", "top_p": 1.5}, 400, "top_p", "[0, 1]"),
+        ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature", "[0, 2]"),
+        ("/v1/completions", {"prompt": "a", "seed": 1.5}, 400, "seed", "integer"),
     ],
 )  # fmt: skip
 def test_bad_requests_are_openai_errors(sim_server, path, body, status, param, words):
@@ -287,6 +299,42 @@ def test_a_wrong_method_and_an_unknown_charset_are_client_errors(sim_server):
     err = json.loads(resp.read())["error"]
     conn.close()
     assert resp.status == 400 and "bogus" in err["message"]
+
+
+def test_a_body_shorter_than_its_content_length_gets_408(tmp_path, monkeypatch):
+    """A client that promises more bytes than it sends is answered once BODY_TIMEOUT_S has
+    passed (in process, the timeout shortened), not held for ever."""
+    import asyncio
+
+    from aiohttp import web
+
+    from sched_lab.config import load_config
+    from sched_lab.serve import app as serve_app
+    from sched_lab.serve.build import build
+
+    monkeypatch.setattr(serve_app, "BODY_TIMEOUT_S", 0.2)
+    server = serve_app.Server(build(load_config(sim_config(tmp_path)), None, "twin"), 1.0, 8)
+
+    async def ask() -> bytes:
+        runner = web.AppRunner(server.app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b'application/json\r\nContent-Length: 100\r\n\r\n{"prompt": ')  # fmt: skip
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), TIMEOUT_S)
+            body = await asyncio.wait_for(reader.read(1000), TIMEOUT_S)
+            writer.close()
+            return head + body
+        finally:
+            await runner.cleanup()
+
+    raw = asyncio.run(ask())
+    assert raw.startswith(b"HTTP/1.1 408")
+    err = json.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["code"] == 408 and "100 bytes" in err["message"]
 
 
 def test_openai_client_raises_on_unknown_model(sim_server):
@@ -671,6 +719,56 @@ def test_engine_greedy_tokens_streamed_and_whole(engine_server):
     assert status == 400 and err["param"] == "prompt" and "token ids" in err["message"]
     status, raw = engine_server.request("POST", "/v1/completions", {"prompt": [300]})
     assert status == 400 and "vocabulary" in json.loads(raw)["error"]["message"]
+
+
+def test_engine_per_request_sampling(engine_server):
+    """temperature, top_p and seed apply per request (the YAML's engine.temperature is 0):
+    temperature 0 and top_p 1e-6 give the greedy tokens; a seed gives the same tokens again,
+    alone or beside concurrent requests; another seed other tokens."""
+    client = engine_server.client()
+
+    def ids(**sampling) -> list[str]:
+        out = client.completions.create(model="tiny", prompt=[7, 8, 9, 10], max_tokens=8,
+                                        extra_body={"ignore_eos": True}, **sampling)  # fmt: skip
+        return out.choices[0].text.split()
+
+    greedy = ids()
+    assert ids(temperature=0) == greedy
+    assert ids(temperature=1.0, top_p=1e-6) == greedy
+    seeded = ids(temperature=1.0, seed=2024)
+    assert seeded != greedy and ids(temperature=1.0, seed=2024) == seeded
+    with ThreadPoolExecutor(4) as pool:
+        mates = [pool.submit(ids, temperature=1.0) for _ in range(3)]
+        again = pool.submit(ids, temperature=1.0, seed=2024)
+        assert again.result() == seeded and all(len(m.result()) == 8 for m in mates)
+    assert ids(temperature=1.0, seed=2025) != seeded
+
+
+def test_sampling_params_under_speculation_must_be_the_yamls():
+    """Speculative decoding samples every request at engine.temperature: a request that
+    asks for another temperature, a top_p or a seed is refused naming the field; the
+    twin (placeholder tokens) takes them all."""
+    import types
+
+    from sched_lab.core.request import SamplingParams
+    from sched_lab.serve.app import Server
+    from sched_lab.serve.protocol import ApiError, parse
+
+    def params(served, **fields):
+        return Server._sampling_params(
+            types.SimpleNamespace(served=served), parse({"prompt": "a", **fields}, False, "m")
+        )
+
+    cfg = types.SimpleNamespace(engine=types.SimpleNamespace(temperature=0.5))
+    spec = types.SimpleNamespace(speculative=object())
+    engine = types.SimpleNamespace(cfg=cfg, policy=spec, samples_tokens=True)
+    assert params(engine) is None and params(engine, temperature=0.5) == SamplingParams(0.5)
+    for key, value in (("temperature", 1.0), ("top_p", 0.9), ("seed", 3)):
+        with pytest.raises(ApiError, match=f"^{key}: this server runs speculative") as e:
+            params(engine, **{key: value})
+        assert e.value.param == key and e.value.status == 400
+    twin = types.SimpleNamespace(cfg=cfg, policy=spec, samples_tokens=False)
+    assert params(twin, top_p=0.9, seed=3) == SamplingParams(None, 0.9, 3)
 
 
 def test_engine_concurrent_clients(engine_server):

@@ -28,7 +28,7 @@ from aiohttp import web
 
 from sched_lab.config import load_config
 from sched_lab.core.errors import UserError
-from sched_lab.core.request import Request
+from sched_lab.core.request import Request, SamplingParams
 from sched_lab.serve.build import Served, build
 from sched_lab.serve.loop import ABORT, STOP, ServingLoop, Stream, StreamEvent
 from sched_lab.serve.metrics import CONTENT_TYPE, ServeMetrics
@@ -54,6 +54,7 @@ exit status:
   2    bad input: one line, error: ..., naming the file, key or option"""
 DEFAULT_MAX_WAITING = 1024
 DRAIN_TIMEOUT_S = 600.0  # SIGTERM: how long requests in flight may take to finish
+BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (its Content-Length promised)
 
 
 class Server:
@@ -136,8 +137,17 @@ class Server:
 
     # ------------------------------------------------------------------ generation
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:  # a Content-Length larger than the body sent would wait for ever
+            await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ApiError(
+                f"the body did not arrive within {BODY_TIMEOUT_S:g} s (its Content-Length "
+                f"is {request.content_length} bytes)",
+                None,
+                408,
+            ) from None
         try:
-            body = await request.json(loads=json.loads)
+            body = await request.json(loads=json.loads)  # the body read above
         except (ValueError, UnicodeDecodeError, RecursionError, LookupError) as e:
             # JSON errors, integers of over 4,300 digits, nesting past the recursion limit,
             # an unknown charset in the Content-Type
@@ -172,6 +182,7 @@ class Server:
             max_tokens,
             prompt_token_ids=list(prompt_ids),
             priority=sampling.priority,
+            sampling_params=self._sampling_params(sampling),
         )
         why = self.served.scheduler.rejection_reason(r)  # reads limits and capacity only
         if why:
@@ -189,6 +200,30 @@ class Server:
             self.in_flight -= 1
             if not stream.ended:  # the client went away, or an error
                 self.loop.cancel(stream, ABORT)
+
+    def _sampling_params(self, sampling: Sampling) -> SamplingParams | None:
+        """The request's sampling for the engine; None when it sets none of it. Speculative
+        decoding samples every request at the YAML's ``engine.temperature``: other values
+        are ApiError naming the field."""
+        params = SamplingParams(sampling.temperature, sampling.top_p, sampling.seed)
+        if params == SamplingParams():
+            return None
+        if self.served.policy.speculative is None or not self.served.samples_tokens:
+            return params
+        temp = self.served.cfg.engine.temperature
+        for key, bad in (
+            ("temperature", params.temperature not in (None, temp)),
+            ("top_p", params.top_p != 1.0),
+            ("seed", params.seed is not None),
+        ):
+            if bad:
+                raise ApiError(
+                    f"{key}: this server runs speculative decoding, which samples every "
+                    f"request at engine.temperature {temp:g} with top_p 1 and no seed; "
+                    f"leave {key} out",
+                    key,
+                )
+        return params
 
     def _check_lengths(self, prompt_len: int, max_tokens: int | None) -> int:
         """max_tokens (default: what max_model_len leaves); ApiError if the prompt is too long."""

@@ -24,7 +24,9 @@ from sched_lab.setup import setup_for
 
 @dataclass
 class Served:
-    """What the server runs: one scheduler and executor, the text, names for the API."""
+    """What the server runs: one scheduler and executor, the text, names for the API.
+    ``samples_tokens``: the executor samples real tokens (the engine), so a request's
+    sampling applies; the simulator's placeholder tokens ignore it."""
 
     cfg: ExperimentConfig
     policy: PolicyConfig
@@ -33,6 +35,7 @@ class Served:
     text: PlaceholderText | IdText | ModelText
     model_name: str
     limits: SchedulerLimits
+    samples_tokens: bool = False
 
 
 def pick_policy(cfg: ExperimentConfig, name: str | None) -> PolicyConfig:
@@ -88,4 +91,5 @@ def build(
         text = engine_text(setup.model_dir())
     else:
         executor, text = PlaceholderTokens(executor), PlaceholderText()
-    return Served(cfg, pol, scheduler, executor, text, model_name or setup.model_id(), limits)
+    name = model_name or setup.model_id()
+    return Served(cfg, pol, scheduler, executor, text, name, limits, setup.token_ids)

@@ -27,7 +27,8 @@ class ApiError(Exception):
     """
 
     TYPES = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}
-    TYPES |= {405: "BadRequestError", 413: "BadRequestError"}  # a wrong method, a body too big
+    # a wrong method, a body that did not arrive in time, a body too big
+    TYPES |= {405: "BadRequestError", 408: "BadRequestError", 413: "BadRequestError"}
 
     def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
@@ -54,6 +55,9 @@ class Sampling:
         prompt: text, or token ids (completions); None for chat.
         messages: chat messages (``role``, ``content`` text), or None for completions.
         max_tokens: output tokens at most; None = up to max_model_len.
+        temperature, top_p, seed: the request's sampling (lab/core/request.py
+            ``SamplingParams``); temperature None = the server's (the YAML's
+            ``engine.temperature``).
         ignore_eos: generate exactly ``max_tokens`` (vLLM's benchmark switch).
         stop: strings that end the output (not included in it).
         stream, include_usage: SSE chunks; a last chunk with ``usage``.
@@ -64,7 +68,7 @@ class Sampling:
     prompt: str | list[int] | None
     messages: list[dict[str, str]] | None
     max_tokens: int | None
-    temperature: float
+    temperature: float | None
     top_p: float
     seed: int | None
     stop: tuple[str, ...]
@@ -74,12 +78,14 @@ class Sampling:
     priority: int
 
 
-def _number(body: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+def _number(
+    body: Mapping[str, Any], key: str, default: float | None, lo: float, hi: float
+) -> float | None:
     v = body.get(key)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= v <= hi):
-        raise ApiError(f"{key}: expected a number in [{lo:g}, {hi:g}], got {v!r}", key)
+        raise ApiError(f"{key}: expected a number in [{lo:g}, {hi:g}], got {_short(v)}", key)
     if math.isnan(v):
         raise ApiError(f"{key}: expected a number, got NaN", key)
     return float(v)
@@ -90,18 +96,19 @@ def _int(body: Mapping[str, Any], key: str, lo: int | None = None) -> int | None
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ApiError(f"{key}: expected an integer, got {v!r}", key)
+        raise ApiError(f"{key}: expected an integer, got {_short(v)}", key)
     if lo is not None and v < lo:
         raise ApiError(f"{key}: expected an integer >= {lo}, got {v}", key)
     return v
 
 
-def _bool(body: Mapping[str, Any], key: str) -> bool:
+def _bool(body: Mapping[str, Any], key: str, where: str = "") -> bool:
+    """``body[key]``; errors name ``where + key`` (OpenAI's dotted path of a nested field)."""
     v = body.get(key, False)
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise ApiError(f"{key}: expected true or false, got {v!r}", key)
+        raise ApiError(f"{where}{key}: expected true or false, got {_short(v)}", where + key)
     return v
 
 
@@ -153,13 +160,28 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
             raise ApiError(f"{where}: expected an object with a string role", where)
         content = m.get("content")
         if isinstance(content, list):  # OpenAI's content parts: text ones only
-            if not all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
-                raise ApiError(f"{where}.content: only text parts are supported", where)
-            content = "".join(str(p.get("text", "")) for p in content)
+            content = "".join(_text_part(p, f"{where}.content[{j}]") for j, p in enumerate(content))
         if not isinstance(content, str):
-            raise ApiError(f"{where}.content: expected a string, got {_short(content)}", where)
+            raise ApiError(
+                f"{where}.content: expected a string or a list of text parts, got {_short(content)}",
+                f"{where}.content",
+            )
         out.append({"role": m["role"], "content": content})
     return out
+
+
+def _text_part(part: Any, where: str) -> str:
+    """The text of one content part ``{"type": "text", "text": "..."}``."""
+    if not isinstance(part, Mapping) or part.get("type") != "text":
+        raise ApiError(
+            f'{where}: expected a text part {{"type": "text", "text": ...}} (only text parts '
+            f"are supported), got {_short(part)}",
+            where,
+        )
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise ApiError(f"{where}.text: expected a string, got {_short(text)}", f"{where}.text")
+    return text
 
 
 def _short(v: Any) -> str:
@@ -173,6 +195,8 @@ def parse(body: Any, chat: bool, model_name: str) -> Sampling:
     if not isinstance(body, Mapping):
         raise ApiError(f"the body must be a JSON object, got {type(body).__name__}")
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(f"model: expected a string, got {_short(model)}", "model")
     if model is not None and model != model_name:
         raise ApiError(f"The model `{model}` does not exist.", "model", 404)
     n = _int(body, "n")
@@ -189,7 +213,7 @@ def parse(body: Any, chat: bool, model_name: str) -> Sampling:
         raise ApiError(
             f"stream_options: expected an object, got {_short(options)}", "stream_options"
         )
-    include_usage = _bool(options or {}, "include_usage")
+    include_usage = _bool(options or {}, "include_usage", "stream_options.")
     stream = _bool(body, "stream")
     if options is not None and not stream:
         raise ApiError("stream_options: allowed only with stream: true", "stream_options")
@@ -198,7 +222,7 @@ def parse(body: Any, chat: bool, model_name: str) -> Sampling:
         prompt=None if chat else _prompt(body),
         messages=_messages(body) if chat else None,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        temperature=_number(body, "temperature", None, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
         seed=_int(body, "seed"),
         stop=_stop(body),

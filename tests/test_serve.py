@@ -784,6 +784,34 @@ def test_engine_concurrent_clients(engine_server):
     assert (m["vllm:num_requests_running"], m["vllm:kv_cache_usage_perc"]) == (0, 0)
 
 
+def test_a_first_token_is_handed_over_before_the_loop_goes_on():
+    """Server._dispatch_threadsafe: events with a request's first token are delivered with
+    an event the loop thread waits on (set once they are queued); later tokens are not."""
+    import asyncio
+    import types
+
+    from sched_lab.core.request import Request
+    from sched_lab.serve.app import Server
+    from sched_lab.serve.loop import Stream
+
+    calls = []
+
+    def call_soon_threadsafe(fn, *args):  # runs at once: the wait returns without waiting
+        calls.append(args[1:])
+        fn(*args)
+
+    fake = types.SimpleNamespace(_aio=types.SimpleNamespace(
+        is_closed=lambda: False, call_soon_threadsafe=call_soon_threadsafe))  # fmt: skip
+    stream = Stream(Request("r", 0.0, 4, 5), context=asyncio.Queue())
+    stream.sent = 2  # the loop counted the two tokens it hands over
+    Server._dispatch_threadsafe(fake, [(stream, [7, 8], None, "")])
+    stream.sent = 3
+    Server._dispatch_threadsafe(fake, [(stream, [9], None, "")])
+    assert [len(c) for c in calls] == [1, 0] and calls[0][0].is_set()
+    got = [stream.context.get_nowait() for _ in range(2)]
+    assert got == [([7, 8], None, ""), ([9], None, "")]
+
+
 def test_tokens_queued_while_the_client_lags_go_out_as_one_chunk():
     """Server._events: token batches of several steps already queued when the handler takes
     one are merged into one text delta (as vLLM's output collector does for a slow consumer);

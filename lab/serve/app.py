@@ -6,10 +6,13 @@ lab/serve/build.py makes the scheduler and executor from the YAML; lab/serve/tex
 text into token ids and back. docs/serving.md has the details.
 
 Each request gets an asyncio queue; the loop thread hands each step's events to the event
-loop in one ``call_soon_threadsafe``. A client that goes away (its connection closed while
-it waits or streams) cancels its request: the loop aborts it and frees its blocks. SIGTERM
-or SIGINT: new requests get 503, requests in flight run to their end, then the process
-exits 0.
+loop in one ``call_soon_threadsafe``. Both threads share the GIL: after a step that gives
+some request its first token, the loop thread waits (at most ``HANDOFF_WAIT_S``) until the
+event loop has taken the events, rather than plan the next step while the event loop waits
+for the GIL (up to ``sys.getswitchinterval()``, 5 ms). A client that goes away (its
+connection closed while it waits or streams) cancels its request: the loop aborts it and
+frees its blocks. SIGTERM or SIGINT: new requests get 503, requests in flight run to their
+end, then the process exits 0.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import logging
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +59,7 @@ exit status:
 DEFAULT_MAX_WAITING = 1024
 DRAIN_TIMEOUT_S = 600.0  # SIGTERM: how long requests in flight may take to finish
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (its Content-Length promised)
+HANDOFF_WAIT_S = 0.002  # a step with first tokens: the most the loop thread waits for delivery
 
 
 class Server:
@@ -83,10 +88,17 @@ class Server:
 
     # ------------------------------------------------------------------ threads
     def _dispatch_threadsafe(self, events: list[StreamEvent]) -> None:
-        """From the loop thread: one call per step onto the event loop."""
+        """From the loop thread: one call per step onto the event loop; with a first token
+        among the events, returns once they are delivered (or after HANDOFF_WAIT_S)."""
         aio = self._aio
-        if aio is not None and not aio.is_closed():
+        if aio is None or aio.is_closed():
+            return
+        if not any(s.sent == len(ids) and ids for s, ids, _, _ in events):
             aio.call_soon_threadsafe(_deliver, events)
+            return
+        delivered = threading.Event()
+        aio.call_soon_threadsafe(_deliver, events, delivered)
+        delivered.wait(HANDOFF_WAIT_S)  # releases the GIL to the event loop
 
     # ------------------------------------------------------------------ routes
     @web.middleware
@@ -330,10 +342,12 @@ def _encoded(encode: Callable[[Any], list[int]], value: Any, field: str) -> list
         ) from None
 
 
-def _deliver(events: list[StreamEvent]) -> None:
-    """On the event loop: each event to its request's queue."""
+def _deliver(events: list[StreamEvent], delivered: threading.Event | None = None) -> None:
+    """On the event loop: each event to its request's queue; then sets ``delivered``."""
     for s, ids, finish, message in events:
         s.context.put_nowait((ids, finish, message))
+    if delivered is not None:
+        delivered.set()
 
 
 class _Detokenizer:

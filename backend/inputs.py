@@ -32,6 +32,7 @@ class SeqInput:
             converts only new entries).
         sample: sample a next token from the last fed position.
         temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
+        lora_name: the LoRA adapter the sequence runs with; "" = the base model.
     """
 
     token_ids: list[int]
@@ -39,6 +40,7 @@ class SeqInput:
     block_table: list[int]
     sample: bool
     temperature: float = 0.0
+    lora_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)

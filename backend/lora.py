@@ -250,6 +250,10 @@ class LoraSlots:
             else read_adapter(name, a, config, max_lora_rank, dtype)
             for name, a in adapters.items()
         }  # fmt: skip
+        for a in self.adapters.values():
+            if a.rank > max_lora_rank:
+                raise LoraAdapterError(f"lora adapter {a.name!r}: r={a.rank} exceeds "
+                                       f"max_lora_rank {max_lora_rank}")  # fmt: skip
         self.max_loras, self.rank, self.device = max_loras, storage_rank(max_lora_rank), device
         self.kernels = kernels
         targeted = {m for a in self.adapters.values() for m in a.targets}
@@ -274,8 +278,8 @@ class LoraSlots:
         self.slot_names: list[str | None] = [None] * max_loras
         self.last_used = [0] * max_loras
         self.steps = 0
-        self.batch = self._to_device(lora_segments(np.zeros(0, np.int64), np.zeros(0, np.int64),
-                                                   max_loras, 0))  # fmt: skip
+        empty = lora_segments(np.zeros(0, np.int64), np.zeros(0, np.int64), max_loras, 0)
+        self.batch = torch.from_numpy(empty).to(device)  # no step staged yet: no segment
         self.slot_of_token = torch.zeros(0, dtype=torch.long)  # the torch reference's input
 
     # -- residency ------------------------------------------------------------------------
@@ -336,21 +340,22 @@ class LoraSlots:
             token = np.full(pad_to, -1, dtype=np.int64)
             token[: int(query_lens.sum())] = np.repeat(seq_slots, query_lens)
             self.slot_of_token = torch.from_numpy(token).to(self.device)
+        staged = self._pinned(host)
         if into is None:
-            self.batch = self._to_device(host)
+            self.batch = staged.to(self.device, non_blocking=True)
         else:
-            into[: host.size].copy_(torch.from_numpy(host).to(into.device, non_blocking=True))
+            into[: host.size].copy_(staged, non_blocking=True)
             self.batch = into
 
     def static_buffer(self, max_tokens: int) -> torch.Tensor:
         """A zeroed device buffer for graph steps of up to ``max_tokens`` rows (no segment)."""
         return torch.zeros(2 * self.max_loras + max_tokens, dtype=torch.int32, device=self.device)
 
-    def _to_device(self, host: np.ndarray) -> torch.Tensor:
-        pin = self.device.type == "cuda"
-        staged = torch.empty(host.size, dtype=torch.int32, pin_memory=pin)
+    def _pinned(self, host: np.ndarray) -> torch.Tensor:
+        """``host`` in a host tensor (pinned for CUDA, so its copy does not wait)."""
+        staged = torch.empty(host.size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         staged.numpy()[:] = host
-        return staged.to(self.device, non_blocking=True)
+        return staged
 
     # -- the model's side -----------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from sched_lab.backend.inputs import (
     stage_step,
 )
 from sched_lab.backend.kv_cache import KVCache
+from sched_lab.backend.lora import LoraSlots
 from sched_lab.backend.model import Transformer
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -70,6 +71,8 @@ class StepGraphs:
         token_sizes: mixed-step token counts (may be empty).
         max_num_seqs: most sequences of a mixed step.
         capture: record CUDA graphs; False runs the padded forward eagerly (CPU tests).
+        lora: the model's adapter slots, or None; the step's LoRA segments are a static
+            input (:meth:`LoraSlots.static_buffer`) written at each staging.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class StepGraphs:
         token_sizes: Sequence[int],
         max_num_seqs: int,
         capture: bool,
+        lora: LoraSlots | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -111,6 +115,8 @@ class StepGraphs:
             model.config.num_kv_heads, max_model_len, self.sizes, self.token_sizes, self.max_seqs
         )
         self.tables = BlockTables(self.max_seqs, self.max_blocks)  # host mirror, kept per step
+        self.lora = lora
+        self.lora_buffer = lora.static_buffer(tokens) if lora is not None else None
         # ("decode", size, size) or ("mixed", tokens, decode rows) -> graph, and its static
         # output: logits (size, vocab) float32 for decode graphs, a view of ``hidden`` for
         # mixed graphs.
@@ -189,18 +195,22 @@ class StepGraphs:
         it, padded to ``size`` rows, into the decode graphs' buffers."""
         step = stage_step(seqs, self.limits, self.tables, pad_to=size, logits=False,
                           pin=self.pin, decode_only=True)  # fmt: skip
-        self._copy(step, ("decode", size, size))
+        self._copy(step, ("decode", size, size), seqs)
 
     def stage_mixed(self, seqs: list[SeqInput], tokens: int,
                     decode_rows: int | None = None) -> torch.Tensor:  # fmt: skip
         """Validate a step and write it, padded to ``tokens`` rows and ``decode_rows``, into
         the mixed graphs' buffers; returns the (num_sampled,) int64 device logits rows."""
         step = stage_step(seqs, self.limits, self.tables, pad_to=tokens, pin=self.pin)
-        return self._copy(step, ("mixed", tokens, decode_rows or self.attn.decode_rows(tokens)[-1]))
+        key = ("mixed", tokens, decode_rows or self.attn.decode_rows(tokens)[-1])
+        return self._copy(step, key, seqs)
 
-    def _copy(self, step: HostStep, key: GraphKey) -> torch.Tensor:
+    def _copy(self, step: HostStep, key: GraphKey, seqs: list[SeqInput]) -> torch.Tensor:
         """Issue the step's copies into ``key``'s buffers; returns the device logits rows."""
         size = key[1]
+        if self.lora is not None:
+            names = [s.lora_name for s in seqs]
+            self.lora.stage(names, step.query_lens, size, into=self.lora_buffer)
         ids, positions, slots, last = step.rows(step.tokens.to(self.device, non_blocking=True))
         self.input_ids[:size].copy_(ids)
         self.positions[:size].copy_(positions)
@@ -237,6 +247,10 @@ class StepGraphs:
         self.input_ids[:size].zero_()
         self.positions[:size].zero_()
         self.attn.prepare_for_capture(key)
+        if self.lora is not None:  # no row in a segment; later steps write their own
+            assert self.lora_buffer is not None
+            self.lora_buffer.zero_()
+            self.lora.batch = self.lora_buffer
 
     @torch.inference_mode()
     def capture_all(self) -> None:

@@ -72,11 +72,18 @@ class EngineExecutor:
         """One SeqInput per scheduled sequence, in ``plan.seqs()`` order."""
         how = self.sampling
         seqs = [
-            SeqInput(s.token_ids(), s.start_pos, s.block_table, s.sample, *how(s.request))
+            SeqInput(
+                s.token_ids(),
+                s.start_pos,
+                s.block_table,
+                s.sample,
+                *how(s.request),
+                s.request.lora_name,
+            )
             for s in plan.prefill_seqs()
         ]
         seqs += [
-            SeqInput([r.output_token_ids[-1]], pos, r.block_table, True, *how(r))
+            SeqInput([r.output_token_ids[-1]], pos, r.block_table, True, *how(r), r.lora_name)
             for r, pos in zip(plan.decodes, plan.decode_positions())
         ]
         return seqs
@@ -153,14 +160,25 @@ class EngineExecutor:
                 src.append(row_of[s.request])
                 rows.append(row + n - 1)
                 ids = [*ids, 0]
-            seqs.append(SeqInput(ids, s.start_pos, s.block_table, s.sample, *how(s.request)))
+            seqs.append(
+                SeqInput(
+                    ids, s.start_pos, s.block_table, s.sample, *how(s.request), s.request.lora_name
+                )
+            )
             row += n
         decodes, positions = plan.decodes, plan.decode_positions()
         # ahead[i] = position - tokens known: < 0 known (the token is output_token_ids[ahead]),
         # 0 sampled by the step in flight. Comprehensions: a decode batch of hundreds.
         ahead = [p - r.prompt_len - len(r.output_token_ids) for r, p in zip(decodes, positions)]
         seqs += [
-            SeqInput([r.output_token_ids[a] if a < 0 else 0], p, r.block_table, True, *how(r))
+            SeqInput(
+                [r.output_token_ids[a] if a < 0 else 0],
+                p,
+                r.block_table,
+                True,
+                *how(r),
+                r.lora_name,
+            )
             for r, p, a in zip(decodes, positions, ahead)
         ]
         flight = [i for i, a in enumerate(ahead) if a >= 0]

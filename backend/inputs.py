@@ -35,6 +35,7 @@ class SeqInput:
         top_p: in [0, 1]; draw only among the most likely tokens summing to top_p (1.0 = off).
         seed: None = the runner's generator; an int = the request's own stream
             (backend/sampler.py: the token depends on the seed and its position only).
+        lora_name: the LoRA adapter the sequence runs with; "" = the base model.
     """
 
     token_ids: list[int]
@@ -44,6 +45,7 @@ class SeqInput:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    lora_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,8 @@ the Hugging Face ones less ``model.``.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,14 @@ from torch import nn
 from sched_lab.backend.attention import AttentionBackend, AttentionMetadata
 from sched_lab.backend.config import ModelConfig
 from sched_lab.backend.rope import apply_rope
+
+
+class LoraDelta(Protocol):
+    """What the layers ask of LoRA (:class:`sched_lab.backend.lora.LoraSlots`)."""
+
+    def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (T, out) plus each token's adapter delta for fused projection ``proj``."""
+        ...
 
 
 def fused_ops(fused: bool):
@@ -72,6 +82,12 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.backend = backend
+        self.lora: LoraDelta | None = None  # set by Transformer.set_lora
+        self.layer = 0
+
+    def _lora(self, proj: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus each token's adapter delta of ``proj``; y itself when LoRA is off."""
+        return y if self.lora is None else self.lora.apply(self.layer, proj, x, y)
 
     def forward(
         self,
@@ -84,7 +100,7 @@ class Attention(nn.Module):
         """x: (num_tokens, hidden_size) -> (num_tokens, hidden_size); writes this layer's KV."""
         num_tokens = x.shape[0]
         if self.ops is not None:
-            qkv = self.qkv_proj(x)
+            qkv = self._lora("qkv_proj", x, self.qkv_proj(x))
             own_kv = meta.varlen_seqs > 0  # prefill chunks attend over their own k/v
             q = self.ops.qkv_prepare(
                 qkv, cos, sin, *kv_cache, meta.slot_mapping, self.num_heads,
@@ -99,8 +115,10 @@ class Attention(nn.Module):
                 out = self.backend.attend_with_kv(q, k, v, *kv_cache, meta, self.scale)
             else:
                 out = self.backend.attend(q, *kv_cache, meta, self.scale)
-            return self.o_proj(out.view(num_tokens, -1))
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+            out = out.view(num_tokens, -1)
+            return self._lora("o_proj", out, self.o_proj(out))
+        qkv = self._lora("qkv_proj", x, self.qkv_proj(x))
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -110,7 +128,8 @@ class Attention(nn.Module):
         out = self.backend.forward(
             q, k, v, *kv_cache, meta, self.scale
         )  # (num_tokens, heads, head_dim)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        out = out.reshape(num_tokens, -1)
+        return self._lora("o_proj", out, self.o_proj(out))
 
 
 class MLP(nn.Module):
@@ -119,12 +138,27 @@ class MLP(nn.Module):
         self.ops = fused_ops(fused)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.lora: LoraDelta | None = None  # set by Transformer.set_lora
+        self.layer = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None:
+            return self._forward_lora(x)
         if self.ops is not None:
             return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def _forward_lora(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` with each token's adapter added to gate/up and down."""
+        assert self.lora is not None
+        gate_up = self.lora.apply(self.layer, "gate_up_proj", x, self.gate_up_proj(x))
+        if self.ops is not None:
+            h = self.ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        return self.lora.apply(self.layer, "down_proj", h, self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):
@@ -194,6 +228,12 @@ class Transformer(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
         return self.norm.add_and_norm(x, residual)[0] if residual is not None else self.norm(x)
+
+    def set_lora(self, lora: LoraDelta | None) -> None:
+        """Run every layer's projections with ``lora``'s adapters (None: without)."""
+        for i, layer in enumerate(self.layers):
+            for block in (layer.self_attn, layer.mlp):
+                block.lora, block.layer = lora, i
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (n, hidden_size) -> logits (n, vocab_size) float32."""

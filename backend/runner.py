@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from sched_lab.backend.attention import get_attention_backend
@@ -30,6 +31,7 @@ from sched_lab.backend.errors import UnsupportedModelError
 from sched_lab.backend.inputs import DeviceFeed, SeqInput, apply_feed, prepare_inputs
 from sched_lab.backend.kv_cache import GiB, KVCache, blocks_in, bytes_per_block
 from sched_lab.backend.loader import load_model
+from sched_lab.backend.lora import LoraAdapter, LoraSlots
 from sched_lab.backend.sampler import sample_seqs
 from sched_lab.backend.tp import TPShard, agree_min, check_tp_size, load_tp_model, shard_config
 from sched_lab.core.errors import ConfigError
@@ -85,6 +87,11 @@ class ModelRunner:
         prefill_attention: "auto", "triton" or "flash_varlen" (triton backend only).
         tensor_parallel: this rank of an initialised torch.distributed group; every rank
             must get the same calls in the same order. None: one device.
+        lora_adapters: adapter name -> PEFT folder (:mod:`sched_lab.backend.lora`); a
+            SeqInput's ``lora_name`` picks one. None or empty: LoRA off (the model runs
+            exactly as without these arguments).
+        max_loras: most distinct adapters in one step (device slots).
+        max_lora_rank: the largest adapter rank accepted.
     """
 
     def __init__(
@@ -109,7 +116,12 @@ class ModelRunner:
         num_threads: int | None = None,
         tensor_parallel: TPShard | None = None,
         prefill_attention: str = "auto",
+        lora_adapters: dict[str, Path] | None = None,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
     ) -> None:
+        if lora_adapters and tensor_parallel is not None:
+            raise ConfigError("lora: adapters with tensor parallelism are not implemented")
         model_dir = Path(model_dir).expanduser()
         self.config = ModelConfig.from_dir(model_dir)
         self.tensor_parallel = tensor_parallel
@@ -140,6 +152,9 @@ class ModelRunner:
         else:
             self.model = load_tp_model(model_dir, full_config, tensor_parallel, backend,
                                        self.device, self.dtype, self.max_model_len, kn_weights)  # fmt: skip
+        self.lora: LoraSlots | None = None
+        if lora_adapters:
+            self.attach_lora(lora_adapters, max_loras, max_lora_rank, rebuild_graphs=False)
         self.generator = torch.Generator(self.device).manual_seed(seed)  # the warm-up samples
         self.graphs: StepGraphs | None = None  # set once the KV cache exists
         self._free_ids: list[torch.Tensor] = []  # pinned sampled-id buffers (launch / wait)
@@ -160,22 +175,41 @@ class ModelRunner:
         )
         log.info(self.capacity_line())
         backend.warm_up(*self.kv_cache.layers[0], self.config.num_heads)
+        self._graph_sizes = (
+            graph_sizes(max_num_seqs, cuda_graph_sizes),
+            graph_sizes(max_num_batched_tokens, cuda_graph_token_sizes if mixed_graphs else ()),
+            max_num_seqs,
+        )
         if cuda_graphs:
-            self.graphs = StepGraphs(
-                self.model,
-                self.kv_cache,
-                block_size,
-                self.max_model_len,
-                self.config.vocab_size,
-                graph_sizes(max_num_seqs, cuda_graph_sizes),
-                graph_sizes(max_num_batched_tokens, cuda_graph_token_sizes if mixed_graphs else ()),
-                max_num_seqs,
-                capture=self.device.type == "cuda",
-            )
-            if self.graphs.capture:
-                self._capture_graphs()
+            self._build_graphs()
             if tensor_parallel is not None and not agree_min(self.graphs is not None, self.device):
                 self.graphs = None  # a rank whose capture failed: every rank runs eagerly
+
+    def _build_graphs(self) -> None:
+        """Make the step graphs (and capture them on CUDA) for the current model and LoRA."""
+        sizes, token_sizes, max_num_seqs = self._graph_sizes
+        self.graphs = StepGraphs(self.model, self.kv_cache, self.block_size, self.max_model_len,
+                                 self.config.vocab_size, sizes, token_sizes, max_num_seqs,
+                                 capture=self.device.type == "cuda", lora=self.lora)  # fmt: skip
+        if self.graphs.capture:
+            self._capture_graphs()
+
+    def attach_lora(self, adapters: dict[str, Path | LoraAdapter], max_loras: int,
+                    max_lora_rank: int, rebuild_graphs: bool = True) -> None:  # fmt: skip
+        """Read ``adapters`` (host copies), give the model ``max_loras`` device slots and run
+        its projections with them; with ``rebuild_graphs``, capture the step graphs again
+        (the old ones hold no LoRA). Benchmarks call it to switch ranks on one model."""
+        kernels = self.device.type == "cuda" or _interpreting()
+        self.model.set_lora(None)
+        self.lora = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.lora = LoraSlots(self.config, adapters, max_loras, max_lora_rank, self.device,
+                              self.dtype, kernels)  # fmt: skip
+        self.model.set_lora(self.lora)
+        if rebuild_graphs and self.graphs is not None:
+            self.graphs = None
+            self._build_graphs()
 
     def _capture_graphs(self) -> None:
         """Capture every size; on failure, say so and run every step eagerly."""
@@ -294,6 +328,7 @@ class ModelRunner:
                 return out
         inputs = prepare_inputs(seqs, self.block_size, self.kv_cache.num_gpu_blocks,
                                 self.max_model_len, self.config.vocab_size, self.device)  # fmt: skip
+        self._stage_lora(seqs)
         attn = self.attn_backend.prepare_metadata(inputs.attn, self.config.num_kv_heads)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, attn)
         return self.model.compute_logits(hidden[index])
@@ -323,10 +358,17 @@ class ModelRunner:
         inputs = prepare_inputs(seqs, self.block_size, kv_cache.num_gpu_blocks,
                                 self.max_model_len, self.config.vocab_size, self.device)  # fmt: skip
         apply_feed(inputs.input_ids, feed, self.device.type == "cuda")
+        self._stage_lora(seqs)
         attn = self.attn_backend.prepare_metadata(inputs.attn, self.config.num_kv_heads)
         hidden = self.model(inputs.input_ids, inputs.positions, kv_cache.layers, attn)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return inputs.sampled_seqs, inputs.sampled_inputs, logits
+
+    def _stage_lora(self, seqs: list[SeqInput]) -> None:
+        """Load the step's adapters and copy its LoRA segments to the device (eager steps)."""
+        if self.lora is not None:
+            q = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=len(seqs))
+            self.lora.stage([s.lora_name for s in seqs], q, int(q.sum()))
 
     @torch.inference_mode()
     def _kv_budget_bytes(self, utilization: float, max_num_batched_tokens: int) -> tuple[int, str]:
@@ -387,6 +429,11 @@ def _check_max_model_len(config: ModelConfig, max_model_len: int, model_dir: str
             f"{model_dir}: sliding-window attention (window {window} tokens) is not implemented; "
             f"pass max_model_len <= {window} so the window never cuts the context"
         )
+
+
+def _interpreting() -> bool:
+    """True when Triton's CPU interpreter is on (the LoRA kernels then run on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def set_cpu_threads(num_threads: int | None) -> None:

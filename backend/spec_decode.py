@@ -469,6 +469,8 @@ def spec_decoder_from(config, runner, temperature: float, seed: int, max_num_seq
     caches draft runners by checkpoint across runs."""
     if config is None:
         return None
+    if getattr(runner, "lora", None) is not None:
+        raise ConfigError("speculative: speculative decoding with LoRA adapters is not implemented")
     method, k = config.method, config.num_speculative_tokens
     kw = dict(
         prompt_lookup_min=getattr(config, "prompt_lookup_min", None) or 1,

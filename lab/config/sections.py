@@ -384,7 +384,8 @@ def parse_lora(ctx: Context, raw: Any) -> LoRAConfig | None:
             ctx.where, "lora.max_cpu_loras", f"an integer >= lora.max_loras ({cfg.max_loras})",
             cfg.max_cpu_loras,
         )  # fmt: skip
-    if isinstance(raw, dict) and "zipf_alpha" in raw and cfg.assign != "zipf":
+    # (the default 1.0 is taken with any rule: a results folder's config.yaml writes it)
+    if cfg.assign != "zipf" and cfg.zipf_alpha != LoRAConfig.zipf_alpha:
         raise ConfigError(
             f"{ctx.where}: lora.zipf_alpha: set only with lora.assign: zipf (assign is "
             f"{cfg.assign!r})"

@@ -442,6 +442,10 @@ class Scheduler(Admission, Preemption, SpecDrafts):
                 )
             )
             assert len(r.block_table) == need, f"{r.request_id}: {len(r.block_table)} != {need}"
+        if self.lora is not None:
+            used = {r.lora_name for r in (*self.running, *self.swapped) if r.lora_name}
+            assert len(used) <= self.lora.max_loras, f"{len(used)} adapters > max_loras"
+            assert used <= set(self.lora.gpu), f"adapters in use off the GPU: {used}"
         self.block_manager.check_integrity(
             [*self.running, *self.swapped, *self.held, *self.in_flight.ended]
         )

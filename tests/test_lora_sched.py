@@ -3,10 +3,11 @@ assignment rule, unknown adapters, the lora_aware policy and the lora_affinity r
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
-from helpers import FixedCost
+from helpers import FixedCost, bundled_policy_names
 
 from sched_lab.config import validate
 from sched_lab.core.errors import ConfigError
@@ -25,11 +26,13 @@ from sched_lab.sim.router import get_router
 from sched_lab.traces.adapters import assign_adapters
 
 
-def lora_run(policy, rows, max_loras, max_cpu_loras=None, num_adapters=4, **options):
+def lora_run(policy, rows, max_loras, max_cpu_loras=None, num_adapters=4, gpu_blocks=64, **options):
     """Replay (id, arrival_s, prompt, output, lora_name) rows, 10 ms a step, checked."""
-    bm = make_block_manager(64, 0, 16, 0.0, False)
+    bm = make_block_manager(gpu_blocks, 16, 16, 0.0, False)
     slots = LoRASlots(adapter_names(num_adapters), max_loras, max_cpu_loras or max_loras)
-    scheduler = get_policy(policy)(SchedulerLimits(256, 4096, 4096), bm, lora=slots, **options)
+    cls = get_policy(policy)
+    limits = SchedulerLimits(256, 64 if cls.chunked_prefill else 4096, 4096)
+    scheduler = cls(limits, bm, lora=slots, **options)
     reqs = [Request(i, t, p, o, lora_name=name) for i, t, p, o, name in rows]
     result = replay(reqs, scheduler, FixedCost(), check_invariants=True)
     assert result.failure is None, result.failure
@@ -164,6 +167,7 @@ def test_a_trace_naming_adapters_without_a_lora_section_is_refused_in_one_line(t
 def test_the_lora_section_checks_its_keys_in_one_line(tmp_path):
     cfg = experiment(tmp_path, lora={"max_loras": 2, "num_adapters": 8, "assign": "uniform"})
     assert cfg.lora.cpu_loras == 2 and cfg.to_dict()["lora"]["max_lora_rank"] == 16
+    assert validate({**cfg.to_dict(), "name": "again"}, "config.yaml", tmp_path).lora == cfg.lora
     assert experiment(tmp_path).lora is None and "lora" not in experiment(tmp_path).to_dict()
     bad = [
         ({"max_loras": 4, "max_cpu_loras": 2},
@@ -255,3 +259,20 @@ def test_a_lora_affinity_cluster_keeps_adapters_on_fewer_replicas(tmp_path):
         return run_experiment(cfg, False)[0].summary["num_lora_loads"]
 
     assert loads("lora_affinity") < loads("round_robin")
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("policy", bundled_policy_names())
+def test_every_policy_keeps_the_slot_rule_under_kv_pressure(policy, asynchronous):
+    # 60 random requests over 3 adapters and the base model, 2 slots, 24 KV blocks of 16
+    # tokens (preemptions); check_plan asserts <= max_loras adapters in use, all on the GPU.
+    rng = random.Random(7)
+    names = ["", "lora-0", "lora-1", "lora-2"]
+    rows = [
+        (str(i), 0.005 * i, rng.randint(8, 80), rng.randint(1, 40), rng.choice(names))
+        for i in range(60)
+    ]
+    options = {"async_scheduling": True} if asynchronous else {}
+    result, req = lora_run(policy, rows, max_loras=2, gpu_blocks=24, **options)
+    assert all(r.status is RequestStatus.FINISHED for r in req.values())
+    assert result.steps["num_loras"].max() <= 2 and result.steps["num_lora_loads"].sum() >= 3

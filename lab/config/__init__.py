@@ -4,7 +4,7 @@ Top-level keys (all optional but ``trace``; experiments/quickstart.yaml is an ex
 ``name``, ``backend`` (sim | engine), ``seed``, ``trace`` (one spec or a list of workload
 classes), ``model``, ``hardware``, ``cost_model``, ``kv_cache``, ``scheduler``,
 ``policies``, ``slo``, ``engine``, ``check_invariants``, ``speculative``, ``cluster``,
-``report`` and ``trace_file`` (the trace's path, sha256 and rows, written into results).
+``report``, ``lora`` and ``trace_file`` (the trace's path, sha256 and rows, written into results).
 
 Load a file with :func:`load_config` or validate a mapping with :func:`validate`; read values
 as attributes (``cfg.kv_cache.block_size``); :meth:`ExperimentConfig.to_dict` gives the
@@ -43,6 +43,7 @@ from sched_lab.config.sections import (
     CostModelConfig,
     EngineConfig,
     KVCacheConfig,
+    LoRAConfig,
     ReportConfig,
     SchedulerConfig,
     SLOConfig,
@@ -84,6 +85,7 @@ __all__ = [
     "EngineConfig",
     "ExperimentConfig",
     "KVCacheConfig",
+    "LoRAConfig",
     "PolicyConfig",
     "ReportConfig",
     "Rule",

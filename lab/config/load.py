@@ -23,12 +23,14 @@ from sched_lab.config.sections import (
     CostModelConfig,
     EngineConfig,
     KVCacheConfig,
+    LoRAConfig,
     ReportConfig,
     SchedulerConfig,
     SLOConfig,
     parse_cost_model,
     parse_engine,
     parse_kv_cache,
+    parse_lora,
     parse_report,
     parse_scheduler,
     parse_slo,
@@ -70,6 +72,7 @@ TOP_KEYS = (
     "cluster",
     "report",
     "speculative",
+    "lora",
 )
 
 
@@ -95,6 +98,7 @@ class ExperimentConfig:
     cluster: ClusterSpec | None = None  # None: one replica (lab/sim/cluster.py)
     report: ReportConfig = ReportConfig()
     speculative: SpeculativeConfig | None = None  # shared by every policy; None = off
+    lora: LoRAConfig | None = None  # multi-LoRA serving (docs/lora.md); None = no adapters
     source: str = field(default="config", compare=False)
     base_dir: Path = field(default=Path("."), compare=False)
 
@@ -151,6 +155,8 @@ class ExperimentConfig:
             out["cluster"] = cluster_to_dict(self.cluster)
         if self.speculative is not None:  # absent when off: older dumps stay as they were
             out["speculative"] = self.speculative.to_dict()
+        if self.lora is not None:  # absent when off: older dumps stay as they were
+            out["lora"] = plain(self.lora)
         if self.trace.expected is not None:
             out["trace_file"] = dict(self.trace.expected)
         return out
@@ -247,6 +253,7 @@ def validate(
         cluster=cluster,
         report=parse_report(ctx, raw.get("report", {})),
         speculative=spec,
+        lora=parse_lora(ctx, raw.get("lora")),
         source=where,
         base_dir=ctx.base_dir,
     )

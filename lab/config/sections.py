@@ -1,5 +1,5 @@
 """The fixed-key sections of an experiment YAML (``kv_cache``, ``scheduler``,
-``cost_model``, ``slo``, ``report``, ``engine``): one frozen dataclass each, every field
+``cost_model``, ``slo``, ``report``, ``engine``, ``lora``): one frozen dataclass each, every field
 with its type, default and check (:func:`sched_lab.config.walker.option`)."""
 
 from __future__ import annotations
@@ -337,3 +337,57 @@ def parse_engine(ctx: Context, raw: Any) -> EngineConfig:
     elif isinstance(path, str) and path:
         e["model_path"] = paths.resolve(path, ctx.base_dir)
     return EngineConfig(**e)
+
+
+# ---------------------------------------------------------------------------- lora
+LORA_ASSIGN = ("none", "uniform", "zipf")
+
+
+def _adapter_dir(ctx: Context, key: str, v: Any) -> Any:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise fail(ctx.where, key, "a folder of PEFT adapters lora-0, lora-1, ... or null", v)
+    return paths.resolve(v, ctx.base_dir)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's ``--max-loras``, ``--max-cpu-loras``, ``--max-lora-rank``;
+    rules in docs/lora.md). Absent: no adapters, and a trace that names one is refused."""
+
+    max_loras: int = option(1, is_int())  # distinct adapters in one step: GPU slots
+    # host LRU of adapters; null: max_loras
+    max_cpu_loras: int | None = option(None, is_int(optional=True))
+    max_lora_rank: int = option(16, is_int())  # every simulated adapter has this rank
+    num_adapters: int = option(1, is_int())  # adapters named lora-0 .. lora-{N-1}
+    # requests with no lora_name of their own: none, uniform or zipf over the adapters
+    assign: str = option("none", is_choice(LORA_ASSIGN))
+    zipf_alpha: float = option(1.0, is_num(0.0))  # P(lora-i) ~ 1 / (i + 1) ** alpha
+    base_share: float = option(0.0, is_num(0.0, 1.0))  # of assigned requests: base model
+    adapter_dir: Path | None = option(None, _adapter_dir)  # the engine's PEFT adapters
+    load_latency_ms: float = option(1.0, is_num(0.0, MAX_STEP_OVERHEAD_S * 1000))  # per load
+
+    @property
+    def cpu_loras(self) -> int:
+        """The host LRU's capacity (``max_cpu_loras``, null: ``max_loras``)."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+def parse_lora(ctx: Context, raw: Any) -> LoRAConfig | None:
+    """The ``lora:`` section, or None when it is absent (null)."""
+    if raw is None:
+        return None
+    cfg = LoRAConfig(**walk(ctx, "lora", raw, LoRAConfig))
+    if cfg.max_cpu_loras is not None and cfg.max_cpu_loras < cfg.max_loras:
+        raise fail(
+            ctx.where, "lora.max_cpu_loras", f"an integer >= lora.max_loras ({cfg.max_loras})",
+            cfg.max_cpu_loras,
+        )  # fmt: skip
+    # (the default 1.0 is taken with any rule: a results folder's config.yaml writes it)
+    if cfg.assign != "zipf" and cfg.zipf_alpha != LoRAConfig.zipf_alpha:
+        raise ConfigError(
+            f"{ctx.where}: lora.zipf_alpha: set only with lora.assign: zipf (assign is "
+            f"{cfg.assign!r})"
+        )
+    return cfg

@@ -17,7 +17,9 @@ class Admission:
     def admit_waiting(self, plan: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests in :meth:`admission_order` while limits and blocks allow,
         stopping at the first that does not fit even after :meth:`make_room` (recorded in
-        ``events``). A chunked policy's last admission may get a partial chunk. Cached
+        ``events``); with LoRA (``self.lora``) one whose adapter finds no slot is skipped
+        and its adapter loaded when admitted (lab/core/lora.py). A chunked policy's last
+        admission may get a partial chunk. Cached
         prefixes are looked up at admission. Returns the budget left."""
         bm, queue, max_seqs = self.block_manager, self.waiting, self.limits.max_num_seqs
         self._admit_step = step = self.num_steps
@@ -27,6 +29,11 @@ class Admission:
         events = self.events
         caching = bm.enable_prefix_caching
         order = self.admission_order()
+        lora, pinned, skipped = self.lora, set(), False
+        if lora is not None:  # a request whose adapter finds no slot is skipped, not a stop
+            plan.lora = True
+            pinned = {q.lora_name for q in (*self.running, *self.swapped) if q.lora_name}
+            order = list(order) if order is queue else order
         custom = iter(order) if order is not queue else None
         while queue and budget > 0:
             r = queue[0] if custom is None else next(custom, None)
@@ -35,6 +42,11 @@ class Admission:
             if r in self.in_flight.held:  # async: a recompute victim whose token is in flight
                 events.wait(step, r, "token_in_flight")
                 break
+            if lora is not None and not lora.fits(r.lora_name, pinned):
+                if not skipped:  # the first skipped request records the wait, as a stop does
+                    events.wait(step, r, "max_loras", lora.max_loras)
+                    skipped = True
+                continue
             # Looked up now, at every admission attempt; a request whose prompt is already
             # computed elsewhere (its KV moved in from a prefill replica) looks nothing up.
             hits = bm.lookup(r) if caching and not r.num_computed_tokens else ()
@@ -79,6 +91,9 @@ class Admission:
                 break
             self._take_waiting(r, custom is None and queue[0] is r)
             self._admit(plan, r, hits, need, num_new)
+            if lora is not None and r.lora_name:
+                plan.num_lora_loads += lora.acquire(r.lora_name, pinned)
+                pinned.add(r.lora_name)
             budget -= num_new
         else:  # stopped by the loop's condition: the budget is spent
             r = (queue[0] if custom is None else next(custom, None)) if queue else None

@@ -32,6 +32,7 @@ WAIT_REASONS: dict[str, str] = {
     "not_tried": "the policy did not try admission",
     "swap_in_blocks": "swap-in needs {a} KV blocks, {b} free above the watermark (at first)",
     "swap_in_max_num_seqs": "swap-in held by max_num_seqs ({a}) requests running",
+    "max_loras": "its LoRA adapter finds no slot: max_loras ({a}) adapters in use",
     "token_in_flight": "preempted while its token was in flight (async scheduling): "
     "re-admitted once the token is known",
 }

@@ -37,6 +37,9 @@ class StepFeatures:
         num_swap_runs: host <-> device transfers of the swaps: runs of consecutive CPU block
             ids in the swap-out map plus those in the swap-in map, as the engine copies them
             (:func:`sched_lab.core.kv.num_swap_runs`); 0 without swaps.
+        num_loras: distinct LoRA adapters among the step's sequences (0 without LoRA).
+        num_lora_tokens: tokens fed by sequences that run an adapter.
+        num_lora_loads: adapters loaded host -> GPU before the step (lab/core/lora.py).
     """
 
     num_prefill_tokens: int
@@ -51,6 +54,9 @@ class StepFeatures:
     num_spec_decodes: int = 0
     spec_context_tokens: int = 0
     num_swap_runs: int = 0
+    num_loras: int = 0
+    num_lora_tokens: int = 0
+    num_lora_loads: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -117,6 +123,8 @@ class SchedulerOutput:
         num_wasted_tokens: async decodes past a request's last token (0 in sync runs).
         sampled_prefills, finished: prompt-finishing chunks, and requests whose last token
             this step samples. These last three are set at ``Scheduler.launched``.
+        lora: the scheduler runs LoRA adapters (then :meth:`features` counts them).
+        num_lora_loads: adapters loaded into a GPU slot by this step's admissions.
     """
 
     prefills: dict[Request, int] = field(default_factory=dict)
@@ -133,6 +141,8 @@ class SchedulerOutput:
     num_wasted_tokens: int = 0
     sampled_prefills: Sequence[Request] = ()  # a list once set (an empty tuple is free)
     finished: Sequence[Request] = ()
+    lora: bool = False
+    num_lora_loads: int = 0
 
     _features: StepFeatures | None = None
 
@@ -162,7 +172,21 @@ class SchedulerOutput:
                 self._features.num_swap_runs = num_swap_runs(self.swap_out, self.swap_in)
             if self.spec_decodes:
                 self._add_spec_features(self._features)
+            if self.lora:
+                self._add_lora_features(self._features)
         return self._features
+
+    def _add_lora_features(self, f: StepFeatures) -> None:
+        names, tokens, spec = set(), 0, self.spec_decodes
+        for r, n in self.prefills.items():
+            if r.lora_name:
+                names.add(r.lora_name)
+                tokens += n
+        for r in self.decodes:
+            if r.lora_name:
+                names.add(r.lora_name)
+                tokens += 1 + spec.get(r, 0)
+        f.num_loras, f.num_lora_tokens, f.num_lora_loads = len(names), tokens, self.num_lora_loads
 
     def _add_spec_features(self, f: StepFeatures) -> None:
         tick = self.decode_tick - 1

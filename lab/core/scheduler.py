@@ -17,6 +17,7 @@ from sched_lab.core.errors import ConfigError
 from sched_lab.core.events import ABORTED, PREFILL, EventLog
 from sched_lab.core.in_flight import InFlight
 from sched_lab.core.kv import BlockManager, blocks_for
+from sched_lab.core.lora import LoRASlots
 from sched_lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
 from sched_lab.core.preemption import Preemption
 from sched_lab.core.registry import Registry
@@ -104,6 +105,7 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         preemption_victim: str | None = None,
         speculative: SpeculativeConfig | None = None,
         async_scheduling: bool = False,
+        lora: LoRASlots | None = None,
         **options: Any,
     ):
         if preemption_victim is not None:
@@ -131,6 +133,7 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         self._slots_planned_for: SchedulerOutput | None = None  # see reserve_decode_blocks
         self._admitted: set[Request] = set()  # admitted by the latest admit_waiting
         self.async_scheduling = async_scheduling
+        self.lora = lora  # LoRA adapter slots (lab/core/lora.py); None: no adapters
         self.in_flight = InFlight()  # asynchronous scheduling: the step in flight
         # Called as a request finishes (with the time); True keeps its GPU blocks: it joins
         # ``held`` until release_held. A disaggregated prefill replica sets it: a finished
@@ -367,6 +370,8 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         need = blocks_for(r.prompt_len + 1, self.block_size)
         if need > gpu:
             return f"prompt {r.prompt_len} tokens needs {need} KV blocks, the GPU cache has {gpu}"
+        if self.lora is not None:
+            return self.lora.unknown_reason(r.lora_name)
         return None
 
     def blocks_to_admit(self, r: Request) -> int:
@@ -378,6 +383,7 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         """Give each decode the block its next token (and drafts) need, preempting
         :meth:`pick_victim` while short; a request alone that still does not fit is aborted."""
         self._slots_planned_for = plan
+        plan.lora = self.lora is not None
         if self.speculative is not None:
             return self._reserve_draft_blocks(plan)
         return self._reserve_decode_blocks(plan)
@@ -401,6 +407,7 @@ class Scheduler(Admission, Preemption, SpecDrafts):
             else:
                 why = "preempted_step" if plan.preempted else "not_tried"
             self.events.wait_all(self.num_steps, why)
+        plan.lora = self.lora is not None
         if self.decode_set:
             plan.decodes = self.decode_set.requests()
             plan.decode_context_tokens = self.decode_set.context_tokens
@@ -435,6 +442,10 @@ class Scheduler(Admission, Preemption, SpecDrafts):
                 )
             )
             assert len(r.block_table) == need, f"{r.request_id}: {len(r.block_table)} != {need}"
+        if self.lora is not None:
+            used = {r.lora_name for r in (*self.running, *self.swapped) if r.lora_name}
+            assert len(used) <= self.lora.max_loras, f"{len(used)} adapters > max_loras"
+            assert used <= set(self.lora.gpu), f"adapters in use off the GPU: {used}"
         self.block_manager.check_integrity(
             [*self.running, *self.swapped, *self.held, *self.in_flight.ended]
         )

@@ -14,6 +14,8 @@
   requests only (how well served the requests that were served are).
 * Trace rows not replayed (status ``dropped``) are counted apart; no metric includes them.
 * Queueing delay: arrival to first scheduled; preemptions per request by mode.
+* LoRA (a ``lora:`` section): adapters loaded and distinct adapters per step
+  (:func:`lora_summary`).
 * Per class and tenant: :mod:`sched_lab.results.fairness`.
 
 A summary's keys are the names of :mod:`sched_lab.results.names` (vLLM's where vLLM has one):
@@ -407,7 +409,19 @@ def summarize(
             **prefix_cache_summary(df, result),
         }
     )
+    if "num_lora_loads" in steps:  # a lora: section (lab/core/lora.py)
+        out.update(lora_summary(steps))
     return out
+
+
+def lora_summary(steps: dict[str, np.ndarray]) -> dict:
+    """summary.json's ``num_lora_loads`` (adapters loaded into a GPU slot over the run) and
+    ``mean_loras_per_step`` (distinct adapters per step, mean over steps)."""
+    loras = steps["num_loras"]
+    return {
+        "num_lora_loads": int(steps["num_lora_loads"].sum()),
+        "mean_loras_per_step": float(loras.mean()) if len(loras) else 0.0,
+    }
 
 
 def prefix_cache_summary(df: pd.DataFrame, result: ReplayResult) -> dict:

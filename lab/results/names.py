@@ -98,6 +98,8 @@ METRICS = {
             False,
             ("kv_used_fraction.max", "kv_used_fraction_max"),
         ),
+        Metric("num_lora_loads", "loads", "LoRA loads", False),
+        Metric("mean_loras_per_step", "adapters", "LoRA adapters per step"),
     )
 }
 ALIASES = {a: m.name for m in METRICS.values() for a in m.aliases}

@@ -17,6 +17,7 @@ import pandas as pd
 from sched_lab.config import ExperimentConfig, PolicyConfig, paths
 from sched_lab.core.errors import ConfigError, TraceError
 from sched_lab.core.kv import has_prefix_identity, make_block_manager
+from sched_lab.core.lora import LoRASlots, adapter_names
 from sched_lab.core.plan import Executor
 from sched_lab.core.request import Request, RequestStatus
 from sched_lab.core.scheduler import Scheduler, SchedulerLimits
@@ -29,6 +30,7 @@ from sched_lab.sim.cluster import ClusterResult, replay_cluster
 from sched_lab.sim.models import MODELS
 from sched_lab.sim.records import ReplayResult
 from sched_lab.sim.replay import replay
+from sched_lab.traces.adapters import assign_adapters
 
 log = logging.getLogger("sched_lab.run.experiment")
 
@@ -102,6 +104,21 @@ def check_prefix_identity(requests: list[Request], cfg: ExperimentConfig, token_
                 "model's own, not the ids' tokens, so a later turn would reuse KV of other "
                 "tokens; run such traces with caching in the simulator"
             )
+
+
+def check_adapters(requests: list[Request], cfg: ExperimentConfig) -> None:
+    """Without a ``lora:`` section, ConfigError if a request names a LoRA adapter (the run
+    would not be the one the trace asks for). With one, a request naming an adapter not
+    configured is rejected at arrival (lab/core/lora.py); nothing to check here."""
+    if cfg.lora is not None:
+        return
+    named = next((r for r in requests if r.lora_name), None)
+    if named is not None:
+        raise ConfigError(
+            f"{cfg.name}: request {named.request_id} names LoRA adapter {named.lora_name!r} "
+            "and the experiment has no lora: section; expected one (docs/lora.md) or a trace "
+            "without lora_name"
+        )
 
 
 def prefix_routed_pools(cfg: ExperimentConfig) -> list[str]:
@@ -326,6 +343,11 @@ def _prepare_trace(ex: _Experiment, trace: list[Request]) -> None:
     for r in trace:  # EDF's deadline for a single trace: the top-level TTFT SLO
         if r.ttft_slo_s is None:
             r.ttft_slo_s = cfg.slo.ttft_s
+    if cfg.lora is not None:
+        lo = cfg.lora
+        names = adapter_names(lo.num_adapters)
+        assign_adapters(trace, names, lo.assign, cfg.seed, lo.zipf_alpha, lo.base_share)
+    check_adapters(trace, cfg)
     if any(pol.prefix_caching(cfg.kv_cache) for pol in cfg.policies):
         check_prefix_identity(trace, cfg, ex.setup.token_ids)
     check_router_keys(trace, cfg)
@@ -353,7 +375,10 @@ def _replica_factory(ex: _Experiment, run: _Planned) -> Callable[[], tuple[Sched
     cfg, pol = ex.cfg, run.pol
 
     def make_replica() -> tuple[Scheduler, Executor]:
-        kv = cfg.kv_cache
+        kv, lo = cfg.kv_cache, cfg.lora
+        lora = None
+        if lo is not None:
+            lora = LoRASlots(adapter_names(lo.num_adapters), lo.max_loras, lo.cpu_loras)
         scheduler = run.cls(
             run.limits,
             make_block_manager(
@@ -364,6 +389,7 @@ def _replica_factory(ex: _Experiment, run: _Planned) -> Callable[[], tuple[Sched
                 pol.prefix_caching(kv),
             ),
             speculative=pol.speculative,
+            lora=lora,
             **{
                 "preemption_victim": cfg.scheduler.preemption_victim,
                 "async_scheduling": cfg.scheduler.async_scheduling,

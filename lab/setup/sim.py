@@ -16,6 +16,7 @@ from sched_lab.sim import spec_executor
 from sched_lab.sim.cost_model import (
     AnalyticCostModel,
     CostModelExecutor,
+    LoRACost,
     activation_bytes,
     num_cpu_blocks,
     num_gpu_blocks,
@@ -153,11 +154,24 @@ def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
         replayed = ReplayedDurations(cm.durations_from)
         gpu, cpu = replayed.capacity() or (gpu, cpu)
         return replayed, gpu, cpu
+    lora = lora_cost(cfg)
     if cm.profile is not None:
         from sched_lab.sim.calibrated import CalibratedCostModel
 
-        return CalibratedCostModel(cm.profile, cm.replay_steps), gpu, cpu
+        calibrated = CalibratedCostModel(cm.profile, cm.replay_steps)
+        if lora is not None:
+            calibrated.lora_load_s = lora.load_s(model, hw)
+        return calibrated, gpu, cpu
+    if lora is not None:
+        return AnalyticCostModel(model, hw, **cm.analytic, lora=lora), gpu, cpu
     return AnalyticCostModel(model, hw, **cm.analytic), gpu, cpu
+
+
+def lora_cost(cfg: ExperimentConfig) -> LoRACost | None:
+    """What the ``lora:`` section adds to a step's time (None without one)."""
+    if cfg.lora is None:
+        return None
+    return LoRACost(cfg.lora.max_lora_rank, cfg.lora.load_latency_ms / 1000.0)
 
 
 def check_sim_speculative(cfg: ExperimentConfig, pol: PolicyConfig) -> None:

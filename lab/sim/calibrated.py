@@ -431,6 +431,9 @@ class CalibratedCostModel:
         # host time fitted to the rows that have one (replay_steps rows have none)
         self.host_coef = fit_host(timed) if len(timed) else None
         self.host_note = "" if self.host_coef is not None else NO_HOST_NOTE
+        # seconds per LoRA adapter loaded (set from the link by the simulator's setup; the
+        # LoRA compute terms are not fitted: no profile has rows with adapters yet)
+        self.lora_load_s = 0.0
         (
             self._decode_step,
             self._prefill_step,
@@ -469,6 +472,8 @@ class CalibratedCostModel:
             + self._swap_token * f.num_swap_blocks * block_size
             + self._swap_run * f.num_swap_runs
         )
+        if f.num_lora_loads:  # priced from the link (lab/sim/cost_model.py LoRACost)
+            t += self.lora_load_s * f.num_lora_loads
         if f.num_decodes:
             t += self._mean_ctx * f.decode_context_tokens / f.num_decodes
         if tokens > TOKEN_KNOT:

@@ -165,6 +165,10 @@ class Replica(ReplayLoop):
     def blocks_to_admit(self, r: Request) -> int:
         return self.scheduler.blocks_to_admit(r)
 
+    def lora_residency(self, name: str) -> int:
+        lora = self.scheduler.lora
+        return 0 if lora is None else lora.residency(name)
+
     def take(self, r: Request) -> None:
         """Count ``r`` as routed here (its KV may still be on the way)."""
         self.requests.append(r)

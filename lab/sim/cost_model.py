@@ -16,6 +16,12 @@ Step time = max(FLOPs / achieved FLOP/s, bytes / achieved bytes/s) + step overhe
   dtype_bytes, each a ring costing 2(N-1)/N * bytes / link bandwidth + 2(N-1) * link latency
   on the preset's ``tp_link`` (Patarasuk & Yuan 2009; nccl-tests "Performance" notes).
 
+LoRA (``lora=LoRACost``, only with a ``lora:`` section; docs/lora.md): shrink + expand
+FLOPs 2 * rank * (in + out) per projection per token (``num_lora_tokens``), the weights of
+each distinct adapter of the step read once (``num_loras``), both inside the roofline's max;
+plus ``num_lora_loads`` x (adapter bytes / ``host_link_bandwidth`` + ``load_latency_s``),
+an adapter copied host -> GPU before the step that first uses it (as swapped KV is).
+
 Host and device time (asynchronous scheduling, vLLM V1's AsyncScheduler): ``host_time`` =
 min(host_overhead_s + host_per_seq_s * sequences, step time), a share of the step, not added
 to it; ``device_time`` = step time - host time.
@@ -32,6 +38,20 @@ from sched_lab.sim.hardware import LINKS, Hardware
 from sched_lab.sim.models import ModelSpec
 
 GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class LoRACost:
+    """What LoRA adds to a step: ``rank`` of every adapter, ``load_latency_s`` per adapter
+    loaded (the fixed part; its bytes go over the host link)."""
+
+    rank: int
+    load_latency_s: float
+
+    def load_s(self, model: ModelSpec, hardware: Hardware) -> float:
+        """Seconds to load one adapter host -> GPU: bytes / host link bandwidth + latency."""
+        nbytes = model.lora_adapter_bytes(self.rank)
+        return nbytes / hardware.host_link_bandwidth + self.load_latency_s
 
 
 class AnalyticCostModel:
@@ -62,6 +82,7 @@ class AnalyticCostModel:
         tensor_parallel_size: int = 1,
         host_overhead_s: float = 0.0,
         host_per_seq_s: float = 0.0,
+        lora: LoRACost | None = None,
     ) -> None:
         self.model, self.hardware = model, hardware
         self.step_overhead_s = step_overhead_s
@@ -77,6 +98,13 @@ class AnalyticCostModel:
         self._attn_flops_per_pair = 4.0 * m.num_hidden_layers * m.num_attention_heads * m.head_dim
         self._kv_bytes_per_token = float(m.kv_bytes_per_token)
         self._weight_bytes = float(m.weight_bytes)
+        self.lora = lora
+        self._lora_flops_per_token = self._lora_adapter_bytes = self._lora_load_s = 0.0
+        if lora is not None:
+            rank_dims = lora.rank * m.lora_dims_per_layer * m.num_hidden_layers
+            self._lora_flops_per_token = 2.0 * rank_dims
+            self._lora_adapter_bytes = float(m.lora_adapter_bytes(lora.rank))
+            self._lora_load_s = lora.load_s(m, hardware)
         self.tensor_parallel_size = n = tensor_parallel_size
         self._allreduce_s_per_token = self._allreduce_s_per_step = 0.0
         if n > 1:
@@ -119,12 +147,17 @@ class AnalyticCostModel:
         )
         kv_read = f.prefill_context_tokens + f.decode_context_tokens
         nbytes = self._weight_bytes + self._kv_bytes_per_token * (kv_read + tokens)
+        if f.num_loras:  # zero without LoRA: the sums above stay as they were
+            flops += self._lora_flops_per_token * f.num_lora_tokens
+            nbytes += self._lora_adapter_bytes * f.num_loras
         t = max(flops * self._s_per_flop, nbytes * self._s_per_byte) + self.step_overhead_s
         if self.tensor_parallel_size > 1:
             t += self._allreduce_s_per_token * tokens + self._allreduce_s_per_step
         if f.num_swap_blocks:
             swap_bytes = f.num_swap_blocks * block_size * self._kv_bytes_per_token
             t += f.num_swap_runs * self._s_per_swap_run + swap_bytes * self._s_per_swap_byte
+        if f.num_lora_loads:
+            t += f.num_lora_loads * self._lora_load_s
         return t
 
     def host_time(self, f: StepFeatures, block_size: int = 0, step_s: float | None = None) -> float:

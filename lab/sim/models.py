@@ -49,6 +49,23 @@ class ModelSpec:
         return self.num_hidden_layers * self.params_per_layer
 
     @property
+    def lora_dims_per_layer(self) -> int:
+        """Sum over the projections a LoRA adapter covers (q, k, v, o, gate, up, down) of
+        in + out features: one rank-r adapter holds r * this many weights per layer (A is
+        r x in, B is out x r)."""
+        h, q, kv, i = (
+            self.hidden_size,
+            self.num_attention_heads * self.head_dim,
+            self.num_key_value_heads * self.head_dim,
+            self.intermediate_size,
+        )
+        return (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
+
+    def lora_adapter_bytes(self, rank: int) -> int:
+        """Bytes of one rank-``rank`` adapter over every layer, in the model's dtype."""
+        return self.num_hidden_layers * rank * self.lora_dims_per_layer * self.dtype_bytes
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token over all layers: 2 * layers * kv_heads * head_dim * bytes."""
         return (

@@ -25,6 +25,9 @@ STEP_COLUMNS = (
     "num_cached_tokens", "num_cached_blocks", "kv_cached_blocks", "num_wasted_tokens",
     "num_spec_tokens",
 )  # fmt: skip
+# With LoRA (a ``lora:`` section) only, after the others: distinct adapters among the
+# step's sequences, adapters loaded into a GPU slot for it.
+LORA_COLUMNS = ("num_loras", "num_lora_loads")
 _FLOAT_COLUMNS = ("time_s", "duration_s", "prefill_attention_pairs")  # the rest: int64
 
 ENDED = (
@@ -47,13 +50,14 @@ class StepRecorder:
         num_steps: rows appended so far.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, extra: tuple[str, ...] = ()) -> None:
+        self.columns = (*STEP_COLUMNS, *extra)  # ``extra``: e.g. LORA_COLUMNS
         self._values = array("d")  # the rows, one after the other
         self.tick_steps = array("q")
         self.num_steps = 0
 
     def append(self, row: Sequence[float], decodes: Collection[object]) -> None:
-        """Append one step's ``row`` (``len(STEP_COLUMNS)`` numbers in that order);
+        """Append one step's ``row`` (``len(self.columns)`` numbers in that order);
         ``decodes``: the step's decodes (not empty: it ran a decode tick). A value that is
         not a number raises midway (``arrays`` cuts the partial row)."""
         self._values.extend(row)
@@ -64,12 +68,12 @@ class StepRecorder:
     def arrays(self) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """The columns (contiguous copies) and decode-tick steps; a step that failed midway
         (a partial row, not counted in ``num_steps``) is cut."""
-        width = len(STEP_COLUMNS)
+        width = len(self.columns)
         n = len(self._values) // width
         table = np.frombuffer(self._values, dtype=np.float64)[: n * width].reshape(n, width)
         steps = {
             c: table[:, i].astype(np.float64 if c in _FLOAT_COLUMNS else np.int64)
-            for i, c in enumerate(STEP_COLUMNS)
+            for i, c in enumerate(self.columns)
         }
         return steps, np.frombuffer(self.tick_steps, dtype=np.int64)
 
@@ -87,7 +91,8 @@ class ReplayResult:
             ``kv_cached_blocks`` the GPU blocks holding a key (used or cached free).
             ``num_wasted_tokens``: decode slots of requests already finished (async).
             ``num_spec_tokens``: draft tokens verified by decodes (speculative decoding;
-            step tokens = prefill + decode + spec tokens).
+            step tokens = prefill + decode + spec tokens). With LoRA also
+            ``LORA_COLUMNS``.
         tick_steps: for each decode tick, the index of the step that ran it.
         wall_s: wall-clock seconds the replay took.
         num_gpu_blocks: size of the GPU KV cache, for usage fractions.

@@ -39,7 +39,13 @@ from sched_lab.core.errors import ConfigError, DeadlockError
 from sched_lab.core.plan import Executor, SchedulerOutput, StepResult
 from sched_lab.core.request import Request, RequestStatus
 from sched_lab.core.scheduler import Scheduler
-from sched_lab.sim.records import ENDED, STEP_COLUMNS, ReplayResult, StepRecorder
+from sched_lab.sim.records import (
+    ENDED,
+    LORA_COLUMNS,
+    STEP_COLUMNS,
+    ReplayResult,
+    StepRecorder,
+)
 
 _WASTED = STEP_COLUMNS.index("num_wasted_tokens")
 _KV_USED, _KV_CACHED = STEP_COLUMNS.index("kv_used_blocks"), STEP_COLUMNS.index("kv_cached_blocks")
@@ -108,7 +114,8 @@ class ReplayLoop:
     ) -> None:
         self.env, self.scheduler, self.executor = env, scheduler, executor
         self.check_invariants, self.progress, self.on_step = check_invariants, progress, on_step
-        self.recorder = StepRecorder()
+        self._lora = scheduler.lora is not None
+        self.recorder = StepRecorder(LORA_COLUMNS if self._lora else ())
         self.num_added = 0  # requests handed to add() so far
         self._wakeup = env.event()  # the idle loop waits on it; add() triggers it
         # Moves the clock past a step with no event when nothing else is due (SimEnvironment).
@@ -262,7 +269,7 @@ class ReplayLoop:
         """The step's record (``STEP_COLUMNS``) as planned, its time and duration still 0."""
         scheduler = self.scheduler
         bm, f = scheduler.block_manager, plan.features()
-        return [
+        row = [
             0.0, 0.0, f.num_prefill_tokens, f.num_decodes, f.num_seqs, bm.num_used_gpu_blocks,
             bm.num_used_cpu_blocks, len(scheduler.waiting), len(scheduler.running),
             len(scheduler.swapped), len(plan.preempted), len(plan.swap_out), len(plan.swap_in),
@@ -270,6 +277,9 @@ class ReplayLoop:
             f.decode_context_tokens, plan.num_cached_tokens, plan.num_cached_blocks,
             bm.num_cached_blocks, plan.num_wasted_tokens, f.num_spec_tokens,
         ]  # fmt: skip
+        if self._lora:
+            row += [f.num_loras, f.num_lora_loads]
+        return row
 
     def _step(self, plan: SchedulerOutput, result: StepResult, row: list) -> Iterator[simpy.Event]:
         """Run a step from now for ``result.duration_s``, then record it (``row``, its time

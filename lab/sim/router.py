@@ -12,7 +12,7 @@ counts in its load from that instant, before the replica admits it (as vLLM's an
 routers count their own outstanding requests), so a burst of simultaneous arrivals spreads
 instead of piling onto the replica that looked least loaded before it. The signals:
 round_robin none; least_outstanding_tokens the prompt tokens of the requests routed there
-and not ended; power_of_two and prefix_affinity their number; least_kv the KV blocks in
+and not ended; power_of_two, prefix_affinity and lora_affinity their number; least_kv the KV blocks in
 use plus those the requests it sent there and the replica has not admitted yet need.
 """
 
@@ -50,6 +50,10 @@ class ReplicaLoad(Protocol):
 
     def blocks_to_admit(self, r: Request) -> int:
         """GPU blocks the replica needs to admit ``r`` (a request holding no KV there)."""
+
+    def lora_residency(self, name: str) -> int:
+        """Where LoRA adapter ``name`` is on the replica: 2 a GPU slot, 1 its host LRU, 0
+        neither (lab/core/lora.py; 0 without a ``lora:`` section)."""
 
 
 class Router:
@@ -213,6 +217,47 @@ class PrefixAffinity(Router):
             if self.replicas[i].num_requests < bound:
                 return i
         raise AssertionError("no replica under the load bound")  # load_factor >= 1
+
+
+@register_router("lora_affinity")
+class LoRAAffinity(Router):
+    """A request goes where its LoRA adapter already is, within a load bound; else to the
+    replica with the fewest requests.
+
+    Candidates by tier: replicas with the adapter in a GPU slot or that this router sent a
+    request of it that the replica has not admitted yet (it will load it; so a burst of one
+    adapter stays together), then those holding it in their host LRU; within a tier the
+    fewest requests, then the lowest index. A candidate must hold fewer than
+    ceil(``load_factor`` x (requests in the cluster + 1) / replicas) requests (the bound of
+    ``prefix_affinity``), so a popular adapter spills over instead of piling up. A request
+    of the base model, or none under the bound: the fewest requests. The idea of the LoRA
+    affinity of llm-d's inference scheduler and of the vLLM production stack's router.
+    """
+
+    options: ClassVar[dict[str, Any]] = {"load_factor": 1.25}
+
+    def __init__(self, replicas: Sequence[ReplicaLoad], seed: int = 0, **options: Any) -> None:
+        super().__init__(replicas, seed, **options)
+        self._sent: list[list[Request]] = [[] for _ in replicas]  # per replica, not admitted
+
+    def route(self, r: Request) -> int:
+        name = r.lora_name
+        if not name:
+            return self.least(lambda rep: rep.num_requests)
+        total = sum(rep.num_requests for rep in self.replicas)
+        bound = math.ceil(self.load_factor * (total + 1) / len(self.replicas))
+        best = None
+        for i, (rep, sent) in enumerate(zip(self.replicas, self._sent, strict=True)):
+            sent[:] = [q for q in sent if q.status is RequestStatus.WAITING]
+            where = rep.lora_residency(name)
+            if any(q.lora_name == name for q in sent):
+                where = 2
+            if where and rep.num_requests < bound:
+                key = (-where, rep.num_requests, i)
+                best = key if best is None or key < best else best
+        i = best[2] if best is not None else self.least(lambda rep: rep.num_requests)
+        self._sent[i].append(r)
+        return i
 
 
 def _hash64(data: bytes) -> int:

@@ -839,3 +839,33 @@ def test_tokens_queued_while_the_client_lags_go_out_as_one_chunk():
     (first, last), received = asyncio.run(collect())
     one = PlaceholderText().decode([0])
     assert first == (one * 4, None, "") and last == (one, LENGTH, "") and received == 5
+
+
+def test_lora_adapters_are_models_of_the_twin(tmp_path):
+    """With a ``lora:`` section, /v1/models lists the adapters (parent: the base model, as
+    vLLM lists them); ``"model": "lora-1"`` runs with that adapter (vllm:lora loads on the
+    twin: a completion finishes) and an adapter beyond num_adapters is a 404."""
+    path = sim_config(tmp_path)
+    raw = yaml.safe_load(open(path))
+    raw["lora"] = {"max_loras": 1, "num_adapters": 2}
+    with open(path, "w") as f:
+        yaml.safe_dump(raw, f)
+    server = ServerProcess([path, "--model-name", "base", "--speed", "10"])
+    try:
+        status, body = server.request("GET", "/v1/models")
+        assert status == 200
+        cards = json.loads(body)["data"]
+        assert [(c["id"], c["parent"]) for c in cards] == [
+            ("base", None),
+            ("lora-0", "base"),
+            ("lora-1", "base"),
+        ]
+        ask = {"model": "lora-1", "prompt": "hi there", "max_tokens": 3, "ignore_eos": True}
+        status, body = server.request("POST", "/v1/completions", ask)
+        assert status == 200, body
+        answer = json.loads(body)
+        assert answer["model"] == "lora-1" and answer["usage"]["completion_tokens"] == 3
+        status, body = server.request("POST", "/v1/completions", {**ask, "model": "lora-2"})
+        assert status == 404 and b"lora-2" in body
+    finally:
+        server.close()

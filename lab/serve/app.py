@@ -136,7 +136,11 @@ class Server:
             "parent": None,
             "max_model_len": self.served.limits.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [card]})
+        # LoRA adapters as vLLM lists them: one card each, parent = the base model
+        cards = [card] + [
+            {**card, "id": a, "root": a, "parent": self.model} for a in self.served.adapters
+        ]
+        return web.json_response({"object": "list", "data": cards})
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
@@ -165,7 +169,7 @@ class Server:
             # an unknown charset in the Content-Type
             why = f"{type(e).__name__}: {e}" if isinstance(e, RecursionError) else str(e)
             raise ApiError(f"the body is not valid JSON: {why}".splitlines()[0]) from None
-        sampling = parse(body, chat, self.model)
+        sampling = parse(body, chat, self.model, self.served.adapters)
         text = self.served.text
         if chat:
             prompt_ids = _encoded(text.chat, sampling.messages, "messages")
@@ -195,6 +199,7 @@ class Server:
             prompt_token_ids=list(prompt_ids),
             priority=sampling.priority,
             sampling_params=self._sampling_params(sampling),
+            lora_name=sampling.model if sampling.model in self.served.adapters else "",
         )
         why = self.served.scheduler.rejection_reason(r)  # reads limits and capacity only
         if why:
@@ -212,6 +217,10 @@ class Server:
             self.in_flight -= 1
             if not stream.ended:  # the client went away, or an error
                 self.loop.cancel(stream, ABORT)
+
+    def _echo(self, sampling: Sampling) -> str:
+        """The ``model`` of an answer: the adapter asked for, else the served model."""
+        return sampling.model if sampling.model in self.served.adapters else self.model
 
     def _sampling_params(self, sampling: Sampling) -> SamplingParams | None:
         """The request's sampling for the engine; None when it sets none of it. Speculative
@@ -294,7 +303,7 @@ class Server:
         r = stream.request
         use = usage(r.prompt_len, stream.received, r.num_cached_tokens)
         return web.json_response(
-            answer(new_id(chat), chat, self.model, "".join(parts), finish, use)
+            answer(new_id(chat), chat, self._echo(sampling), "".join(parts), finish, use)
         )
 
     async def _stream(
@@ -305,7 +314,7 @@ class Server:
         )
         await resp.prepare(request)
         rid, first = new_id(chat), True
-        with_usage = sampling.include_usage
+        with_usage, model = sampling.include_usage, self._echo(sampling)
 
         async def send(obj) -> None:
             await resp.write(f"data: {json.dumps(obj)}\n\n".encode())
@@ -313,17 +322,17 @@ class Server:
         try:
             async for delta, finish, message in self._events(stream, sampling):
                 if chat and first:
-                    await send(chunk(rid, chat, self.model, None, None, with_usage, role=True))
+                    await send(chunk(rid, chat, model, None, None, with_usage, role=True))
                     first = False
                 if finish == ABORT and message:
                     await send(ApiError(f"the request was aborted: {message}", None, 503).body())
                     break
                 if delta or finish is not None:
-                    await send(chunk(rid, chat, self.model, delta, finish, with_usage))
+                    await send(chunk(rid, chat, model, delta, finish, with_usage))
             if with_usage:
                 r = stream.request
                 use = usage(r.prompt_len, stream.received, r.num_cached_tokens)
-                await send(usage_chunk(rid, chat, self.model, use))
+                await send(usage_chunk(rid, chat, model, use))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:  # the client left mid-stream: cancelled as the handler leaves

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from sched_lab.config import ExperimentConfig, PolicyConfig
 from sched_lab.core.errors import ConfigError
 from sched_lab.core.kv import make_block_manager
+from sched_lab.core.lora import LoRASlots, adapter_names
 from sched_lab.core.plan import Executor
 from sched_lab.core.scheduler import Scheduler, SchedulerLimits
 from sched_lab.policies import get_policy
@@ -36,6 +37,7 @@ class Served:
     model_name: str
     limits: SchedulerLimits
     samples_tokens: bool = False
+    adapters: tuple[str, ...] = ()  # LoRA adapters a request's ``model`` may name
 
 
 def pick_policy(cfg: ExperimentConfig, name: str | None) -> PolicyConfig:
@@ -78,7 +80,11 @@ def build(
         "async_scheduling": cfg.scheduler.async_scheduling,
         **pol.options,
     }
-    scheduler = cls(limits, blocks, speculative=pol.speculative, **options)
+    lo, adapters, lora = cfg.lora, (), None
+    if lo is not None:
+        adapters = adapter_names(lo.num_adapters)
+        lora = LoRASlots(adapters, lo.max_loras, lo.cpu_loras)
+    scheduler = cls(limits, blocks, speculative=pol.speculative, lora=lora, **options)
     executor = setup.executor(pol, limits, pol.label, 1.0)
     if hasattr(executor, "plan_match"):  # the steps of a recorded run, in its order
         raise ConfigError(
@@ -92,4 +98,4 @@ def build(
     else:
         executor, text = PlaceholderTokens(executor), PlaceholderText()
     name = model_name or setup.model_id()
-    return Served(cfg, pol, scheduler, executor, text, name, limits, setup.token_ids)
+    return Served(cfg, pol, scheduler, executor, text, name, limits, setup.token_ids, adapters)

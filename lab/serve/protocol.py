@@ -189,15 +189,17 @@ def _short(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def parse(body: Any, chat: bool, model_name: str) -> Sampling:
+def parse(body: Any, chat: bool, model_name: str, adapters: tuple[str, ...] = ()) -> Sampling:
     """Check a request body (already parsed JSON) of ``/v1/completions`` (``chat`` False) or
-    ``/v1/chat/completions``. Raises ApiError naming the field (404 for another model)."""
+    ``/v1/chat/completions``. ``model`` may name the base model or one of the LoRA
+    ``adapters`` (vLLM's convention). Raises ApiError naming the field (404 for another
+    model)."""
     if not isinstance(body, Mapping):
         raise ApiError(f"the body must be a JSON object, got {type(body).__name__}")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(f"model: expected a string, got {_short(model)}", "model")
-    if model is not None and model != model_name:
+    if model is not None and model != model_name and model not in adapters:
         raise ApiError(f"The model `{model}` does not exist.", "model", 404)
     n = _int(body, "n")
     if n is not None and n != 1:

@@ -10,6 +10,7 @@ from typing import Any
 
 from sched_lab.config import ExperimentConfig, PolicyConfig, check_swap_blocks
 from sched_lab.core.errors import ConfigError
+from sched_lab.core.lora import adapter_names
 from sched_lab.core.plan import Executor
 from sched_lab.core.request import Request
 from sched_lab.core.scheduler import SchedulerLimits
@@ -149,6 +150,30 @@ def _runner_kwargs(cfg: ExperimentConfig) -> dict[str, Any]:
         kn_weights=eng.kn_weights,
         num_threads=eng.num_threads,
         prefill_attention=eng.prefill_attention,
+        **_lora_kwargs(cfg),
+    )
+
+
+def _lora_kwargs(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The runner's LoRA arguments from the ``lora:`` section (none when it is absent):
+    adapters ``lora-0 .. lora-{N-1}`` read from ``lora.adapter_dir`` (PEFT folders)."""
+    lora = cfg.lora
+    if lora is None:
+        return {}
+    if lora.adapter_dir is None:
+        raise ConfigError(
+            "lora.adapter_dir: backend: engine needs a folder of PEFT adapters lora-0 .. "
+            f"lora-{lora.num_adapters - 1} (make random ones with `sched-lab tools "
+            "make-random-lora --model-dir MODEL --out DIR --count N --rank R`)"
+        )
+    if cfg.engine.tensor_parallel_size > 1:
+        raise ConfigError("lora: adapters with engine.tensor_parallel_size > 1 are not implemented")
+    from sched_lab.backend.lora import adapters_in_dir
+
+    return dict(
+        lora_adapters=adapters_in_dir(lora.adapter_dir, list(adapter_names(lora.num_adapters))),
+        max_loras=lora.max_loras,
+        max_lora_rank=lora.max_lora_rank,
     )
 
 

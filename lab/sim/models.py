@@ -82,7 +82,9 @@ def with_kv_dtype(model: ModelSpec, kv_cache_dtype: str) -> ModelSpec:
     ``auto`` returns ``model`` itself."""
     if kv_cache_dtype == "auto":
         return model
-    return dataclasses.replace(model, kv_dtype_bytes=kv_dtype_bytes(kv_cache_dtype, model.dtype_bytes))
+    return dataclasses.replace(
+        model, kv_dtype_bytes=kv_dtype_bytes(kv_cache_dtype, model.dtype_bytes)
+    )
 
 
 #: The simulator's model presets, from the public config.json values in lab/core/model_presets.py

@@ -3,7 +3,9 @@
 Device: ``(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)`` (0 = K, 1 = V).
 Host swap: block-major ``(num_blocks, 2, num_layers, block_size, num_kv_heads, head_dim)``,
 pinned when CUDA is available (torch rounds pinned sizes up to a power of two). Swaps are
-stream-ordered before the step's kernels.
+stream-ordered before the step's kernels. The dtype is the model's, or ``torch.float8_e4m3fn``
+(``kv_cache.dtype: fp8``: one byte an element, so twice the blocks of a bf16 cache in the same
+bytes); swaps copy an FP8 cache's bytes as they are (through uint8 views).
 """
 
 from __future__ import annotations
@@ -13,8 +15,14 @@ import torch
 from sched_lab.backend.config import ModelConfig
 from sched_lab.backend.errors import KVCacheCapacityError
 from sched_lab.core.kv import contiguous_runs
+from sched_lab.core.kv_dtypes import canonical_kv_dtype
 
 GiB = 1 << 30
+
+
+def kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's torch dtype for ``kv_cache.dtype`` (auto: the model's; fp8: E4M3)."""
+    return torch.float8_e4m3fn if canonical_kv_dtype(kv_cache_dtype) == "fp8" else model_dtype
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -84,9 +92,10 @@ class KVCache:
                                     self.num_cpu_blocks)  # fmt: skip
         src = torch.tensor(gpu_ids, dtype=torch.long).to(self.device, non_blocking=True)
         # (n, 2, layers, block_size, kv_heads, head_dim): the host layout, on the device
-        gathered = self.gpu.index_select(2, src).permute(2, 0, 1, 3, 4, 5).contiguous()
+        gathered = _raw(self.gpu).index_select(2, src).permute(2, 0, 1, 3, 4, 5).contiguous()
+        cpu = _raw(self.cpu)
         for first, start, stop in contiguous_runs(cpu_ids):
-            self.cpu[first : first + stop - start].copy_(gathered[start:stop], non_blocking=True)
+            cpu[first : first + stop - start].copy_(gathered[start:stop], non_blocking=True)
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         """Copy [(cpu_block, gpu_block), ...] to the device cache (mutates it, stream-ordered).
@@ -94,12 +103,18 @@ class KVCache:
         if not mapping:
             return
         cpu_ids, gpu_ids = _checked(sorted(mapping), self.num_cpu_blocks, self.num_gpu_blocks)
-        staged = torch.empty((len(cpu_ids), *self.cpu.shape[1:]), dtype=self.cpu.dtype,
+        cpu = _raw(self.cpu)
+        staged = torch.empty((len(cpu_ids), *cpu.shape[1:]), dtype=cpu.dtype,
                              device=self.device)  # fmt: skip
         for first, start, stop in contiguous_runs(cpu_ids):
-            staged[start:stop].copy_(self.cpu[first : first + stop - start], non_blocking=True)
+            staged[start:stop].copy_(cpu[first : first + stop - start], non_blocking=True)
         dst = torch.tensor(gpu_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        self.gpu.index_copy_(2, dst, staged.permute(1, 2, 0, 3, 4, 5))
+        _raw(self.gpu).index_copy_(2, dst, staged.permute(1, 2, 0, 3, 4, 5))
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or its bytes (a uint8 view) for FP8, which has no index_copy_ on CPU."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _checked(

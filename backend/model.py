@@ -107,6 +107,7 @@ class Attention(nn.Module):
                 self.num_kv_heads, self.head_dim,
                 None if self.q_norm is None else self.q_norm.weight,
                 None if self.k_norm is None else self.k_norm.weight, self.eps, own_kv,
+                self.backend.k_scale, self.backend.v_scale,
             )  # fmt: skip
             if own_kv:  # k rotated in place; views, no copies
                 _, k, v = qkv.split(self.split_sizes, dim=-1)

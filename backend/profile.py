@@ -205,6 +205,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m sched_lab.backend
     )
     ap.add_argument("--attention", default="triton", help="attention backend (default: triton)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8", "fp8_e4m3"),
+        help="KV cache dtype (kv_cache.dtype); fp8 is named in the header, and the "
+        "calibrated model then fits that profile's KV bytes as they are",
+    )
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument(
         "--max-model-len",
@@ -260,7 +267,8 @@ def _profile(args: argparse.Namespace) -> None:
     kwargs = dict(device=device, dtype=args.dtype, attention_backend=args.attention,
                   block_size=args.block_size, gpu_memory_utilization=0.9,
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  num_gpu_blocks=args.num_gpu_blocks)  # fmt: skip
+                  num_gpu_blocks=args.num_gpu_blocks,
+                  kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     if args.tensor_parallel_size == 1:
         runner = ModelRunner(args.model_dir, **kwargs)
     else:
@@ -388,6 +396,7 @@ def _write_csv(path: Path, rows: list[dict], runner, args, device: str, commit: 
             f"hidden {c.hidden_size}, heads {c.num_heads}/{c.num_kv_heads}, head_dim "
             f"{c.head_dim}, {args.dtype}, {args.attention} attention, block_size "
             f"{args.block_size}"
+            + (", kv_cache_dtype fp8" if args.kv_cache_dtype != "auto" else "")
             + (
                 f", tensor_parallel_size {args.tensor_parallel_size} (heads per rank)"
                 if args.tensor_parallel_size > 1

@@ -29,7 +29,7 @@ from sched_lab.backend.cuda_graphs import (
 from sched_lab.backend.dtypes import check_dtype_supported, resolve_device, resolve_dtype
 from sched_lab.backend.errors import UnsupportedModelError
 from sched_lab.backend.inputs import DeviceFeed, SeqInput, apply_feed, prepare_inputs
-from sched_lab.backend.kv_cache import GiB, KVCache, blocks_in, bytes_per_block
+from sched_lab.backend.kv_cache import GiB, KVCache, blocks_in, bytes_per_block, kv_torch_dtype
 from sched_lab.backend.loader import load_model
 from sched_lab.backend.lora import LoraAdapter, LoraSlots
 from sched_lab.backend.sampler import sample_seqs
@@ -85,6 +85,9 @@ class ModelRunner:
         cuda_graph_sizes, cuda_graph_token_sizes: candidate graph sizes, cut at the maxima.
         num_threads: torch intra-op threads on CPU (process-wide); see :func:`set_cpu_threads`.
         prefill_attention: "auto", "triton" or "flash_varlen" (triton backend only).
+        kv_cache_dtype: "auto" (the model's dtype) or "fp8" (E4M3, scales 1.0; torch and
+            triton backends): the same memory rule sizes the cache, so about twice the
+            blocks of a bf16 one.
         tensor_parallel: this rank of an initialised torch.distributed group; every rank
             must get the same calls in the same order. None: one device.
         lora_adapters: adapter name -> PEFT folder (:mod:`sched_lab.backend.lora`); a
@@ -119,6 +122,7 @@ class ModelRunner:
         lora_adapters: dict[str, Path] | None = None,
         max_loras: int = 1,
         max_lora_rank: int = 16,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if lora_adapters and tensor_parallel is not None:
             raise ConfigError("lora: adapters with tensor parallelism are not implemented")
@@ -139,6 +143,8 @@ class ModelRunner:
         _check_max_model_len(self.config, self.max_model_len, model_dir)
         backend = get_attention_backend(attention_backend, self.device, self.dtype, block_size)
         backend.set_prefill_attention(prefill_attention)
+        self.kv_dtype = kv_torch_dtype(kv_cache_dtype, self.dtype)
+        backend.set_kv_cache_dtype(self.kv_dtype)
         self.attn_backend = backend
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and backend.supports_graphs
@@ -158,7 +164,7 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(seed)  # the warm-up samples
         self.graphs: StepGraphs | None = None  # set once the KV cache exists
         self._free_ids: list[torch.Tensor] = []  # pinned sampled-id buffers (launch / wait)
-        block_bytes = bytes_per_block(self.config, block_size, self.dtype)
+        block_bytes = bytes_per_block(self.config, block_size, self.kv_dtype)
         if num_gpu_blocks is None:
             budget, what = self._kv_budget_bytes(gpu_memory_utilization, max_num_batched_tokens)
             num_gpu_blocks = blocks_in(budget, block_bytes, what)
@@ -170,7 +176,7 @@ class ModelRunner:
             block_size,
             num_gpu_blocks,
             swap_space_bytes // block_bytes,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         log.info(self.capacity_line())
@@ -246,7 +252,7 @@ class ModelRunner:
         return (
             f"KV cache: {self.num_gpu_blocks} blocks x {self.block_size} tokens = "
             f"{self.num_gpu_blocks * self.block_size} tokens, "
-            f"{self.num_gpu_blocks * block_bytes / GiB:.2f} GiB on {self.device} ({self.dtype}){where}; "
+            f"{self.num_gpu_blocks * block_bytes / GiB:.2f} GiB on {self.device} ({self.kv_dtype}){where}; "
             f"swap space: {self.num_cpu_blocks} blocks, {self.num_cpu_blocks * block_bytes / GiB:.2f} GiB"
         )
 
@@ -394,7 +400,7 @@ class ModelRunner:
             for start in range(0, num_tokens, self.max_model_len)
         ]
         blocks = [-(-n // self.block_size) for n in lengths]
-        scratch = KVCache(self.config, self.block_size, sum(blocks), 0, self.dtype, self.device)
+        scratch = KVCache(self.config, self.block_size, sum(blocks), 0, self.kv_dtype, self.device)
         seqs, first = [], 0
         for n, b in zip(lengths, blocks, strict=True):
             seqs.append(

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sched_lab.backend.attention.triton_kernels import quantize_fp8
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -81,13 +83,14 @@ def _head_rms_norm(x1, x2, W, halves, half_mask, eps, HEAD_DIM: tl.constexpr,
 @triton.jit
 def _qkv_prepare_kernel(
     QKV, QOut, KCache, VCache, SlotMapping, Cos, Sin, QNormW, KNormW,
-    stride_qkv, stride_cos, eps,
+    stride_qkv, stride_cos, eps, k_scale, v_scale,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_P: tl.constexpr, KV_HEADS_P: tl.constexpr, HALF_P: tl.constexpr,
-    QK_NORM: tl.constexpr, K_IN_PLACE: tl.constexpr,
+    QK_NORM: tl.constexpr, K_IN_PLACE: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """One program per token: [q/k RMSNorm], RoPE, q -> QOut, k/v -> cache slot (none for a
-    negative slot); with K_IN_PLACE the prepared k also over the raw k."""
+    negative slot; an FP8 cache gets x / scale, saturated); with K_IN_PLACE the prepared k
+    also over the raw k (unquantized)."""
     t = tl.program_id(0).to(tl.int64)
     DTYPE: tl.constexpr = QKV.dtype.element_ty
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -123,13 +126,18 @@ def _qkv_prepare_kernel(
         k1, k2 = _head_rms_norm(k1, k2, KNormW, halves, half_mask, eps, HEAD_DIM, DTYPE)
     k1, k2 = _rope_half(k1, k2, cos, sin, DTYPE)
     dst = slot * NUM_KV_HEADS * HEAD_DIM + kv_off  # the caches are contiguous
-    tl.store(KCache + dst, k1, mask=kv_mask)
-    tl.store(KCache + dst + HALF, k2, mask=kv_mask)
     if K_IN_PLACE:  # this program alone reads the row, and has read it
         tl.store(k_row + kv_off, k1, mask=kv_mask)
         tl.store(k_row + kv_off + HALF, k2, mask=kv_mask)
     v1 = tl.load(v_row + kv_off, mask=kv_mask)
     v2 = tl.load(v_row + kv_off + HALF, mask=kv_mask)
+    if KV_FP8:
+        k1 = quantize_fp8(k1, k_scale, KCache.dtype.element_ty)
+        k2 = quantize_fp8(k2, k_scale, KCache.dtype.element_ty)
+        v1 = quantize_fp8(v1, v_scale, VCache.dtype.element_ty)
+        v2 = quantize_fp8(v2, v_scale, VCache.dtype.element_ty)
+    tl.store(KCache + dst, k1, mask=kv_mask)
+    tl.store(KCache + dst + HALF, k2, mask=kv_mask)
     tl.store(VCache + dst, v1, mask=kv_mask)
     tl.store(VCache + dst + HALF, v2, mask=kv_mask)
 
@@ -148,6 +156,8 @@ def qkv_prepare(
     k_norm_weight: torch.Tensor | None,
     eps: float,
     k_in_place: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """From the fused projection's output to attention inputs, in one kernel.
 
@@ -158,6 +168,7 @@ def qkv_prepare(
             written at ``slot_mapping`` (skipped if < 0).
         q_norm_weight, k_norm_weight: (head_dim,) per-head RMSNorm weights (Qwen3), or None.
         k_in_place: also write the prepared k over the raw k in ``qkv`` (mutates it).
+        k_scale, v_scale: an FP8 cache's scales (x / scale is stored, saturated to +-448).
     Returns:
         q: (num_tokens, num_heads, head_dim), contiguous, normalised and rotated.
     """
@@ -171,10 +182,11 @@ def qkv_prepare(
     _qkv_prepare_kernel[(num_tokens,)](
         qkv, q, k_cache, v_cache, slot_mapping, cos, sin,
         q_norm_weight if qk_norm else qkv, k_norm_weight if qk_norm else qkv,
-        qkv.stride(0), cos.stride(0), eps,
+        qkv.stride(0), cos.stride(0), eps, k_scale, v_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_P=triton.next_power_of_2(num_heads), KV_HEADS_P=triton.next_power_of_2(num_kv_heads),
         HALF_P=triton.next_power_of_2(head_dim // 2), QK_NORM=qk_norm, K_IN_PLACE=k_in_place,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
     )  # fmt: skip
     return q
 

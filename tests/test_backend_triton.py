@@ -126,29 +126,41 @@ ptr = "*" + dtype
 precision = "ieee" if dtype == "fp32" else "tf32"
 attn = dict(Q=ptr, KCache=ptr, VCache=ptr, Out=ptr, BlockTables="*i32", QueryStartLoc="*i32",
             SeqLens="*i32", Work="*i32", Tiles="*i32", scale="fp32", PartialOut="*fp32",
-            PartialLse="*fp32", Counters="*i32")
+            PartialLse="*fp32", Counters="*i32", k_scale="fp32", v_scale="fp32")
+fp8 = dict(attn, KCache="*fp8e4nv", VCache="*fp8e4nv")  # kv_cache.dtype: fp8
 dims = dict(GROUP=4, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_P=128, BLOCK_N=64)
+store = dict(K=ptr, V=ptr, KCache=ptr, VCache=ptr, SlotMapping="*i64", k_scale="fp32",
+             v_scale="fp32")
+store_dims = dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_P=8, HEAD_DIM_P=128)
 kernels = [
-    (tk._store_kv_kernel, dict(K=ptr, V=ptr, KCache=ptr, VCache=ptr, SlotMapping="*i64"),
-     dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_P=8, HEAD_DIM_P=128)),
-    (tk._prefill_kernel, attn, dict(dims, BLOCK_M=64, DOT_PRECISION=precision)),
+    (tk._store_kv_kernel, store, dict(store_dims, KV_FP8=False)),
+    (tk._store_kv_kernel, dict(store, KCache="*fp8e4nv", VCache="*fp8e4nv"),
+     dict(store_dims, KV_FP8=True)),
+    (tk._prefill_kernel, attn, dict(dims, BLOCK_M=64, DOT_PRECISION=precision, KV_FP8=False)),
+    (tk._prefill_kernel, fp8, dict(dims, BLOCK_M=64, DOT_PRECISION=precision, KV_FP8=True)),
     (tk._decode_reduce_kernel, dict(PartialOut="*fp32", PartialLse="*fp32", Out=ptr,
                                     QueryStartLoc="*i32", Work="*i32", WorkLoc="*i32"),
      dict(HEAD_DIM=128, HEAD_DIM_P=128, MERGE_BLOCK=16)),
-    (tk._decode_kernel, attn, dict(dims, GROUP_P=16, DOT_PRECISION=precision, FUSED_MERGE=True)),
-    (tk._decode_kernel, attn, dict(dims, GROUP_P=16, DOT_PRECISION=precision, FUSED_MERGE=False)),
+    (tk._decode_kernel, attn, dict(dims, GROUP_P=16, DOT_PRECISION=precision, FUSED_MERGE=True,
+                                   KV_FP8=False)),
+    (tk._decode_kernel, attn, dict(dims, GROUP_P=16, DOT_PRECISION=precision, FUSED_MERGE=False,
+                                   KV_FP8=False)),
+    (tk._decode_kernel, fp8, dict(dims, GROUP_P=16, DOT_PRECISION=precision, FUSED_MERGE=True,
+                                  KV_FP8=True)),
     (tk._decode_work_kernel, dict(SeqLens="*i32", DecodeIdx="*i32", Work="*i32",
                                   WorkLoc="*i32"), dict(TILE=64, ROWS_P=256, BLOCK=32)),
     (ops._rms_norm_kernel, dict(X=ptr, Residual=ptr, ResidualOut=ptr, W=ptr, Out=ptr, eps="fp32"),
      dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True)),
     (ops._silu_and_mul_kernel, dict(X=ptr, Out=ptr), dict(INTER=14336, BLOCK=1024)),
 ]
-for qk_norm in (True, False):
+for qk_norm, cache in ((True, ptr), (False, ptr), (True, "*fp8e4nv")):
     kernels.append((ops._qkv_prepare_kernel,
-                    dict(QKV=ptr, QOut=ptr, KCache=ptr, VCache=ptr, SlotMapping="*i64",
-                         Cos="*fp32", Sin="*fp32", QNormW=ptr, KNormW=ptr, eps="fp32"),
+                    dict(QKV=ptr, QOut=ptr, KCache=cache, VCache=cache, SlotMapping="*i64",
+                         Cos="*fp32", Sin="*fp32", QNormW=ptr, KNormW=ptr, eps="fp32",
+                         k_scale="fp32", v_scale="fp32"),
                     dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_P=32, KV_HEADS_P=8,
-                         HALF_P=64, QK_NORM=qk_norm, K_IN_PLACE=qk_norm)))
+                         HALF_P=64, QK_NORM=qk_norm, K_IN_PLACE=qk_norm,
+                         KV_FP8=cache != ptr)))
 for fn, types, consts in kernels:
     names = fn.arg_names
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -45,3 +47,12 @@ def test_output_speed_names_every_part_and_matches_pandas():
     for part in ("steps.csv", "PNG plots", "timelines: Gantt PNGs", "report.html",
                  "writing, all (with plots)", "writing, --no-plots"):  # fmt: skip
         assert part in parts, part
+
+
+def test_kv_fp8_dry_run_gives_fp8_four_times_the_float32_blocks():
+    """benchmarks/kv_fp8.py --dry-run: a tiny float32 model on CPU with a budget of 64
+    float32 blocks; fp8 (1 byte, not 4) gets 256 and both runs generate every token."""
+    pytest.importorskip("torch")
+    out = run_script("kv_fp8.py", "--dry-run")
+    rows = [line.split() for line in out.splitlines() if line.startswith("budget ")]
+    assert [(r[1], int(r[2]), int(r[4])) for r in rows] == [("auto", 64, 279), ("fp8", 256, 279)]

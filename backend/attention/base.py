@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from sched_lab.core.errors import ConfigError
+from sched_lab.core.kv_dtypes import FP8_E4M3_MAX
 
 PREFILL_TILE_M = 64  # query rows of one prefill attention tile (the Triton kernel's BLOCK_M)
 DECODE_TILE = 64  # key positions of one decode attention tile (the Triton kernel's BLOCK_N)
@@ -217,17 +218,35 @@ class AttentionBackend(ABC):
 
     Args:
         device: where the model and the KV cache live.
-        dtype: dtype of q/k/v and of the cache.
+        dtype: dtype of q/k/v and, unless :meth:`set_kv_cache_dtype` says otherwise, of the
+            cache.
         block_size: tokens per KV block.
+
+    An FP8 cache (``torch.float8_e4m3fn``) holds k / k_scale and v / v_scale, saturated to
+    +-448 on write; reads multiply by the scale. One (k_scale, v_scale) pair serves every
+    layer (1.0, vLLM's value when no calibrated scales are given).
     """
 
     name: ClassVar[str]
     supports_graphs: ClassVar[bool] = False  # whether graph_metadata() is implemented
+    supports_fp8_kv: ClassVar[bool] = False  # whether the cache may be float8_e4m3fn
 
     def __init__(self, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.kv_dtype = dtype
+        self.k_scale = self.v_scale = 1.0
+
+    def set_kv_cache_dtype(
+        self, kv_dtype: torch.dtype, k_scale: float = 1.0, v_scale: float = 1.0
+    ) -> None:
+        """Store the cache in ``kv_dtype`` (the model's dtype or ``torch.float8_e4m3fn``) with
+        these scales; ConfigError if this backend cannot read an FP8 cache."""
+        if kv_dtype == torch.float8_e4m3fn and not self.supports_fp8_kv:
+            raise ConfigError(f"kv_cache.dtype: fp8 is not supported by attention backend "
+                              f"{self.name!r}; use 'triton' or 'torch', or dtype auto")  # fmt: skip
+        self.kv_dtype, self.k_scale, self.v_scale = kv_dtype, k_scale, v_scale
 
     def forward(
         self,
@@ -287,8 +306,8 @@ class AttentionBackend(ABC):
         slot_mapping: torch.Tensor,
     ) -> None:
         """Write k/v (num_tokens, num_kv_heads, head_dim) into the caches at
-        ``slot_mapping`` (num_tokens,) int64."""
-        store_kv(k, v, k_cache, v_cache, slot_mapping)
+        ``slot_mapping`` (num_tokens,) int64 (quantized for an FP8 cache)."""
+        store_kv(k, v, k_cache, v_cache, slot_mapping, self.k_scale, self.v_scale)
 
     @abstractmethod
     def attend(
@@ -329,8 +348,26 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write k/v (num_tokens, num_kv_heads, head_dim) into the caches at ``slot_mapping``."""
+    """Write k/v (num_tokens, num_kv_heads, head_dim) into the caches at ``slot_mapping``;
+    an FP8 cache gets :func:`quantize_fp8` of k / k_scale and v / v_scale."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if cache.dtype == torch.float8_e4m3fn:  # no index_copy_ for fp8 on CPU: copy bytes
+            x, cache = quantize_fp8(x, scale).view(torch.uint8), cache.view(torch.uint8)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, x)
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale rounded to the nearest float8_e4m3fn, saturated to +-448 (no NaN from
+    overflow), computed in float32."""
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize(cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cached values in float32: an FP8 cache times ``scale``; others as they are."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.float() * scale
+    return cache.float()

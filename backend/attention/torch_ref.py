@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from sched_lab.backend.attention.base import AttentionBackend, AttentionMetadata
+from sched_lab.backend.attention.base import AttentionBackend, AttentionMetadata, dequantize
 
 
 class TorchAttention(AttentionBackend):
     name = "torch"
+    supports_fp8_kv = True  # dequantized to float32 before the scores
 
     def attend(
         self,
@@ -27,6 +28,8 @@ class TorchAttention(AttentionBackend):
             end = start + query_len
             keys = gather_sequence(k_cache, blocks, seq_len)  # (seq_len, num_kv_heads, head_dim)
             values = gather_sequence(v_cache, blocks, seq_len)
+            if k_cache.dtype == torch.float8_e4m3fn:
+                keys, values = dequantize(keys, self.k_scale), dequantize(values, self.v_scale)
             out[start:end] = attend(q[start:end], keys, values, scale)
             start = end
         return out

@@ -25,6 +25,7 @@ def interpreting() -> bool:
 class TritonAttention(AttentionBackend):
     name = "triton"
     supports_graphs = True
+    supports_fp8_kv = True  # the kernels dequantize FP8 tiles (triton_kernels module doc)
 
     def __init__(self, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
         super().__init__(device, dtype, block_size)
@@ -56,7 +57,7 @@ class TritonAttention(AttentionBackend):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        triton_kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        triton_kernels.store_kv(k, v, k_cache, v_cache, slot_mapping, self.k_scale, self.v_scale)
 
     def attend(
         self,
@@ -108,14 +109,16 @@ class TritonAttention(AttentionBackend):
             out[: prefill.shape[0]].copy_(prefill)
         elif meta.num_prefills:
             assert meta.prefill_tiles is not None, "prefill steps need meta.prefill_tiles"
-            triton_kernels.prefill_attention(q, *common, meta.prefill_tiles, scale)
+            triton_kernels.prefill_attention(q, *common, meta.prefill_tiles, scale,
+                                             self.k_scale, self.v_scale)  # fmt: skip
         if meta.num_decodes:
             work, loc, merge = meta.decode_work, meta.decode_work_loc, meta.decode_merge
             if work is None or loc is None:  # built here in every layer (tests)
                 w, lc, merge = step_decode_work(meta.query_lens, meta.seq_lens_host,
                                                 k_cache.shape[2])  # fmt: skip
                 work, loc = torch.from_numpy(w).to(q.device), torch.from_numpy(lc).to(q.device)
-            triton_kernels.decode_attention(q, *common, work, loc, scale, merge)
+            triton_kernels.decode_attention(q, *common, work, loc, scale, merge,
+                                            k_scale=self.k_scale, v_scale=self.v_scale)  # fmt: skip
         return out
 
     def prepare_metadata(self, meta: AttentionMetadata, num_kv_heads: int) -> AttentionMetadata:
@@ -141,7 +144,7 @@ class TritonAttention(AttentionBackend):
 
     def warm_up(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> None:
         if k_cache.device.type == "cuda":  # the interpreter compiles nothing
-            triton_kernels.warm_up(k_cache, v_cache, num_heads, 1.0)
+            triton_kernels.warm_up(k_cache, v_cache, num_heads, 1.0, self.dtype)
 
     def graph_metadata(
         self,

@@ -5,6 +5,10 @@ Position p of sequence s lives in block ``block_tables[s, p // BLOCK_SIZE]`` at 
 into work items merged by log-sum-exp (Flash-Decoding: Dao, Haziza, Massa and Sizov,
 PyTorch blog, 2023). Sequence index -1 in any table is CUDA-graph padding. Under
 ``TRITON_INTERPRET=1`` (set before import) the kernels run on CPU tensors.
+
+An FP8 cache (``torch.float8_e4m3fn``, ``KV_FP8``): the store writes x / scale saturated to
++-448 and rounded to nearest; the attention kernels load the FP8 tile and multiply by the
+scale in float32, then compute as for a cache in q's dtype.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import triton
 import triton.language as tl
 
 from sched_lab.backend.attention.base import DECODE_TILE, PREFILL_TILE_M
+from sched_lab.core.kv_dtypes import FP8_E4M3_MAX
 
 BLOCK_M = PREFILL_TILE_M  # query rows per prefill program
 BLOCK_N = 64  # key positions per inner-loop tile
@@ -31,6 +36,7 @@ FUSED_MERGE = True
 # (batch >= 32 with 8 kv heads: 4 or fewer; H200 figures in BENCHMARKS.md).
 FUSED_MERGE_MAX_ITEMS_PER_ROW = 8
 
+FP8_MAX: tl.constexpr = tl.constexpr(FP8_E4M3_MAX)  # E4M3's largest finite value
 _counters: dict[torch.device, torch.Tensor] = {}  # the fused merge's counts, per device
 _old_counters: list[torch.Tensor] = []  # replaced ones: captured graphs may still read them
 
@@ -53,10 +59,10 @@ def merge_counters(num_seqs: int, num_kv_heads: int, device: torch.device) -> to
 
 @triton.jit
 def _store_kv_kernel(
-    K, V, KCache, VCache, SlotMapping,
+    K, V, KCache, VCache, SlotMapping, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEADS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    HEADS_P: tl.constexpr, HEAD_DIM_P: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """One program per fed token; a negative slot (padding) writes nothing."""
     t = tl.program_id(0)
@@ -67,18 +73,47 @@ def _store_kv_kernel(
     dst = slot * NUM_KV_HEADS * HEAD_DIM + heads * HEAD_DIM + dims  # the caches are contiguous
     k = tl.load(K + t * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(V + t * stride_vt + heads * stride_vh + dims, mask=mask)
+    if KV_FP8:
+        k = quantize_fp8(k, k_scale, KCache.dtype.element_ty)
+        v = quantize_fp8(v, v_scale, VCache.dtype.element_ty)
     tl.store(KCache + dst, k, mask=mask)
     tl.store(VCache + dst, v, mask=mask)
 
 
+@triton.jit
+def quantize_fp8(x, scale, FP8: tl.constexpr):
+    """x / scale in float32, saturated to +-448, rounded to nearest (ties to even) onto the
+    E4M3 grid, then cast to ``FP8`` (then exact). The rounding is done here, not left to
+    the cast, because Triton's CPU interpreter rounds wrongly when the mantissa carries into
+    the exponent (1.95 -> 1.0); on the GPU the result is the hardware's cvt.rn.satfinite."""
+    y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+    a = tl.abs(y)
+    exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, -6)  # E4M3 subnormals share the spacing of 2**-6's
+    ulp = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2**(e - 3): 3 bits
+    t = a / ulp  # exact: a power-of-two scale, t < 16
+    r = (t + 8388608.0) - 8388608.0  # round half to even at 2**23 (float32 has 23 bits)
+    sign = y.to(tl.int32, bitcast=True) & -0x80000000  # kept for -0.0 too, as torch does
+    q = ((r * ulp).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return q.to(FP8)
+
+
+@triton.jit
+def dequantize(x, scale, KV_FP8: tl.constexpr, DTYPE: tl.constexpr):
+    """A loaded cache tile in DTYPE: FP8 times ``scale`` (float32), else as it is."""
+    if KV_FP8:  # a compile-time branch: the tile's type changes
+        x = (x.to(tl.float32) * scale).to(DTYPE)
+    return x
+
+
 @triton.jit(do_not_specialize=["stride_bt"])  # the block-table width varies step to step
 def _prefill_kernel(
-    Q, KCache, VCache, Out, BlockTables, QueryStartLoc, SeqLens, Tiles, scale,
+    Q, KCache, VCache, Out, BlockTables, QueryStartLoc, SeqLens, Tiles, scale, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_cs, stride_ch,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """Grid (tile rows, heads): causal attention of one BLOCK_M-row tile over prefix + chunk.
     Tiles (n, 2) int32 (sequence, tile); a negative sequence does nothing."""
@@ -118,6 +153,8 @@ def _prefill_kernel(
             KCache + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0
         )  # (BLOCK_N, D)
         v = tl.load(VCache + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k = dequantize(k, k_scale, KV_FP8, Q.dtype.element_ty)
+        v = dequantize(v, v_scale, KV_FP8, Q.dtype.element_ty)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (BLOCK_M, BLOCK_N)
         visible = (cols[None, :] <= q_pos[:, None]) & col_mask[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -136,12 +173,12 @@ def _prefill_kernel(
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     Q, KCache, VCache, Out, PartialOut, PartialLse, BlockTables, QueryStartLoc, SeqLens, Work,
-    Counters, scale,
+    Counters, scale, k_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_cs, stride_ch,
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FUSED_MERGE: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """Grid (work items, kv heads): the GROUP query heads of a kv head attend over one
     item's share [lo, hi) of a context. Work (n, 3) int32 (sequence, lo, hi); -1 is padding.
@@ -182,6 +219,8 @@ def _decode_kernel(
         kv_mask = col_mask[:, None] & dim_mask[None, :]
         k = tl.load(KCache + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(VCache + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k = dequantize(k, k_scale, KV_FP8, Q.dtype.element_ty)
+        v = dequantize(v, v_scale, KV_FP8, Q.dtype.element_ty)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # (GROUP_P, N)
         scores = tl.where(col_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -331,9 +370,11 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write k/v (num_tokens, num_kv_heads, head_dim), strided rows allowed, into their
-    slots; negative slots are skipped."""
+    slots; negative slots are skipped; an FP8 cache gets x / scale (module doc)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -344,11 +385,17 @@ def store_kv(
         and v_cache.is_contiguous()
     )
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_P=triton.next_power_of_2(num_kv_heads), HEAD_DIM_P=_head_dim_p(head_dim),
+        KV_FP8=is_fp8(k_cache),
     )  # fmt: skip
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    """Whether ``cache`` is an FP8 (E4M3) KV cache."""
+    return cache.dtype == torch.float8_e4m3fn
 
 
 def prefill_attention(
@@ -361,8 +408,10 @@ def prefill_attention(
     seq_lens: torch.Tensor,
     tiles: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Fill ``out`` rows of the prefill chunks.
+    """Fill ``out`` rows of the prefill chunks (k_scale, v_scale: an FP8 cache's).
 
     Args:
         q, out: (num_tokens, num_heads, head_dim), last dim contiguous.
@@ -377,11 +426,12 @@ def prefill_attention(
     num_heads, head_dim = q.shape[1:]
     _prefill_kernel[(tiles.shape[0], num_heads)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens, tiles, scale,
+        k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=num_heads // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         HEAD_DIM_P=_head_dim_p(head_dim), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=is_fp8(k_cache),
     )  # fmt: skip
 
 
@@ -398,6 +448,8 @@ def decode_attention(
     scale: float,
     merge: bool = True,
     fused_merge: bool | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Fill ``out`` rows of the one-token sequences; shapes as in prefill.
 
@@ -407,6 +459,7 @@ def decode_attention(
         merge: run the merge kernel (False only when no row has more than one item).
         fused_merge: merge inside the decode kernel; None: ``FUSED_MERGE`` when rows average
             fewer than ``FUSED_MERGE_MAX_ITEMS_PER_ROW`` items.
+        k_scale, v_scale: an FP8 cache's scales.
     """
     num_items = work.shape[0]
     if num_items == 0:
@@ -422,14 +475,15 @@ def decode_attention(
     counters = merge_counters(seq_lens.numel(), num_kv_heads, q.device) if fused else work
     _decode_kernel[(num_items, num_kv_heads)](
         q, k_cache, v_cache, out, partial, lse, block_tables, query_start_loc, seq_lens, work,
-        counters, scale,
+        counters, scale, k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=num_heads // num_kv_heads,
         GROUP_P=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_N=DECODE_BLOCK_N, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        FUSED_MERGE=fused, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+        FUSED_MERGE=fused, KV_FP8=is_fp8(k_cache), num_warps=DECODE_NUM_WARPS,
+        num_stages=DECODE_NUM_STAGES,
     )  # fmt: skip
     if not fused and merge and work_loc.numel() > 1:
         _decode_reduce_kernel[(work_loc.numel() - 1, num_heads)](
@@ -459,11 +513,18 @@ def decode_work_device(
     )  # fmt: skip
 
 
-def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, scale: float) -> None:
-    """Compile the prefill, decode and merge kernels for these caches' strides and dtype.
-    Reads block 0 of the caches, writes only scratch tensors."""
+def warm_up(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    scale: float,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Compile the prefill, decode and merge kernels for these caches' strides and dtype and
+    queries of ``dtype`` (default: the cache's). Reads block 0 of the caches, writes only
+    scratch tensors."""
     dev, head_dim = k_cache.device, k_cache.shape[3]
-    q = torch.zeros(2, num_heads, head_dim, dtype=k_cache.dtype, device=dev)
+    q = torch.zeros(2, num_heads, head_dim, dtype=dtype or k_cache.dtype, device=dev)
     out = torch.empty_like(q)
     tables = torch.zeros(1, 2, dtype=torch.int32, device=dev)  # 2 positions: 2 blocks at most
     starts = torch.tensor([0, 2], dtype=torch.int32, device=dev)

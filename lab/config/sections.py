@@ -25,6 +25,7 @@ from sched_lab.config.walker import (
 )
 from sched_lab.core.attention_names import ATTENTION_BACKENDS
 from sched_lab.core.errors import ConfigError
+from sched_lab.core.kv_dtypes import KV_CACHE_DTYPES, canonical_kv_dtype
 from sched_lab.core.scheduler import VICTIM_RULES
 from sched_lab.sim.analytic_defaults import GUESS
 
@@ -63,6 +64,10 @@ class KVCacheConfig:
     # results of existing experiments stay as they were, and most trace formats carry no
     # prefix identity (hash ids or token ids) to key blocks by.
     enable_prefix_caching: bool = option(False, is_bool)
+    # KV element type (vLLM's --kv-cache-dtype): auto = the model's dtype; fp8 = E4M3, one
+    # byte, so about twice the blocks in the same memory (lab/core/kv_dtypes.py). The alias
+    # fp8_e4m3 is read as fp8.
+    dtype: str = option("auto", is_choice(KV_CACHE_DTYPES))
 
     @property
     def swap_space_bytes(self) -> int:
@@ -70,7 +75,8 @@ class KVCacheConfig:
 
 
 def parse_kv_cache(ctx: Context, raw: Any) -> KVCacheConfig:
-    return KVCacheConfig(**walk(ctx, "kv_cache", raw, KVCacheConfig))
+    values = walk(ctx, "kv_cache", raw, KVCacheConfig)
+    return KVCacheConfig(**{**values, "dtype": canonical_kv_dtype(values["dtype"])})
 
 
 def check_swap_blocks(kv: KVCacheConfig, num_cpu_blocks: int, block_bytes: float, model: str):

@@ -27,7 +27,7 @@ from sched_lab.results import cluster_metrics, fairness, metrics, spec_metrics, 
 from sched_lab.results.run import Run
 from sched_lab.setup import Setup, setup_for
 from sched_lab.sim.cluster import ClusterResult, replay_cluster
-from sched_lab.sim.models import MODELS
+from sched_lab.sim.models import MODELS, with_kv_dtype
 from sched_lab.sim.records import ReplayResult
 from sched_lab.sim.replay import replay
 from sched_lab.traces.adapters import assign_adapters
@@ -415,7 +415,7 @@ def _replay(
                 replayed,
                 cfg.cluster,
                 make_replica,
-                MODELS[cfg.model].kv_bytes_per_token,
+                with_kv_dtype(MODELS[cfg.model], cfg.kv_cache.dtype).kv_bytes_per_token,
                 cfg.seed,
                 cfg.check_invariants,
                 phase.replay_callback,

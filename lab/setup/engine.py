@@ -150,6 +150,7 @@ def _runner_kwargs(cfg: ExperimentConfig) -> dict[str, Any]:
         kn_weights=eng.kn_weights,
         num_threads=eng.num_threads,
         prefill_attention=eng.prefill_attention,
+        kv_cache_dtype=kv.dtype,
         **_lora_kwargs(cfg),
     )
 

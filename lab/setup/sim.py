@@ -22,7 +22,7 @@ from sched_lab.sim.cost_model import (
     num_gpu_blocks,
 )
 from sched_lab.sim.hardware import HARDWARE
-from sched_lab.sim.models import MODELS
+from sched_lab.sim.models import MODELS, ModelSpec, with_kv_dtype
 
 log = logging.getLogger("sched_lab.setup.sim")
 
@@ -109,10 +109,15 @@ class SimSetup(Setup):
         return f"{self.cfg.hardware} (simulated)"
 
 
+def sim_model(cfg: ExperimentConfig) -> ModelSpec:
+    """The model preset with its KV cache in ``kv_cache.dtype`` (its KV bytes per token)."""
+    return with_kv_dtype(MODELS[cfg.model], cfg.kv_cache.dtype)
+
+
 def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
     """The simulator's cost model (analytic, or calibrated from ``cost_model.profile``) and
-    its KV capacity (GPU blocks, CPU blocks)."""
-    model, hw, kv = MODELS[cfg.model], HARDWARE[cfg.hardware], cfg.kv_cache
+    its KV capacity (GPU blocks, CPU blocks), both for ``kv_cache.dtype``."""
+    model, hw, kv = sim_model(cfg), HARDWARE[cfg.hardware], cfg.kv_cache
     tokens_per_step, seqs = cfg.profile_num_batched_tokens, cfg.scheduler.max_num_seqs
     tp = cfg.cost_model.tensor_parallel_size
     gpu = kv.num_gpu_blocks or num_gpu_blocks(
@@ -158,7 +163,7 @@ def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
     if cm.profile is not None:
         from sched_lab.sim.calibrated import CalibratedCostModel
 
-        calibrated = CalibratedCostModel(cm.profile, cm.replay_steps)
+        calibrated = CalibratedCostModel(cm.profile, cm.replay_steps, kv.dtype)
         if lora is not None:
             calibrated.lora_load_s = lora.load_s(model, hw)
         return calibrated, gpu, cpu

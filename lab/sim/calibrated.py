@@ -31,6 +31,13 @@ read as 0 and c11 is 0, the whole swap cost fitted per byte. (Estimating runs = 
 instead would make the two swap columns proportional at one block size, so the fit could
 not tell latency from bandwidth and would split the cost arbitrarily between them.)
 
+KV dtype (``kv_cache.dtype``): c6, c7 and c9 price KV bytes. A profile made with the KV cache in
+the model's dtype (its header names no ``kv_cache_dtype fp8``) fits those bytes; a run with
+an FP8 KV cache reads and swaps half as many per token (bf16 -> fp8), so those three
+coefficients are scaled by the ratio of KV bytes (:func:`kv_bytes_ratio`). A profile made
+with FP8 KV (``sched-lab profile`` on an engine with ``kv_cache.dtype: fp8``) fits its own
+bytes and is used as it is by an fp8 run; c5, a latency per context token, is never scaled.
+
 Host time (asynchronous scheduling): a profile with a ``host_s`` column (seconds from a step's
 start until it is launched) gets a second fit, on error relative to the step's duration:
 
@@ -56,6 +63,7 @@ import pandas as pd
 
 from sched_lab.core.errors import ConfigError, did_you_mean
 from sched_lab.core.fingerprint import HEADER_PREFIX, differences
+from sched_lab.core.kv_dtypes import kv_dtype_bytes
 from sched_lab.core.plan import StepFeatures
 
 TOKEN_KNOT = 2048
@@ -260,6 +268,31 @@ def profile_block_size(path: str | Path) -> int:
     return DEFAULT_BLOCK_SIZE
 
 
+def profile_kv_dtype(path: str | Path) -> tuple[str, int]:
+    """(KV dtype, model dtype bytes) of a profile from its header: ``kv_cache_dtype fp8``
+    when named, else ``auto``; the model's bytes 4 for ``float32``, else 2."""
+    kv, model_bytes = "auto", 2
+    try:
+        with Path(path).open(encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.startswith("#"):
+                    break
+                if re.search(r"\bkv_cache_dtype fp8\b", line):
+                    kv = "fp8"
+                if re.search(r"\bfloat32\b", line):
+                    model_bytes = 4
+    except OSError:
+        pass
+    return kv, model_bytes
+
+
+def kv_bytes_ratio(run_kv_dtype: str, profile_kv_dtype: str, model_bytes: int) -> float:
+    """KV bytes per token of the run over those of the profile (0.5 for an fp8 run on a
+    bf16-KV profile, 1 when both match)."""
+    run = kv_dtype_bytes(run_kv_dtype, model_bytes)
+    return run / kv_dtype_bytes(profile_kv_dtype, model_bytes)
+
+
 def read_fingerprint(path: str | Path) -> dict | None:
     """The engine fingerprint in a profile's header (:mod:`sched_lab.core.fingerprint`), or None."""
     try:
@@ -402,9 +435,15 @@ def steps_as_profile(df: pd.DataFrame, block_size: int = DEFAULT_BLOCK_SIZE) -> 
 class CalibratedCostModel:
     """Step durations fitted to an engine profile and optional engine steps.csv files."""
 
-    def __init__(self, profile: str | Path, replay_steps: tuple[str | Path, ...] = ()) -> None:
-        """Raises ConfigError: a bad file, no decode-only step or no step with prompt
-        tokens, or a fit predicting less than ``MIN_STEP_S`` for a 1-token step."""
+    def __init__(
+        self,
+        profile: str | Path,
+        replay_steps: tuple[str | Path, ...] = (),
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        """``kv_cache_dtype``: the run's (module doc, "KV dtype"). Raises ConfigError: a bad
+        file, no decode-only step or no step with prompt tokens, or a fit predicting less
+        than ``MIN_STEP_S`` for a 1-token step."""
         self.profile = Path(profile)
         self.fingerprint = read_fingerprint(self.profile)
         self.block_size = profile_block_size(self.profile)  # of the profile's rows
@@ -448,6 +487,12 @@ class CalibratedCostModel:
             self._eager,
             self._swap_run,
         ) = self.coef.tolist()
+        profile_kv, model_bytes = profile_kv_dtype(self.profile)
+        self.kv_ratio = kv_bytes_ratio(kv_cache_dtype, profile_kv, model_bytes)
+        if self.kv_ratio != 1.0:  # KV bytes read and swapped per token (module doc)
+            self._dctx *= self.kv_ratio
+            self._pctx *= self.kv_ratio
+            self._swap_token *= self.kv_ratio
         for kind, f in (
             ("decode", StepFeatures(0, 0, 0, 0.0, 1, 1, 1, 0)),
             ("prefill", StepFeatures(1, 1, 0, 1.0, 0, 0, 1, 0)),

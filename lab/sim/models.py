@@ -3,14 +3,18 @@ cost model and the KV-capacity rule derive from them."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from sched_lab.core.kv_dtypes import kv_dtype_bytes
 from sched_lab.core.model_presets import PRESETS
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A Llama-family decoder's shape: config.json names; ``dtype_bytes`` 2 for bf16/fp16."""
+    """A Llama-family decoder's shape: config.json names; ``dtype_bytes`` 2 for bf16/fp16;
+    ``kv_dtype_bytes`` of one cached K or V element (None: ``dtype_bytes``; see
+    :func:`with_kv_dtype`)."""
 
     name: str
     hidden_size: int
@@ -23,6 +27,7 @@ class ModelSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     dtype_bytes: int = 2
+    kv_dtype_bytes: int | None = None
 
     @property
     def params_per_layer(self) -> int:
@@ -67,10 +72,9 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token over all layers: 2 * layers * kv_heads * head_dim * bytes."""
-        return (
-            2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * self.dtype_bytes
-        )
+        """K and V of one token over all layers: 2 * layers * kv_heads * head_dim * KV bytes."""
+        element = self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element
 
     @classmethod
     def from_config(cls, name: str, config: dict) -> ModelSpec:
@@ -88,6 +92,16 @@ class ModelSpec:
             config["max_position_embeddings"],
             config.get("tie_word_embeddings", False),
         )
+
+
+def with_kv_dtype(model: ModelSpec, kv_cache_dtype: str) -> ModelSpec:
+    """``model`` with its KV cache in ``kv_cache_dtype`` (``kv_cache.dtype``: auto, fp8);
+    ``auto`` returns ``model`` itself."""
+    if kv_cache_dtype == "auto":
+        return model
+    return dataclasses.replace(
+        model, kv_dtype_bytes=kv_dtype_bytes(kv_cache_dtype, model.dtype_bytes)
+    )
 
 
 #: The simulator's model presets, from the public config.json values in lab/core/model_presets.py

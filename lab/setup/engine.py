@@ -149,6 +149,7 @@ def _runner_kwargs(cfg: ExperimentConfig) -> dict[str, Any]:
         kn_weights=eng.kn_weights,
         num_threads=eng.num_threads,
         prefill_attention=eng.prefill_attention,
+        quantization=cfg.quantization,
     )
 
 

@@ -22,7 +22,7 @@ from sched_lab.sim.cost_model import (
     num_gpu_blocks,
 )
 from sched_lab.sim.hardware import HARDWARE
-from sched_lab.sim.models import MODELS
+from sched_lab.sim.models import MODELS, with_quantization
 
 log = logging.getLogger("sched_lab.setup.sim")
 
@@ -111,8 +111,10 @@ class SimSetup(Setup):
 
 def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
     """The simulator's cost model (analytic, or calibrated from ``cost_model.profile``) and
-    its KV capacity (GPU blocks, CPU blocks)."""
+    its KV capacity (GPU blocks, CPU blocks). ``quantization`` sets the weight bytes of both
+    (a calibrated model's step times are its profile's own)."""
     model, hw, kv = MODELS[cfg.model], HARDWARE[cfg.hardware], cfg.kv_cache
+    model = with_quantization(model, cfg.quantization)
     tokens_per_step, seqs = cfg.profile_num_batched_tokens, cfg.scheduler.max_num_seqs
     tp = cfg.cost_model.tensor_parallel_size
     gpu = kv.num_gpu_blocks or num_gpu_blocks(

@@ -19,7 +19,9 @@ class Hardware:
     """peak_flops (bf16 FLOP/s), mem_bandwidth (HBM bytes/s), host_link_bandwidth (host<->device
     bytes/s, one direction), memory_bytes (device), tp_link (the :data:`LINKS` preset between
     GPUs of one host; None: no tensor parallelism on this preset), host_link_latency_s
-    (seconds per host <-> device copy on top of its bytes; :data:`HOST_COPY_LATENCY_S`)."""
+    (seconds per host <-> device copy on top of its bytes; :data:`HOST_COPY_LATENCY_S`),
+    peak_flops_fp8 (dense FP8 tensor-core FLOP/s, the datasheet's sparse figure halved; None:
+    no FP8 tensor cores or not given)."""
 
     name: str
     peak_flops: float
@@ -30,6 +32,7 @@ class Hardware:
     source: str
     tp_link: str | None = None
     host_link_latency_s: float = HOST_COPY_LATENCY_S
+    peak_flops_fp8: float | None = None
 
 
 HARDWARE: dict[str, Hardware] = {
@@ -43,8 +46,10 @@ HARDWARE: dict[str, Hardware] = {
             80 * GB,
             "datasheet",
             "NVIDIA H100 Tensor Core GPU datasheet: 989 TFLOPS dense BF16, 3.35 TB/s "
-            "HBM3, 80 GB; PCIe Gen5 x16 64 GB/s per direction",
+            "HBM3, 80 GB; PCIe Gen5 x16 64 GB/s per direction; FP8 3,958 TFLOPS with "
+            "sparsity, 1,979 dense",
             "nvlink4",
+            peak_flops_fp8=1979e12,
         ),
         Hardware(
             "h200-sxm",
@@ -54,8 +59,12 @@ HARDWARE: dict[str, Hardware] = {
             141 * GB,
             "datasheet",
             "NVIDIA H200 Tensor Core GPU datasheet: 989 TFLOPS dense BF16, 4.8 TB/s "
-            "HBM3e, 141 GB; PCIe Gen5 x16 64 GB/s per direction",
+            "HBM3e, 141 GB; PCIe Gen5 x16 64 GB/s per direction; FP8 3,958 TFLOPS with "
+            "sparsity, 1,979 dense",
             "nvlink4",
+            # The datasheet's tensor-core figures are with 2:4 sparsity (its footnote): BF16
+            # 1,979 -> 989 dense, FP8 3,958 -> 1,979 dense.
+            peak_flops_fp8=1979e12,
         ),
         Hardware(
             "h200-sxm-measured",

@@ -3,6 +3,7 @@ cost model and the KV-capacity rule derive from them."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from sched_lab.core.model_presets import PRESETS
@@ -10,7 +11,9 @@ from sched_lab.core.model_presets import PRESETS
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A Llama-family decoder's shape: config.json names; ``dtype_bytes`` 2 for bf16/fp16."""
+    """A Llama-family decoder's shape: config.json names; ``dtype_bytes`` 2 for bf16/fp16;
+    ``quantization`` of the layer projections (None, fp8, int8, awq, gptq; see
+    :func:`with_quantization` and :data:`WEIGHT_BYTES`)."""
 
     name: str
     hidden_size: int
@@ -23,6 +26,7 @@ class ModelSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     dtype_bytes: int = 2
+    quantization: str | None = None
 
     @property
     def params_per_layer(self) -> int:
@@ -40,8 +44,32 @@ class ModelSpec:
         return self.num_hidden_layers * self.params_per_layer + embed + head + self.hidden_size
 
     @property
+    def projection_params_per_layer(self) -> int:
+        """Weights of one layer's q, k, v, o, gate, up and down projections (no norms)."""
+        return self.params_per_layer - 2 * self.hidden_size
+
+    @property
+    def projection_rows_per_layer(self) -> int:
+        """Output channels of one layer's projections (one weight scale each for fp8, int8)."""
+        h, d = self.hidden_size, self.head_dim
+        q_kv = (self.num_attention_heads + 2 * self.num_key_value_heads) * d
+        return q_kv + h + 2 * self.intermediate_size + h
+
+    @property
     def weight_bytes(self) -> int:
-        return self.num_params * self.dtype_bytes
+        """Bytes of all weights; quantized projections at :data:`WEIGHT_BYTES` per weight
+        plus their per-channel or per-group scales (embedding, norms, LM head unquantized)."""
+        if self.quantization is None:
+            return self.num_params * self.dtype_bytes
+        layers = self.num_hidden_layers
+        projections = layers * self.projection_params_per_layer
+        other = (self.num_params - projections) * self.dtype_bytes
+        per_weight, per_group, group = WEIGHT_BYTES[self.quantization]
+        if group is None:  # per output channel
+            scales = layers * self.projection_rows_per_layer * per_group
+        else:
+            scales = projections // group * per_group
+        return other + round(projections * per_weight) + scales
 
     @property
     def matmul_params_per_token(self) -> int:
@@ -88,6 +116,26 @@ class ModelSpec:
             config["max_position_embeddings"],
             config.get("tie_word_embeddings", False),
         )
+
+
+#: method -> (bytes per projection weight, bytes per scale group, inputs per group; None:
+#: one group per output channel), as the checkpoints of backend/quant_formats.py store them:
+#: fp8/int8 one float32 scale per channel; awq/gptq 4 bits, per 128 inputs a float16 scale and
+#: a 4-bit zero point.
+WEIGHT_BYTES: dict[str, tuple[float, float, int | None]] = {
+    "fp8": (1.0, 4.0, None),
+    "int8": (1.0, 4.0, None),
+    "awq": (0.5, 2.5, 128),
+    "gptq": (0.5, 2.5, 128),
+}
+
+
+def with_quantization(model: ModelSpec, quantization: str | None) -> ModelSpec:
+    """``model`` with its projections quantized (the top-level ``quantization`` key); None
+    returns ``model`` itself."""
+    if quantization is None:
+        return model
+    return dataclasses.replace(model, quantization=quantization)
 
 
 #: The simulator's model presets, from the public config.json values in lab/core/model_presets.py

@@ -185,6 +185,9 @@ def test_quantizer_writes_hf_layout_and_engine_keeps_it_packed(tiny_dir, tmp_pat
 def test_quantization_rules_are_one_line(tiny_dir, tmp_path):
     from sched_lab.backend.tools.quantize import quantize_checkpoint
 
+    with pytest.raises(UserError, match="gate_proj.weight' of shape \\[256, 128\\]: awq needs"):
+        quantize_checkpoint(tiny_dir, tmp_path / "g256", "awq", 256)  # 128 inputs, groups of 256
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
     awq = quantize_checkpoint(tiny_dir, tmp_path / "awq", "awq", 64)
     with pytest.raises(UserError, match="'gptq' conflicts with .*quant_method 'awq'"):
         _logits(awq, "gptq")
@@ -219,7 +222,7 @@ def test_smollm2_quantized_logits_and_greedy_tokens(tmp_path):
     (tests/test_backend_smollm2.py). Measured with the 5 prompts and 16 tokens: fp8 W8A8
     last-prompt logits 7.6% off in relative L2 norm, greedy tokens 57% equal position by
     position; AWQ round-to-nearest (group 64: 576 inputs) 29% and 26%. The bounds below (4
-    prompts, 8 tokens) leave margin; RTN int4 on a 135M model is far from lossless."""
+    prompts, 6 tokens) leave margin; RTN int4 on a 135M model is far from lossless."""
     transformers = pytest.importorskip("transformers")
     from test_backend_smollm2 import PROMPTS
 
@@ -243,7 +246,7 @@ def test_smollm2_quantized_logits_and_greedy_tokens(tmp_path):
         assert agree / sum(len(t) for t in base_tokens) >= min_agree, method
 
 
-def _greedy(model_dir, prompts, new_tokens: int = 8):
+def _greedy(model_dir, prompts, new_tokens: int = 6):
     """Each prompt's last-position logits and its greedy continuation, one batch a step."""
     from sched_lab.backend.runner import ModelRunner, SeqInput
 
@@ -257,3 +260,42 @@ def _greedy(model_dir, prompts, new_tokens: int = 8):
         for t, new in zip(tokens, runner.execute(seqs)):
             t.append(new)
     return torch.stack(first), tokens
+
+
+def test_analytic_model_reads_stored_bytes_and_runs_fp8_matmuls_at_the_fp8_peak():
+    from sched_lab.core.plan import StepFeatures
+    from sched_lab.sim.cost_model import AnalyticCostModel
+    from sched_lab.sim.hardware import HARDWARE
+    from sched_lab.sim.models import MODELS, with_quantization
+
+    h200 = HARDWARE["h200-sxm"]  # 989 TFLOP/s bf16, 1,979 fp8 (dense), 4.8 TB/s
+    m = MODELS["llama-3.1-8b"]
+    models = {q: with_quantization(m, q) for q in (None, "fp8", "awq")}
+    cms = {q: AnalyticCostModel(spec, h200, 1.0, 1.0, 0.0) for q, spec in models.items()}
+    decode = StepFeatures(0, 0, 0, 0.0, 1, 0, 1, 0)  # one decode at position 0: reads weights
+    for q, cm in cms.items():
+        expected = (models[q].weight_bytes + m.kv_bytes_per_token) / 4.8e12
+        assert cm.step_time(decode, 16) == pytest.approx(expected, rel=1e-12)
+    n = 8192  # one prompt of 8192 tokens: compute bound
+    prefill = StepFeatures(n, 1, 0, n * (n + 1) / 2, 0, 0, 1, 0)
+    layers = 2.0 * m.matmul_params_per_token * n
+    rest = 2.0 * m.vocab_size * m.hidden_size + 4.0 * 32 * 32 * 128 * n * (n + 1) / 2
+    assert cms[None].step_time(prefill, 16) == pytest.approx((layers + rest) / 989e12, rel=1e-12)
+    assert cms["fp8"].step_time(prefill, 16) == pytest.approx(
+        layers / 1979e12 + rest / 989e12, rel=1e-12
+    )
+    assert cms["awq"].step_time(prefill, 16) == cms[None].step_time(prefill, 16)  # dequant to bf16
+
+
+def test_quantization_key_in_the_experiment_yaml():
+    from sched_lab.config import validate
+    from sched_lab.core.errors import ConfigError
+
+    trace = {"format": "synthetic", "num_requests": 2, "arrival": {"process": "poisson", "rate": 1},
+             "prompt_len": 8, "output_len": 2}  # fmt: skip
+    assert "quantization" not in validate({"trace": trace}).to_dict()  # absent: as before
+    cfg = validate({"trace": trace, "quantization": "awq"})
+    assert cfg.quantization == "awq" and cfg.to_dict()["quantization"] == "awq"
+    with pytest.raises(ConfigError, match="quantization") as e:
+        validate({"trace": trace, "quantization": "int3"})
+    assert "\n" not in str(e.value)

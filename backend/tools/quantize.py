@@ -4,12 +4,14 @@ Hugging Face directory whose config.json carries the ``quantization_config``.
 Formats: :mod:`sched_lab.backend.quant_formats`. Only q/k/v/o/gate/up/down projections are
 quantized; embeddings, norms and the LM head are copied. Each source shard becomes one
 output shard (same file names, same index), so memory holds one shard at a time. Other files
-of the directory (tokenizer, generation config) are copied.
+of the directory (tokenizer, generation config) are copied. Written into a temporary
+sibling and renamed, so a failure leaves no half-written ``--out``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -41,8 +43,18 @@ def quantize_checkpoint(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"--out {out}: exists and is not empty; choose another --out")
     index = checkpoint_index(src)
+    for name, info in index.items():  # every shape checked before anything is written
+        if _PROJECTION.fullmatch(name) and method in ("awq", "gptq"):
+            rows, cols = info.shape
+            if cols % group_size or rows % 8:
+                raise CheckpointError(
+                    f"{info.file}: tensor {name!r} of shape {list(info.shape)}: {method} needs "
+                    f"inputs in groups of --group-size {group_size} and outputs in packs of 8"
+                )
     files = sorted({info.file for info in index.values()})
-    out.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     weight_map: dict[str, str] = {}
     total_bytes = 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,24 +67,23 @@ def quantize_checkpoint(
                 if match is None:
                     tensors[name] = w
                     continue
-                try:
-                    parts = quantize_weight(w.to(device), spec)
-                except ConfigError as e:
-                    raise CheckpointError(f"{file}: tensor {name!r}: {e}") from e
-                for tensor, value in parts.items():
+                for tensor, value in quantize_weight(w.to(device), spec).items():
                     tensors[f"{match.group(1)}.{tensor}"] = value.contiguous().cpu()
-        save_file(tensors, out / file.name, metadata={"format": "pt"})
+        save_file(tensors, tmp / file.name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file.name))
         total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
     if len(files) > 1:
         index_json = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-        (out / INDEX_FILE).write_text(json.dumps(index_json, indent=2))
+        (tmp / INDEX_FILE).write_text(json.dumps(index_json, indent=2))
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = spec.to_config()
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     for extra in src.iterdir():
         if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in (
             "config.json", INDEX_FILE,
         ):  # fmt: skip
-            shutil.copy2(extra, out / extra.name)
+            shutil.copy2(extra, tmp / extra.name)
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    tmp.rename(out)
     return out

@@ -16,6 +16,8 @@ shapes).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -96,7 +98,9 @@ def _wq_gemm_kernel(
         tl.atomic_add(out_ptr, acc, mask=o_mask)
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 for the interpreter's split-K tests)."""
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,7 +1,10 @@
 """Load a Hugging Face safetensors checkpoint (single file or sharded) into a Transformer.
 
 The checkpoint is validated before any tensor is read (CheckpointError naming the file or
-tensor); the model is built on the meta device and materialised once on the target.
+tensor); the model is built on the meta device and materialised once on the target. With a
+QuantSpec the layer projections are :class:`~sched_lab.backend.quant_linear.QuantLinear`:
+filled from a quantized checkpoint's packed tensors, or quantized here (round to nearest,
+one projection at a time on ``device``) from an unquantized one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,13 @@ from sched_lab.backend.attention.torch_ref import TorchAttention
 from sched_lab.backend.config import ModelConfig
 from sched_lab.backend.errors import CheckpointError
 from sched_lab.backend.model import Transformer
+from sched_lab.backend.quant_formats import QuantSpec, quantize_weight, spec_from_config
+from sched_lab.backend.quant_linear import (
+    QuantLinear,
+    buffer_shapes,
+    concat_dim,
+    quantize_projections,
+)
 from sched_lab.backend.rope import rope_table
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -39,22 +49,89 @@ def load_model(
     dtype: torch.dtype,
     max_model_len: int,
     kn_weights: bool = False,
+    quantization: QuantSpec | None = None,
 ) -> Transformer:
     """Build the model for ``config`` on ``device`` in ``dtype`` and fill it from the
-    checkpoint; ``kn_weights`` (CUDA only) keeps projection weights in (K, N) order."""
+    checkpoint; ``kn_weights`` (CUDA only) keeps projection weights in (K, N) order;
+    ``quantization``: the layer projections' format (None: ``dtype`` like the rest)."""
     index = checkpoint_index(Path(model_dir))
     with torch.device("meta"):
         model = Transformer(config, backend)
-    model = model.to(dtype=dtype).to_empty(device=device)
+        model = model.to(dtype=dtype)
+        if quantization is not None:  # after .to(dtype): packed dtypes stay as they are
+            quantize_projections(model, quantization)
+    model = model.to_empty(device=device)
+    packed = checkpoint_quantization(Path(model_dir)) is not None
     with _Reader() as reader:
         for name, param in model.named_parameters():
             param.data.copy_(
                 _read_parameter(name, tuple(param.shape), config, index, reader, Path(model_dir))
             )
+        for name, module in model.named_modules():
+            if isinstance(module, QuantLinear):
+                _fill_quantized(name, module, config, index, reader, Path(model_dir), packed)
     if kn_weights and device.type == "cuda":
         _store_layer_weights_kn(model)
     model.rope_cos, model.rope_sin = rope_table(config, max_model_len, device)
     return model.eval()
+
+
+def checkpoint_quantization(model_dir: Path) -> QuantSpec | None:
+    """The QuantSpec of ``model_dir/config.json``'s ``quantization_config`` (None: none);
+    an unknown method is one ConfigError line naming the file."""
+    path = model_dir / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read JSON ({e})") from e
+    return spec_from_config(raw.get("quantization_config"), str(path))
+
+
+def _fill_quantized(
+    name: str,
+    module: QuantLinear,
+    config: ModelConfig,
+    index: dict[str, TensorInfo],
+    reader: _Reader,
+    model_dir: Path,
+    packed: bool,
+) -> None:
+    """Fill one QuantLinear: its parts' packed tensors concatenated, or its dense weight
+    quantized on the module's device."""
+    spec, k = module.spec, module.in_features
+    if not packed:
+        dense = _read_parameter(f"{name}.weight", (module.out_features, k), config, index,
+                                reader, model_dir)  # fmt: skip
+        device = next(iter(module.tensors().values())).device
+        for tensor, value in quantize_weight(dense.to(device), spec).items():
+            getattr(module, tensor).copy_(value.reshape(getattr(module, tensor).shape))
+        return
+    rows = part_rows(f"{name}.weight", config, module.out_features)
+    for tensor, buffer in module.tensors().items():
+        parts = []
+        for source, n in zip(checkpoint_names(f"{name}.{tensor}"), rows, strict=True):
+            shape, _ = buffer_shapes(spec, k, n)[tensor]
+            info = index.get(source)
+            if info is None:
+                raise CheckpointError(
+                    f"{model_dir}: tensor {source!r} is missing from the checkpoint"
+                )
+            if info.shape != shape and not (tensor == "weight_scale" and info.shape == shape[:1]):
+                raise CheckpointError(
+                    f"{info.file}: tensor {source!r} has shape {list(info.shape)}, expected "
+                    f"{list(shape)} ({spec.method})"
+                )
+            parts.append(reader.get(info.file, source).reshape(shape))
+        if tensor == "g_idx":
+            value = parts[0]
+            if not torch.equal(value.long(), torch.arange(k) // spec.group_size):
+                raise CheckpointError(
+                    f"{model_dir}: {name}.g_idx is not k // group_size (act-order GPTQ is not "
+                    "supported)"
+                )
+        else:
+            value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=concat_dim(spec, tensor))
+        buffer.copy_(value)
 
 
 def _store_layer_weights_kn(model: Transformer) -> None:

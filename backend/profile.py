@@ -341,7 +341,7 @@ def engine_fingerprint(runner: ModelRunner, kn_weights: bool = False) -> dict:
     except ImportError:
         triton_version = None
     cuda = runner.device.type == "cuda"
-    return {
+    fingerprint = {
         "backend_sources": backend_sources_hash(),
         "torch": torch.__version__,
         "triton": triton_version,
@@ -355,6 +355,10 @@ def engine_fingerprint(runner: ModelRunner, kn_weights: bool = False) -> dict:
             "kn_weights": kn_weights and cuda,
         },
     }
+    quant = getattr(runner, "quantization", None)
+    if quant is not None:  # absent when unquantized: earlier profiles' fingerprints hold
+        fingerprint["options"]["quantization"] = quant.method
+    return fingerprint
 
 
 def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:

@@ -30,8 +30,9 @@ from sched_lab.backend.dtypes import check_dtype_supported, resolve_device, reso
 from sched_lab.backend.errors import UnsupportedModelError
 from sched_lab.backend.inputs import DeviceFeed, SeqInput, apply_feed, prepare_inputs
 from sched_lab.backend.kv_cache import GiB, KVCache, blocks_in, bytes_per_block, kv_torch_dtype
-from sched_lab.backend.loader import load_model
+from sched_lab.backend.loader import checkpoint_quantization, load_model
 from sched_lab.backend.lora import LoraAdapter, LoraSlots
+from sched_lab.backend.quant_formats import resolve_quantization
 from sched_lab.backend.sampler import sample_seqs
 from sched_lab.backend.tp import TPShard, agree_min, check_tp_size, load_tp_model, shard_config
 from sched_lab.core.errors import ConfigError
@@ -95,6 +96,10 @@ class ModelRunner:
             exactly as without these arguments).
         max_loras: most distinct adapters in one step (device slots).
         max_lora_rank: the largest adapter rank accepted.
+        quantization: "fp8", "int8", "awq", "gptq" or None; a checkpoint with a
+            ``quantization_config`` runs quantized by it (a different method here is a
+            ConfigError); an unquantized one is quantized at load time
+            (backend/quant_formats.py). Not with ``tensor_parallel``.
     """
 
     def __init__(
@@ -123,11 +128,21 @@ class ModelRunner:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         kv_cache_dtype: str = "auto",
+        quantization: str | None = None,
     ) -> None:
         if lora_adapters and tensor_parallel is not None:
             raise ConfigError("lora: adapters with tensor parallelism are not implemented")
         model_dir = Path(model_dir).expanduser()
         self.config = ModelConfig.from_dir(model_dir)
+        # the checkpoint's quantization_config wins; a different request is one line
+        self.quantization = resolve_quantization(
+            quantization, checkpoint_quantization(model_dir), str(model_dir / "config.json")
+        )
+        if self.quantization is not None and tensor_parallel is not None:
+            raise ConfigError(
+                f"quantization {self.quantization.method!r} with tensor parallelism is not "
+                "supported: set engine.tensor_parallel_size to 1"
+            )
         self.tensor_parallel = tensor_parallel
         full_config = self.config
         if tensor_parallel is not None:  # this rank's shapes: heads, KV heads, MLP / size
@@ -154,7 +169,7 @@ class ModelRunner:
             )
         if tensor_parallel is None:
             self.model = load_model(model_dir, self.config, backend, self.device, self.dtype,
-                                    self.max_model_len, kn_weights)  # fmt: skip
+                                    self.max_model_len, kn_weights, self.quantization)  # fmt: skip
         else:
             self.model = load_tp_model(model_dir, full_config, tensor_parallel, backend,
                                        self.device, self.dtype, self.max_model_len, kn_weights)  # fmt: skip

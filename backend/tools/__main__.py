@@ -4,6 +4,7 @@ sched-lab tools make-random-checkpoint --preset qwen3-0.6b --out DIR [--dtype bf
 sched-lab tools make-random-lora --model-dir M --out DIR --count N --rank R [--alpha A]
     [--targets q_proj,v_proj,...] [--seed S] [--dtype bf16]
 sched-lab tools convert-smollm2 [--out DIR] [--force]
+sched-lab tools quantize --method fp8|int8|awq|gptq --model-dir A --out B [--group-size 128]
 sched-lab tools list-presets
 
 (``python -m sched_lab.backend.tools ...`` is the same.)
@@ -75,6 +76,18 @@ def main(argv: list[str] | None = None, prog: str = "python -m sched_lab.backend
     smol.add_argument("--out", default=None, help=f"default: {default_dir()}")
     smol.add_argument("--force", action="store_true", help="convert again even if already done")
 
+    quant = sub.add_parser(
+        "quantize",
+        help="quantize a checkpoint's projections (round to nearest) into a new one",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"example:\n  {prog} quantize --method awq --model-dir checkpoints/qwen3-0.6b "
+        f"--out checkpoints/qwen3-0.6b-awq\n\n{EXIT_CODES}",
+    )
+    quant.add_argument("--method", required=True, choices=("fp8", "int8", "awq", "gptq"))
+    quant.add_argument("--model-dir", required=True)
+    quant.add_argument("--out", required=True)
+    quant.add_argument("--group-size", type=int, default=128, help="awq, gptq (default 128)")
+
     sub.add_parser(
         "list-presets",
         help="names of the model presets",
@@ -98,6 +111,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m sched_lab.backend
             folders = write_random_loras(args.model_dir, args.out, args.count, args.rank,
                                          args.alpha, targets, args.seed, dtype=args.dtype)  # fmt: skip
             print(f"wrote {len(folders)} random rank-{args.rank} adapters to {args.out}")
+        elif args.command == "quantize":
+            from sched_lab.backend.tools.quantize import quantize_checkpoint
+
+            out = quantize_checkpoint(args.model_dir, args.out, args.method, args.group_size)
+            print(f"wrote {args.model_dir} quantized by {args.method} to {out}")
         elif args.command == "convert-smollm2":
             print(f"SmolLM2-135M-Instruct in {convert_smollm2(args.out, args.force)}")
         else:

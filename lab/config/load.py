@@ -73,7 +73,11 @@ TOP_KEYS = (
     "report",
     "speculative",
     "lora",
+    "quantization",
 )
+#: weight quantization (vLLM's --quantization), read by both backends (lab/sim/models.py,
+#: backend/quant_formats.py)
+QUANTIZATION_METHODS = ("fp8", "int8", "awq", "gptq")
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,8 @@ class ExperimentConfig:
     report: ReportConfig = ReportConfig()
     speculative: SpeculativeConfig | None = None  # shared by every policy; None = off
     lora: LoRAConfig | None = None  # multi-LoRA serving (docs/lora.md); None = no adapters
+    # null: unquantized weights (the engine: unless the checkpoint's quantization_config says)
+    quantization: str | None = None
     source: str = field(default="config", compare=False)
     base_dir: Path = field(default=Path("."), compare=False)
 
@@ -157,6 +163,8 @@ class ExperimentConfig:
             out["speculative"] = self.speculative.to_dict()
         if self.lora is not None:  # absent when off: older dumps stay as they were
             out["lora"] = plain(self.lora)
+        if self.quantization is not None:  # absent when off, as speculative
+            out["quantization"] = self.quantization
         if self.trace.expected is not None:
             out["trace_file"] = dict(self.trace.expected)
         return out
@@ -218,6 +226,9 @@ def validate(
     if "hardware" in reads:
         check_choice(where, "hardware", top["hardware"], HARDWARE)
     check_bool(where, "check_invariants", top["check_invariants"])
+    quantization = top.get("quantization")
+    if quantization is not None:
+        check_choice(where, "quantization", quantization, QUANTIZATION_METHODS)
     scheduler = parse_scheduler(ctx, raw.get("scheduler", {}))
     spec = parse_speculative(ctx, "speculative", raw.get("speculative"))
     apply_rules(Draft(where, backend), raw)  # the early rules
@@ -254,6 +265,7 @@ def validate(
         report=parse_report(ctx, raw.get("report", {})),
         speculative=spec,
         lora=parse_lora(ctx, raw.get("lora")),
+        quantization=quantization,
         source=where,
         base_dir=ctx.base_dir,
     )

@@ -99,6 +99,14 @@ def engine_parts(cfg: ExperimentConfig):
         runner = _runner(eng.model_path, **kwargs)
     else:  # ranks 1..N-1 in their own processes; this process is rank 0 (backend/tp_engine.py)
         check_tp_size(ModelConfig.from_dir(eng.model_path), eng.tensor_parallel_size)
+        from sched_lab.backend.loader import checkpoint_quantization
+
+        quant = cfg.quantization or getattr(checkpoint_quantization(eng.model_path), "method", None)
+        if quant is not None:
+            raise ConfigError(
+                f"engine.tensor_parallel_size: {eng.tensor_parallel_size} with {quant!r} "
+                "weights is not supported (quantized weights run on one GPU): set it to 1"
+            )
         runner = TensorParallelRunner(eng.model_path, eng.tensor_parallel_size, **kwargs)
 
     cache = getattr(runner, "runner", runner).kv_cache  # rank 0's, under TP
@@ -150,6 +158,7 @@ def _runner_kwargs(cfg: ExperimentConfig) -> dict[str, Any]:
         kn_weights=eng.kn_weights,
         num_threads=eng.num_threads,
         prefill_attention=eng.prefill_attention,
+        quantization=cfg.quantization,
         kv_cache_dtype=kv.dtype,
         **_lora_kwargs(cfg),
     )

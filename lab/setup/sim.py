@@ -22,7 +22,7 @@ from sched_lab.sim.cost_model import (
     num_gpu_blocks,
 )
 from sched_lab.sim.hardware import HARDWARE
-from sched_lab.sim.models import MODELS, ModelSpec, with_kv_dtype
+from sched_lab.sim.models import MODELS, ModelSpec, with_kv_dtype, with_quantization
 
 log = logging.getLogger("sched_lab.setup.sim")
 
@@ -110,13 +110,15 @@ class SimSetup(Setup):
 
 
 def sim_model(cfg: ExperimentConfig) -> ModelSpec:
-    """The model preset with its KV cache in ``kv_cache.dtype`` (its KV bytes per token)."""
-    return with_kv_dtype(MODELS[cfg.model], cfg.kv_cache.dtype)
+    """The model preset with its KV cache in ``kv_cache.dtype`` (its KV bytes per token) and
+    its projections in the top-level ``quantization`` (its weight bytes)."""
+    return with_quantization(with_kv_dtype(MODELS[cfg.model], cfg.kv_cache.dtype), cfg.quantization)
 
 
 def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
     """The simulator's cost model (analytic, or calibrated from ``cost_model.profile``) and
-    its KV capacity (GPU blocks, CPU blocks), both for ``kv_cache.dtype``."""
+    its KV capacity (GPU blocks, CPU blocks), both for ``kv_cache.dtype`` and the weight
+    bytes of ``quantization`` (a calibrated model's step times are its profile's own)."""
     model, hw, kv = sim_model(cfg), HARDWARE[cfg.hardware], cfg.kv_cache
     tokens_per_step, seqs = cfg.profile_num_batched_tokens, cfg.scheduler.max_num_seqs
     tp = cfg.cost_model.tensor_parallel_size

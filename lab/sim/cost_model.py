@@ -11,6 +11,10 @@ Step time = max(FLOPs / achieved FLOP/s, bytes / achieved bytes/s) + step overhe
 * FLOPs: 2 per weight per token (Kaplan et al. 2020, "Scaling Laws", §2.1), 2 per LM-head
   weight per sampled token, 4 * layers * heads * head_dim per attention (query, key) pair.
 * Bytes: all weights once per step, the KV each decode or chunk reads, the KV it writes.
+  Quantized weights (``ModelSpec.quantization``) read their stored bytes (lab/sim/models.py).
+* FP8 weights (W8A8): the layer matmuls' FLOPs run at the preset's ``peak_flops_fp8`` (the
+  LM head and attention stay at ``peak_flops``); weight-only int8/int4 dequantize to bf16
+  and run at ``peak_flops``.
 * Tensor parallelism over N GPUs (Megatron-LM, Shoeybi et al. 2019, §3): 1/N of the FLOPs,
   weight and KV bytes per GPU, plus 2 all-reduces per layer of tokens * hidden_size *
   dtype_bytes, each a ring costing 2(N-1)/N * bytes / link bandwidth + 2(N-1) * link latency
@@ -105,6 +109,10 @@ class AnalyticCostModel:
             self._lora_flops_per_token = 2.0 * rank_dims
             self._lora_adapter_bytes = float(m.lora_adapter_bytes(lora.rank))
             self._lora_load_s = lora.load_s(m, hardware)
+        # FP8 layer matmuls: seconds per FLOP relative to the bf16 peak (1.0: same peak)
+        self._fp8_flop_ratio = 1.0
+        if m.quantization == "fp8" and hardware.peak_flops_fp8 is not None:
+            self._fp8_flop_ratio = hardware.peak_flops / hardware.peak_flops_fp8
         self.tensor_parallel_size = n = tensor_parallel_size
         self._allreduce_s_per_token = self._allreduce_s_per_step = 0.0
         if n > 1:
@@ -140,10 +148,11 @@ class AnalyticCostModel:
         """Seconds to run a step with features ``f``."""
         tokens = f.num_tokens
         pairs = f.prefill_attention_pairs + f.decode_context_tokens  # a decode: 1 query
+        layer_flops = self._flops_per_token * tokens
+        if self._fp8_flop_ratio != 1.0:  # bf16-equivalent FLOPs of the FP8 matmuls
+            layer_flops *= self._fp8_flop_ratio
         flops = (
-            self._flops_per_token * tokens
-            + self._flops_per_sample * f.num_samples
-            + self._attn_flops_per_pair * pairs
+            layer_flops + self._flops_per_sample * f.num_samples + self._attn_flops_per_pair * pairs
         )
         kv_read = f.prefill_context_tokens + f.decode_context_tokens
         nbytes = self._weight_bytes + self._kv_bytes_per_token * (kv_read + tokens)

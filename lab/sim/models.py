@@ -14,7 +14,8 @@ from sched_lab.core.model_presets import PRESETS
 class ModelSpec:
     """A Llama-family decoder's shape: config.json names; ``dtype_bytes`` 2 for bf16/fp16;
     ``kv_dtype_bytes`` of one cached K or V element (None: ``dtype_bytes``; see
-    :func:`with_kv_dtype`)."""
+    :func:`with_kv_dtype`); ``quantization`` of the layer projections (None, fp8, int8, awq,
+    gptq; see :func:`with_quantization` and :data:`WEIGHT_BYTES`)."""
 
     name: str
     hidden_size: int
@@ -28,6 +29,7 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     dtype_bytes: int = 2
     kv_dtype_bytes: int | None = None
+    quantization: str | None = None
 
     @property
     def params_per_layer(self) -> int:
@@ -45,8 +47,32 @@ class ModelSpec:
         return self.num_hidden_layers * self.params_per_layer + embed + head + self.hidden_size
 
     @property
+    def projection_params_per_layer(self) -> int:
+        """Weights of one layer's q, k, v, o, gate, up and down projections (no norms)."""
+        return self.params_per_layer - 2 * self.hidden_size
+
+    @property
+    def projection_rows_per_layer(self) -> int:
+        """Output channels of one layer's projections (one weight scale each for fp8, int8)."""
+        h, d = self.hidden_size, self.head_dim
+        q_kv = (self.num_attention_heads + 2 * self.num_key_value_heads) * d
+        return q_kv + h + 2 * self.intermediate_size + h
+
+    @property
     def weight_bytes(self) -> int:
-        return self.num_params * self.dtype_bytes
+        """Bytes of all weights; quantized projections at :data:`WEIGHT_BYTES` per weight
+        plus their per-channel or per-group scales (embedding, norms, LM head unquantized)."""
+        if self.quantization is None:
+            return self.num_params * self.dtype_bytes
+        layers = self.num_hidden_layers
+        projections = layers * self.projection_params_per_layer
+        other = (self.num_params - projections) * self.dtype_bytes
+        per_weight, per_group, group = WEIGHT_BYTES[self.quantization]
+        if group is None:  # per output channel
+            scales = layers * self.projection_rows_per_layer * per_group
+        else:
+            scales = projections // group * per_group
+        return other + round(projections * per_weight) + scales
 
     @property
     def matmul_params_per_token(self) -> int:
@@ -102,6 +128,26 @@ def with_kv_dtype(model: ModelSpec, kv_cache_dtype: str) -> ModelSpec:
     return dataclasses.replace(
         model, kv_dtype_bytes=kv_dtype_bytes(kv_cache_dtype, model.dtype_bytes)
     )
+
+
+#: method -> (bytes per projection weight, bytes per scale group, inputs per group; None:
+#: one group per output channel), as the checkpoints of backend/quant_formats.py store them:
+#: fp8/int8 one float32 scale per channel; awq/gptq 4 bits, per 128 inputs a float16 scale and
+#: a 4-bit zero point.
+WEIGHT_BYTES: dict[str, tuple[float, float, int | None]] = {
+    "fp8": (1.0, 4.0, None),
+    "int8": (1.0, 4.0, None),
+    "awq": (0.5, 2.5, 128),
+    "gptq": (0.5, 2.5, 128),
+}
+
+
+def with_quantization(model: ModelSpec, quantization: str | None) -> ModelSpec:
+    """``model`` with its projections quantized (the top-level ``quantization`` key); None
+    returns ``model`` itself."""
+    if quantization is None:
+        return model
+    return dataclasses.replace(model, quantization=quantization)
 
 
 #: The simulator's model presets, from the public config.json values in lab/core/model_presets.py

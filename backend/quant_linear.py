@@ -1,0 +1,81 @@
+"""A projection whose weight stays quantized (packed) in memory, and the swap of a model's
+projections for it at load time.
+
+The buffers are the checkpoint's tensors of :mod:`sched_lab.backend.quant_formats` (fused
+projections concatenated along the output features). ``forward`` calls
+:mod:`sched_lab.backend.quant_kernels`: the Triton kernel (or ``torch._scaled_mm``) on CUDA,
+the float32 references on CPU (the tests run the kernels themselves under the interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sched_lab.backend.quant_formats import PACK, QuantSpec
+
+FUSED_PROJECTIONS = ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")
+
+
+def buffer_shapes(spec: QuantSpec, in_features: int, out_features: int):
+    """name -> (shape, dtype) of one projection's quantized tensors, (N, K) = (out, in)."""
+    k, n, g = in_features, out_features, spec.group_size
+    if spec.method in ("fp8", "int8"):
+        dtype = torch.float8_e4m3fn if spec.method == "fp8" else torch.int8
+        return {"weight": ((n, k), dtype), "weight_scale": ((n, 1), torch.float32)}
+    shapes = {
+        "qweight": ((k, n // PACK) if spec.method == "awq" else (k // PACK, n), torch.int32),
+        "qzeros": ((k // g, n // PACK), torch.int32),
+        "scales": ((k // g, n), torch.float16),
+    }
+    if spec.method == "gptq":
+        shapes["g_idx"] = ((k,), torch.int32)
+    return shapes
+
+
+def concat_dim(spec: QuantSpec, tensor: str) -> int:
+    """The dim along which a fused projection's parts are concatenated (the output one)."""
+    return 0 if spec.method in ("fp8", "int8") else 1
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T (+ bias) with W quantized by ``spec``; x (tokens, in_features)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, spec: QuantSpec) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.spec = in_features, out_features, spec
+        for name, (shape, dtype) in buffer_shapes(spec, in_features, out_features).items():
+            self.register_buffer(name, torch.empty(shape, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.named_buffers(recurse=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from sched_lab.backend import quant_kernels as qk
+
+        if self.spec.method == "fp8":
+            y = qk.fp8_gemm(x, self.weight, self.weight_scale)
+        elif x.is_cuda:
+            y = qk.weight_only_gemm(x, self.tensors(), self.spec, self.out_features)
+        else:
+            y = qk.weight_only_reference(x, self.tensors(), self.spec)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, {self.spec.method}"
+
+
+def quantize_projections(model: nn.Module, spec: QuantSpec) -> list[str]:
+    """Replace every layer projection (``nn.Linear`` named in FUSED_PROJECTIONS) of
+    ``model`` with an empty QuantLinear on the same device; returns their names."""
+    names = []
+    for parent_name, parent in model.named_modules():
+        for child_name, child in list(parent.named_children()):
+            if child_name in FUSED_PROJECTIONS and isinstance(child, nn.Linear):
+                q = QuantLinear(child.in_features, child.out_features, child.bias is not None, spec)
+                if child.bias is not None:
+                    q.bias = nn.Parameter(torch.empty_like(child.bias))
+                setattr(parent, child_name, q)
+                names.append(f"{parent_name}.{child_name}")
+    return names

@@ -1,0 +1,89 @@
+"""Quantize a Hugging Face checkpoint's layer projections (round to nearest) into a new
+Hugging Face directory whose config.json carries the ``quantization_config``.
+
+Formats: :mod:`sched_lab.backend.quant_formats`. Only q/k/v/o/gate/up/down projections are
+quantized; embeddings, norms and the LM head are copied. Each source shard becomes one
+output shard (same file names, same index), so memory holds one shard at a time. Other files
+of the directory (tokenizer, generation config) are copied. Written into a temporary
+sibling and renamed, so a failure leaves no half-written ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from sched_lab.backend.errors import CheckpointError
+from sched_lab.backend.loader import INDEX_FILE, checkpoint_index, checkpoint_quantization
+from sched_lab.backend.quant_formats import PROJECTIONS, QuantSpec, quantize_weight
+from sched_lab.core.errors import ConfigError
+
+_PROJECTION = re.compile(r"(.*\.(?:" + "|".join(PROJECTIONS) + r"))\.weight")
+
+
+def quantize_checkpoint(
+    model_dir: str | Path, out: str | Path, method: str, group_size: int = 128
+) -> Path:
+    """Write ``model_dir`` quantized by ``method`` into ``out`` (created; must not hold
+    files); returns ``out``. CheckpointError for an already quantized source, a weight the
+    format cannot split, or an ``out`` in use."""
+    src, out = Path(model_dir), Path(out)
+    spec = QuantSpec(method, group_size)
+    if group_size < 16 or group_size % 16:
+        raise ConfigError(f"--group-size: expected a multiple of 16, got {group_size}")
+    if checkpoint_quantization(src) is not None:
+        raise CheckpointError(f"{src}/config.json: already quantized (quantization_config)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"--out {out}: exists and is not empty; choose another --out")
+    index = checkpoint_index(src)
+    for name, info in index.items():  # every shape checked before anything is written
+        if _PROJECTION.fullmatch(name) and method in ("awq", "gptq"):
+            rows, cols = info.shape
+            if cols % group_size or rows % 8:
+                raise CheckpointError(
+                    f"{info.file}: tensor {name!r} of shape {list(info.shape)}: {method} needs "
+                    f"inputs in groups of --group-size {group_size} and outputs in packs of 8"
+                )
+    files = sorted({info.file for info in index.values()})
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    total_bytes = 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for file in files:
+        tensors = {}
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                w = f.get_tensor(name)
+                match = _PROJECTION.fullmatch(name)
+                if match is None:
+                    tensors[name] = w
+                    continue
+                for tensor, value in quantize_weight(w.to(device), spec).items():
+                    tensors[f"{match.group(1)}.{tensor}"] = value.contiguous().cpu()
+        save_file(tensors, tmp / file.name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file.name))
+        total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+    if len(files) > 1:
+        index_json = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        (tmp / INDEX_FILE).write_text(json.dumps(index_json, indent=2))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = spec.to_config()
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for extra in src.iterdir():
+        if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in (
+            "config.json", INDEX_FILE,
+        ):  # fmt: skip
+            shutil.copy2(extra, tmp / extra.name)
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    tmp.rename(out)
+    return out

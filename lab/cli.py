@@ -621,9 +621,11 @@ def _decoder(cfg):
 
 
 def _report(runs: list, decode, out: Path, wall_s: float, cfg) -> int:
-    from sched_lab.report.terminal import summary_text
+    from sched_lab.report.terminal import summary_text, warnings_text
 
     print(summary_text(runs, cfg.report.metric_percentiles))
+    if warned := warnings_text(runs):
+        print(f"\n{warned}")
     from sched_lab.report.replicas import cluster_text
 
     if cluster := cluster_text(runs):

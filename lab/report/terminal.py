@@ -184,6 +184,23 @@ def bands_note(summary: dict) -> str:
     )
 
 
+def warnings_text(runs) -> str:
+    """Warnings about what priced the steps, one line each ("" when none): async runs whose
+    cost model has no host time, and a profile that does not describe this engine (its
+    fingerprint differs or is missing; summary key ``cost_model.stale``)."""
+    cm = runs[0].summary.get("cost_model") or {}
+    lines = []
+    asynchronous = [r.label for r in runs if r.summary.get("async_scheduling")]
+    if asynchronous and cm.get("host_note"):
+        lines.append(
+            f"warning: {', '.join(asynchronous)}: async_scheduling is on, but "
+            f"{cm['host_note']}; these runs are priced as synchronous ones"
+        )
+    if cm.get("stale"):
+        lines.append(f"warning: stale profile {cm.get('profile')}: {cm.get('why')}")
+    return "\n".join(lines)
+
+
 def slo_text(slo: dict) -> str:
     """``ttft <= 2 s, tpot <= 50 ms``: SLOs in the units of the tables."""
     parts = []

@@ -16,7 +16,7 @@ from sched_lab.report.terminal import summary_text, warnings_text
 from sched_lab.results.bands import band_fields
 from sched_lab.run.experiment import run_experiment
 from sched_lab.sim.calibrated import NO_HOST_NOTE, CalibratedCostModel
-from sched_lab.sim.noise import LEVELS, NoisyCostModel, fit_noise
+from sched_lab.sim.noise import LEVELS, NoisyCostModel, draw_mean, fit_noise
 
 QWEN = str(DATA_ROOT / "profiles" / "h200_qwen3-0.6b.csv")
 
@@ -37,17 +37,18 @@ def test_noise_quantiles_fallbacks_and_stalls_of_a_hand_made_profile():
     measured = [0.01 * r for r in decode + prefill] + [0.03]
     noise = fit_noise(kinds, sizes, measured, predicted)
 
-    q = noise.quantiles["decode/small"]
-    assert q[level(0.0)] == pytest.approx(0.8)
-    assert q[level(0.5)] == pytest.approx(1.0)
-    assert q[level(1.0)] == pytest.approx(1.2)
+    q = noise.quantiles["decode/small"]  # divided by the mean of the draws (next test)
+    assert draw_mean(q) == pytest.approx(1.0)
+    assert q[level(1.0)] / q[level(0.0)] == pytest.approx(1.2 / 0.8)
     # 25%: position 0.25 * 7 = 1.75 between 0.9 and 0.95 -> 0.9375
-    assert q[level(0.25)] == pytest.approx(0.9375)
+    assert q[level(0.25)] / q[level(0.0)] == pytest.approx(0.9375 / 0.8)
     assert noise.rows["decode/small"] == 8
     # a bucket without rows takes its kind's rows; a kind without rows takes every row
     assert noise.quantiles["decode/large"] == noise.quantiles["decode/small"]
     assert noise.rows["mixed/medium"] == 16  # the stall is not a residual
-    assert noise.quantiles["mixed/medium"][level(0.0)] == pytest.approx(0.8)
+    mixed = noise.quantiles["mixed/medium"]
+    assert mixed[level(1.0)] / mixed[level(0.0)] == pytest.approx(1.2 / 0.8)
+    # symmetric about 1.0: its mean is 1.0, so the quantiles are the residuals themselves
     p = noise.quantiles["prefill/large"]
     assert p[level(0.0)] == pytest.approx(0.9) and p[level(1.0)] == pytest.approx(1.1)
     # 1 stall in 17 rows, 30 ms measured for 10 predicted: 20 ms excess
@@ -60,13 +61,22 @@ def test_noise_is_centred_on_the_prediction():
     noise = fit_noise(["decode"] * 8, ["small"] * 8, [0.011] * 8, [0.01] * 8)
     assert noise.bias["decode/small"] == pytest.approx(1.1)
     assert noise.quantiles["decode/small"] == pytest.approx([1.0] * len(LEVELS))
+    # skewed: 6 rows at 1.0, 2 at 1.6 (median 1.0). Positions u * 7 at the levels k / 20:
+    # 1.0 up to k = 14, then 1.15, 1.36, 1.57 (k = 15..17), 1.6 from k = 18; the mean of the
+    # draws (trapezoids) is (0.5 + 14 + 1.15 + 1.36 + 1.57 + 1.6 + 1.6 + 0.8) / 20 = 1.129
+    noise = fit_noise(["decode"] * 8, ["small"] * 8, [0.01] * 6 + [0.016] * 2, [0.01] * 8)
+    q = noise.quantiles["decode/small"]
+    assert noise.bias["decode/small"] == pytest.approx(1.129)
+    assert q[level(0.0)] == pytest.approx(1 / 1.129)
+    assert q[level(0.8)] == pytest.approx(1.36 / 1.129)
+    assert draw_mean(q) == pytest.approx(1.0)
 
 
 def test_shipped_profile_noise_and_seeded_draws():
     model = CalibratedCostModel(QWEN)
     noise = model.noise
     for q in noise.quantiles.values():
-        assert q[level(0.5)] == pytest.approx(1.0)
+        assert draw_mean(q) == pytest.approx(1.0)
         assert list(q) == sorted(q)
     # medians of passes: no row is twice its prediction
     assert noise.stall_probability == 0.0

@@ -9,8 +9,11 @@ the profile, plus, now and then, a host stall:
 kind (``decode``: no prompt tokens; ``prefill``: prompt tokens only; ``mixed``: both) and
 size (its tokens: prompt tokens + decodes, in :data:`SIZE_EDGES` buckets), as the inverse
 of their empirical distribution function at :data:`LEVELS` (linear between levels),
-divided by their median: the median draw is the prediction (a bucket's shift from it,
-``bias``, is kept for the record only; the point prediction stays the fitted one). A
+divided by the mean of that distribution: a draw's mean is the prediction, so a replica does
+as much work as the deterministic run on average (residuals are skewed: centred on their
+median instead, every replica would run a little slower, which queues near saturation
+magnify many times). A bucket's own mean, ``bias``, is kept for the record
+only; the point prediction stays the fitted one. A
 bucket of fewer than :data:`MIN_ROWS` rows uses its kind's rows, a kind of fewer than that
 every row. A row measured at least :data:`STALL_RATIO` times its prediction is a stall, not
 a residual: its share of the rows is ``stall_probability`` and the median of its excess
@@ -56,7 +59,7 @@ def size_bucket(num_tokens: int) -> str:
 class StepNoise:
     """A fitted noise model: ``quantiles[kind/size]`` the residual at each of LEVELS,
     ``rows[kind/size]`` how many rows they came from (its own, its kind's or all),
-    ``bias[kind/size]`` their median residual (divided out of the quantiles),
+    ``bias[kind/size]`` the mean of their draws (divided out of the quantiles),
     ``stall_probability`` per step and ``stall_s`` added by a stall."""
 
     quantiles: dict[str, tuple[float, ...]]
@@ -98,10 +101,11 @@ def fit_noise(kinds: Sequence[str], sizes: Sequence[str], measured, predicted) -
             pick = next(m for m in (own, of_kind, everything) if (m & calm).sum() >= MIN_ROWS
                         or m is everything)  # fmt: skip
             r = ratio[pick & calm]
-            median = float(np.median(r))
-            quantiles[f"{kind}/{size}"] = tuple((np.quantile(r, LEVELS) / median).tolist())
+            q = np.quantile(r, LEVELS)
+            mean = float(draw_mean(q))
+            quantiles[f"{kind}/{size}"] = tuple((q / mean).tolist())
             rows[f"{kind}/{size}"] = len(r)
-            bias[f"{kind}/{size}"] = median
+            bias[f"{kind}/{size}"] = mean
     return StepNoise(
         quantiles,
         rows,
@@ -109,6 +113,13 @@ def fit_noise(kinds: Sequence[str], sizes: Sequence[str], measured, predicted) -
         float(stall.mean()),
         float(np.median(excess)) if len(excess) else 0.0,
     )
+
+
+def draw_mean(q) -> float:
+    """The mean of a draw from quantiles ``q`` at :data:`LEVELS`, linear between them: the
+    trapezoid rule over equal steps."""
+    q = np.asarray(q, float)
+    return float((q[1:] + q[:-1]).mean() / 2)
 
 
 def profile_features(df) -> list[StepFeatures]:

@@ -247,3 +247,21 @@ def test_coverage_section_marks_coverage_outside_the_target():
     # 9 of 10 runs inside: 90%, within 85-95%; width 20%; point error median 0%
     assert "| TTFT p50 | 10 | 90.0% | 20.0% | 0.0% |" in lines
     assert coverage_section(pd.DataFrame([{"err_p50_ttft_ms": 0.1}])) == []
+
+
+def test_seeds_flag_runs_replicas_and_rejects_a_bad_count(tmp_path, capsys):
+    import yaml
+
+    import run_experiment
+
+    path = tmp_path / "bands.yaml"
+    raw = {**EXPERIMENT, "policies": ["fcfs"]}
+    raw["trace"] = {**EXPERIMENT["trace"], "num_requests": 10}
+    path.write_text(yaml.safe_dump(raw))
+    assert run_experiment.main([str(path), "--seeds", "0", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "seeds: expected an integer in [1, 1,000]" in err
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--seeds", "2", "--out", str(out), "--no-plots"]) == 0
+    assert "over 2 seeded replicas" in capsys.readouterr().out
+    assert "Cells: median [p5, p95] over 2 seeded replicas" in (out / "report.md").read_text()

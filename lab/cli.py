@@ -225,6 +225,14 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", help="results folder (default: ./results/<name>)")
     ap.add_argument("--limit", type=int, help="replay only the first N requests of the trace")
     ap.add_argument(
+        "--seeds",
+        type=int,
+        metavar="N",
+        help="simulator: N replicas of every run (and sweep point) with step times drawn "
+        "around the cost model's; tables show median [p5, p95] (the YAML's seeds:; "
+        "docs/simulator.md, Bands)",
+    )
+    ap.add_argument(
         "--format",
         choices=("csv", "parquet"),
         default="csv",
@@ -395,7 +403,7 @@ def _run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    from sched_lab.config import load_config
+    from sched_lab.config import load_config, with_seeds
     from sched_lab.core.errors import UserError
     from sched_lab.report.folder import ResultsNotPlaced
 
@@ -421,6 +429,8 @@ def _run(args: argparse.Namespace) -> int:
                 if args.limit < 1:
                     raise UserError(f"--limit: expected an integer >= 1, got {args.limit}")
                 cfg = cfg.with_trace(limit=args.limit)
+            if args.seeds is not None:
+                cfg = with_seeds(cfg, args.seeds)
             if args.metric_percentiles is not None:
                 cfg = _with_percentiles(cfg, args.metric_percentiles)
             if args.out is not None and not args.out.strip():
@@ -514,6 +524,8 @@ def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
     from sched_lab.sweeps.terminal import PERCENTILES, folder_text
 
     shown = PERCENTILES
+    if args.seeds is not None:  # every point's, as in the YAML
+        raw = {**raw, "seeds": args.seeds}
     if args.metric_percentiles is not None:  # every point's, as run's flag sets one config's
         shown = _percentiles(args.metric_percentiles)
         report = raw.get("report")
@@ -609,9 +621,11 @@ def _decoder(cfg):
 
 
 def _report(runs: list, decode, out: Path, wall_s: float, cfg) -> int:
-    from sched_lab.report.terminal import summary_text
+    from sched_lab.report.terminal import summary_text, warnings_text
 
     print(summary_text(runs, cfg.report.metric_percentiles))
+    if warned := warnings_text(runs):
+        print(f"\n{warned}")
     from sched_lab.report.replicas import cluster_text
 
     if cluster := cluster_text(runs):

@@ -27,6 +27,7 @@ from sched_lab.config.load import (
     check_name,
     load_config,
     validate,
+    with_seeds,
 )
 from sched_lab.config.policy_entries import DEFAULT_POLICIES, PolicyConfig
 from sched_lab.config.rules import RULES, Rule
@@ -100,4 +101,5 @@ __all__ = [
     "paths",
     "scale_label",
     "validate",
+    "with_seeds",
 ]

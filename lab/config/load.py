@@ -58,6 +58,7 @@ TOP_KEYS = (
     "name",
     "backend",
     "seed",
+    "seeds",
     "trace",
     "model",
     "hardware",
@@ -90,6 +91,7 @@ class ExperimentConfig:
     trace: Workload
     backend: str = "sim"
     seed: int = 0
+    seeds: int | None = None  # seeded replicas per run with step-time noise; None: deterministic
     model: str = "llama-3.1-8b"
     hardware: str = "h200-sxm"
     cost_model: CostModelConfig = CostModelConfig()
@@ -145,6 +147,7 @@ class ExperimentConfig:
             "name": self.name,
             "backend": self.backend,
             "seed": self.seed,
+            **({"seeds": self.seeds} if self.seeds is not None else {}),
             "trace": self.trace.to_dict(),
             "model": self.model,
             "hardware": self.hardware,
@@ -220,6 +223,7 @@ def validate(
     reads = BACKENDS[backend].reads
     ctx = Context(where, Path(base_dir if base_dir is not None else ".").absolute(), reads)
     seed = check_int(where, "seed", top["seed"], lo=0)
+    seeds = check_seeds(where, backend, top["seeds"])
     trace = parse_workload(ctx, raw)
     if "model" in reads:
         check_choice(where, "model", top["model"], MODELS)
@@ -252,6 +256,7 @@ def validate(
         trace=trace,
         backend=backend,
         seed=seed,
+        seeds=seeds,
         model=top["model"],
         hardware=top["hardware"],
         cost_model=cost_model,
@@ -271,6 +276,28 @@ def validate(
     )
     apply_rules(cfg, raw)
     return cfg
+
+
+MAX_SEEDS = 1000  # replicas per run: each is a whole replay
+
+
+def check_seeds(where: str, backend: str, v: Any) -> int | None:
+    """``seeds``: None, or a number of seeded replicas in [1, MAX_SEEDS] on a backend whose
+    step times are simulated (a measured step has its own noise)."""
+    seeds = check_int(where, "seeds", v, optional=True, hi=MAX_SEEDS)
+    if seeds is not None and not BACKENDS[backend].simulated_steps:
+        raise ConfigError(
+            f"{where}: seeds: backend {backend} measures its step times; seeded replicas "
+            "with step-time noise are the simulator's (backend: sim), or remove seeds"
+        )
+    return seeds
+
+
+def with_seeds(cfg: ExperimentConfig, seeds: int) -> ExperimentConfig:
+    """A copy with ``seeds`` set (``--seeds``), checked as in a YAML file."""
+    out = dataclasses.replace(cfg, seeds=check_seeds(f"{cfg.source} (--seeds)", cfg.backend, seeds))
+    apply_rules(out, {})
+    return out
 
 
 def check_name(where: str, key: str, name: Any) -> str:

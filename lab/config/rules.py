@@ -67,6 +67,15 @@ def cluster_without_replayed_durations(cfg: ExperimentConfig, raw: Mapping[str, 
         )
 
 
+def seeds_need_priced_steps(cfg: ExperimentConfig, raw: Mapping[str, Any]) -> None:
+    """``seeds`` draws noise around predicted step times: not with replayed durations."""
+    if cfg.seeds is not None and cfg.cost_model.durations_from is not None:
+        raise ConfigError(
+            f"{cfg.source}: seeds: cost_model.durations_from replays one engine run's own "
+            "step times, which have no noise to draw; remove seeds or durations_from"
+        )
+
+
 def speculative_async_needs_support(cfg: ExperimentConfig, raw: Mapping[str, Any]) -> None:
     """Speculative decoding with async scheduling needs a backend with async drafts (the
     engine has no device-side drafts for async steps)."""
@@ -194,6 +203,7 @@ def hash_blocks_hold_kv_blocks(cfg: ExperimentConfig, raw: Mapping[str, Any]) ->
 RULES: tuple[Rule, ...] = (
     Rule("cluster_needs_simulator", cluster_needs_simulator, early=True),
     Rule("cluster_without_replayed_durations", cluster_without_replayed_durations),
+    Rule("seeds_need_priced_steps", seeds_need_priced_steps),
     Rule("speculative_async_needs_support", speculative_async_needs_support),
     Rule("cluster_is_synchronous", cluster_is_synchronous),
     Rule("measured_steps_refuse_simulator_keys", measured_steps_refuse_simulator_keys),

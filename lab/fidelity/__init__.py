@@ -22,6 +22,7 @@ from pathlib import Path
 
 import yaml
 
+from sched_lab.config.load import MAX_SEEDS
 from sched_lab.core.errors import short_repr
 from sched_lab.fidelity.archive import PACKED, notes_path, pack, repeat_archive, unpack
 from sched_lab.fidelity.compare import (
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab fidelity") -> int
                     help="sim side: the markdown DIR/NAME.md to write, with its table and plots "
                     "in DIR/NAME/ (default in a source checkout: docs/fidelity.md); a file "
                     "there is replaced only if sched-lab wrote it")  # fmt: skip
+    ap.add_argument("--seeds", type=int, metavar="N",
+                    help="sim side: N seeded replicas of every simulated run, and the coverage "
+                    "of their 90%% band (docs/fidelity.md)")  # fmt: skip
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     try:
@@ -117,8 +121,12 @@ def _main(args: argparse.Namespace) -> int:
         print("error: --doc: expected the markdown file to write (the default, "
               "docs/fidelity.md, is a source checkout's)", file=sys.stderr)  # fmt: skip
         return 2
+    if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
+        print(f"error: --seeds: expected an integer in [1, {MAX_SEEDS}], got {args.seeds}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
-        sim(archive, doc)
+        sim(archive, doc, args.seeds)
     except (OSError, EOFError, tarfile.TarError, json.JSONDecodeError, yaml.YAMLError,
             UserError) as e:  # fmt: skip
         why = str(e).splitlines()[0] if str(e) else type(e).__name__

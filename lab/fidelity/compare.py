@@ -6,7 +6,8 @@ from __future__ import annotations
 from itertools import combinations
 from typing import Any
 
-from sched_lab.results.names import latency_name, upgrade_summary
+from sched_lab.results.bands import inside, relative_width
+from sched_lab.results.names import band_name, latency_name, seed_median_name, upgrade_summary
 
 METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's names (sched_lab.results.names)
 PCTS = ("p50", "p90", "p99")
@@ -47,7 +48,41 @@ def run_row(slice_name: str, load: float, s, r: dict, again: dict | None) -> dic
         row["spread_throughput"] = rel(rep["output_throughput"], r["output_throughput"])
     row["real_preemptions"] = r["num_preemptions"]
     row["sim_preemptions"] = sim["num_preemptions"]
+    if band_name(TP) in sim:  # the sim side ran seeded replicas: their 90% band
+        for m in METRICS:
+            for p in PCTS:
+                row.update(band_cells(column(m, p), sim, r[column(m, p)]))
+        row.update(band_cells(TP, sim, r[TP], "throughput"))
     return row
+
+
+TP = "output_throughput"
+
+
+def band_cells(key: str, sim, real: float, name: str | None = None) -> dict[str, Any]:
+    """A run's band columns of metric ``key`` (named ``name``, default ``key``): ``inside_X``
+    (the engine's value in the simulator's 90% band), ``width_X`` (the band's width over
+    its median) and ``band_lo_X``, ``band_hi_X``."""
+    name = name or key
+    band = sim[band_name(key)]
+    return {
+        f"inside_{name}": inside(real, band),
+        f"width_{name}": relative_width(sim[seed_median_name(key)], band),
+        f"band_lo_{name}": band[0],
+        f"band_hi_{name}": band[1],
+    }
+
+
+def coverage(rows: list[dict[str, Any]], name: str) -> tuple[float, float, int]:
+    """(coverage: the share of ``rows`` whose engine value of ``name`` lies inside the band,
+    the median relative band width, how many rows have a band); NaNs without any."""
+    import numpy as np
+
+    had = [r for r in rows if f"inside_{name}" in r]
+    if not had:
+        return float("nan"), float("nan"), 0
+    hits = sum(bool(r[f"inside_{name}"]) for r in had)
+    return hits / len(had), float(np.median([r[f"width_{name}"] for r in had])), len(had)
 
 
 def predicted_durations(model, st, async_scheduling: bool = False):

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sched_lab.fidelity.compare import METRICS, PCTS, column
+from sched_lab.fidelity.compare import METRICS, PCTS, column, coverage
 from sched_lab.fidelity.protocol import ROOT
 from sched_lab.results.names import LATENCIES, MISSING, is_missing
 
@@ -51,7 +51,7 @@ def write_doc(
     fp = json.loads(json.dumps(_read_fp(profile)))
     exp = protocol.get("experiment", {})
     async_protocol = bool((exp.get("scheduler") or {}).get("async_scheduling"))
-    return TEMPLATE.format(
+    text = TEMPLATE.format(
         figures=figures,
         archive=shown(archive),
         setup=_setup_line(protocol),
@@ -96,6 +96,41 @@ def write_doc(
         rank_table="\n".join(_rank_lines(rankings)) or "| - | - | - | - | - | - | - | - |",
         same_plans=_equivalent_text(equivalent),
     )
+    return text + "".join(f"{line}\n" for line in coverage_section(table))
+
+
+COVERAGE_TARGET = (0.85, 0.95)  # of a 90% band: narrower misses, wider says too little
+
+
+def coverage_section(table) -> list[str]:
+    """The coverage of the simulator's 90% bands (sim side run with ``--seeds``): per
+    metric, the share of runs whose engine value lies inside the band, the band's median
+    relative width and the point error beside it; no lines without bands."""
+    if not any(c.startswith("inside_") for c in table.columns):
+        return []
+    rows = table.to_dict("records")
+    lo, hi = COVERAGE_TARGET
+    lines = [
+        "",
+        "## Coverage of the simulator's 90% band",
+        "",
+        f"Seeded replicas of every run (step times drawn around the calibrated prediction, "
+        f"lab/sim/noise.py); coverage is the share of runs whose engine value lies inside the "
+        f"simulator's p5-p95 band (target {pct(lo)}-{pct(hi)}: a band too wide is as wrong as "
+        "one too narrow); width is (p95 - p5) / median.",
+        "",
+        "| metric | runs | coverage | median band width | median point error |",
+        "|---|---|---|---|---|",
+    ]
+    names = [(column(m, p), f"{LATENCIES[m][0]} {p}") for m, p in COLS]
+    for key, title in [*names, ("throughput", "output throughput")]:
+        cov, width, n = coverage(rows, key)
+        if not n:
+            continue
+        mark = "" if lo <= cov <= hi else " ✗"
+        err = table[f"err_{key}"].median()
+        lines.append(f"| {title} | {n} | {pct(cov)}{mark} | {pct(width)} | {pct(err)} |")
+    return lines
 
 
 def _has_spread(table) -> bool:

@@ -37,11 +37,12 @@ def side_files(doc: Path) -> list[Path]:
     return [folder / "heldout.csv", *(folder / name for name in FIGURES)]
 
 
-def sim(archive: Path, doc: Path) -> dict[str, Any]:
+def sim(archive: Path, doc: Path, seeds: int | None = None) -> dict[str, Any]:
     """Every comparison of the simulator side; writes the markdown ``doc`` (DIR/NAME.md) and
     :func:`side_files` (DIR/NAME/heldout.csv and plots); returns the numbers (``table``,
     ``steps``, ``rankings``, ``plans``). Each file is replaced only if sched-lab wrote it
-    (lab/core/outputs.py).
+    (lab/core/outputs.py). ``seeds``: simulated runs get that many seeded replicas, and
+    the table the coverage of their bands (lab/fidelity/compare.py ``band_cells``).
 
     Raises:
         SystemExit: one line, before any replay, if ``doc`` or a side file cannot be
@@ -58,7 +59,7 @@ def sim(archive: Path, doc: Path) -> dict[str, Any]:
         raise SystemExit(f"error: {e}") from None
     src = unpack(archive)
     try:
-        return _sim(archive, src, doc)
+        return _sim(archive, src, doc, seeds)
     finally:
         if src != archive:
             shutil.rmtree(src, ignore_errors=True)
@@ -109,7 +110,7 @@ class Comparison:
     equivalent: list[tuple] = field(default_factory=list)  # (window, load, a, b) alike
 
 
-def _sim(archive: Path, src: Path, doc: Path) -> dict[str, Any]:
+def _sim(archive: Path, src: Path, doc: Path, seeds: int | None = None) -> dict[str, Any]:
     import pandas as pd
 
     from sched_lab.sim.calibrated import CalibratedCostModel
@@ -123,7 +124,7 @@ def _sim(archive: Path, src: Path, doc: Path) -> dict[str, Any]:
     cost_model = {"profile": str(profile), **({"replay_steps": calibration} if calibration else {})}
     c = Comparison()
     for folder in record["folders"]:
-        _compare_folder(src, folder, model, cost_model, c, archive)
+        _compare_folder(src, folder, model, cost_model, c, archive, seeds)
     table = pd.DataFrame(c.rows)
     steps = pd.concat(c.steps_err, ignore_index=True)
     rankings = rank_agreement(table, frozenset(c.equivalent))
@@ -177,7 +178,13 @@ def _member(archive: Path, src: Path, name: str, parse) -> dict[str, Any]:
 
 
 def _compare_folder(
-    src: Path, folder: str, model, cost_model: dict, c: Comparison, archive: Path
+    src: Path,
+    folder: str,
+    model,
+    cost_model: dict,
+    c: Comparison,
+    archive: Path,
+    seeds: int | None = None,
 ) -> None:
     """Replay one engine folder (a window at a load, every policy), calibrated and with the
     engine's durations; add its comparisons to ``c``."""
@@ -195,6 +202,8 @@ def _compare_folder(
         else None
     )
     sim_raw = {**raw, "backend": "sim", "cost_model": cost_model}
+    if seeds is not None:
+        sim_raw["seeds"] = seeds
     sims = run_experiment(engine_config(sim_raw), progress=False)
     rep_raw = {**raw, "backend": "sim",
                "cost_model": {"durations_from": str(real_dir / "steps.csv")}}  # fmt: skip

@@ -9,7 +9,9 @@ import yaml
 
 from sched_lab.config import ExperimentConfig, paths
 from sched_lab.report.replicas import replicas_markdown
+from sched_lab.report.terminal import bands_note
 from sched_lab.results import fairness, spec_metrics
+from sched_lab.results.bands import band_of
 from sched_lab.results.names import format_value
 from sched_lab.results.run import Run
 
@@ -31,11 +33,11 @@ def summary_table(runs: list[Run]) -> str:
     for r in runs:
         s = r.summary
 
-        def v(key: str, spec: str, s=s) -> str:
-            return format_value(s.get(key), spec)
+        def v(key: str, spec: str, r=r) -> str:
+            return _cell(r, key, spec)
 
-        def sec(key: str, spec: str, s=s) -> str:
-            return format_value(_s(s.get(key)), spec)
+        def sec(key: str, spec: str, r=r) -> str:
+            return _cell(r, key, spec, _s)
 
         lines.append(
             f"| {r.label} | {s['completed']} | {s['rejected']} | {s['aborted']} "
@@ -45,9 +47,23 @@ def summary_table(runs: list[Run]) -> str:
             f"| {v('p99_itl_ms', '.1f')} / {v('p99.9_itl_ms', '.1f')} / {v('max_itl_ms', '.1f')} "
             f"| {sec('p50_e2el_ms', '.2f')} / {sec('p99_e2el_ms', '.2f')} "
             f"| {v('num_preemptions_recompute', 'd')} / {v('num_preemptions_swap', 'd')} "
-            f"| {format_value(_pct(s.get('mean_kv_cache_usage')), '.0f')} |"
+            f"| {_cell(r, 'mean_kv_cache_usage', '.0f', _pct)} |"
         )
+    if runs and runs[0].summary.get("seeds"):
+        note = bands_note(runs[0].summary)
+        lines += ["", f"{note[0].upper()}{note[1:]}."]
     return "\n".join(lines)
+
+
+def _cell(run: Run, key: str, spec: str, unit=lambda x: x) -> str:
+    """A table cell of metric ``key`` in the table's ``unit``: ``median [lo, hi]`` over a
+    run's seeded replicas (lab/results/bands.py), else its value."""
+    band = band_of(run.summary, key)
+    if band is None:
+        return format_value(unit(run.summary.get(key)), spec)
+    spec = "g" if spec == "d" else spec  # medians and percentiles of counts: floats
+    m, lo, hi = (format_value(unit(x), spec) for x in band)
+    return f"{m} [{lo}, {hi}]"
 
 
 def _s(ms):

@@ -17,6 +17,7 @@ import numpy as np
 
 from sched_lab.results.metrics import cdf_points, decode_output_tokens
 from sched_lab.results.names import LATENCIES as NAMES
+from sched_lab.results.names import band_name
 
 TIME_BINS = 120
 COLOURS = ("#0072b2", "#d55e00", "#009e73", "#cc79a7", "#e69f00", "#56b4e9", "#f0e442", "#000")
@@ -251,13 +252,18 @@ def _vs_load(folder, runs, styles, plt) -> tuple[str, str]:
                     r.vllm.get(f"{p}_{name}_ms", np.nan) / (1e3 if unit == "s" else 1.0) for r in rs
                 ]
                 ax.plot(x, y, ls=STYLES[p], alpha=0.85, **kw)
+                _band(ax, x, rs, f"{p}_{name}_ms", st["color"], 1e-3 if unit == "s" else 1.0)
             ax.set_title(f"{title} ({', '.join(shown)})", fontsize=10)
             ax.set_ylabel(f"{title} ({unit}, log scale)")
         panels[4].plot(x, [r.summary["request_throughput"] for r in rs], **kw)
         panels[5].plot(x, [r.summary["output_throughput"] for r in rs], **kw)
+        _band(panels[4], x, rs, "request_throughput", st["color"])
+        _band(panels[5], x, rs, "output_throughput", st["color"])
         if slo:
             panels[6].plot(x, [r.summary["request_goodput"] for r in rs], **kw)
             panels[7].plot(x, [100 * r.summary["slo_attainment"] for r in rs], **kw)
+            _band(panels[6], x, rs, "request_goodput", st["color"])
+            _band(panels[7], x, rs, "slo_attainment", st["color"], 100.0)
     top = max(_offered(r) for r in runs)
     panels[4].plot([0, top], [0, top], color="grey", lw=0.8, ls=":", label="= offered")
     panels[4].legend(fontsize=8, loc="upper left")
@@ -289,6 +295,15 @@ def _vs_load(folder, runs, styles, plt) -> tuple[str, str]:
     return _save(
         fig, folder, "latency_vs_load.png", "Latency, throughput and goodput vs offered load"
     )
+
+
+def _band(ax, x, runs, key: str, color, scale: float = 1.0) -> None:
+    """Shade the 90% band of ``key`` over seeded replicas (runs with ``seeds``), if any."""
+    bands = [r.summary.get(band_name(key)) for r in runs]
+    if any(b is None for b in bands):
+        return
+    lo, hi = (np.array([b[i] for b in bands], float) * scale for i in (0, 1))
+    ax.fill_between(x, lo, hi, color=color, alpha=0.15, lw=0)
 
 
 def _offered(run) -> float:

@@ -6,6 +6,7 @@ prints ``-``; runs of workload classes add a block of rows per class.
 
 from __future__ import annotations
 
+from sched_lab.results.bands import band_of
 from sched_lab.results.names import MISSING, format_value, percentile_word
 
 WIDTH = 100
@@ -30,25 +31,20 @@ def rows(runs, percentiles) -> list[tuple[str, list[str]]]:
     out: list[tuple[str, list[str]]] = [
         ("finished / replayed", cells(lambda r: f"{r.vllm['completed']}/{r.vllm['num_prompts']}")),
         ("rejected/aborted/unfinished", cells(lambda r: str(r.vllm["failed"]))),
-        ("duration (s)", cells(lambda r: format_value(r.vllm["duration"], ".1f"))),
+        ("duration (s)", cells(lambda r: banded(r, "duration", ".1f", r.vllm["duration"]))),
         (
             "request throughput (req/s)",
-            cells(lambda r: format_value(r.vllm["request_throughput"], ".2f")),
+            cells(lambda r: banded(r, "request_throughput", ".2f", r.vllm["request_throughput"])),
         ),
         (
             "output throughput (tok/s)",
-            cells(lambda r: format_value(r.vllm["output_throughput"], ".0f")),
+            cells(lambda r: banded(r, "output_throughput", ".0f", r.vllm["output_throughput"])),
         ),
     ]
     if _has_slo(runs[0].summary):
+        out.append(("goodput (req/s)", cells(lambda r: banded(r, "request_goodput", ".2f"))))
         out.append(
-            ("goodput (req/s)", cells(lambda r: format_value(r.summary["request_goodput"], ".2f")))
-        )
-        out.append(
-            (
-                "SLO attainment (%)",
-                cells(lambda r: format_value(_pct(r.summary["slo_attainment"]), ".1f")),
-            )
+            ("SLO attainment (%)", cells(lambda r: banded(r, "slo_attainment", ".1f", scale=100)))
         )
     words = ["mean", *(f"p{percentile_word(p)}" for p in percentiles), "max"]
     for name, title, unit in LATENCIES:
@@ -58,11 +54,7 @@ def rows(runs, percentiles) -> list[tuple[str, list[str]]]:
             out.append(
                 (
                     f"{title} {word} ({unit})",
-                    cells(
-                        lambda r, f=field, k=scale, g=fmt: format_value(
-                            _scaled(r.summary.get(f), k), g
-                        )
-                    ),
+                    cells(lambda r, f=field, k=scale, g=fmt: banded(r, f, g, scale=k)),
                 )
             )
     out.append(
@@ -70,19 +62,32 @@ def rows(runs, percentiles) -> list[tuple[str, list[str]]]:
             "preemptions recompute / swap",
             cells(
                 lambda r: (
-                    f"{format_value(r.summary['num_preemptions_recompute'])} / "
-                    f"{format_value(r.summary['num_preemptions_swap'])}"
+                    f"{banded(r, 'num_preemptions_recompute', 'g')} / "
+                    f"{banded(r, 'num_preemptions_swap', 'g')}"
                 )
             ),
         )
     )
     out.append(
         ("KV used mean / max (%)", cells(
-            lambda r: f"{format_value(_pct(r.summary['mean_kv_cache_usage']), '.0f')} / "
-            f"{format_value(_pct(r.summary['max_kv_cache_usage']), '.0f')}"
+            lambda r: f"{banded(r, 'mean_kv_cache_usage', '.0f', scale=100)} / "
+            f"{banded(r, 'max_kv_cache_usage', '.0f', scale=100)}"
         ))
     )  # fmt: skip
     return out + class_rows(runs)
+
+
+def banded(run, key: str, spec: str, value=None, scale: float = 1.0) -> str:
+    """A cell of metric ``key``: ``median [lo, hi]`` of a run with seeded replicas (summary
+    keys of lab/results/bands.py), else its value (``value``, default the summary's), each
+    times ``scale`` and formatted with ``spec``."""
+    band = band_of(run.summary, key)
+    if band is None:
+        v = run.summary.get(key) if value is None else value
+        return format_value(_scaled(v, scale), spec)
+    spec = "g" if spec == "d" else spec  # medians and percentiles of counts: floats
+    m, lo, hi = (format_value(x * scale, spec) for x in band)
+    return f"{m} [{lo}, {hi}]"
 
 
 def class_rows(runs) -> list[tuple[str, list[str]]]:
@@ -164,7 +169,36 @@ def summary_text(runs, percentiles, width: int = WIDTH) -> str:
         )
     elif _has_slo(summary):
         note.append("SLOs: per class (goodput: finished requests/s meeting their class's SLOs)")
+    if summary.get("seeds"):
+        note.append(bands_note(summary))
     return "\n\n".join(blocks + note)
+
+
+def bands_note(summary: dict) -> str:
+    """What a cell ``median [lo, hi]`` means, for a run with seeded replicas."""
+    lo, hi = (format_value(p) for p in summary["band_percentiles"])
+    return (
+        f"cells: median [p{lo}, p{hi}] over {summary['seeds']} seeded replicas (step times "
+        "drawn around the cost model's; summary.json and the vLLM-format file hold replica "
+        "0's values beside the bands)"
+    )
+
+
+def warnings_text(runs) -> str:
+    """Warnings about what priced the steps, one line each ("" when none): async runs whose
+    cost model has no host time, and a profile that does not describe this engine (its
+    fingerprint differs or is missing; summary key ``cost_model.stale``)."""
+    cm = runs[0].summary.get("cost_model") or {}
+    lines = []
+    asynchronous = [r.label for r in runs if r.summary.get("async_scheduling")]
+    if asynchronous and cm.get("host_note"):
+        lines.append(
+            f"warning: {', '.join(asynchronous)}: async_scheduling is on, but "
+            f"{cm['host_note']}; these runs are priced as synchronous ones"
+        )
+    if cm.get("stale"):
+        lines.append(f"warning: stale profile {cm.get('profile')}: {cm.get('why')}")
+    return "\n".join(lines)
 
 
 def slo_text(slo: dict) -> str:

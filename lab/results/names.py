@@ -107,6 +107,27 @@ ALIASES = {a: m.name for m in METRICS.values() for a in m.aliases}
 
 MISSING = "-"  # how every table prints a statistic that has no value
 
+# Runs with seeded replicas (config key ``seeds``): beside each metric X of replica 0, the
+# median of the replicas' X (``X_seed_median``) and their 90% band (``X_band``: [p5, p95]).
+BAND_PERCENTILES = (5.0, 95.0)
+BAND_SUFFIX, SEED_MEDIAN_SUFFIX = "_band", "_seed_median"
+
+
+def band_name(name: str) -> str:
+    """``p50_ttft_ms_band``: the key of a metric's 90% band over seeded replicas."""
+    return name + BAND_SUFFIX
+
+
+def seed_median_name(name: str) -> str:
+    """``p50_ttft_ms_seed_median``: the key of a metric's median over seeded replicas."""
+    return name + SEED_MEDIAN_SUFFIX
+
+
+def is_metric(name: str) -> bool:
+    """Whether ``name`` is a canonical metric name (a latency statistic or a :data:`METRICS`
+    name)."""
+    return name in METRICS or parse_latency(name) is not None
+
 
 def is_missing(v: Any) -> bool:
     """Whether ``v`` is no value: None, a float NaN or pandas' NA."""

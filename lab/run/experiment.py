@@ -23,7 +23,7 @@ from sched_lab.core.request import Request, RequestStatus
 from sched_lab.core.scheduler import Scheduler, SchedulerLimits
 from sched_lab.policies import get_policy
 from sched_lab.report.progress import Phase
-from sched_lab.results import cluster_metrics, fairness, metrics, spec_metrics, vllm_result
+from sched_lab.results import bands, cluster_metrics, fairness, metrics, spec_metrics, vllm_result
 from sched_lab.results.run import Run
 from sched_lab.setup import Setup, setup_for
 from sched_lab.sim.cluster import ClusterResult, replay_cluster
@@ -355,24 +355,48 @@ def _prepare_trace(ex: _Experiment, trace: list[Request]) -> None:
 
 
 def _run(ex: _Experiment, run: _Planned, trace: list[Request]) -> Run:
-    """Replay one run over fresh copies of ``trace`` and measure it."""
+    """Replay one run over fresh copies of ``trace`` and measure it. With ``seeds: N``: N
+    replicas whose step times carry noise seeded (seed, k), k = 0..N-1; the run is replica
+    0's, its summary with the replicas' medians and bands (lab/results/bands.py)."""
+    seeds = ex.cfg.seeds
+    if seeds is None:
+        return _run_once(ex, run, trace, None)
+    first = _run_once(ex, run, trace, 0)
+    summaries = [first.summary]
+    for k in range(1, seeds):
+        summaries.append(_run_once(ex, run, trace, k).summary)  # the rest: summaries only
+    first.summary.update(bands.band_fields(summaries))
+    return first
+
+
+def _run_once(ex: _Experiment, run: _Planned, trace: list[Request], seed: int | None) -> Run:
+    """One replay of the run (with ``seed``: seeded replica ``seed``) and its metrics."""
     ex.setup.begin_run()
     run_requests = fresh(trace)
-    result, executor = _replay(ex, run, run_requests)
+    result, executor = _replay(ex, run, run_requests, seed)
     rows = metrics.in_trace_order(run_requests, result.requests)  # dropped rows too
-    df, itl, summary, vllm, itl_tail = _measure(ex, run, result, rows, executor)
+    df, itl, summary, vllm, itl_tail = _measure(ex, run, result, rows, executor, seed)
     if result.failure:
         summary["failure"] = result.failure
-    log.info("%s: %d steps in %.2f s", run.label, summary["num_steps"], result.wall_s)
+    log.info("%s: %d steps in %.2f s", _tag(run, seed), summary["num_steps"], result.wall_s)
     ex.setup.end_run(run.label, summary["num_steps"])
     if result.failure:
-        log.error("%s stopped: %s", run.label, result.failure)
+        log.error("%s stopped: %s", _tag(run, seed), result.failure)
     return Run(run.label, run.pol.label, run.scale, result, df, itl, summary, vllm, itl_tail)
 
 
-def _replica_factory(ex: _Experiment, run: _Planned) -> Callable[[], tuple[Scheduler, Executor]]:
-    """A factory of one replica: a fresh scheduler (own KV blocks) and executor."""
+def _tag(run: _Planned, seed: int | None) -> str:
+    """The run's label, with its seeded replica when it has one (``fcfs [seed 3]``)."""
+    return run.label if seed is None else f"{run.label} [seed {seed}]"
+
+
+def _replica_factory(
+    ex: _Experiment, run: _Planned, seed: int | None = None
+) -> Callable[[], tuple[Scheduler, Executor]]:
+    """A factory of one replica: a fresh scheduler (own KV blocks) and executor; with
+    ``seed``, the i-th executor made draws its step-time noise from (cfg.seed, seed, i)."""
     cfg, pol = ex.cfg, run.pol
+    made = [0]  # executors made: a cluster's replicas each get a stream of their own
 
     def make_replica() -> tuple[Scheduler, Executor]:
         kv, lo = cfg.kv_cache, cfg.lora
@@ -396,20 +420,22 @@ def _replica_factory(ex: _Experiment, run: _Planned) -> Callable[[], tuple[Sched
                 **pol.options,
             },
         )
-        return scheduler, ex.setup.executor(pol, run.limits, run.label, run.scale)
+        stream = None if seed is None else (cfg.seed, seed, made[0])
+        made[0] += 1
+        return scheduler, ex.setup.executor(pol, run.limits, run.label, run.scale, stream)
 
     return make_replica
 
 
 def _replay(
-    ex: _Experiment, run: _Planned, run_requests: list[Request]
+    ex: _Experiment, run: _Planned, run_requests: list[Request], seed: int | None = None
 ) -> tuple[ReplayResult, Executor | None]:
     """The run's replay and its executor (None for a cluster)."""
     cfg = ex.cfg
-    make_replica = _replica_factory(ex, run)
+    make_replica = _replica_factory(ex, run, seed)
     replayed = [r for r in run_requests if r.status is not RequestStatus.DROPPED]
     n = len(replayed)
-    with Phase(f"{run.label}: replay {n:,} requests", n, "req", ex.progress) as phase:
+    with Phase(f"{_tag(run, seed)}: replay {n:,} requests", n, "req", ex.progress) as phase:
         if cfg.cluster is not None:
             result = replay_cluster(
                 replayed,
@@ -438,11 +464,12 @@ def _measure(
     result: ReplayResult,
     rows: list[Request],
     executor: Executor | None,
+    seed: int | None = None,
 ) -> tuple[pd.DataFrame, np.ndarray, dict[str, Any], dict[str, Any], np.ndarray]:
     """(request table, ITL CDF points, summary, vLLM result, ITL tail points); adds the
     speculative step columns to ``result.steps``."""
     cfg, spec = ex.cfg, run.pol.speculative
-    with Phase(f"{run.label}: metrics", len(rows), "req", ex.progress) as phase:
+    with Phase(f"{_tag(run, seed)}: metrics", len(rows), "req", ex.progress) as phase:
         df, itl = metrics.request_table(
             result, run.pol.label, run.scale, phase.set, rows, split_itl=spec is not None
         )

@@ -59,11 +59,13 @@ def build(
     text; the others serve placeholder tokens (lab/serve/text.py).
 
     Raises:
-        UserError: one line naming the key (a cluster config, replayed durations, a bad
+        UserError: one line naming the key (a cluster config, seeds, replayed durations, a bad
             policy entry, a model that does not load, ``speed`` with a measured clock).
     """
     if cfg.cluster is not None:
         raise ConfigError("cluster: sched-lab serve runs one replica; remove cluster:")
+    if cfg.seeds is not None:
+        raise ConfigError("seeds: sched-lab serve runs one replica on the clock; remove seeds:")
     pol = pick_policy(cfg, policy)
     setup = setup_for(cfg)
     setup.check()

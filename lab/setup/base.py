@@ -71,9 +71,15 @@ class Setup:
         """Make a load's requests fit the backend (mutates them; e.g. prompt token ids)."""
 
     def executor(
-        self, pol: PolicyConfig, limits: SchedulerLimits, label: str, scale: float
+        self,
+        pol: PolicyConfig,
+        limits: SchedulerLimits,
+        label: str,
+        scale: float,
+        seed: tuple[int, ...] | None = None,
     ) -> Executor:
-        """A fresh executor for one replica of one run."""
+        """A fresh executor for one replica of one run; ``seed``: the stream of its step-time
+        noise (config key ``seeds``; only a backend with simulated steps gets one)."""
         raise NotImplementedError
 
     def run_info(self) -> dict[str, Any]:

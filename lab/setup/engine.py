@@ -45,7 +45,12 @@ class EngineSetup(Setup):
         assign_prompt_tokens(requests, self._vocab_size, self.cfg.seed)
 
     def executor(
-        self, pol: PolicyConfig, limits: SchedulerLimits, label: str, scale: float
+        self,
+        pol: PolicyConfig,
+        limits: SchedulerLimits,
+        label: str,
+        scale: float,
+        seed: tuple[int, ...] | None = None,
     ) -> Executor:
         executor = self._make_executor(pol.speculative, async_scheduling(self.cfg, pol))
         if self._info is None:

@@ -23,6 +23,7 @@ from sched_lab.sim.cost_model import (
 )
 from sched_lab.sim.hardware import HARDWARE
 from sched_lab.sim.models import MODELS, ModelSpec, with_kv_dtype, with_quantization
+from sched_lab.sim.noise import NoisyCostModel, StepNoise, fit_to_profile, profile_features
 
 log = logging.getLogger("sched_lab.setup.sim")
 
@@ -38,6 +39,9 @@ class SimSetup(Setup):
         self.max_position = MODELS[self.cfg.model].max_position_embeddings
         self._info = cost_model_info(self.cfg, self.cost_model)
         self._capped = 0
+        self.noise = step_noise(self.cfg, self.cost_model) if self.cfg.seeds else None
+        if self.noise is not None:  # what the seeded replicas drew from
+            self._info = {**self._info, "noise": self.noise.to_dict()}
 
     def check_policy(self, pol: PolicyConfig) -> None:
         if pol.speculative is not None:
@@ -59,13 +63,21 @@ class SimSetup(Setup):
         self.cost_model.check_trace(pol.label, trace_sha256, num_requests, label)
 
     def executor(
-        self, pol: PolicyConfig, limits: SchedulerLimits, label: str, scale: float
+        self,
+        pol: PolicyConfig,
+        limits: SchedulerLimits,
+        label: str,
+        scale: float,
+        seed: tuple[int, ...] | None = None,
     ) -> Executor:
         if self.cfg.cost_model.durations_from is not None:
             return self._replayed_executor(pol, limits, label, scale)
         bs = self.cfg.kv_cache.block_size
-        executor = CostModelExecutor(self.cost_model, bs)
-        if pol.speculative is not None:
+        cost_model = self.cost_model
+        if seed is not None and self.noise is not None:
+            cost_model = NoisyCostModel(cost_model, self.noise, seed)
+        executor = CostModelExecutor(cost_model, bs)
+        if pol.speculative is not None:  # noise once per step: the verify extra is priced plain
             executor = spec_executor.wrap(
                 executor, self.cost_model, bs, pol.speculative, HARDWARE[self.cfg.hardware],
                 self.cfg.base_dir,
@@ -179,6 +191,37 @@ def lora_cost(cfg: ExperimentConfig) -> LoRACost | None:
     if cfg.lora is None:
         return None
     return LoRACost(cfg.lora.max_lora_rank, cfg.lora.load_latency_ms / 1000.0)
+
+
+def step_noise(cfg: ExperimentConfig, cost_model: Any) -> StepNoise:
+    """The step-time noise of seeded replicas (lab/sim/noise.py): the calibrated model's own;
+    for the analytic roofline, its residuals on the profiles its efficiencies were fitted to.
+    Raises ConfigError when it has none (efficiencies from the YAML or guessed)."""
+    if hasattr(cost_model, "noise"):
+        return cost_model.noise
+    from sched_lab.sim.analytic_defaults import ROOT
+    from sched_lab.sim.calibrated import profile_block_size, profile_shape, read_profile
+
+    rels = analytic_source(cfg)["efficiency_profiles"]
+    if not rels:
+        raise ConfigError(
+            f"{cfg.source}: seeds: the analytic model's efficiencies are not fitted to an "
+            "engine profile here, so there are no measured steps to draw noise from; set "
+            "cost_model.profile (its residuals are the noise), or remove seeds"
+        )
+    frames, predicted = [], []
+    for rel in rels:
+        df = read_profile(ROOT / rel)
+        model, hardware = profile_shape(ROOT / rel)
+        cm = AnalyticCostModel(MODELS[model], HARDWARE[hardware], *(
+            cfg.cost_model.analytic[k]
+            for k in ("flops_efficiency", "bandwidth_efficiency", "step_overhead_s")))  # fmt: skip
+        bs = profile_block_size(ROOT / rel)
+        predicted += [cm.step_time(f, bs) for f in profile_features(df)]
+        frames.append(df)
+    import pandas as pd
+
+    return fit_to_profile(pd.concat(frames, ignore_index=True), predicted)
 
 
 def check_sim_speculative(cfg: ExperimentConfig, pol: PolicyConfig) -> None:

@@ -65,6 +65,7 @@ from sched_lab.core.errors import ConfigError, did_you_mean
 from sched_lab.core.fingerprint import HEADER_PREFIX, differences
 from sched_lab.core.kv_dtypes import kv_dtype_bytes
 from sched_lab.core.plan import StepFeatures
+from sched_lab.sim.noise import fit_to_profile
 
 TOKEN_KNOT = 2048
 # backend/cuda_graphs.py's largest default token size (DEFAULT_TOKEN_SIZES[-1]; a test ties
@@ -466,6 +467,8 @@ class CalibratedCostModel:
             if not rows.any():
                 raise ConfigError(f"{where}: no {kind}: the fit cannot predict their time")
         self.coef = fit(data)
+        # residuals of the rows fitted, for seeded replicas (lab/sim/noise.py)
+        self.noise = fit_to_profile(data, design(data) @ self.coef)
         timed = data[data[HOST_COLUMN].notna()] if HOST_COLUMN in data else data.iloc[:0]
         # host time fitted to the rows that have one (replay_steps rows have none)
         self.host_coef = fit_host(timed) if len(timed) else None

@@ -1,0 +1,180 @@
+"""Step-time noise for the stochastic simulator (``seeds:``; docs/simulator.md, "Bands").
+
+A seeded replica prices a step as the cost model's prediction times a residual drawn from
+the profile, plus, now and then, a host stall:
+
+    duration = predicted * r + [u < stall_probability] * stall_s
+
+``r`` is drawn from the residuals (measured / predicted) of the profile rows of the step's
+kind (``decode``: no prompt tokens; ``prefill``: prompt tokens only; ``mixed``: both) and
+size (its tokens: prompt tokens + decodes, in :data:`SIZE_EDGES` buckets), as the inverse
+of their empirical distribution function at :data:`LEVELS` (linear between levels),
+divided by the mean of that distribution: a draw's mean is the prediction, so a replica does
+as much work as the deterministic run on average (residuals are skewed: centred on their
+median instead, every replica would run a little slower, which queues near saturation
+magnify many times). A bucket's own mean, ``bias``, is kept for the record
+only; the point prediction stays the fitted one. A
+bucket of fewer than :data:`MIN_ROWS` rows uses its kind's rows, a kind of fewer than that
+every row. A row measured at least :data:`STALL_RATIO` times its prediction is a stall, not
+a residual: its share of the rows is ``stall_probability`` and the median of its excess
+seconds ``stall_s``. Profiles made by ``sched-lab profile`` keep the median of several passes
+per row, so their stalls are rare by design; engine steps.csv files given as
+``cost_model.replay_steps`` keep every step, stalls included.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from sched_lab.core.plan import StepFeatures
+
+KINDS = ("decode", "prefill", "mixed")
+SIZE_EDGES = (64, 1024)  # tokens per step: <= 64, 65-1024, > 1024
+SIZES = ("small", "medium", "large")
+NUM_LEVELS = 21  # quantiles at 0%, 5%, ..., 100%
+LEVELS = tuple(np.linspace(0.0, 1.0, NUM_LEVELS).tolist())
+MIN_ROWS = 8  # rows a bucket needs for quantiles of its own
+STALL_RATIO = 2.0  # a row measured at >= 2x its prediction is a stall
+DRAWS = 4096  # uniforms drawn from the generator at once
+
+
+def step_kind(num_prefills: int, num_decodes: int) -> str:
+    """``decode`` (no prompt tokens), ``prefill`` (no decodes) or ``mixed``."""
+    if not num_prefills:
+        return "decode"
+    return "mixed" if num_decodes else "prefill"
+
+
+def size_bucket(num_tokens: int) -> str:
+    """The size bucket of a step of ``num_tokens`` (prompt tokens + decodes)."""
+    return SIZES[bisect.bisect_left(SIZE_EDGES, num_tokens)]
+
+
+@dataclass(frozen=True)
+class StepNoise:
+    """A fitted noise model: ``quantiles[kind/size]`` the residual at each of LEVELS,
+    ``rows[kind/size]`` how many rows they came from (its own, its kind's or all),
+    ``bias[kind/size]`` the mean of their draws (divided out of the quantiles),
+    ``stall_probability`` per step and ``stall_s`` added by a stall."""
+
+    quantiles: dict[str, tuple[float, ...]]
+    rows: dict[str, int]
+    bias: dict[str, float]
+    stall_probability: float
+    stall_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types (summary key ``cost_model.noise``): quantiles rounded to 4 digits."""
+        return {
+            "levels": [round(x, 2) for x in LEVELS],
+            "quantiles": {k: [round(x, 4) for x in q] for k, q in self.quantiles.items()},
+            "rows": dict(self.rows),
+            "bias": {k: round(b, 4) for k, b in self.bias.items()},
+            "stall_probability": self.stall_probability,
+            "stall_s": self.stall_s,
+        }
+
+
+def fit_noise(kinds: Sequence[str], sizes: Sequence[str], measured, predicted) -> StepNoise:
+    """The noise of rows with these step kinds, size buckets, measured and predicted seconds
+    (module doc). Raises ValueError for no rows."""
+    measured, predicted = np.asarray(measured, float), np.asarray(predicted, float)
+    if not len(measured):
+        raise ValueError("fit_noise: no rows")
+    ratio = measured / predicted
+    stall = ratio >= STALL_RATIO
+    excess = (measured - predicted)[stall]
+    kinds_a, sizes_a = np.asarray(kinds), np.asarray(sizes)
+    calm = ~stall if (~stall).any() else np.ones(len(ratio), bool)
+
+    everything = np.ones(len(ratio), bool)
+    quantiles, rows, bias = {}, {}, {}
+    for kind in KINDS:
+        of_kind = kinds_a == kind
+        for size in SIZES:
+            own = of_kind & (sizes_a == size)
+            pick = next(m for m in (own, of_kind, everything) if (m & calm).sum() >= MIN_ROWS
+                        or m is everything)  # fmt: skip
+            r = ratio[pick & calm]
+            q = np.quantile(r, LEVELS)
+            mean = float(draw_mean(q))
+            quantiles[f"{kind}/{size}"] = tuple((q / mean).tolist())
+            rows[f"{kind}/{size}"] = len(r)
+            bias[f"{kind}/{size}"] = mean
+    return StepNoise(
+        quantiles,
+        rows,
+        bias,
+        float(stall.mean()),
+        float(np.median(excess)) if len(excess) else 0.0,
+    )
+
+
+def draw_mean(q) -> float:
+    """The mean of a draw from quantiles ``q`` at :data:`LEVELS`, linear between them: the
+    trapezoid rule over equal steps."""
+    q = np.asarray(q, float)
+    return float((q[1:] + q[:-1]).mean() / 2)
+
+
+def profile_features(df) -> list[StepFeatures]:
+    """Each profile row (a frame of ``read_profile``) as StepFeatures."""
+    names = [f.name for f in fields(StepFeatures)]
+    cols = [df[n].to_numpy() for n in names]
+    return [
+        StepFeatures(
+            *(float(v) if n == "prefill_attention_pairs" else int(v) for n, v in zip(names, row))
+        )  # fmt: skip
+        for row in zip(*cols)
+    ]
+
+
+def fit_to_profile(df, predicted) -> StepNoise:
+    """:func:`fit_noise` of a profile frame's rows against ``predicted`` seconds per row."""
+    prefills = df["num_prefills"].to_numpy()
+    decodes = df["num_decodes"].to_numpy()
+    tokens = df["num_prefill_tokens"].to_numpy() + decodes
+    kinds = [step_kind(p, d) for p, d in zip(prefills, decodes)]
+    sizes = [size_bucket(int(t)) for t in tokens]
+    return fit_noise(kinds, sizes, df["duration_s"].to_numpy(float), predicted)
+
+
+class NoisyCostModel:
+    """A cost model whose step times carry a seeded draw of ``noise`` (module doc); every
+    other attribute is the wrapped model's (host time: of the noisy step it is given). Deterministic given the seed and the sequence of
+    steps priced."""
+
+    def __init__(self, base: Any, noise: StepNoise, seed: Sequence[int]) -> None:
+        self.base, self.noise = base, noise
+        self._rng = np.random.default_rng(list(seed))
+        self._u: list[float] = []
+        self._q = noise.quantiles
+        self._p, self._stall_s = noise.stall_probability, noise.stall_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.base, name)
+
+    def _uniform(self) -> float:
+        if not self._u:
+            self._u = self._rng.random(DRAWS).tolist()
+            self._u.reverse()
+        return self._u.pop()
+
+    def _noisy(self, f: StepFeatures, t: float) -> float:
+        tokens = f.num_prefill_tokens + f.num_decodes
+        q = self._q[f"{step_kind(f.num_prefills, f.num_decodes)}/{size_bucket(tokens)}"]
+        x = self._uniform() * (NUM_LEVELS - 1)
+        i = min(int(x), NUM_LEVELS - 2)
+        t *= q[i] + (x - i) * (q[i + 1] - q[i])
+        if self._p and self._uniform() < self._p:
+            t += self._stall_s
+        return t
+
+    def step_time(self, f: StepFeatures, block_size: int) -> float:
+        """The wrapped model's prediction with one draw of noise."""
+        return self._noisy(f, self.base.step_time(f, block_size))

@@ -1,0 +1,267 @@
+"""Bands: the stochastic simulator (``seeds``, lab/sim/noise.py), the bands over seeded
+replicas (lab/results/bands.py), their coverage in the fidelity protocol
+(lab/fidelity/compare.py) and the warnings about what priced the steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from sched_lab.config import validate, with_seeds
+from sched_lab.config.paths import DATA_ROOT
+from sched_lab.core.errors import ConfigError
+from sched_lab.core.plan import StepFeatures
+from sched_lab.fidelity.compare import coverage, run_row
+from sched_lab.fidelity.markdown import coverage_section
+from sched_lab.report.terminal import summary_text, warnings_text
+from sched_lab.results.bands import band_fields
+from sched_lab.run.experiment import run_experiment
+from sched_lab.sim.calibrated import NO_HOST_NOTE, CalibratedCostModel
+from sched_lab.sim.noise import LEVELS, NoisyCostModel, draw_mean, fit_noise
+
+QWEN = str(DATA_ROOT / "profiles" / "h200_qwen3-0.6b.csv")
+
+
+def level(q: float) -> int:
+    """The index of quantile level ``q`` in LEVELS."""
+    return LEVELS.index(pytest.approx(q))
+
+
+def test_noise_quantiles_fallbacks_and_stalls_of_a_hand_made_profile():
+    # 8 small decode rows: ratios 0.8 .. 1.2, median 1.0; 8 large prefill rows: 0.9 x4, 1.1 x4
+    # (median 1.0); one prefill row at 3x its prediction: a stall of 20 ms.
+    decode = [0.8, 0.9, 0.95, 1.0, 1.0, 1.05, 1.1, 1.2]
+    prefill = [0.9] * 4 + [1.1] * 4
+    kinds = ["decode"] * 8 + ["prefill"] * 9
+    sizes = ["small"] * 8 + ["large"] * 9
+    predicted = [0.01] * 17
+    measured = [0.01 * r for r in decode + prefill] + [0.03]
+    noise = fit_noise(kinds, sizes, measured, predicted)
+
+    q = noise.quantiles["decode/small"]  # divided by the mean of the draws (next test)
+    assert draw_mean(q) == pytest.approx(1.0)
+    assert q[level(1.0)] / q[level(0.0)] == pytest.approx(1.2 / 0.8)
+    # 25%: position 0.25 * 7 = 1.75 between 0.9 and 0.95 -> 0.9375
+    assert q[level(0.25)] / q[level(0.0)] == pytest.approx(0.9375 / 0.8)
+    assert noise.rows["decode/small"] == 8
+    # a bucket without rows takes its kind's rows; a kind without rows takes every row
+    assert noise.quantiles["decode/large"] == noise.quantiles["decode/small"]
+    assert noise.rows["mixed/medium"] == 16  # the stall is not a residual
+    mixed = noise.quantiles["mixed/medium"]
+    assert mixed[level(1.0)] / mixed[level(0.0)] == pytest.approx(1.2 / 0.8)
+    # symmetric about 1.0: its mean is 1.0, so the quantiles are the residuals themselves
+    p = noise.quantiles["prefill/large"]
+    assert p[level(0.0)] == pytest.approx(0.9) and p[level(1.0)] == pytest.approx(1.1)
+    # 1 stall in 17 rows, 30 ms measured for 10 predicted: 20 ms excess
+    assert noise.stall_probability == pytest.approx(1 / 17)
+    assert noise.stall_s == pytest.approx(0.02)
+
+
+def test_noise_is_centred_on_the_prediction():
+    # a bucket measured 10% over its prediction everywhere: the shift is recorded, not drawn
+    noise = fit_noise(["decode"] * 8, ["small"] * 8, [0.011] * 8, [0.01] * 8)
+    assert noise.bias["decode/small"] == pytest.approx(1.1)
+    assert noise.quantiles["decode/small"] == pytest.approx([1.0] * len(LEVELS))
+    # skewed: 6 rows at 1.0, 2 at 1.6 (median 1.0). Positions u * 7 at the levels k / 20:
+    # 1.0 up to k = 14, then 1.15, 1.36, 1.57 (k = 15..17), 1.6 from k = 18; the mean of the
+    # draws (trapezoids) is (0.5 + 14 + 1.15 + 1.36 + 1.57 + 1.6 + 1.6 + 0.8) / 20 = 1.129
+    noise = fit_noise(["decode"] * 8, ["small"] * 8, [0.01] * 6 + [0.016] * 2, [0.01] * 8)
+    q = noise.quantiles["decode/small"]
+    assert noise.bias["decode/small"] == pytest.approx(1.129)
+    assert q[level(0.0)] == pytest.approx(1 / 1.129)
+    assert q[level(0.8)] == pytest.approx(1.36 / 1.129)
+    assert draw_mean(q) == pytest.approx(1.0)
+
+
+def test_shipped_profile_noise_and_seeded_draws():
+    model = CalibratedCostModel(QWEN)
+    noise = model.noise
+    for q in noise.quantiles.values():
+        assert draw_mean(q) == pytest.approx(1.0)
+        assert list(q) == sorted(q)
+    # medians of passes: no row is twice its prediction
+    assert noise.stall_probability == 0.0
+    f = StepFeatures(0, 0, 0, 0.0, 32, 32 * 1024, 32, 0)
+    t = model.step_time(f, 16)
+    draws = [NoisyCostModel(model, noise, (0, k, 0)).step_time(f, 16) for k in range(5)]
+    q = noise.quantiles["decode/small"]
+    assert all(t * q[0] <= d <= t * q[-1] for d in draws)
+    assert len(set(draws)) == 5  # each seed its own draw
+    again = [NoisyCostModel(model, noise, (0, k, 0)).step_time(f, 16) for k in range(5)]
+    assert again == draws  # the same seed, the same draw
+    assert NoisyCostModel(model, noise, (0, 0, 0)).host_time(f, 16) == model.host_time(f, 16)
+
+
+EXPERIMENT = {
+    "name": "bands",
+    "trace": {
+        "format": "synthetic",
+        "num_requests": 60,
+        "arrival": {"process": "poisson", "rate": 40},
+        "prompt_len": {"uniform": [64, 512]},
+        "output_len": {"uniform": [16, 64]},
+    },
+    "model": "qwen3-0.6b",
+    "hardware": "h200-sxm",
+    "cost_model": {"profile": QWEN},
+    "kv_cache": {"block_size": 16, "num_gpu_blocks": 256},
+    "policies": ["fcfs", "chunked_prefill"],
+    "slo": {"ttft_s": 0.05},
+}
+
+
+def test_seeded_replicas_give_bands_replica_zero_and_the_same_results_again():
+    cfg = validate(EXPERIMENT)
+    plain = run_experiment(cfg, progress=False)
+    three = run_experiment(with_seeds(cfg, 3), progress=False)
+    one = run_experiment(with_seeds(cfg, 1), progress=False)
+    again = run_experiment(with_seeds(cfg, 3), progress=False)
+    for p, r3, r1, ra in zip(plain, three, one, again, strict=True):
+        s = r3.summary
+        assert s["seeds"] == 3 and s["band_percentiles"] == [5.0, 95.0]
+        # the replicas differ: the band of E2E p50 has a width
+        lo, hi = s["p50_e2el_ms_band"]
+        assert lo < hi
+        for key in ("p50_ttft_ms", "p50_e2el_ms", "p99_itl_ms", "duration"):
+            lo, hi = s[f"{key}_band"]
+            assert lo <= s[f"{key}_seed_median"] <= hi
+        # replica 0 is the draw of seed 0, whatever the number of replicas ...
+        assert r1.summary["p50_e2el_ms"] == s["p50_e2el_ms"]
+        assert r1.requests.equals(r3.requests)
+        # ... not the deterministic run, whose summary has no band keys
+        assert s["p50_e2el_ms"] != p.summary["p50_e2el_ms"]
+        assert not any(k.endswith(("_band", "_seed_median")) for k in p.summary)
+        assert "seeds" not in p.summary and "noise" not in p.summary["cost_model"]
+        # the same seeds, the same results
+        assert ra.summary == s
+        # the vLLM-format file is replica 0's alone
+        assert r3.vllm["median_e2el_ms"] == s["median_e2el_ms"]
+        assert not any(k.endswith("_band") for k in r3.vllm)
+    text = summary_text(three, (50, 99))
+    assert "over 3 seeded replicas" in text
+    lo, hi = three[0].summary["duration_band"]
+    med = three[0].summary["duration_seed_median"]
+    assert f"{med:.1f} [{lo:.1f}, {hi:.1f}]" in text
+
+
+def test_band_fields_of_hand_made_summaries():
+    summaries = [{"p50_ttft_ms": v, "policy": "fcfs", "num_steps": 9} for v in (10.0, 30.0, 20.0)]
+    summaries[1]["p99_ttft_ms"] = None  # no value in one replica: left out of nothing else
+    fields = band_fields(summaries)
+    assert fields["seeds"] == 3
+    assert fields["p50_ttft_ms_seed_median"] == pytest.approx(20.0)
+    # p5 at position 0.1 between 10 and 20: 11; p95 at 1.9 between 20 and 30: 29
+    assert fields["p50_ttft_ms_band"] == [pytest.approx(11.0), pytest.approx(29.0)]
+    assert "num_steps_band" not in fields and "policy_band" not in fields
+
+
+def test_seeds_config_errors_are_one_line():
+    with pytest.raises(ConfigError, match=r"^config: seeds: expected an integer in \[1, 1,000\]"):
+        validate({**EXPERIMENT, "seeds": 0})
+    with pytest.raises(ConfigError, match="seeds: backend engine measures its step times"):
+        validate({**EXPERIMENT, "backend": "engine", "seeds": 2})
+    durations = {"durations_from": str(DATA_ROOT / "experiments" / "replayed_durations.yaml")}
+    with pytest.raises(ConfigError, match="seeds: cost_model.durations_from"):
+        validate({**EXPERIMENT, "seeds": 2, "cost_model": durations})
+    yaml_effs = {"flops_efficiency": 0.5, "bandwidth_efficiency": 0.8, "step_overhead_s": 0.002}
+    cfg = validate({**EXPERIMENT, "seeds": 2, "cost_model": yaml_effs})
+    with pytest.raises(ConfigError, match="no measured steps to draw noise from"):
+        run_experiment(cfg, progress=False)
+
+
+def test_analytic_model_draws_noise_from_its_efficiency_profiles():
+    raw = {**EXPERIMENT, "cost_model": {}, "seeds": 2, "policies": ["fcfs"]}
+    raw["trace"] = {**EXPERIMENT["trace"], "num_requests": 20}
+    (run,) = run_experiment(validate(raw), progress=False)
+    assert run.summary["cost_model"]["noise"]["rows"]["decode/small"] >= 8
+    lo, hi = run.summary["p50_e2el_ms_band"]
+    assert lo <= run.summary["p50_e2el_ms_seed_median"] <= hi
+
+
+def test_async_without_host_time_and_a_stale_profile_are_warned_in_the_terminal():
+    raw = {**EXPERIMENT, "policies": ["fcfs", {"name": "fcfs", "label": "fa",
+                                               "async_scheduling": True}]}  # fmt: skip
+    raw["trace"] = {**EXPERIMENT["trace"], "num_requests": 10}
+    runs = run_experiment(validate(raw), progress=False)
+    lines = warnings_text(runs).splitlines()
+    assert lines[0] == (
+        f"warning: fa: async_scheduling is on, but {NO_HOST_NOTE}; these runs are priced as "
+        "synchronous ones"
+    )
+    # the shipped profile has no fingerprint: it may describe another engine
+    assert lines[1].startswith("warning: stale profile ") and "no engine fingerprint" in lines[1]
+    assert len(lines) == 2
+    sync = [r for r in runs if r.label == "fcfs"]
+    assert "async_scheduling" not in warnings_text(sync)
+
+
+class _Sim:
+    """A simulated run's summary as run_row reads it."""
+
+    def __init__(self, label: str, summary: dict) -> None:
+        self.label, self.summary = label, summary
+
+
+def _summary(value: float, band: tuple[float, float] | None) -> dict:
+    keys = [f"p{p}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for p in (50, 90, 99)]
+    s = {k: value for k in keys}
+    s.update(output_throughput=value, num_preemptions=0)
+    if band is not None:
+        for k in [*keys, "output_throughput"]:
+            s[f"{k}_band"] = list(band)
+            s[f"{k}_seed_median"] = value
+    return s
+
+
+def test_coverage_of_hand_made_runs():
+    # engine value 100 in every run; bands [90, 110] (inside), [95, 105] (inside),
+    # [101, 120] (outside, above), [80, 99.9] (outside, below); medians 100, 100, 110, 90
+    bands = [((90, 110), 100), ((95, 105), 100), ((101, 120), 110), ((80, 99.9), 90)]
+    rows = []
+    for band, median in bands:
+        s = _summary(median, band)
+        rows.append(run_row("w", 0.5, _Sim("fcfs", s), _summary(100.0, None), None))
+    assert [r["inside_p50_ttft_ms"] for r in rows] == [True, True, False, False]
+    # widths: 20/100, 10/100, 19/110, 19.9/90
+    assert rows[2]["width_p50_ttft_ms"] == pytest.approx(19 / 110)
+    cov, width, n = coverage(rows, "p50_ttft_ms")
+    assert n == 4 and cov == pytest.approx(0.5)
+    assert width == pytest.approx((19 / 110 + 0.2) / 2)  # median of 0.1, 0.173, 0.2, 0.221
+    assert coverage(rows, "throughput")[0] == pytest.approx(0.5)
+    # runs without bands count nothing
+    plain = run_row("w", 0.5, _Sim("fcfs", _summary(100.0, None)), _summary(100.0, None), None)
+    assert "inside_p50_ttft_ms" not in plain
+    assert coverage([plain], "p50_ttft_ms")[2] == 0
+
+
+def test_coverage_section_marks_coverage_outside_the_target():
+    import pandas as pd
+
+    rows = [
+        run_row("w", 0.5, _Sim("fcfs", _summary(100.0, (90, 110))), _summary(100.0, None), None)
+        for _ in range(9)
+    ]
+    rows.append(
+        run_row("w", 0.5, _Sim("fcfs", _summary(100.0, (90, 110))), _summary(120.0, None), None)
+    )
+    lines = coverage_section(pd.DataFrame(rows))
+    # 9 of 10 runs inside: 90%, within 85-95%; width 20%; point error median 0%
+    assert "| TTFT p50 | 10 | 90.0% | 20.0% | 0.0% |" in lines
+    assert coverage_section(pd.DataFrame([{"err_p50_ttft_ms": 0.1}])) == []
+
+
+def test_seeds_flag_runs_replicas_and_rejects_a_bad_count(tmp_path, capsys):
+    import yaml
+
+    import run_experiment
+
+    path = tmp_path / "bands.yaml"
+    raw = {**EXPERIMENT, "policies": ["fcfs"]}
+    raw["trace"] = {**EXPERIMENT["trace"], "num_requests": 10}
+    path.write_text(yaml.safe_dump(raw))
+    assert run_experiment.main([str(path), "--seeds", "0", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "seeds: expected an integer in [1, 1,000]" in err
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--seeds", "2", "--out", str(out), "--no-plots"]) == 0
+    assert "over 2 seeded replicas" in capsys.readouterr().out
+    assert "Cells: median [p5, p95] over 2 seeded replicas" in (out / "report.md").read_text()

@@ -104,23 +104,17 @@ def joint_fit(pairs: list[tuple[str, str]], hardware: str) -> dict[str, float]:
     to the repo, model preset)``, each row priced with its model."""
     import numpy as np
 
-    from sched_lab.core.plan import StepFeatures
     from sched_lab.sim.calibrated import read_profile
     from sched_lab.sim.cost_model import AnalyticCostModel
     from sched_lab.sim.hardware import HARDWARE
     from sched_lab.sim.models import MODELS
+    from sched_lab.sim.noise import profile_features
 
     huge = 1e12  # an efficiency so high that its term vanishes
     compute, memory, swap, y = [], [], [], []
     for rel, model in pairs:
         df = read_profile(ROOT / rel)
-        names = StepFeatures.__dataclass_fields__
-        feats = [
-            StepFeatures(
-                *(float(r[c]) if c == "prefill_attention_pairs" else int(r[c]) for c in names)
-            )
-            for _, r in df.iterrows()
-        ]
+        feats = profile_features(df)
         spec = MODELS[model]
 
         def times(a: float, b: float, spec=spec, feats=feats) -> np.ndarray:

@@ -598,12 +598,10 @@ def fit_analytic(df: pd.DataFrame, model: str, hardware: str) -> dict[str, float
     from sched_lab.sim.models import MODELS
 
     m, hw = MODELS[model], HARDWARE[hardware]
-    feats = [
+    names = [fl.name for fl in fields(StepFeatures) if fl.name in df.columns]
+    feats = [  # a feature the profile has no column for (LoRA's, without adapters) is 0
         StepFeatures(
-            *(
-                int(r[c]) if c != "prefill_attention_pairs" else float(r[c])
-                for c in (fl.name for fl in fields(StepFeatures))
-            )
+            **{c: int(r[c]) if c != "prefill_attention_pairs" else float(r[c]) for c in names}
         )  # fmt: skip
         for _, r in df.iterrows()
     ]

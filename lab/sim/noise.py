@@ -123,9 +123,10 @@ def draw_mean(q) -> float:
 
 
 def profile_features(df) -> list[StepFeatures]:
-    """Each profile row (a frame of ``read_profile``) as StepFeatures."""
+    """Each profile row (a frame of ``read_profile``) as StepFeatures; a feature the profile
+    has no column for (the LoRA ones of a profile without adapters) is 0."""
     names = [f.name for f in fields(StepFeatures)]
-    cols = [df[n].to_numpy() for n in names]
+    cols = [df[n].to_numpy() if n in df.columns else [0] * len(df) for n in names]
     return [
         StepFeatures(
             *(float(v) if n == "prefill_attention_pairs" else int(v) for n, v in zip(names, row))

@@ -40,7 +40,7 @@ ALLOWED["run"] = ALLOWED["report"] | {"run"}
 ALLOWED["sweeps"] = ALLOWED["run"] | {"sweeps"}
 ALLOWED["fidelity"] = ALLOWED["run"] | {"fidelity"}
 ALLOWED["client"] = set(ALLOWED) | {"client"}  # sched-lab bench / compare: a top room
-ALLOWED["serve"] = ALLOWED["run"] | {"serve"}  # sched-lab serve: a top room like the CLI
+ALLOWED["serve"] = ALLOWED["sweeps"] | {"serve"}  # sched-lab serve: a top room like the CLI
 ALLOWED["cli"] = set(ALLOWED) | {"cli"}
 ROOMS = (
     "core", "sim", "config", "results", "setup", "report", "run", "sweeps", "fidelity", "client",

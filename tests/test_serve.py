@@ -869,3 +869,19 @@ def test_lora_adapters_are_models_of_the_twin(tmp_path):
         assert status == 404 and b"lora-2" in body
     finally:
         server.close()
+
+
+def test_a_sweep_yaml_is_refused_in_one_line(capsys):
+    """A sweep is many experiments; the server serves one: one line says so (exit 2)."""
+    from pathlib import Path
+
+    from sched_lab.serve.app import main
+
+    path = str(Path(__file__).resolve().parent.parent / "experiments" / "multi_lora.yaml")
+    assert main([path, "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: {path}: sched-lab serve serves one experiment, and this "
+        "YAML is a sweep (sweep: or search:); run it with sched-lab run, or serve a YAML "
+        "without those keys"
+    )

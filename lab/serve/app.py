@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -46,6 +47,7 @@ from sched_lab.serve.protocol import (
     usage,
     usage_chunk,
 )
+from sched_lab.sweeps.sweep import is_sweep, read_yaml
 
 log = logging.getLogger("sched_lab.serve")
 
@@ -434,10 +436,15 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab serve") -> int:
             raise UserError(f"--max-waiting: expected an integer >= 1, got {args.max_waiting}")
         if not 0 <= args.port < 65536:
             raise UserError(f"--port: expected 0..65535, got {args.port}")
+        if is_sweep(read_yaml(args.config)[1]):
+            raise UserError(
+                "sched-lab serve serves one experiment, and this YAML is a sweep (sweep: or "
+                "search:); run it with sched-lab run, or serve a YAML without those keys"
+            )
         served = build(load_config(args.config), args.policy, args.model_name, args.speed)
     except UserError as e:
         msg = str(e)
-        if not msg.startswith(args.config):
+        if not msg.startswith((args.config, str(Path(args.config).expanduser().resolve()))):
             msg = f"{args.config}: {msg}"
         print(f"error: {msg}", file=sys.stderr)
         return 2

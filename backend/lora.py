@@ -185,6 +185,12 @@ def adapters_in_dir(adapter_dir: str | Path, names: list[str]) -> dict[str, Path
     """name -> ``adapter_dir/name`` for each name; LoraAdapterError naming the first folder
     that does not exist."""
     root = Path(adapter_dir).expanduser()
+    if not root.is_dir():
+        what = "is a file" if root.exists() else "does not exist"
+        raise LoraAdapterError(
+            f"lora.adapter_dir {root} {what}; expected a folder of PEFT adapters lora-0, "
+            "lora-1, ... (sched-lab tools make-random-lora writes one)"
+        )
     out = {}
     for name in names:
         folder = root / name

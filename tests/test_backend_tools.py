@@ -65,3 +65,14 @@ def test_random_checkpoint_shards_and_loads(tmp_path):
 def test_cli_lists_presets(capsys):
     assert main(["list-presets"]) == 0
     assert capsys.readouterr().out.split() == sorted(PRESETS)
+
+
+def test_an_output_folder_under_a_file_is_one_line(tmp_path, capsys):
+    """``--out`` below a plain file cannot be made: exit 2 and one line naming the path,
+    no traceback."""
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "afile" / "ckpt"
+    assert main(["make-random-checkpoint", "--preset", "smollm2-135m", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {out}") and err.endswith(": Not a directory"), err
+    assert "\n" not in err

@@ -77,3 +77,15 @@ def test_a_type_it_lacks_is_left_to_pandas():
     assert csv_text.frame_csv(df) is None
     with pytest.raises(ValueError, match="float style"):
         csv_text.float_cells(np.array([1.5]), "%.3f")
+
+
+def test_nullable_integers_of_one_value_with_missing_cells():
+    """A nullable Int64 column whose values are all one number (or all missing) is written
+    as pandas writes it: the number, and nothing for <NA> (a cluster of one replica writes
+    such columns)."""
+    df = pd.DataFrame({
+        "a": pd.array([0, None, 0], dtype="Int64"),
+        "b": pd.array([None, None, None], dtype="Int64"),
+        "c": pd.array([7, 7, 7], dtype="Int64"),
+    })  # fmt: skip
+    assert csv_text.frame_csv(df) == b"a,b,c\n0,,7\n,,7\n0,,7\n" == _pandas(df)

@@ -176,6 +176,9 @@ def test_the_lora_section_checks_its_keys_in_one_line(tmp_path):
         ({"zipf_alpha": 2.0}, "exp.yaml: lora.zipf_alpha: set only with lora.assign: zipf"),
         ({"max_loras": 0}, "exp.yaml: lora.max_loras: expected an integer"),
         ({"slots": 3}, "exp.yaml: unknown key lora.slots; allowed: max_loras, max_cpu_loras"),
+        ({"num_adapters": 10**9},
+         "exp.yaml: lora.num_adapters: expected an integer in [1, 100,000], got 1000000000"),
+        ({"max_lora_rank": 1024}, "exp.yaml: lora.max_lora_rank: expected an integer in [1, 512]"),
     ]  # fmt: skip
     for section, message in bad:
         with pytest.raises(ConfigError) as e:

@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m sched_lab.backend
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. an output folder under a file, or no permission to write
+        print(f"error: {e.filename or args.command}: {e.strerror or e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -37,7 +37,7 @@ def quantize_checkpoint(
     src, out = Path(model_dir), Path(out)
     spec = QuantSpec(method, group_size)
     if group_size < 16 or group_size % 16:
-        raise ConfigError(f"--group-size: expected a multiple of 16, got {group_size}")
+        raise ConfigError(f"--group-size: expected a positive multiple of 16, got {group_size}")
     if checkpoint_quantization(src) is not None:
         raise CheckpointError(f"{src}/config.json: already quantized (quantization_config)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -357,6 +357,10 @@ def _adapter_dir(ctx: Context, key: str, v: Any) -> Any:
     return paths.resolve(v, ctx.base_dir)
 
 
+MAX_LORA_RANK = 512
+MAX_NUM_ADAPTERS = 100_000  # the slots and LRUs hold every name: bounded, so a run ends
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA serving (vLLM's ``--max-loras``, ``--max-cpu-loras``, ``--max-lora-rank``;
@@ -365,8 +369,10 @@ class LoRAConfig:
     max_loras: int = option(1, is_int())  # distinct adapters in one step: GPU slots
     # host LRU of adapters; null: max_loras
     max_cpu_loras: int | None = option(None, is_int(optional=True))
-    max_lora_rank: int = option(16, is_int())  # every simulated adapter has this rank
-    num_adapters: int = option(1, is_int())  # adapters named lora-0 .. lora-{N-1}
+    # every simulated adapter has this rank; vLLM's largest --max-lora-rank is 512
+    max_lora_rank: int = option(16, is_int(hi=MAX_LORA_RANK))
+    # adapters named lora-0 .. lora-{N-1}
+    num_adapters: int = option(1, is_int(hi=MAX_NUM_ADAPTERS))
     # requests with no lora_name of their own: none, uniform or zipf over the adapters
     assign: str = option("none", is_choice(LORA_ASSIGN))
     zipf_alpha: float = option(1.0, is_num(0.0))  # P(lora-i) ~ 1 / (i + 1) ** alpha

@@ -369,7 +369,9 @@ def column_cells(col: pd.Series | np.ndarray, float_style: str = "repr") -> Cell
         if pd.api.types.is_integer_dtype(dtype):  # nullable Int64: <NA> empty
             na = col.isna().to_numpy()
             cells, length = int_cells(col.fillna(0).to_numpy(np.int64))
-            cells[na] = 0
+            if na.any():  # (a column of one value comes back as a read-only broadcast)
+                cells = cells.copy()
+                cells[na] = 0
             return cells, np.where(na, 0, length)
         if pd.api.types.is_string_dtype(dtype):
             return _object_cells(col.to_numpy(object))

@@ -278,21 +278,16 @@ def test_rankings_count_pairs_beyond_the_engines_spread() -> None:
 def test_analytic_efficiencies_fitted_to_a_profile_are_recovered(tmp_path) -> None:
     """Profile rows timed by the analytic model itself (efficiencies 0.5 and 0.8, 1 ms a
     step): the fit finds them back, within the grid's 8% steps."""
-    from dataclasses import fields as dc_fields
-
-    from sched_lab.core.plan import StepFeatures
     from sched_lab.sim.calibrated import fit_analytic, profile_shape, read_profile
     from sched_lab.sim.cost_model import AnalyticCostModel
     from sched_lab.sim.hardware import HARDWARE
     from sched_lab.sim.models import MODELS
+    from sched_lab.sim.noise import profile_features
 
     assert profile_shape(PROFILE) == ("qwen3-0.6b", "h200-sxm")
     df = read_profile(PROFILE)
     truth = AnalyticCostModel(MODELS["qwen3-0.6b"], HARDWARE["h200-sxm"], 0.5, 0.8, 0.001)
-    names = [f.name for f in dc_fields(StepFeatures)]
-    df["duration_s"] = [
-        truth.step_time(StepFeatures(*(r[n] for n in names)), 16) for _, r in df.iterrows()
-    ]
+    df["duration_s"] = [truth.step_time(f, 16) for f in profile_features(df)]
     fit = fit_analytic(df, "qwen3-0.6b", "h200-sxm")
     assert fit["flops_efficiency"] == pytest.approx(0.5, rel=0.08)
     assert fit["bandwidth_efficiency"] == pytest.approx(0.8, rel=0.08)

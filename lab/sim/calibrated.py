@@ -54,7 +54,6 @@ import json
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import fields
 from importlib.resources import files
 from pathlib import Path
 
@@ -598,13 +597,9 @@ def fit_analytic(df: pd.DataFrame, model: str, hardware: str) -> dict[str, float
     from sched_lab.sim.models import MODELS
 
     m, hw = MODELS[model], HARDWARE[hardware]
-    names = [fl.name for fl in fields(StepFeatures) if fl.name in df.columns]
-    feats = [  # a feature the profile has no column for (LoRA's, without adapters) is 0
-        StepFeatures(
-            **{c: int(r[c]) if c != "prefill_attention_pairs" else float(r[c]) for c in names}
-        )  # fmt: skip
-        for _, r in df.iterrows()
-    ]
+    from sched_lab.sim.noise import profile_features
+
+    feats = profile_features(df)
 
     def times(flops_eff: float, bw_eff: float) -> np.ndarray:
         cm = AnalyticCostModel(m, hw, flops_eff, bw_eff, 0.0)

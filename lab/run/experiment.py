@@ -26,8 +26,8 @@ from sched_lab.report.progress import Phase
 from sched_lab.results import bands, cluster_metrics, fairness, metrics, spec_metrics, vllm_result
 from sched_lab.results.run import Run
 from sched_lab.setup import Setup, setup_for
+from sched_lab.setup.sim import sim_model
 from sched_lab.sim.cluster import ClusterResult, replay_cluster
-from sched_lab.sim.models import MODELS, with_kv_dtype
 from sched_lab.sim.records import ReplayResult
 from sched_lab.sim.replay import replay
 from sched_lab.traces.adapters import assign_adapters
@@ -441,7 +441,7 @@ def _replay(
                 replayed,
                 cfg.cluster,
                 make_replica,
-                with_kv_dtype(MODELS[cfg.model], cfg.kv_cache.dtype).kv_bytes_per_token,
+                sim_model(cfg).kv_bytes_per_token,
                 cfg.seed,
                 cfg.check_invariants,
                 phase.replay_callback,

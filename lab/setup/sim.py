@@ -181,9 +181,7 @@ def sim_parts(cfg: ExperimentConfig) -> tuple[AnalyticCostModel, int, int]:
         if lora is not None:
             calibrated.lora_load_s = lora.load_s(model, hw)
         return calibrated, gpu, cpu
-    if lora is not None:
-        return AnalyticCostModel(model, hw, **cm.analytic, lora=lora), gpu, cpu
-    return AnalyticCostModel(model, hw, **cm.analytic), gpu, cpu
+    return AnalyticCostModel(model, hw, **cm.analytic, lora=lora), gpu, cpu
 
 
 def lora_cost(cfg: ExperimentConfig) -> LoRACost | None:

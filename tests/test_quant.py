@@ -8,8 +8,9 @@ import importlib.util
 import json
 
 import pytest
-import torch
-from triton_setup import DEVICE, needs_triton  # sets TRITON_INTERPRET before triton loads
+
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
+from triton_setup import DEVICE, needs_triton  # noqa: E402  (sets TRITON_INTERPRET)
 
 from sched_lab.backend.quant_formats import (  # noqa: E402
     QuantSpec,

@@ -174,6 +174,7 @@ def test_the_lora_section_checks_its_keys_in_one_line(tmp_path):
          "exp.yaml: lora.max_cpu_loras: expected an integer >= lora.max_loras (4), got 2"),
         ({"assign": "random"}, "exp.yaml: lora.assign: expected one of none, uniform, zipf"),
         ({"zipf_alpha": 2.0}, "exp.yaml: lora.zipf_alpha: set only with lora.assign: zipf"),
+        ({"base_share": 0.5}, "exp.yaml: lora.base_share: set only with lora.assign: uniform or"),
         ({"max_loras": 0}, "exp.yaml: lora.max_loras: expected an integer"),
         ({"slots": 3}, "exp.yaml: unknown key lora.slots; allowed: max_loras, max_cpu_loras"),
         ({"num_adapters": 10**9},

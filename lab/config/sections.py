@@ -402,4 +402,9 @@ def parse_lora(ctx: Context, raw: Any) -> LoRAConfig | None:
             f"{ctx.where}: lora.zipf_alpha: set only with lora.assign: zipf (assign is "
             f"{cfg.assign!r})"
         )
+    if cfg.assign == "none" and cfg.base_share != LoRAConfig.base_share:
+        raise ConfigError(
+            f"{ctx.where}: lora.base_share: set only with lora.assign: uniform or zipf (with "
+            "assign none no request is given an adapter, so none is kept on the base model)"
+        )
     return cfg

@@ -391,15 +391,34 @@ def test_a_missing_adapter_folder_names_the_dir(tmp_path):
         adapters_in_dir(tmp_path, ["lora-0", "lora-1"])
 
 
-def test_lora_step_benchmark_dry_run_prints_a_row_per_rank_and_count():
+def test_lora_step_benchmark_dry_run_ab_prints_a_row_per_rank_and_count(tmp_path):
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run(
-        [sys.executable, "benchmarks/lora_step.py", "--dry-run", "--ranks", "8", "--adapters", "1,4"],
+        [sys.executable, "benchmarks/lora_step.py", "--dry-run", "--ranks", "8", "--adapters",
+         "1,4", "--paths", "old", "new:k_per_split=256", "--out", str(tmp_path / "o.json")],
         cwd=root, capture_output=True, text=True, timeout=300, check=True,
     ).stdout  # fmt: skip
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 8 |")]
     assert [r[1] for r in rows] == ["0", "1", "4"]  # LoRA on with no adapter, then 1 and 4
-    assert all(float(r[3].rstrip(" |")) > 0 for r in rows)
+    # per path: step ms, x base, LoRA ops ms (GB/s)
+    assert all(float(r[3]) > 0 and float(r[6]) > 0 for r in rows)
+    assert rows[0][7].startswith("0.000 (0)")  # new: a step without adapters runs no LoRA op
+    assert float(rows[0][4].split()[0]) > 0  # old: its kernels run on no segment
+    saved = json.loads((tmp_path / "o.json").read_text())
+    assert [(r["path"], r["adapters"]) for r in saved["rows"]] == [
+        ("old", 0), ("old", 1), ("old", 4),
+        ("new:k_per_split=256", 0), ("new:k_per_split=256", 1), ("new:k_per_split=256", 4),
+    ]  # fmt: skip
+
+
+def test_lora_step_benchmark_refuses_an_unknown_path_in_one_line():
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(
+        [sys.executable, "benchmarks/lora_step.py", "--dry-run", "--paths", "new:block=3"],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1].startswith("--paths: 'new:block=3': 'block=3'")
 
 
 def test_the_executor_passes_each_request_adapter_to_its_sequence():

@@ -265,6 +265,9 @@ def test_a_step_without_adapters_runs_no_lora_op_and_equals_lora_off(tiny, backe
     graphs = runner.graphs
     if backend == "triton":  # prefill: a mixed graph, then decodes: a decode graph
         assert graphs is not None and graphs.variants() == [True, False]
+        base, on_a = SeqInput([1], 0, [0], True), SeqInput([1], 0, [1], True, lora_name="a")
+        assert not graphs.lora_variant([base, base])
+        assert graphs.lora_variant([base, on_a])
 
     def run(names, steps=3):
         got = run_steps(runner, names, steps=steps)

@@ -250,8 +250,9 @@ class ModelRunner:
             for what, v in (("decode batch sizes", sizes), ("token counts", tokens))
             if v
         ]
-        log.info("CUDA graphs: %s captured in %.1f s", ", ".join(families) or "no sizes",
-                 time.perf_counter() - t0)  # fmt: skip
+        twice = " (each with and without the LoRA ops)" if self.graphs.split else ""
+        log.info("CUDA graphs: %s captured%s in %.1f s", ", ".join(families) or "no sizes",
+                 twice, time.perf_counter() - t0)  # fmt: skip
 
     @property
     def num_gpu_blocks(self) -> int:

@@ -6,6 +6,11 @@ smallest graph that holds it, padded (token 0, position 0, slot -1; padding writ
 Who does what: :func:`sched_lab.backend.inputs.stage_step` computes the host arrays, the backend's
 :class:`sched_lab.backend.attention.base.GraphMetadata` owns and fills the attention buffers, and
 :class:`StepGraphs` copies the token rows, captures and replays. Sampling stays outside.
+
+With LoRA attached, each key has two variants sharing the attention buffers and the memory
+pool: one that runs the adapters' kernels and one without any LoRA op, replayed when no
+sequence of the step has an adapter (:meth:`sched_lab.backend.lora.LoraSlots.needed`); a
+decode key's two variants write one logits tensor.
 """
 
 from __future__ import annotations
@@ -72,7 +77,8 @@ class StepGraphs:
         max_num_seqs: most sequences of a mixed step.
         capture: record CUDA graphs; False runs the padded forward eagerly (CPU tests).
         lora: the model's adapter slots, or None; the step's LoRA segments are a static
-            input (:meth:`LoraSlots.static_buffer`) written at each staging.
+            input (:meth:`LoraSlots.static_buffer`) written at each staging. With
+            ``lora.options.skip_idle``, every key is captured twice (see the module doc).
     """
 
     def __init__(
@@ -119,9 +125,14 @@ class StepGraphs:
         self.lora_buffer = lora.static_buffer(tokens) if lora is not None else None
         # ("decode", size, size) or ("mixed", tokens, decode rows) -> graph, and its static
         # output: logits (size, vocab) float32 for decode graphs, a view of ``hidden`` for
-        # mixed graphs.
+        # mixed graphs. With LoRA attached these graphs run the adapters, and ``plain_*``
+        # hold the LoRA-free variants (only when lora.options.skip_idle).
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
+        self.plain_graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.plain_outputs: dict[GraphKey, torch.Tensor] = {}
+        self.split = lora is not None and lora.options.skip_idle
+        self.lora_on = False  # the variant of the step being run (see lora_variant)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def keys(self) -> list[GraphKey]:
@@ -129,6 +140,22 @@ class StepGraphs:
         keys = [("mixed", t, r) for t in reversed(self.token_sizes)
                 for r in reversed(self.attn.decode_rows(t))]  # fmt: skip
         return keys + [("decode", s, s) for s in reversed(self.sizes)]
+
+    def variants(self) -> list[bool]:
+        """The LoRA variants each key is captured in (True: the one running adapters)."""
+        return [True, False] if self.split else [self.lora is not None]
+
+    def lora_variant(self, seqs: list[SeqInput]) -> bool:
+        """Whether this step replays the graphs that run LoRA ops (False without LoRA)."""
+        return self.lora is not None and self.lora.needed([s.lora_name for s in seqs])
+
+    def _table(
+        self, lora_on: bool
+    ) -> tuple[dict[GraphKey, torch.cuda.CUDAGraph], dict[GraphKey, torch.Tensor]]:
+        """(graphs, outputs) of one LoRA variant."""
+        if lora_on or not self.split:
+            return self.graphs, self.outputs
+        return self.plain_graphs, self.plain_outputs
 
     # -- per step ---------------------------------------------------------------------------
 
@@ -152,6 +179,7 @@ class StepGraphs:
         view a static output: use them before the next step."""
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         picked = [seqs[i] for i in sampled]
+        self.lora_on = self.lora_variant(seqs)
         size = self.size_for(seqs)
         if size is not None:
             self._ensure_captured(("decode", size, size))
@@ -176,6 +204,7 @@ class StepGraphs:
     def run_rows(self, seqs: list[SeqInput], rows: torch.Tensor) -> torch.Tensor | None:
         """Run a step in a graph; the (len(rows), vocab) float32 logits of the given fed
         token rows, or None when no graph fits."""
+        self.lora_on = self.lora_variant(seqs)
         size = self.size_for(seqs)
         if size is not None:
             self._ensure_captured(("decode", size, size))
@@ -208,6 +237,7 @@ class StepGraphs:
     def _copy(self, step: HostStep, key: GraphKey, seqs: list[SeqInput]) -> torch.Tensor:
         """Issue the step's copies into ``key``'s buffers; returns the device logits rows."""
         size = key[1]
+        self.lora_on = self.lora_variant(seqs)
         if self.lora is not None:
             names = [s.lora_name for s in seqs]
             self.lora.stage(names, step.query_lens, size, into=self.lora_buffer)
@@ -220,7 +250,9 @@ class StepGraphs:
 
     # -- the forward --------------------------------------------------------------------------
 
-    def _forward(self, key: GraphKey) -> torch.Tensor:
+    def _forward(self, key: GraphKey, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """The padded forward of ``key``; a decode key's logits go into ``logits`` when
+        given (the other LoRA variant's output), else into a new tensor."""
         kind, size, _ = key
         meta = self.attn.metadata(key)
         self.attn.graph_prologue(meta)
@@ -228,18 +260,24 @@ class StepGraphs:
                             meta)  # fmt: skip
         if kind == "mixed":  # the sampled rows' logits follow the replay
             return self.hidden[:size].copy_(hidden)  # (tokens, hidden)
-        return self.model.compute_logits(hidden)  # (size, vocab) float32
+        if logits is None:
+            return self.model.compute_logits(hidden)  # (size, vocab) float32
+        return self.model.compute_logits(hidden, out=logits)
 
     def _ensure_captured(self, key: GraphKey) -> None:
-        """Capture ``key`` if not captured yet (before staging: capture pads every row)."""
-        if self.capture and key not in self.graphs:
-            self.capture_one(key)
+        """Capture ``key`` in the step's LoRA variant if not captured yet (before staging:
+        capture pads every row)."""
+        if self.capture and key not in self._table(self.lora_on)[0]:
+            self.capture_one(key, self.lora_on)
 
     def _replay(self, key: GraphKey) -> torch.Tensor:
+        """Run ``key`` in the LoRA variant :attr:`lora_on` (eagerly without capture: the
+        staged step's :attr:`LoraSlots.active` says the same)."""
         if not self.capture:
             return self._forward(key)
-        self.graphs[key].replay()
-        return self.outputs[key]
+        graphs, outputs = self._table(self.lora_on)
+        graphs[key].replay()
+        return outputs[key]
 
     def _set_padding(self, key: GraphKey) -> None:
         """Make every row the graph ``key`` reads padding (used before warm-up and capture)."""
@@ -251,26 +289,33 @@ class StepGraphs:
             assert self.lora_buffer is not None
             self.lora_buffer.zero_()
             self.lora.batch = self.lora_buffer
+            self.lora.active = self.lora_on
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture every key of :meth:`keys` not captured yet."""
+        """Capture every key of :meth:`keys`, in each of :meth:`variants`, not captured yet."""
         for key in self.keys():
-            if key not in self.graphs:
-                self.capture_one(key)
+            for lora_on in self.variants():
+                if key not in self._table(lora_on)[0]:
+                    self.capture_one(key, lora_on)
 
     @torch.inference_mode()
-    def capture_one(self, key: GraphKey) -> None:
+    def capture_one(self, key: GraphKey, lora_on: bool | None = None) -> None:
+        """Capture ``key`` in one LoRA variant (None: the one running adapters if LoRA is
+        attached); a decode key shares the other variant's logits tensor when captured."""
+        self.lora_on = self.lora is not None if lora_on is None else lora_on
+        graphs, outputs = self._table(self.lora_on)
+        shared = self._table(not self.lora_on)[1].get(key) if self.split else None
         self._set_padding(key)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward(key)  # warm-up: compiles Triton kernels, picks cuBLAS kernels
+            self._forward(key, shared)  # warm-up: compiles Triton kernels, picks cuBLAS kernels
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(key)
+            out = self._forward(key, shared)
         torch.cuda.synchronize(self.device)
-        self.graphs[key] = graph
-        self.outputs[key] = out
+        graphs[key] = graph
+        outputs[key] = out

@@ -11,14 +11,17 @@ and fused projection, A stacked (max_loras, slices * rank, in) and B (max_loras,
 with rank = max_lora_rank rounded up to a power of two >= 16 (zero-padded; the kernels' tile).
 The scheduler decides which adapters a step runs; :meth:`LoraSlots.ensure_loaded` brings them
 into slots (evicting the least recently used others), and :meth:`LoraSlots.stage` turns the
-step's per-sequence adapters into the segments the kernels read (:mod:`lora_kernels`).
+step's per-sequence adapters into the segments and tiles the kernels read (:mod:`lora_kernels`).
+A step where no sequence has an adapter runs no LoRA op at all (:attr:`LoraSlots.active`;
+the CUDA graphs keep a LoRA-free variant of each step for it).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -207,22 +210,109 @@ def storage_rank(max_lora_rank: int) -> int:
     return max(16, 1 << (max_lora_rank - 1).bit_length())
 
 
+TILE_ROWS = 16  # token rows of one kernel tile (tl.dot's smallest M)
+
+
+def max_tiles(num_tokens: int, num_slots: int) -> int:
+    """Most tiles of TILE_ROWS rows a step of ``num_tokens`` rows over ``num_slots`` slots
+    cuts its segments into: each of at most min(slots, tokens) segments leaves under one
+    tile partly empty, so sum(ceil(len / 16)) <= (tokens + 15 * segments) // 16."""
+    return (num_tokens + (TILE_ROWS - 1) * min(num_slots, num_tokens)) // TILE_ROWS
+
+
 def lora_segments(slots: np.ndarray, query_lens: np.ndarray, num_slots: int,
                   pad_to: int) -> np.ndarray:  # fmt: skip
-    """The kernels' step input, int32: ``[seg_start (num_slots) | seg_len (num_slots) |
-    order (pad_to)]``. ``slots``: each sequence's slot (-1: none); ``query_lens``: its fed
-    tokens. ``order`` lists the token rows grouped by slot, rows with no adapter (and
-    padding rows) first, outside every segment."""
+    """The kernels' step input, int32, of :func:`segments_size` (pad_to, num_slots):
+    ``[seg_start (S) | seg_len (S) | order (pad_to) | tile_slot (M) | tile_first (M) |
+    tile_len (M)]``, S = num_slots, M = :func:`max_tiles` (pad_to, S).
+
+    ``slots``: each sequence's slot (-1: none); ``query_lens``: its fed tokens. ``order``
+    lists the token rows grouped by slot, rows with no adapter (and padding rows) first,
+    outside every segment. Each segment is cut into tiles of TILE_ROWS rows, in slot order:
+    tile i is order[tile_first[i] : + tile_len[i]] of slot tile_slot[i]; the unused tiles
+    are (0, 0, 0)."""
     token_slot = np.full(pad_to, -1, dtype=np.int64)
     total = int(query_lens.sum())
     token_slot[:total] = np.repeat(slots, query_lens)
-    out = np.empty(2 * num_slots + pad_to, dtype=np.int32)
-    out[2 * num_slots :] = np.argsort(token_slot, kind="stable")
+    out = np.zeros(segments_size(pad_to, num_slots), dtype=np.int32)
+    out[2 * num_slots : 2 * num_slots + pad_to] = np.argsort(token_slot, kind="stable")
     counts = np.bincount(token_slot + 1, minlength=num_slots + 1)
     starts = np.cumsum(counts)[:-1]  # slot s starts after every row of a smaller slot
+    lens = counts[1:]
     out[:num_slots] = starts
-    out[num_slots : 2 * num_slots] = counts[1:]
+    out[num_slots : 2 * num_slots] = lens
+    per_slot = -(-lens // TILE_ROWS)
+    tile_slot = np.repeat(np.arange(num_slots), per_slot)
+    nth = np.arange(tile_slot.size) - np.repeat(np.cumsum(per_slot) - per_slot, per_slot)
+    m, base = max_tiles(pad_to, num_slots), 2 * num_slots + pad_to
+    for k, column in enumerate((tile_slot, starts[tile_slot] + nth * TILE_ROWS,
+                                np.minimum(TILE_ROWS, lens[tile_slot] - nth * TILE_ROWS))):  # fmt: skip
+        out[base + k * m : base + k * m + tile_slot.size] = column
     return out
+
+
+def segments_size(num_tokens: int, num_slots: int) -> int:
+    """Length of :func:`lora_segments`' array for ``num_tokens`` rows and ``num_slots``."""
+    return 2 * num_slots + num_tokens + 3 * max_tiles(num_tokens, num_slots)
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Tile sizes of the tiles-grid kernels; the defaults aim at decode steps (1-4 rows per
+    adapter, rank 8-64, K up to 14,336, out up to 28,672).
+
+    Attributes:
+        k_per_split: input features per shrink program (split-K: a decode step has few rows
+            per adapter, so K is what spreads the work); rounded up to the K tile.
+        expand_block_n: output columns per expand program; None: 8192 // rank within
+            [64, 256] (a B tile of rank x block_n elements, 8-16k).
+        num_warps: warps per program of both kernels.
+    """
+
+    k_per_split: int = 512
+    expand_block_n: int | None = None
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        n = self.expand_block_n
+        if self.k_per_split < 16 or (n is not None and (n < 16 or n & (n - 1))):
+            raise ValueError(
+                f"lora tiling: k_per_split must be >= 16 and expand_block_n a power of two "
+                f">= 16, got {self.k_per_split} and {n}"
+            )
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(
+                f"lora tiling: num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}"
+            )
+
+    def expand_n(self, rank: int) -> int:
+        """Output columns per expand program for ``rank`` (a power of two >= 16)."""
+        if self.expand_block_n is not None:
+            return self.expand_block_n
+        return max(64, min(256, 8192 // rank))
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """How :class:`LoraSlots` runs the adapters' deltas (the defaults serve;
+    benchmarks/lora_step.py compares others).
+
+    Attributes:
+        grid: "tiles": the kernels' programs cover the step's tiles (at most
+            :func:`max_tiles` rows of programs); "slots": cdiv(T, 16) rows of programs for
+            every slot, the empty ones returning at once.
+        skip_idle: a step where no sequence has an adapter runs no LoRA op (eagerly, and in
+            a LoRA-free variant of each CUDA graph); False runs the kernels on no segment.
+        tiling: tile sizes of the tiles grid.
+    """
+
+    grid: str = "tiles"
+    skip_idle: bool = True
+    tiling: Tiling = field(default_factory=Tiling)
+
+    def __post_init__(self) -> None:
+        if self.grid not in ("tiles", "slots"):
+            raise ValueError(f"lora options: grid must be 'tiles' or 'slots', got {self.grid!r}")
 
 
 @dataclass
@@ -242,11 +332,12 @@ class LoraSlots:
     Args:
         adapters: name -> PEFT folder (or an in-memory :class:`LoraAdapter`, for benchmarks).
         kernels: run the Triton kernels (CUDA, or the interpreter); else the torch reference.
+        options: grid, idle skipping and tiling (None: :class:`LoraOptions`' defaults).
     """
 
     def __init__(self, config: ModelConfig, adapters: dict[str, Path | LoraAdapter],
                  max_loras: int, max_lora_rank: int, device: torch.device, dtype: torch.dtype,
-                 kernels: bool) -> None:  # fmt: skip
+                 kernels: bool, options: LoraOptions | None = None) -> None:  # fmt: skip
         if max_loras < 1 or max_lora_rank < 1:
             raise LoraAdapterError(
                 f"lora: max_loras ({max_loras}) and max_lora_rank ({max_lora_rank}) must be >= 1"
@@ -262,6 +353,7 @@ class LoraSlots:
                                        f"max_lora_rank {max_lora_rank}")  # fmt: skip
         self.max_loras, self.rank, self.device = max_loras, storage_rank(max_lora_rank), device
         self.kernels = kernels
+        self.options = options or LoraOptions()
         targeted = {m for a in self.adapters.values() for m in a.targets}
         shapes = module_shapes(config)
         # layer -> fused projection -> its slots; projections no adapter targets are left out
@@ -287,6 +379,9 @@ class LoraSlots:
         empty = lora_segments(np.zeros(0, np.int64), np.zeros(0, np.int64), max_loras, 0)
         self.batch = torch.from_numpy(empty).to(device)  # no step staged yet: no segment
         self.slot_of_token = torch.zeros(0, dtype=torch.long)  # the torch reference's input
+        # whether the layers add adapter deltas: set by each staged step (needed()), and by
+        # the CUDA graphs for the variant they capture
+        self.active = False
 
     # -- residency ------------------------------------------------------------------------
 
@@ -334,11 +429,17 @@ class LoraSlots:
 
     # -- per step -------------------------------------------------------------------------
 
+    def needed(self, names: Sequence[str]) -> bool:
+        """Whether a step whose sequences run ``names`` (``""``: none) runs LoRA ops: some
+        sequence has an adapter, or ``options.skip_idle`` is off."""
+        return not self.options.skip_idle or any(names)
+
     def stage(self, names: list[str], query_lens: np.ndarray, pad_to: int,
               into: torch.Tensor | None = None) -> None:  # fmt: skip
         """Load the step's adapters and make its segments (``names``: per sequence, ``""``:
         none; ``pad_to``: token rows) the current batch: copied into ``into`` (a CUDA graph's
-        static buffer) or into a fresh device tensor."""
+        static buffer) or into a fresh device tensor. Sets :attr:`active`."""
+        self.active = self.needed(names)
         slot = self.ensure_loaded(names)
         seq_slots = np.fromiter((slot.get(n, -1) for n in names), dtype=np.int64, count=len(names))
         host = lora_segments(seq_slots, query_lens, self.max_loras, pad_to)
@@ -355,7 +456,8 @@ class LoraSlots:
 
     def static_buffer(self, max_tokens: int) -> torch.Tensor:
         """A zeroed device buffer for graph steps of up to ``max_tokens`` rows (no segment)."""
-        return torch.zeros(2 * self.max_loras + max_tokens, dtype=torch.int32, device=self.device)
+        size = segments_size(max_tokens, self.max_loras)
+        return torch.zeros(size, dtype=torch.int32, device=self.device)
 
     def _pinned(self, host: np.ndarray) -> torch.Tensor:
         """``host`` in a host tensor (pinned for CUDA, so its copy does not wait)."""
@@ -367,9 +469,10 @@ class LoraSlots:
 
     def apply(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y += each row's adapter delta for fused projection ``proj`` of ``layer`` (in place;
-        returns y). x: (T, in); y: (T, out), the base projection's output."""
+        returns y); y untouched while not :attr:`active`. x: (T, in); y: (T, out), the base
+        projection's output; T the staged step's rows."""
         w = self.layers[layer].get(proj)
-        if w is None:
+        if w is None or not self.active:
             return y
         from sched_lab.backend import lora_kernels as lk
 
@@ -380,6 +483,13 @@ class LoraSlots:
             lk.shrink_ref(x, w.a, slot_of, xr)
             return lk.expand_ref(y, xr, w.b, self.scale, w.bounds_host, slot_of)
         seg_start, seg_len = self.batch[:slots], self.batch[slots : 2 * slots]
-        order = self.batch[2 * slots :]
-        xr_parts = lk.shrink(x, w.a, order, seg_start, seg_len)
-        return lk.expand(y, xr_parts, w.b, self.scale, w.bounds, order, seg_start, seg_len)
+        order = self.batch[2 * slots : 2 * slots + num_tokens]
+        if self.options.grid == "slots":
+            xr_parts = lk.shrink(x, w.a, order, seg_start, seg_len)
+            return lk.expand(y, xr_parts, w.b, self.scale, w.bounds, order, seg_start, seg_len)
+        m, base = max_tiles(num_tokens, slots), 2 * slots + num_tokens
+        tiles = self.batch[base : base + 3 * m].view(3, m)  # slot, first, len of each tile
+        tiling = self.options.tiling
+        xr_parts = lk.shrink_tiles(x, w.a, order, *tiles, tiling=tiling)
+        return lk.expand_tiles(y, xr_parts, w.b, self.scale, w.bounds, order, *tiles,
+                               tiling=tiling)  # fmt: skip

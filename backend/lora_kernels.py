@@ -2,18 +2,26 @@
 
 A step's tokens each run with the adapter in one GPU slot, or with none. The host sorts the
 token rows by slot (:func:`sched_lab.backend.lora.lora_segments`) and hands the kernels
-``order`` (the rows, grouped by slot) with each slot's ``seg_start`` / ``seg_len`` in it; a
-program works on one tile of one slot's rows, so a batch of many adapters is one launch per
-op, and rows with no adapter are in no segment (skipped). The grids depend only on the
-padded token count and the slot count, so a CUDA graph holds them with the segments as
-static inputs.
+``order`` (the rows, grouped by slot) with each slot's segment in it, cut into tiles of
+:data:`BLOCK_M` rows (``tile_slot``, ``tile_first`` into ``order``, ``tile_len``). A program
+works on one tile, so a batch of many adapters is one launch per op, and rows with no
+adapter are in no tile (skipped). Two grids:
+
+* tiles (:func:`shrink_tiles`, :func:`expand_tiles`): one program row per possible tile of
+  the step, at most :func:`sched_lab.backend.lora.max_tiles` (T, slots); tiles past the
+  step's own have length 0 and their programs return at once;
+* slots (:func:`shrink`, :func:`expand`): ``cdiv(T, BLOCK_M)`` program rows for every
+  slot, most of them empty in a decode step (kept to compare against).
+
+Both grids depend only on the padded token count and the slot count, so a CUDA graph holds
+them with the segments as static inputs.
 
 Shapes: x (T, K); A (slots, N, K) with N = slices * max_rank (the projection's slices, e.g.
-q, k, v, share x, so their A matrices stack along N); shrink -> xr (T, N) float32, kept as
-split-K partials that the expand sums in a fixed order (deterministic, no atomics).
-B (slots, out, max_rank) with the slices' outputs concatenated; expand adds
-``scale[slot] * xr[:, slice's ranks] @ B[slot, slice's rows]^T`` into y (T, out) in place.
-Ranks below max_rank are zero-padded, so they add nothing.
+q, k, v, share x, so their A matrices stack along N and one shrink serves them all); shrink
+-> xr (splits, T, N) float32, split-K partials that the expand sums in a fixed order
+(deterministic, no atomics). B (slots, out, max_rank) with the slices' outputs concatenated;
+expand adds ``scale[slot] * xr[:, slice's ranks] @ B[slot, slice's rows]^T`` into y (T, out)
+in place. Ranks below max_rank are zero-padded, so they add nothing.
 
 :func:`shrink_ref` / :func:`expand_ref` are the torch references (one adapter at a time).
 """
@@ -24,27 +32,33 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16  # token rows per program: tl.dot's smallest tile
-K_PER_SPLIT = 512  # input features per shrink program (split-K)
+from sched_lab.backend.lora import TILE_ROWS, Tiling
+
+BLOCK_M = TILE_ROWS  # token rows per program: tl.dot's smallest tile
+K_PER_SPLIT = 512  # input features per shrink program of the slots grid (split-K)
+
+
+# -- the work of one tile, shared by both grids ---------------------------------------------
 
 
 @triton.jit
-def _shrink_kernel(
-    X, A, Out, Order, SegStart, SegLen, stride_x, stride_as, stride_an, stride_os, stride_o,
+def _tile_rows(Order, first, count, BLOCK_M: tl.constexpr):
+    """The tile's token rows (int64, 0 where masked) and their mask: order[first : + count]."""
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < count
+    rows = tl.load(Order + first + offs_m, mask=mask_m, other=0).to(tl.int64)
+    return rows, mask_m
+
+
+@triton.jit
+def _shrink_tile(
+    X, A, Out, rows, mask_m, slot, pid_nk, stride_x, stride_as, stride_an, stride_os, stride_o,
     N: tl.constexpr, K: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_BLOCKS: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    """Program (m, n-tile * splits + split, slot): Out[split, rows, n-tile] = X[rows, split's
-    K range] @ A[slot, n-tile, split's K range]^T, float32."""
-    pid_m, pid_nk, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    count = tl.load(SegLen + slot)
-    if pid_m * BLOCK_M >= count:
-        return
+    """Out[split, rows, n-tile] = X[rows, split's K range] @ A[slot, n-tile, K range]^T, with
+    pid_nk = n-tile + N_BLOCKS * split."""
     pid_n, split = pid_nk % N_BLOCKS, pid_nk // N_BLOCKS
-    first = tl.load(SegStart + slot)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < count
-    rows = tl.load(Order + first + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     a_base = A + slot.to(tl.int64) * stride_as
@@ -68,22 +82,14 @@ def _shrink_kernel(
 
 
 @triton.jit
-def _expand_kernel(
-    XR, B, Y, Order, SegStart, SegLen, Scale, Bounds, stride_xs, stride_xr, stride_bs,
+def _expand_tile(
+    XR, B, Y, Scale, Bounds, rows, mask_m, slot, pid_n, stride_xs, stride_xr, stride_bs,
     stride_bn, stride_y, OUT: tl.constexpr, RANK: tl.constexpr, SLICES: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    """Program (m, n, slot): Y[rows, n-tile] += Scale[slot] * xr[rows, slice] @ B[slot, n-tile]^T
-    with xr the sum of the shrink's SPLITS partials XR, each output column taking the ranks
-    of the slice it falls in (Bounds: SLICES + 1 column offsets)."""
-    pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    count = tl.load(SegLen + slot)
-    if pid_m * BLOCK_M >= count:
-        return
-    first = tl.load(SegStart + slot)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < count
-    rows = tl.load(Order + first + offs_m, mask=mask_m, other=0).to(tl.int64)
+    """Y[rows, n-tile] += Scale[slot] * xr[rows, slice] @ B[slot, n-tile]^T with xr the sum
+    of the shrink's SPLITS partials XR, each output column taking the ranks of the slice it
+    falls in (Bounds: SLICES + 1 column offsets)."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < OUT
     offs_r = tl.arange(0, RANK)
@@ -114,11 +120,151 @@ def _expand_kernel(
     tl.store(y_ptrs, (y + scale * acc).to(Y.dtype.element_ty), mask=mask)
 
 
+# -- tiles grid: programs (tile, column block) ----------------------------------------------
+
+
+@triton.jit
+def _shrink_tiles_kernel(
+    X, A, Out, Order, TileSlot, TileFirst, TileLen, stride_x, stride_as, stride_an,
+    stride_os, stride_o, N: tl.constexpr, K: tl.constexpr, K_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    N_BLOCKS: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Program (tile, n-tile + N_BLOCKS * split); a tile of length 0 returns at once."""
+    tile = tl.program_id(0)
+    count = tl.load(TileLen + tile)
+    if count == 0:
+        return
+    rows, mask_m = _tile_rows(Order, tl.load(TileFirst + tile), count, BLOCK_M)
+    _shrink_tile(X, A, Out, rows, mask_m, tl.load(TileSlot + tile), tl.program_id(1),
+                 stride_x, stride_as, stride_an, stride_os, stride_o, N, K, K_SPLIT, BLOCK_M,
+                 BLOCK_N, BLOCK_K, N_BLOCKS, IEEE)  # fmt: skip
+
+
+@triton.jit
+def _expand_tiles_kernel(
+    XR, B, Y, Order, TileSlot, TileFirst, TileLen, Scale, Bounds, stride_xs, stride_xr,
+    stride_bs, stride_bn, stride_y, OUT: tl.constexpr, RANK: tl.constexpr,
+    SLICES: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """Program (tile, n-tile); a tile of length 0 returns at once."""
+    tile = tl.program_id(0)
+    count = tl.load(TileLen + tile)
+    if count == 0:
+        return
+    rows, mask_m = _tile_rows(Order, tl.load(TileFirst + tile), count, BLOCK_M)
+    _expand_tile(XR, B, Y, Scale, Bounds, rows, mask_m, tl.load(TileSlot + tile),
+                 tl.program_id(1), stride_xs, stride_xr, stride_bs, stride_bn, stride_y, OUT,
+                 RANK, SLICES, SPLITS, BLOCK_M, BLOCK_N, IEEE)  # fmt: skip
+
+
+def shrink_tiles(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor, tile_slot: torch.Tensor,
+                 tile_first: torch.Tensor, tile_len: torch.Tensor,
+                 tiling: Tiling | None = None) -> torch.Tensor:  # fmt: skip
+    """x[t] @ a[slot(t)]^T for every row in a tile, as (splits, T, N) float32 partial sums
+    over K ranges; rows in no tile hold garbage. :func:`expand_tiles` sums the partials.
+
+    Args:
+        x: (T, K). a: (slots, N, K), contiguous in K. order: (T,) int32 rows grouped by slot.
+        tile_slot, tile_first, tile_len: (M,) int32; tile i is rows
+            order[tile_first[i] : + tile_len[i]] (at most BLOCK_M) of slot tile_slot[i];
+            M (the grid) is fixed by the caller, unused tiles have length 0.
+        tiling: tile sizes (None: :class:`Tiling`'s defaults).
+    """
+    tiling = tiling or Tiling()
+    num_tokens, k = x.shape
+    _, n, _ = a.shape
+    block_n = max(16, min(128, triton.next_power_of_2(n)))
+    block_k = max(16, min(128, 8192 // block_n, triton.next_power_of_2(k)))
+    k_split = triton.cdiv(tiling.k_per_split, block_k) * block_k
+    splits = triton.cdiv(k, k_split)
+    out = torch.empty(splits, num_tokens, n, dtype=torch.float32, device=x.device)
+    n_blocks = triton.cdiv(n, block_n)
+    grid = (tile_len.numel(), n_blocks * splits)
+    if grid[0] == 0:
+        return out
+    _shrink_tiles_kernel[grid](
+        x, a, out, order, tile_slot, tile_first, tile_len, x.stride(0), a.stride(0),
+        a.stride(1), out.stride(0), out.stride(1), N=n, K=k, K_SPLIT=k_split, BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n, BLOCK_K=block_k, N_BLOCKS=n_blocks, IEEE=x.dtype == torch.float32,
+        num_warps=tiling.num_warps,
+    )  # fmt: skip
+    return out
+
+
+def expand_tiles(y: torch.Tensor, xr: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+                 bounds: torch.Tensor, order: torch.Tensor, tile_slot: torch.Tensor,
+                 tile_first: torch.Tensor, tile_len: torch.Tensor,
+                 tiling: Tiling | None = None) -> torch.Tensor:  # fmt: skip
+    """y[t, cols of slice i] += scale[slot(t)] * xr[t, ranks of slice i] @ b[slot(t), cols]^T
+    for every row in a tile, in place; returns y.
+
+    Args:
+        y: (T, out), a contiguous-row view (it may be the fused projection's output).
+        xr: (splits, T, slices * rank) float32 partials from :func:`shrink_tiles`.
+        b: (slots, out, rank), rank a power of two >= 16. scale: (slots,) float32.
+        bounds: (slices + 1,) int32 column offsets of the slices in ``out``.
+        order, tile_slot, tile_first, tile_len, tiling: as for :func:`shrink_tiles`.
+    """
+    tiling = tiling or Tiling()
+    num_tokens, out_cols = y.shape
+    _, _, rank = b.shape
+    block_n = tiling.expand_n(rank)
+    grid = (tile_len.numel(), triton.cdiv(out_cols, block_n))
+    if grid[0] == 0:
+        return y
+    _expand_tiles_kernel[grid](
+        xr, b, y, order, tile_slot, tile_first, tile_len, scale, bounds, xr.stride(0),
+        xr.stride(1), b.stride(0), b.stride(1), y.stride(0), OUT=out_cols, RANK=rank,
+        SLICES=bounds.numel() - 1, SPLITS=xr.shape[0], BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        IEEE=y.dtype == torch.float32, num_warps=tiling.num_warps,
+    )  # fmt: skip
+    return y
+
+
+# -- slots grid: programs (m-tile, column block, slot) --------------------------------------
+
+
+@triton.jit
+def _shrink_kernel(
+    X, A, Out, Order, SegStart, SegLen, stride_x, stride_as, stride_an, stride_os, stride_o,
+    N: tl.constexpr, K: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_BLOCKS: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Program (m, n-tile + N_BLOCKS * split, slot); past the slot's rows it returns."""
+    pid_m, slot = tl.program_id(0), tl.program_id(2)
+    count = tl.load(SegLen + slot) - pid_m * BLOCK_M
+    if count <= 0:
+        return
+    first = tl.load(SegStart + slot) + pid_m * BLOCK_M
+    rows, mask_m = _tile_rows(Order, first, count, BLOCK_M)
+    _shrink_tile(X, A, Out, rows, mask_m, slot, tl.program_id(1), stride_x, stride_as,
+                 stride_an, stride_os, stride_o, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
+                 N_BLOCKS, IEEE)  # fmt: skip
+
+
+@triton.jit
+def _expand_kernel(
+    XR, B, Y, Order, SegStart, SegLen, Scale, Bounds, stride_xs, stride_xr, stride_bs,
+    stride_bn, stride_y, OUT: tl.constexpr, RANK: tl.constexpr, SLICES: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Program (m, n-tile, slot); past the slot's rows it returns."""
+    pid_m, slot = tl.program_id(0), tl.program_id(2)
+    count = tl.load(SegLen + slot) - pid_m * BLOCK_M
+    if count <= 0:
+        return
+    first = tl.load(SegStart + slot) + pid_m * BLOCK_M
+    rows, mask_m = _tile_rows(Order, first, count, BLOCK_M)
+    _expand_tile(XR, B, Y, Scale, Bounds, rows, mask_m, slot, tl.program_id(1), stride_xs,
+                 stride_xr, stride_bs, stride_bn, stride_y, OUT, RANK, SLICES, SPLITS, BLOCK_M,
+                 BLOCK_N, IEEE)  # fmt: skip
+
+
 def shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor, seg_start: torch.Tensor,
            seg_len: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """x[t] @ a[slot(t)]^T for every row in a segment, as (splits, T, N) float32 partial sums
-    over K ranges (split-K: a decode step has few rows per adapter, so K is what spreads the
-    work); rows in no segment hold garbage. :func:`expand` sums the partials.
+    """:func:`shrink_tiles` on the slots grid: (splits, T, N) float32 partials.
 
     Args:
         x: (T, K). a: (slots, N, K), contiguous in K. order: (T,) int32 rows grouped by slot.
@@ -144,15 +290,8 @@ def shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor, seg_start: tor
 def expand(y: torch.Tensor, xr: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
            bounds: torch.Tensor, order: torch.Tensor, seg_start: torch.Tensor,
            seg_len: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """y[t, cols of slice i] += scale[slot(t)] * xr[t, ranks of slice i] @ b[slot(t), cols]^T
-    for every row in a segment, in place; returns y.
-
-    Args:
-        y: (T, out), a contiguous-row view (it may be the fused projection's output).
-        xr: (splits, T, slices * rank) float32 partials from :func:`shrink`.
-        b: (slots, out, rank), rank a power of two >= 16. scale: (slots,) float32.
-        bounds: (slices + 1,) int32 column offsets of the slices in ``out``.
-    """
+    """:func:`expand_tiles` on the slots grid, in place; returns y. ``xr`` from
+    :func:`shrink`; the other arguments as there and in :func:`expand_tiles`."""
     num_tokens, out_cols = y.shape
     slots, _, rank = b.shape
     slices = bounds.numel() - 1

@@ -236,7 +236,10 @@ class Transformer(nn.Module):
             for block in (layer.self_attn, layer.mlp):
                 block.lora, block.layer = lora, i
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (n, hidden_size) -> logits (n, vocab_size) float32."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: (n, hidden_size) -> logits (n, vocab_size) float32, written into ``out``
+        when given (the same cast as into a new tensor)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if out is not None:
+            return out.copy_(F.linear(hidden, weight))
         return F.linear(hidden, weight).float()

@@ -31,7 +31,7 @@ from sched_lab.backend.errors import UnsupportedModelError
 from sched_lab.backend.inputs import DeviceFeed, SeqInput, apply_feed, prepare_inputs
 from sched_lab.backend.kv_cache import GiB, KVCache, blocks_in, bytes_per_block, kv_torch_dtype
 from sched_lab.backend.loader import checkpoint_quantization, load_model
-from sched_lab.backend.lora import LoraAdapter, LoraSlots
+from sched_lab.backend.lora import LoraAdapter, LoraOptions, LoraSlots
 from sched_lab.backend.quant_formats import resolve_quantization
 from sched_lab.backend.sampler import sample_seqs
 from sched_lab.backend.tp import TPShard, agree_min, check_tp_size, load_tp_model, shard_config
@@ -216,17 +216,19 @@ class ModelRunner:
             self._capture_graphs()
 
     def attach_lora(self, adapters: dict[str, Path | LoraAdapter], max_loras: int,
-                    max_lora_rank: int, rebuild_graphs: bool = True) -> None:  # fmt: skip
+                    max_lora_rank: int, rebuild_graphs: bool = True,
+                    options: LoraOptions | None = None) -> None:  # fmt: skip
         """Read ``adapters`` (host copies), give the model ``max_loras`` device slots and run
-        its projections with them; with ``rebuild_graphs``, capture the step graphs again
-        (the old ones hold no LoRA). Benchmarks call it to switch ranks on one model."""
+        its projections with them (``options``: how, :class:`LoraOptions`); with
+        ``rebuild_graphs``, capture the step graphs again (the old ones hold no LoRA).
+        Benchmarks call it to switch ranks or options on one model."""
         kernels = self.device.type == "cuda" or _interpreting()
         self.model.set_lora(None)
         self.lora = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.lora = LoraSlots(self.config, adapters, max_loras, max_lora_rank, self.device,
-                              self.dtype, kernels)  # fmt: skip
+                              self.dtype, kernels, options)  # fmt: skip
         self.model.set_lora(self.lora)
         if rebuild_graphs and self.graphs is not None:
             self.graphs = None
@@ -248,8 +250,9 @@ class ModelRunner:
             for what, v in (("decode batch sizes", sizes), ("token counts", tokens))
             if v
         ]
-        log.info("CUDA graphs: %s captured in %.1f s", ", ".join(families) or "no sizes",
-                 time.perf_counter() - t0)  # fmt: skip
+        twice = " (each with and without the LoRA ops)" if self.graphs.split else ""
+        log.info("CUDA graphs: %s captured%s in %.1f s", ", ".join(families) or "no sizes",
+                 twice, time.perf_counter() - t0)  # fmt: skip
 
     @property
     def num_gpu_blocks(self) -> int:

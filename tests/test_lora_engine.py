@@ -31,9 +31,13 @@ from sched_lab.backend.lora import (  # noqa: E402
     CONFIG_FILE,
     WEIGHTS_FILE,
     LoraAdapterError,
+    LoraOptions,
+    Tiling,
     adapters_in_dir,
     lora_segments,
+    max_tiles,
     read_adapter,
+    segments_size,
     tensor_name,
 )
 from sched_lab.backend.runner import ModelRunner, SeqInput  # noqa: E402
@@ -47,40 +51,96 @@ pytestmark = needs_triton
 LOGITS_ATOL = 1e-4
 
 
+def split_segments(out, slots, tokens):
+    """(seg_start, seg_len, order, tile_slot, tile_first, tile_len) of lora_segments' array."""
+    m = max_tiles(tokens, slots)
+    assert out.shape == (segments_size(tokens, slots),) == (2 * slots + tokens + 3 * m,)
+    cuts = [0, *np.cumsum([slots, slots, tokens, m, m, m]).tolist()]
+    return [out[lo:hi] for lo, hi in zip(cuts, cuts[1:])]  # numpy or torch views
+
+
 def test_segments_group_rows_by_slot_with_unadapted_rows_first():
     # seqs: slot 1 (2 tokens), none (1), slot 0 (1), slot 1 (1); padded to 7 rows
     out = lora_segments(np.array([1, -1, 0, 1]), np.array([2, 1, 1, 1]), 3, 7)
-    seg_start, seg_len, order = out[:3], out[3:6], out[6:]
+    seg_start, seg_len, order, tile_slot, tile_first, tile_len = split_segments(out, 3, 7)
     # rows: 0,1 -> slot 1; 2 -> none; 3 -> slot 0; 4 -> slot 1; 5,6 padding (none)
     assert order.tolist() == [2, 5, 6, 3, 0, 1, 4]
     assert seg_start.tolist() == [3, 4, 7]
     assert seg_len.tolist() == [1, 3, 0]
+    # max_tiles(7, 3) = (7 + 15 * 3) // 16 = 3: slot 0's row, slot 1's three, one unused
+    assert tile_slot.tolist() == [0, 1, 0]
+    assert tile_first.tolist() == [3, 4, 0]
+    assert tile_len.tolist() == [1, 3, 0]
+
+
+def test_a_long_segment_is_cut_into_tiles_of_16_rows():
+    # slot 0: a 20-token chunk, slot 1: one decode, 3 padding rows
+    out = lora_segments(np.array([0, 1]), np.array([20, 1]), 2, 24)
+    seg_start, seg_len, order, tile_slot, tile_first, tile_len = split_segments(out, 2, 24)
+    assert order.tolist() == [21, 22, 23, *range(20), 20]
+    assert (seg_start.tolist(), seg_len.tolist()) == ([3, 23], [20, 1])
+    # max_tiles(24, 2) = (24 + 30) // 16 = 3, all used: rows 0-15, 16-19, 20
+    assert tile_slot.tolist() == [0, 0, 1]
+    assert tile_first.tolist() == [3, 19, 23]
+    assert tile_len.tolist() == [16, 4, 1]
+
+
+def test_tiles_cover_every_adapted_row_once_within_max_tiles():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        slots, n = int(rng.integers(1, 9)), int(rng.integers(1, 12))
+        seq_slots = rng.integers(-1, slots, n)
+        q = rng.choice([1, 1, 1, 2, 5, 17, 40], n)
+        pad = int(q.sum() + rng.integers(0, 20))
+        parts = split_segments(lora_segments(seq_slots, q, slots, pad), slots, pad)
+        order, tile_slot, tile_first, tile_len = parts[2:]
+        want = np.repeat(seq_slots, q)
+        covered = []
+        for s, first, count in zip(tile_slot, tile_first, tile_len, strict=True):
+            assert 0 <= count <= 16
+            rows = order[first : first + count]
+            assert (want[rows] == s).all()
+            covered += rows.tolist()
+        assert sorted(covered) == np.flatnonzero(want >= 0).tolist()
 
 
 # bf16 tl.dot is wrong under the interpreter (tests/test_triton_ops.py): bf16 on the GPU only.
+# grid "slots": programs for every slot; "tiles": programs for the step's tiles, with the
+# default tiling and with 256-feature splits and 16-column expand tiles (one slice each).
 @pytest.mark.parametrize("dtype", [torch.float32] + [torch.bfloat16] * HAS_CUDA)
-def test_kernels_match_the_torch_reference_over_a_mixed_batch(dtype):
+@pytest.mark.parametrize(
+    "grid,tiling,splits",
+    [("slots", None, 2), ("tiles", Tiling(), 2), ("tiles", Tiling(256, 16, 2), 4)],
+)
+def test_kernels_match_the_torch_reference_over_a_mixed_batch(dtype, grid, tiling, splits):
     gen = torch.Generator().manual_seed(0)
-    slots, rank, tokens, fan_in = 3, 16, 21, 1000
+    slots, rank, tokens, fan_in = 3, 16, 40, 1000
     bounds = [0, 32, 48, 64]  # three slices of a fused projection (q, k, v)
     x = (0.05 * torch.randn(tokens, fan_in, generator=gen)).to(DEVICE, dtype)
     a = torch.randn(slots, 3 * rank, fan_in, generator=gen).to(DEVICE, dtype)
     b = torch.randn(slots, bounds[-1], rank, generator=gen).to(DEVICE, dtype)
     scale = torch.tensor([0.5, 2.0, 1.0], device=DEVICE)
-    seq_slots, q = np.array([2, -1, 0, 2, 1]), np.array([9, 3, 1, 1, 7])
+    # slot 2: 9 + 1 rows; slot 0: 1 + 18 (two tiles); slot 1: 7; 3 rows unadapted, 1 padding
+    seq_slots, q = np.array([2, -1, 0, 2, 1, 0]), np.array([9, 3, 1, 1, 7, 18])
     packed = torch.from_numpy(lora_segments(seq_slots, q, slots, tokens)).to(DEVICE)
-    seg_start, seg_len, order = packed[:slots], packed[slots : 2 * slots], packed[2 * slots :]
+    seg_start, seg_len, order, *tiles = split_segments(packed, slots, tokens)
     slot_of = torch.from_numpy(np.repeat(seq_slots, q)).to(DEVICE)
-    parts = lk.shrink(x, a, order, seg_start, seg_len)
-    assert parts.shape == (2, tokens, 3 * rank)  # split-K: 1,000 features in 2 parts of 512
+    slot_of = torch.cat([slot_of, torch.full((1,), -1, device=DEVICE)])  # the padding row
+    if grid == "slots":
+        parts = lk.shrink(x, a, order, seg_start, seg_len)
+    else:
+        parts = lk.shrink_tiles(x, a, order, *tiles, tiling=tiling)
+    assert parts.shape == (splits, tokens, 3 * rank)  # split-K over 1,000 features
     xr_ref = lk.shrink_ref(x, a, slot_of, torch.zeros(tokens, 3 * rank, device=DEVICE))
     unadapted = slot_of < 0
     adapted_sum = parts.sum(0)[~unadapted]
     torch.testing.assert_close(adapted_sum, xr_ref[~unadapted], rtol=1e-2, atol=1e-3)
     y0 = torch.randn(tokens, bounds[-1], generator=gen).to(DEVICE, dtype)
     bounds_d = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
-    y = lk.expand(y0.clone(), parts, b, scale, bounds_d, order,
-                  seg_start, seg_len)  # fmt: skip
+    if grid == "slots":
+        y = lk.expand(y0.clone(), parts, b, scale, bounds_d, order, seg_start, seg_len)
+    else:
+        y = lk.expand_tiles(y0.clone(), parts, b, scale, bounds_d, order, *tiles, tiling=tiling)
     y_ref = lk.expand_ref(y0.clone(), xr_ref, b, scale, bounds, slot_of)
     tol = 1e-4 if dtype == torch.float32 else 0.1  # bf16: xr rounded before the expand
     torch.testing.assert_close(y.float(), y_ref.float(), rtol=1e-2, atol=tol)
@@ -140,16 +200,28 @@ def run_steps(runner, names, which=(0, 1, 2), steps=3):
     return out
 
 
-# torch: eager steps; triton: the fused kernels and the padded CUDA-graph path (uncaptured
-# off CUDA), so the LoRA segments go through the graphs' static buffer.
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_mixed_batch_equals_each_adapter_merged(tiny, tmp_path, backend):
+KW = dict(device=str(DEVICE), dtype="float32", attention_backend="torch", block_size=4,
+          num_gpu_blocks=12, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)  # fmt: skip
+GRAPHS = dict(cuda_graphs=True, cuda_graph_sizes=(4,), cuda_graph_token_sizes=(16,))
+
+
+def lora_kwargs(backend):
+    """ModelRunner arguments: torch runs eager steps; triton the fused kernels and the
+    padded CUDA-graph path (uncaptured off CUDA: the LoRA segments go through the graphs'
+    static buffer)."""
+    return {**KW, "attention_backend": backend, **(GRAPHS if backend == "triton" else {})}
+
+
+# slots: the kernels' older grid over every slot, run on every step
+@pytest.mark.parametrize("backend,grid", [("torch", "tiles"), ("triton", "tiles"),
+                                          ("triton", "slots")])  # fmt: skip
+def test_mixed_batch_equals_each_adapter_merged(tiny, tmp_path, backend, grid):
     model, adapters = tiny
-    kw = dict(device=str(DEVICE), dtype="float32", attention_backend="torch", block_size=4,
-              num_gpu_blocks=12, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)  # fmt: skip
-    graphs = dict(cuda_graphs=True, cuda_graph_sizes=(4,), cuda_graph_token_sizes=(16,))
-    lora_kw = {**kw, "attention_backend": backend, **(graphs if backend == "triton" else {})}
+    kw = KW
+    lora_kw = lora_kwargs(backend)
     runner = ModelRunner(model, lora_adapters=adapters, max_loras=2, max_lora_rank=8, **lora_kw)
+    if grid == "slots":
+        runner.attach_lora(adapters, 2, 8, options=LoraOptions(grid="slots", skip_idle=False))
     assert (runner.graphs is not None) == (backend == "triton")
     mixed = run_steps(runner, ["a", "b", ""])
     for i, name in enumerate(["a", "b", ""]):  # the reference: torch attention, eager
@@ -162,6 +234,73 @@ def test_mixed_batch_equals_each_adapter_merged(tiny, tmp_path, backend):
     base = run_steps(ModelRunner(model, **kw), ["", "", ""], steps=1)[0]
     assert (mixed[0][0] - base[0]).abs().max() > 0.1  # the adapters change the outputs
     assert (mixed[0][1] - base[1]).abs().max() > 0.1
+
+
+class CallCounter:
+    """Counts calls of the LoRA ops (kernels and torch references) of lora_kernels."""
+
+    NAMES = ("shrink_tiles", "expand_tiles", "shrink", "expand", "shrink_ref", "expand_ref")
+
+    def __init__(self, monkeypatch):
+        self.calls: list[str] = []
+        for name in self.NAMES:
+            monkeypatch.setattr(lk, name, self._wrap(name, getattr(lk, name)))
+
+    def _wrap(self, name, fn):
+        def counted(*args, **kwargs):
+            self.calls.append(name)
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_step_without_adapters_runs_no_lora_op_and_equals_lora_off(tiny, backend,
+                                                                     monkeypatch):  # fmt: skip
+    model, adapters = tiny
+    plain = run_steps(ModelRunner(model, **lora_kwargs(backend)), ["", "", ""])
+    counter = CallCounter(monkeypatch)
+    runner = ModelRunner(model, lora_adapters=adapters, max_loras=2, max_lora_rank=8,
+                         **lora_kwargs(backend))  # fmt: skip
+    graphs = runner.graphs
+    if backend == "triton":  # prefill: a mixed graph, then decodes: a decode graph
+        assert graphs is not None and graphs.variants() == [True, False]
+        base, on_a = SeqInput([1], 0, [0], True), SeqInput([1], 0, [1], True, lora_name="a")
+        assert not graphs.lora_variant([base, base])
+        assert graphs.lora_variant([base, on_a])
+
+    def run(names, steps=3):
+        got = run_steps(runner, names, steps=steps)
+        if graphs is not None:
+            assert graphs.lora_on == any(names)  # the graph variant replayed
+        assert runner.lora.active == any(names)
+        return got
+
+    for got, want in zip(run(["", "", ""]), plain, strict=True):
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert counter.calls == []
+    run(["", "a", ""], steps=1)
+    # 2 layers x 4 fused projections x (shrink, expand): the kernels under the interpreter
+    assert counter.calls == ["shrink_tiles", "expand_tiles"] * 8
+    assert run(["", "", ""], steps=1)[0][1].equal(plain[0][1])  # and back
+    counter.calls.clear()
+    runner.attach_lora(adapters, 2, 8, options=LoraOptions(skip_idle=False))
+    assert runner.graphs is None or runner.graphs.variants() == [True]
+    graphs = runner.graphs
+    assert torch.equal(run_steps(runner, ["", "", ""], steps=1)[0][2], plain[0][2])
+    assert counter.calls == ["shrink_tiles", "expand_tiles"] * 8  # no segment: y untouched
+    assert runner.lora.active and (graphs is None or graphs.lora_on)
+
+
+def test_lora_options_refuse_bad_values_in_one_line():
+    with pytest.raises(
+        ValueError, match="^lora options: grid must be 'tiles' or 'slots', got 'x'$"
+    ):
+        LoraOptions(grid="x")
+    with pytest.raises(ValueError, match="expand_block_n a power of two >= 16, got 512 and 48$"):
+        Tiling(expand_block_n=48)
+    with pytest.raises(ValueError, match="num_warps must be 1, 2, 4, 8 or 16, got 3$"):
+        Tiling(num_warps=3)
 
 
 def test_slots_load_on_demand_and_evict_the_least_recently_used(tiny):
@@ -255,15 +394,34 @@ def test_a_missing_adapter_folder_names_the_dir(tmp_path):
         adapters_in_dir(tmp_path, ["lora-0", "lora-1"])
 
 
-def test_lora_step_benchmark_dry_run_prints_a_row_per_rank_and_count():
+def test_lora_step_benchmark_dry_run_ab_prints_a_row_per_rank_and_count(tmp_path):
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run(
-        [sys.executable, "benchmarks/lora_step.py", "--dry-run", "--ranks", "8", "--adapters", "1,4"],
+        [sys.executable, "benchmarks/lora_step.py", "--dry-run", "--ranks", "8", "--adapters",
+         "1,4", "--paths", "old", "new:k_per_split=256", "--out", str(tmp_path / "o.json")],
         cwd=root, capture_output=True, text=True, timeout=300, check=True,
     ).stdout  # fmt: skip
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 8 |")]
     assert [r[1] for r in rows] == ["0", "1", "4"]  # LoRA on with no adapter, then 1 and 4
-    assert all(float(r[3].rstrip(" |")) > 0 for r in rows)
+    # per path: step ms, x base, LoRA ops ms (GB/s)
+    assert all(float(r[3]) > 0 and float(r[6]) > 0 for r in rows)
+    assert rows[0][7].startswith("0.000 (0)")  # new: a step without adapters runs no LoRA op
+    assert float(rows[0][4].split()[0]) > 0  # old: its kernels run on no segment
+    saved = json.loads((tmp_path / "o.json").read_text())
+    assert [(r["path"], r["adapters"]) for r in saved["rows"]] == [
+        ("old", 0), ("old", 1), ("old", 4),
+        ("new:k_per_split=256", 0), ("new:k_per_split=256", 1), ("new:k_per_split=256", 4),
+    ]  # fmt: skip
+
+
+def test_lora_step_benchmark_refuses_an_unknown_path_in_one_line():
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(
+        [sys.executable, "benchmarks/lora_step.py", "--dry-run", "--paths", "new:block=3"],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1].startswith("--paths: 'new:block=3': 'block=3'")
 
 
 def test_the_executor_passes_each_request_adapter_to_its_sequence():
@@ -309,8 +467,14 @@ def test_captured_graphs_with_lora_equal_eager_as_adapters_move(tiny, dtype):
     eager = ModelRunner(model, cuda_graphs=False, **kw)
     assert graphs.graphs is not None and graphs.graphs.graphs  # captured, LoRA inside
     tol = 1e-4 if dtype == "float32" else 5e-2
-    # the same graphs replayed with the adapters on other sequences (slot ids change)
-    for names in (["a", "b", ""], ["", "a", "b"], ["b", "b", "a"]):
+    g = graphs.graphs
+    assert set(g.plain_graphs) == set(g.graphs)  # each key also without LoRA ops
+    for key, logits in g.outputs.items():  # a decode key's variants share their logits
+        if key[0] == "decode":
+            assert g.plain_outputs[key].data_ptr() == logits.data_ptr()
+    # the same graphs replayed with the adapters on other sequences (slot ids change), and
+    # the LoRA-free variant when no sequence has one
+    for names in (["a", "b", ""], ["", "a", "b"], ["b", "b", "a"], ["", "", ""]):
         for got, want in zip(run_steps(graphs, names), run_steps(eager, names), strict=True):
             torch.testing.assert_close(torch.stack(got), torch.stack(want), atol=tol, rtol=tol)
 

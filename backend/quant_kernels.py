@@ -1,17 +1,38 @@
 """GEMMs on quantized weights: y = x @ W.T with W kept packed (layouts in
 :mod:`sched_lab.backend.quant_formats`).
 
-* int4 (AWQ and GPTQ) and int8 weight-only: one Triton kernel; each (BLOCK_K, BLOCK_N) tile
-  of codes is unpacked in registers, (q - z) is exact in the activation dtype, and each
-  group's partial product is scaled in float32 (a K tile never spans two groups). Small
-  batches split K over programs (float32 atomics) so that decode fills the GPU.
-* fp8 (W8A8): activations get one scale per token (amax / 448) at run time; on CUDA
-  ``torch._scaled_mm`` with row-wise scales (Hopper); elsewhere :func:`fp8_reference`.
+One Triton kernel serves int4 (AWQ, GPTQ), int8 and fp8 weight-only (W8A16) in two shapes:
+
+* :func:`weight_streaming_gemm` (M <= 64 tokens, decode): one tile of M, narrow tiles of N,
+  long tiles of K and K split over programs, so that every SM streams its share of the
+  weight once; M = 1 multiplies and sums in float32 (no tensor cores), more rows are padded
+  to 16, 32 or 64 for ``tl.dot``.
+* :func:`weight_only_gemm` (any M): the tiled GEMM for larger batches (int4 and int8).
+
+Packed words are loaded whole and coalesced (AWQ along N, GPTQ along K), then unpacked with
+a fixed shift per nibble. AWQ's interleaved nibbles are not reordered: a tile's positions
+are a fixed permutation of its columns (:func:`_columns`), and scales, zero points and the
+output use the same permutation. With the trivial g_idx (k // group) a K tile lies in one
+group, the codes go into the product as they are and each group's result is corrected by
+``scale * (x @ q - zero * sum(x))``; act-order GPTQ (``QuantSpec.act_order``) gathers each
+row's scale and zero point through g_idx. fp8 bytes become float16 by bit moves (exact;
+the factor 2^8 of the exponent bias goes into the channel scale). Accumulation is float32.
+
+Split K: each program writes its float32 partial to a workspace; the last of a tile's
+programs (a per-tile counter, incremented atomically) sums the partials in a fixed order,
+writes the output and puts the counter back to 0. The counters are one zeroed buffer per
+device, made on the first call, which must therefore not be inside a CUDA graph capture
+(the engine's warm-up runs first); the workspace is allocated per call with a size fixed
+by the shape, so every call is CUDA-graph safe (no host sync, no per-call state). One
+stream per device at a time: concurrent GEMMs would share counters.
+
+* fp8 (W8A8) for larger batches: activations get one scale per token (amax / 448) at run
+  time; on CUDA ``torch._scaled_mm`` with row-wise scales (Hopper); elsewhere
+  :func:`fp8_reference`.
 
 The ``*_reference`` functions dequantize the weight to float32 on every call: they are the
 tests' references and the path on CPU without ``TRITON_INTERPRET=1`` (slow, a transient
-copy; never used on CUDA). Every kernel is CUDA-graph safe (no host sync, no data-dependent
-shapes).
+copy; never used on CUDA).
 """
 
 from __future__ import annotations
@@ -25,31 +46,108 @@ import triton.language as tl
 from sched_lab.backend.attention.triton_backend import interpreting
 from sched_lab.backend.quant_formats import FP8_MAX, QuantSpec, dequantize
 
-LAYOUT = {"awq": 0, "gptq": 1, "int8": 2}
+LAYOUT = {"awq": 0, "gptq": 1, "int8": 2, "fp8": 3}
+STREAM_MAX_M = 64  # rows the streaming kernel holds in one tile
+STREAM_PROGRAMS_PER_SM = 4  # split K until the grid has this many programs per SM
+MAX_TILES = 1 << 16  # per-tile split-K counters per device
+
+
+@triton.jit
+def _columns(n0, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Output column of each position of an N tile starting at ``n0``. AWQ tiles unpack
+    word by word: position i * (BLOCK_N // 8) + w holds nibble i of word w, which is column
+    n0 + 8 w + AWQ_PACK_ORDER[i] (order 0, 2, 4, 6, 1, 3, 5, 7)."""
+    p = tl.arange(0, BLOCK_N)
+    if LAYOUT == 0:
+        i = p // (BLOCK_N // 8)
+        cols = n0 + 8 * (p % (BLOCK_N // 8)) + (i % 4) * 2 + i // 4
+    else:
+        cols = n0 + p
+    return cols
+
+
+@triton.jit
+def _zero_word_shift(n0, cols, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(word of qzeros' row, bit shift) that holds each tile position's zero point."""
+    if LAYOUT == 0:
+        p = tl.arange(0, BLOCK_N)
+        word = n0 // 8 + p % (BLOCK_N // 8)
+        shift = 4 * (p // (BLOCK_N // 8))
+    else:
+        word = cols // 8
+        shift = 4 * (cols % 8)
+    return word, shift
+
+
+@triton.jit
+def _load_codes(QW, k0, n0, cols, n_ok, N, K, stride_qw0,
+                LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The (BLOCK_K, BLOCK_N) int32 4-bit codes of rows k0.. at the tile's positions: whole
+    int32 words loaded once (AWQ: BLOCK_N / 8 words along N per row; GPTQ: BLOCK_K / 8 rows
+    of words along N), then one shift per nibble."""
+    shifts = 4 * tl.arange(0, 8)
+    if LAYOUT == 0:
+        rk = k0 + tl.arange(0, BLOCK_K)
+        rw = n0 // 8 + tl.arange(0, BLOCK_N // 8)
+        words = tl.load(QW + rk[:, None] * stride_qw0 + rw[None, :],
+                        mask=(rk < K)[:, None] & (rw < N // 8)[None, :], other=0)  # fmt: skip
+        q = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # (BLOCK_K, 8, BLOCK_N / 8)
+    else:
+        rr = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(QW + rr[:, None] * stride_qw0 + cols[None, :],
+                        mask=(rr < K // 8)[:, None] & n_ok[None, :], other=0)  # fmt: skip
+        q = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # (BLOCK_K / 8, 8, BLOCK_N)
+    return tl.reshape(q, (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _load_bytes(QW, rk, k_ok, cols, n_ok, stride_qw0, LAYOUT: tl.constexpr):
+    """A (BLOCK_K, BLOCK_N) tile of an (N, K) int8 or e4m3 weight (loads run along K) as
+    exact float16: int8 as is, e4m3 as the value / 2^8 (its bits moved into float16's)."""
+    q = tl.load(QW + cols[None, :] * stride_qw0 + rk[:, None],
+                mask=k_ok[:, None] & n_ok[None, :], other=0)  # fmt: skip
+    if LAYOUT == 2:
+        w = q.to(tl.float16)  # |q| <= 127: exact
+    else:
+        b = q.to(tl.uint16)
+        w = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    return w
+
+
+@triton.jit
+def _product(x, w, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
+    """x (BLOCK_M, BLOCK_K) @ w (BLOCK_K, BLOCK_N) in float32: one row by multiply and sum,
+    more through tl.dot (w in x's dtype, where the codes are exact; F32_DOT: float32)."""
+    if BLOCK_M == 1:
+        xr = tl.reshape(x.to(tl.float32), (BLOCK_K, 1))
+        out = tl.sum(xr * w.to(tl.float32), axis=0)[None, :]
+    elif F32_DOT:
+        out = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(x, w.to(x.dtype))
+    return out
 
 
 @triton.jit
 def _wq_gemm_kernel(
-    X, QW, QZ, S, Out, M, N, K, stride_xm, stride_qw0, stride_qw1, stride_qz0, stride_s0,
+    X, QW, QZ, S, GIDX, Out, WS, CNT, M, N, K, stride_xm, stride_qw0, stride_qz0, stride_s0,
     stride_om, K_PER_SPLIT,
-    LAYOUT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, F32_DOT: tl.constexpr,
+    LAYOUT: tl.constexpr, GROUP: tl.constexpr, ACT_ORDER: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
-    """Out[m, n] (+)= sum_k X[m, k] * W[n, k]; program (tile, split) covers K_PER_SPLIT of K.
-    LAYOUT 0: AWQ qweight (K, N/8); 1: GPTQ qweight (K/8, N); 2: int8 weight (N, K) with
-    one scale per n (GROUP = K). F32_DOT: float32 operands (float32 activations, and the
-    interpreter, whose bfloat16 dot is wrong)."""
+    """Out[m, n] = sum_k X[m, k] * W[n, k]; program (tile, split) covers K_PER_SPLIT of K.
+    LAYOUT 0: AWQ qweight (K, N/8); 1: GPTQ qweight (K/8, N); 2: int8 weight (N, K); 3: e4m3
+    weight (N, K) as uint8. 2 and 3: one scale per n. F32_DOT: float32 operands (float32
+    activations, and the interpreter, whose bfloat16 dot is wrong)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     tiles_n = tl.cdiv(N, BLOCK_N)
     rm = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = rm < M, rn < N
-    nib = rn % 8
-    if LAYOUT == 0:
-        col_shift = ((nib % 2) * 4 + nib // 2) * 4  # AWQ: column j sits in nibble (0,4,1,5,..)[j]
-    else:
-        col_shift = nib * 4
+    n0 = (pid % tiles_n) * BLOCK_N
+    cols = _columns(n0, LAYOUT, BLOCK_N)
+    m_ok, n_ok = rm < M, cols < N
+    if LAYOUT <= 1:
+        z_word, z_shift = _zero_word_shift(n0, cols, LAYOUT, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = split * K_PER_SPLIT
     for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
@@ -57,45 +155,51 @@ def _wq_gemm_kernel(
         k_ok = rk < K
         x = tl.load(X + rm[:, None] * stride_xm + rk[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        if F32_DOT:
-            x = x.to(tl.float32)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        if LAYOUT == 2:
-            q = tl.load(QW + rn[None, :] * stride_qw0 + rk[:, None], mask=w_mask, other=0)
-            w = q.to(tl.float32).to(x.dtype)  # (BLOCK_K, BLOCK_N), exact: |q| <= 127
-        else:
-            if LAYOUT == 0:
-                packed = tl.load(QW + rk[:, None] * stride_qw0 + (rn // 8)[None, :],
-                                 mask=w_mask, other=0)  # fmt: skip
-                q = (packed >> col_shift[None, :]) & 0xF
-            else:
-                packed = tl.load(QW + (rk // 8)[:, None] * stride_qw0 + rn[None, :] * stride_qw1,
-                                 mask=w_mask, other=0)  # fmt: skip
-                q = (packed >> ((rk % 8) * 4)[:, None]) & 0xF
-            g = k0 // GROUP
-            zp = tl.load(QZ + g * stride_qz0 + rn // 8, mask=n_ok & (k0 < K), other=0)
-            z = (zp >> col_shift) & 0xF
+        if LAYOUT >= 2:
+            acc += _product(x, _load_bytes(QW, rk, k_ok, cols, n_ok, stride_qw0, LAYOUT),
+                            BLOCK_M, BLOCK_K, F32_DOT)  # fmt: skip
+        elif ACT_ORDER:  # each row k in group g_idx[k]: dequantize the tile, then multiply
+            q = _load_codes(QW, k0, n0, cols, n_ok, N, K, stride_qw0, LAYOUT, BLOCK_K, BLOCK_N)
+            g = tl.load(GIDX + rk, mask=k_ok, other=0)
+            wk_ok = k_ok[:, None] & n_ok[None, :]
+            zp = tl.load(QZ + g[:, None] * stride_qz0 + z_word[None, :], mask=wk_ok, other=0)
+            z = (zp >> z_shift[None, :]) & 0xF
             if LAYOUT == 1:
                 z = z + 1  # GPTQ stores zero - 1
-            w = (q - z[None, :]).to(tl.float32).to(x.dtype)  # exact: -15..15
-        if F32_DOT:
-            part = tl.dot(x, w, input_precision="ieee")
-        else:
-            part = tl.dot(x, w)
-        if LAYOUT == 2:
-            acc += part
-        else:
-            s = tl.load(S + (k0 // GROUP) * stride_s0 + rn, mask=n_ok & (k0 < K), other=0.0)
-            acc += part * s.to(tl.float32)[None, :]
-    if LAYOUT == 2:
-        s = tl.load(S + rn, mask=n_ok, other=0.0)
-        acc = acc * s.to(tl.float32)[None, :]
-    out_ptr = Out + rm[:, None] * stride_om + rn[None, :]
+            s = tl.load(S + g[:, None] * stride_s0 + cols[None, :], mask=wk_ok, other=0.0)
+            w = (q - z).to(tl.float32) * s.to(tl.float32)
+            acc += _product(x, w, BLOCK_M, BLOCK_K, True)
+        else:  # the tile lies in group k0 // GROUP: s * (x @ q - z * sum(x))
+            q = _load_codes(QW, k0, n0, cols, n_ok, N, K, stride_qw0, LAYOUT, BLOCK_K, BLOCK_N)
+            g = k0 // GROUP
+            zp = tl.load(QZ + g * stride_qz0 + z_word, mask=n_ok & (k0 < K), other=0)
+            z = (zp >> z_shift) & 0xF
+            if LAYOUT == 1:
+                z = z + 1
+            s = tl.load(S + g * stride_s0 + cols, mask=n_ok & (k0 < K), other=0.0)
+            part = _product(x, q.to(tl.float16), BLOCK_M, BLOCK_K, F32_DOT)
+            x_sum = tl.sum(x.to(tl.float32), axis=1)
+            acc += (part - x_sum[:, None] * z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
+    if LAYOUT >= 2:
+        s = tl.load(S + cols, mask=n_ok, other=0.0).to(tl.float32)
+        if LAYOUT == 3:
+            s = s * 256.0  # the bytes were decoded as value / 2^8
+        acc = acc * s[None, :]
     o_mask = m_ok[:, None] & n_ok[None, :]
+    out_ptr = Out + rm[:, None] * stride_om + cols[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptr, acc.to(Out.dtype.element_ty), mask=o_mask)
-    else:
-        tl.atomic_add(out_ptr, acc, mask=o_mask)
+    else:  # partial to the workspace; the tile's last program sums all, in split order
+        ws = WS + rm[:, None] * N + cols[None, :]
+        tl.store(ws + split * M * N, acc, mask=o_mask)
+        tl.debug_barrier()  # every thread's partial is written before the count
+        arrived = tl.atomic_add(CNT + pid, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in range(SPLIT_K):
+                total += tl.load(ws + j * M * N, mask=o_mask, other=0.0, cache_modifier=".cv")
+            tl.store(out_ptr, total.to(Out.dtype.element_ty), mask=o_mask)
+            tl.atomic_xchg(CNT + pid, 0)
 
 
 @functools.cache
@@ -106,42 +210,117 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """The device's MAX_TILES zeroed int32 split-K counters (each kernel leaves them 0)."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "quantized GEMM: first call on this device inside a CUDA graph capture; "
+                "run one eager forward first (the split-K counters are made then)"
+            )
+        counters = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return counters
+
+
+def _operands(tensors: dict[str, torch.Tensor], spec: QuantSpec):
+    """(layout, packed weight, qzeros, scales, g_idx) as the kernel reads them (unused ones
+    point at the weight)."""
+    layout = LAYOUT[spec.method]
+    if layout >= 2:
+        w = tensors["weight"]
+        w = w.view(torch.uint8) if layout == 3 else w
+        return layout, w, w, tensors["weight_scale"], w
+    qw = tensors["qweight"]
+    return layout, qw, tensors["qzeros"], tensors["scales"], tensors.get("g_idx", qw)
+
+
+def _split(k: int, block_k: int, split: int, group: int | None) -> tuple[int, int]:
+    """(splits, K per split): ``split`` rounded so that each split is whole K tiles and,
+    for int4 with trivial g_idx (``group``), whole groups."""
+    k_blocks = triton.cdiv(k, block_k)
+    steps = triton.cdiv(k_blocks, max(1, min(split, k_blocks)))
+    if group is not None:
+        per_group = group // block_k
+        steps = triton.cdiv(steps, per_group) * per_group
+    return triton.cdiv(k_blocks, steps), steps * block_k
+
+
+def _launch(x, tensors, spec, n, block_m, block_n, block_k, split) -> torch.Tensor:
+    """Run the kernel on x (M, K) with these tiles; ``split`` is rounded by :func:`_split`."""
+    x = x.contiguous()
+    m, k = x.shape
+    layout, qw, qz, s, g_idx = _operands(tensors, spec)
+    act_order = layout <= 1 and spec.act_order
+    group = spec.group_size if layout <= 1 else k
+    trivial_groups = layout <= 1 and not act_order
+    if trivial_groups:  # a K tile within one group: the largest power of 2 dividing it
+        block_k = min(block_k, group & -group)
+    split, k_per_split = _split(k, block_k, split, group if trivial_groups else None)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if split > 1:
+        if tiles > MAX_TILES:
+            raise ValueError(f"quantized GEMM: {tiles} tiles; split K allows {MAX_TILES}")
+        ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        counters = _split_counters(x.device)
+    else:
+        ws = counters = out
+    _wq_gemm_kernel[(tiles, split)](
+        x, qw, qz, s, g_idx, out, ws, counters, m, n, k, x.stride(0), qw.stride(0),
+        qz.stride(0), s.stride(0), out.stride(0), k_per_split,
+        LAYOUT=layout, GROUP=group, ACT_ORDER=act_order, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, SPLIT_K=split, F32_DOT=x.dtype == torch.float32 or interpreting(),
+    )  # fmt: skip
+    return out
+
+
+def weight_streaming_gemm(
+    x: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    spec: QuantSpec,
+    out_features: int,
+    block_n: int | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """x (M <= 64, K) bf16/fp16/fp32 @ W.T for an awq, gptq, int8 or fp8 W (fp8: weight-only,
+    x is not quantized): (M, N) in x's dtype. Tiles of N are narrow and K is split until
+    every SM holds STREAM_PROGRAMS_PER_SM programs; ``block_n`` / ``split_k`` override that
+    choice (benchmarks)."""
+    m, k = x.shape
+    if m > STREAM_MAX_M:
+        raise ValueError(f"weight_streaming_gemm: {m} rows; at most {STREAM_MAX_M}")
+    int4 = LAYOUT[spec.method] <= 1
+    block_n = block_n or (64 if int4 else 32)
+    block_k = 128 if int4 else 256
+    if split_k is None:
+        tiles, k_blocks = triton.cdiv(out_features, block_n), triton.cdiv(k, block_k)
+        split_k = 1
+        target = STREAM_PROGRAMS_PER_SM * _num_sms(x.device)
+        while tiles * split_k < target and split_k * 4 <= k_blocks:
+            split_k *= 2  # at least two K tiles per program
+    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
+    return _launch(x, tensors, spec, out_features, block_m, block_n, block_k, split_k)
+
+
 def weight_only_gemm(
     x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: QuantSpec, out_features: int
 ) -> torch.Tensor:
-    """x (M, K) bf16/fp16/fp32 @ W.T for an int4 (awq, gptq) or int8 W: (M, N) in x's dtype."""
-    x = x.contiguous()
+    """x (M, K) bf16/fp16/fp32 @ W.T for an awq, gptq, int8 (or fp8 weight-only) W, tiled
+    for larger M: (M, N) in x's dtype. Small grids split K to fill the SMs."""
     m, k = x.shape
-    n = out_features
-    layout = LAYOUT[spec.method]
-    group = k if layout == 2 else spec.group_size
-    qw = tensors["weight"] if layout == 2 else tensors["qweight"]
-    qz = tensors.get("qzeros", qw)
-    s = tensors["weight_scale"] if layout == 2 else tensors["scales"]
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 64 if m <= 64 else 128
-    block_k = min(64, group)
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    block_k = 64
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(out_features, block_n)
     k_blocks = triton.cdiv(k, block_k)
     split = 1
     while tiles * split < 2 * _num_sms(x.device) and split * 2 <= k_blocks // 4:
-        split *= 2  # small M: spread K so every SM streams its part of the weight
-    steps = triton.cdiv(k_blocks, split)
-    if layout != 2:  # a split must start at a group boundary (one scale per K tile)
-        per_group = group // block_k
-        steps = triton.cdiv(steps, per_group) * per_group
-        split = triton.cdiv(k_blocks, steps)
-    if split == 1:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    else:
-        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
-    _wq_gemm_kernel[(tiles, split)](
-        x, qw, qz, s, out, m, n, k, x.stride(0), qw.stride(0), qw.stride(1), qz.stride(0),
-        s.stride(0), out.stride(0), steps * block_k,
-        LAYOUT=layout, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split, F32_DOT=x.dtype == torch.float32 or interpreting(),
-    )  # fmt: skip
-    return out if split == 1 else out.to(x.dtype)
+        split *= 2
+    return _launch(x, tensors, spec, out_features, block_m, block_n, block_k, split)
 
 
 def weight_only_reference(

@@ -5,14 +5,13 @@ One Triton kernel serves int4 (AWQ, GPTQ), int8 and fp8 weight-only (W8A16) in t
 
 * :func:`weight_streaming_gemm` (M <= 64 tokens, decode): one tile of M, narrow tiles of N,
   long tiles of K and K split over programs, so that every SM streams its share of the
-  weight once; M = 1 multiplies and sums in float32 (no tensor cores), more rows are padded
-  to 16, 32 or 64 for ``tl.dot``.
+  weight once (:class:`StreamTiles`); rows are padded to 16, 32 or 64 for ``tl.dot``, or a
+  single row multiplies and sums in float32.
 * :func:`weight_only_gemm` (any M): the tiled GEMM for larger batches (int4 and int8).
 
-Packed words are loaded whole and coalesced (AWQ along N, GPTQ along K), then unpacked with
-a fixed shift per nibble. AWQ's interleaved nibbles are not reordered: a tile's positions
-are a fixed permutation of its columns (:func:`_columns`), and scales, zero points and the
-output use the same permutation. With the trivial g_idx (k // group) a K tile lies in one
+Packed words are loaded whole, each once, contiguous along N (AWQ's (K, N/8) words, GPTQ's
+(K/8, N) words, both qzeros), then unpacked by a fixed shift per nibble (AWQ's interleaved
+order is a shift table: :func:`_nibble_shifts`). With the trivial g_idx (k // group) a K tile lies in one
 group, the codes go into the product as they are and each group's result is corrected by
 ``scale * (x @ q - zero * sum(x))``; act-order GPTQ (``QuantSpec.act_order``) gathers each
 row's scale and zero point through g_idx. fp8 bytes become float16 by bit moves (exact;
@@ -38,6 +37,7 @@ copy; never used on CUDA).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -53,65 +53,80 @@ MAX_TILES = 1 << 16  # per-tile split-K counters per device
 
 
 @triton.jit
-def _columns(n0, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Output column of each position of an N tile starting at ``n0``. AWQ tiles unpack
-    word by word: position i * (BLOCK_N // 8) + w holds nibble i of word w, which is column
-    n0 + 8 w + AWQ_PACK_ORDER[i] (order 0, 2, 4, 6, 1, 3, 5, 7)."""
-    p = tl.arange(0, BLOCK_N)
+def _nibble_shifts(LAYOUT: tl.constexpr):
+    """Bit shift of the 8 codes of an int32 word, in the order they are unpacked: AWQ's
+    columns j = 0..7 sit in nibbles (0, 4, 1, 5, 2, 6, 3, 7)[j] (AWQ_PACK_ORDER inverted);
+    GPTQ's rows (qweight) and columns (qzeros) in nibble j."""
+    j = tl.arange(0, 8)
     if LAYOUT == 0:
-        i = p // (BLOCK_N // 8)
-        cols = n0 + 8 * (p % (BLOCK_N // 8)) + (i % 4) * 2 + i // 4
+        shifts = ((j % 2) * 4 + j // 2) * 4
     else:
-        cols = n0 + p
-    return cols
+        shifts = j * 4
+    return shifts
 
 
 @triton.jit
-def _zero_word_shift(n0, cols, LAYOUT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(word of qzeros' row, bit shift) that holds each tile position's zero point."""
-    if LAYOUT == 0:
-        p = tl.arange(0, BLOCK_N)
-        word = n0 // 8 + p % (BLOCK_N // 8)
-        shift = 4 * (p // (BLOCK_N // 8))
-    else:
-        word = cols // 8
-        shift = 4 * (cols % 8)
-    return word, shift
+def _unpack_along_n(words, LAYOUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(ROWS, BLOCK_N / 8) int32 words packed along N (AWQ qweight, both qzeros) -> (ROWS,
+    BLOCK_N) codes in column order."""
+    q = (words[:, :, None] >> _nibble_shifts(LAYOUT)[None, None, :]) & 0xF
+    return tl.reshape(q, (ROWS, BLOCK_N))
 
 
 @triton.jit
-def _load_codes(QW, k0, n0, cols, n_ok, N, K, stride_qw0,
-                LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """The (BLOCK_K, BLOCK_N) int32 4-bit codes of rows k0.. at the tile's positions: whole
-    int32 words loaded once (AWQ: BLOCK_N / 8 words along N per row; GPTQ: BLOCK_K / 8 rows
-    of words along N), then one shift per nibble."""
-    shifts = 4 * tl.arange(0, 8)
+def _load_raw(QW, k0, k_end, n0, N, stride_qw0,
+              LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The stored words of the weight tile at rows k0.. (below ``k_end``), columns n0..: AWQ
+    (BLOCK_K, BLOCK_N / 8) int32 and GPTQ (BLOCK_K / 8, BLOCK_N) int32, contiguous along N;
+    int8 / e4m3 (BLOCK_K, BLOCK_N) bytes of the (N, K) weight, contiguous along K. Each word
+    is loaded once."""
+    rn = n0 + tl.arange(0, BLOCK_N)
     if LAYOUT == 0:
         rk = k0 + tl.arange(0, BLOCK_K)
         rw = n0 // 8 + tl.arange(0, BLOCK_N // 8)
-        words = tl.load(QW + rk[:, None] * stride_qw0 + rw[None, :],
-                        mask=(rk < K)[:, None] & (rw < N // 8)[None, :], other=0)  # fmt: skip
-        q = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # (BLOCK_K, 8, BLOCK_N / 8)
-    else:
+        raw = tl.load(QW + rk[:, None] * stride_qw0 + rw[None, :],
+                      mask=(rk < k_end)[:, None] & (rw < N // 8)[None, :], other=0)  # fmt: skip
+    elif LAYOUT == 1:
         rr = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(QW + rr[:, None] * stride_qw0 + cols[None, :],
-                        mask=(rr < K // 8)[:, None] & n_ok[None, :], other=0)  # fmt: skip
-        q = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # (BLOCK_K / 8, 8, BLOCK_N)
-    return tl.reshape(q, (BLOCK_K, BLOCK_N))
+        raw = tl.load(QW + rr[:, None] * stride_qw0 + rn[None, :],
+                      mask=(rr < k_end // 8)[:, None] & (rn < N)[None, :], other=0)  # fmt: skip
+    else:
+        rk = k0 + tl.arange(0, BLOCK_K)
+        raw = tl.load(QW + rn[None, :] * stride_qw0 + rk[:, None],
+                      mask=(rk < k_end)[:, None] & (rn < N)[None, :], other=0)  # fmt: skip
+    return raw
 
 
 @triton.jit
-def _load_bytes(QW, rk, k_ok, cols, n_ok, stride_qw0, LAYOUT: tl.constexpr):
-    """A (BLOCK_K, BLOCK_N) tile of an (N, K) int8 or e4m3 weight (loads run along K) as
-    exact float16: int8 as is, e4m3 as the value / 2^8 (its bits moved into float16's)."""
-    q = tl.load(QW + cols[None, :] * stride_qw0 + rk[:, None],
-                mask=k_ok[:, None] & n_ok[None, :], other=0)  # fmt: skip
-    if LAYOUT == 2:
-        w = q.to(tl.float16)  # |q| <= 127: exact
+def _decode(raw, LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """:func:`_load_raw`'s tile as (BLOCK_K, BLOCK_N): int4 codes 0..15 (int32, a fixed shift
+    per nibble; GPTQ row k0 + 8 r + j from word row r, nibble j), int8 as float16, e4m3 as
+    float16 holding the value / 2^8 (its bits moved into float16's: exact)."""
+    if LAYOUT == 0:
+        w = _unpack_along_n(raw, LAYOUT, BLOCK_K, BLOCK_N)
+    elif LAYOUT == 1:
+        w = (raw[:, None, :] >> _nibble_shifts(LAYOUT)[None, :, None]) & 0xF
+        w = tl.reshape(w, (BLOCK_K, BLOCK_N))
+    elif LAYOUT == 2:
+        w = raw.to(tl.float16)  # |q| <= 127: exact
     else:
-        b = q.to(tl.uint16)
+        b = raw.to(tl.uint16)
         w = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
     return w
+
+
+@triton.jit
+def _load_zeros(QZ, rows, rows_ok, n0, N, stride_qz0,
+                LAYOUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Zero points (ROWS, BLOCK_N) of qzeros rows ``rows`` (ROWS,), columns n0.. (GPTQ
+    stores zero - 1)."""
+    rw = n0 // 8 + tl.arange(0, BLOCK_N // 8)
+    words = tl.load(QZ + rows[:, None] * stride_qz0 + rw[None, :],
+                    mask=rows_ok[:, None] & (rw < N // 8)[None, :], other=0)  # fmt: skip
+    z = _unpack_along_n(words, LAYOUT, ROWS, BLOCK_N)
+    if LAYOUT == 1:
+        z = z + 1
+    return z
 
 
 @triton.jit
@@ -131,72 +146,69 @@ def _product(x, w, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.con
 @triton.jit
 def _wq_gemm_kernel(
     X, QW, QZ, S, GIDX, Out, WS, CNT, M, N, K, stride_xm, stride_qw0, stride_qz0, stride_s0,
-    stride_om, K_PER_SPLIT,
+    stride_om, K_PER_SPLIT, NUM_SPLITS,
     LAYOUT: tl.constexpr, GROUP: tl.constexpr, ACT_ORDER: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
     """Out[m, n] = sum_k X[m, k] * W[n, k]; program (tile, split) covers K_PER_SPLIT of K.
     LAYOUT 0: AWQ qweight (K, N/8); 1: GPTQ qweight (K/8, N); 2: int8 weight (N, K); 3: e4m3
-    weight (N, K) as uint8. 2 and 3: one scale per n. F32_DOT: float32 operands (float32
-    activations, and the interpreter, whose bfloat16 dot is wrong)."""
+    weight (N, K) as uint8. 2 and 3: one scale per n. SPLIT_K: NUM_SPLITS > 1 programs per
+    tile. F32_DOT: float32 operands (float32 activations, and the interpreter, whose
+    bfloat16 dot is wrong). The next K tile's words are loaded before the current one is
+    decoded (two tiles in flight per program)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     tiles_n = tl.cdiv(N, BLOCK_N)
     rm = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
     n0 = (pid % tiles_n) * BLOCK_N
-    cols = _columns(n0, LAYOUT, BLOCK_N)
-    m_ok, n_ok = rm < M, cols < N
-    if LAYOUT <= 1:
-        z_word, z_shift = _zero_word_shift(n0, cols, LAYOUT, BLOCK_N)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = rm < M, rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = split * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    raw = _load_raw(QW, k_start, k_end, n0, N, stride_qw0, LAYOUT, BLOCK_K, BLOCK_N)
     for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+        raw_next = _load_raw(QW, k0 + BLOCK_K, k_end, n0, N, stride_qw0, LAYOUT, BLOCK_K,
+                             BLOCK_N)  # fmt: skip
         rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
+        k_ok = rk < k_end
         x = tl.load(X + rm[:, None] * stride_xm + rk[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w = _decode(raw, LAYOUT, BLOCK_K, BLOCK_N)
         if LAYOUT >= 2:
-            acc += _product(x, _load_bytes(QW, rk, k_ok, cols, n_ok, stride_qw0, LAYOUT),
-                            BLOCK_M, BLOCK_K, F32_DOT)  # fmt: skip
+            acc += _product(x, w, BLOCK_M, BLOCK_K, F32_DOT)
         elif ACT_ORDER:  # each row k in group g_idx[k]: dequantize the tile, then multiply
-            q = _load_codes(QW, k0, n0, cols, n_ok, N, K, stride_qw0, LAYOUT, BLOCK_K, BLOCK_N)
             g = tl.load(GIDX + rk, mask=k_ok, other=0)
-            wk_ok = k_ok[:, None] & n_ok[None, :]
-            zp = tl.load(QZ + g[:, None] * stride_qz0 + z_word[None, :], mask=wk_ok, other=0)
-            z = (zp >> z_shift[None, :]) & 0xF
-            if LAYOUT == 1:
-                z = z + 1  # GPTQ stores zero - 1
-            s = tl.load(S + g[:, None] * stride_s0 + cols[None, :], mask=wk_ok, other=0.0)
-            w = (q - z).to(tl.float32) * s.to(tl.float32)
-            acc += _product(x, w, BLOCK_M, BLOCK_K, True)
+            z = _load_zeros(QZ, g, k_ok, n0, N, stride_qz0, LAYOUT, BLOCK_K, BLOCK_N)
+            s = tl.load(S + g[:, None] * stride_s0 + rn[None, :],
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
+            acc += _product(x, (w - z).to(tl.float32) * s.to(tl.float32), BLOCK_M, BLOCK_K, True)
         else:  # the tile lies in group k0 // GROUP: s * (x @ q - z * sum(x))
-            q = _load_codes(QW, k0, n0, cols, n_ok, N, K, stride_qw0, LAYOUT, BLOCK_K, BLOCK_N)
-            g = k0 // GROUP
-            zp = tl.load(QZ + g * stride_qz0 + z_word, mask=n_ok & (k0 < K), other=0)
-            z = (zp >> z_shift) & 0xF
-            if LAYOUT == 1:
-                z = z + 1
-            s = tl.load(S + g * stride_s0 + cols, mask=n_ok & (k0 < K), other=0.0)
-            part = _product(x, q.to(tl.float16), BLOCK_M, BLOCK_K, F32_DOT)
+            g = k0 // GROUP + tl.zeros((1,), dtype=tl.int32)
+            z = tl.reshape(_load_zeros(QZ, g, g * GROUP < k_end, n0, N, stride_qz0, LAYOUT, 1,
+                                       BLOCK_N), (BLOCK_N,))  # fmt: skip
+            s = tl.load(S + g * stride_s0 + rn, mask=n_ok & (k0 < k_end), other=0.0)
+            part = _product(x, w.to(tl.float16), BLOCK_M, BLOCK_K, F32_DOT)
             x_sum = tl.sum(x.to(tl.float32), axis=1)
             acc += (part - x_sum[:, None] * z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
+        raw = raw_next
     if LAYOUT >= 2:
-        s = tl.load(S + cols, mask=n_ok, other=0.0).to(tl.float32)
+        s = tl.load(S + rn, mask=n_ok, other=0.0).to(tl.float32)
         if LAYOUT == 3:
             s = s * 256.0  # the bytes were decoded as value / 2^8
         acc = acc * s[None, :]
     o_mask = m_ok[:, None] & n_ok[None, :]
-    out_ptr = Out + rm[:, None] * stride_om + cols[None, :]
-    if SPLIT_K == 1:
+    out_ptr = Out + rm[:, None] * stride_om + rn[None, :]
+    if not SPLIT_K:
         tl.store(out_ptr, acc.to(Out.dtype.element_ty), mask=o_mask)
     else:  # partial to the workspace; the tile's last program sums all, in split order
-        ws = WS + rm[:, None] * N + cols[None, :]
+        ws = WS + rm[:, None] * N + rn[None, :]
         tl.store(ws + split * M * N, acc, mask=o_mask)
         tl.debug_barrier()  # every thread's partial is written before the count
         arrived = tl.atomic_add(CNT + pid, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
+        if arrived == NUM_SPLITS - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in range(SPLIT_K):
+            for j in range(NUM_SPLITS):
                 total += tl.load(ws + j * M * N, mask=o_mask, other=0.0, cache_modifier=".cv")
             tl.store(out_ptr, total.to(Out.dtype.element_ty), mask=o_mask)
             tl.atomic_xchg(CNT + pid, 0)
@@ -249,7 +261,7 @@ def _split(k: int, block_k: int, split: int, group: int | None) -> tuple[int, in
     return triton.cdiv(k_blocks, steps), steps * block_k
 
 
-def _launch(x, tensors, spec, n, block_m, block_n, block_k, split) -> torch.Tensor:
+def _launch(x, tensors, spec, n, block_m, block_n, block_k, split, num_warps) -> torch.Tensor:
     """Run the kernel on x (M, K) with these tiles; ``split`` is rounded by :func:`_split`."""
     x = x.contiguous()
     m, k = x.shape
@@ -271,11 +283,37 @@ def _launch(x, tensors, spec, n, block_m, block_n, block_k, split) -> torch.Tens
         ws = counters = out
     _wq_gemm_kernel[(tiles, split)](
         x, qw, qz, s, g_idx, out, ws, counters, m, n, k, x.stride(0), qw.stride(0),
-        qz.stride(0), s.stride(0), out.stride(0), k_per_split,
+        qz.stride(0), s.stride(0), out.stride(0), k_per_split, split,
         LAYOUT=layout, GROUP=group, ACT_ORDER=act_order, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, SPLIT_K=split, F32_DOT=x.dtype == torch.float32 or interpreting(),
+        BLOCK_K=block_k, SPLIT_K=split > 1, F32_DOT=x.dtype == torch.float32 or interpreting(),
+        num_warps=num_warps,
     )  # fmt: skip
     return out
+
+
+@dataclass(frozen=True)
+class StreamTiles:
+    """Tiles of the streaming kernel: ``block_n`` output columns and ``block_k`` inputs per
+    program step, ``num_warps``; ``dot``: one-row inputs too go through tl.dot (padded to
+    16 rows) rather than multiply-and-sum; ``split_k``: programs per N tile (None: until
+    STREAM_PROGRAMS_PER_SM programs per SM, at least two K tiles each)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    dot: bool
+    split_k: int | None = None
+
+
+#: (int4?, one row?) -> tiles. int4 rows: tl.dot even for one row (multiply-and-sum needs
+#: ~230 registers a thread at 4 warps and loads x element by element at 8); 8-bit rows:
+#: multiply-and-sum for one row. benchmarks/quant_decode.py times the alternatives.
+STREAM_TILES = {
+    (True, True): StreamTiles(64, 128, 8, dot=True),
+    (True, False): StreamTiles(64, 128, 8, dot=True),
+    (False, True): StreamTiles(32, 256, 4, dot=False),
+    (False, False): StreamTiles(32, 256, 4, dot=True),
+}
 
 
 def weight_streaming_gemm(
@@ -283,27 +321,25 @@ def weight_streaming_gemm(
     tensors: dict[str, torch.Tensor],
     spec: QuantSpec,
     out_features: int,
-    block_n: int | None = None,
-    split_k: int | None = None,
+    tiles: StreamTiles | None = None,
 ) -> torch.Tensor:
     """x (M <= 64, K) bf16/fp16/fp32 @ W.T for an awq, gptq, int8 or fp8 W (fp8: weight-only,
-    x is not quantized): (M, N) in x's dtype. Tiles of N are narrow and K is split until
-    every SM holds STREAM_PROGRAMS_PER_SM programs; ``block_n`` / ``split_k`` override that
-    choice (benchmarks)."""
+    x is not quantized): (M, N) in x's dtype. ``tiles``: STREAM_TILES's choice when None."""
     m, k = x.shape
     if m > STREAM_MAX_M:
         raise ValueError(f"weight_streaming_gemm: {m} rows; at most {STREAM_MAX_M}")
-    int4 = LAYOUT[spec.method] <= 1
-    block_n = block_n or (64 if int4 else 32)
-    block_k = 128 if int4 else 256
+    t = tiles or STREAM_TILES[LAYOUT[spec.method] <= 1, m == 1]
+    split_k = t.split_k
     if split_k is None:
-        tiles, k_blocks = triton.cdiv(out_features, block_n), triton.cdiv(k, block_k)
+        n_tiles, k_blocks = triton.cdiv(out_features, t.block_n), triton.cdiv(k, t.block_k)
         split_k = 1
         target = STREAM_PROGRAMS_PER_SM * _num_sms(x.device)
-        while tiles * split_k < target and split_k * 4 <= k_blocks:
-            split_k *= 2  # at least two K tiles per program
-    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
-    return _launch(x, tensors, spec, out_features, block_m, block_n, block_k, split_k)
+        while n_tiles * split_k < target and split_k * 4 <= k_blocks:
+            split_k *= 2
+    block_m = 1 if m == 1 and not t.dot else max(16, triton.next_power_of_2(m))
+    num_warps = max(t.num_warps, 8) if block_m >= 32 else t.num_warps
+    return _launch(x, tensors, spec, out_features, block_m, t.block_n, t.block_k, split_k,
+                   num_warps)  # fmt: skip
 
 
 def weight_only_gemm(
@@ -320,7 +356,8 @@ def weight_only_gemm(
     split = 1
     while tiles * split < 2 * _num_sms(x.device) and split * 2 <= k_blocks // 4:
         split *= 2
-    return _launch(x, tensors, spec, out_features, block_m, block_n, block_k, split)
+    num_warps = 8 if block_m * block_n >= 64 * 64 else 4
+    return _launch(x, tensors, spec, out_features, block_m, block_n, block_k, split, num_warps)
 
 
 def weight_only_reference(

@@ -10,8 +10,9 @@ Two parts, each written to ``--out`` (``gemm.json``/``gemm.md``, then ``steps.js
 1. **GEMMs alone** (``--no-gemm`` skips): each layer projection of the preset (fused qkv,
    o, gate_up, down) at M = 1, 8, 16, 32, 64 tokens: bf16 (cuBLAS, ``x @ W.T``), and for
    fp8, int8, awq, gptq (group 128) the weight-streaming kernel (M <= 64), the large-M path
-   (tiled Triton kernel; fp8: W8A8 ``torch._scaled_mm``) and, with ``--ab`` (default), the
-   kernels before this change (benchmarks/quant_legacy.py) at M = 1, 16, 32. Each time is
+   (tiled Triton kernel; fp8: W8A8 ``torch._scaled_mm``), at M = 1 the streaming kernel's
+   other one-row product (``stream-alt``) and, with ``--ab`` (default), the kernels before
+   this change (benchmarks/quant_legacy.py) at M = 1, 16, 32. Each time is
    one CUDA graph of back-to-back calls over enough weight copies to exceed the L2 cache,
    divided by the calls. Roofline: bytes as stored / 4.8 TB/s. Each path's output is
    checked against the float32 dequantized reference (``err``: max |out - ref| / max |ref|).
@@ -20,7 +21,8 @@ Two parts, each written to ``--out`` (``gemm.json``/``gemm.md``, then ``steps.js
 2. **Decode steps** (``--no-steps`` skips): ModelRunner.execute on decode-only inputs (CUDA
    graphs, device sync included) for bf16 and each method quantized at load time from one
    random bf16 checkpoint, at the batch x context shapes below, with the current dispatch;
-   roofline = (weight bytes as stored + KV bytes read) / 4.8 TB/s.
+   roofline = (weight bytes as stored + KV bytes read) / 4.8 TB/s. Written again after each
+   format (the first run also writes the random 8B checkpoint, ~16 GB, under checkpoints/).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 if "--dry-run" in sys.argv:  # before triton is imported: run the kernels in its interpreter
@@ -40,7 +43,7 @@ import torch  # noqa: E402
 from common import checkpoint, cuda_time, decode_inputs, device_line, graph_time  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # NVIDIA H200 datasheet
-METHODS = ("fp8", "int8", "awq", "gptq")
+METHODS = ("awq", "gptq", "fp8", "int8")  # the furthest from their targets first
 GEMM_TOKENS = (1, 8, 16, 32, 64)
 AB_TOKENS = (1, 16, 32)
 STEP_SHAPES = ((1, 1024), (1, 4096), (32, 1024), (32, 4096), (256, 1024))
@@ -126,6 +129,12 @@ def _paths(method, m, ab, qk, legacy_gemm) -> dict:
     paths = {}
     if m <= qk.STREAM_MAX_M:
         paths["stream"] = qk.weight_streaming_gemm
+    if m == 1:  # the other one-row product (tl.dot vs multiply-and-sum)
+        tiles = qk.STREAM_TILES[method in ("awq", "gptq"), True]
+        alt = replace(tiles, dot=not tiles.dot, num_warps=4)
+        paths["stream-alt"] = lambda x, t, spec, n, a=alt: qk.weight_streaming_gemm(
+            x, t, spec, n, a
+        )
     if method == "fp8":
         paths["w8a8"] = lambda x, t, spec, n: qk.fp8_gemm(x, t["weight"], t["weight_scale"])
     else:
@@ -173,16 +182,26 @@ def gemm_markdown(rows: list[dict], header: str) -> str:
         other = "w8a8" if w == "fp8" else "tiled"
         cells, wins = [], 0
         for m in tokens:
-            s, o = (sum(r["us"] for r in rows if (r["weights"], r["path"], r["tokens"]) == key)
-                    for key in ((w, "stream", m), (w, other, m)))  # fmt: skip
+            s, o = _total(rows, w, "stream", m), _total(rows, w, other, m)
             cells.append(f"{s:.0f} / {o:.0f}" if s and o else "-")
             if s and o and s <= o and wins == tokens.index(m):
                 wins += 1
         up_to = tokens[wins - 1] if wins else 0
         lines.append(f"| {w} (stream / {other}) | " + " | ".join(cells) + f" | {up_to} |")
+    alt = [f"{w} {_total(rows, w, 'stream', 1):.0f} / {_total(rows, w, 'stream-alt', 1):.0f}"
+           for w in METHODS]  # fmt: skip
+    lines += ["", "One row, summed over the projections (us): STREAM_TILES's choice / the other "
+              "product (tl.dot vs multiply-and-sum, 4 warps): " + ", ".join(alt)]  # fmt: skip
     lines += ["", f"Largest relative error against the float32 dequantized reference: {worst:.2e} "
               "(fp8 w8a8 includes its activation rounding)."]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _total(rows: list[dict], weights: str, path: str, tokens: int) -> float:
+    """Microseconds of ``path`` summed over the projections (0: not timed)."""
+    return sum(
+        r["us"] for r in rows if (r["weights"], r["path"], r["tokens"]) == (weights, path, tokens)
+    )
 
 
 # ---------------------------------------------------------------- part 2: decode steps
@@ -192,7 +211,8 @@ def stored_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
 
 
-def step_rows(model_dir, shapes, device, dtype, timer, log) -> list[dict]:
+def step_rows(model_dir, shapes, device, dtype, timer, log, save) -> list[dict]:
+    """One row per (weights, batch, context); ``save(rows)`` after each weight format."""
     from sched_lab.backend.runner import ModelRunner
 
     rows, bf16 = [], {}
@@ -223,6 +243,7 @@ def step_rows(model_dir, shapes, device, dtype, timer, log) -> list[dict]:
             log(f"step {row['weights']:5s} batch {batch:3d} ctx {ctx:5d}: {step * 1e3:.3f} ms "
                 f"(x{step / roof:.2f} roofline, {row['speedup_vs_bf16']:.2f}x bf16)")  # fmt: skip
         del runner
+        save(rows)
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -285,9 +306,12 @@ def main() -> None:
         else:
             model_dir, shapes, step_timer = checkpoint(args.preset), STEP_SHAPES, cuda_time
             log(f"checkpoint {model_dir}")
-        rows = step_rows(model_dir, shapes, device, dtype, step_timer, log)
-        (out / "steps.json").write_text(json.dumps(rows, indent=1))
-        (out / "steps.md").write_text(steps_markdown(rows, header))
+
+        def save(rows: list[dict]) -> None:
+            (out / "steps.json").write_text(json.dumps(rows, indent=1))
+            (out / "steps.md").write_text(steps_markdown(rows, header))
+
+        rows = step_rows(model_dir, shapes, device, dtype, step_timer, log, save)
         print(steps_markdown(rows, header), flush=True)
     log(f"done: {out}")
 

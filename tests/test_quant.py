@@ -111,23 +111,31 @@ def test_weight_only_gemm_matches_dequantized_reference(method, dtype, m):
 @pytest.mark.parametrize("method", ["awq", "gptq", "int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "m, n, k, split",
-    [(1, 96, 256, None), (5, 40, 384, 3), (33, 24, 256, 2)],  # N, K off the tiles (64/32, 256)
-)
-def test_weight_streaming_gemm_matches_dequantized_reference(method, dtype, m, n, k, split):
-    from sched_lab.backend.quant_kernels import _COUNTERS, weight_streaming_gemm
+    "m, n, k, split, dot",  # N, K off the tiles (64 / 32 columns, 128 / 256 inputs)
+    [(1, 96, 256, None, None), (1, 40, 384, 3, True), (1, 40, 384, 3, False),
+     (5, 40, 384, 3, None), (33, 24, 256, 2, None)],
+)  # fmt: skip
+def test_weight_streaming_gemm_matches_dequantized_reference(method, dtype, m, n, k, split, dot):
+    from dataclasses import replace
+
+    from sched_lab.backend.quant_kernels import _COUNTERS, STREAM_TILES, weight_streaming_gemm
 
     spec, tensors = _quantized(method, n, k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
-    out = weight_streaming_gemm(x, tensors, spec, n, split_k=split)
-    _assert_close_to_reference(out, x, tensors, spec, n)
-    if split:  # split K (int4: one group of 128 per split; 8 bits: one K tile of 256 each)
+    tiles = STREAM_TILES[method in ("awq", "gptq"), m == 1]
+    if split is not None:  # int4: one group of 128 per split; 8 bits: one K tile of 256 each
+        tiles = replace(tiles, split_k=split, dot=tiles.dot if dot is None else dot)
+    _assert_close_to_reference(weight_streaming_gemm(x, tensors, spec, n, tiles), x, tensors,
+                               spec, n)  # fmt: skip
+    if split:
         assert int(_COUNTERS[DEVICE].abs().sum()) == 0  # each tile's last program reset its count
 
 
 @needs_triton
 def test_act_order_gptq_follows_g_idx():
     from sched_lab.backend.quant_kernels import (
+        STREAM_TILES,
+        StreamTiles,
         weight_only_gemm,
         weight_only_reference,
         weight_streaming_gemm,
@@ -145,10 +153,14 @@ def test_act_order_gptq_follows_g_idx():
     torch.testing.assert_close(w[:, k0], (codes - zero).float() * tensors["scales"][g0].float())
     trivial = weight_only_reference(torch.eye(k, device=DEVICE), tensors, QuantSpec("gptq", 64))
     assert not torch.allclose(trivial, w.t())  # the permuted g_idx matters
-    for m, gemm in ((2, weight_streaming_gemm), (20, weight_only_gemm)):
+    assert STREAM_TILES[True, False].block_k == 128  # not one group: K tiles span two groups
+    for m in (1, 2):  # multiply-and-sum, tl.dot; two K tiles in two splits
         x = torch.randn(m, k, generator=g).to(DEVICE)
-        _assert_close_to_reference(gemm(x, tensors, spec, n, **({"split_k": 2} if m == 2 else {})),
-                                   x, tensors, spec, n)  # fmt: skip
+        tiles = StreamTiles(32, 128, 4, dot=m > 1, split_k=2)
+        out = weight_streaming_gemm(x, tensors, spec, n, tiles)
+        _assert_close_to_reference(out, x, tensors, spec, n)
+    x = torch.randn(20, k, generator=g).to(DEVICE)
+    _assert_close_to_reference(weight_only_gemm(x, tensors, spec, n), x, tensors, spec, n)
 
 
 def test_gemm_path_by_tokens():

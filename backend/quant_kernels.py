@@ -12,8 +12,10 @@ One Triton kernel serves int4 (AWQ, GPTQ), int8 and fp8 weight-only (W8A16) in t
 Packed words are loaded whole, each once, contiguous along N (AWQ's (K, N/8) words, GPTQ's
 (K/8, N) words, both qzeros), then unpacked by a fixed shift per nibble (AWQ's interleaved
 order is a shift table: :func:`_nibble_shifts`). With the trivial g_idx (k // group) a K tile lies in one
-group, the codes go into the product as they are and each group's result is corrected by
-``scale * (x @ q - zero * sum(x))``; act-order GPTQ (``QuantSpec.act_order``) gathers each
+group, the codes go into the product as c + q (bf16: 128 + q, fp16: 1024 + q, made by
+setting exponent bits: integer-to-float conversions run at a quarter of the ALU rate and
+would bound int4 decode below the HBM rate) and each group's result is corrected by
+``scale * (x @ (c + q) - (c + zero) * sum(x))``; act-order GPTQ (``QuantSpec.act_order``) gathers each
 row's scale and zero point through g_idx. fp8 bytes become float16 by bit moves (exact;
 the factor 2^8 of the exponent bias goes into the channel scale). Accumulation is float32.
 
@@ -116,6 +118,17 @@ def _decode(raw, LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def _offset_codes(q, DTYPE: tl.constexpr):
+    """4-bit codes q (int32) as c + q in DTYPE, exactly, by setting the exponent bits: bfloat16
+    0x4300 | q is 128 + q, float16 0x6400 | q is 1024 + q."""
+    if DTYPE == tl.float16:
+        w = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        w = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return w
+
+
+@triton.jit
 def _load_zeros(QZ, rows, rows_ok, n0, N, stride_qz0,
                 LAYOUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Zero points (ROWS, BLOCK_N) of qzeros rows ``rows`` (ROWS,), columns n0.. (GPTQ
@@ -164,6 +177,8 @@ def _wq_gemm_kernel(
     rn = n0 + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < M, rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if BLOCK_M == 1 and LAYOUT >= 2:  # one row, 8 bits: products summed over K once, at the end
+        acc_k = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     raw = _load_raw(QW, k_start, k_end, n0, N, stride_qw0, LAYOUT, BLOCK_K, BLOCK_N)
@@ -175,7 +190,9 @@ def _wq_gemm_kernel(
         x = tl.load(X + rm[:, None] * stride_xm + rk[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         w = _decode(raw, LAYOUT, BLOCK_K, BLOCK_N)
-        if LAYOUT >= 2:
+        if LAYOUT >= 2 and BLOCK_M == 1:
+            acc_k += tl.reshape(x.to(tl.float32), (BLOCK_K, 1)) * w.to(tl.float32)
+        elif LAYOUT >= 2:
             acc += _product(x, w, BLOCK_M, BLOCK_K, F32_DOT)
         elif ACT_ORDER:  # each row k in group g_idx[k]: dequantize the tile, then multiply
             g = tl.load(GIDX + rk, mask=k_ok, other=0)
@@ -183,15 +200,23 @@ def _wq_gemm_kernel(
             s = tl.load(S + g[:, None] * stride_s0 + rn[None, :],
                         mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
             acc += _product(x, (w - z).to(tl.float32) * s.to(tl.float32), BLOCK_M, BLOCK_K, True)
-        else:  # the tile lies in group k0 // GROUP: s * (x @ q - z * sum(x))
+        else:  # the tile lies in group k0 // GROUP: s * (x @ (c + q) - (c + z) * sum(x))
             g = k0 // GROUP + tl.zeros((1,), dtype=tl.int32)
             z = tl.reshape(_load_zeros(QZ, g, g * GROUP < k_end, n0, N, stride_qz0, LAYOUT, 1,
                                        BLOCK_N), (BLOCK_N,))  # fmt: skip
             s = tl.load(S + g * stride_s0 + rn, mask=n_ok & (k0 < k_end), other=0.0)
-            part = _product(x, w.to(tl.float16), BLOCK_M, BLOCK_K, F32_DOT)
+            if X.dtype.element_ty == tl.float32:
+                part = _product(x, w.to(tl.float32), BLOCK_M, BLOCK_K, F32_DOT)
+                z = z.to(tl.float32)
+            else:  # c + q by bit moves (no int-to-float conversion, a slow instruction)
+                part = _product(x, _offset_codes(w, X.dtype.element_ty), BLOCK_M, BLOCK_K,
+                                F32_DOT)  # fmt: skip
+                z = z.to(tl.float32) + (1024.0 if X.dtype.element_ty == tl.float16 else 128.0)
             x_sum = tl.sum(x.to(tl.float32), axis=1)
-            acc += (part - x_sum[:, None] * z.to(tl.float32)[None, :]) * s.to(tl.float32)[None, :]
+            acc += (part - x_sum[:, None] * z[None, :]) * s.to(tl.float32)[None, :]
         raw = raw_next
+    if BLOCK_M == 1 and LAYOUT >= 2:
+        acc = tl.sum(acc_k, axis=0)[None, :]
     if LAYOUT >= 2:
         s = tl.load(S + rn, mask=n_ok, other=0.0).to(tl.float32)
         if LAYOUT == 3:
@@ -305,13 +330,14 @@ class StreamTiles:
     split_k: int | None = None
 
 
-#: (int4?, one row?) -> tiles. int4 rows: tl.dot even for one row (multiply-and-sum needs
-#: ~230 registers a thread at 4 warps and loads x element by element at 8); 8-bit rows:
-#: multiply-and-sum for one row. benchmarks/quant_decode.py times the alternatives.
+#: (int4?, one row?) -> tiles, from sm_90 compiles (ptxas registers, SASS loads): int4 goes
+#: through tl.dot even for one row (multiply-and-sum needed ~230 registers a thread at 4
+#: warps and loaded x element by element at 8); one 8-bit row multiplies and sums (94
+#: registers at 8 warps, 128-bit loads). benchmarks/quant_decode.py times the alternatives.
 STREAM_TILES = {
     (True, True): StreamTiles(64, 128, 8, dot=True),
     (True, False): StreamTiles(64, 128, 8, dot=True),
-    (False, True): StreamTiles(32, 256, 4, dot=False),
+    (False, True): StreamTiles(32, 256, 8, dot=False),
     (False, False): StreamTiles(32, 256, 4, dot=True),
 }
 

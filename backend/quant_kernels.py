@@ -103,14 +103,16 @@ def _load_raw(QW, k0, k_end, n0, N, stride_qw0,
 def _decode(raw, LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """:func:`_load_raw`'s tile as (BLOCK_K, BLOCK_N): int4 codes 0..15 (int32, a fixed shift
     per nibble; GPTQ row k0 + 8 r + j from word row r, nibble j), int8 as float16, e4m3 as
-    float16 holding the value / 2^8 (its bits moved into float16's: exact)."""
+    float16 holding the value / 2^8, both exact and by bit moves (no int-to-float
+    conversion instruction)."""
     if LAYOUT == 0:
         w = _unpack_along_n(raw, LAYOUT, BLOCK_K, BLOCK_N)
     elif LAYOUT == 1:
         w = (raw[:, None, :] >> _nibble_shifts(LAYOUT)[None, :, None]) & 0xF
         w = tl.reshape(w, (BLOCK_K, BLOCK_N))
-    elif LAYOUT == 2:
-        w = raw.to(tl.float16)  # |q| <= 127: exact
+    elif LAYOUT == 2:  # 0x6400 | (q + 128) is 1024 + q + 128; minus 1152: q, exactly
+        b = raw.to(tl.uint8, bitcast=True).to(tl.uint16)
+        w = ((b ^ 0x80) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
     else:
         b = raw.to(tl.uint16)
         w = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
@@ -275,45 +277,69 @@ def _operands(tensors: dict[str, torch.Tensor], spec: QuantSpec):
     return layout, qw, tensors["qzeros"], tensors["scales"], tensors.get("g_idx", qw)
 
 
-def _split(k: int, block_k: int, split: int, group: int | None) -> tuple[int, int]:
-    """(splits, K per split): ``split`` rounded so that each split is whole K tiles and,
-    for int4 with trivial g_idx (``group``), whole groups."""
+@dataclass(frozen=True)
+class GemmPlan:
+    """One launch of the kernel: tiles, ``splits`` programs per output tile over
+    ``k_per_split`` inputs each, ``num_warps``."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    splits: int
+    k_per_split: int
+    num_warps: int
+
+
+def _plan(m: int, n: int, k: int, spec: QuantSpec, block_m: int, block_n: int, block_k: int,
+          split: int, num_warps: int) -> GemmPlan:  # fmt: skip
+    """The plan for these tiles: int4 with the trivial g_idx keeps a K tile in one group (the
+    largest power of 2 dividing it) and a split on whole groups; ``split`` is rounded so that
+    each split is whole K tiles."""
+    group = spec.group_size if LAYOUT[spec.method] <= 1 and not spec.act_order else None
+    if group is not None:
+        block_k = min(block_k, group & -group)
     k_blocks = triton.cdiv(k, block_k)
     steps = triton.cdiv(k_blocks, max(1, min(split, k_blocks)))
     if group is not None:
         per_group = group // block_k
         steps = triton.cdiv(steps, per_group) * per_group
-    return triton.cdiv(k_blocks, steps), steps * block_k
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    splits = triton.cdiv(k_blocks, steps)
+    if splits > 1 and tiles > MAX_TILES:
+        raise ValueError(f"quantized GEMM: {tiles} tiles; split K allows {MAX_TILES}")
+    return GemmPlan(block_m, block_n, block_k, splits, steps * block_k, num_warps)
 
 
-def _launch(x, tensors, spec, n, block_m, block_n, block_k, split, num_warps) -> torch.Tensor:
-    """Run the kernel on x (M, K) with these tiles; ``split`` is rounded by :func:`_split`."""
+def _launch(x, tensors, spec, n, plan: GemmPlan) -> torch.Tensor:
+    """Run the kernel on x (M, K) as ``plan`` says: (M, N) in x's dtype."""
     x = x.contiguous()
     m, k = x.shape
     layout, qw, qz, s, g_idx = _operands(tensors, spec)
-    act_order = layout <= 1 and spec.act_order
-    group = spec.group_size if layout <= 1 else k
-    trivial_groups = layout <= 1 and not act_order
-    if trivial_groups:  # a K tile within one group: the largest power of 2 dividing it
-        block_k = min(block_k, group & -group)
-    split, k_per_split = _split(k, block_k, split, group if trivial_groups else None)
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if split > 1:
-        if tiles > MAX_TILES:
-            raise ValueError(f"quantized GEMM: {tiles} tiles; split K allows {MAX_TILES}")
-        ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    if plan.splits > 1:
+        ws = torch.empty(plan.splits, m, n, dtype=torch.float32, device=x.device)
         counters = _split_counters(x.device)
     else:
         ws = counters = out
-    _wq_gemm_kernel[(tiles, split)](
+    tiles = triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n)
+    _wq_gemm_kernel[(tiles, plan.splits)](
         x, qw, qz, s, g_idx, out, ws, counters, m, n, k, x.stride(0), qw.stride(0),
-        qz.stride(0), s.stride(0), out.stride(0), k_per_split, split,
-        LAYOUT=layout, GROUP=group, ACT_ORDER=act_order, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, SPLIT_K=split > 1, F32_DOT=x.dtype == torch.float32 or interpreting(),
-        num_warps=num_warps,
+        qz.stride(0), s.stride(0), out.stride(0), plan.k_per_split, plan.splits,
+        **kernel_constants(spec, k, x.dtype, plan), num_warps=plan.num_warps,
     )  # fmt: skip
     return out
+
+
+def kernel_constants(spec: QuantSpec, k: int, dtype: torch.dtype, plan: GemmPlan) -> dict:
+    """The kernel's constexpr arguments for ``plan`` (benchmarks/quant_compile_check.py
+    compiles with them)."""
+    layout = LAYOUT[spec.method]
+    return dict(
+        LAYOUT=layout, GROUP=spec.group_size if layout <= 1 else k,
+        ACT_ORDER=layout <= 1 and spec.act_order, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        BLOCK_K=plan.block_k, SPLIT_K=plan.splits > 1,
+        F32_DOT=dtype == torch.float32 or interpreting(),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -338,8 +364,38 @@ STREAM_TILES = {
     (True, True): StreamTiles(64, 128, 8, dot=True),
     (True, False): StreamTiles(64, 128, 8, dot=True),
     (False, True): StreamTiles(32, 256, 8, dot=False),
-    (False, False): StreamTiles(32, 256, 4, dot=True),
+    (False, False): StreamTiles(32, 256, 8, dot=True),
 }
+
+
+def stream_plan(m: int, n: int, k: int, spec: QuantSpec, sms: int,
+                tiles: StreamTiles | None = None) -> GemmPlan:  # fmt: skip
+    """The streaming kernel's plan for an (m, k) @ (k, n) product on ``sms`` SMs."""
+    if m > STREAM_MAX_M:
+        raise ValueError(f"weight_streaming_gemm: {m} rows; at most {STREAM_MAX_M}")
+    t = tiles or STREAM_TILES[LAYOUT[spec.method] <= 1, m == 1]
+    split_k = t.split_k
+    if split_k is None:
+        n_tiles, k_blocks = triton.cdiv(n, t.block_n), triton.cdiv(k, t.block_k)
+        split_k = 1
+        while n_tiles * split_k < STREAM_PROGRAMS_PER_SM * sms and split_k * 4 <= k_blocks:
+            split_k *= 2
+    block_m = 1 if m == 1 and not t.dot else max(16, triton.next_power_of_2(m))
+    num_warps = max(t.num_warps, 8) if block_m >= 32 else t.num_warps
+    return _plan(m, n, k, spec, block_m, t.block_n, t.block_k, split_k, num_warps)
+
+
+def tiled_plan(m: int, n: int, k: int, spec: QuantSpec, sms: int) -> GemmPlan:
+    """The tiled kernel's plan: K split only while the grid has fewer than 2 programs an SM."""
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    block_n = 64 if m <= 64 else 128
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    k_blocks = triton.cdiv(k, 64)
+    split = 1
+    while tiles * split < 2 * sms and split * 2 <= k_blocks // 4:
+        split *= 2
+    num_warps = 8 if block_m * block_n >= 64 * 64 else 4
+    return _plan(m, n, k, spec, block_m, block_n, 64, split, num_warps)
 
 
 def weight_streaming_gemm(
@@ -352,38 +408,18 @@ def weight_streaming_gemm(
     """x (M <= 64, K) bf16/fp16/fp32 @ W.T for an awq, gptq, int8 or fp8 W (fp8: weight-only,
     x is not quantized): (M, N) in x's dtype. ``tiles``: STREAM_TILES's choice when None."""
     m, k = x.shape
-    if m > STREAM_MAX_M:
-        raise ValueError(f"weight_streaming_gemm: {m} rows; at most {STREAM_MAX_M}")
-    t = tiles or STREAM_TILES[LAYOUT[spec.method] <= 1, m == 1]
-    split_k = t.split_k
-    if split_k is None:
-        n_tiles, k_blocks = triton.cdiv(out_features, t.block_n), triton.cdiv(k, t.block_k)
-        split_k = 1
-        target = STREAM_PROGRAMS_PER_SM * _num_sms(x.device)
-        while n_tiles * split_k < target and split_k * 4 <= k_blocks:
-            split_k *= 2
-    block_m = 1 if m == 1 and not t.dot else max(16, triton.next_power_of_2(m))
-    num_warps = max(t.num_warps, 8) if block_m >= 32 else t.num_warps
-    return _launch(x, tensors, spec, out_features, block_m, t.block_n, t.block_k, split_k,
-                   num_warps)  # fmt: skip
+    plan = stream_plan(m, out_features, k, spec, _num_sms(x.device), tiles)
+    return _launch(x, tensors, spec, out_features, plan)
 
 
 def weight_only_gemm(
     x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: QuantSpec, out_features: int
 ) -> torch.Tensor:
     """x (M, K) bf16/fp16/fp32 @ W.T for an awq, gptq, int8 (or fp8 weight-only) W, tiled
-    for larger M: (M, N) in x's dtype. Small grids split K to fill the SMs."""
+    for larger M: (M, N) in x's dtype."""
     m, k = x.shape
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 64 if m <= 64 else 128
-    block_k = 64
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(out_features, block_n)
-    k_blocks = triton.cdiv(k, block_k)
-    split = 1
-    while tiles * split < 2 * _num_sms(x.device) and split * 2 <= k_blocks // 4:
-        split *= 2
-    num_warps = 8 if block_m * block_n >= 64 * 64 else 4
-    return _launch(x, tensors, spec, out_features, block_m, block_n, block_k, split, num_warps)
+    plan = tiled_plan(m, out_features, k, spec, _num_sms(x.device))
+    return _launch(x, tensors, spec, out_features, plan)
 
 
 def weight_only_reference(

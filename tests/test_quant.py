@@ -165,6 +165,22 @@ def test_act_order_gptq_follows_g_idx():
     _assert_close_to_reference(weight_only_gemm(x, tensors, spec, n), x, tensors, spec, n)
 
 
+def test_plans_on_the_8b_shapes():
+    from sched_lab.backend.quant_kernels import GemmPlan, stream_plan, tiled_plan
+
+    awq, int8 = QuantSpec("awq"), QuantSpec("int8")
+    # qkv (K 4096, N 6144), one row, 132 SMs: 96 tiles of 64 columns, K split 8 ways until
+    # >= 4 programs per SM (768), each split 4 K tiles of 128 = 4 whole groups
+    assert stream_plan(1, 6144, 4096, awq, 132) == GemmPlan(16, 64, 128, 8, 512, 8)
+    # down (K 14336, N 4096), int8: 128 tiles of 32; 56 K tiles of 256 in 8 splits of 7
+    assert stream_plan(1, 4096, 14336, int8, 132) == GemmPlan(1, 32, 256, 8, 1792, 8)
+    # 32 rows: one M tile of 32, 8 warps; a 64-row tile for 33
+    assert stream_plan(32, 4096, 4096, int8, 132).block_m == 32
+    assert stream_plan(33, 4096, 4096, int8, 132).block_m == 64
+    # tiled, 256 rows of gate_up (N 28672): 4 x 224 tiles of 64 x 128 already fill the SMs
+    assert tiled_plan(256, 28672, 4096, awq, 132) == GemmPlan(64, 128, 64, 1, 4096, 8)
+
+
 def test_gemm_path_by_tokens():
     from sched_lab.backend.quant_kernels import STREAM_MAX_M
     from sched_lab.backend.quant_linear import (

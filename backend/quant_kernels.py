@@ -11,13 +11,15 @@ One Triton kernel serves int4 (AWQ, GPTQ), int8 and fp8 weight-only (W8A16) in t
 
 Packed words are loaded whole, each once, contiguous along N (AWQ's (K, N/8) words, GPTQ's
 (K/8, N) words, both qzeros), then unpacked by a fixed shift per nibble (AWQ's interleaved
-order is a shift table: :func:`_nibble_shifts`). With the trivial g_idx (k // group) a K tile lies in one
-group, the codes go into the product as c + q (bf16: 128 + q, fp16: 1024 + q, made by
-setting exponent bits: integer-to-float conversions run at a quarter of the ALU rate and
-would bound int4 decode below the HBM rate) and each group's result is corrected by
-``scale * (x @ (c + q) - (c + zero) * sum(x))``; act-order GPTQ (``QuantSpec.act_order``) gathers each
-row's scale and zero point through g_idx. fp8 bytes become float16 by bit moves (exact;
-the factor 2^8 of the exponent bias goes into the channel scale). Accumulation is float32.
+order is a shift table: :func:`_nibble_shifts`). Codes become floats by bit moves, never by
+an integer-to-float instruction (those issue at a fraction of the ALU rate and would bound
+decode below the HBM rate): int4 codes enter the product as c + q (bf16 0x4300 | q = 128 + q,
+fp16 0x6400 | q = 1024 + q), int8 as 0x6400 | (q + 128) - 1152, e4m3 as float16 holding the
+value / 2^8 (the 2^8 goes into the channel scale). With the trivial g_idx (k // group) a K
+tile lies in one group and each group's result is ``scale * (x @ (c + q) - (c + zero) *
+sum(x))``; act-order GPTQ (``QuantSpec.act_order``) gathers each row's scale and zero point
+through g_idx. Accumulation is float32; the next K tile's words are loaded before the
+current one is decoded.
 
 Split K: each program writes its float32 partial to a workspace; the last of a tile's
 programs (a per-tile counter, incremented atomically) sums the partials in a fixed order,

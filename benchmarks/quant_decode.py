@@ -7,10 +7,10 @@ format's HBM roofline.
 Two parts, each written to ``--out`` (``gemm.json``/``gemm.md``, then ``steps.json``/
 ``steps.md``) as soon as it is done, so a run cut short keeps what it measured:
 
-1. **GEMMs alone** (``--no-gemm`` skips): each layer projection of the preset (fused qkv,
+1. **GEMMs alone** (``--no-gemm`` skips; saved after each projection): each layer projection of the preset (fused qkv,
    o, gate_up, down) at M = 1, 8, 16, 32, 64 tokens: bf16 (cuBLAS, ``x @ W.T``), and for
    fp8, int8, awq, gptq (group 128) the weight-streaming kernel (M <= 64), the large-M path
-   (tiled Triton kernel; fp8: W8A8 ``torch._scaled_mm``), at M = 1 the streaming kernel's
+   at M = 16, 32, 64 (tiled Triton kernel; fp8: W8A8 ``torch._scaled_mm``), at M = 1 the streaming kernel's
    other one-row product (``stream-alt``) and, with ``--ab`` (default), the kernels before
    this change (benchmarks/quant_legacy.py) at M = 1, 16, 32. Each time is
    one CUDA graph of back-to-back calls over enough weight copies to exceed the L2 cache,
@@ -45,6 +45,7 @@ from common import checkpoint, cuda_time, decode_inputs, device_line, graph_time
 HBM_BYTES_PER_S = 4.8e12  # NVIDIA H200 datasheet
 METHODS = ("awq", "gptq", "fp8", "int8")  # the furthest from their targets first
 GEMM_TOKENS = (1, 8, 16, 32, 64)
+LARGE_M_TOKENS = (16, 32, 64)  # where the tiled kernel / W8A8 is timed too
 AB_TOKENS = (1, 16, 32)
 STEP_SHAPES = ((1, 1024), (1, 4096), (32, 1024), (32, 4096), (256, 1024))
 L2_FLUSH_BYTES = 256 << 20  # weight copies per timed graph: > 4x the H200's 50 MB L2
@@ -75,14 +76,15 @@ def nbytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 # ---------------------------------------------------------------- part 1: GEMMs alone
-def gemm_rows(cfg: dict, device: str, ab: bool, timer, log) -> list[dict]:
-    """One row per (projection, tokens, method, path): us per call, roofline, error."""
+def gemm_rows(cfg: dict, device: str, ab: bool, timer, log, save) -> list[dict]:
+    """One row per (projection, tokens, method, path): us per call, roofline, error;
+    ``save(rows)`` after each projection."""
     from quant_legacy import legacy_gemm
 
     from sched_lab.backend import quant_kernels as qk
     from sched_lab.backend.quant_formats import QuantSpec, quantize_weight
 
-    tokens = GEMM_TOKENS if device == "cuda" else (1, 8, 32)
+    tokens = GEMM_TOKENS if device == "cuda" else (1, 16, 32)
     rows = []
     for proj, (k, n) in projections(cfg).items():
         gen = torch.Generator(device=device).manual_seed(0)
@@ -119,6 +121,7 @@ def gemm_rows(cfg: dict, device: str, ab: bool, timer, log) -> list[dict]:
                     log(f"{proj:8s} M={m:3d} {method or 'bf16':5s} {path:7s} {sec * 1e6:9.1f} us "
                         f"(x{sec * 1e6 / row['roofline_us']:.2f} roofline) err {err:.1e}")  # fmt: skip
             del copies
+        save(rows)
     return rows
 
 
@@ -135,9 +138,9 @@ def _paths(method, m, ab, qk, legacy_gemm) -> dict:
         paths["stream-alt"] = lambda x, t, spec, n, a=alt: qk.weight_streaming_gemm(
             x, t, spec, n, a
         )
-    if method == "fp8":
+    if m in LARGE_M_TOKENS and method == "fp8":
         paths["w8a8"] = lambda x, t, spec, n: qk.fp8_gemm(x, t["weight"], t["weight_scale"])
-    else:
+    elif m in LARGE_M_TOKENS:
         paths["tiled"] = qk.weight_only_gemm
     if ab:
         paths["legacy"] = legacy_gemm
@@ -180,13 +183,13 @@ def gemm_markdown(rows: list[dict], header: str) -> str:
     worst = max((r["err"] for r in rows if r["err"] == r["err"]), default=float("nan"))
     for w in METHODS:
         other = "w8a8" if w == "fp8" else "tiled"
-        cells, wins = [], 0
+        cells, up_to, lost = [], "-", False
         for m in tokens:
             s, o = _total(rows, w, "stream", m), _total(rows, w, other, m)
-            cells.append(f"{s:.0f} / {o:.0f}" if s and o else "-")
-            if s and o and s <= o and wins == tokens.index(m):
-                wins += 1
-        up_to = tokens[wins - 1] if wins else 0
+            cells.append(f"{s:.0f} / {o:.0f}" if s and o else (f"{s:.0f} / -" if s else "-"))
+            if s and o and not lost:
+                lost = s > o
+                up_to = f"< {m}" if lost and up_to == "-" else (up_to if lost else str(m))
         lines.append(f"| {w} (stream / {other}) | " + " | ".join(cells) + f" | {up_to} |")
     alt = [f"{w} {_total(rows, w, 'stream', 1):.0f} / {_total(rows, w, 'stream-alt', 1):.0f}"
            for w in METHODS]  # fmt: skip
@@ -293,9 +296,12 @@ def main() -> None:
         print(f"[{time.perf_counter() - t0:6.1f} s] {line}", flush=True)
 
     if not args.no_gemm:
-        rows = gemm_rows(cfg, device, args.ab, timer, log)
-        (out / "gemm.json").write_text(json.dumps(rows, indent=1))
-        (out / "gemm.md").write_text(gemm_markdown(rows, header))
+
+        def save_gemm(rows: list[dict]) -> None:
+            (out / "gemm.json").write_text(json.dumps(rows, indent=1))
+            (out / "gemm.md").write_text(gemm_markdown(rows, header))
+
+        rows = gemm_rows(cfg, device, args.ab, timer, log, save_gemm)
         print(gemm_markdown(rows, header), flush=True)
     if not args.no_steps:
         if args.dry_run:

@@ -37,10 +37,13 @@ DEFAULT_GROUP_SIZE = 128
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """One quantization method and its options (``group_size`` for awq and gptq only)."""
+    """One quantization method and its options (``group_size`` for awq and gptq only;
+    ``act_order``: gptq rows in any group order, row k in group ``g_idx[k]``; the kernels
+    and :func:`dequantize` follow g_idx then, checkpoints with desc_act are still refused)."""
 
     method: str
     group_size: int = DEFAULT_GROUP_SIZE
+    act_order: bool = False
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
@@ -222,11 +225,14 @@ def dequantize(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tenso
     """W (N, K) float32 from a projection's checkpoint tensors (the references' weight)."""
     if spec.method in ("fp8", "int8"):
         return tensors["weight"].float() * tensors["weight_scale"].float().reshape(-1, 1)
-    g = spec.group_size
     scales = tensors["scales"].float()
     if spec.method == "awq":
         codes, zeros = unpack_awq(tensors["qweight"]), unpack_awq(tensors["qzeros"])
     else:
         codes, zeros = unpack_gptq_rows(tensors["qweight"]), unpack_gptq_zeros(tensors["qzeros"])
-    w_kn = (codes - zeros.repeat_interleave(g, 0)).float() * scales.repeat_interleave(g, 0)
+    if spec.act_order:
+        group = tensors["g_idx"].long()  # (K,): row k's group
+    else:
+        group = torch.arange(codes.shape[0], device=codes.device) // spec.group_size
+    w_kn = (codes - zeros[group]).float() * scales[group]
     return w_kn.t()

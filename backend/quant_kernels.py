@@ -1,22 +1,47 @@
 """GEMMs on quantized weights: y = x @ W.T with W kept packed (layouts in
 :mod:`sched_lab.backend.quant_formats`).
 
-* int4 (AWQ and GPTQ) and int8 weight-only: one Triton kernel; each (BLOCK_K, BLOCK_N) tile
-  of codes is unpacked in registers, (q - z) is exact in the activation dtype, and each
-  group's partial product is scaled in float32 (a K tile never spans two groups). Small
-  batches split K over programs (float32 atomics) so that decode fills the GPU.
-* fp8 (W8A8): activations get one scale per token (amax / 448) at run time; on CUDA
-  ``torch._scaled_mm`` with row-wise scales (Hopper); elsewhere :func:`fp8_reference`.
+One Triton kernel serves int4 (AWQ, GPTQ), int8 and fp8 weight-only (W8A16) in two shapes:
+
+* :func:`weight_streaming_gemm` (M <= 64 tokens, decode): one tile of M, narrow tiles of N,
+  long tiles of K and K split over programs, so that every SM streams its share of the
+  weight once (:class:`StreamTiles`); rows are padded to 16, 32 or 64 for ``tl.dot``, or a
+  single row multiplies and sums in float32.
+* :func:`weight_only_gemm` (any M): the tiled GEMM for larger batches (int4 and int8).
+
+Packed words are loaded whole, each once, contiguous along N (AWQ's (K, N/8) words, GPTQ's
+(K/8, N) words, both qzeros), then unpacked by a fixed shift per nibble (AWQ's interleaved
+order is a shift table: :func:`_nibble_shifts`). Codes become floats by bit moves, never by
+an integer-to-float instruction (those issue at a fraction of the ALU rate and would bound
+decode below the HBM rate): int4 codes enter the product as c + q (bf16 0x4300 | q = 128 + q,
+fp16 0x6400 | q = 1024 + q), int8 as 0x6400 | (q + 128) - 1152, e4m3 as float16 holding the
+value / 2^8 (the 2^8 goes into the channel scale). With the trivial g_idx (k // group) a K
+tile lies in one group and each group's result is ``scale * (x @ (c + q) - (c + zero) *
+sum(x))``; act-order GPTQ (``QuantSpec.act_order``) gathers each row's scale and zero point
+through g_idx. Accumulation is float32; the next K tile's words are loaded before the
+current one is decoded.
+
+Split K: each program writes its float32 partial to a workspace; the last of a tile's
+programs (a per-tile counter, incremented atomically) sums the partials in a fixed order,
+writes the output and puts the counter back to 0. The counters are one zeroed buffer per
+device, made on the first call, which must therefore not be inside a CUDA graph capture
+(the engine's warm-up runs first); the workspace is allocated per call with a size fixed
+by the shape, so every call is CUDA-graph safe (no host sync, no per-call state). One
+stream per device at a time: concurrent GEMMs would share counters.
+
+* fp8 (W8A8) for larger batches: activations get one scale per token (amax / 448) at run
+  time; on CUDA ``torch._scaled_mm`` with row-wise scales (Hopper); elsewhere
+  :func:`fp8_reference`.
 
 The ``*_reference`` functions dequantize the weight to float32 on every call: they are the
 tests' references and the path on CPU without ``TRITON_INTERPRET=1`` (slow, a transient
-copy; never used on CUDA). Every kernel is CUDA-graph safe (no host sync, no data-dependent
-shapes).
+copy; never used on CUDA).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -25,77 +50,197 @@ import triton.language as tl
 from sched_lab.backend.attention.triton_backend import interpreting
 from sched_lab.backend.quant_formats import FP8_MAX, QuantSpec, dequantize
 
-LAYOUT = {"awq": 0, "gptq": 1, "int8": 2}
+LAYOUT = {"awq": 0, "gptq": 1, "int8": 2, "fp8": 3}
+STREAM_MAX_M = 64  # rows the streaming kernel holds in one tile
+STREAM_PROGRAMS_PER_SM = 4  # split K until the grid has this many programs per SM
+MAX_TILES = 1 << 16  # per-tile split-K counters per device
+
+
+@triton.jit
+def _nibble_shifts(LAYOUT: tl.constexpr):
+    """Bit shift of the 8 codes of an int32 word, in the order they are unpacked: AWQ's
+    columns j = 0..7 sit in nibbles (0, 4, 1, 5, 2, 6, 3, 7)[j] (AWQ_PACK_ORDER inverted);
+    GPTQ's rows (qweight) and columns (qzeros) in nibble j."""
+    j = tl.arange(0, 8)
+    if LAYOUT == 0:
+        shifts = ((j % 2) * 4 + j // 2) * 4
+    else:
+        shifts = j * 4
+    return shifts
+
+
+@triton.jit
+def _unpack_along_n(words, LAYOUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(ROWS, BLOCK_N / 8) int32 words packed along N (AWQ qweight, both qzeros) -> (ROWS,
+    BLOCK_N) codes in column order."""
+    q = (words[:, :, None] >> _nibble_shifts(LAYOUT)[None, None, :]) & 0xF
+    return tl.reshape(q, (ROWS, BLOCK_N))
+
+
+@triton.jit
+def _load_raw(QW, k0, k_end, n0, N, stride_qw0,
+              LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The stored words of the weight tile at rows k0.. (below ``k_end``), columns n0..: AWQ
+    (BLOCK_K, BLOCK_N / 8) int32 and GPTQ (BLOCK_K / 8, BLOCK_N) int32, contiguous along N;
+    int8 / e4m3 (BLOCK_K, BLOCK_N) bytes of the (N, K) weight, contiguous along K. Each word
+    is loaded once."""
+    rn = n0 + tl.arange(0, BLOCK_N)
+    if LAYOUT == 0:
+        rk = k0 + tl.arange(0, BLOCK_K)
+        rw = n0 // 8 + tl.arange(0, BLOCK_N // 8)
+        raw = tl.load(QW + rk[:, None] * stride_qw0 + rw[None, :],
+                      mask=(rk < k_end)[:, None] & (rw < N // 8)[None, :], other=0)  # fmt: skip
+    elif LAYOUT == 1:
+        rr = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        raw = tl.load(QW + rr[:, None] * stride_qw0 + rn[None, :],
+                      mask=(rr < k_end // 8)[:, None] & (rn < N)[None, :], other=0)  # fmt: skip
+    else:
+        rk = k0 + tl.arange(0, BLOCK_K)
+        raw = tl.load(QW + rn[None, :] * stride_qw0 + rk[:, None],
+                      mask=(rk < k_end)[:, None] & (rn < N)[None, :], other=0)  # fmt: skip
+    return raw
+
+
+@triton.jit
+def _decode(raw, LAYOUT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """:func:`_load_raw`'s tile as (BLOCK_K, BLOCK_N): int4 codes 0..15 (int32, a fixed shift
+    per nibble; GPTQ row k0 + 8 r + j from word row r, nibble j), int8 as float16, e4m3 as
+    float16 holding the value / 2^8, both exact and by bit moves (no int-to-float
+    conversion instruction)."""
+    if LAYOUT == 0:
+        w = _unpack_along_n(raw, LAYOUT, BLOCK_K, BLOCK_N)
+    elif LAYOUT == 1:
+        w = (raw[:, None, :] >> _nibble_shifts(LAYOUT)[None, :, None]) & 0xF
+        w = tl.reshape(w, (BLOCK_K, BLOCK_N))
+    elif LAYOUT == 2:  # 0x6400 | (q + 128) is 1024 + q + 128; minus 1152: q, exactly
+        b = raw.to(tl.uint8, bitcast=True).to(tl.uint16)
+        w = ((b ^ 0x80) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
+    else:
+        b = raw.to(tl.uint16)
+        w = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    return w
+
+
+@triton.jit
+def _offset_codes(q, DTYPE: tl.constexpr):
+    """4-bit codes q (int32) as c + q in DTYPE, exactly, by setting the exponent bits: bfloat16
+    0x4300 | q is 128 + q, float16 0x6400 | q is 1024 + q."""
+    if DTYPE == tl.float16:
+        w = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        w = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return w
+
+
+@triton.jit
+def _load_zeros(QZ, rows, rows_ok, n0, N, stride_qz0,
+                LAYOUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Zero points (ROWS, BLOCK_N) of qzeros rows ``rows`` (ROWS,), columns n0.. (GPTQ
+    stores zero - 1)."""
+    rw = n0 // 8 + tl.arange(0, BLOCK_N // 8)
+    words = tl.load(QZ + rows[:, None] * stride_qz0 + rw[None, :],
+                    mask=rows_ok[:, None] & (rw < N // 8)[None, :], other=0)  # fmt: skip
+    z = _unpack_along_n(words, LAYOUT, ROWS, BLOCK_N)
+    if LAYOUT == 1:
+        z = z + 1
+    return z
+
+
+@triton.jit
+def _product(x, w, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr):
+    """x (BLOCK_M, BLOCK_K) @ w (BLOCK_K, BLOCK_N) in float32: one row by multiply and sum,
+    more through tl.dot (w in x's dtype, where the codes are exact; F32_DOT: float32)."""
+    if BLOCK_M == 1:
+        xr = tl.reshape(x.to(tl.float32), (BLOCK_K, 1))
+        out = tl.sum(xr * w.to(tl.float32), axis=0)[None, :]
+    elif F32_DOT:
+        out = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(x, w.to(x.dtype))
+    return out
 
 
 @triton.jit
 def _wq_gemm_kernel(
-    X, QW, QZ, S, Out, M, N, K, stride_xm, stride_qw0, stride_qw1, stride_qz0, stride_s0,
-    stride_om, K_PER_SPLIT,
-    LAYOUT: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, F32_DOT: tl.constexpr,
+    X, QW, QZ, S, GIDX, Out, WS, CNT, M, N, K, stride_xm, stride_qw0, stride_qz0, stride_s0,
+    stride_om, K_PER_SPLIT, NUM_SPLITS,
+    LAYOUT: tl.constexpr, GROUP: tl.constexpr, ACT_ORDER: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, F32_DOT: tl.constexpr,
 ):  # fmt: skip
-    """Out[m, n] (+)= sum_k X[m, k] * W[n, k]; program (tile, split) covers K_PER_SPLIT of K.
-    LAYOUT 0: AWQ qweight (K, N/8); 1: GPTQ qweight (K/8, N); 2: int8 weight (N, K) with
-    one scale per n (GROUP = K). F32_DOT: float32 operands (float32 activations, and the
-    interpreter, whose bfloat16 dot is wrong)."""
+    """Out[m, n] = sum_k X[m, k] * W[n, k]; program (tile, split) covers K_PER_SPLIT of K.
+    LAYOUT 0: AWQ qweight (K, N/8); 1: GPTQ qweight (K/8, N); 2: int8 weight (N, K); 3: e4m3
+    weight (N, K) as uint8. 2 and 3: one scale per n. SPLIT_K: NUM_SPLITS > 1 programs per
+    tile. F32_DOT: float32 operands (float32 activations, and the interpreter, whose
+    bfloat16 dot is wrong). The next K tile's words are loaded before the current one is
+    decoded (two tiles in flight per program)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     tiles_n = tl.cdiv(N, BLOCK_N)
     rm = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = (pid % tiles_n) * BLOCK_N
+    rn = n0 + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < M, rn < N
-    nib = rn % 8
-    if LAYOUT == 0:
-        col_shift = ((nib % 2) * 4 + nib // 2) * 4  # AWQ: column j sits in nibble (0,4,1,5,..)[j]
-    else:
-        col_shift = nib * 4
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if BLOCK_M == 1 and LAYOUT >= 2:  # one row, 8 bits: products summed over K once, at the end
+        acc_k = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     k_start = split * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    raw = _load_raw(QW, k_start, k_end, n0, N, stride_qw0, LAYOUT, BLOCK_K, BLOCK_N)
     for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+        raw_next = _load_raw(QW, k0 + BLOCK_K, k_end, n0, N, stride_qw0, LAYOUT, BLOCK_K,
+                             BLOCK_N)  # fmt: skip
         rk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = rk < K
+        k_ok = rk < k_end
         x = tl.load(X + rm[:, None] * stride_xm + rk[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        if F32_DOT:
-            x = x.to(tl.float32)
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        if LAYOUT == 2:
-            q = tl.load(QW + rn[None, :] * stride_qw0 + rk[:, None], mask=w_mask, other=0)
-            w = q.to(tl.float32).to(x.dtype)  # (BLOCK_K, BLOCK_N), exact: |q| <= 127
-        else:
-            if LAYOUT == 0:
-                packed = tl.load(QW + rk[:, None] * stride_qw0 + (rn // 8)[None, :],
-                                 mask=w_mask, other=0)  # fmt: skip
-                q = (packed >> col_shift[None, :]) & 0xF
-            else:
-                packed = tl.load(QW + (rk // 8)[:, None] * stride_qw0 + rn[None, :] * stride_qw1,
-                                 mask=w_mask, other=0)  # fmt: skip
-                q = (packed >> ((rk % 8) * 4)[:, None]) & 0xF
-            g = k0 // GROUP
-            zp = tl.load(QZ + g * stride_qz0 + rn // 8, mask=n_ok & (k0 < K), other=0)
-            z = (zp >> col_shift) & 0xF
-            if LAYOUT == 1:
-                z = z + 1  # GPTQ stores zero - 1
-            w = (q - z[None, :]).to(tl.float32).to(x.dtype)  # exact: -15..15
-        if F32_DOT:
-            part = tl.dot(x, w, input_precision="ieee")
-        else:
-            part = tl.dot(x, w)
-        if LAYOUT == 2:
-            acc += part
-        else:
-            s = tl.load(S + (k0 // GROUP) * stride_s0 + rn, mask=n_ok & (k0 < K), other=0.0)
-            acc += part * s.to(tl.float32)[None, :]
-    if LAYOUT == 2:
-        s = tl.load(S + rn, mask=n_ok, other=0.0)
-        acc = acc * s.to(tl.float32)[None, :]
-    out_ptr = Out + rm[:, None] * stride_om + rn[None, :]
+        w = _decode(raw, LAYOUT, BLOCK_K, BLOCK_N)
+        if LAYOUT >= 2 and BLOCK_M == 1:
+            acc_k += tl.reshape(x.to(tl.float32), (BLOCK_K, 1)) * w.to(tl.float32)
+        elif LAYOUT >= 2:
+            acc += _product(x, w, BLOCK_M, BLOCK_K, F32_DOT)
+        elif ACT_ORDER:  # each row k in group g_idx[k]: dequantize the tile, then multiply
+            g = tl.load(GIDX + rk, mask=k_ok, other=0)
+            z = _load_zeros(QZ, g, k_ok, n0, N, stride_qz0, LAYOUT, BLOCK_K, BLOCK_N)
+            s = tl.load(S + g[:, None] * stride_s0 + rn[None, :],
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # fmt: skip
+            acc += _product(x, (w - z).to(tl.float32) * s.to(tl.float32), BLOCK_M, BLOCK_K, True)
+        else:  # the tile lies in group k0 // GROUP: s * (x @ (c + q) - (c + z) * sum(x))
+            g = k0 // GROUP + tl.zeros((1,), dtype=tl.int32)
+            z = tl.reshape(_load_zeros(QZ, g, g * GROUP < k_end, n0, N, stride_qz0, LAYOUT, 1,
+                                       BLOCK_N), (BLOCK_N,))  # fmt: skip
+            s = tl.load(S + g * stride_s0 + rn, mask=n_ok & (k0 < k_end), other=0.0)
+            if X.dtype.element_ty == tl.float32:
+                part = _product(x, w.to(tl.float32), BLOCK_M, BLOCK_K, F32_DOT)
+                z = z.to(tl.float32)
+            else:  # c + q by bit moves (no int-to-float conversion, a slow instruction)
+                part = _product(x, _offset_codes(w, X.dtype.element_ty), BLOCK_M, BLOCK_K,
+                                F32_DOT)  # fmt: skip
+                z = z.to(tl.float32) + (1024.0 if X.dtype.element_ty == tl.float16 else 128.0)
+            x_sum = tl.sum(x.to(tl.float32), axis=1)
+            acc += (part - x_sum[:, None] * z[None, :]) * s.to(tl.float32)[None, :]
+        raw = raw_next
+    if BLOCK_M == 1 and LAYOUT >= 2:
+        acc = tl.sum(acc_k, axis=0)[None, :]
+    if LAYOUT >= 2:
+        s = tl.load(S + rn, mask=n_ok, other=0.0).to(tl.float32)
+        if LAYOUT == 3:
+            s = s * 256.0  # the bytes were decoded as value / 2^8
+        acc = acc * s[None, :]
     o_mask = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
+    out_ptr = Out + rm[:, None] * stride_om + rn[None, :]
+    if not SPLIT_K:
         tl.store(out_ptr, acc.to(Out.dtype.element_ty), mask=o_mask)
-    else:
-        tl.atomic_add(out_ptr, acc, mask=o_mask)
+    else:  # partial to the workspace; the tile's last program sums all, in split order
+        ws = WS + rm[:, None] * N + rn[None, :]
+        tl.store(ws + split * M * N, acc, mask=o_mask)
+        tl.debug_barrier()  # every thread's partial is written before the count
+        arrived = tl.atomic_add(CNT + pid, 1, sem="acq_rel")
+        if arrived == NUM_SPLITS - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for j in range(NUM_SPLITS):
+                total += tl.load(ws + j * M * N, mask=o_mask, other=0.0, cache_modifier=".cv")
+            tl.store(out_ptr, total.to(Out.dtype.element_ty), mask=o_mask)
+            tl.atomic_xchg(CNT + pid, 0)
 
 
 @functools.cache
@@ -106,42 +251,177 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """The device's MAX_TILES zeroed int32 split-K counters (each kernel leaves them 0)."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "quantized GEMM: first call on this device inside a CUDA graph capture; "
+                "run one eager forward first (the split-K counters are made then)"
+            )
+        counters = _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return counters
+
+
+def _operands(tensors: dict[str, torch.Tensor], spec: QuantSpec):
+    """(layout, packed weight, qzeros, scales, g_idx) as the kernel reads them (unused ones
+    point at the weight)."""
+    layout = LAYOUT[spec.method]
+    if layout >= 2:
+        w = tensors["weight"]
+        w = w.view(torch.uint8) if layout == 3 else w
+        return layout, w, w, tensors["weight_scale"], w
+    qw = tensors["qweight"]
+    return layout, qw, tensors["qzeros"], tensors["scales"], tensors.get("g_idx", qw)
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """One launch of the kernel: tiles, ``splits`` programs per output tile over
+    ``k_per_split`` inputs each, ``num_warps``."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    splits: int
+    k_per_split: int
+    num_warps: int
+
+
+def _plan(m: int, n: int, k: int, spec: QuantSpec, block_m: int, block_n: int, block_k: int,
+          split: int, num_warps: int) -> GemmPlan:  # fmt: skip
+    """The plan for these tiles: int4 with the trivial g_idx keeps a K tile in one group (the
+    largest power of 2 dividing it) and a split on whole groups; ``split`` is rounded so that
+    each split is whole K tiles."""
+    group = spec.group_size if LAYOUT[spec.method] <= 1 and not spec.act_order else None
+    if group is not None:
+        block_k = min(block_k, group & -group)
+    k_blocks = triton.cdiv(k, block_k)
+    steps = triton.cdiv(k_blocks, max(1, min(split, k_blocks)))
+    if group is not None:
+        per_group = group // block_k
+        steps = triton.cdiv(steps, per_group) * per_group
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    splits = triton.cdiv(k_blocks, steps)
+    if splits > 1 and tiles > MAX_TILES:
+        raise ValueError(f"quantized GEMM: {tiles} tiles; split K allows {MAX_TILES}")
+    return GemmPlan(block_m, block_n, block_k, splits, steps * block_k, num_warps)
+
+
+def _launch(x, tensors, spec, n, plan: GemmPlan) -> torch.Tensor:
+    """Run the kernel on x (M, K) as ``plan`` says: (M, N) in x's dtype."""
+    x = x.contiguous()
+    m, k = x.shape
+    layout, qw, qz, s, g_idx = _operands(tensors, spec)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if plan.splits > 1:
+        ws = torch.empty(plan.splits, m, n, dtype=torch.float32, device=x.device)
+        counters = _split_counters(x.device)
+    else:
+        ws = counters = out
+    tiles = triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n)
+    _wq_gemm_kernel[(tiles, plan.splits)](
+        x, qw, qz, s, g_idx, out, ws, counters, m, n, k, x.stride(0), qw.stride(0),
+        qz.stride(0), s.stride(0), out.stride(0), plan.k_per_split, plan.splits,
+        **kernel_constants(spec, k, x.dtype, plan), num_warps=plan.num_warps,
+    )  # fmt: skip
+    return out
+
+
+def kernel_constants(spec: QuantSpec, k: int, dtype: torch.dtype, plan: GemmPlan) -> dict:
+    """The kernel's constexpr arguments for ``plan`` (benchmarks/quant_compile_check.py
+    compiles with them)."""
+    layout = LAYOUT[spec.method]
+    return dict(
+        LAYOUT=layout, GROUP=spec.group_size if layout <= 1 else k,
+        ACT_ORDER=layout <= 1 and spec.act_order, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        BLOCK_K=plan.block_k, SPLIT_K=plan.splits > 1,
+        F32_DOT=dtype == torch.float32 or interpreting(),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StreamTiles:
+    """Tiles of the streaming kernel: ``block_n`` output columns and ``block_k`` inputs per
+    program step, ``num_warps``; ``dot``: one-row inputs too go through tl.dot (padded to
+    16 rows) rather than multiply-and-sum; ``split_k``: programs per N tile (None: until
+    STREAM_PROGRAMS_PER_SM programs per SM, at least two K tiles each)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    dot: bool
+    split_k: int | None = None
+
+
+#: (int4?, one row?) -> tiles, from sm_90 compiles (ptxas registers, SASS loads): int4 goes
+#: through tl.dot even for one row (multiply-and-sum needed ~230 registers a thread at 4
+#: warps and loaded x element by element at 8); one 8-bit row multiplies and sums (94
+#: registers at 8 warps, 128-bit loads). benchmarks/quant_decode.py times the alternatives.
+STREAM_TILES = {
+    (True, True): StreamTiles(64, 128, 8, dot=True),
+    (True, False): StreamTiles(64, 128, 8, dot=True),
+    (False, True): StreamTiles(32, 256, 8, dot=False),
+    (False, False): StreamTiles(32, 256, 8, dot=True),
+}
+
+
+def stream_plan(m: int, n: int, k: int, spec: QuantSpec, sms: int,
+                tiles: StreamTiles | None = None) -> GemmPlan:  # fmt: skip
+    """The streaming kernel's plan for an (m, k) @ (k, n) product on ``sms`` SMs."""
+    if m > STREAM_MAX_M:
+        raise ValueError(f"weight_streaming_gemm: {m} rows; at most {STREAM_MAX_M}")
+    t = tiles or STREAM_TILES[LAYOUT[spec.method] <= 1, m == 1]
+    split_k = t.split_k
+    if split_k is None:
+        n_tiles, k_blocks = triton.cdiv(n, t.block_n), triton.cdiv(k, t.block_k)
+        split_k = 1
+        while n_tiles * split_k < STREAM_PROGRAMS_PER_SM * sms and split_k * 4 <= k_blocks:
+            split_k *= 2
+    block_m = 1 if m == 1 and not t.dot else max(16, triton.next_power_of_2(m))
+    num_warps = max(t.num_warps, 8) if block_m >= 32 else t.num_warps
+    return _plan(m, n, k, spec, block_m, t.block_n, t.block_k, split_k, num_warps)
+
+
+def tiled_plan(m: int, n: int, k: int, spec: QuantSpec, sms: int) -> GemmPlan:
+    """The tiled kernel's plan: K split only while the grid has fewer than 2 programs an SM."""
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    block_n = 64 if m <= 64 else 128
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    k_blocks = triton.cdiv(k, 64)
+    split = 1
+    while tiles * split < 2 * sms and split * 2 <= k_blocks // 4:
+        split *= 2
+    num_warps = 8 if block_m * block_n >= 64 * 64 else 4
+    return _plan(m, n, k, spec, block_m, block_n, 64, split, num_warps)
+
+
+def weight_streaming_gemm(
+    x: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    spec: QuantSpec,
+    out_features: int,
+    tiles: StreamTiles | None = None,
+) -> torch.Tensor:
+    """x (M <= 64, K) bf16/fp16/fp32 @ W.T for an awq, gptq, int8 or fp8 W (fp8: weight-only,
+    x is not quantized): (M, N) in x's dtype. ``tiles``: STREAM_TILES's choice when None."""
+    m, k = x.shape
+    plan = stream_plan(m, out_features, k, spec, _num_sms(x.device), tiles)
+    return _launch(x, tensors, spec, out_features, plan)
+
+
 def weight_only_gemm(
     x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: QuantSpec, out_features: int
 ) -> torch.Tensor:
-    """x (M, K) bf16/fp16/fp32 @ W.T for an int4 (awq, gptq) or int8 W: (M, N) in x's dtype."""
-    x = x.contiguous()
+    """x (M, K) bf16/fp16/fp32 @ W.T for an awq, gptq, int8 (or fp8 weight-only) W, tiled
+    for larger M: (M, N) in x's dtype."""
     m, k = x.shape
-    n = out_features
-    layout = LAYOUT[spec.method]
-    group = k if layout == 2 else spec.group_size
-    qw = tensors["weight"] if layout == 2 else tensors["qweight"]
-    qz = tensors.get("qzeros", qw)
-    s = tensors["weight_scale"] if layout == 2 else tensors["scales"]
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 64 if m <= 64 else 128
-    block_k = min(64, group)
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    k_blocks = triton.cdiv(k, block_k)
-    split = 1
-    while tiles * split < 2 * _num_sms(x.device) and split * 2 <= k_blocks // 4:
-        split *= 2  # small M: spread K so every SM streams its part of the weight
-    steps = triton.cdiv(k_blocks, split)
-    if layout != 2:  # a split must start at a group boundary (one scale per K tile)
-        per_group = group // block_k
-        steps = triton.cdiv(steps, per_group) * per_group
-        split = triton.cdiv(k_blocks, steps)
-    if split == 1:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    else:
-        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
-    _wq_gemm_kernel[(tiles, split)](
-        x, qw, qz, s, out, m, n, k, x.stride(0), qw.stride(0), qw.stride(1), qz.stride(0),
-        s.stride(0), out.stride(0), steps * block_k,
-        LAYOUT=layout, GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split, F32_DOT=x.dtype == torch.float32 or interpreting(),
-    )  # fmt: skip
-    return out if split == 1 else out.to(x.dtype)
+    plan = tiled_plan(m, out_features, k, spec, _num_sms(x.device))
+    return _launch(x, tensors, spec, out_features, plan)
 
 
 def weight_only_reference(

@@ -3,8 +3,10 @@ projections for it at load time.
 
 The buffers are the checkpoint's tensors of :mod:`sched_lab.backend.quant_formats` (fused
 projections concatenated along the output features). ``forward`` calls
-:mod:`sched_lab.backend.quant_kernels`: the Triton kernel (or ``torch._scaled_mm``) on CUDA,
-the float32 references on CPU (the tests run the kernels themselves under the interpreter).
+:mod:`sched_lab.backend.quant_kernels` by the number of tokens M (:func:`gemm_path`): on CUDA
+the weight-streaming kernel for decode-sized M, the tiled kernel (int4, int8) or
+``torch._scaled_mm`` (fp8 W8A8) above; on CPU the float32 references of the same arithmetic
+(the tests run the kernels themselves under the interpreter).
 """
 
 from __future__ import annotations
@@ -15,6 +17,21 @@ from torch import nn
 from sched_lab.backend.quant_formats import PACK, QuantSpec
 
 FUSED_PROJECTIONS = ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")
+#: tokens per step up to which int4 / int8 run the weight-streaming kernel (decode: every
+#: SM streams its share of the weight); above, the tiled kernel. At most
+#: quant_kernels.STREAM_MAX_M; benchmarks/quant_decode.py times both sides of it
+STREAM_MAX_TOKENS = 32
+#: tokens per step up to which fp8 runs weight-only (W8A16, the streaming kernel: no
+#: activation quantization); above, W8A8 ``torch._scaled_mm`` at the FP8 tensor-core rate
+FP8_WEIGHT_ONLY_MAX_TOKENS = 32
+
+
+def gemm_path(method: str, tokens: int) -> str:
+    """Which GEMM a step of ``tokens`` rows runs for ``method``: "stream" (weight-only
+    streaming kernel), "tiled" (weight-only tiled kernel) or "w8a8" (fp8 ``_scaled_mm``)."""
+    if method == "fp8":
+        return "stream" if tokens <= FP8_WEIGHT_ONLY_MAX_TOKENS else "w8a8"
+    return "stream" if tokens <= STREAM_MAX_TOKENS else "tiled"
 
 
 def buffer_shapes(spec: QuantSpec, in_features: int, out_features: int):
@@ -54,12 +71,15 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from sched_lab.backend import quant_kernels as qk
 
-        if self.spec.method == "fp8":
+        path = gemm_path(self.spec.method, x.shape[0])
+        if path == "w8a8":  # CPU: its float32 reference
             y = qk.fp8_gemm(x, self.weight, self.weight_scale)
-        elif x.is_cuda:
-            y = qk.weight_only_gemm(x, self.tensors(), self.spec, self.out_features)
-        else:
+        elif not x.is_cuda:
             y = qk.weight_only_reference(x, self.tensors(), self.spec)
+        elif path == "stream":
+            y = qk.weight_streaming_gemm(x, self.tensors(), self.spec, self.out_features)
+        else:
+            y = qk.weight_only_gemm(x, self.tensors(), self.spec, self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -1,27 +1,55 @@
-"""Decode step time with quantized weights vs each format's HBM roofline.
+"""Quantized GEMMs alone and decode steps with quantized weights, against bf16 and each
+format's HBM roofline.
 
-    python benchmarks/quant_decode.py                 # CUDA: Llama-3.1-8B shape, ~3 min
-    python benchmarks/quant_decode.py --dry-run       # CPU: a tiny random model, measures nothing
+    timeout 300 python benchmarks/quant_decode.py --out results/quant_decode   # CUDA, 8B shape
+    python benchmarks/quant_decode.py --dry-run --out /tmp/qd    # CPU interpreter, tiny shapes
 
-For bf16, fp8 (W8A8), int8 (W8A16), awq and gptq (int4, group 128) weights, quantized in
-memory at load time from one random bf16 checkpoint (ModelRunner ``quantization``), at batch
-1 / 32 / 256 x context 1k / 4k: the decode step (ModelRunner.execute on decode-only inputs,
-CUDA graphs, device sync included) divided by its roofline,
-  (weight bytes as stored + KV bytes read: batch * context * 2 * layers * kv_heads *
-   head_dim * 2 B) / 4.8 TB/s (the H200 datasheet's HBM3e bandwidth),
-and its speed-up over bf16 at the same shape, all measured in this run.
+Two parts, each written to ``--out`` (``gemm.json``/``gemm.md``, then ``steps.json``/
+``steps.md``) as soon as it is done, so a run cut short keeps what it measured:
+
+1. **GEMMs alone** (``--no-gemm`` skips; saved after each projection): each layer projection of the preset (fused qkv,
+   o, gate_up, down) at M = 1, 8, 16, 32, 64 tokens: bf16 (cuBLAS, ``x @ W.T``), and for
+   fp8, int8, awq, gptq (group 128) the weight-streaming kernel (M <= 64), the large-M path
+   at M = 16, 32, 64 (tiled Triton kernel; fp8: W8A8 ``torch._scaled_mm``), at M = 1 the streaming kernel's
+   other one-row product (``stream-alt``) and, with ``--ab`` (default), the kernels before
+   this change (benchmarks/quant_legacy.py) at M = 1, 16, 32. Each time is
+   one CUDA graph of back-to-back calls over enough weight copies to exceed the L2 cache,
+   divided by the calls. Roofline: bytes as stored / 4.8 TB/s. Each path's output is
+   checked against the float32 dequantized reference (``err``: max |out - ref| / max |ref|).
+   ``gemm.md`` ends with the token threshold at which the streaming kernel stops winning
+   (for quant_linear.STREAM_MAX_TOKENS / FP8_WEIGHT_ONLY_MAX_TOKENS).
+2. **Decode steps** (``--no-steps`` skips): ModelRunner.execute on decode-only inputs (CUDA
+   graphs, device sync included) for bf16 and each method quantized at load time from one
+   random bf16 checkpoint, at the batch x context shapes below, with the current dispatch;
+   roofline = (weight bytes as stored + KV bytes read) / 4.8 TB/s. Written again after each
+   format (the first run also writes the random 8B checkpoint, ~16 GB, under checkpoints/).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
 import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
 
-import torch
-from common import checkpoint, cuda_time, decode_inputs, device_line
+if "--dry-run" in sys.argv:  # before triton is imported: run the kernels in its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from common import checkpoint, cuda_time, decode_inputs, device_line, graph_time  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # NVIDIA H200 datasheet
-METHODS = (None, "fp8", "int8", "awq", "gptq")
+METHODS = ("awq", "gptq", "fp8", "int8")  # the furthest from their targets first
+GEMM_TOKENS = (1, 8, 16, 32, 64)
+LARGE_M_TOKENS = (16, 32, 64)  # where the tiled kernel / W8A8 is timed too
+AB_TOKENS = (1, 16, 32)
+STEP_SHAPES = ((1, 1024), (1, 4096), (32, 1024), (32, 4096), (256, 1024))
+L2_FLUSH_BYTES = 256 << 20  # weight copies per timed graph: > 4x the H200's 50 MB L2
+TARGETS = "batch 1: fp8 >= 1.6x and int4 >= 2.5x faster than bf16; batch >= 32: <= 1.5x roofline"
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
     "hidden_size": 128,
@@ -34,66 +62,267 @@ TINY_LLAMA = {
 }
 
 
+def projections(cfg: dict) -> dict[str, tuple[int, int]]:
+    """name -> (K, N) of one layer's fused projections."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    qkv = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * head_dim
+    o = cfg["num_attention_heads"] * head_dim
+    return {"qkv": (h, qkv), "o": (o, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
+
+
+def nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+# ---------------------------------------------------------------- part 1: GEMMs alone
+def gemm_rows(cfg: dict, device: str, ab: bool, timer, log, save) -> list[dict]:
+    """One row per (projection, tokens, method, path): us per call, roofline, error;
+    ``save(rows)`` after each projection."""
+    from quant_legacy import legacy_gemm
+
+    from sched_lab.backend import quant_kernels as qk
+    from sched_lab.backend.quant_formats import QuantSpec, quantize_weight
+
+    tokens = GEMM_TOKENS if device == "cuda" else (1, 16, 32)
+    rows = []
+    for proj, (k, n) in projections(cfg).items():
+        gen = torch.Generator(device=device).manual_seed(0)
+        dense = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+        xs = {m: torch.randn(m, k, device=device, dtype=dense.dtype, generator=gen) for m in tokens}
+        for method in (None, *METHODS):
+            if method is None:
+                tensors, spec = {"weight": dense}, None
+            else:
+                spec = QuantSpec(method)
+                tensors = quantize_weight(dense, spec)
+            size = nbytes(tensors)
+            copies = [tensors] + [
+                {name: t.clone() for name, t in tensors.items()}
+                for _ in range(min(63, L2_FLUSH_BYTES // size) if device == "cuda" else 0)
+            ]
+            ref = None if method is None else qk.dequantize(tensors, spec).t()
+            for m in tokens:
+                x = xs[m]
+                paths = _paths(method, m, ab and m in AB_TOKENS, qk, legacy_gemm)
+                for path, fn in paths.items():
+                    out = fn(x, tensors, spec, n)
+                    err = float("nan")
+                    if ref is not None:
+                        want = x.float() @ ref
+                        err = ((out.float() - want).abs().max() / want.abs().max()).item()
+                    calls = [lambda t=t, f=fn, x=x, q=spec, n=n: f(x, t, q, n) for t in copies]
+                    sec = timer(lambda c=calls: [f() for f in c]) / len(calls)
+                    row = {"projection": proj, "K": k, "N": n, "tokens": m,
+                           "weights": method or "bf16", "path": path, "us": sec * 1e6,
+                           "roofline_us": (size + 2 * m * (k + n)) / HBM_BYTES_PER_S * 1e6,
+                           "err": err}  # fmt: skip
+                    rows.append(row)
+                    log(f"{proj:8s} M={m:3d} {method or 'bf16':5s} {path:7s} {sec * 1e6:9.1f} us "
+                        f"(x{sec * 1e6 / row['roofline_us']:.2f} roofline) err {err:.1e}")  # fmt: skip
+            del copies
+        save(rows)
+    return rows
+
+
+def _paths(method, m, ab, qk, legacy_gemm) -> dict:
+    """path name -> fn(x, tensors, spec, n) timed for ``method`` at ``m`` tokens."""
+    if method is None:
+        return {"cublas": lambda x, t, spec, n: x @ t["weight"].t()}
+    paths = {}
+    if m <= qk.STREAM_MAX_M:
+        paths["stream"] = qk.weight_streaming_gemm
+    if m == 1:  # the other one-row product (tl.dot vs multiply-and-sum)
+        tiles = qk.STREAM_TILES[method in ("awq", "gptq"), True]
+        alt = replace(tiles, dot=not tiles.dot, num_warps=4)
+        paths["stream-alt"] = lambda x, t, spec, n, a=alt: qk.weight_streaming_gemm(
+            x, t, spec, n, a
+        )
+    if m in LARGE_M_TOKENS and method == "fp8":
+        paths["w8a8"] = lambda x, t, spec, n: qk.fp8_gemm(x, t["weight"], t["weight_scale"])
+    elif m in LARGE_M_TOKENS:
+        paths["tiled"] = qk.weight_only_gemm
+    if ab:
+        paths["legacy"] = legacy_gemm
+    return paths
+
+
+def gemm_markdown(rows: list[dict], header: str) -> str:
+    from sched_lab.backend.quant_linear import gemm_path
+
+    def us(proj, m, weights, path):
+        for r in rows:
+            if (r["projection"], r["tokens"], r["weights"], r["path"]) == (proj, m, weights, path):
+                return r
+        return None
+
+    lines = [header, "", "Per call, us (x roofline); speed-up vs bf16 cuBLAS in brackets; "
+             "new = the path quant_linear.gemm_path picks.", "",
+             "| projection (K, N) | M | bf16 | " + " | ".join(
+                 f"{w} new | {w} legacy" for w in METHODS) + " |",
+             "|---|---|---|" + "---|---|" * len(METHODS)]  # fmt: skip
+    projs = list(dict.fromkeys(r["projection"] for r in rows))
+    tokens = sorted({r["tokens"] for r in rows})
+    for proj in projs:
+        for m in tokens:
+            base = us(proj, m, "bf16", "cublas")
+            if base is None:
+                continue
+            k, n = base["K"], base["N"]
+            cells = [f"{base['us']:.1f} (x{base['us'] / base['roofline_us']:.2f})"]
+            for w in METHODS:
+                for path in (gemm_path(w, m), "legacy"):
+                    r = us(proj, m, w, path)
+                    cells.append("-" if r is None else
+                                 f"{r['us']:.1f} (x{r['us'] / r['roofline_us']:.2f}) "
+                                 f"[{base['us'] / r['us']:.2f}x]")  # fmt: skip
+            lines.append(f"| {proj} ({k}, {n}) | {m} | " + " | ".join(cells) + " |")
+    lines += ["", "Streaming kernel vs the large-M path, summed over the four projections (us):", "",
+              "| weights | " + " | ".join(f"M={m}" for m in tokens) + " | stream wins up to |",
+              "|---|" + "---|" * len(tokens) + "---|"]  # fmt: skip
+    worst = max((r["err"] for r in rows if r["err"] == r["err"]), default=float("nan"))
+    for w in METHODS:
+        other = "w8a8" if w == "fp8" else "tiled"
+        cells, up_to, lost = [], "-", False
+        for m in tokens:
+            s, o = _total(rows, w, "stream", m), _total(rows, w, other, m)
+            cells.append(f"{s:.0f} / {o:.0f}" if s and o else (f"{s:.0f} / -" if s else "-"))
+            if s and o and not lost:
+                lost = s > o
+                up_to = f"< {m}" if lost and up_to == "-" else (up_to if lost else str(m))
+        lines.append(f"| {w} (stream / {other}) | " + " | ".join(cells) + f" | {up_to} |")
+    alt = [f"{w} {_total(rows, w, 'stream', 1):.0f} / {_total(rows, w, 'stream-alt', 1):.0f}"
+           for w in METHODS]  # fmt: skip
+    lines += ["", "One row, summed over the projections (us): STREAM_TILES's choice / the other "
+              "product (tl.dot vs multiply-and-sum, 4 warps): " + ", ".join(alt)]  # fmt: skip
+    lines += ["", f"Largest relative error against the float32 dequantized reference: {worst:.2e} "
+              "(fp8 w8a8 includes its activation rounding)."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _total(rows: list[dict], weights: str, path: str, tokens: int) -> float:
+    """Microseconds of ``path`` summed over the projections (0: not timed)."""
+    return sum(
+        r["us"] for r in rows if (r["weights"], r["path"], r["tokens"]) == (weights, path, tokens)
+    )
+
+
+# ---------------------------------------------------------------- part 2: decode steps
 def stored_bytes(model: torch.nn.Module) -> int:
     """Bytes of every parameter and buffer (packed weights and scales as stored)."""
     tensors = [*model.parameters(), *model.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="llama-3.1-8b")
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model, two small shapes")
-    args = ap.parse_args()
+def step_rows(model_dir, shapes, device, dtype, timer, log, save) -> list[dict]:
+    """One row per (weights, batch, context); ``save(rows)`` after each weight format."""
     from sched_lab.backend.runner import ModelRunner
 
-    if args.dry_run:
-        from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
-
-        model_dir = write_random_checkpoint(TINY_LLAMA, tempfile.mkdtemp(), "float32")
-        shapes, device, dtype, timer = [(1, 16), (2, 32)], "cpu", "float32", _wall_time
-        print("# quant_decode dry run: CPU, tiny random Llama (measures nothing)")
-    else:
-        model_dir = checkpoint(args.preset)
-        shapes = [(b, c) for b in (1, 32, 256) for c in (1024, 4096)]
-        device, dtype, timer = "cuda", "bfloat16", cuda_time
-        print(f"# quant_decode: {args.preset} shape, random weights, {device_line()}")
-    print("| weights | batch | context | step (ms) | roofline (ms) | step / roofline | "
-          "speed-up vs bf16 |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
-    bf16_steps: dict[tuple[int, int], float] = {}
-    for method in METHODS:
+    rows, bf16 = [], {}
+    for method in (None, *METHODS):
         max_ctx = max(c for _, c in shapes)
         runner = ModelRunner(model_dir, device=device, dtype=dtype, quantization=method,
                              attention_backend="triton" if device == "cuda" else "torch",
-                             block_size=16, max_model_len=max_ctx + 16, max_num_seqs=256,
-                             gpu_memory_utilization=0.9, cuda_graph_sizes=(1, 32, 256),
+                             block_size=16, max_model_len=max_ctx + 16,
+                             max_num_seqs=max(b for b, _ in shapes), gpu_memory_utilization=0.9,
+                             cuda_graph_sizes=tuple(sorted({b for b, _ in shapes})),
                              mixed_graphs=False, swap_space_bytes=0)  # fmt: skip
         cfg = runner.config
         kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
         weights = stored_bytes(runner.model)
-        name = method or "bf16"
         for batch, ctx in shapes:
-            seqs = decode_inputs(batch, ctx)
+            row = {"weights": method or "bf16", "batch": batch, "context": ctx}
             if batch * -(-(ctx + 1) // 16) > runner.num_gpu_blocks:
-                print(f"| {name} | {batch} | {ctx} | - | - | KV does not fit | - |")
+                rows.append({**row, "step_ms": None, "note": "KV does not fit"})
                 continue
+            seqs = decode_inputs(batch, ctx)
             step = timer(lambda s=seqs, r=runner: r.execute(s))
             roof = (weights + batch * ctx * kv_per_token) / HBM_BYTES_PER_S
             if method is None:
-                bf16_steps[batch, ctx] = step
-            speedup = bf16_steps.get((batch, ctx), float("nan")) / step
-            print(f"| {name} | {batch} | {ctx} | {step * 1e3:.3f} | {roof * 1e3:.3f} | "
-                  f"{step / roof:.2f} | {speedup:.2f} |")  # fmt: skip
+                bf16[batch, ctx] = step
+            row.update(step_ms=step * 1e3, roofline_ms=roof * 1e3, x_roofline=step / roof,
+                       speedup_vs_bf16=bf16.get((batch, ctx), float("nan")) / step)  # fmt: skip
+            rows.append(row)
+            log(f"step {row['weights']:5s} batch {batch:3d} ctx {ctx:5d}: {step * 1e3:.3f} ms "
+                f"(x{step / roof:.2f} roofline, {row['speedup_vs_bf16']:.2f}x bf16)")  # fmt: skip
         del runner
+        save(rows)
         if device == "cuda":
             torch.cuda.empty_cache()
-    print(f"\n(roofline = (weights as stored + KV bytes read) / {HBM_BYTES_PER_S / 1e12:g} TB/s)")
+    return rows
 
 
-def _wall_time(fn, warmup: int = 1, iters: int = 2) -> float:
-    import time
+def steps_markdown(rows: list[dict], header: str) -> str:
+    lines = [header, "", "| weights | batch | context | step (ms) | roofline (ms) | "
+             "step / roofline | speed-up vs bf16 |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        if r["step_ms"] is None:
+            lines.append(f"| {r['weights']} | {r['batch']} | {r['context']} | - | - | "
+                         f"{r['note']} | - |")  # fmt: skip
+        else:
+            lines.append(f"| {r['weights']} | {r['batch']} | {r['context']} | {r['step_ms']:.3f} | "
+                         f"{r['roofline_ms']:.3f} | {r['x_roofline']:.2f} | "
+                         f"{r['speedup_vs_bf16']:.2f} |")  # fmt: skip
+    lines += ["", f"(roofline = (weights as stored + KV bytes read) / "
+              f"{HBM_BYTES_PER_S / 1e12:g} TB/s; targets: {TARGETS})"]  # fmt: skip
+    return "\n".join(lines) + "\n"
 
+
+# ---------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder for gemm/steps .json and .md")
+    ap.add_argument("--preset", default="llama-3.1-8b")
+    ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes")
+    ap.add_argument("--ab", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the kernels before this change (GEMMs alone)")  # fmt: skip
+    ap.add_argument("--no-gemm", action="store_true", help="skip part 1")
+    ap.add_argument("--no-steps", action="store_true", help="skip part 2")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from sched_lab.core.model_presets import PRESETS
+
+    if args.dry_run:
+        cfg, device, dtype, timer = TINY_LLAMA, "cpu", "float32", _wall_time
+        header = "# quant_decode dry run: CPU, Triton interpreter, tiny shapes (measures nothing)"
+    else:
+        cfg, device, dtype = PRESETS[args.preset], "cuda", "bfloat16"
+        timer = graph_time
+        header = f"# quant_decode: {args.preset} shape, random weights, {device_line()}"
+    t0 = time.perf_counter()
+
+    def log(line: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f} s] {line}", flush=True)
+
+    if not args.no_gemm:
+
+        def save_gemm(rows: list[dict]) -> None:
+            (out / "gemm.json").write_text(json.dumps(rows, indent=1))
+            (out / "gemm.md").write_text(gemm_markdown(rows, header))
+
+        rows = gemm_rows(cfg, device, args.ab, timer, log, save_gemm)
+        print(gemm_markdown(rows, header), flush=True)
+    if not args.no_steps:
+        if args.dry_run:
+            from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
+
+            model_dir = write_random_checkpoint(TINY_LLAMA, tempfile.mkdtemp(), "float32")
+            shapes, step_timer = ((1, 16), (2, 32)), _wall_time
+        else:
+            model_dir, shapes, step_timer = checkpoint(args.preset), STEP_SHAPES, cuda_time
+            log(f"checkpoint {model_dir}")
+
+        def save(rows: list[dict]) -> None:
+            (out / "steps.json").write_text(json.dumps(rows, indent=1))
+            (out / "steps.md").write_text(steps_markdown(rows, header))
+
+        rows = step_rows(model_dir, shapes, device, dtype, step_timer, log, save)
+        print(steps_markdown(rows, header), flush=True)
+    log(f"done: {out}")
+
+
+def _wall_time(fn, warmup: int = 1, iters: int = 1) -> float:
     for _ in range(warmup):
         fn()
     t0 = time.perf_counter()

@@ -77,27 +77,123 @@ def test_round_to_nearest_error_is_within_half_a_step(method):
 
 
 # ------------------------------------------------------------------ kernels
+def _quantized(method, n, k, group=128, seed=2):
+    """(spec, tensors on DEVICE) of a random (n, k) weight."""
+    spec = QuantSpec(method, group)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    return spec, {name: t.to(DEVICE) for name, t in quantize_weight(w, spec).items()}
+
+
+def _assert_close_to_reference(out, x, tensors, spec, n):
+    from sched_lab.backend.quant_kernels import weight_only_reference
+
+    ref = weight_only_reference(x, tensors, spec)
+    assert out.shape == (x.shape[0], n) and out.dtype == x.dtype
+    # float32: summation order only (outputs below 100); 16 bits: one ulp of outputs < 64
+    # (the interpreter truncates to 16 bits), far above the float32 rounding of the int4
+    # kernels' 128 + q (1024 + q) sums (~1e-3 at these sizes)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 2**-5}[x.dtype]
+    assert (out.float() - ref.float()).abs().max().item() <= tol
+
+
 @needs_triton
-@pytest.mark.parametrize("method", ["awq", "gptq", "int8"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [3, 40])
 def test_weight_only_gemm_matches_dequantized_reference(method, dtype, m):
-    from sched_lab.backend.quant_kernels import weight_only_gemm, weight_only_reference
+    from sched_lab.backend.quant_kernels import weight_only_gemm
 
-    g = torch.Generator().manual_seed(2)
     n, k = 96, 256  # two groups of 128 (awq/gptq); m = 3 splits K over programs
-    spec = QuantSpec(method, 128)
-    tensors = {
-        name: t.to(DEVICE)
-        for name, t in quantize_weight(torch.randn(n, k, generator=g), spec).items()
-    }
-    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
-    out = weight_only_gemm(x, tensors, spec, n)
-    ref = weight_only_reference(x, tensors, spec)
-    assert out.shape == (m, n) and out.dtype == dtype
-    # float32: summation order only; bf16: one bf16 ulp of outputs of magnitude < 64
-    tol = 1e-4 if dtype == torch.float32 else 0.25
-    assert (out.float() - ref.float()).abs().max().item() <= tol
+    spec, tensors = _quantized(method, n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    _assert_close_to_reference(weight_only_gemm(x, tensors, spec, n), x, tensors, spec, n)
+
+
+@needs_triton
+@pytest.mark.parametrize("method", ["awq", "gptq", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "m, n, k, split, dot",  # N, K off the tiles (64 / 32 columns, 128 / 256 inputs)
+    [(1, 96, 256, None, None), (1, 40, 384, 3, True), (1, 40, 384, 3, False),
+     (5, 40, 384, 3, None), (33, 24, 256, 2, None)],
+)  # fmt: skip
+def test_weight_streaming_gemm_matches_dequantized_reference(method, dtype, m, n, k, split, dot):
+    from dataclasses import replace
+
+    from sched_lab.backend.quant_kernels import _COUNTERS, STREAM_TILES, weight_streaming_gemm
+
+    spec, tensors = _quantized(method, n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
+    tiles = STREAM_TILES[method in ("awq", "gptq"), m == 1]
+    if split is not None:  # int4: one group of 128 per split; 8 bits: one K tile of 256 each
+        tiles = replace(tiles, split_k=split, dot=tiles.dot if dot is None else dot)
+    _assert_close_to_reference(weight_streaming_gemm(x, tensors, spec, n, tiles), x, tensors,
+                               spec, n)  # fmt: skip
+    if split:
+        assert int(_COUNTERS[DEVICE].abs().sum()) == 0  # each tile's last program reset its count
+
+
+@needs_triton
+def test_act_order_gptq_follows_g_idx():
+    from sched_lab.backend.quant_kernels import (
+        STREAM_TILES,
+        StreamTiles,
+        weight_only_gemm,
+        weight_only_reference,
+        weight_streaming_gemm,
+    )
+
+    n, k = 40, 256
+    _, tensors = _quantized("gptq", n, k, group=64)
+    g = torch.Generator().manual_seed(5)
+    tensors["g_idx"] = tensors["g_idx"][torch.randperm(k, generator=g).to(DEVICE)]
+    spec = QuantSpec("gptq", 64, act_order=True)
+    w = dequantize(tensors, spec)  # row k of W.T is (q[k] - zero[g_idx[k]]) * scale[g_idx[k]]
+    k0, g0 = 7, int(tensors["g_idx"][7])
+    codes = unpack_gptq_rows(tensors["qweight"])[k0]
+    zero = unpack_gptq_zeros(tensors["qzeros"])[g0]
+    torch.testing.assert_close(w[:, k0], (codes - zero).float() * tensors["scales"][g0].float())
+    trivial = weight_only_reference(torch.eye(k, device=DEVICE), tensors, QuantSpec("gptq", 64))
+    assert not torch.allclose(trivial, w.t())  # the permuted g_idx matters
+    assert STREAM_TILES[True, False].block_k == 128  # not one group: K tiles span two groups
+    for m in (1, 2):  # multiply-and-sum, tl.dot; two K tiles in two splits
+        x = torch.randn(m, k, generator=g).to(DEVICE)
+        tiles = StreamTiles(32, 128, 4, dot=m > 1, split_k=2)
+        out = weight_streaming_gemm(x, tensors, spec, n, tiles)
+        _assert_close_to_reference(out, x, tensors, spec, n)
+    x = torch.randn(20, k, generator=g).to(DEVICE)
+    _assert_close_to_reference(weight_only_gemm(x, tensors, spec, n), x, tensors, spec, n)
+
+
+def test_plans_on_the_8b_shapes():
+    from sched_lab.backend.quant_kernels import GemmPlan, stream_plan, tiled_plan
+
+    awq, int8 = QuantSpec("awq"), QuantSpec("int8")
+    # qkv (K 4096, N 6144), one row, 132 SMs: 96 tiles of 64 columns, K split 8 ways until
+    # >= 4 programs per SM (768), each split 4 K tiles of 128 = 4 whole groups
+    assert stream_plan(1, 6144, 4096, awq, 132) == GemmPlan(16, 64, 128, 8, 512, 8)
+    # down (K 14336, N 4096), int8: 128 tiles of 32; 56 K tiles of 256 in 8 splits of 7
+    assert stream_plan(1, 4096, 14336, int8, 132) == GemmPlan(1, 32, 256, 8, 1792, 8)
+    # 32 rows: one M tile of 32, 8 warps; a 64-row tile for 33
+    assert stream_plan(32, 4096, 4096, int8, 132).block_m == 32
+    assert stream_plan(33, 4096, 4096, int8, 132).block_m == 64
+    # tiled, 256 rows of gate_up (N 28672): 4 x 224 tiles of 64 x 128 already fill the SMs
+    assert tiled_plan(256, 28672, 4096, awq, 132) == GemmPlan(64, 128, 64, 1, 4096, 8)
+
+
+def test_gemm_path_by_tokens():
+    from sched_lab.backend.quant_kernels import STREAM_MAX_M
+    from sched_lab.backend.quant_linear import (
+        FP8_WEIGHT_ONLY_MAX_TOKENS,
+        STREAM_MAX_TOKENS,
+        gemm_path,
+    )
+
+    assert max(STREAM_MAX_TOKENS, FP8_WEIGHT_ONLY_MAX_TOKENS) <= STREAM_MAX_M
+    assert [gemm_path("awq", t) for t in (1, STREAM_MAX_TOKENS, STREAM_MAX_TOKENS + 1)] == [
+        "stream", "stream", "tiled"
+    ]  # fmt: skip
+    assert [gemm_path("fp8", t) for t in (1, FP8_WEIGHT_ONLY_MAX_TOKENS + 1)] == ["stream", "w8a8"]
 
 
 def test_fp8_reference_quantizes_activations_per_token():

@@ -254,3 +254,36 @@ def test_cpu_profile_with_adapters_runs_end_to_end(tmp_path, monkeypatch):
     assert (row["num_loras"], row["num_lora_tokens"]) == (2, 16)
     model = CalibratedCostModel(out)
     assert model.lora_coef is not None and model.lora_rank == 8 and (model.lora_coef >= 0).all()
+
+
+def test_multi_lora_h200_script_dry_run(tmp_path):
+    """benchmarks/multi_lora_h200.py --dry-run on the CPU: checkpoint, adapters, a profile
+    with LoRA rows, the YAML on the engine and in the simulator at max_loras 1 and 2, and
+    the table (numbers of a tiny model on a shared CPU: only their presence is checked)."""
+    pytest.importorskip("torch")
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out"
+    subprocess.run(
+        [sys.executable, "benchmarks/multi_lora_h200.py", "--dry-run", "--out", str(out),
+         "--work", str(tmp_path / "work")],
+        cwd=root, check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    record = json.loads((out / "multi_lora_h200.json").read_text())
+    assert [p["max_loras"] for p in record["points"]] == [1, 2] and not record["skipped"]
+    for p in record["points"]:
+        for side in ("engine", "sim"):
+            assert set(p[side]) == {"fcfs", "lora_aware"}
+            assert all(s["completed"] == 8 and s["num_lora_loads"] >= 1 for s in p[side].values())
+            assert (out / side / f"max_loras_{p['max_loras']}" / "steps.csv").exists()
+    assert set(record["lora_coefficients"]) == {"lora_step", "num_loras", "num_lora_tokens"}
+    md = (out / "multi_lora_h200.md").read_text()
+    rows = [line.split(" | ")[:2] for line in md.splitlines() if line.startswith("| 1 |")
+            or line.startswith("| 2 |")]  # fmt: skip
+    assert rows == [["| 1", p] for p in ("fcfs", "lora_aware")] + [
+        ["| 2", p] for p in ("fcfs", "lora_aware")
+    ]

@@ -125,6 +125,8 @@ def point_configs(raw: dict, args, ckpt: Path, loras: Path, out: Path, max_loras
     engine = copy.deepcopy(raw)
     engine["name"] = f"multi_lora_h200_max_loras_{max_loras}"
     engine["engine"]["model_path"] = str(ckpt)
+    if not args.dry_run:  # the simulator's shape (adapter and KV bytes): the checkpoint's
+        engine["model"] = args.preset
     engine["lora"].update(adapter_dir=str(loras), max_loras=max_loras,
                           num_adapters=args.adapters, max_lora_rank=args.rank)  # fmt: skip
     engine["lora"]["max_cpu_loras"] = max(engine["lora"].get("max_cpu_loras") or 0, max_loras)

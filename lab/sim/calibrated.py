@@ -798,7 +798,8 @@ def main(
         print(f"error: {e}", file=sys.stderr)
         return 2
     model, hardware = profile_shape(path)
-    analytic = fit_analytic(df, model, hardware) if model and hardware else None
+    base = df[~lora_rows(df)]  # the roofline's efficiencies: rows without adapters
+    analytic = fit_analytic(base, model, hardware) if model and hardware else None
     kinds = df["kind"].fillna("unlabelled") if "kind" in df else pd.Series(["all"] * len(df))
     by_kind = {str(k): float(np.median(err[(kinds == k).to_numpy()])) for k in kinds.unique()}
     fingerprint = read_fingerprint(path)

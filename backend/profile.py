@@ -24,7 +24,19 @@ Grid: decode-only batches (1-256 sequences, contexts 128-4096; and 8-64 sequence
 log-normal contexts), prefill chunks (16-8192 tokens over cached prefixes of 0-4096; 16-1024 over 16k-32k),
 several prompts at once, steps of 12k and 16k prompt tokens (one prompt to 16; eager, above
 the largest CUDA graph), prefill chunks mixed with decodes, and swap-out + swap-in of 1-256
-blocks alongside 8 or 64 decodes.
+blocks alongside 8 or 64 decodes. ``--grid small`` keeps a few points of each kind (no eager
+or long-prefix rows), for a profile of a large model in a few minutes.
+
+LoRA (``--lora-dir DIR``: PEFT adapters ``lora-0 .. lora-{N-1}``, as ``sched-lab tools
+make-random-lora`` writes them): the runner gets them all, with ``--max-loras`` GPU slots, for
+every row (so the rows without adapters time a LoRA-enabled engine with none in the batch,
+as an engine run with a ``lora:`` section runs them), and the grid gains rows with adapters:
+decode batches of 8-128 sequences at two contexts spread round-robin over 1, 4, 16 or 32
+distinct adapters (at most N, ``--max-loras`` and the batch), and prefill and mixed steps
+with adapters. Their ``num_loras`` and ``num_lora_tokens`` are set (0 in the other rows); a
+``# lora: rank R, ...`` header line names the adapters' rank. The calibrated model fits the
+LoRA terms from them (lab/sim/calibrated.py). Each row's adapters are loaded into their
+slots by its warm-up run, so no timed run pays a load.
 """
 
 from __future__ import annotations
@@ -75,10 +87,31 @@ SWAP_BLOCKS = (1, 4, 16, 64, 256)
 # latency comes from benchmarks/swap_profile.py.
 LEFT_OUT = ("num_swap_runs",)
 UNEVEN_BATCHES = (8, 32, 64)  # decode batches of log-normal contexts (median 1k, sigma 1)
+# --grid small: a few points of each kind, enough rows for every coefficient but the eager one
+SMALL_DECODE_BATCHES = (1, 8, 32, 64, 128, 256)
+SMALL_DECODE_CONTEXTS = (256, 1024, 4096)
+SMALL_PREFILL_LENGTHS = (16, 128, 512, 1024, 2048, 4096)
+SMALL_PREFILL_PREFIXES = (0, 1024)
+SMALL_MIXED = [(d, n) for d in (8, 32) for n in (512, 2048)]
+# LoRA rows (--lora-dir): decode batches x contexts x distinct adapters in the batch (capped
+# by the adapters, --max-loras and the batch); (prompts, tokens each) of prefill steps, one
+# adapter per prompt; (decodes, chunk tokens, adapters) of mixed steps (decodes at
+# LORA_MIXED_CONTEXT, the chunk over LORA_MIXED_CACHED cached tokens)
+LORA_DECODE_BATCHES = (8, 32, 64, 128)
+LORA_DECODE_CONTEXTS = (512, 2048)
+LORA_COUNTS = (1, 4, 16, 32)
+LORA_PREFILLS = [(1, 256), (1, 1024), (4, 256), (4, 1024)]
+LORA_MIXED = [(32, 512, 4), (32, 512, 16)]
+LORA_MIXED_CONTEXT, LORA_MIXED_CACHED = 1024, 512
+SMALL_LORA_DECODE_CONTEXTS = (1024,)
+MAX_PROFILE_LORAS = 32  # --max-loras default: the adapters found, at most this
 
 
-def shapes() -> list[tuple[str, list[tuple[int, int]], list[int], int]]:
-    """(kind, prefill chunks as (cached, new), decode contexts, swap blocks) per grid point."""
+def shapes(small: bool = False) -> list[tuple[str, list[tuple[int, int]], list[int], int]]:
+    """(kind, prefill chunks as (cached, new), decode contexts, swap blocks) per grid point;
+    ``small``: the ``--grid small`` points."""
+    if small:
+        return small_shapes()
     grid = []
     for b in DECODE_BATCHES:
         for ctx in DECODE_CONTEXTS:
@@ -104,7 +137,56 @@ def shapes() -> list[tuple[str, list[tuple[int, int]], list[int], int]]:
     return grid
 
 
-def features(chunks, decodes, swap_blocks) -> StepFeatures:
+def small_shapes() -> list[tuple[str, list[tuple[int, int]], list[int], int]]:
+    """:func:`shapes` of ``--grid small``."""
+    grid = []
+    for b in SMALL_DECODE_BATCHES:
+        for ctx in SMALL_DECODE_CONTEXTS:
+            grid.append(("decode", [], [ctx] * b, 0))
+    ctx = np.random.default_rng(32).lognormal(np.log(1024), 1.0, 32)
+    grid.append(("decode_uneven", [], np.clip(ctx, 64, 8192).astype(int).tolist(), 0))
+    for n in SMALL_PREFILL_LENGTHS:
+        for c in SMALL_PREFILL_PREFIXES:
+            grid.append(("prefill", [(c, n)], [], 0))
+    for n in (256, 1024):
+        grid.append(("prefill", [(0, n)] * 4, [], 0))
+    for d, n in SMALL_MIXED:
+        grid.append(("mixed", [(512, n)], [1024] * d, 0))
+    for s in (4, 64):
+        grid.append(("swap", [], [1024] * 8, s))
+    return grid
+
+
+def lora_shapes(
+    max_adapters: int, small: bool = False
+) -> list[tuple[str, list[tuple[int, int]], list[int], int, list[str]]]:
+    """The LoRA rows: :func:`shapes`' tuples plus each sequence's adapter (prefill chunks
+    first, then decodes), round-robin over ``lora-0 .. lora-{k-1}`` for k distinct adapters
+    (k <= ``max_adapters``)."""
+
+    def names(num_seqs: int, k: int) -> list[str]:
+        return [f"lora-{i % k}" for i in range(num_seqs)]
+
+    grid = []
+    contexts = SMALL_LORA_DECODE_CONTEXTS if small else LORA_DECODE_CONTEXTS
+    for b in LORA_DECODE_BATCHES:
+        counts = sorted({min(k, max_adapters, b) for k in LORA_COUNTS})
+        for ctx in contexts:
+            for k in counts:
+                grid.append(("lora_decode", [], [ctx] * b, 0, names(b, k)))
+    for p, n in LORA_PREFILLS[1::2] if small else LORA_PREFILLS:
+        grid.append(("lora_prefill", [(0, n)] * p, [], 0, names(p, min(p, max_adapters))))
+    for d, n, k in LORA_MIXED[:1] if small else LORA_MIXED:
+        chunk, decodes = [(LORA_MIXED_CACHED, n)], [LORA_MIXED_CONTEXT] * d
+        grid.append(("lora_mixed", chunk, decodes, 0, names(d + 1, min(k, max_adapters))))
+    return grid
+
+
+def features(chunks, decodes, swap_blocks, lora_names=()) -> StepFeatures:
+    """The StepFeatures of a grid point; ``lora_names``: each sequence's adapter ("" = none),
+    chunks first, as :func:`step_inputs` orders them."""
+    fed = [n for _, n in chunks] + [1] * len(decodes)
+    with_lora = [(name, t) for name, t in zip(lora_names, fed) if name]
     return StepFeatures(
         num_prefill_tokens=sum(n for _, n in chunks),
         num_prefills=len(chunks),
@@ -114,20 +196,26 @@ def features(chunks, decodes, swap_blocks) -> StepFeatures:
         decode_context_tokens=sum(decodes),
         num_samples=len(chunks) + len(decodes),
         num_swap_blocks=2 * swap_blocks,
+        num_loras=len({name for name, _ in with_lora}),
+        num_lora_tokens=sum(t for _, t in with_lora),
     )
 
 
-def step_inputs(chunks, decodes, block_size) -> list[SeqInput]:
+def step_inputs(chunks, decodes, block_size, lora_names=()) -> list[SeqInput]:
+    """The step's SeqInputs, each over its own blocks; ``lora_names`` as in :func:`features`."""
     from sched_lab.backend.runner import SeqInput
 
+    names = iter(lora_names)
     seqs, next_block = [], 0
     for c, n in chunks:
         blocks = -(-(c + n + 1) // block_size)
-        seqs.append(SeqInput([7] * n, c, list(range(next_block, next_block + blocks)), True))
+        table = list(range(next_block, next_block + blocks))
+        seqs.append(SeqInput([7] * n, c, table, True, lora_name=next(names, "")))
         next_block += blocks
     for ctx in decodes:
         blocks = -(-(ctx + 1) // block_size)
-        seqs.append(SeqInput([7], ctx - 1, list(range(next_block, next_block + blocks)), True))
+        table = list(range(next_block, next_block + blocks))
+        seqs.append(SeqInput([7], ctx - 1, table, True, lora_name=next(names, "")))
         next_block += blocks
     return seqs
 
@@ -227,6 +315,30 @@ def main(argv: list[str] | None = None, prog: str = "python -m sched_lab.backend
         help="KV blocks (kv_cache.num_gpu_blocks; default: 90%% of free GPU memory); rows "
         "whose blocks do not fit are left out",
     )
+    ap.add_argument(
+        "--grid",
+        choices=("full", "small"),
+        default="full",
+        help="full (default) or small: a few points of each kind, no eager or long-prefix rows "
+        "(a large model's profile in minutes; steps above 8,192 tokens are then extrapolated)",
+    )
+    ap.add_argument(
+        "--lora-dir",
+        help="folder of PEFT adapters lora-0 .. lora-{N-1} (`sched-lab tools "
+        "make-random-lora`): every row runs with them attached, plus rows with adapters "
+        "(num_loras, num_lora_tokens) for the calibrated model's LoRA terms",
+    )
+    ap.add_argument(
+        "--max-loras",
+        type=positive_int,
+        help=f"with --lora-dir: GPU adapter slots (lora.max_loras; default: the adapters "
+        f"found, at most {MAX_PROFILE_LORAS})",
+    )
+    ap.add_argument(
+        "--max-lora-rank",
+        type=positive_int,
+        help="with --lora-dir: lora.max_lora_rank (default: the adapters' largest rank)",
+    )
     ap.add_argument("--repeat", type=int, default=2, help="timed runs per row and pass")
     ap.add_argument("--passes", type=int, default=3, help="passes over the whole grid")
     ap.add_argument(
@@ -269,6 +381,12 @@ def _profile(args: argparse.Namespace) -> None:
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   num_gpu_blocks=args.num_gpu_blocks,
                   kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
+    lora = lora_setup(args)
+    if lora is not None:
+        if args.tensor_parallel_size > 1:
+            raise UserError("--lora-dir: adapters with tensor parallelism are not implemented")
+        kwargs.update(lora_adapters=lora["adapters"], max_loras=lora["max_loras"],
+                      max_lora_rank=lora["max_lora_rank"])  # fmt: skip
     if args.tensor_parallel_size == 1:
         runner = ModelRunner(args.model_dir, **kwargs)
     else:
@@ -277,9 +395,13 @@ def _profile(args: argparse.Namespace) -> None:
         runner = TensorParallelRunner(args.model_dir, args.tensor_parallel_size, **kwargs)
     gc.collect()
     gc.freeze()  # as the replay loop does (lab/sim/replay.py): full collections skip the model
+    small = args.grid == "small"
+    points = [(*g, []) for g in (shapes(small=True) if small else shapes())]
+    if lora is not None:
+        points += lora_shapes(min(len(lora["adapters"]), lora["max_loras"]), small)
     grid = [
-        (kind, chunks, decodes, swap, step_inputs(chunks, decodes, args.block_size))
-        for kind, chunks, decodes, swap in shapes()
+        (kind, chunks, decodes, swap, step_inputs(chunks, decodes, args.block_size, names), names)
+        for kind, chunks, decodes, swap, names in points
     ]
     grid = [
         g
@@ -288,7 +410,7 @@ def _profile(args: argparse.Namespace) -> None:
         and max(s.start_pos + len(s.token_ids) for s in g[4]) <= runner.max_model_len
         and len(g[4]) <= args.max_num_seqs
     ]
-    kinds = {k for k, *_ in shapes()}
+    kinds = {g[0] for g in points}
     missing = sorted(kinds - {g[0] for g in grid})
     if not any(g[0] == "decode" for g in grid) or not any(g[0] == "prefill" for g in grid):
         raise UserError(
@@ -306,14 +428,14 @@ def _profile(args: argparse.Namespace) -> None:
               "extrapolates there", flush=True)  # fmt: skip
     samples: list[list[tuple[float, float]]] = [[] for _ in grid]
     for p in range(args.passes):
-        for runs, (_, _, _, swap, seqs) in zip(samples, grid, strict=True):
+        for runs, (_, _, _, swap, seqs, _) in zip(samples, grid, strict=True):
             runs += time_step(runner, seqs, swap, args.repeat)
         print(f"pass {p + 1}/{args.passes} done", flush=True)
     rows = []
-    for runs, (kind, chunks, decodes, swap, _) in zip(samples, grid, strict=True):
+    for runs, (kind, chunks, decodes, swap, _, names) in zip(samples, grid, strict=True):
         times, hosts = [d for d, _ in runs], [h for _, h in runs]
         t, host = float(np.median(times)), float(np.median(hosts))
-        feats = {k: v for k, v in asdict(features(chunks, decodes, swap)).items()
+        feats = {k: v for k, v in asdict(features(chunks, decodes, swap, names)).items()
                  if k not in LEFT_OUT}  # fmt: skip
         row = {"kind": kind, **feats, "duration_s": t}
         if not np.isnan(host):
@@ -321,13 +443,52 @@ def _profile(args: argparse.Namespace) -> None:
         rows.append(row)
         print(
             f"{kind:8s} prefill {rows[-1]['num_prefill_tokens']:5d} decodes "
-            f"{len(decodes):3d} ctx {sum(decodes):7d} swap {2 * swap:3d}: {t * 1e3:8.3f} ms "
+            f"{len(decodes):3d} ctx {sum(decodes):7d} swap {2 * swap:3d} loras "
+            f"{feats['num_loras']:2d}: {t * 1e3:8.3f} ms "
             f"(spread {min(times) * 1e3:.3f}-{max(times) * 1e3:.3f}; host {host * 1e3:.3f})",
             flush=True,
         )
-    write(Path(args.out), rows, runner, args)
+    write(Path(args.out), rows, runner, args, lora)
     if args.tensor_parallel_size > 1:
         runner.close()
+
+
+def lora_setup(args: argparse.Namespace) -> dict | None:
+    """The runner's LoRA arguments from ``--lora-dir`` (None without it): ``adapters`` (name
+    -> folder, ``lora-0 ..`` as long as they run on), ``max_loras``, ``max_lora_rank``,
+    ``rank`` and ``targets`` (of the adapters, from their adapter_config.json). Raises
+    UserError (one line) for a folder without ``lora-0`` or an unreadable config."""
+    if args.lora_dir is None:
+        if args.max_loras is not None or args.max_lora_rank is not None:
+            raise UserError("--max-loras and --max-lora-rank need --lora-dir")
+        return None
+    root = Path(args.lora_dir).expanduser()
+    adapters = {}
+    while (root / f"lora-{len(adapters)}").is_dir():
+        adapters[f"lora-{len(adapters)}"] = root / f"lora-{len(adapters)}"
+    if not adapters:
+        raise UserError(
+            f"--lora-dir {root}: no adapter folder lora-0 (expected PEFT adapters lora-0, "
+            "lora-1, ...; `sched-lab tools make-random-lora` writes them)"
+        )
+    ranks, targets = set(), set()
+    for folder in adapters.values():
+        path = folder / "adapter_config.json"
+        try:
+            config = json.loads(path.read_text())
+            ranks.add(int(config["r"]))
+            targets.update(config.get("target_modules") or ())
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"--lora-dir: {path}: expected a PEFT adapter config with an "
+                            f"integer r ({type(e).__name__}: {e})") from None  # fmt: skip
+    return {
+        "adapters": adapters,
+        "max_loras": args.max_loras or min(len(adapters), MAX_PROFILE_LORAS),
+        "max_lora_rank": args.max_lora_rank or max(ranks),
+        "rank": max(ranks),
+        "ranks": sorted(ranks),
+        "targets": sorted(targets),
+    }
 
 
 def engine_fingerprint(runner: ModelRunner, kn_weights: bool = False) -> dict:
@@ -361,7 +522,9 @@ def engine_fingerprint(runner: ModelRunner, kn_weights: bool = False) -> dict:
     return fingerprint
 
 
-def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
+def write(
+    path: Path, rows: list[dict], runner: ModelRunner, args, lora: dict | None = None
+) -> None:
     """The profile CSV at ``path`` (checked by :func:`sched_lab.core.outputs.check_output`)."""
     commit = args.engine_commit
     if commit is None:
@@ -381,12 +544,13 @@ def write(path: Path, rows: list[dict], runner: ModelRunner, args) -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     fingerprint = engine_fingerprint(runner)
     print(f"engine fingerprint: {json.dumps(fingerprint, sort_keys=True)}")
-    write_output(path, lambda tmp: _write_csv(tmp, rows, runner, args, device, commit, fingerprint))
+    write_output(path, lambda tmp: _write_csv(tmp, rows, runner, args, device, commit,
+                                              fingerprint, lora))  # fmt: skip
     print(f"wrote {len(rows)} rows to {path}")
 
 
 def _write_csv(path: Path, rows: list[dict], runner, args, device: str, commit: str,
-               fingerprint: dict) -> None:  # fmt: skip
+               fingerprint: dict, lora: dict | None = None) -> None:  # fmt: skip
     import torch
 
     c = runner.config
@@ -409,6 +573,13 @@ def _write_csv(path: Path, rows: list[dict], runner, args, device: str, commit: 
             + "\n"
         )
         f.write(HEADER_PREFIX + json.dumps(fingerprint, sort_keys=True) + "\n")
+        if lora is not None:  # read by sched_lab.sim.calibrated.profile_lora_rank
+            f.write(
+                f"# lora: rank {lora['rank']} (ranks {','.join(map(str, lora['ranks']))}), "
+                f"{len(lora['adapters'])} adapters from {Path(args.lora_dir).name}, max_loras "
+                f"{lora['max_loras']}, max_lora_rank {lora['max_lora_rank']}, targets "
+                f"{','.join(lora['targets'])}; every row ran with them attached\n"
+            )
         names = ["kind", *(fl.name for fl in fields(StepFeatures) if fl.name not in LEFT_OUT)]
         names += ["duration_s"]
         names += ["host_s"] if rows and "host_s" in rows[0] else []

@@ -186,8 +186,9 @@ def bands_note(summary: dict) -> str:
 
 def warnings_text(runs) -> str:
     """Warnings about what priced the steps, one line each ("" when none): async runs whose
-    cost model has no host time, and a profile that does not describe this engine (its
-    fingerprint differs or is missing; summary key ``cost_model.stale``)."""
+    cost model has no host time, a profile that does not describe this engine (its
+    fingerprint differs or is missing; summary key ``cost_model.stale``), and a calibrated
+    run with adapters whose profile does not price their compute (``cost_model.lora_note``)."""
     cm = runs[0].summary.get("cost_model") or {}
     lines = []
     asynchronous = [r.label for r in runs if r.summary.get("async_scheduling")]
@@ -198,6 +199,8 @@ def warnings_text(runs) -> str:
         )
     if cm.get("stale"):
         lines.append(f"warning: stale profile {cm.get('profile')}: {cm.get('why')}")
+    if cm.get("lora_note"):  # a calibrated run with adapters (lab/setup/sim.py)
+        lines.append(f"note: profile {cm.get('profile')}: {cm['lora_note']}")
     return "\n".join(lines)
 
 

@@ -274,8 +274,10 @@ def _shown(path: Path) -> str:
 
 def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
     """Summary key ``cost_model``: ``kind`` (analytic, calibrated, replayed), ``profile``,
-    ``fingerprint``, ``stale`` and ``why`` (:func:`sched_lab.sim.calibrated.staleness`), and
-    ``host_note`` (why the model has no host time, or empty)."""
+    ``fingerprint``, ``stale`` and ``why`` (:func:`sched_lab.sim.calibrated.staleness`),
+    ``host_note`` (why the model has no host time, or empty), and for a calibrated run with a
+    ``lora:`` section, ``lora_note`` when its LoRA compute is not priced as measured
+    (:func:`calibrated_lora_note`; absent otherwise)."""
     cm = cfg.cost_model
     if cm.durations_from is not None:
         return {
@@ -291,7 +293,7 @@ def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
         from sched_lab.sim.calibrated import staleness
 
         stale, why = staleness(cost_model.fingerprint, checkout_engine())
-        return {
+        info = {
             "kind": "calibrated",
             "profile": _shown(cm.profile),
             "fingerprint": cost_model.fingerprint,
@@ -299,11 +301,29 @@ def cost_model_info(cfg: ExperimentConfig, cost_model: Any) -> dict[str, Any]:
             "why": why,
             "host_note": cost_model.host_note,
         }
+        note = calibrated_lora_note(cfg, cost_model)
+        return {**info, "lora_note": note} if note else info
     no_host = cm.host_overhead_s == 0 and cm.host_per_seq_s == 0
     source = analytic_source(cfg)
     why = FITTED_NOTE if source["efficiencies"] == "profile" else ANALYTIC_NOTE
     return {"kind": "analytic", "profile": None, "fingerprint": None, "stale": False,
             "why": why, "host_note": NO_HOST_NOTE if no_host else "", **source}  # fmt: skip
+
+
+def calibrated_lora_note(cfg: ExperimentConfig, cost_model: Any) -> str:
+    """Why a run with a ``lora:`` section is priced without, or with other, LoRA compute terms
+    than its adapters' (summary key ``cost_model.lora_note``), or "" (also without LoRA)."""
+    if cfg.lora is None:
+        return ""
+    if cost_model.lora_note:
+        return cost_model.lora_note
+    rank = cost_model.lora_rank
+    if rank is not None and rank != cfg.lora.max_lora_rank:
+        return (
+            f"the profile's LoRA terms were measured with rank-{rank} adapters, the run's are "
+            f"rank {cfg.lora.max_lora_rank} (lora.max_lora_rank): they are used unscaled"
+        )
+    return ""
 
 
 def analytic_source(cfg: ExperimentConfig) -> dict[str, Any]:

@@ -46,6 +46,20 @@ start until it is launched) gets a second fit, on error relative to the step's d
 
 clipped to [0, step time]; device time = step time - host time. Without ``host_s`` host time
 is 0 (asynchronous scheduling then saves nothing).
+
+LoRA (a profile made with ``--lora-dir``, rows with ``num_loras`` > 0; docs/lora.md): the base
+fit above uses only the rows without adapters; the rows with adapters then fit what the
+adapters add to it, least squares on their residual relative to each row's duration,
+coefficients >= 0:
+
+    t_lora = l0 * [step with an adapter] + l1 * distinct adapters + l2 * LoRA tokens
+
+added to a step only when its ``num_loras`` > 0. Every row of such a profile ran with the
+adapters attached (``# lora:`` header line, with their rank), so the base rows price a step of
+a LoRA-enabled engine whose batch has no adapter. A profile without such rows prices no LoRA
+compute (:data:`NO_LORA_NOTE`); adapter loads are priced from the link in both cases
+(``lora_load_s``, set by the simulator's setup). Engine steps.csv rows with adapters
+(``replay_steps``) are left out of the fit: steps.csv has no ``num_lora_tokens``.
 """
 
 from __future__ import annotations
@@ -94,6 +108,12 @@ NO_HOST_NOTE = (
 STEPS_COLUMNS = ("num_prefill_tokens", "num_prefills", "prefill_context_tokens",
                  "prefill_attention_pairs", "num_decode_tokens", "decode_context_tokens",
                  "num_swap_out_blocks", "num_swap_in_blocks", "duration_s")  # fmt: skip
+LORA_COLUMNS = ("num_loras", "num_lora_tokens")  # optional profile columns (StepFeatures')
+LORA_FEATURES = ("lora_step", "num_loras", "num_lora_tokens")  # module doc: l0, l1, l2
+NO_LORA_NOTE = (
+    "the profile has no rows with LoRA adapters (made without --lora-dir): LoRA compute is "
+    "not modelled, only adapter loads (host link)"
+)
 # No engine step is shorter than a kernel launch (microseconds): a shorter measured or
 # fitted step time is a broken profile, and it would weigh ~1e6 times a real row in the fit.
 MIN_STEP_S = 1e-6
@@ -206,6 +226,51 @@ def _fit(x: np.ndarray, df: pd.DataFrame, extra: np.ndarray | None) -> np.ndarra
     return coef
 
 
+def lora_rows(df: pd.DataFrame) -> np.ndarray:
+    """Boolean mask of the rows that ran LoRA adapters (``num_loras`` > 0; none without
+    the column)."""
+    if "num_loras" not in df.columns:
+        return np.zeros(len(df), dtype=bool)
+    return df["num_loras"].to_numpy(float) > 0
+
+
+def lora_design(df: pd.DataFrame) -> np.ndarray:
+    """Feature matrix (rows, len(LORA_FEATURES)) of the LoRA terms (module doc)."""
+    loras = df["num_loras"].to_numpy(float)
+    tokens = df["num_lora_tokens"].to_numpy(float)
+    return np.stack([(loras > 0).astype(float), loras, tokens], axis=1)
+
+
+def fit_lora(df: pd.DataFrame, base_s: np.ndarray) -> np.ndarray:
+    """Coefficients of :data:`LORA_FEATURES` (each >= 0) fitted to rows with adapters whose
+    base-model prediction is ``base_s`` seconds: least squares on the residual relative to
+    each row's duration."""
+    x, y = lora_design(df), df["duration_s"].to_numpy(float)
+    scale = x.max(axis=0)
+    scale[scale == 0] = 1.0
+    return nnls(x / scale / y[:, None], (y - base_s) / y) / scale
+
+
+def fit_with_lora(df: pd.DataFrame) -> tuple[np.ndarray, np.ndarray | None]:
+    """(:func:`fit` of the rows without adapters, :func:`fit_lora` of those with them, or
+    None when there are none: then the first is ``fit(df)``)."""
+    lora = lora_rows(df)
+    if not lora.any():
+        return fit(df), None
+    coef = fit(df[~lora])
+    with_lora = df[lora]
+    return coef, fit_lora(with_lora, design(with_lora) @ coef)
+
+
+def predict(df: pd.DataFrame, coef: np.ndarray, lora_coef: np.ndarray | None) -> np.ndarray:
+    """Predicted seconds of each row: the base terms, plus the LoRA terms on rows with
+    adapters when ``lora_coef`` is given."""
+    pred = design(df) @ coef
+    if lora_coef is None:
+        return pred
+    return pred + np.where(lora_rows(df), lora_design(df) @ lora_coef, 0.0)
+
+
 def cross_validated_errors(df: pd.DataFrame, folds: int = 5, seed: int = 0) -> np.ndarray:
     """Held-out relative error of every row: predicted by a fit on the other folds."""
     order = np.random.default_rng(seed).permutation(len(df))
@@ -213,8 +278,8 @@ def cross_validated_errors(df: pd.DataFrame, folds: int = 5, seed: int = 0) -> n
     for k in range(folds):
         test = order[k::folds]
         train = np.setdiff1d(order, test)
-        coef = fit(df.iloc[train])
-        pred = design(df.iloc[test]) @ coef
+        coef, lora_coef = fit_with_lora(df.iloc[train])
+        pred = predict(df.iloc[test], coef, lora_coef)
         y = df["duration_s"].to_numpy(float)[test]
         err[test] = np.abs(pred - y) / y
     return err
@@ -237,7 +302,11 @@ def read_profile(path: str | Path) -> pd.DataFrame:
             f"{where}: expected at least {len(FEATURES) - 2} rows (one per "
             f"fitted coefficient), got {len(df)}"
         )
-    optional = tuple(c for c in (RUNS_COLUMN, HOST_COLUMN) if c in df.columns)
+    optional = tuple(c for c in (RUNS_COLUMN, HOST_COLUMN, *LORA_COLUMNS) if c in df.columns)
+    if ("num_loras" in df.columns) != ("num_lora_tokens" in df.columns):
+        raise ConfigError(
+            f"{where}: expected both LoRA columns num_loras and num_lora_tokens, or neither"
+        )
     df = check_cells(df, PROFILE_COLUMNS + optional, where, lambda: _read_text(path, comment="#"))
     # Profiles made before speculative decoding have no verify-step columns: none verified.
     df = df.assign(**{c: 0 for c in SPEC_COLUMNS if c not in df.columns})
@@ -284,6 +353,22 @@ def profile_kv_dtype(path: str | Path) -> tuple[str, int]:
     except OSError:
         pass
     return kv, model_bytes
+
+
+def profile_lora_rank(path: str | Path) -> int | None:
+    """The LoRA rank a profile's ``# lora: rank N`` header line names (backend/profile.py
+    ``--lora-dir``), else None."""
+    try:
+        with Path(path).open(encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.startswith("#"):
+                    break
+                found = re.match(r"# lora: rank (\d+)", line)
+                if found:
+                    return int(found.group(1))
+    except OSError:
+        pass
+    return None
 
 
 def kv_bytes_ratio(run_kv_dtype: str, profile_kv_dtype: str, model_bytes: int) -> float:
@@ -338,6 +423,13 @@ def read_replay_steps(path: str | Path, block_size: int = DEFAULT_BLOCK_SIZE) ->
     _require_columns(df, STEPS_COLUMNS, where, "not a steps.csv of a run: ")
     if len(df) == 0:
         raise ConfigError(f"{where}: no steps (a header without rows)")
+    if "num_loras" in df.columns:  # steps with adapters are left out (module doc, LoRA)
+        df = df[~(pd.to_numeric(df["num_loras"], errors="coerce").fillna(0) > 0)]
+        if len(df) == 0:
+            raise ConfigError(
+                f"{where}: every step ran LoRA adapters, and steps with adapters are left "
+                "out of the fit (steps.csv has no num_lora_tokens); expected some without"
+            )
     return steps_as_profile(
         check_cells(df, STEPS_COLUMNS, where, lambda: _read_text(path)), block_size
     )
@@ -455,7 +547,9 @@ class CalibratedCostModel:
             + [read_replay_steps(p, self.block_size) for p in replay_steps],
             ignore_index=True,
         )
-        prefills, decodes = data["num_prefills"].to_numpy(), data["num_decodes"].to_numpy()
+        lora = lora_rows(data)
+        base = data[~lora] if lora.any() else data  # the base fit's rows (module doc, LoRA)
+        prefills, decodes = base["num_prefills"].to_numpy(), base["num_decodes"].to_numpy()
         for kind, rows in (
             (
                 "decode-only steps (num_prefills 0, num_decodes > 0)",
@@ -465,16 +559,21 @@ class CalibratedCostModel:
         ):
             if not rows.any():
                 raise ConfigError(f"{where}: no {kind}: the fit cannot predict their time")
-        self.coef = fit(data)
+        self.coef, self.lora_coef = fit_with_lora(data)
         # residuals of the rows fitted, for seeded replicas (lab/sim/noise.py)
-        self.noise = fit_to_profile(data, design(data) @ self.coef)
+        self.noise = fit_to_profile(data, predict(data, self.coef, self.lora_coef))
         timed = data[data[HOST_COLUMN].notna()] if HOST_COLUMN in data else data.iloc[:0]
         # host time fitted to the rows that have one (replay_steps rows have none)
         self.host_coef = fit_host(timed) if len(timed) else None
         self.host_note = "" if self.host_coef is not None else NO_HOST_NOTE
-        # seconds per LoRA adapter loaded (set from the link by the simulator's setup; the
-        # LoRA compute terms are not fitted: no profile has rows with adapters yet)
+        # seconds per LoRA adapter loaded (set from the link by the simulator's setup)
         self.lora_load_s = 0.0
+        # LoRA compute (module doc): l0, l1, l2, all 0 for a profile without adapter rows
+        self.lora_rank = profile_lora_rank(self.profile)
+        self.lora_note = "" if self.lora_coef is not None else NO_LORA_NOTE
+        self._lora_step, self._per_lora, self._lora_token = (
+            (0.0, 0.0, 0.0) if self.lora_coef is None else tuple(self.lora_coef.tolist())
+        )
         (
             self._decode_step,
             self._prefill_step,
@@ -521,6 +620,12 @@ class CalibratedCostModel:
         )
         if f.num_lora_loads:  # priced from the link (lab/sim/cost_model.py LoRACost)
             t += self.lora_load_s * f.num_lora_loads
+        if f.num_loras:  # fitted LoRA compute (0 for a profile without adapter rows)
+            t += (
+                self._lora_step
+                + self._per_lora * f.num_loras
+                + self._lora_token * f.num_lora_tokens
+            )
         if f.num_decodes:
             t += self._mean_ctx * f.decode_context_tokens / f.num_decodes
         if tokens > TOKEN_KNOT:
@@ -687,13 +792,14 @@ def main(
         out = check_output(args.out, "--out") if args.out is not None else None
         path = find_profile(args.profile)
         df = read_profile(path)
-        coef = fit(df)
+        coef, lora_coef = fit_with_lora(df)
         err = cross_validated_errors(df)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     model, hardware = profile_shape(path)
-    analytic = fit_analytic(df, model, hardware) if model and hardware else None
+    base = df[~lora_rows(df)]  # the roofline's efficiencies: rows without adapters
+    analytic = fit_analytic(base, model, hardware) if model and hardware else None
     kinds = df["kind"].fillna("unlabelled") if "kind" in df else pd.Series(["all"] * len(df))
     by_kind = {str(k): float(np.median(err[(kinds == k).to_numpy()])) for k in kinds.unique()}
     fingerprint = read_fingerprint(path)
@@ -708,6 +814,15 @@ def main(
         # the host part of each step (profile column host_s; null: the profile has none)
         "host_coefficients": (
             dict(zip(HOST_FEATURES, fit_host(df).tolist())) if HOST_COLUMN in df else None
+        ),
+        # what adapters add to a step (module doc, LoRA): only for a profile with such rows
+        **(
+            {
+                "lora_coefficients": dict(zip(LORA_FEATURES, lora_coef.tolist())),
+                "lora_rank": profile_lora_rank(path),
+            }
+            if lora_coef is not None
+            else {}
         ),
         "held_out_relative_error": {
             "median": float(np.median(err)),

@@ -399,9 +399,11 @@ def _tiled_gemm_kernel(
     K_PER_SPLIT,
     INT4: tl.constexpr, ZERO_PLUS: tl.constexpr, GROUP: tl.constexpr, ACT_ORDER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr, WORDS_ONCE: tl.constexpr,
 ):  # fmt: skip
     """Out[m, n] (+)= sum_k X[m, k] * W[n, k]; program (tile, split) covers K_PER_SPLIT of K.
+    WORDS_ONCE (int4): load the tile's (BLOCK_K / 8, BLOCK_N) words once and unpack them by
+    reshape, instead of one word load per code (8 loads of each word, from the cache).
     INT4: qweight (K/8, N) int32 (row k in nibble k % 8 of row k // 8), qzeros (K/g, N/8)
     (column n in nibble n % 8) holding zero - ZERO_PLUS, scales (K/g, N); a K tile lies in
     one group unless ACT_ORDER (row k's group is GIDX[k]). Else int8 weight (N, K) with one
@@ -432,9 +434,14 @@ def _tiled_gemm_kernel(
             else:
                 acc += tl.dot(x, w)
         else:
-            packed = tl.load(QW + (rk // 8)[:, None] * stride_qw0 + rn[None, :],
-                             mask=w_mask, other=0)  # fmt: skip
-            q = (packed >> ((rk % 8) * 4)[:, None]) & 0xF
+            if WORDS_ONCE:
+                raw = _load_raw(QW, k0, K, (pid % tiles_n) * BLOCK_N, N, stride_qw0, 1, BLOCK_K,
+                                BLOCK_N)  # fmt: skip
+                q = _decode(raw, 1, BLOCK_K, BLOCK_N)
+            else:
+                packed = tl.load(QW + (rk // 8)[:, None] * stride_qw0 + rn[None, :],
+                                 mask=w_mask, other=0)  # fmt: skip
+                q = (packed >> ((rk % 8) * 4)[:, None]) & 0xF
             if ACT_ORDER:  # per-row group: dequantize the tile, then multiply
                 g = tl.load(GIDX + rk, mask=k_ok, other=0)
                 zp = tl.load(QZ + g[:, None] * stride_qz0 + (rn // 8)[None, :], mask=w_mask,
@@ -473,7 +480,8 @@ class TileConfig:
     """The tiled kernel's launch choices: ``block_m`` x ``block_n`` outputs per program,
     ``block_k`` inputs per step (int4: cut to the group's largest power-of-2 divisor), K
     split while the grid has fewer than ``split_sms`` programs per SM (0: never),
-    ``num_warps``, ``num_stages`` (software pipelining depth)."""
+    ``num_warps``, ``num_stages`` (software pipelining depth); ``words_once`` (int4): each
+    packed word loaded once per tile and unpacked by reshape rather than loaded per code."""
 
     block_m: int
     block_n: int
@@ -481,6 +489,7 @@ class TileConfig:
     split_sms: int
     num_warps: int
     num_stages: int
+    words_once: bool = False
 
 
 def tile_config(m: int, n: int, k: int, spec: QuantSpec) -> TileConfig:
@@ -533,6 +542,7 @@ def weight_only_gemm(
     x = x.contiguous()
     m, k = x.shape
     n = out_features
+    config = config or tile_config(m, n, k, spec)
     plan = tiled_plan(m, n, k, spec, _num_sms(x.device), config)
     int4 = LAYOUT[spec.method] <= 1
     if int4:
@@ -555,6 +565,7 @@ def weight_only_gemm(
         GROUP=spec.group_size if int4 else k, ACT_ORDER=int4 and spec.act_order,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT_K=split,
         F32_DOT=x.dtype == torch.float32 or interpreting(),
+        WORDS_ONCE=int4 and config.words_once,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )  # fmt: skip
     return out.to(x.dtype) if split else out

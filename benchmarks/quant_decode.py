@@ -29,10 +29,12 @@ Two parts, each written to ``--out`` (``gemm.json``/``gemm.md``, then ``steps.js
 ``--sweep`` replaces part 1 by a tile sweep of the tiled kernel (:func:`sweep_rows`):
 int4 (GPTQ layout, group 128) and int8 on the four projections at M = 1 and 16, over
 ``TileConfig``s (BLOCK_N 32..256, BLOCK_K 64..256 (int4: <= 128), split-K until 1/2/4
-programs per SM, 4/8 warps at 3 stages, then 2 and 4 stages for each shape's winner), each
+programs per SM, 4/8 warps, int4 words loaded per code or once, at 3 stages, then 2 and 4
+stages for each shape's winner; ~50 configs for int4, ~40 for int8), each
 in a CUDA graph as above; ``sweep.json`` / ``sweep.md`` (best per shape, its us, the
 current ``tile_config``'s us, and x bf16 cuBLAS) are written after every config. It stops
-starting configs when ``--sweep-budget-s`` (shared by the two formats) is spent.
+starting configs when ``--sweep-budget-s`` (shared by the two formats by grid size) is
+spent; a config that fails to compile or launch is logged and skipped.
 """
 
 from __future__ import annotations
@@ -226,10 +228,12 @@ SWEEP_TOKENS = (1, 16)
 SWEEP_METHODS = ("gptq", "int8")
 
 
-def sweep_grid(method: str) -> list[tuple[int, int, int, int]]:
-    """(block_n, block_k, split_sms, num_warps) at 3 stages, pruned to ~40 per format: int4
-    K tiles <= the group (128); (256, 256) left out (register-bound); 8 warps beside 4 only
-    at 16384 weights a tile (4 below, 8 above)."""
+def sweep_grid(method: str) -> list[tuple]:
+    """(block_n, block_k, split_sms, num_warps, words_once) at 3 stages, pruned to ~45 per
+    format: int4 K tiles <= the group (128), each config with the packed words loaded per
+    code and once (``words_once``; per code, 256 x 128 needs more than the 227 KB of shared
+    memory at 3 stages: left out); (256, 256) left out (register-bound); 8 warps beside 4
+    only at 16384 weights a tile (4 below, 8 above)."""
     grid = []
     for bn in (32, 64, 128, 256):
         for bk in (64, 128) if method != "int8" else (64, 128, 256):
@@ -237,8 +241,11 @@ def sweep_grid(method: str) -> list[tuple[int, int, int, int]]:
                 continue
             area = bn * bk
             warps = (4, 8) if area == 16384 else ((4,) if area < 16384 else (8,))
+            once = (False,) if method == "int8" else (True, False)
             for split in (1, 2, 4):
-                grid += [(bn, bk, split, w) for w in warps]
+                for w in warps:
+                    grid += [(bn, bk, split, w, o) for o in once
+                             if o or method == "int8" or (bn, bk) != (256, 128)]  # fmt: skip
     return grid
 
 
@@ -269,8 +276,9 @@ def sweep_rows(cfg: dict, device: str, timer, budget_s: float, log, save, dry_ru
             del copies
     for i, method in enumerate(SWEEP_METHODS):
         spec = QuantSpec(method)
-        left = budget_s - (time.perf_counter() - t_start)
-        deadline = time.perf_counter() + left / (len(SWEEP_METHODS) - i)
+        left = budget_s - (time.perf_counter() - t_start)  # shared by grid size
+        sizes = [len(sweep_grid(mt)) for mt in SWEEP_METHODS[i:]]
+        deadline = time.perf_counter() + left * sizes[0] / sum(sizes)
         weights = {}
         for proj in data:
             tensors = quantize_weight(data[proj][0], spec)
@@ -279,7 +287,7 @@ def sweep_rows(cfg: dict, device: str, timer, budget_s: float, log, save, dry_ru
             copies = [tensors] + [{a: t.clone() for a, t in tensors.items()} for _ in range(extra)]
             weights[proj] = (copies, qk.dequantize(tensors, spec).t())
         default = {(p, m): qk.tile_config(m, n, k, spec) for p, (k, n) in shapes for m in tokens}
-        grid = [None] + [(bn, bk, sp, w, 3) for bn, bk, sp, w in sweep_grid(method)]
+        grid = [None] + [(bn, bk, sp, w, 3, o) for bn, bk, sp, w, o in sweep_grid(method)]
         if dry_run:
             grid = grid[:3]
         done: set = set()
@@ -297,9 +305,9 @@ def sweep_rows(cfg: dict, device: str, timer, budget_s: float, log, save, dry_ru
                     if choice is None:
                         c, name = base, "default"
                     else:
-                        bn, bk, sp, w, st = choice
-                        c = qk.TileConfig(base.block_m, bn, bk, sp, w, st)
-                        name = f"n{bn} k{bk} split{sp}x w{w} s{st}"
+                        bn, bk, sp, w, st, once = choice
+                        c = qk.TileConfig(base.block_m, bn, bk, sp, w, st, once)
+                        name = f"n{bn} k{bk} split{sp}x w{w} s{st}" + (" once" if once else "")
                     if (method, proj, m, c) in done:
                         continue
                     done.add((method, proj, m, c))
@@ -322,6 +330,7 @@ def sweep_rows(cfg: dict, device: str, timer, budget_s: float, log, save, dry_ru
                            "config": name, "block_m": c.block_m, "block_n": c.block_n,
                            "block_k": c.block_k, "split_sms": c.split_sms,
                            "num_warps": c.num_warps, "num_stages": c.num_stages,
+                           "words_once": c.words_once,
                            "us": sec * 1e6, "err": err}  # fmt: skip
                     rows.append(row)
                     if err < 1e-2 and (best.get((proj, m)) is None or sec < best[proj, m][0]):
@@ -332,7 +341,7 @@ def sweep_rows(cfg: dict, device: str, timer, budget_s: float, log, save, dry_ru
             if not grid and not phase2:  # each shape's winner at 2 and 4 stages
                 phase2 = True
                 winners = dict.fromkeys(c for _, c in best.values())
-                grid = [(c.block_n, c.block_k, c.split_sms, c.num_warps, st)
+                grid = [(c.block_n, c.block_k, c.split_sms, c.num_warps, st, c.words_once)
                         for c in winners for st in (2, 4)]  # fmt: skip
                 if dry_run:
                     grid = grid[:1]
@@ -351,7 +360,7 @@ def sweep_markdown(rows: list[dict], header: str) -> str:
     """Best config per (method, projection, tokens), against the default and bf16 cuBLAS."""
     lines = [header, "", "Tiled quantized GEMM tile sweep (us per call in CUDA graphs, weights "
              "beyond the L2; speed-up = bf16 cuBLAS us / us). Config: BLOCK_N, BLOCK_K, split K "
-             "until N programs per SM, warps, stages; BLOCK_M 16.", "",
+             "until N programs per SM, warps, stages, 'once': int4 words loaded once; BLOCK_M 16.", "",
              "| method | projection (K, N) | M | best config | best us | x bf16 | default us "
              "| bf16 us | configs timed |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     bf16 = {(r["projection"], r["tokens"]): r["us"] for r in rows if r["method"] == "bf16"}

@@ -131,11 +131,15 @@ def _assert_close_to_reference(out, x, tensors, spec, n):
 
 
 @needs_triton
-@pytest.mark.parametrize("method", ["awq", "gptq", "int8"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "int8", "gptq-words-once"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [3, 40])
 def test_weight_only_gemm_matches_dequantized_reference(method, dtype, m):
-    from sched_lab.backend.quant_kernels import _num_sms, tiled_plan, weight_only_gemm
+    from dataclasses import replace
+
+    from sched_lab.backend.quant_kernels import _num_sms, tile_config, tiled_plan, weight_only_gemm
+
+    method, words_once = method.split("-")[0], method.endswith("words-once")
 
     # awq repacked as the engine keeps it; groups of 128; 2 tiles of 64 columns on 4 "SMs":
     # K 1024 (16 K tiles of 64) split 4 ways (8 programs), K 256 (4 K tiles) not split
@@ -143,7 +147,9 @@ def test_weight_only_gemm_matches_dequantized_reference(method, dtype, m):
     spec, tensors = _quantized(method, n, k, repack=True)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
     assert tiled_plan(m, n, k, spec, _num_sms(x.device)).splits == (4 if m == 3 else 1)
-    _assert_close_to_reference(weight_only_gemm(x, tensors, spec, n), x, tensors, spec, n)
+    config = replace(tile_config(m, n, k, spec), words_once=words_once)
+    out = weight_only_gemm(x, tensors, spec, n, config)
+    _assert_close_to_reference(out, x, tensors, spec, n)
 
 
 @needs_triton

@@ -70,6 +70,7 @@ def load_model(
         for name, module in model.named_modules():
             if isinstance(module, QuantLinear):
                 _fill_quantized(name, module, config, index, reader, Path(model_dir), packed)
+                module.repack_for_kernels()
     if kn_weights and device.type == "cuda":
         _store_layer_weights_kn(model)
     model.rope_cos, model.rope_sin = rope_table(config, max_model_len, device)

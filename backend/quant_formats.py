@@ -15,6 +15,10 @@ Logical weight: W (out_features, in_features) as in ``nn.Linear``; K = in, N = o
 * ``gptq`` (desc_act false): ``qweight`` int32 (K/8, N), 8 nibbles along K in order;
   ``qzeros`` int32 (K/g, N/8), 8 nibbles along N in order, holding zero - 1 (GPTQ's
   convention); ``scales`` float16 (K/g, N); ``g_idx`` int32 (K,) = k // g.
+
+The engine keeps AWQ in :func:`repack_awq`'s layout (so that one int4 kernel serves both):
+``qweight`` as GPTQ's (K/8, N), ``qzeros`` (K/g, N/8) in natural nibble order holding the
+zero itself (0..15, which zero - 1 could not hold for 0), ``scales`` unchanged.
 """
 
 from __future__ import annotations
@@ -215,6 +219,43 @@ def unpack_gptq_zeros(packed: torch.Tensor) -> torch.Tensor:
     return (((packed[:, :, None] >> shifts) & 0xF) + 1).reshape(r, n8 * PACK)
 
 
+def pack_columns(values: torch.Tensor) -> torch.Tensor:
+    """(R, C) values 0..15 -> (R, C/8) int32, column 8 w + j in nibble j of word w."""
+    r, c = values.shape
+    cols = values.to(torch.int64).reshape(r, c // PACK, PACK)
+    out = torch.zeros(r, c // PACK, dtype=torch.int64, device=values.device)
+    for nibble in range(PACK):
+        out |= (cols[:, :, nibble] & 0xF) << (4 * nibble)
+    return _to_int32(out)
+
+
+def unpack_columns(packed: torch.Tensor) -> torch.Tensor:
+    """(R, C/8) int32 -> (R, C) int32 values, nibble j of word w as column 8 w + j."""
+    r, n8 = packed.shape
+    shifts = 4 * torch.arange(PACK, device=packed.device, dtype=torch.int32)
+    return ((packed[:, :, None] >> shifts) & 0xF).reshape(r, n8 * PACK)
+
+
+def repack_awq(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An AWQ projection's checkpoint tensors in the engine's layout (module docstring):
+    qweight (K, N/8) -> (K/8, N) packed along K; qzeros (K/g, N/8) in natural nibble order
+    holding the zero; scales as they are. Same device; the same W, exactly."""
+    qweight, qzeros = tensors["qweight"], tensors["qzeros"]
+    if qweight.shape[0] % PACK:
+        raise ValueError(f"repack_awq: qweight {list(qweight.shape)}; K must divide by 8")
+    return {
+        "qweight": pack_gptq_rows(unpack_awq(qweight)),
+        "qzeros": pack_columns(unpack_awq(qzeros)),
+        "scales": tensors["scales"],
+    }
+
+
+def awq_is_repacked(tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether AWQ ``tensors`` are in :func:`repack_awq`'s layout: qweight as wide as scales
+    (N columns) rather than N/8."""
+    return tensors["qweight"].shape[1] == tensors["scales"].shape[1]
+
+
 def _to_int32(x: torch.Tensor) -> torch.Tensor:
     """int64 holding 32-bit patterns -> int32 with the same bits."""
     return (x - ((x >> 31) & 1) * (1 << 32)).to(torch.int32)
@@ -222,11 +263,14 @@ def _to_int32(x: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- dequantization
 def dequantize(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tensor:
-    """W (N, K) float32 from a projection's checkpoint tensors (the references' weight)."""
+    """W (N, K) float32 from a projection's checkpoint tensors (AWQ: either layout; the
+    references' weight)."""
     if spec.method in ("fp8", "int8"):
         return tensors["weight"].float() * tensors["weight_scale"].float().reshape(-1, 1)
     scales = tensors["scales"].float()
-    if spec.method == "awq":
+    if spec.method == "awq" and awq_is_repacked(tensors):
+        codes, zeros = unpack_gptq_rows(tensors["qweight"]), unpack_columns(tensors["qzeros"])
+    elif spec.method == "awq":
         codes, zeros = unpack_awq(tensors["qweight"]), unpack_awq(tensors["qzeros"])
     else:
         codes, zeros = unpack_gptq_rows(tensors["qweight"]), unpack_gptq_zeros(tensors["qzeros"])

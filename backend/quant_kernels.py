@@ -1,34 +1,24 @@
 """GEMMs on quantized weights: y = x @ W.T with W kept packed (layouts in
 :mod:`sched_lab.backend.quant_formats`).
 
-One Triton kernel serves int4 (AWQ, GPTQ), int8 and fp8 weight-only (W8A16) in two shapes:
+Two Triton kernels, chosen by :func:`sched_lab.backend.quant_linear.gemm_path` from H200
+measurements (docs/quantization.md):
 
-* :func:`weight_streaming_gemm` (M <= 64 tokens, decode): one tile of M, narrow tiles of N,
-  long tiles of K and K split over programs, so that every SM streams its share of the
-  weight once (:class:`StreamTiles`); rows are padded to 16, 32 or 64 for ``tl.dot``, or a
-  single row multiplies and sums in float32.
-* :func:`weight_only_gemm` (any M): the tiled GEMM for larger batches (int4 and int8).
-
-Packed words are loaded whole, each once, contiguous along N (AWQ's (K, N/8) words, GPTQ's
-(K/8, N) words, both qzeros), then unpacked by a fixed shift per nibble (AWQ's interleaved
-order is a shift table: :func:`_nibble_shifts`). Codes become floats by bit moves, never by
-an integer-to-float instruction (those issue at a fraction of the ALU rate and would bound
-decode below the HBM rate): int4 codes enter the product as c + q (bf16 0x4300 | q = 128 + q,
-fp16 0x6400 | q = 1024 + q), int8 as 0x6400 | (q + 128) - 1152, e4m3 as float16 holding the
-value / 2^8 (the 2^8 goes into the channel scale). With the trivial g_idx (k // group) a K
-tile lies in one group and each group's result is ``scale * (x @ (c + q) - (c + zero) *
-sum(x))``; act-order GPTQ (``QuantSpec.act_order``) gathers each row's scale and zero point
-through g_idx. Accumulation is float32; the next K tile's words are loaded before the
-current one is decoded.
-
-Split K: each program writes its float32 partial to a workspace; the last of a tile's
-programs (a per-tile counter, incremented atomically) sums the partials in a fixed order,
-writes the output and puts the counter back to 0. The counters are one zeroed buffer per
-device, made on the first call, which must therefore not be inside a CUDA graph capture
-(the engine's warm-up runs first); the workspace is allocated per call with a size fixed
-by the shape, so every call is CUDA-graph safe (no host sync, no per-call state). One
-stream per device at a time: concurrent GEMMs would share counters.
-
+* :func:`weight_only_gemm`, the tiled kernel (int4 in GPTQ's (K/8, N) layout, AWQ after
+  :func:`~sched_lab.backend.quant_formats.repack_awq`, and int8; any M): tiles of
+  (BLOCK_M, BLOCK_N) outputs over BLOCK_K inputs, K split over programs while the grid is
+  small (float32 atomics into a zeroed buffer, cast at the end), codes converted to floats
+  and multiplied in x's dtype by ``tl.dot``. Its tiles come from one function,
+  :func:`tile_config` (benchmarks/quant_decode.py ``--sweep`` times the alternatives).
+  Every call is CUDA-graph safe (buffers allocated per call, no host sync).
+* :func:`weight_streaming_gemm` (M <= 64): one tile of M, narrow tiles of N, long tiles of
+  K split over programs, codes turned into floats by bit moves (int4 as c + q, int8 as
+  0x6400 | (q + 128) - 1152, e4m3 as float16 holding value / 2^8); split-K partials summed
+  by the last program of a tile (per-device counters made on the first call, which must
+  not be inside a CUDA graph capture). The engine runs it for fp8 weight-only (W8A16) at
+  M <= 16 only: on the H200 it lost to the tiled kernel for int8 and GPTQ at every M; its
+  int4/int8 paths stay for benchmarks/quant_decode.py's A/B and read AWQ in the checkpoint
+  layout (shifts through :func:`_nibble_shifts`).
 * fp8 (W8A8) for larger batches: activations get one scale per token (amax / 448) at run
   time; on CUDA ``torch._scaled_mm`` with row-wise scales (Hopper); elsewhere
   :func:`fp8_reference`.
@@ -48,7 +38,7 @@ import triton
 import triton.language as tl
 
 from sched_lab.backend.attention.triton_backend import interpreting
-from sched_lab.backend.quant_formats import FP8_MAX, QuantSpec, dequantize
+from sched_lab.backend.quant_formats import FP8_MAX, QuantSpec, awq_is_repacked, dequantize
 
 LAYOUT = {"awq": 0, "gptq": 1, "int8": 2, "fp8": 3}
 STREAM_MAX_M = 64  # rows the streaming kernel holds in one tile
@@ -282,7 +272,7 @@ def _operands(tensors: dict[str, torch.Tensor], spec: QuantSpec):
 @dataclass(frozen=True)
 class GemmPlan:
     """One launch of the kernel: tiles, ``splits`` programs per output tile over
-    ``k_per_split`` inputs each, ``num_warps``."""
+    ``k_per_split`` inputs each, ``num_warps``, ``num_stages`` (the tiled kernel's only)."""
 
     block_m: int
     block_n: int
@@ -290,6 +280,7 @@ class GemmPlan:
     splits: int
     k_per_split: int
     num_warps: int
+    num_stages: int = 3
 
 
 def _plan(m: int, n: int, k: int, spec: QuantSpec, block_m: int, block_n: int, block_k: int,
@@ -387,19 +378,6 @@ def stream_plan(m: int, n: int, k: int, spec: QuantSpec, sms: int,
     return _plan(m, n, k, spec, block_m, t.block_n, t.block_k, split_k, num_warps)
 
 
-def tiled_plan(m: int, n: int, k: int, spec: QuantSpec, sms: int) -> GemmPlan:
-    """The tiled kernel's plan: K split only while the grid has fewer than 2 programs an SM."""
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 64 if m <= 64 else 128
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    k_blocks = triton.cdiv(k, 64)
-    split = 1
-    while tiles * split < 2 * sms and split * 2 <= k_blocks // 4:
-        split *= 2
-    num_warps = 8 if block_m * block_n >= 64 * 64 else 4
-    return _plan(m, n, k, spec, block_m, block_n, 64, split, num_warps)
-
-
 def weight_streaming_gemm(
     x: torch.Tensor,
     tensors: dict[str, torch.Tensor],
@@ -414,14 +392,183 @@ def weight_streaming_gemm(
     return _launch(x, tensors, spec, out_features, plan)
 
 
+# ---------------------------------------------------------------- the tiled kernel
+@triton.jit
+def _tiled_gemm_kernel(
+    X, QW, QZ, S, GIDX, Out, M, N, K, stride_xm, stride_qw0, stride_qz0, stride_s0, stride_om,
+    K_PER_SPLIT,
+    INT4: tl.constexpr, ZERO_PLUS: tl.constexpr, GROUP: tl.constexpr, ACT_ORDER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    F32_DOT: tl.constexpr, WORDS_ONCE: tl.constexpr,
+):  # fmt: skip
+    """Out[m, n] (+)= sum_k X[m, k] * W[n, k]; program (tile, split) covers K_PER_SPLIT of K.
+    WORDS_ONCE (int4): load the tile's (BLOCK_K / 8, BLOCK_N) words once and unpack them by
+    reshape, instead of one word load per code (8 loads of each word, from the cache).
+    INT4: qweight (K/8, N) int32 (row k in nibble k % 8 of row k // 8), qzeros (K/g, N/8)
+    (column n in nibble n % 8) holding zero - ZERO_PLUS, scales (K/g, N); a K tile lies in
+    one group unless ACT_ORDER (row k's group is GIDX[k]). Else int8 weight (N, K) with one
+    scale per n. SPLIT_K: float32 atomic adds into a zeroed Out. F32_DOT: float32 operands
+    (float32 activations, and the interpreter, whose bfloat16 dot is wrong)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    rm = (pid // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (pid % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = rm < M, rn < N
+    col_shift = (rn % 8) * 4
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = split * K_PER_SPLIT
+    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        if F32_DOT:
+            x = x.to(tl.float32)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        if not INT4:
+            q = tl.load(QW + rn[None, :] * stride_qw0 + rk[:, None], mask=w_mask, other=0)
+            w = q.to(tl.float32).to(x.dtype)  # (BLOCK_K, BLOCK_N), exact: |q| <= 127
+            if F32_DOT:
+                acc += tl.dot(x, w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w)
+        else:
+            if WORDS_ONCE:
+                raw = _load_raw(QW, k0, K, (pid % tiles_n) * BLOCK_N, N, stride_qw0, 1, BLOCK_K,
+                                BLOCK_N)  # fmt: skip
+                q = _decode(raw, 1, BLOCK_K, BLOCK_N)
+            else:
+                packed = tl.load(QW + (rk // 8)[:, None] * stride_qw0 + rn[None, :],
+                                 mask=w_mask, other=0)  # fmt: skip
+                q = (packed >> ((rk % 8) * 4)[:, None]) & 0xF
+            if ACT_ORDER:  # per-row group: dequantize the tile, then multiply
+                g = tl.load(GIDX + rk, mask=k_ok, other=0)
+                zp = tl.load(QZ + g[:, None] * stride_qz0 + (rn // 8)[None, :], mask=w_mask,
+                             other=0)  # fmt: skip
+                z = ((zp >> col_shift[None, :]) & 0xF) + ZERO_PLUS
+                s = tl.load(S + g[:, None] * stride_s0 + rn[None, :], mask=w_mask, other=0.0)
+                w = (q - z).to(tl.float32) * s.to(tl.float32)
+                if F32_DOT:
+                    acc += tl.dot(x, w, input_precision="ieee")
+                else:
+                    acc += tl.dot(x, w.to(x.dtype))
+            else:  # the tile lies in group k0 // GROUP: (x @ (q - z)) * s
+                g = k0 // GROUP
+                zp = tl.load(QZ + g * stride_qz0 + rn // 8, mask=n_ok & (k0 < K), other=0)
+                z = ((zp >> col_shift) & 0xF) + ZERO_PLUS
+                w = (q - z[None, :]).to(tl.float32).to(x.dtype)  # exact: -16..15
+                if F32_DOT:
+                    part = tl.dot(x, w, input_precision="ieee")
+                else:
+                    part = tl.dot(x, w)
+                s = tl.load(S + g * stride_s0 + rn, mask=n_ok & (k0 < K), other=0.0)
+                acc += part * s.to(tl.float32)[None, :]
+    if not INT4:
+        s = tl.load(S + rn, mask=n_ok, other=0.0)
+        acc = acc * s.to(tl.float32)[None, :]
+    out_ptr = Out + rm[:, None] * stride_om + rn[None, :]
+    o_mask = m_ok[:, None] & n_ok[None, :]
+    if not SPLIT_K:
+        tl.store(out_ptr, acc.to(Out.dtype.element_ty), mask=o_mask)
+    else:
+        tl.atomic_add(out_ptr, acc, mask=o_mask)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """The tiled kernel's launch choices: ``block_m`` x ``block_n`` outputs per program,
+    ``block_k`` inputs per step (int4: cut to the group's largest power-of-2 divisor), K
+    split while the grid has fewer than ``split_sms`` programs per SM (0: never),
+    ``num_warps``, ``num_stages`` (software pipelining depth); ``words_once`` (int4): each
+    packed word loaded once per tile and unpacked by reshape rather than loaded per code."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_sms: int
+    num_warps: int
+    num_stages: int
+    words_once: bool = False
+
+
+def tile_config(m: int, n: int, k: int, spec: QuantSpec) -> TileConfig:
+    """The tiles the engine uses for an (m, k) @ (k, n) product: the one place to set the
+    winners of ``benchmarks/quant_decode.py --sweep``. Now: the kernel's settings as timed
+    on the H200 (16/32/64-row tiles, 64 columns up to 64 rows, 128 above; K tiles of 64;
+    split until 2 programs per SM; 8 warps from 64 x 64 outputs)."""
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    block_n = 64 if m <= 64 else 128
+    num_warps = 8 if block_m * block_n >= 64 * 64 else 4
+    return TileConfig(block_m, block_n, 64, 2, num_warps, 3)
+
+
+def tiled_plan(m: int, n: int, k: int, spec: QuantSpec, sms: int,
+               config: TileConfig | None = None) -> GemmPlan:  # fmt: skip
+    """The tiled kernel's plan on ``sms`` SMs (``config``: :func:`tile_config`'s when None):
+    K split in powers of 2 while tiles x splits < split_sms x sms and each split keeps at
+    least 4 K tiles; int4 splits on whole groups (one scale per K tile)."""
+    c = config or tile_config(m, n, k, spec)
+    int4 = LAYOUT[spec.method] <= 1
+    if spec.method == "fp8":
+        raise ValueError("tiled quantized GEMM: int4 (awq, gptq) or int8 only, not fp8")
+    group = spec.group_size if int4 else k
+    block_k = min(c.block_k, group & -group) if int4 else c.block_k
+    tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
+    k_blocks = triton.cdiv(k, block_k)
+    split = 1
+    while tiles * split < c.split_sms * sms and split * 2 <= k_blocks // 4:
+        split *= 2
+    steps = triton.cdiv(k_blocks, split)
+    if int4 and not spec.act_order:  # a split starts at a group boundary
+        per_group = group // block_k
+        steps = triton.cdiv(steps, per_group) * per_group
+    splits = triton.cdiv(k_blocks, steps)
+    return GemmPlan(c.block_m, c.block_n, block_k, splits, steps * block_k, c.num_warps,
+                    c.num_stages)  # fmt: skip
+
+
 def weight_only_gemm(
-    x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: QuantSpec, out_features: int
+    x: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    spec: QuantSpec,
+    out_features: int,
+    config: TileConfig | None = None,
 ) -> torch.Tensor:
-    """x (M, K) bf16/fp16/fp32 @ W.T for an awq, gptq, int8 (or fp8 weight-only) W, tiled
-    for larger M: (M, N) in x's dtype."""
+    """x (M, K) bf16/fp16/fp32 @ W.T by the tiled kernel: (M, N) in x's dtype. W: gptq,
+    int8, or awq in :func:`~sched_lab.backend.quant_formats.repack_awq`'s layout (a
+    checkpoint-layout AWQ qweight is a ValueError). ``config``: :func:`tile_config`'s when
+    None."""
+    x = x.contiguous()
     m, k = x.shape
-    plan = tiled_plan(m, out_features, k, spec, _num_sms(x.device))
-    return _launch(x, tensors, spec, out_features, plan)
+    n = out_features
+    config = config or tile_config(m, n, k, spec)
+    plan = tiled_plan(m, n, k, spec, _num_sms(x.device), config)
+    int4 = LAYOUT[spec.method] <= 1
+    if int4:
+        if spec.method == "awq" and not awq_is_repacked(tensors):
+            raise ValueError("weight_only_gemm: awq tensors in the checkpoint layout; "
+                             "repack them with quant_formats.repack_awq first")  # fmt: skip
+        qw, qz, s = tensors["qweight"], tensors["qzeros"], tensors["scales"]
+        g_idx = tensors.get("g_idx", qw)
+    else:
+        qw = g_idx = tensors["weight"]
+        qz, s = qw, tensors["weight_scale"]
+    split = plan.splits > 1
+    out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if split else torch.empty(
+        m, n, dtype=x.dtype, device=x.device)  # fmt: skip
+    tiles = triton.cdiv(m, plan.block_m) * triton.cdiv(n, plan.block_n)
+    _tiled_gemm_kernel[(tiles, plan.splits)](
+        x, qw, qz, s, g_idx, out, m, n, k, x.stride(0), qw.stride(0), qz.stride(0), s.stride(0),
+        out.stride(0), plan.k_per_split,
+        INT4=int4, ZERO_PLUS=1 if spec.method == "gptq" else 0,
+        GROUP=spec.group_size if int4 else k, ACT_ORDER=int4 and spec.act_order,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT_K=split,
+        F32_DOT=x.dtype == torch.float32 or interpreting(),
+        WORDS_ONCE=int4 and config.words_once,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )  # fmt: skip
+    return out.to(x.dtype) if split else out
 
 
 def weight_only_reference(

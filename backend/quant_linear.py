@@ -2,11 +2,11 @@
 projections for it at load time.
 
 The buffers are the checkpoint's tensors of :mod:`sched_lab.backend.quant_formats` (fused
-projections concatenated along the output features). ``forward`` calls
-:mod:`sched_lab.backend.quant_kernels` by the number of tokens M (:func:`gemm_path`): on CUDA
-the weight-streaming kernel for decode-sized M, the tiled kernel (int4, int8) or
-``torch._scaled_mm`` (fp8 W8A8) above; on CPU the float32 references of the same arithmetic
-(the tests run the kernels themselves under the interpreter).
+projections concatenated along the output features); AWQ's are repacked after loading
+(:meth:`QuantLinear.repack_for_kernels`) into the GPTQ qweight layout, so that AWQ and GPTQ
+run one int4 kernel. ``forward`` calls :mod:`sched_lab.backend.quant_kernels` by the method
+and the number of tokens M (:func:`gemm_path`); on CPU the float32 references of the same
+arithmetic (the tests run the kernels themselves under the interpreter).
 """
 
 from __future__ import annotations
@@ -14,28 +14,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sched_lab.backend.quant_formats import PACK, QuantSpec
+from sched_lab.backend.quant_formats import PACK, QuantSpec, awq_is_repacked, repack_awq
 
 FUSED_PROJECTIONS = ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")
-#: tokens per step up to which int4 / int8 run the weight-streaming kernel (decode: every
-#: SM streams its share of the weight); above, the tiled kernel. At most
-#: quant_kernels.STREAM_MAX_M; benchmarks/quant_decode.py times both sides of it
-STREAM_MAX_TOKENS = 32
 #: tokens per step up to which fp8 runs weight-only (W8A16, the streaming kernel: no
-#: activation quantization); above, W8A8 ``torch._scaled_mm`` at the FP8 tensor-core rate
-FP8_WEIGHT_ONLY_MAX_TOKENS = 32
+#: activation quantization); above, W8A8 ``torch._scaled_mm``. On the H200 (8B projections,
+#: docs/quantization.md) the streaming kernel won at M = 1..16 and lost from 32
+FP8_WEIGHT_ONLY_MAX_TOKENS = 16
 
 
 def gemm_path(method: str, tokens: int) -> str:
     """Which GEMM a step of ``tokens`` rows runs for ``method``: "stream" (weight-only
-    streaming kernel), "tiled" (weight-only tiled kernel) or "w8a8" (fp8 ``_scaled_mm``)."""
+    streaming kernel), "tiled" (weight-only tiled kernel) or "w8a8" (fp8 ``_scaled_mm``).
+    int8, gptq and awq (repacked) always run the tiled kernel: on the H200 the streaming
+    kernel was slower for int8 and gptq at every M."""
     if method == "fp8":
         return "stream" if tokens <= FP8_WEIGHT_ONLY_MAX_TOKENS else "w8a8"
-    return "stream" if tokens <= STREAM_MAX_TOKENS else "tiled"
+    return "tiled"
 
 
 def buffer_shapes(spec: QuantSpec, in_features: int, out_features: int):
-    """name -> (shape, dtype) of one projection's quantized tensors, (N, K) = (out, in)."""
+    """name -> (shape, dtype) of one projection's quantized checkpoint tensors, (N, K) =
+    (out, in) (AWQ's before :meth:`QuantLinear.repack_for_kernels`)."""
     k, n, g = in_features, out_features, spec.group_size
     if spec.method in ("fp8", "int8"):
         dtype = torch.float8_e4m3fn if spec.method == "fp8" else torch.int8
@@ -68,6 +68,15 @@ class QuantLinear(nn.Module):
     def tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.named_buffers(recurse=False))
 
+    def repack_for_kernels(self) -> None:
+        """After the buffers are filled with the checkpoint's tensors: AWQ's become
+        :func:`~sched_lab.backend.quant_formats.repack_awq`'s layout (same W, exactly);
+        other methods and already repacked buffers are left as they are."""
+        if self.spec.method != "awq" or awq_is_repacked(self.tensors()):
+            return
+        for name, value in repack_awq(self.tensors()).items():
+            setattr(self, name, value)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from sched_lab.backend import quant_kernels as qk
 
@@ -76,7 +85,7 @@ class QuantLinear(nn.Module):
             y = qk.fp8_gemm(x, self.weight, self.weight_scale)
         elif not x.is_cuda:
             y = qk.weight_only_reference(x, self.tensors(), self.spec)
-        elif path == "stream":
+        elif path == "stream":  # fp8 only
             y = qk.weight_streaming_gemm(x, self.tensors(), self.spec, self.out_features)
         else:
             y = qk.weight_only_gemm(x, self.tensors(), self.spec, self.out_features)

@@ -1,10 +1,12 @@
-"""Compile the quantized-GEMM kernel for a GPU target on a machine without one, for every
-launch the engine makes on a preset's projections, and print what ptxas and the SASS say.
+"""Compile the weight-streaming quantized-GEMM kernel for a GPU target on a machine without
+one, for its launches on a preset's projections, and print what ptxas and the SASS say.
 
     python benchmarks/quant_compile_check.py                     # Hopper (sm_90), 8B shapes
     python benchmarks/quant_compile_check.py --arch 100 --tokens 1 32
 
-Per launch (weights, projection, tokens): the plan (tiles, splits, warps), registers per
+The engine runs this kernel for fp8 at M <= 16 only (quant_linear.gemm_path); the other
+methods' streaming launches (``stream_plan``'s, for benchmarks/quant_decode.py's A/B) are
+compiled too for ``--all-methods``. Per launch (weights, projection, tokens): the plan (tiles, splits, warps), registers per
 thread, stack (spills), and the global loads in the SASS by width (``LDG.E.128`` are 16-byte
 loads; many ``LDG.E`` / ``.U16`` mean element-by-element loads) and ``I2F`` conversions (a
 slow instruction). Launches the same kernel build serves are printed once. Arguments
@@ -101,16 +103,19 @@ def main() -> None:
     ap.add_argument("--sms", type=int, default=132, help="SMs the plans assume (H100/H200)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 32, 64, 256])
     ap.add_argument("--methods", nargs="+", default=list(POINTERS))
+    ap.add_argument("--all-methods", action="store_true",
+                    help="every method's streaming launch at M <= 64, not just the engine's")  # fmt: skip
     args = ap.parse_args()
     seen: dict[tuple, str] = {}
     for method in args.methods:
         for proj, (k, n) in projections(args.preset).items():
             for m in args.tokens:
                 path = gemm_path(method, m)
-                if path == "w8a8":
+                if args.all_methods and m <= qk.STREAM_MAX_M:
+                    path = "stream"
+                if path != "stream":  # the tiled kernel and _scaled_mm are not compiled here
                     continue
-                plan_fn = qk.stream_plan if path == "stream" else qk.tiled_plan
-                plan = plan_fn(m, n, k, QuantSpec(method), args.sms)
+                plan = qk.stream_plan(m, n, k, QuantSpec(method), args.sms)
                 key = (method, plan.block_m, plan.block_n, plan.block_k, plan.splits > 1,
                        plan.num_warps, k % 16 == 0, n % 16 == 0)  # fmt: skip
                 if key not in seen:

@@ -3,6 +3,7 @@ format's HBM roofline.
 
     timeout 300 python benchmarks/quant_decode.py --out results/quant_decode   # CUDA, 8B shape
     python benchmarks/quant_decode.py --dry-run --out /tmp/qd    # CPU interpreter, tiny shapes
+    timeout 330 python benchmarks/quant_decode.py --sweep --no-steps --out results/qd_sweep
 
 Two parts, each written to ``--out`` (``gemm.json``/``gemm.md``, then ``steps.json``/
 ``steps.md``) as soon as it is done, so a run cut short keeps what it measured:
@@ -10,7 +11,8 @@ Two parts, each written to ``--out`` (``gemm.json``/``gemm.md``, then ``steps.js
 1. **GEMMs alone** (``--no-gemm`` skips; saved after each projection): each layer projection of the preset (fused qkv,
    o, gate_up, down) at M = 1, 8, 16, 32, 64 tokens: bf16 (cuBLAS, ``x @ W.T``), and for
    fp8, int8, awq, gptq (group 128) the weight-streaming kernel (M <= 64), the large-M path
-   at M = 16, 32, 64 (tiled Triton kernel; fp8: W8A8 ``torch._scaled_mm``), at M = 1 the streaming kernel's
+   (int4/int8: the tiled Triton kernel at every M, AWQ repacked as the engine keeps it;
+   fp8: W8A8 ``torch._scaled_mm`` at M = 16, 32, 64), at M = 1 the streaming kernel's
    other one-row product (``stream-alt``) and, with ``--ab`` (default), the kernels before
    this change (benchmarks/quant_legacy.py) at M = 1, 16, 32. Each time is
    one CUDA graph of back-to-back calls over enough weight copies to exceed the L2 cache,
@@ -23,11 +25,22 @@ Two parts, each written to ``--out`` (``gemm.json``/``gemm.md``, then ``steps.js
    random bf16 checkpoint, at the batch x context shapes below, with the current dispatch;
    roofline = (weight bytes as stored + KV bytes read) / 4.8 TB/s. Written again after each
    format (the first run also writes the random 8B checkpoint, ~16 GB, under checkpoints/).
+
+``--sweep`` replaces part 1 by a tile sweep of the tiled kernel (:func:`sweep_rows`):
+int4 (GPTQ layout, group 128) and int8 on the four projections at M = 1 and 16, over
+``TileConfig``s (BLOCK_N 32..256, BLOCK_K 64..256 (int4: <= 128), split-K until 1/2/4
+programs per SM, 4/8 warps, int4 words loaded per code or once, at 3 stages, then 2 and 4
+stages for each shape's winner; ~50 configs for int4, ~40 for int8), each
+in a CUDA graph as above; ``sweep.json`` / ``sweep.md`` (best per shape, its us, the
+current ``tile_config``'s us, and x bf16 cuBLAS) are written after every config. It stops
+starting configs when ``--sweep-budget-s`` (shared by the two formats by grid size) is
+spent; a config that fails to compile or launch is logged and skipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -45,7 +58,7 @@ from common import checkpoint, cuda_time, decode_inputs, device_line, graph_time
 HBM_BYTES_PER_S = 4.8e12  # NVIDIA H200 datasheet
 METHODS = ("awq", "gptq", "fp8", "int8")  # the furthest from their targets first
 GEMM_TOKENS = (1, 8, 16, 32, 64)
-LARGE_M_TOKENS = (16, 32, 64)  # where the tiled kernel / W8A8 is timed too
+LARGE_M_TOKENS = (16, 32, 64)  # where W8A8 is timed too
 AB_TOKENS = (1, 16, 32)
 STEP_SHAPES = ((1, 1024), (1, 4096), (32, 1024), (32, 4096), (256, 1024))
 L2_FLUSH_BYTES = 256 << 20  # weight copies per timed graph: > 4x the H200's 50 MB L2
@@ -82,7 +95,7 @@ def gemm_rows(cfg: dict, device: str, ab: bool, timer, log, save) -> list[dict]:
     from quant_legacy import legacy_gemm
 
     from sched_lab.backend import quant_kernels as qk
-    from sched_lab.backend.quant_formats import QuantSpec, quantize_weight
+    from sched_lab.backend.quant_formats import QuantSpec, quantize_weight, repack_awq
 
     tokens = GEMM_TOKENS if device == "cuda" else (1, 16, 32)
     rows = []
@@ -101,17 +114,20 @@ def gemm_rows(cfg: dict, device: str, ab: bool, timer, log, save) -> list[dict]:
                 {name: t.clone() for name, t in tensors.items()}
                 for _ in range(min(63, L2_FLUSH_BYTES // size) if device == "cuda" else 0)
             ]
+            # the tiled kernel reads AWQ as the engine keeps it (repacked at load)
+            repacked = [repack_awq(t) for t in copies] if method == "awq" else copies
             ref = None if method is None else qk.dequantize(tensors, spec).t()
             for m in tokens:
                 x = xs[m]
                 paths = _paths(method, m, ab and m in AB_TOKENS, qk, legacy_gemm)
                 for path, fn in paths.items():
-                    out = fn(x, tensors, spec, n)
+                    use = repacked if path == "tiled" else copies
+                    out = fn(x, use[0], spec, n)
                     err = float("nan")
                     if ref is not None:
                         want = x.float() @ ref
                         err = ((out.float() - want).abs().max() / want.abs().max()).item()
-                    calls = [lambda t=t, f=fn, x=x, q=spec, n=n: f(x, t, q, n) for t in copies]
+                    calls = [lambda t=t, f=fn, x=x, q=spec, n=n: f(x, t, q, n) for t in use]
                     sec = timer(lambda c=calls: [f() for f in c]) / len(calls)
                     row = {"projection": proj, "K": k, "N": n, "tokens": m,
                            "weights": method or "bf16", "path": path, "us": sec * 1e6,
@@ -120,7 +136,7 @@ def gemm_rows(cfg: dict, device: str, ab: bool, timer, log, save) -> list[dict]:
                     rows.append(row)
                     log(f"{proj:8s} M={m:3d} {method or 'bf16':5s} {path:7s} {sec * 1e6:9.1f} us "
                         f"(x{sec * 1e6 / row['roofline_us']:.2f} roofline) err {err:.1e}")  # fmt: skip
-            del copies
+            del copies, repacked
         save(rows)
     return rows
 
@@ -140,7 +156,7 @@ def _paths(method, m, ab, qk, legacy_gemm) -> dict:
         )
     if m in LARGE_M_TOKENS and method == "fp8":
         paths["w8a8"] = lambda x, t, spec, n: qk.fp8_gemm(x, t["weight"], t["weight_scale"])
-    elif m in LARGE_M_TOKENS:
+    elif method != "fp8":  # the engine's path at every M
         paths["tiled"] = qk.weight_only_gemm
     if ab:
         paths["legacy"] = legacy_gemm
@@ -205,6 +221,168 @@ def _total(rows: list[dict], weights: str, path: str, tokens: int) -> float:
     return sum(
         r["us"] for r in rows if (r["weights"], r["path"], r["tokens"]) == (weights, path, tokens)
     )
+
+
+# ---------------------------------------------------------------- --sweep: tiled tiles
+SWEEP_TOKENS = (1, 16)
+SWEEP_METHODS = ("gptq", "int8")
+
+
+def sweep_grid(method: str) -> list[tuple]:
+    """(block_n, block_k, split_sms, num_warps, words_once) at 3 stages, pruned to ~45 per
+    format: int4 K tiles <= the group (128), each config with the packed words loaded per
+    code and once (``words_once``; per code, 256 x 128 needs more than the 227 KB of shared
+    memory at 3 stages: left out); (256, 256) left out (register-bound); 8 warps beside 4
+    only at 16384 weights a tile (4 below, 8 above)."""
+    grid = []
+    for bn in (32, 64, 128, 256):
+        for bk in (64, 128) if method != "int8" else (64, 128, 256):
+            if (bn, bk) == (256, 256) or (method != "int8" and (bn, bk) == (32, 64)):
+                continue
+            area = bn * bk
+            warps = (4, 8) if area == 16384 else ((4,) if area < 16384 else (8,))
+            once = (False,) if method == "int8" else (True, False)
+            for split in (1, 2, 4):
+                for w in warps:
+                    grid += [(bn, bk, split, w, o) for o in once
+                             if o or method == "int8" or (bn, bk) != (256, 128)]  # fmt: skip
+    return grid
+
+
+def sweep_rows(cfg: dict, device: str, timer, budget_s: float, log, save, dry_run: bool):
+    """One row per (method, projection, tokens, config): us per call (``graph_time`` over
+    weight copies beyond the L2), error against the float32 reference, and per (projection,
+    tokens) one bf16 cuBLAS row; ``save(rows)`` after every config."""
+    from sched_lab.backend import quant_kernels as qk
+    from sched_lab.backend.quant_formats import QuantSpec, quantize_weight
+
+    rows: list[dict] = []
+    t_start = time.perf_counter()
+    shapes = list(projections(cfg).items())
+    tokens = SWEEP_TOKENS
+    data = {}  # proj -> (dense copies, x by m)
+    for proj, (k, n) in shapes:
+        gen = torch.Generator(device=device).manual_seed(0)
+        dense = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+        xs = {m: torch.randn(m, k, device=device, dtype=dense.dtype, generator=gen) for m in tokens}
+        data[proj] = (dense, xs)
+        if device == "cuda":
+            copies = [dense] + [dense.clone() for _ in range(_copies(dense.numel() * 2) - 1)]
+            for m in tokens:
+                x = xs[m]
+                sec = timer(lambda c=copies, x=x: [x @ w.t() for w in c]) / len(copies)
+                rows.append({"method": "bf16", "projection": proj, "K": k, "N": n, "tokens": m,
+                             "config": "cublas", "us": sec * 1e6, "err": 0.0})  # fmt: skip
+            del copies
+    for i, method in enumerate(SWEEP_METHODS):
+        spec = QuantSpec(method)
+        left = budget_s - (time.perf_counter() - t_start)  # shared by grid size
+        sizes = [len(sweep_grid(mt)) for mt in SWEEP_METHODS[i:]]
+        deadline = time.perf_counter() + left * sizes[0] / sum(sizes)
+        weights = {}
+        for proj in data:
+            tensors = quantize_weight(data[proj][0], spec)
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            extra = _copies(size) - 1 if device == "cuda" else 0
+            copies = [tensors] + [{a: t.clone() for a, t in tensors.items()} for _ in range(extra)]
+            weights[proj] = (copies, qk.dequantize(tensors, spec).t())
+        default = {(p, m): qk.tile_config(m, n, k, spec) for p, (k, n) in shapes for m in tokens}
+        grid = [None] + [(bn, bk, sp, w, 3, o) for bn, bk, sp, w, o in sweep_grid(method)]
+        if dry_run:
+            grid = grid[:3]
+        done: set = set()
+        best: dict = {}
+        phase2 = False
+        while grid:
+            choice = grid.pop(0)
+            if time.perf_counter() > deadline:
+                log(f"{method}: sweep budget spent; {len(grid) + 1} configs not timed")
+                break
+            for proj, (k, n) in shapes:
+                copies, ref = weights[proj]
+                for m in tokens:
+                    base = default[proj, m]
+                    if choice is None:
+                        c, name = base, "default"
+                    else:
+                        bn, bk, sp, w, st, once = choice
+                        c = qk.TileConfig(base.block_m, bn, bk, sp, w, st, once)
+                        name = f"n{bn} k{bk} split{sp}x w{w} s{st}" + (" once" if once else "")
+                    if (method, proj, m, c) in done:
+                        continue
+                    done.add((method, proj, m, c))
+                    x = data[proj][1][m]
+                    fn = functools.partial(qk.weight_only_gemm, config=c)
+                    try:  # compiles here, before any capture: a config that fails is noted
+                        out = fn(x, copies[0], spec, n)
+                    except Exception as e:  # e.g. out of shared memory at this tile size
+                        log(f"{method} {proj} M={m} {name}: {type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:160] if str(e) else ''}")  # fmt: skip
+                        rows.append({"method": method, "projection": proj, "K": k, "N": n,
+                                     "tokens": m, "config": name, "us": None,
+                                     "err": float("inf"), "error": type(e).__name__})  # fmt: skip
+                        continue
+                    want = x.float() @ ref
+                    err = ((out.float() - want).abs().max() / want.abs().max()).item()
+                    calls = [lambda t=t, x=x, n=n, f=fn, q=spec: f(x, t, q, n) for t in copies]
+                    sec = timer(lambda cs=calls: [f() for f in cs]) / len(calls)
+                    row = {"method": method, "projection": proj, "K": k, "N": n, "tokens": m,
+                           "config": name, "block_m": c.block_m, "block_n": c.block_n,
+                           "block_k": c.block_k, "split_sms": c.split_sms,
+                           "num_warps": c.num_warps, "num_stages": c.num_stages,
+                           "words_once": c.words_once,
+                           "us": sec * 1e6, "err": err}  # fmt: skip
+                    rows.append(row)
+                    if err < 1e-2 and (best.get((proj, m)) is None or sec < best[proj, m][0]):
+                        best[proj, m] = (sec, c)
+            log(f"{method} {'default' if choice is None else choice}: "
+                f"{time.perf_counter() - t_start:.0f} s")  # fmt: skip
+            save(rows)
+            if not grid and not phase2:  # each shape's winner at 2 and 4 stages
+                phase2 = True
+                winners = dict.fromkeys(c for _, c in best.values())
+                grid = [(c.block_n, c.block_k, c.split_sms, c.num_warps, st, c.words_once)
+                        for c in winners for st in (2, 4)]  # fmt: skip
+                if dry_run:
+                    grid = grid[:1]
+        del weights
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _copies(nbytes: int) -> int:
+    """Weight copies per timed graph so that they exceed the L2 (at most 64)."""
+    return max(1, min(64, -(-L2_FLUSH_BYTES // nbytes)))
+
+
+def sweep_markdown(rows: list[dict], header: str) -> str:
+    """Best config per (method, projection, tokens), against the default and bf16 cuBLAS."""
+    lines = [header, "", "Tiled quantized GEMM tile sweep (us per call in CUDA graphs, weights "
+             "beyond the L2; speed-up = bf16 cuBLAS us / us). Config: BLOCK_N, BLOCK_K, split K "
+             "until N programs per SM, warps, stages, 'once': int4 words loaded once; BLOCK_M 16.", "",
+             "| method | projection (K, N) | M | best config | best us | x bf16 | default us "
+             "| bf16 us | configs timed |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    bf16 = {(r["projection"], r["tokens"]): r["us"] for r in rows if r["method"] == "bf16"}
+    keys = list(dict.fromkeys((r["method"], r["projection"], r["tokens"]) for r in rows
+                              if r["method"] != "bf16"))  # fmt: skip
+    for method, proj, m in keys:
+        mine = [r for r in rows if (r["method"], r["projection"], r["tokens"]) == (method, proj, m)]
+        ok = [r for r in mine if r["err"] < 1e-2 and r["us"] is not None]
+        if not ok:
+            continue
+        b = min(ok, key=lambda r: r["us"])
+        d = next((r["us"] for r in mine if r["config"] == "default"), None) or float("nan")
+        base = bf16.get((proj, m), float("nan"))
+        lines.append(f"| {method} | {proj} ({b['K']}, {b['N']}) | {m} | {b['config']} | "
+                     f"{b['us']:.1f} | {base / b['us']:.2f} | {d:.1f} | {base:.1f} | "
+                     f"{len(mine)} |")  # fmt: skip
+    bad = [r for r in rows if r["err"] >= 1e-2 and r["us"] is not None]
+    failed = [r for r in rows if r["us"] is None]
+    lines += ["", f"Timings with a relative error >= 1e-2 (left out of 'best'): {len(bad)}; "
+              f"launches that failed (compile or resources): {len(failed)}."]  # fmt: skip
+    lines += ["", "Set the winners in backend/quant_kernels.py tile_config()."]
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- part 2: decode steps
@@ -278,6 +456,17 @@ def main() -> None:
                     help="also time the kernels before this change (GEMMs alone)")  # fmt: skip
     ap.add_argument("--no-gemm", action="store_true", help="skip part 1")
     ap.add_argument("--no-steps", action="store_true", help="skip part 2")
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="tile sweep of the tiled kernel instead of part 1 (sweep.json/.md)",
+    )
+    ap.add_argument(
+        "--sweep-budget-s",
+        type=float,
+        default=200.0,
+        help="seconds after which the sweep starts no more configs (default 200)",
+    )
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -295,7 +484,15 @@ def main() -> None:
     def log(line: str) -> None:
         print(f"[{time.perf_counter() - t0:6.1f} s] {line}", flush=True)
 
-    if not args.no_gemm:
+    if args.sweep:
+
+        def save_sweep(rows: list[dict]) -> None:
+            (out / "sweep.json").write_text(json.dumps(rows, indent=1))
+            (out / "sweep.md").write_text(sweep_markdown(rows, header))
+
+        rows = sweep_rows(cfg, device, timer, args.sweep_budget_s, log, save_sweep, args.dry_run)
+        print(sweep_markdown(rows, header), flush=True)
+    elif not args.no_gemm:
 
         def save_gemm(rows: list[dict]) -> None:
             (out / "gemm.json").write_text(json.dumps(rows, indent=1))

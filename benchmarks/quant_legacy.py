@@ -1,7 +1,9 @@
 """The quantized GEMMs as they were before the weight-streaming kernels (commit 21378d6 of
 backend/quant_kernels.py), kept only so that benchmarks/quant_decode.py can time old against
 new in one run: one tiled Triton kernel for int4/int8 at every batch (AWQ unpacked column by
-column, split K through float32 atomics into a zeroed buffer), and fp8 always W8A8.
+column, split K through float32 atomics into a zeroed buffer), and fp8 always W8A8. Its GPTQ
+and int8 arithmetic is again the engine's (quant_kernels.weight_only_gemm); what only this
+file has is the kernel on AWQ's (K, N/8) layout, which the engine now repacks at load.
 """
 
 from __future__ import annotations

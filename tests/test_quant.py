@@ -19,6 +19,7 @@ from sched_lab.backend.quant_formats import (  # noqa: E402
     pack_gptq_rows,
     pack_gptq_zeros,
     quantize_weight,
+    repack_awq,
     unpack_awq,
     unpack_gptq_rows,
     unpack_gptq_zeros,
@@ -59,6 +60,35 @@ def test_gptq_packing_round_trips_and_stores_zero_minus_one():
     assert int(pack_gptq_zeros(torch.full((1, 8), 8))[0, 0]) == 0x77777777  # 8 stored as 7
 
 
+def test_awq_repack_puts_rows_along_k_and_zeros_in_column_order():
+    codes = torch.arange(16, dtype=torch.int32).reshape(8, 2)  # row k, column n: 2 k + n
+    zeros = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 15]], dtype=torch.int32)  # zero 0 included
+    awq = {"qweight": pack_awq(codes.repeat(1, 4)), "qzeros": pack_awq(zeros),
+           "scales": torch.ones(1, 8, dtype=torch.float16)}  # fmt: skip
+    rows = repack_awq(awq)
+    assert rows["qweight"].shape == (1, 8) and rows["qzeros"].shape == (1, 1)
+    # column 0 holds codes 0, 2, .., 14 of rows 0..7 in nibbles 0..7; column 1: 1, 3, .., 15
+    assert int(rows["qweight"][0, 0]) == _to_signed(0xECA86420)
+    assert int(rows["qweight"][0, 1]) == _to_signed(0xFDB97531)
+    assert int(rows["qzeros"][0, 0]) == _to_signed(0xF6543210)  # the zeros themselves, in order
+    assert rows["scales"] is awq["scales"]
+
+
+def _to_signed(word: int) -> int:
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+@pytest.mark.parametrize("n, k, group", [(64, 256, 128), (24, 96, 32)])
+def test_awq_repack_keeps_the_dequantized_weight_exactly(n, k, group):
+    spec = QuantSpec("awq", group)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(6))
+    w[:, :group] = w[:, :group].abs()  # the first group's zero points are 0
+    tensors = quantize_weight(w, spec)
+    assert int(unpack_awq(tensors["qzeros"])[0].min()) == 0
+    rows = repack_awq(tensors)
+    assert torch.equal(dequantize(rows, spec), dequantize(tensors, spec))
+
+
 @pytest.mark.parametrize("method", ["fp8", "int8", "awq", "gptq"])
 def test_round_to_nearest_error_is_within_half_a_step(method):
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)) * 0.02
@@ -77,11 +107,15 @@ def test_round_to_nearest_error_is_within_half_a_step(method):
 
 
 # ------------------------------------------------------------------ kernels
-def _quantized(method, n, k, group=128, seed=2):
-    """(spec, tensors on DEVICE) of a random (n, k) weight."""
+def _quantized(method, n, k, group=128, seed=2, repack=False):
+    """(spec, tensors on DEVICE) of a random (n, k) weight (awq ``repack``: the engine's
+    layout)."""
     spec = QuantSpec(method, group)
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
-    return spec, {name: t.to(DEVICE) for name, t in quantize_weight(w, spec).items()}
+    tensors = quantize_weight(w, spec)
+    if repack and method == "awq":
+        tensors = repack_awq(tensors)
+    return spec, {name: t.to(DEVICE) for name, t in tensors.items()}
 
 
 def _assert_close_to_reference(out, x, tensors, spec, n):
@@ -97,16 +131,34 @@ def _assert_close_to_reference(out, x, tensors, spec, n):
 
 
 @needs_triton
-@pytest.mark.parametrize("method", ["awq", "gptq", "int8", "fp8"])
+@pytest.mark.parametrize("method", ["awq", "gptq", "int8", "gptq-words-once"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [3, 40])
 def test_weight_only_gemm_matches_dequantized_reference(method, dtype, m):
+    from dataclasses import replace
+
+    from sched_lab.backend.quant_kernels import _num_sms, tile_config, tiled_plan, weight_only_gemm
+
+    method, words_once = method.split("-")[0], method.endswith("words-once")
+
+    # awq repacked as the engine keeps it; groups of 128; 2 tiles of 64 columns on 4 "SMs":
+    # K 1024 (16 K tiles of 64) split 4 ways (8 programs), K 256 (4 K tiles) not split
+    n, k = 96, 1024 if m == 3 else 256
+    spec, tensors = _quantized(method, n, k, repack=True)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    assert tiled_plan(m, n, k, spec, _num_sms(x.device)).splits == (4 if m == 3 else 1)
+    config = replace(tile_config(m, n, k, spec), words_once=words_once)
+    out = weight_only_gemm(x, tensors, spec, n, config)
+    _assert_close_to_reference(out, x, tensors, spec, n)
+
+
+@needs_triton
+def test_weight_only_gemm_refuses_awq_in_the_checkpoint_layout():
     from sched_lab.backend.quant_kernels import weight_only_gemm
 
-    n, k = 96, 256  # two groups of 128 (awq/gptq); m = 3 splits K over programs
-    spec, tensors = _quantized(method, n, k)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
-    _assert_close_to_reference(weight_only_gemm(x, tensors, spec, n), x, tensors, spec, n)
+    spec, tensors = _quantized("awq", 16, 128)
+    with pytest.raises(ValueError, match="repack_awq"):
+        weight_only_gemm(torch.zeros(1, 128, device=DEVICE), tensors, spec, 16)
 
 
 @needs_triton
@@ -168,7 +220,7 @@ def test_act_order_gptq_follows_g_idx():
 def test_plans_on_the_8b_shapes():
     from sched_lab.backend.quant_kernels import GemmPlan, stream_plan, tiled_plan
 
-    awq, int8 = QuantSpec("awq"), QuantSpec("int8")
+    awq, gptq, int8 = QuantSpec("awq"), QuantSpec("gptq"), QuantSpec("int8")
     # qkv (K 4096, N 6144), one row, 132 SMs: 96 tiles of 64 columns, K split 8 ways until
     # >= 4 programs per SM (768), each split 4 K tiles of 128 = 4 whole groups
     assert stream_plan(1, 6144, 4096, awq, 132) == GemmPlan(16, 64, 128, 8, 512, 8)
@@ -178,22 +230,20 @@ def test_plans_on_the_8b_shapes():
     assert stream_plan(32, 4096, 4096, int8, 132).block_m == 32
     assert stream_plan(33, 4096, 4096, int8, 132).block_m == 64
     # tiled, 256 rows of gate_up (N 28672): 4 x 224 tiles of 64 x 128 already fill the SMs
-    assert tiled_plan(256, 28672, 4096, awq, 132) == GemmPlan(64, 128, 64, 1, 4096, 8)
+    assert tiled_plan(256, 28672, 4096, awq, 132) == GemmPlan(64, 128, 64, 1, 4096, 8, 3)
+    # tiled, one row of qkv: 96 tiles of 16 x 64, K split 4 ways (384 >= 2 x 132 programs),
+    # 16 K tiles of 64 = 8 whole groups each
+    assert tiled_plan(1, 6144, 4096, gptq, 132) == GemmPlan(16, 64, 64, 4, 1024, 4, 3)
+    # int8 down (K 14336): 64 tiles split 8 ways (512 >= 264), 28 K tiles of 64 each
+    assert tiled_plan(1, 4096, 14336, int8, 132) == GemmPlan(16, 64, 64, 8, 1792, 4, 3)
 
 
-def test_gemm_path_by_tokens():
-    from sched_lab.backend.quant_kernels import STREAM_MAX_M
-    from sched_lab.backend.quant_linear import (
-        FP8_WEIGHT_ONLY_MAX_TOKENS,
-        STREAM_MAX_TOKENS,
-        gemm_path,
-    )
+def test_gemm_path_by_method_and_tokens():
+    from sched_lab.backend.quant_linear import gemm_path
 
-    assert max(STREAM_MAX_TOKENS, FP8_WEIGHT_ONLY_MAX_TOKENS) <= STREAM_MAX_M
-    assert [gemm_path("awq", t) for t in (1, STREAM_MAX_TOKENS, STREAM_MAX_TOKENS + 1)] == [
-        "stream", "stream", "tiled"
-    ]  # fmt: skip
-    assert [gemm_path("fp8", t) for t in (1, FP8_WEIGHT_ONLY_MAX_TOKENS + 1)] == ["stream", "w8a8"]
+    for method in ("awq", "gptq", "int8"):  # the tiled kernel at every M
+        assert {gemm_path(method, t) for t in (1, 16, 17, 256)} == {"tiled"}
+    assert [gemm_path("fp8", t) for t in (1, 16, 17, 256)] == ["stream", "stream", "w8a8", "w8a8"]
 
 
 def test_fp8_reference_quantizes_activations_per_token():
@@ -254,6 +304,8 @@ def test_quantizer_writes_hf_layout_and_engine_keeps_it_packed(tiny_dir, tmp_pat
     runner, q_logits = _logits(out)
     proj = runner.model.layers[0].self_attn.qkv_proj
     assert isinstance(proj, QuantLinear)  # packed as stored: no dequantized copy
+    if method == "awq":  # repacked at load: (K/8, N) along K, as GPTQ's
+        assert proj.qweight.shape == (16, 256) and proj.qzeros.shape == (1, 32)
     dtypes = {name: b.dtype for name, b in proj.named_buffers()}
     assert (
         dtypes

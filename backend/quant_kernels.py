@@ -494,10 +494,24 @@ class TileConfig:
 
 def tile_config(m: int, n: int, k: int, spec: QuantSpec) -> TileConfig:
     """The tiles the engine uses for an (m, k) @ (k, n) product: the one place to set the
-    winners of ``benchmarks/quant_decode.py --sweep``. Now: the kernel's settings as timed
-    on the H200 (16/32/64-row tiles, 64 columns up to 64 rows, 128 above; K tiles of 64;
-    split until 2 programs per SM; 8 warps from 64 x 64 outputs)."""
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    winners of ``benchmarks/quant_decode.py --sweep``. Up to 16 rows: the sweep's winners on
+    the H200 for the Llama-3.1-8B projections at M = 1 and 16 (BENCHMARKS.md, 2026-12-03):
+    int4 words loaded once, 128 columns (256 for one row of a wide N); int8 K tiles of
+    128-256. Above 16 rows (not swept): 32/64-row tiles, 64 columns up to 64 rows, 128
+    above; K tiles of 64; split until 2 programs per SM; 8 warps from 64 x 64 outputs."""
+    if m <= 16:
+        if LAYOUT[spec.method] <= 1:  # int4 (awq repacked, gptq)
+            wide = n >= 6144 and m == 1
+            split = 4 if wide or n >= 16384 else 2
+            return TileConfig(16, 256 if wide else 128, 64, split, 4, 3, words_once=True)
+        if n >= 16384:  # int8, a wide N (gate_up): enough tiles without a split
+            return TileConfig(16, 64, 256, 1, 4, 3)
+        if k >= 8192:  # int8, a long K (down)
+            return TileConfig(16, 128, 128, 1, 8, 4)
+        if m == 1:
+            return TileConfig(16, 128, 128, 2 if n > 4096 else 1, 8, 3)
+        return TileConfig(16, 32, 256, 1 if n > 4096 else 2, 4, 3)
+    block_m = 32 if m <= 32 else 64
     block_n = 64 if m <= 64 else 128
     num_warps = 8 if block_m * block_n >= 64 * 64 else 4
     return TileConfig(block_m, block_n, 64, 2, num_warps, 3)

@@ -135,9 +135,7 @@ def _assert_close_to_reference(out, x, tensors, spec, n):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [3, 40])
 def test_weight_only_gemm_matches_dequantized_reference(method, dtype, m):
-    from dataclasses import replace
-
-    from sched_lab.backend.quant_kernels import _num_sms, tile_config, tiled_plan, weight_only_gemm
+    from sched_lab.backend.quant_kernels import TileConfig, _num_sms, tiled_plan, weight_only_gemm
 
     method, words_once = method.split("-")[0], method.endswith("words-once")
 
@@ -146,8 +144,8 @@ def test_weight_only_gemm_matches_dequantized_reference(method, dtype, m):
     n, k = 96, 1024 if m == 3 else 256
     spec, tensors = _quantized(method, n, k, repack=True)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
-    assert tiled_plan(m, n, k, spec, _num_sms(x.device)).splits == (4 if m == 3 else 1)
-    config = replace(tile_config(m, n, k, spec), words_once=words_once)
+    config = TileConfig(16 if m <= 16 else 64, 64, 64, 2, 4 if m <= 16 else 8, 3, words_once)
+    assert tiled_plan(m, n, k, spec, _num_sms(x.device), config).splits == (4 if m == 3 else 1)
     out = weight_only_gemm(x, tensors, spec, n, config)
     _assert_close_to_reference(out, x, tensors, spec, n)
 
@@ -218,7 +216,13 @@ def test_act_order_gptq_follows_g_idx():
 
 
 def test_plans_on_the_8b_shapes():
-    from sched_lab.backend.quant_kernels import GemmPlan, stream_plan, tiled_plan
+    from sched_lab.backend.quant_kernels import (
+        GemmPlan,
+        TileConfig,
+        stream_plan,
+        tile_config,
+        tiled_plan,
+    )
 
     awq, gptq, int8 = QuantSpec("awq"), QuantSpec("gptq"), QuantSpec("int8")
     # qkv (K 4096, N 6144), one row, 132 SMs: 96 tiles of 64 columns, K split 8 ways until
@@ -231,11 +235,15 @@ def test_plans_on_the_8b_shapes():
     assert stream_plan(33, 4096, 4096, int8, 132).block_m == 64
     # tiled, 256 rows of gate_up (N 28672): 4 x 224 tiles of 64 x 128 already fill the SMs
     assert tiled_plan(256, 28672, 4096, awq, 132) == GemmPlan(64, 128, 64, 1, 4096, 8, 3)
-    # tiled, one row of qkv: 96 tiles of 16 x 64, K split 4 ways (384 >= 2 x 132 programs),
-    # 16 K tiles of 64 = 8 whole groups each
-    assert tiled_plan(1, 6144, 4096, gptq, 132) == GemmPlan(16, 64, 64, 4, 1024, 4, 3)
-    # int8 down (K 14336): 64 tiles split 8 ways (512 >= 264), 28 K tiles of 64 each
-    assert tiled_plan(1, 4096, 14336, int8, 132) == GemmPlan(16, 64, 64, 8, 1792, 4, 3)
+    # tiled, one row of qkv (the sweep's winner): 24 tiles of 16 x 256, K split 16 ways (the
+    # most that keeps 4 K tiles a split; 384 < 4 x 132 programs), 4 K tiles of 64 = 2 groups
+    assert tiled_plan(1, 6144, 4096, gptq, 132) == GemmPlan(16, 256, 64, 16, 256, 4, 3)
+    # int8 down (K 14336): 32 tiles of 128 split 8 ways (256 >= 132), 14 K tiles of 128 each
+    assert tiled_plan(1, 4096, 14336, int8, 132) == GemmPlan(16, 128, 128, 8, 1792, 8, 4)
+    # 16 rows of int4 o (N 4096): 32 tiles of 128, each packed word loaded once
+    assert tile_config(16, 4096, 4096, gptq) == TileConfig(16, 128, 64, 2, 4, 3, True)
+    # 17 rows: past the swept sizes, the 32-row tiles
+    assert tile_config(17, 4096, 4096, int8) == TileConfig(32, 64, 64, 2, 4, 3)
 
 
 def test_gemm_path_by_method_and_tokens():

@@ -3,6 +3,7 @@ every request arriving at t, whatever other requests arrived before."""
 
 from __future__ import annotations
 
+import pytest
 from helpers import by_id, run
 
 # fcfs (vLLM V0's prefill-first step), 1 s steps; A: prompt 4, 3 output tokens at t = 0;
@@ -243,6 +244,8 @@ def test_the_step_recorder_expands_runs_of_repeats():
     assert steps["kv_cached_blocks"].tolist() == [19, 190, 0, 0, 1, 19]
     assert steps["num_waiting"].tolist() == [7, 70, 70, 70, 70, 7]
     assert steps["num_waiting"].dtype.kind == "i" and steps["time_s"].dtype.kind == "f"
+    with pytest.raises(ValueError, match="the last whole row"):
+        rec.append_repeat(decode, 4.0, 0.75, 9, 33, 1)  # step 5 was a prefill
 
 
 def test_a_seeded_replica_is_priced_step_by_step():

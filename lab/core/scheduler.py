@@ -337,6 +337,7 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         allocate, bm = self.block_manager.allocate, self.block_manager
         run = RepeatRun([], [], [], [], [])
         start, duration, used, context, cached = run
+        used_now, cached_now = bm.num_used_gpu_blocks, bm.num_cached_blocks  # change by allocating
         t, j = now_s, 0
         while j != stop:
             need = needs[j % bs]
@@ -349,17 +350,19 @@ class Scheduler(Admission, Preemption, SpecDrafts):
             end = t + d
             if not (d >= 0.0 and end < until_s):  # the step loop raises for a bad duration
                 break
-            for r in need:
-                allocate(r, 1)
+            if need:
+                for r in need:
+                    allocate(r, 1)
+                used_now, cached_now = bm.num_used_gpu_blocks, bm.num_cached_blocks
             if check:
                 ds.skip(tick0 + j - ds.tick)  # the tick step j is planned at
                 prev.decode_context_tokens, prev.decode_tick = ctx, ds.tick
                 self.check_plan(prev)
             start.append(t)
             duration.append(d)
-            used.append(bm.num_used_gpu_blocks)
+            used.append(used_now)
             context.append(ctx)
-            cached.append(bm.num_cached_blocks)
+            cached.append(cached_now)
             t = end
             ctx += num_decodes
             j += 1

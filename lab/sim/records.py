@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from array import array
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,10 +47,10 @@ class StepRecorder:
     """The per-step records of one replay loop: one row per step, appended as it ends.
 
     A row is kept whole (every column, flat in one float64 array: every count is exact there,
-    below 2**53), or, for a step that repeats an earlier row but in :data:`REPEAT_COLUMNS`
-    (a decode plan moved on by a tick, ``Scheduler.repeat_decodes``), as those five values
-    and a reference to that row, its template: 40 bytes a step, not 8 per column.
-    :meth:`arrays` expands both into ``columns``, float64 or int64.
+    below 2**53), or, for a step that repeats the last whole row but in
+    :data:`REPEAT_COLUMNS` (a decode plan moved on by a tick, ``Scheduler.repeat_decodes``),
+    as those five values: 40 bytes a step, not 8 per column. :meth:`arrays` expands both
+    into ``columns``, float64 or int64.
 
     Attributes:
         num_steps: rows appended so far.
@@ -60,11 +60,11 @@ class StepRecorder:
         self.columns = (*STEP_COLUMNS, *extra)  # ``extra``: e.g. LORA_COLUMNS
         self._values = array("d")  # the whole rows, one after the other
         self._ticks = array("q")  # the whole rows that ran a decode tick (repeats all do)
-        self._templates = array("d")  # the rows repeated steps take their other columns from
         self._repeated = tuple(array("d") for _ in REPEAT_COLUMNS)  # a column each
-        # Runs of steps in order: their count and template index (-1: whole rows).
+        # Runs of steps in order: their count and the whole row they repeat (-1: whole rows).
         self._run_len, self._run_template = array("q"), array("q")
-        self._template: Sequence[float] | None = None  # the row of the open run of repeats
+        self._last: list[float] | None = None  # the last whole row
+        self._repeating = False  # whether the last run is one of repeats
         self.num_steps = 0
 
     def append(self, row: list[float], decodes: Collection[object]) -> None:
@@ -75,10 +75,11 @@ class StepRecorder:
         if decodes:
             self._ticks.append(self.num_steps)
         self.num_steps += 1
-        if self._template is None and self._run_len:
+        self._last = row
+        if self._run_len and not self._repeating:
             self._run_len[-1] += 1
         else:
-            self._template = None
+            self._repeating = False
             self._run_len.append(1)
             self._run_template.append(-1)
 
@@ -86,8 +87,9 @@ class StepRecorder:
         self, row: list[float], time_s: float, duration_s: float, kv_used: int, context: int,
         kv_cached: int,
     ) -> None:  # fmt: skip
-        """Append a step that ran a decode tick and equals ``row`` (a row appended before,
-        unchanged since) but in :data:`REPEAT_COLUMNS`, whose values are given in order."""
+        """Append a step that ran a decode tick and equals ``row``, the last row appended by
+        :meth:`append` (unchanged since), but in :data:`REPEAT_COLUMNS`, whose values are
+        given in order. Raises ValueError for another row."""
         self._open_run(row, 1)
         time_c, duration_c, used_c, context_c, cached_c = self._repeated
         time_c.append(time_s)
@@ -105,10 +107,11 @@ class StepRecorder:
 
     def _open_run(self, row: list[float], num_steps: int) -> None:
         """Count ``num_steps`` more repeats of ``row`` (a run of its own unless the last)."""
-        if row is not self._template:
-            self._template = row
-            self._run_template.append(len(self._templates) // len(self.columns))
-            self._templates.fromlist(row)
+        if row is not self._last:
+            raise ValueError("StepRecorder: a repeated step must repeat the last whole row")
+        if not self._repeating:
+            self._repeating = True
+            self._run_template.append(len(self._values) // len(self.columns) - 1)
             self._run_len.append(0)
         self._run_len[-1] += num_steps
         self.num_steps += num_steps
@@ -120,7 +123,6 @@ class StepRecorder:
         template = np.repeat(run_template, np.frombuffer(self._run_len, dtype=np.int64))
         repeat = template >= 0
         whole = np.frombuffer(self._values, dtype=np.float64).reshape(-1, width)
-        templates = np.frombuffer(self._templates, dtype=np.float64).reshape(-1, width)
         template = template[repeat]
         repeated = dict(zip(REPEAT_COLUMNS, self._repeated))
         steps = {}
@@ -131,7 +133,7 @@ class StepRecorder:
                 if c in repeated:
                     column[repeat] = np.frombuffer(repeated[c], dtype=np.float64)
                 else:
-                    column[repeat] = templates[template, i]
+                    column[repeat] = whole[template, i]
             else:
                 column = whole[:, i]
             steps[c] = column.astype(np.float64 if c in _FLOAT_COLUMNS else np.int64)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sched_lab.core.kv import make_block_manager
-from sched_lab.core.plan import SchedulerOutput, StepFeatures, StepResult
+from sched_lab.core.plan import SchedulerOutput, StepResult
 from sched_lab.core.request import Request
 from sched_lab.core.scheduler import SchedulerLimits
 from sched_lab.policies import get_policy, policy_names
@@ -30,10 +30,6 @@ class FixedCost:
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
         return StepResult(self.step_s)
-
-    def step_time(self, features: StepFeatures) -> float:
-        """What ``execute`` gives a plan with ``features`` (the replay loop fast-forwards)."""
-        return self.step_s
 
 
 def run(

@@ -220,9 +220,11 @@ class CostModelExecutor:
         #: ``step_time(features) -> s``, what ``execute`` gives a plan with these features,
         #: where that depends on nothing else (``cost_model.deterministic``; not a seeded
         #: replica's draws): then the replay loop may price repeated decode steps without
-        #: plans (``Scheduler.repeat_decodes_run``). None otherwise.
+        #: plans (``Scheduler.repeat_decodes_run``). None otherwise, and in a subclass that
+        #: overrides ``execute`` (it may count or fail steps).
         self.step_time: Callable[[StepFeatures], float] | None = None
-        if getattr(cost_model, "deterministic", False) is True:
+        plain = type(self).execute is CostModelExecutor.execute
+        if plain and getattr(cost_model, "deterministic", False) is True:
             self.step_time = functools.partial(cost_model.step_time, block_size=block_size)
 
     def execute(self, plan: SchedulerOutput) -> StepResult:

@@ -340,13 +340,14 @@ def test_random_shared_traces_keep_every_invariant(policy, trace):
 def test_fast_forward_with_the_cache_is_step_by_step(policy, trace):
     """Plans repeated by Scheduler.repeat_decodes under prefix caching (requests waiting while
     decodes take blocks that may be cached ones) give the step-by-step replay: the same steps,
-    hits, evictions, block tables and wait streaks."""
+    hits, evictions, block tables and wait streaks; so do runs of repeats made at once
+    (Scheduler.repeat_decodes_run, with an executor that has ``step_time``)."""
     from sched_lab.sim.replay import replay
     from tests.helpers import FixedCost
 
     bs, per, gpu, cpu, rows = trace
 
-    def run(fast_forward: bool):
+    def run(fast_forward: bool, many: bool = False):
         cls = get_policy(policy)
         limits = SchedulerLimits(4, 64 if cls.chunked_prefill else 10**6, 10**6)
         bm = PrefixCachingBlockManager(gpu, cpu, bs, 0.0)
@@ -355,15 +356,19 @@ def test_fast_forward_with_the_cache_is_step_by_step(policy, trace):
         ]
         scheduler = cls(limits, bm)
         scheduler.fast_forward = fast_forward
-        res = replay(reqs, scheduler, FixedCost(), check_invariants=True)
+        executor = FixedCost()
+        if many:
+            executor.step_time = lambda features: executor.step_s
+        res = replay(reqs, scheduler, executor, check_invariants=True)
         waits = [(w[0], getattr(w[1], "request_id", None), *w[2:]) for w in res.events.waits]
         got = [(r.status, r.num_cached_tokens, r.finish_s, r.block_table) for r in res.requests]
         return res, waits, got, bm.num_evicted_blocks
 
-    a, b = run(True), run(False)
-    for col in a[0].steps:
-        assert np.array_equal(a[0].steps[col], b[0].steps[col]), col
-    assert a[1:] == b[1:]
+    b = run(False)
+    for a in (run(True), run(True, many=True)):
+        for col in a[0].steps:
+            assert np.array_equal(a[0].steps[col], b[0].steps[col]), col
+        assert a[1:] == b[1:]
 
 
 # --------------------------------------------------------------------------- config

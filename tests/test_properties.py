@@ -447,6 +447,63 @@ def test_fast_forward_is_step_by_step(policy, data):
     assert events(a) == events(b)
 
 
+def _priced(f) -> float:
+    """STEP_S plus 1/8 s per decode context token modulo 8: steps of a run differ in
+    length, and every time stays a multiple of 1/8 s, as arrivals are (they land exactly on
+    step ends, the edge of a run)."""
+    return STEP_S + f.decode_context_tokens % 8 / 8
+
+
+class PricedExecutor:
+    """Steps priced by ``_priced``; ``many``: with ``step_time`` (the loop runs repeated
+    decode steps many at once, ``Scheduler.repeat_decodes_run``), else one at a time."""
+
+    def __init__(self, many: bool) -> None:
+        self.step_time = _priced if many else None
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        return StepResult(_priced(plan.features()))
+
+
+@pytest.mark.parametrize("policy", FAST_FORWARD)
+@settings(PROFILE, max_examples=max(10, PROFILE.max_examples // 4))
+@given(data=st.data())
+def test_many_steps_at_once_are_step_by_step(policy, data):
+    """Runs of repeated decode steps made at once give the replay made one step at a time
+    (and the one the policy plans every step of): the same columns, token times, states,
+    block tables, events, wait streaks and progress calls (one every 3 steps)."""
+    from unittest import mock
+
+    from sched_lab.sim import replay as replay_mod
+
+    sc = data.draw(scenarios_for(policy), label="scenario")
+
+    def run(many: bool, fast_forward: bool = True):
+        bm = BlockManager(sc.gpu_blocks, sc.cpu_blocks, sc.block_size, sc.watermark)
+        scheduler = get_policy(policy)(sc.limits, bm)
+        scheduler.fast_forward = fast_forward
+        reqs = [Request(str(i), a, p, o) for i, (a, p, o) in enumerate(sc.requests)]
+        calls: list[tuple[int, float]] = []
+        with mock.patch.object(replay_mod, "_PROGRESS_EVERY", 3):
+            res = replay(reqs, scheduler, PricedExecutor(many), True, lambda *c: calls.append(c))
+        rows = [(s, k, r.request_id, x, y) for s, k, r, x, y in res.events.rows(res.requests)]
+        waits = [(w[0], getattr(w[1], "request_id", None), *w[2:]) for w in res.events.waits]
+        state = [
+            (r.status, r.reason, r.finish_s, r.block_table, r.num_preemptions, r.decode_segments)
+            for r in res.requests
+        ]
+        return res, (rows, waits, state, calls, res.failure)
+
+    a, sa = run(True)
+    for b, sb in (run(False), run(False, fast_forward=False)):
+        for col in a.steps:
+            assert np.array_equal(a.steps[col], b.steps[col]), col
+        assert np.array_equal(a.tick_steps, b.tick_steps)
+        for ra, rb in zip(a.requests, b.requests, strict=True):
+            assert np.array_equal(a.token_times(ra), b.token_times(rb))
+        assert sa == sb
+
+
 # --------------------------------------------------------------------------- livelock guard
 class Thrash(Scheduler):
     """A deliberately bad policy (not registered): whenever two requests run, it preempts

@@ -3,6 +3,7 @@ every request arriving at t, whatever other requests arrived before."""
 
 from __future__ import annotations
 
+import pytest
 from helpers import by_id, run
 
 # fcfs (vLLM V0's prefill-first step), 1 s steps; A: prompt 4, 3 output tokens at t = 0;
@@ -86,3 +87,179 @@ def test_advance_to_moves_the_clock_only_when_nothing_is_due():
     assert env.now == 1.5
     env.run()
     assert env.now == 2.0 and env.advance_to(7.25) and env.now == 7.25
+
+
+# ------------------------------------------------------------------ multi-step fast-forward
+def _context_cost(f) -> float:
+    """1/4 s a step plus 1/4096 s per decode context token: durations grow with the
+    decodes' contexts and stay binary fractions (exact sums)."""
+    return 0.25 + f.decode_context_tokens / 4096
+
+
+class ContextCost:
+    """A toy executor priced by ``_context_cost``; ``many=False`` hides ``step_time``, so
+    the loop repeats decode plans one step at a time."""
+
+    def __init__(self, many: bool = True) -> None:
+        self.step_time = _context_cost if many else None
+
+    def execute(self, plan):
+        from sched_lab.core.plan import StepResult
+
+        return StepResult(_context_cost(plan.features()))
+
+
+def replay_both(monkeypatch, requests, gpu_blocks=8, policy="fcfs", progress_every=None):
+    """Replay ``requests`` with multi-step fast-forward and one step at a time; assert the
+    two agree in every column, token time, request state, event and wait (and progress
+    call). Returns the fast-forwarded result and its runs, (first step, steps) each."""
+    import numpy as np
+
+    from sched_lab.core.kv import BlockManager
+    from sched_lab.core.request import Request
+    from sched_lab.core.scheduler import Scheduler, SchedulerLimits
+    from sched_lab.policies import get_policy
+    from sched_lab.sim import replay as replay_mod
+
+    if progress_every is not None:
+        monkeypatch.setattr(replay_mod, "_PROGRESS_EVERY", progress_every)
+    runs = []
+    original = Scheduler.repeat_decodes_run
+
+    def counted(self, prev, *args, **kwargs):
+        first = self.num_steps
+        run = original(self, prev, *args, **kwargs)
+        if run is not None:
+            runs.append((first, len(run.start_s)))
+        return run
+
+    monkeypatch.setattr(Scheduler, "repeat_decodes_run", counted)
+
+    def one(many: bool):
+        bm = BlockManager(gpu_blocks, 8, 4, 0.0)
+        scheduler = get_policy(policy)(SchedulerLimits(8, 64, 10**6), bm)
+        reqs = [Request(*t) for t in requests]
+        calls = []
+        res = replay_mod.replay(
+            reqs, scheduler, ContextCost(many), True, lambda n, t: calls.append((n, t))
+        )
+        assert res.failure is None, res.failure
+        return res, calls
+
+    (a, calls_a), (b, calls_b) = one(True), one(False)
+    for col in a.steps:
+        assert a.steps[col].dtype == b.steps[col].dtype, col
+        assert np.array_equal(a.steps[col], b.steps[col]), col
+    assert np.array_equal(a.tick_steps, b.tick_steps)
+    for ra, rb in zip(a.requests, b.requests, strict=True):
+        state = ("status", "finish_s", "reason", "num_preemptions", "decode_segments")
+        assert [getattr(ra, k) for k in state] == [getattr(rb, k) for k in state]
+        assert np.array_equal(a.token_times(ra), b.token_times(rb))
+
+    def events(res):
+        rows = [(s, k, r.request_id, x, y) for s, k, r, x, y in res.events.rows(res.requests)]
+        waits = [(w[0], getattr(w[1], "request_id", None), *w[2:]) for w in res.events.waits]
+        return rows, waits
+
+    assert events(a) == events(b)
+    assert calls_a == calls_b
+    return a, runs, calls_a
+
+
+def test_a_run_of_repeats_ends_with_the_finishing_step(monkeypatch):
+    """A (prompt 4, 10 tokens; blocks of 4): step 0 prefills, the policy plans step 1 (the
+    first decode), and steps 2-9 (ticks 1-8) run at once, the last sampling A's 10th token.
+    At tick t A holds 5 + t tokens and reserves the next one's slot: a 3rd block at tick 3
+    (step 4), a 4th at tick 7 (step 8)."""
+    res, runs, _ = replay_both(monkeypatch, [("A", 0.0, 4, 10)])
+    assert runs == [(2, 8)]
+    durations = [0.25] + [0.25 + (5 + t) / 4096 for t in range(9)]
+    assert res.steps["duration_s"].tolist() == durations
+    starts = [0.0]
+    for d in durations[:-1]:
+        starts.append(starts[-1] + d)
+    assert res.steps["time_s"].tolist() == starts
+    assert res.steps["kv_used_blocks"].tolist() == [2, 2, 2, 2, 3, 3, 3, 3, 4, 4]
+    assert res.steps["decode_context_tokens"].tolist() == [0] + [5 + t for t in range(9)]
+    assert res.tick_steps.tolist() == list(range(1, 10))
+    assert by_id(res)["A"].finish_s == starts[-1] + durations[-1]
+
+
+def test_an_arrival_inside_a_run_ends_it_before_the_step_it_falls_in(monkeypatch):
+    """B arrives 0.1 s into step 4: steps 2 and 3 run at once, step 4 waits for the arrival
+    as a SimPy timeout, and the policy prefills B in step 5."""
+    t4 = 0.25 + sum(0.25 + (5 + t) / 4096 for t in range(3))  # step 4's start
+    res, runs, _ = replay_both(monkeypatch, [("A", 0.0, 4, 10), ("B", t4 + 0.1, 4, 2)])
+    assert runs[0] == (2, 2)
+    assert res.steps["num_prefill_tokens"].tolist()[:6] == [4, 0, 0, 0, 0, 4]
+
+
+def test_an_arrival_at_a_step_end_ends_the_run_before_that_step(monkeypatch):
+    """B arrives exactly when step 3 ends: the run holds step 2 only (a step must end before
+    every other event), and the plan at step 3's end sees B."""
+    t4 = 0.25 + sum(0.25 + (5 + t) / 4096 for t in range(3))
+    res, runs, _ = replay_both(monkeypatch, [("A", 0.0, 4, 10), ("B", t4, 4, 2)])
+    assert runs[0] == (2, 1)
+    assert res.steps["num_prefill_tokens"].tolist()[:5] == [4, 0, 0, 0, 4]
+
+
+def test_a_block_boundary_with_no_free_block_preempts_at_the_same_step(monkeypatch):
+    """A and B (prompt 4, 20 tokens each) in 5 blocks: both reach 8 tokens at tick 3 and
+    need a 3rd block with 1 free. Steps 2-3 run at once; step 4 goes back to the policy,
+    which preempts B (the newest) as step by step."""
+    res, runs, _ = replay_both(monkeypatch, [("A", 0.0, 4, 20), ("B", 0.0, 4, 20)], gpu_blocks=5)
+    assert runs[0] == (2, 2)
+    assert res.steps["num_preempted"].tolist()[:5] == [0, 0, 0, 0, 1]
+    assert by_id(res)["B"].num_preemptions == 1
+
+
+def test_progress_calls_inside_a_run_are_those_of_step_by_step(monkeypatch):
+    """With a progress call every 5 steps, the calls after steps 4 (inside the run of steps
+    2-9) and 9 (its last, finishing A) carry the same ended counts and times."""
+    res, runs, calls = replay_both(monkeypatch, [("A", 0.0, 4, 10)], progress_every=5)
+    assert runs == [(2, 8)]
+    ends = (res.steps["time_s"] + res.steps["duration_s"]).tolist()
+    assert calls == [(0, ends[4]), (1, ends[9])]
+
+
+def test_the_step_recorder_expands_runs_of_repeats():
+    """Whole rows and repeats of a row come back as one table in step order; only
+    REPEAT_COLUMNS differ from the template, and every repeat is a decode tick."""
+    from sched_lab.sim.records import STEP_COLUMNS, StepRecorder
+
+    rec = StepRecorder()
+    prefill = [float(i) for i in range(len(STEP_COLUMNS))]
+    decode = [10.0 * i for i in range(len(STEP_COLUMNS))]
+    rec.append(prefill, [])  # step 0: no decode tick
+    rec.append(decode, ["r"])  # step 1
+    rec.append_repeats(decode, [1.0, 2.0], [0.5, 0.5], [7, 8], [30, 31], [0, 0])  # 2, 3
+    rec.append_repeat(decode, 3.0, 0.75, 9, 32, 1)  # 4: the same run
+    rec.append(prefill, ["r"])  # 5
+    steps, ticks = rec.arrays()
+    assert rec.num_steps == 6 and ticks.tolist() == [1, 2, 3, 4, 5]
+    assert steps["time_s"].tolist() == [0.0, 0.0, 1.0, 2.0, 3.0, 0.0]
+    assert steps["duration_s"].tolist() == [1.0, 10.0, 0.5, 0.5, 0.75, 1.0]
+    assert steps["kv_used_blocks"].tolist() == [5, 50, 7, 8, 9, 5]
+    assert steps["decode_context_tokens"].tolist() == [16, 160, 30, 31, 32, 16]
+    assert steps["kv_cached_blocks"].tolist() == [19, 190, 0, 0, 1, 19]
+    assert steps["num_waiting"].tolist() == [7, 70, 70, 70, 70, 7]
+    assert steps["num_waiting"].dtype.kind == "i" and steps["time_s"].dtype.kind == "f"
+    with pytest.raises(ValueError, match="the last whole row"):
+        rec.append_repeat(decode, 4.0, 0.75, 9, 33, 1)  # step 5 was a prefill
+
+
+def test_a_seeded_replica_is_priced_step_by_step():
+    """A cost model that draws per step (seeded noise) gives its executor no step_time; a
+    deterministic one does, equal to execute's duration."""
+    from sched_lab.core.plan import SchedulerOutput
+    from sched_lab.sim.cost_model import AnalyticCostModel, CostModelExecutor
+    from sched_lab.sim.hardware import HARDWARE
+    from sched_lab.sim.models import MODELS
+    from sched_lab.sim.noise import NoisyCostModel, StepNoise
+
+    model = AnalyticCostModel(MODELS["llama-3.1-8b"], HARDWARE["h200-sxm"])
+    plain = CostModelExecutor(model, 16)
+    plan = SchedulerOutput(decode_context_tokens=5000)
+    assert plain.step_time(plan.features()) == plain.execute(plan).duration_s
+    noise = StepNoise({}, {}, {}, 0.0, 0.0)
+    assert CostModelExecutor(NoisyCostModel(model, noise, (0,)), 16).step_time is None

@@ -58,6 +58,12 @@ class DecodeSet:
         """Members that need one more block for the next tick (do not mutate)."""
         return self._buckets[-self.tick % self.block_size]
 
+    def needing_blocks(self) -> list[dict[Request, None]]:
+        """:meth:`needing_block` for each of the next ``block_size`` ticks (do not mutate):
+        while no member leaves or joins, tick ``j`` from now needs ``[j % block_size]``."""
+        b, i = self._buckets, -self.tick % self.block_size
+        return b[i::-1] + b[:i:-1]
+
     def add(self, request: Request) -> None:
         """Add a request that has just sampled a token (or was swapped back in)."""
         r = request
@@ -88,6 +94,26 @@ class DecodeSet:
         r.num_output_tokens = num_tokens - r.prompt_len
         r.num_computed_tokens = num_tokens - 1
         r.join_tick = -1  # marks heap entries of this membership as stale
+
+    def ticks_before_finish(self) -> int | None:
+        """Ticks from now in which no member samples its last token: that many
+        ``advance()`` calls return nothing (None: no member will finish). Drops stale heap
+        entries on top (``advance`` would skip them)."""
+        heap = self._finish_heap
+        while heap:
+            last_tick, _, r = heap[0]
+            if (
+                r in self._members
+                and r.join_tick + r.output_len - r.join_num_output - 1 == last_tick
+            ):
+                return last_tick - self.tick
+            heapq.heappop(heap)
+        return None
+
+    def skip(self, num_ticks: int) -> None:
+        """``num_ticks`` ticks at once, none finishing a member (at most
+        :meth:`ticks_before_finish`; the caller checks)."""
+        self.tick += num_ticks
 
     def advance(self, keep_done: bool = False) -> list[Request]:
         """One tick: every member gains a token. Returns those that sampled their last one,

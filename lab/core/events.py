@@ -75,6 +75,16 @@ class EventLog:
             row[4] += 1
         self._touched_step = step
 
+    def repeat_run(self, first: int, num_steps: int) -> None:
+        """:meth:`repeat` for steps ``first`` .. ``first + num_steps - 1``, at once."""
+        if self._touched_step != first - 1:
+            return
+        last = first + num_steps - 1
+        for row in self._touched:
+            row[3] = last
+            row[4] += num_steps
+        self._touched_step = last
+
     def text(self, value: str) -> int:
         """The index of ``value`` in ``texts`` (added once)."""
         index = self._text_index.get(value)

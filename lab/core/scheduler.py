@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from sched_lab.core.admission import Admission
 from sched_lab.core.decode_set import DecodeSet
@@ -18,7 +18,7 @@ from sched_lab.core.events import ABORTED, PREFILL, EventLog
 from sched_lab.core.in_flight import InFlight
 from sched_lab.core.kv import BlockManager, blocks_for
 from sched_lab.core.lora import LoRASlots
-from sched_lab.core.plan import PreemptionMode, SchedulerOutput, StepResult
+from sched_lab.core.plan import PreemptionMode, SchedulerOutput, StepFeatures, StepResult
 from sched_lab.core.preemption import Preemption
 from sched_lab.core.registry import Registry
 from sched_lab.core.request import Request, RequestStatus
@@ -43,6 +43,18 @@ VICTIM_WHY = {
     "most_blocks": "the running request holding the most KV blocks",
     "lowest_priority": "the running request of the lowest priority",
 }
+
+
+class RepeatRun(NamedTuple):
+    """Steps made by :meth:`Scheduler.repeat_decodes_run`, one entry each: start and
+    duration (seconds), GPU blocks used and holding a key as the step runs, and the
+    decodes' context tokens."""
+
+    start_s: list[float]
+    duration_s: list[float]
+    kv_used_blocks: list[int]
+    decode_context_tokens: list[int]
+    kv_cached_blocks: list[int]
 
 
 @dataclass(frozen=True)
@@ -277,23 +289,111 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         needs a block and none is free (a preemption), or if requests wait and the blocks
         would evict a cached one (prefix caching: a prefix they would hit may go). Mutates
         blocks, waits and ``prev``."""
-        bm = self.block_manager
         need = self.decode_set.needing_block()
-        if len(need) > bm.num_free_gpu_blocks:
+        if len(need) > self._repeat_budget():
             return None
-        if self.waiting and len(need) > bm.num_unkeyed_free_gpu_blocks:
-            return None  # an eviction could cut a waiting request's cached prefix
         step = self.num_steps
         if self._admit_step == step - 1:  # prev tried admission (and admitted nobody)
             self._admit_step = step
         self.events.repeat(step)
+        allocate = self.block_manager.allocate
         for r in need:
-            bm.allocate(r, 1)
+            allocate(r, 1)
         plan, decodes = prev, self.decode_set
         plan.decode_context_tokens = plan.features().decode_context_tokens = decodes.context_tokens
         plan.decode_tick = decodes.tick
         self._slots_planned_for = plan
         return plan
+
+    def repeat_decodes_run(
+        self,
+        prev: SchedulerOutput,
+        step_time: Callable[[StepFeatures], float],
+        now_s: float,
+        until_s: float,
+        check: bool = False,
+    ) -> RepeatRun | None:
+        """Multi-step fast-forward: plan and apply at once the steps that
+        :meth:`repeat_decodes` and :meth:`update` would make one by one, while nothing can
+        change the plan: each gets its blocks by ``repeat_decodes``'s rule, lasts
+        ``step_time(features)`` seconds from the end of the one before (the first starts at
+        ``now_s``) and ends before ``until_s`` (the next event anything else has); the run
+        stops after a step that finishes a request (then in ``prev.finished``, as
+        ``update`` leaves it). The caller vouches for ``prev`` as for ``repeat_decodes``,
+        for a synchronous loop with no per-step hook, and that ``step_time`` is what its
+        executor reports for a plan with those features (no state, no draws). ``check``:
+        :meth:`check_plan` each step. Returns the steps' columns, or None if not one step
+        qualifies (nothing changed). Mutates blocks, waits, requests, queues, the step count
+        and ``prev`` (left as the last step's plan)."""
+        ds = self.decode_set
+        horizon = ds.ticks_before_finish()  # step ``horizon`` of the run finishes someone
+        f = prev.features()
+        if f.num_lora_loads:
+            return None
+        stop = -1 if horizon is None else horizon + 1
+        num_decodes, ctx, bs, tick0 = len(ds), ds.context_tokens, self.block_size, ds.tick
+        needs = ds.needing_blocks()  # step j's: needs[j % bs]
+        left = self._repeat_budget()
+        allocate, bm = self.block_manager.allocate, self.block_manager
+        run = RepeatRun([], [], [], [], [])
+        start, duration, used, context, cached = run
+        used_now, cached_now = bm.num_used_gpu_blocks, bm.num_cached_blocks  # change by allocating
+        t, j = now_s, 0
+        while j != stop:
+            need = needs[j % bs]
+            if need:
+                left -= len(need)
+                if left < 0:
+                    break
+            f.decode_context_tokens = ctx
+            d = step_time(f)
+            end = t + d
+            if not (d >= 0.0 and end < until_s):  # the step loop raises for a bad duration
+                break
+            if need:
+                for r in need:
+                    allocate(r, 1)
+                used_now, cached_now = bm.num_used_gpu_blocks, bm.num_cached_blocks
+            if check:
+                ds.skip(tick0 + j - ds.tick)  # the tick step j is planned at
+                prev.decode_context_tokens, prev.decode_tick = ctx, ds.tick
+                self.check_plan(prev)
+            start.append(t)
+            duration.append(d)
+            used.append(used_now)
+            context.append(ctx)
+            cached.append(cached_now)
+            t = end
+            ctx += num_decodes
+            j += 1
+        if not j:
+            f.decode_context_tokens = prev.decode_context_tokens
+            return None
+        first = self.num_steps
+        if self._admit_step == first - 1:  # as repeat_decodes, step after step
+            self._admit_step = first + j - 1
+        self.events.repeat_run(first, j)
+        self.num_steps += j
+        self.now_s = t
+        prev.decode_context_tokens = f.decode_context_tokens = context[-1]
+        ds.skip(tick0 + j - 1 - ds.tick)  # to the last step's tick
+        prev.decode_tick = ds.tick
+        self._slots_planned_for = prev
+        if j == stop:  # the last step samples some request's last token
+            prev.finished = done = ds.advance()
+            for r in done:
+                self._finish(r, t)
+        else:
+            ds.skip(1)
+        return run
+
+    def _repeat_budget(self) -> int:
+        """Blocks repeated decode plans may take, one after another, before the policy must
+        plan: the free ones, or with requests waiting the free ones allocation takes before
+        it evicts a cached block (an eviction could cut a prefix a waiting request would
+        hit). Allocations take those first, so a run of repeats may take this many in all."""
+        bm = self.block_manager
+        return bm.num_unkeyed_free_gpu_blocks if self.waiting else bm.num_free_gpu_blocks
 
     def end_unfinished(self, reason: str, now_s: float) -> list[Request]:
         """End every queued request as UNFINISHED with ``reason`` (the run stopped before

@@ -70,6 +70,7 @@ import sys
 from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pandas as pd
@@ -526,6 +527,9 @@ def steps_as_profile(df: pd.DataFrame, block_size: int = DEFAULT_BLOCK_SIZE) -> 
 
 class CalibratedCostModel:
     """Step durations fitted to an engine profile and optional engine steps.csv files."""
+
+    #: ``step_time`` depends on its arguments alone (the simulator may fast-forward with it).
+    deterministic: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -33,8 +33,11 @@ to it; ``device_time`` = step time - host time.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from sched_lab.core.errors import ConfigError
 from sched_lab.core.plan import SchedulerOutput, StepFeatures, StepResult
@@ -75,6 +78,9 @@ class AnalyticCostModel:
     Raises:
         ConfigError: a ``tensor_parallel_size`` the model's heads or the preset cannot take.
     """
+
+    #: ``step_time`` depends on its arguments alone (the simulator may fast-forward with it).
+    deterministic: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -211,6 +217,15 @@ class CostModelExecutor:
     def __init__(self, cost_model: AnalyticCostModel, block_size: int) -> None:
         self.cost_model, self.block_size = cost_model, block_size
         self._host_time = getattr(cost_model, "host_time", None)
+        #: ``step_time(features) -> s``, what ``execute`` gives a plan with these features,
+        #: where that depends on nothing else (``cost_model.deterministic``; not a seeded
+        #: replica's draws): then the replay loop may price repeated decode steps without
+        #: plans (``Scheduler.repeat_decodes_run``). None otherwise, and in a subclass that
+        #: overrides ``execute`` (it may count or fail steps).
+        self.step_time: Callable[[StepFeatures], float] | None = None
+        plain = type(self).execute is CostModelExecutor.execute
+        if plain and getattr(cost_model, "deterministic", False) is True:
+            self.step_time = functools.partial(cost_model.step_time, block_size=block_size)
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
         return StepResult(self.cost_model.step_time(plan.features(), self.block_size))

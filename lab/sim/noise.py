@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -149,6 +149,9 @@ class NoisyCostModel:
     """A cost model whose step times carry a seeded draw of ``noise`` (module doc); every
     other attribute is the wrapped model's (host time: of the noisy step it is given). Deterministic given the seed and the sequence of
     steps priced."""
+
+    #: Each ``step_time`` call draws: the simulator prices every step (no fast-forward).
+    deterministic: ClassVar[bool] = False
 
     def __init__(self, base: Any, noise: StepNoise, seed: Sequence[int]) -> None:
         self.base, self.noise = base, noise

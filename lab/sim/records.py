@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from array import array
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +29,10 @@ STEP_COLUMNS = (
 # step's sequences, adapters loaded into a GPU slot for it.
 LORA_COLUMNS = ("num_loras", "num_lora_loads")
 _FLOAT_COLUMNS = ("time_s", "duration_s", "prefill_attention_pairs")  # the rest: int64
+#: The columns in which a repeated decode step differs from the step it repeats.
+REPEAT_COLUMNS = (
+    "time_s", "duration_s", "kv_used_blocks", "decode_context_tokens", "kv_cached_blocks",
+)  # fmt: skip
 
 ENDED = (
     RequestStatus.FINISHED,
@@ -42,40 +46,100 @@ ENDED = (
 class StepRecorder:
     """The per-step records of one replay loop: one row per step, appended as it ends.
 
-    The rows are kept flat in one float64 array (every count is exact there: below 2**53)
-    and split into ``STEP_COLUMNS`` columns, float64 or int64, by :meth:`arrays`.
+    A row is kept whole (every column, flat in one float64 array: every count is exact there,
+    below 2**53), or, for a step that repeats the last whole row but in
+    :data:`REPEAT_COLUMNS` (a decode plan moved on by a tick, ``Scheduler.repeat_decodes``),
+    as those five values: 40 bytes a step, not 8 per column. :meth:`arrays` expands both
+    into ``columns``, float64 or int64.
 
     Attributes:
-        tick_steps: for each decode tick, the index of the step that ran it.
         num_steps: rows appended so far.
     """
 
     def __init__(self, extra: tuple[str, ...] = ()) -> None:
         self.columns = (*STEP_COLUMNS, *extra)  # ``extra``: e.g. LORA_COLUMNS
-        self._values = array("d")  # the rows, one after the other
-        self.tick_steps = array("q")
+        self._values = array("d")  # the whole rows, one after the other
+        self._ticks = array("q")  # the whole rows that ran a decode tick (repeats all do)
+        self._repeated = tuple(array("d") for _ in REPEAT_COLUMNS)  # a column each
+        # Runs of steps in order: their count and the whole row they repeat (-1: whole rows).
+        self._run_len, self._run_template = array("q"), array("q")
+        self._last: list[float] | None = None  # the last whole row
+        self._repeating = False  # whether the last run is one of repeats
         self.num_steps = 0
 
-    def append(self, row: Sequence[float], decodes: Collection[object]) -> None:
+    def append(self, row: list[float], decodes: Collection[object]) -> None:
         """Append one step's ``row`` (``len(self.columns)`` numbers in that order);
-        ``decodes``: the step's decodes (not empty: it ran a decode tick). A value that is
-        not a number raises midway (``arrays`` cuts the partial row)."""
-        self._values.extend(row)
+        ``decodes``: the step's decodes (not empty: it ran a decode tick). Raises TypeError
+        for a value that is not a number, appending nothing."""
+        self._values.fromlist(row)  # (much faster than extend for a list)
         if decodes:
-            self.tick_steps.append(self.num_steps)
+            self._ticks.append(self.num_steps)
         self.num_steps += 1
+        self._last = row
+        if self._run_len and not self._repeating:
+            self._run_len[-1] += 1
+        else:
+            self._repeating = False
+            self._run_len.append(1)
+            self._run_template.append(-1)
+
+    def append_repeat(
+        self, row: list[float], time_s: float, duration_s: float, kv_used: int, context: int,
+        kv_cached: int,
+    ) -> None:  # fmt: skip
+        """Append a step that ran a decode tick and equals ``row``, the last row appended by
+        :meth:`append` (unchanged since), but in :data:`REPEAT_COLUMNS`, whose values are
+        given in order. Raises ValueError for another row."""
+        self._open_run(row, 1)
+        time_c, duration_c, used_c, context_c, cached_c = self._repeated
+        time_c.append(time_s)
+        duration_c.append(duration_s)
+        used_c.append(kv_used)
+        context_c.append(context)
+        cached_c.append(kv_cached)
+
+    def append_repeats(self, row: list[float], *columns: list[float] | list[int]) -> None:
+        """:meth:`append_repeat` for several steps, each of the :data:`REPEAT_COLUMNS` given
+        as a list of one value a step."""
+        self._open_run(row, len(columns[0]))
+        for column, values in zip(self._repeated, columns, strict=True):
+            column.fromlist(values)
+
+    def _open_run(self, row: list[float], num_steps: int) -> None:
+        """Count ``num_steps`` more repeats of ``row`` (a run of its own unless the last)."""
+        if row is not self._last:
+            raise ValueError("StepRecorder: a repeated step must repeat the last whole row")
+        if not self._repeating:
+            self._repeating = True
+            self._run_template.append(len(self._values) // len(self.columns) - 1)
+            self._run_len.append(0)
+        self._run_len[-1] += num_steps
+        self.num_steps += num_steps
 
     def arrays(self) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """The columns (contiguous copies) and decode-tick steps; a step that failed midway
-        (a partial row, not counted in ``num_steps``) is cut."""
-        width = len(self.columns)
-        n = len(self._values) // width
-        table = np.frombuffer(self._values, dtype=np.float64)[: n * width].reshape(n, width)
-        steps = {
-            c: table[:, i].astype(np.float64 if c in _FLOAT_COLUMNS else np.int64)
-            for i, c in enumerate(self.columns)
-        }
-        return steps, np.frombuffer(self.tick_steps, dtype=np.int64)
+        """The columns (contiguous copies) and, for each decode tick, the step that ran it."""
+        width, n = len(self.columns), self.num_steps
+        run_template = np.frombuffer(self._run_template, dtype=np.int64)
+        template = np.repeat(run_template, np.frombuffer(self._run_len, dtype=np.int64))
+        repeat = template >= 0
+        whole = np.frombuffer(self._values, dtype=np.float64).reshape(-1, width)
+        template = template[repeat]
+        repeated = dict(zip(REPEAT_COLUMNS, self._repeated))
+        steps = {}
+        for i, c in enumerate(self.columns):
+            if len(template):
+                column = np.empty(n)
+                column[~repeat] = whole[:, i]
+                if c in repeated:
+                    column[repeat] = np.frombuffer(repeated[c], dtype=np.float64)
+                else:
+                    column[repeat] = whole[template, i]
+            else:
+                column = whole[:, i]
+            steps[c] = column.astype(np.float64 if c in _FLOAT_COLUMNS else np.int64)
+        ticks = repeat.copy()
+        ticks[np.frombuffer(self._ticks, dtype=np.int64)] = True
+        return steps, np.flatnonzero(ticks).astype(np.int64)
 
 
 @dataclass

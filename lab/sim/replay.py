@@ -36,7 +36,7 @@ from typing import Any
 import simpy
 
 from sched_lab.core.errors import ConfigError, DeadlockError
-from sched_lab.core.plan import Executor, SchedulerOutput, StepResult
+from sched_lab.core.plan import Executor, SchedulerOutput, StepFeatures, StepResult
 from sched_lab.core.request import Request, RequestStatus
 from sched_lab.core.scheduler import Scheduler
 from sched_lab.sim.records import (
@@ -48,8 +48,6 @@ from sched_lab.sim.records import (
 )
 
 _WASTED = STEP_COLUMNS.index("num_wasted_tokens")
-_KV_USED, _KV_CACHED = STEP_COLUMNS.index("kv_used_blocks"), STEP_COLUMNS.index("kv_cached_blocks")
-_CONTEXT = STEP_COLUMNS.index("decode_context_tokens")
 DEADLOCK = "deadlock"  # the reason prefix of requests a run could not advance
 _PROGRESS_EVERY = 4096  # steps between progress calls
 
@@ -155,6 +153,10 @@ class ReplayLoop:
             and self.on_step is None
             and scheduler.on_finish is None
         )
+        # Many steps at once (Scheduler.repeat_decodes_run): also a step time that depends on
+        # the features alone, and a clock that moves without events.
+        step_time = getattr(executor, "step_time", None) if fast else None
+        many = step_time is not None and isinstance(self.env, SimEnvironment)
         repeat = row = None  # the latest plan and its record, when the next may repeat it
         while True:
             if not scheduler.has_unfinished():
@@ -162,11 +164,19 @@ class ReplayLoop:
                 yield self._idle()
                 continue
             t_plan = time.perf_counter() if wall_clock else 0.0
-            plan = scheduler.repeat_decodes(repeat) if repeat is not None else None
-            if plan is not None:  # the record differs from the last in its blocks and context
-                row = row.copy()
-                row[_KV_USED], row[_CONTEXT] = bm.num_used_gpu_blocks, plan.decode_context_tokens
-                row[_KV_CACHED] = bm.num_cached_blocks
+            repeated = None  # a repeated plan's columns that differ from ``row``
+            plan = None
+            if repeat is not None:
+                if many and self._fast_forward(repeat, row, step_time) and repeat.finished:
+                    repeat = None
+                    continue  # the run's last step finished a request: the policy plans
+                plan = scheduler.repeat_decodes(repeat)
+            if plan is not None:  # the record differs from ``row`` in its blocks and context
+                repeated = (
+                    bm.num_used_gpu_blocks,
+                    plan.decode_context_tokens,
+                    bm.num_cached_blocks,
+                )
                 if self.check_invariants:
                     scheduler.check_plan(plan)
             else:
@@ -187,8 +197,35 @@ class ReplayLoop:
             else:
                 result = executor.execute(plan)
             added = self.num_added
-            yield from step(plan, result, row)
+            yield from step(plan, result, row, repeated)
             repeat = plan if fast and self.num_added == added and _repeatable(plan) else None
+
+    def _fast_forward(
+        self, plan: SchedulerOutput, row: list, step_time: Callable[[StepFeatures], float]
+    ) -> bool:
+        """Run at once the repeats of ``plan`` (recorded as ``row``) that end before any
+        other event (:meth:`Scheduler.repeat_decodes_run`): records, clock and progress
+        calls as step by step. Returns whether any step ran."""
+        env, scheduler, recorder = self.env, self.scheduler, self.recorder
+        first = recorder.num_steps
+        run = scheduler.repeat_decodes_run(
+            plan, step_time, env.now, env.peek(), self.check_invariants
+        )
+        if run is None:
+            return False
+        recorder.append_repeats(row, *run)
+        end_s = scheduler.now_s
+        if not self._advance_to(end_s):
+            raise RuntimeError(f"fast-forward: a step ends at t={end_s!r}s, after another event")
+        if self.progress is not None:  # after each 4096th step, at its end
+            k = len(run.start_s)
+            ended = self.num_added - scheduler.num_unfinished  # after the last step
+            for i in range((-first - 1) % _PROGRESS_EVERY, k, _PROGRESS_EVERY):
+                if i + 1 < k:  # before the last step's finishes
+                    self.progress(ended - len(plan.finished), run.start_s[i + 1])
+                else:
+                    self.progress(ended, end_s)
+        return True
 
     def _run_async(self) -> Iterator[simpy.Event]:
         """At most one step is in flight while the next is planned. A plan that feeds no
@@ -281,10 +318,18 @@ class ReplayLoop:
             row += [f.num_loras, f.num_lora_loads]
         return row
 
-    def _step(self, plan: SchedulerOutput, result: StepResult, row: list) -> Iterator[simpy.Event]:
-        """Run a step from now for ``result.duration_s``, then record it (``row``, its time
-        and duration set here), apply its results and call the hooks. Raises ValueError if
-        the step would not end at a finite time."""
+    def _step(
+        self,
+        plan: SchedulerOutput,
+        result: StepResult,
+        row: list,
+        repeated: tuple[int, int, int] | None = None,
+    ) -> Iterator[simpy.Event]:
+        """Run a step from now for ``result.duration_s``, then record it, apply its results
+        and call the hooks. The record: ``row``, its time and duration set here; or, given
+        ``repeated`` (its kv_used_blocks, decode_context_tokens, kv_cached_blocks), ``row``
+        with those (``StepRecorder.append_repeats``). Raises ValueError if the step would
+        not end at a finite time."""
         env, duration_s = self.env, result.duration_s
         now = env.now
         if not 0.0 <= duration_s < math.inf or math.isinf(now + duration_s):
@@ -292,12 +337,15 @@ class ReplayLoop:
                 f"step {self.recorder.num_steps}: duration {duration_s!r} s leaves the clock "
                 f"at t={now:.6g}s without a finite end"
             )
-        row[0], row[1] = now, duration_s
         if not self._advance_to(now + duration_s):  # something else is due first: wait for it
             yield env.timeout(duration_s)
-        now = env.now
         recorder = self.recorder
-        recorder.append(row, plan.decodes)
+        if repeated is None:
+            row[0], row[1] = now, duration_s
+            recorder.append(row, plan.decodes)
+        else:
+            recorder.append_repeat(row, now, duration_s, *repeated)
+        now = env.now
         self.scheduler.update(plan, result, now)
         if self.on_step is not None:
             self.on_step(plan, now)

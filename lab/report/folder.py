@@ -335,7 +335,7 @@ def write_csv(path: Path, df: pd.DataFrame, float_format: str | None = None) -> 
         path.write_bytes(data)
 
 
-def _write_steps_csv(path: Path, runs: list[Run], rows: int = 1 << 20) -> None:
+def _write_steps_csv(path: Path, runs: list[Run], rows: int = 1 << 17) -> None:
     """steps.csv run by run, ``rows`` at a time: the same bytes as :func:`_steps_frame`'s
     ``to_csv(index=False, float_format=STEPS_FLOAT_FORMAT)``."""
     with path.open("wb") as f:

@@ -158,7 +158,7 @@ def plots(folder: Path, runs, cfg) -> list[tuple[str, str]]:
                 ax.set_ylabel("fraction of finished requests")
             ax.set_xlabel(f"{title} ({unit}{', log scale' if ax.get_xscale() == 'log' else ''})")
             ax.grid(alpha=0.3)
-    _legend(fig, styles, lines=False)
+    _legend(fig, styles, lines=False, top=0.35)
     out.append(_save(fig, folder, "latency_cdf.png", "Latency CDFs per policy, one row per load"))
 
     if any(len(r.result.steps["time_s"]) for r in runs):  # a served run has no steps
@@ -198,7 +198,7 @@ def _over_time(folder, cfg, scales, by_scale, styles, plt) -> tuple[str, str]:
         "time average of the steps covering it)",
         fontsize=10,
     )
-    _legend(fig, styles, lines=False)
+    _legend(fig, styles, lines=False, left=1.0, top=0.7, hgap=0.2, wgap=1.1)
     return _save(fig, folder, "over_time.png", "Throughput, KV usage and queue length over time")
 
 
@@ -231,7 +231,7 @@ def _prefix_cache(folder, by_scale, styles, plt) -> tuple[str, str]:
         for ax in axes[:, col]:
             ax.grid(alpha=0.3)
     fig.suptitle(f"Prefix cache: hit rate and keyed blocks over time ({TIME_BINS} bins)")
-    _legend(fig, styles, lines=False)
+    _legend(fig, styles, lines=False, top=0.7, hgap=0.2, wgap=1.1)
     return _save(
         fig, folder, "prefix_cache.png", "Prefix cache hit rate and cached blocks over time"
     )
@@ -291,7 +291,7 @@ def _vs_load(folder, runs, styles, plt) -> tuple[str, str]:
         ax.set_xlabel("offered load (req/s)")
         ax.grid(alpha=0.3)
         rate_scale_axis(ax, [_offered(r) for r in runs], [r.rate_scale for r in runs])
-    _legend(fig, styles, lines=True)
+    _legend(fig, styles, lines=True, top=0.9, hgap=1.3)
     return _save(
         fig, folder, "latency_vs_load.png", "Latency, throughput and goodput vs offered load"
     )
@@ -319,7 +319,7 @@ def _log_if_wide(ax) -> None:
             log_axis(ax, "x")  # a log axis only pays over a decade
 
 
-def _legend(fig, styles, lines: bool) -> None:
+def _legend(fig, styles, lines: bool, **space: float) -> None:
     from matplotlib.lines import Line2D
 
     handles = [
@@ -330,8 +330,30 @@ def _legend(fig, styles, lines: bool) -> None:
     if lines:
         handles += [Line2D([], [], color="black", ls=ls, label=p) for p, ls in STYLES.items()]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=9, frameon=False)
-    bottom = 0.45 / fig.get_figheight()  # inches for the legend row, whatever the height
-    fig.tight_layout(rect=(0, bottom, 1, 0.97))
+    margins(fig, **space)
+
+
+def margins(
+    fig,
+    left: float = 0.85,
+    right: float = 0.25,
+    top: float = 0.55,
+    bottom: float = 1.0,
+    wgap: float = 0.85,
+    hgap: float = 0.85,
+) -> None:
+    """Fixed margins and gaps between panels, in inches (a legend row at the bottom): drawn
+    once, where matplotlib's tight layout draws every label to measure it first."""
+    w, h = fig.get_size_inches()
+    rows, cols = fig.axes[0].get_subplotspec().get_gridspec().get_geometry()
+    inner_w = w - left - right
+    inner_h = h - top - bottom
+    panel_w = (inner_w - wgap * (cols - 1)) / cols
+    panel_h = (inner_h - hgap * (rows - 1)) / rows
+    fig.subplots_adjust(
+        left=left / w, right=1 - right / w, top=1 - top / h, bottom=bottom / h,
+        wspace=wgap / panel_w, hspace=hgap / panel_h,
+    )  # fmt: skip
 
 
 def over_time(run) -> tuple[np.ndarray, ...]:

@@ -35,14 +35,14 @@ class Run:
 
     def release(self) -> None:
         """Free the per-step columns, the decode ticks, the event log and (unless they hold
-        output tokens, or the run has workload classes) the request objects, once the
-        run's rows and timelines are written: ``result`` becomes a copy with the same keys
-        and zero rows (an empty event log where there was one). Only a plain
-        :class:`ReplayResult` (a cluster's result is left as it is)."""
+        output tokens) the request objects, once the run's rows and timelines are written:
+        ``result`` becomes a copy with the same keys and zero rows (an empty event log
+        where there was one). Only a plain :class:`ReplayResult` of a run without workload
+        classes (a cluster's result, or one with classes, is left as it is)."""
         res = self.result
-        if type(res) is not ReplayResult:
-            return
-        keep = "classes" in self.summary or any(r.output_token_ids for r in res.requests)
+        if type(res) is not ReplayResult or "classes" in self.summary:
+            return  # per class and tenant, the plots read token times (the steps' ends)
+        keep = any(r.output_token_ids for r in res.requests)
         self.result = dataclasses.replace(
             res,
             requests=res.requests if keep else [],

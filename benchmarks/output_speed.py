@@ -54,7 +54,8 @@ def _timed(module, name: str, part=None):
 def _measure_parts() -> None:
     _timed(experiment, "_measure", lambda a: "metrics (request table, summary, vLLM file)")
     _timed(folder, "write_csv", lambda a: Path(a[0]).name)
-    _timed(folder, "_write_steps_csv", lambda a: "steps.csv")
+    _timed(folder, "_write_run_steps", lambda a: "steps.csv")
+    _timed(folder, "_append_csv", lambda a: Path(a[0]).name)
     _timed(timeline, "events_frame", lambda a: "events rows")
     _timed(folder, "_plots", lambda a: "PNG plots")
     _timed(fairness, "plots", lambda a: "PNG plots (classes)")

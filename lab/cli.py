@@ -408,7 +408,7 @@ def _run(args: argparse.Namespace) -> int:
     from sched_lab.report.folder import ResultsNotPlaced
 
     runs: list = []
-    cfg = out = None
+    cfg = out = writer = None
     with _Signals() as signals:
         try:
             from sched_lab.sweeps.sweep import is_sweep, read_yaml
@@ -439,15 +439,22 @@ def _run(args: argparse.Namespace) -> int:
                 raise UserError("--format parquet needs pyarrow: pip install 'sched-lab[parquet]'")
             out = Path(args.out) if args.out is not None else Path.cwd() / "results" / cfg.name
             t0 = time.perf_counter()
-            from sched_lab.report.folder import check_out_dir, write_results
+            from sched_lab.report.folder import ResultsWriter
             from sched_lab.run.experiment import iter_runs
 
-            out = check_out_dir(out)  # before the replays, so a folder in the way costs no run
+            # before the replays, so a folder in the way costs no run
+            writer = ResultsWriter(out, cfg, fmt=args.format, plots=not args.no_plots)
+            out = writer.out_dir
             for run in iter_runs(cfg, progress=not args.no_progress):
+                signals.deferring = True  # a first signal lets the run's rows be written
+                writer.add(run)  # its rows and timeline written, its steps freed
                 runs.append(run)
+                signals.deferring = False
+                if signals.pending is not None:
+                    raise Interrupted(signals.pending)
             decode = _decoder(cfg)
             signals.deferring = True  # every run is done: a first signal lets the writing end
-            write_results(out, cfg, runs, decode, fmt=args.format, plots=not args.no_plots)
+            writer.finish(runs, decode)
         except UserError as e:
             msg = str(e)
             if not msg.startswith(args.config):  # name the experiment file once
@@ -465,7 +472,10 @@ def _run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return _code(e)
-            return _keep_partial(e, signals, cfg, runs, out, args.format, not args.no_plots)
+            return _keep_partial(e, signals, cfg, runs, writer)
+        finally:
+            if writer is not None:
+                writer.abort()  # unless finished: the temporary folder of a failed run
     if signals.pending is not None:
         name = signal.Signals(signals.pending).name
         print(
@@ -577,16 +587,9 @@ def _code(e: KeyboardInterrupt) -> int:
     return 128 + getattr(e, "signum", signal.SIGINT)
 
 
-def _keep_partial(
-    e: KeyboardInterrupt,
-    signals: _Signals,
-    cfg,
-    runs: list,
-    out: Path | None,
-    fmt: str,
-    plots: bool = True,
-) -> int:
-    """Write the completed runs as partial results; one line; 128 + the signal number."""
+def _keep_partial(e: KeyboardInterrupt, signals: _Signals, cfg, runs: list, writer) -> int:
+    """Write the completed runs (added to ``writer``) as partial results; one line; 128 +
+    the signal number."""
     if not runs:
         print(
             f"error: interrupted by {_name(e)} before any run finished; nothing written",
@@ -594,13 +597,14 @@ def _keep_partial(
         )
         return _code(e)
     from sched_lab.core.errors import UserError
-    from sched_lab.report.folder import ResultsNotPlaced, write_results
+    from sched_lab.report.folder import ResultsNotPlaced
 
     total = len(cfg.rate_scales) * len(cfg.policies)
     partial = f"interrupted by {_name(e)} after {len(runs)} of {total} runs"
     signals.deferring, signals.pending = True, None
+    out = writer.out_dir
     try:
-        write_results(out, cfg, runs, _decoder(cfg), partial=partial, fmt=fmt, plots=plots)
+        writer.finish(runs, _decoder(cfg), partial=partial)
     except KeyboardInterrupt:
         print(
             f"error: {partial}, and twice again while writing them; nothing written",

@@ -270,11 +270,14 @@ def test_unfinished_requests_count_the_tokens_they_received(asynchronous, fails_
     assert df["ttft_s"].isna().all()  # latencies of finished requests only
 
 
+@pytest.mark.parametrize("span_tokens", [1 << 22, 7, 40])
 @pytest.mark.parametrize("policy", ["fcfs", "swap"])
-def test_token_times_gathered_at_once_equal_request_by_request(policy):
+def test_token_times_gathered_at_once_equal_request_by_request(policy, span_tokens, monkeypatch):
     """Requests preempted under KV pressure (a re-prefill token between decode segments):
     the gathered token times give each request's first and last token and the ITL gaps in
-    the order and values of the request-by-request path."""
+    the order and values of the request-by-request path, whatever the chunk of requests
+    gathered at once (7 tokens: one request a chunk; 40: two)."""
+    monkeypatch.setattr(metrics, "SPAN_TOKENS", span_tokens)
     res = run(
         policy,
         [(f"r{i}", 0.001 * i, 8, 20) for i in range(6)],

@@ -56,6 +56,7 @@ def write_results(
 ) -> Path:
     """Write every file of the run folder ``out_dir`` atomically; returns ``out_dir``.
     Engine runs also get ``tokens.jsonl`` (token ids, and text when ``decode`` is given).
+    The runs are left whole (:class:`ResultsWriter` frees each as it is added).
 
     Args:
         partial: why only some of the experiment's runs are here; said in report.md and in
@@ -71,76 +72,169 @@ def write_results(
         UserError: ``out_dir`` cannot become a results folder (nothing is written).
         ResultsNotPlaced: the final rename failed; the message names where the results are.
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
-    out_dir = check_out_dir(out_dir)
-    tmp = temp_folder(out_dir)
-    phase = Phase("writing results", 5, "file", bars).start()  # 5 advances below
-    try:
-        _write_files(tmp, cfg, runs, decode, partial, fmt, phase, date, plots)
-    except OSError as e:
-        phase.close(ok=False)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"--out {out_dir}: cannot write the results ({e})") from None
-    except BaseException:  # interrupted too: no temporary folder left behind
-        phase.close(ok=False)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    try:
-        put_in_place(tmp, out_dir)
-    finally:
-        phase.close()
-    return out_dir
+    writer = ResultsWriter(out_dir, cfg, fmt=fmt, bars=bars, plots=plots)
+    for run in runs:
+        writer.add(run, release=False)
+    return writer.finish(runs, decode, partial=partial, date=date)
 
 
-def _write_files(
-    tmp: Path,
-    cfg: ExperimentConfig,
-    runs: list[Run],
-    decode,
-    partial: str | None,
-    fmt: str,
-    phase: Phase,
-    date: str | None,
-    draw: bool = True,
-) -> None:
-    (tmp / "config.yaml").write_text(config_yaml(cfg, runs))
-    phase.advance()
-    requests = concat_requests([r.requests for r in runs])
-    if fmt == "parquet":
-        requests.to_parquet(tmp / "requests.parquet", index=False)
-        _steps_frame(runs).to_parquet(tmp / "steps.parquet", index=False)
-    else:
-        write_csv(tmp / "requests.csv", requests)
-        _write_steps_csv(tmp / "steps.csv", runs)
-    phase.advance()
-    extra = {"partial": partial} if partial else {}
-    summary = {r.label: {**r.summary, **extra} for r in runs}
-    (tmp / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2))
-    # Wall-clock seconds live apart, so the other files depend on the inputs alone.
-    timing = {r.label: {"replay_wall_s": r.result.wall_s} for r in runs}
-    (tmp / "timing.json").write_text(json.dumps(timing, indent=2))
-    phase.advance()
-    if any(r.output_token_ids for run in runs for r in run.result.requests):
-        _write_tokens(tmp / "tokens.jsonl", runs, decode)
-    date = vllm_result.result_date() if date is None else date
-    for r in runs:  # vLLM's `--save-result` file of each run
-        vllm = {**r.vllm, "date": date}
-        name = vllm_result.result_filename(r.label, vllm["request_rate"], vllm["model_id"])
-        (tmp / name).write_text(json.dumps(_json_safe(vllm), indent=2))
-    pngs = _plots(tmp, runs, cfg) + fairness.plots(tmp, runs, save_png) if draw else []
-    stories, figures = _timelines(tmp, cfg, runs, fmt, draw)
-    phase.advance()
-    report = report_markdown(cfg, runs, pngs + stories, fmt, plots_drawn=draw)
-    if partial:  # right under the title
-        title, _, rest = report.partition("\n")
-        report = f"{title}\n\n**Partial results**: {partial}.\n{rest}"
-    (tmp / "report.md").write_text(report)
-    _html(tmp, cfg, runs, report, figures, draw)
-    files = sorted(p.name for p in tmp.iterdir() if p.name != staging.MARKER)
-    (tmp / MANIFEST).write_text(
-        json.dumps({"written_by": f"sched-lab {__version__}", "files": files}, indent=2) + "\n"
-    )
+class ResultsWriter:
+    """A results folder written run by run, in a temporary folder until :meth:`finish`.
+
+    :meth:`add` writes a run's rows of steps.csv and events.csv (CSV only; parquet files
+    are written whole at the end) and its timeline pictures as soon as it ends, then frees
+    its steps, events and request objects (:meth:`~sched_lab.results.run.Run.release`), so
+    runs one after another need the memory of one. :meth:`finish` writes everything else
+    and puts the folder in place; :meth:`abort` removes the temporary folder.
+
+    Raises (constructor): UserError if ``out_dir`` cannot become a results folder;
+    ValueError for an unknown ``fmt``.
+    """
+
+    def __init__(
+        self, out_dir: Path, cfg: ExperimentConfig, *, fmt: str = "csv", bars: bool = True,
+        plots: bool = True,
+    ) -> None:  # fmt: skip
+        if fmt not in FORMATS:
+            raise ValueError(f"fmt: expected one of {FORMATS}, got {fmt!r}")
+        self.out_dir = check_out_dir(out_dir)
+        self.cfg, self.fmt, self.bars, self.draw = cfg, fmt, bars, plots
+        self._tmp: Path | None = None
+        self._added: list[Run] = []
+        self._steps_header = True  # steps.csv has no header yet
+        self._events: list[pd.DataFrame] = []  # parquet: every run's, written at the end
+        self._pngs: list[tuple[str, str]] = []
+        self._figures: list[dict] = []
+        self._with_plotly = plots and html_report.plotly_available()
+
+    @property
+    def folder(self) -> Path:
+        """The temporary folder (made on first use)."""
+        if self._tmp is None:
+            self._tmp = temp_folder(self.out_dir)
+        return self._tmp
+
+    def add(self, run: Run, release: bool = True) -> None:
+        """Write ``run``'s rows and timeline; with ``release`` (and CSV), free them after.
+
+        Raises:
+            UserError: a file cannot be written (the temporary folder is removed).
+        """
+        try:
+            with Phase(f"{run.label}: rows and timeline written", bars=False):
+                self._add(run, release)
+        except OSError as e:
+            self.abort()
+            raise UserError(f"--out {self.out_dir}: cannot write the results ({e})") from None
+        except BaseException:
+            self.abort()
+            raise
+
+    def _add(self, run: Run, release: bool) -> None:
+        tmp = self.folder
+        events = timeline.events_frame(run)
+        if self.fmt == "csv":
+            with (tmp / "steps.csv").open("ab") as f:
+                self._steps_header = _write_run_steps(f, run, self._steps_header)
+            _append_csv(tmp / "events.csv", events, header=not self._added)
+        else:
+            self._events.append(events)
+        if self.draw:
+            pngs, figures = _timeline(tmp, self.cfg, run, events, self._with_plotly)
+            self._pngs += pngs
+            self._figures += figures
+        del events
+        self._added.append(run)
+        if release and self.fmt == "csv":
+            run.plot_series = plots.run_series(run)
+            run.release()
+
+    def finish(
+        self,
+        runs: list[Run],
+        decode: Callable[[list[int]], str] | None = None,
+        *,
+        partial: str | None = None,
+        date: str | None = None,
+    ) -> Path:
+        """Write the rest for ``runs`` (those added, in order) and put the folder in place;
+        returns ``out_dir``. Raises UserError, or ResultsNotPlaced (see
+        :func:`write_results`)."""
+        if [id(r) for r in runs] != [id(r) for r in self._added]:
+            raise ValueError("finish: runs must be the runs added, in the order added")
+        tmp = self.folder
+        phase = Phase("writing results", 5, "file", self.bars).start()  # 5 advances below
+        try:
+            self._finish(tmp, runs, decode, partial, phase, date)
+        except OSError as e:
+            phase.close(ok=False)
+            self.abort()
+            raise UserError(f"--out {self.out_dir}: cannot write the results ({e})") from None
+        except BaseException:  # interrupted too: no temporary folder left behind
+            phase.close(ok=False)
+            self.abort()
+            raise
+        try:
+            self._tmp = None  # placed, or kept where ResultsNotPlaced says
+            put_in_place(tmp, self.out_dir)
+        finally:
+            phase.close()
+        return self.out_dir
+
+    def abort(self) -> None:
+        """Remove the temporary folder, if any (nothing else was written)."""
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def _finish(self, tmp: Path, runs: list[Run], decode, partial, phase: Phase, date) -> None:
+        cfg, fmt, draw = self.cfg, self.fmt, self.draw
+        (tmp / "config.yaml").write_text(config_yaml(cfg, runs))
+        phase.advance()
+        requests = concat_requests([r.requests for r in runs])
+        if fmt == "parquet":
+            requests.to_parquet(tmp / "requests.parquet", index=False)
+            _steps_frame(runs).to_parquet(tmp / "steps.parquet", index=False)
+        else:
+            write_csv(tmp / "requests.csv", requests)
+            if self._steps_header:  # no run has a step: the header alone, as pandas writes
+                extra = _columns(runs[0])[len(STEP_COLUMNS) :] if runs else []
+                names = ["policy", "rate_scale", *STEP_COLUMNS, *extra]
+                with (tmp / "steps.csv").open("ab") as f:
+                    f.write(csv_text.pack([], names))
+        del requests
+        phase.advance()
+        extra = {"partial": partial} if partial else {}
+        summary = {r.label: {**r.summary, **extra} for r in runs}
+        (tmp / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2))
+        # Wall-clock seconds live apart, so the other files depend on the inputs alone.
+        timing = {r.label: {"replay_wall_s": r.result.wall_s} for r in runs}
+        (tmp / "timing.json").write_text(json.dumps(timing, indent=2))
+        phase.advance()
+        if any(r.output_token_ids for run in runs for r in run.result.requests):
+            _write_tokens(tmp / "tokens.jsonl", runs, decode)
+        date = vllm_result.result_date() if date is None else date
+        for r in runs:  # vLLM's `--save-result` file of each run
+            vllm = {**r.vllm, "date": date}
+            name = vllm_result.result_filename(r.label, vllm["request_rate"], vllm["model_id"])
+            (tmp / name).write_text(json.dumps(_json_safe(vllm), indent=2))
+        pngs = _plots(tmp, runs, cfg) + fairness.plots(tmp, runs, save_png) if draw else []
+        if fmt == "parquet":
+            events = pd.concat(self._events, ignore_index=True) if self._events else pd.DataFrame()
+            events.to_parquet(tmp / "events.parquet", index=False)
+        elif not runs:
+            write_csv(tmp / "events.csv", pd.DataFrame())
+        phase.advance()
+        report = report_markdown(cfg, runs, pngs + self._pngs, fmt, plots_drawn=draw)
+        if partial:  # right under the title
+            title, _, rest = report.partition("\n")
+            report = f"{title}\n\n**Partial results**: {partial}.\n{rest}"
+        (tmp / "report.md").write_text(report)
+        _html(tmp, cfg, runs, report, self._figures, draw)
+        files = sorted(p.name for p in tmp.iterdir() if p.name != staging.MARKER)
+        (tmp / MANIFEST).write_text(
+            json.dumps({"written_by": f"sched-lab {__version__}", "files": files}, indent=2) + "\n"
+        )
 
 
 def temp_folder(out_dir: Path) -> Path:
@@ -335,31 +429,48 @@ def write_csv(path: Path, df: pd.DataFrame, float_format: str | None = None) -> 
         path.write_bytes(data)
 
 
-def _write_steps_csv(path: Path, runs: list[Run], rows: int = 1 << 20) -> None:
-    """steps.csv run by run, ``rows`` at a time: the same bytes as :func:`_steps_frame`'s
-    ``to_csv(index=False, float_format=STEPS_FLOAT_FORMAT)``."""
+def _write_steps_csv(path: Path, runs: list[Run], rows: int = 1 << 17) -> None:
+    """steps.csv of ``runs`` at once (:class:`ResultsWriter` writes it run by run)."""
     with path.open("wb") as f:
         header = True
         for r in runs:
-            n = len(r.result.steps["time_s"])
-            names = ["policy", "rate_scale", *_columns(r)]
-            for start in range(0, n, rows):
-                stop = min(start + rows, n)
-                cells = _steps_cells(r, start, stop)
-                if cells is None:  # a column type csv_text lacks: pandas writes the chunk
-                    cols = {"policy": r.policy, "rate_scale": r.rate_scale}
-                    cols.update({c: r.result.steps[c][start:stop] for c in _columns(r)})
-                    text = pd.DataFrame(cols).to_csv(
-                        index=False, header=header, float_format=STEPS_FLOAT_FORMAT
-                    )
-                    f.write(text.encode())
-                else:
-                    f.write(csv_text.pack(cells, names if header else None))
-                header = False
+            header = _write_run_steps(f, r, header, rows)
         if header:  # no run has a step: the header alone, as the concatenated frame writes
             extra = _columns(runs[0])[len(STEP_COLUMNS) :] if runs else []
-            names = ["policy", "rate_scale", *STEP_COLUMNS, *extra]
-            f.write(csv_text.pack([], names))
+            f.write(csv_text.pack([], ["policy", "rate_scale", *STEP_COLUMNS, *extra]))
+
+
+def _write_run_steps(f, run: Run, header: bool, rows: int = 1 << 17) -> bool:
+    """Append a run's rows of steps.csv to ``f``, ``rows`` at a time, with the header first
+    when ``header``; returns whether the header is still to come (the run had no step).
+    Run after run, the same bytes as :func:`_steps_frame`'s ``to_csv(index=False,
+    float_format=STEPS_FLOAT_FORMAT)``."""
+    n = len(run.result.steps["time_s"])
+    names = ["policy", "rate_scale", *_columns(run)]
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        cells = _steps_cells(run, start, stop)
+        if cells is None:  # a column type csv_text lacks: pandas writes the chunk
+            cols = {"policy": run.policy, "rate_scale": run.rate_scale}
+            cols.update({c: run.result.steps[c][start:stop] for c in _columns(run)})
+            text = pd.DataFrame(cols).to_csv(
+                index=False, header=header, float_format=STEPS_FLOAT_FORMAT
+            )
+            f.write(text.encode())
+        else:
+            f.write(csv_text.pack(cells, names if header else None))
+        header = False
+    return header
+
+
+def _append_csv(path: Path, df: pd.DataFrame, header: bool) -> None:
+    """Append ``df``'s rows (with ``header``: its header first) to ``path``: the bytes
+    :func:`write_csv` writes, frame after frame, for the frames concatenated."""
+    data = csv_text.frame_csv(df, "repr", header=header)
+    if data is None:
+        data = df.to_csv(index=False, header=header).encode()
+    with path.open("ab") as f:
+        f.write(data)
 
 
 def _steps_cells(run: Run, start: int, stop: int) -> list | None:
@@ -419,39 +530,24 @@ def _plots(folder: Path, runs: list[Run], cfg: ExperimentConfig) -> list[tuple[s
     return plots.plots(folder, runs, cfg)
 
 
-def _timelines(folder: Path, cfg: ExperimentConfig, runs: list[Run], fmt: str, draw: bool = True):
-    """events.csv (or .parquet) of every run, and with ``draw`` per run a Gantt PNG of its
-    chosen requests and a plotly figure (without plotly, none). Returns ([(png, caption)],
-    [figures])."""
-    frames, pngs, figures = [], [], []
-    with_plotly = draw and html_report.plotly_available()
-    for r in runs:
-        events = timeline.events_frame(r)
-        frames.append(events)
-        if not draw:
-            continue
-        steps = pd.DataFrame(
-            {k: r.result.steps[k] for k in ("time_s", "duration_s", "num_decode_tokens")}
-        )
-        if r.result.events is None:  # a cluster: replicas step apart, no events (yet)
-            continue
-        ids = timeline.choose(r.requests, cfg.report)
-        stories = timeline.stories_for(ids, r.requests, events, steps)
-        if not stories:
-            continue
-        which = _which(cfg.report)
-        name = f"timeline_{timeline.file_label(r.label)}.png"
-        title = f"{r.label}: {which}"
-        timeline.gantt_png(folder / name, stories, steps, title)
-        pngs.append((name, f"Timeline of {r.label}: {which}"))
-        if with_plotly:
-            figures.append(html_report.timeline_figure(stories, steps, title))
-    events = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    if fmt == "parquet":
-        events.to_parquet(folder / "events.parquet", index=False)
-    else:
-        write_csv(folder / "events.csv", events)
-    return pngs, figures
+def _timeline(folder: Path, cfg: ExperimentConfig, run: Run, events: pd.DataFrame, with_plotly):
+    """A run's Gantt PNG of its chosen requests and its plotly figure (``with_plotly``);
+    none for a run without events (a cluster's). Returns ([(png, caption)], [figures])."""
+    if run.result.events is None:  # a cluster: replicas step apart, no events (yet)
+        return [], []
+    steps = pd.DataFrame(
+        {k: run.result.steps[k] for k in ("time_s", "duration_s", "num_decode_tokens")}
+    )
+    ids = timeline.choose(run.requests, cfg.report)
+    stories = timeline.stories_for(ids, run.requests, events, steps)
+    if not stories:
+        return [], []
+    which = _which(cfg.report)
+    name = f"timeline_{timeline.file_label(run.label)}.png"
+    title = f"{run.label}: {which}"
+    timeline.gantt_png(folder / name, stories, steps, title)
+    figures = [html_report.timeline_figure(stories, steps, title)] if with_plotly else []
+    return [(name, f"Timeline of {run.label}: {which}")], figures
 
 
 def _which(rc) -> str:

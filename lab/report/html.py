@@ -42,18 +42,17 @@ LOADER = """<script>
 </script>"""
 
 
-def timeline_figure(stories: list[Story], steps, title: str):
-    """A plotly figure: one row per request, one trace per lane (the legend toggles
-    lanes), the step boundaries as alternating bands in a row of their own above."""
-    import plotly.graph_objects as go
-
-    fig = go.Figure()
+def timeline_figure(stories: list[Story], steps, title: str) -> dict:
+    """A plotly figure as plain JSON-ready data (``{"data", "layout"}``; built without
+    plotly's validating objects): one row per request, one trace per lane (the legend
+    toggles lanes), the step boundaries as alternating bands in a row of their own above."""
     ids = [st.label for st in stories]
     story_text = {st.request_id: "<br>".join(html.escape(x) for x in st.lines) for st in stories}
     lo = min((s[1] for st in stories for s in st.segments), default=0.0)
     hi = max((s[2] for st in stories for s in st.segments), default=1.0)
     least = (hi - lo) * 1e-4
     told: set[str] = set()  # requests whose whole story one segment's hover already holds
+    data = []
     for lane, colour in LANES.items():
         xs, bases, ys, texts = [], [], [], []
         for st in stories:
@@ -68,23 +67,26 @@ def timeline_figure(stories: list[Story], steps, title: str):
                     told.add(key)
                     texts.append(f"<b>{html.escape(text)}</b><br>{more}")
         if xs:
-            fig.add_trace(
-                go.Bar(
-                    x=xs, base=bases, y=ys, orientation="h", name=lane, marker_color=colour,
-                    hovertext=texts, hoverinfo="text", width=0.7,
-                )
-            )  # fmt: skip
-    fig.add_trace(_steps_row(steps, lo, hi))
-    fig.update_layout(
-        title=title,
-        barmode="overlay",
-        height=160 + 28 * (len(ids) + 1),
-        xaxis_title="time (s): drag to zoom into steps, double-click to reset",
-        yaxis={"categoryorder": "array", "categoryarray": ["steps", *ids][::-1]},
-        legend={"orientation": "h", "y": -0.25},
-        margin={"l": 70, "r": 20, "t": 50, "b": 40},
-    )
-    return fig
+            data.append(_bars(xs, bases, ys, lane, colour, texts, 0.7))
+    data.append(_steps_row(steps, lo, hi))
+    layout = {
+        "title": {"text": title},
+        "barmode": "overlay",
+        "height": 160 + 28 * (len(ids) + 1),
+        "xaxis": {"title": {"text": "time (s): drag to zoom into steps, double-click to reset"}},
+        "yaxis": {"categoryorder": "array", "categoryarray": ["steps", *ids][::-1]},
+        "legend": {"orientation": "h", "y": -0.25},
+        "margin": {"l": 70, "r": 20, "t": 50, "b": 40},
+    }
+    return {"data": data, "layout": layout}
+
+
+def _bars(xs, bases, ys, name: str, colour, texts, width: float) -> dict:
+    """A horizontal plotly bar trace: bars of length ``xs`` from ``bases`` on rows ``ys``."""
+    return {
+        "type": "bar", "x": xs, "base": bases, "y": ys, "orientation": "h", "name": name,
+        "marker": {"color": colour}, "hovertext": texts, "hoverinfo": "text", "width": width,
+    }  # fmt: skip
 
 
 def step_groups(n: int, most: int = MAX_STEP_BARS) -> list[tuple[int, int]]:
@@ -97,8 +99,6 @@ def step_groups(n: int, most: int = MAX_STEP_BARS) -> list[tuple[int, int]]:
 
 def _steps_row(steps, lo: float, hi: float):
     """The steps in [lo, hi] as alternating bars (merged in runs past MAX_STEP_BARS)."""
-    import plotly.graph_objects as go
-
     t = steps["time_s"].to_numpy(dtype=float)
     d = steps["duration_s"].to_numpy(dtype=float)
     sel = np.flatnonzero((t + d >= lo) & (t <= hi)).tolist()
@@ -111,10 +111,7 @@ def _steps_row(steps, lo: float, hi: float):
         colours.append("#555555" if i % 2 else "#cccccc")
         which = f"step {first:,}" if a == b else f"steps {first:,}-{last:,} ({b - a + 1})"
         texts.append(f"{which}: {start:.4f}-{end:.4f} s")
-    return go.Bar(
-        x=xs, base=bases, y=["steps"] * len(xs), orientation="h", name="steps", width=0.8,
-        marker_color=colours, hovertext=texts, hoverinfo="text",
-    )  # fmt: skip
+    return _bars(xs, bases, ["steps"] * len(xs), "steps", colours, texts, 0.8)
 
 
 def render_markdown(text: str, folder: Path) -> str:
@@ -143,7 +140,7 @@ def write_html(
     timelines_expected: bool = True,
 ) -> None:
     """Write the page beside report.md: ``report_md`` rendered, then ``tables`` (caption,
-    html) and ``timelines`` (plotly figures). ``timelines_expected``: the runs have
+    html) and ``timelines`` (:func:`timeline_figure`'s). ``timelines_expected``: the runs have
     timelines (a cluster's have none), so a missing plotly is worth a line."""
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
@@ -160,7 +157,7 @@ def write_html(
     if timelines:
         parts.append("<h2>Request timelines (interactive)</h2>")
         for i, fig in enumerate(timelines):
-            spec = json.dumps({"div": f"timeline-{i}", **json.loads(fig.to_json())})
+            spec = json.dumps({"div": f"timeline-{i}", **fig})
             parts += [
                 f"<div id='timeline-{i}'></div>",
                 f"<script type='application/octet-stream' class='timeline'>{_pack(spec)}</script>",

@@ -158,10 +158,10 @@ def plots(folder: Path, runs, cfg) -> list[tuple[str, str]]:
                 ax.set_ylabel("fraction of finished requests")
             ax.set_xlabel(f"{title} ({unit}{', log scale' if ax.get_xscale() == 'log' else ''})")
             ax.grid(alpha=0.3)
-    _legend(fig, styles, lines=False)
+    _legend(fig, styles, lines=False, top=0.35)
     out.append(_save(fig, folder, "latency_cdf.png", "Latency CDFs per policy, one row per load"))
 
-    if any(len(r.result.steps["time_s"]) for r in runs):  # a served run has no steps
+    if any(_num_steps(r) for r in runs):  # a served run has no steps
         out.append(_over_time(folder, cfg, scales, by_scale, styles, plt))
 
     if any(r.result.prefix_caching for r in runs):
@@ -198,7 +198,7 @@ def _over_time(folder, cfg, scales, by_scale, styles, plt) -> tuple[str, str]:
         "time average of the steps covering it)",
         fontsize=10,
     )
-    _legend(fig, styles, lines=False)
+    _legend(fig, styles, lines=False, left=1.0, top=0.7, hgap=0.2, wgap=1.1)
     return _save(fig, folder, "over_time.png", "Throughput, KV usage and queue length over time")
 
 
@@ -213,17 +213,10 @@ def _prefix_cache(folder, by_scale, styles, plt) -> tuple[str, str]:
         for r in by_scale[scale]:
             if not r.result.prefix_caching:
                 continue
-            s = r.result.steps
-            start, end = s["time_s"], s["time_s"] + s["duration_s"]
-            edges = np.linspace(0.0, float(end.max(initial=1.0)), TIME_BINS + 1)
-            centres = (edges[:-1] + edges[1:]) / 2
-            cached = _spread(start, end, s["num_cached_tokens"].astype(float), edges)
-            fed = _spread(start, end, s["num_prefill_tokens"].astype(float), edges)
+            centres, hit, keyed = prefix_series(r)
             kw = {"color": styles[r.policy]["color"], "lw": styles[r.policy]["lw"] * 0.5}
-            with np.errstate(invalid="ignore", divide="ignore"):
-                axes[0, col].plot(centres, 100 * cached / (cached + fed), **kw)
-            keyed = s["kv_cached_blocks"] / max(r.result.num_gpu_blocks, 1)
-            axes[1, col].plot(centres, 100 * _bin_mean(start, end, keyed, edges), **kw)
+            axes[0, col].plot(centres, hit, **kw)
+            axes[1, col].plot(centres, keyed, **kw)
         axes[0, col].set_title(load_title(by_scale[scale][0]), fontsize=10)
         axes[0, col].set_ylabel("prompt tokens cached (%)")
         axes[1, col].set_ylabel("KV blocks holding a key (%)")
@@ -231,7 +224,7 @@ def _prefix_cache(folder, by_scale, styles, plt) -> tuple[str, str]:
         for ax in axes[:, col]:
             ax.grid(alpha=0.3)
     fig.suptitle(f"Prefix cache: hit rate and keyed blocks over time ({TIME_BINS} bins)")
-    _legend(fig, styles, lines=False)
+    _legend(fig, styles, lines=False, top=0.7, hgap=0.2, wgap=1.1)
     return _save(
         fig, folder, "prefix_cache.png", "Prefix cache hit rate and cached blocks over time"
     )
@@ -291,7 +284,7 @@ def _vs_load(folder, runs, styles, plt) -> tuple[str, str]:
         ax.set_xlabel("offered load (req/s)")
         ax.grid(alpha=0.3)
         rate_scale_axis(ax, [_offered(r) for r in runs], [r.rate_scale for r in runs])
-    _legend(fig, styles, lines=True)
+    _legend(fig, styles, lines=True, top=0.9, hgap=1.3)
     return _save(
         fig, folder, "latency_vs_load.png", "Latency, throughput and goodput vs offered load"
     )
@@ -319,7 +312,7 @@ def _log_if_wide(ax) -> None:
             log_axis(ax, "x")  # a log axis only pays over a decade
 
 
-def _legend(fig, styles, lines: bool) -> None:
+def _legend(fig, styles, lines: bool, **space: float) -> None:
     from matplotlib.lines import Line2D
 
     handles = [
@@ -330,14 +323,79 @@ def _legend(fig, styles, lines: bool) -> None:
     if lines:
         handles += [Line2D([], [], color="black", ls=ls, label=p) for p, ls in STYLES.items()]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=9, frameon=False)
-    bottom = 0.45 / fig.get_figheight()  # inches for the legend row, whatever the height
-    fig.tight_layout(rect=(0, bottom, 1, 0.97))
+    margins(fig, **space)
+
+
+def margins(
+    fig,
+    left: float = 0.85,
+    right: float = 0.25,
+    top: float = 0.55,
+    bottom: float = 1.0,
+    wgap: float = 0.85,
+    hgap: float = 0.85,
+) -> None:
+    """Fixed margins and gaps between panels, in inches (a legend row at the bottom): drawn
+    once, where matplotlib's tight layout draws every label to measure it first."""
+    w, h = fig.get_size_inches()
+    rows, cols = fig.axes[0].get_subplotspec().get_gridspec().get_geometry()
+    inner_w = w - left - right
+    inner_h = h - top - bottom
+    panel_w = (inner_w - wgap * (cols - 1)) / cols
+    panel_h = (inner_h - hgap * (rows - 1)) / rows
+    fig.subplots_adjust(
+        left=left / w, right=1 - right / w, top=1 - top / h, bottom=bottom / h,
+        wspace=wgap / panel_w, hspace=hgap / panel_h,
+    )  # fmt: skip
+
+
+def run_series(run) -> dict:
+    """What the plots read of a run's steps (its step count, :func:`over_time`,
+    :func:`total_blocks`, :func:`prefix_series`), to keep when the steps are released
+    (:attr:`sched_lab.results.run.Run.plot_series`)."""
+    return {
+        "num_steps": _num_steps(run),
+        "over_time": over_time(run),
+        "total_blocks": total_blocks(run),
+        "prefix": prefix_series(run) if run.result.prefix_caching else None,
+    }
+
+
+def _series(run, key: str):
+    series = getattr(run, "plot_series", None)
+    return None if series is None else series[key]
+
+
+def _num_steps(run) -> int:
+    kept = _series(run, "num_steps")
+    return len(run.result.steps["time_s"]) if kept is None else kept
+
+
+def prefix_series(run) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Prefix cache of a run in bins: centres (s), % of prompt tokens served from the cache,
+    % of GPU blocks holding a key (time average)."""
+    kept = _series(run, "prefix")
+    if kept is not None:
+        return kept
+    s = run.result.steps
+    start, end = s["time_s"], s["time_s"] + s["duration_s"]
+    edges = np.linspace(0.0, float(end.max(initial=1.0)), TIME_BINS + 1)
+    centres = (edges[:-1] + edges[1:]) / 2
+    cached = _spread(start, end, s["num_cached_tokens"].astype(float), edges)
+    fed = _spread(start, end, s["num_prefill_tokens"].astype(float), edges)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        hit = 100 * cached / (cached + fed)
+    keyed = s["kv_cached_blocks"] / max(run.result.num_gpu_blocks, 1)
+    return centres, hit, 100 * _bin_mean(start, end, keyed, edges)
 
 
 def over_time(run) -> tuple[np.ndarray, ...]:
     """Binned series of a run: bin centres (s), output tokens/s, KV fraction used, waiting +
     swapped requests. KV use and the queue hold a step's value while it runs (0 while idle);
     output tokens are spread evenly over their step."""
+    kept = _series(run, "over_time")
+    if kept is not None:
+        return kept
     s = run.result.steps
     start, dur = s["time_s"], s["duration_s"]
     end = start + dur
@@ -356,6 +414,9 @@ def over_time(run) -> tuple[np.ndarray, ...]:
 
 def total_blocks(run) -> int:
     """GPU KV blocks of the run: one replica's times the replicas."""
+    kept = _series(run, "total_blocks")
+    if kept is not None:
+        return kept
     replica = run.result.steps.get("replica")
     n = len(np.unique(replica)) if replica is not None and len(replica) else 1
     return run.result.num_gpu_blocks * n

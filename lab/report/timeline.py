@@ -380,10 +380,16 @@ def gantt_png(
     from matplotlib.patches import Patch
 
     n = max(len(stories), 1)
+    # Fixed margins (inches): a tight bounding box would draw the picture twice.
+    widest = max((len(st.label) for st in stories), default=4)  # 8-point characters
+    left, right, top_in, bottom = 0.5 + 0.07 * widest, 0.3, 0.4, 0.8
+    height = top_in + 0.35 + 0.05 + 0.36 * n + bottom
     fig, (top, ax) = plt.subplots(
-        2, 1, figsize=(11, 1.2 + 0.36 * n), sharex=True, height_ratios=[0.35, n * 0.36],
-        gridspec_kw={"hspace": 0.05},
+        2, 1, figsize=(11, height), sharex=True, height_ratios=[0.35, n * 0.36],
+        gridspec_kw={"hspace": 0.05 / 0.36 * 2 / (n + 1)},
     )  # fmt: skip
+    fig.subplots_adjust(left=left / 11, right=1 - right / 11, top=1 - top_in / height,
+                        bottom=bottom / height)  # fmt: skip
     lo = min((s[1] for st in stories for s in st.segments), default=0.0)
     hi = max((s[2] for st in stories for s in st.segments), default=1.0)
     if window is not None:
@@ -422,14 +428,8 @@ def gantt_png(
     handles = [Patch(color=c, label=k) for k, c in LANES.items()]
     handles.append(plt.Line2D([], [], marker="|", color="black", ls="", ms=9, label="first token"))
     handles.append(plt.Line2D([], [], marker="o", color="black", ls="", ms=3, label="finished"))
-    ax.legend(
-        handles=handles,
-        fontsize=7,
-        ncol=8,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.5 / n - 0.12),
-    )
-    fig.savefig(path, dpi=GANTT_DPI, bbox_inches="tight")
+    fig.legend(handles=handles, fontsize=7, ncol=8, loc="lower center", frameon=True)
+    fig.savefig(path, dpi=GANTT_DPI)
     plt.close(fig)
 
 

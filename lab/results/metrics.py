@@ -179,13 +179,44 @@ def _token_spans(
     start, size, piece_who = start[keep], size[keep], piece_who[keep]
     order = np.lexsort((end[source[start]], piece_who))
     start, size, piece_who = start[order], size[order], piece_who[order]
-    index = np.repeat(start - (np.cumsum(size) - size), size) + np.arange(int(size.sum()))
-    times = end[source[index]]
-    del index
     n = len(finished)
     counts = np.bincount(piece_who, weights=size, minlength=n).astype(np.int64)
     if n and counts.min() == 0:  # a finished request always has a token
         return _token_spans_each(result, finished, split_itl)
+    first, last = np.empty(n), np.empty(n)
+    gaps = np.empty(max(int(counts.sum()) - n, 0))
+    # Requests in chunks of about SPAN_TOKENS tokens: the token arrays are a chunk's, not
+    # the run's (each request's gaps and order are its own, so the values are the same).
+    tokens_before = np.concatenate([[0], np.cumsum(counts)])
+    cuts = np.unique(np.searchsorted(tokens_before, np.arange(0, tokens_before[-1], SPAN_TOKENS)))
+    cuts = np.append(cuts[cuts < n], n) if n else np.zeros(1, dtype=np.int64)
+    piece_at = np.searchsorted(piece_who, cuts)
+    for lo, hi, p0, p1 in zip(cuts[:-1], cuts[1:], piece_at[:-1], piece_at[1:]):
+        g0 = int(tokens_before[lo]) - int(lo)  # gaps of the requests before this chunk
+        first[lo:hi], last[lo:hi], chunk_gaps = _spans_of_pieces(
+            source, end, start[p0:p1], size[p0:p1], piece_who[p0:p1] - lo, counts[lo:hi]
+        )
+        gaps[g0 : g0 + len(chunk_gaps)] = chunk_gaps
+    return first, last, gaps
+
+
+SPAN_TOKENS = 1 << 20  # tokens whose times one chunk of _token_spans gathers at once
+
+
+def _spans_of_pieces(
+    source: np.ndarray,
+    end: np.ndarray,
+    start: np.ndarray,
+    size: np.ndarray,
+    piece_who: np.ndarray,
+    counts: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(first, last, gaps) of some requests from their pieces (ordered by request, then
+    time): piece k is ``size[k]`` tokens from ``source[start[k]:]``, whose steps end at
+    ``end``; ``piece_who``: the request (0-based here), ``counts``: tokens per request."""
+    index = np.repeat(start - (np.cumsum(size) - size), size) + np.arange(int(size.sum()))
+    times = end[source[index]]
+    del index
     bounds = np.concatenate([[0], np.cumsum(counts)])
     gaps = np.subtract(times[1:], times[:-1])  # np.diff, then less each request's last to
     gaps = np.delete(gaps, bounds[1:-1] - 1)  # the next one's first

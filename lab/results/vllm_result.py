@@ -29,16 +29,22 @@ from sched_lab.results.names import LATENCIES, latency_name, percentile_word
 METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's --percentile-metrics, all of them
 
 
-def tail_points(values_s, decades: float = 6.0, points: int = 240) -> np.ndarray:
+def tail_points(
+    values_s, decades: float = 6.0, points: int = 240, overwrite: bool = False
+) -> np.ndarray:
     """(fraction of values above, value) pairs, shape (2, n), for a log-scale tail plot:
-    quantiles at 1 - 10**-x, x from 1 to ``decades``, then the max at 1 / count."""
+    quantiles at 1 - 10**-x, x from 1 to ``decades``, then the max at 1 / count.
+    ``overwrite``: ``values_s`` (float64) may be reordered in place (no copy of it)."""
     v = np.asarray(values_s, dtype=np.float64)
-    v = v[np.isfinite(v)]
+    finite = np.isfinite(v)
+    if not finite.all():
+        v, overwrite = v[finite], True  # a copy of our own
+    del finite
     if len(v) == 0:
         return np.zeros((2, 0))
     above = 10.0 ** -np.linspace(1.0, decades, points)
     above = above[above >= 1.0 / len(v)]
-    q = np.quantile(v, 1.0 - above)
+    q = np.quantile(v, 1.0 - above, overwrite_input=overwrite)
     return np.array([np.append(above, 1.0 / len(v)), np.append(q, v.max())])
 
 

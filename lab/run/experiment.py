@@ -291,8 +291,12 @@ def iter_runs(
     for scale in cfg.rate_scales:
         trace = requests if requests is not None else tables.pop(scale).to_requests()
         _prepare_trace(ex, trace)
-        for pol, cls, limits in policies:
-            yield _run(ex, _Planned(pol, cls, limits, scale, cfg.run_label(pol, scale)), trace)
+        for i, (pol, cls, limits) in enumerate(policies):
+            # The load's last run replays the trace's own requests (made from the trace
+            # table for this load, never replayed) instead of copies: one copy fewer.
+            own = requests is None and i == len(policies) - 1
+            planned = _Planned(pol, cls, limits, scale, cfg.run_label(pol, scale))
+            yield _run(ex, planned, trace, own)
 
 
 def _load_trace(
@@ -354,13 +358,14 @@ def _prepare_trace(ex: _Experiment, trace: list[Request]) -> None:
     ex.setup.prepare_trace(trace)
 
 
-def _run(ex: _Experiment, run: _Planned, trace: list[Request]) -> Run:
-    """Replay one run over fresh copies of ``trace`` and measure it. With ``seeds: N``: N
-    replicas whose step times carry noise seeded (seed, k), k = 0..N-1; the run is replica
-    0's, its summary with the replicas' medians and bands (lab/results/bands.py)."""
+def _run(ex: _Experiment, run: _Planned, trace: list[Request], own: bool = False) -> Run:
+    """Replay one run over fresh copies of ``trace`` (``own``, without seeds: over ``trace``'s
+    requests themselves, which must never have been replayed) and measure it. With ``seeds:
+    N``: N replicas whose step times carry noise seeded (seed, k), k = 0..N-1; the run is
+    replica 0's, its summary with the replicas' medians and bands (lab/results/bands.py)."""
     seeds = ex.cfg.seeds
     if seeds is None:
-        return _run_once(ex, run, trace, None)
+        return _run_once(ex, run, trace, None, own)
     first = _run_once(ex, run, trace, 0)
     summaries = [first.summary]
     for k in range(1, seeds):
@@ -369,10 +374,13 @@ def _run(ex: _Experiment, run: _Planned, trace: list[Request]) -> Run:
     return first
 
 
-def _run_once(ex: _Experiment, run: _Planned, trace: list[Request], seed: int | None) -> Run:
-    """One replay of the run (with ``seed``: seeded replica ``seed``) and its metrics."""
+def _run_once(
+    ex: _Experiment, run: _Planned, trace: list[Request], seed: int | None, own: bool = False
+) -> Run:
+    """One replay of the run (with ``seed``: seeded replica ``seed``) and its metrics;
+    ``own``: replays ``trace``'s requests themselves, not copies."""
     ex.setup.begin_run()
-    run_requests = fresh(trace)
+    run_requests = trace if own else fresh(trace)
     result, executor = _replay(ex, run, run_requests, seed)
     rows = metrics.in_trace_order(run_requests, result.requests)  # dropped rows too
     df, itl, summary, vllm, itl_tail = _measure(ex, run, result, rows, executor, seed)
@@ -497,10 +505,13 @@ def _measure(
                 )
             )
         vllm = _vllm(ex, run, df, itl, summary, result)
-        itl_tail = vllm_result.tail_points(itl)
         if hasattr(executor, "plan_match"):  # replayed durations
             summary["plan_match"] = executor.plan_match()
-        itl = metrics.cdf_points(itl, overwrite=True)  # all gaps: a run's largest array
+        # All gaps are a run's largest array: both reorder it in place (no copy), the CDF's
+        # sample (every j-th gap) first; the tail's quantiles do not depend on the order.
+        itl_cdf = metrics.cdf_points(itl, overwrite=True)
+        itl_tail = vllm_result.tail_points(itl, overwrite=True)
+        itl = itl_cdf
         if isinstance(result, ClusterResult):
             df, summary["cluster"] = cluster_metrics.add_cluster(df, result, rows, summary)
     return df, itl, summary, vllm, itl_tail

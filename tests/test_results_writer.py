@@ -1,0 +1,41 @@
+"""The results folder written run by run (lab/report/folder.py ResultsWriter): the same
+files as writing every run at the end, and each run's steps freed once written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sched_lab.config import load_config
+from sched_lab.report.folder import ResultsWriter, write_results
+from sched_lab.run.experiment import run_experiment
+
+ROOT = Path(__file__).resolve().parent.parent
+SAME = ("requests.csv", "steps.csv", "events.csv", "summary.json", "config.yaml", "report.md")
+
+
+def test_run_by_run_writes_the_files_of_all_at_once_and_frees_the_steps(tmp_path):
+    cfg = load_config(ROOT / "experiments" / "quickstart.yaml").with_trace(limit=60)
+    whole = write_results(tmp_path / "whole", cfg, run_experiment(cfg, progress=False), date="d")
+    writer = ResultsWriter(tmp_path / "streamed", cfg, bars=False)
+    runs = []
+    for run in run_experiment(cfg, progress=False):
+        steps = len(run.result.steps["time_s"])
+        writer.add(run)
+        runs.append(run)
+        assert steps > 0 and len(run.result.steps["time_s"]) == 0  # freed
+        assert run.result.requests == [] and run.plot_series["num_steps"] == steps
+    streamed = writer.finish(runs, date="d")
+    for name in SAME:
+        assert (streamed / name).read_bytes() == (whole / name).read_bytes(), name
+    pngs = sorted(p.name for p in streamed.glob("*.png"))
+    assert pngs == sorted(p.name for p in whole.glob("*.png"))
+    assert "timeline_fcfs.png" in pngs and "over_time.png" in pngs
+
+
+def test_an_aborted_writer_leaves_no_temporary_folder(tmp_path):
+    cfg = load_config(ROOT / "experiments" / "quickstart.yaml").with_trace(limit=20)
+    writer = ResultsWriter(tmp_path / "out", cfg, bars=False)
+    writer.add(run_experiment(cfg, progress=False)[0])
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []

@@ -180,7 +180,7 @@ def test_weight_streaming_gemm_matches_dequantized_reference(method, dtype, m, n
     _assert_close_to_reference(weight_streaming_gemm(x, tensors, spec, n, tiles), x, tensors,
                                spec, n)  # fmt: skip
     if split:
-        assert int(_COUNTERS[DEVICE].abs().sum()) == 0  # each tile's last program reset its count
+        assert int(_COUNTERS[x.device].abs().sum()) == 0  # each tile's last program reset its count
 
 
 @needs_triton

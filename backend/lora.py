@@ -263,13 +263,14 @@ class Tiling:
 
     Attributes:
         k_per_split: input features per shrink program (split-K: a decode step has few rows
-            per adapter, so K is what spreads the work); rounded up to the K tile.
+            per adapter, so K is what spreads the work); rounded up to the K tile. 1024: the
+            fastest of 256/512/1024 on the H200 (BENCHMARKS.md, issue 34, 2026-12-03).
         expand_block_n: output columns per expand program; None: 8192 // rank within
             [64, 256] (a B tile of rank x block_n elements, 8-16k).
         num_warps: warps per program of both kernels.
     """
 
-    k_per_split: int = 512
+    k_per_split: int = 1024
     expand_block_n: int | None = None
     num_warps: int = 4
 

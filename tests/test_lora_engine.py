@@ -299,7 +299,10 @@ def test_a_step_without_adapters_runs_no_lora_op_and_equals_lora_off(tiny, backe
     assert runner.graphs is None or runner.graphs.variants() == [True]
     graphs = runner.graphs
     assert torch.equal(run_steps(runner, ["", "", ""], steps=1)[0][2], plain[0][2])
-    assert counter.calls == ["shrink_tiles", "expand_tiles"] * 8  # no segment: y untouched
+    if captured:  # a fresh graph set, captured at first use: the ops ran while capturing
+        assert counter.calls and set(counter.calls) == {"shrink_tiles", "expand_tiles"}
+    else:  # no segment: y untouched
+        assert counter.calls == ["shrink_tiles", "expand_tiles"] * 8
     assert runner.lora.active and (graphs is None or graphs.lora_on)
 
 

@@ -29,6 +29,7 @@ import torch
 
 from sched_lab.backend.config import ModelConfig
 from sched_lab.backend.errors import CheckpointError
+from sched_lab.backend.lora_tiles import TILE_ROWS, Tiling
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -210,9 +211,6 @@ def storage_rank(max_lora_rank: int) -> int:
     return max(16, 1 << (max_lora_rank - 1).bit_length())
 
 
-TILE_ROWS = 16  # token rows of one kernel tile (tl.dot's smallest M)
-
-
 def max_tiles(num_tokens: int, num_slots: int) -> int:
     """Most tiles of TILE_ROWS rows a step of ``num_tokens`` rows over ``num_slots`` slots
     cuts its segments into: each of at most min(slots, tokens) segments leaves under one
@@ -254,43 +252,6 @@ def lora_segments(slots: np.ndarray, query_lens: np.ndarray, num_slots: int,
 def segments_size(num_tokens: int, num_slots: int) -> int:
     """Length of :func:`lora_segments`' array for ``num_tokens`` rows and ``num_slots``."""
     return 2 * num_slots + num_tokens + 3 * max_tiles(num_tokens, num_slots)
-
-
-@dataclass(frozen=True)
-class Tiling:
-    """Tile sizes of the tiles-grid kernels; the defaults aim at decode steps (1-4 rows per
-    adapter, rank 8-64, K up to 14,336, out up to 28,672).
-
-    Attributes:
-        k_per_split: input features per shrink program (split-K: a decode step has few rows
-            per adapter, so K is what spreads the work); rounded up to the K tile. 1024: the
-            fastest of 256/512/1024 on the H200 (BENCHMARKS.md, issue 34, 2026-12-03).
-        expand_block_n: output columns per expand program; None: 8192 // rank within
-            [64, 256] (a B tile of rank x block_n elements, 8-16k).
-        num_warps: warps per program of both kernels.
-    """
-
-    k_per_split: int = 1024
-    expand_block_n: int | None = None
-    num_warps: int = 4
-
-    def __post_init__(self) -> None:
-        n = self.expand_block_n
-        if self.k_per_split < 16 or (n is not None and (n < 16 or n & (n - 1))):
-            raise ValueError(
-                f"lora tiling: k_per_split must be >= 16 and expand_block_n a power of two "
-                f">= 16, got {self.k_per_split} and {n}"
-            )
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(
-                f"lora tiling: num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}"
-            )
-
-    def expand_n(self, rank: int) -> int:
-        """Output columns per expand program for ``rank`` (a power of two >= 16)."""
-        if self.expand_block_n is not None:
-            return self.expand_block_n
-        return max(64, min(256, 8192 // rank))
 
 
 @dataclass(frozen=True)

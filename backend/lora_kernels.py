@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sched_lab.backend.lora import TILE_ROWS, Tiling
+from sched_lab.backend.lora_tiles import TILE_ROWS, Tiling
 
 BLOCK_M = TILE_ROWS  # token rows per program: tl.dot's smallest tile
 K_PER_SPLIT = 512  # input features per shrink program of the slots grid (split-K)

@@ -22,6 +22,13 @@ refused). REV's summary is read with the metric names of now
 (:func:`sched_lab.results.names.upgrade_summary`: ``ttft_s.p99`` in seconds is compared as
 ``p99_ttft_ms``, the same number times 1000), so a rename alone is no difference.
 Experiments that exist on one side only are skipped with a note.
+
+The reference names the CPU it was recorded on (whether it has AVX-512). The calibrated cost
+model is fitted at run time by LAPACK/OpenBLAS, whose kernels differ by CPU, so a fit can
+differ in its last bits on another CPU: ``requests.csv`` (full float precision) and
+``summary.json`` of calibrated experiments may then differ while ``steps.csv`` (9 digits)
+does not. Seen on 2026-12-03: quickstart and spec_ngram, on a CPU without AVX-512 against a
+reference of unknown CPU. On a CPU unlike the reference's, prove a change with ``--base``.
 """
 
 from __future__ import annotations
@@ -228,12 +235,29 @@ def main(argv: list[str] | None = None) -> int:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
         ).stdout.strip()
-        REF.write_text(json.dumps({"commit": commit, "experiments": got}, indent=2) + "\n")
+        ref = {"commit": commit, "avx512": _avx512(), "experiments": got}
+        REF.write_text(json.dumps(ref, indent=2) + "\n")
         return 0
     if bad:
         print("different: " + ", ".join(bad), file=sys.stderr)
+        if ref.get("avx512") != _avx512():
+            recorded = {True: "with", False: "without", None: "unknown"}[ref.get("avx512")]
+            print(
+                f"note: the reference was recorded on a CPU {recorded} AVX-512 "
+                f"({'with' if _avx512() else 'without'} here): calibrated fits may differ in "
+                "their last bits; compare with --base REV on this machine",
+                file=sys.stderr,
+            )
         return 1
     return 0
+
+
+def _avx512() -> bool | None:
+    """Whether this CPU has AVX-512 (None where /proc/cpuinfo cannot tell)."""
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
 
 
 if __name__ == "__main__":

@@ -44,7 +44,10 @@ from sched_lab.fidelity import (  # noqa: E402
     load_config,
     load_protocol,
     pass_estimate_s,
+    scale_folder_name,
     slice_config,
+    window_loads,
+    window_rate_scales,
 )
 from sched_lab.run.experiment import run_experiment  # noqa: E402
 
@@ -67,8 +70,11 @@ def durations(cfg, requests=None) -> dict[str, float]:
 
 
 def predict(protocol_path: Path, cost_model: dict, load_s: float, process_s: float,
-            checkpoint_s: float, profile_s: float) -> dict[str, float]:  # fmt: skip
-    """Predicted seconds of each step of the engine side; prints each run."""
+            checkpoint_s: float, profile_s: float, split: bool = False) -> dict[str, float]:  # fmt: skip
+    """Predicted seconds of each step of the engine side; prints each run. ``split``: the
+    engine side in two calls (``--split first`` / ``repeat``): the first pass gets all
+    that is left of the total limit, and the repeat a call of its own (its own checkpoint
+    and total limit)."""
     protocol = load_protocol(protocol_path)
     limits = protocol["time_limits_s"]
     steps = {"checkpoint": checkpoint_s, "profile": min(profile_s, limits["profile"])}
@@ -81,7 +87,7 @@ def predict(protocol_path: Path, cost_model: dict, load_s: float, process_s: flo
     if cal:
         steps["calibration"] = min(t, limits["calibration"])
     left = limits["total"] - sum(steps.values())
-    first_limit = 0.52 * left
+    first_limit = left - 5 if split else 0.52 * left
     deadline = first_limit - 10  # seconds into the pass (sched_lab.fidelity.engine)
     t, done = process_s, []
     for name in protocol["slices"]:
@@ -96,26 +102,33 @@ def predict(protocol_path: Path, cost_model: dict, load_s: float, process_s: flo
         prompt = sum(r.prompt_len for r in reqs) / len(reqs)
         print(f"{name}: {len(reqs)} requests (mean prompt {prompt:,.0f} tokens), capacity "
               f"{capacity:.2f} req/s, run {cap_run:.1f} s, own rate {native:.3f} req/s")  # fmt: skip
-        for load in protocol["loads"]:
-            folder = folder_name(name, load)
+        points = [
+            (folder_name(name, x), x, x * capacity / native) for x in window_loads(protocol, name)
+        ]
+        points += [(scale_folder_name(name, x), x * native / capacity, x)
+                   for x in window_rate_scales(protocol, name)]  # fmt: skip
+        for folder, load, scale in points:
             est = pass_estimate_s(cfg, len(reqs), load, capacity)
             if t + est > deadline:
                 print(f"  {folder}: skipped (pass estimate {est:.0f} s)")
                 continue
-            cfg_l = load_config(cfg, folder, load * capacity / native)
+            cfg_l = load_config(cfg, folder, scale)
             d = durations(cfg_l)
             t += load_s + sum(d.values())
             done.append((folder, load_s + sum(d.values()), est))
-            print(f"  {folder}: " + ", ".join(f"{k} {v:.1f} s" for k, v in d.items())
+            print(f"  {folder} (load {load:.2f}): "
+                  + ", ".join(f"{k} {v:.1f} s" for k, v in d.items())
                   + f" (pass estimate {est:.0f} s)")  # fmt: skip
     steps["first"] = t
-    left -= t
+    left = limits["total"] - checkpoint_s if split else left - t
     t = process_s
     for folder, secs, est in done:  # the repeat pass: the same folders, where they fit
         if t + est > left - 15:
             print(f"  {folder} repeat: skipped (pass estimate {est:.0f} s)")
             continue
         t += secs
+    if split:
+        steps["repeat_checkpoint"] = checkpoint_s
     steps["repeat"] = t
     return steps
 
@@ -132,13 +145,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds a pass's process spends starting, model load included (default 5)")  # fmt: skip
     ap.add_argument("--checkpoint-s", type=float, default=0.0, help="checkpoint step (s)")
     ap.add_argument("--profile-s", type=float, default=30.0, help="profile step (s)")
+    ap.add_argument("--split", action="store_true",
+                    help="two device calls (fidelity --engine --split first / repeat)")  # fmt: skip
     args = ap.parse_args(argv)
     cost_model = {"profile": str(args.profile.resolve())}
     if args.replay_steps:
         cost_model["replay_steps"] = [str(Path(p).resolve()) for p in args.replay_steps]
     steps = predict(args.protocol, cost_model, args.load_s, args.process_s,
-                    args.checkpoint_s, args.profile_s)  # fmt: skip
+                    args.checkpoint_s, args.profile_s, args.split)  # fmt: skip
     limits = load_protocol(args.protocol)["time_limits_s"]
+    if args.split:
+        one = sum(v for k, v in steps.items() if not k.startswith("repeat"))
+        two = steps["repeat_checkpoint"] + steps["repeat"]
+        print(f"predicted calls (s): first {one:.0f}, repeat {two:.0f}; each of "
+              f"time_limits_s.total {limits['total']}")  # fmt: skip
     print("predicted steps (s): " + ", ".join(f"{k} {v:.0f}" for k, v in steps.items())
           + f"; total {sum(steps.values()):.0f} of time_limits_s.total {limits['total']}")  # fmt: skip
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -376,6 +377,9 @@ def test_sim_side_names_a_missing_archive(tmp_path) -> None:
         (lambda p: p["time_limits_s"].pop("calibration"), r"time_limits_s: expected a mapping with keys calibration, profile, total"),
         (lambda p: p.update(loads=[0.5, 0]), r"loads: expected a list of distinct numbers > 0"),
         (lambda p: p.update(loads=[0.5, 0.5]), r"loads: expected a list of distinct numbers > 0"),
+        (lambda p: p.update(rate_scales=[4, -1]), r"rate_scales: expected a list of distinct numbers > 0 \(multiples"),
+        (lambda p: p["slices"]["conv"].update(rate_scales="x4"), r"slices.conv.rate_scales: expected a list of distinct numbers > 0 \(.*\), got 'x4'"),
+        (lambda p: p.pop("loads"), r"slices.burstgpt: expected loads or rate_scales \(this window or the protocol's\)$"),
         (lambda p: p.update(slices={}), r"slices: expected a mapping of window names"),
         (lambda p: p["experiment"].update(backend="sim"), r"experiment: expected an experiment config with backend: engine"),
         (lambda p: p["experiment"].update(scheduler=[1]), r"experiment.scheduler: expected a mapping, got \[1\]"),
@@ -634,3 +638,76 @@ def test_archive_members_of_the_wrong_shape_are_one_line_errors(tmp_path) -> Non
     with pytest.raises(SystemExit) as e:
         _member(archive, tmp_path, "protocol.yaml", yaml.safe_load)
     assert str(e.value) == f"error: {archive}: protocol.yaml: expected a mapping, got ['a']"
+
+
+def test_rate_scale_windows_and_two_call_archives_merge(tmp_path, request) -> None:
+    """A window's own ``rate_scales`` replace the protocol's and leave its trace spec; the
+    first call packs only its archive, the repeat call only the ``_repeat`` one beside it,
+    and the sim side reads the two as one (the repeat's skips included)."""
+    from sched_lab.fidelity import (
+        load_protocol,
+        pack,
+        repeat_archive,
+        scale_folder_name,
+        slice_config,
+        unpack,
+        window_loads,
+        window_rate_scales,
+    )
+    from sched_lab.fidelity.sim_side import read_record
+
+    p = load_protocol(ROOT / "benchmarks" / "fidelity_long_tiny.yaml")
+    p["slices"]["b"] = {**p["slices"]["conv"]}
+    del p["slices"]["b"]["rate_scales"]
+    p["rate_scales"] = [2]
+    assert window_rate_scales(p, "conv") == [4, 12] and window_rate_scales(p, "b") == [2]
+    assert window_loads(p, "conv") == [1.1]
+    assert "rate_scales" not in slice_config(p, "conv")["trace"]
+    assert scale_folder_name("conv", 4.0) == "conv_x4"
+
+    out = tmp_path / "out"
+    for side in ("engine", "engine_repeat"):
+        (out / side / "conv_x4").mkdir(parents=True)
+        (out / side / "conv_x4" / "steps.csv").write_text(f"{side}\n")
+    (out / "profile.csv").write_text("kind\n")
+    record = {"folders": ["conv_x4"], "skipped": ["conv_x12 (estimated 9 s)"],
+              "rate_scales": {"conv_x4": {"rate_scale": 4, "offered_load": 0.65}}}  # fmt: skip
+    (out / "engine.json").write_text(json.dumps(record))
+    archive = tmp_path / "a.tar.gz"
+    pack(out, archive, parts=("first",))
+    assert archive.exists() and not repeat_archive(archive).exists()
+    (out / "engine.json").write_text(json.dumps({**record, "skipped": [*record["skipped"],
+                                                 "conv_x4 repeat (estimated 9 s)"]}))  # fmt: skip
+    pack(out, archive, parts=("repeat",))
+    src = unpack(archive)
+    request.addfinalizer(lambda: shutil.rmtree(src))
+    assert (src / "engine_repeat" / "conv_x4" / "steps.csv").read_text() == "engine_repeat\n"
+    assert (src / "engine" / "conv_x4" / "steps.csv").read_text() == "engine\n"
+    assert read_record(archive, src)["skipped"] == [
+        "conv_x12 (estimated 9 s)",
+        "conv_x4 repeat (estimated 9 s)",
+    ]
+
+
+def test_split_is_refused_without_its_archive_or_the_engine_side(tmp_path, capsys) -> None:
+    """``--split repeat`` needs the first call's archive; ``--split`` is the engine side's."""
+    from sched_lab.fidelity import main
+
+    missing = tmp_path / "none.tar.gz"
+    argv = [
+        "--engine",
+        "--split",
+        "repeat",
+        "--out",
+        str(tmp_path / "w"),
+        "--archive",
+        str(missing),
+    ]
+    assert main(argv) == 2
+    assert (
+        f"--split repeat: expected --archive, the first call's .tar.gz (--split first), got {missing}"
+        in capsys.readouterr().err
+    )
+    assert main(["--sim", "--split", "first", "--archive", str(missing)]) == 2
+    assert capsys.readouterr().err == "error: --split: only with --engine\n"
+    assert not (tmp_path / "w").exists()

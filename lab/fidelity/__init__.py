@@ -2,6 +2,8 @@
 
     sched-lab fidelity --engine --out /tmp/fidelity --archive docs/fidelity/heldout_engine.tar.gz
     sched-lab fidelity --sim --archive docs/fidelity/heldout_engine.tar.gz   # docs/fidelity.md
+    sched-lab fidelity --engine --split first --out /tmp/f --archive A.tar.gz   # device call 1
+    sched-lab fidelity --engine --split repeat --out /tmp/f --archive A.tar.gz  # call 2: A_repeat
 
 The protocol is one YAML (``benchmarks/fidelity_heldout.yaml``, read by :mod:`.protocol`):
 trace windows, loads as fractions of the engine's measured capacity, the engine experiment,
@@ -52,7 +54,10 @@ from sched_lab.fidelity.protocol import (
     load_protocol,
     pass_estimate_s,
     profile_geometry,
+    scale_folder_name,
     slice_config,
+    window_loads,
+    window_rate_scales,
 )
 from sched_lab.fidelity.sim_side import plan_alike_replay, plans_alike, sim
 
@@ -62,7 +67,8 @@ __all__ = [
     "engine_config", "engine_pass", "error_target", "folder_name", "load_config",
     "load_protocol", "main", "notes_path", "pack", "pass_estimate_s", "plan_alike_replay",
     "plans_alike", "predicted_durations", "profile_geometry", "rank_agreement", "rel",
-    "repeat_archive", "sim", "slice_config", "step_kind", "step_noise", "unpack",
+    "repeat_archive", "scale_folder_name", "sim", "slice_config", "window_loads",
+    "window_rate_scales", "step_kind", "step_noise", "unpack",
 ]  # fmt: skip
 
 
@@ -91,6 +97,11 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab fidelity") -> int
     ap.add_argument("--seeds", type=int, metavar="N",
                     help="sim side: N seeded replicas of every simulated run, and the coverage "
                     "of their 90%% band (docs/fidelity.md)")  # fmt: skip
+    ap.add_argument("--split", choices=("first", "repeat"),
+                    help="engine side in two device calls: 'first' = checkpoint, profile, "
+                    "calibration, first pass into --archive; 'repeat' = the repeat pass of "
+                    "the runs in --archive (the first call's), into its _repeat archive "
+                    "beside it; --sim reads the two as one")  # fmt: skip
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     try:
@@ -108,9 +119,12 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     from sched_lab.core.errors import UserError
 
+    if args.split and not args.engine:
+        print("error: --split: only with --engine", file=sys.stderr)
+        return 2
     if args.engine:
         try:  # the checkpoint folder in the way, an archive that cannot be written
-            return engine(args.protocol, args.out, args.archive)
+            return engine(args.protocol, args.out, args.archive, args.split)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -26,16 +26,20 @@ def notes_path(archive: Path) -> Path:
     return archive.with_name(archive.name.removesuffix(".tar.gz") + "_notes.md")
 
 
-def pack(out: Path, archive: Path) -> None:
+def pack(out: Path, archive: Path, parts: tuple[str, ...] = ("first", "repeat")) -> None:
     """Pack ``out``'s profile, protocol, engine.json and first-pass folders into ``archive``
-    (.tar.gz), the repeat pass into :func:`repeat_archive`; each replaces only a file sched-lab
-    wrote (:mod:`sched_lab.core.outputs`)."""
+    (.tar.gz; part ``first``), the repeat pass into :func:`repeat_archive` (part ``repeat``,
+    with ``engine.json`` as ``engine_repeat/engine.json``); each replaces only a file
+    sched-lab wrote (:mod:`sched_lab.core.outputs`)."""
     from sched_lab.core.outputs import write_output
 
-    for path, sides, extra in (
-        (archive, ("calibration", "engine"), ("profile.csv", "protocol.yaml", "engine.json")),
-        (repeat_archive(archive), ("engine_repeat",), ()),
-    ):
+    for part, path, sides, extra in (
+        ("first", archive, ("calibration", "engine"),
+         ("profile.csv", "protocol.yaml", "engine.json")),
+        ("repeat", repeat_archive(archive), ("engine_repeat",), ()),
+    ):  # fmt: skip
+        if part not in parts:
+            continue
         write_output(path, lambda tmp, sides=sides, extra=extra: _tar(out, tmp, sides, extra))
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)", flush=True)
 
@@ -45,6 +49,8 @@ def _tar(out: Path, path: Path, sides: tuple[str, ...], extra: tuple[str, ...]) 
         for name in extra:
             if (out / name).exists():
                 tar.add(out / name, arcname=name)
+        if sides == ("engine_repeat",) and (out / "engine.json").exists():
+            tar.add(out / "engine.json", arcname="engine_repeat/engine.json")
         for side in sides:
             for folder in sorted((out / side).glob("*")) if (out / side).is_dir() else []:
                 for f in PACKED:

@@ -34,7 +34,10 @@ from sched_lab.fidelity.protocol import (
     load_protocol,
     pass_estimate_s,
     profile_geometry,
+    scale_folder_name,
     slice_config,
+    window_loads,
+    window_rate_scales,
 )
 
 PASSES = ("calibration", "first", "repeat")
@@ -171,15 +174,18 @@ def _run_steps(
     end: float,
     args: list[str],
     log: dict[str, Any],
+    last: str | None = None,
 ) -> tuple[int, bool]:
     """Run the steps in order, each under its limit, timing them into ``log["steps"]``.
-    Returns (exit status, whether to pack): a failed or stopped profile packs nothing."""
+    Returns (exit status, whether to pack): a failed or stopped profile packs nothing.
+    ``last``: the last step, which gets all that is left (else the first pass 52% of it)."""
     status = 0
     for name, cmd in steps:
         left = end - time.time()
         # the repeat replays what the first pass ran: about half of what is left each
         limit = {"profile": limits["profile"], "calibration": limits.get("calibration", 0),
-                 "first": 0.52 * left, "repeat": left - 5}[name]  # fmt: skip
+                 "first": left - 5 if last == "first" else 0.52 * left,
+                 "repeat": left - 5}[name]  # fmt: skip
         limit = int(max(limit, 1))
         if name != "profile":
             cmd += [*args, "--deadline", str(time.time() + limit - 10)]
@@ -209,20 +215,22 @@ def _run_steps(
     return status, True
 
 
-def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
+def engine(protocol_path: Path, out: Path, archive: Path | None, split: str | None = None) -> int:
     """The whole engine side into ``out``, packed into ``archive`` when given; returns 0,
     or 1 if a step failed or no run ended. SystemExit (one line) for a bad protocol, run or
-    device."""
+    device.
+
+    ``split`` runs it in two device calls: ``"first"`` is the checkpoint, profile,
+    calibration and first pass (the first pass gets all that is left of
+    ``time_limits_s.total``), packed into ``archive`` only; ``"repeat"`` unpacks that
+    ``archive`` into ``out``, makes the checkpoint and runs the repeat pass (under its own
+    ``time_limits_s.total``), packed into the ``_repeat`` archive beside it. ``--sim``
+    reads both as one run."""
+    if split == "repeat":
+        return _engine_repeat(protocol_path, out, archive)
     protocol = load_protocol(protocol_path)
     if archive is not None:  # before the work: a file of the user's is never replaced
-        from sched_lab.core.errors import UserError
-        from sched_lab.core.outputs import check_output
-
-        try:
-            for path in (archive, repeat_archive(archive)):
-                check_output(path, "--archive")
-        except UserError as e:
-            raise SystemExit(f"error: {e}") from None
+        _check_archives([archive] if split == "first" else [archive, repeat_archive(archive)])
     ckpt = _prepare(protocol, protocol_path, out)
     limits = protocol["time_limits_s"]
     log: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": {}}
@@ -234,11 +242,13 @@ def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
     _make_checkpoint(protocol, ckpt)
     log["steps"]["checkpoint_s"] = time.perf_counter() - t0
     steps = _step_commands(protocol, protocol_path, ckpt, out)
+    if split == "first":
+        steps = [s for s in steps if s[0] != "repeat"]
     end = time.time() - (time.perf_counter() - t0) + limits["total"]  # epoch seconds
     args = ["--out", str(out), "--protocol", str(protocol_path)]
     previous = signal.signal(signal.SIGTERM, _stop)  # a stopped run packs what ended
     try:
-        status, packs = _run_steps(steps, limits, end, args, log)
+        status, packs = _run_steps(steps, limits, end, args, log, last="first" if split else None)
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not packs:
@@ -251,7 +261,72 @@ def engine(protocol_path: Path, out: Path, archive: Path | None) -> int:
               file=sys.stderr)  # fmt: skip
         status = 1
     if archive is not None:
-        pack(out, archive)
+        pack(out, archive, parts=("first",) if split == "first" else ("first", "repeat"))
+    return status
+
+
+def _check_archives(paths: list[Path]) -> None:
+    from sched_lab.core.errors import UserError
+    from sched_lab.core.outputs import check_output
+
+    try:
+        for path in paths:
+            check_output(path, "--archive")
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def _engine_repeat(protocol_path: Path, out: Path, archive: Path | None) -> int:
+    """``--split repeat``: the repeat pass of the first pass packed in ``archive`` (its
+    protocol, engine.json and run folders unpacked into ``out``), into the ``_repeat``
+    archive beside it."""
+    import tarfile
+
+    if archive is None or not archive.is_file():
+        raise SystemExit(f"error: --split repeat: expected --archive, the first call's .tar.gz "
+                         f"(--split first), got {archive}")  # fmt: skip
+    load_protocol(protocol_path)  # its shape, as the first call checked it
+    _check_archives([repeat_archive(archive)])
+    _check_out(out)
+    for name in WORKING_ENTRIES - {MANIFEST}:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with tarfile.open(archive) as tar:
+            tar.extractall(out, filter="data")
+    except (OSError, EOFError, tarfile.TarError) as e:
+        raise SystemExit(f"error: --archive {archive}: cannot be unpacked ({e})") from None
+    record_path = out / "engine.json"
+    record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    if not record.get("folders") or not (out / "protocol.yaml").exists():
+        raise SystemExit(f"error: --archive {archive}: no first-pass runs to repeat (not a "
+                         "--split first archive)")  # fmt: skip
+    protocol = load_protocol(out / "protocol.yaml")  # the protocol the first call ran
+    check_device(protocol, protocol_path)
+    ckpt = ROOT / protocol["checkpoint"]["dir"]
+    t0 = time.perf_counter()
+    ckpt.mkdir(parents=True, exist_ok=True)
+    _make_checkpoint(protocol, ckpt)
+    record.setdefault("steps", {})["repeat_checkpoint_s"] = time.perf_counter() - t0
+    record_path.write_text(json.dumps(record, indent=2) + "\n")
+    end = time.time() - (time.perf_counter() - t0) + protocol["time_limits_s"]["total"]
+    cmd = [sys.executable, "-m", "sched_lab.fidelity", "--engine-pass", "repeat"]
+    args = ["--out", str(out), "--protocol", str(out / "protocol.yaml")]
+    log: dict[str, Any] = {"steps": {}}
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        status, _ = _run_steps([("repeat", cmd)], protocol["time_limits_s"], end, args, log)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    record = json.loads(record_path.read_text())
+    record["steps"].update(log["steps"])
+    record_path.write_text(json.dumps(record, indent=2) + "\n")
+    if not record.get("repeated"):
+        print("error: no repeat run ended inside the time limit (engine.json: skipped)",
+              file=sys.stderr)  # fmt: skip
+        status = 1
+    pack(out, archive, parts=("repeat",))
     return status
 
 
@@ -325,7 +400,8 @@ class _Pass:
         from sched_lab.run.experiment import run_experiment
 
         record = self.record
-        record.update(folders=[], estimates_s={}, capacity={})  # keeps the calibration's
+        record.update(folders=[], estimates_s={}, capacity={}, rate_scales={})  # keeps the
+        # calibration's
         for name in self.protocol["slices"]:
             cfg = self._validate(slice_config(self.protocol, name))
             reqs, native, offline = capacity_run(cfg)
@@ -337,26 +413,40 @@ class _Pass:
             record["capacity"][name] = {"capacity_req_s": capacity, "native_req_s": native,
                                         "requests": len(reqs)}  # fmt: skip
             print(f"{name}: capacity {capacity:.2f} req/s, own rate {native:.3f}", flush=True)
-            for load in self.protocol["loads"]:
+            for load in window_loads(self.protocol, name):
                 self._load(name, cfg, load, len(reqs), capacity, native)
+            for scale in window_rate_scales(self.protocol, name):
+                self._scale(name, cfg, scale, len(reqs), capacity, native)
 
     def _load(self, name: str, cfg, load: float, n: int, capacity: float, native: float) -> None:
         """Window ``name`` at ``load`` x ``capacity`` through every policy, unless it would
         end past the deadline."""
+        self._folder(folder_name(name, load), cfg, load, n, capacity, load * capacity / native)
+
+    def _scale(self, name: str, cfg, scale: float, n: int, capacity: float, native: float) -> None:
+        """Window ``name`` at its own arrival times scaled by ``scale`` through every policy
+        (recorded with its offered load, ``scale`` x own rate / capacity), unless it would end
+        past the deadline."""
+        folder = scale_folder_name(name, scale)
+        offered = scale * native / capacity
+        self.record.setdefault("rate_scales", {})[folder] = {"rate_scale": scale,
+                                                             "offered_load": offered}  # fmt: skip
+        self._folder(folder, cfg, offered, n, capacity, scale)
+
+    def _folder(self, folder: str, cfg, load: float, n: int, capacity: float, scale: float) -> None:
         from sched_lab.report.folder import write_results
         from sched_lab.run.experiment import run_experiment
 
-        folder = folder_name(name, load)
         est = pass_estimate_s(cfg, n, load, capacity)
         if time.time() + est > self.deadline:
             self.record["skipped"].append(f"{folder} (estimated {est:.0f} s)")
             return
-        cfg_l = load_config(cfg, folder, load * capacity / native)
+        cfg_l = load_config(cfg, folder, scale)
         runs = run_experiment(cfg_l, progress=False)
         write_results(self.out / "engine" / folder, cfg_l, runs)
         self.record["folders"].append(folder)
         self.record["estimates_s"][folder] = est
-        print(f"  load {load:g}: " + _throughputs(runs), flush=True)
+        print(f"  {folder} (load {load:.2f}): " + _throughputs(runs), flush=True)
         self.save()
 
 

@@ -1,6 +1,7 @@
 """The fidelity protocol: one YAML of trace windows, loads (fractions of each window's
-measured engine capacity), engine experiment and time limits; each (window, load) is one
-results folder (:func:`folder_name`)."""
+measured engine capacity, all requests at t = 0) and/or rate scales (the window's own
+arrival times, scaled), engine experiment and time limits; each (window, load) or (window,
+rate scale) is one results folder (:func:`folder_name`, :func:`scale_folder_name`)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ PROTOCOL = ROOT / "benchmarks" / "fidelity_heldout.yaml"
 ARCHIVE = ROOT / "docs" / "fidelity" / "heldout_engine.tar.gz"
 DOC = ROOT / "docs" / "fidelity.md"  # the sim side's default --doc (in a source checkout)
 
-PROTOCOL_KEYS = ("checkpoint", "profile_args", "calibration", "loads", "slices",
+PROTOCOL_KEYS = ("checkpoint", "profile_args", "calibration", "loads", "rate_scales", "slices",
                  "time_limits_s", "experiment")  # fmt: skip
 
 
@@ -55,7 +56,7 @@ def load_protocol(path: Path) -> dict[str, Any]:
     unknown = sorted(set(p) - set(PROTOCOL_KEYS), key=str)
     if unknown:
         raise fail(str(unknown[0]), f"a protocol key ({', '.join(PROTOCOL_KEYS)})")
-    for key in ("checkpoint", "loads", "slices", "experiment", "time_limits_s"):
+    for key in ("checkpoint", "slices", "experiment", "time_limits_s"):
         if key not in p:
             raise SystemExit(f"error: {path}: missing key {key!r}")
     _check_checkpoint(p["checkpoint"], fail)
@@ -87,14 +88,21 @@ def _check_limits_and_loads(p: dict[str, Any], fail: _Fail) -> None:
     for k, v in limits.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             raise fail(f"time_limits_s.{k}", "seconds > 0", v)
-    loads = p["loads"]
+    if "loads" in p:
+        _check_numbers(p["loads"], "loads", "fractions of capacity", fail)
+    if "rate_scales" in p:
+        _check_numbers(p["rate_scales"], "rate_scales", "multiples of each window's own "
+                       "arrival rate", fail)  # fmt: skip
+
+
+def _check_numbers(values: Any, key: str, meaning: str, fail: _Fail) -> None:
     if (
-        not isinstance(loads, list)
-        or not loads
-        or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 for x in loads)
-        or len(set(loads)) != len(loads)
+        not isinstance(values, list)
+        or not values
+        or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 for x in values)
+        or len(set(values)) != len(values)
     ):
-        raise fail("loads", "a list of distinct numbers > 0 (fractions of capacity)", loads)
+        raise fail(key, f"a list of distinct numbers > 0 ({meaning})", values)
 
 
 def _check_slices_and_experiment(p: dict[str, Any], fail: _Fail) -> None:
@@ -103,6 +111,11 @@ def _check_slices_and_experiment(p: dict[str, Any], fail: _Fail) -> None:
     for name, spec in p["slices"].items():
         if not isinstance(spec, dict) or not spec.get("path"):
             raise fail(f"slices.{name}", "a trace spec read from a file (path:)", spec)
+        if "rate_scales" in spec:
+            _check_numbers(spec["rate_scales"], f"slices.{name}.rate_scales",
+                           "multiples of the window's own arrival rate", fail)  # fmt: skip
+        if not window_loads(p, name) and not window_rate_scales(p, name):
+            raise fail(f"slices.{name}", "loads or rate_scales (this window or the protocol's)")
     exp = p["experiment"]
     if not isinstance(exp, dict) or exp.get("backend") != "engine":
         raise fail("experiment", "an experiment config with backend: engine", exp)
@@ -129,6 +142,25 @@ def folder_name(slice_name: str, load: float) -> str:
     return f"{slice_name}_{load:g}"
 
 
+def scale_folder_name(slice_name: str, rate_scale: float) -> str:
+    """The results folder of window ``slice_name`` replayed at its own arrival times scaled
+    by ``rate_scale``: ``WINDOW_xSCALE``."""
+    return f"{slice_name}_x{rate_scale:g}"
+
+
+def window_loads(protocol: dict[str, Any], name: str) -> list[float]:
+    """Window ``name``'s loads (fractions of its capacity, all requests at t = 0): the
+    protocol's ``loads``, or none."""
+    return list(protocol.get("loads") or [])
+
+
+def window_rate_scales(protocol: dict[str, Any], name: str) -> list[float]:
+    """Window ``name``'s rate scales (its own arrival times, scaled): ``slices.NAME.rate_scales``
+    if given, else the protocol's ``rate_scales``, or none."""
+    spec = protocol["slices"][name]
+    return list(spec.get("rate_scales", protocol.get("rate_scales")) or [])
+
+
 def calibration_config(protocol: dict[str, Any], name: str) -> dict[str, Any]:
     """The raw experiment config of calibration workload ``name`` (through
     ``calibration.policies`` when given); always synchronous, so its steps.csv durations
@@ -147,7 +179,8 @@ def calibration_config(protocol: dict[str, Any], name: str) -> dict[str, Any]:
 def slice_config(protocol: dict[str, Any], name: str) -> dict[str, Any]:
     """The raw experiment config of window ``name`` (before its load's rate_scale)."""
     raw = copy.deepcopy(protocol["experiment"])
-    return {**raw, "name": name, "trace": dict(protocol["slices"][name])}
+    trace = {k: v for k, v in protocol["slices"][name].items() if k != "rate_scales"}
+    return {**raw, "name": name, "trace": trace}
 
 
 def check_runs(protocol: dict[str, Any], path: Path) -> None:
@@ -202,7 +235,8 @@ def capacity_run(cfg: ExperimentConfig) -> tuple[list, float, ExperimentConfig]:
 def pass_estimate_s(
     cfg: ExperimentConfig, num_requests: int, load: float, capacity: float
 ) -> float:
-    """Estimated seconds of a (window, load) folder in a pass, all policies."""
+    """Estimated seconds of a (window, load) folder in a pass, all policies (a rate-scale
+    folder: ``load`` = its offered rate over ``capacity``)."""
     return 1.15 * len(cfg.policies) * num_requests / (min(load, 1.0) * capacity) + 3
 
 

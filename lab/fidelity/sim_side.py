@@ -75,6 +75,12 @@ def read_record(archive: Path, src: Path) -> dict[str, Any]:
     record = json.loads((src / "engine.json").read_text())
     if not isinstance(record, dict):
         raise SystemExit(f"error: {archive}: engine.json: expected a mapping")
+    again = src / "engine_repeat" / "engine.json"  # a repeat made in a call of its own
+    if again.is_file():
+        later = json.loads(again.read_text())
+        if isinstance(later, dict) and isinstance(later.get("skipped"), list):
+            record["skipped"] = list(dict.fromkeys([*record.get("skipped", []),
+                                                    *map(str, later["skipped"])]))  # fmt: skip
     if not record.get("folders"):
         raise SystemExit(
             f"error: {archive}: no engine runs (skipped: {', '.join(record.get('skipped', [])) or '-'})"
@@ -124,7 +130,8 @@ def _sim(archive: Path, src: Path, doc: Path, seeds: int | None = None) -> dict[
     cost_model = {"profile": str(profile), **({"replay_steps": calibration} if calibration else {})}
     c = Comparison()
     for folder in record["folders"]:
-        _compare_folder(src, folder, model, cost_model, c, archive, seeds)
+        _compare_folder(src, folder, model, cost_model, c, archive, seeds,
+                        record.get("rate_scales") or {})  # fmt: skip
     table = pd.DataFrame(c.rows)
     steps = pd.concat(c.steps_err, ignore_index=True)
     rankings = rank_agreement(table, frozenset(c.equivalent))
@@ -185,9 +192,12 @@ def _compare_folder(
     c: Comparison,
     archive: Path,
     seeds: int | None = None,
+    scales: dict[str, Any] | None = None,
 ) -> None:
-    """Replay one engine folder (a window at a load, every policy), calibrated and with the
-    engine's durations; add its comparisons to ``c``."""
+    """Replay one engine folder (a window at a load or a rate scale, every policy),
+    calibrated and with the engine's durations; add its comparisons to ``c``. A rate-scale
+    folder (``scales``: engine.json's ``rate_scales``) is tabled at its offered load (rate
+    scale x own rate / capacity, to 2 decimals) with its ``rate_scale``."""
     import pandas as pd
 
     from sched_lab.run.experiment import run_experiment
@@ -211,6 +221,15 @@ def _compare_folder(
     real_req = pd.read_csv(real_dir / "requests.csv")
     real_steps = pd.read_csv(real_dir / "steps.csv")
     slice_name, load = folder.rsplit("_", 1)
+    scale = None
+    if load.startswith("x"):
+        entry = (scales or {}).get(folder)
+        if not isinstance(entry, dict) or not isinstance(entry.get("offered_load"), (int, float)):
+            raise SystemExit(
+                f"error: {archive}: engine.json: rate_scales: expected an offered_load for "
+                f"{folder!r}, got {short_repr(entry)}"
+            )
+        scale, load = entry.get("rate_scale"), round(entry["offered_load"], 2)
     async_ = bool((raw.get("scheduler") or {}).get("async_scheduling"))
     for s, rp in zip(sims, replays, strict=True):
         r = real.get(s.label)
@@ -223,6 +242,8 @@ def _compare_folder(
         profile = src / "profile.csv"
         c.stale[folder] = staleness(read_fingerprint(profile), fp) if fp else (None, "")
         row = run_row(slice_name, float(load), s, r, again)
+        if scale is not None:
+            row["rate_scale"] = scale
         pm = rp.summary["plan_match"]
         c.plan.append({"run": f"{folder} {s.label}", **pm})
         row["plans_identical"] = pm["fraction_identical"]

@@ -601,6 +601,12 @@ def _keep_partial(e: KeyboardInterrupt, signals: _Signals, cfg, runs: list, writ
 
     total = len(cfg.rate_scales) * len(cfg.policies)
     partial = f"interrupted by {_name(e)} after {len(runs)} of {total} runs"
+    last = runs[-1].summary
+    if last.get("seeds_requested"):  # its replicas were cut short (run/experiment.py _run)
+        partial += (
+            f", the last ({runs[-1].label}) with {last['seeds']} of {last['seeds_requested']} "
+            "seeded replicas"
+        )
     signals.deferring, signals.pending = True, None
     out = writer.out_dir
     try:

@@ -265,3 +265,68 @@ def test_seeds_flag_runs_replicas_and_rejects_a_bad_count(tmp_path, capsys):
     assert run_experiment.main([str(path), "--seeds", "2", "--out", str(out), "--no-plots"]) == 0
     assert "over 2 seeded replicas" in capsys.readouterr().out
     assert "Cells: median [p5, p95] over 2 seeded replicas" in (out / "report.md").read_text()
+
+
+def test_an_interrupted_seeded_run_keeps_the_replicas_that_finished(tmp_path, monkeypatch, capsys):
+    import json
+    import signal
+
+    import yaml
+
+    import sched_lab.run.experiment as experiment
+    from sched_lab.cli import Interrupted, main
+
+    raw = {**EXPERIMENT, "seeds": 4}
+    raw["trace"] = {**EXPERIMENT["trace"], "num_requests": 10}
+    path = tmp_path / "bands.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    real = experiment._run_once
+
+    def run_once(ex, run, trace, seed, own=False):
+        if run.label == "chunked_prefill" and seed == 2:  # Ctrl-C during its third replica
+            raise Interrupted(signal.SIGINT)
+        return real(ex, run, trace, seed, own)
+
+    monkeypatch.setattr(experiment, "_run_once", run_once)
+    out = tmp_path / "out"
+    assert main(["run", str(path), "--out", str(out), "--no-plots", "--no-progress"]) == 130
+    partial = (
+        "interrupted by SIGINT after 2 of 2 runs, the last (chunked_prefill) with 2 of 4 "
+        "seeded replicas"
+    )
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {partial}; wrote them to {out}/ as partial results"
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    fcfs, chunked = summary["fcfs"], summary["chunked_prefill"]
+    assert fcfs["seeds"] == 4 and "seeds_requested" not in fcfs
+    assert chunked["seeds"] == 2 and chunked["seeds_requested"] == 4
+    assert chunked["partial"] == partial
+    lo, hi = chunked["p50_e2el_ms_band"]  # the band of the 2 replicas that finished
+    assert lo <= chunked["p50_e2el_ms_seed_median"] <= hi
+    report = (out / "report.md").read_text()
+    assert f"**Partial results**: {partial}." in report
+    assert "the bands); interrupted: chunked_prefill 2 of 4 replicas." in report
+
+
+def test_counts_print_as_whole_numbers_latencies_as_they_are():
+    from sched_lab.report.markdown import _cell
+    from sched_lab.report.terminal import banded
+    from sched_lab.results.bands import band_text
+
+    # preemptions 3, 6, 7, 9: median 6.5 (rounded half to even: 6); p5 at position 0.15
+    # between 3 and 6: 3.45 (down: 3); p95 at 2.85 between 7 and 9: 8.7 (up: 9)
+    summaries = [
+        {"num_preemptions_recompute": n, "p50_ttft_ms": t}
+        for n, t in ((3, 10.0), (6, 20.0), (7, 30.0), (9, 40.0))
+    ]
+    run = _Sim("fcfs", {**summaries[0], **band_fields(summaries)})
+    assert run.summary["num_preemptions_recompute_seed_median"] == pytest.approx(6.5)
+    assert banded(run, "num_preemptions_recompute", "g") == "6 [3, 9]"
+    assert _cell(run, "num_preemptions_recompute", "d") == "6 [3, 9]"
+    # a latency keeps its fractions: median 25, p5 10 + 0.15 * 10 = 11.5, p95 30 + 0.85 * 10
+    assert banded(run, "p50_ttft_ms", ".1f") == "25.0 [11.5, 38.5]"
+    assert _cell(run, "p50_ttft_ms", ".4f", lambda ms: ms / 1e3) == "0.0250 [0.0115, 0.0385]"
+    # 7.5 rounds to 8 (half to even); ends already whole stay as they are
+    assert band_text("num_preemptions_swap", (7.5, 7.0, 8.0), "g") == "8 [7, 8]"
+    assert band_text("completed", (10.0, 9.05, 10.0), "d") == "10 [9, 10]"

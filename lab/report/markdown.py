@@ -11,7 +11,7 @@ from sched_lab.config import ExperimentConfig, paths
 from sched_lab.report.replicas import replicas_markdown
 from sched_lab.report.terminal import bands_note
 from sched_lab.results import fairness, spec_metrics
-from sched_lab.results.bands import band_of
+from sched_lab.results.bands import band_of, band_text
 from sched_lab.results.names import format_value
 from sched_lab.results.run import Run
 
@@ -50,7 +50,7 @@ def summary_table(runs: list[Run]) -> str:
             f"| {_cell(r, 'mean_kv_cache_usage', '.0f', _pct)} |"
         )
     if runs and runs[0].summary.get("seeds"):
-        note = bands_note(runs[0].summary)
+        note = bands_note(runs)
         lines += ["", f"{note[0].upper()}{note[1:]}."]
     return "\n".join(lines)
 
@@ -61,9 +61,7 @@ def _cell(run: Run, key: str, spec: str, unit=lambda x: x) -> str:
     band = band_of(run.summary, key)
     if band is None:
         return format_value(unit(run.summary.get(key)), spec)
-    spec = "g" if spec == "d" else spec  # medians and percentiles of counts: floats
-    m, lo, hi = (format_value(unit(x), spec) for x in band)
-    return f"{m} [{lo}, {hi}]"
+    return band_text(key, band, spec, unit)
 
 
 def _s(ms):

@@ -6,7 +6,7 @@ prints ``-``; runs of workload classes add a block of rows per class.
 
 from __future__ import annotations
 
-from sched_lab.results.bands import band_of
+from sched_lab.results.bands import band_of, band_text
 from sched_lab.results.names import MISSING, format_value, percentile_word
 
 WIDTH = 100
@@ -85,9 +85,7 @@ def banded(run, key: str, spec: str, value=None, scale: float = 1.0) -> str:
     if band is None:
         v = run.summary.get(key) if value is None else value
         return format_value(_scaled(v, scale), spec)
-    spec = "g" if spec == "d" else spec  # medians and percentiles of counts: floats
-    m, lo, hi = (format_value(x * scale, spec) for x in band)
-    return f"{m} [{lo}, {hi}]"
+    return band_text(key, band, spec, lambda x: x * scale)
 
 
 def class_rows(runs) -> list[tuple[str, list[str]]]:
@@ -170,17 +168,24 @@ def summary_text(runs, percentiles, width: int = WIDTH) -> str:
     elif _has_slo(summary):
         note.append("SLOs: per class (goodput: finished requests/s meeting their class's SLOs)")
     if summary.get("seeds"):
-        note.append(bands_note(summary))
+        note.append(bands_note(runs))
     return "\n\n".join(blocks + note)
 
 
-def bands_note(summary: dict) -> str:
-    """What a cell ``median [lo, hi]`` means, for a run with seeded replicas."""
+def bands_note(runs) -> str:
+    """What a cell ``median [lo, hi]`` means, for runs with seeded replicas; names a run an
+    interruption left with fewer replicas than asked for (summary ``seeds_requested``)."""
+    summary = runs[0].summary
     lo, hi = (format_value(p) for p in summary["band_percentiles"])
+    n = summary.get("seeds_requested") or summary["seeds"]
+    short = [
+        f"{r.label} {r.summary['seeds']} of {n}" for r in runs if r.summary.get("seeds_requested")
+    ]
+    cut = f"; interrupted: {', '.join(short)} replicas" if short else ""
     return (
-        f"cells: median [p{lo}, p{hi}] over {summary['seeds']} seeded replicas (step times "
-        "drawn around the cost model's; summary.json and the vLLM-format file hold replica "
-        "0's values beside the bands)"
+        f"cells: median [p{lo}, p{hi}] over {n} seeded replicas (step times drawn around the "
+        "cost model's; summary.json and the vLLM-format file hold replica 0's values beside "
+        f"the bands){cut}"
     )
 
 

@@ -194,6 +194,71 @@ def test_async_without_host_time_and_a_stale_profile_are_warned_in_the_terminal(
     assert "async_scheduling" not in warnings_text(sync)
 
 
+def test_the_warnings_reach_report_md_report_html_and_a_sweep_word_for_word(tmp_path, capsys):
+    import html
+
+    import yaml
+
+    from sched_lab.cli import main
+
+    raw = {**EXPERIMENT, "policies": [{"name": "fcfs", "label": "fa", "async_scheduling": True}]}
+    raw["trace"] = {**EXPERIMENT["trace"], "num_requests": 6}
+    path = tmp_path / "one.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "one"
+    assert main(["run", str(path), "--out", str(out), "--no-plots", "--no-progress"]) == 0
+    printed = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("warning: ")]
+    no_host = f"fa: async_scheduling is on, but {NO_HOST_NOTE}; these runs are priced as "
+    assert printed[0] == f"warning: {no_host}synchronous ones"
+    assert printed[1].startswith("warning: stale profile ") and len(printed) == 2
+    report = (out / "report.md").read_text().splitlines()
+    assert [ln for ln in report if ln.startswith("**Warning**")] == [
+        f"**Warning**: {line.removeprefix('warning: ')}." for line in printed
+    ]
+    page = html.unescape((out / "report.html").read_text())
+    assert all(line.removeprefix("warning: ") in page for line in printed)
+
+
+def test_sweep_warnings_from_its_table_as_written_and_read_back(tmp_path):
+    import pandas as pd
+
+    from sched_lab.sweeps.report import sweep_warnings
+
+    why = "the profile has no engine fingerprint"
+    rows = [  # point, status, policy, async, stale, profile
+        ("p000", "ok", "fa", True, True, "a.csv"),
+        ("p000", "ok", "fcfs", False, True, "a.csv"),
+        ("p001", "ok", "fa", True, False, "b.csv"),
+        ("p002", "failed", "fa", None, None, None),  # no summary: nothing to say
+    ]
+    table = pd.DataFrame(
+        [
+            {"point": pt, "status": st, "policy": pol, "async_scheduling": asy,
+             "cost_model_stale": stale, "cost_model_profile": prof,
+             "cost_model_why": why if stale else "", "cost_model_host_note": NO_HOST_NOTE}
+            for pt, st, pol, asy, stale, prof in rows
+        ]
+    )  # fmt: skip
+    table.to_csv(tmp_path / "sweep.csv", index=False)
+    expected = [
+        (
+            "warning",
+            f"p000 fa, p001 fa: async_scheduling is on, but {NO_HOST_NOTE}; these runs are "
+            "priced as synchronous ones",
+        ),
+        ("warning", f"stale profile a.csv: {why} (points p000)"),  # not p001's profile
+    ]
+    assert sweep_warnings(table) == expected
+    assert sweep_warnings(pd.read_csv(tmp_path / "sweep.csv")) == expected
+    # every point with the stale profile: no list of points
+    table["cost_model_stale"], table["cost_model_why"], table["cost_model_profile"] = (
+        True,
+        why,
+        "a.csv",
+    )
+    assert sweep_warnings(table)[1] == ("warning", f"stale profile a.csv: {why}")
+
+
 class _Sim:
     """A simulated run's summary as run_row reads it."""
 

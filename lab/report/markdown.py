@@ -9,7 +9,7 @@ import yaml
 
 from sched_lab.config import ExperimentConfig, paths
 from sched_lab.report.replicas import replicas_markdown
-from sched_lab.report.terminal import bands_note
+from sched_lab.report.terminal import bands_note, warnings, warnings_markdown
 from sched_lab.results import fairness, spec_metrics
 from sched_lab.results.bands import band_of, band_text
 from sched_lab.results.names import format_value
@@ -173,8 +173,6 @@ def _cost_model_lines(cm: dict | None) -> list[str]:
             else ""
         )
         lines += ["", f"**Analytic cost model**: {cm['why']}; {_efficiency_text(cm)}{used}."]
-    elif cm.get("stale"):
-        lines += ["", f"**Stale profile**: {cm['why']}."]
     return [*lines, ""]
 
 
@@ -203,8 +201,7 @@ def _efficiency_text(cm: dict) -> str:
 
 
 def _scheduling_lines(runs: list[Run]) -> list[str]:
-    """report.md's line on the runs' scheduling mode (summary key ``async_scheduling``), and a
-    warning for async runs priced without host time (``cost_model.host_note``)."""
+    """report.md's line on the runs' scheduling mode (summary key ``async_scheduling``)."""
     on = [r.label for r in runs if r.summary.get("async_scheduling")]
     off = [r.label for r in runs if not r.summary.get("async_scheduling")]
     what = (
@@ -218,9 +215,6 @@ def _scheduling_lines(runs: list[Run]) -> list[str]:
         lines = [f"Scheduling: {what}."]
     else:
         lines = [f"Scheduling: {what} for {', '.join(on)}; synchronous for {', '.join(off)}."]
-    note = (runs[0].summary.get("cost_model") or {}).get("host_note")
-    if on and note:
-        lines += ["", f"**No host time**: {note}."]
     return [*lines, ""]
 
 
@@ -265,6 +259,7 @@ def report_markdown(
             "",
             *_cost_model_lines(runs[0].summary.get("cost_model")),
             *_scheduling_lines(runs),
+            *warnings_markdown(warnings(runs)),  # the terminal's, word for word
             summary_table(runs),
             "",
         ]

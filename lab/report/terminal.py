@@ -190,23 +190,48 @@ def bands_note(runs) -> str:
 
 
 def warnings_text(runs) -> str:
-    """Warnings about what priced the steps, one line each ("" when none): async runs whose
-    cost model has no host time, a profile that does not describe this engine (its
-    fingerprint differs or is missing; summary key ``cost_model.stale``), and a calibrated
-    run with adapters whose profile does not price their compute (``cost_model.lora_note``)."""
+    """The terminal's lines of :func:`warnings` (``kind: text``), "" when none."""
+    return "\n".join(f"{kind}: {text}" for kind, text in warnings(runs))
+
+
+def warnings(runs) -> list[tuple[str, str]]:
+    """(kind, text) of what priced the steps and may be wrong, one each: async runs whose cost
+    model has no host time (``cost_model.host_note``), a profile that does not describe this
+    engine (its fingerprint differs or is missing; ``cost_model.stale``), both ``warning``;
+    a calibrated run with adapters whose profile does not price their compute
+    (``cost_model.lora_note``), a ``note``. The terminal and report.md print the same text."""
     cm = runs[0].summary.get("cost_model") or {}
-    lines = []
+    out = []
     asynchronous = [r.label for r in runs if r.summary.get("async_scheduling")]
     if asynchronous and cm.get("host_note"):
-        lines.append(
-            f"warning: {', '.join(asynchronous)}: async_scheduling is on, but "
-            f"{cm['host_note']}; these runs are priced as synchronous ones"
-        )
+        out.append(("warning", no_host_warning(asynchronous, cm["host_note"])))
     if cm.get("stale"):
-        lines.append(f"warning: stale profile {cm.get('profile')}: {cm.get('why')}")
+        out.append(("warning", stale_warning(cm.get("profile"), cm.get("why"))))
     if cm.get("lora_note"):  # a calibrated run with adapters (lab/setup/sim.py)
-        lines.append(f"note: profile {cm.get('profile')}: {cm['lora_note']}")
-    return "\n".join(lines)
+        out.append(("note", f"profile {cm.get('profile')}: {cm['lora_note']}"))
+    return out
+
+
+def no_host_warning(labels, host_note: str) -> str:
+    """The warning for async runs ``labels`` priced by a cost model without host time."""
+    return (
+        f"{', '.join(labels)}: async_scheduling is on, but {host_note}; these runs are priced "
+        "as synchronous ones"
+    )
+
+
+def stale_warning(profile, why) -> str:
+    """The warning for a profile that may describe another engine (``why``: its staleness)."""
+    return f"stale profile {profile}: {why}"
+
+
+def warnings_markdown(found: list[tuple[str, str]]) -> list[str]:
+    """:func:`warnings` as report.md paragraphs (``**Warning**: text.``), each followed by a
+    blank line."""
+    out = []
+    for kind, text in found:
+        out += [f"**{kind.capitalize()}**: {text}.", ""]
+    return out
 
 
 def slo_text(slo: dict) -> str:

@@ -403,7 +403,7 @@ def _run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    from sched_lab.config import load_config, with_seeds
+    from sched_lab.config import check_seeds_flag, load_config, with_seeds
     from sched_lab.core.errors import UserError
     from sched_lab.report.folder import ResultsNotPlaced
 
@@ -424,6 +424,8 @@ def _run(args: argparse.Namespace) -> int:
                     "--jobs, --max-points, --ray and --ray-address are for a YAML with "
                     "sweep: or search:"
                 )
+            if args.seeds is not None:  # an engine experiment refuses it before all else
+                check_seeds_flag(args.config, raw, args.seeds)
             cfg = load_config(args.config)
             if args.limit is not None:
                 if args.limit < 1:

@@ -175,6 +175,17 @@ def test_analytic_model_draws_noise_from_its_efficiency_profiles():
     assert run.summary["cost_model"]["noise"]["rows"]["decode/small"] >= 8
     lo, hi = run.summary["p50_e2el_ms_band"]
     assert lo <= run.summary["p50_e2el_ms_seed_median"] <= hi
+    assert "borrowed_from" not in run.summary["cost_model"]["noise"]
+    # hardware without a profile (datasheet guesses): the shipped profiles' spread, named
+    (run,) = run_experiment(validate({**raw, "hardware": "a100-80gb"}), progress=False)
+    noise = run.summary["cost_model"]["noise"]
+    assert noise["borrowed_from"] == [
+        "profiles/h200_llama-3.1-8b.csv",
+        "profiles/h200_qwen3-0.6b.csv",
+    ]
+    assert noise["rows"]["decode/small"] >= 8
+    lo, hi = run.summary["p50_e2el_ms_band"]
+    assert lo < hi
 
 
 def test_async_without_host_time_and_a_stale_profile_are_warned_in_the_terminal():
@@ -395,3 +406,37 @@ def test_counts_print_as_whole_numbers_latencies_as_they_are():
     # 7.5 rounds to 8 (half to even); ends already whole stay as they are
     assert band_text("num_preemptions_swap", (7.5, 7.0, 8.0), "g") == "8 [7, 8]"
     assert band_text("completed", (10.0, 9.05, 10.0), "d") == "10 [9, 10]"
+
+
+def test_seeds_apply_to_every_bundled_experiment_or_are_refused_in_one_line():
+    from pathlib import Path
+
+    from sched_lab.config import check_seeds_flag, load_config
+    from sched_lab.run.experiment import check_before_runs
+    from sched_lab.sweeps.sweep import is_sweep, load_sweep, read_yaml
+
+    examples = sorted((Path(__file__).parent.parent / "experiments").glob("*.yaml"))
+    refused, ran = [], []
+    for path in examples:
+        _, raw = read_yaml(path)
+        if raw.get("backend", "sim") != "sim":  # measured step times: refused before all else
+            with pytest.raises(ConfigError) as e:
+                check_seeds_flag(str(path), raw, 2)
+            assert str(e.value) == (
+                f"{path} (--seeds): seeds: backend {raw['backend']} measures its step times; "
+                "seeded replicas with step-time noise are the simulator's (backend: sim), or "
+                "remove seeds"
+            )
+            refused.append(path.stem)
+        elif is_sweep(raw):  # every point validated and checked, its noise fitted
+            load_sweep(path, raw={**raw, "seeds": 2}, check_traces=False)
+        elif "durations_from" in (raw.get("cost_model") or {}):  # one engine run's own times
+            with pytest.raises(ConfigError, match="seeds: cost_model.durations_from replays"):
+                with_seeds(load_config(path), 2)
+            refused.append(path.stem)
+        else:
+            cfg = with_seeds(load_config(path), 2)
+            check_before_runs(cfg)  # the noise model is fitted here
+            ran.append(path.stem)
+    assert "quickstart" in ran and "synthetic_gamma" in ran  # a datasheet-guess hardware too
+    assert "smollm2_cpu" in refused and "replayed_durations" in refused

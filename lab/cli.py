@@ -403,7 +403,7 @@ def _run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    from sched_lab.config import load_config, with_seeds
+    from sched_lab.config import check_seeds_flag, load_config, with_seeds
     from sched_lab.core.errors import UserError
     from sched_lab.report.folder import ResultsNotPlaced
 
@@ -424,6 +424,8 @@ def _run(args: argparse.Namespace) -> int:
                     "--jobs, --max-points, --ray and --ray-address are for a YAML with "
                     "sweep: or search:"
                 )
+            if args.seeds is not None:  # an engine experiment refuses it before all else
+                check_seeds_flag(args.config, raw, args.seeds)
             cfg = load_config(args.config)
             if args.limit is not None:
                 if args.limit < 1:
@@ -601,6 +603,12 @@ def _keep_partial(e: KeyboardInterrupt, signals: _Signals, cfg, runs: list, writ
 
     total = len(cfg.rate_scales) * len(cfg.policies)
     partial = f"interrupted by {_name(e)} after {len(runs)} of {total} runs"
+    last = runs[-1].summary
+    if last.get("seeds_requested"):  # its replicas were cut short (run/experiment.py _run)
+        partial += (
+            f", the last ({runs[-1].label}) with {last['seeds']} of {last['seeds_requested']} "
+            "seeded replicas"
+        )
     signals.deferring, signals.pending = True, None
     out = writer.out_dir
     try:

@@ -175,6 +175,17 @@ def test_analytic_model_draws_noise_from_its_efficiency_profiles():
     assert run.summary["cost_model"]["noise"]["rows"]["decode/small"] >= 8
     lo, hi = run.summary["p50_e2el_ms_band"]
     assert lo <= run.summary["p50_e2el_ms_seed_median"] <= hi
+    assert "borrowed_from" not in run.summary["cost_model"]["noise"]
+    # hardware without a profile (datasheet guesses): the shipped profiles' spread, named
+    (run,) = run_experiment(validate({**raw, "hardware": "a100-80gb"}), progress=False)
+    noise = run.summary["cost_model"]["noise"]
+    assert noise["borrowed_from"] == [
+        "profiles/h200_llama-3.1-8b.csv",
+        "profiles/h200_qwen3-0.6b.csv",
+    ]
+    assert noise["rows"]["decode/small"] >= 8
+    lo, hi = run.summary["p50_e2el_ms_band"]
+    assert lo < hi
 
 
 def test_async_without_host_time_and_a_stale_profile_are_warned_in_the_terminal():
@@ -192,6 +203,71 @@ def test_async_without_host_time_and_a_stale_profile_are_warned_in_the_terminal(
     assert len(lines) == 2
     sync = [r for r in runs if r.label == "fcfs"]
     assert "async_scheduling" not in warnings_text(sync)
+
+
+def test_the_warnings_reach_report_md_report_html_and_a_sweep_word_for_word(tmp_path, capsys):
+    import html
+
+    import yaml
+
+    from sched_lab.cli import main
+
+    raw = {**EXPERIMENT, "policies": [{"name": "fcfs", "label": "fa", "async_scheduling": True}]}
+    raw["trace"] = {**EXPERIMENT["trace"], "num_requests": 6}
+    path = tmp_path / "one.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "one"
+    assert main(["run", str(path), "--out", str(out), "--no-plots", "--no-progress"]) == 0
+    printed = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("warning: ")]
+    no_host = f"fa: async_scheduling is on, but {NO_HOST_NOTE}; these runs are priced as "
+    assert printed[0] == f"warning: {no_host}synchronous ones"
+    assert printed[1].startswith("warning: stale profile ") and len(printed) == 2
+    report = (out / "report.md").read_text().splitlines()
+    assert [ln for ln in report if ln.startswith("**Warning**")] == [
+        f"**Warning**: {line.removeprefix('warning: ')}." for line in printed
+    ]
+    page = html.unescape((out / "report.html").read_text())
+    assert all(line.removeprefix("warning: ") in page for line in printed)
+
+
+def test_sweep_warnings_from_its_table_as_written_and_read_back(tmp_path):
+    import pandas as pd
+
+    from sched_lab.sweeps.report import sweep_warnings
+
+    why = "the profile has no engine fingerprint"
+    rows = [  # point, status, policy, async, stale, profile
+        ("p000", "ok", "fa", True, True, "a.csv"),
+        ("p000", "ok", "fcfs", False, True, "a.csv"),
+        ("p001", "ok", "fa", True, False, "b.csv"),
+        ("p002", "failed", "fa", None, None, None),  # no summary: nothing to say
+    ]
+    table = pd.DataFrame(
+        [
+            {"point": pt, "status": st, "policy": pol, "async_scheduling": asy,
+             "cost_model_stale": stale, "cost_model_profile": prof,
+             "cost_model_why": why if stale else "", "cost_model_host_note": NO_HOST_NOTE}
+            for pt, st, pol, asy, stale, prof in rows
+        ]
+    )  # fmt: skip
+    table.to_csv(tmp_path / "sweep.csv", index=False)
+    expected = [
+        (
+            "warning",
+            f"p000 fa, p001 fa: async_scheduling is on, but {NO_HOST_NOTE}; these runs are "
+            "priced as synchronous ones",
+        ),
+        ("warning", f"stale profile a.csv: {why} (points p000)"),  # not p001's profile
+    ]
+    assert sweep_warnings(table) == expected
+    assert sweep_warnings(pd.read_csv(tmp_path / "sweep.csv")) == expected
+    # every point with the stale profile: no list of points
+    table["cost_model_stale"], table["cost_model_why"], table["cost_model_profile"] = (
+        True,
+        why,
+        "a.csv",
+    )
+    assert sweep_warnings(table)[1] == ("warning", f"stale profile a.csv: {why}")
 
 
 class _Sim:
@@ -265,3 +341,102 @@ def test_seeds_flag_runs_replicas_and_rejects_a_bad_count(tmp_path, capsys):
     assert run_experiment.main([str(path), "--seeds", "2", "--out", str(out), "--no-plots"]) == 0
     assert "over 2 seeded replicas" in capsys.readouterr().out
     assert "Cells: median [p5, p95] over 2 seeded replicas" in (out / "report.md").read_text()
+
+
+def test_an_interrupted_seeded_run_keeps_the_replicas_that_finished(tmp_path, monkeypatch, capsys):
+    import json
+    import signal
+
+    import yaml
+
+    import sched_lab.run.experiment as experiment
+    from sched_lab.cli import Interrupted, main
+
+    raw = {**EXPERIMENT, "seeds": 4}
+    raw["trace"] = {**EXPERIMENT["trace"], "num_requests": 10}
+    path = tmp_path / "bands.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    real = experiment._run_once
+
+    def run_once(ex, run, trace, seed, own=False):
+        if run.label == "chunked_prefill" and seed == 2:  # Ctrl-C during its third replica
+            raise Interrupted(signal.SIGINT)
+        return real(ex, run, trace, seed, own)
+
+    monkeypatch.setattr(experiment, "_run_once", run_once)
+    out = tmp_path / "out"
+    assert main(["run", str(path), "--out", str(out), "--no-plots", "--no-progress"]) == 130
+    partial = (
+        "interrupted by SIGINT after 2 of 2 runs, the last (chunked_prefill) with 2 of 4 "
+        "seeded replicas"
+    )
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {partial}; wrote them to {out}/ as partial results"
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    fcfs, chunked = summary["fcfs"], summary["chunked_prefill"]
+    assert fcfs["seeds"] == 4 and "seeds_requested" not in fcfs
+    assert chunked["seeds"] == 2 and chunked["seeds_requested"] == 4
+    assert chunked["partial"] == partial
+    lo, hi = chunked["p50_e2el_ms_band"]  # the band of the 2 replicas that finished
+    assert lo <= chunked["p50_e2el_ms_seed_median"] <= hi
+    report = (out / "report.md").read_text()
+    assert f"**Partial results**: {partial}." in report
+    assert "the bands); interrupted: chunked_prefill 2 of 4 replicas." in report
+
+
+def test_counts_print_as_whole_numbers_latencies_as_they_are():
+    from sched_lab.report.markdown import _cell
+    from sched_lab.report.terminal import banded
+    from sched_lab.results.bands import band_text
+
+    # preemptions 3, 6, 7, 9: median 6.5 (rounded half to even: 6); p5 at position 0.15
+    # between 3 and 6: 3.45 (down: 3); p95 at 2.85 between 7 and 9: 8.7 (up: 9)
+    summaries = [
+        {"num_preemptions_recompute": n, "p50_ttft_ms": t}
+        for n, t in ((3, 10.0), (6, 20.0), (7, 30.0), (9, 40.0))
+    ]
+    run = _Sim("fcfs", {**summaries[0], **band_fields(summaries)})
+    assert run.summary["num_preemptions_recompute_seed_median"] == pytest.approx(6.5)
+    assert banded(run, "num_preemptions_recompute", "g") == "6 [3, 9]"
+    assert _cell(run, "num_preemptions_recompute", "d") == "6 [3, 9]"
+    # a latency keeps its fractions: median 25, p5 10 + 0.15 * 10 = 11.5, p95 30 + 0.85 * 10
+    assert banded(run, "p50_ttft_ms", ".1f") == "25.0 [11.5, 38.5]"
+    assert _cell(run, "p50_ttft_ms", ".4f", lambda ms: ms / 1e3) == "0.0250 [0.0115, 0.0385]"
+    # 7.5 rounds to 8 (half to even); ends already whole stay as they are
+    assert band_text("num_preemptions_swap", (7.5, 7.0, 8.0), "g") == "8 [7, 8]"
+    assert band_text("completed", (10.0, 9.05, 10.0), "d") == "10 [9, 10]"
+
+
+def test_seeds_apply_to_every_bundled_experiment_or_are_refused_in_one_line():
+    from pathlib import Path
+
+    from sched_lab.config import check_seeds_flag, load_config
+    from sched_lab.run.experiment import check_before_runs
+    from sched_lab.sweeps.sweep import is_sweep, load_sweep, read_yaml
+
+    examples = sorted((Path(__file__).parent.parent / "experiments").glob("*.yaml"))
+    refused, ran = [], []
+    for path in examples:
+        _, raw = read_yaml(path)
+        if raw.get("backend", "sim") != "sim":  # measured step times: refused before all else
+            with pytest.raises(ConfigError) as e:
+                check_seeds_flag(str(path), raw, 2)
+            assert str(e.value) == (
+                f"{path} (--seeds): seeds: backend {raw['backend']} measures its step times; "
+                "seeded replicas with step-time noise are the simulator's (backend: sim), or "
+                "remove seeds"
+            )
+            refused.append(path.stem)
+        elif is_sweep(raw):  # every point validated and checked, its noise fitted
+            load_sweep(path, raw={**raw, "seeds": 2}, check_traces=False)
+        elif "durations_from" in (raw.get("cost_model") or {}):  # one engine run's own times
+            with pytest.raises(ConfigError, match="seeds: cost_model.durations_from replays"):
+                with_seeds(load_config(path), 2)
+            refused.append(path.stem)
+        else:
+            cfg = with_seeds(load_config(path), 2)
+            check_before_runs(cfg)  # the noise model is fitted here
+            ran.append(path.stem)
+    assert "quickstart" in ran and "synthetic_gamma" in ran  # a datasheet-guess hardware too
+    assert "smollm2_cpu" in refused and "replayed_durations" in refused

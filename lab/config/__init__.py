@@ -25,6 +25,7 @@ from sched_lab.config.load import (
     TOP_KEYS,
     ExperimentConfig,
     check_name,
+    check_seeds_flag,
     load_config,
     validate,
     with_seeds,
@@ -100,6 +101,7 @@ __all__ = [
     "load_config",
     "paths",
     "scale_label",
+    "check_seeds_flag",
     "validate",
     "with_seeds",
 ]

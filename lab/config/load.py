@@ -293,6 +293,16 @@ def check_seeds(where: str, backend: str, v: Any) -> int | None:
     return seeds
 
 
+def check_seeds_flag(where: str, raw: Any, seeds: int) -> None:
+    """``--seeds`` checked against a YAML's ``backend`` (its mapping ``raw`` as read) before
+    the rest of the file is validated, so an engine experiment refuses it in one line first,
+    not once its model directory exists. A ``raw`` that is not a mapping, or a backend that
+    is no known name, is left to :func:`validate` to refuse."""
+    backend = raw.get("backend", "sim") if isinstance(raw, Mapping) else None
+    if isinstance(backend, str) and backend in BACKENDS:
+        check_seeds(f"{where} (--seeds)", backend, seeds)
+
+
 def with_seeds(cfg: ExperimentConfig, seeds: int) -> ExperimentConfig:
     """A copy with ``seeds`` set (``--seeds``), checked as in a YAML file."""
     out = dataclasses.replace(cfg, seeds=check_seeds(f"{cfg.source} (--seeds)", cfg.backend, seeds))

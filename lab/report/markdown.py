@@ -9,9 +9,9 @@ import yaml
 
 from sched_lab.config import ExperimentConfig, paths
 from sched_lab.report.replicas import replicas_markdown
-from sched_lab.report.terminal import bands_note
+from sched_lab.report.terminal import bands_note, warnings, warnings_markdown
 from sched_lab.results import fairness, spec_metrics
-from sched_lab.results.bands import band_of
+from sched_lab.results.bands import band_of, band_text
 from sched_lab.results.names import format_value
 from sched_lab.results.run import Run
 
@@ -50,7 +50,7 @@ def summary_table(runs: list[Run]) -> str:
             f"| {_cell(r, 'mean_kv_cache_usage', '.0f', _pct)} |"
         )
     if runs and runs[0].summary.get("seeds"):
-        note = bands_note(runs[0].summary)
+        note = bands_note(runs)
         lines += ["", f"{note[0].upper()}{note[1:]}."]
     return "\n".join(lines)
 
@@ -61,9 +61,7 @@ def _cell(run: Run, key: str, spec: str, unit=lambda x: x) -> str:
     band = band_of(run.summary, key)
     if band is None:
         return format_value(unit(run.summary.get(key)), spec)
-    spec = "g" if spec == "d" else spec  # medians and percentiles of counts: floats
-    m, lo, hi = (format_value(unit(x), spec) for x in band)
-    return f"{m} [{lo}, {hi}]"
+    return band_text(key, band, spec, unit)
 
 
 def _s(ms):
@@ -175,8 +173,6 @@ def _cost_model_lines(cm: dict | None) -> list[str]:
             else ""
         )
         lines += ["", f"**Analytic cost model**: {cm['why']}; {_efficiency_text(cm)}{used}."]
-    elif cm.get("stale"):
-        lines += ["", f"**Stale profile**: {cm['why']}."]
     return [*lines, ""]
 
 
@@ -205,8 +201,7 @@ def _efficiency_text(cm: dict) -> str:
 
 
 def _scheduling_lines(runs: list[Run]) -> list[str]:
-    """report.md's line on the runs' scheduling mode (summary key ``async_scheduling``), and a
-    warning for async runs priced without host time (``cost_model.host_note``)."""
+    """report.md's line on the runs' scheduling mode (summary key ``async_scheduling``)."""
     on = [r.label for r in runs if r.summary.get("async_scheduling")]
     off = [r.label for r in runs if not r.summary.get("async_scheduling")]
     what = (
@@ -220,9 +215,6 @@ def _scheduling_lines(runs: list[Run]) -> list[str]:
         lines = [f"Scheduling: {what}."]
     else:
         lines = [f"Scheduling: {what} for {', '.join(on)}; synchronous for {', '.join(off)}."]
-    note = (runs[0].summary.get("cost_model") or {}).get("host_note")
-    if on and note:
-        lines += ["", f"**No host time**: {note}."]
     return [*lines, ""]
 
 
@@ -267,6 +259,7 @@ def report_markdown(
             "",
             *_cost_model_lines(runs[0].summary.get("cost_model")),
             *_scheduling_lines(runs),
+            *warnings_markdown(warnings(runs)),  # the terminal's, word for word
             summary_table(runs),
             "",
         ]

@@ -6,7 +6,7 @@ prints ``-``; runs of workload classes add a block of rows per class.
 
 from __future__ import annotations
 
-from sched_lab.results.bands import band_of
+from sched_lab.results.bands import band_of, band_text
 from sched_lab.results.names import MISSING, format_value, percentile_word
 
 WIDTH = 100
@@ -85,9 +85,7 @@ def banded(run, key: str, spec: str, value=None, scale: float = 1.0) -> str:
     if band is None:
         v = run.summary.get(key) if value is None else value
         return format_value(_scaled(v, scale), spec)
-    spec = "g" if spec == "d" else spec  # medians and percentiles of counts: floats
-    m, lo, hi = (format_value(x * scale, spec) for x in band)
-    return f"{m} [{lo}, {hi}]"
+    return band_text(key, band, spec, lambda x: x * scale)
 
 
 def class_rows(runs) -> list[tuple[str, list[str]]]:
@@ -170,38 +168,70 @@ def summary_text(runs, percentiles, width: int = WIDTH) -> str:
     elif _has_slo(summary):
         note.append("SLOs: per class (goodput: finished requests/s meeting their class's SLOs)")
     if summary.get("seeds"):
-        note.append(bands_note(summary))
+        note.append(bands_note(runs))
     return "\n\n".join(blocks + note)
 
 
-def bands_note(summary: dict) -> str:
-    """What a cell ``median [lo, hi]`` means, for a run with seeded replicas."""
+def bands_note(runs) -> str:
+    """What a cell ``median [lo, hi]`` means, for runs with seeded replicas; names a run an
+    interruption left with fewer replicas than asked for (summary ``seeds_requested``)."""
+    summary = runs[0].summary
     lo, hi = (format_value(p) for p in summary["band_percentiles"])
+    n = summary.get("seeds_requested") or summary["seeds"]
+    short = [
+        f"{r.label} {r.summary['seeds']} of {n}" for r in runs if r.summary.get("seeds_requested")
+    ]
+    cut = f"; interrupted: {', '.join(short)} replicas" if short else ""
     return (
-        f"cells: median [p{lo}, p{hi}] over {summary['seeds']} seeded replicas (step times "
-        "drawn around the cost model's; summary.json and the vLLM-format file hold replica "
-        "0's values beside the bands)"
+        f"cells: median [p{lo}, p{hi}] over {n} seeded replicas (step times drawn around the "
+        "cost model's; summary.json and the vLLM-format file hold replica 0's values beside "
+        f"the bands){cut}"
     )
 
 
 def warnings_text(runs) -> str:
-    """Warnings about what priced the steps, one line each ("" when none): async runs whose
-    cost model has no host time, a profile that does not describe this engine (its
-    fingerprint differs or is missing; summary key ``cost_model.stale``), and a calibrated
-    run with adapters whose profile does not price their compute (``cost_model.lora_note``)."""
+    """The terminal's lines of :func:`warnings` (``kind: text``), "" when none."""
+    return "\n".join(f"{kind}: {text}" for kind, text in warnings(runs))
+
+
+def warnings(runs) -> list[tuple[str, str]]:
+    """(kind, text) of what priced the steps and may be wrong, one each: async runs whose cost
+    model has no host time (``cost_model.host_note``), a profile that does not describe this
+    engine (its fingerprint differs or is missing; ``cost_model.stale``), both ``warning``;
+    a calibrated run with adapters whose profile does not price their compute
+    (``cost_model.lora_note``), a ``note``. The terminal and report.md print the same text."""
     cm = runs[0].summary.get("cost_model") or {}
-    lines = []
+    out = []
     asynchronous = [r.label for r in runs if r.summary.get("async_scheduling")]
     if asynchronous and cm.get("host_note"):
-        lines.append(
-            f"warning: {', '.join(asynchronous)}: async_scheduling is on, but "
-            f"{cm['host_note']}; these runs are priced as synchronous ones"
-        )
+        out.append(("warning", no_host_warning(asynchronous, cm["host_note"])))
     if cm.get("stale"):
-        lines.append(f"warning: stale profile {cm.get('profile')}: {cm.get('why')}")
+        out.append(("warning", stale_warning(cm.get("profile"), cm.get("why"))))
     if cm.get("lora_note"):  # a calibrated run with adapters (lab/setup/sim.py)
-        lines.append(f"note: profile {cm.get('profile')}: {cm['lora_note']}")
-    return "\n".join(lines)
+        out.append(("note", f"profile {cm.get('profile')}: {cm['lora_note']}"))
+    return out
+
+
+def no_host_warning(labels, host_note: str) -> str:
+    """The warning for async runs ``labels`` priced by a cost model without host time."""
+    return (
+        f"{', '.join(labels)}: async_scheduling is on, but {host_note}; these runs are priced "
+        "as synchronous ones"
+    )
+
+
+def stale_warning(profile, why) -> str:
+    """The warning for a profile that may describe another engine (``why``: its staleness)."""
+    return f"stale profile {profile}: {why}"
+
+
+def warnings_markdown(found: list[tuple[str, str]]) -> list[str]:
+    """:func:`warnings` as report.md paragraphs (``**Warning**: text.``), each followed by a
+    blank line."""
+    out = []
+    for kind, text in found:
+        out += [f"**{kind.capitalize()}**: {text}.", ""]
+    return out
 
 
 def slo_text(slo: dict) -> str:

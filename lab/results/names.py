@@ -103,6 +103,13 @@ METRICS = {
     )
 }
 ALIASES = {a: m.name for m in METRICS.values() for a in m.aliases}
+COUNT_UNITS = ("requests", "preemptions", "loads")  # a metric in these counts whole things
+
+
+def is_count(name: str) -> bool:
+    """Whether the canonical ``name`` counts whole things (preemptions, requests, LoRA loads),
+    so a run's value is an integer."""
+    return name in METRICS and METRICS[name].unit in COUNT_UNITS
 
 
 MISSING = "-"  # how every table prints a statistic that has no value

@@ -296,7 +296,10 @@ def iter_runs(
             # table for this load, never replayed) instead of copies: one copy fewer.
             own = requests is None and i == len(policies) - 1
             planned = _Planned(pol, cls, limits, scale, cfg.run_label(pol, scale))
-            yield _run(ex, planned, trace, own)
+            done, stop = _run(ex, planned, trace, own)
+            yield done
+            if stop is not None:  # replicas cut short: the run is handed on, then the stop
+                raise stop
 
 
 def _load_trace(
@@ -358,20 +361,35 @@ def _prepare_trace(ex: _Experiment, trace: list[Request]) -> None:
     ex.setup.prepare_trace(trace)
 
 
-def _run(ex: _Experiment, run: _Planned, trace: list[Request], own: bool = False) -> Run:
+def _run(
+    ex: _Experiment, run: _Planned, trace: list[Request], own: bool = False
+) -> tuple[Run, KeyboardInterrupt | None]:
     """Replay one run over fresh copies of ``trace`` (``own``, without seeds: over ``trace``'s
     requests themselves, which must never have been replayed) and measure it. With ``seeds:
     N``: N replicas whose step times carry noise seeded (seed, k), k = 0..N-1; the run is
-    replica 0's, its summary with the replicas' medians and bands (lab/results/bands.py)."""
+    replica 0's, its summary with the replicas' medians and bands (lab/results/bands.py).
+
+    Returns:
+        (the run, None); or, when an interruption (Ctrl-C, SIGTERM: a KeyboardInterrupt)
+        stops the replicas after replica 0 finished, (the run with the bands of the k
+        replicas that finished, summary ``seeds`` k and ``seeds_requested`` N; the
+        interruption), for the caller to raise once it has handed the run on. Interrupted
+        before replica 0 finished, the run is lost, as a plain run is.
+    """
     seeds = ex.cfg.seeds
     if seeds is None:
-        return _run_once(ex, run, trace, None, own)
+        return _run_once(ex, run, trace, None, own), None
     first = _run_once(ex, run, trace, 0)
     summaries = [first.summary]
-    for k in range(1, seeds):
-        summaries.append(_run_once(ex, run, trace, k).summary)  # the rest: summaries only
-    first.summary.update(bands.band_fields(summaries))
-    return first
+    stop = None
+    try:
+        for k in range(1, seeds):
+            summaries.append(_run_once(ex, run, trace, k).summary)  # the rest: summaries only
+    except KeyboardInterrupt as e:
+        stop = e
+        log.info("%s: stopped after %d of %d seeded replicas", run.label, len(summaries), seeds)
+    first.summary.update(bands.band_fields(summaries, seeds))
+    return first, stop
 
 
 def _run_once(

@@ -39,9 +39,11 @@ class SimSetup(Setup):
         self.max_position = MODELS[self.cfg.model].max_position_embeddings
         self._info = cost_model_info(self.cfg, self.cost_model)
         self._capped = 0
-        self.noise = step_noise(self.cfg, self.cost_model) if self.cfg.seeds else None
-        if self.noise is not None:  # what the seeded replicas drew from
-            self._info = {**self._info, "noise": self.noise.to_dict()}
+        self.noise = None
+        if self.cfg.seeds:  # what the seeded replicas draw from
+            self.noise, borrowed = step_noise(self.cfg, self.cost_model)
+            extra = {"borrowed_from": borrowed} if borrowed else {}
+            self._info = {**self._info, "noise": {**self.noise.to_dict(), **extra}}
 
     def check_policy(self, pol: PolicyConfig) -> None:
         if pol.speculative is not None:
@@ -191,35 +193,41 @@ def lora_cost(cfg: ExperimentConfig) -> LoRACost | None:
     return LoRACost(cfg.lora.max_lora_rank, cfg.lora.load_latency_ms / 1000.0)
 
 
-def step_noise(cfg: ExperimentConfig, cost_model: Any) -> StepNoise:
-    """The step-time noise of seeded replicas (lab/sim/noise.py): the calibrated model's own;
-    for the analytic roofline, its residuals on the profiles its efficiencies were fitted to.
-    Raises ConfigError when it has none (efficiencies from the YAML or guessed)."""
+def step_noise(cfg: ExperimentConfig, cost_model: Any) -> tuple[StepNoise, list[str]]:
+    """The step-time noise of seeded replicas (lab/sim/noise.py) and the profiles it was
+    borrowed from (empty when it is this model's own): the calibrated model's own residuals;
+    for the analytic roofline, its residuals on the profiles its efficiencies were fitted to;
+    for hardware without a profile (datasheet-guess efficiencies), the residuals of the
+    roofline on every shipped profile, each priced with that profile's own fitted
+    efficiencies (the relative spread of another GPU's steps: an assumption, named in the
+    summary as ``cost_model.noise.borrowed_from``). Raises ConfigError when every efficiency
+    is set in the YAML (a model of the user's, with no measured steps behind it)."""
     if hasattr(cost_model, "noise"):
-        return cost_model.noise
-    from sched_lab.sim.analytic_defaults import ROOT
+        return cost_model.noise, []
+    from sched_lab.sim.analytic_defaults import FITTED, KEYS, ROOT, defaults
     from sched_lab.sim.calibrated import profile_block_size, profile_shape, read_profile
 
-    rels = analytic_source(cfg)["efficiency_profiles"]
-    if not rels:
+    source = analytic_source(cfg)
+    if source["efficiencies"] == "yaml":
         raise ConfigError(
-            f"{cfg.source}: seeds: the analytic model's efficiencies are not fitted to an "
-            "engine profile here, so there are no measured steps to draw noise from; set "
-            "cost_model.profile (its residuals are the noise), or remove seeds"
+            f"{cfg.source}: seeds: the analytic model's efficiencies are all set in the YAML, "
+            "not fitted to an engine profile, so there are no measured steps to draw noise "
+            "from; set cost_model.profile (its residuals are the noise), or remove seeds"
         )
+    borrowed = source["efficiencies"] == "guess"
+    rels = sorted({p for e in FITTED.values() for p in e.profiles}) if borrowed else None
     frames, predicted = [], []
-    for rel in rels:
+    for rel in rels or source["efficiency_profiles"]:
         df = read_profile(ROOT / rel)
         model, hardware = profile_shape(ROOT / rel)
-        cm = AnalyticCostModel(MODELS[model], HARDWARE[hardware], *(
-            cfg.cost_model.analytic[k]
-            for k in ("flops_efficiency", "bandwidth_efficiency", "step_overhead_s")))  # fmt: skip
+        own = defaults(model, hardware) if borrowed else cfg.cost_model
+        cm = AnalyticCostModel(MODELS[model], HARDWARE[hardware], *(getattr(own, k) for k in KEYS))
         bs = profile_block_size(ROOT / rel)
         predicted += [cm.step_time(f, bs) for f in profile_features(df)]
         frames.append(df)
     import pandas as pd
 
-    return fit_to_profile(pd.concat(frames, ignore_index=True), predicted)
+    return fit_to_profile(pd.concat(frames, ignore_index=True), predicted), rels or []
 
 
 def check_sim_speculative(cfg: ExperimentConfig, pol: PolicyConfig) -> None:

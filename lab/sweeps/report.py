@@ -19,6 +19,7 @@ from sched_lab import __version__
 from sched_lab.core.errors import UserError
 from sched_lab.report.folder import MANIFEST, check_out_dir, put_in_place, temp_folder
 from sched_lab.report.staging import MARKER
+from sched_lab.report.terminal import no_host_warning, stale_warning, warnings_markdown
 from sched_lab.results.names import MISSING, canonical, format_value, latency_name
 
 LEAD = ("point", "status", "error")
@@ -477,11 +478,55 @@ def _share_rounded_down(value) -> str:
 PROBE_ENDS = {"refused": "refused by the config", "stopped": "stopped early"}
 
 
+def sweep_warnings(table: pd.DataFrame) -> list[tuple[str, str]]:
+    """(kind, text) of a single run's warnings (:func:`sched_lab.report.terminal.warnings`)
+    over a sweep's runs, from its table (sweep.csv, or curve.csv of a search; columns
+    ``cost_model_stale``, ``cost_model_profile``, ``cost_model_why``,
+    ``cost_model_host_note``, ``async_scheduling``): a stale profile once per profile and
+    reason, naming its points unless every point ran with it; async runs priced without host
+    time, named ``point policy``, once per reason. The terminal and report.md print them."""
+    if "cost_model_stale" not in table.columns:  # no run made a summary
+        return []
+    rows = table[table["status"].isin(("ok", "stopped"))]
+    if "class" in rows.columns:
+        rows = rows[rows["class"].isna() | (rows["class"] == "all")]
+    stale: dict[tuple[str, str], list[str]] = {}
+    no_host: dict[str, list[str]] = {}
+    for _, r in rows.iterrows():
+        if _true(r.get("cost_model_stale")):
+            key = (str(r.get("cost_model_profile")), str(r.get("cost_model_why")))
+            stale.setdefault(key, []).append(r["point"])
+        note = r.get("cost_model_host_note")
+        if _true(r.get("async_scheduling")) and isinstance(note, str) and note:
+            no_host.setdefault(note, []).append(f"{r['point']} {r['policy']}")
+    every = set(rows["point"])
+    out = []
+    for note, runs in no_host.items():
+        out.append(("warning", no_host_warning([_listed(runs)], note)))
+    for (profile, why), points in stale.items():
+        where = "" if set(points) == every else f" (points {_listed(points)})"
+        out.append(("warning", stale_warning(profile, why) + where))
+    return out
+
+
+def _true(v: Any) -> bool:
+    """A boolean cell as written or as read back from CSV (``True``; NaN: no value)."""
+    return str(v) == "True"
+
+
+def _listed(names: Sequence[str], most: int = 8) -> str:
+    """Distinct ``names`` joined by commas, the first ``most`` of them and a count after."""
+    names = list(dict.fromkeys(names))
+    shown = ", ".join(names[:most])
+    return shown if len(names) <= most else f"{shown}, ... ({len(names)} in all)"
+
+
 def _markdown(sweep, table: pd.DataFrame, capacity, plots) -> str:
     n = len(sweep.points)
     lines = [f"# {sweep.name}", ""]
     keys = ", ".join(f"`{k}`" for k in sweep.keys) or "nothing (one point)"
     lines += [f"Sweep of {n} point{'s' if n != 1 else ''} over {keys}.", ""]
+    lines += warnings_markdown(sweep_warnings(table))  # the terminal's, word for word
     if capacity is not None:
         s = sweep.search
         cmp = ">=" if s.higher_is_better else "<="

@@ -16,6 +16,7 @@ from sched_lab.sweeps.report import (
     bound_text,
     capacity_cell,
     status_word,
+    sweep_warnings,
     uniform_slo,
 )
 
@@ -150,16 +151,20 @@ def _probe_end(curve: pd.DataFrame | None, row: dict, over: str) -> str:
 
 def folder_text(out: Path, sweep, percentiles: Sequence[float] = PERCENTILES) -> str:
     """The terminal's text for the sweep folder ``out`` (its CSV tables; a sweep's latencies at
-    ``percentiles``), with the SLOs when every point has the same."""
+    ``percentiles``), with the SLOs when every point has the same and the warnings about
+    what priced the steps (:func:`~sched_lab.sweeps.report.sweep_warnings`)."""
     from sched_lab.report.terminal import slo_text
 
     slo = uniform_slo(sweep)
+    table = pd.read_csv(out / ("curve.csv" if sweep.search is not None else "sweep.csv"))
     if sweep.search is not None:
         capacity = pd.read_csv(out / "capacity.csv")
-        curve = pd.read_csv(out / "curve.csv")
-        text = capacity_text(capacity, sweep.keys, sweep.search, slo, curve)
+        text = capacity_text(capacity, sweep.keys, sweep.search, slo, table)
     else:
-        text = sweep_text(pd.read_csv(out / "sweep.csv"), sweep.keys, percentiles)
+        text = sweep_text(table, sweep.keys, percentiles)
     if slo:
         text += f"\nSLOs: {slo_text(slo)} (goodput: finished requests/s meeting every SLO)"
+    found = sweep_warnings(table)  # as report.md says them
+    if found:
+        text += "\n\n" + "\n".join(f"{kind}: {line}" for kind, line in found)
     return text

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -20,7 +21,7 @@ from typing import Any
 from sched_lab.config import validate
 from sched_lab.config.keypaths import set_path
 from sched_lab.core.errors import UserError
-from sched_lab.report.folder import write_results
+from sched_lab.report.folder import ResultsNotPlaced, write_results
 from sched_lab.report.staging import make_marked, remove_stale
 from sched_lab.run.experiment import run_experiment
 from sched_lab.setup import setup_class, setup_for
@@ -51,7 +52,8 @@ class Task:
 class TaskResult:
     """``rows``: results-table rows; ``files``: the point's folder (relative path -> bytes) or
     None; ``capacity``: a search's :class:`~sched_lab.sweeps.search.Capacity` as a dict; ``error``:
-    why the task failed (no rows then)."""
+    why the task failed (no rows then); ``ran``: False for a task a stopped sweep did not
+    finish (``error`` says so)."""
 
     index: int
     rows: list[dict[str, Any]] = field(default_factory=list)
@@ -59,6 +61,17 @@ class TaskResult:
     capacity: dict[str, Any] | None = None
     error: str | None = None
     wall_s: float = 0.0
+    ran: bool = True
+
+
+class SweepStopped(KeyboardInterrupt):
+    """A sweep stopped by a signal (``signum``) after some tasks had finished. ``message``
+    says how far it got; ``out`` is the folder holding the finished ones, or None when
+    writing them failed (``message`` says why)."""
+
+    def __init__(self, signum: int, message: str, out: Path | None) -> None:
+        super().__init__(signum)
+        self.signum, self.message, self.out = signum, message, out
 
 
 def make_tasks(sweep: Sweep, fmt: str = "csv", date: str | None = None) -> list[Task]:
@@ -274,6 +287,9 @@ def run_sweep(
 
     Raises:
         UserError: ``out`` cannot be written (checked first), or ray is missing or unreachable.
+        SweepStopped: a signal (KeyboardInterrupt) stopped the sweep after some tasks had
+            finished; those are written as partial results (the others listed, not run).
+        KeyboardInterrupt: a signal stopped it before any task had finished; nothing written.
     """
     from sched_lab.report.folder import check_out_dir
     from sched_lab.report.progress import Phase
@@ -290,6 +306,7 @@ def run_sweep(
     here = [t for t, p in zip(tasks, pooled) if not p]
     unit, units = ("search", "searches") if sweep.search is not None else ("point", "points")
     results: dict[int, TaskResult] = {}
+    stop: KeyboardInterrupt | None = None
     t0 = time.perf_counter()
     with Phase(f"sweep {sweep.name}: {len(tasks)} {units}", len(tasks), unit, progress) as phase:
         done = executors.run_tasks(
@@ -301,9 +318,15 @@ def run_sweep(
                 phase.advance()
                 if r.error:
                     log.warning("%s failed: %s", tasks[r.index].point.name, r.error)
+        except KeyboardInterrupt as e:  # SIGINT, or SIGTERM / SIGHUP raised as one (lab/cli.py)
+            phase.close(ok=False)  # no "done" line for a stopped sweep
+            if not results:
+                raise
+            stop = e
         finally:
             done.close()  # however the loop ended, the pool's workers end here
-    ordered = [results[t.index] for t in tasks]
+    why = f"not run: the sweep was interrupted by {_signame(stop)}" if stop else ""
+    ordered = [results.get(t.index) or TaskResult(t.index, error=why, ran=False) for t in tasks]
     timing = {
         "executor": executors.describe(jobs, ray, ray_address),
         "wall_s": time.perf_counter() - t0,
@@ -312,8 +335,37 @@ def run_sweep(
             for t, r in zip(tasks, ordered)
         },
     }
-    write_sweep(out, sweep, tasks, ordered, timing)
+    partial = None
+    if stop is not None:
+        partial = f"interrupted by {_signame(stop)} after {len(results)} of {len(tasks)} {units}"
+    try:
+        write_sweep(out, sweep, tasks, ordered, timing, partial=partial)
+    except KeyboardInterrupt as e:
+        if stop is None:
+            raise SweepStopped(_signum(e), f"interrupted by {_signame(e)} while writing the "
+                               f"results of all {len(tasks)} {units}; nothing written",
+                               None) from None  # fmt: skip
+        raise SweepStopped(_signum(stop), f"{partial}, and again while writing them; nothing "
+                           "written", None) from None  # fmt: skip
+    except (UserError, ResultsNotPlaced) as e:
+        if stop is None:
+            raise
+        raise SweepStopped(_signum(stop), f"{partial}; {e}", None) from None
+    if stop is not None:
+        raise SweepStopped(
+            _signum(stop), f"{partial}; wrote them to {out}/ as partial results", out
+        )
     return out, ordered
+
+
+def _signum(e: KeyboardInterrupt) -> int:
+    """The signal behind ``e``: its ``signum`` (lab/cli.py raises SIGTERM / SIGHUP as a
+    KeyboardInterrupt with one), else SIGINT."""
+    return getattr(e, "signum", signal.SIGINT)
+
+
+def _signame(e: KeyboardInterrupt) -> str:
+    return signal.Signals(_signum(e)).name
 
 
 def _chain(*its):

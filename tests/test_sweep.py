@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 import run_experiment
+import sched_lab.sweeps.report
 from sched_lab.config.keypaths import set_path
 from sched_lab.core.errors import ConfigError
 from sched_lab.core.plan import StepFeatures
@@ -700,6 +701,19 @@ def test_a_swept_integer_beyond_int64_is_written_as_text(tmp_path):
     assert csv["seed"].tolist() == ["1", "1000000000000000000000000000000"]
     if importlib.util.find_spec("pyarrow") is not None:
         assert pd.read_parquet(out / "sweep.parquet")["seed"].tolist() == csv["seed"].tolist()
+
+
+@pytest.mark.parametrize("pyarrow", [False, True])
+def test_report_names_only_the_tables_written(tmp_path, monkeypatch, pyarrow):
+    if pyarrow and importlib.util.find_spec("pyarrow") is None:
+        pytest.skip("needs pyarrow")
+    monkeypatch.setattr(sched_lab.sweeps.report, "has_pyarrow", lambda: pyarrow)
+    path = write(tmp_path, SYNTH + "policies: [fcfs]\nsweep: {grid: {seed: [1]}}\n")
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
+    assert (out / "sweep.parquet").exists() == pyarrow
+    named = "`sweep.csv` / `.parquet` (one row" if pyarrow else "`sweep.csv` (one row"
+    assert f"Files: {named} per point x run x class)" in (out / "report.md").read_text()
 
 
 def test_engine_points_run_here_after_the_simulator_points(tmp_path, monkeypatch):

@@ -74,11 +74,11 @@ def _write(tmp: Path, sweep, tasks, results, timing, partial: str | None) -> Non
     capacity = capacity_table(sweep, tasks, results) if sweep.search is not None else None
     name = "curve" if sweep.search is not None else "sweep"
     whole = [sweep.search.over] if sweep.search is not None and sweep.search.integer else []
-    _table(tmp, name, whole_numbers(table, whole))
+    parquet = _table(tmp, name, whole_numbers(table, whole))
     if capacity is not None:
         _table(tmp, "capacity", whole_numbers(capacity, [c for c in CAPACITY_AT if whole]))
     plots = _plots(tmp, sweep, table, capacity)
-    (tmp / "report.md").write_text(_markdown(sweep, table, capacity, plots, partial))
+    (tmp / "report.md").write_text(_markdown(sweep, table, capacity, plots, partial, parquet))
     (tmp / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
     files = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != MARKER)
     _manifest(tmp, files, folders)
@@ -89,19 +89,28 @@ def _manifest(folder: Path, files: list[str], folders: list[str]) -> None:
     (folder / MANIFEST).write_text(json.dumps(body, indent=2) + "\n")
 
 
-def _table(folder: Path, name: str, df: pd.DataFrame) -> None:
+def _table(folder: Path, name: str, df: pd.DataFrame) -> bool:
     """``name``.csv and, with pyarrow, ``name``.parquet; a column holding an integer beyond
-    int64 (which parquet cannot hold) is written as text in both."""
+    int64 (which parquet cannot hold) is written as text in both. Returns whether the
+    parquet file was written."""
     df = df.copy()
     for c in df.columns:
         if df[c].dtype == object and any(_big_int(v) for v in df[c]):
             df[c] = [None if v is None or _isnan(v) else str(v) for v in df[c]]
     df.to_csv(folder / f"{name}.csv", index=False)
+    if not has_pyarrow():
+        return False
+    df.to_parquet(folder / f"{name}.parquet", index=False)
+    return True
+
+
+def has_pyarrow() -> bool:
+    """Whether pyarrow imports (the tables are then also written as parquet)."""
     try:
         import pyarrow  # noqa: F401
     except ImportError:
-        return
-    df.to_parquet(folder / f"{name}.parquet", index=False)
+        return False
+    return True
 
 
 def whole_numbers(df: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
@@ -489,7 +498,10 @@ def _share_rounded_down(value) -> str:
 PROBE_ENDS = {"refused": "refused by the config", "stopped": "stopped early"}
 
 
-def _markdown(sweep, table: pd.DataFrame, capacity, plots, partial: str | None = None) -> str:
+def _markdown(
+    sweep, table: pd.DataFrame, capacity, plots, partial: str | None = None, parquet: bool = False
+) -> str:
+    """report.md; ``parquet``: whether the tables were also written as .parquet."""
     n = len(sweep.points)
     lines = [f"# {sweep.name}", ""]
     if partial is not None:
@@ -555,12 +567,13 @@ def _markdown(sweep, table: pd.DataFrame, capacity, plots, partial: str | None =
         lines += [f"**Not run** (the sweep was stopped): {missing}", ""]
     for name, caption in plots:
         lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
+    also = " / `.parquet`" if parquet else ""  # only what was written
     tables = (
-        "`sweep.csv` / `.parquet` (one row per point x run x class), `points/<point>/` "
+        f"`sweep.csv`{also} (one row per point x run x class), `points/<point>/` "
         "(each point's results folder)"
         if capacity is None
-        else "`capacity.csv` / `.parquet` (one row per point x policy), `curve.csv` / "
-        "`.parquet` (every load the search tried)"
+        else f"`capacity.csv`{also} (one row per point x policy), `curve.csv`{also} "
+        "(every load the search tried)"
     )
     lines += [
         f"Files: {tables}, `sweep.yaml` (the sweep as given), `timing.json` (executor and "

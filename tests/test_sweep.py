@@ -327,6 +327,34 @@ def test_a_key_absent_from_the_yaml_is_searched_in_whole_numbers(tmp_path):
     assert (cap["status"], cap["capacity"]) == ("above_range", 400)
 
 
+def test_a_search_prints_a_line_per_load_it_tries(tmp_path, capsys):
+    from sched_lab.sweeps.run import make_tasks, probe_line, run_task
+
+    path = write(tmp_path, SYNTH + "policies: [fcfs]\nsearch: {metric: ttft_s_p99, "
+                 "target: 1000, over: scheduler.max_num_seqs, lo: 1, hi: 6}\n")  # fmt: skip
+    (task,) = make_tasks(load_sweep(path), probe_lines=True)
+    assert run_task(task).error is None
+    lines = capsys.readouterr().err.splitlines()
+    # both loads met (as in test_search_over_an_integer_key_runs_every_point)
+    assert [ln.split(" (")[0] for ln in lines] == [
+        "p000 fcfs: scheduler.max_num_seqs 1",
+        "p000 fcfs: scheduler.max_num_seqs 6",
+    ]
+    assert [ln.split(", ")[-2] for ln in lines] == ["met (probe 1", "met (probe 2"]
+    (quiet,) = make_tasks(load_sweep(path))
+    assert run_task(quiet).error is None and capsys.readouterr().err == ""
+    # a refused load and one whose run stopped, by hand
+    row = {"sample": 2, "scheduler.max_num_seqs": 9, "met": False, "refused": "too big"}
+    assert probe_line(task, "fcfs", row, 0.04) == (
+        "p000 fcfs: scheduler.max_num_seqs 9: refused (too big) (probe 3, 0.0 s)"
+    )
+    row = {"sample": 0, "scheduler.max_num_seqs": 2, "met": False, "request_rate": 13.75,
+           "error": "no progress"}  # fmt: skip
+    assert probe_line(task, "fcfs", row, 41.25) == (
+        "p000 fcfs: scheduler.max_num_seqs 2 (13.75 req/s): stopped early, missed (probe 1, 41.2 s)"
+    )
+
+
 def test_num_gpu_blocks_left_to_the_simulator_starts_at_its_sizing(tmp_path):
     from sched_lab.config import validate
     from sched_lab.setup.sim import sim_parts

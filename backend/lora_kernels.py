@@ -124,21 +124,28 @@ def _expand_tile(
 
 
 @triton.jit
+def _tile_of_program(Order, TileSlot, TileFirst, TileLen, BLOCK_M: tl.constexpr):
+    """Program row tl.program_id(0)'s tile: (rows, mask, slot, count); count 0 (every row
+    masked) for a tile past the step's own."""
+    tile = tl.program_id(0)
+    count = tl.load(TileLen + tile)
+    rows, mask_m = _tile_rows(Order, tl.load(TileFirst + tile), count, BLOCK_M)
+    return rows, mask_m, tl.load(TileSlot + tile), count
+
+
+@triton.jit
 def _shrink_tiles_kernel(
     X, A, Out, Order, TileSlot, TileFirst, TileLen, stride_x, stride_as, stride_an,
     stride_os, stride_o, N: tl.constexpr, K: tl.constexpr, K_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     N_BLOCKS: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    """Program (tile, n-tile + N_BLOCKS * split); a tile of length 0 returns at once."""
-    tile = tl.program_id(0)
-    count = tl.load(TileLen + tile)
-    if count == 0:
-        return
-    rows, mask_m = _tile_rows(Order, tl.load(TileFirst + tile), count, BLOCK_M)
-    _shrink_tile(X, A, Out, rows, mask_m, tl.load(TileSlot + tile), tl.program_id(1),
-                 stride_x, stride_as, stride_an, stride_os, stride_o, N, K, K_SPLIT, BLOCK_M,
-                 BLOCK_N, BLOCK_K, N_BLOCKS, IEEE)  # fmt: skip
+    """Program (tile, n-tile + N_BLOCKS * split); a tile of length 0 does nothing."""
+    rows, mask_m, slot, count = _tile_of_program(Order, TileSlot, TileFirst, TileLen, BLOCK_M)
+    if count > 0:
+        _shrink_tile(X, A, Out, rows, mask_m, slot, tl.program_id(1), stride_x, stride_as,
+                     stride_an, stride_os, stride_o, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
+                     N_BLOCKS, IEEE)  # fmt: skip
 
 
 @triton.jit
@@ -148,15 +155,12 @@ def _expand_tiles_kernel(
     SLICES: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
 ):  # fmt: skip
-    """Program (tile, n-tile); a tile of length 0 returns at once."""
-    tile = tl.program_id(0)
-    count = tl.load(TileLen + tile)
-    if count == 0:
-        return
-    rows, mask_m = _tile_rows(Order, tl.load(TileFirst + tile), count, BLOCK_M)
-    _expand_tile(XR, B, Y, Scale, Bounds, rows, mask_m, tl.load(TileSlot + tile),
-                 tl.program_id(1), stride_xs, stride_xr, stride_bs, stride_bn, stride_y, OUT,
-                 RANK, SLICES, SPLITS, BLOCK_M, BLOCK_N, IEEE)  # fmt: skip
+    """Program (tile, n-tile); a tile of length 0 does nothing."""
+    rows, mask_m, slot, count = _tile_of_program(Order, TileSlot, TileFirst, TileLen, BLOCK_M)
+    if count > 0:
+        _expand_tile(XR, B, Y, Scale, Bounds, rows, mask_m, slot, tl.program_id(1), stride_xs,
+                     stride_xr, stride_bs, stride_bn, stride_y, OUT, RANK, SLICES, SPLITS,
+                     BLOCK_M, BLOCK_N, IEEE)  # fmt: skip
 
 
 def shrink_tiles(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor, tile_slot: torch.Tensor,
@@ -227,21 +231,28 @@ def expand_tiles(y: torch.Tensor, xr: torch.Tensor, b: torch.Tensor, scale: torc
 
 
 @triton.jit
+def _segment_tile_of_program(Order, SegStart, SegLen, BLOCK_M: tl.constexpr):
+    """Program (m, _, slot)'s tile: the m-th BLOCK_M rows of the slot's segment, as (rows,
+    mask, slot, count); count <= 0 (every row masked) past the segment's end."""
+    pid_m, slot = tl.program_id(0), tl.program_id(2)
+    count = tl.load(SegLen + slot) - pid_m * BLOCK_M
+    first = tl.load(SegStart + slot) + pid_m * BLOCK_M
+    rows, mask_m = _tile_rows(Order, first, count, BLOCK_M)
+    return rows, mask_m, slot, count
+
+
+@triton.jit
 def _shrink_kernel(
     X, A, Out, Order, SegStart, SegLen, stride_x, stride_as, stride_an, stride_os, stride_o,
     N: tl.constexpr, K: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_BLOCKS: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    """Program (m, n-tile + N_BLOCKS * split, slot); past the slot's rows it returns."""
-    pid_m, slot = tl.program_id(0), tl.program_id(2)
-    count = tl.load(SegLen + slot) - pid_m * BLOCK_M
-    if count <= 0:
-        return
-    first = tl.load(SegStart + slot) + pid_m * BLOCK_M
-    rows, mask_m = _tile_rows(Order, first, count, BLOCK_M)
-    _shrink_tile(X, A, Out, rows, mask_m, slot, tl.program_id(1), stride_x, stride_as,
-                 stride_an, stride_os, stride_o, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
-                 N_BLOCKS, IEEE)  # fmt: skip
+    """Program (m, n-tile + N_BLOCKS * split, slot); past the slot's rows it does nothing."""
+    rows, mask_m, slot, count = _segment_tile_of_program(Order, SegStart, SegLen, BLOCK_M)
+    if count > 0:
+        _shrink_tile(X, A, Out, rows, mask_m, slot, tl.program_id(1), stride_x, stride_as,
+                     stride_an, stride_os, stride_o, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
+                     N_BLOCKS, IEEE)  # fmt: skip
 
 
 @triton.jit
@@ -250,16 +261,12 @@ def _expand_kernel(
     stride_bn, stride_y, OUT: tl.constexpr, RANK: tl.constexpr, SLICES: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    """Program (m, n-tile, slot); past the slot's rows it returns."""
-    pid_m, slot = tl.program_id(0), tl.program_id(2)
-    count = tl.load(SegLen + slot) - pid_m * BLOCK_M
-    if count <= 0:
-        return
-    first = tl.load(SegStart + slot) + pid_m * BLOCK_M
-    rows, mask_m = _tile_rows(Order, first, count, BLOCK_M)
-    _expand_tile(XR, B, Y, Scale, Bounds, rows, mask_m, slot, tl.program_id(1), stride_xs,
-                 stride_xr, stride_bs, stride_bn, stride_y, OUT, RANK, SLICES, SPLITS, BLOCK_M,
-                 BLOCK_N, IEEE)  # fmt: skip
+    """Program (m, n-tile, slot); past the slot's rows it does nothing."""
+    rows, mask_m, slot, count = _segment_tile_of_program(Order, SegStart, SegLen, BLOCK_M)
+    if count > 0:
+        _expand_tile(XR, B, Y, Scale, Bounds, rows, mask_m, slot, tl.program_id(1), stride_xs,
+                     stride_xr, stride_bs, stride_bn, stride_y, OUT, RANK, SLICES, SPLITS,
+                     BLOCK_M, BLOCK_N, IEEE)  # fmt: skip
 
 
 def shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor, seg_start: torch.Tensor,

@@ -13,8 +13,7 @@ Two parts, each written to ``--out`` (``gemm.json``/``gemm.md``, then ``steps.js
    fp8, int8, awq, gptq (group 128) the weight-streaming kernel (M <= 64), the large-M path
    (int4/int8: the tiled Triton kernel at every M, AWQ repacked as the engine keeps it;
    fp8: W8A8 ``torch._scaled_mm`` at M = 16, 32, 64), at M = 1 the streaming kernel's
-   other one-row product (``stream-alt``) and, with ``--ab`` (default), the kernels before
-   this change (benchmarks/quant_legacy.py) at M = 1, 16, 32. Each time is
+   other one-row product (``stream-alt``). Each time is
    one CUDA graph of back-to-back calls over enough weight copies to exceed the L2 cache,
    divided by the calls. Roofline: bytes as stored / 4.8 TB/s. Each path's output is
    checked against the float32 dequantized reference (``err``: max |out - ref| / max |ref|).
@@ -59,7 +58,6 @@ HBM_BYTES_PER_S = 4.8e12  # NVIDIA H200 datasheet
 METHODS = ("awq", "gptq", "fp8", "int8")  # the furthest from their targets first
 GEMM_TOKENS = (1, 8, 16, 32, 64)
 LARGE_M_TOKENS = (16, 32, 64)  # where W8A8 is timed too
-AB_TOKENS = (1, 16, 32)
 STEP_SHAPES = ((1, 1024), (1, 4096), (32, 1024), (32, 4096), (256, 1024))
 L2_FLUSH_BYTES = 256 << 20  # weight copies per timed graph: > 4x the H200's 50 MB L2
 TARGETS = "batch 1: fp8 >= 1.6x and int4 >= 2.5x faster than bf16; batch >= 32: <= 1.5x roofline"
@@ -89,11 +87,9 @@ def nbytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 # ---------------------------------------------------------------- part 1: GEMMs alone
-def gemm_rows(cfg: dict, device: str, ab: bool, timer, log, save) -> list[dict]:
+def gemm_rows(cfg: dict, device: str, timer, log, save) -> list[dict]:
     """One row per (projection, tokens, method, path): us per call, roofline, error;
     ``save(rows)`` after each projection."""
-    from quant_legacy import legacy_gemm
-
     from sched_lab.backend import quant_kernels as qk
     from sched_lab.backend.quant_formats import QuantSpec, quantize_weight, repack_awq
 
@@ -119,7 +115,7 @@ def gemm_rows(cfg: dict, device: str, ab: bool, timer, log, save) -> list[dict]:
             ref = None if method is None else qk.dequantize(tensors, spec).t()
             for m in tokens:
                 x = xs[m]
-                paths = _paths(method, m, ab and m in AB_TOKENS, qk, legacy_gemm)
+                paths = _paths(method, m, qk)
                 for path, fn in paths.items():
                     use = repacked if path == "tiled" else copies
                     out = fn(x, use[0], spec, n)
@@ -141,7 +137,7 @@ def gemm_rows(cfg: dict, device: str, ab: bool, timer, log, save) -> list[dict]:
     return rows
 
 
-def _paths(method, m, ab, qk, legacy_gemm) -> dict:
+def _paths(method, m, qk) -> dict:
     """path name -> fn(x, tensors, spec, n) timed for ``method`` at ``m`` tokens."""
     if method is None:
         return {"cublas": lambda x, t, spec, n: x @ t["weight"].t()}
@@ -158,8 +154,6 @@ def _paths(method, m, ab, qk, legacy_gemm) -> dict:
         paths["w8a8"] = lambda x, t, spec, n: qk.fp8_gemm(x, t["weight"], t["weight_scale"])
     elif method != "fp8":  # the engine's path at every M
         paths["tiled"] = qk.weight_only_gemm
-    if ab:
-        paths["legacy"] = legacy_gemm
     return paths
 
 
@@ -173,10 +167,10 @@ def gemm_markdown(rows: list[dict], header: str) -> str:
         return None
 
     lines = [header, "", "Per call, us (x roofline); speed-up vs bf16 cuBLAS in brackets; "
-             "new = the path quant_linear.gemm_path picks.", "",
+             "each format: the path quant_linear.gemm_path picks.", "",
              "| projection (K, N) | M | bf16 | " + " | ".join(
-                 f"{w} new | {w} legacy" for w in METHODS) + " |",
-             "|---|---|---|" + "---|---|" * len(METHODS)]  # fmt: skip
+                 f"{w}" for w in METHODS) + " |",
+             "|---|---|---|" + "---|" * len(METHODS)]  # fmt: skip
     projs = list(dict.fromkeys(r["projection"] for r in rows))
     tokens = sorted({r["tokens"] for r in rows})
     for proj in projs:
@@ -187,11 +181,10 @@ def gemm_markdown(rows: list[dict], header: str) -> str:
             k, n = base["K"], base["N"]
             cells = [f"{base['us']:.1f} (x{base['us'] / base['roofline_us']:.2f})"]
             for w in METHODS:
-                for path in (gemm_path(w, m), "legacy"):
-                    r = us(proj, m, w, path)
-                    cells.append("-" if r is None else
-                                 f"{r['us']:.1f} (x{r['us'] / r['roofline_us']:.2f}) "
-                                 f"[{base['us'] / r['us']:.2f}x]")  # fmt: skip
+                r = us(proj, m, w, gemm_path(w, m))
+                cells.append("-" if r is None else
+                             f"{r['us']:.1f} (x{r['us'] / r['roofline_us']:.2f}) "
+                             f"[{base['us'] / r['us']:.2f}x]")  # fmt: skip
             lines.append(f"| {proj} ({k}, {n}) | {m} | " + " | ".join(cells) + " |")
     lines += ["", "Streaming kernel vs the large-M path, summed over the four projections (us):", "",
               "| weights | " + " | ".join(f"M={m}" for m in tokens) + " | stream wins up to |",
@@ -452,8 +445,6 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="folder for gemm/steps .json and .md")
     ap.add_argument("--preset", default="llama-3.1-8b")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes")
-    ap.add_argument("--ab", action=argparse.BooleanOptionalAction, default=True,
-                    help="also time the kernels before this change (GEMMs alone)")  # fmt: skip
     ap.add_argument("--no-gemm", action="store_true", help="skip part 1")
     ap.add_argument("--no-steps", action="store_true", help="skip part 2")
     ap.add_argument(
@@ -498,7 +489,7 @@ def main() -> None:
             (out / "gemm.json").write_text(json.dumps(rows, indent=1))
             (out / "gemm.md").write_text(gemm_markdown(rows, header))
 
-        rows = gemm_rows(cfg, device, args.ab, timer, log, save_gemm)
+        rows = gemm_rows(cfg, device, timer, log, save_gemm)
         print(gemm_markdown(rows, header), flush=True)
     if not args.no_steps:
         if args.dry_run:

@@ -514,11 +514,12 @@ def _percentiles(text: str) -> tuple[float, ...]:
 
 def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
     """``sched-lab run`` of a sweep (lab/sweeps/sweep.py): every point, one results folder.
-    Raises UserError for bad input; an interruption stops the points and writes nothing."""
+    Raises UserError for bad input; a signal stops the points and writes those finished as
+    partial results (one line; 128 + the signal number)."""
     import os
 
     from sched_lab.core.errors import UserError
-    from sched_lab.sweeps.run import run_sweep
+    from sched_lab.sweeps.run import SweepStopped, run_sweep
     from sched_lab.sweeps.sweep import check_max_points, load_sweep
 
     if args.limit is not None and args.limit < 1:
@@ -557,9 +558,14 @@ def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
             fmt=args.format,
             progress=not args.no_progress,
         )
+    except SweepStopped as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return _code(e)
     except KeyboardInterrupt as e:
         print(
-            f"error: interrupted by {_name(e)} during the sweep; nothing written", file=sys.stderr
+            f"error: interrupted by {_name(e)} before any "
+            f"{'search' if sweep.search else 'point'} finished; nothing written",
+            file=sys.stderr,
         )
         return _code(e)
     print(folder_text(out, sweep, shown), end="\n\n")

@@ -47,6 +47,13 @@ PROFILES = {
     "binary.csv": "cost_model.profile: {path} is not a text CSV (not UTF-8: byte 0)",
     "prefill_only.csv": P + ": no decode-only steps (num_prefills 0, num_decodes > 0): the fit "
     "cannot predict their time",
+    # LoRA columns against the step's own: a sequence runs one adapter, which feeds >= 1 token.
+    "lora_loras_huge.csv": P + ": row 9, column 'num_loras': expected at most num_prefills + "
+    "num_decodes (64: one adapter per sequence), got '1e30'",
+    "lora_tokens_zero.csv": P + ": row 5, column 'num_lora_tokens': expected at least num_loras "
+    "(3: each adapter feeds a token), got '0'",
+    "lora_tokens_beyond.csv": P + ": row 14, column 'num_lora_tokens': expected at most the "
+    "step's tokens (64: num_prefill_tokens + num_decodes + num_spec_tokens), got '65'",
     # Decodes cost 1 ns per context token and nothing else: a 1-token decode would take ~1 ns
     # (the fit gives 22.7 ns, its hinge and mean-context terms included).
     "decode_without_fixed_cost.csv": P

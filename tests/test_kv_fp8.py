@@ -52,12 +52,16 @@ def test_fp8_doubles_the_8b_blocks_on_an_h200():
     869,531,648 of activations ((4 * 4096 + 2 * 14336) * 2 * 8192 + 256 * 128256 * 4) leaves
     109,969,945,856 bytes. A token's KV is 2 * 32 layers * 8 heads * 128 = 65,536 elements:
     131,072 bytes in bf16, 65,536 in fp8, so a 16-token block is 2 MiB or 1 MiB:
-    floor(109,969,945,856 / 2 MiB) = 52,437 and / 1 MiB = 104,875 blocks."""
+    floor(109,969,945,856 / 2 MiB) = 52,437 and / 1 MiB = 104,875 blocks. The simulator's
+    default step of 2,048 tokens reserves 315,883,520 bytes of activations instead, leaving
+    110,523,593,984: 52,701 and 105,403 blocks (docs/quantization.md, the quantized_8b sweep)."""
     model, hw = MODELS["llama-3.1-8b"], HARDWARE["h200-sxm"]
     fp8 = with_kv_dtype(model, "fp8")
     assert (model.kv_bytes_per_token, fp8.kv_bytes_per_token) == (131_072, 65_536)
     assert num_gpu_blocks(model, hw, 16, 0.9, 8192, 256) == 52_437
     assert num_gpu_blocks(fp8, hw, 16, 0.9, 8192, 256) == 104_875
+    assert num_gpu_blocks(model, hw, 16, 0.9, 2048, 256) == 52_701
+    assert num_gpu_blocks(fp8, hw, 16, 0.9, 2048, 256) == 105_403
     # 4 GiB of swap space: 2,048 bf16 blocks of 2 MiB, 4,096 fp8 ones
     assert (num_cpu_blocks(model, 16, 4.0), num_cpu_blocks(fp8, 16, 4.0)) == (2048, 4096)
     assert with_kv_dtype(model, "auto") is model and fp8.weight_bytes == model.weight_bytes

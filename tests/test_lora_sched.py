@@ -57,6 +57,16 @@ def test_one_slot_serializes_adapters_and_lets_others_pass():
     assert list(result.steps["num_loras"]) == [2, 2]
 
 
+def test_more_slots_than_adapters_is_allowed_and_the_extra_slots_stay_empty(tmp_path):
+    # vLLM's max_loras caps a batch's adapters and is not checked against any adapter set;
+    # here too: 5 slots for 2 adapters run as 2 slots do (rows as in the test above).
+    assert experiment(tmp_path, lora={"max_loras": 16, "num_adapters": 4}).lora.max_loras == 16
+    rows = [("A", 0.0, 16, 2, "lora-0"), ("B", 0.0, 16, 2, "lora-1"), ("C", 0.0, 16, 2, "lora-0")]
+    result, _ = lora_run("fcfs", rows, max_loras=5, num_adapters=2)
+    assert list(result.steps["num_lora_loads"]) == [2, 0]
+    assert list(result.steps["num_loras"]) == [2, 2]
+
+
 def test_slots_evict_the_least_recently_used_unpinned_adapter_into_the_host_lru():
     slots = LoRASlots(adapter_names(4), max_loras=2, max_cpu_loras=3)
     assert slots.acquire("lora-0", set()) and slots.acquire("lora-1", {"lora-0"})

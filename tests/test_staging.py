@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import run_experiment
 from sched_lab.core.outputs import MANIFEST
 from sched_lab.report.staging import MARKER, make_marked, remove_stale
@@ -79,6 +81,18 @@ def test_a_marked_folder_names_this_process(tmp_path):
     assert folder.name.startswith(".x.") and [p.name for p in folder.iterdir()] == [MARKER]
     mark = json.loads((folder / MARKER).read_text())
     assert mark == {"pid": os.getpid(), "host": socket.gethostname()}
+
+
+def test_a_signal_while_marking_leaves_no_folder(tmp_path, monkeypatch):
+    # A sweep's worker stopped by SIGTERM between making its folder and writing the marker
+    # left an unmarked folder that no later sweep removes (before).
+    def stopped() -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(socket, "gethostname", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        make_marked(tmp_path, "sched-lab-point.")
+    assert not list(tmp_path.iterdir())
 
 
 def test_the_pools_multiprocessing_folder_is_marked_and_removed_at_exit(tmp_path):

@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 import run_experiment
+import sched_lab.sweeps.report
 from sched_lab.config.keypaths import set_path
 from sched_lab.core.errors import ConfigError
 from sched_lab.core.plan import StepFeatures
@@ -324,6 +325,34 @@ def test_a_key_absent_from_the_yaml_is_searched_in_whole_numbers(tmp_path):
     assert [(r["kv_cache.num_gpu_blocks"], r["met"]) for r in rows] == [(100, True), (400, True)]
     assert all(type(r["kv_cache.num_gpu_blocks"]) is int and "refused" not in r for r in rows)
     assert (cap["status"], cap["capacity"]) == ("above_range", 400)
+
+
+def test_a_search_prints_a_line_per_load_it_tries(tmp_path, capsys):
+    from sched_lab.sweeps.run import make_tasks, probe_line, run_task
+
+    path = write(tmp_path, SYNTH + "policies: [fcfs]\nsearch: {metric: ttft_s_p99, "
+                 "target: 1000, over: scheduler.max_num_seqs, lo: 1, hi: 6}\n")  # fmt: skip
+    (task,) = make_tasks(load_sweep(path), probe_lines=True)
+    assert run_task(task).error is None
+    lines = capsys.readouterr().err.splitlines()
+    # both loads met (as in test_search_over_an_integer_key_runs_every_point)
+    assert [ln.split(" (")[0] for ln in lines] == [
+        "p000 fcfs: scheduler.max_num_seqs 1",
+        "p000 fcfs: scheduler.max_num_seqs 6",
+    ]
+    assert [ln.split(", ")[-2] for ln in lines] == ["met (probe 1", "met (probe 2"]
+    (quiet,) = make_tasks(load_sweep(path))
+    assert run_task(quiet).error is None and capsys.readouterr().err == ""
+    # a refused load and one whose run stopped, by hand
+    row = {"sample": 2, "scheduler.max_num_seqs": 9, "met": False, "refused": "too big"}
+    assert probe_line(task, "fcfs", row, 0.04) == (
+        "p000 fcfs: scheduler.max_num_seqs 9: refused (too big) (probe 3, 0.0 s)"
+    )
+    row = {"sample": 0, "scheduler.max_num_seqs": 2, "met": False, "request_rate": 13.75,
+           "error": "no progress"}  # fmt: skip
+    assert probe_line(task, "fcfs", row, 41.25) == (
+        "p000 fcfs: scheduler.max_num_seqs 2 (13.75 req/s): stopped early, missed (probe 1, 41.2 s)"
+    )
 
 
 def test_num_gpu_blocks_left_to_the_simulator_starts_at_its_sizing(tmp_path):
@@ -700,6 +729,19 @@ def test_a_swept_integer_beyond_int64_is_written_as_text(tmp_path):
     assert csv["seed"].tolist() == ["1", "1000000000000000000000000000000"]
     if importlib.util.find_spec("pyarrow") is not None:
         assert pd.read_parquet(out / "sweep.parquet")["seed"].tolist() == csv["seed"].tolist()
+
+
+@pytest.mark.parametrize("pyarrow", [False, True])
+def test_report_names_only_the_tables_written(tmp_path, monkeypatch, pyarrow):
+    if pyarrow and importlib.util.find_spec("pyarrow") is None:
+        pytest.skip("needs pyarrow")
+    monkeypatch.setattr(sched_lab.sweeps.report, "has_pyarrow", lambda: pyarrow)
+    path = write(tmp_path, SYNTH + "policies: [fcfs]\nsweep: {grid: {seed: [1]}}\n")
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
+    assert (out / "sweep.parquet").exists() == pyarrow
+    named = "`sweep.csv` / `.parquet` (one row" if pyarrow else "`sweep.csv` (one row"
+    assert f"Files: {named} per point x run x class)" in (out / "report.md").read_text()
 
 
 def test_engine_points_run_here_after_the_simulator_points(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """Stopping a sweep on the process pool (lab/sweeps/executors.py): SIGTERM, SIGINT or SIGHUP
-to the driver, or SIGKILL, ends every worker process and leaves no temporary folder. The
+to the driver, or SIGKILL, ends every worker process and leaves no temporary folder; the
+points that had finished are written as partial results (lab/sweeps/run.py). The
 test waits for states (workers running, a point writing its folder), never for a time;
 the bounds are generous for a loaded machine. Linux only (reads /proc)."""
 
@@ -14,8 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
+import run_experiment
+import sched_lab.sweeps.executors
+from sched_lab.cli import Interrupted
 from sched_lab.report.staging import remove_stale
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,18 +110,28 @@ def test_a_stopped_pool_sweep_ends_its_workers_and_leaves_no_temp_folder(tmp_pat
         return not [p for p in below if _stat(p) is not None]
 
     wait_for(ended)
+    # The workers unwound their points: no temporary folder of ours in $TMPDIR or beside --out.
+    wait_for(lambda: not list(tmp.glob("sched-lab-point.*")))
     if sig == "SIGKILL":
         assert proc.returncode == -signal.SIGKILL
+        assert not out.exists()
     else:
         assert proc.returncode == 128 + getattr(signal, sig), stderr
         assert "Traceback" not in stderr, stderr
-        assert stderr.strip().splitlines()[-1] == (
-            f"error: interrupted by {sig} during the sweep; nothing written"
-        )
-    # The workers unwound their points: no temporary folder of ours in $TMPDIR or beside --out.
-    wait_for(lambda: not list(tmp.glob("sched-lab-point.*")))
-    assert not out.exists()
-    assert not out.parent.exists() or not list(out.parent.iterdir())
+        last = stderr.strip().splitlines()[-1]
+        if last == f"error: interrupted by {sig} before any point finished; nothing written":
+            assert not out.exists()
+        else:  # the points that finished, as partial results
+            head = f"error: interrupted by {sig} after "
+            assert last.startswith(head) and last.endswith(
+                f" of 400 points; wrote them to {out}/ as partial results"
+            ), last
+            done = int(last.removeprefix(head).split()[0])
+            table = pd.read_csv(out / "sweep.csv")
+            assert (table["status"] == "ok").sum() == done
+            assert (table["status"] == "interrupted").sum() == 400 - done
+            assert len([p for p in (out / "points").iterdir() if p.is_dir()]) == done
+    assert [p.name for p in out.parent.glob("*")] in ([], ["sw"])  # no .sw.* folder beside it
     # multiprocessing's folder is sched-lab's, marked: left only by SIGKILL, and then the next
     # sweep removes it (a pymp-* folder would stay for good).
     assert not list(tmp.glob("pymp-*"))
@@ -142,3 +157,71 @@ def test_a_pool_sweep_runs_under_a_long_tmpdir(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert len(list((out / "points").glob("p00*"))) == 8  # 2 seeds x 4 rate scales
     assert not list(tmp.iterdir())  # nothing left in $TMPDIR
+
+
+# 4 points of 2 runs each, run serially by a stand-in pool that a signal stops after two.
+SMALL = """\
+trace: {format: synthetic, num_requests: 6, arrival: {process: poisson, rate: 4},
+        prompt_len: 32, output_len: 4}
+kv_cache: {num_gpu_blocks: 64}
+policies: [fcfs, sjf]
+sweep: {grid: {seed: [1, 2, 3, 4]}}
+"""
+
+
+def _stopped_after(n: int, signum: int):
+    """A stand-in for executors.run_tasks: runs the first ``n`` tasks here, then the signal
+    ``signum`` arrives (as lab/cli.py raises it)."""
+
+    def run_tasks(fn, tasks, on_error, **kw):
+        for t in tasks[:n]:
+            yield fn(t)
+        raise Interrupted(signum)
+
+    return run_tasks
+
+
+def test_a_stopped_sweep_writes_the_points_that_finished(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "sw.yaml"
+    path.write_text(SMALL)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sched_lab.sweeps.executors, "run_tasks", _stopped_after(2, signal.SIGTERM))
+    code = run_experiment.main([str(path), "--out", str(out), "--no-progress", "-q", "--jobs", "2"])
+    assert code == 128 + signal.SIGTERM
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"error: interrupted by SIGTERM after 2 of 4 points; wrote them to {out}/ as partial results"
+    )
+    table = pd.read_csv(out / "sweep.csv")
+    # one row per point and policy; the two not run carry the reason
+    assert table["point"].tolist() == [
+        "p000",
+        "p000",
+        "p001",
+        "p001",
+        "p002",
+        "p002",
+        "p003",
+        "p003",
+    ]
+    assert table["status"].tolist() == ["ok"] * 4 + ["interrupted"] * 4
+    assert table["policy"].tolist() == ["fcfs", "sjf"] * 4
+    assert table["error"].iloc[4:].tolist() == ["not run: the sweep was interrupted by SIGTERM"] * 4
+    assert table["error"].iloc[:4].isna().all()
+    assert sorted(p.name for p in (out / "points").iterdir() if p.is_dir()) == ["p000", "p001"]
+    report = (out / "report.md").read_text()
+    assert "**Partial results**: interrupted by SIGTERM after 2 of 4 points;" in report
+    assert "**Not run** (the sweep was stopped): p002, p003" in report
+
+
+def test_a_sweep_stopped_before_any_point_finished_writes_nothing(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "sw.yaml"
+    path.write_text(SMALL)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sched_lab.sweeps.executors, "run_tasks", _stopped_after(0, signal.SIGINT))
+    code = run_experiment.main([str(path), "--out", str(out), "--no-progress", "-q", "--jobs", "2"])
+    assert code == 128 + signal.SIGINT
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: interrupted by SIGINT before any point finished; nothing written"
+    )
+    assert not out.exists() and not list(tmp_path.glob(".out*"))

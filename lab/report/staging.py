@@ -27,8 +27,12 @@ def make_marked(parent: Path, prefix: str) -> Path:
     """A new empty folder in ``parent`` named ``prefix`` + random characters, holding only
     :data:`MARKER` (this process and host). Raises OSError."""
     folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    mark = {"pid": os.getpid(), "host": socket.gethostname()}
-    (folder / MARKER).write_text(json.dumps(mark) + "\n")
+    try:
+        mark = {"pid": os.getpid(), "host": socket.gethostname()}
+        (folder / MARKER).write_text(json.dumps(mark) + "\n")
+    except BaseException:  # a signal raised here (a sweep's stopped worker) leaves no folder
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     return folder
 
 

@@ -308,7 +308,13 @@ def read_profile(path: str | Path) -> pd.DataFrame:
         raise ConfigError(
             f"{where}: expected both LoRA columns num_loras and num_lora_tokens, or neither"
         )
-    df = check_cells(df, PROFILE_COLUMNS + optional, where, lambda: _read_text(path, comment="#"))
+
+    def text() -> pd.DataFrame:  # the file as text, read only to quote a bad cell
+        return _read_text(path, comment="#")
+
+    df = check_cells(df, PROFILE_COLUMNS + optional, where, text)
+    if "num_loras" in df.columns:
+        check_lora_cells(df, where, text)
     # Profiles made before speculative decoding have no verify-step columns: none verified.
     df = df.assign(**{c: 0 for c in SPEC_COLUMNS if c not in df.columns})
     return with_swap_columns(df, profile_block_size(path))
@@ -471,6 +477,32 @@ def check_cells(
                 )
         df[c] = x
     return df
+
+
+def check_lora_cells(df: pd.DataFrame, where: str, text: Callable[[], pd.DataFrame]) -> None:
+    """The LoRA columns of ``df`` (checked by :func:`check_cells`) against the step's: at most
+    one adapter per sequence, each feeding at least one token, and no more adapter tokens than
+    the step feeds. Raises ConfigError as :func:`check_cells` does."""
+    seqs = df["num_prefills"].to_numpy(float) + df["num_decodes"].to_numpy(float)
+    spec = pd.to_numeric(df.get("num_spec_tokens", 0), errors="coerce")
+    tokens = df["num_prefill_tokens"].to_numpy(float) + df["num_decodes"].to_numpy(float)
+    tokens = tokens + np.nan_to_num(np.broadcast_to(np.asarray(spec, float), tokens.shape))
+    loras, lora_tokens = df["num_loras"].to_numpy(float), df["num_lora_tokens"].to_numpy(float)
+    checks = [
+        ("num_loras", loras > seqs, seqs, "expected at most num_prefills + num_decodes ({:g}: "
+         "one adapter per sequence)"),
+        ("num_lora_tokens", lora_tokens < loras, loras, "expected at least num_loras ({:g}: "
+         "each adapter feeds a token)"),
+        ("num_lora_tokens", lora_tokens > tokens, tokens, "expected at most the step's tokens "
+         "({:g}: num_prefill_tokens + num_decodes + num_spec_tokens)"),
+    ]  # fmt: skip
+    for c, bad, bound, expected in checks:
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ConfigError(
+                f"{where}: row {i + 1}, column {c!r}: {expected.format(bound[i])}, "
+                f"got {_show(text()[c].iloc[i])}"
+            )
 
 
 def _read_text(path: Path, **kwargs) -> pd.DataFrame:

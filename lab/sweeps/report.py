@@ -29,9 +29,16 @@ STATUS_WORDS = {"below_range": "below range", "above_range": "above range"}
 
 
 def write_sweep(
-    out: Path, sweep, tasks: Sequence, results: Sequence, timing: Mapping[str, Any]
+    out: Path,
+    sweep,
+    tasks: Sequence,
+    results: Sequence,
+    timing: Mapping[str, Any],
+    partial: str | None = None,
 ) -> Path:
-    """Write the sweep's folder at ``out`` atomically; returns it.
+    """Write the sweep's folder at ``out`` atomically; returns it. ``partial``: why the sweep
+    is incomplete (a stopped sweep), said first in report.md; its tasks that did not run
+    (``ran`` False) have status ``interrupted`` in the tables.
 
     Raises:
         UserError: ``out`` cannot be written or replaced.
@@ -40,7 +47,7 @@ def write_sweep(
     out = check_out_dir(out)
     tmp = temp_folder(out)
     try:
-        _write(tmp, sweep, tasks, results, timing)
+        _write(tmp, sweep, tasks, results, timing, partial)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"--out {out}: cannot write the results ({e})") from None
@@ -51,7 +58,7 @@ def write_sweep(
     return out
 
 
-def _write(tmp: Path, sweep, tasks, results, timing) -> None:
+def _write(tmp: Path, sweep, tasks, results, timing, partial: str | None) -> None:
     folders = []
     points = tmp / "points"
     for t, r in zip(tasks, results):
@@ -68,11 +75,11 @@ def _write(tmp: Path, sweep, tasks, results, timing) -> None:
     capacity = capacity_table(sweep, tasks, results) if sweep.search is not None else None
     name = "curve" if sweep.search is not None else "sweep"
     whole = [sweep.search.over] if sweep.search is not None and sweep.search.integer else []
-    _table(tmp, name, whole_numbers(table, whole))
+    parquet = _table(tmp, name, whole_numbers(table, whole))
     if capacity is not None:
         _table(tmp, "capacity", whole_numbers(capacity, [c for c in CAPACITY_AT if whole]))
     plots = _plots(tmp, sweep, table, capacity)
-    (tmp / "report.md").write_text(_markdown(sweep, table, capacity, plots))
+    (tmp / "report.md").write_text(_markdown(sweep, table, capacity, plots, partial, parquet))
     (tmp / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
     files = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != MARKER)
     _manifest(tmp, files, folders)
@@ -83,19 +90,28 @@ def _manifest(folder: Path, files: list[str], folders: list[str]) -> None:
     (folder / MANIFEST).write_text(json.dumps(body, indent=2) + "\n")
 
 
-def _table(folder: Path, name: str, df: pd.DataFrame) -> None:
+def _table(folder: Path, name: str, df: pd.DataFrame) -> bool:
     """``name``.csv and, with pyarrow, ``name``.parquet; a column holding an integer beyond
-    int64 (which parquet cannot hold) is written as text in both."""
+    int64 (which parquet cannot hold) is written as text in both. Returns whether the
+    parquet file was written."""
     df = df.copy()
     for c in df.columns:
         if df[c].dtype == object and any(_big_int(v) for v in df[c]):
             df[c] = [None if v is None or _isnan(v) else str(v) for v in df[c]]
     df.to_csv(folder / f"{name}.csv", index=False)
+    if not has_pyarrow():
+        return False
+    df.to_parquet(folder / f"{name}.parquet", index=False)
+    return True
+
+
+def has_pyarrow() -> bool:
+    """Whether pyarrow imports (the tables are then also written as parquet)."""
     try:
         import pyarrow  # noqa: F401
     except ImportError:
-        return
-    df.to_parquet(folder / f"{name}.parquet", index=False)
+        return False
+    return True
 
 
 def whole_numbers(df: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
@@ -162,7 +178,7 @@ def sweep_table(sweep, tasks, results) -> pd.DataFrame:
         if r.error:
             labels = [cfg.policies[t.policy].label] if t.policy is not None else None
             for label in labels or [p.label for p in cfg.policies]:
-                rows.append({"point": t.point.name, "status": "failed", "error": r.error,
+                rows.append({"point": t.point.name, "status": _failed(r), "error": r.error,
                              **values, "policy": label})  # fmt: skip
             continue
         for row in r.rows:
@@ -181,6 +197,11 @@ def sweep_table(sweep, tasks, results) -> pd.DataFrame:
     return _frame(rows, list(dict.fromkeys(lead)))
 
 
+def _failed(result) -> str:
+    """The status of a task without rows: failed, or interrupted (a stopped sweep's)."""
+    return "failed" if result.ran else "interrupted"
+
+
 def capacity_table(sweep, tasks, results) -> pd.DataFrame:
     """One row per point x policy: the capacity search's outcome (lab/sweeps/search.py)."""
     rows = []
@@ -189,7 +210,7 @@ def capacity_table(sweep, tasks, results) -> pd.DataFrame:
         values = {k: _value(t.point.values.get(k)) for k in sweep.keys}
         cfg = sweep.configs[t.point.name]
         if r.error:
-            cap = {"policy": cfg.policies[t.policy].label, "status": "failed",
+            cap = {"policy": cfg.policies[t.policy].label, "status": _failed(r),
                    **{k: v for k, v in spec.to_dict().items() if k in ("metric", "target", "over")},
                    "capacity": math.nan, "tolerance": spec.tolerance}  # fmt: skip
             rows.append({"point": t.point.name, "error": r.error, **values, **cap})
@@ -521,9 +542,14 @@ def _listed(names: Sequence[str], most: int = 8) -> str:
     return shown if len(names) <= most else f"{shown}, ... ({len(names)} in all)"
 
 
-def _markdown(sweep, table: pd.DataFrame, capacity, plots) -> str:
+def _markdown(
+    sweep, table: pd.DataFrame, capacity, plots, partial: str | None = None, parquet: bool = False
+) -> str:
+    """report.md; ``parquet``: whether the tables were also written as .parquet."""
     n = len(sweep.points)
     lines = [f"# {sweep.name}", ""]
+    if partial is not None:
+        lines += [f"**Partial results**: {partial}; the rest have status `interrupted`.", ""]
     keys = ", ".join(f"`{k}`" for k in sweep.keys) or "nothing (one point)"
     lines += [f"Sweep of {n} point{'s' if n != 1 else ''} over {keys}.", ""]
     lines += warnings_markdown(sweep_warnings(table))  # the terminal's, word for word
@@ -549,7 +575,7 @@ def _markdown(sweep, table: pd.DataFrame, capacity, plots) -> str:
                 f"{format_value(r['evaluations'], '.3g')} | {status_word(r)} |"
             )
         lines.append("")
-        failed = capacity[capacity["status"] == "failed"]
+        failed = capacity[capacity["status"].isin(("failed", "interrupted"))]
     else:
         whole = table if "class" not in table.columns else table[table["class"].isna()
                                                                   | (table["class"] == "all")]  # fmt: skip
@@ -577,15 +603,22 @@ def _markdown(sweep, table: pd.DataFrame, capacity, plots) -> str:
         lines.append("")
         failed = whole[whole["status"] != "ok"]
     for _, r in failed.drop_duplicates("point").iterrows():
-        lines += [f"**Point {r['point']} {r['status']}**: {r['error']}", ""]
+        if r["status"] != "interrupted":
+            lines += [f"**Point {r['point']} {r['status']}**: {r['error']}", ""]
+    gone = failed[failed["status"] == "interrupted"]
+    if not gone.empty:  # a search's by point and policy
+        who = gone["point"] if capacity is None else gone["point"] + " " + gone["policy"]
+        missing = ", ".join(dict.fromkeys(who))
+        lines += [f"**Not run** (the sweep was stopped): {missing}", ""]
     for name, caption in plots:
         lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
+    also = " / `.parquet`" if parquet else ""  # only what was written
     tables = (
-        "`sweep.csv` / `.parquet` (one row per point x run x class), `points/<point>/` "
+        f"`sweep.csv`{also} (one row per point x run x class), `points/<point>/` "
         "(each point's results folder)"
         if capacity is None
-        else "`capacity.csv` / `.parquet` (one row per point x policy), `curve.csv` / "
-        "`.parquet` (every load the search tried)"
+        else f"`capacity.csv`{also} (one row per point x policy), `curve.csv`{also} "
+        "(every load the search tried)"
     )
     lines += [
         f"Files: {tables}, `sweep.yaml` (the sweep as given), `timing.json` (executor and "

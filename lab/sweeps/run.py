@@ -10,6 +10,8 @@ import json
 import logging
 import math
 import shutil
+import signal
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -20,7 +22,7 @@ from typing import Any
 from sched_lab.config import validate
 from sched_lab.config.keypaths import set_path
 from sched_lab.core.errors import UserError
-from sched_lab.report.folder import write_results
+from sched_lab.report.folder import ResultsNotPlaced, write_results
 from sched_lab.report.staging import make_marked, remove_stale
 from sched_lab.run.experiment import run_experiment
 from sched_lab.setup import setup_class, setup_for
@@ -45,13 +47,15 @@ class Task:
     policy: int | None = None  # index in the point's policies, with ``search``
     start: float | None = None  # the search's start value
     date: str | None = None  # the vLLM-format files' date: the sweep's, the same in every point
+    probe_lines: bool = False  # with ``search``: one line on stderr per load tried
 
 
 @dataclass
 class TaskResult:
     """``rows``: results-table rows; ``files``: the point's folder (relative path -> bytes) or
     None; ``capacity``: a search's :class:`~sched_lab.sweeps.search.Capacity` as a dict; ``error``:
-    why the task failed (no rows then)."""
+    why the task failed (no rows then); ``ran``: False for a task a stopped sweep did not
+    finish (``error`` says so)."""
 
     index: int
     rows: list[dict[str, Any]] = field(default_factory=list)
@@ -59,10 +63,24 @@ class TaskResult:
     capacity: dict[str, Any] | None = None
     error: str | None = None
     wall_s: float = 0.0
+    ran: bool = True
 
 
-def make_tasks(sweep: Sweep, fmt: str = "csv", date: str | None = None) -> list[Task]:
-    """One task per point, or per (point, policy) with a capacity search."""
+class SweepStopped(KeyboardInterrupt):
+    """A sweep stopped by a signal (``signum``) after some tasks had finished. ``message``
+    says how far it got; ``out`` is the folder holding the finished ones, or None when
+    writing them failed (``message`` says why)."""
+
+    def __init__(self, signum: int, message: str, out: Path | None) -> None:
+        super().__init__(signum)
+        self.signum, self.message, self.out = signum, message, out
+
+
+def make_tasks(
+    sweep: Sweep, fmt: str = "csv", date: str | None = None, probe_lines: bool = False
+) -> list[Task]:
+    """One task per point, or per (point, policy) with a capacity search (``probe_lines``:
+    each prints a line per load it tries)."""
     tasks: list[Task] = []
     for p in sweep.points:
         if sweep.search is None:
@@ -72,7 +90,17 @@ def make_tasks(sweep: Sweep, fmt: str = "csv", date: str | None = None) -> list[
         start = sweep.search.start(cfg, p)
         for j in range(len(cfg.policies)):
             tasks.append(
-                Task(len(tasks), p, sweep.source, sweep.base_dir, fmt, sweep.search, j, start)
+                Task(
+                    len(tasks),
+                    p,
+                    sweep.source,
+                    sweep.base_dir,
+                    fmt,
+                    sweep.search,
+                    j,
+                    start,
+                    probe_lines=probe_lines,
+                )  # fmt: skip
             )
     return tasks
 
@@ -142,6 +170,7 @@ def _search(task: Task) -> TaskResult:
     def meets(x: float) -> bool:
         # A value the config refuses (say KV beyond the GPU's memory) is a miss: it bounds
         # the bracket, and the samples that met the target are kept.
+        t0 = time.perf_counter()
         at = copy.deepcopy(raw)
         set_path(at, spec.over, x, task.source)
         try:
@@ -151,11 +180,17 @@ def _search(task: Task) -> TaskResult:
             why = " ".join(str(e).removeprefix(f"{task.source}: ").split())[:500]
             rows.append({"sample": len(rows), spec.over: x, "met": False, "refused": why,
                          "policy": policy.label})  # fmt: skip
-            return False
-        row = run_rows(run, cfg.slo.to_dict())[0]
-        ok = spec.meets(row.get(spec.metric)) and not run.result.failure
-        rows.append({"sample": len(rows), spec.over: x, "met": ok, **row})
-        return ok
+        else:
+            row = run_rows(run, cfg.slo.to_dict())[0]
+            ok = spec.meets(row.get(spec.metric)) and not run.result.failure
+            rows.append({"sample": len(rows), spec.over: x, "met": ok, **row})
+        if task.probe_lines:
+            # one write per line, so that lines of workers running at once do not interleave
+            sys.stderr.write(
+                probe_line(task, policy.label, rows[-1], time.perf_counter() - t0) + "\n"
+            )
+            sys.stderr.flush()
+        return rows[-1]["met"]
 
     cap = find_capacity(meets, spec, task.start, spec.integer)
     capacity = {
@@ -173,6 +208,29 @@ def _search(task: Task) -> TaskResult:
         "evaluations": len(cap.samples),
     }
     return TaskResult(task.index, rows, capacity=capacity)
+
+
+def probe_line(task: Task, policy: str, row: Mapping[str, Any], wall_s: float) -> str:
+    """A search's progress line for one load tried (its curve.csv ``row``), e.g.
+    ``p001 fcfs: rate_scale 2.5 (13.75 req/s): slo_attainment 0.934, met (probe 3, 41.2 s)``."""
+    from sched_lab.results.names import format_value
+
+    spec = task.search
+    over = spec.over.removeprefix("trace.")
+    rate = row.get("request_rate")
+    load = f"{over} {format_value(row[spec.over], '.4g')}"
+    if rate is not None and spec.over != "trace.arrival.rate":
+        load += f" ({format_value(rate, '.4g')} req/s)"
+    if row.get("refused"):
+        result = f"refused ({row['refused'][:120]})"
+    elif row.get("error"):
+        result = "stopped early, missed"
+    else:
+        got = format_value(row.get(spec.metric), ".4g")
+        result = f"{spec.metric} {got}, {'met' if row['met'] else 'missed'}"
+    return (
+        f"{task.point.name} {policy}: {load}: {result} (probe {row['sample'] + 1}, {wall_s:.1f} s)"
+    )
 
 
 def _at(rows: list[dict[str, Any]], over: str, x: float | None, key: str | None = None):
@@ -274,6 +332,9 @@ def run_sweep(
 
     Raises:
         UserError: ``out`` cannot be written (checked first), or ray is missing or unreachable.
+        SweepStopped: a signal (KeyboardInterrupt) stopped the sweep after some tasks had
+            finished; those are written as partial results (the others listed, not run).
+        KeyboardInterrupt: a signal stopped it before any task had finished; nothing written.
     """
     from sched_lab.report.folder import check_out_dir
     from sched_lab.report.progress import Phase
@@ -284,14 +345,19 @@ def run_sweep(
     out = check_out_dir(out)
     for prefix in (POINT_PREFIX, executors.POOL_PREFIX):  # left by a sweep killed (SIGKILL)
         remove_stale(Path(tempfile.gettempdir()), prefix)
-    tasks = make_tasks(sweep, fmt, result_date())
+    # A search's task runs for minutes: a line per load tried (INFO, as a phase's line), and
+    # then no bar, which those lines (from the workers) would break.
+    probe_lines = sweep.search is not None and log.isEnabledFor(logging.INFO)
+    tasks = make_tasks(sweep, fmt, result_date(), probe_lines)
     pooled = [setup_class(sweep.configs[t.point.name].backend).process_pool for t in tasks]
     pool = [t for t, p in zip(tasks, pooled) if p]
     here = [t for t, p in zip(tasks, pooled) if not p]
     unit, units = ("search", "searches") if sweep.search is not None else ("point", "points")
     results: dict[int, TaskResult] = {}
+    stop: KeyboardInterrupt | None = None
     t0 = time.perf_counter()
-    with Phase(f"sweep {sweep.name}: {len(tasks)} {units}", len(tasks), unit, progress) as phase:
+    bars = progress and not probe_lines
+    with Phase(f"sweep {sweep.name}: {len(tasks)} {units}", len(tasks), unit, bars) as phase:
         done = executors.run_tasks(
             run_task, pool, failed, jobs=jobs, ray=ray, ray_address=ray_address
         )
@@ -301,9 +367,15 @@ def run_sweep(
                 phase.advance()
                 if r.error:
                     log.warning("%s failed: %s", tasks[r.index].point.name, r.error)
+        except KeyboardInterrupt as e:  # SIGINT, or SIGTERM / SIGHUP raised as one (lab/cli.py)
+            phase.close(ok=False)  # no "done" line for a stopped sweep
+            if not results:
+                raise
+            stop = e
         finally:
             done.close()  # however the loop ended, the pool's workers end here
-    ordered = [results[t.index] for t in tasks]
+    why = f"not run: the sweep was interrupted by {_signame(stop)}" if stop else ""
+    ordered = [results.get(t.index) or TaskResult(t.index, error=why, ran=False) for t in tasks]
     timing = {
         "executor": executors.describe(jobs, ray, ray_address),
         "wall_s": time.perf_counter() - t0,
@@ -312,8 +384,37 @@ def run_sweep(
             for t, r in zip(tasks, ordered)
         },
     }
-    write_sweep(out, sweep, tasks, ordered, timing)
+    partial = None
+    if stop is not None:
+        partial = f"interrupted by {_signame(stop)} after {len(results)} of {len(tasks)} {units}"
+    try:
+        write_sweep(out, sweep, tasks, ordered, timing, partial=partial)
+    except KeyboardInterrupt as e:
+        if stop is None:
+            raise SweepStopped(_signum(e), f"interrupted by {_signame(e)} while writing the "
+                               f"results of all {len(tasks)} {units}; nothing written",
+                               None) from None  # fmt: skip
+        raise SweepStopped(_signum(stop), f"{partial}, and again while writing them; nothing "
+                           "written", None) from None  # fmt: skip
+    except (UserError, ResultsNotPlaced) as e:
+        if stop is None:
+            raise
+        raise SweepStopped(_signum(stop), f"{partial}; {e}", None) from None
+    if stop is not None:
+        raise SweepStopped(
+            _signum(stop), f"{partial}; wrote them to {out}/ as partial results", out
+        )
     return out, ordered
+
+
+def _signum(e: KeyboardInterrupt) -> int:
+    """The signal behind ``e``: its ``signum`` (lab/cli.py raises SIGTERM / SIGHUP as a
+    KeyboardInterrupt with one), else SIGINT."""
+    return getattr(e, "signum", signal.SIGINT)
+
+
+def _signame(e: KeyboardInterrupt) -> str:
+    return signal.Signals(_signum(e)).name
 
 
 def _chain(*its):

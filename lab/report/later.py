@@ -41,7 +41,7 @@ def draw_later(folder: Path) -> list[str]:
     """
     from sched_lab.report.folder import _html, _timeline_pictures, is_results_folder
     from sched_lab.report.html import plotly_available
-    from sched_lab.report.timeline import load_run
+    from sched_lab.report.timeline import load_runs
 
     folder = Path(folder)
     if not (folder / MANIFEST).is_file() or not is_results_folder(folder):
@@ -57,8 +57,8 @@ def draw_later(folder: Path) -> list[str]:
     report_cfg = _report_config(meta["report"])
     cfg = SimpleNamespace(name=meta["name"], report=report_cfg)
     runs, tables = [], []
-    for i, m in enumerate(meta["runs"]):
-        _, requests, events, steps = load_run(folder, m["label"])
+    loaded = load_runs(folder, [m["label"] for m in meta["runs"]])
+    for i, (m, (_, requests, events, steps)) in enumerate(zip(meta["runs"], loaded)):
         runs.append(_run(i, m, requests, arrays))
         tables.append((events, steps))
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.report.", dir=folder.parent))

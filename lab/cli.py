@@ -2,6 +2,7 @@
 
     sched-lab run experiments/quickstart.yaml [--out DIR] [--limit N] [--format parquet]
     sched-lab explain results/quickstart --run fcfs --request 4711
+    sched-lab report results/quickstart   (the plots of a run made with --no-plots)
     sched-lab run experiments/sweep_quick.yaml [--jobs N] [--ray | --ray-address ADDR]
     sched-lab fit h200_qwen3-0.6b --out /tmp/qwen3.fit.json
     sched-lab profile --model-dir checkpoints/qwen3-0.6b --out profiles/h200_qwen3-0.6b.csv
@@ -173,11 +174,22 @@ def main(argv: list[str] | None = None) -> int:
         help="the picture (.png, .pdf or .svg; default: in the results folder, "
         "timeline_<run>_<choice>.png, e.g. timeline_fcfs_slowest12_e2e.png)",
     )
+    rep = sub.add_parser(
+        "report",
+        help="draw the plots of a results folder written with --no-plots",
+        description="Draw the PNGs and interactive timelines of a results folder written "
+        "with `sched-lab run --no-plots`, and rewrite its report.md and report.html as a run "
+        "with plots writes them.",
+        formatter_class=_formatter,
+    )
+    rep.add_argument("results", help="a results folder (sched-lab run --no-plots --out)")
     for name, (_, what) in DELEGATED.items():
         sub.add_parser(name, help=what, add_help=False)  # listed here, parsed by the module
     args = ap.parse_args(argv)
     if args.command in ("explain", "timeline"):
         return _explain(args)
+    if args.command == "report":
+        return _draw_report(Path(args.results))
     return _run(args)
 
 
@@ -199,6 +211,23 @@ def _explain(args: argparse.Namespace) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _draw_report(folder: Path) -> int:
+    """``sched-lab report RESULTS``: the plots of a --no-plots folder (lab/report/later.py)."""
+    from sched_lab.core.errors import UserError
+    from sched_lab.report.later import draw_later
+
+    t0 = time.perf_counter()
+    try:
+        written = draw_later(folder)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    pngs = sum(name.endswith(".png") for name in written)
+    print(f"drew {pngs} PNGs into {folder}/ (report.md, report.html) in "
+          f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
     return 0
 
 

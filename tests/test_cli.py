@@ -502,6 +502,47 @@ def test_out_of_memory_is_one_line_and_status_1(monkeypatch, capsys):
     assert len(err) == 2 and all(e.startswith("error: out of memory: ") for e in err)
 
 
+def _report_later_equals_plots(without: Path, with_plots: Path, pngs: list[str], capsys):
+    """`sched-lab report` on the --no-plots folder ``without``: the PNGs of ``with_plots``,
+    its report.md byte for byte, report.html with the same text and tables and a timeline
+    per run (its step times read back from steps.csv: equal to 9 digits); a second report,
+    or one of a folder drawn at run time, is refused in one line."""
+    import base64
+    import gzip
+    import re
+
+    capsys.readouterr()
+    assert main(["report", str(without)]) == 0
+    assert capsys.readouterr().out.startswith(f"drew 5 PNGs into {without}/ ")
+    assert sorted(p.name for p in without.glob("*.png")) == pngs
+    assert (without / "report.md").read_bytes() == (with_plots / "report.md").read_bytes()
+    for name in ("latency_cdf.png", "over_time.png"):  # drawn from the kept series
+        assert (without / name).read_bytes() == (with_plots / name).read_bytes(), name
+    packed = re.compile(r"(<script type='application/octet-stream' class='timeline'>)([^<]*)")
+    pages = [(d / "report.html").read_text() for d in (without, with_plots)]
+    assert packed.sub(r"\1", pages[0]) == packed.sub(r"\1", pages[1])
+    figures = [
+        [json.loads(gzip.decompress(base64.b64decode(x))) for _, x in packed.findall(page)]
+        for page in pages
+    ]
+    assert len(figures[0]) == len(figures[1]) == 3
+    for later, drawn in zip(*figures):
+        assert later["layout"] == drawn["layout"]
+        for a, b in zip(later["data"], drawn["data"], strict=True):
+            assert a.keys() == b.keys() and a["name"] == b["name"] and a["y"] == b["y"]
+            assert a["base"] == pytest.approx(b["base"], rel=1e-8, abs=2e-6)
+    manifest = json.loads((without / MANIFEST).read_text())["files"]
+    assert set(pngs) <= set(manifest) and sorted(p.name for p in without.iterdir()) == sorted(
+        [*manifest, MANIFEST]
+    )
+    assert main(["report", str(without)]) == 2
+    assert one_error_line(capsys) == (
+        f"error: {without}/report.md: does not say that its plots were left out (--no-plots)"
+    )
+    assert main(["report", str(with_plots)]) == 2
+    assert one_error_line(capsys).startswith(f"error: {with_plots}: no plot_data.npz: ")
+
+
 def test_no_plots_writes_every_table_and_says_so(tmp_path, capsys):
     """--no-plots: no PNG, no interactive timeline; report.md and report.html say so, the
     tables are the bytes of a run with plots; a sweep refuses the flag in one line."""
@@ -523,6 +564,8 @@ def test_no_plots_writes_every_table_and_says_so(tmp_path, capsys):
     assert "No plots" in page and "Request timelines (interactive)" not in page
     manifest = json.loads((without / MANIFEST).read_text())["files"]
     assert "report.html" in manifest and not any(f.endswith(".png") for f in manifest)
+    assert "plot_data.npz" in manifest  # what `sched-lab report` draws from
+    _report_later_equals_plots(without, with_plots, pngs, capsys)
     capsys.readouterr()
     assert main(["run", "experiments/sweep_quick.yaml", "--no-plots", "--no-progress"]) == 2
     assert one_error_line(capsys) == (

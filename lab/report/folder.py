@@ -25,7 +25,7 @@ from sched_lab import __version__
 from sched_lab.config import ExperimentConfig
 from sched_lab.core.errors import UserError
 from sched_lab.core.outputs import MANIFEST  # the names of the files the lab wrote in a folder
-from sched_lab.report import csv_text, plots, staging, timeline
+from sched_lab.report import csv_text, plot_data, plots, staging, timeline
 from sched_lab.report import html as html_report
 from sched_lab.report.markdown import config_yaml, report_markdown
 from sched_lab.report.progress import Phase
@@ -106,6 +106,7 @@ class ResultsWriter:
         self._pngs: list[tuple[str, str]] = []
         self._figures: list[dict] = []
         self._with_plotly = plots and html_report.plotly_available()
+        self._plot_data: list[dict] = []  # without plots: what drawing them later needs
 
     @property
     def folder(self) -> Path:
@@ -139,14 +140,18 @@ class ResultsWriter:
             _append_csv(tmp / "events.csv", events, header=not self._added)
         else:
             self._events.append(events)
+        series = None
         if self.draw:
             pngs, figures = _timeline(tmp, self.cfg, run, events, self._with_plotly)
             self._pngs += pngs
             self._figures += figures
+        else:
+            series = plot_data.plot_data(run)
+            self._plot_data.append(series)
         del events
         self._added.append(run)
         if release and self.fmt == "csv":
-            run.plot_series = plots.run_series(run)
+            run.plot_series = plots.run_series(run) if series is None else series
             run.release()
 
     def finish(
@@ -218,7 +223,11 @@ class ResultsWriter:
             vllm = {**r.vllm, "date": date}
             name = vllm_result.result_filename(r.label, vllm["request_rate"], vllm["model_id"])
             (tmp / name).write_text(json.dumps(_json_safe(vllm), indent=2))
-        pngs = _plots(tmp, runs, cfg) + fairness.plots(tmp, runs, save_png) if draw else []
+        if draw:
+            pngs = _plots(tmp, runs, cfg) + fairness.plots(tmp, runs, save_png)
+        else:  # for sched-lab report: the plots drawn later
+            pngs = []
+            plot_data.write_plot_data(tmp / plot_data.PLOT_DATA, cfg, runs, self._plot_data)
         if fmt == "parquet":
             events = pd.concat(self._events, ignore_index=True) if self._events else pd.DataFrame()
             events.to_parquet(tmp / "events.parquet", index=False)
@@ -538,16 +547,26 @@ def _timeline(folder: Path, cfg: ExperimentConfig, run: Run, events: pd.DataFram
     steps = pd.DataFrame(
         {k: run.result.steps[k] for k in ("time_s", "duration_s", "num_decode_tokens")}
     )
-    ids = timeline.choose(run.requests, cfg.report)
-    stories = timeline.stories_for(ids, run.requests, events, steps)
+    return _timeline_pictures(folder, cfg.report, run.label, run.requests, events, steps,
+                              with_plotly)  # fmt: skip
+
+
+def _timeline_pictures(
+    folder: Path, report_cfg, label: str, requests: pd.DataFrame, events: pd.DataFrame,
+    steps: pd.DataFrame, with_plotly: bool,
+) -> tuple[list[tuple[str, str]], list[dict]]:  # fmt: skip
+    """:func:`_timeline` from a run's tables (events.csv rows, steps with ``time_s``,
+    ``duration_s`` and ``num_decode_tokens``), as a run writes them or as read back."""
+    ids = timeline.choose(requests, report_cfg)
+    stories = timeline.stories_for(ids, requests, events, steps)
     if not stories:
         return [], []
-    which = _which(cfg.report)
-    name = f"timeline_{timeline.file_label(run.label)}.png"
-    title = f"{run.label}: {which}"
+    which = _which(report_cfg)
+    name = f"timeline_{timeline.file_label(label)}.png"
+    title = f"{label}: {which}"
     timeline.gantt_png(folder / name, stories, steps, title)
     figures = [html_report.timeline_figure(stories, steps, title)] if with_plotly else []
-    return [(name, f"Timeline of {run.label}: {which}")], figures
+    return [(name, f"Timeline of {label}: {which}")], figures
 
 
 def _which(rc) -> str:

@@ -220,9 +220,18 @@ def _scheduling_lines(runs: list[Run]) -> list[str]:
 
 NO_PLOTS = (
     "**No plots**: this run was made with `sched-lab run --no-plots`, so no PNG and no "
-    "interactive timeline were drawn; a timeline of chosen requests: `sched-lab timeline "
-    "RESULTS --run RUN`, the other plots: run the experiment again without `--no-plots`."
+    "interactive timeline were drawn; to draw them now (this report becomes the one a run "
+    "with plots writes): `sched-lab report RESULTS`; a timeline of other requests: "
+    "`sched-lab timeline RESULTS --run RUN`."
 )
+
+
+def plot_sections(plots: list[tuple[str, str]]) -> list[str]:
+    """report.md's lines for the (file name, caption) pictures, a section each."""
+    lines = []
+    for name, caption in plots:
+        lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
+    return lines
 
 
 def report_markdown(
@@ -307,8 +316,7 @@ def report_markdown(
         lines.append("")
     lines += fairness.markdown(runs)  # workload classes only
     lines += replicas_markdown(runs)  # cluster runs only
-    for name, caption in plots:
-        lines += [f"## {caption}", "", f"![{caption}]({name})", ""]
+    lines += plot_sections(plots)
     if not plots_drawn:
         lines += [NO_PLOTS, ""]
     tokens = (

@@ -116,8 +116,10 @@ def kv_device(cfg) -> str:
     return setup_for(cfg).kv_device()
 
 
-def plots(folder: Path, runs, cfg) -> list[tuple[str, str]]:
-    """Write the PNGs into ``folder``; returns (file name, caption) pairs for report.md."""
+def plots(folder: Path, runs, cfg, device: str | None = None) -> list[tuple[str, str]]:
+    """Write the PNGs into ``folder``; returns (file name, caption) pairs for report.md.
+    ``device``: where the KV cache lives, as an axis names it (default: :func:`kv_device`
+    of ``cfg``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -162,7 +164,8 @@ def plots(folder: Path, runs, cfg) -> list[tuple[str, str]]:
     out.append(_save(fig, folder, "latency_cdf.png", "Latency CDFs per policy, one row per load"))
 
     if any(_num_steps(r) for r in runs):  # a served run has no steps
-        out.append(_over_time(folder, cfg, scales, by_scale, styles, plt))
+        device = kv_device(cfg) if device is None else device
+        out.append(_over_time(folder, device, scales, by_scale, styles, plt))
 
     if any(r.result.prefix_caching for r in runs):
         out.append(_prefix_cache(folder, by_scale, styles, plt))
@@ -171,9 +174,9 @@ def plots(folder: Path, runs, cfg) -> list[tuple[str, str]]:
     return out
 
 
-def _over_time(folder, cfg, scales, by_scale, styles, plt) -> tuple[str, str]:
-    """Throughput, KV use and queue over time (from the steps), one column per load."""
-    device = kv_device(cfg)
+def _over_time(folder, device, scales, by_scale, styles, plt) -> tuple[str, str]:
+    """Throughput, KV use and queue over time (from the steps), one column per load;
+    ``device``: where the KV cache lives (:func:`kv_device`)."""
     fig, axes = plt.subplots(
         3, len(scales), figsize=(max(11, 5.5 * len(scales)), 9), sharex="col", squeeze=False
     )

@@ -471,6 +471,11 @@ def load_run(folder: Path, run: str | None):
     damaged (not JSON / CSV / parquet, a column missing, text where numbers belong, a row
     without a value it must have, fewer rows than summary.json counts, an event at a step
     steps.csv lacks: a file cut short)."""
+    return load_runs(folder, [run])[0]
+
+
+def load_runs(folder: Path, runs: list[str | None]):
+    """:func:`load_run` of each of ``runs``, each file read once."""
     import json
 
     from sched_lab.core.errors import UserError, short_repr
@@ -488,15 +493,17 @@ def load_run(folder: Path, run: str | None):
             f"'policy' and 'rate_scale', got {short_repr(summary, 60)}"
         )
     labels = list(summary)
-    if run is None:
-        if len(labels) != 1:
-            raise UserError(
-                f"{folder}: {len(labels)} runs; choose one with --run: {', '.join(labels)}"
-            )
-        run = labels[0]
-    if run not in summary:
-        raise UserError(f"{folder}: no run {short_repr(run)}; runs: {', '.join(labels)}")
-    policy, scale = summary[run]["policy"], summary[run]["rate_scale"]
+    chosen = []
+    for run in runs:
+        if run is None:
+            if len(labels) != 1:
+                raise UserError(
+                    f"{folder}: {len(labels)} runs; choose one with --run: {', '.join(labels)}"
+                )
+            run = labels[0]
+        if run not in summary:
+            raise UserError(f"{folder}: no run {short_repr(run)}; runs: {', '.join(labels)}")
+        chosen.append(run)
     paths: dict[str, Path] = {}
 
     def read(name: str, **kw) -> pd.DataFrame:
@@ -525,10 +532,14 @@ def load_run(folder: Path, run: str | None):
         "events", dtype={"request_id": str, "reason": str, "detail": str}, keep_default_na=False
     )
     steps = read("steps")[["policy", "rate_scale", *RUN_COLUMNS["steps"]]]
-    picked = [df[(df["policy"] == policy) & (df["rate_scale"] == scale)]
-              for df in (requests, events, steps)]  # fmt: skip
-    _check_complete(paths, run, summary[run], *picked)
-    return run, picked[0], picked[1], picked[2].reset_index(drop=True)
+    out = []
+    for run in chosen:
+        policy, scale = summary[run]["policy"], summary[run]["rate_scale"]
+        picked = [df[(df["policy"] == policy) & (df["rate_scale"] == scale)]
+                  for df in (requests, events, steps)]  # fmt: skip
+        _check_complete(paths, run, summary[run], *picked)
+        out.append((run, picked[0], picked[1], picked[2].reset_index(drop=True)))
+    return out
 
 
 def _ends_a_line(path: Path) -> bool:

@@ -289,6 +289,17 @@ def markdown(runs) -> list[str]:
     return lines
 
 
+def tenant_series(run) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """:func:`tenant_service`'s window edges and weighted tokens per tenant of a run with
+    classes, as its plot reads them: kept in ``run.plot_series`` (a results folder drawn
+    later, lab/report/later.py), else computed from its requests and token times."""
+    kept = (getattr(run, "plot_series", None) or {}).get("tenant_service")
+    if kept is not None:
+        return kept
+    edges, service, _ = tenant_service(run.result.requests, run.result, run.summary["duration"])
+    return edges, service
+
+
 def plots(folder, runs, save) -> list[tuple[str, str]]:
     """Served tokens per tenant over time and the TTFT CDF per class, as (png, caption) pairs;
     none without classes."""
@@ -300,8 +311,7 @@ def plots(folder, runs, save) -> list[tuple[str, str]]:
     out = []
     fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs) + 1, 3.8), squeeze=False)
     for ax, r in zip(axes[0], runs):
-        rows = r.result.requests
-        edges, service, _ = tenant_service(rows, r.result, r.summary["duration"])
+        edges, service = tenant_series(r)
         for t, s in service.items():
             ax.plot(edges[1:], np.cumsum(s), label=t or "(none)")
         ax.set_title(r.label)

@@ -301,7 +301,7 @@ def shared_traces(draw):
 
 
 @pytest.mark.parametrize("policy", bundled_policy_names())
-@settings(max_examples=150, deadline=None, derandomize=True)
+@settings(max_examples=80, deadline=None, derandomize=True)
 @given(shared_traces())
 def test_random_shared_traces_keep_every_invariant(policy, trace):
     from sched_lab.sim.replay import replay
@@ -335,7 +335,7 @@ def test_random_shared_traces_keep_every_invariant(policy, trace):
 @pytest.mark.parametrize(
     "policy", [p for p in bundled_policy_names() if get_policy(p).fast_forward]
 )
-@settings(max_examples=150, deadline=None, derandomize=True)
+@settings(max_examples=80, deadline=None, derandomize=True)
 @given(shared_traces())
 def test_fast_forward_with_the_cache_is_step_by_step(policy, trace):
     """Plans repeated by Scheduler.repeat_decodes under prefix caching (requests waiting while
@@ -483,7 +483,7 @@ def _recording(policy: str, made_room: list):
     "policy, options",
     [("priority", {"priority_preemption": True}), ("srpt", {"preempt_longer": True})],
 )
-@settings(max_examples=150, deadline=None, derandomize=True)
+@settings(max_examples=80, deadline=None, derandomize=True)
 @given(shared_traces(), st.data())
 def test_a_preemption_for_a_waiting_request_admits_it(policy, options, trace, data):
     # Preempting to admit a waiting request counts only blocks whose reference count drops

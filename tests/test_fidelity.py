@@ -98,6 +98,17 @@ def test_fresh_profile_is_not_stale(tmp_path) -> None:
     assert run.summary["cost_model"]["why"] == ""
 
 
+def test_backend_sources_hash_covers_the_engine_not_its_tools(tmp_path) -> None:
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "engine.py").write_text("a = 1\n")
+    (tmp_path / "tools" / "quantize.py").write_text("b = 1\n")
+    before = backend_sources_hash(tmp_path)
+    (tmp_path / "tools" / "quantize.py").write_text("b = 2\n")  # an offline tool
+    assert backend_sources_hash(tmp_path) == before
+    (tmp_path / "engine.py").write_text("a = 2\n")  # the engine itself
+    assert backend_sources_hash(tmp_path) != before
+
+
 def test_analytic_model_says_so() -> None:
     run = run_experiment(validate(sim_config({})), progress=False)[0]
     assert run.summary["cost_model"]["kind"] == "analytic"

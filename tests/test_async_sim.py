@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -333,8 +334,8 @@ policies: {policies}
 @pytest.mark.parametrize(
     ("cost_model", "policies", "lines"),
     [
-        (
-            "{profile: profiles/h200_qwen3-0.6b.csv}",
+        (  # the profile shipped until 2026-12-04 has no host_s column
+            "{profile: OLD_PROFILE}",
             "[fcfs, {name: fcfs, label: fa, async_scheduling: true}]",
             [
                 "Scheduling: asynchronous (vLLM V1's async scheduler: step N+1 is planned "
@@ -343,6 +344,16 @@ policies: {policies}
                 "frees its blocks a step late) for fa; synchronous for fcfs.",
                 f"**Warning**: fa: async_scheduling is on, but {NO_HOST_NOTE}; these runs are "
                 "priced as synchronous ones.",
+            ],
+        ),
+        (  # the shipped profile has it: no warning
+            "{profile: profiles/h200_qwen3-0.6b.csv}",
+            "[fcfs, {name: fcfs, label: fa, async_scheduling: true}]",
+            [
+                "Scheduling: asynchronous (vLLM V1's async scheduler: step N+1 is planned "
+                "while step N runs; an end by length frees its slot and blocks when its last "
+                "token is scheduled, an EOS or stop end is followed by one wasted slot and "
+                "frees its blocks a step late) for fa; synchronous for fcfs.",
             ],
         ),
         (
@@ -370,7 +381,9 @@ def test_report_says_which_mode_ran_and_warns_without_host_time(
 
     path = tmp_path / "exp.yaml"
     text = EXPERIMENT.format(cost_model=cost_model, policies=policies)
-    path.write_text(text.replace("profiles/", f"{DATA_ROOT}/profiles/"))
+    text = text.replace("profiles/", f"{DATA_ROOT}/profiles/")
+    old = Path(__file__).parent / "data" / "profiles" / "h200_qwen3-0.6b_2026-11-30.csv"
+    path.write_text(text.replace("OLD_PROFILE", str(old)))
     out = tmp_path / "out"
     assert run_experiment.main([str(path), "--out", str(out), "--no-progress"]) == 0
     report = (out / "report.md").read_text().splitlines()

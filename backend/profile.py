@@ -201,21 +201,35 @@ def features(chunks, decodes, swap_blocks, lora_names=()) -> StepFeatures:
     )
 
 
-def step_inputs(chunks, decodes, block_size, lora_names=()) -> list[SeqInput]:
-    """The step's SeqInputs, each over its own blocks; ``lora_names`` as in :func:`features`."""
+def step_inputs(
+    chunks, decodes, block_size, lora_names=(), vocab_size: int | None = None, seed: int = 0
+) -> list[SeqInput]:
+    """The step's SeqInputs, each over its own blocks; ``lora_names`` as in :func:`features`.
+    Token ids: drawn uniformly from ``[0, vocab_size)`` (seeded by ``seed``), as an engine
+    replay draws a trace prompt's (backend/engine.py ``assign_prompt_tokens``); id 7
+    everywhere when ``vocab_size`` is None. The ids matter on a large model: its prefill
+    matmuls draw more power with varied inputs, and the GPU lowers its clock (Llama-3.1-8B
+    on an H200: prompts of 2k-4k tokens 1.15x the time of constant ids, BENCHMARKS.md)."""
+    import numpy as np
+
     from sched_lab.backend.runner import SeqInput
+
+    rng = np.random.default_rng(seed) if vocab_size else None
+
+    def ids(n: int) -> list[int]:
+        return [7] * n if rng is None else rng.integers(0, vocab_size, n).tolist()
 
     names = iter(lora_names)
     seqs, next_block = [], 0
     for c, n in chunks:
         blocks = -(-(c + n + 1) // block_size)
         table = list(range(next_block, next_block + blocks))
-        seqs.append(SeqInput([7] * n, c, table, True, lora_name=next(names, "")))
+        seqs.append(SeqInput(ids(n), c, table, True, lora_name=next(names, "")))
         next_block += blocks
     for ctx in decodes:
         blocks = -(-(ctx + 1) // block_size)
         table = list(range(next_block, next_block + blocks))
-        seqs.append(SeqInput([7], ctx - 1, table, True, lora_name=next(names, "")))
+        seqs.append(SeqInput(ids(1), ctx - 1, table, True, lora_name=next(names, "")))
         next_block += blocks
     return seqs
 
@@ -399,10 +413,12 @@ def _profile(args: argparse.Namespace) -> None:
     points = [(*g, []) for g in (shapes(small=True) if small else shapes())]
     if lora is not None:
         points += lora_shapes(min(len(lora["adapters"]), lora["max_loras"]), small)
+    vocab = runner.config.vocab_size
     grid = [
-        (kind, chunks, decodes, swap, step_inputs(chunks, decodes, args.block_size, names), names)
-        for kind, chunks, decodes, swap, names in points
-    ]
+        (kind, chunks, decodes, swap,
+         step_inputs(chunks, decodes, args.block_size, names, vocab, seed=i), names)
+        for i, (kind, chunks, decodes, swap, names) in enumerate(points)
+    ]  # fmt: skip
     grid = [
         g
         for g in grid

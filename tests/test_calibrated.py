@@ -187,3 +187,21 @@ def test_extra_candidate_features_are_fitted_beside_the_model():
     assert coef[-1] == pytest.approx(3e-6, rel=1e-6)
     for name, value in zip(FEATURES, coef[:-1]):
         assert value == pytest.approx(TRUE[name], rel=1e-6, abs=1e-15), name
+
+
+def test_profile_rows_feed_random_token_ids_as_a_replay_does():
+    """backend/profile.py step_inputs: a prompt chunk of 64 tokens over 32 cached and two
+    decodes; with a vocabulary the ids are uniform draws (seeded), else id 7 everywhere."""
+    pytest.importorskip("torch", reason="backend/ needs torch: pip install -e '.[engine,test]'")
+    from sched_lab.backend.profile import step_inputs
+
+    seqs = step_inputs([(32, 64)], [100, 200], 16, vocab_size=1000, seed=3)
+    assert [len(s.token_ids) for s in seqs] == [64, 1, 1]
+    assert [s.start_pos for s in seqs] == [32, 99, 199]
+    # blocks: ceil(97 / 16) = 7, ceil(101 / 16) = 7, ceil(201 / 16) = 13, consecutive
+    assert [s.block_table[0] for s in seqs] == [0, 7, 14] and len(seqs[2].block_table) == 13
+    ids = seqs[0].token_ids
+    assert all(0 <= t < 1000 for t in ids) and len(set(ids)) > 50  # 64 draws of 1,000
+    again = step_inputs([(32, 64)], [100, 200], 16, vocab_size=1000, seed=3)
+    assert [s.token_ids for s in again] == [s.token_ids for s in seqs]
+    assert step_inputs([(32, 64)], [100], 16)[0].token_ids == [7] * 64

@@ -21,6 +21,7 @@ import pytest
 import run_experiment
 import sched_lab.run.experiment
 import sched_lab.sweeps.executors
+import sched_lab.sweeps.report
 from sched_lab.cli import Interrupted
 from sched_lab.report.staging import remove_stale
 
@@ -257,3 +258,23 @@ def test_a_seeded_sweep_stopped_in_a_replica_writes_the_points_that_finished(
     assert table["status"].tolist() == ["ok"] * 2 + ["interrupted"] * 6
     assert table["seeds"].iloc[:2].tolist() == [2, 2]  # every replica of the kept point
     assert [p.name for p in (out / "points").iterdir() if p.is_dir()] == ["p000"]
+
+
+def test_a_signal_while_a_sweep_writes_its_folder_writes_nothing(tmp_path, monkeypatch, capsys):
+    """Every point finished, then SIGINT while the results folder is written: a sweep defers
+    no signal (docs/guarantees.md), so nothing is written and no temporary folder is left."""
+    path = tmp_path / "sw.yaml"
+    path.write_text(SMALL.replace("[fcfs, sjf]", "[fcfs]").replace("[1, 2, 3, 4]", "[1, 2]"))
+    out = tmp_path / "out"
+
+    def write(tmp, *args):
+        (tmp / "sweep.csv").write_text("half")
+        raise Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(sched_lab.sweeps.report, "_write", write)
+    argv = [str(path), "--out", str(out), "--no-progress", "-q", "--jobs", "1"]
+    assert run_experiment.main(argv) == 128 + signal.SIGINT
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: interrupted by SIGINT while writing the results of all 2 points; nothing written"
+    )
+    assert list(tmp_path.iterdir()) == [path]

@@ -23,6 +23,10 @@ refused). REV's summary is read with the metric names of now
 ``p99_ttft_ms``, the same number times 1000), so a rename alone is no difference.
 Experiments that exist on one side only are skipped with a note.
 
+``--only NAME ...`` checks those experiments alone; a name that is not one of the
+simulator experiments checked here (unknown, a sweep, an engine experiment) is refused in
+one line, exit status 2, before anything runs.
+
 The reference names the CPU it was recorded on (whether it has AVX-512). The calibrated cost
 model is fitted at run time by LAPACK/OpenBLAS, whose kernels differ by CPU, so a fit can
 differ in its last bits on another CPU: ``requests.csv`` (full float precision) and
@@ -61,6 +65,25 @@ def sim_experiments() -> list[Path]:
         if raw.get("backend", "sim") == "sim" and not ({"sweep", "search"} & set(raw)):
             out.append(path)
     return out
+
+
+def check_only(names: list[str]) -> str | None:
+    """Why ``--only`` cannot check one of ``names`` (one line: the first such name, and the
+    names it can check), or None when every name is a simulator experiment of this checkout."""
+    known = [p.stem for p in sim_experiments()]
+    for name in names:
+        if name in known:
+            continue
+        path = ROOT / "experiments" / f"{name}.yaml"
+        raw = (yaml.safe_load(path.read_text()) or {}) if path.is_file() else None
+        if raw is None:
+            why = "no such experiment in experiments/"
+        elif {"sweep", "search"} & set(raw):
+            why = "a sweep (its points' files are checked by tests/test_sweep.py, not here)"
+        else:
+            why = f"backend: {raw.get('backend')}, not the simulator"
+        return f"identical.py: --only {name[:80]}: {why}; expected one of: {', '.join(known)}"
+    return None
 
 
 def python_for(root: Path, tmp: Path) -> str:
@@ -206,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="experiment names (default: all sim ones)")
     ap.add_argument("--base", metavar="REV", help="compare additively with commit REV")
     args = ap.parse_args(argv)
+    if args.only and (why := check_only(args.only)):
+        print(why, file=sys.stderr)
+        return 2
     check_imports(sys.executable, ROOT)
     if args.base:
         return compare_with_base(args.base, args.only)

@@ -46,7 +46,7 @@ EXIT_CODES = """exit status:
        (the message says where they are)
   2    bad input: one line, error: ..., naming the file, row or key
   130  interrupted by SIGINT (Ctrl-C), 143 by SIGTERM, 129 by SIGHUP: completed runs kept as
-       partial results (a sweep interrupted writes nothing)"""
+       partial results (a sweep keeps the points, or searches, that had finished)"""
 RUN_EXAMPLE = """example:
   sched-lab run experiments/quickstart.yaml --limit 500 --out /tmp/quick
   sched-lab run experiments/sweep_quick.yaml --jobs 2    # a sweep (docs/sweeps.md)

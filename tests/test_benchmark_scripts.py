@@ -56,3 +56,27 @@ def test_kv_fp8_dry_run_gives_fp8_four_times_the_float32_blocks():
     out = run_script("kv_fp8.py", "--dry-run")
     rows = [line.split() for line in out.splitlines() if line.startswith("budget ")]
     assert [(r[1], int(r[2]), int(r[4])) for r in rows] == [("auto", 64, 279), ("fp8", 256, 279)]
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("no_such", "no such experiment in experiments/"),
+        ("sweep_quick", "a sweep (its points' files are checked by tests/test_sweep.py, not here)"),
+        ("sim_vs_real", "backend: engine, not the simulator"),
+    ],
+)
+def test_identical_refuses_a_name_it_does_not_check(name, why):
+    """benchmarks/identical.py --only: a name it would skip is refused in one line, exit 2,
+    before anything runs (it used to print nothing and exit 0)."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/identical.py", "--only", "quickstart", name],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (proc.returncode, proc.stdout) == (2, "")
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"identical.py: --only {name}: {why}; expected one of: async_vs_sync, ")
+    assert "quickstart" in line.split("expected one of: ")[1].split(", ")

@@ -54,6 +54,8 @@ def test_every_help_shows_an_example_and_the_exit_codes(argv, capsys):
     assert "example" in out and "exit status" in out and "bad input" in out
     if argv[0] in ("--help", "run"):
         assert "130" in out and "143" in out and "1    a run stopped early" in out
+        # a stopped sweep keeps its finished points (tests/test_sweep_stop.py)
+        assert "a sweep keeps the points, or searches, that had finished" in " ".join(out.split())
 
 
 WITHOUT_TORCH = """

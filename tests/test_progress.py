@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from sched_lab.report.progress import Phase
+from sched_lab.report.progress import Phase, seconds_text
 
 
 def test_phase_logs_one_line_when_stderr_is_not_a_terminal(caplog, monkeypatch):
@@ -40,3 +40,13 @@ def test_bar_on_a_terminal_and_none_when_turned_off(monkeypatch, capsys):
     assert phase.bar.n == 10  # filled at a good end
     with Phase("fcfs: metrics", 10, "req", bars=False) as phase:
         assert phase.bar is None
+
+
+def test_seconds_text_keeps_short_times_visible():
+    # 0.1 s and up in tenths of a second; below, in ms, so that 40 ms does not read "0.0 s"
+    assert [seconds_text(s) for s in (3.14, 0.1, 0.04, 0.0004)] == [
+        "3.1 s",
+        "0.1 s",
+        "40 ms",
+        "< 1 ms",
+    ]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -346,13 +348,27 @@ def test_a_search_prints_a_line_per_load_it_tries(tmp_path, capsys):
     # a refused load and one whose run stopped, by hand
     row = {"sample": 2, "scheduler.max_num_seqs": 9, "met": False, "refused": "too big"}
     assert probe_line(task, "fcfs", row, 0.04) == (
-        "p000 fcfs: scheduler.max_num_seqs 9: refused (too big) (probe 3, 0.0 s)"
+        "p000 fcfs: scheduler.max_num_seqs 9: refused (too big) (probe 3, 40 ms)"
     )
     row = {"sample": 0, "scheduler.max_num_seqs": 2, "met": False, "request_rate": 13.75,
            "error": "no progress"}  # fmt: skip
     assert probe_line(task, "fcfs", row, 41.25) == (
         "p000 fcfs: scheduler.max_num_seqs 2 (13.75 req/s): stopped early, missed (probe 1, 41.2 s)"
     )
+
+
+def test_a_one_search_sweep_logs_one_search(tmp_path, caplog):
+    """The sweep's closing line counts its tasks in the right number (``1 search``, not ``1
+    searches``); its time is :func:`~sched_lab.report.progress.seconds_text`'s
+    (tests/test_progress.py)."""
+    from sched_lab.sweeps.run import run_sweep
+
+    path = write(tmp_path, SYNTH + "policies: [fcfs]\nsearch: {metric: ttft_s_p99, "
+                 "target: 1000, over: scheduler.max_num_seqs, lo: 1, hi: 6}\n")  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="sched_lab.report.progress"):
+        run_sweep(load_sweep(path), tmp_path / "out", jobs=1, progress=False)
+    (line,) = [m for m in caplog.messages if m.startswith("sweep ")]
+    assert re.fullmatch(r"sweep sw: 1 search in (\d+\.\d s|\d+ ms|< 1 ms)", line), line
 
 
 def test_num_gpu_blocks_left_to_the_simulator_starts_at_its_sizing(tmp_path):

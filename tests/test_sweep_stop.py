@@ -19,7 +19,9 @@ import pandas as pd
 import pytest
 
 import run_experiment
+import sched_lab.run.experiment
 import sched_lab.sweeps.executors
+import sched_lab.sweeps.report
 from sched_lab.cli import Interrupted
 from sched_lab.report.staging import remove_stale
 
@@ -225,3 +227,54 @@ def test_a_sweep_stopped_before_any_point_finished_writes_nothing(tmp_path, monk
         "error: interrupted by SIGINT before any point finished; nothing written"
     )
     assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_a_seeded_sweep_stopped_in_a_replica_writes_the_points_that_finished(
+    tmp_path, monkeypatch, capsys
+):
+    """``--seeds 2``, run here (``--jobs 1``): the signal arrives inside point p001's second
+    replica (lab/run/experiment.py ``_run`` catches it there and raises it again once the
+    run is handed on); p000, with both replicas of both policies, is kept."""
+    path = tmp_path / "sw.yaml"
+    path.write_text(SMALL)
+    out = tmp_path / "out"
+    replay = sched_lab.run.experiment._run_once
+    calls = []
+
+    def run_once(ex, run, trace, seed, own=False):
+        calls.append(seed)
+        if len(calls) == 6:  # 4 per point (2 policies x 2 replicas): p001's fcfs, seed 1
+            raise Interrupted(signal.SIGTERM)
+        return replay(ex, run, trace, seed, own)
+
+    monkeypatch.setattr(sched_lab.run.experiment, "_run_once", run_once)
+    argv = [str(path), "--out", str(out), "--no-progress", "-q", "--jobs", "1", "--seeds", "2"]
+    assert run_experiment.main(argv) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: interrupted by SIGTERM after 1 of 4 points; wrote them to {out}/ as partial results"
+    )
+    assert calls == [0, 1] * 3
+    table = pd.read_csv(out / "sweep.csv")
+    assert table["status"].tolist() == ["ok"] * 2 + ["interrupted"] * 6
+    assert table["seeds"].iloc[:2].tolist() == [2, 2]  # every replica of the kept point
+    assert [p.name for p in (out / "points").iterdir() if p.is_dir()] == ["p000"]
+
+
+def test_a_signal_while_a_sweep_writes_its_folder_writes_nothing(tmp_path, monkeypatch, capsys):
+    """Every point finished, then SIGINT while the results folder is written: a sweep defers
+    no signal (docs/guarantees.md), so nothing is written and no temporary folder is left."""
+    path = tmp_path / "sw.yaml"
+    path.write_text(SMALL.replace("[fcfs, sjf]", "[fcfs]").replace("[1, 2, 3, 4]", "[1, 2]"))
+    out = tmp_path / "out"
+
+    def write(tmp, *args):
+        (tmp / "sweep.csv").write_text("half")
+        raise Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(sched_lab.sweeps.report, "_write", write)
+    argv = [str(path), "--out", str(out), "--no-progress", "-q", "--jobs", "1"]
+    assert run_experiment.main(argv) == 128 + signal.SIGINT
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: interrupted by SIGINT while writing the results of all 2 points; nothing written"
+    )
+    assert list(tmp_path.iterdir()) == [path]

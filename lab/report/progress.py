@@ -16,6 +16,14 @@ import time
 log = logging.getLogger("sched_lab.report.progress")
 
 
+def seconds_text(s: float) -> str:
+    """A wall time for a progress line: ``3.1 s`` from 0.1 s up, ``40 ms`` below (``0.0 s``
+    would read as no time at all), ``< 1 ms`` below that."""
+    if s >= 0.1:
+        return f"{s:.1f} s"
+    return f"{s * 1000:.0f} ms" if s >= 0.001 else "< 1 ms"
+
+
 class Phase:
     """One phase: a bar while it runs (on a terminal), one log line when it ends well. A context
     manager, or ``start()`` then ``close()`` (idempotent).
@@ -78,7 +86,7 @@ class Phase:
                 self.bar.refresh()
             self.bar.close()
         elif ok:
-            log.info("%s in %.1f s", self.name, elapsed_s)
+            log.info("%s in %s", self.name, seconds_text(elapsed_s))
 
     def __enter__(self) -> Phase:
         return self.start()

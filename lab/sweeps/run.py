@@ -213,6 +213,7 @@ def _search(task: Task) -> TaskResult:
 def probe_line(task: Task, policy: str, row: Mapping[str, Any], wall_s: float) -> str:
     """A search's progress line for one load tried (its curve.csv ``row``), e.g.
     ``p001 fcfs: rate_scale 2.5 (13.75 req/s): slo_attainment 0.934, met (probe 3, 41.2 s)``."""
+    from sched_lab.report.progress import seconds_text
     from sched_lab.results.names import format_value
 
     spec = task.search
@@ -228,9 +229,8 @@ def probe_line(task: Task, policy: str, row: Mapping[str, Any], wall_s: float) -
     else:
         got = format_value(row.get(spec.metric), ".4g")
         result = f"{spec.metric} {got}, {'met' if row['met'] else 'missed'}"
-    return (
-        f"{task.point.name} {policy}: {load}: {result} (probe {row['sample'] + 1}, {wall_s:.1f} s)"
-    )
+    probe = f"probe {row['sample'] + 1}, {seconds_text(wall_s)}"
+    return f"{task.point.name} {policy}: {load}: {result} ({probe})"
 
 
 def _at(rows: list[dict[str, Any]], over: str, x: float | None, key: str | None = None):
@@ -357,7 +357,8 @@ def run_sweep(
     stop: KeyboardInterrupt | None = None
     t0 = time.perf_counter()
     bars = progress and not probe_lines
-    with Phase(f"sweep {sweep.name}: {len(tasks)} {units}", len(tasks), unit, bars) as phase:
+    what = f"{len(tasks)} {unit if len(tasks) == 1 else units}"
+    with Phase(f"sweep {sweep.name}: {what}", len(tasks), unit, bars) as phase:
         done = executors.run_tasks(
             run_task, pool, failed, jobs=jobs, ray=ray, ray_address=ray_address
         )

@@ -238,6 +238,8 @@ def test_profile_records_host_time_until_launch(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     import gc
 
+    import triton_setup  # noqa: F401  (first: later Triton tests in this process interpret)
+
     from sched_lab.backend import profile
     from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
     from tests.test_engine_faults import TINY

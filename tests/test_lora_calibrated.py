@@ -219,6 +219,8 @@ def test_cpu_profile_with_adapters_runs_end_to_end(tmp_path, monkeypatch):
     torch attention, a tiny grid): rows with adapters carry num_loras and num_lora_tokens,
     the header their rank, and the calibrated model fits LoRA terms from them."""
     pytest.importorskip("torch")
+    import triton_setup  # noqa: F401  (first: later Triton tests in this process interpret)
+
     from sched_lab.backend import profile
     from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
     from sched_lab.backend.tools.random_lora import write_random_loras

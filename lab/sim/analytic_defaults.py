@@ -53,9 +53,9 @@ QWEN, LLAMA = "profiles/h200_qwen3-0.6b.csv", "profiles/h200_llama-3.1-8b.csv"
 # (hardware, model) -> fitted values; model None: the joint fit to the hardware's profiles.
 # Reproduce with REFIT (it prints these rows); checked by tests/test_analytic_defaults.py.
 FITTED: dict[tuple[str, str | None], Efficiencies] = {
-    ("h200-sxm", "qwen3-0.6b"): Efficiencies(0.293, 0.794, 0.0016, "profile", (QWEN,), 0.0895),
-    ("h200-sxm", "llama-3.1-8b"): Efficiencies(0.541, 0.794, 0.00125, "profile", (LLAMA,), 0.0561),
-    ("h200-sxm", None): Efficiencies(0.541, 0.858, 0.0017, "profile", (QWEN, LLAMA), 0.0932),
+    ("h200-sxm", "qwen3-0.6b"): Efficiencies(0.293, 0.794, 0.0014, "profile", (QWEN,), 0.075),
+    ("h200-sxm", "llama-3.1-8b"): Efficiencies(0.584, 0.735, 0.0006, "profile", (LLAMA,), 0.0573),
+    ("h200-sxm", None): Efficiencies(0.501, 0.858, 0.00145, "profile", (QWEN, LLAMA), 0.0847),
 }
 
 

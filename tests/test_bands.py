@@ -4,6 +4,10 @@ replicas (lab/results/bands.py), their coverage in the fidelity protocol
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from sched_lab.config import validate, with_seeds
@@ -16,9 +20,11 @@ from sched_lab.report.terminal import summary_text, warnings_text
 from sched_lab.results.bands import band_fields
 from sched_lab.run.experiment import run_experiment
 from sched_lab.sim.calibrated import NO_HOST_NOTE, CalibratedCostModel
-from sched_lab.sim.noise import LEVELS, NoisyCostModel, draw_mean, fit_noise
+from sched_lab.sim.noise import LEVELS, NoisyCostModel, StepNoise, draw_mean, fit_noise
 
 QWEN = str(DATA_ROOT / "profiles" / "h200_qwen3-0.6b.csv")
+# The Qwen3-0.6B profile shipped until 2026-12-04: no fingerprint, no host_s column.
+OLD_QWEN = str(Path(__file__).parent / "data" / "profiles" / "h200_qwen3-0.6b_2026-11-30.csv")
 
 
 def level(q: float) -> int:
@@ -72,6 +78,49 @@ def test_noise_is_centred_on_the_prediction():
     assert draw_mean(q) == pytest.approx(1.0)
 
 
+def test_run_sigma_is_the_rms_of_held_out_log_errors():
+    # 8 decode rows held out at exp(+-0.05) of their measurement: sigma 0.05; 8 prefill rows
+    # at exp(0.1) and exp(-0.2) x4 each: sqrt((0.01 + 0.04) / 2); no mixed rows: every row's
+    kinds, sizes = ["decode"] * 8 + ["prefill"] * 8, ["small"] * 16
+    measured = [0.01] * 16
+    log_err = [0.05, -0.05] * 4 + [0.1] * 4 + [-0.2] * 4
+    held_out = [m / math.exp(e) for m, e in zip(measured, log_err)]
+    noise = fit_noise(kinds, sizes, measured, measured, held_out)
+    assert noise.run_sigma["decode"] == pytest.approx(0.05)
+    assert noise.run_sigma["prefill"] == pytest.approx(math.sqrt(0.025))
+    everything = math.sqrt((8 * 0.05**2 + 4 * 0.01 + 4 * 0.04) / 16)
+    assert noise.run_sigma["mixed"] == pytest.approx(everything)
+    assert fit_noise(kinds, sizes, measured, measured).run_sigma == {}  # no held-out: none
+
+
+def test_run_factor_is_one_draw_per_replica_and_kind_with_mean_one():
+    # no step noise (every quantile 1.0), decode sigma 0.1, prefill sigma 0: each replica's
+    # decode steps all take t * f, f = exp(0.1 z - 0.005); over 4,000 replicas the mean of f
+    # is 1 and the standard deviation of log f is 0.1 (both to ~1.5 standard errors)
+    ones = tuple([1.0] * len(LEVELS))
+    keys = [
+        f"{k}/{z}" for k in ("decode", "prefill", "mixed") for z in ("small", "medium", "large")
+    ]
+    noise = StepNoise({k: ones for k in keys}, {}, {}, 0.0, 0.0, {"decode": 0.1, "prefill": 0.0})
+
+    class Flat:
+        def step_time(self, f, block_size):
+            return 0.01
+
+    decode = StepFeatures(0, 0, 0, 0.0, 4, 400, 4, 0)
+    prefill = StepFeatures(100, 1, 0, 5050.0, 0, 0, 1, 0)
+    factors = []
+    for seed in range(4000):
+        r = NoisyCostModel(Flat(), noise, (seed,))
+        d = [r.step_time(decode, 16) for _ in range(3)]
+        assert d[0] == d[1] == d[2]  # one factor for the whole replica
+        assert r.step_time(prefill, 16) == 0.01  # sigma 0: no factor
+        factors.append(d[0] / 0.01)
+    logs = np.log(factors)
+    assert np.mean(factors) == pytest.approx(1.0, abs=0.0025)
+    assert np.std(logs) == pytest.approx(0.1, rel=0.02)
+
+
 def test_shipped_profile_noise_and_seeded_draws():
     model = CalibratedCostModel(QWEN)
     noise = model.noise
@@ -82,9 +131,12 @@ def test_shipped_profile_noise_and_seeded_draws():
     assert noise.stall_probability == 0.0
     f = StepFeatures(0, 0, 0, 0.0, 32, 32 * 1024, 32, 0)
     t = model.step_time(f, 16)
-    draws = [NoisyCostModel(model, noise, (0, k, 0)).step_time(f, 16) for k in range(5)]
+    replicas = [NoisyCostModel(model, noise, (0, k, 0)) for k in range(5)]
+    draws = [r.step_time(f, 16) for r in replicas]
     q = noise.quantiles["decode/small"]
-    assert all(t * q[0] <= d <= t * q[-1] for d in draws)
+    for r, d in zip(replicas, draws):
+        run = r.run_factor["decode"]  # this replica's, the same for all its decode steps
+        assert t * run * q[0] <= d <= t * run * q[-1]
     assert len(set(draws)) == 5  # each seed its own draw
     again = [NoisyCostModel(model, noise, (0, k, 0)).step_time(f, 16) for k in range(5)]
     assert again == draws  # the same seed, the same draw
@@ -192,13 +244,14 @@ def test_async_without_host_time_and_a_stale_profile_are_warned_in_the_terminal(
     raw = {**EXPERIMENT, "policies": ["fcfs", {"name": "fcfs", "label": "fa",
                                                "async_scheduling": True}]}  # fmt: skip
     raw["trace"] = {**EXPERIMENT["trace"], "num_requests": 10}
+    raw["cost_model"] = {"profile": OLD_QWEN}
     runs = run_experiment(validate(raw), progress=False)
     lines = warnings_text(runs).splitlines()
     assert lines[0] == (
         f"warning: fa: async_scheduling is on, but {NO_HOST_NOTE}; these runs are priced as "
         "synchronous ones"
     )
-    # the shipped profile has no fingerprint: it may describe another engine
+    # the old profile has no fingerprint: it may describe another engine
     assert lines[1].startswith("warning: stale profile ") and "no engine fingerprint" in lines[1]
     assert len(lines) == 2
     sync = [r for r in runs if r.label == "fcfs"]
@@ -214,6 +267,7 @@ def test_the_warnings_reach_report_md_report_html_and_a_sweep_word_for_word(tmp_
 
     raw = {**EXPERIMENT, "policies": [{"name": "fcfs", "label": "fa", "async_scheduling": True}]}
     raw["trace"] = {**EXPERIMENT["trace"], "num_requests": 6}
+    raw["cost_model"] = {"profile": OLD_QWEN}
     path = tmp_path / "one.yaml"
     path.write_text(yaml.safe_dump(raw))
     out = tmp_path / "one"
@@ -309,6 +363,21 @@ def test_coverage_of_hand_made_runs():
     assert coverage([plain], "p50_ttft_ms")[2] == 0
 
 
+def test_point_error_from_the_deterministic_run_band_from_the_seeded_one():
+    # deterministic sim 104 vs engine 100: error 4%; seeded replicas' band [90, 103]
+    # leaves 100 inside, their median 95 gives width 13/95; the repeat 110: spread 10%
+    engine, repeat = _summary(100.0, None), {"fcfs": _summary(110.0, None)}
+    row = run_row("w", 0.5, _Sim("fcfs", _summary(104.0, None)), engine, repeat,
+                  _summary(95.0, (90, 103)))  # fmt: skip
+    assert row["err_p50_ttft_ms"] == pytest.approx(0.04)
+    assert row["inside_p50_ttft_ms"] is True
+    assert row["width_p50_ttft_ms"] == pytest.approx(13 / 95)
+    import pandas as pd
+
+    lines = coverage_section(pd.DataFrame([row]))
+    assert "| TTFT p50 | 1 | 100.0% ✗ | 13.7% | 4.0% | 10.0% |" in lines
+
+
 def test_coverage_section_marks_coverage_outside_the_target():
     import pandas as pd
 
@@ -321,7 +390,7 @@ def test_coverage_section_marks_coverage_outside_the_target():
     )
     lines = coverage_section(pd.DataFrame(rows))
     # 9 of 10 runs inside: 90%, within 85-95%; width 20%; point error median 0%
-    assert "| TTFT p50 | 10 | 90.0% | 20.0% | 0.0% |" in lines
+    assert "| TTFT p50 | 10 | 90.0% | 20.0% | 0.0% | - |" in lines
     assert coverage_section(pd.DataFrame([{"err_p50_ttft_ms": 0.1}])) == []
 
 

@@ -24,12 +24,15 @@ def rel(sim: float, real: float) -> float:
     return abs(sim - real) / real if real else float("nan")
 
 
-def run_row(slice_name: str, load: float, s, r: dict, again: dict | None) -> dict[str, Any]:
+def run_row(
+    slice_name: str, load: float, s, r: dict, again: dict | None, banded: dict | None = None
+) -> dict[str, Any]:
     """One run's table row: simulated ``s`` against the engine's summary ``r`` (and its
     repeat ``again``), summaries of either naming (:func:`sched_lab.results.names.upgrade_summary`).
     For each statistic ``X`` (``p50_ttft_ms``): ``real_X``, ``sim_X``, ``again_X`` in ms, and
     the relative errors ``err_X`` (sim against the engine) and ``spread_X`` (the repeat
-    against the engine)."""
+    against the engine). The band columns (:func:`band_cells`) come from ``banded``, the
+    summary of a seeded run of the same config, or else from ``s`` if it was seeded."""
     r = upgrade_summary(r)
     sim = s.summary
     rep = upgrade_summary(again[s.label]) if again is not None else None
@@ -48,11 +51,12 @@ def run_row(slice_name: str, load: float, s, r: dict, again: dict | None) -> dic
         row["spread_throughput"] = rel(rep["output_throughput"], r["output_throughput"])
     row["real_preemptions"] = r["num_preemptions"]
     row["sim_preemptions"] = sim["num_preemptions"]
-    if band_name(TP) in sim:  # the sim side ran seeded replicas: their 90% band
+    bands = banded if banded is not None else sim
+    if band_name(TP) in bands:  # the sim side ran seeded replicas: their 90% band
         for m in METRICS:
             for p in PCTS:
-                row.update(band_cells(column(m, p), sim, r[column(m, p)]))
-        row.update(band_cells(TP, sim, r[TP], "throughput"))
+                row.update(band_cells(column(m, p), bands, r[column(m, p)]))
+        row.update(band_cells(TP, bands, r[TP], "throughput"))
     return row
 
 

@@ -117,10 +117,13 @@ def coverage_section(table) -> list[str]:
         f"Seeded replicas of every run (step times drawn around the calibrated prediction, "
         f"lab/sim/noise.py); coverage is the share of runs whose engine value lies inside the "
         f"simulator's p5-p95 band (target {pct(lo)}-{pct(hi)}: a band too wide is as wrong as "
-        "one too narrow); width is (p95 - p5) / median.",
+        "one too narrow); width is (p95 - p5) / median. The point error is the deterministic "
+        "run's, as in the tables above; beside it the engine's own spread between its two "
+        "passes (median over runs), which a band as wide as the engine's variation from one "
+        "run to the next would have to span.",
         "",
-        "| metric | runs | coverage | median band width | median point error |",
-        "|---|---|---|---|---|",
+        "| metric | runs | coverage | median band width | median point error | engine's spread |",
+        "|---|---|---|---|---|---|",
     ]
     names = [(column(m, p), f"{LATENCIES[m][0]} {p}") for m, p in COLS]
     for key, title in [*names, ("throughput", "output throughput")]:
@@ -129,7 +132,8 @@ def coverage_section(table) -> list[str]:
             continue
         mark = "" if lo <= cov <= hi else " ✗"
         err = table[f"err_{key}"].median()
-        lines.append(f"| {title} | {n} | {pct(cov)}{mark} | {pct(width)} | {pct(err)} |")
+        spread = pct(table[f"spread_{key}"].median()) if f"spread_{key}" in table else "-"
+        lines.append(f"| {title} | {n} | {pct(cov)}{mark} | {pct(width)} | {pct(err)} | {spread} |")
     return lines
 
 

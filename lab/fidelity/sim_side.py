@@ -212,9 +212,12 @@ def _compare_folder(
         else None
     )
     sim_raw = {**raw, "backend": "sim", "cost_model": cost_model}
-    if seeds is not None:
-        sim_raw["seeds"] = seeds
-    sims = run_experiment(engine_config(sim_raw), progress=False)
+    sims = run_experiment(engine_config(sim_raw), progress=False)  # the point prediction
+    banded = (  # the bands: seeded replicas of the same runs
+        run_experiment(engine_config({**sim_raw, "seeds": seeds}), progress=False)
+        if seeds is not None
+        else [None] * len(sims)
+    )
     rep_raw = {**raw, "backend": "sim",
                "cost_model": {"durations_from": str(real_dir / "steps.csv")}}  # fmt: skip
     replays = run_experiment(engine_config(rep_raw), progress=False)
@@ -231,7 +234,7 @@ def _compare_folder(
             )
         scale, load = entry.get("rate_scale"), round(entry["offered_load"], 2)
     async_ = bool((raw.get("scheduler") or {}).get("async_scheduling"))
-    for s, rp in zip(sims, replays, strict=True):
+    for s, rp, b in zip(sims, replays, banded, strict=True):
         r = real.get(s.label)
         if not isinstance(r, dict):
             raise SystemExit(
@@ -241,7 +244,7 @@ def _compare_folder(
         fp = (r.get("cost_model") or {}).get("fingerprint")
         profile = src / "profile.csv"
         c.stale[folder] = staleness(read_fingerprint(profile), fp) if fp else (None, "")
-        row = run_row(slice_name, float(load), s, r, again)
+        row = run_row(slice_name, float(load), s, r, again, b.summary if b else None)
         if scale is not None:
             row["rate_scale"] = scale
         pm = rp.summary["plan_match"]

@@ -68,6 +68,8 @@ import json
 import re
 import sys
 from collections.abc import Callable
+from dataclasses import replace
+from functools import cached_property
 from importlib.resources import files
 from pathlib import Path
 from typing import ClassVar
@@ -79,7 +81,7 @@ from sched_lab.core.errors import ConfigError, did_you_mean
 from sched_lab.core.fingerprint import HEADER_PREFIX, differences
 from sched_lab.core.kv_dtypes import kv_dtype_bytes
 from sched_lab.core.plan import StepFeatures
-from sched_lab.sim.noise import fit_to_profile
+from sched_lab.sim.noise import KINDS, MIN_ROWS, StepNoise, fit_to_profile, step_kind
 
 TOKEN_KNOT = 2048
 # backend/cuda_graphs.py's largest default token size (DEFAULT_TOKEN_SIZES[-1]; a test ties
@@ -272,18 +274,27 @@ def predict(df: pd.DataFrame, coef: np.ndarray, lora_coef: np.ndarray | None) ->
     return pred + np.where(lora_rows(df), lora_design(df) @ lora_coef, 0.0)
 
 
-def cross_validated_errors(df: pd.DataFrame, folds: int = 5, seed: int = 0) -> np.ndarray:
-    """Held-out relative error of every row: predicted by a fit on the other folds."""
-    order = np.random.default_rng(seed).permutation(len(df))
-    err = np.empty(len(df))
+def cross_validated_predictions(
+    df: pd.DataFrame, folds: int = 5, seed: int = 0, rows: np.ndarray | None = None
+) -> np.ndarray:
+    """Seconds of every row of ``rows`` (a boolean mask; default all) predicted by a fit on
+    the other folds of those rows plus every row outside them; NaN outside ``rows``."""
+    rows = np.ones(len(df), bool) if rows is None else np.asarray(rows, bool)
+    idx = np.flatnonzero(rows)
+    order = idx[np.random.default_rng(seed).permutation(len(idx))]
+    pred = np.full(len(df), np.nan)
     for k in range(folds):
         test = order[k::folds]
-        train = np.setdiff1d(order, test)
+        train = np.setdiff1d(np.arange(len(df)), test)
         coef, lora_coef = fit_with_lora(df.iloc[train])
-        pred = predict(df.iloc[test], coef, lora_coef)
-        y = df["duration_s"].to_numpy(float)[test]
-        err[test] = np.abs(pred - y) / y
-    return err
+        pred[test] = predict(df.iloc[test], coef, lora_coef)
+    return pred
+
+
+def cross_validated_errors(df: pd.DataFrame, folds: int = 5, seed: int = 0) -> np.ndarray:
+    """Held-out relative error of every row: predicted by a fit on the other folds."""
+    y = df["duration_s"].to_numpy(float)
+    return np.abs(cross_validated_predictions(df, folds, seed) - y) / y
 
 
 def read_profile(path: str | Path) -> pd.DataFrame:
@@ -578,11 +589,11 @@ class CalibratedCostModel:
         where = f"cost_model.profile: {self.profile}"
         if replay_steps:
             where += f" (with replay_steps {', '.join(map(str, replay_steps))})"
-        data = pd.concat(
-            [read_profile(self.profile)]
-            + [read_replay_steps(p, self.block_size) for p in replay_steps],
-            ignore_index=True,
-        )
+        grid = read_profile(self.profile)
+        runs = [read_replay_steps(p, self.block_size) for p in replay_steps]
+        data = pd.concat([grid, *runs], ignore_index=True)
+        # each row's source: -1 the profile grid, i the i-th replay_steps file (for noise)
+        self._source = np.repeat(np.arange(-1, len(runs)), [len(grid)] + [len(r) for r in runs])
         lora = lora_rows(data)
         base = data[~lora] if lora.any() else data  # the base fit's rows (module doc, LoRA)
         prefills, decodes = base["num_prefills"].to_numpy(), base["num_decodes"].to_numpy()
@@ -596,8 +607,7 @@ class CalibratedCostModel:
             if not rows.any():
                 raise ConfigError(f"{where}: no {kind}: the fit cannot predict their time")
         self.coef, self.lora_coef = fit_with_lora(data)
-        # residuals of the rows fitted, for seeded replicas (lab/sim/noise.py)
-        self.noise = fit_to_profile(data, predict(data, self.coef, self.lora_coef))
+        self._data = data  # for noise
         timed = data[data[HOST_COLUMN].notna()] if HOST_COLUMN in data else data.iloc[:0]
         # host time fitted to the rows that have one (replay_steps rows have none)
         self.host_coef = fit_host(timed) if len(timed) else None
@@ -640,6 +650,36 @@ class CalibratedCostModel:
                     f"{where}: the fitted model predicts {t:.3g} s for a 1-token "
                     f"{kind}, expected >= {MIN_STEP_S:g} s"
                 )
+
+    @cached_property
+    def noise(self) -> StepNoise:
+        """What seeded replicas draw (lab/sim/noise.py): the residuals of every row fitted,
+        and the run factor's sigma. With replay_steps, that sigma is how far off whole runs
+        the fit did not see are: each replay file left out in turn and predicted by a fit
+        to everything else, the median log error of its steps of each kind (of at least
+        MIN_ROWS steps) is one sample; sigma is their root mean square, one for every kind.
+        Without them, each profile row is predicted by a 5-fold fit that left it out, per
+        kind (an upper bound: one row is one shape, a run mixes many). Made on first use:
+        only seeded runs ask."""
+        data, source = self._data, self._source
+        fitted = predict(data, self.coef, self.lora_coef)
+        if source.max() < 0:
+            held_out = cross_validated_predictions(data, rows=source < 0)
+            return fit_to_profile(data, fitted, held_out)
+        y = data["duration_s"].to_numpy(float)
+        kinds = np.array([step_kind(p, d) for p, d in zip(data.num_prefills, data.num_decodes)])
+        samples = []
+        for run in range(source.max() + 1):
+            out = source == run
+            coef, lora_coef = fit_with_lora(data[~out])
+            log_err = np.log(y[out] / predict(data[out], coef, lora_coef))
+            for kind in KINDS:
+                e = log_err[kinds[out] == kind]
+                if len(e) >= MIN_ROWS:
+                    samples.append(float(np.median(e)))
+        noise = fit_to_profile(data, fitted)
+        sigma = float(np.sqrt(np.mean(np.square(samples)))) if samples else 0.0
+        return replace(noise, run_sigma={k: sigma for k in KINDS})
 
     def step_time(self, f: StepFeatures, block_size: int) -> float:
         """Predicted seconds of a step whose swapped blocks hold ``block_size`` tokens each."""

@@ -1,9 +1,18 @@
 """Step-time noise for the stochastic simulator (``seeds:``; docs/simulator.md, "Bands").
 
-A seeded replica prices a step as the cost model's prediction times a residual drawn from
-the profile, plus, now and then, a host stall:
+A seeded replica prices a step as the cost model's prediction times a factor drawn once for
+the whole replica, times a residual drawn for the step, plus, now and then, a host stall:
 
-    duration = predicted * r + [u < stall_probability] * stall_s
+    duration = predicted * f[kind] * r + [u < stall_probability] * stall_s
+
+``f[kind]``, the run factor, is how wrong the model may be on a whole run: a step shape the
+fit did not see is predicted off by a few percent, and every step of that shape in a run is
+off the same way, so that error does not average out over a run's steps as ``r`` does. Each
+replica draws ``f = exp(sigma * z - sigma**2 / 2)``, ``z`` standard normal, one per step kind
+(mean 1); ``sigma`` (``run_sigma[kind]``) is the root mean square of log(measured /
+held-out prediction) over the rows of that kind, each row predicted by a fit that left it
+out (:func:`sched_lab.sim.calibrated.CalibratedCostModel.noise`: 5-fold over the profile
+rows), or, for the analytic roofline, by the roofline itself (fitted to whole profiles).
 
 ``r`` is drawn from the residuals (measured / predicted) of the profile rows of the step's
 kind (``decode``: no prompt tokens; ``prefill``: prompt tokens only; ``mixed``: both) and
@@ -26,7 +35,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import numpy as np
@@ -67,6 +76,7 @@ class StepNoise:
     bias: dict[str, float]
     stall_probability: float
     stall_s: float
+    run_sigma: dict[str, float] = field(default_factory=dict)  # per kind; none: no run factor
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types (summary key ``cost_model.noise``): quantiles rounded to 4 digits."""
@@ -77,12 +87,16 @@ class StepNoise:
             "bias": {k: round(b, 4) for k, b in self.bias.items()},
             "stall_probability": self.stall_probability,
             "stall_s": self.stall_s,
+            "run_sigma": {k: round(v, 4) for k, v in self.run_sigma.items()},
         }
 
 
-def fit_noise(kinds: Sequence[str], sizes: Sequence[str], measured, predicted) -> StepNoise:
+def fit_noise(
+    kinds: Sequence[str], sizes: Sequence[str], measured, predicted, held_out=None
+) -> StepNoise:
     """The noise of rows with these step kinds, size buckets, measured and predicted seconds
-    (module doc). Raises ValueError for no rows."""
+    (module doc); ``held_out``: each row's prediction by a fit that left it out, for the run
+    factor (None: no run factor). Raises ValueError for no rows."""
     measured, predicted = np.asarray(measured, float), np.asarray(predicted, float)
     if not len(measured):
         raise ValueError("fit_noise: no rows")
@@ -106,12 +120,22 @@ def fit_noise(kinds: Sequence[str], sizes: Sequence[str], measured, predicted) -
             quantiles[f"{kind}/{size}"] = tuple((q / mean).tolist())
             rows[f"{kind}/{size}"] = len(r)
             bias[f"{kind}/{size}"] = mean
+    run_sigma = {}
+    if held_out is not None:
+        log_err = np.log(measured / np.asarray(held_out, float))
+        ok = calm & np.isfinite(log_err)
+        for kind in KINDS:
+            pick = next(m for m in (kinds_a == kind, everything) if (m & ok).sum() >= MIN_ROWS
+                        or m is everything)  # fmt: skip
+            e = log_err[pick & ok]
+            run_sigma[kind] = float(np.sqrt(np.mean(e**2))) if len(e) else 0.0
     return StepNoise(
         quantiles,
         rows,
         bias,
         float(stall.mean()),
         float(np.median(excess)) if len(excess) else 0.0,
+        run_sigma,
     )
 
 
@@ -135,14 +159,15 @@ def profile_features(df) -> list[StepFeatures]:
     ]
 
 
-def fit_to_profile(df, predicted) -> StepNoise:
-    """:func:`fit_noise` of a profile frame's rows against ``predicted`` seconds per row."""
+def fit_to_profile(df, predicted, held_out=None) -> StepNoise:
+    """:func:`fit_noise` of a profile frame's rows against ``predicted`` (and ``held_out``)
+    seconds per row."""
     prefills = df["num_prefills"].to_numpy()
     decodes = df["num_decodes"].to_numpy()
     tokens = df["num_prefill_tokens"].to_numpy() + decodes
     kinds = [step_kind(p, d) for p, d in zip(prefills, decodes)]
     sizes = [size_bucket(int(t)) for t in tokens]
-    return fit_noise(kinds, sizes, df["duration_s"].to_numpy(float), predicted)
+    return fit_noise(kinds, sizes, df["duration_s"].to_numpy(float), predicted, held_out)
 
 
 class NoisyCostModel:
@@ -159,6 +184,10 @@ class NoisyCostModel:
         self._u: list[float] = []
         self._q = noise.quantiles
         self._p, self._stall_s = noise.stall_probability, noise.stall_s
+        # the replica's run factors (module doc), drawn first; 1 for a kind without a sigma
+        z = self._rng.standard_normal(len(KINDS))
+        sig = [noise.run_sigma.get(k, 0.0) for k in KINDS]
+        self.run_factor = {k: float(np.exp(s * x - s * s / 2)) for k, s, x in zip(KINDS, sig, z)}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.base, name)
@@ -171,10 +200,11 @@ class NoisyCostModel:
 
     def _noisy(self, f: StepFeatures, t: float) -> float:
         tokens = f.num_prefill_tokens + f.num_decodes
-        q = self._q[f"{step_kind(f.num_prefills, f.num_decodes)}/{size_bucket(tokens)}"]
+        kind = step_kind(f.num_prefills, f.num_decodes)
+        q = self._q[f"{kind}/{size_bucket(tokens)}"]
         x = self._uniform() * (NUM_LEVELS - 1)
         i = min(int(x), NUM_LEVELS - 2)
-        t *= q[i] + (x - i) * (q[i + 1] - q[i])
+        t *= self.run_factor[kind] * (q[i] + (x - i) * (q[i + 1] - q[i]))
         if self._p and self._uniform() < self._p:
             t += self._stall_s
         return t

@@ -171,6 +171,16 @@ def _int4_codes(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, ...]:
     return (q.reshape(k, n).to(torch.int32), zero.to(torch.int32), scale.to(torch.float16))
 
 
+def fake_quantize_int4(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """W (N, K) through 4-bit codes and back, float32, without packing: equal to
+    ``dequantize(quantize_weight(w, spec), spec)``, faster (calibration searches)."""
+    n, k = w.shape
+    codes, zeros, scales = _int4_codes(w.float(), spec)
+    g = spec.group_size
+    groups = codes.reshape(k // g, g, n) - zeros[:, None, :]
+    return (groups.float() * scales.float()[:, None, :]).reshape(k, n).t()
+
+
 def int4_scale_zero(group: torch.Tensor, method: str, dim: int) -> tuple[torch.Tensor, ...]:
     """(scale, zero) float32 of 4-bit groups reduced along ``dim``: AWQ asymmetric (zero
     in 0..15), GPTQ symmetric (zero 8); the scale already rounded to its stored float16."""

@@ -29,6 +29,7 @@ from sched_lab.backend.inputs import SeqInput
 from sched_lab.backend.quant_formats import (
     QuantSpec,
     dequantize,
+    fake_quantize_int4,
     int4_scale_zero,
     pack_int4,
     quantize_weight,
@@ -59,7 +60,7 @@ def awq_scales(w: torch.Tensor, x: torch.Tensor, spec: QuantSpec, grid: int = AW
         alpha = i / grid
         s = mean_abs.pow(alpha)
         s = s / (s.max() * s.min()).sqrt()  # centred in log scale: the codes' range is kept
-        wq = dequantize(quantize_weight(w * s, spec), spec) / s
+        wq = fake_quantize_int4(w * s, spec) / s
         err = (x @ wq.t() - ref).pow(2).mean().item()
         if err < best[0]:
             best = (err, s, alpha)

@@ -7,6 +7,8 @@ error-correcting update, from the activations of a few prompts.
   nearest, so the search never does worse on them). The scaled weight W diag(s) is stored and
   the inverse folded into the op before: the RMSNorm weight for q/k/v and gate/up, the up
   rows for down. o is not scaled (its input comes from v, which GQA shares among heads).
+  Then, as AWQ's code does, each group of o, gate/up and down is clipped to the fraction of
+  its largest |w| (1, 0.95, .., 0.55) that minimises its share of the output error.
 * GPTQ (Frantar et al., ICLR 2023): H = 2 X^T X / T of the projection's inputs, dampened by
   1% of its mean diagonal; input columns are quantized one by one (in order of decreasing
   H_jj with act-order) and each one's error, divided by the Cholesky factor of H^-1, is
@@ -39,6 +41,7 @@ from sched_lab.core.errors import ConfigError
 #: the repo's prompt file (chat prompts with output lengths); absent in a wheel install
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "experiments/data/smollm2_prompts.yaml"
 AWQ_GRID = 20  # alphas 0, 1/20, .., 19/20
+AWQ_CLIP_STEPS = 10  # clip limits 1, 0.95, .., 0.55 of a group's largest |w|
 GPTQ_DAMP = 0.01  # fraction of H's mean diagonal added to it
 
 
@@ -65,6 +68,30 @@ def awq_scales(w: torch.Tensor, x: torch.Tensor, spec: QuantSpec, grid: int = AW
         if err < best[0]:
             best = (err, s, alpha)
     return best[1], best[2]
+
+
+def awq_clip(w: torch.Tensor, x: torch.Tensor, spec: QuantSpec, steps: int = AWQ_CLIP_STEPS):
+    """W (N, K) with each output's group clamped to +-(1 - i / 20) of its largest |w|, i in
+    0..steps - 1 chosen per (output, group) for the least error of that group's share of
+    the output on inputs x (T, K) (the AWQ code's clipping search; i = 0: no clipping)."""
+    w, x = w.float(), x.float()
+    n, k = w.shape
+    g = spec.group_size
+    xg = x.reshape(-1, k // g, g)  # (T, K/g, g)
+    wg = w.reshape(n, k // g, g)
+    ref = torch.einsum("tjc,njc->tnj", xg, wg)  # each group's share of each output
+    amax = wg.abs().amax(dim=2, keepdim=True)  # (N, K/g, 1)
+    best_err = torch.full((n, k // g), float("inf"))
+    best = wg.clone()
+    for i in range(steps):
+        limit = amax * (1 - i / 20)
+        clipped = torch.maximum(torch.minimum(wg, limit), -limit)
+        q = fake_quantize_int4(clipped.reshape(n, k), spec).reshape(n, k // g, g)
+        err = (torch.einsum("tjc,njc->tnj", xg, q) - ref).pow(2).mean(dim=0)  # (N, K/g)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better[:, :, None], clipped, best)
+    return best.reshape(n, k)
 
 
 def hessian(x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +149,8 @@ def read_prompts(path: Path) -> list[CalibrationPrompt]:
     try:
         items = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"--calibration-prompts {path}: cannot read YAML ({e})") from None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"--calibration-prompts {path}: cannot read YAML ({why})") from None
     if not isinstance(items, list) or not items:
         raise ConfigError(f"{path}: expected a non-empty list of {{prompt, output_len}}")
     out = []
@@ -274,8 +302,12 @@ def _calibrate_layer(layer, inputs, spec: QuantSpec, config, prefix: str):
         w = module.weight.detach()
         if spec.method == "gptq":
             tensors = gptq_quantize(w, hessian(inputs[name]), spec)
-        else:
+        elif name == "qkv_proj":  # not clipped: AWQ's code leaves q and k (attention
+            # scores) alone, and q, k, v are one fused weight here
             tensors = quantize_weight(w, spec)
+        else:
+            x = inputs[name] / (scales[name] if name in scales else 1.0)  # the inputs it sees
+            tensors = quantize_weight(awq_clip(w, x, spec), spec)
         module.weight.copy_(dequantize(tensors, spec).to(w.dtype))
         for part, value in zip(names, _split_outputs(tensors, spec, rows), strict=True):
             out.update({f"{owner}.{part}.{t}": v.contiguous() for t, v in value.items()})

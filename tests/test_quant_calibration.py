@@ -195,6 +195,15 @@ def test_calibration_options_are_one_line(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_calibration_without_a_tokenizer_is_one_line(act_order_dir, tmp_path):
+    from sched_lab.backend.tools.quantize import quantize_checkpoint
+
+    tiny = act_order_dir[0].parent / "tiny"  # random weights: no tokenizer
+    with pytest.raises(UserError, match="--calibration data: no tokenizer in .*tiny") as e:
+        quantize_checkpoint(tiny, tmp_path / "out", "awq", 64, "data")
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
 # ------------------------------------------------------------------ SmolLM2
 SMOLLM2_LAYERS = 2  # of 30: keeps the test a few seconds; full-model figures in the docs
 

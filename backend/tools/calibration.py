@@ -78,8 +78,8 @@ def awq_clip(w: torch.Tensor, x: torch.Tensor, spec: QuantSpec, steps: int = AWQ
     n, k = w.shape
     g = spec.group_size
     xg = x.reshape(-1, k // g, g)  # (T, K/g, g)
+    cov = torch.einsum("tjc,tjd->jcd", xg, xg) / xg.shape[0]  # (K/g, g, g): one per group
     wg = w.reshape(n, k // g, g)
-    ref = torch.einsum("tjc,njc->tnj", xg, wg)  # each group's share of each output
     amax = wg.abs().amax(dim=2, keepdim=True)  # (N, K/g, 1)
     best_err = torch.full((n, k // g), float("inf"))
     best = wg.clone()
@@ -87,7 +87,8 @@ def awq_clip(w: torch.Tensor, x: torch.Tensor, spec: QuantSpec, steps: int = AWQ
         limit = amax * (1 - i / 20)
         clipped = torch.maximum(torch.minimum(wg, limit), -limit)
         q = fake_quantize_int4(clipped.reshape(n, k), spec).reshape(n, k // g, g)
-        err = (torch.einsum("tjc,njc->tnj", xg, q) - ref).pow(2).mean(dim=0)  # (N, K/g)
+        d = q - wg  # mean over tokens of (x_group . d)^2 = d^T cov d, (N, K/g)
+        err = (torch.einsum("njc,jcd->njd", d, cov) * d).sum(dim=2)
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best = torch.where(better[:, :, None], clipped, best)
@@ -173,10 +174,17 @@ def chat_ids(model_dir: Path, prompts: list[CalibrationPrompt]) -> tuple[list[li
         raise ConfigError(
             "--calibration data needs transformers: pip install transformers"
         ) from None
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = [list(tok.apply_chat_template([{"role": "user", "content": p.prompt}],
-                                        add_generation_prompt=True, return_dict=True)["input_ids"])
-           for p in prompts]  # fmt: skip
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ConfigError(f"--calibration data: no tokenizer in {model_dir} to read the prompts")
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        ids = [list(tok.apply_chat_template([{"role": "user", "content": p.prompt}],
+                                            add_generation_prompt=True,
+                                            return_dict=True)["input_ids"])
+               for p in prompts]  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - a foreign tokenizer, no chat template
+        why = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise ConfigError(f"--calibration data: {model_dir}'s tokenizer: {why}") from None
     return ids, tok.eos_token_id
 
 

@@ -168,14 +168,14 @@ def read_prompts(path: Path) -> list[CalibrationPrompt]:
 
 def chat_ids(model_dir: Path, prompts: list[CalibrationPrompt]) -> tuple[list[list[int]], int]:
     """Each prompt's token ids in the model's chat template, and the EOS id."""
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ConfigError(f"--calibration data: no tokenizer in {model_dir} to read the prompts")
     try:
         from transformers import AutoTokenizer
     except ImportError:
         raise ConfigError(
             "--calibration data needs transformers: pip install transformers"
         ) from None
-    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        raise ConfigError(f"--calibration data: no tokenizer in {model_dir} to read the prompts")
     try:
         tok = AutoTokenizer.from_pretrained(model_dir)
         ids = [list(tok.apply_chat_template([{"role": "user", "content": p.prompt}],

@@ -124,15 +124,30 @@ def _fill_quantized(
                 )
             parts.append(reader.get(info.file, source).reshape(shape))
         if tensor == "g_idx":
-            value = parts[0]
-            if not torch.equal(value.long(), torch.arange(k) // spec.group_size):
-                raise CheckpointError(
-                    f"{model_dir}: {name}.g_idx is not k // group_size (act-order GPTQ is not "
-                    "supported)"
-                )
+            value = _check_g_idx(parts, spec, k, f"{model_dir}: {name}.g_idx")
         else:
             value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=concat_dim(spec, tensor))
         buffer.copy_(value)
+
+
+def _check_g_idx(parts: list[torch.Tensor], spec: QuantSpec, k: int, where: str) -> torch.Tensor:
+    """The one g_idx of a (fused) GPTQ projection: k // group_size without act-order; with
+    it, any group of each row in 0..K/g - 1, the same in every fused part (they share their
+    input, so GPTQ orders their columns alike). Otherwise one CheckpointError line."""
+    value = parts[0]
+    if not spec.act_order:
+        if not torch.equal(value.long(), torch.arange(k) // spec.group_size):
+            raise CheckpointError(
+                f"{where} is not k // group_size, but quantization_config.desc_act is false"
+            )
+        return value
+    if any(not torch.equal(p, value) for p in parts[1:]):
+        raise CheckpointError(f"{where}: the fused parts' g_idx differ (act-order); not supported")
+    if int(value.min()) < 0 or int(value.max()) >= k // spec.group_size:
+        raise CheckpointError(
+            f"{where}: values outside 0..{k // spec.group_size - 1} (groups of {spec.group_size})"
+        )
+    return value
 
 
 def _store_layer_weights_kn(model: Transformer) -> None:

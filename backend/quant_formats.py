@@ -12,9 +12,11 @@ Logical weight: W (out_features, in_features) as in ``nn.Linear``; K = in, N = o
 * ``awq`` (GEMM version, zero_point): ``qweight`` int32 (K, N/8), ``qzeros`` int32 (K/g, N/8),
   ``scales`` float16 (K/g, N); 8 nibbles per int32 along N in AWQ's interleaved order (nibble
   i holds column ``AWQ_PACK_ORDER[i]`` of its 8); W[n, k] = (q - z) * s of k's group.
-* ``gptq`` (desc_act false): ``qweight`` int32 (K/8, N), 8 nibbles along K in order;
+* ``gptq`` (symmetric): ``qweight`` int32 (K/8, N), 8 nibbles along K in order;
   ``qzeros`` int32 (K/g, N/8), 8 nibbles along N in order, holding zero - 1 (GPTQ's
-  convention); ``scales`` float16 (K/g, N); ``g_idx`` int32 (K,) = k // g.
+  convention); ``scales`` float16 (K/g, N); ``g_idx`` int32 (K,): row k's group, k // g
+  with desc_act false, any order with desc_act true (act-order: groups follow the
+  calibration's column order).
 
 The engine keeps AWQ in :func:`repack_awq`'s layout (so that one int4 kernel serves both):
 ``qweight`` as GPTQ's (K/8, N), ``qzeros`` (K/g, N/8) in natural nibble order holding the
@@ -42,8 +44,8 @@ DEFAULT_GROUP_SIZE = 128
 @dataclass(frozen=True)
 class QuantSpec:
     """One quantization method and its options (``group_size`` for awq and gptq only;
-    ``act_order``: gptq rows in any group order, row k in group ``g_idx[k]``; the kernels
-    and :func:`dequantize` follow g_idx then, checkpoints with desc_act are still refused)."""
+    ``act_order``: gptq rows in any group order, row k in group ``g_idx[k]``, as written
+    with ``desc_act: true``; the kernels and :func:`dequantize` follow g_idx then)."""
 
     method: str
     group_size: int = DEFAULT_GROUP_SIZE
@@ -69,7 +71,7 @@ class QuantSpec:
             return {"quant_method": "awq", "bits": 4, "group_size": self.group_size,
                     "zero_point": True, "version": "gemm"}  # fmt: skip
         return {"quant_method": "gptq", "bits": 4, "group_size": self.group_size,
-                "desc_act": False, "sym": True}  # fmt: skip
+                "desc_act": self.act_order, "sym": True}  # fmt: skip
 
 
 def spec_from_config(raw: dict[str, Any] | None, source: str) -> QuantSpec | None:
@@ -92,14 +94,13 @@ def spec_from_config(raw: dict[str, Any] | None, source: str) -> QuantSpec | Non
             )
         if method == "awq" and str(raw.get("version", "gemm")).lower() != "gemm":
             raise ConfigError(f"{source}: quantization_config.version: expected 'gemm' for awq")
-        if method == "gptq" and raw.get("desc_act"):
-            raise ConfigError(f"{source}: quantization_config.desc_act: true is not supported")
+        act_order = method == "gptq" and bool(raw.get("desc_act", False))
         group = raw.get("group_size", DEFAULT_GROUP_SIZE)
         if not isinstance(group, int) or group < 16 or group % 16:
             raise ConfigError(
                 f"{source}: quantization_config.group_size: expected a multiple of 16, got {group!r}"
             )
-        return QuantSpec(method, group)
+        return QuantSpec(method, group, act_order)
     if method == "int8" and raw.get("bits", 8) != 8:
         raise ConfigError(f"{source}: quantization_config.bits: {raw['bits']}; int8 needs 8")
     return QuantSpec(method)
@@ -134,13 +135,25 @@ def quantize_weight(w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]
         scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
         q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
         return {"weight": q, "weight_scale": scale}
-    codes, zeros, scales = _int4_codes(w, spec)  # (K, N), (K/g, N), (K/g, N)
+    return pack_int4(*_int4_codes(w, spec), spec)
+
+
+def pack_int4(
+    codes: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    spec: QuantSpec,
+    g_idx: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of 4-bit codes (K, N), zeros and scales (K/g, N); ``g_idx``
+    (K,) row k's group (gptq; None: k // group_size)."""
     if spec.method == "awq":
         return {"qweight": pack_awq(codes), "qzeros": pack_awq(zeros), "scales": scales}
-    k = w.shape[1]
-    g_idx = torch.arange(k, dtype=torch.int32, device=w.device) // spec.group_size
+    if g_idx is None:
+        k = codes.shape[0]
+        g_idx = torch.arange(k, dtype=torch.int32, device=codes.device) // spec.group_size
     return {"qweight": pack_gptq_rows(codes), "qzeros": pack_gptq_zeros(zeros),
-            "scales": scales, "g_idx": g_idx}  # fmt: skip
+            "scales": scales, "g_idx": g_idx.to(torch.int32)}  # fmt: skip
 
 
 def _int4_codes(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, ...]:
@@ -153,16 +166,32 @@ def _int4_codes(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, ...]:
             f"a ({n}, {k}) weight does not split into groups of {g} inputs and packs of 8 outputs"
         )
     groups = w.t().reshape(k // g, g, n)  # (K/g, g, N)
-    if spec.method == "awq":
-        lo, hi = groups.amin(dim=1), groups.amax(dim=1)  # (K/g, N)
+    scale, zero = int4_scale_zero(groups, spec.method, dim=1)  # (K/g, N)
+    q = torch.round(groups / scale[:, None, :] + zero[:, None, :]).clamp(0, 15)
+    return (q.reshape(k, n).to(torch.int32), zero.to(torch.int32), scale.to(torch.float16))
+
+
+def fake_quantize_int4(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """W (N, K) through 4-bit codes and back, float32, without packing: equal to
+    ``dequantize(quantize_weight(w, spec), spec)``, faster (calibration searches)."""
+    n, k = w.shape
+    codes, zeros, scales = _int4_codes(w.float(), spec)
+    g = spec.group_size
+    groups = codes.reshape(k // g, g, n) - zeros[:, None, :]
+    return (groups.float() * scales.float()[:, None, :]).reshape(k, n).t()
+
+
+def int4_scale_zero(group: torch.Tensor, method: str, dim: int) -> tuple[torch.Tensor, ...]:
+    """(scale, zero) float32 of 4-bit groups reduced along ``dim``: AWQ asymmetric (zero
+    in 0..15), GPTQ symmetric (zero 8); the scale already rounded to its stored float16."""
+    if method == "awq":
+        lo, hi = group.amin(dim=dim), group.amax(dim=dim)
         scale = ((hi - lo) / 15.0).clamp(min=1e-8)
         zero = torch.round(-lo / scale).clamp(0, 15)
     else:
-        scale = (groups.abs().amax(dim=1) / 7.5).clamp(min=1e-8)
+        scale = (group.abs().amax(dim=dim) / 7.5).clamp(min=1e-8)
         zero = torch.full_like(scale, 8.0)
-    scale = scale.to(torch.float16).float()  # the codes fit the stored scale
-    q = torch.round(groups / scale[:, None, :] + zero[:, None, :]).clamp(0, 15)
-    return (q.reshape(k, n).to(torch.int32), zero.to(torch.int32), scale.to(torch.float16))
+    return scale.to(torch.float16).float(), zero  # the codes fit the stored scale
 
 
 # ---------------------------------------------------------------- packing

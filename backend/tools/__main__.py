@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sched_lab.backend
 
     quant = sub.add_parser(
         "quantize",
-        help="quantize a checkpoint's projections (round to nearest) into a new one",
+        help="quantize a checkpoint's projections (round to nearest or calibrated) into a new one",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"example:\n  {prog} quantize --method awq --model-dir checkpoints/qwen3-0.6b "
         f"--out checkpoints/qwen3-0.6b-awq\n\n{EXIT_CODES}",
@@ -87,6 +87,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m sched_lab.backend
     quant.add_argument("--model-dir", required=True)
     quant.add_argument("--out", required=True)
     quant.add_argument("--group-size", type=int, default=128, help="awq, gptq (default 128)")
+    quant.add_argument(
+        "--calibration", default="rtn", choices=("rtn", "data"),
+        help="rtn: round to nearest (default); data: AWQ's scales or GPTQ's update from the "
+        "activations of --calibration-prompts (awq, gptq; runs the model on the CPU)",
+    )  # fmt: skip
+    quant.add_argument("--calibration-prompts", default=None,
+                       help="a prompts YAML ({prompt, output_len} items); default: the repo's "
+                       "experiments/data/smollm2_prompts.yaml")  # fmt: skip
+    quant.add_argument("--act-order", action="store_true",
+                       help="gptq with --calibration data: columns in order of decreasing "
+                       "activation energy (desc_act, a non-monotone g_idx)")  # fmt: skip
 
     sub.add_parser(
         "list-presets",
@@ -114,8 +125,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m sched_lab.backend
         elif args.command == "quantize":
             from sched_lab.backend.tools.quantize import quantize_checkpoint
 
-            out = quantize_checkpoint(args.model_dir, args.out, args.method, args.group_size)
-            print(f"wrote {args.model_dir} quantized by {args.method} to {out}")
+            out = quantize_checkpoint(args.model_dir, args.out, args.method, args.group_size,
+                                      args.calibration, args.calibration_prompts,
+                                      args.act_order)  # fmt: skip
+            how = "round to nearest" if args.calibration == "rtn" else "calibrated"
+            print(f"wrote {args.model_dir} quantized by {args.method} ({how}) to {out}")
         elif args.command == "convert-smollm2":
             print(f"SmolLM2-135M-Instruct in {convert_smollm2(args.out, args.force)}")
         else:

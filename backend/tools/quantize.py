@@ -1,5 +1,6 @@
-"""Quantize a Hugging Face checkpoint's layer projections (round to nearest) into a new
-Hugging Face directory whose config.json carries the ``quantization_config``.
+"""Quantize a Hugging Face checkpoint's layer projections (round to nearest, or calibrated
+on prompts: AWQ's scales, GPTQ's update) into a new Hugging Face directory whose config.json
+carries the ``quantization_config``.
 
 Formats: :mod:`sched_lab.backend.quant_formats`. Only q/k/v/o/gate/up/down projections are
 quantized; embeddings, norms and the LM head are copied. Each source shard becomes one
@@ -29,15 +30,32 @@ _PROJECTION = re.compile(r"(.*\.(?:" + "|".join(PROJECTIONS) + r"))\.weight")
 
 
 def quantize_checkpoint(
-    model_dir: str | Path, out: str | Path, method: str, group_size: int = 128
+    model_dir: str | Path,
+    out: str | Path,
+    method: str,
+    group_size: int = 128,
+    calibration: str = "rtn",
+    prompts: str | Path | None = None,
+    act_order: bool = False,
 ) -> Path:
     """Write ``model_dir`` quantized by ``method`` into ``out`` (created; must not hold
-    files); returns ``out``. CheckpointError for an already quantized source, a weight the
-    format cannot split, or an ``out`` in use."""
+    files); returns ``out``. ``calibration``: "rtn" (round to nearest) or "data" (awq and
+    gptq: :mod:`~sched_lab.backend.tools.calibration` on ``prompts``, default the repo's
+    prompt file; ``act_order`` for gptq). CheckpointError for an already quantized source,
+    a weight the format cannot split, or an ``out`` in use; ConfigError for a bad option."""
     src, out = Path(model_dir), Path(out)
-    spec = QuantSpec(method, group_size)
+    spec = QuantSpec(method, group_size, act_order)
     if group_size < 16 or group_size % 16:
         raise ConfigError(f"--group-size: expected a positive multiple of 16, got {group_size}")
+    if calibration not in ("rtn", "data"):
+        raise ConfigError(f"--calibration: expected rtn or data, got {calibration!r}")
+    if calibration == "data" and method not in ("awq", "gptq"):
+        raise ConfigError(f"--calibration data: awq and gptq only, not {method}")
+    if act_order and (method != "gptq" or calibration != "data"):
+        raise ConfigError("--act-order: needs --method gptq --calibration data")
+    prompts = Path(prompts) if prompts is not None else calibration_module().DEFAULT_PROMPTS
+    if calibration == "data" and not prompts.is_file():
+        raise ConfigError(f"--calibration-prompts {prompts}: no such file")
     if checkpoint_quantization(src) is not None:
         raise CheckpointError(f"{src}/config.json: already quantized (quantization_config)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -51,6 +69,9 @@ def quantize_checkpoint(
                     f"{info.file}: tensor {name!r} of shape {list(info.shape)}: {method} needs "
                     f"inputs in groups of --group-size {group_size} and outputs in packs of 8"
                 )
+    calibrated: dict[str, torch.Tensor] = {}
+    if calibration == "data":  # every calibrated tensor in memory before any is written
+        calibrated = calibration_module().calibrate(src, spec, prompts)
     files = sorted({info.file for info in index.values()})
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -62,8 +83,17 @@ def quantize_checkpoint(
         tensors = {}
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                w = f.get_tensor(name)
                 match = _PROJECTION.fullmatch(name)
+                if name in calibrated:  # AWQ: a norm with the scales folded in
+                    tensors[name] = calibrated[name].to(f.get_tensor(name).dtype)
+                    continue
+                if match and f"{match.group(1)}.qweight" in calibrated:
+                    for tensor in spec.tensor_names:
+                        tensors[f"{match.group(1)}.{tensor}"] = calibrated[
+                            f"{match.group(1)}.{tensor}"
+                        ]
+                    continue
+                w = f.get_tensor(name)
                 if match is None:
                     tensors[name] = w
                     continue
@@ -87,3 +117,10 @@ def quantize_checkpoint(
         out.rmdir()  # empty (checked above)
     tmp.rename(out)
     return out
+
+
+def calibration_module():
+    """:mod:`sched_lab.backend.tools.calibration`, imported when used (it imports the runner)."""
+    from sched_lab.backend.tools import calibration
+
+    return calibration

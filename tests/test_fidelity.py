@@ -65,13 +65,17 @@ def sim_config(raw_cost_model: dict, **extra) -> dict:
     }
 
 
+# The Qwen3-0.6B profile shipped until 2026-12-04: made before fingerprints.
+OLD_PROFILE = Path(__file__).parent / "data" / "profiles" / "h200_qwen3-0.6b_2026-11-30.csv"
+
+
 def test_profile_without_fingerprint_loads_with_a_note() -> None:
-    assert read_fingerprint(PROFILE) is None
-    model = CalibratedCostModel(PROFILE)
+    assert read_fingerprint(OLD_PROFILE) is None
+    model = CalibratedCostModel(OLD_PROFILE)
     assert model.fingerprint is None
     stale, why = staleness(model.fingerprint, {})
     assert stale and "no engine fingerprint" in why
-    run = run_experiment(validate(sim_config({"profile": str(PROFILE)})), progress=False)[0]
+    run = run_experiment(validate(sim_config({"profile": str(OLD_PROFILE)})), progress=False)[0]
     cm = run.summary["cost_model"]
     assert cm["kind"] == "calibrated" and cm["stale"] is True and cm["fingerprint"] is None
 

@@ -10,9 +10,10 @@ fit did not see is predicted off by a few percent, and every step of that shape 
 off the same way, so that error does not average out over a run's steps as ``r`` does. Each
 replica draws ``f = exp(sigma * z - sigma**2 / 2)``, ``z`` standard normal, one per step kind
 (mean 1); ``sigma`` (``run_sigma[kind]``) is the root mean square of log(measured /
-held-out prediction) over the rows of that kind, each row predicted by a fit that left it
-out (:func:`sched_lab.sim.calibrated.CalibratedCostModel.noise`: 5-fold over the profile
-rows), or, for the analytic roofline, by the roofline itself (fitted to whole profiles).
+held-out prediction) (:func:`fit_noise`'s ``held_out``): for the calibrated model
+(``CalibratedCostModel.noise``) over whole calibration replays each left out of the fit,
+or, without replays, over the profile's rows of that kind each left out (5-fold); for the
+analytic roofline over the profile rows it was fitted to as a whole.
 
 ``r`` is drawn from the residuals (measured / predicted) of the profile rows of the step's
 kind (``decode``: no prompt tokens; ``prefill``: prompt tokens only; ``mixed``: both) and

@@ -509,3 +509,41 @@ def test_seeds_apply_to_every_bundled_experiment_or_are_refused_in_one_line():
             ran.append(path.stem)
     assert "quickstart" in ran and "synthetic_gamma" in ran  # a datasheet-guess hardware too
     assert "smollm2_cpu" in refused and "replayed_durations" in refused
+
+
+STEPS_HEADER = (
+    "num_prefill_tokens,num_prefills,prefill_context_tokens,prefill_attention_pairs,"
+    "num_decode_tokens,decode_context_tokens,num_swap_out_blocks,num_swap_in_blocks,duration_s\n"
+)
+
+
+def _steps_csv(path, decodes: int, prefills: int):
+    """An engine steps.csv of ``decodes`` decode steps of 8 sequences (context 8 x 1,000)
+    at 2.1 ms and ``prefills`` 512-token prompt steps at 4 ms."""
+    rows = ["0,0,0,0.0,8,8000,0,0,0.0021\n"] * decodes
+    rows += [f"512,1,0,{512 * 513 / 2},0,0,0,0,0.004\n"] * prefills
+    path.write_text(STEPS_HEADER + "".join(rows))
+    return path
+
+
+def test_replay_steps_listed_twice_is_refused_in_one_line(tmp_path):
+    steps = str(_steps_csv(tmp_path / "steps.csv", 10, 10))
+    raw = {**EXPERIMENT, "cost_model": {"profile": QWEN, "replay_steps": [steps, steps]}}
+    with pytest.raises(ConfigError, match=r"replay_steps\[1\]: .*steps.csv is replay_steps\[0\] "
+                       "again; expected each engine run once$"):  # fmt: skip
+        validate(raw)
+
+
+def test_replay_files_too_small_for_a_sample_keep_the_profiles_run_sigma(tmp_path):
+    # 5 decode and 3 prompt steps: no kind reaches MIN_ROWS (8), so no held-out run sample;
+    # the run factor falls back to the profile rows' 5-fold sigma instead of vanishing
+    small = _steps_csv(tmp_path / "small.csv", 5, 3)
+    alone = CalibratedCostModel(QWEN).noise.run_sigma
+    with_small = CalibratedCostModel(QWEN, (small,)).noise.run_sigma
+    assert set(with_small) == {"decode", "prefill", "mixed"}
+    for kind, sigma in alone.items():
+        assert sigma > 0.01 and with_small[kind] == pytest.approx(sigma, rel=0.25)
+    # two files of 10 steps of each kind: one held-out sample per file and kind, pooled
+    runs = [_steps_csv(tmp_path / f"run{i}.csv", 10, 10) for i in range(2)]
+    pooled = CalibratedCostModel(QWEN, tuple(runs)).noise.run_sigma
+    assert len(set(pooled.values())) == 1 and 0 < pooled["decode"] < 5

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import tarfile
 from pathlib import Path
 
 import pandas as pd
@@ -726,3 +727,39 @@ def test_split_is_refused_without_its_archive_or_the_engine_side(tmp_path, capsy
     assert main(["--sim", "--split", "first", "--archive", str(missing)]) == 2
     assert capsys.readouterr().err == "error: --split: only with --engine\n"
     assert not (tmp_path / "w").exists()
+
+
+def test_seeds_of_the_sim_side_need_two_replicas_and_the_engine_side_takes_none(capsys):
+    from sched_lab.fidelity import main
+
+    assert main(["--sim", "--seeds", "1", "--archive", "none.tar.gz"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: --seeds: expected an integer in [2, 1,000] (a band needs two "
+                   "replicas at least), got 1")  # fmt: skip
+    assert main(["--engine", "--seeds", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --seeds: only with --sim (the engine side measures its steps)"
+    )
+
+
+def test_an_engine_summary_without_a_number_is_named():
+    from sched_lab.fidelity.compare import METRICS, PCTS, column, missing_number
+
+    full = {column(m, p): 1.0 for m in METRICS for p in PCTS}
+    full.update(output_throughput=100.0, num_preemptions=0)
+    assert missing_number(full) is None
+    assert missing_number({**full, "p50_tpot_ms": None}) == "p50_tpot_ms"
+    assert missing_number({**full, "num_preemptions": True}) == "num_preemptions"
+    del full["p99_e2el_ms"]
+    assert missing_number(full) == "p99_e2el_ms"
+
+
+def test_a_damaged_repeat_archive_is_the_one_named(tmp_path):
+    from sched_lab.fidelity.archive import unpack
+
+    good = tmp_path / "a.tar.gz"
+    with tarfile.open(good, "w:gz") as tar:
+        tar.add(__file__, arcname="engine.json")
+    (tmp_path / "a_repeat.tar.gz").write_bytes(b"")  # empty: not a gzip
+    with pytest.raises(SystemExit, match=r"^error: .*a_repeat\.tar\.gz: a damaged archive \("):
+        unpack(good)

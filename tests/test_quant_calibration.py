@@ -192,6 +192,10 @@ def test_calibration_options_are_one_line(tmp_path):
             )
     with pytest.raises(UserError, match="--calibration-prompts .*nope.yaml: no such file"):
         quantize_checkpoint(tmp_path, tmp_path / "out", "gptq", 64, "data", tmp_path / "nope.yaml")
+    with pytest.raises(UserError, match="--calibration-prompts .*: a folder, expected a YAML"):
+        quantize_checkpoint(tmp_path, tmp_path / "out", "gptq", 64, "data", tmp_path)
+    with pytest.raises(UserError, match="--calibration-prompts: only with --calibration data"):
+        quantize_checkpoint(tmp_path, tmp_path / "out", "awq", 64, "rtn", tmp_path / "p.yaml")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -260,8 +264,9 @@ def test_smollm2_calibrated_beats_round_to_nearest(smollm2_head, tmp_path, metho
     head, prompts, ids, (base_logits, base_tokens) = smollm2_head
     results = {}
     for calibration in ("rtn", "data"):
-        out = quantize_checkpoint(head, tmp_path / calibration, method, 64, calibration, prompts,
-                                  method == "gptq" and calibration == "data")  # fmt: skip
+        data = calibration == "data"
+        out = quantize_checkpoint(head, tmp_path / calibration, method, 64, calibration,
+                                  prompts if data else None, method == "gptq" and data)  # fmt: skip
         logits, tokens = _greedy(out, ids, 8)
         rel = ((logits - base_logits).norm() / base_logits.norm()).item()
         agree = sum(a == b for x, y in zip(base_tokens, tokens) for a, b in zip(x, y))

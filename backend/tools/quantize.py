@@ -53,9 +53,12 @@ def quantize_checkpoint(
         raise ConfigError(f"--calibration data: awq and gptq only, not {method}")
     if act_order and (method != "gptq" or calibration != "data"):
         raise ConfigError("--act-order: needs --method gptq --calibration data")
+    if prompts is not None and calibration != "data":
+        raise ConfigError("--calibration-prompts: only with --calibration data (rtn reads none)")
     prompts = Path(prompts) if prompts is not None else calibration_module().DEFAULT_PROMPTS
     if calibration == "data" and not prompts.is_file():
-        raise ConfigError(f"--calibration-prompts {prompts}: no such file")
+        what = "a folder, expected a YAML file" if prompts.is_dir() else "no such file"
+        raise ConfigError(f"--calibration-prompts {prompts}: {what}")
     if checkpoint_quantization(src) is not None:
         raise CheckpointError(f"{src}/config.json: already quantized (quantization_config)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -216,6 +216,14 @@ def parse_cost_model(
     cm["replay_steps"] = tuple(
         resolve(f"cost_model.replay_steps[{i}]", p) for i, p in enumerate(steps)
     )
+    seen: dict[Path, int] = {}
+    for i, p in enumerate(cm["replay_steps"]):
+        j = seen.setdefault(Path(p).resolve(), i)
+        if j != i:  # fitted twice, and never held out from itself (lab/sim/calibrated.py noise)
+            raise ConfigError(
+                f"{where}: cost_model.replay_steps[{i}]: {steps[i]} is replay_steps[{j}] again; "
+                "expected each engine run once"
+            )
     cm["durations_from"] = resolve("cost_model.durations_from", replayed)
     return CostModelConfig(**cm)
 

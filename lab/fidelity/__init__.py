@@ -122,6 +122,10 @@ def _main(args: argparse.Namespace) -> int:
     if args.split and not args.engine:
         print("error: --split: only with --engine", file=sys.stderr)
         return 2
+    if args.seeds is not None and args.engine:
+        print("error: --seeds: only with --sim (the engine side measures its steps)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.engine:
         try:  # the checkpoint folder in the way, an archive that cannot be written
             return engine(args.protocol, args.out, args.archive, args.split)
@@ -135,9 +139,9 @@ def _main(args: argparse.Namespace) -> int:
         print("error: --doc: expected the markdown file to write (the default, "
               "docs/fidelity.md, is a source checkout's)", file=sys.stderr)  # fmt: skip
         return 2
-    if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
-        print(f"error: --seeds: expected an integer in [1, {MAX_SEEDS}], got {args.seeds}",
-              file=sys.stderr)  # fmt: skip
+    if args.seeds is not None and not 2 <= args.seeds <= MAX_SEEDS:
+        print(f"error: --seeds: expected an integer in [2, {MAX_SEEDS:,}] (a band needs two "
+              f"replicas at least), got {args.seeds}", file=sys.stderr)  # fmt: skip
         return 2
     try:
         sim(archive, doc, args.seeds)

@@ -75,12 +75,17 @@ def unpack(archive: Path) -> Path:
             file=sys.stderr,
         )
     tmp = Path(tempfile.mkdtemp(prefix="fidelity-"))
+    path = archive
     try:
         for path in (archive, repeat_archive(archive)):
             if path.exists():
                 with tarfile.open(path) as tar:
                     tar.extractall(tmp, filter="data")
-    except BaseException:  # a damaged archive: the caller reports it; no folder is left
+    except (OSError, EOFError, tarfile.TarError) as e:  # a damaged archive: named, no folder left
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SystemExit(f"error: {path}: a damaged archive ({type(e).__name__}: {why})") from None
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return tmp

@@ -63,6 +63,18 @@ def run_row(
 TP = "output_throughput"
 
 
+def missing_number(summary: dict) -> str | None:
+    """The first key a table row reads from an engine run's summary (either naming) that is
+    not a number there, or None."""
+    s = upgrade_summary(summary)
+    keys = [column(m, p) for m in METRICS for p in PCTS] + [TP, "num_preemptions"]
+    for key in keys:
+        v = s.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return key
+    return None
+
+
 def band_cells(key: str, sim, real: float, name: str | None = None) -> dict[str, Any]:
     """A run's band columns of metric ``key`` (named ``name``, default ``key``): ``inside_X``
     (the engine's value in the simulator's 90% band), ``width_X`` (the band's width over

@@ -18,6 +18,7 @@ import yaml
 from sched_lab.core.errors import short_repr
 from sched_lab.fidelity.archive import notes_path, unpack
 from sched_lab.fidelity.compare import (
+    missing_number,
     predicted_durations,
     rank_agreement,
     run_row,
@@ -241,6 +242,13 @@ def _compare_folder(
                 f"error: {archive}: engine/{folder}/summary.json: expected a mapping under "
                 f"{s.label!r}, got {short_repr(r)}"
             )
+        for part, summary in (("engine", r), ("engine_repeat", (again or {}).get(s.label))):
+            key = missing_number(summary) if isinstance(summary, dict) else None
+            if key is not None:
+                raise SystemExit(
+                    f"error: {archive}: {part}/{folder}/summary.json: {s.label}: {key}: "
+                    f"expected a number, got {short_repr(summary.get(key))}"
+                )
         fp = (r.get("cost_model") or {}).get("fingerprint")
         profile = src / "profile.csv"
         c.stale[folder] = staleness(read_fingerprint(profile), fp) if fp else (None, "")

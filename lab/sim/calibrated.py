@@ -658,14 +658,14 @@ class CalibratedCostModel:
         the fit did not see are: each replay file left out in turn and predicted by a fit
         to everything else, the median log error of its steps of each kind (of at least
         MIN_ROWS steps) is one sample; sigma is their root mean square, one for every kind.
-        Without them, each profile row is predicted by a 5-fold fit that left it out, per
+        Without them, or with no such sample, each profile row is predicted by a 5-fold fit that left it out, per
         kind (an upper bound: one row is one shape, a run mixes many). Made on first use:
         only seeded runs ask."""
         data, source = self._data, self._source
         fitted = predict(data, self.coef, self.lora_coef)
+        grid_only = fit_to_profile(data, fitted, cross_validated_predictions(data, rows=source < 0))
         if source.max() < 0:
-            held_out = cross_validated_predictions(data, rows=source < 0)
-            return fit_to_profile(data, fitted, held_out)
+            return grid_only
         y = data["duration_s"].to_numpy(float)
         kinds = np.array([step_kind(p, d) for p, d in zip(data.num_prefills, data.num_decodes)])
         samples = []
@@ -677,9 +677,10 @@ class CalibratedCostModel:
                 e = log_err[kinds[out] == kind]
                 if len(e) >= MIN_ROWS:
                     samples.append(float(np.median(e)))
-        noise = fit_to_profile(data, fitted)
-        sigma = float(np.sqrt(np.mean(np.square(samples)))) if samples else 0.0
-        return replace(noise, run_sigma={k: sigma for k in KINDS})
+        if not samples:  # no replay file has MIN_ROWS steps of a kind: the profile's sigma
+            return grid_only
+        sigma = float(np.sqrt(np.mean(np.square(samples))))
+        return replace(grid_only, run_sigma={k: sigma for k in KINDS})
 
     def step_time(self, f: StepFeatures, block_size: int) -> float:
         """Predicted seconds of a step whose swapped blocks hold ``block_size`` tokens each."""

@@ -41,6 +41,7 @@ import argparse
 import csv
 import hashlib
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -75,8 +76,11 @@ def check_only(names: list[str]) -> str | None:
         if name in known:
             continue
         path = ROOT / "experiments" / f"{name}.yaml"
-        raw = (yaml.safe_load(path.read_text()) or {}) if path.is_file() else None
-        if raw is None:
+        plain = "/" not in name and "\\" not in name and not name.endswith(".yaml")
+        raw = (yaml.safe_load(path.read_text()) or {}) if plain and path.is_file() else None
+        if not plain:
+            why = "expected an experiment's name (quickstart), not a path"
+        elif raw is None:
             why = "no such experiment in experiments/"
         elif {"sweep", "search"} & set(raw):
             why = "a sweep (its points' files are checked by tests/test_sweep.py, not here)"
@@ -229,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", help="experiment names (default: all sim ones)")
     ap.add_argument("--base", metavar="REV", help="compare additively with commit REV")
     args = ap.parse_args(argv)
+    # SIGTERM (timeout, kill) as an exception, so the temporary folders are removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.only and (why := check_only(args.only)):
         print(why, file=sys.stderr)
         return 2

@@ -64,6 +64,7 @@ def test_kv_fp8_dry_run_gives_fp8_four_times_the_float32_blocks():
         ("no_such", "no such experiment in experiments/"),
         ("sweep_quick", "a sweep (its points' files are checked by tests/test_sweep.py, not here)"),
         ("sim_vs_real", "backend: engine, not the simulator"),
+        ("../experiments/quickstart", "expected an experiment's name (quickstart), not a path"),
     ],
 )
 def test_identical_refuses_a_name_it_does_not_check(name, why):

@@ -24,17 +24,7 @@ from sched_lab.backend.tools.calibration import (  # noqa: E402
     hessian,
 )
 from sched_lab.core.errors import UserError  # noqa: E402
-
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-}
+from tests.test_quant import TINY_LLAMA  # noqa: E402  (the same tiny Llama shape)
 
 
 def _inputs(t: int, k: int, seed: int) -> torch.Tensor:

@@ -663,13 +663,10 @@ class CalibratedCostModel:
         only seeded runs ask."""
         data, source = self._data, self._source
         fitted = predict(data, self.coef, self.lora_coef)
-        grid_only = fit_to_profile(data, fitted, cross_validated_predictions(data, rows=source < 0))
-        if source.max() < 0:
-            return grid_only
         y = data["duration_s"].to_numpy(float)
         kinds = np.array([step_kind(p, d) for p, d in zip(data.num_prefills, data.num_decodes)])
         samples = []
-        for run in range(source.max() + 1):
+        for run in range(source.max() + 1):  # no replay file: no iteration
             out = source == run
             coef, lora_coef = fit_with_lora(data[~out])
             log_err = np.log(y[out] / predict(data[out], coef, lora_coef))
@@ -677,10 +674,11 @@ class CalibratedCostModel:
                 e = log_err[kinds[out] == kind]
                 if len(e) >= MIN_ROWS:
                     samples.append(float(np.median(e)))
-        if not samples:  # no replay file has MIN_ROWS steps of a kind: the profile's sigma
-            return grid_only
-        sigma = float(np.sqrt(np.mean(np.square(samples))))
-        return replace(grid_only, run_sigma={k: sigma for k in KINDS})
+        if samples:
+            sigma = float(np.sqrt(np.mean(np.square(samples))))
+            return replace(fit_to_profile(data, fitted), run_sigma={k: sigma for k in KINDS})
+        # no replay file, or none with MIN_ROWS steps of a kind: the profile rows' own sigma
+        return fit_to_profile(data, fitted, cross_validated_predictions(data, rows=source < 0))
 
     def step_time(self, f: StepFeatures, block_size: int) -> float:
         """Predicted seconds of a step whose swapped blocks hold ``block_size`` tokens each."""

@@ -523,6 +523,12 @@ def test_coverage_section_marks_coverage_outside_the_target():
     # 9 of 10 runs inside: 90%, within 85-95%; width 20%; point error median 0%
     assert "| TTFT p50 | 10 | 90.0% | 20.0% | 0.0% | - |" in lines
     assert coverage_section(pd.DataFrame([{"err_p50_ttft_ms": 0.1}])) == []
+    spelled = StepNoise({}, {}, {}, 0.0, 0.0, {"decode": 0.03}, Spells(0.0004, 3.0, 1.0, 0, 6, 14))
+    assert (
+        "Run factor sigma 3.0%; slow spells fitted from the calibration replays: 0.40 ms more "
+        "per step while slow, 25.0% of the time, mean dwells 3.00 s fast and 1.00 s slow "
+        "(14 changes of state in 6 replay runs)."
+    ) in coverage_section(pd.DataFrame(rows), spelled)
 
 
 def test_seeds_flag_runs_replicas_and_rejects_a_bad_count(tmp_path, capsys):

@@ -35,11 +35,12 @@ def shown(archive: Path) -> str:
 
 def write_doc(
     table, steps, rankings, plans, record, stale, profile: Path, archive: Path,
-    protocol: dict[str, Any], equivalent, figures: str = "fidelity",
+    protocol: dict[str, Any], equivalent, figures: str = "fidelity", noise=None,
 ) -> str:  # fmt: skip
     """The doc's markdown (without the archive's notes) from the sim side's results, the
     archive's ``record``, ``stale`` (folder -> (stale, why)), profile, path, protocol and
-    ``equivalent`` policy pairs; its plots are linked in the folder ``figures`` beside it."""
+    ``equivalent`` policy pairs; its plots are linked in the folder ``figures`` beside it;
+    ``noise``: what the seeded replicas drew (a StepNoise; :func:`coverage_section`)."""
     import numpy as np
 
     run_table, met, missed = _run_table(table)
@@ -100,16 +101,33 @@ def write_doc(
         rank_table="\n".join(_rank_lines(rankings)) or "| - | - | - | - | - | - | - | - |",
         same_plans=_equivalent_text(equivalent),
     )
-    return text + "".join(f"{line}\n" for line in coverage_section(table))
+    return text + "".join(f"{line}\n" for line in coverage_section(table, noise))
 
 
 COVERAGE_TARGET = (0.85, 0.95)  # of a 90% band: narrower misses, wider says too little
 
 
-def coverage_section(table) -> list[str]:
+def noise_line(noise) -> str:
+    """What the seeded replicas drew, in a sentence: the run factor's sigma and the slow
+    spells (lab/sim/noise.py)."""
+    sigma = sorted(set(noise.run_sigma.values()))
+    text = "Run factor sigma " + ("/".join(pct(x) for x in sigma) if sigma else "none")
+    sp = noise.spells
+    if sp is None:
+        return text + "; no slow spells (no calibration replays, or none that changed state)."
+    return (
+        f"{text}; slow spells fitted from the calibration replays: {sp.slow_s * 1e3:.2f} ms "
+        f"more per step while slow, {pct(sp.slow_share)} of the time, mean dwells "
+        f"{sp.fast_dwell_s:.2f} s fast and {sp.slow_dwell_s:.2f} s slow ({sp.transitions} "
+        f"changes of state in {sp.runs} replay runs)."
+    )
+
+
+def coverage_section(table, noise=None) -> list[str]:
     """The coverage of the simulator's 90% bands (sim side run with ``--seeds``): per
     metric, the share of runs whose engine value lies inside the band, the band's median
-    relative width and the point error beside it; no lines without bands."""
+    relative width and the point error beside it (and, given the replicas' ``noise``, its
+    :func:`noise_line`); no lines without bands."""
     if not any(c.startswith("inside_") for c in table.columns):
         return []
     rows = table.to_dict("records")
@@ -125,6 +143,7 @@ def coverage_section(table) -> list[str]:
         "run's, as in the tables above; beside it the engine's own spread between its two "
         "passes (median over runs), which a band as wide as the engine's variation from one "
         "run to the next would have to span.",
+        *(["", noise_line(noise)] if noise is not None else []),
         "",
         "| metric | runs | coverage | median band width | median point error | engine's spread |",
         "|---|---|---|---|---|---|",

@@ -143,7 +143,8 @@ def _sim(archive: Path, src: Path, doc: Path, seeds: int | None = None) -> dict[
         else {}
     )
     text = write_doc(table, steps, rankings, plans, record, c.stale, profile, archive, protocol,
-                     c.equivalent, figures=doc.stem)  # fmt: skip
+                     c.equivalent, figures=doc.stem,
+                     noise=model.noise if seeds is not None else None)  # fmt: skip
     notes = notes_path(archive)
     if notes.exists():
         text += "\n" + notes.read_text()

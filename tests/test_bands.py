@@ -19,8 +19,17 @@ from sched_lab.fidelity.markdown import coverage_section
 from sched_lab.report.terminal import summary_text, warnings_text
 from sched_lab.results.bands import band_fields
 from sched_lab.run.experiment import run_experiment
-from sched_lab.sim.calibrated import NO_HOST_NOTE, CalibratedCostModel
-from sched_lab.sim.noise import LEVELS, NoisyCostModel, StepNoise, draw_mean, fit_noise
+from sched_lab.sim.calibrated import NO_HOST_NOTE, CalibratedCostModel, replay_run_ids
+from sched_lab.sim.noise import (
+    LEVELS,
+    NoisyCostModel,
+    Spells,
+    StepNoise,
+    draw_mean,
+    fit_noise,
+    fit_spells,
+    merge_short,
+)
 
 QWEN = str(DATA_ROOT / "profiles" / "h200_qwen3-0.6b.csv")
 # The Qwen3-0.6B profile shipped until 2026-12-04: no fingerprint, no host_s column.
@@ -121,9 +130,131 @@ def test_run_factor_is_one_draw_per_replica_and_kind_with_mean_one():
     assert np.std(logs) == pytest.approx(0.1, rel=0.02)
 
 
+ONES = tuple([1.0] * len(LEVELS))
+NOISE_KEYS = [
+    f"{k}/{z}" for k in ("decode", "prefill", "mixed") for z in ("small", "medium", "large")
+]
+
+
+class Flat:
+    """A cost model pricing every step 10 ms."""
+
+    def step_time(self, f, block_size):
+        return 0.01
+
+
+DECODE = StepFeatures(0, 0, 0, 0.0, 4, 400, 4, 0)
+
+
+def test_spells_share_of_time_and_offsets_follow_the_dwell_means():
+    # slow 1 ms more than fast, mean dwells 0.3 s fast and 0.1 s slow: slow a quarter of the
+    # time; a fast step adds -0.25 ms, a slow one +0.75 ms (mean 0). 20,000 flat 10 ms steps
+    # = ~200 busy seconds = ~500 fast/slow cycles: the slow share 0.25 +- 0.012 (one standard
+    # error, sqrt(2 p (1 - p) tau / T) with tau = 0.075 s), and ~1,000 changes of state
+    spells = Spells(0.001, 0.3, 0.1)
+    assert spells.slow_share == pytest.approx(0.25)
+    noise = StepNoise({k: ONES for k in NOISE_KEYS}, {}, {}, 0.0, 0.0, {}, spells)
+    r = NoisyCostModel(Flat(), noise, (7,))
+    d = np.array([r.step_time(DECODE, 16) for _ in range(20_000)])
+    slow = d > 0.01
+    assert set(np.round(d * 1e3, 6)) == {9.75, 10.75}
+    assert slow.mean() == pytest.approx(0.25, abs=0.05)
+    assert np.count_nonzero(np.diff(slow)) == pytest.approx(1000, rel=0.25)
+    assert d.mean() == pytest.approx(0.01, rel=0.002)  # centred: as much work as plain
+    again = NoisyCostModel(Flat(), noise, (7,))
+    assert [again.step_time(DECODE, 16) for _ in range(500)] == d[:500].tolist()
+    other = NoisyCostModel(Flat(), noise, (8,))
+    assert [other.step_time(DECODE, 16) for _ in range(20_000)] != d.tolist()
+
+
+def test_spells_draw_from_a_stream_of_their_own():
+    # with spells, every step is the draw without them plus one of the two offsets: the
+    # residuals and the run factor are those of the same seed without spells
+    q = tuple(np.linspace(0.9, 1.1, len(LEVELS)).tolist())
+    plain = StepNoise({k: q for k in NOISE_KEYS}, {}, {}, 0.0, 0.0, {"decode": 0.1})
+    spelled = StepNoise(
+        plain.quantiles, {}, {}, 0.0, 0.0, {"decode": 0.1}, Spells(0.001, 0.05, 0.05)
+    )
+    a, b = NoisyCostModel(Flat(), plain, (3, 1, 0)), NoisyCostModel(Flat(), spelled, (3, 1, 0))
+    diff = np.array([b.step_time(DECODE, 16) - a.step_time(DECODE, 16) for _ in range(300)])
+    assert np.allclose(np.abs(diff), 0.0005)  # -0.5 ms fast, +0.5 ms slow (share 0.5)
+    assert (diff > 0).any() and (diff < 0).any()
+
+
+def test_spells_are_fitted_from_a_replay_with_known_spells():
+    # 2 ms predicted decode steps, measured 1.9 ms (fast) or 2.4 ms (slow) in spells of 300
+    # fast and 100 slow steps, five times over; a prompt step every 50 steps measured 5 ms
+    # over its prediction (not a decode: no part in the levels); and a 10-step slow blip
+    # (shorter than MIN_SPELL_STEPS: noise, merged into its fast spell). Fast 1,500 steps x
+    # 1.9 ms over 5 exits = 0.57 s mean dwell; slow 500 x 2.4 ms (+ prompt steps) over 4
+    # exits (the run ends slow: censored) = 0.3 s; the levels' gap 0.5 ms.
+    slow = np.tile(np.r_[np.zeros(300, bool), np.ones(100, bool)], 5)
+    blip = slow.copy()
+    blip[100:110] = True
+    predicted = np.full(len(slow), 0.002)
+    measured = np.where(blip, 0.0024, 0.0019)
+    decode = np.ones(len(slow), bool)
+    decode[25::50] = False
+    measured[~decode] += 0.005
+    spells = fit_spells([(measured, predicted, decode)])
+    assert spells.slow_s == pytest.approx(0.0005, rel=0.02)
+    assert spells.fast_level_s == pytest.approx(-0.0001, abs=2e-5)
+    assert spells.transitions == 9
+    fast_s = measured[~slow].sum()
+    assert spells.fast_dwell_s == pytest.approx(fast_s / 5, rel=0.02)
+    assert spells.slow_dwell_s == pytest.approx(measured[slow].sum() / 4, rel=0.02)
+    assert (spells.states(measured, predicted, decode) == slow).mean() > 0.99
+    # no change of state anywhere, or no decode step: no spells
+    assert fit_spells([(np.full(400, 0.0019), np.full(400, 0.002), np.ones(400, bool))]) is None
+    assert fit_spells([(measured, predicted, np.zeros(len(slow), bool))]) is None
+
+
+def test_calibrated_model_fits_spells_from_its_replay_steps_only(tmp_path):
+    # two engine runs (policies) of 800 steady decode steps of 8 sequences, each priced by the
+    # profile's fit + 0.1 ms (fast) or + 0.6 ms (slow), spells of 300 fast then 100 slow
+    # steps: the replays' spells come back (gap 0.5 ms, 2 runs, 3 changes each)
+    grid = CalibratedCostModel(QWEN)
+    f = StepFeatures(0, 0, 0, 0.0, 8, 8 * 500, 8, 0)
+    t = grid.step_time(f, 16)
+    slow = np.tile(np.r_[np.zeros(300, bool), np.ones(100, bool)], 2)
+    rows = []
+    for policy in ("fcfs", "sjf"):
+        clock = 0.0
+        for s_ in slow:
+            d = t + (0.0006 if s_ else 0.0001)
+            rows.append(f"{policy},1,{clock},{d},0,8,0,0,4000,0,0")
+            clock += d
+    path = tmp_path / "steps.csv"
+    path.write_text(
+        "policy,rate_scale,time_s,duration_s,num_prefill_tokens,num_decode_tokens,"
+        "num_prefills,prefill_context_tokens,decode_context_tokens,num_swap_out_blocks,"
+        "num_swap_in_blocks,prefill_attention_pairs\n" + "\n".join(r + ",0" for r in rows) + "\n"
+    )
+    spells = CalibratedCostModel(QWEN, (path,)).noise.spells
+    assert spells.slow_s == pytest.approx(0.0005, rel=0.05)
+    assert (spells.runs, spells.transitions) == (2, 6)
+    # fast: 4 spells of 300 steps, all left; slow: 2 of 100 per run, the second censored
+    assert spells.fast_dwell_s == pytest.approx(1200 * (t + 0.0001) / 4, rel=0.02)
+    assert spells.slow_dwell_s == pytest.approx(400 * (t + 0.0006) / 2, rel=0.02)
+
+
+def test_short_runs_of_a_state_merge_into_the_one_before():
+    states = np.r_[np.zeros(30, bool), np.ones(5, bool), np.zeros(30, bool), np.ones(40, bool)]
+    merged = merge_short(states, 25)
+    assert not merged[:65].any() and merged[65:].all()
+    assert merge_short(np.ones(3, bool), 25).all()  # the first run keeps its state
+
+
+def test_replay_runs_split_where_the_policy_changes_or_time_goes_back(tmp_path):
+    path = tmp_path / "steps.csv"
+    path.write_text("policy,rate_scale,time_s\nfcfs,1,0\nfcfs,1,0.1\nsjf,1,0\nsjf,1,0.2\nsjf,1,0\n")
+    assert replay_run_ids(path).tolist() == [0, 0, 1, 1, 2]
+
+
 def test_shipped_profile_noise_and_seeded_draws():
     model = CalibratedCostModel(QWEN)
     noise = model.noise
+    assert noise.spells is None  # a profile alone: no sequence of steps, no spells
     for q in noise.quantiles.values():
         assert draw_mean(q) == pytest.approx(1.0)
         assert list(q) == sorted(q)
@@ -392,6 +523,12 @@ def test_coverage_section_marks_coverage_outside_the_target():
     # 9 of 10 runs inside: 90%, within 85-95%; width 20%; point error median 0%
     assert "| TTFT p50 | 10 | 90.0% | 20.0% | 0.0% | - |" in lines
     assert coverage_section(pd.DataFrame([{"err_p50_ttft_ms": 0.1}])) == []
+    spelled = StepNoise({}, {}, {}, 0.0, 0.0, {"decode": 0.03}, Spells(0.0004, 3.0, 1.0, 0, 6, 14))
+    assert (
+        "Run factor sigma 3.0%; slow spells fitted from the calibration replays: 0.40 ms more "
+        "per step while slow, 25.0% of the time, mean dwells 3.00 s fast and 1.00 s slow "
+        "(14 changes of state in 6 replay runs)."
+    ) in coverage_section(pd.DataFrame(rows), spelled)
 
 
 def test_seeds_flag_runs_replicas_and_rejects_a_bad_count(tmp_path, capsys):

@@ -763,3 +763,25 @@ def test_a_damaged_repeat_archive_is_the_one_named(tmp_path):
     (tmp_path / "a_repeat.tar.gz").write_bytes(b"")  # empty: not a gzip
     with pytest.raises(SystemExit, match=r"^error: .*a_repeat\.tar\.gz: a damaged archive \("):
         unpack(good)
+
+
+def test_step_table_has_the_repeat_pass_rows_and_the_figures_stay_the_first_passs():
+    from sched_lab.fidelity.markdown import _by_kind, first_pass
+
+    steps = pd.DataFrame(
+        {
+            "kind": ["decode", "decode", "prefill", "decode", "prefill"],
+            "err": [0.1, -0.2, 0.3, 0.05, -0.05],
+            "noise": [0.01] * 5,
+            "saturated": False,
+            "pass": ["first"] * 3 + ["repeat"] * 2,
+        }
+    )
+    assert first_pass(steps).err.tolist() == [0.1, -0.2, 0.3]
+    rows = {r.split(" | ")[0][2:]: r.split(" | ")[1:4] for r in _by_kind(steps)}
+    # first pass |err| 0.1, 0.2, 0.3: median 20%; repeat 5%, 5%; both: median of 5 = 10%
+    assert rows["all"] == ["3", "20.0%", "28.0%"]
+    assert rows["repeat pass: all"] == ["2", "5.0%", "5.0%"]
+    assert rows["repeat pass: prefill"] == ["1", "5.0%", "5.0%"]
+    assert rows["both passes: all"] == ["5", "10.0%", "26.0%"]
+    assert "repeat pass: all" not in "".join(_by_kind(first_pass(steps)))

@@ -35,14 +35,16 @@ def shown(archive: Path) -> str:
 
 def write_doc(
     table, steps, rankings, plans, record, stale, profile: Path, archive: Path,
-    protocol: dict[str, Any], equivalent, figures: str = "fidelity",
+    protocol: dict[str, Any], equivalent, figures: str = "fidelity", noise=None,
 ) -> str:  # fmt: skip
     """The doc's markdown (without the archive's notes) from the sim side's results, the
     archive's ``record``, ``stale`` (folder -> (stale, why)), profile, path, protocol and
-    ``equivalent`` policy pairs; its plots are linked in the folder ``figures`` beside it."""
+    ``equivalent`` policy pairs; its plots are linked in the folder ``figures`` beside it;
+    ``noise``: what the seeded replicas drew (a StepNoise; :func:`coverage_section`)."""
     import numpy as np
 
     run_table, met, missed = _run_table(table)
+    every, steps = steps, first_pass(steps)  # the figures are the first pass's (table: both)
     e = np.abs(steps.err.to_numpy())
     sat_steps = steps[steps.saturated]
     n_plans = int(plans.steps_recorded.sum())
@@ -89,7 +91,7 @@ def write_doc(
         step_sat=pct(np.median(np.abs(sat_steps.err))) if len(sat_steps) else MISSING,
         headline=_headline(table, steps, rankings, identical, n_plans),
         saturated=_saturated(table, steps),
-        by_kind="\n".join(_by_kind(steps)),
+        by_kind="\n".join(_by_kind(every)),
         met=met,
         total=met + missed,
         medians="\n".join(_medians(table)),
@@ -99,16 +101,33 @@ def write_doc(
         rank_table="\n".join(_rank_lines(rankings)) or "| - | - | - | - | - | - | - | - |",
         same_plans=_equivalent_text(equivalent),
     )
-    return text + "".join(f"{line}\n" for line in coverage_section(table))
+    return text + "".join(f"{line}\n" for line in coverage_section(table, noise))
 
 
 COVERAGE_TARGET = (0.85, 0.95)  # of a 90% band: narrower misses, wider says too little
 
 
-def coverage_section(table) -> list[str]:
+def noise_line(noise) -> str:
+    """What the seeded replicas drew, in a sentence: the run factor's sigma and the slow
+    spells (lab/sim/noise.py)."""
+    sigma = sorted(set(noise.run_sigma.values()))
+    text = "Run factor sigma " + ("/".join(pct(x) for x in sigma) if sigma else "none")
+    sp = noise.spells
+    if sp is None:
+        return text + "; no slow spells (no calibration replays, or none that changed state)."
+    return (
+        f"{text}; slow spells fitted from the calibration replays: {sp.slow_s * 1e3:.2f} ms "
+        f"more per step while slow, {pct(sp.slow_share)} of the time, mean dwells "
+        f"{sp.fast_dwell_s:.2f} s fast and {sp.slow_dwell_s:.2f} s slow ({sp.transitions} "
+        f"changes of state in {sp.runs} replay runs)."
+    )
+
+
+def coverage_section(table, noise=None) -> list[str]:
     """The coverage of the simulator's 90% bands (sim side run with ``--seeds``): per
     metric, the share of runs whose engine value lies inside the band, the band's median
-    relative width and the point error beside it; no lines without bands."""
+    relative width and the point error beside it (and, given the replicas' ``noise``, its
+    :func:`noise_line`); no lines without bands."""
     if not any(c.startswith("inside_") for c in table.columns):
         return []
     rows = table.to_dict("records")
@@ -124,6 +143,7 @@ def coverage_section(table) -> list[str]:
         "run's, as in the tables above; beside it the engine's own spread between its two "
         "passes (median over runs), which a band as wide as the engine's variation from one "
         "run to the next would have to span.",
+        *(["", noise_line(noise)] if noise is not None else []),
         "",
         "| metric | runs | coverage | median band width | median point error | engine's spread |",
         "|---|---|---|---|---|---|",
@@ -207,15 +227,30 @@ def _noise(g, q: float) -> str:
     return pct(np.percentile(n, q)) if len(n) else MISSING
 
 
+def first_pass(steps):
+    """The first engine pass's rows of a per-step frame (all of them without a ``pass``
+    column)."""
+    return steps[steps["pass"] == "first"] if "pass" in steps else steps
+
+
 def _by_kind(steps) -> list[str]:
-    """The step-level error table's rows: all steps, then each step kind."""
+    """The step-level error table's rows: the first pass's steps, all then each kind; with
+    repeat-pass rows (``pass`` ``repeat``), the repeat's all and each kind, then both
+    passes' all."""
     import numpy as np
 
+    first = first_pass(steps)
+    groups = [("all", first), *first.groupby("kind")]
+    again = steps[steps["pass"] == "repeat"] if "pass" in steps else steps.iloc[:0]
+    if len(again):
+        groups += [("repeat pass: all", again)]
+        groups += [(f"repeat pass: {k}", g) for k, g in again.groupby("kind")]
+        groups += [("both passes: all", steps)]
     return [
         f"| {k} | {len(g):,} | {pct(np.median(np.abs(g.err)))} | "
         f"{pct(np.percentile(np.abs(g.err), 90))} | {pct(np.median(g.err))} | "
         f"{_noise(g, 50)} / {_noise(g, 90)} |"
-        for k, g in [("all", steps), *steps.groupby("kind")]
+        for k, g in groups
     ]
 
 
@@ -404,7 +439,9 @@ chunks, decodes, contexts, preemptions, swap-outs and swap-ins); {plan_note}
 ## Step-level error
 
 Each engine step's duration predicted by the calibrated model from that step's exact batch{async_steps}:
-median {step_p50}, P90 {step_p90} (absolute; saturated runs alone: median {step_sat}).
+median {step_p50}, P90 {step_p90} (absolute; saturated runs alone: median {step_sat}; the
+engine's first pass: the repeat pass's steps, where the archive has them, in the table's
+"repeat pass" rows).
 Targets: median <= 3%, P90 <= 8%. The last column is the engine's own spread between steps
 of one shape: each step's distance from the median of the run's steps of its shape (kind,
 prompt tokens to 64, prompts, decodes, context to 512 tokens a sequence; shapes of >= 5

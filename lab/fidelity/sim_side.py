@@ -25,7 +25,7 @@ from sched_lab.fidelity.compare import (
     step_kind,
     step_noise,
 )
-from sched_lab.fidelity.markdown import write_doc
+from sched_lab.fidelity.markdown import first_pass, write_doc
 from sched_lab.fidelity.plots import plots
 from sched_lab.fidelity.protocol import engine_config
 
@@ -110,7 +110,7 @@ class Comparison:
     """What the replays of an archive's engine runs collect, one entry per run (policy)."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)  # the per-run table
-    steps_err: list[Any] = field(default_factory=list)  # per-step frames: kind, err, noise
+    steps_err: list[Any] = field(default_factory=list)  # per-step frames: kind, err, noise, pass
     cdfs: dict[tuple, dict] = field(default_factory=dict)  # (window, load, policy) -> samples
     plan: list[dict[str, Any]] = field(default_factory=list)  # plan_match per run
     stale: dict[str, tuple] = field(default_factory=dict)  # folder -> (stale, why)
@@ -143,11 +143,12 @@ def _sim(archive: Path, src: Path, doc: Path, seeds: int | None = None) -> dict[
         else {}
     )
     text = write_doc(table, steps, rankings, plans, record, c.stale, profile, archive, protocol,
-                     c.equivalent, figures=doc.stem)  # fmt: skip
+                     c.equivalent, figures=doc.stem,
+                     noise=model.noise if seeds is not None else None)  # fmt: skip
     notes = notes_path(archive)
     if notes.exists():
         text += "\n" + notes.read_text()
-    _write(doc, text, table, steps, c.cdfs)
+    _write(doc, text, table, first_pass(steps), c.cdfs)
     print(f"wrote {doc} (and its table and plots in {side_files(doc)[0].parent})")
     print("\nfor docs/simulator.md's fidelity paragraph:\n" + text.split("\n\n")[1], flush=True)
     return {"table": table, "steps": steps, "rankings": rankings, "plans": plans}
@@ -224,6 +225,9 @@ def _compare_folder(
     replays = run_experiment(engine_config(rep_raw), progress=False)
     real_req = pd.read_csv(real_dir / "requests.csv")
     real_steps = pd.read_csv(real_dir / "steps.csv")
+    again_steps = (  # the repeat pass's steps, predicted too (the step table's repeat rows)
+        pd.read_csv(again_dir / "steps.csv") if (again_dir / "steps.csv").is_file() else None
+    )
     slice_name, load = folder.rsplit("_", 1)
     scale = None
     if load.startswith("x"):
@@ -259,18 +263,10 @@ def _compare_folder(
         c.plan.append({"run": f"{folder} {s.label}", **pm})
         row["plans_identical"] = pm["fraction_identical"]
         c.rows.append(row)
-        st = real_steps[real_steps.policy == s.label]
-        pred = predicted_durations(model, st, async_)
-        c.steps_err.append(
-            pd.DataFrame(
-                {
-                    "kind": step_kind(st),
-                    "err": (pred - st.duration_s) / st.duration_s,
-                    "noise": step_noise(st),
-                    "saturated": float(load) > 1.0,
-                }
-            )  # fmt: skip
-        )
+        for pass_, frame in (("first", real_steps), ("repeat", again_steps)):
+            if frame is not None:
+                c.steps_err.append(steps_error(model, frame[frame.policy == s.label],
+                                               async_, float(load) > 1.0, pass_))  # fmt: skip
         rq = real_req[real_req.policy == s.label]
         c.cdfs[(slice_name, float(load), s.label)] = {
             m: (rq[m].dropna().to_numpy(), s.requests[m].dropna().to_numpy())
@@ -280,6 +276,24 @@ def _compare_folder(
     c.equivalent += [(slice_name, float(load), a, b)
                      for a, b in combinations(labels, 2)
                      if plans_alike(raw, real_steps, a, b)]  # fmt: skip
+
+
+def steps_error(model, st, async_: bool, saturated: bool, pass_: str = "first"):
+    """One run's per-step frame (one policy's steps.csv rows ``st``): each step's ``kind``,
+    relative ``err`` of the duration ``model`` predicts from its batch, same-shape engine
+    ``noise``, ``saturated`` and the engine ``pass`` (``first`` or ``repeat``) it came from."""
+    import pandas as pd
+
+    pred = predicted_durations(model, st, async_)
+    return pd.DataFrame(
+        {
+            "kind": step_kind(st),
+            "err": (pred - st.duration_s) / st.duration_s,
+            "noise": step_noise(st),
+            "saturated": saturated,
+            "pass": pass_,
+        }
+    )
 
 
 def plan_alike_replay(raw: dict, real_steps, a: str, b: str):

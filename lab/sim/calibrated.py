@@ -81,7 +81,14 @@ from sched_lab.core.errors import ConfigError, did_you_mean
 from sched_lab.core.fingerprint import HEADER_PREFIX, differences
 from sched_lab.core.kv_dtypes import kv_dtype_bytes
 from sched_lab.core.plan import StepFeatures
-from sched_lab.sim.noise import KINDS, MIN_ROWS, StepNoise, fit_to_profile, step_kind
+from sched_lab.sim.noise import (
+    KINDS,
+    MIN_ROWS,
+    StepNoise,
+    fit_spells,
+    fit_to_profile,
+    step_kind,
+)
 
 TOKEN_KNOT = 2048
 # backend/cuda_graphs.py's largest default token size (DEFAULT_TOKEN_SIZES[-1]; a test ties
@@ -453,6 +460,24 @@ def read_replay_steps(path: str | Path, block_size: int = DEFAULT_BLOCK_SIZE) ->
     )
 
 
+def replay_run_ids(path: str | Path) -> np.ndarray:
+    """For each row :func:`read_replay_steps` keeps of ``path``, the index of the engine run
+    it belongs to (0, 1, ...): a run starts at the first row and where ``policy`` or
+    ``rate_scale`` changes or ``time_s`` goes back (the file appends runs)."""
+    df = _read_csv(Path(path), "cost_model.replay_steps")
+    if "num_loras" in df.columns:  # as read_replay_steps
+        df = df[~(pd.to_numeric(df["num_loras"], errors="coerce").fillna(0) > 0)]
+    new = np.zeros(len(df), bool)
+    for col in ("policy", "rate_scale"):
+        if col in df.columns:
+            v = df[col].astype(str).to_numpy()
+            new[1:] |= v[1:] != v[:-1]
+    if "time_s" in df.columns:
+        t = pd.to_numeric(df["time_s"], errors="coerce").to_numpy(float)
+        new[1:] |= t[1:] < t[:-1]
+    return np.cumsum(new)
+
+
 def check_cells(
     df: pd.DataFrame, columns: tuple[str, ...], where: str, text: Callable[[], pd.DataFrame]
 ) -> pd.DataFrame:
@@ -608,6 +633,7 @@ class CalibratedCostModel:
                 raise ConfigError(f"{where}: no {kind}: the fit cannot predict their time")
         self.coef, self.lora_coef = fit_with_lora(data)
         self._data = data  # for noise
+        self._replay_steps = tuple(replay_steps)  # for noise's spells
         timed = data[data[HOST_COLUMN].notna()] if HOST_COLUMN in data else data.iloc[:0]
         # host time fitted to the rows that have one (replay_steps rows have none)
         self.host_coef = fit_host(timed) if len(timed) else None
@@ -654,17 +680,28 @@ class CalibratedCostModel:
     @cached_property
     def noise(self) -> StepNoise:
         """What seeded replicas draw (lab/sim/noise.py): the residuals of every row fitted,
-        and the run factor's sigma. With replay_steps, that sigma is how far off whole runs
+        the run factor's sigma and the host's slow spells. With replay_steps, the spells are
+        fitted to the replay files' runs (``fit_spells``), and each replay step, less the
+        offset of the state it was in, enters the residuals and the run factor (so the
+        spells' share of the spread is drawn once, by the spells); that sigma is how far off whole runs
         the fit did not see are: each replay file left out in turn and predicted by a fit
         to everything else, the median log error of its steps of each kind (of at least
         MIN_ROWS steps) is one sample; sigma is their root mean square, one for every kind.
         Without them, or with no such sample, each profile row is predicted by a 5-fold fit that left it out, per
-        kind (an upper bound: one row is one shape, a run mixes many). Made on first use:
+        kind (an upper bound: one row is one shape, a run mixes many); without replay_steps,
+        no spells (a profile row is a median of passes, not a sequence). Made on first use:
         only seeded runs ask."""
         data, source = self._data, self._source
         fitted = predict(data, self.coef, self.lora_coef)
         y = data["duration_s"].to_numpy(float)
         kinds = np.array([step_kind(p, d) for p, d in zip(data.num_prefills, data.num_decodes)])
+        runs = self._replay_runs(fitted)
+        spells = fit_spells(runs) if runs else None
+        if spells is not None:  # each replay step without its state's offset: counted once
+            y = y.copy()
+            for rows, (m, p, d) in zip(self._run_rows, runs):
+                y[rows] = np.maximum(y[rows] - spells.offsets(spells.states(m, p, d)), y[rows] / 2)
+            data = data.assign(duration_s=y)
         samples = []
         for run in range(source.max() + 1):  # no replay file: no iteration
             out = source == run
@@ -676,9 +713,30 @@ class CalibratedCostModel:
                     samples.append(float(np.median(e)))
         if samples:
             sigma = float(np.sqrt(np.mean(np.square(samples))))
-            return replace(fit_to_profile(data, fitted), run_sigma={k: sigma for k in KINDS})
+            return replace(fit_to_profile(data, fitted), run_sigma={k: sigma for k in KINDS},
+                           spells=spells)  # fmt: skip
         # no replay file, or none with MIN_ROWS steps of a kind: the profile rows' own sigma
-        return fit_to_profile(data, fitted, cross_validated_predictions(data, rows=source < 0))
+        noise = fit_to_profile(data, fitted, cross_validated_predictions(data, rows=source < 0))
+        return replace(noise, spells=spells)
+
+    def _replay_runs(self, fitted: np.ndarray) -> list[tuple]:
+        """Each engine run in the replay files as (measured, fitted, decode-only) arrays of
+        its steps in order (:func:`sched_lab.sim.noise.fit_spells`); ``_run_rows`` their
+        rows in ``_data``."""
+        data, source = self._data, self._source
+        y = data["duration_s"].to_numpy(float)
+        decode = (data["num_prefills"].to_numpy() == 0) & (data["num_decodes"].to_numpy() > 0)
+        out, self._run_rows = [], []
+        for i, path in enumerate(self._replay_steps):
+            rows = np.flatnonzero(source == i)
+            ids = replay_run_ids(path)
+            if len(ids) != len(rows):  # not the file read at construction: no runs from it
+                continue
+            for run in range(ids.max() + 1 if len(ids) else 0):
+                r = rows[ids == run]
+                out.append((y[r], fitted[r], decode[r]))
+                self._run_rows.append(r)
+        return out
 
     def step_time(self, f: StepFeatures, block_size: int) -> float:
         """Predicted seconds of a step whose swapped blocks hold ``block_size`` tokens each."""

@@ -147,11 +147,15 @@ def test_eager_slope_needs_three_rows_and_keeps_the_slope_non_negative(tmp_path)
 
 def test_eager_knot_is_the_engines_largest_token_graph():
     pytest.importorskip("torch", reason="backend/ needs torch: pip install -e '.[engine,test]'")
+    import triton_setup  # noqa: F401  (first: later Triton tests in this process interpret)
+
+    from sched_lab.backend.attention.flash_varlen import VARLEN_MIN_MEAN_CHUNK as ENGINE_CHUNK
     from sched_lab.backend.cuda_graphs import DEFAULT_TOKEN_SIZES
     from sched_lab.backend.profile import EAGER_MIN_ROWS
-    from sched_lab.sim.calibrated import MIN_EAGER_ROWS
+    from sched_lab.sim.calibrated import MIN_EAGER_ROWS, VARLEN_MIN_MEAN_CHUNK
 
     assert EAGER_KNOT == max(DEFAULT_TOKEN_SIZES)
+    assert VARLEN_MIN_MEAN_CHUNK == ENGINE_CHUNK  # which eager steps run FlashAttention varlen
     assert EAGER_MIN_ROWS == MIN_EAGER_ROWS  # the profile's note and the fit agree
 
 
@@ -205,3 +209,49 @@ def test_profile_rows_feed_random_token_ids_as_a_replay_does():
     again = step_inputs([(32, 64)], [100, 200], 16, vocab_size=1000, seed=3)
     assert [s.token_ids for s in again] == [s.token_ids for s in seqs]
     assert step_inputs([(32, 64)], [100], 16)[0].token_ids == [7] * 64
+
+
+def test_paged_pairs_follow_the_engines_prefill_kernel_choice():
+    """Pairs run the paged Triton kernel in a CUDA graph (<= 8192 tokens), with any cached
+    tokens, or when the chunks average < 1024 tokens; else FlashAttention varlen."""
+    from sched_lab.sim.calibrated import paged_pairs
+
+    assert paged_pairs(8192, 8192, 1, 0)  # the largest graph
+    assert not paged_pairs(16384, 16384, 16, 0)  # eager, 16 chunks of 1024 from position 0
+    assert paged_pairs(12288, 12288, 16, 0)  # eager, chunks of 768
+    assert paged_pairs(16384, 15872, 1, 512)  # eager over a 512-token prefix-cache hit
+    assert not paged_pairs(8200, 8192, 1, 0)  # + 8 decodes: eager, the prompt from 0 varlen
+
+
+def test_paged_pairs_surcharge_is_fitted_from_varlen_rows_and_priced(tmp_path):
+    """Three eager rows from position 0 (12, 14, 16 prompts of 1024: varlen) beside the graph
+    rows, and three eager rows over a 1,024-token cached prefix (paged), priced with a paged
+    surcharge of 0.2 ns a pair: the fit recovers it; a step is priced with it only when paged."""
+    rows = [
+        dict(num_prefill_tokens=n, num_prefills=1, prefill_context_tokens=1024,
+             prefill_attention_pairs=n * 1024 + n * (n + 1) / 2, num_decodes=0,
+             decode_context_tokens=0, num_swap_blocks=0)
+        for n in (10240, 12288, 16384)
+    ]  # fmt: skip
+    df = pd.concat([eager_frame(0.0, (12, 14, 16)), pd.DataFrame(rows)], ignore_index=True)
+    true = np.array([TRUE[f] for f in FEATURES])
+    true[FEATURES.index("paged_prefill_pairs")] = 2e-10
+    df["duration_s"] = design(df) @ true
+    df["kind"] = "x"
+    coef = dict(zip(FEATURES, fit(df)))
+    assert coef["paged_prefill_pairs"] == pytest.approx(2e-10, rel=1e-6)
+    assert coef["prefill_attention_pairs"] == pytest.approx(5e-10, rel=1e-6)
+    path = tmp_path / "p.csv"
+    path.write_text("# header\n" + df.to_csv(index=False))
+    model = CalibratedCostModel(path)
+    varlen = StepFeatures(16384, 16, 0, 16 * 1024 * 1025 / 2, 0, 0, 16, 0)
+    paged = StepFeatures(16384, 16, 16 * 512, 16 * (1024 * 512 + 1024 * 1025 / 2), 0, 0, 16, 0)
+    base = 5e-3 + 16 * 2e-5 + (16384 - 2048) * 2e-6
+    assert model.step_time(varlen, 16) == pytest.approx(
+        base + varlen.prefill_attention_pairs * 5e-10
+    )
+    assert model.step_time(paged, 16) == pytest.approx(
+        base + paged.prefill_attention_pairs * (5e-10 + 2e-10)
+    )
+    # Graph rows alone (profile_frame: every pair paged): no surcharge, c8 prices every pair.
+    assert fit(profile_frame())[FEATURES.index("paged_prefill_pairs")] == 0.0

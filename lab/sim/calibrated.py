@@ -16,10 +16,21 @@ Step time is linear in features of sched_lab.core.plan.StepFeatures:
       + c9 * swapped KV tokens              host-link bytes (blocks * block_size)
       + c10 * max(0, tokens - EAGER_KNOT)   eager steps, above the largest CUDA graph
       + c11 * swap transfers                one host <-> device copy per run of CPU ids
+      + c12 * paged prefill pairs           the pairs the paged Triton kernel computes
 
 Coefficients are >= 0 but c10, whose slope above the knot (c3 + c4 + c10) is kept >= 0; c10
 is fitted only with at least ``MIN_EAGER_ROWS`` non-replay rows above ``EAGER_KNOT``, else it
 is 0. The fit is least squares on error relative to each row's duration.
+
+Prefill attention runs one of two kernels (backend/attention/flash_varlen.py, ``auto``): an
+eager step (above ``EAGER_KNOT`` tokens) whose prompt chunks all start at position 0 and
+average at least ``VARLEN_MIN_MEAN_CHUNK`` tokens runs FlashAttention varlen; every other
+step (in a CUDA graph, or with a chunk over cached tokens: a later chunk, a prefix-cache hit)
+the paged Triton kernel. c8 prices a pair on the first, c8 + c12 on the second (the
+:func:`paged_pairs` feature: all of a step's pairs or none; a step's features do not tell
+which of its chunks have cached tokens, so an eager step with any is counted paged). c12 is
+fitted only with at least ``MIN_EAGER_ROWS`` non-replay rows whose pairs run varlen (the grid
+rows of one to eight prompts above the knot), else it is 0 and c8 prices every pair.
 
 Swaps: a KV token is a fixed number of bytes of the profiled model, so c9 is a per-byte
 rate and a run at another block size pays for its blocks' bytes (swapped blocks times the
@@ -95,12 +106,15 @@ TOKEN_KNOT = 2048
 # the two): a larger step runs eagerly. sched_lab.sim does not import backend.
 EAGER_KNOT = 8192
 MIN_EAGER_ROWS = 3  # profile rows above EAGER_KNOT needed to fit its slope (else it is 0)
+# backend/attention/flash_varlen.py's VARLEN_MIN_MEAN_CHUNK (a test ties the two): an eager
+# step's chunks from position 0 run FlashAttention varlen when they average at least this.
+VARLEN_MIN_MEAN_CHUNK = 1024
 REPLAY_KIND = "replay"  # the kind of a replay step's row (steps_as_profile)
 FEATURES = ("decode_only_step", "prefill_step", "num_seqs", "num_tokens",
             f"tokens_over_{TOKEN_KNOT}", "mean_decode_context", "decode_context_tokens",
             "prefill_context_tokens", "prefill_attention_pairs", "num_swap_tokens",
-            f"tokens_over_{EAGER_KNOT}", "num_swap_runs")  # fmt: skip
-_TOKENS, _HINGE, _EAGER, _RUNS = 3, 4, 10, 11  # columns of FEATURES
+            f"tokens_over_{EAGER_KNOT}", "num_swap_runs", "paged_prefill_pairs")  # fmt: skip
+_TOKENS, _HINGE, _PAIRS, _EAGER, _RUNS, _PAGED = 3, 4, 8, 10, 11, 12  # columns of FEATURES
 DEFAULT_BLOCK_SIZE = 16  # a profile's block size when its header names none (profile.py's)
 RUNS_COLUMN = "num_swap_runs"  # optional profile column (module doc: unknown reads as 0)
 PROFILE_COLUMNS = ("num_prefill_tokens", "num_prefills", "prefill_context_tokens",
@@ -154,7 +168,21 @@ def design(df: pd.DataFrame) -> np.ndarray:
     ]
     cols.append(np.maximum(tokens - EAGER_KNOT, 0.0))
     cols.append(df[RUNS_COLUMN].to_numpy(float))
+    context = df["prefill_context_tokens"].to_numpy(float)
+    paged = paged_pairs(tokens, df["num_prefill_tokens"].to_numpy(float), prefills, context)
+    cols.append(np.where(paged, cols[_PAIRS], 0.0))
     return np.stack(cols, axis=1)
+
+
+def paged_pairs(tokens, prompt_tokens, prefills, context_tokens):
+    """Whether a step's prefill pairs run the paged Triton kernel, not FlashAttention varlen
+    (module doc): arrays or scalars of its tokens (prompt tokens + decodes), prompt tokens,
+    prompts and the cached tokens its chunks read."""
+    return (
+        (tokens <= EAGER_KNOT)
+        | (context_tokens > 0)
+        | (prompt_tokens < VARLEN_MIN_MEAN_CHUNK * prefills)
+    )
 
 
 def host_design(df: pd.DataFrame) -> np.ndarray:
@@ -199,11 +227,20 @@ def nnls(a: np.ndarray, b: np.ndarray, free: tuple[int, ...] = ()) -> np.ndarray
 def fit(df: pd.DataFrame, extra: np.ndarray | None = None) -> np.ndarray:
     """Coefficients of :data:`FEATURES`, then those of ``extra`` ((rows, k) candidate
     features, each coefficient >= 0). Without any swap runs (unknown: module doc) the
-    per-run coefficient is 0 and left out of the fit."""
+    per-run coefficient is 0 and left out of the fit; so is the paged pairs' surcharge
+    without ``MIN_EAGER_ROWS`` non-replay rows whose pairs run varlen."""
     x = design(df)
+    grid = (df["kind"] != REPLAY_KIND).to_numpy() if "kind" in df else np.ones(len(df), bool)
+    varlen = grid & (x[:, _PAIRS] > 0) & (x[:, _PAGED] == 0)
+    dropped = []  # in increasing order
     if not x[:, _RUNS].any():
-        return np.insert(_fit(np.delete(x, _RUNS, axis=1), df, extra), _RUNS, 0.0)
-    return _fit(x, df, extra)
+        dropped.append(_RUNS)
+    if varlen.sum() < MIN_EAGER_ROWS:
+        dropped.append(_PAGED)
+    coef = _fit(np.delete(x, dropped, axis=1), df, extra)
+    for c in dropped:  # each back at its index, as 0
+        coef = np.insert(coef, c, 0.0)
+    return coef
 
 
 def _fit(x: np.ndarray, df: pd.DataFrame, extra: np.ndarray | None) -> np.ndarray:
@@ -316,9 +353,10 @@ def read_profile(path: str | Path) -> pd.DataFrame:
     df = _read_csv(path, key, comment="#")
     where = f"{key}: {path}"
     _require_columns(df, PROFILE_COLUMNS, where)
-    if len(df) < len(FEATURES) - 2:  # the eager slope and the per-run term are optional
+    # the eager slope, the per-run term and the paged pairs' surcharge are optional
+    if len(df) < len(FEATURES) - 3:
         raise ConfigError(
-            f"{where}: expected at least {len(FEATURES) - 2} rows (one per "
+            f"{where}: expected at least {len(FEATURES) - 3} rows (one per "
             f"fitted coefficient), got {len(df)}"
         )
     optional = tuple(c for c in (RUNS_COLUMN, HOST_COLUMN, *LORA_COLUMNS) if c in df.columns)
@@ -659,6 +697,7 @@ class CalibratedCostModel:
             self._swap_token,
             self._eager,
             self._swap_run,
+            self._paged_pairs,
         ) = self.coef.tolist()
         profile_kv, model_bytes = profile_kv_dtype(self.profile)
         self.kv_ratio = kv_bytes_ratio(kv_cache_dtype, profile_kv, model_bytes)
@@ -761,6 +800,10 @@ class CalibratedCostModel:
             )
         if f.num_decodes:
             t += self._mean_ctx * f.decode_context_tokens / f.num_decodes
+        if f.prefill_attention_pairs and paged_pairs(
+            tokens, f.num_prefill_tokens, f.num_prefills, f.prefill_context_tokens
+        ):
+            t += self._paged_pairs * f.prefill_attention_pairs
         if tokens > TOKEN_KNOT:
             t += self._hinge * (tokens - TOKEN_KNOT)
             if tokens > EAGER_KNOT:
@@ -796,7 +839,9 @@ class CalibratedCostModel:
             return t
         base = f.num_prefill_tokens + f.num_decodes
         total = base + f.num_spec_tokens
-        t += self._tok * f.num_spec_tokens + self._pairs * f.spec_context_tokens
+        # verify rows run in CUDA graphs: their pairs on the paged kernel
+        t += self._tok * f.num_spec_tokens
+        t += (self._pairs + self._paged_pairs) * f.spec_context_tokens
         t += self._hinge * (max(0, total - TOKEN_KNOT) - max(0, base - TOKEN_KNOT))
         t += self._eager * (max(0, total - EAGER_KNOT) - max(0, base - EAGER_KNOT))
         return t

@@ -128,9 +128,14 @@ def _fixed_g(x: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     e10 = np.floor(np.log10(x)).astype(np.int64)
     top = float(10**p)
     for _ in range(2):  # log10 may be one off near a power of ten
-        hi, lo = _two_product(x, 10.0 ** (p - 1 - e10).astype(np.float64))
-        over = (hi > top) | ((hi == top) & (lo >= 0))
-        under = (hi < top / 10) | ((hi == top / 10) & (lo < 0))
+        scale = 10.0 ** (p - 1 - e10).astype(np.float64)
+        hi = x * scale
+        over, under = hi > top, hi < top / 10
+        edge = np.flatnonzero((hi == top) | (hi == top / 10))  # the rest hi + lo decides
+        if len(edge):
+            lo = _two_product(x[edge], scale[edge])[1]
+            over[edge] = (hi[edge] == top) & (lo >= 0)
+            under[edge] = (hi[edge] == top / 10) & (lo < 0)
         e10 = e10 + over - under
     hi, lo = _two_product(x, 10.0 ** (p - 1 - e10).astype(np.float64))
     whole = np.floor(hi)
@@ -149,13 +154,14 @@ def _fixed_g(x: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
 
 
 def _strip_zeros(digits: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Drop trailing zero digits (keeping one digit)."""
-    for _ in range(_REPR_DIGITS):
-        zero = (digits % 10 == 0) & (count > 1)
-        if not zero.any():
-            break
-        digits = np.where(zero, digits // 10, digits)
-        count = count - zero
+    """Drop trailing zero digits (keeping one digit). Each pass reads only the values the
+    pass before shortened."""
+    digits, count = digits.copy(), count.copy()
+    at = np.flatnonzero((digits % 10 == 0) & (count > 1))
+    while len(at):
+        digits[at] //= 10
+        count[at] -= 1
+        at = at[(digits[at] % 10 == 0) & (count[at] > 1)]
     return count, digits
 
 
@@ -197,20 +203,39 @@ _EMPTY = 4000
 
 def _layout(digits: np.ndarray, count: np.ndarray, point: np.ndarray, point_zero: bool) -> Cells:
     """Cells of the fixed-point text of ``digits`` (``count`` of them, < 10**17) with the
-    decimal point after ``point`` digits (<= 0: ``0.`` and zeros first; past the digits:
-    zeros, then ``.0`` if ``point_zero``). Both parts are right-aligned in their columns,
-    with NUL padding before them (see :func:`pack`)."""
-    frac_len = np.maximum(count - point, 0)
-    whole, frac = np.divmod(digits, _POW10[np.minimum(frac_len, 18)])
-    whole = whole * _POW10[np.clip(point - count, 0, 18)]  # zeros before the point
-    if point_zero:
-        frac_len = np.maximum(frac_len, 1)  # "12.0"
-    int_len = np.maximum(point, 1)
-    length = int_len + np.where(frac_len > 0, 1 + frac_len, 0)
-    int_cells = _right_aligned(whole, int_len)
-    frac_cells = _right_aligned(frac, frac_len, zeros=True)
-    dot = np.where(frac_len > 0, np.uint8(ord(".")), np.uint8(0))[:, None]
-    return np.concatenate([int_cells, dot, frac_cells], axis=1), length.astype(np.int64)
+    decimal point after ``point`` (<= 17) digits (<= 0: ``0.`` and zeros first; past the digits:
+    zeros, then ``.0`` if ``point_zero``). The digits are written left-aligned from one
+    zero-padded string per value, each shown up to its last; the point is put in a slot
+    after the digit it follows (NUL in other rows: see :func:`pack`)."""
+    n = len(digits)
+    after = point >= count  # no fraction but the ".0" of point_zero
+    shown = np.where(after, point + point_zero, count)  # digits shown, zeros past the value
+    width = int(shown.max(initial=0))
+    dot = (shown > point) & (point >= 1)  # a point after digit point - 1 (else in the prefix)
+    lead = point < 1  # "0." and -point zeros first
+    if n == 0:
+        return np.zeros((0, 0), dtype=np.uint8), np.zeros(0, dtype=np.int64)
+    g = -(-width // 3)  # groups of 3 digits: at most 6 (18 digits)
+    value = digits * _POW10[3 * g - count]  # the digits left-aligned in 3g places
+    text = _GROUPS[_groups(value, g)].view(np.uint8).reshape(n, 4 * g)  # zero-padded, NUL/4
+    digit = np.arange(width)
+    text = text[:, digit // 3 * 4 + digit % 3]  # the first ``width`` digits
+    text[digit[None, :] >= shown[:, None]] = 0
+    zeros = int(-point.min()) if lead.any() else 0  # zeros of the prefix
+    prefix = 2 + zeros if lead.any() else 0
+    dots = np.flatnonzero(np.bincount(point[dot], minlength=width + 1))  # points in use
+    out = np.zeros((n, prefix + width + len(dots)), dtype=np.uint8)
+    col = prefix + digit + np.searchsorted(dots, digit, side="right")  # after their dots
+    out[:, col] = text
+    if prefix:
+        out[:, 0] = np.where(lead, np.uint8(ord("0")), np.uint8(0))
+        out[:, 1] = np.where(lead, np.uint8(ord(".")), np.uint8(0))
+        for k in range(zeros):
+            out[:, 2 + k] = np.where(point < -k, np.uint8(ord("0")), np.uint8(0))
+    for p in dots:  # the slot right after digit p - 1
+        out[:, col[p - 1] + 1] = np.where(dot & (point == p), np.uint8(ord(".")), np.uint8(0))
+    length = shown + dot + np.where(lead, 2 - point, 0)
+    return out, length.astype(np.int64)
 
 
 def _right_aligned(values: np.ndarray, width: np.ndarray, zeros: bool = False) -> np.ndarray:

@@ -212,21 +212,21 @@ def _layout(digits: np.ndarray, count: np.ndarray, point: np.ndarray, point_zero
     zero-padded string per value, each shown up to its last; the point is put in a slot
     after the digit it follows (NUL in other rows: see :func:`pack`)."""
     n = len(digits)
-    after = point >= count  # no fraction but the ".0" of point_zero
-    shown = np.where(after, point + point_zero, count)  # digits shown, zeros past the value
-    width = int(shown.max(initial=0))
-    dot = (shown > point) & (point >= 1)  # a point after digit point - 1 (else in the prefix)
-    lead = point < 1  # "0." and -point zeros first
     if n == 0:
         return np.zeros((0, 0), dtype=np.uint8), np.zeros(0, dtype=np.int64)
+    after = point >= count  # no fraction but the ".0" of point_zero
+    shown = np.where(after, point + point_zero, count)  # digits shown, zeros past the value
+    width = int(shown.max())
+    dot = (shown > point) & (point >= 1)  # a point after digit point - 1 (else in the prefix)
+    lead = point < 1  # "0." and -point zeros first
     g = -(-width // 3)  # groups of 3 digits: at most 6 (18 digits)
     value = digits * _POW10[3 * g - count]  # the digits left-aligned in 3g places
     text = _group_words(_groups(value, g))  # zero-padded, a NUL after each group
     digit = np.arange(width)
     text = text[:, digit // 3 * 4 + digit % 3]  # the first ``width`` digits
     text[digit[None, :] >= shown[:, None]] = 0
-    zeros = int(-point.min()) if lead.any() else 0  # zeros of the prefix
-    prefix = 2 + zeros if lead.any() else 0
+    zeros = int(-point.min()) if lead.any() else -2  # zeros after "0."; -2: no prefix
+    prefix = 2 + zeros
     dots = np.flatnonzero(np.bincount(point[dot], minlength=width + 1))  # points in use
     out = np.zeros((n, prefix + width + len(dots)), dtype=np.uint8)
     col = prefix + digit + np.searchsorted(dots, digit, side="right")  # after their dots
@@ -253,7 +253,7 @@ def _right_aligned(values: np.ndarray, width: np.ndarray) -> np.ndarray:
         return _GROUPS[values + 1000].view(np.uint8).reshape(n, 4)[:, 3 - most : 3]
     # Group k by the value's length: empty before its first digit, the first group shown
     # without leading zeros, zero-padded after.
-    digits = np.arange(_REPR_DIGITS + 2)
+    digits = np.arange(19)  # a value's length, 0 to 18
     offsets = []
     for k in range(g):
         after = 3 * (g - k - 1)  # digits after group k

@@ -27,6 +27,23 @@ def test_hand_written_cells():
     )
 
 
+def test_decimal_point_placed_per_row():
+    """The point after 1 to 9 digits in the same column, zeros after "0.", a rounding that
+    leaves no fraction (zeros before where the point would be), and integers of a column
+    wide enough to be looked up from a table of 0..max."""
+    x = np.array([0.000123456789, 1.5, 12.25, 123456.789, 98765432.1, 123456789.7, -0.03125])
+    df = pd.DataFrame({"x": x})
+    assert csv_text.frame_csv(df, "%.9g") == (
+        b"x\n0.000123456789\n1.5\n12.25\n123456.789\n98765432.1\n123456790\n-0.03125\n"
+    )
+    assert csv_text.frame_csv(df) == (
+        b"x\n0.000123456789\n1.5\n12.25\n123456.789\n98765432.1\n123456789.7\n-0.03125\n"
+    )
+    counts = np.array([0, 7, 1000, 1001, 1200] * 1000 + [999, 1100] * 2)  # max < rows / 4
+    cells = csv_text.int_cells(counts)
+    assert csv_text.pack([cells]) == "".join(f"{v}\n" for v in counts).encode()
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("style", ["repr", "%.9g"])
 def test_floats_match_pandas(seed, style):

@@ -128,9 +128,14 @@ def _fixed_g(x: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     e10 = np.floor(np.log10(x)).astype(np.int64)
     top = float(10**p)
     for _ in range(2):  # log10 may be one off near a power of ten
-        hi, lo = _two_product(x, 10.0 ** (p - 1 - e10).astype(np.float64))
-        over = (hi > top) | ((hi == top) & (lo >= 0))
-        under = (hi < top / 10) | ((hi == top / 10) & (lo < 0))
+        scale = 10.0 ** (p - 1 - e10).astype(np.float64)
+        hi = x * scale
+        over, under = hi > top, hi < top / 10
+        edge = np.flatnonzero((hi == top) | (hi == top / 10))  # the rest hi + lo decides
+        if len(edge):
+            lo = _two_product(x[edge], scale[edge])[1]
+            over[edge] = (hi[edge] == top) & (lo >= 0)
+            under[edge] = (hi[edge] == top / 10) & (lo < 0)
         e10 = e10 + over - under
     hi, lo = _two_product(x, 10.0 ** (p - 1 - e10).astype(np.float64))
     whole = np.floor(hi)
@@ -149,42 +154,48 @@ def _fixed_g(x: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
 
 
 def _strip_zeros(digits: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Drop trailing zero digits (keeping one digit)."""
-    for _ in range(_REPR_DIGITS):
-        zero = (digits % 10 == 0) & (count > 1)
-        if not zero.any():
-            break
-        digits = np.where(zero, digits // 10, digits)
-        count = count - zero
+    """Drop trailing zero digits (keeping one digit). Each pass reads only the values the
+    pass before shortened."""
+    digits, count = digits.copy(), count.copy()
+    at = np.flatnonzero((digits % 10 == 0) & (count > 1))
+    while len(at):
+        digits[at] //= 10
+        count[at] -= 1
+        at = at[(digits[at] % 10 == 0) & (count[at] > 1)]
     return count, digits
 
 
-def _groups(values: np.ndarray, g: int) -> np.ndarray:
-    """The last ``g`` groups of 3 decimal digits of each of ``values`` (non-negative int64),
-    most significant first, (n, g) int64. Below 10**9 float arithmetic is exact and faster
-    than int64 division."""
-    out = np.empty((len(values), g), dtype=np.int64)
+def _groups(values: np.ndarray, g: int) -> list[np.ndarray]:
+    """The ``g`` groups of 3 decimal digits of each of ``values`` (non-negative int64 below
+    10**(3g)), most significant first: one int64 array per group. Below 10**9 float
+    arithmetic is exact and faster than int64 division."""
     if g > 3:  # two halves of 9 digits
         high, low = np.divmod(values, 10**9)
-        out[:, : g - 3] = _groups(high, g - 3)
-        out[:, g - 3 :] = _groups(low, 3)
-        return out
+        return _groups(high, g - 3) + _groups(low, 3)
     v = values.astype(np.float64)
-    for k in range(g - 1, 0, -1):
+    out = []
+    for _ in range(g - 1):
         top = np.floor(v / 1000.0)
-        out[:, k] = v - top * 1000.0
+        out.append((v - top * 1000.0).astype(np.int64))
         v = top
-    out[:, 0] = v % 1000.0 if len(values) else v
-    return out
+    out.append(v.astype(np.int64))
+    return out[::-1]
+
+
+def _group_words(groups: list[np.ndarray], offsets: list | None = None) -> np.ndarray:
+    """Cells of ``groups`` (:func:`_groups`) side by side, 4 bytes each: zero-padded, or
+    group k as the table row ``offsets[k]`` past its value (see :func:`_group_table`)."""
+    words = np.empty((len(groups[0]), len(groups)), dtype=np.uint32)
+    for k, group in enumerate(groups):
+        words[:, k] = _GROUPS[group if offsets is None else group + offsets[k]]
+    return words.view(np.uint8).reshape(len(groups[0]), 4 * len(groups))
 
 
 def _group_table() -> np.ndarray:
     """Cells of a group of 3 digits as uint32 (3 characters and a NUL, so a gather moves one
-    word): rows 0-999 zero-padded; 1000 + i ``str(i)``; 2000 + i (i < 100) and 3000 + i
-    (i < 10) zero-padded to 2 and 1 digits; 4000 empty. Shorter texts are NUL-padded."""
-    texts = [f"{i:03d}" for i in range(1000)] + [str(i) for i in range(1000)]
-    texts += [f"{i:02d}" if i < 100 else "" for i in range(1000)]
-    texts += [str(i) if i < 10 else "" for i in range(1000)] + [""]
+    word): rows 0-999 zero-padded; 1000 + i ``str(i)``; 2000 + i empty. Shorter texts are
+    NUL-padded."""
+    texts = [f"{i:03d}" for i in range(1000)] + [str(i) for i in range(1000)] + [""] * 1000
     table = np.zeros((len(texts), 4), dtype=np.uint8)
     for row, t in zip(table, texts):
         row[3 - len(t) : 3] = list(t.encode())
@@ -192,47 +203,64 @@ def _group_table() -> np.ndarray:
 
 
 _GROUPS = _group_table()
-_EMPTY = 4000
 
 
 def _layout(digits: np.ndarray, count: np.ndarray, point: np.ndarray, point_zero: bool) -> Cells:
     """Cells of the fixed-point text of ``digits`` (``count`` of them, < 10**17) with the
-    decimal point after ``point`` digits (<= 0: ``0.`` and zeros first; past the digits:
-    zeros, then ``.0`` if ``point_zero``). Both parts are right-aligned in their columns,
-    with NUL padding before them (see :func:`pack`)."""
-    frac_len = np.maximum(count - point, 0)
-    whole, frac = np.divmod(digits, _POW10[np.minimum(frac_len, 18)])
-    whole = whole * _POW10[np.clip(point - count, 0, 18)]  # zeros before the point
-    if point_zero:
-        frac_len = np.maximum(frac_len, 1)  # "12.0"
-    int_len = np.maximum(point, 1)
-    length = int_len + np.where(frac_len > 0, 1 + frac_len, 0)
-    int_cells = _right_aligned(whole, int_len)
-    frac_cells = _right_aligned(frac, frac_len, zeros=True)
-    dot = np.where(frac_len > 0, np.uint8(ord(".")), np.uint8(0))[:, None]
-    return np.concatenate([int_cells, dot, frac_cells], axis=1), length.astype(np.int64)
+    decimal point after ``point`` (<= 17) digits (<= 0: ``0.`` and zeros first; past the digits:
+    zeros, then ``.0`` if ``point_zero``). The digits are written left-aligned from one
+    zero-padded string per value, each shown up to its last; the point is put in a slot
+    after the digit it follows (NUL in other rows: see :func:`pack`)."""
+    n = len(digits)
+    if n == 0:
+        return np.zeros((0, 0), dtype=np.uint8), np.zeros(0, dtype=np.int64)
+    after = point >= count  # no fraction but the ".0" of point_zero
+    shown = np.where(after, point + point_zero, count)  # digits shown, zeros past the value
+    width = int(shown.max())
+    dot = (shown > point) & (point >= 1)  # a point after digit point - 1 (else in the prefix)
+    lead = point < 1  # "0." and -point zeros first
+    g = -(-width // 3)  # groups of 3 digits: at most 6 (18 digits)
+    value = digits * _POW10[3 * g - count]  # the digits left-aligned in 3g places
+    text = _group_words(_groups(value, g))  # zero-padded, a NUL after each group
+    digit = np.arange(width)
+    text = text[:, digit // 3 * 4 + digit % 3]  # the first ``width`` digits
+    text[digit[None, :] >= shown[:, None]] = 0
+    zeros = int(-point.min()) if lead.any() else -2  # zeros after "0."; -2: no prefix
+    prefix = 2 + zeros
+    dots = np.flatnonzero(np.bincount(point[dot], minlength=width + 1))  # points in use
+    out = np.zeros((n, prefix + width + len(dots)), dtype=np.uint8)
+    col = prefix + digit + np.searchsorted(dots, digit, side="right")  # after their dots
+    out[:, col] = text
+    if prefix:
+        out[:, 0] = np.where(lead, np.uint8(ord("0")), np.uint8(0))
+        out[:, 1] = np.where(lead, np.uint8(ord(".")), np.uint8(0))
+        for k in range(zeros):
+            out[:, 2 + k] = np.where(point < -k, np.uint8(ord("0")), np.uint8(0))
+    for p in dots:  # the slot right after digit p - 1
+        out[:, col[p - 1] + 1] = np.where(dot & (point == p), np.uint8(ord(".")), np.uint8(0))
+    length = shown + dot + np.where(lead, 2 - point, 0)
+    return out, length.astype(np.int64)
 
 
-def _right_aligned(values: np.ndarray, width: np.ndarray, zeros: bool = False) -> np.ndarray:
+def _right_aligned(values: np.ndarray, width: np.ndarray) -> np.ndarray:
     """Each of ``values`` (< 10**18) right-aligned with NUL before it, in 4 bytes per group
-    of 3 digits: ``str(value)`` (``width`` its length), or with ``zeros`` its last ``width``
-    digits, zero-padded to that width."""
+    of 3 digits: ``str(value)``, ``width`` its length."""
     n, g = len(values), -(-int(width.max(initial=0)) // 3)
     if n == 0 or g == 0:
         return np.zeros((n, 0), dtype=np.uint8)
-    if g == 1 and not zeros:  # below 1,000: one lookup each, as narrow as the widest
+    if g == 1:  # below 1,000: one lookup each, as narrow as the widest
         most = int(width.max())
         return _GROUPS[values + 1000].view(np.uint8).reshape(n, 4)[:, 3 - most : 3]
-    index = _groups(values, g)
-    cols = np.arange(g)[None, :]
-    first = g - (-(-width // 3))[:, None]  # the first group shown, in part or whole
-    if zeros:  # the first group shows width % 3 digits (or 3), zero-padded
-        partial = np.array([0, 3000, 2000])[width % 3][:, None]
-        index = np.where(cols == first, index + partial, index)
-    else:  # the first group without its leading zeros
-        index = np.where(cols == first, index + 1000, index)
-    index = np.where(cols < first, _EMPTY, index)
-    return _GROUPS[index].view(np.uint8).reshape(n, 4 * g)
+    # Group k by the value's length: empty before its first digit, the first group shown
+    # without leading zeros, zero-padded after.
+    digits = np.arange(19)  # a value's length, 0 to 18
+    offsets = []
+    for k in range(g):
+        after = 3 * (g - k - 1)  # digits after group k
+        offsets.append(
+            np.where(digits <= after, 2000, np.where(digits <= after + 3, 1000, 0))[width]
+        )
+    return _group_words(_groups(values, g), offsets)
 
 
 def float_cells(x: np.ndarray, style: str = "repr") -> Cells:
@@ -300,19 +328,27 @@ def int_cells(v: np.ndarray) -> Cells:
         return np.broadcast_to(one, (len(v), one.shape[1])), np.repeat(length, len(v))
     keep = np.flatnonzero(~big)
     a = v[keep].astype(np.int64)
-    negative = a < 0
-    a = np.abs(a)
-    count = np.ones(len(a), dtype=np.int64)
-    for k in range(1, len(str(int(a.max(initial=0))))):
-        count += a >= _POW10[k]
-    cells, length = _right_aligned(a, count), count
-    if negative.any():
-        cells, length = _signed(cells, length, negative)
+    if len(a) and 0 <= a.min() and 1000 <= a.max() < len(a) // 4:  # 0..max made, looked up
+        cells, length = _digit_cells(np.arange(a.max() + 1))
+        cells, length = cells[a], length[a]
+    else:
+        negative = a < 0
+        cells, length = _digit_cells(np.abs(a))
+        if negative.any():
+            cells, length = _signed(cells, length, negative)
     if not big.any():
         return cells, length
     rest = np.flatnonzero(big)
     texts = text_cells([str(i) for i in v[rest].tolist()])
     return _merge(len(v), [(keep, (cells, length)), (rest, texts)])
+
+
+def _digit_cells(a: np.ndarray) -> Cells:
+    """Cells of non-negative int64 values below 10**18: ``str(int)``."""
+    count = np.ones(len(a), dtype=np.int64)
+    for k in range(1, len(str(int(a.max(initial=0))))):
+        count += a >= _POW10[k]
+    return _right_aligned(a, count), count
 
 
 def _signed(cells: np.ndarray, length: np.ndarray, negative: np.ndarray) -> Cells:

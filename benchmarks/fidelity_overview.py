@@ -58,7 +58,9 @@ def row(t: pd.DataFrame) -> list[str]:
         width = t[f"width_{key}"].median() if f"width_{key}" in t else float("nan")
         cells.append(f"{pct(cov)} / {pct(width)}")
     lo, hi = COVERAGE_TARGET
-    covs = [t[f"inside_{k}"].astype(bool).mean() for k in [*METRICS, "throughput"] if f"inside_{k}" in t]
+    covs = [
+        t[f"inside_{k}"].astype(bool).mean() for k in [*METRICS, "throughput"] if f"inside_{k}" in t
+    ]
     cells.append(f"{sum(lo <= c <= hi for c in covs)} of {len(covs)}" if covs else "-")
     return cells
 

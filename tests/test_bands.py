@@ -321,6 +321,7 @@ def test_seeded_replicas_give_bands_replica_zero_and_the_same_results_again():
         assert not any(k.endswith("_band") for k in r3.vllm)
     text = summary_text(three, (50, 99))
     assert "over 3 seeded replicas" in text
+    assert "3 replicas are few: the band is about their range" in text  # N < 20
     lo, hi = three[0].summary["duration_band"]
     med = three[0].summary["duration_seed_median"]
     assert f"{med:.1f} [{lo:.1f}, {hi:.1f}]" in text
@@ -588,7 +589,7 @@ def test_an_interrupted_seeded_run_keeps_the_replicas_that_finished(tmp_path, mo
     assert lo <= chunked["p50_e2el_ms_seed_median"] <= hi
     report = (out / "report.md").read_text()
     assert f"**Partial results**: {partial}." in report
-    assert "the bands); interrupted: chunked_prefill 2 of 4 replicas." in report
+    assert "the bands); interrupted: chunked_prefill 2 of 4 replicas; 4 replicas are few" in report
 
 
 def test_counts_print_as_whole_numbers_latencies_as_they_are():

@@ -53,7 +53,9 @@ def write_doc(
     fp = json.loads(json.dumps(_read_fp(profile)))
     exp = protocol.get("experiment", {})
     async_protocol = bool((exp.get("scheduler") or {}).get("async_scheduling"))
+    windows = ", ".join(protocol.get("slices", {})) or "?"
     text = TEMPLATE.format(
+        title=f"{protocol.get('checkpoint', {}).get('preset', exp.get('model', '?'))} on {windows}",
         figures=figures,
         archive=shown(archive),
         repeat=" (and its `_repeat` archive)"
@@ -294,14 +296,19 @@ def _saturated(table, steps) -> str:
     if sat.empty:
         return "No saturated runs (loads above 1) in this archive.\n"
     sat_steps = steps[steps.saturated]
+    unsat = steps[~steps.saturated]
     return SATURATED.format(
+        sat_loads=" and ".join(f"{x:g}" for x in sorted(set(sat.load))),
         sat_bias=pct(np.median(sat_steps.err)) if len(sat_steps) else MISSING,
-        low_bias=pct(np.median(steps[~steps.saturated].err))
-        if (~steps.saturated).any()
-        else MISSING,
+        # the comparison with loads <= 1 only where the archive has such runs
+        low_bias=f" ({pct(np.median(unsat.err))} at loads <= 1)" if len(unsat) else "",
         sat_ttft=_mdn(sat, "err_p50_ttft_ms"),
         sat_ttft_spread=_mdn(sat, "spread_p50_ttft_ms"),
-        low_ttft=_mdn(low, "err_p50_ttft_ms"),
+        low_ttft=(
+            f" (the simulator's error at loads <= 1: {_mdn(low, 'err_p50_ttft_ms')})"
+            if len(low)
+            else ""
+        ),
         sat_e2e=_mdn(sat, "err_p50_e2el_ms"),
         sat_e2e_spread=_mdn(sat, "spread_p50_e2el_ms"),
         sat_tp=_mdn(sat, "err_throughput"),
@@ -412,7 +419,7 @@ def _read_fp(profile: Path):
     return read_fingerprint(profile)
 
 
-TEMPLATE = """# Simulator fidelity, held out
+TEMPLATE = """# Simulator fidelity, held out: {title}
 
 {headline}
 
@@ -439,8 +446,8 @@ chunks, decodes, contexts, preemptions, swap-outs and swap-ins); {plan_note}
 ## Step-level error
 
 Each engine step's duration predicted by the calibrated model from that step's exact batch{async_steps}:
-median {step_p50}, P90 {step_p90} (absolute; saturated runs alone: median {step_sat}; the
-engine's first pass: the repeat pass's steps, where the archive has them, in the table's
+median {step_p50}, P90 {step_p90} (absolute, the engine's first pass; saturated runs alone:
+median {step_sat}; the repeat pass's steps, where the archive has them, are in the table's
 "repeat pass" rows).
 Targets: median <= 3%, P90 <= 8%. The last column is the engine's own spread between steps
 of one shape: each step's distance from the median of the run's steps of its shape (kind,
@@ -485,15 +492,14 @@ Left out: {same_plans}. Differences in ms.
 """
 
 
-SATURATED = """## The saturated regime (1.1 and 1.3 x capacity)
+SATURATED = """## The saturated regime ({sat_loads} x capacity)
 
 Above capacity the queue grows for the whole window, so a request's TTFT is its wait behind
 everything that arrived before it: the sum of many steps' durations, where at low load it is
 about one prefill step. A bias in the step times then carries into TTFT whole instead of
 averaging out: the saturated runs' step predictions have a signed median error of
-{sat_bias} ({low_bias} at loads <= 1), and their median TTFT p50 error is {sat_ttft}
-against the engine's own spread of {sat_ttft_spread} (the simulator's error at loads <= 1:
-{low_ttft}). E2E p50:
+{sat_bias}{low_bias}, and their median TTFT p50 error is {sat_ttft}
+against the engine's own spread of {sat_ttft_spread}{low_ttft}. E2E p50:
 {sat_e2e} (engine {sat_e2e_spread}). Throughput there is the engine's service rate: error
 {sat_tp} (engine {sat_tp_spread}).
 """

@@ -9,6 +9,8 @@ from __future__ import annotations
 from sched_lab.results.bands import band_of, band_text
 from sched_lab.results.names import MISSING, format_value, percentile_word
 
+MIN_BAND_REPLICAS = 20  # fewer: the terminal says the band is about the replicas' range
+
 WIDTH = 100
 LABEL = 30  # width of the metric names, at least
 CELL = 16  # width of one run's column, at least (wider when its label or a cell needs it)
@@ -182,10 +184,12 @@ def bands_note(runs) -> str:
         f"{r.label} {r.summary['seeds']} of {n}" for r in runs if r.summary.get("seeds_requested")
     ]
     cut = f"; interrupted: {', '.join(short)} replicas" if short else ""
+    # a p5-p95 band of a few draws is about their range, not a 90% band
+    few = f"; {n} replicas are few: the band is about their range (20 or more for a 90% band)"
     return (
-        f"cells: median [p{lo}, p{hi}] over {n} seeded replicas (step times drawn around the "
-        "cost model's; summary.json and the vLLM-format file hold replica 0's values beside "
-        f"the bands){cut}"
+        f"cells: median [p{lo}, p{hi}] over {n} seeded {'replica' if n == 1 else 'replicas'} "
+        "(step times drawn around the cost model's; summary.json and the vLLM-format file hold "
+        f"replica 0's values beside the bands){cut}{few if n < MIN_BAND_REPLICAS else ''}"
     )
 
 

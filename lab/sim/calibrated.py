@@ -141,6 +141,9 @@ NO_LORA_NOTE = (
 # No engine step is shorter than a kernel launch (microseconds): a shorter measured or
 # fitted step time is a broken profile, and it would weigh ~1e6 times a real row in the fit.
 MIN_STEP_S = 1e-6
+# Nor longer than an hour: such a measured step is a broken file (seconds written as
+# microseconds, a stalled host), and it would set the slow spells' dwells and level.
+MAX_STEP_S = 3600.0
 
 
 def design(df: pd.DataFrame) -> np.ndarray:
@@ -520,7 +523,7 @@ def check_cells(
     df: pd.DataFrame, columns: tuple[str, ...], where: str, text: Callable[[], pd.DataFrame]
 ) -> pd.DataFrame:
     """``df`` with ``columns`` as float64, each cell finite; counts whole and >= 0, pairs
-    >= 0, ``duration_s`` >= ``MIN_STEP_S``, ``host_s`` in [0, duration_s]. ``text`` reads the
+    >= 0, ``duration_s`` in [``MIN_STEP_S``, ``MAX_STEP_S``], ``host_s`` in [0, duration_s]. ``text`` reads the
     file as text, to quote a bad cell. Raises ConfigError: ``{where}: row N (data rows from 1),
     column 'c': expected ..., got 'v'``."""
     df = df.copy()
@@ -535,6 +538,7 @@ def check_cells(
         checks = [(~np.isfinite(x), "expected a finite number")]
         if c == "duration_s":
             checks.append((x < MIN_STEP_S, f"expected a step duration >= {MIN_STEP_S:g} s"))
+            checks.append((x > MAX_STEP_S, f"expected a step duration <= {MAX_STEP_S:g} s"))
         elif c == "prefill_attention_pairs":
             checks.append((x < 0, "expected a number >= 0"))
         elif c == HOST_COLUMN:

@@ -25,8 +25,8 @@ is 0. The fit is least squares on error relative to each row's duration.
 Prefill attention runs one of two kernels (backend/attention/flash_varlen.py, ``auto``): an
 eager step (above ``EAGER_KNOT`` tokens) whose prompt chunks all start at position 0 and
 average at least ``VARLEN_MIN_MEAN_CHUNK`` tokens runs FlashAttention varlen; every other
-step (in a CUDA graph, or with a chunk over cached tokens: a later chunk, a prefix-cache hit)
-the paged Triton kernel. c8 prices a pair on the first, c8 + c12 on the second (the
+step (in a CUDA graph, with a chunk over cached tokens: a later chunk, a prefix-cache hit, or
+with draft verify rows: :meth:`CalibratedCostModel.spec_step_time`) the paged Triton kernel. c8 prices a pair on the first, c8 + c12 on the second (the
 :func:`paged_pairs` feature: all of a step's pairs or none; a step's features do not tell
 which of its chunks have cached tokens, so an eager step with any is counted paged). c12 is
 fitted only with at least ``MIN_EAGER_ROWS`` non-replay rows whose pairs run varlen (the grid
@@ -843,7 +843,13 @@ class CalibratedCostModel:
             return t
         base = f.num_prefill_tokens + f.num_decodes
         total = base + f.num_spec_tokens
-        # verify rows run in CUDA graphs: their pairs on the paged kernel
+        # verify rows (1 + d queries each) run on the paged kernel, and so then do the
+        # step's prompt chunks: FlashAttention varlen takes a step only when no sequence
+        # after its chunks is fed more than one token (flash_varlen.varlen_prefix)
+        if f.prefill_attention_pairs and not paged_pairs(
+            base, f.num_prefill_tokens, f.num_prefills, f.prefill_context_tokens
+        ):
+            t += self._paged_pairs * f.prefill_attention_pairs
         t += self._tok * f.num_spec_tokens
         t += (self._pairs + self._paged_pairs) * f.spec_context_tokens
         t += self._hinge * (max(0, total - TOKEN_KNOT) - max(0, base - TOKEN_KNOT))

@@ -479,11 +479,15 @@ def test_replayed_durations_of_another_window_are_refused(tmp_path) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the engine side needs torch")
-@pytest.mark.parametrize("name", ["fidelity_heldout_8b.yaml", "fidelity_heldout_8b_mooncake.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    ["fidelity_heldout.yaml", "fidelity_heldout_long.yaml", "fidelity_heldout_mooncake.yaml",
+     "fidelity_heldout_8b.yaml", "fidelity_heldout_8b_mooncake.yaml"],
+)  # fmt: skip
 def test_engine_side_without_a_gpu_stops_before_the_checkpoint(tmp_path, capsys, name) -> None:
-    """The 8B protocols' runs all pass check_runs on a CPU box; then the engine side stops in
-    one line naming experiment.engine.device, before the 16 GB checkpoint is made (its empty
-    folder, made for check_runs, is removed again)."""
+    """The held-out protocols' runs all pass check_runs on a CPU box; then the engine side
+    stops in one line naming experiment.engine.device, before the checkpoint (16 GB for 8B)
+    is made (its empty folder, made for check_runs, is removed again)."""
     import torch
 
     from sched_lab.fidelity import main

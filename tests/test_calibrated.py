@@ -271,7 +271,7 @@ def test_paged_pairs_surcharge_is_fitted_from_varlen_rows_and_priced(tmp_path):
 
 
 def test_step_time_agrees_with_the_design_matrix_for_every_kind_of_step():
-    """Random steps of every kind (decode-only, prompt, mixed, in a graph or eager, from
+    """Random steps of every kind (swaps alone, decode-only, prompt, mixed, in a graph or eager, from
     position 0 or over cached tokens, with swaps and LoRA) under random coefficients (c10 < 0
     too): ``step_time`` equals ``predict`` (``design @ coef`` plus the LoRA terms)."""
     from sched_lab.sim.calibrated import paged_pairs, predict
@@ -288,12 +288,12 @@ def test_step_time_agrees_with_the_design_matrix_for_every_kind_of_step():
     steps = []
     for _ in range(300):
         prefills = int(rng.choice([0, 0, 1, 2, 8, 16]))
-        decodes = int(rng.choice([0, 1, 7, 64, 256])) if prefills else int(rng.integers(1, 300))
+        decodes = int(rng.choice([0, 1, 7, 64, 256])) if prefills else int(rng.integers(0, 300))
         prompt = int(rng.choice([1, 700, 1024, 4000, 12000])) * prefills
         cached = int(rng.choice([0, 0, 512])) * prefills
         n = prompt / max(prefills, 1)
         pairs = prefills * (n * cached / max(prefills, 1) + n * (n + 1) / 2)
-        swaps = int(rng.choice([0, 0, 3]))
+        swaps = int(rng.choice([0, 0, 3])) or int(not prefills + decodes)  # swaps alone
         loras = int(rng.integers(0, min(prefills + decodes, 3) + 1))
         steps.append(StepFeatures(
             prompt, prefills, cached, pairs, decodes, decodes * int(rng.integers(1, 5000)),
@@ -305,9 +305,9 @@ def test_step_time_agrees_with_the_design_matrix_for_every_kind_of_step():
     paged = paged_pairs(tokens, df.num_prefill_tokens, df.num_prefills, df.prefill_context_tokens)
     kinds = set(zip(df.num_prefills > 0, df.num_decodes > 0, tokens > EAGER_KNOT,
                     df.prefill_context_tokens > 0, paged))  # fmt: skip
-    # every kind drawn: decode-only; prompt or mixed x graph (paged) or eager x cached
-    # (paged) or not (chunks of 12000: varlen; of 700: paged)
-    assert len(kinds) == 1 + 2 * (2 + 3)
+    # every kind drawn: swaps alone; decode-only; prompt or mixed x graph (paged) or eager
+    # x cached (paged) or not (chunks of 12000: varlen; of 700: paged)
+    assert len(kinds) == 2 + 2 * (2 + 3)
     df["num_swap_tokens"] = df["num_swap_blocks"] * 32  # steps of blocks of 32 tokens
     got = np.array([model.step_time(s, 32) for s in steps])
     np.testing.assert_allclose(got, predict(df, coef, lora_coef), rtol=1e-12)

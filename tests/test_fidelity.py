@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import tarfile
 from pathlib import Path
@@ -658,6 +659,30 @@ def test_archive_members_of_the_wrong_shape_are_one_line_errors(tmp_path) -> Non
     with pytest.raises(SystemExit) as e:
         _member(archive, tmp_path, "protocol.yaml", yaml.safe_load)
     assert str(e.value) == f"error: {archive}: protocol.yaml: expected a mapping, got ['a']"
+
+
+def test_a_damaged_repeat_steps_csv_is_one_line_naming_the_member(tmp_path) -> None:
+    """The repeat pass's steps.csv (read for the step table's repeat rows): not a CSV, or one
+    without the engine's columns, is named in one line (it was a pandas traceback)."""
+    from sched_lab.fidelity.sim_side import _steps_member
+
+    folder = tmp_path / "engine_repeat" / "w_1"
+    folder.mkdir(parents=True)
+    archive, name = tmp_path / "A.tar.gz", "engine_repeat/w_1/steps.csv"
+    (folder / "steps.csv").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(
+        SystemExit, match=rf"^error: {re.escape(str(archive))}: {name}: cannot be read \("
+    ):
+        _steps_member(archive, tmp_path, name)
+    (folder / "steps.csv").write_text("policy,time_s,duration_s\nfcfs,0,0.01\n")
+    with pytest.raises(SystemExit) as e:
+        _steps_member(archive, tmp_path, name)
+    assert str(e.value) == (
+        f"error: {archive}: {name}: missing column(s) num_prefill_tokens, num_prefills, "
+        "prefill_context_tokens, prefill_attention_pairs, num_decode_tokens, "
+        "decode_context_tokens, num_swap_out_blocks, num_swap_in_blocks (expected an engine "
+        "run's steps.csv)"
+    )
 
 
 def test_rate_scale_windows_and_two_call_archives_merge(tmp_path, request) -> None:

@@ -195,6 +195,23 @@ def test_replayed_durations_count_mismatches_and_refuse_extra_steps(tmp_path) ->
     assert "asks for step 3; the engine run recorded 2" in run.summary["failure"]
 
 
+def test_replayed_durations_over_an_hour_are_refused(tmp_path) -> None:
+    """A recorded step of 1e30 s (or 2 h) is a broken file: one line naming it and the row
+    (it ran, and reported a 1e30 s run with a RuntimeWarning)."""
+    from sched_lab.core.errors import ConfigError
+
+    decode = {"num_decode_tokens": 1, "num_seqs": 1, "decode_context_tokens": 11}
+    for bad in (1e30, 7200.0):
+        path = _steps_csv(tmp_path, [{"duration_s": 0.5}, {**decode, "duration_s": bad}])
+        raw = sim_config({"durations_from": str(path)}, trace=one_request(tmp_path))
+        with pytest.raises(ConfigError) as e:
+            run_experiment(validate(raw), progress=False)
+        assert str(e.value) == (
+            f"cost_model.durations_from: {path}: row 2, duration_s: expected a number > 0 "
+            f"and <= 3600 (seconds), got {str(bad)!r}"
+        )
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 def test_engine_plans_are_made_again_from_their_durations(tmp_path) -> None:
     from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint

@@ -565,6 +565,22 @@ def test_sizing_follows_the_protocols_time_limits(tmp_path) -> None:
     assert steps["first"] == 5 and steps["repeat"] == 5
 
 
+def test_sizing_names_a_bad_profile_in_one_line(tmp_path, capsys) -> None:
+    """benchmarks/fidelity_sizing.py --profile of a missing file: one line, exit 2 (it was a
+    ConfigError traceback)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from fidelity_sizing import main
+
+    protocol = ROOT / "benchmarks" / "fidelity_8b_tiny.yaml"
+    missing = tmp_path / "none.csv"
+    assert main(["--protocol", str(protocol), "--profile", str(missing)]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"error: {protocol}: cost_model.profile: '{missing}': no such "
+                              f"file (looked for {missing})\n")  # fmt: skip
+
+
 def test_async_protocol_calibrates_with_synchronous_steps() -> None:
     """benchmarks/fidelity_async.yaml replays its calibration workloads synchronously (their
     step times are what the calibrated model fits) and its held-out windows asynchronously,

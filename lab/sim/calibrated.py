@@ -26,11 +26,12 @@ Prefill attention runs one of two kernels (backend/attention/flash_varlen.py, ``
 eager step (above ``EAGER_KNOT`` tokens) whose prompt chunks all start at position 0 and
 average at least ``VARLEN_MIN_MEAN_CHUNK`` tokens runs FlashAttention varlen; every other
 step (in a CUDA graph, with a chunk over cached tokens: a later chunk, a prefix-cache hit, or
-with draft verify rows: :meth:`CalibratedCostModel.spec_step_time`) the paged Triton kernel. c8 prices a pair on the first, c8 + c12 on the second (the
-:func:`paged_pairs` feature: all of a step's pairs or none; a step's features do not tell
-which of its chunks have cached tokens, so an eager step with any is counted paged). c12 is
-fitted only with at least ``MIN_EAGER_ROWS`` non-replay rows whose pairs run varlen (the grid
-rows of one to eight prompts above the knot), else it is 0 and c8 prices every pair.
+with draft verify rows: :meth:`CalibratedCostModel.spec_step_time`) the paged Triton
+kernel. c8 prices a pair on the first, c8 + c12 on the second (the :func:`paged_pairs`
+feature: all of a step's pairs or none; a step's features do not tell which of its chunks
+have cached tokens, so an eager step with any is counted paged). c12 is fitted only with at
+least ``MIN_EAGER_ROWS`` non-replay rows whose pairs run varlen (the grid rows of one to
+eight prompts above the knot), else it is 0 and c8 prices every pair.
 
 Swaps: a KV token is a fixed number of bytes of the profiled model, so c9 is a per-byte
 rate and a run at another block size pays for its blocks' bytes (swapped blocks times the
@@ -726,14 +727,14 @@ class CalibratedCostModel:
         the run factor's sigma and the host's slow spells. With replay_steps, the spells are
         fitted to the replay files' runs (``fit_spells``), and each replay step, less the
         offset of the state it was in, enters the residuals and the run factor (so the
-        spells' share of the spread is drawn once, by the spells); that sigma is how far off whole runs
-        the fit did not see are: each replay file left out in turn and predicted by a fit
-        to everything else, the median log error of its steps of each kind (of at least
-        MIN_ROWS steps) is one sample; sigma is their root mean square, one for every kind.
-        Without them, or with no such sample, each profile row is predicted by a 5-fold fit that left it out, per
-        kind (an upper bound: one row is one shape, a run mixes many); without replay_steps,
-        no spells (a profile row is a median of passes, not a sequence). Made on first use:
-        only seeded runs ask."""
+        spells' share of the spread is drawn once, by the spells); that sigma is how far off
+        whole runs the fit did not see are: each replay file left out in turn and predicted
+        by a fit to everything else, the median log error of its steps of each kind (of at
+        least MIN_ROWS steps) is one sample; sigma is their root mean square, one for every
+        kind. Without them, or with no such sample, each profile row is predicted by a
+        5-fold fit that left it out, per kind (an upper bound: one row is one shape, a run
+        mixes many); without replay_steps, no spells (a profile row is a median of passes,
+        not a sequence). Made on first use: only seeded runs ask."""
         data, source = self._data, self._source
         fitted = predict(data, self.coef, self.lora_coef)
         y = data["duration_s"].to_numpy(float)

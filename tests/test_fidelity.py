@@ -767,6 +767,28 @@ def test_rate_scale_windows_and_two_call_archives_merge(tmp_path, request) -> No
     ]
 
 
+def test_engine_json_listing_a_run_twice_is_refused(tmp_path) -> None:
+    """A calibration run listed twice in engine.json would be fitted twice, so never held out
+    from itself (the run factor's sigma); a folder listed twice would be tabled twice: each
+    is one line naming the archive and the name."""
+    from sched_lab.fidelity.sim_side import read_record
+
+    for side, name in (("engine", "w_1"), ("calibration", "chat")):
+        (tmp_path / side / name).mkdir(parents=True)
+        (tmp_path / side / name / "steps.csv").write_text("x\n")
+    (tmp_path / "profile.csv").write_text("kind\n")
+    archive = tmp_path / "a.tar.gz"
+    for key, names in (("calibration", ["chat", "chat"]), ("folders", ["w_1", "w_1"])):
+        record = {"folders": ["w_1"], "calibration": ["chat"], key: names}
+        (tmp_path / "engine.json").write_text(json.dumps(record))
+        with pytest.raises(SystemExit) as e:
+            read_record(archive, tmp_path)
+        assert str(e.value) == (
+            f"error: {archive}: engine.json: {key}: {names[0]!r} is listed twice; expected "
+            "each run once"
+        )
+
+
 def test_split_is_refused_without_its_archive_or_the_engine_side(tmp_path, capsys) -> None:
     """``--split repeat`` needs the first call's archive; ``--split`` is the engine side's."""
     from sched_lab.fidelity import main

@@ -97,6 +97,12 @@ def read_record(archive: Path, src: Path) -> dict[str, Any]:
                 f"error: {archive}: engine.json: {key}: expected names of folders under "
                 f"{side}/ that hold a steps.csv, got {short_repr(names, 60)}"
             )
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:  # a calibration run fitted twice is never held out from itself
+            raise SystemExit(
+                f"error: {archive}: engine.json: {key}: {twice!r} is listed twice; expected "
+                "each run once"
+            )
     bad = [f for f in record["folders"] if "_" not in f]
     if bad:
         raise SystemExit(

@@ -524,9 +524,9 @@ def check_cells(
     df: pd.DataFrame, columns: tuple[str, ...], where: str, text: Callable[[], pd.DataFrame]
 ) -> pd.DataFrame:
     """``df`` with ``columns`` as float64, each cell finite; counts whole and >= 0, pairs
-    >= 0, ``duration_s`` in [``MIN_STEP_S``, ``MAX_STEP_S``], ``host_s`` in [0, duration_s]. ``text`` reads the
-    file as text, to quote a bad cell. Raises ConfigError: ``{where}: row N (data rows from 1),
-    column 'c': expected ..., got 'v'``."""
+    >= 0, ``duration_s`` in [``MIN_STEP_S``, ``MAX_STEP_S``], ``host_s`` in [0, duration_s].
+    ``text`` reads the file as text, to quote a bad cell. Raises ConfigError: ``{where}: row N
+    (data rows from 1), column 'c': expected ..., got 'v'``."""
     df = df.copy()
     for c in columns:
         col = df[c]

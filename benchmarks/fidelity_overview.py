@@ -65,7 +65,30 @@ def row(t: pd.DataFrame) -> list[str]:
     return cells
 
 
+def missing() -> str:
+    """What of DOCS is absent or unreadable, as one line ('' when nothing): a doc, its table,
+    or a column of its table the overview reads."""
+    for doc, _, _ in DOCS:
+        path = ROOT / doc
+        table = path.parent / path.stem / "heldout.csv"
+        for p in (path, table):
+            if not p.is_file():
+                return f"{p.relative_to(ROOT)}: missing (regenerate it: the doc's header says how)"
+        try:
+            columns = pd.read_csv(table, nrows=0).columns
+        except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+            return f"{table.relative_to(ROOT)}: not a readable CSV ({type(e).__name__})"
+        need = ["load", *(f"err_{key}" for key, _ in SHOWN)]
+        if absent := [c for c in need if c not in columns]:
+            return f"{table.relative_to(ROOT)}: missing column(s) {', '.join(absent)}"
+    return ""
+
+
 def main() -> int:
+    """Exit status 0, or 2 with one line on stderr (:func:`missing`) before any output."""
+    if why := missing():
+        print(f"fidelity_overview.py: {why}", file=sys.stderr)
+        return 2
     head = ["archive", "model", "runs", "step error median / P90"]
     head += [f"{name} error (engine spread)" for _, name in SHOWN]
     head += [f"{name} coverage / width" for _, name in SHOWN]
@@ -75,9 +98,6 @@ def main() -> int:
     for doc, model, windows in DOCS:
         path = ROOT / doc
         table = path.parent / path.stem / "heldout.csv"
-        if not table.exists():
-            print(f"| {doc}: no {table.relative_to(ROOT)} | {model} |" + " - |" * (len(head) - 2))
-            continue
         t = pd.read_csv(table)
         name = f"[{windows}]({Path(doc).relative_to('docs')})"
         print("| " + " | ".join([name, model, str(len(t)), step_error(path), *row(t)]) + " |")

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from sched_lab.config import validate  # noqa: E402
+from sched_lab.core.errors import ConfigError  # noqa: E402
 from sched_lab.fidelity import (  # noqa: E402
     calibration_config,
     capacity_run,
@@ -151,8 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     cost_model = {"profile": str(args.profile.resolve())}
     if args.replay_steps:
         cost_model["replay_steps"] = [str(Path(p).resolve()) for p in args.replay_steps]
-    steps = predict(args.protocol, cost_model, args.load_s, args.process_s,
-                    args.checkpoint_s, args.profile_s, args.split)  # fmt: skip
+    try:
+        steps = predict(args.protocol, cost_model, args.load_s, args.process_s,
+                        args.checkpoint_s, args.profile_s, args.split)  # fmt: skip
+    except ConfigError as e:  # a bad --profile or --replay-steps file: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     limits = load_protocol(args.protocol)["time_limits_s"]
     if args.split:
         one = sum(v for k, v in steps.items() if not k.startswith("repeat"))

@@ -66,6 +66,8 @@ R = "cost_model.replay_steps: {path}"
 STEPS = {
     "steps_duration_zero.csv": R
     + ": row 3, column 'duration_s': expected a step duration >= 1e-06 s, got '0'",
+    "steps_duration_huge.csv": R
+    + ": row 2, column 'duration_s': expected a step duration <= 3600 s, got '5.94848176e+27'",
     "steps_header_only.csv": R + ": no steps (a header without rows)",
     "steps_missing_swap_in.csv": R
     + ": not a steps.csv of a run: missing column num_swap_in_blocks; expected columns: "

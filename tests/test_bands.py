@@ -530,6 +530,12 @@ def test_coverage_section_marks_coverage_outside_the_target():
         "per step while slow, 25.0% of the time, mean dwells 3.00 s fast and 1.00 s slow "
         "(14 changes of state in 6 replay runs)."
     ) in coverage_section(pd.DataFrame(rows), spelled)
+    # A sigma per kind (the profile rows' own, no replay sample): each named, not a bare list
+    per_kind = StepNoise({}, {}, {}, 0.0, 0.0, {"decode": 0.046, "prefill": 0.216, "mixed": 0.11})
+    assert (
+        "Run factor sigma 4.6% decode, 21.6% prefill, 11.0% mixed; no slow spells (no "
+        "calibration replays, or none that changed state)."
+    ) in coverage_section(pd.DataFrame(rows), per_kind)
 
 
 def test_seeds_flag_runs_replicas_and_rejects_a_bad_count(tmp_path, capsys):

@@ -81,3 +81,60 @@ def test_identical_refuses_a_name_it_does_not_check(name, why):
     (line,) = proc.stderr.splitlines()
     assert line.startswith(f"identical.py: --only {name}: {why}; expected one of: async_vs_sync, ")
     assert "quickstart" in line.split("expected one of: ")[1].split(", ")
+
+
+def load_script(name: str):
+    """benchmarks/NAME.py imported as a module (its main() callable in this process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fidelity_eager_steps_refuses_what_is_not_an_engine_archive(tmp_path, capsys):
+    """benchmarks/fidelity_eager_steps.py: a missing archive, a file that is not a tar.gz,
+    an archive without profile.csv and one without engine runs: each one line, exit 2 (a
+    missing archive used to raise StopIteration)."""
+    import tarfile
+
+    script = load_script("fidelity_eager_steps")
+    (tmp_path / "text.tar.gz").write_text("x")
+    (tmp_path / "profile.csv").write_text("kind\n")
+    for name, members in (("empty", []), ("no_runs", ["profile.csv"])):
+        with tarfile.open(tmp_path / f"{name}.tar.gz", "w:gz") as tar:
+            for m in members:
+                tar.add(tmp_path / m, arcname=f"run/{m}")
+    cases = {
+        "missing.tar.gz": "no such archive (expected a fidelity --engine .tar.gz)",
+        "text.tar.gz": "not a readable .tar.gz (ReadError)",
+        "empty.tar.gz": "no profile.csv (expected a fidelity --engine archive)",
+        "no_runs.tar.gz": "no engine*/*/steps.csv (no engine run to predict)",
+    }
+    for name, why in cases.items():
+        assert script.main([str(tmp_path / name)]) == 2
+        out, err = capsys.readouterr()
+        assert (out, err) == ("", f"fidelity_eager_steps.py: {tmp_path / name}: {why}\n")
+
+
+def test_fidelity_overview_names_a_missing_doc_or_column(tmp_path, monkeypatch, capsys):
+    """benchmarks/fidelity_overview.py: a listed doc, its heldout.csv or a column it reads
+    missing: one line, exit 2, nothing on stdout (a missing doc used to raise, a missing
+    table to print a row of dashes)."""
+    script = load_script("fidelity_overview")
+    monkeypatch.setattr(script, "ROOT", tmp_path)
+    monkeypatch.setattr(script, "DOCS", (("docs/f.md", "m", "w"),))
+    (tmp_path / "docs" / "f").mkdir(parents=True)
+    table = tmp_path / "docs" / "f" / "heldout.csv"
+    regen = "missing (regenerate it: the doc's header says how)"
+    for make, why in (
+        (lambda: None, f"docs/f.md: {regen}"),
+        (lambda: (tmp_path / "docs" / "f.md").write_text("# f\n"), f"docs/f/heldout.csv: {regen}"),
+        (lambda: table.write_text("run,load,err_p50_ttft_ms\nr,1.2,0.1\n"),
+         "docs/f/heldout.csv: missing column(s) err_p50_tpot_ms, err_p50_e2el_ms"),
+    ):  # fmt: skip
+        make()
+        assert script.main() == 2
+        out, err = capsys.readouterr()
+        assert (out, err.splitlines()) == ("", [f"fidelity_overview.py: {why}"]), why

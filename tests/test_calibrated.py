@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -13,6 +15,7 @@ from sched_lab.sim.calibrated import (
     CalibratedCostModel,
     cross_validated_errors,
     design,
+    find_profile,
     fit,
 )
 
@@ -255,3 +258,56 @@ def test_paged_pairs_surcharge_is_fitted_from_varlen_rows_and_priced(tmp_path):
     )
     # Graph rows alone (profile_frame: every pair paged): no surcharge, c8 prices every pair.
     assert fit(profile_frame())[FEATURES.index("paged_prefill_pairs")] == 0.0
+    # Verify rows (1 + d queries) keep the step off FlashAttention varlen: with drafts, the
+    # same prompt chunks pay the surcharge (flash_varlen.varlen_prefix), as do the drafts.
+    spec = replace(varlen, num_decodes=4, decode_context_tokens=400, num_spec_tokens=12,
+                   num_spec_decodes=4, spec_context_tokens=1212)  # fmt: skip
+    assert model.spec_step_time(spec, 16) == pytest.approx(
+        model.step_time(spec, 16)
+        + 12 * 2e-6  # the drafts' tokens above 2048
+        + 1212 * (5e-10 + 2e-10)  # their pairs, paged
+        + varlen.prefill_attention_pairs * 2e-10  # the prompts' pairs, now paged
+    )
+
+
+def test_step_time_agrees_with_the_design_matrix_for_every_kind_of_step():
+    """Random steps of every kind (swaps alone, decode-only, prompt, mixed, in a graph or eager, from
+    position 0 or over cached tokens, with swaps and LoRA) under random coefficients (c10 < 0
+    too): ``step_time`` equals ``predict`` (``design @ coef`` plus the LoRA terms)."""
+    from sched_lab.sim.calibrated import paged_pairs, predict
+
+    model = CalibratedCostModel(find_profile("h200_qwen3-0.6b"))
+    rng = np.random.default_rng(0)
+    coef = rng.uniform(1e-10, 1e-3, len(FEATURES)) * rng.choice([1e-6, 1e-3, 1.0], len(FEATURES))
+    coef[FEATURES.index(f"tokens_over_{EAGER_KNOT}")] *= -1
+    lora_coef = rng.uniform(1e-6, 1e-3, 3)
+    (model._decode_step, model._prefill_step, model._seq, model._tok, model._hinge,
+     model._mean_ctx, model._dctx, model._pctx, model._pairs, model._swap_token, model._eager,
+     model._swap_run, model._paged_pairs) = coef  # fmt: skip
+    model._lora_step, model._per_lora, model._lora_token = lora_coef
+    steps = []
+    for _ in range(300):
+        prefills = int(rng.choice([0, 0, 1, 2, 8, 16]))
+        decodes = int(rng.choice([0, 1, 7, 64, 256])) if prefills else int(rng.integers(0, 300))
+        prompt = int(rng.choice([1, 700, 1024, 4000, 12000])) * prefills
+        cached = int(rng.choice([0, 0, 512])) * prefills
+        n = prompt / max(prefills, 1)
+        pairs = prefills * (n * cached / max(prefills, 1) + n * (n + 1) / 2)
+        swaps = int(rng.choice([0, 0, 3])) or int(not prefills + decodes)  # swaps alone
+        loras = int(rng.integers(0, min(prefills + decodes, 3) + 1))
+        steps.append(StepFeatures(
+            prompt, prefills, cached, pairs, decodes, decodes * int(rng.integers(1, 5000)),
+            prefills + decodes, swaps, num_swap_runs=swaps and int(rng.integers(1, swaps + 1)),
+            num_loras=loras, num_lora_tokens=loras and loras + int(rng.integers(0, prompt + 1)),
+        ))  # fmt: skip
+    df = pd.DataFrame([asdict(s) for s in steps])
+    tokens = df.num_prefill_tokens + df.num_decodes
+    paged = paged_pairs(tokens, df.num_prefill_tokens, df.num_prefills, df.prefill_context_tokens)
+    kinds = set(zip(df.num_prefills > 0, df.num_decodes > 0, tokens > EAGER_KNOT,
+                    df.prefill_context_tokens > 0, paged))  # fmt: skip
+    # every kind drawn: swaps alone; decode-only; prompt or mixed x graph (paged) or eager
+    # x cached (paged) or not (chunks of 12000: varlen; of 700: paged)
+    assert len(kinds) == 2 + 2 * (2 + 3)
+    df["num_swap_tokens"] = df["num_swap_blocks"] * 32  # steps of blocks of 32 tokens
+    got = np.array([model.step_time(s, 32) for s in steps])
+    np.testing.assert_allclose(got, predict(df, coef, lora_coef), rtol=1e-12)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import tarfile
 from pathlib import Path
@@ -192,6 +193,23 @@ def test_replayed_durations_count_mismatches_and_refuse_extra_steps(tmp_path) ->
     raw = sim_config({"durations_from": str(short)}, trace=one_request(tmp_path))
     run = run_experiment(validate(raw), progress=False)[0]
     assert "asks for step 3; the engine run recorded 2" in run.summary["failure"]
+
+
+def test_replayed_durations_over_an_hour_are_refused(tmp_path) -> None:
+    """A recorded step of 1e30 s (or 2 h) is a broken file: one line naming it and the row
+    (it ran, and reported a 1e30 s run with a RuntimeWarning)."""
+    from sched_lab.core.errors import ConfigError
+
+    decode = {"num_decode_tokens": 1, "num_seqs": 1, "decode_context_tokens": 11}
+    for bad in (1e30, 7200.0):
+        path = _steps_csv(tmp_path, [{"duration_s": 0.5}, {**decode, "duration_s": bad}])
+        raw = sim_config({"durations_from": str(path)}, trace=one_request(tmp_path))
+        with pytest.raises(ConfigError) as e:
+            run_experiment(validate(raw), progress=False)
+        assert str(e.value) == (
+            f"cost_model.durations_from: {path}: row 2, duration_s: expected a number > 0 "
+            f"and <= 3600 (seconds), got {str(bad)!r}"
+        )
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
@@ -479,11 +497,15 @@ def test_replayed_durations_of_another_window_are_refused(tmp_path) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the engine side needs torch")
-@pytest.mark.parametrize("name", ["fidelity_heldout_8b.yaml", "fidelity_heldout_8b_mooncake.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    ["fidelity_heldout.yaml", "fidelity_heldout_long.yaml", "fidelity_heldout_mooncake.yaml",
+     "fidelity_heldout_8b.yaml", "fidelity_heldout_8b_mooncake.yaml"],
+)  # fmt: skip
 def test_engine_side_without_a_gpu_stops_before_the_checkpoint(tmp_path, capsys, name) -> None:
-    """The 8B protocols' runs all pass check_runs on a CPU box; then the engine side stops in
-    one line naming experiment.engine.device, before the 16 GB checkpoint is made (its empty
-    folder, made for check_runs, is removed again)."""
+    """The held-out protocols' runs all pass check_runs on a CPU box; then the engine side
+    stops in one line naming experiment.engine.device, before the checkpoint (16 GB for 8B)
+    is made (its empty folder, made for check_runs, is removed again)."""
     import torch
 
     from sched_lab.fidelity import main
@@ -541,6 +563,22 @@ def test_sizing_follows_the_protocols_time_limits(tmp_path) -> None:
     steps = predict(protocol, cost_model, load_s=2, process_s=5, checkpoint_s=10, profile_s=90)
     assert steps["checkpoint"] == 10 and steps["profile"] == 40
     assert steps["first"] == 5 and steps["repeat"] == 5
+
+
+def test_sizing_names_a_bad_profile_in_one_line(tmp_path, capsys) -> None:
+    """benchmarks/fidelity_sizing.py --profile of a missing file: one line, exit 2 (it was a
+    ConfigError traceback)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from fidelity_sizing import main
+
+    protocol = ROOT / "benchmarks" / "fidelity_8b_tiny.yaml"
+    missing = tmp_path / "none.csv"
+    assert main(["--protocol", str(protocol), "--profile", str(missing)]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"error: {protocol}: cost_model.profile: '{missing}': no such "
+                              f"file (looked for {missing})\n")  # fmt: skip
 
 
 def test_async_protocol_calibrates_with_synchronous_steps() -> None:
@@ -656,6 +694,30 @@ def test_archive_members_of_the_wrong_shape_are_one_line_errors(tmp_path) -> Non
     assert str(e.value) == f"error: {archive}: protocol.yaml: expected a mapping, got ['a']"
 
 
+def test_a_damaged_repeat_steps_csv_is_one_line_naming_the_member(tmp_path) -> None:
+    """The repeat pass's steps.csv (read for the step table's repeat rows): not a CSV, or one
+    without the engine's columns, is named in one line (it was a pandas traceback)."""
+    from sched_lab.fidelity.sim_side import _steps_member
+
+    folder = tmp_path / "engine_repeat" / "w_1"
+    folder.mkdir(parents=True)
+    archive, name = tmp_path / "A.tar.gz", "engine_repeat/w_1/steps.csv"
+    (folder / "steps.csv").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(
+        SystemExit, match=rf"^error: {re.escape(str(archive))}: {name}: cannot be read \("
+    ):
+        _steps_member(archive, tmp_path, name)
+    (folder / "steps.csv").write_text("policy,time_s,duration_s\nfcfs,0,0.01\n")
+    with pytest.raises(SystemExit) as e:
+        _steps_member(archive, tmp_path, name)
+    assert str(e.value) == (
+        f"error: {archive}: {name}: missing column(s) num_prefill_tokens, num_prefills, "
+        "prefill_context_tokens, prefill_attention_pairs, num_decode_tokens, "
+        "decode_context_tokens, num_swap_out_blocks, num_swap_in_blocks (expected an engine "
+        "run's steps.csv)"
+    )
+
+
 def test_rate_scale_windows_and_two_call_archives_merge(tmp_path, request) -> None:
     """A window's own ``rate_scales`` replace the protocol's and leave its trace spec; the
     first call packs only its archive, the repeat call only the ``_repeat`` one beside it,
@@ -703,6 +765,28 @@ def test_rate_scale_windows_and_two_call_archives_merge(tmp_path, request) -> No
         "conv_x12 (estimated 9 s)",
         "conv_x4 repeat (estimated 9 s)",
     ]
+
+
+def test_engine_json_listing_a_run_twice_is_refused(tmp_path) -> None:
+    """A calibration run listed twice in engine.json would be fitted twice, so never held out
+    from itself (the run factor's sigma); a folder listed twice would be tabled twice: each
+    is one line naming the archive and the name."""
+    from sched_lab.fidelity.sim_side import read_record
+
+    for side, name in (("engine", "w_1"), ("calibration", "chat")):
+        (tmp_path / side / name).mkdir(parents=True)
+        (tmp_path / side / name / "steps.csv").write_text("x\n")
+    (tmp_path / "profile.csv").write_text("kind\n")
+    archive = tmp_path / "a.tar.gz"
+    for key, names in (("calibration", ["chat", "chat"]), ("folders", ["w_1", "w_1"])):
+        record = {"folders": ["w_1"], "calibration": ["chat"], key: names}
+        (tmp_path / "engine.json").write_text(json.dumps(record))
+        with pytest.raises(SystemExit) as e:
+            read_record(archive, tmp_path)
+        assert str(e.value) == (
+            f"error: {archive}: engine.json: {key}: {names[0]!r} is listed twice; expected "
+            "each run once"
+        )
 
 
 def test_split_is_refused_without_its_archive_or_the_engine_side(tmp_path, capsys) -> None:

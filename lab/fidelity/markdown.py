@@ -112,8 +112,11 @@ COVERAGE_TARGET = (0.85, 0.95)  # of a 90% band: narrower misses, wider says too
 def noise_line(noise) -> str:
     """What the seeded replicas drew, in a sentence: the run factor's sigma and the slow
     spells (lab/sim/noise.py)."""
-    sigma = sorted(set(noise.run_sigma.values()))
-    text = "Run factor sigma " + ("/".join(pct(x) for x in sigma) if sigma else "none")
+    sigma = noise.run_sigma
+    if len(set(sigma.values())) > 1:  # one per kind (the profile rows' own): each named
+        text = "Run factor sigma " + ", ".join(f"{pct(x)} {k}" for k, x in sigma.items())
+    else:
+        text = "Run factor sigma " + (pct(next(iter(sigma.values()))) if sigma else "none")
     sp = noise.spells
     if sp is None:
         return text + "; no slow spells (no calibration replays, or none that changed state)."

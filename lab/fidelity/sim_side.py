@@ -97,6 +97,12 @@ def read_record(archive: Path, src: Path) -> dict[str, Any]:
                 f"error: {archive}: engine.json: {key}: expected names of folders under "
                 f"{side}/ that hold a steps.csv, got {short_repr(names, 60)}"
             )
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:  # a calibration run fitted twice is never held out from itself
+            raise SystemExit(
+                f"error: {archive}: engine.json: {key}: {twice!r} is listed twice; expected "
+                "each run once"
+            )
     bad = [f for f in record["folders"] if "_" not in f]
     if bad:
         raise SystemExit(
@@ -186,6 +192,30 @@ def _member(archive: Path, src: Path, name: str, parse) -> dict[str, Any]:
     return value
 
 
+def _steps_member(archive: Path, src: Path, name: str):
+    """The steps.csv member ``name`` of the unpacked archive ``src`` as a frame; SystemExit
+    (one line naming ``archive`` and the member) if it does not parse or lacks a column the
+    step table reads (an engine run's steps.csv, :data:`STEPS_COLUMNS` and ``policy``)."""
+    import pandas as pd
+
+    from sched_lab.sim.calibrated import STEPS_COLUMNS
+
+    try:
+        st = pd.read_csv(src / name)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SystemExit(
+            f"error: {archive}: {name}: cannot be read ({short_repr(why, 120)})"
+        ) from None
+    missing = [c for c in ("policy", "time_s", *STEPS_COLUMNS) if c not in st.columns]
+    if missing:
+        raise SystemExit(
+            f"error: {archive}: {name}: missing column(s) {', '.join(missing)} (expected an "
+            "engine run's steps.csv)"
+        )
+    return st
+
+
 def _compare_folder(
     src: Path,
     folder: str,
@@ -224,9 +254,11 @@ def _compare_folder(
                "cost_model": {"durations_from": str(real_dir / "steps.csv")}}  # fmt: skip
     replays = run_experiment(engine_config(rep_raw), progress=False)
     real_req = pd.read_csv(real_dir / "requests.csv")
-    real_steps = pd.read_csv(real_dir / "steps.csv")
+    real_steps = _steps_member(archive, src, f"engine/{folder}/steps.csv")
     again_steps = (  # the repeat pass's steps, predicted too (the step table's repeat rows)
-        pd.read_csv(again_dir / "steps.csv") if (again_dir / "steps.csv").is_file() else None
+        _steps_member(archive, src, f"engine_repeat/{folder}/steps.csv")
+        if (again_dir / "steps.csv").is_file()
+        else None
     )
     slice_name, load = folder.rsplit("_", 1)
     scale = None

@@ -25,12 +25,13 @@ is 0. The fit is least squares on error relative to each row's duration.
 Prefill attention runs one of two kernels (backend/attention/flash_varlen.py, ``auto``): an
 eager step (above ``EAGER_KNOT`` tokens) whose prompt chunks all start at position 0 and
 average at least ``VARLEN_MIN_MEAN_CHUNK`` tokens runs FlashAttention varlen; every other
-step (in a CUDA graph, or with a chunk over cached tokens: a later chunk, a prefix-cache hit)
-the paged Triton kernel. c8 prices a pair on the first, c8 + c12 on the second (the
-:func:`paged_pairs` feature: all of a step's pairs or none; a step's features do not tell
-which of its chunks have cached tokens, so an eager step with any is counted paged). c12 is
-fitted only with at least ``MIN_EAGER_ROWS`` non-replay rows whose pairs run varlen (the grid
-rows of one to eight prompts above the knot), else it is 0 and c8 prices every pair.
+step (in a CUDA graph, with a chunk over cached tokens: a later chunk, a prefix-cache hit, or
+with draft verify rows: :meth:`CalibratedCostModel.spec_step_time`) the paged Triton
+kernel. c8 prices a pair on the first, c8 + c12 on the second (the :func:`paged_pairs`
+feature: all of a step's pairs or none; a step's features do not tell which of its chunks
+have cached tokens, so an eager step with any is counted paged). c12 is fitted only with at
+least ``MIN_EAGER_ROWS`` non-replay rows whose pairs run varlen (the grid rows of one to
+eight prompts above the knot), else it is 0 and c8 prices every pair.
 
 Swaps: a KV token is a fixed number of bytes of the profiled model, so c9 is a per-byte
 rate and a run at another block size pays for its blocks' bytes (swapped blocks times the
@@ -141,6 +142,9 @@ NO_LORA_NOTE = (
 # No engine step is shorter than a kernel launch (microseconds): a shorter measured or
 # fitted step time is a broken profile, and it would weigh ~1e6 times a real row in the fit.
 MIN_STEP_S = 1e-6
+# Nor longer than an hour: such a measured step is a broken file (seconds written as
+# microseconds, a stalled host), and it would set the slow spells' dwells and level.
+MAX_STEP_S = 3600.0
 
 
 def design(df: pd.DataFrame) -> np.ndarray:
@@ -520,9 +524,9 @@ def check_cells(
     df: pd.DataFrame, columns: tuple[str, ...], where: str, text: Callable[[], pd.DataFrame]
 ) -> pd.DataFrame:
     """``df`` with ``columns`` as float64, each cell finite; counts whole and >= 0, pairs
-    >= 0, ``duration_s`` >= ``MIN_STEP_S``, ``host_s`` in [0, duration_s]. ``text`` reads the
-    file as text, to quote a bad cell. Raises ConfigError: ``{where}: row N (data rows from 1),
-    column 'c': expected ..., got 'v'``."""
+    >= 0, ``duration_s`` in [``MIN_STEP_S``, ``MAX_STEP_S``], ``host_s`` in [0, duration_s].
+    ``text`` reads the file as text, to quote a bad cell. Raises ConfigError: ``{where}: row N
+    (data rows from 1), column 'c': expected ..., got 'v'``."""
     df = df.copy()
     for c in columns:
         col = df[c]
@@ -535,6 +539,7 @@ def check_cells(
         checks = [(~np.isfinite(x), "expected a finite number")]
         if c == "duration_s":
             checks.append((x < MIN_STEP_S, f"expected a step duration >= {MIN_STEP_S:g} s"))
+            checks.append((x > MAX_STEP_S, f"expected a step duration <= {MAX_STEP_S:g} s"))
         elif c == "prefill_attention_pairs":
             checks.append((x < 0, "expected a number >= 0"))
         elif c == HOST_COLUMN:
@@ -722,14 +727,14 @@ class CalibratedCostModel:
         the run factor's sigma and the host's slow spells. With replay_steps, the spells are
         fitted to the replay files' runs (``fit_spells``), and each replay step, less the
         offset of the state it was in, enters the residuals and the run factor (so the
-        spells' share of the spread is drawn once, by the spells); that sigma is how far off whole runs
-        the fit did not see are: each replay file left out in turn and predicted by a fit
-        to everything else, the median log error of its steps of each kind (of at least
-        MIN_ROWS steps) is one sample; sigma is their root mean square, one for every kind.
-        Without them, or with no such sample, each profile row is predicted by a 5-fold fit that left it out, per
-        kind (an upper bound: one row is one shape, a run mixes many); without replay_steps,
-        no spells (a profile row is a median of passes, not a sequence). Made on first use:
-        only seeded runs ask."""
+        spells' share of the spread is drawn once, by the spells); that sigma is how far off
+        whole runs the fit did not see are: each replay file left out in turn and predicted
+        by a fit to everything else, the median log error of its steps of each kind (of at
+        least MIN_ROWS steps) is one sample; sigma is their root mean square, one for every
+        kind. Without them, or with no such sample, each profile row is predicted by a
+        5-fold fit that left it out, per kind (an upper bound: one row is one shape, a run
+        mixes many); without replay_steps, no spells (a profile row is a median of passes,
+        not a sequence). Made on first use: only seeded runs ask."""
         data, source = self._data, self._source
         fitted = predict(data, self.coef, self.lora_coef)
         y = data["duration_s"].to_numpy(float)
@@ -839,7 +844,13 @@ class CalibratedCostModel:
             return t
         base = f.num_prefill_tokens + f.num_decodes
         total = base + f.num_spec_tokens
-        # verify rows run in CUDA graphs: their pairs on the paged kernel
+        # verify rows (1 + d queries each) run on the paged kernel, and so then do the
+        # step's prompt chunks: FlashAttention varlen takes a step only when no sequence
+        # after its chunks is fed more than one token (flash_varlen.varlen_prefix)
+        if f.prefill_attention_pairs and not paged_pairs(
+            base, f.num_prefill_tokens, f.num_prefills, f.prefill_context_tokens
+        ):
+            t += self._paged_pairs * f.prefill_attention_pairs
         t += self._tok * f.num_spec_tokens
         t += (self._pairs + self._paged_pairs) * f.spec_context_tokens
         t += self._hinge * (max(0, total - TOKEN_KNOT) - max(0, base - TOKEN_KNOT))

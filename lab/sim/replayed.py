@@ -20,6 +20,7 @@ import pandas as pd
 
 from sched_lab.core.errors import ConfigError
 from sched_lab.core.plan import SchedulerOutput, StepResult
+from sched_lab.sim.calibrated import MAX_STEP_S
 from sched_lab.sim.cost_model import LaunchedStep
 
 # steps.csv column -> what the plan must hold for it (see :func:`plan_row`)
@@ -67,11 +68,13 @@ class ReplayedDurations:
                 f"{', '.join(missing)}"
             )
         dur = pd.to_numeric(df["duration_s"], errors="coerce").to_numpy(dtype=float)
-        bad = np.flatnonzero(~(np.isfinite(dur) & (dur > 0)))
+        # no engine step lasts an hour (calibrated.MAX_STEP_S): such a row is a broken file,
+        # and it would put the whole run past 1e30 s (a RuntimeWarning, then every metric huge)
+        bad = np.flatnonzero(~(np.isfinite(dur) & (dur > 0) & (dur <= MAX_STEP_S)))
         if len(bad):
             raise ConfigError(
                 f"{KEY}: {self.path}: row {bad[0] + 1}, duration_s: expected a number > 0 "
-                f"(seconds), got {str(df['duration_s'].iloc[bad[0]])[:40]!r}"
+                f"and <= {MAX_STEP_S:g} (seconds), got {str(df['duration_s'].iloc[bad[0]])[:40]!r}"
             )
         df["duration_s"] = dur
         self.steps = df

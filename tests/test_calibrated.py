@@ -311,3 +311,16 @@ def test_step_time_agrees_with_the_design_matrix_for_every_kind_of_step():
     df["num_swap_tokens"] = df["num_swap_blocks"] * 32  # steps of blocks of 32 tokens
     got = np.array([model.step_time(s, 32) for s in steps])
     np.testing.assert_allclose(got, predict(df, coef, lora_coef), rtol=1e-12)
+
+
+def test_left_out_terms_name_the_rows_the_optional_terms_need():
+    from sched_lab.sim.calibrated import left_out_terms
+
+    notes = left_out_terms(profile_frame())  # graph rows only: no eager row, no varlen pair
+    assert len(notes) == 2
+    assert notes[0].startswith("c10 (the eager slope above 8192 tokens) is 0: 0 profile rows")
+    assert notes[1].startswith("c12 (the paged kernel's surcharge a prefill pair) is 0")
+    assert "0 profile rows whose pairs run FlashAttention varlen" in notes[1]
+    assert left_out_terms(eager_frame(0.0, (12, 14, 16))) == []  # 3 eager rows, all varlen
+    two = left_out_terms(eager_frame(0.0, (12, 16)))
+    assert [n[:3] for n in two] == ["c10", "c12"] and "2 profile rows above" in two[0]

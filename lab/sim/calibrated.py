@@ -247,6 +247,29 @@ def fit(df: pd.DataFrame, extra: np.ndarray | None = None) -> np.ndarray:
     return coef
 
 
+def left_out_terms(df: pd.DataFrame) -> list[str]:
+    """A sentence for each optional term :func:`fit` holds at 0 for want of rows of ``df``
+    (c10, the eager slope; c12, the paged pairs' surcharge), naming the rows it needs."""
+    x = design(df)
+    grid = (df["kind"] != REPLAY_KIND).to_numpy() if "kind" in df else np.ones(len(df), bool)
+    eager = int((x[grid, _EAGER] > 0).sum())
+    varlen = int((grid & (x[:, _PAIRS] > 0) & (x[:, _PAGED] == 0)).sum())
+    notes = []
+    if eager < MIN_EAGER_ROWS:
+        notes.append(
+            f"c10 (the eager slope above {EAGER_KNOT} tokens) is 0: {eager} profile rows above "
+            f"{EAGER_KNOT} tokens, the fit needs {MIN_EAGER_ROWS}"
+        )
+    if varlen < MIN_EAGER_ROWS:
+        notes.append(
+            f"c12 (the paged kernel's surcharge a prefill pair) is 0, c8 prices every pair: "
+            f"{varlen} profile rows whose pairs run FlashAttention varlen (above {EAGER_KNOT} "
+            f"tokens, chunks from position 0 of >= {VARLEN_MIN_MEAN_CHUNK} tokens on average), "
+            f"the fit needs {MIN_EAGER_ROWS}"
+        )
+    return notes
+
+
 def _fit(x: np.ndarray, df: pd.DataFrame, extra: np.ndarray | None) -> np.ndarray:
     """:func:`fit` on the design matrix ``x`` (columns ``_TOKENS``, ``_HINGE`` and
     ``_EAGER`` where FEATURES has them)."""
@@ -1033,6 +1056,8 @@ def main(
     print(json.dumps(summary, indent=2))
     if out is not None:
         print(f"wrote {out}")
+    for note in left_out_terms(df[~lora_rows(df)]):
+        print(f"note: {args.profile}: {note}", file=sys.stderr)
     if fingerprint is None:
         print(f"note: {args.profile}: {why}", file=sys.stderr)
     else:

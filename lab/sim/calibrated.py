@@ -228,14 +228,25 @@ def nnls(a: np.ndarray, b: np.ndarray, free: tuple[int, ...] = ()) -> np.ndarray
         active.remove(min(neg, key=lambda i: coef[i]))
 
 
+def grid_rows(df: pd.DataFrame) -> np.ndarray:
+    """Boolean mask of the profile grid's rows (not replay steps: ``kind`` != ``replay``);
+    the optional terms are fitted only from enough of these."""
+    return (df["kind"] != REPLAY_KIND).to_numpy() if "kind" in df else np.ones(len(df), bool)
+
+
+def varlen_rows(x: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """Boolean mask of the ``grid`` rows of design matrix ``x`` whose prefill pairs run
+    FlashAttention varlen (pairs, none of them paged)."""
+    return grid & (x[:, _PAIRS] > 0) & (x[:, _PAGED] == 0)
+
+
 def fit(df: pd.DataFrame, extra: np.ndarray | None = None) -> np.ndarray:
     """Coefficients of :data:`FEATURES`, then those of ``extra`` ((rows, k) candidate
     features, each coefficient >= 0). Without any swap runs (unknown: module doc) the
     per-run coefficient is 0 and left out of the fit; so is the paged pairs' surcharge
     without ``MIN_EAGER_ROWS`` non-replay rows whose pairs run varlen."""
     x = design(df)
-    grid = (df["kind"] != REPLAY_KIND).to_numpy() if "kind" in df else np.ones(len(df), bool)
-    varlen = grid & (x[:, _PAIRS] > 0) & (x[:, _PAGED] == 0)
+    varlen = varlen_rows(x, grid_rows(df))
     dropped = []  # in increasing order
     if not x[:, _RUNS].any():
         dropped.append(_RUNS)
@@ -251,9 +262,9 @@ def left_out_terms(df: pd.DataFrame) -> list[str]:
     """A sentence for each optional term :func:`fit` holds at 0 for want of rows of ``df``
     (c10, the eager slope; c12, the paged pairs' surcharge), naming the rows it needs."""
     x = design(df)
-    grid = (df["kind"] != REPLAY_KIND).to_numpy() if "kind" in df else np.ones(len(df), bool)
+    grid = grid_rows(df)
     eager = int((x[grid, _EAGER] > 0).sum())
-    varlen = int((grid & (x[:, _PAIRS] > 0) & (x[:, _PAGED] == 0)).sum())
+    varlen = int(varlen_rows(x, grid).sum())
     notes = []
     if eager < MIN_EAGER_ROWS:
         notes.append(
@@ -281,7 +292,7 @@ def _fit(x: np.ndarray, df: pd.DataFrame, extra: np.ndarray | None) -> np.ndarra
     scale[scale == 0] = 1.0
     a = x / scale / y[:, None]
     coef = np.zeros(x.shape[1])
-    grid = (df["kind"] != REPLAY_KIND).to_numpy() if "kind" in df else np.ones(len(df), bool)
+    grid = grid_rows(df)
     keep = [i for i in range(x.shape[1]) if i != _EAGER]
     eager = (x[grid, _EAGER] > 0).sum() >= MIN_EAGER_ROWS and len(df) >= num_features
     if eager:

@@ -23,9 +23,12 @@ attention backend, engine options) as one JSON line.
 Grid: decode-only batches (1-256 sequences, contexts 128-4096; and 8-64 sequences of uneven,
 log-normal contexts), prefill chunks (16-8192 tokens over cached prefixes of 0-4096; 16-1024 over 16k-32k),
 several prompts at once, steps of 12k and 16k prompt tokens (one prompt to 16; eager, above
-the largest CUDA graph), prefill chunks mixed with decodes, and swap-out + swap-in of 1-256
-blocks alongside 8 or 64 decodes. ``--grid small`` keeps a few points of each kind (no eager
-or long-prefix rows), for a profile of a large model in a few minutes.
+the largest CUDA graph), eager steps of 12k-24k prompt tokens over cached prefixes of 512-4096
+(one prompt to 4; they run the paged Triton kernel where chunks from position 0 run
+FlashAttention varlen), prefill chunks mixed with decodes, and swap-out + swap-in of 1-256
+blocks alongside 8 or 64 decodes. Rows whose blocks, length or sequences do not fit the
+runner are left out (:func:`fits_runner`). ``--grid small`` keeps a few points of each kind
+(no eager or long-prefix rows), for a profile of a large model in a few minutes.
 
 LoRA (``--lora-dir DIR``: PEFT adapters ``lora-0 .. lora-{N-1}``, as ``sched-lab tools
 make-random-lora`` writes them): the runner gets them all, with ``--max-loras`` GPU slots, for
@@ -74,9 +77,19 @@ LONG_PREFIX_CHUNKS = [(c, n) for c in (16384, 32768) for n in (16, 256, 1024)]
 MIXED = [(d, n) for d in (8, 32, 128) for n in (256, 512, 1024, 2048)]
 # Steps above 8,192 tokens (the largest CUDA graph, backend/cuda_graphs.py) run eagerly:
 # (prompts, tokens each) of 12k and 16k tokens, one long prompt or many short ones, so the
-# fit sees the eager slope apart from the attention pairs (lab/sim/calibrated.py).
+# fit sees the eager slope apart from the attention pairs (lab/sim/calibrated.py). All start
+# at position 0: FlashAttention varlen runs their pairs (but 16 x 768's: chunks under 1,024).
 EAGER_PREFILLS = [(1, 12288), (2, 6144), (4, 3072), (8, 1536), (16, 768),
                   (1, 16384), (4, 4096), (8, 2048), (16, 1024)]  # fmt: skip
+# Eager steps whose chunks read a cached prefix, as prefix caching makes them (a hit of one
+# or more blocks, then the prompt's tail): the paged Triton kernel runs their pairs, not
+# FlashAttention varlen (backend/attention/flash_varlen.py), so the fit sees that kernel's
+# surcharge at eager sizes (c12, lab/sim/calibrated.py), not only inside the CUDA graphs.
+# (prompts, cached tokens each, new tokens each): 12k-24k new tokens in all, 31-314 million
+# pairs; the 16k- and 24k-token prompts fit only a runner with max_model_len above 16,384.
+EAGER_PREFIX_PREFILLS = [(1, 512, 12288), (2, 512, 6144), (4, 1024, 3072),
+                         (1, 4096, 12288), (1, 2048, 16384), (1, 512, 24576)]  # fmt: skip
+EAGER_KINDS = ("prefill_eager", "prefill_eager_prefix")
 EAGER_MIN_ROWS = (
     3  # sched_lab.sim.calibrated.MIN_EAGER_ROWS (backend does not import sched_lab.sim)
 )
@@ -129,6 +142,8 @@ def shapes(small: bool = False) -> list[tuple[str, list[tuple[int, int]], list[i
             grid.append(("prefill", [(0, n)] * k, [], 0))
     for k, n in EAGER_PREFILLS:
         grid.append(("prefill_eager", [(0, n)] * k, [], 0))
+    for k, c, n in EAGER_PREFIX_PREFILLS:
+        grid.append(("prefill_eager_prefix", [(c, n)] * k, [], 0))
     for d, n in MIXED:
         grid.append(("mixed", [(512, n)], [1024] * d, 0))
     for d in (8, 64):  # two batch sizes, so a held-out swap row has neighbours in the fit
@@ -234,6 +249,19 @@ def step_inputs(
     return seqs
 
 
+def fits_runner(
+    seqs: list[SeqInput], num_gpu_blocks: int, max_model_len: int, max_num_seqs: int
+) -> bool:
+    """Whether a grid point's sequences (:func:`step_inputs`) fit a runner: their blocks in
+    its cache, each sequence within ``max_model_len`` tokens, at most ``max_num_seqs`` of
+    them. The profile leaves out a point that does not."""
+    return (
+        sum(len(s.block_table) for s in seqs) <= num_gpu_blocks
+        and max(s.start_pos + len(s.token_ids) for s in seqs) <= max_model_len
+        and len(seqs) <= max_num_seqs
+    )
+
+
 def execute_launched(runner: ModelRunner, seqs: list[SeqInput]) -> float:
     """``runner.execute(seqs)`` in its parts; ``time.perf_counter()`` at launch, or NaN for a
     tensor-parallel runner."""
@@ -314,7 +342,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sched_lab.backend
         help="KV cache dtype (kv_cache.dtype); fp8 is named in the header, and the "
         "calibrated model then fits that profile's KV bytes as they are",
     )
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=positive_int, default=16)
     ap.add_argument(
         "--max-model-len",
         type=positive_int,
@@ -353,11 +381,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m sched_lab.backend
         type=positive_int,
         help="with --lora-dir: lora.max_lora_rank (default: the adapters' largest rank)",
     )
-    ap.add_argument("--repeat", type=int, default=2, help="timed runs per row and pass")
-    ap.add_argument("--passes", type=int, default=3, help="passes over the whole grid")
+    ap.add_argument("--repeat", type=positive_int, default=2, help="timed runs per row and pass")
+    ap.add_argument("--passes", type=positive_int, default=3, help="passes over the whole grid")
     ap.add_argument(
         "--tensor-parallel-size",
-        type=int,
+        type=positive_int,
         default=1,
         help="ranks (one GPU each; gloo processes on the CPU): the profile of a tensor-parallel "
         "engine, all-reduces included (backend/tp_engine.py)",
@@ -419,13 +447,8 @@ def _profile(args: argparse.Namespace) -> None:
          step_inputs(chunks, decodes, args.block_size, names, vocab, seed=i), names)
         for i, (kind, chunks, decodes, swap, names) in enumerate(points)
     ]  # fmt: skip
-    grid = [
-        g
-        for g in grid
-        if sum(len(s.block_table) for s in g[4]) <= runner.num_gpu_blocks
-        and max(s.start_pos + len(s.token_ids) for s in g[4]) <= runner.max_model_len
-        and len(g[4]) <= args.max_num_seqs
-    ]
+    limits = (runner.num_gpu_blocks, runner.max_model_len, args.max_num_seqs)
+    grid = [g for g in grid if fits_runner(g[4], *limits)]
     kinds = {g[0] for g in points}
     missing = sorted(kinds - {g[0] for g in grid})
     if not any(g[0] == "decode" for g in grid) or not any(g[0] == "prefill" for g in grid):
@@ -437,9 +460,9 @@ def _profile(args: argparse.Namespace) -> None:
     if missing:
         print(f"note: no {', '.join(missing)} row fits the runner (blocks, max_model_len, "
               "max_num_seqs): the fit prices those steps by extrapolation", flush=True)  # fmt: skip
-    eager = sum(g[0] == "prefill_eager" for g in grid)
+    eager = sum(g[0] in EAGER_KINDS for g in grid)
     if 0 < eager < EAGER_MIN_ROWS:
-        print(f"note: only {eager} prefill_eager row(s) fit the runner: the fit needs "
+        print(f"note: only {eager} eager row(s) fit the runner: the fit needs "
               f"{EAGER_MIN_ROWS} to give steps above 8,192 tokens their own slope, so it "
               "extrapolates there", flush=True)  # fmt: skip
     samples: list[list[tuple[float, float]]] = [[] for _ in grid]

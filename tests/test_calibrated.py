@@ -167,21 +167,54 @@ def test_profile_grid_has_enough_eager_rows_for_the_held_out_runner():
     protocol's runner (2,048 blocks of 16, max_model_len 16384: rows that do not fit are
     left out), from one prompt to many, so the eager slope is fitted."""
     pytest.importorskip("torch", reason="backend/ needs torch: pip install -e '.[engine,test]'")
-    from sched_lab.backend.profile import shapes, step_inputs
+    from sched_lab.backend.profile import fits_runner, shapes, step_inputs
     from sched_lab.sim.calibrated import MIN_EAGER_ROWS
 
     eager = []
     for _, chunks, decodes, _ in shapes():
-        seqs = step_inputs(chunks, decodes, 16)
         tokens = sum(n for _, n in chunks) + len(decodes)
-        fits = (
-            sum(len(s.block_table) for s in seqs) <= 2048
-            and max(s.start_pos + len(s.token_ids) for s in seqs) <= 16384
-        )
-        if tokens > EAGER_KNOT and fits:
+        if tokens > EAGER_KNOT and fits_runner(step_inputs(chunks, decodes, 16), 2048, 16384, 256):
             eager.append(len(chunks))
     assert len(eager) >= MIN_EAGER_ROWS
     assert min(eager) == 1 and max(eager) == 16
+
+
+def test_profile_grid_has_eager_rows_over_a_cached_prefix_that_fit_c12():
+    """backend/profile.py's prefill_eager_prefix rows (not in --grid small) are eager (above
+    EAGER_KNOT, the largest CUDA graph) and paged (their chunks read cached tokens); priced
+    0.2 ns a pair above the varlen rows' rate, beside three varlen rows, they give the fit
+    that surcharge back, and left_out_terms has nothing to say."""
+    pytest.importorskip("torch", reason="backend/ needs torch: pip install -e '.[engine,test]'")
+    from sched_lab.backend.profile import features, fits_runner, shapes, step_inputs
+    from sched_lab.sim.calibrated import left_out_terms, paged_pairs
+
+    points = [(c, d, s) for kind, c, d, s in shapes() if kind == "prefill_eager_prefix"]
+    assert 4 <= len(points) <= 6
+    assert "prefill_eager_prefix" not in {kind for kind, *_ in shapes(small=True)}
+    rows = pd.DataFrame([asdict(features(*p)) for p in points])
+    assert (rows.num_prefill_tokens > EAGER_KNOT).all() and (rows.num_decodes == 0).all()
+    assert (rows.prefill_context_tokens >= 512 * rows.num_prefills).all()
+    assert paged_pairs(rows.num_prefill_tokens, rows.num_prefill_tokens, rows.num_prefills,
+                       rows.prefill_context_tokens).all()  # fmt: skip
+    # one prompt of 12,288 tokens over 512 cached: 12288 * 512 + 12288 * 12289 / 2 pairs
+    assert rows.iloc[0][["num_prefills", "prefill_context_tokens", "prefill_attention_pairs"]
+                        ].tolist() == [1, 512, 81_795_072]  # fmt: skip
+    # The held-out runner (2,048 blocks of 16, max_model_len 16384) leaves out the rows of
+    # prompts longer than 16,384 tokens; the Mooncake protocol's (8,192, 40960) keeps all.
+    seqs = [step_inputs(c, d, 16) for c, d, _ in points]
+    held_out = [fits_runner(s, 2048, 16384, 256) for s in seqs]
+    assert sum(held_out) == len(points) - 2 and not any(held_out[-2:])
+    assert all(fits_runner(s, 8192, 40960, 256) for s in seqs)
+    varlen = eager_frame(0.0, (12, 14, 16))
+    df = pd.concat([varlen, rows[varlen.columns.drop(["duration_s", "kind"])]], ignore_index=True)
+    true = np.array([TRUE[f] for f in FEATURES])
+    true[FEATURES.index("paged_prefill_pairs")] = 2e-10
+    df["duration_s"] = design(df) @ true
+    df["kind"] = "x"
+    coef = dict(zip(FEATURES, fit(df)))
+    assert coef["paged_prefill_pairs"] == pytest.approx(2e-10, rel=1e-6)
+    assert coef["prefill_attention_pairs"] == pytest.approx(5e-10, rel=1e-6)
+    assert left_out_terms(df) == []
 
 
 def test_extra_candidate_features_are_fitted_beside_the_model():
@@ -321,6 +354,11 @@ def test_left_out_terms_name_the_rows_the_optional_terms_need():
     assert notes[0].startswith("c10 (the eager slope above 8192 tokens) is 0: 0 profile rows")
     assert notes[1].startswith("c12 (the paged kernel's surcharge a prefill pair) is 0")
     assert "0 profile rows whose pairs run FlashAttention varlen" in notes[1]
-    assert left_out_terms(eager_frame(0.0, (12, 14, 16))) == []  # 3 eager rows, all varlen
+    assert "best fitted with both these and paged rows above 8192 tokens" in notes[1]
     two = left_out_terms(eager_frame(0.0, (12, 16)))
     assert [n[:3] for n in two] == ["c10", "c12"] and "2 profile rows above" in two[0]
+    # 3 eager rows, all varlen: c12 is fitted, but no paged row above the knot pins it there
+    (note,) = left_out_terms(eager_frame(0.0, (12, 14, 16)))
+    assert note.startswith("c12 (the paged kernel's surcharge a prefill pair) is fitted mostly "
+                           "from CUDA-graph rows: 0 profile rows above 8192 tokens")  # fmt: skip
+    assert "priced by extrapolation" in note

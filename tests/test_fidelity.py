@@ -461,17 +461,25 @@ def test_profile_takes_the_engine_runs_shape() -> None:
                                      "--num-gpu-blocks", "2048"]  # fmt: skip
 
 
-def test_profile_shape_arguments_must_be_at_least_one() -> None:
-    """sched_lab.backend.profile's shape arguments are whole numbers >= 1."""
+def test_profile_shape_arguments_must_be_at_least_one(capsys) -> None:
+    """sched_lab.backend.profile's shape arguments are whole numbers >= 1; --passes 0 or
+    --repeat 0 is refused by the parser, before any model is loaded ("m" does not exist)."""
     import argparse
 
     pytest.importorskip("torch", reason="backend/ needs torch: pip install -e '.[engine,test]'")
-    from sched_lab.backend.profile import positive_int
+    from sched_lab.backend.profile import main, positive_int
 
     assert positive_int("7") == 7
     for bad in ("0", "-3", "1e3"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected a whole number >= 1"):
             positive_int(bad)
+    for arg in ("--passes", "--repeat"):
+        with pytest.raises(SystemExit) as e:
+            main(["--model-dir", "m", "--out", "p.csv", arg, "0"], prog="sched-lab profile")
+        assert e.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"sched-lab profile: error: argument {arg}: expected a whole number >= 1, got '0'"
+        )
 
 
 def test_replayed_durations_of_another_window_are_refused(tmp_path) -> None:

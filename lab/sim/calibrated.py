@@ -31,7 +31,10 @@ kernel. c8 prices a pair on the first, c8 + c12 on the second (the :func:`paged_
 feature: all of a step's pairs or none; a step's features do not tell which of its chunks
 have cached tokens, so an eager step with any is counted paged). c12 is fitted only with at
 least ``MIN_EAGER_ROWS`` non-replay rows whose pairs run varlen (the grid rows of one to
-eight prompts above the knot), else it is 0 and c8 prices every pair.
+eight prompts above the knot), else it is 0 and c8 prices every pair. It is best determined
+with paged rows above the knot too (the grid's ``prefill_eager_prefix`` rows: eager steps
+over a cached prefix); without them c12 comes from the CUDA-graph rows, whose steps have
+far fewer pairs, and eager steps over a prefix-cache hit are priced by extrapolation.
 
 Swaps: a KV token is a fixed number of bytes of the profiled model, so c9 is a per-byte
 rate and a run at another block size pays for its blocks' bytes (swapped blocks times the
@@ -260,11 +263,14 @@ def fit(df: pd.DataFrame, extra: np.ndarray | None = None) -> np.ndarray:
 
 def left_out_terms(df: pd.DataFrame) -> list[str]:
     """A sentence for each optional term :func:`fit` holds at 0 for want of rows of ``df``
-    (c10, the eager slope; c12, the paged pairs' surcharge), naming the rows it needs."""
+    (c10, the eager slope; c12, the paged pairs' surcharge), naming the rows it needs; and
+    one when c12 is fitted with fewer than ``MIN_EAGER_ROWS`` paged rows above the knot (it
+    is then extrapolated there: module doc)."""
     x = design(df)
     grid = grid_rows(df)
     eager = int((x[grid, _EAGER] > 0).sum())
     varlen = int(varlen_rows(x, grid).sum())
+    paged_eager = int((grid & (x[:, _EAGER] > 0) & (x[:, _PAGED] > 0)).sum())
     notes = []
     if eager < MIN_EAGER_ROWS:
         notes.append(
@@ -276,7 +282,16 @@ def left_out_terms(df: pd.DataFrame) -> list[str]:
             f"c12 (the paged kernel's surcharge a prefill pair) is 0, c8 prices every pair: "
             f"{varlen} profile rows whose pairs run FlashAttention varlen (above {EAGER_KNOT} "
             f"tokens, chunks from position 0 of >= {VARLEN_MIN_MEAN_CHUNK} tokens on average), "
-            f"the fit needs {MIN_EAGER_ROWS}"
+            f"the fit needs {MIN_EAGER_ROWS}; c12 is best fitted with both these and paged rows "
+            f"above {EAGER_KNOT} tokens (chunks over a cached prefix)"
+        )
+    elif paged_eager < MIN_EAGER_ROWS:
+        notes.append(
+            f"c12 (the paged kernel's surcharge a prefill pair) is fitted mostly from CUDA-graph "
+            f"rows: {paged_eager} profile rows above {EAGER_KNOT} tokens run the paged kernel "
+            f"(chunks over a cached prefix, as `sched-lab profile`'s prefill_eager_prefix rows, "
+            f"or of < {VARLEN_MIN_MEAN_CHUNK} tokens on average), {MIN_EAGER_ROWS} would pin it "
+            "there; eager steps over a prefix-cache hit are priced by extrapolation"
         )
     return notes
 

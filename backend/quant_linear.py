@@ -23,11 +23,20 @@ FUSED_PROJECTIONS = ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")
 FP8_WEIGHT_ONLY_MAX_TOKENS = 16
 
 
-def gemm_path(method: str, tokens: int) -> str:
-    """Which GEMM a step of ``tokens`` rows runs for ``method``: "stream" (weight-only
-    streaming kernel), "tiled" (weight-only tiled kernel) or "w8a8" (fp8 ``_scaled_mm``).
-    int8, gptq and awq (repacked) always run the tiled kernel: on the H200 the streaming
-    kernel was slower for int8 and gptq at every M."""
+#: methods whose one-row steps run :mod:`sched_lab.backend.quant_gemv`: on the H200 (8B
+#: projections, BENCHMARKS.md 2026-12-04) it beat the old paths at M = 1 for int4 (1.4x the
+#: tiled kernel) and fp8 (1.7x the streaming kernel), lost for int8 (0.7-0.9x the tiled
+#: kernel) and at M = 4 for every method
+GEMV_METHODS = ("awq", "gptq", "fp8")
+
+
+def gemm_path(method: str, tokens: int, act_order: bool = False) -> str:
+    """Which GEMM a step of ``tokens`` rows runs for ``method``: "gemv" (the one-row kernel),
+    "stream" (weight-only streaming kernel), "tiled" (weight-only tiled kernel) or "w8a8"
+    (fp8 ``_scaled_mm``). Otherwise int8, gptq and awq (repacked) run the tiled kernel: on
+    the H200 the streaming kernel was slower for int8 and gptq at every M."""
+    if tokens == 1 and method in GEMV_METHODS and not act_order:
+        return "gemv"
     if method == "fp8":
         return "stream" if tokens <= FP8_WEIGHT_ONLY_MAX_TOKENS else "w8a8"
     return "tiled"
@@ -71,7 +80,13 @@ class QuantLinear(nn.Module):
     def repack_for_kernels(self) -> None:
         """After the buffers are filled with the checkpoint's tensors: AWQ's become
         :func:`~sched_lab.backend.quant_formats.repack_awq`'s layout (same W, exactly);
-        other methods and already repacked buffers are left as they are."""
+        other methods and already repacked buffers are left as they are. On CUDA, the
+        device's split-K counters are made here, before any CUDA graph capture."""
+        first = next(iter(self.tensors().values()))
+        if first.is_cuda:
+            from sched_lab.backend.quant_kernels import _split_counters
+
+            _split_counters(first.device)
         if self.spec.method != "awq" or awq_is_repacked(self.tensors()):
             return
         for name, value in repack_awq(self.tensors()).items():
@@ -80,11 +95,15 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from sched_lab.backend import quant_kernels as qk
 
-        path = gemm_path(self.spec.method, x.shape[0])
+        path = gemm_path(self.spec.method, x.shape[0], self.spec.act_order)
         if path == "w8a8":  # CPU: its float32 reference
             y = qk.fp8_gemm(x, self.weight, self.weight_scale)
         elif not x.is_cuda:
             y = qk.weight_only_reference(x, self.tensors(), self.spec)
+        elif path == "gemv":
+            from sched_lab.backend.quant_gemv import quant_gemv
+
+            y = quant_gemv(x, self.tensors(), self.spec, self.out_features)
         elif path == "stream":  # fp8 only
             y = qk.weight_streaming_gemm(x, self.tensors(), self.spec, self.out_features)
         else:

@@ -4,7 +4,7 @@ one, for its launches on a preset's projections, and print what ptxas and the SA
     python benchmarks/quant_compile_check.py                     # Hopper (sm_90), 8B shapes
     python benchmarks/quant_compile_check.py --arch 100 --tokens 1 32
 
-The engine runs this kernel for fp8 at M <= 16 only (quant_linear.gemm_path); the other
+The engine runs this kernel for fp8 at 2 <= M <= 16 only (quant_linear.gemm_path); the other
 methods' streaming launches (``stream_plan``'s, for benchmarks/quant_decode.py's A/B) are
 compiled too for ``--all-methods``. Per launch (weights, projection, tokens): the plan (tiles, splits, warps), registers per
 thread, stack (spills), and the global loads in the SASS by width (``LDG.E.128`` are 16-byte

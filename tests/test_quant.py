@@ -249,9 +249,13 @@ def test_plans_on_the_8b_shapes():
 def test_gemm_path_by_method_and_tokens():
     from sched_lab.backend.quant_linear import gemm_path
 
-    for method in ("awq", "gptq", "int8"):  # the tiled kernel at every M
-        assert {gemm_path(method, t) for t in (1, 16, 17, 256)} == {"tiled"}
-    assert [gemm_path("fp8", t) for t in (1, 16, 17, 256)] == ["stream", "stream", "w8a8", "w8a8"]
+    # one token: the GEMV for int4 and fp8 (not act-order GPTQ); then the tiled kernel
+    for method in ("awq", "gptq"):
+        assert [gemm_path(method, t) for t in (1, 2, 16, 256)] == ["gemv"] + ["tiled"] * 3
+    assert gemm_path("gptq", 1, act_order=True) == "tiled"
+    assert {gemm_path("int8", t) for t in (1, 16, 17, 256)} == {"tiled"}
+    assert [gemm_path("fp8", t) for t in (1, 2, 16, 17, 256)] == [
+        "gemv", "stream", "stream", "w8a8", "w8a8"]  # fmt: skip
 
 
 def test_fp8_reference_quantizes_activations_per_token():

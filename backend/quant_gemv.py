@@ -1,0 +1,245 @@
+"""Quantized GEMV: y = x @ W.T for decode-sized x (M <= GEMV_MAX_M rows) on CUDA cores, the
+weight streamed once from HBM and unpacked by bit moves.
+
+At one to a few rows a GEMM reads each weight once and does 2M flops per weight: the time is
+the weight bytes over the HBM rate, if the unpacking keeps up. :mod:`quant_kernels`' tiled
+kernel pads M to 16 rows and feeds ``tl.dot``: the unpacked tile goes through shared memory
+into the tensor-core layout, and on the H200 its int4 GEMMs ran at ~1 TB/s (BENCHMARKS.md,
+2026-12-03). This kernel never leaves registers:
+
+* int4 (GPTQ's (K/8, N) layout, AWQ after :func:`~sched_lab.backend.quant_formats.repack_awq`):
+  a tile is (BLOCK_K / 8, BLOCK_N) int32 words, coalesced along N, inside one group. For
+  nibble j of every word (a static loop of 8), ``((w >> 4j) & 0xF) | 0x4B000000`` read as a
+  float32 is 2^23 + q exactly; minus 2^23 + z it is q - z, with no int-to-float
+  conversion instruction (a slow one). The products with x[k0 + 8r + j] accumulate per
+  (row, word row, column); the group scale multiplies once per tile. One row can instead
+  unpack the 8 nibbles as one (rows, 8, N) tensor against x loaded as (rows, 8)
+  (``GemvConfig.nibbles_3d``; the faster on the H200).
+* int8 / fp8 ((N, K) bytes, contiguous along K): a (BLOCK_N, BLOCK_K) tile; int8 through
+  the same float32 trick (``(b ^ 0x80) | 0x4B000000`` minus 2^23 + 128), fp8 e4m3 by the
+  hardware conversion on CUDA (``FP8_CVT``) or, in the interpreter, by bit moves into a
+  float16 holding value / 2^8. One scale per output column at the end.
+
+K is split over programs until the grid fills the GPU (``GemvConfig.split_sms``); the
+partials of a tile go to a float32 workspace and the tile's last program (counted with an
+atomic, per-device counters of :func:`sched_lab.backend.quant_kernels._split_counters`) sums
+them in split order and writes the output: one launch per GEMM, deterministic, CUDA-graph
+safe. The tiles come from :func:`gemv_config` (benchmarks/quant_gemv.py sweeps them on the
+GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sched_lab.backend.attention.triton_backend import interpreting
+from sched_lab.backend.quant_formats import QuantSpec, awq_is_repacked
+
+GEMV_MAX_M = 8  # rows the kernel takes (BLOCK_M = M rounded up to a power of 2)
+MAGIC = 8388608.0  # 2^23: float32 0x4B000000; its low 23 mantissa bits hold an integer
+
+
+@triton.jit
+def _gemv_kernel(
+    X, QW, QZ, S, Out, WS, CNT, M, N, K, stride_xm, stride_qw0, stride_qz0, stride_s0,
+    stride_om, K_PER_SPLIT, NUM_SPLITS,
+    INT4: tl.constexpr, FP8: tl.constexpr, FP8_CVT: tl.constexpr, ZERO_PLUS: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, NIBBLES_3D: tl.constexpr = False,
+):  # fmt: skip
+    """Out[m, n] = sum_k X[m, k] W[n, k] for m < M; program (n tile, split) covers K_PER_SPLIT
+    of K (a multiple of BLOCK_K; int4: BLOCK_K divides GROUP, so a tile is in one group)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    n_ok, m_ok = rn < N, rm < M
+    k_start = split * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    if INT4:
+        ROWS: tl.constexpr = BLOCK_K // 8
+        rr = tl.arange(0, ROWS)
+        acc3 = tl.zeros((BLOCK_M, ROWS, BLOCK_N), dtype=tl.float32)
+        col_shift = (rn % 8) * 4
+        for k0 in range(k_start, k_end, BLOCK_K):
+            words = tl.load(QW + (k0 // 8 + rr)[:, None] * stride_qw0 + rn[None, :],
+                            mask=n_ok[None, :], other=0)  # fmt: skip
+            g = k0 // GROUP
+            zw = tl.load(QZ + g * stride_qz0 + rn // 8, mask=n_ok, other=0)
+            zf = (((zw >> col_shift) & 0xF) + ZERO_PLUS).to(tl.float32) + 8388608.0
+            s = tl.load(S + g * stride_s0 + rn, mask=n_ok, other=0.0).to(tl.float32)
+            if NIBBLES_3D:  # (ROWS, 8, BLOCK_N) codes; x as (ROWS, 8), one load a row
+                jj = tl.arange(0, 8)
+                bits = ((words[:, None, :] >> (jj * 4)[None, :, None]) & 0xF) | 0x4B000000
+                q = bits.to(tl.float32, bitcast=True) - zf[None, None, :]
+                x = tl.load(X + k0 + rr[:, None] * 8 + jj[None, :]).to(tl.float32)
+                part = tl.sum(x[:, :, None] * q, axis=1)
+                acc3 += (part * s[None, :])[None, :, :]
+            else:
+                part = tl.zeros((BLOCK_M, ROWS, BLOCK_N), dtype=tl.float32)
+                for j in tl.static_range(8):
+                    xj = tl.load(X + rm[:, None] * stride_xm + (k0 + rr * 8 + j)[None, :],
+                                 mask=m_ok[:, None], other=0.0).to(tl.float32)  # fmt: skip
+                    bits = ((words >> (4 * j)) & 0xF) | 0x4B000000
+                    qj = bits.to(tl.float32, bitcast=True) - zf[None, :]
+                    part += xj[:, :, None] * qj[None, :, :]
+                acc3 += part * s[None, None, :]
+        acc = tl.sum(acc3, axis=1)
+    else:
+        rk0 = tl.arange(0, BLOCK_K)
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            rk = k0 + rk0
+            k_ok = rk < k_end
+            raw = tl.load(QW + rn[:, None] * stride_qw0 + rk[None, :],
+                          mask=n_ok[:, None] & k_ok[None, :], other=0)  # fmt: skip
+            if FP8 and FP8_CVT:
+                w = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            elif FP8:  # e4m3 bits into a float16's: value / 2^8, exactly
+                b = raw.to(tl.uint16)
+                w = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+                w = w.to(tl.float32)
+            else:  # int8 q: (q + 128) | 0x4B000000 is 2^23 + 128 + q
+                b = (raw.to(tl.int32) & 0xFF) ^ 0x80
+                w = (b | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+            x = tl.load(X + rm[:, None] * stride_xm + rk[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            acc3 += x[:, None, :] * w[None, :, :]
+        acc = tl.sum(acc3, axis=2)
+        s = tl.load(S + rn, mask=n_ok, other=0.0).to(tl.float32)
+        if FP8 and not FP8_CVT:
+            s = s * 256.0
+        acc = acc * s[None, :]
+    o_mask = m_ok[:, None] & n_ok[None, :]
+    out_ptr = Out + rm[:, None] * stride_om + rn[None, :]
+    if not SPLIT_K:
+        tl.store(out_ptr, acc.to(Out.dtype.element_ty), mask=o_mask)
+    else:  # partial to the workspace; the tile's last program sums all, in split order
+        ws = WS + rm[:, None] * N + rn[None, :]
+        tl.store(ws + split * M * N, acc, mask=o_mask)
+        tl.debug_barrier()  # every thread's partial is written before the count
+        arrived = tl.atomic_add(CNT + pid, 1, sem="acq_rel")
+        if arrived == NUM_SPLITS - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in range(NUM_SPLITS):
+                total += tl.load(ws + i * M * N, mask=o_mask, other=0.0, cache_modifier=".cv")
+            tl.store(out_ptr, total.to(Out.dtype.element_ty), mask=o_mask)
+            tl.atomic_xchg(CNT + pid, 0)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch choices: ``block_n`` output columns and ``block_k`` inputs per program step
+    (int4: cut to the group's largest power-of-2 divisor), K split in powers of 2 while the
+    grid has fewer than ``split_sms`` programs per SM (each split keeps >= 2 K tiles),
+    ``num_warps``, ``num_stages``; ``nibbles_3d`` (int4, one row): the 8 nibbles of a word
+    as one (rows, 8, N) tensor, x loaded as (rows, 8), rather than a static loop of 8."""
+
+    block_n: int
+    block_k: int
+    split_sms: int
+    num_warps: int
+    num_stages: int
+    nibbles_3d: bool = False
+
+
+def gemv_config(m: int, n: int, k: int, spec: QuantSpec) -> GemvConfig:
+    """The tiles the engine uses: the winners of ``benchmarks/quant_gemv.py`` on the H200 for
+    the Llama-3.1-8B projections at M = 1 (BENCHMARKS.md, 2026-12-04; the runners-up were
+    within 1-8%): int4 (256, 64) split until 8 programs per SM for a wide N (gate_up),
+    (128, 128) until 2 otherwise, nibbles as one tensor; 8 bits (16, 512) until 2."""
+    if spec.method in ("awq", "gptq"):
+        if n >= 16384:
+            return GemvConfig(256, 64, 8, 4, 2, nibbles_3d=True)
+        return GemvConfig(128, 128, 2, 4, 2, nibbles_3d=True)
+    return GemvConfig(16, 512, 2, 4, 2)
+
+
+@dataclass(frozen=True)
+class GemvPlan:
+    """One launch: ``splits`` programs per N tile over ``k_per_split`` inputs each."""
+
+    block_m: int
+    block_k: int
+    splits: int
+    k_per_split: int
+
+
+def gemv_plan(m: int, n: int, k: int, spec: QuantSpec, sms: int, c: GemvConfig) -> GemvPlan:
+    """The split of K for config ``c`` on ``sms`` SMs (int4: splits on whole groups)."""
+    if m > GEMV_MAX_M:
+        raise ValueError(f"quantized GEMV: {m} rows; at most {GEMV_MAX_M}")
+    int4 = spec.method in ("awq", "gptq")
+    block_k = min(c.block_k, spec.group_size & -spec.group_size) if int4 else c.block_k
+    if int4 and k % block_k:
+        raise ValueError(f"quantized GEMV: K={k} is not a multiple of the K tile {block_k}")
+    tiles = triton.cdiv(n, c.block_n)
+    k_tiles = triton.cdiv(k, block_k)
+    split = 1
+    while tiles * split < c.split_sms * sms and split * 2 * 2 <= k_tiles:
+        split *= 2
+    steps = triton.cdiv(k_tiles, split)
+    if int4:  # a split starts on a group boundary (one scale row per K tile)
+        per_group = spec.group_size // block_k
+        steps = triton.cdiv(steps, per_group) * per_group
+    splits = triton.cdiv(k_tiles, steps)
+    return GemvPlan(max(1, triton.next_power_of_2(m)), block_k, splits, steps * block_k)
+
+
+def gemv_supported(spec: QuantSpec, m: int) -> bool:
+    """Whether :func:`quant_gemv` takes this step: at most GEMV_MAX_M rows, and no act-order
+    (its rows' groups follow g_idx: the tiled kernel's path)."""
+    return m <= GEMV_MAX_M and not spec.act_order
+
+
+def quant_gemv(
+    x: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    spec: QuantSpec,
+    out_features: int,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """x (M <= GEMV_MAX_M, K) bf16/fp16/fp32 @ W.T for a gptq, awq (repacked), int8 or fp8 W
+    (fp8 weight-only: x is not quantized): (M, N) in x's dtype. ``config``:
+    :func:`gemv_config`'s when None. The first call on a device must not be inside a CUDA
+    graph capture (the split-K counters are made then)."""
+    from sched_lab.backend.quant_kernels import _num_sms, _split_counters
+
+    if spec.act_order:
+        raise ValueError("quant_gemv: act-order GPTQ runs the tiled kernel")
+    x = x.contiguous()
+    m, k = x.shape
+    n = out_features
+    c = config or gemv_config(m, n, k, spec)
+    plan = gemv_plan(m, n, k, spec, _num_sms(x.device), c)
+    int4 = spec.method in ("awq", "gptq")
+    if int4:
+        if spec.method == "awq" and not awq_is_repacked(tensors):
+            raise ValueError("quant_gemv: awq tensors in the checkpoint layout; "
+                             "repack them with quant_formats.repack_awq first")  # fmt: skip
+        qw, qz, s = tensors["qweight"], tensors["qzeros"], tensors["scales"]
+    else:
+        qw = tensors["weight"]
+        qw = qw.view(torch.uint8) if spec.method == "fp8" else qw
+        qz, s = qw, tensors["weight_scale"]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if plan.splits > 1:
+        ws = torch.empty(plan.splits, m, n, dtype=torch.float32, device=x.device)
+        counters = _split_counters(x.device)
+    else:
+        ws = counters = out
+    tiles = triton.cdiv(n, c.block_n)
+    _gemv_kernel[(tiles, plan.splits)](
+        x, qw, qz, s, out, ws, counters, m, n, k, x.stride(0), qw.stride(0), qz.stride(0),
+        s.stride(0), out.stride(0), plan.k_per_split, plan.splits,
+        INT4=int4, FP8=spec.method == "fp8", FP8_CVT=not interpreting(),
+        ZERO_PLUS=1 if spec.method == "gptq" else 0,
+        GROUP=spec.group_size if int4 else 1, BLOCK_M=plan.block_m, BLOCK_N=c.block_n,
+        BLOCK_K=plan.block_k, SPLIT_K=plan.splits > 1, NIBBLES_3D=c.nibbles_3d and m == 1,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )  # fmt: skip
+    return out

@@ -67,6 +67,16 @@ def profile_frame() -> pd.DataFrame:
     return df
 
 
+def fit_with_paged_surcharge(df: pd.DataFrame) -> dict[str, float]:
+    """``df`` priced noise-free by TRUE with a paged surcharge (c12) of 0.2 ns a pair (its
+    ``duration_s`` and ``kind`` set in place), then fitted: name -> coefficient."""
+    true = np.array([TRUE[f] for f in FEATURES])
+    true[FEATURES.index("paged_prefill_pairs")] = 2e-10
+    df["duration_s"] = design(df) @ true
+    df["kind"] = "x"
+    return dict(zip(FEATURES, fit(df)))
+
+
 def test_fit_recovers_coefficients_of_noise_free_data():
     coef = dict(zip(FEATURES, fit(profile_frame())))
     for name, value in TRUE.items():
@@ -207,11 +217,7 @@ def test_profile_grid_has_eager_rows_over_a_cached_prefix_that_fit_c12():
     assert all(fits_runner(s, 8192, 40960, 256) for s in seqs)
     varlen = eager_frame(0.0, (12, 14, 16))
     df = pd.concat([varlen, rows[varlen.columns.drop(["duration_s", "kind"])]], ignore_index=True)
-    true = np.array([TRUE[f] for f in FEATURES])
-    true[FEATURES.index("paged_prefill_pairs")] = 2e-10
-    df["duration_s"] = design(df) @ true
-    df["kind"] = "x"
-    coef = dict(zip(FEATURES, fit(df)))
+    coef = fit_with_paged_surcharge(df)
     assert coef["paged_prefill_pairs"] == pytest.approx(2e-10, rel=1e-6)
     assert coef["prefill_attention_pairs"] == pytest.approx(5e-10, rel=1e-6)
     assert left_out_terms(df) == []
@@ -270,11 +276,7 @@ def test_paged_pairs_surcharge_is_fitted_from_varlen_rows_and_priced(tmp_path):
         for n in (10240, 12288, 16384)
     ]  # fmt: skip
     df = pd.concat([eager_frame(0.0, (12, 14, 16)), pd.DataFrame(rows)], ignore_index=True)
-    true = np.array([TRUE[f] for f in FEATURES])
-    true[FEATURES.index("paged_prefill_pairs")] = 2e-10
-    df["duration_s"] = design(df) @ true
-    df["kind"] = "x"
-    coef = dict(zip(FEATURES, fit(df)))
+    coef = fit_with_paged_surcharge(df)
     assert coef["paged_prefill_pairs"] == pytest.approx(2e-10, rel=1e-6)
     assert coef["prefill_attention_pairs"] == pytest.approx(5e-10, rel=1e-6)
     path = tmp_path / "p.csv"

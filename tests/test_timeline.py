@@ -191,3 +191,16 @@ def test_the_story_of_a_speculative_request_counts_accepted_drafts():
         "TPOT 5.6 ms",
     ]
     assert int(df.loc[0, "output_tokens"]) == 10
+
+
+def test_steps_in_view_leave_out_steps_that_only_touch_an_edge():
+    """Steps [0, 1), [1, 2), [2, 3), [3, 3.5) in a view of (1, 3): the first ends where the
+    view starts and the last starts where it ends (not in view); the same steps when the
+    times come back from a CSV's 9 significant digits, a little off the edges."""
+    from sched_lab.report.timeline import steps_in_view
+
+    t, d = np.array([0.0, 1.0, 2.0, 3.0]), np.array([1.0, 1.0, 1.0, 0.5])
+    assert steps_in_view(t, d, 1.0, 3.0).tolist() == [1, 2]
+    read_back = t + np.array([1e-9, -1e-9, 0.0, -1e-9])  # within 5e-9 of 1 s and 3 s
+    assert steps_in_view(read_back, d, 1.0, 3.0).tolist() == [1, 2]
+    assert steps_in_view(t, d, 0.5, 3.25).tolist() == [0, 1, 2, 3]  # overlaps count

@@ -16,9 +16,7 @@ import html
 import json
 from pathlib import Path
 
-import numpy as np
-
-from sched_lab.report.timeline import LANES, Story, step_runs
+from sched_lab.report.timeline import LANES, Story, step_runs, steps_in_view
 
 MAX_STEP_BARS = 3000  # bars of a timeline's steps row: about what a 1,400 px page shows
 DIGITS = 6  # seconds in the figures: microseconds
@@ -98,10 +96,11 @@ def step_groups(n: int, most: int = MAX_STEP_BARS) -> list[tuple[int, int]]:
 
 
 def _steps_row(steps, lo: float, hi: float):
-    """The steps in [lo, hi] as alternating bars (merged in runs past MAX_STEP_BARS)."""
+    """The steps in view of [lo, hi] (:func:`~sched_lab.report.timeline.steps_in_view`) as
+    alternating bars (merged in runs past MAX_STEP_BARS)."""
     t = steps["time_s"].to_numpy(dtype=float)
     d = steps["duration_s"].to_numpy(dtype=float)
-    sel = np.flatnonzero((t + d >= lo) & (t <= hi)).tolist()
+    sel = steps_in_view(t, d, lo, hi).tolist()
     xs, bases, texts, colours = [], [], [], []
     for i, (a, b) in enumerate(step_groups(len(sel))):
         first, last = sel[a], sel[b]

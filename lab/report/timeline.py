@@ -364,6 +364,15 @@ def step_runs(n: int, most: int) -> tuple[np.ndarray, np.ndarray]:
     return first, np.minimum(first + size, n) - 1
 
 
+def steps_in_view(t: np.ndarray, d: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """Indices of the steps (start ``t``, duration ``d``, seconds) that overlap (lo, hi) by
+    more than the 9 significant digits the CSVs keep of a time: a step that only touches an
+    edge is not in view, so a timeline drawn later from the files (``sched-lab report``)
+    shows the same steps as one drawn at run time."""
+    edge = 1e-8 * max(abs(lo), abs(hi), 1.0)
+    return np.flatnonzero((t + d > lo + edge) & (t < hi - edge))
+
+
 def gantt_png(
     path: Path,
     stories: Sequence[Story],
@@ -424,7 +433,7 @@ def gantt_png(
     # consecutive steps where there are more steps than the picture has pixels across.
     t = steps["time_s"].to_numpy(dtype=float)
     d = steps["duration_s"].to_numpy(dtype=float)
-    sel = np.flatnonzero((t + d >= lo) & (t <= hi))
+    sel = steps_in_view(t, d, lo, hi)
     first, last = step_runs(len(sel), int(fig.get_figwidth() * GANTT_DPI))
     first, last = sel[first], sel[last]
     for parity, colour in ((0, "#cccccc"), (1, "#555555")):

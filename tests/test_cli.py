@@ -155,7 +155,7 @@ def test_fit_refits_a_profile_and_bad_input_is_one_line(tmp_path, capsys):
     # A refit agrees to about the last digit: BLAS kernels differ between CPUs.
     assert fitted["coefficients"].keys() == recorded["coefficients"].keys()
     assert fitted["coefficients"] == pytest.approx(recorded["coefficients"], rel=1e-9, abs=1e-15)
-    assert fitted["rows"] == 118  # the data rows of the CSV (122 lines: 3 comments, 1 header)
+    assert fitted["rows"] == 124  # the data rows of the CSV (128 lines: 3 comments, 1 header)
     assert main(["fit", str(tmp_path / "none.csv")]) == 2
     assert "none.csv does not exist" in one_error_line(capsys)
 

@@ -78,7 +78,7 @@ def test_fit_reads_a_bundled_profile_by_name_and_writes_nothing(
     monkeypatch.chdir(tmp_path)  # no profiles/ here: the bundled one is found
     assert main(["fit", name]) == 0
     printed = capsys.readouterr().out
-    assert json.loads(printed[: printed.index("\n}\n") + 2])["rows"] == 118
+    assert json.loads(printed[: printed.index("\n}\n") + 2])["rows"] == 124
     assert list(tmp_path.iterdir()) == []
 
 
@@ -100,7 +100,7 @@ def test_fit_out_replaces_only_its_own_file(tmp_path, capsys):
     out = tmp_path / "fits" / "q.fit.json"
     for _ in range(2):  # the second run replaces the first's file
         assert main(["fit", "h200_qwen3-0.6b", "--out", str(out)]) == 0
-        assert json.loads(out.read_text())["rows"] == 118
+        assert json.loads(out.read_text())["rows"] == 124
     assert written_here(out.parent) == {"q.fit.json"}
 
 

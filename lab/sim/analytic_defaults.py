@@ -53,9 +53,9 @@ QWEN, LLAMA = "profiles/h200_qwen3-0.6b.csv", "profiles/h200_llama-3.1-8b.csv"
 # (hardware, model) -> fitted values; model None: the joint fit to the hardware's profiles.
 # Reproduce with REFIT (it prints these rows); checked by tests/test_analytic_defaults.py.
 FITTED: dict[tuple[str, str | None], Efficiencies] = {
-    ("h200-sxm", "qwen3-0.6b"): Efficiencies(0.43, 0.794, 0.00125, "profile", (QWEN,), 0.074),
-    ("h200-sxm", "llama-3.1-8b"): Efficiencies(0.584, 0.735, 0.0006, "profile", (LLAMA,), 0.0521),
-    ("h200-sxm", None): Efficiencies(0.501, 0.858, 0.00135, "profile", (QWEN, LLAMA), 0.0744),
+    ("h200-sxm", "qwen3-0.6b"): Efficiencies(0.293, 0.794, 0.0014, "profile", (QWEN,), 0.0782),
+    ("h200-sxm", "llama-3.1-8b"): Efficiencies(0.501, 0.794, 0.00115, "profile", (LLAMA,), 0.063),
+    ("h200-sxm", None): Efficiencies(0.501, 0.794, 0.00135, "profile", (QWEN, LLAMA), 0.0944),
 }
 
 

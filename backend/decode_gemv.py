@@ -89,12 +89,13 @@ def _dense_gemv_kernel(
             s = _load_sum(X, R, rm, rk, mask, stride_xm, stride_rm, HAS_RES).to(tl.float32)
             ss += s * s
         inv = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
-        if HAS_RES and pid == 0:  # the summed residual, once: this split's K range
-            for k0 in range(k_start, k_end, BLOCK_K):
-                rk = k0 + rk0
-                mask = m_ok[:, None] & (rk < k_end)[None, :]
-                s = _load_sum(X, R, rm, rk, mask, stride_xm, stride_rm, HAS_RES)
-                tl.store(RO + rm[:, None] * stride_rom + rk[None, :], s, mask=mask)
+        if HAS_RES:
+            if pid == 0:  # the summed residual, once: this split's K range
+                for k0 in range(k_start, k_end, BLOCK_K):
+                    rk = k0 + rk0
+                    mask = m_ok[:, None] & (rk < k_end)[None, :]
+                    s = _load_sum(X, R, rm, rk, mask, stride_xm, stride_rm, HAS_RES)
+                    tl.store(RO + rm[:, None] * stride_rom + rk[None, :], s, mask=mask)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         rk = k0 + rk0

@@ -173,3 +173,20 @@ def test_decode_gemv_option_refusals(tmp_path):
 
         ModelRunner(tmp_path, attention_backend="torch", num_gpu_blocks=8, swap_space_bytes=0,
                     decode_gemv=True)  # fmt: skip
+
+
+@needs_triton
+def test_quantized_projections_keep_their_path(tmp_path):
+    # int8 layers keep QuantLinear's kernels (no GEMV); the bf16 LM head (tied embedding) runs
+    # the GEMV; a decode step still matches the run without decode_gemv
+    from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
+
+    write_random_checkpoint(QWEN3_TINY, tmp_path, dtype="float32", std=0.2)
+    step = [SeqInput([3, 4, 5], 0, [0, 1], True)]
+    logits = {}
+    for on in (False, True):
+        runner = _runner(tmp_path, on, quantization="int8")
+        assert [layer.gemv_max_tokens for layer in runner.model.layers] == [0, 0]
+        assert runner.model.gemv_max_tokens == 8 * on
+        logits[on] = runner.execute_logits(step)[0]
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)

@@ -197,7 +197,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this layer's MLP output, the residual stream before it); the
         previous residual add is fused into this layer's first norm, as in vLLM."""
-        if x.shape[0] <= self.gemv_max_tokens and self.mlp.lora is None:
+        if 0 < x.shape[0] <= self.gemv_max_tokens and self.mlp.lora is None:
             return self._forward_gemv(x, residual, cos, sin, kv_cache, meta)
         if residual is None:
             h, residual = self.input_layernorm(x), x

@@ -101,7 +101,22 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         if self.ops is not None:
             qkv = self._lora("qkv_proj", x, self.qkv_proj(x))
-            out = self.attend_qkv(qkv, cos, sin, kv_cache, meta)
+            own_kv = meta.varlen_seqs > 0  # prefill chunks attend over their own k/v
+            q = self.ops.qkv_prepare(
+                qkv, cos, sin, *kv_cache, meta.slot_mapping, self.num_heads,
+                self.num_kv_heads, self.head_dim,
+                None if self.q_norm is None else self.q_norm.weight,
+                None if self.k_norm is None else self.k_norm.weight, self.eps, own_kv,
+                self.backend.k_scale, self.backend.v_scale,
+            )  # fmt: skip
+            if own_kv:  # k rotated in place; views, no copies
+                _, k, v = qkv.split(self.split_sizes, dim=-1)
+                k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+                v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+                out = self.backend.attend_with_kv(q, k, v, *kv_cache, meta, self.scale)
+            else:
+                out = self.backend.attend(q, *kv_cache, meta, self.scale)
+            out = out.view(num_tokens, -1)
             return self._lora("o_proj", out, self.o_proj(out))
         qkv = self._lora("qkv_proj", x, self.qkv_proj(x))
         q, k, v = qkv.split(self.split_sizes, dim=-1)
@@ -116,35 +131,6 @@ class Attention(nn.Module):
         )  # (num_tokens, heads, head_dim)
         out = out.reshape(num_tokens, -1)
         return self._lora("o_proj", out, self.o_proj(out))
-
-    def attend_qkv(
-        self,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The fused path (Triton ops) from the qkv projection's output (num_tokens, q + 2 kv)
-        to the attention output (num_tokens, q_size) before o_proj; writes this layer's KV."""
-        assert self.ops is not None
-        num_tokens = qkv.shape[0]
-        own_kv = meta.varlen_seqs > 0  # prefill chunks attend over their own k/v
-        q = self.ops.qkv_prepare(
-            qkv, cos, sin, *kv_cache, meta.slot_mapping, self.num_heads,
-            self.num_kv_heads, self.head_dim,
-            None if self.q_norm is None else self.q_norm.weight,
-            None if self.k_norm is None else self.k_norm.weight, self.eps, own_kv,
-            self.backend.k_scale, self.backend.v_scale,
-        )  # fmt: skip
-        if own_kv:  # k rotated in place; views, no copies
-            _, k, v = qkv.split(self.split_sizes, dim=-1)
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-            out = self.backend.attend_with_kv(q, k, v, *kv_cache, meta, self.scale)
-        else:
-            out = self.backend.attend(q, *kv_cache, meta, self.scale)
-        return out.view(num_tokens, -1)
 
 
 class MLP(nn.Module):
@@ -184,7 +170,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, backend, fused)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
         self.mlp = MLP(config, fused)
-        self.gemv_max_tokens = 0  # steps of at most this many tokens run _forward_gemv
 
     def forward(
         self,
@@ -197,8 +182,6 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this layer's MLP output, the residual stream before it); the
         previous residual add is fused into this layer's first norm, as in vLLM."""
-        if 0 < x.shape[0] <= self.gemv_max_tokens and self.mlp.lora is None:
-            return self._forward_gemv(x, residual, cos, sin, kv_cache, meta)
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -206,32 +189,6 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, cos, sin, kv_cache, meta)
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
-
-    def _forward_gemv(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` with the four projections as decode GEMVs
-        (:mod:`sched_lab.backend.decode_gemv`): the norms (and residual adds) in qkv's and
-        gate_up's loads, SiLU-and-multiply in down's."""
-        from sched_lab.backend.decode_gemv import dense_gemv
-
-        attn, mlp = self.self_attn, self.mlp
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        qkv, summed = dense_gemv(x, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue="rms_norm",
-                                 residual=residual, norm_weight=norm1.weight, eps=norm1.eps)  # fmt: skip
-        residual = x if summed is None else summed
-        h = attn.attend_qkv(qkv, cos, sin, kv_cache, meta)
-        h = dense_gemv(h, attn.o_proj.weight, attn.o_proj.bias)[0]
-        gate_up, summed = dense_gemv(h, mlp.gate_up_proj.weight, prologue="rms_norm",
-                                     residual=residual, norm_weight=norm2.weight, eps=norm2.eps)  # fmt: skip
-        assert summed is not None
-        return dense_gemv(gate_up, mlp.down_proj.weight, prologue="silu_mul")[0], summed
 
 
 class Transformer(nn.Module):
@@ -258,7 +215,6 @@ class Transformer(nn.Module):
         )
         self.rope_cos = torch.empty(0)
         self.rope_sin = torch.empty(0)
-        self.gemv_max_tokens = 0  # the LM head of steps of at most this many rows: a GEMV
 
     def forward(
         self,
@@ -280,39 +236,10 @@ class Transformer(nn.Module):
             for block in (layer.self_attn, layer.mlp):
                 block.lora, block.layer = lora, i
 
-    def set_decode_gemv(self, max_tokens: int) -> list[str]:
-        """Run steps of at most ``max_tokens`` (<= GEMV_MAX_M) tokens with the decode GEMVs
-        (0: never); layers with quantized projections keep theirs, as do LoRA steps. Needs
-        the fused (Triton) ops and (N, K)-contiguous weights. Returns the modules switched."""
-        from sched_lab.backend.quant_gemv import GEMV_MAX_M
-
-        if not 0 <= max_tokens <= GEMV_MAX_M:
-            raise ValueError(f"decode_gemv: max_tokens {max_tokens}; expected 0..{GEMV_MAX_M}")
-        if max_tokens and not self.fused:
-            raise ValueError("decode_gemv: needs the fused Triton ops (attention backend triton)")
-        switched = []
-        for i, layer in enumerate(self.layers):
-            projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                           layer.mlp.gate_up_proj, layer.mlp.down_proj)  # fmt: skip
-            dense = all(type(p) is nn.Linear and p.weight.stride(1) == 1 for p in projections)
-            layer.gemv_max_tokens = max_tokens if dense else 0
-            if dense and max_tokens:
-                switched.append(f"layers.{i}")
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.gemv_max_tokens = max_tokens if head.stride(1) == 1 else 0
-        if self.gemv_max_tokens:
-            switched.append("lm_head")
-        return switched
-
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden: (n, hidden_size) -> logits (n, vocab_size) float32, written into ``out``
         when given (the same cast as into a new tensor)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if 0 < hidden.shape[0] <= self.gemv_max_tokens:
-            from sched_lab.backend.decode_gemv import dense_gemv
-
-            logits = dense_gemv(hidden, weight)[0]
-            return logits.float() if out is None else out.copy_(logits)
         if out is not None:
             return out.copy_(F.linear(hidden, weight))
         return F.linear(hidden, weight).float()

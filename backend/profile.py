@@ -558,8 +558,6 @@ def engine_fingerprint(runner: ModelRunner, kn_weights: bool = False) -> dict:
     quant = getattr(runner, "quantization", None)
     if quant is not None:  # absent when unquantized: earlier profiles' fingerprints hold
         fingerprint["options"]["quantization"] = quant.method
-    if getattr(runner, "decode_gemv", False):  # absent when off, as quantization
-        fingerprint["options"]["decode_gemv"] = True
     return fingerprint
 
 

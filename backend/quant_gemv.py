@@ -40,6 +40,7 @@ from sched_lab.backend.attention.triton_backend import interpreting
 from sched_lab.backend.quant_formats import QuantSpec, awq_is_repacked
 
 GEMV_MAX_M = 8  # rows the kernel takes (BLOCK_M = M rounded up to a power of 2)
+MAGIC = 8388608.0  # 2^23: float32 0x4B000000; its low 23 mantissa bits hold an integer
 
 
 @triton.jit
@@ -113,23 +114,9 @@ def _gemv_kernel(
         if FP8 and not FP8_CVT:
             s = s * 256.0
         acc = acc * s[None, :]
-    _split_k_store(acc, Out, WS, CNT, Out, rm, rn, m_ok, n_ok, M, N, stride_om, pid, split,
-                   NUM_SPLITS, SPLIT_K, False)  # fmt: skip
-
-
-@triton.jit
-def _split_k_store(
-    acc, Out, WS, CNT, Bias, rm, rn, m_ok, n_ok, M, N, stride_om, pid, split, NUM_SPLITS,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-):  # fmt: skip
-    """The GEMV epilogue: acc (BLOCK_M, BLOCK_N) float32 [+ Bias[n]] to Out in its dtype;
-    split K: the partial to WS (splits, M, N) float32, and the tile's last program (counted
-    on CNT[pid], reset after) sums the partials in split order, then adds the bias."""
     o_mask = m_ok[:, None] & n_ok[None, :]
     out_ptr = Out + rm[:, None] * stride_om + rn[None, :]
     if not SPLIT_K:
-        if HAS_BIAS:
-            acc += tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr, acc.to(Out.dtype.element_ty), mask=o_mask)
     else:  # partial to the workspace; the tile's last program sums all, in split order
         ws = WS + rm[:, None] * N + rn[None, :]
@@ -137,11 +124,9 @@ def _split_k_store(
         tl.debug_barrier()  # every thread's partial is written before the count
         arrived = tl.atomic_add(CNT + pid, 1, sem="acq_rel")
         if arrived == NUM_SPLITS - 1:
-            total = tl.zeros_like(acc)  # float32, as acc
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for i in range(NUM_SPLITS):
                 total += tl.load(ws + i * M * N, mask=o_mask, other=0.0, cache_modifier=".cv")
-            if HAS_BIAS:
-                total += tl.load(Bias + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr, total.to(Out.dtype.element_ty), mask=o_mask)
             tl.atomic_xchg(CNT + pid, 0)
 

@@ -100,11 +100,6 @@ class ModelRunner:
             ``quantization_config`` runs quantized by it (a different method here is a
             ConfigError); an unquantized one is quantized at load time
             (backend/quant_formats.py). Not with ``tensor_parallel``.
-        decode_gemv: steps of at most GEMV_MAX_M (8) tokens run the layer projections and
-            the LM head as split-K GEMVs with the norms and SiLU-and-multiply in their loads
-            (backend/decode_gemv.py); quantized projections and LoRA steps keep their paths.
-            Triton backend on CUDA (or under TRITON_INTERPRET=1); not with
-            ``tensor_parallel`` or ``kn_weights``.
     """
 
     def __init__(
@@ -134,7 +129,6 @@ class ModelRunner:
         max_lora_rank: int = 16,
         kv_cache_dtype: str = "auto",
         quantization: str | None = None,
-        decode_gemv: bool = False,
     ) -> None:
         if lora_adapters and tensor_parallel is not None:
             raise ConfigError("lora: adapters with tensor parallelism are not implemented")
@@ -179,11 +173,6 @@ class ModelRunner:
         else:
             self.model = load_tp_model(model_dir, full_config, tensor_parallel, backend,
                                        self.device, self.dtype, self.max_model_len, kn_weights)  # fmt: skip
-        if not isinstance(decode_gemv, bool):
-            raise ConfigError(f"decode_gemv must be true or false, got {decode_gemv!r}")
-        self.decode_gemv = decode_gemv
-        if decode_gemv:
-            self._enable_decode_gemv(kn_weights)
         self.lora: LoraSlots | None = None
         if lora_adapters:
             self.attach_lora(lora_adapters, max_loras, max_lora_rank, rebuild_graphs=False)
@@ -216,31 +205,6 @@ class ModelRunner:
             self._build_graphs()
             if tensor_parallel is not None and not agree_min(self.graphs is not None, self.device):
                 self.graphs = None  # a rank whose capture failed: every rank runs eagerly
-
-    def _enable_decode_gemv(self, kn_weights: bool) -> None:
-        """Switch the model's small steps to the decode GEMVs; a setting they cannot run
-        with is one ConfigError line. Makes the split-K counters before any capture."""
-        from sched_lab.backend.quant_gemv import GEMV_MAX_M
-
-        why = None
-        if self.tensor_parallel is not None:
-            why = "tensor parallelism is not supported: set engine.tensor_parallel_size to 1"
-        elif self.attn_backend.name != "triton":
-            why = (
-                f"needs attention_backend 'triton' (its fused ops), got {self.attn_backend.name!r}"
-            )
-        elif self.device.type != "cuda" and not _interpreting():
-            why = "needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
-        elif kn_weights and self.device.type == "cuda":
-            why = "kn_weights keeps (K, N) weights; the GEMV reads (N, K): drop one of the two"
-        if why is not None:
-            raise ConfigError(f"decode_gemv: {why}")
-        switched = self.model.set_decode_gemv(GEMV_MAX_M)
-        if self.device.type == "cuda":
-            from sched_lab.backend.quant_kernels import _split_counters
-
-            _split_counters(self.device)
-        log.info("decode GEMV: steps of <= %d tokens, %d modules", GEMV_MAX_M, len(switched))
 
     def _build_graphs(self) -> None:
         """Make the step graphs (and capture them on CUDA) for the current model and LoRA."""

@@ -331,8 +331,6 @@ class EngineConfig:
     tensor_parallel_size: int = option(1, is_int())
     # kernel of eager prefill chunks from position 0 (backend/attention/flash_varlen.py)
     prefill_attention: str = option("auto", is_choice(("auto", "triton", "flash_varlen")))
-    # steps of <= 8 tokens: projections + LM head as split-K GEMVs (backend/decode_gemv.py)
-    decode_gemv: bool = option(False, is_bool)
 
 
 def parse_engine(ctx: Context, raw: Any) -> EngineConfig:

@@ -163,7 +163,6 @@ def _runner_kwargs(cfg: ExperimentConfig) -> dict[str, Any]:
         kn_weights=eng.kn_weights,
         num_threads=eng.num_threads,
         prefill_attention=eng.prefill_attention,
-        decode_gemv=eng.decode_gemv,
         quantization=cfg.quantization,
         kv_cache_dtype=kv.dtype,
         **_lora_kwargs(cfg),

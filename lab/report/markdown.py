@@ -196,7 +196,9 @@ def _efficiency_text(cm: dict) -> str:
     if src == "profile":
         if len(cm["efficiency_profiles"]) > 1:
             text += " (a joint fit: this model has no profile of its own)"
-        text += f", median step-time error {cm['efficiency_error']:.1%} on the profile rows"
+        text += (
+            f", median step-time error {cm['efficiency_error']:.1%} on the profile rows it prices"
+        )
     return text
 
 

@@ -53,9 +53,9 @@ QWEN, LLAMA = "profiles/h200_qwen3-0.6b.csv", "profiles/h200_llama-3.1-8b.csv"
 # (hardware, model) -> fitted values; model None: the joint fit to the hardware's profiles.
 # Reproduce with REFIT (it prints these rows); checked by tests/test_analytic_defaults.py.
 FITTED: dict[tuple[str, str | None], Efficiencies] = {
-    ("h200-sxm", "qwen3-0.6b"): Efficiencies(0.293, 0.794, 0.0014, "profile", (QWEN,), 0.0782),
-    ("h200-sxm", "llama-3.1-8b"): Efficiencies(0.501, 0.794, 0.00115, "profile", (LLAMA,), 0.063),
-    ("h200-sxm", None): Efficiencies(0.501, 0.794, 0.00135, "profile", (QWEN, LLAMA), 0.0944),
+    ("h200-sxm", "qwen3-0.6b"): Efficiencies(0.43, 0.794, 0.0014, "profile", (QWEN,), 0.0777),
+    ("h200-sxm", "llama-3.1-8b"): Efficiencies(0.584, 0.735, 0.0008, "profile", (LLAMA,), 0.0612),
+    ("h200-sxm", None): Efficiencies(0.501, 0.794, 0.00135, "profile", (QWEN, LLAMA), 0.0885),
 }
 
 
@@ -71,7 +71,7 @@ def describe(e: Efficiencies) -> str:
     joint = " (joint fit: no profile of this model)" if len(e.profiles) > 1 else ""
     return (
         f"fitted to {', '.join(f'`{p}`' for p in e.profiles)}{joint}; median relative step-"
-        f"time error {e.median_relative_error:.1%} on the profile rows (`{REFIT}`)"
+        f"time error {e.median_relative_error:.1%} on the profile rows it prices (`{REFIT}`)"
     )
 
 
@@ -104,44 +104,10 @@ def joint_fit(pairs: list[tuple[str, str]], hardware: str) -> dict[str, float]:
     to the repo, model preset)``, each row priced with its model."""
     import numpy as np
 
-    from sched_lab.sim.calibrated import read_profile
-    from sched_lab.sim.cost_model import AnalyticCostModel
-    from sched_lab.sim.hardware import HARDWARE
-    from sched_lab.sim.models import MODELS
-    from sched_lab.sim.noise import profile_features
+    from sched_lab.sim.calibrated import analytic_terms, fit_roofline, read_profile
 
-    huge = 1e12  # an efficiency so high that its term vanishes
-    compute, memory, swap, y = [], [], [], []
-    for rel, model in pairs:
-        df = read_profile(ROOT / rel)
-        feats = profile_features(df)
-        spec = MODELS[model]
-
-        def times(a: float, b: float, spec=spec, feats=feats) -> np.ndarray:
-            cm = AnalyticCostModel(spec, HARDWARE[hardware], a, b, 0.0)
-            return np.array([cm.step_time(f, 16) for f in feats])
-
-        s = times(huge, huge)
-        swap.append(s)
-        compute.append(times(1.0, huge) - s)
-        memory.append(times(huge, 1.0) - s)
-        y.append(df["duration_s"].to_numpy(float))
-    compute_s, memory_s, swap_s, y = map(np.concatenate, (compute, memory, swap, y))
-    effs, overheads = np.geomspace(0.05, 1.0, 40), np.linspace(0.0, 0.005, 101)
-    best = (np.inf, 0.0, 0.0, 0.0)
-    for a in effs:
-        for b in effs:
-            base = np.maximum(compute_s / a, memory_s / b) + swap_s
-            med = np.median(np.abs(base[None, :] + overheads[:, None] - y) / y, axis=1)
-            i = int(np.argmin(med))
-            if med[i] < best[0]:
-                best = (float(med[i]), float(a), float(b), float(overheads[i]))
-    return {
-        "flops_efficiency": round(best[1], 3),
-        "bandwidth_efficiency": round(best[2], 3),
-        "step_overhead_s": round(best[3], 5),
-        "median_relative_error": best[0],
-    }
+    terms = [analytic_terms(read_profile(ROOT / rel), model, hardware) for rel, model in pairs]
+    return fit_roofline(*(np.concatenate(column) for column in zip(*terms, strict=True)))
 
 
 def main() -> int:

@@ -931,27 +931,46 @@ def profile_shape(path: str | Path) -> tuple[str | None, str | None]:
     return model, hardware
 
 
-def fit_analytic(df: pd.DataFrame, model: str, hardware: str) -> dict[str, float]:
-    """The analytic roofline's ``flops_efficiency``, ``bandwidth_efficiency`` and
-    ``step_overhead_s`` minimizing the median relative error on the profile rows (grid
-    search), with that error."""
+# Profile kinds the analytic roofline does not price: eager prompt chunks over a cached
+# prefix run the paged attention kernel (a flops rate of its own; the calibrated model's c12),
+# and with them in its fit one flops efficiency prices every prefill too slow (BENCHMARKS.md,
+# "the analytic fits' lower flops efficiencies").
+ROOFLINE_SKIPPED_KINDS = ("prefill_eager_prefix",)
+
+
+def analytic_terms(
+    df: pd.DataFrame, model: str, hardware: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(compute_s, memory_s, swap_s, duration_s) of the profile rows the roofline prices
+    (all but :data:`ROOFLINE_SKIPPED_KINDS`): the analytic model's compute and memory terms
+    at efficiency 1 and its swap term, one value a row, seconds; ``model`` and ``hardware``
+    are preset names."""
     from sched_lab.sim.cost_model import AnalyticCostModel
     from sched_lab.sim.hardware import HARDWARE
     from sched_lab.sim.models import MODELS
-
-    m, hw = MODELS[model], HARDWARE[hardware]
     from sched_lab.sim.noise import profile_features
 
+    if "kind" in df:
+        df = df[~df["kind"].isin(ROOFLINE_SKIPPED_KINDS)]
     feats = profile_features(df)
+    spec, hw = MODELS[model], HARDWARE[hardware]
 
     def times(flops_eff: float, bw_eff: float) -> np.ndarray:
-        cm = AnalyticCostModel(m, hw, flops_eff, bw_eff, 0.0)
+        cm = AnalyticCostModel(spec, hw, flops_eff, bw_eff, 0.0)
         return np.array([cm.step_time(f, 16) for f in feats])
 
     huge = 1e12  # an efficiency so high that its term vanishes
     swap_s = times(huge, huge)
     compute_s, memory_s = times(1.0, huge) - swap_s, times(huge, 1.0) - swap_s
-    y = df["duration_s"].to_numpy(float)
+    return compute_s, memory_s, swap_s, df["duration_s"].to_numpy(float)
+
+
+def fit_roofline(
+    compute_s: np.ndarray, memory_s: np.ndarray, swap_s: np.ndarray, y: np.ndarray
+) -> dict[str, float]:
+    """``flops_efficiency``, ``bandwidth_efficiency`` (each on 40 geometric steps of 0.05-1)
+    and ``step_overhead_s`` (0-5 ms by 50 us) minimizing the median relative error of
+    ``max(compute_s / a, memory_s / b) + swap_s + overhead`` against ``y``, with that error."""
     effs = np.geomspace(0.05, 1.0, 40)
     overheads = np.linspace(0.0, 0.005, 101)
     best = (np.inf, 0.0, 0.0, 0.0)
@@ -964,12 +983,21 @@ def fit_analytic(df: pd.DataFrame, model: str, hardware: str) -> dict[str, float
             if med[i] < best[0]:
                 best = (float(med[i]), float(a), float(b), float(overheads[i]))
     return {
-        "model": model,
-        "hardware": hardware,
         "flops_efficiency": round(best[1], 3),
         "bandwidth_efficiency": round(best[2], 3),
         "step_overhead_s": round(best[3], 5),
         "median_relative_error": best[0],
+    }
+
+
+def fit_analytic(df: pd.DataFrame, model: str, hardware: str) -> dict[str, float]:
+    """The analytic roofline's ``flops_efficiency``, ``bandwidth_efficiency`` and
+    ``step_overhead_s`` fitted to a profile's rows (:func:`fit_roofline` over
+    :func:`analytic_terms`: the kinds it prices), with the median relative error."""
+    return {
+        "model": model,
+        "hardware": hardware,
+        **fit_roofline(*analytic_terms(df, model, hardware)),
     }
 
 

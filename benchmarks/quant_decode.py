@@ -385,12 +385,17 @@ def stored_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
 
 
-def step_rows(model_dir, shapes, device, dtype, timer, log, save) -> list[dict]:
-    """One row per (weights, batch, context); ``save(rows)`` after each weight format."""
+def step_rows(model_dir, shapes, device, dtype, timer, log, save, methods=METHODS) -> list[dict]:
+    """One row per (weights, batch, context); ``save(rows)`` after each weight format.
+    ``fp8-torch-act`` is fp8 with W8A8's activations quantized by nine torch kernels (the
+    path before ``quantize_activations_fp8_kernel``): the A/B of that kernel."""
+    from sched_lab.backend import quant_kernels as qk
     from sched_lab.backend.runner import ModelRunner
 
     rows, bf16 = [], {}
-    for method in (None, *METHODS):
+    for label in (None, *methods):
+        method = "fp8" if label == "fp8-torch-act" else label
+        qk.ACT_QUANT_KERNEL = label != "fp8-torch-act"  # read when the graphs are captured
         max_ctx = max(c for _, c in shapes)
         runner = ModelRunner(model_dir, device=device, dtype=dtype, quantization=method,
                              attention_backend="triton" if device == "cuda" else "torch",
@@ -402,7 +407,7 @@ def step_rows(model_dir, shapes, device, dtype, timer, log, save) -> list[dict]:
         kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
         weights = stored_bytes(runner.model)
         for batch, ctx in shapes:
-            row = {"weights": method or "bf16", "batch": batch, "context": ctx}
+            row = {"weights": label or "bf16", "batch": batch, "context": ctx}
             if batch * -(-(ctx + 1) // 16) > runner.num_gpu_blocks:
                 rows.append({**row, "step_ms": None, "note": "KV does not fit"})
                 continue
@@ -417,6 +422,7 @@ def step_rows(model_dir, shapes, device, dtype, timer, log, save) -> list[dict]:
             log(f"step {row['weights']:5s} batch {batch:3d} ctx {ctx:5d}: {step * 1e3:.3f} ms "
                 f"(x{step / roof:.2f} roofline, {row['speedup_vs_bf16']:.2f}x bf16)")  # fmt: skip
         del runner
+        qk.ACT_QUANT_KERNEL = True
         save(rows)
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -447,6 +453,10 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes")
     ap.add_argument("--no-gemm", action="store_true", help="skip part 1")
     ap.add_argument("--no-steps", action="store_true", help="skip part 2")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS),
+                    choices=[*METHODS, "fp8-torch-act"],
+                    help="part 2's quantized formats after bf16 (default: all four; "
+                         "fp8-torch-act: fp8 with the activations quantized by torch ops)")  # fmt: skip
     ap.add_argument(
         "--sweep",
         action="store_true",
@@ -505,7 +515,7 @@ def main() -> None:
             (out / "steps.json").write_text(json.dumps(rows, indent=1))
             (out / "steps.md").write_text(steps_markdown(rows, header))
 
-        rows = step_rows(model_dir, shapes, device, dtype, step_timer, log, save)
+        rows = step_rows(model_dir, shapes, device, dtype, step_timer, log, save, args.methods)
         print(steps_markdown(rows, header), flush=True)
     log(f"done: {out}")
 

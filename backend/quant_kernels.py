@@ -594,15 +594,16 @@ def weight_only_reference(
 
 def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token FP8: (x / scale as float8_e4m3fn (M, K), scale (M, 1) float32),
-    scale = max(amax of the row / FP8_MAX, 1e-12). The reference of
+    scale = max(amax of the row * float32(1 / FP8_MAX), 1e-12) (a product, as torch's CUDA
+    division by a scalar is, so that CPU and GPU agree). The reference of
     :func:`quantize_activations_fp8_kernel` (nine torch kernels)."""
-    scale = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    scale = (x.float().abs().amax(dim=1, keepdim=True) * (1.0 / FP8_MAX)).clamp(min=1e-12)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 @triton.jit
 def _per_token_fp8_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, fp8_max,
-                          BLOCK: tl.constexpr):  # fmt: skip
+                          inv_fp8_max, BLOCK: tl.constexpr):  # fmt: skip
     """One program per row: its amax over K (first pass), then x / scale cast to e4m3
     (second pass, the row read again, from the L2)."""
     row = tl.program_id(0).to(tl.int64)
@@ -612,12 +613,12 @@ def _per_token_fp8_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, fp8_ma
         mask = k0 + offs < K
         x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), fp8_max), 1e-12)  # IEEE, as torch
+    scale = tl.maximum(tl.max(amax, axis=0) * inv_fp8_max, 1e-12)
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         mask = k0 + offs < K
         x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -fp8_max), fp8_max)
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -fp8_max), fp8_max)  # IEEE, as torch
         tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -632,7 +633,7 @@ def quantize_activations_fp8_kernel(x: torch.Tensor) -> tuple[torch.Tensor, torc
     scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     block = min(2048, triton.next_power_of_2(k))
     _per_token_fp8_kernel[(m,)](x, xq, scale, k, x.stride(0), xq.stride(0), FP8_MAX,
-                                BLOCK=block, num_warps=4)  # fmt: skip
+                                1.0 / FP8_MAX, BLOCK=block, num_warps=4)  # fmt: skip
     return xq, scale
 
 

@@ -276,7 +276,8 @@ def test_per_token_fp8_kernel_matches_the_torch_quantizer():
         quantize_activations_fp8_kernel,
     )
 
-    # hand-computed: amax 3.5 -> scale 3.5 / 448 = 2^-7, codes x * 2^7 (exact in e4m3);
+    # hand-computed: amax 3.5 -> scale 3.5 * f32(1 / 448) = 2^-7 (7 * f32(1 / 7) rounds to
+    # 1), codes x * 2^7 (exact in e4m3);
     # a zero row gets the floor scale 1e-12 and zero codes
     x = torch.tensor([[3.5, 1.75, -0.875], [0.0, 0.0, 0.0]], device=DEVICE)
     xq, scale = quantize_activations_fp8_kernel(x)

@@ -163,6 +163,13 @@ def test_explain_and_timeline_commands(tmp_path, capsys):
     assert main(["timeline", str(out), "--run", "fcfs", "--slowest", "3", "--out", str(png)]) == 0
     assert capsys.readouterr().out == f"wrote {png}: 3 requests of run fcfs\n"
     assert png.stat().st_size > 10_000
+    # an id the run lacks is refused, named, not left out of the picture
+    assert main(["timeline", str(out), "--run", "fcfs", "--requests", "3,abc", "--out",
+                 str(tmp_path / "u.png")]) == 2  # fmt: skip
+    assert capsys.readouterr().err == f"error: {out}: run fcfs has no request 'abc'\n"
+    assert not (tmp_path / "u.png").exists()
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'nope'}: no such folder\n"
 
 
 def test_the_story_of_a_speculative_request_counts_accepted_drafts():

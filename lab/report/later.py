@@ -36,7 +36,7 @@ def draw_later(folder: Path) -> list[str]:
     then renamed in), the manifest first.
 
     Raises:
-        UserError: not a results folder, no :data:`PLOT_DATA` (plots drawn at run time, or
+        UserError: no such folder, not a results folder, no :data:`PLOT_DATA` (plots drawn at run time, or
             written before it existed), or a damaged file (one line naming it).
     """
     from sched_lab.report.folder import _html, _timeline_pictures, is_results_folder
@@ -44,6 +44,8 @@ def draw_later(folder: Path) -> list[str]:
     from sched_lab.report.timeline import load_runs
 
     folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"{folder}: no such folder")
     if not (folder / MANIFEST).is_file() or not is_results_folder(folder):
         raise UserError(f"{folder}: not a results folder of sched-lab run (no {MANIFEST})")
     meta, arrays = read_plot_data(folder / PLOT_DATA)

@@ -678,7 +678,7 @@ def picture(
     (:func:`default_picture_name`, listed in its manifest), never the working directory."""
     from types import SimpleNamespace
 
-    from sched_lab.core.errors import UserError
+    from sched_lab.core.errors import UserError, short_repr
     from sched_lab.core.outputs import check_output, write_output
 
     if window is not None and not (all(map(math.isfinite, window)) and 0 <= window[0] < window[1]):
@@ -701,6 +701,11 @@ def picture(
         timeline_by=by,
     )  # fmt: skip
     wanted = choose(requests, chosen)
+    missing = [i for i in ids if i not in set(wanted)]
+    if missing:  # an id the run lacks is a mistake, never silently left out
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        names = ", ".join(short_repr(i) for i in missing[:3])
+        raise UserError(f"{folder}: run {label} has no request {names}{more}")
     if not wanted:
         raise UserError(f"{folder}: run {label} has none of the requests asked for")
     stories = stories_for(wanted, requests, events, steps)

@@ -36,8 +36,9 @@ def draw_later(folder: Path) -> list[str]:
     then renamed in), the manifest first.
 
     Raises:
-        UserError: no such folder, not a results folder, no :data:`PLOT_DATA` (plots drawn at run time, or
-            written before it existed), or a damaged file (one line naming it).
+        UserError: no such folder, not a results folder, no :data:`PLOT_DATA` (plots drawn
+            at run time, or written before it existed), or a damaged file (one line naming
+            it).
     """
     from sched_lab.report.folder import _html, _timeline_pictures, is_results_folder
     from sched_lab.report.html import plotly_available

@@ -51,13 +51,14 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sched_lab.backend.sources import backend_sources_hash
+from sched_lab.backend.sources import sources_fingerprint
 from sched_lab.core.errors import UserError
 from sched_lab.core.fingerprint import HEADER_PREFIX
 from sched_lab.core.outputs import check_output, write_output
@@ -530,8 +531,13 @@ def lora_setup(args: argparse.Namespace) -> dict | None:
     }
 
 
-def engine_fingerprint(runner: ModelRunner, kn_weights: bool = False) -> dict:
-    """The engine fingerprint of ``runner`` (:mod:`sched_lab.core.fingerprint`)."""
+def engine_fingerprint(
+    runner: ModelRunner, kn_weights: bool = False, options: Iterable[str] = ()
+) -> dict:
+    """The engine fingerprint of ``runner`` (:mod:`sched_lab.core.fingerprint`). Its sources
+    keys (:func:`sched_lab.backend.sources.sources_fingerprint`) cover the options ``runner``
+    runs (quantized weights, LoRA adapters) and ``options`` (``"tensor_parallel"``,
+    ``"speculative"``: what the caller runs around it)."""
     import torch
 
     try:
@@ -541,8 +547,13 @@ def engine_fingerprint(runner: ModelRunner, kn_weights: bool = False) -> dict:
     except ImportError:
         triton_version = None
     cuda = runner.device.type == "cuda"
+    options = set(options)
+    if getattr(runner, "quantization", None) is not None:
+        options.add("quantization")
+    if getattr(runner, "lora", None) is not None:
+        options.add("lora")
     fingerprint = {
-        "backend_sources": backend_sources_hash(),
+        **sources_fingerprint(options),
         "torch": torch.__version__,
         "triton": triton_version,
         "gpu": torch.cuda.get_device_name(runner.device) if cuda else "cpu",
@@ -581,7 +592,8 @@ def write(
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    fingerprint = engine_fingerprint(runner)
+    tp = getattr(args, "tensor_parallel_size", 1) > 1
+    fingerprint = engine_fingerprint(runner, options=["tensor_parallel"] if tp else [])
     print(f"engine fingerprint: {json.dumps(fingerprint, sort_keys=True)}")
     write_output(path, lambda tmp: _write_csv(tmp, rows, runner, args, device, commit,
                                               fingerprint, lora))  # fmt: skip

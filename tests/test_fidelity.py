@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import linecache
 import re
 import shutil
+import sys
 import tarfile
 from pathlib import Path
 
@@ -20,7 +22,12 @@ import pandas as pd
 import pytest
 import yaml
 
-from sched_lab.backend.sources import backend_sources_hash
+from sched_lab.backend.sources import (
+    OPTION_SOURCES,
+    backend_sources_hash,
+    checkout_engine,
+    sources_fingerprint,
+)
 from sched_lab.config import validate
 from sched_lab.core.fingerprint import HEADER_PREFIX, differences
 from sched_lab.results.names import upgrade_summary
@@ -108,11 +115,91 @@ def test_backend_sources_hash_covers_the_engine_not_its_tools(tmp_path) -> None:
     (tmp_path / "tools").mkdir()
     (tmp_path / "engine.py").write_text("a = 1\n")
     (tmp_path / "tools" / "quantize.py").write_text("b = 1\n")
+    (tmp_path / "quant_kernels.py").write_text("c = 1\n")
     before = backend_sources_hash(tmp_path)
+    quant = backend_sources_hash(tmp_path, "quantization")
     (tmp_path / "tools" / "quantize.py").write_text("b = 2\n")  # an offline tool
     assert backend_sources_hash(tmp_path) == before
+    assert backend_sources_hash(tmp_path, "quantization") == quant
+    (tmp_path / "quant_kernels.py").write_text("c = 2\n")  # an option's file: its key only
+    assert backend_sources_hash(tmp_path) == before
+    assert backend_sources_hash(tmp_path, "quantization") != quant
     (tmp_path / "engine.py").write_text("a = 2\n")  # the engine itself
     assert backend_sources_hash(tmp_path) != before
+    assert set(sources_fingerprint(["lora"], tmp_path)) == {
+        "backend_sources",
+        "backend_sources_lora",
+    }
+    assert sources_fingerprint([], tmp_path / "absent") == {}
+
+
+def test_an_options_sources_make_stale_only_the_profiles_that_ran_it() -> None:
+    engine = checkout_engine()
+    assert set(engine) == {"backend_sources"} | {f"backend_sources_{o}" for o in OPTION_SOURCES}
+    plain = {"backend_sources": engine["backend_sources"], "gpu": "x"}
+    assert staleness(plain, engine) == (False, "")  # never ran the quantized kernels
+    quantized = {**plain, "backend_sources_quantization": "0" * 64}
+    stale, why = staleness(quantized, engine)
+    assert stale and why == (
+        "the profile describes another engine: quantization sources 000000000000 vs "
+        f"{engine['backend_sources_quantization'][:12]} (the engine's quantization code "
+        "changed since the profile)"
+    )
+    quantized["backend_sources_quantization"] = engine["backend_sources_quantization"]
+    assert staleness(quantized, engine) == (False, "")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_a_plain_engine_run_calls_no_function_of_an_options_files(tmp_path) -> None:
+    """What makes an option's files safe to leave out of a plain profile's hash: an engine
+    run without the option (recompute, swap, chunked prefill) enters none of their
+    functions (their module and class bodies run at import)."""
+    from sched_lab.backend.sources import BACKEND_DIR
+    from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    write_random_checkpoint(TINY, ckpt, dtype="float32")
+    raw = {
+        "name": "plain",
+        "backend": "engine",
+        "trace": {
+            "format": "synthetic",
+            "num_requests": 12,
+            "arrival": {"process": "poisson", "rate": float("inf")},
+            "prompt_len": {"uniform": [8, 40]},
+            "output_len": {"uniform": [4, 12]},
+        },
+        "engine": {"model_path": str(ckpt), "device": "cpu", "dtype": "float32"},
+        "kv_cache": {"block_size": 8, "num_gpu_blocks": 24, "swap_space_gib": 0.001},
+        "scheduler": {"max_num_seqs": 8, "max_model_len": 256},
+        "policies": ["fcfs", "swap", {"name": "chunked_prefill", "max_num_batched_tokens": 16}],
+    }
+    files = {str(BACKEND_DIR / n): n for names in OPTION_SOURCES.values() for n in names}
+    entered: set[str] = set()
+
+    def calls(frame, event, arg) -> None:
+        name = files.get(frame.f_code.co_filename)
+        if event == "call" and name is not None:
+            # a module body (import) or a class body (its first line past any decorators
+            # is "class ...")
+            code, n = frame.f_code, frame.f_code.co_firstlineno
+            while linecache.getline(code.co_filename, n).lstrip().startswith("@"):
+                n += 1
+            line = linecache.getline(code.co_filename, n).lstrip()
+            if code.co_name != "<module>" and not line.startswith("class "):
+                entered.add(f"{name}:{code.co_name}")
+
+    sys.setprofile(calls)
+    try:
+        runs = run_experiment(validate(raw), progress=False)
+    finally:
+        sys.setprofile(None)
+    assert [(r.summary["num_prompts"], r.summary["unfinished"]) for r in runs] == [(12, 0)] * 3
+    assert sum(r.summary["num_preemptions"] for r in runs) > 0  # the tight cache's paths too
+    assert entered == set()
+    fp = runs[0].summary["cost_model"]["fingerprint"]
+    assert fp["backend_sources"] == backend_sources_hash()
+    assert not any(k.startswith("backend_sources_") for k in fp)
 
 
 def test_analytic_model_says_so() -> None:

@@ -332,6 +332,13 @@ def test_slots_load_on_demand_and_evict_the_least_recently_used(tiny):
         slots.ensure_loaded(["a", "b", "c"])
     with pytest.raises(ValueError, match="unknown adapter 'zz'; loaded: a, b, c"):
         slots.ensure_loaded(["zz"])
+    from sched_lab.backend.profile import engine_fingerprint
+    from sched_lab.backend.sources import backend_sources_hash
+
+    # the fingerprint names the LoRA kernels' sources: they run with adapters only
+    fp = engine_fingerprint(runner)
+    assert fp["backend_sources_lora"] == backend_sources_hash(option="lora")
+    assert "backend_sources_quantization" not in fp
 
 
 def test_lora_off_leaves_the_model_as_it_was(tiny):

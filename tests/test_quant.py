@@ -288,7 +288,9 @@ def _logits(model_dir, quantization=None):
 @pytest.mark.parametrize("method", ["fp8", "int8", "awq", "gptq"])
 def test_quantizer_writes_hf_layout_and_engine_keeps_it_packed(tiny_dir, tmp_path, method):
     from sched_lab.backend.loader import read_header
+    from sched_lab.backend.profile import engine_fingerprint
     from sched_lab.backend.quant_linear import QuantLinear
+    from sched_lab.backend.sources import backend_sources_hash
     from sched_lab.backend.tools.__main__ import main
 
     out = tmp_path / method
@@ -334,7 +336,12 @@ def test_quantizer_writes_hf_layout_and_engine_keeps_it_packed(tiny_dir, tmp_pat
         }[method]
     )
     loaded, in_memory = _logits(tiny_dir, method)  # same format quantized at load time
-    _, base = _logits(tiny_dir)
+    plain, base = _logits(tiny_dir)
+    # the fingerprint names the quantized kernels' sources only where they ran
+    assert engine_fingerprint(loaded)["backend_sources_quantization"] == backend_sources_hash(
+        option="quantization"
+    )
+    assert "backend_sources_quantization" not in engine_fingerprint(plain)
     # random weights; measured (2026-12-03): fp8 0.089 here (torch 2.13), 0.111 on the H200
     # machine's CPU (torch 2.11); int8 0.020, awq 0.32, gptq 0.27
     rel = ((q_logits - base).norm() / base.norm()).item()

@@ -211,8 +211,12 @@ def engine_info(cfg: ExperimentConfig, executor: Any) -> dict[str, Any]:
     from sched_lab.backend.profile import engine_fingerprint
 
     runner = getattr(executor.runner, "runner", executor.runner)  # rank 0's, under TP
-    fp = engine_fingerprint(runner, cfg.engine.kn_weights)
-    if cfg.engine.tensor_parallel_size > 1:
+    tp = cfg.engine.tensor_parallel_size > 1
+    options = ["tensor_parallel"] if tp else []
+    if any(p.speculative is not None for p in cfg.policies):
+        options.append("speculative")
+    fp = engine_fingerprint(runner, cfg.engine.kn_weights, options)
+    if tp:
         fp["tensor_parallel_size"] = cfg.engine.tensor_parallel_size
     return {"kind": "measured", "profile": None, "fingerprint": fp, "stale": False, "why": ""}
 

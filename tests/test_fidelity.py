@@ -149,11 +149,23 @@ def test_an_options_sources_make_stale_only_the_profiles_that_ran_it() -> None:
     assert staleness(quantized, engine) == (False, "")
 
 
+def _cuda() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
-def test_a_plain_engine_run_calls_no_function_of_an_options_files(tmp_path) -> None:
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _cuda(), reason="GPU"))]
+)
+def test_a_plain_engine_run_calls_no_function_of_an_options_files(tmp_path, device) -> None:
     """What makes an option's files safe to leave out of a plain profile's hash: an engine
-    run without the option (recompute, swap, chunked prefill) enters none of their
-    functions (their module and class bodies run at import)."""
+    run without the option (recompute, swap, chunked prefill, async scheduling; on a GPU
+    the Triton kernels and CUDA graphs) enters none of their functions (their module and
+    class bodies run at import)."""
     from sched_lab.backend.sources import BACKEND_DIR
     from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
 
@@ -169,10 +181,19 @@ def test_a_plain_engine_run_calls_no_function_of_an_options_files(tmp_path) -> N
             "prompt_len": {"uniform": [8, 40]},
             "output_len": {"uniform": [4, 12]},
         },
-        "engine": {"model_path": str(ckpt), "device": "cpu", "dtype": "float32"},
+        "engine": {
+            "model_path": str(ckpt),
+            "device": device,
+            "dtype": "float32" if device == "cpu" else "bfloat16",
+        },
         "kv_cache": {"block_size": 8, "num_gpu_blocks": 24, "swap_space_gib": 0.001},
         "scheduler": {"max_num_seqs": 8, "max_model_len": 256},
-        "policies": ["fcfs", "swap", {"name": "chunked_prefill", "max_num_batched_tokens": 16}],
+        "policies": [
+            "fcfs",
+            "swap",
+            {"name": "chunked_prefill", "max_num_batched_tokens": 16},
+            {"name": "fcfs", "label": "fcfs-async", "async_scheduling": True},
+        ],
     }
     files = {str(BACKEND_DIR / n): n for names in OPTION_SOURCES.values() for n in names}
     entered: set[str] = set()
@@ -194,7 +215,7 @@ def test_a_plain_engine_run_calls_no_function_of_an_options_files(tmp_path) -> N
         runs = run_experiment(validate(raw), progress=False)
     finally:
         sys.setprofile(None)
-    assert [(r.summary["num_prompts"], r.summary["unfinished"]) for r in runs] == [(12, 0)] * 3
+    assert [(r.summary["num_prompts"], r.summary["unfinished"]) for r in runs] == [(12, 0)] * 4
     assert sum(r.summary["num_preemptions"] for r in runs) > 0  # the tight cache's paths too
     assert entered == set()
     fp = runs[0].summary["cost_model"]["fingerprint"]

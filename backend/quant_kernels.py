@@ -20,8 +20,8 @@ measurements (docs/quantization.md):
   int4/int8 paths stay for benchmarks/quant_decode.py's A/B and read AWQ in the checkpoint
   layout (shifts through :func:`_nibble_shifts`).
 * fp8 (W8A8) for larger batches: activations get one scale per token (amax / 448) at run
-  time; on CUDA ``torch._scaled_mm`` with row-wise scales (Hopper); elsewhere
-  :func:`fp8_reference`.
+  time, in one kernel (:func:`quantize_activations_fp8_kernel`); on CUDA
+  ``torch._scaled_mm`` with row-wise scales (Hopper); elsewhere :func:`fp8_reference`.
 
 The ``*_reference`` functions dequantize the weight to float32 on every call: they are the
 tests' references and the path on CPU without ``TRITON_INTERPRET=1`` (slow, a transient
@@ -593,17 +593,63 @@ def weight_only_reference(
 
 
 def quantize_activations_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token FP8: (x / scale as float8_e4m3fn (M, K), scale (M, 1) float32)."""
-    scale = (x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    """Dynamic per-token FP8: (x / scale as float8_e4m3fn (M, K), scale (M, 1) float32),
+    scale = max(amax of the row * float32(1 / FP8_MAX), 1e-12) (a product, as torch's CUDA
+    division by a scalar is, so that CPU and GPU agree). The reference of
+    :func:`quantize_activations_fp8_kernel` (nine torch kernels)."""
+    scale = (x.float().abs().amax(dim=1, keepdim=True) * (1.0 / FP8_MAX)).clamp(min=1e-12)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+@triton.jit
+def _per_token_fp8_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, fp8_max,
+                          inv_fp8_max, BLOCK: tl.constexpr):  # fmt: skip
+    """One program per row: its amax over K (first pass), then x / scale cast to e4m3
+    (second pass, the row read again, from the L2)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for k0 in range(0, K, BLOCK):
+        mask = k0 + offs < K
+        x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0) * inv_fp8_max, 1e-12)
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        mask = k0 + offs < K
+        x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -fp8_max), fp8_max)  # IEEE, as torch
+        tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_activations_fp8_kernel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_activations_fp8` in one Triton kernel (x (M, K) with unit stride
+    along K): the same scales bit for bit; the codes the same on the GPU (round to nearest;
+    Triton's CPU interpreter truncates, so up to one e4m3 step apart there)."""
+    if x.stride(1) != 1:
+        raise ValueError("quantize_activations_fp8_kernel: x must have unit stride along K")
+    m, k = x.shape
+    xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    block = min(2048, triton.next_power_of_2(k))
+    _per_token_fp8_kernel[(m,)](x, xq, scale, k, x.stride(0), xq.stride(0), FP8_MAX,
+                                1.0 / FP8_MAX, BLOCK=block, num_warps=4)  # fmt: skip
+    return xq, scale
+
+
+#: benchmarks/quant_decode.py's A/B switch: False quantizes W8A8 activations with the nine
+#: torch kernels of :func:`quantize_activations_fp8` (the path before the kernel)
+ACT_QUANT_KERNEL = True
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """W8A8: x (M, K) @ (weight * weight_scale).T with x quantized per token; CUDA:
-    ``torch._scaled_mm`` (row-wise scales, bf16 out), else :func:`fp8_reference`."""
+    :func:`quantize_activations_fp8_kernel` and ``torch._scaled_mm`` (row-wise scales, bf16
+    out), else :func:`fp8_reference`."""
     if x.device.type != "cuda":
         return fp8_reference(x, weight, weight_scale)
-    xq, x_scale = quantize_activations_fp8(x)
+    quantize = quantize_activations_fp8_kernel if ACT_QUANT_KERNEL else quantize_activations_fp8
+    xq, x_scale = quantize(x.contiguous())
     out = torch._scaled_mm(
         xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.reshape(1, -1),
         out_dtype=torch.bfloat16,

@@ -17,10 +17,12 @@ from torch import nn
 from sched_lab.backend.quant_formats import PACK, QuantSpec, awq_is_repacked, repack_awq
 
 FUSED_PROJECTIONS = ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")
-#: tokens per step up to which fp8 runs weight-only (W8A16, the streaming kernel: no
-#: activation quantization); above, W8A8 ``torch._scaled_mm``. On the H200 (8B projections,
-#: docs/quantization.md) the streaming kernel won at M = 1..16 and lost from 32
-FP8_WEIGHT_ONLY_MAX_TOKENS = 16
+#: tokens per step up to which fp8 runs weight-only (W8A16: the GEMV at one token, else the
+#: streaming kernel; no activation quantization); above, W8A8 ``torch._scaled_mm``. With the
+#: activations quantized by one kernel, W8A8 beat the streaming kernel at every M from 2 to
+#: 32 (8B projections summed, H100: 148 vs 203 us at M = 2..16, docs/quantization.md); with
+#: the nine-kernel quantizer before, the streaming kernel had won up to 16 on the H200
+FP8_WEIGHT_ONLY_MAX_TOKENS = 1
 
 
 #: methods whose one-row steps run :mod:`sched_lab.backend.quant_gemv`: on the H200 (8B

@@ -12,7 +12,7 @@ Two parts, each written to ``--out`` (``gemm.json``/``gemm.md``, then ``steps.js
    o, gate_up, down) at M = 1, 8, 16, 32, 64 tokens: bf16 (cuBLAS, ``x @ W.T``), and for
    fp8, int8, awq, gptq (group 128) the weight-streaming kernel (M <= 64), the large-M path
    (int4/int8: the tiled Triton kernel at every M, AWQ repacked as the engine keeps it;
-   fp8: W8A8 ``torch._scaled_mm`` at M = 16, 32, 64), at M = 1 the streaming kernel's
+   fp8: W8A8 ``torch._scaled_mm`` at every M > 1), at M = 1 the streaming kernel's
    other one-row product (``stream-alt``). Each time is
    one CUDA graph of back-to-back calls over enough weight copies to exceed the L2 cache,
    divided by the calls. Roofline: bytes as stored / 4.8 TB/s. Each path's output is
@@ -57,7 +57,6 @@ from common import checkpoint, cuda_time, decode_inputs, device_line, graph_time
 HBM_BYTES_PER_S = 4.8e12  # NVIDIA H200 datasheet
 METHODS = ("awq", "gptq", "fp8", "int8")  # the furthest from their targets first
 GEMM_TOKENS = (1, 8, 16, 32, 64)
-LARGE_M_TOKENS = (16, 32, 64)  # where W8A8 is timed too
 STEP_SHAPES = ((1, 1024), (1, 4096), (32, 1024), (32, 4096), (256, 1024))
 L2_FLUSH_BYTES = 256 << 20  # weight copies per timed graph: > 4x the H200's 50 MB L2
 TARGETS = "batch 1: fp8 >= 1.6x and int4 >= 2.5x faster than bf16; batch >= 32: <= 1.5x roofline"
@@ -87,19 +86,20 @@ def nbytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 # ---------------------------------------------------------------- part 1: GEMMs alone
-def gemm_rows(cfg: dict, device: str, timer, log, save) -> list[dict]:
+def gemm_rows(cfg: dict, device: str, timer, log, save, methods=METHODS,
+              tokens=GEMM_TOKENS) -> list[dict]:  # fmt: skip
     """One row per (projection, tokens, method, path): us per call, roofline, error;
     ``save(rows)`` after each projection."""
     from sched_lab.backend import quant_kernels as qk
     from sched_lab.backend.quant_formats import QuantSpec, quantize_weight, repack_awq
 
-    tokens = GEMM_TOKENS if device == "cuda" else (1, 16, 32)
+    tokens = tokens if device == "cuda" else (1, 16, 32)
     rows = []
     for proj, (k, n) in projections(cfg).items():
         gen = torch.Generator(device=device).manual_seed(0)
         dense = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
         xs = {m: torch.randn(m, k, device=device, dtype=dense.dtype, generator=gen) for m in tokens}
-        for method in (None, *METHODS):
+        for method in (None, *(m for m in methods if m in METHODS)):
             if method is None:
                 tensors, spec = {"weight": dense}, None
             else:
@@ -150,7 +150,7 @@ def _paths(method, m, qk) -> dict:
         paths["stream-alt"] = lambda x, t, spec, n, a=alt: qk.weight_streaming_gemm(
             x, t, spec, n, a
         )
-    if m in LARGE_M_TOKENS and method == "fp8":
+    if m > 1 and method == "fp8":
         paths["w8a8"] = lambda x, t, spec, n: qk.fp8_gemm(x, t["weight"], t["weight_scale"])
     elif method != "fp8":  # the engine's path at every M
         paths["tiled"] = qk.weight_only_gemm
@@ -385,12 +385,17 @@ def stored_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
 
 
-def step_rows(model_dir, shapes, device, dtype, timer, log, save) -> list[dict]:
-    """One row per (weights, batch, context); ``save(rows)`` after each weight format."""
+def step_rows(model_dir, shapes, device, dtype, timer, log, save, methods=METHODS) -> list[dict]:
+    """One row per (weights, batch, context); ``save(rows)`` after each weight format.
+    ``fp8-torch-act`` is fp8 with W8A8's activations quantized by nine torch kernels (the
+    path before ``quantize_activations_fp8_kernel``): the A/B of that kernel."""
+    from sched_lab.backend import quant_kernels as qk
     from sched_lab.backend.runner import ModelRunner
 
     rows, bf16 = [], {}
-    for method in (None, *METHODS):
+    for label in (None, *methods):
+        method = "fp8" if label == "fp8-torch-act" else label
+        qk.ACT_QUANT_KERNEL = label != "fp8-torch-act"  # read when the graphs are captured
         max_ctx = max(c for _, c in shapes)
         runner = ModelRunner(model_dir, device=device, dtype=dtype, quantization=method,
                              attention_backend="triton" if device == "cuda" else "torch",
@@ -402,7 +407,7 @@ def step_rows(model_dir, shapes, device, dtype, timer, log, save) -> list[dict]:
         kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
         weights = stored_bytes(runner.model)
         for batch, ctx in shapes:
-            row = {"weights": method or "bf16", "batch": batch, "context": ctx}
+            row = {"weights": label or "bf16", "batch": batch, "context": ctx}
             if batch * -(-(ctx + 1) // 16) > runner.num_gpu_blocks:
                 rows.append({**row, "step_ms": None, "note": "KV does not fit"})
                 continue
@@ -417,6 +422,7 @@ def step_rows(model_dir, shapes, device, dtype, timer, log, save) -> list[dict]:
             log(f"step {row['weights']:5s} batch {batch:3d} ctx {ctx:5d}: {step * 1e3:.3f} ms "
                 f"(x{step / roof:.2f} roofline, {row['speedup_vs_bf16']:.2f}x bf16)")  # fmt: skip
         del runner
+        qk.ACT_QUANT_KERNEL = True
         save(rows)
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -447,6 +453,13 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes")
     ap.add_argument("--no-gemm", action="store_true", help="skip part 1")
     ap.add_argument("--no-steps", action="store_true", help="skip part 2")
+    ap.add_argument("--gemm-tokens", nargs="+", type=int, default=list(GEMM_TOKENS),
+                    help=f"part 1's token counts M (default: {GEMM_TOKENS})")  # fmt: skip
+    ap.add_argument("--methods", nargs="+", default=list(METHODS),
+                    choices=[*METHODS, "fp8-torch-act"],
+                    help="the quantized formats after bf16 (default: all four; part 2 "
+                         "also takes fp8-torch-act: fp8 with the activations quantized by "
+                         "torch ops)")  # fmt: skip
     ap.add_argument(
         "--sweep",
         action="store_true",
@@ -489,7 +502,7 @@ def main() -> None:
             (out / "gemm.json").write_text(json.dumps(rows, indent=1))
             (out / "gemm.md").write_text(gemm_markdown(rows, header))
 
-        rows = gemm_rows(cfg, device, timer, log, save_gemm)
+        rows = gemm_rows(cfg, device, timer, log, save_gemm, args.methods, args.gemm_tokens)
         print(gemm_markdown(rows, header), flush=True)
     if not args.no_steps:
         if args.dry_run:
@@ -505,7 +518,7 @@ def main() -> None:
             (out / "steps.json").write_text(json.dumps(rows, indent=1))
             (out / "steps.md").write_text(steps_markdown(rows, header))
 
-        rows = step_rows(model_dir, shapes, device, dtype, step_timer, log, save)
+        rows = step_rows(model_dir, shapes, device, dtype, step_timer, log, save, args.methods)
         print(steps_markdown(rows, header), flush=True)
     log(f"done: {out}")
 

@@ -255,7 +255,7 @@ def test_gemm_path_by_method_and_tokens():
     assert gemm_path("gptq", 1, act_order=True) == "tiled"
     assert {gemm_path("int8", t) for t in (1, 16, 17, 256)} == {"tiled"}
     assert [gemm_path("fp8", t) for t in (1, 2, 16, 17, 256)] == [
-        "gemv", "stream", "stream", "w8a8", "w8a8"]  # fmt: skip
+        "gemv", "w8a8", "w8a8", "w8a8", "w8a8"]  # fmt: skip
 
 
 def test_fp8_reference_quantizes_activations_per_token():
@@ -267,6 +267,42 @@ def test_fp8_reference_quantizes_activations_per_token():
     w = torch.eye(3).to(torch.float8_e4m3fn)
     out = fp8_gemm(x, w, torch.ones(3, 1))
     assert torch.allclose(out, x, rtol=2**-4)  # identity weight: x back within fp8 rounding
+
+
+@needs_triton
+def test_per_token_fp8_kernel_matches_the_torch_quantizer():
+    from sched_lab.backend.quant_kernels import (
+        quantize_activations_fp8,
+        quantize_activations_fp8_kernel,
+    )
+
+    # hand-computed: amax 3.5 -> scale 3.5 * f32(1 / 448) = 2^-7 (7 * f32(1 / 7) rounds to
+    # 1), codes x * 2^7 (exact in e4m3);
+    # a zero row gets the floor scale 1e-12 and zero codes
+    x = torch.tensor([[3.5, 1.75, -0.875], [0.0, 0.0, 0.0]], device=DEVICE)
+    xq, scale = quantize_activations_fp8_kernel(x)
+    assert scale.shape == (2, 1) and scale.dtype == torch.float32
+    assert scale.flatten().tolist() == [2.0**-7, pytest.approx(1e-12)]
+    assert xq.dtype == torch.float8_e4m3fn
+    assert xq.float().tolist() == [[448.0, 224.0, -112.0], [0.0, 0.0, 0.0]]
+    # bf16 rows longer than one 2,048-column block, each a power of two times e4m3 values
+    # with 448 in it: scales and codes exact, so equal to the torch quantizer's bit for bit
+    # (whatever the rounding: Triton's CPU interpreter drops the carry of a rounded-up
+    # mantissa, so values between codes are compared on the GPU only)
+    g = torch.Generator().manual_seed(0)
+    codes = (torch.randn(3, 2500, generator=g) * 100).clamp(-448, 448)
+    codes = codes.to(torch.float8_e4m3fn).float()
+    codes[:, 7] = 448.0
+    x = (codes * torch.tensor([[2.0**-7], [1.0], [2.0**3]])).to(DEVICE, torch.bfloat16)
+    assert quantize_activations_fp8_kernel(x)[1].flatten().tolist() == [2.0**-7, 1.0, 8.0]
+    rows = [x]
+    if DEVICE.type == "cuda":  # values between codes: round to nearest as torch does
+        rows.append((torch.randn(3, 2500, generator=g) * 3).to(DEVICE, torch.bfloat16))
+    for x in rows:
+        xq, scale = quantize_activations_fp8_kernel(x)
+        ref_q, ref_scale = quantize_activations_fp8(x)
+        assert torch.equal(scale, ref_scale)
+        assert torch.equal(xq.float(), ref_q.float())
 
 
 # ------------------------------------------------------------------ quantizer + engine

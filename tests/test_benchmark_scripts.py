@@ -138,3 +138,26 @@ def test_fidelity_overview_names_a_missing_doc_or_column(tmp_path, monkeypatch, 
         assert script.main() == 2
         out, err = capsys.readouterr()
         assert (out, err.splitlines()) == ("", [f"fidelity_overview.py: {why}"]), why
+
+
+def test_decode_breakdown_groups_kernels_by_part_and_prices_what_they_read():
+    """benchmarks/decode_breakdown.py: kernel names to parts, and per-part figures from
+    hand-made profiler rows (2 replays; 1 MB of weights at 1e12 B/s is 1 us)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from decode_breakdown import breakdown, part_of
+
+    assert part_of("nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT") == "gemm"
+    assert part_of("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "gemm"
+    assert part_of("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64") == "gemm"
+    assert part_of("_decode_work_kernel") == "attention"
+    assert part_of("_qkv_prepare_kernel") == "qkv_prepare"
+    assert part_of("_rms_norm_kernel") == "rms_norm"
+    assert part_of("void at::native::index_elementwise_kernel<128, 4>") == "other"
+    rows = [("nvjet_a", 8, 40.0), ("_decode_work_kernel", 2, 12.0), ("_rms_norm_kernel", 4, 6.0)]
+    out = breakdown(rows, 2, {"gemm": 10_000_000, "attention": 3_000_000}, 1e12)
+    assert out["gemm"] == {"kernels": 4.0, "us": 20.0, "bytes": 10_000_000, "ideal_us": 10.0,
+                           "ratio": 2.0}  # fmt: skip
+    assert out["attention"]["us"] == 6.0 and out["attention"]["ratio"] == 2.0
+    assert out["rms_norm"] == {"kernels": 2.0, "us": 3.0, "bytes": 0, "ideal_us": 0.0,
+                               "ratio": None}  # fmt: skip
+    assert out["other"]["kernels"] == 0.0

@@ -1,0 +1,194 @@
+"""Where a decode step's GPU time goes, kernel by kernel, against what each part must read.
+
+    python benchmarks/decode_breakdown.py --out $OUT/db          # H200, ~2 min
+    python benchmarks/decode_breakdown.py --out /tmp/db --presets qwen3-0.6b --batches 1
+
+For each model shape, batch (1, 32) and context (1k, 4k): the decode CUDA graph of the engine
+(``ModelRunner``, random bf16 weights, triton attention, block size 16) is replayed back to
+back under torch.profiler, and its kernels are grouped by part (:func:`part_of`):
+
+* ``gemm``: cuBLAS's kernels of the layers' projections and the LM head (split-K reduces
+  included); must read every projection weight and the LM head's matrix once;
+* ``attention``: the paged decode kernels (work items, split-K merge); must read the K/V of
+  every context token (2 x layers x kv_heads x head_dim x 2 B a token);
+* ``qkv_prepare`` (q/k norm, RoPE, the K/V write), ``rms_norm``, ``silu_and_mul``, ``other``
+  (embedding, casts, copies, sampling's argmax): activations only, kilobytes.
+
+Per part: kernels per step, GPU us per step, bytes it must read, the time those bytes take at
+the device copy rate measured in the same process (read + write counted, as
+benchmarks/decode_roofline.py does), and the ratio. The small parts' floor is their kernel
+count times the shortest kernel of the step. Writes ``decode_breakdown.json`` and ``.md``
+under ``--out`` (after each shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+PARTS = ("gemm", "attention", "qkv_prepare", "rms_norm", "silu_and_mul", "other")
+# cuBLAS / CUTLASS kernel names on Hopper ("nvjet_*", "sm90_xmma_gemm_*", "cutlass*",
+# "splitKreduce_kernel", "gemv*"), lower-cased
+GEMM_MARKS = ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk", "cublas")
+TRITON_PARTS = {
+    "_decode_kernel": "attention",
+    "_decode_work_kernel": "attention",
+    "_decode_reduce_kernel": "attention",
+    "_qkv_prepare_kernel": "qkv_prepare",
+    "_store_kv_kernel": "qkv_prepare",
+    "_rms_norm_kernel": "rms_norm",
+    "_silu_and_mul_kernel": "silu_and_mul",
+}
+
+
+def part_of(kernel: str) -> str:
+    """The part (:data:`PARTS`) a GPU kernel's name belongs to."""
+    for name, part in TRITON_PARTS.items():
+        if kernel == name or kernel.startswith(name + "_") or f" {name}" in kernel:
+            return part
+    low = kernel.lower()
+    return "gemm" if any(m in low for m in GEMM_MARKS) else "other"
+
+
+def gemm_bytes(model) -> int:
+    """Bytes the projections and the LM head read in one step: every 2-D weight but the
+    embedding's, plus the embedding matrix again where the LM head is tied to it."""
+    total = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if p.dim() == 2 and "embed_tokens" not in n)  # fmt: skip
+    if getattr(model, "lm_head", None) is None:
+        w = model.embed_tokens.weight
+        total += w.numel() * w.element_size()
+    return total
+
+
+def breakdown(events: list[tuple[str, int, float]], replays: int, need: dict[str, int],
+              rate: float) -> dict:  # fmt: skip
+    """Per part, from (kernel name, calls, total us over ``replays``) rows: kernels and us
+    per step, bytes it must read (``need``), their time at ``rate`` bytes/s, the ratio."""
+    out = {p: {"kernels": 0.0, "us": 0.0} for p in PARTS}
+    for name, calls, us in events:
+        row = out[part_of(name)]
+        row["kernels"] += calls / replays
+        row["us"] += us / replays
+    for p, row in out.items():
+        row["bytes"] = need.get(p, 0)
+        row["ideal_us"] = row["bytes"] / rate * 1e6
+        row["ratio"] = row["us"] / row["ideal_us"] if row["ideal_us"] else None
+    return out
+
+
+def measure(runner, seqs, replays: int) -> tuple[list[tuple[str, int, float]], float, float]:
+    """(kernel rows, GPU us per replay summed over kernels, shortest kernel us) of the
+    decode graph of ``seqs`` replayed ``replays`` times back to back."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = runner.graphs
+    size = graphs.size_for(seqs)
+    graphs.stage(seqs, size)
+    graph = graphs.graphs[("decode", size, size)]
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"
+               and not e.name.startswith(("Memcpy", "Memset"))]  # fmt: skip
+    rows: dict[str, list] = {}
+    for e in kernels:
+        r = rows.setdefault(e.name, [0, 0.0])
+        r[0] += 1
+        r[1] += e.device_time_total
+    shortest = min(e.device_time_total for e in kernels)
+    total = sum(r[1] for r in rows.values()) / replays
+    return [(n, c, us) for n, (c, us) in rows.items()], total, shortest
+
+
+def table(results: list[dict]) -> str:
+    """The markdown of ``results`` (one block per shape, batch and context)."""
+    lines = []
+    for r in results:
+        lines += [
+            f"\n### {r['preset']}, batch {r['batch']}, context {r['context']}: "
+            f"{r['gpu_us']:.0f} us of kernels a step, {r['kernels']:.0f} kernels "
+            f"({r['kernels'] / r['layers']:.1f} a layer), roofline {r['roofline_us']:.0f} us "
+            f"({r['gpu_us'] / r['roofline_us']:.2f}x); shortest kernel {r['shortest_us']:.1f} us",
+            "",
+            "| part | kernels/step | us/step | share | must read (MB) | at copy rate (us) | ratio |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for p in PARTS:
+            row = r["parts"][p]
+            ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
+            lines.append(
+                f"| {p} | {row['kernels']:.0f} | {row['us']:.0f} | {row['us'] / r['gpu_us']:.0%} "
+                f"| {row['bytes'] / 1e6:.1f} | {row['ideal_us']:.0f} | {ratio} |"
+            )
+        small = sum(r["parts"][p]["kernels"] for p in PARTS[2:])
+        lines.append(
+            f"\nSmall parts: {small:.0f} kernels, "
+            f"{sum(r['parts'][p]['us'] for p in PARTS[2:]):.0f} us; floor at the shortest "
+            f"kernel {small * r['shortest_us']:.0f} us. Top kernels (us/step):"
+        )
+        for name, calls, us in r["top"]:
+            lines.append(f"- `{name[:90]}`: {calls} a step, {us:.1f} us ({part_of(name)})")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--presets", nargs="+", default=["qwen3-0.6b", "llama-3.1-8b"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 32])
+    ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
+    ap.add_argument("--replays", type=int, default=20)
+    args = ap.parse_args()
+    import torch
+    from common import copy_bandwidth, decode_inputs, device_line, engine_runner
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    rate = copy_bandwidth()
+    head = f"# decode breakdown, {device_line()}; device copy {rate / 1e12:.2f} TB/s\n"
+    results = []
+    for preset in args.presets:
+        runner = engine_runner(preset, max_num_seqs=max(args.batches))
+        cfg, model = runner.config, runner.model
+        kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+        weights = gemm_bytes(model)
+        for batch in args.batches:
+            for ctx in args.contexts:
+                if batch * -(-(ctx + 1) // 16) > runner.num_gpu_blocks:
+                    continue
+                events, gpu_us, shortest = measure(runner, decode_inputs(batch, ctx), args.replays)
+                need = {"gemm": weights, "attention": batch * ctx * kv_per_token}
+                parts = breakdown(events, args.replays, need, rate)
+                top = sorted(events, key=lambda e: -e[2])[:8]
+                results.append({
+                    "preset": preset, "batch": batch, "context": ctx, "layers": cfg.num_layers,
+                    "gpu_us": gpu_us, "shortest_us": shortest,
+                    "kernels": sum(p["kernels"] for p in parts.values()),
+                    "roofline_us": (need["gemm"] + need["attention"]) / rate * 1e6,
+                    "parts": parts,
+                    "top": [(n, round(c / args.replays), us / args.replays) for n, c, us in top],
+                })  # fmt: skip
+                print(table(results[-1:]), flush=True)
+                (args.out / "decode_breakdown.json").write_text(
+                    json.dumps(
+                        {"device": head.strip(), "copy_rate": rate, "results": results}, indent=2
+                    )
+                    + "\n"  # fmt: skip
+                )
+                (args.out / "decode_breakdown.md").write_text(head + table(results))
+        del runner, model
+        torch.cuda.empty_cache()
+    if results:
+        ratios = [r["gpu_us"] / r["roofline_us"] for r in results]
+        print(f"step / roofline: median {statistics.median(ratios):.2f}")
+
+
+if __name__ == "__main__":
+    main()

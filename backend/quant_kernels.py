@@ -15,11 +15,12 @@ measurements (docs/quantization.md):
   K split over programs, codes turned into floats by bit moves (int4 as c + q, int8 as
   0x6400 | (q + 128) - 1152, e4m3 as float16 holding value / 2^8); split-K partials summed
   by the last program of a tile (per-device counters made on the first call, which must
-  not be inside a CUDA graph capture). The engine runs it for fp8 weight-only (W8A16) at
-  M <= 16 only: on the H200 it lost to the tiled kernel for int8 and GPTQ at every M; its
-  int4/int8 paths stay for benchmarks/quant_decode.py's A/B and read AWQ in the checkpoint
-  layout (shifts through :func:`_nibble_shifts`).
-* fp8 (W8A8) for larger batches: activations get one scale per token (amax / 448) at run
+  not be inside a CUDA graph capture). The engine no longer runs it: on the H200 it lost to
+  the tiled kernel for int8 and GPTQ at every M, and for fp8 to W8A8 from two tokens once
+  the activations were quantized in one kernel (H100, docs/quantization.md); it stays for
+  benchmarks/quant_decode.py's A/B and reads AWQ in the checkpoint layout (shifts through
+  :func:`_nibble_shifts`).
+* fp8 (W8A8) from two tokens: activations get one scale per token (amax / 448) at run
   time, in one kernel (:func:`quantize_activations_fp8_kernel`); on CUDA
   ``torch._scaled_mm`` with row-wise scales (Hopper); elsewhere :func:`fp8_reference`.
 

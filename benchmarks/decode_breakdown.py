@@ -75,7 +75,7 @@ def breakdown(events: list[tuple[str, int, float]], replays: int, need: dict[str
     for p, row in out.items():
         row["bytes"] = need.get(p, 0)
         row["ideal_us"] = row["bytes"] / rate * 1e6
-        row["ratio"] = row["us"] / row["ideal_us"] if row["ideal_us"] else None
+        row["ratio"] = row["us"] / row["ideal_us"] if row["ideal_us"] and row["kernels"] else None
     return out
 
 
@@ -103,6 +103,8 @@ def measure(runner, seqs, replays: int) -> tuple[list[tuple[str, int, float]], f
         r = rows.setdefault(e.name, [0, 0.0])
         r[0] += 1
         r[1] += e.device_time_total
+    if not kernels:
+        raise SystemExit("decode_breakdown: the profiler recorded no kernel of the decode graph")
     shortest = min(e.device_time_total for e in kernels)
     total = sum(r[1] for r in rows.values()) / replays
     return [(n, c, us) for n, (c, us) in rows.items()], total, shortest
@@ -125,7 +127,8 @@ def table(results: list[dict]) -> str:
             row = r["parts"][p]
             ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
             lines.append(
-                f"| {p} | {row['kernels']:.0f} | {row['us']:.0f} | {row['us'] / r['gpu_us']:.0%} "
+                f"| {p} | {row['kernels']:.0f} | {row['us']:.0f} "
+                f"| {row['us'] / max(r['gpu_us'], 1e-9):.0%} "
                 f"| {row['bytes'] / 1e6:.1f} | {row['ideal_us']:.0f} | {ratio} |"
             )
         small = sum(r["parts"][p]["kernels"] for p in PARTS[2:])

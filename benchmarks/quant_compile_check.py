@@ -4,9 +4,9 @@ one, for its launches on a preset's projections, and print what ptxas and the SA
     python benchmarks/quant_compile_check.py                     # Hopper (sm_90), 8B shapes
     python benchmarks/quant_compile_check.py --arch 100 --tokens 1 32
 
-The engine runs this kernel for fp8 at 2 <= M <= 16 only (quant_linear.gemm_path); the other
-methods' streaming launches (``stream_plan``'s, for benchmarks/quant_decode.py's A/B) are
-compiled too for ``--all-methods``. Per launch (weights, projection, tokens): the plan (tiles, splits, warps), registers per
+The engine no longer runs this kernel (fp8 runs W8A8 from two tokens, quant_linear.gemm_path);
+every method's streaming launch at M <= ``STREAM_MAX_M`` (``stream_plan``'s, for
+benchmarks/quant_decode.py's A/B) is compiled. Per launch (weights, projection, tokens): the plan (tiles, splits, warps), registers per
 thread, stack (spills), and the global loads in the SASS by width (``LDG.E.128`` are 16-byte
 loads; many ``LDG.E`` / ``.U16`` mean element-by-element loads) and ``I2F`` conversions (a
 slow instruction). Launches the same kernel build serves are printed once. Arguments
@@ -35,7 +35,6 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from sched_lab.backend import quant_kernels as qk  # noqa: E402
 from sched_lab.backend.quant_formats import QuantSpec  # noqa: E402
-from sched_lab.backend.quant_linear import gemm_path  # noqa: E402
 
 POINTERS = {  # method -> (QW, QZ, S, GIDX) element types as Triton names them
     "awq": ("i32", "i32", "fp16", "i32"),
@@ -103,17 +102,12 @@ def main() -> None:
     ap.add_argument("--sms", type=int, default=132, help="SMs the plans assume (H100/H200)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 32, 64, 256])
     ap.add_argument("--methods", nargs="+", default=list(POINTERS))
-    ap.add_argument("--all-methods", action="store_true",
-                    help="every method's streaming launch at M <= 64, not just the engine's")  # fmt: skip
     args = ap.parse_args()
     seen: dict[tuple, str] = {}
     for method in args.methods:
         for proj, (k, n) in projections(args.preset).items():
             for m in args.tokens:
-                path = gemm_path(method, m)
-                if args.all_methods and m <= qk.STREAM_MAX_M:
-                    path = "stream"
-                if path != "stream":  # the tiled kernel and _scaled_mm are not compiled here
+                if m > qk.STREAM_MAX_M:  # the tiled kernel and _scaled_mm are not compiled here
                     continue
                 plan = qk.stream_plan(m, n, k, QuantSpec(method), args.sms)
                 key = (method, plan.block_m, plan.block_n, plan.block_k, plan.splits > 1,
@@ -123,7 +117,7 @@ def main() -> None:
                         seen[key] = sass_summary(compile_plan(method, m, k, n, plan, args.arch))
                     except Exception as e:  # report every launch, not just the first failure
                         seen[key] = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                print(f"{method:5s} {proj:8s} M={m:<4d} {path:6s} tiles {plan.block_m}x"
+                print(f"{method:5s} {proj:8s} M={m:<4d} stream tiles {plan.block_m}x"
                       f"{plan.block_n}x{plan.block_k} splits {plan.splits:2d} warps "
                       f"{plan.num_warps} | {seen[key]}", flush=True)  # fmt: skip
 

@@ -142,6 +142,56 @@ def test_a_stopped_pool_sweep_ends_its_workers_and_leaves_no_temp_folder(tmp_pat
     assert remove_stale(tmp, "sched-lab-pool.") == pool and not list(tmp.glob("sched-lab-pool.*"))
 
 
+@pytest.fixture
+def worker_sigterm(monkeypatch):
+    """This process handles SIGTERM as a pool worker inside a task does."""
+    ex = sched_lab.sweeps.executors
+    monkeypatch.setattr(ex, "_busy", True)
+    monkeypatch.setattr(ex, "_deferred", 0)
+    monkeypatch.setattr(ex, "_pending", False)
+    monkeypatch.setattr(ex, "_stopping", False)
+    old = signal.signal(signal.SIGTERM, ex._on_sigterm)
+    yield ex
+    signal.signal(signal.SIGTERM, old)
+
+
+def test_a_sigterm_held_back_lands_where_the_folder_is_used_and_its_removal_finishes(
+    worker_sigterm,
+):
+    ex, done = worker_sigterm, []
+    with pytest.raises(ex._Stop):
+        with ex.stop_deferred():
+            signal.raise_signal(signal.SIGTERM)  # while the folder is made: held back
+            done.append("made")
+            try:
+                with ex.stop_allowed():  # it lands here, on entry
+                    done.append("used")
+            finally:
+                signal.raise_signal(signal.SIGTERM)  # a second one during the removal: held
+                done.append("removed")
+    assert done == ["made", "removed"]
+    assert (ex._deferred, ex._pending, ex._stopping) == (0, False, True)
+
+
+def test_a_sigterm_inside_the_allowed_block_stops_the_task_at_once(worker_sigterm):
+    ex, done = worker_sigterm, []
+    with pytest.raises(ex._Stop):
+        with ex.stop_deferred():
+            try:
+                with ex.stop_allowed():
+                    signal.raise_signal(signal.SIGTERM)
+                    done.append("after the signal")
+            finally:
+                done.append("removed")
+    assert done == ["removed"]
+    signal.raise_signal(signal.SIGTERM)  # once stopping, a further SIGTERM is dropped
+    ex._stopping = False  # outside any block, a stop lands at once too
+    with pytest.raises(ex._Stop):
+        signal.raise_signal(signal.SIGTERM)
+        done.append("after the signal")
+    assert done == ["removed"]
+
+
 def test_a_pool_sweep_runs_under_a_long_tmpdir(tmp_path):
     # The forkserver's socket lives in multiprocessing's temporary folder, and a socket path
     # holds at most 107 bytes: with $TMPDIR of 75 bytes, FOLDER/sched-lab-pool.XXXXXXXX/

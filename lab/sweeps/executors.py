@@ -90,12 +90,72 @@ class _Stop(BaseException):
 
 
 _busy = False  # whether this worker process is inside a task
+_deferred = 0  # stop_deferred() depth minus stop_allowed() depth: > 0 holds a SIGTERM back
+_pending = False  # a SIGTERM arrived while held back
+_stopping = False  # _Stop was raised: the task unwinds, and a later SIGTERM is dropped
+
+
+def _stop_task() -> None:
+    global _stopping, _pending
+    _stopping, _pending = True, False
+    raise _Stop
 
 
 def _on_sigterm(signum, frame) -> None:
-    if _busy:
-        raise _Stop
-    os._exit(128 + signum)
+    global _pending
+    if not _busy:
+        os._exit(128 + signum)
+    if _stopping:
+        return
+    if _deferred > 0:
+        _pending = True
+        return
+    _stop_task()
+
+
+class _Deferral:
+    """Moves :data:`_deferred` by ``step`` within the block; where it returns to 0 with a
+    SIGTERM pending, the task stops there."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def _settle(self) -> None:
+        if _deferred <= 0 and _pending:
+            _stop_task()
+
+    def __enter__(self) -> None:
+        global _deferred
+        _deferred += self.step
+        try:
+            self._settle()
+        except _Stop:  # no __exit__ follows a raising __enter__: undo the step here
+            _deferred -= self.step
+            raise
+
+    def __exit__(self, *exc) -> None:
+        global _deferred
+        _deferred -= self.step
+        self._settle()
+
+
+def stop_deferred() -> _Deferral:
+    """A block in a task that a stopped worker finishes before it unwinds: making a
+    temporary folder and its ``finally`` that removes it. Put the folder's use in a
+    :func:`stop_allowed` block inside the ``try``, so that a stop lands there and the
+    ``finally`` runs. A no-op outside a pool worker.
+
+    A signal lands between two bytecodes, so without this a SIGTERM could land after the
+    folder is made and before the ``try``, or inside the ``finally``'s removal, and leave
+    the folder behind. Once a task stops, a further SIGTERM (the driver's watcher sends one)
+    is dropped, so it cannot break into the unwinding either."""
+    return _Deferral(1)
+
+
+def stop_allowed() -> _Deferral:
+    """Inside :func:`stop_deferred`: a block where a SIGTERM stops the task at once (and one
+    that arrived since the deferral began stops it on entry)."""
+    return _Deferral(-1)
 
 
 def _watch_parent() -> None:

@@ -26,6 +26,7 @@ from sched_lab.report.folder import ResultsNotPlaced, write_results
 from sched_lab.report.staging import make_marked, remove_stale
 from sched_lab.run.experiment import run_experiment
 from sched_lab.setup import setup_class, setup_for
+from sched_lab.sweeps import executors
 from sched_lab.sweeps.sweep import Point, Sweep
 
 log = logging.getLogger("sched_lab.sweeps.sweep")
@@ -141,18 +142,21 @@ def _point(task: Task) -> TaskResult:
     cfg = validate(task.point.raw, task.source, task.base_dir)
     runs = run_experiment(cfg, progress=False)
     decode = setup_for(cfg).text_decoder()
-    tmp = make_marked(Path(tempfile.gettempdir()), POINT_PREFIX)  # marked: see run_sweep
-    try:
-        folder = write_results(
-            tmp / task.point.name, cfg, runs, decode, fmt=task.fmt, bars=False, date=task.date
-        )
-        files = {
-            str(p.relative_to(folder)): p.read_bytes()
-            for p in sorted(folder.rglob("*"))
-            if p.is_file()
-        }
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with executors.stop_deferred():  # a stopped worker removes its folder (executors.py)
+        tmp = make_marked(Path(tempfile.gettempdir()), POINT_PREFIX)  # marked: see run_sweep
+        try:
+            with executors.stop_allowed():
+                folder = write_results(
+                    tmp / task.point.name, cfg, runs, decode, fmt=task.fmt, bars=False,
+                    date=task.date,
+                )  # fmt: skip
+                files = {
+                    str(p.relative_to(folder)): p.read_bytes()
+                    for p in sorted(folder.rglob("*"))
+                    if p.is_file()
+                }
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     rows = [row for run in runs for row in run_rows(run, cfg.slo.to_dict())]
     return TaskResult(task.index, rows, files)
 
@@ -339,7 +343,6 @@ def run_sweep(
     from sched_lab.report.folder import check_out_dir
     from sched_lab.report.progress import Phase
     from sched_lab.results.vllm_result import result_date
-    from sched_lab.sweeps import executors
     from sched_lab.sweeps.report import write_sweep
 
     out = check_out_dir(out)

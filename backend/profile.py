@@ -593,7 +593,12 @@ def write(
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     tp = getattr(args, "tensor_parallel_size", 1) > 1
-    fingerprint = engine_fingerprint(runner, options=["tensor_parallel"] if tp else [])
+    # rank 0's runner under TP, as lab/setup/engine.py's engine_info reads it
+    fingerprint = engine_fingerprint(
+        getattr(runner, "runner", runner), options=["tensor_parallel"] if tp else []
+    )
+    if tp:
+        fingerprint["tensor_parallel_size"] = args.tensor_parallel_size
     print(f"engine fingerprint: {json.dumps(fingerprint, sort_keys=True)}")
     write_output(path, lambda tmp: _write_csv(tmp, rows, runner, args, device, commit,
                                               fingerprint, lora))  # fmt: skip

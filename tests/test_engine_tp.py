@@ -212,3 +212,30 @@ def test_benchmark_tiny_gloo_run(tmp_path):
     ]  # fmt: skip
     assert records[1]["decode_step_s"]["2"] > 0 and records[2]["finished"] == 6
     assert records[3]["all_reduces_per_step"] == 5  # 2 layers x 2 + the embedding
+
+
+def test_profile_under_tp_writes_rank_zeros_fingerprint_with_the_size(models, tmp_path, monkeypatch):
+    """backend/profile.py --tensor-parallel-size 2 (a small grid, 2 gloo ranks): the
+    fingerprint is rank 0's runner's, with the TP sources key and the size, as engine_info
+    writes it for a TP run; the calibrated model reads it back."""
+    import triton_setup  # noqa: F401  (first: later Triton tests in this process interpret)
+
+    from sched_lab.backend import profile
+    from sched_lab.backend.sources import OPTION_SOURCES
+    from sched_lab.sim.calibrated import CalibratedCostModel, read_fingerprint
+
+    grid = [("decode", [], [c] * b, 0) for b in (1, 2, 4) for c in (8, 24)]
+    grid += [("prefill", [(c, n)], [], 0) for n in (4, 16) for c in (0, 8)]
+    monkeypatch.setattr(profile, "shapes", lambda: grid)
+    out = tmp_path / "p.csv"
+    argv = ["--model-dir", str(models["llama"]), "--out", str(out), "--attention", "torch",
+            "--dtype", "float32", "--repeat", "1", "--passes", "1",
+            "--tensor-parallel-size", "2", "--max-model-len", "128", "--num-gpu-blocks", "64"]  # fmt: skip
+    assert profile.main(argv) == 0
+    fp = read_fingerprint(out)
+    assert fp["tensor_parallel_size"] == 2 and fp["gpu"] == "cpu"
+    keys = {k for k in fp if k.startswith("backend_sources_")}
+    assert keys == {"backend_sources_tensor_parallel"} and set(OPTION_SOURCES) > {"tensor_parallel"}
+    assert "tensor_parallel_size 2 (heads per rank)" in out.read_text().splitlines()[1]
+    assert len(pd.read_csv(out, comment="#")) == len(grid)
+    CalibratedCostModel(out)

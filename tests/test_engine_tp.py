@@ -214,7 +214,9 @@ def test_benchmark_tiny_gloo_run(tmp_path):
     assert records[3]["all_reduces_per_step"] == 5  # 2 layers x 2 + the embedding
 
 
-def test_profile_under_tp_writes_rank_zeros_fingerprint_with_the_size(models, tmp_path, monkeypatch):
+def test_profile_under_tp_writes_rank_zeros_fingerprint_with_the_size(
+    models, tmp_path, monkeypatch
+):
     """backend/profile.py --tensor-parallel-size 2 (a small grid, 2 gloo ranks): the
     fingerprint is rank 0's runner's, with the TP sources key and the size, as engine_info
     writes it for a TP run; the calibrated model reads it back."""

@@ -140,6 +140,25 @@ def test_stats_is_bitwise_the_same_with_overwrite_and_any_layout():
     assert metrics.latency_stats("v", with_nan) == want and np.isnan(with_nan[10])
 
 
+@pytest.mark.parametrize("leaf", [128, 129, 1000, 8192])
+def test_population_std_is_numpys_to_the_last_bit(leaf):
+    rng = np.random.default_rng(leaf)
+    for n in [1, 7, 128, 129, 1001, 8191, 8193, 65_537, *rng.integers(129, 200_000, 12)]:
+        values = rng.lognormal(-4, 2, int(n))  # heavy-tailed, as latencies: the order matters
+        assert metrics.population_std(values, leaf) == float(values.std()), (n, leaf)
+    with pytest.raises(ValueError, match="leaf: 64 values; at least 128"):
+        metrics.population_std(np.ones(1000), 64)
+
+
+def test_stats_with_a_small_std_leaf_is_bitwise_the_same(monkeypatch):
+    """latency_stats' std in leaves (the way the ITL gaps of a large run take it)."""
+    values = np.random.default_rng(1).lognormal(0, 2, 100_003)
+    want = metrics.latency_stats("v", values)
+    monkeypatch.setattr(metrics, "STD_LEAF", 1000)
+    assert metrics.latency_stats("v", values) == want
+    assert want["std_v_ms"] == float(values.std()) * 1e3
+
+
 def test_cdf_points(monkeypatch):
     # Levels linspace(0, 1, 3) = 0, 0.5, 1 of {1, 2, 3} (NaN left out); 2 points: 0 and 1.
     assert metrics.cdf_points([3.0, np.nan, 1.0, 2.0]).tolist() == [1.0, 2.0, 3.0]

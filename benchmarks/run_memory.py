@@ -8,7 +8,9 @@ Builds (once, in ``--work``) the conversation trace repeated back to back up to 
 with a thread sampling the resident set every 20 ms. Prints, per phase (trace, each replay,
 each run's metrics, writing), the peak RSS inside it and the RSS at its end, then the
 process's peak RSS and CPU seconds. ``--tracemalloc``: also the 15 largest allocation sites
-alive when the last run's metrics end (slow: about 3x the run's time).
+alive when the last run's metrics end (slow: about 3x the run's time). ``--parts``: also
+the peak RSS inside each of the functions in :data:`PARTS` (the parts of the metrics and of
+writing a run), above the RSS at its start.
 """
 
 from __future__ import annotations
@@ -31,6 +33,18 @@ sys.path.insert(0, str(ROOT))
 from sim_speed_vidur import load_base, tiled_trace  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+# (module, function): the parts of a run's metrics and writing that --parts measures; none
+# calls another
+PARTS = [
+    ("sched_lab.results.metrics", "request_table"),
+    ("sched_lab.results.metrics", "latency_stats"),
+    ("sched_lab.results.metrics", "cdf_points"),
+    ("sched_lab.report.timeline", "events_frame"),
+    ("sched_lab.report.folder", "_append_csv"),
+    ("sched_lab.report.folder", "_write_run_steps"),
+    ("sched_lab.report.plots", "run_series"),
+    ("sched_lab.report.folder", "concat_requests"),
+]
 
 
 def rss_bytes() -> int:
@@ -63,6 +77,7 @@ def main() -> None:
     ap.add_argument("--policies", nargs="+", default=["fcfs"])
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--tracemalloc", action="store_true")
+    ap.add_argument("--parts", action="store_true", help="peak RSS inside each of PARTS")
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "run-memory")
     ap.add_argument("--out", type=Path, help="the results folder (default: in --work)")
     args = ap.parse_args()
@@ -104,9 +119,37 @@ def main() -> None:
                 SNAPSHOT = tracemalloc.take_snapshot()
 
     progress.Phase.close = close
+    part_rows: list[tuple[str, int, int]] = []  # (function, RSS at its start, peak inside)
     logging.disable(logging.INFO)
     from sched_lab.cli import run_main
 
+    if args.parts:
+        import functools
+        import importlib
+
+        def measured(name, fn):
+            @functools.wraps(fn)
+            def wrapper(*a, **k):
+                # a peak of its own, folded back into the phase's when it returns
+                outer, before = sampler.peak, rss_bytes()
+                sampler.peak = before
+                try:
+                    return fn(*a, **k)
+                finally:
+                    inner = max(sampler.peak, rss_bytes())
+                    sampler.peak = max(outer, inner)
+                    part_rows.append((name, before, inner))
+
+            return wrapper
+
+        for module, name in PARTS:  # every module's binding, `from x import f` ones too
+            fn = getattr(importlib.import_module(module), name)
+            wrapped = measured(name, fn)
+            for mod in list(sys.modules.values()):
+                if getattr(mod, "__name__", "").startswith("sched_lab"):
+                    for attr, value in list(vars(mod).items()):
+                        if value is fn:
+                            setattr(mod, attr, wrapped)
     argv = [str(path), "--out", str(out), "--no-progress", "-q"]
     argv += ["--no-plots"] if args.no_plots else []
     c0 = time.process_time()
@@ -127,6 +170,11 @@ def main() -> None:
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"process: {time.process_time() - c0:.1f} CPU s, peak RSS {maxrss:,.0f} MiB "
           f"({maxrss * 1024 / args.requests / len(args.policies):,.1f} KiB per request-run)")  # fmt: skip
+    if part_rows:
+        print("\n| part (call) | RSS at its start (MiB) | peak inside, above the start (MiB) |")
+        print("|---|---|---|")
+        for name, before, peak in part_rows:
+            print(f"| {name} | {before / mib:,.0f} | +{(peak - before) / mib:,.0f} |")
     if args.tracemalloc and "SNAPSHOT" in globals():
         print("\n# largest allocation sites alive after the last run's metrics")
         for stat in SNAPSHOT.statistics("traceback")[:15]:

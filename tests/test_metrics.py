@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -11,7 +13,7 @@ from sched_lab.core.kv import make_block_manager
 from sched_lab.core.request import Request
 from sched_lab.core.scheduler import SchedulerLimits
 from sched_lab.policies import get_policy
-from sched_lab.results import metrics
+from sched_lab.results import gaps, metrics, vllm_result
 from sched_lab.sim.replay import replay
 
 
@@ -154,7 +156,7 @@ def test_stats_with_a_small_std_leaf_is_bitwise_the_same(monkeypatch):
     """latency_stats' std in leaves (the way the ITL gaps of a large run take it)."""
     values = np.random.default_rng(1).lognormal(0, 2, 100_003)
     want = metrics.latency_stats("v", values)
-    monkeypatch.setattr(metrics, "STD_LEAF", 1000)
+    monkeypatch.setattr(gaps, "LEAF", 1000)
     assert metrics.latency_stats("v", values) == want
     assert want["std_v_ms"] == float(values.std()) * 1e3
 
@@ -310,3 +312,88 @@ def test_token_times_gathered_at_once_equal_request_by_request(policy, span_toke
     assert first.tolist() == first_1.tolist() and last.tolist() == last_1.tolist()
     assert gaps.tolist() == gaps_1.tolist()
     assert len(fin) == 6 and len(gaps) == 6 * 19  # 20 tokens each: 19 gaps
+
+
+def test_token_gaps_by_hand():
+    """Steps end at 1, 2, 4, 7, 11 s. Request a: a prefill token at step 0, then decodes at
+    steps 1-3 (times 1, 2, 4, 7: gaps 1, 2, 3); b: steps 1, then 3-4 (times 2, 7, 11: gaps
+    5, 4). The gaps in request order are [1, 2, 3, 5, 4]."""
+    end = np.array([1.0, 2.0, 4.0, 7.0, 11.0])
+    source = np.array([0, 1, 1, 2, 3, 4])  # two prefill tokens, then the ticks' steps
+    start, size = np.array([0, 2, 1, 5 - 1]), np.array([1, 3, 1, 2])
+    who, counts = np.array([0, 0, 1, 1]), np.array([4, 3])
+    g = gaps.TokenGaps.of_pieces(source, end, start, size, who, counts)
+    assert g.to_array().tolist() == [1.0, 2.0, 3.0, 5.0, 4.0]
+    assert g.first.tolist() == [1.0, 2.0] and g.last.tolist() == [7.0, 11.0]
+    assert (len(g), g.mean(), g.median(), g.max()) == (5, 3.0, 3.0, 5.0)
+    assert g.std() == math.sqrt(2.0)  # squares 4, 1, 0, 4, 1 over 5
+    # p90: index 4 * 0.9 = 3.6 between the sorted 4th and 5th gaps (4 and 5): 4.6
+    assert (
+        g.percentile([0, 90, 100]).tolist()
+        == np.percentile([1, 2, 3, 5, 4.0], [0, 90, 100]).tolist()
+    )
+    assert g.percentile([90])[0] == pytest.approx(4.6)
+    # pieces out of time order (b's second piece before its first): not a TokenGaps
+    assert (
+        gaps.TokenGaps.of_pieces(source, end, start[[0, 1, 3, 2]], size[[0, 1, 3, 2]], who, counts)
+        is None
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_token_gaps_statistics_are_numpys_to_the_last_bit(seed, monkeypatch):
+    """Random requests, each a run of consecutive ticks that others share (gaps counted
+    several times), some with a prefill token first: every statistic equals numpy's on the
+    array of the gaps, with the sums walked in runs of 128 and of 1000 values."""
+    rng = np.random.default_rng(seed)
+    num_ticks, n = int(rng.integers(50, 3000)), int(rng.integers(1, 60))
+    end = np.cumsum(rng.lognormal(-4, 1.5, 10 + num_ticks))  # the steps' ends, ascending
+    prefill_steps = np.sort(rng.integers(0, 10, n))  # before the ticks' steps (10 ..)
+    source = np.concatenate([prefill_steps, 10 + np.arange(num_ticks)])
+    a = rng.integers(0, num_ticks - 1, n)
+    b = np.minimum(a + rng.integers(1, num_ticks, n), num_ticks)
+    has_prefill = rng.random(n) < 0.5
+    start, size, who = [], [], []
+    for i in range(n):
+        if has_prefill[i]:
+            start, size, who = [*start, i], [*size, 1], [*who, i]
+        start, size, who = [*start, n + a[i]], [*size, b[i] - a[i]], [*who, i]
+    start, size, who = np.array(start), np.array(size), np.array(who)
+    counts = np.bincount(who, weights=size, minlength=n).astype(np.int64)
+    g = gaps.TokenGaps.of_pieces(source, end, start, size, who, counts)
+    v = g.to_array()
+    times = [end[source[s : s + k]] for s, k in zip(start, size)]
+    by_request = [np.concatenate([t for t, w in zip(times, who) if w == i]) for i in range(n)]
+    assert v.tolist() == np.concatenate([np.diff(t) for t in by_request]).tolist()
+    if not len(v):
+        return
+    qs = np.concatenate([[0, 1e-9, 0.5, 1], rng.random(50), np.linspace(0, 1, 2000)])
+    ps = [0.0, 50.0, 90.0, 99.0, 99.9, 100.0]
+    for leaf in (128, 1000):
+        monkeypatch.setattr(gaps, "LEAF", leaf)
+        assert (g.mean(), g.std()) == (float(v.mean()), float(v.std()))
+    assert (g.median(), g.max()) == (float(np.median(v)), float(v.max()))
+    assert g.quantile(qs).tolist() == np.quantile(v, qs).tolist()
+    assert g.percentile(ps).tolist() == np.percentile(v, ps).tolist()
+    assert metrics.latency_stats("itl", g, ps) == metrics.latency_stats("itl", v.copy(), ps)
+    assert vllm_result.tail_points(g).tolist() == vllm_result.tail_points(v.copy()).tolist()
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "swap"])
+def test_request_table_with_token_gaps_is_the_one_with_the_array(policy, monkeypatch):
+    """Above GAPS_IN_MEMORY gaps the table's ITL gaps are a TokenGaps: the same rows, the
+    same gaps, and every statistic the results take of them the same to the last bit."""
+    res = run(policy, [(f"r{i}", 0.001 * i, 8, 20 + 7 * i) for i in range(12)], gpu_blocks=40,
+              block_size=4)  # fmt: skip
+    assert any(r.num_preemptions for r in res.requests)  # the case at stake
+    want_df, array = metrics.request_table(res, policy, 1.0)
+    monkeypatch.setattr(metrics, "GAPS_IN_MEMORY", 0)
+    monkeypatch.setattr(gaps, "LEAF", 128)
+    df, g = metrics.request_table(res, policy, 1.0)
+    assert isinstance(g, gaps.TokenGaps) and isinstance(array, np.ndarray)
+    pd.testing.assert_frame_equal(df, want_df, check_exact=True)
+    assert len(g) == 12 * 19 + 7 * 66 and g.to_array().tolist() == array.tolist()
+    stats = metrics.summarize(df, g, res, {})
+    assert stats == metrics.summarize(want_df, array.copy(), res, {})
+    want_cdf = np.quantile(array, np.linspace(0, 1, min(len(array), metrics.CDF_POINTS)))
+    assert metrics.cdf_points(g).tolist() == want_cdf.tolist()

@@ -31,6 +31,8 @@ import numpy as np
 import pandas as pd
 
 from sched_lab.core.request import Request, RequestStatus
+from sched_lab.results import gaps
+from sched_lab.results.gaps import TokenGaps, pairwise_sum, spans_of_pieces
 from sched_lab.results.names import LATENCIES, percentile_word
 from sched_lab.results.spec_metrics import split_gaps
 from sched_lab.sim.records import ReplayResult
@@ -41,6 +43,7 @@ SLO_KEYS = ("ttft_s", "tpot_s", "e2e_s")  # the slo: block's keys
 FAILED = ("rejected", "aborted", "unfinished")  # replayed, not finished: vLLM's "failed"
 CDF_POINTS = 2000  # points of a latency CDF kept for the plots
 CDF_SAMPLE = 1 << 20  # values a CDF's quantiles are taken from, at most
+GAPS_IN_MEMORY = 1 << 20  # a run's ITL gaps kept as an array up to this many, else TokenGaps
 REQUEST_COLUMNS = [
     "policy", "rate_scale", "request_id", "status", "reason", "arrival_s", "prompt_tokens",
     "output_tokens", "num_generated_tokens", "first_token_s", "finish_s", "ttft_s", "tpot_s",
@@ -75,8 +78,9 @@ def request_table(
     progress: Callable[[int], None] | None = None,
     requests: list[Request] | None = None,
     split_itl: bool = False,
-) -> tuple[pd.DataFrame, np.ndarray]:
-    """One row per request, and the pooled ITL gaps (seconds, float64) of finished requests.
+) -> tuple[pd.DataFrame, np.ndarray | TokenGaps]:
+    """One row per request, and the pooled ITL gaps (seconds, float64) of finished requests:
+    an array, or for many (:func:`_token_spans`) a :class:`TokenGaps` with its statistics.
 
     Latency columns are NaN where undefined (not finished; TPOT of 1-token outputs);
     ``num_generated_tokens`` is an integer in every row (0 for rejected and dropped requests,
@@ -150,7 +154,8 @@ def _token_spans(
     between their consecutive tokens in request order (seconds; ``split_itl``: see
     :func:`request_table`). Without speculative tokens, where ``result`` keeps its token
     times as :class:`ReplayResult` does (a cluster's do not), the times of every request are
-    gathered and ordered at once."""
+    gathered and ordered at once, and more than :data:`GAPS_IN_MEMORY` gaps are a
+    :class:`TokenGaps`, not an array."""
     own_times = type(result).token_times is not ReplayResult.token_times  # a cluster's
     if own_times or split_itl or any(r.spec_steps for r in finished):
         return _token_spans_each(result, finished, split_itl)
@@ -184,6 +189,10 @@ def _token_spans(
     counts = np.bincount(piece_who, weights=size, minlength=n).astype(np.int64)
     if n and counts.min() == 0:  # a finished request always has a token
         return _token_spans_each(result, finished, split_itl)
+    if int(counts.sum()) - n > GAPS_IN_MEMORY:
+        pooled = TokenGaps.of_pieces(source, end, start, size, piece_who, counts)
+        if pooled is not None:  # (None: pieces overlap in time, sorted below)
+            return pooled.first, pooled.last, pooled
     first, last = np.empty(n), np.empty(n)
     gaps = np.empty(max(int(counts.sum()) - n, 0))
     # Requests in chunks of about SPAN_TOKENS tokens: the token arrays are a chunk's, not
@@ -194,7 +203,7 @@ def _token_spans(
     piece_at = np.searchsorted(piece_who, cuts)
     for lo, hi, p0, p1 in zip(cuts[:-1], cuts[1:], piece_at[:-1], piece_at[1:]):
         g0 = int(tokens_before[lo]) - int(lo)  # gaps of the requests before this chunk
-        first[lo:hi], last[lo:hi], chunk_gaps = _spans_of_pieces(
+        first[lo:hi], last[lo:hi], chunk_gaps = spans_of_pieces(
             source, end, start[p0:p1], size[p0:p1], piece_who[p0:p1] - lo, counts[lo:hi]
         )
         gaps[g0 : g0 + len(chunk_gaps)] = chunk_gaps
@@ -202,30 +211,6 @@ def _token_spans(
 
 
 SPAN_TOKENS = 1 << 20  # tokens whose times one chunk of _token_spans gathers at once
-
-
-def _spans_of_pieces(
-    source: np.ndarray,
-    end: np.ndarray,
-    start: np.ndarray,
-    size: np.ndarray,
-    piece_who: np.ndarray,
-    counts: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(first, last, gaps) of some requests from their pieces (ordered by request, then
-    time): piece k is ``size[k]`` tokens from ``source[start[k]:]``, whose steps end at
-    ``end``; ``piece_who``: the request (0-based here), ``counts``: tokens per request."""
-    index = np.repeat(start - (np.cumsum(size) - size), size) + np.arange(int(size.sum()))
-    times = end[source[index]]
-    del index
-    bounds = np.concatenate([[0], np.cumsum(counts)])
-    gaps = np.subtract(times[1:], times[:-1])  # np.diff, then less each request's last to
-    gaps = np.delete(gaps, bounds[1:-1] - 1)  # the next one's first
-    if (gaps < 0).any():  # pieces overlap in time: order each request's tokens by time
-        who = np.repeat(piece_who, size)
-        times = times[np.lexsort((times, who))]
-        gaps = np.delete(np.subtract(times[1:], times[:-1]), bounds[1:-1] - 1)
-    return times[bounds[:-1]], times[bounds[1:] - 1], gaps
 
 
 def _token_spans_each(
@@ -268,8 +253,11 @@ def decode_output_tokens(steps: dict) -> np.ndarray:
 
 def cdf_points(values, max_points: int = CDF_POINTS, overwrite: bool = False) -> np.ndarray:
     """The finite values' quantiles at ``np.linspace(0, 1, k)``, k = min(count, ``max_points``),
-    exact up to ``CDF_SAMPLE`` values, else of every j-th value (j = ceil(count / CDF_SAMPLE)).
-    ``overwrite``: as in :func:`stats`."""
+    exact up to ``CDF_SAMPLE`` values, else of every j-th value (j = ceil(count / CDF_SAMPLE));
+    of a :class:`TokenGaps`, exact. ``overwrite``: as in :func:`latency_stats`."""
+    if isinstance(values, TokenGaps):
+        n = len(values)
+        return values.quantile(np.linspace(0, 1, min(n, max_points))) if n else np.zeros(0)
     v = np.asarray(values, dtype=np.float64)
     finite = np.isfinite(v)
     if not finite.all():
@@ -296,6 +284,13 @@ def latency_stats(
     out; :mod:`sched_lab.results.names`), NaN when there are none. std is the population's, as
     vLLM. ``overwrite``: ``values_s`` (float64) may be reordered in place; the result is
     bit-identical either way."""
+    names = ["mean", "median", "std"] + [f"p{percentile_word(p)}" for p in percentiles] + ["max"]
+    if isinstance(values_s, TokenGaps):  # the same numbers, from what the gaps are made of
+        if not len(values_s):
+            return {f"{s}_{metric}_ms": float("nan") for s in names}
+        g = values_s
+        qs = g.percentile(list(percentiles)) if percentiles else []
+        return _stats_ms(metric, percentiles, g.mean(), g.median(), g.std(), qs, g.max())
     v = np.asarray(values_s, dtype=np.float64)
     finite = np.isfinite(v)
     if finite.all():
@@ -305,13 +300,17 @@ def latency_stats(
     else:
         v, overwrite = v[finite], True  # a copy of our own
     del finite
-    names = ["mean", "median", "std"] + [f"p{percentile_word(p)}" for p in percentiles] + ["max"]
     if len(v) == 0:
         return {f"{s}_{metric}_ms": float("nan") for s in names}
     # mean and std before anything reorders v (their sums depend on the order)
     mean, std, top = float(v.mean()), population_std(v), float(v.max())
     median = float(np.median(v, overwrite_input=overwrite))
     qs = np.percentile(v, list(percentiles), overwrite_input=overwrite) if percentiles else []
+    return _stats_ms(metric, percentiles, mean, median, std, qs, top)
+
+
+def _stats_ms(metric: str, percentiles, mean, median, std, qs, top) -> dict[str, float]:
+    """:func:`latency_stats`'s dict from the statistics in seconds."""
     out = {f"mean_{metric}_ms": mean * 1e3, f"median_{metric}_ms": median * 1e3}
     out[f"std_{metric}_ms"] = std * 1e3
     for p, q in zip(percentiles, qs):
@@ -320,35 +319,22 @@ def latency_stats(
     return out
 
 
-STD_LEAF = 1 << 20  # values squared at a time by population_std (an 8 MiB temporary)
-
-
 def population_std(v: np.ndarray, leaf: int | None = None) -> float:
     """``float(v.std())`` of a contiguous float64 array, to the last bit, with temporaries
-    of at most ``leaf`` values (default :data:`STD_LEAF`) where numpy's makes one the size of ``v`` (1.8 GB for the
-    ITL gaps of 1M requests).
-
-    numpy sums a contiguous array pairwise: a run of more than 128 values is split at
-    ``n // 2`` rounded down to a multiple of 8, and the two halves' sums added. This walks
-    the same tree down to runs of at most ``leaf`` values (>= 128: below that numpy stops
-    splitting) and lets ``np.sum`` do each run, so every addition is the one numpy makes.
+    of at most ``leaf`` values (default :data:`sched_lab.results.gaps.LEAF`) where numpy's
+    is the size of ``v`` (numpy's pairwise sums walked in runs:
+    :func:`sched_lab.results.gaps.pairwise_sum`; ValueError for ``leaf`` < 128).
     tests/test_metrics.py compares it with ``np.std`` bit for bit."""
-    n, leaf = len(v), STD_LEAF if leaf is None else leaf
-    if n <= leaf:
+    n = len(v)
+    if n <= (gaps.LEAF if leaf is None else leaf):
         return float(v.std())
-    if leaf < 128:
-        raise ValueError(f"leaf: {leaf} values; at least 128 (numpy's pairwise block)")
-    mean = np.sum(v) / n  # as np.std: the sum divided by the count, in float64
+    mean = pairwise_sum(n, lambda lo, k: np.sum(v[lo : lo + k]), leaf) / n
 
-    def squares(lo: int, size: int) -> float:
-        if size <= leaf:
-            d = np.subtract(v[lo : lo + size], mean)
-            return float(np.sum(np.multiply(d, d, out=d)))
-        half = size // 2
-        half -= half % 8
-        return squares(lo, half) + squares(lo + half, size - half)
+    def squares(lo: int, k: int) -> float:
+        d = np.subtract(v[lo : lo + k], mean)
+        return np.sum(np.multiply(d, d, out=d))
 
-    return math.sqrt(squares(0, n) / n)
+    return math.sqrt(pairwise_sum(n, squares, leaf) / n)
 
 
 def meets_slo(df: pd.DataFrame, slo: dict[str, float | None]) -> np.ndarray:

@@ -23,6 +23,7 @@ import time
 import numpy as np
 import pandas as pd
 
+from sched_lab.results.gaps import TokenGaps
 from sched_lab.results.metrics import DEFAULT_PERCENTILES, latency_stats, offered_rate
 from sched_lab.results.names import LATENCIES, latency_name, percentile_word
 
@@ -34,7 +35,16 @@ def tail_points(
 ) -> np.ndarray:
     """(fraction of values above, value) pairs, shape (2, n), for a log-scale tail plot:
     quantiles at 1 - 10**-x, x from 1 to ``decades``, then the max at 1 / count.
-    ``overwrite``: ``values_s`` (float64) may be reordered in place (no copy of it)."""
+    ``overwrite``: ``values_s`` (float64) may be reordered in place (no copy of it). Also of
+    a :class:`sched_lab.results.gaps.TokenGaps`."""
+    if isinstance(values_s, TokenGaps):
+        n = len(values_s)
+        if not n:
+            return np.zeros((2, 0))
+        above = 10.0 ** -np.linspace(1.0, decades, points)
+        above = above[above >= 1.0 / n]
+        q = values_s.quantile(1.0 - above)
+        return np.array([np.append(above, 1.0 / n), np.append(q, values_s.max())])
     v = np.asarray(values_s, dtype=np.float64)
     finite = np.isfinite(v)
     if not finite.all():

@@ -525,8 +525,9 @@ def _measure(
         vllm = _vllm(ex, run, df, itl, summary, result)
         if hasattr(executor, "plan_match"):  # replayed durations
             summary["plan_match"] = executor.plan_match()
-        # All gaps are a run's largest array: both reorder it in place (no copy), the CDF's
-        # sample (every j-th gap) first; the tail's quantiles do not depend on the order.
+        # Gaps as an array (up to metrics.GAPS_IN_MEMORY): both reorder it in place (no
+        # copy), the CDF's sample (every j-th gap) first; the tail does not depend on the
+        # order. A TokenGaps (more gaps) gives both exactly.
         itl_cdf = metrics.cdf_points(itl, overwrite=True)
         itl_tail = vllm_result.tail_points(itl, overwrite=True)
         itl = itl_cdf

@@ -1,0 +1,191 @@
+"""A run's inter-token gaps (ITL) without an array of them, and numpy's sums walked in runs.
+
+The finished requests of a 1M-request run have ~230M gaps between consecutive tokens (1.8 GB
+as float64, and numpy's percentiles partition a copy-sized array). :class:`TokenGaps` keeps
+what the gaps are made of instead, the pieces of each request's tokens (a prefill token at a
+step, a decode segment over consecutive decode ticks), and gives the statistics
+``latency_stats`` takes of the array, to the last bit:
+
+- mean and std: numpy's pairwise sum of the gaps in request order (:func:`pairwise_sum`), with
+  a run of at most :data:`LEAF` gaps made at a time;
+- order statistics (median, percentiles, quantiles, max): from the gaps as a multiset. Inside
+  a decode segment every gap is the one between two consecutive decode ticks, so each tick
+  gap is counted once per segment that spans it; the gaps between pieces are taken one by one.
+
+tests/test_metrics.py compares every statistic with numpy's on the array.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+LEAF = 1 << 20  # gaps made (and summed by np.sum) at a time by TokenGaps' sums
+
+
+def pairwise_sum(n: int, leaf_sum: Callable[[int, int], float], leaf: int | None = None) -> float:
+    """``np.sum`` of an n-value float64 array, to the last bit, from ``leaf_sum(lo, size)``
+    (``np.sum`` of values ``lo .. lo + size - 1``) over runs of at most ``leaf`` values
+    (default :data:`LEAF`).
+
+    numpy sums a contiguous array pairwise: a run of more than 128 values is split at
+    ``size // 2`` rounded down to a multiple of 8 and the halves' sums are added. This walks
+    the same tree down to runs of at most ``leaf`` values (>= 128: below that numpy stops
+    splitting), so every addition is the one numpy makes. Raises ValueError for a smaller
+    ``leaf``."""
+    leaf = LEAF if leaf is None else leaf
+    if leaf < 128:
+        raise ValueError(f"leaf: {leaf} values; at least 128 (numpy's pairwise block)")
+
+    def walk(lo: int, size: int) -> float:
+        if size <= leaf:
+            return float(leaf_sum(lo, size))
+        half = size // 2
+        half -= half % 8
+        return walk(lo, half) + walk(lo + half, size - half)
+
+    return walk(0, n)
+
+
+def lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """numpy's linear-interpolation step of ``np.percentile`` (method "linear"), op for op."""
+    diff = b - a
+    return np.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
+
+
+def spans_of_pieces(
+    source: np.ndarray,
+    end: np.ndarray,
+    start: np.ndarray,
+    size: np.ndarray,
+    piece_who: np.ndarray,
+    counts: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(first, last, gaps) of some requests from their pieces (ordered by request, then
+    time): piece k is ``size[k]`` tokens from ``source[start[k]:]``, whose steps end at
+    ``end``; ``piece_who``: the request (0-based here), ``counts``: tokens per request."""
+    index = np.repeat(start - (np.cumsum(size) - size), size) + np.arange(int(size.sum()))
+    times = end[source[index]]
+    del index
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    gaps = np.subtract(times[1:], times[:-1])  # np.diff, then less each request's last to
+    gaps = np.delete(gaps, bounds[1:-1] - 1)  # the next one's first
+    if (gaps < 0).any():  # pieces overlap in time: order each request's tokens by time
+        who = np.repeat(piece_who, size)
+        times = times[np.lexsort((times, who))]
+        gaps = np.delete(np.subtract(times[1:], times[:-1]), bounds[1:-1] - 1)
+    return times[bounds[:-1]], times[bounds[1:] - 1], gaps
+
+
+class TokenGaps:
+    """The gaps between consecutive tokens of some requests, in request order, as the
+    ``np.ndarray`` of them would give them (``len``, mean, std, max, median, percentiles,
+    quantiles), without it. Made by :meth:`of_pieces`."""
+
+    def __init__(self, source, end, start, size, piece_who, counts, values, weights) -> None:
+        self._source, self._end = source, end
+        self._start, self._size, self._who, self._counts = start, size, piece_who, counts
+        self._piece_at = np.searchsorted(piece_who, np.arange(len(counts) + 1))
+        self._gaps_before = np.concatenate([[0], np.cumsum(counts - 1)])
+        order = np.argsort(values, kind="stable")
+        self._values, self._cum = values[order], np.cumsum(weights[order])
+        self.n = int(self._gaps_before[-1])
+
+    @classmethod
+    def of_pieces(cls, source, end, start, size, piece_who, counts) -> TokenGaps | None:
+        """The gaps of requests given as pieces (:func:`spans_of_pieces`'s arguments: a
+        piece is ``size[k]`` tokens at the steps ``source[start[k]:]``, whose ends are
+        ``end``; pieces ordered by request, then by their first token's time). None where a
+        gap would be negative (pieces overlap in time: the tokens must be sorted)."""
+        ends = start + size - 1  # each piece's last token, in source
+        spans = size >= 2  # pieces with gaps inside: source positions start .. ends - 1
+        mult = np.zeros(len(source) + 1, dtype=np.int64)
+        np.add.at(mult, start[spans], 1)
+        np.add.at(mult, ends[spans], -1)
+        mult = np.cumsum(mult[:-1])
+        at = np.flatnonzero(mult)  # a gap from source position x to x + 1
+        inside = end[source[at + 1]] - end[source[at]]
+        same = piece_who[1:] == piece_who[:-1]  # consecutive pieces of one request
+        between = end[source[start[1:][same]]] - end[source[ends[:-1][same]]]
+        if (inside < 0).any() or (between < 0).any():
+            return None
+        values = np.concatenate([inside, between])
+        weights = np.concatenate([mult[at], np.ones(len(between), dtype=np.int64)])
+        return cls(source, end, start, size, piece_who, counts, values, weights)
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def first(self) -> np.ndarray:
+        """Each request's first token time."""
+        return self._end[self._source[self._start[self._piece_at[:-1]]]]
+
+    @property
+    def last(self) -> np.ndarray:
+        """Each request's last token time."""
+        k = self._piece_at[1:] - 1
+        return self._end[self._source[self._start[k] + self._size[k] - 1]]
+
+    def chunk(self, lo: int, hi: int) -> np.ndarray:
+        """Gaps ``lo .. hi - 1`` (a fresh array)."""
+        r0 = int(np.searchsorted(self._gaps_before, lo, side="right")) - 1
+        r1 = max(int(np.searchsorted(self._gaps_before, hi, side="left")), r0 + 1)
+        p0, p1 = self._piece_at[r0], self._piece_at[r1]
+        *_, gaps = spans_of_pieces(
+            self._source, self._end, self._start[p0:p1], self._size[p0:p1],
+            self._who[p0:p1] - r0, self._counts[r0:r1],
+        )  # fmt: skip
+        skip = lo - int(self._gaps_before[r0])
+        return gaps[skip : skip + hi - lo]
+
+    def to_array(self) -> np.ndarray:
+        """Every gap (the array this stands for)."""
+        return self.chunk(0, self.n) if self.n else np.zeros(0)
+
+    def mean(self) -> float:
+        """``float(a.mean())`` of the array ``a`` of the gaps."""
+        return pairwise_sum(self.n, lambda lo, k: np.sum(self.chunk(lo, lo + k))) / self.n
+
+    def std(self) -> float:
+        """``float(a.std())`` (population)."""
+        mean = pairwise_sum(self.n, lambda lo, k: np.sum(self.chunk(lo, lo + k))) / self.n
+
+        def squares(lo: int, k: int) -> float:
+            d = np.subtract(self.chunk(lo, lo + k), mean)
+            return np.sum(np.multiply(d, d, out=d))
+
+        return math.sqrt(pairwise_sum(self.n, squares) / self.n)
+
+    def max(self) -> float:
+        return float(self._values[-1])
+
+    def kth(self, k: np.ndarray) -> np.ndarray:
+        """The k-th smallest gaps (0-based)."""
+        return self._values[np.searchsorted(self._cum, k, side="right")]
+
+    def median(self) -> float:
+        """``float(np.median(a))``: the middle gap, or the mean of the two middle ones."""
+        half = self.n // 2
+        if self.n % 2:
+            return float(self.kth(np.array([half]))[0])
+        a, b = self.kth(np.array([half - 1, half]))
+        return float((a + b) / 2)
+
+    def quantile(self, qs) -> np.ndarray:
+        """``np.quantile(a, qs)`` (linear; ``qs`` a float64 array in [0, 1])."""
+        virtual = (self.n - 1) * np.asarray(qs, dtype=np.float64)
+        prev = np.floor(virtual)
+        nxt = prev + 1
+        top = virtual >= self.n - 1  # numpy takes the last value (its index -1) for both
+        prev[top], nxt[top] = -1, -1
+        gamma = virtual - prev
+        prev_i = np.where(top, self.n - 1, prev).astype(np.int64)
+        next_i = np.where(top, self.n - 1, nxt).astype(np.int64)
+        return lerp(self.kth(prev_i), self.kth(next_i), gamma)
+
+    def percentile(self, ps) -> np.ndarray:
+        """``np.percentile(a, ps)`` (``ps`` in [0, 100])."""
+        return self.quantile(np.true_divide(np.asarray(ps, dtype=np.float64), 100))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sched_lab.config import load_config
+from sched_lab.report import folder, timeline
 from sched_lab.report.folder import ResultsWriter, write_results
 from sched_lab.run.experiment import run_experiment
 
@@ -39,3 +40,19 @@ def test_an_aborted_writer_leaves_no_temporary_folder(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")]
     writer.abort()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_events_written_in_parts_without_plots_are_the_whole_frames(tmp_path, monkeypatch):
+    """Without pictures events.csv is made and written EVENT_ROWS rows at a time: 7 here
+    (every run's events in several parts, the header once), the bytes of the whole frames."""
+    cfg = load_config(ROOT / "experiments" / "quickstart.yaml").with_trace(limit=30)
+    runs = run_experiment(cfg, progress=False)
+    whole = write_results(tmp_path / "whole", cfg, runs, date="d")
+    monkeypatch.setattr(folder, "EVENT_ROWS", 7)
+    writer = ResultsWriter(tmp_path / "parts", cfg, bars=False, plots=False)
+    for run in runs:
+        assert len(timeline.events_frame(run)) > 2 * 7
+        writer.add(run, release=False)
+    parts = writer.finish(runs, date="d")
+    text = (parts / "events.csv").read_bytes()
+    assert text == (whole / "events.csv").read_bytes() and text.count(b"request_id") == 1

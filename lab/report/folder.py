@@ -35,6 +35,7 @@ from sched_lab.sim.records import STEP_COLUMNS
 
 FORMATS = ("csv", "parquet")  # of requests and steps
 STEPS_FLOAT_FORMAT = "%.9g"  # steps.csv's floats: 9 significant digits
+EVENT_ROWS = 1 << 18  # events.csv rows made and written at a time (without pictures)
 _TEMP_SUFFIX_BYTES = 14  # ".{name}.XXXXXXXX" then ".old": what a temporary name adds
 
 
@@ -133,12 +134,18 @@ class ResultsWriter:
 
     def _add(self, run: Run, release: bool) -> None:
         tmp = self.folder
-        events = timeline.events_frame(run)
+        events = None
         if self.fmt == "csv":
             with (tmp / "steps.csv").open("ab") as f:
                 self._steps_header = _write_run_steps(f, run, self._steps_header)
-            _append_csv(tmp / "events.csv", events, header=not self._added)
+            if self.draw:  # the pictures read the whole frame
+                events = timeline.events_frame(run)
+                _append_csv(tmp / "events.csv", events, header=not self._added)
+            else:
+                for i, part in enumerate(timeline.events_frames(run, EVENT_ROWS)):
+                    _append_csv(tmp / "events.csv", part, header=not (self._added or i))
         else:
+            events = timeline.events_frame(run)
             self._events.append(events)
         series = None
         if self.draw:

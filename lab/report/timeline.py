@@ -44,6 +44,20 @@ LANES = {
 def events_frame(run) -> pd.DataFrame:
     """The events of one :class:`sched_lab.results.run.Run` as events.csv rows, in step order
     (within a step: waits, admission, chunk, decode, end; then in the order recorded)."""
+    cols, order = _event_columns(run)
+    return _frame(run, cols, order)
+
+
+def events_frames(run, rows: int) -> Iterable[pd.DataFrame]:
+    """:func:`events_frame`'s rows, ``rows`` at a time (the last part shorter; one empty part
+    for a run without events), each frame indexed from 0."""
+    cols, order = _event_columns(run)
+    for lo in range(0, max(len(order), 1), rows):
+        yield _frame(run, cols, order[lo : lo + rows])
+
+
+def _event_columns(run) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The events' columns (EVENT_COLUMNS[2:]) in the order recorded, and the rows' order."""
     res = run.result
     n_steps = len(res.steps["time_s"])
     parts = []  # column dicts (EVENT_COLUMNS[2:]) in the order recorded
@@ -55,6 +69,11 @@ def events_frame(run) -> pd.DataFrame:
     cols = {c: v[keep] for c, v in cols.items()}
     rank = _RANK[_EVENT_INDEX.get_indexer(cols["event"])]
     order = np.lexsort((rank, cols["step"]))  # stable: the order recorded breaks ties
+    return cols, order
+
+
+def _frame(run, cols: dict[str, np.ndarray], order: np.ndarray) -> pd.DataFrame:
+    """The rows ``order`` of ``cols`` (indexed from 0) with the run's policy and scale."""
     df = pd.DataFrame({"policy": run.policy, "rate_scale": run.rate_scale}, index=range(len(order)))
     for c, v in cols.items():
         df[c] = _column(v[order])

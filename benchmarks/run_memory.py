@@ -178,7 +178,8 @@ def main() -> None:
     if args.tracemalloc and "SNAPSHOT" in globals():
         print("\n# largest allocation sites alive after the last run's metrics")
         for stat in SNAPSHOT.statistics("traceback")[:15]:
-            frames = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in stat.traceback[:4])
+            last = reversed(stat.traceback[-4:])  # the allocating frame first, then its callers
+            frames = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in last)
             print(f"{stat.size / mib:8.1f} MiB {stat.count:>10,}  {frames}")
 
 

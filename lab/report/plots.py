@@ -435,19 +435,38 @@ def _spread(start, end, amount, edges) -> np.ndarray:
     """``amount[i]`` spread evenly over [start[i], end[i]), summed per bin."""
     if len(start) == 0:
         return np.zeros(len(edges) - 1)
-    dur = np.maximum(end - start, 1e-12)
-    rate = amount / dur
+    rate = amount / np.maximum(end - start, 1e-12)
     # cumulative amount delivered by time x: sum over steps of rate * overlap([start, end), [0, x))
-    order_s, order_e = np.argsort(start), np.argsort(end)
-    cs = np.concatenate([[0.0], np.cumsum((rate * start)[order_s])])
-    cr_s = np.concatenate([[0.0], np.cumsum(rate[order_s])])
-    ce = np.concatenate([[0.0], np.cumsum((rate * end)[order_e])])
-    cr_e = np.concatenate([[0.0], np.cumsum(rate[order_e])])
-    i = np.searchsorted(start[order_s], edges, "right")  # steps started by x
-    j = np.searchsorted(end[order_e], edges, "right")  # steps ended by x
+    start, rate_s = _in_order(start, rate)
+    cs = _cumsum0(rate_s * start)
+    cr_s = _cumsum0(rate_s)
+    del rate_s
+    end, rate_e = _in_order(end, rate)
+    ce = _cumsum0(rate_e * end)
+    cr_e = _cumsum0(rate_e)
+    del rate_e, rate
+    i = np.searchsorted(start, edges, "right")  # steps started by x
+    j = np.searchsorted(end, edges, "right")  # steps ended by x
     # started: rate * (x - start); minus for the ended: rate * (x - end)
     delivered = (edges * cr_s[i] - cs[i]) - (edges * cr_e[j] - ce[j])
     return np.diff(delivered)
+
+
+def _in_order(t: np.ndarray, rate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``t`` and ``rate`` ordered by ``t`` (``np.argsort``); as they are where ``t`` strictly
+    increases (steps in order: the same order, without the sort and its copies)."""
+    if len(t) < 2 or bool((t[1:] > t[:-1]).all()):
+        return t, rate
+    order = np.argsort(t)
+    return t[order], rate[order]
+
+
+def _cumsum0(x: np.ndarray) -> np.ndarray:
+    """0, then the running sums of ``x``."""
+    out = np.empty(len(x) + 1)
+    out[0] = 0.0
+    np.cumsum(x, out=out[1:])
+    return out
 
 
 def _save(fig, folder: Path, name: str, caption: str) -> tuple[str, str]:

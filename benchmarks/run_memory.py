@@ -39,7 +39,7 @@ PARTS = [
     ("sched_lab.results.metrics", "request_table"),
     ("sched_lab.results.metrics", "latency_stats"),
     ("sched_lab.results.metrics", "cdf_points"),
-    ("sched_lab.report.timeline", "events_frame"),
+    ("sched_lab.report.timeline", "_event_columns"),  # events.csv's rows (whole or in parts)
     ("sched_lab.report.folder", "_append_csv"),
     ("sched_lab.report.folder", "_write_run_steps"),
     ("sched_lab.report.plots", "run_series"),

@@ -333,6 +333,10 @@ def test_token_gaps_by_hand():
         == np.percentile([1, 2, 3, 5, 4.0], [0, 90, 100]).tolist()
     )
     assert g.percentile([90])[0] == pytest.approx(4.6)
+    one = gaps.TokenGaps.of_pieces(
+        source, end, np.array([0]), np.array([1]), np.array([0]), np.array([1])
+    )
+    assert len(one) == 0 and np.isnan([one.mean(), one.std(), one.median()]).all()
     # pieces out of time order (b's second piece before its first): not a TokenGaps
     assert (
         gaps.TokenGaps.of_pieces(source, end, start[[0, 1, 3, 2]], size[[0, 1, 3, 2]], who, counts)

@@ -146,11 +146,15 @@ class TokenGaps:
         return self.chunk(0, self.n) if self.n else np.zeros(0)
 
     def mean(self) -> float:
-        """``float(a.mean())`` of the array ``a`` of the gaps."""
+        """``float(a.mean())`` of the array ``a`` of the gaps (NaN for none, as numpy)."""
+        if not self.n:
+            return float("nan")
         return pairwise_sum(self.n, lambda lo, k: np.sum(self.chunk(lo, lo + k))) / self.n
 
     def std(self) -> float:
-        """``float(a.std())`` (population)."""
+        """``float(a.std())`` (population; NaN for none)."""
+        if not self.n:
+            return float("nan")
         mean = pairwise_sum(self.n, lambda lo, k: np.sum(self.chunk(lo, lo + k))) / self.n
 
         def squares(lo: int, k: int) -> float:
@@ -160,6 +164,9 @@ class TokenGaps:
         return math.sqrt(pairwise_sum(self.n, squares) / self.n)
 
     def max(self) -> float:
+        """``float(a.max())``; ValueError for none, as numpy."""
+        if not self.n:
+            raise ValueError("max of no gaps")
         return float(self._values[-1])
 
     def kth(self, k: np.ndarray) -> np.ndarray:
@@ -167,7 +174,10 @@ class TokenGaps:
         return self._values[np.searchsorted(self._cum, k, side="right")]
 
     def median(self) -> float:
-        """``float(np.median(a))``: the middle gap, or the mean of the two middle ones."""
+        """``float(np.median(a))``: the middle gap, or the mean of the two middle ones (NaN
+        for none)."""
+        if not self.n:
+            return float("nan")
         half = self.n // 2
         if self.n % 2:
             return float(self.kth(np.array([half]))[0])

@@ -282,8 +282,8 @@ def latency_stats(
 ) -> dict[str, float]:
     """``mean_/median_/std_/p{P}_/max_{metric}_ms`` of the finite values (seconds in, ms
     out; :mod:`sched_lab.results.names`), NaN when there are none. std is the population's, as
-    vLLM. ``overwrite``: ``values_s`` (float64) may be reordered in place; the result is
-    bit-identical either way."""
+    vLLM. ``values_s``: an array, or a :class:`TokenGaps` (the same numbers). ``overwrite``:
+    an array (float64) may be reordered in place; the result is bit-identical either way."""
     names = ["mean", "median", "std"] + [f"p{percentile_word(p)}" for p in percentiles] + ["max"]
     if isinstance(values_s, TokenGaps):  # the same numbers, from what the gaps are made of
         if not len(values_s):

@@ -17,6 +17,7 @@ tests/test_metrics.py compares every statistic with numpy's on the array.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -47,6 +48,31 @@ def pairwise_sum(n: int, leaf_sum: Callable[[int, int], float], leaf: int | None
         return walk(lo, half) + walk(lo + half, size - half)
 
     return walk(0, n)
+
+
+def std_of_runs(n: int, run: Callable[[int, int], np.ndarray], mean: float | None = None,
+                leaf: int | None = None) -> float:  # fmt: skip
+    """``float(a.std())`` (population) of an n-value float64 array ``a``, to the last bit, from
+    ``run(lo, size)`` = ``a[lo : lo + size]`` (a view or a fresh array) over runs of at most
+    ``leaf`` values; ``mean``: ``float(a.mean())`` where already known."""
+    if mean is None:
+        mean = pairwise_sum(n, lambda lo, k: np.sum(run(lo, k)), leaf) / n
+
+    def squares(lo: int, k: int) -> float:
+        d = np.subtract(run(lo, k), mean)
+        return np.sum(np.multiply(d, d, out=d))
+
+    return math.sqrt(pairwise_sum(n, squares, leaf) / n)
+
+
+def population_std(v: np.ndarray, leaf: int | None = None) -> float:
+    """``float(v.std())`` of a contiguous float64 array, to the last bit, with temporaries of
+    at most ``leaf`` values (default :data:`LEAF`) where numpy's is the size of ``v``
+    (:func:`std_of_runs`; ValueError for ``leaf`` < 128). tests/test_metrics.py compares it
+    with ``np.std`` bit for bit."""
+    if len(v) <= (LEAF if leaf is None else leaf):
+        return float(v.std())
+    return std_of_runs(len(v), lambda lo, k: v[lo : lo + k], leaf=leaf)
 
 
 def lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -145,23 +171,20 @@ class TokenGaps:
         """Every gap (the array this stands for)."""
         return self.chunk(0, self.n) if self.n else np.zeros(0)
 
+    def _run(self, lo: int, k: int) -> np.ndarray:
+        return self.chunk(lo, lo + k)
+
+    @functools.cached_property
+    def _mean(self) -> float:
+        return pairwise_sum(self.n, lambda lo, k: np.sum(self._run(lo, k))) / self.n
+
     def mean(self) -> float:
         """``float(a.mean())`` of the array ``a`` of the gaps (NaN for none, as numpy)."""
-        if not self.n:
-            return float("nan")
-        return pairwise_sum(self.n, lambda lo, k: np.sum(self.chunk(lo, lo + k))) / self.n
+        return self._mean if self.n else float("nan")
 
     def std(self) -> float:
         """``float(a.std())`` (population; NaN for none)."""
-        if not self.n:
-            return float("nan")
-        mean = pairwise_sum(self.n, lambda lo, k: np.sum(self.chunk(lo, lo + k))) / self.n
-
-        def squares(lo: int, k: int) -> float:
-            d = np.subtract(self.chunk(lo, lo + k), mean)
-            return np.sum(np.multiply(d, d, out=d))
-
-        return math.sqrt(pairwise_sum(self.n, squares) / self.n)
+        return std_of_runs(self.n, self._run, self._mean) if self.n else float("nan")
 
     def max(self) -> float:
         """``float(a.max())``; ValueError for none, as numpy."""
@@ -188,13 +211,12 @@ class TokenGaps:
         """``np.quantile(a, qs)`` (linear; ``qs`` a float64 array in [0, 1])."""
         virtual = (self.n - 1) * np.asarray(qs, dtype=np.float64)
         prev = np.floor(virtual)
-        nxt = prev + 1
         top = virtual >= self.n - 1  # numpy takes the last value (its index -1) for both
-        prev[top], nxt[top] = -1, -1
+        prev[top] = -1  # and its gamma from that index
         gamma = virtual - prev
-        prev_i = np.where(top, self.n - 1, prev).astype(np.int64)
-        next_i = np.where(top, self.n - 1, nxt).astype(np.int64)
-        return lerp(self.kth(prev_i), self.kth(next_i), gamma)
+        below = np.where(top, self.n - 1, prev).astype(np.int64)
+        above = np.where(top, self.n - 1, prev + 1).astype(np.int64)
+        return lerp(self.kth(below), self.kth(above), gamma)
 
     def percentile(self, ps) -> np.ndarray:
         """``np.percentile(a, ps)`` (``ps`` in [0, 100])."""

@@ -24,15 +24,13 @@ latencies in ms as ``{mean,median,std,p<P>,max}_{ttft,tpot,itl,e2el,queue}_ms``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
 
 from sched_lab.core.request import Request, RequestStatus
-from sched_lab.results import gaps
-from sched_lab.results.gaps import TokenGaps, pairwise_sum, spans_of_pieces
+from sched_lab.results.gaps import TokenGaps, population_std, spans_of_pieces
 from sched_lab.results.names import LATENCIES, percentile_word
 from sched_lab.results.spec_metrics import split_gaps
 from sched_lab.sim.records import ReplayResult
@@ -317,24 +315,6 @@ def _stats_ms(metric: str, percentiles, mean, median, std, qs, top) -> dict[str,
         out[f"p{percentile_word(p)}_{metric}_ms"] = float(q) * 1e3
     out[f"max_{metric}_ms"] = top * 1e3
     return out
-
-
-def population_std(v: np.ndarray, leaf: int | None = None) -> float:
-    """``float(v.std())`` of a contiguous float64 array, to the last bit, with temporaries
-    of at most ``leaf`` values (default :data:`sched_lab.results.gaps.LEAF`) where numpy's
-    is the size of ``v`` (numpy's pairwise sums walked in runs:
-    :func:`sched_lab.results.gaps.pairwise_sum`; ValueError for ``leaf`` < 128).
-    tests/test_metrics.py compares it with ``np.std`` bit for bit."""
-    n = len(v)
-    if n <= (gaps.LEAF if leaf is None else leaf):
-        return float(v.std())
-    mean = pairwise_sum(n, lambda lo, k: np.sum(v[lo : lo + k]), leaf) / n
-
-    def squares(lo: int, k: int) -> float:
-        d = np.subtract(v[lo : lo + k], mean)
-        return np.sum(np.multiply(d, d, out=d))
-
-    return math.sqrt(pairwise_sum(n, squares, leaf) / n)
 
 
 def meets_slo(df: pd.DataFrame, slo: dict[str, float | None]) -> np.ndarray:

@@ -1,5 +1,8 @@
-"""Quantized GEMV: y = x @ W.T for decode-sized x (M <= GEMV_MAX_M rows) on CUDA cores, the
-weight streamed once from HBM and unpacked by bit moves.
+"""Quantized GEMMs for decode-sized x: the GEMV (M <= GEMV_MAX_M rows, CUDA cores) and the
+swapped-operand tensor-core kernel of fp8/int8 weights (M <= SMALL_M_MAX, :func:`small_m_gemm`,
+described in its section below). Both stream the weight once from HBM.
+
+The GEMV: y = x @ W.T on CUDA cores, the weight unpacked by bit moves.
 
 At one to a few rows a GEMM reads each weight once and does 2M flops per weight: the time is
 the weight bytes over the HBM rate, if the unpacking keeps up. :mod:`quant_kernels`' tiled
@@ -241,5 +244,167 @@ def quant_gemv(
         GROUP=spec.group_size if int4 else 1, BLOCK_M=plan.block_m, BLOCK_N=c.block_n,
         BLOCK_K=plan.block_k, SPLIT_K=plan.splits > 1, NIBBLES_3D=c.nibbles_3d and m == 1,
         num_warps=c.num_warps, num_stages=c.num_stages,
+    )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------- the small-M kernel
+# Weight-only fp8 / int8 for steps of M <= SMALL_M_MAX rows on tensor cores, the operands
+# swapped: y.T = W @ x.T. An MMA pads a few tokens on its M side (16 rows with mma.sync, 64
+# with Hopper's wgmma), and cuBLAS's fp8 W8A8 ``_scaled_mm`` read the 8B projections'
+# weights at 1.0-2.5 TB/s at M = 2-16 on an H200 (BENCHMARKS.md, 2026-12-06). Here the
+# weight's output rows are the MMA's M side (BLOCK_N of them) and the tokens its N side (M
+# rounded up to 16, 32 or 64). Each program streams a (BLOCK_N, K split) slab of W once and
+# turns each (BLOCK_N, BLOCK_K) tile into float16 in registers: fp8 e4m3 by the hardware's
+# e4m3x2 -> f16x2 conversion (``FP8_CVT``; the interpreter moves the bits into a float16
+# holding value / 2^8, exactly), int8 q as ``(q ^ 0x80) | 0x6400`` read as a float16 (1024 +
+# 128 + q) minus 1152. ``tl.dot`` with x.T in float16 accumulates in float32; one scale per
+# output row at the end.
+#
+# Numerics: the weights are exact in float16 and the sums float32, so the result is the
+# float32 reference's for x rounded to float16 (bf16 x is exact in float16 from 2^-14 to
+# 65504; |x| above 65504 overflows: the caller's contract).
+#
+# K is split over programs until the grid fills the GPU, and the partials are summed by each
+# tile's last program as in the GEMV above: one launch, deterministic, CUDA-graph safe.
+
+SMALL_M_MAX = 64  # rows the kernel takes: the MMA's N side, M rounded up to 16, 32 or 64
+SMALL_M_METHODS = ("fp8", "int8")
+
+
+@triton.jit
+def _small_m_kernel(
+    X, W, S, Out, WS, CNT, M, N, K, stride_xm, stride_w, stride_om, K_PER_SPLIT, NUM_SPLITS,
+    FP8: tl.constexpr, FP8_CVT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    """Out[m, n] = S[n] * sum_k X[m, k] W[n, k] for m < M; program (n tile, split) covers
+    K_PER_SPLIT of K. N is a multiple of BLOCK_N and K of BLOCK_K (the caller checks)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    k_start = split * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    w_ptr = W + rn[:, None].to(tl.int64) * stride_w + (k_start + rk)[None, :]
+    x_ptr = X + rm[:, None] * stride_xm + (k_start + rk)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(k_start, k_end, BLOCK_K):
+        raw = tl.load(w_ptr)
+        if FP8 and FP8_CVT:
+            w = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        elif FP8:  # e4m3 bits into a float16's: value / 2^8, exactly
+            b = raw.to(tl.uint16)
+            w = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+        else:  # int8 q: (q ^ 0x80) | 0x6400 is float16 1024 + 128 + q
+            b = ((raw.to(tl.int32) & 0xFF) ^ 0x80) | 0x6400
+            w = b.to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+        x = tl.load(x_ptr, mask=m_ok[:, None], other=0.0).to(tl.float16)
+        acc = tl.dot(w, tl.trans(x), acc)
+        w_ptr += BLOCK_K
+        x_ptr += BLOCK_K
+    s = tl.load(S + rn).to(tl.float32)
+    if FP8 and not FP8_CVT:
+        s = s * 256.0
+    acc = acc * s[:, None]
+    o_mask = m_ok[None, :] & (rn < N)[:, None]
+    out_ptr = Out + rm[None, :] * stride_om + rn[:, None]
+    if not SPLIT_K:
+        tl.store(out_ptr, acc.to(Out.dtype.element_ty), mask=o_mask)
+    else:  # partial to the workspace; the tile's last program sums all, in split order
+        ws = WS + rm[None, :] * N + rn[:, None]
+        tl.store(ws + split * M * N, acc, mask=o_mask)
+        tl.debug_barrier()  # every thread's partial is written before the count
+        arrived = tl.atomic_add(CNT + pid, 1, sem="acq_rel")
+        if arrived == NUM_SPLITS - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for i in range(NUM_SPLITS):
+                total += tl.load(ws + i * M * N, mask=o_mask, other=0.0, cache_modifier=".cv")
+            tl.store(out_ptr, total.to(Out.dtype.element_ty), mask=o_mask)
+            tl.atomic_xchg(CNT + pid, 0)
+
+
+@dataclass(frozen=True)
+class SmallMConfig:
+    """Launch choices: ``block_n`` output rows and ``block_k`` inputs per program step, K split
+    in powers of 2 while the grid has fewer than ``split_sms`` programs per SM (each split
+    keeps >= ``min_k_tiles`` K tiles), ``num_warps``, ``num_stages``."""
+
+    block_n: int = 32
+    block_k: int = 256
+    split_sms: int = 2
+    num_warps: int = 4
+    num_stages: int = 3
+    min_k_tiles: int = 2
+
+
+def small_m_config(m: int, n: int, k: int) -> SmallMConfig:
+    """The tiles the engine uses: the winners of ``benchmarks/quant_small_m.py`` for the
+    Llama-3.1-8B projections on the H200 at M = 1 and 16 (BENCHMARKS.md, 2026-12-06; the
+    runners-up within 1-4%): 32 rows, K split until 2 programs per SM, 4 warps; K tiles of
+    128 in 4 stages for a wide N (gate_up), of 256 in 3 stages otherwise."""
+    if n >= 16384:
+        return SmallMConfig(32, 128, 2, 4, 4)
+    return SmallMConfig(32, 256, 2, 4, 3)
+
+
+def small_m_supported(method: str, m: int, n: int, k: int, c: SmallMConfig | None = None) -> bool:
+    """Whether :func:`small_m_gemm` takes this GEMM: fp8 or int8, at most SMALL_M_MAX rows,
+    N and K multiples of the config's tiles."""
+    c = c or small_m_config(m, n, k)
+    return (
+        method in SMALL_M_METHODS and m <= SMALL_M_MAX and n % c.block_n == 0 and k % c.block_k == 0
+    )
+
+
+def split_of(n: int, k: int, sms: int, c: SmallMConfig) -> tuple[int, int]:
+    """(splits, k_per_split): K split in powers of 2 while the grid has fewer than
+    ``c.split_sms * sms`` programs and each split keeps >= ``c.min_k_tiles`` K tiles."""
+    tiles, k_tiles = n // c.block_n, k // c.block_k
+    split = 1
+    while tiles * split < c.split_sms * sms and k_tiles >= split * 2 * c.min_k_tiles:
+        split *= 2
+    steps = triton.cdiv(k_tiles, split)
+    return triton.cdiv(k_tiles, steps), steps * c.block_k
+
+
+def small_m_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    method: str,
+    config: SmallMConfig | None = None,
+) -> torch.Tensor:
+    """x (M <= SMALL_M_MAX, K) bf16/fp16/fp32 @ (weight * weight_scale).T for an fp8 (e4m3) or
+    int8 weight (N, K) with weight_scale (N, 1) float32: (M, N) in x's dtype. ``config``:
+    :func:`small_m_config`'s when None. Raises
+    ValueError for a shape :func:`small_m_supported` refuses. The first call on a device must
+    not be inside a CUDA graph capture (the split-K counters are made then)."""
+    from sched_lab.backend.quant_kernels import _num_sms, _split_counters
+
+    x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    c = config or small_m_config(m, n, k)
+    if not small_m_supported(method, m, n, k, c):
+        raise ValueError(
+            f"small_m_gemm: {method} M={m} N={n} K={k}; takes fp8/int8, M <= {SMALL_M_MAX}, "
+            f"N a multiple of {c.block_n}, K of {c.block_k}"
+        )
+    splits, k_per_split = split_of(n, k, _num_sms(x.device), c)
+    w = weight.view(torch.uint8) if method == "fp8" else weight
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if splits > 1:
+        ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+        counters = _split_counters(x.device)
+    else:
+        ws = counters = out
+    _small_m_kernel[(n // c.block_n, splits)](
+        x, w, weight_scale, out, ws, counters, m, n, k, x.stride(0), w.stride(0),
+        out.stride(0), k_per_split, splits, FP8=method == "fp8", FP8_CVT=not interpreting(),
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=splits > 1, num_warps=c.num_warps,
+        num_stages=c.num_stages,
     )  # fmt: skip
     return out

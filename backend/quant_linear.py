@@ -23,6 +23,12 @@ FUSED_PROJECTIONS = ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")
 #: 32 (8B projections summed, H100: 148 vs 203 us at M = 2..16, docs/quantization.md); with
 #: the nine-kernel quantizer before, the streaming kernel had won up to 16 on the H200
 FP8_WEIGHT_ONLY_MAX_TOKENS = 1
+#: tokens per step up to which fp8 runs weight-only on tensor cores with the operands
+#: swapped (:func:`sched_lab.backend.quant_gemv.small_m_gemm`), before the rules above; 0
+#: turns it off (benchmarks/quant_decode.py's A/B). Llama-3.1-8B projections summed, H200:
+#: 1.28x the GEMV at M = 1, 1.8-1.9x W8A8 at M = 2..16, 1.22x at 32, 0.95x at 64
+#: (BENCHMARKS.md, 2026-12-06)
+FP8_SMALL_M_MAX_TOKENS = 32
 
 
 #: methods whose one-row steps run :mod:`sched_lab.backend.quant_gemv`: on the H200 (8B
@@ -33,10 +39,13 @@ GEMV_METHODS = ("awq", "gptq", "fp8")
 
 
 def gemm_path(method: str, tokens: int, act_order: bool = False) -> str:
-    """Which GEMM a step of ``tokens`` rows runs for ``method``: "gemv" (the one-row kernel),
-    "stream" (weight-only streaming kernel), "tiled" (weight-only tiled kernel) or "w8a8"
-    (fp8 ``_scaled_mm``). Otherwise int8, gptq and awq (repacked) run the tiled kernel: on
-    the H200 the streaming kernel was slower for int8 and gptq at every M."""
+    """Which GEMM a step of ``tokens`` rows runs for ``method``: "small_m" (fp8 weight-only on
+    tensor cores, operands swapped), "gemv" (the one-row kernel), "stream" (weight-only
+    streaming kernel), "tiled" (weight-only tiled kernel) or "w8a8" (fp8 ``_scaled_mm``).
+    Otherwise int8, gptq and awq (repacked) run the tiled kernel: on the H200 the streaming
+    kernel was slower for int8 and gptq at every M."""
+    if method == "fp8" and tokens <= FP8_SMALL_M_MAX_TOKENS:
+        return "small_m"
     if tokens == 1 and method in GEMV_METHODS and not act_order:
         return "gemv"
     if method == "fp8":
@@ -98,6 +107,14 @@ class QuantLinear(nn.Module):
         from sched_lab.backend import quant_kernels as qk
 
         path = gemm_path(self.spec.method, x.shape[0], self.spec.act_order)
+        if path == "small_m" and x.is_cuda:
+            from sched_lab.backend import quant_gemv as sm
+
+            m, n, k = x.shape[0], self.out_features, self.in_features
+            if sm.small_m_supported("fp8", m, n, k, sm.small_m_config(m, n, k)):
+                y = sm.small_m_gemm(x, self.weight, self.weight_scale, "fp8")
+                return y if self.bias is None else y + self.bias
+            path = "gemv" if m == 1 else "w8a8"  # the paths before it
         if path == "w8a8":  # CPU: its float32 reference
             y = qk.fp8_gemm(x, self.weight, self.weight_scale)
         elif not x.is_cuda:

@@ -388,14 +388,20 @@ def stored_bytes(model: torch.nn.Module) -> int:
 def step_rows(model_dir, shapes, device, dtype, timer, log, save, methods=METHODS) -> list[dict]:
     """One row per (weights, batch, context); ``save(rows)`` after each weight format.
     ``fp8-torch-act`` is fp8 with W8A8's activations quantized by nine torch kernels (the
-    path before ``quantize_activations_fp8_kernel``): the A/B of that kernel."""
+    path before ``quantize_activations_fp8_kernel``): the A/B of that kernel.
+    ``fp8-no-small-m`` is fp8 without the swapped-operand kernel (quant_gemv.small_m_gemm): the GEMV
+    at one token, W8A8 above, the A/B of that kernel."""
     from sched_lab.backend import quant_kernels as qk
+    from sched_lab.backend import quant_linear as ql
     from sched_lab.backend.runner import ModelRunner
 
     rows, bf16 = [], {}
     for label in (None, *methods):
-        method = "fp8" if label == "fp8-torch-act" else label
+        method = "fp8" if label in ("fp8-torch-act", "fp8-no-small-m") else label
         qk.ACT_QUANT_KERNEL = label != "fp8-torch-act"  # read when the graphs are captured
+        small_m = ql.FP8_SMALL_M_MAX_TOKENS
+        if label in ("fp8-torch-act", "fp8-no-small-m"):
+            ql.FP8_SMALL_M_MAX_TOKENS = 0
         max_ctx = max(c for _, c in shapes)
         runner = ModelRunner(model_dir, device=device, dtype=dtype, quantization=method,
                              attention_backend="triton" if device == "cuda" else "torch",
@@ -422,7 +428,7 @@ def step_rows(model_dir, shapes, device, dtype, timer, log, save, methods=METHOD
             log(f"step {row['weights']:5s} batch {batch:3d} ctx {ctx:5d}: {step * 1e3:.3f} ms "
                 f"(x{step / roof:.2f} roofline, {row['speedup_vs_bf16']:.2f}x bf16)")  # fmt: skip
         del runner
-        qk.ACT_QUANT_KERNEL = True
+        qk.ACT_QUANT_KERNEL, ql.FP8_SMALL_M_MAX_TOKENS = True, small_m
         save(rows)
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -456,10 +462,10 @@ def main() -> None:
     ap.add_argument("--gemm-tokens", nargs="+", type=int, default=list(GEMM_TOKENS),
                     help=f"part 1's token counts M (default: {GEMM_TOKENS})")  # fmt: skip
     ap.add_argument("--methods", nargs="+", default=list(METHODS),
-                    choices=[*METHODS, "fp8-torch-act"],
+                    choices=[*METHODS, "fp8-torch-act", "fp8-no-small-m"],
                     help="the quantized formats after bf16 (default: all four; part 2 "
-                         "also takes fp8-torch-act: fp8 with the activations quantized by "
-                         "torch ops)")  # fmt: skip
+                         "also takes fp8-torch-act: fp8 W8A8 with the activations quantized "
+                         "by torch ops, and fp8-no-small-m: fp8 without quant_gemv.small_m_gemm)")  # fmt: skip
     ap.add_argument(
         "--sweep",
         action="store_true",

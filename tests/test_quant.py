@@ -249,12 +249,21 @@ def test_plans_on_the_8b_shapes():
 def test_gemm_path_by_method_and_tokens():
     from sched_lab.backend.quant_linear import gemm_path
 
-    # one token: the GEMV for int4 and fp8 (not act-order GPTQ); then the tiled kernel
+    # one token: the GEMV for int4 (not act-order GPTQ); then the tiled kernel
     for method in ("awq", "gptq"):
         assert [gemm_path(method, t) for t in (1, 2, 16, 256)] == ["gemv"] + ["tiled"] * 3
     assert gemm_path("gptq", 1, act_order=True) == "tiled"
     assert {gemm_path("int8", t) for t in (1, 16, 17, 256)} == {"tiled"}
-    assert [gemm_path("fp8", t) for t in (1, 2, 16, 17, 256)] == [
+    # fp8: weight-only on tensor cores up to 32 tokens (quant_gemv.small_m_gemm), W8A8 above
+    assert [gemm_path("fp8", t) for t in (1, 2, 16, 32, 33, 256)] == [
+        "small_m", "small_m", "small_m", "small_m", "w8a8", "w8a8"]  # fmt: skip
+
+
+def test_gemm_path_of_fp8_without_the_small_m_kernel(monkeypatch):
+    from sched_lab.backend import quant_linear as ql
+
+    monkeypatch.setattr(ql, "FP8_SMALL_M_MAX_TOKENS", 0)
+    assert [ql.gemm_path("fp8", t) for t in (1, 2, 16, 17, 256)] == [
         "gemv", "w8a8", "w8a8", "w8a8", "w8a8"]  # fmt: skip
 
 

@@ -1,0 +1,199 @@
+"""The swapped-operand tensor-core kernel (backend/quant_gemv.py, ``small_m_gemm``) on a preset's projections
+at 1-32 tokens, against bf16 cuBLAS and the fp8/int8 paths the engine ran before it.
+
+    timeout 400 python benchmarks/quant_small_m.py --out results/small_m      # CUDA, 8B shapes
+    python benchmarks/quant_small_m.py --dry-run --out /tmp/sm     # CPU interpreter, tiny shapes
+
+Per (method, projection, tokens M): bf16 ``x @ W.T``; the path before this kernel ("gemv" for
+fp8 at M = 1, "w8a8" ``_scaled_mm`` with the activation-quantizing kernel above, int8's
+tiled kernel); then the new kernel at each config of :func:`grid` (swept at
+``--sweep-tokens``; at the other M, the configs that won there). Each time is one CUDA graph
+of back-to-back calls over weight copies beyond the L2, divided by the calls; ``err`` is
+max |out - ref| / max |ref| against the float32 dequantized reference (w8a8: its own
+reference, activations quantized). ``small_m.json`` and ``small_m.md`` are written after
+each method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if "--dry-run" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from common import device_line, graph_time  # noqa: E402
+from quant_decode import TINY_LLAMA, _copies, projections  # noqa: E402
+
+
+def grid(dry_run: bool) -> list[tuple]:
+    """SmallMConfig fields: (block_n, block_k, split_sms, num_warps, num_stages)."""
+    if dry_run:
+        return [(64, 64, 4, 4, 2), (64, 128, 1, 4, 2)]
+    out = []
+    for bn, bk, w, st, splits in (
+        (32, 256, 4, 3, (1, 2, 4)), (32, 128, 4, 4, (1, 2)), (32, 128, 4, 5, (2,)),
+        (32, 256, 4, 4, (2,)), (32, 256, 8, 3, (2,)), (32, 512, 4, 3, (2,)),
+        (16, 256, 4, 3, (2,)), (16, 256, 2, 4, (2,)), (16, 512, 2, 3, (2,)),
+        (64, 128, 4, 3, (2,)),
+    ):  # fmt: skip
+        out += [(bn, bk, sp, w, st) for sp in splits]
+    return out
+
+
+def wall_time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", default="llama-3.1-8b")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--sweep-tokens", type=int, nargs="+", default=[1, 16],
+                    help="the M at which every config of the grid runs")  # fmt: skip
+    ap.add_argument("--methods", nargs="+", default=["fp8", "int8"])
+    ap.add_argument("--budget-s", type=float, default=300.0, help="stop sweeping configs after")
+    ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes")
+    args = ap.parse_args()
+    from sched_lab.backend import quant_kernels as qk
+    from sched_lab.backend.quant_formats import QuantSpec, quantize_weight
+    from sched_lab.backend.quant_gemv import (
+        SmallMConfig,
+        quant_gemv,
+        small_m_gemm,
+        small_m_supported,
+    )
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = "cpu" if args.dry_run else "cuda"
+    if args.dry_run:
+        cfg, timer = TINY_LLAMA, wall_time
+    else:
+        from sched_lab.core.model_presets import PRESETS
+
+        cfg, timer = PRESETS[args.preset], graph_time
+    header = device_line() if not args.dry_run else "CPU interpreter (dry run)"
+    rows: list[dict] = []
+    t_start = time.perf_counter()
+    tokens = sorted(args.tokens)
+
+    def save() -> None:
+        (out_dir / "small_m.json").write_text(
+            json.dumps({"device": header, "preset": args.preset, "rows": rows}, indent=1)
+        )
+        (out_dir / "small_m.md").write_text(markdown(rows, header, args.preset))
+
+    def record(method, proj, k, n, m, path, fn, want, size, config=None):
+        try:
+            out = fn()
+        except Exception as e:
+            msg = str(e).splitlines()[0][:160] if str(e) else ""
+            print(f"{method} {proj} M={m} {path}: {type(e).__name__}: {msg}", flush=True)
+            return None
+        err = ((out.float() - want).abs().max() / want.abs().max()).item()
+        sec = timer(fn) / fn.calls
+        row = {"method": method, "projection": proj, "K": k, "N": n, "tokens": m,
+               "path": path, "config": config, "us": sec * 1e6, "bytes": size, "err": err}  # fmt: skip
+        rows.append(row)
+        print(f"{method:5s} {proj:8s} M={m:2d} {path:28s} {sec * 1e6:8.1f} us "
+              f"{size / sec / 1e9:7.0f} GB/s err {err:.1e}", flush=True)  # fmt: skip
+        return row
+
+    class Calls:
+        """One call per weight copy; returns the first call's output."""
+
+        def __init__(self, f, copies):
+            self.f, self.copies, self.calls = f, copies, len(copies)
+
+        def __call__(self):
+            outs = [self.f(c) for c in self.copies]
+            return outs[0]
+
+    for proj, (k, n) in projections(cfg).items():
+        gen = torch.Generator(device=device).manual_seed(0)
+        dense = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+        xs = {m: torch.randn(m, k, device=device, dtype=dense.dtype, generator=gen)
+              for m in tokens}  # fmt: skip
+        copies = [dense] + [dense.clone() for _ in range(_copies(dense.numel() * 2) - 1)] \
+            if device == "cuda" else [dense]  # fmt: skip
+        for m in tokens:
+            want = xs[m].float() @ dense.float().t()
+            record("bf16", proj, k, n, m, "cublas",
+                   Calls(lambda w, x=xs[m]: x @ w.t(), copies), want, dense.numel() * 2)  # fmt: skip
+        del copies
+        for method in args.methods:
+            spec = QuantSpec(method)
+            t = quantize_weight(dense, spec)
+            size = sum(v.numel() * v.element_size() for v in t.values())
+            extra = _copies(size) - 1 if device == "cuda" else 0
+            wc = [t] + [{a: v.clone() for a, v in t.items()} for _ in range(extra)]
+            ref = (t["weight"].float() * t["weight_scale"]).t()
+            best: dict[int, tuple] = {}
+            for m in tokens:
+                x = xs[m]
+                want = x.float() @ ref
+                if method == "fp8" and m > 1:
+                    fn = Calls(lambda tt, x=x: qk.fp8_gemm(x, tt["weight"], tt["weight_scale"]), wc)
+                    w8 = qk.fp8_reference(x.float(), t["weight"], t["weight_scale"])
+                    record(method, proj, k, n, m, "before: w8a8", fn, w8.float(), size)
+                elif method == "fp8":
+                    fn = Calls(lambda tt, x=x, q=spec, nn=n: quant_gemv(x, tt, q, nn), wc)
+                    record(method, proj, k, n, m, "before: gemv", fn, want, size)
+                else:
+                    fn = Calls(lambda tt, x=x, q=spec, nn=n: qk.weight_only_gemm(x, tt, q, nn), wc)
+                    record(method, proj, k, n, m, "before: tiled", fn, want, size)
+                sweep = (
+                    m in (tokens[0], tokens[-1]) and time.perf_counter() - t_start < args.budget_s
+                )
+                configs = grid(args.dry_run) if sweep else sorted(set(best.values()))
+                for c in configs:
+                    sc = SmallMConfig(*c)
+                    if not small_m_supported(method, m, n, k, sc):
+                        continue
+                    fn = Calls(lambda tt, x=x, sc=sc, me=method: small_m_gemm(
+                        x, tt["weight"], tt["weight_scale"], me, sc), wc)  # fmt: skip
+                    record(method, proj, k, n, m, "small_m " + "/".join(map(str, c)), fn,
+                           want, size, c)  # fmt: skip
+                if sweep:
+                    ok = [r for r in rows if (r["method"], r["projection"], r["tokens"])
+                          == (method, proj, m) and r["config"] and r["err"] < 1e-2]  # fmt: skip
+                    if ok:
+                        best[m] = min(ok, key=lambda r: r["us"])["config"]
+            del wc
+            save()
+    save()
+
+
+def markdown(rows: list[dict], header: str, preset: str) -> str:
+    lines = [header, "", f"{preset} projections; us per call (CUDA graphs, weights beyond the L2)",
+             "", "| method | projection (K, N) | M | bf16 us | path before | us | small_m best | us | "
+             "GB/s | x bf16 | x before |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    bf16 = {(r["projection"], r["tokens"]): r["us"] for r in rows if r["method"] == "bf16"}
+    keys = dict.fromkeys((r["method"], r["projection"], r["tokens"]) for r in rows
+                         if r["method"] != "bf16")  # fmt: skip
+    for meth, proj, m in keys:
+        mine = [r for r in rows if (r["method"], r["projection"], r["tokens"]) == (meth, proj, m)]
+        before = next((r for r in mine if r["path"].startswith("before")), None)
+        ok = [r for r in mine if r["path"].startswith("small_m") and r["err"] < 1e-2]
+        if not ok or before is None:
+            continue
+        b = min(ok, key=lambda r: r["us"])
+        base = bf16.get((proj, m), float("nan"))
+        lines.append(f"| {meth} | {proj} ({b['K']}, {b['N']}) | {m} | {base:.1f} | "
+                     f"{before['path'][8:]} | {before['us']:.1f} | {b['path'][8:]} | {b['us']:.1f} | "
+                     f"{b['bytes'] / b['us'] / 1e3:.0f} | {base / b['us']:.2f} | "
+                     f"{before['us'] / b['us']:.2f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

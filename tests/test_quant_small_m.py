@@ -1,0 +1,108 @@
+"""The swapped-operand fp8/int8 kernel (backend/quant_gemv.py, ``small_m_gemm``) against the float32
+dequantized reference, its split of K, its refusals and the fp8 dispatch to it (Triton's
+interpreter on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
+from test_quant import _quantized  # noqa: E402
+from triton_setup import DEVICE, needs_triton  # noqa: E402  (sets TRITON_INTERPRET)
+
+from sched_lab.backend.quant_formats import QuantSpec  # noqa: E402
+
+
+@needs_triton
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 5, 17, 64])
+def test_small_m_matches_dequantized_reference(method, dtype, m):
+    from sched_lab.backend.quant_gemv import SmallMConfig, small_m_gemm
+    from sched_lab.backend.quant_kernels import _COUNTERS, weight_only_reference
+
+    # N 128: 2 tiles of 64 rows; K 512: 4 K tiles of 128. On the interpreter's 4 "SMs":
+    # split_sms 2 wants 8 programs -> K split in 2 (2 tiles each, the minimum); min_k_tiles 1
+    # lets it split in 4; split_sms 1 with min_k_tiles 4 leaves K whole; the engine's tiles
+    # (32 rows, K tiles of 256): 4 x 2 tiles, not split
+    n, k = 128, 512
+    spec, tensors = _quantized(method, n, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)).to(DEVICE, dtype)
+    # the kernel multiplies float16 x (exact for bf16 x here, rounded for float32 x)
+    ref = weight_only_reference(x.half().to(dtype), tensors, spec)
+    for config in (SmallMConfig(64, 128, 2), SmallMConfig(64, 128, 2, min_k_tiles=1),
+                   SmallMConfig(64, 128, 1, min_k_tiles=4), SmallMConfig()):  # fmt: skip
+        out = small_m_gemm(x, tensors["weight"], tensors["weight_scale"], method, config)
+        assert out.shape == (m, n) and out.dtype == dtype
+        # float32: summation order only (outputs below 128); bf16: one ulp of the largest
+        # output (the interpreter truncates to 16 bits)
+        tol = 1e-4 if dtype == torch.float32 else ref.float().abs().max().item() * 2**-7
+        assert (out.float() - ref.float()).abs().max().item() <= tol
+    assert int(_COUNTERS[x.device].abs().sum()) == 0  # each tile's last program reset its count
+
+
+@needs_triton
+def test_small_m_uneven_split_of_k():
+    from sched_lab.backend.quant_gemv import SmallMConfig, small_m_gemm, split_of
+    from sched_lab.backend.quant_kernels import weight_only_reference
+
+    # K 640: 5 K tiles of 128 in 3 splits (2, 2 and 1 tiles; test below), 1 tile of 64 rows
+    spec, tensors = _quantized("fp8", 64, 640)
+    config = SmallMConfig(64, 128, 2, min_k_tiles=1)
+    assert split_of(64, 640, 4, config) == (3, 256)  # the interpreter's 4 "SMs"
+    x = torch.randn(2, 640, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    out = small_m_gemm(x, tensors["weight"], tensors["weight_scale"], "fp8", config)
+    ref = weight_only_reference(x.half().float(), tensors, spec)
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+def test_small_m_splits_k_until_the_grid_fills():
+    from sched_lab.backend.quant_gemv import SmallMConfig, small_m_config, split_of
+
+    # Llama-3.1-8B on 132 SMs, 2 programs per SM wanted (264). down (N 4096, K 14336): 128
+    # tiles of 32 rows, 56 K tiles of 256; split 2 (256 < 264), 4 (512), 14 K tiles each
+    assert split_of(4096, 14336, 132, small_m_config(1, 4096, 14336)) == (4, 3584)
+    # qkv (N 6144, K 4096): 192 tiles, 16 K tiles; split 2 (384 >= 264), 8 K tiles each
+    assert split_of(6144, 4096, 132, small_m_config(1, 6144, 4096)) == (2, 2048)
+    # gate_up (N 28672): 896 tiles of 32 rows (K tiles of 128), already >= 264: not split
+    assert small_m_config(1, 28672, 4096).block_k == 128
+    assert split_of(28672, 4096, 132, small_m_config(1, 28672, 4096)) == (1, 4096)
+    # each split keeps >= min_k_tiles K tiles: 4 K tiles split in 2, not 4
+    assert split_of(64, 512, 132, SmallMConfig(64, 128, 2)) == (2, 256)
+    # K tiles that do not divide evenly: 5 tiles split 4 ways is 2 a split, so 3 splits
+    # (2, 2 and 1 tiles)
+    assert split_of(64, 640, 132, SmallMConfig(64, 128, 2, min_k_tiles=1)) == (3, 256)
+
+
+def test_small_m_refuses_what_it_does_not_run():
+    from sched_lab.backend.quant_gemv import SMALL_M_MAX, small_m_gemm, small_m_supported
+
+    assert small_m_supported("fp8", SMALL_M_MAX, 128, 256)
+    assert not small_m_supported("fp8", SMALL_M_MAX + 1, 128, 256)
+    assert not small_m_supported("fp8", 1, 80, 256)  # N off the 32-row tiles
+    assert not small_m_supported("fp8", 1, 128, 384)  # K off the K tiles of 256
+    assert small_m_supported("fp8", 1, 16384, 384)  # a wide N: K tiles of 128
+    assert not small_m_supported("gptq", 1, 128, 256)
+    spec, tensors = _quantized("fp8", 80, 256)
+    with pytest.raises(ValueError, match="N a multiple of 32"):
+        small_m_gemm(torch.zeros(1, 256, device=DEVICE), tensors["weight"],
+                     tensors["weight_scale"], "fp8")  # fmt: skip
+
+
+def test_fp8_quant_linear_runs_weight_only_up_to_the_small_m_threshold(monkeypatch):
+    from sched_lab.backend import quant_linear as ql
+    from sched_lab.backend.quant_formats import quantize_weight
+    from sched_lab.backend.quant_kernels import fp8_reference, weight_only_reference
+
+    spec = QuantSpec("fp8")
+    layer = ql.QuantLinear(256, 128, False, spec)
+    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(1))
+    for name, t in quantize_weight(w, spec).items():
+        setattr(layer, name, t)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
+    # CPU: the weight-only reference (x not quantized), as the kernel computes on CUDA
+    assert ql.gemm_path("fp8", 3) == "small_m"
+    assert torch.equal(layer(x), weight_only_reference(x, layer.tensors(), spec))
+    monkeypatch.setattr(ql, "FP8_SMALL_M_MAX_TOKENS", 0)  # the A/B switch: W8A8 again
+    assert ql.gemm_path("fp8", 3) == "w8a8"
+    assert torch.equal(layer(x), fp8_reference(x, layer.weight, layer.weight_scale))

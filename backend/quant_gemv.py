@@ -41,6 +41,12 @@ import triton.language as tl
 
 from sched_lab.backend.attention.triton_backend import interpreting
 from sched_lab.backend.quant_formats import QuantSpec, awq_is_repacked
+from sched_lab.backend.quant_linear import (
+    SMALL_M_MAX,
+    SmallMConfig,
+    small_m_config,
+    small_m_supported,
+)
 
 GEMV_MAX_M = 8  # rows the kernel takes (BLOCK_M = M rounded up to a power of 2)
 MAGIC = 8388608.0  # 2^23: float32 0x4B000000; its low 23 mantissa bits hold an integer
@@ -268,9 +274,6 @@ def quant_gemv(
 # K is split over programs until the grid fills the GPU, and the partials are summed by each
 # tile's last program as in the GEMV above: one launch, deterministic, CUDA-graph safe.
 
-SMALL_M_MAX = 64  # rows the kernel takes: the MMA's N side, M rounded up to 16, 32 or 64
-SMALL_M_METHODS = ("fp8", "int8")
-
 
 @triton.jit
 def _small_m_kernel(
@@ -326,39 +329,6 @@ def _small_m_kernel(
             tl.atomic_xchg(CNT + pid, 0)
 
 
-@dataclass(frozen=True)
-class SmallMConfig:
-    """Launch choices: ``block_n`` output rows and ``block_k`` inputs per program step, K split
-    in powers of 2 while the grid has fewer than ``split_sms`` programs per SM (each split
-    keeps >= ``min_k_tiles`` K tiles), ``num_warps``, ``num_stages``."""
-
-    block_n: int = 32
-    block_k: int = 256
-    split_sms: int = 2
-    num_warps: int = 4
-    num_stages: int = 3
-    min_k_tiles: int = 2
-
-
-def small_m_config(m: int, n: int, k: int) -> SmallMConfig:
-    """The tiles the engine uses: the winners of ``benchmarks/quant_small_m.py`` for the
-    Llama-3.1-8B projections on the H200 at M = 1 and 16 (BENCHMARKS.md, 2026-12-06; the
-    runners-up within 1-4%): 32 rows, K split until 2 programs per SM, 4 warps; K tiles of
-    128 in 4 stages for a wide N (gate_up), of 256 in 3 stages otherwise."""
-    if n >= 16384:
-        return SmallMConfig(32, 128, 2, 4, 4)
-    return SmallMConfig(32, 256, 2, 4, 3)
-
-
-def small_m_supported(method: str, m: int, n: int, k: int, c: SmallMConfig | None = None) -> bool:
-    """Whether :func:`small_m_gemm` takes this GEMM: fp8 or int8, at most SMALL_M_MAX rows,
-    N and K multiples of the config's tiles."""
-    c = c or small_m_config(m, n, k)
-    return (
-        method in SMALL_M_METHODS and m <= SMALL_M_MAX and n % c.block_n == 0 and k % c.block_k == 0
-    )
-
-
 def split_of(n: int, k: int, sms: int, c: SmallMConfig) -> tuple[int, int]:
     """(splits, k_per_split): K split in powers of 2 while the grid has fewer than
     ``c.split_sms * sms`` programs and each split keeps >= ``c.min_k_tiles`` K tiles."""
@@ -378,10 +348,12 @@ def small_m_gemm(
     config: SmallMConfig | None = None,
 ) -> torch.Tensor:
     """x (M <= SMALL_M_MAX, K) bf16/fp16/fp32 @ (weight * weight_scale).T for an fp8 (e4m3) or
-    int8 weight (N, K) with weight_scale (N, 1) float32: (M, N) in x's dtype. ``config``:
-    :func:`small_m_config`'s when None. Raises
-    ValueError for a shape :func:`small_m_supported` refuses. The first call on a device must
-    not be inside a CUDA graph capture (the split-K counters are made then)."""
+    int8 weight (N, K), contiguous along K, with weight_scale (N, 1) float32 contiguous:
+    (M, N) in x's dtype. x is multiplied in float16: rounded (fp32 x), exact (bf16 x from
+    2^-14 to 65504), inf where |x| > 65504. ``config``: :func:`small_m_config`'s when None.
+    Raises ValueError for a shape :func:`small_m_supported` refuses or operands off this
+    contract. The first call on a device must not be inside a CUDA graph capture (the
+    split-K counters are made then)."""
     from sched_lab.backend.quant_kernels import _num_sms, _split_counters
 
     x = x.contiguous()
@@ -393,6 +365,13 @@ def small_m_gemm(
             f"small_m_gemm: {method} M={m} N={n} K={k}; takes fp8/int8, M <= {SMALL_M_MAX}, "
             f"N a multiple of {c.block_n}, K of {c.block_k}"
         )
+    if weight.shape[1] != k or weight.stride(1) != 1 or weight_scale.numel() != n:
+        raise ValueError(
+            f"small_m_gemm: weight {tuple(weight.shape)} (stride {weight.stride()}) and "
+            f"weight_scale of {weight_scale.numel()} values for x (M, {k}); expected ({n}, {k}) "
+            f"contiguous along K and {n} scales"
+        )
+    weight_scale = weight_scale.reshape(-1).contiguous()
     splits, k_per_split = split_of(n, k, _num_sms(x.device), c)
     w = weight.view(torch.uint8) if method == "fp8" else weight
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

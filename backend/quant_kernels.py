@@ -17,10 +17,11 @@ measurements (docs/quantization.md):
   by the last program of a tile (per-device counters made on the first call, which must
   not be inside a CUDA graph capture). The engine no longer runs it: on the H200 it lost to
   the tiled kernel for int8 and GPTQ at every M, and for fp8 to W8A8 from two tokens once
-  the activations were quantized in one kernel (H100, docs/quantization.md); it stays for
+  the activations were quantized in one kernel (H100, docs/quantization.md; fp8 steps of up
+  to 32 tokens now run ``quant_gemv.small_m_gemm``); it stays for
   benchmarks/quant_decode.py's A/B and reads AWQ in the checkpoint layout (shifts through
   :func:`_nibble_shifts`).
-* fp8 (W8A8) from two tokens: activations get one scale per token (amax / 448) at run
+* fp8 (W8A8) above ``quant_linear.FP8_SMALL_M_MAX_TOKENS`` (32) tokens: activations get one scale per token (amax / 448) at run
   time, in one kernel (:func:`quantize_activations_fp8_kernel`); on CUDA
   ``torch._scaled_mm`` with row-wise scales (Hopper); elsewhere :func:`fp8_reference`.
 

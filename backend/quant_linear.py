@@ -11,6 +11,8 @@ arithmetic (the tests run the kernels themselves under the interpreter).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -18,7 +20,8 @@ from sched_lab.backend.quant_formats import PACK, QuantSpec, awq_is_repacked, re
 
 FUSED_PROJECTIONS = ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")
 #: tokens per step up to which fp8 runs weight-only (W8A16: the GEMV at one token, else the
-#: streaming kernel; no activation quantization); above, W8A8 ``torch._scaled_mm``. With the
+#: streaming kernel; no activation quantization) where the small-M kernel below does not
+#: take the step; above, W8A8 ``torch._scaled_mm``. With the
 #: activations quantized by one kernel, W8A8 beat the streaming kernel at every M from 2 to
 #: 32 (8B projections summed, H100: 148 vs 203 us at M = 2..16, docs/quantization.md); with
 #: the nine-kernel quantizer before, the streaming kernel had won up to 16 on the H200
@@ -38,13 +41,62 @@ FP8_SMALL_M_MAX_TOKENS = 32
 GEMV_METHODS = ("awq", "gptq", "fp8")
 
 
-def gemm_path(method: str, tokens: int, act_order: bool = False) -> str:
-    """Which GEMM a step of ``tokens`` rows runs for ``method``: "small_m" (fp8 weight-only on
-    tensor cores, operands swapped), "gemv" (the one-row kernel), "stream" (weight-only
-    streaming kernel), "tiled" (weight-only tiled kernel) or "w8a8" (fp8 ``_scaled_mm``).
-    Otherwise int8, gptq and awq (repacked) run the tiled kernel: on the H200 the streaming
-    kernel was slower for int8 and gptq at every M."""
-    if method == "fp8" and tokens <= FP8_SMALL_M_MAX_TOKENS:
+#: rows :func:`sched_lab.backend.quant_gemv.small_m_gemm` takes (the MMA's N side: M rounded
+#: up to 16, 32 or 64) and its weights; its tiles and the shapes it takes are decided here
+SMALL_M_MAX = 64
+SMALL_M_METHODS = ("fp8", "int8")
+
+
+@dataclass(frozen=True)
+class SmallMConfig:
+    """Launch choices: ``block_n`` output rows and ``block_k`` inputs per program step, K split
+    in powers of 2 while the grid has fewer than ``split_sms`` programs per SM (each split
+    keeps >= ``min_k_tiles`` K tiles), ``num_warps``, ``num_stages``."""
+
+    block_n: int = 32
+    block_k: int = 256
+    split_sms: int = 2
+    num_warps: int = 4
+    num_stages: int = 3
+    min_k_tiles: int = 2
+
+
+def small_m_config(m: int, n: int, k: int) -> SmallMConfig:
+    """The small-M kernel's tiles for an (m, k) x (k, n) product: the winners of
+    ``benchmarks/quant_small_m.py`` for the Llama-3.1-8B projections (BENCHMARKS.md,
+    2026-12-06: 16 configs at M = 1 and 64 on the H200, runners-up within 1-4% at M = 1; an
+    H100 sweep at M = 1 and 16 came within 0.5% with these): 32 rows, K split until 2 programs per SM, 4 warps; K tiles of
+    128 in 4 stages for a wide N (gate_up), of 256 in 3 stages otherwise."""
+    if n >= 16384:
+        return SmallMConfig(32, 128, 2, 4, 4)
+    return SmallMConfig(32, 256, 2, 4, 3)
+
+
+def small_m_supported(method: str, m: int, n: int, k: int, c: SmallMConfig | None = None) -> bool:
+    """Whether :func:`~sched_lab.backend.quant_gemv.small_m_gemm` takes this GEMM: fp8 or
+    int8, at most SMALL_M_MAX rows, N and K multiples of the tiles of ``c`` (default:
+    :func:`small_m_config`'s)."""
+    c = c or small_m_config(m, n, k)
+    return (
+        method in SMALL_M_METHODS and m <= SMALL_M_MAX and n % c.block_n == 0 and k % c.block_k == 0
+    )
+
+
+def gemm_path(
+    method: str, tokens: int, act_order: bool = False, shape: tuple[int, int] | None = None
+) -> str:
+    """Which GEMM a step of ``tokens`` rows runs for ``method``, on CUDA and (as its float32
+    reference) on CPU: "small_m" (fp8 weight-only on tensor cores, operands swapped: up to
+    FP8_SMALL_M_MAX_TOKENS rows, where ``shape`` (N, K), if given, fits its tiles), "gemv"
+    (the one-row kernel), "stream" (weight-only streaming kernel), "tiled" (weight-only
+    tiled kernel) or "w8a8" (fp8 ``_scaled_mm``). Otherwise int8, gptq and awq (repacked)
+    run the tiled kernel: on the H200 the streaming kernel was slower for int8 and gptq at
+    every M."""
+    if (
+        method == "fp8"
+        and tokens <= FP8_SMALL_M_MAX_TOKENS
+        and (shape is None or small_m_supported(method, tokens, *shape))
+    ):
         return "small_m"
     if tokens == 1 and method in GEMV_METHODS and not act_order:
         return "gemv"
@@ -106,15 +158,13 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from sched_lab.backend import quant_kernels as qk
 
-        path = gemm_path(self.spec.method, x.shape[0], self.spec.act_order)
+        shape = (self.out_features, self.in_features)
+        path = gemm_path(self.spec.method, x.shape[0], self.spec.act_order, shape)
         if path == "small_m" and x.is_cuda:
-            from sched_lab.backend import quant_gemv as sm
+            from sched_lab.backend.quant_gemv import small_m_gemm
 
-            m, n, k = x.shape[0], self.out_features, self.in_features
-            if sm.small_m_supported("fp8", m, n, k, sm.small_m_config(m, n, k)):
-                y = sm.small_m_gemm(x, self.weight, self.weight_scale, "fp8")
-                return y if self.bias is None else y + self.bias
-            path = "gemv" if m == 1 else "w8a8"  # the paths before it
+            y = small_m_gemm(x, self.weight, self.weight_scale, "fp8")
+            return y if self.bias is None else y + self.bias
         if path == "w8a8":  # CPU: its float32 reference
             y = qk.fp8_gemm(x, self.weight, self.weight_scale)
         elif not x.is_cuda:

@@ -4,7 +4,7 @@ one, for its launches on a preset's projections, and print what ptxas and the SA
     python benchmarks/quant_compile_check.py                     # Hopper (sm_90), 8B shapes
     python benchmarks/quant_compile_check.py --arch 100 --tokens 1 32
 
-The engine no longer runs this kernel (fp8 runs W8A8 from two tokens, quant_linear.gemm_path);
+The engine no longer runs this kernel (quant_linear.gemm_path);
 every method's streaming launch at M <= ``STREAM_MAX_M`` (``stream_plan``'s, for
 benchmarks/quant_decode.py's A/B) is compiled. Per launch (weights, projection, tokens): the plan (tiles, splits, warps), registers per
 thread, stack (spills), and the global loads in the SASS by width (``LDG.E.128`` are 16-byte

@@ -115,7 +115,7 @@ def gemm_rows(cfg: dict, device: str, timer, log, save, methods=METHODS,
             ref = None if method is None else qk.dequantize(tensors, spec).t()
             for m in tokens:
                 x = xs[m]
-                paths = _paths(method, m, qk)
+                paths = _paths(method, m, qk, (n, k))
                 for path, fn in paths.items():
                     use = repacked if path == "tiled" else copies
                     out = fn(x, use[0], spec, n)
@@ -137,8 +137,12 @@ def gemm_rows(cfg: dict, device: str, timer, log, save, methods=METHODS,
     return rows
 
 
-def _paths(method, m, qk) -> dict:
-    """path name -> fn(x, tensors, spec, n) timed for ``method`` at ``m`` tokens."""
+def _paths(method, m, qk, shape) -> dict:
+    """path name -> fn(x, tensors, spec, n) timed for ``method`` at ``m`` tokens on a weight
+    of ``shape`` (N, K)."""
+    from sched_lab.backend.quant_gemv import small_m_gemm
+    from sched_lab.backend.quant_linear import small_m_supported
+
     if method is None:
         return {"cublas": lambda x, t, spec, n: x @ t["weight"].t()}
     paths = {}
@@ -149,6 +153,10 @@ def _paths(method, m, qk) -> dict:
         alt = replace(tiles, dot=not tiles.dot, num_warps=4)
         paths["stream-alt"] = lambda x, t, spec, n, a=alt: qk.weight_streaming_gemm(
             x, t, spec, n, a
+        )
+    if method == "fp8" and small_m_supported("fp8", m, *shape):  # the engine's, <= 32 tokens
+        paths["small_m"] = lambda x, t, spec, n: small_m_gemm(
+            x, t["weight"], t["weight_scale"], "fp8"
         )
     if m > 1 and method == "fp8":
         paths["w8a8"] = lambda x, t, spec, n: qk.fp8_gemm(x, t["weight"], t["weight_scale"])
@@ -181,7 +189,7 @@ def gemm_markdown(rows: list[dict], header: str) -> str:
             k, n = base["K"], base["N"]
             cells = [f"{base['us']:.1f} (x{base['us'] / base['roofline_us']:.2f})"]
             for w in METHODS:
-                r = us(proj, m, w, gemm_path(w, m))
+                r = us(proj, m, w, gemm_path(w, m, shape=(n, k)))
                 cells.append("-" if r is None else
                              f"{r['us']:.1f} (x{r['us'] / r['roofline_us']:.2f}) "
                              f"[{base['us'] / r['us']:.2f}x]")  # fmt: skip
@@ -388,7 +396,8 @@ def stored_bytes(model: torch.nn.Module) -> int:
 def step_rows(model_dir, shapes, device, dtype, timer, log, save, methods=METHODS) -> list[dict]:
     """One row per (weights, batch, context); ``save(rows)`` after each weight format.
     ``fp8-torch-act`` is fp8 with W8A8's activations quantized by nine torch kernels (the
-    path before ``quantize_activations_fp8_kernel``): the A/B of that kernel.
+    path before ``quantize_activations_fp8_kernel``; the small-M kernel off too, so that
+    W8A8 runs from two tokens): the A/B of that kernel.
     ``fp8-no-small-m`` is fp8 without the swapped-operand kernel (quant_gemv.small_m_gemm): the GEMV
     at one token, W8A8 above, the A/B of that kernel."""
     from sched_lab.backend import quant_kernels as qk
@@ -402,33 +411,35 @@ def step_rows(model_dir, shapes, device, dtype, timer, log, save, methods=METHOD
         small_m = ql.FP8_SMALL_M_MAX_TOKENS
         if label in ("fp8-torch-act", "fp8-no-small-m"):
             ql.FP8_SMALL_M_MAX_TOKENS = 0
-        max_ctx = max(c for _, c in shapes)
-        runner = ModelRunner(model_dir, device=device, dtype=dtype, quantization=method,
-                             attention_backend="triton" if device == "cuda" else "torch",
-                             block_size=16, max_model_len=max_ctx + 16,
-                             max_num_seqs=max(b for b, _ in shapes), gpu_memory_utilization=0.9,
-                             cuda_graph_sizes=tuple(sorted({b for b, _ in shapes})),
-                             mixed_graphs=False, swap_space_bytes=0)  # fmt: skip
-        cfg = runner.config
-        kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
-        weights = stored_bytes(runner.model)
-        for batch, ctx in shapes:
-            row = {"weights": label or "bf16", "batch": batch, "context": ctx}
-            if batch * -(-(ctx + 1) // 16) > runner.num_gpu_blocks:
-                rows.append({**row, "step_ms": None, "note": "KV does not fit"})
-                continue
-            seqs = decode_inputs(batch, ctx)
-            step = timer(lambda s=seqs, r=runner: r.execute(s))
-            roof = (weights + batch * ctx * kv_per_token) / HBM_BYTES_PER_S
-            if method is None:
-                bf16[batch, ctx] = step
-            row.update(step_ms=step * 1e3, roofline_ms=roof * 1e3, x_roofline=step / roof,
-                       speedup_vs_bf16=bf16.get((batch, ctx), float("nan")) / step)  # fmt: skip
-            rows.append(row)
-            log(f"step {row['weights']:5s} batch {batch:3d} ctx {ctx:5d}: {step * 1e3:.3f} ms "
-                f"(x{step / roof:.2f} roofline, {row['speedup_vs_bf16']:.2f}x bf16)")  # fmt: skip
-        del runner
-        qk.ACT_QUANT_KERNEL, ql.FP8_SMALL_M_MAX_TOKENS = True, small_m
+        try:
+            max_ctx = max(c for _, c in shapes)
+            runner = ModelRunner(model_dir, device=device, dtype=dtype, quantization=method,
+                                 attention_backend="triton" if device == "cuda" else "torch",
+                                 block_size=16, max_model_len=max_ctx + 16,
+                                 max_num_seqs=max(b for b, _ in shapes), gpu_memory_utilization=0.9,
+                                 cuda_graph_sizes=tuple(sorted({b for b, _ in shapes})),
+                                 mixed_graphs=False, swap_space_bytes=0)  # fmt: skip
+            cfg = runner.config
+            kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+            weights = stored_bytes(runner.model)
+            for batch, ctx in shapes:
+                row = {"weights": label or "bf16", "batch": batch, "context": ctx}
+                if batch * -(-(ctx + 1) // 16) > runner.num_gpu_blocks:
+                    rows.append({**row, "step_ms": None, "note": "KV does not fit"})
+                    continue
+                seqs = decode_inputs(batch, ctx)
+                step = timer(lambda s=seqs, r=runner: r.execute(s))
+                roof = (weights + batch * ctx * kv_per_token) / HBM_BYTES_PER_S
+                if method is None:
+                    bf16[batch, ctx] = step
+                row.update(step_ms=step * 1e3, roofline_ms=roof * 1e3, x_roofline=step / roof,
+                           speedup_vs_bf16=bf16.get((batch, ctx), float("nan")) / step)  # fmt: skip
+                rows.append(row)
+                log(f"step {row['weights']:5s} batch {batch:3d} ctx {ctx:5d}: {step * 1e3:.3f} ms "
+                    f"(x{step / roof:.2f} roofline, {row['speedup_vs_bf16']:.2f}x bf16)")  # fmt: skip
+            del runner
+        finally:
+            qk.ACT_QUANT_KERNEL, ql.FP8_SMALL_M_MAX_TOKENS = True, small_m
         save(rows)
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -151,9 +151,7 @@ def main() -> None:
                 else:
                     fn = Calls(lambda tt, x=x, q=spec, nn=n: qk.weight_only_gemm(x, tt, q, nn), wc)
                     record(method, proj, k, n, m, "before: tiled", fn, want, size)
-                sweep = (
-                    m in (tokens[0], tokens[-1]) and time.perf_counter() - t_start < args.budget_s
-                )
+                sweep = m in args.sweep_tokens and time.perf_counter() - t_start < args.budget_s
                 configs = grid(args.dry_run) if sweep else sorted(set(best.values()))
                 for c in configs:
                     sc = SmallMConfig(*c)

@@ -438,7 +438,7 @@ def test_sim_weight_bytes_per_quantization():
 def test_smollm2_quantized_logits_and_greedy_tokens(tmp_path):
     """Against the unquantized float32 engine on this repo's chat prompts
     (tests/test_backend_smollm2.py). Measured with the 5 prompts and 16 tokens, fp8 W8A8 in
-    every step (before decode steps of <= 32 tokens became weight-only, 2026-12-06): the
+    every step (before steps of <= 32 tokens became weight-only, 2026-12-06): the
     last-prompt logits 7.6% off in relative L2 norm, greedy tokens 57% equal position by
     position; AWQ round-to-nearest (group 64: 576 inputs) 29% and 26%. The bounds below (4
     prompts, 6 tokens) leave margin; RTN int4 on a 135M model is far from lossless."""

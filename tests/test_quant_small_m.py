@@ -18,8 +18,9 @@ from sched_lab.backend.quant_formats import QuantSpec  # noqa: E402
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 5, 17, 64])
 def test_small_m_matches_dequantized_reference(method, dtype, m):
-    from sched_lab.backend.quant_gemv import SmallMConfig, small_m_gemm
+    from sched_lab.backend.quant_gemv import small_m_gemm
     from sched_lab.backend.quant_kernels import _COUNTERS, weight_only_reference
+    from sched_lab.backend.quant_linear import SmallMConfig
 
     # N 128: 2 tiles of 64 rows; K 512: 4 K tiles of 128. On the interpreter's 4 "SMs":
     # split_sms 2 wants 8 programs -> K split in 2 (2 tiles each, the minimum); min_k_tiles 1
@@ -43,8 +44,9 @@ def test_small_m_matches_dequantized_reference(method, dtype, m):
 
 @needs_triton
 def test_small_m_uneven_split_of_k():
-    from sched_lab.backend.quant_gemv import SmallMConfig, small_m_gemm, split_of
+    from sched_lab.backend.quant_gemv import small_m_gemm, split_of
     from sched_lab.backend.quant_kernels import weight_only_reference
+    from sched_lab.backend.quant_linear import SmallMConfig
 
     # K 640: 5 K tiles of 128 in 3 splits (2, 2 and 1 tiles; test below), 1 tile of 64 rows
     spec, tensors = _quantized("fp8", 64, 640)
@@ -57,7 +59,8 @@ def test_small_m_uneven_split_of_k():
 
 
 def test_small_m_splits_k_until_the_grid_fills():
-    from sched_lab.backend.quant_gemv import SmallMConfig, small_m_config, split_of
+    from sched_lab.backend.quant_gemv import split_of
+    from sched_lab.backend.quant_linear import SmallMConfig, small_m_config
 
     # Llama-3.1-8B on 132 SMs, 2 programs per SM wanted (264). down (N 4096, K 14336): 128
     # tiles of 32 rows, 56 K tiles of 256; split 2 (256 < 264), 4 (512), 14 K tiles each
@@ -75,7 +78,8 @@ def test_small_m_splits_k_until_the_grid_fills():
 
 
 def test_small_m_refuses_what_it_does_not_run():
-    from sched_lab.backend.quant_gemv import SMALL_M_MAX, small_m_gemm, small_m_supported
+    from sched_lab.backend.quant_gemv import small_m_gemm
+    from sched_lab.backend.quant_linear import SMALL_M_MAX, small_m_supported
 
     assert small_m_supported("fp8", SMALL_M_MAX, 128, 256)
     assert not small_m_supported("fp8", SMALL_M_MAX + 1, 128, 256)
@@ -87,6 +91,14 @@ def test_small_m_refuses_what_it_does_not_run():
     with pytest.raises(ValueError, match="N a multiple of 32"):
         small_m_gemm(torch.zeros(1, 256, device=DEVICE), tensors["weight"],
                      tensors["weight_scale"], "fp8")  # fmt: skip
+    spec, tensors = _quantized("fp8", 256, 128)  # a weight (N, K) read as its transpose
+    with pytest.raises(ValueError, match="contiguous along K"):
+        small_m_gemm(torch.zeros(1, 256, device=DEVICE), tensors["weight"].t(),
+                     tensors["weight_scale"], "fp8")  # fmt: skip
+    spec, tensors = _quantized("fp8", 128, 256)
+    with pytest.raises(ValueError, match="128 scales"):
+        small_m_gemm(torch.zeros(1, 256, device=DEVICE), tensors["weight"],
+                     tensors["weight_scale"][:64], "fp8")  # fmt: skip
 
 
 def test_fp8_quant_linear_runs_weight_only_up_to_the_small_m_threshold(monkeypatch):
@@ -103,6 +115,17 @@ def test_fp8_quant_linear_runs_weight_only_up_to_the_small_m_threshold(monkeypat
     # CPU: the weight-only reference (x not quantized), as the kernel computes on CUDA
     assert ql.gemm_path("fp8", 3) == "small_m"
     assert torch.equal(layer(x), weight_only_reference(x, layer.tensors(), spec))
+    # a shape off the kernel's tiles (SmolLM2's K = 576) runs what it ran before, on CPU as
+    # on CUDA: W8A8 from two tokens, the GEMV (weight-only) at one
+    assert ql.gemm_path("fp8", 3, shape=(128, 256)) == "small_m"
+    assert ql.gemm_path("fp8", 3, shape=(1536, 576)) == "w8a8"
+    assert ql.gemm_path("fp8", 1, shape=(1536, 576)) == "gemv"
+    odd = ql.QuantLinear(576, 64, False, spec)
+    w = torch.randn(64, 576, generator=torch.Generator().manual_seed(3))
+    for name, t in quantize_weight(w, spec).items():
+        setattr(odd, name, t)
+    x576 = torch.randn(3, 576, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(odd(x576), fp8_reference(x576, odd.weight, odd.weight_scale))
     monkeypatch.setattr(ql, "FP8_SMALL_M_MAX_TOKENS", 0)  # the A/B switch: W8A8 again
     assert ql.gemm_path("fp8", 3) == "w8a8"
     assert torch.equal(layer(x), fp8_reference(x, layer.weight, layer.weight_scale))

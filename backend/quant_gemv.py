@@ -383,7 +383,7 @@ def small_m_gemm(
     _small_m_kernel[(n // c.block_n, splits)](
         x, w, weight_scale, out, ws, counters, m, n, k, x.stride(0), w.stride(0),
         out.stride(0), k_per_split, splits, FP8=method == "fp8", FP8_CVT=not interpreting(),
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=splits > 1, num_warps=c.num_warps,
-        num_stages=c.num_stages,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        SPLIT_K=splits > 1, num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
     return out

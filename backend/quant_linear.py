@@ -4,9 +4,11 @@ projections for it at load time.
 The buffers are the checkpoint's tensors of :mod:`sched_lab.backend.quant_formats` (fused
 projections concatenated along the output features); AWQ's are repacked after loading
 (:meth:`QuantLinear.repack_for_kernels`) into the GPTQ qweight layout, so that AWQ and GPTQ
-run one int4 kernel. ``forward`` calls :mod:`sched_lab.backend.quant_kernels` by the method
-and the number of tokens M (:func:`gemm_path`); on CPU the float32 references of the same
-arithmetic (the tests run the kernels themselves under the interpreter).
+run one int4 kernel. ``forward`` calls the kernels of :mod:`sched_lab.backend.quant_kernels`
+and :mod:`sched_lab.backend.quant_gemv` by the method, the number of tokens M and the
+projection's shape (:func:`gemm_path`, which also holds the small-M kernel's tiles); on CPU
+the float32 references of the same arithmetic (the tests run the kernels themselves under
+the interpreter).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ FP8_SMALL_M_MAX_TOKENS = 32
 #: methods whose one-row steps run :mod:`sched_lab.backend.quant_gemv`: on the H200 (8B
 #: projections, BENCHMARKS.md 2026-12-04) it beat the old paths at M = 1 for int4 (1.4x the
 #: tiled kernel) and fp8 (1.7x the streaming kernel), lost for int8 (0.7-0.9x the tiled
-#: kernel) and at M = 4 for every method
+#: kernel) and at M = 4 for every method (fp8: where the small-M kernel does not take it)
 GEMV_METHODS = ("awq", "gptq", "fp8")
 
 
@@ -65,8 +67,9 @@ def small_m_config(m: int, n: int, k: int) -> SmallMConfig:
     """The small-M kernel's tiles for an (m, k) x (k, n) product: the winners of
     ``benchmarks/quant_small_m.py`` for the Llama-3.1-8B projections (BENCHMARKS.md,
     2026-12-06: 16 configs at M = 1 and 64 on the H200, runners-up within 1-4% at M = 1; an
-    H100 sweep at M = 1 and 16 came within 0.5% with these): 32 rows, K split until 2 programs per SM, 4 warps; K tiles of
-    128 in 4 stages for a wide N (gate_up), of 256 in 3 stages otherwise."""
+    H100 sweep at M = 1 and 16 came within 0.5% with these): 32 rows, K split until 2
+    programs per SM, 4 warps; K tiles of 128 in 4 stages for a wide N (gate_up), of 256 in 3
+    stages otherwise."""
     if n >= 16384:
         return SmallMConfig(32, 128, 2, 4, 4)
     return SmallMConfig(32, 256, 2, 4, 3)

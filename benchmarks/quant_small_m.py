@@ -1,7 +1,8 @@
 """The swapped-operand tensor-core kernel (backend/quant_gemv.py, ``small_m_gemm``) on a
-preset's projections at 1-32 tokens, against bf16 cuBLAS and the fp8/int8 paths the engine ran before it.
+preset's projections at 1-32 tokens, against bf16 cuBLAS and the fp8/int8 paths the engine
+ran before it.
 
-    timeout 400 python benchmarks/quant_small_m.py --out results/small_m      # CUDA, 8B shapes
+    timeout 200 python benchmarks/quant_small_m.py --out results/small_m      # CUDA, 8B shapes
     python benchmarks/quant_small_m.py --dry-run --out /tmp/sm     # CPU interpreter, tiny shapes
 
 Per (method, projection, tokens M): bf16 ``x @ W.T``; the path before this kernel ("gemv" for

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from sched_lab.backend.attention.triton_backend import interpreting
 from sched_lab.backend.quant_formats import QuantSpec, awq_is_repacked
-from sched_lab.backend.quant_linear import (
+from sched_lab.backend.quant_kernels import (
     SMALL_M_MAX,
     SmallMConfig,
     small_m_config,

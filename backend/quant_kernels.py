@@ -21,9 +21,10 @@ measurements (docs/quantization.md):
   to 32 tokens now run ``quant_gemv.small_m_gemm``); it stays for
   benchmarks/quant_decode.py's A/B and reads AWQ in the checkpoint layout (shifts through
   :func:`_nibble_shifts`).
-* fp8 (W8A8) above ``quant_linear.FP8_SMALL_M_MAX_TOKENS`` (32) tokens: activations get one scale per token (amax / 448) at run
-  time, in one kernel (:func:`quantize_activations_fp8_kernel`); on CUDA
-  ``torch._scaled_mm`` with row-wise scales (Hopper); elsewhere :func:`fp8_reference`.
+* fp8 (W8A8) above ``quant_linear.FP8_SMALL_M_MAX_TOKENS`` (32) tokens: activations get one
+  scale per token (amax / 448) at run time, in one kernel
+  (:func:`quantize_activations_fp8_kernel`); on CUDA ``torch._scaled_mm`` with row-wise
+  scales (Hopper); elsewhere :func:`fp8_reference`.
 
 The ``*_reference`` functions dequantize the weight to float32 on every call: they are the
 tests' references and the path on CPU without ``TRITON_INTERPRET=1`` (slow, a transient
@@ -517,6 +518,49 @@ def tile_config(m: int, n: int, k: int, spec: QuantSpec) -> TileConfig:
     block_n = 64 if m <= 64 else 128
     num_warps = 8 if block_m * block_n >= 64 * 64 else 4
     return TileConfig(block_m, block_n, 64, 2, num_warps, 3)
+
+
+#: rows :func:`sched_lab.backend.quant_gemv.small_m_gemm` takes (the MMA's N side: M rounded
+#: up to 16, 32 or 64) and its weights. Its tiles and the shapes it takes are decided here
+#: (for ``quant_linear.gemm_path`` too), as :func:`tile_config` decides the tiled kernel's
+SMALL_M_MAX = 64
+SMALL_M_METHODS = ("fp8", "int8")
+
+
+@dataclass(frozen=True)
+class SmallMConfig:
+    """Launch choices: ``block_n`` output rows and ``block_k`` inputs per program step, K split
+    in powers of 2 while the grid has fewer than ``split_sms`` programs per SM (each split
+    keeps >= ``min_k_tiles`` K tiles), ``num_warps``, ``num_stages``."""
+
+    block_n: int = 32
+    block_k: int = 256
+    split_sms: int = 2
+    num_warps: int = 4
+    num_stages: int = 3
+    min_k_tiles: int = 2
+
+
+def small_m_config(m: int, n: int, k: int) -> SmallMConfig:
+    """The small-M kernel's tiles for an (m, k) x (k, n) product: the winners of
+    ``benchmarks/quant_small_m.py`` for the Llama-3.1-8B projections (BENCHMARKS.md,
+    2026-12-06: 16 configs at M = 1 and 64 on the H200, runners-up within 1-4% at M = 1; an
+    H100 sweep at M = 1 and 16 came within 0.5% with these): 32 rows, K split until 2
+    programs per SM, 4 warps; K tiles of 128 in 4 stages for a wide N (gate_up), of 256 in 3
+    stages otherwise."""
+    if n >= 16384:
+        return SmallMConfig(32, 128, 2, 4, 4)
+    return SmallMConfig(32, 256, 2, 4, 3)
+
+
+def small_m_supported(method: str, m: int, n: int, k: int, c: SmallMConfig | None = None) -> bool:
+    """Whether :func:`~sched_lab.backend.quant_gemv.small_m_gemm` takes this GEMM: fp8 or
+    int8, at most SMALL_M_MAX rows, N and K multiples of the tiles of ``c`` (default:
+    :func:`small_m_config`'s)."""
+    c = c or small_m_config(m, n, k)
+    return (
+        method in SMALL_M_METHODS and m <= SMALL_M_MAX and n % c.block_n == 0 and k % c.block_k == 0
+    )
 
 
 def tiled_plan(m: int, n: int, k: int, spec: QuantSpec, sms: int,

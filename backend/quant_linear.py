@@ -6,14 +6,12 @@ projections concatenated along the output features); AWQ's are repacked after lo
 (:meth:`QuantLinear.repack_for_kernels`) into the GPTQ qweight layout, so that AWQ and GPTQ
 run one int4 kernel. ``forward`` calls the kernels of :mod:`sched_lab.backend.quant_kernels`
 and :mod:`sched_lab.backend.quant_gemv` by the method, the number of tokens M and the
-projection's shape (:func:`gemm_path`, which also holds the small-M kernel's tiles); on CPU
+projection's shape (:func:`gemm_path`); on CPU
 the float32 references of the same arithmetic (the tests run the kernels themselves under
 the interpreter).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -43,48 +41,6 @@ FP8_SMALL_M_MAX_TOKENS = 32
 GEMV_METHODS = ("awq", "gptq", "fp8")
 
 
-#: rows :func:`sched_lab.backend.quant_gemv.small_m_gemm` takes (the MMA's N side: M rounded
-#: up to 16, 32 or 64) and its weights; its tiles and the shapes it takes are decided here
-SMALL_M_MAX = 64
-SMALL_M_METHODS = ("fp8", "int8")
-
-
-@dataclass(frozen=True)
-class SmallMConfig:
-    """Launch choices: ``block_n`` output rows and ``block_k`` inputs per program step, K split
-    in powers of 2 while the grid has fewer than ``split_sms`` programs per SM (each split
-    keeps >= ``min_k_tiles`` K tiles), ``num_warps``, ``num_stages``."""
-
-    block_n: int = 32
-    block_k: int = 256
-    split_sms: int = 2
-    num_warps: int = 4
-    num_stages: int = 3
-    min_k_tiles: int = 2
-
-
-def small_m_config(m: int, n: int, k: int) -> SmallMConfig:
-    """The small-M kernel's tiles for an (m, k) x (k, n) product: the winners of
-    ``benchmarks/quant_small_m.py`` for the Llama-3.1-8B projections (BENCHMARKS.md,
-    2026-12-06: 16 configs at M = 1 and 64 on the H200, runners-up within 1-4% at M = 1; an
-    H100 sweep at M = 1 and 16 came within 0.5% with these): 32 rows, K split until 2
-    programs per SM, 4 warps; K tiles of 128 in 4 stages for a wide N (gate_up), of 256 in 3
-    stages otherwise."""
-    if n >= 16384:
-        return SmallMConfig(32, 128, 2, 4, 4)
-    return SmallMConfig(32, 256, 2, 4, 3)
-
-
-def small_m_supported(method: str, m: int, n: int, k: int, c: SmallMConfig | None = None) -> bool:
-    """Whether :func:`~sched_lab.backend.quant_gemv.small_m_gemm` takes this GEMM: fp8 or
-    int8, at most SMALL_M_MAX rows, N and K multiples of the tiles of ``c`` (default:
-    :func:`small_m_config`'s)."""
-    c = c or small_m_config(m, n, k)
-    return (
-        method in SMALL_M_METHODS and m <= SMALL_M_MAX and n % c.block_n == 0 and k % c.block_k == 0
-    )
-
-
 def gemm_path(
     method: str, tokens: int, act_order: bool = False, shape: tuple[int, int] | None = None
 ) -> str:
@@ -95,12 +51,13 @@ def gemm_path(
     tiled kernel) or "w8a8" (fp8 ``_scaled_mm``). Otherwise int8, gptq and awq (repacked)
     run the tiled kernel: on the H200 the streaming kernel was slower for int8 and gptq at
     every M."""
-    if (
-        method == "fp8"
-        and tokens <= FP8_SMALL_M_MAX_TOKENS
-        and (shape is None or small_m_supported(method, tokens, *shape))
-    ):
-        return "small_m"
+    if method == "fp8" and tokens <= FP8_SMALL_M_MAX_TOKENS:
+        if shape is None:
+            return "small_m"
+        from sched_lab.backend.quant_kernels import small_m_supported
+
+        if small_m_supported(method, tokens, *shape):
+            return "small_m"
     if tokens == 1 and method in GEMV_METHODS and not act_order:
         return "gemv"
     if method == "fp8":

@@ -141,7 +141,7 @@ def _paths(method, m, qk, shape) -> dict:
     """path name -> fn(x, tensors, spec, n) timed for ``method`` at ``m`` tokens on a weight
     of ``shape`` (N, K)."""
     from sched_lab.backend.quant_gemv import small_m_gemm
-    from sched_lab.backend.quant_linear import small_m_supported
+    from sched_lab.backend.quant_kernels import small_m_supported
 
     if method is None:
         return {"cublas": lambda x, t, spec, n: x @ t["weight"].t()}

@@ -19,8 +19,7 @@ from sched_lab.backend.quant_formats import QuantSpec  # noqa: E402
 @pytest.mark.parametrize("m", [1, 5, 17, 64])
 def test_small_m_matches_dequantized_reference(method, dtype, m):
     from sched_lab.backend.quant_gemv import small_m_gemm
-    from sched_lab.backend.quant_kernels import _COUNTERS, weight_only_reference
-    from sched_lab.backend.quant_linear import SmallMConfig
+    from sched_lab.backend.quant_kernels import _COUNTERS, SmallMConfig, weight_only_reference
 
     # N 128: 2 tiles of 64 rows; K 512: 4 K tiles of 128. On the interpreter's 4 "SMs":
     # split_sms 2 wants 8 programs -> K split in 2 (2 tiles each, the minimum); min_k_tiles 1
@@ -45,8 +44,7 @@ def test_small_m_matches_dequantized_reference(method, dtype, m):
 @needs_triton
 def test_small_m_uneven_split_of_k():
     from sched_lab.backend.quant_gemv import small_m_gemm, split_of
-    from sched_lab.backend.quant_kernels import weight_only_reference
-    from sched_lab.backend.quant_linear import SmallMConfig
+    from sched_lab.backend.quant_kernels import SmallMConfig, weight_only_reference
 
     # K 640: 5 K tiles of 128 in 3 splits (2, 2 and 1 tiles; test below), 1 tile of 64 rows
     spec, tensors = _quantized("fp8", 64, 640)
@@ -60,7 +58,7 @@ def test_small_m_uneven_split_of_k():
 
 def test_small_m_splits_k_until_the_grid_fills():
     from sched_lab.backend.quant_gemv import split_of
-    from sched_lab.backend.quant_linear import SmallMConfig, small_m_config
+    from sched_lab.backend.quant_kernels import SmallMConfig, small_m_config
 
     # Llama-3.1-8B on 132 SMs, 2 programs per SM wanted (264). down (N 4096, K 14336): 128
     # tiles of 32 rows, 56 K tiles of 256; split 2 (256 < 264), 4 (512), 14 K tiles each
@@ -79,7 +77,7 @@ def test_small_m_splits_k_until_the_grid_fills():
 
 def test_small_m_refuses_what_it_does_not_run():
     from sched_lab.backend.quant_gemv import small_m_gemm
-    from sched_lab.backend.quant_linear import SMALL_M_MAX, small_m_supported
+    from sched_lab.backend.quant_kernels import SMALL_M_MAX, small_m_supported
 
     assert small_m_supported("fp8", SMALL_M_MAX, 128, 256)
     assert not small_m_supported("fp8", SMALL_M_MAX + 1, 128, 256)

@@ -359,8 +359,8 @@ def small_m_gemm(
     x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    c = config or small_m_config(m, n, k)
-    if not small_m_supported(method, m, n, k, c):
+    c = config or small_m_config(m, n, k, method)
+    if method not in ("fp8", "int8") or not small_m_supported(method, m, n, k, c):
         raise ValueError(
             f"small_m_gemm: {method} M={m} N={n} K={k}; takes fp8/int8, M <= {SMALL_M_MAX}, "
             f"N a multiple of {c.block_n}, K of {c.block_k}"
@@ -383,6 +383,126 @@ def small_m_gemm(
     _small_m_kernel[(n // c.block_n, splits)](
         x, w, weight_scale, out, ws, counters, m, n, k, x.stride(0), w.stride(0),
         out.stride(0), k_per_split, splits, FP8=method == "fp8", FP8_CVT=not interpreting(),
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        SPLIT_K=splits > 1, num_warps=c.num_warps, num_stages=c.num_stages,
+    )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------- the small-M int4 kernel
+# The same swap for int4 weights in GPTQ's layout (AWQ after ``repack_awq``): qweight (K/8,
+# N) int32, row k of the weight in nibble k % 8 of word row k // 8. A program loads a
+# (BLOCK_N, BLOCK_K / 8) tile of words (one group: BLOCK_K divides the group size) and makes
+# each nibble j of the words its own (BLOCK_N, BLOCK_K / 8) operand, against x's columns k0
+# + 8r + j: eight dots a tile, each over BLOCK_K / 8 >= 16 inputs, and no reshape. Nibbles j
+# and j + 4 come out of a word together: ``(w >> 4j) & 0x000F000F | 0x64006400`` holds two
+# float16s, 1024 + q each; minus the float16 1024 + zero they are q - zero, exactly (|q -
+# zero| <= 16). The sums are float32, and the group's scale multiplies each tile's sum.
+# Numerics as the fp8 kernel's: x rounded to float16, float32 sums.
+#
+# On an H100 (8B projections, BENCHMARKS.md 2026-12-06) this way of unpacking was as fast as
+# or faster (by up to 18%) than three others: one mask per nibble; the zero point taken off
+# after the dot ((1024 + zero) * sum(x)); the tile unpacked whole by a reshape, one dot a
+# tile (up to 2x slower).
+
+
+@triton.jit
+def _small_m_int4_kernel(
+    X, QW, QZ, S, Out, WS, CNT, M, N, K, stride_xm, stride_qw0, stride_qz0, stride_s0,
+    stride_om, K_PER_SPLIT, NUM_SPLITS,
+    ZERO_PLUS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):  # fmt: skip
+    """Out[m, n] = sum_k X[m, k] (q[k, n] - z[g(k), n]) s[g(k), n] for m < M; program (n tile,
+    split) covers K_PER_SPLIT of K. N is a multiple of BLOCK_N, K of BLOCK_K, BLOCK_K divides
+    GROUP and is at least 128 (the caller checks)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    ROWS: tl.constexpr = BLOCK_K // 8
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rr = tl.arange(0, ROWS)
+    m_ok = rm < M
+    col_shift = (rn % 8) * 4
+    k_start = split * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        words = tl.load(QW + (k0 // 8 + rr)[None, :] * stride_qw0 + rn[:, None])
+        g = k0 // GROUP
+        z = ((tl.load(QZ + g * stride_qz0 + rn // 8) >> col_shift) & 0xF) + ZERO_PLUS
+        zf = (z | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + zero
+        part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for j in tl.static_range(4):  # nibbles j and j + 4 of every word, by one mask
+            v = ((words >> (4 * j)) & 0x000F000F) | 0x64006400
+            lo = v.to(tl.int16).to(tl.float16, bitcast=True) - zf[:, None]
+            hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True) - zf[:, None]
+            x_lo = tl.load(X + rm[None, :] * stride_xm + (k0 + rr * 8 + j)[:, None],
+                           mask=m_ok[None, :], other=0.0).to(tl.float16)  # fmt: skip
+            x_hi = tl.load(X + rm[None, :] * stride_xm + (k0 + rr * 8 + j + 4)[:, None],
+                           mask=m_ok[None, :], other=0.0).to(tl.float16)  # fmt: skip
+            part = tl.dot(lo, x_lo, part)
+            part = tl.dot(hi, x_hi, part)
+        s = tl.load(S + g * stride_s0 + rn).to(tl.float32)
+        acc += part * s[:, None]
+    o_mask = m_ok[None, :] & (rn < N)[:, None]
+    out_ptr = Out + rm[None, :] * stride_om + rn[:, None]
+    if not SPLIT_K:
+        tl.store(out_ptr, acc.to(Out.dtype.element_ty), mask=o_mask)
+    else:  # partial to the workspace; the tile's last program sums all, in split order
+        ws = WS + rm[None, :] * N + rn[:, None]
+        tl.store(ws + split * M * N, acc, mask=o_mask)
+        tl.debug_barrier()  # every thread's partial is written before the count
+        arrived = tl.atomic_add(CNT + pid, 1, sem="acq_rel")
+        if arrived == NUM_SPLITS - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for i in range(NUM_SPLITS):
+                total += tl.load(ws + i * M * N, mask=o_mask, other=0.0, cache_modifier=".cv")
+            tl.store(out_ptr, total.to(Out.dtype.element_ty), mask=o_mask)
+            tl.atomic_xchg(CNT + pid, 0)
+
+
+def small_m_int4_gemm(
+    x: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    spec: QuantSpec,
+    out_features: int,
+    config: SmallMConfig | None = None,
+) -> torch.Tensor:
+    """x (M <= SMALL_M_MAX, K) bf16/fp16/fp32 @ W.T for a gptq or awq (repacked) W without
+    act-order: (M, N) in x's dtype, x multiplied in float16 as in :func:`small_m_gemm`.
+    ``config``: :func:`small_m_config`'s when None. Raises ValueError for what
+    :func:`small_m_supported` refuses or AWQ tensors in the checkpoint layout. The first call
+    on a device must not be inside a CUDA graph capture (the split-K counters are made
+    then)."""
+    from sched_lab.backend.quant_kernels import _num_sms, _split_counters
+
+    x = x.contiguous()
+    m, k = x.shape
+    n = out_features
+    c = config or small_m_config(m, n, k, spec.method)
+    if spec.act_order or not small_m_supported(spec.method, m, n, k, c, spec.group_size):
+        raise ValueError(
+            f"small_m_int4_gemm: {spec.method} M={m} N={n} K={k} group {spec.group_size}"
+            f"{' act-order' if spec.act_order else ''}; takes gptq/awq without act-order, "
+            f"M <= {SMALL_M_MAX}, N a multiple of {c.block_n}, K of {c.block_k}, the K tile "
+            "(>= 128) dividing the group"
+        )
+    if spec.method == "awq" and not awq_is_repacked(tensors):
+        raise ValueError("small_m_int4_gemm: awq tensors in the checkpoint layout; "
+                         "repack them with quant_formats.repack_awq first")  # fmt: skip
+    qw, qz, s = tensors["qweight"], tensors["qzeros"], tensors["scales"]
+    splits, k_per_split = split_of(n, k, _num_sms(x.device), c)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if splits > 1:
+        ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+        counters = _split_counters(x.device)
+    else:
+        ws = counters = out
+    _small_m_int4_kernel[(n // c.block_n, splits)](
+        x, qw, qz, s, out, ws, counters, m, n, k, x.stride(0), qw.stride(0), qz.stride(0),
+        s.stride(0), out.stride(0), k_per_split, splits,
+        ZERO_PLUS=1 if spec.method == "gptq" else 0, GROUP=spec.group_size,
         BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         SPLIT_K=splits > 1, num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip

@@ -520,11 +520,12 @@ def tile_config(m: int, n: int, k: int, spec: QuantSpec) -> TileConfig:
     return TileConfig(block_m, block_n, 64, 2, num_warps, 3)
 
 
-#: rows :func:`sched_lab.backend.quant_gemv.small_m_gemm` takes (the MMA's N side: M rounded
-#: up to 16, 32 or 64) and its weights. Its tiles and the shapes it takes are decided here
-#: (for ``quant_linear.gemm_path`` too), as :func:`tile_config` decides the tiled kernel's
+#: rows the small-M kernels of :mod:`sched_lab.backend.quant_gemv` take (the MMA's N side: M
+#: rounded up to 16, 32 or 64) and their weights (fp8/int8: ``small_m_gemm``; int4 in GPTQ's
+#: layout: ``small_m_int4_gemm``). Their tiles and the shapes they take are decided here (for
+#: ``quant_linear.gemm_path`` too), as :func:`tile_config` decides the tiled kernel's
 SMALL_M_MAX = 64
-SMALL_M_METHODS = ("fp8", "int8")
+SMALL_M_METHODS = ("fp8", "int8", "gptq", "awq")
 
 
 @dataclass(frozen=True)
@@ -541,26 +542,36 @@ class SmallMConfig:
     min_k_tiles: int = 2
 
 
-def small_m_config(m: int, n: int, k: int) -> SmallMConfig:
-    """The small-M kernel's tiles for an (m, k) x (k, n) product: the winners of
+def small_m_config(m: int, n: int, k: int, method: str = "fp8") -> SmallMConfig:
+    """The small-M kernels' tiles for an (m, k) x (k, n) product. fp8/int8: the winners of
     ``benchmarks/quant_small_m.py`` for the Llama-3.1-8B projections (BENCHMARKS.md,
     2026-12-06: 16 configs at M = 1 and 64 on the H200, runners-up within 1-4% at M = 1; an
     H100 sweep at M = 1 and 16 came within 0.5% with these): 32 rows, K split until 2
     programs per SM, 4 warps; K tiles of 128 in 4 stages for a wide N (gate_up), of 256 in 3
-    stages otherwise."""
+    stages otherwise. int4 (gptq, awq): the winners of 18 configs at M = 4 and 32 on an H100
+    (BENCHMARKS.md, 2026-12-06): 128 rows, K tiles of 128 (one group), 4 warps, 3 stages;
+    K split until 2 programs per SM up to 16 rows, 1 above (the partials of 32 rows cost
+    more than the split gains)."""
+    if method in ("gptq", "awq"):
+        return SmallMConfig(128, 128, 2 if m <= 16 else 1, 4, 3)
     if n >= 16384:
         return SmallMConfig(32, 128, 2, 4, 4)
     return SmallMConfig(32, 256, 2, 4, 3)
 
 
-def small_m_supported(method: str, m: int, n: int, k: int, c: SmallMConfig | None = None) -> bool:
-    """Whether :func:`~sched_lab.backend.quant_gemv.small_m_gemm` takes this GEMM: fp8 or
-    int8, at most SMALL_M_MAX rows, N and K multiples of the tiles of ``c`` (default:
-    :func:`small_m_config`'s)."""
-    c = c or small_m_config(m, n, k)
-    return (
-        method in SMALL_M_METHODS and m <= SMALL_M_MAX and n % c.block_n == 0 and k % c.block_k == 0
-    )
+def small_m_supported(
+    method: str, m: int, n: int, k: int, c: SmallMConfig | None = None, group_size: int = 128
+) -> bool:
+    """Whether a small-M kernel of :mod:`~sched_lab.backend.quant_gemv` takes this GEMM: a
+    method of SMALL_M_METHODS, at most SMALL_M_MAX rows, N and K multiples of the tiles of
+    ``c`` (default: :func:`small_m_config`'s); int4 (gptq, awq, act-order excluded by the
+    caller): also a K tile of >= 128 (dots of K tile / 8 inputs) that divides ``group_size``."""
+    c = c or small_m_config(m, n, k, method)
+    ok = method in SMALL_M_METHODS and m <= SMALL_M_MAX and n % c.block_n == 0
+    ok = ok and k % c.block_k == 0
+    if method in ("gptq", "awq"):
+        ok = ok and group_size % c.block_k == 0 and c.block_k >= 128
+    return ok
 
 
 def tiled_plan(m: int, n: int, k: int, spec: QuantSpec, sms: int,

@@ -32,6 +32,11 @@ FP8_WEIGHT_ONLY_MAX_TOKENS = 1
 #: 1.28x the GEMV at M = 1, 1.8-1.9x W8A8 at M = 2..16, 1.22x at 32, 0.95x at 64
 #: (BENCHMARKS.md, 2026-12-06)
 FP8_SMALL_M_MAX_TOKENS = 32
+#: the same for int4 (gptq, awq; not act-order) on
+#: :func:`sched_lab.backend.quant_gemv.small_m_int4_gemm`, from 2 tokens (the GEMV keeps one:
+#: 88 vs 98 us there); 0 turns it off. Llama-3.1-8B projections summed, H100: 1.17-1.22x
+#: the tiled kernel at M = 2..16, 1.39x at 32, 1.99x at 64 (BENCHMARKS.md, 2026-12-06)
+INT4_SMALL_M_MAX_TOKENS = 64
 
 
 #: methods whose one-row steps run :mod:`sched_lab.backend.quant_gemv`: on the H200 (8B
@@ -42,21 +47,31 @@ GEMV_METHODS = ("awq", "gptq", "fp8")
 
 
 def gemm_path(
-    method: str, tokens: int, act_order: bool = False, shape: tuple[int, int] | None = None
+    method: str,
+    tokens: int,
+    act_order: bool = False,
+    shape: tuple[int, int] | None = None,
+    group_size: int = 128,
 ) -> str:
     """Which GEMM a step of ``tokens`` rows runs for ``method``, on CUDA and (as its float32
-    reference) on CPU: "small_m" (fp8 weight-only on tensor cores, operands swapped: up to
-    FP8_SMALL_M_MAX_TOKENS rows, where ``shape`` (N, K), if given, fits its tiles), "gemv"
-    (the one-row kernel), "stream" (weight-only streaming kernel), "tiled" (weight-only
-    tiled kernel) or "w8a8" (fp8 ``_scaled_mm``). Otherwise int8, gptq and awq (repacked)
-    run the tiled kernel: on the H200 the streaming kernel was slower for int8 and gptq at
-    every M."""
-    if method == "fp8" and tokens <= FP8_SMALL_M_MAX_TOKENS:
+    reference) on CPU: "small_m" (weight-only on tensor cores, operands swapped: fp8 up to
+    FP8_SMALL_M_MAX_TOKENS rows, int4 without act-order from 2 to INT4_SMALL_M_MAX_TOKENS, where
+    ``shape`` (N, K), if given, fits the tiles for ``group_size``), "gemv" (the one-row
+    kernel), "stream" (weight-only streaming kernel), "tiled" (weight-only tiled kernel) or
+    "w8a8" (fp8 ``_scaled_mm``). Otherwise int8, gptq and awq (repacked) run the tiled
+    kernel: on the H200 the streaming kernel was slower for int8 and gptq at every M."""
+    if method == "fp8":
+        small_m = FP8_SMALL_M_MAX_TOKENS
+    elif method in ("gptq", "awq") and not act_order and tokens > 1:
+        small_m = INT4_SMALL_M_MAX_TOKENS
+    else:
+        small_m = 0
+    if tokens <= small_m:
         if shape is None:
             return "small_m"
         from sched_lab.backend.quant_kernels import small_m_supported
 
-        if small_m_supported(method, tokens, *shape):
+        if small_m_supported(method, tokens, *shape, group_size=group_size):
             return "small_m"
     if tokens == 1 and method in GEMV_METHODS and not act_order:
         return "gemv"
@@ -119,11 +134,15 @@ class QuantLinear(nn.Module):
         from sched_lab.backend import quant_kernels as qk
 
         shape = (self.out_features, self.in_features)
-        path = gemm_path(self.spec.method, x.shape[0], self.spec.act_order, shape)
+        spec = self.spec
+        path = gemm_path(spec.method, x.shape[0], spec.act_order, shape, spec.group_size)
         if path == "small_m" and x.is_cuda:
-            from sched_lab.backend.quant_gemv import small_m_gemm
+            from sched_lab.backend.quant_gemv import small_m_gemm, small_m_int4_gemm
 
-            y = small_m_gemm(x, self.weight, self.weight_scale, "fp8")
+            if spec.method == "fp8":
+                y = small_m_gemm(x, self.weight, self.weight_scale, "fp8")
+            else:
+                y = small_m_int4_gemm(x, self.tensors(), spec, self.out_features)
             return y if self.bias is None else y + self.bias
         if path == "w8a8":  # CPU: its float32 reference
             y = qk.fp8_gemm(x, self.weight, self.weight_scale)

@@ -140,7 +140,7 @@ def gemm_rows(cfg: dict, device: str, timer, log, save, methods=METHODS,
 def _paths(method, m, qk, shape) -> dict:
     """path name -> fn(x, tensors, spec, n) timed for ``method`` at ``m`` tokens on a weight
     of ``shape`` (N, K)."""
-    from sched_lab.backend.quant_gemv import small_m_gemm
+    from sched_lab.backend.quant_gemv import small_m_gemm, small_m_int4_gemm
     from sched_lab.backend.quant_kernels import small_m_supported
 
     if method is None:
@@ -158,6 +158,8 @@ def _paths(method, m, qk, shape) -> dict:
         paths["small_m"] = lambda x, t, spec, n: small_m_gemm(
             x, t["weight"], t["weight_scale"], "fp8"
         )
+    if method in ("gptq", "awq") and small_m_supported(method, m, *shape):
+        paths["small_m"] = small_m_int4_gemm
     if m > 1 and method == "fp8":
         paths["w8a8"] = lambda x, t, spec, n: qk.fp8_gemm(x, t["weight"], t["weight_scale"])
     elif method != "fp8":  # the engine's path at every M
@@ -399,18 +401,21 @@ def step_rows(model_dir, shapes, device, dtype, timer, log, save, methods=METHOD
     path before ``quantize_activations_fp8_kernel``; the small-M kernel off too, so that
     W8A8 runs from two tokens): the A/B of that kernel.
     ``fp8-no-small-m`` is fp8 without the swapped-operand kernel (quant_gemv.small_m_gemm): the GEMV
-    at one token, W8A8 above, the A/B of that kernel."""
+    at one token, W8A8 above, the A/B of that kernel; ``gptq-no-small-m`` and
+    ``awq-no-small-m`` likewise for int4 (the GEMV at one token, the tiled kernel above)."""
     from sched_lab.backend import quant_kernels as qk
     from sched_lab.backend import quant_linear as ql
     from sched_lab.backend.runner import ModelRunner
 
     rows, bf16 = [], {}
     for label in (None, *methods):
-        method = "fp8" if label in ("fp8-torch-act", "fp8-no-small-m") else label
+        method = "fp8" if label == "fp8-torch-act" else label
+        if label is not None and label.endswith("-no-small-m"):
+            method = label.removesuffix("-no-small-m")
         qk.ACT_QUANT_KERNEL = label != "fp8-torch-act"  # read when the graphs are captured
-        small_m = ql.FP8_SMALL_M_MAX_TOKENS
-        if label in ("fp8-torch-act", "fp8-no-small-m"):
-            ql.FP8_SMALL_M_MAX_TOKENS = 0
+        small_m = ql.FP8_SMALL_M_MAX_TOKENS, ql.INT4_SMALL_M_MAX_TOKENS
+        if label != method:
+            ql.FP8_SMALL_M_MAX_TOKENS = ql.INT4_SMALL_M_MAX_TOKENS = 0
         try:
             max_ctx = max(c for _, c in shapes)
             runner = ModelRunner(model_dir, device=device, dtype=dtype, quantization=method,
@@ -439,7 +444,8 @@ def step_rows(model_dir, shapes, device, dtype, timer, log, save, methods=METHOD
                     f"(x{step / roof:.2f} roofline, {row['speedup_vs_bf16']:.2f}x bf16)")  # fmt: skip
             del runner
         finally:
-            qk.ACT_QUANT_KERNEL, ql.FP8_SMALL_M_MAX_TOKENS = True, small_m
+            qk.ACT_QUANT_KERNEL = True
+            ql.FP8_SMALL_M_MAX_TOKENS, ql.INT4_SMALL_M_MAX_TOKENS = small_m
         save(rows)
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -473,10 +479,15 @@ def main() -> None:
     ap.add_argument("--gemm-tokens", nargs="+", type=int, default=list(GEMM_TOKENS),
                     help=f"part 1's token counts M (default: {GEMM_TOKENS})")  # fmt: skip
     ap.add_argument("--methods", nargs="+", default=list(METHODS),
-                    choices=[*METHODS, "fp8-torch-act", "fp8-no-small-m"],
+                    choices=[*METHODS, "fp8-torch-act", "fp8-no-small-m", "gptq-no-small-m",
+                             "awq-no-small-m"],
                     help="the quantized formats after bf16 (default: all four; part 2 "
                          "also takes fp8-torch-act: fp8 W8A8 with the activations quantized "
-                         "by torch ops, and fp8-no-small-m: fp8 without quant_gemv.small_m_gemm)")  # fmt: skip
+                         "by torch ops, and fp8/gptq/awq-no-small-m: without quant_gemv's small-M "
+                         "kernels)")  # fmt: skip
+    ap.add_argument("--batches", nargs="+", type=int, default=None,
+                    help="part 2's batch sizes, each at 1k and 4k context (default: "
+                         "STEP_SHAPES, 256 at 1k only)")  # fmt: skip
     ap.add_argument(
         "--sweep",
         action="store_true",
@@ -529,6 +540,8 @@ def main() -> None:
             shapes, step_timer = ((1, 16), (2, 32)), _wall_time
         else:
             model_dir, shapes, step_timer = checkpoint(args.preset), STEP_SHAPES, cuda_time
+            if args.batches:
+                shapes = tuple((b, c) for b in args.batches for c in (1024, 4096))
             log(f"checkpoint {model_dir}")
 
         def save(rows: list[dict]) -> None:

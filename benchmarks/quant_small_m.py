@@ -1,14 +1,15 @@
-"""The swapped-operand tensor-core kernel (backend/quant_gemv.py, ``small_m_gemm``) on a
-preset's projections at 1-32 tokens, against bf16 cuBLAS and the fp8/int8 paths the engine
-ran before it.
+"""The swapped-operand tensor-core kernels (backend/quant_gemv.py, ``small_m_gemm`` for fp8 and
+int8, ``small_m_int4_gemm`` for gptq and awq) on a preset's projections at 1-32 tokens,
+against bf16 cuBLAS and the paths the engine ran before them.
 
     timeout 200 python benchmarks/quant_small_m.py --out results/small_m      # CUDA, 8B shapes
     python benchmarks/quant_small_m.py --dry-run --out /tmp/sm     # CPU interpreter, tiny shapes
 
 Per (method, projection, tokens M): bf16 ``x @ W.T``; the path before this kernel ("gemv" for
-fp8 at M = 1, "w8a8" ``_scaled_mm`` with the activation-quantizing kernel above, int8's
-tiled kernel); then the new kernel at each config of :func:`grid` (swept at
-``--sweep-tokens``; at the other M, the configs that won there). Each time is one CUDA graph
+fp8 and int4 at M = 1, "w8a8" ``_scaled_mm`` with the activation-quantizing kernel above for
+fp8, the tiled kernel for int8 and int4); then the new kernel at each config of :func:`grid` (swept at
+``--sweep-tokens``; at the other M, the configs that won there) and at the engine's
+(``small_m_config``). Each time is one CUDA graph
 of back-to-back calls over weight copies beyond the L2, divided by the calls; ``err`` is
 max |out - ref| / max |ref| against the float32 dequantized reference (w8a8: its own
 reference, activations quantized). ``small_m.json`` and ``small_m.md`` are written after
@@ -18,6 +19,7 @@ each method.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -32,10 +34,18 @@ from common import device_line, graph_time  # noqa: E402
 from quant_decode import TINY_LLAMA, _copies, projections  # noqa: E402
 
 
-def grid(dry_run: bool) -> list[tuple]:
+def grid(dry_run: bool, method: str = "fp8") -> list[tuple]:
     """SmallMConfig fields: (block_n, block_k, split_sms, num_warps, num_stages)."""
+    int4 = method in ("gptq", "awq")
     if dry_run:
+        if int4:
+            return [(64, 128, 4, 4, 2), (64, 128, 1, 4, 2)]
         return [(64, 64, 4, 4, 2), (64, 128, 1, 4, 2)]
+    if int4:  # K tiles of one group of 128
+        return [
+            (128, 128, 2, 4, 3), (128, 128, 2, 4, 4), (64, 128, 2, 2, 3), (128, 128, 4, 4, 3),
+            (256, 128, 2, 8, 3), (128, 128, 1, 4, 3),
+        ]  # fmt: skip
     out = []
     for bn, bk, w, st, splits in (
         (32, 256, 4, 3, (1, 2, 4)), (32, 128, 4, 4, (1, 2)), (32, 128, 4, 5, (2,)),
@@ -65,11 +75,13 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes")
     args = ap.parse_args()
     from sched_lab.backend import quant_kernels as qk
-    from sched_lab.backend.quant_formats import QuantSpec, quantize_weight
+    from sched_lab.backend.quant_formats import QuantSpec, quantize_weight, repack_awq
     from sched_lab.backend.quant_gemv import (
         SmallMConfig,
         quant_gemv,
+        small_m_config,
         small_m_gemm,
+        small_m_int4_gemm,
         small_m_supported,
     )
 
@@ -133,11 +145,16 @@ def main() -> None:
         del copies
         for method in args.methods:
             spec = QuantSpec(method)
+            int4 = method in ("gptq", "awq")
             t = quantize_weight(dense, spec)
+            t = repack_awq(t) if method == "awq" else t
             size = sum(v.numel() * v.element_size() for v in t.values())
             extra = _copies(size) - 1 if device == "cuda" else 0
             wc = [t] + [{a: v.clone() for a, v in t.items()} for _ in range(extra)]
-            ref = (t["weight"].float() * t["weight_scale"]).t()
+            if int4:
+                ref = qk.dequantize(t, spec).float().t()
+            else:
+                ref = (t["weight"].float() * t["weight_scale"]).t()
             best: dict[int, tuple] = {}
             for m in tokens:
                 x = xs[m]
@@ -146,20 +163,27 @@ def main() -> None:
                     fn = Calls(lambda tt, x=x: qk.fp8_gemm(x, tt["weight"], tt["weight_scale"]), wc)
                     w8 = qk.fp8_reference(x.float(), t["weight"], t["weight_scale"])
                     record(method, proj, k, n, m, "before: w8a8", fn, w8.float(), size)
-                elif method == "fp8":
+                elif m == 1 and method in ("fp8", "gptq", "awq"):
                     fn = Calls(lambda tt, x=x, q=spec, nn=n: quant_gemv(x, tt, q, nn), wc)
                     record(method, proj, k, n, m, "before: gemv", fn, want, size)
                 else:
                     fn = Calls(lambda tt, x=x, q=spec, nn=n: qk.weight_only_gemm(x, tt, q, nn), wc)
                     record(method, proj, k, n, m, "before: tiled", fn, want, size)
                 sweep = m in args.sweep_tokens and time.perf_counter() - t_start < args.budget_s
-                configs = grid(args.dry_run) if sweep else sorted(set(best.values()))
+                configs = grid(args.dry_run, method) if sweep else sorted(set(best.values()))
+                engine = small_m_config(m, n, k, method)  # always timed
+                if engine not in [SmallMConfig(*c) for c in configs]:
+                    configs = [*configs, dataclasses.astuple(engine)[:5]]
                 for c in configs:
                     sc = SmallMConfig(*c)
-                    if not small_m_supported(method, m, n, k, sc):
+                    if not small_m_supported(method, m, n, k, sc, spec.group_size):
                         continue
-                    fn = Calls(lambda tt, x=x, sc=sc, me=method: small_m_gemm(
-                        x, tt["weight"], tt["weight_scale"], me, sc), wc)  # fmt: skip
+                    if int4:
+                        fn = Calls(lambda tt, x=x, sc=sc, q=spec, nn=n: small_m_int4_gemm(
+                            x, tt, q, nn, sc), wc)  # fmt: skip
+                    else:
+                        fn = Calls(lambda tt, x=x, sc=sc, me=method: small_m_gemm(
+                            x, tt["weight"], tt["weight_scale"], me, sc), wc)  # fmt: skip
                     record(method, proj, k, n, m, "small_m " + "/".join(map(str, c)), fn,
                            want, size, c)  # fmt: skip
                 if sweep:

@@ -68,6 +68,10 @@ def test_small_m_splits_k_until_the_grid_fills():
     # gate_up (N 28672): 896 tiles of 32 rows (K tiles of 128), already >= 264: not split
     assert small_m_config(1, 28672, 4096).block_k == 128
     assert split_of(28672, 4096, 132, small_m_config(1, 28672, 4096)) == (1, 4096)
+    # int4, qkv: 48 tiles of 128 rows, 32 K tiles of 128; up to 16 rows split until 264
+    # programs (8 ways: 384), above 16 until 132 (4 ways: 192)
+    assert split_of(6144, 4096, 132, small_m_config(4, 6144, 4096, "gptq")) == (8, 512)
+    assert split_of(6144, 4096, 132, small_m_config(32, 6144, 4096, "awq")) == (4, 1024)
     # each split keeps >= min_k_tiles K tiles: 4 K tiles split in 2, not 4
     assert split_of(64, 512, 132, SmallMConfig(64, 128, 2)) == (2, 256)
     # K tiles that do not divide evenly: 5 tiles split 4 ways is 2 a split, so 3 splits
@@ -77,14 +81,22 @@ def test_small_m_splits_k_until_the_grid_fills():
 
 def test_small_m_refuses_what_it_does_not_run():
     from sched_lab.backend.quant_gemv import small_m_gemm
-    from sched_lab.backend.quant_kernels import SMALL_M_MAX, small_m_supported
+    from sched_lab.backend.quant_kernels import SMALL_M_MAX, SmallMConfig, small_m_supported
 
     assert small_m_supported("fp8", SMALL_M_MAX, 128, 256)
     assert not small_m_supported("fp8", SMALL_M_MAX + 1, 128, 256)
     assert not small_m_supported("fp8", 1, 80, 256)  # N off the 32-row tiles
     assert not small_m_supported("fp8", 1, 128, 384)  # K off the K tiles of 256
     assert small_m_supported("fp8", 1, 16384, 384)  # a wide N: K tiles of 128
-    assert not small_m_supported("gptq", 1, 128, 256)
+    assert not small_m_supported("int4", 1, 128, 256)  # not a method
+    assert not small_m_supported("gptq", 1, 192, 256)  # N off the int4 tiles of 128 rows
+    assert small_m_supported("gptq", 1, 128, 256)
+    assert not small_m_supported("gptq", 1, 128, 256, group_size=64)  # K tile above the group
+    assert not small_m_supported("awq", 1, 128, 256, SmallMConfig(64, 64))  # dots of 8 inputs
+    spec, tensors = _quantized("gptq", 128, 256)
+    with pytest.raises(ValueError, match="takes fp8/int8"):
+        small_m_gemm(torch.zeros(1, 256, device=DEVICE), tensors["qweight"],
+                     tensors["scales"], "gptq")  # fmt: skip
     spec, tensors = _quantized("fp8", 80, 256)
     with pytest.raises(ValueError, match="N a multiple of 32"):
         small_m_gemm(torch.zeros(1, 256, device=DEVICE), tensors["weight"],
@@ -127,3 +139,73 @@ def test_fp8_quant_linear_runs_weight_only_up_to_the_small_m_threshold(monkeypat
     monkeypatch.setattr(ql, "FP8_SMALL_M_MAX_TOKENS", 0)  # the A/B switch: W8A8 again
     assert ql.gemm_path("fp8", 3) == "w8a8"
     assert torch.equal(layer(x), fp8_reference(x, layer.weight, layer.weight_scale))
+
+
+@needs_triton
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 17])
+def test_small_m_int4_matches_dequantized_reference(method, dtype, m):
+    from sched_lab.backend.quant_gemv import small_m_int4_gemm
+    from sched_lab.backend.quant_kernels import _COUNTERS, SmallMConfig, weight_only_reference
+
+    # N 128, K 512 in 4 groups of 128, K tiles of 128 (one group). On the interpreter's 4
+    # "SMs": 2 tiles of 64 rows, K split in 2 (2 K tiles each, the minimum); 4 tiles of 32
+    # rows split in 4 (min_k_tiles 1); 2 tiles not split (min_k_tiles 4); the default (one
+    # tile of 128 rows, split in 2)
+    n, k = 128, 512
+    spec, tensors = _quantized(method, n, k, repack=True)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)).to(DEVICE, dtype)
+    ref = weight_only_reference(x.half().to(dtype), tensors, spec)
+    for config in (SmallMConfig(64, 128, 2), SmallMConfig(32, 128, 4, min_k_tiles=1),
+                   SmallMConfig(64, 128, 1, min_k_tiles=4), None):  # fmt: skip
+        out = small_m_int4_gemm(x, tensors, spec, n, config)
+        assert out.shape == (m, n) and out.dtype == dtype
+        # float32: summation order only (outputs below 400 here); bf16: one ulp of the
+        # largest output (the interpreter truncates to 16 bits)
+        tol = 2e-4 if dtype == torch.float32 else ref.float().abs().max().item() * 2**-7
+        assert (out.float() - ref.float()).abs().max().item() <= tol
+    assert int(_COUNTERS[x.device].abs().sum()) == 0
+
+
+@needs_triton
+def test_small_m_int4_refuses_what_it_does_not_run():
+    from sched_lab.backend.quant_formats import QuantSpec
+    from sched_lab.backend.quant_gemv import small_m_int4_gemm
+    from sched_lab.backend.quant_kernels import SmallMConfig
+
+    x = torch.zeros(1, 256, device=DEVICE)
+    spec, tensors = _quantized("gptq", 128, 256, group=64)
+    with pytest.raises(ValueError, match="group 64"):  # K tiles of 128 across two groups
+        small_m_int4_gemm(x, tensors, spec, 128)
+    act = QuantSpec("gptq", 128, act_order=True)
+    spec, tensors = _quantized("gptq", 128, 256)
+    with pytest.raises(ValueError, match="act-order"):
+        small_m_int4_gemm(x, tensors, act, 128)
+    with pytest.raises(ValueError, match=r"K tile \(>= 128\)"):
+        small_m_int4_gemm(x, tensors, spec, 128, SmallMConfig(64, 64))
+    spec, tensors = _quantized("awq", 128, 256)  # the checkpoint's layout, not repacked
+    with pytest.raises(ValueError, match="repack"):
+        small_m_int4_gemm(x, tensors, spec, 128)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the kernels run in QuantLinear on CUDA only")
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_int4_quant_linear_runs_each_path_by_tokens_on_cuda(method):
+    from sched_lab.backend import quant_linear as ql
+    from sched_lab.backend.quant_formats import quantize_weight
+    from sched_lab.backend.quant_kernels import weight_only_reference
+
+    spec = QuantSpec(method)
+    layer = ql.QuantLinear(512, 256, False, spec).to(DEVICE)
+    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(7))
+    for name, t in quantize_weight(w, spec).items():
+        setattr(layer, name, t.to(DEVICE))
+    layer.repack_for_kernels()
+    for m, path in ((1, "gemv"), (2, "small_m"), (64, "small_m"), (65, "tiled")):
+        assert ql.gemm_path(method, m, shape=(256, 512)) == path
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+        x = x.to(torch.bfloat16)
+        ref = weight_only_reference(x, layer.tensors(), spec).float()
+        tol = ref.abs().max().item() * 2**-7  # one bf16 ulp of the largest output
+        assert (layer(x).float() - ref).abs().max().item() <= tol

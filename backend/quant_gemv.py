@@ -276,6 +276,30 @@ def quant_gemv(
 
 
 @triton.jit
+def _store_transposed(acc, Out, WS, CNT, M, N, stride_om, rm, rn, pid, split, NUM_SPLITS,
+                      SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """Write ``acc`` (BLOCK_N output columns rn, BLOCK_M rows rm) to Out[rm, rn] (rows below
+    M). SPLIT_K: store it as split ``split``'s partial in the float32 workspace WS (NUM_SPLITS,
+    M, N); the tile's last program (counted in CNT[pid], reset after) sums the partials in
+    split order and writes Out."""
+    o_mask = (rm < M)[None, :] & (rn < N)[:, None]
+    out_ptr = Out + rm[None, :] * stride_om + rn[:, None]
+    if not SPLIT_K:
+        tl.store(out_ptr, acc.to(Out.dtype.element_ty), mask=o_mask)
+    else:
+        ws = WS + rm[None, :] * N + rn[:, None]
+        tl.store(ws + split * M * N, acc, mask=o_mask)
+        tl.debug_barrier()  # every thread's partial is written before the count
+        arrived = tl.atomic_add(CNT + pid, 1, sem="acq_rel")
+        if arrived == NUM_SPLITS - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for i in range(NUM_SPLITS):
+                total += tl.load(ws + i * M * N, mask=o_mask, other=0.0, cache_modifier=".cv")
+            tl.store(out_ptr, total.to(Out.dtype.element_ty), mask=o_mask)
+            tl.atomic_xchg(CNT + pid, 0)
+
+
+@triton.jit
 def _small_m_kernel(
     X, W, S, Out, WS, CNT, M, N, K, stride_xm, stride_w, stride_om, K_PER_SPLIT, NUM_SPLITS,
     FP8: tl.constexpr, FP8_CVT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -312,21 +336,8 @@ def _small_m_kernel(
     if FP8 and not FP8_CVT:
         s = s * 256.0
     acc = acc * s[:, None]
-    o_mask = m_ok[None, :] & (rn < N)[:, None]
-    out_ptr = Out + rm[None, :] * stride_om + rn[:, None]
-    if not SPLIT_K:
-        tl.store(out_ptr, acc.to(Out.dtype.element_ty), mask=o_mask)
-    else:  # partial to the workspace; the tile's last program sums all, in split order
-        ws = WS + rm[None, :] * N + rn[:, None]
-        tl.store(ws + split * M * N, acc, mask=o_mask)
-        tl.debug_barrier()  # every thread's partial is written before the count
-        arrived = tl.atomic_add(CNT + pid, 1, sem="acq_rel")
-        if arrived == NUM_SPLITS - 1:
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for i in range(NUM_SPLITS):
-                total += tl.load(ws + i * M * N, mask=o_mask, other=0.0, cache_modifier=".cv")
-            tl.store(out_ptr, total.to(Out.dtype.element_ty), mask=o_mask)
-            tl.atomic_xchg(CNT + pid, 0)
+    _store_transposed(acc, Out, WS, CNT, M, N, stride_om, rm, rn, pid, split, NUM_SPLITS,
+                      SPLIT_K, BLOCK_N, BLOCK_M)  # fmt: skip
 
 
 def split_of(n: int, k: int, sms: int, c: SmallMConfig) -> tuple[int, int]:
@@ -445,21 +456,8 @@ def _small_m_int4_kernel(
             part = tl.dot(hi, x_hi, part)
         s = tl.load(S + g * stride_s0 + rn).to(tl.float32)
         acc += part * s[:, None]
-    o_mask = m_ok[None, :] & (rn < N)[:, None]
-    out_ptr = Out + rm[None, :] * stride_om + rn[:, None]
-    if not SPLIT_K:
-        tl.store(out_ptr, acc.to(Out.dtype.element_ty), mask=o_mask)
-    else:  # partial to the workspace; the tile's last program sums all, in split order
-        ws = WS + rm[None, :] * N + rn[:, None]
-        tl.store(ws + split * M * N, acc, mask=o_mask)
-        tl.debug_barrier()  # every thread's partial is written before the count
-        arrived = tl.atomic_add(CNT + pid, 1, sem="acq_rel")
-        if arrived == NUM_SPLITS - 1:
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for i in range(NUM_SPLITS):
-                total += tl.load(ws + i * M * N, mask=o_mask, other=0.0, cache_modifier=".cv")
-            tl.store(out_ptr, total.to(Out.dtype.element_ty), mask=o_mask)
-            tl.atomic_xchg(CNT + pid, 0)
+    _store_transposed(acc, Out, WS, CNT, M, N, stride_om, rm, rn, pid, split, NUM_SPLITS,
+                      SPLIT_K, BLOCK_N, BLOCK_M)  # fmt: skip
 
 
 def small_m_int4_gemm(

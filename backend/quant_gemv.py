@@ -1,6 +1,7 @@
 """Quantized GEMMs for decode-sized x: the GEMV (M <= GEMV_MAX_M rows, CUDA cores) and the
-swapped-operand tensor-core kernel of fp8/int8 weights (M <= SMALL_M_MAX, :func:`small_m_gemm`,
-described in its section below). Both stream the weight once from HBM.
+swapped-operand tensor-core kernels (M <= SMALL_M_MAX) of fp8/int8 weights
+(:func:`small_m_gemm`) and int4 weights (:func:`small_m_int4_gemm`), described in their
+sections below. All stream the weight once from HBM.
 
 The GEMV: y = x @ W.T on CUDA cores, the weight unpacked by bit moves.
 

@@ -3,6 +3,7 @@ every request arriving at t, whatever other requests arrived before."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from helpers import by_id, run
 
@@ -235,17 +236,56 @@ def test_the_step_recorder_expands_runs_of_repeats():
     rec.append_repeats(decode, [1.0, 2.0], [0.5, 0.5], [7, 8], [30, 31], [0, 0])  # 2, 3
     rec.append_repeat(decode, 3.0, 0.75, 9, 32, 1)  # 4: the same run
     rec.append(prefill, ["r"])  # 5
-    steps, ticks = rec.arrays()
-    assert rec.num_steps == 6 and ticks.tolist() == [1, 2, 3, 4, 5]
+    steps, ticks = rec.columns()
+    assert rec.num_steps == steps.num_steps == 6 and ticks.tolist() == [1, 2, 3, 4, 5]
+    assert steps.repeats.tolist() == [False, False, True, True, True, False]
     assert steps["time_s"].tolist() == [0.0, 0.0, 1.0, 2.0, 3.0, 0.0]
     assert steps["duration_s"].tolist() == [1.0, 10.0, 0.5, 0.5, 0.75, 1.0]
     assert steps["kv_used_blocks"].tolist() == [5, 50, 7, 8, 9, 5]
     assert steps["decode_context_tokens"].tolist() == [16, 160, 30, 31, 32, 16]
     assert steps["kv_cached_blocks"].tolist() == [19, 190, 0, 0, 1, 19]
     assert steps["num_waiting"].tolist() == [7, 70, 70, 70, 70, 7]
-    assert steps["num_waiting"].dtype.kind == "i" and steps["time_s"].dtype.kind == "f"
+    assert steps["num_waiting"].dtype == np.int64 and steps["time_s"].dtype == np.float64
+    assert list(steps) == list(STEP_COLUMNS) and len(steps) == len(STEP_COLUMNS)
     with pytest.raises(ValueError, match="the last whole row"):
         rec.append_repeat(decode, 4.0, 0.75, 9, 33, 1)  # step 5 was a prefill
+
+
+def test_step_columns_rows_are_slices_of_the_columns():
+    """StepColumns.rows(start, stop) equals every column made whole and sliced, value and
+    dtype, for every range (runs of repeats cut anywhere); a column set on it is kept as
+    given and comes last; ``dtype`` names a column's dtype without making it."""
+    from sched_lab.sim.records import STEP_COLUMNS, StepRecorder
+
+    rec = StepRecorder()
+    width = len(STEP_COLUMNS)
+    rows = [[float(100 * k + i) for i in range(width)] for k in range(4)]
+    rec.append(rows[0], ["r"])  # 0
+    rec.append_repeats(rows[0], [1.0, 2.0, 3.0], [0.25] * 3, [7, 8, 9], [30, 31, 32], [1, 2, 3])
+    rec.append(rows[1], [])  # 4
+    rec.append(rows[2], ["r"])  # 5
+    rec.append_repeat(rows[2], 6.0, 0.5, 11, 40, 4)  # 6
+    rec.append(rows[3], ["r"])  # 7
+    rec.append_repeats(rows[3], [8.0, 9.0], [0.75, 0.75], [12, 13], [41, 42], [5, 6])  # 8, 9
+    steps, ticks = rec.columns()
+    assert ticks.tolist() == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+    whole = {c: steps[c] for c in steps}
+    assert whole["time_s"].tolist() == [0.0, 1.0, 2.0, 3.0, 100.0, 200.0, 6.0, 300.0, 8.0, 9.0]
+    assert whole["num_running"].tolist() == [8, 8, 8, 8, 108, 208, 208, 308, 308, 308]
+    assert whole["kv_cached_blocks"].tolist() == [19, 1, 2, 3, 119, 219, 4, 319, 5, 6]
+    for start in range(11):
+        for stop in range(start, 11):
+            part = steps.rows(start, stop)
+            assert list(part) == list(STEP_COLUMNS)
+            for c in STEP_COLUMNS:
+                assert part[c].dtype == whole[c].dtype == steps.dtype(c), c
+                assert part[c].tolist() == whole[c][start:stop].tolist(), (c, start, stop)
+    steps.update({"num_accepted_tokens": np.arange(10)})
+    assert list(steps)[-1] == "num_accepted_tokens" and "num_accepted_tokens" in steps
+    assert steps.rows(3, 5)["num_accepted_tokens"].tolist() == [3, 4]
+    assert steps.dtype("num_accepted_tokens") == np.arange(1).dtype
+    with pytest.raises(KeyError):
+        steps["no_such_column"]
 
 
 def test_a_seeded_replica_is_priced_step_by_step():

@@ -67,7 +67,7 @@ def served_run(
         slo: the YAML's SLOs (``slo:`` as a dict), for goodput and attainment.
     """
     df, itl, chunk_ends = _table(run, rows, measured)
-    steps, ticks = StepRecorder().arrays()  # a served run has no engine steps
+    steps, ticks = StepRecorder().columns()  # a served run has no engine steps
     result = ReplayResult(rows, steps, ticks, wall_s)
     summary = {
         "policy": run.policy,

@@ -461,14 +461,14 @@ def _write_run_steps(f, run: Run, header: bool, rows: int = 1 << 17) -> bool:
     when ``header``; returns whether the header is still to come (the run had no step).
     Run after run, the same bytes as :func:`_steps_frame`'s ``to_csv(index=False,
     float_format=STEPS_FLOAT_FORMAT)``."""
-    n = len(run.result.steps["time_s"])
+    n = run.result.num_steps
     names = ["policy", "rate_scale", *_columns(run)]
     for start in range(0, n, rows):
-        stop = min(start + rows, n)
-        cells = _steps_cells(run, start, stop)
+        step_rows = run.result.step_rows(start, min(start + rows, n))
+        cells = _steps_cells(run, step_rows)
         if cells is None:  # a column type csv_text lacks: pandas writes the chunk
             cols = {"policy": run.policy, "rate_scale": run.rate_scale}
-            cols.update({c: run.result.steps[c][start:stop] for c in _columns(run)})
+            cols.update({c: step_rows[c] for c in _columns(run)})
             text = pd.DataFrame(cols).to_csv(
                 index=False, header=header, float_format=STEPS_FLOAT_FORMAT
             )
@@ -489,10 +489,11 @@ def _append_csv(path: Path, df: pd.DataFrame, header: bool) -> None:
         f.write(data)
 
 
-def _steps_cells(run: Run, start: int, stop: int) -> list | None:
-    """The csv_text cells of rows [start, stop) of a run's steps, its policy and rate_scale
-    first (each one value, as pandas broadcasts it); None if a column's type is not known."""
-    n = stop - start
+def _steps_cells(run: Run, step_rows: dict[str, np.ndarray]) -> list | None:
+    """The csv_text cells of ``step_rows`` (some rows of a run's step columns), the run's
+    policy and rate_scale first (each one value, as pandas broadcasts it); None if a
+    column's type is not known."""
+    n = len(step_rows["time_s"])
     cells = []
     for value in (np.array([run.policy], dtype=object), np.array([run.rate_scale])):
         one = csv_text.column_cells(value, STEPS_FLOAT_FORMAT)
@@ -500,7 +501,7 @@ def _steps_cells(run: Run, start: int, stop: int) -> list | None:
             return None
         cells.append((np.broadcast_to(one[0], (n, one[0].shape[1])), np.repeat(one[1], n)))
     for c in _columns(run):
-        col = csv_text.column_cells(run.result.steps[c][start:stop], STEPS_FLOAT_FORMAT)
+        col = csv_text.column_cells(step_rows[c], STEPS_FLOAT_FORMAT)
         if col is None:
             return None
         cells.append(col)

@@ -59,7 +59,7 @@ def events_frames(run, rows: int) -> Iterable[pd.DataFrame]:
 def _event_columns(run) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """The events' columns (EVENT_COLUMNS[2:]) in the order recorded, and the rows' order."""
     res = run.result
-    n_steps = len(res.steps["time_s"])
+    n_steps = res.num_steps
     parts = []  # column dicts (EVENT_COLUMNS[2:]) in the order recorded
     if res.events is not None:
         parts += [_log_rows(res.events, res.requests), _wait_rows(res.events)]

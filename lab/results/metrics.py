@@ -431,7 +431,7 @@ def summarize(
             else 0.0,
             "max_kv_cache_usage": float(kv_frac.max(initial=0.0)),
             "num_gpu_blocks": result.num_gpu_blocks,
-            "num_steps": int(len(steps["time_s"])),
+            "num_steps": result.num_steps,
             # Async scheduling: decode slots of requests whose last token was already sampled.
             "async_scheduling": result.async_scheduling,
             "num_wasted_tokens": int(steps["num_wasted_tokens"].sum()),

@@ -46,7 +46,7 @@ class Run:
         self.result = dataclasses.replace(
             res,
             requests=res.requests if keep else [],
-            steps={k: np.empty(0, v.dtype) for k, v in res.steps.items()},
+            steps=res.step_rows(0, 0),
             tick_steps=np.empty(0, np.int64),
             events=None if res.events is None else EventLog(),
         )

@@ -512,7 +512,7 @@ def _measure(
             summary["speculative"] = spec_metrics.run_summary(result.requests, spec)
             df = spec_metrics.add_request_columns(df, rows, spec.num_speculative_tokens)
         if ex.any_spec and not isinstance(result, ClusterResult):  # every run: one table
-            n = len(result.steps["time_s"])
+            n = result.num_steps
             result.steps.update(spec_metrics.step_columns(result, n))
         if cfg.trace.classes:  # per class and per tenant (lab/results/fairness.py)
             slos = fairness.class_slos(cfg.trace.classes, cfg.slo.to_dict())

@@ -443,7 +443,7 @@ def _replay(requests, spec, make_replica, kv_bytes_per_token, seed, check_invari
     wall = time.perf_counter() - t0
     results = []
     for rep in cluster.replicas:
-        steps, ticks = rep.recorder.arrays()
+        steps, ticks = rep.recorder.columns()
         blocks = rep.scheduler.block_manager.num_gpu_blocks
         results.append(ReplayResult(rep.requests, steps, ticks, wall, blocks, failure))
     return ClusterResult(

@@ -1,15 +1,17 @@
 """What a replay records: one row per step (``STEP_COLUMNS``) and the result of a replay.
 
-A :class:`StepRecorder` keeps the rows in a typed array (``array.array``, 8 bytes a value
-while the replay runs: a list would hold a Python object each) and makes them numpy
-columns once, at the end (:meth:`StepRecorder.arrays`).
+A :class:`StepRecorder` keeps the rows in typed arrays (``array.array``, 8 bytes a value
+while the replay runs: a list would hold a Python object each): each row once, and for a
+repeated decode step only the values that differ. At the end it hands them on as they are,
+as :class:`StepColumns`, which makes a numpy column when it is read
+(:meth:`StepRecorder.columns`).
 """
 
 from __future__ import annotations
 
 import functools
 from array import array
-from collections.abc import Collection
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,26 +51,24 @@ class StepRecorder:
     A row is kept whole (every column, flat in one float64 array: every count is exact there,
     below 2**53), or, for a step that repeats the last whole row but in
     :data:`REPEAT_COLUMNS` (a decode plan moved on by a tick, ``Scheduler.repeat_decodes``),
-    as those five values: 40 bytes a step, not 8 per column. :meth:`arrays` expands both
-    into ``columns``, float64 or int64.
+    as those five values: 40 bytes a step, not 8 per column. :meth:`columns` hands both on.
 
     Attributes:
         num_steps: rows appended so far.
     """
 
     def __init__(self, extra: tuple[str, ...] = ()) -> None:
-        self.columns = (*STEP_COLUMNS, *extra)  # ``extra``: e.g. LORA_COLUMNS
+        self.names = (*STEP_COLUMNS, *extra)  # ``extra``: e.g. LORA_COLUMNS
         self._values = array("d")  # the whole rows, one after the other
         self._ticks = array("q")  # the whole rows that ran a decode tick (repeats all do)
         self._repeated = tuple(array("d") for _ in REPEAT_COLUMNS)  # a column each
-        # Runs of steps in order: their count and the whole row they repeat (-1: whole rows).
-        self._run_len, self._run_template = array("q"), array("q")
+        # Per whole row: the steps it stands for (itself, then its repeats, which follow it).
+        self._copies = array("q")
         self._last: list[float] | None = None  # the last whole row
-        self._repeating = False  # whether the last run is one of repeats
         self.num_steps = 0
 
     def append(self, row: list[float], decodes: Collection[object]) -> None:
-        """Append one step's ``row`` (``len(self.columns)`` numbers in that order);
+        """Append one step's ``row`` (``len(self.names)`` numbers in that order);
         ``decodes``: the step's decodes (not empty: it ran a decode tick). Raises TypeError
         for a value that is not a number, appending nothing."""
         self._values.fromlist(row)  # (much faster than extend for a list)
@@ -76,12 +76,7 @@ class StepRecorder:
             self._ticks.append(self.num_steps)
         self.num_steps += 1
         self._last = row
-        if self._run_len and not self._repeating:
-            self._run_len[-1] += 1
-        else:
-            self._repeating = False
-            self._run_len.append(1)
-            self._run_template.append(-1)
+        self._copies.append(1)
 
     def append_repeat(
         self, row: list[float], time_s: float, duration_s: float, kv_used: int, context: int,
@@ -90,7 +85,7 @@ class StepRecorder:
         """Append a step that ran a decode tick and equals ``row``, the last row appended by
         :meth:`append` (unchanged since), but in :data:`REPEAT_COLUMNS`, whose values are
         given in order. Raises ValueError for another row."""
-        self._open_run(row, 1)
+        self._count_repeats(row, 1)
         time_c, duration_c, used_c, context_c, cached_c = self._repeated
         time_c.append(time_s)
         duration_c.append(duration_s)
@@ -101,45 +96,116 @@ class StepRecorder:
     def append_repeats(self, row: list[float], *columns: list[float] | list[int]) -> None:
         """:meth:`append_repeat` for several steps, each of the :data:`REPEAT_COLUMNS` given
         as a list of one value a step."""
-        self._open_run(row, len(columns[0]))
+        self._count_repeats(row, len(columns[0]))
         for column, values in zip(self._repeated, columns, strict=True):
             column.fromlist(values)
 
-    def _open_run(self, row: list[float], num_steps: int) -> None:
-        """Count ``num_steps`` more repeats of ``row`` (a run of its own unless the last)."""
+    def _count_repeats(self, row: list[float], num_steps: int) -> None:
+        """Count ``num_steps`` more repeats of ``row``, the last whole row."""
         if row is not self._last:
             raise ValueError("StepRecorder: a repeated step must repeat the last whole row")
-        if not self._repeating:
-            self._repeating = True
-            self._run_template.append(len(self._values) // len(self.columns) - 1)
-            self._run_len.append(0)
-        self._run_len[-1] += num_steps
+        self._copies[-1] += num_steps
         self.num_steps += num_steps
 
-    def arrays(self) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """The columns (contiguous copies) and, for each decode tick, the step that ran it."""
-        width, n = len(self.columns), self.num_steps
-        run_template = np.frombuffer(self._run_template, dtype=np.int64)
-        template = np.repeat(run_template, np.frombuffer(self._run_len, dtype=np.int64))
-        repeat = template >= 0
-        whole = np.frombuffer(self._values, dtype=np.float64).reshape(-1, width)
-        template = template[repeat]
-        repeated = dict(zip(REPEAT_COLUMNS, self._repeated))
-        steps = {}
-        for i, c in enumerate(self.columns):
-            if len(template):
-                column = np.empty(n)
-                column[~repeat] = whole[:, i]
-                if c in repeated:
-                    column[repeat] = np.frombuffer(repeated[c], dtype=np.float64)
-                else:
-                    column[repeat] = whole[template, i]
-            else:
-                column = whole[:, i]
-            steps[c] = column.astype(np.float64 if c in _FLOAT_COLUMNS else np.int64)
-        ticks = repeat.copy()
+    def columns(self) -> tuple[StepColumns, np.ndarray]:
+        """The records as :class:`StepColumns` (sharing the recorder's arrays: append no
+        more) and, for each decode tick, the step that ran it (int64)."""
+        steps = StepColumns(
+            self.names,
+            np.frombuffer(self._values, dtype=np.float64).reshape(-1, len(self.names)),
+            np.frombuffer(self._copies, dtype=np.int64),
+            {c: np.frombuffer(v, dtype=np.float64) for c, v in zip(REPEAT_COLUMNS, self._repeated)},
+        )
+        ticks = steps.repeats.copy()
         ticks[np.frombuffer(self._ticks, dtype=np.int64)] = True
         return steps, np.flatnonzero(ticks).astype(np.int64)
+
+
+class StepColumns(Mapping[str, np.ndarray]):
+    """A replay's step columns as recorded: ``steps[name]`` is one value a step, float64
+    (:data:`_FLOAT_COLUMNS`) or int64, made from the records on each read and not kept;
+    :meth:`rows` makes rows [start, stop) of every column. A column set on it
+    (``steps[name] = values``, :meth:`update`) is kept as given and read as it is.
+
+    Args:
+        names: the recorded columns, in order.
+        whole: (whole rows, ``len(names)``) float64: the rows recorded whole.
+        copies: (whole rows,) int64: the steps each whole row stands for, itself first, then
+            its repeats (at least 1).
+        repeated: for each of :data:`REPEAT_COLUMNS`, (repeats,) float64: its value in each
+            repeated step, in step order.
+
+    Attributes:
+        num_steps: the steps (the length of every column).
+        repeats: (num_steps,) bool: whether the step repeats the whole row before it.
+    """
+
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        whole: np.ndarray,
+        copies: np.ndarray,
+        repeated: dict[str, np.ndarray],
+    ) -> None:
+        self._index = {c: i for i, c in enumerate(names)}
+        self._whole, self._repeated = whole, repeated
+        # (num_steps,): the whole row each step is or repeats
+        self._source = np.repeat(np.arange(len(whole), dtype=np.int64), copies)
+        self.num_steps = len(self._source)
+        self.repeats = np.zeros(self.num_steps, dtype=bool)
+        self.repeats[1:] = self._source[1:] == self._source[:-1]
+        self._set: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self._set:
+            return self._set[name]
+        if name not in self._index:
+            raise KeyError(name)
+        return self._rows(name, 0, self.num_steps)
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._index
+        yield from (c for c in self._set if c not in self._index)
+
+    def __len__(self) -> int:
+        return len(self._index) + sum(c not in self._index for c in self._set)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index or name in self._set
+
+    def __setitem__(self, name: str, values: np.ndarray) -> None:
+        self._set[name] = values
+
+    def update(self, columns: Mapping[str, np.ndarray]) -> None:
+        """Set each of ``columns`` (:meth:`__setitem__`)."""
+        for name, values in columns.items():
+            self[name] = values
+
+    def dtype(self, name: str) -> np.dtype:
+        """The dtype of column ``name``, without making it."""
+        if name in self._set:
+            return self._set[name].dtype
+        if name not in self._index:
+            raise KeyError(name)
+        return np.dtype(np.float64 if name in _FLOAT_COLUMNS else np.int64)
+
+    def rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        """Rows [start, stop) of every column (``0 <= start <= stop <= num_steps``), in the
+        order of iteration."""
+        return {c: self._rows(c, start, stop) for c in self}
+
+    def _rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        if name in self._set:
+            return self._set[name][start:stop]
+        source = self._source[start:stop]
+        column = self._whole[source, self._index[name]]  # the whole rows' values
+        values = self._repeated.get(name)
+        if values is not None and len(source):
+            repeats = self.repeats[start:stop]
+            # repeats before ``start``: steps before it less the whole rows before it
+            first = start - int(self._source[start]) - int(self.repeats[start])
+            column[repeats] = values[first : first + int(np.count_nonzero(repeats))]
+        return column if name in _FLOAT_COLUMNS else column.astype(np.int64)
 
 
 @dataclass
@@ -148,7 +214,8 @@ class ReplayResult:
 
     Attributes:
         requests: every trace request in its final state (finished, rejected, aborted).
-        steps: per-step columns (``STEP_COLUMNS``), one array each; ``time_s`` is the
+        steps: per-step columns (``STEP_COLUMNS``), one array each (a replay's:
+            :class:`StepColumns`, a column made on each read); ``time_s`` is the
             step's start and ``kv_used_blocks`` the GPU blocks held while it runs (a
             block shared by several requests once). Prefix cache: ``num_cached_tokens``
             and ``num_cached_blocks`` found cached by the step's admissions,
@@ -169,7 +236,7 @@ class ReplayResult:
     """
 
     requests: list[Request]
-    steps: dict[str, np.ndarray]
+    steps: Mapping[str, np.ndarray]
     tick_steps: np.ndarray
     wall_s: float
     num_gpu_blocks: int = 0
@@ -183,6 +250,18 @@ class ReplayResult:
     def step_end_s(self) -> np.ndarray:
         """End time (seconds) of each step: when its sampled tokens exist."""
         return self.steps["time_s"] + self.steps["duration_s"]
+
+    @property
+    def num_steps(self) -> int:
+        """The steps recorded (the length of every column of ``steps``)."""
+        return len(self.step_end_s)
+
+    def step_rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        """Rows [start, stop) of every step column, in the order of ``steps`` (of
+        :class:`StepColumns`, without making the whole columns)."""
+        if isinstance(self.steps, StepColumns):
+            return self.steps.rows(start, stop)
+        return {c: v[start:stop] for c, v in self.steps.items()}
 
     def token_times(self, r: Request) -> np.ndarray:
         """Times (seconds) at which ``r`` received each of its output tokens."""
@@ -206,7 +285,7 @@ class ReplayResult:
         decode ticks since it last joined the decode batch (whose state is written back to
         it only when it leaves) and no token of a step that never ended (async scheduling
         plans a step ahead)."""
-        steps, ticks = len(self.steps["time_s"]), len(self.tick_steps)
+        steps, ticks = self.num_steps, len(self.tick_steps)
         n = sum(s < steps for s in r.prefill_token_steps)
         n += sum(max(min(b, ticks) - a, 0) for a, b in r.decode_segments)
         if r.join_tick >= 0:  # still in the decode batch when the run stopped

@@ -411,7 +411,7 @@ def _replay(
     env.process(loop.arrivals(requests))
     env.process(loop.run())
     failure = run_to_end(env, requests, [scheduler], lambda: loop.num_added, check_invariants)
-    steps, ticks = loop.recorder.arrays()
+    steps, ticks = loop.recorder.columns()
     return ReplayResult(
         requests,
         steps,

@@ -64,10 +64,15 @@ def _event_columns(run) -> tuple[dict[str, np.ndarray], np.ndarray]:
     if res.events is not None:
         parts += [_log_rows(res.events, res.requests), _wait_rows(res.events)]
     parts += _request_rows(res)
-    cols = {c: np.concatenate([p[c] for p in parts]) for c in EVENT_COLUMNS[2:]}
+    # column by column, each part's column let go once joined: one copy of the rows at a time
+    cols = {c: np.concatenate([p.pop(c) for p in parts]) for c in EVENT_COLUMNS[2:]}
     keep = cols["step"] < max(n_steps, 1)
-    cols = {c: v[keep] for c, v in cols.items()}
-    rank = _RANK[_EVENT_INDEX.get_indexer(cols["event"])]
+    if not keep.all():
+        for c in cols:
+            cols[c] = cols[c][keep]
+    rank = np.zeros(len(cols["event"]), dtype=np.int64)
+    for name, r in _EVENT_RANK.items():  # one comparison a name (faster than hashing each text)
+        rank[cols["event"] == name] = r
     order = np.lexsort((rank, cols["step"]))  # stable: the order recorded breaks ties
     return cols, order
 
@@ -186,9 +191,9 @@ def _request_rows(res) -> list[dict[str, np.ndarray]]:
     return [fin, dec]
 
 
-_EVENT_INDEX = pd.Index(["waited", "admitted", "swapped_in", "prefill", "decode", "preempted",
-                         "finished", "aborted"])  # fmt: skip
-_RANK = np.array([0, 1, 1, 2, 3, 4, 5, 5])  # within a step: waits, admission, chunk, ...
+# An event's rank within a step: waits, admission, chunk, decode, preemption, end.
+_EVENT_RANK = {"waited": 0, "admitted": 1, "swapped_in": 1, "prefill": 2, "decode": 3,
+               "preempted": 4, "finished": 5, "aborted": 5}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- segments

@@ -97,6 +97,29 @@ def test_no_slo_means_no_goodput_as_in_vllm():
     assert v["metric_percentiles"] == "50,90,99,99.9"
 
 
+def test_peak_output_rate_in_parts_is_the_whole_runs():
+    """The busiest second from the first arrival: 3 decode tokens and a first token in
+    second 1 (4), against 3 in second 0 (a step ending before the first arrival counts
+    there); the steps binned 1, 2 or all at a time give the same."""
+    import numpy as np
+    import pandas as pd
+
+    from sched_lab.results.vllm_result import peak_output_rate
+
+    df = pd.DataFrame({"arrival_s": [0.5, 0.7], "first_token_s": [0.9, 1.6]})
+    ends, tokens = np.array([0.2, 0.6, 1.8, 2.0, 2.9]), np.array([1.0, 1.0, 2.0, 1.0, 1.0])
+    # from 0.5: ends -0.3 (second 0), 0.1 (0), 1.3 (1), 1.5 (1), 2.4 (2); firsts 0.4, 1.1
+    for rows in (1, 2, 5, 1 << 20):
+        assert peak_output_rate(df, ends, tokens, rows) == 4.0
+    rng = np.random.default_rng(7)
+    ends = np.sort(rng.uniform(0.0, 50.0, 1000))
+    tokens = rng.integers(0, 300, 1000).astype(float)
+    df = pd.DataFrame({"arrival_s": [0.0, 3.0], "first_token_s": [1.5, np.nan]})
+    seconds = np.concatenate([ends.astype(np.int64), [1]])
+    expected = np.bincount(seconds, np.concatenate([tokens, [1.0]])).max()
+    assert [peak_output_rate(df, ends, tokens, rows) for rows in (7, 100, 1000)] == [expected] * 3
+
+
 def test_date_is_vllms_format_and_reproducible(monkeypatch):
     monkeypatch.setenv("TZ", "UTC")
     time.tzset()

@@ -58,20 +58,32 @@ def tail_points(
     return np.array([np.append(above, 1.0 / len(v)), np.append(q, v.max())])
 
 
-def peak_output_rate(df: pd.DataFrame, step_end_s, num_decode_tokens) -> float:
+def peak_output_rate(df: pd.DataFrame, step_end_s, num_decode_tokens, rows: int = 1 << 20) -> float:
     """Output tokens in the busiest whole second, counted from the first arrival (vLLM's
-    1-second buckets): decode tokens at their steps' ends plus each first token."""
+    1-second buckets): decode tokens (whole numbers) at their steps' ends plus each first
+    token. Steps are binned ``rows`` at a time: the temporaries are a part's, not the run's."""
     start = float(np.nanmin(df["arrival_s"])) if len(df) else 0.0
-    ends = np.asarray(step_end_s, dtype=float) - start
+    ends = np.asarray(step_end_s, dtype=float)
+    tokens = np.asarray(num_decode_tokens, dtype=float)
     first = df["first_token_s"].to_numpy(dtype=float) - start
     first = first[np.isfinite(first)]
     if not len(ends) and not len(first):
         return 0.0
-    # sparse 1-second bins: a run may span more simulated seconds than memory holds
-    sec = np.concatenate([ends, first]).astype(np.int64).clip(0)
-    weight = np.concatenate([np.asarray(num_decode_tokens, dtype=float), np.ones(len(first))])
+    # sparse 1-second bins (a run may span more simulated seconds than memory holds), summed
+    # part by part, then the parts' sums: whole numbers, so exact in any grouping
+    parts = [_per_second(ends[lo : lo + rows] - start, tokens[lo : lo + rows])
+             for lo in range(0, len(ends), rows)]  # fmt: skip
+    parts.append(_per_second(first, np.ones(len(first))))
+    bins, sums = (np.concatenate(x) for x in zip(*parts))
+    return float(_per_second(bins, sums)[1].max())
+
+
+def _per_second(times_s: np.ndarray, amount: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(whole seconds that hold a time, ``amount`` summed over each), for times in seconds
+    (negative ones count in second 0)."""
+    sec = times_s.astype(np.int64).clip(0)
     bins, where = np.unique(sec, return_inverse=True)
-    return float(np.bincount(where, weight, len(bins)).max())
+    return bins, np.bincount(where, amount, len(bins))
 
 
 def peak_concurrency(df: pd.DataFrame) -> int:

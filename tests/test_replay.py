@@ -260,6 +260,8 @@ def test_step_columns_rows_are_slices_of_the_columns():
     rec = StepRecorder()
     width = len(STEP_COLUMNS)
     rows = [[float(100 * k + i) for i in range(width)] for k in range(4)]
+    rows[2][STEP_COLUMNS.index("num_prefill_tokens")] = 2.0**40  # kept as int64
+    rows[3][STEP_COLUMNS.index("num_seqs")] = -70_000.0  # int32
     rec.append(rows[0], ["r"])  # 0
     rec.append_repeats(rows[0], [1.0, 2.0, 3.0], [0.25] * 3, [7, 8, 9], [30, 31, 32], [1, 2, 3])
     rec.append(rows[1], [])  # 4
@@ -273,6 +275,8 @@ def test_step_columns_rows_are_slices_of_the_columns():
     assert whole["time_s"].tolist() == [0.0, 1.0, 2.0, 3.0, 100.0, 200.0, 6.0, 300.0, 8.0, 9.0]
     assert whole["num_running"].tolist() == [8, 8, 8, 8, 108, 208, 208, 308, 308, 308]
     assert whole["kv_cached_blocks"].tolist() == [19, 1, 2, 3, 119, 219, 4, 319, 5, 6]
+    assert whole["num_prefill_tokens"].tolist() == [2, 2, 2, 2, 102, 2**40, 2**40, 302, 302, 302]
+    assert whole["num_seqs"].tolist()[-3:] == [-70_000] * 3
     for start in range(11):
         for stop in range(start, 11):
             part = steps.rows(start, stop)
@@ -286,6 +290,25 @@ def test_step_columns_rows_are_slices_of_the_columns():
     assert steps.dtype("num_accepted_tokens") == np.arange(1).dtype
     with pytest.raises(KeyError):
         steps["no_such_column"]
+
+
+def test_a_recorded_column_is_kept_in_the_narrowest_type_that_holds_it():
+    """Integer columns: int8, int16, int32 or int64 by their range, read back as
+    ``astype(np.int64)`` of the float64 values; float columns stay float64."""
+    from sched_lab.sim.records import _narrow
+
+    def kept(values: list[float], name: str = "num_seqs") -> tuple[str, list]:
+        v = np.array(values, dtype=np.float64)
+        out = _narrow(name, v)
+        assert out.astype(np.int64).tolist() == v.astype(np.int64).tolist() or name == "time_s"
+        return out.dtype.name, out.tolist()
+
+    assert kept([0.0, 127.0, -128.0]) == ("int8", [0, 127, -128])
+    assert kept([0.0, 128.0]) == ("int16", [0, 128])
+    assert kept([-32769.0, 5.0]) == ("int32", [-32769, 5])
+    assert kept([0.0, 2.0**31]) == ("int64", [0, 2**31])
+    assert kept([]) == ("int64", [])
+    assert kept([0.5, 2.0**40], "time_s") == ("float64", [0.5, 2.0**40])
 
 
 def test_a_seeded_replica_is_priced_step_by_step():

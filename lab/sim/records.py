@@ -108,17 +108,37 @@ class StepRecorder:
         self.num_steps += num_steps
 
     def columns(self) -> tuple[StepColumns, np.ndarray]:
-        """The records as :class:`StepColumns` (sharing the recorder's arrays: append no
-        more) and, for each decode tick, the step that ran it (int64)."""
+        """The records as :class:`StepColumns`, each column kept in the narrowest type that
+        holds it (:func:`_narrow`), and, for each decode tick, the step that ran it (int64).
+        The recorder hands its records on: it is empty afterwards (append no more)."""
+        whole = np.frombuffer(self._values, dtype=np.float64).reshape(-1, len(self.names))
+        repeated = zip(REPEAT_COLUMNS, self._repeated)
         steps = StepColumns(
-            self.names,
-            np.frombuffer(self._values, dtype=np.float64).reshape(-1, len(self.names)),
+            {c: _narrow(c, whole[:, i]) for i, c in enumerate(self.names)},
             np.frombuffer(self._copies, dtype=np.int64),
-            {c: np.frombuffer(v, dtype=np.float64) for c, v in zip(REPEAT_COLUMNS, self._repeated)},
+            {c: _narrow(c, np.frombuffer(v, dtype=np.float64)) for c, v in repeated},
         )
         ticks = steps.repeats.copy()
         ticks[np.frombuffer(self._ticks, dtype=np.int64)] = True
+        del whole
+        self._values, self._copies, self._ticks = array("d"), array("q"), array("q")
+        self._repeated = tuple(array("d") for _ in REPEAT_COLUMNS)
         return steps, np.flatnonzero(ticks).astype(np.int64)
+
+
+def _narrow(name: str, values: np.ndarray) -> np.ndarray:
+    """A recorded column (float64) as :class:`StepColumns` keeps it: float64 for
+    :data:`_FLOAT_COLUMNS` (contiguous), else the first of int8, int16, int32 and int64 whose
+    range holds it (its values then read back as int64 are ``values.astype(np.int64)``)."""
+    if name in _FLOAT_COLUMNS:
+        return np.ascontiguousarray(values)
+    if len(values):
+        lo, hi = values.min(), values.max()
+        for kind in (np.int8, np.int16, np.int32):
+            info = np.iinfo(kind)
+            if info.min <= lo and hi <= info.max:
+                return values.astype(kind)
+    return values.astype(np.int64)
 
 
 class StepColumns(Mapping[str, np.ndarray]):
@@ -128,12 +148,12 @@ class StepColumns(Mapping[str, np.ndarray]):
     (``steps[name] = values``, :meth:`update`) is kept as given and read as it is.
 
     Args:
-        names: the recorded columns, in order.
-        whole: (whole rows, ``len(names)``) float64: the rows recorded whole.
+        whole: for each recorded column, in order, (whole rows,): its value in each row
+            recorded whole (float64 for :data:`_FLOAT_COLUMNS`, else any integer type).
         copies: (whole rows,) int64: the steps each whole row stands for, itself first, then
             its repeats (at least 1).
-        repeated: for each of :data:`REPEAT_COLUMNS`, (repeats,) float64: its value in each
-            repeated step, in step order.
+        repeated: for each of :data:`REPEAT_COLUMNS`, (repeats,): its value in each repeated
+            step, in step order (types as in ``whole``).
 
     Attributes:
         num_steps: the steps (the length of every column).
@@ -141,16 +161,12 @@ class StepColumns(Mapping[str, np.ndarray]):
     """
 
     def __init__(
-        self,
-        names: tuple[str, ...],
-        whole: np.ndarray,
-        copies: np.ndarray,
-        repeated: dict[str, np.ndarray],
+        self, whole: dict[str, np.ndarray], copies: np.ndarray, repeated: dict[str, np.ndarray]
     ) -> None:
-        self._index = {c: i for i, c in enumerate(names)}
         self._whole, self._repeated = whole, repeated
         # (num_steps,): the whole row each step is or repeats
-        self._source = np.repeat(np.arange(len(whole), dtype=np.int64), copies)
+        rows = np.arange(len(copies), dtype=np.int32 if len(copies) < 2**31 else np.int64)
+        self._source = np.repeat(rows, copies)
         self.num_steps = len(self._source)
         self.repeats = np.zeros(self.num_steps, dtype=bool)
         self.repeats[1:] = self._source[1:] == self._source[:-1]
@@ -159,19 +175,19 @@ class StepColumns(Mapping[str, np.ndarray]):
     def __getitem__(self, name: str) -> np.ndarray:
         if name in self._set:
             return self._set[name]
-        if name not in self._index:
+        if name not in self._whole:
             raise KeyError(name)
         return self._rows(name, 0, self.num_steps)
 
     def __iter__(self) -> Iterator[str]:
-        yield from self._index
-        yield from (c for c in self._set if c not in self._index)
+        yield from self._whole
+        yield from (c for c in self._set if c not in self._whole)
 
     def __len__(self) -> int:
-        return len(self._index) + sum(c not in self._index for c in self._set)
+        return len(self._whole) + sum(c not in self._whole for c in self._set)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._index or name in self._set
+        return name in self._whole or name in self._set
 
     def __setitem__(self, name: str, values: np.ndarray) -> None:
         self._set[name] = values
@@ -185,7 +201,7 @@ class StepColumns(Mapping[str, np.ndarray]):
         """The dtype of column ``name``, without making it."""
         if name in self._set:
             return self._set[name].dtype
-        if name not in self._index:
+        if name not in self._whole:
             raise KeyError(name)
         return np.dtype(np.float64 if name in _FLOAT_COLUMNS else np.int64)
 
@@ -198,14 +214,16 @@ class StepColumns(Mapping[str, np.ndarray]):
         if name in self._set:
             return self._set[name][start:stop]
         source = self._source[start:stop]
-        column = self._whole[source, self._index[name]]  # the whole rows' values
+        column = self._whole[name][source]  # the whole rows' values
+        if name not in _FLOAT_COLUMNS:
+            column = column.astype(np.int64, copy=False)
         values = self._repeated.get(name)
         if values is not None and len(source):
             repeats = self.repeats[start:stop]
             # repeats before ``start``: steps before it less the whole rows before it
             first = start - int(self._source[start]) - int(self.repeats[start])
             column[repeats] = values[first : first + int(np.count_nonzero(repeats))]
-        return column if name in _FLOAT_COLUMNS else column.astype(np.int64)
+        return column
 
 
 @dataclass

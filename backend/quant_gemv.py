@@ -1,7 +1,8 @@
 """Quantized GEMMs for decode-sized x: the GEMV (M <= GEMV_MAX_M rows, CUDA cores) and the
-swapped-operand tensor-core kernels (M <= SMALL_M_MAX) of fp8/int8 weights
-(:func:`small_m_gemm`) and int4 weights (:func:`small_m_int4_gemm`), described in their
-sections below. All stream the weight once from HBM.
+swapped-operand tensor-core kernels of fp8/int8 weights (:func:`small_m_gemm`, M <=
+SMALL_M_MAX) and int4 weights (:func:`small_m_int4_gemm`, any M in token tiles), described in
+their sections below; and, for int4 steps too large for those, :func:`dequant_int4_matmul`
+(the weight dequantized for cuBLAS). The kernels stream the weight once from HBM.
 
 The GEMV: y = x @ W.T on CUDA cores, the weight unpacked by bit moves.
 
@@ -43,6 +44,7 @@ import triton.language as tl
 from sched_lab.backend.attention.triton_backend import interpreting
 from sched_lab.backend.quant_formats import QuantSpec, awq_is_repacked
 from sched_lab.backend.quant_kernels import (
+    MAX_TILES,
     SMALL_M_MAX,
     SmallMConfig,
     small_m_config,
@@ -341,10 +343,11 @@ def _small_m_kernel(
                       SPLIT_K, BLOCK_N, BLOCK_M)  # fmt: skip
 
 
-def split_of(n: int, k: int, sms: int, c: SmallMConfig) -> tuple[int, int]:
-    """(splits, k_per_split): K split in powers of 2 while the grid has fewer than
-    ``c.split_sms * sms`` programs and each split keeps >= ``c.min_k_tiles`` K tiles."""
-    tiles, k_tiles = n // c.block_n, k // c.block_k
+def split_of(n: int, k: int, sms: int, c: SmallMConfig, m_tiles: int = 1) -> tuple[int, int]:
+    """(splits, k_per_split): K split in powers of 2 while the grid (``m_tiles`` token tiles
+    of ``n // c.block_n`` output tiles) has fewer than ``c.split_sms * sms`` programs and
+    each split keeps >= ``c.min_k_tiles`` K tiles."""
+    tiles, k_tiles = m_tiles * (n // c.block_n), k // c.block_k
     split = 1
     while tiles * split < c.split_sms * sms and k_tiles >= split * 2 * c.min_k_tiles:
         split *= 2
@@ -416,6 +419,35 @@ def small_m_gemm(
 # or faster (by up to 18%) than three others: one mask per nibble; the zero point taken off
 # after the dot ((1024 + zero) * sum(x)); the tile unpacked whole by a reshape, one dot a
 # tile (up to 2x slower).
+#
+# More tokens than BLOCK_M run as token tiles (a grid axis, the fastest: the token tiles of
+# a weight tile run together and the L2 serves its re-reads). Gathering x's columns 8 apart
+# wastes most of each 32-byte sector; with X_LAYOUT 1 the caller permutes x within each K
+# tile (8r + j -> ROWS j + r) so that nibble j meets ROWS contiguous inputs: 0.83-0.91x the
+# time from 32 to 128 tokens (BENCHMARKS.md, 2026-12-06, evening). Past ~128 tokens the
+# unpacking, repeated for every token tile, costs more than dequantizing the weight once
+# for cuBLAS (:func:`dequant_int4_matmul`).
+
+
+@triton.jit
+def _int4_pair_dots(part, words, zf, x_lo, x_hi, J: tl.constexpr):
+    """``part`` + the dots of nibbles J and J + 4 of ``words`` (BLOCK_N, ROWS), less the
+    zeros ``zf`` (float16 1024 + zero, per row), with x_lo / x_hi (ROWS, BLOCK_M) float16."""
+    v = ((words >> (4 * J)) & 0x000F000F) | 0x64006400  # both nibbles by one mask
+    lo = v.to(tl.int16).to(tl.float16, bitcast=True) - zf[:, None]
+    hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True) - zf[:, None]
+    part = tl.dot(lo, x_lo, part)
+    return tl.dot(hi, x_hi, part)
+
+
+@triton.jit
+def _int4_pair_tiles(words, zf, J: tl.constexpr):
+    """Nibbles J and J + 4 of ``words`` (BLOCK_N, ROWS) less the zeros ``zf``, float16,
+    joined: (BLOCK_N, ROWS, 2)."""
+    v = ((words >> (4 * J)) & 0x000F000F) | 0x64006400
+    lo = v.to(tl.int16).to(tl.float16, bitcast=True) - zf[:, None]
+    hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True) - zf[:, None]
+    return tl.join(lo, hi)
 
 
 @triton.jit
@@ -424,20 +456,29 @@ def _small_m_int4_kernel(
     stride_om, K_PER_SPLIT, NUM_SPLITS,
     ZERO_PLUS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    X_LAYOUT: tl.constexpr,
 ):  # fmt: skip
-    """Out[m, n] = sum_k X[m, k] (q[k, n] - z[g(k), n]) s[g(k), n] for m < M; program (n tile,
-    split) covers K_PER_SPLIT of K. N is a multiple of BLOCK_N, K of BLOCK_K, BLOCK_K divides
-    GROUP and is at least 128 (the caller checks)."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
+    """Out[m, n] = sum_k X[m, k] (q[k, n] - z[g(k), n]) s[g(k), n] for m < M; program (token
+    tile, n tile, split) covers BLOCK_M tokens and K_PER_SPLIT of K (the token tiles of one
+    weight tile run one after the other: it is read from HBM once while the L2 holds it). N
+    is a multiple of BLOCK_N, K of BLOCK_K, BLOCK_K divides GROUP and is at least 128 (the
+    caller checks). X_LAYOUT (how a K tile's inputs k0 + 8r + j meet nibble j of word row r):
+    0, X as given, gathered 8 apart; 1, X permuted by the caller within each K tile to
+    k0 + ROWS j + r (16 contiguous inputs a nibble); 2, X as given, one load of the tile
+    split into nibbles in registers; 3, the nibbles joined into the tile in registers, one
+    dot."""
+    pid_m = tl.program_id(0)
+    pid = tl.program_id(1)
+    split = tl.program_id(2)
     ROWS: tl.constexpr = BLOCK_K // 8
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rr = tl.arange(0, ROWS)
     m_ok = rm < M
     col_shift = (rn % 8) * 4
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    x_rows = X + rm[None, :] * stride_xm
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         words = tl.load(QW + (k0 // 8 + rr)[None, :] * stride_qw0 + rn[:, None])
@@ -445,19 +486,51 @@ def _small_m_int4_kernel(
         z = ((tl.load(QZ + g * stride_qz0 + rn // 8) >> col_shift) & 0xF) + ZERO_PLUS
         zf = (z | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + zero
         part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for j in tl.static_range(4):  # nibbles j and j + 4 of every word, by one mask
-            v = ((words >> (4 * j)) & 0x000F000F) | 0x64006400
-            lo = v.to(tl.int16).to(tl.float16, bitcast=True) - zf[:, None]
-            hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True) - zf[:, None]
-            x_lo = tl.load(X + rm[None, :] * stride_xm + (k0 + rr * 8 + j)[:, None],
-                           mask=m_ok[None, :], other=0.0).to(tl.float16)  # fmt: skip
-            x_hi = tl.load(X + rm[None, :] * stride_xm + (k0 + rr * 8 + j + 4)[:, None],
-                           mask=m_ok[None, :], other=0.0).to(tl.float16)  # fmt: skip
-            part = tl.dot(lo, x_lo, part)
-            part = tl.dot(hi, x_hi, part)
+        if X_LAYOUT == 3:
+            # the 8 nibbles joined back into the tile's natural order (column 8 r + j of
+            # word row r's nibble j: a join adds the minor axis, so j's bits are joined from
+            # the major one, b2 = lo/hi, down), one dot of BLOCK_K inputs against x as given
+            p0 = _int4_pair_tiles(words, zf, 0)
+            p1 = _int4_pair_tiles(words, zf, 1)
+            p2 = _int4_pair_tiles(words, zf, 2)
+            p3 = _int4_pair_tiles(words, zf, 3)
+            w = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (BLOCK_N, BLOCK_K))
+            rk = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(x_rows + rk[:, None], mask=m_ok[None, :], other=0.0)
+            part = tl.dot(w, xt.to(tl.float16), part)
+        elif X_LAYOUT == 2:
+            r8 = tl.arange(0, 8)
+            xt = tl.load(X + rm[:, None, None] * stride_xm + (k0 + rr * 8)[None, :, None]
+                         + r8[None, None, :], mask=m_ok[:, None, None], other=0.0)  # fmt: skip
+            # (BLOCK_M, ROWS, 8) as (.., b2, b1, b0) of j = 4 b2 + 2 b1 + b0: split off b0,
+            # then b1, then b2
+            even, odd = tl.split(tl.reshape(xt.to(tl.float16), (BLOCK_M, ROWS, 2, 2, 2)))
+            e0, e1 = tl.split(even)
+            o0, o1 = tl.split(odd)
+            x0, x4 = tl.split(e0)
+            x2, x6 = tl.split(e1)
+            x1, x5 = tl.split(o0)
+            x3, x7 = tl.split(o1)
+            part = _int4_pair_dots(part, words, zf, tl.trans(x0), tl.trans(x4), 0)
+            part = _int4_pair_dots(part, words, zf, tl.trans(x1), tl.trans(x5), 1)
+            part = _int4_pair_dots(part, words, zf, tl.trans(x2), tl.trans(x6), 2)
+            part = _int4_pair_dots(part, words, zf, tl.trans(x3), tl.trans(x7), 3)
+        else:
+            for j in tl.static_range(4):  # nibbles j and j + 4 of every word
+                if X_LAYOUT == 1:
+                    k_lo = k0 + j * ROWS + rr
+                    k_hi = k_lo + 4 * ROWS
+                else:
+                    k_lo = k0 + rr * 8 + j
+                    k_hi = k_lo + 4
+                x_lo = tl.load(x_rows + k_lo[:, None], mask=m_ok[None, :], other=0.0)
+                x_hi = tl.load(x_rows + k_hi[:, None], mask=m_ok[None, :], other=0.0)
+                part = _int4_pair_dots(part, words, zf, x_lo.to(tl.float16),
+                                       x_hi.to(tl.float16), j)  # fmt: skip
         s = tl.load(S + g * stride_s0 + rn).to(tl.float32)
         acc += part * s[:, None]
-    _store_transposed(acc, Out, WS, CNT, M, N, stride_om, rm, rn, pid, split, NUM_SPLITS,
+    tile = pid_m * tl.num_programs(1) + pid  # the output tile's split-K counter
+    _store_transposed(acc, Out, WS, CNT, M, N, stride_om, rm, rn, tile, split, NUM_SPLITS,
                       SPLIT_K, BLOCK_N, BLOCK_M)  # fmt: skip
 
 
@@ -468,8 +541,9 @@ def small_m_int4_gemm(
     out_features: int,
     config: SmallMConfig | None = None,
 ) -> torch.Tensor:
-    """x (M <= SMALL_M_MAX, K) bf16/fp16/fp32 @ W.T for a gptq or awq (repacked) W without
-    act-order: (M, N) in x's dtype, x multiplied in float16 as in :func:`small_m_gemm`.
+    """x (M, K) bf16/fp16/fp32 @ W.T for a gptq or awq (repacked) W without act-order: (M, N)
+    in x's dtype, x multiplied in float16 as in :func:`small_m_gemm`; M above
+    ``config.block_m`` in token tiles of that many.
     ``config``: :func:`small_m_config`'s when None. Raises ValueError for what
     :func:`small_m_supported` refuses or AWQ tensors in the checkpoint layout. The first call
     on a device must not be inside a CUDA graph capture (the split-K counters are made
@@ -484,25 +558,87 @@ def small_m_int4_gemm(
         raise ValueError(
             f"small_m_int4_gemm: {spec.method} M={m} N={n} K={k} group {spec.group_size}"
             f"{' act-order' if spec.act_order else ''}; takes gptq/awq without act-order, "
-            f"M <= {SMALL_M_MAX}, N a multiple of {c.block_n}, K of {c.block_k}, the K tile "
-            "(>= 128) dividing the group"
+            f"N a multiple of {c.block_n}, K of {c.block_k}, the K tile (>= 128) dividing the "
+            "group, token tiles (block_m) a power of 2 from 16 to 256"
         )
     if spec.method == "awq" and not awq_is_repacked(tensors):
         raise ValueError("small_m_int4_gemm: awq tensors in the checkpoint layout; "
                          "repack them with quant_formats.repack_awq first")  # fmt: skip
     qw, qz, s = tensors["qweight"], tensors["qzeros"], tensors["scales"]
-    splits, k_per_split = split_of(n, k, _num_sms(x.device), c)
+    if c.x_layout == 1:  # k0 + 8 r + j -> k0 + ROWS j + r within each K tile
+        x = x.view(m, k // c.block_k, c.block_k // 8, 8).transpose(2, 3).reshape(m, k)
+    block_m = min(max(16, triton.next_power_of_2(m)), c.block_m)
+    m_tiles = triton.cdiv(m, block_m)
+    splits, k_per_split = split_of(n, k, _num_sms(x.device), c, m_tiles)
+    if splits > 1 and m_tiles * (n // c.block_n) > MAX_TILES:
+        raise ValueError(f"small_m_int4_gemm: {m_tiles * (n // c.block_n)} tiles; split K "
+                         f"allows {MAX_TILES}")  # fmt: skip
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if splits > 1:
         ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
         counters = _split_counters(x.device)
     else:
         ws = counters = out
-    _small_m_int4_kernel[(n // c.block_n, splits)](
+    _small_m_int4_kernel[(m_tiles, n // c.block_n, splits)](
         x, qw, qz, s, out, ws, counters, m, n, k, x.stride(0), qw.stride(0), qz.stride(0),
         s.stride(0), out.stride(0), k_per_split, splits,
         ZERO_PLUS=1 if spec.method == "gptq" else 0, GROUP=spec.group_size,
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        SPLIT_K=splits > 1, num_warps=c.num_warps, num_stages=c.num_stages,
+        BLOCK_M=block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        SPLIT_K=splits > 1, X_LAYOUT=c.x_layout, num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
     return out
+
+
+# ------------------------------------------------- int4 dequantized for a cuBLAS GEMM
+@triton.jit
+def _dequant_int4_kernel(
+    QW, QZ, S, Out, N, stride_qw0, stride_qz0, stride_s0, stride_o0,
+    ZERO_PLUS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Out[k, n] = (q[k, n] - z[g(k), n]) s[g(k), n] for word rows [ROWS pid_k, +ROWS) (8 k
+    each, inside one group) and columns [BLOCK_N pid_n, +BLOCK_N)."""
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rr = pid_k * ROWS + tl.arange(0, ROWS)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    words = tl.load(QW + rr[:, None] * stride_qw0 + rn[None, :], mask=n_ok[None, :], other=0)
+    g = (pid_k * ROWS * 8) // GROUP
+    z = (tl.load(QZ + g * stride_qz0 + rn // 8, mask=n_ok, other=0) >> ((rn % 8) * 4)) & 0xF
+    z = (z + ZERO_PLUS).to(tl.float32)
+    s = tl.load(S + g * stride_s0 + rn, mask=n_ok, other=0.0).to(tl.float32)
+    for j in tl.static_range(8):
+        q = ((words >> (4 * j)) & 0xF).to(tl.float32)
+        w = (q - z[None, :]) * s[None, :]
+        tl.store(Out + (rr * 8 + j)[:, None] * stride_o0 + rn[None, :],
+                 w.to(Out.dtype.element_ty), mask=n_ok[None, :])  # fmt: skip
+
+
+def dequant_int4_matmul(
+    x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: QuantSpec, out_features: int
+) -> torch.Tensor:
+    """x (M, K) @ W.T for a gptq or awq (repacked) W without act-order by a dequantized copy
+    of W (K, N) in x's dtype, made for this call and freed after it, and torch.matmul (cuBLAS
+    on CUDA): what vLLM's AWQ layer does from 256 tokens (awq.py, ``FP16_MATMUL_HEURISTIC``).
+    Raises ValueError for act-order, an unrepacked AWQ, or a group or K that is not a
+    multiple of 128."""
+    k = tensors["qweight"].shape[0] * 8
+    if spec.act_order or spec.group_size % 128 or k % 128 or x.shape[1] != k:
+        raise ValueError(
+            f"dequant_int4_matmul: {spec.method} K={k} group {spec.group_size}"
+            f"{' act-order' if spec.act_order else ''}, x {tuple(x.shape)}; takes gptq/awq "
+            "without act-order, K and the group multiples of 128, x (M, K)"
+        )
+    if spec.method == "awq" and not awq_is_repacked(tensors):
+        raise ValueError("dequant_int4_matmul: awq tensors in the checkpoint layout; "
+                         "repack them with quant_formats.repack_awq first")  # fmt: skip
+    qw, qz, s = tensors["qweight"], tensors["qzeros"], tensors["scales"]
+    n = out_features
+    w = torch.empty(k, n, dtype=x.dtype, device=x.device)
+    rows, block_n = 16, 128
+    _dequant_int4_kernel[(k // (rows * 8), triton.cdiv(n, block_n))](
+        qw, qz, s, w, n, qw.stride(0), qz.stride(0), s.stride(0), w.stride(0),
+        ZERO_PLUS=1 if spec.method == "gptq" else 0, GROUP=spec.group_size, ROWS=rows,
+        BLOCK_N=block_n, num_warps=4,
+    )  # fmt: skip
+    return x @ w

@@ -532,7 +532,10 @@ SMALL_M_METHODS = ("fp8", "int8", "gptq", "awq")
 class SmallMConfig:
     """Launch choices: ``block_n`` output rows and ``block_k`` inputs per program step, K split
     in powers of 2 while the grid has fewer than ``split_sms`` programs per SM (each split
-    keeps >= ``min_k_tiles`` K tiles), ``num_warps``, ``num_stages``."""
+    keeps >= ``min_k_tiles`` K tiles), ``num_warps``, ``num_stages``; int4 only:
+    ``block_m`` tokens per program at most (more tokens: a program per ``block_m`` of them),
+    ``x_layout`` how x meets the nibbles (``_small_m_int4_kernel``'s X_LAYOUT: 0 gathered,
+    1 permuted by a copy first, 2 split in registers, 3 the weight tile joined, one dot)."""
 
     block_n: int = 32
     block_k: int = 256
@@ -540,6 +543,8 @@ class SmallMConfig:
     num_warps: int = 4
     num_stages: int = 3
     min_k_tiles: int = 2
+    block_m: int = SMALL_M_MAX
+    x_layout: int = 0
 
 
 def small_m_config(m: int, n: int, k: int, method: str = "fp8") -> SmallMConfig:
@@ -551,9 +556,13 @@ def small_m_config(m: int, n: int, k: int, method: str = "fp8") -> SmallMConfig:
     stages otherwise. int4 (gptq, awq): the winners of 18 configs at M = 4 and 32 on an H100
     (BENCHMARKS.md, 2026-12-06): 128 rows, K tiles of 128 (one group), 4 warps, 3 stages;
     K split until 2 programs per SM up to 16 rows, 1 above (the partials of 32 rows cost
-    more than the split gains)."""
+    more than the split gains); above 16 rows x permuted by a copy first (x_layout 1: 0.91x
+    the time of the gather at 32 tokens, 0.87x at 64, 0.83x at 128, H100), in token tiles
+    of 64 (tiles of 128 and 256-row weight tiles were slower from 128 to 512 tokens)."""
     if method in ("gptq", "awq"):
-        return SmallMConfig(128, 128, 2 if m <= 16 else 1, 4, 3)
+        if m <= 16:
+            return SmallMConfig(128, 128, 2, 4, 3)
+        return SmallMConfig(128, 128, 1, 4, 3, x_layout=1)
     if n >= 16384:
         return SmallMConfig(32, 128, 2, 4, 4)
     return SmallMConfig(32, 256, 2, 4, 3)
@@ -565,12 +574,15 @@ def small_m_supported(
     """Whether a small-M kernel of :mod:`~sched_lab.backend.quant_gemv` takes this GEMM: a
     method of SMALL_M_METHODS, at most SMALL_M_MAX rows, N and K multiples of the tiles of
     ``c`` (default: :func:`small_m_config`'s); int4 (gptq, awq, act-order excluded by the
-    caller): also a K tile of >= 128 (dots of K tile / 8 inputs) that divides ``group_size``."""
+    caller): any number of rows (tiled by ``c.block_m``, a power of 2 from 16 to 256), a K
+    tile of >= 128 (dots of K tile / 8 inputs) that divides ``group_size``."""
     c = c or small_m_config(m, n, k, method)
-    ok = method in SMALL_M_METHODS and m <= SMALL_M_MAX and n % c.block_n == 0
+    int4 = method in ("gptq", "awq")
+    ok = method in SMALL_M_METHODS and (m <= SMALL_M_MAX or int4) and n % c.block_n == 0
     ok = ok and k % c.block_k == 0
-    if method in ("gptq", "awq"):
+    if int4:
         ok = ok and group_size % c.block_k == 0 and c.block_k >= 128
+        ok = ok and c.block_m in (16, 32, 64, 128, 256) and c.x_layout in (0, 1, 2, 3)
     return ok
 
 

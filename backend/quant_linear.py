@@ -35,8 +35,15 @@ FP8_SMALL_M_MAX_TOKENS = 32
 #: the same for int4 (gptq, awq; not act-order) on
 #: :func:`sched_lab.backend.quant_gemv.small_m_int4_gemm`, from 2 tokens (the GEMV keeps one:
 #: 88 vs 98 us there); 0 turns it off. Llama-3.1-8B projections summed, H100: 1.17-1.22x
-#: the tiled kernel at M = 2..16, 1.39x at 32, 1.99x at 64 (BENCHMARKS.md, 2026-12-06)
-INT4_SMALL_M_MAX_TOKENS = 64
+#: the tiled kernel at M = 2..16, 1.56x at 32, 2.28x at 64, 1.77x at 128 (BENCHMARKS.md,
+#: 2026-12-06)
+INT4_SMALL_M_MAX_TOKENS = 128
+#: int4 steps (not act-order) of more tokens than this dequantize each weight for cuBLAS
+#: (:func:`sched_lab.backend.quant_gemv.dequant_int4_matmul`); the same projections, H100:
+#: 1.4x the small-M kernel at 256 tokens, 2.1x at 512, 2.9x at 2048 (1.2x bf16's time there,
+#: where the tiled kernel took 7.8x) (BENCHMARKS.md, 2026-12-06). None turns it off (the
+#: tiled kernel).
+INT4_DEQUANT_ABOVE_TOKENS: int | None = 128
 
 
 #: methods whose one-row steps run :mod:`sched_lab.backend.quant_gemv`: on the H200 (8B
@@ -56,13 +63,20 @@ def gemm_path(
     """Which GEMM a step of ``tokens`` rows runs for ``method``, on CUDA and (as its float32
     reference) on CPU: "small_m" (weight-only on tensor cores, operands swapped: fp8 up to
     FP8_SMALL_M_MAX_TOKENS rows, int4 without act-order from 2 to INT4_SMALL_M_MAX_TOKENS, where
-    ``shape`` (N, K), if given, fits the tiles for ``group_size``), "gemv" (the one-row
-    kernel), "stream" (weight-only streaming kernel), "tiled" (weight-only tiled kernel) or
-    "w8a8" (fp8 ``_scaled_mm``). Otherwise int8, gptq and awq (repacked) run the tiled
-    kernel: on the H200 the streaming kernel was slower for int8 and gptq at every M."""
+    ``shape`` (N, K), if given, fits the tiles for ``group_size``), "dequant" (int4 without
+    act-order above INT4_DEQUANT_ABOVE_TOKENS rows, groups and K multiples of 128: the weight
+    dequantized, then cuBLAS), "gemv" (the one-row kernel), "stream" (weight-only streaming kernel),
+    "tiled" (weight-only tiled kernel) or "w8a8" (fp8 ``_scaled_mm``). Otherwise int8, gptq
+    and awq (repacked) run the tiled kernel: on the H200 the streaming kernel was slower for
+    int8 and gptq at every M."""
+    int4 = method in ("gptq", "awq") and not act_order
+    above = INT4_DEQUANT_ABOVE_TOKENS
+    if int4 and above is not None and tokens > above and group_size % 128 == 0:
+        if shape is None or shape[1] % 128 == 0:
+            return "dequant"
     if method == "fp8":
         small_m = FP8_SMALL_M_MAX_TOKENS
-    elif method in ("gptq", "awq") and not act_order and tokens > 1:
+    elif int4 and tokens > 1:
         small_m = INT4_SMALL_M_MAX_TOKENS
     else:
         small_m = 0
@@ -143,6 +157,11 @@ class QuantLinear(nn.Module):
                 y = small_m_gemm(x, self.weight, self.weight_scale, "fp8")
             else:
                 y = small_m_int4_gemm(x, self.tensors(), spec, self.out_features)
+            return y if self.bias is None else y + self.bias
+        if path == "dequant" and x.is_cuda:
+            from sched_lab.backend.quant_gemv import dequant_int4_matmul
+
+            y = dequant_int4_matmul(x, self.tensors(), spec, self.out_features)
             return y if self.bias is None else y + self.bias
         if path == "w8a8":  # CPU: its float32 reference
             y = qk.fp8_gemm(x, self.weight, self.weight_scale)

@@ -140,7 +140,7 @@ def gemm_rows(cfg: dict, device: str, timer, log, save, methods=METHODS,
 def _paths(method, m, qk, shape) -> dict:
     """path name -> fn(x, tensors, spec, n) timed for ``method`` at ``m`` tokens on a weight
     of ``shape`` (N, K)."""
-    from sched_lab.backend.quant_gemv import small_m_gemm, small_m_int4_gemm
+    from sched_lab.backend.quant_gemv import dequant_int4_matmul, small_m_gemm, small_m_int4_gemm
     from sched_lab.backend.quant_kernels import small_m_supported
 
     if method is None:
@@ -160,6 +160,8 @@ def _paths(method, m, qk, shape) -> dict:
         )
     if method in ("gptq", "awq") and small_m_supported(method, m, *shape):
         paths["small_m"] = small_m_int4_gemm
+    if method in ("gptq", "awq") and m > 1 and shape[1] % 128 == 0:
+        paths["dequant"] = dequant_int4_matmul
     if m > 1 and method == "fp8":
         paths["w8a8"] = lambda x, t, spec, n: qk.fp8_gemm(x, t["weight"], t["weight_scale"])
     elif method != "fp8":  # the engine's path at every M
@@ -402,7 +404,8 @@ def step_rows(model_dir, shapes, device, dtype, timer, log, save, methods=METHOD
     W8A8 runs from two tokens): the A/B of that kernel.
     ``fp8-no-small-m`` is fp8 without the swapped-operand kernel (quant_gemv.small_m_gemm): the GEMV
     at one token, W8A8 above, the A/B of that kernel; ``gptq-no-small-m`` and
-    ``awq-no-small-m`` likewise for int4 (the GEMV at one token, the tiled kernel above)."""
+    ``awq-no-small-m`` likewise for int4 (the GEMV at one token, the tiled kernel above: no
+    small-M kernel, no dequantized cuBLAS)."""
     from sched_lab.backend import quant_kernels as qk
     from sched_lab.backend import quant_linear as ql
     from sched_lab.backend.runner import ModelRunner
@@ -413,9 +416,14 @@ def step_rows(model_dir, shapes, device, dtype, timer, log, save, methods=METHOD
         if label is not None and label.endswith("-no-small-m"):
             method = label.removesuffix("-no-small-m")
         qk.ACT_QUANT_KERNEL = label != "fp8-torch-act"  # read when the graphs are captured
-        small_m = ql.FP8_SMALL_M_MAX_TOKENS, ql.INT4_SMALL_M_MAX_TOKENS
+        small_m = (
+            ql.FP8_SMALL_M_MAX_TOKENS,
+            ql.INT4_SMALL_M_MAX_TOKENS,
+            ql.INT4_DEQUANT_ABOVE_TOKENS,
+        )
         if label != method:
             ql.FP8_SMALL_M_MAX_TOKENS = ql.INT4_SMALL_M_MAX_TOKENS = 0
+            ql.INT4_DEQUANT_ABOVE_TOKENS = None
         try:
             max_ctx = max(c for _, c in shapes)
             runner = ModelRunner(model_dir, device=device, dtype=dtype, quantization=method,
@@ -445,7 +453,9 @@ def step_rows(model_dir, shapes, device, dtype, timer, log, save, methods=METHOD
             del runner
         finally:
             qk.ACT_QUANT_KERNEL = True
-            ql.FP8_SMALL_M_MAX_TOKENS, ql.INT4_SMALL_M_MAX_TOKENS = small_m
+            ql.FP8_SMALL_M_MAX_TOKENS, ql.INT4_SMALL_M_MAX_TOKENS, ql.INT4_DEQUANT_ABOVE_TOKENS = (
+                small_m
+            )
         save(rows)
         if device == "cuda":
             torch.cuda.empty_cache()

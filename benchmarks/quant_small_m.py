@@ -1,6 +1,7 @@
 """The swapped-operand tensor-core kernels (backend/quant_gemv.py, ``small_m_gemm`` for fp8 and
-int8, ``small_m_int4_gemm`` for gptq and awq) on a preset's projections at 1-32 tokens,
-against bf16 cuBLAS and the paths the engine ran before them.
+int8, ``small_m_int4_gemm`` for gptq and awq) on a preset's projections at 1-32 tokens (int4:
+any number), against bf16 cuBLAS and the paths the engine ran before them; int4 from 32
+tokens also ``dequant_int4_matmul`` (the weight dequantized, then cuBLAS).
 
     timeout 200 python benchmarks/quant_small_m.py --out results/small_m      # CUDA, 8B shapes
     python benchmarks/quant_small_m.py --dry-run --out /tmp/sm     # CPU interpreter, tiny shapes
@@ -34,17 +35,24 @@ from common import device_line, graph_time  # noqa: E402
 from quant_decode import TINY_LLAMA, _copies, projections  # noqa: E402
 
 
-def grid(dry_run: bool, method: str = "fp8") -> list[tuple]:
-    """SmallMConfig fields: (block_n, block_k, split_sms, num_warps, num_stages)."""
+def grid(dry_run: bool, method: str = "fp8", m: int = 1) -> list[tuple]:
+    """SmallMConfig fields: (block_n, block_k, split_sms, num_warps, num_stages[, min_k_tiles,
+    block_m, x_layout]). int4: the x layouts at ``m`` <= 64 on the engine's tiles; above,
+    token tiles of 64 and 128 too."""
     int4 = method in ("gptq", "awq")
     if dry_run:
         if int4:
-            return [(64, 128, 4, 4, 2), (64, 128, 1, 4, 2)]
+            return [(64, 128, 4, 4, 2), (64, 128, 1, 4, 2), (64, 128, 1, 4, 2, 2, 16, 1),
+                    (64, 128, 1, 4, 2, 2, 16, 2)]  # fmt: skip
         return [(64, 64, 4, 4, 2), (64, 128, 1, 4, 2)]
-    if int4:  # K tiles of one group of 128
+    if int4 and m <= 64:  # K tiles of one group of 128
+        return [(128, 128, 2 if m <= 16 else 1, 4, 3, 2, 64, x) for x in (0, 1, 3)]
+    if int4:
         return [
-            (128, 128, 2, 4, 3), (128, 128, 2, 4, 4), (64, 128, 2, 2, 3), (128, 128, 4, 4, 3),
-            (256, 128, 2, 8, 3), (128, 128, 1, 4, 3),
+            (128, 128, 1, 4, 3, 2, 64, 1), (128, 128, 1, 4, 3, 2, 64, 3),
+            (128, 128, 1, 8, 3, 2, 64, 3), (128, 128, 1, 8, 3, 2, 128, 3),
+            (128, 128, 1, 4, 4, 2, 64, 3), (256, 128, 1, 8, 3, 2, 64, 3),
+            (64, 128, 1, 4, 3, 2, 128, 3), (64, 128, 1, 4, 3, 2, 64, 3),
         ]  # fmt: skip
     out = []
     for bn, bk, w, st, splits in (
@@ -78,6 +86,7 @@ def main() -> None:
     from sched_lab.backend.quant_formats import QuantSpec, quantize_weight, repack_awq
     from sched_lab.backend.quant_gemv import (
         SmallMConfig,
+        dequant_int4_matmul,
         quant_gemv,
         small_m_config,
         small_m_gemm,
@@ -169,11 +178,14 @@ def main() -> None:
                 else:
                     fn = Calls(lambda tt, x=x, q=spec, nn=n: qk.weight_only_gemm(x, tt, q, nn), wc)
                     record(method, proj, k, n, m, "before: tiled", fn, want, size)
+                if int4 and m >= 32:  # the whole weight dequantized, then cuBLAS
+                    fn = Calls(lambda tt, x=x, q=spec, nn=n: dequant_int4_matmul(x, tt, q, nn), wc)
+                    record(method, proj, k, n, m, "dequant+cublas", fn, want, size)
                 sweep = m in args.sweep_tokens and time.perf_counter() - t_start < args.budget_s
-                configs = grid(args.dry_run, method) if sweep else sorted(set(best.values()))
+                configs = grid(args.dry_run, method, m) if sweep else sorted(set(best.values()))
                 engine = small_m_config(m, n, k, method)  # always timed
                 if engine not in [SmallMConfig(*c) for c in configs]:
-                    configs = [*configs, dataclasses.astuple(engine)[:5]]
+                    configs = [*configs, dataclasses.astuple(engine)]
                 for c in configs:
                     sc = SmallMConfig(*c)
                     if not small_m_supported(method, m, n, k, sc, spec.group_size):

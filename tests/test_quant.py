@@ -249,18 +249,22 @@ def test_plans_on_the_8b_shapes():
 def test_gemm_path_by_method_and_tokens():
     from sched_lab.backend.quant_linear import gemm_path
 
-    # int4 (not act-order): the GEMV at one token, the small-M kernel from 2 to 64, then
-    # the tiled kernel; act-order: the tiled kernel always
+    # int4 (not act-order): the GEMV at one token, the small-M kernel from 2 to 128, then
+    # the weight dequantized for cuBLAS; act-order: the tiled kernel always
     for method in ("awq", "gptq"):
-        assert [gemm_path(method, t) for t in (1, 2, 16, 64, 65, 256)] == [
-            "gemv", "small_m", "small_m", "small_m", "tiled", "tiled"]  # fmt: skip
+        assert [gemm_path(method, t) for t in (1, 2, 16, 64, 128, 129, 8192)] == [
+            "gemv", "small_m", "small_m", "small_m", "small_m", "dequant", "dequant"]  # fmt: skip
+        # dequant: K and the group multiples of 128 (SmolLM2's K 576 is not)
+        assert gemm_path(method, 200, shape=(4096, 14336)) == "dequant"
+        assert gemm_path(method, 200, shape=(3072, 576)) == "tiled"
+        assert gemm_path(method, 200, shape=(4096, 4096), group_size=64) == "tiled"
         # the 8B's down (N 4096, K 14336) fits the tiles; SmolLM2's gate_up (N 3072, K 576)
         # does not (K tiles of 128), nor N off the 128-row tiles, nor groups of 64
         assert gemm_path(method, 8, shape=(4096, 14336)) == "small_m"
         assert gemm_path(method, 8, shape=(3072, 576)) == "tiled"
         assert gemm_path(method, 8, shape=(4160, 4096)) == "tiled"
         assert gemm_path(method, 8, shape=(4096, 4096), group_size=64) == "tiled"
-    assert {gemm_path("gptq", t, act_order=True) for t in (1, 2, 64)} == {"tiled"}
+    assert {gemm_path("gptq", t, act_order=True) for t in (1, 2, 64, 129)} == {"tiled"}
     assert {gemm_path("int8", t) for t in (1, 16, 17, 256)} == {"tiled"}
     # fp8: weight-only on tensor cores up to 32 tokens (quant_gemv.small_m_gemm), W8A8 above
     assert [gemm_path("fp8", t) for t in (1, 2, 16, 32, 33, 256)] == [
@@ -274,7 +278,11 @@ def test_gemm_path_of_fp8_without_the_small_m_kernel(monkeypatch):
     assert [ql.gemm_path("fp8", t) for t in (1, 2, 16, 17, 256)] == [
         "gemv", "w8a8", "w8a8", "w8a8", "w8a8"]  # fmt: skip
     monkeypatch.setattr(ql, "INT4_SMALL_M_MAX_TOKENS", 0)  # int4 as before the kernel
-    assert [ql.gemm_path("gptq", t) for t in (1, 2, 32)] == ["gemv", "tiled", "tiled"]
+    assert [ql.gemm_path("gptq", t) for t in (1, 2, 32, 200)] == [
+        "gemv", "tiled", "tiled", "dequant"]  # fmt: skip
+    monkeypatch.setattr(ql, "INT4_DEQUANT_ABOVE_TOKENS", None)
+    assert [ql.gemm_path("gptq", t) for t in (1, 2, 32, 200)] == [
+        "gemv", "tiled", "tiled", "tiled"]  # fmt: skip
 
 
 def test_fp8_reference_quantizes_activations_per_token():

@@ -93,6 +93,8 @@ def test_small_m_refuses_what_it_does_not_run():
     assert small_m_supported("gptq", 1, 128, 256)
     assert not small_m_supported("gptq", 1, 128, 256, group_size=64)  # K tile above the group
     assert not small_m_supported("awq", 1, 128, 256, SmallMConfig(64, 64))  # dots of 8 inputs
+    assert small_m_supported("gptq", 4096, 128, 256)  # int4: any M, in token tiles
+    assert not small_m_supported("gptq", 4096, 128, 256, SmallMConfig(128, 128, block_m=48))
     spec, tensors = _quantized("gptq", 128, 256)
     with pytest.raises(ValueError, match="takes fp8/int8"):
         small_m_gemm(torch.zeros(1, 256, device=DEVICE), tensors["qweight"],
@@ -169,6 +171,36 @@ def test_small_m_int4_matches_dequantized_reference(method, dtype, m):
 
 
 @needs_triton
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_small_m_int4_token_tiles(method):
+    from sched_lab.backend.quant_gemv import small_m_int4_gemm, split_of
+    from sched_lab.backend.quant_kernels import _COUNTERS, SmallMConfig, weight_only_reference
+
+    # 40 tokens in tiles of 16 (16 + 16 + 8, the last masked): with 2 output tiles of 64
+    # rows, 6 programs; on the interpreter's 4 "SMs" x 2 that is < 8, so K (4 tiles) splits
+    # in 2 with min_k_tiles 2, and not at all with split_sms 1 (6 >= 4). 100 tokens with the
+    # default tiles: 2 token tiles of 64 (the last 36 masked). Each x layout (permuted by a
+    # copy; split in registers) on its own.
+    n, k = 128, 512
+    spec, tensors = _quantized(method, n, k, repack=True)
+    assert split_of(n, k, 4, SmallMConfig(64, 128, 2, block_m=16), 3) == (2, 256)
+    assert split_of(n, k, 4, SmallMConfig(64, 128, 1, block_m=16), 3) == (1, 512)
+    for m, config in ((40, SmallMConfig(64, 128, 2, block_m=16)),
+                      (40, SmallMConfig(64, 128, 1, block_m=16)), (100, None),
+                      (40, SmallMConfig(64, 128, 2, block_m=16, x_layout=1)),
+                      (40, SmallMConfig(64, 128, 1, block_m=32, x_layout=2)),
+                      (40, SmallMConfig(64, 128, 1, block_m=32, x_layout=3))):  # fmt: skip
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+        x = x.to(torch.bfloat16)
+        ref = weight_only_reference(x, tensors, spec).float()
+        out = small_m_int4_gemm(x, tensors, spec, n, config)
+        assert out.shape == (m, n)
+        tol = ref.abs().max().item() * 2**-7  # one bf16 ulp of the largest output
+        assert (out.float() - ref).abs().max().item() <= tol
+    assert int(_COUNTERS[x.device].abs().sum()) == 0
+
+
+@needs_triton
 def test_small_m_int4_refuses_what_it_does_not_run():
     from sched_lab.backend.quant_formats import QuantSpec
     from sched_lab.backend.quant_gemv import small_m_int4_gemm
@@ -184,9 +216,38 @@ def test_small_m_int4_refuses_what_it_does_not_run():
         small_m_int4_gemm(x, tensors, act, 128)
     with pytest.raises(ValueError, match=r"K tile \(>= 128\)"):
         small_m_int4_gemm(x, tensors, spec, 128, SmallMConfig(64, 64))
+    with pytest.raises(ValueError, match="power of 2 from 16 to 256"):
+        small_m_int4_gemm(x, tensors, spec, 128, SmallMConfig(64, 128, block_m=48))
     spec, tensors = _quantized("awq", 128, 256)  # the checkpoint's layout, not repacked
     with pytest.raises(ValueError, match="repack"):
         small_m_int4_gemm(x, tensors, spec, 128)
+
+
+@needs_triton
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_dequant_int4_matmul_matches_reference_and_refuses(method):
+    from sched_lab.backend.quant_formats import QuantSpec
+    from sched_lab.backend.quant_gemv import dequant_int4_matmul
+    from sched_lab.backend.quant_kernels import weight_only_reference
+
+    # K 512 in 4 groups of 128 (4 programs of 16 word rows), N 200 (2 column tiles of 128,
+    # the second masked); bf16: the dequantized weight is rounded to bf16 once, so 2 ulps
+    n, k = 200, 512
+    spec, tensors = _quantized(method, n, k, repack=True)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    ref = weight_only_reference(x, tensors, spec)
+    out = dequant_int4_matmul(x, tensors, spec, n)
+    assert out.shape == (7, n) and out.dtype == torch.float32
+    assert (out - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    xb = x.to(torch.bfloat16)
+    out = dequant_int4_matmul(xb, tensors, spec, n).float()
+    ref = weight_only_reference(xb, tensors, spec).float()
+    assert (out - ref).abs().max().item() <= ref.abs().max().item() * 2**-6
+    with pytest.raises(ValueError, match="act-order"):
+        dequant_int4_matmul(x, tensors, QuantSpec(method, 128, act_order=True), n)
+    spec64, t64 = _quantized(method, 128, 256, group=64, repack=True)
+    with pytest.raises(ValueError, match="group 64"):
+        dequant_int4_matmul(torch.zeros(1, 256, device=DEVICE), t64, spec64, 128)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the kernels run in QuantLinear on CUDA only")
@@ -202,7 +263,8 @@ def test_int4_quant_linear_runs_each_path_by_tokens_on_cuda(method):
     for name, t in quantize_weight(w, spec).items():
         setattr(layer, name, t.to(DEVICE))
     layer.repack_for_kernels()
-    for m, path in ((1, "gemv"), (2, "small_m"), (64, "small_m"), (65, "tiled")):
+    for m, path in ((1, "gemv"), (2, "small_m"), (64, "small_m"), (128, "small_m"),
+                    (129, "dequant")):  # fmt: skip
         assert ql.gemm_path(method, m, shape=(256, 512)) == path
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(DEVICE)
         x = x.to(torch.bfloat16)

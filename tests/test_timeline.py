@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 from helpers import run
 
-from sched_lab.report import timeline
-from sched_lab.report.plots import _bin_mean, _spread
+from sched_lab.report import plots, timeline
+from sched_lab.report.plots import PartSpread, _bin_mean, _spread
 from sched_lab.results import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,6 +131,68 @@ def test_spread_of_steps_in_order_is_the_sorted_computation_to_the_bit():
     j = np.searchsorted(end[order_e], edges, "right")
     want = np.diff((edges * cr_s[i] - cs[i]) - (edges * cr_e[j] - ce[j]))
     assert _spread(start, end, amount, edges).tolist() == want.tolist()
+
+
+def test_spread_in_parts_is_the_whole_spread_to_the_bit():
+    """PartSpread: steps added a part at a time (1, 2, 7, 128 steps) give _spread's sums
+    bit for bit; steps out of order are refused, adding nothing."""
+    start, end = np.array([0.0, 1.0, 5.0]), np.array([1.0, 3.0, 5.5])
+    edges = np.array([0.0, 2.0, 4.0, 6.0])
+    spread = PartSpread(edges)
+    for k in range(3):  # 10 tokens over [0, 1), 20 over [1, 3), 5 over [5, 5.5)
+        assert spread.add(start[k : k + 1], end[k : k + 1], np.array([10.0, 20.0, 5.0])[k : k + 1])
+    assert spread.sums().tolist() == [20.0, 10.0, 5.0]
+    assert not spread.add(np.array([5.5]), np.array([5.5]), np.ones(1))  # ends with the last
+    assert not spread.add(np.array([6.0, 6.0]), np.array([7.0, 8.0]), np.ones(2))  # tied starts
+    assert spread.sums().tolist() == [20.0, 10.0, 5.0]
+    rng = np.random.default_rng(3)
+    start = np.cumsum(rng.lognormal(-4, 1, 5000))
+    # ends in order too, though a step may end after the next one starts
+    end = np.maximum.accumulate(start + rng.lognormal(-4, 1, 5000)) + np.arange(5000) * 1e-9
+    assert (end > start).all() and (end[1:] > end[:-1]).all() and (end[:-1] > start[1:]).any()
+    amount = rng.random(5000) * 100
+    edges = np.linspace(0.0, end[-1], 301)
+    want = _spread(start, end, amount, edges).tolist()
+    for rows in (1, 2, 7, 128, 5000):
+        spread = PartSpread(edges)
+        for lo in range(0, 5000, rows):
+            assert spread.add(start[lo : lo + rows], end[lo : lo + rows], amount[lo : lo + rows])
+        assert spread.sums().tolist() == want, rows
+
+
+def test_over_time_binned_in_parts_is_the_whole_binning(monkeypatch):
+    """over_time and prefix_series read the steps STEP_ROWS at a time: with 1, 3 or all of
+    them at a time, the series of the whole columns (_bin_mean, _spread), bit for bit."""
+    trace = [(f"r{i}", 0.003 * i, 40 + 7 * i, 5 + (3 * i) % 11) for i in range(12)]
+    res = run("fcfs", trace, gpu_blocks=40, enable_prefix_caching=True)
+    df, _ = metrics.request_table(res, "fcfs", 1.0)
+    one = SimpleNamespace(result=res, requests=df)
+    s = res.steps
+    start = s["time_s"]
+    end = start + s["duration_s"]
+    edges = np.linspace(0.0, float(end.max(initial=1.0)), plots.TIME_BINS + 1)
+    blocks = max(plots.total_blocks(one), 1)
+    kv = _bin_mean(start, end, s["kv_used_blocks"] / blocks, edges)
+    queue = _bin_mean(start, end, (s["num_waiting"] + s["num_swapped"]).astype(float), edges)
+    tokens = _spread(start, end, metrics.decode_output_tokens(s), edges)
+    first = df["first_token_s"].to_numpy(float)
+    tokens += np.histogram(first[np.isfinite(first)], edges)[0]
+    width = edges[1] - edges[0]
+    want = [(edges[:-1] + edges[1:]) / 2, tokens / width, kv, queue]
+    cached = _spread(start, end, s["num_cached_tokens"].astype(float), edges)
+    fed = _spread(start, end, s["num_prefill_tokens"].astype(float), edges)
+    keyed = s["kv_cached_blocks"] / max(res.num_gpu_blocks, 1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        hit = 100 * cached / (cached + fed)
+    want_prefix = [want[0], hit, 100 * _bin_mean(start, end, keyed, edges)]
+    assert res.num_steps > 6 and tokens.sum() > 0
+    for rows in (1, 3, res.num_steps):
+        monkeypatch.setattr(plots, "STEP_ROWS", rows)
+        got, got_prefix = plots.over_time(one), plots.prefix_series(one)
+        for a, b in zip(got, want, strict=True):
+            assert a.tobytes() == b.tobytes(), rows
+        for a, b in zip(got_prefix, want_prefix, strict=True):
+            assert a.tobytes() == b.tobytes(), rows
 
 
 def test_terminal_summary_fits_100_columns(tmp_path):

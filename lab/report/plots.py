@@ -371,7 +371,7 @@ def _series(run, key: str):
 
 def _num_steps(run) -> int:
     kept = _series(run, "num_steps")
-    return len(run.result.steps["time_s"]) if kept is None else kept
+    return run.result.num_steps if kept is None else kept
 
 
 def prefix_series(run) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -380,16 +380,20 @@ def prefix_series(run) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     kept = _series(run, "prefix")
     if kept is not None:
         return kept
-    s = run.result.steps
-    start, end = s["time_s"], s["time_s"] + s["duration_s"]
-    edges = np.linspace(0.0, float(end.max(initial=1.0)), TIME_BINS + 1)
+
+    def amounts(s: dict, start: np.ndarray, end: np.ndarray) -> list[np.ndarray]:
+        keyed = s["kv_cached_blocks"] / max(run.result.num_gpu_blocks, 1)
+        return [
+            s["num_cached_tokens"].astype(float),
+            s["num_prefill_tokens"].astype(float),
+            keyed * (end - start),  # _bin_mean's amount
+        ]
+
+    edges, (cached, fed, keyed) = _binned_steps(run, amounts)
     centres = (edges[:-1] + edges[1:]) / 2
-    cached = _spread(start, end, s["num_cached_tokens"].astype(float), edges)
-    fed = _spread(start, end, s["num_prefill_tokens"].astype(float), edges)
     with np.errstate(invalid="ignore", divide="ignore"):
         hit = 100 * cached / (cached + fed)
-    keyed = s["kv_cached_blocks"] / max(run.result.num_gpu_blocks, 1)
-    return centres, hit, 100 * _bin_mean(start, end, keyed, edges)
+    return centres, hit, 100 * (keyed / np.diff(edges))
 
 
 def over_time(run) -> tuple[np.ndarray, ...]:
@@ -399,20 +403,120 @@ def over_time(run) -> tuple[np.ndarray, ...]:
     kept = _series(run, "over_time")
     if kept is not None:
         return kept
-    s = run.result.steps
-    start, dur = s["time_s"], s["duration_s"]
-    end = start + dur
-    horizon = float(end.max(initial=1.0))
-    edges = np.linspace(0.0, horizon, TIME_BINS + 1)
+    blocks = max(total_blocks(run), 1)
+
+    def amounts(s: dict, start: np.ndarray, end: np.ndarray) -> list[np.ndarray]:
+        dur = end - start
+        queue = (s["num_waiting"] + s["num_swapped"]).astype(float)
+        # _bin_mean's amounts (value times duration), then decode tokens spread over each step
+        return [(s["kv_used_blocks"] / blocks) * dur, queue * dur, decode_output_tokens(s)]
+
+    edges, (kv, queue, tokens) = _binned_steps(run, amounts)
     width = edges[1] - edges[0]
-    kv = _bin_mean(start, end, s["kv_used_blocks"] / max(total_blocks(run), 1), edges)
-    queue = _bin_mean(start, end, (s["num_waiting"] + s["num_swapped"]).astype(float), edges)
-    # decode tokens spread over each step; first tokens at their times
-    tokens = _spread(start, end, decode_output_tokens(s), edges)
+    kv, queue = kv / np.diff(edges), queue / np.diff(edges)
+    # first tokens at their times
     first = run.requests["first_token_s"].to_numpy(float)
     first = first[np.isfinite(first)]
     tokens += np.histogram(first, edges)[0]
     return (edges[:-1] + edges[1:]) / 2, tokens / width, kv, queue
+
+
+STEP_ROWS = 1 << 18  # steps whose columns _binned_steps makes at a time
+
+
+def _binned_steps(run, amounts, rows: int | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(edges, sums): :data:`TIME_BINS` bins from 0 to the last step's end (at least 1 s),
+    and for each of ``amounts(steps, start, end)`` (arrays, one value a step, from a dict of
+    step columns and the steps' starts and ends) its :func:`_spread` over the steps.
+
+    Steps whose starts and ends both strictly increase (one replica's) are read ``rows`` at
+    a time (:class:`PartSpread`); otherwise (a cluster's, whose replicas' steps overlap) the
+    whole columns at once. Either way the sums are the same to the last bit. ``rows``:
+    default :data:`STEP_ROWS`."""
+    res, rows = run.result, rows or STEP_ROWS
+    n = res.num_steps
+    if n:
+        last = res.step_rows(n - 1, n)
+        edges = np.linspace(0.0, max(float((last["time_s"] + last["duration_s"])[0]), 1.0),
+                            TIME_BINS + 1)  # fmt: skip
+        spreads: list[PartSpread] = []
+        for lo in range(0, n, rows):
+            s = res.step_rows(lo, min(lo + rows, n))
+            start = s["time_s"]
+            end = start + s["duration_s"]
+            values = amounts(s, start, end)
+            spreads = spreads or [PartSpread(edges) for _ in values]
+            if not all(p.add(start, end, v) for p, v in zip(spreads, values)):
+                break  # not in order: the whole columns below
+        else:
+            return edges, [p.sums() for p in spreads]
+    s = res.steps
+    start = s["time_s"]
+    end = start + s["duration_s"]
+    edges = np.linspace(0.0, float(end.max(initial=1.0)), TIME_BINS + 1)
+    return edges, [_spread(start, end, v, edges) for v in amounts(s, start, end)]
+
+
+class PartSpread:
+    """:func:`_spread` of steps given in parts, in order (:meth:`add`), whose starts and ends
+    both strictly increase: the same sums to the last bit (numpy's running sums are
+    sequential, so each part's continue the last part's), with temporaries of a part's size.
+    """
+
+    def __init__(self, edges: np.ndarray) -> None:
+        self.edges = edges
+        # at each edge: running sums (rate * start, rate; rate * end, rate) of the steps
+        # started (ended) by it: _spread's cs[i], cr_s[i], ce[j], cr_e[j]
+        self._at = np.zeros((4, len(edges)))
+        self._carry: np.ndarray | None = None  # the four running sums after the last part
+        self._last = (-np.inf, -np.inf)  # the last part's last start and end
+
+    def add(self, start: np.ndarray, end: np.ndarray, amount: np.ndarray) -> bool:
+        """Add the next steps (``amount[i]`` spread over [start[i], end[i])); False (adding
+        nothing) where a start or an end does not exceed the one before."""
+        if not len(start):
+            return True
+        if not (start[0] > self._last[0] and end[0] > self._last[1]) or not (
+            _increasing(start) and _increasing(end)
+        ):
+            return False
+        self._last = (float(start[-1]), float(end[-1]))
+        rate = amount / np.maximum(end - start, 1e-12)
+        i = np.searchsorted(start, self.edges, "right")  # this part's steps started by x
+        j = np.searchsorted(end, self.edges, "right")
+        carry = self._carry
+        sums = [
+            _running(rate * start, None if carry is None else carry[0]),
+            _running(rate, None if carry is None else carry[1]),
+            _running(rate * end, None if carry is None else carry[2]),
+            _running(rate, None if carry is None else carry[3]),
+        ]
+        for row, (k, c) in enumerate(zip((i, i, j, j), sums)):
+            hit = k > 0  # else the sum is the one before this part's steps, kept
+            self._at[row, hit] = c[k[hit] - 1]
+        self._carry = np.array([c[-1] for c in sums])
+        return True
+
+    def sums(self) -> np.ndarray:
+        """:func:`_spread`'s result: the amount delivered in each bin."""
+        cs, cr_s, ce, cr_e = self._at
+        x = self.edges
+        return np.diff((x * cr_s - cs) - (x * cr_e - ce))
+
+
+def _increasing(t: np.ndarray) -> bool:
+    return len(t) < 2 or bool((t[1:] > t[:-1]).all())
+
+
+def _running(x: np.ndarray, carry: float | None) -> np.ndarray:
+    """The running sums of ``x`` after a sum of ``carry`` so far (None: the first values),
+    each value added to the sum before, as ``np.cumsum`` of the whole does."""
+    if carry is None:
+        return np.cumsum(x)
+    out = np.empty(len(x) + 1)
+    out[0] = carry
+    out[1:] = x
+    return np.cumsum(out, out=out)[1:]
 
 
 def total_blocks(run) -> int:

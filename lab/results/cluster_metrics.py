@@ -40,7 +40,7 @@ def add_cluster(
         replicas[str(i)] = {  # keyed by index: JSON-safe like every other section
             "role": role,
             "num_prompts": len(rr.requests),
-            "num_steps": int(len(s["time_s"])),
+            "num_steps": rr.num_steps,
             "busy_s": busy,
             "busy_fraction": busy / duration if duration > 0 else float("nan"),
             "prefill_tokens": int(s["num_prefill_tokens"].sum()),

@@ -314,7 +314,7 @@ def test_token_times_gathered_at_once_equal_request_by_request(policy, span_toke
     assert len(fin) == 6 and len(gaps) == 6 * 19  # 20 tokens each: 19 gaps
 
 
-def test_token_gaps_by_hand():
+def test_token_gaps_by_hand(monkeypatch):
     """Steps end at 1, 2, 4, 7, 11 s. Request a: a prefill token at step 0, then decodes at
     steps 1-3 (times 1, 2, 4, 7: gaps 1, 2, 3); b: steps 1, then 3-4 (times 2, 7, 11: gaps
     5, 4). The gaps in request order are [1, 2, 3, 5, 4]."""
@@ -324,6 +324,21 @@ def test_token_gaps_by_hand():
     who, counts = np.array([0, 0, 1, 1]), np.array([4, 3])
     g = gaps.TokenGaps.of_pieces(source, end, start, size, who, counts)
     assert g.to_array().tolist() == [1.0, 2.0, 3.0, 5.0, 4.0]
+    # the distinct gaps by value, and how many gaps are at most each: a's inside 1, 2, 3,
+    # b's inside 4, between b's pieces 5
+    assert g._values.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0] and g._cum.tolist() == [1, 2, 3, 4, 5]
+    for rows in (1, 2, 4):  # source positions taken at a time: the same
+        monkeypatch.setattr(gaps, "ROWS", rows)
+        part = gaps.TokenGaps.of_pieces(source, end, start, size, who, counts)
+        assert part._values.tolist() == g._values.tolist()
+        assert part._cum.tolist() == g._cum.tolist()
+    # two pieces over ticks 1-3 (source 3 .. 5): the gaps 3 and 4 counted twice each
+    two = gaps.TokenGaps.of_pieces(
+        source, end, np.array([3, 3]), np.array([3, 3]), np.array([0, 1]), np.array([3, 3])
+    )
+    assert two._values.tolist() == [3.0, 4.0] and two._cum.tolist() == [2, 4]
+    assert two.to_array().tolist() == [3.0, 4.0, 3.0, 4.0]
+    monkeypatch.setattr(gaps, "ROWS", 1 << 20)
     assert g.first.tolist() == [1.0, 2.0] and g.last.tolist() == [7.0, 11.0]
     assert (len(g), g.mean(), g.median(), g.max()) == (5, 3.0, 3.0, 5.0)
     assert g.std() == math.sqrt(2.0)  # squares 4, 1, 0, 4, 1 over 5
@@ -344,11 +359,14 @@ def test_token_gaps_by_hand():
     )
 
 
+@pytest.mark.parametrize("rows", [1, 3, 64, 1 << 20])
 @pytest.mark.parametrize("seed", range(6))
-def test_token_gaps_statistics_are_numpys_to_the_last_bit(seed, monkeypatch):
+def test_token_gaps_statistics_are_numpys_to_the_last_bit(seed, rows, monkeypatch):
     """Random requests, each a run of consecutive ticks that others share (gaps counted
     several times), some with a prefill token first: every statistic equals numpy's on the
-    array of the gaps, with the sums walked in runs of 128 and of 1000 values."""
+    array of the gaps, with the sums walked in runs of 128 and of 1000 values, whatever
+    the source positions of_pieces takes at a time (``rows``)."""
+    monkeypatch.setattr(gaps, "ROWS", rows)
     rng = np.random.default_rng(seed)
     num_ticks, n = int(rng.integers(50, 3000)), int(rng.integers(1, 60))
     end = np.cumsum(rng.lognormal(-4, 1.5, 10 + num_ticks))  # the steps' ends, ascending

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import numpy as np
 
 LEAF = 1 << 20  # gaps made (and summed by np.sum) at a time by TokenGaps' sums
+ROWS = 1 << 20  # token positions whose gaps TokenGaps.of_pieces takes at a time
 
 
 def pairwise_sum(n: int, leaf_sum: Callable[[int, int], float], leaf: int | None = None) -> float:
@@ -111,12 +112,17 @@ class TokenGaps:
     quantiles), without it. Made by :meth:`of_pieces`."""
 
     def __init__(self, source, end, start, size, piece_who, counts, values, weights) -> None:
+        """``values``, ``weights``: each distinct gap and how many times it counts (both
+        reordered in place here, by value)."""
         self._source, self._end = source, end
         self._start, self._size, self._who, self._counts = start, size, piece_who, counts
         self._piece_at = np.searchsorted(piece_who, np.arange(len(counts) + 1))
         self._gaps_before = np.concatenate([[0], np.cumsum(counts - 1)])
         order = np.argsort(values, kind="stable")
-        self._values, self._cum = values[order], np.cumsum(weights[order])
+        values[:] = values[order]  # in place: one copy of the values at a time
+        weights[:] = weights[order]
+        del order
+        self._values, self._cum = values, np.cumsum(weights, dtype=np.int64)
         self.n = int(self._gaps_before[-1])
 
     @classmethod
@@ -124,22 +130,43 @@ class TokenGaps:
         """The gaps of requests given as pieces (:func:`spans_of_pieces`'s arguments: a
         piece is ``size[k]`` tokens at the steps ``source[start[k]:]``, whose ends are
         ``end``; pieces ordered by request, then by their first token's time). None where a
-        gap would be negative (pieces overlap in time: the tokens must be sorted)."""
+        gap would be negative (pieces overlap in time: the tokens must be sorted).
+
+        The gaps inside pieces are taken :data:`ROWS` source positions at a time: at
+        position x, the gap to x + 1 counts once for each piece spanning both."""
         ends = start + size - 1  # each piece's last token, in source
         spans = size >= 2  # pieces with gaps inside: source positions start .. ends - 1
-        mult = np.zeros(len(source) + 1, dtype=np.int64)
-        np.add.at(mult, start[spans], 1)
-        np.add.at(mult, ends[spans], -1)
-        mult = np.cumsum(mult[:-1])
-        at = np.flatnonzero(mult)  # a gap from source position x to x + 1
-        inside = end[source[at + 1]] - end[source[at]]
+        opens, closes = np.sort(start[spans]), np.sort(ends[spans])
         same = piece_who[1:] == piece_who[:-1]  # consecutive pieces of one request
         between = end[source[start[1:][same]]] - end[source[ends[:-1][same]]]
-        if (inside < 0).any() or (between < 0).any():
+        if (between < 0).any():
             return None
-        values = np.concatenate([inside, between])
-        weights = np.concatenate([mult[at], np.ones(len(between), dtype=np.int64)])
-        return cls(source, end, start, size, piece_who, counts, values, weights)
+        # each gap inside once, at its source position x (x to x + 1), then those between
+        values = np.empty(min(len(source), int(np.sum(size - 1))) + len(between))
+        weights = np.empty(len(values), np.int32 if len(opens) < 2**31 else np.int64)
+        k = 0  # values so far
+        depth = 0  # pieces spanning the position before the part
+        for lo in range(0, len(source), ROWS):
+            hi = min(lo + ROWS, len(source))
+            a0, a1 = np.searchsorted(opens, (lo, hi))
+            c0, c1 = np.searchsorted(closes, (lo, hi))
+            mult = np.bincount(opens[a0:a1] - lo, minlength=hi - lo)
+            mult -= np.bincount(closes[c0:c1] - lo, minlength=hi - lo)
+            mult = np.cumsum(mult, out=mult)
+            mult += depth  # pieces spanning each position x: its gap to x + 1 counts as many
+            depth = int(mult[-1])
+            at = np.flatnonzero(mult)
+            x = at + lo
+            inside = end[source[x + 1]] - end[source[x]]
+            if (inside < 0).any():
+                return None
+            values[k : k + len(at)] = inside
+            weights[k : k + len(at)] = mult[at]
+            k += len(at)
+        values[k : k + len(between)] = between
+        weights[k : k + len(between)] = 1
+        k += len(between)
+        return cls(source, end, start, size, piece_who, counts, values[:k], weights[:k])
 
     def __len__(self) -> int:
         return self.n

@@ -24,6 +24,7 @@ latencies in ms as ``{mean,median,std,p<P>,max}_{ttft,tpot,itl,e2el,queue}_ms``.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -161,29 +162,30 @@ def _token_spans(
     # Pieces of tokens: each prefill token (its step), each decode segment (its ticks'
     # steps). A request's pieces ordered by their first token's time, then expanded, give
     # its tokens in time order unless pieces overlap in time (then everything is sorted).
-    owner: list[int] = []  # per prefill token: the request's index among ``finished``
-    steps: list[int] = []  # its step
-    seg_owner: list[int] = []
-    seg_a: list[int] = []
-    seg_b: list[int] = []
-    for i, r in enumerate(finished):
-        p = r.prefill_token_steps
-        steps += p
-        owner += [i] * len(p)
-        for a, b in r.decode_segments:
-            seg_owner.append(i)
-            seg_a.append(a)
-            seg_b.append(b)
-    a_, b_ = np.array(seg_a, dtype=np.int64), np.array(seg_b, dtype=np.int64)
-    source = np.concatenate([np.array(steps, dtype=np.int64), result.tick_steps])
+    # (made from the requests' lists straight into arrays: no Python int a token)
+    n = len(finished)
+    chain = itertools.chain.from_iterable
+    num_prefill = np.fromiter((len(r.prefill_token_steps) for r in finished), np.int64, n)
+    num_segments = np.fromiter((len(r.decode_segments) for r in finished), np.int64, n)
+    steps = np.fromiter(  # each prefill token's step
+        chain(r.prefill_token_steps for r in finished), np.int64, int(num_prefill.sum())
+    )
+    segments = np.fromiter(  # (first tick, end tick) of each decode segment
+        chain(chain(r.decode_segments) for r in finished), np.int64, 2 * int(num_segments.sum())
+    ).reshape(-1, 2)
+    a_, b_ = segments[:, 0], segments[:, 1]
+    source = np.concatenate([steps, result.tick_steps])
     start = np.concatenate([np.arange(len(steps), dtype=np.int64), len(steps) + a_])
     size = np.concatenate([np.ones(len(steps), dtype=np.int64), b_ - a_])
-    piece_who = np.concatenate([np.array(owner, dtype=np.int64), np.array(seg_owner, np.int64)])
+    del steps, segments, a_, b_
+    who = np.arange(n, dtype=np.int64)  # each piece's request (its index among ``finished``)
+    piece_who = np.concatenate([np.repeat(who, num_prefill), np.repeat(who, num_segments)])
+    del who, num_prefill, num_segments
     keep = size > 0
     start, size, piece_who = start[keep], size[keep], piece_who[keep]
     order = np.lexsort((end[source[start]], piece_who))
     start, size, piece_who = start[order], size[order], piece_who[order]
-    n = len(finished)
+    del order
     counts = np.bincount(piece_who, weights=size, minlength=n).astype(np.int64)
     if n and counts.min() == 0:  # a finished request always has a token
         return _token_spans_each(result, finished, split_itl)

@@ -96,6 +96,48 @@ def test_a_swapped_request_and_stalled_decodes():
     ]
 
 
+def test_events_rows_kept_small_are_written_as_before():
+    """The events' columns are kept small (event names as int8 codes, numbers as int32
+    where they fit); the frames written are events.csv's: integers int64, text as str,
+    and the rows in parts are the whole frame's."""
+    cols = timeline._rows(2, request_id=["a", "b"], event="decode", step=[3, 2**40], steps=1)
+    assert cols["event"].dtype == np.int8 and timeline._EVENT_TEXTS[cols["event"]].tolist() == [
+        "decode",
+        "decode",
+    ]
+    assert cols["step"].dtype == np.int64 and cols["steps"].dtype == np.int32  # 2**40 > int32
+    assert cols["reason"].tolist() == ["", ""]
+    codes = timeline._event_codes(np.array(["prefill", "waited", "aborted"], dtype=object), 3)
+    assert timeline._EVENT_TEXTS[codes].tolist() == ["prefill", "waited", "aborted"]
+    assert timeline._EVENT_RANKS[codes].tolist() == [2, 0, 5]
+    with pytest.raises(ValueError, match="unknown event 'x'"):
+        timeline._event_codes(np.array(["prefill", "x"], dtype=object), 2)
+    a, b = SimpleNamespace(), SimpleNamespace()
+    assert timeline._positions([a, b], np.array([id(b), id(a), id(b)])).tolist() == [1, 0, 1]
+    with pytest.raises(KeyError):
+        timeline._positions([a], np.array([id(a), id(b)]))
+    res = run("swap", [("a", 0.0, 3, 6), ("b", 0.0, 3, 6), ("c", 0.015, 3, 1)], gpu_blocks=3,
+              block_size=4)  # fmt: skip
+    one = SimpleNamespace(result=res, policy="swap", rate_scale=1.0)
+    whole = timeline.events_frame(one)
+    # within a step: waits, admissions, chunks, decodes, preemptions, ends
+    assert list(zip(whole["request_id"], whole["event"], whole["step"])) == [
+        ("a", "admitted", 0), ("b", "admitted", 0), ("a", "prefill", 0), ("b", "prefill", 0),
+        ("a", "decode", 1), ("b", "preempted", 1), ("b", "waited", 2), ("*", "waited", 2),
+        ("a", "finished", 5), ("b", "swapped_in", 6), ("b", "decode", 6), ("c", "admitted", 7),
+        ("c", "prefill", 7), ("c", "finished", 7), ("b", "finished", 11),
+    ]  # fmt: skip
+    assert set(whole["event"]) == {"admitted", "prefill", "preempted", "swapped_in", "waited",
+                                   "decode", "finished"}  # fmt: skip
+    for c in ("step", "last_step", "steps", "tokens", "blocks"):
+        assert whole[c].dtype == np.int64
+    for c in ("request_id", "event", "reason", "detail"):
+        assert whole[c].dtype == object and all(type(v) is str for v in whole[c])
+    for rows in (1, 4, len(whole)):
+        parts = list(timeline.events_frames(one, rows))
+        pd.testing.assert_frame_equal(pd.concat(parts, ignore_index=True), whole)
+
+
 def test_bins_hold_the_state_of_the_steps_covering_them():
     # steps [0, 1) at 1.0, [1, 3) at 0.5, idle [3, 5), [5, 5.5) at 1.0; bins of 2 s
     start, end = np.array([0.0, 1.0, 5.0]), np.array([1.0, 3.0, 5.5])

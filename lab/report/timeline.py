@@ -57,7 +57,10 @@ def events_frames(run, rows: int) -> Iterable[pd.DataFrame]:
 
 
 def _event_columns(run) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The events' columns (EVENT_COLUMNS[2:]) in the order recorded, and the rows' order."""
+    """The events' columns (EVENT_COLUMNS[2:]) in the order recorded, and the rows' order.
+    Kept small (:func:`_frame` makes a part's rows as events.csv has them): ``event`` as
+    its index in :data:`_EVENT_TEXTS` (int8), the numbers in the narrowest integer type
+    that holds each part's."""
     res = run.result
     n_steps = res.num_steps
     parts = []  # column dicts (EVENT_COLUMNS[2:]) in the order recorded
@@ -70,9 +73,8 @@ def _event_columns(run) -> tuple[dict[str, np.ndarray], np.ndarray]:
     if not keep.all():
         for c in cols:
             cols[c] = cols[c][keep]
-    rank = np.zeros(len(cols["event"]), dtype=np.int64)
-    for name, r in _EVENT_RANK.items():  # one comparison a name (faster than hashing each text)
-        rank[cols["event"] == name] = r
+    del keep
+    rank = _EVENT_RANKS[cols["event"]]
     order = np.lexsort((rank, cols["step"]))  # stable: the order recorded breaks ties
     return cols, order
 
@@ -81,7 +83,12 @@ def _frame(run, cols: dict[str, np.ndarray], order: np.ndarray) -> pd.DataFrame:
     """The rows ``order`` of ``cols`` (indexed from 0) with the run's policy and scale."""
     df = pd.DataFrame({"policy": run.policy, "rate_scale": run.rate_scale}, index=range(len(order)))
     for c, v in cols.items():
-        df[c] = _column(v[order])
+        v = v[order]
+        if c == "event":
+            v = _EVENT_TEXTS[v]
+        elif v.dtype != object:
+            v = v.astype(np.int64, copy=False)
+        df[c] = _column(v)
     return df
 
 
@@ -91,42 +98,82 @@ def _column(v: np.ndarray):
 
 
 def _rows(n: int, **cols) -> dict[str, np.ndarray]:
-    """Columns of ``n`` events: the values given (arrays or one value each), 0 or "" else."""
+    """Columns of ``n`` events: the values given (arrays or one value each), 0 or "" else;
+    ``event`` as its index in :data:`_EVENT_TEXTS`, the numbers narrowed (:func:`_narrow`)."""
     out = {}
     for c in EVENT_COLUMNS[2:]:
-        text = c in ("request_id", "event", "reason", "detail")
+        text = c in ("request_id", "reason", "detail")
         v = cols.get(c, "" if text else 0)
+        if c == "event":
+            out[c] = _event_codes(v, n)
+            continue
         if np.ndim(v) == 0:
             v = np.full(n, v, dtype=object if text else np.int64)
-        out[c] = np.asarray(v, dtype=object if text else np.int64)
+        out[c] = np.asarray(v, dtype=object) if text else _narrow(np.asarray(v, dtype=np.int64))
     return out
+
+
+def _narrow(v: np.ndarray) -> np.ndarray:
+    """``v`` (int64) as int32 where that holds every value (exact: read back as int64)."""
+    small = np.iinfo(np.int32)
+    if len(v) and small.min <= v.min() and v.max() <= small.max:
+        return v.astype(np.int32)
+    return v
+
+
+def _event_codes(names, n: int) -> np.ndarray:
+    """Each of ``n`` events' name (one for all, or an array) as its index in
+    :data:`_EVENT_TEXTS` (int8)."""
+    if np.ndim(names) == 0:
+        return np.full(n, _EVENT_TEXTS.tolist().index(names), dtype=np.int8)
+    codes = np.full(n, -1, dtype=np.int8)
+    names = np.asarray(names, dtype=object)
+    for code, name in enumerate(_EVENT_TEXTS):  # one comparison a name (no hashing)
+        codes[names == name] = code
+    if (codes < 0).any():
+        raise ValueError(f"unknown event {names[np.argmax(codes < 0)]!r}")
+    return codes
 
 
 def _log_rows(log, requests) -> dict[str, np.ndarray]:
     """The scheduler's events, an admission followed by its first prefill chunk."""
     ev = np.frombuffer(log.data, dtype=np.int64).reshape(-1, 5)
     step, kind, who, a, b = (ev[:, i] for i in range(5))
-    index = pd.Index([id(r) for r in requests]).get_indexer(who)
-    if (index < 0).any():
-        raise KeyError(int(who[np.argmax(index < 0)]))
+    index = _positions(requests, who)
     ids = np.array([r.request_id for r in requests], dtype=object)[index]
     names = np.array(EVENT_NAMES, dtype=object)
-    preempted, aborted = kind == PREEMPTED, names[kind] == "aborted"
+    event = names[kind]
+    preempted, aborted = kind == PREEMPTED, event == "aborted"
     reason, detail = np.full(len(kind), "", dtype=object), np.full(len(kind), "", dtype=object)
     reason[preempted] = np.array(PREEMPT_MODES, dtype=object)[a[preempted]]
     detail[preempted] = np.array(log.texts + [""], dtype=object)[b[preempted]]
     detail[aborted] = [requests[i].reason for i in index[aborted]]
-    tokens = np.where(names[kind] == "prefill", a, 0)
-    blocks = np.where((names[kind] == "admitted") | (names[kind] == "swapped_in"), a, 0)
-    rows = _rows(len(kind), request_id=ids, event=names[kind], step=step, last_step=step,
+    tokens = np.where(event == "prefill", a, 0)
+    blocks = np.where((event == "admitted") | (event == "swapped_in"), a, 0)
+    admitted = np.flatnonzero(event == "admitted")
+    rows = _rows(len(kind), request_id=ids, event=event, step=step, last_step=step,
                  steps=1, tokens=tokens, blocks=blocks, reason=reason, detail=detail)  # fmt: skip
-    admitted = np.flatnonzero(names[kind] == "admitted")
+    del event, tokens, blocks, reason, detail
     chunks = _rows(len(admitted), request_id=ids[admitted], event="prefill", step=step[admitted],
                    last_step=step[admitted], steps=1, tokens=b[admitted])  # fmt: skip
+    del ids
     # each admission's chunk right after it: positions 2i and 2i + 1
     at = np.concatenate([2 * np.arange(len(kind)), 2 * admitted + 1])
     place = np.argsort(at, kind="stable")
-    return {c: np.concatenate([rows[c], chunks[c]])[place] for c in rows}
+    del at
+    return {c: np.concatenate([rows.pop(c), chunks.pop(c)])[place] for c in EVENT_COLUMNS[2:]}
+
+
+def _positions(requests, who: np.ndarray) -> np.ndarray:
+    """The index in ``requests`` of each ``id()`` in ``who``; KeyError for one not there."""
+    ids = np.fromiter(map(id, requests), np.int64, len(requests))
+    sorter = np.argsort(ids)
+    at = np.minimum(np.searchsorted(ids, who, sorter=sorter), max(len(ids) - 1, 0))
+    index = sorter[at] if len(ids) else np.zeros(len(who), dtype=np.int64)
+    missing = ids[index] != who if len(ids) else np.ones(len(who), dtype=bool)
+    if missing.any():
+        raise KeyError(int(who[np.argmax(missing)]))
+    return index
 
 
 def _wait_rows(log) -> dict[str, np.ndarray]:
@@ -194,6 +241,10 @@ def _request_rows(res) -> list[dict[str, np.ndarray]]:
 # An event's rank within a step: waits, admission, chunk, decode, preemption, end.
 _EVENT_RANK = {"waited": 0, "admitted": 1, "swapped_in": 1, "prefill": 2, "decode": 3,
                "preempted": 4, "finished": 5, "aborted": 5}  # fmt: skip
+# Every event's name (events.csv's ``event``), indexed by the code the columns keep, and
+# each one's rank (0 for a name without one).
+_EVENT_TEXTS = np.array(list(dict.fromkeys([*_EVENT_RANK, *EVENT_NAMES])), dtype=object)
+_EVENT_RANKS = np.array([_EVENT_RANK.get(t, 0) for t in _EVENT_TEXTS], dtype=np.int8)
 
 
 # ---------------------------------------------------------------------------- segments

@@ -338,6 +338,16 @@ def test_token_gaps_by_hand(monkeypatch):
     )
     assert two._values.tolist() == [3.0, 4.0] and two._cum.tolist() == [2, 4]
     assert two.to_array().tolist() == [3.0, 4.0, 3.0, 4.0]
+    # steps ending 1 s apart: a's gaps 1, 1, 1 and b's 2 (between its pieces), 1; the 1 s
+    # gaps counted together, whatever the parts
+    for rows in (1, 1 << 20):
+        monkeypatch.setattr(gaps, "ROWS", rows)
+        even = gaps.TokenGaps.of_pieces(source, np.arange(1.0, 6.0), start, size, who, counts)
+        assert even._values.tolist() == [1.0, 2.0] and even._cum.tolist() == [4, 5]
+        assert even.to_array().tolist() == [1.0, 1.0, 1.0, 2.0, 1.0]
+        ps = [0, 50, 80, 100]
+        assert even.percentile(ps).tolist() == np.percentile(even.to_array(), ps).tolist()
+        assert even.percentile(ps).tolist() == pytest.approx([1.0, 1.0, 1.2, 2.0])
     monkeypatch.setattr(gaps, "ROWS", 1 << 20)
     assert g.first.tolist() == [1.0, 2.0] and g.last.tolist() == [7.0, 11.0]
     assert (len(g), g.mean(), g.median(), g.max()) == (5, 3.0, 3.0, 5.0)
@@ -357,6 +367,18 @@ def test_token_gaps_by_hand(monkeypatch):
         gaps.TokenGaps.of_pieces(source, end, start[[0, 1, 3, 2]], size[[0, 1, 3, 2]], who, counts)
         is None
     )
+
+
+def test_merge_counts_and_joined_by_hand():
+    values, weights = gaps.merge_counts(np.array([3.0, 1.0, 3.0, 2.0]), np.array([1, 2, 5, 1]))
+    assert values.tolist() == [1.0, 2.0, 3.0] and weights.tolist() == [2, 1, 6]
+    assert weights.dtype == np.int64
+    values, weights = gaps.merge_counts(np.zeros(0), np.zeros(0, dtype=np.int32))
+    assert len(values) == len(weights) == 0 and weights.dtype == np.int64
+    joined = gaps.Joined(np.array([7, 8]), np.array([10, 11, 12]))
+    assert len(joined) == 5
+    assert joined[np.array([4, 0, 2, 1, 3])].tolist() == [12, 7, 10, 8, 11]
+    assert joined[np.array([[1, 2], [3, 0]])].tolist() == [[8, 10], [11, 7]]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64, 1 << 20])

@@ -106,23 +106,55 @@ def spans_of_pieces(
     return times[bounds[:-1]], times[bounds[1:] - 1], gaps
 
 
+class Joined:
+    """Two 1-D integer arrays read as one, ``head`` then ``tail`` (``len``, and indexing by an
+    array of non-negative positions), without the joined copy: :class:`TokenGaps`' source
+    is a run's prefill tokens' steps, then its decode ticks' (the result's own array)."""
+
+    def __init__(self, head: np.ndarray, tail: np.ndarray) -> None:
+        self.head, self.tail = head, tail
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = np.asarray(index)
+        out = np.empty(index.shape, dtype=np.result_type(self.head, self.tail))
+        low = index < len(self.head)
+        out[low] = self.head[index[low]]
+        low = np.logical_not(low, out=low)
+        out[low] = self.tail[index[low] - len(self.head)]
+        return out
+
+
+def merge_counts(values: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(each distinct value of ``values``, ascending; the sum of its ``weights`` (int64)):
+    the same multiset, so the same order statistics (the k-th smallest of the values each
+    counted ``weights`` times), in less room where values repeat (a run's tick gaps do)."""
+    if not len(values):
+        return values, weights.astype(np.int64)
+    order = np.argsort(values, kind="stable")
+    values, weights = values[order], weights[order]
+    del order
+    first = np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
+    return values[first], np.add.reduceat(weights.astype(np.int64, copy=False), first)
+
+
 class TokenGaps:
     """The gaps between consecutive tokens of some requests, in request order, as the
     ``np.ndarray`` of them would give them (``len``, mean, std, max, median, percentiles,
     quantiles), without it. Made by :meth:`of_pieces`."""
 
     def __init__(self, source, end, start, size, piece_who, counts, values, weights) -> None:
-        """``values``, ``weights``: each distinct gap and how many times it counts (both
-        reordered in place here, by value)."""
+        """``values``, ``weights``: the gaps and how many times each counts (any order, a
+        value any number of times: :func:`merge_counts`)."""
         self._source, self._end = source, end
         self._start, self._size, self._who, self._counts = start, size, piece_who, counts
         self._piece_at = np.searchsorted(piece_who, np.arange(len(counts) + 1))
         self._gaps_before = np.concatenate([[0], np.cumsum(counts - 1)])
-        order = np.argsort(values, kind="stable")
-        values[:] = values[order]  # in place: one copy of the values at a time
-        weights[:] = weights[order]
-        del order
-        self._values, self._cum = values, np.cumsum(weights, dtype=np.int64)
+        # each distinct gap, ascending, and how many gaps are at most it
+        self._values, weights = merge_counts(values, weights)
+        self._cum = np.cumsum(weights, dtype=np.int64)
         self.n = int(self._gaps_before[-1])
 
     @classmethod
@@ -133,7 +165,8 @@ class TokenGaps:
         gap would be negative (pieces overlap in time: the tokens must be sorted).
 
         The gaps inside pieces are taken :data:`ROWS` source positions at a time: at
-        position x, the gap to x + 1 counts once for each piece spanning both."""
+        position x, the gap to x + 1 counts once for each piece spanning both; each part's
+        equal gaps are merged (:func:`merge_counts`) before the next part."""
         ends = start + size - 1  # each piece's last token, in source
         spans = size >= 2  # pieces with gaps inside: source positions start .. ends - 1
         opens, closes = np.sort(start[spans]), np.sort(ends[spans])
@@ -141,10 +174,8 @@ class TokenGaps:
         between = end[source[start[1:][same]]] - end[source[ends[:-1][same]]]
         if (between < 0).any():
             return None
-        # each gap inside once, at its source position x (x to x + 1), then those between
-        values = np.empty(min(len(source), int(np.sum(size - 1))) + len(between))
-        weights = np.empty(len(values), np.int32 if len(opens) < 2**31 else np.int64)
-        k = 0  # values so far
+        values = [between]  # the distinct gaps of each part, with their counts
+        weights = [np.ones(len(between), dtype=np.int64)]
         depth = 0  # pieces spanning the position before the part
         for lo in range(0, len(source), ROWS):
             hi = min(lo + ROWS, len(source))
@@ -155,18 +186,15 @@ class TokenGaps:
             mult = np.cumsum(mult, out=mult)
             mult += depth  # pieces spanning each position x: its gap to x + 1 counts as many
             depth = int(mult[-1])
-            at = np.flatnonzero(mult)
-            x = at + lo
-            inside = end[source[x + 1]] - end[source[x]]
+            x = np.flatnonzero(mult)
+            inside = end[source[x + lo + 1]] - end[source[x + lo]]
             if (inside < 0).any():
                 return None
-            values[k : k + len(at)] = inside
-            weights[k : k + len(at)] = mult[at]
-            k += len(at)
-        values[k : k + len(between)] = between
-        weights[k : k + len(between)] = 1
-        k += len(between)
-        return cls(source, end, start, size, piece_who, counts, values[:k], weights[:k])
+            v, w = merge_counts(inside, mult[x])
+            values.append(v)
+            weights.append(w)
+        values, weights = np.concatenate(values), np.concatenate(weights)
+        return cls(source, end, start, size, piece_who, counts, values, weights)
 
     def __len__(self) -> int:
         return self.n

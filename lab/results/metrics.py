@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from sched_lab.core.request import Request, RequestStatus
-from sched_lab.results.gaps import TokenGaps, population_std, spans_of_pieces
+from sched_lab.results.gaps import Joined, TokenGaps, population_std, spans_of_pieces
 from sched_lab.results.names import LATENCIES, percentile_word
 from sched_lab.results.spec_metrics import split_gaps
 from sched_lab.sim.records import ReplayResult
@@ -174,10 +174,10 @@ def _token_spans(
         chain(chain(r.decode_segments) for r in finished), np.int64, 2 * int(num_segments.sum())
     ).reshape(-1, 2)
     a_, b_ = segments[:, 0], segments[:, 1]
-    source = np.concatenate([steps, result.tick_steps])
+    source = Joined(steps, result.tick_steps)  # each token's step, by position (below)
     start = np.concatenate([np.arange(len(steps), dtype=np.int64), len(steps) + a_])
     size = np.concatenate([np.ones(len(steps), dtype=np.int64), b_ - a_])
-    del steps, segments, a_, b_
+    del segments, a_, b_
     who = np.arange(n, dtype=np.int64)  # each piece's request (its index among ``finished``)
     piece_who = np.concatenate([np.repeat(who, num_prefill), np.repeat(who, num_segments)])
     del who, num_prefill, num_segments

@@ -85,6 +85,26 @@ def test_values_by_hand():
     assert v["max_concurrent_requests"] == 2 and v["max_output_tokens_per_s"] == 5
 
 
+def test_decode_output_tokens_made_in_parts(monkeypatch):
+    """DecodeOutputTokens: rows lo:hi of decode_output_tokens, made STEP_ROWS (here 2) steps
+    at a time; the vLLM result with it is the one with the whole column."""
+    res = run("fcfs", [("a", 0.0, 16, 3), ("b", 0.004, 16, 2)], gpu_blocks=64)
+    monkeypatch.setattr(metrics, "STEP_ROWS", 2)
+    tokens = metrics.DecodeOutputTokens(res)
+    whole = metrics.decode_output_tokens(res.steps)
+    assert whole.tolist() == [0.0, 0.0, 2.0, 1.0]  # steps 2 (a and b) and 3 (a) decode
+    assert len(tokens) == 4 and tokens[0:4].tolist() == whole.tolist()
+    assert tokens[1:4].tolist() == [0.0, 2.0, 1.0] and tokens[3:10].tolist() == [1.0]
+    with pytest.raises(ValueError):
+        tokens[::2]
+    df, itl = metrics.request_table(res, "fcfs", 1.0)
+    summary = metrics.summarize(df, itl, res, {"ttft_s": 0.012})
+    kw = dict(label="fcfs", model="m", backend="sched-lab-sim")
+    assert vllm_result(df, itl, summary, res.step_end_s, tokens, **kw) == vllm_result(
+        df, itl, summary, res.step_end_s, whole, **kw
+    )
+
+
 def test_no_slo_means_no_goodput_as_in_vllm():
     res = run("fcfs", [("a", 0.0, 16, 3)], gpu_blocks=64)
     df, itl = metrics.request_table(res, "fcfs", 1.0)

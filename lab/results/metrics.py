@@ -251,6 +251,31 @@ def decode_output_tokens(steps: dict) -> np.ndarray:
     return out
 
 
+class DecodeOutputTokens:
+    """:func:`decode_output_tokens` of a replay's steps, as ``tokens[lo:hi]`` (a float array)
+    made on slicing from ``result.step_rows``, :data:`STEP_ROWS` steps at a time: the
+    column without the whole columns it is made of. ``len``: the steps."""
+
+    def __init__(self, result: ReplayResult) -> None:
+        self.result = result
+
+    def __len__(self) -> int:
+        return self.result.num_steps
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        lo, hi, stride = rows.indices(len(self))
+        if stride != 1:
+            raise ValueError("DecodeOutputTokens: rows lo:hi only")
+        out = np.empty(max(hi - lo, 0))
+        for a in range(lo, hi, STEP_ROWS):
+            b = min(a + STEP_ROWS, hi)
+            out[a - lo : b - lo] = decode_output_tokens(self.result.step_rows(a, b))
+        return out
+
+
+STEP_ROWS = 1 << 18  # steps whose columns DecodeOutputTokens makes at a time
+
+
 def cdf_points(values, max_points: int = CDF_POINTS, overwrite: bool = False) -> np.ndarray:
     """The finite values' quantiles at ``np.linspace(0, 1, k)``, k = min(count, ``max_points``),
     exact up to ``CDF_SAMPLE`` values, else of every j-th value (j = ceil(count / CDF_SAMPLE));
@@ -390,7 +415,12 @@ def summarize(
     """The aggregates of one policy's run (JSON-ready), flat, under the names of
     :mod:`sched_lab.results.names`. ``itl`` (from ``request_table``) is reordered in place."""
     percentiles = summary_percentiles(percentiles)
-    fin = df[df["status"] == "finished"]
+    # the finished rows, with the columns read here only
+    latencies = [column for _, column in LATENCIES.values() if column]
+    fin = df.loc[
+        (df["status"] == "finished").to_numpy(),
+        ["prompt_tokens", "num_generated_tokens", *latencies],
+    ]
     steps = result.steps
     end = max(
         float(df["finish_s"].max(skipna=True) or 0.0), float(result.step_end_s.max(initial=0.0))

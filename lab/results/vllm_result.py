@@ -24,10 +24,18 @@ import numpy as np
 import pandas as pd
 
 from sched_lab.results.gaps import TokenGaps
-from sched_lab.results.metrics import DEFAULT_PERCENTILES, latency_stats, offered_rate
+from sched_lab.results.metrics import (
+    DEFAULT_PERCENTILES,
+    DecodeOutputTokens,
+    latency_stats,
+    offered_rate,
+)
 from sched_lab.results.names import LATENCIES, latency_name, percentile_word
 
 METRICS = ("ttft", "tpot", "itl", "e2el")  # vLLM's --percentile-metrics, all of them
+# The request table's columns vllm_result reads
+_COLUMNS = ("status", "arrival_s", "first_token_s", "prompt_tokens", "num_generated_tokens",
+            *(column for _, column in LATENCIES.values() if column))  # fmt: skip
 
 
 def tail_points(
@@ -61,18 +69,23 @@ def tail_points(
 def peak_output_rate(df: pd.DataFrame, step_end_s, num_decode_tokens, rows: int = 1 << 20) -> float:
     """Output tokens in the busiest whole second, counted from the first arrival (vLLM's
     1-second buckets): decode tokens (whole numbers) at their steps' ends plus each first
-    token. Steps are binned ``rows`` at a time: the temporaries are a part's, not the run's."""
+    token. Steps are binned ``rows`` at a time: the temporaries are a part's, not the run's.
+    ``num_decode_tokens``: an array, or anything sliced like one (rows ``lo:hi`` read at
+    a time: :class:`sched_lab.results.metrics.DecodeOutputTokens`)."""
     start = float(np.nanmin(df["arrival_s"])) if len(df) else 0.0
     ends = np.asarray(step_end_s, dtype=float)
-    tokens = np.asarray(num_decode_tokens, dtype=float)
     first = df["first_token_s"].to_numpy(dtype=float) - start
     first = first[np.isfinite(first)]
     if not len(ends) and not len(first):
         return 0.0
     # sparse 1-second bins (a run may span more simulated seconds than memory holds), summed
     # part by part, then the parts' sums: whole numbers, so exact in any grouping
-    parts = [_per_second(ends[lo : lo + rows] - start, tokens[lo : lo + rows])
-             for lo in range(0, len(ends), rows)]  # fmt: skip
+    parts = [
+        _per_second(
+            ends[lo : lo + rows] - start, np.asarray(num_decode_tokens[lo : lo + rows], float)
+        )
+        for lo in range(0, len(ends), rows)
+    ]
     parts.append(_per_second(first, np.ones(len(first))))
     bins, sums = (np.concatenate(x) for x in zip(*parts))
     return float(_per_second(bins, sums)[1].max())
@@ -102,7 +115,7 @@ def vllm_result(
     itl_s: np.ndarray,
     summary: dict,
     step_end_s: np.ndarray,
-    num_decode_tokens: np.ndarray,
+    num_decode_tokens: np.ndarray | DecodeOutputTokens,
     *,
     label: str,
     model: str,
@@ -117,10 +130,13 @@ def vllm_result(
         itl_s: every inter-token gap of the finished requests (seconds).
         summary: the run's summary (sched_lab.results.metrics.summarize).
         step_end_s, num_decode_tokens: per step, its end and its decodes' output tokens
-            (:func:`sched_lab.results.metrics.decode_output_tokens`).
+            (:func:`sched_lab.results.metrics.decode_output_tokens`, or a
+            :class:`sched_lab.results.metrics.DecodeOutputTokens` of them).
         date: vLLM's ``date`` key (:func:`result_date`).
     """
-    replayed = df[df["status"] != "dropped"]
+    # the rows replayed, and of those the finished ones, with the columns read here only
+    columns = [c for c in _COLUMNS if c in df]
+    replayed = df.loc[(df["status"] != "dropped").to_numpy(), columns]
     fin = replayed[replayed["status"] == "finished"]
     duration = summary["duration"]
     slo = summary.get("slo") or {}

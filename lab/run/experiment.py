@@ -550,7 +550,7 @@ def _vllm(
         itl,
         summary,
         result.step_end_s,
-        metrics.decode_output_tokens(result.steps),
+        metrics.DecodeOutputTokens(result),  # made a part at a time
         label=run.label,
         model=ex.setup.model_id(),
         backend=f"sched-lab-{ex.setup.name}",

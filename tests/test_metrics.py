@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -367,6 +368,45 @@ def test_token_gaps_by_hand(monkeypatch):
         gaps.TokenGaps.of_pieces(source, end, start[[0, 1, 3, 2]], size[[0, 1, 3, 2]], who, counts)
         is None
     )
+
+
+@pytest.mark.parametrize("rows", [128, 1000, 1 << 18])
+def test_step_usage_in_runs_is_numpys_on_the_whole_columns(rows, monkeypatch):
+    """The summary's KV usage and wasted tokens, read STEP_ROWS steps at a time: np.average,
+    max and sum of the whole columns, to the last bit."""
+    monkeypatch.setattr(metrics, "STEP_ROWS", rows)
+    rng = np.random.default_rng(5)
+    n = 5000
+    steps = {
+        "kv_used_blocks": rng.integers(0, 700, n),
+        "duration_s": rng.lognormal(-4, 1, n),
+        "num_wasted_tokens": rng.integers(0, 3, n),
+    }
+    res = SimpleNamespace(
+        num_steps=n,
+        num_gpu_blocks=700,
+        step_rows=lambda lo, hi: {k: v[lo:hi] for k, v in steps.items()},
+    )
+    kv = steps["kv_used_blocks"] / 700
+    want = (
+        float(np.average(kv, weights=steps["duration_s"])),
+        float(kv.max()),
+        int(steps["num_wasted_tokens"].sum()),
+    )
+    assert metrics.step_usage(res) == want
+    empty = SimpleNamespace(num_steps=0, num_gpu_blocks=0, step_rows=None)
+    assert metrics.step_usage(empty) == (0.0, 0.0, 0)
+    # by hand: 2 blocks of 4 for 1 s, 4 of 4 for 3 s: (0.5 + 3) / 4 s; 1 + 2 tokens wasted
+    steps = {"kv_used_blocks": np.array([2, 4]), "duration_s": np.array([1.0, 3.0]),
+             "num_wasted_tokens": np.array([1, 2])}  # fmt: skip
+    res.num_steps, res.num_gpu_blocks = 2, 4
+    assert metrics.step_usage(res) == (0.875, 1.0, 3)
+    # sums of several arrays at once: each np.sum's, to the last bit
+    a, b = rng.random(3000), rng.lognormal(0, 3, 3000)
+    got = gaps.pairwise_sums(
+        3000, lambda lo, k: [np.sum(a[lo : lo + k]), np.sum(b[lo : lo + k])], 128
+    )
+    assert got.tolist() == [np.sum(a), np.sum(b)]
 
 
 def test_merge_counts_and_joined_by_hand():

@@ -37,13 +37,22 @@ def pairwise_sum(n: int, leaf_sum: Callable[[int, int], float], leaf: int | None
     the same tree down to runs of at most ``leaf`` values (>= 128: below that numpy stops
     splitting), so every addition is the one numpy makes. Raises ValueError for a smaller
     ``leaf``."""
+    return float(pairwise_sums(n, lambda lo, k: np.array([leaf_sum(lo, k)]), leaf)[0])
+
+
+def pairwise_sums(
+    n: int, leaf_sums: Callable[[int, int], np.ndarray], leaf: int | None = None
+) -> np.ndarray:
+    """:func:`pairwise_sum` of several n-value arrays at once: ``leaf_sums(lo, size)`` gives
+    each one's ``np.sum`` of values ``lo .. lo + size - 1`` (a float64 array, one sum an
+    array), called once for each run, in order; the runs' sums are added elementwise."""
     leaf = LEAF if leaf is None else leaf
     if leaf < 128:
         raise ValueError(f"leaf: {leaf} values; at least 128 (numpy's pairwise block)")
 
-    def walk(lo: int, size: int) -> float:
+    def walk(lo: int, size: int) -> np.ndarray:
         if size <= leaf:
-            return float(leaf_sum(lo, size))
+            return np.asarray(leaf_sums(lo, size), dtype=np.float64)
         half = size // 2
         half -= half % 8
         return walk(lo, half) + walk(lo + half, size - half)

@@ -31,7 +31,13 @@ import numpy as np
 import pandas as pd
 
 from sched_lab.core.request import Request, RequestStatus
-from sched_lab.results.gaps import Joined, TokenGaps, population_std, spans_of_pieces
+from sched_lab.results.gaps import (
+    Joined,
+    TokenGaps,
+    pairwise_sums,
+    population_std,
+    spans_of_pieces,
+)
 from sched_lab.results.names import LATENCIES, percentile_word
 from sched_lab.results.spec_metrics import split_gaps
 from sched_lab.sim.records import ReplayResult
@@ -124,7 +130,7 @@ def request_table(
         cols[c] = _ints([getattr(r, c) for r in requests])
     if progress is not None:
         progress(len(requests))
-    df = pd.DataFrame(cols)
+    df = pd.DataFrame(cols, copy=False)  # the arrays above, not a consolidated copy of them
     del cols
     df["tpot_s"] = tpot_s(df["ttft_s"], df["e2e_s"], df["num_generated_tokens"])
     if any(r.class_name for r in requests):  # workload classes (traces/classes.py)
@@ -429,7 +435,7 @@ def summarize(
     counts = df["status"].value_counts()
     replayed = (df["status"] != "dropped").to_numpy()
     good = meets_slo(df, slo)
-    kv_frac = steps["kv_used_blocks"] / max(result.num_gpu_blocks, 1)
+    mean_kv, max_kv, wasted = step_usage(result)
     recompute = int(df["num_preemptions_recompute"].sum())
     swap = int(df["num_preemptions_swap"].sum())
     out = {
@@ -457,22 +463,44 @@ def summarize(
             "num_preemptions_recompute": recompute,
             "num_preemptions_swap": swap,
             "num_preempted_requests": int((df["num_preemptions"] > 0).sum()),
-            # Time-weighted: a 50 ms step counts five times a 10 ms one.
-            "mean_kv_cache_usage": float(np.average(kv_frac, weights=steps["duration_s"]))
-            if len(kv_frac) and steps["duration_s"].sum() > 0
-            else 0.0,
-            "max_kv_cache_usage": float(kv_frac.max(initial=0.0)),
+            "mean_kv_cache_usage": mean_kv,
+            "max_kv_cache_usage": max_kv,
             "num_gpu_blocks": result.num_gpu_blocks,
             "num_steps": result.num_steps,
             # Async scheduling: decode slots of requests whose last token was already sampled.
             "async_scheduling": result.async_scheduling,
-            "num_wasted_tokens": int(steps["num_wasted_tokens"].sum()),
+            "num_wasted_tokens": wasted,
             **prefix_cache_summary(df, result),
         }
     )
     if "num_lora_loads" in steps:  # a lora: section (lab/core/lora.py)
         out.update(lora_summary(steps))
     return out
+
+
+def step_usage(result: ReplayResult) -> tuple[float, float, int]:
+    """The summary's ``mean_kv_cache_usage`` (time-weighted: a 50 ms step counts five times
+    a 10 ms one; ``np.average`` of the steps' KV fractions weighted by their durations, 0.0
+    without steps or time), ``max_kv_cache_usage`` and ``num_wasted_tokens``, from
+    ``result.step_rows`` :data:`STEP_ROWS` steps at a time: numpy's pairwise sums of the
+    whole columns walked in runs (:func:`sched_lab.results.gaps.pairwise_sums`), the same
+    numbers to the last bit."""
+    blocks = max(result.num_gpu_blocks, 1)
+    top, wasted = 0.0, 0
+
+    def sums(lo: int, k: int) -> np.ndarray:  # each run's, in order
+        nonlocal top, wasted
+        s = result.step_rows(lo, lo + k)
+        kv, dur = s["kv_used_blocks"] / blocks, s["duration_s"]
+        top = max(top, float(kv.max(initial=0.0)))
+        wasted += int(s["num_wasted_tokens"].sum())
+        return np.array([np.sum(np.multiply(kv, dur)), np.sum(dur)])
+
+    n = result.num_steps
+    if not n:
+        return 0.0, 0.0, 0
+    weighted, busy = pairwise_sums(n, sums, max(STEP_ROWS, 128))
+    return (float(weighted / busy) if busy > 0 else 0.0), top, wasted
 
 
 def lora_summary(steps: dict[str, np.ndarray]) -> dict:

@@ -111,11 +111,10 @@ class ContextCost:
 
 
 def replay_both(monkeypatch, requests, gpu_blocks=8, policy="fcfs", progress_every=None):
-    """Replay ``requests`` with multi-step fast-forward and one step at a time; assert the
-    two agree in every column, token time, request state, event and wait (and progress
-    call). Returns the fast-forwarded result and its runs, (first step, steps) each."""
-    import numpy as np
-
+    """Replay ``requests`` with multi-step fast-forward, with repeats one step at a time,
+    and with the policy planning every step; assert the three agree in every column, token
+    time, request state, event and wait (and progress call). Returns the fast-forwarded
+    result, its runs, (first step, steps) each, and its progress calls."""
     from sched_lab.core.kv import BlockManager
     from sched_lab.core.request import Request
     from sched_lab.core.scheduler import Scheduler, SchedulerLimits
@@ -136,9 +135,10 @@ def replay_both(monkeypatch, requests, gpu_blocks=8, policy="fcfs", progress_eve
 
     monkeypatch.setattr(Scheduler, "repeat_decodes_run", counted)
 
-    def one(many: bool):
+    def one(many: bool, fast_forward: bool = True):
         bm = BlockManager(gpu_blocks, 8, 4, 0.0)
         scheduler = get_policy(policy)(SchedulerLimits(8, 64, 10**6), bm)
+        scheduler.fast_forward = fast_forward
         reqs = [Request(*t) for t in requests]
         calls = []
         res = replay_mod.replay(
@@ -147,7 +147,14 @@ def replay_both(monkeypatch, requests, gpu_blocks=8, policy="fcfs", progress_eve
         assert res.failure is None, res.failure
         return res, calls
 
-    (a, calls_a), (b, calls_b) = one(True), one(False)
+    a, calls_a = one(True)
+    for b, calls_b in (one(False), one(False, fast_forward=False)):
+        _assert_same(a, b)
+        assert calls_a == calls_b
+    return a, runs, calls_a
+
+
+def _assert_same(a, b) -> None:
     for col in a.steps:
         assert a.steps[col].dtype == b.steps[col].dtype, col
         assert np.array_equal(a.steps[col], b.steps[col]), col
@@ -163,8 +170,6 @@ def replay_both(monkeypatch, requests, gpu_blocks=8, policy="fcfs", progress_eve
         return rows, waits
 
     assert events(a) == events(b)
-    assert calls_a == calls_b
-    return a, runs, calls_a
 
 
 def test_a_run_of_repeats_ends_with_the_finishing_step(monkeypatch):
@@ -184,6 +189,52 @@ def test_a_run_of_repeats_ends_with_the_finishing_step(monkeypatch):
     assert res.steps["decode_context_tokens"].tolist() == [0] + [5 + t for t in range(9)]
     assert res.tick_steps.tolist() == list(range(1, 10))
     assert by_id(res)["A"].finish_s == starts[-1] + durations[-1]
+
+
+def test_a_finish_inside_a_batch_ends_the_run(monkeypatch):
+    """A (prompt 4, 10 tokens) and B (prompt 4, 4 tokens), blocks of 4: step 0 prefills
+    both, the policy plans step 1 (two decodes), steps 2-3 run at once, the last sampling
+    B's 4th token; the policy plans step 4 (A alone; a 3rd block for A at tick 3) and
+    steps 5-9 run at once, A's 10th token in step 9. At tick t each holds 5 + t tokens."""
+    res, runs, _ = replay_both(monkeypatch, [("A", 0.0, 4, 10), ("B", 0.0, 4, 4)])
+    assert runs == [(2, 2), (5, 5)]
+    context = [0, 10, 12, 14] + [5 + t for t in range(3, 9)]
+    assert res.steps["decode_context_tokens"].tolist() == context
+    assert res.steps["duration_s"].tolist() == [0.25 + c / 4096 for c in context]
+    assert res.steps["num_decode_tokens"].tolist() == [0, 2, 2, 2, 1, 1, 1, 1, 1, 1]
+    assert res.steps["num_running"].tolist() == [2, 2, 2, 2, 1, 1, 1, 1, 1, 1]
+    assert res.steps["kv_used_blocks"].tolist() == [4, 4, 4, 4, 3, 3, 3, 3, 4, 4]
+    assert res.steps.repeats.tolist() == [False, False] + [True] * 2 + [False] + [True] * 5
+    ends = (res.steps["time_s"] + res.steps["duration_s"]).tolist()
+    got = by_id(res)
+    assert (got["B"].finish_s, got["A"].finish_s) == (ends[3], ends[9])
+
+
+def test_a_finish_that_admits_a_waiting_request(monkeypatch):
+    """As above with C (prompt 4, 2 tokens) waiting from t = 0 in 5 blocks (A and B hold 4,
+    C needs 2): B's finish in step 3 frees 2 and the policy prefills C in step 4. C's wait
+    for blocks covers steps 0-3."""
+    reqs = [("A", 0.0, 4, 10), ("B", 0.0, 4, 4), ("C", 0.0, 4, 2)]
+    res, runs, _ = replay_both(monkeypatch, reqs, gpu_blocks=5)
+    assert runs[0] == (2, 2)
+    assert res.steps["num_prefill_tokens"].tolist()[:6] == [8, 0, 0, 0, 4, 0]
+    assert [(w[0], w[1].request_id, *w[2:5]) for w in res.events.waits] == [
+        ("kv_blocks", "C", 0, 3, 4)
+    ]
+
+
+def test_a_finish_that_leaves_the_queue_waiting(monkeypatch):
+    """C (prompt 12, 2 tokens: 4 blocks) waits in 5 blocks: after B's finish 3 are free,
+    so the policy decodes A alone in step 4 and C's wait goes on through A's finish in step
+    9; the policy admits C in step 10."""
+    reqs = [("A", 0.0, 4, 10), ("B", 0.0, 4, 4), ("C", 0.0, 12, 2)]
+    res, runs, _ = replay_both(monkeypatch, reqs, gpu_blocks=5)
+    assert runs[:2] == [(2, 2), (5, 5)]
+    assert res.steps["num_prefill_tokens"].tolist()[:12] == [8] + [0] * 9 + [12, 0]
+    assert res.steps["num_waiting"].tolist()[:11] == [1] * 10 + [0]
+    assert [(w[0], w[1].request_id, *w[2:5]) for w in res.events.waits] == [
+        ("kv_blocks", "C", 0, 9, 10)
+    ]
 
 
 def test_an_arrival_inside_a_run_ends_it_before_the_step_it_falls_in(monkeypatch):

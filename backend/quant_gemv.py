@@ -622,6 +622,9 @@ def dequant_int4_matmul(
     on CUDA): what vLLM's AWQ layer does from 256 tokens (awq.py, ``FP16_MATMUL_HEURISTIC``).
     Raises ValueError for act-order, an unrepacked AWQ, or a group or K that is not a
     multiple of 128."""
+    if spec.method == "awq" and not awq_is_repacked(tensors):
+        raise ValueError("dequant_int4_matmul: awq tensors in the checkpoint layout; "
+                         "repack them with quant_formats.repack_awq first")  # fmt: skip
     k = tensors["qweight"].shape[0] * 8
     if spec.act_order or spec.group_size % 128 or k % 128 or x.shape[1] != k:
         raise ValueError(
@@ -629,9 +632,6 @@ def dequant_int4_matmul(
             f"{' act-order' if spec.act_order else ''}, x {tuple(x.shape)}; takes gptq/awq "
             "without act-order, K and the group multiples of 128, x (M, K)"
         )
-    if spec.method == "awq" and not awq_is_repacked(tensors):
-        raise ValueError("dequant_int4_matmul: awq tensors in the checkpoint layout; "
-                         "repack them with quant_formats.repack_awq first")  # fmt: skip
     qw, qz, s = tensors["qweight"], tensors["qzeros"], tensors["scales"]
     n = out_features
     w = torch.empty(k, n, dtype=x.dtype, device=x.device)

@@ -555,7 +555,7 @@ def small_m_config(m: int, n: int, k: int, method: str = "fp8") -> SmallMConfig:
     programs per SM, 4 warps; K tiles of 128 in 4 stages for a wide N (gate_up), of 256 in 3
     stages otherwise. int4 (gptq, awq): the winners of 18 configs at M = 4 and 32 on an H100
     (BENCHMARKS.md, 2026-12-06): 128 rows, K tiles of 128 (one group), 4 warps, 3 stages;
-    K split until 2 programs per SM up to 16 rows, 1 above (the partials of 32 rows cost
+    K split until 2 programs per SM up to 16 rows, until 1 above (the partials of 32 rows cost
     more than the split gains); above 16 rows x permuted by a copy first (x_layout 1: 0.91x
     the time of the gather at 32 tokens, 0.87x at 64, 0.83x at 128, H100), in token tiles
     of 64 (tiles of 128 and 256-row weight tiles were slower from 128 to 512 tokens)."""

@@ -40,8 +40,8 @@ FP8_SMALL_M_MAX_TOKENS = 32
 INT4_SMALL_M_MAX_TOKENS = 128
 #: int4 steps (not act-order) of more tokens than this dequantize each weight for cuBLAS
 #: (:func:`sched_lab.backend.quant_gemv.dequant_int4_matmul`); the same projections, H100:
-#: 1.4x the small-M kernel at 256 tokens, 2.1x at 512, 2.9x at 2048 (1.2x bf16's time there,
-#: where the tiled kernel took 7.8x) (BENCHMARKS.md, 2026-12-06). None turns it off (the
+#: 1.4x the small-M kernel at 256 tokens, 2.1x at 512, 3.5x its gathering layout at 2048
+#: (1.2x bf16's time there, where the tiled kernel took 7.8x) (BENCHMARKS.md, 2026-12-06). None turns it off (the
 #: tiled kernel).
 INT4_DEQUANT_ABOVE_TOKENS: int | None = 128
 

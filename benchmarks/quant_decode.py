@@ -160,7 +160,7 @@ def _paths(method, m, qk, shape) -> dict:
         )
     if method in ("gptq", "awq") and small_m_supported(method, m, *shape):
         paths["small_m"] = small_m_int4_gemm
-    if method in ("gptq", "awq") and m > 1 and shape[1] % 128 == 0:
+    if method in ("gptq", "awq") and m > 1 and shape[1] % 128 == 0:  # groups of 128 here
         paths["dequant"] = dequant_int4_matmul
     if m > 1 and method == "fp8":
         paths["w8a8"] = lambda x, t, spec, n: qk.fp8_gemm(x, t["weight"], t["weight_scale"])

@@ -248,11 +248,16 @@ def test_dequant_int4_matmul_matches_reference_and_refuses(method):
     spec64, t64 = _quantized(method, 128, 256, group=64, repack=True)
     with pytest.raises(ValueError, match="group 64"):
         dequant_int4_matmul(torch.zeros(1, 256, device=DEVICE), t64, spec64, 128)
+    if method == "awq":  # the checkpoint's (K, N/8) layout, not repacked
+        spec, raw = _quantized(method, 128, 256)
+        with pytest.raises(ValueError, match="repack"):
+            dequant_int4_matmul(torch.zeros(1, 256, device=DEVICE), raw, spec, 128)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the kernels run in QuantLinear on CUDA only")
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_int4_quant_linear_runs_each_path_by_tokens_on_cuda(method):
+def test_int4_quant_linear_runs_each_path_by_tokens_on_cuda(method, monkeypatch):
+    from sched_lab.backend import quant_gemv
     from sched_lab.backend import quant_linear as ql
     from sched_lab.backend.quant_formats import quantize_weight
     from sched_lab.backend.quant_kernels import weight_only_reference
@@ -263,6 +268,13 @@ def test_int4_quant_linear_runs_each_path_by_tokens_on_cuda(method):
     for name, t in quantize_weight(w, spec).items():
         setattr(layer, name, t.to(DEVICE))
     layer.repack_for_kernels()
+    ran = []  # the quant_gemv entry points forward called (it imports them at each call)
+    kernels = {"gemv": "quant_gemv", "small_m": "small_m_int4_gemm",
+               "dequant": "dequant_int4_matmul"}  # fmt: skip
+    for name in kernels.values():
+        real = getattr(quant_gemv, name)
+        monkeypatch.setattr(quant_gemv, name,
+                            lambda *a, _f=real, _n=name, **k: ran.append(_n) or _f(*a, **k))  # fmt: skip
     for m, path in ((1, "gemv"), (2, "small_m"), (64, "small_m"), (128, "small_m"),
                     (129, "dequant")):  # fmt: skip
         assert ql.gemm_path(method, m, shape=(256, 512)) == path
@@ -270,4 +282,6 @@ def test_int4_quant_linear_runs_each_path_by_tokens_on_cuda(method):
         x = x.to(torch.bfloat16)
         ref = weight_only_reference(x, layer.tensors(), spec).float()
         tol = ref.abs().max().item() * 2**-7  # one bf16 ulp of the largest output
+        ran.clear()
         assert (layer(x).float() - ref).abs().max().item() <= tol
+        assert ran == [kernels[path]]

@@ -619,7 +619,7 @@ def dequant_int4_matmul(
 ) -> torch.Tensor:
     """x (M, K) @ W.T for a gptq or awq (repacked) W without act-order by a dequantized copy
     of W (K, N) in x's dtype, made for this call and freed after it, and torch.matmul (cuBLAS
-    on CUDA): what vLLM's AWQ layer does from 256 tokens (awq.py, ``FP16_MATMUL_HEURISTIC``).
+    on CUDA): what vLLM's AWQ layer does from 256 tokens (awq.py, ``FP16_MATMUL_HEURISTIC_CONDITION``).
     Raises ValueError for act-order, an unrepacked AWQ, or a group or K that is not a
     multiple of 128."""
     if spec.method == "awq" and not awq_is_repacked(tensors):

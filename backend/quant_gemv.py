@@ -430,24 +430,13 @@ def small_m_gemm(
 
 
 @triton.jit
-def _int4_pair_dots(part, words, zf, x_lo, x_hi, J: tl.constexpr):
-    """``part`` + the dots of nibbles J and J + 4 of ``words`` (BLOCK_N, ROWS), less the
-    zeros ``zf`` (float16 1024 + zero, per row), with x_lo / x_hi (ROWS, BLOCK_M) float16."""
+def _int4_pair(words, zf, J: tl.constexpr):
+    """Nibbles J and J + 4 of ``words`` (BLOCK_N, ROWS) less the zeros ``zf`` (float16 1024 +
+    zero, per row): two (BLOCK_N, ROWS) float16 tiles."""
     v = ((words >> (4 * J)) & 0x000F000F) | 0x64006400  # both nibbles by one mask
     lo = v.to(tl.int16).to(tl.float16, bitcast=True) - zf[:, None]
     hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True) - zf[:, None]
-    part = tl.dot(lo, x_lo, part)
-    return tl.dot(hi, x_hi, part)
-
-
-@triton.jit
-def _int4_pair_tiles(words, zf, J: tl.constexpr):
-    """Nibbles J and J + 4 of ``words`` (BLOCK_N, ROWS) less the zeros ``zf``, float16,
-    joined: (BLOCK_N, ROWS, 2)."""
-    v = ((words >> (4 * J)) & 0x000F000F) | 0x64006400
-    lo = v.to(tl.int16).to(tl.float16, bitcast=True) - zf[:, None]
-    hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True) - zf[:, None]
-    return tl.join(lo, hi)
+    return lo, hi
 
 
 @triton.jit
@@ -464,9 +453,9 @@ def _small_m_int4_kernel(
     is a multiple of BLOCK_N, K of BLOCK_K, BLOCK_K divides GROUP and is at least 128 (the
     caller checks). X_LAYOUT (how a K tile's inputs k0 + 8r + j meet nibble j of word row r):
     0, X as given, gathered 8 apart; 1, X permuted by the caller within each K tile to
-    k0 + ROWS j + r (16 contiguous inputs a nibble); 2, X as given, one load of the tile
-    split into nibbles in registers; 3, the nibbles joined into the tile in registers, one
-    dot."""
+    k0 + ROWS j + r (16 contiguous inputs a nibble); 3, the nibbles joined into the tile in
+    registers, one dot. (2, one load of x split into nibbles in registers, lost at every M
+    above 16 and was removed: BENCHMARKS.md, 2026-12-06, evening.)"""
     pid_m = tl.program_id(0)
     pid = tl.program_id(1)
     split = tl.program_id(2)
@@ -490,31 +479,14 @@ def _small_m_int4_kernel(
             # the 8 nibbles joined back into the tile's natural order (column 8 r + j of
             # word row r's nibble j: a join adds the minor axis, so j's bits are joined from
             # the major one, b2 = lo/hi, down), one dot of BLOCK_K inputs against x as given
-            p0 = _int4_pair_tiles(words, zf, 0)
-            p1 = _int4_pair_tiles(words, zf, 1)
-            p2 = _int4_pair_tiles(words, zf, 2)
-            p3 = _int4_pair_tiles(words, zf, 3)
+            p0 = tl.join(*_int4_pair(words, zf, 0))
+            p1 = tl.join(*_int4_pair(words, zf, 1))
+            p2 = tl.join(*_int4_pair(words, zf, 2))
+            p3 = tl.join(*_int4_pair(words, zf, 3))
             w = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (BLOCK_N, BLOCK_K))
             rk = k0 + tl.arange(0, BLOCK_K)
             xt = tl.load(x_rows + rk[:, None], mask=m_ok[None, :], other=0.0)
             part = tl.dot(w, xt.to(tl.float16), part)
-        elif X_LAYOUT == 2:
-            r8 = tl.arange(0, 8)
-            xt = tl.load(X + rm[:, None, None] * stride_xm + (k0 + rr * 8)[None, :, None]
-                         + r8[None, None, :], mask=m_ok[:, None, None], other=0.0)  # fmt: skip
-            # (BLOCK_M, ROWS, 8) as (.., b2, b1, b0) of j = 4 b2 + 2 b1 + b0: split off b0,
-            # then b1, then b2
-            even, odd = tl.split(tl.reshape(xt.to(tl.float16), (BLOCK_M, ROWS, 2, 2, 2)))
-            e0, e1 = tl.split(even)
-            o0, o1 = tl.split(odd)
-            x0, x4 = tl.split(e0)
-            x2, x6 = tl.split(e1)
-            x1, x5 = tl.split(o0)
-            x3, x7 = tl.split(o1)
-            part = _int4_pair_dots(part, words, zf, tl.trans(x0), tl.trans(x4), 0)
-            part = _int4_pair_dots(part, words, zf, tl.trans(x1), tl.trans(x5), 1)
-            part = _int4_pair_dots(part, words, zf, tl.trans(x2), tl.trans(x6), 2)
-            part = _int4_pair_dots(part, words, zf, tl.trans(x3), tl.trans(x7), 3)
         else:
             for j in tl.static_range(4):  # nibbles j and j + 4 of every word
                 if X_LAYOUT == 1:
@@ -523,10 +495,11 @@ def _small_m_int4_kernel(
                 else:
                     k_lo = k0 + rr * 8 + j
                     k_hi = k_lo + 4
+                lo, hi = _int4_pair(words, zf, j)
                 x_lo = tl.load(x_rows + k_lo[:, None], mask=m_ok[None, :], other=0.0)
                 x_hi = tl.load(x_rows + k_hi[:, None], mask=m_ok[None, :], other=0.0)
-                part = _int4_pair_dots(part, words, zf, x_lo.to(tl.float16),
-                                       x_hi.to(tl.float16), j)  # fmt: skip
+                part = tl.dot(lo, x_lo.to(tl.float16), part)
+                part = tl.dot(hi, x_hi.to(tl.float16), part)
         s = tl.load(S + g * stride_s0 + rn).to(tl.float32)
         acc += part * s[:, None]
     tile = pid_m * tl.num_programs(1) + pid  # the output tile's split-K counter

@@ -535,7 +535,7 @@ class SmallMConfig:
     keeps >= ``min_k_tiles`` K tiles), ``num_warps``, ``num_stages``; int4 only:
     ``block_m`` tokens per program at most (more tokens: a program per ``block_m`` of them),
     ``x_layout`` how x meets the nibbles (``_small_m_int4_kernel``'s X_LAYOUT: 0 gathered,
-    1 permuted by a copy first, 2 split in registers, 3 the weight tile joined, one dot)."""
+    1 permuted by a copy first, 3 the weight tile joined, one dot; 2 was removed)."""
 
     block_n: int = 32
     block_k: int = 256
@@ -582,7 +582,7 @@ def small_m_supported(
     ok = ok and k % c.block_k == 0
     if int4:
         ok = ok and group_size % c.block_k == 0 and c.block_k >= 128
-        ok = ok and c.block_m in (16, 32, 64, 128, 256) and c.x_layout in (0, 1, 2, 3)
+        ok = ok and c.block_m in (16, 32, 64, 128, 256) and c.x_layout in (0, 1, 3)
     return ok
 
 

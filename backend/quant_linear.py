@@ -145,36 +145,28 @@ class QuantLinear(nn.Module):
             setattr(self, name, value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from sched_lab.backend import quant_gemv as qg
         from sched_lab.backend import quant_kernels as qk
 
         shape = (self.out_features, self.in_features)
         spec = self.spec
         path = gemm_path(spec.method, x.shape[0], spec.act_order, shape, spec.group_size)
-        if path == "small_m" and x.is_cuda:
-            from sched_lab.backend.quant_gemv import small_m_gemm, small_m_int4_gemm
-
-            if spec.method == "fp8":
-                y = small_m_gemm(x, self.weight, self.weight_scale, "fp8")
-            else:
-                y = small_m_int4_gemm(x, self.tensors(), spec, self.out_features)
-            return y if self.bias is None else y + self.bias
-        if path == "dequant" and x.is_cuda:
-            from sched_lab.backend.quant_gemv import dequant_int4_matmul
-
-            y = dequant_int4_matmul(x, self.tensors(), spec, self.out_features)
-            return y if self.bias is None else y + self.bias
         if path == "w8a8":  # CPU: its float32 reference
             y = qk.fp8_gemm(x, self.weight, self.weight_scale)
         elif not x.is_cuda:
-            y = qk.weight_only_reference(x, self.tensors(), self.spec)
+            y = qk.weight_only_reference(x, self.tensors(), spec)
+        elif path == "small_m" and spec.method == "fp8":
+            y = qg.small_m_gemm(x, self.weight, self.weight_scale, "fp8")
+        elif path == "small_m":
+            y = qg.small_m_int4_gemm(x, self.tensors(), spec, self.out_features)
+        elif path == "dequant":
+            y = qg.dequant_int4_matmul(x, self.tensors(), spec, self.out_features)
         elif path == "gemv":
-            from sched_lab.backend.quant_gemv import quant_gemv
-
-            y = quant_gemv(x, self.tensors(), self.spec, self.out_features)
+            y = qg.quant_gemv(x, self.tensors(), spec, self.out_features)
         elif path == "stream":  # fp8 only
-            y = qk.weight_streaming_gemm(x, self.tensors(), self.spec, self.out_features)
+            y = qk.weight_streaming_gemm(x, self.tensors(), spec, self.out_features)
         else:
-            y = qk.weight_only_gemm(x, self.tensors(), self.spec, self.out_features)
+            y = qk.weight_only_gemm(x, self.tensors(), spec, self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

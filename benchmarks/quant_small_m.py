@@ -43,7 +43,7 @@ def grid(dry_run: bool, method: str = "fp8", m: int = 1) -> list[tuple]:
     if dry_run:
         if int4:
             return [(64, 128, 4, 4, 2), (64, 128, 1, 4, 2), (64, 128, 1, 4, 2, 2, 16, 1),
-                    (64, 128, 1, 4, 2, 2, 16, 2)]  # fmt: skip
+                    (64, 128, 1, 4, 2, 2, 16, 3)]  # fmt: skip
         return [(64, 64, 4, 4, 2), (64, 128, 1, 4, 2)]
     if int4 and m <= 64:  # K tiles of one group of 128
         return [(128, 128, 2 if m <= 16 else 1, 4, 3, 2, 64, x) for x in (0, 1, 3)]

@@ -272,7 +272,9 @@ class ReplayResult:
     @property
     def num_steps(self) -> int:
         """The steps recorded (the length of every column of ``steps``)."""
-        return len(self.step_end_s)
+        if isinstance(self.steps, StepColumns):
+            return self.steps.num_steps  # (no column made to count it)
+        return len(self.steps["time_s"])
 
     def step_rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
         """Rows [start, stop) of every step column, in the order of ``steps`` (of

@@ -155,3 +155,31 @@ def test_end_unfinished_frees_everything():
 @pytest.mark.parametrize("name", ["fcfs", "swap", "chunked_prefill"])
 def test_builtin_policies_registered(name):
     assert get_policy(name).name == name
+
+
+def test_request_lists_start_shared_and_go_back_when_emptied():
+    """A request's list fields are the one read-only EMPTY until written: the writers give
+    it lists of its own (blocks, its prefill's step, its decode span, tokens), and freeing
+    its blocks puts EMPTY back."""
+    from sched_lab.core.request import EMPTY
+
+    a, b = Request("a", 0.0, 3, 2), Request("b", 0.0, 3, 2)
+    names = ("block_table", "prefill_token_steps", "decode_segments", "output_token_ids",
+             "block_hashes", "spec_token_ids", "spec_steps")  # fmt: skip
+    assert all(getattr(a, n) is EMPTY is getattr(b, n) for n in names)
+    assert EMPTY == [] and not EMPTY and [1] + EMPTY == [1]
+    for mutate in (lambda x: x.append(1), lambda x: x.extend([1]), lambda x: x.__setitem__(0, 1)):
+        with pytest.raises(TypeError, match="EMPTY"):
+            mutate(a.block_table)
+    assert EMPTY == []  # nothing was written into it
+    b.output_token_ids += [4, 5]  # a new list of b's own
+    assert b.output_token_ids == [4, 5] and EMPTY == [] and a.output_token_ids is EMPTY
+    s = make()
+    assert s.add(a, 0.0)
+    plan = s.schedule()  # prompt 3 + the sampled slot: one block of 4
+    assert a.block_table == [0] and a.block_table is not EMPTY
+    s.update(plan, StepResult(0.01, {a: 7}), 0.01)
+    assert a.prefill_token_steps == [0] and a.output_token_ids == [7]
+    s.update(s.schedule(), StepResult(0.01, {a: 9}), 0.02)  # its last token: it finishes
+    assert a.status is RequestStatus.FINISHED and a.decode_segments == [(0, 1)]
+    assert a.block_table is EMPTY and b.block_table is EMPTY

@@ -106,3 +106,23 @@ def test_nullable_integers_of_one_value_with_missing_cells():
         "c": pd.array([7, 7, 7], dtype="Int64"),
     })  # fmt: skip
     assert csv_text.frame_csv(df) == b"a,b,c\n0,,7\n,,7\n0,,7\n" == _pandas(df)
+
+
+def test_write_csv_in_parts_writes_the_whole_frames_bytes(tmp_path):
+    """folder.write_csv makes ``rows`` rows at a time: the file is to_csv's of the whole
+    frame, for parts that split a column of one value from rows where it differs, for a
+    part pandas writes (a datetime column), and for an empty frame (its header alone)."""
+    from sched_lab.report.folder import write_csv
+
+    df = pd.DataFrame({
+        "f": [0.1, 2.0, np.nan, 1 / 3, 1e16, -0.5, 7.0, 1e-5, 3.0, 0.25],
+        "s": ["a", "b,c", 'q"x', "", None, "x", "y", "z", "w", "v"],
+        "n": pd.array([5, 5, 5, None, None, None, 1, 2, 3, 4], dtype="Int64"),
+        "i": np.arange(10) * 1000,
+    })  # fmt: skip
+    for frame, fmt in ((df, None), (df, "%.9g"), (df.assign(t=pd.Timestamp("2026-01-01")), None)):
+        path = tmp_path / "x.csv"
+        write_csv(path, frame, fmt, rows=3)
+        assert path.read_bytes() == frame.to_csv(index=False, float_format=fmt).encode()
+    write_csv(tmp_path / "e.csv", df.iloc[:0], rows=3)
+    assert (tmp_path / "e.csv").read_bytes() == b"f,s,n,i\n"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 
-from sched_lab.core.request import Request
+from sched_lab.core.request import EMPTY, Request
 
 
 def num_tokens_at(request: Request, tick: int) -> int:
@@ -90,7 +90,10 @@ class DecodeSet:
         end = self.tick if end_tick is None else end_tick
         num_tokens = num_tokens_at(r, end)
         if end > r.join_tick:
-            r.decode_segments.append((r.join_tick, end))
+            if r.decode_segments is EMPTY:
+                r.decode_segments = [(r.join_tick, end)]
+            else:
+                r.decode_segments.append((r.join_tick, end))
         r.num_output_tokens = num_tokens - r.prompt_len
         r.num_computed_tokens = num_tokens - 1
         r.join_tick = -1  # marks heap entries of this membership as stale

@@ -12,7 +12,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Collection
 from itertools import repeat
 
-from sched_lab.core.request import Request, RequestStatus
+from sched_lab.core.request import EMPTY, Request, RequestStatus
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -154,7 +154,11 @@ class BlockManager:
                 f"request {request.request_id}: {num_blocks} blocks asked, "
                 f"{self._free_gpu.num_free} free"
             )
-        request.block_table.extend(self._free_gpu.take(num_blocks))
+        blocks = self._free_gpu.take(num_blocks)
+        if request.block_table is EMPTY:
+            request.block_table = blocks
+        else:
+            request.block_table.extend(blocks)
 
     def free_tail(self, request: Request, num_blocks: int) -> None:
         """Release the last ``num_blocks`` blocks of ``request`` (rejected drafts' slots, never
@@ -174,7 +178,7 @@ class BlockManager:
         """Return all blocks of ``request`` to the pool it is in (GPU, or CPU if swapped)."""
         pool = self._free_cpu if request.status is RequestStatus.SWAPPED else self._free_gpu
         pool.put(request.block_table)
-        request.block_table = []
+        request.block_table = EMPTY
 
     def can_swap_out(self, request: Request) -> bool:
         return len(request.block_table) <= self._free_cpu.num_free
@@ -324,6 +328,8 @@ class PrefixCachingBlockManager(BlockManager):
         hs, bs = r.block_hashes, self.block_size
         if len(hs) >= num_blocks:
             return hs
+        if hs is EMPTY:
+            hs = r.block_hashes = []
         parent = hs[-1] if hs else ROOT_KEY
         first, rest = extra_keys(r)
         if r.hash_ids is not None:
@@ -411,7 +417,11 @@ class PrefixCachingBlockManager(BlockManager):
                 f"request {request.request_id}: {num_blocks} blocks asked, "
                 f"{self.num_free_gpu_blocks} free"
             )
-        request.block_table.extend(self._take(num_blocks))
+        blocks = self._take(num_blocks)
+        if request.block_table is EMPTY:
+            request.block_table = blocks
+        else:
+            request.block_table.extend(blocks)
 
     def register(self, r: Request) -> None:
         """Key ``r``'s full computed blocks not offered yet. Mutates the key maps and
@@ -440,10 +450,10 @@ class PrefixCachingBlockManager(BlockManager):
         else:
             self.register(request)
             self._release(request.block_table)
-        request.block_table = []
+        request.block_table = EMPTY
         request.num_registered_blocks = 0
         if request.num_output_tokens >= request.output_len:  # finished: keys not needed
-            request.block_hashes = []
+            request.block_hashes = EMPTY
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Copy every block to CPU, drop the GPU references; returns (gpu_block, cpu_block)

@@ -12,7 +12,7 @@ from sched_lab.core.errors import SchedulerStuckError, short_repr
 from sched_lab.core.events import PREEMPTED, SWAPPED_IN
 from sched_lab.core.kv import blocks_for
 from sched_lab.core.plan import PreemptionMode, SchedulerOutput
-from sched_lab.core.request import Request, RequestStatus
+from sched_lab.core.request import EMPTY, Request, RequestStatus
 
 log = logging.getLogger("sched_lab.core.scheduler")
 
@@ -157,7 +157,7 @@ class Preemption:
             bm.free(victim)
             victim.num_recomputed_tokens += victim.num_computed_tokens
             victim.num_computed_tokens = 0
-            victim.spec_token_ids = []  # proposals dropped; re-proposed after the re-prefill
+            victim.spec_token_ids = EMPTY  # proposals dropped; re-proposed after the re-prefill
             victim.status = RequestStatus.WAITING
             victim.num_preemptions_recompute += 1
             self.waiting.appendleft(victim)

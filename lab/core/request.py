@@ -8,7 +8,7 @@ uncomputed token samples one new output token.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 #: Why a request ends at its ``output_len`` (vLLM's finish reasons): "length" (max_tokens: the
 #: scheduler knows it) or "stop" (an EOS token or a stop string: it learns it from the output).
@@ -32,6 +32,30 @@ class SamplingParams:
     temperature: float | None = None
     top_p: float = 1.0
     seed: int | None = None
+
+
+class EmptyList(list):
+    """The one shared empty list (:data:`EMPTY`) a :class:`Request`'s list fields start
+    as, and go back to when emptied for good: a million requests would otherwise hold seven
+    empty lists each (~0.5 GB). It reads as ``[]``; ``r.x += items`` gives ``r.x`` a new
+    list; mutating it in place raises TypeError, so a writer first gives the request a list
+    of its own (``if r.x is EMPTY: r.x = [...]``)."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__  # one instance, compared by identity: a dataclass default
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("Request: the shared EMPTY list is read-only; assign a list instead")
+
+    append = extend = insert = pop = remove = clear = sort = reverse = _refuse
+    __setitem__ = __delitem__ = __imul__ = _refuse  # type: ignore[assignment]
+
+    def __iadd__(self, items):  # type: ignore[override, misc]
+        return list(items)
+
+
+#: The shared empty list of every :class:`Request` list field that has no items yet.
+EMPTY = EmptyList()
 
 
 class RequestStatus(enum.Enum):
@@ -93,11 +117,12 @@ class Request:
     finish_reason: str = "length"
     sampling_params: SamplingParams | None = None
 
-    # Runtime state, owned by the scheduler (lab/core/scheduler.py).
+    # Runtime state, owned by the scheduler (lab/core/scheduler.py). Its lists start as the
+    # shared EMPTY (read-only): a writer assigns a list of its own first.
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_output_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = EMPTY
     reason: str = ""
     num_preemptions_recompute: int = 0
     num_preemptions_swap: int = 0
@@ -108,12 +133,12 @@ class Request:
     # Output token times, stored without per-token work (see lab/core/decode_set.py):
     # ``prefill_token_steps``: step indices whose end produced a token by finishing a prefill;
     # ``decode_segments``: half-open ranges [start, end) of decode ticks, one token per tick.
-    prefill_token_steps: list[int] = field(default_factory=list)
-    decode_segments: list[tuple[int, int]] = field(default_factory=list)
+    prefill_token_steps: list[int] = EMPTY
+    decode_segments: list[tuple[int, int]] = EMPTY
     # Decode-set bookkeeping (valid while status is RUNNING and the prefill is done).
     join_tick: int = -1
     join_num_output: int = 0
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = EMPTY
     # Prefix cache (lab/core/kv.py PrefixCachingBlockManager; zero when it is off).
     # ``num_cached_tokens``: tokens found in the cache at the first admission (KV computed by
     # other requests or earlier turns: true sharing; vLLM's name). ``num_resumed_cached_tokens``:
@@ -124,7 +149,7 @@ class Request:
     # Chained keys of the blocks whose content is known, computed on demand
     # (``block_hashes[j]`` keys block j), and how many leading blocks of ``block_table`` have
     # been offered to the cache (hits, or registered after being computed).
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[int] = EMPTY
     num_registered_blocks: int = 0
     # Speculative decoding (lab/core/spec.py; empty when it is off). ``spec_token_ids``: the
     # draft tokens proposed for the request's next step (set by ``Scheduler.update`` from
@@ -132,8 +157,8 @@ class Request:
     # (step index, drafts scheduled d', drafts accepted a) per step that verified drafts of
     # the request; that step's end produced 1 + a tokens, the one its decode tick records
     # (``decode_segments``) and a extra ones.
-    spec_token_ids: list[int] = field(default_factory=list)
-    spec_steps: list[tuple[int, int, int]] = field(default_factory=list)
+    spec_token_ids: list[int] = EMPTY
+    spec_steps: list[tuple[int, int, int]] = EMPTY
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:

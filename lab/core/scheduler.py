@@ -21,7 +21,7 @@ from sched_lab.core.lora import LoRASlots
 from sched_lab.core.plan import PreemptionMode, SchedulerOutput, StepFeatures, StepResult
 from sched_lab.core.preemption import Preemption
 from sched_lab.core.registry import Registry
-from sched_lab.core.request import Request, RequestStatus
+from sched_lab.core.request import EMPTY, Request, RequestStatus
 from sched_lab.core.spec import SpeculativeConfig
 from sched_lab.core.spec_drafts import SpecDrafts
 
@@ -199,9 +199,12 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         spec, flight = plan.spec_decodes, self.in_flight
         for r, token in result.sampled_token_ids.items():
             if r.status is not RequestStatus.FINISHED:  # async: a wasted slot's token is dropped
+                ids = r.output_token_ids
+                if ids is EMPTY:
+                    ids = r.output_token_ids = []
                 if r in spec:  # the accepted drafts come before the sampled token
-                    r.output_token_ids.extend(r.spec_token_ids[: result.num_accepted.get(r, 0)])
-                r.output_token_ids.append(token)
+                    ids.extend(r.spec_token_ids[: result.num_accepted.get(r, 0)])
+                ids.append(token)
         if not self.async_scheduling:
             step_index = self.num_steps
             self._advance(plan, now_s)
@@ -262,7 +265,10 @@ class Scheduler(Admission, Preemption, SpecDrafts):
             if r in self.prefilling:
                 self.prefilling.remove(r)
             r.num_output_tokens += 1
-            r.prefill_token_steps.append(step_index)
+            if r.prefill_token_steps is EMPTY:
+                r.prefill_token_steps = [step_index]
+            else:
+                r.prefill_token_steps.append(step_index)
             plan.sampled_prefills.append(r)
             if r.num_output_tokens < r.output_len:
                 self.decode_set.add(r)

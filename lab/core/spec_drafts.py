@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sched_lab.core.kv import blocks_for
 from sched_lab.core.plan import SchedulerOutput, StepResult
-from sched_lab.core.request import Request, RequestStatus
+from sched_lab.core.request import EMPTY, Request, RequestStatus
 
 
 def _accepted(r: Request, d: int, result: StepResult, step: int) -> int:
@@ -16,7 +16,10 @@ def _accepted(r: Request, d: int, result: StepResult, step: int) -> int:
             f"step {step}: request {r.request_id}: {a!r} drafts accepted, "
             f"expected 0..{d} (the drafts it verified)"
         )
-    r.spec_steps.append((step, d, a))
+    if r.spec_steps is EMPTY:
+        r.spec_steps = [(step, d, a)]
+    else:
+        r.spec_steps.append((step, d, a))
     return a
 
 

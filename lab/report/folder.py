@@ -435,14 +435,20 @@ def _write_tokens(path: Path, runs: list[Run], decode) -> None:
                 f.write(json.dumps(row) + "\n")
 
 
-def write_csv(path: Path, df: pd.DataFrame, float_format: str | None = None) -> None:
+def write_csv(
+    path: Path, df: pd.DataFrame, float_format: str | None = None, rows: int = 1 << 17
+) -> None:
     """``df.to_csv(path, index=False, float_format=...)``'s bytes, made column-wise
-    (lab/report/csv_text.py); pandas writes a table holding a type that module lacks."""
-    data = csv_text.frame_csv(df, float_format or "repr")
-    if data is None:
-        df.to_csv(path, index=False, float_format=float_format)
-    else:
-        path.write_bytes(data)
+    (lab/report/csv_text.py) ``rows`` rows at a time (a value's text depends on it alone);
+    pandas writes a part holding a type that module lacks."""
+    with path.open("wb") as f:
+        for start in range(0, max(len(df), 1), rows):  # once for an empty frame: the header
+            part, header = df.iloc[start : start + rows], start == 0
+            data = csv_text.frame_csv(part, float_format or "repr", header=header)
+            if data is None:
+                text = part.to_csv(index=False, header=header, float_format=float_format)
+                data = text.encode()
+            f.write(data)
 
 
 def _write_steps_csv(path: Path, runs: list[Run], rows: int = 1 << 17) -> None:

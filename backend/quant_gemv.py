@@ -1,8 +1,9 @@
 """Quantized GEMMs for decode-sized x: the GEMV (M <= GEMV_MAX_M rows, CUDA cores) and the
 swapped-operand tensor-core kernels of fp8/int8 weights (:func:`small_m_gemm`, M <=
 SMALL_M_MAX) and int4 weights (:func:`small_m_int4_gemm`, any M in token tiles), described in
-their sections below; and, for int4 steps too large for those, :func:`dequant_int4_matmul`
-(the weight dequantized for cuBLAS). The kernels stream the weight once from HBM.
+their sections below; and, for steps too large for those, :func:`dequant_int4_matmul`
+and :func:`dequant_int8_matmul` (the weight dequantized for cuBLAS, act-order GPTQ too). The
+kernels stream the weight once from HBM.
 
 The GEMV: y = x @ W.T on CUDA cores, the weight unpacked by bit moves.
 
@@ -562,56 +563,142 @@ def small_m_int4_gemm(
     return out
 
 
-# ------------------------------------------------- int4 dequantized for a cuBLAS GEMM
+# ------------------------------------------- weights dequantized for a cuBLAS GEMM
+# Above some number of tokens a GEMM is bound by arithmetic, and cuBLAS on a dense weight
+# beats kernels that unpack codes for every token tile: the weight is dequantized into a
+# buffer in x's dtype made for the call (one write of it and one read by cuBLAS, 4 bytes a
+# weight in bf16 beside the codes' read), then ``x @ w``. Each weight is rounded to x's dtype
+# once (bf16: 8 bits, as a bf16 checkpoint is). What vLLM's AWQ layer does from 256 tokens
+# (awq.py, ``FP16_MATMUL_HEURISTIC_CONDITION``).
+
+
 @triton.jit
 def _dequant_int4_kernel(
-    QW, QZ, S, Out, N, stride_qw0, stride_qz0, stride_s0, stride_o0,
-    ZERO_PLUS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    QW, QZ, S, GIDX, Out, N, stride_qw0, stride_qz0, stride_s0, stride_o0,
+    ZERO_PLUS: tl.constexpr, GROUP: tl.constexpr, ACT_ORDER: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Out[k, n] = (q[k, n] - z[g(k), n]) s[g(k), n] for word rows [ROWS pid_k, +ROWS) (8 k
-    each, inside one group) and columns [BLOCK_N pid_n, +BLOCK_N)."""
+    each) and columns [BLOCK_N pid_n, +BLOCK_N); g(k) = k // GROUP (the program's rows inside
+    one group) or, ACT_ORDER, GIDX[k] (a group per row, zeros and scales gathered)."""
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
     rr = pid_k * ROWS + tl.arange(0, ROWS)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     words = tl.load(QW + rr[:, None] * stride_qw0 + rn[None, :], mask=n_ok[None, :], other=0)
-    g = (pid_k * ROWS * 8) // GROUP
-    z = (tl.load(QZ + g * stride_qz0 + rn // 8, mask=n_ok, other=0) >> ((rn % 8) * 4)) & 0xF
-    z = (z + ZERO_PLUS).to(tl.float32)
-    s = tl.load(S + g * stride_s0 + rn, mask=n_ok, other=0.0).to(tl.float32)
+    col_shift = (rn % 8) * 4
+    if not ACT_ORDER:
+        g = (pid_k * ROWS * 8) // GROUP
+        z = (tl.load(QZ + g * stride_qz0 + rn // 8, mask=n_ok, other=0) >> col_shift) & 0xF
+        z = (z + ZERO_PLUS).to(tl.float32)
+        s = tl.load(S + g * stride_s0 + rn, mask=n_ok, other=0.0).to(tl.float32)
     for j in tl.static_range(8):
         q = ((words >> (4 * j)) & 0xF).to(tl.float32)
-        w = (q - z[None, :]) * s[None, :]
+        if ACT_ORDER:  # (ROWS, BLOCK_N) zeros and scales of rows 8 rr + j's groups
+            gj = tl.load(GIDX + rr * 8 + j)
+            zp = tl.load(QZ + gj[:, None] * stride_qz0 + (rn // 8)[None, :], mask=n_ok[None, :],
+                         other=0)  # fmt: skip
+            zj = (((zp >> col_shift[None, :]) & 0xF) + ZERO_PLUS).to(tl.float32)
+            sj = tl.load(S + gj[:, None] * stride_s0 + rn[None, :], mask=n_ok[None, :], other=0.0)
+            w = (q - zj) * sj.to(tl.float32)
+        else:
+            w = (q - z[None, :]) * s[None, :]
         tl.store(Out + (rr * 8 + j)[:, None] * stride_o0 + rn[None, :],
                  w.to(Out.dtype.element_ty), mask=n_ok[None, :])  # fmt: skip
+
+
+def dequantize_int4(
+    tensors: dict[str, torch.Tensor], spec: QuantSpec, out_features: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """W.T (K, N) of ``dtype`` for a gptq or awq (repacked) W: a new tensor, each weight (q -
+    zero) * scale computed in float32 and rounded once. Act-order GPTQ: row k's zeros and
+    scales are those of its group ``g_idx[k]`` (any group size). Raises ValueError for an
+    unrepacked AWQ, a K that is not a multiple of 128, or (without act-order) a group that
+    is not."""
+    if spec.method == "awq" and not awq_is_repacked(tensors):
+        raise ValueError("dequantize_int4: awq tensors in the checkpoint layout; "
+                         "repack them with quant_formats.repack_awq first")  # fmt: skip
+    k = tensors["qweight"].shape[0] * 8
+    act_order = spec.act_order
+    if (spec.group_size % 128 and not act_order) or k % 128:
+        raise ValueError(
+            f"dequantize_int4: {spec.method} K={k} group {spec.group_size}"
+            f"{' act-order' if act_order else ''}; takes gptq/awq with K a multiple of 128 "
+            "and, without act-order, the group too"
+        )
+    qw, qz, s = tensors["qweight"], tensors["qzeros"], tensors["scales"]
+    g_idx = tensors["g_idx"] if act_order else qw  # qw: a placeholder, never read
+    n = out_features
+    w = torch.empty(k, n, dtype=dtype, device=qw.device)
+    rows, block_n = 16, 128
+    _dequant_int4_kernel[(k // (rows * 8), triton.cdiv(n, block_n))](
+        qw, qz, s, g_idx, w, n, qw.stride(0), qz.stride(0), s.stride(0), w.stride(0),
+        ZERO_PLUS=1 if spec.method == "gptq" else 0, GROUP=spec.group_size,
+        ACT_ORDER=act_order, ROWS=rows, BLOCK_N=block_n, num_warps=4,
+    )  # fmt: skip
+    return w
 
 
 def dequant_int4_matmul(
     x: torch.Tensor, tensors: dict[str, torch.Tensor], spec: QuantSpec, out_features: int
 ) -> torch.Tensor:
-    """x (M, K) @ W.T for a gptq or awq (repacked) W without act-order by a dequantized copy
-    of W (K, N) in x's dtype, made for this call and freed after it, and torch.matmul (cuBLAS
-    on CUDA): what vLLM's AWQ layer does from 256 tokens (awq.py, ``FP16_MATMUL_HEURISTIC_CONDITION``).
-    Raises ValueError for act-order, an unrepacked AWQ, or a group or K that is not a
-    multiple of 128."""
-    if spec.method == "awq" and not awq_is_repacked(tensors):
-        raise ValueError("dequant_int4_matmul: awq tensors in the checkpoint layout; "
-                         "repack them with quant_formats.repack_awq first")  # fmt: skip
-    k = tensors["qweight"].shape[0] * 8
-    if spec.act_order or spec.group_size % 128 or k % 128 or x.shape[1] != k:
-        raise ValueError(
-            f"dequant_int4_matmul: {spec.method} K={k} group {spec.group_size}"
-            f"{' act-order' if spec.act_order else ''}, x {tuple(x.shape)}; takes gptq/awq "
-            "without act-order, K and the group multiples of 128, x (M, K)"
-        )
-    qw, qz, s = tensors["qweight"], tensors["qzeros"], tensors["scales"]
-    n = out_features
-    w = torch.empty(k, n, dtype=x.dtype, device=x.device)
-    rows, block_n = 16, 128
-    _dequant_int4_kernel[(k // (rows * 8), triton.cdiv(n, block_n))](
-        qw, qz, s, w, n, qw.stride(0), qz.stride(0), s.stride(0), w.stride(0),
-        ZERO_PLUS=1 if spec.method == "gptq" else 0, GROUP=spec.group_size, ROWS=rows,
-        BLOCK_N=block_n, num_warps=4,
-    )  # fmt: skip
+    """x (M, K) @ W.T for a gptq (act-order too) or awq (repacked) W: W dequantized into x's
+    dtype by :func:`dequantize_int4` (a copy made for this call; its refusals), then
+    torch.matmul (cuBLAS on CUDA). (M, N) in x's dtype."""
+    w = dequantize_int4(tensors, spec, out_features, x.dtype)
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"dequant_int4_matmul: x {tuple(x.shape)} for K={w.shape[0]}; "
+                         "expected x (M, K)")  # fmt: skip
     return x @ w
+
+
+@triton.jit
+def _dequant_int8_kernel(
+    W, S, Out, N, K, stride_w0, stride_o0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """Out[n, k] = W[n, k] S[n] for rows [BLOCK_N pid_n, +BLOCK_N) and inputs [BLOCK_K pid_k,
+    +BLOCK_K): the product in float32, rounded once to Out's dtype."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    mask = n_ok[:, None] & (rk < K)[None, :]
+    q = tl.load(W + rn[:, None] * stride_w0 + rk[None, :], mask=mask, other=0)
+    s = tl.load(S + rn, mask=n_ok, other=0.0)
+    w = q.to(tl.float32) * s[:, None]
+    tl.store(Out + rn[:, None] * stride_o0 + rk[None, :], w.to(Out.dtype.element_ty), mask=mask)
+
+
+def dequantize_int8(
+    weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """weight (N, K) int8, contiguous along K, times weight_scale (N, 1) float32 per row: a new
+    (N, K) tensor of ``dtype``, each product computed in float32 and rounded once."""
+    n, k = weight.shape
+    if weight.dtype != torch.int8 or weight.stride(1) != 1 or weight_scale.numel() != n:
+        raise ValueError(
+            f"dequantize_int8: weight {weight.dtype} {tuple(weight.shape)} (stride "
+            f"{weight.stride()}), {weight_scale.numel()} scales; expected int8 (N, K) "
+            "contiguous along K and N scales"
+        )
+    scale = weight_scale.reshape(-1).float().contiguous()
+    w = torch.empty(n, k, dtype=dtype, device=weight.device)
+    block_n, block_k = 16, 512
+    _dequant_int8_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        weight, scale, w, n, k, weight.stride(0), w.stride(0), BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return w
+
+
+def dequant_int8_matmul(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
+    """x (M, K) @ (weight * weight_scale).T for an int8 weight (N, K) with one float32 scale
+    per row: the weight dequantized into x's dtype by :func:`dequantize_int8` (a copy made for
+    this call), then torch.matmul (cuBLAS on CUDA). (M, N) in x's dtype."""
+    w = dequantize_int8(weight, weight_scale, x.dtype)
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"dequant_int8_matmul: x {tuple(x.shape)} for a weight "
+                         f"{tuple(w.shape)}; expected x (M, {w.shape[1]})")  # fmt: skip
+    return x @ w.t()

@@ -41,9 +41,19 @@ INT4_SMALL_M_MAX_TOKENS = 128
 #: int4 steps (not act-order) of more tokens than this dequantize each weight for cuBLAS
 #: (:func:`sched_lab.backend.quant_gemv.dequant_int4_matmul`); the same projections, H100:
 #: 1.4x the small-M kernel at 256 tokens, 2.1x at 512, 3.5x its gathering layout at 2048
-#: (1.2x bf16's time there, where the tiled kernel took 7.8x) (BENCHMARKS.md, 2026-12-06). None turns it off (the
-#: tiled kernel).
+#: (1.2x bf16's time there, where the tiled kernel took 7.8x) (BENCHMARKS.md, 2026-12-06).
+#: None turns it off (the tiled kernel).
 INT4_DEQUANT_ABOVE_TOKENS: int | None = 128
+#: the same for act-order GPTQ (each row's zeros and scales by g_idx), against the tiled
+#: kernel, its only other path: 0, every step. The same projections, H100: 0.30x the tiled
+#: kernel's time at 1 token (704 vs 2,376 us), 0.14x at 256, 0.04x at 2048 (1.5x bf16's
+#: time there) (BENCHMARKS.md, 2026-12-06, night). None turns it off.
+INT4_ACT_ORDER_DEQUANT_ABOVE_TOKENS: int | None = 0
+#: the same for int8 (:func:`sched_lab.backend.quant_gemv.dequant_int8_matmul`) against the
+#: tiled kernel, which runs 64-token tiles above 32 tokens: H100, 1.24x slower than it at
+#: 192 tokens (424 vs 341 us: three tiles), 1.10x faster at 193 (four), 1.55x at 512, 2.2x at
+#: 2048 (1.22x bf16's time there) (BENCHMARKS.md, 2026-12-06, night). None turns it off.
+INT8_DEQUANT_ABOVE_TOKENS: int | None = 192
 
 
 #: methods whose one-row steps run :mod:`sched_lab.backend.quant_gemv`: on the H200 (8B
@@ -51,6 +61,15 @@ INT4_DEQUANT_ABOVE_TOKENS: int | None = 128
 #: tiled kernel) and fp8 (1.7x the streaming kernel), lost for int8 (0.7-0.9x the tiled
 #: kernel) and at M = 4 for every method (fp8: where the small-M kernel does not take it)
 GEMV_METHODS = ("awq", "gptq", "fp8")
+
+
+def dequant_above_tokens(method: str, act_order: bool = False) -> int | None:
+    """The token count above which ``method`` runs the "dequant" path (None: never)."""
+    if method == "int8":
+        return INT8_DEQUANT_ABOVE_TOKENS
+    if method in ("gptq", "awq"):
+        return INT4_ACT_ORDER_DEQUANT_ABOVE_TOKENS if act_order else INT4_DEQUANT_ABOVE_TOKENS
+    return None
 
 
 def gemm_path(
@@ -61,18 +80,20 @@ def gemm_path(
     group_size: int = 128,
 ) -> str:
     """Which GEMM a step of ``tokens`` rows runs for ``method``, on CUDA and (as its float32
-    reference) on CPU: "small_m" (weight-only on tensor cores, operands swapped: fp8 up to
-    FP8_SMALL_M_MAX_TOKENS rows, int4 without act-order from 2 to INT4_SMALL_M_MAX_TOKENS, where
-    ``shape`` (N, K), if given, fits the tiles for ``group_size``), "dequant" (int4 without
-    act-order above INT4_DEQUANT_ABOVE_TOKENS rows, groups and K multiples of 128: the weight
-    dequantized, then cuBLAS), "gemv" (the one-row kernel), "stream" (weight-only streaming kernel),
-    "tiled" (weight-only tiled kernel) or "w8a8" (fp8 ``_scaled_mm``). Otherwise int8, gptq
-    and awq (repacked) run the tiled kernel: on the H200 the streaming kernel was slower for
-    int8 and gptq at every M."""
+    reference) on CPU: "dequant" (the weight dequantized, then cuBLAS) above
+    :func:`dequant_above_tokens` rows: int8 (any shape), int4 without act-order where the
+    group and K (``shape`` (N, K), if given) are multiples of 128, act-order GPTQ where K is;
+    "small_m" (weight-only on tensor cores, operands swapped: fp8 up to FP8_SMALL_M_MAX_TOKENS
+    rows, int4 without act-order from 2 to INT4_SMALL_M_MAX_TOKENS, where ``shape``, if given,
+    fits the tiles for ``group_size``), "gemv" (the one-row kernel), "stream" (weight-only
+    streaming kernel), "tiled" (weight-only tiled kernel) or "w8a8" (fp8 ``_scaled_mm``).
+    Otherwise int8, gptq and awq (repacked) run the tiled kernel: on the H200 the streaming
+    kernel was slower for int8 and gptq at every M."""
     int4 = method in ("gptq", "awq") and not act_order
-    above = INT4_DEQUANT_ABOVE_TOKENS
-    if int4 and above is not None and tokens > above and group_size % 128 == 0:
-        if shape is None or shape[1] % 128 == 0:
+    above = dequant_above_tokens(method, act_order)
+    if above is not None and tokens > above:
+        k_ok = shape is None or shape[1] % 128 == 0
+        if method == "int8" or (act_order and k_ok) or (group_size % 128 == 0 and k_ok):
             return "dequant"
     if method == "fp8":
         small_m = FP8_SMALL_M_MAX_TOKENS
@@ -159,7 +180,9 @@ class QuantLinear(nn.Module):
             y = qg.small_m_gemm(x, self.weight, self.weight_scale, "fp8")
         elif path == "small_m":
             y = qg.small_m_int4_gemm(x, self.tensors(), spec, self.out_features)
-        elif path == "dequant":
+        elif path == "dequant" and spec.method == "int8":
+            y = qg.dequant_int8_matmul(x, self.weight, self.weight_scale)
+        elif path == "dequant":  # int4, act-order GPTQ too
             y = qg.dequant_int4_matmul(x, self.tensors(), spec, self.out_features)
         elif path == "gemv":
             y = qg.quant_gemv(x, self.tensors(), spec, self.out_features)

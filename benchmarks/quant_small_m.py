@@ -1,10 +1,14 @@
 """The swapped-operand tensor-core kernels (backend/quant_gemv.py, ``small_m_gemm`` for fp8 and
 int8, ``small_m_int4_gemm`` for gptq and awq) on a preset's projections at 1-32 tokens (int4:
-any number), against bf16 cuBLAS and the paths the engine ran before them; int4 from 32
-tokens also ``dequant_int4_matmul`` (the weight dequantized, then cuBLAS).
+any number), against bf16 cuBLAS and the paths the engine ran before them; and from 2 tokens
+(int4: 32) the weight dequantized, then cuBLAS: ``dequant_int4_matmul`` (gptq, awq and
+``gptq-act``, act-order GPTQ with g_idx shuffled), ``dequant_int8_matmul`` (int8, a Triton
+kernel) and, for int8, torch's ``weight.to(dtype).mul_(scale)`` ("dequant-torch").
 
     timeout 200 python benchmarks/quant_small_m.py --out results/small_m      # CUDA, 8B shapes
     python benchmarks/quant_small_m.py --dry-run --out /tmp/sm     # CPU interpreter, tiny shapes
+    timeout 400 python benchmarks/quant_small_m.py --methods int8 gptq-act gptq \
+        --tokens 16 32 64 128 256 512 2048 --sweep-tokens 0 --out DIR    # the dequant A/B
 
 Per (method, projection, tokens M): bf16 ``x @ W.T``; the path before this kernel ("gemv" for
 fp8 and int4 at M = 1, "w8a8" ``_scaled_mm`` with the activation-quantizing kernel above for
@@ -14,7 +18,7 @@ fp8, the tiled kernel for int8 and int4); then the new kernel at each config of 
 of back-to-back calls over weight copies beyond the L2, divided by the calls; ``err`` is
 max |out - ref| / max |ref| against the float32 dequantized reference (w8a8: its own
 reference, activations quantized). ``small_m.json`` and ``small_m.md`` are written after
-each method.
+each method; ``small_m.md`` ends with each path summed over the projections.
 """
 
 from __future__ import annotations
@@ -79,7 +83,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--sweep-tokens", type=int, nargs="+", default=[1, 16],
                     help="the M at which every config of the grid runs")  # fmt: skip
-    ap.add_argument("--methods", nargs="+", default=["fp8", "int8"])
+    ap.add_argument("--methods", nargs="+", default=["fp8", "int8"],
+                    choices=["fp8", "int8", "gptq", "awq", "gptq-act"],
+                    help="gptq-act: act-order GPTQ, g_idx shuffled")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop sweeping configs after")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes")
     args = ap.parse_args()
@@ -88,6 +94,7 @@ def main() -> None:
     from sched_lab.backend.quant_gemv import (
         SmallMConfig,
         dequant_int4_matmul,
+        dequant_int8_matmul,
         quant_gemv,
         small_m_config,
         small_m_gemm,
@@ -115,7 +122,7 @@ def main() -> None:
         )
         (out_dir / "small_m.md").write_text(markdown(rows, header, args.preset))
 
-    def record(method, proj, k, n, m, path, fn, want, size, config=None):
+    def record(method, proj, k, n, m, path, fn, want, size, config=None, engine=False):
         try:
             out = fn()
         except Exception as e:
@@ -125,7 +132,8 @@ def main() -> None:
         err = ((out.float() - want).abs().max() / want.abs().max()).item()
         sec = timer(fn) / fn.calls
         row = {"method": method, "projection": proj, "K": k, "N": n, "tokens": m,
-               "path": path, "config": config, "us": sec * 1e6, "bytes": size, "err": err}  # fmt: skip
+               "path": path, "config": config, "engine": engine, "us": sec * 1e6,
+               "bytes": size, "err": err}  # fmt: skip
         rows.append(row)
         print(f"{method:5s} {proj:8s} M={m:2d} {path:28s} {sec * 1e6:8.1f} us "
               f"{size / sec / 1e9:7.0f} GB/s err {err:.1e}", flush=True)  # fmt: skip
@@ -154,10 +162,14 @@ def main() -> None:
                    Calls(lambda w, x=xs[m]: x @ w.t(), copies), want, dense.numel() * 2)  # fmt: skip
         del copies
         for method in args.methods:
-            spec = QuantSpec(method)
-            int4 = method in ("gptq", "awq")
-            t = quantize_weight(dense, spec)
+            act = method == "gptq-act"  # act-order GPTQ: the groups' rows shuffled
+            spec = QuantSpec("gptq", act_order=True) if act else QuantSpec(method)
+            int4 = method in ("gptq", "awq", "gptq-act")
+            t = quantize_weight(dense, QuantSpec("gptq") if act else spec)
             t = repack_awq(t) if method == "awq" else t
+            if act:
+                order = torch.randperm(k, generator=gen, device=device)
+                t["g_idx"] = t["g_idx"][order].contiguous()
             size = sum(v.numel() * v.element_size() for v in t.values())
             extra = _copies(size) - 1 if device == "cuda" else 0
             wc = [t] + [{a: v.clone() for a, v in t.items()} for _ in range(extra)]
@@ -179,9 +191,18 @@ def main() -> None:
                 else:
                     fn = Calls(lambda tt, x=x, q=spec, nn=n: qk.weight_only_gemm(x, tt, q, nn), wc)
                     record(method, proj, k, n, m, "before: tiled", fn, want, size)
-                if int4 and m >= 32:  # the whole weight dequantized, then cuBLAS
+                if int4 and m >= (1 if act else 32):  # the weight dequantized, then cuBLAS
                     fn = Calls(lambda tt, x=x, q=spec, nn=n: dequant_int4_matmul(x, tt, q, nn), wc)
                     record(method, proj, k, n, m, "dequant+cublas", fn, want, size)
+                if method == "int8" and m >= 2:  # the Triton kernel, then torch's two ops
+                    fn = Calls(lambda tt, x=x: dequant_int8_matmul(x, tt["weight"],
+                                                                   tt["weight_scale"]), wc)  # fmt: skip
+                    record(method, proj, k, n, m, "dequant+cublas", fn, want, size)
+                    fn = Calls(lambda tt, x=x: x @ tt["weight"].to(x.dtype).mul_(
+                        tt["weight_scale"]).t(), wc)  # fmt: skip
+                    record(method, proj, k, n, m, "dequant-torch+cublas", fn, want, size)
+                if act:  # no small-M kernel for act-order
+                    continue
                 sweep = m in args.sweep_tokens and time.perf_counter() - t_start < args.budget_s
                 configs = grid(args.dry_run, method, m) if sweep else sorted(set(best.values()))
                 engine = small_m_config(m, n, k, method)  # always timed
@@ -198,7 +219,7 @@ def main() -> None:
                         fn = Calls(lambda tt, x=x, sc=sc, me=method: small_m_gemm(
                             x, tt["weight"], tt["weight_scale"], me, sc), wc)  # fmt: skip
                     record(method, proj, k, n, m, "small_m " + "/".join(map(str, c)), fn,
-                           want, size, c)  # fmt: skip
+                           want, size, c, sc == engine)  # fmt: skip
                 if sweep:
                     ok = [r for r in rows if (r["method"], r["projection"], r["tokens"])
                           == (method, proj, m) and r["config"] and r["err"] < 1e-2]  # fmt: skip
@@ -228,7 +249,33 @@ def markdown(rows: list[dict], header: str, preset: str) -> str:
                      f"{before['path'][8:]} | {before['us']:.1f} | {b['path'][8:]} | {b['us']:.1f} | "
                      f"{b['bytes'] / b['us'] / 1e3:.0f} | {base / b['us']:.2f} | "
                      f"{before['us'] / b['us']:.2f} |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + summed(rows)) + "\n"
+
+
+SUMMED = (("before", lambda r: r["path"].startswith("before")),
+          ("small_m (engine's)", lambda r: r.get("engine")),
+          ("dequant+cublas", lambda r: r["path"] == "dequant+cublas"),
+          ("dequant-torch+cublas", lambda r: r["path"] == "dequant-torch+cublas"))  # fmt: skip
+
+
+def summed(rows: list[dict]) -> list[str]:
+    """Markdown lines: per method and M, bf16 and each path of SUMMED in us summed over the
+    projections ("-": not timed for every projection)."""
+    projs = list(dict.fromkeys(r["projection"] for r in rows))
+
+    def total(method: str, m: int, pick) -> str:
+        got = {r["projection"]: r["us"] for r in rows
+               if (r["method"], r["tokens"]) == (method, m) and pick(r)}  # fmt: skip
+        return f"{sum(got.values()):,.1f}" if len(got) == len(projs) else "-"
+
+    lines = ["", f"Summed over the projections ({', '.join(projs)}), us:", "",
+             "| method | M | bf16 | " + " | ".join(name for name, _ in SUMMED) + " |",
+             "|---|---|---|" + "---|" * len(SUMMED)]  # fmt: skip
+    keys = dict.fromkeys((r["method"], r["tokens"]) for r in rows if r["method"] != "bf16")
+    for meth, m in keys:
+        cells = [total("bf16", m, lambda r: True)] + [total(meth, m, f) for _, f in SUMMED]
+        lines.append(f"| {meth} | {m} | " + " | ".join(cells) + " |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -264,8 +264,15 @@ def test_gemm_path_by_method_and_tokens():
         assert gemm_path(method, 8, shape=(3072, 576)) == "tiled"
         assert gemm_path(method, 8, shape=(4160, 4096)) == "tiled"
         assert gemm_path(method, 8, shape=(4096, 4096), group_size=64) == "tiled"
-    assert {gemm_path("gptq", t, act_order=True) for t in (1, 2, 64, 129)} == {"tiled"}
-    assert {gemm_path("int8", t) for t in (1, 16, 17, 256)} == {"tiled"}
+    # act-order GPTQ: dequant at every M where K is a multiple of 128 (any group: each row's
+    # by g_idx), else the tiled kernel
+    assert {gemm_path("gptq", t, act_order=True) for t in (1, 2, 64, 129)} == {"dequant"}
+    assert gemm_path("gptq", 1, act_order=True, shape=(4096, 4096), group_size=32) == "dequant"
+    assert gemm_path("gptq", 1, act_order=True, shape=(3072, 576), group_size=64) == "tiled"
+    # int8: the tiled kernel up to 192 tokens, then dequant, whatever the shape
+    assert [gemm_path("int8", t) for t in (1, 16, 192, 193, 2048)] == [
+        "tiled", "tiled", "tiled", "dequant", "dequant"]  # fmt: skip
+    assert gemm_path("int8", 193, shape=(3072, 576)) == "dequant"
     # fp8: weight-only on tensor cores up to 32 tokens (quant_gemv.small_m_gemm), W8A8 above
     assert [gemm_path("fp8", t) for t in (1, 2, 16, 32, 33, 256)] == [
         "small_m", "small_m", "small_m", "small_m", "w8a8", "w8a8"]  # fmt: skip
@@ -283,6 +290,11 @@ def test_gemm_path_of_fp8_without_the_small_m_kernel(monkeypatch):
     monkeypatch.setattr(ql, "INT4_DEQUANT_ABOVE_TOKENS", None)
     assert [ql.gemm_path("gptq", t) for t in (1, 2, 32, 200)] == [
         "gemv", "tiled", "tiled", "tiled"]  # fmt: skip
+    assert ql.gemm_path("gptq", 200, act_order=True) == "dequant"  # its own switch
+    monkeypatch.setattr(ql, "INT4_ACT_ORDER_DEQUANT_ABOVE_TOKENS", None)
+    monkeypatch.setattr(ql, "INT8_DEQUANT_ABOVE_TOKENS", None)
+    assert ql.gemm_path("gptq", 200, act_order=True) == ql.gemm_path("int8", 200) == "tiled"
+    assert ql.dequant_above_tokens("fp8") is None  # fp8 never dequantizes (W8A8 above 32)
 
 
 def test_fp8_reference_quantizes_activations_per_token():

@@ -1,6 +1,7 @@
 """The swapped-operand fp8/int8 kernel (backend/quant_gemv.py, ``small_m_gemm``) against the float32
-dequantized reference, its split of K, its refusals and the fp8 dispatch to it (Triton's
-interpreter on CPU)."""
+dequantized reference, its split of K, its refusals and the fp8 dispatch to it; the int4
+kernel likewise; the weights dequantized for cuBLAS (int4, act-order GPTQ, int8) and their
+dispatch (Triton's interpreter on CPU)."""
 
 from __future__ import annotations
 
@@ -225,7 +226,6 @@ def test_small_m_int4_refuses_what_it_does_not_run():
 @needs_triton
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_dequant_int4_matmul_matches_reference_and_refuses(method):
-    from sched_lab.backend.quant_formats import QuantSpec
     from sched_lab.backend.quant_gemv import dequant_int4_matmul
     from sched_lab.backend.quant_kernels import weight_only_reference
 
@@ -242,15 +242,94 @@ def test_dequant_int4_matmul_matches_reference_and_refuses(method):
     out = dequant_int4_matmul(xb, tensors, spec, n).float()
     ref = weight_only_reference(xb, tensors, spec).float()
     assert (out - ref).abs().max().item() <= ref.abs().max().item() * 2**-6
-    with pytest.raises(ValueError, match="act-order"):
-        dequant_int4_matmul(x, tensors, QuantSpec(method, 128, act_order=True), n)
     spec64, t64 = _quantized(method, 128, 256, group=64, repack=True)
     with pytest.raises(ValueError, match="group 64"):
         dequant_int4_matmul(torch.zeros(1, 256, device=DEVICE), t64, spec64, 128)
+    with pytest.raises(ValueError, match=r"expected x \(M, K\)"):
+        dequant_int4_matmul(torch.zeros(1, 128, device=DEVICE), tensors, spec, n)
     if method == "awq":  # the checkpoint's (K, N/8) layout, not repacked
         spec, raw = _quantized(method, 128, 256)
         with pytest.raises(ValueError, match="repack"):
             dequant_int4_matmul(torch.zeros(1, 256, device=DEVICE), raw, spec, 128)
+
+
+@needs_triton
+@pytest.mark.parametrize("group", [128, 64])
+def test_dequant_int4_follows_g_idx_with_act_order(group):
+    from sched_lab.backend.quant_formats import QuantSpec, unpack_gptq_rows, unpack_gptq_zeros
+    from sched_lab.backend.quant_gemv import dequant_int4_matmul, dequantize_int4
+    from sched_lab.backend.quant_kernels import weight_only_reference
+
+    # act-order GPTQ: row k in group g_idx[k], shuffled; K 256 (2 programs of 128 rows, each
+    # row its own group), N 136 (a second column tile of 8, masked); groups of 64 too (the
+    # program's rows in 4 groups)
+    n, k = 136, 256
+    _, tensors = _quantized("gptq", n, k, group=group)
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    tensors["g_idx"] = tensors["g_idx"][perm].contiguous()
+    spec = QuantSpec("gptq", group, act_order=True)
+    w = dequantize_int4(tensors, spec, n, torch.float32)  # (K, N)
+    # by hand: row 5 is (q[5] - zero[g_idx[5]]) * scale[g_idx[5]], exactly, in float32
+    g5 = int(tensors["g_idx"][5])
+    codes, zeros = unpack_gptq_rows(tensors["qweight"]), unpack_gptq_zeros(tensors["qzeros"])
+    row5 = (codes[5] - zeros[g5]).float() * tensors["scales"][g5].float()
+    assert g5 != 5 // group  # not the group it would have without act-order
+    assert torch.equal(w[5], row5)
+    for dtype, rel in ((torch.float32, 1e-4), (torch.bfloat16, 2**-6)):
+        x = torch.randn(9, k, generator=torch.Generator().manual_seed(9)).to(DEVICE, dtype)
+        ref = weight_only_reference(x, tensors, spec).float()
+        out = dequant_int4_matmul(x, tensors, spec, n)
+        assert out.shape == (9, n) and out.dtype == dtype
+        assert (out.float() - ref).abs().max().item() <= rel * ref.abs().max().item()
+    _, t192 = _quantized("gptq", 64, 192, group=64)  # K 192: not whole programs of 128 rows
+    with pytest.raises(ValueError, match="K=192 group 64 act-order"):
+        dequantize_int4(t192, QuantSpec("gptq", 64, act_order=True), 64, torch.float32)
+
+
+@needs_triton
+def test_dequantize_int8_rounds_once():
+    from sched_lab.backend.quant_gemv import dequantize_int8
+
+    third = torch.tensor(1 / 3, dtype=torch.float32)
+    weight = torch.tensor([[1, -2, 127, -127], [3, 48, -3, 127]], dtype=torch.int8)
+    scale = torch.stack([torch.tensor(0.5), third]).reshape(2, 1)
+    weight, scale = weight.to(DEVICE), scale.to(DEVICE)
+    w32 = dequantize_int8(weight, scale, torch.float32)
+    assert torch.equal(w32, weight.float() * scale)  # the reference's float32 products
+    assert w32[0].tolist() == [0.5, -1.0, 63.5, -63.5]
+    # bf16: 127 * float32(1/3) = 42.333336 rounds to 42.25 (steps of 0.25 there); rounding
+    # the scale to bf16 first (0.333984375) would give 42.416 -> 42.5
+    wb = dequantize_int8(weight, scale, torch.bfloat16)
+    assert wb.dtype == torch.bfloat16
+    assert wb.float().tolist() == [[0.5, -1.0, 63.5, -63.5], [1.0, 16.0, -1.0, 42.25]]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequant_int8_matmul_matches_reference_and_refuses(dtype):
+    from sched_lab.backend.quant_gemv import dequant_int8_matmul, dequantize_int8
+    from sched_lab.backend.quant_kernels import weight_only_reference
+
+    # N 200, K 600: 13 row tiles of 16 (the last masked) x 2 K tiles of 512 (the second masked)
+    n, k = 200, 600
+    spec, tensors = _quantized("int8", n, k)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(10)).to(DEVICE, dtype)
+    out = dequant_int8_matmul(x, tensors["weight"], tensors["weight_scale"])
+    ref = weight_only_reference(x, tensors, spec).float()
+    assert out.shape == (5, n) and out.dtype == dtype
+    # float32: the same weights, summation order only; bf16: the weight and the output each
+    # rounded once, 2 ulps of the largest output
+    rel = 1e-5 if dtype == torch.float32 else 2**-6
+    assert (out.float() - ref).abs().max().item() <= rel * ref.abs().max().item()
+    w, s = tensors["weight"], tensors["weight_scale"]
+    with pytest.raises(ValueError, match=r"\(600, 200\) \(stride \(1, 600\)\)"):
+        dequantize_int8(w.t(), s, dtype)  # (K, N) read as its transpose
+    with pytest.raises(ValueError, match="100 scales"):
+        dequantize_int8(w, s[:100], dtype)
+    with pytest.raises(ValueError, match="weight torch.float32"):
+        dequantize_int8(w.float(), s, dtype)
+    with pytest.raises(ValueError, match=r"expected x \(M, 600\)"):
+        dequant_int8_matmul(x[:, :512], w, s)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the kernels run in QuantLinear on CUDA only")
@@ -284,3 +363,59 @@ def test_int4_quant_linear_runs_each_path_by_tokens_on_cuda(method, monkeypatch)
         ran.clear()
         assert (layer(x).float() - ref).abs().max().item() <= tol
         assert ran == [kernels[path]]
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the kernels run in QuantLinear on CUDA only")
+@pytest.mark.parametrize("method", ["int8", "gptq-act"])
+def test_int8_and_act_order_quant_linear_dequantize_above_their_thresholds_on_cuda(
+    method, monkeypatch
+):
+    from sched_lab.backend import quant_gemv, quant_kernels
+    from sched_lab.backend import quant_linear as ql
+    from sched_lab.backend.quant_formats import quantize_weight
+    from sched_lab.backend.quant_kernels import weight_only_reference
+
+    act = method == "gptq-act"
+    spec = QuantSpec("gptq", 128, act_order=True) if act else QuantSpec(method)
+    layer = ql.QuantLinear(512, 256, False, spec).to(DEVICE)
+    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(11))
+    for name, t in quantize_weight(w, QuantSpec(spec.method)).items():
+        setattr(layer, name, t.to(DEVICE))
+    if act:  # rows in shuffled groups
+        perm = torch.randperm(512, generator=torch.Generator().manual_seed(14))
+        layer.g_idx = layer.g_idx[perm.to(DEVICE)]
+    above = ql.dequant_above_tokens(spec.method, act)
+    assert above is not None
+    dequant = "dequant_int4_matmul" if act else "dequant_int8_matmul"
+    ran = []
+    for module, name in ((quant_gemv, dequant), (quant_kernels, "weight_only_gemm")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a, _f=real, _n=name, **k: ran.append(_n) or _f(*a, **k))  # fmt: skip
+    cases = [(m, "weight_only_gemm") for m in (above,) if m > 0]  # act-order: none
+    for m, kernel in [*cases, (above + 1, dequant), (above + 100, dequant)]:
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+        x = x.to(torch.bfloat16)
+        ref = weight_only_reference(x, layer.tensors(), spec).float()
+        tol = ref.abs().max().item() * 2**-6  # the weight and the output rounded: 2 bf16 ulps
+        ran.clear()
+        assert (layer(x).float() - ref).abs().max().item() <= tol
+        assert ran == [kernel]
+
+
+@pytest.mark.parametrize("method", ["int8", "gptq-act"])
+def test_dequant_path_runs_the_float32_reference_on_cpu(method):
+    from sched_lab.backend import quant_linear as ql
+    from sched_lab.backend.quant_formats import quantize_weight
+    from sched_lab.backend.quant_kernels import weight_only_reference
+
+    act = method == "gptq-act"
+    spec = QuantSpec("gptq", 128, act_order=True) if act else QuantSpec(method)
+    layer = ql.QuantLinear(256, 128, False, spec)
+    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(12))
+    for name, t in quantize_weight(w, QuantSpec(spec.method)).items():
+        setattr(layer, name, t)
+    m = ql.dequant_above_tokens(spec.method, act) + 1
+    assert ql.gemm_path(spec.method, m, act, (128, 256)) == "dequant"
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(13))
+    assert torch.equal(layer(x), weight_only_reference(x, layer.tensors(), spec))

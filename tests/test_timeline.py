@@ -97,16 +97,27 @@ def test_a_swapped_request_and_stalled_decodes():
 
 
 def test_events_rows_kept_small_are_written_as_before():
-    """The events' columns are kept small (event names as int8 codes, numbers as int32
-    where they fit); the frames written are events.csv's: integers int64, text as str,
-    and the rows in parts are the whole frame's."""
-    cols = timeline._rows(2, request_id=["a", "b"], event="decode", step=[3, 2**40], steps=1)
+    """The events' columns are kept small (event names as int8 codes, text as codes,
+    numbers in the narrowest integer type that holds them); the frames written are
+    events.csv's: integers int64, text as str, and the rows in parts are the whole frame's."""
+    cols = timeline._rows(2, request_id=[0, -1], event="decode", step=[3, 2**40], steps=1,
+                          tokens=[300, -5], blocks=[70000, 0])  # fmt: skip
     assert cols["event"].dtype == np.int8 and timeline._EVENT_TEXTS[cols["event"]].tolist() == [
         "decode",
         "decode",
     ]
-    assert cols["step"].dtype == np.int64 and cols["steps"].dtype == np.int32  # 2**40 > int32
-    assert cols["reason"].tolist() == ["", ""]
+    assert cols["step"].dtype == np.int64 and cols["steps"].dtype == np.int8  # 2**40 > int32
+    assert cols["tokens"].dtype == np.int16 and cols["blocks"].dtype == np.int32
+    assert cols["request_id"].tolist() == [0, -1] and cols["request_id"].dtype == np.int8
+    assert timeline._REASON_TEXTS[cols["reason"]].tolist() == ["", ""]
+    texts = timeline._Texts(np.array(["a", "b", timeline.QUEUE], dtype=object))
+    assert texts.ids[cols["request_id"]].tolist() == ["a", "*"]
+    assert texts.add(["x", "y"]) == 1 and texts.add(["z"]) == 3
+    texts.waits = [("max_num_seqs", None, 0, 1, 2, 8, 0), ("kv_blocks", None, 0, 0, 1, 3, 2)]
+    assert texts.detail(np.array([3, 0, -2, -1, 1])).tolist() == [
+        "z", "", "needs 3 KV blocks, 2 free above the watermark (at its first step)",
+        "max_num_seqs (8) requests running", "x",
+    ]  # fmt: skip
     codes = timeline._event_codes(np.array(["prefill", "waited", "aborted"], dtype=object), 3)
     assert timeline._EVENT_TEXTS[codes].tolist() == ["prefill", "waited", "aborted"]
     assert timeline._EVENT_RANKS[codes].tolist() == [2, 0, 5]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -44,29 +45,66 @@ LANES = {
 def events_frame(run) -> pd.DataFrame:
     """The events of one :class:`sched_lab.results.run.Run` as events.csv rows, in step order
     (within a step: waits, admission, chunk, decode, end; then in the order recorded)."""
-    cols, order = _event_columns(run)
-    return _frame(run, cols, order)
+    cols, order, texts = _event_columns(run)
+    return _frame(run, cols, order, texts)
 
 
 def events_frames(run, rows: int) -> Iterable[pd.DataFrame]:
     """:func:`events_frame`'s rows, ``rows`` at a time (the last part shorter; one empty part
     for a run without events), each frame indexed from 0."""
-    cols, order = _event_columns(run)
+    cols, order, texts = _event_columns(run)
     for lo in range(0, max(len(order), 1), rows):
-        yield _frame(run, cols, order[lo : lo + rows])
+        yield _frame(run, cols, order[lo : lo + rows], texts)
 
 
-def _event_columns(run) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The events' columns (EVENT_COLUMNS[2:]) in the order recorded, and the rows' order.
-    Kept small (:func:`_frame` makes a part's rows as events.csv has them): ``event`` as
-    its index in :data:`_EVENT_TEXTS` (int8), the numbers in the narrowest integer type
-    that holds each part's."""
+@dataclass
+class _Texts:
+    """The text the events' integer columns stand for: ``request_id`` indexes ``ids`` (-1:
+    the queue, :data:`QUEUE`), ``reason`` indexes :data:`_REASON_TEXTS`, and ``detail``
+    indexes ``details`` (0: ""), or below 0 is wait ``-1 - code`` of ``waits`` (the event
+    log's), its text made only when its rows are (:func:`_wait_text`)."""
+
+    ids: np.ndarray  # object: each request's id, then QUEUE
+    details: list[str] = field(default_factory=lambda: [""])
+    waits: list = field(default_factory=list)
+    _array: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=object))
+
+    def add(self, texts: list[str]) -> int:
+        """Append ``texts`` to ``details``; returns the code of the first."""
+        first = len(self.details)
+        self.details += texts
+        return first
+
+    def detail(self, codes: np.ndarray) -> np.ndarray:
+        """The ``detail`` texts of ``codes`` (object)."""
+        if len(self._array) != len(self.details):  # details added since the last call
+            self._array = np.fromiter(self.details, dtype=object, count=len(self.details))
+        out = self._array[np.maximum(codes, 0)]
+        (at,) = np.nonzero(codes < 0)
+        if len(at):
+            waits = self.waits
+            out[at] = [_wait_text(waits[-1 - c]) for c in codes[at].tolist()]
+        return out
+
+
+def _event_columns(run) -> tuple[dict[str, np.ndarray], np.ndarray, _Texts]:
+    """The events' columns (EVENT_COLUMNS[2:]) in the order recorded, the rows' order, and
+    the text their codes stand for. Kept small (:func:`_frame` makes a part's rows as
+    events.csv has them): ``event`` as its index in :data:`_EVENT_TEXTS` (int8), the text
+    columns as codes (:class:`_Texts`), the numbers in the narrowest integer type that holds
+    each part's."""
     res = run.result
     n_steps = res.num_steps
+    ids = [r.request_id for r in res.requests]
+    texts = _Texts(np.fromiter([*ids, QUEUE], dtype=object, count=len(ids) + 1))
+    del ids
     parts = []  # column dicts (EVENT_COLUMNS[2:]) in the order recorded
     if res.events is not None:
-        parts += [_log_rows(res.events, res.requests), _wait_rows(res.events)]
-    parts += _request_rows(res)
+        parts += [
+            _log_rows(res.events, res.requests, texts),
+            _wait_rows(res.events, res.requests, texts),
+        ]
+    parts += _request_rows(res, texts)
     # column by column, each part's column let go once joined: one copy of the rows at a time
     cols = {c: np.concatenate([p.pop(c) for p in parts]) for c in EVENT_COLUMNS[2:]}
     keep = cols["step"] < max(n_steps, 1)
@@ -76,17 +114,26 @@ def _event_columns(run) -> tuple[dict[str, np.ndarray], np.ndarray]:
     del keep
     rank = _EVENT_RANKS[cols["event"]]
     order = np.lexsort((rank, cols["step"]))  # stable: the order recorded breaks ties
-    return cols, order
+    del rank
+    if len(order) < 2**31:
+        order = order.astype(np.int32)
+    return cols, order, texts
 
 
-def _frame(run, cols: dict[str, np.ndarray], order: np.ndarray) -> pd.DataFrame:
+def _frame(run, cols: dict[str, np.ndarray], order: np.ndarray, texts: _Texts) -> pd.DataFrame:
     """The rows ``order`` of ``cols`` (indexed from 0) with the run's policy and scale."""
     df = pd.DataFrame({"policy": run.policy, "rate_scale": run.rate_scale}, index=range(len(order)))
     for c, v in cols.items():
         v = v[order]
         if c == "event":
             v = _EVENT_TEXTS[v]
-        elif v.dtype != object:
+        elif c == "request_id":
+            v = texts.ids[v]
+        elif c == "reason":
+            v = _REASON_TEXTS[v]
+        elif c == "detail":
+            v = texts.detail(v)
+        else:
             v = v.astype(np.int64, copy=False)
         df[c] = _column(v)
     return df
@@ -98,26 +145,31 @@ def _column(v: np.ndarray):
 
 
 def _rows(n: int, **cols) -> dict[str, np.ndarray]:
-    """Columns of ``n`` events: the values given (arrays or one value each), 0 or "" else;
-    ``event`` as its index in :data:`_EVENT_TEXTS`, the numbers narrowed (:func:`_narrow`)."""
+    """Columns of ``n`` events: the values given (arrays or one value each; the text
+    columns as their codes, :class:`_Texts`), 0 else (0 is "" for ``reason`` and
+    ``detail``); ``event`` as its index in :data:`_EVENT_TEXTS`, the numbers narrowed
+    (:func:`_narrow`)."""
     out = {}
     for c in EVENT_COLUMNS[2:]:
-        text = c in ("request_id", "reason", "detail")
-        v = cols.get(c, "" if text else 0)
+        v = cols.get(c, 0)
         if c == "event":
             out[c] = _event_codes(v, n)
             continue
         if np.ndim(v) == 0:
-            v = np.full(n, v, dtype=object if text else np.int64)
-        out[c] = np.asarray(v, dtype=object) if text else _narrow(np.asarray(v, dtype=np.int64))
+            v = np.full(n, v, dtype=np.int64)
+        out[c] = _narrow(np.asarray(v, dtype=np.int64))
     return out
 
 
 def _narrow(v: np.ndarray) -> np.ndarray:
-    """``v`` (int64) as int32 where that holds every value (exact: read back as int64)."""
-    small = np.iinfo(np.int32)
-    if len(v) and small.min <= v.min() and v.max() <= small.max:
-        return v.astype(np.int32)
+    """``v`` (int64) as int8, int16 or int32, the first that holds every value (exact: read
+    back as int64)."""
+    if len(v):
+        lo, hi = v.min(), v.max()
+        for kind in (np.int8, np.int16, np.int32):
+            small = np.iinfo(kind)
+            if small.min <= lo and hi <= small.max:
+                return v.astype(kind)
     return v
 
 
@@ -135,28 +187,30 @@ def _event_codes(names, n: int) -> np.ndarray:
     return codes
 
 
-def _log_rows(log, requests) -> dict[str, np.ndarray]:
+def _log_rows(log, requests, texts: _Texts) -> dict[str, np.ndarray]:
     """The scheduler's events, an admission followed by its first prefill chunk."""
     ev = np.frombuffer(log.data, dtype=np.int64).reshape(-1, 5)
     step, kind, who, a, b = (ev[:, i] for i in range(5))
     index = _positions(requests, who)
-    ids = np.array([r.request_id for r in requests], dtype=object)[index]
     names = np.array(EVENT_NAMES, dtype=object)
     event = names[kind]
     preempted, aborted = kind == PREEMPTED, event == "aborted"
-    reason, detail = np.full(len(kind), "", dtype=object), np.full(len(kind), "", dtype=object)
-    reason[preempted] = np.array(PREEMPT_MODES, dtype=object)[a[preempted]]
-    detail[preempted] = np.array(log.texts + [""], dtype=object)[b[preempted]]
-    detail[aborted] = [requests[i].reason for i in index[aborted]]
+    reason = np.zeros(len(kind), dtype=np.int8)
+    reason[preempted] = _PREEMPT_REASONS[a[preempted]]
+    detail = np.zeros(len(kind), dtype=np.int64)
+    ok = preempted & (b >= 0) & (b < len(log.texts))  # the log's text b; else ""
+    detail[ok] = texts.add(list(log.texts)) + b[ok]
+    (at,) = np.nonzero(aborted)
+    detail[at] = texts.add([requests[i].reason for i in index[at]]) + np.arange(len(at))
     tokens = np.where(event == "prefill", a, 0)
     blocks = np.where((event == "admitted") | (event == "swapped_in"), a, 0)
     admitted = np.flatnonzero(event == "admitted")
-    rows = _rows(len(kind), request_id=ids, event=event, step=step, last_step=step,
+    rows = _rows(len(kind), request_id=index, event=event, step=step, last_step=step,
                  steps=1, tokens=tokens, blocks=blocks, reason=reason, detail=detail)  # fmt: skip
     del event, tokens, blocks, reason, detail
-    chunks = _rows(len(admitted), request_id=ids[admitted], event="prefill", step=step[admitted],
+    chunks = _rows(len(admitted), request_id=index[admitted], event="prefill", step=step[admitted],
                    last_step=step[admitted], steps=1, tokens=b[admitted])  # fmt: skip
-    del ids
+    del index
     # each admission's chunk right after it: positions 2i and 2i + 1
     at = np.concatenate([2 * np.arange(len(kind)), 2 * admitted + 1])
     place = np.argsort(at, kind="stable")
@@ -176,64 +230,73 @@ def _positions(requests, who: np.ndarray) -> np.ndarray:
     return index
 
 
-def _wait_rows(log) -> dict[str, np.ndarray]:
-    """The wait streaks (request id ``*``: the whole queue)."""
-    rid, reasons, texts, first, last, count, tokens, blocks = ([] for _ in range(8))
-    for reason, r, s0, s1, n, a, b in log.waits:
-        rid.append(QUEUE if r is None else r.request_id)
-        reasons.append(reason)
-        texts.append(WAIT_REASONS[reason].format(a=a, b=b))
-        first.append(s0)
-        last.append(s1)
-        count.append(n)
-        blocks.append(a if reason in ("kv_blocks", "swap_in_blocks") else 0)
-        tokens.append(a if reason == "token_budget" else 0)
-    return _rows(len(rid), request_id=rid, event="waited", step=first, last_step=last,
-                 steps=count, tokens=tokens, blocks=blocks, reason=reasons, detail=texts)  # fmt: skip
+def _wait_text(wait) -> str:
+    """A wait streak's ``detail`` (an entry of ``EventLog.waits``)."""
+    reason, _, _, _, _, a, b = wait
+    return WAIT_REASONS[reason].format(a=a, b=b)
 
 
-def _request_rows(res) -> list[dict[str, np.ndarray]]:
+def _wait_rows(log, requests, texts: _Texts) -> dict[str, np.ndarray]:
+    """The wait streaks (request id ``*``: the whole queue), their text made later."""
+    waits = log.waits
+    texts.waits = waits
+    n = len(waits)
+    # (reason, request or None, first step, last step, steps, a, b) each
+    who = np.fromiter((0 if w[1] is None else id(w[1]) for w in waits), np.int64, n)
+    index = np.full(n, -1, dtype=np.int64)  # -1: QUEUE
+    (of,) = np.nonzero(who)
+    index[of] = _positions(requests, who[of])
+    del who, of
+    reason = np.fromiter((_REASON_CODES[w[0]] for w in waits), np.int8, n)
+    a = np.fromiter((w[5] for w in waits), np.int64, n)
+    blocks = np.where(np.isin(reason, _BLOCK_WAITS), a, 0)
+    tokens = np.where(reason == _REASON_CODES["token_budget"], a, 0)
+    del a
+    return _rows(n, request_id=index, event="waited", step=np.fromiter((w[2] for w in waits), np.int64, n),
+                 last_step=np.fromiter((w[3] for w in waits), np.int64, n),
+                 steps=np.fromiter((w[4] for w in waits), np.int64, n), tokens=tokens,
+                 blocks=blocks, reason=reason, detail=-1 - np.arange(n))  # fmt: skip
+
+
+def _request_rows(res, texts: _Texts) -> list[dict[str, np.ndarray]]:
     """Each request's end (finished) and decode spans, in request order."""
     ticks, end = res.tick_steps, res.step_end_s
+    requests = res.requests
     # no steps (a served run): no step to place an end at
-    finished = [r for r in res.requests if r.status is RequestStatus.FINISHED] if len(end) else []
-    fin_step = np.searchsorted(end, np.array([r.finish_s for r in finished], dtype=float))
-    fin = _rows(len(finished), request_id=np.array([r.request_id for r in finished], dtype=object),
-                event="finished", step=fin_step, last_step=fin_step, steps=1)  # fmt: skip
-    rid: list[str] = []  # per decode span: request id, first tick, end tick, drafts, why
-    a_: list[int] = []
-    b_: list[int] = []
-    drafts_: list[int] = []
-    why_: list[str] = []
-    for r in res.requests:
-        segments = r.decode_segments
-        if not segments:
-            continue
-        rid += [r.request_id] * len(segments)
-        for a, b in segments:
-            a_.append(a)
-            b_.append(b)
-        if not r.spec_steps:
-            drafts_ += [0] * len(segments)
-            why_ += [""] * len(segments)
+    done = [i for i, r in enumerate(requests) if r.status is RequestStatus.FINISHED]
+    done = done if len(end) else []
+    fin_step = np.searchsorted(end, np.array([requests[i].finish_s for i in done], dtype=float))
+    fin = _rows(len(done), request_id=done, event="finished", step=fin_step, last_step=fin_step,
+                steps=1)  # fmt: skip
+    del done, fin_step
+    # per decode span: its request, first tick, end tick (flat: a, b, a, b, ...)
+    spans = np.fromiter(map(len, (r.decode_segments for r in requests)), np.int64, len(requests))
+    rid = np.repeat(np.arange(len(requests)), spans)
+    ab = np.fromiter(chain.from_iterable(chain.from_iterable(r.decode_segments for r in requests)),
+                     np.int64, 2 * len(rid))  # fmt: skip
+    a, b = ab[0::2], ab[1::2]
+    drafts = np.zeros(len(rid), dtype=np.int64)  # accepted drafts among each span's tokens
+    starts = np.cumsum(spans) - spans  # each request's first span
+    del ab, spans
+    for i, r in enumerate(requests):
+        if not (r.spec_steps and r.decode_segments):
             continue
         spec = np.asarray(r.spec_steps, dtype=np.int64).reshape(-1, 3)  # (step, d', a)
         accepted = np.concatenate([[0], np.cumsum(spec[:, 2])])  # before each verify step
-        for a, b in segments:
-            drafts = 0
-            if a < len(ticks) and b > a:
-                first, last = int(ticks[a]), int(ticks[min(b, len(ticks)) - 1])
-                lo, hi = np.searchsorted(spec[:, 0], (first, last + 1))  # its verify steps
-                drafts = int(accepted[hi] - accepted[lo])  # their tokens come with the ticks'
-            drafts_.append(drafts)
-            why_.append(f"{drafts:,} of them accepted drafts" if drafts else "")
-    a, b = np.array(a_, dtype=np.int64), np.array(b_, dtype=np.int64)
+        for k, (lo, hi) in enumerate(r.decode_segments, start=int(starts[i])):
+            if lo < len(ticks) and hi > lo:
+                first, last = int(ticks[lo]), int(ticks[min(hi, len(ticks)) - 1])
+                s0, s1 = np.searchsorted(spec[:, 0], (first, last + 1))  # its verify steps
+                drafts[k] = accepted[s1] - accepted[s0]  # their tokens come with the ticks'
     ok = (a < len(ticks)) & (b > a)
-    a, b, drafts = a[ok], b[ok], np.array(drafts_, dtype=np.int64)[ok]
+    a, b, drafts, rid = a[ok], b[ok], drafts[ok], rid[ok]
     first, last = ticks[a], ticks[np.minimum(b, len(ticks)) - 1]
-    dec = _rows(len(a), request_id=np.array(rid, dtype=object)[ok], event="decode", step=first,
-                last_step=last, steps=last - first + 1, tokens=b - a + drafts,
-                detail=np.array(why_, dtype=object)[ok])  # fmt: skip
+    detail = np.zeros(len(a), dtype=np.int64)
+    (said,) = np.nonzero(drafts)
+    why = [f"{d:,} of them accepted drafts" for d in drafts[said].tolist()]
+    detail[said] = texts.add(why) + np.arange(len(said))
+    dec = _rows(len(a), request_id=rid, event="decode", step=first, last_step=last,
+                steps=last - first + 1, tokens=b - a + drafts, detail=detail)  # fmt: skip
     # the original order: per request, its end then its spans (ties only within a kind)
     return [fin, dec]
 
@@ -245,6 +308,12 @@ _EVENT_RANK = {"waited": 0, "admitted": 1, "swapped_in": 1, "prefill": 2, "decod
 # each one's rank (0 for a name without one).
 _EVENT_TEXTS = np.array(list(dict.fromkeys([*_EVENT_RANK, *EVENT_NAMES])), dtype=object)
 _EVENT_RANKS = np.array([_EVENT_RANK.get(t, 0) for t in _EVENT_TEXTS], dtype=np.int8)
+# Every ``reason`` (none, a preemption's mode, a wait's reason), indexed by the code the
+# columns keep; each preemption mode's and wait reason's code.
+_REASON_TEXTS = np.array(list(dict.fromkeys(["", *PREEMPT_MODES, *WAIT_REASONS])), dtype=object)
+_REASON_CODES = {t: i for i, t in enumerate(_REASON_TEXTS.tolist())}
+_PREEMPT_REASONS = np.array([_REASON_CODES[m] for m in PREEMPT_MODES], dtype=np.int8)
+_BLOCK_WAITS = [_REASON_CODES[w] for w in ("kv_blocks", "swap_in_blocks")]
 
 
 # ---------------------------------------------------------------------------- segments

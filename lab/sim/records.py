@@ -1,16 +1,17 @@
 """What a replay records: one row per step (``STEP_COLUMNS``) and the result of a replay.
 
-A :class:`StepRecorder` keeps the rows in typed arrays (``array.array``, 8 bytes a value
-while the replay runs: a list would hold a Python object each): each row once, and for a
-repeated decode step only the values that differ. At the end it hands them on as they are,
-as :class:`StepColumns`, which makes a numpy column when it is read
-(:meth:`StepRecorder.columns`).
+A :class:`StepRecorder` keeps the rows in typed arrays (a list would hold a Python object
+each): each row once, and for a repeated decode step only the values that differ, each
+column narrowed as the replay runs, in parts of :data:`CHUNK_ROWS` rows or fewer. At the end
+it hands them on as they are, as :class:`StepColumns`, which makes a numpy column when it is
+read (:meth:`StepRecorder.columns`).
 """
 
 from __future__ import annotations
 
 import functools
 from array import array
+from bisect import bisect_left, bisect_right
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -36,6 +37,13 @@ REPEAT_COLUMNS = (
     "time_s", "duration_s", "kv_used_blocks", "decode_context_tokens", "kv_cached_blocks",
 )  # fmt: skip
 
+#: Whole rows a :class:`StepRecorder` holds as float64 before it narrows them into a part of
+#: each column (:func:`_narrow`); the repeats' integer columns are narrowed with them.
+CHUNK_ROWS = 16384
+# The integer types a column is narrowed to before int64 (:func:`_narrow`), and their ranges.
+_INT_TYPES = (np.int8, np.int16, np.int32)
+_INT_RANGES = [(int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in _INT_TYPES]
+
 ENDED = (
     RequestStatus.FINISHED,
     RequestStatus.REJECTED,
@@ -48,10 +56,15 @@ ENDED = (
 class StepRecorder:
     """The per-step records of one replay loop: one row per step, appended as it ends.
 
-    A row is kept whole (every column, flat in one float64 array: every count is exact there,
-    below 2**53), or, for a step that repeats the last whole row but in
+    A row is kept whole (every column), or, for a step that repeats the last whole row but in
     :data:`REPEAT_COLUMNS` (a decode plan moved on by a tick, ``Scheduler.repeat_decodes``),
-    as those five values: 40 bytes a step, not 8 per column. :meth:`columns` hands both on.
+    as those five values. Whole rows wait flat in a float64 array (every count is exact there,
+    below 2**53); when :data:`CHUNK_ROWS` of them wait, each of their columns is narrowed
+    (:func:`_narrow`) into a part of that column, kept as it is from then on. The
+    repeats' integer columns wait as float64 until then, or until :data:`CHUNK_ROWS` of them
+    wait after :meth:`append_repeats`, and are narrowed into parts the same way (their float
+    columns are kept as they come). :meth:`columns` narrows what still waits and hands
+    everything on.
 
     Attributes:
         num_steps: rows appended so far.
@@ -59,9 +72,15 @@ class StepRecorder:
 
     def __init__(self, extra: tuple[str, ...] = ()) -> None:
         self.names = (*STEP_COLUMNS, *extra)  # ``extra``: e.g. LORA_COLUMNS
-        self._values = array("d")  # the whole rows, one after the other
+        self._values = array("d")  # the whole rows not yet narrowed, one after the other
+        self._full = CHUNK_ROWS * len(self.names)  # (values of CHUNK_ROWS rows)
+        self._by_column: np.ndarray | None = None  # those rows transposed, to narrow them
         self._ticks = array("q")  # the whole rows that ran a decode tick (repeats all do)
-        self._repeated = tuple(array("d") for _ in REPEAT_COLUMNS)  # a column each
+        # A column each: time_s and duration_s as kept, the others waiting as float64.
+        self._repeated = tuple(array("d") for _ in REPEAT_COLUMNS)
+        # The narrowed parts of each column, in order: the whole rows', the repeats' ints'.
+        self._whole: list[list[np.ndarray]] = [[] for _ in self.names]
+        self._repeat_parts: list[list[np.ndarray]] = [[] for _ in REPEAT_COLUMNS[2:]]
         # Per whole row: the steps it stands for (itself, then its repeats, which follow it).
         self._copies = array("q")
         self._last: list[float] | None = None  # the last whole row
@@ -71,12 +90,15 @@ class StepRecorder:
         """Append one step's ``row`` (``len(self.names)`` numbers in that order);
         ``decodes``: the step's decodes (not empty: it ran a decode tick). Raises TypeError
         for a value that is not a number, appending nothing."""
-        self._values.fromlist(row)  # (much faster than extend for a list)
+        values = self._values
+        values.fromlist(row)  # (much faster than extend for a list)
         if decodes:
             self._ticks.append(self.num_steps)
         self.num_steps += 1
         self._last = row
         self._copies.append(1)
+        if len(values) >= self._full:
+            self._narrow_pending()
 
     def append_repeat(
         self, row: list[float], time_s: float, duration_s: float, kv_used: int, context: int,
@@ -99,6 +121,8 @@ class StepRecorder:
         self._count_repeats(row, len(columns[0]))
         for column, values in zip(self._repeated, columns, strict=True):
             column.fromlist(values)
+        if len(self._repeated[-1]) >= CHUNK_ROWS:
+            self._narrow_repeats()
 
     def _count_repeats(self, row: list[float], num_steps: int) -> None:
         """Count ``num_steps`` more repeats of ``row``, the last whole row."""
@@ -107,36 +131,68 @@ class StepRecorder:
         self._copies[-1] += num_steps
         self.num_steps += num_steps
 
+    def _narrow_pending(self) -> None:
+        """Narrow the waiting whole rows and repeats into a part of each of their columns;
+        none waits afterwards."""
+        self._narrow_repeats()
+        if self._values:
+            rows = np.frombuffer(self._values).reshape(-1, len(self.names))
+            if self._by_column is None:  # (made once: a new one each time costs page faults)
+                self._by_column = np.empty((len(self.names), CHUNK_ROWS))
+            # a column each, contiguous (the rows' columns are strided: slower to narrow)
+            by_column = self._by_column[:, : len(rows)]
+            np.copyto(by_column, rows.T)
+            del rows  # (the array can go)
+            self._values = array("d")
+            lows, highs = by_column.min(axis=1).tolist(), by_column.max(axis=1).tolist()
+            for c, parts, values, lo, hi in zip(self.names, self._whole, by_column, lows, highs):
+                parts.append(_narrow(c, values, lo, hi))
+
+    def _narrow_repeats(self) -> None:
+        """Narrow the waiting repeats' integer columns into a part of each."""
+        time_c, duration_c, *ints = self._repeated
+        if ints[0]:
+            for c, parts, values in zip(REPEAT_COLUMNS[2:], self._repeat_parts, ints):
+                parts.append(_narrow(c, np.frombuffer(values, dtype=np.float64)))
+            self._repeated = (time_c, duration_c, *(array("d") for _ in ints))
+
     def columns(self) -> tuple[StepColumns, np.ndarray]:
-        """The records as :class:`StepColumns`, each column kept in the narrowest type that
-        holds it (:func:`_narrow`), and, for each decode tick, the step that ran it (int64).
-        The recorder hands its records on: it is empty afterwards (append no more)."""
-        whole = np.frombuffer(self._values, dtype=np.float64).reshape(-1, len(self.names))
-        repeated = zip(REPEAT_COLUMNS, self._repeated)
+        """The records as :class:`StepColumns`, each column kept in parts of the narrowest
+        type that holds each (:func:`_narrow`), and, for each decode tick, the step that ran
+        it (int64). The recorder hands its records on: it is empty afterwards (append no
+        more)."""
+        self._narrow_pending()
+        time_c, duration_c, *_ = self._repeated
+        repeated = [[np.frombuffer(time_c)], [np.frombuffer(duration_c)], *self._repeat_parts]
         steps = StepColumns(
-            {c: _narrow(c, whole[:, i]) for i, c in enumerate(self.names)},
+            dict(zip(self.names, self._whole)),
             np.frombuffer(self._copies, dtype=np.int64),
-            {c: _narrow(c, np.frombuffer(v, dtype=np.float64)) for c, v in repeated},
+            dict(zip(REPEAT_COLUMNS, repeated)),
         )
         ticks = steps.repeats.copy()
         ticks[np.frombuffer(self._ticks, dtype=np.int64)] = True
-        del whole
-        self._values, self._copies, self._ticks = array("d"), array("q"), array("q")
+        self._copies, self._ticks = array("q"), array("q")
+        self._by_column = None
+        self._whole = [[] for _ in self.names]
+        self._repeat_parts = [[] for _ in REPEAT_COLUMNS[2:]]
         self._repeated = tuple(array("d") for _ in REPEAT_COLUMNS)
-        return steps, np.flatnonzero(ticks).astype(np.int64)
+        return steps, np.flatnonzero(ticks).astype(np.int64, copy=False)
 
 
-def _narrow(name: str, values: np.ndarray) -> np.ndarray:
-    """A recorded column (float64) as :class:`StepColumns` keeps it: float64 for
-    :data:`_FLOAT_COLUMNS` (contiguous), else the first of int8, int16, int32 and int64 whose
-    range holds it (its values then read back as int64 are ``values.astype(np.int64)``)."""
+def _narrow(
+    name: str, values: np.ndarray, lo: float | None = None, hi: float | None = None
+) -> np.ndarray:
+    """A recorded column or part of one (float64; ``lo`` and ``hi``, if given: its min and
+    max) as :class:`StepColumns` keeps it, a new array: float64 for :data:`_FLOAT_COLUMNS`,
+    else the first of int8, int16, int32 and int64 whose range holds it (its values then read
+    back as int64 are ``values.astype(np.int64)``)."""
     if name in _FLOAT_COLUMNS:
-        return np.ascontiguousarray(values)
+        return np.array(values, dtype=np.float64)
     if len(values):
-        lo, hi = values.min(), values.max()
-        for kind in (np.int8, np.int16, np.int32):
-            info = np.iinfo(kind)
-            if info.min <= lo and hi <= info.max:
+        if lo is None or hi is None:
+            lo, hi = values.min(), values.max()
+        for kind, (least, most) in zip(_INT_TYPES, _INT_RANGES):  # (NaN: none; int64)
+            if least <= lo and hi <= most:
                 return values.astype(kind)
     return values.astype(np.int64)
 
@@ -149,11 +205,12 @@ class StepColumns(Mapping[str, np.ndarray]):
 
     Args:
         whole: for each recorded column, in order, (whole rows,): its value in each row
-            recorded whole (float64 for :data:`_FLOAT_COLUMNS`, else any integer type).
+            recorded whole (float64 for :data:`_FLOAT_COLUMNS`, else any integer type), one
+            array or in parts (a list of arrays, joined in order; types may differ by part).
         copies: (whole rows,) int64: the steps each whole row stands for, itself first, then
             its repeats (at least 1).
         repeated: for each of :data:`REPEAT_COLUMNS`, (repeats,): its value in each repeated
-            step, in step order (types as in ``whole``).
+            step, in step order (types and parts as in ``whole``).
 
     Attributes:
         num_steps: the steps (the length of every column).
@@ -161,9 +218,13 @@ class StepColumns(Mapping[str, np.ndarray]):
     """
 
     def __init__(
-        self, whole: dict[str, np.ndarray], copies: np.ndarray, repeated: dict[str, np.ndarray]
+        self,
+        whole: Mapping[str, np.ndarray | list[np.ndarray]],
+        copies: np.ndarray,
+        repeated: Mapping[str, np.ndarray | list[np.ndarray]],
     ) -> None:
-        self._whole, self._repeated = whole, repeated
+        self._whole = {c: _Parts(c, v) for c, v in whole.items()}
+        self._repeated = {c: _Parts(c, v) for c, v in repeated.items()}
         # (num_steps,): the whole row each step is or repeats
         rows = np.arange(len(copies), dtype=np.int32 if len(copies) < 2**31 else np.int64)
         self._source = np.repeat(rows, copies)
@@ -214,7 +275,12 @@ class StepColumns(Mapping[str, np.ndarray]):
         if name in self._set:
             return self._set[name][start:stop]
         source = self._source[start:stop]
-        column = self._whole[name][source]  # the whole rows' values
+        if len(source):  # the whole rows' values
+            lo = int(source[0])  # (source does not decrease)
+            rows = self._whole[name].take(lo, int(source[-1]) + 1)
+            column = rows[source - lo if lo else source]
+        else:
+            column = self._whole[name].take(0, 0)
         if name not in _FLOAT_COLUMNS:
             column = column.astype(np.int64, copy=False)
         values = self._repeated.get(name)
@@ -222,8 +288,40 @@ class StepColumns(Mapping[str, np.ndarray]):
             repeats = self.repeats[start:stop]
             # repeats before ``start``: steps before it less the whole rows before it
             first = start - int(self._source[start]) - int(self.repeats[start])
-            column[repeats] = values[first : first + int(np.count_nonzero(repeats))]
+            column[repeats] = values.take(first, first + int(np.count_nonzero(repeats)))
         return column
+
+
+class _Parts:
+    """A recorded column (:class:`StepColumns`) as given: one array, or its parts in order.
+
+    Args:
+        name: the column (its type when empty: float64 for :data:`_FLOAT_COLUMNS`, else
+            int64).
+        parts: one array, or a list of them (types may differ).
+    """
+
+    def __init__(self, name: str, parts: np.ndarray | list[np.ndarray]) -> None:
+        parts = [parts] if isinstance(parts, np.ndarray) else parts
+        self._parts = [p for p in parts if len(p)]
+        self._starts = [0]  # where each part starts, then the length
+        for p in self._parts:
+            self._starts.append(self._starts[-1] + len(p))
+        self._empty = np.float64 if name in _FLOAT_COLUMNS else np.int64
+
+    def take(self, start: int, stop: int) -> np.ndarray:
+        """Values [start, stop) (``0 <= start <= stop <=`` the length) as one array (a view
+        of a part or the parts' values joined, in the type that holds every part's), to be
+        read only; empty: float64 or int64."""
+        if start >= stop:
+            return np.zeros(0, self._empty)
+        first = bisect_right(self._starts, start) - 1
+        last = bisect_left(self._starts, stop, lo=first)  # parts [first, last) hold them
+        pieces = [
+            part[max(start - at, 0) : stop - at]
+            for part, at in zip(self._parts[first:last], self._starts[first:last])
+        ]
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 @dataclass

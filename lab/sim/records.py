@@ -159,7 +159,7 @@ class StepRecorder:
     def columns(self) -> tuple[StepColumns, np.ndarray]:
         """The records as :class:`StepColumns`, each column kept in parts of the narrowest
         type that holds each (:func:`_narrow`), and, for each decode tick, the step that ran
-        it (int64). The recorder hands its records on: it is empty afterwards (append no
+        it (int32 below 2**31 steps, else int64). The recorder hands its records on: it is empty afterwards (append no
         more)."""
         self._narrow_pending()
         time_c, duration_c, *_ = self._repeated
@@ -176,7 +176,8 @@ class StepRecorder:
         self._whole = [[] for _ in self.names]
         self._repeat_parts = [[] for _ in REPEAT_COLUMNS[2:]]
         self._repeated = tuple(array("d") for _ in REPEAT_COLUMNS)
-        return steps, np.flatnonzero(ticks).astype(np.int64, copy=False)
+        ticks = np.flatnonzero(ticks)
+        return steps, ticks.astype(np.int32) if steps.num_steps < 2**31 else ticks
 
 
 def _narrow(
@@ -340,7 +341,8 @@ class ReplayResult:
             ``num_spec_tokens``: draft tokens verified by decodes (speculative decoding;
             step tokens = prefill + decode + spec tokens). With LoRA also
             ``LORA_COLUMNS``.
-        tick_steps: for each decode tick, the index of the step that ran it.
+        tick_steps: for each decode tick, the index of the step that ran it (an integer
+            array: int32 from a replay of fewer than 2**31 steps).
         wall_s: wall-clock seconds the replay took.
         num_gpu_blocks: size of the GPU KV cache, for usage fractions.
         failure: None, or why the run stopped early (see :func:`sched_lab.sim.replay.replay`).

@@ -4,7 +4,9 @@ projections for it at load time.
 The buffers are the checkpoint's tensors of :mod:`sched_lab.backend.quant_formats` (fused
 projections concatenated along the output features); AWQ's are repacked after loading
 (:meth:`QuantLinear.repack_for_kernels`) into the GPTQ qweight layout, so that AWQ and GPTQ
-run one int4 kernel. ``forward`` calls the kernels of :mod:`sched_lab.backend.quant_kernels`
+run one int4 kernel; act-order GPTQ whose groups each hold group_size rows is reordered
+then into plain GPTQ (rows in group order, x's columns permuted at each call). ``forward``
+calls the kernels of :mod:`sched_lab.backend.quant_kernels`
 and :mod:`sched_lab.backend.quant_gemv` by the method, the number of tokens M and the
 projection's shape (:func:`gemm_path`); on CPU
 the float32 references of the same arithmetic (the tests run the kernels themselves under
@@ -13,10 +15,18 @@ the interpreter).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
-from sched_lab.backend.quant_formats import PACK, QuantSpec, awq_is_repacked, repack_awq
+from sched_lab.backend.quant_formats import (
+    PACK,
+    QuantSpec,
+    awq_is_repacked,
+    reorder_act_order,
+    repack_awq,
+)
 
 FUSED_PROJECTIONS = ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")
 #: tokens per step up to which fp8 runs weight-only (W8A16: the GEMV at one token, else the
@@ -44,8 +54,9 @@ INT4_SMALL_M_MAX_TOKENS = 128
 #: (1.2x bf16's time there, where the tiled kernel took 7.8x) (BENCHMARKS.md, 2026-12-06).
 #: None turns it off (the tiled kernel).
 INT4_DEQUANT_ABOVE_TOKENS: int | None = 128
-#: the same for act-order GPTQ (each row's zeros and scales by g_idx), against the tiled
-#: kernel, its only other path: 0, every step. The same projections, H100: 0.30x the tiled
+#: the same for act-order GPTQ left in its order (each row's zeros and scales by g_idx: a
+#: group not holding exactly group_size rows; reordered layers follow the int4 rules above),
+#: against the tiled kernel, its only other path: 0, every step. The same projections, H100: 0.30x the tiled
 #: kernel's time at 1 token (704 vs 2,376 us), 0.14x at 256, 0.04x at 2048 (1.5x bf16's
 #: time there) (BENCHMARKS.md, 2026-12-06, night). None turns it off.
 INT4_ACT_ORDER_DEQUANT_ABOVE_TOKENS: int | None = 0
@@ -78,6 +89,7 @@ def gemm_path(
     act_order: bool = False,
     shape: tuple[int, int] | None = None,
     group_size: int = 128,
+    reordered: bool = False,
 ) -> str:
     """Which GEMM a step of ``tokens`` rows runs for ``method``, on CUDA and (as its float32
     reference) on CPU: "dequant" (the weight dequantized, then cuBLAS) above
@@ -88,9 +100,13 @@ def gemm_path(
     fits the tiles for ``group_size``), "gemv" (the one-row kernel), "stream" (weight-only
     streaming kernel), "tiled" (weight-only tiled kernel) or "w8a8" (fp8 ``_scaled_mm``).
     Otherwise int8, gptq and awq (repacked) run the tiled kernel: on the H200 the streaming
-    kernel was slower for int8 and gptq at every M."""
-    int4 = method in ("gptq", "awq") and not act_order
-    above = dequant_above_tokens(method, act_order)
+    kernel was slower for int8 and gptq at every M. ``reordered``: act-order GPTQ put in
+    group order at load (:meth:`QuantLinear.repack_for_kernels`, x permuted at each call):
+    the rules of int4 without act-order, except that "dequant" takes any group as
+    act-order's does."""
+    gathers = act_order and not reordered  # each row's group read from g_idx at run time
+    int4 = method in ("gptq", "awq") and not gathers
+    above = dequant_above_tokens(method, gathers)
     if above is not None and tokens > above:
         k_ok = shape is None or shape[1] % 128 == 0
         if method == "int8" or (act_order and k_ok) or (group_size % 128 == 0 and k_ok):
@@ -108,7 +124,7 @@ def gemm_path(
 
         if small_m_supported(method, tokens, *shape, group_size=group_size):
             return "small_m"
-    if tokens == 1 and method in GEMV_METHODS and not act_order:
+    if tokens == 1 and method in GEMV_METHODS and not gathers:
         return "gemv"
     if method == "fp8":
         return "stream" if tokens <= FP8_WEIGHT_ONLY_MAX_TOKENS else "w8a8"
@@ -138,7 +154,10 @@ def concat_dim(spec: QuantSpec, tensor: str) -> int:
 
 
 class QuantLinear(nn.Module):
-    """y = x @ W.T (+ bias) with W quantized by ``spec``; x (tokens, in_features)."""
+    """y = x @ W.T (+ bias) with W quantized by ``spec``; x (tokens, in_features).
+    ``kernel_spec``: the layout the buffers hold now (``spec``, or plain GPTQ once an
+    act-order one is ``reordered``); ``input_perm``: x's column order for it (None: as
+    given)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, spec: QuantSpec) -> None:
         super().__init__()
@@ -146,50 +165,80 @@ class QuantLinear(nn.Module):
         for name, (shape, dtype) in buffer_shapes(spec, in_features, out_features).items():
             self.register_buffer(name, torch.empty(shape, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.kernel_spec, self.reordered = spec, False
+        self.register_buffer("input_perm", None, persistent=False)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return dict(self.named_buffers(recurse=False))
+        """The quantized weight's buffers by checkpoint name (not ``input_perm``)."""
+        return {n: b for n, b in self.named_buffers(recurse=False) if n != "input_perm"}
 
     def repack_for_kernels(self) -> None:
         """After the buffers are filled with the checkpoint's tensors: AWQ's become
         :func:`~sched_lab.backend.quant_formats.repack_awq`'s layout (same W, exactly);
-        other methods and already repacked buffers are left as they are. On CUDA, the
-        device's split-K counters are made here, before any CUDA graph capture."""
+        act-order GPTQ whose groups each hold group_size rows becomes plain GPTQ by
+        :func:`~sched_lab.backend.quant_formats.reorder_act_order` (``input_perm`` kept,
+        None where the order was already k // group_size; other g_idx stay as they are and
+        run the act-order paths); other methods and already repacked buffers are left as
+        they are. On CUDA, the device's split-K counters are made here, before any CUDA graph
+        capture."""
         first = next(iter(self.tensors().values()))
         if first.is_cuda:
             from sched_lab.backend.quant_kernels import _split_counters
 
             _split_counters(first.device)
+        if self.spec.method == "gptq" and self.spec.act_order and not self.reordered:
+            done = reorder_act_order(self.tensors(), self.spec)
+            if done is None:
+                return
+            tensors, perm = done
+            self.qweight, self.g_idx = tensors["qweight"], tensors["g_idx"]
+            identity = torch.equal(perm, torch.arange(perm.numel(), device=perm.device))
+            self.input_perm = None if identity else perm
+            self.kernel_spec, self.reordered = replace(self.spec, act_order=False), True
+            return
         if self.spec.method != "awq" or awq_is_repacked(self.tensors()):
             return
         for name, value in repack_awq(self.tensors()).items():
             setattr(self, name, value)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def path(self, tokens: int) -> str:
+        """:func:`gemm_path` of a step of ``tokens`` rows for this projection."""
+        spec = self.spec
+        shape = (self.out_features, self.in_features)
+        return gemm_path(spec.method, tokens, spec.act_order, shape, spec.group_size,
+                         self.reordered)  # fmt: skip
+
+    def forward(self, x: torch.Tensor, kernels: bool | None = None) -> torch.Tensor:
+        """x (M, in_features) -> (M, out_features) in x's dtype by :meth:`path`: the Triton
+        kernels where ``kernels`` (None: x on CUDA; True on CPU runs them in Triton's
+        interpreter), else the float32 references; x's columns permuted by ``input_perm``
+        first."""
         from sched_lab.backend import quant_gemv as qg
         from sched_lab.backend import quant_kernels as qk
 
-        shape = (self.out_features, self.in_features)
-        spec = self.spec
-        path = gemm_path(spec.method, x.shape[0], spec.act_order, shape, spec.group_size)
+        spec, n = self.kernel_spec, self.out_features
+        path = self.path(x.shape[0])
+        if self.input_perm is not None:
+            x = x.index_select(1, self.input_perm)
         if path == "w8a8":  # CPU: its float32 reference
             y = qk.fp8_gemm(x, self.weight, self.weight_scale)
-        elif not x.is_cuda:
+        elif not (x.is_cuda if kernels is None else kernels):
             y = qk.weight_only_reference(x, self.tensors(), spec)
         elif path == "small_m" and spec.method == "fp8":
             y = qg.small_m_gemm(x, self.weight, self.weight_scale, "fp8")
         elif path == "small_m":
-            y = qg.small_m_int4_gemm(x, self.tensors(), spec, self.out_features)
+            y = qg.small_m_int4_gemm(x, self.tensors(), spec, n)
         elif path == "dequant" and spec.method == "int8":
             y = qg.dequant_int8_matmul(x, self.weight, self.weight_scale)
-        elif path == "dequant":  # int4, act-order GPTQ too
-            y = qg.dequant_int4_matmul(x, self.tensors(), spec, self.out_features)
+        elif path == "dequant":  # int4; by g_idx (a reordered one's trivial) off 128-groups
+            dq = spec if spec.group_size % 128 == 0 else self.spec
+            y = qg.dequant_int4_matmul(x, self.tensors(), dq, n)
         elif path == "gemv":
-            y = qg.quant_gemv(x, self.tensors(), spec, self.out_features)
+            y = qg.quant_gemv(x, self.tensors(), spec, n)
         elif path == "stream":  # fp8 only
-            y = qk.weight_streaming_gemm(x, self.tensors(), spec, self.out_features)
+            y = qk.weight_streaming_gemm(x, self.tensors(), spec, n)
         else:
-            y = qk.weight_only_gemm(x, self.tensors(), spec, self.out_features)
+            y = qk.weight_only_gemm(x, self.tensors(), spec, n)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

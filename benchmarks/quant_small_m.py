@@ -3,12 +3,17 @@ int8, ``small_m_int4_gemm`` for gptq and awq) on a preset's projections at 1-32 
 any number), against bf16 cuBLAS and the paths the engine ran before them; and from 2 tokens
 (int4: 32) the weight dequantized, then cuBLAS: ``dequant_int4_matmul`` (gptq, awq and
 ``gptq-act``, act-order GPTQ with g_idx shuffled), ``dequant_int8_matmul`` (int8, a Triton
-kernel) and, for int8, torch's ``weight.to(dtype).mul_(scale)`` ("dequant-torch").
+kernel) and, for int8, torch's ``weight.to(dtype).mul_(scale)`` ("dequant-torch"). For
+int4, the engine's layer too ("layer: PATH", ``QuantLinear.forward`` on the kernel
+``gemm_path`` picks; gptq-act reordered at load into group order, x's columns permuted in
+each call, the permute timed with it).
 
     timeout 200 python benchmarks/quant_small_m.py --out results/small_m      # CUDA, 8B shapes
     python benchmarks/quant_small_m.py --dry-run --out /tmp/sm     # CPU interpreter, tiny shapes
     timeout 400 python benchmarks/quant_small_m.py --methods int8 gptq-act gptq \
         --tokens 16 32 64 128 256 512 2048 --sweep-tokens 0 --out DIR    # the dequant A/B
+    timeout 300 python benchmarks/quant_small_m.py --methods gptq-act gptq --skip-tiled \
+        --tokens 1 2 16 64 128 256 2048 --sweep-tokens 0 --out DIR   # act-order reordered
 
 Per (method, projection, tokens M): bf16 ``x @ W.T``; the path before this kernel ("gemv" for
 fp8 and int4 at M = 1, "w8a8" ``_scaled_mm`` with the activation-quantizing kernel above for
@@ -87,6 +92,8 @@ def main() -> None:
                     choices=["fp8", "int8", "gptq", "awq", "gptq-act"],
                     help="gptq-act: act-order GPTQ, g_idx shuffled")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop sweeping configs after")
+    ap.add_argument("--skip-tiled", action="store_true",
+                    help="leave out the tiled kernel's rows (the slowest for act-order)")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, tiny shapes")
     args = ap.parse_args()
     from sched_lab.backend import quant_kernels as qk
@@ -101,6 +108,7 @@ def main() -> None:
         small_m_int4_gemm,
         small_m_supported,
     )
+    from sched_lab.backend.quant_linear import QuantLinear
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -177,6 +185,13 @@ def main() -> None:
                 ref = qk.dequantize(t, spec).float().t()
             else:
                 ref = (t["weight"].float() * t["weight_scale"]).t()
+            layers = []  # the engine's layer over each copy (act-order: reordered here)
+            for tt in wc if int4 else []:
+                layer = QuantLinear(k, n, False, spec)
+                for a, v in tt.items():
+                    setattr(layer, a, v)
+                layer.repack_for_kernels()
+                layers.append(layer)
             best: dict[int, tuple] = {}
             for m in tokens:
                 x = xs[m]
@@ -188,9 +203,18 @@ def main() -> None:
                 elif m == 1 and method in ("fp8", "gptq", "awq"):
                     fn = Calls(lambda tt, x=x, q=spec, nn=n: quant_gemv(x, tt, q, nn), wc)
                     record(method, proj, k, n, m, "before: gemv", fn, want, size)
-                else:
+                elif not args.skip_tiled:
                     fn = Calls(lambda tt, x=x, q=spec, nn=n: qk.weight_only_gemm(x, tt, q, nn), wc)
                     record(method, proj, k, n, m, "before: tiled", fn, want, size)
+                if layers:
+                    ly = layers[0]
+                    path = "layer: " + ("reordered " if ly.reordered else "") + ly.path(m)
+                    fn = Calls(lambda lyr, x=x: lyr(x, kernels=True), layers)
+                    record(method, proj, k, n, m, path, fn, want, size)
+                if layers and layers[0].input_perm is not None:  # its permute of x alone
+                    fn = Calls(lambda lyr, x=x: x.index_select(1, lyr.input_perm), layers)
+                    xp = x.index_select(1, layers[0].input_perm).float()
+                    record(method, proj, k, n, m, "permute x", fn, xp, m * k * x.element_size())
                 if int4 and m >= (1 if act else 32):  # the weight dequantized, then cuBLAS
                     fn = Calls(lambda tt, x=x, q=spec, nn=n: dequant_int4_matmul(x, tt, q, nn), wc)
                     record(method, proj, k, n, m, "dequant+cublas", fn, want, size)
@@ -225,7 +249,7 @@ def main() -> None:
                           == (method, proj, m) and r["config"] and r["err"] < 1e-2]  # fmt: skip
                     if ok:
                         best[m] = min(ok, key=lambda r: r["us"])["config"]
-            del wc
+            del wc, layers
             save()
     save()
 
@@ -255,7 +279,9 @@ def markdown(rows: list[dict], header: str, preset: str) -> str:
 SUMMED = (("before", lambda r: r["path"].startswith("before")),
           ("small_m (engine's)", lambda r: r.get("engine")),
           ("dequant+cublas", lambda r: r["path"] == "dequant+cublas"),
-          ("dequant-torch+cublas", lambda r: r["path"] == "dequant-torch+cublas"))  # fmt: skip
+          ("dequant-torch+cublas", lambda r: r["path"] == "dequant-torch+cublas"),
+          ("engine layer", lambda r: r["path"].startswith("layer: ")),
+          ("of which permute x", lambda r: r["path"] == "permute x"))  # fmt: skip
 
 
 def summed(rows: list[dict]) -> list[str]:

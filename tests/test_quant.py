@@ -250,7 +250,7 @@ def test_gemm_path_by_method_and_tokens():
     from sched_lab.backend.quant_linear import gemm_path
 
     # int4 (not act-order): the GEMV at one token, the small-M kernel from 2 to 128, then
-    # the weight dequantized for cuBLAS; act-order: the tiled kernel always
+    # the weight dequantized for cuBLAS; act-order below
     for method in ("awq", "gptq"):
         assert [gemm_path(method, t) for t in (1, 2, 16, 64, 128, 129, 8192)] == [
             "gemv", "small_m", "small_m", "small_m", "small_m", "dequant", "dequant"]  # fmt: skip
@@ -269,6 +269,15 @@ def test_gemm_path_by_method_and_tokens():
     assert {gemm_path("gptq", t, act_order=True) for t in (1, 2, 64, 129)} == {"dequant"}
     assert gemm_path("gptq", 1, act_order=True, shape=(4096, 4096), group_size=32) == "dequant"
     assert gemm_path("gptq", 1, act_order=True, shape=(3072, 576), group_size=64) == "tiled"
+    # act-order reordered at load into group order: the plain int4 rules, dequant at any group
+    # (by the trivial g_idx where the group is not a multiple of 128)
+    ts = (1, 2, 128, 129, 2048)
+    assert [gemm_path("gptq", t, True, (4096, 4096), 128, reordered=True) for t in ts] == [
+        "gemv", "small_m", "small_m", "dequant", "dequant"]  # fmt: skip
+    assert [gemm_path("gptq", t, True, (4096, 4096), 64, reordered=True) for t in ts] == [
+        "gemv", "tiled", "tiled", "dequant", "dequant"]  # fmt: skip
+    assert [gemm_path("gptq", t, True, (3072, 576), 64, reordered=True) for t in ts] == [
+        "gemv", "tiled", "tiled", "tiled", "tiled"]  # fmt: skip
     # int8: the tiled kernel up to 192 tokens, then dequant, whatever the shape
     assert [gemm_path("int8", t) for t in (1, 16, 192, 193, 2048)] == [
         "tiled", "tiled", "tiled", "dequant", "dequant"]  # fmt: skip
@@ -291,6 +300,7 @@ def test_gemm_path_of_fp8_without_the_small_m_kernel(monkeypatch):
     assert [ql.gemm_path("gptq", t) for t in (1, 2, 32, 200)] == [
         "gemv", "tiled", "tiled", "tiled"]  # fmt: skip
     assert ql.gemm_path("gptq", 200, act_order=True) == "dequant"  # its own switch
+    assert ql.gemm_path("gptq", 200, act_order=True, reordered=True) == "tiled"  # the plain one
     monkeypatch.setattr(ql, "INT4_ACT_ORDER_DEQUANT_ABOVE_TOKENS", None)
     monkeypatch.setattr(ql, "INT8_DEQUANT_ABOVE_TOKENS", None)
     assert ql.gemm_path("gptq", 200, act_order=True) == ql.gemm_path("int8", 200) == "tiled"

@@ -139,8 +139,12 @@ def test_act_order_gptq_checkpoint_round_trips_through_the_loader(act_order_dir)
     assert runner.quantization == QuantSpec("gptq", 32, act_order=True)
     qkv = runner.model.layers[1].self_attn.qkv_proj
     p = "model.layers.1.self_attn"
-    assert torch.equal(qkv.g_idx, tensors[f"{p}.q_proj.g_idx"])  # not k // 32
-    assert not torch.equal(qkv.g_idx.long(), torch.arange(128) // 32)
+    g_idx = tensors[f"{p}.q_proj.g_idx"]
+    assert not torch.equal(g_idx.long(), torch.arange(128) // 32)  # act-order, 32 rows a group
+    # reordered at load: rows in group order, x's columns permuted by input_perm
+    assert qkv.reordered and qkv.kernel_spec == QuantSpec("gptq", 32)
+    assert torch.equal(qkv.g_idx.long(), torch.arange(128) // 32)
+    assert torch.equal(g_idx[qkv.input_perm].long(), torch.arange(128) // 32)
     parts = [dequantize({t: tensors[f"{p}.{proj}.{t}"] for t in spec_names()}, runner.quantization)
              for proj in ("q_proj", "k_proj", "v_proj")]  # fmt: skip
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(7))

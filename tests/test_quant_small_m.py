@@ -286,6 +286,127 @@ def test_dequant_int4_follows_g_idx_with_act_order(group):
         dequantize_int4(t192, QuantSpec("gptq", 64, act_order=True), 64, torch.float32)
 
 
+def test_act_order_reorder_by_hand():
+    from sched_lab.backend.quant_formats import (
+        act_order_permutation,
+        dequantize,
+        pack_gptq_rows,
+        pack_gptq_zeros,
+        reorder_act_order,
+        unpack_gptq_rows,
+    )
+
+    # K 32 in 2 groups of 16, rows alternating between them (g_idx 0, 1, 0, 1, ...); row k's
+    # codes are k // 2 in every column. The stable argsort takes the even rows, then the odd
+    # ones, so the reordered codes are 0..15 twice
+    k, n, group = 32, 8, 16
+    g_idx = (torch.arange(k) % 2).to(torch.int32)
+    perm = act_order_permutation(g_idx, group)
+    assert perm.tolist() == list(range(0, 32, 2)) + list(range(1, 32, 2))
+    codes = (torch.arange(k) // 2)[:, None].expand(k, n).to(torch.int32)
+    zeros = torch.tensor([[3] * n, [11] * n], dtype=torch.int32)
+    scales = torch.tensor([[0.5] * n, [2.0] * n], dtype=torch.float16)
+    tensors = {"qweight": pack_gptq_rows(codes), "qzeros": pack_gptq_zeros(zeros),
+               "scales": scales, "g_idx": g_idx}  # fmt: skip
+    act, plain = QuantSpec("gptq", group, act_order=True), QuantSpec("gptq", group)
+    reordered, perm2 = reorder_act_order(tensors, act)
+    assert torch.equal(perm2, perm)
+    assert unpack_gptq_rows(reordered["qweight"])[:, 0].tolist() == list(range(16)) * 2
+    assert reordered["g_idx"].tolist() == [0] * 16 + [1] * 16
+    assert reordered["qzeros"] is tensors["qzeros"] and reordered["scales"] is tensors["scales"]
+    # the same weights, exactly: new input 17 is old input 3 (codes 1, group 1): (1 - 11) x 2
+    w_act, w_new = dequantize(tensors, act), dequantize(reordered, plain)
+    assert torch.equal(w_new, w_act[:, perm])
+    assert w_new[0, 17].item() == w_act[0, 3].item() == -20.0
+    # no reorder: a group of 17 rows and one of 15; K off the groups; a group out of range
+    assert act_order_permutation(torch.tensor([0] * 17 + [1] * 15), group) is None
+    assert act_order_permutation(torch.zeros(24, dtype=torch.int32), group) is None
+    assert act_order_permutation(torch.tensor([0] * 16 + [2] * 16), group) is None
+    assert reorder_act_order({**tensors, "g_idx": torch.tensor([0] * 17 + [1] * 15)}, act) is None
+
+
+def _act_order_layer(group, g_idx=None):
+    """(layer, checkpoint tensors, act-order spec): a (128, 256) act-order GPTQ projection
+    on DEVICE with ``g_idx`` (default: k // group in a random row order), repacked for the
+    kernels as the loader does."""
+    from sched_lab.backend.quant_linear import QuantLinear
+
+    n, k = 128, 256
+    _, tensors = _quantized("gptq", n, k, group=group)
+    if g_idx is None:
+        order = torch.randperm(k, generator=torch.Generator().manual_seed(15))
+        g_idx = (torch.arange(k) // group)[order]
+    tensors["g_idx"] = g_idx.to(DEVICE, torch.int32).contiguous()
+    spec = QuantSpec("gptq", group, act_order=True)
+    layer = QuantLinear(k, n, False, spec).to(DEVICE)
+    for name, t in tensors.items():
+        setattr(layer, name, t.clone())
+    layer.repack_for_kernels()
+    return layer, tensors, spec
+
+
+@needs_triton
+@pytest.mark.parametrize("group", [128, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reordered_act_order_layer_matches_the_act_order_reference(group, dtype):
+    from sched_lab.backend.quant_kernels import weight_only_reference
+
+    # K 256 in groups of 128 or 64, rows shuffled: reordered at load, then the plain paths
+    # (groups of 64: no small-M kernel, the tiled one; dequant by the trivial g_idx)
+    layer, tensors, spec = _act_order_layer(group)
+    assert layer.reordered and layer.kernel_spec == QuantSpec("gptq", group)
+    assert torch.equal(tensors["g_idx"][layer.input_perm].long(), torch.arange(256) // group)
+    paths = ["gemv", "small_m", "small_m", "dequant"] if group == 128 else \
+        ["gemv", "tiled", "tiled", "dequant"]  # fmt: skip
+    for m, path in zip((1, 3, 40, 200), paths, strict=True):
+        assert layer.path(m) == path
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+        # the small-M kernel multiplies float16 x (exact for bf16 x, rounded for float32)
+        xr = x.half().to(dtype) if path == "small_m" else x
+        ref = weight_only_reference(xr, tensors, spec).float()  # act-order, by g_idx
+        out = layer(x, kernels=True)
+        assert out.shape == (m, 128) and out.dtype == dtype
+        # float32: summation order only; bf16: one ulp of the largest output (the interpreter
+        # truncates to 16 bits), two on the dequant path (the weight rounded to bf16 too)
+        rel = 1e-5 if dtype == torch.float32 else 2**-6 if path == "dequant" else 2**-7
+        assert (out.float() - ref).abs().max().item() <= rel * ref.abs().max().item()
+    if DEVICE.type == "cpu":  # the float32 reference on the permuted x: the same numbers
+        x = torch.randn(5, 256, generator=torch.Generator().manual_seed(16))
+        ref = weight_only_reference(x, tensors, spec)
+        assert (layer(x) - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+@needs_triton
+def test_act_order_with_uneven_groups_keeps_its_order():
+    from sched_lab.backend.quant_kernels import weight_only_reference
+
+    # g_idx with a group of 129 rows and one of 127 (one row of group 1 moved into group
+    # 0): no reorder; the dequantizing kernel gathers each row's group at every step, as
+    # before
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(17))
+    g_idx = (torch.arange(256) // 128)[order]
+    g_idx[int((g_idx == 1).nonzero()[0])] = 0
+    assert torch.bincount(g_idx).tolist() == [129, 127]
+    layer, tensors, spec = _act_order_layer(128, g_idx)
+    assert not layer.reordered and layer.input_perm is None
+    assert layer.kernel_spec is spec and torch.equal(layer.g_idx, tensors["g_idx"])
+    for m in (1, 3):
+        assert layer.path(m) == "dequant"
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+        ref = weight_only_reference(x, tensors, spec)
+        out = layer(x, kernels=True)
+        assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_act_order_already_in_group_order_needs_no_permute():
+    # desc_act true with g_idx k // group_size (the identity order): reordered, x as given
+    layer, tensors, _ = _act_order_layer(128, torch.arange(256) // 128)
+    assert layer.reordered and layer.input_perm is None
+    assert torch.equal(layer.qweight, tensors["qweight"])
+    layer.repack_for_kernels()  # a second call changes nothing
+    assert layer.reordered and torch.equal(layer.qweight, tensors["qweight"])
+
+
 @needs_triton
 def test_dequantize_int8_rounds_once():
     from sched_lab.backend.quant_gemv import dequantize_int8
@@ -333,19 +454,26 @@ def test_dequant_int8_matmul_matches_reference_and_refuses(dtype):
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the kernels run in QuantLinear on CUDA only")
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "gptq-act"])
 def test_int4_quant_linear_runs_each_path_by_tokens_on_cuda(method, monkeypatch):
     from sched_lab.backend import quant_gemv
     from sched_lab.backend import quant_linear as ql
     from sched_lab.backend.quant_formats import quantize_weight
     from sched_lab.backend.quant_kernels import weight_only_reference
 
-    spec = QuantSpec(method)
+    # gptq-act: g_idx shuffled, reordered at load; the same kernels on x's permuted columns
+    act = method == "gptq-act"
+    spec = QuantSpec("gptq", 128, act_order=True) if act else QuantSpec(method)
     layer = ql.QuantLinear(512, 256, False, spec).to(DEVICE)
     w = torch.randn(256, 512, generator=torch.Generator().manual_seed(7))
-    for name, t in quantize_weight(w, spec).items():
+    for name, t in quantize_weight(w, QuantSpec(spec.method)).items():
         setattr(layer, name, t.to(DEVICE))
+    if act:
+        perm = torch.randperm(512, generator=torch.Generator().manual_seed(14))
+        layer.g_idx = layer.g_idx[perm.to(DEVICE)]
+    checkpoint = {name: t.clone() for name, t in layer.tensors().items()}
     layer.repack_for_kernels()
+    assert layer.reordered == act and (layer.input_perm is not None) == act
     ran = []  # the quant_gemv entry points forward called (read from the module each call)
     kernels = {"gemv": "quant_gemv", "small_m": "small_m_int4_gemm",
                "dequant": "dequant_int4_matmul"}  # fmt: skip
@@ -355,11 +483,12 @@ def test_int4_quant_linear_runs_each_path_by_tokens_on_cuda(method, monkeypatch)
                             lambda *a, _f=real, _n=name, **k: ran.append(_n) or _f(*a, **k))  # fmt: skip
     for m, path in ((1, "gemv"), (2, "small_m"), (64, "small_m"), (128, "small_m"),
                     (129, "dequant")):  # fmt: skip
-        assert ql.gemm_path(method, m, shape=(256, 512)) == path
+        assert layer.path(m) == path
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(DEVICE)
         x = x.to(torch.bfloat16)
-        ref = weight_only_reference(x, layer.tensors(), spec).float()
-        tol = ref.abs().max().item() * 2**-7  # one bf16 ulp of the largest output
+        ref = weight_only_reference(x, checkpoint, spec).float()
+        # one bf16 ulp of the largest output; dequant two (the weight rounded to bf16 too)
+        tol = ref.abs().max().item() * (2**-6 if path == "dequant" else 2**-7)
         ran.clear()
         assert (layer(x).float() - ref).abs().max().item() <= tol
         assert ran == [kernels[path]]

@@ -579,3 +579,17 @@ def test_replica_table_rows_and_the_host_buffer_column():
     text = cluster_text([R()]).splitlines()
     assert text[0] == "cost model: calibrated (p.csv)"
     assert text[2] == "fcfs: 2 replicas (disaggregated)"
+
+
+def test_prefill_copy_gets_no_list_of_the_request():
+    """The prefill replica's copy starts with the shared EMPTY lists, even where the request
+    already holds lists of its own (a copy sharing them would write into the request's)."""
+    from sched_lab.core.request import EMPTY
+    from sched_lab.sim.cluster import _prefill_copy
+
+    r = Request("a", 0.0, 8, 4)
+    r.block_table, r.block_hashes, r.output_token_ids = [3], [11], [5]
+    c = _prefill_copy(r)
+    assert c.output_len == 1 and r.output_len == 4
+    names = [f.name for f in dataclasses.fields(Request) if f.default is EMPTY]
+    assert len(names) == 7 and all(getattr(c, n) is EMPTY for n in names)

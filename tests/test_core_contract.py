@@ -157,6 +157,25 @@ def test_builtin_policies_registered(name):
     assert get_policy(name).name == name
 
 
+def test_copied_or_pickled_requests_keep_the_one_empty_and_replay():
+    """copy.copy, copy.deepcopy and pickle give EMPTY itself back (not another read-only
+    list the writers' ``is EMPTY`` would miss, failing the run at its first step)."""
+    import copy
+    import pickle
+
+    from sched_lab.core.request import EMPTY
+
+    assert copy.copy(EMPTY) is EMPTY and copy.deepcopy(EMPTY) is EMPTY
+    assert all(pickle.loads(pickle.dumps(EMPTY, p)) is EMPTY for p in range(6))
+    for clone in (copy.deepcopy, lambda x: pickle.loads(pickle.dumps(x))):
+        a, b = clone([Request("a", 0.0, 3, 2), Request("b", 0.0, 3, 2)])
+        assert a.block_table is EMPTY and b.output_token_ids is EMPTY
+        s = make()
+        assert s.add(a, 0.0) and s.add(b, 0.0)
+        s.update(s.schedule(), StepResult(0.01, {a: 7, b: 8}), 0.01)
+        assert a.output_token_ids == [7] and a.prefill_token_steps == [0] and EMPTY == []
+
+
 def test_request_lists_start_shared_and_go_back_when_emptied():
     """A request's list fields are the one read-only EMPTY until written: the writers give
     it lists of its own (blocks, its prefill's step, its decode span, tokens), and freeing

@@ -53,6 +53,11 @@ class EmptyList(list):
     def __iadd__(self, items):  # type: ignore[override, misc]
         return list(items)
 
+    def __reduce__(self) -> str:
+        # pickle, copy.copy and copy.deepcopy give EMPTY itself (the module's global), not
+        # another read-only instance that ``r.x is EMPTY`` would not recognize
+        return "EMPTY"
+
 
 #: The shared empty list of every :class:`Request` list field that has no items yet.
 EMPTY = EmptyList()

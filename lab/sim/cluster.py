@@ -61,7 +61,7 @@ import simpy
 
 from sched_lab.core.errors import ConfigError
 from sched_lab.core.plan import Executor, SchedulerOutput
-from sched_lab.core.request import Request, RequestStatus
+from sched_lab.core.request import EMPTY, Request, RequestStatus
 from sched_lab.core.scheduler import Scheduler
 from sched_lab.sim.hardware import Link
 from sched_lab.sim.records import ENDED, ReplayResult
@@ -373,10 +373,12 @@ class _Cluster:
 
 def _prefill_copy(r: Request) -> Request:
     """A fresh copy of ``r`` with one output token, for its prefill replica (every
-    runtime list its own)."""
+    runtime list reset: the shared read-only EMPTY, never a list of ``r``'s)."""
     copy = dataclasses.replace(r, output_len=1)
     for f in dataclasses.fields(Request):
-        if f.default_factory is not dataclasses.MISSING:
+        if f.default is EMPTY:
+            setattr(copy, f.name, EMPTY)
+        elif f.default_factory is not dataclasses.MISSING:
             setattr(copy, f.name, f.default_factory())
     return copy
 

@@ -24,8 +24,9 @@ from sched_lab.backend.quant_formats import (
     PACK,
     QuantSpec,
     awq_is_repacked,
-    reorder_act_order,
+    pack_gptq_rows,
     repack_awq,
+    unpack_gptq_rows,
 )
 
 FUSED_PROJECTIONS = ("qkv_proj", "gate_up_proj", "o_proj", "down_proj")
@@ -81,6 +82,49 @@ def dequant_above_tokens(method: str, act_order: bool = False) -> int | None:
     if method in ("gptq", "awq"):
         return INT4_ACT_ORDER_DEQUANT_ABOVE_TOKENS if act_order else INT4_DEQUANT_ABOVE_TOKENS
     return None
+
+
+def act_order_permutation(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
+    """The input order that makes act-order GPTQ groups contiguous: ``argsort(g_idx)``,
+    stable, int64 on g_idx's device, so that ``g_idx[perm]`` is ``k // group_size``. None
+    where that cannot be (K not a multiple of the group, a group that does not hold
+    exactly ``group_size`` rows, a group outside 0..K/g - 1)."""
+    k = g_idx.numel()
+    if k == 0 or k % group_size or int(g_idx.min()) < 0 or int(g_idx.max()) >= k // group_size:
+        return None
+    counts = torch.bincount(g_idx.long(), minlength=k // group_size)
+    if not bool((counts == group_size).all()):
+        return None
+    return torch.argsort(g_idx.long(), stable=True)
+
+
+def permute_gptq_rows(qweight: torch.Tensor, perm: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """GPTQ qweight (K/8, N) whose row (input) i holds the old row ``perm[i]``: the nibbles
+    unpacked, gathered along K and packed again, ``chunk`` columns at a time (bounds the
+    int64 scratch); a new tensor, same device."""
+    out = torch.empty_like(qweight)
+    for c0 in range(0, qweight.shape[1], chunk):
+        codes = unpack_gptq_rows(qweight[:, c0 : c0 + chunk])
+        out[:, c0 : c0 + chunk] = pack_gptq_rows(codes.index_select(0, perm))
+    return out
+
+
+def reorder_act_order(
+    tensors: dict[str, torch.Tensor], spec: QuantSpec
+) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+    """Act-order GPTQ ``tensors`` as plain GPTQ: (tensors, perm) with qweight's rows
+    permuted by :func:`act_order_permutation` and g_idx ``k // group_size`` (qzeros and
+    scales, indexed by group, unchanged), so that x @ W.T == x[:, perm] @ W'.T with the same
+    weights, exactly. None where :func:`act_order_permutation` is None."""
+    perm = act_order_permutation(tensors["g_idx"], spec.group_size)
+    if perm is None:
+        return None
+    k = perm.numel()
+    trivial = torch.arange(k, dtype=torch.int32, device=perm.device) // spec.group_size
+    out = dict(tensors)
+    out["qweight"] = permute_gptq_rows(tensors["qweight"], perm)
+    out["g_idx"] = trivial.to(tensors["g_idx"].dtype)
+    return out, perm
 
 
 def gemm_path(
@@ -176,7 +220,7 @@ class QuantLinear(nn.Module):
         """After the buffers are filled with the checkpoint's tensors: AWQ's become
         :func:`~sched_lab.backend.quant_formats.repack_awq`'s layout (same W, exactly);
         act-order GPTQ whose groups each hold group_size rows becomes plain GPTQ by
-        :func:`~sched_lab.backend.quant_formats.reorder_act_order` (``input_perm`` kept,
+        :func:`reorder_act_order` (``input_perm`` kept,
         None where the order was already k // group_size; other g_idx stay as they are and
         run the act-order paths); other methods and already repacked buffers are left as
         they are. On CUDA, the device's split-K counters are made here, before any CUDA graph

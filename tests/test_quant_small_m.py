@@ -288,13 +288,12 @@ def test_dequant_int4_follows_g_idx_with_act_order(group):
 
 def test_act_order_reorder_by_hand():
     from sched_lab.backend.quant_formats import (
-        act_order_permutation,
         dequantize,
         pack_gptq_rows,
         pack_gptq_zeros,
-        reorder_act_order,
         unpack_gptq_rows,
     )
+    from sched_lab.backend.quant_linear import act_order_permutation, reorder_act_order
 
     # K 32 in 2 groups of 16, rows alternating between them (g_idx 0, 1, 0, 1, ...); row k's
     # codes are k // 2 in every column. The stable argsort takes the even rows, then the odd

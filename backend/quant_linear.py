@@ -57,9 +57,9 @@ INT4_SMALL_M_MAX_TOKENS = 128
 INT4_DEQUANT_ABOVE_TOKENS: int | None = 128
 #: the same for act-order GPTQ left in its order (each row's zeros and scales by g_idx: a
 #: group not holding exactly group_size rows; reordered layers follow the int4 rules above),
-#: against the tiled kernel, its only other path: 0, every step. The same projections, H100: 0.30x the tiled
-#: kernel's time at 1 token (704 vs 2,376 us), 0.14x at 256, 0.04x at 2048 (1.5x bf16's
-#: time there) (BENCHMARKS.md, 2026-12-06, night). None turns it off.
+#: against the tiled kernel, its only other path: 0, every step. The same projections, H100:
+#: 0.30x the tiled kernel's time at 1 token (704 vs 2,376 us), 0.14x at 256, 0.04x at 2048
+#: (1.5x bf16's time there) (BENCHMARKS.md, 2026-12-06, night). None turns it off.
 INT4_ACT_ORDER_DEQUANT_ABOVE_TOKENS: int | None = 0
 #: the same for int8 (:func:`sched_lab.backend.quant_gemv.dequant_int8_matmul`) against the
 #: tiled kernel, which runs 64-token tiles above 32 tokens: H100, 1.24x slower than it at
@@ -209,7 +209,7 @@ class QuantLinear(nn.Module):
         for name, (shape, dtype) in buffer_shapes(spec, in_features, out_features).items():
             self.register_buffer(name, torch.empty(shape, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.kernel_spec, self.reordered = spec, False
+        self.kernel_spec = spec
         self.register_buffer("input_perm", None, persistent=False)
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -220,10 +220,9 @@ class QuantLinear(nn.Module):
         """After the buffers are filled with the checkpoint's tensors: AWQ's become
         :func:`~sched_lab.backend.quant_formats.repack_awq`'s layout (same W, exactly);
         act-order GPTQ whose groups each hold group_size rows becomes plain GPTQ by
-        :func:`reorder_act_order` (``input_perm`` kept,
-        None where the order was already k // group_size; other g_idx stay as they are and
-        run the act-order paths); other methods and already repacked buffers are left as
-        they are. On CUDA, the device's split-K counters are made here, before any CUDA graph
+        :func:`reorder_act_order` (``input_perm`` kept, None where the order was already
+        k // group_size; other g_idx stay as they are and run the act-order paths); other
+        methods and already repacked buffers are left as they are. On CUDA, the device's split-K counters are made here, before any CUDA graph
         capture."""
         first = next(iter(self.tensors().values()))
         if first.is_cuda:
@@ -238,12 +237,17 @@ class QuantLinear(nn.Module):
             self.qweight, self.g_idx = tensors["qweight"], tensors["g_idx"]
             identity = torch.equal(perm, torch.arange(perm.numel(), device=perm.device))
             self.input_perm = None if identity else perm
-            self.kernel_spec, self.reordered = replace(self.spec, act_order=False), True
+            self.kernel_spec = replace(self.spec, act_order=False)
             return
         if self.spec.method != "awq" or awq_is_repacked(self.tensors()):
             return
         for name, value in repack_awq(self.tensors()).items():
             setattr(self, name, value)
+
+    @property
+    def reordered(self) -> bool:
+        """Whether act-order GPTQ buffers were put in group order at load."""
+        return self.spec.act_order and not self.kernel_spec.act_order
 
     def path(self, tokens: int) -> str:
         """:func:`gemm_path` of a step of ``tokens`` rows for this projection."""

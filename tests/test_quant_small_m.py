@@ -452,24 +452,33 @@ def test_dequant_int8_matmul_matches_reference_and_refuses(dtype):
         dequant_int8_matmul(x[:, :512], w, s)
 
 
+def _quantized_layer(method: str, k: int, n: int, seed: int, device=DEVICE):
+    """A QuantLinear (K=k, N=n) holding a random weight quantized by ``method`` ("gptq-act":
+    GPTQ groups of 128 with act-order, its rows in shuffled groups), and its spec."""
+    from sched_lab.backend import quant_linear as ql
+    from sched_lab.backend.quant_formats import quantize_weight
+
+    act = method == "gptq-act"
+    spec = QuantSpec("gptq", 128, act_order=True) if act else QuantSpec(method)
+    layer = ql.QuantLinear(k, n, False, spec).to(device)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    for name, t in quantize_weight(w, QuantSpec(spec.method)).items():
+        setattr(layer, name, t.to(device))
+    if act:
+        perm = torch.randperm(k, generator=torch.Generator().manual_seed(14))
+        layer.g_idx = layer.g_idx[perm.to(device)]
+    return layer, spec
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the kernels run in QuantLinear on CUDA only")
 @pytest.mark.parametrize("method", ["gptq", "awq", "gptq-act"])
 def test_int4_quant_linear_runs_each_path_by_tokens_on_cuda(method, monkeypatch):
     from sched_lab.backend import quant_gemv
-    from sched_lab.backend import quant_linear as ql
-    from sched_lab.backend.quant_formats import quantize_weight
     from sched_lab.backend.quant_kernels import weight_only_reference
 
     # gptq-act: g_idx shuffled, reordered at load; the same kernels on x's permuted columns
     act = method == "gptq-act"
-    spec = QuantSpec("gptq", 128, act_order=True) if act else QuantSpec(method)
-    layer = ql.QuantLinear(512, 256, False, spec).to(DEVICE)
-    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(7))
-    for name, t in quantize_weight(w, QuantSpec(spec.method)).items():
-        setattr(layer, name, t.to(DEVICE))
-    if act:
-        perm = torch.randperm(512, generator=torch.Generator().manual_seed(14))
-        layer.g_idx = layer.g_idx[perm.to(DEVICE)]
+    layer, spec = _quantized_layer(method, 512, 256, seed=7)
     checkpoint = {name: t.clone() for name, t in layer.tensors().items()}
     layer.repack_for_kernels()
     assert layer.reordered == act and (layer.input_perm is not None) == act
@@ -500,18 +509,10 @@ def test_int8_and_act_order_quant_linear_dequantize_above_their_thresholds_on_cu
 ):
     from sched_lab.backend import quant_gemv, quant_kernels
     from sched_lab.backend import quant_linear as ql
-    from sched_lab.backend.quant_formats import quantize_weight
     from sched_lab.backend.quant_kernels import weight_only_reference
 
     act = method == "gptq-act"
-    spec = QuantSpec("gptq", 128, act_order=True) if act else QuantSpec(method)
-    layer = ql.QuantLinear(512, 256, False, spec).to(DEVICE)
-    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(11))
-    for name, t in quantize_weight(w, QuantSpec(spec.method)).items():
-        setattr(layer, name, t.to(DEVICE))
-    if act:  # rows in shuffled groups
-        perm = torch.randperm(512, generator=torch.Generator().manual_seed(14))
-        layer.g_idx = layer.g_idx[perm.to(DEVICE)]
+    layer, spec = _quantized_layer(method, 512, 256, seed=11)
     above = ql.dequant_above_tokens(spec.method, act)
     assert above is not None
     dequant = "dequant_int4_matmul" if act else "dequant_int8_matmul"
@@ -534,15 +535,10 @@ def test_int8_and_act_order_quant_linear_dequantize_above_their_thresholds_on_cu
 @pytest.mark.parametrize("method", ["int8", "gptq-act"])
 def test_dequant_path_runs_the_float32_reference_on_cpu(method):
     from sched_lab.backend import quant_linear as ql
-    from sched_lab.backend.quant_formats import quantize_weight
     from sched_lab.backend.quant_kernels import weight_only_reference
 
     act = method == "gptq-act"
-    spec = QuantSpec("gptq", 128, act_order=True) if act else QuantSpec(method)
-    layer = ql.QuantLinear(256, 128, False, spec)
-    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(12))
-    for name, t in quantize_weight(w, QuantSpec(spec.method)).items():
-        setattr(layer, name, t)
+    layer, spec = _quantized_layer(method, 256, 128, seed=12, device="cpu")
     m = ql.dequant_above_tokens(spec.method, act) + 1
     assert ql.gemm_path(spec.method, m, act, (128, 256)) == "dequant"
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(13))

@@ -252,10 +252,9 @@ def _wait_rows(log, requests, texts: _Texts) -> dict[str, np.ndarray]:
     blocks = np.where(np.isin(reason, _BLOCK_WAITS), a, 0)
     tokens = np.where(reason == _REASON_CODES["token_budget"], a, 0)
     del a
-    return _rows(n, request_id=index, event="waited", step=np.fromiter((w[2] for w in waits), np.int64, n),
-                 last_step=np.fromiter((w[3] for w in waits), np.int64, n),
-                 steps=np.fromiter((w[4] for w in waits), np.int64, n), tokens=tokens,
-                 blocks=blocks, reason=reason, detail=-1 - np.arange(n))  # fmt: skip
+    first, last, count = (np.fromiter((w[i] for w in waits), np.int64, n) for i in (2, 3, 4))
+    return _rows(n, request_id=index, event="waited", step=first, last_step=last, steps=count,
+                 tokens=tokens, blocks=blocks, reason=reason, detail=-1 - np.arange(n))  # fmt: skip
 
 
 def _request_rows(res, texts: _Texts) -> list[dict[str, np.ndarray]]:

@@ -159,8 +159,8 @@ class StepRecorder:
     def columns(self) -> tuple[StepColumns, np.ndarray]:
         """The records as :class:`StepColumns`, each column kept in parts of the narrowest
         type that holds each (:func:`_narrow`), and, for each decode tick, the step that ran
-        it (int32 below 2**31 steps, else int64). The recorder hands its records on: it is empty afterwards (append no
-        more)."""
+        it (int32 below 2**31 steps, else int64). The recorder hands its records on: it is
+        empty afterwards (append no more)."""
         self._narrow_pending()
         time_c, duration_c, *_ = self._repeated
         repeated = [[np.frombuffer(time_c)], [np.frombuffer(duration_c)], *self._repeat_parts]

@@ -16,6 +16,7 @@ import yaml
 from sched_lab.core.errors import TraceError, UserError
 from sched_lab.traces import load_trace
 from sched_lab.traces.arrivals import ArrivalProcess
+from sched_lab.traces.readers import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "traces" / "data"
@@ -246,6 +247,31 @@ def test_mooncake_exact_values(tmp_path: Path, caplog: pytest.LogCaptureFixture)
     assert ids(requests) == ["0", "2"] and arrivals(requests) == [0.0, 3.0]
     assert requests[0].hash_ids == [7, 8] and requests[1].hash_ids is None
     assert "m.jsonl: dropped 1 of 3 rows with 'output_length' == 0" in caplog.text
+
+
+def test_jsonl_integers_of_at_most_100_digits(tmp_path: Path) -> None:
+    # Lines with no run of 101 digits skip the per-integer check; a longer run in a string
+    # takes the checked path and is read as before.
+    keys = ["timestamp", "input_length", "output_length"]
+    ok, digits = "9" * 100, "1" * 150
+    path = write(
+        tmp_path,
+        "m.jsonl",
+        f'{{"timestamp": {ok}, "input_length": 3, "output_length": 2}}\n'
+        f'{{"timestamp": 5, "input_length": 4, "output_length": 1, "note": "{digits}"}}\n',
+    )
+    frame, lines = read_jsonl(Path(path), keys)
+    assert list(frame["timestamp"]) == [10**100 - 1, 5] and lines == [1, 2]
+    assert list(frame["input_length"]) == [3, 4] and list(frame.columns) == keys
+    bad = write(
+        tmp_path, "b.jsonl", f'{{"timestamp": 1{ok}, "input_length": 3, "output_length": 2}}\n'
+    )
+    with pytest.raises(
+        TraceError,
+        match=r"^b\.jsonl: line 1: an integer of 101 digits \(199999999999\.\.\.\); "
+        r"at most 100 are accepted$",
+    ):
+        read_jsonl(Path(bad), keys)
 
 
 def test_mooncake_lora_name_and_cache_salt_per_line(tmp_path: Path) -> None:

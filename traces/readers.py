@@ -67,16 +67,17 @@ def read_jsonl(
     keys = [*required, *optional]
     records: list[dict] = []
     line_numbers: list[int] = []
+    name = path.name
     try:
         with path.open(encoding="utf-8") as f:
             for number, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
-                record = _parse_json_line(line, path.name, number)
+                record = _parse_json_line(line, name, number)
                 for key in required:
                     if key not in record:
                         raise TraceError(
-                            f"{path.name}: line {number}: missing key {key!r}; "
+                            f"{name}: line {number}: missing key {key!r}; "
                             f"expected keys: {', '.join(required)}"
                         )
                 records.append(record)
@@ -144,7 +145,12 @@ def _json_int(text: str) -> int:
 
 def _parse_json_line(line: str, file: str, number: int) -> dict:
     try:
-        record = json.loads(line, parse_int=_json_int)
+        # Only a line with a run of more than MAX_INT_DIGITS digits can hold a too-long
+        # integer; the others skip the per-integer check (and the decoder made per call).
+        if _DIGIT_RUN.search(line) is None:
+            record = json.loads(line)
+        else:
+            record = json.loads(line, parse_int=_json_int)
     except _LongInt as exc:
         raise TraceError(f"{file}: line {number}: {_too_long(exc.args[0])}") from None
     except json.JSONDecodeError as exc:
@@ -184,6 +190,7 @@ def _one_line(exc: BaseException) -> str:
 # are cut by :func:`sched_lab.core.errors.short_repr`.
 MAX_DEPTH = 64  # levels of nesting; an experiment YAML needs 4
 MAX_INT_DIGITS = 100  # digits of an integer in a YAML or JSON trace file; a seed needs 20
+_DIGIT_RUN = re.compile(rf"[0-9]{{{MAX_INT_DIGITS + 1}}}")  # a run longer than that
 
 _AMBIGUOUS = "tag:sched-lab,2026:ambiguous"
 _INT_TAG = "tag:yaml.org,2002:int"

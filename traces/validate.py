@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from pandas.api.types import infer_dtype
 
 from sched_lab.core.errors import TraceError
 
@@ -54,11 +55,16 @@ def token_counts(values: pd.Series, src: Source, column: str, *, minimum: int) -
 
 # No model here has a context near this; it keeps int64 arithmetic far from overflow.
 MAX_TOKENS = 1 << 40
+# pandas' inferred kinds of a column that holds no boolean (a bool makes it "boolean" or
+# "mixed..." but for "mixed-integer-float", which is ints and floats only)
+_NO_BOOLS = ("integer", "floating", "mixed-integer-float", "empty")
 
 
 def _numbers(values: pd.Series) -> np.ndarray:
     """Cells as float64; NaN where not a number. Booleans (JSON true/false) are not numbers."""
-    if values.dtype == bool or values.map(lambda v: isinstance(v, bool)).any():
+    if infer_dtype(values, skipna=True) in _NO_BOOLS:  # numbers and missing cells only
+        pass
+    elif values.dtype == bool or values.map(lambda v: isinstance(v, bool)).any():
         values = values.map(lambda v: np.nan if isinstance(v, bool) else v)
     return pd.to_numeric(values, errors="coerce").to_numpy(dtype=np.float64)
 

@@ -15,15 +15,16 @@ Two parts, each written to ``--out`` (``gemm.json``/``gemm.md``, then ``steps.js
    fp8: W8A8 ``torch._scaled_mm`` at every M > 1), at M = 1 the streaming kernel's
    other one-row product (``stream-alt``). Each time is
    one CUDA graph of back-to-back calls over enough weight copies to exceed the L2 cache,
-   divided by the calls. Roofline: bytes as stored / 4.8 TB/s. Each path's output is
-   checked against the float32 dequantized reference (``err``: max |out - ref| / max |ref|).
+   divided by the calls. Roofline: bytes as stored / the card's HBM bandwidth (datasheets:
+   H200 4.8 TB/s, H100 3.35). Each path's output is checked against the float32 dequantized
+   reference (``err``: max |out - ref| / max |ref|).
    ``gemm.md`` ends with the token threshold at which the streaming kernel stops winning
    (for quant_linear.STREAM_MAX_TOKENS / FP8_WEIGHT_ONLY_MAX_TOKENS).
 2. **Decode steps** (``--no-steps`` skips): ModelRunner.execute on decode-only inputs (CUDA
    graphs, device sync included) for bf16 and each method quantized at load time from one
    random bf16 checkpoint, at the batch x context shapes below, with the current dispatch;
-   roofline = (weight bytes as stored + KV bytes read) / 4.8 TB/s. Written again after each
-   format (the first run also writes the random 8B checkpoint, ~16 GB, under checkpoints/).
+   roofline = (weight bytes as stored + KV bytes read) / that bandwidth. Written again after
+   each format (the first run also writes the random 8B checkpoint, ~16 GB, under checkpoints/).
 
 ``--sweep`` replaces part 1 by a tile sweep of the tiled kernel (:func:`sweep_rows`):
 int4 (GPTQ layout, group 128) and int8 on the four projections at M = 1 and 16, over
@@ -54,7 +55,7 @@ if "--dry-run" in sys.argv:  # before triton is imported: run the kernels in its
 import torch  # noqa: E402
 from common import checkpoint, cuda_time, decode_inputs, device_line, graph_time  # noqa: E402
 
-HBM_BYTES_PER_S = 4.8e12  # NVIDIA H200 datasheet
+HBM_BYTES_PER_S = 4.8e12  # NVIDIA H200 datasheet; main() sets the card's own (datasheet_hbm)
 METHODS = ("awq", "gptq", "fp8", "int8")  # the furthest from their targets first
 GEMM_TOKENS = (1, 8, 16, 32, 64)
 STEP_SHAPES = ((1, 1024), (1, 4096), (32, 1024), (32, 4096), (256, 1024))
@@ -479,7 +480,14 @@ def steps_markdown(rows: list[dict], header: str) -> str:
 
 
 # ---------------------------------------------------------------- main
+def datasheet_hbm(device_name: str) -> float:
+    """HBM bytes/s of the named card from its datasheet: H100 SXM 3.35 TB/s, else (H200 or
+    unknown) 4.8 TB/s."""
+    return 3.35e12 if "H100" in device_name else 4.8e12
+
+
 def main() -> None:
+    global HBM_BYTES_PER_S
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for gemm/steps .json and .md")
     ap.add_argument("--preset", default="llama-3.1-8b")
@@ -520,6 +528,7 @@ def main() -> None:
     else:
         cfg, device, dtype = PRESETS[args.preset], "cuda", "bfloat16"
         timer = graph_time
+        HBM_BYTES_PER_S = datasheet_hbm(torch.cuda.get_device_name())
         header = f"# quant_decode: {args.preset} shape, random weights, {device_line()}"
     t0 = time.perf_counter()
 

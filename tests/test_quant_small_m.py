@@ -354,7 +354,7 @@ def test_reordered_act_order_layer_matches_the_act_order_reference(group, dtype)
     # (groups of 64: no small-M kernel, the tiled one; dequant by the trivial g_idx)
     layer, tensors, spec = _act_order_layer(group)
     assert layer.reordered and layer.kernel_spec == QuantSpec("gptq", group)
-    assert torch.equal(tensors["g_idx"][layer.input_perm].long(), torch.arange(256) // group)
+    assert torch.equal(tensors["g_idx"][layer.input_perm].long().cpu(), torch.arange(256) // group)
     paths = ["gemv", "small_m", "small_m", "dequant"] if group == 128 else \
         ["gemv", "tiled", "tiled", "dequant"]  # fmt: skip
     for m, path in zip((1, 3, 40, 200), paths, strict=True):

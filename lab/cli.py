@@ -62,7 +62,8 @@ DELEGATED = {  # subcommand: (module[:function, default main] taking (argv, prog
     ),
     "tools": (
         "sched_lab.backend.tools.__main__",
-        "engine tools: convert-smollm2, make-random-checkpoint, list-presets (needs torch)",
+        "engine tools: make-random-checkpoint, make-random-lora, convert-smollm2, quantize, "
+        "list-presets (needs torch)",
     ),
     "fidelity": (
         "sched_lab.fidelity",
@@ -320,7 +321,8 @@ def _delegate(command: str, argv: list[str]) -> int:
             raise
         print(
             f"error: sched-lab {command} needs the engine's packages (no module {e.name}): "
-            "pip install 'sched-lab[engine]' (docs/install.md)",
+            "pip install -e '.[engine]' in the lab's folder, with torch's CPU index "
+            "(docs/install.md)",
             file=sys.stderr,
         )
         return 2
@@ -467,7 +469,9 @@ def _run(args: argparse.Namespace) -> int:
             if args.out is not None and not args.out.strip():
                 raise UserError("--out: expected a folder, got an empty string")
             if args.format == "parquet" and importlib.util.find_spec("pyarrow") is None:
-                raise UserError("--format parquet needs pyarrow: pip install 'sched-lab[parquet]'")
+                raise UserError(
+                    "--format parquet needs pyarrow: pip install -e '.[parquet]' in the lab's folder"
+                )
             out = Path(args.out) if args.out is not None else Path.cwd() / "results" / cfg.name
             t0 = time.perf_counter()
             from sched_lab.report.folder import ResultsWriter
@@ -562,7 +566,9 @@ def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
     if args.out is not None and not args.out.strip():
         raise UserError("--out: expected a folder, got an empty string")
     if args.format == "parquet" and importlib.util.find_spec("pyarrow") is None:
-        raise UserError("--format parquet needs pyarrow: pip install 'sched-lab[parquet]'")
+        raise UserError(
+            "--format parquet needs pyarrow: pip install -e '.[parquet]' in the lab's folder"
+        )
     from sched_lab.sweeps.terminal import PERCENTILES, folder_text
 
     shown = PERCENTILES

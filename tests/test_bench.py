@@ -327,7 +327,7 @@ def test_no_aiohttp_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "aiohttp", None)  # import aiohttp: ImportError
     assert bench.main([cfg, "--base-url", "http://127.0.0.1:9"]) == 2
     assert capsys.readouterr().err == (
-        'error: sched-lab bench needs aiohttp: pip install "sched-lab[serve]"\n'
+        "error: sched-lab bench needs aiohttp: pip install -e '.[serve]' in the lab's folder\n"
     )
 
 

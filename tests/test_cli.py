@@ -96,7 +96,8 @@ def test_engine_commands_help_without_torch_and_say_what_to_install(command, tmp
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == (
         f"error: sched-lab {command} needs the engine's packages (no module torch): "
-        "pip install 'sched-lab[engine]' (docs/install.md)"
+        "pip install -e '.[engine]' in the lab's folder, with torch's CPU index "
+        "(docs/install.md)"
     )
     if command == "tools":  # presets are plain data
         proc = cli("list-presets")
@@ -347,7 +348,7 @@ def test_parquet_output(tmp_path, capsys):
     if importlib.util.find_spec("pyarrow") is None:
         assert main(args) == 2
         assert one_error_line(capsys).endswith(
-            "--format parquet needs pyarrow: pip install 'sched-lab[parquet]'"
+            "--format parquet needs pyarrow: pip install -e '.[parquet]' in the lab's folder"
         )
         assert not out.exists()
         return

@@ -579,6 +579,8 @@ def test_typos_get_a_did_you_mean():
         ({"policies": ["fcsf"]},
          "policies[0]: unknown policy 'fcsf' (did you mean 'fcfs'?); known policies: "),
         ({"zzz": 1}, "unknown key zzz; allowed: name,"),
+        ({"serch": {}}, "unknown key serch (did you mean search?); allowed: name,"),
+        ({"sweep": {}}, "config: sweep: a sweep, not one experiment"),
         ({"backend": "engin"}, "backend: expected one of engine, sim, got 'engin' (did you "
                                "mean 'engine'?)"),
     ]  # fmt: skip

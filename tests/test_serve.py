@@ -497,7 +497,8 @@ def test_missing_extra_is_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert (
         err
-        == 'error: sched-lab serve needs aiohttp, not installed: pip install "sched-lab[serve]"\n'
+        == "error: sched-lab serve needs aiohttp, not installed: pip install -e '.[serve]' in the "
+        "lab's folder\n"
     )
 
 

@@ -187,6 +187,10 @@ BAD = [
         "search: {metric: p99_ttft_ms, target: 500, ovr: rate_scale}\n",
         "unknown key search.ovr; allowed: metric, target, over, lo, hi, tolerance",
     ),
+    (  # a typo of search in a sweep: named once for the file, not at its first point
+        "sweep: {grid: {seed: [1, 2]}}\nserch: {metric: p99_ttft_ms, target: 500}\n",
+        "unknown key serch (did you mean search?); allowed: name, backend, seed, seeds, trace,",
+    ),
 ]
 
 
@@ -670,7 +674,7 @@ def test_sweep_files_are_identical_on_every_executor(tmp_path, monkeypatch):
     assert row["p99_ttft_ms"] == point["chunked_prefill"]["p99_ttft_ms"]
     assert row["request_goodput"] == point["chunked_prefill"]["request_goodput"]
     if "ray" not in modes:
-        pytest.skip("ray is not installed (pip install 'sched-lab[ray]'): compared serial and pool")
+        pytest.skip("ray is not installed (pip install -e '.[ray]'): compared serial and pool")
 
 
 def test_limits_that_do_not_fit_refuse_the_sweep_before_any_point_runs(tmp_path, capsys):

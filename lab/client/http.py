@@ -34,7 +34,9 @@ def require_aiohttp():
     try:
         import aiohttp
     except ImportError:
-        raise UserError('sched-lab bench needs aiohttp: pip install "sched-lab[serve]"') from None
+        raise UserError(
+            "sched-lab bench needs aiohttp: pip install -e '.[serve]' in the lab's folder"
+        ) from None
     return aiohttp
 
 

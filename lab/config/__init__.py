@@ -22,6 +22,7 @@ from sched_lab.config.backends import BACKENDS, ENGINE_PROFILE_TOKENS, SIM_PROFI
 from sched_lab.config.cluster import CLUSTER_KEYS, MAX_REPLICAS, cluster_to_dict
 from sched_lab.config.load import (
     MAX_NAME_CHARS,
+    SWEEP_KEYS,
     TOP_KEYS,
     ExperimentConfig,
     check_name,
@@ -79,6 +80,7 @@ __all__ = [
     "RATE_SCALE_RANGE",
     "RULES",
     "SIM_PROFILE_TOKENS",
+    "SWEEP_KEYS",
     "TOP_KEYS",
     "VICTIM_KEY",
     "Backend",

@@ -76,6 +76,8 @@ TOP_KEYS = (
     "lora",
     "quantization",
 )
+#: top-level keys that make a YAML a sweep (lab/sweeps/sweep.py), not one experiment
+SWEEP_KEYS = ("sweep", "search")
 #: weight quantization (vLLM's --quantization), read by both backends (lab/sim/models.py,
 #: backend/quant_formats.py)
 QUANTIZATION_METHODS = ("fp8", "int8", "awq", "gptq")
@@ -215,7 +217,13 @@ def validate(
     """
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: expected a mapping of keys at the top level")
-    check_mapping(where, "", raw, TOP_KEYS)
+    sweep = next((k for k in raw if k in SWEEP_KEYS), None)
+    if sweep is not None:
+        raise ConfigError(
+            f"{where}: {sweep}: a sweep, not one experiment (sched-lab run takes either)"
+        )
+    # the message lists sweep and search too: valid keys of a file, that make it a sweep
+    check_mapping(where, "", raw, (*TOP_KEYS, *SWEEP_KEYS))
     top = {f.name: f.default for f in dataclasses.fields(ExperimentConfig)}
     top.update(raw)
     name = check_name(where, "name", raw["name"] if raw.get("name") is not None else "experiment")

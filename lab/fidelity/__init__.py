@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab fidelity") -> int
     ap = argparse.ArgumentParser(
         prog=prog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__.split("\n\n")[0],
+        description=__doc__.split("\n\n")[0].replace("``", ""),
         epilog="examples:\n" + "\n".join(__doc__.split("\n\n")[1].splitlines()),
     )
     side = ap.add_mutually_exclusive_group(required=True)

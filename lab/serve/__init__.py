@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab serve") -> int:
     if missing:
         print(
             f"error: {prog} needs {' and '.join(missing)}, not installed: "
-            'pip install "sched-lab[serve]"',
+            "pip install -e '.[serve]' in the lab's folder",
             file=sys.stderr,
         )
         return 2

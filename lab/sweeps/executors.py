@@ -333,7 +333,7 @@ def _ray(fn, tasks, on_error, jobs: int, address: str | None) -> Iterator[Result
         import ray
     except ImportError:
         raise UserError(
-            "--ray needs ray, which is not installed: pip install 'sched-lab[ray]'"
+            "--ray needs ray, which is not installed: pip install -e '.[ray]' in the lab's folder"
         ) from None
     started = not ray.is_initialized()
     if started:

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sched_lab.config import MAX_NAME_CHARS, check_name, paths, validate
+from sched_lab.config import MAX_NAME_CHARS, SWEEP_KEYS, TOP_KEYS, check_name, paths, validate
 from sched_lab.config.keypaths import ALIASES, get_path, parse_path, set_path  # noqa: F401 (get_path: re-exported)
+from sched_lab.config.walker import check_mapping
 from sched_lab.core.errors import ConfigError, UserError, short_repr
 from sched_lab.sweeps.search import parse_search
 from sched_lab.traces.readers import load_yaml_file
 
-SWEEP_KEYS = ("sweep", "search")  # top-level keys that make a YAML a sweep
 # Points a sweep may have unless sweep.max_points or --max-points says more: each point is
 # validated (about a millisecond) and kept in memory before the first runs.
 MAX_POINTS = 10_000
@@ -97,6 +97,7 @@ def load_sweep(
     where = str(path)
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: expected a mapping of keys at the top level")
+    check_mapping(where, "", raw, (*TOP_KEYS, *SWEEP_KEYS))  # once, not at every point
     if raw.get("name") is not None:
         name = check_name(where, "name", raw["name"])
     else:

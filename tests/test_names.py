@@ -59,6 +59,11 @@ def test_one_formatter_for_every_table():
     assert format_value(146040.6, ".4g") == "1.46e+05"
     assert format_value(2.0, ".2f") == "2.00"
     assert format_value(True) == "True" and format_value("p000") == "p000"
+    # a nonzero value an f spec would show as 0 keeps 2 significant digits (a CPU engine's
+    # 0.31 tok/s); zero stays 0, and values that do not round to 0 are as the spec says
+    assert format_value(0.3125, ".0f") == "0.31" and format_value(0.004, ".2f") == "0.004"
+    assert format_value(-4e-05, ".1f") == "-4e-05" and format_value(np.float64(0.0), ".0f") == "0"
+    assert format_value(0.5, ".0f") == "0.5" and format_value(0.6, ".0f") == "1"
 
 
 def test_labels_and_directions():

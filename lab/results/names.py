@@ -150,8 +150,9 @@ def format_value(v: Any, spec: str = "g") -> str:
     """``v`` formatted with ``spec`` for a table, or :data:`MISSING` when it has no value.
 
     A whole number (an int, or a float with an integral value under 1e15) prints all its
-    digits under a ``g`` spec or ``d`` (``131072``, never ``1.311e+05``); text and booleans
-    print as they are.
+    digits under a ``g`` spec or ``d`` (``131072``, never ``1.311e+05``); a nonzero number
+    that an ``f`` spec would round to zero prints 2 significant digits (``0.31``, ``4e-05``);
+    text and booleans print as they are.
     """
     if is_missing(v):
         return MISSING
@@ -162,7 +163,10 @@ def format_value(v: Any, spec: str = "g") -> str:
     )
     if whole and (spec.endswith("g") or spec == "d"):
         return str(int(v))
-    return format(v, spec)
+    out = format(v, spec)
+    if spec.endswith("f") and isinstance(v, numbers.Real) and v and float(out) == 0.0:
+        return format(v, ".2g")  # a nonzero value that would read as 0 (0.3 tok/s under .0f)
+    return out
 
 
 def percentile_word(p: float) -> str:

@@ -476,7 +476,7 @@ async def _serve(server: Server, host: str, port: int) -> int:
           f"http://{host}:{bound}", flush=True)  # fmt: skip
     await stop.wait()
     server.draining = True
-    log.info("stopping: %d requests in flight drain first", server.in_flight)
+    log.info("stopping: %d requests in flight to finish first", server.in_flight)
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while server.in_flight and time.monotonic() < deadline and not server.loop.failure:
         await asyncio.sleep(0.05)

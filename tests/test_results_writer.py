@@ -1,14 +1,18 @@
 """The results folder written run by run (lab/report/folder.py ResultsWriter): the same
-files as writing every run at the end, and each run's steps freed once written."""
+files as writing every run at the end, and each run's steps and requests freed once
+written (lab/run/experiment.py keeps no run's requests alive after it)."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 from sched_lab.config import load_config
+from sched_lab.core.request import Request
 from sched_lab.report import folder, timeline
 from sched_lab.report.folder import ResultsWriter, write_results
-from sched_lab.run.experiment import run_experiment
+from sched_lab.run import experiment
+from sched_lab.run.experiment import iter_runs, run_experiment
 
 ROOT = Path(__file__).resolve().parent.parent
 SAME = ("requests.csv", "steps.csv", "events.csv", "summary.json", "config.yaml", "report.md")
@@ -56,3 +60,30 @@ def test_events_written_in_parts_without_plots_are_the_whole_frames(tmp_path, mo
     parts = writer.finish(runs, date="d")
     text = (parts / "events.csv").read_bytes()
     assert text == (whole / "events.csv").read_bytes() and text.count(b"request_id") == 1
+
+
+def test_each_replay_holds_only_its_own_requests(tmp_path, monkeypatch):
+    """Every run replays requests made for it from the trace table; once the run before is
+    written, none of its requests (nor the trace's) is alive when the next replay starts."""
+    cfg = load_config(ROOT / "experiments" / "quickstart.yaml").with_trace(limit=50)
+    alive = []
+    replay = experiment._replay
+
+    def counted(ex, run, run_requests, seed=None):
+        alive.append(sum(type(o) is Request for o in gc.get_objects()))
+        return replay(ex, run, run_requests, seed)
+
+    monkeypatch.setattr(experiment, "_replay", counted)
+    writer = ResultsWriter(tmp_path / "out", cfg, bars=False, plots=False)
+    runs = []
+    gc.collect()  # what earlier tests left
+    gc.disable()  # as for a long run's objects, which reach the oldest generation: no
+    try:  # automatic collection frees a replay's objects (held in reference cycles)
+        for run in iter_runs(cfg, progress=False):
+            writer.add(run)
+            runs.append(run)
+    finally:
+        gc.enable()
+    writer.finish(runs, date="d")
+    assert [len(r.requests) for r in runs] == [50, 50, 50]
+    assert alive == [50, 50, 50]

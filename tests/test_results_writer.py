@@ -109,5 +109,6 @@ def test_each_replay_holds_only_its_own_requests(tmp_path, monkeypatch):
     finally:
         gc.enable()
     writer.finish(runs, date="d")
-    assert [len(r.requests) for r in runs] == [50, 50, 50]
+    assert [r.summary["num_prompts"] for r in runs] == [50, 50, 50]
     assert alive == [50, 50, 50]
+    assert [r.requests.shape for r in runs] == [(0, 2)] * 3  # no dropped row, no plots

@@ -37,9 +37,9 @@ from sched_lab.sim.records import STEP_COLUMNS
 FORMATS = ("csv", "parquet")  # of requests and steps
 STEPS_FLOAT_FORMAT = "%.9g"  # steps.csv's floats: 9 significant digits
 EVENT_ROWS = 1 << 18  # events.csv rows made and written at a time (without pictures)
-# What the report reads of a run's request table once its rows are set aside (report.md's
-# dropped rows, the latency CDFs of lab/report/plots.py, the per-class CDFs of
-# lab/results/fairness.py); a run keeps those columns it has.
+# What the report reads of a run's request table once its rows are set aside, with plots
+# (report.md's dropped rows, the latency CDFs of lab/report/plots.py, the per-class CDFs of
+# lab/results/fairness.py): a run keeps those columns it has (:func:`report_view`).
 REPORT_COLUMNS = ("status", "reason", "class", "ttft_s", "tpot_s", "e2e_s")
 _TEMP_SUFFIX_BYTES = 14  # ".{name}.XXXXXXXX" then ".old": what a temporary name adds
 
@@ -91,7 +91,7 @@ class ResultsWriter:
     are written whole at the end) and its timeline pictures as soon as it ends, then frees
     its steps, events and request objects (:meth:`~sched_lab.results.run.Run.release`) and
     sets its request table aside in the temporary folder (the run keeps its
-    :data:`REPORT_COLUMNS`), so runs one after another need the memory of one.
+    :func:`report_view`), so runs one after another need the memory of one.
     :meth:`finish` writes everything else (requests.csv from the tables set aside, one at a
     time where every run's columns and types are the same) and puts the folder in place;
     :meth:`abort` removes the temporary folder.
@@ -169,7 +169,8 @@ class ResultsWriter:
         if release and self.fmt == "csv":
             run.plot_series = plots.run_series(run) if series is None else series
             run.release()
-            self._aside[id(run)] = _Aside.put(tmp / f".requests-{len(self._added)}.pkl", run)
+            path = tmp / f".requests-{len(self._added)}.pkl"
+            self._aside[id(run)] = _Aside.put(path, run, self.draw)
 
     def finish(
         self,
@@ -284,11 +285,11 @@ class _Aside:
     schema: tuple[tuple[str, object], ...]  # (column, dtype) in order
 
     @classmethod
-    def put(cls, path: Path, run: Run) -> _Aside:
-        """Write ``run.requests`` to ``path``; the run keeps its :data:`REPORT_COLUMNS`."""
+    def put(cls, path: Path, run: Run, plots: bool) -> _Aside:
+        """Write ``run.requests`` to ``path``; the run keeps its :func:`report_view`."""
         df = run.requests
         df.to_pickle(path)
-        run.requests = df[[c for c in REPORT_COLUMNS if c in df.columns]].copy()
+        run.requests = report_view(df, plots)
         return cls(path, tuple(df.dtypes.items()))
 
     def take(self) -> pd.DataFrame:
@@ -296,6 +297,14 @@ class _Aside:
         df = pd.read_pickle(self.path)
         self.path.unlink()
         return df
+
+
+def report_view(requests: pd.DataFrame, plots: bool) -> pd.DataFrame:
+    """What the report reads of a run's request table (a copy): with ``plots``, its
+    :data:`REPORT_COLUMNS`; without, the status and reason of its dropped rows (report.md)."""
+    if plots:
+        return requests[[c for c in REPORT_COLUMNS if c in requests.columns]].copy()
+    return requests.loc[requests["status"] == "dropped", ["status", "reason"]].copy()
 
 
 def temp_folder(out_dir: Path) -> Path:

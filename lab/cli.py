@@ -482,7 +482,7 @@ def _run(args: argparse.Namespace) -> int:
             out = writer.out_dir
             for run in iter_runs(cfg, progress=not args.no_progress):
                 signals.deferring = True  # a first signal lets the run's rows be written
-                writer.add(run)  # its rows and timeline written, its steps freed
+                writer.add(run)  # its rows and timeline written, its steps and table freed
                 runs.append(run)
                 signals.deferring = False
                 if signals.pending is not None:

@@ -16,6 +16,7 @@ import shutil
 import stat
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,10 @@ from sched_lab.sim.records import STEP_COLUMNS
 FORMATS = ("csv", "parquet")  # of requests and steps
 STEPS_FLOAT_FORMAT = "%.9g"  # steps.csv's floats: 9 significant digits
 EVENT_ROWS = 1 << 18  # events.csv rows made and written at a time (without pictures)
+# What the report reads of a run's request table once its rows are set aside, with plots
+# (report.md's dropped rows, the latency CDFs of lab/report/plots.py, the per-class CDFs of
+# lab/results/fairness.py): a run keeps those columns it has (:func:`report_view`).
+REPORT_COLUMNS = ("status", "reason", "class", "ttft_s", "tpot_s", "e2e_s")
 _TEMP_SUFFIX_BYTES = 14  # ".{name}.XXXXXXXX" then ".old": what a temporary name adds
 
 
@@ -84,9 +89,12 @@ class ResultsWriter:
 
     :meth:`add` writes a run's rows of steps.csv and events.csv (CSV only; parquet files
     are written whole at the end) and its timeline pictures as soon as it ends, then frees
-    its steps, events and request objects (:meth:`~sched_lab.results.run.Run.release`), so
-    runs one after another need the memory of one. :meth:`finish` writes everything else
-    and puts the folder in place; :meth:`abort` removes the temporary folder.
+    its steps, events and request objects (:meth:`~sched_lab.results.run.Run.release`) and
+    sets its request table aside in the temporary folder (the run keeps its
+    :func:`report_view`), so runs one after another need the memory of one.
+    :meth:`finish` writes everything else (requests.csv from the tables set aside, one at a
+    time where every run's columns and types are the same) and puts the folder in place;
+    :meth:`abort` removes the temporary folder.
 
     Raises (constructor): UserError if ``out_dir`` cannot become a results folder;
     ValueError for an unknown ``fmt``.
@@ -102,6 +110,7 @@ class ResultsWriter:
         self.cfg, self.fmt, self.bars, self.draw = cfg, fmt, bars, plots
         self._tmp: Path | None = None
         self._added: list[Run] = []
+        self._aside: dict[int, _Aside] = {}  # id(run) -> its request table set aside
         self._steps_header = True  # steps.csv has no header yet
         self._events: list[pd.DataFrame] = []  # parquet: every run's, written at the end
         self._pngs: list[tuple[str, str]] = []
@@ -160,6 +169,8 @@ class ResultsWriter:
         if release and self.fmt == "csv":
             run.plot_series = plots.run_series(run) if series is None else series
             run.release()
+            path = tmp / f".requests-{len(self._added)}.pkl"
+            self._aside[id(run)] = _Aside.put(path, run, self.draw)
 
     def finish(
         self,
@@ -203,18 +214,18 @@ class ResultsWriter:
         cfg, fmt, draw = self.cfg, self.fmt, self.draw
         (tmp / "config.yaml").write_text(config_yaml(cfg, runs))
         phase.advance()
-        requests = concat_requests([r.requests for r in runs])
         if fmt == "parquet":
-            requests.to_parquet(tmp / "requests.parquet", index=False)
+            concat_requests([r.requests for r in runs]).to_parquet(
+                tmp / "requests.parquet", index=False
+            )
             _steps_frame(runs).to_parquet(tmp / "steps.parquet", index=False)
         else:
-            write_csv(tmp / "requests.csv", requests)
+            self._write_requests(tmp / "requests.csv", runs)
             if self._steps_header:  # no run has a step: the header alone, as pandas writes
                 extra = _columns(runs[0])[len(STEP_COLUMNS) :] if runs else []
                 names = ["policy", "rate_scale", *STEP_COLUMNS, *extra]
                 with (tmp / "steps.csv").open("ab") as f:
                     f.write(csv_text.pack([], names))
-        del requests
         phase.advance()
         extra = {"partial": partial} if partial else {}
         summary = {r.label: {**r.summary, **extra} for r in runs}
@@ -251,6 +262,49 @@ class ResultsWriter:
         (tmp / MANIFEST).write_text(
             json.dumps({"written_by": f"sched-lab {__version__}", "files": files}, indent=2) + "\n"
         )
+
+    def _write_requests(self, path: Path, runs: list[Run]) -> None:
+        """requests.csv: :func:`write_csv` of :func:`concat_requests` of the runs' tables;
+        made one table at a time when every table was set aside and all have the same
+        columns and types (concatenating them changes no type), else all at once."""
+        aside = [self._aside.get(id(r)) for r in runs]
+        if runs and all(aside) and len({a.schema for a in aside}) == 1:
+            with path.open("wb") as f:
+                for i, a in enumerate(aside):
+                    _write_csv_rows(f, a.take(), header=i == 0)
+            return
+        tables = [r.requests if a is None else a.take() for r, a in zip(runs, aside)]
+        write_csv(path, concat_requests(tables))
+
+
+@dataclass(frozen=True)
+class _Aside:
+    """A run's request table set aside in a file (a pickle: its types kept exactly)."""
+
+    path: Path
+    schema: tuple[tuple[str, object], ...]  # (column, dtype) in order
+
+    @classmethod
+    def put(cls, path: Path, run: Run, plots: bool) -> _Aside:
+        """Write ``run.requests`` to ``path``; the run keeps its :func:`report_view`."""
+        df = run.requests
+        df.to_pickle(path)
+        run.requests = report_view(df, plots)
+        return cls(path, tuple(df.dtypes.items()))
+
+    def take(self) -> pd.DataFrame:
+        """The table, its file removed."""
+        df = pd.read_pickle(self.path)
+        self.path.unlink()
+        return df
+
+
+def report_view(requests: pd.DataFrame, plots: bool) -> pd.DataFrame:
+    """What the report reads of a run's request table (a copy): with ``plots``, its
+    :data:`REPORT_COLUMNS`; without, the status and reason of its dropped rows (report.md)."""
+    if plots:
+        return requests[[c for c in REPORT_COLUMNS if c in requests.columns]].copy()
+    return requests.loc[requests["status"] == "dropped", ["status", "reason"]].copy()
 
 
 def temp_folder(out_dir: Path) -> Path:
@@ -442,13 +496,20 @@ def write_csv(
     (lab/report/csv_text.py) ``rows`` rows at a time (a value's text depends on it alone);
     pandas writes a part holding a type that module lacks."""
     with path.open("wb") as f:
-        for start in range(0, max(len(df), 1), rows):  # once for an empty frame: the header
-            part, header = df.iloc[start : start + rows], start == 0
-            data = csv_text.frame_csv(part, float_format or "repr", header=header)
-            if data is None:
-                text = part.to_csv(index=False, header=header, float_format=float_format)
-                data = text.encode()
-            f.write(data)
+        _write_csv_rows(f, df, float_format, rows)
+
+
+def _write_csv_rows(
+    f, df: pd.DataFrame, float_format: str | None = None, rows: int = 1 << 17, header: bool = True
+) -> None:
+    """:func:`write_csv`'s bytes to the open file ``f``, the header only with ``header``."""
+    for start in range(0, max(len(df), 1), rows):  # once for an empty frame: the header
+        part, first = df.iloc[start : start + rows], header and start == 0
+        data = csv_text.frame_csv(part, float_format or "repr", header=first)
+        if data is None:
+            text = part.to_csv(index=False, header=first, float_format=float_format)
+            data = text.encode()
+        f.write(data)
 
 
 def _write_steps_csv(path: Path, runs: list[Run], rows: int = 1 << 17) -> None:

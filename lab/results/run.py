@@ -22,6 +22,8 @@ class Run:
     policy: str
     rate_scale: float
     result: ReplayResult
+    # One row per trace request; once written by ResultsWriter.add, only what the report
+    # reads of it (sched_lab.report.folder.report_view)
     requests: pd.DataFrame
     itl_cdf_s: np.ndarray  # ITL at CDF levels linspace(0, 1, len): metrics.cdf_points
     summary: dict[str, Any]

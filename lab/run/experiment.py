@@ -4,6 +4,7 @@ replayed through the simulator or the real engine, with metrics per run."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import logging
 from collections.abc import Callable, Iterator
@@ -255,6 +256,7 @@ class _Experiment:
     trace_info: dict[str, Any]  # trace_info()'s keys
     any_spec: bool  # some policy speculates: every run's steps get the spec columns
     progress: bool
+    replays: int = 0  # replays begun so far
 
 
 @dataclass(frozen=True)
@@ -289,14 +291,15 @@ def iter_runs(
     any_spec = any(pol.speculative is not None for pol in cfg.policies)
     ex = _Experiment(cfg, setup, info, any_spec, progress)
     for scale in cfg.rate_scales:
-        trace = requests if requests is not None else tables.pop(scale).to_requests()
-        _prepare_trace(ex, trace)
-        for i, (pol, cls, limits) in enumerate(policies):
-            # The load's last run replays the trace's own requests (made from the trace
-            # table for this load, never replayed) instead of copies: one copy fewer.
-            own = requests is None and i == len(policies) - 1
+        table = tables.pop(scale, None)
+        if table is None:
+            _prepare_trace(ex, requests)
+        for pol, cls, limits in policies:
             planned = _Planned(pol, cls, limits, scale, cfg.run_label(pol, scale))
-            done, stop = _run(ex, planned, trace, own)
+            if table is None:
+                done, stop = _run(ex, planned, requests)
+            else:  # requests of its own, made from the table: no list kept between runs
+                done, stop = _run(ex, planned, _requests_from(ex, table), own=True)
             yield done
             if stop is not None:  # replicas cut short: the run is handed on, then the stop
                 raise stop
@@ -342,6 +345,14 @@ def _resolve_policies(
         )
         setup.check_policy(pol)
     return out
+
+
+def _requests_from(ex: _Experiment, table: Any) -> list[Request]:
+    """A load's requests made from its trace table and prepared (:func:`_prepare_trace`):
+    every call gives equal requests, never replayed."""
+    trace = table.to_requests()
+    _prepare_trace(ex, trace)
+    return trace
 
 
 def _prepare_trace(ex: _Experiment, trace: list[Request]) -> None:
@@ -397,6 +408,13 @@ def _run_once(
 ) -> Run:
     """One replay of the run (with ``seed``: seeded replica ``seed``) and its metrics;
     ``own``: replays ``trace``'s requests themselves, not copies."""
+    if ex.replays:
+        # An earlier replay's simulator objects (its SimPy processes) hold that replay's
+        # requests in reference cycles, which only a full collection frees; replay()
+        # freezes (gc.freeze) every object alive when it starts, garbage too, so without
+        # this they would stay through this replay.
+        gc.collect()
+    ex.replays += 1
     ex.setup.begin_run()
     run_requests = trace if own else fresh(trace)
     result, executor = _replay(ex, run, run_requests, seed)

@@ -101,8 +101,8 @@ def test_each_replay_holds_only_its_own_requests(tmp_path, monkeypatch):
     writer = ResultsWriter(tmp_path / "out", cfg, bars=False, plots=False)
     runs = []
     gc.collect()  # what earlier tests left
-    gc.disable()  # as for a long run's objects, which reach the oldest generation: no
-    try:  # automatic collection frees a replay's objects (held in reference cycles)
+    gc.disable()  # a replay's objects must go by reference counts alone: no reference cycle
+    try:  # may hold them (replay() freezes what is alive, garbage in cycles too)
         for run in iter_runs(cfg, progress=False):
             writer.add(run)
             runs.append(run)

@@ -49,15 +49,18 @@ def pairwise_sums(
     leaf = LEAF if leaf is None else leaf
     if leaf < 128:
         raise ValueError(f"leaf: {leaf} values; at least 128 (numpy's pairwise block)")
+    return _walk(0, n, leaf, leaf_sums)
 
-    def walk(lo: int, size: int) -> np.ndarray:
-        if size <= leaf:
-            return np.asarray(leaf_sums(lo, size), dtype=np.float64)
-        half = size // 2
-        half -= half % 8
-        return walk(lo, half) + walk(lo + half, size - half)
 
-    return walk(0, n)
+def _walk(lo: int, size: int, leaf: int, leaf_sums: Callable[[int, int], np.ndarray]) -> np.ndarray:
+    """:func:`pairwise_sums` of values ``lo .. lo + size - 1``. A module function: a nested
+    one calling itself would hold itself, and ``leaf_sums`` (with a run's result in its
+    closure), in a reference cycle that only the garbage collector frees."""
+    if size <= leaf:
+        return np.asarray(leaf_sums(lo, size), dtype=np.float64)
+    half = size // 2
+    half -= half % 8
+    return _walk(lo, half, leaf, leaf_sums) + _walk(lo + half, size - half, leaf, leaf_sums)
 
 
 def std_of_runs(n: int, run: Callable[[int, int], np.ndarray], mean: float | None = None,

@@ -4,7 +4,6 @@ replayed through the simulator or the real engine, with metrics per run."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import hashlib
 import logging
 from collections.abc import Callable, Iterator
@@ -256,7 +255,6 @@ class _Experiment:
     trace_info: dict[str, Any]  # trace_info()'s keys
     any_spec: bool  # some policy speculates: every run's steps get the spec columns
     progress: bool
-    replays: int = 0  # replays begun so far
 
 
 @dataclass(frozen=True)
@@ -408,13 +406,6 @@ def _run_once(
 ) -> Run:
     """One replay of the run (with ``seed``: seeded replica ``seed``) and its metrics;
     ``own``: replays ``trace``'s requests themselves, not copies."""
-    if ex.replays:
-        # An earlier replay's simulator objects (its SimPy processes) hold that replay's
-        # requests in reference cycles, which only a full collection frees; replay()
-        # freezes (gc.freeze) every object alive when it starts, garbage too, so without
-        # this they would stay through this replay.
-        gc.collect()
-    ex.replays += 1
     ex.setup.begin_run()
     run_requests = trace if own else fresh(trace)
     result, executor = _replay(ex, run, run_requests, seed)

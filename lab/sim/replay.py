@@ -408,9 +408,12 @@ def _replay(
     requests = sorted(requests, key=lambda r: r.arrival_s)
     env = SimEnvironment()
     loop = ReplayLoop(env, scheduler, executor, check_invariants, progress)
-    env.process(loop.arrivals(requests))
-    env.process(loop.run())
+    processes = [loop.arrivals(requests), loop.run()]
+    for process in processes:
+        env.process(process)
     failure = run_to_end(env, requests, [scheduler], lambda: loop.num_added, check_invariants)
+    for process in processes:  # the loop waits for work forever: its frame holds the loop,
+        process.close()  # its event the frame, in a cycle that only the collector would free
     steps, ticks = loop.recorder.columns()
     return ReplayResult(
         requests,

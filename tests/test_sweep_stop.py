@@ -53,6 +53,11 @@ def _stat(pid: int) -> tuple[str, int] | None:
     return None if state in ("Z", "X") else (state, int(ppid))
 
 
+def _default_signals() -> None:
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def descendants(pid: int) -> set[int]:
     """Every live process below ``pid``."""
     parents = {}
@@ -90,7 +95,10 @@ def test_a_stopped_pool_sweep_ends_its_workers_and_leaves_no_temp_folder(tmp_pat
     env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, str(ROOT / "run_experiment.py"), str(path), "--jobs", "2",
            "--no-progress", "-q", "--out", str(out)]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    # the signals at their defaults: under nohup an ignored SIGHUP is inherited, and the CLI
+    # keeps an ignored signal ignored (lab/cli.py), so the sweep would never stop
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_signals)  # fmt: skip
     try:
 
         def writing() -> bool:

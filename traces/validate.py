@@ -62,9 +62,10 @@ _NO_BOOLS = ("integer", "floating", "mixed-integer-float", "empty")
 
 def _numbers(values: pd.Series) -> np.ndarray:
     """Cells as float64; NaN where not a number. Booleans (JSON true/false) are not numbers."""
-    if infer_dtype(values, skipna=True) in _NO_BOOLS:  # numbers and missing cells only
-        pass
-    elif values.dtype == bool or values.map(lambda v: isinstance(v, bool)).any():
+    numbers_only = infer_dtype(values, skipna=True) in _NO_BOOLS  # and missing cells
+    if not numbers_only and (
+        values.dtype == bool or values.map(lambda v: isinstance(v, bool)).any()
+    ):
         values = values.map(lambda v: np.nan if isinstance(v, bool) else v)
     return pd.to_numeric(values, errors="coerce").to_numpy(dtype=np.float64)
 

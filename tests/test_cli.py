@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -165,6 +166,13 @@ def test_fit_refits_a_profile_and_bad_input_is_one_line(tmp_path, capsys):
 # thread first; under load, more work runs meanwhile). deliver() waits until the handler has
 # run, so each signal lands where the script places it: the lab's handler raises there
 # (Interrupted) or records the signal and returns.
+def _default_signals() -> None:
+    """The child starts with SIGINT and SIGTERM at their defaults, as from a terminal: one
+    inherited as ignored (a background job, nohup) stays ignored in the CLI, by design."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 DELIVER = """
 import os, signal, sys, time
 def deliver(sig):
@@ -223,6 +231,7 @@ def test_interrupt_keeps_the_completed_runs_as_partial_results(tmp_path, sig, co
         text=True,
         cwd=ROOT,
         timeout=300,  # a deadline, not a wait: each signal waits for its handler
+        preexec_fn=_default_signals,
     )
     assert proc.returncode == code, proc.stderr
     err = [ln for ln in proc.stderr.splitlines() if not ln.startswith("INFO")]
@@ -255,6 +264,7 @@ def test_interrupt_before_any_run_writes_nothing(tmp_path):
         text=True,
         cwd=ROOT,
         timeout=300,  # a deadline, not a wait: each signal waits for its handler
+        preexec_fn=_default_signals,
     )
     assert proc.returncode == 143
     assert proc.stderr.strip().splitlines()[-1] == (
@@ -458,6 +468,7 @@ def test_interrupt_while_writing_finishes_the_writing_once(tmp_path, times):
         text=True,
         cwd=ROOT,
         timeout=300,  # a deadline, not a wait: each signal waits for its handler
+        preexec_fn=_default_signals,
     )
     assert proc.returncode == 130, proc.stderr
     err = [ln for ln in proc.stderr.splitlines() if not ln.startswith("INFO")]

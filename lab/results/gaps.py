@@ -139,6 +139,13 @@ class Joined:
         return out
 
 
+def _drain(parts: list[np.ndarray], dtype=np.float64) -> np.ndarray:
+    """The arrays of ``parts`` joined (one of ``dtype`` for none); ``parts`` is emptied."""
+    out = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+    parts.clear()
+    return out
+
+
 def merge_counts(values: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(each distinct value of ``values``, ascending; the sum of its ``weights`` (int64)):
     the same multiset, so the same order statistics (the k-th smallest of the values each
@@ -146,7 +153,8 @@ def merge_counts(values: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, n
     if not len(values):
         return values, weights.astype(np.int64)
     order = np.argsort(values, kind="stable")
-    values, weights = values[order], weights[order]
+    values = values[order]  # one at a time: a caller's temporaries are freed as they go
+    weights = weights[order]
     del order
     first = np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
     return values[first], np.add.reduceat(weights.astype(np.int64, copy=False), first)
@@ -158,14 +166,15 @@ class TokenGaps:
     quantiles), without it. Made by :meth:`of_pieces`."""
 
     def __init__(self, source, end, start, size, piece_who, counts, values, weights) -> None:
-        """``values``, ``weights``: the gaps and how many times each counts (any order, a
-        value any number of times: :func:`merge_counts`)."""
+        """``values``, ``weights``: lists of arrays, the gaps and how many times each counts
+        (any order, a value any number of times: :func:`merge_counts`); emptied here, so
+        their arrays are freed as they are merged."""
         self._source, self._end = source, end
         self._start, self._size, self._who, self._counts = start, size, piece_who, counts
         self._piece_at = np.searchsorted(piece_who, np.arange(len(counts) + 1))
         self._gaps_before = np.concatenate([[0], np.cumsum(counts - 1)])
         # each distinct gap, ascending, and how many gaps are at most it
-        self._values, weights = merge_counts(values, weights)
+        self._values, weights = merge_counts(_drain(values), _drain(weights, np.int64))
         self._cum = np.cumsum(weights, dtype=np.int64)
         self.n = int(self._gaps_before[-1])
 
@@ -199,13 +208,14 @@ class TokenGaps:
             mult += depth  # pieces spanning each position x: its gap to x + 1 counts as many
             depth = int(mult[-1])
             x = np.flatnonzero(mult)
-            inside = end[source[x + lo + 1]] - end[source[x + lo]]
-            if (inside < 0).any():
-                return None
-            v, w = merge_counts(inside, mult[x])
-            values.append(v)
-            weights.append(w)
-        values, weights = np.concatenate(values), np.concatenate(weights)
+            if len(x):
+                times = end[source[np.arange(lo, x[-1] + lo + 2)]]  # each position's step end
+                inside = np.subtract(times[1:], times[:-1])[x]
+                if (inside < 0).any():
+                    return None
+                v, w = merge_counts(inside, mult[x])
+                values.append(v)
+                weights.append(w)
         return cls(source, end, start, size, piece_who, counts, values, weights)
 
     def __len__(self) -> int:

@@ -97,34 +97,39 @@ def request_table(
         split_itl: tokens that arrive together split the gap before them evenly.
     """
     requests = result.requests if requests is None else requests
-    fin = np.array([r.status is RequestStatus.FINISHED for r in requests], dtype=bool)
+    n = len(requests)
+    fin = np.fromiter((r.status is RequestStatus.FINISHED for r in requests), bool, n)
     first, last, itl = _token_spans(result, [r for r, f in zip(requests, fin) if f], split_itl)
-    first_s = np.full(len(requests), np.nan)
-    last_s = np.full(len(requests), np.nan)
+    first_s = np.full(n, np.nan)
+    last_s = np.full(n, np.nan)
     first_s[fin], last_s[fin] = first, last
-    arrival = np.array([r.arrival_s for r in requests], dtype=np.float64)
-    scheduled = np.array([r.first_scheduled_s for r in requests], dtype=np.float64)
-    finish = np.array([r.finish_s for r in requests], dtype=np.float64)
-    received = [
-        r.num_output_tokens if f else _num_received(result, r) for r, f in zip(requests, fin)
-    ]
+    del first, last
+    # Columns made one at a time, each from a list freed once it is an array or a Series.
+    arrival = np.fromiter((r.arrival_s for r in requests), np.float64, n)
     cols = {
-        "policy": [policy] * len(requests),
-        "rate_scale": [rate_scale] * len(requests),
-        "request_id": [r.request_id for r in requests],
-        "status": [r.status.value for r in requests],
-        "reason": [r.reason for r in requests],
+        "policy": _series([policy] * n),
+        "rate_scale": _series([rate_scale] * n),
+        "request_id": _series([r.request_id for r in requests]),
+        "status": _series([r.status.value for r in requests]),
+        "reason": _series([r.reason for r in requests]),
         "arrival_s": arrival,
         "prompt_tokens": _ints([r.prompt_len for r in requests]),
         "output_tokens": _ints([r.output_len for r in requests]),
-        "num_generated_tokens": _ints(received),
+        "num_generated_tokens": _ints(
+            [r.num_output_tokens if f else _num_received(result, r) for r, f in zip(requests, fin)]
+        ),
         "first_token_s": first_s,
-        "finish_s": np.where(finish >= 0, finish, np.nan),
-        "ttft_s": first_s - arrival,
-        "tpot_s": np.full(len(requests), np.nan),
-        "e2e_s": last_s - arrival,
-        "queue_s": np.where(scheduled >= 0, scheduled - arrival, np.nan),
     }
+    finish = np.fromiter((r.finish_s for r in requests), np.float64, n)
+    cols["finish_s"] = np.where(finish >= 0, finish, np.nan)
+    del finish
+    cols["ttft_s"] = first_s - arrival
+    cols["tpot_s"] = np.full(n, np.nan)
+    cols["e2e_s"] = last_s - arrival
+    del first_s, last_s
+    scheduled = np.fromiter((r.first_scheduled_s for r in requests), np.float64, n)
+    cols["queue_s"] = np.where(scheduled >= 0, scheduled - arrival, np.nan)
+    del scheduled, arrival
     for c in ("num_preemptions", "num_preemptions_recompute", "num_preemptions_swap",
               "num_cached_tokens", "num_resumed_cached_tokens"):  # fmt: skip
         cols[c] = _ints([getattr(r, c) for r in requests])
@@ -142,6 +147,12 @@ def request_table(
         if any(getattr(r, column) for r in requests):
             df[column] = [getattr(r, column) for r in requests]
     return df, itl
+
+
+def _series(values: list) -> pd.Series | list:
+    """A request table's column made from ``values`` as the DataFrame would make it (the
+    list itself where empty: the DataFrame gives an empty list float64, a Series object)."""
+    return pd.Series(values) if values else values
 
 
 def _ints(values: list) -> np.ndarray | list:

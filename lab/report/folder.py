@@ -143,34 +143,41 @@ class ResultsWriter:
 
     def _add(self, run: Run, release: bool) -> None:
         tmp = self.folder
-        events = None
+        events = series = None
+        aside = release and self.fmt == "csv"  # the request table goes to a file, freed here
         if self.fmt == "csv":
             with (tmp / "steps.csv").open("ab") as f:
                 self._steps_header = _write_run_steps(f, run, self._steps_header)
             if self.draw:  # the pictures read the whole frame
                 events = timeline.events_frame(run)
                 _append_csv(tmp / "events.csv", events, header=not self._added)
-            else:
+            else:  # the plots' series read the table: taken before it is set aside, which
+                series = plot_data.plot_data(run)  # frees it before events.csv is written
+                if aside:
+                    self._put_aside(run)
                 for i, part in enumerate(timeline.events_frames(run, EVENT_ROWS)):
                     _append_csv(tmp / "events.csv", part, header=not (self._added or i))
         else:
             events = timeline.events_frame(run)
             self._events.append(events)
-        series = None
         if self.draw:
             pngs, figures = _timeline(tmp, self.cfg, run, events, self._with_plotly)
             self._pngs += pngs
             self._figures += figures
         else:
-            series = plot_data.plot_data(run)
+            series = plot_data.plot_data(run) if series is None else series
             self._plot_data.append(series)
         del events
         self._added.append(run)
-        if release and self.fmt == "csv":
+        if aside:
             run.plot_series = plots.run_series(run) if series is None else series
             run.release()
-            path = tmp / f".requests-{len(self._added)}.pkl"
-            self._aside[id(run)] = _Aside.put(path, run, self.draw)
+            if id(run) not in self._aside:
+                self._put_aside(run)
+
+    def _put_aside(self, run: Run) -> None:
+        path = self.folder / f".requests-{len(self._aside) + 1}.pkl"
+        self._aside[id(run)] = _Aside.put(path, run, self.draw)
 
     def finish(
         self,

@@ -25,11 +25,13 @@ from __future__ import annotations
 import csv
 import io
 import os
+import re
 
 import numpy as np
 import pandas as pd
 
 LINE_END = os.linesep.encode()  # pandas' default lineterminator
+_SPECIAL = re.compile('[,"\r\n]')  # a text with one of these is quoted (_quoted)
 _POW10 = 10 ** np.arange(19, dtype=np.int64)  # 10**0 .. 10**18
 _SPLIT = 134217729.0  # 2**27 + 1: Veltkamp's split of a double into two 26-bit halves
 _REPR_DIGITS = 17  # digits that always read back as the same double
@@ -371,7 +373,7 @@ def _merge(n: int, parts: list[tuple[np.ndarray, Cells]]) -> Cells:
 def text_cells(texts: list[str], quote: bool = True) -> Cells:
     """Cells of strings (UTF-8, left-aligned), quoted as the csv module quotes them
     (QUOTE_MINIMAL)."""
-    if quote:
+    if quote and _SPECIAL.search("".join(texts)):  # (one scan: most columns need none)
         texts = [_quoted(t) for t in texts]
     data = [t.encode() for t in texts]
     length = np.fromiter(map(len, data), dtype=np.int64, count=len(data))
@@ -384,7 +386,7 @@ def text_cells(texts: list[str], quote: bool = True) -> Cells:
 
 def _quoted(t: str) -> str:
     """``t`` as the csv module writes it in a row of several fields."""
-    if not any(c in t for c in ',"\r\n'):
+    if not _SPECIAL.search(t):
         return t
     buf = io.StringIO()  # the module decides (its rules for \r differ between versions)
     csv.writer(buf, lineterminator="\n").writerow([t, ""])

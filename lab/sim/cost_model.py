@@ -33,7 +33,6 @@ to it; ``device_time`` = step time - host time.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -225,7 +224,12 @@ class CostModelExecutor:
         self.step_time: Callable[[StepFeatures], float] | None = None
         plain = type(self).execute is CostModelExecutor.execute
         if plain and getattr(cost_model, "deterministic", False) is True:
-            self.step_time = functools.partial(cost_model.step_time, block_size=block_size)
+            self.step_time = self._step_time
+
+    def _step_time(self, f: StepFeatures) -> float:
+        """The cost model's step time at this block size (a bound method: a partial with
+        a keyword argument builds a dict on every call, and runs call it every step)."""
+        return self.cost_model.step_time(f, self.block_size)
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
         return StepResult(self.cost_model.step_time(plan.features(), self.block_size))

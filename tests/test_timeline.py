@@ -313,6 +313,37 @@ def test_explain_and_timeline_commands(tmp_path, capsys):
     assert capsys.readouterr().err == f"error: {tmp_path / 'nope'}: no such folder\n"
 
 
+def test_a_folder_with_dropped_rows_is_read_by_report_explain_and_timeline(tmp_path, capsys):
+    """A dropped trace row (output_length 0) has no arrival in requests.csv: the folder is not
+    damaged, and explain says the request was dropped."""
+    from sched_lab.cli import main
+
+    lines = [f'{{"timestamp": {100 * i}, "input_length": {50 + i}, "output_length": {o}}}'
+             for i, o in enumerate([20, 20, 0, 20])]  # fmt: skip
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "exp.yaml").write_text(
+        "name: drop\nbackend: sim\ntrace: {format: mooncake, path: t.jsonl}\n"
+        "model: llama-3.1-8b\nhardware: h200-sxm\npolicies: [fcfs]\n"
+    )
+    out = tmp_path / "out"
+    assert main(["run", str(tmp_path / "exp.yaml"), "--no-plots", "-q", "--no-progress",
+                 "--out", str(out)]) == 0  # fmt: skip
+    rows = pd.read_csv(out / "requests.csv")
+    assert rows["status"].tolist() == ["finished", "finished", "dropped", "finished"]
+    assert np.isnan(rows["arrival_s"][2])
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 0
+    assert (out / "report.html").stat().st_size > 10_000
+    assert main(["explain", str(out), "--request", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "request 2: dropped (not replayed: 'output_length' == 0 in t.jsonl (a request needs "
+        ">= 1 output token)) [run fcfs]"
+    )
+    assert main(["explain", str(out), "--request", "3"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "  arrived at t=0.300 s"
+    assert main(["timeline", str(out), "--slowest", "3", "--out", str(tmp_path / "t.png")]) == 0
+
+
 def test_the_story_of_a_speculative_request_counts_accepted_drafts():
     """k = 2, the first draft always accepted and the second never: prompt 8, output 10.
     Step 0 prefills and samples token 1; steps 1-4 each verify 2 drafts, accept 1 and

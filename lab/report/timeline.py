@@ -345,17 +345,21 @@ def story(request: pd.Series, events: pd.DataFrame, steps: pd.DataFrame) -> Stor
     rid = str(request["request_id"])
     mine = events[events["request_id"].astype(str) == rid]
     queue = events[events["request_id"].astype(str) == QUEUE]
-    arrival, prompt = float(request["arrival_s"]), int(request["prompt_tokens"])
+    arrival = float(request["arrival_s"])
     st = Story(
         rid, [], [], request["first_token_s"], request["finish_s"], arrival, request["e2e_s"]
     )
+    reason = request["reason"] if isinstance(request["reason"], str) else ""
+    if request["status"] == "dropped":  # a trace row never replayed: no arrival, no events
+        st.lines.append(f"request {rid}: dropped ({reason})")
+        return st
+    prompt = int(request["prompt_tokens"])
 
     def at(step: int) -> str:
         return (
             f"step {step:,} (t={start[step]:.3f} s)" if 0 <= step < len(start) else f"step {step:,}"
         )
 
-    reason = request["reason"] if isinstance(request["reason"], str) else ""
     st.lines.append(
         f"request {rid}: prompt {prompt:,} tokens, output {int(request['output_tokens']):,} "
         f"tokens; {request['status']}" + (f" ({reason})" if reason else "")
@@ -626,6 +630,8 @@ _FILLED_COLUMNS = {
                "tokens", "blocks"),
     "steps": ("policy", "rate_scale", *RUN_COLUMNS["steps"]),
 }  # fmt: skip
+# requests.csv cells a dropped trace row leaves empty (lab/results/metrics.py: in_trace_order)
+_DROPPED_MAY_LACK = ("arrival_s", "prompt_tokens", "output_tokens")
 
 
 def load_run(folder: Path, run: str | None):
@@ -744,6 +750,11 @@ def _checked(df: pd.DataFrame, path: Path, columns: Sequence[str], name: str) ->
             df[c] = numbers  # only empty cells were not numbers
     filled = [c for c in _FILLED_COLUMNS[name] if c in columns]
     empty = df[filled].isna() | (df[filled].astype(str) == "")
+    if name == "requests" and "status" in df.columns:  # a dropped row was never replayed:
+        dropped = (df["status"] == "dropped").to_numpy()  # its trace values may be missing
+        for c in _DROPPED_MAY_LACK:
+            if c in filled:
+                empty.loc[dropped, c] = False
     rows = np.flatnonzero(empty.any(axis=1).to_numpy())
     if len(rows):
         i = int(rows[0])

@@ -403,19 +403,21 @@ class Interrupted(KeyboardInterrupt):
 
 class _Signals:
     """While active, SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted`; while ``deferring``, the
-    first is only recorded in ``pending`` and a second raises. An ignored signal stays
-    ignored."""
+    first is only recorded in ``pending`` and a second raises; while ``closing`` (the last
+    cleanup of a command that already ends), none raises (the first is recorded). An ignored
+    signal stays ignored."""
 
     def __init__(self) -> None:
-        self.deferring = False
+        self.deferring = self.closing = False
         self.pending: int | None = None
         self._old: dict = {}
 
     def _handler(self, signum, frame) -> None:
-        if self.deferring and self.pending is None:
+        if (self.deferring or self.closing) and self.pending is None:
             self.pending = signum
             return
-        raise Interrupted(signum)
+        if not self.closing:
+            raise Interrupted(signum)
 
     def __enter__(self) -> _Signals:
         if threading.current_thread() is threading.main_thread():
@@ -510,6 +512,7 @@ def _run(args: argparse.Namespace) -> int:
             return _keep_partial(e, signals, cfg, runs, writer)
         finally:
             if writer is not None:
+                signals.closing = True  # a signal now would leave the temporary folder
                 writer.abort()  # unless finished: the temporary folder of a failed run
     if signals.pending is not None:
         name = signal.Signals(signals.pending).name

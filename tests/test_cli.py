@@ -430,6 +430,44 @@ def test_old_entry_points_still_work(tmp_path):
         assert proc.returncode == 0 and "qwen3-0.6b" in proc.stdout.split()
 
 
+CLEANUP = (
+    DELIVER
+    + """
+import sched_lab.report.folder as report
+import sched_lab.run.experiment as ex
+real_runs, real_abort = ex.iter_runs, report.ResultsWriter.abort
+def iter_runs(*a, **k):
+    deliver(signal.SIGINT)  # stops the run before any finished
+    yield from real_runs(*a, **k)
+ex.iter_runs = iter_runs
+def abort(self):
+    deliver(signal.SIGINT)  # a second one while the command cleans up
+    return real_abort(self)
+report.ResultsWriter.abort = abort
+from sched_lab.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+)
+
+
+def test_a_signal_during_the_last_cleanup_raises_nothing(tmp_path):
+    (tmp_path / "exp.yaml").write_text(SYNTHETIC)
+    args = ["run", str(tmp_path / "exp.yaml"), "--out", str(tmp_path / "out"), "--no-progress"]
+    proc = subprocess.run(
+        [sys.executable, "-c", CLEANUP, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,  # a deadline, not a wait: each signal waits for its handler
+        preexec_fn=_default_signals,
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: interrupted by SIGINT before any run finished; nothing written"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp.yaml"]
+
+
 WHILE_WRITING = (
     DELIVER
     + """

@@ -183,8 +183,9 @@ def _token_spans(
     # (made from the requests' lists straight into arrays: no Python int a token)
     n = len(finished)
     chain = itertools.chain.from_iterable
-    prefill = operator.attrgetter("prefill_token_steps")  # (map over them: no Python frame
-    decode = operator.attrgetter("decode_segments")  # a request)
+    # (mapped over the requests: no Python frame a request)
+    prefill = operator.attrgetter("prefill_token_steps")
+    decode = operator.attrgetter("decode_segments")
     num_prefill = np.fromiter(map(len, map(prefill, finished)), np.int64, n)
     num_segments = np.fromiter(map(len, map(decode, finished)), np.int64, n)
     steps = np.fromiter(  # each prefill token's step

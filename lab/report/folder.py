@@ -172,7 +172,7 @@ class ResultsWriter:
         if aside:
             run.plot_series = plots.run_series(run) if series is None else series
             run.release()
-            if id(run) not in self._aside:
+            if self.draw:  # (without plots, set aside before events.csv above)
                 self._put_aside(run)
 
     def _put_aside(self, run: Run) -> None:

@@ -173,6 +173,18 @@ def _default_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
+def _run_script(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -c script *args`` from the lab's folder, signals at their defaults."""
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,  # a deadline, not a wait: each signal waits for its handler
+        preexec_fn=_default_signals,
+    )
+
+
 DELIVER = """
 import os, signal, sys, time
 def deliver(sig):
@@ -215,24 +227,10 @@ sys.exit(main(sys.argv[2:]))
 def test_interrupt_keeps_the_completed_runs_as_partial_results(tmp_path, sig, code):
     (tmp_path / "exp.yaml").write_text(SYNTHETIC)
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            INTERRUPT.format(sig=sig),
-            "1",
-            "run",
-            str(tmp_path / "exp.yaml"),
-            "--out",
-            str(out),
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,  # a deadline, not a wait: each signal waits for its handler
-        preexec_fn=_default_signals,
-    )
+    proc = _run_script(
+        INTERRUPT.format(sig=sig), "1", "run", str(tmp_path / "exp.yaml"), "--out", str(out),
+        "--no-progress",
+    )  # fmt: skip
     assert proc.returncode == code, proc.stderr
     err = [ln for ln in proc.stderr.splitlines() if not ln.startswith("INFO")]
     assert err == [
@@ -248,24 +246,10 @@ def test_interrupt_keeps_the_completed_runs_as_partial_results(tmp_path, sig, co
 
 def test_interrupt_before_any_run_writes_nothing(tmp_path):
     (tmp_path / "exp.yaml").write_text(SYNTHETIC)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            INTERRUPT.format(sig="SIGTERM"),
-            "0",
-            "run",
-            str(tmp_path / "exp.yaml"),
-            "--out",
-            str(tmp_path / "out"),
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,  # a deadline, not a wait: each signal waits for its handler
-        preexec_fn=_default_signals,
-    )
+    proc = _run_script(
+        INTERRUPT.format(sig="SIGTERM"), "0", "run", str(tmp_path / "exp.yaml"), "--out",
+        str(tmp_path / "out"), "--no-progress",
+    )  # fmt: skip
     assert proc.returncode == 143
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: interrupted by SIGTERM before any run finished; nothing written"
@@ -453,14 +437,7 @@ sys.exit(main(sys.argv[1:]))
 def test_a_signal_during_the_last_cleanup_raises_nothing(tmp_path):
     (tmp_path / "exp.yaml").write_text(SYNTHETIC)
     args = ["run", str(tmp_path / "exp.yaml"), "--out", str(tmp_path / "out"), "--no-progress"]
-    proc = subprocess.run(
-        [sys.executable, "-c", CLEANUP, *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,  # a deadline, not a wait: each signal waits for its handler
-        preexec_fn=_default_signals,
-    )
+    proc = _run_script(CLEANUP, *args)
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "error: interrupted by SIGINT before any run finished; nothing written"
@@ -490,24 +467,10 @@ def test_interrupt_while_writing_finishes_the_writing_once(tmp_path, times):
     # second one stops it, and nothing is left.
     (tmp_path / "exp.yaml").write_text(SYNTHETIC)
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            WHILE_WRITING,
-            str(times),
-            "run",
-            str(tmp_path / "exp.yaml"),
-            "--out",
-            str(out),
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,  # a deadline, not a wait: each signal waits for its handler
-        preexec_fn=_default_signals,
-    )
+    proc = _run_script(
+        WHILE_WRITING, str(times), "run", str(tmp_path / "exp.yaml"), "--out", str(out),
+        "--no-progress",
+    )  # fmt: skip
     assert proc.returncode == 130, proc.stderr
     err = [ln for ln in proc.stderr.splitlines() if not ln.startswith("INFO")]
     if times == 1:

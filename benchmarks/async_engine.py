@@ -17,7 +17,9 @@ is reported as such and the others still run); results in ``DIR/async_engine.jso
 * ``throughput``: nano-vllm's offline workload (benchmarks/engine_throughput.py: 256
   requests, prompt and output U[100, 1024], all at t = 0, ignore_eos) through the lab's
   replay loop, chunked_prefill with ``scheduler.async_scheduling`` off and on, in the order
-  sync, async, async, sync (one model, one process); output tok/s of each run. Then, per
+  sync, async, async, sync (one model, one process); output tok/s of each run, and where
+  the last async run's wall time goes (``time_by_kind``: steps with prompt tokens, decode-only
+  steps by batch size against their HBM roofline, time outside steps). Then, per
   batch, that many requests of ``--context`` prompt tokens and 128 output tokens through
   the replay loop (chunked_prefill) sync and async: the median step that decodes all of
   them.
@@ -212,6 +214,41 @@ def workload(n: int, tiny: bool) -> tuple[list[list[int]], list[int]]:
     return [rng.integers(0, vocab, p).tolist() for p in prompt_lens], output_lens.tolist()
 
 
+def step_bytes(config_path: Path) -> tuple[int, int]:
+    """(weight bytes a decode step reads, K/V bytes per token of context) of a checkpoint's
+    config.json, bf16: every projection and the LM head (tied or not), no embedding lookup."""
+    c = json.loads(config_path.read_text())
+    h, n_layers, inter = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"]
+    heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
+    d = c.get("head_dim") or h // heads
+    per_layer = h * heads * d * 2 + 2 * h * kv_heads * d + 3 * h * inter
+    return 2 * (n_layers * per_layer + c["vocab_size"] * h), 2 * 2 * n_layers * kv_heads * d
+
+
+#: Batch-size bins of the decode-only steps in the offline breakdown (lower bounds).
+DECODE_BINS = (128, 32, 8, 1)
+
+
+def time_by_kind(steps, wall_s: float, weight_bytes: int, kv_per_token: int, rate: float | None):
+    """Where an offline run's wall time goes: steps with prompt tokens, decode-only steps by
+    batch bin (``DECODE_BINS``; each with its HBM roofline at ``rate`` bytes/s: the weights
+    plus every context token's K/V read once), and wall time outside any step."""
+    dur = np.asarray(steps["duration_s"], dtype=float)
+    prefill = np.asarray(steps["num_prefill_tokens"]) > 0
+    batch = np.asarray(steps["num_decode_tokens"])
+    ctx = np.asarray(steps["decode_context_tokens"], dtype=float)
+    rows = {"prompt": {"steps": int(prefill.sum()), "s": float(dur[prefill].sum())}}
+    upper = None
+    for lo in DECODE_BINS:
+        sel = ~prefill & (batch >= lo) & (True if upper is None else batch < upper)
+        ideal = (weight_bytes * sel.sum() + kv_per_token * ctx[sel].sum()) / rate if rate else None
+        name = f"decode {lo}+" if upper is None else f"decode {lo}-{upper - 1}"
+        rows[name] = {"steps": int(sel.sum()), "s": float(dur[sel].sum()), "roofline_s": ideal}
+        upper = lo
+    rows["outside steps"] = {"steps": 0, "s": float(wall_s - dur.sum())}
+    return rows
+
+
 def part_throughput(args) -> dict:
     from sched_lab.config import validate
     from sched_lab.core.errors import UserError
@@ -258,6 +295,12 @@ def part_throughput(args) -> dict:
         for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))
     ]
     out: dict = {"note": note, "runs": []}
+    weight_bytes, kv_per_token = step_bytes(model_dir(args) / "config.json")
+    rate = None
+    if not args.tiny:
+        from common import copy_bandwidth
+
+        rate = out["copy_rate"] = copy_bandwidth()
     for mode, run in zip(modes, run_experiment(config, progress=False, requests=reqs)):
         steps = run.result.steps
         dur, prefill = steps["duration_s"], steps["num_prefill_tokens"]
@@ -275,6 +318,9 @@ def part_throughput(args) -> dict:
             else None,
             "num_wasted_tokens": run.summary.get("num_wasted_tokens"),
             "finished": run.summary.get("completed"),
+            "time_by_kind": time_by_kind(
+                steps, run.result.wall_s, weight_bytes, kv_per_token, rate
+            ),
         }
         out["runs"].append(entry)
         print(json.dumps(entry), flush=True)
@@ -380,6 +426,26 @@ def markdown(res: dict, device: str) -> str:
             )
         if thr.get("note"):
             lines += ["", thr["note"]]
+        shown = [r for r in thr["runs"] if r["mode"] == "async"] or thr["runs"]
+        last = shown[-1] if shown else {}
+        if last.get("time_by_kind"):
+            rate = thr.get("copy_rate")
+            at = f" at the {rate / 1e12:.2f} TB/s copy rate measured" if rate else ""
+            lines += [
+                "",
+                f"Where run {last['label']}'s {last['wall_s']:.2f} s go (roofline: weights plus "
+                f"every context token's K/V read once per step{at}):",
+                "",
+                "| part | steps | s | roofline s | ratio |",
+                "|---|---|---|---|---|",
+            ]
+            for name, row in last["time_by_kind"].items():
+                ideal = row.get("roofline_s")
+                ratio = f"{row['s'] / ideal:.2f}" if ideal else "-"
+                lines.append(
+                    f"| {name} | {row['steps']} | {row['s']:.3f} | "
+                    f"{'-' if ideal is None else f'{ideal:.3f}'} | {ratio} |"
+                )
         rd = thr.get("replay_decode") or {}
         if rd:
             lines += [

@@ -336,3 +336,82 @@ def test_a_signal_while_a_sweep_writes_its_folder_writes_nothing(tmp_path, monke
         "error: interrupted by SIGINT while writing the results of all 2 points; nothing written"
     )
     assert list(tmp_path.iterdir()) == [path]
+
+
+class _Proc:
+    """A worker process stand-in: ``join`` raises a KeyboardInterrupt on its ``interrupt``-th
+    call (a second Ctrl-C while the pool ends), and the process has ended once joined after
+    a terminate or a kill."""
+
+    def __init__(self, interrupt: int = 0):
+        self.calls, self.interrupt, self.exitcode, self.signals = 0, interrupt, None, []
+
+    def terminate(self):
+        self.signals.append("TERM")
+
+    def kill(self):
+        self.signals.append("KILL")
+
+    def join(self, timeout=None):
+        self.calls += 1
+        if self.calls == self.interrupt:
+            raise Interrupted(signal.SIGINT)
+        if self.signals:
+            self.exitcode = -15 if self.signals[0] == "TERM" else -9
+
+
+class _Conn:
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_signal_while_the_pool_stops_is_raised_once_every_worker_has_ended():
+    ex = sched_lab.sweeps.executors
+    procs = [_Proc(interrupt=1), _Proc()]
+    workers = [ex._Worker(p, _Conn()) for p in procs]
+    with pytest.raises(Interrupted):
+        ex._stop(workers, terminate=True)
+    # the first join was interrupted and ran again; each worker got one SIGTERM and ended
+    # within its grace (no SIGKILL), and every pipe is closed
+    assert [p.calls for p in procs] == [2, 1]
+    assert [p.signals for p in procs] == [["TERM"], ["TERM"]]
+    assert [p.exitcode for p in procs] == [-15, -15]
+    assert all(w.conn.closed for w in workers)
+
+
+class _ClosedBySignal:
+    """A stand-in for executors.run_tasks' generator: yields every task's result, and its
+    ``close`` (the pool's workers ending) is interrupted by ``signum``."""
+
+    def __init__(self, fn, tasks, signum):
+        self.results, self.signum = iter([fn(t) for t in tasks]), signum
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.results)
+
+    def close(self):
+        raise Interrupted(self.signum)
+
+
+def test_a_signal_while_the_workers_end_stops_the_sweep_with_its_points_kept(
+    tmp_path, monkeypatch, capsys
+):
+    path = tmp_path / "sw.yaml"
+    path.write_text(SMALL)
+    out = tmp_path / "out"
+    monkeypatch.setattr(
+        sched_lab.sweeps.executors,
+        "run_tasks",
+        lambda fn, tasks, on_error, **kw: _ClosedBySignal(fn, tasks, signal.SIGTERM),
+    )
+    code = run_experiment.main([str(path), "--out", str(out), "--no-progress", "-q", "--jobs", "2"])
+    assert code == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: interrupted by SIGTERM after 4 of 4 points; wrote them to {out}/ as partial results"
+    )
+    assert pd.read_csv(out / "sweep.csv")["status"].tolist() == ["ok"] * 8

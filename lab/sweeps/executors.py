@@ -293,22 +293,46 @@ def _pool(fn, tasks, on_error, jobs: int) -> Iterator[Result]:
 
 def _stop(workers: list[_Worker], terminate: bool) -> None:
     """End every worker: ask idle ones to exit (or SIGTERM all, with ``terminate``), wait
-    up to :data:`STOP_GRACE_S`, then SIGKILL what is left."""
+    up to :data:`STOP_GRACE_S`, then SIGKILL what is left. A signal meanwhile (a
+    KeyboardInterrupt, e.g. a second Ctrl-C) is raised once every worker has ended, so none
+    outlives the pool and each keeps its grace to remove its folder."""
+    held: list[KeyboardInterrupt] = []
     for w in workers:
-        try:
-            if terminate:
-                w.proc.terminate()
-            else:
-                w.conn.send(None)
-        except (OSError, ValueError):
-            pass
+        _finish(lambda w=w: _ask(w, terminate), held)
     deadline = time.monotonic() + STOP_GRACE_S
     for w in workers:
-        w.proc.join(max(0.0, deadline - time.monotonic()))
-        if w.proc.exitcode is None:
-            w.proc.kill()
-            w.proc.join()
-        w.conn.close()
+        _finish(lambda w=w: _end(w, deadline), held)
+    if held:
+        raise held[0]
+
+
+def _ask(w: _Worker, terminate: bool) -> None:
+    try:
+        if terminate:
+            w.proc.terminate()
+        else:
+            w.conn.send(None)
+    except (OSError, ValueError):
+        pass
+
+
+def _end(w: _Worker, deadline: float) -> None:
+    w.proc.join(max(0.0, deadline - time.monotonic()))
+    if w.proc.exitcode is None:
+        w.proc.kill()
+        w.proc.join()
+    w.conn.close()
+
+
+def _finish(step: Callable[[], None], held: list[KeyboardInterrupt]) -> None:
+    """Call ``step()`` until it returns (each step may run again); a KeyboardInterrupt on
+    the way is appended to ``held``."""
+    while True:
+        try:
+            step()
+            return
+        except KeyboardInterrupt as e:
+            held.append(e)
 
 
 def _check_reachable(address: str, timeout_s: float = 10.0) -> None:

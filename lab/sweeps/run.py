@@ -366,18 +366,21 @@ def run_sweep(
             run_task, pool, failed, jobs=jobs, ray=ray, ray_address=ray_address
         )
         try:
-            for r in _chain(done, (run_task(t) for t in here)):
-                results[r.index] = r
-                phase.advance()
-                if r.error:
-                    log.warning("%s failed: %s", tasks[r.index].point.name, r.error)
+            try:
+                for r in _chain(done, (run_task(t) for t in here)):
+                    results[r.index] = r
+                    phase.advance()
+                    if r.error:
+                        log.warning("%s failed: %s", tasks[r.index].point.name, r.error)
+            finally:
+                # However the loop ended, the pool's workers end here; a signal meanwhile is
+                # raised once they have (executors._stop), and is this sweep's stop.
+                done.close()
         except KeyboardInterrupt as e:  # SIGINT, or SIGTERM / SIGHUP raised as one (lab/cli.py)
             phase.close(ok=False)  # no "done" line for a stopped sweep
             if not results:
                 raise
             stop = e
-        finally:
-            done.close()  # however the loop ended, the pool's workers end here
     why = f"not run: the sweep was interrupted by {_signame(stop)}" if stop else ""
     ordered = [results.get(t.index) or TaskResult(t.index, error=why, ran=False) for t in tasks]
     timing = {

@@ -293,13 +293,24 @@ def test_gamma_rate_times_burstiness_underflow() -> None:
     )
 
 
-def test_deeply_nested_jsonl_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arrays", [64, 200, 3000])
+def test_deeply_nested_jsonl_line(tmp_path: Path, arrays: int) -> None:
+    # the object and 64 arrays in it: 65 levels, one over the limit, refused the same way
+    # whether json's recursion limit is reached (3000) or not (64, 200)
     path = tmp_path / "deep.jsonl"
     path.write_text('{"timestamp": 0, "input_length": 100, "output_length": 5, "x": '
-                    + "[" * 3000 + "]" * 3000 + "}\n")  # fmt: skip
+                    + "[" * arrays + "]" * arrays + "}\n")  # fmt: skip
     assert error({"format": "mooncake", "path": str(path)}) == (
-        "deep.jsonl: line 1: JSON nested too deeply"
+        "deep.jsonl: line 1: JSON nested more than 64 levels deep"
     )
+
+
+def test_jsonl_line_nested_64_levels_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 100, "output_length": 5, "x": '
+                    + "[" * 63 + "]" * 63 + ', "s": "' + "[" * 100 + '"}\n')  # fmt: skip
+    requests = load_trace({"format": "mooncake", "path": str(path)}, ROOT)
+    assert [(r.prompt_len, r.output_len) for r in requests] == [(100, 5)]
 
 
 def test_arrivals_beyond_the_clock_at_rate_scale_1(tmp_path: Path) -> None:

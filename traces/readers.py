@@ -155,11 +155,31 @@ def _parse_json_line(line: str, file: str, number: int) -> dict:
         raise TraceError(f"{file}: line {number}: {_too_long(exc.args[0])}") from None
     except json.JSONDecodeError as exc:
         raise TraceError(f"{file}: line {number}: not valid JSON ({exc.msg})") from None
-    except RecursionError:
-        raise TraceError(f"{file}: line {number}: JSON nested too deeply") from None
+    except RecursionError:  # deeper than the interpreter's stack allows: over MAX_DEPTH too
+        raise TraceError(f"{file}: line {number}: {_TOO_DEEP}") from None
     if not isinstance(record, dict):
         raise TraceError(f"{file}: line {number}: expected a JSON object, got {line.strip()[:40]}")
+    # Only a line with more than MAX_DEPTH opening brackets (and as many closing) can nest
+    # deeper than MAX_DEPTH.
+    if (
+        len(line) > 2 * MAX_DEPTH
+        and line.count("[") + line.count("{") > MAX_DEPTH
+        and _nests_deeper(record, MAX_DEPTH)
+    ):
+        raise TraceError(f"{file}: line {number}: {_TOO_DEEP}")
     return record
+
+
+def _nests_deeper(value: Any, limit: int) -> bool:
+    """Whether the parsed JSON ``value`` holds objects or arrays more than ``limit`` levels
+    deep (the value itself is level 1)."""
+    level = [value]
+    for _ in range(limit):
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v)
+                 if isinstance(c, (dict, list))]  # fmt: skip
+        if not level:
+            return False
+    return True
 
 
 def _one_line(exc: BaseException) -> str:
@@ -191,6 +211,7 @@ def _one_line(exc: BaseException) -> str:
 MAX_DEPTH = 64  # levels of nesting; an experiment YAML needs 4
 MAX_INT_DIGITS = 100  # digits of an integer in a YAML or JSON trace file; a seed needs 20
 _DIGIT_RUN = re.compile(rf"[0-9]{{{MAX_INT_DIGITS + 1}}}")  # a run longer than that
+_TOO_DEEP = f"JSON nested more than {MAX_DEPTH} levels deep"
 
 _AMBIGUOUS = "tag:sched-lab,2026:ambiguous"
 _INT_TAG = "tag:yaml.org,2002:int"

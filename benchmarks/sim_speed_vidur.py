@@ -13,6 +13,10 @@ waited for, from ``os.wait4``) and peak RSS; the simulation loop apart (the lab:
 ``replay`` call; Vidur: ``Simulator.run`` up to ``_write_output``), wall and CPU, and the
 number of steps (Vidur: batches). The ratios printed are Vidur's CPU seconds over the lab's:
 the machine may be shared, and CPU time moves less with other load than wall time does.
+Both sides import from cached bytecode, as an installed package does: the children run
+without ``PYTHONDONTWRITEBYTECODE`` (set on some machines, where the lab's editable sources
+were then compiled again by every run: ~0.5 CPU s of a ~3 s one-policy run on 2026-12-07),
+and an untimed first run of the lab writes its caches, as Vidur's untimed warm-up does.
 
 Without the Vidur interpreter (``--vidur-python``, default ``$VIDUR_PYTHON`` or
 /work/vidur-venv/bin/python) only the lab's figures are printed.
@@ -132,6 +136,14 @@ class Timed:
     extra: dict = field(default_factory=dict)
 
 
+def child_env(**extra: str) -> dict:
+    """The environment of a timed child: this one with ``extra``, one OpenMP thread, and
+    bytecode caching on (no ``PYTHONDONTWRITEBYTECODE``)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
 def run_timed(cmd: list[str], log: Path, env: dict | None = None) -> Timed:
     """Run ``cmd`` with stdout and stderr in ``log``; exit with its log's tail if it fails."""
     with open(log, "w") as out:
@@ -186,7 +198,7 @@ def run_lab(yaml_path: Path, folder: Path, extra: list[str]) -> Timed:
     """``sched-lab run YAML`` as one process; its results folder is read, then removed."""
     out, log = folder / "out", folder / f"{yaml_path.stem}.lab.log"
     cmd = [sys.executable, "-c", LAB_DRIVER, "run", str(yaml_path), "--out", str(out)]
-    timed = run_timed([*cmd, "--no-progress", *extra], log, dict(os.environ, OMP_NUM_THREADS="1"))
+    timed = run_timed([*cmd, "--no-progress", *extra], log, child_env())
     text = log.read_text()
     laps = json.loads(re.search(r"^LAB_TIMES (.*)$", text, re.M).group(1))
     timed.loop_wall_s, timed.loop_cpu_s = laps[0]
@@ -351,7 +363,7 @@ def vidur_args(scheduler: str, cfg: dict, lab_limits: dict, trace: Path, cache: 
 
 def run_vidur(python: str, args: list[str], log: Path, out: Path) -> Timed:
     """``python -m vidur.main ARGS`` as one process (offline); its output is removed."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    env = child_env(HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
     timed = run_timed([python, "-c", VIDUR_DRIVER, *args], log, env)
     marks = json.loads(re.search(r"^VIDUR_TIMES (.*)$", log.read_text(), re.M).group(1))
     timed.loop_wall_s, timed.loop_cpu_s = marks["loop_wall_s"], marks["loop_cpu_s"]
@@ -395,6 +407,7 @@ def compare(args: argparse.Namespace, work: Path) -> None:
     rows: dict[str, list[Timed]] = {}
     scratch = Path(tempfile.mkdtemp(prefix="runs-", dir=work))  # this process's own
     grid = None
+    run_lab(write_lab_yaml(cfg, PAIRS[0][0], scratch), scratch, variants[-1][1])  # bytecode caches
     for rep in range(args.repeat):
         for policy, scheduler in PAIRS:
             yaml_path = write_lab_yaml(cfg, policy, scratch)
@@ -490,6 +503,7 @@ def scaling(args: argparse.Namespace, work: Path) -> None:
     print("| requests | steps | wall (s) | CPU (s) | loop wall (s) | loop CPU (s) "
           "| peak RSS (MiB) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
+    run_lab(write_lab_yaml(cfg, args.policy, folder), folder, extra)  # bytecode caches
     for n in sizes:
         trace = work / f"tiled_{n}.jsonl"  # n rows: the loader reads no more than it replays
         if not trace.exists():

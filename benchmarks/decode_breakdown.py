@@ -14,6 +14,11 @@ back under torch.profiler, and its kernels are grouped by part (:func:`part_of`)
 * ``qkv_prepare`` (q/k norm, RoPE, the K/V write), ``rms_norm``, ``silu_and_mul``, ``other``
   (embedding, casts, copies, sampling's argmax): activations only, kilobytes.
 
+With ``--whole-step`` each point also runs the engine's whole decode step
+(``ModelRunner.execute``: staging copies, the graph, sampling, the sync) under the profiler
+and lists what the GPU runs outside the graph (kernels and copies whose names the graph
+lacks), per step, beside the step's wall time.
+
 Per part: kernels per step, GPU us per step, bytes it must read, the time those bytes take at
 the device copy rate measured in the same process (read + write counted, as
 benchmarks/decode_roofline.py does), and the ratio. The small parts' floor is their kernel
@@ -139,7 +144,50 @@ def table(results: list[dict]) -> str:
         )
         for name, calls, us in r["top"]:
             lines.append(f"- `{name[:90]}`: {calls} a step, {us:.1f} us ({part_of(name)})")
+        if "whole_step" in r:
+            w = r["whole_step"]
+            lines.append(
+                f"\nThe whole step (`ModelRunner.execute`): {w['wall_us']:.0f} us of wall a "
+                f"step; outside the graph the GPU runs {w['outside_us']:.0f} us a step:"
+            )
+            for name, calls, us in w["rows"][:10]:
+                lines.append(f"- `{name[:90]}`: {calls:g} a step, {us:.1f} us")
     return "\n".join(lines) + "\n"
+
+
+def outside_graph(runner, seqs, steps: int, graph: dict[str, tuple[float, float]]) -> dict:
+    """What ``steps`` calls of ``runner.execute(seqs)`` run on the GPU besides one replay
+    of the decode graph (``graph``: name -> (kernels, us) a replay): {"wall_us": a step,
+    "outside_us": a step, "rows": [(name, count a step, us a step)]}, largest first. A name
+    the graph also runs counts its excess over the graph's (a copy kernel runs both inside
+    and outside)."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        runner.execute(seqs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            runner.execute(seqs)
+        wall = time.perf_counter() - t0
+    rows: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            r = rows.setdefault(e.name, [0, 0.0])
+            r[0] += 1
+            r[1] += e.device_time_total
+    out = []
+    for name, (count, us) in rows.items():
+        in_count, in_us = graph.get(name, (0, 0.0))
+        extra = (count / steps - in_count, us / steps - in_us)
+        if extra[0] > 0.01:
+            out.append((name, *extra))
+    out.sort(key=lambda r: -r[2])
+    return {"wall_us": wall / steps * 1e6, "outside_us": sum(r[2] for r in out), "rows": out}
 
 
 def main() -> None:
@@ -149,6 +197,7 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--whole-step", action="store_true", help="also what runs outside the graph")
     args = ap.parse_args()
     import torch
     from common import copy_bandwidth, decode_inputs, device_line, engine_runner
@@ -178,6 +227,11 @@ def main() -> None:
                     "parts": parts,
                     "top": [(n, round(c / args.replays), us / args.replays) for n, c, us in top],
                 })  # fmt: skip
+                if args.whole_step:
+                    seqs = decode_inputs(batch, ctx)
+                    graph = {n: (c / args.replays, us / args.replays) for n, c, us in events}
+                    out = outside_graph(runner, seqs, args.replays, graph)
+                    results[-1]["whole_step"] = out
                 print(table(results[-1:]), flush=True)
                 (args.out / "decode_breakdown.json").write_text(
                     json.dumps(

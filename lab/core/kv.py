@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from collections import Counter, OrderedDict, deque
 from collections.abc import Collection
-from itertools import repeat
+from itertools import compress, islice, repeat
+from operator import is_, is_not, not_, sub
 
 from sched_lab.core.request import EMPTY, Request, RequestStatus
 
@@ -434,13 +435,12 @@ class PrefixCachingBlockManager(BlockManager):
         end = min(n, len(hs))
         if end > start:
             block_of = self._block_of
-            new = [
-                (h, b) for h, b in zip(hs[start:end], r.block_table[start:end]) if h not in block_of
-            ]
-            if new:
-                block_of.update(new)
-                keys, blocks = zip(*new)
-                deque(map(self._key_of.__setitem__, blocks, keys), 0)
+            keys, blocks = hs[start:end], r.block_table[start:end]
+            if not block_of.keys().isdisjoint(keys):  # some key held already: not taken
+                new = [(h, b) for h, b in zip(keys, blocks) if h not in block_of]
+                keys, blocks = [h for h, _ in new], [b for _, b in new]
+            block_of.update(zip(keys, blocks))
+            deque(map(self._key_of.__setitem__, blocks, keys), 0)
             r.num_registered_blocks = end
 
     def free(self, request: Request) -> None:
@@ -506,8 +506,9 @@ class PrefixCachingBlockManager(BlockManager):
         k = min(n, pool.num_free)
         out = pool.take(k) if k else []
         if n > k:
-            pop = self._evictable.popitem
-            victims = [pop(False)[0] for _ in range(n - k)]
+            evictable = self._evictable
+            victims = list(islice(evictable, n - k))  # the queue's head: least recently used
+            deque(map(evictable.__delitem__, victims), 0)
             key_of = self._key_of
             deque(map(self._block_of.__delitem__, map(key_of.__getitem__, victims)), 0)
             deque(map(key_of.__setitem__, victims, repeat(None)), 0)
@@ -524,13 +525,17 @@ class PrefixCachingBlockManager(BlockManager):
         count 0 join the eviction queue, unkeyed ones the pool."""
         ref, key_of = self._ref, self._key_of
         tail_first = blocks[::-1]
-        counts = [ref[b] - 1 for b in tail_first]
+        counts = list(map(sub, map(ref.__getitem__, tail_first), repeat(1)))
         deque(map(ref.__setitem__, tail_first, counts), 0)
-        zero = [b for b, c in zip(tail_first, counts) if not c]
-        self._evictable.update(zip([b for b in zero if key_of[b] is not None], repeat(None)))
-        uncached = [b for b in reversed(zero) if key_of[b] is None]
-        if uncached:
-            self._free_gpu.put(uncached)
+        zero = list(compress(tail_first, map(not_, counts))) if any(counts) else tail_first
+        keys = list(map(key_of.__getitem__, zero))
+        if None not in keys:  # every block keyed: all join the queue
+            self._evictable.update(zip(zero, repeat(None)))
+            return
+        self._evictable.update(zip(compress(zero, map(is_not, keys, repeat(None))), repeat(None)))
+        zero.reverse()  # (a copy, or tail_first: neither is used again)
+        keys.reverse()
+        self._free_gpu.put(list(compress(zero, map(is_, keys, repeat(None)))))
 
     # ----------------------------------------------------------------------- invariants
     def check_integrity(self, requests: list[Request]) -> None:

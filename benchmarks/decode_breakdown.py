@@ -16,8 +16,8 @@ back under torch.profiler, and its kernels are grouped by part (:func:`part_of`)
 
 With ``--whole-step`` each point also runs the engine's whole decode step
 (``ModelRunner.execute``: staging copies, the graph, sampling, the sync) under the profiler
-and lists what the GPU runs outside the graph (kernels and copies whose names the graph
-lacks), per step, beside the step's wall time.
+and lists what the GPU runs outside the graph (kernels and copies beyond those of one graph
+replay, by name), per step, beside the step's wall time.
 
 Per part: kernels per step, GPU us per step, bytes it must read, the time those bytes take at
 the device copy rate measured in the same process (read + write counted, as

@@ -11,6 +11,7 @@ small.
 from __future__ import annotations
 
 import base64
+import functools
 import gzip
 import html
 import json
@@ -178,7 +179,9 @@ def _pack(text: str) -> str:
     return base64.b64encode(gzip.compress(text.encode(), compresslevel=9, mtime=0)).decode()
 
 
+@functools.cache
 def _packed_plotly() -> str:
+    """plotly.js as :func:`_pack` gives it, packed once a process (every page's bytes)."""
     from plotly.offline import get_plotlyjs
 
     return _pack(get_plotlyjs())

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import importlib
 import importlib.util
 import logging
@@ -703,5 +704,14 @@ def _report(runs: list, decode, out: Path, wall_s: float, cfg) -> int:
     return 0
 
 
+def console_main() -> int:
+    """The ``sched-lab`` script's entry point: :func:`main`'s exit status, the heap then
+    frozen (:func:`gc.freeze`) so that the interpreter's exit does not traverse it. For the
+    process's end only; a caller that goes on calls :func:`main`."""
+    status = main()
+    gc.freeze()
+    return status
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

@@ -84,7 +84,7 @@ def test_install_and_run_from_another_folder(tmp_path, editable):
             top = {name.split("/")[0] for name in zf.namelist()}
             scripts = zf.read(f"sched_lab-{VERSION}.dist-info/entry_points.txt").decode()
         assert top == {"sched_lab", f"sched_lab-{VERSION}.dist-info"}, top
-        assert "sched-lab = sched_lab.cli:main" in scripts
+        assert "sched-lab = sched_lab.cli:console_main" in scripts
         target = [str(wheel)]
     proc = subprocess.run([*pip, *target], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

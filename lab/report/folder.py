@@ -9,6 +9,8 @@ the lab wrote, and a rerun replaces a folder only when it holds nothing else.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
 import os
@@ -161,7 +163,8 @@ class ResultsWriter:
             events = timeline.events_frame(run)
             self._events.append(events)
         if self.draw:
-            pngs, figures = _timeline(tmp, self.cfg, run, events, self._with_plotly)
+            with _drawing():
+                pngs, figures = _timeline(tmp, self.cfg, run, events, self._with_plotly)
             self._pngs += pngs
             self._figures += figures
         else:
@@ -249,7 +252,8 @@ class ResultsWriter:
             name = vllm_result.result_filename(r.label, vllm["request_rate"], vllm["model_id"])
             (tmp / name).write_text(json.dumps(_json_safe(vllm), indent=2))
         if draw:
-            pngs = _plots(tmp, runs, cfg) + fairness.plots(tmp, runs, save_png)
+            with _drawing():
+                pngs = _plots(tmp, runs, cfg) + fairness.plots(tmp, runs, save_png)
         else:  # for sched-lab report: the plots drawn later
             pngs = []
             plot_data.write_plot_data(tmp / plot_data.PLOT_DATA, cfg, runs, self._plot_data)
@@ -616,6 +620,22 @@ def _json_safe(x):
 
 
 # ---------------------------------------------------------------------------- plots
+@contextlib.contextmanager
+def _drawing():
+    """While drawing, the objects that exist before are frozen (:func:`gc.freeze`, undone
+    after): matplotlib's imports and text parsers make many objects, and each full
+    collection they set off would otherwise traverse the runs' tables too. No effect where
+    something else has frozen objects."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _plots(folder: Path, runs: list[Run], cfg: ExperimentConfig) -> list[tuple[str, str]]:
     """The PNG plots (lab/report/plots.py); returns (file name, caption) pairs."""
     return plots.plots(folder, runs, cfg)

@@ -364,3 +364,36 @@ def test_left_out_terms_name_the_rows_the_optional_terms_need():
     assert note.startswith("c12 (the paged kernel's surcharge a prefill pair) is fitted mostly "
                            "from CUDA-graph rows: 0 profile rows above 8192 tokens")  # fmt: skip
     assert "priced by extrapolation" in note
+
+
+def test_decode_step_time_prices_each_context_as_step_time_to_the_last_bit():
+    """``decode_step_time(f)(ctx)`` equals ``step_time`` of ``f`` with that decode context,
+    bit for bit, for steps of every kind (decodes alone, with prompts, swaps, adapters and
+    loads, above both token knots) under random coefficients; a step of decodes alone gets
+    the function kept for its number of decodes."""
+    model = CalibratedCostModel(find_profile("h200_qwen3-0.6b"))
+    rng = np.random.default_rng(1)
+    coef = rng.uniform(1e-10, 1e-3, len(FEATURES)) * rng.choice([1e-6, 1e-3, 1.0], len(FEATURES))
+    coef[FEATURES.index(f"tokens_over_{EAGER_KNOT}")] *= -1
+    (model._decode_step, model._prefill_step, model._seq, model._tok, model._hinge,
+     model._mean_ctx, model._dctx, model._pctx, model._pairs, model._swap_token, model._eager,
+     model._swap_run, model._paged_pairs) = coef  # fmt: skip
+    model._lora_step, model._per_lora, model._lora_token = rng.uniform(1e-6, 1e-3, 3)
+    model.lora_load_s = 3e-4
+    for _ in range(300):
+        prefills = int(rng.choice([0, 0, 1, 8]))
+        decodes = int(rng.choice([1, 7, 256, 3000, 9000]))
+        prompt = int(rng.choice([1, 700, 12000])) * prefills
+        cached = int(rng.choice([0, 512])) * prefills
+        swaps = int(rng.choice([0, 0, 3]))
+        loras = int(rng.choice([0, 0, 2]))
+        f = StepFeatures(
+            prompt, prefills, cached, prefills * (prompt + cached) * 0.5, decodes, 0,
+            prefills + decodes, swaps, num_swap_runs=swaps and 2, num_loras=loras,
+            num_lora_tokens=loras and 5, num_lora_loads=int(rng.choice([0, 0, 1])),
+        )  # fmt: skip
+        price = model.decode_step_time(f, 32)
+        for ctx in rng.integers(decodes, decodes * 5000, 5).tolist():
+            assert price(ctx) == model.step_time(replace(f, decode_context_tokens=ctx), 32)
+        pure = not (prefills or swaps or loras or f.num_lora_loads)
+        assert (model.decode_step_time(replace(f), 32) is price) == pure

@@ -174,11 +174,12 @@ def _assert_same(a, b) -> None:
 
 def test_a_run_of_repeats_ends_with_the_finishing_step(monkeypatch):
     """A (prompt 4, 10 tokens; blocks of 4): step 0 prefills, the policy plans step 1 (the
-    first decode), and steps 2-9 (ticks 1-8) run at once, the last sampling A's 10th token.
+    first decode), which starts a run: steps 1-9 (ticks 0-8) at once, the last sampling A's
+    10th token.
     At tick t A holds 5 + t tokens and reserves the next one's slot: a 3rd block at tick 3
     (step 4), a 4th at tick 7 (step 8)."""
     res, runs, _ = replay_both(monkeypatch, [("A", 0.0, 4, 10)])
-    assert runs == [(2, 8)]
+    assert runs == [(1, 9)]
     durations = [0.25] + [0.25 + (5 + t) / 4096 for t in range(9)]
     assert res.steps["duration_s"].tolist() == durations
     starts = [0.0]
@@ -193,11 +194,11 @@ def test_a_run_of_repeats_ends_with_the_finishing_step(monkeypatch):
 
 def test_a_finish_inside_a_batch_ends_the_run(monkeypatch):
     """A (prompt 4, 10 tokens) and B (prompt 4, 4 tokens), blocks of 4: step 0 prefills
-    both, the policy plans step 1 (two decodes), steps 2-3 run at once, the last sampling
-    B's 4th token; the policy plans step 4 (A alone; a 3rd block for A at tick 3) and
-    steps 5-9 run at once, A's 10th token in step 9. At tick t each holds 5 + t tokens."""
+    both, the policy plans step 1 (two decodes) and steps 1-3 run at once, the last
+    sampling B's 4th token; the policy plans step 4 (A alone; a 3rd block for A at tick 3)
+    and steps 4-9 run at once, A's 10th token in step 9. At tick t each holds 5 + t tokens."""
     res, runs, _ = replay_both(monkeypatch, [("A", 0.0, 4, 10), ("B", 0.0, 4, 4)])
-    assert runs == [(2, 2), (5, 5)]
+    assert runs == [(1, 3), (4, 6)]
     context = [0, 10, 12, 14] + [5 + t for t in range(3, 9)]
     assert res.steps["decode_context_tokens"].tolist() == context
     assert res.steps["duration_s"].tolist() == [0.25 + c / 4096 for c in context]
@@ -216,7 +217,7 @@ def test_a_finish_that_admits_a_waiting_request(monkeypatch):
     for blocks covers steps 0-3."""
     reqs = [("A", 0.0, 4, 10), ("B", 0.0, 4, 4), ("C", 0.0, 4, 2)]
     res, runs, _ = replay_both(monkeypatch, reqs, gpu_blocks=5)
-    assert runs[0] == (2, 2)
+    assert runs[0] == (1, 3)
     assert res.steps["num_prefill_tokens"].tolist()[:6] == [8, 0, 0, 0, 4, 0]
     assert [(w[0], w[1].request_id, *w[2:5]) for w in res.events.waits] == [
         ("kv_blocks", "C", 0, 3, 4)
@@ -229,7 +230,7 @@ def test_a_finish_that_leaves_the_queue_waiting(monkeypatch):
     9; the policy admits C in step 10."""
     reqs = [("A", 0.0, 4, 10), ("B", 0.0, 4, 4), ("C", 0.0, 12, 2)]
     res, runs, _ = replay_both(monkeypatch, reqs, gpu_blocks=5)
-    assert runs[:2] == [(2, 2), (5, 5)]
+    assert runs[:2] == [(1, 3), (4, 6)]
     assert res.steps["num_prefill_tokens"].tolist()[:12] == [8] + [0] * 9 + [12, 0]
     assert res.steps["num_waiting"].tolist()[:11] == [1] * 10 + [0]
     assert [(w[0], w[1].request_id, *w[2:5]) for w in res.events.waits] == [
@@ -238,38 +239,38 @@ def test_a_finish_that_leaves_the_queue_waiting(monkeypatch):
 
 
 def test_an_arrival_inside_a_run_ends_it_before_the_step_it_falls_in(monkeypatch):
-    """B arrives 0.1 s into step 4: steps 2 and 3 run at once, step 4 waits for the arrival
+    """B arrives 0.1 s into step 4: steps 1-3 run at once, step 4 waits for the arrival
     as a SimPy timeout, and the policy prefills B in step 5."""
     t4 = 0.25 + sum(0.25 + (5 + t) / 4096 for t in range(3))  # step 4's start
     res, runs, _ = replay_both(monkeypatch, [("A", 0.0, 4, 10), ("B", t4 + 0.1, 4, 2)])
-    assert runs[0] == (2, 2)
+    assert runs[0] == (1, 3)
     assert res.steps["num_prefill_tokens"].tolist()[:6] == [4, 0, 0, 0, 0, 4]
 
 
 def test_an_arrival_at_a_step_end_ends_the_run_before_that_step(monkeypatch):
-    """B arrives exactly when step 3 ends: the run holds step 2 only (a step must end before
+    """B arrives exactly when step 3 ends: the run holds steps 1-2 only (a step must end before
     every other event), and the plan at step 3's end sees B."""
     t4 = 0.25 + sum(0.25 + (5 + t) / 4096 for t in range(3))
     res, runs, _ = replay_both(monkeypatch, [("A", 0.0, 4, 10), ("B", t4, 4, 2)])
-    assert runs[0] == (2, 1)
+    assert runs[0] == (1, 2)
     assert res.steps["num_prefill_tokens"].tolist()[:5] == [4, 0, 0, 0, 4]
 
 
 def test_a_block_boundary_with_no_free_block_preempts_at_the_same_step(monkeypatch):
     """A and B (prompt 4, 20 tokens each) in 5 blocks: both reach 8 tokens at tick 3 and
-    need a 3rd block with 1 free. Steps 2-3 run at once; step 4 goes back to the policy,
+    need a 3rd block with 1 free. Steps 1-3 run at once; step 4 goes back to the policy,
     which preempts B (the newest) as step by step."""
     res, runs, _ = replay_both(monkeypatch, [("A", 0.0, 4, 20), ("B", 0.0, 4, 20)], gpu_blocks=5)
-    assert runs[0] == (2, 2)
+    assert runs[0] == (1, 3)
     assert res.steps["num_preempted"].tolist()[:5] == [0, 0, 0, 0, 1]
     assert by_id(res)["B"].num_preemptions == 1
 
 
 def test_progress_calls_inside_a_run_are_those_of_step_by_step(monkeypatch):
     """With a progress call every 5 steps, the calls after steps 4 (inside the run of steps
-    2-9) and 9 (its last, finishing A) carry the same ended counts and times."""
+    1-9) and 9 (its last, finishing A) carry the same ended counts and times."""
     res, runs, calls = replay_both(monkeypatch, [("A", 0.0, 4, 10)], progress_every=5)
-    assert runs == [(2, 8)]
+    assert runs == [(1, 9)]
     ends = (res.steps["time_s"] + res.steps["duration_s"]).tolist()
     assert calls == [(0, ends[4]), (1, ends[9])]
 

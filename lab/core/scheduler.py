@@ -318,6 +318,8 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         now_s: float,
         until_s: float,
         check: bool = False,
+        decode_time: Callable[[StepFeatures], Callable[[int], float]] | None = None,
+        planned: bool = False,
     ) -> RepeatRun | None:
         """Multi-step fast-forward: plan and apply at once the steps that
         :meth:`repeat_decodes` and :meth:`update` would make one by one, while nothing can
@@ -328,9 +330,15 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         ``update`` leaves it). The caller vouches for ``prev`` as for ``repeat_decodes``,
         for a synchronous loop with no per-step hook, and that ``step_time`` is what its
         executor reports for a plan with those features (no state, no draws). ``check``:
-        :meth:`check_plan` each step. Returns the steps' columns, or None if not one step
-        qualifies (nothing changed). Mutates blocks, waits, requests, queues, the step count
-        and ``prev`` (left as the last step's plan)."""
+        :meth:`check_plan` each step. ``decode_time``: optional, ``decode_time(features)``
+        gives ``step_time`` of those features as a function of their
+        ``decode_context_tokens`` (equal to the last bit), made once for the run.
+        ``planned``: ``prev`` is instead the plan :meth:`schedule` has just made, decodes
+        only (no prefill, preemption, swap, abort or drafts), not run yet: it is the run's
+        first step (its blocks and waits are the policy's), applied as :meth:`update`
+        would. Returns the steps' columns, or None if not one step qualifies (nothing
+        changed). Mutates blocks, waits, requests, queues, the step count and ``prev``
+        (left as the last step's plan)."""
         ds = self.decode_set
         horizon = ds.ticks_before_finish()  # step ``horizon`` of the run finishes someone
         f = prev.features()
@@ -341,18 +349,37 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         needs = ds.needing_blocks()  # step j's: needs[j % bs]
         left = self._repeat_budget()
         allocate, bm = self.block_manager.allocate, self.block_manager
-        run = RepeatRun([], [], [], [], [])
-        start, duration, used, context, cached = run
+        if decode_time is not None:
+            price = decode_time(f)
+        else:
+
+            def price(ctx: int) -> float:
+                f.decode_context_tokens = ctx
+                return step_time(f)
+
+        start, duration, used, context, cached = [], [], [], [], []
         used_now, cached_now = bm.num_used_gpu_blocks, bm.num_cached_blocks  # change by allocating
         t, j = now_s, 0
+        if planned:  # step 0: its blocks are allocated
+            d = price(ctx)
+            if not (d >= 0.0 and t + d < until_s):
+                f.decode_context_tokens = prev.decode_context_tokens
+                return None
+            start.append(t)
+            duration.append(d)
+            used.append(used_now)
+            context.append(ctx)
+            cached.append(cached_now)
+            t += d
+            ctx += num_decodes
+            j = 1
         while j != stop:
             need = needs[j % bs]
             if need:
                 left -= len(need)
                 if left < 0:
                     break
-            f.decode_context_tokens = ctx
-            d = step_time(f)
+            d = price(ctx)
             end = t + d
             if not (d >= 0.0 and end < until_s):  # the step loop raises for a bad duration
                 break
@@ -375,10 +402,11 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         if not j:
             f.decode_context_tokens = prev.decode_context_tokens
             return None
-        first = self.num_steps
-        if self._admit_step == first - 1:  # as repeat_decodes, step after step
+        first = self.num_steps  # the run's first step
+        if self._admit_step == first - (not planned):  # as repeat_decodes, step after step
             self._admit_step = first + j - 1
-        self.events.repeat_run(first, j)
+        if j > planned:  # the repeats of prev's step
+            self.events.repeat_run(first + planned, j - planned)
         self.num_steps += j
         self.now_s = t
         prev.decode_context_tokens = f.decode_context_tokens = context[-1]
@@ -391,7 +419,7 @@ class Scheduler(Admission, Preemption, SpecDrafts):
                 self._finish(r, t)
         else:
             ds.skip(1)
-        return run
+        return tuple.__new__(RepeatRun, (start, duration, used, context, cached))
 
     def _repeat_budget(self) -> int:
         """Blocks repeated decode plans may take, one after another, before the policy must

@@ -732,6 +732,8 @@ class CalibratedCostModel:
         self.host_note = "" if self.host_coef is not None else NO_HOST_NOTE
         # seconds per LoRA adapter loaded (set from the link by the simulator's setup)
         self.lora_load_s = 0.0
+        # decode_step_time's functions for steps of decodes alone, by number of decodes
+        self._decode_prices: dict[int, Callable[[int], float]] = {}
         # LoRA compute (module doc): l0, l1, l2, all 0 for a profile without adapter rows
         self.lora_rank = profile_lora_rank(self.profile)
         self.lora_note = "" if self.lora_coef is not None else NO_LORA_NOTE
@@ -863,6 +865,74 @@ class CalibratedCostModel:
             if tokens > EAGER_KNOT:
                 t += self._eager * (tokens - EAGER_KNOT)
         return t
+
+    def decode_step_time(self, f: StepFeatures, block_size: int) -> Callable[[int], float]:
+        """:meth:`step_time` of ``f`` as a function of its ``decode_context_tokens`` alone:
+        ``price(ctx)`` equals ``step_time`` of ``f`` with that context, to the last bit (the
+        same operations in the same order; the terms that do not depend on it computed
+        once). For a run of steps that differ in their decodes' context only. A step of
+        decodes alone (no prompt chunk, swap or adapter) is priced by one function per
+        number of decodes, made on first use and kept."""
+        pure = not (f.num_prefills or f.num_swap_blocks or f.num_loras or f.num_lora_loads)
+        if pure:
+            price = self._decode_prices.get(f.num_decodes)
+            if price is not None:
+                return price
+        price = self._price_by_context(f, block_size)
+        if pure:
+            self._decode_prices[f.num_decodes] = price
+        return price
+
+    def _price_by_context(self, f: StepFeatures, block_size: int) -> Callable[[int], float]:
+        """:meth:`decode_step_time`, made anew."""
+        tokens = f.num_prefill_tokens + f.num_decodes
+        t0 = self._prefill_step if f.num_prefills else self._decode_step
+        seq_tok = self._seq * (f.num_prefills + f.num_decodes) + self._tok * tokens
+        dctx, pctx = self._dctx, self._pctx * f.prefill_context_tokens
+        pairs = self._pairs * f.prefill_attention_pairs
+        swaps = self._swap_token * f.num_swap_blocks * block_size
+        runs = self._swap_run * f.num_swap_runs
+        before = []  # added after those, in this order, then the mean context, then ``after``
+        if f.num_lora_loads:
+            before.append(self.lora_load_s * f.num_lora_loads)
+        if f.num_loras:
+            before.append(
+                self._lora_step
+                + self._per_lora * f.num_loras
+                + self._lora_token * f.num_lora_tokens
+            )
+        after = []
+        if f.prefill_attention_pairs and paged_pairs(
+            tokens, f.num_prefill_tokens, f.num_prefills, f.prefill_context_tokens
+        ):
+            after.append(self._paged_pairs * f.prefill_attention_pairs)
+        if tokens > TOKEN_KNOT:
+            after.append(self._hinge * (tokens - TOKEN_KNOT))
+            if tokens > EAGER_KNOT:
+                after.append(self._eager * (tokens - EAGER_KNOT))
+        mean_ctx, num_decodes = self._mean_ctx, f.num_decodes
+        if before or after or not num_decodes:
+
+            def price(ctx: int) -> float:
+                t = t0 + (seq_tok + dctx * ctx + pctx + pairs + swaps + runs)
+                for c in before:
+                    t += c
+                if num_decodes:
+                    t += mean_ctx * ctx / num_decodes
+                for c in after:
+                    t += c
+                return t
+
+            return price
+
+        def price_decodes(ctx: int) -> float:  # the common case: no such term
+            return (
+                t0
+                + (seq_tok + dctx * ctx + pctx + pairs + swaps + runs)
+                + (mean_ctx * ctx / num_decodes)
+            )
+
+        return price_decodes
 
     def host_time(self, f: StepFeatures, block_size: int = 0, step_s: float | None = None) -> float:
         """Predicted host seconds before launch, in [0, ``step_s``] (default: step time)."""

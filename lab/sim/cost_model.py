@@ -222,14 +222,23 @@ class CostModelExecutor:
         #: plans (``Scheduler.repeat_decodes_run``). None otherwise, and in a subclass that
         #: overrides ``execute`` (it may count or fail steps).
         self.step_time: Callable[[StepFeatures], float] | None = None
+        #: ``decode_step_time(features) -> price``, ``price(ctx)`` being ``step_time`` of
+        #: those features with ``decode_context_tokens = ctx`` (to the last bit), where
+        #: ``step_time`` is set and the cost model has ``decode_step_time``; else None.
+        self.decode_step_time: Callable[[StepFeatures], Callable[[int], float]] | None = None
         plain = type(self).execute is CostModelExecutor.execute
         if plain and getattr(cost_model, "deterministic", False) is True:
             self.step_time = self._step_time
+            if hasattr(cost_model, "decode_step_time"):
+                self.decode_step_time = self._decode_step_time
 
     def _step_time(self, f: StepFeatures) -> float:
         """The cost model's step time at this block size (a bound method: a partial with
         a keyword argument builds a dict on every call, and runs call it every step)."""
         return self.cost_model.step_time(f, self.block_size)
+
+    def _decode_step_time(self, f: StepFeatures) -> Callable[[int], float]:
+        return self.cost_model.decode_step_time(f, self.block_size)
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
         return StepResult(self.cost_model.step_time(plan.features(), self.block_size))

@@ -115,13 +115,20 @@ class StepRecorder:
         context_c.append(context)
         cached_c.append(kv_cached)
 
-    def append_repeats(self, row: list[float], *columns: list[float] | list[int]) -> None:
+    def append_repeats(
+        self, row: list[float], time_s: list[float], duration_s: list[float],
+        kv_used: list[int], context: list[int], kv_cached: list[int],
+    ) -> None:  # fmt: skip
         """:meth:`append_repeat` for several steps, each of the :data:`REPEAT_COLUMNS` given
-        as a list of one value a step."""
-        self._count_repeats(row, len(columns[0]))
-        for column, values in zip(self._repeated, columns, strict=True):
-            column.fromlist(values)
-        if len(self._repeated[-1]) >= CHUNK_ROWS:
+        in order as a list of one value a step (all of one length)."""
+        self._count_repeats(row, len(time_s))
+        time_c, duration_c, used_c, context_c, cached_c = self._repeated
+        time_c.fromlist(time_s)
+        duration_c.fromlist(duration_s)
+        used_c.fromlist(kv_used)
+        context_c.fromlist(context)
+        cached_c.fromlist(kv_cached)
+        if len(cached_c) >= CHUNK_ROWS:
             self._narrow_repeats()
 
     def _count_repeats(self, row: list[float], num_steps: int) -> None:

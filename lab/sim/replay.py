@@ -118,6 +118,8 @@ class ReplayLoop:
         self._wakeup = env.event()  # the idle loop waits on it; add() triggers it
         # Moves the clock past a step with no event when nothing else is due (SimEnvironment).
         self._advance_to = getattr(env, "advance_to", lambda t: False)
+        # Prices a fast-forward run's steps by their context alone (Scheduler.repeat_decodes_run).
+        self._decode_time = getattr(executor, "decode_step_time", None)
 
     def add(self, r: Request) -> None:
         """Hand ``r`` to the scheduler now; wake the loop if ``r`` was queued."""
@@ -158,6 +160,7 @@ class ReplayLoop:
         step_time = getattr(executor, "step_time", None) if fast else None
         many = step_time is not None and isinstance(self.env, SimEnvironment)
         repeat = row = None  # the latest plan and its record, when the next may repeat it
+        ran = False  # ``repeat`` ended a run: the next step cannot start another
         while True:
             if not scheduler.has_unfinished():
                 repeat = None
@@ -167,9 +170,13 @@ class ReplayLoop:
             repeated = None  # a repeated plan's columns that differ from ``row``
             plan = None
             if repeat is not None:
-                if many and self._fast_forward(repeat, row, step_time) and repeat.finished:
-                    repeat = None
-                    continue  # the run's last step finished a request: the policy plans
+                if many and not ran and self._fast_forward(repeat, row, step_time):
+                    if repeat.finished:
+                        repeat = None
+                        continue  # the run's last step finished a request: the policy plans
+                    ran = True
+                    continue
+                ran = False
                 plan = scheduler.repeat_decodes(repeat)
             if plan is not None:  # the record differs from ``row`` in its blocks and context
                 repeated = (
@@ -187,6 +194,10 @@ class ReplayLoop:
                         yield self._idle()
                     continue  # only aborts: plan again
                 row = row_of(plan)
+                if many and _repeatable(plan) and self._fast_forward(plan, row, step_time, True):
+                    if not plan.finished:  # the run began with this plan
+                        repeat, ran = plan, True
+                    continue
             if wall_clock:
                 plan_s = time.perf_counter() - t_plan
                 result = executor.execute(plan)
@@ -201,19 +212,35 @@ class ReplayLoop:
             repeat = plan if fast and self.num_added == added and _repeatable(plan) else None
 
     def _fast_forward(
-        self, plan: SchedulerOutput, row: list, step_time: Callable[[StepFeatures], float]
+        self,
+        plan: SchedulerOutput,
+        row: list,
+        step_time: Callable[[StepFeatures], float],
+        planned: bool = False,
     ) -> bool:
         """Run at once the repeats of ``plan`` (recorded as ``row``) that end before any
         other event (:meth:`Scheduler.repeat_decodes_run`): records, clock and progress
-        calls as step by step. Returns whether any step ran."""
+        calls as step by step. ``planned``: ``plan`` is a decode-only plan just made, not
+        run, its ``row`` not recorded: the run starts with its step. Returns whether any
+        step ran."""
         env, scheduler, recorder = self.env, self.scheduler, self.recorder
         first = recorder.num_steps
         run = scheduler.repeat_decodes_run(
-            plan, step_time, env.now, env.peek(), self.check_invariants
-        )
+            plan, step_time, env.now, env.peek(), self.check_invariants, self._decode_time,
+            planned,
+        )  # fmt: skip
         if run is None:
             return False
-        recorder.append_repeats(row, *run)
+        if not planned:
+            recorder.append_repeats(row, *run)
+        else:
+            start, duration, used, context, cached = run
+            row[0], row[1] = start[0], duration[0]
+            recorder.append(row, plan.decodes)
+            if len(start) > 1:
+                recorder.append_repeats(
+                    row, start[1:], duration[1:], used[1:], context[1:], cached[1:]
+                )
         end_s = scheduler.now_s
         if not self._advance_to(end_s):
             raise RuntimeError(f"fast-forward: a step ends at t={end_s!r}s, after another event")

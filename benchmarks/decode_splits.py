@@ -88,7 +88,7 @@ def main() -> None:
     timed = not args.tiny
     rate = copy_bandwidth() if timed else float("nan")
     head = f"decode attention by splits, {device_line() if timed else 'CPU (TRITON_INTERPRET)'}"
-    lines = [f"# {head}; device copy {rate / 1e12:.2f} TB/s", ""]
+    lines = [f"# {head}" + (f"; device copy {rate / 1e12:.2f} TB/s" if timed else ""), ""]
     lines += ["Each cell: us (its ratio to the K/V bytes at the copy rate); columns: splits "
               "a row, merge fused or apart; **bold**: the row's best; default: the engine's "
               "choice (decode_items, the fused-merge rule) and its items.", ""]  # fmt: skip
@@ -113,7 +113,7 @@ def main() -> None:
                         us, out = run_one(*t, decode_items(batch, kv_heads, s), fused, timed)
                         found[f"{s} {'fused' if fused else 'apart'}"] = us
                         diff = max(diff, (out.float() - ref.float()).abs().max().item())
-                best = min(found, key=lambda k: found[k] if timed else 0)
+                best = min(found, key=found.__getitem__) if timed else None
                 row = {"preset": preset, "batch": batch, "context": ctx, "bytes": nbytes,
                        "default_items": d_items, "default_us": d_us, "us": found,
                        "max_abs_diff": diff, "best": best}  # fmt: skip
@@ -132,7 +132,8 @@ def main() -> None:
                 del t
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_splits.md").write_text("\n".join(lines) + "\n")
-    meta = {"device": head, "copy_rate": rate, "started": time.strftime("%Y-%m-%d %H:%M")}
+    meta = {"device": head, "copy_rate": rate if timed else None,
+            "started": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
     (args.out / "decode_splits.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     print("\n".join(lines[:4]))
 

@@ -139,7 +139,7 @@ class Timed:
 def child_env(**extra: str) -> dict:
     """The environment of a timed child: this one with ``extra``, one OpenMP thread, and
     bytecode caching on (no ``PYTHONDONTWRITEBYTECODE``)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 

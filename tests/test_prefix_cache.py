@@ -188,6 +188,22 @@ def test_eviction_order_lru_then_tail_first():
     assert d.bm.num_evicted_blocks == 4  # c: 1, e: 1, f: 2 (blocks 7, 6)
 
 
+def test_taking_more_blocks_than_are_free_fails_and_takes_nothing():
+    # 4 blocks of 4: a request's 2 keyed blocks, released, are the whole queue; the pool
+    # still has the 2 never used. 5 blocks asked: 4 free (2 in the pool + 2 cached).
+    bm = PrefixCachingBlockManager(4, 0, 4, 0.0)
+    r = Request("a", 0.0, 8, 4, prompt_token_ids=[1] * 8)
+    bm.allocate_cached(r, [], 2)
+    r.num_computed_tokens = 8
+    bm.register(r)
+    bm.free(r)
+    assert (bm._free_gpu.num_free, list(bm._evictable)) == (2, [1, 0])
+    with pytest.raises(RuntimeError, match="5 blocks asked, 4 free"):
+        bm._take(5)
+    assert (bm._free_gpu.num_free, list(bm._evictable), bm.num_evicted_blocks) == (2, [1, 0], 0)
+    assert bm._take(4) == [2, 3, 1, 0] and bm.num_evicted_blocks == 2
+
+
 def test_recompute_victim_readmitted_after_the_cache_changed():
     # 8 blocks of 4, fcfs. a: prompt 8, ids [1,2,3,4], out 14; b: prompt 8, ids [5,6,7,8],
     # out 20. Step 1 prefills both (a [0,1,2], b [3,4,5]). Decode tick t runs with

@@ -501,12 +501,16 @@ class PrefixCachingBlockManager(BlockManager):
         return hits + [-1] * (len(r.block_table) - len(hits))
 
     def _take(self, n: int) -> list[int]:
-        """``n`` blocks at ref count 1: free ones, then evicted LRU cached ones."""
-        pool = self._free_gpu
+        """``n`` blocks at ref count 1: free ones, then evicted LRU cached ones. RuntimeError
+        (nothing taken) if fewer are free; callers check first."""
+        pool, evictable = self._free_gpu, self._evictable
+        if n > pool.num_free + len(evictable):
+            raise RuntimeError(
+                f"prefix cache: {n} blocks asked, {pool.num_free + len(evictable)} free"
+            )
         k = min(n, pool.num_free)
         out = pool.take(k) if k else []
         if n > k:
-            evictable = self._evictable
             victims = list(islice(evictable, n - k))  # the queue's head: least recently used
             deque(map(evictable.__delitem__, victims), 0)
             key_of = self._key_of

@@ -884,48 +884,31 @@ class CalibratedCostModel:
         return price
 
     def _price_by_context(self, f: StepFeatures, block_size: int) -> Callable[[int], float]:
-        """:meth:`decode_step_time`, made anew."""
+        """:meth:`decode_step_time`, made anew: with the context-free terms summed once for a
+        step with decodes and no adapter, paged-pairs or token-knot term (the common case);
+        else :meth:`step_time` of a copy of ``f`` given each context."""
         tokens = f.num_prefill_tokens + f.num_decodes
+        num_decodes = f.num_decodes
+        paged = f.prefill_attention_pairs and paged_pairs(
+            tokens, f.num_prefill_tokens, f.num_prefills, f.prefill_context_tokens
+        )
+        if not num_decodes or f.num_lora_loads or f.num_loras or paged or tokens > TOKEN_KNOT:
+            g = replace(f)
+
+            def price(ctx: int) -> float:
+                g.decode_context_tokens = ctx
+                return self.step_time(g, block_size)
+
+            return price
         t0 = self._prefill_step if f.num_prefills else self._decode_step
-        seq_tok = self._seq * (f.num_prefills + f.num_decodes) + self._tok * tokens
+        seq_tok = self._seq * (f.num_prefills + num_decodes) + self._tok * tokens
         dctx, pctx = self._dctx, self._pctx * f.prefill_context_tokens
         pairs = self._pairs * f.prefill_attention_pairs
         swaps = self._swap_token * f.num_swap_blocks * block_size
         runs = self._swap_run * f.num_swap_runs
-        before = []  # added after those, in this order, then the mean context, then ``after``
-        if f.num_lora_loads:
-            before.append(self.lora_load_s * f.num_lora_loads)
-        if f.num_loras:
-            before.append(
-                self._lora_step
-                + self._per_lora * f.num_loras
-                + self._lora_token * f.num_lora_tokens
-            )
-        after = []
-        if f.prefill_attention_pairs and paged_pairs(
-            tokens, f.num_prefill_tokens, f.num_prefills, f.prefill_context_tokens
-        ):
-            after.append(self._paged_pairs * f.prefill_attention_pairs)
-        if tokens > TOKEN_KNOT:
-            after.append(self._hinge * (tokens - TOKEN_KNOT))
-            if tokens > EAGER_KNOT:
-                after.append(self._eager * (tokens - EAGER_KNOT))
-        mean_ctx, num_decodes = self._mean_ctx, f.num_decodes
-        if before or after or not num_decodes:
+        mean_ctx = self._mean_ctx
 
-            def price(ctx: int) -> float:
-                t = t0 + (seq_tok + dctx * ctx + pctx + pairs + swaps + runs)
-                for c in before:
-                    t += c
-                if num_decodes:
-                    t += mean_ctx * ctx / num_decodes
-                for c in after:
-                    t += c
-                return t
-
-            return price
-
-        def price_decodes(ctx: int) -> float:  # the common case: no such term
+        def price_decodes(ctx: int) -> float:  # step_time's operations, in its order
             return (
                 t0
                 + (seq_tok + dctx * ctx + pctx + pairs + swaps + runs)

@@ -84,6 +84,16 @@ def breakdown(events: list[tuple[str, int, float]], replays: int, need: dict[str
     return out
 
 
+def by_name(events) -> dict[str, list]:
+    """Profiler device events summed by name: name -> [count, GPU us]."""
+    rows: dict[str, list] = {}
+    for e in events:
+        r = rows.setdefault(e.name, [0, 0.0])
+        r[0] += 1
+        r[1] += e.device_time_total
+    return rows
+
+
 def measure(runner, seqs, replays: int) -> tuple[list[tuple[str, int, float]], float, float]:
     """(kernel rows, GPU us per replay summed over kernels, shortest kernel us) of the
     decode graph of ``seqs`` replayed ``replays`` times back to back."""
@@ -103,11 +113,7 @@ def measure(runner, seqs, replays: int) -> tuple[list[tuple[str, int, float]], f
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"
                and not e.name.startswith(("Memcpy", "Memset"))]  # fmt: skip
-    rows: dict[str, list] = {}
-    for e in kernels:
-        r = rows.setdefault(e.name, [0, 0.0])
-        r[0] += 1
-        r[1] += e.device_time_total
+    rows = by_name(kernels)
     if not kernels:
         raise SystemExit("decode_breakdown: the profiler recorded no kernel of the decode graph")
     shortest = min(e.device_time_total for e in kernels)
@@ -174,12 +180,7 @@ def outside_graph(runner, seqs, steps: int, graph: dict[str, tuple[float, float]
         for _ in range(steps):
             runner.execute(seqs)
         wall = time.perf_counter() - t0
-    rows: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            r = rows.setdefault(e.name, [0, 0.0])
-            r[0] += 1
-            r[1] += e.device_time_total
+    rows = by_name(e for e in prof.events() if e.device_type.name == "CUDA")
     out = []
     for name, (count, us) in rows.items():
         in_count, in_us = graph.get(name, (0, 0.0))

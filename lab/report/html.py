@@ -174,17 +174,19 @@ def write_html(
     path.write_text("\n".join(parts))
 
 
-def _pack(text: str) -> str:
-    """``text`` gzip-compressed (no timestamp: reruns write the same bytes), in base64."""
-    return base64.b64encode(gzip.compress(text.encode(), compresslevel=9, mtime=0)).decode()
+def _pack(text: str, level: int = 9) -> str:
+    """``text`` gzip-compressed at ``level`` (no timestamp: reruns write the same bytes), in
+    base64."""
+    return base64.b64encode(gzip.compress(text.encode(), compresslevel=level, mtime=0)).decode()
 
 
 @functools.cache
 def _packed_plotly() -> str:
-    """plotly.js as :func:`_pack` gives it, packed once a process (every page's bytes)."""
+    """plotly.js as :func:`_pack` gives it, packed once a process (every page's bytes), at
+    level 4: its 4.8 MB pack 2.2x faster than at 9 (0.085 vs 0.184 CPU s), 4% larger."""
     from plotly.offline import get_plotlyjs
 
-    return _pack(get_plotlyjs())
+    return _pack(get_plotlyjs(), 4)
 
 
 def plotly_available() -> bool:

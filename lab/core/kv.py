@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from collections import Counter, OrderedDict, deque
 from collections.abc import Collection
-from itertools import compress, islice, repeat
-from operator import is_, is_not, not_, sub
+from itertools import compress, count, repeat
+from operator import is_, is_not, ne, not_, sub
 
 from sched_lab.core.request import EMPTY, Request, RequestStatus
 
@@ -296,22 +296,34 @@ class PrefixCachingBlockManager(BlockManager):
         self._ref = [0] * num_gpu_blocks  # GPU block -> requests holding it
         self._key_of: list[int | None] = [None] * num_gpu_blocks  # GPU block -> key or None
         self._block_of: dict[int, int] = {}  # key -> GPU block
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached free, LRU first
+        # The eviction queue (cached free blocks, LRU first) as segments, one per release
+        # that queued blocks, oldest first. A segment is stored in table order, so the queue
+        # reads each one from its end: released tail first, evicted from the end of the oldest
+        # one. Hits, normally a table prefix, leave from a segment's start.
+        self._segs: OrderedDict[int, list[int]] = OrderedDict()  # segment id -> blocks
+        self._seg_at: dict[int, int] = {}  # first block of a segment -> segment id
+        self._next_seg = 0
+        self._num_queued = 0  # blocks in the queue
         self.num_evicted_blocks = 0
 
     # ----------------------------------------------------------------------- queries
     @property
     def num_free_gpu_blocks(self) -> int:
-        return self._free_gpu.num_free + len(self._evictable)
+        return self._free_gpu.num_free + self._num_queued
 
     @property
     def num_used_gpu_blocks(self) -> int:
-        return self.num_gpu_blocks - self._free_gpu.num_free - len(self._evictable)
+        return self.num_gpu_blocks - self._free_gpu.num_free - self._num_queued
 
     @property
     def num_cached_free_gpu_blocks(self) -> int:
         """Keyed blocks that no request holds (the eviction queue)."""
-        return len(self._evictable)
+        return self._num_queued
+
+    @property
+    def _evictable(self) -> list[int]:
+        """The eviction queue, LRU first (a new list; for tests and integrity checks)."""
+        return [b for seg in self._segs.values() for b in reversed(seg)]
 
     @property
     def num_cached_blocks(self) -> int:  # type: ignore[override]
@@ -402,11 +414,13 @@ class PrefixCachingBlockManager(BlockManager):
         """Give a waiting ``r`` the cached ``hits`` (from :meth:`lookup`) plus
         ``num_new_blocks`` new ones; the caller checked
         ``can_allocate(num_new_blocks + num_evictable(hits))``."""
-        ref, evictable = self._ref, self._evictable
+        ref, queued = self._ref, []
         for b in hits:
             if ref[b] == 0:
-                del evictable[b]
+                queued.append(b)
             ref[b] += 1
+        if queued:
+            self._unqueue(queued)
         r.block_table = list(hits)
         r.num_registered_blocks = len(hits)
         self.allocate(r, num_new_blocks)
@@ -475,12 +489,14 @@ class PrefixCachingBlockManager(BlockManager):
         """Bring a swapped request back; returns (cpu_block, gpu_block) copies of the blocks
         not cached on the GPU."""
         hits = self._swap_in_hits(request)
-        ref, evictable = self._ref, self._evictable
+        ref, queued = self._ref, []
         for b in hits:
             if b >= 0:
                 if ref[b] == 0:
-                    del evictable[b]
+                    queued.append(b)
                 ref[b] += 1
+        if queued:
+            self._unqueue(queued)
         cpu = request.block_table
         new = iter(self._take(sum(1 for b in hits if b < 0)))
         gpu = [b if b >= 0 else next(new) for b in hits]
@@ -503,23 +519,62 @@ class PrefixCachingBlockManager(BlockManager):
     def _take(self, n: int) -> list[int]:
         """``n`` blocks at ref count 1: free ones, then evicted LRU cached ones. RuntimeError
         (nothing taken) if fewer are free; callers check first."""
-        pool, evictable = self._free_gpu, self._evictable
-        if n > pool.num_free + len(evictable):
+        pool = self._free_gpu
+        if n > pool.num_free + self._num_queued:
             raise RuntimeError(
-                f"prefix cache: {n} blocks asked, {pool.num_free + len(evictable)} free"
+                f"prefix cache: {n} blocks asked, {pool.num_free + self._num_queued} free"
             )
         k = min(n, pool.num_free)
         out = pool.take(k) if k else []
         if n > k:
-            victims = list(islice(evictable, n - k))  # the queue's head: least recently used
-            deque(map(evictable.__delitem__, victims), 0)
+            need = n - k
+            segs, victims = self._segs, []
+            while need:  # the queue's head: the end of the oldest segment
+                sid = next(iter(segs))
+                seg = segs[sid]
+                if len(seg) <= need:
+                    del segs[sid], self._seg_at[seg[0]]
+                    need -= len(seg)
+                else:
+                    tail = seg[-need:]
+                    del seg[-need:]  # O(need): the segment's start stays
+                    seg, need = tail, 0
+                seg.reverse()
+                victims += seg
             key_of = self._key_of
             deque(map(self._block_of.__delitem__, map(key_of.__getitem__, victims)), 0)
             deque(map(key_of.__setitem__, victims, repeat(None)), 0)
             out += victims
+            self._num_queued -= n - k
             self.num_evicted_blocks += n - k
         deque(map(self._ref.__setitem__, out, repeat(1)), 0)  # ref[b] = 1 for each, in C
         return out
+
+    def _unqueue(self, blocks: list[int]) -> None:
+        """Take ``blocks`` (cached free, distinct) out of the eviction queue. A run of them
+        that starts a segment (a hit chain is a table prefix) goes in one slice; any other
+        block is searched for segment by segment."""
+        segs, seg_at = self._segs, self._seg_at
+        i, n = 0, len(blocks)
+        self._num_queued -= n
+        while i < n:
+            b = blocks[i]
+            sid = seg_at.get(b)
+            if sid is not None:
+                seg, pos = segs[sid], 0
+            else:  # not at a segment's start: search
+                sid, seg = next((k, v) for k, v in segs.items() if b in v)
+                pos = seg.index(b)
+            run = blocks[i : i + len(seg) - pos]
+            m = next(compress(count(), map(ne, seg[pos : pos + len(run)], run)), len(run))
+            del seg[pos : pos + m]
+            i += m
+            if pos == 0:
+                del seg_at[b]
+                if seg:
+                    seg_at[seg[0]] = sid
+            if not seg:
+                del segs[sid]
 
     def _release_tail(self, blocks: list[int]) -> None:
         self._release(blocks)
@@ -528,18 +583,19 @@ class PrefixCachingBlockManager(BlockManager):
         """Drop one reference to each of ``blocks``, tail first: keyed blocks reaching ref
         count 0 join the eviction queue, unkeyed ones the pool."""
         ref, key_of = self._ref, self._key_of
-        tail_first = blocks[::-1]
-        counts = list(map(sub, map(ref.__getitem__, tail_first), repeat(1)))
-        deque(map(ref.__setitem__, tail_first, counts), 0)
-        zero = list(compress(tail_first, map(not_, counts))) if any(counts) else tail_first
+        counts = list(map(sub, map(ref.__getitem__, blocks), repeat(1)))
+        deque(map(ref.__setitem__, blocks, counts), 0)
+        zero = list(compress(blocks, map(not_, counts))) if any(counts) else list(blocks)
         keys = list(map(key_of.__getitem__, zero))
-        if None not in keys:  # every block keyed: all join the queue
-            self._evictable.update(zip(zero, repeat(None)))
-            return
-        self._evictable.update(zip(compress(zero, map(is_not, keys, repeat(None))), repeat(None)))
-        zero.reverse()  # (a copy, or tail_first: neither is used again)
-        keys.reverse()
-        self._free_gpu.put(list(compress(zero, map(is_, keys, repeat(None)))))
+        if None in keys:
+            self._free_gpu.put(list(compress(zero, map(is_, keys, repeat(None)))))
+            zero = list(compress(zero, map(is_not, keys, repeat(None))))
+        if zero:  # a new segment, at the queue's tail
+            sid = self._next_seg
+            self._next_seg = sid + 1
+            self._segs[sid] = zero
+            self._seg_at[zero[0]] = sid
+            self._num_queued += len(zero)
 
     # ----------------------------------------------------------------------- invariants
     def check_integrity(self, requests: list[Request]) -> None:
@@ -577,13 +633,19 @@ class PrefixCachingBlockManager(BlockManager):
         assert not [b for b in free if self._ref[b] or key_of[b] is not None], (
             "gpu: pool block used"
         )
-        for b in self._evictable:
+        queue = self._evictable
+        assert len(set(queue)) == len(queue) == self._num_queued, "gpu: eviction queue broken"
+        for b in queue:
             assert self._ref[b] == 0 and key_of[b] is not None, f"gpu block {b}: queued, not free"
+        assert all(self._segs.values()), "gpu: an empty segment is queued"
+        assert self._seg_at == {seg[0]: sid for sid, seg in self._segs.items()}, (
+            "gpu: segment starts broken"
+        )
         keyed = {b: h for b, h in enumerate(key_of) if h is not None}
         assert len(keyed) == len(self._block_of), "key maps differ in size"
         for b, h in keyed.items():
             assert self._block_of.get(h) == b, f"gpu block {b}: key map broken"
         used = sum(1 for b in range(n) if self._ref[b])
-        assert used + len(self._evictable) + len(free) == n, (
-            f"gpu: used {used} + cached free {len(self._evictable)} + free {len(free)} != {n}"
+        assert used + len(queue) + len(free) == n, (
+            f"gpu: used {used} + cached free {len(queue)} + free {len(free)} != {n}"
         )

@@ -1,0 +1,375 @@
+"""The prefix cache's eviction queue, kept as segments (one per release), against the one
+OrderedDict entry per block it replaced (``ReferenceQueue``: that code, verbatim).
+
+Hand-computed scenarios for the segment paths (a hit not at a segment's start, an eviction
+across several segments, swap out and in through the cache), then random operation scripts
+driven through both managers with every observable compared after each step.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict, deque
+from itertools import compress, islice, repeat
+from operator import is_, is_not, not_, sub
+
+import pytest
+
+from sched_lab.core.kv import PrefixCachingBlockManager, blocks_for
+from sched_lab.core.request import EMPTY, Request, RequestStatus
+
+
+class ReferenceQueue(PrefixCachingBlockManager):
+    """The eviction queue as one OrderedDict entry per block (before the segments)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self._queue: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def num_free_gpu_blocks(self) -> int:
+        return self._free_gpu.num_free + len(self._queue)
+
+    @property
+    def num_used_gpu_blocks(self) -> int:
+        return self.num_gpu_blocks - self._free_gpu.num_free - len(self._queue)
+
+    @property
+    def num_cached_free_gpu_blocks(self) -> int:
+        return len(self._queue)
+
+    @property
+    def _evictable(self) -> list[int]:
+        return list(self._queue)
+
+    def allocate_cached(self, r: Request, hits: list[int], num_new_blocks: int) -> None:
+        ref, evictable = self._ref, self._queue
+        for b in hits:
+            if ref[b] == 0:
+                del evictable[b]
+            ref[b] += 1
+        r.block_table = list(hits)
+        r.num_registered_blocks = len(hits)
+        self.allocate(r, num_new_blocks)
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        hits = self._swap_in_hits(request)
+        ref, evictable = self._ref, self._queue
+        for b in hits:
+            if b >= 0:
+                if ref[b] == 0:
+                    del evictable[b]
+                ref[b] += 1
+        cpu = request.block_table
+        new = iter(self._take(sum(1 for b in hits if b < 0)))
+        gpu = [b if b >= 0 else next(new) for b in hits]
+        mapping = [(c, g) for c, g, b in zip(cpu, gpu, hits) if b < 0]
+        self._free_cpu.put(cpu)
+        request.block_table = gpu
+        request.num_registered_blocks = 0
+        self.register(request)
+        return mapping
+
+    def _take(self, n: int) -> list[int]:
+        pool, evictable = self._free_gpu, self._queue
+        if n > pool.num_free + len(evictable):
+            raise RuntimeError(
+                f"prefix cache: {n} blocks asked, {pool.num_free + len(evictable)} free"
+            )
+        k = min(n, pool.num_free)
+        out = pool.take(k) if k else []
+        if n > k:
+            victims = list(islice(evictable, n - k))
+            deque(map(evictable.__delitem__, victims), 0)
+            key_of = self._key_of
+            deque(map(self._block_of.__delitem__, map(key_of.__getitem__, victims)), 0)
+            deque(map(key_of.__setitem__, victims, repeat(None)), 0)
+            out += victims
+            self.num_evicted_blocks += n - k
+        deque(map(self._ref.__setitem__, out, repeat(1)), 0)
+        return out
+
+    def _release(self, blocks: list[int]) -> None:
+        ref, key_of = self._ref, self._key_of
+        tail_first = blocks[::-1]
+        counts = list(map(sub, map(ref.__getitem__, tail_first), repeat(1)))
+        deque(map(ref.__setitem__, tail_first, counts), 0)
+        zero = list(compress(tail_first, map(not_, counts))) if any(counts) else tail_first
+        keys = list(map(key_of.__getitem__, zero))
+        if None not in keys:
+            self._queue.update(zip(zero, repeat(None)))
+            return
+        self._queue.update(zip(compress(zero, map(is_not, keys, repeat(None))), repeat(None)))
+        zero.reverse()
+        keys.reverse()
+        self._free_gpu.put(list(compress(zero, map(is_, keys, repeat(None)))))
+
+    def check_integrity(self, requests: list[Request]) -> None:
+        pass  # the segments' checks do not apply; the scripts compare it with the new one
+
+
+# --------------------------------------------------------------------------- by hand
+def _cached(bm, rid, ids, computed=None, extra=0, bs=4):
+    """A request with one hash id per block of 4, admitted with its lookup hits and
+    ``extra`` more blocks than its prompt needs, its first ``computed`` tokens registered."""
+    r = Request(rid, 0.0, len(ids) * bs, 4, hash_ids=ids, hash_block_size=bs)
+    hits = bm.lookup(r)
+    bm.allocate_cached(r, hits, blocks_for(r.prompt_len, bs) - len(hits) + extra)
+    r.status = RequestStatus.RUNNING
+    r.num_computed_tokens = r.prompt_len if computed is None else computed
+    bm.register(r)
+    return r
+
+
+def _both(fn):
+    got = []
+    for cls in (PrefixCachingBlockManager, ReferenceQueue):
+        got.append(fn(cls))
+    assert got[0] == got[1]
+    return got[0]
+
+
+def test_a_hit_inside_a_segment_and_a_hit_chain_across_two():
+    # 12 blocks of 4. a: ids [1,2,3] -> [0,1,2]; b: ids [1,2,9,8] hits 0, 1, new [3,4].
+    # a then b freed: a's segment is its block 2 alone (0, 1 still held by b), b's is
+    # [0,1,3,4]: queue [2, 4, 3, 1, 0]. d: ids [1,2,3,7] hits 0, 1 (the start of b's
+    # segment) and 2 (a's whole segment), takes 1 new block (5, never used): queue [4, 3].
+    # Then block 3 alone (not at its segment's start) leaves: queue [4].
+    def run(cls):
+        bm = cls(12, 0, 4, 0.0)
+        a = _cached(bm, "a", [1, 2, 3])
+        b = _cached(bm, "b", [1, 2, 9, 8])
+        assert (a.block_table, b.block_table) == ([0, 1, 2], [0, 1, 3, 4])
+        bm.free(a)
+        bm.free(b)
+        q1 = bm._evictable
+        d = _cached(bm, "d", [1, 2, 3, 7])
+        q2 = bm._evictable
+        # A hit that is not at a segment's start: block 3 (b's id 9) alone, by hand.
+        bm.allocate_cached(Request("x", 0.0, 4, 1), [3], 0)
+        q3 = bm._evictable
+        return q1, d.block_table, q2, q3, bm.num_evicted_blocks
+
+    q1, table, q2, q3, evicted = _both(run)
+    assert q1 == [2, 4, 3, 1, 0]
+    assert table == [0, 1, 2, 5] and q2 == [4, 3]
+    assert q3 == [4] and evicted == 0
+
+
+def test_a_hit_in_the_middle_of_a_segment_splits_nothing_else():
+    # 8 blocks of 4; a: ids [1..5] -> [0..4], freed: queue [4, 3, 2, 1, 0] (one segment).
+    # Taking block 2 alone (by hand) leaves [4, 3, 1, 0]; then 3 evictions take 4, 3, 1
+    # (the 3 unused blocks 5..7 first).
+    def run(cls):
+        bm = cls(8, 0, 4, 0.0)
+        a = _cached(bm, "a", [1, 2, 3, 4, 5])
+        bm.free(a)
+        bm.allocate_cached(Request("x", 0.0, 4, 1), [2], 0)
+        q = bm._evictable
+        taken = bm._take(6)
+        return (
+            q,
+            taken,
+            bm._evictable,
+            bm.num_evicted_blocks,
+            bm.lookup(Request("y", 0.0, 12, 1, hash_ids=[1, 2, 3], hash_block_size=4)),
+        )
+
+    q, taken, left, evicted, hits = _both(run)
+    assert q == [4, 3, 1, 0]
+    assert taken == [5, 6, 7, 4, 3, 1] and left == [0] and evicted == 3
+    assert hits == [0]  # block 1 (id 2) was evicted: the chain stops there
+
+
+def test_eviction_across_several_segments_oldest_first_tail_first():
+    # 9 blocks of 4: a [0,1], b [2,3,4], c [5,6] freed in that order: queue
+    # [1, 0, 4, 3, 2, 6, 5] (segments a, b, c), 2 blocks (7, 8) never used.
+    # Taking 6 takes 7, 8, then a's whole segment (1, 0) and b's end (4, 3); 2 more take
+    # b's last block 2 and c's block 6.
+    def run(cls):
+        bm = cls(9, 0, 4, 0.0)
+        rs = [_cached(bm, n, ids) for n, ids in (("a", [1, 2]), ("b", [3, 4, 5]), ("c", [6, 7]))]
+        for r in rs:
+            bm.free(r)
+        q = bm._evictable
+        first = bm._take(6)
+        mid = bm._evictable
+        second = bm._take(2)
+        return q, first, mid, second, bm._evictable, bm.num_evicted_blocks, bm.num_cached_blocks
+
+    assert _both(run) == (
+        [1, 0, 4, 3, 2, 6, 5],
+        [7, 8, 1, 0, 4, 3],
+        [2, 6, 5],
+        [2, 6],
+        [5],
+        6,
+        1,
+    )
+
+
+def test_swap_out_and_in_through_the_cache():
+    # 8 GPU blocks of 4, 8 CPU. a: ids [1,2,3] plus 1 block -> [0,1,2,3], 3 keyed. Swapped
+    # out (CPU 0..3): its keyed blocks queue [2, 1, 0], block 3 (unkeyed) goes to the pool.
+    # b takes 6: block 3, the never used 4..7, then the LRU head, a's block 2 (evicted).
+    # b's last 2 blocks (7, 2) are freed as a draft tail (pool, LIFO: 7 first). Swap in:
+    # blocks 0, 1 still hold a's keys (re-referenced, queue empty); CPU 2, 3 are copied
+    # into 7, 2.
+    def run(cls):
+        bm = cls(8, 8, 4, 0.0)
+        a = _cached(bm, "a", [1, 2, 3], extra=1)
+        out = bm.swap_out(a)
+        a.status = RequestStatus.SWAPPED
+        q1 = bm._evictable
+        b = Request("b", 0.0, 24, 1)
+        bm.allocate_cached(b, [], 6)
+        q2, tb = bm._evictable, list(b.block_table)
+        need = bm.blocks_to_swap_in(a)
+        bm.free_tail(b, 2)
+        inn = bm.swap_in(a)
+        a.status = RequestStatus.RUNNING
+        bm.check_integrity([a, b])
+        return out, q1, q2, tb, need, inn, a.block_table, bm._evictable, bm.num_evicted_blocks
+
+    out, q1, q2, tb, need, inn, table, q3, evicted = _both(run)
+    assert out == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert q1 == [2, 1, 0] and tb == [3, 4, 5, 6, 7, 2] and q2 == [1, 0]
+    assert need == 4  # 2 copies + 2 cached free re-referenced
+    assert inn == [(2, 7), (3, 2)] and table == [0, 1, 7, 2]
+    assert q3 == [] and evicted == 1
+
+
+# --------------------------------------------------------------------------- scripts
+def _state(bm, reqs):
+    return (
+        bm.num_free_gpu_blocks,
+        bm.num_used_gpu_blocks,
+        bm.num_cached_free_gpu_blocks,
+        bm.num_cached_blocks,
+        bm.num_evicted_blocks,
+        bm.num_free_cpu_blocks,
+        bm._evictable,
+        list(bm._ref),
+        list(bm._key_of),
+        dict(bm._block_of),
+        list(bm._free_gpu.freed),
+        bm._free_gpu.next_unused,
+        [(r.status, list(r.block_table), r.num_registered_blocks) for r in reqs],
+    )
+
+
+def run_script(seed: int, steps: int = 120) -> None:
+    """Random admissions (after lookup), growth, registration, frees, draft tails, swaps
+    out and in, on both managers; every observable compared after each step."""
+    rng = random.Random(seed)
+    bs = rng.choice([1, 2, 4])
+    per = rng.choice([1, 2])
+    gpu, cpu = rng.randint(4, 40), rng.randint(0, 30)
+    bms = [PrefixCachingBlockManager(gpu, cpu, bs, 0.0), ReferenceQueue(gpu, cpu, bs, 0.0)]
+    pairs: list[tuple[Request, Request]] = []
+    prefixes = [[]]
+    for step in range(steps):
+        waiting = [p for p in pairs if p[0].status is RequestStatus.WAITING]
+        running = [p for p in pairs if p[0].status is RequestStatus.RUNNING]
+        swapped = [p for p in pairs if p[0].status is RequestStatus.SWAPPED]
+        op = rng.random()
+        if op < 0.2 or not pairs:
+            base = rng.choice(prefixes)
+            ids = base + [rng.randint(0, 3) for _ in range(rng.randint(0, 4))]
+            ids = ids or [rng.randint(0, 3)]
+            if rng.random() < 0.3:
+                prefixes.append(ids)
+            prompt = max(1, len(ids) * per * bs - rng.randint(0, per * bs))
+            out = rng.randint(1, 4 * bs)
+            rid = f"r{step}"
+            pairs.append(
+                tuple(
+                    Request(rid, 0.0, prompt, out, None, list(ids), hash_block_size=per * bs)
+                    for _ in bms
+                )
+            )
+        elif op < 0.45 and waiting:
+            pair = rng.choice(waiting)
+            hits = [bm.lookup(r) for bm, r in zip(bms, pair)]
+            assert hits[0] == hits[1]
+            need = max(0, blocks_for(pair[0].num_tokens + 1, bs) - len(hits[0]))
+            need += rng.randint(0, 2)
+            fits = [bm.can_allocate(need + bm.num_evictable(h), False) for bm, h in zip(bms, hits)]
+            assert fits[0] == fits[1]
+            if fits[0]:
+                computed = rng.randint(len(hits[0]) * bs, pair[0].num_tokens)
+                for bm, r, h in zip(bms, pair, hits):
+                    bm.allocate_cached(r, h, need)
+                    r.status = RequestStatus.RUNNING
+                    r.num_computed_tokens = computed
+                    bm.register(r)
+        elif op < 0.6 and running:
+            pair = rng.choice(running)
+            r0 = pair[0]
+            grow = rng.randint(0, min(3, r0.output_len - r0.num_output_tokens))
+            more = max(0, blocks_for(r0.num_tokens + grow + 1, bs) - len(r0.block_table))
+            if bms[0].can_allocate(more, False):
+                for bm, r in zip(bms, pair):
+                    r.num_output_tokens += grow
+                    r.num_computed_tokens = r.num_tokens
+                    bm.allocate(r, more)
+                    bm.register(r)
+        elif op < 0.7 and running:
+            pair = rng.choice(running)
+            k = rng.randint(1, 2)
+            if bms[0].can_allocate(k, False):
+                for bm, r in zip(bms, pair):
+                    bm.allocate(r, k)
+                    bm.free_tail(r, k)
+        elif op < 0.82 and running:
+            pair = rng.choice(running)
+            finish = rng.random() < 0.5
+            for bm, r in zip(bms, pair):
+                if finish:
+                    r.num_output_tokens = r.output_len
+                bm.free(r)
+                r.status = RequestStatus.FINISHED if finish else RequestStatus.WAITING
+                r.num_computed_tokens = 0
+        elif op < 0.9 and running:
+            pair = rng.choice(running)
+            if bms[0].can_swap_out(pair[0]):
+                maps = [bm.swap_out(r) for bm, r in zip(bms, pair)]
+                assert maps[0] == maps[1]
+                for r in pair:
+                    r.status = RequestStatus.SWAPPED
+        elif op < 0.94 and bms[0].num_cached_free_gpu_blocks:
+            # Cached free blocks in any order, held as a request's table (hits that are no
+            # lookup's chain: the queue's general path); its keys made its own.
+            queue = bms[0]._evictable
+            pins = rng.sample(queue, rng.randint(1, min(4, len(queue))))
+            rid = f"p{step}"
+            pair = tuple(Request(rid, 0.0, len(pins) * bs, 1) for _ in bms)
+            for bm, r in zip(bms, pair):
+                r.block_hashes = [bm._key_of[b] for b in pins]
+                bm.allocate_cached(r, pins, 0)
+                r.status = RequestStatus.RUNNING
+            pairs.append(pair)
+        elif swapped:
+            pair = rng.choice(swapped)
+            if rng.random() < 0.2:  # aborted while swapped
+                for bm, r in zip(bms, pair):
+                    bm.free(r)
+                    r.status = RequestStatus.ABORTED
+            else:
+                need = [bm.blocks_to_swap_in(r) for bm, r in zip(bms, pair)]
+                assert need[0] == need[1]
+                if bms[0].can_allocate(need[0], False):
+                    maps = [bm.swap_in(r) for bm, r in zip(bms, pair)]
+                    assert maps[0] == maps[1]
+                    for r in pair:
+                        r.status = RequestStatus.RUNNING
+        held = [p[0] for p in pairs if p[0].block_table is not EMPTY]
+        bms[0].check_integrity(held)
+        s0 = _state(bms[0], [p[0] for p in pairs])
+        s1 = _state(bms[1], [p[1] for p in pairs])
+        assert s0 == s1, f"seed {seed}, step {step}"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_scripts_match_the_reference_queue(seed):
+    run_script(seed)

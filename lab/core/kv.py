@@ -11,7 +11,7 @@ import math
 from collections import Counter, OrderedDict, deque
 from collections.abc import Collection
 from itertools import compress, count, repeat
-from operator import is_, is_not, ne, not_, sub
+from operator import delitem, is_, is_not, itemgetter, ne, not_, setitem, sub
 
 from sched_lab.core.request import EMPTY, Request, RequestStatus
 
@@ -235,6 +235,11 @@ ROOT_KEY = 0
 _LOOKUP_CHUNK = 32  # blocks looked up per C-level map() call
 
 
+def _gather(seq: list, idx: list[int]) -> tuple | list:
+    """``seq[i]`` for each ``i`` of ``idx``, in order, in C (itemgetter: a tuple)."""
+    return itemgetter(*idx)(seq) if len(idx) > 1 else [seq[i] for i in idx]
+
+
 def make_block_manager(
     num_gpu_blocks: int,
     num_cpu_blocks: int,
@@ -454,7 +459,7 @@ class PrefixCachingBlockManager(BlockManager):
                 new = [(h, b) for h, b in zip(keys, blocks) if h not in block_of]
                 keys, blocks = [h for h, _ in new], [b for _, b in new]
             block_of.update(zip(keys, blocks))
-            deque(map(self._key_of.__setitem__, blocks, keys), 0)
+            deque(map(setitem, repeat(self._key_of), blocks, keys), 0)
             r.num_registered_blocks = end
 
     def free(self, request: Request) -> None:
@@ -526,6 +531,9 @@ class PrefixCachingBlockManager(BlockManager):
             )
         k = min(n, pool.num_free)
         out = pool.take(k) if k else []
+        if n == k == 1:  # one free block (a decode's): no map for it
+            self._ref[out[0]] = 1
+            return out
         if n > k:
             need = n - k
             segs, victims = self._segs, []
@@ -542,12 +550,12 @@ class PrefixCachingBlockManager(BlockManager):
                 seg.reverse()
                 victims += seg
             key_of = self._key_of
-            deque(map(self._block_of.__delitem__, map(key_of.__getitem__, victims)), 0)
-            deque(map(key_of.__setitem__, victims, repeat(None)), 0)
+            deque(map(delitem, repeat(self._block_of), _gather(key_of, victims)), 0)
+            deque(map(setitem, repeat(key_of), victims, repeat(None)), 0)
             out += victims
             self._num_queued -= n - k
             self.num_evicted_blocks += n - k
-        deque(map(self._ref.__setitem__, out, repeat(1)), 0)  # ref[b] = 1 for each, in C
+        deque(map(setitem, repeat(self._ref), out, repeat(1)), 0)  # ref[b] = 1 for each, in C
         return out
 
     def _unqueue(self, blocks: list[int]) -> None:
@@ -582,14 +590,30 @@ class PrefixCachingBlockManager(BlockManager):
     def _release(self, blocks: list[int]) -> None:
         """Drop one reference to each of ``blocks``, tail first: keyed blocks reaching ref
         count 0 join the eviction queue, unkeyed ones the pool."""
-        ref, key_of = self._ref, self._key_of
-        counts = list(map(sub, map(ref.__getitem__, blocks), repeat(1)))
-        deque(map(ref.__setitem__, blocks, counts), 0)
-        zero = list(compress(blocks, map(not_, counts))) if any(counts) else list(blocks)
-        keys = list(map(key_of.__getitem__, zero))
-        if None in keys:
-            self._free_gpu.put(list(compress(zero, map(is_, keys, repeat(None)))))
-            zero = list(compress(zero, map(is_not, keys, repeat(None))))
+        ref = self._ref
+        refs = _gather(ref, blocks)
+        m = len(refs) - refs.count(1)  # blocks held by others too, mostly a shared prefix
+        if m and refs[m:].count(1) != len(refs) - m:
+            m = len(refs)  # not a prefix: every block counted one by one
+        # blocks[m:] all at ref count 1 (the common case): they reach 0, in one pass
+        deque(map(setitem, repeat(ref), blocks[m:] if m else blocks, repeat(0)), 0)
+        if m:
+            counts = list(map(sub, refs[:m], repeat(1)))
+            deque(map(setitem, repeat(ref), blocks, counts), 0)
+            zero = list(compress(blocks, map(not_, counts)))
+            zero += blocks[m:]
+        else:
+            zero = list(blocks)
+        keys = _gather(self._key_of, zero)
+        unkeyed = keys.count(None)
+        if unkeyed:
+            n = len(keys) - unkeyed
+            if keys[n:].count(None) == unkeyed:  # the unkeyed ones are the table's tail
+                self._free_gpu.put(zero[n:])
+                del zero[n:]
+            else:
+                self._free_gpu.put(list(compress(zero, map(is_, keys, repeat(None)))))
+                zero = list(compress(zero, map(is_not, keys, repeat(None))))
         if zero:  # a new segment, at the queue's tail
             sid = self._next_seg
             self._next_seg = sid + 1

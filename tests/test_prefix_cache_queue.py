@@ -185,7 +185,7 @@ def test_eviction_across_several_segments_oldest_first_tail_first():
     # 9 blocks of 4: a [0,1], b [2,3,4], c [5,6] freed in that order: queue
     # [1, 0, 4, 3, 2, 6, 5] (segments a, b, c), 2 blocks (7, 8) never used.
     # Taking 6 takes 7, 8, then a's whole segment (1, 0) and b's end (4, 3); 2 more take
-    # b's last block 2 and c's block 6.
+    # b's last block 2 and c's block 6, then 1 more: the last one, c's block 5.
     def run(cls):
         bm = cls(9, 0, 4, 0.0)
         rs = [_cached(bm, n, ids) for n, ids in (("a", [1, 2]), ("b", [3, 4, 5]), ("c", [6, 7]))]
@@ -195,7 +195,11 @@ def test_eviction_across_several_segments_oldest_first_tail_first():
         first = bm._take(6)
         mid = bm._evictable
         second = bm._take(2)
-        return q, first, mid, second, bm._evictable, bm.num_evicted_blocks, bm.num_cached_blocks
+        left = bm._evictable
+        last = bm._take(1)  # one block: the queue's last, its segment gone with it
+        if cls is PrefixCachingBlockManager:
+            assert not bm._segs and not bm._seg_at
+        return q, first, mid, second, left, last, bm._evictable, bm.num_evicted_blocks
 
     assert _both(run) == (
         [1, 0, 4, 3, 2, 6, 5],
@@ -203,8 +207,9 @@ def test_eviction_across_several_segments_oldest_first_tail_first():
         [2, 6, 5],
         [2, 6],
         [5],
-        6,
-        1,
+        [5],
+        [],
+        7,
     )
 
 

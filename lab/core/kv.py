@@ -531,7 +531,18 @@ class PrefixCachingBlockManager(BlockManager):
             )
         k = min(n, pool.num_free)
         out = pool.take(k) if k else []
-        if n == k == 1:  # one free block (a decode's): no map for it
+        if n == 1:  # a decode's block, free or the queue's head: no map for one
+            if not k:
+                sid = next(iter(self._segs))
+                seg = self._segs[sid]
+                b = seg.pop()
+                if not seg:
+                    del self._segs[sid], self._seg_at[b]
+                del self._block_of[self._key_of[b]]
+                self._key_of[b] = None
+                out.append(b)
+                self._num_queued -= 1
+                self.num_evicted_blocks += 1
             self._ref[out[0]] = 1
             return out
         if n > k:
@@ -571,7 +582,10 @@ class PrefixCachingBlockManager(BlockManager):
             if sid is not None:
                 seg, pos = segs[sid], 0
             else:  # not at a segment's start: search
-                sid, seg = next((k, v) for k, v in segs.items() if b in v)
+                sid = next((k for k, v in segs.items() if b in v), None)
+                if sid is None:
+                    raise KeyError(f"gpu block {b} is not in the eviction queue")
+                seg = segs[sid]
                 pos = seg.index(b)
             run = blocks[i : i + len(seg) - pos]
             m = next(compress(count(), map(ne, seg[pos : pos + len(run)], run)), len(run))

@@ -337,6 +337,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m sched_lab.backend
     ap.add_argument("--attention", default="triton", help="attention backend (default: triton)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument(
+        "--triton-prefill-kernel",
+        default="base",
+        choices=("base", "exp2"),
+        help="the triton backend's paged prefill kernel (engine.triton_prefill_kernel); "
+        "exp2 is named in the fingerprint",
+    )
+    ap.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=("auto", "fp8", "fp8_e4m3"),
@@ -422,8 +429,8 @@ def _profile(args: argparse.Namespace) -> None:
     kwargs = dict(device=device, dtype=args.dtype, attention_backend=args.attention,
                   block_size=args.block_size, gpu_memory_utilization=0.9,
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  num_gpu_blocks=args.num_gpu_blocks,
-                  kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
+                  num_gpu_blocks=args.num_gpu_blocks, kv_cache_dtype=args.kv_cache_dtype,
+                  triton_prefill_kernel=args.triton_prefill_kernel)  # fmt: skip
     lora = lora_setup(args)
     if lora is not None:
         if args.tensor_parallel_size > 1:
@@ -552,6 +559,9 @@ def engine_fingerprint(
         options.add("quantization")
     if getattr(runner, "lora", None) is not None:
         options.add("lora")
+    prefill_kernel = getattr(runner.attn_backend, "prefill_kernel", "base")
+    if prefill_kernel == "exp2":
+        options.add("prefill_exp2")
     fingerprint = {
         **sources_fingerprint(options),
         "torch": torch.__version__,
@@ -569,6 +579,8 @@ def engine_fingerprint(
     quant = getattr(runner, "quantization", None)
     if quant is not None:  # absent when unquantized: earlier profiles' fingerprints hold
         fingerprint["options"]["quantization"] = quant.method
+    if prefill_kernel != "base":  # absent for the base kernel, as above
+        fingerprint["options"]["triton_prefill_kernel"] = prefill_kernel
     return fingerprint
 
 

@@ -86,6 +86,8 @@ class ModelRunner:
         cuda_graph_sizes, cuda_graph_token_sizes: candidate graph sizes, cut at the maxima.
         num_threads: torch intra-op threads on CPU (process-wide); see :func:`set_cpu_threads`.
         prefill_attention: "auto", "triton" or "flash_varlen" (triton backend only).
+        triton_prefill_kernel: "base" or "exp2" (triton backend only;
+            :mod:`sched_lab.backend.attention.prefill_exp2`): the paged prefill kernel.
         kv_cache_dtype: "auto" (the model's dtype) or "fp8" (E4M3, scales 1.0; torch and
             triton backends): the same memory rule sizes the cache, so about twice the
             blocks of a bf16 one.
@@ -124,6 +126,7 @@ class ModelRunner:
         num_threads: int | None = None,
         tensor_parallel: TPShard | None = None,
         prefill_attention: str = "auto",
+        triton_prefill_kernel: str = "base",
         lora_adapters: dict[str, Path] | None = None,
         max_loras: int = 1,
         max_lora_rank: int = 16,
@@ -158,6 +161,7 @@ class ModelRunner:
         _check_max_model_len(self.config, self.max_model_len, model_dir)
         backend = get_attention_backend(attention_backend, self.device, self.dtype, block_size)
         backend.set_prefill_attention(prefill_attention)
+        backend.set_prefill_kernel(triton_prefill_kernel)
         self.kv_dtype = kv_torch_dtype(kv_cache_dtype, self.dtype)
         backend.set_kv_cache_dtype(self.kv_dtype)
         self.attn_backend = backend

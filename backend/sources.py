@@ -24,6 +24,7 @@ OPTION_SOURCES: dict[str, tuple[str, ...]] = {
     "lora": ("lora_kernels.py", "lora_tiles.py"),
     "speculative": ("spec_decode.py", "verify.py"),
     "tensor_parallel": ("tp_engine.py",),
+    "prefill_exp2": ("attention/prefill_exp2.py",),
 }
 KEY = "backend_sources"  # the core files' key; an option's is f"{KEY}_{option}"
 

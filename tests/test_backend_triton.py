@@ -119,6 +119,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sched_lab.backend import triton_ops as ops
+from sched_lab.backend.attention import prefill_exp2 as pe
 from sched_lab.backend.attention import triton_kernels as tk
 
 dtype = sys.argv[1]
@@ -126,7 +127,7 @@ ptr = "*" + dtype
 precision = "ieee" if dtype == "fp32" else "tf32"
 attn = dict(Q=ptr, KCache=ptr, VCache=ptr, Out=ptr, BlockTables="*i32", QueryStartLoc="*i32",
             SeqLens="*i32", Work="*i32", Tiles="*i32", scale="fp32", PartialOut="*fp32",
-            PartialLse="*fp32", Counters="*i32", k_scale="fp32", v_scale="fp32")
+            PartialLse="*fp32", Counters="*i32", k_scale="fp32", v_scale="fp32", qk_scale="fp32")
 fp8 = dict(attn, KCache="*fp8e4nv", VCache="*fp8e4nv")  # kv_cache.dtype: fp8
 dims = dict(GROUP=4, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_P=128, BLOCK_N=64)
 store = dict(K=ptr, V=ptr, KCache=ptr, VCache=ptr, SlotMapping="*i64", k_scale="fp32",
@@ -138,6 +139,10 @@ kernels = [
      dict(store_dims, KV_FP8=True)),
     (tk._prefill_kernel, attn, dict(dims, BLOCK_M=64, DOT_PRECISION=precision, KV_FP8=False)),
     (tk._prefill_kernel, fp8, dict(dims, BLOCK_M=64, DOT_PRECISION=precision, KV_FP8=True)),
+    (pe._prefill_exp2_kernel, attn, dict(dims, BLOCK_M=64, DOT_PRECISION=precision,
+                                         KV_FP8=False)),
+    (pe._prefill_exp2_kernel, fp8, dict(dims, BLOCK_M=64, DOT_PRECISION=precision,
+                                        KV_FP8=True)),
     (tk._decode_reduce_kernel, dict(PartialOut="*fp32", PartialLse="*fp32", Out=ptr,
                                     QueryStartLoc="*i32", Work="*i32", WorkLoc="*i32"),
      dict(HEAD_DIM=128, HEAD_DIM_P=128, MERGE_BLOCK=16)),

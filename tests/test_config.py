@@ -161,14 +161,16 @@ def test_to_dict_is_the_config_yaml_layout_and_round_trips(tmp_path):
         {"label": "c512", "name": "chunked_prefill", "max_num_batched_tokens": 512}
     ]
     assert d["slo"] == {"ttft_s": 2, "tpot_s": None, "e2e_s": None}
-    assert list(d["engine"])[-6:] == [
+    assert list(d["engine"])[-7:] == [
         "cuda_graphs",
         "mixed_graphs",
         "kn_weights",
         "num_threads",
         "tensor_parallel_size",
         "prefill_attention",
+        "triton_prefill_kernel",
     ]
+    assert d["engine"]["triton_prefill_kernel"] == "base"
     assert cfg.run_label(cfg.policies[0], 2.0) == "c512@x2"
     assert validate(yaml.safe_load(yaml.safe_dump(d))) == cfg
 

@@ -15,6 +15,7 @@ from sched_lab.core.kv_dtypes import FP8_E4M3_MAX
 PREFILL_TILE_M = 64  # query rows of one prefill attention tile (the Triton kernel's BLOCK_M)
 DECODE_TILE = 64  # key positions of one decode attention tile (the Triton kernel's BLOCK_N)
 MAX_SPLITS = 16  # work items per decode row in the default item count (decode_items)
+PREFILL_KERNELS = ("base", "exp2")  # engine.triton_prefill_kernel (set_prefill_kernel)
 DECODE_TARGET_PROGRAMS = 4 * 132  # H100/H200 SXM: 132 SMs (NVIDIA H100 datasheet); 4 each
 
 
@@ -295,6 +296,16 @@ class AttentionBackend(ABC):
                               f"got {mode!r}")  # fmt: skip
         if mode == "flash_varlen":
             raise ConfigError(f"prefill_attention 'flash_varlen' needs the 'triton' attention "
+                              f"backend; got {self.name!r}")  # fmt: skip
+
+    def set_prefill_kernel(self, kernel: str) -> None:
+        """The paged prefill kernel: ``base``, or ``exp2``
+        (:mod:`sched_lab.backend.attention.prefill_exp2`, the triton backend only)."""
+        if kernel not in PREFILL_KERNELS:
+            raise ConfigError(f"triton_prefill_kernel must be one of {', '.join(PREFILL_KERNELS)}; "
+                              f"got {kernel!r}")  # fmt: skip
+        if kernel != "base":
+            raise ConfigError(f"triton_prefill_kernel {kernel!r} needs the 'triton' attention "
                               f"backend; got {self.name!r}")  # fmt: skip
 
     def store(

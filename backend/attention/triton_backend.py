@@ -12,7 +12,12 @@ import torch
 import triton
 
 from sched_lab.backend.attention import flash_varlen, triton_kernels
-from sched_lab.backend.attention.base import AttentionBackend, AttentionMetadata, step_decode_work
+from sched_lab.backend.attention.base import (
+    PREFILL_KERNELS,
+    AttentionBackend,
+    AttentionMetadata,
+    step_decode_work,
+)
 from sched_lab.backend.attention.triton_graphs import TritonGraphMetadata
 from sched_lab.backend.errors import DeviceError
 
@@ -35,6 +40,7 @@ class TritonAttention(AttentionBackend):
                 "use 'torch' on CPU, or set TRITON_INTERPRET=1 before importing triton to test"
             )
         self.prefill_attention = "auto"
+        self.prefill_kernel = "base"
         self.varlen = flash_varlen.available(device, dtype)  # auto: use it where it wins
 
     def set_prefill_attention(self, mode: str) -> None:
@@ -48,6 +54,13 @@ class TritonAttention(AttentionBackend):
                 f"float16/bfloat16 (got {self.device}, {self.dtype}); use 'auto' or 'triton'"
             )
         self.prefill_attention = mode
+
+    def set_prefill_kernel(self, kernel: str) -> None:
+        """``base`` (:func:`triton_kernels.prefill_attention`) or ``exp2``
+        (:mod:`sched_lab.backend.attention.prefill_exp2`) for the paged prefill tiles."""
+        if kernel not in PREFILL_KERNELS:
+            super().set_prefill_kernel(kernel)  # the one-line error
+        self.prefill_kernel = kernel
 
     def store(
         self,
@@ -109,8 +122,11 @@ class TritonAttention(AttentionBackend):
             out[: prefill.shape[0]].copy_(prefill)
         elif meta.num_prefills:
             assert meta.prefill_tiles is not None, "prefill steps need meta.prefill_tiles"
-            triton_kernels.prefill_attention(q, *common, meta.prefill_tiles, scale,
-                                             self.k_scale, self.v_scale)  # fmt: skip
+            if self.prefill_kernel == "exp2":  # an option's file: imported where it runs
+                from sched_lab.backend.attention.prefill_exp2 import prefill_attention
+            else:
+                prefill_attention = triton_kernels.prefill_attention
+            prefill_attention(q, *common, meta.prefill_tiles, scale, self.k_scale, self.v_scale)
         if meta.num_decodes:
             work, loc, merge = meta.decode_work, meta.decode_work_loc, meta.decode_merge
             if work is None or loc is None:  # built here in every layer (tests)

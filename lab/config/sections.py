@@ -331,6 +331,8 @@ class EngineConfig:
     tensor_parallel_size: int = option(1, is_int())
     # kernel of eager prefill chunks from position 0 (backend/attention/flash_varlen.py)
     prefill_attention: str = option("auto", is_choice(("auto", "triton", "flash_varlen")))
+    # the triton backend's paged prefill kernel: base, or exp2 (backend/attention/prefill_exp2.py)
+    triton_prefill_kernel: str = option("base", is_choice(("base", "exp2")))
 
 
 def parse_engine(ctx: Context, raw: Any) -> EngineConfig:

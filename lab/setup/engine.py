@@ -163,6 +163,7 @@ def _runner_kwargs(cfg: ExperimentConfig) -> dict[str, Any]:
         kn_weights=eng.kn_weights,
         num_threads=eng.num_threads,
         prefill_attention=eng.prefill_attention,
+        triton_prefill_kernel=eng.triton_prefill_kernel,
         quantization=cfg.quantization,
         kv_cache_dtype=kv.dtype,
         **_lora_kwargs(cfg),

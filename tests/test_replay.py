@@ -247,6 +247,52 @@ def test_an_arrival_inside_a_run_ends_it_before_the_step_it_falls_in(monkeypatch
     assert res.steps["num_prefill_tokens"].tolist()[:6] == [4, 0, 0, 0, 0, 4]
 
 
+def _pending_runs(monkeypatch) -> list:
+    """Wrap Scheduler.repeat_decodes_run: the list it returns gets (first step, steps
+    applied, pending) of each run, ``pending`` the run's ``RepeatRun.pending``."""
+    from sched_lab.core.scheduler import Scheduler
+
+    original, got = Scheduler.repeat_decodes_run, []
+
+    def wrapped(self, prev, *args, **kwargs):
+        first = self.num_steps
+        run = original(self, prev, *args, **kwargs)
+        if run is not None:
+            got.append((first, len(run.start_s), run.pending))
+        return run
+
+    monkeypatch.setattr(Scheduler, "repeat_decodes_run", wrapped)
+    return got
+
+
+def test_the_step_an_arrival_falls_in_ends_the_run_as_its_pending_step(monkeypatch):
+    """B arrives 0.1 s into step 4: the run applies steps 1-3 and plans step 4 (A's 9th
+    token: 8 tokens of context, a 3rd block), which the loop waits for as a SimPy timeout
+    and applies after B's arrival, as step by step; the policy prefills B in step 5."""
+    got = _pending_runs(monkeypatch)
+    t4 = 0.25 + sum(0.25 + (5 + t) / 4096 for t in range(3))  # step 4's start
+    res, runs, _ = replay_both(monkeypatch, [("A", 0.0, 4, 10), ("B", t4 + 0.1, 4, 2)])
+    d4 = 0.25 + 8 / 4096
+    assert got[0] == (1, 3, (t4, d4, 3, 8, 0))
+    assert res.steps["time_s"].tolist()[4:6] == [t4, t4 + d4]
+    assert res.steps["kv_used_blocks"].tolist()[:6] == [2, 2, 2, 2, 3, 5]
+    assert res.steps.repeats.tolist()[:6] == [False, False, True, True, True, False]
+
+
+def test_a_decode_plan_whose_step_an_arrival_falls_in_is_the_pending_step(monkeypatch):
+    """B arrives 0.1 s into step 1, the policy's first decode plan: the run applies no
+    step and leaves that plan pending (its row recorded whole); after B's arrival the
+    policy prefills B in step 2, as step by step."""
+    got = _pending_runs(monkeypatch)
+    res, runs, _ = replay_both(monkeypatch, [("A", 0.0, 4, 10), ("B", 0.35, 4, 2)])
+    d1 = 0.25 + 5 / 4096
+    assert got[0] == (1, 0, (0.25, d1, 2, 5, 0))
+    assert runs[0] == (1, 0)
+    assert res.steps["num_prefill_tokens"].tolist()[:3] == [4, 0, 4]
+    assert res.steps["time_s"].tolist()[:3] == [0.0, 0.25, 0.25 + d1]
+    assert res.steps.repeats.tolist()[:3] == [False, False, False]
+
+
 def test_an_arrival_at_a_step_end_ends_the_run_before_that_step(monkeypatch):
     """B arrives exactly when step 3 ends: the run holds steps 1-2 only (a step must end before
     every other event), and the plan at step 3's end sees B."""

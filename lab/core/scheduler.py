@@ -6,6 +6,7 @@ lab/core/admission.py, preemption.py, spec_drafts.py; async state in in_flight.p
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -48,13 +49,16 @@ VICTIM_WHY = {
 class RepeatRun(NamedTuple):
     """Steps made by :meth:`Scheduler.repeat_decodes_run`, one entry each: start and
     duration (seconds), GPU blocks used and holding a key as the step runs, and the
-    decodes' context tokens."""
+    decodes' context tokens. ``pending``: None, or the same five values of one more step,
+    planned but not applied (it ends at or after the next event: the caller waits for it,
+    then applies it with :meth:`Scheduler.update`)."""
 
     start_s: list[float]
     duration_s: list[float]
     kv_used_blocks: list[int]
     decode_context_tokens: list[int]
     kv_cached_blocks: list[int]
+    pending: tuple[float, float, int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -320,6 +324,7 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         check: bool = False,
         decode_time: Callable[[StepFeatures], Callable[[int], float]] | None = None,
         planned: bool = False,
+        pending: bool = False,
     ) -> RepeatRun | None:
         """Multi-step fast-forward: plan and apply at once the steps that
         :meth:`repeat_decodes` and :meth:`update` would make one by one, while nothing can
@@ -336,9 +341,14 @@ class Scheduler(Admission, Preemption, SpecDrafts):
         ``planned``: ``prev`` is instead the plan :meth:`schedule` has just made, decodes
         only (no prefill, preemption, swap, abort or drafts), not run yet: it is the run's
         first step (its blocks and waits are the policy's), applied as :meth:`update`
-        would. Returns the steps' columns, or None if not one step qualifies (nothing
-        changed). Mutates blocks, waits, requests, queues, the step count and ``prev``
-        (left as the last step's plan)."""
+        would. ``pending``: the step that would end at or after ``until_s`` (with a finite
+        end, its blocks granted) is planned too, as :meth:`repeat_decodes` plans it (or,
+        ``planned`` and the run's first, as the policy did), and returned as
+        ``RepeatRun.pending``, not applied: the caller waits until it ends, then applies
+        it with :meth:`update` (the steps before it are applied). Returns the steps'
+        columns, or None if not one step qualifies (nothing changed). Mutates blocks,
+        waits, requests, queues, the step count and ``prev`` (left as the last step's plan,
+        or the pending one's)."""
         ds = self.decode_set
         horizon = ds.ticks_before_finish()  # step ``horizon`` of the run finishes someone
         f = prev.features()
@@ -359,10 +369,13 @@ class Scheduler(Admission, Preemption, SpecDrafts):
 
         start, duration, used, context, cached = [], [], [], [], []
         used_now, cached_now = bm.num_used_gpu_blocks, bm.num_cached_blocks  # change by allocating
-        t, j = now_s, 0
+        t, j, last = now_s, 0, None
         if planned:  # step 0: its blocks are allocated
             d = price(ctx)
             if not (d >= 0.0 and t + d < until_s):
+                if pending and d >= 0.0 and t + d < math.inf:  # it waits for the event
+                    last = (t, d, used_now, ctx, cached_now)
+                    return tuple.__new__(RepeatRun, ([], [], [], [], [], last))
                 f.decode_context_tokens = prev.decode_context_tokens
                 return None
             start.append(t)
@@ -382,6 +395,12 @@ class Scheduler(Admission, Preemption, SpecDrafts):
             d = price(ctx)
             end = t + d
             if not (d >= 0.0 and end < until_s):  # the step loop raises for a bad duration
+                if pending and d >= 0.0 and end < math.inf:  # step j waits for the event
+                    if need:
+                        for r in need:
+                            allocate(r, 1)
+                        used_now, cached_now = bm.num_used_gpu_blocks, bm.num_cached_blocks
+                    last = (t, d, used_now, ctx, cached_now)
                 break
             if need:
                 for r in need:
@@ -399,6 +418,21 @@ class Scheduler(Admission, Preemption, SpecDrafts):
             t = end
             ctx += num_decodes
             j += 1
+        if last is not None:  # step j is planned, not applied (tick0 + j is its tick)
+            first = self.num_steps
+            if self._admit_step == first - (not planned):  # as repeat_decodes, step after step
+                self._admit_step = first + j
+            self.events.repeat_run(first + planned, j + 1 - planned)
+            if j:
+                self.num_steps += j
+                self.now_s = t
+            prev.decode_context_tokens = f.decode_context_tokens = ctx
+            ds.skip(tick0 + j - ds.tick)
+            prev.decode_tick = ds.tick
+            self._slots_planned_for = prev
+            if check:
+                self.check_plan(prev)
+            return tuple.__new__(RepeatRun, (start, duration, used, context, cached, last))
         if not j:
             f.decode_context_tokens = prev.decode_context_tokens
             return None
@@ -419,7 +453,7 @@ class Scheduler(Admission, Preemption, SpecDrafts):
                 self._finish(r, t)
         else:
             ds.skip(1)
-        return tuple.__new__(RepeatRun, (start, duration, used, context, cached))
+        return tuple.__new__(RepeatRun, (start, duration, used, context, cached, None))
 
     def _repeat_budget(self) -> int:
         """Blocks repeated decode plans may take, one after another, before the policy must

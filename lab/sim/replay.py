@@ -120,6 +120,7 @@ class ReplayLoop:
         self._advance_to = getattr(env, "advance_to", lambda t: False)
         # Prices a fast-forward run's steps by their context alone (Scheduler.repeat_decodes_run).
         self._decode_time = getattr(executor, "decode_step_time", None)
+        self._pending_s: float | None = None  # see _fast_forward
 
     def add(self, r: Request) -> None:
         """Hand ``r`` to the scheduler now; wake the loop if ``r`` was queued."""
@@ -171,6 +172,12 @@ class ReplayLoop:
             plan = None
             if repeat is not None:
                 if many and not ran and self._fast_forward(repeat, row, step_time):
+                    if self._pending_s is not None:  # its last step waits for another event
+                        added = self.num_added
+                        yield from self._pending(repeat)
+                        if self.num_added != added or not _repeatable(repeat):
+                            repeat = None
+                        continue
                     if repeat.finished:
                         repeat = None
                         continue  # the run's last step finished a request: the policy plans
@@ -195,7 +202,12 @@ class ReplayLoop:
                     continue  # only aborts: plan again
                 row = row_of(plan)
                 if many and _repeatable(plan) and self._fast_forward(plan, row, step_time, True):
-                    if not plan.finished:  # the run began with this plan
+                    if self._pending_s is not None:  # its last step waits for another event
+                        added = self.num_added
+                        yield from self._pending(plan)
+                        if self.num_added == added and _repeatable(plan):
+                            repeat = plan
+                    elif not plan.finished:  # the run began with this plan
                         repeat, ran = plan, True
                     continue
             if wall_clock:
@@ -222,30 +234,42 @@ class ReplayLoop:
         other event (:meth:`Scheduler.repeat_decodes_run`): records, clock and progress
         calls as step by step. ``planned``: ``plan`` is a decode-only plan just made, not
         run, its ``row`` not recorded: the run starts with its step. Returns whether any
-        step ran."""
+        step ran or was planned; the step that ends at or after the next event, if planned
+        as the run's last (``RepeatRun.pending``), is recorded and its duration left in
+        ``_pending_s``: the caller runs :meth:`_pending` next."""
         env, scheduler, recorder = self.env, self.scheduler, self.recorder
         first = recorder.num_steps
         run = scheduler.repeat_decodes_run(
             plan, step_time, env.now, env.peek(), self.check_invariants, self._decode_time,
-            planned,
+            planned, True,
         )  # fmt: skip
         if run is None:
             return False
-        if not planned:
-            recorder.append_repeats(row, *run)
-        else:
-            start, duration, used, context, cached = run
-            row[0], row[1] = start[0], duration[0]
-            recorder.append(row, plan.decodes)
-            if len(start) > 1:
-                recorder.append_repeats(
-                    row, start[1:], duration[1:], used[1:], context[1:], cached[1:]
-                )
+        start, duration, used, context, cached, pending = run
+        if start:
+            if not planned:
+                recorder.append_repeats(row, start, duration, used, context, cached)
+            else:
+                row[0], row[1] = start[0], duration[0]
+                recorder.append(row, plan.decodes)
+                if len(start) > 1:
+                    recorder.append_repeats(
+                        row, start[1:], duration[1:], used[1:], context[1:], cached[1:]
+                    )
+        if pending is not None:  # recorded now (nothing records while it waits)
+            if planned and not start:  # the policy's plan itself
+                row[0], row[1] = pending[0], pending[1]
+                recorder.append(row, plan.decodes)
+            else:
+                recorder.append_repeat(row, *pending)
+            self._pending_s = pending[1]
+            if not start:
+                return True
         end_s = scheduler.now_s
         if not self._advance_to(end_s):
             raise RuntimeError(f"fast-forward: a step ends at t={end_s!r}s, after another event")
         if self.progress is not None:  # after each 4096th step, at its end
-            k = len(run.start_s)
+            k = len(start)
             ended = self.num_added - scheduler.num_unfinished  # after the last step
             for i in range((-first - 1) % _PROGRESS_EVERY, k, _PROGRESS_EVERY):
                 if i + 1 < k:  # before the last step's finishes
@@ -253,6 +277,17 @@ class ReplayLoop:
                 else:
                     self.progress(ended, end_s)
         return True
+
+    def _pending(self, plan: SchedulerOutput) -> Iterator[simpy.Event]:
+        """Wait for the step a fast-forward run left pending (``plan``, recorded, lasting
+        ``_pending_s``: it ends at or after another event), then apply it as :meth:`_step`
+        does."""
+        duration_s, self._pending_s = self._pending_s, None
+        yield self.env.timeout(duration_s)
+        now = self.env.now
+        self.scheduler.update(plan, StepResult(duration_s), now)
+        if self.progress is not None and self.recorder.num_steps % _PROGRESS_EVERY == 0:
+            self.progress(self.num_added - self.scheduler.num_unfinished, now)
 
     def _run_async(self) -> Iterator[simpy.Event]:
         """At most one step is in flight while the next is planned. A plan that feeds no

@@ -9,6 +9,8 @@ from sched_lab.core.events import ADMITTED
 from sched_lab.core.plan import SchedulerOutput
 from sched_lab.core.request import Request, RequestStatus
 
+_NO_ADAPTERS: frozenset[str] = frozenset()  # the adapters admission pins without LoRA
+
 
 class Admission:
     """Mixin of :class:`~sched_lab.core.scheduler.Scheduler` (its state lives there); mutates its
@@ -23,13 +25,14 @@ class Admission:
         prefixes are looked up at admission. Returns the budget left."""
         bm, queue, max_seqs = self.block_manager, self.waiting, self.limits.max_num_seqs
         self._admit_step = step = self.num_steps
-        self._admitted = set()
+        if self._admitted:  # (an empty one is kept: most plans admit nobody)
+            self._admitted = set()
         if not queue:
             return budget
         events = self.events
         caching = bm.enable_prefix_caching
         order = self.admission_order()
-        lora, pinned, skipped = self.lora, set(), False
+        lora, pinned, skipped = self.lora, _NO_ADAPTERS, False
         if lora is not None:  # a request whose adapter finds no slot is skipped, not a stop
             plan.lora = True
             pinned = {q.lora_name for q in (*self.running, *self.swapped) if q.lora_name}
@@ -60,9 +63,7 @@ class Admission:
             if caching:
                 need -= len(hits)
             taken = need + bm.num_evictable(hits) if caching else need  # hits leave the LRU
-            if len(self.running) >= max_seqs or not bm.can_allocate(
-                taken, use_watermark=bool(self.running)
-            ):
+            if len(self.running) >= max_seqs or not bm.can_allocate(taken, bool(self.running)):
                 regained = self.make_room(plan, r, taken)
                 if regained is not None:
                     budget += regained
@@ -73,7 +74,7 @@ class Admission:
                 if len(self.running) >= max_seqs:
                     events.wait(step, r, "max_num_seqs", max_seqs)
                     break
-            if not bm.can_allocate(taken, use_watermark=bool(self.running)):
+            if not bm.can_allocate(taken, bool(self.running)):  # (use_watermark)
                 if (
                     not (self.running or self.swapped or self.held)
                     and taken > bm.num_free_gpu_blocks

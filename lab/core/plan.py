@@ -237,7 +237,10 @@ class SchedulerOutput:
     @property
     def feeds_tokens(self) -> bool:
         """True if some request advances: a decode, or a prefill chunk of >= 1 token."""
-        return bool(self.decodes) or any(n > 0 for n in self.prefills.values())
+        if self.decodes:
+            return True
+        prefills = self.prefills
+        return bool(prefills) and max(prefills.values()) > 0
 
     @property
     def is_empty(self) -> bool:

@@ -24,7 +24,8 @@ class Preemption:
     def _reserve_decode_blocks(self, plan: SchedulerOutput) -> None:
         """:meth:`Scheduler.reserve_decode_blocks` without speculative decoding."""
         bm = self.block_manager
-        while len(self._needing_block()) > bm.num_free_gpu_blocks:
+        need = self._needing_block()
+        while len(need) > bm.num_free_gpu_blocks:
             if len(self.running) == 1:
                 self.abort(
                     plan,
@@ -34,7 +35,8 @@ class Preemption:
                 )
             else:
                 self._preempt_victim(plan)
-        for r in self._needing_block():
+            need = self._needing_block()  # (the decode set changed)
+        for r in need:
             bm.allocate(r, 1)
 
     def _needing_block(self) -> Iterable[Request]:

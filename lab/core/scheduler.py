@@ -626,8 +626,10 @@ class Scheduler(Admission, Preemption, SpecDrafts):
             self.waiting.remove(r)
 
     def _finish(self, r: Request, now_s: float) -> None:
-        if r in self.running:
+        try:  # (one scan of ``running``, not two)
             self.running.remove(r)
+        except ValueError:  # not running (a foreseen async end left it at launch)
+            pass
         if self.on_finish is not None and self.on_finish(r, now_s):
             self.held.append(r)
         elif r.block_table:  # (a foreseen async end freed its blocks at launch)

@@ -239,9 +239,10 @@ class ReplayLoop:
         ``_pending_s``: the caller runs :meth:`_pending` next."""
         env, scheduler, recorder = self.env, self.scheduler, self.recorder
         first = recorder.num_steps
+        queue = env._queue  # (a SimEnvironment: peek() and advance_to() inlined)
         run = scheduler.repeat_decodes_run(
-            plan, step_time, env.now, env.peek(), self.check_invariants, self._decode_time,
-            planned, True,
+            plan, step_time, env._now, queue[0][0] if queue else math.inf,
+            self.check_invariants, self._decode_time, planned, True,
         )  # fmt: skip
         if run is None:
             return False
@@ -266,8 +267,9 @@ class ReplayLoop:
             if not start:
                 return True
         end_s = scheduler.now_s
-        if not self._advance_to(end_s):
+        if queue and queue[0][0] <= end_s:
             raise RuntimeError(f"fast-forward: a step ends at t={end_s!r}s, after another event")
+        env._now = end_s
         if self.progress is not None:  # after each 4096th step, at its end
             k = len(start)
             ended = self.num_added - scheduler.num_unfinished  # after the last step

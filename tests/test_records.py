@@ -134,6 +134,34 @@ def test_a_row_that_is_not_numbers_is_refused_and_not_appended(chunk3):
     assert steps["num_seqs"].tolist() == [4, 204]
 
 
+def test_packed_values_are_those_fromlist_appends():
+    """Rows and repeats are appended as packed float64 bytes: the same values, to the bit,
+    as ``array("d").fromlist`` (ints, floats, bools, numpy scalars, ints up to 2**53); a
+    huge int is refused as fromlist refuses it (OverflowError), appending nothing."""
+    from array import array
+
+    from sched_lab.sim.records import _packer
+
+    values = [0.1, 1e-300, -0.0, 3, True, np.int64(7), np.float64(2.5), 2**53, -(2**40)]
+    expect = array("d")
+    expect.fromlist(values)
+    assert _packer(len(values))(*values) == expect.tobytes()
+    rec = StepRecorder()
+    full = row(1)
+    full[2], full[3] = 2**53, np.int64(-5)
+    rec.append(full, ["r"])
+    huge = row(2)
+    huge[5] = 2**1100
+    with pytest.raises(OverflowError):
+        rec.append(huge, [])
+    rec.append_repeats(full, [1.5, 2.25], [0.5, 0.75], [7, 8], [30, 31], [0, 1])
+    with pytest.raises(OverflowError):
+        rec.append_repeats(full, [3.0], [0.5], [2**1100], [32], [0])
+    assert rec.num_steps == 4  # (the refused repeat was counted, as before)
+    assert rec._repeated[0].tolist() == [1.5, 2.25, 3.0]
+    assert rec._repeated[2].tolist() == [7.0, 8.0]
+
+
 @pytest.mark.parametrize("chunk", [1, 2, 5])
 def test_chunked_records_equal_records_narrowed_at_the_end(monkeypatch, chunk):
     """A random recording (whole rows, single and bulk repeats, ranges that need every type,

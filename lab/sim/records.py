@@ -10,9 +10,10 @@ read (:meth:`StepRecorder.columns`).
 from __future__ import annotations
 
 import functools
+import struct
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +45,20 @@ CHUNK_ROWS = 16384
 _INT_TYPES = (np.int8, np.int16, np.int32)
 _INT_RANGES = [(int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in _INT_TYPES]
 
+# ``array("d").fromlist`` converts each value through PyArg_Parse (slow); struct packs the
+# same float64 values (``PyFloat_AsDouble``, as that parse) several times faster, and
+# ``frombytes`` copies them in. A packer per number of values, made on first use.
+_PACKERS: dict[int, Callable[..., bytes]] = {}
+
+
+def _packer(n: int) -> Callable[..., bytes]:
+    """``struct.Struct(f"{n}d").pack``, kept."""
+    pack = _PACKERS.get(n)
+    if pack is None:
+        pack = _PACKERS[n] = struct.Struct(f"{n}d").pack
+    return pack
+
+
 ENDED = (
     RequestStatus.FINISHED,
     RequestStatus.REJECTED,
@@ -73,6 +88,7 @@ class StepRecorder:
     def __init__(self, extra: tuple[str, ...] = ()) -> None:
         self.names = (*STEP_COLUMNS, *extra)  # ``extra``: e.g. LORA_COLUMNS
         self._values = array("d")  # the whole rows not yet narrowed, one after the other
+        self._pack_row = _packer(len(self.names))
         self._full = CHUNK_ROWS * len(self.names)  # (values of CHUNK_ROWS rows)
         self._by_column: np.ndarray | None = None  # those rows transposed, to narrow them
         self._ticks = array("q")  # the whole rows that ran a decode tick (repeats all do)
@@ -91,7 +107,10 @@ class StepRecorder:
         ``decodes``: the step's decodes (not empty: it ran a decode tick). Raises TypeError
         for a value that is not a number, appending nothing."""
         values = self._values
-        values.fromlist(row)  # (much faster than extend for a list)
+        try:  # the same float64 values as fromlist (much faster than extend), faster still
+            values.frombytes(self._pack_row(*row))
+        except struct.error:  # not numbers, or another length: as fromlist has it
+            values.fromlist(row)
         if decodes:
             self._ticks.append(self.num_steps)
         self.num_steps += 1
@@ -123,11 +142,22 @@ class StepRecorder:
         in order as a list of one value a step (all of one length)."""
         self._count_repeats(row, len(time_s))
         time_c, duration_c, used_c, context_c, cached_c = self._repeated
-        time_c.fromlist(time_s)
-        duration_c.fromlist(duration_s)
-        used_c.fromlist(kv_used)
-        context_c.fromlist(context)
-        cached_c.fromlist(kv_cached)
+        pack = _packer(len(time_s))  # (as append: fromlist's values, faster)
+        try:
+            packed = pack(*time_s), pack(*duration_s), pack(*kv_used), pack(*context)
+            packed_cached = pack(*kv_cached)
+        except struct.error:  # not numbers, or lists of other lengths: as fromlist has it
+            time_c.fromlist(time_s)
+            duration_c.fromlist(duration_s)
+            used_c.fromlist(kv_used)
+            context_c.fromlist(context)
+            cached_c.fromlist(kv_cached)
+        else:
+            time_c.frombytes(packed[0])
+            duration_c.frombytes(packed[1])
+            used_c.frombytes(packed[2])
+            context_c.frombytes(packed[3])
+            cached_c.frombytes(packed_cached)
         if len(cached_c) >= CHUNK_ROWS:
             self._narrow_repeats()
 

@@ -5,7 +5,9 @@ under TRITON_INTERPRET=1 (compiled on a GPU); the option's checks and fingerprin
 from __future__ import annotations
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
+
 from triton_setup import DEVICE, HAS_CUDA, QWEN3_TINY, needs_triton  # noqa: F401  (first: sets TRITON_INTERPRET)
 
 from sched_lab.backend.attention import get_attention_backend  # noqa: E402

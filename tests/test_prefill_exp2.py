@@ -101,21 +101,27 @@ def test_the_option_is_refused_by_other_backends_and_unknown_kernels_in_one_line
         triton_backend.set_prefill_kernel("exp3")
 
 
-def test_runner_with_exp2_gives_the_base_logits_and_names_the_option(tmp_path):
+def test_runner_with_exp2_gives_the_base_logits_and_names_the_option(tmp_path, monkeypatch):
+    from sched_lab.backend.attention import prefill_exp2
+
+    calls = []  # the exp2 kernel's launches (one a layer of a prefill step)
+    kernel = prefill_exp2.prefill_attention
+    monkeypatch.setattr(prefill_exp2, "prefill_attention",
+                        lambda *a, **k: calls.append(1) or kernel(*a, **k))  # fmt: skip
     write_random_checkpoint(QWEN3_TINY, tmp_path, dtype="float32", std=0.2)
-    a, b = list(range(0, 40)), list(range(40, 80))  # block tables of 4-token blocks
-    steps = [
-        [SeqInput(list(range(130)), 0, a, True), SeqInput(list(range(9, 20)), 0, b, False)],
-        [SeqInput([5], 130, a, True), SeqInput(list(range(40, 120)), 11, b, True)],
-    ]
+    a = list(range(0, 24))  # a block table of 4-token blocks
+    # a 70-token prompt (its second query tile sees key tile 0 unmasked), then a decode
+    steps = [[SeqInput(list(range(70)), 0, a, True)], [SeqInput([5], 70, a, True)]]
     logits, prints = {}, {}
-    for kernel in ("base", "exp2"):
+    for name in ("base", "exp2"):
         runner = ModelRunner(tmp_path, device=str(DEVICE), attention_backend="triton",
                              block_size=4, num_gpu_blocks=96, swap_space_bytes=0,
-                             triton_prefill_kernel=kernel)  # fmt: skip
-        logits[kernel] = [x for s in steps for x in runner.execute_logits(s) if x is not None]
-        prints[kernel] = engine_fingerprint(runner)
-    assert len(logits["exp2"]) == 3  # the sampled rows
+                             cuda_graphs=False,  # (captures would launch it too)
+                             triton_prefill_kernel=name)  # fmt: skip
+        logits[name] = [x for s in steps for x in runner.execute_logits(s) if x is not None]
+        prints[name] = engine_fingerprint(runner)
+        assert len(calls) == (0 if name == "base" else QWEN3_TINY["num_hidden_layers"])
+    assert len(logits["exp2"]) == 2  # the sampled rows
     for got, ref in zip(logits["exp2"], logits["base"], strict=True):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     assert "backend_sources_prefill_exp2" not in prints["base"]

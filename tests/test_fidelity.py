@@ -1002,3 +1002,19 @@ def test_step_table_has_the_repeat_pass_rows_and_the_figures_stay_the_first_pass
     assert rows["repeat pass: prefill"] == ["1", "5.0%", "5.0%"]
     assert rows["both passes: all"] == ["5", "10.0%", "26.0%"]
     assert "repeat pass: all" not in "".join(_by_kind(first_pass(steps)))
+
+
+@pytest.mark.parametrize("kernel", ["base", "exp2"])
+def test_the_protocols_profile_runs_the_runs_prefill_kernel(tmp_path, kernel) -> None:
+    from sched_lab.fidelity.engine_side import _step_commands
+    from sched_lab.fidelity.protocol import load_protocol
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity_tiny.yaml"
+    protocol = load_protocol(path)
+    protocol["experiment"]["engine"]["model_path"] = str(tmp_path)  # validated: it exists
+    if kernel != "base":
+        protocol["experiment"]["engine"]["triton_prefill_kernel"] = kernel
+    (name, argv), *_ = _step_commands(protocol, path, tmp_path / "ckpt", tmp_path)
+    assert name == "profile"
+    at = argv.index("--triton-prefill-kernel")
+    assert argv[at + 1] == kernel

@@ -159,6 +159,7 @@ def _step_commands(
     profile = [sys.executable, "-m", "sched_lab.backend.profile", "--model-dir", str(ckpt),
                "--out", str(out / "profile.csv"),
                "--attention", runs.engine.attention_backend, "--dtype", runs.engine.dtype,
+               "--triton-prefill-kernel", runs.engine.triton_prefill_kernel,
                "--block-size", str(runs.kv_cache.block_size),
                *profile_geometry(protocol["experiment"]),
                *map(str, protocol.get("profile_args", []))]  # fmt: skip

@@ -593,3 +593,30 @@ def test_prefill_copy_gets_no_list_of_the_request():
     assert c.output_len == 1 and r.output_len == 4
     names = [f.name for f in dataclasses.fields(Request) if f.default is EMPTY]
     assert len(names) == 7 and all(getattr(c, n) is EMPTY for n in names)
+
+
+def test_a_stopped_cluster_run_records_no_step_that_a_replica_had_not_finished(tmp_path):
+    # Replica 1 stops the run (fcfs thrashing) at t=1.001969 s while replica 0 waits in a
+    # step that a fast-forward run left pending (it would end at 1.003664 s): that step is
+    # recorded at its end, like any step, so it is not in steps.csv (found by a break-it
+    # review: it was, with a token never made, and the duration ran past the stop).
+    from sched_lab.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(
+        f'{{"timestamp": {7 * i}, "input_length": {100 if i % 2 == 0 else 200}, '
+        f'"output_length": {700 if i % 2 == 0 else 500}}}\n' for i in range(12)
+    ))  # fmt: skip
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"name: clfail\ntrace: {{format: mooncake, path: {trace}}}\nmodel: qwen3-0.6b\n"
+        "hardware: h200-sxm\nkv_cache: {block_size: 16, num_gpu_blocks: 50, swap_space_gib: 0}\n"
+        "scheduler: {max_num_seqs: 8, max_preemptions: 1}\npolicies: [fcfs]\n"
+        "cluster: {replicas: 2, router: round_robin}\n"
+    )
+    assert main(["run", str(cfg), "--out", str(tmp_path / "out"), "--no-plots", "-q"]) == 1
+    steps = pd.read_csv(tmp_path / "out" / "steps.csv")
+    summary = pd.read_json(tmp_path / "out" / "summary.json", typ="series")["fcfs"]
+    assert summary["num_steps"] == len(steps) == 1153
+    assert summary["duration"] == pytest.approx(1.001969, abs=1e-6)  # the stop
+    assert (steps["time_s"] + steps["duration_s"]).max() <= summary["duration"]

@@ -31,6 +31,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import simpy
@@ -121,6 +122,7 @@ class ReplayLoop:
         # Prices a fast-forward run's steps by their context alone (Scheduler.repeat_decodes_run).
         self._decode_time = getattr(executor, "decode_step_time", None)
         self._pending_s: float | None = None  # see _fast_forward
+        self._pending_record: Callable[[], None] | None = None  # its record, made at its end
 
     def add(self, r: Request) -> None:
         """Hand ``r`` to the scheduler now; wake the loop if ``r`` was queued."""
@@ -235,8 +237,10 @@ class ReplayLoop:
         calls as step by step. ``planned``: ``plan`` is a decode-only plan just made, not
         run, its ``row`` not recorded: the run starts with its step. Returns whether any
         step ran or was planned; the step that ends at or after the next event, if planned
-        as the run's last (``RepeatRun.pending``), is recorded and its duration left in
-        ``_pending_s``: the caller runs :meth:`_pending` next."""
+        as the run's last (``RepeatRun.pending``), has its duration left in ``_pending_s``
+        and its record in ``_pending_record``: the caller runs :meth:`_pending` next, which
+        records it at its end, as :meth:`_step` does (a run another process stops meanwhile
+        keeps no record of it)."""
         env, scheduler, recorder = self.env, self.scheduler, self.recorder
         first = recorder.num_steps
         queue = env._queue  # (a SimEnvironment: peek() and advance_to() inlined)
@@ -257,12 +261,16 @@ class ReplayLoop:
                     recorder.append_repeats(
                         row, start[1:], duration[1:], used[1:], context[1:], cached[1:]
                     )
-        if pending is not None:  # recorded now (nothing records while it waits)
+        if pending is not None:
             if planned and not start:  # the policy's plan itself
-                row[0], row[1] = pending[0], pending[1]
-                recorder.append(row, plan.decodes)
+
+                def record() -> None:
+                    row[0], row[1] = pending[0], pending[1]
+                    recorder.append(row, plan.decodes)
+
+                self._pending_record = record
             else:
-                recorder.append_repeat(row, *pending)
+                self._pending_record = partial(recorder.append_repeat, row, *pending)
             self._pending_s = pending[1]
             if not start:
                 return True
@@ -281,11 +289,13 @@ class ReplayLoop:
         return True
 
     def _pending(self, plan: SchedulerOutput) -> Iterator[simpy.Event]:
-        """Wait for the step a fast-forward run left pending (``plan``, recorded, lasting
-        ``_pending_s``: it ends at or after another event), then apply it as :meth:`_step`
-        does."""
+        """Wait for the step a fast-forward run left pending (``plan``, lasting
+        ``_pending_s``: it ends at or after another event), then record it and apply it as
+        :meth:`_step` does."""
         duration_s, self._pending_s = self._pending_s, None
+        record, self._pending_record = self._pending_record, None
         yield self.env.timeout(duration_s)
+        record()
         now = self.env.now
         self.scheduler.update(plan, StepResult(duration_s), now)
         if self.progress is not None and self.recorder.num_steps % _PROGRESS_EVERY == 0:

@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
 
-from triton_setup import DEVICE, HAS_CUDA, QWEN3_TINY, interpreting, needs_triton, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
+from triton_setup import DEVICE, HAS_CUDA, QWEN3_TINY, batch, interpreting, needs_triton, triton  # noqa: F401  (first: sets TRITON_INTERPRET)
 
 from sched_lab.backend.attention import get_attention_backend  # noqa: E402
 from sched_lab.backend.inputs import SeqInput, prepare_inputs  # noqa: E402
@@ -54,17 +54,6 @@ def assert_backends_agree(results, atol, rtol):
     out, k_cache, v_cache = results["triton"]
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # stores are exact copies
     torch.testing.assert_close(out, ref_out, atol=atol, rtol=rtol)
-
-
-def batch(specs, block_size, num_blocks, seed=0) -> list[SeqInput]:
-    """SeqInputs for (start_pos, num_tokens) specs, each with its own scattered blocks."""
-    blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-    seqs = []
-    for start, n in specs:
-        need = -(-(start + n) // block_size)
-        seqs.append(SeqInput(list(range(n)), start, blocks[:need], sample=True))
-        blocks = blocks[need:]
-    return seqs
 
 
 # a chunk over a prefix, a decode over 3 key tiles, a 70-token prefill (2 query tiles),

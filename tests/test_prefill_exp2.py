@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engine,test]'")
 
-from triton_setup import DEVICE, HAS_CUDA, QWEN3_TINY, needs_triton  # noqa: F401  (first: sets TRITON_INTERPRET)
+from triton_setup import DEVICE, HAS_CUDA, QWEN3_TINY, batch, needs_triton  # noqa: F401  (first: sets TRITON_INTERPRET)
 
 from sched_lab.backend.attention import get_attention_backend  # noqa: E402
 from sched_lab.backend.inputs import SeqInput, prepare_inputs  # noqa: E402
@@ -18,17 +18,6 @@ from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint  #
 from sched_lab.core.errors import ConfigError  # noqa: E402
 
 pytestmark = needs_triton
-
-
-def batch(specs, block_size, num_blocks, seed=0) -> list[SeqInput]:
-    """SeqInputs for (start_pos, num_tokens) specs, each with its own scattered blocks."""
-    blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-    seqs = []
-    for start, n in specs:
-        need = -(-(start + n) // block_size)
-        seqs.append(SeqInput(list(range(n)), start, blocks[:need], sample=True))
-        blocks = blocks[need:]
-    return seqs
 
 
 # Key tiles are 64 positions, query tiles 64 rows: a 200-token prompt (4 query tiles, the

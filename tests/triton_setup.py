@@ -46,6 +46,20 @@ needs_triton = pytest.mark.skipif(
     not HAS_CUDA and not interpreting(), reason="triton was imported without TRITON_INTERPRET=1"
 )
 
+
+def batch(specs, block_size, num_blocks, seed=0):
+    """SeqInputs for (start_pos, num_tokens) specs, each with its own scattered blocks."""
+    from sched_lab.backend.inputs import SeqInput
+
+    blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    seqs = []
+    for start, n in specs:
+        need = -(-(start + n) // block_size)
+        seqs.append(SeqInput(list(range(n)), start, blocks[:need], sample=True))
+        blocks = blocks[need:]
+    return seqs
+
+
 #: A tiny Qwen3 (q/k norm, GQA 2:1, tied embeddings) for runner-level kernel tests.
 QWEN3_TINY = {
     "architectures": ["Qwen3ForCausalLM"],

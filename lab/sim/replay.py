@@ -121,8 +121,8 @@ class ReplayLoop:
         self._advance_to = getattr(env, "advance_to", lambda t: False)
         # Prices a fast-forward run's steps by their context alone (Scheduler.repeat_decodes_run).
         self._decode_time = getattr(executor, "decode_step_time", None)
-        self._pending_s: float | None = None  # see _fast_forward
-        self._pending_record: Callable[[], None] | None = None  # its record, made at its end
+        # see _fast_forward: a pending step's duration and its record (made at its end)
+        self._pending_step: tuple[float, Callable[[], None]] | None = None
 
     def add(self, r: Request) -> None:
         """Hand ``r`` to the scheduler now; wake the loop if ``r`` was queued."""
@@ -174,7 +174,7 @@ class ReplayLoop:
             plan = None
             if repeat is not None:
                 if many and not ran and self._fast_forward(repeat, row, step_time):
-                    if self._pending_s is not None:  # its last step waits for another event
+                    if self._pending_step is not None:  # its last step waits for another event
                         added = self.num_added
                         yield from self._pending(repeat)
                         if self.num_added != added or not _repeatable(repeat):
@@ -204,7 +204,7 @@ class ReplayLoop:
                     continue  # only aborts: plan again
                 row = row_of(plan)
                 if many and _repeatable(plan) and self._fast_forward(plan, row, step_time, True):
-                    if self._pending_s is not None:  # its last step waits for another event
+                    if self._pending_step is not None:  # its last step waits for another event
                         added = self.num_added
                         yield from self._pending(plan)
                         if self.num_added == added and _repeatable(plan):
@@ -237,8 +237,8 @@ class ReplayLoop:
         calls as step by step. ``planned``: ``plan`` is a decode-only plan just made, not
         run, its ``row`` not recorded: the run starts with its step. Returns whether any
         step ran or was planned; the step that ends at or after the next event, if planned
-        as the run's last (``RepeatRun.pending``), has its duration left in ``_pending_s``
-        and its record in ``_pending_record``: the caller runs :meth:`_pending` next, which
+        as the run's last (``RepeatRun.pending``), has its duration and record left in
+        ``_pending_step``: the caller runs :meth:`_pending` next, which
         records it at its end, as :meth:`_step` does (a run another process stops meanwhile
         keeps no record of it)."""
         env, scheduler, recorder = self.env, self.scheduler, self.recorder
@@ -268,10 +268,9 @@ class ReplayLoop:
                     row[0], row[1] = pending[0], pending[1]
                     recorder.append(row, plan.decodes)
 
-                self._pending_record = record
             else:
-                self._pending_record = partial(recorder.append_repeat, row, *pending)
-            self._pending_s = pending[1]
+                record = partial(recorder.append_repeat, row, *pending)
+            self._pending_step = pending[1], record
             if not start:
                 return True
         end_s = scheduler.now_s
@@ -290,10 +289,9 @@ class ReplayLoop:
 
     def _pending(self, plan: SchedulerOutput) -> Iterator[simpy.Event]:
         """Wait for the step a fast-forward run left pending (``plan``, lasting
-        ``_pending_s``: it ends at or after another event), then record it and apply it as
-        :meth:`_step` does."""
-        duration_s, self._pending_s = self._pending_s, None
-        record, self._pending_record = self._pending_record, None
+        ``_pending_step``'s duration: it ends at or after another event), then record it and
+        apply it as :meth:`_step` does."""
+        (duration_s, record), self._pending_step = self._pending_step, None
         yield self.env.timeout(duration_s)
         record()
         now = self.env.now

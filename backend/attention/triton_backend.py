@@ -41,6 +41,7 @@ class TritonAttention(AttentionBackend):
             )
         self.prefill_attention = "auto"
         self.prefill_kernel = "base"
+        self._prefill = triton_kernels.prefill_attention  # the kernel set_prefill_kernel chose
         self.varlen = flash_varlen.available(device, dtype)  # auto: use it where it wins
 
     def set_prefill_attention(self, mode: str) -> None:
@@ -60,7 +61,11 @@ class TritonAttention(AttentionBackend):
         (:mod:`sched_lab.backend.attention.prefill_exp2`) for the paged prefill tiles."""
         if kernel not in PREFILL_KERNELS:
             super().set_prefill_kernel(kernel)  # the one-line error
-        self.prefill_kernel = kernel
+        if kernel == "exp2":  # an option's file: imported only by an engine that runs it
+            from sched_lab.backend.attention.prefill_exp2 import prefill_attention
+        else:
+            prefill_attention = triton_kernels.prefill_attention
+        self.prefill_kernel, self._prefill = kernel, prefill_attention
 
     def store(
         self,
@@ -122,11 +127,7 @@ class TritonAttention(AttentionBackend):
             out[: prefill.shape[0]].copy_(prefill)
         elif meta.num_prefills:
             assert meta.prefill_tiles is not None, "prefill steps need meta.prefill_tiles"
-            if self.prefill_kernel == "exp2":  # an option's file: imported where it runs
-                from sched_lab.backend.attention.prefill_exp2 import prefill_attention
-            else:
-                prefill_attention = triton_kernels.prefill_attention
-            prefill_attention(q, *common, meta.prefill_tiles, scale, self.k_scale, self.v_scale)
+            self._prefill(q, *common, meta.prefill_tiles, scale, self.k_scale, self.v_scale)
         if meta.num_decodes:
             work, loc, merge = meta.decode_work, meta.decode_work_loc, meta.decode_merge
             if work is None or loc is None:  # built here in every layer (tests)

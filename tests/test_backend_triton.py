@@ -170,7 +170,10 @@ def test_kernels_compile_for_h200_without_a_gpu(tmp_path):
     # bf16 only, the engine's GPU dtype (fp16 and fp32 compile too, fp32 takes ~15 s).
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(root), TRITON_CACHE_DIR=str(tmp_path))
+    # the checkout first, then the caller's path (a `pip install --target` copy of sched_lab
+    # is found only through it)
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    env.update(PYTHONPATH=path, TRITON_CACHE_DIR=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT, "bf16"], cwd=root, env=env, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]

@@ -297,6 +297,23 @@ def test_search_over_an_integer_key_runs_every_point(tmp_path):
     assert pd.read_csv(out / "capacity.csv").iloc[0]["status"] == "above_range"
 
 
+def test_an_integer_grid_key_with_a_null_stays_whole_in_the_csvs(tmp_path):
+    # kv_cache.num_gpu_blocks: [256, null] makes a float column with an empty cell: written
+    # as "256", not "256.0", in curve.csv and capacity.csv
+    path = write(
+        tmp_path,
+        SYNTH + "policies: [fcfs]\nsweep: {grid: {kv_cache.num_gpu_blocks: [256, null]}}\n"
+        "search: {metric: ttft_s_p99, target: 1000, over: rate_scale, lo: 1, hi: 2}\n",
+    )
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
+    for name in ("curve.csv", "capacity.csv"):
+        lines = (out / name).read_text().splitlines()
+        at = lines[0].split(",").index("kv_cache.num_gpu_blocks")
+        cells = {line.split(",")[at] for line in lines[1:]}
+        assert cells == {"256", ""}, (name, cells)
+
+
 def test_whole_number_keys_come_from_the_section_dataclasses():
     from sched_lab.sweeps.search import whole_number_key
 

@@ -75,9 +75,13 @@ def _write(tmp: Path, sweep, tasks, results, timing, partial: str | None) -> Non
     capacity = capacity_table(sweep, tasks, results) if sweep.search is not None else None
     name = "curve" if sweep.search is not None else "sweep"
     whole = [sweep.search.over] if sweep.search is not None and sweep.search.integer else []
-    parquet = _table(tmp, name, whole_numbers(table, whole))
+    # a key whose grid is integers and nulls (kv_cache.num_gpu_blocks: [2048, null]) stays
+    # 2048, not the 2048.0 of a float column with empty cells
+    int_keys = [k for k in sweep.keys if all(_int_or_none(t.point.values.get(k)) for t in tasks)]
+    parquet = _table(tmp, name, whole_numbers(table, whole + int_keys))
     if capacity is not None:
-        _table(tmp, "capacity", whole_numbers(capacity, [c for c in CAPACITY_AT if whole]))
+        at = [c for c in CAPACITY_AT if whole]
+        _table(tmp, "capacity", whole_numbers(capacity, at + int_keys))
     plots = _plots(tmp, sweep, table, capacity)
     (tmp / "report.md").write_text(_markdown(sweep, table, capacity, plots, partial, parquet))
     (tmp / "timing.json").write_text(json.dumps(timing, indent=2) + "\n")
@@ -112,6 +116,10 @@ def has_pyarrow() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _int_or_none(v: Any) -> bool:
+    return v is None or (isinstance(v, int) and not isinstance(v, bool))
 
 
 def whole_numbers(df: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:

@@ -279,7 +279,8 @@ def _add_run_args(ap: argparse.ArgumentParser) -> None:
         "--no-plots",
         action="store_true",
         help="draw no PNG and no interactive timeline (report.md and report.html say so); "
-        "the tables and summaries are the same",
+        "the tables and summaries are the same; of a sweep, every point's (the sweep's own "
+        "figures are drawn)",
     )
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -561,8 +562,6 @@ def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
 
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit: expected an integer >= 1, got {args.limit}")
-    if args.no_plots:
-        raise UserError("--no-plots is for a single experiment, not a sweep")
     if args.jobs is not None and args.jobs < 1:
         raise UserError(f"--jobs: expected an integer >= 1, got {args.jobs}")
     if args.max_points is not None:
@@ -596,6 +595,7 @@ def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
             ray_address=args.ray_address,
             fmt=args.format,
             progress=not args.no_progress,
+            plots=not args.no_plots,
         )
     except SweepStopped as e:
         print(f"error: {e.message}", file=sys.stderr)

@@ -581,11 +581,6 @@ def test_no_plots_writes_every_table_and_says_so(tmp_path, capsys):
     assert "report.html" in manifest and not any(f.endswith(".png") for f in manifest)
     assert "plot_data.npz" in manifest  # what `sched-lab report` draws from
     _report_later_equals_plots(without, with_plots, pngs, capsys)
-    capsys.readouterr()
-    assert main(["run", "experiments/sweep_quick.yaml", "--no-plots", "--no-progress"]) == 2
-    assert one_error_line(capsys) == (
-        "error: experiments/sweep_quick.yaml: --no-plots is for a single experiment, not a sweep"
-    )
 
 
 def test_a_run_without_plots_imports_no_plotting_package(tmp_path):

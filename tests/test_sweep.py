@@ -662,7 +662,9 @@ def test_sweep_files_are_identical_on_every_executor(tmp_path, monkeypatch):
         modes["ray"] = ["--ray", "--jobs", "2"]
     for mode, flags in modes.items():
         outs[mode] = tmp_path / mode
-        args = [str(path), "--out", str(outs[mode]), "--no-progress", *flags]
+        # --no-plots: every other file of the folders compared (the PNGs, drawn by the same
+        # code in every worker, are not)
+        args = [str(path), "--out", str(outs[mode]), "--no-progress", "--no-plots", *flags]
         assert run_experiment.main(args) == 0, mode
     serial = files_of(outs["serial"])
     assert "points/p003/requests.csv" in serial and "sweep.csv" in serial
@@ -856,9 +858,10 @@ def sweep_examples() -> list[Path]:
 @pytest.mark.parametrize("path", sweep_examples(), ids=lambda p: p.stem)
 def test_sweep_example_runs(path, tmp_path):
     out = tmp_path / "out"
-    assert (
-        run_experiment.main([str(path), "--limit", "40", "--out", str(out), "--no-progress"]) == 0
-    )
+    # the points' plots drawn in one example (most of a point's time on 40 requests)
+    plots = [] if path.stem == "sweep_quick" else ["--no-plots"]
+    args = [str(path), "--limit", "40", "--out", str(out), "--no-progress", *plots]
+    assert run_experiment.main(args) == 0
     sweep = load_sweep(path, limit=40)
     if sweep.search is None:
         table = pd.read_csv(out / "sweep.csv")
@@ -869,6 +872,31 @@ def test_sweep_example_runs(path, tmp_path):
         cap = pd.read_csv(out / "capacity.csv")
         assert len(cap) == sum(len(c.policies) for c in sweep.configs.values())
         assert (out / "capacity.png").exists() and (out / "curve.csv").exists()
+
+
+def test_a_sweep_without_plots_writes_points_as_run_no_plots_does(tmp_path, capsys):
+    """--no-plots of a sweep: every point's folder without PNG or interactive timeline, the
+    same CSVs as with plots; the sweep's own figure is drawn; `sched-lab report` draws a
+    point's plots later."""
+    from sched_lab.cli import main
+
+    path = small_sweep(tmp_path)
+    outs = {}
+    for name, flags in (("plots", []), ("no_plots", ["--no-plots"])):
+        outs[name] = tmp_path / name
+        args = [str(path), "--out", str(outs[name]), "--no-progress", "--jobs", "1", *flags]
+        assert run_experiment.main(args) == 0
+    with_plots, without = files_of(outs["plots"]), files_of(outs["no_plots"])
+    assert "points/p000/timeline_fcfs.png" in with_plots
+    assert not any(f.startswith("points/") and f.endswith(".png") for f in without)
+    assert "pareto.png" in without and "points/p003/plot_data.npz" in without
+    for name in ("sweep.csv", "points/p003/requests.csv", "points/p003/steps.csv"):
+        assert without[name] == with_plots[name], name
+    report = (outs["no_plots"] / "points/p000/report.md").read_text()
+    assert "**No plots**: this run was made with `sched-lab run --no-plots`" in report
+    assert main(["report", str(outs["no_plots"] / "points/p000")]) == 0
+    capsys.readouterr()
+    assert (outs["no_plots"] / "points/p000/timeline_fcfs.png").exists()
 
 
 def test_an_unreachable_ray_address_is_one_line_not_a_wait():

@@ -49,6 +49,7 @@ class Task:
     start: float | None = None  # the search's start value
     date: str | None = None  # the vLLM-format files' date: the sweep's, the same in every point
     probe_lines: bool = False  # with ``search``: one line on stderr per load tried
+    plots: bool = True  # False: the point's folder as ``sched-lab run --no-plots`` writes it
 
 
 @dataclass
@@ -78,14 +79,20 @@ class SweepStopped(KeyboardInterrupt):
 
 
 def make_tasks(
-    sweep: Sweep, fmt: str = "csv", date: str | None = None, probe_lines: bool = False
+    sweep: Sweep,
+    fmt: str = "csv",
+    date: str | None = None,
+    probe_lines: bool = False,
+    plots: bool = True,
 ) -> list[Task]:
     """One task per point, or per (point, policy) with a capacity search (``probe_lines``:
-    each prints a line per load it tries)."""
+    each prints a line per load it tries; ``plots``: False, points' folders without plots)."""
     tasks: list[Task] = []
     for p in sweep.points:
         if sweep.search is None:
-            tasks.append(Task(len(tasks), p, sweep.source, sweep.base_dir, fmt, date=date))
+            tasks.append(
+                Task(len(tasks), p, sweep.source, sweep.base_dir, fmt, date=date, plots=plots)
+            )
             continue
         cfg = sweep.configs[p.name]
         start = sweep.search.start(cfg, p)
@@ -148,7 +155,7 @@ def _point(task: Task) -> TaskResult:
             with executors.stop_allowed():
                 folder = write_results(
                     tmp / task.point.name, cfg, runs, decode, fmt=task.fmt, bars=False,
-                    date=task.date,
+                    date=task.date, plots=task.plots,
                 )  # fmt: skip
                 files = {
                     str(p.relative_to(folder)): p.read_bytes()
@@ -330,9 +337,12 @@ def run_sweep(
     ray_address: str | None = None,
     fmt: str = "csv",
     progress: bool = True,
+    plots: bool = True,
 ) -> tuple[Path, list[TaskResult]]:
     """Run every task and write the results folder ``out``; returns it and the results in
     task order. Tasks whose backend has no process pool (the engine's) run here, last.
+    ``plots``: False writes each point's folder without plots (``sched-lab report`` draws
+    them later); the sweep's own figures are drawn either way.
 
     Raises:
         UserError: ``out`` cannot be written (checked first), or ray is missing or unreachable.
@@ -351,7 +361,7 @@ def run_sweep(
     # A search's task runs for minutes: a line per load tried (INFO, as a phase's line), and
     # then no bar, which those lines (from the workers) would break.
     probe_lines = sweep.search is not None and log.isEnabledFor(logging.INFO)
-    tasks = make_tasks(sweep, fmt, result_date(), probe_lines)
+    tasks = make_tasks(sweep, fmt, result_date(), probe_lines, plots)
     pooled = [setup_class(sweep.configs[t.point.name].backend).process_pool for t in tasks]
     pool = [t for t, p in zip(tasks, pooled) if p]
     here = [t for t, p in zip(tasks, pooled) if not p]

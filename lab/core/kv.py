@@ -466,9 +466,13 @@ class PrefixCachingBlockManager(BlockManager):
         hs = self.block_hashes(r, n)
         end = min(n, len(hs))
         if end > start:
-            blocks = r.block_table[start:end]
-            # A key another block holds is not taken: that block stays unkeyed (a hole).
-            if list(map(self._block_of.setdefault, hs[start:end], blocks)) != blocks:
+            block_of, size = self._block_of, len(self._block_of)
+            keys, blocks = hs[start:end], r.block_table[start:end]
+            if not block_of.keys().isdisjoint(keys):  # some key held already: not taken
+                new = [(h, b) for h, b in zip(keys, blocks) if h not in block_of]
+                keys, blocks = [h for h, _ in new], [b for _, b in new]
+            block_of.update(zip(keys, blocks))
+            if len(block_of) - size < end - start:  # a block left unkeyed: a hole
                 self._holes.add(r.request_id)
             r.num_registered_blocks = end
 

@@ -282,11 +282,12 @@ class PrefixCachingBlockManager(BlockManager):
 
     GPU block states: used (ref >= 1), cached free (ref 0, keyed, in the LRU eviction queue),
     free (ref 0, unkeyed); used + cached free + free = total, and ``num_free_gpu_blocks``
-    counts the last two. A block's key is known from where it sits, never stored per block: a
-    held block at index j of a request's table is keyed with ``block_hashes[j]`` if
-    ``j < num_registered_blocks`` (all of them unless the request has a hole: a block left
-    unkeyed because another block held its key), a queued one with its segment's key. Allocation takes free blocks, then evicts the queue's head
-    (``num_evicted_blocks``); a request releases its blocks tail first.
+    counts the last two. Allocation takes free blocks, then evicts the queue's head
+    (``num_evicted_blocks``); a request releases its blocks tail first. A block's key is
+    known from where it sits, not stored per block: a held block at index j of a table is
+    keyed with ``block_hashes[j]`` if ``j < num_registered_blocks`` (each of them unless the
+    request has a hole: a block left unkeyed because another block held its key), a queued
+    one with its key beside it in the queue.
 
     ``register`` keys prompt blocks once computed, and generated blocks whose content is
     known on finish, preemption or abort; a key another block holds is not taken again.
@@ -303,13 +304,14 @@ class PrefixCachingBlockManager(BlockManager):
         super().__init__(num_gpu_blocks, num_cpu_blocks, block_size, watermark)
         self._ref = [0] * num_gpu_blocks  # GPU block -> requests holding it
         self._block_of: dict[int, int] = {}  # key -> GPU block
-        # Requests whose offered blocks (block_table[:num_registered_blocks]) are not all keyed.
+        # Ids of requests with a hole: offered blocks (block_table[:num_registered_blocks])
+        # that are not all keyed. Rare: a key computed twice at once, or a draft tail freed.
         self._holes: set[str] = set()
         # The eviction queue (cached free blocks, LRU first) as segments, one per release
         # that queued blocks, oldest first: (blocks, their keys), both in table order, so the
         # queue reads each one from its end: released tail first, evicted from the end of the
         # oldest one. Hits, normally a table prefix, leave from a segment's start.
-        self._segs: OrderedDict[int, tuple[list[int], list[int]]] = OrderedDict()
+        self._segs: OrderedDict[int, tuple[list[int], list[int | None]]] = OrderedDict()
         self._seg_at: dict[int, int] = {}  # first block of a segment -> segment id
         self._next_seg = 0
         self._num_queued = 0  # blocks in the queue
@@ -676,7 +678,7 @@ class PrefixCachingBlockManager(BlockManager):
         if queued:  # a new segment, at the queue's tail
             sid = self._next_seg
             self._next_seg = sid + 1
-            self._segs[sid] = (queued, queued_keys)  # type: ignore[assignment]
+            self._segs[sid] = (queued, queued_keys)
             self._seg_at[queued[0]] = sid
             self._num_queued += len(queued)
 
@@ -705,9 +707,10 @@ class PrefixCachingBlockManager(BlockManager):
                     assert j < len(r.block_hashes) and r.block_hashes[j] == key_of[b], (
                         f"gpu block {b} (index {j} of {r.request_id}) holds another key"
                     )
-                assert (key_of[b] is not None) == (j < offered) or (holes and j < offered), (
-                    f"gpu block {b} (index {j} of {r.request_id}): keyed iff offered, no hole"
-                )
+                if j >= offered or not holes:  # keyed iff offered
+                    assert (key_of[b] is not None) == (j < offered), (
+                        f"gpu block {b} (index {j} of {r.request_id}): keyed iff offered"
+                    )
         assert len(cpu_owner) == self.num_cpu_blocks, (
             f"cpu: used + free = {len(cpu_owner)}, total = {self.num_cpu_blocks}"
         )

@@ -1,5 +1,6 @@
-"""The prefix cache's eviction queue, kept as segments (one per release), against the one
-OrderedDict entry per block it replaced (``ReferenceQueue``: that code, verbatim).
+"""The prefix cache's eviction queue, kept as segments (one per release) with their keys,
+against the one OrderedDict entry per block and the per-block key list it replaced
+(``ReferenceQueue``: that code, verbatim, its keys kept in its own list).
 
 Hand-computed scenarios for the segment paths (a hit not at a segment's start, an eviction
 across several segments, swap out and in through the cache), then random operation scripts
@@ -20,11 +21,34 @@ from sched_lab.core.request import EMPTY, Request, RequestStatus
 
 
 class ReferenceQueue(PrefixCachingBlockManager):
-    """The eviction queue as one OrderedDict entry per block (before the segments)."""
+    """The eviction queue as one OrderedDict entry per block (before the segments), each
+    block's key in a list (before keys were known from tables and segments)."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self._queue: OrderedDict[int, None] = OrderedDict()
+        self._keys: list[int | None] = [None] * self.num_gpu_blocks
+
+    @property
+    def _key_of(self) -> list[int | None]:
+        return self._keys
+
+    def register(self, r: Request) -> None:
+        n = min(r.num_computed_tokens // self.block_size, len(r.block_table))
+        start = r.num_registered_blocks
+        if n <= start:
+            return
+        hs = self.block_hashes(r, n)
+        end = min(n, len(hs))
+        if end > start:
+            block_of = self._block_of
+            keys, blocks = hs[start:end], r.block_table[start:end]
+            if not block_of.keys().isdisjoint(keys):  # some key held already: not taken
+                new = [(h, b) for h, b in zip(keys, blocks) if h not in block_of]
+                keys, blocks = [h for h, _ in new], [b for _, b in new]
+            block_of.update(zip(keys, blocks))
+            deque(map(self._keys.__setitem__, blocks, keys), 0)
+            r.num_registered_blocks = end
 
     @property
     def num_free_gpu_blocks(self) -> int:
@@ -89,7 +113,7 @@ class ReferenceQueue(PrefixCachingBlockManager):
         deque(map(self._ref.__setitem__, out, repeat(1)), 0)
         return out
 
-    def _release(self, blocks: list[int]) -> None:
+    def _release(self, blocks: list[int], *_unused) -> None:  # keys: its own list
         ref, key_of = self._ref, self._key_of
         tail_first = blocks[::-1]
         counts = list(map(sub, map(ref.__getitem__, tail_first), repeat(1)))

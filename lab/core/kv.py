@@ -11,7 +11,7 @@ import math
 from collections import Counter, OrderedDict, deque
 from collections.abc import Collection
 from itertools import compress, count, repeat
-from operator import delitem, is_, is_not, itemgetter, ne, not_, setitem, sub
+from operator import delitem, is_not, itemgetter, ne, not_, setitem, sub
 
 from sched_lab.core.request import EMPTY, Request, RequestStatus
 
@@ -283,7 +283,11 @@ class PrefixCachingBlockManager(BlockManager):
     GPU block states: used (ref >= 1), cached free (ref 0, keyed, in the LRU eviction queue),
     free (ref 0, unkeyed); used + cached free + free = total, and ``num_free_gpu_blocks``
     counts the last two. Allocation takes free blocks, then evicts the queue's head
-    (``num_evicted_blocks``); a request releases its blocks tail first.
+    (``num_evicted_blocks``); a request releases its blocks tail first. A block's key is
+    known from where it sits, not stored per block: a held block at index j of a table is
+    keyed with ``block_hashes[j]`` if ``j < num_registered_blocks`` (each of them unless the
+    request has a hole: a block left unkeyed because another block held its key), a queued
+    one with its key beside it in the queue.
 
     ``register`` keys prompt blocks once computed, and generated blocks whose content is
     known on finish, preemption or abort; a key another block holds is not taken again.
@@ -299,13 +303,15 @@ class PrefixCachingBlockManager(BlockManager):
     ) -> None:
         super().__init__(num_gpu_blocks, num_cpu_blocks, block_size, watermark)
         self._ref = [0] * num_gpu_blocks  # GPU block -> requests holding it
-        self._key_of: list[int | None] = [None] * num_gpu_blocks  # GPU block -> key or None
         self._block_of: dict[int, int] = {}  # key -> GPU block
+        # Ids of requests with a hole: offered blocks (block_table[:num_registered_blocks])
+        # that are not all keyed. Rare: a key computed twice at once, or a draft tail freed.
+        self._holes: set[str] = set()
         # The eviction queue (cached free blocks, LRU first) as segments, one per release
-        # that queued blocks, oldest first. A segment is stored in table order, so the queue
-        # reads each one from its end: released tail first, evicted from the end of the oldest
-        # one. Hits, normally a table prefix, leave from a segment's start.
-        self._segs: OrderedDict[int, list[int]] = OrderedDict()  # segment id -> blocks
+        # that queued blocks, oldest first: (blocks, their keys), both in table order, so the
+        # queue reads each one from its end: released tail first, evicted from the end of the
+        # oldest one. Hits, normally a table prefix, leave from a segment's start.
+        self._segs: OrderedDict[int, tuple[list[int], list[int | None]]] = OrderedDict()
         self._seg_at: dict[int, int] = {}  # first block of a segment -> segment id
         self._next_seg = 0
         self._num_queued = 0  # blocks in the queue
@@ -328,7 +334,15 @@ class PrefixCachingBlockManager(BlockManager):
     @property
     def _evictable(self) -> list[int]:
         """The eviction queue, LRU first (a new list; for tests and integrity checks)."""
-        return [b for seg in self._segs.values() for b in reversed(seg)]
+        return [b for blocks, _ in self._segs.values() for b in reversed(blocks)]
+
+    @property
+    def _key_of(self) -> list[int | None]:
+        """GPU block -> its key or None (a new list, from the key map; for tests and checks)."""
+        key_of: list[int | None] = [None] * self.num_gpu_blocks
+        for h, b in self._block_of.items():
+            key_of[b] = h
+        return key_of
 
     @property
     def num_cached_blocks(self) -> int:  # type: ignore[override]
@@ -426,6 +440,7 @@ class PrefixCachingBlockManager(BlockManager):
             ref[b] += 1
         if queued:
             self._unqueue(queued)
+        self._holes.discard(r.request_id)
         r.block_table = list(hits)
         r.num_registered_blocks = len(hits)
         self.allocate(r, num_new_blocks)
@@ -453,13 +468,14 @@ class PrefixCachingBlockManager(BlockManager):
         hs = self.block_hashes(r, n)
         end = min(n, len(hs))
         if end > start:
-            block_of = self._block_of
+            block_of, size = self._block_of, len(self._block_of)
             keys, blocks = hs[start:end], r.block_table[start:end]
             if not block_of.keys().isdisjoint(keys):  # some key held already: not taken
                 new = [(h, b) for h, b in zip(keys, blocks) if h not in block_of]
                 keys, blocks = [h for h, _ in new], [b for _, b in new]
             block_of.update(zip(keys, blocks))
-            deque(map(setitem, repeat(self._key_of), blocks, keys), 0)
+            if len(block_of) - size < end - start:  # a block left unkeyed: a hole
+                self._holes.add(r.request_id)
             r.num_registered_blocks = end
 
     def free(self, request: Request) -> None:
@@ -468,7 +484,7 @@ class PrefixCachingBlockManager(BlockManager):
             self._free_cpu.put(request.block_table)
         else:
             self.register(request)
-            self._release(request.block_table)
+            self._release_table(request)
         request.block_table = EMPTY
         request.num_registered_blocks = 0
         if request.num_output_tokens >= request.output_len:  # finished: keys not needed
@@ -480,7 +496,7 @@ class PrefixCachingBlockManager(BlockManager):
         self.register(request)
         table = request.block_table
         cpu = self._free_cpu.take(len(table))
-        self._release(table)
+        self._release_table(request)
         request.block_table = cpu
         request.num_registered_blocks = 0
         return list(zip(table, cpu))
@@ -534,12 +550,11 @@ class PrefixCachingBlockManager(BlockManager):
         if n == 1:  # a decode's block, free or the queue's head: no map for one
             if not k:
                 sid = next(iter(self._segs))
-                seg = self._segs[sid]
-                b = seg.pop()
-                if not seg:
+                blocks, keys = self._segs[sid]
+                b = blocks.pop()
+                if not blocks:
                     del self._segs[sid], self._seg_at[b]
-                del self._block_of[self._key_of[b]]
-                self._key_of[b] = None
+                del self._block_of[keys.pop()]
                 out.append(b)
                 self._num_queued -= 1
                 self.num_evicted_blocks += 1
@@ -547,22 +562,21 @@ class PrefixCachingBlockManager(BlockManager):
             return out
         if n > k:
             need = n - k
-            segs, victims = self._segs, []
+            segs, victims, gone = self._segs, [], []  # gone: the victims' keys
             while need:  # the queue's head: the end of the oldest segment
                 sid = next(iter(segs))
-                seg = segs[sid]
-                if len(seg) <= need:
-                    del segs[sid], self._seg_at[seg[0]]
-                    need -= len(seg)
+                blocks, keys = seg_blocks, seg_keys = segs[sid]
+                if len(blocks) <= need:
+                    del segs[sid], self._seg_at[blocks[0]]
+                    need -= len(blocks)
                 else:
-                    tail = seg[-need:]
-                    del seg[-need:]  # O(need): the segment's start stays
-                    seg, need = tail, 0
-                seg.reverse()
-                victims += seg
-            key_of = self._key_of
-            deque(map(delitem, repeat(self._block_of), _gather(key_of, victims)), 0)
-            deque(map(setitem, repeat(key_of), victims, repeat(None)), 0)
+                    blocks, keys = seg_blocks[-need:], seg_keys[-need:]
+                    del seg_blocks[-need:], seg_keys[-need:]  # O(need): the start stays
+                    need = 0
+                blocks.reverse()
+                victims += blocks
+                gone += keys
+            deque(map(delitem, repeat(self._block_of), gone), 0)
             out += victims
             self._num_queued -= n - k
             self.num_evicted_blocks += n - k
@@ -580,16 +594,16 @@ class PrefixCachingBlockManager(BlockManager):
             b = blocks[i]
             sid = seg_at.get(b)
             if sid is not None:
-                seg, pos = segs[sid], 0
+                (seg, keys), pos = segs[sid], 0
             else:  # not at a segment's start: search
-                sid = next((k for k, v in segs.items() if b in v), None)
+                sid = next((k for k, v in segs.items() if b in v[0]), None)
                 if sid is None:
                     raise KeyError(f"gpu block {b} is not in the eviction queue")
-                seg = segs[sid]
+                seg, keys = segs[sid]
                 pos = seg.index(b)
             run = blocks[i : i + len(seg) - pos]
             m = next(compress(count(), map(ne, seg[pos : pos + len(run)], run)), len(run))
-            del seg[pos : pos + m]
+            del seg[pos : pos + m], keys[pos : pos + m]
             i += m
             if pos == 0:
                 del seg_at[b]
@@ -598,48 +612,83 @@ class PrefixCachingBlockManager(BlockManager):
             if not seg:
                 del segs[sid]
 
-    def _release_tail(self, blocks: list[int]) -> None:
-        self._release(blocks)
+    def free_tail(self, request: Request, num_blocks: int) -> None:
+        if num_blocks <= 0 or request.status is RequestStatus.SWAPPED:
+            super().free_tail(request, num_blocks)
+            return
+        table, n = request.block_table, len(request.block_table)
+        start = n - num_blocks
+        keys = self._offered_keys(request)[start:]  # normally none: drafts are never offered
+        self._release(table[start:], keys, len(keys), request.request_id in self._holes)
+        if keys:  # offered blocks leave: any later block at their indices is a hole
+            self._holes.add(request.request_id)
+        del table[start:]
 
-    def _release(self, blocks: list[int]) -> None:
+    def _offered_keys(self, r: Request) -> list[int | None]:
+        """The key of each offered block of a held ``r`` (``block_table[:num_registered_blocks]``),
+        None for a hole: a block is keyed iff the key map gives it for its key."""
+        hs, table, get = r.block_hashes, r.block_table, self._block_of.get
+        keys = hs[: r.num_registered_blocks]
+        if r.request_id not in self._holes:
+            return keys
+        return [h if get(h) == b else None for h, b in zip(keys, table)]
+
+    def _release_table(self, r: Request) -> None:
+        """:meth:`_release` of every GPU block of ``r``, their keys known from its table."""
+        if r.request_id in self._holes:
+            keys = self._offered_keys(r)
+            self._release(r.block_table, keys, len(keys), holes=True)
+            self._holes.discard(r.request_id)
+        else:
+            self._release(r.block_table, r.block_hashes, r.num_registered_blocks)
+
+    def _release(
+        self, blocks: list[int], keys: list[int | None], num_keyed: int, holes: bool = False
+    ) -> None:
         """Drop one reference to each of ``blocks``, tail first: keyed blocks reaching ref
-        count 0 join the eviction queue, unkeyed ones the pool."""
+        count 0 join the eviction queue (one new segment), unkeyed ones the pool. The first
+        ``num_keyed`` blocks are keyed, ``keys[j]`` the key of ``blocks[j]`` (if ``holes``:
+        None for an unkeyed one); the rest are unkeyed."""
         ref = self._ref
         refs = _gather(ref, blocks)
-        m = len(refs) - refs.count(1)  # blocks held by others too, mostly a shared prefix
-        if m and refs[m:].count(1) != len(refs) - m:
-            m = len(refs)  # not a prefix: every block counted one by one
+        n = len(refs)
+        m = n - refs.count(1)  # blocks held by others too, mostly a shared prefix
+        if m and refs[m:].count(1) != n - m:
+            m = n  # not a prefix: every block counted one by one
         # blocks[m:] all at ref count 1 (the common case): they reach 0, in one pass
         deque(map(setitem, repeat(ref), blocks[m:] if m else blocks, repeat(0)), 0)
         if m:
             counts = list(map(sub, refs[:m], repeat(1)))
             deque(map(setitem, repeat(ref), blocks, counts), 0)
-            zero = list(compress(blocks, map(not_, counts)))
-            zero += blocks[m:]
+        nk = num_keyed
+        if m < n and not holes:  # blocks[m:] reach 0, the first m stay held: slices
+            queued, queued_keys, unkeyed = blocks[m:nk], keys[m:nk], blocks[max(m, nk) :]
         else:
-            zero = list(blocks)
-        keys = _gather(self._key_of, zero)
-        unkeyed = keys.count(None)
-        if unkeyed:
-            n = len(keys) - unkeyed
-            if keys[n:].count(None) == unkeyed:  # the unkeyed ones are the table's tail
-                self._free_gpu.put(zero[n:])
-                del zero[n:]
+            keys = keys[:nk] + [None] * (n - nk)
+            if m:
+                zero = list(compress(blocks, map(not_, counts))) + blocks[m:]
+                keys = list(compress(keys, map(not_, counts))) + keys[m:]
             else:
-                self._free_gpu.put(list(compress(zero, map(is_, keys, repeat(None)))))
-                zero = list(compress(zero, map(is_not, keys, repeat(None))))
-        if zero:  # a new segment, at the queue's tail
+                zero = blocks
+            keyed = list(map(is_not, keys, repeat(None)))
+            queued, queued_keys = list(compress(zero, keyed)), list(compress(keys, keyed))
+            unkeyed = list(compress(zero, map(not_, keyed)))
+        if unkeyed:
+            self._free_gpu.put(unkeyed)
+        if queued:  # a new segment, at the queue's tail
             sid = self._next_seg
             self._next_seg = sid + 1
-            self._segs[sid] = zero
-            self._seg_at[zero[0]] = sid
-            self._num_queued += len(zero)
+            self._segs[sid] = (queued, queued_keys)
+            self._seg_at[queued[0]] = sid
+            self._num_queued += len(queued)
 
     # ----------------------------------------------------------------------- invariants
     def check_integrity(self, requests: list[Request]) -> None:
         """Assert ref counts, eviction queue and key maps (GPU), one owner per CPU block, and
         used + cached free + free = total, given every request that may hold blocks."""
         held: Counter[int] = Counter()
+        key_of = self._key_of
+        assert len(set(self._block_of.values())) == len(self._block_of), "a block holds 2 keys"
         cpu_owner: dict[int, str] = {b: "free" for b in self._free_cpu.free_ids()}
         assert len(cpu_owner) == self._free_cpu.num_free, "cpu: a block is free twice"
         for r in requests:
@@ -652,10 +701,15 @@ class PrefixCachingBlockManager(BlockManager):
                 continue
             assert len(set(r.block_table)) == len(r.block_table), f"{r.request_id}: block twice"
             held.update(r.block_table)
+            offered, holes = r.num_registered_blocks, r.request_id in self._holes
             for j, b in enumerate(r.block_table):
-                if self._key_of[b] is not None:
-                    assert j < len(r.block_hashes) and r.block_hashes[j] == self._key_of[b], (
+                if key_of[b] is not None:
+                    assert j < len(r.block_hashes) and r.block_hashes[j] == key_of[b], (
                         f"gpu block {b} (index {j} of {r.request_id}) holds another key"
+                    )
+                if j >= offered or not holes:  # keyed iff offered
+                    assert (key_of[b] is not None) == (j < offered), (
+                        f"gpu block {b} (index {j} of {r.request_id}): keyed iff offered"
                     )
         assert len(cpu_owner) == self.num_cpu_blocks, (
             f"cpu: used + free = {len(cpu_owner)}, total = {self.num_cpu_blocks}"
@@ -667,7 +721,6 @@ class PrefixCachingBlockManager(BlockManager):
         assert not bad, f"gpu blocks {bad[:5]}: ref count != requests holding them"
         free = self._free_gpu.free_ids()
         assert len(set(free)) == len(free) == self._free_gpu.num_free, "gpu: pool broken"
-        key_of = self._key_of
         assert not [b for b in free if self._ref[b] or key_of[b] is not None], (
             "gpu: pool block used"
         )
@@ -675,14 +728,12 @@ class PrefixCachingBlockManager(BlockManager):
         assert len(set(queue)) == len(queue) == self._num_queued, "gpu: eviction queue broken"
         for b in queue:
             assert self._ref[b] == 0 and key_of[b] is not None, f"gpu block {b}: queued, not free"
-        assert all(self._segs.values()), "gpu: an empty segment is queued"
-        assert self._seg_at == {seg[0]: sid for sid, seg in self._segs.items()}, (
+        for blocks, keys in self._segs.values():
+            assert blocks, "gpu: an empty segment is queued"
+            assert keys == [key_of[b] for b in blocks], "gpu: a segment's keys are not its blocks'"
+        assert self._seg_at == {seg[0]: sid for sid, (seg, _) in self._segs.items()}, (
             "gpu: segment starts broken"
         )
-        keyed = {b: h for b, h in enumerate(key_of) if h is not None}
-        assert len(keyed) == len(self._block_of), "key maps differ in size"
-        for b, h in keyed.items():
-            assert self._block_of.get(h) == b, f"gpu block {b}: key map broken"
         used = sum(1 for b in range(n) if self._ref[b])
         assert used + len(queue) + len(free) == n, (
             f"gpu: used {used} + cached free {len(queue)} + free {len(free)} != {n}"

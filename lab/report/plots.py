@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sched_lab.results.metrics import cdf_points, decode_output_tokens
+from sched_lab.results.metrics import DECODE_COLUMNS, cdf_points, decode_output_tokens
 from sched_lab.results.names import LATENCIES as NAMES
 from sched_lab.results.names import band_name
 
@@ -389,7 +389,8 @@ def prefix_series(run) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             keyed * (end - start),  # _bin_mean's amount
         ]
 
-    edges, (cached, fed, keyed) = _binned_steps(run, amounts)
+    columns = ("kv_cached_blocks", "num_cached_tokens", "num_prefill_tokens")
+    edges, (cached, fed, keyed) = _binned_steps(run, amounts, columns)
     centres = (edges[:-1] + edges[1:]) / 2
     with np.errstate(invalid="ignore", divide="ignore"):
         hit = 100 * cached / (cached + fed)
@@ -411,7 +412,8 @@ def over_time(run) -> tuple[np.ndarray, ...]:
         # _bin_mean's amounts (value times duration), then decode tokens spread over each step
         return [(s["kv_used_blocks"] / blocks) * dur, queue * dur, decode_output_tokens(s)]
 
-    edges, (kv, queue, tokens) = _binned_steps(run, amounts)
+    columns = ("num_waiting", "num_swapped", "kv_used_blocks", *DECODE_COLUMNS)
+    edges, (kv, queue, tokens) = _binned_steps(run, amounts, columns)
     width = edges[1] - edges[0]
     kv, queue = kv / np.diff(edges), queue / np.diff(edges)
     # first tokens at their times
@@ -424,10 +426,13 @@ def over_time(run) -> tuple[np.ndarray, ...]:
 STEP_ROWS = 1 << 18  # steps whose columns _binned_steps makes at a time
 
 
-def _binned_steps(run, amounts, rows: int | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
+def _binned_steps(
+    run, amounts, columns: tuple[str, ...], rows: int | None = None
+) -> tuple[np.ndarray, list[np.ndarray]]:
     """(edges, sums): :data:`TIME_BINS` bins from 0 to the last step's end (at least 1 s),
     and for each of ``amounts(steps, start, end)`` (arrays, one value a step, from a dict of
-    step columns and the steps' starts and ends) its :func:`_spread` over the steps.
+    step columns, ``time_s``, ``duration_s`` and those of ``columns`` the run has, and the
+    steps' starts and ends) its :func:`_spread` over the steps.
 
     Steps whose starts and ends both strictly increase (one replica's) are read ``rows`` at
     a time (:class:`PartSpread`); otherwise (a cluster's, whose replicas' steps overlap) the
@@ -436,12 +441,12 @@ def _binned_steps(run, amounts, rows: int | None = None) -> tuple[np.ndarray, li
     res, rows = run.result, rows or STEP_ROWS
     n = res.num_steps
     if n:
-        last = res.step_rows(n - 1, n)
+        last = res.step_rows(n - 1, n, ("time_s", "duration_s"))
         edges = np.linspace(0.0, max(float((last["time_s"] + last["duration_s"])[0]), 1.0),
                             TIME_BINS + 1)  # fmt: skip
         spreads: list[PartSpread] = []
         for lo in range(0, n, rows):
-            s = res.step_rows(lo, min(lo + rows, n))
+            s = res.step_rows(lo, min(lo + rows, n), ("time_s", "duration_s", *columns))
             start = s["time_s"]
             end = start + s["duration_s"]
             values = amounts(s, start, end)

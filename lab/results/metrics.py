@@ -261,6 +261,10 @@ def _num_received(result: ReplayResult, r: Request) -> int:
     return result.num_tokens_received(r)
 
 
+# the step columns decode_output_tokens reads (those of them a run has)
+DECODE_COLUMNS = ("num_decode_tokens", "num_wasted_tokens", "num_accepted_tokens")
+
+
 def decode_output_tokens(steps: dict) -> np.ndarray:
     """Output tokens each step's decodes produced (float array, one per step): decodes less
     ``num_wasted_tokens`` plus ``num_accepted_tokens``; first tokens from prefills excluded."""
@@ -290,7 +294,8 @@ class DecodeOutputTokens:
         out = np.empty(max(hi - lo, 0))
         for a in range(lo, hi, STEP_ROWS):
             b = min(a + STEP_ROWS, hi)
-            out[a - lo : b - lo] = decode_output_tokens(self.result.step_rows(a, b))
+            rows = self.result.step_rows(a, b, DECODE_COLUMNS)
+            out[a - lo : b - lo] = decode_output_tokens(rows)
         return out
 
 
@@ -505,7 +510,7 @@ def step_usage(result: ReplayResult) -> tuple[float, float, int]:
 
     def sums(lo: int, k: int) -> np.ndarray:  # each run's, in order
         nonlocal top, wasted
-        s = result.step_rows(lo, lo + k)
+        s = result.step_rows(lo, lo + k, ("kv_used_blocks", "duration_s", "num_wasted_tokens"))
         kv, dur = s["kv_used_blocks"] / blocks, s["duration_s"]
         top = max(top, float(kv.max(initial=0.0)))
         wasted += int(s["num_wasted_tokens"].sum())

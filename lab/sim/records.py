@@ -13,7 +13,7 @@ import functools
 import struct
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -304,10 +304,13 @@ class StepColumns(Mapping[str, np.ndarray]):
             raise KeyError(name)
         return np.dtype(np.float64 if name in _FLOAT_COLUMNS else np.int64)
 
-    def rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
+    def rows(
+        self, start: int, stop: int, columns: Iterable[str] | None = None
+    ) -> dict[str, np.ndarray]:
         """Rows [start, stop) of every column (``0 <= start <= stop <= num_steps``), in the
-        order of iteration."""
-        return {c: self._rows(c, start, stop) for c in self}
+        order of iteration; with ``columns``, of those of them it has (only those made)."""
+        names = self if columns is None else [c for c in columns if c in self]
+        return {c: self._rows(c, start, stop) for c in names}
 
     def _rows(self, name: str, start: int, stop: int) -> np.ndarray:
         if name in self._set:
@@ -413,12 +416,16 @@ class ReplayResult:
             return self.steps.num_steps  # (no column made to count it)
         return len(self.steps["time_s"])
 
-    def step_rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
+    def step_rows(
+        self, start: int, stop: int, columns: Iterable[str] | None = None
+    ) -> dict[str, np.ndarray]:
         """Rows [start, stop) of every step column, in the order of ``steps`` (of
-        :class:`StepColumns`, without making the whole columns)."""
+        :class:`StepColumns`, without making the whole columns); with ``columns``, of those
+        of them the steps have (a column not asked for is not made)."""
         if isinstance(self.steps, StepColumns):
-            return self.steps.rows(start, stop)
-        return {c: v[start:stop] for c, v in self.steps.items()}
+            return self.steps.rows(start, stop, columns)
+        names = self.steps if columns is None else [c for c in columns if c in self.steps]
+        return {c: self.steps[c][start:stop] for c in names}
 
     def token_times(self, r: Request) -> np.ndarray:
         """Times (seconds) at which ``r`` received each of its output tokens."""

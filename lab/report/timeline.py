@@ -371,7 +371,7 @@ def story(request: pd.Series, events: pd.DataFrame, steps: pd.DataFrame) -> Stor
     # admission (or swap-in); `state` names it.
     since_s, since_step, state = arrival, int(np.searchsorted(start, arrival, "left")), "waiting"
     computed = generated = 0  # tokens with KV now; output tokens so far
-    for ev in mine[mine["event"] != "waited"].itertuples(index=False):
+    for ev in _tuples(mine[mine["event"] != "waited"]):
         s = int(ev.step)
         if ev.event in ("admitted", "swapped_in"):
             if start[s] > since_s:
@@ -452,13 +452,14 @@ def _wait_lines(mine, queue, s0: int, s1: int, wait_s: float) -> list[str]:
         return []
     out, blocked = [], 0
     own = mine[(mine["event"] == "waited") & (mine["step"] >= s0) & (mine["step"] <= s1)]
-    for w in own.itertuples(index=False):
+    for w in _tuples(own):
         n, a, b = int(w.steps), int(w.step), int(w.last_step)
         blocked += n
         span = f"steps {a:,}-{b:,}" if b > a else f"step {a:,}"
         out.append(f"{span}: blocked {_steps(n)} at the head of the queue: {w.detail}")
     by_reason: dict[str, int] = {}
-    for w in queue[(queue["last_step"] >= s0) & (queue["step"] <= s1)].itertuples(index=False):
+    held = queue[(queue["last_step"] >= s0) & (queue["step"] <= s1)] if len(queue) else queue
+    for w in _tuples(held):
         n = min(int(w.last_step), s1) - max(int(w.step), s0) + 1
         by_reason[w.detail] = by_reason.get(w.detail, 0) + n
     for text, n in by_reason.items():
@@ -470,6 +471,11 @@ def _wait_lines(mine, queue, s0: int, s1: int, wait_s: float) -> list[str]:
     rest = ", behind other requests" if not blocked else rest
     span = f"steps {s0:,}-{s1:,}" if s1 > s0 else f"step {s0:,}"
     return [f"{span}: waited {_steps(total)} ({wait_s:.3f} s){rest}", *out]
+
+
+def _tuples(rows: pd.DataFrame) -> Iterable:
+    """``rows.itertuples(index=False)``; for no rows, nothing (no tuple type made)."""
+    return rows.itertuples(index=False) if len(rows) else ()
 
 
 def _steps(n: int) -> str:

@@ -323,19 +323,19 @@ def test_token_gaps_by_hand(monkeypatch):
     source = np.array([0, 1, 1, 2, 3, 4])  # two prefill tokens, then the ticks' steps
     start, size = np.array([0, 2, 1, 5 - 1]), np.array([1, 3, 1, 2])
     who, counts = np.array([0, 0, 1, 1]), np.array([4, 3])
-    g = gaps.TokenGaps.of_pieces(end[source], start, size, who, counts)
+    g = gaps.TokenGaps.of_pieces(source, end, start, size, who, counts)
     assert g.to_array().tolist() == [1.0, 2.0, 3.0, 5.0, 4.0]
     # the distinct gaps by value, and how many gaps are at most each: a's inside 1, 2, 3,
     # b's inside 4, between b's pieces 5
     assert g._values.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0] and g._cum.tolist() == [1, 2, 3, 4, 5]
     for rows in (1, 2, 4):  # source positions taken at a time: the same
         monkeypatch.setattr(gaps, "ROWS", rows)
-        part = gaps.TokenGaps.of_pieces(end[source], start, size, who, counts)
+        part = gaps.TokenGaps.of_pieces(source, end, start, size, who, counts)
         assert part._values.tolist() == g._values.tolist()
         assert part._cum.tolist() == g._cum.tolist()
     # two pieces over ticks 1-3 (source 3 .. 5): the gaps 3 and 4 counted twice each
     two = gaps.TokenGaps.of_pieces(
-        end[source], np.array([3, 3]), np.array([3, 3]), np.array([0, 1]), np.array([3, 3])
+        source, end, np.array([3, 3]), np.array([3, 3]), np.array([0, 1]), np.array([3, 3])
     )
     assert two._values.tolist() == [3.0, 4.0] and two._cum.tolist() == [2, 4]
     assert two.to_array().tolist() == [3.0, 4.0, 3.0, 4.0]
@@ -343,7 +343,7 @@ def test_token_gaps_by_hand(monkeypatch):
     # gaps counted together, whatever the parts
     for rows in (1, 1 << 20):
         monkeypatch.setattr(gaps, "ROWS", rows)
-        even = gaps.TokenGaps.of_pieces(np.arange(1.0, 6.0)[source], start, size, who, counts)
+        even = gaps.TokenGaps.of_pieces(source, np.arange(1.0, 6.0), start, size, who, counts)
         assert even._values.tolist() == [1.0, 2.0] and even._cum.tolist() == [4, 5]
         assert even.to_array().tolist() == [1.0, 1.0, 1.0, 2.0, 1.0]
         ps = [0, 50, 80, 100]
@@ -360,12 +360,12 @@ def test_token_gaps_by_hand(monkeypatch):
     )
     assert g.percentile([90])[0] == pytest.approx(4.6)
     one = gaps.TokenGaps.of_pieces(
-        end[source], np.array([0]), np.array([1]), np.array([0]), np.array([1])
+        source, end, np.array([0]), np.array([1]), np.array([0]), np.array([1])
     )
     assert len(one) == 0 and np.isnan([one.mean(), one.std(), one.median()]).all()
     # pieces out of time order (b's second piece before its first): not a TokenGaps
     assert (
-        gaps.TokenGaps.of_pieces(end[source], start[[0, 1, 3, 2]], size[[0, 1, 3, 2]], who, counts)
+        gaps.TokenGaps.of_pieces(source, end, start[[0, 1, 3, 2]], size[[0, 1, 3, 2]], who, counts)
         is None
     )
 
@@ -409,12 +409,16 @@ def test_step_usage_in_runs_is_numpys_on_the_whole_columns(rows, monkeypatch):
     assert got.tolist() == [np.sum(a), np.sum(b)]
 
 
-def test_merge_counts_by_hand():
+def test_merge_counts_and_joined_by_hand():
     values, weights = gaps.merge_counts(np.array([3.0, 1.0, 3.0, 2.0]), np.array([1, 2, 5, 1]))
     assert values.tolist() == [1.0, 2.0, 3.0] and weights.tolist() == [2, 1, 6]
     assert weights.dtype == np.int64
     values, weights = gaps.merge_counts(np.zeros(0), np.zeros(0, dtype=np.int32))
     assert len(values) == len(weights) == 0 and weights.dtype == np.int64
+    joined = gaps.Joined(np.array([7, 8]), np.array([10, 11, 12]))
+    assert len(joined) == 5
+    assert joined[np.array([4, 0, 2, 1, 3])].tolist() == [12, 7, 10, 8, 11]
+    assert joined[np.array([[1, 2], [3, 0]])].tolist() == [[8, 10], [11, 7]]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64, 1 << 20])
@@ -440,7 +444,7 @@ def test_token_gaps_statistics_are_numpys_to_the_last_bit(seed, rows, monkeypatc
         start, size, who = [*start, n + a[i]], [*size, b[i] - a[i]], [*who, i]
     start, size, who = np.array(start), np.array(size), np.array(who)
     counts = np.bincount(who, weights=size, minlength=n).astype(np.int64)
-    g = gaps.TokenGaps.of_pieces(end[source], start, size, who, counts)
+    g = gaps.TokenGaps.of_pieces(source, end, start, size, who, counts)
     v = g.to_array()
     times = [end[source[s : s + k]] for s, k in zip(start, size)]
     by_request = [np.concatenate([t for t, w in zip(times, who) if w == i]) for i in range(n)]
@@ -452,11 +456,6 @@ def test_token_gaps_statistics_are_numpys_to_the_last_bit(seed, rows, monkeypatc
     for leaf in (128, 1000):
         monkeypatch.setattr(gaps, "LEAF", leaf)
         assert (g.mean(), g.std()) == (float(v.mean()), float(v.std()))
-    for kept in (0, 1 << 23):  # the mean's runs made again for the std, or kept for it
-        monkeypatch.setattr(gaps, "KEPT_GAPS", kept)
-        again = gaps.TokenGaps.of_pieces(end[source], start, size, who, counts)
-        assert (again.mean(), again.std()) == (float(v.mean()), float(v.std()))
-        assert not again._kept  # handed over and dropped
     assert (g.median(), g.max()) == (float(np.median(v)), float(v.max()))
     assert g.quantile(qs).tolist() == np.quantile(v, qs).tolist()
     assert g.percentile(ps).tolist() == np.percentile(v, ps).tolist()

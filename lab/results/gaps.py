@@ -7,8 +7,7 @@ step, a decode segment over consecutive decode ticks), and gives the statistics
 ``latency_stats`` takes of the array, to the last bit:
 
 - mean and std: numpy's pairwise sum of the gaps in request order (:func:`pairwise_sum`), with
-  a run of at most :data:`LEAF` gaps made at a time (up to :data:`KEPT_GAPS` gaps, the
-  mean's runs are kept until the std has read them: made once, not twice);
+  a run of at most :data:`LEAF` gaps made at a time;
 - order statistics (median, percentiles, quantiles, max): from the gaps as a multiset. Inside
   a decode segment every gap is the one between two consecutive decode ticks, so each tick
   gap is counted once per segment that spans it; the gaps between pieces are taken one by one.
@@ -25,7 +24,6 @@ from collections.abc import Callable
 import numpy as np
 
 LEAF = 1 << 20  # gaps made (and summed by np.sum) at a time by TokenGaps' sums
-KEPT_GAPS = 1 << 23  # up to this many gaps (64 MiB), the mean's runs are kept for the std
 ROWS = 1 << 20  # token positions whose gaps TokenGaps.of_pieces takes at a time
 
 
@@ -97,27 +95,48 @@ def lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
 
 
 def spans_of_pieces(
-    times: np.ndarray,
+    source: np.ndarray,
+    end: np.ndarray,
     start: np.ndarray,
     size: np.ndarray,
     piece_who: np.ndarray,
     counts: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(first, last, gaps) of some requests from their pieces (ordered by request, then
-    time): piece k is the ``size[k]`` tokens at source positions ``start[k]`` onwards, whose
-    times (seconds) are ``times``; ``piece_who``: the request (0-based here), ``counts``:
-    tokens per request."""
+    time): piece k is ``size[k]`` tokens from ``source[start[k]:]``, whose steps end at
+    ``end``; ``piece_who``: the request (0-based here), ``counts``: tokens per request."""
     index = np.repeat(start - (np.cumsum(size) - size), size) + np.arange(int(size.sum()))
-    t = times[index]  # each token's time, request by request
+    times = end[source[index]]
     del index
     bounds = np.concatenate([[0], np.cumsum(counts)])
-    gaps = np.subtract(t[1:], t[:-1])  # np.diff, then less each request's last to
+    gaps = np.subtract(times[1:], times[:-1])  # np.diff, then less each request's last to
     gaps = np.delete(gaps, bounds[1:-1] - 1)  # the next one's first
     if (gaps < 0).any():  # pieces overlap in time: order each request's tokens by time
         who = np.repeat(piece_who, size)
-        t = t[np.lexsort((t, who))]
-        gaps = np.delete(np.subtract(t[1:], t[:-1]), bounds[1:-1] - 1)
-    return t[bounds[:-1]], t[bounds[1:] - 1], gaps
+        times = times[np.lexsort((times, who))]
+        gaps = np.delete(np.subtract(times[1:], times[:-1]), bounds[1:-1] - 1)
+    return times[bounds[:-1]], times[bounds[1:] - 1], gaps
+
+
+class Joined:
+    """Two 1-D integer arrays read as one, ``head`` then ``tail`` (``len``, and indexing by an
+    array of non-negative positions), without the joined copy: :class:`TokenGaps`' source
+    is a run's prefill tokens' steps, then its decode ticks' (the result's own array)."""
+
+    def __init__(self, head: np.ndarray, tail: np.ndarray) -> None:
+        self.head, self.tail = head, tail
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = np.asarray(index)
+        out = np.empty(index.shape, dtype=np.result_type(self.head, self.tail))
+        low = index < len(self.head)
+        out[low] = self.head[index[low]]
+        low = np.logical_not(low, out=low)
+        out[low] = self.tail[index[low] - len(self.head)]
+        return out
 
 
 def _drain(parts: list[np.ndarray], dtype=np.float64) -> np.ndarray:
@@ -146,11 +165,11 @@ class TokenGaps:
     ``np.ndarray`` of them would give them (``len``, mean, std, max, median, percentiles,
     quantiles), without it. Made by :meth:`of_pieces`."""
 
-    def __init__(self, times, start, size, piece_who, counts, values, weights) -> None:
+    def __init__(self, source, end, start, size, piece_who, counts, values, weights) -> None:
         """``values``, ``weights``: lists of arrays, the gaps and how many times each counts
         (any order, a value any number of times: :func:`merge_counts`); emptied here, so
         their arrays are freed as they are merged."""
-        self._times = times
+        self._source, self._end = source, end
         self._start, self._size, self._who, self._counts = start, size, piece_who, counts
         self._piece_at = np.searchsorted(piece_who, np.arange(len(counts) + 1))
         self._gaps_before = np.concatenate([[0], np.cumsum(counts - 1)])
@@ -158,16 +177,13 @@ class TokenGaps:
         self._values, weights = merge_counts(_drain(values), _drain(weights, np.int64))
         self._cum = np.cumsum(weights, dtype=np.int64)
         self.n = int(self._gaps_before[-1])
-        # the mean's runs of gaps, by (first gap, size), kept for the std (up to KEPT_GAPS)
-        self._kept: dict[tuple[int, int], np.ndarray] = {}
 
     @classmethod
-    def of_pieces(cls, times, start, size, piece_who, counts) -> TokenGaps | None:
+    def of_pieces(cls, source, end, start, size, piece_who, counts) -> TokenGaps | None:
         """The gaps of requests given as pieces (:func:`spans_of_pieces`'s arguments: a
-        piece is the ``size[k]`` tokens at source positions ``start[k]`` onwards, whose
-        times are ``times``; pieces ordered by request, then by their first token's time).
-        None where a gap would be negative (pieces overlap in time: the tokens must be
-        sorted).
+        piece is ``size[k]`` tokens at the steps ``source[start[k]:]``, whose ends are
+        ``end``; pieces ordered by request, then by their first token's time). None where a
+        gap would be negative (pieces overlap in time: the tokens must be sorted).
 
         The gaps inside pieces are taken :data:`ROWS` source positions at a time: at
         position x, the gap to x + 1 counts once for each piece spanning both; each part's
@@ -176,14 +192,14 @@ class TokenGaps:
         spans = size >= 2  # pieces with gaps inside: source positions start .. ends - 1
         opens, closes = np.sort(start[spans]), np.sort(ends[spans])
         same = piece_who[1:] == piece_who[:-1]  # consecutive pieces of one request
-        between = times[start[1:][same]] - times[ends[:-1][same]]
+        between = end[source[start[1:][same]]] - end[source[ends[:-1][same]]]
         if (between < 0).any():
             return None
         values = [between]  # the distinct gaps of each part, with their counts
         weights = [np.ones(len(between), dtype=np.int64)]
         depth = 0  # pieces spanning the position before the part
-        for lo in range(0, len(times), ROWS):
-            hi = min(lo + ROWS, len(times))
+        for lo in range(0, len(source), ROWS):
+            hi = min(lo + ROWS, len(source))
             a0, a1 = np.searchsorted(opens, (lo, hi))
             c0, c1 = np.searchsorted(closes, (lo, hi))
             mult = np.bincount(opens[a0:a1] - lo, minlength=hi - lo)
@@ -193,14 +209,14 @@ class TokenGaps:
             depth = int(mult[-1])
             x = np.flatnonzero(mult)
             if len(x):
-                part = times[lo : x[-1] + lo + 2]  # each position's time
-                inside = np.subtract(part[1:], part[:-1])[x]
+                times = end[source[np.arange(lo, x[-1] + lo + 2)]]  # each position's step end
+                inside = np.subtract(times[1:], times[:-1])[x]
                 if (inside < 0).any():
                     return None
                 v, w = merge_counts(inside, mult[x])
                 values.append(v)
                 weights.append(w)
-        return cls(times, start, size, piece_who, counts, values, weights)
+        return cls(source, end, start, size, piece_who, counts, values, weights)
 
     def __len__(self) -> int:
         return self.n
@@ -208,13 +224,13 @@ class TokenGaps:
     @property
     def first(self) -> np.ndarray:
         """Each request's first token time."""
-        return self._times[self._start[self._piece_at[:-1]]]
+        return self._end[self._source[self._start[self._piece_at[:-1]]]]
 
     @property
     def last(self) -> np.ndarray:
         """Each request's last token time."""
         k = self._piece_at[1:] - 1
-        return self._times[self._start[k] + self._size[k] - 1]
+        return self._end[self._source[self._start[k] + self._size[k] - 1]]
 
     def chunk(self, lo: int, hi: int) -> np.ndarray:
         """Gaps ``lo .. hi - 1`` (a fresh array)."""
@@ -222,7 +238,7 @@ class TokenGaps:
         r1 = max(int(np.searchsorted(self._gaps_before, hi, side="left")), r0 + 1)
         p0, p1 = self._piece_at[r0], self._piece_at[r1]
         *_, gaps = spans_of_pieces(
-            self._times, self._start[p0:p1], self._size[p0:p1],
+            self._source, self._end, self._start[p0:p1], self._size[p0:p1],
             self._who[p0:p1] - r0, self._counts[r0:r1],
         )  # fmt: skip
         skip = lo - int(self._gaps_before[r0])
@@ -237,20 +253,7 @@ class TokenGaps:
 
     @functools.cached_property
     def _mean(self) -> float:
-        keep = self.n <= KEPT_GAPS
-
-        def leaf_sum(lo: int, k: int) -> float:
-            run = self._run(lo, k)
-            if keep:
-                self._kept[lo, k] = run
-            return np.sum(run)
-
-        return pairwise_sum(self.n, leaf_sum) / self.n
-
-    def _kept_run(self, lo: int, k: int) -> np.ndarray:
-        """Gaps ``lo .. lo + k - 1``: the mean's run, handed over once, or made again."""
-        run = self._kept.pop((lo, k), None)
-        return self._run(lo, k) if run is None else run
+        return pairwise_sum(self.n, lambda lo, k: np.sum(self._run(lo, k))) / self.n
 
     def mean(self) -> float:
         """``float(a.mean())`` of the array ``a`` of the gaps (NaN for none, as numpy)."""
@@ -258,12 +261,7 @@ class TokenGaps:
 
     def std(self) -> float:
         """``float(a.std())`` (population; NaN for none)."""
-        if not self.n:
-            return float("nan")
-        try:
-            return std_of_runs(self.n, self._kept_run, self._mean)
-        finally:
-            self._kept.clear()
+        return std_of_runs(self.n, self._run, self._mean) if self.n else float("nan")
 
     def max(self) -> float:
         """``float(a.max())``; ValueError for none, as numpy."""

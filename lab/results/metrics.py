@@ -33,6 +33,7 @@ import pandas as pd
 
 from sched_lab.core.request import Request, RequestStatus
 from sched_lab.results.gaps import (
+    Joined,
     TokenGaps,
     pairwise_sums,
     population_std,
@@ -194,8 +195,7 @@ def _token_spans(
         chain(chain(map(decode, finished))), np.int64, 2 * int(num_segments.sum())
     ).reshape(-1, 2)
     a_, b_ = segments[:, 0], segments[:, 1]
-    # each source position's time: the prefill tokens' step ends, then the decode ticks'
-    times = np.concatenate([end[steps], end[result.tick_steps]])
+    source = Joined(steps, result.tick_steps)  # each token's step, by position (below)
     start = np.concatenate([np.arange(len(steps), dtype=np.int64), len(steps) + a_])
     size = np.concatenate([np.ones(len(steps), dtype=np.int64), b_ - a_])
     del segments, a_, b_
@@ -204,14 +204,14 @@ def _token_spans(
     del who, num_prefill, num_segments
     keep = size > 0
     start, size, piece_who = start[keep], size[keep], piece_who[keep]
-    order = np.lexsort((times[start], piece_who))
+    order = np.lexsort((end[source[start]], piece_who))
     start, size, piece_who = start[order], size[order], piece_who[order]
     del order
     counts = np.bincount(piece_who, weights=size, minlength=n).astype(np.int64)
     if n and counts.min() == 0:  # a finished request always has a token
         return _token_spans_each(result, finished, split_itl)
     if int(counts.sum()) - n > GAPS_IN_MEMORY:
-        pooled = TokenGaps.of_pieces(times, start, size, piece_who, counts)
+        pooled = TokenGaps.of_pieces(source, end, start, size, piece_who, counts)
         if pooled is not None:  # (None: pieces overlap in time, sorted below)
             return pooled.first, pooled.last, pooled
     first, last = np.empty(n), np.empty(n)
@@ -225,7 +225,7 @@ def _token_spans(
     for lo, hi, p0, p1 in zip(cuts[:-1], cuts[1:], piece_at[:-1], piece_at[1:]):
         g0 = int(tokens_before[lo]) - int(lo)  # gaps of the requests before this chunk
         first[lo:hi], last[lo:hi], chunk_gaps = spans_of_pieces(
-            times, start[p0:p1], size[p0:p1], piece_who[p0:p1] - lo, counts[lo:hi]
+            source, end, start[p0:p1], size[p0:p1], piece_who[p0:p1] - lo, counts[lo:hi]
         )
         gaps[g0 : g0 + len(chunk_gaps)] = chunk_gaps
     return first, last, gaps

@@ -119,7 +119,8 @@ def has_pyarrow() -> bool:
 
 
 def _int_or_none(v: Any) -> bool:
-    return v is None or (isinstance(v, int) and not isinstance(v, bool))
+    """None, or an int (not a bool) that int64 holds (a larger one is written as text)."""
+    return v is None or (isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63)
 
 
 def whole_numbers(df: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:

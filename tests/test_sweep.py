@@ -312,6 +312,13 @@ def test_an_integer_grid_key_with_a_null_stays_whole_in_the_csvs(tmp_path):
         at = lines[0].split(",").index("kv_cache.num_gpu_blocks")
         cells = {line.split(",")[at] for line in lines[1:]}
         assert cells == {"256", ""}, (name, cells)
+    # beyond 2^53 the float column (it has an empty cell) holds the key rounded: a key with
+    # such a value is left as floats, not written as a wrong exact-looking integer
+    from sched_lab.sweeps.report import _int_or_none
+
+    assert float(2**53 + 1) == 2**53  # what the column would hold
+    assert _int_or_none(None) and _int_or_none(-(2**53)) and _int_or_none(2**53)
+    assert not _int_or_none(2**53 + 1) and not _int_or_none(True) and not _int_or_none(2.0)
 
 
 def test_whole_number_keys_come_from_the_section_dataclasses():
@@ -897,6 +904,12 @@ def test_a_sweep_without_plots_writes_points_as_run_no_plots_does(tmp_path, caps
     assert main(["report", str(outs["no_plots"] / "points/p000")]) == 0
     capsys.readouterr()
     assert (outs["no_plots"] / "points/p000/timeline_fcfs.png").exists()
+    for folder in (outs["no_plots"], outs["no_plots"] / "points"):  # the sweep's: one line
+        assert main(["report", str(folder)]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: {folder}: a sweep's folder: its points' plots are drawn one point at a "
+            f"time, e.g. sched-lab report {outs['no_plots'] / 'points' / 'p000'}"
+        )
 
 
 def test_an_unreachable_ray_address_is_one_line_not_a_wait():

@@ -36,7 +36,8 @@ def draw_later(folder: Path) -> list[str]:
     then renamed in), the manifest first.
 
     Raises:
-        UserError: no such folder, not a results folder, no :data:`PLOT_DATA` (plots drawn
+        UserError: no such folder, a sweep's folder (its points are results folders), not
+            a results folder, no :data:`PLOT_DATA` (plots drawn
             at run time, or written before it existed), or a damaged file (one line naming
             it).
     """
@@ -47,6 +48,12 @@ def draw_later(folder: Path) -> list[str]:
     folder = Path(folder)
     if not folder.is_dir():
         raise UserError(f"{folder}: no such folder")
+    sweep = folder.parent if folder.name == "points" else folder
+    points = sweep / "points"
+    if points.is_dir() and any((sweep / f).is_file() for f in ("sweep.csv", "curve.csv")):
+        first = min((p.name for p in points.iterdir() if p.is_dir()), default="p000")
+        raise UserError(f"{folder}: a sweep's folder: its points' plots are drawn one point at "
+                        f"a time, e.g. sched-lab report {points / first}")  # fmt: skip
     if not (folder / MANIFEST).is_file() or not is_results_folder(folder):
         raise UserError(f"{folder}: not a results folder of sched-lab run (no {MANIFEST})")
     meta, arrays = read_plot_data(folder / PLOT_DATA)

@@ -119,8 +119,9 @@ def has_pyarrow() -> bool:
 
 
 def _int_or_none(v: Any) -> bool:
-    """None, or an int (not a bool) that int64 holds (a larger one is written as text)."""
-    return v is None or (isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63)
+    """None, or an int (not a bool) that a float64 column holds exactly (|v| <= 2^53; the
+    column is float when a cell is empty, and a larger int would come back rounded)."""
+    return v is None or (isinstance(v, int) and not isinstance(v, bool) and abs(v) <= 2**53)
 
 
 def whole_numbers(df: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:

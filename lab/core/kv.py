@@ -166,14 +166,9 @@ class BlockManager:
         keyed); CPU ones if swapped."""
         if num_blocks > 0:
             table = request.block_table
-            if request.status is RequestStatus.SWAPPED:  # async: rejected after a swap out
-                self._free_cpu.put(table[-num_blocks:])
-            else:
-                self._release_tail(table[-num_blocks:])
+            swapped = request.status is RequestStatus.SWAPPED  # async: rejected after swap out
+            (self._free_cpu if swapped else self._free_gpu).put(table[-num_blocks:])
             del table[-num_blocks:]
-
-    def _release_tail(self, blocks: list[int]) -> None:
-        self._free_gpu.put(blocks)
 
     def free(self, request: Request) -> None:
         """Return all blocks of ``request`` to the pool it is in (GPU, or CPU if swapped)."""

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
+import time
 
 import pandas as pd
 import pytest
@@ -234,6 +237,46 @@ def test_each_rate_scale_of_the_yaml_is_a_run(tmp_path, capsys):
     assert compare.main([str(out), str(out), "--run", "served@x2"]) == 0
     row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| served@x2"))
     assert row.count("0.0%") == 13
+
+
+def test_a_signal_mid_replay_keeps_what_ended(tmp_path, capsys):
+    """SIGTERM while request 1 stalls in flight and request 2 is not due yet: the results
+    folder is written as partial results, every request with a status and a reason, exit
+    143 (was: killed by the signal, nothing written)."""
+    cfg = azure_yaml(tmp_path, [(4, 2), (6, STALL), (5, 3)], gap_s=1.0)
+    out = tmp_path / "served"
+
+    def signal_once_stalled(server: FakeServer) -> None:
+        deadline = time.monotonic() + 10
+        while len(server.bodies) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    with FakeServer() as server:
+        threading.Thread(target=signal_once_stalled, args=(server,), daemon=True).start()
+        t0 = time.monotonic()
+        assert run_bench(cfg, server, out, "--timeout", "30") == 128 + signal.SIGTERM
+        assert time.monotonic() - t0 < 1.9  # request 2 (due at 2 s) was never sent
+        assert len(server.bodies) == 2
+    req = pd.read_csv(out / "requests.csv")
+    assert list(req["status"]) == ["finished", "aborted", "aborted"]
+    assert list(req["reason"].fillna("")) == [
+        "",
+        "interrupted by SIGTERM in flight",
+        "interrupted by SIGTERM before it was sent",
+    ]
+    assert req.loc[2, "arrival_s"] == 2.0  # not sent: when it was due
+    summary = json.loads((out / "summary.json").read_text())["served"]
+    assert (summary["num_prompts"], summary["completed"], summary["failed"]) == (3, 1, 2)
+    why = "interrupted by SIGTERM during run served (1 of 1 runs)"
+    assert summary["partial"].startswith(why)
+    assert f"**Partial results**: {why}" in (out / "report.md").read_text()
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == (
+        f"error: {why}; its requests that had not ended are aborted; wrote them to {out}/ "
+        "as partial results"
+    )
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
 
 
 def test_bad_flags_are_one_line(tmp_path, capsys):

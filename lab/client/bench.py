@@ -14,6 +14,9 @@ When requests are sent (one of):
 
 Prompts are synthetic text of the trace's prompt lengths and ``max_tokens`` is the trace's
 output length, with ``ignore_eos`` (lab/client/http.py). User errors are one line (exit 2).
+SIGINT, SIGTERM or SIGHUP during a replay stop it: the loads replayed and the requests
+that ended are written as partial results, the others aborted with the signal named
+(exit 128 + the signal number); before any replay, nothing is written.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -93,22 +97,26 @@ def parser(prog: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = "sched-lab bench") -> int:
     """``sched-lab bench``'s entry point; returns the exit status (0; 1 when no request
-    finished; 2 for bad input)."""
+    finished; 2 for bad input; 128 + the signal number when a signal stopped it)."""
     args = parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from sched_lab.cli import _Signals
     from sched_lab.report.folder import ResultsNotPlaced
 
-    try:
-        return _bench(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except ResultsNotPlaced as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("error: interrupted; nothing written", file=sys.stderr)
-        return 130
+    with _Signals():  # SIGTERM and SIGHUP raise as SIGINT does (Interrupted)
+        try:
+            return _bench(args)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except ResultsNotPlaced as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt as e:
+            signum = getattr(e, "signum", signal.SIGINT)
+            name = signal.Signals(signum).name
+            print(f"error: interrupted by {name}; nothing written", file=sys.stderr)
+            return 128 + signum
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -147,17 +155,29 @@ def _bench(args: argparse.Namespace) -> int:
     model = http.check_model(args.base_url, args.model)
     target = http.Target(args.base_url, model, args.endpoint, args.timeout)
     loads = _loads(cfg, args)
-    runs = []
+    runs, stopped = [], None
     for scale, rows, info in loads:
         label = args.policy_label
         if len(loads) > 1:  # as ExperimentConfig.run_label names a load
             label += f"@x{scale_label(scale)}"
-        runs.append(_one_run(cfg, args, target, label, scale, rows, info))
-    write_results(out, cfg, runs, fmt="csv", bars=not args.no_progress)
+        run, stopped = _one_run(cfg, args, target, label, scale, rows, info)
+        runs.append(run)
+        if stopped is not None:
+            break
+    partial = None
+    if stopped is not None:
+        partial = (
+            f"interrupted by {stopped.name} during run {runs[-1].label} ({len(runs)} of "
+            f"{len(loads)} runs); its requests that had not ended are aborted"
+        )
+    write_results(out, cfg, runs, fmt="csv", bars=not args.no_progress, partial=partial)
     print(summary_text(runs, cfg.report.metric_percentiles))
     sent = sum(r.summary["num_prompts"] for r in runs)
     done = sum(r.summary["completed"] for r in runs)
     print(f"\nwrote {out}/ (report.md, report.html): {done} of {sent} requests finished")
+    if stopped is not None:
+        print(f"error: {partial}; wrote them to {out}/ as partial results", file=sys.stderr)
+        return 128 + stopped.signum
     if done < sent:
         reasons = [
             f"{why} ({n})"
@@ -218,6 +238,7 @@ def _redraw_arrivals(rows: list[Request], rate: float, burstiness: float, seed: 
 
 
 def _one_run(cfg, args, target: http.Target, label: str, scale: float, rows, info):
+    """(the Run of one load, the :class:`http.ReplayStopped` that cut it short or None)."""
     from sched_lab.report.progress import Phase
 
     live = [r for r in rows if r.status is not RequestStatus.DROPPED]
@@ -244,10 +265,14 @@ def _one_run(cfg, args, target: http.Target, label: str, scale: float, rows, inf
         "max_concurrency": args.max_concurrency,
         "timeout_s": target.timeout_s,
     }
+    stopped = None
     with Phase(f"{label}: {len(live):,} requests to {target.url}", len(live), "req",
                not args.no_progress) as phase:  # fmt: skip
-        measured, wall_s = http.replay(target, sends, args.max_concurrency, phase.set)
-    return served_run(
+        try:
+            measured, wall_s = http.replay(target, sends, args.max_concurrency, phase.set)
+        except http.ReplayStopped as e:
+            stopped, measured, wall_s = e, e.measured, e.wall_s
+    run = served_run(
         ServedRun(label, args.policy_label, scale, info, served),
         rows,
         {m.request_id: m for m in measured},
@@ -255,3 +280,4 @@ def _one_run(cfg, args, target: http.Target, label: str, scale: float, rows, inf
         cfg.slo.to_dict(),
         cfg.report.metric_percentiles,
     )
+    return run, stopped

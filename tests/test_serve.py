@@ -745,6 +745,20 @@ def test_engine_per_request_sampling(engine_server):
     assert ids(temperature=1.0, seed=2025) != seeded
 
 
+def test_chat_max_completion_tokens_null_falls_back_to_max_tokens():
+    """A chat body with ``max_completion_tokens: null`` and ``max_tokens: 5`` asks for 5
+    tokens, as vLLM reads it (was: None, i.e. up to max_model_len); the newer field wins
+    when both are set."""
+    from sched_lab.serve.protocol import parse
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert parse({"messages": msgs, "max_completion_tokens": None, "max_tokens": 5}, True,
+                 "m").max_tokens == 5  # fmt: skip
+    assert parse({"messages": msgs, "max_completion_tokens": 3, "max_tokens": 5}, True,
+                 "m").max_tokens == 3  # fmt: skip
+    assert parse({"messages": msgs}, True, "m").max_tokens is None
+
+
 def test_sampling_params_under_speculation_must_be_the_yamls():
     """Speculative decoding samples every request at engine.temperature: a request that
     asks for another temperature, a top_p or a seed is refused naming the field; the

@@ -206,7 +206,12 @@ def parse(body: Any, chat: bool, model_name: str, adapters: tuple[str, ...] = ()
         raise ApiError(f"n: only n=1 is supported, got {n}", "n")
     if body.get("best_of") not in (None, 1):
         raise ApiError(f"best_of: only 1 is supported, got {_short(body['best_of'])}", "best_of")
-    key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    # chat: max_completion_tokens, else (absent or null) max_tokens, as vLLM reads them
+    key = (
+        "max_completion_tokens"
+        if chat and body.get("max_completion_tokens") is not None
+        else "max_tokens"
+    )
     max_tokens = _int(body, key)
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(f"{key}: expected an integer >= 1, got {max_tokens}", key)

@@ -387,6 +387,36 @@ def test_sigterm_drains_in_flight_then_exits_0(tmp_path):
         server.close()
 
 
+def test_a_second_sigterm_ends_the_streams_in_flight(tmp_path):
+    """A second SIGTERM while a slow stream drains ends it at once (its last chunk the error
+    object, then [DONE]) and the server exits 143 (was: ignored; the server ran on for as
+    long as the stream took, up to DRAIN_TIMEOUT_S)."""
+    server = ServerProcess([sim_config(tmp_path), "--speed", "0.02"])
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
+        body = {"prompt": "x", "max_tokens": 200, "stream": True}
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        assert resp.read(6) == b"data: "
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        while server.request("POST", "/v1/completions", {"prompt": "a"})[0] != 503:
+            assert time.monotonic() - t0 < TIMEOUT_S  # the first signal is handled
+        server.proc.send_signal(signal.SIGTERM)
+        events = sse_events(b"data: " + resp.read())
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["message"] == "the request was aborted: the server is stopping"
+        assert sum(1 for e in events[:-2] if e["choices"][0]["text"]) < 200
+        assert server.proc.wait(TIMEOUT_S) == 128 + signal.SIGTERM
+        assert time.monotonic() - t0 < 10
+        assert any(x.startswith("error: a second SIGTERM: stopping with 1 requests in flight")
+                   for x in server.lines)  # fmt: skip
+    finally:
+        server.close()
+
+
 def test_server_full_answers_503(tmp_path):
     """One sequence at a time, one waiting allowed: a third request is refused with 503
     while the first runs and the second waits."""

@@ -12,7 +12,7 @@ event loop has taken the events, rather than plan the next step while the event 
 for the GIL (up to ``sys.getswitchinterval()``, 5 ms). A client that goes away (its
 connection closed while it waits or streams) cancels its request: the loop aborts it and
 frees its blocks. SIGTERM or SIGINT: new requests get 503, requests in flight run to their
-end, then the process exits 0.
+end, then the process exits 0; a second signal ends them at once (finish ``abort``).
 """
 
 from __future__ import annotations
@@ -57,9 +57,11 @@ EPILOG = """example:
 
 exit status:
   0    stopped by SIGTERM or SIGINT once the requests in flight had ended
+  130, 143  a second SIGINT or SIGTERM ended the requests in flight (finish_reason abort)
   2    bad input: one line, error: ..., naming the file, key or option"""
 DEFAULT_MAX_WAITING = 1024
 DRAIN_TIMEOUT_S = 600.0  # SIGTERM: how long requests in flight may take to finish
+FORCED_STOP_S = 5.0  # a second signal: how long their handlers may take to answer
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (its Content-Length promised)
 HANDOFF_WAIT_S = 0.002  # a step with first tokens: the most the loop thread waits for delivery
 
@@ -459,11 +461,19 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab serve") -> int:
 
 async def _serve(server: Server, host: str, port: int) -> int:
     """Listen until SIGTERM or SIGINT; then refuse new requests, let those in flight end,
-    stop. Prints ``serving MODEL on http://HOST:PORT`` once listening."""
+    stop (0). A second signal while they run ends them now (finish ``abort``, the stream's
+    error object) and stops (128 + its number). Prints ``serving MODEL on
+    http://HOST:PORT`` once listening."""
     server._aio = aio = asyncio.get_running_loop()
     stop = asyncio.Event()
+    signals: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        signals.append(sig)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        aio.add_signal_handler(sig, stop.set)
+        aio.add_signal_handler(sig, on_signal, sig)
     runner = web.AppRunner(server.app(), handle_signals=False, access_log=None,
                            handler_cancellation=True)  # fmt: skip
     await runner.setup()
@@ -476,10 +486,19 @@ async def _serve(server: Server, host: str, port: int) -> int:
           f"http://{host}:{bound}", flush=True)  # fmt: skip
     await stop.wait()
     server.draining = True
-    log.info("stopping: %d requests in flight to finish first", server.in_flight)
+    stop.clear()
+    log.info("stopping: %d requests in flight to finish first (a second signal ends them "
+             "now)", server.in_flight)  # fmt: skip
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while server.in_flight and time.monotonic() < deadline and not server.loop.failure:
+        if stop.is_set():  # a second signal: end the requests in flight, as aborted
+            n, name = server.in_flight, signal.Signals(signals[-1]).name
+            print(f"error: a second {name}: stopping with {n} requests in flight (they end "
+                  "with finish_reason abort)", file=sys.stderr, flush=True)  # fmt: skip
+            await asyncio.to_thread(server.loop.stop)  # each handler gets its end, answers
+            deadline = min(deadline, time.monotonic() + FORCED_STOP_S)
+            stop.clear()
         await asyncio.sleep(0.05)
     await runner.cleanup()
     server.loop.stop()
-    return 0
+    return 128 + signals[-1] if len(signals) > 1 else 0

@@ -417,6 +417,43 @@ def test_a_second_sigterm_ends_the_streams_in_flight(tmp_path):
         server.close()
 
 
+def test_a_huge_prompt_does_not_stall_the_streams_in_flight(tmp_path):
+    """A 40 MB prompt (20 M words, refused: over max_model_len) is parsed and tokenized off
+    the event loop: a stream in flight keeps getting its chunks meanwhile (was: none for
+    the ~4 s the server spent on it; each chunk comes every ~55 ms at --speed 0.05)."""
+    server = ServerProcess([sim_config(tmp_path), "--speed", "0.05"])
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
+        body = {"prompt": "x", "max_tokens": 240, "stream": True}
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        gaps, done = [], threading.Event()
+
+        def read() -> None:
+            last = time.monotonic()
+            while not done.is_set():
+                line = resp.readline()
+                if not line:
+                    break
+                if line.startswith(b"data: "):
+                    gaps.append(time.monotonic() - last)
+                    last = time.monotonic()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        huge = json.dumps({"prompt": "a " * 20_000_000, "max_tokens": 1}).encode()
+        time.sleep(0.3)
+        status, raw = server.request("POST", "/v1/completions", huge)
+        done.set()
+        reader.join(TIMEOUT_S)
+        assert status == 400 and "20000000 tokens" in json.loads(raw)["error"]["message"]
+        assert len(gaps) > 10 and max(gaps) < 1.5, max(gaps)
+    finally:
+        server.close()
+
+
 def test_server_full_answers_503(tmp_path):
     """One sequence at a time, one waiting allowed: a third request is refused with 503
     while the first runs and the second waits."""

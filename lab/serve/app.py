@@ -64,6 +64,7 @@ DRAIN_TIMEOUT_S = 600.0  # SIGTERM: how long requests in flight may take to fini
 FORCED_STOP_S = 5.0  # a second signal: how long their handlers may take to answer
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (its Content-Length promised)
 HANDOFF_WAIT_S = 0.002  # a step with first tokens: the most the loop thread waits for delivery
+INLINE_BODY_CHARS = 1 << 16  # a body longer is parsed and tokenized in a worker thread
 
 
 class Server:
@@ -167,23 +168,13 @@ class Server:
                 408,
             ) from None
         try:
-            body = await request.json(loads=json.loads)  # the body read above
-        except (ValueError, UnicodeDecodeError, RecursionError, LookupError) as e:
-            # JSON errors, integers of over 4,300 digits, nesting past the recursion limit,
-            # an unknown charset in the Content-Type
-            why = f"{type(e).__name__}: {e}" if isinstance(e, RecursionError) else str(e)
-            raise ApiError(f"the body is not valid JSON: {why}".splitlines()[0]) from None
-        sampling = parse(body, chat, self.model, self.served.adapters)
-        text = self.served.text
-        if chat:
-            prompt_ids = _encoded(text.chat, sampling.messages, "messages")
-        elif isinstance(sampling.prompt, str):
-            prompt_ids = _encoded(text.encode, sampling.prompt, "prompt")
+            raw = await request.text()  # the body read above, decoded by its charset
+        except (UnicodeDecodeError, LookupError) as e:  # an unknown charset in the Content-Type
+            raise ApiError(f"the body is not valid JSON: {e}".splitlines()[0]) from None
+        if len(raw) > INLINE_BODY_CHARS:  # off the event loop: the streams in flight go on
+            sampling, prompt_ids = await asyncio.to_thread(self._prompt, raw, chat)
         else:
-            prompt_ids = sampling.prompt
-            text.check_ids(prompt_ids)
-        if not prompt_ids:
-            raise ApiError("prompt: it has no tokens", "messages" if chat else "prompt")
+            sampling, prompt_ids = self._prompt(raw, chat)
         max_tokens = self._check_lengths(len(prompt_ids), sampling.max_tokens)
         if self.draining or self.loop.failure:
             why = self.loop.failure or "the server is shutting down"
@@ -208,7 +199,7 @@ class Server:
         why = self.served.scheduler.rejection_reason(r)  # reads limits and capacity only
         if why:
             raise ApiError(f"prompt: {why}", "prompt")
-        stop_ids = frozenset() if sampling.ignore_eos else text.eos_token_ids
+        stop_ids = frozenset() if sampling.ignore_eos else self.served.text.eos_token_ids
         queue: asyncio.Queue = asyncio.Queue()
         stream = Stream(r, stop_ids, queue)
         self.in_flight += 1
@@ -221,6 +212,29 @@ class Server:
             self.in_flight -= 1
             if not stream.ended:  # the client went away, or an error
                 self.loop.cancel(stream, ABORT)
+
+    def _prompt(self, raw: str, chat: bool) -> tuple[Sampling, list[int]]:
+        """(the checked body, the prompt's token ids) of a request body's text; ApiError
+        naming the field. Thread-safe: a large body's is made in a worker thread (as vLLM
+        tokenizes off its event loop), which a 60 MB prompt kept busy for seconds."""
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            # JSON errors, integers of over 4,300 digits, nesting past the recursion limit
+            why = f"{type(e).__name__}: {e}" if isinstance(e, RecursionError) else str(e)
+            raise ApiError(f"the body is not valid JSON: {why}".splitlines()[0]) from None
+        sampling = parse(body, chat, self.model, self.served.adapters)
+        text = self.served.text
+        if chat:
+            prompt_ids = _encoded(text.chat, sampling.messages, "messages")
+        elif isinstance(sampling.prompt, str):
+            prompt_ids = _encoded(text.encode, sampling.prompt, "prompt")
+        else:
+            prompt_ids = sampling.prompt
+            text.check_ids(prompt_ids)
+        if not prompt_ids:
+            raise ApiError("prompt: it has no tokens", "messages" if chat else "prompt")
+        return sampling, prompt_ids
 
     def _echo(self, sampling: Sampling) -> str:
         """The ``model`` of an answer: the adapter asked for, else the served model."""

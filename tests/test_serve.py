@@ -337,6 +337,26 @@ def test_a_body_shorter_than_its_content_length_gets_408(tmp_path, monkeypatch):
     assert err["code"] == 408 and "100 bytes" in err["message"]
 
 
+def test_a_content_length_over_the_limit_gets_413_at_once(sim_server):
+    """A Content-Length past MAX_BODY_BYTES is refused before the body is waited for (was:
+    408 after BODY_TIMEOUT_S, 30 s, when the client sent less)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", sim_server.port), timeout=TIMEOUT_S) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 1000000000000\r\n\r\n{}")  # fmt: skip
+        raw = b""
+        while b"}}" not in raw:
+            more = sock.recv(4096)
+            assert more, raw
+            raw += more
+    assert raw.startswith(b"HTTP/1.1 413")
+    err = json.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["message"] == (
+        "the body is 1000000000000 bytes (its Content-Length); at most 67108864 are read"
+    )
+
+
 def test_openai_client_raises_on_unknown_model(sim_server):
     with pytest.raises(openai.NotFoundError):
         sim_server.client().completions.create(model="nope", prompt="a", max_tokens=1)

@@ -63,6 +63,7 @@ DEFAULT_MAX_WAITING = 1024
 DRAIN_TIMEOUT_S = 600.0  # SIGTERM: how long requests in flight may take to finish
 FORCED_STOP_S = 5.0  # a second signal: how long their handlers may take to answer
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (its Content-Length promised)
+MAX_BODY_BYTES = 64 << 20  # a larger request body is 413
 HANDOFF_WAIT_S = 0.002  # a step with first tokens: the most the loop thread waits for delivery
 INLINE_BODY_CHARS = 1 << 16  # a body longer is parsed and tokenized in a worker thread
 
@@ -83,7 +84,7 @@ class Server:
         self._next_id = 0
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=64 << 20)
+        app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -158,6 +159,13 @@ class Server:
 
     # ------------------------------------------------------------------ generation
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        size = request.content_length
+        if size is not None and size > MAX_BODY_BYTES:  # refused before waiting for it
+            raise ApiError(
+                f"the body is {size} bytes (its Content-Length); at most {MAX_BODY_BYTES} are read",
+                None,
+                413,
+            )
         try:  # a Content-Length larger than the body sent would wait for ever
             await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
         except asyncio.TimeoutError:

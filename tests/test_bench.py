@@ -350,6 +350,31 @@ def test_compare_gives_hand_computed_errors(tmp_path, capsys):
     assert "| TTFT p90 (ms) | 400 | 200 | -50.0% |" in capsys.readouterr().out
 
 
+def test_compare_notes_different_workloads_and_partial_runs(tmp_path, capsys):
+    """Runs of another trace, request count or load, or a partial run, still compare, with
+    a note under the title (was: the same table with no hint that the errors compare
+    different loads)."""
+
+    def run(sha: str, n: int, scale: float, **extra) -> dict:
+        trace = {"path": "t.csv", "sha256": sha, "rows": n}
+        return {**_summary(1.0), "num_prompts": n, "rate_scale": scale, "trace": trace, **extra}
+
+    a = _folder(tmp_path / "a", {"fcfs": run("aa" * 32, 10, 1.0)})
+    same = _folder(tmp_path / "same", {"served": run("aa" * 32, 10, 1.0)})
+    assert compare.main([a, same]) == 0
+    assert "**" not in capsys.readouterr().out
+    why = "interrupted by SIGINT during run served (1 of 1 runs)"
+    b = _folder(tmp_path / "b", {"served": run("bb" * 32, 4, 2.0, partial=why)})
+    assert compare.main([a, b]) == 0
+    text = capsys.readouterr().out
+    assert (
+        "**Different workloads** (trace, requests, rate scale): A replayed 10 requests of "
+        "`t.csv` (sha256 aaaaaaaaaaaa) at rate scale 1.0, B 4 requests of `t.csv` (sha256 "
+        "bbbbbbbbbbbb) at rate scale 2.0; the errors compare different loads."
+    ) in text
+    assert f"**B is a partial run**: {why}." in text
+
+
 def test_compare_bad_input_is_one_line(tmp_path, capsys):
     a = _folder(tmp_path / "a", {"fcfs": _summary(1.0), "sjf": _summary(1.0)})
     b = _folder(tmp_path / "b", {"served": _summary(1.0)})

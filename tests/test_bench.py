@@ -279,6 +279,30 @@ def test_a_signal_mid_replay_keeps_what_ended(tmp_path, capsys):
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
 
 
+def test_a_signal_while_writing_lets_the_results_be_written(tmp_path, capsys, monkeypatch):
+    """SIGTERM as the results are written, every request ended: the folder is written in
+    full, exit 143 (was: "nothing written", every measurement lost)."""
+    from sched_lab.report import folder
+
+    write = folder.write_results
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(folder, "write_results", signalled)
+    cfg = azure_yaml(tmp_path, [(4, 2), (5, 3)])
+    out = tmp_path / "served"
+    with FakeServer() as server:
+        assert run_bench(cfg, server, out) == 128 + signal.SIGTERM
+    summary = json.loads((out / "summary.json").read_text())["served"]
+    assert summary["completed"] == 2 and "partial" not in summary
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: interrupted by SIGTERM while writing the results; all requests had ended "
+        f"and {out}/ holds them in full"
+    )
+
+
 def test_bad_flags_are_one_line(tmp_path, capsys):
     cfg = azure_yaml(tmp_path, [(4, 1)])
     for flags, msg in (

@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab bench") -> int:
     from sched_lab.cli import _Signals
     from sched_lab.report.folder import ResultsNotPlaced
 
-    with _Signals():  # SIGTERM and SIGHUP raise as SIGINT does (Interrupted)
+    with _Signals() as signals:  # SIGTERM and SIGHUP raise as SIGINT does (Interrupted)
         try:
-            return _bench(args)
+            return _bench(args, signals)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -134,7 +134,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--base-url: expected http://HOST:PORT, got {args.base_url!r}")
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(args: argparse.Namespace, signals) -> int:
+    """The command; ``signals`` (lab/cli.py ``_Signals``) defers a first signal while the
+    results are written."""
     from sched_lab.config import load_config
     from sched_lab.config.trace import scale_label
     from sched_lab.report.folder import check_out_dir, write_results
@@ -170,7 +172,9 @@ def _bench(args: argparse.Namespace) -> int:
             f"interrupted by {stopped.name} during run {runs[-1].label} ({len(runs)} of "
             f"{len(loads)} runs); its requests that had not ended are aborted"
         )
+    signals.deferring = True  # a first signal lets the writing end; a second stops it
     write_results(out, cfg, runs, fmt="csv", bars=not args.no_progress, partial=partial)
+    signals.deferring = False
     print(summary_text(runs, cfg.report.metric_percentiles))
     sent = sum(r.summary["num_prompts"] for r in runs)
     done = sum(r.summary["completed"] for r in runs)
@@ -178,6 +182,11 @@ def _bench(args: argparse.Namespace) -> int:
     if stopped is not None:
         print(f"error: {partial}; wrote them to {out}/ as partial results", file=sys.stderr)
         return 128 + stopped.signum
+    if signals.pending is not None:
+        name = signal.Signals(signals.pending).name
+        print(f"error: interrupted by {name} while writing the results; all requests had "
+              f"ended and {out}/ holds them in full", file=sys.stderr)  # fmt: skip
+        return 128 + signals.pending
     if done < sent:
         reasons = [
             f"{why} ({n})"

@@ -34,8 +34,8 @@ class FakeServer:
     streams open at once; ``hold``: the first streams wait (at most 5 s) until that many are
     open at once, the later ones not."""
 
-    def __init__(self, hold: int = 0) -> None:
-        self.hold = hold
+    def __init__(self, hold: int = 0, usage: dict | None = None) -> None:
+        self.hold, self.usage = hold, usage  # usage: sent instead of the counts
         self.open = self.peak = 0
         self.bodies: list[dict] = []
         self.loop = asyncio.new_event_loop()
@@ -92,7 +92,10 @@ class FakeServer:
                 await asyncio.sleep(0.001)
             if body["max_tokens"] == CUT:
                 return resp
-            usage = {"prompt_tokens": words + 1, "completion_tokens": body["max_tokens"]}
+            usage = self.usage or {
+                "prompt_tokens": words + 1,
+                "completion_tokens": body["max_tokens"],
+            }
             await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
         finally:
@@ -191,6 +194,22 @@ def test_errors_and_timeouts_are_recorded_aborted_with_reasons(tmp_path):
     summary = json.loads((out / "summary.json").read_text())["served"]
     assert (summary["completed"], summary["aborted"], summary["failed"]) == (2, 3, 3)
     assert "messages" in server.bodies[0]
+
+
+def test_a_servers_odd_usage_counts_are_left_out(tmp_path):
+    """Usage counts that are not non-negative integers (a float, a string, past int64) are
+    left out, the chunks counted instead (was: a traceback after the replay, nothing
+    written)."""
+    odd = {"prompt_tokens": 5.5, "completion_tokens": "3",
+           "prompt_tokens_details": {"cached_tokens": 10**30}}  # fmt: skip
+    cfg = azure_yaml(tmp_path, [(4, 2), (5, 3)])
+    out = tmp_path / "served"
+    with FakeServer(usage=odd) as server:
+        assert run_bench(cfg, server, out) == 0
+    req = pd.read_csv(out / "requests.csv")
+    assert list(req["status"]) == ["finished", "finished"]
+    assert list(req["num_generated_tokens"]) == [2, 3]  # the chunks with text
+    assert req["server_prompt_tokens"].isna().all() and req["num_cached_tokens"].isna().all()
 
 
 def test_max_concurrency_is_honoured(tmp_path):

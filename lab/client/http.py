@@ -161,11 +161,20 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
 
 
 def _usage(m: Measured, usage: dict[str, Any]) -> None:
-    m.prompt_tokens = usage.get("prompt_tokens", m.prompt_tokens)
-    m.completion_tokens = usage.get("completion_tokens", m.completion_tokens)
+    """The server's counts from a usage object; a count that is not an integer in
+    [0, 2**63) (a float, a string: an odd server's) is taken as absent (None)."""
+    if "prompt_tokens" in usage:
+        m.prompt_tokens = _count(usage["prompt_tokens"])
+    if "completion_tokens" in usage:
+        m.completion_tokens = _count(usage["completion_tokens"])
     details = usage.get("prompt_tokens_details") or {}
     if isinstance(details, dict) and details.get("cached_tokens") is not None:
-        m.cached_tokens = details["cached_tokens"]
+        m.cached_tokens = _count(details["cached_tokens"])
+
+
+def _count(v: Any) -> int | None:
+    ok = isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63
+    return v if ok else None
 
 
 async def stream_one(

@@ -212,6 +212,25 @@ def test_a_servers_odd_usage_counts_are_left_out(tmp_path):
     assert req["server_prompt_tokens"].isna().all() and req["num_cached_tokens"].isna().all()
 
 
+@pytest.mark.parametrize(
+    "chunk, why",
+    [
+        ({"choices": [{"delta": "t"}]}, 'choices[0].delta: expected an object, got "t"'),
+        ({"choices": [{"delta": {"content": 5}}]}, "choices[0] content: expected a string, got 5"),
+        ({"choices": [{"text": ["t"]}]}, 'choices[0] text: expected a string, got ["t"]'),
+        ({"choices": "t"}, 'choices: expected a list of objects, got "t"'),
+    ],
+)
+def test_a_chunk_of_the_wrong_shape_aborts_its_request(chunk, why):
+    """A stream chunk not of OpenAI's shape ends the request as a bad chunk (was: an
+    AttributeError or TypeError out of the replay, a traceback, nothing written)."""
+    with pytest.raises(ValueError) as e:
+        http._chunk_text(chunk)
+    assert str(e.value) == why
+    assert http._chunk_text({"choices": [{"delta": {"role": "assistant"}}]}) == ""
+    assert http._chunk_text({"choices": [{"text": None}], "usage": None}) == ""
+
+
 def test_max_concurrency_is_honoured(tmp_path):
     """Eight requests at once with --max-concurrency 3: the server never sees more than
     three streams open, and (each stream waiting until three are open) sees three."""

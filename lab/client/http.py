@@ -149,15 +149,30 @@ def error_message(text: str, limit: int = 200) -> str:
 
 
 def _chunk_text(chunk: dict[str, Any]) -> str:
-    """The output text a stream chunk carries (completions: ``text``; chat: ``delta``)."""
+    """The output text a stream chunk carries (completions: ``text``; chat: ``delta``).
+    Raises ValueError for a chunk not of that shape (the request ends as a bad chunk)."""
     choices = chunk.get("choices") or []
-    if not choices or not isinstance(choices[0], dict):
+    if not isinstance(choices, list) or (choices and not isinstance(choices[0], dict)):
+        raise ValueError(f"choices: expected a list of objects, got {_short(choices)}")
+    if not choices:
         return ""
     c = choices[0]
     if "text" in c:
-        return c.get("text") or ""
-    delta = c.get("delta") or {}
-    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+        parts = {"text": c["text"]}
+    else:
+        delta = c.get("delta") or {}
+        if not isinstance(delta, dict):
+            raise ValueError(f"choices[0].delta: expected an object, got {_short(delta)}")
+        parts = {k: delta.get(k) for k in ("content", "reasoning_content")}
+    for key, text in parts.items():
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"choices[0] {key}: expected a string, got {_short(text)}")
+    return "".join(t for t in parts.values() if t)
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _usage(m: Measured, usage: dict[str, Any]) -> None:

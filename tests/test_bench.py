@@ -34,8 +34,8 @@ class FakeServer:
     streams open at once; ``hold``: the first streams wait (at most 5 s) until that many are
     open at once, the later ones not."""
 
-    def __init__(self, hold: int = 0, usage: dict | None = None) -> None:
-        self.hold, self.usage = hold, usage  # usage: sent instead of the counts
+    def __init__(self, hold: int = 0, usage: dict | None = None, chunk: bytes = b"") -> None:
+        self.hold, self.usage, self.chunk = hold, usage, chunk
         self.open = self.peak = 0
         self.bodies: list[dict] = []
         self.loop = asyncio.new_event_loop()
@@ -88,7 +88,8 @@ class FakeServer:
             for _ in range(2 if body["max_tokens"] == CUT else body["max_tokens"]):
                 piece = {"text": " tok"} if not chat else {"delta": {"content": " tok"}}
                 chunk = {"choices": [{"index": 0, **piece, "finish_reason": None}]}
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                data = self.chunk or json.dumps(chunk).encode()
+                await resp.write(b"data: " + data + b"\n\n")
                 await asyncio.sleep(0.001)
             if body["max_tokens"] == CUT:
                 return resp
@@ -219,16 +220,21 @@ def test_a_servers_odd_usage_counts_are_left_out(tmp_path):
         ({"choices": [{"delta": {"content": 5}}]}, "choices[0] content: expected a string, got 5"),
         ({"choices": [{"text": ["t"]}]}, 'choices[0] text: expected a string, got ["t"]'),
         ({"choices": "t"}, 'choices: expected a list of objects, got "t"'),
+        (b"[" * 100_000 + b"]" * 100_000, "RecursionError: maximum recursion depth exceeded"),
     ],
 )
-def test_a_chunk_of_the_wrong_shape_aborts_its_request(chunk, why):
-    """A stream chunk not of OpenAI's shape ends the request as a bad chunk (was: an
-    AttributeError or TypeError out of the replay, a traceback, nothing written)."""
-    with pytest.raises(ValueError) as e:
-        http._chunk_text(chunk)
-    assert str(e.value) == why
+def test_a_chunk_of_the_wrong_shape_aborts_its_request(tmp_path, chunk, why):
+    """A stream chunk not of OpenAI's shape, or nested past the recursion limit, ends its
+    request as a bad chunk and the bench goes on (was: AttributeError, TypeError or
+    RecursionError out of the replay, a traceback, nothing written)."""
+    cfg = azure_yaml(tmp_path, [(4, 2)])
+    out = tmp_path / "served"
+    data = chunk if isinstance(chunk, bytes) else json.dumps(chunk).encode()
+    with FakeServer(chunk=data) as server:
+        assert run_bench(cfg, server, out) == 1  # none finished
+    reason = pd.read_csv(out / "requests.csv").loc[0, "reason"]
+    assert reason.startswith(f"bad stream chunk: {why}")
     assert http._chunk_text({"choices": [{"delta": {"role": "assistant"}}]}) == ""
-    assert http._chunk_text({"choices": [{"text": None}], "usage": None}) == ""
 
 
 def test_max_concurrency_is_honoured(tmp_path):

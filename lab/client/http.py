@@ -232,8 +232,9 @@ async def stream_one(
     except aiohttp.ClientError as e:
         m.reason = f"connection error: {type(e).__name__}: {error_message(str(e))}"
         return m
-    except ValueError as e:  # JSONDecodeError, an over-long line
-        m.reason = f"bad stream chunk: {error_message(str(e))}"
+    except (ValueError, RecursionError) as e:  # JSON errors, an over-long line, bad shapes
+        why = f"{type(e).__name__}: {e}" if isinstance(e, RecursionError) else str(e)
+        m.reason = f"bad stream chunk: {error_message(why)}"
         return m
     if not done:
         m.reason = "the stream ended before data: [DONE]"

@@ -509,8 +509,8 @@ async def _serve(server: Server, host: str, port: int) -> int:
     await stop.wait()
     server.draining = True
     stop.clear()
-    log.info("stopping: %d requests in flight to finish first (a second signal ends them "
-             "now)", server.in_flight)  # fmt: skip
+    log.info("stopping: %d requests in flight to finish first%s", server.in_flight,
+             " (a second signal ends them now)" if server.in_flight else "")  # fmt: skip
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while server.in_flight and time.monotonic() < deadline and not server.loop.failure:
         if stop.is_set():  # a second signal: end the requests in flight, as aborted

@@ -663,6 +663,43 @@ def test_loop_eos_ends_a_request_and_frees_its_blocks(asynchronous):
     assert samples[("vllm:generation_tokens_total", None)] == 21
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_request_aborted_while_planning_is_told_at_once(asynchronous):
+    """A request alone that outgrows the KV cache (4 blocks of 4 tokens; 6 + 20 tokens) is
+    aborted by the scheduler while it plans; its end reaches its handler at once, with the
+    reason (was: held undelivered while the idle loop waited for another request, so its
+    client hung)."""
+    from sched_lab.core.kv import make_block_manager
+    from sched_lab.core.request import Request
+    from sched_lab.core.scheduler import SchedulerLimits
+    from sched_lab.policies import get_policy
+    from sched_lab.serve.loop import ServingLoop, Stream
+    from sched_lab.serve.metrics import ServeMetrics
+
+    scheduler = get_policy("fcfs")(
+        SchedulerLimits(4, 256, 128), make_block_manager(4, 0, 4), async_scheduling=asynchronous
+    )
+    events, done = [], threading.Event()
+
+    def dispatch(batch):
+        events.extend(batch)
+        if any(e[2] is not None for e in events):
+            done.set()
+
+    loop = ServingLoop(scheduler, FakeEngine(), ServeMetrics("fake"), dispatch)
+    stream = Stream(Request("big", 0.0, 6, 20, prompt_token_ids=[3] * 6))
+    loop.start()
+    try:
+        loop.submit(stream)
+        assert done.wait(5.0)
+    finally:
+        loop.stop()
+    *tokens, end = events
+    assert 0 < sum(len(e[1]) for e in tokens) <= 16 - 6  # at most what the 4 blocks held
+    assert end[2] == "abort" and "KV" in end[3], end
+    assert scheduler.block_manager.num_used_gpu_blocks == 0
+
+
 def serve_in_process(scheduler, executor, requests, metrics=None, speed=1.0, stop_ids=()):
     """Run ``requests`` through a ServingLoop (no HTTP); returns each one's events in order
     and the metrics' samples by (name, finished_reason)."""

@@ -218,12 +218,16 @@ class ServingLoop:
 
     def _plan(self, in_flight: bool = False) -> tuple[SchedulerOutput, bool]:
         """The next plan and whether it goes to the executor (as the replay loop's). A plan
-        that advances nothing with no step in flight ends every request (stuck)."""
+        that advances nothing with no step in flight ends every request (stuck); requests it
+        aborted are handed on now when no step runs (else with the step's results)."""
         scheduler = self.scheduler
         plan = scheduler.schedule()
         self._dispatch_aborted(plan)
         moves = bool(plan.aborted or plan.preempted) and not plan.is_empty
         runs = plan.feeds_tokens or moves
+        if not runs and plan.aborted:  # no step to apply, whose end would hand these on
+            self._update_gauges()
+            self._flush()
         if not runs and not plan.aborted and not in_flight:
             bm = scheduler.block_manager
             why = (

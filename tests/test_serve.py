@@ -474,6 +474,33 @@ def test_a_huge_prompt_does_not_stall_the_streams_in_flight(tmp_path):
         server.close()
 
 
+def test_a_request_that_outgrows_the_kv_cache_ends_with_its_reason(tmp_path):
+    """4 KV blocks of 16 tokens: a 50-word prompt with max_tokens 100 outgrows them while
+    running alone and is aborted: a whole answer is 503 naming why, a stream's last chunk
+    before [DONE] is the error object, with no usage chunk after it, and every token before
+    it (was: the client hung until another request came; a stream then sent its usage
+    after the error, and lost the tokens delivered together with the abort: 13 of 14)."""
+    path = sim_config(tmp_path)
+    raw = yaml.safe_load(open(path))
+    raw["kv_cache"]["num_gpu_blocks"] = 4
+    with open(path, "w") as f:
+        yaml.safe_dump(raw, f)
+    server = ServerProcess([path])
+    why = "the request was aborted: outgrew the KV cache: needs more than the 4 GPU blocks"
+    try:
+        body = {"prompt": "a " * 50, "max_tokens": 100}
+        status, answer = server.request("POST", "/v1/completions", body)
+        assert status == 503 and json.loads(answer)["error"]["message"].startswith(why)
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+        status, answer = server.request("POST", "/v1/completions", body)
+        events = sse_events(answer)
+        assert status == 200 and events[-1] == "[DONE]"
+        assert events[-2]["error"]["message"].startswith(why)
+        assert "".join(e["choices"][0]["text"] for e in events[:-2]) == " tok" * 14  # 64 tokens
+    finally:
+        server.close()
+
+
 def test_server_full_answers_503(tmp_path):
     """One sequence at a time, one waiting allowed: a third request is refused with 503
     while the first runs and the second waits."""

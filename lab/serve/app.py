@@ -350,8 +350,11 @@ class Server:
                 if chat and first:
                     await send(chunk(rid, chat, model, None, None, with_usage, role=True))
                     first = False
-                if finish == ABORT and message:
+                if finish == ABORT and message:  # the last chunk before [DONE], as vLLM's
+                    if delta:  # tokens merged into the same delivery as the abort
+                        await send(chunk(rid, chat, model, delta, None, with_usage))
                     await send(ApiError(f"the request was aborted: {message}", None, 503).body())
+                    with_usage = False
                     break
                 if delta or finish is not None:
                     await send(chunk(rid, chat, model, delta, finish, with_usage))

@@ -1037,6 +1037,36 @@ def test_lora_adapters_are_models_of_the_twin(tmp_path):
         server.close()
 
 
+def test_a_chat_template_that_refuses_the_messages_is_a_400(tmp_path):
+    """A chat template's raise_exception (Llama's and Mistral's "roles must alternate") is
+    a 400 naming messages, as vLLM answers it (was: jinja2's TemplateError, a 500)."""
+    pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[engine]'")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from sched_lab.serve.protocol import ApiError
+    from sched_lab.serve.text import ModelText
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
+    tokenizer.chat_template = (
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation roles must "
+        "alternate user/assistant') }}{% endif %}{% for m in messages %}{{ m['content'] }} "
+        "{% endfor %}"
+    )
+    tokenizer.save_pretrained(tmp_path)
+    text = ModelText(tmp_path, 2, frozenset())
+    assert text.chat([{"role": "user", "content": "hi"}]) == [1]
+    with pytest.raises(ApiError) as e:
+        text.chat([{"role": "assistant", "content": "hi"}])
+    assert (e.value.status, e.value.param) == (400, "messages")
+    assert e.value.message == (
+        "messages: the model's chat template refused them: Conversation roles must alternate "
+        "user/assistant"
+    )
+
+
 def test_a_sweep_yaml_is_refused_in_one_line(capsys):
     """A sweep is many experiments; the server serves one: one line says so (exit 2)."""
     from pathlib import Path

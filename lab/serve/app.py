@@ -514,10 +514,11 @@ async def _serve(server: Server, host: str, port: int) -> int:
     stop.clear()
     log.info("stopping: %d requests in flight to finish first%s", server.in_flight,
              " (a second signal ends them now)" if server.in_flight else "")  # fmt: skip
-    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    deadline, forced = time.monotonic() + DRAIN_TIMEOUT_S, 0
     while server.in_flight and time.monotonic() < deadline and not server.loop.failure:
-        if stop.is_set():  # a second signal: end the requests in flight, as aborted
-            n, name = server.in_flight, signal.Signals(signals[-1]).name
+        if stop.is_set() and not forced:  # a second signal: end the requests in flight, as aborted
+            forced = signals[-1]
+            n, name = server.in_flight, signal.Signals(forced).name
             print(f"error: a second {name}: stopping with {n} requests in flight (they end "
                   "with finish_reason abort)", file=sys.stderr, flush=True)  # fmt: skip
             await asyncio.to_thread(server.loop.stop)  # each handler gets its end, answers
@@ -526,4 +527,4 @@ async def _serve(server: Server, host: str, port: int) -> int:
         await asyncio.sleep(0.05)
     await runner.cleanup()
     server.loop.stop()
-    return 128 + signals[-1] if len(signals) > 1 else 0
+    return 128 + forced if forced else 0

@@ -360,6 +360,22 @@ def test_bad_flags_are_one_line(tmp_path, capsys):
     assert "--base-url: expected http://HOST:PORT" in capsys.readouterr().err
 
 
+def test_rate_scale_with_workload_classes_is_one_line(tmp_path, capsys):
+    """--rate-scale with workload classes is refused before any request (was: replayed at
+    the classes' own rates, the results labelled with the flag's scale)."""
+    azure_yaml(tmp_path, [(4, 1)])
+    cfg = tmp_path / "classes.yaml"
+    cfg.write_text("name: c\ntrace:\n  - {name: a, format: azure2023, path: trace.csv}\n")
+    with FakeServer() as server:
+        assert run_bench(str(cfg), server, tmp_path / "o", "--rate-scale", "10") == 2
+        assert not server.bodies
+    assert capsys.readouterr().err == (
+        f"error: --rate-scale: {cfg} has workload classes (trace: as a list), each with its "
+        "own rate_scale; set those, or use --request-rate\n"
+    )
+    assert not (tmp_path / "o").exists()
+
+
 def test_no_server_is_one_line(tmp_path, capsys):
     cfg = azure_yaml(tmp_path, [(4, 1)])
     with FakeServer() as server:

@@ -152,6 +152,11 @@ def _bench(args: argparse.Namespace, signals) -> int:
         raise UserError(
             f"{args.config}: {e}" if not str(e).startswith(args.config) else e
         ) from None
+    if cfg.trace.classes and args.rate_scale is not None:  # their arrivals are not rescaled
+        raise UserError(
+            f"--rate-scale: {args.config} has workload classes (trace: as a list), each with "
+            "its own rate_scale; set those, or use --request-rate"
+        )
     out = Path(args.out) if args.out else Path.cwd() / "results" / f"{cfg.name}_{args.policy_label}"
     out = check_out_dir(out)  # before any request: a folder in the way costs no replay
     model = http.check_model(args.base_url, args.model)

@@ -727,6 +727,41 @@ def test_a_request_aborted_while_planning_is_told_at_once(asynchronous):
     assert scheduler.block_manager.num_used_gpu_blocks == 0
 
 
+def test_a_loop_that_is_never_idle_keeps_its_event_log_bounded(monkeypatch):
+    """600 requests at once through 4 slots: the loop is never idle, so the idle reset of
+    the scheduler's event log never runs; the log is renewed past MAX_EVENTS (200 here)
+    instead (was: it grew with every request served, ~200 bytes each, without bound)."""
+    from sched_lab.core.kv import make_block_manager
+    from sched_lab.core.request import Request
+    from sched_lab.core.scheduler import SchedulerLimits
+    from sched_lab.policies import get_policy
+    from sched_lab.serve import loop as serve_loop
+    from sched_lab.serve.metrics import ServeMetrics
+
+    monkeypatch.setattr(serve_loop, "MAX_EVENTS", 200, raising=False)
+    scheduler = get_policy("fcfs")(SchedulerLimits(4, 256, 128), make_block_manager(64, 0, 4))
+    sizes, done = [], threading.Event()
+    ended = 0
+
+    def dispatch(batch):
+        nonlocal ended
+        log_ = scheduler.events
+        sizes.append(len(log_) + len(log_.waits))
+        ended += sum(1 for e in batch if e[2] is not None)
+        if ended == 600:
+            done.set()
+
+    loop = serve_loop.ServingLoop(scheduler, FakeEngine(), ServeMetrics("m"), dispatch)
+    for i in range(600):  # all in the first intake
+        loop.submit(serve_loop.Stream(Request(f"r{i}", 0.0, 6, 10, prompt_token_ids=[3] * 6)))
+    loop.start()
+    try:
+        assert done.wait(TIMEOUT_S)
+    finally:
+        loop.stop()
+    assert max(sizes) < 300, max(sizes)  # 200 and one step's (was: ~750)
+
+
 def serve_in_process(scheduler, executor, requests, metrics=None, speed=1.0, stop_ids=()):
     """Run ``requests`` through a ServingLoop (no HTTP); returns each one's events in order
     and the metrics' samples by (name, finished_reason)."""

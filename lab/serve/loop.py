@@ -39,6 +39,7 @@ from sched_lab.serve.metrics import ServeMetrics
 log = logging.getLogger("sched_lab.serve.loop")
 
 IDLE_WAIT_S = 0.5  # an idle loop rechecks its stop flag this often (wall seconds)
+MAX_EVENTS = 100_000  # a busy scheduler's event log (events + wait streaks) is renewed past this
 STOP = "stop"  # finish reasons, OpenAI's
 LENGTH = "length"
 ABORT = "abort"
@@ -250,7 +251,8 @@ class ServingLoop:
         return max(end, self.now()) if late < 0 else end
 
     def _idle(self) -> None:
-        """Wait for a request or a stop; a fresh event log (its history is not served)."""
+        """Wait for a request or a stop; a fresh event log (its history is not served; a
+        loop that is never idle renews it past MAX_EVENTS, in :meth:`_applied`)."""
         self.scheduler.events = EventLog()
         self._update_gauges()
         with self._inbox.lock:
@@ -323,6 +325,9 @@ class ServingLoop:
             streams.pop(s.request, None)
         self._update_gauges()
         self._flush()
+        log_ = self.scheduler.events
+        if len(log_) + len(log_.waits) > MAX_EVENTS:  # never idle for long: renewed here
+            self.scheduler.events = EventLog()
 
     def _tokens(self, s: Stream, new: list[int], now: float) -> None:
         """Hand ``new`` ids of ``s`` on; an EOS among them ends it there (kept: it counts)."""

@@ -256,7 +256,7 @@ async def _replay(
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     ended: dict[int, Measured] = {}
-    sent_s: dict[int, float] = {}  # requests sent, not ended
+    sent_s: dict[int, float] = {}  # when each request sent so far was sent
     stopped: list[int] = []  # the signal that stopped the replay
     async with aiohttp.ClientSession(connector=connector) as session:
         start = time.perf_counter()

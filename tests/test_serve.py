@@ -945,6 +945,17 @@ def test_chat_max_completion_tokens_null_falls_back_to_max_tokens():
     assert parse({"messages": msgs}, True, "m").max_tokens is None
 
 
+def test_an_empty_model_name_is_the_served_model(sim_server):
+    """``"model": ""`` asks for the served model, as vLLM takes it (was: 404, "The model ``
+    does not exist.")."""
+    status, raw = sim_server.request(
+        "POST", "/v1/completions", {"model": "", "prompt": "a", "max_tokens": 2}
+    )
+    assert status == 200, raw
+    answer = json.loads(raw)
+    assert answer["model"] == "twin" and answer["choices"][0]["text"] == " tok tok"
+
+
 def test_sampling_params_under_speculation_must_be_the_yamls():
     """Speculative decoding samples every request at engine.temperature: a request that
     asks for another temperature, a top_p or a seed is refused naming the field; the

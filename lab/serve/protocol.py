@@ -192,13 +192,14 @@ def _short(v: Any) -> str:
 def parse(body: Any, chat: bool, model_name: str, adapters: tuple[str, ...] = ()) -> Sampling:
     """Check a request body (already parsed JSON) of ``/v1/completions`` (``chat`` False) or
     ``/v1/chat/completions``. ``model`` may name the base model or one of the LoRA
-    ``adapters`` (vLLM's convention). Raises ApiError naming the field (404 for another
+    ``adapters`` (vLLM's convention); left out, null or "" is the base model. Raises ApiError naming the field (404 for another
     model)."""
     if not isinstance(body, Mapping):
         raise ApiError(f"the body must be a JSON object, got {type(body).__name__}")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(f"model: expected a string, got {_short(model)}", "model")
+    model = model or None  # "": the served model, as vLLM takes it
     if model is not None and model != model_name and model not in adapters:
         raise ApiError(f"The model `{model}` does not exist.", "model", 404)
     n = _int(body, "n")

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
+import time
 
 import pandas as pd
 import pytest
@@ -31,8 +34,8 @@ class FakeServer:
     streams open at once; ``hold``: the first streams wait (at most 5 s) until that many are
     open at once, the later ones not."""
 
-    def __init__(self, hold: int = 0) -> None:
-        self.hold = hold
+    def __init__(self, hold: int = 0, usage: dict | None = None, chunk: bytes = b"") -> None:
+        self.hold, self.usage, self.chunk = hold, usage, chunk
         self.open = self.peak = 0
         self.bodies: list[dict] = []
         self.loop = asyncio.new_event_loop()
@@ -85,11 +88,15 @@ class FakeServer:
             for _ in range(2 if body["max_tokens"] == CUT else body["max_tokens"]):
                 piece = {"text": " tok"} if not chat else {"delta": {"content": " tok"}}
                 chunk = {"choices": [{"index": 0, **piece, "finish_reason": None}]}
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                data = self.chunk or json.dumps(chunk).encode()
+                await resp.write(b"data: " + data + b"\n\n")
                 await asyncio.sleep(0.001)
             if body["max_tokens"] == CUT:
                 return resp
-            usage = {"prompt_tokens": words + 1, "completion_tokens": body["max_tokens"]}
+            usage = self.usage or {
+                "prompt_tokens": words + 1,
+                "completion_tokens": body["max_tokens"],
+            }
             await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
         finally:
@@ -190,6 +197,46 @@ def test_errors_and_timeouts_are_recorded_aborted_with_reasons(tmp_path):
     assert "messages" in server.bodies[0]
 
 
+def test_a_servers_odd_usage_counts_are_left_out(tmp_path):
+    """Usage counts that are not non-negative integers (a float, a string, past int64) are
+    left out, the chunks counted instead (was: a traceback after the replay, nothing
+    written)."""
+    odd = {"prompt_tokens": 5.5, "completion_tokens": "3",
+           "prompt_tokens_details": {"cached_tokens": 10**30}}  # fmt: skip
+    cfg = azure_yaml(tmp_path, [(4, 2), (5, 3)])
+    out = tmp_path / "served"
+    with FakeServer(usage=odd) as server:
+        assert run_bench(cfg, server, out) == 0
+    req = pd.read_csv(out / "requests.csv")
+    assert list(req["status"]) == ["finished", "finished"]
+    assert list(req["num_generated_tokens"]) == [2, 3]  # the chunks with text
+    assert req["server_prompt_tokens"].isna().all() and req["num_cached_tokens"].isna().all()
+
+
+@pytest.mark.parametrize(
+    "chunk, why",
+    [
+        ({"choices": [{"delta": "t"}]}, 'choices[0].delta: expected an object, got "t"'),
+        ({"choices": [{"delta": {"content": 5}}]}, "choices[0] content: expected a string, got 5"),
+        ({"choices": [{"text": ["t"]}]}, 'choices[0] text: expected a string, got ["t"]'),
+        ({"choices": "t"}, 'choices: expected a list of objects, got "t"'),
+        (b"[" * 100_000 + b"]" * 100_000, "RecursionError: maximum recursion depth exceeded"),
+    ],
+)
+def test_a_chunk_of_the_wrong_shape_aborts_its_request(tmp_path, chunk, why):
+    """A stream chunk not of OpenAI's shape, or nested past the recursion limit, ends its
+    request as a bad chunk and the bench goes on (was: AttributeError, TypeError or
+    RecursionError out of the replay, a traceback, nothing written)."""
+    cfg = azure_yaml(tmp_path, [(4, 2)])
+    out = tmp_path / "served"
+    data = chunk if isinstance(chunk, bytes) else json.dumps(chunk).encode()
+    with FakeServer(chunk=data) as server:
+        assert run_bench(cfg, server, out) == 1  # none finished
+    reason = pd.read_csv(out / "requests.csv").loc[0, "reason"]
+    assert reason.startswith(f"bad stream chunk: {why}")
+    assert http._chunk_text({"choices": [{"delta": {"role": "assistant"}}]}) == ""
+
+
 def test_max_concurrency_is_honoured(tmp_path):
     """Eight requests at once with --max-concurrency 3: the server never sees more than
     three streams open, and (each stream waiting until three are open) sees three."""
@@ -236,6 +283,70 @@ def test_each_rate_scale_of_the_yaml_is_a_run(tmp_path, capsys):
     assert row.count("0.0%") == 13
 
 
+def test_a_signal_mid_replay_keeps_what_ended(tmp_path, capsys):
+    """SIGTERM while request 1 stalls in flight and request 2 is not due yet: the results
+    folder is written as partial results, every request with a status and a reason, exit
+    143 (was: killed by the signal, nothing written)."""
+    cfg = azure_yaml(tmp_path, [(4, 2), (6, STALL), (5, 3)], gap_s=1.0)
+    out = tmp_path / "served"
+
+    def signal_once_stalled(server: FakeServer) -> None:
+        deadline = time.monotonic() + 10
+        while len(server.bodies) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    with FakeServer() as server:
+        threading.Thread(target=signal_once_stalled, args=(server,), daemon=True).start()
+        t0 = time.monotonic()
+        assert run_bench(cfg, server, out, "--timeout", "30") == 128 + signal.SIGTERM
+        assert time.monotonic() - t0 < 1.9  # request 2 (due at 2 s) was never sent
+        assert len(server.bodies) == 2
+    req = pd.read_csv(out / "requests.csv")
+    assert list(req["status"]) == ["finished", "aborted", "aborted"]
+    assert list(req["reason"].fillna("")) == [
+        "",
+        "interrupted by SIGTERM in flight",
+        "interrupted by SIGTERM before it was sent",
+    ]
+    assert req.loc[2, "arrival_s"] == 2.0  # not sent: when it was due
+    summary = json.loads((out / "summary.json").read_text())["served"]
+    assert (summary["num_prompts"], summary["completed"], summary["failed"]) == (3, 1, 2)
+    why = "interrupted by SIGTERM during run served (1 of 1 runs)"
+    assert summary["partial"].startswith(why)
+    assert f"**Partial results**: {why}" in (out / "report.md").read_text()
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == (
+        f"error: {why}; its requests that had not ended are aborted; wrote them to {out}/ "
+        "as partial results"
+    )
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
+
+
+def test_a_signal_while_writing_lets_the_results_be_written(tmp_path, capsys, monkeypatch):
+    """SIGTERM as the results are written, every request ended: the folder is written in
+    full, exit 143 (was: "nothing written", every measurement lost)."""
+    from sched_lab.report import folder
+
+    write = folder.write_results
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(folder, "write_results", signalled)
+    cfg = azure_yaml(tmp_path, [(4, 2), (5, 3)])
+    out = tmp_path / "served"
+    with FakeServer() as server:
+        assert run_bench(cfg, server, out) == 128 + signal.SIGTERM
+    summary = json.loads((out / "summary.json").read_text())["served"]
+    assert summary["completed"] == 2 and "partial" not in summary
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: interrupted by SIGTERM while writing the results; all requests had ended "
+        f"and {out}/ holds them in full"
+    )
+
+
 def test_bad_flags_are_one_line(tmp_path, capsys):
     cfg = azure_yaml(tmp_path, [(4, 1)])
     for flags, msg in (
@@ -247,6 +358,22 @@ def test_bad_flags_are_one_line(tmp_path, capsys):
         assert err.startswith(f"error: {msg}") and err.count("\n") == 1
     assert bench.main([cfg, "--base-url", "127.0.0.1:9"]) == 2
     assert "--base-url: expected http://HOST:PORT" in capsys.readouterr().err
+
+
+def test_rate_scale_with_workload_classes_is_one_line(tmp_path, capsys):
+    """--rate-scale with workload classes is refused before any request (was: replayed at
+    the classes' own rates, the results labelled with the flag's scale)."""
+    azure_yaml(tmp_path, [(4, 1)])
+    cfg = tmp_path / "classes.yaml"
+    cfg.write_text("name: c\ntrace:\n  - {name: a, format: azure2023, path: trace.csv}\n")
+    with FakeServer() as server:
+        assert run_bench(str(cfg), server, tmp_path / "o", "--rate-scale", "10") == 2
+        assert not server.bodies
+    assert capsys.readouterr().err == (
+        f"error: --rate-scale: {cfg} has workload classes (trace: as a list), each with its "
+        "own rate_scale; set those, or use --request-rate\n"
+    )
+    assert not (tmp_path / "o").exists()
 
 
 def test_no_server_is_one_line(tmp_path, capsys):
@@ -305,6 +432,31 @@ def test_compare_gives_hand_computed_errors(tmp_path, capsys):
     # sjf is twice fcfs: B (= fcfs but three cells) is 50% off almost everywhere
     assert compare.main([a, b, "--run", "sjf"]) == 0
     assert "| TTFT p90 (ms) | 400 | 200 | -50.0% |" in capsys.readouterr().out
+
+
+def test_compare_notes_different_workloads_and_partial_runs(tmp_path, capsys):
+    """Runs of another trace, request count or load, or a partial run, still compare, with
+    a note under the title (was: the same table with no hint that the errors compare
+    different loads)."""
+
+    def run(sha: str, n: int, scale: float, **extra) -> dict:
+        trace = {"path": "t.csv", "sha256": sha, "rows": n}
+        return {**_summary(1.0), "num_prompts": n, "rate_scale": scale, "trace": trace, **extra}
+
+    a = _folder(tmp_path / "a", {"fcfs": run("aa" * 32, 10, 1.0)})
+    same = _folder(tmp_path / "same", {"served": run("aa" * 32, 10, 1.0)})
+    assert compare.main([a, same]) == 0
+    assert "**" not in capsys.readouterr().out
+    why = "interrupted by SIGINT during run served (1 of 1 runs)"
+    b = _folder(tmp_path / "b", {"served": run("bb" * 32, 4, 2.0, partial=why)})
+    assert compare.main([a, b]) == 0
+    text = capsys.readouterr().out
+    assert (
+        "**Different workloads** (trace, requests, rate scale): A replayed 10 requests of "
+        "`t.csv` (sha256 aaaaaaaaaaaa) at rate scale 1.0, B 4 requests of `t.csv` (sha256 "
+        "bbbbbbbbbbbb) at rate scale 2.0; the errors compare different loads."
+    ) in text
+    assert f"**B is a partial run**: {why}." in text
 
 
 def test_compare_bad_input_is_one_line(tmp_path, capsys):

@@ -337,6 +337,26 @@ def test_a_body_shorter_than_its_content_length_gets_408(tmp_path, monkeypatch):
     assert err["code"] == 408 and "100 bytes" in err["message"]
 
 
+def test_a_content_length_over_the_limit_gets_413_at_once(sim_server):
+    """A Content-Length past MAX_BODY_BYTES is refused before the body is waited for (was:
+    408 after BODY_TIMEOUT_S, 30 s, when the client sent less)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", sim_server.port), timeout=TIMEOUT_S) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 1000000000000\r\n\r\n{}")  # fmt: skip
+        raw = b""
+        while b"}}" not in raw:
+            more = sock.recv(4096)
+            assert more, raw
+            raw += more
+    assert raw.startswith(b"HTTP/1.1 413")
+    err = json.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["message"] == (
+        "the body is 1000000000000 bytes (its Content-Length); at most 67108864 are read"
+    )
+
+
 def test_openai_client_raises_on_unknown_model(sim_server):
     with pytest.raises(openai.NotFoundError):
         sim_server.client().completions.create(model="nope", prompt="a", max_tokens=1)
@@ -383,6 +403,100 @@ def test_sigterm_drains_in_flight_then_exits_0(tmp_path):
         tokens = sum(1 for e in events[:-1] if e["choices"][0]["text"])
         assert tokens == 150
         assert server.proc.wait(TIMEOUT_S) == 0
+    finally:
+        server.close()
+
+
+def test_a_second_sigterm_ends_the_streams_in_flight(tmp_path):
+    """A second SIGTERM while a slow stream drains ends it at once (its last chunk the error
+    object, then [DONE]) and the server exits 143 (was: ignored; the server ran on for as
+    long as the stream took, up to DRAIN_TIMEOUT_S)."""
+    server = ServerProcess([sim_config(tmp_path), "--speed", "0.02"])
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
+        body = {"prompt": "x", "max_tokens": 200, "stream": True}
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        assert resp.read(6) == b"data: "
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        while server.request("POST", "/v1/completions", {"prompt": "a"})[0] != 503:
+            assert time.monotonic() - t0 < TIMEOUT_S  # the first signal is handled
+        server.proc.send_signal(signal.SIGTERM)
+        events = sse_events(b"data: " + resp.read())
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["message"] == "the request was aborted: the server is stopping"
+        assert sum(1 for e in events[:-2] if e["choices"][0]["text"]) < 200
+        assert server.proc.wait(TIMEOUT_S) == 128 + signal.SIGTERM
+        assert time.monotonic() - t0 < 10
+        assert any(x.startswith("error: a second SIGTERM: stopping with 1 requests in flight")
+                   for x in server.lines)  # fmt: skip
+    finally:
+        server.close()
+
+
+def test_a_huge_prompt_does_not_stall_the_streams_in_flight(tmp_path):
+    """A 20 MB prompt (10 M words, refused: over max_model_len) is parsed and tokenized off
+    the event loop: a stream in flight keeps getting its chunks meanwhile (was: none for
+    the ~1.5 s the server spent on it; each chunk comes every ~55 ms at --speed 0.05)."""
+    server = ServerProcess([sim_config(tmp_path), "--speed", "0.05"])
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
+        body = {"prompt": "x", "max_tokens": 240, "stream": True}
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        gaps, done = [], threading.Event()
+
+        def read() -> None:
+            last = time.monotonic()
+            while not done.is_set():
+                line = resp.readline()
+                if not line:
+                    break
+                if line.startswith(b"data: "):
+                    gaps.append(time.monotonic() - last)
+                    last = time.monotonic()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        huge = json.dumps({"prompt": "a " * 10_000_000, "max_tokens": 1}).encode()
+        time.sleep(0.3)
+        status, raw = server.request("POST", "/v1/completions", huge)
+        done.set()
+        reader.join(TIMEOUT_S)
+        assert status == 400 and "10000000 tokens" in json.loads(raw)["error"]["message"]
+        assert len(gaps) > 10 and max(gaps) < 0.9, max(gaps)
+    finally:
+        server.close()
+
+
+def test_a_request_that_outgrows_the_kv_cache_ends_with_its_reason(tmp_path):
+    """4 KV blocks of 16 tokens: a 50-word prompt with max_tokens 100 outgrows them while
+    running alone and is aborted: a whole answer is 503 naming why, a stream's last chunk
+    before [DONE] is the error object, with no usage chunk after it, and every token before
+    it (was: the client hung until another request came; a stream then sent its usage
+    after the error, and lost the tokens delivered together with the abort: 13 of 14)."""
+    path = sim_config(tmp_path)
+    raw = yaml.safe_load(open(path))
+    raw["kv_cache"]["num_gpu_blocks"] = 4
+    with open(path, "w") as f:
+        yaml.safe_dump(raw, f)
+    server = ServerProcess([path])
+    why = "the request was aborted: outgrew the KV cache: needs more than the 4 GPU blocks"
+    try:
+        body = {"prompt": "a " * 50, "max_tokens": 100}
+        status, answer = server.request("POST", "/v1/completions", body)
+        assert status == 503 and json.loads(answer)["error"]["message"].startswith(why)
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+        status, answer = server.request("POST", "/v1/completions", body)
+        events = sse_events(answer)
+        assert status == 200 and events[-1] == "[DONE]"
+        assert events[-2]["error"]["message"].startswith(why)
+        assert "".join(e["choices"][0]["text"] for e in events[:-2]) == " tok" * 14  # 64 tokens
     finally:
         server.close()
 
@@ -576,6 +690,78 @@ def test_loop_eos_ends_a_request_and_frees_its_blocks(asynchronous):
     assert samples[("vllm:generation_tokens_total", None)] == 21
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_request_aborted_while_planning_is_told_at_once(asynchronous):
+    """A request alone that outgrows the KV cache (4 blocks of 4 tokens; 6 + 20 tokens) is
+    aborted by the scheduler while it plans; its end reaches its handler at once, with the
+    reason (was: held undelivered while the idle loop waited for another request, so its
+    client hung)."""
+    from sched_lab.core.kv import make_block_manager
+    from sched_lab.core.request import Request
+    from sched_lab.core.scheduler import SchedulerLimits
+    from sched_lab.policies import get_policy
+    from sched_lab.serve.loop import ServingLoop, Stream
+    from sched_lab.serve.metrics import ServeMetrics
+
+    scheduler = get_policy("fcfs")(
+        SchedulerLimits(4, 256, 128), make_block_manager(4, 0, 4), async_scheduling=asynchronous
+    )
+    events, done = [], threading.Event()
+
+    def dispatch(batch):
+        events.extend(batch)
+        if any(e[2] is not None for e in events):
+            done.set()
+
+    loop = ServingLoop(scheduler, FakeEngine(), ServeMetrics("fake"), dispatch)
+    stream = Stream(Request("big", 0.0, 6, 20, prompt_token_ids=[3] * 6))
+    loop.start()
+    try:
+        loop.submit(stream)
+        assert done.wait(5.0)
+    finally:
+        loop.stop()
+    *tokens, end = events
+    assert 0 < sum(len(e[1]) for e in tokens) <= 16 - 6  # at most what the 4 blocks held
+    assert end[2] == "abort" and "KV" in end[3], end
+    assert scheduler.block_manager.num_used_gpu_blocks == 0
+
+
+def test_a_loop_that_is_never_idle_keeps_its_event_log_bounded(monkeypatch):
+    """600 requests at once through 4 slots: the loop is never idle, so the idle reset of
+    the scheduler's event log never runs; the log is renewed past MAX_EVENTS (200 here)
+    instead (was: it grew with every request served, ~200 bytes each, without bound)."""
+    from sched_lab.core.kv import make_block_manager
+    from sched_lab.core.request import Request
+    from sched_lab.core.scheduler import SchedulerLimits
+    from sched_lab.policies import get_policy
+    from sched_lab.serve import loop as serve_loop
+    from sched_lab.serve.metrics import ServeMetrics
+
+    monkeypatch.setattr(serve_loop, "MAX_EVENTS", 200, raising=False)
+    scheduler = get_policy("fcfs")(SchedulerLimits(4, 256, 128), make_block_manager(64, 0, 4))
+    sizes, done = [], threading.Event()
+    ended = 0
+
+    def dispatch(batch):
+        nonlocal ended
+        log_ = scheduler.events
+        sizes.append(len(log_) + len(log_.waits))
+        ended += sum(1 for e in batch if e[2] is not None)
+        if ended == 600:
+            done.set()
+
+    loop = serve_loop.ServingLoop(scheduler, FakeEngine(), ServeMetrics("m"), dispatch)
+    for i in range(600):  # all in the first intake
+        loop.submit(serve_loop.Stream(Request(f"r{i}", 0.0, 6, 10, prompt_token_ids=[3] * 6)))
+    loop.start()
+    try:
+        assert done.wait(TIMEOUT_S)
+    finally:
+        loop.stop()
+    assert max(sizes) < 300, max(sizes)  # 200 and one step's (was: ~750)
+
+
 def serve_in_process(scheduler, executor, requests, metrics=None, speed=1.0, stop_ids=()):
     """Run ``requests`` through a ServingLoop (no HTTP); returns each one's events in order
     and the metrics' samples by (name, finished_reason)."""
@@ -745,6 +931,31 @@ def test_engine_per_request_sampling(engine_server):
     assert ids(temperature=1.0, seed=2025) != seeded
 
 
+def test_chat_max_completion_tokens_null_falls_back_to_max_tokens():
+    """A chat body with ``max_completion_tokens: null`` and ``max_tokens: 5`` asks for 5
+    tokens, as vLLM reads it (was: None, i.e. up to max_model_len); the newer field wins
+    when both are set."""
+    from sched_lab.serve.protocol import parse
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert parse({"messages": msgs, "max_completion_tokens": None, "max_tokens": 5}, True,
+                 "m").max_tokens == 5  # fmt: skip
+    assert parse({"messages": msgs, "max_completion_tokens": 3, "max_tokens": 5}, True,
+                 "m").max_tokens == 3  # fmt: skip
+    assert parse({"messages": msgs}, True, "m").max_tokens is None
+
+
+def test_an_empty_model_name_is_the_served_model(sim_server):
+    """``"model": ""`` asks for the served model, as vLLM takes it (was: 404, "The model ``
+    does not exist.")."""
+    status, raw = sim_server.request(
+        "POST", "/v1/completions", {"model": "", "prompt": "a", "max_tokens": 2}
+    )
+    assert status == 200, raw
+    answer = json.loads(raw)
+    assert answer["model"] == "twin" and answer["choices"][0]["text"] == " tok tok"
+
+
 def test_sampling_params_under_speculation_must_be_the_yamls():
     """Speculative decoding samples every request at engine.temperature: a request that
     asks for another temperature, a top_p or a seed is refused naming the field; the
@@ -870,6 +1081,36 @@ def test_lora_adapters_are_models_of_the_twin(tmp_path):
         assert status == 404 and b"lora-2" in body
     finally:
         server.close()
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400(tmp_path):
+    """A chat template's raise_exception (Llama's and Mistral's "roles must alternate") is
+    a 400 naming messages, as vLLM answers it (was: jinja2's TemplateError, a 500)."""
+    pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[engine]'")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from sched_lab.serve.protocol import ApiError
+    from sched_lab.serve.text import ModelText
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
+    tokenizer.chat_template = (
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation roles must "
+        "alternate user/assistant') }}{% endif %}{% for m in messages %}{{ m['content'] }} "
+        "{% endfor %}"
+    )
+    tokenizer.save_pretrained(tmp_path)
+    text = ModelText(tmp_path, 2, frozenset())
+    assert text.chat([{"role": "user", "content": "hi"}]) == [1]
+    with pytest.raises(ApiError) as e:
+        text.chat([{"role": "assistant", "content": "hi"}])
+    assert (e.value.status, e.value.param) == (400, "messages")
+    assert e.value.message == (
+        "messages: the model's chat template refused them: Conversation roles must alternate "
+        "user/assistant"
+    )
 
 
 def test_a_sweep_yaml_is_refused_in_one_line(capsys):

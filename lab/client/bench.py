@@ -14,6 +14,9 @@ When requests are sent (one of):
 
 Prompts are synthetic text of the trace's prompt lengths and ``max_tokens`` is the trace's
 output length, with ``ignore_eos`` (lab/client/http.py). User errors are one line (exit 2).
+SIGINT, SIGTERM or SIGHUP during a replay stop it: the loads replayed and the requests
+that ended are written as partial results, the others aborted with the signal named
+(exit 128 + the signal number); before any replay, nothing is written.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -93,22 +98,60 @@ def parser(prog: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = "sched-lab bench") -> int:
     """``sched-lab bench``'s entry point; returns the exit status (0; 1 when no request
-    finished; 2 for bad input)."""
+    finished; 2 for bad input; 128 + the signal number when a signal stopped it)."""
     args = parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from sched_lab.report.folder import ResultsNotPlaced
 
-    try:
-        return _bench(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except ResultsNotPlaced as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("error: interrupted; nothing written", file=sys.stderr)
-        return 130
+    with _Signals() as signals:  # SIGTERM and SIGHUP raise as SIGINT does
+        try:
+            return _bench(args, signals)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except ResultsNotPlaced as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt as e:
+            signum = getattr(e, "signum", signal.SIGINT)
+            name = signal.Signals(signum).name
+            print(f"error: interrupted by {name}; nothing written", file=sys.stderr)
+            return 128 + signum
+
+
+class _Stopped(KeyboardInterrupt):
+    """A signal outside a replay (there :class:`http.ReplayStopped` says it): ``signum``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Signals:
+    """While active, SIGINT, SIGTERM and SIGHUP raise :class:`_Stopped`; while ``deferring``
+    the first is only kept in ``pending`` and a second raises (lab/cli.py's ``_Signals``,
+    which this room cannot import). An ignored signal stays ignored."""
+
+    def __init__(self) -> None:
+        self.deferring, self.pending = False, None
+        self._old: dict = {}
+
+    def _handler(self, signum, frame) -> None:
+        if self.deferring and self.pending is None:
+            self.pending = signum
+            return
+        raise _Stopped(signum)
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for s in http.STOP_SIGNALS:
+                if signal.getsignal(s) is not signal.SIG_IGN:
+                    self._old[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -126,7 +169,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise UserError(f"--base-url: expected http://HOST:PORT, got {args.base_url!r}")
 
 
-def _bench(args: argparse.Namespace) -> int:
+def _bench(args: argparse.Namespace, signals) -> int:
+    """The command; ``signals`` (:class:`_Signals`) defers a first signal while the
+    results are written."""
     from sched_lab.config import load_config
     from sched_lab.config.trace import scale_label
     from sched_lab.report.folder import check_out_dir, write_results
@@ -142,22 +187,46 @@ def _bench(args: argparse.Namespace) -> int:
         raise UserError(
             f"{args.config}: {e}" if not str(e).startswith(args.config) else e
         ) from None
+    if cfg.trace.classes and args.rate_scale is not None:  # their arrivals are not rescaled
+        raise UserError(
+            f"--rate-scale: {args.config} has workload classes (trace: as a list), each with "
+            "its own rate_scale; set those, or use --request-rate"
+        )
     out = Path(args.out) if args.out else Path.cwd() / "results" / f"{cfg.name}_{args.policy_label}"
     out = check_out_dir(out)  # before any request: a folder in the way costs no replay
     model = http.check_model(args.base_url, args.model)
     target = http.Target(args.base_url, model, args.endpoint, args.timeout)
     loads = _loads(cfg, args)
-    runs = []
+    runs, stopped = [], None
     for scale, rows, info in loads:
         label = args.policy_label
         if len(loads) > 1:  # as ExperimentConfig.run_label names a load
             label += f"@x{scale_label(scale)}"
-        runs.append(_one_run(cfg, args, target, label, scale, rows, info))
-    write_results(out, cfg, runs, fmt="csv", bars=not args.no_progress)
+        run, stopped = _one_run(cfg, args, target, label, scale, rows, info)
+        runs.append(run)
+        if stopped is not None:
+            break
+    partial = None
+    if stopped is not None:
+        partial = (
+            f"interrupted by {stopped.name} during run {runs[-1].label} ({len(runs)} of "
+            f"{len(loads)} runs); its requests that had not ended are aborted"
+        )
+    signals.deferring = True  # a first signal lets the writing end; a second stops it
+    write_results(out, cfg, runs, fmt="csv", bars=not args.no_progress, partial=partial)
+    signals.deferring = False
     print(summary_text(runs, cfg.report.metric_percentiles))
     sent = sum(r.summary["num_prompts"] for r in runs)
     done = sum(r.summary["completed"] for r in runs)
     print(f"\nwrote {out}/ (report.md, report.html): {done} of {sent} requests finished")
+    if stopped is not None:
+        print(f"error: {partial}; wrote them to {out}/ as partial results", file=sys.stderr)
+        return 128 + stopped.signum
+    if signals.pending is not None:
+        name = signal.Signals(signals.pending).name
+        print(f"error: interrupted by {name} while writing the results; all requests had "
+              f"ended and {out}/ holds them in full", file=sys.stderr)  # fmt: skip
+        return 128 + signals.pending
     if done < sent:
         reasons = [
             f"{why} ({n})"
@@ -218,6 +287,7 @@ def _redraw_arrivals(rows: list[Request], rate: float, burstiness: float, seed: 
 
 
 def _one_run(cfg, args, target: http.Target, label: str, scale: float, rows, info):
+    """(the Run of one load, the :class:`http.ReplayStopped` that cut it short or None)."""
     from sched_lab.report.progress import Phase
 
     live = [r for r in rows if r.status is not RequestStatus.DROPPED]
@@ -244,10 +314,14 @@ def _one_run(cfg, args, target: http.Target, label: str, scale: float, rows, inf
         "max_concurrency": args.max_concurrency,
         "timeout_s": target.timeout_s,
     }
+    stopped = None
     with Phase(f"{label}: {len(live):,} requests to {target.url}", len(live), "req",
                not args.no_progress) as phase:  # fmt: skip
-        measured, wall_s = http.replay(target, sends, args.max_concurrency, phase.set)
-    return served_run(
+        try:
+            measured, wall_s = http.replay(target, sends, args.max_concurrency, phase.set)
+        except http.ReplayStopped as e:
+            stopped, measured, wall_s = e, e.measured, e.wall_s
+    run = served_run(
         ServedRun(label, args.policy_label, scale, info, served),
         rows,
         {m.request_id: m for m in measured},
@@ -255,3 +329,4 @@ def _one_run(cfg, args, target: http.Target, label: str, scale: float, rows, inf
         cfg.slo.to_dict(),
         cfg.report.metric_percentiles,
     )
+    return run, stopped

@@ -8,7 +8,9 @@ For each statistic X of TTFT, TPOT, ITL and E2E at p50, p90 and p99, and for the
 throughput: the relative error |B - A| / A (:func:`sched_lab.fidelity.compare.rel`), marked
 ✗ past the fidelity targets (5% at p50 and p90, 10% at p99, 3% for throughput); then each
 statistic's two values and the signed difference (B - A) / A. Printed, and written as
-markdown with ``--out FILE.md``.
+markdown with ``--out FILE.md``. Runs of different workloads (another trace, another
+number of requests, another rate scale) or partial runs compare too, with a note saying so
+under the title.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def markdown(folder_a, folder_b, label_a: str, label_b: str, a: dict, b: dict) -
         "",
         f"A: `{folder_a}` (run `{label_a}`); B: `{folder_b}` (run `{label_b}`).",
         "",
+        *[f"{note}\n" for note in notes(a, b)],
         "Relative error |B - A| / A of each percentile and of the output throughput; ✗ "
         f"marks a miss of {error_target('p50'):.0%} at p50 and p90, {error_target('p99'):.0%} "
         f"at p99, {error_target('tp'):.0%} for throughput (the targets of docs/fidelity.md).",
@@ -100,6 +103,40 @@ def markdown(folder_a, folder_b, label_a: str, label_b: str, a: dict, b: dict) -
         )
     lines += ["", f"Requests finished: A {_count(a)}, B {_count(b)}.", ""]
     return "\n".join(lines)
+
+
+def notes(a: dict, b: dict) -> list[str]:
+    """What makes the two runs' errors not a like-for-like comparison: a different
+    workload (trace file contents, requests replayed, rate scale), a partial run."""
+    out = []
+    keys = [("num_prompts", "requests"), ("rate_scale", "rate scale")]
+    differ = [what for key, what in keys if a.get(key) != b.get(key)]
+    sha_a, sha_b = _trace(a).get("sha256"), _trace(b).get("sha256")
+    if sha_a and sha_b and sha_a != sha_b:
+        differ.insert(0, "trace")
+    if differ:
+        out.append(
+            f"**Different workloads** ({', '.join(differ)}): A replayed {_workload(a)}, B "
+            f"{_workload(b)}; the errors compare different loads."
+        )
+    for name, s in (("A", a), ("B", b)):
+        if s.get("partial"):
+            out.append(f"**{name} is a partial run**: {s['partial']}.")
+    return out
+
+
+def _trace(s: dict) -> dict:
+    t = s.get("trace")
+    return t if isinstance(t, dict) else {}
+
+
+def _workload(s: dict) -> str:
+    t = _trace(s)
+    sha = f" (sha256 {t['sha256'][:12]})" if isinstance(t.get("sha256"), str) else ""
+    return (
+        f"{s.get('num_prompts', '?')} requests of `{t.get('path', '?')}`{sha} at rate scale "
+        f"{s.get('rate_scale', '?')}"
+    )
 
 
 def _labels(folder: Path) -> list[str]:

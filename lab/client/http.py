@@ -11,13 +11,17 @@ Timing follows ``vllm bench serve`` (vllm/benchmarks/lib/endpoint_request_func.p
 request's clock starts when it is sent; every SSE chunk that carries output text is one
 arrival (first: TTFT; the gaps between the others: ITL, per chunk). Nothing is lost: an
 HTTP error, an error inside the stream, a broken connection or a timeout ends the request
-``aborted`` with the reason.
+``aborted`` with the reason. SIGINT, SIGTERM or SIGHUP during a replay stops it
+(:class:`ReplayStopped`): the requests that ended keep their measurements, the others end
+``aborted`` with the signal named.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +31,23 @@ from sched_lab.core.errors import UserError
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PROMPT_WORD = "hello"  # one token in common BPE vocabularies, with or without a leading space
+STOP_SIGNALS = tuple(
+    getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)
+)
+
+
+class ReplayStopped(KeyboardInterrupt):
+    """A replay stopped by signal ``signum``: ``measured`` holds every request of the
+    replay in order (those that had not ended: aborted, the signal named in their reason),
+    ``wall_s`` the time it ran."""
+
+    def __init__(self, signum: int, measured: list[Measured], wall_s: float) -> None:
+        super().__init__(signum)
+        self.signum, self.measured, self.wall_s = signum, measured, wall_s
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
 
 
 def require_aiohttp():
@@ -128,23 +149,47 @@ def error_message(text: str, limit: int = 200) -> str:
 
 
 def _chunk_text(chunk: dict[str, Any]) -> str:
-    """The output text a stream chunk carries (completions: ``text``; chat: ``delta``)."""
+    """The output text a stream chunk carries (completions: ``text``; chat: ``delta``).
+    Raises ValueError for a chunk not of that shape (the request ends as a bad chunk)."""
     choices = chunk.get("choices") or []
-    if not choices or not isinstance(choices[0], dict):
+    if not isinstance(choices, list) or (choices and not isinstance(choices[0], dict)):
+        raise ValueError(f"choices: expected a list of objects, got {_short(choices)}")
+    if not choices:
         return ""
     c = choices[0]
     if "text" in c:
-        return c.get("text") or ""
-    delta = c.get("delta") or {}
-    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+        parts = {"text": c["text"]}
+    else:
+        delta = c.get("delta") or {}
+        if not isinstance(delta, dict):
+            raise ValueError(f"choices[0].delta: expected an object, got {_short(delta)}")
+        parts = {k: delta.get(k) for k in ("content", "reasoning_content")}
+    for key, text in parts.items():
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"choices[0] {key}: expected a string, got {_short(text)}")
+    return "".join(t for t in parts.values() if t)
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _usage(m: Measured, usage: dict[str, Any]) -> None:
-    m.prompt_tokens = usage.get("prompt_tokens", m.prompt_tokens)
-    m.completion_tokens = usage.get("completion_tokens", m.completion_tokens)
+    """The server's counts from a usage object; a count that is not an integer in
+    [0, 2**63) (a float, a string: an odd server's) is taken as absent (None)."""
+    if "prompt_tokens" in usage:
+        m.prompt_tokens = _count(usage["prompt_tokens"])
+    if "completion_tokens" in usage:
+        m.completion_tokens = _count(usage["completion_tokens"])
     details = usage.get("prompt_tokens_details") or {}
     if isinstance(details, dict) and details.get("cached_tokens") is not None:
-        m.cached_tokens = details["cached_tokens"]
+        m.cached_tokens = _count(details["cached_tokens"])
+
+
+def _count(v: Any) -> int | None:
+    ok = isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63
+    return v if ok else None
 
 
 async def stream_one(
@@ -187,8 +232,9 @@ async def stream_one(
     except aiohttp.ClientError as e:
         m.reason = f"connection error: {type(e).__name__}: {error_message(str(e))}"
         return m
-    except ValueError as e:  # JSONDecodeError, an over-long line
-        m.reason = f"bad stream chunk: {error_message(str(e))}"
+    except (ValueError, RecursionError) as e:  # JSON errors, an over-long line, bad shapes
+        why = f"{type(e).__name__}: {e}" if isinstance(e, RecursionError) else str(e)
+        m.reason = f"bad stream chunk: {error_message(why)}"
         return m
     if not done:
         m.reason = "the stream ended before data: [DONE]"
@@ -209,30 +255,80 @@ async def _replay(
     # limit 0: no cap on connections (aiohttp's default of 100 would cap the concurrency)
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    ended = 0
+    ended: dict[int, Measured] = {}
+    sent_s: dict[int, float] = {}  # when each request sent so far was sent
+    stopped: list[int] = []  # the signal that stopped the replay
     async with aiohttp.ClientSession(connector=connector) as session:
         start = time.perf_counter()
 
         def clock() -> float:
             return time.perf_counter() - start
 
-        async def one(request_id: str, at_s: float, body: dict[str, Any]) -> Measured:
-            nonlocal ended
+        async def one(k: int, request_id: str, at_s: float, body: dict[str, Any]) -> None:
             if at_s > clock():
                 await asyncio.sleep(at_s - clock())
             if slots is None:
+                sent_s[k] = clock()
                 m = await stream_one(session, target, request_id, body, clock)
             else:
                 async with slots:
+                    sent_s[k] = clock()
                     m = await stream_one(session, target, request_id, body, clock)
-            ended += 1
+            ended[k] = m
             if progress is not None:
-                progress(ended)
-            return m
+                progress(len(ended))
 
-        out = await asyncio.gather(*(one(i, t, b) for i, t, b in sends))
+        tasks = [asyncio.ensure_future(one(k, *send)) for k, send in enumerate(sends)]
+
+        def stop(signum: int) -> None:
+            if not stopped:
+                stopped.append(signum)
+                for t in tasks:
+                    t.cancel()
+
+        with _stop_signals(asyncio.get_running_loop(), stop):
+            if tasks:
+                await asyncio.wait(tasks)
+        for t in tasks:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()
         wall_s = clock()
-    return list(out), wall_s
+    if not stopped:
+        return [ended[k] for k in range(len(sends))], wall_s
+    name = signal.Signals(stopped[0]).name
+    out = []
+    for k, (request_id, at_s, _) in enumerate(sends):
+        m = ended.get(k)
+        if m is None:
+            was_sent = k in sent_s
+            m = Measured(request_id, sent_s[k] if was_sent else at_s)  # unsent: when due
+            m.reason = f"interrupted by {name} {'in flight' if was_sent else 'before it was sent'}"
+        out.append(m)
+    raise ReplayStopped(stopped[0], out, wall_s)
+
+
+class _stop_signals:
+    """While active (in the main thread), SIGINT, SIGTERM and SIGHUP call ``stop(signum)``
+    on the event loop ``aio``; the handlers before are put back at the end. An ignored
+    signal stays ignored."""
+
+    def __init__(self, aio: asyncio.AbstractEventLoop, stop: Callable[[int], None]) -> None:
+        self.aio, self.stop = aio, stop
+        self.old: dict[int, Any] = {}
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for s in STOP_SIGNALS:
+            old = signal.getsignal(s)
+            if old is not signal.SIG_IGN:
+                self.aio.add_signal_handler(s, self.stop, s)
+                self.old[s] = old
+
+    def __exit__(self, *exc) -> None:
+        for s, old in self.old.items():
+            self.aio.remove_signal_handler(s)
+            signal.signal(s, old if old is not None else signal.SIG_DFL)
 
 
 def replay(
@@ -244,7 +340,12 @@ def replay(
     """Send each (request id, send time in s, body) at its time, at most ``max_concurrency``
     at once (None: no cap; a request waits for a slot and is sent when it gets one). Returns
     the measurements in the order of ``sends`` and the wall time in seconds. ``progress``
-    is called with the number of requests ended so far."""
+    is called with the number of requests ended so far.
+
+    Raises:
+        ReplayStopped: SIGINT, SIGTERM or SIGHUP came (in the main thread); it holds every
+            request's measurement, those not ended aborted with the signal named.
+    """
     return asyncio.run(_replay(target, sends, max_concurrency, progress))
 
 

@@ -12,7 +12,7 @@ event loop has taken the events, rather than plan the next step while the event 
 for the GIL (up to ``sys.getswitchinterval()``, 5 ms). A client that goes away (its
 connection closed while it waits or streams) cancels its request: the loop aborts it and
 frees its blocks. SIGTERM or SIGINT: new requests get 503, requests in flight run to their
-end, then the process exits 0.
+end, then the process exits 0; a second signal ends them at once (finish ``abort``).
 """
 
 from __future__ import annotations
@@ -57,11 +57,15 @@ EPILOG = """example:
 
 exit status:
   0    stopped by SIGTERM or SIGINT once the requests in flight had ended
+  130, 143  a second SIGINT or SIGTERM ended the requests in flight (finish_reason abort)
   2    bad input: one line, error: ..., naming the file, key or option"""
 DEFAULT_MAX_WAITING = 1024
 DRAIN_TIMEOUT_S = 600.0  # SIGTERM: how long requests in flight may take to finish
+FORCED_STOP_S = 5.0  # a second signal: how long their handlers may take to answer
 BODY_TIMEOUT_S = 30.0  # a request body must arrive within this (its Content-Length promised)
+MAX_BODY_BYTES = 64 << 20  # a larger request body is 413
 HANDOFF_WAIT_S = 0.002  # a step with first tokens: the most the loop thread waits for delivery
+INLINE_BODY_CHARS = 1 << 16  # a body longer is parsed and tokenized in a worker thread
 
 
 class Server:
@@ -80,7 +84,7 @@ class Server:
         self._next_id = 0
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=64 << 20)
+        app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -155,6 +159,13 @@ class Server:
 
     # ------------------------------------------------------------------ generation
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        size = request.content_length
+        if size is not None and size > MAX_BODY_BYTES:  # refused before waiting for it
+            raise ApiError(
+                f"the body is {size} bytes (its Content-Length); at most {MAX_BODY_BYTES} are read",
+                None,
+                413,
+            )
         try:  # a Content-Length larger than the body sent would wait for ever
             await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -165,23 +176,13 @@ class Server:
                 408,
             ) from None
         try:
-            body = await request.json(loads=json.loads)  # the body read above
-        except (ValueError, UnicodeDecodeError, RecursionError, LookupError) as e:
-            # JSON errors, integers of over 4,300 digits, nesting past the recursion limit,
-            # an unknown charset in the Content-Type
-            why = f"{type(e).__name__}: {e}" if isinstance(e, RecursionError) else str(e)
-            raise ApiError(f"the body is not valid JSON: {why}".splitlines()[0]) from None
-        sampling = parse(body, chat, self.model, self.served.adapters)
-        text = self.served.text
-        if chat:
-            prompt_ids = _encoded(text.chat, sampling.messages, "messages")
-        elif isinstance(sampling.prompt, str):
-            prompt_ids = _encoded(text.encode, sampling.prompt, "prompt")
+            raw = await request.text()  # the body read above, decoded by its charset
+        except (UnicodeDecodeError, LookupError) as e:  # an unknown charset in the Content-Type
+            raise ApiError(f"the body is not valid JSON: {e}".splitlines()[0]) from None
+        if len(raw) > INLINE_BODY_CHARS:  # off the event loop: the streams in flight go on
+            sampling, prompt_ids = await asyncio.to_thread(self._prompt, raw, chat)
         else:
-            prompt_ids = sampling.prompt
-            text.check_ids(prompt_ids)
-        if not prompt_ids:
-            raise ApiError("prompt: it has no tokens", "messages" if chat else "prompt")
+            sampling, prompt_ids = self._prompt(raw, chat)
         max_tokens = self._check_lengths(len(prompt_ids), sampling.max_tokens)
         if self.draining or self.loop.failure:
             why = self.loop.failure or "the server is shutting down"
@@ -206,7 +207,7 @@ class Server:
         why = self.served.scheduler.rejection_reason(r)  # reads limits and capacity only
         if why:
             raise ApiError(f"prompt: {why}", "prompt")
-        stop_ids = frozenset() if sampling.ignore_eos else text.eos_token_ids
+        stop_ids = frozenset() if sampling.ignore_eos else self.served.text.eos_token_ids
         queue: asyncio.Queue = asyncio.Queue()
         stream = Stream(r, stop_ids, queue)
         self.in_flight += 1
@@ -219,6 +220,29 @@ class Server:
             self.in_flight -= 1
             if not stream.ended:  # the client went away, or an error
                 self.loop.cancel(stream, ABORT)
+
+    def _prompt(self, raw: str, chat: bool) -> tuple[Sampling, list[int]]:
+        """(the checked body, the prompt's token ids) of a request body's text; ApiError
+        naming the field. Thread-safe: a large body's is made in a worker thread (as vLLM
+        tokenizes off its event loop), which a 60 MB prompt kept busy for seconds."""
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            # JSON errors, integers of over 4,300 digits, nesting past the recursion limit
+            why = f"{type(e).__name__}: {e}" if isinstance(e, RecursionError) else str(e)
+            raise ApiError(f"the body is not valid JSON: {why}".splitlines()[0]) from None
+        sampling = parse(body, chat, self.model, self.served.adapters)
+        text = self.served.text
+        if chat:
+            prompt_ids = _encoded(text.chat, sampling.messages, "messages")
+        elif isinstance(sampling.prompt, str):
+            prompt_ids = _encoded(text.encode, sampling.prompt, "prompt")
+        else:
+            prompt_ids = sampling.prompt
+            text.check_ids(prompt_ids)
+        if not prompt_ids:
+            raise ApiError("prompt: it has no tokens", "messages" if chat else "prompt")
+        return sampling, prompt_ids
 
     def _echo(self, sampling: Sampling) -> str:
         """The ``model`` of an answer: the adapter asked for, else the served model."""
@@ -326,8 +350,11 @@ class Server:
                 if chat and first:
                     await send(chunk(rid, chat, model, None, None, with_usage, role=True))
                     first = False
-                if finish == ABORT and message:
+                if finish == ABORT and message:  # the last chunk before [DONE], as vLLM's
+                    if delta:  # tokens merged into the same delivery as the abort
+                        await send(chunk(rid, chat, model, delta, None, with_usage))
                     await send(ApiError(f"the request was aborted: {message}", None, 503).body())
+                    with_usage = False
                     break
                 if delta or finish is not None:
                     await send(chunk(rid, chat, model, delta, finish, with_usage))
@@ -459,11 +486,19 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab serve") -> int:
 
 async def _serve(server: Server, host: str, port: int) -> int:
     """Listen until SIGTERM or SIGINT; then refuse new requests, let those in flight end,
-    stop. Prints ``serving MODEL on http://HOST:PORT`` once listening."""
+    stop (0). A second signal while they run ends them now (finish ``abort``, the stream's
+    error object) and stops (128 + its number). Prints ``serving MODEL on
+    http://HOST:PORT`` once listening."""
     server._aio = aio = asyncio.get_running_loop()
     stop = asyncio.Event()
+    signals: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        signals.append(sig)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        aio.add_signal_handler(sig, stop.set)
+        aio.add_signal_handler(sig, on_signal, sig)
     runner = web.AppRunner(server.app(), handle_signals=False, access_log=None,
                            handler_cancellation=True)  # fmt: skip
     await runner.setup()
@@ -476,10 +511,20 @@ async def _serve(server: Server, host: str, port: int) -> int:
           f"http://{host}:{bound}", flush=True)  # fmt: skip
     await stop.wait()
     server.draining = True
-    log.info("stopping: %d requests in flight to finish first", server.in_flight)
-    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    stop.clear()
+    log.info("stopping: %d requests in flight to finish first%s", server.in_flight,
+             " (a second signal ends them now)" if server.in_flight else "")  # fmt: skip
+    deadline, forced = time.monotonic() + DRAIN_TIMEOUT_S, 0
     while server.in_flight and time.monotonic() < deadline and not server.loop.failure:
+        if stop.is_set() and not forced:  # a second signal: end the requests in flight, as aborted
+            forced = signals[-1]
+            n, name = server.in_flight, signal.Signals(forced).name
+            print(f"error: a second {name}: stopping with {n} requests in flight (they end "
+                  "with finish_reason abort)", file=sys.stderr, flush=True)  # fmt: skip
+            await asyncio.to_thread(server.loop.stop)  # each handler gets its end, answers
+            deadline = min(deadline, time.monotonic() + FORCED_STOP_S)
+            stop.clear()
         await asyncio.sleep(0.05)
     await runner.cleanup()
     server.loop.stop()
-    return 0
+    return 128 + forced if forced else 0

@@ -39,6 +39,7 @@ from sched_lab.serve.metrics import ServeMetrics
 log = logging.getLogger("sched_lab.serve.loop")
 
 IDLE_WAIT_S = 0.5  # an idle loop rechecks its stop flag this often (wall seconds)
+MAX_EVENTS = 100_000  # a busy scheduler's event log (events + wait streaks) is renewed past this
 STOP = "stop"  # finish reasons, OpenAI's
 LENGTH = "length"
 ABORT = "abort"
@@ -218,12 +219,16 @@ class ServingLoop:
 
     def _plan(self, in_flight: bool = False) -> tuple[SchedulerOutput, bool]:
         """The next plan and whether it goes to the executor (as the replay loop's). A plan
-        that advances nothing with no step in flight ends every request (stuck)."""
+        that advances nothing with no step in flight ends every request (stuck); requests it
+        aborted are handed on now when no step runs (else with the step's results)."""
         scheduler = self.scheduler
         plan = scheduler.schedule()
         self._dispatch_aborted(plan)
         moves = bool(plan.aborted or plan.preempted) and not plan.is_empty
         runs = plan.feeds_tokens or moves
+        if not runs and plan.aborted:  # no step to apply, whose end would hand these on
+            self._update_gauges()
+            self._flush()
         if not runs and not plan.aborted and not in_flight:
             bm = scheduler.block_manager
             why = (
@@ -246,7 +251,8 @@ class ServingLoop:
         return max(end, self.now()) if late < 0 else end
 
     def _idle(self) -> None:
-        """Wait for a request or a stop; a fresh event log (its history is not served)."""
+        """Wait for a request or a stop; a fresh event log (its history is not served; a
+        loop that is never idle renews it past MAX_EVENTS, in :meth:`_applied`)."""
         self.scheduler.events = EventLog()
         self._update_gauges()
         with self._inbox.lock:
@@ -319,6 +325,9 @@ class ServingLoop:
             streams.pop(s.request, None)
         self._update_gauges()
         self._flush()
+        log_ = self.scheduler.events
+        if len(log_) + len(log_.waits) > MAX_EVENTS:  # never idle for long: renewed here
+            self.scheduler.events = EventLog()
 
     def _tokens(self, s: Stream, new: list[int], now: float) -> None:
         """Hand ``new`` ids of ``s`` on; an EOS among them ends it there (kept: it counts)."""

@@ -192,13 +192,14 @@ def _short(v: Any) -> str:
 def parse(body: Any, chat: bool, model_name: str, adapters: tuple[str, ...] = ()) -> Sampling:
     """Check a request body (already parsed JSON) of ``/v1/completions`` (``chat`` False) or
     ``/v1/chat/completions``. ``model`` may name the base model or one of the LoRA
-    ``adapters`` (vLLM's convention). Raises ApiError naming the field (404 for another
+    ``adapters`` (vLLM's convention); left out, null or "" is the base model. Raises ApiError naming the field (404 for another
     model)."""
     if not isinstance(body, Mapping):
         raise ApiError(f"the body must be a JSON object, got {type(body).__name__}")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(f"model: expected a string, got {_short(model)}", "model")
+    model = model or None  # "": the served model, as vLLM takes it
     if model is not None and model != model_name and model not in adapters:
         raise ApiError(f"The model `{model}` does not exist.", "model", 404)
     n = _int(body, "n")
@@ -206,7 +207,12 @@ def parse(body: Any, chat: bool, model_name: str, adapters: tuple[str, ...] = ()
         raise ApiError(f"n: only n=1 is supported, got {n}", "n")
     if body.get("best_of") not in (None, 1):
         raise ApiError(f"best_of: only 1 is supported, got {_short(body['best_of'])}", "best_of")
-    key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    # chat: max_completion_tokens, else (absent or null) max_tokens, as vLLM reads them
+    key = (
+        "max_completion_tokens"
+        if chat and body.get("max_completion_tokens") is not None
+        else "max_tokens"
+    )
     max_tokens = _int(body, key)
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(f"{key}: expected an integer >= 1, got {max_tokens}", key)

@@ -89,10 +89,20 @@ class ModelText:
         return list(self.tokenizer.encode(text))
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The messages through the chat template; ApiError (400) when the template refuses
+        them (``raise_exception``: roles that do not alternate, as vLLM answers it)."""
         if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
+            from jinja2 import TemplateError
+
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True
+                )
+            except TemplateError as e:
+                raise ApiError(
+                    f"messages: the model's chat template refused them: {e}".splitlines()[0],
+                    "messages",
+                ) from None
             return list(self.tokenizer.encode(text, add_special_tokens=False))
         return self.encode(join_messages(messages))
 

@@ -192,8 +192,8 @@ def _short(v: Any) -> str:
 def parse(body: Any, chat: bool, model_name: str, adapters: tuple[str, ...] = ()) -> Sampling:
     """Check a request body (already parsed JSON) of ``/v1/completions`` (``chat`` False) or
     ``/v1/chat/completions``. ``model`` may name the base model or one of the LoRA
-    ``adapters`` (vLLM's convention); left out, null or "" is the base model. Raises ApiError naming the field (404 for another
-    model)."""
+    ``adapters`` (vLLM's convention); left out, null or "" is the base model. Raises
+    ApiError naming the field (404 for another model)."""
     if not isinstance(body, Mapping):
         raise ApiError(f"the body must be a JSON object, got {type(body).__name__}")
     model = body.get("model")

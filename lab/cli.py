@@ -30,12 +30,12 @@ import importlib.util
 import logging
 import signal
 import sys
-import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from sched_lab import __version__
+from sched_lab.run.signals import Interrupted, StopSignals
 
 # Where bundled data lives, in a checkout and in an installed copy alike: experiments/,
 # traces/data/ and profiles/ are installed beside lab/ (pyproject.toml).
@@ -384,55 +384,6 @@ def prefix_bound(argv: list[str] | None = None, prog: str = "sched-lab prefix-bo
     return 0
 
 
-# A closed terminal (SIGHUP) stops a run as Ctrl-C does: temporary folders removed, workers
-# ended, completed runs kept.
-STOP_SIGNALS = tuple(
-    getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)
-)
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT, SIGTERM or SIGHUP raised where the program was, so cleanup runs. Its only argument is
-    the signal number (SimPy re-creates an exception from its arguments)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-    def __str__(self) -> str:
-        return signal.Signals(self.signum).name
-
-
-class _Signals:
-    """While active, SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted`; while ``deferring``, the
-    first is only recorded in ``pending`` and a second raises; while ``closing`` (the last
-    cleanup of a command that already ends), none raises (the first is recorded). An ignored
-    signal stays ignored."""
-
-    def __init__(self) -> None:
-        self.deferring = self.closing = False
-        self.pending: int | None = None
-        self._old: dict = {}
-
-    def _handler(self, signum, frame) -> None:
-        if (self.deferring or self.closing) and self.pending is None:
-            self.pending = signum
-            return
-        if not self.closing:
-            raise Interrupted(signum)
-
-    def __enter__(self) -> _Signals:
-        if threading.current_thread() is threading.main_thread():
-            for s in STOP_SIGNALS:
-                if signal.getsignal(s) is not signal.SIG_IGN:
-                    self._old[s] = signal.signal(s, self._handler)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
-
-
 def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO,
@@ -444,7 +395,7 @@ def _run(args: argparse.Namespace) -> int:
 
     runs: list = []
     cfg = out = writer = None
-    with _Signals() as signals:
+    with StopSignals() as signals:
         try:
             from sched_lab.sweeps.sweep import is_sweep, read_yaml
 
@@ -634,7 +585,7 @@ def _code(e: KeyboardInterrupt) -> int:
     return 128 + getattr(e, "signum", signal.SIGINT)
 
 
-def _keep_partial(e: KeyboardInterrupt, signals: _Signals, cfg, runs: list, writer) -> int:
+def _keep_partial(e: KeyboardInterrupt, signals: StopSignals, cfg, runs: list, writer) -> int:
     """Write the completed runs (added to ``writer``) as partial results; one line; 128 +
     the signal number."""
     if not runs:

@@ -26,7 +26,6 @@ import logging
 import math
 import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from sched_lab.client import http
 from sched_lab.client.measure import ServedRun, served_run
 from sched_lab.core.errors import UserError
 from sched_lab.core.request import Request, RequestStatus
+from sched_lab.run.signals import StopSignals
 
 EXAMPLE = """example:
   sched-lab serve experiments/quickstart.yaml &            # or vLLM, SGLang, ...
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab bench") -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from sched_lab.report.folder import ResultsNotPlaced
 
-    with _Signals() as signals:  # SIGTERM and SIGHUP raise as SIGINT does
+    with StopSignals() as signals:  # SIGTERM and SIGHUP raise as SIGINT does
         try:
             return _bench(args, signals)
         except UserError as e:
@@ -117,41 +117,6 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab bench") -> int:
             name = signal.Signals(signum).name
             print(f"error: interrupted by {name}; nothing written", file=sys.stderr)
             return 128 + signum
-
-
-class _Stopped(KeyboardInterrupt):
-    """A signal outside a replay (there :class:`http.ReplayStopped` says it): ``signum``."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-class _Signals:
-    """While active, SIGINT, SIGTERM and SIGHUP raise :class:`_Stopped`; while ``deferring``
-    the first is only kept in ``pending`` and a second raises (lab/cli.py's ``_Signals``,
-    which this room cannot import). An ignored signal stays ignored."""
-
-    def __init__(self) -> None:
-        self.deferring, self.pending = False, None
-        self._old: dict = {}
-
-    def _handler(self, signum, frame) -> None:
-        if self.deferring and self.pending is None:
-            self.pending = signum
-            return
-        raise _Stopped(signum)
-
-    def __enter__(self) -> _Signals:
-        if threading.current_thread() is threading.main_thread():
-            for s in http.STOP_SIGNALS:
-                if signal.getsignal(s) is not signal.SIG_IGN:
-                    self._old[s] = signal.signal(s, self._handler)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -170,7 +135,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace, signals) -> int:
-    """The command; ``signals`` (:class:`_Signals`) defers a first signal while the
+    """The command; ``signals`` (a StopSignals) defers a first signal while the
     results are written."""
     from sched_lab.config import load_config
     from sched_lab.config.trace import scale_label

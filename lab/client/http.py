@@ -28,12 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sched_lab.core.errors import UserError
+from sched_lab.run.signals import STOP_SIGNALS
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PROMPT_WORD = "hello"  # one token in common BPE vocabularies, with or without a leading space
-STOP_SIGNALS = tuple(
-    getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)
-)
 
 
 class ReplayStopped(KeyboardInterrupt):

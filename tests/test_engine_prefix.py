@@ -32,11 +32,11 @@ POLICIES = [
 
 QUESTION = "Read this carefully. The lab replays traces through scheduling policies. "
 PROMPTS = [
-    {"prompt": QUESTION + "What is a KV cache?", "output_len": 12, "arrival_s": 0.0},
-    {"prompt": QUESTION + "What is a KV cache?", "output_len": 10, "arrival_s": 0.0},
-    {"prompt": QUESTION + "Name a planet.", "output_len": 14, "arrival_s": 0.0},
-    {"prompt": "List three primary colors.", "output_len": 12, "arrival_s": 0.0},
-    {"prompt": QUESTION + "Name a planet.", "output_len": 8, "arrival_s": 0.0},
+    {"prompt": QUESTION + "What is a KV cache?", "output_len": 6, "arrival_s": 0.0},
+    {"prompt": QUESTION + "What is a KV cache?", "output_len": 4, "arrival_s": 0.0},
+    {"prompt": QUESTION + "Name a planet.", "output_len": 7, "arrival_s": 0.0},
+    {"prompt": "List three primary colors.", "output_len": 6, "arrival_s": 0.0},
+    {"prompt": QUESTION + "Name a planet.", "output_len": 4, "arrival_s": 0.0},
 ]
 
 
@@ -93,7 +93,7 @@ def test_smollm2_tokens_identical_with_caching(tmp_path):
 
     ref = run_experiment(cfg(200, False, ["fcfs"]), progress=False)[0]
     assert ref.summary["num_preempted_requests"] == 0
-    # 8 blocks of 16: the five prompts (~45-60 tokens, sharing ~40) cannot all grow at once.
+    # 8 blocks of 16: the five prompts (35-50 tokens, sharing ~40) cannot all grow at once.
     check_identical(run_experiment(cfg(8, True, POLICIES), progress=False), tokens(ref), 32)
 
 

@@ -7,6 +7,7 @@ tokens must equal those of an unconstrained run (a cache big enough for everythi
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 
@@ -25,12 +26,15 @@ from sched_lab.run.experiment import run_experiment as run_runs  # noqa: E402
 
 # All at t = 0: the schedule, and so the preemptions, must not depend on measured step times.
 PROMPTS = [
-    {"prompt": "What is the capital of France?", "output_len": 14, "arrival_s": 0.0},
-    {"prompt": "Write a haiku about autumn leaves.", "output_len": 16, "arrival_s": 0.0},
-    {"prompt": "Explain what a KV cache is.", "output_len": 16, "arrival_s": 0.0},
-    {"prompt": "List three primary colors.", "output_len": 12, "arrival_s": 0.0},
-    {"prompt": "Name a planet.", "output_len": 10, "arrival_s": 0.0},
+    {"prompt": "What is the capital of France?", "output_len": 10, "arrival_s": 0.0},
+    {"prompt": "Write a haiku about autumn leaves.", "output_len": 12, "arrival_s": 0.0},
+    {"prompt": "Explain what a KV cache is.", "output_len": 12, "arrival_s": 0.0},
+    {"prompt": "List three primary colors.", "output_len": 8, "arrival_s": 0.0},
+    {"prompt": "Name a planet.", "output_len": 6, "arrival_s": 0.0},
 ]
+#: KV blocks (of 16 tokens) of the preempting runs: the five chat prompts (34-38 tokens) cannot
+#: all grow in 9 blocks, so every policy preempts.
+FEW_BLOCKS = 9
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +73,27 @@ def tokens_by_request(run) -> dict[str, list[int]]:
     return {r.request_id: r.output_token_ids for r in run.result.requests}
 
 
+_REFERENCE: dict[str, dict[str, list[int]]] = {}
+
+
+def reference_tokens(model_dir, tmp_path) -> dict[str, list[int]]:
+    """Each of PROMPTS' tokens (by request id "0".."4") from fcfs with room for everything
+    (200 blocks; checked: no preemption, every output at its length). Run once per process
+    and model (the tests of this file and test_engine_async.py compare against it); a fresh
+    copy each call."""
+    key = str(model_dir)
+    if key not in _REFERENCE:
+        reference = run_runs(config(model_dir, tmp_path, 200, ["fcfs"]), progress=False)[0]
+        s = reference.summary
+        assert s["num_preemptions"] == s["num_preempted_requests"] == 0
+        tokens = tokens_by_request(reference)
+        assert [len(tokens[str(i)]) for i in range(5)] == [p["output_len"] for p in PROMPTS]
+        _REFERENCE[key] = tokens
+    return copy.deepcopy(_REFERENCE[key])
+
+
 def test_tokens_identical_across_policies_and_preemption(model_dir, tmp_path):
-    reference = run_runs(config(model_dir, tmp_path, 200, ["fcfs"]), progress=False)[0]
-    assert reference.summary["num_preemptions"] == reference.summary["num_preempted_requests"] == 0
-    expected = tokens_by_request(reference)
-    assert [len(expected[str(i)]) for i in range(5)] == [p["output_len"] for p in PROMPTS]
+    expected = reference_tokens(model_dir, tmp_path)
 
     policies = [
         "fcfs",
@@ -81,8 +101,7 @@ def test_tokens_identical_across_policies_and_preemption(model_dir, tmp_path):
         {"name": "chunked_prefill", "label": "chunked_16", "max_num_batched_tokens": 16},
         {"name": "chunked_prefill", "label": "chunked_64", "max_num_batched_tokens": 64},
     ]
-    # 10 blocks of 16 tokens: the five chat prompts (~35-40 tokens each) cannot all grow.
-    runs = run_runs(config(model_dir, tmp_path, 10, policies), progress=False)
+    runs = run_runs(config(model_dir, tmp_path, FEW_BLOCKS, policies), progress=False)
     for run in runs:
         assert run.summary["num_preemptions"] > 0, f"{run.label} never preempted"
         assert run.summary["completed"] == 5
@@ -181,10 +200,11 @@ def test_zoo_policies_tokens_identical_to_an_unconstrained_run(model_dir, tmp_pa
         ]
         return validate(raw)
 
-    reference = run_runs(classes_config(200, ["fcfs"]), progress=False)[0]
-    expected = tokens_by_request(reference)
-    assert sorted(expected) == ["a:0", "a:1", "a:2", "b:0", "b:1"]
-    runs = run_runs(classes_config(10, ZOO_POLICIES), progress=False)
+    # Class a holds PROMPTS[:3], b the rest: their reference tokens by their request ids.
+    unconstrained = reference_tokens(model_dir, tmp_path)
+    expected = {f"a:{i}": unconstrained[str(i)] for i in range(3)}
+    expected |= {f"b:{i}": unconstrained[str(3 + i)] for i in range(2)}
+    runs = run_runs(classes_config(FEW_BLOCKS, ZOO_POLICIES), progress=False)
     for run in runs:
         assert run.summary["completed"] == 5, run.label
         assert tokens_by_request(run) == expected, run.label

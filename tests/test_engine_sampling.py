@@ -24,7 +24,7 @@ from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint  #
 from sched_lab.core.request import Request, SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 4
-STEPS = 8  # tokens generated per sequence
+STEPS = 4  # tokens generated per sequence: the prefill's and three decodes'
 PROMPT = [5, 17, 3, 99, 42, 7]
 MATES = [[11, 12, 13], [200, 201, 202, 203, 204, 205, 206, 207, 208], [9] * 5]
 

@@ -344,7 +344,8 @@ def test_engine_plans_are_made_again_from_their_durations(tmp_path) -> None:
         "policies": ["fcfs", "swap", {"name": "chunked_prefill", "max_num_batched_tokens": 32}],
     }
     engine = run_experiment(validate(raw), progress=False)
-    write_results(tmp_path / "engine", validate(raw), engine)
+    # the folder feeds steps.csv to the simulator: its figures are not needed
+    write_results(tmp_path / "engine", validate(raw), engine, plots=False)
     for r in engine:  # the cache is small enough that every policy preempts
         assert r.summary["num_preemptions"] > 0
         assert r.summary["cost_model"]["kind"] == "measured"
@@ -377,8 +378,9 @@ def test_h200_engine_run_is_planned_again_step_by_step(tmp_path) -> None:
     import run_experiment as cli
 
     out = tmp_path / "out"
+    # --no-plots: the summary is compared (tests/test_experiments.py draws this example's plots)
     assert cli.main([str(ROOT / "experiments/replayed_durations.yaml"), "--out", str(out),
-                     "--no-progress"]) == 0  # fmt: skip
+                     "--no-progress", "--no-plots"]) == 0  # fmt: skip
     sim = json.loads((out / "summary.json").read_text())
     recorded = json.loads((ROOT / "docs/azure_gpu/summary.json").read_text())
     real = {k: upgrade_summary(v) for k, v in recorded.items()}  # recorded under older names
@@ -514,7 +516,7 @@ def test_policies_plan_alike_only_where_they_decide_alike(tmp_path, rate, alike)
         "policies": ["fcfs", {"name": "sjf", "predictor": "oracle"}],
     }  # fmt: skip
     cfg = validate(raw)
-    write_results(tmp_path / "run", cfg, run_experiment(cfg, progress=False))
+    write_results(tmp_path / "run", cfg, run_experiment(cfg, progress=False), plots=False)
     steps = pd.read_csv(tmp_path / "run" / "steps.csv")
     written = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert plans_alike(written, steps, "fcfs", "sjf") is alike
@@ -618,7 +620,7 @@ def test_replayed_durations_of_another_window_are_refused(tmp_path) -> None:
              "limit": 20}  # fmt: skip
     raw = {"name": "w", "backend": "sim", "trace": trace, "policies": ["fcfs"]}
     cfg = validate(raw)
-    write_results(tmp_path / "run", cfg, run_experiment(cfg, progress=False))
+    write_results(tmp_path / "run", cfg, run_experiment(cfg, progress=False), plots=False)
     again = {**raw, "cost_model": {"durations_from": str(tmp_path / "run" / "steps.csv")}}
     run = run_experiment(validate(again), progress=False)[0]
     assert run.summary["plan_match"]["fraction_identical"] == 1.0

@@ -589,7 +589,8 @@ def test_metric_percentiles_reach_every_point_and_the_sweep_table(tmp_path, caps
         tmp_path,
         SYNTH + "policies: [fcfs]\nsweep: {grid: {trace.rate_scale: [1, 2]}}\n",
     )
-    argv = [str(sweep), "--out", str(tmp_path / "o"), "--no-progress", "--jobs", "1"]
+    # --no-plots: the printed and written tables are checked, not the figures
+    argv = [str(sweep), "--out", str(tmp_path / "o"), "--no-progress", "--jobs", "1", "--no-plots"]
     assert run_experiment.main([*argv, "--metric-percentiles", "50,75"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split()[:7] == ["x", "req/s", "req/s", "p50/p75", "s", "p50/p75", "ms"]
@@ -770,7 +771,8 @@ def test_a_swept_integer_beyond_int64_is_written_as_text(tmp_path):
     # OverflowError after every point had run, before).
     path = write(tmp_path, SYNTH + "policies: [fcfs]\nsweep: {grid: {seed: [1, 1000000000000000000000000000000]}}\n")  # fmt: skip
     out = tmp_path / "out"
-    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
+    args = [str(path), "--out", str(out), "--no-progress", "--jobs", "1", "--no-plots"]
+    assert run_experiment.main(args) == 0  # the tables are checked, not the figures
     csv = pd.read_csv(out / "sweep.csv", dtype={"seed": str})
     assert csv["seed"].tolist() == ["1", "1000000000000000000000000000000"]
     if importlib.util.find_spec("pyarrow") is not None:
@@ -934,7 +936,8 @@ def test_a_sweep_over_workload_classes_runs_every_point(tmp_path):
     )
     path = write(tmp_path, classes)
     out = tmp_path / "out"
-    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
+    args = [str(path), "--out", str(out), "--no-progress", "--jobs", "1", "--no-plots"]
+    assert run_experiment.main(args) == 0  # the tables are checked, not the figures
     rows = pd.read_csv(out / "sweep.csv")
     # one row per point and policy for all requests, then one per class (6 chat, 4 batch)
     assert rows["class"].tolist() == ["all", "batch", "chat"] * 4
@@ -979,7 +982,8 @@ def test_trace_keys_over_workload_classes_apply_to_every_class(tmp_path):
     scales = [[c["rate_scale"] for c in cfg.trace.classes] for cfg in sweep.configs.values()]
     assert scales == [[0.5, 1], [1.5, 3]]
     out = tmp_path / "out"
-    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
+    args = [str(path), "--out", str(out), "--no-progress", "--jobs", "1", "--no-plots"]
+    assert run_experiment.main(args) == 0  # the table is checked, not the figures
     rows = pd.read_csv(out / "sweep.csv")
     assert (rows["status"] == "ok").all()
     assert rows[rows["class"] == "all"]["completed"].tolist() == [10, 10]

@@ -211,8 +211,9 @@ def test_a_pool_sweep_runs_under_a_long_tmpdir(tmp_path):
     path.write_text(SWEEP.replace(str(list(range(100))), "[1, 2]"))
     env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     out = tmp_path / "results" / "sw"
+    # --no-plots: the points' folders, not their figures, are what the pool must write here
     cmd = [sys.executable, str(ROOT / "run_experiment.py"), str(path), "--jobs", "2",
-           "--no-progress", "-q", "--out", str(out)]  # fmt: skip
+           "--no-progress", "--no-plots", "-q", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert len(list((out / "points").glob("p00*"))) == 8  # 2 seeds x 4 rate scales

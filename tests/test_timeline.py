@@ -383,3 +383,38 @@ def test_steps_in_view_leave_out_steps_that_only_touch_an_edge():
     read_back = t + np.array([1e-9, -1e-9, 0.0, -1e-9])  # within 5e-9 of 1 s and 3 s
     assert steps_in_view(read_back, d, 1.0, 3.0).tolist() == [1, 2]
     assert steps_in_view(t, d, 0.5, 3.25).tolist() == [0, 1, 2, 3]  # overlaps count
+
+
+def test_explain_a_cluster_request_without_a_replica_or_times(tmp_path, capsys):
+    """A cluster run's rejected and dropped requests have no replica and no TTFT: explain
+    gives their status and reason, never 'replica nan' or 'TTFT nan s'."""
+    from sched_lab.cli import main
+
+    lines = [f'{{"timestamp": {100 * i}, "input_length": {n}, "output_length": {o}}}'
+             for i, (n, o) in enumerate([(50, 20), (5000, 20), (60, 0), (70, 20)])]  # fmt: skip
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "exp.yaml").write_text(
+        "name: pd\nbackend: sim\ntrace: {format: mooncake, path: t.jsonl}\n"
+        "model: llama-3.1-8b\nhardware: h200-sxm\npolicies: [fcfs]\n"
+        "cluster:\n  prefill: {replicas: 1}\n  decode: {replicas: 2, host_buffer_gib: 0.1}\n"
+        "  kv_transfer: ib-ndr\n"
+    )
+    out = tmp_path / "out"
+    assert main(["run", str(tmp_path / "exp.yaml"), "--no-plots", "-q", "--no-progress",
+                 "--out", str(out)]) == 0  # fmt: skip
+    rows = pd.read_csv(out / "requests.csv")
+    assert rows["status"].tolist() == ["finished", "rejected", "dropped", "finished"]
+    capsys.readouterr()
+    said = []
+    for rid in "0123":
+        assert main(["explain", str(out), "--request", rid]) == 0
+        said.append(capsys.readouterr().out)
+    assert not any("nan" in s for s in said)
+    tail = "Cluster runs record no scheduler events per request"
+    assert said[0].startswith("request 0: finished on replica 1 after prefill on replica 0 ")
+    assert said[1].startswith(
+        "request 1: rejected (its prompt's KV (0.61 GiB) exceeds a decode replica's host buffer "
+        "(0.1 GiB, cluster.decode.host_buffer_gib)) [run fcfs]; arrived at t=0.100 s, "
+        f"0 preemptions. {tail}"
+    )
+    assert said[2].startswith("request 2: dropped (not replayed: 'output_length' == 0 in t.jsonl")

@@ -874,6 +874,35 @@ def picture(
     return f"wrote {out}: {len(stories)} requests of run {label}"
 
 
+def _cluster_line(q: pd.Series, label: str) -> str:
+    """A cluster run's request in one line, from its requests.csv row alone: its status and
+    reason, the replica (and prefill replica) that served it, and the times it has; a value
+    the row leaves empty (a rejected request's replica and TTFT, a dropped row's arrival) is
+    left out, never printed as nan."""
+
+    def have(key: str) -> bool:
+        return key in q.index and pd.notna(q[key])
+
+    reason = f" ({q['reason']})" if isinstance(q["reason"], str) and q["reason"] else ""
+    where = ""
+    if have("replica"):
+        where = f" on replica {int(q['replica'])}"
+        if have("prefill_replica") and q["prefill_replica"] != q["replica"]:
+            where += f" after prefill on replica {int(q['prefill_replica'])}"
+    times = [f"arrived at t={q['arrival_s']:.3f} s"] if have("arrival_s") else []
+    times += [f"{name} {q[key]:.3f} s" for name, key in (("TTFT", "ttft_s"), ("E2E", "e2e_s"))
+              if have(key)]  # fmt: skip
+    if q["status"] != "dropped":
+        times.append(f"{int(q['num_preemptions'])} preemptions")
+    return (
+        f"request {q['request_id']}: {q['status']}{reason}{where} [run {label}]; "
+        + "".join(f"{t}, " for t in times[:-1])
+        + "".join(f"{t}. " for t in times[-1:])
+        + "Cluster runs record no scheduler events per request (each replica steps on its own "
+        "clock): see requests.csv"
+    )
+
+
 def explain(folder: Path, request_id: str, run: str | None = None) -> str:
     """The text of ``sched-lab explain``: the request's life, one event a line."""
     from sched_lab.core.errors import UserError, short_repr
@@ -883,13 +912,6 @@ def explain(folder: Path, request_id: str, run: str | None = None) -> str:
     if row.empty:
         raise UserError(f"{folder}: run {label} has no request {short_repr(str(request_id))}")
     if "replica" in requests.columns:  # a cluster run: no scheduler events per request
-        q = row.iloc[0]
-        return (
-            f"request {request_id}: {q['status']} on replica {q['replica']} [run {label}]; "
-            f"arrived at t={q['arrival_s']:.3f} s, TTFT {q['ttft_s']:.3f} s, E2E "
-            f"{q['e2e_s']:.3f} s, {q['num_preemptions']} preemptions. Cluster runs record no "
-            "scheduler events per request (each replica steps on its own clock): see "
-            "requests.csv"
-        )
+        return _cluster_line(row.iloc[0], label)
     st = story(row.iloc[0], events[events["request_id"].isin([str(request_id), QUEUE])], steps)
     return "\n".join([f"{st.lines[0]} [run {label}]", *("  " + x for x in st.lines[1:])])

@@ -418,3 +418,30 @@ def test_explain_a_cluster_request_without_a_replica_or_times(tmp_path, capsys):
         f"0 preemptions. {tail}"
     )
     assert said[2].startswith("request 2: dropped (not replayed: 'output_length' == 0 in t.jsonl")
+
+
+def test_timeline_draws_a_repeated_id_once_and_refuses_a_window_past_the_run(tmp_path, capsys):
+    from sched_lab.cli import main
+
+    lines = [f'{{"timestamp": {100 * i}, "input_length": 50, "output_length": 20}}'
+             for i in range(4)]  # fmt: skip
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "exp.yaml").write_text(
+        "name: one\nbackend: sim\ntrace: {format: mooncake, path: t.jsonl}\n"
+        "model: llama-3.1-8b\nhardware: h200-sxm\npolicies: [fcfs]\n"
+    )
+    out = tmp_path / "out"
+    assert main(["run", str(tmp_path / "exp.yaml"), "--no-plots", "-q", "--no-progress",
+                 "--out", str(out)]) == 0  # fmt: skip
+    capsys.readouterr()
+    png = tmp_path / "t.png"
+    assert main(["timeline", str(out), "--requests", "1,1", "--out", str(png)]) == 0
+    assert capsys.readouterr().out == f"wrote {png}: 1 requests of run fcfs\n"
+    end = pd.read_csv(out / "steps.csv").eval("time_s + duration_s").max()
+    args = ["timeline", str(out), "--requests", "1", "--window", "100", "200"]
+    assert main([*args, "--out", str(tmp_path / "u.png")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --window: expected a window that holds a step of run fcfs (0.000-{end:.3f} s), "
+        "got 100-200 s\n"
+    )
+    assert not (tmp_path / "u.png").exists()

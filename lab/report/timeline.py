@@ -835,7 +835,9 @@ def picture(
 ) -> str:
     """``sched-lab timeline``: the Gantt PNG of chosen requests of a results folder's run;
     returns a line saying what was drawn. ``out`` None: in the results folder
-    (:func:`default_picture_name`, listed in its manifest), never the working directory."""
+    (:func:`default_picture_name`, listed in its manifest), never the working directory.
+    An id named twice is drawn once; a ``window`` that holds no step of the run is a
+    UserError."""
     from types import SimpleNamespace
 
     from sched_lab.core.errors import UserError, short_repr
@@ -850,7 +852,17 @@ def picture(
         if not out.parent.is_dir():
             raise UserError(f"--out: {out.parent} is not a folder")
         out = check_output(out, "--out")  # before the work: a user's file is never replaced
+    ids = list(dict.fromkeys(ids))  # an id named twice is drawn once
     label, requests, events, steps = load_run(folder, run)
+    if window is not None:  # a window wholly outside the run would draw an empty picture
+        t = steps["time_s"].to_numpy(dtype=float)
+        d = steps["duration_s"].to_numpy(dtype=float)
+        if not len(steps_in_view(t, d, *window)):
+            span = f"{t.min():.3f}-{(t + d).max():.3f} s" if len(t) else "no steps"
+            raise UserError(
+                f"--window: expected a window that holds a step of run {label} ({span}), got "
+                f"{window[0]:g}-{window[1]:g} s"
+            )
     if out is None:  # the results folder was read: it is one
         name = default_picture_name(label, ids, slowest, by, window)
         out = check_output(Path(folder) / name, "timeline (no --out):")

@@ -28,6 +28,7 @@ import gc
 import importlib
 import importlib.util
 import logging
+import os
 import signal
 import sys
 import time
@@ -658,8 +659,15 @@ def _report(runs: list, decode, out: Path, wall_s: float, cfg) -> int:
 def console_main() -> int:
     """The ``sched-lab`` script's entry point: :func:`main`'s exit status, the heap then
     frozen (:func:`gc.freeze`) so that the interpreter's exit does not traverse it. For the
-    process's end only; a caller that goes on calls :func:`main`."""
-    status = main()
+    process's end only; a caller that goes on calls :func:`main`. A reader of stdout that
+    leaves early (``sched-lab explain ... | head``) ends it with status 1, no traceback: what
+    the command writes to files is written before it prints."""
+    try:
+        status = main()
+        sys.stdout.flush()  # a broken pipe shows here, not in the interpreter's exit
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error
+        return 1
     gc.freeze()
     return status
 

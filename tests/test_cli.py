@@ -609,6 +609,23 @@ def test_report_on_plot_data_missing_a_part_is_one_line(tmp_path, capsys, lose):
     assert not list(out.glob("*.png"))
 
 
+def test_a_reader_that_leaves_early_ends_explain_without_a_traceback(tmp_path):
+    """`sched-lab explain ... | head`: stdout's reader gone, the command ends with status 1
+    and nothing on stderr (it printed a BrokenPipeError traceback)."""
+    out = tmp_path / "out"
+    assert main(["run", *QUICK, "--limit", "10", "--out", str(out), "--no-plots", "-q"]) == 0
+    args = ["explain", str(out), "--run", "fcfs", "--request", "3"]
+    code = f"import sys\nfrom sched_lab.cli import console_main\nsys.argv[1:] = {args!r}\n"
+    with subprocess.Popen(
+        [sys.executable, "-c", code + "sys.exit(console_main())"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    ) as p:  # fmt: skip
+        p.stdout.close()  # the reader left before the first line
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=120) == 1
+    assert err == ""
+
+
 def test_a_run_without_plots_imports_no_plotting_package(tmp_path):
     """matplotlib and plotly are imported where plots are drawn, so --no-plots loads neither."""
     code = (

@@ -205,6 +205,8 @@ def _explain(args: argparse.Namespace) -> int:
             print(explain(Path(args.results), args.request, args.run))
         else:
             ids = [x for x in (args.requests or "").split(",") if x]
+            if args.slowest < 1:
+                raise UserError(f"--slowest: expected an integer >= 1, got {args.slowest}")
             window = tuple(args.window) if args.window else None
             if window is not None and window[1] <= window[0]:
                 raise UserError(f"--window: expected T0 < T1, got {window[0]:g} {window[1]:g}")

@@ -445,3 +445,5 @@ def test_timeline_draws_a_repeated_id_once_and_refuses_a_window_past_the_run(tmp
         "got 100-200 s\n"
     )
     assert not (tmp_path / "u.png").exists()
+    assert main(["timeline", str(out), "--slowest", "0", "--out", str(tmp_path / "u.png")]) == 2
+    assert capsys.readouterr().err == "error: --slowest: expected an integer >= 1, got 0\n"

@@ -447,3 +447,20 @@ def test_timeline_draws_a_repeated_id_once_and_refuses_a_window_past_the_run(tmp
     assert not (tmp_path / "u.png").exists()
     assert main(["timeline", str(out), "--slowest", "0", "--out", str(tmp_path / "u.png")]) == 2
     assert capsys.readouterr().err == "error: --slowest: expected an integer >= 1, got 0\n"
+
+
+def test_explain_and_timeline_on_a_sweep_folder_name_a_point(tmp_path, capsys):
+    """A sweep's folder holds no run: explain and timeline point at its points' folders."""
+    from sched_lab.cli import main
+
+    (tmp_path / "points" / "p000").mkdir(parents=True)
+    (tmp_path / "points" / "p001").mkdir()
+    (tmp_path / "sweep.csv").write_text("point,status\n")
+    want = (
+        f"error: {tmp_path}: a sweep's folder: its runs are in its points' folders, e.g. "
+        f"{tmp_path / 'points' / 'p000'}\n"
+    )
+    assert main(["explain", str(tmp_path), "--request", "0"]) == 2
+    assert capsys.readouterr().err == want
+    assert main(["timeline", str(tmp_path), "--out", str(tmp_path / "t.png")]) == 2
+    assert capsys.readouterr().err == want

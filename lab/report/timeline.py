@@ -642,7 +642,8 @@ _DROPPED_MAY_LACK = ("arrival_s", "prompt_tokens", "output_tokens")
 
 def load_run(folder: Path, run: str | None):
     """(label, requests, events, steps) of one run of a results folder (``run``: its label, or
-    None for the only run). Raises UserError: no such folder, run or file, or a file that is
+    None for the only run). Raises UserError: a sweep's folder (its points are results
+    folders), no such folder, run or file, or a file that is
     damaged (not JSON / CSV / parquet, a column missing, text where numbers belong, a row
     without a value it must have, fewer rows than summary.json counts, an event at a step
     steps.csv lacks: a file cut short)."""
@@ -656,6 +657,11 @@ def load_runs(folder: Path, runs: list[str | None]):
     from sched_lab.core.errors import UserError, short_repr
 
     folder = Path(folder)
+    points = folder / "points"
+    if points.is_dir() and any((folder / f).is_file() for f in ("sweep.csv", "curve.csv")):
+        first = min((p.name for p in points.iterdir() if p.is_dir()), default="p000")
+        raise UserError(f"{folder}: a sweep's folder: its runs are in its points' folders, "
+                        f"e.g. {points / first}")  # fmt: skip
     try:
         summary = json.loads((folder / "summary.json").read_text())
     except (OSError, ValueError) as e:

@@ -28,6 +28,7 @@ import gc
 import importlib
 import importlib.util
 import logging
+import os
 import signal
 import sys
 import time
@@ -204,6 +205,8 @@ def _explain(args: argparse.Namespace) -> int:
             print(explain(Path(args.results), args.request, args.run))
         else:
             ids = [x for x in (args.requests or "").split(",") if x]
+            if args.slowest < 1:
+                raise UserError(f"--slowest: expected an integer >= 1, got {args.slowest}")
             window = tuple(args.window) if args.window else None
             if window is not None and window[1] <= window[0]:
                 raise UserError(f"--window: expected T0 < T1, got {window[0]:g} {window[1]:g}")
@@ -658,8 +661,15 @@ def _report(runs: list, decode, out: Path, wall_s: float, cfg) -> int:
 def console_main() -> int:
     """The ``sched-lab`` script's entry point: :func:`main`'s exit status, the heap then
     frozen (:func:`gc.freeze`) so that the interpreter's exit does not traverse it. For the
-    process's end only; a caller that goes on calls :func:`main`."""
-    status = main()
+    process's end only; a caller that goes on calls :func:`main`. A reader of stdout that
+    leaves early (``sched-lab explain ... | head``) ends it with status 1, no traceback: what
+    the command writes to files is written before it prints."""
+    try:
+        status = main()
+        sys.stdout.flush()  # a broken pipe shows here, not in the interpreter's exit
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error
+        return 1
     gc.freeze()
     return status
 

@@ -583,6 +583,49 @@ def test_no_plots_writes_every_table_and_says_so(tmp_path, capsys):
     _report_later_equals_plots(without, with_plots, pngs, capsys)
 
 
+@pytest.mark.parametrize("lose", ["header key", "array"])
+def test_report_on_plot_data_missing_a_part_is_one_line(tmp_path, capsys, lose):
+    """plot_data.npz of another layout under the same version (a header key or an array
+    missing) is a damaged file named in one line, not a traceback."""
+    import numpy as np
+
+    out = tmp_path / "out"
+    assert main(["run", *QUICK, "--limit", "10", "--out", str(out), "--no-plots", "-q"]) == 0
+    path = out / "plot_data.npz"
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    if lose == "array":
+        del arrays["r0_itl_cdf_s"]
+    else:
+        meta = json.loads(str(arrays["meta"]))
+        del meta["runs"]
+        arrays["meta"] = np.array(json.dumps(meta))
+    with path.open("wb") as f:
+        np.savez(f, **arrays)
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 2
+    missing = "'r0_itl_cdf_s'" if lose == "array" else "'runs'"
+    assert one_error_line(capsys) == f"error: {path}: damaged, cannot be read (no {missing})"
+    assert not list(out.glob("*.png"))
+
+
+def test_a_reader_that_leaves_early_ends_explain_without_a_traceback(tmp_path):
+    """`sched-lab explain ... | head`: stdout's reader gone, the command ends with status 1
+    and nothing on stderr (it printed a BrokenPipeError traceback)."""
+    out = tmp_path / "out"
+    assert main(["run", *QUICK, "--limit", "10", "--out", str(out), "--no-plots", "-q"]) == 0
+    args = ["explain", str(out), "--run", "fcfs", "--request", "3"]
+    code = f"import sys\nfrom sched_lab.cli import console_main\nsys.argv[1:] = {args!r}\n"
+    with subprocess.Popen(
+        [sys.executable, "-c", code + "sys.exit(console_main())"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    ) as p:  # fmt: skip
+        p.stdout.close()  # the reader left before the first line
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=120) == 1
+    assert err == ""
+
+
 def test_a_run_without_plots_imports_no_plotting_package(tmp_path):
     """matplotlib and plotly are imported where plots are drawn, so --no-plots loads neither."""
     code = (

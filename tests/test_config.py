@@ -527,6 +527,8 @@ def test_report_keys(tmp_path):
     assert cfg.report.metric_percentiles == (50.0, 99.9)
     assert cfg.report.timeline_window_s == (10.0, 20.5)
     assert cfg.report.timeline_ids == ("7", "8")
+    cfg = load_config(write(tmp_path, base + "report: {timeline_ids: [8, 7, '8', 8]}\n"))
+    assert cfg.report.timeline_ids == ("8", "7")  # each drawn once (it was drawn three times)
     for bad, msg in (
         (
             "{metric_percentiles: [0]}",

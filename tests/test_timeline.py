@@ -383,3 +383,84 @@ def test_steps_in_view_leave_out_steps_that_only_touch_an_edge():
     read_back = t + np.array([1e-9, -1e-9, 0.0, -1e-9])  # within 5e-9 of 1 s and 3 s
     assert steps_in_view(read_back, d, 1.0, 3.0).tolist() == [1, 2]
     assert steps_in_view(t, d, 0.5, 3.25).tolist() == [0, 1, 2, 3]  # overlaps count
+
+
+def test_explain_a_cluster_request_without_a_replica_or_times(tmp_path, capsys):
+    """A cluster run's rejected and dropped requests have no replica and no TTFT: explain
+    gives their status and reason, never 'replica nan' or 'TTFT nan s'."""
+    from sched_lab.cli import main
+
+    lines = [f'{{"timestamp": {100 * i}, "input_length": {n}, "output_length": {o}}}'
+             for i, (n, o) in enumerate([(50, 20), (5000, 20), (60, 0), (70, 20)])]  # fmt: skip
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "exp.yaml").write_text(
+        "name: pd\nbackend: sim\ntrace: {format: mooncake, path: t.jsonl}\n"
+        "model: llama-3.1-8b\nhardware: h200-sxm\npolicies: [fcfs]\n"
+        "cluster:\n  prefill: {replicas: 1}\n  decode: {replicas: 2, host_buffer_gib: 0.1}\n"
+        "  kv_transfer: ib-ndr\n"
+    )
+    out = tmp_path / "out"
+    assert main(["run", str(tmp_path / "exp.yaml"), "--no-plots", "-q", "--no-progress",
+                 "--out", str(out)]) == 0  # fmt: skip
+    rows = pd.read_csv(out / "requests.csv")
+    assert rows["status"].tolist() == ["finished", "rejected", "dropped", "finished"]
+    capsys.readouterr()
+    said = []
+    for rid in "0123":
+        assert main(["explain", str(out), "--request", rid]) == 0
+        said.append(capsys.readouterr().out)
+    assert not any("nan" in s for s in said)
+    tail = "Cluster runs record no scheduler events per request"
+    assert said[0].startswith("request 0: finished on replica 1 after prefill on replica 0 ")
+    assert said[1].startswith(
+        "request 1: rejected (its prompt's KV (0.61 GiB) exceeds a decode replica's host buffer "
+        "(0.1 GiB, cluster.decode.host_buffer_gib)) [run fcfs]; arrived at t=0.100 s, "
+        f"0 preemptions. {tail}"
+    )
+    assert said[2].startswith("request 2: dropped (not replayed: 'output_length' == 0 in t.jsonl")
+
+
+def test_timeline_draws_a_repeated_id_once_and_refuses_a_window_past_the_run(tmp_path, capsys):
+    from sched_lab.cli import main
+
+    lines = [f'{{"timestamp": {100 * i}, "input_length": 50, "output_length": 20}}'
+             for i in range(4)]  # fmt: skip
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "exp.yaml").write_text(
+        "name: one\nbackend: sim\ntrace: {format: mooncake, path: t.jsonl}\n"
+        "model: llama-3.1-8b\nhardware: h200-sxm\npolicies: [fcfs]\n"
+    )
+    out = tmp_path / "out"
+    assert main(["run", str(tmp_path / "exp.yaml"), "--no-plots", "-q", "--no-progress",
+                 "--out", str(out)]) == 0  # fmt: skip
+    capsys.readouterr()
+    png = tmp_path / "t.png"
+    assert main(["timeline", str(out), "--requests", "1,1", "--out", str(png)]) == 0
+    assert capsys.readouterr().out == f"wrote {png}: 1 requests of run fcfs\n"
+    end = pd.read_csv(out / "steps.csv").eval("time_s + duration_s").max()
+    args = ["timeline", str(out), "--requests", "1", "--window", "100", "200"]
+    assert main([*args, "--out", str(tmp_path / "u.png")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --window: expected a window that holds a step of run fcfs (0.000-{end:.3f} s), "
+        "got 100-200 s\n"
+    )
+    assert not (tmp_path / "u.png").exists()
+    assert main(["timeline", str(out), "--slowest", "0", "--out", str(tmp_path / "u.png")]) == 2
+    assert capsys.readouterr().err == "error: --slowest: expected an integer >= 1, got 0\n"
+
+
+def test_explain_and_timeline_on_a_sweep_folder_name_a_point(tmp_path, capsys):
+    """A sweep's folder holds no run: explain and timeline point at its points' folders."""
+    from sched_lab.cli import main
+
+    (tmp_path / "points" / "p000").mkdir(parents=True)
+    (tmp_path / "points" / "p001").mkdir()
+    (tmp_path / "sweep.csv").write_text("point,status\n")
+    want = (
+        f"error: {tmp_path}: a sweep's folder: its runs are in its points' folders, e.g. "
+        f"{tmp_path / 'points' / 'p000'}\n"
+    )
+    assert main(["explain", str(tmp_path), "--request", "0"]) == 2
+    assert capsys.readouterr().err == want
+    assert main(["timeline", str(tmp_path), "--out", str(tmp_path / "t.png")]) == 2
+    assert capsys.readouterr().err == want

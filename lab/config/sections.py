@@ -254,9 +254,10 @@ def _percentiles(ctx: Context, key: str, v: Any) -> tuple[float, ...]:
 
 
 def _ids(ctx: Context, key: str, v: Any) -> tuple[str, ...]:
+    """Request ids as text, each once, in the order first given (7 and '7' are one id)."""
     if not isinstance(v, (list, tuple)) or not all(isinstance(x, (str, int)) for x in v):
         raise fail(ctx.where, key, "a list of request ids", v)
-    return tuple(str(x) for x in v)
+    return tuple(dict.fromkeys(str(x) for x in v))
 
 
 def _window(ctx: Context, key: str, v: Any) -> tuple[float, float] | None:

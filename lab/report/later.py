@@ -39,7 +39,7 @@ def draw_later(folder: Path) -> list[str]:
         UserError: no such folder, a sweep's folder (its points are results folders), not
             a results folder, no :data:`PLOT_DATA` (plots drawn
             at run time, or written before it existed), or a damaged file (one line naming
-            it).
+            it: :data:`PLOT_DATA` lacking a header key or an array included).
     """
     from sched_lab.report.folder import _html, _timeline_pictures, is_results_folder
     from sched_lab.report.html import plotly_available
@@ -64,13 +64,17 @@ def draw_later(folder: Path) -> list[str]:
         raise UserError(f"{report_md}: cannot be read ({e.strerror})") from None
     if NO_PLOTS not in text:
         raise UserError(f"{report_md}: does not say that its plots were left out (--no-plots)")
-    report_cfg = _report_config(meta["report"])
-    cfg = SimpleNamespace(name=meta["name"], report=report_cfg)
-    runs, tables = [], []
-    loaded = load_runs(folder, [m["label"] for m in meta["runs"]])
-    for i, (m, (_, requests, events, steps)) in enumerate(zip(meta["runs"], loaded)):
-        runs.append(_run(i, m, requests, arrays))
-        tables.append((events, steps))
+    try:  # a header or an array missing (another layout under the same version): damaged
+        report_cfg = _report_config(meta["report"])
+        cfg = SimpleNamespace(name=meta["name"], report=report_cfg)
+        runs, tables = [], []
+        loaded = load_runs(folder, [m["label"] for m in meta["runs"]])
+        for i, (m, (_, requests, events, steps)) in enumerate(zip(meta["runs"], loaded)):
+            runs.append(_run(i, m, requests, arrays))
+            tables.append((events, steps))
+    except (KeyError, TypeError, ValueError) as e:
+        what = f"no {e}" if isinstance(e, KeyError) else str(e)
+        raise UserError(f"{folder / PLOT_DATA}: damaged, cannot be read ({what})") from None
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.report.", dir=folder.parent))
     try:
         pngs = plots.plots(tmp, runs, cfg, device=meta["kv_device"])

@@ -642,7 +642,8 @@ _DROPPED_MAY_LACK = ("arrival_s", "prompt_tokens", "output_tokens")
 
 def load_run(folder: Path, run: str | None):
     """(label, requests, events, steps) of one run of a results folder (``run``: its label, or
-    None for the only run). Raises UserError: no such folder, run or file, or a file that is
+    None for the only run). Raises UserError: a sweep's folder (its points are results
+    folders), no such folder, run or file, or a file that is
     damaged (not JSON / CSV / parquet, a column missing, text where numbers belong, a row
     without a value it must have, fewer rows than summary.json counts, an event at a step
     steps.csv lacks: a file cut short)."""
@@ -656,6 +657,11 @@ def load_runs(folder: Path, runs: list[str | None]):
     from sched_lab.core.errors import UserError, short_repr
 
     folder = Path(folder)
+    points = folder / "points"
+    if points.is_dir() and any((folder / f).is_file() for f in ("sweep.csv", "curve.csv")):
+        first = min((p.name for p in points.iterdir() if p.is_dir()), default="p000")
+        raise UserError(f"{folder}: a sweep's folder: its runs are in its points' folders, "
+                        f"e.g. {points / first}")  # fmt: skip
     try:
         summary = json.loads((folder / "summary.json").read_text())
     except (OSError, ValueError) as e:
@@ -835,7 +841,9 @@ def picture(
 ) -> str:
     """``sched-lab timeline``: the Gantt PNG of chosen requests of a results folder's run;
     returns a line saying what was drawn. ``out`` None: in the results folder
-    (:func:`default_picture_name`, listed in its manifest), never the working directory."""
+    (:func:`default_picture_name`, listed in its manifest), never the working directory.
+    An id named twice is drawn once; a ``window`` that holds no step of the run is a
+    UserError."""
     from types import SimpleNamespace
 
     from sched_lab.core.errors import UserError, short_repr
@@ -850,7 +858,17 @@ def picture(
         if not out.parent.is_dir():
             raise UserError(f"--out: {out.parent} is not a folder")
         out = check_output(out, "--out")  # before the work: a user's file is never replaced
+    ids = list(dict.fromkeys(ids))  # an id named twice is drawn once
     label, requests, events, steps = load_run(folder, run)
+    if window is not None:  # a window wholly outside the run would draw an empty picture
+        t = steps["time_s"].to_numpy(dtype=float)
+        d = steps["duration_s"].to_numpy(dtype=float)
+        if not len(steps_in_view(t, d, *window)):
+            span = f"{t.min():.3f}-{(t + d).max():.3f} s" if len(t) else "no steps"
+            raise UserError(
+                f"--window: expected a window that holds a step of run {label} ({span}), got "
+                f"{window[0]:g}-{window[1]:g} s"
+            )
     if out is None:  # the results folder was read: it is one
         name = default_picture_name(label, ids, slowest, by, window)
         out = check_output(Path(folder) / name, "timeline (no --out):")
@@ -874,6 +892,35 @@ def picture(
     return f"wrote {out}: {len(stories)} requests of run {label}"
 
 
+def _cluster_line(q: pd.Series, label: str) -> str:
+    """A cluster run's request in one line, from its requests.csv row alone: its status and
+    reason, the replica (and prefill replica) that served it, and the times it has; a value
+    the row leaves empty (a rejected request's replica and TTFT, a dropped row's arrival) is
+    left out, never printed as nan."""
+
+    def have(key: str) -> bool:
+        return key in q.index and pd.notna(q[key])
+
+    reason = f" ({q['reason']})" if isinstance(q["reason"], str) and q["reason"] else ""
+    where = ""
+    if have("replica"):
+        where = f" on replica {int(q['replica'])}"
+        if have("prefill_replica") and q["prefill_replica"] != q["replica"]:
+            where += f" after prefill on replica {int(q['prefill_replica'])}"
+    times = [f"arrived at t={q['arrival_s']:.3f} s"] if have("arrival_s") else []
+    times += [f"{name} {q[key]:.3f} s" for name, key in (("TTFT", "ttft_s"), ("E2E", "e2e_s"))
+              if have(key)]  # fmt: skip
+    if q["status"] != "dropped":
+        times.append(f"{int(q['num_preemptions'])} preemptions")
+    return (
+        f"request {q['request_id']}: {q['status']}{reason}{where} [run {label}]; "
+        + "".join(f"{t}, " for t in times[:-1])
+        + "".join(f"{t}. " for t in times[-1:])
+        + "Cluster runs record no scheduler events per request (each replica steps on its own "
+        "clock): see requests.csv"
+    )
+
+
 def explain(folder: Path, request_id: str, run: str | None = None) -> str:
     """The text of ``sched-lab explain``: the request's life, one event a line."""
     from sched_lab.core.errors import UserError, short_repr
@@ -883,13 +930,6 @@ def explain(folder: Path, request_id: str, run: str | None = None) -> str:
     if row.empty:
         raise UserError(f"{folder}: run {label} has no request {short_repr(str(request_id))}")
     if "replica" in requests.columns:  # a cluster run: no scheduler events per request
-        q = row.iloc[0]
-        return (
-            f"request {request_id}: {q['status']} on replica {q['replica']} [run {label}]; "
-            f"arrived at t={q['arrival_s']:.3f} s, TTFT {q['ttft_s']:.3f} s, E2E "
-            f"{q['e2e_s']:.3f} s, {q['num_preemptions']} preemptions. Cluster runs record no "
-            "scheduler events per request (each replica steps on its own clock): see "
-            "requests.csv"
-        )
+        return _cluster_line(row.iloc[0], label)
     st = story(row.iloc[0], events[events["request_id"].isin([str(request_id), QUEUE])], steps)
     return "\n".join([f"{st.lines[0]} [run {label}]", *("  " + x for x in st.lines[1:])])

@@ -227,9 +227,10 @@ def step_noise(cfg: ExperimentConfig, cost_model: Any) -> tuple[StepNoise, list[
         frames.append(df)
     import pandas as pd
 
-    # the roofline predicts every row without fitting it: its error is a held-out one
+    # the roofline predicts every row without fitting it: its error is a held-out one; its
+    # rows at >= 2x are its own misses (prompt rows it prices 2-7x short), not host stalls
     rows = pd.concat(frames, ignore_index=True)
-    return fit_to_profile(rows, predicted, predicted), rels or []
+    return fit_to_profile(rows, predicted, predicted, stalls=False), rels or []
 
 
 def check_sim_speculative(cfg: ExperimentConfig, pol: PolicyConfig) -> None:

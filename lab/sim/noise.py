@@ -220,11 +220,19 @@ class StepNoise:
 
 
 def fit_noise(
-    kinds: Sequence[str], sizes: Sequence[str], measured, predicted, held_out=None
+    kinds: Sequence[str],
+    sizes: Sequence[str],
+    measured,
+    predicted,
+    held_out=None,
+    stalls: bool = True,
 ) -> StepNoise:
     """The noise of rows with these step kinds, size buckets, measured and predicted seconds
     (module doc); ``held_out``: each row's prediction by a fit that left it out, for the run
-    factor (None: no run factor). Raises ValueError for no rows."""
+    factor (None: no run factor). ``stalls`` False: rows at >= STALL_RATIO are the model's own
+    misses, not host stalls (the analytic roofline prices some prompt rows 2-7x short): they
+    are left out of the residuals as stalls are, but no stall is drawn (probability 0).
+    Raises ValueError for no rows."""
     measured, predicted = np.asarray(measured, float), np.asarray(predicted, float)
     if not len(measured):
         raise ValueError("fit_noise: no rows")
@@ -257,6 +265,8 @@ def fit_noise(
                         or m is everything)  # fmt: skip
             e = log_err[pick & ok]
             run_sigma[kind] = float(np.sqrt(np.mean(e**2))) if len(e) else 0.0
+    if not stalls:
+        return StepNoise(quantiles, rows, bias, 0.0, 0.0, run_sigma)
     return StepNoise(
         quantiles,
         rows,
@@ -287,7 +297,7 @@ def profile_features(df) -> list[StepFeatures]:
     ]
 
 
-def fit_to_profile(df, predicted, held_out=None) -> StepNoise:
+def fit_to_profile(df, predicted, held_out=None, stalls: bool = True) -> StepNoise:
     """:func:`fit_noise` of a profile frame's rows against ``predicted`` (and ``held_out``)
     seconds per row."""
     prefills = df["num_prefills"].to_numpy()
@@ -295,7 +305,8 @@ def fit_to_profile(df, predicted, held_out=None) -> StepNoise:
     tokens = df["num_prefill_tokens"].to_numpy() + decodes
     kinds = [step_kind(p, d) for p, d in zip(prefills, decodes)]
     sizes = [size_bucket(int(t)) for t in tokens]
-    return fit_noise(kinds, sizes, df["duration_s"].to_numpy(float), predicted, held_out)
+    measured = df["duration_s"].to_numpy(float)
+    return fit_noise(kinds, sizes, measured, predicted, held_out, stalls=stalls)
 
 
 class NoisyCostModel:

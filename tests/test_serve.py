@@ -93,6 +93,14 @@ class ServerProcess:
         conn.close()
         return out
 
+    def stream(self, body: dict):
+        """POST ``body`` to /v1/completions and return the response, unread (its connection
+        stays open while the test reads the stream)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=TIMEOUT_S)
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        return conn.getresponse()
+
     def metrics(self) -> dict[str, float]:
         """Each sample's value by name and labels other than model_name."""
         status, body = self.request("GET", "/metrics")
@@ -382,12 +390,7 @@ def test_sigterm_drains_in_flight_then_exits_0(tmp_path):
     """SIGTERM while a stream runs: the stream ends whole, new requests get 503, exit 0."""
     server = ServerProcess([sim_config(tmp_path), "--policy", "priority", "--speed", "0.2"])
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
-        body = {"prompt": "x", "max_tokens": 150, "stream": True, "priority": 1}
-        conn.request(
-            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
-        )
-        resp = conn.getresponse()
+        resp = server.stream({"prompt": "x", "max_tokens": 150, "stream": True, "priority": 1})
         assert resp.read(6) == b"data: "
         server.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + TIMEOUT_S
@@ -413,12 +416,7 @@ def test_a_second_sigterm_ends_the_streams_in_flight(tmp_path):
     long as the stream took, up to DRAIN_TIMEOUT_S)."""
     server = ServerProcess([sim_config(tmp_path), "--speed", "0.02"])
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
-        body = {"prompt": "x", "max_tokens": 200, "stream": True}
-        conn.request(
-            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
-        )
-        resp = conn.getresponse()
+        resp = server.stream({"prompt": "x", "max_tokens": 200, "stream": True})
         assert resp.read(6) == b"data: "
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
@@ -443,12 +441,7 @@ def test_a_huge_prompt_does_not_stall_the_streams_in_flight(tmp_path):
     the ~1.5 s the server spent on it; each chunk comes every ~55 ms at --speed 0.05)."""
     server = ServerProcess([sim_config(tmp_path), "--speed", "0.05"])
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
-        body = {"prompt": "x", "max_tokens": 240, "stream": True}
-        conn.request(
-            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
-        )
-        resp = conn.getresponse()
+        resp = server.stream({"prompt": "x", "max_tokens": 240, "stream": True})
         gaps, done = [], threading.Event()
 
         def read() -> None:

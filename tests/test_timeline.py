@@ -313,21 +313,32 @@ def test_explain_and_timeline_commands(tmp_path, capsys):
     assert capsys.readouterr().err == f"error: {tmp_path / 'nope'}: no such folder\n"
 
 
+def run_mooncake(tmp_path, rows, yaml_tail: str = "", name: str = "one"):
+    """``sched-lab run --no-plots`` of a Mooncake trace of ``rows`` ((input, output) lengths,
+    one every 100 s) on the 8B H200 preset with fcfs (``yaml_tail``: more YAML lines); the
+    results folder."""
+    from sched_lab.cli import main
+
+    lines = [f'{{"timestamp": {100 * i}, "input_length": {n}, "output_length": {o}}}'
+             for i, (n, o) in enumerate(rows)]  # fmt: skip
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "exp.yaml").write_text(
+        f"name: {name}\nbackend: sim\ntrace: {{format: mooncake, path: t.jsonl}}\n"
+        "model: llama-3.1-8b\nhardware: h200-sxm\npolicies: [fcfs]\n" + yaml_tail
+    )
+    out = tmp_path / "out"
+    assert main(["run", str(tmp_path / "exp.yaml"), "--no-plots", "-q", "--no-progress",
+                 "--out", str(out)]) == 0  # fmt: skip
+    return out
+
+
 def test_a_folder_with_dropped_rows_is_read_by_report_explain_and_timeline(tmp_path, capsys):
     """A dropped trace row (output_length 0) has no arrival in requests.csv: the folder is not
     damaged, and explain says the request was dropped."""
     from sched_lab.cli import main
 
-    lines = [f'{{"timestamp": {100 * i}, "input_length": {50 + i}, "output_length": {o}}}'
-             for i, o in enumerate([20, 20, 0, 20])]  # fmt: skip
-    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
-    (tmp_path / "exp.yaml").write_text(
-        "name: drop\nbackend: sim\ntrace: {format: mooncake, path: t.jsonl}\n"
-        "model: llama-3.1-8b\nhardware: h200-sxm\npolicies: [fcfs]\n"
-    )
-    out = tmp_path / "out"
-    assert main(["run", str(tmp_path / "exp.yaml"), "--no-plots", "-q", "--no-progress",
-                 "--out", str(out)]) == 0  # fmt: skip
+    out = run_mooncake(tmp_path, [(50 + i, o) for i, o in enumerate([20, 20, 0, 20])],
+                       name="drop")  # fmt: skip
     rows = pd.read_csv(out / "requests.csv")
     assert rows["status"].tolist() == ["finished", "finished", "dropped", "finished"]
     assert np.isnan(rows["arrival_s"][2])
@@ -390,18 +401,11 @@ def test_explain_a_cluster_request_without_a_replica_or_times(tmp_path, capsys):
     gives their status and reason, never 'replica nan' or 'TTFT nan s'."""
     from sched_lab.cli import main
 
-    lines = [f'{{"timestamp": {100 * i}, "input_length": {n}, "output_length": {o}}}'
-             for i, (n, o) in enumerate([(50, 20), (5000, 20), (60, 0), (70, 20)])]  # fmt: skip
-    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
-    (tmp_path / "exp.yaml").write_text(
-        "name: pd\nbackend: sim\ntrace: {format: mooncake, path: t.jsonl}\n"
-        "model: llama-3.1-8b\nhardware: h200-sxm\npolicies: [fcfs]\n"
+    cluster = (
         "cluster:\n  prefill: {replicas: 1}\n  decode: {replicas: 2, host_buffer_gib: 0.1}\n"
         "  kv_transfer: ib-ndr\n"
     )
-    out = tmp_path / "out"
-    assert main(["run", str(tmp_path / "exp.yaml"), "--no-plots", "-q", "--no-progress",
-                 "--out", str(out)]) == 0  # fmt: skip
+    out = run_mooncake(tmp_path, [(50, 20), (5000, 20), (60, 0), (70, 20)], cluster, "pd")
     rows = pd.read_csv(out / "requests.csv")
     assert rows["status"].tolist() == ["finished", "rejected", "dropped", "finished"]
     capsys.readouterr()
@@ -423,16 +427,7 @@ def test_explain_a_cluster_request_without_a_replica_or_times(tmp_path, capsys):
 def test_timeline_draws_a_repeated_id_once_and_refuses_a_window_past_the_run(tmp_path, capsys):
     from sched_lab.cli import main
 
-    lines = [f'{{"timestamp": {100 * i}, "input_length": 50, "output_length": 20}}'
-             for i in range(4)]  # fmt: skip
-    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
-    (tmp_path / "exp.yaml").write_text(
-        "name: one\nbackend: sim\ntrace: {format: mooncake, path: t.jsonl}\n"
-        "model: llama-3.1-8b\nhardware: h200-sxm\npolicies: [fcfs]\n"
-    )
-    out = tmp_path / "out"
-    assert main(["run", str(tmp_path / "exp.yaml"), "--no-plots", "-q", "--no-progress",
-                 "--out", str(out)]) == 0  # fmt: skip
+    out = run_mooncake(tmp_path, [(50, 20)] * 4)
     capsys.readouterr()
     png = tmp_path / "t.png"
     assert main(["timeline", str(out), "--requests", "1,1", "--out", str(png)]) == 0

@@ -938,6 +938,23 @@ def test_chat_max_completion_tokens_null_falls_back_to_max_tokens():
     assert parse({"messages": msgs}, True, "m").max_tokens is None
 
 
+def test_whole_number_floats_are_integers():
+    """``max_tokens: 3.0`` asks for 3 tokens and ``seed: 7.0`` is seed 7, as vLLM's
+    pydantic fields take them (was: 400 "expected an integer"); 2.5 and 1e400 (inf) stay
+    400s naming the field."""
+    from sched_lab.serve.protocol import ApiError, parse
+
+    got = parse({"prompt": "a", "max_tokens": 3.0, "seed": 7.0, "priority": -2.0}, False, "m")
+    assert (got.max_tokens, got.seed, got.priority) == (3, 7, -2)
+    assert type(got.max_tokens) is int and type(got.seed) is int
+    for bad in (2.5, float("inf"), float("nan")):
+        with pytest.raises(ApiError, match="^max_tokens: expected an integer") as e:
+            parse({"prompt": "a", "max_tokens": bad}, False, "m")
+        assert e.value.param == "max_tokens" and e.value.status == 400
+    with pytest.raises(ApiError, match="^max_tokens: expected an integer >= 1, got 0$"):
+        parse({"prompt": "a", "max_tokens": 0.0}, False, "m")
+
+
 def test_an_empty_model_name_is_the_served_model(sim_server):
     """``"model": ""`` asks for the served model, as vLLM takes it (was: 404, "The model ``
     does not exist.")."""

@@ -95,6 +95,8 @@ def _int(body: Mapping[str, Any], key: str, lo: int | None = None) -> int | None
     v = body.get(key)
     if v is None:
         return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)  # 3.0 is 3, as vLLM's (pydantic's) integer fields take it
     if isinstance(v, bool) or not isinstance(v, int):
         raise ApiError(f"{key}: expected an integer, got {_short(v)}", key)
     if lo is not None and v < lo:

@@ -33,7 +33,8 @@ def write_random_checkpoint(
     name: str = "custom",
 ) -> Path:
     """Write ``config`` with random weights into ``out`` (created); returns ``out``.
-    CheckpointError if ``out`` holds anything but an earlier random checkpoint."""
+    An earlier random checkpoint in ``out`` is replaced (its shards and index removed);
+    CheckpointError if ``out`` holds anything else."""
     out = Path(out)
     if (
         out.exists()
@@ -45,6 +46,9 @@ def write_random_checkpoint(
             "refusing to write into it (move it, or choose another --out)"
         )
     out.mkdir(parents=True, exist_ok=True)
+    # an earlier random checkpoint's shards and index, which the loader would read first
+    for old in [*out.glob("*.safetensors"), out / INDEX_FILE]:
+        old.unlink(missing_ok=True)
     torch_dtype = DTYPES[dtype]
     shapes = checkpoint_shapes(ModelConfig.from_dict(config, source=f"preset {name}"))
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -457,6 +457,20 @@ def test_quantization_rules_are_one_line(tiny_dir, tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_a_quantization_stopped_while_writing_leaves_no_folder(tiny_dir, tmp_path, monkeypatch):
+    """Ctrl-C (or an error such as a full disk) while the shards are written removes the
+    temporary sibling; only a finished checkpoint is renamed to --out."""
+    from sched_lab.backend.tools import quantize
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(quantize, "save_file", stop)
+    with pytest.raises(KeyboardInterrupt):
+        quantize.quantize_checkpoint(tiny_dir, tmp_path / "int8", "int8")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_sim_weight_bytes_per_quantization():
     from sched_lab.sim.models import MODELS, with_quantization
 

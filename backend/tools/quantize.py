@@ -75,10 +75,30 @@ def quantize_checkpoint(
     calibrated: dict[str, torch.Tensor] = {}
     if calibration == "data":  # every calibrated tensor in memory before any is written
         calibrated = calibration_module().calibrate(src, spec, prompts)
-    files = sorted({info.file for info in index.values()})
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _write(src, tmp, index, spec, calibrated)
+    except BaseException:  # an error or Ctrl-C: no half-written sibling left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    tmp.rename(out)
+    return out
+
+
+def _write(
+    src: Path,
+    tmp: Path,
+    index: dict,
+    spec: QuantSpec,
+    calibrated: dict[str, torch.Tensor],
+) -> None:
+    """The quantized checkpoint of ``src`` (shards, index, config, other files) into the
+    empty folder ``tmp``."""
+    files = sorted({info.file for info in index.values()})
     weight_map: dict[str, str] = {}
     total_bytes = 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,10 +136,6 @@ def quantize_checkpoint(
             "config.json", INDEX_FILE,
         ):  # fmt: skip
             shutil.copy2(extra, tmp / extra.name)
-    if out.exists():
-        out.rmdir()  # empty (checked above)
-    tmp.rename(out)
-    return out
 
 
 def calibration_module():

@@ -533,6 +533,22 @@ def test_a_lower_bound_that_fails_is_below_range_not_a_failed_search(tmp_path, c
     assert "| < 1 |" in (out / "report.md").read_text()
 
 
+def test_a_latency_search_whose_every_probe_has_no_latency_writes_its_results(tmp_path):
+    # One block holds no 64-token prompt: every request is rejected, so the probe at lo has
+    # no TTFT (a miss, below range); the capacity plot has no point to draw on its log axis.
+    path = write(
+        tmp_path,
+        SYNTH + "policies: [fcfs]\nsearch: {metric: p99_ttft_ms, target: 1000, "
+        "over: kv_cache.num_gpu_blocks, lo: 1, hi: 64}\n",
+    )
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
+    cap = pd.read_csv(out / "capacity.csv").iloc[0]
+    assert (cap["status"], cap["hi"], cap["evaluations"]) == ("below_range", 1, 1)
+    assert pd.read_csv(out / "curve.csv")["rejected"].tolist() == [12]
+    assert "capacity.png" not in {p.name for p in out.iterdir()}
+
+
 def test_capacity_in_whole_numbers_and_the_bound_as_a_condition():
     from sched_lab.sweeps.terminal import capacity_text
 

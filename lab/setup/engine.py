@@ -99,6 +99,7 @@ def engine_parts(cfg: ExperimentConfig):
             f"engine.model_path: {eng.model_path} is not a directory (make one with "
             f"`python -m sched_lab.backend.tools convert-smollm2` or `make-random-checkpoint`)"
         )
+    _check_int4_at_load(cfg)
     kwargs = _runner_kwargs(cfg)
     if eng.tensor_parallel_size == 1:
         runner = _runner(eng.model_path, **kwargs)
@@ -141,6 +142,29 @@ def engine_parts(cfg: ExperimentConfig):
         runner.max_model_len,
         runner.config.vocab_size,
     )
+
+
+def _check_int4_at_load(cfg: ExperimentConfig) -> None:
+    """ConfigError naming the key when ``quantization`` (awq, gptq) would quantize an
+    unquantized checkpoint at load, in groups of 128 inputs, and a projection's width does
+    not split into them (SmolLM2's 576)."""
+    from sched_lab.backend.loader import checkpoint_index, checkpoint_quantization
+    from sched_lab.backend.quant_formats import DEFAULT_GROUP_SIZE
+    from sched_lab.backend.tools.quantize import unsplittable
+
+    path = cfg.engine.model_path
+    if cfg.quantization not in ("awq", "gptq") or checkpoint_quantization(path) is not None:
+        return
+    index = checkpoint_index(path)
+    bad = unsplittable(index, cfg.quantization, DEFAULT_GROUP_SIZE)
+    if bad is not None:
+        raise ConfigError(
+            f"quantization: {cfg.quantization} quantizes {path} at load in groups of "
+            f"{DEFAULT_GROUP_SIZE} inputs (outputs in packs of 8), and its {bad} of shape "
+            f"{list(index[bad].shape)} does not split into them; write a checkpoint with "
+            f"smaller groups (sched-lab tools quantize --method {cfg.quantization} "
+            "--group-size G, docs/quantization.md)"
+        )
 
 
 def _runner_kwargs(cfg: ExperimentConfig) -> dict[str, Any]:

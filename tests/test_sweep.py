@@ -240,6 +240,20 @@ def test_the_default_limit_counts_before_expanding():
     assert len(combos) == 100 and keys == ("seed",)
 
 
+def test_limit_caps_every_point_even_one_that_sets_the_trace(tmp_path):
+    # --limit replaces the trace's limit, as for one run, after each point's values: a
+    # swept trace.limit or a point's own trace does not undo it.
+    trace = (
+        "{format: synthetic, num_requests: 30, arrival: {process: poisson, rate: 4}, "
+        "prompt_len: 64, output_len: 8}"
+    )
+    path = write(tmp_path, SYNTH + "policies: [fcfs]\nsweep:\n  grid: {trace.limit: [3, 20]}\n"
+                 f"  points: [{{seed: 1}}, {{trace: {trace}}}]\n")  # fmt: skip
+    sweep = load_sweep(path, limit=5)
+    limits = {name: cfg.trace.spec.get("limit") for name, cfg in sweep.configs.items()}
+    assert limits == {"p000": 5, "p001": 5, "p002": 5, "p003": 5}
+
+
 def test_search_needs_an_slo_for_attainment(tmp_path):
     path = write(tmp_path, SYNTH.replace("slo: {ttft_s: 0.5}\n", "") + "search: "
                  "{metric: slo_attainment, target: 0.9}\n")  # fmt: skip

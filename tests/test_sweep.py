@@ -563,6 +563,26 @@ def test_a_latency_search_whose_every_probe_has_no_latency_writes_its_results(tm
     assert "capacity.png" not in {p.name for p in out.iterdir()}
 
 
+def test_a_probe_with_no_latency_says_why_and_a_whole_number_key_ends_at_1(tmp_path, capsys):
+    # The probe's TTFT is missing because no request finished: the notes say so, and that
+    # nothing lower than 1 block can be tried (not "a lower search.lo may find it").
+    path = write(
+        tmp_path,
+        SYNTH + "policies: [fcfs]\nsearch: {metric: p99_ttft_ms, target: 1000, "
+        "over: kv_cache.num_gpu_blocks, lo: 1, hi: 64}\n",
+    )
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert (
+        "p000 fcfs: below range: kv_cache.num_gpu_blocks 1, the lowest value tried, already "
+        "failed the target (the key holds whole numbers from 1: nothing lower to try)" in lines
+    )
+    assert (
+        "p000 fcfs: at kv_cache.num_gpu_blocks 1: no request finished (12 of 12 rejected)" in lines
+    )
+
+
 def test_capacity_in_whole_numbers_and_the_bound_as_a_condition():
     from sched_lab.sweeps.terminal import capacity_text
 

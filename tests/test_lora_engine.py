@@ -369,6 +369,9 @@ def test_tool_writes_peft_folders_that_load(tiny, tmp_path, capsys):
     assert b.abs().min() > 0
     assert len(adapter.weights) == 2 * 2  # 2 layers x 2 modules
     assert tools_main(argv) == 0  # a folder of random adapters may be overwritten
+    # ... and is replaced whole: fewer adapters leave no lora-1 of the earlier write behind
+    assert tools_main([*argv[:6], "1", *argv[7:]]) == 0
+    assert sorted(p.name for p in (tmp_path / "l").iterdir()) == ["lora-0", "random_lora.json"]
 
 
 def _one_line(capsys_or_exc) -> str:

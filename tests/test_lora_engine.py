@@ -481,6 +481,49 @@ def test_tensor_parallel_and_speculation_with_lora_are_refused_in_one_line(tiny)
         spec_decoder_from(spec, SimpleNamespace(lora=object()), 0.0, 0, 4)
 
 
+@pytest.mark.parametrize(
+    "extra,expected",
+    [
+        ("lora: {num_adapters: 1, adapter_dir: loras}\n", "LoRA adapters (lora:)"),
+        ("", "engine.tensor_parallel_size 2"),
+    ],
+)
+def test_a_speculative_policy_the_engine_cannot_run_is_refused_before_any_run(
+    tiny, tmp_path, monkeypatch, capsys, extra, expected
+):
+    """A speculative policy after a plain one, with LoRA or tensor parallelism: refused
+    before the model loads, not after the plain run (whose results a refusal then lost)."""
+    import run_experiment
+    import sched_lab.setup.engine
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(sched_lab.setup.engine, "_runner", loaded)
+    monkeypatch.setattr(sched_lab.setup.engine, "TensorParallelRunner", loaded, raising=False)
+    model, _ = tiny
+    write_random_loras(model, tmp_path / "loras", 1, 4, dtype="float32")
+    tp = 2 if not extra else 1
+    path = tmp_path / "spec.yaml"
+    path.write_text(
+        "backend: engine\n"
+        "trace: {format: synthetic, num_requests: 2, arrival: {process: poisson, rate: 1},"
+        " prompt_len: 8, output_len: 2}\n"
+        f"engine: {{model_path: {model}, device: cpu, dtype: float32,"
+        f" tensor_parallel_size: {tp}}}\n"
+        "kv_cache: {block_size: 4, num_gpu_blocks: 16}\n"
+        + extra
+        + "speculative: {method: ngram, num_speculative_tokens: 2}\n"
+        "policies: [{name: fcfs, label: plain, speculative: null}, {name: fcfs, label: ngram}]\n"
+    )
+    assert run_experiment.main([str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: {path}: policies[1] (ngram): speculative decoding with {expected} is not "
+        "implemented on the engine; remove its speculative"
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

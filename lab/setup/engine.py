@@ -99,6 +99,7 @@ def engine_parts(cfg: ExperimentConfig):
             f"engine.model_path: {eng.model_path} is not a directory (make one with "
             f"`python -m sched_lab.backend.tools convert-smollm2` or `make-random-checkpoint`)"
         )
+    _check_speculative(cfg)
     _check_int4_at_load(cfg)
     kwargs = _runner_kwargs(cfg)
     if eng.tensor_parallel_size == 1:
@@ -142,6 +143,25 @@ def engine_parts(cfg: ExperimentConfig):
         runner.max_model_len,
         runner.config.vocab_size,
     )
+
+
+def _check_speculative(cfg: ExperimentConfig) -> None:
+    """ConfigError naming the first speculative policy when the engine cannot run
+    speculation beside LoRA adapters or tensor parallelism: before the model loads, not at
+    that policy's run, after the runs before it."""
+    tp = cfg.engine.tensor_parallel_size
+    if cfg.lora is not None:
+        other = "LoRA adapters (lora:)"
+    elif tp > 1:
+        other = f"engine.tensor_parallel_size {tp}"
+    else:
+        return
+    for i, p in enumerate(cfg.policies):
+        if p.speculative is not None:
+            raise ConfigError(
+                f"policies[{i}] ({p.label}): speculative decoding with {other} is not "
+                "implemented on the engine; remove its speculative"
+            )
 
 
 def _check_int4_at_load(cfg: ExperimentConfig) -> None:

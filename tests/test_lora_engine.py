@@ -524,6 +524,32 @@ def test_a_speculative_policy_the_engine_cannot_run_is_refused_before_any_run(
     )
 
 
+def test_a_draft_of_another_vocabulary_is_refused_before_any_run(tiny, tmp_path, capsys):
+    import run_experiment
+
+    model, _ = tiny
+    draft = write_random_checkpoint({**QWEN3_TINY, "vocab_size": 100}, tmp_path / "d", "float32")
+    path = tmp_path / "draft.yaml"
+    path.write_text(
+        "backend: engine\n"
+        "trace: {format: synthetic, num_requests: 2, arrival: {process: poisson, rate: 1},"
+        " prompt_len: 8, output_len: 2}\n"
+        f"engine: {{model_path: {model}, device: cpu, dtype: float32}}\n"
+        "kv_cache: {block_size: 4, num_gpu_blocks: 16}\n"
+        "policies: [{name: fcfs, label: plain}, {name: fcfs, label: draft, speculative:"
+        f" {{method: draft, num_speculative_tokens: 2, model: {draft}}}}}]\n"
+    )
+    assert run_experiment.main([str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert "replay" not in captured.err  # refused before the plain run
+    err = captured.err.strip()
+    assert err.startswith(
+        f"error: {path}: policies[1] (draft): speculative.model: expected a draft model with "
+        "the target's vocabulary (256 tokens), got '"
+    )
+    assert err.endswith(" with 100 tokens") and "\n" not in err
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -146,22 +146,30 @@ def engine_parts(cfg: ExperimentConfig):
 
 
 def _check_speculative(cfg: ExperimentConfig) -> None:
-    """ConfigError naming the first speculative policy when the engine cannot run
-    speculation beside LoRA adapters or tensor parallelism: before the model loads, not at
-    that policy's run, after the runs before it."""
+    """ConfigError naming the first speculative policy the engine cannot run (beside LoRA
+    adapters or tensor parallelism, or with a draft model of another vocabulary): before
+    the model loads, not at that policy's run, after the runs before it."""
+    from sched_lab.backend.config import ModelConfig
+    from sched_lab.core.spec import draft_vocab_error
+
     tp = cfg.engine.tensor_parallel_size
-    if cfg.lora is not None:
-        other = "LoRA adapters (lora:)"
-    elif tp > 1:
-        other = f"engine.tensor_parallel_size {tp}"
-    else:
-        return
+    other = "LoRA adapters (lora:)" if cfg.lora is not None else ""
+    other = other or (f"engine.tensor_parallel_size {tp}" if tp > 1 else "")
     for i, p in enumerate(cfg.policies):
-        if p.speculative is not None:
+        spec, where = p.speculative, f"policies[{i}] ({p.label})"
+        if spec is None:
+            continue
+        if other:
             raise ConfigError(
-                f"policies[{i}] ({p.label}): speculative decoding with {other} is not "
-                "implemented on the engine; remove its speculative"
+                f"{where}: speculative decoding with {other} is not implemented on the "
+                "engine; remove its speculative"
             )
+        if spec.method == "draft" and spec.model is not None:
+            draft = ModelConfig.from_dir(Path(spec.model).expanduser()).vocab_size
+            target = ModelConfig.from_dir(cfg.engine.model_path).vocab_size
+            error = draft_vocab_error(str(spec.model), draft, target)
+            if error:
+                raise ConfigError(f"{where}: {error}")
 
 
 def _check_int4_at_load(cfg: ExperimentConfig) -> None:

@@ -339,9 +339,13 @@ def test_whole_number_keys_come_from_the_section_dataclasses():
     from sched_lab.sweeps.search import whole_number_key
 
     ints = ["kv_cache.num_gpu_blocks", "kv_cache.block_size", "scheduler.max_num_seqs",
-            "policies.fcfs.max_num_seqs", "policies[0].max_num_batched_tokens"]  # fmt: skip
+            "policies.fcfs.max_num_seqs", "policies[0].max_num_batched_tokens",
+            # sections that may be absent (None in ExperimentConfig), and the cluster's pools
+            "lora.max_loras", "speculative.num_speculative_tokens", "cluster.replicas",
+            "cluster.decode.replicas"]  # fmt: skip
     floats = ["trace.rate_scale", "kv_cache.watermark", "kv_cache.gpu_memory_utilization",
-              "kv_cache.enable_prefix_caching", "slo.ttft_s", "trace.arrival.rate"]  # fmt: skip
+              "kv_cache.enable_prefix_caching", "slo.ttft_s", "trace.arrival.rate",
+              "lora.zipf_alpha", "cluster.decode.host_buffer_gib"]  # fmt: skip
     assert [whole_number_key(k) for k in ints] == [True] * len(ints)
     assert [whole_number_key(k) for k in floats] == [False] * len(floats)
 

@@ -95,8 +95,14 @@ def _worker(rank: int, size: int, port: int, model_dir: str, kwargs: dict, error
                     runner._forward(seqs, runner.kv_cache)
                 runner.synchronize()
         dist.destroy_process_group()
-    except Exception as e:  # noqa: BLE001 - one line to rank 0, then go
-        errors.put((rank, step, f"{type(e).__name__}: {e}".splitlines()[0]))
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - one line to rank 0, then go
+        # (Ctrl-C in a terminal reaches every rank: no traceback from each)
+        line = (
+            "interrupted (SIGINT)"
+            if isinstance(e, KeyboardInterrupt)
+            else f"{type(e).__name__}: {e}"
+        )
+        errors.put((rank, step, line.splitlines()[0]))
         errors.close()
         errors.join_thread()  # the line is in the pipe before the process goes
         os._exit(1)

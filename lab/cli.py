@@ -320,7 +320,15 @@ def _delegate(command: str, argv: list[str]) -> int:
 
             extra["engine"] = checkout_engine()
         run = getattr(module, function or "main")
-        return run(argv, prog=f"sched-lab {command}", **extra) or 0
+        if command != "tools":
+            return run(argv, prog=f"sched-lab {command}", **extra) or 0
+        with StopSignals():  # a signal stops a tool as Ctrl-C does: its cleanup runs
+            try:
+                return run(argv, prog=f"sched-lab {command}", **extra) or 0
+            except KeyboardInterrupt as e:
+                tool = " ".join(["sched-lab tools", *argv[:1]])
+                print(f"error: {tool}: interrupted by {_name(e)}", file=sys.stderr)
+                return _code(e)
     except ModuleNotFoundError as e:  # the commands import the engine's packages when run
         if (e.name or "").split(".")[0] not in ENGINE_MODULES:
             raise

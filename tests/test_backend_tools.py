@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch", reason="needs torch: pip install -e '.[engi
 import torch_threads  # noqa: E402, F401  (one torch thread unless OMP_NUM_THREADS says otherwise)
 
 from sched_lab.backend.config import ModelConfig
-from sched_lab.backend.loader import INDEX_FILE, checkpoint_shapes
+from sched_lab.backend.loader import INDEX_FILE, checkpoint_index, checkpoint_shapes
 from sched_lab.backend.runner import ModelRunner, SeqInput
 from sched_lab.backend.tools.__main__ import main
 from sched_lab.backend.tools.random_checkpoint import MARKER_FILE, write_random_checkpoint
@@ -76,3 +76,39 @@ def test_an_output_folder_under_a_file_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {out}") and err.endswith(": Not a directory"), err
     assert "\n" not in err
+
+
+def test_a_rewritten_random_checkpoint_keeps_no_shard_of_the_one_before(tmp_path):
+    """Writing into an earlier random checkpoint replaces it whole: its shards and index
+    would otherwise stay, and the loader (the index first) would read the old weights."""
+    write_random_checkpoint(TINY, tmp_path, dtype="bf16", max_shard_bytes=40_000, seed=0)
+    write_random_checkpoint(TINY, tmp_path, dtype="bf16", seed=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "config.json", "model.safetensors", MARKER_FILE,
+    ]  # fmt: skip
+    files = {info.file for info in checkpoint_index(tmp_path).values()}
+    assert files == {tmp_path / "model.safetensors"}
+
+
+def test_a_random_checkpoint_stopped_while_writing_can_be_written_again(tmp_path, monkeypatch):
+    """Ctrl-C while the shards are written leaves a folder the tool knows as its own (its
+    marker is written first), so the same command can run again."""
+    import sched_lab.backend.tools.random_checkpoint as random_checkpoint
+
+    saved = []
+
+    def stop_at_the_second_shard(tensors, path, **kwargs):
+        if saved:
+            raise KeyboardInterrupt
+        saved.append(real(tensors, path, **kwargs))
+
+    real = random_checkpoint.save_file
+    with monkeypatch.context() as m:
+        m.setattr(random_checkpoint, "save_file", stop_at_the_second_shard)
+        with pytest.raises(KeyboardInterrupt):
+            write_random_checkpoint(TINY, tmp_path, dtype="bf16", max_shard_bytes=40_000)
+    assert not (tmp_path / "config.json").exists()  # no loadable half checkpoint
+    write_random_checkpoint(TINY, tmp_path, dtype="bf16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "config.json", "model.safetensors", MARKER_FILE,
+    ]  # fmt: skip

@@ -18,7 +18,13 @@ from sched_lab.backend.config import ModelConfig  # noqa: E402
 from sched_lab.backend.runner import ModelRunner, SeqInput  # noqa: E402
 from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint  # noqa: E402
 from sched_lab.backend.tp import TPShard, check_tp_size, kv_head_start, shard_config  # noqa: E402
-from sched_lab.backend.tp_engine import FAULT_ENV, MAX_CPU_RANKS, TensorParallelRunner, check_world  # noqa: E402
+from sched_lab.backend.tp_engine import (  # noqa: E402
+    FAULT_ENV,
+    MAX_CPU_RANKS,
+    TensorParallelError,
+    TensorParallelRunner,
+    check_world,
+)
 from sched_lab.core.errors import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -108,6 +114,24 @@ def test_logits_equal_single_device(models, arch):
                                    rtol=1e-4, atol=1e-5)  # fmt: skip
     finally:
         tp.close()
+
+
+def test_ctrl_c_on_a_rank_ends_it_with_one_line_not_a_traceback(models, capfd):
+    """Ctrl-C in a terminal reaches every rank (one process group): a rank ends quietly and
+    tells rank 0, whose next step names it."""
+    import os
+    import signal
+
+    tp = TensorParallelRunner(models["llama"], 2, **RUNNER)
+    try:
+        os.kill(tp._procs[0].pid, signal.SIGINT)  # rank 1, waiting for the next step
+        with pytest.raises(
+            TensorParallelError, match=r"rank 1 failed at its step 0: interrupted \(SIGINT\)"
+        ):
+            tp.execute(STEP)
+    finally:
+        tp.close()
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def experiment(tmp_path, model_dir, tp: int, policies: str) -> str:

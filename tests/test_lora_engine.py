@@ -369,6 +369,9 @@ def test_tool_writes_peft_folders_that_load(tiny, tmp_path, capsys):
     assert b.abs().min() > 0
     assert len(adapter.weights) == 2 * 2  # 2 layers x 2 modules
     assert tools_main(argv) == 0  # a folder of random adapters may be overwritten
+    # ... and is replaced whole: fewer adapters leave no lora-1 of the earlier write behind
+    assert tools_main([*argv[:6], "1", *argv[7:]]) == 0
+    assert sorted(p.name for p in (tmp_path / "l").iterdir()) == ["lora-0", "random_lora.json"]
 
 
 def _one_line(capsys_or_exc) -> str:
@@ -476,6 +479,75 @@ def test_tensor_parallel_and_speculation_with_lora_are_refused_in_one_line(tiny)
     spec = SimpleNamespace(method="ngram", num_speculative_tokens=2)
     with pytest.raises(ConfigError, match="^speculative: speculative decoding with LoRA"):
         spec_decoder_from(spec, SimpleNamespace(lora=object()), 0.0, 0, 4)
+
+
+@pytest.mark.parametrize(
+    "extra,expected",
+    [
+        ("lora: {num_adapters: 1, adapter_dir: loras}\n", "LoRA adapters (lora:)"),
+        ("", "engine.tensor_parallel_size 2"),
+    ],
+)
+def test_a_speculative_policy_the_engine_cannot_run_is_refused_before_any_run(
+    tiny, tmp_path, monkeypatch, capsys, extra, expected
+):
+    """A speculative policy after a plain one, with LoRA or tensor parallelism: refused
+    before the model loads, not after the plain run (whose results a refusal then lost)."""
+    import run_experiment
+    import sched_lab.setup.engine
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(sched_lab.setup.engine, "_runner", loaded)
+    monkeypatch.setattr(sched_lab.setup.engine, "TensorParallelRunner", loaded, raising=False)
+    model, _ = tiny
+    write_random_loras(model, tmp_path / "loras", 1, 4, dtype="float32")
+    tp = 2 if not extra else 1
+    path = tmp_path / "spec.yaml"
+    path.write_text(
+        "backend: engine\n"
+        "trace: {format: synthetic, num_requests: 2, arrival: {process: poisson, rate: 1},"
+        " prompt_len: 8, output_len: 2}\n"
+        f"engine: {{model_path: {model}, device: cpu, dtype: float32,"
+        f" tensor_parallel_size: {tp}}}\n"
+        "kv_cache: {block_size: 4, num_gpu_blocks: 16}\n"
+        + extra
+        + "speculative: {method: ngram, num_speculative_tokens: 2}\n"
+        "policies: [{name: fcfs, label: plain, speculative: null}, {name: fcfs, label: ngram}]\n"
+    )
+    assert run_experiment.main([str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: {path}: policies[1] (ngram): speculative decoding with {expected} is not "
+        "implemented on the engine; remove its speculative"
+    )
+
+
+def test_a_draft_of_another_vocabulary_is_refused_before_any_run(tiny, tmp_path, capsys):
+    import run_experiment
+
+    model, _ = tiny
+    draft = write_random_checkpoint({**QWEN3_TINY, "vocab_size": 100}, tmp_path / "d", "float32")
+    path = tmp_path / "draft.yaml"
+    path.write_text(
+        "backend: engine\n"
+        "trace: {format: synthetic, num_requests: 2, arrival: {process: poisson, rate: 1},"
+        " prompt_len: 8, output_len: 2}\n"
+        f"engine: {{model_path: {model}, device: cpu, dtype: float32}}\n"
+        "kv_cache: {block_size: 4, num_gpu_blocks: 16}\n"
+        "policies: [{name: fcfs, label: plain}, {name: fcfs, label: draft, speculative:"
+        f" {{method: draft, num_speculative_tokens: 2, model: {draft}}}}}]\n"
+    )
+    assert run_experiment.main([str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert "replay" not in captured.err  # refused before the plain run
+    err = captured.err.strip()
+    assert err.startswith(
+        f"error: {path}: policies[1] (draft): speculative.model: expected a draft model with "
+        "the target's vocabulary (256 tokens), got '"
+    )
+    assert err.endswith(" with 100 tokens") and "\n" not in err
 
 
 @pytest.mark.gpu

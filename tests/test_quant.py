@@ -457,6 +457,49 @@ def test_quantization_rules_are_one_line(tiny_dir, tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_a_quantization_stopped_while_writing_leaves_no_folder(tiny_dir, tmp_path, monkeypatch):
+    """Ctrl-C (or an error such as a full disk) while the shards are written removes the
+    temporary sibling; only a finished checkpoint is renamed to --out."""
+    from sched_lab.backend.tools import quantize
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(quantize, "save_file", stop)
+    with pytest.raises(KeyboardInterrupt):
+        quantize.quantize_checkpoint(tiny_dir, tmp_path / "int8", "int8")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_int4_at_load_on_a_width_off_its_groups_is_one_line_naming_the_key(tmp_path, capsys):
+    """``quantization: awq`` quantizes an unquantized checkpoint at load in groups of 128
+    inputs: a model 96 wide (SmolLM2: 576) is refused before it loads, in one line naming the
+    key, the tensor and the tool that writes a checkpoint with smaller groups."""
+    import run_experiment
+    from sched_lab.backend.tools.random_checkpoint import write_random_checkpoint
+
+    narrow = {**TINY_LLAMA, "hidden_size": 96, "num_hidden_layers": 1}
+    model_dir = write_random_checkpoint(narrow, tmp_path / "narrow", "float32")
+    path = tmp_path / "awq.yaml"
+    path.write_text(
+        "backend: engine\nquantization: awq\n"
+        "trace: {format: synthetic, num_requests: 2, arrival: {process: poisson, rate: 1},"
+        " prompt_len: 8, output_len: 2}\n"
+        f"engine: {{model_path: {model_dir}, device: cpu, dtype: float32}}\n"
+        "kv_cache: {num_gpu_blocks: 8}\npolicies: [fcfs]\n"
+    )
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and not out.exists()
+    assert err == (
+        f"error: {path}: quantization: awq quantizes {model_dir} at load in groups of 128 "
+        "inputs (outputs in packs of 8), and its model.layers.0.mlp.gate_proj.weight of shape "
+        "[256, 96] does not split into them; write a checkpoint with smaller groups "
+        "(sched-lab tools quantize --method awq --group-size G, docs/quantization.md)"
+    )
+
+
 def test_sim_weight_bytes_per_quantization():
     from sched_lab.sim.models import MODELS, with_quantization
 

@@ -354,3 +354,23 @@ def test_profile_and_tools_keep_a_users_files(tmp_path, capsys):
         assert main(["tools", "convert-smollm2", "--out", str(ckpt), "--force"]) == 2
         assert "is not a converted checkpoint" in one_error_line(capsys)
     assert tree(tmp_path) == {"p.csv": b"mine", "ckpt/config.json": b"my model"}
+
+
+def test_a_tool_stopped_by_a_signal_is_one_line_and_its_status(tmp_path, capsys, monkeypatch):
+    """SIGTERM (or Ctrl-C) while a tool writes raises where it was, so its cleanup runs (the
+    quantizer's temporary folder); then one line and 128 + the signal number."""
+    pytest.importorskip("torch")
+    import os
+    import signal
+
+    from sched_lab.backend.tools import quantize
+
+    def stopped(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled at once, in the main thread
+        raise AssertionError("not stopped")
+
+    monkeypatch.setattr(quantize, "quantize_checkpoint", stopped)
+    args = ["tools", "quantize", "--method", "int8", "--model-dir", str(tmp_path), "--out",
+            str(tmp_path / "q")]  # fmt: skip
+    assert main(args) == 128 + signal.SIGTERM
+    assert one_error_line(capsys) == "error: sched-lab tools quantize: interrupted by SIGTERM"

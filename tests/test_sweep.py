@@ -240,6 +240,20 @@ def test_the_default_limit_counts_before_expanding():
     assert len(combos) == 100 and keys == ("seed",)
 
 
+def test_limit_caps_every_point_even_one_that_sets_the_trace(tmp_path):
+    # --limit replaces the trace's limit, as for one run, after each point's values: a
+    # swept trace.limit or a point's own trace does not undo it.
+    trace = (
+        "{format: synthetic, num_requests: 30, arrival: {process: poisson, rate: 4}, "
+        "prompt_len: 64, output_len: 8}"
+    )
+    path = write(tmp_path, SYNTH + "policies: [fcfs]\nsweep:\n  grid: {trace.limit: [3, 20]}\n"
+                 f"  points: [{{seed: 1}}, {{trace: {trace}}}]\n")  # fmt: skip
+    sweep = load_sweep(path, limit=5)
+    limits = {name: cfg.trace.spec.get("limit") for name, cfg in sweep.configs.items()}
+    assert limits == {"p000": 5, "p001": 5, "p002": 5, "p003": 5}
+
+
 def test_search_needs_an_slo_for_attainment(tmp_path):
     path = write(tmp_path, SYNTH.replace("slo: {ttft_s: 0.5}\n", "") + "search: "
                  "{metric: slo_attainment, target: 0.9}\n")  # fmt: skip
@@ -325,9 +339,13 @@ def test_whole_number_keys_come_from_the_section_dataclasses():
     from sched_lab.sweeps.search import whole_number_key
 
     ints = ["kv_cache.num_gpu_blocks", "kv_cache.block_size", "scheduler.max_num_seqs",
-            "policies.fcfs.max_num_seqs", "policies[0].max_num_batched_tokens"]  # fmt: skip
+            "policies.fcfs.max_num_seqs", "policies[0].max_num_batched_tokens",
+            # sections that may be absent (None in ExperimentConfig), and the cluster's pools
+            "lora.max_loras", "speculative.num_speculative_tokens", "cluster.replicas",
+            "cluster.decode.replicas"]  # fmt: skip
     floats = ["trace.rate_scale", "kv_cache.watermark", "kv_cache.gpu_memory_utilization",
-              "kv_cache.enable_prefix_caching", "slo.ttft_s", "trace.arrival.rate"]  # fmt: skip
+              "kv_cache.enable_prefix_caching", "slo.ttft_s", "trace.arrival.rate",
+              "lora.zipf_alpha", "cluster.decode.host_buffer_gib"]  # fmt: skip
     assert [whole_number_key(k) for k in ints] == [True] * len(ints)
     assert [whole_number_key(k) for k in floats] == [False] * len(floats)
 
@@ -531,6 +549,42 @@ def test_a_lower_bound_that_fails_is_below_range_not_a_failed_search(tmp_path, c
         "p000 fcfs: at trace.rate_scale 1: stopped early: deadlock: made up for the test" in lines
     )
     assert "| < 1 |" in (out / "report.md").read_text()
+
+
+def test_a_latency_search_whose_every_probe_has_no_latency_writes_its_results(tmp_path):
+    # One block holds no 64-token prompt: every request is rejected, so the probe at lo has
+    # no TTFT (a miss, below range); the capacity plot has no point to draw on its log axis.
+    path = write(
+        tmp_path,
+        SYNTH + "policies: [fcfs]\nsearch: {metric: p99_ttft_ms, target: 1000, "
+        "over: kv_cache.num_gpu_blocks, lo: 1, hi: 64}\n",
+    )
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
+    cap = pd.read_csv(out / "capacity.csv").iloc[0]
+    assert (cap["status"], cap["hi"], cap["evaluations"]) == ("below_range", 1, 1)
+    assert pd.read_csv(out / "curve.csv")["rejected"].tolist() == [12]
+    assert "capacity.png" not in {p.name for p in out.iterdir()}
+
+
+def test_a_probe_with_no_latency_says_why_and_a_whole_number_key_ends_at_1(tmp_path, capsys):
+    # The probe's TTFT is missing because no request finished: the notes say so, and that
+    # nothing lower than 1 block can be tried (not "a lower search.lo may find it").
+    path = write(
+        tmp_path,
+        SYNTH + "policies: [fcfs]\nsearch: {metric: p99_ttft_ms, target: 1000, "
+        "over: kv_cache.num_gpu_blocks, lo: 1, hi: 64}\n",
+    )
+    out = tmp_path / "out"
+    assert run_experiment.main([str(path), "--out", str(out), "--no-progress", "--jobs", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert (
+        "p000 fcfs: below range: kv_cache.num_gpu_blocks 1, the lowest value tried, already "
+        "failed the target (the key holds whole numbers from 1: nothing lower to try)" in lines
+    )
+    assert (
+        "p000 fcfs: at kv_cache.num_gpu_blocks 1: no request finished (12 of 12 rejected)" in lines
+    )
 
 
 def test_capacity_in_whole_numbers_and_the_bound_as_a_condition():

@@ -64,21 +64,39 @@ def quantize_checkpoint(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"--out {out}: exists and is not empty; choose another --out")
     index = checkpoint_index(src)
-    for name, info in index.items():  # every shape checked before anything is written
-        if _PROJECTION.fullmatch(name) and method in ("awq", "gptq"):
-            rows, cols = info.shape
-            if cols % group_size or rows % 8:
-                raise CheckpointError(
-                    f"{info.file}: tensor {name!r} of shape {list(info.shape)}: {method} needs "
-                    f"inputs in groups of --group-size {group_size} and outputs in packs of 8"
-                )
+    bad = unsplittable(index, method, group_size)  # checked before anything is written
+    if bad is not None:
+        raise CheckpointError(
+            f"{index[bad].file}: tensor {bad!r} of shape {list(index[bad].shape)}: {method} "
+            f"needs inputs in groups of --group-size {group_size} and outputs in packs of 8"
+        )
     calibrated: dict[str, torch.Tensor] = {}
     if calibration == "data":  # every calibrated tensor in memory before any is written
         calibrated = calibration_module().calibrate(src, spec, prompts)
-    files = sorted({info.file for info in index.values()})
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _write(src, tmp, index, spec, calibrated)
+    except BaseException:  # an error or Ctrl-C: no half-written sibling left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    tmp.rename(out)
+    return out
+
+
+def _write(
+    src: Path,
+    tmp: Path,
+    index: dict,
+    spec: QuantSpec,
+    calibrated: dict[str, torch.Tensor],
+) -> None:
+    """The quantized checkpoint of ``src`` (shards, index, config, other files) into the
+    empty folder ``tmp``."""
+    files = sorted({info.file for info in index.values()})
     weight_map: dict[str, str] = {}
     total_bytes = 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,10 +134,19 @@ def quantize_checkpoint(
             "config.json", INDEX_FILE,
         ):  # fmt: skip
             shutil.copy2(extra, tmp / extra.name)
-    if out.exists():
-        out.rmdir()  # empty (checked above)
-    tmp.rename(out)
-    return out
+
+
+def unsplittable(index: dict, method: str, group_size: int) -> str | None:
+    """The first projection weight of ``index`` (a checkpoint's tensor name -> info with a
+    ``shape`` (out, in)) that ``method`` (awq, gptq: 4-bit groups of ``group_size`` inputs,
+    outputs packed by 8) cannot split; None if all split, or for another method."""
+    if method not in ("awq", "gptq"):
+        return None
+    for name, info in index.items():
+        rows, cols = info.shape if _PROJECTION.fullmatch(name) else (0, 0)
+        if cols % group_size or rows % 8:
+            return name
+    return None
 
 
 def calibration_module():

@@ -33,7 +33,9 @@ def write_random_checkpoint(
     name: str = "custom",
 ) -> Path:
     """Write ``config`` with random weights into ``out`` (created); returns ``out``.
-    CheckpointError if ``out`` holds anything but an earlier random checkpoint."""
+    An earlier random checkpoint in ``out`` is replaced (its shards, index and config
+    removed); the marker is written first and config.json last, so a write stopped half way
+    can be run again. CheckpointError if ``out`` holds anything else."""
     out = Path(out)
     if (
         out.exists()
@@ -45,6 +47,17 @@ def write_random_checkpoint(
             "refusing to write into it (move it, or choose another --out)"
         )
     out.mkdir(parents=True, exist_ok=True)
+    # an earlier random checkpoint's shards and index, which the loader would read first;
+    # config.json last, so that a folder stopped while writing is ours but not loadable
+    for old in [*out.glob("*.safetensors"), out / INDEX_FILE, out / "config.json"]:
+        old.unlink(missing_ok=True)
+    marker = {
+        "preset": name,
+        "seed": seed,
+        "std": std,
+        "note": "random weights for timing; no tokenizer",
+    }
+    (out / MARKER_FILE).write_text(json.dumps(marker, indent=2))
     torch_dtype = DTYPES[dtype]
     shapes = checkpoint_shapes(ModelConfig.from_dict(config, source=f"preset {name}"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,13 +80,6 @@ def write_random_checkpoint(
     (out / "config.json").write_text(
         json.dumps({**config, "torch_dtype": str(torch_dtype).removeprefix("torch.")}, indent=2)
     )
-    marker = {
-        "preset": name,
-        "seed": seed,
-        "std": std,
-        "note": "random weights for timing; no tokenizer",
-    }
-    (out / MARKER_FILE).write_text(json.dumps(marker, indent=2))
     return out
 
 

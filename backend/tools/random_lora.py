@@ -3,12 +3,13 @@
 Each adapter is a folder ``lora-{i}`` with ``adapter_config.json`` and
 ``adapter_model.safetensors`` (PEFT's tensor names, the model's projection shapes). A and B
 are ~ N(0, std); B is nonzero (unlike PEFT's initialisation), so every adapter changes the
-model's outputs. A marker file lets a later call overwrite the folder.
+model's outputs. A marker file lets a later call replace the folder's adapters.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -35,7 +36,8 @@ def write_random_loras(
 ) -> list[Path]:
     """Write ``count`` adapters of rank ``rank`` (lora_alpha ``alpha``, default 2 * rank)
     for the checkpoint in ``model_dir`` into ``out/lora-{i}``; returns the folders.
-    CheckpointError (one line) for a bad argument or an ``out`` holding anything else."""
+    An earlier write's adapters in ``out`` are replaced; CheckpointError (one line) for a
+    bad argument or an ``out`` holding anything else."""
     from sched_lab.backend.dtypes import DTYPES
 
     if count < 1 or rank < 1:
@@ -60,6 +62,9 @@ def write_random_loras(
             "refusing to write into it (move it, or choose another --out)"
         )
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("lora-*"):  # an earlier write's adapters, some maybe past ``count``
+        if old.is_dir():
+            shutil.rmtree(old)
     alpha = float(2 * rank if alpha is None else alpha)
     shapes = module_shapes(config)
     generator = torch.Generator().manual_seed(seed)

@@ -99,6 +99,8 @@ def engine_parts(cfg: ExperimentConfig):
             f"engine.model_path: {eng.model_path} is not a directory (make one with "
             f"`python -m sched_lab.backend.tools convert-smollm2` or `make-random-checkpoint`)"
         )
+    _check_speculative(cfg)
+    _check_int4_at_load(cfg)
     kwargs = _runner_kwargs(cfg)
     if eng.tensor_parallel_size == 1:
         runner = _runner(eng.model_path, **kwargs)
@@ -141,6 +143,56 @@ def engine_parts(cfg: ExperimentConfig):
         runner.max_model_len,
         runner.config.vocab_size,
     )
+
+
+def _check_speculative(cfg: ExperimentConfig) -> None:
+    """ConfigError naming the first speculative policy the engine cannot run (beside LoRA
+    adapters or tensor parallelism, or with a draft model of another vocabulary): before
+    the model loads, not at that policy's run, after the runs before it."""
+    from sched_lab.backend.config import ModelConfig
+    from sched_lab.core.spec import draft_vocab_error
+
+    tp = cfg.engine.tensor_parallel_size
+    other = "LoRA adapters (lora:)" if cfg.lora is not None else ""
+    other = other or (f"engine.tensor_parallel_size {tp}" if tp > 1 else "")
+    for i, p in enumerate(cfg.policies):
+        spec, where = p.speculative, f"policies[{i}] ({p.label})"
+        if spec is None:
+            continue
+        if other:
+            raise ConfigError(
+                f"{where}: speculative decoding with {other} is not implemented on the "
+                "engine; remove its speculative"
+            )
+        if spec.method == "draft" and spec.model is not None:
+            draft = ModelConfig.from_dir(Path(spec.model).expanduser()).vocab_size
+            target = ModelConfig.from_dir(cfg.engine.model_path).vocab_size
+            error = draft_vocab_error(str(spec.model), draft, target)
+            if error:
+                raise ConfigError(f"{where}: {error}")
+
+
+def _check_int4_at_load(cfg: ExperimentConfig) -> None:
+    """ConfigError naming the key when ``quantization`` (awq, gptq) would quantize an
+    unquantized checkpoint at load, in groups of 128 inputs, and a projection's width does
+    not split into them (SmolLM2's 576)."""
+    from sched_lab.backend.loader import checkpoint_index, checkpoint_quantization
+    from sched_lab.backend.quant_formats import DEFAULT_GROUP_SIZE
+    from sched_lab.backend.tools.quantize import unsplittable
+
+    path = cfg.engine.model_path
+    if cfg.quantization not in ("awq", "gptq") or checkpoint_quantization(path) is not None:
+        return
+    index = checkpoint_index(path)
+    bad = unsplittable(index, cfg.quantization, DEFAULT_GROUP_SIZE)
+    if bad is not None:
+        raise ConfigError(
+            f"quantization: {cfg.quantization} quantizes {path} at load in groups of "
+            f"{DEFAULT_GROUP_SIZE} inputs (outputs in packs of 8), and its {bad} of shape "
+            f"{list(index[bad].shape)} does not split into them; write a checkpoint with "
+            f"smaller groups (sched-lab tools quantize --method {cfg.quantization} "
+            "--group-size G, docs/quantization.md)"
+        )
 
 
 def _runner_kwargs(cfg: ExperimentConfig) -> dict[str, Any]:

@@ -425,8 +425,8 @@ def _capacity_plot(folder, sweep, curve, capacity, plt) -> list[tuple[str, str]]
 
     spec = sweep.search
     df = curve[curve["status"].isin(("ok", "stopped"))]
-    if df.empty or spec.metric not in df.columns:
-        return []
+    if spec.metric not in df.columns or not np.isfinite(_search_metric(df, spec.metric)).any():
+        return []  # no value to draw (a latency is NaN where no request finished)
     fig, ax = plt.subplots(figsize=(9, 6))
     lines, legend = _lines(sweep, df, spec.over)
     y = _search_metric(df, spec.metric)

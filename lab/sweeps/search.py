@@ -119,13 +119,18 @@ MAX_BOUND = 1 << 53
 def whole_number_key(path: str) -> bool:
     """Whether the config key at ``path`` holds whole numbers: a field typed ``int`` of a
     config section's dataclass (``kv_cache.num_gpu_blocks``, ``scheduler.max_num_seqs``:
-    lab/config/sections.py) or a policy's limit (``policies.chunked_prefill.max_num_seqs``)."""
+    lab/config/sections.py; ``lora.max_loras`` of a section that may be absent), a cluster
+    pool's ``replicas`` or a policy's limit (``policies.chunked_prefill.max_num_seqs``)."""
     keys = path.replace("[", ".").replace("]", "").split(".")
     if keys[0] == "policies":
         return keys[-1] in LIMIT_KEYS
+    if keys[0] == "cluster":  # its pools' replicas (cluster.replicas, cluster.decode.replicas)
+        return keys[-1] == "replicas"
     if len(keys) != 2:
         return False
     section = typing.get_type_hints(ExperimentConfig).get(keys[0])
+    present = set(typing.get_args(section)) - {type(None)}  # a section that may be absent
+    section = present.pop() if len(present) == 1 else section
     if not dataclasses.is_dataclass(section):
         return False
     hint = typing.get_type_hints(section).get(keys[1])

@@ -103,15 +103,6 @@ def load_sweep(
     else:
         name = check_name(where, "name (from the file name)", path.stem)
     base = {k: copy.deepcopy(v) for k, v in raw.items() if k not in SWEEP_KEYS}
-    if limit is not None:
-        trace = base.get("trace")
-        if isinstance(trace, list) and trace and all(isinstance(c, Mapping) for c in trace):
-            share = max(1, limit // len(trace))  # as ExperimentConfig.with_trace shares it
-            base["trace"] = [{**c, "limit": share} for c in trace]
-        elif not isinstance(trace, Mapping):
-            raise ConfigError(f"{where}: trace: expected a mapping with at least 'format'")
-        else:
-            base["trace"] = {**trace, "limit": limit}
     combos, keys = expand(raw.get("sweep"), where, max_points)
     width = max(3, len(str(len(combos) - 1)))
     points = []
@@ -120,6 +111,8 @@ def load_sweep(
         praw = copy.deepcopy(base)
         for key, value in values.items():
             set_path(praw, key, copy.deepcopy(value), f"{where}: sweep point {pname}")
+        if limit is not None:  # after the point's values, which may set the trace
+            praw["trace"] = _with_limit(praw.get("trace"), limit)
         praw["name"] = f"{name[: MAX_NAME_CHARS - len(pname) - 1]}-{pname}"
         points.append(Point(pname, values, praw))
     search = None
@@ -144,6 +137,16 @@ def load_sweep(
                     f"{where}: sweep point {p.name} ({p.describe()}): {msg}"
                 ) from None
     return Sweep(name, where, base_dir, tuple(points), keys, raw, search, configs)
+
+
+def _with_limit(trace: Any, limit: int) -> Any:
+    """A point's ``trace`` with ``limit`` (``--limit``) in place of its own; with workload
+    classes, shared among them as :meth:`ExperimentConfig.with_trace` shares it (anything
+    else is left to the point's validation)."""
+    if isinstance(trace, list) and trace and all(isinstance(c, Mapping) for c in trace):
+        share = max(1, limit // len(trace))
+        return [{**c, "limit": share} for c in trace]
+    return {**trace, "limit": limit} if isinstance(trace, Mapping) else trace
 
 
 class _TraceChecks:

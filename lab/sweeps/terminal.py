@@ -119,9 +119,12 @@ def capacity_text(
         if isinstance(r.get("error"), str) and r["error"]:
             notes.append(f"{who} failed: {r['error']}")
         if r.get("status") == "below_range":
+            lowest = spec.integer and r.get("hi") == 1
+            hint = ("the key holds whole numbers from 1: nothing lower to try" if lowest
+                    else "a lower search.lo may find it")  # fmt: skip
             notes.append(
                 f"{who}: below range: {spec.over} {format_value(r.get('hi'), '.4g')}, the "
-                "lowest value tried, already failed the target (a lower search.lo may find it)"
+                f"lowest value tried, already failed the target ({hint})"
             )
         why = _probe_end(curve, r, spec.over)
         if why:
@@ -139,10 +142,15 @@ def capacity_text(
 def _probe_end(curve: pd.DataFrame | None, row: dict, over: str) -> str:
     """Why the probe just above a capacity gave no metric (refused, or its run stopped), from
     its curve.csv row; empty when it did."""
-    if curve is None or row.get("bound_by") not in PROBE_ENDS or over not in curve.columns:
+    if curve is None or over not in curve.columns:
         return ""
     at = curve[(curve["point"] == row["point"]) & (curve["policy"] == row["policy"])]
     at = at[at[over] == row.get("hi")]
+    if row.get("bound_by") not in PROBE_ENDS:  # a latency is missing where none finished
+        if at.empty or "completed" not in at or at["completed"].iloc[-1] != 0:
+            return ""
+        last = at.iloc[-1]
+        return f"no request finished ({last['rejected']:.0f} of {last['num_prompts']:.0f} rejected)"
     for column in ("refused", "error"):
         if column in at.columns and at[column].notna().any():
             return f"{PROBE_ENDS[row['bound_by']]}: {at[column].dropna().iloc[-1]}"

@@ -89,6 +89,20 @@ def test_profile_without_fingerprint_loads_with_a_note() -> None:
     assert cm["kind"] == "calibrated" and cm["stale"] is True and cm["fingerprint"] is None
 
 
+def test_a_byte_order_mark_does_not_hide_the_header(tmp_path) -> None:
+    """A profile saved with a UTF-8 byte-order mark (as some editors save a CSV) keeps its
+    fingerprint and block size (was: "no engine fingerprint", from the first line's BOM)."""
+    from sched_lab.sim.calibrated import profile_block_size
+
+    other = {"backend_sources": "0" * 64, "gpu": "NVIDIA H100", "torch": "2.11.0"}
+    path = with_fingerprint(tmp_path, other)
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert read_fingerprint(bom) == other
+    assert profile_block_size(bom) == profile_block_size(path) == 16
+    assert CalibratedCostModel(bom).fingerprint == other
+
+
 def test_stale_profile_is_flagged(tmp_path) -> None:
     other = {"backend_sources": "0" * 64, "gpu": "NVIDIA H100", "torch": "2.11.0"}
     path = with_fingerprint(tmp_path, other)

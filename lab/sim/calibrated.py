@@ -441,7 +441,7 @@ def profile_block_size(path: str | Path) -> int:
     """The block size a profile's header names (``block_size N``), else
     :data:`DEFAULT_BLOCK_SIZE`."""
     try:
-        with Path(path).open(encoding="utf-8", errors="replace") as f:
+        with Path(path).open(encoding="utf-8-sig", errors="replace") as f:
             for line in f:
                 if not line.startswith("#"):
                     break
@@ -458,7 +458,7 @@ def profile_kv_dtype(path: str | Path) -> tuple[str, int]:
     when named, else ``auto``; the model's bytes 4 for ``float32``, else 2."""
     kv, model_bytes = "auto", 2
     try:
-        with Path(path).open(encoding="utf-8", errors="replace") as f:
+        with Path(path).open(encoding="utf-8-sig", errors="replace") as f:
             for line in f:
                 if not line.startswith("#"):
                     break
@@ -475,7 +475,7 @@ def profile_lora_rank(path: str | Path) -> int | None:
     """The LoRA rank a profile's ``# lora: rank N`` header line names (backend/profile.py
     ``--lora-dir``), else None."""
     try:
-        with Path(path).open(encoding="utf-8", errors="replace") as f:
+        with Path(path).open(encoding="utf-8-sig", errors="replace") as f:
             for line in f:
                 if not line.startswith("#"):
                     break
@@ -497,7 +497,7 @@ def kv_bytes_ratio(run_kv_dtype: str, profile_kv_dtype: str, model_bytes: int) -
 def read_fingerprint(path: str | Path) -> dict | None:
     """The engine fingerprint in a profile's header (:mod:`sched_lab.core.fingerprint`), or None."""
     try:
-        with Path(path).open(encoding="utf-8", errors="replace") as f:
+        with Path(path).open(encoding="utf-8-sig", errors="replace") as f:
             for line in f:
                 if not line.startswith("#"):
                     return None
@@ -968,7 +968,7 @@ def profile_shape(path: str | Path) -> tuple[str | None, str | None]:
 
     model = hardware = None
     try:
-        with Path(path).open(encoding="utf-8", errors="replace") as f:
+        with Path(path).open(encoding="utf-8-sig", errors="replace") as f:
             head = [line for line in (f.readline() for _ in range(4)) if line.startswith("#")]
     except OSError:
         return None, None

@@ -185,9 +185,10 @@ def bands_note(runs) -> str:
     ]
     cut = f"; interrupted: {', '.join(short)} replicas" if short else ""
     # a p5-p95 band of a few draws is about their range, not a 90% band
-    few = f"; {n} replicas are few: the band is about their range (20 or more for a 90% band)"
+    replicas, are = ("replica", "is") if n == 1 else ("replicas", "are")
+    few = f"; {n} {replicas} {are} few: the band is about their range (20 or more for a 90% band)"
     return (
-        f"cells: median [p{lo}, p{hi}] over {n} seeded {'replica' if n == 1 else 'replicas'} "
+        f"cells: median [p{lo}, p{hi}] over {n} seeded {replicas} "
         "(step times drawn around the cost model's; summary.json and the vLLM-format file hold "
         f"replica 0's values beside the bands){cut}{few if n < MIN_BAND_REPLICAS else ''}"
     )

@@ -383,7 +383,6 @@ class PrefixCachingBlockManager(BlockManager):
         ``num_blocks``). ValueError if ``r.hash_block_size`` is not a multiple of the block
         size."""
         hs, bs = r.block_hashes, self.block_size
-        first, rest = extra_keys(r)
         if r.hash_ids is not None:
             per, rem = divmod(r.hash_block_size, bs)
             if per < 1 or rem:
@@ -399,6 +398,7 @@ class PrefixCachingBlockManager(BlockManager):
                 if hs is EMPTY:
                     hs = r.block_hashes = []
                 parent = hs[-1] if hs else ROOT_KEY
+                first, rest = extra_keys(r)
                 for h in range(len(hs), want):
                     parent = hash((parent, ids[h], rest if h else first))
                     hs.append(parent)
@@ -410,6 +410,7 @@ class PrefixCachingBlockManager(BlockManager):
                 if hs is EMPTY:
                     hs = r.block_hashes = []
                 parent = hs[-1] if hs else ROOT_KEY
+                first, rest = extra_keys(r)
                 tokens = r.prompt_token_ids
                 if end * bs > len(tokens):
                     tokens = tokens + r.output_token_ids
@@ -542,6 +543,10 @@ class PrefixCachingBlockManager(BlockManager):
                 lo, hi = max(start, base) - base, min(end, base + per) - base
                 s = slots.get(hs[h])
                 if s is None:
+                    if lo == 0 and hi == per:  # a new head, keyed whole: one slice
+                        slots[hs[h]] = table[base : base + per]
+                        num += per
+                        continue
                     s = slots[hs[h]] = [-1] * per
                 elif len(s) < hi:
                     s += [-1] * (hi - len(s))
@@ -698,14 +703,17 @@ class PrefixCachingBlockManager(BlockManager):
         while m:
             run = runs[-1]
             head, lo, hi = run
-            cut = max(lo, hi - m)
             s = slots[head]
-            s[cut:hi] = [-1] * (hi - cut)
-            m -= hi - cut
-            if cut > lo:  # the run's start stays keyed: so does its head
-                run[2] = cut
+            if hi - lo > m:  # the run's start stays keyed: so does its head
+                s[hi - m : hi] = [-1] * m
+                run[2] = hi - m
+                return
+            m -= hi - lo
+            runs.pop()
+            if hi - lo == len(s):  # the run keyed the whole head
+                del slots[head]
             else:
-                runs.pop()
+                s[lo:hi] = [-1] * (hi - lo)
                 if s.count(-1) == len(s):
                     del slots[head]
 
@@ -856,12 +864,13 @@ class PrefixCachingBlockManager(BlockManager):
 def _runs_of(heads: list[int], per: int, at: list[int] | range) -> list[list[int]]:
     """The runs ``[head, lo, hi]`` (offsets lo..hi-1 of one head) of the keys at indices
     ``at`` (ascending) of a request with ``per`` blocks a head, in order."""
-    if type(at) is range:  # consecutive: one run a head, in one pass
+    if type(at) is range:  # consecutive: one run a head, whole ones between the ends
         a, b = at.start, at.stop
-        return [
-            [heads[h], max(a, h * per) - h * per, min(b, h * per + per) - h * per]
-            for h in range(a // per, -(-b // per))
-        ]
+        h0, h1 = a // per, (b - 1) // per
+        if h0 == h1:
+            return [[heads[h0], a - h0 * per, b - h0 * per]]
+        whole = [[h, 0, per] for h in heads[h0 + 1 : h1]]
+        return [[heads[h0], a - h0 * per, per], *whole, [heads[h1], 0, b - h1 * per]]
     runs: list[list[int]] = []
     last = -1
     for j in at:

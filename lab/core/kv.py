@@ -386,8 +386,8 @@ class PrefixCachingBlockManager(BlockManager):
         if r.hash_ids is not None:
             per, rem = divmod(r.hash_block_size, bs)
             if per < 1 or rem:
-                if num_blocks <= len(hs):
-                    return len(hs)
+                if num_blocks <= 0:  # nothing asked: no heads, no error
+                    return 0
                 raise ValueError(
                     f"request {r.request_id}: hash_block_size {r.hash_block_size} is not a "
                     f"multiple of the KV block size {bs} (prefix caching)"

@@ -651,20 +651,10 @@ class PrefixCachingBlockManager(BlockManager):
                 b = blocks.pop()
                 if not blocks:
                     del self._segs[sid], self._seg_at[b]
-                if not slotted:
+                if slotted:
+                    self._unkey_tail(keys, 1)
+                else:
                     del self._flat[keys.pop()]
-                else:  # _unkey_tail(keys, 1), inline
-                    run = keys[-1]
-                    head, lo, hi = run
-                    s = self._slots[head]
-                    s[hi - 1] = -1
-                    self._num_slotted -= 1
-                    if hi - 1 > lo:
-                        run[2] = hi - 1
-                    else:
-                        keys.pop()
-                        if s.count(-1) == len(s):
-                            del self._slots[head]
                 out.append(b)
                 self._num_queued -= 1
                 self.num_evicted_blocks += 1

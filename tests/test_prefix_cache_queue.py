@@ -1,6 +1,7 @@
-"""The prefix cache's eviction queue, kept as segments (one per release) with their keys,
-against the one OrderedDict entry per block and the per-block key list it replaced
-(``ReferenceQueue``: that code, verbatim, its keys kept in its own list).
+"""The prefix cache's key maps (runs of blocks a head) and eviction queue (segments, one per
+release, with their keys), against the code they replaced (``ReferenceQueue``: one key int
+per block and one dict entry per key, one OrderedDict entry per queued block, each block's
+key in its own list; that code, verbatim).
 
 Hand-computed scenarios for the segment paths (a hit not at a segment's start, an eviction
 across several segments, swap out and in through the cache), then random operation scripts
@@ -10,24 +11,204 @@ driven through both managers with every observable compared after each step.
 from __future__ import annotations
 
 import random
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
+from collections.abc import Collection
 from itertools import compress, islice, repeat
 from operator import is_, is_not, not_, sub
 
 import pytest
 
-from sched_lab.core.kv import PrefixCachingBlockManager, blocks_for
+from sched_lab.core.kv import (
+    _LOOKUP_CHUNK,
+    ROOT_KEY,
+    BlockManager,
+    PrefixCachingBlockManager,
+    blocks_for,
+    extra_keys,
+)
 from sched_lab.core.request import EMPTY, Request, RequestStatus
 
 
-class ReferenceQueue(PrefixCachingBlockManager):
-    """The eviction queue as one OrderedDict entry per block (before the segments), each
-    block's key in a list (before keys were known from tables and segments)."""
+class ReferenceQueue(BlockManager):
+    """The prefix cache before its key map went by runs of blocks: one key int per block
+    in ``block_hashes`` and one dict entry per key; the eviction queue as one OrderedDict
+    entry per block (before the segments), each block's key in a list (before keys were
+    known from tables and segments)."""
+
+    enable_prefix_caching = True
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
+        self._ref = [0] * self.num_gpu_blocks
+        self._block_of: dict[int, int] = {}
+        self._holes: set[str] = set()
+        self.num_evicted_blocks = 0
         self._queue: OrderedDict[int, None] = OrderedDict()
         self._keys: list[int | None] = [None] * self.num_gpu_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:  # type: ignore[override]
+        return len(self._block_of)
+
+    def can_allocate(self, num_blocks: int, use_watermark: bool = True) -> bool:
+        reserve = self.watermark_blocks if use_watermark else 0
+        return self.num_free_gpu_blocks - num_blocks >= reserve
+
+    def block_hashes(self, r: Request, num_blocks: int) -> list[int]:
+        """``r.block_hashes`` (mutated), extended to up to ``num_blocks`` keys where the
+        content is known. ValueError if ``r.hash_block_size`` is not a multiple of the
+        block size."""
+        hs, bs = r.block_hashes, self.block_size
+        if len(hs) >= num_blocks:
+            return hs
+        if hs is EMPTY:
+            hs = r.block_hashes = []
+        parent = hs[-1] if hs else ROOT_KEY
+        first, rest = extra_keys(r)
+        if r.hash_ids is not None:
+            per, rem = divmod(r.hash_block_size, bs)
+            if per < 1 or rem:
+                raise ValueError(
+                    f"request {r.request_id}: hash_block_size {r.hash_block_size} is not a "
+                    f"multiple of the KV block size {bs} (prefix caching)"
+                )
+            ids = r.hash_ids
+            covered = (  # tokens the ids describe (class docstring)
+                len(ids) * r.hash_block_size
+                if len(ids) > -(-r.prompt_len // r.hash_block_size)
+                else r.prompt_len
+            )
+            cap = min(covered, len(ids) * r.hash_block_size) // bs  # hs is cut short only here
+            start = len(hs)  # a multiple of per below cap: whole hash blocks at a time
+            if start >= cap:
+                return hs
+            parent = hs[start - per] if start else ROOT_KEY  # H_{h-1} = its first key
+            for h in range(start // per, min(-(-num_blocks // per), -(-cap // per))):
+                parent = hash((parent, ids[h], rest if h else first))
+                hs.extend(range(parent, parent + min(per, cap - h * per)))
+        elif r.prompt_token_ids is not None:
+            known = len(r.prompt_token_ids) + len(r.output_token_ids)
+            end = min(num_blocks, known // bs)
+            if end > len(hs):
+                tokens = r.prompt_token_ids
+                if end * bs > len(tokens):
+                    tokens = tokens + r.output_token_ids
+                for j in range(len(hs), end):
+                    key = tuple(tokens[j * bs : (j + 1) * bs])
+                    parent = hash((parent, key, rest if j else first))
+                    hs.append(parent)
+        return hs
+
+    def lookup(self, r: Request) -> list[int]:
+        """GPU blocks of the longest cached prefix of a waiting ``r``, at most
+        ``(r.num_tokens - 1) // block_size``. Mutates only ``r.block_hashes``."""
+        limit = (r.num_tokens - 1) // self.block_size
+        hs = self.block_hashes(r, limit)
+        get, out = self._block_of.get, []
+        for lo in range(0, min(limit, len(hs)), _LOOKUP_CHUNK):  # C-speed gets, chunk by chunk
+            got = list(map(get, hs[lo : min(lo + _LOOKUP_CHUNK, limit)]))
+            if None in got:
+                return out + got[: got.index(None)]
+            out += got
+        return out
+
+    def num_evictable(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` are cached free (referencing them lowers the free count)."""
+        ref = self._ref
+        return sum(1 for b in blocks if ref[b] == 0)
+
+    def num_freed_by(
+        self, blocks: list[int], released: Counter[int], keep: Collection[int] = ()
+    ) -> int:
+        # A block another request still holds stays used; one that reaches ref count 0
+        # becomes cached free (evictable by allocate) or free, either way counted as free.
+        ref, n = self._ref, 0
+        for b in blocks:
+            released[b] += 1
+            if released[b] == ref[b] and b not in keep:
+                n += 1
+        return n
+
+    # ----------------------------------------------------------------------- mutations
+
+    def allocate(self, request: Request, num_blocks: int) -> None:
+        """Append ``num_blocks`` GPU blocks: free ones first, then evicted cached ones."""
+        if num_blocks > self.num_free_gpu_blocks:
+            raise RuntimeError(
+                f"request {request.request_id}: {num_blocks} blocks asked, "
+                f"{self.num_free_gpu_blocks} free"
+            )
+        blocks = self._take(num_blocks)
+        if request.block_table is EMPTY:
+            request.block_table = blocks
+        else:
+            request.block_table.extend(blocks)
+
+    def free(self, request: Request) -> None:
+        """Release every block of ``request`` (GPU ones after :meth:`register`)."""
+        if request.status is RequestStatus.SWAPPED:
+            self._free_cpu.put(request.block_table)
+        else:
+            self.register(request)
+            self._release_table(request)
+        request.block_table = EMPTY
+        request.num_registered_blocks = 0
+        if request.num_output_tokens >= request.output_len:  # finished: keys not needed
+            request.block_hashes = EMPTY
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Copy every block to CPU, drop the GPU references; returns (gpu_block, cpu_block)
+        copies in table order."""
+        self.register(request)
+        table = request.block_table
+        cpu = self._free_cpu.take(len(table))
+        self._release_table(request)
+        request.block_table = cpu
+        request.num_registered_blocks = 0
+        return list(zip(table, cpu))
+
+    def blocks_to_swap_in(self, request: Request) -> int:
+        """Free GPU blocks :meth:`swap_in` takes: copies plus re-referenced cached free ones."""
+        found = [b for b in self._swap_in_hits(request) if b >= 0]
+        return len(request.block_table) - len(found) + self.num_evictable(found)
+
+    def _swap_in_hits(self, r: Request) -> list[int]:
+        """Per block of a swapped ``r``: the GPU block holding its key, or -1 (copy it)."""
+        n = min(r.num_computed_tokens // self.block_size, len(r.block_table))
+        hs = self.block_hashes(r, n)
+        block_of = self._block_of
+        hits = [block_of.get(h, -1) for h in hs[: min(n, len(hs))]]
+        return hits + [-1] * (len(r.block_table) - len(hits))
+
+    def free_tail(self, request: Request, num_blocks: int) -> None:
+        if num_blocks <= 0 or request.status is RequestStatus.SWAPPED:
+            super().free_tail(request, num_blocks)
+            return
+        table, n = request.block_table, len(request.block_table)
+        start = n - num_blocks
+        keys = self._offered_keys(request)[start:]  # normally none: drafts are never offered
+        self._release(table[start:], keys, len(keys), request.request_id in self._holes)
+        if keys:  # offered blocks leave: any later block at their indices is a hole
+            self._holes.add(request.request_id)
+        del table[start:]
+
+    def _offered_keys(self, r: Request) -> list[int | None]:
+        """The key of each offered block of a held ``r`` (``block_table[:num_registered_blocks]``),
+        None for a hole: a block is keyed iff the key map gives it for its key."""
+        hs, table, get = r.block_hashes, r.block_table, self._block_of.get
+        keys = hs[: r.num_registered_blocks]
+        if r.request_id not in self._holes:
+            return keys
+        return [h if get(h) == b else None for h, b in zip(keys, table)]
+
+    def _release_table(self, r: Request) -> None:
+        """:meth:`_release` of every GPU block of ``r``, their keys known from its table."""
+        if r.request_id in self._holes:
+            keys = self._offered_keys(r)
+            self._release(r.block_table, keys, len(keys), holes=True)
+            self._holes.discard(r.request_id)
+        else:
+            self._release(r.block_table, r.block_hashes, r.num_registered_blocks)
 
     @property
     def _key_of(self) -> list[int | None]:
@@ -268,6 +449,78 @@ def test_swap_out_and_in_through_the_cache():
     assert q3 == [] and evicted == 1
 
 
+def _run_request(bm, rid, ids, blocks_per_id=2, bs=4):
+    """A request with ``blocks_per_id`` blocks of 4 a hash id, admitted with its lookup hits,
+    its whole prompt computed and registered."""
+    hbs = blocks_per_id * bs
+    r = Request(rid, 0.0, len(ids) * hbs, 4, hash_ids=ids, hash_block_size=hbs)
+    hits = bm.lookup(r)
+    bm.allocate_cached(r, hits, blocks_for(r.prompt_len, bs) - len(hits))
+    r.status = RequestStatus.RUNNING
+    r.num_computed_tokens = r.prompt_len
+    bm.register(r)
+    return r
+
+
+def test_runs_of_blocks_keyed_evicted_and_hit():
+    # 6 blocks of 4, 2 blocks a hash id. a: ids [1, 2, 3] -> blocks 0..5, heads H1, H2, H3
+    # (H2 chains H1), keys (H, 0) and (H, 1): 3 slot lists of 2. Freed: one segment, its runs
+    # [H1 0..1, H2 0..1, H3 0..1]. x taking 3 evicts 5, 4, 3 (tail first): H3's list goes, H2
+    # keeps offset 0. A request with ids [1, 2, 3] then hits 0, 1, 2 (3 cached free blocks).
+    bm = PrefixCachingBlockManager(6, 0, 4, 0.0)
+    a = _run_request(bm, "a", [1, 2, 3])
+    h1 = hash((0, 1, ()))
+    h2 = hash((h1, 2, ()))
+    h3 = hash((h2, 3, ()))
+    assert a.block_table == [0, 1, 2, 3, 4, 5] and a.block_hashes == [h1, h2, h3]
+    assert bm._slots == {h1: [0, 1], h2: [2, 3], h3: [4, 5]} and bm.num_cached_blocks == 6
+    assert bm._key_of == [h1, h1 + 1, h2, h2 + 1, h3, h3 + 1]
+    bm.free(a)
+    assert list(bm._segs.values()) == [
+        ([0, 1, 2, 3, 4, 5], [[h1, 0, 2], [h2, 0, 2], [h3, 0, 2]], True)
+    ]
+    x = Request("x", 0.0, 12, 1)
+    bm.allocate(x, 3)
+    assert x.block_table == [5, 4, 3] and bm.num_evicted_blocks == 3
+    assert bm._slots == {h1: [0, 1], h2: [2, -1]} and bm.num_cached_blocks == 3
+    assert list(bm._segs.values()) == [([0, 1, 2], [[h1, 0, 2], [h2, 0, 1]], True)]
+    b = Request("b", 0.0, 25, 1, hash_ids=[1, 2, 3, 4], hash_block_size=8)
+    hits = bm.lookup(b)
+    assert hits == [0, 1, 2] and bm.num_evictable(hits) == 3
+    bm.allocate_cached(b, hits, 0)
+    assert not bm._segs and bm.num_cached_free_gpu_blocks == 0 and bm._ref[:3] == [1, 1, 1]
+    b.status = x.status = RequestStatus.RUNNING
+    bm.check_integrity([b, x])
+
+
+def test_a_run_whose_keys_are_held_leaves_a_hole_and_frees_to_the_pool():
+    # 8 blocks of 4, 2 a hash id. a and b, both ids [1, 2], admitted before either is
+    # computed (no hits): a keys blocks 0..3; b's 4..7 find their keys held (a hole each),
+    # stay unkeyed and go to the pool when b is freed. A hit on b's table from a's keys is
+    # then a's blocks.
+    def run(cls):
+        bm = cls(8, 0, 4, 0.0)
+        ra, rb = (Request(n, 0.0, 16, 4, hash_ids=[1, 2], hash_block_size=8) for n in "ab")
+        for r in (ra, rb):
+            assert bm.lookup(r) == []
+            bm.allocate_cached(r, [], 4)
+            r.status = RequestStatus.RUNNING
+            r.num_computed_tokens = 16
+        bm.register(ra)
+        bm.register(rb)
+        key_of = list(bm._key_of)
+        bm.free(rb)
+        pool, queue = list(bm._free_gpu.freed), bm._evictable
+        c = Request("c", 0.0, 17, 1, hash_ids=[1, 2, 3], hash_block_size=8)
+        return key_of, pool, queue, bm.lookup(c), bm.num_cached_blocks
+
+    key_of, pool, queue, hits, cached = _both(run)
+    h1 = hash((0, 1, ()))
+    h2 = hash((h1, 2, ()))
+    assert key_of == [h1, h1 + 1, h2, h2 + 1, None, None, None, None]
+    assert pool == [7, 6, 5, 4] and queue == [] and hits == [0, 1, 2, 3] and cached == 4
+
+
 # --------------------------------------------------------------------------- scripts
 def _state(bm, reqs):
     return (
@@ -292,7 +545,7 @@ def run_script(seed: int, steps: int = 120) -> None:
     out and in, on both managers; every observable compared after each step."""
     rng = random.Random(seed)
     bs = rng.choice([1, 2, 4])
-    per = rng.choice([1, 2])
+    per = rng.choice([1, 2, 4])  # 1: keys in the flat map, else in runs
     gpu, cpu = rng.randint(4, 40), rng.randint(0, 30)
     bms = [PrefixCachingBlockManager(gpu, cpu, bs, 0.0), ReferenceQueue(gpu, cpu, bs, 0.0)]
     pairs: list[tuple[Request, Request]] = []
@@ -366,9 +619,10 @@ def run_script(seed: int, steps: int = 120) -> None:
                 assert maps[0] == maps[1]
                 for r in pair:
                     r.status = RequestStatus.SWAPPED
-        elif op < 0.94 and bms[0].num_cached_free_gpu_blocks:
+        elif op < 0.94 and per == 1 and bms[0].num_cached_free_gpu_blocks:
             # Cached free blocks in any order, held as a request's table (hits that are no
-            # lookup's chain: the queue's general path); its keys made its own.
+            # lookup's chain: the queue's general path); its keys made its own (one key a
+            # block: the flat map's only).
             queue = bms[0]._evictable
             pins = rng.sample(queue, rng.randint(1, min(4, len(queue))))
             rid = f"p{step}"

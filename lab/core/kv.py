@@ -11,7 +11,7 @@ import math
 from collections import Counter, OrderedDict, deque
 from collections.abc import Collection
 from itertools import compress, count, repeat
-from operator import delitem, is_not, itemgetter, ne, not_, setitem, sub
+from operator import and_, delitem, eq, gt, itemgetter, ne, not_, setitem, sub
 
 from sched_lab.core.request import EMPTY, Request, RequestStatus
 
@@ -265,24 +265,31 @@ class PrefixCachingBlockManager(BlockManager):
     reference counts, an LRU queue of cached free blocks).
 
     Keys (full blocks only) chain their parent's, from ``ROOT_KEY``; 64-bit hashes as vLLM's
-    builtin-hash option. With ``hash_ids``: block j at index i of hash block h has key
-    ``H_h + i``, ``H_h = hash((H_{h-1}, hash_ids[h], extra_h))``; ``hash_block_size`` must be
-    a multiple of ``block_size``. The ids describe the prompt only when there are
+    builtin-hash option. With ``hash_ids``: hash block h has the head
+    ``H_h = hash((H_{h-1}, hash_ids[h], extra_h))`` and its block at offset i the key
+    ``(H_h, i)`` (``H_h + i`` where shown as one int: ``_key_of``); ``hash_block_size`` must
+    be a multiple of ``block_size``. The ids describe the prompt only when there are
     ceil(prompt_len / hash_block_size) of them (Mooncake), else every token they span.
-    Else with ``prompt_token_ids``: ``hash((parent, block's tokens, extra_j))`` over prompt +
-    output. Else no key. A request's keys are kept in ``Request.block_hashes``.
-    ``extra`` (vLLM's extra keys, :func:`extra_keys`): ``Request.lora_name`` in every block's,
-    ``Request.cache_salt`` in the first one's only (the chain carries it on); ``()`` when a
-    request has neither, so different adapters or salts never share a block.
+    Else with ``prompt_token_ids``: one head a block, ``hash((parent, block's tokens,
+    extra_j))`` over prompt + output, the key ``(head, 0)``. Else no key.
+    ``Request.block_hashes`` keeps a request's heads. ``extra`` (vLLM's extra keys,
+    :func:`extra_keys`): ``Request.lora_name`` in every block's, ``Request.cache_salt`` in
+    the first one's only (the chain carries it on); ``()`` when a request has neither, so
+    different adapters or salts never share a block.
+
+    The key map works per run of blocks where a hash block spans several (``_slots``: head ->
+    the block at each offset, one list slice a run), per key where it spans one (``_flat``:
+    head -> block, token ids and ``hash_block_size == block_size``). Requests whose hash
+    blocks span several KV blocks share blocks only with requests whose do too.
 
     GPU block states: used (ref >= 1), cached free (ref 0, keyed, in the LRU eviction queue),
     free (ref 0, unkeyed); used + cached free + free = total, and ``num_free_gpu_blocks``
     counts the last two. Allocation takes free blocks, then evicts the queue's head
     (``num_evicted_blocks``); a request releases its blocks tail first. A block's key is
-    known from where it sits, not stored per block: a held block at index j of a table is
-    keyed with ``block_hashes[j]`` if ``j < num_registered_blocks`` (each of them unless the
-    request has a hole: a block left unkeyed because another block held its key), a queued
-    one with its key beside it in the queue.
+    known from where it sits, not stored per block: a held block at index j of a table has
+    the request's key j if ``j < num_registered_blocks`` (each of them unless the request
+    has a hole: a block left unkeyed because another block held its key), a queued one the
+    key its segment gives it.
 
     ``register`` keys prompt blocks once computed, and generated blocks whose content is
     known on finish, preemption or abort; a key another block holds is not taken again.
@@ -298,15 +305,19 @@ class PrefixCachingBlockManager(BlockManager):
     ) -> None:
         super().__init__(num_gpu_blocks, num_cpu_blocks, block_size, watermark)
         self._ref = [0] * num_gpu_blocks  # GPU block -> requests holding it
-        self._block_of: dict[int, int] = {}  # key -> GPU block
+        self._flat: dict[int, int] = {}  # head -> GPU block (one block a head)
+        self._slots: dict[int, list[int]] = {}  # head -> GPU block at each offset, or -1
+        self._num_slotted = 0  # blocks keyed in _slots
         # Ids of requests with a hole: offered blocks (block_table[:num_registered_blocks])
         # that are not all keyed. Rare: a key computed twice at once, or a draft tail freed.
         self._holes: set[str] = set()
         # The eviction queue (cached free blocks, LRU first) as segments, one per release
-        # that queued blocks, oldest first: (blocks, their keys), both in table order, so the
-        # queue reads each one from its end: released tail first, evicted from the end of the
-        # oldest one. Hits, normally a table prefix, leave from a segment's start.
-        self._segs: OrderedDict[int, tuple[list[int], list[int | None]]] = OrderedDict()
+        # that queued blocks, oldest first: (blocks, keys, slotted), blocks in table order, so
+        # the queue reads each one from its end: released tail first, evicted from the end of
+        # the oldest one. keys: the blocks' heads in _flat, or if slotted their runs in
+        # _slots ([head, lo, hi]: offsets lo..hi-1, in table order). Hits, normally a table
+        # prefix, leave from a segment's start.
+        self._segs: OrderedDict[int, tuple[list[int], list, bool]] = OrderedDict()
         self._seg_at: dict[int, int] = {}  # first block of a segment -> segment id
         self._next_seg = 0
         self._num_queued = 0  # blocks in the queue
@@ -329,11 +340,19 @@ class PrefixCachingBlockManager(BlockManager):
     @property
     def _evictable(self) -> list[int]:
         """The eviction queue, LRU first (a new list; for tests and integrity checks)."""
-        return [b for blocks, _ in self._segs.values() for b in reversed(blocks)]
+        return [b for blocks, _, _ in self._segs.values() for b in reversed(blocks)]
+
+    @property
+    def _block_of(self) -> dict[int, int]:
+        """Key (as one int) -> GPU block (a new dict, from the key maps; for tests and checks)."""
+        out = dict(self._flat)
+        for h, s in self._slots.items():
+            out.update((h + i, b) for i, b in enumerate(s) if b >= 0)
+        return out
 
     @property
     def _key_of(self) -> list[int | None]:
-        """GPU block -> its key or None (a new list, from the key map; for tests and checks)."""
+        """GPU block -> its key (as one int) or None (a new list; for tests and checks)."""
         key_of: list[int | None] = [None] * self.num_gpu_blocks
         for h, b in self._block_of.items():
             key_of[b] = h
@@ -342,48 +361,56 @@ class PrefixCachingBlockManager(BlockManager):
     @property
     def num_cached_blocks(self) -> int:  # type: ignore[override]
         """GPU blocks holding a key (used or cached free)."""
-        return len(self._block_of)
+        return len(self._flat) + self._num_slotted
 
     def can_allocate(self, num_blocks: int, use_watermark: bool = True) -> bool:
         reserve = self.watermark_blocks if use_watermark else 0
         return self.num_free_gpu_blocks - num_blocks >= reserve
 
-    def block_hashes(self, r: Request, num_blocks: int) -> list[int]:
-        """``r.block_hashes`` (mutated), extended to up to ``num_blocks`` keys where the
-        content is known. ValueError if ``r.hash_block_size`` is not a multiple of the
-        block size."""
+    def _per(self, r: Request) -> int:
+        """KV blocks per head of ``r`` (1: its keys are in ``_flat``, else in ``_slots``)."""
+        return r.hash_block_size // self.block_size if r.hash_ids is not None else 1
+
+    def _hash_id_cap(self, r: Request) -> int:
+        """Blocks that ``r``'s hash ids give keys: those of the tokens they describe."""
+        ids, hbs = r.hash_ids, r.hash_block_size
+        covered = len(ids) * hbs if len(ids) > -(-r.prompt_len // hbs) else r.prompt_len
+        return min(covered, len(ids) * hbs) // self.block_size
+
+    def block_hashes(self, r: Request, num_blocks: int) -> int:
+        """Extends ``r.block_hashes`` (mutated) to the heads of up to ``num_blocks`` blocks
+        where the content is known; returns how many blocks they key (may pass
+        ``num_blocks``). ValueError if ``r.hash_block_size`` is not a multiple of the block
+        size."""
         hs, bs = r.block_hashes, self.block_size
-        if len(hs) >= num_blocks:
-            return hs
-        if hs is EMPTY:
-            hs = r.block_hashes = []
-        parent = hs[-1] if hs else ROOT_KEY
-        first, rest = extra_keys(r)
         if r.hash_ids is not None:
             per, rem = divmod(r.hash_block_size, bs)
             if per < 1 or rem:
+                if num_blocks <= 0:  # nothing asked: no heads, no error
+                    return 0
                 raise ValueError(
                     f"request {r.request_id}: hash_block_size {r.hash_block_size} is not a "
                     f"multiple of the KV block size {bs} (prefix caching)"
                 )
-            ids = r.hash_ids
-            covered = (  # tokens the ids describe (class docstring)
-                len(ids) * r.hash_block_size
-                if len(ids) > -(-r.prompt_len // r.hash_block_size)
-                else r.prompt_len
-            )
-            cap = min(covered, len(ids) * r.hash_block_size) // bs  # hs is cut short only here
-            start = len(hs)  # a multiple of per below cap: whole hash blocks at a time
-            if start >= cap:
-                return hs
-            parent = hs[start - per] if start else ROOT_KEY  # H_{h-1} = its first key
-            for h in range(start // per, min(-(-num_blocks // per), -(-cap // per))):
-                parent = hash((parent, ids[h], rest if h else first))
-                hs.extend(range(parent, parent + min(per, cap - h * per)))
-        elif r.prompt_token_ids is not None:
+            cap, ids = self._hash_id_cap(r), r.hash_ids
+            want = min(-(-num_blocks // per), -(-cap // per))
+            if want > len(hs):
+                if hs is EMPTY:
+                    hs = r.block_hashes = []
+                parent = hs[-1] if hs else ROOT_KEY
+                first, rest = extra_keys(r)
+                for h in range(len(hs), want):
+                    parent = hash((parent, ids[h], rest if h else first))
+                    hs.append(parent)
+            return min(len(hs) * per, cap)
+        if r.prompt_token_ids is not None and num_blocks > len(hs):
             known = len(r.prompt_token_ids) + len(r.output_token_ids)
             end = min(num_blocks, known // bs)
             if end > len(hs):
+                if hs is EMPTY:
+                    hs = r.block_hashes = []
+                parent = hs[-1] if hs else ROOT_KEY
+                first, rest = extra_keys(r)
                 tokens = r.prompt_token_ids
                 if end * bs > len(tokens):
                     tokens = tokens + r.output_token_ids
@@ -391,19 +418,56 @@ class PrefixCachingBlockManager(BlockManager):
                     key = tuple(tokens[j * bs : (j + 1) * bs])
                     parent = hash((parent, key, rest if j else first))
                     hs.append(parent)
-        return hs
+        return len(hs)
+
+    def _num_keys(self, r: Request) -> int:
+        """Blocks that ``r.block_hashes`` keys now."""
+        per = self._per(r)
+        if per == 1:
+            return len(r.block_hashes)
+        return min(len(r.block_hashes) * per, self._hash_id_cap(r))
+
+    def _held_by(self, r: Request, start: int, end: int) -> list[int]:
+        """For keys ``start..end-1`` of ``r`` (known), the GPU block holding each, or -1."""
+        hs, per = r.block_hashes, self._per(r)
+        if per == 1:
+            return list(map(self._flat.get, hs[start:end], repeat(-1)))
+        out: list[int] = []
+        if end <= start:
+            return out
+        slots = self._slots
+        for h in range(start // per, -(-end // per)):
+            base = h * per
+            lo, hi = max(start, base) - base, min(end, base + per) - base
+            got = slots.get(hs[h], EMPTY)[lo:hi]
+            out += got
+            if len(got) < hi - lo:
+                out += [-1] * (hi - lo - len(got))
+        return out
 
     def lookup(self, r: Request) -> list[int]:
         """GPU blocks of the longest cached prefix of a waiting ``r``, at most
         ``(r.num_tokens - 1) // block_size``. Mutates only ``r.block_hashes``."""
         limit = (r.num_tokens - 1) // self.block_size
-        hs = self.block_hashes(r, limit)
-        get, out = self._block_of.get, []
-        for lo in range(0, min(limit, len(hs)), _LOOKUP_CHUNK):  # C-speed gets, chunk by chunk
-            got = list(map(get, hs[lo : min(lo + _LOOKUP_CHUNK, limit)]))
-            if None in got:
-                return out + got[: got.index(None)]
+        n = min(limit, self.block_hashes(r, limit))
+        hs, per, out = r.block_hashes, self._per(r), []
+        if per == 1:
+            get = self._flat.get
+            for lo in range(0, n, _LOOKUP_CHUNK):  # C-speed gets, chunk by chunk
+                got = list(map(get, hs[lo : min(lo + _LOOKUP_CHUNK, n)]))
+                if None in got:
+                    return out + got[: got.index(None)]
+                out += got
+            return out
+        get = self._slots.get
+        for h in range(-(-n // per)):  # one run of blocks a head
+            k = min(per, n - h * per)
+            got = get(hs[h], EMPTY)[:k]
+            if -1 in got:
+                return out + got[: got.index(-1)]
             out += got
+            if len(got) < k:
+                return out
         return out
 
     def num_evictable(self, blocks: list[int]) -> int:
@@ -460,18 +524,45 @@ class PrefixCachingBlockManager(BlockManager):
         start = r.num_registered_blocks
         if n <= start:
             return
-        hs = self.block_hashes(r, n)
-        end = min(n, len(hs))
-        if end > start:
-            block_of, size = self._block_of, len(self._block_of)
-            keys, blocks = hs[start:end], r.block_table[start:end]
-            if not block_of.keys().isdisjoint(keys):  # some key held already: not taken
-                new = [(h, b) for h, b in zip(keys, blocks) if h not in block_of]
+        end = min(n, self.block_hashes(r, n))
+        if end <= start:
+            return
+        hs, table, per = r.block_hashes, r.block_table, self._per(r)
+        if per == 1:
+            flat, size = self._flat, len(self._flat)
+            keys, blocks = hs[start:end], table[start:end]
+            if not flat.keys().isdisjoint(keys):  # some key held already: not taken
+                new = [(h, b) for h, b in zip(keys, blocks) if h not in flat]
                 keys, blocks = [h for h, _ in new], [b for _, b in new]
-            block_of.update(zip(keys, blocks))
-            if len(block_of) - size < end - start:  # a block left unkeyed: a hole
-                self._holes.add(r.request_id)
-            r.num_registered_blocks = end
+            flat.update(zip(keys, blocks))
+            hole = len(flat) - size < end - start
+        else:
+            slots, hole, num = self._slots, False, self._num_slotted
+            for h in range(start // per, -(-end // per)):  # one slice a head
+                base = h * per
+                lo, hi = max(start, base) - base, min(end, base + per) - base
+                s = slots.get(hs[h])
+                if s is None:
+                    if lo == 0 and hi == per:  # a new head, keyed whole: one slice
+                        slots[hs[h]] = table[base : base + per]
+                        num += per
+                        continue
+                    s = slots[hs[h]] = [-1] * per
+                elif len(s) < hi:
+                    s += [-1] * (hi - len(s))
+                if s[lo:hi].count(-1) == hi - lo:
+                    s[lo:hi] = table[base + lo : base + hi]
+                    num += hi - lo
+                else:  # some key held already: not taken
+                    hole = True
+                    for i in range(lo, hi):
+                        if s[i] < 0:
+                            s[i] = table[base + i]
+                            num += 1
+            self._num_slotted = num
+        if hole:  # a block left unkeyed
+            self._holes.add(r.request_id)
+        r.num_registered_blocks = end
 
     def free(self, request: Request) -> None:
         """Release every block of ``request`` (GPU ones after :meth:`register`)."""
@@ -479,7 +570,8 @@ class PrefixCachingBlockManager(BlockManager):
             self._free_cpu.put(request.block_table)
         else:
             self.register(request)
-            self._release_table(request)
+            self._release(request, 0)
+            self._holes.discard(request.request_id)
         request.block_table = EMPTY
         request.num_registered_blocks = 0
         if request.num_output_tokens >= request.output_len:  # finished: keys not needed
@@ -491,7 +583,8 @@ class PrefixCachingBlockManager(BlockManager):
         self.register(request)
         table = request.block_table
         cpu = self._free_cpu.take(len(table))
-        self._release_table(request)
+        self._release(request, 0)
+        self._holes.discard(request.request_id)
         request.block_table = cpu
         request.num_registered_blocks = 0
         return list(zip(table, cpu))
@@ -523,13 +616,22 @@ class PrefixCachingBlockManager(BlockManager):
         self.register(request)
         return mapping
 
+    def free_tail(self, request: Request, num_blocks: int) -> None:
+        if num_blocks <= 0 or request.status is RequestStatus.SWAPPED:
+            super().free_tail(request, num_blocks)
+            return
+        table = request.block_table
+        start = len(table) - num_blocks
+        self._release(request, start)  # its offered blocks: normally none (drafts never are)
+        if request.num_registered_blocks > start:  # those leave: later blocks there are holes
+            self._holes.add(request.request_id)
+        del table[start:]
+
     # ----------------------------------------------------------------------- internals
     def _swap_in_hits(self, r: Request) -> list[int]:
         """Per block of a swapped ``r``: the GPU block holding its key, or -1 (copy it)."""
         n = min(r.num_computed_tokens // self.block_size, len(r.block_table))
-        hs = self.block_hashes(r, n)
-        block_of = self._block_of
-        hits = [block_of.get(h, -1) for h in hs[: min(n, len(hs))]]
+        hits = self._held_by(r, 0, min(n, self.block_hashes(r, n)))
         return hits + [-1] * (len(r.block_table) - len(hits))
 
     def _take(self, n: int) -> list[int]:
@@ -542,14 +644,17 @@ class PrefixCachingBlockManager(BlockManager):
             )
         k = min(n, pool.num_free)
         out = pool.take(k) if k else []
-        if n == 1:  # a decode's block, free or the queue's head: no map for one
+        if n == 1:  # a decode's block, free or the queue's head: no maps for one
             if not k:
                 sid = next(iter(self._segs))
-                blocks, keys = self._segs[sid]
+                blocks, keys, slotted = self._segs[sid]
                 b = blocks.pop()
                 if not blocks:
                     del self._segs[sid], self._seg_at[b]
-                del self._block_of[keys.pop()]
+                if slotted:
+                    self._unkey_tail(keys, 1)
+                else:
+                    del self._flat[keys.pop()]
                 out.append(b)
                 self._num_queued -= 1
                 self.num_evicted_blocks += 1
@@ -557,26 +662,50 @@ class PrefixCachingBlockManager(BlockManager):
             return out
         if n > k:
             need = n - k
-            segs, victims, gone = self._segs, [], []  # gone: the victims' keys
+            segs, victims, gone = self._segs, [], []  # gone: the flat victims' heads
             while need:  # the queue's head: the end of the oldest segment
                 sid = next(iter(segs))
-                blocks, keys = seg_blocks, seg_keys = segs[sid]
-                if len(blocks) <= need:
-                    del segs[sid], self._seg_at[blocks[0]]
-                    need -= len(blocks)
+                blocks, keys, slotted = segs[sid]
+                m = min(need, len(blocks))
+                if slotted:
+                    self._unkey_tail(keys, m)
                 else:
-                    blocks, keys = seg_blocks[-need:], seg_keys[-need:]
-                    del seg_blocks[-need:], seg_keys[-need:]  # O(need): the start stays
-                    need = 0
-                blocks.reverse()
-                victims += blocks
-                gone += keys
-            deque(map(delitem, repeat(self._block_of), gone), 0)
+                    gone += keys[-m:]
+                    del keys[-m:]
+                victims += blocks[: -m - 1 : -1]  # the last m, tail first
+                del blocks[-m:]  # O(m): the start stays
+                if not blocks:
+                    del segs[sid], self._seg_at[victims[-1]]
+                need -= m
+            if gone:
+                deque(map(delitem, repeat(self._flat), gone), 0)
             out += victims
             self._num_queued -= n - k
             self.num_evicted_blocks += n - k
         deque(map(setitem, repeat(self._ref), out, repeat(1)), 0)  # ref[b] = 1 for each, in C
         return out
+
+    def _unkey_tail(self, runs: list[list[int]], m: int) -> None:
+        """Remove the keys of the last ``m`` blocks of a slotted segment (``runs``, cut
+        short) from ``_slots``."""
+        slots = self._slots
+        self._num_slotted -= m
+        while m:
+            run = runs[-1]
+            head, lo, hi = run
+            s = slots[head]
+            if hi - lo > m:  # the run's start stays keyed: so does its head
+                s[hi - m : hi] = [-1] * m
+                run[2] = hi - m
+                return
+            m -= hi - lo
+            runs.pop()
+            if hi - lo == len(s):  # the run keyed the whole head
+                del slots[head]
+            else:
+                s[lo:hi] = [-1] * (hi - lo)
+                if s.count(-1) == len(s):
+                    del slots[head]
 
     def _unqueue(self, blocks: list[int]) -> None:
         """Take ``blocks`` (cached free, distinct) out of the eviction queue. A run of them
@@ -589,16 +718,20 @@ class PrefixCachingBlockManager(BlockManager):
             b = blocks[i]
             sid = seg_at.get(b)
             if sid is not None:
-                (seg, keys), pos = segs[sid], 0
+                (seg, keys, slotted), pos = segs[sid], 0
             else:  # not at a segment's start: search
                 sid = next((k for k, v in segs.items() if b in v[0]), None)
                 if sid is None:
                     raise KeyError(f"gpu block {b} is not in the eviction queue")
-                seg, keys = segs[sid]
+                seg, keys, slotted = segs[sid]
                 pos = seg.index(b)
             run = blocks[i : i + len(seg) - pos]
             m = next(compress(count(), map(ne, seg[pos : pos + len(run)], run)), len(run))
-            del seg[pos : pos + m], keys[pos : pos + m]
+            del seg[pos : pos + m]
+            if slotted:
+                keys[:] = _cut_runs(keys, pos, m)
+            else:
+                del keys[pos : pos + m]
             i += m
             if pos == 0:
                 del seg_at[b]
@@ -607,46 +740,17 @@ class PrefixCachingBlockManager(BlockManager):
             if not seg:
                 del segs[sid]
 
-    def free_tail(self, request: Request, num_blocks: int) -> None:
-        if num_blocks <= 0 or request.status is RequestStatus.SWAPPED:
-            super().free_tail(request, num_blocks)
-            return
-        table, n = request.block_table, len(request.block_table)
-        start = n - num_blocks
-        keys = self._offered_keys(request)[start:]  # normally none: drafts are never offered
-        self._release(table[start:], keys, len(keys), request.request_id in self._holes)
-        if keys:  # offered blocks leave: any later block at their indices is a hole
-            self._holes.add(request.request_id)
-        del table[start:]
-
-    def _offered_keys(self, r: Request) -> list[int | None]:
-        """The key of each offered block of a held ``r`` (``block_table[:num_registered_blocks]``),
-        None for a hole: a block is keyed iff the key map gives it for its key."""
-        hs, table, get = r.block_hashes, r.block_table, self._block_of.get
-        keys = hs[: r.num_registered_blocks]
-        if r.request_id not in self._holes:
-            return keys
-        return [h if get(h) == b else None for h, b in zip(keys, table)]
-
-    def _release_table(self, r: Request) -> None:
-        """:meth:`_release` of every GPU block of ``r``, their keys known from its table."""
-        if r.request_id in self._holes:
-            keys = self._offered_keys(r)
-            self._release(r.block_table, keys, len(keys), holes=True)
-            self._holes.discard(r.request_id)
-        else:
-            self._release(r.block_table, r.block_hashes, r.num_registered_blocks)
-
-    def _release(
-        self, blocks: list[int], keys: list[int | None], num_keyed: int, holes: bool = False
-    ) -> None:
-        """Drop one reference to each of ``blocks``, tail first: keyed blocks reaching ref
-        count 0 join the eviction queue (one new segment), unkeyed ones the pool. The first
-        ``num_keyed`` blocks are keyed, ``keys[j]`` the key of ``blocks[j]`` (if ``holes``:
-        None for an unkeyed one); the rest are unkeyed."""
+    def _release(self, r: Request, start: int) -> None:
+        """Drop one reference to each of ``r.block_table[start:]``, tail first: keyed blocks
+        reaching ref count 0 join the eviction queue (one new segment), unkeyed ones the
+        pool. Blocks at indices below ``num_registered_blocks`` are keyed (all of them unless
+        ``r`` has a hole); the rest are not."""
+        table = r.block_table
+        blocks = table[start:] if start else table
         ref = self._ref
         refs = _gather(ref, blocks)
         n = len(refs)
+        nk = max(0, min(r.num_registered_blocks - start, n))
         m = n - refs.count(1)  # blocks held by others too, mostly a shared prefix
         if m and refs[m:].count(1) != n - m:
             m = n  # not a prefix: every block counted one by one
@@ -655,25 +759,30 @@ class PrefixCachingBlockManager(BlockManager):
         if m:
             counts = list(map(sub, refs[:m], repeat(1)))
             deque(map(setitem, repeat(ref), blocks, counts), 0)
-        nk = num_keyed
+        holes = r.request_id in self._holes
         if m < n and not holes:  # blocks[m:] reach 0, the first m stay held: slices
-            queued, queued_keys, unkeyed = blocks[m:nk], keys[m:nk], blocks[max(m, nk) :]
+            queued, unkeyed = blocks[m:nk], blocks[max(m, nk) :]
+            at: list[int] | range = range(start + m, start + nk)  # their keys' indices
         else:
-            keys = keys[:nk] + [None] * (n - nk)
-            if m:
-                zero = list(compress(blocks, map(not_, counts))) + blocks[m:]
-                keys = list(compress(keys, map(not_, counts))) + keys[m:]
-            else:
-                zero = blocks
-            keyed = list(map(is_not, keys, repeat(None)))
-            queued, queued_keys = list(compress(zero, keyed)), list(compress(keys, keyed))
-            unkeyed = list(compress(zero, map(not_, keyed)))
+            zero = [True] * n if not m else list(map(not_, counts)) + [True] * (n - m)
+            keyed = [True] * nk + [False] * (n - nk)
+            if holes:  # keyed iff the key map gives the block for its key
+                keyed[:nk] = map(eq, self._held_by(r, start, start + nk), blocks)
+            idx = list(compress(range(n), map(and_, zero, keyed)))
+            queued = [blocks[k] for k in idx]
+            at = [start + k for k in idx]
+            unkeyed = list(compress(blocks, map(gt, zero, keyed)))  # reach 0, unkeyed
         if unkeyed:
             self._free_gpu.put(unkeyed)
         if queued:  # a new segment, at the queue's tail
+            hs, per = r.block_hashes, self._per(r)
+            if per == 1:
+                keys = hs[at.start : at.stop] if type(at) is range else [hs[j] for j in at]
+            else:
+                keys = _runs_of(hs, per, at)
             sid = self._next_seg
             self._next_seg = sid + 1
-            self._segs[sid] = (queued, queued_keys)
+            self._segs[sid] = (queued, keys, per > 1)
             self._seg_at[queued[0]] = sid
             self._num_queued += len(queued)
 
@@ -682,8 +791,11 @@ class PrefixCachingBlockManager(BlockManager):
         """Assert ref counts, eviction queue and key maps (GPU), one owner per CPU block, and
         used + cached free + free = total, given every request that may hold blocks."""
         held: Counter[int] = Counter()
+        block_of = self._block_of
         key_of = self._key_of
-        assert len(set(self._block_of.values())) == len(self._block_of), "a block holds 2 keys"
+        assert len(block_of) == self.num_cached_blocks, "a key map's count is off"
+        assert len(set(block_of.values())) == len(block_of), "a block holds 2 keys"
+        assert all(s.count(-1) < len(s) for s in self._slots.values()), "an empty slot list kept"
         cpu_owner: dict[int, str] = {b: "free" for b in self._free_cpu.free_ids()}
         assert len(cpu_owner) == self._free_cpu.num_free, "cpu: a block is free twice"
         for r in requests:
@@ -697,9 +809,10 @@ class PrefixCachingBlockManager(BlockManager):
             assert len(set(r.block_table)) == len(r.block_table), f"{r.request_id}: block twice"
             held.update(r.block_table)
             offered, holes = r.num_registered_blocks, r.request_id in self._holes
+            keys = _key_ints(r.block_hashes, self._per(r), self._num_keys(r))
             for j, b in enumerate(r.block_table):
                 if key_of[b] is not None:
-                    assert j < len(r.block_hashes) and r.block_hashes[j] == key_of[b], (
+                    assert j < len(keys) and keys[j] == key_of[b], (
                         f"gpu block {b} (index {j} of {r.request_id}) holds another key"
                     )
                 if j >= offered or not holes:  # keyed iff offered
@@ -723,13 +836,61 @@ class PrefixCachingBlockManager(BlockManager):
         assert len(set(queue)) == len(queue) == self._num_queued, "gpu: eviction queue broken"
         for b in queue:
             assert self._ref[b] == 0 and key_of[b] is not None, f"gpu block {b}: queued, not free"
-        for blocks, keys in self._segs.values():
+        for blocks, keys, slotted in self._segs.values():
             assert blocks, "gpu: an empty segment is queued"
+            if slotted:
+                assert all(lo < hi for _, lo, hi in keys), "gpu: an empty run is kept"
+                keys = [h + i for h, lo, hi in keys for i in range(lo, hi)]
             assert keys == [key_of[b] for b in blocks], "gpu: a segment's keys are not its blocks'"
-        assert self._seg_at == {seg[0]: sid for sid, (seg, _) in self._segs.items()}, (
+        assert self._seg_at == {seg[0]: sid for sid, (seg, _, _) in self._segs.items()}, (
             "gpu: segment starts broken"
         )
         used = sum(1 for b in range(n) if self._ref[b])
         assert used + len(queue) + len(free) == n, (
             f"gpu: used {used} + cached free {len(queue)} + free {len(free)} != {n}"
         )
+
+
+def _runs_of(heads: list[int], per: int, at: list[int] | range) -> list[list[int]]:
+    """The runs ``[head, lo, hi]`` (offsets lo..hi-1 of one head) of the keys at indices
+    ``at`` (ascending) of a request with ``per`` blocks a head, in order."""
+    if type(at) is range:  # consecutive: one run a head, whole ones between the ends
+        a, b = at.start, at.stop
+        h0, h1 = a // per, (b - 1) // per
+        if h0 == h1:
+            return [[heads[h0], a - h0 * per, b - h0 * per]]
+        whole = [[h, 0, per] for h in heads[h0 + 1 : h1]]
+        return [[heads[h0], a - h0 * per, per], *whole, [heads[h1], 0, b - h1 * per]]
+    runs: list[list[int]] = []
+    last = -1
+    for j in at:
+        h, i = divmod(j, per)
+        if h == last and runs[-1][2] == i:
+            runs[-1][2] = i + 1
+        else:
+            runs.append([heads[h], i, i + 1])
+            last = h
+    return runs
+
+
+def _cut_runs(runs: list[list[int]], pos: int, m: int) -> list[list[int]]:
+    """``runs`` without the keys of the segment's blocks ``pos..pos+m-1``."""
+    out, at, stop = [], 0, pos + m
+    for head, lo, hi in runs:
+        a, b = at, at + hi - lo  # the run keys the segment's blocks a..b-1
+        at = b
+        if b <= pos or a >= stop:
+            out.append([head, lo, hi])
+            continue
+        if a < pos:
+            out.append([head, lo, lo + pos - a])
+        if b > stop:
+            out.append([head, hi - (b - stop), hi])
+    return out
+
+
+def _key_ints(heads: list[int], per: int, num_keys: int) -> list[int]:
+    """A request's keys as one int each (``head + offset``), the first ``num_keys``."""
+    if per == 1:
+        return list(heads[:num_keys])
+    return [heads[j // per] + j % per for j in range(num_keys)]

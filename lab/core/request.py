@@ -151,9 +151,10 @@ class Request:
     # own blocks, kept by key when it was preempted: self-reuse, not sharing).
     num_cached_tokens: int = 0
     num_resumed_cached_tokens: int = 0
-    # Chained keys of the blocks whose content is known, computed on demand
-    # (``block_hashes[j]`` keys block j), and how many leading blocks of ``block_table`` have
-    # been offered to the cache (hits, or registered after being computed).
+    # Chained key heads of the blocks whose content is known, computed on demand (one a hash
+    # id, block j under head j // (hash_block_size // block_size); else one a block), and how
+    # many leading blocks of ``block_table`` have been offered to the cache (hits, or
+    # registered after being computed).
     block_hashes: list[int] = EMPTY
     num_registered_blocks: int = 0
     # Speculative decoding (lab/core/spec.py; empty when it is off). ``spec_token_ids``: the

@@ -89,6 +89,19 @@ def test_other_columns_match_pandas():
     assert csv_text.frame_csv(df[["s"]]) == _pandas(df[["s"]])  # a lone empty field is ""
 
 
+def test_string_dtype_columns_are_written_as_stored():
+    """A pandas string column (pyarrow or python storage) is factorized as it is, missing
+    values empty and text quoted, as pandas writes it."""
+    import importlib.util
+
+    storages = ["python"] + (["pyarrow"] if importlib.util.find_spec("pyarrow") else [])
+    for storage in storages:
+        s = pd.array(["fcfs", None, "a,b", "fcfs", 'q"x'], dtype=pd.StringDtype(storage))
+        df = pd.DataFrame({"p": s, "k": [1, 2, 3, 4, 5]})
+        assert csv_text.frame_csv(df) == b'p,k\nfcfs,1\n,2\n"a,b",3\nfcfs,4\n"q""x",5\n'
+        assert csv_text.frame_csv(df) == _pandas(df)
+
+
 def test_a_type_it_lacks_is_left_to_pandas():
     df = pd.DataFrame({"t": pd.to_datetime(["2026-01-01"])})
     assert csv_text.frame_csv(df) is None

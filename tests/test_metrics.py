@@ -463,6 +463,27 @@ def test_token_gaps_statistics_are_numpys_to_the_last_bit(seed, rows, monkeypatc
     assert vllm_result.tail_points(g).tolist() == vllm_result.tail_points(v.copy()).tolist()
 
 
+@pytest.mark.parametrize("keep", [0, 1 << 23])
+def test_token_gaps_std_reuses_the_means_runs_up_to_keep(keep, monkeypatch):
+    """Up to KEEP gaps the std sums the runs of gaps the mean made (each made once), above
+    it makes them again; the numbers are numpy's either way, and nothing is kept after."""
+    monkeypatch.setattr(gaps, "KEEP", keep)
+    monkeypatch.setattr(gaps, "LEAF", 128)
+    end = np.cumsum(np.arange(1, 1001) % 7 * 0.001 + 0.002)  # 1,000 steps' ends
+    source = np.arange(1000)
+    start, size = np.array([0, 100, 450]), np.array([500, 300, 550])  # 3 requests, 1 piece
+    who, counts = np.arange(3), size.copy()
+    g = gaps.TokenGaps.of_pieces(source, end, start, size, who, counts)
+    v = np.concatenate([np.diff(end[s : s + k]) for s, k in zip(start, size)])
+    made = []
+    chunk = g.chunk
+    monkeypatch.setattr(g, "chunk", lambda lo, hi: made.append((lo, hi)) or chunk(lo, hi))
+    assert (g.mean(), g.std()) == (float(v.mean()), float(v.std()))
+    # numpy's pairwise halves of 1,347 gaps down to 128: 672 (8 runs of 80-88) and 675 (8)
+    assert len(v) == 1347 and len(made) == (16 if keep else 32)
+    assert g._kept is None
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "swap"])
 def test_request_table_with_token_gaps_is_the_one_with_the_array(policy, monkeypatch):
     """Above GAPS_IN_MEMORY gaps the table's ITL gaps are a TokenGaps: the same rows, the

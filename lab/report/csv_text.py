@@ -411,8 +411,8 @@ def column_cells(col: pd.Series | np.ndarray, float_style: str = "repr") -> Cell
                 cells = cells.copy()
                 cells[na] = 0
             return cells, np.where(na, 0, length)
-        if pd.api.types.is_string_dtype(dtype):
-            return _object_cells(col.to_numpy(object))
+        if pd.api.types.is_string_dtype(dtype):  # factorized as stored: no str object a row
+            return _object_cells(col)
         return None
     values = np.asarray(col)
     if dtype.kind in "iu":
@@ -426,9 +426,10 @@ def column_cells(col: pd.Series | np.ndarray, float_style: str = "repr") -> Cell
     return None
 
 
-def _object_cells(values: np.ndarray) -> Cells | None:
-    """Cells of an object column: ``str()`` of each value, missing ones empty; each distinct
-    value is formatted once. None for a value that is not text or a number."""
+def _object_cells(values: np.ndarray | pd.Series) -> Cells | None:
+    """Cells of an object (or string dtype) column: ``str()`` of each value, missing ones
+    empty; each distinct value is formatted once. None for a value that is not text or a
+    number."""
     codes, uniques = pd.factorize(values, use_na_sentinel=True)  # missing: code -1
     out = []
     for v in uniques.tolist() if hasattr(uniques, "tolist") else list(uniques):

@@ -7,7 +7,8 @@ step, a decode segment over consecutive decode ticks), and gives the statistics
 ``latency_stats`` takes of the array, to the last bit:
 
 - mean and std: numpy's pairwise sum of the gaps in request order (:func:`pairwise_sum`), with
-  a run of at most :data:`LEAF` gaps made at a time;
+  a run of at most :data:`LEAF` gaps made at a time (up to :data:`KEEP` gaps, the mean's
+  runs are kept for the std, which then makes none);
 - order statistics (median, percentiles, quantiles, max): from the gaps as a multiset. Inside
   a decode segment every gap is the one between two consecutive decode ticks, so each tick
   gap is counted once per segment that spans it; the gaps between pieces are taken one by one.
@@ -25,6 +26,7 @@ import numpy as np
 
 LEAF = 1 << 20  # gaps made (and summed by np.sum) at a time by TokenGaps' sums
 ROWS = 1 << 20  # token positions whose gaps TokenGaps.of_pieces takes at a time
+KEEP = 1 << 23  # up to this many gaps (64 MB), TokenGaps' std reuses its mean's runs
 
 
 def pairwise_sum(n: int, leaf_sum: Callable[[int, int], float], leaf: int | None = None) -> float:
@@ -177,6 +179,7 @@ class TokenGaps:
         self._values, weights = merge_counts(_drain(values), _drain(weights, np.int64))
         self._cum = np.cumsum(weights, dtype=np.int64)
         self.n = int(self._gaps_before[-1])
+        self._kept: dict[tuple[int, int], np.ndarray] | None = None  # runs of gaps (_mean)
 
     @classmethod
     def of_pieces(cls, source, end, start, size, piece_who, counts) -> TokenGaps | None:
@@ -249,10 +252,17 @@ class TokenGaps:
         return self.chunk(0, self.n) if self.n else np.zeros(0)
 
     def _run(self, lo: int, k: int) -> np.ndarray:
-        return self.chunk(lo, lo + k)
+        kept = self._kept
+        if kept is None:
+            return self.chunk(lo, lo + k)
+        if (lo, k) not in kept:
+            kept[(lo, k)] = self.chunk(lo, lo + k)
+        return kept[(lo, k)]
 
     @functools.cached_property
     def _mean(self) -> float:
+        # the mean's runs of gaps are the std's: kept for it where they are few (KEEP)
+        self._kept = {} if self.n <= KEEP else None
         return pairwise_sum(self.n, lambda lo, k: np.sum(self._run(lo, k))) / self.n
 
     def mean(self) -> float:
@@ -261,7 +271,12 @@ class TokenGaps:
 
     def std(self) -> float:
         """``float(a.std())`` (population; NaN for none)."""
-        return std_of_runs(self.n, self._run, self._mean) if self.n else float("nan")
+        if not self.n:
+            return float("nan")
+        try:
+            return std_of_runs(self.n, self._run, self._mean)
+        finally:
+            self._kept = None
 
     def max(self) -> float:
         """``float(a.max())``; ValueError for none, as numpy."""

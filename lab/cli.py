@@ -46,7 +46,8 @@ EXIT_CODES = """exit status:
   1    a run stopped early (its partial results are written), a sweep's point failed
        (the others' results are written), or the results could not be put in place
        (the message says where they are)
-  2    bad input: one line, error: ..., naming the file, row or key
+  2    bad input: one line, error: ..., naming the file, row or key (a run that
+       refuses after others completed: theirs are written as partial results)
   130  interrupted by SIGINT (Ctrl-C), 143 by SIGTERM, 129 by SIGHUP: completed runs kept as
        partial results (a sweep keeps the points, or searches, that had finished)"""
 RUN_EXAMPLE = """example:
@@ -460,6 +461,8 @@ def _run(args: argparse.Namespace) -> int:
             msg = str(e)
             if not msg.startswith(args.config):  # name the experiment file once
                 msg = f"{args.config}: {msg}"
+            if runs and not signals.deferring:  # a later run refused: keep the earlier ones
+                return _keep_runs_before(msg, signals, cfg, runs, writer)
             print(f"error: {msg}", file=sys.stderr)
             return 2
         except ResultsNotPlaced as e:
@@ -631,6 +634,25 @@ def _keep_partial(e: KeyboardInterrupt, signals: StopSignals, cfg, runs: list, w
         return _code(e)
     print(f"error: {partial}; wrote them to {out}/ as partial results", file=sys.stderr)
     return _code(e)
+
+
+def _keep_runs_before(msg: str, signals: StopSignals, cfg, runs: list, writer) -> int:
+    """A user error (``msg``, one line) raised by a run after ``runs`` had completed: those
+    are written as partial results; one line; 2."""
+    from sched_lab.core.errors import UserError
+    from sched_lab.report.folder import ResultsNotPlaced
+
+    total = len(cfg.rate_scales) * len(cfg.policies)
+    partial = f"stopped by an error after {len(runs)} of {total} runs"
+    signals.deferring = True
+    try:
+        writer.finish(runs, _decoder(cfg), partial=partial)
+    except (UserError, ResultsNotPlaced) as e2:
+        print(f"error: {msg}; {partial}, not written: {e2}", file=sys.stderr)
+        return 2
+    before = "the run before it is" if len(runs) == 1 else f"the {len(runs)} runs before it are"
+    print(f"error: {msg}; {before} in {writer.out_dir}/ as partial results", file=sys.stderr)
+    return 2
 
 
 def _decoder(cfg):

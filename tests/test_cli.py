@@ -244,6 +244,37 @@ def test_interrupt_keeps_the_completed_runs_as_partial_results(tmp_path, sig, co
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exp.yaml", "out"]  # no temp folder
 
 
+def test_a_run_refused_after_others_keeps_them_as_partial_results(tmp_path, monkeypatch, capsys):
+    """A user error raised by the second of three runs (e.g. a policy the engine refuses
+    only when its run starts) writes the first run as partial results and exits 2 with one
+    line (was: exit 2, nothing written)."""
+    import sched_lab.run.experiment as ex
+    from sched_lab.core.errors import ConfigError
+
+    real = ex.iter_runs
+
+    def iter_runs(*a, **k):
+        for run in real(*a, **k):
+            yield run
+            raise ConfigError("policies[1] (swap): refused at its run")
+
+    monkeypatch.setattr(ex, "iter_runs", iter_runs)
+    (tmp_path / "exp.yaml").write_text(SYNTHETIC)
+    out = tmp_path / "out"
+    code = main(["run", str(tmp_path / "exp.yaml"), "--out", str(out), "--no-progress", "-q",
+                 "--no-plots"])  # fmt: skip
+    assert code == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if not ln.startswith("INFO")]
+    assert err == [
+        f"error: {tmp_path / 'exp.yaml'}: policies[1] (swap): refused at its run; the run "
+        f"before it is in {out}/ as partial results"
+    ]
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary) == ["fcfs"] and summary["fcfs"]["completed"] == 8
+    assert summary["fcfs"]["partial"] == "stopped by an error after 1 of 3 runs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp.yaml", "out"]  # no temp folder
+
+
 def test_interrupt_before_any_run_writes_nothing(tmp_path):
     (tmp_path / "exp.yaml").write_text(SYNTHETIC)
     proc = _run_script(

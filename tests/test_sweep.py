@@ -884,9 +884,9 @@ def sweep_examples() -> list[Path]:
 @pytest.mark.parametrize("path", sweep_examples(), ids=lambda p: p.stem)
 def test_sweep_example_runs(path, tmp_path):
     out = tmp_path / "out"
-    # the points' plots drawn in one example (most of a point's time on 40 requests)
-    plots = [] if path.stem == "sweep_quick" else ["--no-plots"]
-    args = [str(path), "--limit", "40", "--out", str(out), "--no-progress", *plots]
+    # --no-plots: most of a point's time on 40 requests is its plots; points' plots drawn by
+    # pool workers: test_a_sweep_without_plots_writes_points_as_run_no_plots_does
+    args = [str(path), "--limit", "40", "--out", str(out), "--no-progress", "--no-plots"]
     assert run_experiment.main(args) == 0
     sweep = load_sweep(path, limit=40)
     if sweep.search is None:
@@ -911,7 +911,8 @@ def test_a_sweep_without_plots_writes_points_as_run_no_plots_does(serial_sweep, 
 
     path, no_plots = serial_sweep  # --jobs 1 --no-plots; copied below before report writes
     outs = {"plots": tmp_path / "plots", "no_plots": tmp_path / "no_plots"}
-    args = [str(path), "--out", str(outs["plots"]), "--no-progress", "--jobs", "1"]
+    # with plots on the process pool: the points' figures drawn in its workers
+    args = [str(path), "--out", str(outs["plots"]), "--no-progress", "--jobs", "2"]
     assert run_experiment.main(args) == 0
     shutil.copytree(no_plots, outs["no_plots"])
     with_plots, without = files_of(outs["plots"]), files_of(outs["no_plots"])

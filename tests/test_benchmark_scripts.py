@@ -49,11 +49,15 @@ def test_output_speed_names_every_part_and_matches_pandas():
         assert part in parts, part
 
 
-def test_kv_fp8_dry_run_gives_fp8_four_times_the_float32_blocks():
+def test_kv_fp8_dry_run_gives_fp8_four_times_the_float32_blocks(monkeypatch, capsys):
     """benchmarks/kv_fp8.py --dry-run: a tiny float32 model on CPU with a budget of 64
-    float32 blocks; fp8 (1 byte, not 4) gets 256 and both runs generate every token."""
+    float32 blocks; fp8 (1 byte, not 4) gets 256 and both runs generate every token. Its
+    main() runs in this process (torch is imported here already)."""
     pytest.importorskip("torch")
-    out = run_script("kv_fp8.py", "--dry-run")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its `from common import ...`
+    monkeypatch.setattr(sys, "argv", ["kv_fp8.py", "--dry-run"])
+    load_script("kv_fp8").main()
+    out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith("budget ")]
     assert [(r[1], int(r[2]), int(r[4])) for r in rows] == [("auto", 64, 279), ("fp8", 256, 279)]
 

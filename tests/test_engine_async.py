@@ -196,11 +196,19 @@ def tokens(run) -> dict[str, list[int]]:
 POLICIES = ["fcfs", "swap", {"name": "chunked_prefill", "max_num_batched_tokens": 8}]
 
 
-@pytest.mark.parametrize("attention, graphs", [("torch", False)])
-def test_hidden_tokens_equal_sync_tokens_with_preemption(model_dir, monkeypatch, attention,
-                                                         graphs):  # fmt: skip
+@pytest.fixture(scope="module")
+def sync_tokens(model_dir) -> dict[str, list[int]]:
+    """requests()' greedy tokens from a synchronous fcfs run with room for everything (200
+    blocks), by request id: what the preempting and async runs of this file must give. Made
+    once for the module (the same config and requests each time)."""
     ref = run_experiment(engine_config(model_dir, 200, ["fcfs"]), False, requests())[0]
-    expected = tokens(ref)
+    return tokens(ref)
+
+
+@pytest.mark.parametrize("attention, graphs", [("torch", False)])
+def test_hidden_tokens_equal_sync_tokens_with_preemption(model_dir, sync_tokens, monkeypatch,
+                                                         attention, graphs):  # fmt: skip
+    expected = sync_tokens
     assert [len(expected[str(i)]) for i in range(5)] == [8, 6, 6, 9, 5]
     monkeypatch.setattr(sched_lab.backend.engine, "EngineExecutor", HiddenTokensExecutor)
     HiddenTokensExecutor.fed = 0
@@ -235,12 +243,11 @@ ASYNC_POLICIES = [
     ],
 )
 def test_async_replay_tokens_equal_sync_tokens_with_preemption(
-    model_dir, monkeypatch, attention, graphs, policies
+    model_dir, sync_tokens, monkeypatch, attention, graphs, policies
 ):
     """The replay loop under ``async_scheduling`` (plan N+1 while N is in flight) with the
     engine's launch / wait: greedy tokens equal an unconstrained synchronous run's."""
-    ref = run_experiment(engine_config(model_dir, 200, ["fcfs"]), False, requests())[0]
-    expected = tokens(ref)
+    expected = sync_tokens
     fed = []
 
     class Counting(EngineExecutor):  # counts the placeholders fed from the device
@@ -308,8 +315,7 @@ class NoLaunch:
         return getattr(self._runner, name)
 
 
-def test_async_replay_on_a_runner_without_launch(model_dir, monkeypatch):
-    ref = run_experiment(engine_config(model_dir, 200, ["fcfs"]), False, requests())[0]
+def test_async_replay_on_a_runner_without_launch(model_dir, sync_tokens, monkeypatch):
     monkeypatch.setattr(
         sched_lab.backend.engine,
         "EngineExecutor",
@@ -318,7 +324,7 @@ def test_async_replay_on_a_runner_without_launch(model_dir, monkeypatch):
     runs = run_experiment(engine_config(model_dir, FEW_BLOCKS, ASYNC_POLICIES), False, requests())
     for run in runs:
         assert run.summary["num_preemptions"] > 0
-        assert tokens(run) == tokens(ref), run.label
+        assert tokens(run) == sync_tokens, run.label
 
 
 def test_async_replay_with_prefix_caching_tokens_equal_sync_tokens(model_dir):

@@ -58,14 +58,23 @@ def generate(runner: ModelRunner, prompts: list[list[int]], how: list[dict]) -> 
     return out
 
 
-def greedy(runner: ModelRunner) -> list[int]:
-    return generate(runner, [PROMPT], [{}])[0]
+@pytest.fixture(scope="module")
+def greedy_tokens() -> dict[bool, list[int]]:
+    """PROMPT's greedy tokens alone by ``graphs``, filled by :func:`greedy` (the same for
+    every make_runner(model_dir, graphs) of the module's model, so generated once)."""
+    return {}
+
+
+def greedy(runner: ModelRunner, graphs: bool, made: dict[bool, list[int]]) -> list[int]:
+    if graphs not in made:
+        made[graphs] = generate(runner, [PROMPT], [{}])[0]
+    return list(made[graphs])
 
 
 @pytest.mark.parametrize("graphs", [False, pytest.param(True, marks=needs_triton)])
-def test_greedy_cases(model_dir, graphs):
+def test_greedy_cases(model_dir, greedy_tokens, graphs):
     runner = make_runner(model_dir, graphs)
-    want = greedy(runner)
+    want = greedy(runner, graphs, greedy_tokens)
     zero = {"temperature": 0.0, "top_p": 0.5, "seed": 3}  # temperature 0: the rest is moot
     tiny_top_p = {"temperature": 1.0, "top_p": 1e-6}  # one token left in the nucleus
     got = generate(runner, [PROMPT, PROMPT], [zero, tiny_top_p])
@@ -73,7 +82,8 @@ def test_greedy_cases(model_dir, graphs):
 
 
 @pytest.mark.parametrize("graphs", [False, pytest.param(True, marks=needs_triton)])
-def test_seed_gives_the_same_tokens_alone_again_and_beside_others(model_dir, graphs):
+def test_seed_gives_the_same_tokens_alone_again_and_beside_others(model_dir, greedy_tokens,
+                                                                  graphs):  # fmt: skip
     runner = make_runner(model_dir, graphs)
     seeded = {"temperature": 1.0, "seed": 1234}
     alone = generate(runner, [PROMPT], [seeded])[0]
@@ -84,7 +94,8 @@ def test_seed_gives_the_same_tokens_alone_again_and_beside_others(model_dir, gra
     got = generate(runner, [MATES[0], MATES[1], PROMPT, MATES[2]],
                    [mates[0], mates[1], seeded, mates[2]])  # fmt: skip
     assert got[2] == alone
-    assert alone != greedy(runner)  # temperature 1 over 256 tokens does sample
+    # temperature 1 over 256 tokens does sample
+    assert alone != greedy(runner, graphs, greedy_tokens)
     assert generate(runner, [PROMPT], [{"temperature": 1.0, "seed": 1235}])[0] != alone
 
 

@@ -258,28 +258,33 @@ def test_cpu_profile_with_adapters_runs_end_to_end(tmp_path, monkeypatch):
     assert model.lora_coef is not None and model.lora_rank == 8 and (model.lora_coef >= 0).all()
 
 
-def test_multi_lora_h200_script_dry_run(tmp_path):
+def test_multi_lora_h200_script_dry_run(tmp_path, monkeypatch, capsys):
     """benchmarks/multi_lora_h200.py --dry-run on the CPU: checkpoint, adapters, a profile
     with LoRA rows, the YAML on the engine and in the simulator at max_loras 1 and 2, and
-    the table (numbers of a tiny model on a shared CPU: only their presence is checked)."""
+    the table (numbers of a tiny model on a shared CPU: only their presence is checked).
+    Its main() runs in this process (the script's profile step starts its own child)."""
     pytest.importorskip("torch")
+    import importlib.util
     import json
-    import os
-    import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "out"
-    subprocess.run(
-        [sys.executable, "benchmarks/multi_lora_h200.py", "--dry-run", "--out", str(out),
-         "--work", str(tmp_path / "work")],
-        cwd=root, check=True, capture_output=True, timeout=900,  # a hang guard (~25 s idle)
-        # one torch thread; not under the Triton interpreter that other test modules turn on
-        # for this process (the dry run's engine takes the torch paths on a CPU)
-        env={**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
-             "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    # one torch thread; not under the Triton interpreter that other test modules turn on for
+    # this process (the dry run's engine takes the torch paths on a CPU; the engine reads the
+    # variable when it builds a runner, and the profile's child inherits this environment)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.syspath_prepend(str(root))  # sys.path restored after: the script adds the root
+    spec = importlib.util.spec_from_file_location("multi_lora_h200",
+                                                  root / "benchmarks" / "multi_lora_h200.py")  # fmt: skip
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sys, "argv", ["multi_lora_h200.py", "--dry-run", "--out", str(out),
+                                      "--work", str(tmp_path / "work")])  # fmt: skip
+    assert script.main() == 0
+    capsys.readouterr()  # the script's progress lines and table
     record = json.loads((out / "multi_lora_h200.json").read_text())
     assert [p["max_loras"] for p in record["points"]] == [1, 2] and not record["skipped"]
     for p in record["points"]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -418,16 +417,31 @@ def test_a_missing_adapter_folder_names_the_dir(tmp_path):
         adapters_in_dir(tmp_path, ["lora-0", "lora-1"])
 
 
-def test_lora_step_benchmark_dry_run_ab_prints_a_row_per_rank_and_count(tmp_path):
-    root = Path(__file__).resolve().parent.parent
-    out = subprocess.run(
-        [sys.executable, "benchmarks/lora_step.py", "--dry-run", "--ranks", "8", "--adapters",
-         "1,4", "--paths", "old", "new:k_per_split=256", "--out", str(tmp_path / "o.json"),
-         # one target: both paths' kernels still run (in the Triton interpreter on a CPU),
-         # on one module a layer instead of seven
-         "--targets", "o_proj"],
-        cwd=root, capture_output=True, text=True, timeout=300, check=True,
-    ).stdout  # fmt: skip
+def lora_step_main(monkeypatch, *args: str) -> int:
+    """benchmarks/lora_step.py's main() in this process, ``args`` its command line: what the
+    script prints is its output (its kernels run in this process's Triton interpreter, as
+    in a child that inherits TRITON_INTERPRET)."""
+    import importlib.util
+
+    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))  # its `from common import ...`
+    spec = importlib.util.spec_from_file_location("lora_step", benchmarks / "lora_step.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sys, "argv", ["lora_step.py", *args])
+    return script.main()
+
+
+def test_lora_step_benchmark_dry_run_ab_prints_a_row_per_rank_and_count(tmp_path, monkeypatch,
+                                                                        capsys):  # fmt: skip
+    assert lora_step_main(
+        monkeypatch, "--dry-run", "--ranks", "8", "--adapters", "1,4", "--paths", "old",
+        "new:k_per_split=256", "--out", str(tmp_path / "o.json"),
+        # one target: both paths' kernels still run (in the Triton interpreter on a CPU), on
+        # one module a layer instead of seven
+        "--targets", "o_proj",
+    ) == 0  # fmt: skip
+    out = capsys.readouterr().out
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 8 |")]
     assert [r[1] for r in rows] == ["0", "1", "4"]  # LoRA on with no adapter, then 1 and 4
     # per path: step ms, x base, LoRA ops ms (GB/s)
@@ -441,14 +455,12 @@ def test_lora_step_benchmark_dry_run_ab_prints_a_row_per_rank_and_count(tmp_path
     ]  # fmt: skip
 
 
-def test_lora_step_benchmark_refuses_an_unknown_path_in_one_line():
-    root = Path(__file__).resolve().parent.parent
-    run = subprocess.run(
-        [sys.executable, "benchmarks/lora_step.py", "--dry-run", "--paths", "new:block=3"],
-        cwd=root, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert run.returncode != 0
-    assert run.stderr.strip().splitlines()[-1].startswith("--paths: 'new:block=3': 'block=3'")
+def test_lora_step_benchmark_refuses_an_unknown_path_in_one_line(monkeypatch):
+    # SystemExit with a message: Python prints it as the last stderr line and exits 1
+    with pytest.raises(SystemExit) as e:
+        lora_step_main(monkeypatch, "--dry-run", "--paths", "new:block=3")
+    assert e.value.code not in (0, None)
+    assert str(e.value.code).startswith("--paths: 'new:block=3': 'block=3'")
 
 
 def test_the_executor_passes_each_request_adapter_to_its_sequence():

@@ -715,11 +715,28 @@ def files_of(folder: Path) -> dict[str, bytes]:
     }
 
 
-def test_sweep_files_are_identical_on_every_executor(tmp_path, monkeypatch):
-    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1764633600")  # the vLLM files' date
-    path = small_sweep(tmp_path)
-    outs = {}
-    modes = {"serial": ["--jobs", "1"], "pool": ["--jobs", "2"]}
+SWEEP_DATE_EPOCH = "1764633600"  # SOURCE_DATE_EPOCH: the vLLM files' date, the same in every run
+
+
+@pytest.fixture(scope="module")
+def serial_sweep(tmp_path_factory) -> tuple[Path, Path]:
+    """small_sweep's YAML and its folder from a serial run without plots (``--jobs 1
+    --no-plots``, the vLLM files dated by SWEEP_DATE_EPOCH), run once for the two tests that
+    compare other runs of the same YAML with it. Read only: copy it before writing into it."""
+    tmp = tmp_path_factory.mktemp("serial_sweep")
+    path, out = small_sweep(tmp), tmp / "serial"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SOURCE_DATE_EPOCH", SWEEP_DATE_EPOCH)
+        args = [str(path), "--out", str(out), "--no-progress", "--no-plots", "--jobs", "1"]
+        assert run_experiment.main(args) == 0
+    return path, out
+
+
+def test_sweep_files_are_identical_on_every_executor(serial_sweep, tmp_path, monkeypatch):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", SWEEP_DATE_EPOCH)
+    path, serial_out = serial_sweep  # the serial run (--jobs 1), as the others without plots
+    outs = {"serial": serial_out}
+    modes = {"pool": ["--jobs", "2"]}
     if importlib.util.find_spec("ray") is not None:
         modes["ray"] = ["--ray", "--jobs", "2"]
     for mode, flags in modes.items():
@@ -921,9 +938,9 @@ def sweep_examples() -> list[Path]:
 @pytest.mark.parametrize("path", sweep_examples(), ids=lambda p: p.stem)
 def test_sweep_example_runs(path, tmp_path):
     out = tmp_path / "out"
-    # the points' plots drawn in one example (most of a point's time on 40 requests)
-    plots = [] if path.stem == "sweep_quick" else ["--no-plots"]
-    args = [str(path), "--limit", "40", "--out", str(out), "--no-progress", *plots]
+    # --no-plots: most of a point's time on 40 requests is its plots; points' plots drawn by
+    # pool workers: test_a_sweep_without_plots_writes_points_as_run_no_plots_does
+    args = [str(path), "--limit", "40", "--out", str(out), "--no-progress", "--no-plots"]
     assert run_experiment.main(args) == 0
     sweep = load_sweep(path, limit=40)
     if sweep.search is None:
@@ -937,18 +954,21 @@ def test_sweep_example_runs(path, tmp_path):
         assert (out / "capacity.png").exists() and (out / "curve.csv").exists()
 
 
-def test_a_sweep_without_plots_writes_points_as_run_no_plots_does(tmp_path, capsys):
+def test_a_sweep_without_plots_writes_points_as_run_no_plots_does(serial_sweep, tmp_path,
+                                                                  capsys):  # fmt: skip
     """--no-plots of a sweep: every point's folder without PNG or interactive timeline, the
     same CSVs as with plots; the sweep's own figure is drawn; `sched-lab report` draws a
     point's plots later."""
+    import shutil
+
     from sched_lab.cli import main
 
-    path = small_sweep(tmp_path)
-    outs = {}
-    for name, flags in (("plots", []), ("no_plots", ["--no-plots"])):
-        outs[name] = tmp_path / name
-        args = [str(path), "--out", str(outs[name]), "--no-progress", "--jobs", "1", *flags]
-        assert run_experiment.main(args) == 0
+    path, no_plots = serial_sweep  # --jobs 1 --no-plots; copied below before report writes
+    outs = {"plots": tmp_path / "plots", "no_plots": tmp_path / "no_plots"}
+    # with plots on the process pool: the points' figures drawn in its workers
+    args = [str(path), "--out", str(outs["plots"]), "--no-progress", "--jobs", "2"]
+    assert run_experiment.main(args) == 0
+    shutil.copytree(no_plots, outs["no_plots"])
     with_plots, without = files_of(outs["plots"]), files_of(outs["no_plots"])
     assert "points/p000/timeline_fcfs.png" in with_plots
     assert not any(f.startswith("points/") and f.endswith(".png") for f in without)

@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from sched_lab import __version__
+from sched_lab.core.errors import OneLineParser
 from sched_lab.run.signals import Interrupted, StopSignals
 
 # Where bundled data lives, in a checkout and in an installed copy alike: experiments/,
@@ -90,14 +91,6 @@ DELEGATED = {  # subcommand: (module[:function, default main] taking (argv, prog
 ENGINE_MODULES = {"torch", "triton", "transformers", "safetensors", "gguf", "accelerate"}
 
 
-class _Parser(argparse.ArgumentParser):
-    """Command-line mistakes in one line too (argparse prints its usage first)."""
-
-    def error(self, message: str):
-        print(f"error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def _formatter(prog: str) -> argparse.HelpFormatter:
     return argparse.RawDescriptionHelpFormatter(prog, max_help_position=30)
 
@@ -127,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in DELEGATED:
         return _delegate(argv[0], argv[1:])
-    ap = _Parser(
+    ap = OneLineParser(
         prog="sched-lab",
         description="An LLM-serving scheduler lab: run an experiment, "
         "fit a cost model, profile the engine, engine tools.",
@@ -240,7 +233,7 @@ def _draw_report(folder: Path) -> int:
 @_memory_guarded
 def run_main(argv: list[str] | None = None, prog: str = "sched-lab run") -> int:
     """``sched-lab run`` alone (``run_experiment.py`` calls it); returns the exit status."""
-    ap = _Parser(
+    ap = OneLineParser(
         prog=prog,
         description="Run an experiment YAML and write its results folder.",
         formatter_class=_formatter,
@@ -345,7 +338,7 @@ def _delegate(command: str, argv: list[str]) -> int:
 def prefix_bound(argv: list[str] | None = None, prog: str = "sched-lab prefix-bound") -> int:
     """Print the infinite-cache prefix hit-rate bound (:func:`sched_lab.traces.prefix_bound.
     prefix_hit_bound`) of an experiment's trace; user errors are one line (exit 2)."""
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog=prog,
         description="The infinite-cache upper bound of the prefix hit rate of an "
         "experiment's trace, from its hash ids alone (traces/prefix_bound.py).",

@@ -117,6 +117,27 @@ def test_version_and_missing_command(capsys):
     )
 
 
+@pytest.mark.parametrize(
+    "argv, missing",
+    [
+        (["fit"], "profile"),
+        (["compare", "a"], "RUN_B"),
+        (["bench", "x.yaml"], "--base-url"),
+        (["serve"], "config"),
+        (["prefix-bound"], "config"),
+        (["fidelity"], "one of the arguments --engine --sim is required"),
+    ],
+)
+def test_side_commands_mistakes_are_one_line(argv, missing, capsys):
+    """A command-line mistake in a side command is one line and status 2, as in ``run``
+    (was argparse's usage lines first, then ``sched-lab fit: error: ...``)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    line = one_error_line(capsys)
+    assert line.startswith("error: ") and line.endswith(" (see --help)") and missing in line
+
+
 def test_bundled_config_from_any_folder_writes_results_under_the_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["run", *QUICK, "--limit", "5"]) == 0

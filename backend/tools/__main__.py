@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from sched_lab.backend.tools.convert_smollm2 import convert_smollm2, default_dir
-from sched_lab.core.errors import UserError
+from sched_lab.core.errors import OneLineParser, UserError
 from sched_lab.core.model_presets import PRESETS
 
 EXIT_CODES = "exit status: 0 ok, 2 bad input (one line: error: ...)"
@@ -26,7 +26,7 @@ DTYPE_NAMES = ("bf16", "bfloat16", "float16", "float32", "fp16", "fp32", "half")
 
 def main(argv: list[str] | None = None, prog: str = "python -m sched_lab.backend.tools") -> int:
     """The engine tools (``sched-lab tools``); returns the exit status."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog,
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,

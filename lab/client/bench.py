@@ -33,7 +33,7 @@ import numpy as np
 
 from sched_lab.client import http
 from sched_lab.client.measure import ServedRun, served_run
-from sched_lab.core.errors import UserError
+from sched_lab.core.errors import OneLineParser, UserError
 from sched_lab.core.request import Request, RequestStatus
 from sched_lab.run.signals import StopSignals
 
@@ -47,7 +47,7 @@ Results go to ./results/<name>_<policy-label> unless --out (docs/bench.md)."""
 
 
 def parser(prog: str) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog=prog,
         description="Replay an experiment's trace against an OpenAI-compatible endpoint "
         "and write a results folder like sched-lab run's.",

@@ -15,7 +15,6 @@ under the title.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from sched_lab.core.errors import UserError
+from sched_lab.core.errors import OneLineParser, UserError
 from sched_lab.fidelity.compare import column, run_row
 from sched_lab.fidelity.markdown import COLS, error_cell, error_target
 from sched_lab.results.names import LATENCIES, format_value, label, upgrade_summary
@@ -161,7 +160,7 @@ def _number(v: Any) -> float:
 
 def main(argv: list[str] | None = None, prog: str = "sched-lab compare") -> int:
     """``sched-lab compare``'s entry point; returns the exit status (2 for bad input)."""
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog=prog,
         description="Relative errors per metric (TTFT, TPOT, ITL, E2E at p50/p90/p99; "
         "output throughput) of run B against run A, from two results folders.",

@@ -3,8 +3,10 @@ subclass whose message names the file, row or key path and what was expected."""
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import reprlib
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -68,3 +70,12 @@ def did_you_mean(name: object, choices: Iterable[str], quote: bool = False) -> s
     if not close:
         return ""
     return f" (did you mean {close[0]!r}?)" if quote else f" (did you mean {close[0]}?)"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose command-line mistakes are one line too, ``error: ... (see
+    --help)`` and exit status 2 (argparse prints its usage first)."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)

@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from sched_lab.config.load import MAX_SEEDS
-from sched_lab.core.errors import short_repr
+from sched_lab.core.errors import OneLineParser, short_repr
 from sched_lab.fidelity.archive import PACKED, notes_path, pack, repeat_archive, unpack
 from sched_lab.fidelity.compare import (
     METRICS,
@@ -74,7 +74,7 @@ __all__ = [
 
 def main(argv: list[str] | None = None, prog: str = "sched-lab fidelity") -> int:
     """The command line of both sides; returns the exit status (2 for a one-line error)."""
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog=prog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.split("\n\n")[0].replace("``", ""),

@@ -32,7 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from sched_lab.config import load_config
-from sched_lab.core.errors import UserError
+from sched_lab.core.errors import OneLineParser, UserError
 from sched_lab.core.request import Request, SamplingParams
 from sched_lab.serve.build import Served, build
 from sched_lab.serve.loop import ABORT, STOP, ServingLoop, Stream, StreamEvent
@@ -429,7 +429,7 @@ class _Detokenizer:
 
 def main(argv: list[str] | None = None, prog: str = "sched-lab serve") -> int:
     """``sched-lab serve``; returns the exit status (2: bad input, one line)."""
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog=prog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EPILOG,

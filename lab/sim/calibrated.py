@@ -92,7 +92,7 @@ from typing import ClassVar
 import numpy as np
 import pandas as pd
 
-from sched_lab.core.errors import ConfigError, did_you_mean
+from sched_lab.core.errors import ConfigError, OneLineParser, did_you_mean
 from sched_lab.core.fingerprint import HEADER_PREFIX, differences
 from sched_lab.core.kv_dtypes import kv_dtype_bytes
 from sched_lab.core.plan import StepFeatures
@@ -1090,7 +1090,7 @@ def main(
     from sched_lab.core.errors import UserError
     from sched_lab.core.outputs import check_output, write_output
 
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog=prog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Fit the calibrated step-time model to an engine profile; print the "

@@ -390,7 +390,7 @@ def test_engine_keys_reach_the_model_runner(tmp_path, monkeypatch):
         write(
             tmp_path,
             f"backend: engine\ntrace: {SYNTHETIC}\n"
-            "engine: {model_path: model, cuda_graphs: false, "
+            "engine: {model_path: model, device: cuda, cuda_graphs: false, "
             "mixed_graphs: false, kn_weights: true}\n",
         )
     )

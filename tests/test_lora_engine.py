@@ -562,6 +562,33 @@ def test_a_draft_of_another_vocabulary_is_refused_before_any_run(tiny, tmp_path,
     assert err.endswith(" with 100 tokens") and "\n" not in err
 
 
+def test_kn_weights_on_the_cpu_is_refused_before_the_model_loads(tiny, tmp_path, monkeypatch,
+                                                                  capsys):  # fmt: skip
+    """``engine.kn_weights: true`` on the CPU is refused in one line (the loader ignored it,
+    and the run's fingerprint said kn_weights True)."""
+    import run_experiment
+    import sched_lab.setup.engine
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(sched_lab.setup.engine, "_runner", loaded)
+    model, _ = tiny
+    path = tmp_path / "kn.yaml"
+    path.write_text(
+        "backend: engine\n"
+        "trace: {format: synthetic, num_requests: 2, arrival: {process: poisson, rate: 1},"
+        " prompt_len: 8, output_len: 2}\n"
+        f"engine: {{model_path: {model}, device: cpu, dtype: float32, kn_weights: true}}\n"
+        "kv_cache: {block_size: 4, num_gpu_blocks: 16}\npolicies: [fcfs]\n"
+    )
+    assert run_experiment.main([str(path), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {path}: engine.kn_weights: true is a cuBLAS weight layout, for CUDA only; "
+        "engine.device is 'cpu' (remove kn_weights, or run on cuda)"
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

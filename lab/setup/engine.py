@@ -101,6 +101,11 @@ def engine_parts(cfg: ExperimentConfig):
         )
     _check_speculative(cfg)
     _check_int4_at_load(cfg)
+    if eng.kn_weights and not eng.device.startswith("cuda"):  # the loader would ignore it
+        raise ConfigError(
+            f"engine.kn_weights: true is a cuBLAS weight layout, for CUDA only; engine.device "
+            f"is {eng.device!r} (remove kn_weights, or run on cuda)"
+        )
     kwargs = _runner_kwargs(cfg)
     if eng.tensor_parallel_size == 1:
         runner = _runner(eng.model_path, **kwargs)

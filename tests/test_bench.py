@@ -237,6 +237,26 @@ def test_a_chunk_of_the_wrong_shape_aborts_its_request(tmp_path, chunk, why):
     assert http._chunk_text({"choices": [{"delta": {"role": "assistant"}}]}) == ""
 
 
+def test_a_served_runs_duration_is_until_every_request_returned():
+    """vLLM's benchmark duration runs until every request has returned, failed ones too: a
+    finished request (3 chunks, last at 2 s) beside one that timed out at 10 s gives
+    duration 10 s, request throughput 1 / 10 and output throughput 3 / 10 (was 2 s, 0.5
+    and 1.5: the duration ended at the last finish)."""
+    from sched_lab.client.measure import ServedRun, served_run
+    from sched_lab.core.request import Request
+
+    rows = [Request("a", 0.0, 4, 3), Request("b", 0.0, 4, 10)]
+    measured = {
+        "a": http.Measured("a", 0.0, [0.5, 1.0, 2.0], status="finished", completion_tokens=3),
+        "b": http.Measured("b", 0.0, [0.5, 1.0], status="aborted", reason="timeout"),
+    }
+    run = ServedRun("x", "served", 1.0, {}, {"model": "m", "endpoint": "completions"})
+    v = served_run(run, rows, measured, 10.0, {}, (50.0, 99.0)).vllm
+    assert (v["duration"], v["completed"], v["failed"]) == (10.0, 1, 1)
+    assert v["request_throughput"] == pytest.approx(0.1)
+    assert v["output_throughput"] == pytest.approx(0.3)
+
+
 def test_max_concurrency_is_honoured(tmp_path):
     """Eight requests at once with --max-concurrency 3: the server never sees more than
     three streams open, and (each stream waiting until three are open) sees three."""

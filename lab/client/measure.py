@@ -63,7 +63,8 @@ def served_run(
         rows: the trace's requests in trace order (dropped rows too: never sent); their
             status, reason, arrival and token counts are set from ``measured``.
         measured: by request id, every request sent.
-        wall_s: the replay's wall time.
+        wall_s: the replay's wall time, until every request had returned (failed ones
+            too): the run's duration, as vLLM's benchmark duration.
         slo: the YAML's SLOs (``slo:`` as a dict), for goodput and attainment.
     """
     df, itl, chunk_ends = _table(run, rows, measured)
@@ -73,7 +74,7 @@ def served_run(
         "policy": run.policy,
         "rate_scale": run.rate_scale,
         "trace": run.trace,
-        **metrics.summarize(df, itl, result, slo, percentiles),
+        **metrics.summarize(df, itl, result, slo, percentiles, end_s=wall_s),
     }
     summary.update({k: None for k in UNMEASURED})
     summary.update(_server_counts(df))

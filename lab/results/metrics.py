@@ -437,9 +437,13 @@ def summarize(
     result: ReplayResult,
     slo: dict[str, float | None],
     percentiles=DEFAULT_PERCENTILES,
+    end_s: float | None = None,
 ) -> dict:
     """The aggregates of one policy's run (JSON-ready), flat, under the names of
-    :mod:`sched_lab.results.names`. ``itl`` (from ``request_table``) is reordered in place."""
+    :mod:`sched_lab.results.names`. ``itl`` (from ``request_table``) is reordered in place.
+    The duration runs from 0 to the last finish or step end, or to ``end_s`` if later (a
+    served run: when its last response returned, failed ones included, as vLLM's benchmark
+    duration)."""
     percentiles = summary_percentiles(percentiles)
     # the finished rows, with the columns read here only
     latencies = [column for _, column in LATENCIES.values() if column]
@@ -449,7 +453,9 @@ def summarize(
     ]
     steps = result.steps
     end = max(
-        float(df["finish_s"].max(skipna=True) or 0.0), float(result.step_end_s.max(initial=0.0))
+        float(df["finish_s"].max(skipna=True) or 0.0),
+        float(result.step_end_s.max(initial=0.0)),
+        end_s or 0.0,
     )
     duration = end if end > 0 else float("nan")
     counts = df["status"].value_counts()

@@ -181,6 +181,19 @@ def test_fit_refits_a_profile_and_bad_input_is_one_line(tmp_path, capsys):
     assert fitted["rows"] == 124  # the data rows of the CSV (128 lines: 3 comments, 1 header)
     assert main(["fit", str(tmp_path / "none.csv")]) == 2
     assert "none.csv does not exist" in one_error_line(capsys)
+    # its decode rows only (48: decode, decode_uneven): refused as a run with it is refused
+    # (was: coefficients written with prefill_step ~0, a fit no run could use)
+    lines = profile.read_text().splitlines(keepends=True)
+    head = [ln for ln in lines if ln.startswith("#")]
+    rows = [ln for ln in lines if not ln.startswith("#")]
+    decodes = [ln for ln in rows[1:] if ln.startswith("decode")]
+    assert len(decodes) == 48
+    (tmp_path / "decodes.csv").write_text("".join(head + rows[:1] + decodes))
+    assert main(["fit", str(tmp_path / "decodes.csv")]) == 2
+    assert one_error_line(capsys) == (
+        f"error: {tmp_path / 'decodes.csv'}: no steps with prompt tokens (num_prefills > 0): "
+        "the fit cannot predict their time"
+    )
 
 
 # A signal a process sends itself may be handled only a while later (it can reach another

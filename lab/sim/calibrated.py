@@ -261,6 +261,21 @@ def fit(df: pd.DataFrame, extra: np.ndarray | None = None) -> np.ndarray:
     return coef
 
 
+def missing_step_kind(data: pd.DataFrame) -> str:
+    """Why the base fit (rows without adapters) of ``data`` cannot price a kind of step: it
+    has no decode-only steps or no steps with prompt tokens; empty when it has both."""
+    lora = lora_rows(data)
+    base = data[~lora] if lora.any() else data  # the base fit's rows (module doc, LoRA)
+    prefills, decodes = base["num_prefills"].to_numpy(), base["num_decodes"].to_numpy()
+    for kind, rows in (
+        ("decode-only steps (num_prefills 0, num_decodes > 0)", (prefills == 0) & (decodes > 0)),
+        ("steps with prompt tokens (num_prefills > 0)", prefills > 0),
+    ):
+        if not rows.any():
+            return f"no {kind}: the fit cannot predict their time"
+    return ""
+
+
 def left_out_terms(df: pd.DataFrame) -> list[str]:
     """A sentence for each optional term :func:`fit` holds at 0 for want of rows of ``df``
     (c10, the eager slope; c12, the paged pairs' surcharge), naming the rows it needs; and
@@ -711,18 +726,9 @@ class CalibratedCostModel:
         data = pd.concat([grid, *runs], ignore_index=True)
         # each row's source: -1 the profile grid, i the i-th replay_steps file (for noise)
         self._source = np.repeat(np.arange(-1, len(runs)), [len(grid)] + [len(r) for r in runs])
-        lora = lora_rows(data)
-        base = data[~lora] if lora.any() else data  # the base fit's rows (module doc, LoRA)
-        prefills, decodes = base["num_prefills"].to_numpy(), base["num_decodes"].to_numpy()
-        for kind, rows in (
-            (
-                "decode-only steps (num_prefills 0, num_decodes > 0)",
-                (prefills == 0) & (decodes > 0),
-            ),
-            ("steps with prompt tokens (num_prefills > 0)", prefills > 0),
-        ):
-            if not rows.any():
-                raise ConfigError(f"{where}: no {kind}: the fit cannot predict their time")
+        missing = missing_step_kind(data)
+        if missing:
+            raise ConfigError(f"{where}: {missing}")
         self.coef, self.lora_coef = fit_with_lora(data)
         self._data = data  # for noise
         self._replay_steps = tuple(replay_steps)  # for noise's spells
@@ -1111,6 +1117,9 @@ def main(
         out = check_output(args.out, "--out") if args.out is not None else None
         path = find_profile(args.profile)
         df = read_profile(path)
+        missing = missing_step_kind(df)  # as a run with this profile refuses it
+        if missing:
+            raise ConfigError(f"{path}: {missing}")
         coef, lora_coef = fit_with_lora(df)
         err = cross_validated_errors(df)
     except UserError as e:

@@ -371,6 +371,14 @@ def test_tool_writes_peft_folders_that_load(tiny, tmp_path, capsys):
     # ... and is replaced whole: fewer adapters leave no lora-1 of the earlier write behind
     assert tools_main([*argv[:6], "1", *argv[7:]]) == 0
     assert sorted(p.name for p in (tmp_path / "l").iterdir()) == ["lora-0", "random_lora.json"]
+    capsys.readouterr()
+    # a rank past the smallest targeted side (q_proj 64 -> 128, down_proj 128 -> 64: 64)
+    assert tools_main([*argv[:8], "65", *argv[9:]]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --rank 65: larger than down_proj's smaller side (64); a LoRA of that rank is "
+        "no longer low-rank (expected <= the smallest targeted projection's side)"
+    )
+    assert sorted(p.name for p in (tmp_path / "l").iterdir()) == ["lora-0", "random_lora.json"]
 
 
 def _one_line(capsys_or_exc) -> str:

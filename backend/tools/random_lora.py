@@ -51,6 +51,13 @@ def write_random_loras(
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r}: expected one of {', '.join(sorted(DTYPES))}")
     config = ModelConfig.from_dir(Path(model_dir).expanduser())
+    shapes = module_shapes(config)
+    side, name = min((min(shapes[t]), t) for t in targets)
+    if rank > side:  # a rank past a projection's smaller side adds nothing but memory
+        raise CheckpointError(
+            f"--rank {rank}: larger than {name}'s smaller side ({side}); a LoRA of that rank "
+            "is no longer low-rank (expected <= the smallest targeted projection's side)"
+        )
     out = Path(out).expanduser()
     if (
         out.exists()
@@ -66,7 +73,6 @@ def write_random_loras(
         if old.is_dir():
             shutil.rmtree(old)
     alpha = float(2 * rank if alpha is None else alpha)
-    shapes = module_shapes(config)
     generator = torch.Generator().manual_seed(seed)
     folders = []
     for i in range(count):

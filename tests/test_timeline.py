@@ -444,6 +444,22 @@ def test_timeline_draws_a_repeated_id_once_and_refuses_a_window_past_the_run(tmp
     assert capsys.readouterr().err == "error: --slowest: expected an integer >= 1, got 0\n"
 
 
+def test_a_report_timeline_that_matches_no_request_says_so(tmp_path, caplog):
+    """report.timeline_window_s past the run (or timeline_ids naming no request of it): no
+    timeline, and a warning that says why (was: none, silently)."""
+    from sched_lab.cli import main
+
+    tail = "report: {timeline_window_s: [5000, 6000]}\n"
+    out = run_mooncake(tmp_path, [(50, 20)] * 2, tail)
+    with caplog.at_level("WARNING", logger="sched_lab.report.folder"):
+        assert main(["report", str(out)]) == 0
+    assert [r.getMessage() for r in caplog.records if r.name == "sched_lab.report.folder"] == [
+        "no timeline of run fcfs: none of its requests is among the requests in flight in "
+        "5000-6000 s (report:)"
+    ]
+    assert not list(out.glob("timeline_*.png"))
+
+
 def test_explain_and_timeline_on_a_sweep_folder_name_a_point(tmp_path, capsys):
     """A sweep's folder holds no run: explain and timeline point at its points' folders."""
     from sched_lab.cli import main

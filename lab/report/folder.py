@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import logging
 import math
 import os
 import shutil
@@ -35,6 +36,8 @@ from sched_lab.report.progress import Phase
 from sched_lab.results import fairness, vllm_result
 from sched_lab.results.run import Run
 from sched_lab.sim.records import STEP_COLUMNS
+
+log = logging.getLogger(__name__)
 
 FORMATS = ("csv", "parquet")  # of requests and steps
 STEPS_FLOAT_FORMAT = "%.9g"  # steps.csv's floats: 9 significant digits
@@ -662,6 +665,9 @@ def _timeline_pictures(
     ids = timeline.choose(requests, report_cfg)
     stories = timeline.stories_for(ids, requests, events, steps)
     if not stories:
+        if report_cfg.timeline_ids or report_cfg.timeline_window_s is not None:
+            log.warning("no timeline of run %s: none of its requests is among the %s "
+                        "(report:)", label, _which(report_cfg))  # fmt: skip
         return [], []
     which = _which(report_cfg)
     name = f"timeline_{timeline.file_label(label)}.png"

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from sched_lab import __version__
 from sched_lab.core.errors import OneLineParser
-from sched_lab.run.signals import Interrupted, StopSignals
+from sched_lab.run.signals import Interrupted, StopSignals, stop_code, stop_name
 
 # Where bundled data lives, in a checkout and in an installed copy alike: experiments/,
 # traces/data/ and profiles/ are installed beside lab/ (pyproject.toml).
@@ -321,8 +321,8 @@ def _delegate(command: str, argv: list[str]) -> int:
                 return run(argv, prog=f"sched-lab {command}", **extra) or 0
             except KeyboardInterrupt as e:
                 tool = " ".join(["sched-lab tools", *argv[:1]])
-                print(f"error: {tool}: interrupted by {_name(e)}", file=sys.stderr)
-                return _code(e)
+                print(f"error: {tool}: interrupted by {stop_name(e)}", file=sys.stderr)
+                return stop_code(e)
     except ModuleNotFoundError as e:  # the commands import the engine's packages when run
         if (e.name or "").split(".")[0] not in ENGINE_MODULES:
             raise
@@ -464,11 +464,11 @@ def _run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt as e:
             if signals.deferring:  # the second signal while writing
                 print(
-                    f"error: interrupted by {_name(e)} twice while writing the results; "
+                    f"error: interrupted by {stop_name(e)} twice while writing the results; "
                     "nothing written",
                     file=sys.stderr,
                 )
-                return _code(e)
+                return stop_code(e)
             return _keep_partial(e, signals, cfg, runs, writer)
         finally:
             if writer is not None:
@@ -557,14 +557,14 @@ def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
         )
     except SweepStopped as e:
         print(f"error: {e.message}", file=sys.stderr)
-        return _code(e)
+        return stop_code(e)
     except KeyboardInterrupt as e:
         print(
-            f"error: interrupted by {_name(e)} before any "
+            f"error: interrupted by {stop_name(e)} before any "
             f"{'search' if sweep.search else 'point'} finished; nothing written",
             file=sys.stderr,
         )
-        return _code(e)
+        return stop_code(e)
     print(folder_text(out, sweep, shown), end="\n\n")
     # A search's probe that stopped early is a miss that bounds its bracket, not a failure.
     bad = [
@@ -584,28 +584,20 @@ def _run_sweep(args: argparse.Namespace, path: Path, raw) -> int:
     return 0
 
 
-def _name(e: KeyboardInterrupt) -> str:
-    return signal.Signals(getattr(e, "signum", signal.SIGINT)).name
-
-
-def _code(e: KeyboardInterrupt) -> int:
-    return 128 + getattr(e, "signum", signal.SIGINT)
-
-
 def _keep_partial(e: KeyboardInterrupt, signals: StopSignals, cfg, runs: list, writer) -> int:
     """Write the completed runs (added to ``writer``) as partial results; one line; 128 +
     the signal number."""
     if not runs:
         print(
-            f"error: interrupted by {_name(e)} before any run finished; nothing written",
+            f"error: interrupted by {stop_name(e)} before any run finished; nothing written",
             file=sys.stderr,
         )
-        return _code(e)
+        return stop_code(e)
     from sched_lab.core.errors import UserError
     from sched_lab.report.folder import ResultsNotPlaced
 
     total = len(cfg.rate_scales) * len(cfg.policies)
-    partial = f"interrupted by {_name(e)} after {len(runs)} of {total} runs"
+    partial = f"interrupted by {stop_name(e)} after {len(runs)} of {total} runs"
     last = runs[-1].summary
     if last.get("seeds_requested"):  # its replicas were cut short (run/experiment.py _run)
         partial += (
@@ -621,12 +613,12 @@ def _keep_partial(e: KeyboardInterrupt, signals: StopSignals, cfg, runs: list, w
             f"error: {partial}, and twice again while writing them; nothing written",
             file=sys.stderr,
         )
-        return _code(e)
+        return stop_code(e)
     except (UserError, ResultsNotPlaced) as e2:
         print(f"error: {partial}; {e2}", file=sys.stderr)
-        return _code(e)
+        return stop_code(e)
     print(f"error: {partial}; wrote them to {out}/ as partial results", file=sys.stderr)
-    return _code(e)
+    return stop_code(e)
 
 
 def _keep_runs_before(msg: str, signals: StopSignals, cfg, runs: list, writer) -> int:

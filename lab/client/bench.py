@@ -35,7 +35,7 @@ from sched_lab.client import http
 from sched_lab.client.measure import ServedRun, served_run
 from sched_lab.core.errors import OneLineParser, UserError
 from sched_lab.core.request import Request, RequestStatus
-from sched_lab.run.signals import StopSignals
+from sched_lab.run.signals import StopSignals, stop_code, stop_name
 
 EXAMPLE = """example:
   sched-lab serve experiments/quickstart.yaml &            # or vLLM, SGLang, ...
@@ -113,10 +113,8 @@ def main(argv: list[str] | None = None, prog: str = "sched-lab bench") -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
         except KeyboardInterrupt as e:
-            signum = getattr(e, "signum", signal.SIGINT)
-            name = signal.Signals(signum).name
-            print(f"error: interrupted by {name}; nothing written", file=sys.stderr)
-            return 128 + signum
+            print(f"error: interrupted by {stop_name(e)}; nothing written", file=sys.stderr)
+            return stop_code(e)
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -25,6 +25,16 @@ class Interrupted(KeyboardInterrupt):
         return signal.Signals(self.signum).name
 
 
+def stop_name(e: KeyboardInterrupt) -> str:
+    """The name of the signal that stopped a command (SIGINT for a plain Ctrl-C)."""
+    return signal.Signals(getattr(e, "signum", signal.SIGINT)).name
+
+
+def stop_code(e: KeyboardInterrupt) -> int:
+    """The exit status of a command stopped by ``e``'s signal: 128 + its number."""
+    return 128 + getattr(e, "signum", signal.SIGINT)
+
+
 class StopSignals:
     """While active (entered in the main thread), :data:`STOP_SIGNALS` raise
     :class:`Interrupted`; while ``deferring``, the first is only recorded in ``pending`` and a
